@@ -1,0 +1,69 @@
+//! `PlanConfig`: the settings that change *decisions* (which endpoints, masquerade or
+//! not, which addresses take NodePorts). Settings that only change *how* a decision
+//! reaches the kernel (mark bits, sync periods) live with the dataplane.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+/// How kproxy tells traffic from this node's pods apart (upstream `detectLocalMode`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "mode", content = "value")]
+pub enum LocalDetectorConfig {
+    /// No detector: nothing is treated as coming from a local pod.
+    #[default]
+    None,
+    /// Sources inside these cluster CIDRs are pods (`ClusterCIDR`).
+    ClusterCidr(Vec<IpNet>),
+    /// Sources inside the Node's `spec.podCIDRs` are local pods (`NodeCIDR`).
+    NodeCidr,
+    /// Packets arriving on an interface with this name prefix are from local pods.
+    InterfaceNamePrefix(String),
+    /// Packets arriving on this bridge are from local pods.
+    BridgeInterface(String),
+}
+
+/// Which node addresses accept NodePort traffic (upstream `nodePortAddresses`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "mode", content = "value")]
+pub enum NodePortAddressesConfig {
+    /// The node's primary IP of each family (nftables-mode default).
+    #[default]
+    Primary,
+    /// Every local address inside one of these CIDRs. A CIDR of prefix length 0 means
+    /// every local non-loopback address of that family.
+    Cidrs(Vec<IpNet>),
+}
+
+/// Planner settings. `Default` is upstream's current (v1.33+) behaviour.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanConfig {
+    /// Mark every packet to a cluster IP for masquerade (`masqueradeAll`).
+    pub masquerade_all: bool,
+    pub local_detector: LocalDetectorConfig,
+    pub node_port_addresses: NodePortAddressesConfig,
+    /// Addresses of this node, discovered by the edge (interfaces); used to resolve
+    /// `nodePortAddresses` CIDRs and the "from this host" short-circuit. When empty the
+    /// Node object's `status.addresses` are used.
+    pub node_ips: Vec<IpAddr>,
+    /// Failover to serving+terminating endpoints (KEP-1669). `false` reproduces
+    /// kube-proxy before v1.26 (the `ProxyTerminatingEndpoints` gate off).
+    pub proxy_terminating_endpoints: bool,
+    /// Honour `hints.forNodes` (the `PreferSameTrafficDistribution` gate, on from 1.34).
+    pub prefer_same_node_hints: bool,
+}
+
+impl Default for PlanConfig {
+    fn default() -> Self {
+        PlanConfig {
+            masquerade_all: false,
+            local_detector: LocalDetectorConfig::None,
+            node_port_addresses: NodePortAddressesConfig::Primary,
+            node_ips: Vec::new(),
+            proxy_terminating_endpoints: true,
+            prefer_same_node_hints: true,
+        }
+    }
+}

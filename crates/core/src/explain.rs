@@ -1,0 +1,1 @@
+//! Explanations (in progress).

@@ -1,0 +1,31 @@
+//! kproxy-core: the cluster model and the pure per-node planner.
+//!
+//! No I/O, no async, no clock. Start at [`planner::plan`]: it turns a [`ClusterState`]
+//! (validated Services, EndpointSlices and this node's Node) and a [`PlanConfig`] into a
+//! [`NodePlan`], the complete desired state of one node that every edge consumes.
+//!
+//! - [`model`]: validated objects; [`ingest`] builds them from Kubernetes objects and
+//!   is the only place that rejects bad input.
+//! - [`manifest`]: multi-document YAML / JSON / `kind: List` text into objects, with
+//!   per-document errors.
+//! - [`state`]: the one store, keyed like the API, tracking which Services changed.
+//! - [`categorize`]: upstream's CategorizeEndpoints (ready first, terminating fallback,
+//!   topology), per service port.
+//! - [`planner`]: the plan, full and incremental.
+//! - [`trace`]: the fate of one packet under a plan; [`explain`]: why, for people.
+
+pub mod categorize;
+pub mod config;
+pub mod explain;
+pub mod ingest;
+pub mod manifest;
+pub mod model;
+pub mod plan;
+pub mod planner;
+pub mod state;
+pub mod trace;
+
+pub use config::PlanConfig;
+pub use plan::NodePlan;
+pub use planner::{Planner, plan};
+pub use state::ClusterState;

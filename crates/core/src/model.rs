@@ -1,0 +1,368 @@
+//! The validated cluster model: what kproxy keeps of Services, EndpointSlices and its
+//! Node after ingestion (`crate::ingest`). Every value here has passed validation, so
+//! names are legal Kubernetes names and addresses are parsed; nothing downstream
+//! (nftables scripts, logs) re-validates them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+/// An IP family. kproxy plans each family independently, as upstream runs one proxier
+/// per family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum IpFamily {
+    IPv4,
+    IPv6,
+}
+
+impl IpFamily {
+    pub const ALL: [IpFamily; 2] = [IpFamily::IPv4, IpFamily::IPv6];
+
+    pub fn of(ip: &IpAddr) -> IpFamily {
+        match ip {
+            IpAddr::V4(_) => IpFamily::IPv4,
+            IpAddr::V6(_) => IpFamily::IPv6,
+        }
+    }
+
+    pub fn contains(self, ip: &IpAddr) -> bool {
+        IpFamily::of(ip) == self
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IpFamily::IPv4 => "IPv4",
+            IpFamily::IPv6 => "IPv6",
+        }
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// L4 protocol of a ServicePort. The API defaults a missing protocol to TCP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Protocol {
+    TCP,
+    UDP,
+    SCTP,
+}
+
+impl Protocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::TCP => "TCP",
+            Protocol::UDP => "UDP",
+            Protocol::SCTP => "SCTP",
+        }
+    }
+
+    /// The lower-case name nftables uses (`meta l4proto tcp`).
+    pub fn nft_name(self) -> &'static str {
+        match self {
+            Protocol::TCP => "tcp",
+            Protocol::UDP => "udp",
+            Protocol::SCTP => "sctp",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Protocol> {
+        match s {
+            "TCP" => Some(Protocol::TCP),
+            "UDP" => Some(Protocol::UDP),
+            "SCTP" => Some(Protocol::SCTP),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `namespace/name` of a Service. Both parts are validated DNS labels.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ServiceName {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ServiceName { namespace: namespace.into(), name: name.into() }
+    }
+
+    /// Parses `ns/name`.
+    pub fn parse(s: &str) -> Option<ServiceName> {
+        let (ns, name) = s.split_once('/')?;
+        if ns.is_empty() || name.is_empty() || name.contains('/') {
+            return None;
+        }
+        Some(ServiceName::new(ns, name))
+    }
+}
+
+impl fmt::Display for ServiceName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+impl Serialize for ServiceName {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ServiceName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ServiceName::parse(&s).ok_or_else(|| serde::de::Error::custom(format!("not ns/name: {s:?}")))
+    }
+}
+
+/// The key that joins a Service port to EndpointSlice ports: (namespace, service name,
+/// port *name*, protocol). Written `ns/name:portName/PROTOCOL`; an unnamed port is
+/// `ns/name:/TCP`.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName {
+    pub service: ServiceName,
+    pub port_name: String,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.service, self.port_name, self.protocol)
+    }
+}
+
+impl Serialize for ServicePortName {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ServicePortName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let bad = || serde::de::Error::custom(format!("not ns/name:port/PROTO: {s:?}"));
+        let (svc, rest) = s.split_once(':').ok_or_else(bad)?;
+        let (port_name, proto) = rest.rsplit_once('/').ok_or_else(bad)?;
+        Ok(ServicePortName {
+            service: ServiceName::parse(svc).ok_or_else(bad)?,
+            port_name: port_name.to_string(),
+            protocol: Protocol::parse(proto).ok_or_else(bad)?,
+        })
+    }
+}
+
+/// An endpoint address as kube-proxy identifies it: `ip:port`, IPv6 as `[ip]:port`.
+/// Ordering is by that string form, as upstream sorts endpoint lists, so `numgen`
+/// indices are stable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EndpointAddr {
+    pub ip: IpAddr,
+    pub port: u16,
+}
+
+impl EndpointAddr {
+    pub fn new(ip: IpAddr, port: u16) -> Self {
+        EndpointAddr { ip, port }
+    }
+}
+
+impl fmt::Display for EndpointAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.ip {
+            IpAddr::V4(ip) => write!(f, "{ip}:{}", self.port),
+            IpAddr::V6(ip) => write!(f, "[{ip}]:{}", self.port),
+        }
+    }
+}
+
+impl PartialOrd for EndpointAddr {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for EndpointAddr {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        if self == other {
+            return std::cmp::Ordering::Equal;
+        }
+        let (mut a, mut b) = ([0u8; 56], [0u8; 56]);
+        let a = self.write_to(&mut a);
+        let b = other.write_to(&mut b);
+        a.cmp(b)
+    }
+}
+
+impl EndpointAddr {
+    /// Writes the `ip:port` form into `buf` without allocating (sorting is hot).
+    fn write_to<'b>(&self, buf: &'b mut [u8; 56]) -> &'b [u8] {
+        use std::io::Write;
+        let mut cur = std::io::Cursor::new(&mut buf[..]);
+        // Invariant: the longest form, `[ffff:…:ffff]:65535`, is 47 bytes.
+        let _ = write!(cur, "{self}");
+        let n = cur.position() as usize;
+        &buf[..n]
+    }
+}
+
+impl Serialize for EndpointAddr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for EndpointAddr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let sa: std::net::SocketAddr =
+            s.parse().map_err(|_| serde::de::Error::custom(format!("not ip:port: {s:?}")))?;
+        Ok(EndpointAddr::new(sa.ip(), sa.port()))
+    }
+}
+
+/// externalTrafficPolicy / internalTrafficPolicy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum TrafficPolicy {
+    #[default]
+    Cluster,
+    Local,
+}
+
+/// `spec.type` of a Service that kproxy proxies (ExternalName is never ingested).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum ServiceType {
+    #[default]
+    ClusterIP,
+    NodePort,
+    LoadBalancer,
+}
+
+/// One entry of `spec.ports`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServicePort {
+    pub name: String,
+    pub protocol: Protocol,
+    pub port: u16,
+    /// `None` when `nodePort` is absent or 0.
+    pub node_port: Option<u16>,
+}
+
+/// A Service as kproxy needs it, validated. Family-specific lists hold both families;
+/// the planner filters per family.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Service {
+    pub name: ServiceName,
+    pub service_type: ServiceType,
+    /// Cluster IP per family, from `ipFamilies`/`clusterIPs` (or `clusterIP` on old objects).
+    pub cluster_ips: BTreeMap<IpFamily, IpAddr>,
+    pub ports: Vec<ServicePort>,
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip`, without `ipMode: Proxy` entries.
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// Trimmed and parsed; entries that do not parse are dropped with a warning.
+    pub load_balancer_source_ranges: Vec<IpNet>,
+    /// As written in the spec (Cluster when unset); the planner decides where it applies.
+    pub external_traffic_policy: TrafficPolicy,
+    pub internal_traffic_policy: TrafficPolicy,
+    /// `spec.healthCheckNodePort`, `None` when absent or 0.
+    pub health_check_node_port: Option<u16>,
+    /// `Some(timeoutSeconds)` for `sessionAffinity: ClientIP`.
+    pub session_affinity_timeout: Option<u32>,
+    /// `spec.trafficDistribution`, for display only: kube-proxy consumes hints, not this.
+    pub traffic_distribution: Option<String>,
+}
+
+/// Conditions of one endpoint after upstream's nil rules (ready/serving nil ⇒ true,
+/// terminating nil ⇒ false).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Conditions {
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+}
+
+/// One endpoint of an EndpointSlice (only `addresses[0]` counts).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SliceEndpoint {
+    pub ip: IpAddr,
+    pub conditions: Conditions,
+    pub node_name: Option<String>,
+    pub zone: Option<String>,
+    /// `hints.forZones[].name`; `None` when the endpoint has no zone hints.
+    pub zone_hints: Option<Vec<String>>,
+    /// `hints.forNodes[].name`; `None` when the endpoint has no node hints.
+    pub node_hints: Option<Vec<String>>,
+}
+
+/// One port of an EndpointSlice (ports without a name or number are dropped at ingestion).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct SlicePort {
+    pub name: String,
+    pub protocol: Protocol,
+    pub port: u16,
+}
+
+/// An EndpointSlice of one Service and one address family.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointSlice {
+    /// The slice's own name (unique within the namespace).
+    pub name: String,
+    /// The Service it belongs to (label `kubernetes.io/service-name`).
+    pub service: ServiceName,
+    pub family: IpFamily,
+    pub ports: Vec<SlicePort>,
+    pub endpoints: Vec<SliceEndpoint>,
+    /// `endpoints.kubernetes.io/last-change-trigger-time`, RFC 3339, unparsed (metrics only).
+    pub last_change_trigger_time: Option<String>,
+}
+
+/// What kproxy reads of its own Node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Node {
+    pub name: String,
+    /// `topology.kubernetes.io/zone`, `None` when absent or empty.
+    pub zone: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    /// `status.addresses` of type InternalIP (then ExternalIP), in order: the first of
+    /// each family is the node's primary IP for that family.
+    pub addresses: Vec<IpAddr>,
+    /// `spec.podCIDRs` (or `spec.podCIDR`), for the NodeCIDR local-traffic detector.
+    pub pod_cidrs: Vec<IpNet>,
+    /// `metadata.deletionTimestamp` is set.
+    pub deleting: bool,
+    /// A taint with key `ToBeDeletedByClusterAutoscaler` is present.
+    pub to_be_deleted_by_autoscaler: bool,
+}
+
+impl Node {
+    /// The node's primary IP of a family: the first address of that family.
+    pub fn primary_ip(&self, family: IpFamily) -> Option<IpAddr> {
+        self.addresses.iter().copied().find(|ip| family.contains(ip))
+    }
+
+    /// A node that a load balancer for eTP-Cluster Services may use (upstream
+    /// "nodeEligible"): not being deleted, not tainted for scale-down.
+    pub fn eligible(&self) -> bool {
+        !self.deleting && !self.to_be_deleted_by_autoscaler
+    }
+}

@@ -1,0 +1,271 @@
+//! `NodePlan`: the complete desired state of one node, and nothing else. Every
+//! consumer (nftables, health servers, `explain`, `trace`, metrics) reads this; none
+//! re-decides policy. The planner that builds it is `crate::planner`.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+use serde::Serialize;
+
+use crate::model::{
+    Conditions, EndpointAddr, IpFamily, Protocol, ServiceName, ServicePortName, TrafficPolicy,
+};
+
+/// The desired state of one node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodePlan {
+    /// This node's name (`--node` / hostname override).
+    pub node: String,
+    /// The node's `topology.kubernetes.io/zone`, `None` when unknown.
+    pub zone: Option<String>,
+    /// Whether an eTP-Cluster load balancer may use this node (`/healthz` nodeEligible):
+    /// false while the Node is being deleted or tainted `ToBeDeletedByClusterAutoscaler`.
+    /// `true` when the Node object is unknown (nothing says otherwise).
+    pub node_eligible: bool,
+    /// Per-family node facts the dataplane needs; always both families, IPv4 first.
+    pub families: Vec<FamilyPlan>,
+    /// Every proxied Service, keyed by `ns/name`. An unchanged Service keeps the same
+    /// `Arc` across incremental re-plans, so consumers diff by pointer first.
+    pub services: BTreeMap<ServiceName, Arc<ServicePlan>>,
+}
+
+impl NodePlan {
+    /// Every service port of every Service, both families, in (service, port, family) order.
+    pub fn service_ports(&self) -> impl Iterator<Item = &ServicePortPlan> {
+        self.services.values().flat_map(|s| s.ports.iter())
+    }
+
+    /// Health-check node ports this node must serve, in service order.
+    pub fn health_checks(&self) -> impl Iterator<Item = &HealthCheck> {
+        self.services.values().filter_map(|s| s.health_check.as_ref())
+    }
+
+    pub fn family(&self, family: IpFamily) -> &FamilyPlan {
+        // Invariant: the planner always fills both families, IPv4 first.
+        &self.families[match family {
+            IpFamily::IPv4 => 0,
+            IpFamily::IPv6 => 1,
+        }]
+    }
+}
+
+/// Node facts of one family that decide what the dataplane matches.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FamilyPlan {
+    pub family: IpFamily,
+    /// This node's addresses of this family (primary first).
+    pub node_ips: Vec<IpAddr>,
+    /// Destination addresses on which NodePorts are served.
+    pub node_port_addresses: NodePortAddresses,
+    /// How "from a local pod" is recognised; `None` ⇒ no `LocalPod` rules appear.
+    pub local_pods: LocalPods,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase", tag = "kind", content = "addresses")]
+pub enum NodePortAddresses {
+    /// Any local, non-loopback address of this family (nodePortAddresses match-all).
+    AllLocal,
+    /// Only these addresses (may be empty: NodePorts are then not served on this family).
+    Only(Vec<IpAddr>),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase", tag = "kind", content = "value")]
+pub enum LocalPods {
+    None,
+    /// Source address within one of these CIDRs.
+    Cidrs(Vec<IpNet>),
+    /// Input interface name starts with this prefix.
+    InterfacePrefix(String),
+    /// Input interface is this bridge.
+    Bridge(String),
+}
+
+/// One Service on this node: its ports (both families) and its health-check node port.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServicePlan {
+    pub service: ServiceName,
+    /// Sorted by (port name, protocol, family).
+    pub ports: Vec<ServicePortPlan>,
+    /// `Some` iff type LoadBalancer, eTP Local and `healthCheckNodePort` ≠ 0.
+    pub health_check: Option<HealthCheck>,
+}
+
+/// What a health-check node port answers for one Service.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthCheck {
+    pub service: ServiceName,
+    pub health_check_node_port: u16,
+    /// Distinct IPs of this node's *ready* endpoints of the Service, any port, any
+    /// family. Serving+terminating endpoints do not count (KEP-1669 drain signal).
+    pub local_endpoints: u32,
+}
+
+/// How traffic to one frontend family of one service port is handled.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServicePortPlan {
+    pub service_port: ServicePortName,
+    pub family: IpFamily,
+    pub protocol: Protocol,
+    /// `spec.ports[].port`: the port of the cluster IP, external IPs and LB IPs.
+    pub port: u16,
+    pub cluster_ip: IpAddr,
+    /// `None`: no NodePort rules.
+    pub node_port: Option<u16>,
+    /// externalIPs of this family.
+    pub external_ips: Vec<IpAddr>,
+    /// VIP-mode load-balancer ingress IPs of this family.
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// `Some` when `loadBalancerSourceRanges` has entries of this family: new connections
+    /// to the LB IPs from a source outside `allowed_sources` are dropped. Never applies
+    /// to the cluster IP, NodePorts or external IPs.
+    pub firewall: Option<Firewall>,
+    /// The effective policies (eTP is Cluster unless the port is externally accessible).
+    pub internal_traffic_policy: TrafficPolicy,
+    pub external_traffic_policy: TrafficPolicy,
+    /// `Some(timeoutSeconds)` for ClientIP session affinity.
+    pub session_affinity_timeout: Option<u32>,
+    /// Which topology filter produced `cluster_endpoints`.
+    pub topology: TopologyMode,
+    /// Endpoints for Cluster-policy traffic. `None`: no traffic of this port uses Cluster
+    /// policy. `Some(empty)`: it does, but nothing qualifies.
+    pub cluster_endpoints: Option<Vec<EndpointAddr>>,
+    /// Endpoints for Local-policy traffic (this node only). `None`/empty as above.
+    pub local_endpoints: Option<Vec<EndpointAddr>>,
+    /// Union of the two: the endpoints this node must be able to DNAT to.
+    pub all_reachable_endpoints: Vec<EndpointAddr>,
+    /// Usable endpoints exist somewhere in the cluster: false ⇒ REJECT, true with an
+    /// empty applicable list ⇒ DROP.
+    pub has_any_endpoints: bool,
+    /// Traffic to the cluster IP, rules in match order (first match wins).
+    pub internal: Vec<TrafficRule>,
+    /// Traffic to the NodePort, external IPs and LB IPs, rules in match order. Empty
+    /// when the port has none of those frontends.
+    pub external: Vec<TrafficRule>,
+    /// Every endpoint known for this port with its state, sorted by address: what
+    /// `explain` reasons over and what conntrack cleanup calls "serving".
+    pub endpoints: Vec<EndpointState>,
+}
+
+impl ServicePortPlan {
+    /// The endpoint list a `Forward` verdict refers to.
+    pub fn endpoints_for(&self, set: EndpointSet) -> &[EndpointAddr] {
+        match set {
+            EndpointSet::Cluster => self.cluster_endpoints.as_deref().unwrap_or(&[]),
+            EndpointSet::Local => self.local_endpoints.as_deref().unwrap_or(&[]),
+        }
+    }
+
+    /// Endpoints that conntrack cleanup keeps flows to: ready or serving.
+    pub fn serving_endpoints(&self) -> impl Iterator<Item = EndpointAddr> + '_ {
+        self.endpoints.iter().filter(|e| e.conditions.ready || e.conditions.serving).map(|e| e.addr)
+    }
+
+    /// True when the port has any external frontend (NodePort, external IP, LB IP).
+    pub fn externally_accessible(&self) -> bool {
+        self.node_port.is_some() || !self.external_ips.is_empty() || !self.load_balancer_ips.is_empty()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Firewall {
+    /// Source CIDRs allowed (from loadBalancerSourceRanges of this family), plus the LB
+    /// IPs themselves as /32 or /128 when this node's primary IP is inside a range.
+    pub allowed_sources: Vec<IpNet>,
+}
+
+/// The topology filter applied to the Cluster list (spec §b.4).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase", tag = "mode", content = "value")]
+pub enum TopologyMode {
+    /// All ready endpoints.
+    #[default]
+    None,
+    /// Ready endpoints hinted for this zone.
+    PreferSameZone(String),
+    /// Ready endpoints hinted for this node.
+    PreferSameNode,
+}
+
+/// Which packets a rule matches. Rules are tried in order; the last is always `Any`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum SourceClass {
+    /// From a pod on this node, per the family's `local_pods` detector.
+    LocalPod,
+    /// From one of this node's own addresses (`fib saddr type local`).
+    ThisNode,
+    Any,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum EndpointSet {
+    Cluster,
+    Local,
+}
+
+/// What happens to a new connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "action", rename_all = "camelCase")]
+pub enum Verdict {
+    /// DNAT to one endpoint of the set (affinity first, then uniform random). The set is
+    /// never empty.
+    Forward { endpoints: EndpointSet, masquerade: bool },
+    /// Silently dropped: endpoints exist, but none for this traffic.
+    Drop,
+    /// Rejected (ICMP port unreachable / TCP reset): no usable endpoint anywhere.
+    Reject,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TrafficRule {
+    pub from: SourceClass,
+    pub verdict: Verdict,
+}
+
+/// One endpoint of a service port as the planner saw it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointState {
+    pub addr: EndpointAddr,
+    pub node_name: Option<String>,
+    pub zone: Option<String>,
+    pub is_local: bool,
+    pub conditions: Conditions,
+    pub zone_hints: Option<Vec<String>>,
+    pub node_hints: Option<Vec<String>>,
+}
+
+/// The JSON contract of `kproxy plan -o json` (docs/plan-json.md): the services map is
+/// flattened into `servicePorts` and `healthChecks`.
+impl Serialize for NodePlan {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        #[serde(rename_all = "camelCase")]
+        struct View<'a> {
+            node: &'a str,
+            zone: &'a Option<String>,
+            node_eligible: bool,
+            families: &'a [FamilyPlan],
+            service_ports: Vec<&'a ServicePortPlan>,
+            health_checks: Vec<&'a HealthCheck>,
+        }
+        View {
+            node: &self.node,
+            zone: &self.zone,
+            node_eligible: self.node_eligible,
+            families: &self.families,
+            service_ports: self.service_ports().collect(),
+            health_checks: self.health_checks().collect(),
+        }
+        .serialize(s)
+    }
+}

@@ -1,0 +1,401 @@
+//! The planner: `ClusterState` + this node + `PlanConfig` → `NodePlan` (spec §a.4, §b,
+//! §c, §d.1). Pure and deterministic: the order in which objects arrived never changes
+//! the output. [`Planner`] keeps the last plan and re-plans only the Services that
+//! changed; [`plan`] is the same computation from scratch.
+
+use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+
+use crate::categorize::{self, Context};
+use crate::config::{LocalDetectorConfig, NodePortAddressesConfig, PlanConfig};
+use crate::model::{
+    EndpointAddr, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName, ServicePortName,
+    ServiceType, TrafficPolicy,
+};
+use crate::plan::{
+    EndpointSet, EndpointState, FamilyPlan, Firewall, HealthCheck, LocalPods, NodePlan,
+    NodePortAddresses, ServicePlan, ServicePortPlan, SourceClass, TrafficRule, Verdict,
+};
+use crate::state::ClusterState;
+
+/// Plans the whole node from scratch. This node's Node object is read from `state`
+/// (it may be absent: no zone, no addresses, eligible).
+pub fn plan(state: &ClusterState, node_name: &str, config: &PlanConfig) -> NodePlan {
+    let facts = NodeFacts::new(node_name, state.node(), config);
+    let services = state
+        .services()
+        .map(|svc| (svc.name.clone(), Arc::new(plan_service(svc, state.slices_of(&svc.name), &facts, config))))
+        .collect();
+    facts.into_plan(services)
+}
+
+/// Holds the current plan and updates it from the changes recorded in a
+/// [`ClusterState`], re-planning only the Services that changed (all of them when the
+/// Node or the config changed).
+#[derive(Clone, Debug)]
+pub struct Planner {
+    node_name: String,
+    config: PlanConfig,
+    plan: NodePlan,
+    config_changed: bool,
+}
+
+/// What one [`Planner::update`] changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PlanUpdate {
+    /// Services whose plan differs (added, changed or removed).
+    pub services: Vec<ServiceName>,
+    /// Node-level facts (families, zone, eligibility) changed: consumers should treat
+    /// this as a full re-plan.
+    pub node: bool,
+}
+
+impl PlanUpdate {
+    pub fn is_empty(&self) -> bool {
+        self.services.is_empty() && !self.node
+    }
+}
+
+impl Planner {
+    pub fn new(node_name: impl Into<String>, config: PlanConfig) -> Planner {
+        let node_name = node_name.into();
+        let facts = NodeFacts::new(&node_name, None, &config);
+        Planner { plan: facts.into_plan(BTreeMap::new()), node_name, config, config_changed: true }
+    }
+
+    pub fn plan(&self) -> &NodePlan {
+        &self.plan
+    }
+
+    pub fn config(&self) -> &PlanConfig {
+        &self.config
+    }
+
+    pub fn set_config(&mut self, config: PlanConfig) {
+        if config != self.config {
+            self.config = config;
+            self.config_changed = true;
+        }
+    }
+
+    /// Applies the changes recorded in `state` since the last update.
+    pub fn update(&mut self, state: &mut ClusterState) -> PlanUpdate {
+        let changes = state.take_changes();
+        let full = changes.node || std::mem::take(&mut self.config_changed);
+        let facts = NodeFacts::new(&self.node_name, state.node(), &self.config);
+        let mut update = PlanUpdate::default();
+        if full {
+            let new = plan(state, &self.node_name, &self.config);
+            update.node = new.zone != self.plan.zone
+                || new.node_eligible != self.plan.node_eligible
+                || new.families != self.plan.families;
+            for name in self.plan.services.keys().chain(new.services.keys()) {
+                if self.plan.services.get(name) != new.services.get(name) && !update.services.contains(name) {
+                    update.services.push(name.clone());
+                }
+            }
+            update.services.sort();
+            // Keep the old Arcs of unchanged Services so consumers can diff by pointer.
+            let mut merged = new;
+            for (name, svc) in &mut merged.services {
+                if let Some(old) = self.plan.services.get(name).filter(|old| *old == svc) {
+                    *svc = old.clone();
+                }
+            }
+            self.plan = merged;
+            return update;
+        }
+        for name in changes.services {
+            let new = state.service(&name).map(|svc| Arc::new(plan_service(svc, state.slices_of(&name), &facts, &self.config)));
+            match (self.plan.services.entry(name.clone()), new) {
+                (Entry::Occupied(mut o), Some(new)) => {
+                    if **o.get() != *new {
+                        o.insert(new);
+                        update.services.push(name);
+                    }
+                }
+                (Entry::Occupied(o), None) => {
+                    o.remove();
+                    update.services.push(name);
+                }
+                (Entry::Vacant(v), Some(new)) => {
+                    v.insert(new);
+                    update.services.push(name);
+                }
+                (Entry::Vacant(_), None) => {}
+            }
+        }
+        update
+    }
+}
+
+/// Node-level facts every Service's plan depends on.
+struct NodeFacts<'a> {
+    name: &'a str,
+    zone: Option<String>,
+    eligible: bool,
+    families: Vec<FamilyPlan>,
+    primary: BTreeMap<IpFamily, IpAddr>,
+}
+
+impl<'a> NodeFacts<'a> {
+    fn new(name: &'a str, node: Option<&Node>, config: &PlanConfig) -> NodeFacts<'a> {
+        let node_addrs: Vec<IpAddr> =
+            if config.node_ips.is_empty() { node.map(|n| n.addresses.clone()).unwrap_or_default() } else { config.node_ips.clone() };
+        let mut primary = BTreeMap::new();
+        let families = IpFamily::ALL
+            .into_iter()
+            .map(|family| {
+                let node_ips: Vec<IpAddr> = node_addrs.iter().copied().filter(|ip| family.contains(ip)).collect();
+                let prim = node.and_then(|n| n.primary_ip(family)).or_else(|| node_ips.first().copied());
+                if let Some(p) = prim {
+                    primary.insert(family, p);
+                }
+                let node_port_addresses = match &config.node_port_addresses {
+                    // Without any known address, "primary" cannot be resolved; serving
+                    // NodePorts on every local address is what an operator expects then.
+                    NodePortAddressesConfig::Primary => match prim {
+                        Some(p) => NodePortAddresses::Only(vec![p]),
+                        None => NodePortAddresses::AllLocal,
+                    },
+                    NodePortAddressesConfig::Cidrs(cidrs) => {
+                        let fam: Vec<&IpNet> = cidrs.iter().filter(|c| family.contains(&c.addr())).collect();
+                        if fam.iter().any(|c| c.prefix_len() == 0) {
+                            NodePortAddresses::AllLocal
+                        } else {
+                            NodePortAddresses::Only(
+                                node_ips.iter().copied().filter(|ip| fam.iter().any(|c| c.contains(ip))).collect(),
+                            )
+                        }
+                    }
+                };
+                let of_family = |nets: &[IpNet]| -> Vec<IpNet> {
+                    nets.iter().copied().filter(|n| family.contains(&n.addr())).collect()
+                };
+                let local_pods = match &config.local_detector {
+                    LocalDetectorConfig::None => LocalPods::None,
+                    LocalDetectorConfig::ClusterCidr(c) => cidrs_or_none(of_family(c)),
+                    LocalDetectorConfig::NodeCidr => cidrs_or_none(of_family(node.map(|n| &n.pod_cidrs[..]).unwrap_or(&[]))),
+                    LocalDetectorConfig::InterfaceNamePrefix(p) => LocalPods::InterfacePrefix(p.clone()),
+                    LocalDetectorConfig::BridgeInterface(b) => LocalPods::Bridge(b.clone()),
+                };
+                FamilyPlan { family, node_ips, node_port_addresses, local_pods }
+            })
+            .collect();
+        NodeFacts {
+            name,
+            zone: node.and_then(|n| n.zone.clone()),
+            eligible: node.is_none_or(|n| n.eligible()),
+            families,
+            primary,
+        }
+    }
+
+    fn has_local_pod_detector(&self, family: IpFamily) -> bool {
+        self.families.iter().any(|f| f.family == family && f.local_pods != LocalPods::None)
+    }
+
+    fn into_plan(self, services: BTreeMap<ServiceName, Arc<ServicePlan>>) -> NodePlan {
+        NodePlan {
+            node: self.name.to_string(),
+            zone: self.zone,
+            node_eligible: self.eligible,
+            families: self.families,
+            services,
+        }
+    }
+}
+
+fn cidrs_or_none(c: Vec<IpNet>) -> LocalPods {
+    if c.is_empty() { LocalPods::None } else { LocalPods::Cidrs(c) }
+}
+
+/// Merges a Service's slices of one family per (port name, protocol) into sorted
+/// endpoint lists (spec §a.4). When the same `ip:port` appears twice, a
+/// non-terminating copy beats a terminating one, then a ready copy beats a not-ready
+/// one, then a local copy beats a remote one; a full tie keeps the copy from the slice
+/// whose name sorts first (upstream leaves that case to map order).
+pub fn merge_endpoints<'a>(
+    slices: impl Iterator<Item = &'a Arc<EndpointSlice>>,
+    family: IpFamily,
+    node_name: &str,
+) -> BTreeMap<(String, Protocol), Vec<EndpointState>> {
+    let mut by_port: BTreeMap<(String, Protocol), Vec<EndpointState>> = BTreeMap::new();
+    for slice in slices.filter(|s| s.family == family) {
+        for port in &slice.ports {
+            let list = by_port.entry((port.name.clone(), port.protocol)).or_default();
+            for e in &slice.endpoints {
+                let is_local = !node_name.is_empty() && e.node_name.as_deref() == Some(node_name);
+                list.push(EndpointState {
+                    addr: EndpointAddr::new(e.ip, port.port),
+                    node_name: e.node_name.clone(),
+                    zone: e.zone.clone(),
+                    is_local,
+                    conditions: e.conditions,
+                    zone_hints: e.zone_hints.clone(),
+                    node_hints: e.node_hints.clone(),
+                });
+            }
+        }
+    }
+    for list in by_port.values_mut() {
+        // Stable sort keeps slice order among equal addresses, so the tie-break is
+        // "first slice by name".
+        list.sort_by(|a, b| a.addr.cmp(&b.addr).then_with(|| rank(b).cmp(&rank(a))));
+        list.dedup_by(|later, earlier| later.addr == earlier.addr);
+    }
+    by_port
+}
+
+fn rank(e: &EndpointState) -> (bool, bool, bool) {
+    (!e.conditions.terminating, e.conditions.ready, e.is_local)
+}
+
+/// Plans one Service: every port, for every family that has a cluster IP.
+fn plan_service<'a>(
+    svc: &Service,
+    slices: impl Iterator<Item = &'a Arc<EndpointSlice>> + Clone,
+    facts: &NodeFacts,
+    config: &PlanConfig,
+) -> ServicePlan {
+    let mut ports = Vec::new();
+    let mut local_ready_ips = 0u32;
+    let externally_accessible_service = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer)
+        || !svc.external_ips.is_empty();
+    let etp = if externally_accessible_service { svc.external_traffic_policy } else { TrafficPolicy::Cluster };
+    for (&family, &cluster_ip) in &svc.cluster_ips {
+        let merged = merge_endpoints(slices.clone(), family, facts.name);
+        let mut ips: Vec<IpAddr> = merged
+            .values()
+            .flatten()
+            .filter(|e| e.is_local && e.conditions.ready)
+            .map(|e| e.addr.ip)
+            .collect();
+        ips.sort();
+        ips.dedup();
+        local_ready_ips = local_ready_ips.max(ips.len() as u32);
+        for sp in &svc.ports {
+            let endpoints = merged.get(&(sp.name.clone(), sp.protocol)).cloned().unwrap_or_default();
+            ports.push(plan_port(svc, sp, family, cluster_ip, etp, endpoints, facts, config));
+        }
+    }
+    ports.sort_by(|a, b| {
+        (&a.service_port.port_name, a.protocol, a.family).cmp(&(&b.service_port.port_name, b.protocol, b.family))
+    });
+    let health_check = match (svc.service_type, svc.external_traffic_policy, svc.health_check_node_port) {
+        (ServiceType::LoadBalancer, TrafficPolicy::Local, Some(port)) => Some(HealthCheck {
+            service: svc.name.clone(),
+            health_check_node_port: port,
+            local_endpoints: local_ready_ips,
+        }),
+        _ => None,
+    };
+    ServicePlan { service: svc.name.clone(), ports, health_check }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn plan_port(
+    svc: &Service,
+    sp: &crate::model::ServicePort,
+    family: IpFamily,
+    cluster_ip: IpAddr,
+    etp: TrafficPolicy,
+    endpoints: Vec<EndpointState>,
+    facts: &NodeFacts,
+    config: &PlanConfig,
+) -> ServicePortPlan {
+    let external_ips: Vec<IpAddr> = svc.external_ips.iter().copied().filter(|ip| family.contains(ip)).collect();
+    let load_balancer_ips: Vec<IpAddr> = svc.load_balancer_ips.iter().copied().filter(|ip| family.contains(ip)).collect();
+    let node_port = sp.node_port;
+    let ext_acc = node_port.is_some() || !external_ips.is_empty() || !load_balancer_ips.is_empty();
+    let itp = svc.internal_traffic_policy;
+    let ctx = Context {
+        uses_cluster: itp != TrafficPolicy::Local || ext_acc,
+        uses_local: itp == TrafficPolicy::Local || (etp == TrafficPolicy::Local && ext_acc),
+        node_name: facts.name,
+        zone: facts.zone.as_deref(),
+        prefer_same_node_hints: config.prefer_same_node_hints,
+        proxy_terminating_endpoints: config.proxy_terminating_endpoints,
+    };
+    let cat = categorize::categorize(&endpoints, &ctx);
+    let detector = facts.has_local_pod_detector(family);
+
+    let nonempty = |set: EndpointSet| match set {
+        EndpointSet::Cluster => cat.cluster.as_ref().is_some_and(|l| !l.is_empty()),
+        EndpointSet::Local => cat.local.as_ref().is_some_and(|l| !l.is_empty()),
+    };
+    let none_verdict = if cat.has_any { Verdict::Drop } else { Verdict::Reject };
+    let forward = |set: EndpointSet, masquerade: bool| {
+        if nonempty(set) { Verdict::Forward { endpoints: set, masquerade } } else { none_verdict }
+    };
+    let rule = |from, verdict| TrafficRule { from, verdict };
+
+    // Internal (cluster IP) traffic: spec §c.1.
+    let internal_set = if itp == TrafficPolicy::Local { EndpointSet::Local } else { EndpointSet::Cluster };
+    let internal = if !nonempty(internal_set) {
+        vec![rule(SourceClass::Any, none_verdict)]
+    } else if config.masquerade_all {
+        vec![rule(SourceClass::Any, forward(internal_set, true))]
+    } else if detector {
+        vec![rule(SourceClass::LocalPod, forward(internal_set, false)), rule(SourceClass::Any, forward(internal_set, true))]
+    } else {
+        vec![rule(SourceClass::Any, forward(internal_set, false))]
+    };
+
+    // External (NodePort, external IP, LB IP) traffic: spec §c.2, §c.3.
+    let external = if !ext_acc {
+        Vec::new()
+    } else if !cat.has_any {
+        vec![rule(SourceClass::Any, Verdict::Reject)]
+    } else if etp == TrafficPolicy::Cluster {
+        vec![rule(SourceClass::Any, forward(EndpointSet::Cluster, true))]
+    } else {
+        let mut rules = Vec::new();
+        if detector {
+            rules.push(rule(SourceClass::LocalPod, forward(EndpointSet::Cluster, config.masquerade_all)));
+        }
+        rules.push(rule(SourceClass::ThisNode, forward(EndpointSet::Cluster, true)));
+        rules.push(rule(SourceClass::Any, forward(EndpointSet::Local, false)));
+        rules
+    };
+
+    // Source ranges: LB IPs only (spec §c.5).
+    let ranges: Vec<IpNet> =
+        svc.load_balancer_source_ranges.iter().copied().filter(|n| family.contains(&n.addr())).collect();
+    let firewall = if load_balancer_ips.is_empty() || ranges.is_empty() {
+        None
+    } else {
+        let mut allowed_sources = ranges.clone();
+        if facts.primary.get(&family).is_some_and(|p| ranges.iter().any(|r| r.contains(p))) {
+            allowed_sources.extend(load_balancer_ips.iter().map(|ip| IpNet::from(*ip)));
+        }
+        Some(Firewall { allowed_sources })
+    };
+
+    ServicePortPlan {
+        service_port: ServicePortName { service: svc.name.clone(), port_name: sp.name.clone(), protocol: sp.protocol },
+        family,
+        protocol: sp.protocol,
+        port: sp.port,
+        cluster_ip,
+        node_port,
+        external_ips,
+        load_balancer_ips,
+        firewall,
+        internal_traffic_policy: itp,
+        external_traffic_policy: etp,
+        session_affinity_timeout: svc.session_affinity_timeout,
+        topology: cat.topology,
+        cluster_endpoints: cat.cluster,
+        local_endpoints: cat.local,
+        all_reachable_endpoints: cat.all_reachable,
+        has_any_endpoints: cat.has_any,
+        internal,
+        external,
+        endpoints,
+    }
+}

@@ -1,0 +1,220 @@
+//! `ClusterState`: the one store of validated Services, EndpointSlices and this node's
+//! Node, keyed like the API. It has a single writer (the source that feeds it) and
+//! remembers which Services changed since the planner last looked, so a change
+//! re-plans only what it touched.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use crate::ingest::{self, IngestError, Kind, Ownership, ServiceOutcome, SliceOutcome};
+use crate::manifest::Object;
+use crate::model::{EndpointSlice, Node, Service, ServiceName};
+
+/// What changed since the last [`ClusterState::take_changes`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Services whose Service object or EndpointSlices changed (including deletions).
+    pub services: BTreeSet<ServiceName>,
+    /// The Node changed (labels, addresses, pod CIDRs, deletion, taints).
+    pub node: bool,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.services.is_empty() && !self.node
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ClusterState {
+    services: BTreeMap<ServiceName, Arc<Service>>,
+    /// Slices by the Service they belong to, then by slice name.
+    slices: BTreeMap<ServiceName, BTreeMap<String, Arc<EndpointSlice>>>,
+    /// (namespace, slice name) → owning Service, so a delete by name (or a slice whose
+    /// service-name label changed) finds its old owner.
+    slice_owner: BTreeMap<(String, String), ServiceName>,
+    node: Option<Node>,
+    changes: Changes,
+}
+
+impl ClusterState {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn service(&self, name: &ServiceName) -> Option<&Arc<Service>> {
+        self.services.get(name)
+    }
+
+    pub fn services(&self) -> impl Iterator<Item = &Arc<Service>> {
+        self.services.values()
+    }
+
+    pub fn service_count(&self) -> usize {
+        self.services.len()
+    }
+
+    /// The slices of one Service, in slice-name order.
+    pub fn slices_of(&self, name: &ServiceName) -> impl Iterator<Item = &Arc<EndpointSlice>> + Clone {
+        self.slices.get(name).into_iter().flat_map(|m| m.values())
+    }
+
+    /// Every Service name that has slices (whether or not the Service is known).
+    pub fn services_with_slices(&self) -> impl Iterator<Item = &ServiceName> {
+        self.slices.keys()
+    }
+
+    pub fn slice_count(&self) -> usize {
+        self.slice_owner.len()
+    }
+
+    pub fn node(&self) -> Option<&Node> {
+        self.node.as_ref()
+    }
+
+    /// Inserts or replaces a Service. Returns whether anything changed.
+    pub fn upsert_service(&mut self, svc: Service) -> bool {
+        if self.services.get(&svc.name).is_some_and(|old| **old == svc) {
+            return false;
+        }
+        self.changes.services.insert(svc.name.clone());
+        self.services.insert(svc.name.clone(), Arc::new(svc));
+        true
+    }
+
+    pub fn delete_service(&mut self, name: &ServiceName) -> bool {
+        if self.services.remove(name).is_some() {
+            self.changes.services.insert(name.clone());
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Inserts or replaces an EndpointSlice. Re-applying an identical slice is a no-op.
+    pub fn upsert_slice(&mut self, slice: EndpointSlice) -> bool {
+        let key = (slice.service.namespace.clone(), slice.name.clone());
+        if let Some(old_owner) = self.slice_owner.get(&key) {
+            if *old_owner != slice.service {
+                let old_owner = old_owner.clone();
+                self.delete_slice(&key.0, &key.1);
+                debug_assert!(!self.slice_owner.contains_key(&key), "{old_owner} still owns the slice");
+            } else if self.slices.get(old_owner).and_then(|m| m.get(&slice.name)).is_some_and(|s| **s == slice) {
+                return false;
+            }
+        }
+        self.changes.services.insert(slice.service.clone());
+        self.slice_owner.insert(key, slice.service.clone());
+        self.slices.entry(slice.service.clone()).or_default().insert(slice.name.clone(), Arc::new(slice));
+        true
+    }
+
+    pub fn delete_slice(&mut self, namespace: &str, name: &str) -> bool {
+        let Some(owner) = self.slice_owner.remove(&(namespace.to_string(), name.to_string())) else {
+            return false;
+        };
+        if let Some(m) = self.slices.get_mut(&owner) {
+            m.remove(name);
+            if m.is_empty() {
+                self.slices.remove(&owner);
+            }
+        }
+        self.changes.services.insert(owner);
+        true
+    }
+
+    pub fn set_node(&mut self, node: Option<Node>) -> bool {
+        if self.node == node {
+            return false;
+        }
+        self.node = node;
+        self.changes.node = true;
+        true
+    }
+
+    /// Returns and clears what changed since the last call.
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// Marks everything as changed (a forced full re-plan).
+    pub fn mark_all_changed(&mut self) {
+        let all: BTreeSet<ServiceName> = self.services.keys().chain(self.slices.keys()).cloned().collect();
+        self.changes.services.extend(all);
+        self.changes.node = true;
+    }
+
+    /// Replaces the whole content with `other` (an atomic relist), recording as changed
+    /// exactly the Services that differ, so a relist of an unchanged cluster re-plans
+    /// nothing and a half-listed cluster is never visible.
+    pub fn replace(&mut self, other: ClusterState) {
+        let mut changed: BTreeSet<ServiceName> = BTreeSet::new();
+        for name in self.services.keys().chain(other.services.keys()) {
+            if self.services.get(name) != other.services.get(name) {
+                changed.insert(name.clone());
+            }
+        }
+        for name in self.slices.keys().chain(other.slices.keys()) {
+            if self.slices.get(name) != other.slices.get(name) {
+                changed.insert(name.clone());
+            }
+        }
+        let node_changed = self.node != other.node;
+        let mut pending = std::mem::take(&mut self.changes);
+        self.services = other.services;
+        self.slices = other.slices;
+        self.slice_owner = other.slice_owner;
+        self.node = other.node;
+        pending.services.extend(changed);
+        pending.node |= node_changed;
+        self.changes = pending;
+    }
+
+    /// Ingests one Kubernetes object and applies it. A Service that is valid but not
+    /// proxied (ExternalName, headless, another proxy's) removes any earlier version.
+    /// `node_name` selects which Node object is this node's; other Nodes are ignored.
+    /// Returns the warnings about dropped pieces; an error means the object was skipped
+    /// and the state is unchanged.
+    pub fn apply(&mut self, obj: &Object, ownership: &Ownership, node_name: &str) -> Result<Vec<IngestError>, IngestError> {
+        match obj {
+            Object::Service(svc) => match ingest::service(svc, ownership)? {
+                ServiceOutcome::Proxied(i) => {
+                    self.upsert_service(i.value);
+                    Ok(i.warnings)
+                }
+                ServiceOutcome::NotProxied(name, _) => {
+                    self.delete_service(&name);
+                    Ok(Vec::new())
+                }
+            },
+            Object::EndpointSlice(slice) => match ingest::endpoint_slice(slice, ownership)? {
+                SliceOutcome::Used(i) => {
+                    self.upsert_slice(i.value);
+                    Ok(i.warnings)
+                }
+                SliceOutcome::Ignored { namespace, name, .. } => {
+                    self.delete_slice(&namespace, &name);
+                    Ok(Vec::new())
+                }
+            },
+            Object::Node(n) => {
+                if n.metadata.name.as_deref() != Some(node_name) {
+                    return Ok(Vec::new());
+                }
+                let i = ingest::node(n)?;
+                self.set_node(Some(i.value));
+                Ok(i.warnings)
+            }
+        }
+    }
+
+    /// Deletes an object by kind and name (a watch DELETED event or a removed file).
+    pub fn delete(&mut self, kind: Kind, namespace: &str, name: &str, node_name: &str) -> bool {
+        match kind {
+            Kind::Service => self.delete_service(&ServiceName::new(namespace, name)),
+            Kind::EndpointSlice => self.delete_slice(namespace, name),
+            Kind::Node if name == node_name => self.set_node(None),
+            Kind::Node => false,
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Packet fate under a plan (in progress).
