@@ -68,10 +68,23 @@ pub struct Parsed {
 /// proxy allocate without bound.
 pub const MAX_OBJECTS_PER_FILE: usize = 1_000_000;
 
-/// Parses one file's text. `.json` files go through serde_json (a stream of values);
-/// everything else through the YAML parser (which also reads JSON).
+/// Parses one file's text into the objects kproxy consumes.
 pub fn parse(file: &str, text: &str) -> Parsed {
-    let mut out = Parsed::default();
+    let (values, errors) = documents(file, text);
+    let mut out = Parsed { objects: Vec::new(), errors };
+    for (location, v) in values {
+        read_object(v, location, &mut out);
+    }
+    out
+}
+
+/// Splits one file's text into raw objects (documents, and the items of `kind: List`
+/// documents), each with its location; unreadable documents become errors. `.json`
+/// files go through serde_json (a stream of values); everything else through the YAML
+/// parser (which also reads JSON). Other readers of manifests (`kproxy lint`) start here.
+pub fn documents(file: &str, text: &str) -> (Vec<(Location, Value)>, Vec<ManifestError>) {
+    let mut values = Vec::new();
+    let mut errors = Vec::new();
     let docs: Vec<Result<Value, String>> = if file.ends_with(".json") {
         let mut docs = Vec::new();
         for v in serde_json::Deserializer::from_str(text).into_iter::<Value>() {
@@ -97,19 +110,14 @@ pub fn parse(file: &str, text: &str) -> Parsed {
         let location = Location { file: file.to_string(), document, item: None };
         match doc {
             Ok(Value::Null) => {}
-            Ok(v) => read_value(v, location, &mut out),
-            Err(reason) => out.errors.push(ManifestError {
-                location,
-                what: "document".into(),
-                field: ".".into(),
-                reason,
-            }),
+            Ok(v) => flatten_lists(v, location, &mut values, &mut errors),
+            Err(reason) => errors.push(ManifestError { location, what: "document".into(), field: ".".into(), reason }),
         }
-        if out.objects.len() + out.errors.len() >= MAX_OBJECTS_PER_FILE {
+        if values.len() + errors.len() >= MAX_OBJECTS_PER_FILE {
             break;
         }
     }
-    out
+    (values, errors)
 }
 
 fn first_line(s: &str) -> String {
@@ -133,32 +141,29 @@ fn split_yaml_documents(text: &str) -> Vec<&str> {
     docs.into_iter().filter(|d| !d.trim().is_empty()).collect()
 }
 
-fn read_value(v: Value, location: Location, out: &mut Parsed) {
+fn flatten_lists(v: Value, location: Location, values: &mut Vec<(Location, Value)>, errors: &mut Vec<ManifestError>) {
     let kind = v.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
-    let api_version = v.get("apiVersion").and_then(Value::as_str).unwrap_or("").to_string();
-    if kind == "List" || (kind.ends_with("List") && v.get("items").is_some()) {
-        let Value::Object(mut map) = v else { return };
-        let items = match map.remove("items") {
-            Some(Value::Array(items)) => items,
-            Some(Value::Null) | None => Vec::new(),
-            Some(_) => {
-                out.errors.push(ManifestError { location, what: kind, field: ".items".into(), reason: "not a list".into() });
-                return;
-            }
-        };
-        // Items of a typed list (ServiceList) may omit kind/apiVersion.
-        let item_kind = kind.strip_suffix("List").filter(|k| !k.is_empty()).map(str::to_string);
-        for (i, mut item) in items.into_iter().enumerate() {
-            if let (Some(k), Value::Object(m)) = (&item_kind, &mut item) {
-                m.entry("kind").or_insert_with(|| Value::String(k.clone()));
-            }
-            let loc = Location { item: Some(i), ..location.clone() };
-            read_object(item, loc, out);
-        }
+    if !(kind.ends_with("List") && v.get("items").is_some()) {
+        values.push((location, v));
         return;
     }
-    let _ = api_version;
-    read_object(v, location, out);
+    let Value::Object(mut map) = v else { return };
+    let items = match map.remove("items") {
+        Some(Value::Array(items)) => items,
+        Some(Value::Null) | None => Vec::new(),
+        Some(_) => {
+            errors.push(ManifestError { location, what: kind, field: ".items".into(), reason: "not a list".into() });
+            return;
+        }
+    };
+    // Items of a typed list (ServiceList) may omit kind.
+    let item_kind = kind.strip_suffix("List").filter(|k| !k.is_empty()).map(str::to_string);
+    for (i, mut item) in items.into_iter().enumerate() {
+        if let (Some(k), Value::Object(m)) = (&item_kind, &mut item) {
+            m.entry("kind").or_insert_with(|| Value::String(k.clone()));
+        }
+        values.push((Location { item: Some(i), ..location.clone() }, item));
+    }
 }
 
 fn read_object(v: Value, location: Location, out: &mut Parsed) {
