@@ -1,1 +1,41 @@
-fn main() {}
+//! kproxy: the binary. Parses the command line, then hands off to one module per
+//! subcommand. Exit codes: 0 ok, 1 failure (or `--strict` problems), 2 usage.
+
+mod cmd_explain;
+mod cmd_plan;
+mod common;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "kproxy", version, about = "A Kubernetes Service proxy for Linux nodes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the NodePlan: what this node does with every Service port.
+    Plan(cmd_plan::Args),
+    /// Explain, for one Service, which endpoints each kind of traffic uses and why.
+    Explain(cmd_explain::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    common::init_logging();
+    let result = match cli.command {
+        Command::Plan(a) => cmd_plan::run(a),
+        Command::Explain(a) => cmd_explain::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kproxy: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,33 @@
+//! `kproxy plan`: print the NodePlan as JSON (the contract in docs/plan-json.md) or as
+//! a table for people.
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::ValueEnum;
+use kproxy_core::PlanConfig;
+
+use crate::common::ManifestArgs;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Format {
+    Json,
+    Table,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub source: ManifestArgs,
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: Format,
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    let (plan, strict_failed) = args.source.plan(&PlanConfig::default())?;
+    match args.output {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
+        Format::Table => print!("{}", kproxy_core::explain::plan_table(&plan)),
+    }
+    Ok(if strict_failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}

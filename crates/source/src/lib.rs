@@ -1,0 +1,66 @@
+//! kproxy-source: where cluster objects come from. Every source (manifest files,
+//! the Kubernetes API) writes into one [`StateHandle`]; the sync loop reads it. One
+//! code path after the source.
+//!
+//! - [`manifests`]: read a file or directory of manifests into a `ClusterState`.
+
+pub mod manifests;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kproxy_core::ClusterState;
+use tokio::sync::Notify;
+
+/// Shared handle to the one `ClusterState`: sources write through [`StateHandle::update`],
+/// the sync loop waits on [`StateHandle::changed`] and reads with [`StateHandle::with`].
+/// Nothing is programmed before [`StateHandle::is_ready`]: every source has listed once.
+#[derive(Clone, Default)]
+pub struct StateHandle(Arc<Inner>);
+
+#[derive(Default)]
+struct Inner {
+    state: Mutex<ClusterState>,
+    notify: Notify,
+    ready: AtomicBool,
+}
+
+impl StateHandle {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ClusterState> {
+        // A panic while holding the lock leaves a consistent ClusterState (each method
+        // of it is all-or-nothing), so a poisoned lock is still usable.
+        self.0.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Mutates the state and wakes the sync loop.
+    pub fn update<R>(&self, f: impl FnOnce(&mut ClusterState) -> R) -> R {
+        let r = f(&mut self.lock());
+        self.0.notify.notify_one();
+        r
+    }
+
+    /// Reads (or takes changes from) the state without waking anyone.
+    pub fn with<R>(&self, f: impl FnOnce(&mut ClusterState) -> R) -> R {
+        f(&mut self.lock())
+    }
+
+    /// Marks the initial listing complete and wakes the sync loop.
+    pub fn mark_ready(&self) {
+        self.0.ready.store(true, Ordering::SeqCst);
+        self.0.notify.notify_one();
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.0.ready.load(Ordering::SeqCst)
+    }
+
+    /// Resolves after the next `update` or `mark_ready` (or at once if one happened
+    /// since the last wait).
+    pub async fn changed(&self) {
+        self.0.notify.notified().await
+    }
+}

@@ -1,0 +1,142 @@
+//! The manifest-file source: a file or a directory (recursive; `.yaml`, `.yml`,
+//! `.json`) of Kubernetes objects as `kubectl get -o yaml|json` prints them. Reading
+//! never stops at a bad file or object: each problem is reported with the file, the
+//! document, the object and the field, and everything valid is loaded.
+
+use std::path::{Path, PathBuf};
+
+use kproxy_core::ClusterState;
+use kproxy_core::ingest::{IngestError, Ownership};
+use kproxy_core::manifest::{self, Location, ManifestError};
+
+/// A problem found while loading manifests.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadProblem {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    /// An object that parsed but failed validation (or a dropped piece of one).
+    #[error("{location}: {error}")]
+    Invalid { location: Location, error: IngestError, skipped: bool },
+}
+
+impl LoadProblem {
+    /// True when a whole object or file was skipped; false for a dropped field.
+    pub fn skipped_object(&self) -> bool {
+        match self {
+            LoadProblem::Invalid { skipped, .. } => *skipped,
+            _ => true,
+        }
+    }
+}
+
+/// Result of loading manifests.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub state: ClusterState,
+    pub problems: Vec<LoadProblem>,
+    pub files: Vec<PathBuf>,
+}
+
+/// The manifest files under `path`, sorted (a file is returned as itself).
+pub fn files(path: &Path) -> Result<Vec<PathBuf>, LoadProblem> {
+    let io = |source| LoadProblem::Io { path: path.to_path_buf(), source };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if meta.is_file() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut out = Vec::new();
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let rd = std::fs::read_dir(&dir).map_err(|source| LoadProblem::Io { path: dir.clone(), source })?;
+        for entry in rd {
+            let entry = entry.map_err(|source| LoadProblem::Io { path: dir.clone(), source })?;
+            let p = entry.path();
+            let ft = entry.file_type().map_err(|source| LoadProblem::Io { path: p.clone(), source })?;
+            let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
+            if hidden {
+                continue;
+            }
+            if ft.is_dir() {
+                stack.push(p);
+            } else if matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml" | "json")) {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Loads every manifest under `path` into a fresh `ClusterState`. `node_name` picks
+/// which Node object is this node's.
+pub fn load(path: &Path, node_name: &str, ownership: &Ownership) -> Loaded {
+    let mut loaded = Loaded::default();
+    let files = match files(path) {
+        Ok(f) => f,
+        Err(e) => {
+            loaded.problems.push(e);
+            return loaded;
+        }
+    };
+    for file in &files {
+        let text = match std::fs::read_to_string(file) {
+            Ok(t) => t,
+            Err(source) => {
+                loaded.problems.push(LoadProblem::Io { path: file.clone(), source });
+                continue;
+            }
+        };
+        let parsed = manifest::parse(&file.display().to_string(), &text);
+        loaded.problems.extend(parsed.errors.into_iter().map(LoadProblem::Manifest));
+        for located in parsed.objects {
+            match loaded.state.apply(&located.object, ownership, node_name) {
+                Ok(warnings) => loaded.problems.extend(warnings.into_iter().map(|error| LoadProblem::Invalid {
+                    location: located.location.clone(),
+                    error,
+                    skipped: false,
+                })),
+                Err(error) => {
+                    loaded.problems.push(LoadProblem::Invalid { location: located.location, error, skipped: true })
+                }
+            }
+        }
+    }
+    loaded.files = files;
+    loaded
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_loads_recursively_and_reports_bad_objects_by_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        std::fs::write(
+            dir.path().join("svc.yaml"),
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("sub/eps.json"),
+            r#"{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{"name":"Bad_Name","namespace":"shop","labels":{"kubernetes.io/service-name":"web"}},"addressType":"IPv4","endpoints":[]}"#,
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "not a manifest").unwrap();
+        let loaded = load(dir.path(), "node-a", &Ownership::default());
+        assert_eq!(loaded.files.len(), 2);
+        assert_eq!(loaded.state.service_count(), 1);
+        assert_eq!(loaded.problems.len(), 1);
+        let msg = loaded.problems[0].to_string();
+        assert!(msg.contains("eps.json") && msg.contains("EndpointSlice shop/Bad_Name") && msg.contains(".metadata.name"), "{msg}");
+    }
+
+    #[test]
+    fn a_missing_path_is_an_io_problem_naming_it() {
+        let loaded = load(Path::new("/nonexistent/kproxy"), "n", &Ownership::default());
+        assert!(loaded.problems[0].to_string().starts_with("/nonexistent/kproxy"));
+    }
+}
