@@ -23,6 +23,7 @@ pub mod model;
 pub mod plan;
 pub mod planner;
 pub mod state;
+pub mod synthetic;
 pub mod trace;
 
 pub use config::PlanConfig;
