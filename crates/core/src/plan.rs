@@ -197,6 +197,7 @@ pub enum TopologyMode {
 
 /// Which packets a rule matches. Rules are tried in order; the last is always `Any`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub enum SourceClass {
     /// From a pod on this node, per the family's `local_pods` detector.
     LocalPod,
@@ -206,6 +207,7 @@ pub enum SourceClass {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub enum EndpointSet {
     Cluster,
     Local,

@@ -1,0 +1,79 @@
+//! `kproxy plan` and `kproxy explain` on the example cluster and on broken input,
+//! through the real binary.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn kproxy(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kproxy"))
+        .args(args)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .output()
+        .expect("run kproxy");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn plan_json_of_the_example_cluster_matches_the_snapshot() {
+    let (code, out, err) = kproxy(&["plan", "--manifests", "examples/cluster", "--node", "node-a", "-o", "json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).expect("valid JSON");
+    insta::assert_json_snapshot!("plan_node_a", v);
+}
+
+#[test]
+fn plan_json_has_the_documented_contract_fields() {
+    let (_, out, _) = kproxy(&["plan", "--manifests", "examples/cluster", "--node", "node-c", "-o", "json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["node"], "node-c");
+    let ports = v["servicePorts"].as_array().unwrap();
+    let web = ports.iter().find(|p| p["servicePort"] == "shop/web:http/TCP").unwrap();
+    for key in ["family", "clusterEndpoints", "localEndpoints", "allReachableEndpoints", "hasAnyEndpoints", "internal", "external"] {
+        assert!(web.get(key).is_some(), "missing {key}");
+    }
+    // node-c holds only a terminating, non-serving pod: external traffic from outside is
+    // dropped (endpoints exist elsewhere), and the health check says 503.
+    assert_eq!(web["localEndpoints"], serde_json::json!([]));
+    assert_eq!(web["external"].as_array().unwrap().last().unwrap()["verdict"]["action"], "drop");
+    assert_eq!(v["healthChecks"][0]["localEndpoints"], 0);
+    // iTP Local on a node without an agent: cluster-IP traffic is dropped, not rejected.
+    let agent = ports.iter().find(|p| p["servicePort"] == "monitoring/node-agent:metrics/TCP").unwrap();
+    assert_eq!(agent["internal"][0]["verdict"]["action"], "drop");
+    // Dual-stack: one entry per family, IPv6 endpoints bracketed.
+    let api6 = ports.iter().find(|p| p["servicePort"] == "shop/api:grpc/TCP" && p["family"] == "IPv6").unwrap();
+    assert_eq!(api6["clusterEndpoints"][0], "[fd00:10:244:1::30]:9000");
+}
+
+#[test]
+fn explain_says_why_each_endpoint_is_not_used() {
+    let (code, out, err) = kproxy(&["explain", "--manifests", "examples/cluster", "--node", "node-a", "web", "-n", "shop"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("terminating, and 1 ready endpoint(s) exist"), "{out}");
+    assert!(out.contains("on node-b, and externalTrafficPolicy is Local"), "{out}");
+    assert!(out.contains("health-check node port 32000: 503"), "{out}");
+    let (code, _, err) = kproxy(&["explain", "--manifests", "examples/cluster", "--node", "node-a", "shop/nope"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("shop/nope"), "{err}");
+}
+
+#[test]
+fn broken_objects_are_reported_and_skipped_and_strict_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("mixed.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: '', port: 8080}]\nendpoints: [{addresses: [10.244.0.1]}, {addresses: [not-an-ip]}]\n---\napiVersion: v1\nkind: Service\nmetadata: {name: bad, namespace: shop}\nspec: {clusterIP: 10.96.0.11, ports: [{port: nope}]}\n",
+    )
+    .unwrap();
+    let path = dir.path().to_str().unwrap();
+    let (code, out, err) = kproxy(&["plan", "--manifests", path, "--node", "n1", "-o", "json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("mixed.yaml: document 2: Service shop/bad: .spec.ports[0].port"), "{err}");
+    assert!(err.contains("EndpointSlice shop/web-1: .endpoints[1].addresses[0]: not an IP address"), "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["servicePorts"][0]["clusterEndpoints"], serde_json::json!(["10.244.0.1:8080"]));
+    let (code, _, _) = kproxy(&["plan", "--manifests", path, "--node", "n1", "--strict"]);
+    assert_eq!(code, 1);
+    let (code, _, err) = kproxy(&["plan", "--manifests", "/nonexistent", "--node", "n1"]);
+    assert_eq!(code, 1, "{err}");
+}
