@@ -509,7 +509,7 @@ pub fn endpoint_slice(slice: &discoveryv1::EndpointSlice, ownership: &Ownership)
         };
         let node_name = match e.node_name.as_deref() {
             None | Some("") => None,
-            Some(n) if is_dns_subdomain(n) => Some(n.to_string()),
+            Some(n) if is_dns_subdomain(n) => Some(n.into()),
             Some(_) => {
                 ctx.warn(format!("{field}.nodeName"), "not a valid node name; treated as remote");
                 None
@@ -517,13 +517,13 @@ pub fn endpoint_slice(slice: &discoveryv1::EndpointSlice, ownership: &Ownership)
         };
         let zone = match e.zone.as_deref() {
             None | Some("") => None,
-            Some(z) if is_label_value(z) => Some(z.to_string()),
+            Some(z) if is_label_value(z) => Some(z.into()),
             Some(_) => {
                 ctx.warn(format!("{field}.zone"), "not a valid zone; ignored");
                 None
             }
         };
-        let hint_list = |list: Option<Vec<String>>, what: &str, ctx: &mut Ctx| -> Option<Vec<String>> {
+        let hint_list = |list: Option<Vec<String>>, what: &str, ctx: &mut Ctx| -> Option<std::sync::Arc<[String]>> {
             let list = list?;
             let mut out = Vec::new();
             for (j, n) in list.into_iter().enumerate() {
@@ -533,7 +533,7 @@ pub fn endpoint_slice(slice: &discoveryv1::EndpointSlice, ownership: &Ownership)
                     ctx.warn(format!("{field}.hints.{what}[{j}].name"), "not a valid name; hint ignored");
                 }
             }
-            if out.is_empty() { None } else { Some(out) }
+            if out.is_empty() { None } else { Some(out.into()) }
         };
         let hints = e.hints.as_ref();
         let zone_hints = hint_list(

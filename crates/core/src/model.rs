@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
@@ -89,15 +90,16 @@ impl fmt::Display for Protocol {
     }
 }
 
-/// `namespace/name` of a Service. Both parts are validated DNS labels.
+/// `namespace/name` of a Service. Both parts are validated DNS labels. Shared strings,
+/// because every port, plan and map key of a Service repeats its name.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServiceName {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl ServiceName {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+    pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> Self {
         ServiceName { namespace: namespace.into(), name: name.into() }
     }
 
@@ -167,9 +169,10 @@ impl<'de> Deserialize<'de> for ServicePortName {
 }
 
 /// An endpoint address as kube-proxy identifies it: `ip:port`, IPv6 as `[ip]:port`.
-/// Ordering is by that string form, as upstream sorts endpoint lists, so `numgen`
-/// indices are stable.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Ordered numerically (IPv4 before IPv6, then address, then port). Upstream sorts by
+/// the string form; the order only fixes which `numgen` index names which endpoint,
+/// and numeric order is both cheaper (sorting is hot) and what people expect to read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct EndpointAddr {
     pub ip: IpAddr,
     pub port: u16,
@@ -187,36 +190,6 @@ impl fmt::Display for EndpointAddr {
             IpAddr::V4(ip) => write!(f, "{ip}:{}", self.port),
             IpAddr::V6(ip) => write!(f, "[{ip}]:{}", self.port),
         }
-    }
-}
-
-impl PartialOrd for EndpointAddr {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for EndpointAddr {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        if self == other {
-            return std::cmp::Ordering::Equal;
-        }
-        let (mut a, mut b) = ([0u8; 56], [0u8; 56]);
-        let a = self.write_to(&mut a);
-        let b = other.write_to(&mut b);
-        a.cmp(b)
-    }
-}
-
-impl EndpointAddr {
-    /// Writes the `ip:port` form into `buf` without allocating (sorting is hot).
-    fn write_to<'b>(&self, buf: &'b mut [u8; 56]) -> &'b [u8] {
-        use std::io::Write;
-        let mut cur = std::io::Cursor::new(&mut buf[..]);
-        // Invariant: the longest form, `[ffff:…:ffff]:65535`, is 47 bytes.
-        let _ = write!(cur, "{self}");
-        let n = cur.position() as usize;
-        &buf[..n]
     }
 }
 
@@ -304,12 +277,13 @@ pub struct Conditions {
 pub struct SliceEndpoint {
     pub ip: IpAddr,
     pub conditions: Conditions,
-    pub node_name: Option<String>,
-    pub zone: Option<String>,
+    /// Shared (`Arc`) because every plan of every port copies it.
+    pub node_name: Option<Arc<str>>,
+    pub zone: Option<Arc<str>>,
     /// `hints.forZones[].name`; `None` when the endpoint has no zone hints.
-    pub zone_hints: Option<Vec<String>>,
+    pub zone_hints: Option<Arc<[String]>>,
     /// `hints.forNodes[].name`; `None` when the endpoint has no node hints.
-    pub node_hints: Option<Vec<String>>,
+    pub node_hints: Option<Arc<[String]>>,
 }
 
 /// One port of an EndpointSlice (ports without a name or number are dropped at ingestion).

@@ -238,12 +238,12 @@ pub struct TrafficRule {
 #[serde(rename_all = "camelCase")]
 pub struct EndpointState {
     pub addr: EndpointAddr,
-    pub node_name: Option<String>,
-    pub zone: Option<String>,
+    pub node_name: Option<Arc<str>>,
+    pub zone: Option<Arc<str>>,
     pub is_local: bool,
     pub conditions: Conditions,
-    pub zone_hints: Option<Vec<String>>,
-    pub node_hints: Option<Vec<String>>,
+    pub zone_hints: Option<Arc<[String]>>,
+    pub node_hints: Option<Arc<[String]>>,
 }
 
 /// The JSON contract of `kproxy plan -o json` (docs/plan-json.md): the services map is

@@ -268,7 +268,7 @@ fn plan_service<'a>(
         || !svc.external_ips.is_empty();
     let etp = if externally_accessible_service { svc.external_traffic_policy } else { TrafficPolicy::Cluster };
     for (&family, &cluster_ip) in &svc.cluster_ips {
-        let merged = merge_endpoints(slices.clone(), family, facts.name);
+        let mut merged = merge_endpoints(slices.clone(), family, facts.name);
         let mut ips: Vec<IpAddr> = merged
             .values()
             .flatten()
@@ -279,7 +279,8 @@ fn plan_service<'a>(
         ips.dedup();
         local_ready_ips = local_ready_ips.max(ips.len() as u32);
         for sp in &svc.ports {
-            let endpoints = merged.get(&(sp.name.clone(), sp.protocol)).cloned().unwrap_or_default();
+            // Service ports are unique per (name, protocol), so each list is taken once.
+            let endpoints = merged.remove(&(sp.name.clone(), sp.protocol)).unwrap_or_default();
             ports.push(plan_port(svc, sp, family, cluster_ip, etp, endpoints, facts, config));
         }
     }

@@ -93,7 +93,7 @@ impl ClusterState {
 
     /// Inserts or replaces an EndpointSlice. Re-applying an identical slice is a no-op.
     pub fn upsert_slice(&mut self, slice: EndpointSlice) -> bool {
-        let key = (slice.service.namespace.clone(), slice.name.clone());
+        let key = (slice.service.namespace.to_string(), slice.name.clone());
         if let Some(old_owner) = self.slice_owner.get(&key) {
             if *old_owner != slice.service {
                 let old_owner = old_owner.clone();

@@ -87,9 +87,9 @@ pub fn slice(spec: &Spec, i: usize, generation: usize) -> EndpointSlice {
             SliceEndpoint {
                 ip: IpAddr::V4(Ipv4Addr::from(0x0af4_0000u32 + k as u32)),
                 conditions: Conditions { ready: !terminating, serving: true, terminating },
-                node_name: Some(node_name(node)),
-                zone: Some(format!("zone-{}", node % 3)),
-                zone_hints: hinted.then(|| vec![format!("zone-{}", node % 3)]),
+                node_name: Some(node_name(node).into()),
+                zone: Some(format!("zone-{}", node % 3).into()),
+                zone_hints: hinted.then(|| vec![format!("zone-{}", node % 3)].into()),
                 node_hints: None,
             }
         })

@@ -41,7 +41,7 @@ fn plan(docs: &[String]) -> NodePlan {
 }
 
 fn port<'a>(p: &'a NodePlan, svc: &str) -> &'a ServicePortPlan {
-    p.service_ports().find(|sp| sp.service_port.service.name == svc).unwrap_or_else(|| panic!("no port for {svc}"))
+    p.service_ports().find(|sp| &*sp.service_port.service.name == svc).unwrap_or_else(|| panic!("no port for {svc}"))
 }
 
 fn svc(name: &str, extra_spec: &str) -> String {

@@ -74,9 +74,9 @@ fn build(svcs: &[Svc]) -> (Vec<Service>, Vec<EndpointSlice>) {
                     .map(|e| SliceEndpoint {
                         ip: IpAddr::V4(Ipv4Addr::new(10, 244, e.node, e.ip)),
                         conditions: Conditions { ready: e.ready, serving: e.serving, terminating: e.terminating },
-                        node_name: Some(synthetic::node_name(e.node as usize)),
+                        node_name: Some(synthetic::node_name(e.node as usize).into()),
                         zone: None,
-                        zone_hints: e.zone_hint.map(|z| vec![format!("zone-{z}")]),
+                        zone_hints: e.zone_hint.map(|z| vec![format!("zone-{z}")].into()),
                         node_hints: None,
                     })
                     .collect(),

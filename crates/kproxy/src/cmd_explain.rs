@@ -22,7 +22,7 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode> {
     let name = match ServiceName::parse(&args.service) {
         Some(n) => n,
-        None if !args.service.contains('/') => ServiceName::new(&args.namespace, &args.service),
+        None if !args.service.contains('/') => ServiceName::new(args.namespace.as_str(), args.service.as_str()),
         None => bail!("SERVICE must be namespace/name or name, got {:?}", args.service),
     };
     let (plan, strict_failed) = args.source.plan(&PlanConfig::default())?;
