@@ -22,6 +22,10 @@ enum Command {
     Plan(cmd_plan::Args),
     /// Explain, for one Service, which endpoints each kind of traffic uses and why.
     Explain(cmd_explain::Args),
+    /// Check workloads' rollout settings against the load balancer in front of them.
+    Lint(kproxy_lint::cli::LintArgs),
+    /// Build a small cluster in network namespaces and run experiments on it (root).
+    Lab(kproxy_lab::cli::LabArgs),
 }
 
 fn main() -> ExitCode {
@@ -30,6 +34,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(a) => cmd_plan::run(a),
         Command::Explain(a) => cmd_explain::run(a),
+        Command::Lint(a) => kproxy_lint::cli::run(a),
+        Command::Lab(a) => kproxy_lab::cli::run(a),
     };
     match result {
         Ok(code) => code,
