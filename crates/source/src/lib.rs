@@ -3,8 +3,12 @@
 //! code path after the source.
 //!
 //! - [`manifests`]: read a file or directory of manifests into a `ClusterState`.
+//! - [`watch`]: keep a `StateHandle` in step with a manifest file or directory.
+//! - [`kube`]: the Kubernetes API watchers.
 
+pub mod kube;
 pub mod manifests;
+pub mod watch;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

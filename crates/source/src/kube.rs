@@ -1,0 +1,2 @@
+//! The Kubernetes API source: watchers for Services, EndpointSlices and this Node.
+//! Under construction (issue 5).

@@ -1,0 +1,1 @@
+//! Keeps a StateHandle in step with manifest files. Under construction.
