@@ -17,6 +17,11 @@ pub struct Changes {
     pub services: BTreeSet<ServiceName>,
     /// The Node changed (labels, addresses, pod CIDRs, deletion, taints).
     pub node: bool,
+    /// Service objects added, changed or removed (upstream counts these for
+    /// `sync_proxy_rules_service_changes_total`).
+    pub service_events: u64,
+    /// EndpointSlices added, changed or removed (`..._endpoint_changes_total`).
+    pub slice_events: u64,
 }
 
 impl Changes {
@@ -78,6 +83,7 @@ impl ClusterState {
             return false;
         }
         self.changes.services.insert(svc.name.clone());
+        self.changes.service_events += 1;
         self.services.insert(svc.name.clone(), Arc::new(svc));
         true
     }
@@ -85,6 +91,7 @@ impl ClusterState {
     pub fn delete_service(&mut self, name: &ServiceName) -> bool {
         if self.services.remove(name).is_some() {
             self.changes.services.insert(name.clone());
+            self.changes.service_events += 1;
             true
         } else {
             false
@@ -104,6 +111,7 @@ impl ClusterState {
             }
         }
         self.changes.services.insert(slice.service.clone());
+        self.changes.slice_events += 1;
         self.slice_owner.insert(key, slice.service.clone());
         self.slices.entry(slice.service.clone()).or_default().insert(slice.name.clone(), Arc::new(slice));
         true
@@ -120,6 +128,7 @@ impl ClusterState {
             }
         }
         self.changes.services.insert(owner);
+        self.changes.slice_events += 1;
         true
     }
 
@@ -149,11 +158,20 @@ impl ClusterState {
     /// nothing and a half-listed cluster is never visible.
     pub fn replace(&mut self, other: ClusterState) {
         let mut changed: BTreeSet<ServiceName> = BTreeSet::new();
+        let (mut service_events, mut slice_events) = (0, 0);
         for name in self.services.keys().chain(other.services.keys()) {
-            if self.services.get(name) != other.services.get(name) {
-                changed.insert(name.clone());
+            if self.services.get(name) != other.services.get(name) && changed.insert(name.clone()) {
+                service_events += 1;
             }
         }
+        let mut slices_changed: BTreeSet<&(String, String)> = BTreeSet::new();
+        for key in self.slice_owner.keys().chain(other.slice_owner.keys()) {
+            let get = |st: &ClusterState| st.slice_owner.get(key).and_then(|o| st.slices.get(o)?.get(&key.1)).cloned();
+            if get(self) != get(&other) {
+                slices_changed.insert(key);
+            }
+        }
+        slice_events += slices_changed.len() as u64;
         for name in self.slices.keys().chain(other.slices.keys()) {
             if self.slices.get(name) != other.slices.get(name) {
                 changed.insert(name.clone());
@@ -167,6 +185,8 @@ impl ClusterState {
         self.node = other.node;
         pending.services.extend(changed);
         pending.node |= node_changed;
+        pending.service_events += service_events;
+        pending.slice_events += slice_events;
         self.changes = pending;
     }
 
@@ -216,5 +236,32 @@ impl ClusterState {
             Kind::Node if name == node_name => self.set_node(None),
             Kind::Node => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synthetic::{self, Spec};
+
+    #[test]
+    fn change_events_count_objects_not_services() {
+        let spec = Spec::new(3, 2);
+        let mut state = synthetic::cluster(&spec);
+        let first = state.take_changes();
+        assert_eq!((first.service_events, first.slice_events), (3, 3));
+
+        state.upsert_slice(synthetic::slice(&spec, 1, 4));
+        state.upsert_slice(synthetic::slice(&spec, 1, 4)); // identical: no event
+        state.delete_service(&synthetic::service(&spec, 2).name);
+        let c = state.take_changes();
+        assert_eq!((c.service_events, c.slice_events, c.services.len()), (1, 1, 2));
+
+        // A relist counts only what differs.
+        let mut relisted = synthetic::cluster(&spec);
+        relisted.upsert_slice(synthetic::slice(&spec, 0, 6));
+        state.replace(relisted);
+        let c = state.take_changes();
+        assert_eq!((c.service_events, c.slice_events), (1, 2), "service 2 back; slices 0 and 1 differ");
     }
 }
