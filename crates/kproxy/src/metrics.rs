@@ -1,0 +1,202 @@
+//! The daemon's metrics: upstream kube-proxy's names, types and buckets (so existing
+//! dashboards and alerts keep working) plus kproxy's own, and the `/metrics` server.
+//! Health metrics are registered by kproxy-health into the same registry.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use anyhow::{Context, Result};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TrafficPolicyLabel {
+    pub traffic_policy: &'static str,
+}
+
+pub struct Metrics {
+    pub sync_duration: Histogram,
+    pub sync_full_duration: Histogram,
+    pub sync_partial_duration: Histogram,
+    pub last_sync_timestamp: Gauge<f64, AtomicU64>,
+    pub last_queued_timestamp: Gauge<f64, AtomicU64>,
+    pub network_programming: Histogram,
+    pub endpoint_changes_pending: Gauge,
+    pub endpoint_changes_total: Counter,
+    pub service_changes_pending: Gauge,
+    pub service_changes_total: Counter,
+    pub no_local_endpoints: Family<TrafficPolicyLabel, Gauge>,
+    pub nftables_sync_failures: Counter,
+    pub nftables_cleanup_failures: Counter,
+    // kproxy's own
+    pub drift_repairs: Counter,
+    pub conntrack_deleted: Counter,
+    pub skipped_objects: Gauge,
+}
+
+/// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
+/// 5, 120..300 s by 30.
+fn network_programming_buckets() -> Vec<f64> {
+    let mut b = vec![0.25, 0.5];
+    b.extend((1..=59).map(f64::from));
+    b.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
+    b.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    b
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them in `registry` (upstream ones under the
+    /// `kubeproxy` prefix, kproxy's under `kproxy`).
+    pub fn register(registry: &mut Registry) -> Arc<Metrics> {
+        let sync_buckets = || exponential_buckets(0.001, 2.0, 15);
+        let m = Metrics {
+            sync_duration: Histogram::new(sync_buckets()),
+            sync_full_duration: Histogram::new(sync_buckets()),
+            sync_partial_duration: Histogram::new(sync_buckets()),
+            last_sync_timestamp: Gauge::default(),
+            last_queued_timestamp: Gauge::default(),
+            network_programming: Histogram::new(network_programming_buckets()),
+            endpoint_changes_pending: Gauge::default(),
+            endpoint_changes_total: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            service_changes_total: Counter::default(),
+            no_local_endpoints: Family::default(),
+            nftables_sync_failures: Counter::default(),
+            nftables_cleanup_failures: Counter::default(),
+            drift_repairs: Counter::default(),
+            conntrack_deleted: Counter::default(),
+            skipped_objects: Gauge::default(),
+        };
+        let r = registry.sub_registry_with_prefix("kubeproxy");
+        r.register("sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds", m.sync_duration.clone());
+        r.register(
+            "sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            m.sync_full_duration.clone(),
+        );
+        r.register(
+            "sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            m.sync_partial_duration.clone(),
+        );
+        r.register(
+            "sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            m.last_sync_timestamp.clone(),
+        );
+        r.register(
+            "sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            m.last_queued_timestamp.clone(),
+        );
+        r.register(
+            "network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            m.network_programming.clone(),
+        );
+        r.register(
+            "sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules Endpoint changes",
+            m.endpoint_changes_pending.clone(),
+        );
+        // prometheus-client appends `_total` to counters.
+        r.register("sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", m.endpoint_changes_total.clone());
+        r.register("sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", m.service_changes_pending.clone());
+        r.register("sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", m.service_changes_total.clone());
+        r.register(
+            "sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            m.no_local_endpoints.clone(),
+        );
+        r.register(
+            "sync_proxy_rules_nftables_sync_failures",
+            "Cumulative proxy nftables sync failures",
+            m.nftables_sync_failures.clone(),
+        );
+        r.register(
+            "sync_proxy_rules_nftables_cleanup_failures",
+            "Cumulative proxy nftables cleanup failures",
+            m.nftables_cleanup_failures.clone(),
+        );
+        let own = registry.sub_registry_with_prefix("kproxy");
+        own.register(
+            "dataplane_drift_repairs",
+            "Times the periodic verification found the kernel different from what kproxy programmed and repaired it",
+            m.drift_repairs.clone(),
+        );
+        own.register("conntrack_entries_deleted", "Stale conntrack entries deleted after syncs", m.conntrack_deleted.clone());
+        own.register(
+            "skipped_objects",
+            "Objects skipped or trimmed at the last load because they failed validation",
+            m.skipped_objects.clone(),
+        );
+        Arc::new(m)
+    }
+}
+
+/// Renders the registry in the OpenMetrics text format.
+pub fn encode(registry: &Registry) -> String {
+    let mut out = String::new();
+    // Encoding into a String cannot fail except on a formatting bug.
+    prometheus_client::encoding::text::encode(&mut out, registry).expect("encoding metrics into a String");
+    out
+}
+
+/// Serves `GET /metrics` on `addr` until the task is dropped.
+pub async fn serve(addr: SocketAddr, registry: Arc<Registry>) -> Result<()> {
+    use axum::routing::get;
+    let app = axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let registry = registry.clone();
+            async move {
+                ([(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], encode(&registry))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the metrics server to {addr}"))?;
+    axum::serve(listener, app).await.with_context(|| format!("metrics server on {addr}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstream_names_types_and_buckets() {
+        let mut registry = Registry::default();
+        let m = Metrics::register(&mut registry);
+        m.sync_duration.observe(0.003);
+        m.endpoint_changes_total.inc();
+        m.no_local_endpoints.get_or_create(&TrafficPolicyLabel { traffic_policy: "internal" }).set(2);
+        let text = encode(&registry);
+        for line in [
+            "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.001\"} 0",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"16.384\"} 1",
+            "# TYPE kubeproxy_sync_full_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_partial_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge",
+            "# TYPE kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds gauge",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"59.0\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"115.0\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"300.0\"} 0",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 1",
+            "# TYPE kubeproxy_sync_proxy_rules_endpoint_changes_pending gauge",
+            "# TYPE kubeproxy_sync_proxy_rules_service_changes counter",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"} 2",
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total 0",
+            "kproxy_dataplane_drift_repairs_total 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        assert_eq!(network_programming_buckets().len(), 2 + 59 + 12 + 7);
+    }
+}
