@@ -141,6 +141,11 @@ impl ClusterState {
         true
     }
 
+    /// What changed since the last [`ClusterState::take_changes`], without clearing it.
+    pub fn changes(&self) -> &Changes {
+        &self.changes
+    }
+
     /// Returns and clears what changed since the last call.
     pub fn take_changes(&mut self) -> Changes {
         std::mem::take(&mut self.changes)

@@ -4,6 +4,7 @@
 mod cmd_explain;
 mod cmd_plan;
 mod common;
+mod daemon;
 mod metrics;
 
 use std::process::ExitCode;
