@@ -4,7 +4,6 @@
 use std::process::ExitCode;
 
 use anyhow::{Result, bail};
-use kproxy_core::PlanConfig;
 use kproxy_core::model::ServiceName;
 
 use crate::common::ManifestArgs;
@@ -25,7 +24,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         None if !args.service.contains('/') => ServiceName::new(args.namespace.as_str(), args.service.as_str()),
         None => bail!("SERVICE must be namespace/name or name, got {:?}", args.service),
     };
-    let (plan, strict_failed) = args.source.plan(&PlanConfig::default())?;
+    let (plan, strict_failed) = args.source.plan(&args.source.plan_config()?)?;
     let Some(svc) = plan.services.get(&name) else {
         bail!("Service {name} is not proxied on node {} (unknown, headless, ExternalName, or another proxy's)", plan.node);
     };

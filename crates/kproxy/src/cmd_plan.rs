@@ -5,7 +5,6 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::ValueEnum;
-use kproxy_core::PlanConfig;
 
 use crate::common::ManifestArgs;
 
@@ -24,7 +23,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let (plan, strict_failed) = args.source.plan(&PlanConfig::default())?;
+    let (plan, strict_failed) = args.source.plan(&args.source.plan_config()?)?;
     match args.output {
         Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
         Format::Table => print!("{}", kproxy_core::explain::plan_table(&plan)),

@@ -31,6 +31,12 @@ pub struct ManifestArgs {
 }
 
 impl ManifestArgs {
+    /// The planner settings: upstream defaults (a `--config` file joins here once the
+    /// configuration crate lands).
+    pub fn plan_config(&self) -> Result<PlanConfig> {
+        Ok(PlanConfig::default())
+    }
+
     pub fn ownership(&self) -> Ownership {
         Ownership { service_proxy_name: self.service_proxy_name.clone() }
     }

@@ -3,6 +3,7 @@
 
 mod cmd_explain;
 mod cmd_plan;
+mod cmd_trace;
 mod common;
 mod daemon;
 mod metrics;
@@ -24,6 +25,8 @@ enum Command {
     Plan(cmd_plan::Args),
     /// Explain, for one Service, which endpoints each kind of traffic uses and why.
     Explain(cmd_explain::Args),
+    /// The fate of one new connection on this node: DNAT (to which endpoints), DROP, REJECT or NONE.
+    Trace(cmd_trace::Args),
     /// Check workloads' rollout settings against the load balancer in front of them.
     Lint(kproxy_lint::cli::LintArgs),
     /// Build a small cluster in network namespaces and run experiments on it (root).
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(a) => cmd_plan::run(a),
         Command::Explain(a) => cmd_explain::run(a),
+        Command::Trace(a) => cmd_trace::run(a),
         Command::Lint(a) => kproxy_lint::cli::run(a),
         Command::Lab(a) => kproxy_lab::cli::run(a),
     };

@@ -77,3 +77,27 @@ fn broken_objects_are_reported_and_skipped_and_strict_fails() {
     let (code, _, err) = kproxy(&["plan", "--manifests", "/nonexistent", "--node", "n1"]);
     assert_eq!(code, 1, "{err}");
 }
+
+#[test]
+fn trace_answers_per_node_for_the_lb_ip() {
+    let args = |node: &'static str| {
+        ["trace", "--manifests", "examples/cluster", "--node", node, "--src", "198.51.100.7", "--dst", "203.0.113.10", "--dport", "80", "-o", "json"]
+    };
+    let (code, out, err) = kproxy(&args("node-a"));
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["verdict"], "DNAT");
+    assert_eq!(v["masquerade"], false, "eTP Local keeps the client address");
+    assert!(!v["endpoints"].as_array().unwrap().is_empty());
+    // node-c has no serving local endpoint: the LB's traffic there is dropped.
+    let (_, out, _) = kproxy(&args("node-c"));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["verdict"], "DROP");
+    // An address kproxy does not own is not touched.
+    let (_, out, _) = kproxy(&["trace", "--manifests", "examples/cluster", "--node", "node-a", "--src", "10.244.1.9", "--dst", "10.1.2.3", "--dport", "80", "--proto", "udp", "-o", "json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["verdict"], "NONE");
+    // A bad protocol is a usage error.
+    let (code, _, _) = kproxy(&["trace", "--manifests", "examples/cluster", "--node", "node-a", "--src", "1.2.3.4", "--dst", "1.2.3.5", "--dport", "80", "--proto", "ICMP"]);
+    assert_eq!(code, 2);
+}
