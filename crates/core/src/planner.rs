@@ -223,11 +223,12 @@ pub fn merge_endpoints<'a>(
     slices: impl Iterator<Item = &'a Arc<EndpointSlice>>,
     family: IpFamily,
     node_name: &str,
-) -> BTreeMap<(String, Protocol), Vec<EndpointState>> {
-    let mut by_port: BTreeMap<(String, Protocol), Vec<EndpointState>> = BTreeMap::new();
+) -> BTreeMap<(&'a str, Protocol), Vec<EndpointState>> {
+    let mut by_port: BTreeMap<(&'a str, Protocol), Vec<EndpointState>> = BTreeMap::new();
     for slice in slices.filter(|s| s.family == family) {
         for port in &slice.ports {
-            let list = by_port.entry((port.name.clone(), port.protocol)).or_default();
+            let list = by_port.entry((port.name.as_str(), port.protocol)).or_default();
+            list.reserve(slice.endpoints.len());
             for e in &slice.endpoints {
                 let is_local = !node_name.is_empty() && e.node_name.as_deref() == Some(node_name);
                 list.push(EndpointState {
@@ -280,7 +281,7 @@ fn plan_service<'a>(
         local_ready_ips = local_ready_ips.max(ips.len() as u32);
         for sp in &svc.ports {
             // Service ports are unique per (name, protocol), so each list is taken once.
-            let endpoints = merged.remove(&(sp.name.clone(), sp.protocol)).unwrap_or_default();
+            let endpoints = merged.remove(&(sp.name.as_str(), sp.protocol)).unwrap_or_default();
             ports.push(plan_port(svc, sp, family, cluster_ip, etp, endpoints, facts, config));
         }
     }
