@@ -1,4 +1,244 @@
 //! kproxy's nftables dataplane: renders a NodePlan into kproxy's own tables
-//! (`ip kproxy`, `ip6 kproxy`), applies it atomically (full sync, then deltas),
-//! verifies the kernel against what was programmed, and cleans up stale conntrack
-//! entries. Under construction (issue 3).
+//! (`ip kproxy`, `ip6 kproxy`), applies it atomically (a full table replacement first,
+//! then deltas computed from the in-memory record of what is programmed), verifies the
+//! kernel against that record, and deletes stale UDP conntrack entries.
+//!
+//! Functional core: [`ruleset`] (plan → declarative ruleset → script/delta text) and
+//! [`conntrack::stale_flows`]. Imperative shell: [`Dataplane`], which runs `nft -f -`
+//! and talks ctnetlink, always in the calling thread's network namespace.
+
+pub mod conntrack;
+pub mod nft;
+pub mod ruleset;
+
+use std::time::{Duration, Instant};
+
+use kproxy_core::NodePlan;
+use kproxy_core::model::IpFamily;
+use kproxy_core::plan::LocalPods;
+
+pub use ruleset::{DeltaCounts, Ruleset};
+
+/// How the plan reaches the kernel (settings that do not change decisions).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataplaneConfig {
+    /// Table name: `kproxy` → tables `ip kproxy` and `ip6 kproxy`.
+    pub table: String,
+    /// kube-proxy's masqueradeBit (default 14 → mark 0x4000).
+    pub masquerade_bit: u8,
+    /// Delete stale UDP conntrack entries after each sync (default true).
+    pub conntrack_cleanup: bool,
+}
+
+impl Default for DataplaneConfig {
+    fn default() -> Self {
+        DataplaneConfig { table: "kproxy".into(), masquerade_bit: 14, conntrack_cleanup: true }
+    }
+}
+
+impl DataplaneConfig {
+    /// The masquerade mark value.
+    pub fn mark(&self) -> u32 {
+        1u32 << (self.masquerade_bit & 31)
+    }
+
+    /// Rejects values that could not be rendered safely.
+    pub fn validate(&self) -> Result<(), NftError> {
+        let t = &self.table;
+        let ok = !t.is_empty()
+            && t.len() <= 32
+            && t.starts_with(|c: char| c.is_ascii_alphabetic())
+            && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !ok {
+            return Err(NftError::Invalid(format!("table name {t:?}: want [A-Za-z][A-Za-z0-9_-]{{0,31}}")));
+        }
+        if self.masquerade_bit > 31 {
+            return Err(NftError::Invalid(format!("masquerade bit {} is not in 0..=31", self.masquerade_bit)));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    #[error("invalid input: {0}")]
+    Invalid(String),
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
+    #[error("nft failed ({status}): {stderr}")]
+    Nft { status: String, stderr: String },
+    #[error("reading the kernel ruleset: {0}")]
+    Parse(String),
+    #[error("conntrack: {0}")]
+    Conntrack(String),
+}
+
+/// What one sync did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    /// A full table replacement (first sync, after a failure, or a declaration change).
+    pub full: bool,
+    /// Wall time of the whole sync (render, transaction, conntrack).
+    pub elapsed: Duration,
+    /// Wall time of the nft transaction alone (zero when nothing changed).
+    pub transaction: Duration,
+    /// Bytes of nft script sent (zero when nothing changed).
+    pub script_bytes: usize,
+    pub changes: DeltaCounts,
+    pub conntrack_deleted: usize,
+    /// Conntrack cleanup failed (the rules were applied; the next sync retries).
+    pub conntrack_error: Option<String>,
+}
+
+/// What a verification found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// The kernel differed from the record (and a full sync repaired it).
+    pub drift: bool,
+    /// Objects (`chain NAME`, `set NAME`, `table FAMILY`) that differed.
+    pub differences: Vec<String>,
+}
+
+/// The dataplane: the record of what is programmed, and the operations on it.
+pub struct Dataplane {
+    cfg: DataplaneConfig,
+    /// What the kernel holds, per family (IPv4, IPv6); `None` until a full sync
+    /// succeeded, and again after any failure (forces the next sync to be full).
+    programmed: Option<[Ruleset; 2]>,
+    /// The last plan applied, for conntrack cleanup decisions.
+    last_plan: Option<NodePlan>,
+}
+
+impl Dataplane {
+    /// Validates the config; no kernel change yet.
+    pub fn new(cfg: DataplaneConfig) -> Result<Dataplane, NftError> {
+        cfg.validate()?;
+        Ok(Dataplane { cfg, programmed: None, last_plan: None })
+    }
+
+    pub fn config(&self) -> &DataplaneConfig {
+        &self.cfg
+    }
+
+    /// Forgets the record, so the next sync is a full one.
+    pub fn force_full_sync(&mut self) {
+        self.programmed = None;
+    }
+
+    /// The record of what is programmed (None before the first successful sync).
+    pub fn programmed(&self) -> Option<&[Ruleset; 2]> {
+        self.programmed.as_ref()
+    }
+
+    /// First call (or after a failure/verify mismatch): one atomic transaction replacing
+    /// kproxy's tables (adopting tables left by a previous run without a gap). Later
+    /// calls: the delta only, one transaction. Then the UDP conntrack cleanup of §e.6.
+    /// Blocking; acts on the calling thread's network namespace.
+    pub fn sync(&mut self, plan: &NodePlan) -> Result<SyncReport, NftError> {
+        let start = Instant::now();
+        validate_plan(plan)?;
+        let new = [
+            ruleset::build(plan, &self.cfg, IpFamily::IPv4),
+            ruleset::build(plan, &self.cfg, IpFamily::IPv6),
+        ];
+        let mut script = String::new();
+        let mut report = SyncReport::default();
+        let delta = self.programmed.as_ref().and_then(|old| {
+            let mut counts = DeltaCounts::default();
+            for (n, o) in new.iter().zip(old.iter()) {
+                counts.add(&n.delta_script(o, &mut script)?);
+            }
+            Some(counts)
+        });
+        match delta {
+            Some(c) => report.changes = c,
+            None => {
+                script.clear();
+                report.full = true;
+                for rs in &new {
+                    rs.full_script(&mut script);
+                    report.changes.add(&rs.counts());
+                }
+            }
+        }
+        if !script.is_empty() {
+            let t = Instant::now();
+            report.script_bytes = script.len();
+            if let Err(e) = nft::run_script(&script) {
+                self.programmed = None;
+                return Err(e);
+            }
+            report.transaction = t.elapsed();
+        }
+        self.programmed = Some(new);
+        if self.cfg.conntrack_cleanup {
+            match conntrack::cleanup(self.last_plan.as_ref(), plan) {
+                Ok(n) => report.conntrack_deleted = n,
+                Err(e) => {
+                    tracing::warn!(error = %e, "UDP conntrack cleanup failed; retried after the next sync");
+                    report.conntrack_error = Some(e.to_string());
+                }
+            }
+        }
+        self.last_plan = Some(plan.clone());
+        report.elapsed = start.elapsed();
+        Ok(report)
+    }
+
+    /// Reads the kernel, compares with the record, repairs drift (full sync of the last
+    /// plan); never on the normal path. Without a record (nothing synced yet) there is
+    /// nothing to compare and no drift.
+    pub fn verify(&mut self) -> Result<VerifyReport, NftError> {
+        let Some(programmed) = &self.programmed else { return Ok(VerifyReport::default()) };
+        let mut differences = Vec::new();
+        for rs in programmed {
+            differences.extend(nft::compare_with_kernel(rs)?);
+        }
+        let drift = !differences.is_empty();
+        if drift {
+            tracing::warn!(?differences, "nftables drift: repairing with a full sync");
+            self.programmed = None;
+            if let Some(plan) = self.last_plan.clone() {
+                self.sync(&plan)?;
+            }
+        }
+        Ok(VerifyReport { drift, differences })
+    }
+}
+
+/// Removes everything kproxy made (both tables); succeeds when they are absent.
+pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
+    cfg.validate()?;
+    // `add` then `delete` in one transaction: deletes whether or not the table exists.
+    let t = &cfg.table;
+    nft::run_script(&format!("add table ip {t}\ndelete table ip {t}\nadd table ip6 {t}\ndelete table ip6 {t}\n"))
+}
+
+/// The full script for a plan (both families), as `sync` would send on a full sync.
+/// For golden tests and operators (`kproxy sync --dry-run`).
+pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
+    let mut s = String::new();
+    for f in IpFamily::ALL {
+        ruleset::build(plan, cfg, f).full_script(&mut s);
+    }
+    s
+}
+
+/// Checks the plan's only free-form strings (interface names from the local-traffic
+/// detector config) before they reach a script.
+pub fn validate_plan(plan: &NodePlan) -> Result<(), NftError> {
+    for f in &plan.families {
+        match &f.local_pods {
+            LocalPods::InterfacePrefix(s) | LocalPods::Bridge(s) => validate_interface(s)?,
+            LocalPods::None | LocalPods::Cidrs(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Linux interface names: 1..=15 bytes; kproxy also limits the alphabet so the name can
+/// sit in an nft string without escaping.
+pub fn validate_interface(s: &str) -> Result<(), NftError> {
+    let ok = !s.is_empty() && s.len() <= 15 && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok { Ok(()) } else { Err(NftError::Invalid(format!("interface name {s:?}: want 1-15 of [A-Za-z0-9._-]"))) }
+}

@@ -1,0 +1,131 @@
+//! Running the `nft` tool: one script per transaction through `nft -f -`, and reading a
+//! table back as JSON (`nft -j list table`) for verification. Every call acts on the
+//! calling thread's network namespace (the child inherits it).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+
+use crate::NftError;
+use crate::ruleset::Ruleset;
+
+const NFT: &str = "nft";
+
+/// Sends `script` as one transaction (`nft -f -` applies a file as one netlink batch:
+/// all or nothing).
+pub fn run_script(script: &str) -> Result<(), NftError> {
+    let mut child = Command::new(NFT)
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| NftError::Io { context: format!("starting `{NFT} -f -`"), source: e })?;
+    let mut stdin = child.stdin.take().expect("stdin is piped");
+    // Write from a thread so a chatty nft can never deadlock us on a full stderr pipe.
+    let owned = script.to_string();
+    let writer = std::thread::spawn(move || stdin.write_all(owned.as_bytes()));
+    let out = child.wait_with_output().map_err(|e| NftError::Io { context: format!("waiting for `{NFT} -f -`"), source: e })?;
+    let written = writer.join().unwrap_or_else(|_| Err(std::io::Error::other("writer thread panicked")));
+    if !out.status.success() {
+        let mut stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        stderr.truncate(4000);
+        return Err(NftError::Nft { status: out.status.to_string(), stderr });
+    }
+    written.map_err(|e| NftError::Io { context: format!("writing the script to `{NFT} -f -`"), source: e })
+}
+
+/// `nft -j list table FAMILY TABLE`; `Ok(None)` when the table does not exist.
+pub fn list_table_json(family: &str, table: &str) -> Result<Option<Value>, NftError> {
+    let out = Command::new(NFT)
+        .args(["-j", "list", "table", family, table])
+        .output()
+        .map_err(|e| NftError::Io { context: format!("running `{NFT} -j list table {family} {table}`"), source: e })?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains("No such file or directory") {
+            return Ok(None);
+        }
+        return Err(NftError::Nft { status: out.status.to_string(), stderr: stderr.into_owned() });
+    }
+    serde_json::from_slice(&out.stdout).map(Some).map_err(|e| NftError::Parse(e.to_string()))
+}
+
+/// A table read back from the kernel, reduced to what kproxy decides: per object
+/// (`chain NAME` / `set NAME` / `map NAME`) its content without handles, table names or
+/// hook parameters, with set elements sorted and the contents of dynamic sets left out
+/// (the kernel fills those from traffic).
+pub fn normalize(json: &Value) -> BTreeMap<String, Value> {
+    let mut out: BTreeMap<String, Value> = BTreeMap::new();
+    let Some(items) = json.get("nftables").and_then(|v| v.as_array()) else { return out };
+    for item in items {
+        let Some(obj) = item.as_object() else { continue };
+        for (kind, body) in obj {
+            match kind.as_str() {
+                "chain" => {
+                    let name = body["name"].as_str().unwrap_or_default().to_string();
+                    out.entry(format!("chain {name}")).or_insert_with(|| Value::Array(Vec::new()));
+                }
+                "rule" => {
+                    let name = body["chain"].as_str().unwrap_or_default().to_string();
+                    let entry = out.entry(format!("chain {name}")).or_insert_with(|| Value::Array(Vec::new()));
+                    if let Value::Array(rules) = entry {
+                        rules.push(body["expr"].clone());
+                    }
+                }
+                "set" | "map" => {
+                    let name = body["name"].as_str().unwrap_or_default().to_string();
+                    let mut b = body.clone();
+                    if let Some(m) = b.as_object_mut() {
+                        m.remove("handle");
+                        m.remove("table");
+                        m.remove("family");
+                        let dynamic = m
+                            .get("flags")
+                            .and_then(|f| f.as_array())
+                            .is_some_and(|f| f.iter().any(|x| x.as_str() == Some("dynamic")));
+                        if dynamic {
+                            m.remove("elem");
+                        } else if let Some(Value::Array(e)) = m.get_mut("elem") {
+                            e.sort_by_key(|v| v.to_string());
+                        }
+                    }
+                    out.insert(format!("{kind} {name}"), b);
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// Compares the kernel's copy of `rs`'s table with what `rs` says: loads `rs` into a
+/// scratch table (same content, no hooks, so it never sees traffic), reads both back,
+/// and lists the objects that differ. Base-chain hook parameters are not compared.
+pub fn compare_with_kernel(rs: &Ruleset) -> Result<Vec<String>, NftError> {
+    let Some(kernel) = list_table_json(rs.family, &rs.table)? else {
+        return Ok(vec![format!("table {} {}", rs.family, rs.table)]);
+    };
+    let mut scratch = rs.clone();
+    scratch.table = format!("{}-verify", rs.table);
+    for c in scratch.chains.values_mut() {
+        c.decl.clear();
+    }
+    let mut script = String::new();
+    scratch.full_script(&mut script);
+    run_script(&script)?;
+    let expected = list_table_json(scratch.family, &scratch.table);
+    let removed = run_script(&format!("delete table {} {}\n", scratch.family, scratch.table));
+    let expected = expected?.ok_or_else(|| NftError::Parse("scratch table vanished".into()))?;
+    removed?;
+    let (k, e) = (normalize(&kernel), normalize(&expected));
+    let mut diff = Vec::new();
+    for key in k.keys().chain(e.keys()) {
+        if k.get(key) != e.get(key) && !diff.contains(key) {
+            diff.push(key.clone());
+        }
+    }
+    Ok(diff)
+}

@@ -1,0 +1,529 @@
+//! The declarative nftables model of one family's table (`Ruleset`), built from a
+//! `NodePlan` by pure code, and the two ways it reaches nft text: a full
+//! table-replacing script and the delta between two rulesets. The in-memory record of
+//! what is programmed is a `Ruleset`, so an incremental sync is `diff(old, new)`.
+//!
+//! Layout (chosen for kernel cost: one chain per service port and frontend kind, no
+//! per-endpoint chains except for ClientIP affinity):
+//! - `service-ips` (addr . proto . port → goto) and `service-nodeports` (proto . port →
+//!   goto) dispatch new connections from the `services` chain;
+//! - `svc-…` holds a service port's *internal* rules (cluster IP), `ext-…` its
+//!   *external* rules (NodePort, external IPs, LB IPs; LB source ranges first);
+//! - a rule is `<source match> <verdict>`, where a Forward verdict sets the masquerade
+//!   mark and DNATs through `numgen random mod N map { i : ip . port }` inline;
+//! - hairpin masquerade is one set `hairpin` of `ip . ip` pairs matched in postrouting
+//!   (source == DNATed destination), instead of a rule in every endpoint chain;
+//! - REJECT/DROP verdicts run in the same nat chains (kernel ≥ 5.9 allows `reject`
+//!   in prerouting); nat chains only see the first packet of a connection, so every
+//!   verdict applies to new connections only, as upstream's do.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use kproxy_core::NodePlan;
+use kproxy_core::model::{EndpointAddr, IpFamily};
+use kproxy_core::plan::{
+    EndpointSet, LocalPods, NodePortAddresses, ServicePortPlan, SourceClass, TrafficRule, Verdict,
+};
+use sha2::{Digest, Sha256};
+
+use crate::DataplaneConfig;
+
+/// One chain: its declaration (base-chain hook spec, or empty) and its rules in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Chain {
+    pub decl: String,
+    pub rules: Vec<String>,
+}
+
+/// One named set or map: its declaration and its elements (key → value; value empty
+/// for sets).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Set {
+    pub decl: String,
+    pub elements: BTreeMap<String, String>,
+}
+
+/// Everything kproxy programs into one family's table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ruleset {
+    /// `ip` or `ip6`.
+    pub family: &'static str,
+    pub table: String,
+    pub sets: BTreeMap<String, Set>,
+    pub chains: BTreeMap<String, Chain>,
+}
+
+/// Counts of what a delta changes, for the sync report and metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeltaCounts {
+    pub chains_added: usize,
+    pub chains_changed: usize,
+    pub chains_deleted: usize,
+    pub elements_added: usize,
+    pub elements_deleted: usize,
+    pub sets_added: usize,
+    pub sets_deleted: usize,
+}
+
+impl DeltaCounts {
+    pub fn is_empty(&self) -> bool {
+        *self == DeltaCounts::default()
+    }
+
+    pub fn add(&mut self, o: &DeltaCounts) {
+        self.chains_added += o.chains_added;
+        self.chains_changed += o.chains_changed;
+        self.chains_deleted += o.chains_deleted;
+        self.elements_added += o.elements_added;
+        self.elements_deleted += o.elements_deleted;
+        self.sets_added += o.sets_added;
+        self.sets_deleted += o.sets_deleted;
+    }
+}
+
+pub fn nft_family(f: IpFamily) -> &'static str {
+    match f {
+        IpFamily::IPv4 => "ip",
+        IpFamily::IPv6 => "ip6",
+    }
+}
+
+/// Family-specific vocabulary.
+struct Fam {
+    /// `ip` / `ip6` as a payload protocol.
+    p: &'static str,
+    addr: &'static str,
+    loopback: &'static str,
+    family: IpFamily,
+}
+
+impl Fam {
+    fn of(family: IpFamily) -> Fam {
+        match family {
+            IpFamily::IPv4 => Fam { p: "ip", addr: "ipv4_addr", loopback: "127.0.0.0/8", family },
+            IpFamily::IPv6 => Fam { p: "ip6", addr: "ipv6_addr", loopback: "::1", family },
+        }
+    }
+}
+
+/// Builds the ruleset of one family. Pure.
+pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Ruleset {
+    let f = Fam::of(family);
+    let mark = cfg.mark();
+    let mut rs = Ruleset { family: nft_family(family), table: cfg.table.clone(), sets: BTreeMap::new(), chains: BTreeMap::new() };
+    let fp = plan.family(family);
+
+    // Sets and maps.
+    let set = |decl: String| Set { decl, elements: BTreeMap::new() };
+    rs.sets.insert(
+        "service-ips".into(),
+        set(format!("type {} . inet_proto . inet_service : verdict; comment \"cluster IPs, external IPs and LB IPs\";", f.addr)),
+    );
+    rs.sets.insert("service-nodeports".into(), set("type inet_proto . inet_service : verdict; comment \"NodePorts\";".into()));
+    rs.sets.insert("cluster-ips".into(), set(format!("type {}; comment \"active cluster IPs\";", f.addr)));
+    rs.sets.insert("nodeport-ips".into(), set(format!("type {}; comment \"addresses that accept NodePorts\";", f.addr)));
+    rs.sets.insert("hairpin".into(), set(format!("type {} . {}; comment \"endpoint IP . endpoint IP\";", f.addr, f.addr)));
+
+    // Base chains, hooks and priorities as upstream's nat chains.
+    let base = |decl: &str, rules: Vec<String>| Chain { decl: decl.to_string(), rules };
+    rs.chains.insert(
+        "nat-prerouting".into(),
+        base("type nat hook prerouting priority dstnat; policy accept;", vec!["jump services".into()]),
+    );
+    rs.chains.insert("nat-output".into(), base("type nat hook output priority -100; policy accept;", vec!["jump services".into()]));
+    rs.chains.insert(
+        "nat-postrouting".into(),
+        base("type nat hook postrouting priority srcnat; policy accept;", vec!["jump masquerading".into()]),
+    );
+    rs.chains.insert(
+        "masquerading".into(),
+        base(
+            "",
+            vec![
+                // Hairpin: a pod reaching itself through a Service (source == chosen endpoint).
+                format!("ct status dnat {p} saddr . {p} daddr @hairpin masquerade fully-random", p = f.p),
+                format!("meta mark & {mark:#x} == 0 return"),
+                format!("meta mark set meta mark ^ {mark:#x}"),
+                "masquerade fully-random".into(),
+            ],
+        ),
+    );
+    let mut services = vec![format!("{} daddr . meta l4proto . th dport vmap @service-ips", f.p)];
+    match &fp.node_port_addresses {
+        NodePortAddresses::AllLocal => services.push(format!(
+            "fib daddr type local {} daddr != {} meta l4proto . th dport vmap @service-nodeports",
+            f.p, f.loopback
+        )),
+        NodePortAddresses::Only(list) => {
+            let ips: Vec<&IpAddr> = list.iter().filter(|ip| family.contains(ip)).collect();
+            if !ips.is_empty() {
+                let s = rs.sets.get_mut("nodeport-ips").expect("declared above");
+                for ip in ips {
+                    s.elements.insert(ip.to_string(), String::new());
+                }
+                services.push(format!("{} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports", f.p));
+            }
+        }
+    }
+    // A live cluster IP on a port/protocol no Service defines is rejected (v1.30+).
+    services.push(format!("{} daddr @cluster-ips reject", f.p));
+    rs.chains.insert("services".into(), base("", services));
+
+    let local_pods = &fp.local_pods;
+    for sp in plan.service_ports().filter(|sp| sp.family == family) {
+        add_service_port(&mut rs, &f, sp, local_pods, mark);
+    }
+    rs
+}
+
+fn add_service_port(rs: &mut Ruleset, f: &Fam, sp: &ServicePortPlan, local_pods: &LocalPods, mark: u32) {
+    let id = port_id(sp);
+    let proto = sp.protocol.nft_name();
+    let svc_chain = format!("svc-{id}");
+    let ext_chain = format!("ext-{id}");
+    let affinity = sp.session_affinity_timeout;
+
+    // Per-endpoint affinity sets and chains (only for ClientIP affinity).
+    if let Some(timeout) = affinity {
+        for ep in &sp.all_reachable_endpoints {
+            let (set, chain) = affinity_names(&id, ep);
+            rs.sets.insert(
+                set.clone(),
+                Set { decl: format!("type {}; flags dynamic,timeout; timeout {timeout}s;", f.addr), elements: BTreeMap::new() },
+            );
+            rs.chains.insert(
+                chain,
+                Chain {
+                    decl: String::new(),
+                    rules: vec![format!("update @{set} {{ {} saddr }} meta l4proto {proto} dnat to {}", f.p, dnat_target(ep))],
+                },
+            );
+        }
+    }
+    for ep in &sp.all_reachable_endpoints {
+        rs.sets.get_mut("hairpin").expect("declared").elements.insert(format!("{ip} . {ip}", ip = ep.ip), String::new());
+    }
+
+    let rules = |list: &[TrafficRule]| -> Vec<String> {
+        let mut out = Vec::new();
+        for r in list {
+            let Some(m) = source_match(r.from, f, local_pods) else { continue };
+            match r.verdict {
+                Verdict::Drop => out.push(format!("{m}drop")),
+                Verdict::Reject => out.push(format!("{m}reject")),
+                Verdict::Forward { endpoints, masquerade } => {
+                    let eps = sp.endpoints_for(endpoints);
+                    forward_rules(&mut out, &m, f, sp, &id, eps, masquerade, mark, endpoints);
+                }
+            }
+        }
+        out
+    };
+
+    rs.chains.insert(svc_chain.clone(), Chain { decl: String::new(), rules: rules(&sp.internal) });
+    rs.sets.get_mut("cluster-ips").expect("declared").elements.insert(sp.cluster_ip.to_string(), String::new());
+    insert_first(rs, "service-ips", format!("{} . {proto} . {}", sp.cluster_ip, sp.port), format!("goto {svc_chain}"));
+
+    if !sp.external.is_empty() {
+        let mut ext = Vec::new();
+        if let Some(fw) = &sp.firewall {
+            let lbs: Vec<String> = sp.load_balancer_ips.iter().map(|ip| ip.to_string()).collect();
+            if !lbs.is_empty() {
+                let allowed: Vec<String> =
+                    fw.allowed_sources.iter().filter(|n| f.family.contains(&n.addr())).map(|n| n.trunc().to_string()).collect();
+                let lb = format!("{} daddr {{ {} }} th dport {}", f.p, lbs.join(", "), sp.port);
+                if allowed.is_empty() {
+                    ext.push(format!("{lb} drop"));
+                } else {
+                    ext.push(format!("{lb} {} saddr != {{ {} }} drop", f.p, allowed.join(", ")));
+                }
+            }
+        }
+        ext.extend(rules(&sp.external));
+        rs.chains.insert(ext_chain.clone(), Chain { decl: String::new(), rules: ext });
+        for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
+            insert_first(rs, "service-ips", format!("{ip} . {proto} . {}", sp.port), format!("goto {ext_chain}"));
+        }
+        if let Some(np) = sp.node_port {
+            insert_first(rs, "service-nodeports", format!("{proto} . {np}"), format!("goto {ext_chain}"));
+        }
+    }
+}
+
+/// Map keys must be unique; when two frontends collide the first in plan order wins,
+/// which is what `trace` predicts.
+fn insert_first(rs: &mut Ruleset, set: &str, key: String, value: String) {
+    rs.sets.get_mut(set).expect("declared").elements.entry(key).or_insert(value);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_rules(
+    out: &mut Vec<String>,
+    m: &str,
+    f: &Fam,
+    sp: &ServicePortPlan,
+    id: &str,
+    eps: &[EndpointAddr],
+    masquerade: bool,
+    mark: u32,
+    _set: EndpointSet,
+) {
+    let proto = sp.protocol.nft_name();
+    if eps.is_empty() {
+        // Invariant of the planner (a Forward set is never empty); be safe anyway.
+        out.push(format!("{m}drop"));
+        return;
+    }
+    let masq = if masquerade { format!("meta mark set meta mark | {mark:#x} ") } else { String::new() };
+    if sp.session_affinity_timeout.is_some() {
+        // Known clients go back to the endpoint they used, in endpoint order.
+        for ep in eps {
+            let (set, _) = affinity_names(id, ep);
+            out.push(format!(
+                "{m}{p} saddr @{set} {masq}update @{set} {{ {p} saddr }} meta l4proto {proto} dnat to {}",
+                dnat_target(ep),
+                p = f.p
+            ));
+        }
+        if eps.len() == 1 {
+            out.push(format!("{m}{masq}goto {}", affinity_names(id, &eps[0]).1));
+        } else {
+            let arms: Vec<String> =
+                eps.iter().enumerate().map(|(i, ep)| format!("{i} : goto {}", affinity_names(id, ep).1)).collect();
+            out.push(format!("{m}{masq}numgen random mod {} vmap {{ {} }}", eps.len(), arms.join(", ")));
+        }
+        return;
+    }
+    if eps.len() == 1 {
+        out.push(format!("{m}{masq}meta l4proto {proto} dnat to {}", dnat_target(&eps[0])));
+    } else {
+        let arms: Vec<String> = eps.iter().enumerate().map(|(i, ep)| format!("{i} : {} . {}", ep.ip, ep.port)).collect();
+        out.push(format!(
+            "{m}{masq}meta l4proto {proto} dnat {} addr . port to numgen random mod {} map {{ {} }}",
+            f.p,
+            eps.len(),
+            arms.join(", ")
+        ));
+    }
+}
+
+fn dnat_target(ep: &EndpointAddr) -> String {
+    // EndpointAddr's Display is `ip:port` / `[ip]:port`, which is nft's syntax too.
+    ep.to_string()
+}
+
+/// The match prefix (with a trailing space) of a source class; `None` when the class
+/// can never match (LocalPod without a detector), so the rule is left out.
+fn source_match(class: SourceClass, f: &Fam, local_pods: &LocalPods) -> Option<String> {
+    match class {
+        SourceClass::Any => Some(String::new()),
+        SourceClass::ThisNode => Some("fib saddr type local ".into()),
+        SourceClass::LocalPod => match local_pods {
+            LocalPods::None => None,
+            LocalPods::Cidrs(cidrs) => {
+                let c: Vec<String> =
+                    cidrs.iter().filter(|n| f.family.contains(&n.addr())).map(|n| n.trunc().to_string()).collect();
+                if c.is_empty() { None } else { Some(format!("{} saddr {{ {} }} ", f.p, c.join(", "))) }
+            }
+            // Interface names are validated by `crate::ident::interface_name`; an invalid
+            // one was rejected before rendering (see `validate_plan`).
+            LocalPods::InterfacePrefix(p) => Some(format!("iifname \"{p}*\" ")),
+            LocalPods::Bridge(b) => Some(format!("iifname \"{b}\" ")),
+        },
+    }
+}
+
+/// A short stable identifier of a service port: hash (uniqueness) + readable name.
+/// Every part is a validated Kubernetes name; `sanitize` keeps it an nft identifier
+/// even if that ever changes.
+pub fn port_id(sp: &ServicePortPlan) -> String {
+    let spn = &sp.service_port;
+    let key = spn.to_string();
+    let h = Sha256::digest(key.as_bytes());
+    let hash: String = h.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    let readable = format!("{}/{}/{}/{}", spn.service.namespace, spn.service.name, sp.protocol.nft_name(), spn.port_name);
+    let mut id = format!("{hash}-{}", sanitize(&readable));
+    id.truncate(180);
+    id
+}
+
+fn affinity_names(id: &str, ep: &EndpointAddr) -> (String, String) {
+    let e = sanitize(&format!("{}/{}", ep.ip, ep.port).replace(':', "."));
+    (format!("aff-{id}__{e}"), format!("aep-{id}__{e}"))
+}
+
+/// Keeps only characters nft accepts in an unquoted identifier.
+fn sanitize(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/') { c } else { '_' }).collect()
+}
+
+impl Ruleset {
+    /// The full script that replaces this family's table atomically: creating then
+    /// deleting the table first makes `delete` succeed whether or not it exists, and
+    /// the whole script is one transaction, so there is no gap.
+    pub fn full_script(&self, out: &mut String) {
+        let (fam, t) = (self.family, &self.table);
+        let _ = writeln!(out, "add table {fam} {t}");
+        let _ = writeln!(out, "delete table {fam} {t}");
+        let _ = writeln!(out, "add table {fam} {t} {{ comment \"rules for kproxy\"; }}");
+        for (name, s) in &self.sets {
+            let _ = writeln!(out, "add {} {fam} {t} {name} {{ {} }}", kind(s), s.decl);
+        }
+        for (name, c) in &self.chains {
+            decl_chain(out, fam, t, name, c);
+        }
+        for (name, c) in &self.chains {
+            for r in &c.rules {
+                let _ = writeln!(out, "add rule {fam} {t} {name} {r}");
+            }
+        }
+        for (name, s) in &self.sets {
+            elements(out, "add", fam, t, name, s.elements.iter(), true);
+        }
+    }
+
+    /// The delta from `old` (what is programmed) to `self`, as one script; `None` when
+    /// a declaration changed and only a full sync can apply it.
+    pub fn delta_script(&self, old: &Ruleset, out: &mut String) -> Option<DeltaCounts> {
+        if old.family != self.family || old.table != self.table {
+            return None;
+        }
+        let (fam, t) = (self.family, &self.table);
+        let mut n = DeltaCounts::default();
+        for (name, s) in &self.sets {
+            if let Some(o) = old.sets.get(name)
+                && o.decl != s.decl
+            {
+                return None;
+            }
+        }
+        for (name, c) in &self.chains {
+            if let Some(o) = old.chains.get(name)
+                && o.decl != c.decl
+            {
+                return None;
+            }
+        }
+        // 1. New sets and chains.
+        for (name, s) in &self.sets {
+            if !old.sets.contains_key(name) {
+                n.sets_added += 1;
+                let _ = writeln!(out, "add {} {fam} {t} {name} {{ {} }}", kind(s), s.decl);
+            }
+        }
+        for (name, c) in &self.chains {
+            if !old.chains.contains_key(name) {
+                n.chains_added += 1;
+                decl_chain(out, fam, t, name, c);
+            }
+        }
+        // 2. Flush changed and removed chains (drops their references first).
+        for (name, c) in &old.chains {
+            match self.chains.get(name) {
+                Some(new) if new.rules == c.rules => {}
+                Some(_) => {
+                    n.chains_changed += 1;
+                    let _ = writeln!(out, "flush chain {fam} {t} {name}");
+                }
+                None => {
+                    let _ = writeln!(out, "flush chain {fam} {t} {name}");
+                }
+            }
+        }
+        // 3. Rules of new and changed chains.
+        for (name, c) in &self.chains {
+            if old.chains.get(name).is_some_and(|o| o.rules == c.rules) {
+                continue;
+            }
+            for r in &c.rules {
+                let _ = writeln!(out, "add rule {fam} {t} {name} {r}");
+            }
+        }
+        // 4. Elements: removed or re-valued keys out, new or re-valued keys in.
+        for (name, s) in &self.sets {
+            let empty = BTreeMap::new();
+            let olde = old.sets.get(name).map(|o| &o.elements).unwrap_or(&empty);
+            let del: Vec<_> = olde.iter().filter(|(k, v)| s.elements.get(*k) != Some(*v)).collect();
+            let add: Vec<_> = s.elements.iter().filter(|(k, v)| olde.get(*k) != Some(*v)).collect();
+            n.elements_deleted += del.len();
+            n.elements_added += add.len();
+            elements(out, "delete", fam, t, name, del.into_iter(), false);
+            elements(out, "add", fam, t, name, add.into_iter(), true);
+        }
+        // 5. Removed chains and sets, now unreferenced.
+        for name in old.chains.keys() {
+            if !self.chains.contains_key(name) {
+                n.chains_deleted += 1;
+                let _ = writeln!(out, "delete chain {fam} {t} {name}");
+            }
+        }
+        for name in old.sets.keys() {
+            if !self.sets.contains_key(name) {
+                n.sets_deleted += 1;
+                let _ = writeln!(out, "delete {} {fam} {t} {name}", kind(&old.sets[name]));
+            }
+        }
+        Some(n)
+    }
+
+    /// Counts for a full sync.
+    pub fn counts(&self) -> DeltaCounts {
+        DeltaCounts {
+            chains_added: self.chains.len(),
+            sets_added: self.sets.len(),
+            elements_added: self.sets.values().map(|s| s.elements.len()).sum(),
+            ..DeltaCounts::default()
+        }
+    }
+
+    /// Names of all chains and sets (for verification).
+    pub fn names(&self) -> (BTreeSet<&str>, BTreeSet<&str>) {
+        (self.chains.keys().map(|s| s.as_str()).collect(), self.sets.keys().map(|s| s.as_str()).collect())
+    }
+}
+
+fn kind(s: &Set) -> &'static str {
+    if s.decl.contains(" : ") { "map" } else { "set" }
+}
+
+fn decl_chain(out: &mut String, fam: &str, t: &str, name: &str, c: &Chain) {
+    if c.decl.is_empty() {
+        let _ = writeln!(out, "add chain {fam} {t} {name}");
+    } else {
+        let _ = writeln!(out, "add chain {fam} {t} {name} {{ {} }}", c.decl);
+    }
+}
+
+/// Writes elements in batches so no single line grows without bound.
+fn elements<'a>(
+    out: &mut String,
+    verb: &str,
+    fam: &str,
+    t: &str,
+    name: &str,
+    it: impl Iterator<Item = (&'a String, &'a String)>,
+    with_value: bool,
+) {
+    let mut n = 0;
+    for (k, v) in it {
+        if n % 1000 == 0 {
+            if n > 0 {
+                out.push_str(" }\n");
+            }
+            let _ = write!(out, "{verb} element {fam} {t} {name} {{ ");
+        } else {
+            out.push_str(", ");
+        }
+        out.push_str(k);
+        if with_value && !v.is_empty() {
+            out.push_str(" : ");
+            out.push_str(v);
+        }
+        n += 1;
+    }
+    if n > 0 {
+        out.push_str(" }\n");
+    }
+}

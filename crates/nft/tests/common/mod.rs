@@ -1,0 +1,95 @@
+//! Shared test helpers: plans through the real manifest → ingest → plan path, and
+//! network namespaces (created with `ip netns`, removed by a Drop guard even on panic).
+#![allow(dead_code)]
+
+use std::net::IpAddr;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kproxy_core::ingest::Ownership;
+use kproxy_core::{ClusterState, NodePlan, PlanConfig, manifest};
+
+pub fn state_from_yaml(text: &str, node: &str) -> ClusterState {
+    let parsed = manifest::parse("test.yaml", text);
+    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
+    let mut st = ClusterState::new();
+    for o in &parsed.objects {
+        st.apply(&o.object, &Ownership::default(), node).expect("valid object");
+    }
+    st
+}
+
+pub fn plan_from_yaml(text: &str, node: &str, cfg: &PlanConfig) -> NodePlan {
+    kproxy_core::plan(&state_from_yaml(text, node), node, cfg)
+}
+
+pub fn example_cluster() -> String {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/cluster");
+    let mut text = String::new();
+    let mut names: Vec<_> = std::fs::read_dir(dir).expect("examples/cluster").map(|e| e.expect("entry").path()).collect();
+    names.sort();
+    for p in names {
+        if p.extension().is_some_and(|e| e == "yaml" || e == "json") {
+            text += &std::fs::read_to_string(&p).expect("read example");
+            text += "\n---\n";
+        }
+    }
+    text
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// A network namespace named `kpnft-<pid>-<n>-<tag>`, deleted on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new(tag: &str) -> Netns {
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let name = format!("kpn{}-{n}{tag}", std::process::id());
+        sh(&format!("ip netns add {name}"));
+        let ns = Netns { name };
+        ns.exec("ip link set lo up");
+        ns
+    }
+
+    /// Runs a shell command inside the namespace; panics on failure.
+    pub fn exec(&self, cmd: &str) -> String {
+        sh(&format!("ip netns exec {} sh -c '{}'", self.name, cmd))
+    }
+
+    /// Runs `f` on a fresh thread that has entered this namespace. Sockets created there
+    /// stay in this namespace.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            enter(&path);
+            f()
+        })
+        .join()
+        .expect("netns thread panicked")
+    }
+}
+
+/// Moves the calling thread into the namespace at `path` (a thread of its own only!).
+pub fn enter(path: &str) {
+    let f = std::fs::File::open(path).expect("open netns");
+    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+pub fn sh(cmd: &str) -> String {
+    let out = Command::new("sh").arg("-c").arg(cmd).output().expect("spawn sh");
+    assert!(out.status.success(), "`{cmd}` failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn ip(s: &str) -> IpAddr {
+    s.parse().expect("ip")
+}
