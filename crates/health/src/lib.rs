@@ -1,2 +1,598 @@
-//! Health servers: one HTTP server per healthCheckNodePort and the proxy's own
-//! /healthz and /livez. Under construction (issue 4).
+//! kproxy-health: the health servers. One HTTP server per `healthCheckNodePort` of the
+//! plan (what steers external load balancers of eTP-Local Services), and the proxy's own
+//! `/healthz` and `/livez` on `healthzBindAddress`.
+//!
+//! Functional core, imperative shell: [`decide`] holds every decision as pure functions
+//! of (plans, proxy-health state, now); this module keeps the state and runs a
+//! reconciler task that opens, retargets and closes listeners as plans change; [`http`]
+//! is the hyper shell with bounded per-connection resources. The sync loop reports to a
+//! cheap [`Health`] handle: [`Health::plan_computed`], [`Health::plan_applied`],
+//! [`Health::sync_failed`]. Semantics (truthful vs upstream) are documented in
+//! `docs/health.md`.
+
+pub mod decide;
+pub mod fixtures;
+pub mod http;
+pub mod metrics;
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use kproxy_core::NodePlan;
+use kproxy_core::model::ServiceName;
+use kproxy_core::plan::NodePortAddresses;
+use prometheus_client::registry::Registry;
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use decide::{Answer, LocalAddr, Probe, ProxyHealth, Semantics};
+use metrics::{CodeLabel, Metrics, PortLabels, ServiceLabels};
+
+/// Upstream's default `healthzBindAddress`.
+pub const DEFAULT_HEALTHZ_BIND_ADDRESS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 10256);
+
+/// How long `shutdown` lets in-flight requests finish.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+/// Re-evaluation period of port answers for the gauges (staleness changes with time
+/// alone) and of local addresses for `nodePortAddresses`.
+const TICK: Duration = Duration::from_secs(1);
+const RETRY_FIRST: Duration = Duration::from_millis(200);
+const RETRY_MAX: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthConfig {
+    /// `None`: no `/healthz`, `/livez` server. Default `0.0.0.0:10256`.
+    pub healthz_bind_address: Option<SocketAddr>,
+    pub semantics: Semantics,
+    /// The proxy is unhealthy when a change stays unapplied for 2 × syncPeriod.
+    pub sync_period: Duration,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            healthz_bind_address: Some(DEFAULT_HEALTHZ_BIND_ADDRESS),
+            semantics: Semantics::Truthful,
+            sync_period: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HealthError {
+    #[error("syncPeriod must be positive (the health timeout is 2 × syncPeriod)")]
+    ZeroSyncPeriod,
+}
+
+/// Wall clock for health timestamps and staleness; tests inject [`ManualClock`].
+pub trait Clock: Send + Sync + 'static {
+    fn now(&self) -> SystemTime;
+}
+
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> SystemTime {
+        SystemTime::now()
+    }
+}
+
+/// A clock that moves only when told to.
+pub struct ManualClock(Mutex<SystemTime>);
+
+impl ManualClock {
+    pub fn new(t: SystemTime) -> Arc<ManualClock> {
+        Arc::new(ManualClock(Mutex::new(t)))
+    }
+
+    pub fn set(&self, t: SystemTime) {
+        *lock(&self.0) = t;
+    }
+
+    pub fn advance(&self, d: Duration) {
+        *lock(&self.0) += d;
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> SystemTime {
+        *lock(&self.0)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave the data half-updated in a
+    // way that matters more than stopping the health servers would.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Core {
+    health: ProxyHealth,
+    computed: Option<Arc<NodePlan>>,
+    applied: Option<Arc<NodePlan>>,
+}
+
+/// What request handlers and the reconciler share.
+struct Shared {
+    semantics: Semantics,
+    timeout: Duration,
+    clock: Arc<dyn Clock>,
+    core: Mutex<Core>,
+    metrics: Metrics,
+}
+
+impl Shared {
+    fn proxy_healthy(&self) -> bool {
+        let now = self.clock.now();
+        lock(&self.core).health.healthy(now, self.timeout)
+    }
+
+    fn proxy_answer(&self, probe: Probe) -> Answer {
+        let now = self.clock.now();
+        let c = lock(&self.core);
+        let computed = c.computed.as_deref();
+        decide::proxy_answer(
+            self.semantics,
+            probe,
+            &c.health,
+            decide::node_eligible(computed),
+            &decide::families(computed),
+            now,
+            self.timeout,
+        )
+    }
+
+    /// Records the answer a port gave: the gauge, and a transition when it changed.
+    fn note_status(&self, check: &CheckState, status: u16) {
+        let prev = check.last_status.swap(status, Ordering::Relaxed);
+        if prev != status {
+            self.metrics.port_healthy.get_or_create(&PortLabels::of(&check.service, check.port)).set(i64::from(status == 200));
+            if prev != 0 {
+                self.metrics.transitions.get_or_create(&ServiceLabels::of(&check.service)).inc();
+            }
+        }
+    }
+}
+
+/// The answer state of one health-check port, read by every request.
+struct CheckState {
+    service: ServiceName,
+    port: u16,
+    local_endpoints: AtomicU32,
+    /// Last status answered or evaluated (0: none yet).
+    last_status: AtomicU16,
+}
+
+/// Where one health-check node port listens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Listening {
+    pub port: u16,
+    /// Bound and serving.
+    pub addrs: Vec<SocketAddr>,
+    /// Selected but not bound (being retried with backoff).
+    pub failing: Vec<SocketAddr>,
+    /// The count the port answers with.
+    pub local_endpoints: u32,
+}
+
+#[derive(Default)]
+struct Observed {
+    checks: BTreeMap<ServiceName, Listening>,
+    healthz: Vec<SocketAddr>,
+}
+
+struct Control {
+    wake: Notify,
+    requested: AtomicU64,
+    done: watch::Sender<u64>,
+    stop: CancellationToken,
+    task: Mutex<Option<JoinHandle<()>>>,
+    observed: Mutex<Observed>,
+}
+
+/// The health servers' handle: cheap to clone; every method but `start`, `shutdown` and
+/// `reconciled` returns at once (work happens on the reconciler task).
+#[derive(Clone)]
+pub struct Health {
+    shared: Arc<Shared>,
+    ctl: Arc<Control>,
+}
+
+impl Health {
+    /// Starts the proxy health server (if configured) and the reconciler; registers the
+    /// metrics into `registry`. A `healthzBindAddress` that cannot be bound is logged,
+    /// counted and retried in the background, never fatal (as upstream).
+    pub async fn start(cfg: HealthConfig, registry: &mut Registry) -> Result<Health, HealthError> {
+        Health::start_with_clock(cfg, registry, Arc::new(SystemClock)).await
+    }
+
+    /// [`Health::start`] with an injected clock (tests: staleness without sleeping).
+    pub async fn start_with_clock(
+        cfg: HealthConfig,
+        registry: &mut Registry,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Health, HealthError> {
+        if cfg.sync_period.is_zero() {
+            return Err(HealthError::ZeroSyncPeriod);
+        }
+        let now = clock.now();
+        let shared = Arc::new(Shared {
+            semantics: cfg.semantics,
+            timeout: cfg.sync_period.saturating_mul(2),
+            clock,
+            core: Mutex::new(Core { health: ProxyHealth::new(now), computed: None, applied: None }),
+            metrics: Metrics::default(),
+        });
+        shared.metrics.register(registry);
+        let ctl = Arc::new(Control {
+            wake: Notify::new(),
+            requested: AtomicU64::new(1),
+            done: watch::Sender::new(0),
+            stop: CancellationToken::new(),
+            task: Mutex::new(None),
+            observed: Mutex::default(),
+        });
+        let healthz = cfg.healthz_bind_address.map(|addr| {
+            let mut h = HealthzServer::new(addr, &shared);
+            h.try_bind(&shared);
+            h
+        });
+        if let Some(h) = &healthz {
+            lock(&ctl.observed).healthz = h.bound_addr.into_iter().collect();
+        }
+        let task = tokio::spawn(reconcile_loop(shared.clone(), ctl.clone(), healthz));
+        *lock(&ctl.task) = Some(task);
+        tracing::info!(semantics = cfg.semantics.as_str(), healthz = ?cfg.healthz_bind_address, "health servers started");
+        Ok(Health { shared, ctl })
+    }
+
+    /// The sync loop has a new computed plan queued (upstream `QueuedUpdate`). Node
+    /// eligibility for `/healthz` comes from this plan; truthful semantics also stop
+    /// counting endpoints this plan no longer has as ready.
+    pub fn plan_computed(&self, plan: &Arc<NodePlan>) {
+        let now = self.shared.clock.now();
+        {
+            let mut c = lock(&self.shared.core);
+            c.health.queued(now);
+            c.computed = Some(plan.clone());
+        }
+        self.kick();
+    }
+
+    /// The dataplane applied this plan successfully (upstream `Updated`, then
+    /// `SyncServices`/`SyncEndpoints`): health-check servers follow this plan.
+    pub fn plan_applied(&self, plan: &Arc<NodePlan>) {
+        let now = self.shared.clock.now();
+        {
+            let mut c = lock(&self.shared.core);
+            c.health.updated(now);
+            c.applied = Some(plan.clone());
+            if c.computed.is_none() {
+                c.computed = Some(plan.clone());
+            }
+        }
+        self.kick();
+    }
+
+    /// A sync failed: the last applied answers stay, and the proxy turns unhealthy once
+    /// the oldest unapplied change is 2 × syncPeriod old.
+    pub fn sync_failed(&self) {
+        let now = self.shared.clock.now();
+        lock(&self.shared.core).health.failed(now, self.shared.semantics);
+        self.kick();
+    }
+
+    /// The proxy's health as `/livez` and `serviceProxyHealthy` report it now.
+    pub fn proxy_healthy(&self) -> bool {
+        self.shared.proxy_healthy()
+    }
+
+    /// Health-check servers as of the last reconcile.
+    pub fn listening(&self) -> BTreeMap<ServiceName, Listening> {
+        lock(&self.ctl.observed).checks.clone()
+    }
+
+    /// The bound `healthzBindAddress` (with the real port when 0 was asked); empty when
+    /// disabled or not bound (yet).
+    pub fn healthz_addrs(&self) -> Vec<SocketAddr> {
+        lock(&self.ctl.observed).healthz.clone()
+    }
+
+    /// Waits until the reconciler has acted on every call made before this one.
+    pub async fn reconciled(&self) {
+        let want = self.ctl.requested.load(Ordering::SeqCst);
+        let mut rx = self.ctl.done.subscribe();
+        let _ = rx.wait_for(|done| *done >= want || self.ctl.stop.is_cancelled()).await;
+    }
+
+    /// Closes every listener (in-flight requests get a short grace) and stops the
+    /// reconciler. Other clones of the handle become inert.
+    pub async fn shutdown(self) {
+        self.ctl.stop.cancel();
+        let task = lock(&self.ctl.task).take();
+        if let Some(t) = task {
+            let _ = t.await;
+        }
+    }
+
+    fn kick(&self) {
+        self.ctl.requested.fetch_add(1, Ordering::SeqCst);
+        self.ctl.wake.notify_one();
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Retry {
+    attempts: u32,
+    next: tokio::time::Instant,
+}
+
+impl Retry {
+    fn after_failure(prev: Option<Retry>) -> Retry {
+        let attempts = prev.map_or(0, |r| r.attempts.saturating_add(1));
+        let delay = RETRY_FIRST.saturating_mul(1u32 << attempts.min(10)).min(RETRY_MAX);
+        Retry { attempts, next: tokio::time::Instant::now() + delay }
+    }
+
+    fn due(&self) -> bool {
+        tokio::time::Instant::now() >= self.next
+    }
+}
+
+struct HealthzServer {
+    addr: SocketAddr,
+    server: http::Server,
+    bound_addr: Option<SocketAddr>,
+    retry: Option<Retry>,
+}
+
+impl HealthzServer {
+    fn new(addr: SocketAddr, shared: &Arc<Shared>) -> HealthzServer {
+        let s = shared.clone();
+        let handler: http::Handler = Arc::new(move |req: &::http::request::Parts| {
+            let (probe, family) = match req.uri.path() {
+                "/healthz" => (Probe::Healthz, &s.metrics.healthz),
+                "/livez" => (Probe::Livez, &s.metrics.livez),
+                _ => {
+                    return Answer { status: 404, body: r#"{"error":"404 page not found"}"#.into(), endpoint_weight: None };
+                }
+            };
+            let a = s.proxy_answer(probe);
+            family.get_or_create(&CodeLabel { code: metrics::code(a.status) }).inc();
+            a
+        });
+        HealthzServer { addr, server: http::Server::new(handler, http::Limits::default()), bound_addr: None, retry: None }
+    }
+
+    fn try_bind(&mut self, shared: &Shared) {
+        match http::bind(self.addr) {
+            Ok(l) => {
+                self.bound_addr = Some(l.local_addr().unwrap_or(self.addr));
+                self.server.serve(l);
+                self.retry = None;
+                tracing::info!(address = %self.addr, "serving /healthz and /livez");
+            }
+            Err(e) => {
+                shared.metrics.healthz_bind_failures.inc();
+                let r = Retry::after_failure(self.retry);
+                tracing::warn!(address = %self.addr, error = %e, attempt = r.attempts + 1, "cannot bind healthzBindAddress; retrying");
+                self.retry = Some(r);
+            }
+        }
+    }
+}
+
+/// One health-check node port server.
+struct Running {
+    check: Arc<CheckState>,
+    server: http::Server,
+    bound: BTreeMap<SocketAddr, CancellationToken>,
+    failing: BTreeMap<SocketAddr, Retry>,
+}
+
+impl Running {
+    fn new(shared: &Arc<Shared>, service: ServiceName, port: u16) -> Running {
+        let check = Arc::new(CheckState {
+            service,
+            port,
+            local_endpoints: AtomicU32::new(0),
+            last_status: AtomicU16::new(0),
+        });
+        let (s, c) = (shared.clone(), check.clone());
+        // Any path and method get the same answer (upstream ignores the request).
+        let handler: http::Handler = Arc::new(move |_req: &::http::request::Parts| {
+            let a = decide::service_answer(&c.service, c.local_endpoints.load(Ordering::Relaxed), s.proxy_healthy());
+            s.note_status(&c, a.status);
+            a
+        });
+        Running { check, server: http::Server::new(handler, http::Limits::default()), bound: BTreeMap::new(), failing: BTreeMap::new() }
+    }
+
+    /// Binds what is wanted and due, unbinds what is not wanted any more.
+    fn converge(&mut self, want: &[SocketAddr], shared: &Shared) {
+        let labels = PortLabels::of(&self.check.service, self.check.port);
+        self.bound.retain(|a, stop| {
+            let keep = want.contains(a);
+            if !keep {
+                stop.cancel();
+            }
+            keep
+        });
+        self.failing.retain(|a, _| want.contains(a));
+        for a in want {
+            if self.bound.contains_key(a) || self.failing.get(a).is_some_and(|r| !r.due()) {
+                continue;
+            }
+            match http::bind(*a) {
+                Ok(l) => {
+                    self.failing.remove(a);
+                    self.bound.insert(*a, self.server.serve(l));
+                    tracing::info!(service = %self.check.service, address = %a, "serving health-check node port");
+                }
+                Err(e) => {
+                    shared.metrics.bind_failures.get_or_create(&labels).inc();
+                    let r = Retry::after_failure(self.failing.get(a).copied());
+                    // Upstream emits a FailedToStartServiceHealthcheck Event here.
+                    tracing::warn!(
+                        service = %self.check.service, address = %a, error = %e, attempt = r.attempts + 1,
+                        "cannot bind health-check node port; retrying"
+                    );
+                    self.failing.insert(*a, r);
+                }
+            }
+        }
+        shared.metrics.port_listening.get_or_create(&labels).set(i64::from(self.failing.is_empty()));
+    }
+
+    fn next_retry(&self) -> Option<tokio::time::Instant> {
+        self.failing.values().map(|r| r.next).min()
+    }
+
+    async fn close(self, shared: &Shared) {
+        let labels = PortLabels::of(&self.check.service, self.check.port);
+        shared.metrics.port_listening.remove(&labels);
+        shared.metrics.port_healthy.remove(&labels);
+        shared.metrics.bind_failures.remove(&labels);
+        tracing::info!(service = %self.check.service, port = self.check.port, "closing health-check node port");
+        self.server.close().await;
+    }
+}
+
+/// This host's interface addresses (for `nodePortAddresses` selections).
+pub fn local_addresses() -> std::io::Result<Vec<LocalAddr>> {
+    let mut out = Vec::new();
+    for ifa in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
+        let Some(addr) = ifa.address else { continue };
+        if let Some(v4) = addr.as_sockaddr_in() {
+            out.push(LocalAddr { ip: IpAddr::V4(v4.ip()), scope_id: 0 });
+        } else if let Some(v6) = addr.as_sockaddr_in6() {
+            out.push(LocalAddr { ip: IpAddr::V6(v6.ip()), scope_id: v6.scope_id() });
+        }
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, mut healthz: Option<HealthzServer>) {
+    let mut running: BTreeMap<ServiceName, Running> = BTreeMap::new();
+    let mut warned_addrs = false;
+    loop {
+        let generation = ctl.requested.load(Ordering::SeqCst);
+        let (targets, families) = {
+            let c = lock(&shared.core);
+            let targets = decide::health_check_targets(shared.semantics, c.computed.as_deref(), c.applied.as_deref());
+            (targets, c.applied.as_ref().map(|p| p.families.clone()).unwrap_or_default())
+        };
+
+        // Close what is gone or moved to another port first, so a port handed from
+        // one Service to another can be bound in the same pass.
+        let gone: Vec<ServiceName> = running
+            .iter()
+            .filter(|(name, r)| targets.get(*name).is_none_or(|t| t.port != r.check.port))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in gone {
+            if let Some(r) = running.remove(&name) {
+                r.close(&shared).await;
+            }
+        }
+
+        let needs_local = families
+            .iter()
+            .any(|f| matches!(&f.node_port_addresses, NodePortAddresses::Only(v) if !v.is_empty()));
+        let local = if needs_local && !targets.is_empty() {
+            match local_addresses() {
+                Ok(l) => l,
+                Err(e) => {
+                    if !warned_addrs {
+                        tracing::warn!(error = %e, "cannot read local addresses; health-check ports wait for them");
+                        warned_addrs = true;
+                    }
+                    Vec::new()
+                }
+            }
+        } else {
+            Vec::new()
+        };
+
+        let proxy_healthy = shared.proxy_healthy();
+        for (name, t) in &targets {
+            let r = running.entry(name.clone()).or_insert_with(|| Running::new(&shared, name.clone(), t.port));
+            r.check.local_endpoints.store(t.local_endpoints, Ordering::Relaxed);
+            let want = decide::listen_addrs(&families, &local, t.port);
+            r.converge(&want, &shared);
+            let status = decide::service_answer(name, t.local_endpoints, proxy_healthy).status;
+            shared.note_status(&r.check, status);
+        }
+        if let Some(h) = healthz.as_mut()
+            && h.bound_addr.is_none()
+            && h.retry.is_none_or(|r| r.due())
+        {
+            h.try_bind(&shared);
+        }
+
+        {
+            let mut o = lock(&ctl.observed);
+            o.checks = running
+                .iter()
+                .map(|(name, r)| {
+                    (name.clone(), Listening {
+                        port: r.check.port,
+                        addrs: r.bound.keys().copied().collect(),
+                        failing: r.failing.keys().copied().collect(),
+                        local_endpoints: r.check.local_endpoints.load(Ordering::Relaxed),
+                    })
+                })
+                .collect();
+            o.healthz = healthz.as_ref().and_then(|h| h.bound_addr).into_iter().collect();
+        }
+        ctl.done.send_replace(generation);
+
+        let next_retry = running
+            .values()
+            .filter_map(Running::next_retry)
+            .chain(healthz.as_ref().and_then(|h| h.retry.filter(|_| h.bound_addr.is_none()).map(|r| r.next)))
+            .min();
+        let tick = tokio::time::Instant::now() + TICK;
+        let wake_at = next_retry.map_or(tick, |r| r.min(tick));
+        tokio::select! {
+            _ = ctl.wake.notified() => {}
+            _ = tokio::time::sleep_until(wake_at) => {}
+            _ = ctl.stop.cancelled() => break,
+        }
+    }
+
+    // Shutdown: stop accepting everywhere at once, give in-flight requests a moment.
+    let mut closing: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> = Vec::new();
+    for (_, r) in std::mem::take(&mut running) {
+        let labels = PortLabels::of(&r.check.service, r.check.port);
+        shared.metrics.port_listening.remove(&labels);
+        shared.metrics.port_healthy.remove(&labels);
+        closing.push(Box::pin(r.server.shutdown(SHUTDOWN_GRACE)));
+    }
+    if let Some(h) = healthz {
+        closing.push(Box::pin(h.server.shutdown(SHUTDOWN_GRACE)));
+    }
+    futures_join_all(closing).await;
+    {
+        let mut o = lock(&ctl.observed);
+        o.checks.clear();
+        o.healthz.clear();
+    }
+    ctl.done.send_replace(u64::MAX);
+    tracing::info!("health servers stopped");
+}
+
+/// Joins boxed futures concurrently without another dependency.
+async fn futures_join_all(futs: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>) {
+    let mut set = tokio::task::JoinSet::new();
+    for f in futs {
+        set.spawn(f);
+    }
+    while set.join_next().await.is_some() {}
+}

@@ -1,0 +1,520 @@
+//! The pure decisions of the health servers: what the proxy's `/healthz` and `/livez`
+//! answer, what each health-check node port answers, which Services get a health-check
+//! server, and on which addresses it listens. No I/O, no clock: `now` is an argument,
+//! so timelines are table tests. The servers (`crate::server`) only call these.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
+use std::time::{Duration, SystemTime};
+
+use kproxy_core::NodePlan;
+use kproxy_core::model::{IpFamily, ServiceName};
+use kproxy_core::plan::{FamilyPlan, NodePortAddresses, ServicePlan};
+
+/// Which answers the health servers give (`--health-check-semantics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Semantics {
+    /// kproxy's default: never advertise what the dataplane has not programmed or what
+    /// the cluster has already taken away (docs/health.md).
+    #[default]
+    Truthful,
+    /// Exactly what upstream kube-proxy answers (spec §d).
+    Upstream,
+}
+
+impl Semantics {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Semantics::Truthful => "truthful",
+            Semantics::Upstream => "upstream",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Semantics> {
+        match s {
+            "truthful" => Some(Semantics::Truthful),
+            "upstream" => Some(Semantics::Upstream),
+            _ => None,
+        }
+    }
+}
+
+/// The proxy's sync freshness, upstream's `ProxyHealthServer` bookkeeping (spec §d.2).
+/// kproxy programs both families in one transaction, so one tracker stands for both.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyHealth {
+    /// Last successful apply; at start-up the start time (upstream calls `Updated` once
+    /// when the sync loop starts, so a proxy that never syncs still starts healthy).
+    pub last_updated: SystemTime,
+    /// The oldest change that is computed but not yet applied.
+    pub oldest_pending: Option<SystemTime>,
+    /// A plan has been applied at least once.
+    pub applied_once: bool,
+    /// Failed syncs since the last success.
+    pub consecutive_failures: u32,
+}
+
+impl ProxyHealth {
+    pub fn new(now: SystemTime) -> ProxyHealth {
+        ProxyHealth { last_updated: now, oldest_pending: None, applied_once: false, consecutive_failures: 0 }
+    }
+
+    /// Upstream `QueuedUpdate`: remembers the *oldest* pending change.
+    pub fn queued(&mut self, now: SystemTime) {
+        self.oldest_pending.get_or_insert(now);
+    }
+
+    /// Upstream `Updated`: nothing pending any more.
+    pub fn updated(&mut self, now: SystemTime) {
+        self.oldest_pending = None;
+        self.last_updated = now;
+        self.applied_once = true;
+        self.consecutive_failures = 0;
+    }
+
+    /// A sync failed. Upstream has no such call (a failure simply leaves the queued
+    /// change pending). Truthful: a failure also starts the staleness clock when
+    /// nothing was queued (e.g. the caller reports a failed re-verification), so a
+    /// dataplane that keeps failing always turns the proxy unhealthy.
+    pub fn failed(&mut self, now: SystemTime, semantics: Semantics) {
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        if semantics == Semantics::Truthful {
+            self.queued(now);
+        }
+    }
+
+    /// Unhealthy iff a pending change is at least `timeout` old. A clock that went
+    /// backwards counts as "not late" (as Go's negative `Sub` does).
+    pub fn healthy(&self, now: SystemTime, timeout: Duration) -> bool {
+        match self.oldest_pending {
+            None => true,
+            Some(q) => now.duration_since(q).map(|age| age < timeout).unwrap_or(true),
+        }
+    }
+}
+
+/// Which proxy endpoint is asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// For load balancers of eTP-Cluster Services: proxy health and node eligibility.
+    Healthz,
+    /// For the liveness probe: proxy health only.
+    Livez,
+}
+
+/// One HTTP answer. Headers common to all answers (`Content-Type: application/json`,
+/// `X-Content-Type-Options: nosniff`) are added by the server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Answer {
+    pub status: u16,
+    pub body: String,
+    /// `X-Load-Balancing-Endpoint-Weight` (health-check node ports only).
+    pub endpoint_weight: Option<u32>,
+}
+
+/// RFC 3339 UTC with nanoseconds when non-zero (Go's `time.Time` JSON form).
+pub fn rfc3339(t: SystemTime) -> String {
+    match jiff::Timestamp::try_from(t) {
+        Ok(ts) => ts.to_string(),
+        // Outside jiff's range (year ±9999): cannot come from a real clock.
+        Err(_) => "0001-01-01T00:00:00Z".to_string(),
+    }
+}
+
+/// The answer of `/healthz` or `/livez` (spec §d.2).
+///
+/// Upstream: `healthy` = no change pending for ≥ `timeout`; `/livez` is 200 iff healthy;
+/// `/healthz` is 200 iff healthy and the node is eligible. When the answer is 200 the
+/// top-level `lastUpdated` is reported as `currentTime` (upstream keeps that appearance
+/// for old clients); the per-family `status` keeps the real time.
+///
+/// Truthful differs in two places: `/healthz` is 503 until a plan has been applied once
+/// (a node without rules must not receive eTP-Cluster traffic; upstream says 200 from
+/// start-up), and `lastUpdated` is always the real time of the last successful apply.
+/// It also adds `syncedOnce`, `oldestPendingChange` and `consecutiveSyncFailures`.
+pub fn proxy_answer(
+    semantics: Semantics,
+    probe: Probe,
+    health: &ProxyHealth,
+    node_eligible: bool,
+    families: &[IpFamily],
+    now: SystemTime,
+    timeout: Duration,
+) -> Answer {
+    let healthy = health.healthy(now, timeout);
+    let ok = match (probe, semantics) {
+        (Probe::Livez, _) => healthy,
+        (Probe::Healthz, Semantics::Upstream) => healthy && node_eligible,
+        (Probe::Healthz, Semantics::Truthful) => healthy && node_eligible && health.applied_once,
+    };
+    let last = rfc3339(health.last_updated);
+    let top_last = if ok && semantics == Semantics::Upstream { rfc3339(now) } else { last.clone() };
+    let mut body = serde_json::Map::new();
+    body.insert("lastUpdated".into(), top_last.into());
+    body.insert("currentTime".into(), rfc3339(now).into());
+    if probe == Probe::Healthz {
+        body.insert("nodeEligible".into(), node_eligible.into());
+    }
+    body.insert("healthy".into(), healthy.into());
+    let mut status = serde_json::Map::new();
+    for f in families {
+        status.insert(f.as_str().into(), serde_json::json!({ "lastUpdated": last, "healthy": healthy }));
+    }
+    body.insert("status".into(), status.into());
+    if semantics == Semantics::Truthful {
+        body.insert("syncedOnce".into(), health.applied_once.into());
+        body.insert("oldestPendingChange".into(), health.oldest_pending.map(rfc3339).into());
+        body.insert("consecutiveSyncFailures".into(), health.consecutive_failures.into());
+    }
+    Answer {
+        status: if ok { 200 } else { 503 },
+        body: serde_json::Value::Object(body).to_string(),
+        endpoint_weight: None,
+    }
+}
+
+/// The answer of a health-check node port (spec §d.1): 200 iff the Service has local
+/// ready endpoints and the proxy is healthy (`/livez` notion); the body is upstream's,
+/// byte for byte (tab-indented, no trailing newline).
+pub fn service_answer(service: &ServiceName, local_endpoints: u32, proxy_healthy: bool) -> Answer {
+    let ok = local_endpoints > 0 && proxy_healthy;
+    // Names are validated DNS labels; JSON-encode anyway so the body is always JSON.
+    let ns = serde_json::Value::from(&*service.namespace).to_string();
+    let name = serde_json::Value::from(&*service.name).to_string();
+    Answer {
+        status: if ok { 200 } else { 503 },
+        body: format!(
+            "{{\n\t\"service\": {{\n\t\t\"namespace\": {ns},\n\t\t\"name\": {name}\n\t}},\n\t\"localEndpoints\": {local_endpoints},\n\t\"serviceProxyHealthy\": {proxy_healthy}\n}}"
+        ),
+        endpoint_weight: Some(local_endpoints),
+    }
+}
+
+/// What one health-check server must serve.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub port: u16,
+    pub local_endpoints: u32,
+}
+
+/// The health-check servers to run and the count each answers with.
+///
+/// Both semantics open servers for the health checks of the *applied* plan (upstream
+/// opens them after a successful sync, so nothing is served before rules exist).
+///
+/// - Upstream: the count is the applied plan's (upstream calls `SyncEndpoints` only
+///   after a successful sync).
+/// - Truthful: where the computed plan has moved on from the applied one, only
+///   endpoints that are both *programmed* (applied) and *still ready* (computed)
+///   count. New endpoints count once their rules are in; endpoints the cluster took
+///   away (deleted, not ready, terminating) stop counting at once, even while the
+///   dataplane cannot apply, so the load balancer starts draining the node.
+pub fn health_check_targets(
+    semantics: Semantics,
+    computed: Option<&NodePlan>,
+    applied: Option<&NodePlan>,
+) -> BTreeMap<ServiceName, Target> {
+    let Some(applied) = applied else { return BTreeMap::new() };
+    let mut out = BTreeMap::new();
+    for (name, svc) in &applied.services {
+        let Some(hc) = &svc.health_check else { continue };
+        let local_endpoints = match (semantics, computed) {
+            (Semantics::Upstream, _) | (Semantics::Truthful, None) => hc.local_endpoints,
+            (Semantics::Truthful, Some(computed)) => match computed.services.get(name) {
+                Some(now) if std::sync::Arc::ptr_eq(now, svc) || **now == **svc => hc.local_endpoints,
+                Some(now) => match &now.health_check {
+                    Some(now_hc) => hc
+                        .local_endpoints
+                        .min(now_hc.local_endpoints)
+                        .min(programmed_and_ready(svc, now)),
+                    None => 0,
+                },
+                None => 0,
+            },
+        };
+        out.insert(name.clone(), Target { port: hc.health_check_node_port, local_endpoints });
+    }
+    out
+}
+
+/// Distinct local ready endpoint IPs present in both plans of a Service, counted per
+/// family and maximised over families (the planner's convention for the count).
+fn programmed_and_ready(applied: &ServicePlan, computed: &ServicePlan) -> u32 {
+    let ips = |s: &ServicePlan, f: IpFamily| -> BTreeSet<IpAddr> {
+        s.ports
+            .iter()
+            .filter(|p| p.family == f)
+            .flat_map(|p| p.endpoints.iter())
+            .filter(|e| e.is_local && e.conditions.ready)
+            .map(|e| e.addr.ip)
+            .collect()
+    };
+    IpFamily::ALL
+        .into_iter()
+        .map(|f| ips(applied, f).intersection(&ips(computed, f)).count() as u32)
+        .max()
+        .unwrap_or(0)
+}
+
+/// A local interface address (with its IPv6 scope, needed to bind link-local ones).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct LocalAddr {
+    pub ip: IpAddr,
+    pub scope_id: u32,
+}
+
+/// Where a health-check node port listens (spec §d.1): the wildcard address of each
+/// family whose nodePortAddresses match everything, else each selected node address
+/// that is really local (binding another one would fail). A family without any node
+/// address is not in use and gets no listener, unless no family has one (nothing is
+/// known: listen everywhere, as upstream does).
+pub fn listen_addrs(families: &[FamilyPlan], local: &[LocalAddr], port: u16) -> Vec<SocketAddr> {
+    let any_known = families.iter().any(|f| !f.node_ips.is_empty());
+    let mut out = BTreeSet::new();
+    for f in families {
+        match &f.node_port_addresses {
+            NodePortAddresses::AllLocal => {
+                if any_known && f.node_ips.is_empty() {
+                    continue;
+                }
+                out.insert(match f.family {
+                    IpFamily::IPv4 => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port),
+                    IpFamily::IPv6 => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port),
+                });
+            }
+            NodePortAddresses::Only(ips) => {
+                for ip in ips {
+                    let Some(l) = local.iter().find(|l| l.ip == *ip) else { continue };
+                    out.insert(match l.ip {
+                        IpAddr::V4(_) => SocketAddr::new(l.ip, port),
+                        IpAddr::V6(v6) => SocketAddr::V6(SocketAddrV6::new(v6, port, 0, l.scope_id)),
+                    });
+                }
+            }
+        }
+    }
+    out.into_iter().collect()
+}
+
+/// Node eligibility for `/healthz`: from the newest computed plan (Node changes need no
+/// dataplane work); eligible until a plan says otherwise (upstream v1.28–v1.32).
+pub fn node_eligible(computed: Option<&NodePlan>) -> bool {
+    computed.is_none_or(|p| p.node_eligible)
+}
+
+/// Families to report in the proxy body: those with node addresses, else both.
+pub fn families(computed: Option<&NodePlan>) -> Vec<IpFamily> {
+    let known: Vec<IpFamily> = computed
+        .map(|p| p.families.iter().filter(|f| !f.node_ips.is_empty()).map(|f| f.family).collect())
+        .unwrap_or_default();
+    if known.is_empty() { IpFamily::ALL.to_vec() } else { known }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Duration = Duration::from_secs(60);
+
+    fn at(s: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000 + s)
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Ev {
+        Queued,
+        Updated,
+        Failed,
+    }
+
+    /// A timeline: events at times, then probes at a time with the expected statuses
+    /// (healthz upstream, healthz truthful, livez upstream, livez truthful).
+    struct Case {
+        name: &'static str,
+        events: &'static [(u64, Ev)],
+        eligible: bool,
+        probe_at: u64,
+        want: [u16; 4],
+    }
+
+    #[test]
+    fn proxy_health_timelines() {
+        use Ev::*;
+        let cases = [
+            Case { name: "fresh start, nothing queued", events: &[], eligible: true, probe_at: 1000, want: [200, 503, 200, 200] },
+            Case { name: "start, first plan queued, young", events: &[(10, Queued)], eligible: true, probe_at: 69, want: [200, 503, 200, 200] },
+            Case { name: "start, first plan never applied, just stale", events: &[(10, Queued)], eligible: true, probe_at: 70, want: [503, 503, 503, 503] },
+            Case { name: "applied", events: &[(10, Queued), (11, Updated)], eligible: true, probe_at: 5000, want: [200, 200, 200, 200] },
+            Case { name: "applied, new change pending 59s", events: &[(10, Queued), (11, Updated), (100, Queued)], eligible: true, probe_at: 159, want: [200, 200, 200, 200] },
+            Case { name: "applied, new change pending 60s", events: &[(10, Queued), (11, Updated), (100, Queued)], eligible: true, probe_at: 160, want: [503, 503, 503, 503] },
+            Case { name: "later queued does not reset the oldest", events: &[(0, Updated), (100, Queued), (150, Queued)], eligible: true, probe_at: 165, want: [503, 503, 503, 503] },
+            Case { name: "update clears pending", events: &[(0, Updated), (100, Queued), (150, Queued), (170, Updated)], eligible: true, probe_at: 171, want: [200, 200, 200, 200] },
+            Case { name: "node not eligible: healthz 503, livez 200", events: &[(0, Updated)], eligible: false, probe_at: 10, want: [503, 503, 200, 200] },
+            Case { name: "failing syncs while queued: stale after timeout", events: &[(0, Updated), (10, Queued), (11, Failed), (40, Failed)], eligible: true, probe_at: 70, want: [503, 503, 503, 503] },
+            Case { name: "failing syncs while queued: young", events: &[(0, Updated), (10, Queued), (11, Failed)], eligible: true, probe_at: 69, want: [200, 200, 200, 200] },
+            // A failure reported without a queued change (e.g. re-verification):
+            // upstream ignores it; truthful starts the staleness clock.
+            Case { name: "failure without queued change", events: &[(0, Updated), (10, Failed)], eligible: true, probe_at: 80, want: [200, 503, 200, 503] },
+            Case { name: "clock went backwards", events: &[(0, Updated), (100, Queued)], eligible: true, probe_at: 50, want: [200, 200, 200, 200] },
+        ];
+        for c in cases {
+            let mut got = [0u16; 4];
+            for (i, (probe, sem)) in [
+                (Probe::Healthz, Semantics::Upstream),
+                (Probe::Healthz, Semantics::Truthful),
+                (Probe::Livez, Semantics::Upstream),
+                (Probe::Livez, Semantics::Truthful),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let mut h = ProxyHealth::new(at(0));
+                for (t, ev) in c.events {
+                    match ev {
+                        Ev::Queued => h.queued(at(*t)),
+                        Ev::Updated => h.updated(at(*t)),
+                        Ev::Failed => h.failed(at(*t), sem),
+                    }
+                }
+                got[i] = proxy_answer(sem, probe, &h, c.eligible, &IpFamily::ALL, at(c.probe_at), T).status;
+            }
+            assert_eq!(got, c.want, "{}", c.name);
+        }
+    }
+
+    #[test]
+    fn proxy_body_fields() {
+        let mut h = ProxyHealth::new(at(0));
+        h.updated(at(5));
+        let now = at(10);
+        let a = proxy_answer(Semantics::Upstream, Probe::Healthz, &h, true, &[IpFamily::IPv4], now, T);
+        let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+        assert_eq!(v["lastUpdated"], rfc3339(now), "200 reports lastUpdated = currentTime");
+        assert_eq!(v["currentTime"], rfc3339(now));
+        assert_eq!(v["nodeEligible"], true);
+        assert_eq!(v["healthy"], true);
+        assert_eq!(v["status"]["IPv4"]["lastUpdated"], rfc3339(at(5)));
+        assert!(v["status"].get("IPv6").is_none());
+        assert!(v.get("syncedOnce").is_none());
+
+        let l = proxy_answer(Semantics::Upstream, Probe::Livez, &h, true, &IpFamily::ALL, now, T);
+        let v: serde_json::Value = serde_json::from_str(&l.body).unwrap();
+        assert!(v.get("nodeEligible").is_none(), "livez has no nodeEligible");
+        assert_eq!(v["status"]["IPv6"]["healthy"], true);
+
+        // 503: the real last update.
+        h.queued(at(20));
+        let a = proxy_answer(Semantics::Upstream, Probe::Healthz, &h, true, &[IpFamily::IPv4], at(100), T);
+        assert_eq!(a.status, 503);
+        let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+        assert_eq!(v["lastUpdated"], rfc3339(at(5)));
+        assert_eq!(v["healthy"], false);
+
+        // Truthful never rewrites lastUpdated and says what is pending.
+        let mut h = ProxyHealth::new(at(0));
+        h.updated(at(5));
+        h.queued(at(8));
+        let t = proxy_answer(Semantics::Truthful, Probe::Healthz, &h, true, &[IpFamily::IPv4], now, T);
+        assert_eq!(t.status, 200);
+        let v: serde_json::Value = serde_json::from_str(&t.body).unwrap();
+        assert_eq!(v["lastUpdated"], rfc3339(at(5)));
+        assert_eq!(v["oldestPendingChange"], rfc3339(at(8)));
+        assert_eq!(v["syncedOnce"], true);
+    }
+
+    #[test]
+    fn service_answer_table() {
+        let svc = ServiceName::new("a", "b");
+        for (n, healthy, status) in [(0, true, 503), (1, true, 200), (18, true, 200), (7, false, 503), (0, false, 503)] {
+            let a = service_answer(&svc, n, healthy);
+            assert_eq!(a.status, status, "{n} {healthy}");
+            assert_eq!(a.endpoint_weight, Some(n));
+            let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+            assert_eq!(
+                v,
+                serde_json::json!({"service": {"namespace": "a", "name": "b"}, "localEndpoints": n, "serviceProxyHealthy": healthy})
+            );
+        }
+        // Upstream's exact bytes.
+        assert_eq!(
+            service_answer(&svc, 3, true).body,
+            "{\n\t\"service\": {\n\t\t\"namespace\": \"a\",\n\t\t\"name\": \"b\"\n\t},\n\t\"localEndpoints\": 3,\n\t\"serviceProxyHealthy\": true\n}"
+        );
+    }
+
+    fn fam(family: IpFamily, ips: &[&str], npa: NodePortAddresses) -> FamilyPlan {
+        FamilyPlan {
+            family,
+            node_ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
+            node_port_addresses: npa,
+            local_pods: kproxy_core::plan::LocalPods::None,
+        }
+    }
+
+    #[test]
+    fn listen_addrs_table() {
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let local = [
+            LocalAddr { ip: ip("127.0.0.1"), scope_id: 0 },
+            LocalAddr { ip: ip("10.200.0.2"), scope_id: 0 },
+            LocalAddr { ip: ip("10.200.0.3"), scope_id: 0 },
+            LocalAddr { ip: ip("fd00::2"), scope_id: 0 },
+            LocalAddr { ip: ip("fe80::1"), scope_id: 7 },
+        ];
+        use NodePortAddresses::*;
+        let cases: Vec<(&str, Vec<FamilyPlan>, Vec<&str>)> = vec![
+            ("nothing known: wildcard both", vec![fam(IpFamily::IPv4, &[], AllLocal), fam(IpFamily::IPv6, &[], AllLocal)], vec!["0.0.0.0:9", "[::]:9"]),
+            ("v4-only node: no v6 wildcard", vec![fam(IpFamily::IPv4, &["10.200.0.2"], AllLocal), fam(IpFamily::IPv6, &[], AllLocal)], vec!["0.0.0.0:9"]),
+            ("dual-stack all", vec![fam(IpFamily::IPv4, &["10.200.0.2"], AllLocal), fam(IpFamily::IPv6, &["fd00::2"], AllLocal)], vec!["0.0.0.0:9", "[::]:9"]),
+            ("primary only", vec![fam(IpFamily::IPv4, &["10.200.0.2"], Only(vec![ip("10.200.0.2")])), fam(IpFamily::IPv6, &[], AllLocal)], vec!["10.200.0.2:9"]),
+            ("non-local address skipped", vec![fam(IpFamily::IPv4, &["10.200.0.2", "192.0.2.1"], Only(vec![ip("10.200.0.2"), ip("192.0.2.1")])), fam(IpFamily::IPv6, &[], Only(vec![]))], vec!["10.200.0.2:9"]),
+            ("empty selection: nothing", vec![fam(IpFamily::IPv4, &["10.200.0.2"], Only(vec![])), fam(IpFamily::IPv6, &[], Only(vec![]))], vec![]),
+            ("v6 with scope", vec![fam(IpFamily::IPv4, &[], Only(vec![])), fam(IpFamily::IPv6, &["fe80::1"], Only(vec![ip("fe80::1"), ip("fd00::2")]))], vec!["[fd00::2]:9", "[fe80::1%7]:9"]),
+        ];
+        for (name, fams, want) in cases {
+            let got: Vec<String> = listen_addrs(&fams, &local, 9).iter().map(|a| a.to_string()).collect();
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn health_check_targets_table() {
+        use crate::fixtures::{plan, svc};
+        let ab = |ips: &[&str]| plan(&[svc("a", "b", 9376, ips)]);
+        let p_a = ab(&["10.244.0.5"]);
+        let p_a2 = ab(&["10.244.0.5"]);
+        let p_none = ab(&[]);
+        let p_ac = ab(&["10.244.0.5", "10.244.0.6"]);
+        let p_c = ab(&["10.244.0.6"]);
+        let p_term = plan(&[svc("a", "b", 9376, &[]).terminating("10.244.0.5")]);
+        let p_moved = plan(&[svc("a", "b", 9377, &["10.244.0.5"])]);
+        let empty = plan(&[]);
+        // (name, computed, applied, upstream count, truthful count); None = no server.
+        type P<'a> = Option<&'a std::sync::Arc<NodePlan>>;
+        let cases: Vec<(&str, P, P, Option<u32>, Option<u32>)> = vec![
+            ("nothing applied yet: no server", Some(&p_a), None, None, None),
+            ("steady state", Some(&p_a), Some(&p_a), Some(1), Some(1)),
+            ("steady state, equal but not the same Arc", Some(&p_a2), Some(&p_a), Some(1), Some(1)),
+            ("new endpoint computed, not applied", Some(&p_ac), Some(&p_a), Some(1), Some(1)),
+            ("first endpoint computed, not applied", Some(&p_a), Some(&p_none), Some(0), Some(0)),
+            ("endpoint gone, not applied yet", Some(&p_none), Some(&p_a), Some(1), Some(0)),
+            ("endpoint terminating, not applied yet", Some(&p_term), Some(&p_a), Some(1), Some(0)),
+            ("pod replaced on the node, not applied yet", Some(&p_c), Some(&p_a), Some(1), Some(0)),
+            ("one of two gone, not applied yet", Some(&p_c), Some(&p_ac), Some(2), Some(1)),
+            ("service deleted, not applied yet", Some(&empty), Some(&p_a), Some(1), Some(0)),
+            ("port moved, not applied yet: old port stays", Some(&p_moved), Some(&p_a), Some(1), Some(1)),
+            ("service deleted and applied: no server", Some(&empty), Some(&empty), None, None),
+        ];
+        let name = ServiceName::new("a", "b");
+        for (what, computed, applied, up, tr) in cases {
+            for (sem, want) in [(Semantics::Upstream, up), (Semantics::Truthful, tr)] {
+                let got = health_check_targets(sem, computed.map(|p| &**p), applied.map(|p| &**p));
+                let got_n = got.get(&name).map(|t| t.local_endpoints);
+                assert_eq!(got_n, want, "{what} ({sem:?})");
+                if let (Some(t), Some(a)) = (got.get(&name), applied) {
+                    assert_eq!(t.port, a.health_checks().next().unwrap().health_check_node_port, "{what}: port follows the applied plan");
+                }
+            }
+        }
+    }
+}

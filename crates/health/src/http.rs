@@ -1,0 +1,223 @@
+//! The HTTP shell: binding listeners, accepting connections and serving one handler
+//! with hyper, with every per-connection resource bounded so that hostile clients
+//! (half requests, huge headers, thousands of idle connections) cannot starve a
+//! well-behaved load-balancer probe.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::decide::Answer;
+
+/// Limits of one server (all its listeners together).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Open connections; beyond it the *oldest* is closed, so a flood of idle or
+    /// half-open connections cannot lock out a new probe.
+    pub max_connections: usize,
+    /// Time to send a complete request head, also bounding keep-alive idleness.
+    pub header_read_timeout: Duration,
+    /// Read buffer per connection; a longer request head gets 431.
+    pub max_buf_size: usize,
+    pub max_headers: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 512,
+            header_read_timeout: Duration::from_secs(10),
+            max_buf_size: 8192,
+            max_headers: 64,
+        }
+    }
+}
+
+/// Answers one request; must not block.
+pub type Handler = Arc<dyn Fn(&http::request::Parts) -> Answer + Send + Sync>;
+
+/// Binds a listening TCP socket: SO_REUSEADDR (a restarted proxy rebinds at once even
+/// with connections in TIME_WAIT), IPV6_V6ONLY on IPv6 (so `0.0.0.0` and `[::]` can
+/// both be bound), close-on-exec, non-blocking.
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM.cloexec(), Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    TcpListener::from_std(socket.into())
+}
+
+/// The answer as an HTTP response (common headers added here).
+pub fn response(a: &Answer) -> Response<Full<Bytes>> {
+    let mut b = Response::builder()
+        .status(a.status)
+        .header("Content-Type", "application/json")
+        .header("X-Content-Type-Options", "nosniff");
+    if let Some(w) = a.endpoint_weight {
+        b = b.header("X-Load-Balancing-Endpoint-Weight", w);
+    }
+    // Invariant: status codes are 200/404/503 and header values are ASCII.
+    b.body(Full::new(Bytes::from(a.body.clone()))).expect("valid response")
+}
+
+#[derive(Default)]
+struct Connections {
+    next: u64,
+    open: BTreeMap<u64, CancellationToken>,
+}
+
+/// One running server: any number of listeners sharing a handler and limits.
+pub struct Server {
+    close: CancellationToken,
+    drain: CancellationToken,
+    tasks: TaskTracker,
+    conns: Arc<Mutex<Connections>>,
+    handler: Handler,
+    limits: Limits,
+}
+
+impl Server {
+    pub fn new(handler: Handler, limits: Limits) -> Server {
+        Server {
+            close: CancellationToken::new(),
+            drain: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            conns: Arc::default(),
+            handler,
+            limits,
+        }
+    }
+
+    /// Starts accepting on `listener`; returns a token that stops this listener only.
+    pub fn serve(&self, listener: TcpListener) -> CancellationToken {
+        let stop = self.close.child_token();
+        let ctx = ConnCtx {
+            close: self.close.clone(),
+            drain: self.drain.clone(),
+            tasks: self.tasks.clone(),
+            conns: self.conns.clone(),
+            handler: self.handler.clone(),
+            limits: self.limits,
+        };
+        self.tasks.spawn(accept_loop(listener, stop.clone(), ctx));
+        stop
+    }
+
+    /// Closes every listener and connection at once and waits until all sockets are
+    /// closed (so the port can be bound again immediately).
+    pub async fn close(self) {
+        self.close.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+
+    /// Stops accepting, lets in-flight requests finish (up to `grace`), then closes.
+    pub async fn shutdown(self, grace: Duration) {
+        self.drain.cancel();
+        self.tasks.close();
+        if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
+            self.close.cancel();
+            self.tasks.wait().await;
+        }
+    }
+}
+
+#[derive(Clone)]
+struct ConnCtx {
+    close: CancellationToken,
+    drain: CancellationToken,
+    tasks: TaskTracker,
+    conns: Arc<Mutex<Connections>>,
+    handler: Handler,
+    limits: Limits,
+}
+
+async fn accept_loop(listener: TcpListener, stop: CancellationToken, ctx: ConnCtx) {
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            _ = stop.cancelled() => return,
+            _ = ctx.drain.cancelled() => return,
+        };
+        match accepted {
+            Ok((stream, _peer)) => {
+                let _ = stream.set_nodelay(true);
+                let token = CancellationToken::new();
+                let id = {
+                    let mut c = ctx.conns.lock().unwrap_or_else(|e| e.into_inner());
+                    while c.open.len() >= ctx.limits.max_connections {
+                        match c.open.pop_first() {
+                            Some((_, oldest)) => oldest.cancel(),
+                            None => break,
+                        }
+                    }
+                    c.next += 1;
+                    let id = c.next;
+                    c.open.insert(id, token.clone());
+                    id
+                };
+                ctx.tasks.spawn(serve_conn(stream, id, token, ctx.clone()));
+            }
+            Err(e) => {
+                // Out of file descriptors (or a transient error): back off briefly
+                // instead of spinning; existing connections keep being served.
+                tracing::warn!(error = %e, "health server: accept failed");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    _ = stop.cancelled() => return,
+                }
+            }
+        }
+    }
+}
+
+async fn serve_conn(stream: tokio::net::TcpStream, id: u64, evict: CancellationToken, ctx: ConnCtx) {
+    let handler = ctx.handler.clone();
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let (parts, _body) = req.into_parts();
+        let answer = handler(&parts);
+        async move { Ok::<_, Infallible>(response(&answer)) }
+    });
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(ctx.limits.header_read_timeout)
+        .max_buf_size(ctx.limits.max_buf_size)
+        .max_headers(ctx.limits.max_headers)
+        .keep_alive(true);
+    let conn = builder.serve_connection(TokioIo::new(stream), svc);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        _ = evict.cancelled() => {}
+        _ = ctx.close.cancelled() => {}
+        _ = ctx.drain.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = evict.cancelled() => {}
+                _ = ctx.close.cancelled() => {}
+            }
+        }
+    }
+    ctx.conns.lock().unwrap_or_else(|e| e.into_inner()).open.remove(&id);
+}
