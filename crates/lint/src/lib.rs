@@ -1,14 +1,13 @@
-//! `kproxy lint`: checks workloads' rollout settings against the load balancer in
-//! front of them. Under construction (issue 8).
+//! `kproxy lint`: checks workloads' rollout settings (preStop, readiness, grace period,
+//! surge, PodDisruptionBudgets) against the load balancer in front of them, before the
+//! rollout rather than after the outage (issue 8; seed 2).
+//!
+//! Functional core, imperative shell: [`input`] types the manifests, [`rules::lint`] is a
+//! pure function from them and an [`lb::LbProfile`] to findings, [`report`] renders them,
+//! and [`cli`] is the only module that touches files and streams.
 
-pub mod cli {
-    //! The `kproxy lint` command line.
-    use std::process::ExitCode;
-
-    #[derive(clap::Args, Debug)]
-    pub struct LintArgs {}
-
-    pub fn run(_args: LintArgs) -> anyhow::Result<ExitCode> {
-        anyhow::bail!("kproxy lint is not built yet (issue 8)")
-    }
-}
+pub mod cli;
+pub mod input;
+pub mod lb;
+pub mod report;
+pub mod rules;
