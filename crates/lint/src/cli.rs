@@ -75,7 +75,10 @@ pub struct LintArgs {
 }
 
 fn seconds(s: &str) -> Result<f64, String> {
-    let v: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
     if v.is_finite() && (0.0..=86_400.0).contains(&v) {
         Ok(v)
     } else {
@@ -91,13 +94,23 @@ pub const EXIT_USAGE: u8 = 2;
 pub fn run(args: LintArgs) -> anyhow::Result<ExitCode> {
     let stdout = std::io::stdout();
     let stderr = std::io::stderr();
-    let code = execute(&args, &mut stdout.lock(), &mut stderr.lock(), &mut std::io::stdin().lock())?;
+    let code = execute(
+        &args,
+        &mut stdout.lock(),
+        &mut stderr.lock(),
+        &mut std::io::stdin().lock(),
+    )?;
     Ok(ExitCode::from(code))
 }
 
 /// The whole command with its streams passed in (tests call this). Returns the exit
 /// status; `Err` only when writing the report fails.
-pub fn execute(args: &LintArgs, out: &mut dyn Write, err: &mut dyn Write, stdin: &mut dyn Read) -> anyhow::Result<u8> {
+pub fn execute(
+    args: &LintArgs,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+    stdin: &mut dyn Read,
+) -> anyhow::Result<u8> {
     let lb = match profile(args) {
         Ok(lb) => lb,
         Err(msg) => {
@@ -113,9 +126,17 @@ pub fn execute(args: &LintArgs, out: &mut dyn Write, err: &mut dyn Write, stdin:
         }
     }
     let nodes = args.nodes.or((inv.nodes > 0).then_some(inv.nodes));
-    let opts = Options { lb, proxy_programming_seconds: args.proxy_programming_time, nodes };
+    let opts = Options {
+        lb,
+        proxy_programming_seconds: args.proxy_programming_time,
+        nodes,
+    };
     let findings = rules::lint(&inv, &opts);
-    let checked = inv.workloads.iter().filter(|w| rules::behind_load_balancer(&inv, w)).count();
+    let checked = inv
+        .workloads
+        .iter()
+        .filter(|w| rules::behind_load_balancer(&inv, w))
+        .count();
     match args.output {
         Format::Text => out.write_all(report::text(&findings, &opts, checked).as_bytes()),
         Format::Json => writeln!(out, "{:#}", report::json(&findings, &opts, checked)),
@@ -123,7 +144,11 @@ pub fn execute(args: &LintArgs, out: &mut dyn Write, err: &mut dyn Write, stdin:
     }
     .context("writing the report")?;
     let s = report::Summary::of(&findings);
-    Ok(if s.errors > 0 || (args.deny_warnings && s.warnings > 0) { EXIT_FINDINGS } else { EXIT_CLEAN })
+    Ok(if s.errors > 0 || (args.deny_warnings && s.warnings > 0) {
+        EXIT_FINDINGS
+    } else {
+        EXIT_CLEAN
+    })
 }
 
 /// The preset with the overriding flags applied; `custom` needs every number.
@@ -135,7 +160,10 @@ fn profile(args: &LintArgs) -> Result<LbProfile, String> {
         LbKind::Custom => {
             let missing: Vec<&str> = [
                 ("--lb-interval", args.lb_interval.is_none()),
-                ("--lb-unhealthy-threshold", args.lb_unhealthy_threshold.is_none()),
+                (
+                    "--lb-unhealthy-threshold",
+                    args.lb_unhealthy_threshold.is_none(),
+                ),
                 ("--lb-timeout", args.lb_timeout.is_none()),
                 ("--lb-drain", args.lb_drain.is_none()),
                 ("--lb-registration", args.lb_registration.is_none()),
@@ -146,7 +174,10 @@ fn profile(args: &LintArgs) -> Result<LbProfile, String> {
             if !missing.is_empty() {
                 return Err(format!("--lb custom needs {}", missing.join(", ")));
             }
-            LbProfile { name: "custom".into(), ..LbProfile::gke() }
+            LbProfile {
+                name: "custom".into(),
+                ..LbProfile::gke()
+            }
         }
     };
     if let Some(v) = args.lb_interval {
@@ -172,7 +203,9 @@ fn profile(args: &LintArgs) -> Result<LbProfile, String> {
 fn read_path(path: &Path, inv: &mut Inventory, stdin: &mut dyn Read) -> anyhow::Result<()> {
     if path.as_os_str() == "-" {
         let mut text = String::new();
-        stdin.read_to_string(&mut text).context("reading standard input")?;
+        stdin
+            .read_to_string(&mut text)
+            .context("reading standard input")?;
         inv.add_file("<stdin>", &text);
         return Ok(());
     }
@@ -185,7 +218,10 @@ fn read_path(path: &Path, inv: &mut Inventory, stdin: &mut dyn Read) -> anyhow::
             .with_context(|| format!("reading directory {}", path.display()))?;
         entries.sort();
         for p in entries {
-            let is_manifest = p.extension().and_then(|e| e.to_str()).is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
+            let is_manifest = p
+                .extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
             if p.is_dir() || is_manifest {
                 read_path(&p, inv, stdin)?;
             }
@@ -197,7 +233,11 @@ fn read_path(path: &Path, inv: &mut Inventory, stdin: &mut dyn Read) -> anyhow::
     match String::from_utf8(bytes) {
         Ok(text) => inv.add_file(&name, &text),
         Err(e) => inv.errors.push(ManifestError {
-            location: Location { file: name, document: 0, item: None },
+            location: Location {
+                file: name,
+                document: 0,
+                item: None,
+            },
             what: "document".into(),
             field: ".".into(),
             reason: format!("not UTF-8 text: {}", e.utf8_error()),

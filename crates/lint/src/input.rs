@@ -49,7 +49,13 @@ impl fmt::Display for WorkloadRef {
     /// Names come from the user's files: control characters are escaped so a name cannot
     /// rewrite the terminal or forge report lines.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {}/{}", self.kind, self.namespace.escape_debug(), self.name.escape_debug())
+        write!(
+            f,
+            "{} {}/{}",
+            self.kind,
+            self.namespace.escape_debug(),
+            self.name.escape_debug()
+        )
     }
 }
 
@@ -62,7 +68,10 @@ pub enum Strategy {
     OnDelete,
     /// `RollingUpdate`, with the values as written (defaults are applied by the rules,
     /// which know the kind). StatefulSets have no `maxSurge`.
-    RollingUpdate { max_surge: Option<IntOrString>, max_unavailable: Option<IntOrString> },
+    RollingUpdate {
+        max_surge: Option<IntOrString>,
+        max_unavailable: Option<IntOrString>,
+    },
 }
 
 /// A Deployment, StatefulSet or DaemonSet reduced to what the rules need.
@@ -80,7 +89,11 @@ pub struct Workload {
 
 impl Workload {
     pub fn labels(&self) -> BTreeMap<String, String> {
-        self.template.metadata.as_ref().and_then(|m| m.labels.clone()).unwrap_or_default()
+        self.template
+            .metadata
+            .as_ref()
+            .and_then(|m| m.labels.clone())
+            .unwrap_or_default()
     }
 }
 
@@ -113,11 +126,24 @@ impl Inventory {
     }
 
     fn add_value(&mut self, location: Location, v: Value) {
-        let kind = v.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
-        let api_version = v.get("apiVersion").and_then(Value::as_str).unwrap_or("").to_string();
+        let kind = v
+            .get("kind")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        let api_version = v
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         let what = describe(&v);
         let fail = |inv: &mut Self, (field, reason): (String, String)| {
-            inv.errors.push(ManifestError { location: location.clone(), what: what.clone(), field, reason })
+            inv.errors.push(ManifestError {
+                location: location.clone(),
+                what: what.clone(),
+                field,
+                reason,
+            })
         };
         match (kind.as_str(), api_version.as_str()) {
             ("Deployment", "apps/v1" | "") => match typed::<appsv1::Deployment>(v) {
@@ -133,13 +159,29 @@ impl Inventory {
                 Err(e) => fail(self, e),
             },
             ("Service", "v1" | "") => match typed::<corev1::Service>(v) {
-                Ok(object) => replace_or_push(&mut self.services, At { location: location.clone(), object }, |s| &s.metadata),
+                Ok(object) => replace_or_push(
+                    &mut self.services,
+                    At {
+                        location: location.clone(),
+                        object,
+                    },
+                    |s| &s.metadata,
+                ),
                 Err(e) => fail(self, e),
             },
-            ("PodDisruptionBudget", "policy/v1" | "") => match typed::<policyv1::PodDisruptionBudget>(v) {
-                Ok(object) => replace_or_push(&mut self.pdbs, At { location: location.clone(), object }, |p| &p.metadata),
-                Err(e) => fail(self, e),
-            },
+            ("PodDisruptionBudget", "policy/v1" | "") => {
+                match typed::<policyv1::PodDisruptionBudget>(v) {
+                    Ok(object) => replace_or_push(
+                        &mut self.pdbs,
+                        At {
+                            location: location.clone(),
+                            object,
+                        },
+                        |p| &p.metadata,
+                    ),
+                    Err(e) => fail(self, e),
+                }
+            }
             ("Node", "v1" | "") => self.nodes += 1,
             ("", _) if !v.is_object() => fail(self, (".".into(), "not an object".into())),
             // Everything else (ConfigMaps, Ingresses, older API versions, …) is not ours.
@@ -166,7 +208,10 @@ fn replace_or_push<T>(
 
 /// The namespace an object lives in (`default` when unset, as `kubectl apply` does).
 pub fn namespace_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
-    meta.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".to_string())
+    meta.namespace
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "default".to_string())
 }
 
 fn workload_ref(
@@ -174,7 +219,12 @@ fn workload_ref(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
     location: Location,
 ) -> WorkloadRef {
-    WorkloadRef { kind, namespace: namespace_of(meta), name: meta.name.clone().unwrap_or_default(), location }
+    WorkloadRef {
+        kind,
+        namespace: namespace_of(meta),
+        name: meta.name.clone().unwrap_or_default(),
+        location,
+    }
 }
 
 fn annotations(
@@ -182,7 +232,11 @@ fn annotations(
     template: &corev1::PodTemplateSpec,
 ) -> BTreeMap<String, String> {
     let mut a = meta.annotations.clone().unwrap_or_default();
-    if let Some(t) = template.metadata.as_ref().and_then(|m| m.annotations.as_ref()) {
+    if let Some(t) = template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.annotations.as_ref())
+    {
         a.extend(t.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
     a
@@ -196,7 +250,10 @@ fn from_deployment(d: appsv1::Deployment, location: Location) -> Workload {
             max_surge: s.rolling_update.as_ref().and_then(|r| r.max_surge.clone()),
             max_unavailable: s.rolling_update.and_then(|r| r.max_unavailable),
         },
-        None => Strategy::RollingUpdate { max_surge: None, max_unavailable: None },
+        None => Strategy::RollingUpdate {
+            max_surge: None,
+            max_unavailable: None,
+        },
     };
     Workload {
         id: workload_ref(WorkloadKind::Deployment, &d.metadata, location),
@@ -216,7 +273,10 @@ fn from_stateful_set(s: appsv1::StatefulSet, location: Location) -> Workload {
             max_surge: None,
             max_unavailable: u.rolling_update.and_then(|r| r.max_unavailable),
         },
-        None => Strategy::RollingUpdate { max_surge: None, max_unavailable: None },
+        None => Strategy::RollingUpdate {
+            max_surge: None,
+            max_unavailable: None,
+        },
     };
     Workload {
         id: workload_ref(WorkloadKind::StatefulSet, &s.metadata, location),
@@ -236,7 +296,10 @@ fn from_daemon_set(d: appsv1::DaemonSet, location: Location) -> Workload {
             max_surge: u.rolling_update.as_ref().and_then(|r| r.max_surge.clone()),
             max_unavailable: u.rolling_update.and_then(|r| r.max_unavailable),
         },
-        None => Strategy::RollingUpdate { max_surge: None, max_unavailable: None },
+        None => Strategy::RollingUpdate {
+            max_surge: None,
+            max_unavailable: None,
+        },
     };
     Workload {
         id: workload_ref(WorkloadKind::DaemonSet, &d.metadata, location),
@@ -251,16 +314,29 @@ fn from_daemon_set(d: appsv1::DaemonSet, location: Location) -> Workload {
 fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
     serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
         let path = e.path().to_string();
-        let field = if path == "." { ".".to_string() } else { format!(".{path}") };
+        let field = if path == "." {
+            ".".to_string()
+        } else {
+            format!(".{path}")
+        };
         (field, e.into_inner().to_string())
     })
 }
 
 /// `Kind namespace/name` from raw JSON, for reports on objects that failed to parse.
 fn describe(v: &Value) -> String {
-    let kind = v.get("kind").and_then(Value::as_str).unwrap_or("document").escape_debug().to_string();
+    let kind = v
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or("document")
+        .escape_debug()
+        .to_string();
     let meta = v.get("metadata");
-    let s = |k: &str| meta.and_then(|m| m.get(k)).and_then(Value::as_str).map(|s| s.escape_debug().to_string());
+    let s = |k: &str| {
+        meta.and_then(|m| m.get(k))
+            .and_then(Value::as_str)
+            .map(|s| s.escape_debug().to_string())
+    };
     match (s("namespace"), s("name")) {
         (Some(ns), Some(n)) => format!("{kind} {ns}/{n}"),
         (None, Some(n)) => format!("{kind} default/{n}"),

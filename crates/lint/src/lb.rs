@@ -88,7 +88,11 @@ mod tests {
     #[test]
     fn detection_windows_of_the_presets() {
         // gke: seed 2's "6 seconds" is interval × threshold; the check's own timeout adds 1 s.
-        for (lb, window) in [(LbProfile::gke(), 7.0), (LbProfile::aws_nlb(), 26.0), (LbProfile::azure(), 10.0)] {
+        for (lb, window) in [
+            (LbProfile::gke(), 7.0),
+            (LbProfile::aws_nlb(), 26.0),
+            (LbProfile::azure(), 10.0),
+        ] {
             assert_eq!(lb.detection_window(), window, "{}", lb.name);
             assert_eq!(LbProfile::preset(&lb.name), Some(lb));
         }

@@ -49,7 +49,10 @@ pub fn text(findings: &[Finding], opts: &Options, workloads_checked: usize) -> S
     let mut groups: Vec<(String, String, Vec<&Finding>)> = Vec::new();
     for f in findings {
         let key = format!("{}", f.location);
-        match groups.iter_mut().find(|(o, k, _)| *o == f.object && *k == key) {
+        match groups
+            .iter_mut()
+            .find(|(o, k, _)| *o == f.object && *k == key)
+        {
             Some(g) => g.2.push(f),
             None => groups.push((f.object.clone(), key, vec![f])),
         }
@@ -59,16 +62,27 @@ pub fn text(findings: &[Finding], opts: &Options, workloads_checked: usize) -> S
         for f in fs {
             let mut about = Vec::new();
             if let Some(s) = &f.service {
-                about.push(format!("Service {s} ({})", f.external_traffic_policy.unwrap_or("?")));
+                about.push(format!(
+                    "Service {s} ({})",
+                    f.external_traffic_policy.unwrap_or("?")
+                ));
             }
             if let Some(c) = &f.container {
                 about.push(format!("container {}", c.escape_debug()));
             }
-            let about = if about.is_empty() { String::new() } else { format!("  [{}]", about.join(", ")) };
+            let about = if about.is_empty() {
+                String::new()
+            } else {
+                format!("  [{}]", about.join(", "))
+            };
             let _ = writeln!(out, "  {:<7} {}{about}", f.severity.as_str(), f.rule);
             let _ = writeln!(out, "          {}", f.message);
             if !f.numbers.is_empty() {
-                let n: Vec<String> = f.numbers.iter().map(|(k, v)| format!("{k}={}", num(*v))).collect();
+                let n: Vec<String> = f
+                    .numbers
+                    .iter()
+                    .map(|(k, v)| format!("{k}={}", num(*v)))
+                    .collect();
                 let _ = writeln!(out, "          numbers: {}", n.join(" "));
             }
             let _ = writeln!(out, "          fix: {}", f.fix);
@@ -178,7 +192,10 @@ mod tests {
 
     #[test]
     fn uris_are_percent_encoded() {
-        assert_eq!(uri_reference("dir/my file#1.yaml"), "dir/my%20file%231.yaml");
+        assert_eq!(
+            uri_reference("dir/my file#1.yaml"),
+            "dir/my%20file%231.yaml"
+        );
         assert_eq!(uri_reference("ü.yaml"), "%C3%BC.yaml");
     }
 }

@@ -64,7 +64,11 @@ pub const PDB_MISSING: &str = "pdb-missing";
 pub const PDB_ALLOWS_ALL_DOWN: &str = "pdb-allows-all-down";
 
 pub const RULES: &[Rule] = &[
-    Rule { id: MANIFEST_INVALID, severity: Severity::Error, summary: "An object could not be read; it was not checked." },
+    Rule {
+        id: MANIFEST_INVALID,
+        severity: Severity::Error,
+        summary: "An object could not be read; it was not checked.",
+    },
     Rule {
         id: READINESS_PROBE_MISSING,
         severity: Severity::Error,
@@ -105,7 +109,11 @@ pub const RULES: &[Rule] = &[
         severity: Severity::Error,
         summary: "The rollout strategy allows every pod to be unavailable at once.",
     },
-    Rule { id: PDB_MISSING, severity: Severity::Warning, summary: "No PodDisruptionBudget protects the load-balanced pods from evictions." },
+    Rule {
+        id: PDB_MISSING,
+        severity: Severity::Warning,
+        summary: "No PodDisruptionBudget protects the load-balanced pods from evictions.",
+    },
     Rule {
         id: PDB_ALLOWS_ALL_DOWN,
         severity: Severity::Warning,
@@ -158,7 +166,8 @@ pub const ANNOTATION_PRESTOP_SECONDS: &str = "lint.kproxy.io/prestop-seconds";
 
 /// Images whose readiness probe fails as soon as the process gets SIGTERM (ingress-nginx
 /// issue #13689, cited by seed 2).
-const READINESS_FAILS_ON_SIGTERM_IMAGES: &[&str] = &["ingress-nginx/controller", "nginx-ingress-controller"];
+const READINESS_FAILS_ON_SIGTERM_IMAGES: &[&str] =
+    &["ingress-nginx/controller", "nginx-ingress-controller"];
 
 /// Kubernetes' default `terminationGracePeriodSeconds`.
 const DEFAULT_TERMINATION_GRACE: f64 = 30.0;
@@ -200,11 +209,16 @@ pub fn lint(inv: &Inventory, opts: &Options) -> Vec<Finding> {
         })
         .collect();
     for w in &inv.workloads {
-        let services: Vec<&At<corev1::Service>> = inv.services.iter().filter(|s| selects(s, w)).collect();
+        let services: Vec<&At<corev1::Service>> =
+            inv.services.iter().filter(|s| selects(s, w)).collect();
         if services.is_empty() {
             continue;
         }
-        let mut c = Checker { w, opts, out: &mut out };
+        let mut c = Checker {
+            w,
+            opts,
+            out: &mut out,
+        };
         for s in &services {
             c.service(s);
         }
@@ -220,12 +234,18 @@ pub fn behind_load_balancer(inv: &Inventory, w: &Workload) -> bool {
 
 /// Whether a LoadBalancer Service selects this workload's pods.
 fn selects(s: &At<corev1::Service>, w: &Workload) -> bool {
-    let Some(spec) = &s.object.spec else { return false };
-    if spec.type_.as_deref() != Some("LoadBalancer") || namespace_of(&s.object.metadata) != w.id.namespace {
+    let Some(spec) = &s.object.spec else {
+        return false;
+    };
+    if spec.type_.as_deref() != Some("LoadBalancer")
+        || namespace_of(&s.object.metadata) != w.id.namespace
+    {
         return false;
     }
     // A Service without a selector has hand-managed endpoints: no workload is behind it.
-    let Some(selector) = spec.selector.as_ref().filter(|s| !s.is_empty()) else { return false };
+    let Some(selector) = spec.selector.as_ref().filter(|s| !s.is_empty()) else {
+        return false;
+    };
     let labels = w.labels();
     selector.iter().all(|(k, v)| labels.get(k) == Some(v))
 }
@@ -252,7 +272,15 @@ enum PreStop {
 }
 
 impl Checker<'_> {
-    fn push(&mut self, rule: &'static str, severity: Severity, about: &About, numbers: &[(&'static str, f64)], message: String, fix: String) {
+    fn push(
+        &mut self,
+        rule: &'static str,
+        severity: Severity,
+        about: &About,
+        numbers: &[(&'static str, f64)],
+        message: String,
+        fix: String,
+    ) {
         self.out.push(Finding {
             rule,
             severity,
@@ -273,7 +301,9 @@ impl Checker<'_> {
     }
 
     fn termination_grace(&self) -> f64 {
-        self.pod_spec().and_then(|s| s.termination_grace_period_seconds).map_or(DEFAULT_TERMINATION_GRACE, |t| t as f64)
+        self.pod_spec()
+            .and_then(|s| s.termination_grace_period_seconds)
+            .map_or(DEFAULT_TERMINATION_GRACE, |t| t as f64)
     }
 
     fn service(&mut self, s: &At<corev1::Service>) {
@@ -285,15 +315,28 @@ impl Checker<'_> {
         let service = format!(
             "{}/{}",
             namespace_of(&s.object.metadata).escape_debug(),
-            s.object.metadata.name.as_deref().unwrap_or("").escape_debug()
+            s.object
+                .metadata
+                .name
+                .as_deref()
+                .unwrap_or("")
+                .escape_debug()
         );
         let w = self.w; // a copy of the reference: the containers borrow the workload, not the checker
         let containers = serving_containers(w.template.spec.as_ref(), spec);
         for c in &containers {
-            let about = About { service: Some(service.clone()), policy: Some(policy), container: Some(&c.name) };
+            let about = About {
+                service: Some(service.clone()),
+                policy: Some(policy),
+                container: Some(&c.name),
+            };
             self.container(c, policy, &about);
         }
-        let about = About { service: Some(service), policy: Some(policy), container: None };
+        let about = About {
+            service: Some(service),
+            policy: Some(policy),
+            container: None,
+        };
         if policy == Policy::Local {
             self.ready_before_registration(&about);
             self.no_surge(&about);
@@ -355,11 +398,18 @@ impl Checker<'_> {
             Policy::Cluster => (
                 programming,
                 Severity::Warning,
-                format!("with externalTrafficPolicy Cluster every node's proxy keeps sending new connections to the pod until it has removed the endpoint ({} s)", num(programming)),
+                format!(
+                    "with externalTrafficPolicy Cluster every node's proxy keeps sending new connections to the pod until it has removed the endpoint ({} s)",
+                    num(programming)
+                ),
             ),
         };
         if pre_stop < required {
-            let mut numbers = vec![("preStopSeconds", pre_stop), ("requiredSeconds", required), ("proxyProgrammingSeconds", programming)];
+            let mut numbers = vec![
+                ("preStopSeconds", pre_stop),
+                ("requiredSeconds", required),
+                ("proxyProgrammingSeconds", programming),
+            ];
             if policy == Policy::Local {
                 numbers.push(("lbDetectionWindowSeconds", lb.detection_window()));
             }
@@ -382,7 +432,8 @@ impl Checker<'_> {
         // Seed 2: readiness that fails at SIGTERM must not turn the pod not-ready before it
         // is killed, or the node (Local) keeps receiving packets for a pod no proxy forwards to.
         if policy == Policy::Local
-            && let (Some(probe), Some(reason)) = (&c.readiness_probe, self.readiness_fails_on_sigterm(c))
+            && let (Some(probe), Some(reason)) =
+                (&c.readiness_probe, self.readiness_fails_on_sigterm(c))
         {
             let period = probe.period_seconds.unwrap_or(10).max(1) as f64;
             let failures = probe.failure_threshold.unwrap_or(3).max(1) as f64;
@@ -418,7 +469,11 @@ impl Checker<'_> {
         }
 
         // Grace period vs preStop and the load balancer's connection draining.
-        let drain = if policy == Policy::Local { lb.drain_seconds } else { 0.0 };
+        let drain = if policy == Policy::Local {
+            lb.drain_seconds
+        } else {
+            0.0
+        };
         if grace <= pre_stop {
             self.push(
                 TERMINATION_GRACE_VS_LB_DRAIN,
@@ -488,8 +543,11 @@ impl Checker<'_> {
             return;
         }
         let min_ready = f64::from(self.w.min_ready_seconds.max(0));
-        let numbers =
-            [("readyAfterSeconds", ready_at), ("minReadySeconds", min_ready), ("lbRegistrationSeconds", registration)];
+        let numbers = [
+            ("readyAfterSeconds", ready_at),
+            ("minReadySeconds", min_ready),
+            ("lbRegistrationSeconds", registration),
+        ];
         let fix = format!(
             "Delay readiness until the node can receive traffic: readinessProbe.initialDelaySeconds ≥ {} (seed 2 uses 20 on GKE), or a readiness gate that waits for the load balancer.",
             num(registration.ceil())
@@ -529,7 +587,9 @@ impl Checker<'_> {
     /// With Local, a rollout without surge takes a node's only pod away before its
     /// replacement is Ready.
     fn no_surge(&mut self, about: &About) {
-        let Strategy::RollingUpdate { max_surge, .. } = &self.w.strategy else { return };
+        let Strategy::RollingUpdate { max_surge, .. } = &self.w.strategy else {
+            return;
+        };
         match self.w.id.kind {
             WorkloadKind::DaemonSet => {
                 // DaemonSet maxSurge scales with the node count; only "zero" matters here.
@@ -552,7 +612,9 @@ impl Checker<'_> {
                 let replicas = self.w.replicas.unwrap_or(1);
                 let surge = match (self.w.id.kind, max_surge) {
                     (WorkloadKind::StatefulSet, _) => 0, // StatefulSets never surge
-                    (_, None) => scaled(&IntOrString::String("25%".into()), replicas, true).unwrap_or(1),
+                    (_, None) => {
+                        scaled(&IntOrString::String("25%".into()), replicas, true).unwrap_or(1)
+                    }
                     (_, Some(s)) => match scaled(s, replicas, true) {
                         Some(s) => s,
                         None => return self.bad_int_or_string("maxSurge", s, about),
@@ -600,7 +662,9 @@ impl Checker<'_> {
 
     /// A strategy that may take every pod down at once.
     fn max_unavailable(&mut self, about: &About) {
-        let Some(replicas) = self.w.replicas else { return };
+        let Some(replicas) = self.w.replicas else {
+            return;
+        };
         let fix = "Use a RollingUpdate with maxUnavailable below replicas (ideally 0, with maxSurge ≥ 1), and run at least 2 replicas.";
         let unavailable = match &self.w.strategy {
             Strategy::OnDelete => return,
@@ -614,13 +678,24 @@ impl Checker<'_> {
                     fix.into(),
                 );
             }
-            Strategy::RollingUpdate { max_surge, max_unavailable } => {
-                let default = if self.w.id.kind == WorkloadKind::StatefulSet { IntOrString::Int(1) } else { IntOrString::String("25%".into()) };
+            Strategy::RollingUpdate {
+                max_surge,
+                max_unavailable,
+            } => {
+                let default = if self.w.id.kind == WorkloadKind::StatefulSet {
+                    IntOrString::Int(1)
+                } else {
+                    IntOrString::String("25%".into())
+                };
                 let u = max_unavailable.as_ref().unwrap_or(&default);
-                let Some(mut unavailable) = scaled(u, replicas, false) else { return self.bad_int_or_string("maxUnavailable", u, about) };
+                let Some(mut unavailable) = scaled(u, replicas, false) else {
+                    return self.bad_int_or_string("maxUnavailable", u, about);
+                };
                 // The Deployment controller never lets both be zero (ResolveFenceposts).
                 if self.w.id.kind == WorkloadKind::Deployment && unavailable == 0 {
-                    let s = max_surge.clone().unwrap_or(IntOrString::String("25%".into()));
+                    let s = max_surge
+                        .clone()
+                        .unwrap_or(IntOrString::String("25%".into()));
                     if scaled(&s, replicas, true) == Some(0) {
                         unavailable = 1;
                     }
@@ -662,7 +737,13 @@ impl Checker<'_> {
         let matching: Vec<&At<policyv1::PodDisruptionBudget>> = pdbs
             .iter()
             .filter(|p| namespace_of(&p.object.metadata) == self.w.id.namespace)
-            .filter(|p| p.object.spec.as_ref().and_then(|s| s.selector.as_ref()).is_some_and(|s| selector_matches(s, &labels)))
+            .filter(|p| {
+                p.object
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.selector.as_ref())
+                    .is_some_and(|s| selector_matches(s, &labels))
+            })
             .collect();
         if matching.is_empty() {
             self.push(
@@ -688,12 +769,23 @@ impl Checker<'_> {
                 (None, None) => false,
             };
             if all_down {
-                let name = p.object.metadata.name.as_deref().unwrap_or("").escape_debug().to_string();
+                let name = p
+                    .object
+                    .metadata
+                    .name
+                    .as_deref()
+                    .unwrap_or("")
+                    .escape_debug()
+                    .to_string();
                 self.push(
                     PDB_ALLOWS_ALL_DOWN,
                     Severity::Warning,
                     &about,
-                    &self.w.replicas.map(|r| vec![("replicas", f64::from(r))]).unwrap_or_default(),
+                    &self
+                        .w
+                        .replicas
+                        .map(|r| vec![("replicas", f64::from(r))])
+                        .unwrap_or_default(),
                     format!("PodDisruptionBudget {name} allows every pod to be evicted at once"),
                     "Set maxUnavailable: 1 (or minAvailable ≥ 1).".into(),
                 );
@@ -702,8 +794,17 @@ impl Checker<'_> {
     }
 
     fn readiness_fails_on_sigterm(&self, c: &corev1::Container) -> Option<String> {
-        match self.w.annotations.get(ANNOTATION_READINESS_FAILS_ON_SIGTERM).map(|s| s.trim()) {
-            Some("true") => return Some(format!("annotation {ANNOTATION_READINESS_FAILS_ON_SIGTERM}")),
+        match self
+            .w
+            .annotations
+            .get(ANNOTATION_READINESS_FAILS_ON_SIGTERM)
+            .map(|s| s.trim())
+        {
+            Some("true") => {
+                return Some(format!(
+                    "annotation {ANNOTATION_READINESS_FAILS_ON_SIGTERM}"
+                ));
+            }
             Some("false") => return None,
             _ => {}
         }
@@ -715,11 +816,17 @@ impl Checker<'_> {
     }
 
     fn pre_stop(&self, c: &corev1::Container) -> PreStop {
-        let Some(handler) = c.lifecycle.as_ref().and_then(|l| l.pre_stop.as_ref()) else { return PreStop::Seconds(0.0) };
+        let Some(handler) = c.lifecycle.as_ref().and_then(|l| l.pre_stop.as_ref()) else {
+            return PreStop::Seconds(0.0);
+        };
         if let Some(sleep) = &handler.sleep {
             return PreStop::Seconds(sleep.seconds.max(0) as f64);
         }
-        if let Some(s) = self.w.annotations.get(ANNOTATION_PRESTOP_SECONDS).and_then(|s| s.trim().parse::<f64>().ok())
+        if let Some(s) = self
+            .w
+            .annotations
+            .get(ANNOTATION_PRESTOP_SECONDS)
+            .and_then(|s| s.trim().parse::<f64>().ok())
             && s.is_finite()
             && s >= 0.0
         {
@@ -735,11 +842,19 @@ impl Checker<'_> {
 
 /// The containers that serve the Service's ports (targetPort by number or name); all
 /// containers when none match (the port may be unnamed in the pod).
-fn serving_containers<'a>(pod: Option<&'a corev1::PodSpec>, svc: Option<&corev1::ServiceSpec>) -> Vec<&'a corev1::Container> {
+fn serving_containers<'a>(
+    pod: Option<&'a corev1::PodSpec>,
+    svc: Option<&corev1::ServiceSpec>,
+) -> Vec<&'a corev1::Container> {
     let Some(pod) = pod else { return Vec::new() };
     let targets: Vec<IntOrString> = svc
         .and_then(|s| s.ports.as_ref())
-        .map(|ports| ports.iter().map(|p| p.target_port.clone().unwrap_or(IntOrString::Int(p.port))).collect())
+        .map(|ports| {
+            ports
+                .iter()
+                .map(|p| p.target_port.clone().unwrap_or(IntOrString::Int(p.port)))
+                .collect()
+        })
         .unwrap_or_default();
     let serves = |c: &corev1::Container| {
         c.ports.as_ref().is_some_and(|ports| {
@@ -752,7 +867,11 @@ fn serving_containers<'a>(pod: Option<&'a corev1::PodSpec>, svc: Option<&corev1:
         })
     };
     let matched: Vec<&corev1::Container> = pod.containers.iter().filter(|c| serves(c)).collect();
-    if matched.is_empty() { pod.containers.iter().collect() } else { matched }
+    if matched.is_empty() {
+        pod.containers.iter().collect()
+    } else {
+        matched
+    }
 }
 
 /// `sleep N`, `/bin/sleep N`, or `sh -c "sleep N"` as an exec preStop hook.
@@ -788,7 +907,11 @@ fn scaled(v: &IntOrString, total: i32, round_up: bool) -> Option<i32> {
         IntOrString::String(s) => {
             let p = i64::from(percent(s)?);
             let t = i64::from(total.max(0));
-            let v = if round_up { (p * t + 99) / 100 } else { p * t / 100 };
+            let v = if round_up {
+                (p * t + 99) / 100
+            } else {
+                p * t / 100
+            };
             Some(v.min(i64::from(i32::MAX)) as i32)
         }
     }
@@ -796,7 +919,10 @@ fn scaled(v: &IntOrString, total: i32, round_up: bool) -> Option<i32> {
 
 /// Kubernetes label-selector semantics (matchLabels AND matchExpressions).
 fn selector_matches(s: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
-    let labels_ok = s.match_labels.as_ref().is_none_or(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)));
+    let labels_ok = s
+        .match_labels
+        .as_ref()
+        .is_none_or(|m| m.iter().all(|(k, v)| labels.get(k) == Some(v)));
     let exprs_ok = s.match_expressions.as_ref().is_none_or(|es| {
         es.iter().all(|e| {
             let values = e.values.as_deref().unwrap_or(&[]);
@@ -815,7 +941,11 @@ fn selector_matches(s: &LabelSelector, labels: &BTreeMap<String, String>) -> boo
 
 /// A number for messages: integers without a fraction.
 pub fn num(v: f64) -> String {
-    if v.fract() == 0.0 && v.abs() < 1e15 { format!("{}", v as i64) } else { format!("{v}") }
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{}", v as i64)
+    } else {
+        format!("{v}")
+    }
 }
 
 #[cfg(test)]
@@ -824,7 +954,8 @@ mod tests {
 
     #[test]
     fn exec_sleep_forms() {
-        let v = |a: &[&str]| exec_sleep_seconds(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        let v =
+            |a: &[&str]| exec_sleep_seconds(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         for (argv, want) in [
             (&["sleep", "10"][..], Some(10.0)),
             (&["/bin/sleep", "5s"][..], Some(5.0)),
@@ -866,7 +997,10 @@ mod tests {
             }]),
             match_labels: None,
         };
-        assert!(selector_matches(&LabelSelector::default(), &labels), "empty selector selects all");
+        assert!(
+            selector_matches(&LabelSelector::default(), &labels),
+            "empty selector selects all"
+        );
         assert!(selector_matches(&req("In", &["web", "x"]), &labels));
         assert!(!selector_matches(&req("NotIn", &["web"]), &labels));
         assert!(selector_matches(&req("Exists", &[]), &labels));

@@ -12,7 +12,9 @@ use kproxy_lint::rules::{self, Finding, Options, RULES, Severity};
 use serde_json::Value;
 
 fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(rel)
 }
 
 fn lint_file(rel: &str, lb: LbProfile) -> Vec<Finding> {
@@ -21,11 +23,22 @@ fn lint_file(rel: &str, lb: LbProfile) -> Vec<Finding> {
     let mut inv = Inventory::default();
     inv.add_file(rel, &text);
     let nodes = (inv.nodes > 0).then_some(inv.nodes);
-    rules::lint(&inv, &Options { lb, proxy_programming_seconds: 1.0, nodes })
+    rules::lint(
+        &inv,
+        &Options {
+            lb,
+            proxy_programming_seconds: 1.0,
+            nodes,
+        },
+    )
 }
 
 fn ids(findings: &[Finding], severity: Severity) -> Vec<&'static str> {
-    let mut v: Vec<&str> = findings.iter().filter(|f| f.severity == severity).map(|f| f.rule).collect();
+    let mut v: Vec<&str> = findings
+        .iter()
+        .filter(|f| f.severity == severity)
+        .map(|f| f.rule)
+        .collect();
     v.sort();
     v.dedup();
     v
@@ -33,34 +46,130 @@ fn ids(findings: &[Finding], severity: Severity) -> Vec<&'static str> {
 
 /// (fixture, rule, the severity it must report, or None: it must not report the rule).
 const TABLE: &[(&str, &str, Option<Severity>)] = &[
-    ("readiness-probe-missing/fail", "readiness-probe-missing", Some(Severity::Error)),
-    ("readiness-probe-missing/pass", "readiness-probe-missing", None),
-    ("prestop-shorter-than-lb-detection/fail", "prestop-shorter-than-lb-detection", Some(Severity::Error)),
-    ("prestop-shorter-than-lb-detection/fail-cluster", "prestop-shorter-than-lb-detection", Some(Severity::Warning)),
-    ("prestop-shorter-than-lb-detection/pass", "prestop-shorter-than-lb-detection", None),
-    ("prestop-shorter-than-lb-detection/pass-cluster", "prestop-shorter-than-lb-detection", None),
-    ("prestop-duration-unknown/fail", "prestop-duration-unknown", Some(Severity::Note)),
-    ("prestop-duration-unknown/pass", "prestop-duration-unknown", None),
-    ("readiness-fails-before-kill/fail", "readiness-fails-before-kill", Some(Severity::Error)),
-    ("readiness-fails-before-kill/pass", "readiness-fails-before-kill", None),
-    ("termination-grace-vs-lb-drain/fail", "termination-grace-vs-lb-drain", Some(Severity::Error)),
-    ("termination-grace-vs-lb-drain/fail-warning", "termination-grace-vs-lb-drain", Some(Severity::Warning)),
-    ("termination-grace-vs-lb-drain/pass", "termination-grace-vs-lb-drain", None),
-    ("ready-before-lb-registration/fail", "ready-before-lb-registration", Some(Severity::Error)),
-    ("ready-before-lb-registration/fail-warning", "ready-before-lb-registration", Some(Severity::Warning)),
-    ("ready-before-lb-registration/pass", "ready-before-lb-registration", None),
-    ("etp-local-no-surge/fail", "etp-local-no-surge", Some(Severity::Error)),
-    ("etp-local-no-surge/fail-deployment", "etp-local-no-surge", Some(Severity::Error)),
+    (
+        "readiness-probe-missing/fail",
+        "readiness-probe-missing",
+        Some(Severity::Error),
+    ),
+    (
+        "readiness-probe-missing/pass",
+        "readiness-probe-missing",
+        None,
+    ),
+    (
+        "prestop-shorter-than-lb-detection/fail",
+        "prestop-shorter-than-lb-detection",
+        Some(Severity::Error),
+    ),
+    (
+        "prestop-shorter-than-lb-detection/fail-cluster",
+        "prestop-shorter-than-lb-detection",
+        Some(Severity::Warning),
+    ),
+    (
+        "prestop-shorter-than-lb-detection/pass",
+        "prestop-shorter-than-lb-detection",
+        None,
+    ),
+    (
+        "prestop-shorter-than-lb-detection/pass-cluster",
+        "prestop-shorter-than-lb-detection",
+        None,
+    ),
+    (
+        "prestop-duration-unknown/fail",
+        "prestop-duration-unknown",
+        Some(Severity::Note),
+    ),
+    (
+        "prestop-duration-unknown/pass",
+        "prestop-duration-unknown",
+        None,
+    ),
+    (
+        "readiness-fails-before-kill/fail",
+        "readiness-fails-before-kill",
+        Some(Severity::Error),
+    ),
+    (
+        "readiness-fails-before-kill/pass",
+        "readiness-fails-before-kill",
+        None,
+    ),
+    (
+        "termination-grace-vs-lb-drain/fail",
+        "termination-grace-vs-lb-drain",
+        Some(Severity::Error),
+    ),
+    (
+        "termination-grace-vs-lb-drain/fail-warning",
+        "termination-grace-vs-lb-drain",
+        Some(Severity::Warning),
+    ),
+    (
+        "termination-grace-vs-lb-drain/pass",
+        "termination-grace-vs-lb-drain",
+        None,
+    ),
+    (
+        "ready-before-lb-registration/fail",
+        "ready-before-lb-registration",
+        Some(Severity::Error),
+    ),
+    (
+        "ready-before-lb-registration/fail-warning",
+        "ready-before-lb-registration",
+        Some(Severity::Warning),
+    ),
+    (
+        "ready-before-lb-registration/pass",
+        "ready-before-lb-registration",
+        None,
+    ),
+    (
+        "etp-local-no-surge/fail",
+        "etp-local-no-surge",
+        Some(Severity::Error),
+    ),
+    (
+        "etp-local-no-surge/fail-deployment",
+        "etp-local-no-surge",
+        Some(Severity::Error),
+    ),
     ("etp-local-no-surge/pass", "etp-local-no-surge", None),
-    ("etp-local-no-surge/pass-deployment", "etp-local-no-surge", None),
-    ("rollout-max-unavailable/fail", "rollout-max-unavailable", Some(Severity::Error)),
-    ("rollout-max-unavailable/fail-percent", "rollout-max-unavailable", Some(Severity::Error)),
-    ("rollout-max-unavailable/pass", "rollout-max-unavailable", None),
+    (
+        "etp-local-no-surge/pass-deployment",
+        "etp-local-no-surge",
+        None,
+    ),
+    (
+        "rollout-max-unavailable/fail",
+        "rollout-max-unavailable",
+        Some(Severity::Error),
+    ),
+    (
+        "rollout-max-unavailable/fail-percent",
+        "rollout-max-unavailable",
+        Some(Severity::Error),
+    ),
+    (
+        "rollout-max-unavailable/pass",
+        "rollout-max-unavailable",
+        None,
+    ),
     ("pdb-missing/fail", "pdb-missing", Some(Severity::Warning)),
     ("pdb-missing/pass", "pdb-missing", None),
-    ("pdb-allows-all-down/fail", "pdb-allows-all-down", Some(Severity::Warning)),
+    (
+        "pdb-allows-all-down/fail",
+        "pdb-allows-all-down",
+        Some(Severity::Warning),
+    ),
     ("pdb-allows-all-down/pass", "pdb-allows-all-down", None),
-    ("manifest-invalid/fail", "manifest-invalid", Some(Severity::Error)),
+    (
+        "manifest-invalid/fail",
+        "manifest-invalid",
+        Some(Severity::Error),
+    ),
     ("manifest-invalid/pass", "manifest-invalid", None),
 ];
 
@@ -69,13 +178,23 @@ fn every_rule_fixture_fails_or_passes_as_labelled() {
     let mut failures = Vec::new();
     for (name, rule, want) in TABLE {
         let findings = lint_file(&format!("rules/{name}.yaml"), LbProfile::gke());
-        let got: Vec<Severity> = findings.iter().filter(|f| f.rule == *rule).map(|f| f.severity).collect();
+        let got: Vec<Severity> = findings
+            .iter()
+            .filter(|f| f.rule == *rule)
+            .map(|f| f.severity)
+            .collect();
         let ok = match want {
             Some(s) => got.contains(s),
             None => got.is_empty(),
         };
         if !ok {
-            failures.push(format!("{name}: want {rule} {want:?}, got {got:?}; all: {:?}", findings.iter().map(|f| (f.rule, f.severity)).collect::<Vec<_>>()));
+            failures.push(format!(
+                "{name}: want {rule} {want:?}, got {got:?}; all: {:?}",
+                findings
+                    .iter()
+                    .map(|f| (f.rule, f.severity))
+                    .collect::<Vec<_>>()
+            ));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -86,7 +205,9 @@ fn every_rule_has_a_failing_and_a_passing_fixture() {
     for r in RULES {
         for kind in ["fail", "pass"] {
             assert!(
-                TABLE.iter().any(|(n, rule, want)| *rule == r.id && n.ends_with(&format!("/{kind}")) && want.is_some() == (kind == "fail")),
+                TABLE.iter().any(|(n, rule, want)| *rule == r.id
+                    && n.ends_with(&format!("/{kind}"))
+                    && want.is_some() == (kind == "fail")),
                 "{} has no {kind} fixture",
                 r.id
             );
@@ -104,15 +225,24 @@ fn the_clean_base_has_no_findings_at_all() {
 fn seed2_first_configuration_fails_with_the_expected_rules() {
     let f = lint_file("seed2/first.yaml", LbProfile::gke());
     // preStop 10 s already covers gke's 7 s window + 1 s: what is missing is readiness.
-    assert_eq!(ids(&f, Severity::Error), ["readiness-probe-missing", "ready-before-lb-registration"]);
-    assert_eq!(ids(&f, Severity::Warning), ["termination-grace-vs-lb-drain"]);
+    assert_eq!(
+        ids(&f, Severity::Error),
+        ["readiness-probe-missing", "ready-before-lb-registration"]
+    );
+    assert_eq!(
+        ids(&f, Severity::Warning),
+        ["termination-grace-vs-lb-drain"]
+    );
 }
 
 #[test]
 fn seed2_second_configuration_fails_only_on_start_up() {
     let f = lint_file("seed2/second.yaml", LbProfile::gke());
     assert_eq!(ids(&f, Severity::Error), ["ready-before-lb-registration"]);
-    let r = f.iter().find(|f| f.rule == "ready-before-lb-registration").unwrap();
+    let r = f
+        .iter()
+        .find(|f| f.rule == "ready-before-lb-registration")
+        .unwrap();
     assert_eq!(r.numbers["readyAfterSeconds"], 10.0);
     assert_eq!(r.numbers["lbRegistrationSeconds"], 15.0);
     assert_eq!(r.external_traffic_policy, Some("Local"));
@@ -124,18 +254,33 @@ fn seed2_final_configuration_passes() {
     assert_eq!(ids(&f, Severity::Error), Vec::<&str>::new(), "{f:#?}");
     // The seed accepts that nginx drains for 20 s after SIGTERM while the load balancer
     // drains for 30 s; lint says so, as a warning (docs/lint-rules.md).
-    assert_eq!(ids(&f, Severity::Warning), ["termination-grace-vs-lb-drain"]);
+    assert_eq!(
+        ids(&f, Severity::Warning),
+        ["termination-grace-vs-lb-drain"]
+    );
     // The SIGTERM inequality holds with equality: 10 + 10 × (3 − 1) = 30 ≥ 30.
     assert!(!f.iter().any(|f| f.rule == "readiness-fails-before-kill"));
 }
 
 #[test]
 fn seed2_final_with_a_shorter_readiness_period_breaks_the_sigterm_inequality() {
-    let text = std::fs::read_to_string(fixture("seed2/final.yaml")).unwrap().replace("periodSeconds: 10", "periodSeconds: 5");
+    let text = std::fs::read_to_string(fixture("seed2/final.yaml"))
+        .unwrap()
+        .replace("periodSeconds: 10", "periodSeconds: 5");
     let mut inv = Inventory::default();
     inv.add_file("final-period-5.yaml", &text);
-    let f = rules::lint(&inv, &Options { lb: LbProfile::gke(), proxy_programming_seconds: 1.0, nodes: None });
-    let r = f.iter().find(|f| f.rule == "readiness-fails-before-kill").expect("rule fires");
+    let f = rules::lint(
+        &inv,
+        &Options {
+            lb: LbProfile::gke(),
+            proxy_programming_seconds: 1.0,
+            nodes: None,
+        },
+    );
+    let r = f
+        .iter()
+        .find(|f| f.rule == "readiness-fails-before-kill")
+        .expect("rule fires");
     assert_eq!(r.severity, Severity::Error);
     assert_eq!(r.numbers["notReadyAfterSeconds"], 20.0);
     assert!(r.message.contains("ingress-nginx"), "{}", r.message);
@@ -145,20 +290,49 @@ fn seed2_final_with_a_shorter_readiness_period_breaks_the_sigterm_inequality() {
 fn the_load_balancer_profile_changes_the_verdict() {
     // aws-nlb: window 10 × 2 + 6 = 26 s, so seed 2's 10 s preStop is too short there.
     let f = lint_file("seed2/final.yaml", LbProfile::aws_nlb());
-    let r = f.iter().find(|f| f.rule == "prestop-shorter-than-lb-detection").expect("fires on aws-nlb");
+    let r = f
+        .iter()
+        .find(|f| f.rule == "prestop-shorter-than-lb-detection")
+        .expect("fires on aws-nlb");
     assert_eq!(r.numbers["requiredSeconds"], 27.0);
 }
 
 #[test]
 fn workloads_not_behind_a_load_balancer_are_not_checked() {
-    let text = std::fs::read_to_string(fixture("rules/readiness-probe-missing/fail.yaml")).unwrap().replace("type: LoadBalancer", "type: ClusterIP");
+    let text = std::fs::read_to_string(fixture("rules/readiness-probe-missing/fail.yaml"))
+        .unwrap()
+        .replace("type: LoadBalancer", "type: ClusterIP");
     let mut inv = Inventory::default();
     inv.add_file("x.yaml", &text);
-    assert!(rules::lint(&inv, &Options { lb: LbProfile::gke(), proxy_programming_seconds: 1.0, nodes: None }).is_empty());
-    let text = text.replace("namespace: shop}\nspec:\n  type: ClusterIP", "namespace: other}\nspec:\n  type: LoadBalancer");
+    assert!(
+        rules::lint(
+            &inv,
+            &Options {
+                lb: LbProfile::gke(),
+                proxy_programming_seconds: 1.0,
+                nodes: None
+            }
+        )
+        .is_empty()
+    );
+    let text = text.replace(
+        "namespace: shop}\nspec:\n  type: ClusterIP",
+        "namespace: other}\nspec:\n  type: LoadBalancer",
+    );
     let mut inv = Inventory::default();
     inv.add_file("x.yaml", &text);
-    assert!(rules::lint(&inv, &Options { lb: LbProfile::gke(), proxy_programming_seconds: 1.0, nodes: None }).is_empty(), "other namespace");
+    assert!(
+        rules::lint(
+            &inv,
+            &Options {
+                lb: LbProfile::gke(),
+                proxy_programming_seconds: 1.0,
+                nodes: None
+            }
+        )
+        .is_empty(),
+        "other namespace"
+    );
 }
 
 // ---- the command line ----
@@ -170,10 +344,16 @@ struct Cli {
 }
 
 fn cli(argv: &[&str]) -> (u8, String, String) {
-    let args = Cli::try_parse_from(std::iter::once("lint").chain(argv.iter().copied())).expect("parses").args;
+    let args = Cli::try_parse_from(std::iter::once("lint").chain(argv.iter().copied()))
+        .expect("parses")
+        .args;
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let code = execute(&args, &mut out, &mut err, &mut std::io::empty()).expect("writes");
-    (code, String::from_utf8(out).unwrap(), String::from_utf8(err).unwrap())
+    (
+        code,
+        String::from_utf8(out).unwrap(),
+        String::from_utf8(err).unwrap(),
+    )
 }
 
 fn path(rel: &str) -> String {
@@ -199,13 +379,29 @@ fn exit_statuses() {
 fn custom_profile_and_overrides() {
     // A custom load balancer with a 20 s window: the base's 10 s preStop is too short.
     let (code, out, _) = cli(&[
-        "--lb", "custom", "--lb-interval", "5", "--lb-unhealthy-threshold", "3", "--lb-timeout", "5", "--lb-drain", "0",
-        "--lb-registration", "10", "-o", "json", &path("base.yaml"),
+        "--lb",
+        "custom",
+        "--lb-interval",
+        "5",
+        "--lb-unhealthy-threshold",
+        "3",
+        "--lb-timeout",
+        "5",
+        "--lb-drain",
+        "0",
+        "--lb-registration",
+        "10",
+        "-o",
+        "json",
+        &path("base.yaml"),
     ]);
     assert_eq!(code, 1);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["lbDetectionWindowSeconds"], 20.0);
-    assert_eq!(v["findings"][0]["rule"], "prestop-shorter-than-lb-detection");
+    assert_eq!(
+        v["findings"][0]["rule"],
+        "prestop-shorter-than-lb-detection"
+    );
     assert_eq!(v["findings"][0]["numbers"]["requiredSeconds"], 21.0);
     // The proxy programming time is part of the requirement.
     let (code, _, _) = cli(&["--proxy-programming-time", "4", &path("base.yaml")]);
@@ -216,23 +412,42 @@ fn custom_profile_and_overrides() {
 fn a_directory_is_read_recursively_and_the_text_report_groups_by_workload() {
     let (code, out, _) = cli(&[&path("seed2")]);
     assert_eq!(code, 1);
-    assert_eq!(out.matches("\nDeployment ingress-nginx/ingress-nginx-controller (").count(), 3, "{out}");
-    assert!(out.contains("3 workload(s) behind a LoadBalancer Service checked: 3 error(s), 3 warning(s)"), "{out}");
+    assert_eq!(
+        out.matches("\nDeployment ingress-nginx/ingress-nginx-controller (")
+            .count(),
+        3,
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "3 workload(s) behind a LoadBalancer Service checked: 3 error(s), 3 warning(s)"
+        ),
+        "{out}"
+    );
     assert!(out.contains("fix: "), "{out}");
 }
 
 #[test]
 fn stdin_and_unreadable_objects() {
-    let args = Cli::try_parse_from(["lint", "-o", "json", "-"]).unwrap().args;
+    let args = Cli::try_parse_from(["lint", "-o", "json", "-"])
+        .unwrap()
+        .args;
     let (mut out, mut err) = (Vec::new(), Vec::new());
-    let mut stdin: &[u8] = b"apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\nspec: {replicas: many}\n";
+    let mut stdin: &[u8] =
+        b"apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\nspec: {replicas: many}\n";
     assert_eq!(execute(&args, &mut out, &mut err, &mut stdin).unwrap(), 1);
     let v: Value = serde_json::from_slice(&out).unwrap();
     let f = &v["findings"][0];
     assert_eq!(f["rule"], "manifest-invalid");
     assert_eq!(f["object"], "Deployment default/d");
     assert_eq!(f["location"]["file"], "<stdin>");
-    assert!(f["message"].as_str().unwrap().starts_with(".spec.replicas:"), "{f}");
+    assert!(
+        f["message"]
+            .as_str()
+            .unwrap()
+            .starts_with(".spec.replicas:"),
+        "{f}"
+    );
 }
 
 #[test]
@@ -249,17 +464,30 @@ fn sarif_has_the_required_fields() {
     assert_eq!(rules.len(), RULES.len());
     for r in rules {
         assert!(r["id"].is_string() && r["shortDescription"]["text"].is_string());
-        assert!(["error", "warning", "note"].contains(&r["defaultConfiguration"]["level"].as_str().unwrap()));
+        assert!(
+            ["error", "warning", "note"]
+                .contains(&r["defaultConfiguration"]["level"].as_str().unwrap())
+        );
     }
     let results = runs[0]["results"].as_array().unwrap();
     assert_eq!(results.len(), 6);
     for r in results {
-        assert!(r["message"]["text"].as_str().is_some_and(|t| !t.is_empty()), "{r}");
+        assert!(
+            r["message"]["text"].as_str().is_some_and(|t| !t.is_empty()),
+            "{r}"
+        );
         let i = r["ruleIndex"].as_u64().unwrap() as usize;
         assert_eq!(rules[i]["id"], r["ruleId"]);
         assert!(["error", "warning", "note"].contains(&r["level"].as_str().unwrap()));
-        let uri = r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"].as_str().unwrap();
+        let uri = r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+            .as_str()
+            .unwrap();
         assert!(uri.ends_with(".yaml") && !uri.contains(' '), "{uri}");
-        assert!(r["locations"][0]["logicalLocations"][0]["fullyQualifiedName"].as_str().unwrap().starts_with("Deployment/"));
+        assert!(
+            r["locations"][0]["logicalLocations"][0]["fullyQualifiedName"]
+                .as_str()
+                .unwrap()
+                .starts_with("Deployment/")
+        );
     }
 }
