@@ -58,17 +58,18 @@ pub fn text(findings: &[Finding], opts: &Options, workloads_checked: usize) -> S
         }
     }
     for (object, location, fs) in &groups {
-        let _ = writeln!(out, "\n{object} ({})", location.escape_debug());
+        let _ = writeln!(out, "\n{} ({})", sanitize(object), sanitize(location));
         for f in fs {
             let mut about = Vec::new();
             if let Some(s) = &f.service {
                 about.push(format!(
-                    "Service {s} ({})",
+                    "Service {} ({})",
+                    sanitize(s),
                     f.external_traffic_policy.unwrap_or("?")
                 ));
             }
             if let Some(c) = &f.container {
-                about.push(format!("container {}", c.escape_debug()));
+                about.push(format!("container {}", sanitize(c)));
             }
             let about = if about.is_empty() {
                 String::new()
@@ -76,7 +77,7 @@ pub fn text(findings: &[Finding], opts: &Options, workloads_checked: usize) -> S
                 format!("  [{}]", about.join(", "))
             };
             let _ = writeln!(out, "  {:<7} {}{about}", f.severity.as_str(), f.rule);
-            let _ = writeln!(out, "          {}", f.message);
+            let _ = writeln!(out, "          {}", sanitize(&f.message));
             if !f.numbers.is_empty() {
                 let n: Vec<String> = f
                     .numbers
@@ -85,7 +86,7 @@ pub fn text(findings: &[Finding], opts: &Options, workloads_checked: usize) -> S
                     .collect();
                 let _ = writeln!(out, "          numbers: {}", n.join(" "));
             }
-            let _ = writeln!(out, "          fix: {}", f.fix);
+            let _ = writeln!(out, "          fix: {}", sanitize(&f.fix));
         }
     }
     let s = Summary::of(findings);
@@ -172,6 +173,21 @@ pub fn sarif(findings: &[Finding]) -> Value {
     })
 }
 
+/// Control characters (newlines, ESC, …) escaped, everything else as is: text output
+/// must not let a value from a manifest (a name, a map key in a field path) forge lines
+/// or drive the terminal. Values already escaped pass through unchanged.
+fn sanitize(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_debug().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// A file path as a relative URI reference: everything but unreserved characters and `/`
 /// is percent-encoded (SARIF `artifactLocation.uri` must be a URI).
 fn uri_reference(path: &str) -> String {
@@ -189,6 +205,14 @@ fn uri_reference(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_characters_are_escaped_and_nothing_else() {
+        assert_eq!(
+            sanitize("a\nb\u{1b}[2J ≥ \"q\" \\n"),
+            "a\\nb\\u{1b}[2J ≥ \"q\" \\n"
+        );
+    }
 
     #[test]
     fn uris_are_percent_encoded() {

@@ -491,3 +491,29 @@ fn sarif_has_the_required_fields() {
         );
     }
 }
+
+#[test]
+fn hostile_names_cannot_forge_report_lines() {
+    // A name with a newline and an ANSI escape: the text report escapes both.
+    let text = std::fs::read_to_string(fixture("rules/readiness-probe-missing/fail.yaml"))
+        .unwrap()
+        .replace(
+            "{name: web, namespace: shop}\nspec:\n  replicas",
+            "{name: \"web\\n  error fake-rule\\u001b[2J\", namespace: shop}\nspec:\n  replicas",
+        );
+    let dir = std::env::temp_dir().join(format!("kproxy-lint-hostile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("hostile.yaml");
+    std::fs::write(&file, text).unwrap();
+    let result = std::panic::catch_unwind(|| cli(&[file.to_str().unwrap()]));
+    std::fs::remove_dir_all(&dir).unwrap();
+    let (code, out, _) = result.expect("lint ran");
+    assert_eq!(code, 1);
+    assert!(!out.contains('\u{1b}'), "{out}");
+    assert!(
+        !out.lines()
+            .any(|l| l.trim_start().starts_with("error fake-rule")),
+        "{out}"
+    );
+    assert!(out.contains(r"web\n  error fake-rule\u{1b}[2J"), "{out}");
+}
