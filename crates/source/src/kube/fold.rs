@@ -1,0 +1,191 @@
+//! Folding watch events into the ClusterState: pure, no I/O, so tables of events can
+//! drive it. [`Folder::step`] turns one watcher event of one kind into at most one
+//! [`Change`]; [`apply_change`] applies it to the state inside one `StateHandle::update`.
+//!
+//! A (re)list arrives as `Init`, `InitApply`…, `InitDone`. It is buffered and applied as
+//! ONE change, which also deletes the objects of that kind that the list no longer
+//! holds, so the sync loop never plans a half-listed kind (a 410 Gone relist of 10k
+//! Services must not look like 10k deletions followed by 10k additions).
+//!
+//! An object that cannot be decoded or ingested is skipped with a warning naming kind,
+//! namespace, name and field; its previous good version (if any) stays, exactly as
+//! when a watch event carries it, and its neighbours are unaffected.
+
+use std::collections::BTreeSet;
+
+use kproxy_core::ClusterState;
+use kproxy_core::ingest::{IngestError, Kind, ObjectRef, Ownership};
+use kproxy_core::manifest::Object;
+
+/// Namespace and name of an object (namespace empty for Nodes).
+pub type Key = (String, String);
+
+/// One watcher event, with its object already decoded (or the reason it could not be).
+#[derive(Debug)]
+pub enum Input {
+    /// A relist starts.
+    Init,
+    /// One object of the relist.
+    Listed(Key, Result<Object, IngestError>),
+    /// The relist is complete.
+    InitDone,
+    /// ADDED or MODIFIED.
+    Apply(Key, Result<Object, IngestError>),
+    /// DELETED.
+    Delete(Key),
+}
+
+/// What one event does to the state.
+#[derive(Debug)]
+pub enum Change {
+    /// A complete list of one kind: apply `objects`, delete every object of `kind` whose
+    /// key is not in `seen` (`seen` also holds the keys of objects that failed to decode,
+    /// so their last good version stays).
+    Relisted {
+        kind: Kind,
+        objects: Vec<Object>,
+        seen: BTreeSet<Key>,
+    },
+    Apply(Object),
+    Delete(Kind, Key),
+}
+
+#[derive(Default)]
+struct Progress {
+    listed: bool,
+    relist: Option<(Vec<Object>, BTreeSet<Key>)>,
+}
+
+/// Per-kind progress of the three watchers: the relist being buffered and whether the
+/// kind has been listed once.
+#[derive(Default)]
+pub struct Folder {
+    progress: [Progress; 3],
+}
+
+fn index(kind: Kind) -> usize {
+    match kind {
+        Kind::Service => 0,
+        Kind::EndpointSlice => 1,
+        Kind::Node => 2,
+    }
+}
+
+impl Folder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether this kind has completed one list.
+    pub fn listed(&self, kind: Kind) -> bool {
+        self.progress[index(kind)].listed
+    }
+
+    /// Services, EndpointSlices and the Node have all been listed once (spec §f: nothing
+    /// is programmed before, so no Service is blackholed for lack of its endpoints).
+    pub fn all_listed(&self) -> bool {
+        self.progress.iter().all(|p| p.listed)
+    }
+
+    /// Folds one event. Returns the change to apply (if any) and the warnings about
+    /// objects skipped because they could not be decoded.
+    pub fn step(&mut self, kind: Kind, input: Input) -> (Option<Change>, Vec<IngestError>) {
+        let p = &mut self.progress[index(kind)];
+        let mut warnings = Vec::new();
+        let change = match input {
+            Input::Init => {
+                p.relist = Some((Vec::new(), BTreeSet::new()));
+                None
+            }
+            Input::Listed(key, decoded) => {
+                let (objects, seen) = p.relist.get_or_insert_with(Default::default);
+                seen.insert(key);
+                match decoded {
+                    Ok(o) => objects.push(o),
+                    Err(e) => warnings.push(e),
+                }
+                None
+            }
+            Input::InitDone => {
+                let (objects, seen) = p.relist.take().unwrap_or_default();
+                p.listed = true;
+                Some(Change::Relisted { kind, objects, seen })
+            }
+            Input::Apply(_, Ok(o)) => Some(Change::Apply(o)),
+            Input::Apply(_, Err(e)) => {
+                warnings.push(e);
+                None
+            }
+            Input::Delete(key) => Some(Change::Delete(kind, key)),
+        };
+        (change, warnings)
+    }
+}
+
+/// The keys of one kind currently in the state.
+fn keys_of(state: &ClusterState, kind: Kind, node_name: &str) -> BTreeSet<Key> {
+    match kind {
+        Kind::Service => state
+            .services()
+            .map(|s| (s.name.namespace.to_string(), s.name.name.to_string()))
+            .collect(),
+        Kind::EndpointSlice => state
+            .services_with_slices()
+            .flat_map(|svc| {
+                state
+                    .slices_of(svc)
+                    .map(|s| (s.service.namespace.to_string(), s.name.clone()))
+            })
+            .collect(),
+        Kind::Node => state
+            .node()
+            .map(|_| (String::new(), node_name.to_string()))
+            .into_iter()
+            .collect(),
+    }
+}
+
+/// Applies one change. Returns the warnings (dropped pieces, rejected objects).
+pub fn apply_change(
+    state: &mut ClusterState,
+    change: Change,
+    ownership: &Ownership,
+    node_name: &str,
+) -> Vec<IngestError> {
+    let mut warnings = Vec::new();
+    let mut apply = |state: &mut ClusterState, o: &Object| match state.apply(o, ownership, node_name) {
+        Ok(w) => warnings.extend(w),
+        Err(e) => warnings.push(e),
+    };
+    match change {
+        Change::Relisted { kind, objects, seen } => {
+            for o in &objects {
+                apply(state, o);
+            }
+            for (ns, name) in keys_of(state, kind, node_name) {
+                if !seen.contains(&(ns.clone(), name.clone())) {
+                    state.delete(kind, &ns, &name, node_name);
+                }
+            }
+        }
+        Change::Apply(o) => apply(state, &o),
+        Change::Delete(kind, (ns, name)) => {
+            state.delete(kind, &ns, &name, node_name);
+        }
+    }
+    warnings
+}
+
+/// The warning for an object the typed decode refused. Field and reason are shown
+/// escaped: both can carry bytes from the object (map keys, bad values).
+pub fn decode_warning(kind: Kind, key: &Key, field: &str, reason: &str) -> IngestError {
+    IngestError {
+        object: ObjectRef {
+            kind,
+            namespace: (kind != Kind::Node).then(|| key.0.clone()),
+            name: Some(key.1.clone()),
+        },
+        field: field.escape_debug().to_string(),
+        reason: reason.escape_debug().to_string(),
+    }
+}

@@ -1,0 +1,808 @@
+//! The Kubernetes API source against an in-process fake API server on 127.0.0.1 that
+//! speaks the real list/watch protocol (lists with resourceVersion, chunked watch
+//! streams of ADDED/MODIFIED/DELETED/BOOKMARK/ERROR lines) with real API JSON. The
+//! client is built by `kproxy_source::kube::client` from a kubeconfig file, so the
+//! whole HTTP path is exercised. Assertions poll the ClusterState with a timeout; no
+//! test asserts a duration.
+
+use std::collections::BTreeMap;
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use kproxy_core::ClusterState;
+use kproxy_core::ingest::Ownership;
+use kproxy_source::StateHandle;
+use kproxy_source::kube::{self as source, KubeSourceConfig};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, watch};
+
+const NODE: &str = "node-a";
+
+// ---------------------------------------------------------------- the fake API server
+
+/// One step of a watch response.
+enum Step {
+    /// One line (an event, or garbage).
+    Line(String),
+    /// End the response cleanly (as the server does at timeoutSeconds).
+    Close,
+    /// Abort the connection mid-stream (no final chunk): a dropped connection.
+    Abort,
+}
+
+#[derive(Default)]
+struct Steps {
+    queue: Mutex<VecDeque<Step>>,
+    /// Generation of the newest watch connection.
+    current: AtomicU64,
+    notify: Notify,
+}
+
+impl Steps {
+    fn push(&self, step: Step) {
+        self.queue.lock().unwrap().push_back(step);
+        self.notify.notify_waiters();
+    }
+
+    /// Registers a new watch connection; older ones stop taking steps.
+    fn connect(&self) -> u64 {
+        let generation = self.current.fetch_add(1, Ordering::SeqCst) + 1;
+        self.notify.notify_waiters();
+        generation
+    }
+
+    /// The next step for connection `generation`; `None` once a newer one exists.
+    async fn next(&self, generation: u64) -> Option<Step> {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.current.load(Ordering::SeqCst) != generation {
+                return None;
+            }
+            if let Some(step) = self.queue.lock().unwrap().pop_front() {
+                return Some(step);
+            }
+            notified.await;
+        }
+    }
+}
+
+struct ListReply {
+    status: StatusCode,
+    resource_version: String,
+    items: Vec<Value>,
+}
+
+/// One resource (services, endpointslices, nodes) of the fake server.
+struct Resource {
+    list_kind: &'static str,
+    list: Mutex<ListReply>,
+    /// Lists wait until this is true (a slow server).
+    open: watch::Sender<bool>,
+    /// Status of watch requests (non-200: the watch cannot start).
+    watch_status: Mutex<StatusCode>,
+    /// Steps not yet served, taken by the newest watch connection only (an older one,
+    /// abandoned by the client, must not swallow them).
+    steps: Arc<Steps>,
+    /// Decoded query of every request, in order.
+    requests: Mutex<Vec<BTreeMap<String, String>>>,
+}
+
+impl Resource {
+    fn new(list_kind: &'static str) -> Resource {
+        Resource {
+            list_kind,
+            list: Mutex::new(ListReply {
+                status: StatusCode::OK,
+                resource_version: "1".into(),
+                items: Vec::new(),
+            }),
+            open: watch::Sender::new(true),
+            watch_status: Mutex::new(StatusCode::OK),
+            steps: Arc::new(Steps::default()),
+            requests: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn set_list(&self, resource_version: &str, items: Vec<Value>) {
+        *self.list.lock().unwrap() = ListReply {
+            status: StatusCode::OK,
+            resource_version: resource_version.into(),
+            items,
+        };
+    }
+
+    fn fail_lists(&self, status: StatusCode) {
+        self.list.lock().unwrap().status = status;
+    }
+
+    fn event(&self, kind: &str, object: Value) {
+        self.line(json!({"type": kind, "object": object}).to_string());
+    }
+
+    fn line(&self, line: String) {
+        self.steps.push(Step::Line(line));
+    }
+
+    fn close(&self) {
+        self.steps.push(Step::Close);
+    }
+
+    fn abort(&self) {
+        self.steps.push(Step::Abort);
+    }
+
+    fn requests(&self) -> Vec<BTreeMap<String, String>> {
+        self.requests.lock().unwrap().clone()
+    }
+
+    fn lists(&self) -> usize {
+        self.requests().iter().filter(|q| !q.contains_key("watch")).count()
+    }
+
+    fn watches(&self) -> Vec<BTreeMap<String, String>> {
+        self.requests()
+            .into_iter()
+            .filter(|q| q.contains_key("watch"))
+            .collect()
+    }
+}
+
+struct FakeApi {
+    services: Resource,
+    slices: Resource,
+    nodes: Resource,
+}
+
+fn status(code: StatusCode, reason: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": format!("fake: {reason}"), "reason": reason, "code": code.as_u16()})
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(v) => out.push(v),
+                    Err(_) => out.extend_from_slice(&b[i..i + 3]),
+                }
+                i += 3;
+                continue;
+            }
+            b'+' => out.push(b' '),
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query(uri: &Uri) -> BTreeMap<String, String> {
+    uri.query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
+    let res = match uri.path() {
+        "/api/v1/services" => &api.services,
+        "/apis/discovery.k8s.io/v1/endpointslices" => &api.slices,
+        "/api/v1/nodes" => &api.nodes,
+        _ => {
+            return (
+                StatusCode::NOT_FOUND,
+                axum::Json(status(StatusCode::NOT_FOUND, "NotFound")),
+            )
+                .into_response();
+        }
+    };
+    let q = query(&uri);
+    res.requests.lock().unwrap().push(q.clone());
+    if q.get("watch").map(String::as_str) == Some("true") {
+        let code = *res.watch_status.lock().unwrap();
+        if code != StatusCode::OK {
+            return (code, axum::Json(status(code, "InternalError"))).into_response();
+        }
+        let steps = res.steps.clone();
+        let generation = steps.connect();
+        let body = futures::stream::unfold(Some(steps), move |steps| async move {
+            let steps = steps?;
+            match steps.next(generation).await? {
+                Step::Line(l) => Some((Ok::<_, std::io::Error>(Bytes::from(l + "\n")), Some(steps))),
+                Step::Close => None,
+                Step::Abort => Some((Err(std::io::Error::other("connection dropped by the test")), None)),
+            }
+        });
+        return Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from_stream(body))
+            .expect("valid response");
+    }
+    let mut open = res.open.subscribe();
+    let _ = open.wait_for(|o| *o).await;
+    let list = res.list.lock().unwrap();
+    if list.status != StatusCode::OK {
+        return (list.status, axum::Json(status(list.status, "InternalError"))).into_response();
+    }
+    let body = json!({
+        "kind": res.list_kind, "apiVersion": if res.list_kind == "EndpointSliceList" { "discovery.k8s.io/v1" } else { "v1" },
+        "metadata": {"resourceVersion": list.resource_version},
+        "items": list.items,
+    });
+    axum::Json(body).into_response()
+}
+
+struct Harness {
+    api: Arc<FakeApi>,
+    handle: StateHandle,
+    source: tokio::task::JoinHandle<Result<(), source::SourceError>>,
+    server: tokio::task::JoinHandle<()>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.source.abort();
+        self.server.abort();
+    }
+}
+
+/// Starts the fake server with `setup` applied, then the source against it.
+async fn start(ownership: Ownership, setup: impl FnOnce(&FakeApi)) -> Harness {
+    let api = Arc::new(FakeApi {
+        services: Resource::new("ServiceList"),
+        slices: Resource::new("EndpointSliceList"),
+        nodes: Resource::new("NodeList"),
+    });
+    setup(&api);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind 127.0.0.1");
+    let addr: SocketAddr = listener.local_addr().expect("local addr");
+    let app = axum::Router::new().fallback(serve).with_state(api.clone());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).await.expect("fake API server");
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"http://{addr}\"}}\n\
+             users:\n- name: u\n  user: {{}}\ncontexts:\n- name: c\n  context: {{cluster: fake, user: u}}\ncurrent-context: c\n"
+        ),
+    )
+    .expect("write kubeconfig");
+    let client = source::client(Some(&kubeconfig)).await.expect("client from kubeconfig");
+    let handle = StateHandle::new();
+    let cfg = KubeSourceConfig {
+        node_name: NODE.into(),
+        ownership,
+    };
+    let source = tokio::spawn(source::run(client, cfg, handle.clone()));
+    Harness {
+        api,
+        handle,
+        source,
+        server,
+        _dir: dir,
+    }
+}
+
+// ---------------------------------------------------------------- real API JSON
+
+fn service(name: &str, rv: &str, ip: &str, port: u16) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": "shop", "resourceVersion": rv, "uid": format!("uid-{name}"),
+                     "creationTimestamp": "2026-11-22T10:00:00Z",
+                     "managedFields": [{"manager": "kubectl", "operation": "Update", "apiVersion": "v1",
+                                        "time": "2026-11-22T10:00:00Z", "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {}}}]},
+        "spec": {"type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip], "ipFamilies": ["IPv4"],
+                 "ipFamilyPolicy": "SingleStack", "sessionAffinity": "None", "internalTrafficPolicy": "Cluster",
+                 "selector": {"app": name},
+                 "ports": [{"name": "http", "protocol": "TCP", "port": port, "targetPort": 8080}]},
+        "status": {"loadBalancer": {}}
+    })
+}
+
+fn slice(name: &str, svc: &str, rv: &str, addrs: &[&str]) -> Value {
+    let endpoints: Vec<Value> = addrs
+        .iter()
+        .map(|a| json!({"addresses": [a], "conditions": {"ready": true, "serving": true, "terminating": false},
+                        "nodeName": NODE, "targetRef": {"kind": "Pod", "namespace": "shop", "name": format!("{svc}-{a}")}}))
+        .collect();
+    json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": "shop", "resourceVersion": rv,
+                     "labels": {"kubernetes.io/service-name": svc, "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"},
+                     "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": "2026-11-22T10:00:00Z"}},
+        "addressType": "IPv4",
+        "endpoints": endpoints,
+        "ports": [{"name": "http", "protocol": "TCP", "port": 8080}]
+    })
+}
+
+fn node(rv: &str, ip: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": NODE, "resourceVersion": rv, "labels": {"kubernetes.io/hostname": NODE, "topology.kubernetes.io/zone": "z1"}},
+        "spec": {"podCIDR": "10.244.0.0/24", "podCIDRs": ["10.244.0.0/24"]},
+        "status": {"addresses": [{"type": "InternalIP", "address": ip}, {"type": "Hostname", "address": NODE}]}
+    })
+}
+
+fn bookmark(rv: &str, kind: &str, api_version: &str) -> Value {
+    json!({"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": rv}})
+}
+
+fn gone() -> Value {
+    status(StatusCode::GONE, "Expired")
+}
+
+// ---------------------------------------------------------------- observing the state
+
+/// Services as `name:port` and slices as `name=addr,..`, sorted: what the tests compare.
+#[derive(Debug, PartialEq, Eq)]
+struct Seen {
+    services: Vec<String>,
+    slices: Vec<String>,
+    node: Option<String>,
+}
+
+fn seen(state: &ClusterState) -> Seen {
+    let services = state
+        .services()
+        .map(|s| {
+            format!(
+                "{}:{}",
+                s.name.name,
+                s.ports.iter().map(|p| p.port.to_string()).collect::<Vec<_>>().join(",")
+            )
+        })
+        .collect();
+    let mut slices: Vec<String> = state
+        .services_with_slices()
+        .flat_map(|n| state.slices_of(n))
+        .map(|s| {
+            format!(
+                "{}={}",
+                s.name,
+                s.endpoints
+                    .iter()
+                    .map(|e| e.ip.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )
+        })
+        .collect();
+    slices.sort();
+    let node = state.node().map(|n| {
+        format!(
+            "{}@{}",
+            n.name,
+            n.addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",")
+        )
+    });
+    Seen { services, slices, node }
+}
+
+fn strs(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// Polls until `cond` holds on the state; panics with the last state after 30 s.
+async fn wait_for(h: &Harness, what: &str, cond: impl Fn(&Seen, bool) -> bool) {
+    for _ in 0..1500 {
+        let s = h.handle.with(|st| seen(st));
+        if cond(&s, h.handle.is_ready()) {
+            return;
+        }
+        if h.source.is_finished() {
+            panic!("the source stopped while waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!(
+        "timed out waiting for {what}; state: {:?}, ready: {}",
+        h.handle.with(|st| seen(st)),
+        h.handle.is_ready()
+    );
+}
+
+/// Polls until `cond` holds on the fake server.
+async fn wait_server(h: &Harness, what: &str, cond: impl Fn(&FakeApi) -> bool) {
+    for _ in 0..1500 {
+        if cond(&h.api) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for the server to see {what}");
+}
+
+fn standard(api: &FakeApi) {
+    api.services.set_list(
+        "10",
+        vec![
+            service("web", "5", "10.96.0.10", 80),
+            service("db", "6", "10.96.0.11", 5432),
+        ],
+    );
+    api.slices.set_list(
+        "10",
+        vec![
+            slice("web-abc", "web", "7", &["10.244.0.5", "10.244.0.6"]),
+            slice("db-xyz", "db", "8", &["10.244.0.9"]),
+        ],
+    );
+    api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
+}
+
+async fn started() -> Harness {
+    let h = start(Ownership::default(), standard).await;
+    wait_for(&h, "the first sync", |_, ready| ready).await;
+    h
+}
+
+// ---------------------------------------------------------------- tests
+
+#[tokio::test]
+async fn first_sync_waits_until_services_slices_and_the_node_are_listed() {
+    // The EndpointSlice list is held back (a slow server).
+    let h = start(Ownership::default(), |api| {
+        standard(api);
+        api.slices.open.send_replace(false);
+    })
+    .await;
+    wait_for(&h, "Services and Node listed", |s, _| {
+        s.services.len() == 2 && s.node.is_some()
+    })
+    .await;
+    // The slice list has been requested and is still pending.
+    wait_server(&h, "the slice list request", |api| api.slices.lists() == 1).await;
+    assert!(!h.handle.is_ready(), "ready before the EndpointSlices were listed");
+    assert!(h.handle.with(|s| s.slice_count()) == 0);
+
+    h.api.slices.open.send_replace(true);
+    wait_for(&h, "ready with the slices", |s, ready| ready && s.slices.len() == 2).await;
+    let s = h.handle.with(|st| seen(st));
+    assert_eq!(s.services, strs(&["db:5432", "web:80"]));
+    assert_eq!(s.slices, strs(&["db-xyz=10.244.0.9", "web-abc=10.244.0.5,10.244.0.6"]));
+    assert_eq!(s.node.as_deref(), Some("node-a@10.200.0.1"));
+
+    // Upstream's selectors reached the server.
+    let selector = "!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name";
+    assert_eq!(
+        h.api.services.requests()[0].get("labelSelector").map(String::as_str),
+        Some(selector)
+    );
+    assert_eq!(
+        h.api.slices.requests()[0].get("labelSelector").map(String::as_str),
+        Some(selector)
+    );
+    assert_eq!(
+        h.api.nodes.requests()[0].get("fieldSelector").map(String::as_str),
+        Some("metadata.name=node-a")
+    );
+    // After the list, a watch from the list's resourceVersion.
+    wait_server(&h, "the service watch", |api| !api.services.watches().is_empty()).await;
+    let w = &h.api.services.watches()[0];
+    assert_eq!(w.get("resourceVersion").map(String::as_str), Some("10"));
+    assert_eq!(w.get("labelSelector").map(String::as_str), Some(selector));
+}
+
+#[tokio::test]
+async fn watch_events_added_modified_deleted_and_bookmarks_update_the_state() {
+    let h = started().await;
+
+    h.api
+        .services
+        .event("ADDED", service("cache", "11", "10.96.0.12", 6379));
+    wait_for(&h, "cache added", |s, _| s.services.contains(&"cache:6379".to_string())).await;
+
+    h.api
+        .services
+        .event("MODIFIED", service("web", "12", "10.96.0.10", 8443));
+    wait_for(&h, "web modified", |s, _| s.services.contains(&"web:8443".to_string())).await;
+    assert!(!h.handle.with(|st| seen(st)).services.contains(&"web:80".to_string()));
+
+    h.api.services.event("BOOKMARK", bookmark("13", "Service", "v1"));
+    h.api
+        .slices
+        .event("MODIFIED", slice("web-abc", "web", "14", &["10.244.0.5"]));
+    wait_for(&h, "web-abc scaled down", |s, _| {
+        s.slices.contains(&"web-abc=10.244.0.5".to_string())
+    })
+    .await;
+
+    h.api
+        .slices
+        .event("DELETED", slice("db-xyz", "db", "15", &["10.244.0.9"]));
+    wait_for(&h, "db-xyz deleted", |s, _| s.slices == strs(&["web-abc=10.244.0.5"])).await;
+
+    h.api.services.event("DELETED", service("db", "16", "10.96.0.11", 5432));
+    wait_for(&h, "db deleted", |s, _| s.services == strs(&["cache:6379", "web:8443"])).await;
+
+    h.api.nodes.event("MODIFIED", node("17", "10.200.0.2"));
+    wait_for(&h, "node address changed", |s, _| {
+        s.node.as_deref() == Some("node-a@10.200.0.2")
+    })
+    .await;
+
+    // A watch that ends cleanly resumes from the last resourceVersion seen, which a
+    // BOOKMARK advances without any object.
+    h.api.services.event("BOOKMARK", bookmark("30", "Service", "v1"));
+    h.api.services.close();
+    wait_server(&h, "a second service watch", |api| api.services.watches().len() >= 2).await;
+    assert_eq!(
+        h.api.services.watches()[1].get("resourceVersion").map(String::as_str),
+        Some("30")
+    );
+    assert_eq!(h.api.services.lists(), 1, "a clean end of a watch does not relist");
+    h.api.services.event("ADDED", service("late", "31", "10.96.0.13", 81));
+    wait_for(&h, "late added on the resumed watch", |s, _| {
+        s.services.contains(&"late:81".to_string())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn gone_mid_stream_relists_and_replaces_that_kind_in_one_step() {
+    let h = started().await;
+    h.api
+        .services
+        .event("ADDED", service("cache", "11", "10.96.0.12", 6379));
+    wait_for(&h, "cache added", |s, _| s.services.len() == 3).await;
+
+    // While disconnected, web changed, db and cache were deleted and api appeared.
+    h.api.services.set_list(
+        "50",
+        vec![
+            service("web", "40", "10.96.0.10", 8080),
+            service("api", "45", "10.96.0.20", 443),
+        ],
+    );
+    h.handle.with(|st| st.take_changes());
+    h.api.services.event("ERROR", gone());
+    h.api.services.close();
+    wait_for(&h, "the relisted services", |s, _| {
+        s.services == strs(&["api:443", "web:8080"])
+    })
+    .await;
+    assert_eq!(h.api.services.lists(), 2, "410 Gone relists");
+    // The relist reached the state as one change set: web changed, api added, db and
+    // cache removed; the other kinds untouched.
+    let c = h.handle.with(|st| st.take_changes());
+    assert_eq!(c.service_events, 4, "{c:?}");
+    assert_eq!(c.slice_events, 0);
+    assert!(!c.node);
+    let s = h.handle.with(|st| seen(st));
+    assert_eq!(s.slices.len(), 2, "slices untouched by the service relist");
+    // The new watch starts from the new list's resourceVersion.
+    wait_server(&h, "the watch after the relist", |api| {
+        api.services
+            .watches()
+            .last()
+            .and_then(|w| w.get("resourceVersion").cloned())
+            .as_deref()
+            == Some("50")
+    })
+    .await;
+    h.api.services.event("ADDED", service("after", "51", "10.96.0.21", 82));
+    wait_for(&h, "an event after the relist", |s, _| {
+        s.services.contains(&"after:82".to_string())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_dropped_connection_resumes_from_the_last_resource_version() {
+    let h = started().await;
+    h.api
+        .slices
+        .event("ADDED", slice("web-def", "web", "11", &["10.244.0.7"]));
+    wait_for(&h, "web-def added", |s, _| s.slices.len() == 3).await;
+    h.api.slices.abort();
+    // Sent while no watch is connected: served on the resumed watch.
+    h.api
+        .slices
+        .event("ADDED", slice("web-ghi", "web", "12", &["10.244.0.8"]));
+    wait_for(&h, "web-ghi added after the reconnect", |s, _| s.slices.len() == 4).await;
+    let watches = h.api.slices.watches();
+    assert!(watches.len() >= 2, "{watches:?}");
+    assert_eq!(watches[1].get("resourceVersion").map(String::as_str), Some("11"));
+    assert_eq!(
+        h.api.slices.lists(),
+        1,
+        "a dropped connection resumes the watch without a relist"
+    );
+    let s = h.handle.with(|st| seen(st));
+    assert_eq!(s.services.len(), 2);
+    assert!(s.slices.contains(&"web-def=10.244.0.7".to_string()));
+}
+
+#[tokio::test]
+async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept() {
+    let h = start(Ownership::default(), |api| {
+        standard(api);
+        let mut bad = service("bad", "3", "10.96.0.30", 80);
+        bad["spec"]["ports"] = json!("nope");
+        let mut bad_ip = service("bad-ip", "4", "10.96.0.31", 80);
+        bad_ip["spec"]["clusterIP"] = json!("not-an-ip");
+        bad_ip["spec"]["clusterIPs"] = json!(["not-an-ip"]);
+        let mut services = api.services.list.lock().unwrap().items.clone();
+        services.insert(1, bad);
+        services.push(bad_ip);
+        services.push(json!(["not", "an", "object"]));
+        api.services.set_list("10", services);
+    })
+    .await;
+    wait_for(&h, "the first sync despite bad objects", |_, ready| ready).await;
+    assert_eq!(h.handle.with(|st| seen(st)).services, strs(&["db:5432", "web:80"]));
+
+    // Malformed lines on the watch stream: the stream goes on.
+    h.api.services.line("{\"type\":\"ADDED\",\"object\":{".into());
+    h.api.services.line("this is not JSON".into());
+    // web turns bad: its last good version stays.
+    let mut web_bad = service("web", "20", "10.96.0.10", 81);
+    web_bad["spec"]["ports"][0]["port"] = json!("eighty");
+    h.api.services.event("MODIFIED", web_bad);
+    // A bad slice next to a good one.
+    let mut slice_bad = slice("db-bad", "db", "21", &["10.244.0.10"]);
+    slice_bad["endpoints"][0]["conditions"]["ready"] = json!("maybe");
+    h.api.slices.event("ADDED", slice_bad);
+    h.api
+        .slices
+        .event("ADDED", slice("db-good", "db", "22", &["10.244.0.11"]));
+    h.api.services.event("ADDED", service("after", "23", "10.96.0.21", 82));
+
+    wait_for(&h, "the good events after the bad ones", |s, _| {
+        s.services.contains(&"after:82".to_string()) && s.slices.iter().any(|x| x.starts_with("db-good="))
+    })
+    .await;
+    let s = h.handle.with(|st| seen(st));
+    assert_eq!(
+        s.services,
+        strs(&["after:82", "db:5432", "web:80"]),
+        "web keeps its last good version"
+    );
+    assert_eq!(
+        s.slices,
+        strs(&[
+            "db-good=10.244.0.11",
+            "db-xyz=10.244.0.9",
+            "web-abc=10.244.0.5,10.244.0.6"
+        ])
+    );
+    assert_eq!(s.node.as_deref(), Some("node-a@10.200.0.1"));
+
+    assert_eq!(h.api.services.lists(), 1);
+
+    // An event whose object is not an object has no resourceVersion: kube's watcher
+    // gives up on the stream and relists. A relist that still carries web's bad
+    // version keeps web's last good version, and drops what vanished.
+    let mut web_bad = service("web", "60", "10.96.0.10", 81);
+    web_bad["spec"]["ports"] = json!(7);
+    h.api
+        .services
+        .set_list("61", vec![web_bad, service("db", "6", "10.96.0.11", 5432)]);
+    h.api.services.event("ADDED", json!("a string is not an object"));
+    wait_for(&h, "the relist", |s, _| !s.services.contains(&"after:82".to_string())).await;
+    assert_eq!(h.handle.with(|st| seen(st)).services, strs(&["db:5432", "web:80"]));
+    assert_eq!(h.api.services.lists(), 2);
+}
+
+#[tokio::test]
+async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
+    let h = start(Ownership::default(), |api| {
+        standard(api);
+        api.nodes.fail_lists(StatusCode::INTERNAL_SERVER_ERROR);
+    })
+    .await;
+    wait_server(&h, "two failed node lists", |api| api.nodes.lists() >= 2).await;
+    wait_for(&h, "services and slices listed", |s, _| {
+        s.services.len() == 2 && s.slices.len() == 2
+    })
+    .await;
+    assert!(!h.handle.is_ready(), "ready although the Node list keeps failing");
+    assert_eq!(h.handle.with(|st| seen(st)).node, None);
+
+    h.api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
+    wait_for(&h, "ready once the Node lists", |s, ready| ready && s.node.is_some()).await;
+
+    // The API becomes unreachable for Services: watches fail, the state stays.
+    let before = h.handle.with(|st| seen(st));
+    *h.api.services.watch_status.lock().unwrap() = StatusCode::SERVICE_UNAVAILABLE;
+    h.api.services.fail_lists(StatusCode::SERVICE_UNAVAILABLE);
+    let watches = h.api.services.watches().len();
+    h.api.services.close();
+    wait_server(&h, "two failed service watches", |api| {
+        api.services.watches().len() >= watches + 2
+    })
+    .await;
+    assert_eq!(h.handle.with(|st| seen(st)), before);
+    assert!(h.handle.is_ready());
+
+    // Back again: events flow.
+    *h.api.services.watch_status.lock().unwrap() = StatusCode::OK;
+    h.api.services.event("ADDED", service("back", "70", "10.96.0.40", 90));
+    wait_for(&h, "an event after the outage", |s, _| {
+        s.services.contains(&"back:90".to_string())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_service_proxy_name_selects_that_proxys_services() {
+    let h = start(
+        Ownership {
+            service_proxy_name: Some("kproxy".into()),
+        },
+        |api| {
+            let mut mine = service("mine", "5", "10.96.0.50", 80);
+            mine["metadata"]["labels"] = json!({"service.kubernetes.io/service-proxy-name": "kproxy"});
+            let mut slice_mine = slice("mine-1", "mine", "6", &["10.244.0.50"]);
+            slice_mine["metadata"]["labels"]["service.kubernetes.io/service-proxy-name"] = json!("kproxy");
+            api.services.set_list("10", vec![mine]);
+            api.slices.set_list("10", vec![slice_mine]);
+            api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
+        },
+    )
+    .await;
+    wait_for(&h, "ready", |_, ready| ready).await;
+    let s = h.handle.with(|st| seen(st));
+    assert_eq!(
+        (s.services, s.slices),
+        (strs(&["mine:80"]), strs(&["mine-1=10.244.0.50"]))
+    );
+    let selector = "!service.kubernetes.io/headless,service.kubernetes.io/service-proxy-name=kproxy";
+    assert_eq!(
+        h.api.services.requests()[0].get("labelSelector").map(String::as_str),
+        Some(selector)
+    );
+    assert_eq!(
+        h.api.slices.requests()[0].get("labelSelector").map(String::as_str),
+        Some(selector)
+    );
+}
+
+#[tokio::test]
+async fn an_invalid_node_name_is_refused_before_any_request() {
+    let client = kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().expect("uri"))).expect("client");
+    let cfg = KubeSourceConfig {
+        node_name: "a,metadata.name=b".into(),
+        ownership: Ownership::default(),
+    };
+    let err = source::run(client, cfg, StateHandle::new())
+        .await
+        .expect_err("invalid node name");
+    assert!(err.to_string().contains("not a valid Kubernetes node name"), "{err}");
+}
+
+#[tokio::test]
+async fn a_missing_kubeconfig_names_the_file() {
+    let Err(err) = source::client(Some(std::path::Path::new("/nonexistent/kubeconfig"))).await else {
+        panic!("a client from a missing kubeconfig");
+    };
+    assert!(err.to_string().contains("/nonexistent/kubeconfig"), "{err}");
+}
