@@ -1,15 +1,45 @@
 //! The lab: a Kubernetes-like cluster built from network namespaces, an emulated
-//! cloud load balancer, pods with lifecycles and a load generator. Under
-//! construction (issues 6 and 7).
+//! cloud load balancer, pods with lifecycles and a load generator, running the
+//! real kproxy daemon on every node (issues 6 and 7).
+//!
+//! Functional core: `controlplane::endpoint_conditions`, `lb::pool_for`,
+//! `lb::render_nft`, `config`, `report` (pure functions over records and events).
+//! Imperative shell: `netns`, `fabric`, `pod`, `cluster`, `lb`, `loadgen`,
+//! `kproxyd`, `scenario`, `cli`.
 
-pub mod cli {
-    //! The `kproxy lab` command line.
-    use std::process::ExitCode;
+pub mod cli;
+pub mod cluster;
+pub mod config;
+pub mod controlplane;
+pub mod fabric;
+pub mod kproxyd;
+pub mod lb;
+pub mod loadgen;
+pub mod netns;
+pub mod plot;
+pub mod pod;
+pub mod report;
+pub mod scenario;
+pub mod timeline;
 
-    #[derive(clap::Args, Debug)]
-    pub struct LabArgs {}
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    #[error("command `{cmd}` failed: {detail}")]
+    Command { cmd: String, detail: String },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("kproxy on {node}: {detail}")]
+    Daemon { node: String, detail: String },
+}
 
-    pub fn run(_args: LabArgs) -> anyhow::Result<ExitCode> {
-        anyhow::bail!("kproxy lab is not built yet (issues 6, 7)")
-    }
+/// The lab needs root (namespaces, nftables).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
 }

@@ -1,0 +1,345 @@
+//! The `kproxy lab` command line: `kproxy lab rollout` (issue 7) and
+//! `kproxy lab sweep` (remove namespaces left by killed runs).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+
+use crate::config::RolloutConfig;
+use crate::lb::{HealthCheck, LbMode, LbPreset};
+use crate::pod::PodProfile;
+use crate::scenario::{self, Behaviour, RunResult};
+use crate::{netns, plot, report};
+
+#[derive(clap::Args, Debug)]
+pub struct LabArgs {
+    #[command(subcommand)]
+    pub command: LabCommand,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum LabCommand {
+    /// A rolling update behind an emulated cloud load balancer, every failed request counted (root).
+    Rollout(Box<RolloutArgs>),
+    /// Remove lab namespaces (and their processes) left behind by killed runs (root).
+    Sweep,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    Text,
+    Json,
+}
+
+#[derive(clap::Args, Debug, Default)]
+pub struct RolloutArgs {
+    /// YAML file with any of the scenario's settings (see docs/lab.md); flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Run pre-1.26 behaviour and kproxy behaviour with the same seed, side by side.
+    #[arg(long)]
+    pub compare: bool,
+    /// Repetitions (per behaviour).
+    #[arg(long, default_value_t = 1)]
+    pub runs: usize,
+    /// false = kube-proxy before 1.26 (no failover to serving-terminating endpoints).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub proxy_terminating_endpoints: Option<bool>,
+    #[arg(short = 'o', long, value_enum, default_value = "text")]
+    pub output: Option<OutputFormat>,
+    /// Print the full event timeline of every run in the text report.
+    #[arg(long)]
+    pub timeline: bool,
+    /// Directory for the plots (SVG + PNG per run).
+    #[arg(long, default_value = ".")]
+    pub plot_dir: PathBuf,
+    #[arg(long)]
+    pub no_plot: bool,
+    /// The kproxy binary to run on each node (default: this executable).
+    #[arg(long)]
+    pub kproxy: Option<PathBuf>,
+    /// Install missing tools (nftables, conntrack, iproute2) with apt-get.
+    #[arg(long)]
+    pub install_deps: bool,
+
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    #[arg(long)]
+    pub replicas: Option<u32>,
+    #[arg(long)]
+    pub max_surge: Option<u32>,
+    #[arg(long)]
+    pub max_unavailable: Option<u32>,
+    #[arg(long)]
+    pub min_ready_seconds: Option<f64>,
+    #[arg(long)]
+    pub one_pod_per_node: Option<bool>,
+    #[arg(long, value_enum)]
+    pub pod_profile: Option<PodProfile>,
+    #[arg(long)]
+    pub pre_stop: Option<f64>,
+    #[arg(long)]
+    pub termination_grace_period: Option<f64>,
+    #[arg(long)]
+    pub readiness_initial_delay: Option<f64>,
+    #[arg(long)]
+    pub readiness_period: Option<f64>,
+    #[arg(long)]
+    pub readiness_timeout: Option<f64>,
+    #[arg(long)]
+    pub readiness_success_threshold: Option<u32>,
+    #[arg(long)]
+    pub readiness_failure_threshold: Option<u32>,
+    #[arg(long, value_enum)]
+    pub lb_preset: Option<LbPreset>,
+    #[arg(long, value_enum)]
+    pub lb_mode: Option<LbMode>,
+    #[arg(long)]
+    pub lb_interval: Option<f64>,
+    #[arg(long)]
+    pub lb_timeout: Option<f64>,
+    #[arg(long)]
+    pub lb_healthy_threshold: Option<u32>,
+    #[arg(long)]
+    pub lb_unhealthy_threshold: Option<u32>,
+    #[arg(long)]
+    pub lb_registration_delay: Option<f64>,
+    /// Requests per second on new connections (real time).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    #[arg(long)]
+    pub keepalive_connections: Option<u32>,
+    /// Requests per second on each keep-alive connection.
+    #[arg(long)]
+    pub keepalive_rate: Option<f64>,
+    #[arg(long)]
+    pub request_timeout_ms: Option<u64>,
+    #[arg(long)]
+    pub propagation_delay: Option<f64>,
+    /// Real time = nominal time × this (default 0.1: the demo takes well under a minute).
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    #[arg(long)]
+    pub publish_not_ready_addresses: Option<bool>,
+    #[arg(long)]
+    pub warmup: Option<f64>,
+    #[arg(long)]
+    pub settle: Option<f64>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// Defaults, then the YAML file, then flags.
+pub fn build_config(a: &RolloutArgs) -> anyhow::Result<RolloutConfig> {
+    let mut c = match &a.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            RolloutConfig::from_yaml(&text).with_context(|| format!("in {}", p.display()))?
+        }
+        None => RolloutConfig::default(),
+    };
+    macro_rules! set {
+        ($flag:expr, $field:expr) => {
+            if let Some(v) = $flag {
+                $field = v;
+            }
+        };
+    }
+    set!(a.nodes, c.nodes);
+    set!(a.replicas, c.deployment.replicas);
+    set!(a.max_surge, c.deployment.max_surge);
+    set!(a.max_unavailable, c.deployment.max_unavailable);
+    set!(a.min_ready_seconds, c.deployment.min_ready_seconds);
+    set!(a.one_pod_per_node, c.deployment.one_pod_per_node);
+    set!(a.pod_profile, c.pod.profile);
+    set!(a.pre_stop, c.pod.pre_stop_sleep_seconds);
+    set!(a.termination_grace_period, c.pod.termination_grace_period_seconds);
+    set!(a.readiness_initial_delay, c.pod.readiness_probe.initial_delay_seconds);
+    set!(a.readiness_period, c.pod.readiness_probe.period_seconds);
+    set!(a.readiness_timeout, c.pod.readiness_probe.timeout_seconds);
+    set!(a.readiness_success_threshold, c.pod.readiness_probe.success_threshold);
+    set!(a.readiness_failure_threshold, c.pod.readiness_probe.failure_threshold);
+    set!(a.lb_preset, c.load_balancer.preset);
+    set!(a.lb_mode, c.load_balancer.mode);
+    let custom = [a.lb_interval, a.lb_timeout, a.lb_registration_delay].iter().any(Option::is_some)
+        || a.lb_healthy_threshold.is_some()
+        || a.lb_unhealthy_threshold.is_some();
+    if custom {
+        let base = c
+            .load_balancer
+            .health_check
+            .or_else(|| c.load_balancer.preset.health_check())
+            .unwrap_or(HealthCheck {
+                interval_seconds: 5.0,
+                timeout_seconds: 1.0,
+                healthy_threshold: 1,
+                unhealthy_threshold: 2,
+                registration_delay_seconds: 0.0,
+            });
+        c.load_balancer.health_check = Some(HealthCheck {
+            interval_seconds: a.lb_interval.unwrap_or(base.interval_seconds),
+            timeout_seconds: a.lb_timeout.unwrap_or(base.timeout_seconds),
+            healthy_threshold: a.lb_healthy_threshold.unwrap_or(base.healthy_threshold),
+            unhealthy_threshold: a.lb_unhealthy_threshold.unwrap_or(base.unhealthy_threshold),
+            registration_delay_seconds: a.lb_registration_delay.unwrap_or(base.registration_delay_seconds),
+        });
+    }
+    set!(a.rate, c.load.new_connection_rate);
+    set!(a.keepalive_connections, c.load.keepalive_connections);
+    set!(a.keepalive_rate, c.load.keepalive_rate);
+    set!(a.request_timeout_ms, c.load.request_timeout_ms);
+    set!(a.propagation_delay, c.propagation_delay_seconds);
+    set!(a.time_scale, c.time_scale);
+    set!(a.publish_not_ready_addresses, c.publish_not_ready_addresses);
+    set!(a.warmup, c.warmup_seconds);
+    set!(a.settle, c.settle_seconds);
+    set!(a.seed, c.seed);
+    c.validate()?;
+    Ok(c)
+}
+
+fn which(tool: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+        .unwrap_or(false)
+}
+
+/// Check for the tools the lab runs; install them with apt-get when asked.
+fn ensure_tools(install: bool) -> anyhow::Result<()> {
+    let needed = [("ip", "iproute2"), ("nft", "nftables"), ("conntrack", "conntrack")];
+    let missing: Vec<&str> = needed.iter().filter(|(t, _)| !which(t)).map(|(_, p)| *p).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if install && which("apt-get") {
+        eprintln!("kproxy lab: installing {}", missing.join(" "));
+        let st = std::process::Command::new("apt-get")
+            .args(["install", "-y"])
+            .args(&missing)
+            .status()
+            .context("running apt-get")?;
+        if st.success() {
+            return Ok(());
+        }
+    }
+    bail!(
+        "missing tools; install them with: apt-get install -y {} (or rerun with --install-deps)",
+        missing.join(" ")
+    )
+}
+
+pub fn run(args: LabArgs) -> anyhow::Result<ExitCode> {
+    match args.command {
+        LabCommand::Sweep => {
+            if !crate::is_root() {
+                bail!("kproxy lab sweep needs root (it deletes network namespaces)");
+            }
+            for n in netns::sweep_dead_runs() {
+                println!("removed {n}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        LabCommand::Rollout(a) => rollout(&a),
+    }
+}
+
+fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
+    let cfg = build_config(a)?;
+    if !crate::is_root() {
+        bail!(
+            "kproxy lab rollout must run as root: it creates network namespaces, veth pairs and nftables rules \
+             (all inside its own namespaces; the host's network is not touched). Try: sudo {} lab rollout ...",
+            std::env::args().next().unwrap_or_else(|| "kproxy".into())
+        );
+    }
+    ensure_tools(a.install_deps)?;
+    let kproxy = match &a.kproxy {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().context("finding the kproxy executable")?,
+    };
+    if a.runs == 0 || a.runs > 100 {
+        bail!("--runs must be 1..=100");
+    }
+    let behaviours: Vec<Behaviour> = if a.compare {
+        vec![Behaviour::Pre126, Behaviour::Kproxy]
+    } else if a.proxy_terminating_endpoints == Some(false) {
+        vec![Behaviour::Pre126]
+    } else {
+        vec![Behaviour::Kproxy]
+    };
+    let json = a.output == Some(OutputFormat::Json);
+    let progress = |line: &str| eprintln!("{line}");
+    let mut runs: Vec<RunResult> = Vec::new();
+    for run in 0..a.runs {
+        for b in &behaviours {
+            let r = scenario::run_once(&cfg, *b, run, &kproxy, &progress)
+                .with_context(|| format!("{} run {}", b.as_str(), run + 1))?;
+            runs.push(r);
+        }
+    }
+    let mut plots = Vec::new();
+    if !a.no_plot {
+        std::fs::create_dir_all(&a.plot_dir).with_context(|| format!("creating {}", a.plot_dir.display()))?;
+        for r in &runs {
+            let stem = a.plot_dir.join(format!("kproxy-lab-rollout-{}-run{}", r.behaviour.as_str(), r.run + 1));
+            match plot::write_plots(r, &stem) {
+                Ok(ps) => plots.extend(ps.into_iter().map(|p| p.display().to_string())),
+                Err(e) => eprintln!("kproxy lab: warning: {e}"),
+            }
+        }
+    }
+    if json {
+        let doc = report::render_json(&runs, &cfg, &plots);
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", report::render_text(&runs, a.timeline));
+        if !plots.is_empty() {
+            println!("\nplots: {}", plots.join(", "));
+        }
+    }
+    // The claim under test: kproxy behaviour loses nothing.
+    let kproxy_lost = runs.iter().any(|r| r.behaviour == Behaviour::Kproxy && r.records.iter().any(|x| !x.outcome.is_ok()));
+    Ok(if kproxy_lost { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct T {
+        #[command(flatten)]
+        lab: LabArgs,
+    }
+
+    fn parse(args: &[&str]) -> RolloutArgs {
+        let mut v = vec!["t"];
+        v.extend_from_slice(args);
+        match T::parse_from(v).lab.command {
+            LabCommand::Rollout(a) => *a,
+            _ => panic!("not rollout"),
+        }
+    }
+
+    #[test]
+    fn flags_override_defaults() {
+        let a = parse(&["rollout", "--pre-stop", "2", "--lb-preset", "aws-nlb", "--lb-interval", "4", "--pod-profile", "exit-on-term"]);
+        let c = build_config(&a).unwrap();
+        assert_eq!(c.pod.pre_stop_sleep_seconds, 2.0);
+        assert_eq!(c.pod.profile, PodProfile::ExitOnTerm);
+        let hc = c.load_balancer.effective_health_check().unwrap();
+        assert_eq!(hc.interval_seconds, 4.0);
+        assert_eq!(hc.unhealthy_threshold, 2, "rest from the aws-nlb preset");
+    }
+
+    #[test]
+    fn pre_126_flag_parses() {
+        let a = parse(&["rollout", "--proxy-terminating-endpoints=false", "--compare", "--runs", "3", "-o", "json"]);
+        assert_eq!(a.proxy_terminating_endpoints, Some(false));
+        assert!(a.compare);
+        assert_eq!(a.runs, 3);
+        assert_eq!(a.output, Some(OutputFormat::Json));
+    }
+}

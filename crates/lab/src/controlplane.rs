@@ -1,0 +1,322 @@
+//! Control plane emulation: a store of the Pods behind one Service, the
+//! EndpointSlice controller's derivation of endpoint conditions from pod state, and
+//! publication to every node's kproxy through the manifest source (files in a
+//! per-node directory, written atomically) after a propagation delay.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::fabric;
+use crate::timeline::{EventKind, Recorder};
+use crate::LabError;
+
+pub const SERVICE_NAMESPACE: &str = "lab";
+pub const SERVICE_NAME: &str = "web";
+pub const CLUSTER_IP: &str = "10.96.0.10";
+pub const SERVICE_PORT: u16 = 80;
+pub const NODE_PORT: u16 = 30080;
+pub const HEALTH_CHECK_NODE_PORT: u16 = 32000;
+
+/// A pod as the API server knows it (only what the EndpointSlice controller reads).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PodRecord {
+    pub name: String,
+    pub node: String,
+    pub ip: Option<Ipv4Addr>,
+    /// The pod's Ready condition.
+    pub ready: bool,
+    /// metadata.deletionTimestamp is set.
+    pub deleting: bool,
+    /// status.phase is Failed or Succeeded.
+    pub finished: bool,
+}
+
+/// The conditions of one endpoint, as the EndpointSlice controller sets them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conditions {
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+}
+
+/// Whether a pod gets an endpoint at all, and with which conditions. Mirrors
+/// kubernetes/pkg/controller/endpointslice (podToEndpoint, ShouldPodBeInEndpoints
+/// with includeTerminating=true):
+/// - no pod IP, or phase Failed/Succeeded: no endpoint;
+/// - serving = publishNotReadyAddresses || pod Ready;
+/// - terminating = deletionTimestamp set;
+/// - ready = publishNotReadyAddresses || (serving && !terminating).
+pub fn endpoint_conditions(pod: &PodRecord, publish_not_ready_addresses: bool) -> Option<Conditions> {
+    if pod.ip.is_none() || pod.finished {
+        return None;
+    }
+    let serving = publish_not_ready_addresses || pod.ready;
+    let terminating = pod.deleting;
+    let ready = publish_not_ready_addresses || (serving && !terminating);
+    Some(Conditions { ready, serving, terminating })
+}
+
+/// The node objects, the Service and its EndpointSlice as one `kind: List`.
+pub fn render_manifests(
+    nodes: usize,
+    pods: &BTreeMap<String, PodRecord>,
+    publish_not_ready_addresses: bool,
+    trigger_time: Option<jiff::Timestamp>,
+) -> Value {
+    let mut items = Vec::new();
+    for i in 1..=nodes {
+        let name = fabric::node_name(i);
+        items.push(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+            "spec": {"podCIDR": format!("10.244.{i}.0/24"), "podCIDRs": [format!("10.244.{i}.0/24")]},
+            "status": {"addresses": [
+                {"type": "InternalIP", "address": fabric::node_ip(i).to_string()},
+                {"type": "Hostname", "address": name}
+            ]}
+        }));
+    }
+    items.push(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": SERVICE_NAME, "namespace": SERVICE_NAMESPACE},
+        "spec": {
+            "type": "LoadBalancer",
+            "clusterIP": CLUSTER_IP, "clusterIPs": [CLUSTER_IP], "ipFamilies": ["IPv4"],
+            "selector": {"app": SERVICE_NAME},
+            "ports": [{"name": "http", "protocol": "TCP", "port": SERVICE_PORT, "targetPort": crate::pod::POD_PORT, "nodePort": NODE_PORT}],
+            "externalTrafficPolicy": "Local",
+            "internalTrafficPolicy": "Cluster",
+            "healthCheckNodePort": HEALTH_CHECK_NODE_PORT,
+            "publishNotReadyAddresses": publish_not_ready_addresses,
+            "sessionAffinity": "None"
+        },
+        "status": {"loadBalancer": {"ingress": [{"ip": fabric::VIP.to_string(), "ipMode": "VIP"}]}}
+    }));
+    let endpoints: Vec<Value> = pods
+        .values()
+        .filter_map(|p| {
+            let c = endpoint_conditions(p, publish_not_ready_addresses)?;
+            Some(json!({
+                "addresses": [p.ip?.to_string()],
+                "conditions": {"ready": c.ready, "serving": c.serving, "terminating": c.terminating},
+                "nodeName": p.node,
+                "targetRef": {"kind": "Pod", "namespace": SERVICE_NAMESPACE, "name": p.name}
+            }))
+        })
+        .collect();
+    let mut annotations = serde_json::Map::new();
+    if let Some(t) = trigger_time {
+        annotations.insert(
+            "endpoints.kubernetes.io/last-change-trigger-time".into(),
+            Value::String(t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()),
+        );
+    }
+    items.push(json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {
+            "name": format!("{SERVICE_NAME}-lab01"), "namespace": SERVICE_NAMESPACE,
+            "labels": {"kubernetes.io/service-name": SERVICE_NAME,
+                       "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"},
+            "annotations": annotations
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "protocol": "TCP", "port": crate::pod::POD_PORT}],
+        "endpoints": endpoints
+    }));
+    json!({"apiVersion": "v1", "kind": "List", "items": items})
+}
+
+/// Write `content` as `dir/lab.json` atomically (temp file whose name the manifest
+/// source ignores, then rename).
+pub fn write_atomically(dir: &Path, content: &[u8]) -> Result<(), LabError> {
+    let tmp = dir.join(".lab.json.tmp");
+    let dst = dir.join("lab.json");
+    std::fs::write(&tmp, content).map_err(|e| LabError::Io { what: format!("write {}", tmp.display()), source: e })?;
+    std::fs::rename(&tmp, &dst).map_err(|e| LabError::Io { what: format!("rename to {}", dst.display()), source: e })
+}
+
+struct Store {
+    pods: BTreeMap<String, PodRecord>,
+    last_published: Option<String>,
+}
+
+/// The control plane: pod store + EndpointSlice controller + publisher.
+#[derive(Clone)]
+pub struct ControlPlane {
+    store: Arc<Mutex<Store>>,
+    nodes: usize,
+    publish_not_ready_addresses: bool,
+    tx: mpsc::UnboundedSender<(Instant, String)>,
+    recorder: Recorder,
+}
+
+impl ControlPlane {
+    /// Start the publisher task (on the current tokio runtime) writing to `dirs`
+    /// after `propagation` (real time).
+    pub fn start(
+        nodes: usize,
+        dirs: Vec<PathBuf>,
+        propagation: Duration,
+        publish_not_ready_addresses: bool,
+        recorder: Recorder,
+    ) -> Result<ControlPlane, LabError> {
+        let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, String)>();
+        let rec = recorder.clone();
+        let initial = serde_json::to_string_pretty(&render_manifests(nodes, &BTreeMap::new(), publish_not_ready_addresses, None))
+            .map_err(|e| LabError::Invalid(e.to_string()))?;
+        for d in &dirs {
+            std::fs::create_dir_all(d).map_err(|e| LabError::Io { what: format!("mkdir {}", d.display()), source: e })?;
+            write_atomically(d, initial.as_bytes())?;
+        }
+        tokio::spawn(async move {
+            // One writer, in order: every change reaches every node after the same delay.
+            while let Some((changed_at, content)) = rx.recv().await {
+                tokio::time::sleep_until((changed_at + propagation).into()).await;
+                for d in &dirs {
+                    if let Err(e) = write_atomically(d, content.as_bytes()) {
+                        rec.record(EventKind::Note, None, None, format!("publish failed: {e}"));
+                    }
+                }
+                rec.record(EventKind::SlicePublished, None, None, summarize(&content));
+            }
+        });
+        Ok(ControlPlane {
+            store: Arc::new(Mutex::new(Store { pods: BTreeMap::new(), last_published: None })),
+            nodes,
+            publish_not_ready_addresses,
+            tx,
+            recorder,
+        })
+    }
+
+    /// Apply a change to one pod (insert/replace) and publish if the slice changed.
+    pub fn upsert_pod(&self, pod: PodRecord) {
+        let mut s = self.store.lock().expect("store lock");
+        s.pods.insert(pod.name.clone(), pod);
+        self.publish_locked(&mut s);
+    }
+
+    pub fn update_pod(&self, name: &str, f: impl FnOnce(&mut PodRecord)) {
+        let mut s = self.store.lock().expect("store lock");
+        if let Some(p) = s.pods.get_mut(name) {
+            f(p);
+        }
+        self.publish_locked(&mut s);
+    }
+
+    pub fn remove_pod(&self, name: &str) {
+        let mut s = self.store.lock().expect("store lock");
+        s.pods.remove(name);
+        self.publish_locked(&mut s);
+    }
+
+    pub fn pods(&self) -> BTreeMap<String, PodRecord> {
+        self.store.lock().expect("store lock").pods.clone()
+    }
+
+    fn publish_locked(&self, s: &mut Store) {
+        let now = jiff::Timestamp::now();
+        let doc = render_manifests(self.nodes, &s.pods, self.publish_not_ready_addresses, Some(now));
+        // Compare without the trigger-time annotation: only real changes publish.
+        let key = serde_json::to_string(&render_manifests(self.nodes, &s.pods, self.publish_not_ready_addresses, None))
+            .unwrap_or_default();
+        if s.last_published.as_deref() == Some(key.as_str()) {
+            return;
+        }
+        s.last_published = Some(key);
+        let content = serde_json::to_string_pretty(&doc).unwrap_or_default();
+        if self.tx.send((Instant::now(), content)).is_err() {
+            self.recorder.record(EventKind::Note, None, None, "control plane publisher stopped");
+        }
+    }
+}
+
+/// One line per endpoint for the timeline: `pod@node r/s/t`.
+fn summarize(content: &str) -> String {
+    let Ok(v) = serde_json::from_str::<Value>(content) else { return String::new() };
+    let mut parts = Vec::new();
+    for item in v["items"].as_array().into_iter().flatten() {
+        if item["kind"] == "EndpointSlice" {
+            for ep in item["endpoints"].as_array().into_iter().flatten() {
+                let c = &ep["conditions"];
+                let flag = |k: &str, ch: char| if c[k] == true { ch } else { '-' };
+                parts.push(format!(
+                    "{}@{}:{}{}{}",
+                    ep["targetRef"]["name"].as_str().unwrap_or("?"),
+                    ep["nodeName"].as_str().unwrap_or("?"),
+                    flag("ready", 'R'),
+                    flag("serving", 'S'),
+                    flag("terminating", 'T')
+                ));
+            }
+        }
+    }
+    parts.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(ip: bool, ready: bool, deleting: bool, finished: bool) -> PodRecord {
+        PodRecord {
+            name: "p".into(),
+            node: "node-1".into(),
+            ip: ip.then_some(Ipv4Addr::new(10, 244, 1, 2)),
+            ready,
+            deleting,
+            finished,
+        }
+    }
+
+    fn c(ready: bool, serving: bool, terminating: bool) -> Option<Conditions> {
+        Some(Conditions { ready, serving, terminating })
+    }
+
+    /// The documented rules (KEP-1672, EndpointSlice API reference, v1.26 blog):
+    /// ready is false for every terminating pod unless publishNotReadyAddresses;
+    /// serving follows the Ready condition regardless of termination.
+    #[test]
+    fn conditions_follow_the_endpointslice_controller() {
+        let table = [
+            // (has ip, pod Ready, deletionTimestamp, finished, publishNotReady) -> conditions
+            ((true, true, false, false, false), c(true, true, false)),
+            ((true, false, false, false, false), c(false, false, false)),
+            ((true, true, true, false, false), c(false, true, true)),
+            ((true, false, true, false, false), c(false, false, true)),
+            ((false, true, false, false, false), None),
+            ((true, true, false, true, false), None),
+            ((true, false, false, false, true), c(true, true, false)),
+            ((true, false, true, false, true), c(true, true, true)),
+            ((true, true, true, false, true), c(true, true, true)),
+        ];
+        for ((ip, ready, deleting, finished, pnr), want) in table {
+            assert_eq!(
+                endpoint_conditions(&pod(ip, ready, deleting, finished), pnr),
+                want,
+                "ip={ip} ready={ready} deleting={deleting} finished={finished} publishNotReady={pnr}"
+            );
+        }
+    }
+
+    #[test]
+    fn manifests_parse_with_kproxy_core() {
+        let mut pods = BTreeMap::new();
+        pods.insert("p".to_string(), pod(true, true, true, false));
+        let doc = render_manifests(2, &pods, false, Some(jiff::Timestamp::UNIX_EPOCH));
+        let text = serde_json::to_string(&doc).unwrap();
+        assert!(text.contains("last-change-trigger-time"));
+        assert!(text.contains("\"terminating\":true"));
+        let s = summarize(&text);
+        assert_eq!(s, "p@node-1:-ST");
+        let parsed = kproxy_core::manifest::parse("lab.json", &text);
+        assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
+        assert_eq!(parsed.objects.len(), 4, "2 nodes, the Service, the EndpointSlice");
+    }
+}

@@ -1,0 +1,117 @@
+//! The real kproxy daemon per node: `ip netns exec <node-ns> kproxy run ...` as a
+//! child process, reading the node's manifest directory. Its event log (JSON lines)
+//! feeds the run's timeline. Dropping the handle stops the process (SIGTERM, then
+//! SIGKILL if it does not exit) so no daemon outlives the lab.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::fabric::NodeNet;
+use crate::timeline::{EventKind, Recorder};
+use crate::LabError;
+
+pub struct Kproxyd {
+    pub node: String,
+    pub event_log: PathBuf,
+    pub log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Kproxyd {
+    /// Start kproxy for `node`. `proxy_terminating_endpoints = false` gives the
+    /// pre-1.26 behaviour.
+    pub fn start(
+        kproxy: &Path,
+        node: &NodeNet,
+        manifests: &Path,
+        workdir: &Path,
+        proxy_terminating_endpoints: bool,
+        extra_args: &[String],
+    ) -> Result<Kproxyd, LabError> {
+        let event_log = workdir.join(format!("{}-events.jsonl", node.name));
+        let log = workdir.join(format!("{}.log", node.name));
+        let logf = std::fs::File::create(&log).map_err(|e| LabError::Io { what: format!("create {}", log.display()), source: e })?;
+        let logf2 = logf.try_clone().map_err(|e| LabError::Io { what: "dup log fd".into(), source: e })?;
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", node.ns.name()])
+            .arg(kproxy)
+            .arg("run")
+            .arg("--manifests")
+            .arg(manifests)
+            .args(["--hostname-override", &node.name])
+            .args(["--healthz-bind-address", &format!("{}:10256", node.ip)])
+            .args(["--metrics-bind-address", "127.0.0.1:10249"])
+            .args(["--min-sync-period", "50ms", "--sync-period", "10s"])
+            .args(["--cluster-cidr", "10.244.0.0/16"])
+            .arg("--event-log")
+            .arg(&event_log);
+        if !proxy_terminating_endpoints {
+            cmd.arg("--proxy-terminating-endpoints=false");
+        }
+        cmd.args(extra_args);
+        cmd.stdin(Stdio::null()).stdout(Stdio::from(logf)).stderr(Stdio::from(logf2));
+        let child = cmd.spawn().map_err(|e| LabError::Io { what: format!("spawn kproxy for {}", node.name), source: e })?;
+        Ok(Kproxyd { node: node.name.clone(), event_log, log, child: Some(child) })
+    }
+
+    /// Is the process still running? Err carries the tail of its log if not.
+    pub fn check_alive(&mut self) -> Result<(), LabError> {
+        let Some(c) = self.child.as_mut() else { return Ok(()) };
+        match c.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(status)) => {
+                let tail = std::fs::read_to_string(&self.log).unwrap_or_default();
+                let tail: String = tail.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+                Err(LabError::Daemon { node: self.node.clone(), detail: format!("kproxy exited ({status}); log tail:\n{tail}") })
+            }
+            Err(e) => Err(LabError::Io { what: "wait kproxy".into(), source: e }),
+        }
+    }
+
+    pub fn stop(&mut self) {
+        let Some(mut c) = self.child.take() else { return };
+        // `ip netns exec` execs kproxy, so the child pid is kproxy itself.
+        let pid = nix::unistd::Pid::from_raw(c.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+
+    /// Copy this daemon's event log into the timeline. `wall_start` is the wall
+    /// clock when the run's clock started.
+    pub fn import_events(&self, recorder: &Recorder, wall_start: SystemTime) {
+        let Ok(text) = std::fs::read_to_string(&self.event_log) else { return };
+        let start_ms = wall_start.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64() * 1000.0;
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            let Some(t) = v["t_unix_ms"].as_f64() else { continue };
+            let ev = v["event"].as_str().unwrap_or("?");
+            let kind = match ev {
+                "synced" => EventKind::KproxySynced,
+                "sync_failed" => EventKind::KproxySyncFailed,
+                _ => EventKind::Note,
+            };
+            let mut detail = v.clone();
+            if let Some(o) = detail.as_object_mut() {
+                o.remove("t_unix_ms");
+                o.remove("event");
+            }
+            let d = if detail.as_object().is_some_and(|o| o.is_empty()) { String::new() } else { detail.to_string() };
+            recorder.record_at(t - start_ms, kind, Some(&self.node), None, format!("kproxy {ev} {d}").trim().to_string());
+        }
+    }
+}
+
+impl Drop for Kproxyd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,336 @@
+//! The emulated cloud load balancer, living in the LB namespace.
+//!
+//! Data path (nftables + policy routing in the LB namespace only):
+//! - `passthrough` (a GCP network LB): packets keep the VIP as destination. A new
+//!   flow gets a conntrack mark naming one node of the pool (`numgen random`);
+//!   every packet of the flow copies the mark to the packet, and `ip rule fwmark N`
+//!   routes it to node N. Conntrack keeps a flow on its node, so existing flows keep
+//!   going when the pool changes; only new flows follow the pool.
+//! - `node-port` (an AWS NLB in instance mode): a new flow is DNATed to
+//!   nodeIP:nodePort of one node of the pool; conntrack keeps existing flows.
+//!   The client address is preserved in both modes (no SNAT).
+//!
+//! Control path: a health checker on its own thread inside the LB namespace probes
+//! each node's health-check node port over HTTP every interval with a timeout, and
+//! applies healthy/unhealthy thresholds. New flows go only to healthy nodes, and to
+//! all nodes when none is healthy (as GCP does). A node starts unhealthy and joins
+//! after `healthy_threshold` successes, after an optional registration delay.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::fabric::{self, Fabric};
+use crate::netns;
+use crate::timeline::{EventKind, Recorder};
+use crate::LabError;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum LbMode {
+    Passthrough,
+    NodePort,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum LbPreset {
+    Gke,
+    AwsNlb,
+    Azure,
+    Custom,
+}
+
+/// Health-check settings in nominal seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HealthCheck {
+    pub interval_seconds: f64,
+    pub timeout_seconds: f64,
+    pub healthy_threshold: u32,
+    pub unhealthy_threshold: u32,
+    /// Time before a new backend starts being probed.
+    #[serde(default)]
+    pub registration_delay_seconds: f64,
+}
+
+impl LbPreset {
+    /// Public defaults; see docs/lab.md for sources.
+    pub fn health_check(self) -> Option<HealthCheck> {
+        match self {
+            // ingress-gce L4 health check for eTP Local: 3 s, timeout 1 s, healthy 1, unhealthy 2.
+            LbPreset::Gke => Some(HealthCheck { interval_seconds: 3.0, timeout_seconds: 1.0, healthy_threshold: 1, unhealthy_threshold: 2, registration_delay_seconds: 0.0 }),
+            // AWS NLB target group (TCP/HTTP): 10 s interval, 10 s timeout (capped below the interval here), 2/2.
+            LbPreset::AwsNlb => Some(HealthCheck { interval_seconds: 10.0, timeout_seconds: 6.0, healthy_threshold: 2, unhealthy_threshold: 2, registration_delay_seconds: 0.0 }),
+            // Azure LB probe: 5 s interval, 2 consecutive failures; one success marks healthy.
+            LbPreset::Azure => Some(HealthCheck { interval_seconds: 5.0, timeout_seconds: 5.0, healthy_threshold: 1, unhealthy_threshold: 2, registration_delay_seconds: 0.0 }),
+            LbPreset::Custom => None,
+        }
+    }
+}
+
+impl HealthCheck {
+    /// Longest time (nominal s) between a node starting to fail and the LB
+    /// removing it: the failing answers needed, plus one interval of phase, plus a
+    /// probe timeout.
+    pub fn detection_window_s(&self) -> f64 {
+        self.interval_seconds * self.unhealthy_threshold as f64 + self.timeout_seconds.min(self.interval_seconds)
+    }
+}
+
+/// The set of nodes (1-based indexes) new flows may go to.
+pub fn pool_for(healthy: &[bool]) -> Vec<usize> {
+    let h: Vec<usize> = healthy.iter().enumerate().filter(|(_, h)| **h).map(|(i, _)| i + 1).collect();
+    if h.is_empty() {
+        (1..=healthy.len()).collect()
+    } else {
+        h
+    }
+}
+
+/// The nft script that sends new flows to `pool`.
+pub fn render_nft(mode: LbMode, pool: &[usize], node_port: u16, service_port: u16) -> String {
+    let vip = fabric::VIP;
+    let mut s = String::from("table ip kplab\ndelete table ip kplab\ntable ip kplab {\n");
+    match mode {
+        LbMode::Passthrough => {
+            let map: Vec<String> = pool.iter().enumerate().map(|(i, n)| format!("{i} : {n}")).collect();
+            s += "  chain pre {\n    type filter hook prerouting priority mangle; policy accept;\n";
+            s += &format!(
+                "    ip daddr {vip} ct state new ct mark set numgen random mod {} map {{ {} }}\n",
+                pool.len(),
+                map.join(", ")
+            );
+            s += &format!("    ip daddr {vip} meta mark set ct mark\n  }}\n");
+        }
+        LbMode::NodePort => {
+            let map: Vec<String> =
+                pool.iter().enumerate().map(|(i, n)| format!("{i} : {}", fabric::node_ip(*n))).collect();
+            s += "  chain pre {\n    type nat hook prerouting priority dstnat; policy accept;\n";
+            s += &format!(
+                "    ip daddr {vip} tcp dport {service_port} dnat to numgen random mod {} map {{ {} }} : {node_port}\n  }}\n",
+                pool.len(),
+                map.join(", ")
+            );
+        }
+    }
+    s += "}\n";
+    s
+}
+
+pub struct LoadBalancer {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    pub pool: Arc<Mutex<Vec<usize>>>,
+    /// Per node (index − 1): does the LB consider it healthy?
+    pub healthy: Arc<Mutex<Vec<bool>>>,
+}
+
+impl LoadBalancer {
+    /// Program the data path (all nodes in the pool until the first health checks)
+    /// and start the health checker.
+    pub fn start(
+        fabric: &Fabric,
+        mode: LbMode,
+        hc: HealthCheck,
+        health_port: u16,
+        node_port: u16,
+        service_port: u16,
+        recorder: Recorder,
+    ) -> Result<LoadBalancer, LabError> {
+        let n = fabric.nodes.len();
+        for node in &fabric.nodes {
+            let table = (100 + node.index).to_string();
+            fabric.lb.ip(&["rule", "add", "fwmark", &node.index.to_string(), "lookup", &table])?;
+            fabric.lb.ip(&["route", "add", "default", "via", &node.ip.to_string(), "table", &table])?;
+        }
+        let all: Vec<usize> = (1..=n).collect();
+        fabric.lb.nft(&render_nft(mode, &all, node_port, service_port))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let pool = Arc::new(Mutex::new(all));
+        let healthy = Arc::new(Mutex::new(vec![false; n]));
+        let hl = healthy.clone();
+        let (st, pl, ns) = (stop.clone(), pool.clone(), fabric.lb.name().to_string());
+        let names: Vec<String> = fabric.nodes.iter().map(|n| n.name.clone()).collect();
+        let ips: Vec<Ipv4Addr> = fabric.nodes.iter().map(|n| n.ip).collect();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), LabError>>();
+        let thread = std::thread::Builder::new()
+            .name("lab-lb".into())
+            .spawn(move || {
+                let rt = match netns::enter_netns_by_name(&ns).and_then(|_| {
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .map_err(|e| LabError::Io { what: "lb runtime".into(), source: e })
+                }) {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok(()));
+                rt.block_on(health_loop(ns, mode, hc, health_port, node_port, service_port, names, ips, st, pl, hl, recorder));
+            })
+            .map_err(|e| LabError::Io { what: "spawn lb thread".into(), source: e })?;
+        let lb = LoadBalancer { stop, thread: Some(thread), pool, healthy };
+        ready_rx.recv().map_err(|_| LabError::Invalid("lb thread ended".into()))??;
+        Ok(lb)
+    }
+
+    pub fn healthy(&self) -> Vec<bool> {
+        self.healthy.lock().expect("healthy lock").clone()
+    }
+
+    pub fn pool(&self) -> Vec<usize> {
+        self.pool.lock().expect("pool lock").clone()
+    }
+
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for LoadBalancer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One HTTP health probe: 200 within `timeout` is a success.
+pub async fn probe(addr: SocketAddr, timeout: Duration) -> bool {
+    let attempt = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: lb\r\nUser-Agent: kproxy-lab-lb\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut buf = [0u8; 64];
+        let mut got = 0;
+        while got < 12 {
+            let n = s.read(&mut buf[got..]).await.ok()?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        let head = std::str::from_utf8(&buf[..got]).ok()?;
+        Some(head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200"))
+    };
+    matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn health_loop(
+    ns: String,
+    mode: LbMode,
+    hc: HealthCheck,
+    health_port: u16,
+    node_port: u16,
+    service_port: u16,
+    names: Vec<String>,
+    ips: Vec<Ipv4Addr>,
+    stop: Arc<AtomicBool>,
+    pool: Arc<Mutex<Vec<usize>>>,
+    healthy_out: Arc<Mutex<Vec<bool>>>,
+    recorder: Recorder,
+) {
+    let clock = recorder.clock().clone();
+    let n = ips.len();
+    let mut healthy = vec![false; n];
+    let mut last_answer: Vec<Option<bool>> = vec![None; n];
+    let mut ok_run = vec![0u32; n];
+    let mut fail_run = vec![0u32; n];
+    let interval = clock.real(hc.interval_seconds).max(Duration::from_millis(10));
+    // A floor on the real timeout: at small time scales a busy 2-core machine would
+    // otherwise turn scheduling delays into failed probes.
+    let timeout = clock.real(hc.timeout_seconds.min(hc.interval_seconds)).max(Duration::from_millis(150)).min(interval);
+    let reg = clock.real(hc.registration_delay_seconds);
+    let mut next = tokio::time::Instant::now() + reg;
+    let mut current_pool = (1..=n).collect::<Vec<_>>();
+    while !stop.load(Ordering::SeqCst) {
+        let now = tokio::time::Instant::now();
+        if now < next {
+            tokio::time::sleep(Duration::from_millis(10).min(next - now)).await;
+            continue;
+        }
+        next += interval;
+        let probes = ips.iter().map(|ip| probe(SocketAddr::from((*ip, health_port)), timeout));
+        let results = futures::future::join_all(probes).await;
+        for (i, ok) in results.into_iter().enumerate() {
+            if last_answer[i] != Some(ok) {
+                last_answer[i] = Some(ok);
+                recorder.record(
+                    EventKind::HealthAnswer,
+                    Some(&names[i]),
+                    None,
+                    if ok { "health check passes" } else { "health check fails" },
+                );
+            }
+            if ok {
+                ok_run[i] += 1;
+                fail_run[i] = 0;
+                if !healthy[i] && ok_run[i] >= hc.healthy_threshold {
+                    healthy[i] = true;
+                }
+            } else {
+                fail_run[i] += 1;
+                ok_run[i] = 0;
+                if healthy[i] && fail_run[i] >= hc.unhealthy_threshold {
+                    healthy[i] = false;
+                }
+            }
+        }
+        *healthy_out.lock().expect("healthy lock") = healthy.clone();
+        let new_pool = pool_for(&healthy);
+        if new_pool != current_pool {
+            let script = render_nft(mode, &new_pool, node_port, service_port);
+            let res = netns::run_cmd_input("ip", &["netns", "exec", &ns, "nft", "-f", "-"], &script);
+            let names_in: Vec<&str> = new_pool.iter().map(|i| names[i - 1].as_str()).collect();
+            let all_down = healthy.iter().all(|h| !h);
+            recorder.record(
+                EventKind::LbPool,
+                None,
+                None,
+                match res {
+                    Ok(_) if all_down => format!("no healthy node: new connections to all ({})", names_in.join(", ")),
+                    Ok(_) => format!("new connections to {}", names_in.join(", ")),
+                    Err(e) => format!("pool update failed: {e}"),
+                },
+            );
+            current_pool = new_pool.clone();
+            *pool.lock().expect("pool lock") = new_pool;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_is_healthy_nodes_or_all() {
+        assert_eq!(pool_for(&[true, false, true]), vec![1, 3]);
+        assert_eq!(pool_for(&[false, false, false]), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn gke_detection_window_is_seven_seconds() {
+        let hc = LbPreset::Gke.health_check().unwrap();
+        assert_eq!(hc.detection_window_s(), 7.0);
+    }
+
+    #[test]
+    fn nft_script_maps_pool() {
+        let s = render_nft(LbMode::Passthrough, &[1, 3], 30080, 80);
+        assert!(s.contains("numgen random mod 2 map { 0 : 1, 1 : 3 }"), "{s}");
+        let s = render_nft(LbMode::NodePort, &[2], 30080, 80);
+        assert!(s.contains("map { 0 : 10.200.0.2 } : 30080"), "{s}");
+    }
+}

@@ -1,0 +1,403 @@
+//! Turning a run's raw records and events into what a person reads: the summary
+//! (counts by kind, longest outage, failures per phase), failure bursts with their
+//! cause in plain words, the event timeline, and the JSON document. Pure functions;
+//! all times shown are nominal (real time divided by the time scale).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::loadgen::{Outcome, RequestRecord};
+use crate::scenario::RunResult;
+use crate::timeline::{Event, EventKind};
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Burst {
+    pub start_s: f64,
+    pub end_s: f64,
+    pub failed: usize,
+    pub kinds: BTreeMap<String, usize>,
+    pub cause: String,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Summary {
+    pub behaviour: String,
+    pub run: usize,
+    pub sent: usize,
+    pub ok: usize,
+    pub failed: usize,
+    pub failed_by_kind: BTreeMap<String, usize>,
+    /// Longest span (nominal s) from the first to the last failure of a burst with
+    /// no success in between.
+    pub longest_outage_s: f64,
+    pub failed_before_rollout: usize,
+    pub failed_during_rollout: usize,
+    pub failed_after_rollout: usize,
+    pub bursts: Vec<Burst>,
+}
+
+fn nominal(r: &RunResult, ms: f64) -> f64 {
+    ms / 1000.0 / r.time_scale
+}
+
+/// Group failures into bursts: failures closer than `gap_s` nominal seconds.
+pub fn bursts_of(records: &[RequestRecord], scale: f64, gap_s: f64) -> Vec<(f64, f64, Vec<&RequestRecord>)> {
+    let mut fails: Vec<&RequestRecord> = records.iter().filter(|r| !r.outcome.is_ok()).collect();
+    fails.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
+    let gap_ms = gap_s * 1000.0 * scale;
+    let mut out: Vec<(f64, f64, Vec<&RequestRecord>)> = Vec::new();
+    for f in fails {
+        match out.last_mut() {
+            Some((_, end, v)) if f.start_ms - *end <= gap_ms => {
+                *end = end.max(f.end_ms);
+                v.push(f);
+            }
+            _ => out.push((f.start_ms, f.end_ms, vec![f])),
+        }
+    }
+    out
+}
+
+/// Longest stretch (real ms) where every request that started failed.
+fn longest_outage_ms(records: &[RequestRecord]) -> f64 {
+    let mut v: Vec<&RequestRecord> = records.iter().collect();
+    v.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
+    let (mut best, mut cur_start) = (0.0f64, None::<f64>);
+    let mut cur_end = 0.0;
+    for r in v {
+        if r.outcome.is_ok() {
+            if let Some(s) = cur_start.take() {
+                best = best.max(cur_end - s);
+            }
+        } else {
+            if cur_start.is_none() {
+                cur_start = Some(r.start_ms);
+            }
+            cur_end = r.start_ms;
+        }
+    }
+    if let Some(s) = cur_start {
+        best = best.max(cur_end - s);
+    }
+    best
+}
+
+/// Per node, what the events say at time `t_ms`.
+#[derive(Debug, Default, Clone)]
+struct NodeView {
+    in_pool: bool,
+    live_pods: Vec<String>,
+    terminating: Vec<(String, f64)>,
+    sigtermed: Vec<(String, f64)>,
+    pool_removed_at: Option<f64>,
+}
+
+fn node_views(r: &RunResult, t_ms: f64) -> BTreeMap<String, NodeView> {
+    let mut views: BTreeMap<String, NodeView> =
+        r.nodes.iter().map(|n| (n.clone(), NodeView { in_pool: true, ..Default::default() })).collect();
+    for e in r.events.iter().filter(|e| e.t_ms <= t_ms) {
+        match (&e.kind, &e.node, &e.pod) {
+            (EventKind::PodCreated, Some(n), Some(p)) => {
+                if let Some(v) = views.get_mut(n) {
+                    v.live_pods.push(p.clone());
+                }
+            }
+            (EventKind::PodTerminating, Some(n), Some(p)) => {
+                if let Some(v) = views.get_mut(n) {
+                    v.terminating.push((p.clone(), e.t_ms));
+                }
+            }
+            (EventKind::PodSigterm, Some(n), Some(p)) => {
+                if let Some(v) = views.get_mut(n) {
+                    v.sigtermed.push((p.clone(), e.t_ms));
+                }
+            }
+            (EventKind::PodExited | EventKind::PodKilled, Some(n), Some(p)) => {
+                if let Some(v) = views.get_mut(n) {
+                    v.live_pods.retain(|x| x != p);
+                    v.terminating.retain(|(x, _)| x != p);
+                    v.sigtermed.retain(|(x, _)| x != p);
+                }
+            }
+            (EventKind::LbPool, _, _) => {
+                for (name, v) in views.iter_mut() {
+                    let now_in = pool_contains(&e.detail, name);
+                    if v.in_pool && !now_in {
+                        v.pool_removed_at = Some(e.t_ms);
+                    }
+                    v.in_pool = now_in;
+                }
+            }
+            _ => {}
+        }
+    }
+    views
+}
+
+fn pool_contains(detail: &str, node: &str) -> bool {
+    detail.split(|c: char| c == ' ' || c == ',' || c == '(' || c == ')').any(|w| w == node)
+}
+
+/// When did the LB take `node` out of the pool after `t_ms`?
+fn pool_removal_after(r: &RunResult, node: &str, t_ms: f64) -> Option<f64> {
+    r.events
+        .iter()
+        .filter(|e| e.kind == EventKind::LbPool && e.t_ms >= t_ms && !pool_contains(&e.detail, node))
+        .map(|e| e.t_ms)
+        .next()
+}
+
+/// The cause of a burst starting at `start_ms`, in plain words.
+pub fn explain_burst(r: &RunResult, start_ms: f64, end_ms: f64, records: &[&RequestRecord]) -> String {
+    let views = node_views(r, start_ms);
+    let mut causes = Vec::new();
+    for (node, v) in &views {
+        if !v.in_pool {
+            continue;
+        }
+        let all_terminating = !v.live_pods.is_empty() && v.live_pods.iter().all(|p| v.terminating.iter().any(|(x, _)| x == p));
+        if all_terminating {
+            let since = v.terminating.iter().map(|(_, t)| *t).fold(f64::MIN, f64::max);
+            let removed = pool_removal_after(r, node, start_ms);
+            let window = match removed {
+                Some(t) => format!("for {:.1} s", nominal(r, t - since)),
+                None => "until the end of the run".to_string(),
+            };
+            let all_sigtermed = v.live_pods.iter().all(|p| v.sigtermed.iter().any(|(x, _)| x == p));
+            if all_sigtermed {
+                causes.push(format!(
+                    "{node} kept receiving new connections {window} after its last pod became terminating, and its pods had already got SIGTERM (preStop ended) and stopped accepting: the preStop sleep is shorter than the time the load balancer needed to take {node} out"
+                ));
+            } else if r.behaviour == crate::scenario::Behaviour::Pre126 {
+                causes.push(format!(
+                    "{node} kept receiving new connections {window} after its last pod became terminating; with pre-1.26 behaviour a terminating pod is no endpoint, so no serving endpoint remained on {node} and its rules dropped them while the load balancer still thought {node} healthy"
+                ));
+            } else {
+                causes.push(format!(
+                    "{node} kept receiving new connections {window} after its last pod became terminating (failover to the serving-terminating pod did not catch them)"
+                ));
+            }
+        } else if v.live_pods.is_empty() {
+            causes.push(format!("{node} was in the load balancer's pool with no pod at all"));
+        }
+    }
+    if causes.is_empty() {
+        // Kills and resets inside the burst.
+        let killed: Vec<String> = r
+            .events
+            .iter()
+            .filter(|e| e.kind == EventKind::PodKilled && e.t_ms >= start_ms - 50.0 && e.t_ms <= end_ms)
+            .filter_map(|e| e.pod.clone())
+            .collect();
+        if !killed.is_empty() {
+            causes.push(format!("pod(s) {} were killed (SIGKILL at the end of the grace period) with connections open", killed.join(", ")));
+        }
+    }
+    if causes.is_empty() {
+        let kinds: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+        causes.push(format!(
+            "no cause found in the timeline ({}); possibly machine noise",
+            kinds.first().copied().unwrap_or("?")
+        ));
+    }
+    causes.join("; ")
+}
+
+pub fn summarize(r: &RunResult) -> Summary {
+    let sent = r.records.len();
+    let ok = r.records.iter().filter(|x| x.outcome == Outcome::Ok).count();
+    let mut by_kind = BTreeMap::new();
+    let (mut before, mut during, mut after) = (0, 0, 0);
+    for x in r.records.iter().filter(|x| !x.outcome.is_ok()) {
+        *by_kind.entry(x.outcome.as_str().to_string()).or_insert(0) += 1;
+        if x.start_ms < r.rollout_start_ms {
+            before += 1;
+        } else if x.start_ms <= r.rollout_end_ms {
+            during += 1;
+        } else {
+            after += 1;
+        }
+    }
+    let bursts = bursts_of(&r.records, r.time_scale, 1.0)
+        .into_iter()
+        .map(|(s, e, v)| {
+            let mut kinds = BTreeMap::new();
+            for x in &v {
+                *kinds.entry(x.outcome.as_str().to_string()).or_insert(0) += 1;
+            }
+            Burst {
+                start_s: nominal(r, s),
+                end_s: nominal(r, e),
+                failed: v.len(),
+                kinds,
+                cause: explain_burst(r, s, e, &v),
+            }
+        })
+        .collect();
+    Summary {
+        behaviour: r.behaviour.as_str().to_string(),
+        run: r.run + 1,
+        sent,
+        ok,
+        failed: sent - ok,
+        failed_by_kind: by_kind,
+        longest_outage_s: nominal(r, longest_outage_ms(&r.records)),
+        failed_before_rollout: before,
+        failed_during_rollout: during,
+        failed_after_rollout: after,
+        bursts,
+    }
+}
+
+fn event_line(r: &RunResult, e: &Event) -> String {
+    let who = match (&e.node, &e.pod) {
+        (Some(n), Some(p)) => format!("{n} {p}"),
+        (Some(n), None) => n.clone(),
+        (None, Some(p)) => p.clone(),
+        (None, None) => String::new(),
+    };
+    let kind = serde_json::to_value(&e.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+    format!("{:>8.2}s  {:<18} {:<20} {}", nominal(r, e.t_ms), kind, who, e.detail)
+}
+
+/// Events worth a line in the text timeline (kproxy syncs are many: only failures).
+fn shown_in_timeline(e: &Event) -> bool {
+    !matches!(e.kind, EventKind::KproxySynced | EventKind::Note | EventKind::SlicePublished)
+}
+
+/// The text report for a set of runs.
+pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
+    let mut s = String::new();
+    let sums: Vec<Summary> = runs.iter().map(summarize).collect();
+    let _ = writeln!(s, "\nSummary (times are nominal: real time / time scale {})", runs.first().map(|r| r.time_scale).unwrap_or(1.0));
+    let _ = writeln!(
+        s,
+        "{:<9} {:>3} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>6} {:>12}  {:>8} {:>8} {:>8}",
+        "behaviour", "run", "sent", "ok", "failed", "refused", "reset", "timeout", "other", "longest out", "before", "rollout", "after"
+    );
+    for m in &sums {
+        let k = |n: &str| m.failed_by_kind.get(n).copied().unwrap_or(0);
+        let other = m.failed - k("refused") - k("reset") - k("timeout");
+        let _ = writeln!(
+            s,
+            "{:<9} {:>3} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>6} {:>11.1}s  {:>8} {:>8} {:>8}",
+            m.behaviour, m.run, m.sent, m.ok, m.failed, k("refused"), k("reset"), k("timeout"), other,
+            m.longest_outage_s, m.failed_before_rollout, m.failed_during_rollout, m.failed_after_rollout
+        );
+    }
+    // Distribution per behaviour when there are several runs.
+    let mut per: BTreeMap<&str, Vec<&Summary>> = BTreeMap::new();
+    for m in &sums {
+        per.entry(m.behaviour.as_str()).or_default().push(m);
+    }
+    if runs.len() > per.len() {
+        let _ = writeln!(s);
+        for (b, v) in &per {
+            let total: usize = v.iter().map(|m| m.failed).sum();
+            let sent: usize = v.iter().map(|m| m.sent).sum();
+            let worst = v.iter().max_by_key(|m| m.failed).map(|m| (m.run, m.failed)).unwrap_or((0, 0));
+            let with_loss = v.iter().filter(|m| m.failed > 0).count();
+            let _ = writeln!(
+                s,
+                "{b}: {} runs, {total} of {sent} requests failed in total; runs with loss: {with_loss}; worst run: #{} with {} failed",
+                v.len(), worst.0, worst.1
+            );
+        }
+    }
+    for (r, m) in runs.iter().zip(&sums) {
+        let _ = writeln!(s, "\n== {} run {}: {} failure burst(s)", m.behaviour, m.run, m.bursts.len());
+        for b in &m.bursts {
+            let kinds: Vec<String> = b.kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
+            let _ = writeln!(s, "  {:>7.2}s..{:>7.2}s  {} failed ({}): {}", b.start_s, b.end_s, b.failed, kinds.join(", "), b.cause);
+        }
+        if timeline {
+            let _ = writeln!(s, "  timeline:");
+            for e in r.events.iter().filter(|e| shown_in_timeline(e)) {
+                let _ = writeln!(s, "  {}", event_line(r, e));
+            }
+            let syncs = r.events.iter().filter(|e| e.kind == EventKind::KproxySynced).count();
+            let _ = writeln!(s, "  ({syncs} kproxy syncs across nodes, in the JSON output)");
+        }
+    }
+    s
+}
+
+/// The JSON document: `{"runs": [{"behaviour", "sent", "ok", "failed", ...}]}`.
+pub fn render_json(runs: &[RunResult], config: &crate::config::RolloutConfig, plots: &[String]) -> Value {
+    let rs: Vec<Value> = runs
+        .iter()
+        .map(|r| {
+            let m = summarize(r);
+            let mut v = serde_json::to_value(&m).unwrap_or(Value::Null);
+            if let Some(o) = v.as_object_mut() {
+                o.insert("time_scale".into(), json!(r.time_scale));
+                o.insert("rollout_start_s".into(), json!(nominal(r, r.rollout_start_ms)));
+                o.insert("rollout_end_s".into(), json!(nominal(r, r.rollout_end_ms)));
+                o.insert(
+                    "events".into(),
+                    Value::Array(
+                        r.events
+                            .iter()
+                            .map(|e| {
+                                let mut ev = serde_json::to_value(e).unwrap_or(Value::Null);
+                                if let Some(eo) = ev.as_object_mut() {
+                                    eo.insert("t_s".into(), json!(nominal(r, e.t_ms)));
+                                }
+                                ev
+                            })
+                            .collect(),
+                    ),
+                );
+                o.insert("records".into(), serde_json::to_value(&r.records).unwrap_or(Value::Null));
+            }
+            v
+        })
+        .collect();
+    json!({"runs": rs, "config": config, "plots": plots})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loadgen::ConnKind;
+
+    fn rec(start: f64, outcome: Outcome) -> RequestRecord {
+        RequestRecord { start_ms: start, end_ms: start + 1.0, outcome, conn: ConnKind::New, pod: None }
+    }
+
+    #[test]
+    fn bursts_split_on_gaps() {
+        let rs = vec![
+            rec(0.0, Outcome::Ok),
+            rec(10.0, Outcome::Timeout),
+            rec(20.0, Outcome::Timeout),
+            rec(500.0, Outcome::Refused),
+        ];
+        // scale 0.1, gap 1 s nominal = 100 ms real
+        let b = bursts_of(&rs, 0.1, 1.0);
+        assert_eq!(b.len(), 2);
+        assert_eq!(b[0].2.len(), 2);
+        assert_eq!(b[1].2.len(), 1);
+    }
+
+    #[test]
+    fn longest_outage_ends_at_a_success() {
+        let rs = vec![
+            rec(0.0, Outcome::Timeout),
+            rec(100.0, Outcome::Timeout),
+            rec(150.0, Outcome::Ok),
+            rec(200.0, Outcome::Reset),
+        ];
+        assert_eq!(longest_outage_ms(&rs), 100.0);
+    }
+
+    #[test]
+    fn pool_detail_parsing() {
+        assert!(pool_contains("new connections to node-1, node-3", "node-3"));
+        assert!(!pool_contains("new connections to node-1, node-3", "node-2"));
+        assert!(!pool_contains("new connections to node-10", "node-1"));
+    }
+}

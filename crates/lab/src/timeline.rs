@@ -1,0 +1,137 @@
+//! Time for the lab: one clock per run with a time scale (every nominal period is
+//! multiplied by it before sleeping), and the event recorder every component writes
+//! its timeline into. Times are stored in real milliseconds since the run started;
+//! reports divide by the scale to show nominal time.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+#[derive(Clone, Debug)]
+pub struct Clock {
+    start: Instant,
+    scale: f64,
+}
+
+impl Clock {
+    pub fn new(scale: f64) -> Clock {
+        Clock { start: Instant::now(), scale }
+    }
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+    pub fn start(&self) -> Instant {
+        self.start
+    }
+    /// The real duration of a nominal period given in seconds.
+    pub fn real(&self, nominal_s: f64) -> Duration {
+        Duration::from_secs_f64((nominal_s * self.scale).max(0.0))
+    }
+    /// Real milliseconds since the run started.
+    pub fn now_ms(&self) -> f64 {
+        self.start.elapsed().as_secs_f64() * 1000.0
+    }
+    pub fn ms_of(&self, t: Instant) -> f64 {
+        t.saturating_duration_since(self.start).as_secs_f64() * 1000.0
+    }
+    /// Nominal seconds of a real timestamp in ms.
+    pub fn nominal_s(&self, real_ms: f64) -> f64 {
+        real_ms / 1000.0 / self.scale
+    }
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    PodCreated,
+    PodReady,
+    PodNotReady,
+    /// The pod got a deletion timestamp (preStop starts).
+    PodTerminating,
+    PodSigterm,
+    /// The process ended by itself after SIGTERM.
+    PodExited,
+    PodKilled,
+    /// The control plane's EndpointSlice change reached the nodes' manifest dirs.
+    SlicePublished,
+    /// A node's health-check answer as seen by the load balancer changed.
+    HealthAnswer,
+    /// The load balancer's set of nodes for new connections changed.
+    LbPool,
+    KproxySynced,
+    KproxySyncFailed,
+    RolloutStarted,
+    RolloutDone,
+    LoadStarted,
+    LoadStopped,
+    Note,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Event {
+    /// Real ms since the run started.
+    pub t_ms: f64,
+    pub kind: EventKind,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    pub detail: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct Recorder {
+    clock: Clock,
+    events: Arc<Mutex<Vec<Event>>>,
+}
+
+impl Recorder {
+    pub fn new(clock: Clock) -> Recorder {
+        Recorder { clock, events: Arc::new(Mutex::new(Vec::new())) }
+    }
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+    pub fn record(&self, kind: EventKind, node: Option<&str>, pod: Option<&str>, detail: impl Into<String>) {
+        self.record_at(self.clock.now_ms(), kind, node, pod, detail)
+    }
+    pub fn record_at(&self, t_ms: f64, kind: EventKind, node: Option<&str>, pod: Option<&str>, detail: impl Into<String>) {
+        let e = Event {
+            t_ms,
+            kind,
+            node: node.map(str::to_string),
+            pod: pod.map(str::to_string),
+            detail: detail.into(),
+        };
+        self.events.lock().expect("event lock").push(e);
+    }
+    /// All events, sorted by time.
+    pub fn events(&self) -> Vec<Event> {
+        let mut v = self.events.lock().expect("event lock").clone();
+        v.sort_by(|a, b| a.t_ms.total_cmp(&b.t_ms));
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scale_applies_to_periods_and_back() {
+        let c = Clock::new(0.1);
+        assert_eq!(c.real(10.0), Duration::from_secs(1));
+        assert!((c.nominal_s(1000.0) - 10.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn events_come_back_sorted() {
+        let r = Recorder::new(Clock::new(1.0));
+        r.record_at(5.0, EventKind::Note, None, None, "b");
+        r.record_at(1.0, EventKind::Note, None, None, "a");
+        let e = r.events();
+        assert_eq!(e[0].detail, "a");
+        assert_eq!(e[1].detail, "b");
+    }
+}
