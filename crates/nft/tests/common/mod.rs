@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use kproxy_core::ingest::Ownership;
 use kproxy_core::{ClusterState, NodePlan, PlanConfig, manifest};
 
+pub mod fabric;
+
 pub fn state_from_yaml(text: &str, node: &str) -> ClusterState {
     let parsed = manifest::parse("test.yaml", text);
     assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);

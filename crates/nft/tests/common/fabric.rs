@@ -1,0 +1,209 @@
+//! The packet-test fabric: a node namespace running the real dataplane, two pods on this
+//! node (`a`, `b`, behind veths named `kpv*`), one pod "on another node" (`r`, behind
+//! `rem0`), and an outside client (`c`, 198.51.100.2). Every pod runs tiny TCP and UDP
+//! servers on port 8080 that answer `<pod> <client address they saw>`.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kproxy_core::NodePlan;
+use kproxy_core::model::Protocol;
+use kproxy_nft::{Dataplane, DataplaneConfig, SyncReport};
+
+use super::{Netns, ip};
+
+pub const NODE_IP: &str = "10.200.0.1";
+/// Every address of the node namespace (what `fib saddr type local` knows).
+pub const NODE_ADDRS: [&str; 4] = ["10.200.0.1", "198.51.100.1", "10.244.1.1", "10.244.2.1"];
+pub const PODS: [(&str, &str); 3] = [("a", "10.244.1.2"), ("b", "10.244.1.3"), ("r", "10.244.2.2")];
+pub const CLIENT_IP: &str = "198.51.100.2";
+
+pub struct Fabric {
+    pub node: Netns,
+    pub pods: Vec<(String, IpAddr, Netns)>,
+    pub client: Netns,
+    pub dp: Arc<Mutex<Dataplane>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Answer { pod: String, seen: IpAddr },
+    Refused,
+    Timeout,
+    Other(String),
+}
+
+/// Where a probe starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum From {
+    Pod(usize),
+    Node,
+    Client,
+}
+
+impl Fabric {
+    pub fn new() -> Fabric {
+        let node = Netns::new("n");
+        let client = Netns::new("c");
+        node.exec("sysctl -qw net.ipv4.ip_forward=1");
+        // Many REJECTs to one client in a row: without this the kernel's per-destination
+        // ICMP rate limit (burst 6, then 1/s) turns later REJECTs into silence.
+        node.exec("sysctl -qw net.ipv4.icmp_ratelimit=0 && sysctl -qw net.ipv4.icmp_msgs_per_sec=100000 && sysctl -qw net.ipv4.icmp_msgs_burst=100000");
+        // Outside client and the node's own address.
+        node.exec(&format!("ip link add ext0 type veth peer name eth0 netns {}", client.name));
+        node.exec("ip addr add 198.51.100.1/24 dev ext0 && ip addr add 10.200.0.1/32 dev ext0 && ip link set ext0 up");
+        client.exec("ip addr add 198.51.100.2/24 dev eth0 && ip link set eth0 up && ip route add default via 198.51.100.1");
+        // Node-originated traffic to service ranges leaves from the node IP.
+        node.exec("ip route add 10.96.0.0/16 dev ext0 src 10.200.0.1 && ip route add 203.0.113.0/24 dev ext0 src 10.200.0.1");
+        let mut pods = Vec::new();
+        for (name, addr) in PODS {
+            let ns = Netns::new(name);
+            if name == "r" {
+                node.exec(&format!("ip link add rem0 type veth peer name eth0 netns {}", ns.name));
+                node.exec("ip addr add 10.244.2.1/24 dev rem0 && ip link set rem0 up");
+                ns.exec(&format!("ip addr add {addr}/24 dev eth0 && ip link set eth0 up && ip route add default via 10.244.2.1"));
+            } else {
+                let veth = format!("kpv{name}");
+                node.exec(&format!("ip link add {veth} type veth peer name eth0 netns {}", ns.name));
+                node.exec(&format!(
+                    "ip addr add 10.244.1.1/32 dev {veth} && ip link set {veth} up && ip route add {addr}/32 dev {veth}"
+                ));
+                ns.exec(&format!(
+                    "ip addr add {addr}/32 dev eth0 && ip link set eth0 up && ip route add 10.244.1.1 dev eth0 && ip route add default via 10.244.1.1"
+                ));
+            }
+            serve(&ns, name);
+            pods.push((name.to_string(), ip(addr), ns));
+        }
+        let dp = Arc::new(Mutex::new(Dataplane::new(DataplaneConfig::default()).expect("config")));
+        Fabric { node, pods, client, dp }
+    }
+
+    pub fn sync(&self, plan: &NodePlan) -> SyncReport {
+        let dp = self.dp.clone();
+        let plan = plan.clone();
+        self.node.run(move || dp.lock().expect("dp").sync(&plan).expect("sync"))
+    }
+
+    pub fn pod_name(&self, addr: IpAddr) -> Option<&str> {
+        self.pods.iter().find(|(_, a, _)| *a == addr).map(|(n, _, _)| n.as_str())
+    }
+
+    /// The probe's source address and input interface as `trace` sees them.
+    pub fn source(&self, from: From) -> (IpAddr, Option<String>) {
+        match from {
+            From::Pod(i) => {
+                let (name, addr, _) = &self.pods[i];
+                let iface = if name == "r" { "rem0".to_string() } else { format!("kpv{name}") };
+                (*addr, Some(iface))
+            }
+            From::Node => (ip(NODE_IP), None),
+            From::Client => (ip(CLIENT_IP), Some("ext0".into())),
+        }
+    }
+
+    fn ns(&self, from: From) -> &Netns {
+        match from {
+            From::Pod(i) => &self.pods[i].2,
+            From::Node => &self.node,
+            From::Client => &self.client,
+        }
+    }
+
+    /// One new connection (TCP) or one datagram exchange (UDP).
+    pub fn probe(&self, from: From, dst: IpAddr, port: u16, proto: Protocol) -> Outcome {
+        self.probe_from_port(from, dst, port, proto, 0)
+    }
+
+    pub fn probe_from_port(&self, from: From, dst: IpAddr, port: u16, proto: Protocol, sport: u16) -> Outcome {
+        let to = SocketAddr::new(dst, port);
+        self.ns(from).run(move || match proto {
+            Protocol::TCP => tcp_probe(to),
+            Protocol::UDP => udp_probe(to, sport),
+            Protocol::SCTP => Outcome::Other("SCTP probes not implemented".into()),
+        })
+    }
+}
+
+const WAIT: Duration = Duration::from_millis(700);
+
+fn parse_answer(s: &str) -> Outcome {
+    let mut it = s.split_whitespace();
+    match (it.next(), it.next().and_then(|a| a.parse().ok())) {
+        (Some(pod), Some(seen)) => Outcome::Answer { pod: pod.to_string(), seen },
+        _ => Outcome::Other(format!("bad answer {s:?}")),
+    }
+}
+
+fn classify(e: std::io::Error) -> Outcome {
+    match e.kind() {
+        ErrorKind::ConnectionRefused => Outcome::Refused,
+        ErrorKind::TimedOut | ErrorKind::WouldBlock => Outcome::Timeout,
+        _ => Outcome::Other(e.to_string()),
+    }
+}
+
+fn tcp_probe(to: SocketAddr) -> Outcome {
+    let mut s = match TcpStream::connect_timeout(&to, WAIT) {
+        Ok(s) => s,
+        Err(e) => return classify(e),
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+    let mut buf = String::new();
+    match s.read_to_string(&mut buf) {
+        Ok(_) => parse_answer(&buf),
+        Err(e) => classify(e),
+    }
+}
+
+fn udp_probe(to: SocketAddr, sport: u16) -> Outcome {
+    let s = match UdpSocket::bind(("0.0.0.0", sport)) {
+        Ok(s) => s,
+        Err(e) => return Outcome::Other(e.to_string()),
+    };
+    if let Err(e) = s.connect(to) {
+        return classify(e);
+    }
+    let _ = s.set_read_timeout(Some(WAIT));
+    let mut buf = [0u8; 256];
+    // Two tries: the first datagram of a flow can race the ARP of a fresh veth.
+    for _ in 0..2 {
+        // A locally generated datagram dropped in `output` (DROP or REJECT) fails with
+        // EPERM; a REJECT still queues the ICMP error, which `recv` reports.
+        if let Err(e) = s.send(b"hi")
+            && e.kind() != ErrorKind::PermissionDenied
+        {
+            return classify(e);
+        }
+        match s.recv(&mut buf) {
+            Ok(n) => return parse_answer(&String::from_utf8_lossy(&buf[..n])),
+            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::TimedOut => continue,
+            Err(e) => return classify(e),
+        }
+    }
+    Outcome::Timeout
+}
+
+fn serve(ns: &Netns, name: &str) {
+    let (tcp, udp) = ns.run(|| {
+        (TcpListener::bind("0.0.0.0:8080").expect("bind tcp"), UdpSocket::bind("0.0.0.0:8080").expect("bind udp"))
+    });
+    let n = name.to_string();
+    std::thread::spawn(move || {
+        for c in tcp.incoming() {
+            let Ok(mut c) = c else { continue };
+            if let Ok(peer) = c.peer_addr() {
+                let _ = c.write_all(format!("{n} {}\n", peer.ip()).as_bytes());
+            }
+        }
+    });
+    let n = name.to_string();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        while let Ok((_, peer)) = udp.recv_from(&mut buf) {
+            let _ = udp.send_to(format!("{n} {}\n", peer.ip()).as_bytes(), peer);
+        }
+    });
+}
