@@ -1,8 +1,10 @@
 //! kproxy: the binary. Parses the command line, then hands off to one module per
 //! subcommand. Exit codes: 0 ok, 1 failure (or `--strict` problems), 2 usage.
 
+mod cmd_cleanup;
 mod cmd_explain;
 mod cmd_plan;
+mod cmd_sync;
 mod cmd_trace;
 mod common;
 mod daemon;
@@ -25,6 +27,10 @@ enum Command {
     Plan(cmd_plan::Args),
     /// Explain, for one Service, which endpoints each kind of traffic uses and why.
     Explain(cmd_explain::Args),
+    /// Plan from manifests and program nftables once (`--once`), for scripts.
+    Sync(cmd_sync::Args),
+    /// Remove everything kproxy made in nftables (its own tables only).
+    Cleanup(cmd_cleanup::Args),
     /// The fate of one new connection on this node: DNAT (to which endpoints), DROP, REJECT or NONE.
     Trace(cmd_trace::Args),
     /// Check workloads' rollout settings against the load balancer in front of them.
@@ -40,6 +46,8 @@ fn main() -> ExitCode {
         Command::Plan(a) => cmd_plan::run(a),
         Command::Explain(a) => cmd_explain::run(a),
         Command::Trace(a) => cmd_trace::run(a),
+        Command::Sync(a) => cmd_sync::run(a),
+        Command::Cleanup(a) => cmd_cleanup::run(a),
         Command::Lint(a) => kproxy_lint::cli::run(a),
         Command::Lab(a) => kproxy_lab::cli::run(a),
     };

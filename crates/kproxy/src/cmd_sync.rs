@@ -1,0 +1,40 @@
+//! `kproxy sync --once`: plan from manifests and program nftables once, for scripts
+//! and first-boot set-ups. Prints what it did; the rules stay.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use kproxy_nft::{Dataplane, DataplaneConfig};
+
+use crate::common::ManifestArgs;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub source: ManifestArgs,
+    /// Sync once and exit (the only mode: `kproxy run` is the daemon).
+    #[arg(long)]
+    pub once: bool,
+    /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
+    #[arg(long, value_name = "NAME", default_value = "kproxy")]
+    pub nft_table: String,
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    if !args.once {
+        bail!("`kproxy sync` needs --once (the daemon is `kproxy run`)");
+    }
+    let config = args.source.plan_config()?;
+    let (plan, strict_failed) = args.source.plan(&config)?;
+    let mut dp = Dataplane::new(DataplaneConfig { table: args.nft_table.clone(), ..Default::default() })
+        .context("setting up the nftables dataplane")?;
+    let report = dp.sync(&plan).context("programming nftables")?;
+    println!(
+        "synced {} service ports of {} Services in {:.1} ms (conntrack entries deleted: {})",
+        plan.service_ports().count(),
+        plan.services.len(),
+        report.elapsed.as_secs_f64() * 1e3,
+        report.conntrack_deleted
+    );
+    Ok(if strict_failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}
