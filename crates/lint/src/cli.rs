@@ -11,7 +11,7 @@ use anyhow::Context;
 use kproxy_core::manifest::{Location, ManifestError};
 
 use crate::input::Inventory;
-use crate::lb::LbProfile;
+use crate::lb::{LbOverrides, LbProfile};
 use crate::report;
 use crate::rules::{self, Options};
 
@@ -111,8 +111,8 @@ pub fn execute(
     err: &mut dyn Write,
     stdin: &mut dyn Read,
 ) -> anyhow::Result<u8> {
-    let lb = match profile(args) {
-        Ok(lb) => lb,
+    let (lb, lb_flags) = match profile(args) {
+        Ok(p) => p,
         Err(msg) => {
             writeln!(err, "kproxy lint: {msg}").context("writing to stderr")?;
             return Ok(EXIT_USAGE);
@@ -128,6 +128,7 @@ pub fn execute(
     let nodes = args.nodes.or((inv.nodes > 0).then_some(inv.nodes));
     let opts = Options {
         lb,
+        lb_flags,
         proxy_programming_seconds: args.proxy_programming_time,
         nodes,
     };
@@ -152,7 +153,9 @@ pub fn execute(
 }
 
 /// The preset with the overriding flags applied; `custom` needs every number.
-fn profile(args: &LintArgs) -> Result<LbProfile, String> {
+/// The preset (with the flags applied), and the flags alone (they also win over Service
+/// annotations).
+fn profile(args: &LintArgs) -> Result<(LbProfile, LbOverrides), String> {
     let mut lb = match args.lb {
         LbKind::Gke => LbProfile::gke(),
         LbKind::AwsNlb => LbProfile::aws_nlb(),
@@ -180,22 +183,19 @@ fn profile(args: &LintArgs) -> Result<LbProfile, String> {
             }
         }
     };
-    if let Some(v) = args.lb_interval {
-        lb.interval_seconds = v;
+    let flags = flags(args);
+    flags.apply(&mut lb);
+    Ok((lb, flags))
+}
+
+fn flags(args: &LintArgs) -> LbOverrides {
+    LbOverrides {
+        interval_seconds: args.lb_interval,
+        unhealthy_threshold: args.lb_unhealthy_threshold,
+        timeout_seconds: args.lb_timeout,
+        drain_seconds: args.lb_drain,
+        registration_seconds: args.lb_registration,
     }
-    if let Some(v) = args.lb_unhealthy_threshold {
-        lb.unhealthy_threshold = v;
-    }
-    if let Some(v) = args.lb_timeout {
-        lb.timeout_seconds = v;
-    }
-    if let Some(v) = args.lb_drain {
-        lb.drain_seconds = v;
-    }
-    if let Some(v) = args.lb_registration {
-        lb.registration_seconds = v;
-    }
-    Ok(lb)
 }
 
 /// Reads a file, a directory (recursively, manifests only, in name order) or `-`.

@@ -20,7 +20,7 @@ use kproxy_core::manifest::Location;
 use serde::Serialize;
 
 use crate::input::{At, Inventory, Strategy, Workload, WorkloadKind, WorkloadRef, namespace_of};
-use crate::lb::LbProfile;
+use crate::lb::{LbOverrides, LbProfile};
 
 /// How bad a finding is. Errors fail `kproxy lint` (exit 1); warnings fail it only with
 /// `--deny-warnings`; notes never do.
@@ -125,7 +125,10 @@ pub const RULES: &[Rule] = &[
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Options {
+    /// The preset (or custom) profile; each Service may refine it with annotations.
     pub lb: LbProfile,
+    /// The numbers given as flags: they win over Service annotations.
+    pub lb_flags: LbOverrides,
     /// Seconds from an endpoint change until every node's proxy has reprogrammed its rules
     /// (and, with Local, until the node's health check answers for it).
     pub proxy_programming_seconds: f64,
@@ -208,6 +211,34 @@ pub fn lint(inv: &Inventory, opts: &Options) -> Vec<Finding> {
             fix: "Fix the field so that the object matches its Kubernetes schema; until then it is not checked.".into(),
         })
         .collect();
+    for s in &inv.services {
+        if s.object.spec.as_ref().and_then(|s| s.type_.as_deref()) != Some("LoadBalancer") {
+            continue;
+        }
+        for bad in service_lb(s, opts).1 {
+            let name = s.object.metadata.name.as_deref().unwrap_or("");
+            out.push(Finding {
+                rule: MANIFEST_INVALID,
+                severity: Severity::Error,
+                location: s.location.clone(),
+                object: format!(
+                    "Service {}/{}",
+                    namespace_of(&s.object.metadata).escape_debug(),
+                    name.escape_debug()
+                ),
+                workload: None,
+                service: None,
+                external_traffic_policy: None,
+                container: None,
+                numbers: BTreeMap::new(),
+                message: format!(".metadata.annotations[{:?}]: {}", bad.annotation, bad.reason),
+                fix: format!(
+                    "Fix the annotation (the {} load balancer controller reads it), or pass the number with an --lb-* flag.",
+                    opts.lb.name
+                ),
+            });
+        }
+    }
     for w in &inv.workloads {
         let services: Vec<&At<corev1::Service>> =
             inv.services.iter().filter(|s| selects(s, w)).collect();
@@ -217,6 +248,7 @@ pub fn lint(inv: &Inventory, opts: &Options) -> Vec<Finding> {
         let mut c = Checker {
             w,
             opts,
+            lb: opts.lb.clone(),
             out: &mut out,
         };
         for s in &services {
@@ -225,6 +257,15 @@ pub fn lint(inv: &Inventory, opts: &Options) -> Vec<Finding> {
         c.disruption_budget(&inv.pdbs);
     }
     out
+}
+
+/// The load balancer in front of one Service, and its unusable annotations.
+fn service_lb(
+    s: &At<corev1::Service>,
+    opts: &Options,
+) -> (LbProfile, Vec<crate::lb::BadAnnotation>) {
+    let annotations = s.object.metadata.annotations.clone().unwrap_or_default();
+    opts.lb.for_service(&annotations, &opts.lb_flags)
 }
 
 /// Whether some LoadBalancer Service selects this workload's pods.
@@ -253,6 +294,8 @@ fn selects(s: &At<corev1::Service>, w: &Workload) -> bool {
 struct Checker<'a> {
     w: &'a Workload,
     opts: &'a Options,
+    /// The load balancer of the Service being checked (preset, annotations, flags).
+    lb: LbProfile,
     out: &'a mut Vec<Finding>,
 }
 
@@ -307,6 +350,7 @@ impl Checker<'_> {
     }
 
     fn service(&mut self, s: &At<corev1::Service>) {
+        self.lb = service_lb(s, self.opts).0;
         let spec = s.object.spec.as_ref();
         let policy = match spec.and_then(|s| s.external_traffic_policy.as_deref()) {
             Some("Local") => Policy::Local,
@@ -378,7 +422,7 @@ impl Checker<'_> {
         };
         let grace = self.termination_grace();
         let programming = self.opts.proxy_programming_seconds;
-        let lb = &self.opts.lb;
+        let lb = self.lb.clone();
 
         // preStop vs the time until nobody sends new connections any more.
         let (required, severity, why) = match policy {
@@ -538,7 +582,7 @@ impl Checker<'_> {
                 initial + period * (p.success_threshold.unwrap_or(1).max(1) as f64 - 1.0)
             })
             .fold(0.0, f64::max);
-        let registration = self.opts.lb.registration_seconds;
+        let registration = self.lb.registration_seconds;
         if ready_at >= registration {
             return;
         }
@@ -561,7 +605,7 @@ impl Checker<'_> {
                 format!(
                     "new pods are Ready {} s after starting, before the load balancer ({}) sends their node traffic ({} s); minReadySeconds {} covers rolling updates but not pods recreated after evictions (node drains, autoscaling)",
                     num(ready_at),
-                    self.opts.lb.name,
+                    self.lb.name,
                     num(registration),
                     num(min_ready)
                 ),
@@ -576,7 +620,7 @@ impl Checker<'_> {
                 format!(
                     "new pods are Ready {} s after starting, but the load balancer ({}) sends a newly serving node traffic only after about {} s: the rollout removes old pods while the new ones receive nothing, reducing capacity, or leaving the load balancer no healthy node at all",
                     num(ready_at),
-                    self.opts.lb.name,
+                    self.lb.name,
                     num(registration)
                 ),
                 fix,

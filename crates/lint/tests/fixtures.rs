@@ -27,6 +27,7 @@ fn lint_file(rel: &str, lb: LbProfile) -> Vec<Finding> {
         &inv,
         &Options {
             lb,
+            lb_flags: Default::default(),
             proxy_programming_seconds: 1.0,
             nodes,
         },
@@ -273,6 +274,7 @@ fn seed2_final_with_a_shorter_readiness_period_breaks_the_sigterm_inequality() {
         &inv,
         &Options {
             lb: LbProfile::gke(),
+            lb_flags: Default::default(),
             proxy_programming_seconds: 1.0,
             nodes: None,
         },
@@ -309,6 +311,7 @@ fn workloads_not_behind_a_load_balancer_are_not_checked() {
             &inv,
             &Options {
                 lb: LbProfile::gke(),
+                lb_flags: Default::default(),
                 proxy_programming_seconds: 1.0,
                 nodes: None
             }
@@ -326,6 +329,7 @@ fn workloads_not_behind_a_load_balancer_are_not_checked() {
             &inv,
             &Options {
                 lb: LbProfile::gke(),
+                lb_flags: Default::default(),
                 proxy_programming_seconds: 1.0,
                 nodes: None
             }
@@ -516,4 +520,63 @@ fn hostile_names_cannot_forge_report_lines() {
         "{out}"
     );
     assert!(out.contains(r"web\n  error fake-rule\u{1b}[2J"), "{out}");
+}
+
+#[test]
+fn service_annotations_refine_the_preset() {
+    let base = std::fs::read_to_string(fixture("seed2/final.yaml")).unwrap();
+    let annotate = |a: &str| {
+        base.replacen(
+            "  namespace: ingress-nginx\nspec:\n  type: LoadBalancer",
+            &format!(
+                "  namespace: ingress-nginx\n  annotations: {{{a}}}\nspec:\n  type: LoadBalancer"
+            ),
+            1,
+        )
+    };
+    let run = |text: &str| {
+        let mut inv = Inventory::default();
+        inv.add_file("svc.yaml", text);
+        rules::lint(
+            &inv,
+            &Options {
+                lb: LbProfile::aws_nlb(),
+                lb_flags: Default::default(),
+                proxy_programming_seconds: 1.0,
+                nodes: None,
+            },
+        )
+    };
+    // aws-nlb defaults: window 26 s, preStop 10 s is short.
+    assert!(
+        run(&base)
+            .iter()
+            .any(|f| f.rule == "prestop-shorter-than-lb-detection")
+    );
+    // Annotated to 3 s × 2 + 2 s = 8 s (+1 s programming ≤ 10 s): passes.
+    let tuned = annotate(
+        "service.beta.kubernetes.io/aws-load-balancer-healthcheck-interval: \"3\", \
+         service.beta.kubernetes.io/aws-load-balancer-healthcheck-unhealthy-threshold: \"2\", \
+         service.beta.kubernetes.io/aws-load-balancer-healthcheck-timeout: \"2\"",
+    );
+    let f = run(&tuned);
+    assert!(
+        !f.iter()
+            .any(|f| f.rule == "prestop-shorter-than-lb-detection"),
+        "{f:#?}"
+    );
+    // An unusable annotation is an error on the Service, not silently the default.
+    let f = run(&annotate(
+        "service.beta.kubernetes.io/aws-load-balancer-healthcheck-interval: soon",
+    ));
+    let bad = f
+        .iter()
+        .find(|f| f.rule == "manifest-invalid")
+        .expect("reported");
+    assert_eq!(bad.object, "Service ingress-nginx/ingress-nginx-controller");
+    assert!(
+        bad.message.contains("healthcheck-interval"),
+        "{}",
+        bad.message
+    );
 }
