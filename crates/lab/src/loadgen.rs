@@ -6,7 +6,7 @@
 //! (each is bounded by the request timeout).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -95,6 +95,8 @@ impl Default for LoadSpec {
 
 pub struct LoadGenerator {
     stop: Arc<AtomicBool>,
+    /// Requests started, counted apart from the records (to check the accounting).
+    started: Arc<AtomicU64>,
     records: Arc<Mutex<Vec<RequestRecord>>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -104,7 +106,8 @@ impl LoadGenerator {
     pub fn start(netns_name: &str, target: SocketAddr, spec: LoadSpec, epoch: Instant) -> Result<LoadGenerator, LabError> {
         let stop = Arc::new(AtomicBool::new(false));
         let records = Arc::new(Mutex::new(Vec::new()));
-        let (st, rec, ns) = (stop.clone(), records.clone(), netns_name.to_string());
+        let started = Arc::new(AtomicU64::new(0));
+        let (st, rec, ns, sta) = (stop.clone(), records.clone(), netns_name.to_string(), started.clone());
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), LabError>>();
         let thread = std::thread::Builder::new()
             .name("lab-load".into())
@@ -122,10 +125,10 @@ impl LoadGenerator {
                     }
                 };
                 let _ = ready_tx.send(Ok(()));
-                rt.block_on(run_load(target, spec, epoch, st, rec));
+                rt.block_on(run_load(target, spec, epoch, st, rec, sta));
             })
             .map_err(|e| LabError::Io { what: "spawn load thread".into(), source: e })?;
-        let g = LoadGenerator { stop, records, thread: Some(thread) };
+        let g = LoadGenerator { stop, started, records, thread: Some(thread) };
         ready_rx.recv().map_err(|_| LabError::Invalid("load thread ended".into()))??;
         Ok(g)
     }
@@ -137,9 +140,15 @@ impl LoadGenerator {
     }
 
     /// Stop starting requests, wait for those in flight, return every record.
-    pub fn stop(mut self) -> Vec<RequestRecord> {
+    pub fn stop(self) -> Vec<RequestRecord> {
+        self.stop_counted().1
+    }
+
+    /// Like `stop`, also returning how many requests were started.
+    pub fn stop_counted(mut self) -> (u64, Vec<RequestRecord>) {
         self.finish();
-        std::mem::take(&mut *self.records.lock().expect("records lock"))
+        let recs = std::mem::take(&mut *self.records.lock().expect("records lock"));
+        (self.started.load(Ordering::SeqCst), recs)
     }
 
     fn finish(&mut self) {
@@ -166,13 +175,14 @@ async fn run_load(
     epoch: Instant,
     stop: Arc<AtomicBool>,
     records: Arc<Mutex<Vec<RequestRecord>>>,
+    started: Arc<AtomicU64>,
 ) {
     let timeout = Duration::from_millis(spec.request_timeout_ms.max(1));
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..spec.keepalive_connections {
-        let (st, rec) = (stop.clone(), records.clone());
+        let (st, rec, sta) = (stop.clone(), records.clone(), started.clone());
         let period = Duration::from_secs_f64(1.0 / spec.keepalive_rate.max(0.1));
-        tasks.spawn(keepalive_loop(target, period, timeout, epoch, st, rec));
+        tasks.spawn(keepalive_loop(target, period, timeout, epoch, st, rec, sta));
     }
     if spec.new_connection_rate > 0.0 {
         let period = Duration::from_secs_f64(1.0 / spec.new_connection_rate);
@@ -185,6 +195,7 @@ async fn run_load(
                 break;
             }
             let rec = records.clone();
+            started.fetch_add(1, Ordering::SeqCst);
             tasks.spawn(async move {
                 let start = ms(epoch);
                 let (outcome, pod) = one_shot(target, timeout).await;
@@ -297,6 +308,7 @@ async fn keepalive_loop(
     epoch: Instant,
     stop: Arc<AtomicBool>,
     records: Arc<Mutex<Vec<RequestRecord>>>,
+    started: Arc<AtomicU64>,
 ) {
     let mut conn: Option<TcpStream> = None;
     let mut tick = tokio::time::interval(period);
@@ -307,6 +319,7 @@ async fn keepalive_loop(
             break;
         }
         let start = ms(epoch);
+        started.fetch_add(1, Ordering::SeqCst);
         let mut reused = conn.is_some();
         let fut = async {
             if conn.is_none() {

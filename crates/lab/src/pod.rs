@@ -236,6 +236,8 @@ async fn connection(
     profile: PodProfile,
 ) {
     let mut buf = Vec::with_capacity(1024);
+    // The client address as the pod sees it (to check it is preserved end to end).
+    let peer = stream.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
     loop {
         let sig = *ctl.borrow_and_update();
         let dying = sig == PodSignal::Kill || (sig == PodSignal::Term && profile == PodProfile::ExitOnTerm);
@@ -285,7 +287,7 @@ async fn connection(
         let close = client_close || terminating || term_now;
         let body = format!("{name}\n");
         let resp = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nx-pod: {name}\r\ncontent-length: {}\r\n{}\r\n{body}",
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nx-pod: {name}\r\nx-client: {peer}\r\ncontent-length: {}\r\n{}\r\n{body}",
             body.len(),
             if close { "connection: close\r\n" } else { "" }
         );
