@@ -138,12 +138,17 @@ pub fn execute(
         .iter()
         .filter(|w| rules::behind_load_balancer(&inv, w))
         .count();
-    match args.output {
+    let written = match args.output {
         Format::Text => out.write_all(report::text(&findings, &opts, checked).as_bytes()),
         Format::Json => writeln!(out, "{:#}", report::json(&findings, &opts, checked)),
         Format::Sarif => writeln!(out, "{:#}", report::sarif(&findings)),
     }
-    .context("writing the report")?;
+    .and_then(|()| out.flush());
+    match written {
+        // `kproxy lint … | head`: the reader has what it wanted; the verdict still stands.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        other => other.context("writing the report")?,
+    }
     let s = report::Summary::of(&findings);
     Ok(if s.errors > 0 || (args.deny_warnings && s.warnings > 0) {
         EXIT_FINDINGS

@@ -59,6 +59,9 @@ pub fn text(findings: &[Finding], opts: &Options, workloads_checked: usize) -> S
     }
     for (object, location, fs) in &groups {
         let _ = writeln!(out, "\n{} ({})", sanitize(object), sanitize(location));
+        // Errors first; otherwise input order.
+        let mut fs = fs.clone();
+        fs.sort_by_key(|f| f.severity);
         for f in fs {
             let mut about = Vec::new();
             if let Some(s) = &f.service {
@@ -139,7 +142,7 @@ pub fn sarif(findings: &[Finding]) -> Value {
             let mut result = json!({
                 "ruleId": f.rule,
                 "level": f.severity.as_str(),
-                "message": {"text": format!("{} Fix: {}", f.message, f.fix)},
+                "message": {"text": format!("{}. Fix: {}", f.message, f.fix)},
                 "locations": [{
                     "physicalLocation": {"artifactLocation": {"uri": uri_reference(&f.location.file)}},
                     "logicalLocations": [logical],
