@@ -101,8 +101,8 @@ pub const RULES: &[Rule] = &[
     },
     Rule {
         id: ETP_LOCAL_NO_SURGE,
-        severity: Severity::Error,
-        summary: "externalTrafficPolicy Local without surge: a rollout leaves nodes with no local endpoint.",
+        severity: Severity::Warning,
+        summary: "externalTrafficPolicy Local without surge: a rollout takes nodes out of the load balancer's pool one by one.",
     },
     Rule {
         id: ROLLOUT_MAX_UNAVAILABLE,
@@ -171,6 +171,9 @@ pub const ANNOTATION_PRESTOP_SECONDS: &str = "lint.kproxy.io/prestop-seconds";
 /// issue #13689, cited by seed 2).
 const READINESS_FAILS_ON_SIGTERM_IMAGES: &[&str] =
     &["ingress-nginx/controller", "nginx-ingress-controller"];
+
+/// Why a rollout without surge matters even when the preStop delay is right.
+const NO_SURGE_RISK: &str = "no request is lost only if the preStop delay outlasts the load balancer's detection window every time, and the pool is one node short for each step of the rollout";
 
 /// Kubernetes' default `terminationGracePeriodSeconds`.
 const DEFAULT_TERMINATION_GRACE: f64 = 30.0;
@@ -644,10 +647,10 @@ impl Checker<'_> {
                 if surge <= 0 {
                     self.push(
                         ETP_LOCAL_NO_SURGE,
-                        Severity::Error,
+                        Severity::Warning,
                         about,
                         &[("maxSurge", surge as f64)],
-                        "a DaemonSet rolling update with maxSurge 0 deletes each node's pod before starting its replacement: with externalTrafficPolicy Local every node in turn has no local endpoint while the load balancer still sends it traffic".into(),
+                        format!("a DaemonSet rolling update with maxSurge 0 deletes each node's pod before starting its replacement: with externalTrafficPolicy Local every node in turn leaves the load balancer's pool; {NO_SURGE_RISK}"),
                         "Set updateStrategy.rollingUpdate.maxSurge to 1 (or a percentage) and maxUnavailable to 0.".into(),
                     );
                 }
@@ -681,11 +684,11 @@ impl Checker<'_> {
                     Some(nodes) if replicas as usize > nodes => {}
                     Some(nodes) => self.push(
                         ETP_LOCAL_NO_SURGE,
-                        Severity::Error,
+                        Severity::Warning,
                         about,
                         &[("replicas", replicas as f64), ("nodes", nodes as f64), ("maxSurge", 0.0)],
                         format!(
-                            "{what}; with {replicas} replicas on {nodes} nodes a node can hold a single pod, so with externalTrafficPolicy Local it has no local endpoint while the load balancer still sends it traffic"
+                            "{what}; with {replicas} replicas on {nodes} nodes a node can hold a single pod, so with externalTrafficPolicy Local it leaves the load balancer's pool; {NO_SURGE_RISK}"
                         ),
                         fix.into(),
                     ),
@@ -695,7 +698,7 @@ impl Checker<'_> {
                         about,
                         &[("replicas", replicas as f64), ("maxSurge", 0.0)],
                         format!(
-                            "{what}; if a node holds a single pod (replicas ≤ nodes; pass --nodes to know), with externalTrafficPolicy Local it has no local endpoint while the load balancer still sends it traffic"
+                            "{what}; if a node holds a single pod (replicas ≤ nodes; pass --nodes to know), with externalTrafficPolicy Local it leaves the load balancer's pool; {NO_SURGE_RISK}"
                         ),
                         fix.into(),
                     ),

@@ -130,12 +130,12 @@ const TABLE: &[(&str, &str, Option<Severity>)] = &[
     (
         "etp-local-no-surge/fail",
         "etp-local-no-surge",
-        Some(Severity::Error),
+        Some(Severity::Warning),
     ),
     (
         "etp-local-no-surge/fail-deployment",
         "etp-local-no-surge",
-        Some(Severity::Error),
+        Some(Severity::Warning),
     ),
     ("etp-local-no-surge/pass", "etp-local-no-surge", None),
     (
