@@ -1,2 +1,734 @@
-//! kube-proxy-compatible configuration: a KubeProxyConfiguration file plus flags,
-//! resolved into one `ProxyConfig`. Under construction (issue 5).
+//! kube-proxy-compatible configuration: a `kubeproxy.config.k8s.io/v1alpha1`
+//! KubeProxyConfiguration file (YAML or JSON) plus kube-proxy's command-line flags,
+//! resolved into one [`ProxyConfig`]. Precedence as in kube-proxy: defaults, then the
+//! file, then flags that were given explicitly.
+//!
+//! Owns: the schema of the file, upstream's defaults, which fields apply to an nftables
+//! proxy (honoured), which do not (a [`ConfigWarning`] with the field's path when set to
+//! anything but its zero value, so a kubeadm-generated file stays quiet), and the
+//! conntrack sysctls derived from the `conntrack` section. Pure apart from reading the
+//! file: the daemon applies the result.
+
+mod duration;
+mod file;
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use kproxy_core::PlanConfig;
+use kproxy_core::config::{LocalDetectorConfig, NodePortAddressesConfig};
+
+pub use duration::parse_go_duration;
+pub use file::KubeProxyConfiguration;
+
+/// Upstream's `ports.ProxyHealthzPort`.
+pub const DEFAULT_HEALTHZ_PORT: u16 = 10256;
+/// Upstream's `ports.ProxyStatusPort`.
+pub const DEFAULT_METRICS_PORT: u16 = 10249;
+pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+pub const KIND: &str = "KubeProxyConfiguration";
+
+/// kube-proxy's flags that kproxy honours (same long names, same value syntax).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ConfigFlags {
+    /// KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1, YAML or JSON).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Use this name as the Node's name instead of the host name.
+    #[arg(long, value_name = "NAME")]
+    pub hostname_override: Option<String>,
+    /// Overrides kproxy's idea of the node's primary IP family for default addresses.
+    #[arg(long, value_name = "IP")]
+    pub bind_address: Option<String>,
+    /// IP:PORT of the /healthz and /livez server; "" disables it.
+    #[arg(long, value_name = "IP:PORT")]
+    pub healthz_bind_address: Option<String>,
+    /// IP:PORT of the /metrics server; "" disables it.
+    #[arg(long, value_name = "IP:PORT")]
+    pub metrics_bind_address: Option<String>,
+    /// Pod CIDRs of the cluster (one per family), for --detect-local-mode ClusterCIDR.
+    #[arg(long, value_name = "CIDR[,CIDR]")]
+    pub cluster_cidr: Option<String>,
+    /// ClusterCIDR | NodeCIDR | InterfaceNamePrefix | BridgeInterface | None.
+    #[arg(long, value_name = "MODE")]
+    pub detect_local_mode: Option<String>,
+    /// Interface name prefix of local pods (InterfaceNamePrefix mode).
+    #[arg(long, value_name = "PREFIX")]
+    pub pod_interface_name_prefix: Option<String>,
+    /// Bridge of local pods (BridgeInterface mode).
+    #[arg(long, value_name = "NAME")]
+    pub pod_bridge_interface: Option<String>,
+    /// CIDRs of node addresses that accept NodePorts, or `primary` (the default).
+    #[arg(long, value_name = "CIDR[,..]|primary")]
+    pub nodeport_addresses: Option<String>,
+    /// SNAT all traffic sent to cluster IPs.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub masquerade_all: Option<bool>,
+    /// Bit of the packet mark that flags traffic for masquerade (0-31).
+    #[arg(long, value_name = "N")]
+    pub masquerade_bit: Option<i64>,
+    /// Minimum time between two syncs (Go duration: 100ms, 1s, 1m30s).
+    #[arg(long, value_name = "DURATION")]
+    pub min_sync_period: Option<String>,
+    /// Period of the full resync (Go duration).
+    #[arg(long, value_name = "DURATION")]
+    pub sync_period: Option<String>,
+    /// Feature gates, `Name=true|false,...`.
+    #[arg(long, value_name = "K=V,..")]
+    pub feature_gates: Option<String>,
+    /// Fall back to serving terminating endpoints (KEP-1669); false = kube-proxy before 1.26.
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub proxy_terminating_endpoints: Option<bool>,
+}
+
+/// The `conntrack` section, defaulted. Zero means "leave the kernel's value".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConntrackConfig {
+    pub max_per_core: u32,
+    pub min: u32,
+    pub tcp_established_timeout: Duration,
+    pub tcp_close_wait_timeout: Duration,
+    pub tcp_be_liberal: bool,
+    pub udp_timeout: Duration,
+    pub udp_stream_timeout: Duration,
+}
+
+impl Default for ConntrackConfig {
+    /// Upstream's v1alpha1 defaults.
+    fn default() -> Self {
+        ConntrackConfig {
+            max_per_core: 32 * 1024,
+            min: 128 * 1024,
+            tcp_established_timeout: Duration::from_secs(24 * 3600),
+            tcp_close_wait_timeout: Duration::from_secs(3600),
+            tcp_be_liberal: false,
+            udp_timeout: Duration::ZERO,
+            udp_stream_timeout: Duration::ZERO,
+        }
+    }
+}
+
+/// Everything resolved: what the daemon needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyConfig {
+    pub hostname_override: Option<String>,
+    pub kubeconfig: Option<PathBuf>,
+    pub bind_address: IpAddr,
+    /// `None`: disabled.
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// `None`: disabled.
+    pub metrics_bind_address: Option<SocketAddr>,
+    pub plan: PlanConfig,
+    pub masquerade_bit: u8,
+    pub min_sync_period: Duration,
+    pub sync_period: Duration,
+    pub conntrack: ConntrackConfig,
+    /// Every gate given (file, then flag), including those kproxy does not act on.
+    pub feature_gates: BTreeMap<String, bool>,
+}
+
+impl Default for ProxyConfig {
+    /// kube-proxy's defaults (nftables mode).
+    fn default() -> Self {
+        ProxyConfig {
+            hostname_override: None,
+            kubeconfig: None,
+            bind_address: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            healthz_bind_address: Some(SocketAddr::from(([0, 0, 0, 0], DEFAULT_HEALTHZ_PORT))),
+            metrics_bind_address: Some(SocketAddr::from(([127, 0, 0, 1], DEFAULT_METRICS_PORT))),
+            plan: PlanConfig::default(),
+            masquerade_bit: 14,
+            min_sync_period: Duration::from_secs(1),
+            sync_period: Duration::from_secs(30),
+            conntrack: ConntrackConfig::default(),
+            feature_gates: BTreeMap::new(),
+        }
+    }
+}
+
+/// A field that was read but has no effect in kproxy, or that kproxy does not know.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigWarning {
+    /// `iptables.syncPeriod`, or a flag (`--feature-gates`).
+    pub path: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigWarning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    /// A bad value in the file: the file and the field's path.
+    #[error("{file}: {path}: {message}")]
+    Field {
+        file: String,
+        path: String,
+        message: String,
+    },
+    /// A bad flag value.
+    #[error("{flag}: {message}")]
+    Flag { flag: String, message: String },
+}
+
+/// Feature gates that change what kproxy does.
+const GATE_PREFER_SAME_NODE: &str = "PreferSameTrafficDistribution";
+const GATE_PROXY_TERMINATING: &str = "ProxyTerminatingEndpoints";
+
+/// Reads `flags.config` (if set) and resolves it with the flags.
+pub fn load(flags: &ConfigFlags) -> Result<(ProxyConfig, Vec<ConfigWarning>), ConfigError> {
+    match &flags.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.clone(),
+                source,
+            })?;
+            load_str(&path.display().to_string(), &text, flags)
+        }
+        None => resolve(None, flags),
+    }
+}
+
+/// As [`load`], with the file's text given (`file` names it in errors).
+pub fn load_str(file: &str, text: &str, flags: &ConfigFlags) -> Result<(ProxyConfig, Vec<ConfigWarning>), ConfigError> {
+    let (parsed, mut warnings) = file::parse(file, text)?;
+    let (cfg, more) = resolve(Some((file, parsed)), flags)?;
+    warnings.extend(more);
+    Ok((cfg, warnings))
+}
+
+/// Where a value came from, for error messages.
+#[derive(Clone, Copy)]
+enum Origin<'a> {
+    File(&'a str, &'a str),
+    Flag(&'a str),
+}
+
+impl Origin<'_> {
+    fn err(self, message: impl Into<String>) -> ConfigError {
+        match self {
+            Origin::File(file, path) => ConfigError::Field {
+                file: file.to_string(),
+                path: path.to_string(),
+                message: message.into(),
+            },
+            Origin::Flag(flag) => ConfigError::Flag {
+                flag: flag.to_string(),
+                message: message.into(),
+            },
+        }
+    }
+
+    fn warn(self, message: impl Into<String>) -> ConfigWarning {
+        let path = match self {
+            Origin::File(_, path) => path.to_string(),
+            Origin::Flag(flag) => flag.to_string(),
+        };
+        ConfigWarning {
+            path,
+            message: message.into(),
+        }
+    }
+}
+
+/// The flag's value when given, else the file's (each with its origin).
+fn pick<'a, T>(
+    flag: Option<T>,
+    flag_name: &'a str,
+    file_value: Option<T>,
+    file: Option<&'a str>,
+    path: &'a str,
+) -> Option<(T, Origin<'a>)> {
+    match (flag, file_value, file) {
+        (Some(v), _, _) => Some((v, Origin::Flag(flag_name))),
+        (None, Some(v), Some(file)) => Some((v, Origin::File(file, path))),
+        _ => None,
+    }
+}
+
+fn resolve(
+    file: Option<(&str, KubeProxyConfiguration)>,
+    flags: &ConfigFlags,
+) -> Result<(ProxyConfig, Vec<ConfigWarning>), ConfigError> {
+    let (name, f) = match file {
+        Some((name, f)) => (Some(name), f),
+        None => (None, KubeProxyConfiguration::default()),
+    };
+    let mut warnings = Vec::new();
+    let mut cfg = ProxyConfig::default();
+    let nft = f.nftables.clone().unwrap_or_default();
+    let ct = f.conntrack.clone().unwrap_or_default();
+    let dl = f.detect_local.clone().unwrap_or_default();
+
+    if let Some(mode) = f.mode.as_deref()
+        && !mode.is_empty()
+        && mode != "nftables"
+    {
+        return Err(Origin::File(name.unwrap_or(""), "mode").err(format!(
+            "proxy mode {:?} is not supported: kproxy is an nftables proxy; set mode: nftables (or leave it empty)",
+            mode.escape_debug().to_string()
+        )));
+    }
+
+    // Feature gates: the file's, then the flag's on top.
+    let mut gates: Vec<(String, bool, Origin)> = Vec::new();
+    if let (Some(g), Some(file)) = (&f.feature_gates, name) {
+        gates.extend(
+            g.iter()
+                .map(|(k, v)| (k.clone(), *v, Origin::File(file, "featureGates"))),
+        );
+    }
+    if let Some(s) = &flags.feature_gates {
+        for (k, v) in parse_feature_gates(s)? {
+            gates.push((k, v, Origin::Flag("--feature-gates")));
+        }
+    }
+    for (k, v, origin) in gates {
+        match k.as_str() {
+            GATE_PREFER_SAME_NODE => cfg.plan.prefer_same_node_hints = v,
+            GATE_PROXY_TERMINATING => cfg.plan.proxy_terminating_endpoints = v,
+            _ => warnings.push(origin.warn(format!(
+                "feature gate {:?} does not change kproxy's behaviour (kproxy acts on {GATE_PREFER_SAME_NODE} and {GATE_PROXY_TERMINATING})",
+                k.escape_debug().to_string()
+            ))),
+        }
+        cfg.feature_gates.insert(k, v);
+    }
+    if let Some(v) = flags.proxy_terminating_endpoints {
+        cfg.plan.proxy_terminating_endpoints = v;
+    }
+
+    let kubeconfig_file = f
+        .client_connection
+        .as_ref()
+        .and_then(|c| c.kubeconfig.clone())
+        .filter(|s| !s.is_empty());
+    cfg.kubeconfig = flags.kubeconfig.clone().or(kubeconfig_file.map(PathBuf::from));
+
+    let hostname_file = f.hostname_override.clone();
+    cfg.hostname_override = flags
+        .hostname_override
+        .clone()
+        .or(hostname_file)
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty());
+
+    if let Some((s, origin)) = pick(
+        flags.bind_address.clone(),
+        "--bind-address",
+        f.bind_address.clone(),
+        name,
+        "bindAddress",
+    ) && !s.is_empty()
+    {
+        cfg.bind_address = parse_ip(&s)
+            .ok_or_else(|| origin.err(format!("{:?} is not an IP address", s.escape_debug().to_string())))?;
+    }
+    let v6 = cfg.bind_address.is_ipv6();
+    cfg.healthz_bind_address = Some(default_addr(v6, false));
+    cfg.metrics_bind_address = Some(default_addr(v6, true));
+    for (metrics, flag, path, file_value) in [
+        (
+            false,
+            &flags.healthz_bind_address,
+            "healthzBindAddress",
+            &f.healthz_bind_address,
+        ),
+        (
+            true,
+            &flags.metrics_bind_address,
+            "metricsBindAddress",
+            &f.metrics_bind_address,
+        ),
+    ] {
+        let flag_name = if metrics {
+            "--metrics-bind-address"
+        } else {
+            "--healthz-bind-address"
+        };
+        let port = if metrics {
+            DEFAULT_METRICS_PORT
+        } else {
+            DEFAULT_HEALTHZ_PORT
+        };
+        let addr = match pick(flag.clone(), flag_name, file_value.clone(), name, path) {
+            // An empty flag disables the server; an empty field means the default.
+            Some((s, Origin::Flag(_))) if s.trim().is_empty() => None,
+            Some((s, _)) if s.trim().is_empty() => Some(default_addr(v6, metrics)),
+            Some((s, origin)) => Some(parse_bind_address(&s, port).map_err(|m| origin.err(m))?),
+            None => Some(default_addr(v6, metrics)),
+        };
+        if metrics {
+            cfg.metrics_bind_address = addr;
+        } else {
+            cfg.healthz_bind_address = addr;
+        }
+    }
+
+    // nftables section.
+    if let Some((v, origin)) = pick(
+        flags.masquerade_bit,
+        "--masquerade-bit",
+        nft.masquerade_bit,
+        name,
+        "nftables.masqueradeBit",
+    ) {
+        cfg.masquerade_bit = u8::try_from(v)
+            .ok()
+            .filter(|b| *b <= 31)
+            .ok_or_else(|| origin.err(format!("{v} is not in the range [0, 31]")))?;
+    }
+    cfg.plan.masquerade_all = flags.masquerade_all.or(nft.masquerade_all).unwrap_or(false);
+    // In the file, 0 means "default" (upstream's defaulting); a flag is taken as given.
+    if let Some((s, origin)) = pick(
+        flags.sync_period.clone(),
+        "--sync-period",
+        nft.sync_period.clone(),
+        name,
+        "nftables.syncPeriod",
+    ) {
+        let d = parse_go_duration(&s).map_err(|m| origin.err(m))?;
+        match (d.is_zero(), origin) {
+            (true, Origin::Flag(_)) => return Err(origin.err("must be greater than 0")),
+            (true, Origin::File(..)) => {}
+            (false, _) => cfg.sync_period = d,
+        }
+    }
+    if let Some((s, origin)) = pick(
+        flags.min_sync_period.clone(),
+        "--min-sync-period",
+        nft.min_sync_period.clone(),
+        name,
+        "nftables.minSyncPeriod",
+    ) {
+        let d = parse_go_duration(&s).map_err(|m| origin.err(m))?;
+        if !d.is_zero() || matches!(origin, Origin::Flag(_)) {
+            cfg.min_sync_period = d;
+        }
+    }
+
+    // Local traffic detection.
+    let cluster_cidrs = match pick(
+        flags.cluster_cidr.clone(),
+        "--cluster-cidr",
+        f.cluster_cidr.clone(),
+        name,
+        "clusterCIDR",
+    ) {
+        Some((s, origin)) => parse_cidrs(&s).map_err(|m| origin.err(m))?,
+        None => Vec::new(),
+    };
+    if cluster_cidrs.len() > 2
+        || (cluster_cidrs.len() == 2 && cluster_cidrs[0].addr().is_ipv4() == cluster_cidrs[1].addr().is_ipv4())
+    {
+        let origin = if flags.cluster_cidr.is_some() {
+            Origin::Flag("--cluster-cidr")
+        } else {
+            Origin::File(name.unwrap_or(""), "clusterCIDR")
+        };
+        return Err(origin.err("at most one CIDR per IP family"));
+    }
+    let mode = pick(
+        flags.detect_local_mode.clone(),
+        "--detect-local-mode",
+        f.detect_local_mode.clone(),
+        name,
+        "detectLocalMode",
+    );
+    let (mode, mode_origin) = match mode {
+        Some((m, o)) if !m.is_empty() => (m, o),
+        _ => (
+            "ClusterCIDR".to_string(),
+            Origin::File(name.unwrap_or(""), "detectLocalMode"),
+        ),
+    };
+    cfg.plan.local_detector = match mode.as_str() {
+        "ClusterCIDR" if cluster_cidrs.is_empty() => {
+            if mode_origin_is_explicit(&mode_origin, flags, &f) {
+                warnings.push(
+                    mode_origin
+                        .warn("ClusterCIDR without a cluster CIDR: no traffic is treated as coming from local pods"),
+                );
+            }
+            LocalDetectorConfig::None
+        }
+        "ClusterCIDR" => LocalDetectorConfig::ClusterCidr(cluster_cidrs),
+        "NodeCIDR" => LocalDetectorConfig::NodeCidr,
+        "None" => LocalDetectorConfig::None,
+        "InterfaceNamePrefix" => {
+            let (s, origin) = pick(
+                flags.pod_interface_name_prefix.clone(),
+                "--pod-interface-name-prefix",
+                dl.interface_name_prefix.clone(),
+                name,
+                "detectLocal.interfaceNamePrefix",
+            )
+            .filter(|(s, _)| !s.is_empty())
+            .ok_or_else(|| {
+                mode_origin
+                    .err("InterfaceNamePrefix needs detectLocal.interfaceNamePrefix (--pod-interface-name-prefix)")
+            })?;
+            check_interface_name(&s).map_err(|m| origin.err(m))?;
+            LocalDetectorConfig::InterfaceNamePrefix(s)
+        }
+        "BridgeInterface" => {
+            let (s, origin) = pick(
+                flags.pod_bridge_interface.clone(),
+                "--pod-bridge-interface",
+                dl.bridge_interface.clone(),
+                name,
+                "detectLocal.bridgeInterface",
+            )
+            .filter(|(s, _)| !s.is_empty())
+            .ok_or_else(|| {
+                mode_origin.err("BridgeInterface needs detectLocal.bridgeInterface (--pod-bridge-interface)")
+            })?;
+            check_interface_name(&s).map_err(|m| origin.err(m))?;
+            LocalDetectorConfig::BridgeInterface(s)
+        }
+        other => {
+            return Err(mode_origin.err(format!(
+                "unknown mode {:?}: one of ClusterCIDR, NodeCIDR, InterfaceNamePrefix, BridgeInterface, None",
+                other.escape_debug().to_string()
+            )));
+        }
+    };
+
+    // NodePort addresses.
+    let npa: Option<(Vec<String>, Origin)> = match (&flags.nodeport_addresses, &f.node_port_addresses, name) {
+        (Some(s), _, _) => Some((
+            s.split(',')
+                .map(|x| x.trim().to_string())
+                .filter(|x| !x.is_empty())
+                .collect(),
+            Origin::Flag("--nodeport-addresses"),
+        )),
+        (None, Some(v), Some(file)) => Some((v.clone(), Origin::File(file, "nodePortAddresses"))),
+        _ => None,
+    };
+    if let Some((entries, origin)) = npa {
+        cfg.plan.node_port_addresses = parse_node_port_addresses(&entries, origin, &mut warnings)?;
+    }
+
+    // Conntrack.
+    let ct_origin = |path: &'static str| Origin::File(name.unwrap_or(""), path);
+    let non_negative = |v: Option<i64>, path: &'static str, default: u32| -> Result<u32, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(v) => {
+                u32::try_from(v).map_err(|_| ct_origin(path).err(format!("{v} must be between 0 and {}", u32::MAX)))
+            }
+        }
+    };
+    let d = ConntrackConfig::default();
+    let duration = |v: &Option<String>, path: &'static str, default: Duration| -> Result<Duration, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(s) => parse_go_duration(s).map_err(|m| ct_origin(path).err(m)),
+        }
+    };
+    cfg.conntrack = ConntrackConfig {
+        max_per_core: non_negative(ct.max_per_core, "conntrack.maxPerCore", d.max_per_core)?,
+        min: non_negative(ct.min, "conntrack.min", d.min)?,
+        tcp_established_timeout: duration(
+            &ct.tcp_established_timeout,
+            "conntrack.tcpEstablishedTimeout",
+            d.tcp_established_timeout,
+        )?,
+        tcp_close_wait_timeout: duration(
+            &ct.tcp_close_wait_timeout,
+            "conntrack.tcpCloseWaitTimeout",
+            d.tcp_close_wait_timeout,
+        )?,
+        tcp_be_liberal: ct.tcp_be_liberal.unwrap_or(false),
+        udp_timeout: duration(&ct.udp_timeout, "conntrack.udpTimeout", Duration::ZERO)?,
+        udp_stream_timeout: duration(&ct.udp_stream_timeout, "conntrack.udpStreamTimeout", Duration::ZERO)?,
+    };
+
+    Ok((cfg, warnings))
+}
+
+/// Whether detectLocalMode ClusterCIDR was asked for (rather than being the default).
+fn mode_origin_is_explicit(origin: &Origin, flags: &ConfigFlags, f: &KubeProxyConfiguration) -> bool {
+    match origin {
+        Origin::Flag(_) => flags.detect_local_mode.is_some(),
+        Origin::File(..) => f.detect_local_mode.as_deref().is_some_and(|m| !m.is_empty()),
+    }
+}
+
+fn default_addr(v6: bool, metrics: bool) -> SocketAddr {
+    match (v6, metrics) {
+        (false, false) => SocketAddr::from(([0, 0, 0, 0], DEFAULT_HEALTHZ_PORT)),
+        (false, true) => SocketAddr::from(([127, 0, 0, 1], DEFAULT_METRICS_PORT)),
+        (true, false) => SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, DEFAULT_HEALTHZ_PORT)),
+        (true, true) => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, DEFAULT_METRICS_PORT)),
+    }
+}
+
+/// An IP, accepting IPv4 octets with leading zeros as decimal (Go's ParseIPSloppy).
+fn parse_ip(s: &str) -> Option<IpAddr> {
+    let s = s.trim();
+    if let Ok(ip) = s.parse() {
+        return Some(ip);
+    }
+    let octets: Vec<u8> = s
+        .split('.')
+        .map(|o| {
+            if o.len() <= 3 && o.bytes().all(|b| b.is_ascii_digit()) {
+                o.parse().ok()
+            } else {
+                None
+            }
+        })
+        .collect::<Option<_>>()?;
+    <[u8; 4]>::try_from(octets).ok().map(IpAddr::from)
+}
+
+/// `IP:PORT`, `[IPv6]:PORT`, `:PORT` (all IPv4 addresses) or a bare IP (default port
+/// appended, as upstream's AppendPortIfNeeded).
+fn parse_bind_address(s: &str, default_port: u16) -> Result<SocketAddr, String> {
+    let s = s.trim();
+    let bad = || format!("{:?} is not IP:PORT", s.escape_debug().to_string());
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    if let Some(ip) = parse_ip(s.trim_start_matches('[').trim_end_matches(']')) {
+        return Ok(SocketAddr::new(ip, default_port));
+    }
+    let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    let ip = if host.is_empty() {
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+    } else {
+        parse_ip(host).ok_or_else(bad)?
+    };
+    Ok(SocketAddr::new(ip, port))
+}
+
+/// Comma-separated CIDRs (host bits are cleared, as Go's ParseCIDR).
+fn parse_cidrs(s: &str) -> Result<Vec<IpNet>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(|x| {
+            x.parse::<IpNet>()
+                .map(|n| n.trunc())
+                .map_err(|_| format!("{:?} is not a CIDR", x.escape_debug().to_string()))
+        })
+        .collect()
+}
+
+fn parse_node_port_addresses(
+    entries: &[String],
+    origin: Origin,
+    warnings: &mut Vec<ConfigWarning>,
+) -> Result<NodePortAddressesConfig, ConfigError> {
+    let mut primary = false;
+    let mut cidrs: Vec<IpNet> = Vec::new();
+    for e in entries {
+        match e.trim() {
+            "" => {}
+            "primary" => primary = true,
+            "all" => cidrs.extend(["0.0.0.0/0", "::/0"].map(|c| c.parse::<IpNet>().expect("valid literal"))),
+            "localhost" => {
+                warnings.push(
+                    origin.warn("localhost: NodePorts on loopback addresses are not served by an nftables proxy"),
+                );
+                cidrs.extend(["127.0.0.0/8", "::1/128"].map(|c| c.parse::<IpNet>().expect("valid literal")));
+            }
+            c => cidrs.extend(parse_cidrs(c).map_err(|m| origin.err(m))?),
+        }
+    }
+    match (primary, cidrs.is_empty()) {
+        (_, true) => Ok(NodePortAddressesConfig::Primary),
+        (false, false) => Ok(NodePortAddressesConfig::Cidrs(cidrs)),
+        (true, false) => Err(origin.err(
+            "kproxy cannot combine 'primary' with CIDRs yet: list the primary addresses' CIDRs explicitly, or use 'primary' alone",
+        )),
+    }
+}
+
+/// Interface names reach nftables scripts: only what Linux names commonly use.
+fn check_interface_name(s: &str) -> Result<(), String> {
+    if s.len() > 15 {
+        return Err(format!(
+            "{:?} is longer than an interface name (15)",
+            s.escape_debug().to_string()
+        ));
+    }
+    if !s
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Err(format!(
+            "{:?}: an interface name has only letters, digits, '-', '_' and '.'",
+            s.escape_debug().to_string()
+        ));
+    }
+    Ok(())
+}
+
+/// `Name=true,Other=false` as kube-proxy's --feature-gates.
+fn parse_feature_gates(s: &str) -> Result<Vec<(String, bool)>, ConfigError> {
+    let flag = Origin::Flag("--feature-gates");
+    let mut out = Vec::new();
+    for kv in s.split(',').map(str::trim).filter(|kv| !kv.is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| flag.err(format!("{:?} is not Name=true|false", kv.escape_debug().to_string())))?;
+        let k = k.trim();
+        if k.is_empty() || !k.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(flag.err(format!("{:?} is not a feature gate name", k.escape_debug().to_string())));
+        }
+        let v = match v.trim().to_ascii_lowercase().as_str() {
+            "true" => true,
+            "false" => false,
+            _ => return Err(flag.err(format!("{k}: {:?} is not true or false", v.escape_debug().to_string()))),
+        };
+        out.push((k.to_string(), v));
+    }
+    Ok(out)
+}
+
+/// The sysctls upstream kube-proxy writes for the `conntrack` section, for `ncpu` CPUs:
+/// `nf_conntrack_max = max(maxPerCore × ncpu, min)` unless maxPerCore is 0, and each
+/// timeout that is non-zero (seconds). Pure: the daemon writes them (only where they
+/// differ, and only in the host's network namespace). Upstream also raises
+/// `/sys/module/nf_conntrack/parameters/hashsize` to max/4; that is left to the daemon.
+pub fn conntrack_sysctls(c: &ConntrackConfig, ncpu: usize) -> Vec<(String, u64)> {
+    const NF: &str = "/proc/sys/net/netfilter";
+    let mut out = Vec::new();
+    if c.max_per_core > 0 {
+        let max = (u64::from(c.max_per_core) * ncpu.max(1) as u64).max(u64::from(c.min));
+        out.push((format!("{NF}/nf_conntrack_max"), max));
+    }
+    for (name, d) in [
+        ("nf_conntrack_tcp_timeout_established", c.tcp_established_timeout),
+        ("nf_conntrack_tcp_timeout_close_wait", c.tcp_close_wait_timeout),
+        ("nf_conntrack_udp_timeout", c.udp_timeout),
+        ("nf_conntrack_udp_timeout_stream", c.udp_stream_timeout),
+    ] {
+        // The kernel takes whole seconds; a sub-second value would round to "no timeout".
+        if d.as_secs() > 0 {
+            out.push((format!("{NF}/{name}"), d.as_secs()));
+        }
+    }
+    if c.tcp_be_liberal {
+        out.push((format!("{NF}/nf_conntrack_tcp_be_liberal"), 1));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;
