@@ -88,12 +88,14 @@ pub struct Workload {
 }
 
 impl Workload {
-    pub fn labels(&self) -> BTreeMap<String, String> {
+    /// The pod template's labels (what Services and PodDisruptionBudgets select on).
+    pub fn labels(&self) -> &BTreeMap<String, String> {
+        static NONE: BTreeMap<String, String> = BTreeMap::new();
         self.template
             .metadata
             .as_ref()
-            .and_then(|m| m.labels.clone())
-            .unwrap_or_default()
+            .and_then(|m| m.labels.as_ref())
+            .unwrap_or(&NONE)
     }
 }
 
@@ -204,6 +206,14 @@ fn replace_or_push<T>(
         Some(old) => *old = new,
         None => list.push(new),
     }
+}
+
+/// The namespace an object lives in, borrowed (`default` when unset).
+pub fn namespace_str(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> &str {
+    meta.namespace
+        .as_deref()
+        .filter(|n| !n.is_empty())
+        .unwrap_or("default")
 }
 
 /// The namespace an object lives in (`default` when unset, as `kubectl apply` does).

@@ -19,7 +19,9 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kproxy_core::manifest::Location;
 use serde::Serialize;
 
-use crate::input::{At, Inventory, Strategy, Workload, WorkloadKind, WorkloadRef, namespace_of};
+use crate::input::{
+    At, Inventory, Strategy, Workload, WorkloadKind, WorkloadRef, namespace_of, namespace_str,
+};
 use crate::lb::{LbOverrides, LbProfile};
 
 /// How bad a finding is. Errors fail `kproxy lint` (exit 1); warnings fail it only with
@@ -282,7 +284,7 @@ fn selects(s: &At<corev1::Service>, w: &Workload) -> bool {
         return false;
     };
     if spec.type_.as_deref() != Some("LoadBalancer")
-        || namespace_of(&s.object.metadata) != w.id.namespace
+        || namespace_str(&s.object.metadata) != w.id.namespace
     {
         return false;
     }
