@@ -82,10 +82,11 @@ pub fn normalize(json: &Value) -> BTreeMap<String, Value> {
                         m.remove("handle");
                         m.remove("table");
                         m.remove("family");
+                        // nft 1.0.6 lists `flags dynamic,timeout` as just `timeout`.
                         let dynamic = m
                             .get("flags")
                             .and_then(|f| f.as_array())
-                            .is_some_and(|f| f.iter().any(|x| x.as_str() == Some("dynamic")));
+                            .is_some_and(|f| f.iter().any(|x| matches!(x.as_str(), Some("dynamic" | "timeout"))));
                         if dynamic {
                             m.remove("elem");
                         } else if let Some(Value::Array(e)) = m.get_mut("elem") {

@@ -16,7 +16,8 @@ pub fn state_from_yaml(text: &str, node: &str) -> ClusterState {
     assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
     let mut st = ClusterState::new();
     for o in &parsed.objects {
-        st.apply(&o.object, &Ownership::default(), node).expect("valid object");
+        let warnings = st.apply(&o.object, &Ownership::default(), node).expect("valid object");
+        assert!(warnings.is_empty(), "{warnings:?}");
     }
     st
 }
