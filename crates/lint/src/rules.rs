@@ -791,7 +791,7 @@ impl Checker<'_> {
                     .spec
                     .as_ref()
                     .and_then(|s| s.selector.as_ref())
-                    .is_some_and(|s| selector_matches(s, &labels))
+                    .is_some_and(|s| selector_matches(s, labels))
             })
             .collect();
         if matching.is_empty() {
