@@ -101,7 +101,10 @@ pub fn render_nft(mode: LbMode, pool: &[usize], node_port: u16, service_port: u1
             let map: Vec<String> = pool.iter().enumerate().map(|(i, n)| format!("{i} : {n}")).collect();
             s += "  chain pre {\n    type filter hook prerouting priority mangle; policy accept;\n";
             s += &format!(
-                "    ip daddr {vip} ct state new ct mark set numgen random mod {} map {{ {} }}\n",
+                // `ct mark 0`, not `ct state new`: a retransmitted SYN is still "new" to
+                // conntrack, and a real LB's connection table keeps it on the node it
+                // chose first (so a dropped SYN stays dropped, as in the cloud).
+                "    ip daddr {vip} ct mark 0 ct mark set numgen random mod {} map {{ {} }}\n",
                 pool.len(),
                 map.join(", ")
             );

@@ -145,8 +145,9 @@ pub fn write_plots(r: &RunResult, stem: &Path) -> Result<Vec<PathBuf>, LabError>
     let svg = stem.with_extension("svg");
     let png = stem.with_extension("png");
     let err = |p: &Path, m: String| LabError::Invalid(format!("plot {}: {m}", p.display()));
-    draw(SVGBackend::new(&svg, (1200, 500)).into_drawing_area(), r, true).map_err(|m| err(&svg, m))?;
+    // Both backends measure text with the registered font.
     let text = register_font();
+    draw(SVGBackend::new(&svg, (1200, 500)).into_drawing_area(), r, text).map_err(|m| err(&svg, m))?;
     draw(BitMapBackend::new(&png, (1200, 500)).into_drawing_area(), r, text).map_err(|m| err(&png, m))?;
     Ok(vec![svg, png])
 }

@@ -51,11 +51,13 @@ pub fn bursts_of(records: &[RequestRecord], scale: f64, gap_s: f64) -> Vec<(f64,
     let mut out: Vec<(f64, f64, Vec<&RequestRecord>)> = Vec::new();
     for f in fails {
         match out.last_mut() {
+            // Bursts span the start times of their failed requests (a timed-out
+            // request ends long after the cause is gone).
             Some((_, end, v)) if f.start_ms - *end <= gap_ms => {
-                *end = end.max(f.end_ms);
+                *end = end.max(f.start_ms);
                 v.push(f);
             }
-            _ => out.push((f.start_ms, f.end_ms, vec![f])),
+            _ => out.push((f.start_ms, f.start_ms, vec![f])),
         }
     }
     out

@@ -1,0 +1,138 @@
+//! Acceptance tests of `kproxy lab rollout` (issue 7): real rolling updates behind
+//! the emulated load balancer, with the real kproxy daemon on every node, time
+//! scaled. Needs root (network namespaces; nothing touches the host's network).
+//! The runs are serialized: they share 2 cores with everything else.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Mutex;
+
+use serde_json::Value;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Time scale for the tests: large enough that scheduling noise on a busy 2-core
+/// machine stays well inside the margins the scenarios are about.
+const SCALE: &str = "0.15";
+
+fn root() -> bool {
+    if kproxy_lab::is_root() {
+        return true;
+    }
+    eprintln!("skipped: kproxy lab needs root");
+    false
+}
+
+/// Run `kproxy lab rollout -o json` with `args`; returns (exit code, JSON).
+fn rollout(args: &[&str], plot_dir: Option<&Path>) -> (i32, Value) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kproxy"));
+    cmd.args(["lab", "rollout", "-o", "json", "--time-scale", SCALE]);
+    match plot_dir {
+        Some(d) => {
+            cmd.arg("--plot-dir").arg(d);
+        }
+        None => {
+            cmd.arg("--no-plot");
+        }
+    }
+    cmd.args(args);
+    let out = cmd.output().expect("run kproxy lab rollout");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let json: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("no JSON report ({e}); exit {:?}\nstderr:\n{stderr}\nstdout:\n{stdout}", out.status));
+    (out.status.code().unwrap_or(-1), json)
+}
+
+fn runs(v: &Value) -> &Vec<Value> {
+    v["runs"].as_array().expect("runs array")
+}
+
+fn n(v: &Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+}
+
+/// The report's counts must equal the raw records it carries.
+fn check_counts_match_records(run: &Value) {
+    let records = run["records"].as_array().expect("records");
+    let ok = records.iter().filter(|r| r["outcome"] == "ok").count() as u64;
+    assert_eq!(n(run, "sent"), records.len() as u64);
+    assert_eq!(n(run, "ok"), ok);
+    assert_eq!(n(run, "failed"), records.len() as u64 - ok);
+    let by_kind: u64 = run["failed_by_kind"].as_object().expect("kinds").values().map(|v| v.as_u64().unwrap_or(0)).sum();
+    assert_eq!(by_kind, n(run, "failed"));
+    assert!(n(run, "sent") > 100, "the load generator really sent load: {}", n(run, "sent"));
+}
+
+fn failures_summary(run: &Value) -> String {
+    format!(
+        "{} run {}: {} of {} failed {}; bursts: {}",
+        run["behaviour"], run["run"], run["failed"], run["sent"], run["failed_by_kind"], run["bursts"]
+    )
+}
+
+#[test]
+fn defaults_kproxy_behaviour_loses_nothing_over_five_rollouts() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root() {
+        return;
+    }
+    let (code, v) = rollout(&["--runs", "5"], None);
+    let rs = runs(&v);
+    assert_eq!(rs.len(), 5);
+    for r in rs {
+        assert_eq!(r["behaviour"], "kproxy");
+        check_counts_match_records(r);
+        assert_eq!(n(r, "failed"), 0, "{}", failures_summary(r));
+    }
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn pre_126_behaviour_loses_requests_in_every_run_and_the_report_says_why() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_, v) = rollout(&["--proxy-terminating-endpoints=false", "--runs", "2"], Some(dir.path()));
+    let rs = runs(&v);
+    assert_eq!(rs.len(), 2);
+    for r in rs {
+        assert_eq!(r["behaviour"], "pre-1.26");
+        check_counts_match_records(r);
+        assert!(n(r, "failed") > 0, "pre-1.26 behaviour should lose requests: {}", failures_summary(r));
+        let causes: Vec<&str> = r["bursts"].as_array().expect("bursts").iter().filter_map(|b| b["cause"].as_str()).collect();
+        assert!(
+            causes.iter().any(|c| c.contains("after its last pod became terminating")),
+            "a burst is explained by a node whose last pod was terminating: {causes:?}"
+        );
+    }
+    // The plots exist and are valid images.
+    let plots: Vec<&str> = v["plots"].as_array().expect("plots").iter().filter_map(|p| p.as_str()).collect();
+    assert_eq!(plots.len(), 4, "{plots:?}");
+    for p in plots {
+        let bytes = std::fs::read(p).expect("plot file");
+        if p.ends_with(".png") {
+            assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{p} is a PNG");
+            assert!(bytes.len() > 1000);
+        } else {
+            let text = String::from_utf8_lossy(&bytes);
+            assert!(text.contains("<svg") && text.trim_end().ends_with("</svg>"), "{p} is an SVG");
+        }
+    }
+}
+
+#[test]
+fn pre_stop_shorter_than_the_lb_detection_window_loses_requests_with_graceful_pods() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root() {
+        return;
+    }
+    // gke: up to 3 s × 2 failures before the node leaves the pool; 1 s of preStop is
+    // far too short, so new connections reach a pod that stopped accepting.
+    let (_, v) = rollout(&["--pre-stop", "1"], None);
+    let r = &runs(&v)[0];
+    check_counts_match_records(r);
+    assert!(n(r, "failed") > 0, "{}", failures_summary(r));
+}
