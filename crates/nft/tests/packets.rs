@@ -181,3 +181,83 @@ fn load_balancer_source_ranges() {
     }
     let _ = CLIENT_IP;
 }
+
+#[test]
+fn udp_conntrack_cleanup_deletes_stale_flows_and_keeps_live_ones() {
+    let f = Fabric::new();
+    let cfg = config();
+    let both = [("a", "node-a", READY), ("r", "node-b", READY)];
+    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &both, extra: "" }), "node-a", &cfg);
+    f.sync(&plan);
+    // Find one client flow that landed on `a` and one on `r` (the choice is random).
+    let (mut to_a, mut to_r) = (None, None);
+    for sport in 40000..40060u16 {
+        if to_a.is_some() && to_r.is_some() {
+            break;
+        }
+        match f.probe_from_port(From::Client, ip("10.96.0.10"), 53, Protocol::UDP, sport) {
+            Outcome::Answer { pod, .. } if pod == "a" && to_a.is_none() => to_a = Some(sport),
+            Outcome::Answer { pod, .. } if pod == "r" && to_r.is_none() => to_r = Some(sport),
+            _ => {}
+        }
+    }
+    let (to_a, to_r) = (to_a.expect("a flow to a"), to_r.expect("a flow to r"));
+    let flows = || {
+        f.node.run(|| kproxy_nft::conntrack::list(false).expect("conntrack dump"))
+            .into_iter()
+            .filter(|fl| fl.orig_dst == ip("10.96.0.10") && fl.orig_dport == 53)
+            .map(|fl| fl.orig_sport)
+            .collect::<Vec<u16>>()
+    };
+    let before = flows();
+    assert!(before.contains(&to_a) && before.contains(&to_r), "{before:?}");
+
+    // `a` goes away: its UDP flow is stale, the flow to `r` is live.
+    let only_r = [("r", "node-b", READY)];
+    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &only_r, extra: "" }), "node-a", &cfg);
+    let report = f.sync(&plan);
+    assert!(!report.full);
+    assert!(report.conntrack_deleted >= 1, "{report:?}");
+    let after = flows();
+    assert!(!after.contains(&to_a), "stale flow kept: {after:?}");
+    assert!(after.contains(&to_r), "live flow deleted: {after:?}");
+    // The same client port now reaches `r`.
+    assert!(matches!(f.probe_from_port(From::Client, ip("10.96.0.10"), 53, Protocol::UDP, to_a), Outcome::Answer { pod, .. } if pod == "r"));
+}
+
+#[test]
+fn stale_flow_decisions() {
+    use kproxy_nft::conntrack::{Flow, stale_flows};
+    let eps = [("a", "node-a", READY), ("b", "node-a", TERMINATING), ("r", "node-b", SERVING_TERMINATING)];
+    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &eps, extra: "" }), "node-a", &config());
+    let flow = |proto: u8, dst: &str, dport: u16, reply: &str, rport: u16| Flow {
+        proto,
+        orig_src: ip("198.51.100.2"),
+        orig_dst: ip(dst),
+        orig_sport: 40000,
+        orig_dport: dport,
+        reply_src: ip(reply),
+        reply_sport: rport,
+    };
+    // (flow, stale?)
+    let table = [
+        (flow(17, "10.96.0.10", 53, "10.244.1.2", 8080), false),   // ready endpoint
+        (flow(17, "10.96.0.10", 53, "10.244.2.2", 8080), false),   // serving-terminating still serves
+        (flow(17, "10.96.0.10", 53, "10.244.1.3", 8080), true),    // not serving
+        (flow(17, "10.96.0.10", 53, "10.244.9.9", 8080), true),    // gone
+        (flow(17, "10.96.0.10", 53, "10.244.1.2", 9999), true),    // right IP, wrong port
+        (flow(17, "10.96.0.10", 53, "10.96.0.10", 53), true),      // never DNATed (cached before endpoints)
+        (flow(17, "203.0.113.10", 53, "10.244.9.9", 8080), true),  // LB IP
+        (flow(17, "203.0.113.50", 53, "10.244.9.9", 8080), true),  // external IP
+        (flow(17, "10.200.0.1", 30053, "10.244.9.9", 8080), true), // NodePort
+        (flow(6, "10.96.0.10", 80, "10.244.9.9", 8080), false),    // TCP is never touched
+        (flow(17, "10.96.0.99", 53, "10.244.9.9", 8080), false),   // not a frontend
+    ];
+    for (fl, stale) in table {
+        assert_eq!(stale_flows(&plan, &[fl]).len() == 1, stale, "{fl:?}");
+    }
+    // A port without serving endpoints is skipped entirely.
+    let none = [("a", "node-a", TERMINATING)];
+    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &none, extra: "" }), "node-a", &config());
+    assert!(stale_flows(&plan, &[flow(17, "10.96.0.10", 53, "10.244.9.9", 8080)]).is_empty());
+}
