@@ -1,0 +1,132 @@
+//! Hostile clients against a health-check port: half requests (slowloris), oversized
+//! and too many headers, garbage, and 10,000 idle connections. The server must keep
+//! answering a well-behaved probe, with bounded resources (own test binary: it needs
+//! many file descriptors).
+
+mod common;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use common::{get, in_netns, t0};
+use kproxy_health::fixtures::{plan, svc};
+use kproxy_health::{Health, HealthConfig, ManualClock, Semantics};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const PORT: u16 = 31900;
+
+fn addr() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), PORT)
+}
+
+async fn start() -> Health {
+    let mut registry = prometheus_client::registry::Registry::default();
+    let cfg = HealthConfig { healthz_bind_address: None, semantics: Semantics::Upstream, sync_period: Duration::from_secs(30) };
+    let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0())).await.unwrap();
+    let p = plan(&[svc("a", "b", PORT, &["10.244.0.5"])]);
+    h.plan_computed(&p);
+    h.plan_applied(&p);
+    h.reconciled().await;
+    h
+}
+
+/// Sends raw bytes, returns whatever comes back until the server closes.
+async fn raw(bytes: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr()).await.unwrap();
+    // The server may close before reading everything (431): a reset is fine.
+    let _ = s.write_all(bytes).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn oversized_and_malformed_requests_are_refused_and_the_probe_still_works() {
+    in_netns(|| async {
+        let h = start().await;
+        let big = format!("GET / HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n", "a".repeat(64 * 1024));
+        let r = raw(big.as_bytes()).await;
+        assert!(r.is_empty() || r.starts_with("HTTP/1.1 431"), "oversized header: {r:?}");
+        let many: String = (0..200).map(|i| format!("X-H{i}: v\r\n")).collect();
+        let r = raw(format!("GET / HTTP/1.1\r\nHost: x\r\n{many}\r\n").as_bytes()).await;
+        assert!(r.is_empty() || r.starts_with("HTTP/1.1 431"), "too many headers: {r:?}");
+        let r = raw(b"\x16\x03\x01\x02\x00garbage-not-http\r\n\r\n").await;
+        assert!(r.is_empty() || r.starts_with("HTTP/1.1 400"), "garbage: {r:?}");
+        assert_eq!(get(addr(), "/").await.status, 200);
+        h.shutdown().await;
+    });
+}
+
+#[test]
+fn slowloris_and_ten_thousand_idle_connections_do_not_starve_a_probe() {
+    // Room for the client sockets plus the server's own: raise the soft limit to the
+    // hard one (and the hard one too where allowed).
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain syscalls with valid pointers.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+        let want = libc::rlimit { rlim_cur: 40_000, rlim_max: 40_000.max(lim.rlim_max) };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &want) != 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+    }
+    // 10,000 when the limit allows (it does on CI: root), else as many as fit.
+    let n = 10_000usize.min((lim.rlim_cur as usize).saturating_sub(2_000));
+    assert!(n >= 2_000, "RLIMIT_NOFILE too low for this test: {}", lim.rlim_cur);
+    in_netns(move || async move {
+        let h = start().await;
+        // Half requests that never finish.
+        let mut slow = Vec::new();
+        for _ in 0..300 {
+            let mut s = TcpStream::connect(addr()).await.unwrap();
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ").await.unwrap();
+            slow.push(s);
+        }
+        assert_eq!(get(addr(), "/").await.status, 200, "probe during slowloris");
+
+        // 10,000 idle connections on top.
+        let mut idle = Vec::with_capacity(n);
+        while idle.len() < n {
+            let batch: Vec<_> = (0..250).map(|_| TcpStream::connect(addr())).collect();
+            for c in futures_lite(batch).await {
+                idle.push(c.expect("connect"));
+            }
+        }
+        let r = get(addr(), "/").await;
+        assert_eq!(r.status, 200, "probe after {n} idle connections");
+        // The server kept its own connection count bounded (512 per server): the
+        // process holds the client ends plus at most that many server ends.
+        let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
+        assert!(fds < n + 300 + 300 + 600, "server connections are not bounded: {fds} fds open");
+        drop(idle);
+        drop(slow);
+        assert_eq!(get(addr(), "/").await.status, 200);
+        h.shutdown().await;
+    });
+}
+
+/// Awaits all futures concurrently (they only make progress when polled together).
+async fn futures_lite<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output>
+where
+    F::Output: 'static,
+{
+    let mut pinned: Vec<_> = futs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = (0..pinned.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, f) in pinned.iter_mut().enumerate() {
+            if out[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => out[i] = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+    })
+    .await;
+    out.into_iter().map(|o| o.expect("ready")).collect()
+}
