@@ -133,11 +133,7 @@ pub fn execute(
         nodes,
     };
     let findings = rules::lint(&inv, &opts);
-    let checked = inv
-        .workloads
-        .iter()
-        .filter(|w| rules::behind_load_balancer(&inv, w))
-        .count();
+    let checked = rules::workloads_behind_load_balancers(&inv);
     let written = match args.output {
         Format::Text => out.write_all(report::text(&findings, &opts, checked).as_bytes()),
         Format::Json => writeln!(out, "{:#}", report::json(&findings, &opts, checked)),

@@ -244,9 +244,9 @@ pub fn lint(inv: &Inventory, opts: &Options) -> Vec<Finding> {
             });
         }
     }
+    let index = Index::new(inv);
     for w in &inv.workloads {
-        let services: Vec<&At<corev1::Service>> =
-            inv.services.iter().filter(|s| selects(s, w)).collect();
+        let services = index.services_for(w);
         if services.is_empty() {
             continue;
         }
@@ -259,9 +259,57 @@ pub fn lint(inv: &Inventory, opts: &Options) -> Vec<Finding> {
         for s in &services {
             c.service(s);
         }
-        c.disruption_budget(&inv.pdbs);
+        c.disruption_budget(index.pdbs_in(&w.id.namespace));
     }
     out
+}
+
+/// LoadBalancer Services and PodDisruptionBudgets by namespace, so that matching costs
+/// the objects of one namespace per workload, not all of them.
+struct Index<'a> {
+    services: BTreeMap<&'a str, Vec<&'a At<corev1::Service>>>,
+    pdbs: BTreeMap<&'a str, Vec<&'a At<policyv1::PodDisruptionBudget>>>,
+}
+
+impl<'a> Index<'a> {
+    fn new(inv: &'a Inventory) -> Self {
+        let mut services: BTreeMap<&str, Vec<_>> = BTreeMap::new();
+        for s in &inv.services {
+            if s.object.spec.as_ref().and_then(|s| s.type_.as_deref()) == Some("LoadBalancer") {
+                services
+                    .entry(namespace_str(&s.object.metadata))
+                    .or_default()
+                    .push(s);
+            }
+        }
+        let mut pdbs: BTreeMap<&str, Vec<_>> = BTreeMap::new();
+        for p in &inv.pdbs {
+            pdbs.entry(namespace_str(&p.object.metadata))
+                .or_default()
+                .push(p);
+        }
+        Index { services, pdbs }
+    }
+
+    fn services_for(&self, w: &Workload) -> Vec<&'a At<corev1::Service>> {
+        self.services
+            .get(w.id.namespace.as_str())
+            .map(|v| v.iter().copied().filter(|s| selects(s, w)).collect())
+            .unwrap_or_default()
+    }
+
+    fn pdbs_in(&self, namespace: &str) -> &[&'a At<policyv1::PodDisruptionBudget>] {
+        self.pdbs.get(namespace).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// How many workloads sit behind some LoadBalancer Service (the ones `lint` checks).
+pub fn workloads_behind_load_balancers(inv: &Inventory) -> usize {
+    let index = Index::new(inv);
+    inv.workloads
+        .iter()
+        .filter(|w| !index.services_for(w).is_empty())
+        .count()
 }
 
 /// The load balancer in front of one Service, and its unusable annotations.
@@ -271,11 +319,6 @@ fn service_lb(
 ) -> (LbProfile, Vec<crate::lb::BadAnnotation>) {
     let annotations = s.object.metadata.annotations.clone().unwrap_or_default();
     opts.lb.for_service(&annotations, &opts.lb_flags)
-}
-
-/// Whether some LoadBalancer Service selects this workload's pods.
-pub fn behind_load_balancer(inv: &Inventory, w: &Workload) -> bool {
-    inv.services.iter().any(|s| selects(s, w))
 }
 
 /// Whether a LoadBalancer Service selects this workload's pods.
@@ -780,12 +823,12 @@ impl Checker<'_> {
     }
 
     /// Workload-level: some PodDisruptionBudget must protect the pods from evictions.
-    fn disruption_budget(&mut self, pdbs: &[At<policyv1::PodDisruptionBudget>]) {
+    fn disruption_budget(&mut self, pdbs: &[&At<policyv1::PodDisruptionBudget>]) {
         let labels = self.w.labels();
         let about = About::default();
         let matching: Vec<&At<policyv1::PodDisruptionBudget>> = pdbs
             .iter()
-            .filter(|p| namespace_of(&p.object.metadata) == self.w.id.namespace)
+            .copied()
             .filter(|p| {
                 p.object
                     .spec
