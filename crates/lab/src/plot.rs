@@ -62,9 +62,10 @@ where
     let b = buckets(r);
     let t0 = r.load_start_ms;
     let span = b.len() as f64 * BUCKET_S;
-    let ymax = b.iter().map(|(o, f)| (*o).max(*f)).max().unwrap_or(1).max(1) as f64 * 1.15;
+    let ymax = b.iter().map(|(o, _)| *o).max().unwrap_or(1).max(1) as f64 * 1.15;
+    let ymin = -(b.iter().map(|(_, f)| *f).max().unwrap_or(0).max(1) as f64) * 1.15;
     let caption = format!(
-        "{} run {}: requests per 100 ms (nominal), {} failed of {}",
+        "{} run {}: requests per 100 ms of nominal time, {} failed of {}",
         r.behaviour.as_str(),
         r.run + 1,
         r.records.iter().filter(|x| !x.outcome.is_ok()).count(),
@@ -75,12 +76,12 @@ where
     if text {
         builder.caption(caption, ("sans-serif", 20)).x_label_area_size(40).y_label_area_size(50);
     }
-    let mut chart = builder.build_cartesian_2d(0f64..span, 0f64..ymax).map_err(e)?;
+    let mut chart = builder.build_cartesian_2d(0f64..span, ymin..ymax).map_err(e)?;
     if text {
         chart
             .configure_mesh()
             .x_desc("nominal seconds since load started")
-            .y_desc("requests")
+            .y_desc("requests: ok above, failed below")
             .disable_x_mesh()
             .draw()
             .map_err(e)?;
@@ -100,16 +101,20 @@ where
         if x < 0.0 || x > span {
             continue;
         }
-        chart.draw_series(std::iter::once(PathElement::new(vec![(x, 0.0), (x, ymax)], color.stroke_width(1)))).map_err(e)?;
+        chart.draw_series(std::iter::once(PathElement::new(vec![(x, ymin), (x, ymax)], color.stroke_width(1)))).map_err(e)?;
     }
-    let ok_line = b.iter().enumerate().map(|(i, (o, _))| (i as f64 * BUCKET_S, *o as f64));
-    let s = chart.draw_series(LineSeries::new(ok_line, GREEN.stroke_width(2))).map_err(e)?;
+    // Successes as green bars above the axis, failures as red bars below it.
+    let oks = b.iter().enumerate().filter(|(_, (o, _))| *o > 0).map(|(i, (o, _))| {
+        let x = i as f64 * BUCKET_S;
+        Rectangle::new([(x, 0.0), (x + BUCKET_S, *o as f64)], GREEN.mix(0.8).filled())
+    });
+    let s = chart.draw_series(oks).map_err(e)?;
     if text {
-        s.label("ok").legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], GREEN.stroke_width(2)));
+        s.label("ok").legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], GREEN.filled()));
     }
     let fails = b.iter().enumerate().filter(|(_, (_, f))| *f > 0).map(|(i, (_, f))| {
         let x = i as f64 * BUCKET_S;
-        Rectangle::new([(x, 0.0), (x + BUCKET_S, *f as f64)], RED.filled())
+        Rectangle::new([(x, -(*f as f64)), (x + BUCKET_S, 0.0)], RED.filled())
     });
     let s = chart.draw_series(fails).map_err(e)?;
     if text {
@@ -142,8 +147,9 @@ where
 
 /// Write `<stem>.svg` and `<stem>.png`; returns the paths written.
 pub fn write_plots(r: &RunResult, stem: &Path) -> Result<Vec<PathBuf>, LabError> {
-    let svg = stem.with_extension("svg");
-    let png = stem.with_extension("png");
+    // Not with_extension: the stem contains dots ("pre-1.26").
+    let svg = PathBuf::from(format!("{}.svg", stem.display()));
+    let png = PathBuf::from(format!("{}.png", stem.display()));
     let err = |p: &Path, m: String| LabError::Invalid(format!("plot {}: {m}", p.display()));
     // Both backends measure text with the registered font.
     let text = register_font();

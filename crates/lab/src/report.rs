@@ -94,6 +94,7 @@ struct NodeView {
     live_pods: Vec<String>,
     terminating: Vec<(String, f64)>,
     sigtermed: Vec<(String, f64)>,
+    ready: Vec<String>,
     pool_removed_at: Option<f64>,
 }
 
@@ -117,9 +118,20 @@ fn node_views(r: &RunResult, t_ms: f64) -> BTreeMap<String, NodeView> {
                     v.sigtermed.push((p.clone(), e.t_ms));
                 }
             }
+            (EventKind::PodReady, Some(n), Some(p)) => {
+                if let Some(v) = views.get_mut(n) {
+                    v.ready.push(p.clone());
+                }
+            }
+            (EventKind::PodNotReady, Some(n), Some(p)) => {
+                if let Some(v) = views.get_mut(n) {
+                    v.ready.retain(|x| x != p);
+                }
+            }
             (EventKind::PodExited | EventKind::PodKilled, Some(n), Some(p)) => {
                 if let Some(v) = views.get_mut(n) {
                     v.live_pods.retain(|x| x != p);
+                    v.ready.retain(|x| x != p);
                     v.terminating.retain(|(x, _)| x != p);
                     v.sigtermed.retain(|(x, _)| x != p);
                 }
@@ -182,8 +194,17 @@ pub fn explain_burst(r: &RunResult, start_ms: f64, end_ms: f64, records: &[&Requ
                     "{node} kept receiving new connections {window} after its last pod became terminating (failover to the serving-terminating pod did not catch them)"
                 ));
             }
-        } else if v.live_pods.is_empty() {
-            causes.push(format!("{node} was in the load balancer's pool with no pod at all"));
+        } else if !v.live_pods.iter().any(|p| v.ready.contains(p) && !v.terminating.iter().any(|(x, _)| x == p)) {
+            let until = match pool_removal_after(r, node, start_ms) {
+                Some(t) => format!("until the load balancer took it out at {:.1} s", nominal(r, t)),
+                None => "while the load balancer kept it in the pool".to_string(),
+            };
+            let pods = if v.live_pods.is_empty() {
+                "no pod at all (the old one had exited)".to_string()
+            } else {
+                format!("no ready pod ({} not ready yet)", v.live_pods.join(", "))
+            };
+            causes.push(format!("{node} had {pods} and still received new connections {until}"));
         }
     }
     if causes.is_empty() {
