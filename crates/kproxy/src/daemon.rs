@@ -73,7 +73,9 @@ impl EventLog {
 
     pub fn emit(&mut self, event: &str, mut fields: serde_json::Value) {
         let Some(f) = self.0.as_mut() else { return };
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
         if let Some(obj) = fields.as_object_mut() {
             obj.insert("t_unix_ms".into(), json!(now.as_millis() as u64));
             obj.insert("event".into(), json!(event));
@@ -87,7 +89,10 @@ impl EventLog {
 }
 
 fn unix_now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64()
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
 }
 
 /// Runs until `shutdown` flips to true. Returns the dataplane so the caller can decide
@@ -187,16 +192,26 @@ pub async fn run<D: Dataplane, H: HealthSink>(
                     metrics.sync_partial_duration.observe(elapsed.as_secs_f64());
                 }
                 metrics.last_sync_timestamp.set(unix_now());
-                metrics.conntrack_deleted.inc_by(outcome.conntrack_deleted as u64);
+                metrics
+                    .conntrack_deleted
+                    .inc_by(outcome.conntrack_deleted as u64);
                 set_no_local_endpoints(&metrics, &plan);
                 health.plan_applied(&plan);
                 handle.with(|state| programming.observe(&metrics, state, &update.services));
-                tracing::info!(
-                    full = outcome.full,
-                    services_changed = update.services.len(),
-                    elapsed_ms = elapsed.as_secs_f64() * 1e3,
-                    "synced"
-                );
+                let level_info = outcome.full || !update.services.is_empty() || update.node;
+                if level_info {
+                    tracing::info!(
+                        full = outcome.full,
+                        services_changed = update.services.len(),
+                        elapsed_ms = elapsed.as_secs_f64() * 1e3,
+                        "synced"
+                    );
+                } else {
+                    tracing::debug!(
+                        elapsed_ms = elapsed.as_secs_f64() * 1e3,
+                        "periodic sync: nothing changed"
+                    );
+                }
                 events.emit(
                     "synced",
                     json!({
@@ -221,7 +236,11 @@ pub async fn run<D: Dataplane, H: HealthSink>(
                 // re-send everything so nothing is lost.
                 handle.with(|state| state.mark_all_changed());
                 let backoff = retry_after(failures, cfg.min_sync_period, cfg.sync_period);
-                tracing::error!(error = format!("{e:#}"), retry_in_ms = backoff.as_millis() as u64, "sync failed");
+                tracing::error!(
+                    error = format!("{e:#}"),
+                    retry_in_ms = backoff.as_millis() as u64,
+                    "sync failed"
+                );
                 events.emit("sync_failed", json!({ "error": format!("{e:#}") }));
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
@@ -267,21 +286,40 @@ async fn blocking<D: Send + 'static, R: Send + 'static>(
 fn set_no_local_endpoints(metrics: &Metrics, plan: &NodePlan) {
     let (mut internal, mut external) = (0i64, 0i64);
     for svc in plan.services.values() {
-        let none_local = |p: &&kproxy_core::plan::ServicePortPlan| p.local_endpoints.as_ref().is_none_or(|l| l.is_empty());
-        if svc.ports.iter().filter(|p| p.internal_traffic_policy == TrafficPolicy::Local).any(|p| none_local(&p)) {
+        let none_local = |p: &&kproxy_core::plan::ServicePortPlan| {
+            p.local_endpoints.as_ref().is_none_or(|l| l.is_empty())
+        };
+        if svc
+            .ports
+            .iter()
+            .filter(|p| p.internal_traffic_policy == TrafficPolicy::Local)
+            .any(|p| none_local(&p))
+        {
             internal += 1;
         }
         if svc
             .ports
             .iter()
-            .filter(|p| p.external_traffic_policy == TrafficPolicy::Local && p.externally_accessible())
+            .filter(|p| {
+                p.external_traffic_policy == TrafficPolicy::Local && p.externally_accessible()
+            })
             .any(|p| none_local(&p))
         {
             external += 1;
         }
     }
-    metrics.no_local_endpoints.get_or_create(&TrafficPolicyLabel { traffic_policy: "internal" }).set(internal);
-    metrics.no_local_endpoints.get_or_create(&TrafficPolicyLabel { traffic_policy: "external" }).set(external);
+    metrics
+        .no_local_endpoints
+        .get_or_create(&TrafficPolicyLabel {
+            traffic_policy: "internal",
+        })
+        .set(internal);
+    metrics
+        .no_local_endpoints
+        .get_or_create(&TrafficPolicyLabel {
+            traffic_policy: "external",
+        })
+        .set(external);
 }
 
 /// `network_programming_duration_seconds`: for each EndpointSlice whose
@@ -296,11 +334,18 @@ struct ProgrammingLatency {
 }
 
 impl ProgrammingLatency {
-    fn observe(&mut self, metrics: &Metrics, state: &kproxy_core::ClusterState, changed: &[kproxy_core::model::ServiceName]) {
+    fn observe(
+        &mut self,
+        metrics: &Metrics,
+        state: &kproxy_core::ClusterState,
+        changed: &[kproxy_core::model::ServiceName],
+    ) {
         let now = jiff::Timestamp::now();
         for name in changed {
             for slice in state.slices_of(name) {
-                let Some(t) = slice.last_change_trigger_time.as_deref() else { continue };
+                let Some(t) = slice.last_change_trigger_time.as_deref() else {
+                    continue;
+                };
                 let key = (name.namespace.to_string(), slice.name.clone());
                 if self.seen.get(&key).is_some_and(|old| old == t) {
                     continue;
@@ -331,8 +376,13 @@ mod tests {
     #[test]
     fn retry_backoff_grows_and_is_capped_by_sync_period() {
         let (min, period) = (Duration::from_millis(200), Duration::from_secs(5));
-        let got: Vec<u128> = (1..=8).map(|f| retry_after(f, min, period).as_millis()).collect();
+        let got: Vec<u128> = (1..=8)
+            .map(|f| retry_after(f, min, period).as_millis())
+            .collect();
         assert_eq!(got, [200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
-        assert_eq!(retry_after(1, Duration::ZERO, period), Duration::from_millis(100));
+        assert_eq!(
+            retry_after(1, Duration::ZERO, period),
+            Duration::from_millis(100)
+        );
     }
 }
