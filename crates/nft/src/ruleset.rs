@@ -9,8 +9,12 @@
 //!   goto) dispatch new connections from the `services` chain;
 //! - `svc-…` holds a service port's *internal* rules (cluster IP), `ext-…` its
 //!   *external* rules (NodePort, external IPs, LB IPs; LB source ranges first);
-//! - a rule is `<source match> <verdict>`, where a Forward verdict sets the masquerade
-//!   mark and DNATs through `numgen random mod N map { i : ip . port }` inline;
+//! - a rule is `<source match> <verdict>`; a Forward verdict becomes one rule per
+//!   endpoint, rule `i` of `n` firing with probability 1/(n-i) (`numgen random mod
+//!   n-i 0`), each setting the masquerade mark when asked and DNATing. No anonymous
+//!   sets or maps per Service: the kernel names each anonymous set by scanning every
+//!   set of the table, which made one-map-per-Service layouts quadratic (measured:
+//!   55 s of kernel time for 10k Services, see BENCHMARKS.md);
 //! - hairpin masquerade is one set `hairpin` of `ip . ip` pairs matched in postrouting
 //!   (source == DNATed destination), instead of a rule in every endpoint chain;
 //! - REJECT/DROP verdicts run in the same nat chains (kernel ≥ 5.9 allows `reject`
@@ -24,7 +28,7 @@ use std::net::IpAddr;
 use kproxy_core::NodePlan;
 use kproxy_core::model::{EndpointAddr, IpFamily};
 use kproxy_core::plan::{
-    EndpointSet, LocalPods, NodePortAddresses, ServicePortPlan, SourceClass, TrafficRule, Verdict,
+    LocalPods, NodePortAddresses, ServicePortPlan, SourceClass, TrafficRule, Verdict,
 };
 use sha2::{Digest, Sha256};
 
@@ -172,6 +176,14 @@ pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Rulese
     rs.chains.insert("services".into(), base("", services));
 
     let local_pods = &fp.local_pods;
+    if let LocalPods::Cidrs(cidrs) = local_pods {
+        let c: Vec<String> = cidrs.iter().filter(|n| family.contains(&n.addr())).map(|n| n.trunc().to_string()).collect();
+        if c.len() > 1 {
+            let mut s = set(format!("type {}; flags interval; auto-merge; comment \"local pod CIDRs\";", f.addr));
+            s.elements = c.into_iter().map(|k| (k, String::new())).collect();
+            rs.sets.insert("local-pods".into(), s);
+        }
+    }
     for sp in plan.service_ports().filter(|sp| sp.family == family) {
         add_service_port(&mut rs, &f, sp, local_pods, mark);
     }
@@ -215,7 +227,7 @@ fn add_service_port(rs: &mut Ruleset, f: &Fam, sp: &ServicePortPlan, local_pods:
                 Verdict::Reject => out.push(format!("{m}reject")),
                 Verdict::Forward { endpoints, masquerade } => {
                     let eps = sp.endpoints_for(endpoints);
-                    forward_rules(&mut out, &m, f, sp, &id, eps, masquerade, mark, endpoints);
+                    forward_rules(&mut out, &m, f, sp, &id, eps, masquerade, mark);
                 }
             }
         }
@@ -268,7 +280,6 @@ fn forward_rules(
     eps: &[EndpointAddr],
     masquerade: bool,
     mark: u32,
-    _set: EndpointSet,
 ) {
     let proto = sp.protocol.nft_name();
     if eps.is_empty() {
@@ -287,26 +298,24 @@ fn forward_rules(
                 p = f.p
             ));
         }
-        if eps.len() == 1 {
-            out.push(format!("{m}{masq}goto {}", affinity_names(id, &eps[0]).1));
-        } else {
-            let arms: Vec<String> =
-                eps.iter().enumerate().map(|(i, ep)| format!("{i} : goto {}", affinity_names(id, ep).1)).collect();
-            out.push(format!("{m}{masq}numgen random mod {} vmap {{ {} }}", eps.len(), arms.join(", ")));
+        for (i, ep) in eps.iter().enumerate() {
+            let pick = pick(i, eps.len());
+            out.push(format!("{m}{masq}{pick}goto {}", affinity_names(id, ep).1));
         }
         return;
     }
-    if eps.len() == 1 {
-        out.push(format!("{m}{masq}meta l4proto {proto} dnat to {}", dnat_target(&eps[0])));
-    } else {
-        let arms: Vec<String> = eps.iter().enumerate().map(|(i, ep)| format!("{i} : {} . {}", ep.ip, ep.port)).collect();
-        out.push(format!(
-            "{m}{masq}meta l4proto {proto} dnat {} addr . port to numgen random mod {} map {{ {} }}",
-            f.p,
-            eps.len(),
-            arms.join(", ")
-        ));
+    for (i, ep) in eps.iter().enumerate() {
+        let pick = pick(i, eps.len());
+        out.push(format!("{m}{masq}{pick}meta l4proto {proto} dnat to {}", dnat_target(ep)));
     }
+}
+
+/// The uniform random choice without a set: rule `i` of `n` takes the packet with
+/// probability 1/(n-i) (each `numgen` evaluation draws afresh), so every endpoint gets
+/// 1/n. Per-rule anonymous maps (`numgen … vmap { … }`) would cost the kernel a scan of
+/// every set in the table per map (anonymous set naming), quadratic at 10k Services.
+fn pick(i: usize, n: usize) -> String {
+    if i + 1 == n { String::new() } else { format!("numgen random mod {} 0 ", n - i) }
 }
 
 fn dnat_target(ep: &EndpointAddr) -> String {
@@ -325,7 +334,12 @@ fn source_match(class: SourceClass, f: &Fam, local_pods: &LocalPods) -> Option<S
             LocalPods::Cidrs(cidrs) => {
                 let c: Vec<String> =
                     cidrs.iter().filter(|n| f.family.contains(&n.addr())).map(|n| n.trunc().to_string()).collect();
-                if c.is_empty() { None } else { Some(format!("{} saddr {{ {} }} ", f.p, c.join(", "))) }
+                match c.len() {
+                    0 => None,
+                    1 => Some(format!("{} saddr {} ", f.p, c[0])),
+                    // A named set, filled in `build`: no anonymous set per rule.
+                    _ => Some(format!("{} saddr @local-pods ", f.p)),
+                }
             }
             // Interface names are validated by `crate::ident::interface_name`; an invalid
             // one was rejected before rendering (see `validate_plan`).

@@ -1,0 +1,149 @@
+//! Dataplane benchmarks in a throwaway network namespace: full sync (cold, and replacing
+//! an existing table) and one-endpoint-change syncs (delta path) for synthetic clusters.
+//! Reports wall time and the kernel/user CPU of the `nft` child (getrusage
+//! RUSAGE_CHILDREN), i.e. where the transaction's kernel work is accounted.
+//!
+//! Run: `cargo bench -p kproxy-nft --bench sync` (sizes: 1000x10 10000x10) or with
+//! explicit sizes: `cargo bench -p kproxy-nft --bench sync -- 5000x50 44000x1`.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kproxy_core::synthetic::{self, Spec};
+use kproxy_core::{PlanConfig, Planner};
+use kproxy_nft::{Dataplane, DataplaneConfig};
+
+struct Ns(String);
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+fn children_cpu() -> (Duration, Duration) {
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct we pass.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let tv = |t: libc::timeval| Duration::from_micros(t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64);
+    (tv(ru.ru_utime), tv(ru.ru_stime))
+}
+
+struct Sample {
+    wall: Duration,
+    nft_wall: Duration,
+    user: Duration,
+    sys: Duration,
+    bytes: usize,
+}
+
+fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan) -> Sample {
+    let (u0, s0) = children_cpu();
+    let t = Instant::now();
+    let r = dp.sync(plan).expect("sync");
+    let wall = t.elapsed();
+    let (u1, s1) = children_cpu();
+    Sample { wall, nft_wall: r.transaction, user: u1 - u0, sys: s1 - s0, bytes: r.script_bytes }
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1000.0)
+}
+
+fn run(services: usize, eps: usize) {
+    let spec = Spec::new(services, eps);
+    let mut state = synthetic::cluster(&spec);
+    let mut planner = Planner::new("node-0", PlanConfig::default());
+    planner.update(&mut state);
+    let plan = planner.plan().clone();
+    let cfg = DataplaneConfig { conntrack_cleanup: false, ..DataplaneConfig::default() };
+
+    let t = Instant::now();
+    let script = kproxy_nft::render(&plan, &cfg);
+    let render = t.elapsed();
+
+    let mut dp = Dataplane::new(cfg.clone()).expect("config");
+    let cold = measure(&mut dp, &plan);
+    dp.force_full_sync();
+    let replace = measure(&mut dp, &plan);
+    println!(
+        "{services}x{eps}: script {:.2} MB, render {} ms | full cold: wall {} ms (nft {} ms, nft user {} ms, sys {} ms) | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
+        script.len() as f64 / 1e6,
+        ms(render),
+        ms(cold.wall),
+        ms(cold.nft_wall),
+        ms(cold.user),
+        ms(cold.sys),
+        ms(replace.wall),
+        ms(replace.nft_wall),
+        ms(replace.user),
+        ms(replace.sys)
+    );
+
+    let mut samples = Vec::new();
+    for generation in 1..=15 {
+        let i = (generation * 7919) % services;
+        // Several generations are needed before a slice's conditions actually change.
+        state.upsert_slice(synthetic::slice(&spec, i, generation));
+        let t = Instant::now();
+        let up = planner.update(&mut state);
+        let plan_time = t.elapsed();
+        if up.services.is_empty() {
+            continue;
+        }
+        let s = measure(&mut dp, planner.plan());
+        samples.push((plan_time, s));
+    }
+    samples.sort_by_key(|(_, s)| s.wall);
+    if samples.is_empty() {
+        println!("{services}x{eps}: no change produced");
+        return;
+    }
+    let p50 = &samples[samples.len() / 2];
+    let max = samples.last().expect("non-empty");
+    println!(
+        "{services}x{eps}: one endpoint change ({} samples): p50 wall {} ms (render+diff {} ms, nft {} ms, nft user {} ms, sys {} ms, {} B script), max wall {} ms",
+        samples.len(),
+        ms(p50.1.wall),
+        ms(p50.1.wall - p50.1.nft_wall),
+        ms(p50.1.nft_wall),
+        ms(p50.1.user),
+        ms(p50.1.sys),
+        p50.1.bytes,
+        ms(max.1.wall)
+    );
+    let v = Instant::now();
+    let report = dp.verify().expect("verify");
+    println!("{services}x{eps}: verify {} ms, drift {}", ms(v.elapsed()), report.drift);
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| a.contains('x') && !a.starts_with('-')).collect();
+    let sizes: Vec<(usize, usize)> = if args.is_empty() {
+        vec![(1000, 10), (10000, 10)]
+    } else {
+        args.iter()
+            .filter_map(|a| {
+                let (s, e) = a.split_once('x')?;
+                Some((s.parse().ok()?, e.parse().ok()?))
+            })
+            .collect()
+    };
+    let name = format!("kpnbench{}", std::process::id());
+    let ok = Command::new("ip").args(["netns", "add", &name]).status().is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("cannot create a network namespace (needs root); skipping");
+        return;
+    }
+    let ns = Ns(name);
+    let path = format!("/run/netns/{}", ns.0);
+    std::thread::spawn(move || {
+        let f = std::fs::File::open(&path).expect("open netns");
+        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        for (s, e) in sizes {
+            run(s, e);
+        }
+    })
+    .join()
+    .expect("bench thread");
+    drop(ns);
+}
