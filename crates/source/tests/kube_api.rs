@@ -806,3 +806,57 @@ async fn a_missing_kubeconfig_names_the_file() {
     };
     assert!(err.to_string().contains("/nonexistent/kubeconfig"), "{err}");
 }
+
+/// A larger cluster through the whole HTTP path: N Services and N EndpointSlices listed,
+/// then a 410 relist in which every Service changes. Checks counts and that the relist
+/// reached the state as one change set; prints the elapsed times (never asserted).
+/// `KPROXY_KUBE_N=10000 cargo test --release -p kproxy-source --test kube_api large -- --nocapture`
+#[tokio::test]
+async fn a_large_cluster_lists_and_relists() {
+    let n: usize = std::env::var("KPROXY_KUBE_N")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2000);
+    let ip = |i: usize| format!("10.96.{}.{}", i / 250, i % 250 + 1);
+    let t0 = std::time::Instant::now();
+    let h = start(Ownership::default(), |api| {
+        api.services.set_list(
+            "10",
+            (0..n).map(|i| service(&format!("s{i}"), "5", &ip(i), 80)).collect(),
+        );
+        api.slices.set_list(
+            "10",
+            (0..n)
+                .map(|i| slice(&format!("s{i}-x"), &format!("s{i}"), "6", &["10.244.0.5", "10.244.0.6"]))
+                .collect(),
+        );
+        api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
+    })
+    .await;
+    wait_for(&h, "the large first sync", |s, ready| {
+        ready && s.services.len() == n && s.slices.len() == n
+    })
+    .await;
+    let listed = t0.elapsed();
+
+    h.handle.with(|st| st.take_changes());
+    h.api.services.set_list(
+        "20",
+        (0..n).map(|i| service(&format!("s{i}"), "15", &ip(i), 81)).collect(),
+    );
+    let t1 = std::time::Instant::now();
+    h.api.services.event("ERROR", gone());
+    h.api.services.close();
+    wait_for(&h, "the large relist", |s, _| {
+        s.services.iter().all(|x| x.ends_with(":81"))
+    })
+    .await;
+    let relisted = t1.elapsed();
+    let c = h.handle.with(|st| st.take_changes());
+    assert_eq!((c.service_events, c.slice_events), (n as u64, 0));
+    eprintln!(
+        "kube source, {n} Services + {n} EndpointSlices: first sync {:.0} ms; 410 relist of {n} changed Services {:.0} ms (includes the watcher's backoff before relisting)",
+        listed.as_secs_f64() * 1e3,
+        relisted.as_secs_f64() * 1e3
+    );
+}

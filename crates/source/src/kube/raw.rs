@@ -47,8 +47,19 @@ fn meta_str(value: &Value, key: &str) -> Option<String> {
     value.get("metadata")?.get(key)?.as_str().map(str::to_string)
 }
 
+/// Annotation kubectl keeps a full copy of the object in; never read by kproxy.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
 impl<K> Raw<K> {
-    pub fn from_value(value: Value) -> Self {
+    pub fn from_value(mut value: Value) -> Self {
+        // managedFields and kubectl's last-applied copy are often larger than the rest of
+        // the object and never read: drop them before the typed decode copies them.
+        if let Some(Value::Object(meta)) = value.get_mut("metadata") {
+            meta.remove("managedFields");
+            if let Some(Value::Object(annotations)) = meta.get_mut("annotations") {
+                annotations.remove(LAST_APPLIED);
+            }
+        }
         // Only what the watcher and the reports need; the rest of metadata is judged
         // by the typed decode, where a bad label map fails this object alone.
         let meta = ObjectMeta {
@@ -162,6 +173,19 @@ mod tests {
         assert_eq!(kube::Resource::meta(&raw).resource_version.as_deref(), Some("7"));
         let e = raw.typed().expect_err("labels.a is not a string");
         assert_eq!(e.field, ".metadata.labels.a");
+    }
+
+    #[test]
+    fn bulky_metadata_is_dropped_and_the_rest_kept() {
+        let v = json!({"metadata": {"name": "web", "managedFields": [{"manager": "kubectl"}],
+                        "annotations": {LAST_APPLIED: "{...}", "endpoints.kubernetes.io/last-change-trigger-time": "t"}}});
+        let raw: Raw<Service> = serde_json::from_value(v).unwrap();
+        let meta = &raw.into_value()["metadata"];
+        assert!(meta.get("managedFields").is_none());
+        assert_eq!(
+            meta["annotations"],
+            json!({"endpoints.kubernetes.io/last-change-trigger-time": "t"})
+        );
     }
 
     #[test]
