@@ -9,10 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use ipnet::IpNet;
+use kproxy_config::{ConfigFlags, ProxyConfig};
 use kproxy_core::NodePlan;
-use kproxy_core::PlanConfig;
-use kproxy_core::config::{LocalDetectorConfig, NodePortAddressesConfig};
+use kproxy_core::config::NodePortAddressesConfig;
 use kproxy_core::ingest::Ownership;
 use kproxy_health::{Health, HealthConfig, Semantics};
 use kproxy_nft::{Dataplane as Nft, DataplaneConfig};
@@ -32,86 +31,6 @@ pub enum HealthSemantics {
     Upstream,
 }
 
-/// kube-proxy's flags that `kproxy run` takes today (names as kube-proxy's).
-#[derive(clap::Args, Debug, Clone)]
-pub struct ConfigFlags {
-    /// Path to a kubeconfig file (in-cluster configuration when absent).
-    #[arg(long, value_name = "FILE")]
-    pub kubeconfig: Option<PathBuf>,
-    /// This node's name, instead of the host name.
-    #[arg(long, value_name = "NAME")]
-    pub hostname_override: Option<String>,
-    /// Address of /healthz and /livez; empty disables.
-    #[arg(long, value_name = "IP:PORT", default_value = "0.0.0.0:10256")]
-    pub healthz_bind_address: String,
-    /// Address of /metrics; empty disables.
-    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:10249")]
-    pub metrics_bind_address: String,
-    /// Traffic from these CIDRs is from pods (detect-local-mode ClusterCIDR).
-    #[arg(long, value_name = "CIDR,...", value_delimiter = ',')]
-    pub cluster_cidr: Vec<IpNet>,
-    /// Masquerade all traffic to cluster IPs.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", default_value = "false")]
-    pub masquerade_all: bool,
-    #[arg(long, value_name = "BIT", default_value = "14")]
-    pub masquerade_bit: u8,
-    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
-    pub min_sync_period: Duration,
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
-    pub sync_period: Duration,
-    /// false: behave as kube-proxy before 1.26 (no failover to serving-terminating endpoints).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", default_value = "true")]
-    pub proxy_terminating_endpoints: bool,
-}
-
-/// What `kproxy run` needs from the configuration.
-#[derive(Clone, Debug)]
-pub struct ProxyConfig {
-    pub hostname_override: Option<String>,
-    pub kubeconfig: Option<PathBuf>,
-    pub healthz_bind_address: Option<std::net::SocketAddr>,
-    pub metrics_bind_address: Option<std::net::SocketAddr>,
-    pub plan: PlanConfig,
-    pub masquerade_bit: u8,
-    pub min_sync_period: Duration,
-    pub sync_period: Duration,
-}
-
-fn bind_address(flag: &str, what: &str) -> Result<Option<std::net::SocketAddr>> {
-    if flag.trim().is_empty() {
-        return Ok(None);
-    }
-    flag.trim().parse().map(Some).with_context(|| format!("--{what}: {flag:?} is not IP:PORT"))
-}
-
-impl ConfigFlags {
-    fn resolve(&self) -> Result<ProxyConfig> {
-        let plan = PlanConfig {
-            masquerade_all: self.masquerade_all,
-            local_detector: if self.cluster_cidr.is_empty() {
-                LocalDetectorConfig::None
-            } else {
-                LocalDetectorConfig::ClusterCidr(self.cluster_cidr.clone())
-            },
-            proxy_terminating_endpoints: self.proxy_terminating_endpoints,
-            ..PlanConfig::default()
-        };
-        if self.sync_period.is_zero() {
-            bail!("--sync-period must be positive");
-        }
-        Ok(ProxyConfig {
-            hostname_override: self.hostname_override.clone(),
-            kubeconfig: self.kubeconfig.clone(),
-            healthz_bind_address: bind_address(&self.healthz_bind_address, "healthz-bind-address")?,
-            metrics_bind_address: bind_address(&self.metrics_bind_address, "metrics-bind-address")?,
-            plan,
-            masquerade_bit: self.masquerade_bit,
-            min_sync_period: self.min_sync_period,
-            sync_period: self.sync_period,
-        })
-    }
-}
-
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
@@ -129,7 +48,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub event_log: Option<PathBuf>,
     /// How often to compare the kernel's rules with what kproxy programmed.
-    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = kproxy_config::parse_go_duration)]
     pub verify_period: Duration,
     /// Only proxy Services labelled service.kubernetes.io/service-proxy-name=NAME.
     #[arg(long, value_name = "NAME")]
@@ -137,38 +56,6 @@ pub struct Args {
     /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
     #[arg(long, value_name = "NAME", default_value = "kproxy")]
     pub nft_table: String,
-}
-
-/// Go-style durations as kube-proxy takes them: `100ms`, `1s`, `1m30s`, `2h`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    if s == "0" {
-        return Ok(Duration::ZERO);
-    }
-    let mut total = Duration::ZERO;
-    let mut rest = s;
-    if rest.is_empty() {
-        return Err("empty duration".into());
-    }
-    while !rest.is_empty() {
-        let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
-        let (num, tail) = rest.split_at(num_len);
-        let unit_len = tail.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(tail.len());
-        let (unit, tail) = tail.split_at(unit_len);
-        let n: f64 = num.parse().map_err(|_| format!("invalid duration {s:?}"))?;
-        let secs = match unit {
-            "ns" => n / 1e9,
-            "us" | "µs" => n / 1e6,
-            "ms" => n / 1e3,
-            "s" => n,
-            "m" => n * 60.0,
-            "h" => n * 3600.0,
-            _ => return Err(format!("invalid duration {s:?}: unit must be one of ns, us, ms, s, m, h")),
-        };
-        total += Duration::from_secs_f64(secs);
-        rest = tail;
-    }
-    Ok(total)
 }
 
 /// The node name as kube-proxy picks it: the override, else `NODE_NAME`, else the host
@@ -213,9 +100,21 @@ fn in_host_netns() -> bool {
     }
 }
 
-fn apply_conntrack_sysctls(_cfg: &ProxyConfig) {
+fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
     if !in_host_netns() {
         tracing::info!("not in the host network namespace: leaving conntrack sysctls alone");
+        return;
+    }
+    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    for (path, value) in kproxy_config::conntrack_sysctls(&cfg.conntrack, ncpu) {
+        let current = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse::<u64>().ok());
+        if current == Some(value) {
+            continue;
+        }
+        match std::fs::write(&path, value.to_string()) {
+            Ok(()) => tracing::info!(%path, value, "set conntrack sysctl"),
+            Err(e) => tracing::warn!(%path, value, error = %e, "cannot set conntrack sysctl"),
+        }
     }
 }
 
@@ -251,7 +150,10 @@ impl HealthSink for HealthHandle {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let cfg = args.config.resolve()?;
+    let (cfg, warnings) = kproxy_config::load(&args.config).context("loading the configuration")?;
+    for w in &warnings {
+        tracing::warn!(field = %w.path, "{}", w.message);
+    }
     let node = node_name(&args, &cfg)?;
     if node.is_empty() {
         bail!("cannot tell this node's name: set --hostname-override or NODE_NAME");
@@ -315,7 +217,13 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
             let h = handle.clone();
             tokio::spawn(async move { kproxy_source::watch::run(wc, h).await.map_err(anyhow::Error::from) })
         }
-        None => bail!("--manifests is required: the Kubernetes API source is being wired in (issue 5)"),
+        None => {
+            let client =
+                kproxy_source::kube::client(cfg.kubeconfig.as_deref()).await.context("connecting to the API server")?;
+            let kc = kproxy_source::kube::KubeSourceConfig { node_name: node.clone(), ownership };
+            let h = handle.clone();
+            tokio::spawn(async move { kproxy_source::kube::run(client, kc, h).await.map_err(anyhow::Error::from) })
+        }
     };
 
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -360,20 +268,5 @@ async fn wait_for_signal() {
             }
         }
         _ => std::future::pending().await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn go_durations() {
-        for (s, ms) in [("100ms", 100), ("1s", 1000), ("1m30s", 90_000), ("0", 0), ("1.5s", 1500), ("2h", 7_200_000)] {
-            assert_eq!(parse_duration(s).unwrap().as_millis(), ms, "{s}");
-        }
-        for bad in ["", "5", "1x", "s", "1s2"] {
-            assert!(parse_duration(bad).is_err(), "{bad}");
-        }
     }
 }

@@ -28,13 +28,22 @@ pub struct ManifestArgs {
     /// Only proxy Services labelled service.kubernetes.io/service-proxy-name=NAME.
     #[arg(long, value_name = "NAME")]
     pub service_proxy_name: Option<String>,
+    /// A KubeProxyConfiguration file whose planner settings apply (detectLocal,
+    /// nodePortAddresses, masqueradeAll, feature gates).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
 }
 
 impl ManifestArgs {
-    /// The planner settings: upstream defaults (a `--config` file joins here once the
-    /// configuration crate lands).
+    /// The planner settings: upstream defaults, or those of `--config`.
     pub fn plan_config(&self) -> Result<PlanConfig> {
-        Ok(PlanConfig::default())
+        let Some(path) = &self.config else { return Ok(PlanConfig::default()) };
+        let flags = kproxy_config::ConfigFlags { config: Some(path.clone()), ..Default::default() };
+        let (cfg, warnings) = kproxy_config::load(&flags)?;
+        for w in warnings {
+            eprintln!("kproxy: warning: {}: {}", w.path, w.message);
+        }
+        Ok(cfg.plan)
     }
 
     pub fn ownership(&self) -> Ownership {

@@ -101,3 +101,23 @@ fn trace_answers_per_node_for_the_lb_ip() {
     let (code, _, _) = kproxy(&["trace", "--manifests", "examples/cluster", "--node", "node-a", "--src", "1.2.3.4", "--dst", "1.2.3.5", "--dport", "80", "--proto", "ICMP"]);
     assert_eq!(code, 2);
 }
+
+#[test]
+fn config_file_changes_the_plan_and_a_wrong_mode_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.yaml");
+    std::fs::write(&good, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nnftables:\n  masqueradeAll: true\n").unwrap();
+    let (code, out, err) =
+        kproxy(&["plan", "--manifests", "examples/cluster", "--node", "node-a", "-o", "json", "--config", good.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let web = v["servicePorts"].as_array().unwrap().iter().find(|p| p["servicePort"] == "shop/web:http/TCP").unwrap().clone();
+    assert_eq!(web["internal"][0]["verdict"]["masquerade"], true, "{web}");
+
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: iptables\n").unwrap();
+    let (code, _, err) =
+        kproxy(&["plan", "--manifests", "examples/cluster", "--node", "node-a", "--config", bad.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("mode") && err.contains("iptables"), "{err}");
+}
