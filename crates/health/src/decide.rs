@@ -491,7 +491,8 @@ mod tests {
         let empty = plan(&[]);
         // (name, computed, applied, upstream count, truthful count); None = no server.
         type P<'a> = Option<&'a std::sync::Arc<NodePlan>>;
-        let cases: Vec<(&str, P, P, Option<u32>, Option<u32>)> = vec![
+        type Case<'a> = (&'a str, P<'a>, P<'a>, Option<u32>, Option<u32>);
+        let cases: Vec<Case> = vec![
             ("nothing applied yet: no server", Some(&p_a), None, None, None),
             ("steady state", Some(&p_a), Some(&p_a), Some(1), Some(1)),
             ("steady state, equal but not the same Arc", Some(&p_a2), Some(&p_a), Some(1), Some(1)),

@@ -34,7 +34,7 @@ fn no_fd_leak_over_1000_open_close_cycles() {
                 h.plan_applied(&on);
                 h.reconciled().await;
                 assert!(h.listening().values().all(|l| l.failing.is_empty()), "cycle {i}: {:?}", h.listening());
-                if i % 50 == 0 {
+                if i.is_multiple_of(50) {
                     assert_eq!(get(probe, "/").await.status, 200, "cycle {i}");
                     assert_eq!(get(h.healthz_addrs()[0], "/livez").await.status, 200);
                 }
