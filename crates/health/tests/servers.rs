@@ -356,3 +356,49 @@ fn zero_sync_period_is_rejected() {
         assert!(Health::start(cfg, &mut reg).await.is_err());
     });
 }
+
+/// Nothing leaks across a restart: the new process-equivalent binds the same port at
+/// once although the old server's closed connections sit in TIME_WAIT.
+#[test]
+fn a_restarted_health_server_rebinds_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    in_netns(|| async {
+        let p = plan(&[svc("a", "b", 31950, &["10.244.0.5"])]);
+        let (h1, _c1, _r1) = start(Semantics::Truthful, true).await;
+        h1.plan_computed(&p);
+        h1.plan_applied(&p);
+        h1.reconciled().await;
+        // Keep-alive connections the server will close itself (server-side TIME_WAIT).
+        let mut kept = Vec::new();
+        for target in [lo(31950), h1.healthz_addrs()[0]] {
+            let mut s = tokio::net::TcpStream::connect(target).await.unwrap();
+            s.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+            let mut buf = [0u8; 1024];
+            assert!(s.read(&mut buf).await.unwrap() > 0);
+            kept.push(s);
+        }
+        h1.shutdown().await;
+        for mut s in kept {
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest).await; // closed by the server
+        }
+        let (h2, _c2, _reg2) = start(Semantics::Truthful, true).await;
+        h2.plan_computed(&p);
+        h2.plan_applied(&p);
+        // Without SO_REUSEADDR the binds would fail for the whole TIME_WAIT (60 s);
+        // a moment's grace covers a child forked by a concurrent test holding the old
+        // listener until it execs.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            h2.reconciled().await;
+            let l = h2.listening().get(&ServiceName::new("a", "b")).cloned().unwrap_or_default();
+            if l.failing.is_empty() && l.addrs.len() == 2 && h2.healthz_addrs().len() == 1 {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "not rebound: {l:?} healthz {:?}", h2.healthz_addrs());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(status(31950).await, (200, 1));
+        h2.shutdown().await;
+    });
+}
