@@ -9,6 +9,7 @@
 
 pub mod conntrack;
 pub mod nft;
+pub mod record;
 pub mod ruleset;
 
 use std::time::{Duration, Instant};
@@ -104,7 +105,7 @@ pub struct Dataplane {
     cfg: DataplaneConfig,
     /// What the kernel holds, per family (IPv4, IPv6); `None` until a full sync
     /// succeeded, and again after any failure (forces the next sync to be full).
-    programmed: Option<[Ruleset; 2]>,
+    programmed: Option<[record::FamilyRecord; 2]>,
     /// The last plan applied, for conntrack cleanup decisions.
     last_plan: Option<NodePlan>,
 }
@@ -125,9 +126,10 @@ impl Dataplane {
         self.programmed = None;
     }
 
-    /// The record of what is programmed (None before the first successful sync).
-    pub fn programmed(&self) -> Option<&[Ruleset; 2]> {
-        self.programmed.as_ref()
+    /// What is programmed, as whole rulesets (IPv4, IPv6); `None` before the first
+    /// successful sync. Assembles a copy: for tests and tools, not the sync path.
+    pub fn programmed(&self) -> Option<[Ruleset; 2]> {
+        self.programmed.as_ref().map(|[a, b]| [a.assemble(), b.assemble()])
     }
 
     /// First call (or after a failure/verify mismatch): one atomic transaction replacing
@@ -137,17 +139,17 @@ impl Dataplane {
     pub fn sync(&mut self, plan: &NodePlan) -> Result<SyncReport, NftError> {
         let start = Instant::now();
         validate_plan(plan)?;
-        let new = [
-            ruleset::build(plan, &self.cfg, IpFamily::IPv4),
-            ruleset::build(plan, &self.cfg, IpFamily::IPv6),
-        ];
         let mut script = String::new();
         let mut report = SyncReport::default();
-        let delta = self.programmed.as_ref().and_then(|old| {
+        // Delta: the record advances in place (work ∝ changed Services); any failure
+        // below drops it, so the next sync is a full one.
+        let delta = self.programmed.as_mut().and_then(|recs| {
+            let (mut pre, mut mid, mut post) = (String::new(), String::new(), String::new());
             let mut counts = DeltaCounts::default();
-            for (n, o) in new.iter().zip(old.iter()) {
-                counts.add(&n.delta_script(o, &mut script)?);
+            for rec in recs.iter_mut() {
+                counts.add(&rec.advance(plan, &self.cfg, &mut pre, &mut mid, &mut post)?);
             }
+            script = pre + &mid + &post;
             Some(counts)
         });
         match delta {
@@ -155,10 +157,16 @@ impl Dataplane {
             None => {
                 script.clear();
                 report.full = true;
-                for rs in &new {
+                let recs = [
+                    record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
+                    record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
+                ];
+                for rec in &recs {
+                    let rs = rec.assemble();
                     rs.full_script(&mut script);
                     report.changes.add(&rs.counts());
                 }
+                self.programmed = Some(recs);
             }
         }
         if !script.is_empty() {
@@ -170,7 +178,6 @@ impl Dataplane {
             }
             report.transaction = t.elapsed();
         }
-        self.programmed = Some(new);
         if self.cfg.conntrack_cleanup {
             match conntrack::cleanup(self.last_plan.as_ref(), plan) {
                 Ok(n) => report.conntrack_deleted = n,
@@ -189,9 +196,9 @@ impl Dataplane {
     /// plan); never on the normal path. Without a record (nothing synced yet) there is
     /// nothing to compare and no drift.
     pub fn verify(&mut self) -> Result<VerifyReport, NftError> {
-        let Some(programmed) = &self.programmed else { return Ok(VerifyReport::default()) };
+        let Some(programmed) = self.programmed() else { return Ok(VerifyReport::default()) };
         let mut differences = Vec::new();
-        for rs in programmed {
+        for rs in &programmed {
             differences.extend(nft::compare_with_kernel(rs)?);
         }
         let drift = !differences.is_empty();

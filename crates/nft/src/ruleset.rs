@@ -114,6 +114,53 @@ impl Fam {
 
 /// Builds the ruleset of one family. Pure.
 pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Ruleset {
+    let mut rs = build_base(plan, cfg, family);
+    for svc in plan.services.values() {
+        rs.merge(&build_service(svc, plan, cfg, family));
+    }
+    rs
+}
+
+/// What one Service contributes to one family's table: its own chains and sets (a
+/// `Ruleset` holding only those), and its elements of the shared sets and maps
+/// (`service-ips`, `service-nodeports`, `cluster-ips`, `hairpin`), in plan order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fragment {
+    pub own: Ruleset,
+    pub shared: Vec<(&'static str, String, String)>,
+}
+
+impl Ruleset {
+    /// Adds a Service's fragment; a shared key already present keeps its first value
+    /// (plan order), which is what `trace` predicts for colliding frontends.
+    pub fn merge(&mut self, frag: &Fragment) {
+        self.chains.extend(frag.own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.sets.extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
+        for (set, key, value) in &frag.shared {
+            if let Some(s) = self.sets.get_mut(*set) {
+                s.elements.entry(key.clone()).or_insert_with(|| value.clone());
+            }
+        }
+    }
+}
+
+/// The Service's fragment for one family. Pure.
+pub fn build_service(svc: &kproxy_core::plan::ServicePlan, plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Fragment {
+    let f = Fam::of(family);
+    let mut frag = Fragment {
+        own: Ruleset { family: nft_family(family), table: cfg.table.clone(), sets: BTreeMap::new(), chains: BTreeMap::new() },
+        shared: Vec::new(),
+    };
+    let local_pods = &plan.family(family).local_pods;
+    for sp in svc.ports.iter().filter(|sp| sp.family == family) {
+        add_service_port(&mut frag, &f, sp, local_pods, cfg.mark());
+    }
+    frag
+}
+
+/// The table without any Service: base chains, the shared sets (empty of Service
+/// elements) and the node-level sets. Pure and cheap (no per-Service work).
+pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Ruleset {
     let f = Fam::of(family);
     let mark = cfg.mark();
     let mut rs = Ruleset { family: nft_family(family), table: cfg.table.clone(), sets: BTreeMap::new(), chains: BTreeMap::new() };
@@ -175,8 +222,7 @@ pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Rulese
     services.push(format!("{} daddr @cluster-ips reject", f.p));
     rs.chains.insert("services".into(), base("", services));
 
-    let local_pods = &fp.local_pods;
-    if let LocalPods::Cidrs(cidrs) = local_pods {
+    if let LocalPods::Cidrs(cidrs) = &fp.local_pods {
         let c: Vec<String> = cidrs.iter().filter(|n| family.contains(&n.addr())).map(|n| n.trunc().to_string()).collect();
         if c.len() > 1 {
             let mut s = set(format!("type {}; flags interval; auto-merge; comment \"local pod CIDRs\";", f.addr));
@@ -184,13 +230,11 @@ pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Rulese
             rs.sets.insert("local-pods".into(), s);
         }
     }
-    for sp in plan.service_ports().filter(|sp| sp.family == family) {
-        add_service_port(&mut rs, &f, sp, local_pods, mark);
-    }
     rs
 }
 
-fn add_service_port(rs: &mut Ruleset, f: &Fam, sp: &ServicePortPlan, local_pods: &LocalPods, mark: u32) {
+fn add_service_port(frag: &mut Fragment, f: &Fam, sp: &ServicePortPlan, local_pods: &LocalPods, mark: u32) {
+    let Fragment { own: rs, shared } = frag;
     let id = port_id(sp);
     let proto = sp.protocol.nft_name();
     let svc_chain = format!("svc-{id}");
@@ -215,7 +259,7 @@ fn add_service_port(rs: &mut Ruleset, f: &Fam, sp: &ServicePortPlan, local_pods:
         }
     }
     for ep in &sp.all_reachable_endpoints {
-        rs.sets.get_mut("hairpin").expect("declared").elements.insert(format!("{ip} . {ip}", ip = ep.ip), String::new());
+        shared.push(("hairpin", format!("{ip} . {ip}", ip = ep.ip), String::new()));
     }
 
     let rules = |list: &[TrafficRule]| -> Vec<String> {
@@ -235,8 +279,8 @@ fn add_service_port(rs: &mut Ruleset, f: &Fam, sp: &ServicePortPlan, local_pods:
     };
 
     rs.chains.insert(svc_chain.clone(), Chain { decl: String::new(), rules: rules(&sp.internal) });
-    rs.sets.get_mut("cluster-ips").expect("declared").elements.insert(sp.cluster_ip.to_string(), String::new());
-    insert_first(rs, "service-ips", format!("{} . {proto} . {}", sp.cluster_ip, sp.port), format!("goto {svc_chain}"));
+    shared.push(("cluster-ips", sp.cluster_ip.to_string(), String::new()));
+    shared.push(("service-ips", format!("{} . {proto} . {}", sp.cluster_ip, sp.port), format!("goto {svc_chain}")));
 
     if !sp.external.is_empty() {
         let mut ext = Vec::new();
@@ -256,19 +300,14 @@ fn add_service_port(rs: &mut Ruleset, f: &Fam, sp: &ServicePortPlan, local_pods:
         ext.extend(rules(&sp.external));
         rs.chains.insert(ext_chain.clone(), Chain { decl: String::new(), rules: ext });
         for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
-            insert_first(rs, "service-ips", format!("{ip} . {proto} . {}", sp.port), format!("goto {ext_chain}"));
+            shared.push(("service-ips", format!("{ip} . {proto} . {}", sp.port), format!("goto {ext_chain}")));
         }
         if let Some(np) = sp.node_port {
-            insert_first(rs, "service-nodeports", format!("{proto} . {np}"), format!("goto {ext_chain}"));
+            shared.push(("service-nodeports", format!("{proto} . {np}"), format!("goto {ext_chain}")));
         }
     }
 }
 
-/// Map keys must be unique; when two frontends collide the first in plan order wins,
-/// which is what `trace` predicts.
-fn insert_first(rs: &mut Ruleset, set: &str, key: String, value: String) {
-    rs.sets.get_mut(set).expect("declared").elements.entry(key).or_insert(value);
-}
 
 #[allow(clippy::too_many_arguments)]
 fn forward_rules(
@@ -401,23 +440,34 @@ impl Ruleset {
     /// The delta from `old` (what is programmed) to `self`, as one script; `None` when
     /// a declaration changed and only a full sync can apply it.
     pub fn delta_script(&self, old: &Ruleset, out: &mut String) -> Option<DeltaCounts> {
-        if old.family != self.family || old.table != self.table {
+        let mut n = DeltaCounts::default();
+        if !self.delta_pre(old, out, &mut n) {
             return None;
         }
+        self.delta_post(old, out, &mut n);
+        Some(n)
+    }
+
+    /// First half of the delta (new sets and chains, flushes, rules, own elements);
+    /// `false` when a declaration changed and only a full sync can apply it. Shared
+    /// elements that reference chains go between this and [`Ruleset::delta_post`].
+    pub fn delta_pre(&self, old: &Ruleset, out: &mut String, n: &mut DeltaCounts) -> bool {
+        if old.family != self.family || old.table != self.table {
+            return false;
+        }
         let (fam, t) = (self.family, &self.table);
-        let mut n = DeltaCounts::default();
         for (name, s) in &self.sets {
             if let Some(o) = old.sets.get(name)
                 && o.decl != s.decl
             {
-                return None;
+                return false;
             }
         }
         for (name, c) in &self.chains {
             if let Some(o) = old.chains.get(name)
                 && o.decl != c.decl
             {
-                return None;
+                return false;
             }
         }
         // 1. New sets and chains.
@@ -466,7 +516,12 @@ impl Ruleset {
             elements(out, "delete", fam, t, name, del.into_iter(), false);
             elements(out, "add", fam, t, name, add.into_iter(), true);
         }
-        // 5. Removed chains and sets, now unreferenced.
+        true
+    }
+
+    /// Second half of the delta: removed chains and sets, now unreferenced.
+    pub fn delta_post(&self, old: &Ruleset, out: &mut String, n: &mut DeltaCounts) {
+        let (fam, t) = (self.family, &self.table);
         for name in old.chains.keys() {
             if !self.chains.contains_key(name) {
                 n.chains_deleted += 1;
@@ -479,7 +534,6 @@ impl Ruleset {
                 let _ = writeln!(out, "delete {} {fam} {t} {name}", kind(&old.sets[name]));
             }
         }
-        Some(n)
     }
 
     /// Counts for a full sync.
@@ -511,7 +565,7 @@ fn decl_chain(out: &mut String, fam: &str, t: &str, name: &str, c: &Chain) {
 }
 
 /// Writes elements in batches so no single line grows without bound.
-fn elements<'a>(
+pub(crate) fn elements<'a>(
     out: &mut String,
     verb: &str,
     fam: &str,

@@ -1,0 +1,167 @@
+//! The in-memory record of what is programmed, per family, kept so that a sync costs
+//! work proportional to what changed: the base objects (rebuilt every sync; cheap), one
+//! fragment per Service (rebuilt only when the planner handed a different
+//! `Arc<ServicePlan>`), and the owners of every shared set/map element (a key such as a
+//! hairpin pair or a colliding frontend may come from several Services; the first in
+//! plan order gives the value, as in a full render).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use kproxy_core::NodePlan;
+use kproxy_core::model::{IpFamily, ServiceName};
+use kproxy_core::plan::ServicePlan;
+
+use crate::DataplaneConfig;
+use crate::ruleset::{self, DeltaCounts, Fragment, Ruleset};
+
+type SharedKey = (&'static str, String);
+type Owner = (ServiceName, u32);
+
+#[derive(Clone, Debug)]
+pub struct FamilyRecord {
+    family: IpFamily,
+    base: Ruleset,
+    services: BTreeMap<ServiceName, (Arc<ServicePlan>, Fragment)>,
+    shared: BTreeMap<SharedKey, BTreeMap<Owner, String>>,
+}
+
+impl FamilyRecord {
+    /// The record of a full sync of `plan`.
+    pub fn full(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> FamilyRecord {
+        let mut r = FamilyRecord {
+            family,
+            base: ruleset::build_base(plan, cfg, family),
+            services: BTreeMap::new(),
+            shared: BTreeMap::new(),
+        };
+        for (name, svc) in &plan.services {
+            let frag = ruleset::build_service(svc, plan, cfg, family);
+            r.add_shared(name, &frag);
+            r.services.insert(name.clone(), (svc.clone(), frag));
+        }
+        r
+    }
+
+    /// The whole table as one ruleset (for the full script and verification).
+    pub fn assemble(&self) -> Ruleset {
+        let mut rs = self.base.clone();
+        for (_, frag) in self.services.values() {
+            rs.chains.extend(frag.own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
+            rs.sets.extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        for ((set, key), owners) in &self.shared {
+            if let (Some(s), Some(v)) = (rs.sets.get_mut(*set), owners.values().next()) {
+                s.elements.insert(key.clone(), v.clone());
+            }
+        }
+        rs
+    }
+
+    fn add_shared(&mut self, name: &ServiceName, frag: &Fragment) {
+        for (seq, (set, key, value)) in frag.shared.iter().enumerate() {
+            self.shared.entry((*set, key.clone())).or_default().entry((name.clone(), seq as u32)).or_insert_with(|| value.clone());
+        }
+    }
+
+    fn remove_shared(&mut self, name: &ServiceName, frag: &Fragment) {
+        for (seq, (set, key, _)) in frag.shared.iter().enumerate() {
+            let k = (*set, key.clone());
+            if let Some(owners) = self.shared.get_mut(&k) {
+                owners.remove(&(name.clone(), seq as u32));
+                if owners.is_empty() {
+                    self.shared.remove(&k);
+                }
+            }
+        }
+    }
+
+    fn effective(&self, k: &SharedKey) -> Option<String> {
+        self.shared.get(k).and_then(|o| o.values().next().cloned())
+    }
+
+    /// Moves the record to `plan`, writing the delta script into `pre`/`mid`/`post`
+    /// (concatenated in that order they form one valid transaction). Returns `None` when
+    /// only a full sync can apply the change; the record is then unusable.
+    pub fn advance(
+        &mut self,
+        plan: &NodePlan,
+        cfg: &DataplaneConfig,
+        pre: &mut String,
+        mid: &mut String,
+        post: &mut String,
+    ) -> Option<DeltaCounts> {
+        let mut n = DeltaCounts::default();
+        let new_base = ruleset::build_base(plan, cfg, self.family);
+        if !new_base.delta_pre(&self.base, pre, &mut n) {
+            return None;
+        }
+        new_base.delta_post(&self.base, post, &mut n);
+        let empty = Fragment { own: Ruleset { sets: BTreeMap::new(), chains: BTreeMap::new(), ..new_base.clone() }, shared: Vec::new() };
+        self.base = new_base;
+
+        // Which Services changed: a different Arc that is also different by value.
+        let mut changed: Vec<ServiceName> = Vec::new();
+        for (name, svc) in &plan.services {
+            match self.services.get_mut(name) {
+                Some((old, _)) if Arc::ptr_eq(old, svc) => {}
+                Some((old, _)) if **old == **svc => *old = svc.clone(),
+                _ => changed.push(name.clone()),
+            }
+        }
+        changed.extend(self.services.keys().filter(|k| !plan.services.contains_key(*k)).cloned());
+
+        let mut touched: BTreeMap<SharedKey, Option<String>> = BTreeMap::new();
+        for name in changed {
+            let old = self.services.remove(&name);
+            let new = plan.services.get(&name).map(|svc| (svc.clone(), ruleset::build_service(svc, plan, cfg, self.family)));
+            let old_frag = old.as_ref().map(|(_, f)| f).unwrap_or(&empty);
+            let new_frag = new.as_ref().map(|(_, f)| f).unwrap_or(&empty);
+            if !new_frag.own.delta_pre(&old_frag.own, pre, &mut n) {
+                return None;
+            }
+            new_frag.own.delta_post(&old_frag.own, post, &mut n);
+            for (set, key, _) in old_frag.shared.iter().chain(&new_frag.shared) {
+                let k = (*set, key.clone());
+                if !touched.contains_key(&k) {
+                    let before = self.effective(&k);
+                    touched.insert(k, before);
+                }
+            }
+            if let Some((_, f)) = &old {
+                self.remove_shared(&name, f);
+            }
+            if let Some((svc, f)) = new {
+                self.add_shared(&name, &f);
+                self.services.insert(name, (svc, f));
+            }
+        }
+
+        // Shared elements whose effective value changed: deletes first, then adds.
+        let (fam, t) = (self.base.family, self.base.table.clone());
+        let mut dels: BTreeMap<&'static str, BTreeSet<String>> = BTreeMap::new();
+        let mut adds: BTreeMap<&'static str, BTreeMap<String, String>> = BTreeMap::new();
+        for (k, before) in touched {
+            let after = self.effective(&k);
+            if before == after {
+                continue;
+            }
+            if before.is_some() {
+                dels.entry(k.0).or_default().insert(k.1.clone());
+            }
+            if let Some(v) = after {
+                adds.entry(k.0).or_default().insert(k.1, v);
+            }
+        }
+        let blank = String::new();
+        for (set, keys) in &dels {
+            n.elements_deleted += keys.len();
+            ruleset::elements(mid, "delete", fam, &t, set, keys.iter().map(|k| (k, &blank)), false);
+        }
+        for (set, kv) in &adds {
+            n.elements_added += kv.len();
+            ruleset::elements(mid, "add", fam, &t, set, kv.iter(), true);
+        }
+        Some(n)
+    }
+}
