@@ -23,6 +23,10 @@ fn main() {
              apiVersion: policy/v1\nkind: PodDisruptionBudget\nmetadata: {{name: web, namespace: ns-{i}}}\nspec: {{maxUnavailable: 1, selector: {{matchLabels: {{app: web}}}}}}\n---\n"
         ));
     }
+    let t = Instant::now();
+    let (values, _) = kproxy_core::manifest::documents("scale.yaml", &text);
+    let split = t.elapsed();
+    drop(values);
     let t0 = Instant::now();
     let mut inv = Inventory::default();
     inv.add_file("scale.yaml", &text);
@@ -38,9 +42,10 @@ fn main() {
     let lint = t1.elapsed();
     assert!(inv.errors.is_empty(), "{:?}", inv.errors.first());
     println!(
-        "{n} namespaces ({} objects, {} KiB of YAML): read+typed {:?}, rules {:?}, {} findings",
+        "{n} namespaces ({} objects, {} KiB of YAML): split alone (kproxy_core::manifest::documents) {:?}; split+typed {:?}; rules {:?}; {} findings",
         inv.workloads.len() + inv.services.len() + inv.pdbs.len(),
         text.len() / 1024,
+        split,
         read,
         lint,
         findings.len()

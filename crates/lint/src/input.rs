@@ -6,7 +6,7 @@
 //! this module only types each raw document with `serde_path_to_error`, so a broken object
 //! is reported with its file, `Kind namespace/name` and field path, and the others still load.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use k8s_openapi::api::apps::v1 as appsv1;
@@ -115,6 +115,9 @@ pub struct Inventory {
     /// Nodes present in the input (used as the node count when `--nodes` is not given).
     pub nodes: usize,
     pub errors: Vec<ManifestError>,
+    /// (kind, namespace, name) → position in `services` / `pdbs`, for replacing a
+    /// redefinition without a scan.
+    positions: HashMap<(&'static str, String, String), usize>,
 }
 
 impl Inventory {
@@ -161,26 +164,26 @@ impl Inventory {
                 Err(e) => fail(self, e),
             },
             ("Service", "v1" | "") => match typed::<corev1::Service>(v) {
-                Ok(object) => replace_or_push(
-                    &mut self.services,
-                    At {
+                Ok(object) => {
+                    let key = key("Service", &object.metadata);
+                    let new = At {
                         location: location.clone(),
                         object,
-                    },
-                    |s| &s.metadata,
-                ),
+                    };
+                    replace_or_push(&mut self.services, &mut self.positions, key, new)
+                }
                 Err(e) => fail(self, e),
             },
             ("PodDisruptionBudget", "policy/v1" | "") => {
                 match typed::<policyv1::PodDisruptionBudget>(v) {
-                    Ok(object) => replace_or_push(
-                        &mut self.pdbs,
-                        At {
+                    Ok(object) => {
+                        let key = key("PodDisruptionBudget", &object.metadata);
+                        let new = At {
                             location: location.clone(),
                             object,
-                        },
-                        |p| &p.metadata,
-                    ),
+                        };
+                        replace_or_push(&mut self.pdbs, &mut self.positions, key, new)
+                    }
                     Err(e) => fail(self, e),
                 }
             }
@@ -197,15 +200,28 @@ impl Inventory {
 /// in order would. (Workloads are all kept: each definition is checked and reported.)
 fn replace_or_push<T>(
     list: &mut Vec<At<T>>,
+    positions: &mut HashMap<(&'static str, String, String), usize>,
+    key: (&'static str, String, String),
     new: At<T>,
-    meta: impl Fn(&T) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
 ) {
-    let key = |o: &T| (namespace_of(meta(o)), meta(o).name.clone());
-    let k = key(&new.object);
-    match list.iter_mut().find(|a| key(&a.object) == k) {
-        Some(old) => *old = new,
-        None => list.push(new),
+    match positions.get(&key) {
+        Some(&i) => list[i] = new,
+        None => {
+            positions.insert(key, list.len());
+            list.push(new);
+        }
     }
+}
+
+fn key(
+    kind: &'static str,
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> (&'static str, String, String) {
+    (
+        kind,
+        namespace_of(meta),
+        meta.name.clone().unwrap_or_default(),
+    )
 }
 
 /// The namespace an object lives in, borrowed (`default` when unset).
