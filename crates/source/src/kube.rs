@@ -54,8 +54,8 @@ pub enum SourceError {
     InCluster(#[source] kube::config::InClusterError),
     #[error("cannot build the Kubernetes client: {0}")]
     Client(#[source] kube::Error),
-    #[error("the {0} watch ended")]
-    WatchEnded(Kind),
+    #[error("the Kubernetes watches ended")]
+    WatchEnded,
 }
 
 /// A client from a kubeconfig file, or the in-cluster configuration (service account
@@ -217,14 +217,19 @@ where
 pub async fn run(client: kube::Client, cfg: KubeSourceConfig, handle: StateHandle) -> Result<(), SourceError> {
     cfg.validate()?;
     let labels = label_selector(&cfg.ownership);
+    // Lists with resourceVersion=0 are served from the API server's watch cache, as
+    // client-go's reflectors do: thousands of nodes relisting must not all reach etcd.
+    // kube-rs drops resourceVersion=0 from paginated lists, and the watch cache answers
+    // in one response anyway, so no page size.
+    let base = || {
+        let mut c = watcher::Config::default().any_semantic();
+        c.page_size = None;
+        c
+    };
     let streams = vec![
-        watch::<corev1::Service>(client.clone(), watcher::Config::default().labels(&labels)).boxed(),
-        watch::<discoveryv1::EndpointSlice>(client.clone(), watcher::Config::default().labels(&labels)).boxed(),
-        watch::<corev1::Node>(
-            client,
-            watcher::Config::default().fields(&node_field_selector(&cfg.node_name)),
-        )
-        .boxed(),
+        watch::<corev1::Service>(client.clone(), base().labels(&labels)).boxed(),
+        watch::<discoveryv1::EndpointSlice>(client.clone(), base().labels(&labels)).boxed(),
+        watch::<corev1::Node>(client, base().fields(&node_field_selector(&cfg.node_name))).boxed(),
     ];
     let mut events = futures::stream::select_all(streams);
     let mut folder = Folder::new();
@@ -262,7 +267,7 @@ pub async fn run(client: kube::Client, cfg: KubeSourceConfig, handle: StateHandl
         }
     }
     // select_all ends only when every watcher ended, which kube's watcher never does.
-    Err(SourceError::WatchEnded(Kind::Service))
+    Err(SourceError::WatchEnded)
 }
 
 #[cfg(test)]

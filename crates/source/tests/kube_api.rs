@@ -516,6 +516,11 @@ async fn first_sync_waits_until_services_slices_and_the_node_are_listed() {
         h.api.nodes.requests()[0].get("fieldSelector").map(String::as_str),
         Some("metadata.name=node-a")
     );
+    // Lists come from the API server's watch cache (resourceVersion=0), as client-go's.
+    assert_eq!(
+        h.api.services.requests()[0].get("resourceVersion").map(String::as_str),
+        Some("0")
+    );
     // After the list, a watch from the list's resourceVersion.
     wait_server(&h, "the service watch", |api| !api.services.watches().is_empty()).await;
     let w = &h.api.services.watches()[0];
