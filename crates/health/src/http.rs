@@ -67,7 +67,7 @@ pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
 }
 
 /// The answer as an HTTP response (common headers added here).
-pub fn response(a: &Answer) -> Response<Full<Bytes>> {
+pub fn response(a: Answer) -> Response<Full<Bytes>> {
     let mut b = Response::builder()
         .status(a.status)
         .header("Content-Type", "application/json")
@@ -76,7 +76,7 @@ pub fn response(a: &Answer) -> Response<Full<Bytes>> {
         b = b.header("X-Load-Balancing-Endpoint-Weight", w);
     }
     // Invariant: status codes are 200/404/503 and header values are ASCII.
-    b.body(Full::new(Bytes::from(a.body.clone()))).expect("valid response")
+    b.body(Full::new(Bytes::from(a.body))).expect("valid response")
 }
 
 #[derive(Default)]
@@ -195,7 +195,7 @@ async fn serve_conn(stream: tokio::net::TcpStream, id: u64, evict: CancellationT
     let svc = service_fn(move |req: Request<Incoming>| {
         let (parts, _body) = req.into_parts();
         let answer = handler(&parts);
-        async move { Ok::<_, Infallible>(response(&answer)) }
+        async move { Ok::<_, Infallible>(response(answer)) }
     });
     let mut builder = http1::Builder::new();
     builder

@@ -433,6 +433,12 @@ impl Running {
                     self.bound.insert(*a, self.server.serve(l));
                     tracing::info!(service = %self.check.service, address = %a, "serving health-check node port");
                 }
+                Err(e) if a.is_ipv6() && e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
+                    // IPv6 is disabled on this host: the family is not served, which
+                    // is not a failure to retry.
+                    self.failing.remove(a);
+                    tracing::debug!(service = %self.check.service, address = %a, "IPv6 unavailable; not listening there");
+                }
                 Err(e) => {
                     shared.metrics.bind_failures.get_or_create(&labels).inc();
                     let r = Retry::after_failure(self.failing.get(a).copied());
