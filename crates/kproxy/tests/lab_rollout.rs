@@ -26,7 +26,10 @@ fn root() -> bool {
 /// Run `kproxy lab rollout -o json` with `args`; returns (exit code, JSON).
 fn rollout(args: &[&str], plot_dir: Option<&Path>) -> (i32, Value) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kproxy"));
-    cmd.args(["lab", "rollout", "-o", "json", "--time-scale", SCALE]);
+    cmd.args(["lab", "rollout", "-o", "json"]);
+    if !args.contains(&"--time-scale") {
+        cmd.args(["--time-scale", SCALE]);
+    }
     match plot_dir {
         Some(d) => {
             cmd.arg("--plot-dir").arg(d);
@@ -135,4 +138,37 @@ fn pre_stop_shorter_than_the_lb_detection_window_loses_requests_with_graceful_po
     let r = &runs(&v)[0];
     check_counts_match_records(r);
     assert!(n(r, "failed") > 0, "{}", failures_summary(r));
+}
+
+/// Seed 2's inequality with `fail-readiness-on-term` pods, behind an LB slow enough
+/// (20 s interval × 2) that it still sends new connections when readiness fails:
+/// violated (5 + 5 × 1 < 45): the pod turns not serving while alive → loss;
+/// satisfied (5 + 5 × 8 ≥ 45): killed before it turns not ready, after the LB
+/// took its node out → no loss.
+#[test]
+fn fail_readiness_on_term_pods_lose_requests_only_when_seed_2_inequality_is_violated() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root() {
+        return;
+    }
+    let common = [
+        "--pod-profile", "fail-readiness-on-term", "--pre-stop", "5", "--readiness-period", "5",
+        "--termination-grace-period", "45", "--lb-preset", "custom", "--lb-interval", "20", "--lb-timeout", "1",
+        "--lb-healthy-threshold", "1", "--lb-unhealthy-threshold", "2", "--time-scale", "0.1",
+    ];
+    let mut violated = common.to_vec();
+    violated.extend(["--readiness-failure-threshold", "2"]);
+    let (_, v) = rollout(&violated, None);
+    let r = &runs(&v)[0];
+    check_counts_match_records(r);
+    assert!(n(r, "failed") > 0, "inequality violated: {}", failures_summary(r));
+    let causes = r["bursts"].to_string();
+    assert!(causes.contains("readiness had already failed"), "{causes}");
+
+    let mut satisfied = common.to_vec();
+    satisfied.extend(["--readiness-failure-threshold", "9"]);
+    let (_, v) = rollout(&satisfied, None);
+    let r = &runs(&v)[0];
+    check_counts_match_records(r);
+    assert_eq!(n(r, "failed"), 0, "inequality satisfied: {}", failures_summary(r));
 }

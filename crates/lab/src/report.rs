@@ -181,7 +181,13 @@ pub fn explain_burst(r: &RunResult, start_ms: f64, end_ms: f64, records: &[&Requ
                 None => "until the end of the run".to_string(),
             };
             let all_sigtermed = v.live_pods.iter().all(|p| v.sigtermed.iter().any(|(x, _)| x == p));
-            if all_sigtermed {
+            let none_serving = !v.live_pods.iter().any(|p| v.ready.contains(p));
+            if none_serving {
+                causes.push(format!(
+                    "{node} kept receiving new connections {window} after its last pod became terminating, and that pod's readiness had already failed ({}): terminating and not serving, it was no endpoint while still alive, so {node} dropped new connections (seed 2: preStop + readiness period × (failureThreshold − 1) must cover terminationGracePeriodSeconds)",
+                    v.live_pods.join(", ")
+                ));
+            } else if all_sigtermed {
                 causes.push(format!(
                     "{node} kept receiving new connections {window} after its last pod became terminating, and its pods had already got SIGTERM (preStop ended) and stopped accepting: the preStop sleep is shorter than the time the load balancer needed to take {node} out"
                 ));
