@@ -238,11 +238,11 @@ impl Health {
         });
         let healthz = cfg.healthz_bind_address.map(|addr| {
             let mut h = HealthzServer::new(addr, &shared);
-            h.try_bind(&shared);
+            h.try_bind_due(&shared);
             h
         });
         if let Some(h) = &healthz {
-            lock(&ctl.observed).healthz = h.bound_addr.into_iter().collect();
+            lock(&ctl.observed).healthz = h.bound_addrs();
         }
         let task = tokio::spawn(reconcile_loop(shared.clone(), ctl.clone(), healthz));
         *lock(&ctl.task) = Some(task);
@@ -343,11 +343,20 @@ impl Retry {
     }
 }
 
-struct HealthzServer {
-    addr: SocketAddr,
-    server: http::Server,
-    bound_addr: Option<SocketAddr>,
+/// One address of the proxy health server.
+struct HealthzSlot {
+    want: SocketAddr,
+    /// The `[::]` companion of a `0.0.0.0` address: Go's wildcard listen in upstream
+    /// accepts IPv6 too. Skipped quietly when the host has no IPv6.
+    companion: bool,
+    bound: Option<SocketAddr>,
     retry: Option<Retry>,
+    unavailable: bool,
+}
+
+struct HealthzServer {
+    server: http::Server,
+    slots: Vec<HealthzSlot>,
 }
 
 impl HealthzServer {
@@ -365,24 +374,48 @@ impl HealthzServer {
             family.get_or_create(&CodeLabel { code: metrics::code(a.status) }).inc();
             a
         });
-        HealthzServer { addr, server: http::Server::new(handler, http::Limits::default()), bound_addr: None, retry: None }
+        let slot = |want, companion| HealthzSlot { want, companion, bound: None, retry: None, unavailable: false };
+        let mut slots = vec![slot(addr, false)];
+        // Port 0 (tests) would give the two sockets different ports: IPv4 only then.
+        if addr.ip() == IpAddr::V4(Ipv4Addr::UNSPECIFIED) && addr.port() != 0 {
+            slots.push(slot(SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), addr.port()), true));
+        }
+        HealthzServer { server: http::Server::new(handler, http::Limits::default()), slots }
     }
 
-    fn try_bind(&mut self, shared: &Shared) {
-        match http::bind(self.addr) {
-            Ok(l) => {
-                self.bound_addr = Some(l.local_addr().unwrap_or(self.addr));
-                self.server.serve(l);
-                self.retry = None;
-                tracing::info!(address = %self.addr, "serving /healthz and /livez");
+    /// Binds every address not bound yet whose retry is due.
+    fn try_bind_due(&mut self, shared: &Shared) {
+        for slot in &mut self.slots {
+            if slot.bound.is_some() || slot.unavailable || slot.retry.is_some_and(|r| !r.due()) {
+                continue;
             }
-            Err(e) => {
-                shared.metrics.healthz_bind_failures.inc();
-                let r = Retry::after_failure(self.retry);
-                tracing::warn!(address = %self.addr, error = %e, attempt = r.attempts + 1, "cannot bind healthzBindAddress; retrying");
-                self.retry = Some(r);
+            match http::bind(slot.want) {
+                Ok(l) => {
+                    slot.bound = Some(l.local_addr().unwrap_or(slot.want));
+                    self.server.serve(l);
+                    slot.retry = None;
+                    tracing::info!(address = %slot.want, "serving /healthz and /livez");
+                }
+                Err(e) if slot.companion && e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
+                    slot.unavailable = true;
+                    tracing::debug!(address = %slot.want, "IPv6 unavailable; /healthz served on IPv4 only");
+                }
+                Err(e) => {
+                    shared.metrics.healthz_bind_failures.inc();
+                    let r = Retry::after_failure(slot.retry);
+                    tracing::warn!(address = %slot.want, error = %e, attempt = r.attempts + 1, "cannot bind healthzBindAddress; retrying");
+                    slot.retry = Some(r);
+                }
             }
         }
+    }
+
+    fn bound_addrs(&self) -> Vec<SocketAddr> {
+        self.slots.iter().filter_map(|s| s.bound).collect()
+    }
+
+    fn next_retry(&self) -> Option<tokio::time::Instant> {
+        self.slots.iter().filter(|s| s.bound.is_none() && !s.unavailable).filter_map(|s| s.retry.map(|r| r.next)).min()
     }
 }
 
@@ -535,11 +568,8 @@ async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, mut healthz: Opt
             let status = decide::service_answer(name, t.local_endpoints, proxy_healthy).status;
             shared.note_status(&r.check, status);
         }
-        if let Some(h) = healthz.as_mut()
-            && h.bound_addr.is_none()
-            && h.retry.is_none_or(|r| r.due())
-        {
-            h.try_bind(&shared);
+        if let Some(h) = healthz.as_mut() {
+            h.try_bind_due(&shared);
         }
 
         {
@@ -555,14 +585,14 @@ async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, mut healthz: Opt
                     })
                 })
                 .collect();
-            o.healthz = healthz.as_ref().and_then(|h| h.bound_addr).into_iter().collect();
+            o.healthz = healthz.as_ref().map(HealthzServer::bound_addrs).unwrap_or_default();
         }
         ctl.done.send_replace(generation);
 
         let next_retry = running
             .values()
             .filter_map(Running::next_retry)
-            .chain(healthz.as_ref().and_then(|h| h.retry.filter(|_| h.bound_addr.is_none()).map(|r| r.next)))
+            .chain(healthz.as_ref().and_then(HealthzServer::next_retry))
             .min();
         let tick = tokio::time::Instant::now() + TICK;
         let wake_at = next_retry.map_or(tick, |r| r.min(tick));

@@ -402,3 +402,17 @@ fn a_restarted_health_server_rebinds_at_once() {
         h2.shutdown().await;
     });
 }
+
+/// `healthzBindAddress: 0.0.0.0:P` serves IPv6 too, as upstream's Go wildcard listener.
+#[test]
+fn healthz_wildcard_serves_both_families() {
+    in_netns(|| async {
+        let mut registry = Registry::default();
+        let cfg = HealthConfig { semantics: Semantics::Upstream, ..HealthConfig::default() };
+        let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0())).await.unwrap();
+        assert_eq!(h.healthz_addrs(), vec!["0.0.0.0:10256".parse().unwrap(), "[::]:10256".parse().unwrap()]);
+        assert_eq!(get("127.0.0.1:10256".parse().unwrap(), "/livez").await.status, 200);
+        assert_eq!(get("[::1]:10256".parse().unwrap(), "/healthz").await.status, 200);
+        h.shutdown().await;
+    });
+}
