@@ -140,14 +140,24 @@ fn eventually<T: Send + 'static>(ns: &Netns, what: &str, f: impl Fn() -> Option<
     }
 }
 
-#[test]
-fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sigterm() {
-    if !can_run() {
-        return;
+/// A node namespace with one pod namespace behind a veth, and the pod's HTTP server
+/// (keep-alive aware) answering "pod-1".
+struct Fabric {
+    node: Netns,
+    _pod: Netns,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
     }
-    let node = Netns::new("node");
-    let pod = Netns::new("pod");
-    let veth_node = format!("kv{}", std::process::id() % 100_000);
+}
+
+fn fabric(tag: char) -> Fabric {
+    let node = Netns::new(&format!("{tag}node"));
+    let pod = Netns::new(&format!("{tag}pod"));
+    let veth_node = format!("kv{}{tag}", std::process::id() % 100_000);
     sh(&["ip", "link", "add", &veth_node, "netns", &node.0, "type", "veth", "peer", "name", "eth0", "netns", &pod.0]);
     node.exec(&["ip", "addr", "add", "10.200.0.11/32", "dev", "lo"]);
     node.exec(&["ip", "addr", "add", "10.244.1.1/24", "dev", &veth_node]);
@@ -158,7 +168,6 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
     pod.exec(&["ip", "link", "set", "eth0", "up"]);
     pod.exec(&["ip", "route", "add", "default", "via", "10.244.1.1"]);
 
-    // The pod: answers every connection with its name.
     let stop = Arc::new(AtomicBool::new(false));
     let listener = pod.run(|| TcpListener::bind("10.244.1.5:8080").expect("pod listener"));
     let stop2 = stop.clone();
@@ -167,30 +176,38 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
             if stop2.load(Ordering::SeqCst) {
                 break;
             }
-            if let Ok(mut c) = conn {
-                let mut req = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match c.read(&mut buf) {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => req.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\npod-1");
-            }
+            let Ok(c) = conn else { continue };
+            std::thread::spawn(move || serve_http(c));
         }
     });
+    Fabric { node, _pod: pod, stop }
+}
 
-    let dir = tempfile::tempdir().unwrap();
-    write_atomic(dir.path(), "node.yaml", NODE);
-    write_atomic(dir.path(), "service.yaml", SERVICE);
-    write_atomic(dir.path(), "slice.yaml", &slice(true));
-    let events = dir.path().join("events.jsonl");
-    let table = "kpt";
-    let daemon = Daemon(
+/// Answers requests on one connection until the client closes it or asks to.
+fn serve_http(mut c: TcpStream) {
+    loop {
+        let mut req = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+            match c.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => req.extend_from_slice(&buf[..n]),
+            }
+        }
+        let close = String::from_utf8_lossy(&req).to_ascii_lowercase().contains("connection: close");
+        let header = if close { "close" } else { "keep-alive" };
+        let resp = format!("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: {header}\r\n\r\npod-1");
+        if c.write_all(resp.as_bytes()).is_err() || close {
+            return;
+        }
+    }
+}
+
+fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path) -> Daemon {
+    Daemon(
         Command::new("ip")
             .args(["netns", "exec", &node.0, env!("CARGO_BIN_EXE_kproxy"), "run"])
-            .args(["--manifests", dir.path().to_str().unwrap(), "--hostname-override", "node-a"])
+            .args(["--manifests", dir.to_str().unwrap(), "--hostname-override", "node-a"])
             .args(["--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249"])
             .args(["--min-sync-period", "50ms", "--sync-period", "5s", "--nft-table", table])
             .args(["--event-log", events.to_str().unwrap()])
@@ -198,8 +215,33 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start kproxy run"),
-    );
+    )
+}
 
+fn sigterm(daemon: &mut Daemon) -> std::process::ExitStatus {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.0.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    daemon.0.wait().unwrap()
+}
+
+fn manifests() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_atomic(dir.path(), "node.yaml", NODE);
+    write_atomic(dir.path(), "service.yaml", SERVICE);
+    write_atomic(dir.path(), "slice.yaml", &slice(true));
+    dir
+}
+
+#[test]
+fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sigterm() {
+    if !can_run() {
+        return;
+    }
+    let fab = fabric('a');
+    let node = &fab.node;
+    let dir = manifests();
+    let events = dir.path().join("events.jsonl");
+    let table = "kpt";
+    let daemon = start_daemon(node, dir.path(), table, &events);
     // The cluster IP reaches the pod; the health-check node port says 200 with 1 endpoint.
     let body = eventually(&node, "the cluster IP to answer", || http_get("10.96.0.10:80".parse().unwrap(), "/"));
     assert_eq!(body, (200, "pod-1".to_string()));
@@ -236,11 +278,75 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
 
     // SIGTERM: exit 0, rules stay.
     let mut daemon = daemon;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.0.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
-    let status = daemon.0.wait().unwrap();
+    let status = sigterm(&mut daemon);
     assert!(status.success(), "{status:?}");
     node.exec(&["nft", "list", "table", "ip", table]);
     let still = node.run(|| http_get("10.96.0.10:80".parse().unwrap(), "/"));
     assert_eq!(still, Some((200, "pod-1".to_string())), "traffic keeps flowing with kproxy stopped");
-    stop.store(true, Ordering::SeqCst);
+}
+
+/// Issue 3: a client keeps requests flowing while `kproxy run` is stopped and started
+/// again; the restarted daemon adopts its tables in one transaction, so new connections
+/// succeed throughout and an established connection survives.
+#[test]
+fn restart_under_load_loses_nothing() {
+    if !can_run() {
+        return;
+    }
+    let fab = fabric('b');
+    let dir = manifests();
+    let events = dir.path().join("events.jsonl");
+    let table = "kpr";
+    let mut daemon = start_daemon(&fab.node, dir.path(), table, &events);
+    eventually(&fab.node, "the cluster IP to answer", || http_get("10.96.0.10:80".parse().unwrap(), "/"));
+
+    // An established keep-alive connection, opened before the restart.
+    let mut kept = fab.node.run(|| TcpStream::connect("10.96.0.10:80").expect("connect"));
+    kept.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let ask = |s: &mut TcpStream| -> bool {
+        let req = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+        let mut buf = [0u8; 256];
+        s.write_all(req).is_ok() && s.read(&mut buf).is_ok_and(|n| n > 0 && buf[..n].ends_with(b"pod-1"))
+    };
+    assert!(ask(&mut kept));
+
+    // New connections, one every 20 ms, from a thread in the node namespace.
+    let done = Arc::new(AtomicBool::new(false));
+    let done2 = done.clone();
+    let path = format!("/var/run/netns/{}", fab.node.0);
+    let load = std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).expect("open netns");
+        nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let (mut sent, mut failed) = (0u32, 0u32);
+        while !done2.load(Ordering::SeqCst) {
+            sent += 1;
+            if http_get("10.96.0.10:80".parse().unwrap(), "/") != Some((200, "pod-1".to_string())) {
+                failed += 1;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (sent, failed)
+    });
+
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(sigterm(&mut daemon).success());
+    std::thread::sleep(Duration::from_millis(300));
+    let _daemon = start_daemon(&fab.node, dir.path(), table, &events);
+    // Wait for the restarted daemon's first (full) sync.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let log = std::fs::read_to_string(&events).unwrap_or_default();
+        let fulls = log.lines().filter(|l| l.contains("\"synced\"") && l.contains("\"full\":true")).count();
+        if fulls >= 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the restarted daemon never synced:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    done.store(true, Ordering::SeqCst);
+    let (sent, failed) = load.join().unwrap();
+    assert!(sent > 20, "the load generator ran ({sent} requests)");
+    assert_eq!(failed, 0, "{failed} of {sent} new connections failed across the restart");
+    assert!(ask(&mut kept), "the established connection survived the restart");
 }
