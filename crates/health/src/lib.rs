@@ -123,6 +123,7 @@ struct Shared {
     clock: Arc<dyn Clock>,
     core: Mutex<Core>,
     metrics: Metrics,
+    limits: http::Limits,
 }
 
 impl Shared {
@@ -216,6 +217,16 @@ impl Health {
         registry: &mut Registry,
         clock: Arc<dyn Clock>,
     ) -> Result<Health, HealthError> {
+        Health::start_with(cfg, registry, clock, http::Limits::default()).await
+    }
+
+    /// [`Health::start_with_clock`] with other per-server connection limits.
+    pub async fn start_with(
+        cfg: HealthConfig,
+        registry: &mut Registry,
+        clock: Arc<dyn Clock>,
+        limits: http::Limits,
+    ) -> Result<Health, HealthError> {
         if cfg.sync_period.is_zero() {
             return Err(HealthError::ZeroSyncPeriod);
         }
@@ -226,6 +237,7 @@ impl Health {
             clock,
             core: Mutex::new(Core { health: ProxyHealth::new(now), computed: None, applied: None }),
             metrics: Metrics::default(),
+            limits,
         });
         shared.metrics.register(registry);
         let ctl = Arc::new(Control {
@@ -380,7 +392,7 @@ impl HealthzServer {
         if addr.ip() == IpAddr::V4(Ipv4Addr::UNSPECIFIED) && addr.port() != 0 {
             slots.push(slot(SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), addr.port()), true));
         }
-        HealthzServer { server: http::Server::new(handler, http::Limits::default()), slots }
+        HealthzServer { server: http::Server::new(handler, shared.limits), slots }
     }
 
     /// Binds every address not bound yet whose retry is due.
@@ -442,7 +454,7 @@ impl Running {
             s.note_status(&c, a.status);
             a
         });
-        Running { check, server: http::Server::new(handler, http::Limits::default()), bound: BTreeMap::new(), failing: BTreeMap::new() }
+        Running { check, server: http::Server::new(handler, shared.limits), bound: BTreeMap::new(), failing: BTreeMap::new() }
     }
 
     /// Binds what is wanted and due, unbinds what is not wanted any more.

@@ -130,3 +130,32 @@ where
     .await;
     out.into_iter().map(|o| o.expect("ready")).collect()
 }
+
+/// A client that never finishes its request head is disconnected after the header
+/// read timeout (shortened here); a well-behaved probe on the same server still works.
+#[test]
+fn half_requests_are_disconnected_after_the_header_timeout() {
+    in_netns(|| async {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let cfg = HealthConfig { healthz_bind_address: None, semantics: Semantics::Upstream, sync_period: Duration::from_secs(30) };
+        let limits = kproxy_health::http::Limits { header_read_timeout: Duration::from_millis(300), ..Default::default() };
+        let h = Health::start_with(cfg, &mut registry, ManualClock::new(t0()), limits).await.unwrap();
+        let p = plan(&[svc("a", "b", PORT, &["10.244.0.5"])]);
+        h.plan_computed(&p);
+        h.plan_applied(&p);
+        h.reconciled().await;
+        let mut half = TcpStream::connect(addr()).await.unwrap();
+        half.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ").await.unwrap();
+        let mut idle = TcpStream::connect(addr()).await.unwrap(); // sends nothing at all
+        assert_eq!(get(addr(), "/").await.status, 200);
+        for (what, s) in [("half request", &mut half), ("silent connection", &mut idle)] {
+            let mut out = Vec::new();
+            // Generous bound so a hang fails instead of blocking the run; no timing asserted.
+            let closed = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await;
+            assert!(closed.is_ok(), "{what}: not disconnected");
+            let text = String::from_utf8_lossy(&out);
+            assert!(!text.starts_with("HTTP/1.1 200"), "{what}: answered {text:?}");
+        }
+        h.shutdown().await;
+    });
+}
