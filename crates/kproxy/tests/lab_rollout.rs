@@ -42,8 +42,12 @@ fn rollout(args: &[&str], plot_dir: Option<&Path>) -> (i32, Value) {
     let out = cmd.output().expect("run kproxy lab rollout");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let json: Value = serde_json::from_str(&stdout)
-        .unwrap_or_else(|e| panic!("no JSON report ({e}); exit {:?}\nstderr:\n{stderr}\nstdout:\n{stdout}", out.status));
+    let json: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!(
+            "no JSON report ({e}); exit {:?}\nstderr:\n{stderr}\nstdout:\n{stdout}",
+            out.status
+        )
+    });
     (out.status.code().unwrap_or(-1), json)
 }
 
@@ -52,7 +56,8 @@ fn runs(v: &Value) -> &Vec<Value> {
 }
 
 fn n(v: &Value, k: &str) -> u64 {
-    v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+    v[k].as_u64()
+        .unwrap_or_else(|| panic!("{k} missing in {v}"))
 }
 
 /// The report's counts must equal the raw records it carries.
@@ -62,15 +67,29 @@ fn check_counts_match_records(run: &Value) {
     assert_eq!(n(run, "sent"), records.len() as u64);
     assert_eq!(n(run, "ok"), ok);
     assert_eq!(n(run, "failed"), records.len() as u64 - ok);
-    let by_kind: u64 = run["failed_by_kind"].as_object().expect("kinds").values().map(|v| v.as_u64().unwrap_or(0)).sum();
+    let by_kind: u64 = run["failed_by_kind"]
+        .as_object()
+        .expect("kinds")
+        .values()
+        .map(|v| v.as_u64().unwrap_or(0))
+        .sum();
     assert_eq!(by_kind, n(run, "failed"));
-    assert!(n(run, "sent") > 100, "the load generator really sent load: {}", n(run, "sent"));
+    assert!(
+        n(run, "sent") > 100,
+        "the load generator really sent load: {}",
+        n(run, "sent")
+    );
 }
 
 fn failures_summary(run: &Value) -> String {
     format!(
         "{} run {}: {} of {} failed {}; bursts: {}",
-        run["behaviour"], run["run"], run["failed"], run["sent"], run["failed_by_kind"], run["bursts"]
+        run["behaviour"],
+        run["run"],
+        run["failed"],
+        run["sent"],
+        run["failed_by_kind"],
+        run["bursts"]
     )
 }
 
@@ -98,21 +117,40 @@ fn pre_126_behaviour_loses_requests_in_every_run_and_the_report_says_why() {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");
-    let (_, v) = rollout(&["--proxy-terminating-endpoints=false", "--runs", "2"], Some(dir.path()));
+    let (_, v) = rollout(
+        &["--proxy-terminating-endpoints=false", "--runs", "2"],
+        Some(dir.path()),
+    );
     let rs = runs(&v);
     assert_eq!(rs.len(), 2);
     for r in rs {
         assert_eq!(r["behaviour"], "pre-1.26");
         check_counts_match_records(r);
-        assert!(n(r, "failed") > 0, "pre-1.26 behaviour should lose requests: {}", failures_summary(r));
-        let causes: Vec<&str> = r["bursts"].as_array().expect("bursts").iter().filter_map(|b| b["cause"].as_str()).collect();
         assert!(
-            causes.iter().any(|c| c.contains("after its last pod became terminating")),
+            n(r, "failed") > 0,
+            "pre-1.26 behaviour should lose requests: {}",
+            failures_summary(r)
+        );
+        let causes: Vec<&str> = r["bursts"]
+            .as_array()
+            .expect("bursts")
+            .iter()
+            .filter_map(|b| b["cause"].as_str())
+            .collect();
+        assert!(
+            causes
+                .iter()
+                .any(|c| c.contains("after its last pod became terminating")),
             "a burst is explained by a node whose last pod was terminating: {causes:?}"
         );
     }
     // The plots exist and are valid images.
-    let plots: Vec<&str> = v["plots"].as_array().expect("plots").iter().filter_map(|p| p.as_str()).collect();
+    let plots: Vec<&str> = v["plots"]
+        .as_array()
+        .expect("plots")
+        .iter()
+        .filter_map(|p| p.as_str())
+        .collect();
     assert_eq!(plots.len(), 4, "{plots:?}");
     for p in plots {
         let bytes = std::fs::read(p).expect("plot file");
@@ -121,7 +159,10 @@ fn pre_126_behaviour_loses_requests_in_every_run_and_the_report_says_why() {
             assert!(bytes.len() > 1000);
         } else {
             let text = String::from_utf8_lossy(&bytes);
-            assert!(text.contains("<svg") && text.trim_end().ends_with("</svg>"), "{p} is an SVG");
+            assert!(
+                text.contains("<svg") && text.trim_end().ends_with("</svg>"),
+                "{p} is an SVG"
+            );
         }
     }
 }
@@ -152,16 +193,37 @@ fn fail_readiness_on_term_pods_lose_requests_only_when_seed_2_inequality_is_viol
         return;
     }
     let common = [
-        "--pod-profile", "fail-readiness-on-term", "--pre-stop", "5", "--readiness-period", "5",
-        "--termination-grace-period", "45", "--lb-preset", "custom", "--lb-interval", "20", "--lb-timeout", "1",
-        "--lb-healthy-threshold", "1", "--lb-unhealthy-threshold", "2", "--time-scale", "0.1",
+        "--pod-profile",
+        "fail-readiness-on-term",
+        "--pre-stop",
+        "5",
+        "--readiness-period",
+        "5",
+        "--termination-grace-period",
+        "45",
+        "--lb-preset",
+        "custom",
+        "--lb-interval",
+        "20",
+        "--lb-timeout",
+        "1",
+        "--lb-healthy-threshold",
+        "1",
+        "--lb-unhealthy-threshold",
+        "2",
+        "--time-scale",
+        "0.1",
     ];
     let mut violated = common.to_vec();
     violated.extend(["--readiness-failure-threshold", "2"]);
     let (_, v) = rollout(&violated, None);
     let r = &runs(&v)[0];
     check_counts_match_records(r);
-    assert!(n(r, "failed") > 0, "inequality violated: {}", failures_summary(r));
+    assert!(
+        n(r, "failed") > 0,
+        "inequality violated: {}",
+        failures_summary(r)
+    );
     let causes = r["bursts"].to_string();
     assert!(causes.contains("readiness had already failed"), "{causes}");
 
@@ -170,5 +232,10 @@ fn fail_readiness_on_term_pods_lose_requests_only_when_seed_2_inequality_is_viol
     let (_, v) = rollout(&satisfied, None);
     let r = &runs(&v)[0];
     check_counts_match_records(r);
-    assert_eq!(n(r, "failed"), 0, "inequality satisfied: {}", failures_summary(r));
+    assert_eq!(
+        n(r, "failed"),
+        0,
+        "inequality satisfied: {}",
+        failures_summary(r)
+    );
 }

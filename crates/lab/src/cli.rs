@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context};
+use anyhow::{Context, bail};
 
 use crate::config::RolloutConfig;
 use crate::lb::{HealthCheck, LbMode, LbPreset};
@@ -134,7 +134,8 @@ pub struct RolloutArgs {
 pub fn build_config(a: &RolloutArgs) -> anyhow::Result<RolloutConfig> {
     let mut c = match &a.config {
         Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             RolloutConfig::from_yaml(&text).with_context(|| format!("in {}", p.display()))?
         }
         None => RolloutConfig::default(),
@@ -154,15 +155,29 @@ pub fn build_config(a: &RolloutArgs) -> anyhow::Result<RolloutConfig> {
     set!(a.one_pod_per_node, c.deployment.one_pod_per_node);
     set!(a.pod_profile, c.pod.profile);
     set!(a.pre_stop, c.pod.pre_stop_sleep_seconds);
-    set!(a.termination_grace_period, c.pod.termination_grace_period_seconds);
-    set!(a.readiness_initial_delay, c.pod.readiness_probe.initial_delay_seconds);
+    set!(
+        a.termination_grace_period,
+        c.pod.termination_grace_period_seconds
+    );
+    set!(
+        a.readiness_initial_delay,
+        c.pod.readiness_probe.initial_delay_seconds
+    );
     set!(a.readiness_period, c.pod.readiness_probe.period_seconds);
     set!(a.readiness_timeout, c.pod.readiness_probe.timeout_seconds);
-    set!(a.readiness_success_threshold, c.pod.readiness_probe.success_threshold);
-    set!(a.readiness_failure_threshold, c.pod.readiness_probe.failure_threshold);
+    set!(
+        a.readiness_success_threshold,
+        c.pod.readiness_probe.success_threshold
+    );
+    set!(
+        a.readiness_failure_threshold,
+        c.pod.readiness_probe.failure_threshold
+    );
     set!(a.lb_preset, c.load_balancer.preset);
     set!(a.lb_mode, c.load_balancer.mode);
-    let custom = [a.lb_interval, a.lb_timeout, a.lb_registration_delay].iter().any(Option::is_some)
+    let custom = [a.lb_interval, a.lb_timeout, a.lb_registration_delay]
+        .iter()
+        .any(Option::is_some)
         || a.lb_healthy_threshold.is_some()
         || a.lb_unhealthy_threshold.is_some();
     if custom {
@@ -182,7 +197,9 @@ pub fn build_config(a: &RolloutArgs) -> anyhow::Result<RolloutConfig> {
             timeout_seconds: a.lb_timeout.unwrap_or(base.timeout_seconds),
             healthy_threshold: a.lb_healthy_threshold.unwrap_or(base.healthy_threshold),
             unhealthy_threshold: a.lb_unhealthy_threshold.unwrap_or(base.unhealthy_threshold),
-            registration_delay_seconds: a.lb_registration_delay.unwrap_or(base.registration_delay_seconds),
+            registration_delay_seconds: a
+                .lb_registration_delay
+                .unwrap_or(base.registration_delay_seconds),
         });
     }
     set!(a.rate, c.load.new_connection_rate);
@@ -207,8 +224,16 @@ fn which(tool: &str) -> bool {
 
 /// Check for the tools the lab runs; install them with apt-get when asked.
 fn ensure_tools(install: bool) -> anyhow::Result<()> {
-    let needed = [("ip", "iproute2"), ("nft", "nftables"), ("conntrack", "conntrack")];
-    let missing: Vec<&str> = needed.iter().filter(|(t, _)| !which(t)).map(|(_, p)| *p).collect();
+    let needed = [
+        ("ip", "iproute2"),
+        ("nft", "nftables"),
+        ("conntrack", "conntrack"),
+    ];
+    let missing: Vec<&str> = needed
+        .iter()
+        .filter(|(t, _)| !which(t))
+        .map(|(_, p)| *p)
+        .collect();
     if missing.is_empty() {
         return Ok(());
     }
@@ -280,9 +305,14 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
     }
     let mut plots = Vec::new();
     if !a.no_plot {
-        std::fs::create_dir_all(&a.plot_dir).with_context(|| format!("creating {}", a.plot_dir.display()))?;
+        std::fs::create_dir_all(&a.plot_dir)
+            .with_context(|| format!("creating {}", a.plot_dir.display()))?;
         for r in &runs {
-            let stem = a.plot_dir.join(format!("kproxy-lab-rollout-{}-run{}", r.behaviour.as_str(), r.run + 1));
+            let stem = a.plot_dir.join(format!(
+                "kproxy-lab-rollout-{}-run{}",
+                r.behaviour.as_str(),
+                r.run + 1
+            ));
             match plot::write_plots(r, &stem) {
                 Ok(ps) => plots.extend(ps.into_iter().map(|p| p.display().to_string())),
                 Err(e) => eprintln!("kproxy lab: warning: {e}"),
@@ -299,8 +329,14 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
         }
     }
     // The claim under test: kproxy behaviour loses nothing.
-    let kproxy_lost = runs.iter().any(|r| r.behaviour == Behaviour::Kproxy && r.records.iter().any(|x| !x.outcome.is_ok()));
-    Ok(if kproxy_lost { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    let kproxy_lost = runs
+        .iter()
+        .any(|r| r.behaviour == Behaviour::Kproxy && r.records.iter().any(|x| !x.outcome.is_ok()));
+    Ok(if kproxy_lost {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 #[cfg(test)]
@@ -325,7 +361,17 @@ mod tests {
 
     #[test]
     fn flags_override_defaults() {
-        let a = parse(&["rollout", "--pre-stop", "2", "--lb-preset", "aws-nlb", "--lb-interval", "4", "--pod-profile", "exit-on-term"]);
+        let a = parse(&[
+            "rollout",
+            "--pre-stop",
+            "2",
+            "--lb-preset",
+            "aws-nlb",
+            "--lb-interval",
+            "4",
+            "--pod-profile",
+            "exit-on-term",
+        ]);
         let c = build_config(&a).unwrap();
         assert_eq!(c.pod.pre_stop_sleep_seconds, 2.0);
         assert_eq!(c.pod.profile, PodProfile::ExitOnTerm);
@@ -336,7 +382,15 @@ mod tests {
 
     #[test]
     fn pre_126_flag_parses() {
-        let a = parse(&["rollout", "--proxy-terminating-endpoints=false", "--compare", "--runs", "3", "-o", "json"]);
+        let a = parse(&[
+            "rollout",
+            "--proxy-terminating-endpoints=false",
+            "--compare",
+            "--runs",
+            "3",
+            "-o",
+            "json",
+        ]);
         assert_eq!(a.proxy_terminating_endpoints, Some(false));
         assert!(a.compare);
         assert_eq!(a.runs, 3);

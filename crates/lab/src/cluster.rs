@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
+use crate::LabError;
 use crate::controlplane::{ControlPlane, PodRecord};
 use crate::fabric::{Fabric, PodNet};
 use crate::pod::{PodProfile, PodServer, PodSignal};
 use crate::timeline::{EventKind, Recorder};
-use crate::LabError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -77,7 +77,11 @@ impl PodRuntime {
     fn available(&self, min_ready: Duration) -> bool {
         self.is_ready()
             && !self.is_deleting()
-            && self.ready_since.lock().expect("lock").is_some_and(|t| t.elapsed() >= min_ready)
+            && self
+                .ready_since
+                .lock()
+                .expect("lock")
+                .is_some_and(|t| t.elapsed() >= min_ready)
     }
 }
 
@@ -93,7 +97,13 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    pub fn new(fabric: Arc<Fabric>, cp: ControlPlane, recorder: Recorder, template: PodTemplate, deployment: DeploymentSpec) -> Arc<Cluster> {
+    pub fn new(
+        fabric: Arc<Fabric>,
+        cp: ControlPlane,
+        recorder: Recorder,
+        template: PodTemplate,
+        deployment: DeploymentSpec,
+    ) -> Arc<Cluster> {
         let idle_close = recorder.clock().real(2.0).max(Duration::from_millis(500));
         Arc::new(Cluster {
             fabric,
@@ -108,7 +118,13 @@ impl Cluster {
     }
 
     pub fn pods(&self) -> Vec<Arc<PodRuntime>> {
-        self.pods.lock().expect("pods lock").iter().filter(|p| !p.is_gone()).cloned().collect()
+        self.pods
+            .lock()
+            .expect("pods lock")
+            .iter()
+            .filter(|p| !p.is_gone())
+            .cloned()
+            .collect()
     }
 
     /// Pick a node for a new pod: the one with fewest pods of the Deployment;
@@ -129,7 +145,11 @@ impl Cluster {
         best.map(|(i, _)| i)
     }
 
-    fn create_pod(self: &Arc<Self>, revision: u32, node_index: usize) -> Result<Arc<PodRuntime>, LabError> {
+    fn create_pod(
+        self: &Arc<Self>,
+        revision: u32,
+        node_index: usize,
+    ) -> Result<Arc<PodRuntime>, LabError> {
         let id = {
             let mut n = self.next_id.lock().expect("id lock");
             *n += 1;
@@ -137,7 +157,8 @@ impl Cluster {
         };
         let name = format!("web-r{revision}-{id}");
         let net = self.fabric.add_pod(node_index, &name)?;
-        let server = PodServer::start(&name, net.ns.name(), self.template.profile, self.idle_close)?;
+        let server =
+            PodServer::start(&name, net.ns.name(), self.template.profile, self.idle_close)?;
         let node = crate::fabric::node_name(node_index);
         let pod = Arc::new(PodRuntime {
             name: name.clone(),
@@ -160,7 +181,12 @@ impl Cluster {
             deleting: false,
             finished: false,
         });
-        self.recorder.record(EventKind::PodCreated, Some(&node), Some(&name), format!("revision {revision}, {}", pod.ip));
+        self.recorder.record(
+            EventKind::PodCreated,
+            Some(&node),
+            Some(&name),
+            format!("revision {revision}, {}", pod.ip),
+        );
         self.pods.lock().expect("pods lock").push(pod.clone());
         let (c, p) = (self.clone(), pod.clone());
         tokio::spawn(async move { c.probe_loop(p).await });
@@ -188,7 +214,11 @@ impl Cluster {
         self.cp.update_pod(&pod.name, |r| r.ready = ready);
         let node = crate::fabric::node_name(pod.node_index);
         self.recorder.record(
-            if ready { EventKind::PodReady } else { EventKind::PodNotReady },
+            if ready {
+                EventKind::PodReady
+            } else {
+                EventKind::PodNotReady
+            },
             Some(&node),
             Some(&pod.name),
             why,
@@ -226,7 +256,10 @@ impl Cluster {
             // container stop without waiting for a probe).
             let until = Instant::now() + period;
             while Instant::now() < until && !pod.is_gone() && !Self::server_exited(&pod) {
-                tokio::time::sleep(Duration::from_millis(5).min(until.saturating_duration_since(Instant::now()))).await;
+                tokio::time::sleep(
+                    Duration::from_millis(5).min(until.saturating_duration_since(Instant::now())),
+                )
+                .await;
             }
         }
     }
@@ -242,17 +275,32 @@ impl Cluster {
         if let Some(s) = pod.server.lock().expect("server lock").as_ref() {
             s.signal(PodSignal::Term);
         }
-        self.recorder.record(EventKind::PodSigterm, Some(&node), Some(&pod.name), "SIGTERM after preStop");
+        self.recorder.record(
+            EventKind::PodSigterm,
+            Some(&node),
+            Some(&pod.name),
+            "SIGTERM after preStop",
+        );
         loop {
             if Self::server_exited(&pod) {
-                self.recorder.record(EventKind::PodExited, Some(&node), Some(&pod.name), "process exited");
+                self.recorder.record(
+                    EventKind::PodExited,
+                    Some(&node),
+                    Some(&pod.name),
+                    "process exited",
+                );
                 break;
             }
             if Instant::now() >= grace_end {
                 if let Some(s) = pod.server.lock().expect("server lock").as_ref() {
                     s.signal(PodSignal::Kill);
                 }
-                self.recorder.record(EventKind::PodKilled, Some(&node), Some(&pod.name), "SIGKILL at end of grace period");
+                self.recorder.record(
+                    EventKind::PodKilled,
+                    Some(&node),
+                    Some(&pod.name),
+                    "SIGKILL at end of grace period",
+                );
                 break;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -273,7 +321,12 @@ impl Cluster {
         }
         self.cp.update_pod(&pod.name, |r| r.deleting = true);
         let node = crate::fabric::node_name(pod.node_index);
-        self.recorder.record(EventKind::PodTerminating, Some(&node), Some(&pod.name), "deletionTimestamp set; preStop starts");
+        self.recorder.record(
+            EventKind::PodTerminating,
+            Some(&node),
+            Some(&pod.name),
+            "deletionTimestamp set; preStop starts",
+        );
         pod.delete.notify_one();
     }
 
@@ -284,8 +337,16 @@ impl Cluster {
         let min_ready = self.recorder.clock().real(d.min_ready_seconds);
         let pods = self.pods();
         let active: Vec<&Arc<PodRuntime>> = pods.iter().filter(|p| !p.is_deleting()).collect();
-        let old: Vec<&Arc<PodRuntime>> = active.iter().copied().filter(|p| p.revision != revision).collect();
-        let new: Vec<&Arc<PodRuntime>> = active.iter().copied().filter(|p| p.revision == revision).collect();
+        let old: Vec<&Arc<PodRuntime>> = active
+            .iter()
+            .copied()
+            .filter(|p| p.revision != revision)
+            .collect();
+        let new: Vec<&Arc<PodRuntime>> = active
+            .iter()
+            .copied()
+            .filter(|p| p.revision == revision)
+            .collect();
         let new_avail = new.iter().filter(|p| p.available(min_ready)).count() as i64;
         let old_avail = old.iter().filter(|p| p.available(min_ready)).count() as i64;
         let replicas = d.replicas as i64;
@@ -329,7 +390,9 @@ impl Cluster {
                 return Ok(());
             }
             if start.elapsed() > limit {
-                return Err(LabError::Invalid(format!("rollout to revision {revision} did not finish within {limit:?}")));
+                return Err(LabError::Invalid(format!(
+                    "rollout to revision {revision} did not finish within {limit:?}"
+                )));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

@@ -3,11 +3,11 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::LabError;
 use crate::cluster::{DeploymentSpec, PodTemplate, ReadinessProbe};
 use crate::lb::{HealthCheck, LbMode, LbPreset};
 use crate::loadgen::LoadSpec;
 use crate::pod::PodProfile;
-use crate::LabError;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -23,7 +23,9 @@ impl LoadBalancerSpec {
     pub fn effective_health_check(&self) -> Result<HealthCheck, LabError> {
         self.health_check
             .or_else(|| self.preset.health_check())
-            .ok_or_else(|| LabError::Invalid("load balancer preset `custom` needs healthCheck settings".into()))
+            .ok_or_else(|| {
+                LabError::Invalid("load balancer preset `custom` needs healthCheck settings".into())
+            })
     }
 }
 
@@ -74,7 +76,11 @@ impl Default for RolloutConfig {
                     failure_threshold: 3,
                 },
             },
-            load_balancer: LoadBalancerSpec { preset: LbPreset::Gke, mode: LbMode::Passthrough, health_check: None },
+            load_balancer: LoadBalancerSpec {
+                preset: LbPreset::Gke,
+                mode: LbMode::Passthrough,
+                health_check: None,
+            },
             load: LoadSpec::default(),
             propagation_delay_seconds: 0.5,
             time_scale: 0.1,
@@ -104,7 +110,10 @@ impl RolloutConfig {
             return bad("maxSurge and maxUnavailable cannot both be 0 (the Deployment would never progress)".into());
         }
         if d.one_pod_per_node && d.replicas as usize > self.nodes {
-            return bad(format!("{} replicas cannot run one per node on {} nodes", d.replicas, self.nodes));
+            return bad(format!(
+                "{} replicas cannot run one per node on {} nodes",
+                d.replicas, self.nodes
+            ));
         }
         if d.one_pod_per_node && d.max_unavailable == 0 && d.replicas as usize == self.nodes {
             return bad("one pod per node on every node with maxUnavailable 0: the surge pod can never be scheduled".into());
@@ -121,19 +130,31 @@ impl RolloutConfig {
             self.settle_seconds,
             d.min_ready_seconds,
         ];
-        if nums.iter().any(|v| !v.is_finite() || *v < 0.0 || *v > 3600.0) {
+        if nums
+            .iter()
+            .any(|v| !v.is_finite() || *v < 0.0 || *v > 3600.0)
+        {
             return bad("durations must be between 0 and 3600 seconds".into());
         }
-        if !(self.pod.readiness_probe.period_seconds > 0.0) {
+        if self.pod.readiness_probe.period_seconds.is_nan()
+            || self.pod.readiness_probe.period_seconds <= 0.0
+        {
             return bad("readinessProbe.periodSeconds must be > 0".into());
         }
         let hc = self.load_balancer.effective_health_check()?;
-        if !(hc.interval_seconds > 0.0 && hc.timeout_seconds > 0.0) || hc.healthy_threshold == 0 || hc.unhealthy_threshold == 0 {
+        if !(hc.interval_seconds > 0.0 && hc.timeout_seconds > 0.0)
+            || hc.healthy_threshold == 0
+            || hc.unhealthy_threshold == 0
+        {
             return bad("health check interval/timeout must be > 0 and thresholds >= 1".into());
         }
         let l = &self.load;
-        if !(l.new_connection_rate >= 0.0 && l.new_connection_rate <= 5000.0) || l.keepalive_connections > 500 {
-            return bad("load: newConnectionRate must be 0..=5000 and keepaliveConnections <= 500".into());
+        if !(l.new_connection_rate >= 0.0 && l.new_connection_rate <= 5000.0)
+            || l.keepalive_connections > 500
+        {
+            return bad(
+                "load: newConnectionRate must be 0..=5000 and keepaliveConnections <= 500".into(),
+            );
         }
         if l.new_connection_rate == 0.0 && l.keepalive_connections == 0 {
             return bad("load: no traffic configured".into());
@@ -146,7 +167,8 @@ impl RolloutConfig {
     pub fn seed2_inequality_holds(&self) -> bool {
         let p = &self.pod;
         p.pre_stop_sleep_seconds
-            + p.readiness_probe.period_seconds * (p.readiness_probe.failure_threshold.saturating_sub(1)) as f64
+            + p.readiness_probe.period_seconds
+                * (p.readiness_probe.failure_threshold.saturating_sub(1)) as f64
             >= p.termination_grace_period_seconds
     }
 }
@@ -160,7 +182,13 @@ mod tests {
         let c = RolloutConfig::default();
         c.validate().unwrap();
         assert!(c.seed2_inequality_holds(), "10 + 10*2 >= 30");
-        assert_eq!(c.load_balancer.effective_health_check().unwrap().interval_seconds, 3.0);
+        assert_eq!(
+            c.load_balancer
+                .effective_health_check()
+                .unwrap()
+                .interval_seconds,
+            3.0
+        );
     }
 
     #[test]
@@ -179,16 +207,29 @@ mod tests {
 
     #[test]
     fn invalid_configs_are_rejected() {
-        let table: Vec<(&str, Box<dyn Fn(&mut RolloutConfig)>)> = vec![
+        type Mutation = Box<dyn Fn(&mut RolloutConfig)>;
+        let table: Vec<(&str, Mutation)> = vec![
             ("no nodes", Box::new(|c| c.nodes = 0)),
-            ("stuck deployment", Box::new(|c| c.deployment.max_unavailable = 0)),
-            ("too many replicas for anti-affinity", Box::new(|c| c.deployment.replicas = 4)),
-            ("custom without values", Box::new(|c| c.load_balancer.preset = LbPreset::Custom)),
+            (
+                "stuck deployment",
+                Box::new(|c| c.deployment.max_unavailable = 0),
+            ),
+            (
+                "too many replicas for anti-affinity",
+                Box::new(|c| c.deployment.replicas = 4),
+            ),
+            (
+                "custom without values",
+                Box::new(|c| c.load_balancer.preset = LbPreset::Custom),
+            ),
             ("negative scale", Box::new(|c| c.time_scale = -1.0)),
-            ("no traffic", Box::new(|c| {
-                c.load.new_connection_rate = 0.0;
-                c.load.keepalive_connections = 0;
-            })),
+            (
+                "no traffic",
+                Box::new(|c| {
+                    c.load.new_connection_rate = 0.0;
+                    c.load.keepalive_connections = 0;
+                }),
+            ),
         ];
         for (what, f) in table {
             let mut c = RolloutConfig::default();

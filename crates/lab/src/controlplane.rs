@@ -9,12 +9,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use crate::LabError;
 use crate::fabric;
 use crate::timeline::{EventKind, Recorder};
-use crate::LabError;
 
 pub const SERVICE_NAMESPACE: &str = "lab";
 pub const SERVICE_NAME: &str = "web";
@@ -52,14 +52,21 @@ pub struct Conditions {
 /// - serving = publishNotReadyAddresses || pod Ready;
 /// - terminating = deletionTimestamp set;
 /// - ready = publishNotReadyAddresses || (serving && !terminating).
-pub fn endpoint_conditions(pod: &PodRecord, publish_not_ready_addresses: bool) -> Option<Conditions> {
+pub fn endpoint_conditions(
+    pod: &PodRecord,
+    publish_not_ready_addresses: bool,
+) -> Option<Conditions> {
     if pod.ip.is_none() || pod.finished {
         return None;
     }
     let serving = publish_not_ready_addresses || pod.ready;
     let terminating = pod.deleting;
     let ready = publish_not_ready_addresses || (serving && !terminating);
-    Some(Conditions { ready, serving, terminating })
+    Some(Conditions {
+        ready,
+        serving,
+        terminating,
+    })
 }
 
 /// The node objects, the Service and its EndpointSlice as one `kind: List`.
@@ -137,8 +144,14 @@ pub fn render_manifests(
 pub fn write_atomically(dir: &Path, content: &[u8]) -> Result<(), LabError> {
     let tmp = dir.join(".lab.json.tmp");
     let dst = dir.join("lab.json");
-    std::fs::write(&tmp, content).map_err(|e| LabError::Io { what: format!("write {}", tmp.display()), source: e })?;
-    std::fs::rename(&tmp, &dst).map_err(|e| LabError::Io { what: format!("rename to {}", dst.display()), source: e })
+    std::fs::write(&tmp, content).map_err(|e| LabError::Io {
+        what: format!("write {}", tmp.display()),
+        source: e,
+    })?;
+    std::fs::rename(&tmp, &dst).map_err(|e| LabError::Io {
+        what: format!("rename to {}", dst.display()),
+        source: e,
+    })
 }
 
 struct Store {
@@ -168,10 +181,18 @@ impl ControlPlane {
     ) -> Result<ControlPlane, LabError> {
         let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, String)>();
         let rec = recorder.clone();
-        let initial = serde_json::to_string_pretty(&render_manifests(nodes, &BTreeMap::new(), publish_not_ready_addresses, None))
-            .map_err(|e| LabError::Invalid(e.to_string()))?;
+        let initial = serde_json::to_string_pretty(&render_manifests(
+            nodes,
+            &BTreeMap::new(),
+            publish_not_ready_addresses,
+            None,
+        ))
+        .map_err(|e| LabError::Invalid(e.to_string()))?;
         for d in &dirs {
-            std::fs::create_dir_all(d).map_err(|e| LabError::Io { what: format!("mkdir {}", d.display()), source: e })?;
+            std::fs::create_dir_all(d).map_err(|e| LabError::Io {
+                what: format!("mkdir {}", d.display()),
+                source: e,
+            })?;
             write_atomically(d, initial.as_bytes())?;
         }
         tokio::spawn(async move {
@@ -187,7 +208,10 @@ impl ControlPlane {
             }
         });
         Ok(ControlPlane {
-            store: Arc::new(Mutex::new(Store { pods: BTreeMap::new(), last_published: None })),
+            store: Arc::new(Mutex::new(Store {
+                pods: BTreeMap::new(),
+                last_published: None,
+            })),
             nodes,
             publish_not_ready_addresses,
             tx,
@@ -222,24 +246,41 @@ impl ControlPlane {
 
     fn publish_locked(&self, s: &mut Store) {
         let now = jiff::Timestamp::now();
-        let doc = render_manifests(self.nodes, &s.pods, self.publish_not_ready_addresses, Some(now));
+        let doc = render_manifests(
+            self.nodes,
+            &s.pods,
+            self.publish_not_ready_addresses,
+            Some(now),
+        );
         // Compare without the trigger-time annotation: only real changes publish.
-        let key = serde_json::to_string(&render_manifests(self.nodes, &s.pods, self.publish_not_ready_addresses, None))
-            .unwrap_or_default();
+        let key = serde_json::to_string(&render_manifests(
+            self.nodes,
+            &s.pods,
+            self.publish_not_ready_addresses,
+            None,
+        ))
+        .unwrap_or_default();
         if s.last_published.as_deref() == Some(key.as_str()) {
             return;
         }
         s.last_published = Some(key);
         let content = serde_json::to_string_pretty(&doc).unwrap_or_default();
         if self.tx.send((Instant::now(), content)).is_err() {
-            self.recorder.record(EventKind::Note, None, None, "control plane publisher stopped");
+            self.recorder.record(
+                EventKind::Note,
+                None,
+                None,
+                "control plane publisher stopped",
+            );
         }
     }
 }
 
 /// One line per endpoint for the timeline: `pod@node r/s/t`.
 fn summarize(content: &str) -> String {
-    let Ok(v) = serde_json::from_str::<Value>(content) else { return String::new() };
+    let Ok(v) = serde_json::from_str::<Value>(content) else {
+        return String::new();
+    };
     let mut parts = Vec::new();
     for item in v["items"].as_array().into_iter().flatten() {
         if item["kind"] == "EndpointSlice" {
@@ -276,7 +317,11 @@ mod tests {
     }
 
     fn c(ready: bool, serving: bool, terminating: bool) -> Option<Conditions> {
-        Some(Conditions { ready, serving, terminating })
+        Some(Conditions {
+            ready,
+            serving,
+            terminating,
+        })
     }
 
     /// The documented rules (KEP-1672, EndpointSlice API reference, v1.26 blog):
@@ -317,6 +362,10 @@ mod tests {
         assert_eq!(s, "p@node-1:-ST");
         let parsed = kproxy_core::manifest::parse("lab.json", &text);
         assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-        assert_eq!(parsed.objects.len(), 4, "2 nodes, the Service, the EndpointSlice");
+        assert_eq!(
+            parsed.objects.len(),
+            4,
+            "2 nodes, the Service, the EndpointSlice"
+        );
     }
 }

@@ -16,8 +16,8 @@
 use std::net::Ipv4Addr;
 use std::sync::Mutex;
 
-use crate::netns::{self, Netns};
 use crate::LabError;
+use crate::netns::{self, Netns};
 
 pub const LB_FABRIC_IP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 254);
 pub const LB_CLIENT_SIDE_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
@@ -69,7 +69,9 @@ impl Fabric {
     /// removed by the guards already held.
     pub fn build(nodes: usize) -> Result<Fabric, LabError> {
         if nodes == 0 || nodes > MAX_NODES {
-            return Err(LabError::Invalid(format!("nodes must be 1..={MAX_NODES}, got {nodes}")));
+            return Err(LabError::Invalid(format!(
+                "nodes must be 1..={MAX_NODES}, got {nodes}"
+            )));
         }
         netns::sweep_dead_runs();
         let prefix = netns::run_prefix();
@@ -80,27 +82,78 @@ impl Fabric {
         lb.sysctl("net.ipv4.ip_forward", "1")?;
 
         let client = Netns::create(&format!("{prefix}-client"))?;
-        client.ip(&["link", "add", "eth0", "type", "veth", "peer", "name", "client0", "netns", lb.name()])?;
+        client.ip(&[
+            "link",
+            "add",
+            "eth0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "client0",
+            "netns",
+            lb.name(),
+        ])?;
         client.ip(&["addr", "add", &format!("{CLIENT_IP}/24"), "dev", "eth0"])?;
         client.ip(&["link", "set", "eth0", "up"])?;
-        client.ip(&["route", "add", "default", "via", &LB_CLIENT_SIDE_IP.to_string()])?;
-        lb.ip(&["addr", "add", &format!("{LB_CLIENT_SIDE_IP}/24"), "dev", "client0"])?;
+        client.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &LB_CLIENT_SIDE_IP.to_string(),
+        ])?;
+        lb.ip(&[
+            "addr",
+            "add",
+            &format!("{LB_CLIENT_SIDE_IP}/24"),
+            "dev",
+            "client0",
+        ])?;
         lb.ip(&["link", "set", "client0", "up"])?;
 
         let mut node_nets = Vec::new();
         for i in 1..=nodes {
             let ns = Netns::create(&format!("{prefix}-node{i}"))?;
             let peer = format!("n{i}");
-            ns.ip(&["link", "add", "eth0", "type", "veth", "peer", "name", &peer, "netns", lb.name()])?;
+            ns.ip(&[
+                "link",
+                "add",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &peer,
+                "netns",
+                lb.name(),
+            ])?;
             lb.ip(&["link", "set", &peer, "master", "br0", "up"])?;
             ns.ip(&["addr", "add", &format!("{}/24", node_ip(i)), "dev", "eth0"])?;
             ns.ip(&["link", "set", "eth0", "up"])?;
             ns.ip(&["link", "add", "cni0", "type", "bridge"])?;
-            ns.ip(&["addr", "add", &format!("{}/24", pod_gateway(i)), "dev", "cni0"])?;
+            ns.ip(&[
+                "addr",
+                "add",
+                &format!("{}/24", pod_gateway(i)),
+                "dev",
+                "cni0",
+            ])?;
             ns.ip(&["link", "set", "cni0", "up"])?;
-            ns.ip(&["route", "add", "198.51.100.0/24", "via", &LB_FABRIC_IP.to_string()])?;
+            ns.ip(&[
+                "route",
+                "add",
+                "198.51.100.0/24",
+                "via",
+                &LB_FABRIC_IP.to_string(),
+            ])?;
             ns.sysctl("net.ipv4.ip_forward", "1")?;
-            node_nets.push(NodeNet { index: i, name: node_name(i), ip: node_ip(i), ns });
+            node_nets.push(NodeNet {
+                index: i,
+                name: node_name(i),
+                ip: node_ip(i),
+                ns,
+            });
         }
         for n in &node_nets {
             for m in &node_nets {
@@ -115,7 +168,13 @@ impl Fabric {
                 }
             }
         }
-        Ok(Fabric { prefix, client, nodes: node_nets, lb, next_pod: Mutex::new(vec![2; nodes + 1]) })
+        Ok(Fabric {
+            prefix,
+            client,
+            nodes: node_nets,
+            lb,
+            next_pod: Mutex::new(vec![2; nodes + 1]),
+        })
     }
 
     pub fn node(&self, index: usize) -> Option<&NodeNet> {
@@ -131,7 +190,9 @@ impl Fabric {
             let mut next = self.next_pod.lock().expect("pod counter lock");
             let h = next[node_index];
             if h == 254 {
-                return Err(LabError::Invalid(format!("node {node_index} ran out of pod addresses")));
+                return Err(LabError::Invalid(format!(
+                    "node {node_index} ran out of pod addresses"
+                )));
             }
             next[node_index] += 1;
             h
@@ -140,11 +201,29 @@ impl Fabric {
         let _ = pod_name;
         let ns = Netns::create(&format!("{}-n{node_index}p{host}", self.prefix))?;
         let peer = format!("p{host}");
-        ns.ip(&["link", "add", "eth0", "type", "veth", "peer", "name", &peer, "netns", node.ns.name()])?;
-        node.ns.ip(&["link", "set", &peer, "master", "cni0", "up"])?;
+        ns.ip(&[
+            "link",
+            "add",
+            "eth0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &peer,
+            "netns",
+            node.ns.name(),
+        ])?;
+        node.ns
+            .ip(&["link", "set", &peer, "master", "cni0", "up"])?;
         ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
         ns.ip(&["link", "set", "eth0", "up"])?;
-        ns.ip(&["route", "add", "default", "via", &pod_gateway(node_index).to_string()])?;
+        ns.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &pod_gateway(node_index).to_string(),
+        ])?;
         Ok(PodNet { ip, ns })
     }
 }

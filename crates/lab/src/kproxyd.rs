@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::LabError;
 use crate::fabric::NodeNet;
 use crate::timeline::{EventKind, Recorder};
-use crate::LabError;
 
 pub struct Kproxyd {
     pub node: String,
@@ -31,8 +31,14 @@ impl Kproxyd {
     ) -> Result<Kproxyd, LabError> {
         let event_log = workdir.join(format!("{}-events.jsonl", node.name));
         let log = workdir.join(format!("{}.log", node.name));
-        let logf = std::fs::File::create(&log).map_err(|e| LabError::Io { what: format!("create {}", log.display()), source: e })?;
-        let logf2 = logf.try_clone().map_err(|e| LabError::Io { what: "dup log fd".into(), source: e })?;
+        let logf = std::fs::File::create(&log).map_err(|e| LabError::Io {
+            what: format!("create {}", log.display()),
+            source: e,
+        })?;
+        let logf2 = logf.try_clone().map_err(|e| LabError::Io {
+            what: "dup log fd".into(),
+            source: e,
+        })?;
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", node.ns.name()])
             .arg(kproxy)
@@ -50,27 +56,55 @@ impl Kproxyd {
             cmd.arg("--proxy-terminating-endpoints=false");
         }
         cmd.args(extra_args);
-        cmd.stdin(Stdio::null()).stdout(Stdio::from(logf)).stderr(Stdio::from(logf2));
-        let child = cmd.spawn().map_err(|e| LabError::Io { what: format!("spawn kproxy for {}", node.name), source: e })?;
-        Ok(Kproxyd { node: node.name.clone(), event_log, log, child: Some(child) })
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::from(logf))
+            .stderr(Stdio::from(logf2));
+        let child = cmd.spawn().map_err(|e| LabError::Io {
+            what: format!("spawn kproxy for {}", node.name),
+            source: e,
+        })?;
+        Ok(Kproxyd {
+            node: node.name.clone(),
+            event_log,
+            log,
+            child: Some(child),
+        })
     }
 
     /// Is the process still running? Err carries the tail of its log if not.
     pub fn check_alive(&mut self) -> Result<(), LabError> {
-        let Some(c) = self.child.as_mut() else { return Ok(()) };
+        let Some(c) = self.child.as_mut() else {
+            return Ok(());
+        };
         match c.try_wait() {
             Ok(None) => Ok(()),
             Ok(Some(status)) => {
                 let tail = std::fs::read_to_string(&self.log).unwrap_or_default();
-                let tail: String = tail.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
-                Err(LabError::Daemon { node: self.node.clone(), detail: format!("kproxy exited ({status}); log tail:\n{tail}") })
+                let tail: String = tail
+                    .lines()
+                    .rev()
+                    .take(15)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                Err(LabError::Daemon {
+                    node: self.node.clone(),
+                    detail: format!("kproxy exited ({status}); log tail:\n{tail}"),
+                })
             }
-            Err(e) => Err(LabError::Io { what: "wait kproxy".into(), source: e }),
+            Err(e) => Err(LabError::Io {
+                what: "wait kproxy".into(),
+                source: e,
+            }),
         }
     }
 
     pub fn stop(&mut self) {
-        let Some(mut c) = self.child.take() else { return };
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
         // `ip netns exec` execs kproxy, so the child pid is kproxy itself.
         let pid = nix::unistd::Pid::from_raw(c.id() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
@@ -88,11 +122,21 @@ impl Kproxyd {
     /// Copy this daemon's event log into the timeline. `wall_start` is the wall
     /// clock when the run's clock started.
     pub fn import_events(&self, recorder: &Recorder, wall_start: SystemTime) {
-        let Ok(text) = std::fs::read_to_string(&self.event_log) else { return };
-        let start_ms = wall_start.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64() * 1000.0;
+        let Ok(text) = std::fs::read_to_string(&self.event_log) else {
+            return;
+        };
+        let start_ms = wall_start
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64()
+            * 1000.0;
         for line in text.lines() {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
-            let Some(t) = v["t_unix_ms"].as_f64() else { continue };
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let Some(t) = v["t_unix_ms"].as_f64() else {
+                continue;
+            };
             let ev = v["event"].as_str().unwrap_or("?");
             let kind = match ev {
                 "synced" => EventKind::KproxySynced,
@@ -104,8 +148,18 @@ impl Kproxyd {
                 o.remove("t_unix_ms");
                 o.remove("event");
             }
-            let d = if detail.as_object().is_some_and(|o| o.is_empty()) { String::new() } else { detail.to_string() };
-            recorder.record_at(t - start_ms, kind, Some(&self.node), None, format!("kproxy {ev} {d}").trim().to_string());
+            let d = if detail.as_object().is_some_and(|o| o.is_empty()) {
+                String::new()
+            } else {
+                detail.to_string()
+            };
+            recorder.record_at(
+                t - start_ms,
+                kind,
+                Some(&self.node),
+                None,
+                format!("kproxy {ev} {d}").trim().to_string(),
+            );
         }
     }
 }

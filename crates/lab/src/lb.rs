@@ -24,10 +24,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::LabError;
 use crate::fabric::{self, Fabric};
 use crate::netns;
 use crate::timeline::{EventKind, Recorder};
-use crate::LabError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -63,11 +63,29 @@ impl LbPreset {
     pub fn health_check(self) -> Option<HealthCheck> {
         match self {
             // ingress-gce L4 health check for eTP Local: 3 s, timeout 1 s, healthy 1, unhealthy 2.
-            LbPreset::Gke => Some(HealthCheck { interval_seconds: 3.0, timeout_seconds: 1.0, healthy_threshold: 1, unhealthy_threshold: 2, registration_delay_seconds: 0.0 }),
+            LbPreset::Gke => Some(HealthCheck {
+                interval_seconds: 3.0,
+                timeout_seconds: 1.0,
+                healthy_threshold: 1,
+                unhealthy_threshold: 2,
+                registration_delay_seconds: 0.0,
+            }),
             // AWS NLB target group (TCP/HTTP): 10 s interval, 10 s timeout (capped below the interval here), 2/2.
-            LbPreset::AwsNlb => Some(HealthCheck { interval_seconds: 10.0, timeout_seconds: 6.0, healthy_threshold: 2, unhealthy_threshold: 2, registration_delay_seconds: 0.0 }),
+            LbPreset::AwsNlb => Some(HealthCheck {
+                interval_seconds: 10.0,
+                timeout_seconds: 6.0,
+                healthy_threshold: 2,
+                unhealthy_threshold: 2,
+                registration_delay_seconds: 0.0,
+            }),
             // Azure LB probe: 5 s interval, 2 consecutive failures; one success marks healthy.
-            LbPreset::Azure => Some(HealthCheck { interval_seconds: 5.0, timeout_seconds: 5.0, healthy_threshold: 1, unhealthy_threshold: 2, registration_delay_seconds: 0.0 }),
+            LbPreset::Azure => Some(HealthCheck {
+                interval_seconds: 5.0,
+                timeout_seconds: 5.0,
+                healthy_threshold: 1,
+                unhealthy_threshold: 2,
+                registration_delay_seconds: 0.0,
+            }),
             LbPreset::Custom => None,
         }
     }
@@ -78,13 +96,19 @@ impl HealthCheck {
     /// removing it: the failing answers needed, plus one interval of phase, plus a
     /// probe timeout.
     pub fn detection_window_s(&self) -> f64 {
-        self.interval_seconds * self.unhealthy_threshold as f64 + self.timeout_seconds.min(self.interval_seconds)
+        self.interval_seconds * self.unhealthy_threshold as f64
+            + self.timeout_seconds.min(self.interval_seconds)
     }
 }
 
 /// The set of nodes (1-based indexes) new flows may go to.
 pub fn pool_for(healthy: &[bool]) -> Vec<usize> {
-    let h: Vec<usize> = healthy.iter().enumerate().filter(|(_, h)| **h).map(|(i, _)| i + 1).collect();
+    let h: Vec<usize> = healthy
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| **h)
+        .map(|(i, _)| i + 1)
+        .collect();
     if h.is_empty() {
         (1..=healthy.len()).collect()
     } else {
@@ -98,7 +122,11 @@ pub fn render_nft(mode: LbMode, pool: &[usize], node_port: u16, service_port: u1
     let mut s = String::from("table ip kplab\ndelete table ip kplab\ntable ip kplab {\n");
     match mode {
         LbMode::Passthrough => {
-            let map: Vec<String> = pool.iter().enumerate().map(|(i, n)| format!("{i} : {n}")).collect();
+            let map: Vec<String> = pool
+                .iter()
+                .enumerate()
+                .map(|(i, n)| format!("{i} : {n}"))
+                .collect();
             s += "  chain pre {\n    type filter hook prerouting priority mangle; policy accept;\n";
             s += &format!(
                 // `ct mark 0`, not `ct state new`: a retransmitted SYN is still "new" to
@@ -111,8 +139,11 @@ pub fn render_nft(mode: LbMode, pool: &[usize], node_port: u16, service_port: u1
             s += &format!("    ip daddr {vip} meta mark set ct mark\n  }}\n");
         }
         LbMode::NodePort => {
-            let map: Vec<String> =
-                pool.iter().enumerate().map(|(i, n)| format!("{i} : {}", fabric::node_ip(*n))).collect();
+            let map: Vec<String> = pool
+                .iter()
+                .enumerate()
+                .map(|(i, n)| format!("{i} : {}", fabric::node_ip(*n)))
+                .collect();
             s += "  chain pre {\n    type nat hook prerouting priority dstnat; policy accept;\n";
             s += &format!(
                 "    ip daddr {vip} tcp dport {service_port} dnat to numgen random mod {} map {{ {} }} : {node_port}\n  }}\n",
@@ -148,11 +179,28 @@ impl LoadBalancer {
         let n = fabric.nodes.len();
         for node in &fabric.nodes {
             let table = (100 + node.index).to_string();
-            fabric.lb.ip(&["rule", "add", "fwmark", &node.index.to_string(), "lookup", &table])?;
-            fabric.lb.ip(&["route", "add", "default", "via", &node.ip.to_string(), "table", &table])?;
+            fabric.lb.ip(&[
+                "rule",
+                "add",
+                "fwmark",
+                &node.index.to_string(),
+                "lookup",
+                &table,
+            ])?;
+            fabric.lb.ip(&[
+                "route",
+                "add",
+                "default",
+                "via",
+                &node.ip.to_string(),
+                "table",
+                &table,
+            ])?;
         }
         let all: Vec<usize> = (1..=n).collect();
-        fabric.lb.nft(&render_nft(mode, &all, node_port, service_port))?;
+        fabric
+            .lb
+            .nft(&render_nft(mode, &all, node_port, service_port))?;
         let stop = Arc::new(AtomicBool::new(false));
         let pool = Arc::new(Mutex::new(all));
         let healthy = Arc::new(Mutex::new(vec![false; n]));
@@ -168,7 +216,10 @@ impl LoadBalancer {
                     tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()
-                        .map_err(|e| LabError::Io { what: "lb runtime".into(), source: e })
+                        .map_err(|e| LabError::Io {
+                            what: "lb runtime".into(),
+                            source: e,
+                        })
                 }) {
                     Ok(rt) => rt,
                     Err(e) => {
@@ -177,11 +228,34 @@ impl LoadBalancer {
                     }
                 };
                 let _ = ready_tx.send(Ok(()));
-                rt.block_on(health_loop(ns, mode, hc, health_port, node_port, service_port, names, ips, st, pl, hl, recorder));
+                rt.block_on(health_loop(
+                    ns,
+                    mode,
+                    hc,
+                    health_port,
+                    node_port,
+                    service_port,
+                    names,
+                    ips,
+                    st,
+                    pl,
+                    hl,
+                    recorder,
+                ));
             })
-            .map_err(|e| LabError::Io { what: "spawn lb thread".into(), source: e })?;
-        let lb = LoadBalancer { stop, thread: Some(thread), pool, healthy };
-        ready_rx.recv().map_err(|_| LabError::Invalid("lb thread ended".into()))??;
+            .map_err(|e| LabError::Io {
+                what: "spawn lb thread".into(),
+                source: e,
+            })?;
+        let lb = LoadBalancer {
+            stop,
+            thread: Some(thread),
+            pool,
+            healthy,
+        };
+        ready_rx
+            .recv()
+            .map_err(|_| LabError::Invalid("lb thread ended".into()))??;
         Ok(lb)
     }
 
@@ -250,10 +324,15 @@ async fn health_loop(
     let mut last_answer: Vec<Option<bool>> = vec![None; n];
     let mut ok_run = vec![0u32; n];
     let mut fail_run = vec![0u32; n];
-    let interval = clock.real(hc.interval_seconds).max(Duration::from_millis(10));
+    let interval = clock
+        .real(hc.interval_seconds)
+        .max(Duration::from_millis(10));
     // A floor on the real timeout: at small time scales a busy 2-core machine would
     // otherwise turn scheduling delays into failed probes.
-    let timeout = clock.real(hc.timeout_seconds.min(hc.interval_seconds)).max(Duration::from_millis(150)).min(interval);
+    let timeout = clock
+        .real(hc.timeout_seconds.min(hc.interval_seconds))
+        .max(Duration::from_millis(150))
+        .min(interval);
     let reg = clock.real(hc.registration_delay_seconds);
     let mut next = tokio::time::Instant::now() + reg;
     let mut current_pool = (1..=n).collect::<Vec<_>>();
@@ -264,7 +343,9 @@ async fn health_loop(
             continue;
         }
         next += interval;
-        let probes = ips.iter().map(|ip| probe(SocketAddr::from((*ip, health_port)), timeout));
+        let probes = ips
+            .iter()
+            .map(|ip| probe(SocketAddr::from((*ip, health_port)), timeout));
         let results = futures::future::join_all(probes).await;
         for (i, ok) in results.into_iter().enumerate() {
             if last_answer[i] != Some(ok) {
@@ -273,7 +354,11 @@ async fn health_loop(
                     EventKind::HealthAnswer,
                     Some(&names[i]),
                     None,
-                    if ok { "health check passes" } else { "health check fails" },
+                    if ok {
+                        "health check passes"
+                    } else {
+                        "health check fails"
+                    },
                 );
             }
             if ok {
@@ -294,7 +379,8 @@ async fn health_loop(
         let new_pool = pool_for(&healthy);
         if new_pool != current_pool {
             let script = render_nft(mode, &new_pool, node_port, service_port);
-            let res = netns::run_cmd_input("ip", &["netns", "exec", &ns, "nft", "-f", "-"], &script);
+            let res =
+                netns::run_cmd_input("ip", &["netns", "exec", &ns, "nft", "-f", "-"], &script);
             let names_in: Vec<&str> = new_pool.iter().map(|i| names[i - 1].as_str()).collect();
             let all_down = healthy.iter().all(|h| !h);
             recorder.record(
@@ -302,7 +388,10 @@ async fn health_loop(
                 None,
                 None,
                 match res {
-                    Ok(_) if all_down => format!("no healthy node: new connections to all ({})", names_in.join(", ")),
+                    Ok(_) if all_down => format!(
+                        "no healthy node: new connections to all ({})",
+                        names_in.join(", ")
+                    ),
                     Ok(_) => format!("new connections to {}", names_in.join(", ")),
                     Err(e) => format!("pool update failed: {e}"),
                 },
@@ -332,7 +421,10 @@ mod tests {
     #[test]
     fn nft_script_maps_pool() {
         let s = render_nft(LbMode::Passthrough, &[1, 3], 30080, 80);
-        assert!(s.contains("numgen random mod 2 map { 0 : 1, 1 : 3 }"), "{s}");
+        assert!(
+            s.contains("numgen random mod 2 map { 0 : 1, 1 : 3 }"),
+            "{s}"
+        );
         let s = render_nft(LbMode::NodePort, &[2], 30080, 80);
         assert!(s.contains("map { 0 : 10.200.0.2 } : 30080"), "{s}");
     }

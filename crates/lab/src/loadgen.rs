@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::netns;
 use crate::LabError;
+use crate::netns;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -89,7 +89,12 @@ pub struct LoadSpec {
 
 impl Default for LoadSpec {
     fn default() -> Self {
-        LoadSpec { new_connection_rate: 100.0, keepalive_connections: 4, keepalive_rate: 20.0, request_timeout_ms: 2000 }
+        LoadSpec {
+            new_connection_rate: 100.0,
+            keepalive_connections: 4,
+            keepalive_rate: 20.0,
+            request_timeout_ms: 2000,
+        }
     }
 }
 
@@ -103,11 +108,21 @@ pub struct LoadGenerator {
 
 impl LoadGenerator {
     /// Start sending to `target` from inside namespace `netns_name`.
-    pub fn start(netns_name: &str, target: SocketAddr, spec: LoadSpec, epoch: Instant) -> Result<LoadGenerator, LabError> {
+    pub fn start(
+        netns_name: &str,
+        target: SocketAddr,
+        spec: LoadSpec,
+        epoch: Instant,
+    ) -> Result<LoadGenerator, LabError> {
         let stop = Arc::new(AtomicBool::new(false));
         let records = Arc::new(Mutex::new(Vec::new()));
         let started = Arc::new(AtomicU64::new(0));
-        let (st, rec, ns, sta) = (stop.clone(), records.clone(), netns_name.to_string(), started.clone());
+        let (st, rec, ns, sta) = (
+            stop.clone(),
+            records.clone(),
+            netns_name.to_string(),
+            started.clone(),
+        );
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), LabError>>();
         let thread = std::thread::Builder::new()
             .name("lab-load".into())
@@ -116,7 +131,10 @@ impl LoadGenerator {
                     tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()
-                        .map_err(|e| LabError::Io { what: "load runtime".into(), source: e })
+                        .map_err(|e| LabError::Io {
+                            what: "load runtime".into(),
+                            source: e,
+                        })
                 }) {
                     Ok(rt) => rt,
                     Err(e) => {
@@ -127,9 +145,19 @@ impl LoadGenerator {
                 let _ = ready_tx.send(Ok(()));
                 rt.block_on(run_load(target, spec, epoch, st, rec, sta));
             })
-            .map_err(|e| LabError::Io { what: "spawn load thread".into(), source: e })?;
-        let g = LoadGenerator { stop, started, records, thread: Some(thread) };
-        ready_rx.recv().map_err(|_| LabError::Invalid("load thread ended".into()))??;
+            .map_err(|e| LabError::Io {
+                what: "spawn load thread".into(),
+                source: e,
+            })?;
+        let g = LoadGenerator {
+            stop,
+            started,
+            records,
+            thread: Some(thread),
+        };
+        ready_rx
+            .recv()
+            .map_err(|_| LabError::Invalid("load thread ended".into()))??;
         Ok(g)
     }
 
@@ -199,7 +227,13 @@ async fn run_load(
             tasks.spawn(async move {
                 let start = ms(epoch);
                 let (outcome, pod) = one_shot(target, timeout).await;
-                let r = RequestRecord { start_ms: start, end_ms: ms(epoch), outcome, conn: ConnKind::New, pod };
+                let r = RequestRecord {
+                    start_ms: start,
+                    end_ms: ms(epoch),
+                    outcome,
+                    conn: ConnKind::New,
+                    pod,
+                };
                 rec.lock().expect("records lock").push(r);
             });
             // Reap finished tasks so the set does not grow.
@@ -288,7 +322,9 @@ fn status_outcome(status: u16) -> Outcome {
 /// One request on a fresh connection.
 async fn one_shot(target: SocketAddr, timeout: Duration) -> (Outcome, Option<String>) {
     let fut = async {
-        let mut s = TcpStream::connect(target).await.map_err(|e| classify_io(&e))?;
+        let mut s = TcpStream::connect(target)
+            .await
+            .map_err(|e| classify_io(&e))?;
         s.write_all(b"GET / HTTP/1.1\r\nHost: web.lab\r\nUser-Agent: kproxy-lab\r\nConnection: close\r\n\r\n")
             .await
             .map_err(|e| classify_io(&e))?;
@@ -324,7 +360,11 @@ async fn keepalive_loop(
         let fut = async {
             if conn.is_none() {
                 reused = false;
-                conn = Some(TcpStream::connect(target).await.map_err(|e| classify_io(&e))?);
+                conn = Some(
+                    TcpStream::connect(target)
+                        .await
+                        .map_err(|e| classify_io(&e))?,
+                );
             }
             let s = conn.as_mut().expect("connection just set");
             s.write_all(REQUEST).await.map_err(|e| classify_io(&e))?;
@@ -344,7 +384,13 @@ async fn keepalive_loop(
             conn = None;
         }
         let _ = reused;
-        let r = RequestRecord { start_ms: start, end_ms: ms(epoch), outcome, conn: ConnKind::KeepAlive, pod };
+        let r = RequestRecord {
+            start_ms: start,
+            end_ms: ms(epoch),
+            outcome,
+            conn: ConnKind::KeepAlive,
+            pod,
+        };
         records.lock().expect("records lock").push(r);
     }
 }
@@ -356,9 +402,18 @@ mod tests {
     #[test]
     fn io_errors_are_classified() {
         use std::io::{Error, ErrorKind};
-        assert_eq!(classify_io(&Error::from(ErrorKind::ConnectionRefused)), Outcome::Refused);
-        assert_eq!(classify_io(&Error::from(ErrorKind::ConnectionReset)), Outcome::Reset);
-        assert_eq!(classify_io(&Error::from_raw_os_error(libc::EHOSTUNREACH)), Outcome::Unreachable);
+        assert_eq!(
+            classify_io(&Error::from(ErrorKind::ConnectionRefused)),
+            Outcome::Refused
+        );
+        assert_eq!(
+            classify_io(&Error::from(ErrorKind::ConnectionReset)),
+            Outcome::Reset
+        );
+        assert_eq!(
+            classify_io(&Error::from_raw_os_error(libc::EHOSTUNREACH)),
+            Outcome::Unreachable
+        );
         assert_eq!(status_outcome(503), Outcome::Http5xx);
         assert_eq!(status_outcome(404), Outcome::HttpError);
         assert_eq!(status_outcome(200), Outcome::Ok);

@@ -28,7 +28,9 @@ pub fn run_prefix() -> String {
 fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 60
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
 /// Run a command, mapping failure (spawn error or non-zero exit) to a LabError that
@@ -45,7 +47,11 @@ pub fn run_cmd(program: &str, args: &[&str]) -> Result<String, LabError> {
     if !out.status.success() {
         return Err(LabError::Command {
             cmd: format!("{program} {}", args.join(" ")),
-            detail: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()),
+            detail: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
         });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
@@ -61,19 +67,30 @@ pub fn run_cmd_input(program: &str, args: &[&str], input: &str) -> Result<String
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| LabError::Command { cmd: cmd.clone(), detail: e.to_string() })?;
+        .map_err(|e| LabError::Command {
+            cmd: cmd.clone(),
+            detail: e.to_string(),
+        })?;
     if let Some(mut stdin) = child.stdin.take() {
         stdin
             .write_all(input.as_bytes())
-            .map_err(|e| LabError::Command { cmd: cmd.clone(), detail: format!("writing stdin: {e}") })?;
+            .map_err(|e| LabError::Command {
+                cmd: cmd.clone(),
+                detail: format!("writing stdin: {e}"),
+            })?;
     }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| LabError::Command { cmd: cmd.clone(), detail: e.to_string() })?;
+    let out = child.wait_with_output().map_err(|e| LabError::Command {
+        cmd: cmd.clone(),
+        detail: e.to_string(),
+    })?;
     if !out.status.success() {
         return Err(LabError::Command {
             cmd,
-            detail: format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()),
+            detail: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
         });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
@@ -92,7 +109,9 @@ impl Netns {
             return Err(LabError::Invalid(format!("bad namespace name {name:?}")));
         }
         run_cmd("ip", &["netns", "add", name])?;
-        let ns = Netns { name: name.to_string() };
+        let ns = Netns {
+            name: name.to_string(),
+        };
         ns.ip(&["link", "set", "lo", "up"])?;
         Ok(ns)
     }
@@ -117,8 +136,12 @@ impl Netns {
 
     /// `ip netns exec <ns> nft -f -` with `script` on stdin.
     pub fn nft(&self, script: &str) -> Result<(), LabError> {
-        run_cmd_input("ip", &["netns", "exec", self.name.as_str(), "nft", "-f", "-"], script)
-            .map(|_| ())
+        run_cmd_input(
+            "ip",
+            &["netns", "exec", self.name.as_str(), "nft", "-f", "-"],
+            script,
+        )
+        .map(|_| ())
     }
 
     /// Set a sysctl inside the namespace (net.* sysctls are per namespace).
@@ -138,7 +161,10 @@ impl Netns {
 /// Move the calling thread into the named namespace.
 pub fn enter_netns_by_name(name: &str) -> Result<(), LabError> {
     let path = Path::new("/run/netns").join(name);
-    let f = File::open(&path).map_err(|e| LabError::Io { what: format!("open {}", path.display()), source: e })?;
+    let f = File::open(&path).map_err(|e| LabError::Io {
+        what: format!("open {}", path.display()),
+        source: e,
+    })?;
     nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| LabError::Io {
         what: format!("setns into {name}"),
         source: std::io::Error::from_raw_os_error(e as i32),
@@ -150,14 +176,19 @@ impl Drop for Netns {
         // Deleting the namespace destroys the veth ends inside it (and their peers).
         // Processes still inside keep it alive; the lab kills them before this runs.
         if let Err(e) = run_cmd("ip", &["netns", "delete", &self.name]) {
-            eprintln!("kproxy lab: warning: could not delete namespace {}: {e}", self.name);
+            eprintln!(
+                "kproxy lab: warning: could not delete namespace {}: {e}",
+                self.name
+            );
         }
     }
 }
 
 /// List lab namespaces (any run).
 pub fn list_lab_namespaces() -> Vec<String> {
-    let Ok(rd) = std::fs::read_dir("/run/netns") else { return Vec::new() };
+    let Ok(rd) = std::fs::read_dir("/run/netns") else {
+        return Vec::new();
+    };
     rd.filter_map(|e| e.ok())
         .filter_map(|e| e.file_name().into_string().ok())
         .filter(|n| n.starts_with(PREFIX))
@@ -177,13 +208,21 @@ pub fn owner_pid(name: &str) -> Option<u32> {
 pub fn sweep_dead_runs() -> Vec<String> {
     let mut removed = Vec::new();
     for name in list_lab_namespaces() {
-        let Some(pid) = owner_pid(&name) else { continue };
+        let Some(pid) = owner_pid(&name) else {
+            continue;
+        };
         if Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }
         if let Ok(pids) = run_cmd("ip", &["netns", "pids", &name]) {
-            for p in pids.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), nix::sys::signal::Signal::SIGKILL);
+            for p in pids
+                .split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+            {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(p),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
             }
         }
         if run_cmd("ip", &["netns", "delete", &name]).is_ok() {

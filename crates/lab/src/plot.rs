@@ -6,9 +6,9 @@ use std::sync::OnceLock;
 
 use plotters::prelude::*;
 
+use crate::LabError;
 use crate::scenario::RunResult;
 use crate::timeline::EventKind;
-use crate::LabError;
 
 const BUCKET_S: f64 = 0.1;
 
@@ -53,7 +53,11 @@ fn register_font() -> bool {
     })
 }
 
-fn draw<DB: DrawingBackend>(root: DrawingArea<DB, plotters::coord::Shift>, r: &RunResult, text: bool) -> Result<(), String>
+fn draw<DB: DrawingBackend>(
+    root: DrawingArea<DB, plotters::coord::Shift>,
+    r: &RunResult,
+    text: bool,
+) -> Result<(), String>
 where
     DB::ErrorType: 'static,
 {
@@ -74,9 +78,14 @@ where
     let mut builder = ChartBuilder::on(&root);
     builder.margin(15);
     if text {
-        builder.caption(caption, ("sans-serif", 20)).x_label_area_size(40).y_label_area_size(50);
+        builder
+            .caption(caption, ("sans-serif", 20))
+            .x_label_area_size(40)
+            .y_label_area_size(50);
     }
-    let mut chart = builder.build_cartesian_2d(0f64..span, ymin..ymax).map_err(e)?;
+    let mut chart = builder
+        .build_cartesian_2d(0f64..span, ymin..ymax)
+        .map_err(e)?;
     if text {
         chart
             .configure_mesh()
@@ -101,24 +110,42 @@ where
         if x < 0.0 || x > span {
             continue;
         }
-        chart.draw_series(std::iter::once(PathElement::new(vec![(x, ymin), (x, ymax)], color.stroke_width(1)))).map_err(e)?;
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(x, ymin), (x, ymax)],
+                color.stroke_width(1),
+            )))
+            .map_err(e)?;
     }
     // Successes as green bars above the axis, failures as red bars below it.
-    let oks = b.iter().enumerate().filter(|(_, (o, _))| *o > 0).map(|(i, (o, _))| {
-        let x = i as f64 * BUCKET_S;
-        Rectangle::new([(x, 0.0), (x + BUCKET_S, *o as f64)], GREEN.mix(0.8).filled())
-    });
+    let oks = b
+        .iter()
+        .enumerate()
+        .filter(|(_, (o, _))| *o > 0)
+        .map(|(i, (o, _))| {
+            let x = i as f64 * BUCKET_S;
+            Rectangle::new(
+                [(x, 0.0), (x + BUCKET_S, *o as f64)],
+                GREEN.mix(0.8).filled(),
+            )
+        });
     let s = chart.draw_series(oks).map_err(e)?;
     if text {
-        s.label("ok").legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], GREEN.filled()));
+        s.label("ok")
+            .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], GREEN.filled()));
     }
-    let fails = b.iter().enumerate().filter(|(_, (_, f))| *f > 0).map(|(i, (_, f))| {
-        let x = i as f64 * BUCKET_S;
-        Rectangle::new([(x, -(*f as f64)), (x + BUCKET_S, 0.0)], RED.filled())
-    });
+    let fails = b
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, f))| *f > 0)
+        .map(|(i, (_, f))| {
+            let x = i as f64 * BUCKET_S;
+            Rectangle::new([(x, -(*f as f64)), (x + BUCKET_S, 0.0)], RED.filled())
+        });
     let s = chart.draw_series(fails).map_err(e)?;
     if text {
-        s.label("failed").legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], RED.filled()));
+        s.label("failed")
+            .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 20, y + 5)], RED.filled()));
         let markers: [(&str, RGBColor); 5] = [
             ("pod terminating", RGBColor(230, 140, 0)),
             ("SIGTERM", RGBColor(200, 60, 160)),
@@ -131,7 +158,9 @@ where
                 .draw_series(std::iter::once(PathElement::new(vec![(-1.0, -1.0)], c)))
                 .map_err(e)?
                 .label(name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(1)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(1))
+                });
         }
         chart
             .configure_series_labels()
@@ -153,7 +182,17 @@ pub fn write_plots(r: &RunResult, stem: &Path) -> Result<Vec<PathBuf>, LabError>
     let err = |p: &Path, m: String| LabError::Invalid(format!("plot {}: {m}", p.display()));
     // Both backends measure text with the registered font.
     let text = register_font();
-    draw(SVGBackend::new(&svg, (1200, 500)).into_drawing_area(), r, text).map_err(|m| err(&svg, m))?;
-    draw(BitMapBackend::new(&png, (1200, 500)).into_drawing_area(), r, text).map_err(|m| err(&png, m))?;
+    draw(
+        SVGBackend::new(&svg, (1200, 500)).into_drawing_area(),
+        r,
+        text,
+    )
+    .map_err(|m| err(&svg, m))?;
+    draw(
+        BitMapBackend::new(&png, (1200, 500)).into_drawing_area(),
+        r,
+        text,
+    )
+    .map_err(|m| err(&png, m))?;
     Ok(vec![svg, png])
 }

@@ -16,8 +16,8 @@
 //!   killed process with unread data) and the listener is closed.
 
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -77,7 +77,12 @@ pub struct PodServer {
 impl PodServer {
     /// Start the server inside namespace `netns_name`, listening on 0.0.0.0:8080.
     /// Returns once the listener is bound.
-    pub fn start(name: &str, netns_name: &str, profile: PodProfile, idle_close: Duration) -> Result<PodServer, LabError> {
+    pub fn start(
+        name: &str,
+        netns_name: &str,
+        profile: PodProfile,
+        idle_close: Duration,
+    ) -> Result<PodServer, LabError> {
         let shared = Arc::new(PodShared::default());
         shared.probe_ok.store(true, Ordering::SeqCst);
         let (ctl, ctl_rx) = watch::channel(PodSignal::Run);
@@ -88,18 +93,30 @@ impl PodServer {
         let thread = std::thread::Builder::new()
             .name(format!("pod-{name}"))
             .spawn(move || {
-                let setup = (|| -> Result<(tokio::runtime::Runtime, std::net::TcpListener), LabError> {
-                    crate::netns::enter_netns_by_name(&ns)?;
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(|e| LabError::Io { what: "pod runtime".into(), source: e })?;
-                    let l = std::net::TcpListener::bind(SocketAddr::from((Ipv4Addr::UNSPECIFIED, POD_PORT)))
-                        .map_err(|e| LabError::Io { what: format!("pod {ns} bind :{POD_PORT}"), source: e })?;
-                    l.set_nonblocking(true)
-                        .map_err(|e| LabError::Io { what: "pod listener nonblocking".into(), source: e })?;
-                    Ok((rt, l))
-                })();
+                let setup =
+                    (|| -> Result<(tokio::runtime::Runtime, std::net::TcpListener), LabError> {
+                        crate::netns::enter_netns_by_name(&ns)?;
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .map_err(|e| LabError::Io {
+                                what: "pod runtime".into(),
+                                source: e,
+                            })?;
+                        let l = std::net::TcpListener::bind(SocketAddr::from((
+                            Ipv4Addr::UNSPECIFIED,
+                            POD_PORT,
+                        )))
+                        .map_err(|e| LabError::Io {
+                            what: format!("pod {ns} bind :{POD_PORT}"),
+                            source: e,
+                        })?;
+                        l.set_nonblocking(true).map_err(|e| LabError::Io {
+                            what: "pod listener nonblocking".into(),
+                            source: e,
+                        })?;
+                        Ok((rt, l))
+                    })();
                 match setup {
                     Err(e) => {
                         sh.exited.store(true, Ordering::SeqCst);
@@ -109,7 +126,17 @@ impl PodServer {
                         let _ = bound_tx.send(Ok(()));
                         rt.block_on(async move {
                             match TcpListener::from_std(l) {
-                                Ok(listener) => serve(pod_name, listener, profile, idle_close, sh.clone(), ctl_rx).await,
+                                Ok(listener) => {
+                                    serve(
+                                        pod_name,
+                                        listener,
+                                        profile,
+                                        idle_close,
+                                        sh.clone(),
+                                        ctl_rx,
+                                    )
+                                    .await
+                                }
                                 Err(e) => eprintln!("kproxy lab: pod listener: {e}"),
                             }
                             sh.exited.store(true, Ordering::SeqCst);
@@ -117,11 +144,19 @@ impl PodServer {
                     }
                 }
             })
-            .map_err(|e| LabError::Io { what: "spawn pod thread".into(), source: e })?;
-        let bound = bound_rx
-            .recv()
-            .map_err(|_| LabError::Invalid(format!("pod {name}: server thread ended before binding")))?;
-        let server = PodServer { name: name.to_string(), shared, ctl, thread: Some(thread) };
+            .map_err(|e| LabError::Io {
+                what: "spawn pod thread".into(),
+                source: e,
+            })?;
+        let bound = bound_rx.recv().map_err(|_| {
+            LabError::Invalid(format!("pod {name}: server thread ended before binding"))
+        })?;
+        let server = PodServer {
+            name: name.to_string(),
+            shared,
+            ctl,
+            thread: Some(thread),
+        };
         bound?;
         Ok(server)
     }
@@ -168,7 +203,9 @@ async fn serve(
                 terminating = true;
                 match profile {
                     PodProfile::Graceful => listener = None,
-                    PodProfile::FailReadinessOnTerm => shared.probe_ok.store(false, Ordering::SeqCst),
+                    PodProfile::FailReadinessOnTerm => {
+                        shared.probe_ok.store(false, Ordering::SeqCst)
+                    }
                     PodProfile::ExitOnTerm => break,
                 }
             }
@@ -212,7 +249,10 @@ async fn ctl_kill_all(shared: &PodShared) -> bool {
 
 fn reset(stream: TcpStream) {
     use std::os::fd::AsRawFd;
-    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
     // SAFETY: a valid open fd and a correctly sized linger struct.
     unsafe {
         libc::setsockopt(
@@ -237,10 +277,14 @@ async fn connection(
 ) {
     let mut buf = Vec::with_capacity(1024);
     // The client address as the pod sees it (to check it is preserved end to end).
-    let peer = stream.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.ip().to_string())
+        .unwrap_or_default();
     loop {
         let sig = *ctl.borrow_and_update();
-        let dying = sig == PodSignal::Kill || (sig == PodSignal::Term && profile == PodProfile::ExitOnTerm);
+        let dying =
+            sig == PodSignal::Kill || (sig == PodSignal::Term && profile == PodProfile::ExitOnTerm);
         if dying {
             reset(stream);
             return;
@@ -252,7 +296,11 @@ async fn connection(
                 break Some(p);
             }
             let mut chunk = [0u8; 2048];
-            let idle = if terminating && buf.is_empty() { idle_close } else { Duration::from_secs(3600) };
+            let idle = if terminating && buf.is_empty() {
+                idle_close
+            } else {
+                Duration::from_secs(3600)
+            };
             tokio::select! {
                 r = tokio::time::timeout(idle, stream.read(&mut chunk)) => match r {
                     Err(_) => break None, // idle after SIGTERM: close gracefully
@@ -282,7 +330,9 @@ async fn connection(
         };
         let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
         buf.drain(..end + 4);
-        let client_close = head.lines().any(|l| l.starts_with("connection:") && l.contains("close"));
+        let client_close = head
+            .lines()
+            .any(|l| l.starts_with("connection:") && l.contains("close"));
         let term_now = *ctl.borrow() == PodSignal::Term;
         let close = client_close || terminating || term_now;
         let body = format!("{name}\n");

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 
 use crate::loadgen::{Outcome, RequestRecord};
 use crate::scenario::RunResult;
@@ -44,7 +44,11 @@ fn nominal(r: &RunResult, ms: f64) -> f64 {
 }
 
 /// Group failures into bursts: failures closer than `gap_s` nominal seconds.
-pub fn bursts_of(records: &[RequestRecord], scale: f64, gap_s: f64) -> Vec<(f64, f64, Vec<&RequestRecord>)> {
+pub fn bursts_of(
+    records: &[RequestRecord],
+    scale: f64,
+    gap_s: f64,
+) -> Vec<(f64, f64, Vec<&RequestRecord>)> {
     let mut fails: Vec<&RequestRecord> = records.iter().filter(|r| !r.outcome.is_ok()).collect();
     fails.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
     let gap_ms = gap_s * 1000.0 * scale;
@@ -99,8 +103,19 @@ struct NodeView {
 }
 
 fn node_views(r: &RunResult, t_ms: f64) -> BTreeMap<String, NodeView> {
-    let mut views: BTreeMap<String, NodeView> =
-        r.nodes.iter().map(|n| (n.clone(), NodeView { in_pool: true, ..Default::default() })).collect();
+    let mut views: BTreeMap<String, NodeView> = r
+        .nodes
+        .iter()
+        .map(|n| {
+            (
+                n.clone(),
+                NodeView {
+                    in_pool: true,
+                    ..Default::default()
+                },
+            )
+        })
+        .collect();
     for e in r.events.iter().filter(|e| e.t_ms <= t_ms) {
         match (&e.kind, &e.node, &e.pod) {
             (EventKind::PodCreated, Some(n), Some(p)) => {
@@ -152,35 +167,52 @@ fn node_views(r: &RunResult, t_ms: f64) -> BTreeMap<String, NodeView> {
 }
 
 fn pool_contains(detail: &str, node: &str) -> bool {
-    detail.split(|c: char| c == ' ' || c == ',' || c == '(' || c == ')').any(|w| w == node)
+    detail.split([' ', ',', '(', ')']).any(|w| w == node)
 }
 
 /// When did the LB take `node` out of the pool after `t_ms`?
 fn pool_removal_after(r: &RunResult, node: &str, t_ms: f64) -> Option<f64> {
     r.events
         .iter()
-        .filter(|e| e.kind == EventKind::LbPool && e.t_ms >= t_ms && !pool_contains(&e.detail, node))
+        .filter(|e| {
+            e.kind == EventKind::LbPool && e.t_ms >= t_ms && !pool_contains(&e.detail, node)
+        })
         .map(|e| e.t_ms)
         .next()
 }
 
 /// The cause of a burst starting at `start_ms`, in plain words.
-pub fn explain_burst(r: &RunResult, start_ms: f64, end_ms: f64, records: &[&RequestRecord]) -> String {
+pub fn explain_burst(
+    r: &RunResult,
+    start_ms: f64,
+    end_ms: f64,
+    records: &[&RequestRecord],
+) -> String {
     let views = node_views(r, start_ms);
     let mut causes = Vec::new();
     for (node, v) in &views {
         if !v.in_pool {
             continue;
         }
-        let all_terminating = !v.live_pods.is_empty() && v.live_pods.iter().all(|p| v.terminating.iter().any(|(x, _)| x == p));
+        let all_terminating = !v.live_pods.is_empty()
+            && v.live_pods
+                .iter()
+                .all(|p| v.terminating.iter().any(|(x, _)| x == p));
         if all_terminating {
-            let since = v.terminating.iter().map(|(_, t)| *t).fold(f64::MIN, f64::max);
+            let since = v
+                .terminating
+                .iter()
+                .map(|(_, t)| *t)
+                .fold(f64::MIN, f64::max);
             let removed = pool_removal_after(r, node, start_ms);
             let window = match removed {
                 Some(t) => format!("for {:.1} s", nominal(r, t - since)),
                 None => "until the end of the run".to_string(),
             };
-            let all_sigtermed = v.live_pods.iter().all(|p| v.sigtermed.iter().any(|(x, _)| x == p));
+            let all_sigtermed = v
+                .live_pods
+                .iter()
+                .all(|p| v.sigtermed.iter().any(|(x, _)| x == p));
             let none_serving = !v.live_pods.iter().any(|p| v.ready.contains(p));
             if none_serving {
                 causes.push(format!(
@@ -200,9 +232,16 @@ pub fn explain_burst(r: &RunResult, start_ms: f64, end_ms: f64, records: &[&Requ
                     "{node} kept receiving new connections {window} after its last pod became terminating (failover to the serving-terminating pod did not catch them)"
                 ));
             }
-        } else if !v.live_pods.iter().any(|p| v.ready.contains(p) && !v.terminating.iter().any(|(x, _)| x == p)) {
+        } else if !v
+            .live_pods
+            .iter()
+            .any(|p| v.ready.contains(p) && !v.terminating.iter().any(|(x, _)| x == p))
+        {
             let until = match pool_removal_after(r, node, start_ms) {
-                Some(t) => format!("until the load balancer took it out at {:.1} s", nominal(r, t)),
+                Some(t) => format!(
+                    "until the load balancer took it out at {:.1} s",
+                    nominal(r, t)
+                ),
                 None => "while the load balancer kept it in the pool".to_string(),
             };
             let pods = if v.live_pods.is_empty() {
@@ -210,7 +249,9 @@ pub fn explain_burst(r: &RunResult, start_ms: f64, end_ms: f64, records: &[&Requ
             } else {
                 format!("no ready pod ({} not ready yet)", v.live_pods.join(", "))
             };
-            causes.push(format!("{node} had {pods} and still received new connections {until}"));
+            causes.push(format!(
+                "{node} had {pods} and still received new connections {until}"
+            ));
         }
     }
     if causes.is_empty() {
@@ -218,7 +259,9 @@ pub fn explain_burst(r: &RunResult, start_ms: f64, end_ms: f64, records: &[&Requ
         let killed: Vec<String> = r
             .events
             .iter()
-            .filter(|e| e.kind == EventKind::PodKilled && e.t_ms >= start_ms - 50.0 && e.t_ms <= end_ms)
+            .filter(|e| {
+                e.kind == EventKind::PodKilled && e.t_ms >= start_ms - 50.0 && e.t_ms <= end_ms
+            })
             .filter_map(|e| e.pod.clone())
             .collect();
         if !killed.is_empty() {
@@ -237,7 +280,11 @@ pub fn explain_burst(r: &RunResult, start_ms: f64, end_ms: f64, records: &[&Requ
 
 pub fn summarize(r: &RunResult) -> Summary {
     let sent = r.records.len();
-    let ok = r.records.iter().filter(|x| x.outcome == Outcome::Ok).count();
+    let ok = r
+        .records
+        .iter()
+        .filter(|x| x.outcome == Outcome::Ok)
+        .count();
     let mut by_kind = BTreeMap::new();
     let (mut before, mut during, mut after) = (0, 0, 0);
     for x in r.records.iter().filter(|x| !x.outcome.is_ok()) {
@@ -288,24 +335,52 @@ fn event_line(r: &RunResult, e: &Event) -> String {
         (None, Some(p)) => p.clone(),
         (None, None) => String::new(),
     };
-    let kind = serde_json::to_value(&e.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-    format!("{:>8.2}s  {:<18} {:<20} {}", nominal(r, e.t_ms), kind, who, e.detail)
+    let kind = serde_json::to_value(&e.kind)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    format!(
+        "{:>8.2}s  {:<18} {:<20} {}",
+        nominal(r, e.t_ms),
+        kind,
+        who,
+        e.detail
+    )
 }
 
 /// Events worth a line in the text timeline (kproxy syncs are many: only failures).
 fn shown_in_timeline(e: &Event) -> bool {
-    !matches!(e.kind, EventKind::KproxySynced | EventKind::Note | EventKind::SlicePublished)
+    !matches!(
+        e.kind,
+        EventKind::KproxySynced | EventKind::Note | EventKind::SlicePublished
+    )
 }
 
 /// The text report for a set of runs.
 pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
     let mut s = String::new();
     let sums: Vec<Summary> = runs.iter().map(summarize).collect();
-    let _ = writeln!(s, "\nSummary (times are nominal: real time / time scale {})", runs.first().map(|r| r.time_scale).unwrap_or(1.0));
+    let _ = writeln!(
+        s,
+        "\nSummary (times are nominal: real time / time scale {})",
+        runs.first().map(|r| r.time_scale).unwrap_or(1.0)
+    );
     let _ = writeln!(
         s,
         "{:<9} {:>3} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>6} {:>12}  {:>8} {:>8} {:>8}",
-        "behaviour", "run", "sent", "ok", "failed", "refused", "reset", "timeout", "other", "longest out", "before", "rollout", "after"
+        "behaviour",
+        "run",
+        "sent",
+        "ok",
+        "failed",
+        "refused",
+        "reset",
+        "timeout",
+        "other",
+        "longest out",
+        "before",
+        "rollout",
+        "after"
     );
     for m in &sums {
         let k = |n: &str| m.failed_by_kind.get(n).copied().unwrap_or(0);
@@ -313,8 +388,19 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
         let _ = writeln!(
             s,
             "{:<9} {:>3} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>6} {:>11.1}s  {:>8} {:>8} {:>8}",
-            m.behaviour, m.run, m.sent, m.ok, m.failed, k("refused"), k("reset"), k("timeout"), other,
-            m.longest_outage_s, m.failed_before_rollout, m.failed_during_rollout, m.failed_after_rollout
+            m.behaviour,
+            m.run,
+            m.sent,
+            m.ok,
+            m.failed,
+            k("refused"),
+            k("reset"),
+            k("timeout"),
+            other,
+            m.longest_outage_s,
+            m.failed_before_rollout,
+            m.failed_during_rollout,
+            m.failed_after_rollout
         );
     }
     // Distribution per behaviour when there are several runs.
@@ -327,35 +413,66 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
         for (b, v) in &per {
             let total: usize = v.iter().map(|m| m.failed).sum();
             let sent: usize = v.iter().map(|m| m.sent).sum();
-            let worst = v.iter().max_by_key(|m| m.failed).map(|m| (m.run, m.failed)).unwrap_or((0, 0));
+            let worst = v
+                .iter()
+                .max_by_key(|m| m.failed)
+                .map(|m| (m.run, m.failed))
+                .unwrap_or((0, 0));
             let with_loss = v.iter().filter(|m| m.failed > 0).count();
             let _ = writeln!(
                 s,
                 "{b}: {} runs, {total} of {sent} requests failed in total; runs with loss: {with_loss}; worst run: #{} with {} failed",
-                v.len(), worst.0, worst.1
+                v.len(),
+                worst.0,
+                worst.1
             );
         }
     }
     for (r, m) in runs.iter().zip(&sums) {
-        let _ = writeln!(s, "\n== {} run {}: {} failure burst(s)", m.behaviour, m.run, m.bursts.len());
+        let _ = writeln!(
+            s,
+            "\n== {} run {}: {} failure burst(s)",
+            m.behaviour,
+            m.run,
+            m.bursts.len()
+        );
         for b in &m.bursts {
             let kinds: Vec<String> = b.kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
-            let _ = writeln!(s, "  {:>7.2}s..{:>7.2}s  {} failed ({}): {}", b.start_s, b.end_s, b.failed, kinds.join(", "), b.cause);
+            let _ = writeln!(
+                s,
+                "  {:>7.2}s..{:>7.2}s  {} failed ({}): {}",
+                b.start_s,
+                b.end_s,
+                b.failed,
+                kinds.join(", "),
+                b.cause
+            );
         }
         if timeline {
             let _ = writeln!(s, "  timeline:");
             for e in r.events.iter().filter(|e| shown_in_timeline(e)) {
                 let _ = writeln!(s, "  {}", event_line(r, e));
             }
-            let syncs = r.events.iter().filter(|e| e.kind == EventKind::KproxySynced).count();
-            let _ = writeln!(s, "  ({syncs} kproxy syncs across nodes, in the JSON output)");
+            let syncs = r
+                .events
+                .iter()
+                .filter(|e| e.kind == EventKind::KproxySynced)
+                .count();
+            let _ = writeln!(
+                s,
+                "  ({syncs} kproxy syncs across nodes, in the JSON output)"
+            );
         }
     }
     s
 }
 
 /// The JSON document: `{"runs": [{"behaviour", "sent", "ok", "failed", ...}]}`.
-pub fn render_json(runs: &[RunResult], config: &crate::config::RolloutConfig, plots: &[String]) -> Value {
+pub fn render_json(
+    runs: &[RunResult],
+    config: &crate::config::RolloutConfig,
+    plots: &[String],
+) -> Value {
     let rs: Vec<Value> = runs
         .iter()
         .map(|r| {
@@ -363,7 +480,10 @@ pub fn render_json(runs: &[RunResult], config: &crate::config::RolloutConfig, pl
             let mut v = serde_json::to_value(&m).unwrap_or(Value::Null);
             if let Some(o) = v.as_object_mut() {
                 o.insert("time_scale".into(), json!(r.time_scale));
-                o.insert("rollout_start_s".into(), json!(nominal(r, r.rollout_start_ms)));
+                o.insert(
+                    "rollout_start_s".into(),
+                    json!(nominal(r, r.rollout_start_ms)),
+                );
                 o.insert("rollout_end_s".into(), json!(nominal(r, r.rollout_end_ms)));
                 o.insert(
                     "events".into(),
@@ -380,7 +500,10 @@ pub fn render_json(runs: &[RunResult], config: &crate::config::RolloutConfig, pl
                             .collect(),
                     ),
                 );
-                o.insert("records".into(), serde_json::to_value(&r.records).unwrap_or(Value::Null));
+                o.insert(
+                    "records".into(),
+                    serde_json::to_value(&r.records).unwrap_or(Value::Null),
+                );
             }
             v
         })
@@ -394,7 +517,13 @@ mod tests {
     use crate::loadgen::ConnKind;
 
     fn rec(start: f64, outcome: Outcome) -> RequestRecord {
-        RequestRecord { start_ms: start, end_ms: start + 1.0, outcome, conn: ConnKind::New, pod: None }
+        RequestRecord {
+            start_ms: start,
+            end_ms: start + 1.0,
+            outcome,
+            conn: ConnKind::New,
+            pod: None,
+        }
     }
 
     #[test]
@@ -426,7 +555,10 @@ mod tests {
     #[test]
     fn pool_detail_parsing() {
         assert!(pool_contains("new connections to node-1, node-3", "node-3"));
-        assert!(!pool_contains("new connections to node-1, node-3", "node-2"));
+        assert!(!pool_contains(
+            "new connections to node-1, node-3",
+            "node-2"
+        ));
         assert!(!pool_contains("new connections to node-10", "node-1"));
     }
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
+use crate::LabError;
 use crate::cluster::Cluster;
 use crate::config::RolloutConfig;
 use crate::controlplane::{self, ControlPlane};
@@ -17,7 +18,6 @@ use crate::kproxyd::Kproxyd;
 use crate::lb::{HealthCheck, LoadBalancer};
 use crate::loadgen::{LoadGenerator, RequestRecord};
 use crate::timeline::{Clock, Event, EventKind, Recorder};
-use crate::LabError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Behaviour {
@@ -57,13 +57,22 @@ pub struct RunResult {
 pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
 
 /// Run one rollout with `behaviour`, using the kproxy binary at `kproxy`.
-pub fn run_once(cfg: &RolloutConfig, behaviour: Behaviour, run: usize, kproxy: &Path, progress: Progress) -> Result<RunResult, LabError> {
+pub fn run_once(
+    cfg: &RolloutConfig,
+    behaviour: Behaviour,
+    run: usize,
+    kproxy: &Path,
+    progress: Progress,
+) -> Result<RunResult, LabError> {
     cfg.validate()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| LabError::Io { what: "lab runtime".into(), source: e })?;
+        .map_err(|e| LabError::Io {
+            what: "lab runtime".into(),
+            source: e,
+        })?;
     let result = rt.block_on(run_async(cfg, behaviour, run, kproxy, progress));
     // Kubelet tasks hold pods; shutting the runtime down drops them (and their
     // servers and namespaces) before we return.
@@ -79,7 +88,12 @@ fn check_daemons(daemons: &mut [Kproxyd]) -> Result<(), LabError> {
 }
 
 /// Wait until `cond` holds, checking the daemons; fail after `limit`.
-async fn wait_for(what: &str, limit: Duration, daemons: &mut [Kproxyd], mut cond: impl FnMut() -> bool) -> Result<(), LabError> {
+async fn wait_for(
+    what: &str,
+    limit: Duration,
+    daemons: &mut [Kproxyd],
+    mut cond: impl FnMut() -> bool,
+) -> Result<(), LabError> {
     let start = Instant::now();
     loop {
         if cond() {
@@ -87,13 +101,21 @@ async fn wait_for(what: &str, limit: Duration, daemons: &mut [Kproxyd], mut cond
         }
         check_daemons(daemons)?;
         if start.elapsed() > limit {
-            return Err(LabError::Invalid(format!("timed out after {limit:?} waiting for {what}")));
+            return Err(LabError::Invalid(format!(
+                "timed out after {limit:?} waiting for {what}"
+            )));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-async fn run_async(cfg: &RolloutConfig, behaviour: Behaviour, run: usize, kproxy: &Path, progress: Progress<'_>) -> Result<RunResult, LabError> {
+async fn run_async(
+    cfg: &RolloutConfig,
+    behaviour: Behaviour,
+    run: usize,
+    kproxy: &Path,
+    progress: Progress<'_>,
+) -> Result<RunResult, LabError> {
     let clock = Clock::new(cfg.time_scale);
     let wall_start = SystemTime::now();
     let rec = Recorder::new(clock.clone());
@@ -102,13 +124,33 @@ async fn run_async(cfg: &RolloutConfig, behaviour: Behaviour, run: usize, kproxy
 
     let fabric = Arc::new(Fabric::build(cfg.nodes)?);
     let workdir = Workdir::create(&fabric.prefix)?;
-    progress(&format!("{tag} network up: {} nodes, LB and client namespaces ({})", cfg.nodes, fabric.prefix));
-    let dirs: Vec<PathBuf> = fabric.nodes.iter().map(|n| workdir.path.join(&n.name)).collect();
-    let cp = ControlPlane::start(cfg.nodes, dirs.clone(), clock.real(cfg.propagation_delay_seconds), cfg.publish_not_ready_addresses, rec.clone())?;
+    progress(&format!(
+        "{tag} network up: {} nodes, LB and client namespaces ({})",
+        cfg.nodes, fabric.prefix
+    ));
+    let dirs: Vec<PathBuf> = fabric
+        .nodes
+        .iter()
+        .map(|n| workdir.path.join(&n.name))
+        .collect();
+    let cp = ControlPlane::start(
+        cfg.nodes,
+        dirs.clone(),
+        clock.real(cfg.propagation_delay_seconds),
+        cfg.publish_not_ready_addresses,
+        rec.clone(),
+    )?;
 
     let mut daemons = Vec::new();
     for (n, dir) in fabric.nodes.iter().zip(&dirs) {
-        daemons.push(Kproxyd::start(kproxy, n, dir, &workdir.path, behaviour == Behaviour::Kproxy, &[])?);
+        daemons.push(Kproxyd::start(
+            kproxy,
+            n,
+            dir,
+            &workdir.path,
+            behaviour == Behaviour::Kproxy,
+            &[],
+        )?);
     }
     let result = async {
         let mut lb = LoadBalancer::start(
@@ -120,7 +162,13 @@ async fn run_async(cfg: &RolloutConfig, behaviour: Behaviour, run: usize, kproxy
             controlplane::SERVICE_PORT,
             rec.clone(),
         )?;
-        let cluster = Cluster::new(fabric.clone(), cp.clone(), rec.clone(), cfg.pod, cfg.deployment);
+        let cluster = Cluster::new(
+            fabric.clone(),
+            cp.clone(),
+            rec.clone(),
+            cfg.pod,
+            cfg.deployment,
+        );
         let p = &cfg.pod.readiness_probe;
         let nominal_limit = p.initial_delay_seconds
             + p.period_seconds * (p.success_threshold as f64 + 2.0)
@@ -134,14 +182,35 @@ async fn run_async(cfg: &RolloutConfig, behaviour: Behaviour, run: usize, kproxy
         // that has a pod as healthy.
         let c2 = cluster.clone();
         let initial = tokio::spawn(async move { c2.rollout(1, step_limit).await });
-        wait_for("the initial pods to become ready", step_limit, &mut daemons, || initial.is_finished()).await?;
-        initial.await.map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
+        wait_for(
+            "the initial pods to become ready",
+            step_limit,
+            &mut daemons,
+            || initial.is_finished(),
+        )
+        .await?;
+        initial
+            .await
+            .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
         let want_healthy = |cluster: &Cluster, lb: &LoadBalancer| {
             let h = lb.healthy();
-            cluster.pods().iter().filter(|p| p.is_ready() && !p.is_deleting()).all(|p| h.get(p.node_index - 1).copied().unwrap_or(false))
+            cluster
+                .pods()
+                .iter()
+                .filter(|p| p.is_ready() && !p.is_deleting())
+                .all(|p| h.get(p.node_index - 1).copied().unwrap_or(false))
         };
-        wait_for("the load balancer to see the nodes healthy", step_limit, &mut daemons, || want_healthy(&cluster, &lb)).await?;
-        progress(&format!("{tag} {} pods ready, load balancer pool complete; starting load", cfg.deployment.replicas));
+        wait_for(
+            "the load balancer to see the nodes healthy",
+            step_limit,
+            &mut daemons,
+            || want_healthy(&cluster, &lb),
+        )
+        .await?;
+        progress(&format!(
+            "{tag} {} pods ready, load balancer pool complete; starting load",
+            cfg.deployment.replicas
+        ));
 
         let load = LoadGenerator::start(
             fabric.client.name(),
@@ -154,7 +223,12 @@ async fn run_async(cfg: &RolloutConfig, behaviour: Behaviour, run: usize, kproxy
         tokio::time::sleep(clock.real(cfg.warmup_seconds)).await;
 
         let rollout_start_ms = clock.now_ms();
-        rec.record(EventKind::RolloutStarted, None, None, "rolling update to revision 2");
+        rec.record(
+            EventKind::RolloutStarted,
+            None,
+            None,
+            "rolling update to revision 2",
+        );
         progress(&format!("{tag} rolling update started"));
         let c2 = cluster.clone();
         let rollout_limit = step_limit * (cfg.deployment.replicas + 1);
@@ -164,26 +238,60 @@ async fn run_async(cfg: &RolloutConfig, behaviour: Behaviour, run: usize, kproxy
             if last_line.elapsed() > Duration::from_secs(2) {
                 last_line = Instant::now();
                 let (sent, failed) = load.counts();
-                let new = cluster.pods().iter().filter(|p| p.revision == 2 && p.is_ready()).count();
-                progress(&format!("{tag}   {new}/{} new pods ready; {sent} requests sent, {failed} failed", cfg.deployment.replicas));
+                let new = cluster
+                    .pods()
+                    .iter()
+                    .filter(|p| p.revision == 2 && p.is_ready())
+                    .count();
+                progress(&format!(
+                    "{tag}   {new}/{} new pods ready; {sent} requests sent, {failed} failed",
+                    cfg.deployment.replicas
+                ));
             }
             rollout.is_finished()
         })
         .await?;
-        rollout.await.map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
+        rollout
+            .await
+            .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
         let rollout_end_ms = clock.now_ms();
-        rec.record(EventKind::RolloutDone, None, None, "all replicas of revision 2 available");
-        wait_for("the load balancer pool to be complete again", step_limit, &mut daemons, || want_healthy(&cluster, &lb)).await?;
+        rec.record(
+            EventKind::RolloutDone,
+            None,
+            None,
+            "all replicas of revision 2 available",
+        );
+        wait_for(
+            "the load balancer pool to be complete again",
+            step_limit,
+            &mut daemons,
+            || want_healthy(&cluster, &lb),
+        )
+        .await?;
         tokio::time::sleep(clock.real(cfg.settle_seconds)).await;
         let records = load.stop();
         let load_end_ms = clock.now_ms();
-        rec.record(EventKind::LoadStopped, None, None, "load generator stopped; in-flight requests finished");
+        rec.record(
+            EventKind::LoadStopped,
+            None,
+            None,
+            "load generator stopped; in-flight requests finished",
+        );
         check_daemons(&mut daemons)?;
         let failed = records.iter().filter(|r| !r.outcome.is_ok()).count();
-        progress(&format!("{tag} done: {} requests, {failed} failed", records.len()));
+        progress(&format!(
+            "{tag} done: {} requests, {failed} failed",
+            records.len()
+        ));
         lb.stop();
         cluster.shutdown().await;
-        Ok::<_, LabError>((records, load_start_ms, rollout_start_ms, rollout_end_ms, load_end_ms))
+        Ok::<_, LabError>((
+            records,
+            load_start_ms,
+            rollout_start_ms,
+            rollout_end_ms,
+            load_end_ms,
+        ))
     }
     .await;
     for d in daemons.iter_mut() {
@@ -193,9 +301,15 @@ async fn run_async(cfg: &RolloutConfig, behaviour: Behaviour, run: usize, kproxy
     let (records, load_start_ms, rollout_start_ms, rollout_end_ms, load_end_ms) = match result {
         Ok(v) => v,
         Err(e) => {
-            let logs: Vec<String> = daemons.iter().map(|d| d.log.display().to_string()).collect();
+            let logs: Vec<String> = daemons
+                .iter()
+                .map(|d| d.log.display().to_string())
+                .collect();
             workdir.keep();
-            return Err(LabError::Invalid(format!("{e} (kproxy logs kept: {})", logs.join(", "))));
+            return Err(LabError::Invalid(format!(
+                "{e} (kproxy logs kept: {})",
+                logs.join(", ")
+            )));
         }
     };
     Ok(RunResult {
@@ -222,8 +336,14 @@ struct Workdir {
 impl Workdir {
     fn create(prefix: &str) -> Result<Workdir, LabError> {
         let path = std::env::temp_dir().join(format!("kproxy-lab-{prefix}"));
-        std::fs::create_dir_all(&path).map_err(|e| LabError::Io { what: format!("mkdir {}", path.display()), source: e })?;
-        Ok(Workdir { path, keep: std::cell::Cell::new(false) })
+        std::fs::create_dir_all(&path).map_err(|e| LabError::Io {
+            what: format!("mkdir {}", path.display()),
+            source: e,
+        })?;
+        Ok(Workdir {
+            path,
+            keep: std::cell::Cell::new(false),
+        })
     }
     fn keep(&self) {
         self.keep.set(true);

@@ -16,7 +16,10 @@ pub struct Clock {
 
 impl Clock {
     pub fn new(scale: f64) -> Clock {
-        Clock { start: Instant::now(), scale }
+        Clock {
+            start: Instant::now(),
+            scale,
+        }
     }
     pub fn scale(&self) -> f64 {
         self.scale
@@ -88,15 +91,31 @@ pub struct Recorder {
 
 impl Recorder {
     pub fn new(clock: Clock) -> Recorder {
-        Recorder { clock, events: Arc::new(Mutex::new(Vec::new())) }
+        Recorder {
+            clock,
+            events: Arc::new(Mutex::new(Vec::new())),
+        }
     }
     pub fn clock(&self) -> &Clock {
         &self.clock
     }
-    pub fn record(&self, kind: EventKind, node: Option<&str>, pod: Option<&str>, detail: impl Into<String>) {
+    pub fn record(
+        &self,
+        kind: EventKind,
+        node: Option<&str>,
+        pod: Option<&str>,
+        detail: impl Into<String>,
+    ) {
         self.record_at(self.clock.now_ms(), kind, node, pod, detail)
     }
-    pub fn record_at(&self, t_ms: f64, kind: EventKind, node: Option<&str>, pod: Option<&str>, detail: impl Into<String>) {
+    pub fn record_at(
+        &self,
+        t_ms: f64,
+        kind: EventKind,
+        node: Option<&str>,
+        pod: Option<&str>,
+        detail: impl Into<String>,
+    ) {
         let e = Event {
             t_ms,
             kind,

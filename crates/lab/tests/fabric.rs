@@ -28,11 +28,16 @@ fn root() -> bool {
 
 fn my_namespaces() -> usize {
     let me = std::process::id();
-    netns::list_lab_namespaces().iter().filter(|n| netns::owner_pid(n) == Some(me)).count()
+    netns::list_lab_namespaces()
+        .iter()
+        .filter(|n| netns::owner_pid(n) == Some(me))
+        .count()
 }
 
 fn fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 fn host_links() -> String {
@@ -45,26 +50,56 @@ fn fabric_comes_up_and_down_twenty_times_without_leaks() {
     if !root() {
         return;
     }
-    let links_before: Vec<String> = host_links().lines().map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()).collect();
+    let links_before: Vec<String> = host_links()
+        .lines()
+        .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        .collect();
     let ns_before = my_namespaces();
     let fds_before = fd_count();
     for i in 0..20 {
         let f = Fabric::build(2).expect("fabric");
         let pod = f.add_pod(1, "leak-test").expect("pod");
-        let mut server = PodServer::start("leak-test", pod.ns.name(), PodProfile::Graceful, Duration::from_secs(1)).expect("server");
+        let mut server = PodServer::start(
+            "leak-test",
+            pod.ns.name(),
+            PodProfile::Graceful,
+            Duration::from_secs(1),
+        )
+        .expect("server");
         // Node 2 reaches the pod on node 1 through the pod CIDR routes.
-        let out = f.nodes[1].ns.exec("ip", &["route", "get", &pod.ip.to_string()]).expect("route");
+        let out = f.nodes[1]
+            .ns
+            .exec("ip", &["route", "get", &pod.ip.to_string()])
+            .expect("route");
         assert!(out.contains("via 10.200.0.1"), "run {i}: {out}");
         server.join();
-        assert_eq!(my_namespaces(), ns_before + 5, "run {i}: lb, client, 2 nodes, 1 pod");
+        assert_eq!(
+            my_namespaces(),
+            ns_before + 5,
+            "run {i}: lb, client, 2 nodes, 1 pod"
+        );
         drop(pod);
         drop(f);
     }
     assert_eq!(my_namespaces(), ns_before, "namespaces leaked");
-    assert!(fd_count() <= fds_before + 2, "fds leaked: {} -> {}", fds_before, fd_count());
-    let links_after: Vec<String> = host_links().lines().map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()).collect();
-    let new: Vec<&String> = links_after.iter().filter(|l| !links_before.contains(l) && l.starts_with('n')).collect();
-    assert!(new.is_empty(), "interfaces appeared in the host namespace: {new:?}");
+    assert!(
+        fd_count() <= fds_before + 2,
+        "fds leaked: {} -> {}",
+        fds_before,
+        fd_count()
+    );
+    let links_after: Vec<String> = host_links()
+        .lines()
+        .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        .collect();
+    let new: Vec<&String> = links_after
+        .iter()
+        .filter(|l| !links_before.contains(l) && l.starts_with('n'))
+        .collect();
+    assert!(
+        new.is_empty(),
+        "interfaces appeared in the host namespace: {new:?}"
+    );
 }
 
 /// A blocking GET from inside `ns`; returns the response head.
@@ -74,7 +109,8 @@ fn get_from(ns: &str, target: SocketAddr) -> String {
         netns::enter_netns_by_name(&ns).expect("setns");
         let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(2)).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(2))).ok();
-        s.write_all(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").expect("write");
+        s.write_all(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            .expect("write");
         let mut out = String::new();
         s.read_to_string(&mut out).expect("read");
         out
@@ -86,10 +122,20 @@ fn get_from(ns: &str, target: SocketAddr) -> String {
 fn lb_reaches_pod(mode: LbMode) {
     let f = Fabric::build(1).expect("fabric");
     let pod = f.add_pod(1, "web-a").expect("pod");
-    let _server = PodServer::start("web-a", pod.ns.name(), PodProfile::Graceful, Duration::from_secs(1)).expect("server");
+    let _server = PodServer::start(
+        "web-a",
+        pod.ns.name(),
+        PodProfile::Graceful,
+        Duration::from_secs(1),
+    )
+    .expect("server");
     // Stand-in for kproxy on the node: DNAT the VIP (passthrough) or the node port.
     let rule = match mode {
-        LbMode::Passthrough => format!("ip daddr {} tcp dport 80 dnat to {}:8080", fabric::VIP, pod.ip),
+        LbMode::Passthrough => format!(
+            "ip daddr {} tcp dport 80 dnat to {}:8080",
+            fabric::VIP,
+            pod.ip
+        ),
         LbMode::NodePort => format!("tcp dport 30080 dnat to {}:8080", pod.ip),
     };
     f.nodes[0]
@@ -97,12 +143,21 @@ fn lb_reaches_pod(mode: LbMode) {
         .nft(&format!("table ip standin {{\n chain pre {{\n  type nat hook prerouting priority dstnat;\n  {rule}\n }}\n}}\n"))
         .expect("stand-in rules");
     let rec = Recorder::new(Clock::new(0.05));
-    let hc = HealthCheck { interval_seconds: 1.0, timeout_seconds: 1.0, healthy_threshold: 1, unhealthy_threshold: 2, registration_delay_seconds: 0.0 };
+    let hc = HealthCheck {
+        interval_seconds: 1.0,
+        timeout_seconds: 1.0,
+        healthy_threshold: 1,
+        unhealthy_threshold: 2,
+        registration_delay_seconds: 0.0,
+    };
     let _lb = LoadBalancer::start(&f, mode, hc, 32000, 30080, 80, rec).expect("lb");
     let head = get_from(f.client.name(), SocketAddr::from((fabric::VIP, 80)));
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.contains("x-pod: web-a"), "{head}");
-    assert!(head.contains(&format!("x-client: {}", fabric::CLIENT_IP)), "client address not preserved: {head}");
+    assert!(
+        head.contains(&format!("x-client: {}", fabric::CLIENT_IP)),
+        "client address not preserved: {head}"
+    );
 }
 
 #[test]
@@ -129,12 +184,24 @@ fn load_generator_accounts_for_every_request_when_a_pod_is_killed() {
     }
     let f = Fabric::build(1).expect("fabric");
     let pod = f.add_pod(1, "victim").expect("pod");
-    let server = PodServer::start("victim", pod.ns.name(), PodProfile::Graceful, Duration::from_secs(1)).expect("server");
+    let server = PodServer::start(
+        "victim",
+        pod.ns.name(),
+        PodProfile::Graceful,
+        Duration::from_secs(1),
+    )
+    .expect("server");
     // The client talks to the pod directly through the node (routing only).
-    let spec = LoadSpec { new_connection_rate: 200.0, keepalive_connections: 3, keepalive_rate: 50.0, request_timeout_ms: 500 };
+    let spec = LoadSpec {
+        new_connection_rate: 200.0,
+        keepalive_connections: 3,
+        keepalive_rate: 50.0,
+        request_timeout_ms: 500,
+    };
     let target = SocketAddr::from((pod.ip, 8080));
     // The client namespace routes 10.244.0.0/16 only via the LB: add it for this test.
-    f.lb.ip(&["route", "add", "10.244.1.0/24", "via", "10.200.0.1"]).expect("route");
+    f.lb.ip(&["route", "add", "10.244.1.0/24", "via", "10.200.0.1"])
+        .expect("route");
     let epoch = Instant::now();
     let load = LoadGenerator::start(f.client.name(), target, spec, epoch).expect("load");
     std::thread::sleep(Duration::from_millis(400));
@@ -143,12 +210,27 @@ fn load_generator_accounts_for_every_request_when_a_pod_is_killed() {
     let (started, records) = load.stop_counted();
     let ok = records.iter().filter(|r| r.outcome == Outcome::Ok).count();
     let failed = records.iter().filter(|r| !r.outcome.is_ok()).count();
-    assert_eq!(records.len() as u64, started, "every started request has exactly one record");
+    assert_eq!(
+        records.len() as u64,
+        started,
+        "every started request has exactly one record"
+    );
     assert_eq!(ok + failed, records.len());
     assert!(ok > 0, "requests before the kill succeed");
     assert!(failed > 0, "requests after the kill fail");
-    assert!(records.iter().all(|r| r.outcome != Outcome::Ok || r.pod.as_deref() == Some("victim")));
-    let kinds: std::collections::BTreeSet<_> = records.iter().filter(|r| !r.outcome.is_ok()).map(|r| r.outcome).collect();
-    assert!(kinds.contains(&Outcome::Refused), "new connections to a dead pod are refused: {kinds:?}");
+    assert!(
+        records
+            .iter()
+            .all(|r| r.outcome != Outcome::Ok || r.pod.as_deref() == Some("victim"))
+    );
+    let kinds: std::collections::BTreeSet<_> = records
+        .iter()
+        .filter(|r| !r.outcome.is_ok())
+        .map(|r| r.outcome)
+        .collect();
+    assert!(
+        kinds.contains(&Outcome::Refused),
+        "new connections to a dead pod are refused: {kinds:?}"
+    );
     drop(server);
 }
