@@ -88,8 +88,8 @@ pub const RULES: &[Rule] = &[
     },
     Rule {
         id: READINESS_FAILS_BEFORE_KILL,
-        severity: Severity::Error,
-        summary: "Readiness fails at SIGTERM and the pod turns not-ready before it is killed: packets still arriving are blackholed.",
+        severity: Severity::Warning,
+        summary: "Readiness fails at SIGTERM and the pod turns not-ready before it is killed: on per-packet dataplanes, established connections still arriving are blackholed.",
     },
     Rule {
         id: TERMINATION_GRACE_VS_LB_DRAIN,
@@ -533,7 +533,10 @@ impl Checker<'_> {
             if not_ready_at < grace {
                 self.push(
                     READINESS_FAILS_BEFORE_KILL,
-                    Severity::Error,
+                    // A warning: conntrack-based proxies (kproxy, kube-proxy iptables and
+                    // nftables) keep established flows to a not-ready endpoint, and the
+                    // rollout lab measures no loss; per-packet dataplanes drop them.
+                    Severity::Warning,
                     about,
                     &[
                         ("preStopSeconds", pre_stop),
@@ -543,7 +546,7 @@ impl Checker<'_> {
                         ("terminationGracePeriodSeconds", grace),
                     ],
                     format!(
-                        "container {}'s readiness fails at SIGTERM ({reason}); the pod can be marked not ready {} s after termination starts (preStop {} + period {} × (failureThreshold {} − 1)), {} s before it is killed at terminationGracePeriodSeconds {}: in that gap the node still receives the load balancer's packets but has no serving endpoint, so they are dropped",
+                        "container {}'s readiness fails at SIGTERM ({reason}); the pod can be marked not ready {} s after termination starts (preStop {} + period {} × (failureThreshold {} − 1)), {} s before it is killed at terminationGracePeriodSeconds {}: in that gap the load balancer still forwards established connections to the node, which has no serving endpoint; dataplanes that look every packet up (eBPF ones such as GKE Dataplane V2, seed 2's setting) drop them, conntrack-based proxies (kproxy, kube-proxy iptables/nftables) keep them",
                         c.name.escape_debug(),
                         num(not_ready_at),
                         num(pre_stop),

@@ -90,7 +90,7 @@ const TABLE: &[(&str, &str, Option<Severity>)] = &[
     (
         "readiness-fails-before-kill/fail",
         "readiness-fails-before-kill",
-        Some(Severity::Error),
+        Some(Severity::Warning),
     ),
     (
         "readiness-fails-before-kill/pass",
@@ -283,7 +283,7 @@ fn seed2_final_with_a_shorter_readiness_period_breaks_the_sigterm_inequality() {
         .iter()
         .find(|f| f.rule == "readiness-fails-before-kill")
         .expect("rule fires");
-    assert_eq!(r.severity, Severity::Error);
+    assert_eq!(r.severity, Severity::Warning);
     assert_eq!(r.numbers["notReadyAfterSeconds"], 20.0);
     assert!(r.message.contains("ingress-nginx"), "{}", r.message);
 }
