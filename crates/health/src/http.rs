@@ -107,8 +107,9 @@ impl Server {
         }
     }
 
-    /// Starts accepting on `listener`; returns a token that stops this listener only.
-    pub fn serve(&self, listener: TcpListener) -> CancellationToken {
+    /// Starts accepting on `listener`; returns what stops this listener only (its
+    /// connections stay until they end or the server closes).
+    pub fn serve(&self, listener: TcpListener) -> Listener {
         let stop = self.close.child_token();
         let ctx = ConnCtx {
             close: self.close.clone(),
@@ -118,8 +119,8 @@ impl Server {
             handler: self.handler.clone(),
             limits: self.limits,
         };
-        self.tasks.spawn(accept_loop(listener, stop.clone(), ctx));
-        stop
+        let task = self.tasks.spawn(accept_loop(listener, stop.clone(), ctx));
+        Listener { stop, task }
     }
 
     /// Closes every listener and connection at once and waits until all sockets are
@@ -138,6 +139,21 @@ impl Server {
             self.close.cancel();
             self.tasks.wait().await;
         }
+    }
+}
+
+/// One listening socket of a [`Server`].
+pub struct Listener {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Listener {
+    /// Stops accepting and waits until the socket is closed (so the address can be
+    /// bound again, e.g. by a wildcard listener replacing specific ones).
+    pub async fn close(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
     }
 }
 

@@ -435,7 +435,7 @@ impl HealthzServer {
 struct Running {
     check: Arc<CheckState>,
     server: http::Server,
-    bound: BTreeMap<SocketAddr, CancellationToken>,
+    bound: BTreeMap<SocketAddr, http::Listener>,
     failing: BTreeMap<SocketAddr, Retry>,
 }
 
@@ -458,15 +458,14 @@ impl Running {
     }
 
     /// Binds what is wanted and due, unbinds what is not wanted any more.
-    fn converge(&mut self, want: &[SocketAddr], shared: &Shared) {
+    async fn converge(&mut self, want: &[SocketAddr], shared: &Shared) {
         let labels = PortLabels::of(&self.check.service, self.check.port);
-        self.bound.retain(|a, stop| {
-            let keep = want.contains(a);
-            if !keep {
-                stop.cancel();
+        let unwanted: Vec<SocketAddr> = self.bound.keys().filter(|a| !want.contains(a)).copied().collect();
+        for a in unwanted {
+            if let Some(l) = self.bound.remove(&a) {
+                l.close().await;
             }
-            keep
-        });
+        }
         self.failing.retain(|a, _| want.contains(a));
         for a in want {
             if self.bound.contains_key(a) || self.failing.get(a).is_some_and(|r| !r.due()) {
@@ -576,7 +575,7 @@ async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, mut healthz: Opt
             let r = running.entry(name.clone()).or_insert_with(|| Running::new(&shared, name.clone(), t.port));
             r.check.local_endpoints.store(t.local_endpoints, Ordering::Relaxed);
             let want = decide::listen_addrs(&families, &local, t.port);
-            r.converge(&want, &shared);
+            r.converge(&want, &shared).await;
             let status = decide::service_answer(name, t.local_endpoints, proxy_healthy).status;
             shared.note_status(&r.check, status);
         }
