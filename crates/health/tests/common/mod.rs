@@ -78,6 +78,8 @@ pub async fn get(addr: SocketAddr, path: &str) -> Resp {
 pub async fn refused(addr: SocketAddr) -> bool {
     match TcpStream::connect(addr).await {
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => true,
+        // Queued on a listener that was closing right then: not refused (yet).
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted) => false,
         Err(e) => panic!("connect {addr}: unexpected error {e}"),
         Ok(_) => false,
     }
