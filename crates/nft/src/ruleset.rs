@@ -268,7 +268,16 @@ fn add_service_port(frag: &mut Fragment, f: &Fam, sp: &ServicePortPlan, local_po
             let Some(m) = source_match(r.from, f, local_pods) else { continue };
             match r.verdict {
                 Verdict::Drop => out.push(format!("{m}drop")),
-                Verdict::Reject => out.push(format!("{m}reject")),
+                Verdict::Reject => {
+                    // IPv6: a TCP connect() ignored the ICMPv6 port-unreachable that
+                    // plain `reject` sends from the nat hooks (measured: it timed out),
+                    // so TCP gets a reset, which refuses at once as REJECT must.
+                    if f.family == IpFamily::IPv6 && sp.protocol == kproxy_core::model::Protocol::TCP {
+                        out.push(format!("{m}reject with tcp reset"));
+                    } else {
+                        out.push(format!("{m}reject"));
+                    }
+                }
                 Verdict::Forward { endpoints, masquerade } => {
                     let eps = sp.endpoints_for(endpoints);
                     forward_rules(&mut out, &m, f, sp, &id, eps, masquerade, mark);

@@ -55,9 +55,10 @@ fn config() -> PlanConfig {
 
 /// Sends `tries` probes and checks each against the trace. Returns the pods that answered.
 fn check(f: &Fabric, plan: &NodePlan, from: From, dst: &str, port: u16, proto: Protocol, tries: usize, label: &str) -> Vec<String> {
-    let (src, iface) = f.source(from);
+    let v6 = ip(dst).is_ipv6();
+    let (src, iface) = if v6 { f.source6(from) } else { f.source(from) };
     let pkt = Packet { src, dst: ip(dst), dport: port, proto, in_interface: iface };
-    let locals: Vec<IpAddr> = NODE_ADDRS.iter().map(|a| ip(a)).collect();
+    let locals: Vec<IpAddr> = NODE_ADDRS.iter().chain(&common::fabric::NODE_ADDRS6).map(|a| ip(a)).collect();
     let t = trace(plan, &pkt, &locals);
     let ctx = format!("{label}: {from:?} -> {dst}:{port}/{proto}: trace {t:?}");
     let mut answered = Vec::new();
@@ -260,4 +261,35 @@ fn stale_flow_decisions() {
     let none = [("a", "node-a", TERMINATING)];
     let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &none, extra: "" }), "node-a", &config());
     assert!(stale_flows(&plan, &[flow(17, "10.96.0.10", 53, "10.244.9.9", 8080)]).is_empty());
+}
+
+#[test]
+fn ipv6_dual_stack() {
+    let f = Fabric::new();
+    let cfg = PlanConfig { local_detector: LocalDetectorConfig::InterfaceNamePrefix("kpv".into()), ..PlanConfig::default() };
+    let svc = |etp: &str, v6_eps: &str| {
+        format!(
+            "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus: {{addresses: [{{type: InternalIP, address: 10.200.0.1}}, {{type: InternalIP, address: \"fd00:200::1\"}}]}}\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: ns}}\nspec:\n  type: NodePort\n  externalTrafficPolicy: {etp}\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, \"fd00:96::10\"]\n  ports:\n  - {{name: http, port: 80, protocol: TCP, nodePort: 30080}}\n  - {{name: dns, port: 53, protocol: UDP, nodePort: 30053}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-v4, namespace: ns, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 8080, protocol: UDP}}]\nendpoints:\n- {{addresses: [10.244.1.2], nodeName: node-a}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-v6, namespace: ns, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv6\nports: [{{name: http, port: 8081, protocol: TCP}}, {{name: dns, port: 8081, protocol: UDP}}]\nendpoints: {v6_eps}\n"
+        )
+    };
+    let both = "[{addresses: [\"fd00:244:1::2\"], nodeName: node-a}, {addresses: [\"fd00:244:2::2\"], nodeName: node-b}]";
+    let remote_only = "[{addresses: [\"fd00:244:2::2\"], nodeName: node-b}]";
+    let only_a = "[{addresses: [\"fd00:244:1::2\"], nodeName: node-a}]";
+    for (etp, eps, label) in [("Cluster", both, "v6 ready"), ("Cluster", only_a, "v6 hairpin"), ("Local", remote_only, "v6 none local"), ("Cluster", "[]", "v6 none")] {
+        let plan = plan_from_yaml(&svc(etp, eps), "node-a", &cfg);
+        f.sync(&plan);
+        for from in [From::Pod(0), From::Node, From::Client] {
+            for (dst, port, proto) in [
+                ("fd00:96::10", 80, Protocol::TCP),
+                ("fd00:200::1", 30080, Protocol::TCP),
+                ("fd00:96::10", 53, Protocol::UDP),
+                ("fd00:200::1", 30053, Protocol::UDP),
+                ("10.96.0.10", 80, Protocol::TCP),
+            ] {
+                check(&f, &plan, from, dst, port, proto, 2, label);
+            }
+        }
+    }
+    let fails = FAILS.lock().unwrap();
+    assert!(fails.is_empty(), "{} mismatches:\n{}", fails.len(), fails.join("\n"));
 }

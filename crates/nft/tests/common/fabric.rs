@@ -19,10 +19,15 @@ pub const NODE_IP: &str = "10.200.0.1";
 pub const NODE_ADDRS: [&str; 4] = ["10.200.0.1", "198.51.100.1", "10.244.1.1", "10.244.2.1"];
 pub const PODS: [(&str, &str); 3] = [("a", "10.244.1.2"), ("b", "10.244.1.3"), ("r", "10.244.2.2")];
 pub const CLIENT_IP: &str = "198.51.100.2";
+pub const NODE_IP6: &str = "fd00:200::1";
+pub const NODE_ADDRS6: [&str; 5] = ["fd00:200::1", "fd00:198::1", "fd00:244:1::1", "fd00:244:2::1", "::1"];
+pub const PODS6: [(&str, &str); 3] = [("a", "fd00:244:1::2"), ("b", "fd00:244:1::3"), ("r", "fd00:244:2::2")];
+pub const CLIENT_IP6: &str = "fd00:198::2";
 
 pub struct Fabric {
     pub node: Netns,
-    pub pods: Vec<(String, IpAddr, Netns)>,
+    /// name, IPv4 address, namespace, IPv6 address
+    pub pods: Vec<(String, IpAddr, Netns, IpAddr)>,
     pub client: Netns,
     pub dp: Arc<Mutex<Dataplane>>,
 }
@@ -51,19 +56,25 @@ impl Fabric {
         // Many REJECTs to one client in a row: without this the kernel's per-destination
         // ICMP rate limit (burst 6, then 1/s) turns later REJECTs into silence.
         node.exec("sysctl -qw net.ipv4.icmp_ratelimit=0 && sysctl -qw net.ipv4.icmp_msgs_per_sec=100000 && sysctl -qw net.ipv4.icmp_msgs_burst=100000");
+        node.exec("sysctl -qw net.ipv6.conf.all.forwarding=1 && sysctl -qw net.ipv6.conf.default.forwarding=1 && sysctl -qw net.ipv6.icmp.ratelimit=0");
         // Outside client and the node's own address.
         node.exec(&format!("ip link add ext0 type veth peer name eth0 netns {}", client.name));
         node.exec("ip addr add 198.51.100.1/24 dev ext0 && ip addr add 10.200.0.1/32 dev ext0 && ip link set ext0 up");
         client.exec("ip addr add 198.51.100.2/24 dev eth0 && ip link set eth0 up && ip route add default via 198.51.100.1");
+        node.exec("ip addr add fd00:198::1/64 dev ext0 nodad && ip addr add fd00:200::1/128 dev ext0 nodad");
+        client.exec("ip addr add fd00:198::2/64 dev eth0 nodad && ip -6 route add default via fd00:198::1");
+        node.exec("ip -6 route add fd00:96::/64 dev ext0 src fd00:200::1");
         // Node-originated traffic to service ranges leaves from the node IP.
         node.exec("ip route add 10.96.0.0/16 dev ext0 src 10.200.0.1 && ip route add 203.0.113.0/24 dev ext0 src 10.200.0.1");
         let mut pods = Vec::new();
-        for (name, addr) in PODS {
+        for ((name, addr), (_, addr6)) in PODS.into_iter().zip(PODS6) {
             let ns = Netns::new(name);
             if name == "r" {
                 node.exec(&format!("ip link add rem0 type veth peer name eth0 netns {}", ns.name));
                 node.exec("ip addr add 10.244.2.1/24 dev rem0 && ip link set rem0 up");
                 ns.exec(&format!("ip addr add {addr}/24 dev eth0 && ip link set eth0 up && ip route add default via 10.244.2.1"));
+                node.exec("ip addr add fd00:244:2::1/64 dev rem0 nodad");
+                ns.exec(&format!("ip addr add {addr6}/64 dev eth0 nodad && ip -6 route add default via fd00:244:2::1"));
             } else {
                 let veth = format!("kpv{name}");
                 node.exec(&format!("ip link add {veth} type veth peer name eth0 netns {}", ns.name));
@@ -73,9 +84,13 @@ impl Fabric {
                 ns.exec(&format!(
                     "ip addr add {addr}/32 dev eth0 && ip link set eth0 up && ip route add 10.244.1.1 dev eth0 && ip route add default via 10.244.1.1"
                 ));
+                node.exec(&format!("ip addr add fd00:244:1::1/128 dev {veth} nodad && ip -6 route add {addr6}/128 dev {veth}"));
+                ns.exec(&format!(
+                    "ip addr add {addr6}/128 dev eth0 nodad && ip -6 route add fd00:244:1::1 dev eth0 && ip -6 route add default via fd00:244:1::1"
+                ));
             }
             serve(&ns, name);
-            pods.push((name.to_string(), ip(addr), ns));
+            pods.push((name.to_string(), ip(addr), ns, ip(addr6)));
         }
         let dp = Arc::new(Mutex::new(Dataplane::new(DataplaneConfig::default()).expect("config")));
         Fabric { node, pods, client, dp }
@@ -88,19 +103,31 @@ impl Fabric {
     }
 
     pub fn pod_name(&self, addr: IpAddr) -> Option<&str> {
-        self.pods.iter().find(|(_, a, _)| *a == addr).map(|(n, _, _)| n.as_str())
+        self.pods.iter().find(|(_, a, _, a6)| *a == addr || *a6 == addr).map(|(n, _, _, _)| n.as_str())
     }
 
     /// The probe's source address and input interface as `trace` sees them.
     pub fn source(&self, from: From) -> (IpAddr, Option<String>) {
         match from {
             From::Pod(i) => {
-                let (name, addr, _) = &self.pods[i];
+                let (name, addr, _, _) = &self.pods[i];
                 let iface = if name == "r" { "rem0".to_string() } else { format!("kpv{name}") };
                 (*addr, Some(iface))
             }
             From::Node => (ip(NODE_IP), None),
             From::Client => (ip(CLIENT_IP), Some("ext0".into())),
+        }
+    }
+
+    /// As `source`, for IPv6 probes.
+    pub fn source6(&self, from: From) -> (IpAddr, Option<String>) {
+        match from {
+            From::Pod(i) => {
+                let (_, _, _, addr6) = &self.pods[i];
+                (*addr6, self.source(from).1)
+            }
+            From::Node => (ip(NODE_IP6), None),
+            From::Client => (ip(CLIENT_IP6), Some("ext0".into())),
         }
     }
 
@@ -159,7 +186,8 @@ fn tcp_probe(to: SocketAddr) -> Outcome {
 }
 
 fn udp_probe(to: SocketAddr, sport: u16) -> Outcome {
-    let s = match UdpSocket::bind(("0.0.0.0", sport)) {
+    let any: IpAddr = if to.is_ipv6() { ip("::") } else { ip("0.0.0.0") };
+    let s = match UdpSocket::bind((any, sport)) {
         Ok(s) => s,
         Err(e) => return Outcome::Other(e.to_string()),
     };
@@ -186,10 +214,15 @@ fn udp_probe(to: SocketAddr, sport: u16) -> Outcome {
     Outcome::Timeout
 }
 
+/// IPv4 servers on 8080, IPv6 servers on 8081 (so the two never share a port).
 fn serve(ns: &Netns, name: &str) {
-    let (tcp, udp) = ns.run(|| {
-        (TcpListener::bind("0.0.0.0:8080").expect("bind tcp"), UdpSocket::bind("0.0.0.0:8080").expect("bind udp"))
-    });
+    serve_on(ns, name, "0.0.0.0:8080");
+    serve_on(ns, name, "[::]:8081");
+}
+
+fn serve_on(ns: &Netns, name: &str, addr: &'static str) {
+    let (tcp, udp) =
+        ns.run(move || (TcpListener::bind(addr).expect("bind tcp"), UdpSocket::bind(addr).expect("bind udp")));
     let n = name.to_string();
     std::thread::spawn(move || {
         for c in tcp.incoming() {

@@ -53,7 +53,9 @@ impl Netns {
         let name = format!("kpn{}-{n}{tag}", std::process::id());
         sh(&format!("ip netns add {name}"));
         let ns = Netns { name };
-        ns.exec("ip link set lo up");
+        // No duplicate address detection: fresh IPv6 addresses (link-local ones too)
+        // would stay tentative for a second and make the first probes time out.
+        ns.exec("sysctl -qw net.ipv6.conf.all.accept_dad=0 && sysctl -qw net.ipv6.conf.default.accept_dad=0 && ip link set lo up");
         ns
     }
 
