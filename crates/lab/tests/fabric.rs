@@ -234,3 +234,33 @@ fn load_generator_accounts_for_every_request_when_a_pod_is_killed() {
     );
     drop(server);
 }
+
+#[test]
+fn sweep_removes_namespaces_of_dead_runs_only() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root() {
+        return;
+    }
+    // A pid above the kernel's default pid_max range in use here: no such process.
+    let dead = 4_194_303u32;
+    assert!(
+        !std::path::Path::new(&format!("/proc/{dead}")).exists(),
+        "pid {dead} unexpectedly alive"
+    );
+    let leftover =
+        netns::Netns::create(&format!("{}{dead}x0-sweeptest", netns::PREFIX)).expect("ns");
+    let name = leftover.name().to_string();
+    // Simulate a run killed with SIGKILL: its guard never runs.
+    std::mem::forget(leftover);
+    let mine = Fabric::build(1).expect("fabric (sweeps on start)");
+    assert!(
+        !netns::list_lab_namespaces().contains(&name),
+        "leftover of a dead run was swept"
+    );
+    let live: Vec<String> = netns::list_lab_namespaces();
+    assert!(
+        live.iter().any(|n| n.starts_with(&mine.prefix)),
+        "this run's namespaces are kept"
+    );
+    drop(mine);
+}
