@@ -239,6 +239,8 @@ fn ensure_tools(install: bool) -> anyhow::Result<()> {
     }
     if install && which("apt-get") {
         eprintln!("kproxy lab: installing {}", missing.join(" "));
+        // A fresh machine may have no package lists yet.
+        let _ = std::process::Command::new("apt-get").args(["update", "-q"]).status();
         let st = std::process::Command::new("apt-get")
             .args(["install", "-y"])
             .args(&missing)
