@@ -100,16 +100,33 @@ impl FamilyRecord {
         let empty = Fragment { own: Ruleset { sets: BTreeMap::new(), chains: BTreeMap::new(), ..new_base.clone() }, shared: Vec::new() };
         self.base = new_base;
 
-        // Which Services changed: a different Arc that is also different by value.
+        // Which Services changed: a different Arc that is also different by value. Both
+        // maps are sorted by name, so one lock-step walk finds additions, removals and
+        // changes without a lookup per Service.
         let mut changed: Vec<ServiceName> = Vec::new();
-        for (name, svc) in &plan.services {
-            match self.services.get_mut(name) {
-                Some((old, _)) if Arc::ptr_eq(old, svc) => {}
-                Some((old, _)) if **old == **svc => *old = svc.clone(),
-                _ => changed.push(name.clone()),
+        {
+            let mut old_it = self.services.iter_mut().peekable();
+            for (name, svc) in &plan.services {
+                while old_it.peek().is_some_and(|(k, _)| *k < name) {
+                    let (k, _) = old_it.next().expect("peeked");
+                    changed.push(k.clone()); // removed
+                }
+                match old_it.peek_mut() {
+                    Some((k, (old, _))) if *k == name => {
+                        if !Arc::ptr_eq(old, svc) {
+                            if **old == **svc {
+                                *old = svc.clone();
+                            } else {
+                                changed.push(name.clone());
+                            }
+                        }
+                        old_it.next();
+                    }
+                    _ => changed.push(name.clone()), // added
+                }
             }
+            changed.extend(old_it.map(|(k, _)| k.clone()));
         }
-        changed.extend(self.services.keys().filter(|k| !plan.services.contains_key(*k)).cloned());
 
         let mut touched: BTreeMap<SharedKey, Option<String>> = BTreeMap::new();
         for name in changed {

@@ -156,3 +156,42 @@ fn verify_detects_and_repairs_drift() {
         kproxy_nft::cleanup(dp.config()).unwrap();
     });
 }
+
+/// Shared elements with several owners: two Services claim the same external IP:port
+/// (first in plan order wins) and share an endpoint (one hairpin element). Removing and
+/// re-adding either must leave exactly what a full sync would.
+#[test]
+fn shared_elements_follow_their_owners() {
+    let svc = |name: &str, cip: &str| {
+        format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns}}\nspec:\n  clusterIP: {cip}\n  externalIPs: [203.0.113.7]\n  ports: [{{name: http, port: 80, protocol: TCP}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: ns, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\nendpoints:\n- {{addresses: [10.244.1.2], nodeName: node-a}}\n"
+        )
+    };
+    let node = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.1}]}\n";
+    let steps = [
+        format!("{node}{}{}", svc("a", "10.96.0.1"), svc("b", "10.96.0.2")),
+        format!("{node}{}", svc("b", "10.96.0.2")),
+        format!("{node}{}{}", svc("a", "10.96.0.1"), svc("b", "10.96.0.2")),
+        format!("{node}{}", svc("a", "10.96.0.1")),
+        node.to_string(),
+    ];
+    let ns = Netns::new("shared");
+    ns.run(move || {
+        let mut dp = Dataplane::new(DataplaneConfig::default()).unwrap();
+        for (n, text) in steps.iter().enumerate() {
+            let plan = plan_from_yaml(text, "node-a", &PlanConfig::default());
+            let r = dp.sync(&plan).unwrap();
+            assert_eq!(r.full, n == 0);
+            let v = dp.verify().unwrap();
+            assert!(v.differences.is_empty(), "step {n}: {:?}", v.differences);
+            let owner = sh("nft list map ip kproxy service-ips");
+            match n {
+                0 | 2 => assert!(owner.contains("203.0.113.7 . tcp . 80 : goto ext-") && owner.contains("ns/a/"), "{owner}"),
+                1 => assert!(owner.contains("ns/b/"), "{owner}"),
+                _ => {}
+            }
+            let hairpin = sh("nft list set ip kproxy hairpin");
+            assert_eq!(hairpin.contains("10.244.1.2 . 10.244.1.2"), n < 4, "step {n}: {hairpin}");
+        }
+    });
+}
