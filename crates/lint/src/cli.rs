@@ -132,7 +132,10 @@ pub fn execute(
         proxy_programming_seconds: args.proxy_programming_time,
         nodes,
     };
-    let findings = rules::lint(&inv, &opts);
+    let mut findings = rules::lint(&inv, &opts);
+    for f in &mut findings {
+        f.line = inv.line_of(&f.location);
+    }
     let checked = rules::workloads_behind_load_balancers(&inv);
     let written = match args.output {
         Format::Text => out.write_all(report::text(&findings, &opts, checked).as_bytes()),

@@ -118,16 +118,30 @@ pub struct Inventory {
     /// (kind, namespace, name) → position in `services` / `pdbs`, for replacing a
     /// redefinition without a scan.
     positions: HashMap<(&'static str, String, String), usize>,
+    /// File → the 1-based line each YAML document starts on, when unambiguous.
+    document_lines: HashMap<String, Vec<usize>>,
 }
 
 impl Inventory {
     /// Adds one file's text (`file` names it in reports; `.json` selects the JSON reader).
     pub fn add_file(&mut self, file: &str, text: &str) {
+        if let Some(lines) = document_start_lines(file, text) {
+            self.document_lines.insert(file.to_string(), lines);
+        }
         let (values, errors) = documents(file, text);
         self.errors.extend(errors);
         for (location, value) in values {
             self.add_value(location, value);
         }
+    }
+
+    /// The 1-based line a located object's document starts on (for SARIF regions), when
+    /// it can be told for sure.
+    pub fn line_of(&self, location: &Location) -> Option<usize> {
+        self.document_lines
+            .get(&location.file)?
+            .get(location.document)
+            .copied()
     }
 
     fn add_value(&mut self, location: Location, v: Value) {
@@ -193,6 +207,46 @@ impl Inventory {
             _ => {}
         }
     }
+}
+
+/// Where each YAML document of `text` starts (1-based), counting `---` lines the way
+/// `kproxy_core::manifest::documents` numbers documents. Only for the unambiguous shape:
+/// YAML (not `.json`), no `---` before the first content line, no `...` end markers, only
+/// bare `---` separators (nothing after them on the line), and no document that is empty (the parser may
+/// or may not count those). Otherwise `None`: no line beats a wrong line.
+fn document_start_lines(file: &str, text: &str) -> Option<Vec<usize>> {
+    if file.ends_with(".json") {
+        return None;
+    }
+    let is_content = |l: &str| {
+        let t = l.trim();
+        !t.is_empty() && !t.starts_with('#')
+    };
+    let mut starts = Vec::new();
+    let mut current: Option<usize> = None; // first content line of the open document
+    for (i, line) in text.lines().enumerate() {
+        let n = i + 1;
+        if line.starts_with("...") {
+            return None;
+        }
+        if line.starts_with("---") {
+            // `--- # comment` or `--- {inline}`: parsers and core's fallback splitter
+            // disagree on those; give up rather than guess.
+            if line.trim_end() != "---" {
+                return None;
+            }
+            let first = current.take()?; // `---` with no content before it: ambiguous
+            starts.push(first);
+            continue;
+        }
+        if current.is_none() && is_content(line) {
+            current = Some(n);
+        }
+    }
+    if let Some(first) = current {
+        starts.push(first);
+    }
+    Some(starts)
 }
 
 /// A cluster holds one Service (one PodDisruptionBudget) per namespace/name: a later
@@ -412,6 +466,41 @@ metadata: {name: n1}
         assert_eq!(inv.workloads[0].id.to_string(), "DaemonSet default/good");
         assert_eq!(inv.workloads[0].replicas, None);
         assert_eq!(inv.nodes, 1);
+    }
+
+    #[test]
+    fn document_start_lines_only_when_unambiguous() {
+        let lines = |t: &str| document_start_lines("f.yaml", t);
+        assert_eq!(
+            lines("# c\na: 1\n---\n\n# d\nb: 2\n---  \nc: 3\n"),
+            Some(vec![2, 6, 8])
+        );
+        assert_eq!(
+            lines("a: 1\n--- # x\nb: 2\n"),
+            None,
+            "comment on the separator"
+        );
+        assert_eq!(lines("a: 1\n---\n"), Some(vec![1]));
+        assert_eq!(lines("---\na: 1\n"), None, "leading separator");
+        assert_eq!(lines("a: 1\n---\n---\nb: 2\n"), None, "empty document");
+        assert_eq!(lines("a: 1\n...\n"), None, "end marker");
+        assert_eq!(
+            lines("a: 1\n--- {b: 2}\n"),
+            None,
+            "content on the separator"
+        );
+        assert_eq!(document_start_lines("f.json", "{}"), None);
+        // The numbering agrees with kproxy_core::manifest::documents.
+        let text = "kind: A\n---\n# c\nkind: B\n---\nkind: C\n";
+        let (docs, _) = documents("f.yaml", text);
+        let starts = lines(text).unwrap();
+        for (loc, v) in docs {
+            let kind = v["kind"].as_str().unwrap();
+            assert_eq!(
+                text.lines().nth(starts[loc.document] - 1),
+                Some(format!("kind: {kind}").as_str())
+            );
+        }
     }
 
     #[test]

@@ -48,7 +48,10 @@ pub fn text(findings: &[Finding], opts: &Options, workloads_checked: usize) -> S
     // Group by object, keeping first-appearance order.
     let mut groups: Vec<(String, String, Vec<&Finding>)> = Vec::new();
     for f in findings {
-        let key = format!("{}", f.location);
+        let key = match f.line {
+            Some(line) => format!("{}, line {line}", f.location),
+            None => format!("{}", f.location),
+        };
         match groups
             .iter_mut()
             .find(|(o, k, _)| *o == f.object && *k == key)
@@ -144,7 +147,7 @@ pub fn sarif(findings: &[Finding]) -> Value {
                 "level": f.severity.as_str(),
                 "message": {"text": format!("{}. Fix: {}", f.message, f.fix)},
                 "locations": [{
-                    "physicalLocation": {"artifactLocation": {"uri": uri_reference(&f.location.file)}},
+                    "physicalLocation": physical_location(f),
                     "logicalLocations": [logical],
                 }],
                 "properties": {
@@ -174,6 +177,15 @@ pub fn sarif(findings: &[Finding]) -> Value {
             "results": results,
         }],
     })
+}
+
+/// The manifest file, and the line its document starts on when known.
+fn physical_location(f: &Finding) -> Value {
+    let mut p = json!({"artifactLocation": {"uri": uri_reference(&f.location.file)}});
+    if let (Some(line), Value::Object(m)) = (f.line, &mut p) {
+        m.insert("region".into(), json!({"startLine": line}));
+    }
+    p
 }
 
 /// Control characters (newlines, ESC, …) escaped, everything else as is: text output

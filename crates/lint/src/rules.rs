@@ -160,6 +160,10 @@ pub struct Finding {
     pub numbers: BTreeMap<&'static str, f64>,
     pub message: String,
     pub fix: String,
+    /// 1-based line the object's document starts on, when known (set by the caller from
+    /// `Inventory::line_of`; the rules do not know lines).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub line: Option<usize>,
 }
 
 /// Annotation that declares whether the pod's readiness probe starts failing at SIGTERM
@@ -214,6 +218,7 @@ pub fn lint(inv: &Inventory, opts: &Options) -> Vec<Finding> {
             numbers: BTreeMap::new(),
             message: format!("{}: {}", e.field, e.reason),
             fix: "Fix the field so that the object matches its Kubernetes schema; until then it is not checked.".into(),
+            line: None,
         })
         .collect();
     for s in &inv.services {
@@ -241,6 +246,7 @@ pub fn lint(inv: &Inventory, opts: &Options) -> Vec<Finding> {
                     "Fix the annotation (the {} load balancer controller reads it), or pass the number with an --lb-* flag.",
                     opts.lb.name
                 ),
+                line: None,
             });
         }
     }
@@ -384,6 +390,7 @@ impl Checker<'_> {
             numbers: numbers.iter().copied().collect(),
             message,
             fix,
+            line: None,
         });
     }
 

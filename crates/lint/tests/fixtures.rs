@@ -487,6 +487,19 @@ fn sarif_has_the_required_fields() {
             .as_str()
             .unwrap();
         assert!(uri.ends_with(".yaml") && !uri.contains(' '), "{uri}");
+        // The region points at the Deployment's document.
+        let line = r["locations"][0]["physicalLocation"]["region"]["startLine"]
+            .as_u64()
+            .expect("startLine") as usize;
+        let file = r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
+            .as_str()
+            .unwrap();
+        let text = std::fs::read_to_string(file).unwrap();
+        assert_eq!(
+            text.lines().nth(line - 1),
+            Some("apiVersion: apps/v1"),
+            "{file}:{line}"
+        );
         assert!(
             r["locations"][0]["logicalLocations"][0]["fullyQualifiedName"]
                 .as_str()
