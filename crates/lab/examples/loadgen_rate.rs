@@ -53,6 +53,7 @@ fn main() {
         healthy_threshold: 1,
         unhealthy_threshold: 2,
         registration_delay_seconds: 0.0,
+        drain_timeout_seconds: 0.0,
     };
     let _lb = LoadBalancer::start(
         &f,

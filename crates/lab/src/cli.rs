@@ -105,6 +105,9 @@ pub struct RolloutArgs {
     pub lb_unhealthy_threshold: Option<u32>,
     #[arg(long)]
     pub lb_registration_delay: Option<f64>,
+    /// Cut established flows this long after their node leaves the pool (0: never).
+    #[arg(long)]
+    pub lb_drain_timeout: Option<f64>,
     /// Requests per second on new connections (real time).
     #[arg(long)]
     pub rate: Option<f64>,
@@ -175,9 +178,14 @@ pub fn build_config(a: &RolloutArgs) -> anyhow::Result<RolloutConfig> {
     );
     set!(a.lb_preset, c.load_balancer.preset);
     set!(a.lb_mode, c.load_balancer.mode);
-    let custom = [a.lb_interval, a.lb_timeout, a.lb_registration_delay]
-        .iter()
-        .any(Option::is_some)
+    let custom = [
+        a.lb_interval,
+        a.lb_timeout,
+        a.lb_registration_delay,
+        a.lb_drain_timeout,
+    ]
+    .iter()
+    .any(Option::is_some)
         || a.lb_healthy_threshold.is_some()
         || a.lb_unhealthy_threshold.is_some();
     if custom {
@@ -191,6 +199,7 @@ pub fn build_config(a: &RolloutArgs) -> anyhow::Result<RolloutConfig> {
                 healthy_threshold: 1,
                 unhealthy_threshold: 2,
                 registration_delay_seconds: 0.0,
+                drain_timeout_seconds: 0.0,
             });
         c.load_balancer.health_check = Some(HealthCheck {
             interval_seconds: a.lb_interval.unwrap_or(base.interval_seconds),
@@ -200,6 +209,7 @@ pub fn build_config(a: &RolloutArgs) -> anyhow::Result<RolloutConfig> {
             registration_delay_seconds: a
                 .lb_registration_delay
                 .unwrap_or(base.registration_delay_seconds),
+            drain_timeout_seconds: a.lb_drain_timeout.unwrap_or(base.drain_timeout_seconds),
         });
     }
     set!(a.rate, c.load.new_connection_rate);
@@ -240,7 +250,9 @@ fn ensure_tools(install: bool) -> anyhow::Result<()> {
     if install && which("apt-get") {
         eprintln!("kproxy lab: installing {}", missing.join(" "));
         // A fresh machine may have no package lists yet.
-        let _ = std::process::Command::new("apt-get").args(["update", "-q"]).status();
+        let _ = std::process::Command::new("apt-get")
+            .args(["update", "-q"])
+            .status();
         let st = std::process::Command::new("apt-get")
             .args(["install", "-y"])
             .args(&missing)
@@ -380,6 +392,13 @@ mod tests {
         let hc = c.load_balancer.effective_health_check().unwrap();
         assert_eq!(hc.interval_seconds, 4.0);
         assert_eq!(hc.unhealthy_threshold, 2, "rest from the aws-nlb preset");
+        let c = build_config(&parse(&["rollout", "--lb-drain-timeout", "30"])).unwrap();
+        let hc = c.load_balancer.effective_health_check().unwrap();
+        assert_eq!(
+            (hc.drain_timeout_seconds, hc.interval_seconds),
+            (30.0, 3.0),
+            "gke + drain"
+        );
     }
 
     #[test]

@@ -56,6 +56,11 @@ pub struct HealthCheck {
     /// Time before a new backend starts being probed.
     #[serde(default)]
     pub registration_delay_seconds: f64,
+    /// After a node leaves the pool, its established flows are cut after this long
+    /// (conntrack entries deleted in the LB; the next packet of such a flow is
+    /// treated as new and reset by the node it lands on). 0: flows live until closed.
+    #[serde(default)]
+    pub drain_timeout_seconds: f64,
 }
 
 impl LbPreset {
@@ -69,6 +74,7 @@ impl LbPreset {
                 healthy_threshold: 1,
                 unhealthy_threshold: 2,
                 registration_delay_seconds: 0.0,
+                drain_timeout_seconds: 0.0,
             }),
             // AWS NLB target group (TCP/HTTP): 10 s interval, 10 s timeout (capped below the interval here), 2/2.
             LbPreset::AwsNlb => Some(HealthCheck {
@@ -77,6 +83,7 @@ impl LbPreset {
                 healthy_threshold: 2,
                 unhealthy_threshold: 2,
                 registration_delay_seconds: 0.0,
+                drain_timeout_seconds: 0.0,
             }),
             // Azure LB probe: 5 s interval, 2 consecutive failures; one success marks healthy.
             LbPreset::Azure => Some(HealthCheck {
@@ -85,6 +92,7 @@ impl LbPreset {
                 healthy_threshold: 1,
                 unhealthy_threshold: 2,
                 registration_delay_seconds: 0.0,
+                drain_timeout_seconds: 0.0,
             }),
             LbPreset::Custom => None,
         }
@@ -336,6 +344,9 @@ async fn health_loop(
     let reg = clock.real(hc.registration_delay_seconds);
     let mut next = tokio::time::Instant::now() + reg;
     let mut current_pool = (1..=n).collect::<Vec<_>>();
+    let drain = (hc.drain_timeout_seconds > 0.0).then(|| clock.real(hc.drain_timeout_seconds));
+    // When each node left the pool (None: in the pool, or already drained).
+    let mut left_at: Vec<Option<tokio::time::Instant>> = vec![None; n];
     while !stop.load(Ordering::SeqCst) {
         let now = tokio::time::Instant::now();
         if now < next {
@@ -396,8 +407,36 @@ async fn health_loop(
                     Err(e) => format!("pool update failed: {e}"),
                 },
             );
+            for i in 1..=n {
+                let was_in = current_pool.contains(&i);
+                let now_in = new_pool.contains(&i);
+                if was_in && !now_in {
+                    left_at[i - 1] = Some(tokio::time::Instant::now());
+                } else if now_in {
+                    left_at[i - 1] = None;
+                }
+            }
             current_pool = new_pool.clone();
             *pool.lock().expect("pool lock") = new_pool;
+        }
+        if let Some(d) = drain {
+            for i in 0..n {
+                if left_at[i].is_some_and(|t| t.elapsed() >= d) {
+                    left_at[i] = None;
+                    let mark = (i + 1).to_string();
+                    // conntrack exits non-zero when nothing matched; that is fine.
+                    let _ = netns::run_cmd(
+                        "ip",
+                        &["netns", "exec", &ns, "conntrack", "-D", "--mark", &mark],
+                    );
+                    recorder.record(
+                        EventKind::LbDrained,
+                        Some(&names[i]),
+                        None,
+                        "drain timeout: established flows cut",
+                    );
+                }
+            }
         }
     }
 }

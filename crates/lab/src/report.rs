@@ -255,6 +255,25 @@ pub fn explain_burst(
         }
     }
     if causes.is_empty() {
+        let drained: Vec<String> = r
+            .events
+            .iter()
+            // Cut flows fail on their next request: look back a few nominal seconds.
+            .filter(|e| {
+                e.kind == EventKind::LbDrained
+                    && e.t_ms >= start_ms - 3000.0 * r.time_scale
+                    && e.t_ms <= end_ms
+            })
+            .filter_map(|e| e.node.clone())
+            .collect();
+        if !drained.is_empty() {
+            causes.push(format!(
+                "the load balancer's drain timeout cut established connections to {} while their pods were still serving",
+                drained.join(", ")
+            ));
+        }
+    }
+    if causes.is_empty() {
         // Kills and resets inside the burst.
         let killed: Vec<String> = r
             .events

@@ -62,6 +62,8 @@ pub enum EventKind {
     HealthAnswer,
     /// The load balancer's set of nodes for new connections changed.
     LbPool,
+    /// The LB cut established flows of a node after its drain timeout.
+    LbDrained,
     KproxySynced,
     KproxySyncFailed,
     RolloutStarted,

@@ -149,6 +149,7 @@ fn lb_reaches_pod(mode: LbMode) {
         healthy_threshold: 1,
         unhealthy_threshold: 2,
         registration_delay_seconds: 0.0,
+        drain_timeout_seconds: 0.0,
     };
     let _lb = LoadBalancer::start(&f, mode, hc, 32000, 30080, 80, rec).expect("lb");
     let head = get_from(f.client.name(), SocketAddr::from((fabric::VIP, 80)));
