@@ -24,7 +24,8 @@ fn children_cpu() -> (Duration, Duration) {
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: getrusage only writes the struct we pass.
     unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
-    let tv = |t: libc::timeval| Duration::from_micros(t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64);
+    let tv =
+        |t: libc::timeval| Duration::from_micros(t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64);
     (tv(ru.ru_utime), tv(ru.ru_stime))
 }
 
@@ -42,7 +43,13 @@ fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan) -> Sample {
     let r = dp.sync(plan).expect("sync");
     let wall = t.elapsed();
     let (u1, s1) = children_cpu();
-    Sample { wall, nft_wall: r.transaction, user: u1 - u0, sys: s1 - s0, bytes: r.script_bytes }
+    Sample {
+        wall,
+        nft_wall: r.transaction,
+        user: u1 - u0,
+        sys: s1 - s0,
+        bytes: r.script_bytes,
+    }
 }
 
 fn ms(d: Duration) -> String {
@@ -55,7 +62,10 @@ fn run(services: usize, eps: usize) {
     let mut planner = Planner::new("node-0", PlanConfig::default());
     planner.update(&mut state);
     let plan = planner.plan().clone();
-    let cfg = DataplaneConfig { conntrack_cleanup: false, ..DataplaneConfig::default() };
+    let cfg = DataplaneConfig {
+        conntrack_cleanup: false,
+        ..DataplaneConfig::default()
+    };
 
     let t = Instant::now();
     let script = kproxy_nft::render(&plan, &cfg);
@@ -116,12 +126,19 @@ fn run(services: usize, eps: usize) {
     if std::env::var_os("KPROXY_BENCH_VERIFY").is_some() {
         let v = Instant::now();
         let report = dp.verify().expect("verify");
-        println!("{services}x{eps}: verify {} ms, drift {}", ms(v.elapsed()), report.drift);
+        println!(
+            "{services}x{eps}: verify {} ms, drift {}",
+            ms(v.elapsed()),
+            report.drift
+        );
     }
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).filter(|a| a.contains('x') && !a.starts_with('-')).collect();
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a.contains('x') && !a.starts_with('-'))
+        .collect();
     let sizes: Vec<(usize, usize)> = if args.is_empty() {
         vec![(1000, 10), (10000, 10)]
     } else {
@@ -133,7 +150,10 @@ fn main() {
             .collect()
     };
     let name = format!("kpnbench{}", std::process::id());
-    let ok = Command::new("ip").args(["netns", "add", &name]).status().is_ok_and(|s| s.success());
+    let ok = Command::new("ip")
+        .args(["netns", "add", &name])
+        .status()
+        .is_ok_and(|s| s.success());
     if !ok {
         eprintln!("cannot create a network namespace (needs root); skipping");
         return;

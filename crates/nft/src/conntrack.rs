@@ -13,11 +13,15 @@ use std::net::IpAddr;
 
 use kproxy_core::NodePlan;
 use kproxy_core::model::{EndpointAddr, Protocol};
-use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
 use netlink_packet_netfilter::conntrack::{
     ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol as CtProto, Tuple,
 };
-use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
+use netlink_packet_netfilter::{
+    NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
+};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 use crate::NftError;
@@ -42,16 +46,28 @@ pub fn stale_flows(plan: &NodePlan, flows: &[Flow]) -> Vec<Flow> {
     // Frontend (addr, port) and NodePort → serving endpoints of that UDP service port.
     let mut by_ip: BTreeMap<(IpAddr, u16), BTreeSet<EndpointAddr>> = BTreeMap::new();
     let mut by_node_port: BTreeMap<(bool, u16), BTreeSet<EndpointAddr>> = BTreeMap::new();
-    for sp in plan.service_ports().filter(|sp| sp.protocol == Protocol::UDP) {
+    for sp in plan
+        .service_ports()
+        .filter(|sp| sp.protocol == Protocol::UDP)
+    {
         let serving: BTreeSet<EndpointAddr> = sp.serving_endpoints().collect();
         if serving.is_empty() {
             continue;
         }
-        for ip in std::iter::once(&sp.cluster_ip).chain(&sp.external_ips).chain(&sp.load_balancer_ips) {
-            by_ip.entry((*ip, sp.port)).or_default().extend(serving.iter().copied());
+        for ip in std::iter::once(&sp.cluster_ip)
+            .chain(&sp.external_ips)
+            .chain(&sp.load_balancer_ips)
+        {
+            by_ip
+                .entry((*ip, sp.port))
+                .or_default()
+                .extend(serving.iter().copied());
         }
         if let Some(np) = sp.node_port {
-            by_node_port.entry((sp.cluster_ip.is_ipv6(), np)).or_default().extend(serving.iter().copied());
+            by_node_port
+                .entry((sp.cluster_ip.is_ipv6(), np))
+                .or_default()
+                .extend(serving.iter().copied());
         }
     }
     flows
@@ -90,18 +106,33 @@ pub fn cleanup(_previous: Option<&NodePlan>, plan: &NodePlan) -> Result<usize, N
 /// Every flow of one family (for tests and tools).
 pub fn list(family_v6: bool) -> Result<Vec<Flow>, NftError> {
     let sock = open()?;
-    dump(&sock, if family_v6 { NetfilterProtoFamily::IPv6 } else { NetfilterProtoFamily::IPv4 })
+    dump(
+        &sock,
+        if family_v6 {
+            NetfilterProtoFamily::IPv6
+        } else {
+            NetfilterProtoFamily::IPv4
+        },
+    )
 }
 
 fn open() -> Result<Socket, NftError> {
     let io = |what: &str, e: std::io::Error| NftError::Conntrack(format!("{what}: {e}"));
-    let mut sock = Socket::new(NETLINK_NETFILTER).map_err(|e| io("opening a netfilter netlink socket", e))?;
-    sock.bind_auto().map_err(|e| io("binding the netlink socket", e))?;
-    sock.connect(&SocketAddr::new(0, 0)).map_err(|e| io("connecting the netlink socket", e))?;
+    let mut sock =
+        Socket::new(NETLINK_NETFILTER).map_err(|e| io("opening a netfilter netlink socket", e))?;
+    sock.bind_auto()
+        .map_err(|e| io("binding the netlink socket", e))?;
+    sock.connect(&SocketAddr::new(0, 0))
+        .map_err(|e| io("connecting the netlink socket", e))?;
     Ok(sock)
 }
 
-fn send(sock: &Socket, fam: NetfilterProtoFamily, flags: u16, msg: ConntrackMessage) -> Result<(), NftError> {
+fn send(
+    sock: &Socket,
+    fam: NetfilterProtoFamily,
+    flags: u16,
+    msg: ConntrackMessage,
+) -> Result<(), NftError> {
     let mut hdr = NetlinkHeader::default();
     hdr.flags = flags;
     let mut packet = NetlinkMessage::new(
@@ -111,7 +142,8 @@ fn send(sock: &Socket, fam: NetfilterProtoFamily, flags: u16, msg: ConntrackMess
     packet.finalize();
     let mut buf = vec![0; packet.buffer_len()];
     packet.serialize(&mut buf[..]);
-    sock.send(&buf[..], 0).map_err(|e| NftError::Conntrack(format!("sending a ctnetlink request: {e}")))?;
+    sock.send(&buf[..], 0)
+        .map_err(|e| NftError::Conntrack(format!("sending a ctnetlink request: {e}")))?;
     Ok(())
 }
 
@@ -120,7 +152,9 @@ fn send(sock: &Socket, fam: NetfilterProtoFamily, flags: u16, msg: ConntrackMess
 fn receive(sock: &Socket, mut each: impl FnMut(&ConntrackMessage)) -> Result<i32, NftError> {
     let mut buf = vec![0u8; 1 << 16];
     loop {
-        let size = sock.recv(&mut &mut buf[..], 0).map_err(|e| NftError::Conntrack(format!("receiving: {e}")))?;
+        let size = sock
+            .recv(&mut &mut buf[..], 0)
+            .map_err(|e| NftError::Conntrack(format!("receiving: {e}")))?;
         let mut offset = 0;
         while offset < size {
             let msg = <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[offset..size])
@@ -129,7 +163,10 @@ fn receive(sock: &Socket, mut each: impl FnMut(&ConntrackMessage)) -> Result<i32
             match msg.payload {
                 NetlinkPayload::Done(_) => return Ok(0),
                 NetlinkPayload::Error(e) => return Ok(e.code.map(|c| c.get()).unwrap_or(0)),
-                NetlinkPayload::InnerMessage(NetfilterMessage { inner: NetfilterMessageInner::Conntrack(ct), .. }) => each(&ct),
+                NetlinkPayload::InnerMessage(NetfilterMessage {
+                    inner: NetfilterMessageInner::Conntrack(ct),
+                    ..
+                }) => each(&ct),
                 _ => {}
             }
             if len == 0 {
@@ -141,7 +178,12 @@ fn receive(sock: &Socket, mut each: impl FnMut(&ConntrackMessage)) -> Result<i32
 }
 
 fn dump(sock: &Socket, fam: NetfilterProtoFamily) -> Result<Vec<Flow>, NftError> {
-    send(sock, fam, NLM_F_REQUEST | NLM_F_DUMP, ConntrackMessage::Get(vec![]))?;
+    send(
+        sock,
+        fam,
+        NLM_F_REQUEST | NLM_F_DUMP,
+        ConntrackMessage::Get(vec![]),
+    )?;
     let mut flows = Vec::new();
     let code = receive(sock, |ct| {
         if let ConntrackMessage::New(attrs) = ct
@@ -197,21 +239,37 @@ fn parse_flow(attrs: &[ConntrackAttribute]) -> Option<Flow> {
     }
     let (os, od, proto, osp, odp) = orig?;
     let (rs, _rd, _, rsp, _) = reply?;
-    Some(Flow { proto, orig_src: os, orig_dst: od, orig_sport: osp, orig_dport: odp, reply_src: rs, reply_sport: rsp })
+    Some(Flow {
+        proto,
+        orig_src: os,
+        orig_dst: od,
+        orig_sport: osp,
+        orig_dport: odp,
+        reply_src: rs,
+        reply_sport: rsp,
+    })
 }
 
 /// Deletes one flow by its original tuple; `false` when it was already gone (expired
 /// between dump and delete).
 fn delete(sock: &Socket, fam: NetfilterProtoFamily, f: &Flow) -> Result<bool, NftError> {
     let tuple = vec![
-        Tuple::Ip(vec![IPTuple::SourceAddress(f.orig_src), IPTuple::DestinationAddress(f.orig_dst)]),
+        Tuple::Ip(vec![
+            IPTuple::SourceAddress(f.orig_src),
+            IPTuple::DestinationAddress(f.orig_dst),
+        ]),
         Tuple::Proto(vec![
             ProtoTuple::Protocol(CtProto::from(f.proto)),
             ProtoTuple::SourcePort(f.orig_sport),
             ProtoTuple::DestinationPort(f.orig_dport),
         ]),
     ];
-    send(sock, fam, NLM_F_REQUEST | NLM_F_ACK, ConntrackMessage::Delete(vec![ConntrackAttribute::CtaTupleOrig(tuple)]))?;
+    send(
+        sock,
+        fam,
+        NLM_F_REQUEST | NLM_F_ACK,
+        ConntrackMessage::Delete(vec![ConntrackAttribute::CtaTupleOrig(tuple)]),
+    )?;
     let code = receive(sock, |_| {})?;
     match -code {
         0 => Ok(true),

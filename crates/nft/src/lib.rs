@@ -33,7 +33,11 @@ pub struct DataplaneConfig {
 
 impl Default for DataplaneConfig {
     fn default() -> Self {
-        DataplaneConfig { table: "kproxy".into(), masquerade_bit: 14, conntrack_cleanup: true }
+        DataplaneConfig {
+            table: "kproxy".into(),
+            masquerade_bit: 14,
+            conntrack_cleanup: true,
+        }
     }
 }
 
@@ -49,12 +53,18 @@ impl DataplaneConfig {
         let ok = !t.is_empty()
             && t.len() <= 32
             && t.starts_with(|c: char| c.is_ascii_alphabetic())
-            && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+            && t.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
         if !ok {
-            return Err(NftError::Invalid(format!("table name {t:?}: want [A-Za-z][A-Za-z0-9_-]{{0,31}}")));
+            return Err(NftError::Invalid(format!(
+                "table name {t:?}: want [A-Za-z][A-Za-z0-9_-]{{0,31}}"
+            )));
         }
         if self.masquerade_bit > 31 {
-            return Err(NftError::Invalid(format!("masquerade bit {} is not in 0..=31", self.masquerade_bit)));
+            return Err(NftError::Invalid(format!(
+                "masquerade bit {} is not in 0..=31",
+                self.masquerade_bit
+            )));
         }
         Ok(())
     }
@@ -65,7 +75,10 @@ pub enum NftError {
     #[error("invalid input: {0}")]
     Invalid(String),
     #[error("{context}: {source}")]
-    Io { context: String, source: std::io::Error },
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
     #[error("nft failed ({status}): {stderr}")]
     Nft { status: String, stderr: String },
     #[error("reading the kernel ruleset: {0}")]
@@ -114,7 +127,11 @@ impl Dataplane {
     /// Validates the config; no kernel change yet.
     pub fn new(cfg: DataplaneConfig) -> Result<Dataplane, NftError> {
         cfg.validate()?;
-        Ok(Dataplane { cfg, programmed: None, last_plan: None })
+        Ok(Dataplane {
+            cfg,
+            programmed: None,
+            last_plan: None,
+        })
     }
 
     pub fn config(&self) -> &DataplaneConfig {
@@ -129,7 +146,9 @@ impl Dataplane {
     /// What is programmed, as whole rulesets (IPv4, IPv6); `None` before the first
     /// successful sync. Assembles a copy: for tests and tools, not the sync path.
     pub fn programmed(&self) -> Option<[Ruleset; 2]> {
-        self.programmed.as_ref().map(|[a, b]| [a.assemble(), b.assemble()])
+        self.programmed
+            .as_ref()
+            .map(|[a, b]| [a.assemble(), b.assemble()])
     }
 
     /// First call (or after a failure/verify mismatch): one atomic transaction replacing
@@ -196,7 +215,9 @@ impl Dataplane {
     /// plan); never on the normal path. Without a record (nothing synced yet) there is
     /// nothing to compare and no drift.
     pub fn verify(&mut self) -> Result<VerifyReport, NftError> {
-        let Some(programmed) = self.programmed() else { return Ok(VerifyReport::default()) };
+        let Some(programmed) = self.programmed() else {
+            return Ok(VerifyReport::default());
+        };
         let mut differences = Vec::new();
         for rs in &programmed {
             differences.extend(nft::compare_with_kernel(rs)?);
@@ -218,7 +239,9 @@ pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
     cfg.validate()?;
     // `add` then `delete` in one transaction: deletes whether or not the table exists.
     let t = &cfg.table;
-    nft::run_script(&format!("add table ip {t}\ndelete table ip {t}\nadd table ip6 {t}\ndelete table ip6 {t}\n"))
+    nft::run_script(&format!(
+        "add table ip {t}\ndelete table ip {t}\nadd table ip6 {t}\ndelete table ip6 {t}\n"
+    ))
 }
 
 /// The full script for a plan (both families), as `sync` would send on a full sync.
@@ -246,6 +269,15 @@ pub fn validate_plan(plan: &NodePlan) -> Result<(), NftError> {
 /// Linux interface names: 1..=15 bytes; kproxy also limits the alphabet so the name can
 /// sit in an nft string without escaping.
 pub fn validate_interface(s: &str) -> Result<(), NftError> {
-    let ok = !s.is_empty() && s.len() <= 15 && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-    if ok { Ok(()) } else { Err(NftError::Invalid(format!("interface name {s:?}: want 1-15 of [A-Za-z0-9._-]"))) }
+    let ok = !s.is_empty()
+        && s.len() <= 15
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(NftError::Invalid(format!(
+            "interface name {s:?}: want 1-15 of [A-Za-z0-9._-]"
+        )))
+    }
 }

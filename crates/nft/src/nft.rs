@@ -22,19 +22,33 @@ pub fn run_script(script: &str) -> Result<(), NftError> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| NftError::Io { context: format!("starting `{NFT} -f -`"), source: e })?;
+        .map_err(|e| NftError::Io {
+            context: format!("starting `{NFT} -f -`"),
+            source: e,
+        })?;
     let mut stdin = child.stdin.take().expect("stdin is piped");
     // Write from a thread so a chatty nft can never deadlock us on a full stderr pipe.
     let owned = script.to_string();
     let writer = std::thread::spawn(move || stdin.write_all(owned.as_bytes()));
-    let out = child.wait_with_output().map_err(|e| NftError::Io { context: format!("waiting for `{NFT} -f -`"), source: e })?;
-    let written = writer.join().unwrap_or_else(|_| Err(std::io::Error::other("writer thread panicked")));
+    let out = child.wait_with_output().map_err(|e| NftError::Io {
+        context: format!("waiting for `{NFT} -f -`"),
+        source: e,
+    })?;
+    let written = writer
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("writer thread panicked")));
     if !out.status.success() {
         let mut stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         stderr.truncate(4000);
-        return Err(NftError::Nft { status: out.status.to_string(), stderr });
+        return Err(NftError::Nft {
+            status: out.status.to_string(),
+            stderr,
+        });
     }
-    written.map_err(|e| NftError::Io { context: format!("writing the script to `{NFT} -f -`"), source: e })
+    written.map_err(|e| NftError::Io {
+        context: format!("writing the script to `{NFT} -f -`"),
+        source: e,
+    })
 }
 
 /// `nft -j list table FAMILY TABLE`; `Ok(None)` when the table does not exist.
@@ -42,15 +56,23 @@ pub fn list_table_json(family: &str, table: &str) -> Result<Option<Value>, NftEr
     let out = Command::new(NFT)
         .args(["-j", "list", "table", family, table])
         .output()
-        .map_err(|e| NftError::Io { context: format!("running `{NFT} -j list table {family} {table}`"), source: e })?;
+        .map_err(|e| NftError::Io {
+            context: format!("running `{NFT} -j list table {family} {table}`"),
+            source: e,
+        })?;
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         if stderr.contains("No such file or directory") {
             return Ok(None);
         }
-        return Err(NftError::Nft { status: out.status.to_string(), stderr: stderr.into_owned() });
+        return Err(NftError::Nft {
+            status: out.status.to_string(),
+            stderr: stderr.into_owned(),
+        });
     }
-    serde_json::from_slice(&out.stdout).map(Some).map_err(|e| NftError::Parse(e.to_string()))
+    serde_json::from_slice(&out.stdout)
+        .map(Some)
+        .map_err(|e| NftError::Parse(e.to_string()))
 }
 
 /// A table read back from the kernel, reduced to what kproxy decides: per object
@@ -59,18 +81,25 @@ pub fn list_table_json(family: &str, table: &str) -> Result<Option<Value>, NftEr
 /// (the kernel fills those from traffic).
 pub fn normalize(json: &Value) -> BTreeMap<String, Value> {
     let mut out: BTreeMap<String, Value> = BTreeMap::new();
-    let Some(items) = json.get("nftables").and_then(|v| v.as_array()) else { return out };
+    let Some(items) = json.get("nftables").and_then(|v| v.as_array()) else {
+        return out;
+    };
     for item in items {
-        let Some(obj) = item.as_object() else { continue };
+        let Some(obj) = item.as_object() else {
+            continue;
+        };
         for (kind, body) in obj {
             match kind.as_str() {
                 "chain" => {
                     let name = body["name"].as_str().unwrap_or_default().to_string();
-                    out.entry(format!("chain {name}")).or_insert_with(|| Value::Array(Vec::new()));
+                    out.entry(format!("chain {name}"))
+                        .or_insert_with(|| Value::Array(Vec::new()));
                 }
                 "rule" => {
                     let name = body["chain"].as_str().unwrap_or_default().to_string();
-                    let entry = out.entry(format!("chain {name}")).or_insert_with(|| Value::Array(Vec::new()));
+                    let entry = out
+                        .entry(format!("chain {name}"))
+                        .or_insert_with(|| Value::Array(Vec::new()));
                     if let Value::Array(rules) = entry {
                         rules.push(body["expr"].clone());
                     }
@@ -83,10 +112,10 @@ pub fn normalize(json: &Value) -> BTreeMap<String, Value> {
                         m.remove("table");
                         m.remove("family");
                         // nft 1.0.6 lists `flags dynamic,timeout` as just `timeout`.
-                        let dynamic = m
-                            .get("flags")
-                            .and_then(|f| f.as_array())
-                            .is_some_and(|f| f.iter().any(|x| matches!(x.as_str(), Some("dynamic" | "timeout"))));
+                        let dynamic = m.get("flags").and_then(|f| f.as_array()).is_some_and(|f| {
+                            f.iter()
+                                .any(|x| matches!(x.as_str(), Some("dynamic" | "timeout")))
+                        });
                         if dynamic {
                             m.remove("elem");
                         } else if let Some(Value::Array(e)) = m.get_mut("elem") {
@@ -118,7 +147,10 @@ pub fn compare_with_kernel(rs: &Ruleset) -> Result<Vec<String>, NftError> {
     scratch.full_script(&mut script);
     run_script(&script)?;
     let expected = list_table_json(scratch.family, &scratch.table);
-    let removed = run_script(&format!("delete table {} {}\n", scratch.family, scratch.table));
+    let removed = run_script(&format!(
+        "delete table {} {}\n",
+        scratch.family, scratch.table
+    ));
     let expected = expected?.ok_or_else(|| NftError::Parse("scratch table vanished".into()))?;
     removed?;
     let (k, e) = (normalize(&kernel), normalize(&expected));

@@ -47,8 +47,10 @@ impl FamilyRecord {
     pub fn assemble(&self) -> Ruleset {
         let mut rs = self.base.clone();
         for (_, frag) in self.services.values() {
-            rs.chains.extend(frag.own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
-            rs.sets.extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
+            rs.chains
+                .extend(frag.own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
+            rs.sets
+                .extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
         for ((set, key), owners) in &self.shared {
             if let (Some(s), Some(v)) = (rs.sets.get_mut(*set), owners.values().next()) {
@@ -60,7 +62,11 @@ impl FamilyRecord {
 
     fn add_shared(&mut self, name: &ServiceName, frag: &Fragment) {
         for (seq, (set, key, value)) in frag.shared.iter().enumerate() {
-            self.shared.entry((*set, key.clone())).or_default().entry((name.clone(), seq as u32)).or_insert_with(|| value.clone());
+            self.shared
+                .entry((*set, key.clone()))
+                .or_default()
+                .entry((name.clone(), seq as u32))
+                .or_insert_with(|| value.clone());
         }
     }
 
@@ -97,7 +103,14 @@ impl FamilyRecord {
             return None;
         }
         new_base.delta_post(&self.base, post, &mut n);
-        let empty = Fragment { own: Ruleset { sets: BTreeMap::new(), chains: BTreeMap::new(), ..new_base.clone() }, shared: Vec::new() };
+        let empty = Fragment {
+            own: Ruleset {
+                sets: BTreeMap::new(),
+                chains: BTreeMap::new(),
+                ..new_base.clone()
+            },
+            shared: Vec::new(),
+        };
         self.base = new_base;
 
         // Which Services changed: a different Arc that is also different by value. Both
@@ -131,7 +144,12 @@ impl FamilyRecord {
         let mut touched: BTreeMap<SharedKey, Option<String>> = BTreeMap::new();
         for name in changed {
             let old = self.services.remove(&name);
-            let new = plan.services.get(&name).map(|svc| (svc.clone(), ruleset::build_service(svc, plan, cfg, self.family)));
+            let new = plan.services.get(&name).map(|svc| {
+                (
+                    svc.clone(),
+                    ruleset::build_service(svc, plan, cfg, self.family),
+                )
+            });
             let old_frag = old.as_ref().map(|(_, f)| f).unwrap_or(&empty);
             let new_frag = new.as_ref().map(|(_, f)| f).unwrap_or(&empty);
             if !new_frag.own.delta_pre(&old_frag.own, pre, &mut n) {
@@ -140,9 +158,9 @@ impl FamilyRecord {
             new_frag.own.delta_post(&old_frag.own, post, &mut n);
             for (set, key, _) in old_frag.shared.iter().chain(&new_frag.shared) {
                 let k = (*set, key.clone());
-                if !touched.contains_key(&k) {
-                    let before = self.effective(&k);
-                    touched.insert(k, before);
+                if let std::collections::btree_map::Entry::Vacant(e) = touched.entry(k) {
+                    let before = self.effective(e.key());
+                    e.insert(before);
                 }
             }
             if let Some((_, f)) = &old {
@@ -173,7 +191,15 @@ impl FamilyRecord {
         let blank = String::new();
         for (set, keys) in &dels {
             n.elements_deleted += keys.len();
-            ruleset::elements(mid, "delete", fam, &t, set, keys.iter().map(|k| (k, &blank)), false);
+            ruleset::elements(
+                mid,
+                "delete",
+                fam,
+                &t,
+                set,
+                keys.iter().map(|k| (k, &blank)),
+                false,
+            );
         }
         for (set, kv) in &adds {
             n.elements_added += kv.len();

@@ -106,8 +106,18 @@ struct Fam {
 impl Fam {
     fn of(family: IpFamily) -> Fam {
         match family {
-            IpFamily::IPv4 => Fam { p: "ip", addr: "ipv4_addr", loopback: "127.0.0.0/8", family },
-            IpFamily::IPv6 => Fam { p: "ip6", addr: "ipv6_addr", loopback: "::1", family },
+            IpFamily::IPv4 => Fam {
+                p: "ip",
+                addr: "ipv4_addr",
+                loopback: "127.0.0.0/8",
+                family,
+            },
+            IpFamily::IPv6 => Fam {
+                p: "ip6",
+                addr: "ipv6_addr",
+                loopback: "::1",
+                family,
+            },
         }
     }
 }
@@ -134,21 +144,35 @@ impl Ruleset {
     /// Adds a Service's fragment; a shared key already present keeps its first value
     /// (plan order), which is what `trace` predicts for colliding frontends.
     pub fn merge(&mut self, frag: &Fragment) {
-        self.chains.extend(frag.own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
-        self.sets.extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.chains
+            .extend(frag.own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.sets
+            .extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
         for (set, key, value) in &frag.shared {
             if let Some(s) = self.sets.get_mut(*set) {
-                s.elements.entry(key.clone()).or_insert_with(|| value.clone());
+                s.elements
+                    .entry(key.clone())
+                    .or_insert_with(|| value.clone());
             }
         }
     }
 }
 
 /// The Service's fragment for one family. Pure.
-pub fn build_service(svc: &kproxy_core::plan::ServicePlan, plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Fragment {
+pub fn build_service(
+    svc: &kproxy_core::plan::ServicePlan,
+    plan: &NodePlan,
+    cfg: &DataplaneConfig,
+    family: IpFamily,
+) -> Fragment {
     let f = Fam::of(family);
     let mut frag = Fragment {
-        own: Ruleset { family: nft_family(family), table: cfg.table.clone(), sets: BTreeMap::new(), chains: BTreeMap::new() },
+        own: Ruleset {
+            family: nft_family(family),
+            table: cfg.table.clone(),
+            sets: BTreeMap::new(),
+            chains: BTreeMap::new(),
+        },
         shared: Vec::new(),
     };
     let local_pods = &plan.family(family).local_pods;
@@ -163,30 +187,71 @@ pub fn build_service(svc: &kproxy_core::plan::ServicePlan, plan: &NodePlan, cfg:
 pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Ruleset {
     let f = Fam::of(family);
     let mark = cfg.mark();
-    let mut rs = Ruleset { family: nft_family(family), table: cfg.table.clone(), sets: BTreeMap::new(), chains: BTreeMap::new() };
+    let mut rs = Ruleset {
+        family: nft_family(family),
+        table: cfg.table.clone(),
+        sets: BTreeMap::new(),
+        chains: BTreeMap::new(),
+    };
     let fp = plan.family(family);
 
     // Sets and maps.
-    let set = |decl: String| Set { decl, elements: BTreeMap::new() };
+    let set = |decl: String| Set {
+        decl,
+        elements: BTreeMap::new(),
+    };
     rs.sets.insert(
         "service-ips".into(),
         set(format!("type {} . inet_proto . inet_service : verdict; comment \"cluster IPs, external IPs and LB IPs\";", f.addr)),
     );
-    rs.sets.insert("service-nodeports".into(), set("type inet_proto . inet_service : verdict; comment \"NodePorts\";".into()));
-    rs.sets.insert("cluster-ips".into(), set(format!("type {}; comment \"active cluster IPs\";", f.addr)));
-    rs.sets.insert("nodeport-ips".into(), set(format!("type {}; comment \"addresses that accept NodePorts\";", f.addr)));
-    rs.sets.insert("hairpin".into(), set(format!("type {} . {}; comment \"endpoint IP . endpoint IP\";", f.addr, f.addr)));
+    rs.sets.insert(
+        "service-nodeports".into(),
+        set("type inet_proto . inet_service : verdict; comment \"NodePorts\";".into()),
+    );
+    rs.sets.insert(
+        "cluster-ips".into(),
+        set(format!("type {}; comment \"active cluster IPs\";", f.addr)),
+    );
+    rs.sets.insert(
+        "nodeport-ips".into(),
+        set(format!(
+            "type {}; comment \"addresses that accept NodePorts\";",
+            f.addr
+        )),
+    );
+    rs.sets.insert(
+        "hairpin".into(),
+        set(format!(
+            "type {} . {}; comment \"endpoint IP . endpoint IP\";",
+            f.addr, f.addr
+        )),
+    );
 
     // Base chains, hooks and priorities as upstream's nat chains.
-    let base = |decl: &str, rules: Vec<String>| Chain { decl: decl.to_string(), rules };
+    let base = |decl: &str, rules: Vec<String>| Chain {
+        decl: decl.to_string(),
+        rules,
+    };
     rs.chains.insert(
         "nat-prerouting".into(),
-        base("type nat hook prerouting priority dstnat; policy accept;", vec!["jump services".into()]),
+        base(
+            "type nat hook prerouting priority dstnat; policy accept;",
+            vec!["jump services".into()],
+        ),
     );
-    rs.chains.insert("nat-output".into(), base("type nat hook output priority -100; policy accept;", vec!["jump services".into()]));
+    rs.chains.insert(
+        "nat-output".into(),
+        base(
+            "type nat hook output priority -100; policy accept;",
+            vec!["jump services".into()],
+        ),
+    );
     rs.chains.insert(
         "nat-postrouting".into(),
-        base("type nat hook postrouting priority srcnat; policy accept;", vec!["jump masquerading".into()]),
+        base(
+            "type nat hook postrouting priority srcnat; policy accept;",
+            vec!["jump masquerading".into()],
+        ),
     );
     rs.chains.insert(
         "masquerading".into(),
@@ -194,14 +259,20 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
             "",
             vec![
                 // Hairpin: a pod reaching itself through a Service (source == chosen endpoint).
-                format!("ct status dnat {p} saddr . {p} daddr @hairpin masquerade fully-random", p = f.p),
+                format!(
+                    "ct status dnat {p} saddr . {p} daddr @hairpin masquerade fully-random",
+                    p = f.p
+                ),
                 format!("meta mark & {mark:#x} == 0 return"),
                 format!("meta mark set meta mark ^ {mark:#x}"),
                 "masquerade fully-random".into(),
             ],
         ),
     );
-    let mut services = vec![format!("{} daddr . meta l4proto . th dport vmap @service-ips", f.p)];
+    let mut services = vec![format!(
+        "{} daddr . meta l4proto . th dport vmap @service-ips",
+        f.p
+    )];
     match &fp.node_port_addresses {
         NodePortAddresses::AllLocal => services.push(format!(
             "fib daddr type local {} daddr != {} meta l4proto . th dport vmap @service-nodeports",
@@ -214,7 +285,10 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
                 for ip in ips {
                     s.elements.insert(ip.to_string(), String::new());
                 }
-                services.push(format!("{} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports", f.p));
+                services.push(format!(
+                    "{} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
+                    f.p
+                ));
             }
         }
     }
@@ -223,9 +297,16 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
     rs.chains.insert("services".into(), base("", services));
 
     if let LocalPods::Cidrs(cidrs) = &fp.local_pods {
-        let c: Vec<String> = cidrs.iter().filter(|n| family.contains(&n.addr())).map(|n| n.trunc().to_string()).collect();
+        let c: Vec<String> = cidrs
+            .iter()
+            .filter(|n| family.contains(&n.addr()))
+            .map(|n| n.trunc().to_string())
+            .collect();
         if c.len() > 1 {
-            let mut s = set(format!("type {}; flags interval; auto-merge; comment \"local pod CIDRs\";", f.addr));
+            let mut s = set(format!(
+                "type {}; flags interval; auto-merge; comment \"local pod CIDRs\";",
+                f.addr
+            ));
             s.elements = c.into_iter().map(|k| (k, String::new())).collect();
             rs.sets.insert("local-pods".into(), s);
         }
@@ -233,7 +314,13 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
     rs
 }
 
-fn add_service_port(frag: &mut Fragment, f: &Fam, sp: &ServicePortPlan, local_pods: &LocalPods, mark: u32) {
+fn add_service_port(
+    frag: &mut Fragment,
+    f: &Fam,
+    sp: &ServicePortPlan,
+    local_pods: &LocalPods,
+    mark: u32,
+) {
     let Fragment { own: rs, shared } = frag;
     let id = port_id(sp);
     let proto = sp.protocol.nft_name();
@@ -247,13 +334,23 @@ fn add_service_port(frag: &mut Fragment, f: &Fam, sp: &ServicePortPlan, local_po
             let (set, chain) = affinity_names(&id, ep);
             rs.sets.insert(
                 set.clone(),
-                Set { decl: format!("type {}; flags dynamic,timeout; timeout {timeout}s;", f.addr), elements: BTreeMap::new() },
+                Set {
+                    decl: format!(
+                        "type {}; flags dynamic,timeout; timeout {timeout}s;",
+                        f.addr
+                    ),
+                    elements: BTreeMap::new(),
+                },
             );
             rs.chains.insert(
                 chain,
                 Chain {
                     decl: String::new(),
-                    rules: vec![format!("update @{set} {{ {} saddr }} meta l4proto {proto} dnat to {}", f.p, dnat_target(ep))],
+                    rules: vec![format!(
+                        "update @{set} {{ {} saddr }} meta l4proto {proto} dnat to {}",
+                        f.p,
+                        dnat_target(ep)
+                    )],
                 },
             );
         }
@@ -265,20 +362,27 @@ fn add_service_port(frag: &mut Fragment, f: &Fam, sp: &ServicePortPlan, local_po
     let rules = |list: &[TrafficRule]| -> Vec<String> {
         let mut out = Vec::new();
         for r in list {
-            let Some(m) = source_match(r.from, f, local_pods) else { continue };
+            let Some(m) = source_match(r.from, f, local_pods) else {
+                continue;
+            };
             match r.verdict {
                 Verdict::Drop => out.push(format!("{m}drop")),
                 Verdict::Reject => {
                     // IPv6: a TCP connect() ignored the ICMPv6 port-unreachable that
                     // plain `reject` sends from the nat hooks (measured: it timed out),
                     // so TCP gets a reset, which refuses at once as REJECT must.
-                    if f.family == IpFamily::IPv6 && sp.protocol == kproxy_core::model::Protocol::TCP {
+                    if f.family == IpFamily::IPv6
+                        && sp.protocol == kproxy_core::model::Protocol::TCP
+                    {
                         out.push(format!("{m}reject with tcp reset"));
                     } else {
                         out.push(format!("{m}reject"));
                     }
                 }
-                Verdict::Forward { endpoints, masquerade } => {
+                Verdict::Forward {
+                    endpoints,
+                    masquerade,
+                } => {
                     let eps = sp.endpoints_for(endpoints);
                     forward_rules(&mut out, &m, f, sp, &id, eps, masquerade, mark);
                 }
@@ -287,36 +391,76 @@ fn add_service_port(frag: &mut Fragment, f: &Fam, sp: &ServicePortPlan, local_po
         out
     };
 
-    rs.chains.insert(svc_chain.clone(), Chain { decl: String::new(), rules: rules(&sp.internal) });
+    rs.chains.insert(
+        svc_chain.clone(),
+        Chain {
+            decl: String::new(),
+            rules: rules(&sp.internal),
+        },
+    );
     shared.push(("cluster-ips", sp.cluster_ip.to_string(), String::new()));
-    shared.push(("service-ips", format!("{} . {proto} . {}", sp.cluster_ip, sp.port), format!("goto {svc_chain}")));
+    shared.push((
+        "service-ips",
+        format!("{} . {proto} . {}", sp.cluster_ip, sp.port),
+        format!("goto {svc_chain}"),
+    ));
 
     if !sp.external.is_empty() {
         let mut ext = Vec::new();
         if let Some(fw) = &sp.firewall {
-            let lbs: Vec<String> = sp.load_balancer_ips.iter().map(|ip| ip.to_string()).collect();
+            let lbs: Vec<String> = sp
+                .load_balancer_ips
+                .iter()
+                .map(|ip| ip.to_string())
+                .collect();
             if !lbs.is_empty() {
-                let allowed: Vec<String> =
-                    fw.allowed_sources.iter().filter(|n| f.family.contains(&n.addr())).map(|n| n.trunc().to_string()).collect();
-                let lb = format!("{} daddr {{ {} }} th dport {}", f.p, lbs.join(", "), sp.port);
+                let allowed: Vec<String> = fw
+                    .allowed_sources
+                    .iter()
+                    .filter(|n| f.family.contains(&n.addr()))
+                    .map(|n| n.trunc().to_string())
+                    .collect();
+                let lb = format!(
+                    "{} daddr {{ {} }} th dport {}",
+                    f.p,
+                    lbs.join(", "),
+                    sp.port
+                );
                 if allowed.is_empty() {
                     ext.push(format!("{lb} drop"));
                 } else {
-                    ext.push(format!("{lb} {} saddr != {{ {} }} drop", f.p, allowed.join(", ")));
+                    ext.push(format!(
+                        "{lb} {} saddr != {{ {} }} drop",
+                        f.p,
+                        allowed.join(", ")
+                    ));
                 }
             }
         }
         ext.extend(rules(&sp.external));
-        rs.chains.insert(ext_chain.clone(), Chain { decl: String::new(), rules: ext });
+        rs.chains.insert(
+            ext_chain.clone(),
+            Chain {
+                decl: String::new(),
+                rules: ext,
+            },
+        );
         for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
-            shared.push(("service-ips", format!("{ip} . {proto} . {}", sp.port), format!("goto {ext_chain}")));
+            shared.push((
+                "service-ips",
+                format!("{ip} . {proto} . {}", sp.port),
+                format!("goto {ext_chain}"),
+            ));
         }
         if let Some(np) = sp.node_port {
-            shared.push(("service-nodeports", format!("{proto} . {np}"), format!("goto {ext_chain}")));
+            shared.push((
+                "service-nodeports",
+                format!("{proto} . {np}"),
+                format!("goto {ext_chain}"),
+            ));
         }
     }
 }
-
 
 #[allow(clippy::too_many_arguments)]
 fn forward_rules(
@@ -335,7 +479,11 @@ fn forward_rules(
         out.push(format!("{m}drop"));
         return;
     }
-    let masq = if masquerade { format!("meta mark set meta mark | {mark:#x} ") } else { String::new() };
+    let masq = if masquerade {
+        format!("meta mark set meta mark | {mark:#x} ")
+    } else {
+        String::new()
+    };
     if sp.session_affinity_timeout.is_some() {
         // Known clients go back to the endpoint they used, in endpoint order.
         for ep in eps {
@@ -354,7 +502,10 @@ fn forward_rules(
     }
     for (i, ep) in eps.iter().enumerate() {
         let pick = pick(i, eps.len());
-        out.push(format!("{m}{masq}{pick}meta l4proto {proto} dnat to {}", dnat_target(ep)));
+        out.push(format!(
+            "{m}{masq}{pick}meta l4proto {proto} dnat to {}",
+            dnat_target(ep)
+        ));
     }
 }
 
@@ -363,7 +514,11 @@ fn forward_rules(
 /// 1/n. Per-rule anonymous maps (`numgen … vmap { … }`) would cost the kernel a scan of
 /// every set in the table per map (anonymous set naming), quadratic at 10k Services.
 fn pick(i: usize, n: usize) -> String {
-    if i + 1 == n { String::new() } else { format!("numgen random mod {} 0 ", n - i) }
+    if i + 1 == n {
+        String::new()
+    } else {
+        format!("numgen random mod {} 0 ", n - i)
+    }
 }
 
 fn dnat_target(ep: &EndpointAddr) -> String {
@@ -380,8 +535,11 @@ fn source_match(class: SourceClass, f: &Fam, local_pods: &LocalPods) -> Option<S
         SourceClass::LocalPod => match local_pods {
             LocalPods::None => None,
             LocalPods::Cidrs(cidrs) => {
-                let c: Vec<String> =
-                    cidrs.iter().filter(|n| f.family.contains(&n.addr())).map(|n| n.trunc().to_string()).collect();
+                let c: Vec<String> = cidrs
+                    .iter()
+                    .filter(|n| f.family.contains(&n.addr()))
+                    .map(|n| n.trunc().to_string())
+                    .collect();
                 match c.len() {
                     0 => None,
                     1 => Some(format!("{} saddr {} ", f.p, c[0])),
@@ -405,7 +563,13 @@ pub fn port_id(sp: &ServicePortPlan) -> String {
     let key = spn.to_string();
     let h = Sha256::digest(key.as_bytes());
     let hash: String = h.iter().take(4).map(|b| format!("{b:02x}")).collect();
-    let readable = format!("{}/{}/{}/{}", spn.service.namespace, spn.service.name, sp.protocol.nft_name(), spn.port_name);
+    let readable = format!(
+        "{}/{}/{}/{}",
+        spn.service.namespace,
+        spn.service.name,
+        sp.protocol.nft_name(),
+        spn.port_name
+    );
     let mut id = format!("{hash}-{}", sanitize(&readable));
     id.truncate(180);
     id
@@ -418,7 +582,15 @@ fn affinity_names(id: &str, ep: &EndpointAddr) -> (String, String) {
 
 /// Keeps only characters nft accepts in an unquoted identifier.
 fn sanitize(s: &str) -> String {
-    s.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/') { c } else { '_' }).collect()
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 impl Ruleset {
@@ -429,7 +601,10 @@ impl Ruleset {
         let (fam, t) = (self.family, &self.table);
         let _ = writeln!(out, "add table {fam} {t}");
         let _ = writeln!(out, "delete table {fam} {t}");
-        let _ = writeln!(out, "add table {fam} {t} {{ comment \"rules for kproxy\"; }}");
+        let _ = writeln!(
+            out,
+            "add table {fam} {t} {{ comment \"rules for kproxy\"; }}"
+        );
         for (name, s) in &self.sets {
             let _ = writeln!(out, "add {} {fam} {t} {name} {{ {} }}", kind(s), s.decl);
         }
@@ -518,8 +693,15 @@ impl Ruleset {
         for (name, s) in &self.sets {
             let empty = BTreeMap::new();
             let olde = old.sets.get(name).map(|o| &o.elements).unwrap_or(&empty);
-            let del: Vec<_> = olde.iter().filter(|(k, v)| s.elements.get(*k) != Some(*v)).collect();
-            let add: Vec<_> = s.elements.iter().filter(|(k, v)| olde.get(*k) != Some(*v)).collect();
+            let del: Vec<_> = olde
+                .iter()
+                .filter(|(k, v)| s.elements.get(*k) != Some(*v))
+                .collect();
+            let add: Vec<_> = s
+                .elements
+                .iter()
+                .filter(|(k, v)| olde.get(*k) != Some(*v))
+                .collect();
             n.elements_deleted += del.len();
             n.elements_added += add.len();
             elements(out, "delete", fam, t, name, del.into_iter(), false);
@@ -557,7 +739,10 @@ impl Ruleset {
 
     /// Names of all chains and sets (for verification).
     pub fn names(&self) -> (BTreeSet<&str>, BTreeSet<&str>) {
-        (self.chains.keys().map(|s| s.as_str()).collect(), self.sets.keys().map(|s| s.as_str()).collect())
+        (
+            self.chains.keys().map(|s| s.as_str()).collect(),
+            self.sets.keys().map(|s| s.as_str()).collect(),
+        )
     }
 }
 

@@ -25,38 +25,65 @@ struct SvcSpec {
 }
 
 fn svc_spec() -> impl Strategy<Value = SvcSpec> {
-    (any::<bool>(), 0u8..3, any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), [0u8..4, 0u8..4, 0u8..4, 0u8..4])
-        .prop_map(|(present, kind, etp_local, itp_local, affinity, dual_stack, ranges, endpoints)| SvcSpec {
-            present,
-            kind,
-            etp_local,
-            itp_local,
-            affinity,
-            dual_stack,
-            ranges,
-            endpoints,
-        })
+    (
+        any::<bool>(),
+        0u8..3,
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        [0u8..4, 0u8..4, 0u8..4, 0u8..4],
+    )
+        .prop_map(
+            |(present, kind, etp_local, itp_local, affinity, dual_stack, ranges, endpoints)| {
+                SvcSpec {
+                    present,
+                    kind,
+                    etp_local,
+                    itp_local,
+                    affinity,
+                    dual_stack,
+                    ranges,
+                    endpoints,
+                }
+            },
+        )
 }
 
 fn manifest(specs: &[SvcSpec]) -> String {
     let mut m = String::from(
         "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nspec: {podCIDRs: [10.244.1.0/24]}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.1}, {type: InternalIP, address: \"fd00:200::1\"}]}\n",
     );
-    let pods = [("10.244.1.2", "fd00:244:1::2", "node-a"), ("10.244.1.3", "fd00:244:1::3", "node-a"), ("10.244.2.2", "fd00:244:2::2", "node-b"), ("10.244.3.2", "fd00:244:3::2", "node-c")];
+    let pods = [
+        ("10.244.1.2", "fd00:244:1::2", "node-a"),
+        ("10.244.1.3", "fd00:244:1::3", "node-a"),
+        ("10.244.2.2", "fd00:244:2::2", "node-b"),
+        ("10.244.3.2", "fd00:244:3::2", "node-c"),
+    ];
     for (i, s) in specs.iter().enumerate() {
         if !s.present {
             continue;
         }
         let ty = ["ClusterIP", "NodePort", "LoadBalancer"][s.kind as usize];
         let ext = s.kind > 0;
-        let mut spec = format!("  type: {ty}\n  internalTrafficPolicy: {}\n", if s.itp_local { "Local" } else { "Cluster" });
+        let mut spec = format!(
+            "  type: {ty}\n  internalTrafficPolicy: {}\n",
+            if s.itp_local { "Local" } else { "Cluster" }
+        );
         if s.dual_stack {
-            spec += &format!("  ipFamilyPolicy: PreferDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: 10.96.0.{n}\n  clusterIPs: [10.96.0.{n}, \"fd00:96::{n}\"]\n", n = i + 10);
+            spec += &format!(
+                "  ipFamilyPolicy: PreferDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: 10.96.0.{n}\n  clusterIPs: [10.96.0.{n}, \"fd00:96::{n}\"]\n",
+                n = i + 10
+            );
         } else {
             spec += &format!("  clusterIP: 10.96.0.{}\n", i + 10);
         }
         if ext {
-            spec += &format!("  externalTrafficPolicy: {}\n", if s.etp_local { "Local" } else { "Cluster" });
+            spec += &format!(
+                "  externalTrafficPolicy: {}\n",
+                if s.etp_local { "Local" } else { "Cluster" }
+            );
             spec += &format!("  externalIPs: [203.0.113.{}]\n", i + 50);
         }
         if s.affinity {
@@ -65,16 +92,37 @@ fn manifest(specs: &[SvcSpec]) -> String {
         if s.ranges && s.kind == 2 {
             spec += "  loadBalancerSourceRanges: [198.51.100.0/24]\n";
         }
-        let np = |base: u16| if ext { format!(", nodePort: {}", base + i as u16) } else { String::new() };
-        spec += &format!("  ports:\n  - {{name: http, port: 80, protocol: TCP{}}}\n  - {{name: dns, port: 53, protocol: UDP{}}}\n", np(30000), np(31000));
-        let status = if s.kind == 2 { format!("status: {{loadBalancer: {{ingress: [{{ip: 203.0.113.{}}}]}}}}\n", i + 10) } else { String::new() };
-        m += &format!("---\napiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: ns}}\nspec:\n{spec}{status}");
+        let np = |base: u16| {
+            if ext {
+                format!(", nodePort: {}", base + i as u16)
+            } else {
+                String::new()
+            }
+        };
+        spec += &format!(
+            "  ports:\n  - {{name: http, port: 80, protocol: TCP{}}}\n  - {{name: dns, port: 53, protocol: UDP{}}}\n",
+            np(30000),
+            np(31000)
+        );
+        let status = if s.kind == 2 {
+            format!(
+                "status: {{loadBalancer: {{ingress: [{{ip: 203.0.113.{}}}]}}}}\n",
+                i + 10
+            )
+        } else {
+            String::new()
+        };
+        m += &format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: ns}}\nspec:\n{spec}{status}"
+        );
         for (fam, idx) in [("IPv4", 0), ("IPv6", 1)] {
             if idx == 1 && !s.dual_stack {
                 continue;
             }
             let lf = fam.to_lowercase();
-            m += &format!("---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-{lf}, namespace: ns, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: {fam}\nports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 8053, protocol: UDP}}]\nendpoints:\n");
+            m += &format!(
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-{lf}, namespace: ns, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: {fam}\nports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 8053, protocol: UDP}}]\nendpoints:\n"
+            );
             let mut any = false;
             for (p, st) in s.endpoints.iter().enumerate() {
                 let (r, sv, t) = match st {
@@ -84,8 +132,15 @@ fn manifest(specs: &[SvcSpec]) -> String {
                     _ => continue,
                 };
                 any = true;
-                let addr = if idx == 0 { pods[p].0.to_string() } else { format!("\"{}\"", pods[p].1) };
-                m += &format!("- {{addresses: [{addr}], nodeName: {}, conditions: {{ready: {r}, serving: {sv}, terminating: {t}}}}}\n", pods[p].2);
+                let addr = if idx == 0 {
+                    pods[p].0.to_string()
+                } else {
+                    format!("\"{}\"", pods[p].1)
+                };
+                m += &format!(
+                    "- {{addresses: [{addr}], nodeName: {}, conditions: {{ready: {r}, serving: {sv}, terminating: {t}}}}}\n",
+                    pods[p].2
+                );
             }
             if !any {
                 m += "  []\n";
@@ -98,7 +153,10 @@ fn manifest(specs: &[SvcSpec]) -> String {
 
 fn config() -> PlanConfig {
     PlanConfig {
-        local_detector: LocalDetectorConfig::ClusterCidr(vec!["10.244.0.0/16".parse().unwrap(), "fd00:244::/32".parse().unwrap()]),
+        local_detector: LocalDetectorConfig::ClusterCidr(vec![
+            "10.244.0.0/16".parse().unwrap(),
+            "fd00:244::/32".parse().unwrap(),
+        ]),
         ..PlanConfig::default()
     }
 }
@@ -107,19 +165,35 @@ fn config() -> PlanConfig {
 fn delta_sync_equals_full_sync() {
     let ns = Netns::new("inc");
     ns.run(|| {
-        let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig { cases: 6, ..ProptestConfig::default() });
+        let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+            cases: 6,
+            ..ProptestConfig::default()
+        });
         let steps = proptest::collection::vec(proptest::collection::vec(svc_spec(), 5), 2..6);
         runner
             .run(&steps, |steps| {
                 let mut dp = Dataplane::new(DataplaneConfig::default()).unwrap();
                 for (n, specs) in steps.iter().enumerate() {
                     let plan = plan_from_yaml(&manifest(specs), "node-a", &config());
-                    let expected_ports: usize = specs.iter().filter(|s| s.present).map(|s| if s.dual_stack { 4 } else { 2 }).sum();
+                    let expected_ports: usize = specs
+                        .iter()
+                        .filter(|s| s.present)
+                        .map(|s| if s.dual_stack { 4 } else { 2 })
+                        .sum();
                     prop_assert_eq!(plan.service_ports().count(), expected_ports);
-                    let r = dp.sync(&plan).map_err(|e| TestCaseError::fail(format!("step {n}: {e}")))?;
+                    let r = dp
+                        .sync(&plan)
+                        .map_err(|e| TestCaseError::fail(format!("step {n}: {e}")))?;
                     prop_assert_eq!(r.full, n == 0, "step {} full={}", n, r.full);
-                    let v = dp.verify().map_err(|e| TestCaseError::fail(format!("verify: {e}")))?;
-                    prop_assert!(v.differences.is_empty(), "step {}: kernel differs from a full sync in {:?}", n, v.differences);
+                    let v = dp
+                        .verify()
+                        .map_err(|e| TestCaseError::fail(format!("verify: {e}")))?;
+                    prop_assert!(
+                        v.differences.is_empty(),
+                        "step {}: kernel differs from a full sync in {:?}",
+                        n,
+                        v.differences
+                    );
                 }
                 Ok(())
             })
@@ -132,7 +206,16 @@ fn verify_detects_and_repairs_drift() {
     let ns = Netns::new("drift");
     ns.run(|| {
         let specs: Vec<SvcSpec> = (0..3)
-            .map(|i| SvcSpec { present: true, kind: i, etp_local: false, itp_local: false, affinity: i == 1, dual_stack: true, ranges: true, endpoints: [1, 1, 2, 0] })
+            .map(|i| SvcSpec {
+                present: true,
+                kind: i,
+                etp_local: false,
+                itp_local: false,
+                affinity: i == 1,
+                dual_stack: true,
+                ranges: true,
+                endpoints: [1, 1, 2, 0],
+            })
             .collect();
         let plan = plan_from_yaml(&manifest(&specs), "node-a", &config());
         assert_eq!(plan.service_ports().count(), 12);
@@ -143,8 +226,16 @@ fn verify_detects_and_repairs_drift() {
         sh("nft flush map ip kproxy service-ips && nft add rule ip6 kproxy services accept");
         let v = dp.verify().unwrap();
         assert!(v.drift);
-        assert!(v.differences.contains(&"map service-ips".to_string()), "{:?}", v.differences);
-        assert!(v.differences.contains(&"chain services".to_string()), "{:?}", v.differences);
+        assert!(
+            v.differences.contains(&"map service-ips".to_string()),
+            "{:?}",
+            v.differences
+        );
+        assert!(
+            v.differences.contains(&"chain services".to_string()),
+            "{:?}",
+            v.differences
+        );
         assert!(!dp.verify().unwrap().drift, "repaired");
         // The table deleted entirely: also drift, also repaired.
         sh("nft delete table ip kproxy");
@@ -186,12 +277,19 @@ fn shared_elements_follow_their_owners() {
             assert!(v.differences.is_empty(), "step {n}: {:?}", v.differences);
             let owner = sh("nft list map ip kproxy service-ips");
             match n {
-                0 | 2 => assert!(owner.contains("203.0.113.7 . tcp . 80 : goto ext-") && owner.contains("ns/a/"), "{owner}"),
+                0 | 2 => assert!(
+                    owner.contains("203.0.113.7 . tcp . 80 : goto ext-") && owner.contains("ns/a/"),
+                    "{owner}"
+                ),
                 1 => assert!(owner.contains("ns/b/"), "{owner}"),
                 _ => {}
             }
             let hairpin = sh("nft list set ip kproxy hairpin");
-            assert_eq!(hairpin.contains("10.244.1.2 . 10.244.1.2"), n < 4, "step {n}: {hairpin}");
+            assert_eq!(
+                hairpin.contains("10.244.1.2 . 10.244.1.2"),
+                n < 4,
+                "step {n}: {hairpin}"
+            );
         }
     });
 }

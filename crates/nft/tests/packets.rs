@@ -42,52 +42,105 @@ fn manifest(s: &Svc) -> String {
     if !s.endpoints.is_empty() {
         m += "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: ns, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 8080, protocol: UDP}]\nendpoints:\n";
         for (pod, node, (r, s, t)) in s.endpoints {
-            let addr = common::fabric::PODS.iter().find(|(n, _)| n == pod).expect("pod").1;
-            m += &format!("- {{addresses: [{addr}], nodeName: {node}, conditions: {{ready: {r}, serving: {s}, terminating: {t}}}}}\n");
+            let addr = common::fabric::PODS
+                .iter()
+                .find(|(n, _)| n == pod)
+                .expect("pod")
+                .1;
+            m += &format!(
+                "- {{addresses: [{addr}], nodeName: {node}, conditions: {{ready: {r}, serving: {s}, terminating: {t}}}}}\n"
+            );
         }
     }
     m
 }
 
 fn config() -> PlanConfig {
-    PlanConfig { local_detector: LocalDetectorConfig::InterfaceNamePrefix("kpv".into()), ..PlanConfig::default() }
+    PlanConfig {
+        local_detector: LocalDetectorConfig::InterfaceNamePrefix("kpv".into()),
+        ..PlanConfig::default()
+    }
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Sends `tries` probes and checks each against the trace. Returns the pods that answered.
-fn check(f: &Fabric, plan: &NodePlan, from: From, dst: &str, port: u16, proto: Protocol, tries: usize, label: &str) -> Vec<String> {
+fn check(
+    f: &Fabric,
+    plan: &NodePlan,
+    from: From,
+    dst: &str,
+    port: u16,
+    proto: Protocol,
+    tries: usize,
+    label: &str,
+) -> Vec<String> {
     let v6 = ip(dst).is_ipv6();
     let (src, iface) = if v6 { f.source6(from) } else { f.source(from) };
-    let pkt = Packet { src, dst: ip(dst), dport: port, proto, in_interface: iface };
-    let locals: Vec<IpAddr> = NODE_ADDRS.iter().chain(&common::fabric::NODE_ADDRS6).map(|a| ip(a)).collect();
+    let pkt = Packet {
+        src,
+        dst: ip(dst),
+        dport: port,
+        proto,
+        in_interface: iface,
+    };
+    let locals: Vec<IpAddr> = NODE_ADDRS
+        .iter()
+        .chain(&common::fabric::NODE_ADDRS6)
+        .map(|a| ip(a))
+        .collect();
     let t = trace(plan, &pkt, &locals);
     let ctx = format!("{label}: {from:?} -> {dst}:{port}/{proto}: trace {t:?}");
     let mut answered = Vec::new();
-    let tries = if matches!(t.verdict, TraceVerdict::Dnat) { tries } else { 1 };
+    let tries = if matches!(t.verdict, TraceVerdict::Dnat) {
+        tries
+    } else {
+        1
+    };
     for _ in 0..tries {
         let got = f.probe(from, ip(dst), port, proto);
         match t.verdict {
             TraceVerdict::Dnat => {
                 let Outcome::Answer { pod, seen } = &got else {
-                    FAILS.lock().unwrap().push(format!("{ctx}: kernel gave {got:?}"));
+                    FAILS
+                        .lock()
+                        .unwrap()
+                        .push(format!("{ctx}: kernel gave {got:?}"));
                     continue;
                 };
-                let allowed: Vec<&str> = t.endpoints.iter().filter_map(|e| f.pod_name(e.ip)).collect();
-                assert!(allowed.contains(&pod.as_str()), "{ctx}: answered by {pod}, not in {allowed:?}");
+                let allowed: Vec<&str> = t
+                    .endpoints
+                    .iter()
+                    .filter_map(|e| f.pod_name(e.ip))
+                    .collect();
+                assert!(
+                    allowed.contains(&pod.as_str()),
+                    "{ctx}: answered by {pod}, not in {allowed:?}"
+                );
                 // Hairpin: trace marks masquerade only when *every* candidate is the
                 // source; when the random choice happens to pick the source itself the
                 // kernel masquerades too (spec §c.6).
                 let hairpin = f.pod_name(src) == Some(pod.as_str());
-                assert_eq!(*seen != src, t.masquerade || hairpin, "{ctx}: {pod} saw {seen}");
+                assert_eq!(
+                    *seen != src,
+                    t.masquerade || hairpin,
+                    "{ctx}: {pod} saw {seen}"
+                );
                 answered.push(pod.clone());
             }
             TraceVerdict::Drop => {
                 if got != Outcome::Timeout {
-                    FAILS.lock().unwrap().push(format!("{ctx}: kernel gave {got:?}"));
+                    FAILS
+                        .lock()
+                        .unwrap()
+                        .push(format!("{ctx}: kernel gave {got:?}"));
                 }
             }
             TraceVerdict::Reject => {
                 if got != Outcome::Refused {
-                    FAILS.lock().unwrap().push(format!("{ctx}: kernel gave {got:?}"));
+                    FAILS
+                        .lock()
+                        .unwrap()
+                        .push(format!("{ctx}: kernel gave {got:?}"));
                 }
             }
             TraceVerdict::None => {}
@@ -99,10 +152,20 @@ fn check(f: &Fabric, plan: &NodePlan, from: From, dst: &str, port: u16, proto: P
 #[test]
 fn policy_matrix() {
     let f = Fabric::new();
-    let situations: [(&str, &[(&str, &str, Cond)]); 5] = [
+    type Situation<'a> = (&'a str, &'a [(&'a str, &'a str, Cond)]);
+    let situations: [Situation; 5] = [
         ("ready", &[("a", "node-a", READY), ("r", "node-b", READY)]),
-        ("serving-terminating only", &[("b", "node-a", SERVING_TERMINATING), ("r", "node-b", SERVING_TERMINATING)]),
-        ("non-serving terminating only", &[("a", "node-a", TERMINATING), ("r", "node-b", TERMINATING)]),
+        (
+            "serving-terminating only",
+            &[
+                ("b", "node-a", SERVING_TERMINATING),
+                ("r", "node-b", SERVING_TERMINATING),
+            ],
+        ),
+        (
+            "non-serving terminating only",
+            &[("a", "node-a", TERMINATING), ("r", "node-b", TERMINATING)],
+        ),
         ("none anywhere", &[]),
         ("none local", &[("r", "node-b", READY)]),
     ];
@@ -111,12 +174,22 @@ fn policy_matrix() {
     for etp in ["Cluster", "Local"] {
         for itp in ["Cluster", "Local"] {
             for (sit, eps) in situations {
-                let svc = Svc { etp, itp, endpoints: eps, extra: "" };
+                let svc = Svc {
+                    etp,
+                    itp,
+                    endpoints: eps,
+                    extra: "",
+                };
                 let plan = plan_from_yaml(&manifest(&svc), "node-a", &config());
                 f.sync(&plan);
                 let label = format!("eTP {etp} iTP {itp} {sit}");
                 for from in sources {
-                    for (dst, port) in [("10.96.0.10", 80), ("10.200.0.1", 30080), ("203.0.113.50", 80), ("203.0.113.10", 80)] {
+                    for (dst, port) in [
+                        ("10.96.0.10", 80),
+                        ("10.200.0.1", 30080),
+                        ("203.0.113.50", 80),
+                        ("203.0.113.10", 80),
+                    ] {
                         check(&f, &plan, from, dst, port, Protocol::TCP, 2, &label);
                         probes += 1;
                     }
@@ -131,7 +204,12 @@ fn policy_matrix() {
     }
     assert!(probes > 300);
     let fails = FAILS.lock().unwrap();
-    assert!(fails.is_empty(), "{} mismatches:\n{}", fails.len(), fails.join("\n"));
+    assert!(
+        fails.is_empty(),
+        "{} mismatches:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
 }
 
 #[test]
@@ -140,43 +218,128 @@ fn random_choice_covers_the_set_affinity_sticks_and_hairpin_masquerades() {
     let cfg = config();
     // Without affinity: both endpoints answer over enough new connections.
     let eps = [("a", "node-a", READY), ("r", "node-b", READY)];
-    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &eps, extra: "" }), "node-a", &cfg);
+    let plan = plan_from_yaml(
+        &manifest(&Svc {
+            etp: "Cluster",
+            itp: "Cluster",
+            endpoints: &eps,
+            extra: "",
+        }),
+        "node-a",
+        &cfg,
+    );
     f.sync(&plan);
-    let seen = check(&f, &plan, From::Client, "10.96.0.10", 80, Protocol::TCP, 40, "random");
-    assert!(seen.iter().any(|p| p == "a") && seen.iter().any(|p| p == "r"), "{seen:?}");
+    let seen = check(
+        &f,
+        &plan,
+        From::Client,
+        "10.96.0.10",
+        80,
+        Protocol::TCP,
+        40,
+        "random",
+    );
+    assert!(
+        seen.iter().any(|p| p == "a") && seen.iter().any(|p| p == "r"),
+        "{seen:?}"
+    );
 
     // ClientIP affinity: every connection of one client goes to the same endpoint.
-    let aff = "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 300}}\n";
-    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &eps, extra: aff }), "node-a", &cfg);
+    let aff =
+        "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 300}}\n";
+    let plan = plan_from_yaml(
+        &manifest(&Svc {
+            etp: "Cluster",
+            itp: "Cluster",
+            endpoints: &eps,
+            extra: aff,
+        }),
+        "node-a",
+        &cfg,
+    );
     f.sync(&plan);
-    for (from, dst, port) in [(From::Client, "10.96.0.10", 80), (From::Client, "203.0.113.10", 80), (From::Pod(1), "10.96.0.10", 80)] {
+    for (from, dst, port) in [
+        (From::Client, "10.96.0.10", 80),
+        (From::Client, "203.0.113.10", 80),
+        (From::Pod(1), "10.96.0.10", 80),
+    ] {
         let seen = check(&f, &plan, from, dst, port, Protocol::TCP, 8, "affinity");
-        assert!(seen.windows(2).all(|w| w[0] == w[1]), "affinity broken for {from:?}: {seen:?}");
+        assert!(
+            seen.windows(2).all(|w| w[0] == w[1]),
+            "affinity broken for {from:?}: {seen:?}"
+        );
     }
 
     // Hairpin: pod a reaching itself through the Service is masqueraded.
     let only_a = [("a", "node-a", READY)];
-    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &only_a, extra: "" }), "node-a", &cfg);
+    let plan = plan_from_yaml(
+        &manifest(&Svc {
+            etp: "Cluster",
+            itp: "Cluster",
+            endpoints: &only_a,
+            extra: "",
+        }),
+        "node-a",
+        &cfg,
+    );
     f.sync(&plan);
-    let seen = check(&f, &plan, From::Pod(0), "10.96.0.10", 80, Protocol::TCP, 2, "hairpin");
+    let seen = check(
+        &f,
+        &plan,
+        From::Pod(0),
+        "10.96.0.10",
+        80,
+        Protocol::TCP,
+        2,
+        "hairpin",
+    );
     assert_eq!(seen, ["a", "a"]);
     // Unknown port on a live cluster IP: REJECT.
-    check(&f, &plan, From::Client, "10.96.0.10", 81, Protocol::TCP, 1, "cluster-ips-check");
+    check(
+        &f,
+        &plan,
+        From::Client,
+        "10.96.0.10",
+        81,
+        Protocol::TCP,
+        1,
+        "cluster-ips-check",
+    );
 }
 
 #[test]
 fn load_balancer_source_ranges() {
     let f = Fabric::new();
     let eps = [("a", "node-a", READY), ("r", "node-b", READY)];
-    for (ranges, label) in [("[198.51.100.0/24]", "client inside"), ("[192.0.2.0/24]", "client outside")] {
+    for (ranges, label) in [
+        ("[198.51.100.0/24]", "client inside"),
+        ("[192.0.2.0/24]", "client outside"),
+    ] {
         let extra = format!("  loadBalancerSourceRanges: {ranges}\n");
-        let plan =
-            plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &eps, extra: &extra }), "node-a", &config());
+        let plan = plan_from_yaml(
+            &manifest(&Svc {
+                etp: "Cluster",
+                itp: "Cluster",
+                endpoints: &eps,
+                extra: &extra,
+            }),
+            "node-a",
+            &config(),
+        );
         f.sync(&plan);
         for from in [From::Client, From::Pod(0), From::Node] {
             check(&f, &plan, from, "203.0.113.10", 80, Protocol::TCP, 2, label);
             // Source ranges never apply to NodePorts, external IPs or the cluster IP.
-            check(&f, &plan, from, "10.200.0.1", 30080, Protocol::TCP, 1, label);
+            check(
+                &f,
+                &plan,
+                from,
+                "10.200.0.1",
+                30080,
+                Protocol::TCP,
+                1,
+                label,
+            );
             check(&f, &plan, from, "203.0.113.50", 80, Protocol::TCP, 1, label);
         }
     }
@@ -188,7 +351,16 @@ fn udp_conntrack_cleanup_deletes_stale_flows_and_keeps_live_ones() {
     let f = Fabric::new();
     let cfg = config();
     let both = [("a", "node-a", READY), ("r", "node-b", READY)];
-    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &both, extra: "" }), "node-a", &cfg);
+    let plan = plan_from_yaml(
+        &manifest(&Svc {
+            etp: "Cluster",
+            itp: "Cluster",
+            endpoints: &both,
+            extra: "",
+        }),
+        "node-a",
+        &cfg,
+    );
     f.sync(&plan);
     // Find one client flow that landed on `a` and one on `r` (the choice is random).
     let (mut to_a, mut to_r) = (None, None);
@@ -204,18 +376,31 @@ fn udp_conntrack_cleanup_deletes_stale_flows_and_keeps_live_ones() {
     }
     let (to_a, to_r) = (to_a.expect("a flow to a"), to_r.expect("a flow to r"));
     let flows = || {
-        f.node.run(|| kproxy_nft::conntrack::list(false).expect("conntrack dump"))
+        f.node
+            .run(|| kproxy_nft::conntrack::list(false).expect("conntrack dump"))
             .into_iter()
             .filter(|fl| fl.orig_dst == ip("10.96.0.10") && fl.orig_dport == 53)
             .map(|fl| fl.orig_sport)
             .collect::<Vec<u16>>()
     };
     let before = flows();
-    assert!(before.contains(&to_a) && before.contains(&to_r), "{before:?}");
+    assert!(
+        before.contains(&to_a) && before.contains(&to_r),
+        "{before:?}"
+    );
 
     // `a` goes away: its UDP flow is stale, the flow to `r` is live.
     let only_r = [("r", "node-b", READY)];
-    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &only_r, extra: "" }), "node-a", &cfg);
+    let plan = plan_from_yaml(
+        &manifest(&Svc {
+            etp: "Cluster",
+            itp: "Cluster",
+            endpoints: &only_r,
+            extra: "",
+        }),
+        "node-a",
+        &cfg,
+    );
     let report = f.sync(&plan);
     assert!(!report.full);
     assert!(report.conntrack_deleted >= 1, "{report:?}");
@@ -223,14 +408,29 @@ fn udp_conntrack_cleanup_deletes_stale_flows_and_keeps_live_ones() {
     assert!(!after.contains(&to_a), "stale flow kept: {after:?}");
     assert!(after.contains(&to_r), "live flow deleted: {after:?}");
     // The same client port now reaches `r`.
-    assert!(matches!(f.probe_from_port(From::Client, ip("10.96.0.10"), 53, Protocol::UDP, to_a), Outcome::Answer { pod, .. } if pod == "r"));
+    assert!(
+        matches!(f.probe_from_port(From::Client, ip("10.96.0.10"), 53, Protocol::UDP, to_a), Outcome::Answer { pod, .. } if pod == "r")
+    );
 }
 
 #[test]
 fn stale_flow_decisions() {
     use kproxy_nft::conntrack::{Flow, stale_flows};
-    let eps = [("a", "node-a", READY), ("b", "node-a", TERMINATING), ("r", "node-b", SERVING_TERMINATING)];
-    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &eps, extra: "" }), "node-a", &config());
+    let eps = [
+        ("a", "node-a", READY),
+        ("b", "node-a", TERMINATING),
+        ("r", "node-b", SERVING_TERMINATING),
+    ];
+    let plan = plan_from_yaml(
+        &manifest(&Svc {
+            etp: "Cluster",
+            itp: "Cluster",
+            endpoints: &eps,
+            extra: "",
+        }),
+        "node-a",
+        &config(),
+    );
     let flow = |proto: u8, dst: &str, dport: u16, reply: &str, rport: u16| Flow {
         proto,
         orig_src: ip("198.51.100.2"),
@@ -242,31 +442,43 @@ fn stale_flow_decisions() {
     };
     // (flow, stale?)
     let table = [
-        (flow(17, "10.96.0.10", 53, "10.244.1.2", 8080), false),   // ready endpoint
-        (flow(17, "10.96.0.10", 53, "10.244.2.2", 8080), false),   // serving-terminating still serves
-        (flow(17, "10.96.0.10", 53, "10.244.1.3", 8080), true),    // not serving
-        (flow(17, "10.96.0.10", 53, "10.244.9.9", 8080), true),    // gone
-        (flow(17, "10.96.0.10", 53, "10.244.1.2", 9999), true),    // right IP, wrong port
-        (flow(17, "10.96.0.10", 53, "10.96.0.10", 53), true),      // never DNATed (cached before endpoints)
-        (flow(17, "203.0.113.10", 53, "10.244.9.9", 8080), true),  // LB IP
-        (flow(17, "203.0.113.50", 53, "10.244.9.9", 8080), true),  // external IP
+        (flow(17, "10.96.0.10", 53, "10.244.1.2", 8080), false), // ready endpoint
+        (flow(17, "10.96.0.10", 53, "10.244.2.2", 8080), false), // serving-terminating still serves
+        (flow(17, "10.96.0.10", 53, "10.244.1.3", 8080), true),  // not serving
+        (flow(17, "10.96.0.10", 53, "10.244.9.9", 8080), true),  // gone
+        (flow(17, "10.96.0.10", 53, "10.244.1.2", 9999), true),  // right IP, wrong port
+        (flow(17, "10.96.0.10", 53, "10.96.0.10", 53), true), // never DNATed (cached before endpoints)
+        (flow(17, "203.0.113.10", 53, "10.244.9.9", 8080), true), // LB IP
+        (flow(17, "203.0.113.50", 53, "10.244.9.9", 8080), true), // external IP
         (flow(17, "10.200.0.1", 30053, "10.244.9.9", 8080), true), // NodePort
-        (flow(6, "10.96.0.10", 80, "10.244.9.9", 8080), false),    // TCP is never touched
-        (flow(17, "10.96.0.99", 53, "10.244.9.9", 8080), false),   // not a frontend
+        (flow(6, "10.96.0.10", 80, "10.244.9.9", 8080), false), // TCP is never touched
+        (flow(17, "10.96.0.99", 53, "10.244.9.9", 8080), false), // not a frontend
     ];
     for (fl, stale) in table {
         assert_eq!(stale_flows(&plan, &[fl]).len() == 1, stale, "{fl:?}");
     }
     // A port without serving endpoints is skipped entirely.
     let none = [("a", "node-a", TERMINATING)];
-    let plan = plan_from_yaml(&manifest(&Svc { etp: "Cluster", itp: "Cluster", endpoints: &none, extra: "" }), "node-a", &config());
+    let plan = plan_from_yaml(
+        &manifest(&Svc {
+            etp: "Cluster",
+            itp: "Cluster",
+            endpoints: &none,
+            extra: "",
+        }),
+        "node-a",
+        &config(),
+    );
     assert!(stale_flows(&plan, &[flow(17, "10.96.0.10", 53, "10.244.9.9", 8080)]).is_empty());
 }
 
 #[test]
 fn ipv6_dual_stack() {
     let f = Fabric::new();
-    let cfg = PlanConfig { local_detector: LocalDetectorConfig::InterfaceNamePrefix("kpv".into()), ..PlanConfig::default() };
+    let cfg = PlanConfig {
+        local_detector: LocalDetectorConfig::InterfaceNamePrefix("kpv".into()),
+        ..PlanConfig::default()
+    };
     let svc = |etp: &str, v6_eps: &str| {
         format!(
             "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus: {{addresses: [{{type: InternalIP, address: 10.200.0.1}}, {{type: InternalIP, address: \"fd00:200::1\"}}]}}\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: ns}}\nspec:\n  type: NodePort\n  externalTrafficPolicy: {etp}\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, \"fd00:96::10\"]\n  ports:\n  - {{name: http, port: 80, protocol: TCP, nodePort: 30080}}\n  - {{name: dns, port: 53, protocol: UDP, nodePort: 30053}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-v4, namespace: ns, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 8080, protocol: UDP}}]\nendpoints:\n- {{addresses: [10.244.1.2], nodeName: node-a}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-v6, namespace: ns, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv6\nports: [{{name: http, port: 8081, protocol: TCP}}, {{name: dns, port: 8081, protocol: UDP}}]\nendpoints: {v6_eps}\n"
@@ -275,7 +487,12 @@ fn ipv6_dual_stack() {
     let both = "[{addresses: [\"fd00:244:1::2\"], nodeName: node-a}, {addresses: [\"fd00:244:2::2\"], nodeName: node-b}]";
     let remote_only = "[{addresses: [\"fd00:244:2::2\"], nodeName: node-b}]";
     let only_a = "[{addresses: [\"fd00:244:1::2\"], nodeName: node-a}]";
-    for (etp, eps, label) in [("Cluster", both, "v6 ready"), ("Cluster", only_a, "v6 hairpin"), ("Local", remote_only, "v6 none local"), ("Cluster", "[]", "v6 none")] {
+    for (etp, eps, label) in [
+        ("Cluster", both, "v6 ready"),
+        ("Cluster", only_a, "v6 hairpin"),
+        ("Local", remote_only, "v6 none local"),
+        ("Cluster", "[]", "v6 none"),
+    ] {
         let plan = plan_from_yaml(&svc(etp, eps), "node-a", &cfg);
         f.sync(&plan);
         for from in [From::Pod(0), From::Node, From::Client] {
@@ -291,5 +508,10 @@ fn ipv6_dual_stack() {
         }
     }
     let fails = FAILS.lock().unwrap();
-    assert!(fails.is_empty(), "{} mismatches:\n{}", fails.len(), fails.join("\n"));
+    assert!(
+        fails.is_empty(),
+        "{} mismatches:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
 }

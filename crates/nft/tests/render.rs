@@ -104,7 +104,14 @@ fn rendered_scripts_load_into_the_kernel() {
         plan_from_yaml(&example_cluster(), "node-a", &example_config()),
         plan_from_yaml(&example_cluster(), "node-b", &PlanConfig::default()),
         plan_from_yaml(MIXED, "node-a", &mixed_config()),
-        plan_from_yaml(MIXED, "node-b", &PlanConfig { masquerade_all: true, ..PlanConfig::default() }),
+        plan_from_yaml(
+            MIXED,
+            "node-b",
+            &PlanConfig {
+                masquerade_all: true,
+                ..PlanConfig::default()
+            },
+        ),
     ];
     ns.run(move || {
         for plan in &plans {
@@ -120,8 +127,17 @@ fn rendered_scripts_load_into_the_kernel() {
 
 #[test]
 fn hostile_names_are_rejected() {
-    for bad in ["", "kproxy\"; flush ruleset", "1abc", "a b", &"x".repeat(40)] {
-        let cfg = DataplaneConfig { table: bad.to_string(), ..DataplaneConfig::default() };
+    for bad in [
+        "",
+        "kproxy\"; flush ruleset",
+        "1abc",
+        "a b",
+        &"x".repeat(40),
+    ] {
+        let cfg = DataplaneConfig {
+            table: bad.to_string(),
+            ..DataplaneConfig::default()
+        };
         assert!(kproxy_nft::Dataplane::new(cfg).is_err(), "{bad:?}");
     }
     for bad in ["eth0\" accept", "veth*", "", "abcdefghijklmnop", "a\nb"] {

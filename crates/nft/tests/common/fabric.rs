@@ -17,11 +17,25 @@ use super::{Netns, ip};
 pub const NODE_IP: &str = "10.200.0.1";
 /// Every address of the node namespace (what `fib saddr type local` knows).
 pub const NODE_ADDRS: [&str; 4] = ["10.200.0.1", "198.51.100.1", "10.244.1.1", "10.244.2.1"];
-pub const PODS: [(&str, &str); 3] = [("a", "10.244.1.2"), ("b", "10.244.1.3"), ("r", "10.244.2.2")];
+pub const PODS: [(&str, &str); 3] = [
+    ("a", "10.244.1.2"),
+    ("b", "10.244.1.3"),
+    ("r", "10.244.2.2"),
+];
 pub const CLIENT_IP: &str = "198.51.100.2";
 pub const NODE_IP6: &str = "fd00:200::1";
-pub const NODE_ADDRS6: [&str; 5] = ["fd00:200::1", "fd00:198::1", "fd00:244:1::1", "fd00:244:2::1", "::1"];
-pub const PODS6: [(&str, &str); 3] = [("a", "fd00:244:1::2"), ("b", "fd00:244:1::3"), ("r", "fd00:244:2::2")];
+pub const NODE_ADDRS6: [&str; 5] = [
+    "fd00:200::1",
+    "fd00:198::1",
+    "fd00:244:1::1",
+    "fd00:244:2::1",
+    "::1",
+];
+pub const PODS6: [(&str, &str); 3] = [
+    ("a", "fd00:244:1::2"),
+    ("b", "fd00:244:1::3"),
+    ("r", "fd00:244:2::2"),
+];
 pub const CLIENT_IP6: &str = "fd00:198::2";
 
 pub struct Fabric {
@@ -58,11 +72,16 @@ impl Fabric {
         node.exec("sysctl -qw net.ipv4.icmp_ratelimit=0 && sysctl -qw net.ipv4.icmp_msgs_per_sec=100000 && sysctl -qw net.ipv4.icmp_msgs_burst=100000");
         node.exec("sysctl -qw net.ipv6.conf.all.forwarding=1 && sysctl -qw net.ipv6.conf.default.forwarding=1 && sysctl -qw net.ipv6.icmp.ratelimit=0");
         // Outside client and the node's own address.
-        node.exec(&format!("ip link add ext0 type veth peer name eth0 netns {}", client.name));
+        node.exec(&format!(
+            "ip link add ext0 type veth peer name eth0 netns {}",
+            client.name
+        ));
         node.exec("ip addr add 198.51.100.1/24 dev ext0 && ip addr add 10.200.0.1/32 dev ext0 && ip link set ext0 up");
         client.exec("ip addr add 198.51.100.2/24 dev eth0 && ip link set eth0 up && ip route add default via 198.51.100.1");
         node.exec("ip addr add fd00:198::1/64 dev ext0 nodad && ip addr add fd00:200::1/128 dev ext0 nodad");
-        client.exec("ip addr add fd00:198::2/64 dev eth0 nodad && ip -6 route add default via fd00:198::1");
+        client.exec(
+            "ip addr add fd00:198::2/64 dev eth0 nodad && ip -6 route add default via fd00:198::1",
+        );
         node.exec("ip -6 route add fd00:96::/64 dev ext0 src fd00:200::1");
         // Node-originated traffic to service ranges leaves from the node IP.
         node.exec("ip route add 10.96.0.0/16 dev ext0 src 10.200.0.1 && ip route add 203.0.113.0/24 dev ext0 src 10.200.0.1");
@@ -70,14 +89,20 @@ impl Fabric {
         for ((name, addr), (_, addr6)) in PODS.into_iter().zip(PODS6) {
             let ns = Netns::new(name);
             if name == "r" {
-                node.exec(&format!("ip link add rem0 type veth peer name eth0 netns {}", ns.name));
+                node.exec(&format!(
+                    "ip link add rem0 type veth peer name eth0 netns {}",
+                    ns.name
+                ));
                 node.exec("ip addr add 10.244.2.1/24 dev rem0 && ip link set rem0 up");
                 ns.exec(&format!("ip addr add {addr}/24 dev eth0 && ip link set eth0 up && ip route add default via 10.244.2.1"));
                 node.exec("ip addr add fd00:244:2::1/64 dev rem0 nodad");
                 ns.exec(&format!("ip addr add {addr6}/64 dev eth0 nodad && ip -6 route add default via fd00:244:2::1"));
             } else {
                 let veth = format!("kpv{name}");
-                node.exec(&format!("ip link add {veth} type veth peer name eth0 netns {}", ns.name));
+                node.exec(&format!(
+                    "ip link add {veth} type veth peer name eth0 netns {}",
+                    ns.name
+                ));
                 node.exec(&format!(
                     "ip addr add 10.244.1.1/32 dev {veth} && ip link set {veth} up && ip route add {addr}/32 dev {veth}"
                 ));
@@ -92,18 +117,29 @@ impl Fabric {
             serve(&ns, name);
             pods.push((name.to_string(), ip(addr), ns, ip(addr6)));
         }
-        let dp = Arc::new(Mutex::new(Dataplane::new(DataplaneConfig::default()).expect("config")));
-        Fabric { node, pods, client, dp }
+        let dp = Arc::new(Mutex::new(
+            Dataplane::new(DataplaneConfig::default()).expect("config"),
+        ));
+        Fabric {
+            node,
+            pods,
+            client,
+            dp,
+        }
     }
 
     pub fn sync(&self, plan: &NodePlan) -> SyncReport {
         let dp = self.dp.clone();
         let plan = plan.clone();
-        self.node.run(move || dp.lock().expect("dp").sync(&plan).expect("sync"))
+        self.node
+            .run(move || dp.lock().expect("dp").sync(&plan).expect("sync"))
     }
 
     pub fn pod_name(&self, addr: IpAddr) -> Option<&str> {
-        self.pods.iter().find(|(_, a, _, a6)| *a == addr || *a6 == addr).map(|(n, _, _, _)| n.as_str())
+        self.pods
+            .iter()
+            .find(|(_, a, _, a6)| *a == addr || *a6 == addr)
+            .map(|(n, _, _, _)| n.as_str())
     }
 
     /// The probe's source address and input interface as `trace` sees them.
@@ -111,7 +147,11 @@ impl Fabric {
         match from {
             From::Pod(i) => {
                 let (name, addr, _, _) = &self.pods[i];
-                let iface = if name == "r" { "rem0".to_string() } else { format!("kpv{name}") };
+                let iface = if name == "r" {
+                    "rem0".to_string()
+                } else {
+                    format!("kpv{name}")
+                };
                 (*addr, Some(iface))
             }
             From::Node => (ip(NODE_IP), None),
@@ -144,7 +184,14 @@ impl Fabric {
         self.probe_from_port(from, dst, port, proto, 0)
     }
 
-    pub fn probe_from_port(&self, from: From, dst: IpAddr, port: u16, proto: Protocol, sport: u16) -> Outcome {
+    pub fn probe_from_port(
+        &self,
+        from: From,
+        dst: IpAddr,
+        port: u16,
+        proto: Protocol,
+        sport: u16,
+    ) -> Outcome {
         let to = SocketAddr::new(dst, port);
         self.ns(from).run(move || match proto {
             Protocol::TCP => tcp_probe(to),
@@ -159,7 +206,10 @@ const WAIT: Duration = Duration::from_millis(700);
 fn parse_answer(s: &str) -> Outcome {
     let mut it = s.split_whitespace();
     match (it.next(), it.next().and_then(|a| a.parse().ok())) {
-        (Some(pod), Some(seen)) => Outcome::Answer { pod: pod.to_string(), seen },
+        (Some(pod), Some(seen)) => Outcome::Answer {
+            pod: pod.to_string(),
+            seen,
+        },
         _ => Outcome::Other(format!("bad answer {s:?}")),
     }
 }
@@ -186,7 +236,11 @@ fn tcp_probe(to: SocketAddr) -> Outcome {
 }
 
 fn udp_probe(to: SocketAddr, sport: u16) -> Outcome {
-    let any: IpAddr = if to.is_ipv6() { ip("::") } else { ip("0.0.0.0") };
+    let any: IpAddr = if to.is_ipv6() {
+        ip("::")
+    } else {
+        ip("0.0.0.0")
+    };
     let s = match UdpSocket::bind((any, sport)) {
         Ok(s) => s,
         Err(e) => return Outcome::Other(e.to_string()),
@@ -207,7 +261,9 @@ fn udp_probe(to: SocketAddr, sport: u16) -> Outcome {
         }
         match s.recv(&mut buf) {
             Ok(n) => return parse_answer(&String::from_utf8_lossy(&buf[..n])),
-            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::TimedOut => continue,
+            Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::TimedOut => {
+                continue;
+            }
             Err(e) => return classify(e),
         }
     }
@@ -221,8 +277,12 @@ fn serve(ns: &Netns, name: &str) {
 }
 
 fn serve_on(ns: &Netns, name: &str, addr: &'static str) {
-    let (tcp, udp) =
-        ns.run(move || (TcpListener::bind(addr).expect("bind tcp"), UdpSocket::bind(addr).expect("bind udp")));
+    let (tcp, udp) = ns.run(move || {
+        (
+            TcpListener::bind(addr).expect("bind tcp"),
+            UdpSocket::bind(addr).expect("bind udp"),
+        )
+    });
     let n = name.to_string();
     std::thread::spawn(move || {
         for c in tcp.incoming() {

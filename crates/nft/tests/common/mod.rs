@@ -16,7 +16,9 @@ pub fn state_from_yaml(text: &str, node: &str) -> ClusterState {
     assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
     let mut st = ClusterState::new();
     for o in &parsed.objects {
-        let warnings = st.apply(&o.object, &Ownership::default(), node).expect("valid object");
+        let warnings = st
+            .apply(&o.object, &Ownership::default(), node)
+            .expect("valid object");
         assert!(warnings.is_empty(), "{warnings:?}");
     }
     st
@@ -29,7 +31,10 @@ pub fn plan_from_yaml(text: &str, node: &str, cfg: &PlanConfig) -> NodePlan {
 pub fn example_cluster() -> String {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/cluster");
     let mut text = String::new();
-    let mut names: Vec<_> = std::fs::read_dir(dir).expect("examples/cluster").map(|e| e.expect("entry").path()).collect();
+    let mut names: Vec<_> = std::fs::read_dir(dir)
+        .expect("examples/cluster")
+        .map(|e| e.expect("entry").path())
+        .collect();
     names.sort();
     for p in names {
         if p.extension().is_some_and(|e| e == "yaml" || e == "json") {
@@ -85,13 +90,23 @@ pub fn enter(path: &str) {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
     }
 }
 
 pub fn sh(cmd: &str) -> String {
-    let out = Command::new("sh").arg("-c").arg(cmd).output().expect("spawn sh");
-    assert!(out.status.success(), "`{cmd}` failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .output()
+        .expect("spawn sh");
+    assert!(
+        out.status.success(),
+        "`{cmd}` failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
