@@ -515,3 +515,86 @@ fn ipv6_dual_stack() {
         fails.join("\n")
     );
 }
+
+/// A restart adopts the tables left by the previous run with one atomic replacement:
+/// while fresh `Dataplane`s (and forced full syncs) replace the tables again and again,
+/// new connections keep succeeding and an existing UDP flow keeps its endpoint.
+#[test]
+fn full_replacement_never_leaves_a_gap() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let f = Arc::new(Fabric::new());
+    let eps = [("a", "node-a", READY), ("r", "node-b", READY)];
+    let plan = plan_from_yaml(
+        &manifest(&Svc {
+            etp: "Cluster",
+            itp: "Cluster",
+            endpoints: &eps,
+            extra: "",
+        }),
+        "node-a",
+        &config(),
+    );
+    f.sync(&plan);
+    // An established UDP flow: one client socket, kept across every replacement.
+    let flow = f.client.run(|| {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+        s.connect("10.96.0.10:53").expect("connect");
+        s.set_read_timeout(Some(std::time::Duration::from_secs(2)))
+            .expect("timeout");
+        s
+    });
+    let ask = |s: &std::net::UdpSocket| -> String {
+        s.send(b"hi").expect("send");
+        let mut buf = [0u8; 64];
+        let n = s.recv(&mut buf).expect("answer on the established flow");
+        String::from_utf8_lossy(&buf[..n])
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let pinned = ask(&flow);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let prober = {
+        let (f, stop) = (f.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut outcomes = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                outcomes.push(f.probe(From::Client, ip("10.96.0.10"), 80, Protocol::TCP));
+            }
+            outcomes
+        })
+    };
+    for round in 0..12 {
+        if round % 2 == 0 {
+            // A restart: a new process knows nothing and replaces what it finds.
+            let plan = plan.clone();
+            let r = f.node.run(move || {
+                kproxy_nft::Dataplane::new(kproxy_nft::DataplaneConfig::default())
+                    .expect("config")
+                    .sync(&plan)
+                    .expect("sync")
+            });
+            assert!(r.full);
+        } else {
+            f.dp.lock().expect("dp").force_full_sync();
+            assert!(f.sync(&plan).full);
+        }
+        assert_eq!(ask(&flow), pinned, "round {round}: the UDP flow moved");
+    }
+    stop.store(true, Ordering::SeqCst);
+    let outcomes = prober.join().expect("prober");
+    assert!(outcomes.len() >= 5, "only {} probes", outcomes.len());
+    let bad: Vec<_> = outcomes
+        .iter()
+        .filter(|o| !matches!(o, Outcome::Answer { .. }))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} new connections failed: {bad:?}",
+        bad.len(),
+        outcomes.len()
+    );
+}
