@@ -6,6 +6,8 @@
 //! - [`watch`]: keep a `StateHandle` in step with a manifest file or directory.
 //! - [`kube`]: the Kubernetes API watchers.
 
+#[cfg(feature = "fake-api")]
+pub mod fake_api;
 pub mod kube;
 pub mod manifests;
 pub mod watch;

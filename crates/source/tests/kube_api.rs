@@ -1,261 +1,28 @@
-//! The Kubernetes API source against an in-process fake API server on 127.0.0.1 that
-//! speaks the real list/watch protocol (lists with resourceVersion, chunked watch
-//! streams of ADDED/MODIFIED/DELETED/BOOKMARK/ERROR lines) with real API JSON. The
+//! The Kubernetes API source against the in-process fake API server
+//! (`kproxy_source::fake_api`, feature `fake-api`) on 127.0.0.1 that speaks the real
+//! list/watch protocol (lists with resourceVersion, chunked watch streams of ADDED/MODIFIED/DELETED/BOOKMARK/ERROR lines) with real API JSON. The
 //! client is built by `kproxy_source::kube::client` from a kubeconfig file, so the
 //! whole HTTP path is exercised. Assertions poll the ClusterState with a timeout; no
 //! test asserts a duration.
 
-use std::collections::BTreeMap;
-use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
-use axum::extract::State;
-use axum::http::{StatusCode, Uri};
-use axum::response::{IntoResponse, Response};
 use kproxy_core::ClusterState;
 use kproxy_core::ingest::Ownership;
 use kproxy_source::StateHandle;
+use kproxy_source::fake_api::{self, FakeApi, StatusCode, bookmark, gone};
 use kproxy_source::kube::{self as source, KubeSourceConfig};
 use serde_json::{Value, json};
-use tokio::sync::{Notify, watch};
 
 const NODE: &str = "node-a";
-
-// ---------------------------------------------------------------- the fake API server
-
-/// One step of a watch response.
-enum Step {
-    /// One line (an event, or garbage).
-    Line(String),
-    /// End the response cleanly (as the server does at timeoutSeconds).
-    Close,
-    /// Abort the connection mid-stream (no final chunk): a dropped connection.
-    Abort,
-}
-
-#[derive(Default)]
-struct Steps {
-    queue: Mutex<VecDeque<Step>>,
-    /// Generation of the newest watch connection.
-    current: AtomicU64,
-    notify: Notify,
-}
-
-impl Steps {
-    fn push(&self, step: Step) {
-        self.queue.lock().unwrap().push_back(step);
-        self.notify.notify_waiters();
-    }
-
-    /// Registers a new watch connection; older ones stop taking steps.
-    fn connect(&self) -> u64 {
-        let generation = self.current.fetch_add(1, Ordering::SeqCst) + 1;
-        self.notify.notify_waiters();
-        generation
-    }
-
-    /// The next step for connection `generation`; `None` once a newer one exists.
-    async fn next(&self, generation: u64) -> Option<Step> {
-        loop {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.current.load(Ordering::SeqCst) != generation {
-                return None;
-            }
-            if let Some(step) = self.queue.lock().unwrap().pop_front() {
-                return Some(step);
-            }
-            notified.await;
-        }
-    }
-}
-
-struct ListReply {
-    status: StatusCode,
-    resource_version: String,
-    items: Vec<Value>,
-}
-
-/// One resource (services, endpointslices, nodes) of the fake server.
-struct Resource {
-    list_kind: &'static str,
-    list: Mutex<ListReply>,
-    /// Lists wait until this is true (a slow server).
-    open: watch::Sender<bool>,
-    /// Status of watch requests (non-200: the watch cannot start).
-    watch_status: Mutex<StatusCode>,
-    /// Steps not yet served, taken by the newest watch connection only (an older one,
-    /// abandoned by the client, must not swallow them).
-    steps: Arc<Steps>,
-    /// Decoded query of every request, in order.
-    requests: Mutex<Vec<BTreeMap<String, String>>>,
-}
-
-impl Resource {
-    fn new(list_kind: &'static str) -> Resource {
-        Resource {
-            list_kind,
-            list: Mutex::new(ListReply {
-                status: StatusCode::OK,
-                resource_version: "1".into(),
-                items: Vec::new(),
-            }),
-            open: watch::Sender::new(true),
-            watch_status: Mutex::new(StatusCode::OK),
-            steps: Arc::new(Steps::default()),
-            requests: Mutex::new(Vec::new()),
-        }
-    }
-
-    fn set_list(&self, resource_version: &str, items: Vec<Value>) {
-        *self.list.lock().unwrap() = ListReply {
-            status: StatusCode::OK,
-            resource_version: resource_version.into(),
-            items,
-        };
-    }
-
-    fn fail_lists(&self, status: StatusCode) {
-        self.list.lock().unwrap().status = status;
-    }
-
-    fn event(&self, kind: &str, object: Value) {
-        self.line(json!({"type": kind, "object": object}).to_string());
-    }
-
-    fn line(&self, line: String) {
-        self.steps.push(Step::Line(line));
-    }
-
-    fn close(&self) {
-        self.steps.push(Step::Close);
-    }
-
-    fn abort(&self) {
-        self.steps.push(Step::Abort);
-    }
-
-    fn requests(&self) -> Vec<BTreeMap<String, String>> {
-        self.requests.lock().unwrap().clone()
-    }
-
-    fn lists(&self) -> usize {
-        self.requests().iter().filter(|q| !q.contains_key("watch")).count()
-    }
-
-    fn watches(&self) -> Vec<BTreeMap<String, String>> {
-        self.requests()
-            .into_iter()
-            .filter(|q| q.contains_key("watch"))
-            .collect()
-    }
-}
-
-struct FakeApi {
-    services: Resource,
-    slices: Resource,
-    nodes: Resource,
-}
-
-fn status(code: StatusCode, reason: &str) -> Value {
-    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-           "message": format!("fake: {reason}"), "reason": reason, "code": code.as_u16()})
-}
-
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' if i + 2 < b.len() => {
-                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
-                match u8::from_str_radix(hex, 16) {
-                    Ok(v) => out.push(v),
-                    Err(_) => out.extend_from_slice(&b[i..i + 3]),
-                }
-                i += 3;
-                continue;
-            }
-            b'+' => out.push(b' '),
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-fn query(uri: &Uri) -> BTreeMap<String, String> {
-    uri.query()
-        .unwrap_or("")
-        .split('&')
-        .filter(|kv| !kv.is_empty())
-        .map(|kv| {
-            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
-            (percent_decode(k), percent_decode(v))
-        })
-        .collect()
-}
-
-async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
-    let res = match uri.path() {
-        "/api/v1/services" => &api.services,
-        "/apis/discovery.k8s.io/v1/endpointslices" => &api.slices,
-        "/api/v1/nodes" => &api.nodes,
-        _ => {
-            return (
-                StatusCode::NOT_FOUND,
-                axum::Json(status(StatusCode::NOT_FOUND, "NotFound")),
-            )
-                .into_response();
-        }
-    };
-    let q = query(&uri);
-    res.requests.lock().unwrap().push(q.clone());
-    if q.get("watch").map(String::as_str) == Some("true") {
-        let code = *res.watch_status.lock().unwrap();
-        if code != StatusCode::OK {
-            return (code, axum::Json(status(code, "InternalError"))).into_response();
-        }
-        let steps = res.steps.clone();
-        let generation = steps.connect();
-        let body = futures::stream::unfold(Some(steps), move |steps| async move {
-            let steps = steps?;
-            match steps.next(generation).await? {
-                Step::Line(l) => Some((Ok::<_, std::io::Error>(Bytes::from(l + "\n")), Some(steps))),
-                Step::Close => None,
-                Step::Abort => Some((Err(std::io::Error::other("connection dropped by the test")), None)),
-            }
-        });
-        return Response::builder()
-            .header("content-type", "application/json")
-            .body(Body::from_stream(body))
-            .expect("valid response");
-    }
-    let mut open = res.open.subscribe();
-    let _ = open.wait_for(|o| *o).await;
-    let list = res.list.lock().unwrap();
-    if list.status != StatusCode::OK {
-        return (list.status, axum::Json(status(list.status, "InternalError"))).into_response();
-    }
-    let body = json!({
-        "kind": res.list_kind, "apiVersion": if res.list_kind == "EndpointSliceList" { "discovery.k8s.io/v1" } else { "v1" },
-        "metadata": {"resourceVersion": list.resource_version},
-        "items": list.items,
-    });
-    axum::Json(body).into_response()
-}
 
 struct Harness {
     api: Arc<FakeApi>,
     handle: StateHandle,
     source: tokio::task::JoinHandle<Result<(), source::SourceError>>,
-    server: tokio::task::JoinHandle<()>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
     _dir: tempfile::TempDir,
 }
 
@@ -268,30 +35,16 @@ impl Drop for Harness {
 
 /// Starts the fake server with `setup` applied, then the source against it.
 async fn start(ownership: Ownership, setup: impl FnOnce(&FakeApi)) -> Harness {
-    let api = Arc::new(FakeApi {
-        services: Resource::new("ServiceList"),
-        slices: Resource::new("EndpointSliceList"),
-        nodes: Resource::new("NodeList"),
-    });
+    let api = Arc::new(FakeApi::new());
     setup(&api);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind 127.0.0.1");
     let addr: SocketAddr = listener.local_addr().expect("local addr");
-    let app = axum::Router::new().fallback(serve).with_state(api.clone());
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app).await.expect("fake API server");
-    });
+    let server = fake_api::spawn(listener, api.clone());
     let dir = tempfile::tempdir().expect("tempdir");
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"http://{addr}\"}}\n\
-             users:\n- name: u\n  user: {{}}\ncontexts:\n- name: c\n  context: {{cluster: fake, user: u}}\ncurrent-context: c\n"
-        ),
-    )
-    .expect("write kubeconfig");
+    std::fs::write(&kubeconfig, fake_api::kubeconfig(addr)).expect("write kubeconfig");
     let client = source::client(Some(&kubeconfig)).await.expect("client from kubeconfig");
     let handle = StateHandle::new();
     let cfg = KubeSourceConfig {
@@ -349,14 +102,6 @@ fn node(rv: &str, ip: &str) -> Value {
         "spec": {"podCIDR": "10.244.0.0/24", "podCIDRs": ["10.244.0.0/24"]},
         "status": {"addresses": [{"type": "InternalIP", "address": ip}, {"type": "Hostname", "address": NODE}]}
     })
-}
-
-fn bookmark(rv: &str, kind: &str, api_version: &str) -> Value {
-    json!({"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": rv}})
-}
-
-fn gone() -> Value {
-    status(StatusCode::GONE, "Expired")
 }
 
 // ---------------------------------------------------------------- observing the state
@@ -749,7 +494,7 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
 
     // The API becomes unreachable for Services: watches fail, the state stays.
     let before = h.handle.with(|st| seen(st));
-    *h.api.services.watch_status.lock().unwrap() = StatusCode::SERVICE_UNAVAILABLE;
+    h.api.services.set_watch_status(StatusCode::SERVICE_UNAVAILABLE);
     h.api.services.fail_lists(StatusCode::SERVICE_UNAVAILABLE);
     let watches = h.api.services.watches().len();
     h.api.services.close();
@@ -761,7 +506,7 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
     assert!(h.handle.is_ready());
 
     // Back again: events flow.
-    *h.api.services.watch_status.lock().unwrap() = StatusCode::OK;
+    h.api.services.set_watch_status(StatusCode::OK);
     h.api.services.event("ADDED", service("back", "70", "10.96.0.40", 90));
     wait_for(&h, "an event after the outage", |s, _| {
         s.services.contains(&"back:90".to_string())

@@ -1,0 +1,322 @@
+//! A fake Kubernetes API server for tests (cargo feature `fake-api`): it speaks the real
+//! list/watch protocol with real API JSON for Services, EndpointSlices and Nodes — lists
+//! with a resourceVersion, chunked watch streams of ADDED/MODIFIED/DELETED/BOOKMARK/ERROR
+//! lines — and lets a test script each response (slow lists, failing lists or watches, a
+//! clean end of a watch, a dropped connection, garbage lines). It records the decoded
+//! query of every request so a test can check selectors and resourceVersions.
+//!
+//! It owns no network set-up: the caller binds the listener (so it can bind inside a
+//! network namespace) and hands it to [`spawn`]. Not for production use.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::Uri;
+/// Re-exported so tests need no direct axum dependency.
+pub use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, watch};
+
+/// Locks a mutex of the fake server; a panicking test thread leaves plain data behind,
+/// so a poisoned lock is still usable.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One step of a watch response.
+pub enum Step {
+    /// One line (an event, or garbage).
+    Line(String),
+    /// End the response cleanly (as the server does at timeoutSeconds).
+    Close,
+    /// Abort the connection mid-stream (no final chunk): a dropped connection.
+    Abort,
+}
+
+/// The scripted steps of one resource's watch responses.
+#[derive(Default)]
+pub struct Steps {
+    queue: Mutex<VecDeque<Step>>,
+    /// Generation of the newest watch connection.
+    current: AtomicU64,
+    notify: Notify,
+}
+
+impl Steps {
+    pub fn push(&self, step: Step) {
+        lock(&self.queue).push_back(step);
+        self.notify.notify_waiters();
+    }
+
+    /// Registers a new watch connection; older ones stop taking steps.
+    fn connect(&self) -> u64 {
+        let generation = self.current.fetch_add(1, Ordering::SeqCst) + 1;
+        self.notify.notify_waiters();
+        generation
+    }
+
+    /// The next step for connection `generation`; `None` once a newer one exists.
+    async fn next(&self, generation: u64) -> Option<Step> {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.current.load(Ordering::SeqCst) != generation {
+                return None;
+            }
+            if let Some(step) = lock(&self.queue).pop_front() {
+                return Some(step);
+            }
+            notified.await;
+        }
+    }
+}
+
+/// What a list request answers.
+pub struct ListReply {
+    pub status: StatusCode,
+    pub resource_version: String,
+    pub items: Vec<Value>,
+}
+
+/// One resource (services, endpointslices, nodes) of the fake server.
+pub struct Resource {
+    pub list_kind: &'static str,
+    pub list: Mutex<ListReply>,
+    /// Lists wait until this is true (a slow server).
+    pub open: watch::Sender<bool>,
+    /// Status of watch requests (non-200: the watch cannot start).
+    pub watch_status: Mutex<StatusCode>,
+    /// Steps not yet served, taken by the newest watch connection only (an older one,
+    /// abandoned by the client, must not swallow them).
+    pub steps: Arc<Steps>,
+    /// Decoded query of every request, in order.
+    pub requests: Mutex<Vec<BTreeMap<String, String>>>,
+}
+
+impl Resource {
+    pub fn new(list_kind: &'static str) -> Resource {
+        Resource {
+            list_kind,
+            list: Mutex::new(ListReply {
+                status: StatusCode::OK,
+                resource_version: "1".into(),
+                items: Vec::new(),
+            }),
+            open: watch::Sender::new(true),
+            watch_status: Mutex::new(StatusCode::OK),
+            steps: Arc::new(Steps::default()),
+            requests: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// What the next lists answer (200).
+    pub fn set_list(&self, resource_version: &str, items: Vec<Value>) {
+        *lock(&self.list) = ListReply {
+            status: StatusCode::OK,
+            resource_version: resource_version.into(),
+            items,
+        };
+    }
+
+    /// The items the next lists answer.
+    pub fn list_items(&self) -> Vec<Value> {
+        lock(&self.list).items.clone()
+    }
+
+    /// Lists answer `status` (with a Status object) until the next `set_list`.
+    pub fn fail_lists(&self, status: StatusCode) {
+        lock(&self.list).status = status;
+    }
+
+    /// Watch requests answer `status` (OK: they stream).
+    pub fn set_watch_status(&self, status: StatusCode) {
+        *lock(&self.watch_status) = status;
+    }
+
+    /// Queues a watch event `{"type": kind, "object": object}`.
+    pub fn event(&self, kind: &str, object: Value) {
+        self.line(json!({"type": kind, "object": object}).to_string());
+    }
+
+    /// Queues one raw line on the watch stream.
+    pub fn line(&self, line: String) {
+        self.steps.push(Step::Line(line));
+    }
+
+    /// Queues a clean end of the current watch response.
+    pub fn close(&self) {
+        self.steps.push(Step::Close);
+    }
+
+    /// Queues a dropped connection.
+    pub fn abort(&self) {
+        self.steps.push(Step::Abort);
+    }
+
+    pub fn requests(&self) -> Vec<BTreeMap<String, String>> {
+        lock(&self.requests).clone()
+    }
+
+    /// How many list requests arrived.
+    pub fn lists(&self) -> usize {
+        self.requests().iter().filter(|q| !q.contains_key("watch")).count()
+    }
+
+    /// The queries of the watch requests, in order.
+    pub fn watches(&self) -> Vec<BTreeMap<String, String>> {
+        self.requests()
+            .into_iter()
+            .filter(|q| q.contains_key("watch"))
+            .collect()
+    }
+}
+
+/// The fake API server's state: one [`Resource`] per kind kproxy watches.
+pub struct FakeApi {
+    pub services: Resource,
+    pub slices: Resource,
+    pub nodes: Resource,
+}
+
+impl Default for FakeApi {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FakeApi {
+    pub fn new() -> FakeApi {
+        FakeApi {
+            services: Resource::new("ServiceList"),
+            slices: Resource::new("EndpointSliceList"),
+            nodes: Resource::new("NodeList"),
+        }
+    }
+}
+
+/// A `Status` object as the API server sends it with an error.
+pub fn status(code: StatusCode, reason: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": format!("fake: {reason}"), "reason": reason, "code": code.as_u16()})
+}
+
+/// The object of the ERROR watch event for an expired resourceVersion (410 Gone).
+pub fn gone() -> Value {
+    status(StatusCode::GONE, "Expired")
+}
+
+/// The object of a BOOKMARK watch event.
+pub fn bookmark(rv: &str, kind: &str, api_version: &str) -> Value {
+    json!({"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": rv}})
+}
+
+/// A kubeconfig (http, no credentials) pointing at the fake server on `addr`.
+pub fn kubeconfig(addr: SocketAddr) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"http://{addr}\"}}\n\
+         users:\n- name: u\n  user: {{}}\ncontexts:\n- name: c\n  context: {{cluster: fake, user: u}}\ncurrent-context: c\n"
+    )
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(v) => out.push(v),
+                    Err(_) => out.extend_from_slice(&b[i..i + 3]),
+                }
+                i += 3;
+                continue;
+            }
+            b'+' => out.push(b' '),
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query(uri: &Uri) -> BTreeMap<String, String> {
+    uri.query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+/// The request handler: lists and watches of the three cluster-wide collections.
+pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
+    let res = match uri.path() {
+        "/api/v1/services" => &api.services,
+        "/apis/discovery.k8s.io/v1/endpointslices" => &api.slices,
+        "/api/v1/nodes" => &api.nodes,
+        _ => {
+            return (
+                StatusCode::NOT_FOUND,
+                axum::Json(status(StatusCode::NOT_FOUND, "NotFound")),
+            )
+                .into_response();
+        }
+    };
+    let q = query(&uri);
+    lock(&res.requests).push(q.clone());
+    if q.get("watch").map(String::as_str) == Some("true") {
+        let code = *lock(&res.watch_status);
+        if code != StatusCode::OK {
+            return (code, axum::Json(status(code, "InternalError"))).into_response();
+        }
+        let steps = res.steps.clone();
+        let generation = steps.connect();
+        let body = futures::stream::unfold(Some(steps), move |steps| async move {
+            let steps = steps?;
+            match steps.next(generation).await? {
+                Step::Line(l) => Some((Ok::<_, std::io::Error>(Bytes::from(l + "\n")), Some(steps))),
+                Step::Close => None,
+                Step::Abort => Some((Err(std::io::Error::other("connection dropped by the test")), None)),
+            }
+        });
+        return Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from_stream(body))
+            .expect("static headers are valid");
+    }
+    let mut open = res.open.subscribe();
+    let _ = open.wait_for(|o| *o).await;
+    let list = lock(&res.list);
+    if list.status != StatusCode::OK {
+        return (list.status, axum::Json(status(list.status, "InternalError"))).into_response();
+    }
+    let api_version = if res.list_kind == "EndpointSliceList" {
+        "discovery.k8s.io/v1"
+    } else {
+        "v1"
+    };
+    let body = json!({
+        "kind": res.list_kind, "apiVersion": api_version,
+        "metadata": {"resourceVersion": list.resource_version},
+        "items": list.items,
+    });
+    axum::Json(body).into_response()
+}
+
+/// Serves `api` on `listener` (bound by the caller, possibly inside a network
+/// namespace) until the task is aborted or its runtime shuts down.
+pub fn spawn(listener: tokio::net::TcpListener, api: Arc<FakeApi>) -> tokio::task::JoinHandle<std::io::Result<()>> {
+    let app = axum::Router::new().fallback(serve).with_state(api);
+    tokio::spawn(async move { axum::serve(listener, app).await })
+}
