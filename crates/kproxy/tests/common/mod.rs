@@ -1,0 +1,197 @@
+//! Helpers shared by the `kproxy run` end-to-end tests (run_daemon.rs, run_kube.rs):
+//! network namespaces this test process creates (removed on drop, even on panic), a node
+//! namespace with one pod behind a veth and the pod's tiny HTTP server, the daemon as a
+//! child process (killed on drop), a one-shot HTTP client and polling.
+
+// Each test binary uses its own subset of these helpers.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// A network namespace named after this process and `tag`; deleted on drop.
+pub struct Netns(pub String);
+
+impl Netns {
+    pub fn new(tag: &str) -> Netns {
+        let name = format!("kpt-run-{}-{tag}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        sh(&["ip", "netns", "add", &name]);
+        let ns = Netns(name);
+        ns.exec(&["ip", "link", "set", "lo", "up"]);
+        ns
+    }
+
+    pub fn exec(&self, args: &[&str]) {
+        let mut full = vec!["ip", "netns", "exec", &self.0];
+        full.extend_from_slice(args);
+        sh(&full);
+    }
+
+    /// Runs `f` on a thread that has entered this namespace. Sockets made there stay in
+    /// the namespace, whichever thread uses them later.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/var/run/netns/{}", self.0);
+        std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).expect("open netns");
+            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            f()
+        })
+        .join()
+        .expect("netns thread")
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+/// A child process, killed and reaped on drop.
+pub struct Daemon(pub Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn sigterm(daemon: &mut Daemon) -> std::process::ExitStatus {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.0.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    daemon.0.wait().unwrap()
+}
+
+pub fn sh(args: &[&str]) {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect("spawn");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub fn can_run() -> bool {
+    let root = unsafe { libc::geteuid() } == 0;
+    let nft = Command::new("nft")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !root || !nft {
+        eprintln!("skipping: needs root and nft (run .ci/run)");
+    }
+    root && nft
+}
+
+pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    // One write: a request split over segments would let the test pod answer and
+    // close before reading it all, which resets the connection.
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let code = buf.split_whitespace().nth(1)?.parse().ok()?;
+    let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
+    Some((code, body))
+}
+
+/// Polls `f` in the namespace until it returns Some, for up to 20 s.
+pub fn eventually<T: Send + 'static>(
+    ns: &Netns,
+    what: &str,
+    f: impl Fn() -> Option<T> + Send + Clone + 'static,
+) -> T {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(v) = ns.run(f.clone()) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A node namespace (node IP 10.200.0.11, pod CIDR route 10.244.1.0/24, cluster IPs
+/// 10.96.0.0/16 routed) with one pod namespace (10.244.1.5) behind a veth, and the
+/// pod's HTTP server on :8080 (keep-alive aware) answering "pod-1".
+pub struct Fabric {
+    pub node: Netns,
+    pub pod: Netns,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+pub fn fabric(tag: char) -> Fabric {
+    let node = Netns::new(&format!("{tag}node"));
+    let pod = Netns::new(&format!("{tag}pod"));
+    let veth_node = format!("kv{}{tag}", std::process::id() % 100_000);
+    sh(&[
+        "ip", "link", "add", &veth_node, "netns", &node.0, "type", "veth", "peer", "name", "eth0",
+        "netns", &pod.0,
+    ]);
+    node.exec(&["ip", "addr", "add", "10.200.0.11/32", "dev", "lo"]);
+    node.exec(&["ip", "addr", "add", "10.244.1.1/24", "dev", &veth_node]);
+    node.exec(&["ip", "link", "set", &veth_node, "up"]);
+    // Like a real node's default route: the cluster IP must be routable before DNAT.
+    node.exec(&["ip", "route", "add", "10.96.0.0/16", "dev", &veth_node]);
+    pod.exec(&["ip", "addr", "add", "10.244.1.5/24", "dev", "eth0"]);
+    pod.exec(&["ip", "link", "set", "eth0", "up"]);
+    pod.exec(&["ip", "route", "add", "default", "via", "10.244.1.1"]);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let listener = pod.run(|| TcpListener::bind("10.244.1.5:8080").expect("pod listener"));
+    let stop2 = stop.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            if stop2.load(Ordering::SeqCst) {
+                break;
+            }
+            let Ok(c) = conn else { continue };
+            std::thread::spawn(move || serve_http(c));
+        }
+    });
+    Fabric { node, pod, stop }
+}
+
+/// Answers requests on one connection until the client closes it or asks to.
+fn serve_http(mut c: TcpStream) {
+    loop {
+        let mut req = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+            match c.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => req.extend_from_slice(&buf[..n]),
+            }
+        }
+        let close = String::from_utf8_lossy(&req)
+            .to_ascii_lowercase()
+            .contains("connection: close");
+        let header = if close { "close" } else { "keep-alive" };
+        let resp =
+            format!("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: {header}\r\n\r\npod-1");
+        if c.write_all(resp.as_bytes()).is_err() || close {
+            return;
+        }
+    }
+}
