@@ -533,7 +533,7 @@ fn a_node_being_drained_or_deleted_fails_healthz_through_the_api() {
     let mut deleting = node_object("13");
     deleting["metadata"]["deletionTimestamp"] = json!("2026-11-22T23:00:00Z");
     deleting["metadata"]["finalizers"] = json!(["example.com/hold"]);
-    api.nodes.event("MODIFIED", deleting);
+    api.nodes.event("MODIFIED", deleting.clone());
     let healthz = wait_status(
         node,
         "/healthz to fail on deletion",
@@ -543,4 +543,38 @@ fn a_node_being_drained_or_deleted_fails_healthz_through_the_api() {
     );
     assert_eq!(healthz["nodeEligible"], false, "{healthz}");
     wait_status(node, "/livez", HEALTHZ, "/livez", 200);
+
+    // The finalizer is released and the Node deleted; then it registers again, which
+    // makes it eligible (events of one watch are applied in order).
+    deleting["metadata"]["resourceVersion"] = json!("14");
+    api.nodes.event("DELETED", deleting);
+    api.nodes.event("ADDED", node_object("15"));
+    let healthz = wait_status(
+        node,
+        "/healthz after re-registration",
+        HEALTHZ,
+        "/healthz",
+        200,
+    );
+    assert_eq!(healthz["nodeEligible"], true, "{healthz}");
+
+    // Deleted at once (no finalizer: the last version has no deletionTimestamp). The
+    // Node is gone: not eligible, never "unknown, so eligible".
+    api.nodes.event("DELETED", node_object("16"));
+    let healthz = wait_status(
+        node,
+        "/healthz once the Node is deleted",
+        HEALTHZ,
+        "/healthz",
+        503,
+    );
+    assert_eq!(healthz["nodeEligible"], false, "{healthz}");
+    // The node keeps its address: traffic and the health-check node port go on.
+    assert_eq!(
+        get(node, CLUSTER_IP, "/"),
+        pod_answer(),
+        "traffic flows after the Node's deletion"
+    );
+    let hc = wait_status(node, "the health-check node port", HEALTH_CHECK, "/", 200);
+    assert_eq!(hc["localEndpoints"], 1, "{hc}");
 }

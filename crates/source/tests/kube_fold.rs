@@ -167,15 +167,24 @@ fn deletes_and_the_node() {
     assert_eq!(slices(&state), ["b-1"]);
     assert_eq!(services(&state).len(), 2);
     assert!(state.node().is_some(), "another node's delete is ignored");
-    // A Node relist without this node removes it.
+    // A Node relist without this node: the node is gone, so it stays known but being
+    // deleted (not eligible), as upstream never turns a deleted Node eligible again.
     feed(&mut folder, &mut state, listed(Kind::Node, vec![]));
-    assert!(state.node().is_none());
+    assert!(state.node().is_some_and(|n| n.deleting && !n.eligible()));
     feed(
         &mut folder,
         &mut state,
         vec![(Kind::Node, Input::Apply(key("", NODE), ok(node(NODE))))],
     );
-    assert!(state.node().is_some());
+    assert!(state.node().is_some_and(|n| n.eligible()), "a Node that reappears is applied");
+    // A DELETED event: the same; a second one changes nothing.
+    state.take_changes();
+    let deleted = || vec![(Kind::Node, Input::Delete(key("", NODE)))];
+    feed(&mut folder, &mut state, deleted());
+    assert!(state.node().is_some_and(|n| n.deleting && n.name == NODE));
+    assert!(state.take_changes().node, "the deletion is a Node change");
+    feed(&mut folder, &mut state, deleted());
+    assert!(!state.take_changes().node, "deleted twice: nothing changes");
 }
 
 #[test]
