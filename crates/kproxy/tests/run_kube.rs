@@ -9,12 +9,14 @@
 //! Covered:
 //! 1. the first sync waits until Services, EndpointSlices and the Node are listed; then
 //!    the cluster IP reaches the pod and the eTP-Local health-check node port says 200;
+//!    another proxy's Service is not programmed;
 //! 2. watch events (an endpoint turning terminating, its slice deleted) change the
 //!    health-check answer and the dataplane;
 //! 3. an API outage keeps the rules (traffic flows) and the proxy healthy; when the
 //!    server returns, a 410 makes the daemon relist, and it follows later events;
-//! 4. the Node's ToBeDeletedByClusterAutoscaler taint or deletionTimestamp turns
-//!    `/healthz` to 503 (nodeEligible false) while `/livez` stays 200.
+//!    SIGTERM with the API away stops the daemon and leaves the rules;
+//! 4. the Node's ToBeDeletedByClusterAutoscaler taint, deletionTimestamp or deletion
+//!    turns `/healthz` to 503 (nodeEligible false) while `/livez` stays 200.
 
 mod common;
 
@@ -76,6 +78,28 @@ fn node_object(rv: &str) -> Value {
         "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24"]},
         "status": {"addresses": [{"type": "InternalIP", "address": "10.200.0.11"}, {"type": "Hostname", "address": "node-a"}]}
     })
+}
+
+/// A ClusterIP Service (10.96.0.11) with an endpoint, labelled for another proxy: the
+/// fake server ignores selectors, so kproxy must leave it alone by itself.
+fn other_proxys(api: &FakeApi) {
+    let svc = json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "other", "namespace": "shop", "resourceVersion": "8",
+                     "labels": {"service.kubernetes.io/service-proxy-name": "other-proxy"}},
+        "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.11", "clusterIPs": ["10.96.0.11"],
+                 "ipFamilies": ["IPv4"], "ports": [{"name": "http", "protocol": "TCP", "port": 80, "targetPort": 8080}]}
+    });
+    let mut slice = slice("9", true);
+    slice["metadata"]["name"] = json!("other-1");
+    slice["metadata"]["labels"] = json!({"kubernetes.io/service-name": "other",
+                                         "service.kubernetes.io/service-proxy-name": "other-proxy"});
+    let mut services = api.services.list_items();
+    services.push(svc);
+    api.services.set_list("10", services);
+    let mut slices = api.slices.list_items();
+    slices.push(slice);
+    api.slices.set_list("10", slices);
 }
 
 fn cluster(api: &FakeApi) {
@@ -282,6 +306,7 @@ fn first_sync_waits_for_all_three_kinds_then_watch_events_change_rules_and_healt
     // The EndpointSlice list is held back (a slow API server).
     let (fab, server, run) = start('k', "kpk1", "5s", |api| {
         cluster(api);
+        other_proxys(api);
         api.slices.open.send_replace(false);
     });
     let (node, api) = (&fab.node, &server.api);
@@ -353,6 +378,19 @@ fn first_sync_waits_for_all_three_kinds_then_watch_events_change_rules_and_healt
     let first = &synced(&run.events)[0];
     assert_eq!(first["full"], true, "{first}");
     assert_eq!(first["health_checks"][0]["localEndpoints"], 1, "{first}");
+    // Only this proxy's Service is programmed.
+    let table = Command::new("ip")
+        .args([
+            "netns", "exec", &node.0, "nft", "list", "table", "ip", "kpk1",
+        ])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("10.96.0.10"), "{table}");
+    assert!(
+        !table.contains("10.96.0.11"),
+        "another proxy's Service programmed:\n{table}"
+    );
 
     // A watch event: the pod starts terminating. The health check says 503 while the
     // cluster IP still reaches the serving, terminating pod.
@@ -493,6 +531,37 @@ fn an_api_outage_keeps_rules_and_health_and_the_daemon_relists_when_the_api_retu
     );
     assert_eq!(hc["localEndpoints"], 1, "{hc}");
     wait_status(node, "/livez after the outage", HEALTHZ, "/livez", 200);
+
+    // SIGTERM while the API is away again: the daemon stops (watches backing off do
+    // not hold it), says so in the event log, and the rules stay.
+    server.stop();
+    let mut run = run;
+    common::send_sigterm(&run.daemon);
+    let status = wait_exit(&mut run.daemon, 20);
+    assert!(status.success(), "{status:?}");
+    let last = std::fs::read_to_string(&run.events).unwrap();
+    let last: Value = serde_json::from_str(last.lines().last().unwrap()).unwrap();
+    assert_eq!(last["event"], "stopped", "{last}");
+    assert_eq!(
+        get(node, CLUSTER_IP, "/"),
+        pod_answer(),
+        "traffic flows with kproxy stopped"
+    );
+}
+
+/// Waits up to `secs` for the daemon to exit.
+fn wait_exit(daemon: &mut Daemon, secs: u64) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(status) = daemon.0.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kproxy run did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

@@ -63,12 +63,18 @@ impl Drop for Daemon {
     }
 }
 
-pub fn sigterm(daemon: &mut Daemon) -> std::process::ExitStatus {
+/// Sends SIGTERM without waiting.
+pub fn send_sigterm(daemon: &Daemon) {
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(daemon.0.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
+}
+
+/// Sends SIGTERM and waits for the exit.
+pub fn sigterm(daemon: &mut Daemon) -> std::process::ExitStatus {
+    send_sigterm(daemon);
     daemon.0.wait().unwrap()
 }
 
