@@ -29,7 +29,7 @@ enum Command {
     /// Explain, for one Service, which endpoints each kind of traffic uses and why.
     Explain(cmd_explain::Args),
     /// The node agent: watch the cluster (API or manifests), program nftables, serve health checks and metrics.
-    Run(cmd_run::Args),
+    Run(Box<cmd_run::Args>),
     /// Plan from manifests and program nftables once (`--once`), for scripts.
     Sync(cmd_sync::Args),
     /// Remove everything kproxy made in nftables (its own tables only).
@@ -49,7 +49,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => cmd_plan::run(a),
         Command::Explain(a) => cmd_explain::run(a),
         Command::Trace(a) => cmd_trace::run(a),
-        Command::Run(a) => cmd_run::run(a),
+        Command::Run(a) => cmd_run::run(*a),
         Command::Sync(a) => cmd_sync::run(a),
         Command::Cleanup(a) => cmd_cleanup::run(a),
         Command::Lint(a) => kproxy_lint::cli::run(a),
