@@ -16,7 +16,9 @@
 //!    server returns, a 410 makes the daemon relist, and it follows later events;
 //!    SIGTERM with the API away stops the daemon and leaves the rules;
 //! 4. the Node's ToBeDeletedByClusterAutoscaler taint, deletionTimestamp or deletion
-//!    turns `/healthz` to 503 (nodeEligible false) while `/livez` stays 200.
+//!    turns `/healthz` to 503 (nodeEligible false) while `/livez` stays 200;
+//! 5. `--service-proxy-name` reaches the selectors and only that proxy's Services are
+//!    programmed.
 
 mod common;
 
@@ -193,7 +195,13 @@ impl Drop for Run {
     }
 }
 
-fn start_daemon(node: &Netns, api: &ApiServer, table: &str, sync_period: &str) -> Run {
+fn start_daemon(
+    node: &Netns,
+    api: &ApiServer,
+    table: &str,
+    sync_period: &str,
+    extra: &[&str],
+) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::write(&kubeconfig, fake_api::kubeconfig(api.addr)).unwrap();
@@ -228,6 +236,7 @@ fn start_daemon(node: &Netns, api: &ApiServer, table: &str, sync_period: &str) -
             table,
         ])
         .args(["--event-log", events.to_str().unwrap()])
+        .args(extra)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -286,13 +295,14 @@ fn start(
     tag: char,
     table: &str,
     sync_period: &str,
+    extra: &[&str],
     setup: impl FnOnce(&FakeApi),
 ) -> (Fabric, ApiServer, Run) {
     let fab = fabric(tag);
     let api = Arc::new(FakeApi::new());
     setup(&api);
     let server = ApiServer::start(&fab.node, api);
-    let run = start_daemon(&fab.node, &server, table, sync_period);
+    let run = start_daemon(&fab.node, &server, table, sync_period, extra);
     (fab, server, run)
 }
 
@@ -304,7 +314,7 @@ fn first_sync_waits_for_all_three_kinds_then_watch_events_change_rules_and_healt
         return;
     }
     // The EndpointSlice list is held back (a slow API server).
-    let (fab, server, run) = start('k', "kpk1", "5s", |api| {
+    let (fab, server, run) = start('k', "kpk1", "5s", &[], |api| {
         cluster(api);
         other_proxys(api);
         api.slices.open.send_replace(false);
@@ -440,7 +450,7 @@ fn an_api_outage_keeps_rules_and_health_and_the_daemon_relists_when_the_api_retu
     }
     // A short syncPeriod: periodic syncs show time passing, and the health timeout
     // (2 × syncPeriod) is short.
-    let (fab, mut server, run) = start('o', "kpk2", "500ms", cluster);
+    let (fab, mut server, run) = start('o', "kpk2", "500ms", &[], cluster);
     let node = &fab.node;
     let body = eventually(node, "the cluster IP to answer", || {
         http_get(addr(CLUSTER_IP), "/")
@@ -569,7 +579,7 @@ fn a_node_being_drained_or_deleted_fails_healthz_through_the_api() {
     if !can_run() {
         return;
     }
-    let (fab, server, _run) = start('n', "kpk3", "5s", cluster);
+    let (fab, server, _run) = start('n', "kpk3", "5s", &[], cluster);
     let (node, api) = (&fab.node, &server.api);
     let healthz = wait_status(node, "/healthz", HEALTHZ, "/healthz", 200);
     assert_eq!(healthz["nodeEligible"], true, "{healthz}");
@@ -646,4 +656,47 @@ fn a_node_being_drained_or_deleted_fails_healthz_through_the_api() {
     );
     let hc = wait_status(node, "the health-check node port", HEALTH_CHECK, "/", 200);
     assert_eq!(hc["localEndpoints"], 1, "{hc}");
+}
+
+#[test]
+fn a_service_proxy_name_makes_the_daemon_proxy_that_proxys_services_only() {
+    if !can_run() {
+        return;
+    }
+    let (fab, server, _run) = start(
+        'p',
+        "kpk4",
+        "5s",
+        &["--service-proxy-name", "other-proxy"],
+        |api| {
+            cluster(api);
+            other_proxys(api);
+        },
+    );
+    let (node, api) = (&fab.node, &server.api);
+    let body = eventually(node, "the other proxy's cluster IP", || {
+        http_get(addr("10.96.0.11:80"), "/")
+    });
+    assert_eq!(Some(body), pod_answer());
+    let selector =
+        "!service.kubernetes.io/headless,service.kubernetes.io/service-proxy-name=other-proxy";
+    for res in [&api.services, &api.slices] {
+        assert_eq!(
+            res.requests()[0].get("labelSelector").map(String::as_str),
+            Some(selector)
+        );
+    }
+    // The fake server ignores selectors: web (no label) reached kproxy and was skipped.
+    let table = Command::new("ip")
+        .args([
+            "netns", "exec", &node.0, "nft", "list", "table", "ip", "kpk4",
+        ])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("10.96.0.11"), "{table}");
+    assert!(
+        !table.contains("10.96.0.10"),
+        "a Service without the label programmed:\n{table}"
+    );
 }
