@@ -1,11 +1,14 @@
 //! The in-memory record of what is programmed, per family, kept so that a sync costs
 //! work proportional to what changed: the base objects (rebuilt every sync; cheap), one
 //! fragment per Service (rebuilt only when the planner handed a different
-//! `Arc<ServicePlan>`), and the owners of every shared set/map element (a key such as a
-//! hairpin pair or a colliding frontend may come from several Services; the first in
-//! plan order gives the value, as in a full render).
+//! `Arc<ServicePlan>`), the owners of every shared set element (a hairpin pair or a
+//! cluster IP may come from several Services), the owners of every frontend (a
+//! colliding frontend takes all its elements from the first Service in plan order, as
+//! in a full render), and how many Services use each dispatch group (its map and chain
+//! exist while one does).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 use std::sync::Arc;
 
 use kproxy_core::NodePlan;
@@ -13,7 +16,7 @@ use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::ServicePlan;
 
 use crate::DataplaneConfig;
-use crate::ruleset::{self, DeltaCounts, Fragment, Ruleset};
+use crate::ruleset::{self, DeltaCounts, Dispatch, Element, Fragment, Ruleset};
 
 type SharedKey = (&'static str, String);
 type Owner = (ServiceName, u32);
@@ -24,6 +27,10 @@ pub struct FamilyRecord {
     base: Ruleset,
     services: BTreeMap<ServiceName, (Arc<ServicePlan>, Fragment)>,
     shared: BTreeMap<SharedKey, BTreeMap<Owner, String>>,
+    /// Frontend → the Services claiming it → its elements from each.
+    frontends: BTreeMap<String, BTreeMap<ServiceName, Vec<Element>>>,
+    /// Dispatch group → number of Services using it.
+    dispatch: BTreeMap<Dispatch, usize>,
 }
 
 impl FamilyRecord {
@@ -34,6 +41,8 @@ impl FamilyRecord {
             base: ruleset::build_base(plan, cfg, family),
             services: BTreeMap::new(),
             shared: BTreeMap::new(),
+            frontends: BTreeMap::new(),
+            dispatch: BTreeMap::new(),
         };
         for (name, svc) in &plan.services {
             let frag = ruleset::build_service(svc, plan, cfg, family);
@@ -52,15 +61,46 @@ impl FamilyRecord {
             rs.sets
                 .extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
+        for d in self.dispatch.keys() {
+            rs.add_dispatch(d);
+        }
         for ((set, key), owners) in &self.shared {
             if let (Some(s), Some(v)) = (rs.sets.get_mut(*set), owners.values().next()) {
                 s.elements.insert(key.clone(), v.clone());
             }
         }
+        for owners in self.frontends.values() {
+            if let Some(elems) = owners.values().next() {
+                rs.add_elements(elems);
+            }
+        }
         rs
     }
 
+    /// The elements of a frontend now: those of its first claimant.
+    fn frontend_elements(&self, fe: &str) -> BTreeMap<(String, String), String> {
+        self.frontends
+            .get(fe)
+            .and_then(|o| o.values().next())
+            .map(|elems| {
+                elems
+                    .iter()
+                    .map(|(s, k, v)| ((s.clone(), k.clone()), v.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     fn add_shared(&mut self, name: &ServiceName, frag: &Fragment) {
+        for (fe, elems) in &frag.frontends {
+            self.frontends
+                .entry(fe.clone())
+                .or_default()
+                .insert(name.clone(), elems.clone());
+        }
+        for d in &frag.dispatch {
+            *self.dispatch.entry(*d).or_default() += 1;
+        }
         for (seq, (set, key, value)) in frag.shared.iter().enumerate() {
             self.shared
                 .entry((*set, key.clone()))
@@ -71,6 +111,22 @@ impl FamilyRecord {
     }
 
     fn remove_shared(&mut self, name: &ServiceName, frag: &Fragment) {
+        for (fe, _) in &frag.frontends {
+            if let Some(owners) = self.frontends.get_mut(fe) {
+                owners.remove(name);
+                if owners.is_empty() {
+                    self.frontends.remove(fe);
+                }
+            }
+        }
+        for d in &frag.dispatch {
+            if let Some(c) = self.dispatch.get_mut(d) {
+                *c -= 1;
+                if *c == 0 {
+                    self.dispatch.remove(d);
+                }
+            }
+        }
         for (seq, (set, key, _)) in frag.shared.iter().enumerate() {
             let k = (*set, key.clone());
             if let Some(owners) = self.shared.get_mut(&k) {
@@ -110,8 +166,11 @@ impl FamilyRecord {
                 ..new_base.clone()
             },
             shared: Vec::new(),
+            frontends: Vec::new(),
+            dispatch: Default::default(),
         };
         self.base = new_base;
+        let (fam, t) = (self.base.family, self.base.table.clone());
 
         // Which Services changed: a different Arc that is also different by value. Both
         // maps are sorted by name, so one lock-step walk finds additions, removals and
@@ -142,6 +201,10 @@ impl FamilyRecord {
         }
 
         let mut touched: BTreeMap<SharedKey, Option<String>> = BTreeMap::new();
+        let mut touched_fe: BTreeMap<String, BTreeMap<(String, String), String>> = BTreeMap::new();
+        let mut touched_disp: BTreeMap<Dispatch, bool> = BTreeMap::new();
+        // Per-Service chain changes go after new dispatch groups (their rules jump there).
+        let mut own_pre = String::new();
         for name in changed {
             let old = self.services.remove(&name);
             let new = plan.services.get(&name).map(|svc| {
@@ -152,7 +215,7 @@ impl FamilyRecord {
             });
             let old_frag = old.as_ref().map(|(_, f)| f).unwrap_or(&empty);
             let new_frag = new.as_ref().map(|(_, f)| f).unwrap_or(&empty);
-            if !new_frag.own.delta_pre(&old_frag.own, pre, &mut n) {
+            if !new_frag.own.delta_pre(&old_frag.own, &mut own_pre, &mut n) {
                 return None;
             }
             new_frag.own.delta_post(&old_frag.own, post, &mut n);
@@ -161,6 +224,17 @@ impl FamilyRecord {
                 if let std::collections::btree_map::Entry::Vacant(e) = touched.entry(k) {
                     let before = self.effective(e.key());
                     e.insert(before);
+                }
+            }
+            for (fe, _) in old_frag.frontends.iter().chain(&new_frag.frontends) {
+                if !touched_fe.contains_key(fe) {
+                    let before = self.frontend_elements(fe);
+                    touched_fe.insert(fe.clone(), before);
+                }
+            }
+            for d in old_frag.dispatch.iter().chain(&new_frag.dispatch) {
+                if !touched_disp.contains_key(d) {
+                    touched_disp.insert(*d, self.dispatch.contains_key(d));
                 }
             }
             if let Some((_, f)) = &old {
@@ -172,20 +246,57 @@ impl FamilyRecord {
             }
         }
 
+        // Dispatch groups that appear or disappear with these Services.
+        for (d, before) in touched_disp {
+            let after = self.dispatch.contains_key(&d);
+            if before == after {
+                continue;
+            }
+            if after {
+                let (set, chain) = d.objects(self.family);
+                n.sets_added += 1;
+                n.chains_added += 1;
+                let _ = writeln!(pre, "add map {fam} {t} {} {{ {} }}", d.map(), set.decl);
+                let _ = writeln!(pre, "add chain {fam} {t} {}", d.chain());
+                for r in &chain.rules {
+                    let _ = writeln!(pre, "add rule {fam} {t} {} {r}", d.chain());
+                }
+            } else {
+                n.sets_deleted += 1;
+                n.chains_deleted += 1;
+                let _ = writeln!(pre, "flush chain {fam} {t} {}", d.chain());
+                let _ = writeln!(post, "delete chain {fam} {t} {}", d.chain());
+                let _ = writeln!(post, "delete map {fam} {t} {}", d.map());
+            }
+        }
+        pre.push_str(&own_pre);
+
         // Shared elements whose effective value changed: deletes first, then adds.
-        let (fam, t) = (self.base.family, self.base.table.clone());
-        let mut dels: BTreeMap<&'static str, BTreeSet<String>> = BTreeMap::new();
-        let mut adds: BTreeMap<&'static str, BTreeMap<String, String>> = BTreeMap::new();
+        let mut dels: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut adds: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
         for (k, before) in touched {
             let after = self.effective(&k);
             if before == after {
                 continue;
             }
             if before.is_some() {
-                dels.entry(k.0).or_default().insert(k.1.clone());
+                dels.entry(k.0.to_string()).or_default().insert(k.1.clone());
             }
             if let Some(v) = after {
-                adds.entry(k.0).or_default().insert(k.1, v);
+                adds.entry(k.0.to_string()).or_default().insert(k.1, v);
+            }
+        }
+        for (fe, before) in touched_fe {
+            let after = self.frontend_elements(&fe);
+            for (k, v) in &before {
+                if after.get(k) != Some(v) {
+                    dels.entry(k.0.clone()).or_default().insert(k.1.clone());
+                }
+            }
+            for (k, v) in after {
+                if before.get(&k) != Some(&v) {
+                    adds.entry(k.0).or_default().insert(k.1, v);
+                }
             }
         }
         let blank = String::new();

@@ -28,7 +28,7 @@ use std::net::IpAddr;
 use kproxy_core::NodePlan;
 use kproxy_core::model::{EndpointAddr, IpFamily};
 use kproxy_core::plan::{
-    LocalPods, NodePortAddresses, ServicePortPlan, SourceClass, TrafficRule, Verdict,
+    EndpointSet, LocalPods, NodePortAddresses, ServicePortPlan, SourceClass, TrafficRule, Verdict,
 };
 use sha2::{Digest, Sha256};
 
@@ -125,31 +125,127 @@ impl Fam {
 /// Builds the ruleset of one family. Pure.
 pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Ruleset {
     let mut rs = build_base(plan, cfg, family);
+    let mut claimed = BTreeSet::new();
     for svc in plan.services.values() {
-        rs.merge(&build_service(svc, plan, cfg, family));
+        rs.merge(&build_service(svc, plan, cfg, family), &mut claimed);
     }
     rs
 }
 
+/// One element of a named set or map: (set, key, value; value empty for sets).
+pub type Element = (String, String, String);
+
 /// What one Service contributes to one family's table: its own chains and sets (a
-/// `Ruleset` holding only those), and its elements of the shared sets and maps
-/// (`service-ips`, `service-nodeports`, `cluster-ips`, `hairpin`), in plan order.
+/// `Ruleset` holding only those), its elements of the shared sets (`cluster-ips`,
+/// `hairpin`: present while any Service has them), its frontends (every element a
+/// frontend key brings: the `service-ips`/`service-nodeports` verdict, the masquerade
+/// set entry and the dispatch-map rows; a frontend claimed by several Services takes
+/// all of them from the first in plan order, which is what `trace` predicts), and the
+/// dispatch groups it uses (created while any Service uses them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fragment {
     pub own: Ruleset,
     pub shared: Vec<(&'static str, String, String)>,
+    pub frontends: Vec<(String, Vec<Element>)>,
+    pub dispatch: BTreeSet<Dispatch>,
+}
+
+/// A dispatch group: the map `dnat-{c,l}-N` (address frontends) or `npdnat-{c,l}-N`
+/// (NodePorts) holding, for every frontend whose endpoint set (Cluster or Local) has N
+/// endpoints, the rows `frontend . i : endpoint` (i in 0..N), and the chain
+/// `disp-…`/`npdisp-…` whose one rule DNATs through it with `numgen random mod N`.
+/// Each map is referenced by exactly one rule (every binding of a map is walked on
+/// every element insert), and no anonymous sets are involved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Dispatch {
+    pub nodeport: bool,
+    pub local: bool,
+    pub n: usize,
+}
+
+impl Dispatch {
+    fn prefix(&self) -> &'static str {
+        if self.nodeport { "np" } else { "" }
+    }
+    fn tag(&self) -> String {
+        format!("{}-{}", if self.local { "l" } else { "c" }, self.n)
+    }
+    pub fn chain(&self) -> String {
+        format!("{}disp-{}", self.prefix(), self.tag())
+    }
+    pub fn map(&self) -> String {
+        format!("{}dnat-{}", self.prefix(), self.tag())
+    }
+    /// The map and the chain of this group.
+    pub fn objects(&self, family: IpFamily) -> (Set, Chain) {
+        let f = Fam::of(family);
+        let key = if self.nodeport {
+            "meta l4proto . th dport".to_string()
+        } else {
+            format!("{} daddr . meta l4proto . th dport", f.p)
+        };
+        let pick = format!("numgen random mod {}", self.n);
+        (
+            Set {
+                decl: format!("typeof {key} . {pick} : {} daddr . th dport;", f.p),
+                elements: BTreeMap::new(),
+            },
+            Chain {
+                decl: String::new(),
+                rules: vec![format!(
+                    "dnat {} to {key} . {pick} map @{}",
+                    f.p,
+                    self.map()
+                )],
+            },
+        )
+    }
 }
 
 impl Ruleset {
-    /// Adds a Service's fragment; a shared key already present keeps its first value
-    /// (plan order), which is what `trace` predicts for colliding frontends.
-    pub fn merge(&mut self, frag: &Fragment) {
+    /// Adds a Service's fragment. A shared key already present keeps its first value; a
+    /// frontend already in `claimed` keeps the elements of its first Service (plan
+    /// order), which is what `trace` predicts for colliding frontends.
+    pub fn merge(&mut self, frag: &Fragment, claimed: &mut BTreeSet<String>) {
         self.chains
             .extend(frag.own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
         self.sets
             .extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
+        for d in &frag.dispatch {
+            self.add_dispatch(d);
+        }
         for (set, key, value) in &frag.shared {
             if let Some(s) = self.sets.get_mut(*set) {
+                s.elements
+                    .entry(key.clone())
+                    .or_insert_with(|| value.clone());
+            }
+        }
+        for (fe, elems) in &frag.frontends {
+            if claimed.insert(fe.clone()) {
+                self.add_elements(elems);
+            }
+        }
+    }
+
+    /// Declares a dispatch group's map and chain (no-op when present).
+    pub fn add_dispatch(&mut self, d: &Dispatch) {
+        let family = if self.family == "ip6" {
+            IpFamily::IPv6
+        } else {
+            IpFamily::IPv4
+        };
+        if !self.sets.contains_key(&d.map()) {
+            let (set, chain) = d.objects(family);
+            self.sets.insert(d.map(), set);
+            self.chains.insert(d.chain(), chain);
+        }
+    }
+
+    /// Inserts elements into sets that exist (first value of a key wins).
+    pub fn add_elements(&mut self, elems: &[Element]) {
+        for (set, key, value) in elems {
+            if let Some(s) = self.sets.get_mut(set) {
                 s.elements
                     .entry(key.clone())
                     .or_insert_with(|| value.clone());
@@ -174,6 +270,8 @@ pub fn build_service(
             chains: BTreeMap::new(),
         },
         shared: Vec::new(),
+        frontends: Vec::new(),
+        dispatch: BTreeSet::new(),
     };
     let local_pods = &plan.family(family).local_pods;
     for sp in svc.ports.iter().filter(|sp| sp.family == family) {
@@ -219,6 +317,27 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
             f.addr
         )),
     );
+    rs.sets.insert(
+        "masq-ips".into(),
+        set(format!(
+            "type {} . inet_proto . inet_service; comment \"frontends that masquerade\";",
+            f.addr
+        )),
+    );
+    rs.sets.insert(
+        "masq-nodeports".into(),
+        set("type inet_proto . inet_service; comment \"NodePorts that masquerade\";".into()),
+    );
+    let nonlocal = nonlocal_match(&f, &fp.local_pods);
+    if nonlocal.is_some() {
+        rs.sets.insert(
+            "masq-ips-nonlocal".into(),
+            set(format!(
+                "type {} . inet_proto . inet_service; comment \"frontends that masquerade unless from a local pod\";",
+                f.addr
+            )),
+        );
+    }
     rs.sets.insert(
         "hairpin".into(),
         set(format!(
@@ -269,32 +388,51 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
             ],
         ),
     );
-    let mut services = vec![format!(
-        "{} daddr . meta l4proto . th dport vmap @service-ips",
-        f.p
-    )];
-    match &fp.node_port_addresses {
-        NodePortAddresses::AllLocal => services.push(format!(
-            "fib daddr type local {} daddr != {} meta l4proto . th dport vmap @service-nodeports",
+    // Masquerade marks of the frontends whose plan is regular (see `classify`), then
+    // the dispatch; irregular frontends set the mark in their own chain.
+    let masq = format!("meta mark set meta mark | {mark:#x}");
+    let key = format!("{} daddr . meta l4proto . th dport", f.p);
+    let mut services = vec![format!("{key} @masq-ips {masq}")];
+    if let Some(m) = &nonlocal {
+        services.push(format!("{m}{key} @masq-ips-nonlocal {masq}"));
+    }
+    services.push(format!("{key} vmap @service-ips"));
+    let np_match = match &fp.node_port_addresses {
+        NodePortAddresses::AllLocal => Some(format!(
+            "fib daddr type local {} daddr != {} ",
             f.p, f.loopback
         )),
         NodePortAddresses::Only(list) => {
             let ips: Vec<&IpAddr> = list.iter().filter(|ip| family.contains(ip)).collect();
-            if !ips.is_empty() {
+            if ips.is_empty() {
+                None
+            } else {
                 let s = rs.sets.get_mut("nodeport-ips").expect("declared above");
                 for ip in ips {
                     s.elements.insert(ip.to_string(), String::new());
                 }
-                services.push(format!(
-                    "{} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
-                    f.p
-                ));
+                Some(format!("{} daddr @nodeport-ips ", f.p))
             }
         }
+    };
+    if let Some(m) = np_match {
+        services.push(format!("{m}meta l4proto . th dport @masq-nodeports {masq}"));
+        services.push(format!(
+            "{m}meta l4proto . th dport vmap @service-nodeports"
+        ));
     }
     // A live cluster IP on a port/protocol no Service defines is rejected (v1.30+).
     services.push(format!("{} daddr @cluster-ips reject", f.p));
     rs.chains.insert("services".into(), base("", services));
+    // REJECT targets of frontends without endpoints (verdict maps cannot reject).
+    rs.chains
+        .insert("no-endpoints".into(), base("", vec!["reject".into()]));
+    if family == IpFamily::IPv6 {
+        rs.chains.insert(
+            "no-endpoints-tcp".into(),
+            base("", vec!["reject with tcp reset".into()]),
+        );
+    }
 
     if let LocalPods::Cidrs(cidrs) = &fp.local_pods {
         let c: Vec<String> = cidrs
@@ -321,74 +459,371 @@ fn add_service_port(
     local_pods: &LocalPods,
     mark: u32,
 ) {
-    let Fragment { own: rs, shared } = frag;
     let id = port_id(sp);
+    let proto = sp.protocol.nft_name();
+    for ep in &sp.all_reachable_endpoints {
+        frag.shared
+            .push(("hairpin", format!("{ip} . {ip}", ip = ep.ip), String::new()));
+    }
+    frag.shared
+        .push(("cluster-ips", sp.cluster_ip.to_string(), String::new()));
+    if sp.session_affinity_timeout.is_some() {
+        add_affinity_port(frag, f, sp, &id, local_pods, mark);
+        return;
+    }
+    let addr_key = |ip: &IpAddr| format!("{ip} . {proto} . {}", sp.port);
+
+    // Internal traffic: the cluster IP.
+    let ctx = PortCtx {
+        f,
+        sp,
+        local_pods,
+        mark,
+    };
+    ctx.frontends(
+        frag,
+        &sp.internal,
+        vec![addr_key(&sp.cluster_ip)],
+        false,
+        format!("svc-{id}"),
+        None,
+    );
+    if sp.external.is_empty() {
+        return;
+    }
+    // External traffic: external IPs and LB IPs (LB source ranges first), NodePort.
+    let firewall = firewall_rule(f, sp);
+    let addrs: Vec<String> = sp
+        .external_ips
+        .iter()
+        .chain(&sp.load_balancer_ips)
+        .map(addr_key)
+        .collect();
+    if !addrs.is_empty() {
+        ctx.frontends(
+            frag,
+            &sp.external,
+            addrs,
+            false,
+            format!("ext-{id}"),
+            firewall,
+        );
+    }
+    if let Some(np) = sp.node_port {
+        ctx.frontends(
+            frag,
+            &sp.external,
+            vec![format!("{proto} . {np}")],
+            true,
+            format!("np-{id}"),
+            None,
+        );
+    }
+}
+
+/// The LB source-range rule of a port's external chain, if it has one.
+fn firewall_rule(f: &Fam, sp: &ServicePortPlan) -> Option<String> {
+    let fw = sp.firewall.as_ref()?;
+    let lbs: Vec<String> = sp
+        .load_balancer_ips
+        .iter()
+        .map(|ip| ip.to_string())
+        .collect();
+    if lbs.is_empty() {
+        return None;
+    }
+    let allowed: Vec<String> = fw
+        .allowed_sources
+        .iter()
+        .filter(|n| f.family.contains(&n.addr()))
+        .map(|n| n.trunc().to_string())
+        .collect();
+    let lb = format!(
+        "{} daddr {{ {} }} th dport {}",
+        f.p,
+        lbs.join(", "),
+        sp.port
+    );
+    Some(if allowed.is_empty() {
+        format!("{lb} drop")
+    } else {
+        format!("{lb} {} saddr != {{ {} }} drop", f.p, allowed.join(", "))
+    })
+}
+
+/// How a frontend whose rules need no chain of its own is dispatched.
+enum Direct {
+    Drop,
+    Reject,
+    Forward(EndpointSet, Masq),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Masq {
+    Never,
+    Always,
+    /// Unless the source is a local pod (the `masq-ips-nonlocal` set).
+    NonLocal,
+}
+
+struct PortCtx<'a> {
+    f: &'a Fam,
+    sp: &'a ServicePortPlan,
+    local_pods: &'a LocalPods,
+    mark: u32,
+}
+
+impl PortCtx<'_> {
+    /// The rules that can match (a `LocalPod` rule without a detector never does).
+    fn live<'r>(&self, rules: &'r [TrafficRule]) -> Vec<(String, &'r TrafficRule)> {
+        rules
+            .iter()
+            .filter_map(|r| source_match(r.from, self.f, self.local_pods).map(|m| (m, r)))
+            .collect()
+    }
+
+    /// The regular shapes the planner produces for most frontends, which need no
+    /// per-Service chain: one rule for every source, or "local pods as they are,
+    /// everyone else masqueraded" to one endpoint set. `None`: a chain of its own.
+    fn classify(&self, rules: &[TrafficRule], nodeport: bool) -> Option<Direct> {
+        let live = self.live(rules);
+        let nonempty = |s: EndpointSet| !self.sp.endpoints_for(s).is_empty();
+        match live.as_slice() {
+            [(_, r)] if r.from == SourceClass::Any => match r.verdict {
+                Verdict::Drop => Some(Direct::Drop),
+                Verdict::Reject => Some(Direct::Reject),
+                Verdict::Forward {
+                    endpoints,
+                    masquerade,
+                } if nonempty(endpoints) => Some(Direct::Forward(
+                    endpoints,
+                    if masquerade {
+                        Masq::Always
+                    } else {
+                        Masq::Never
+                    },
+                )),
+                Verdict::Forward { .. } => None,
+            },
+            [(_, a), (_, b)]
+                if !nodeport && a.from == SourceClass::LocalPod && b.from == SourceClass::Any =>
+            {
+                match (a.verdict, b.verdict) {
+                    (
+                        Verdict::Forward {
+                            endpoints: x,
+                            masquerade: false,
+                        },
+                        Verdict::Forward {
+                            endpoints: y,
+                            masquerade: true,
+                        },
+                    ) if x == y && nonempty(x) => Some(Direct::Forward(x, Masq::NonLocal)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        }
+    }
+
+    fn dispatch(&self, set: EndpointSet, nodeport: bool) -> Dispatch {
+        Dispatch {
+            nodeport,
+            local: set == EndpointSet::Local,
+            n: self.sp.endpoints_for(set).len(),
+        }
+    }
+
+    fn reject_target(&self) -> &'static str {
+        // IPv6: a TCP connect() ignored the ICMPv6 port-unreachable that plain `reject`
+        // sends from the nat hooks (measured: it timed out), so TCP gets a reset, which
+        // refuses at once as REJECT must.
+        if self.f.family == IpFamily::IPv6 && self.sp.protocol == kproxy_core::model::Protocol::TCP
+        {
+            "no-endpoints-tcp"
+        } else {
+            "no-endpoints"
+        }
+    }
+
+    /// Renders the frontends `keys` (address keys `ip . proto . port`, or NodePort keys
+    /// `proto . port`) that share the rule list `rules`: straight from the verdict map
+    /// to a dispatch chain when the rules are regular, else through the chain `chain`.
+    fn frontends(
+        &self,
+        frag: &mut Fragment,
+        rules: &[TrafficRule],
+        keys: Vec<String>,
+        nodeport: bool,
+        chain: String,
+        firewall: Option<String>,
+    ) {
+        let direct = if firewall.is_none() {
+            self.classify(rules, nodeport)
+        } else {
+            None
+        };
+        let mut sets: Vec<EndpointSet> = Vec::new();
+        let mut masq = Masq::Never;
+        let value = match direct {
+            Some(Direct::Drop) => "drop".to_string(),
+            Some(Direct::Reject) => format!("goto {}", self.reject_target()),
+            Some(Direct::Forward(set, m)) => {
+                sets.push(set);
+                masq = m;
+                format!("goto {}", self.dispatch(set, nodeport).chain())
+            }
+            None => {
+                let mut out: Vec<String> = firewall.into_iter().collect();
+                for (m, r) in self.live(rules) {
+                    match r.verdict {
+                        Verdict::Drop => out.push(format!("{m}drop")),
+                        Verdict::Reject => out.push(format!("{m}goto {}", self.reject_target())),
+                        Verdict::Forward {
+                            endpoints,
+                            masquerade,
+                        } => {
+                            if self.sp.endpoints_for(endpoints).is_empty() {
+                                // Invariant of the planner (a Forward set is never
+                                // empty); be safe anyway.
+                                out.push(format!("{m}drop"));
+                                continue;
+                            }
+                            let mk = if masquerade {
+                                format!("meta mark set meta mark | {:#x} ", self.mark)
+                            } else {
+                                String::new()
+                            };
+                            out.push(format!(
+                                "{m}{mk}goto {}",
+                                self.dispatch(endpoints, nodeport).chain()
+                            ));
+                            if !sets.contains(&endpoints) {
+                                sets.push(endpoints);
+                            }
+                        }
+                    }
+                }
+                frag.own.chains.insert(
+                    chain.clone(),
+                    Chain {
+                        decl: String::new(),
+                        rules: out,
+                    },
+                );
+                format!("goto {chain}")
+            }
+        };
+        for d in sets.iter().map(|s| self.dispatch(*s, nodeport)) {
+            frag.dispatch.insert(d);
+        }
+        let (vmap, masq_set) = match (nodeport, masq) {
+            (_, Masq::Never) => (
+                if nodeport {
+                    "service-nodeports"
+                } else {
+                    "service-ips"
+                },
+                None,
+            ),
+            (true, _) => ("service-nodeports", Some("masq-nodeports")),
+            (false, Masq::Always) => ("service-ips", Some("masq-ips")),
+            (false, Masq::NonLocal) => ("service-ips", Some("masq-ips-nonlocal")),
+        };
+        for key in keys {
+            let fe = format!("{}{key}", if nodeport { "np " } else { "ip " });
+            if frag.frontends.iter().any(|(k, _)| *k == fe) {
+                continue; // the same frontend twice in one Service: the first counts
+            }
+            let mut elems = vec![(vmap.to_string(), key.clone(), value.clone())];
+            if let Some(ms) = masq_set {
+                elems.push((ms.to_string(), key.clone(), String::new()));
+            }
+            for set in &sets {
+                let d = self.dispatch(*set, nodeport);
+                let map = d.map();
+                for (i, ep) in self.sp.endpoints_for(*set).iter().enumerate() {
+                    elems.push((
+                        map.clone(),
+                        format!("{key} . {i}"),
+                        format!("{} . {}", ep.ip, ep.port),
+                    ));
+                }
+            }
+            frag.frontends.push((fe, elems));
+        }
+    }
+}
+
+/// A ClientIP-affinity port: per-endpoint chains and dynamic sets as before the
+/// dispatch maps (rare; the per-endpoint rules are what remembers the client).
+fn add_affinity_port(
+    frag: &mut Fragment,
+    f: &Fam,
+    sp: &ServicePortPlan,
+    id: &str,
+    local_pods: &LocalPods,
+    mark: u32,
+) {
+    let Fragment {
+        own: rs, frontends, ..
+    } = frag;
     let proto = sp.protocol.nft_name();
     let svc_chain = format!("svc-{id}");
     let ext_chain = format!("ext-{id}");
-    let affinity = sp.session_affinity_timeout;
-
-    // Per-endpoint affinity sets and chains (only for ClientIP affinity).
-    if let Some(timeout) = affinity {
-        for ep in &sp.all_reachable_endpoints {
-            let (set, chain) = affinity_names(&id, ep);
-            rs.sets.insert(
-                set.clone(),
-                Set {
-                    decl: format!(
-                        "type {}; flags dynamic,timeout; timeout {timeout}s;",
-                        f.addr
-                    ),
-                    elements: BTreeMap::new(),
-                },
-            );
-            rs.chains.insert(
-                chain,
-                Chain {
-                    decl: String::new(),
-                    rules: vec![format!(
-                        "update @{set} {{ {} saddr }} meta l4proto {proto} dnat to {}",
-                        f.p,
-                        dnat_target(ep)
-                    )],
-                },
-            );
-        }
-    }
+    let timeout = sp.session_affinity_timeout.unwrap_or_default();
     for ep in &sp.all_reachable_endpoints {
-        shared.push(("hairpin", format!("{ip} . {ip}", ip = ep.ip), String::new()));
+        let (set, chain) = affinity_names(id, ep);
+        rs.sets.insert(
+            set.clone(),
+            Set {
+                decl: format!(
+                    "type {}; flags dynamic,timeout; timeout {timeout}s;",
+                    f.addr
+                ),
+                elements: BTreeMap::new(),
+            },
+        );
+        rs.chains.insert(
+            chain,
+            Chain {
+                decl: String::new(),
+                rules: vec![format!(
+                    "update @{set} {{ {} saddr }} meta l4proto {proto} dnat to {}",
+                    f.p,
+                    dnat_target(ep)
+                )],
+            },
+        );
     }
 
+    let ctx = PortCtx {
+        f,
+        sp,
+        local_pods,
+        mark,
+    };
     let rules = |list: &[TrafficRule]| -> Vec<String> {
         let mut out = Vec::new();
-        for r in list {
-            let Some(m) = source_match(r.from, f, local_pods) else {
-                continue;
-            };
+        for (m, r) in ctx.live(list) {
             match r.verdict {
                 Verdict::Drop => out.push(format!("{m}drop")),
-                Verdict::Reject => {
-                    // IPv6: a TCP connect() ignored the ICMPv6 port-unreachable that
-                    // plain `reject` sends from the nat hooks (measured: it timed out),
-                    // so TCP gets a reset, which refuses at once as REJECT must.
-                    if f.family == IpFamily::IPv6
-                        && sp.protocol == kproxy_core::model::Protocol::TCP
-                    {
-                        out.push(format!("{m}reject with tcp reset"));
-                    } else {
-                        out.push(format!("{m}reject"));
-                    }
-                }
+                Verdict::Reject => out.push(format!("{m}goto {}", ctx.reject_target())),
                 Verdict::Forward {
                     endpoints,
                     masquerade,
                 } => {
                     let eps = sp.endpoints_for(endpoints);
-                    forward_rules(&mut out, &m, f, sp, &id, eps, masquerade, mark);
+                    forward_rules(&mut out, &m, f, sp, id, eps, masquerade, mark);
                 }
             }
         }
         out
+    };
+    let mut push = |fe: String, vmap: &str, key: String, value: String| {
+        if !frontends.iter().any(|(k, _)| *k == fe) {
+            frontends.push((fe, vec![(vmap.to_string(), key, value)]));
+        }
     };
 
     rs.chains.insert(
@@ -398,45 +833,16 @@ fn add_service_port(
             rules: rules(&sp.internal),
         },
     );
-    shared.push(("cluster-ips", sp.cluster_ip.to_string(), String::new()));
-    shared.push((
+    let key = format!("{} . {proto} . {}", sp.cluster_ip, sp.port);
+    push(
+        format!("ip {key}"),
         "service-ips",
-        format!("{} . {proto} . {}", sp.cluster_ip, sp.port),
+        key,
         format!("goto {svc_chain}"),
-    ));
+    );
 
     if !sp.external.is_empty() {
-        let mut ext = Vec::new();
-        if let Some(fw) = &sp.firewall {
-            let lbs: Vec<String> = sp
-                .load_balancer_ips
-                .iter()
-                .map(|ip| ip.to_string())
-                .collect();
-            if !lbs.is_empty() {
-                let allowed: Vec<String> = fw
-                    .allowed_sources
-                    .iter()
-                    .filter(|n| f.family.contains(&n.addr()))
-                    .map(|n| n.trunc().to_string())
-                    .collect();
-                let lb = format!(
-                    "{} daddr {{ {} }} th dport {}",
-                    f.p,
-                    lbs.join(", "),
-                    sp.port
-                );
-                if allowed.is_empty() {
-                    ext.push(format!("{lb} drop"));
-                } else {
-                    ext.push(format!(
-                        "{lb} {} saddr != {{ {} }} drop",
-                        f.p,
-                        allowed.join(", ")
-                    ));
-                }
-            }
-        }
+        let mut ext: Vec<String> = firewall_rule(f, sp).into_iter().collect();
         ext.extend(rules(&sp.external));
         rs.chains.insert(
             ext_chain.clone(),
@@ -446,22 +852,28 @@ fn add_service_port(
             },
         );
         for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
-            shared.push((
+            let key = format!("{ip} . {proto} . {}", sp.port);
+            push(
+                format!("ip {key}"),
                 "service-ips",
-                format!("{ip} . {proto} . {}", sp.port),
+                key,
                 format!("goto {ext_chain}"),
-            ));
+            );
         }
         if let Some(np) = sp.node_port {
-            shared.push((
+            let key = format!("{proto} . {np}");
+            push(
+                format!("np {key}"),
                 "service-nodeports",
-                format!("{proto} . {np}"),
+                key,
                 format!("goto {ext_chain}"),
-            ));
+            );
         }
     }
 }
 
+/// The Forward rules of an affinity port: known clients go back to the endpoint they
+/// used (in endpoint order), new ones pick uniformly.
 #[allow(clippy::too_many_arguments)]
 fn forward_rules(
     out: &mut Vec<String>,
@@ -484,35 +896,23 @@ fn forward_rules(
     } else {
         String::new()
     };
-    if sp.session_affinity_timeout.is_some() {
-        // Known clients go back to the endpoint they used, in endpoint order.
-        for ep in eps {
-            let (set, _) = affinity_names(id, ep);
-            out.push(format!(
-                "{m}{p} saddr @{set} {masq}update @{set} {{ {p} saddr }} meta l4proto {proto} dnat to {}",
-                dnat_target(ep),
-                p = f.p
-            ));
-        }
-        for (i, ep) in eps.iter().enumerate() {
-            let pick = pick(i, eps.len());
-            out.push(format!("{m}{masq}{pick}goto {}", affinity_names(id, ep).1));
-        }
-        return;
+    for ep in eps {
+        let (set, _) = affinity_names(id, ep);
+        out.push(format!(
+            "{m}{p} saddr @{set} {masq}update @{set} {{ {p} saddr }} meta l4proto {proto} dnat to {}",
+            dnat_target(ep),
+            p = f.p
+        ));
     }
     for (i, ep) in eps.iter().enumerate() {
         let pick = pick(i, eps.len());
-        out.push(format!(
-            "{m}{masq}{pick}meta l4proto {proto} dnat to {}",
-            dnat_target(ep)
-        ));
+        out.push(format!("{m}{masq}{pick}goto {}", affinity_names(id, ep).1));
     }
 }
 
-/// The uniform random choice without a set: rule `i` of `n` takes the packet with
-/// probability 1/(n-i) (each `numgen` evaluation draws afresh), so every endpoint gets
-/// 1/n. Per-rule anonymous maps (`numgen … vmap { … }`) would cost the kernel a scan of
-/// every set in the table per map (anonymous set naming), quadratic at 10k Services.
+/// The uniform random choice of an affinity port without a set: rule `i` of `n` takes
+/// the packet with probability 1/(n-i) (each `numgen` evaluation draws afresh), so every
+/// endpoint gets 1/n. (Affinity ports are rare; all others use the dispatch maps.)
 fn pick(i: usize, n: usize) -> String {
     if i + 1 == n {
         String::new()
@@ -553,6 +953,20 @@ fn source_match(class: SourceClass, f: &Fam, local_pods: &LocalPods) -> Option<S
             LocalPods::Bridge(b) => Some(format!("iifname \"{b}\" ")),
         },
     }
+}
+
+/// The negation of the `LocalPod` match (with a trailing space); `None` when there is
+/// no `LocalPod` match for this family.
+fn nonlocal_match(f: &Fam, local_pods: &LocalPods) -> Option<String> {
+    let m = source_match(SourceClass::LocalPod, f, local_pods)?;
+    // `ip saddr X `, `ip saddr @local-pods `, `iifname "…" ` → the same with `!=`.
+    let (lhs, rhs) = if let Some(rest) = m.strip_prefix("iifname ") {
+        ("iifname".to_string(), rest.to_string())
+    } else {
+        let rest = m.strip_prefix(&format!("{} saddr ", f.p))?;
+        (format!("{} saddr", f.p), rest.to_string())
+    };
+    Some(format!("{lhs} != {rhs}"))
 }
 
 /// A short stable identifier of a service port: hash (uniqueness) + readable name.

@@ -253,9 +253,12 @@ fn verify_detects_and_repairs_drift() {
 /// re-adding either must leave exactly what a full sync would.
 #[test]
 fn shared_elements_follow_their_owners() {
+    // Same endpoint IP (one hairpin element), different target ports (tells the owner
+    // of the external IP's dispatch rows).
     let svc = |name: &str, cip: &str| {
+        let tport = if name == "a" { 8080 } else { 8081 };
         format!(
-            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns}}\nspec:\n  clusterIP: {cip}\n  externalIPs: [203.0.113.7]\n  ports: [{{name: http, port: 80, protocol: TCP}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: ns, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\nendpoints:\n- {{addresses: [10.244.1.2], nodeName: node-a}}\n"
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns}}\nspec:\n  clusterIP: {cip}\n  externalIPs: [203.0.113.7]\n  ports: [{{name: http, port: 80, protocol: TCP}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: ns, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: http, port: {tport}, protocol: TCP}}]\nendpoints:\n- {{addresses: [10.244.1.2], nodeName: node-a}}\n"
         )
     };
     let node = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.1}]}\n";
@@ -275,13 +278,19 @@ fn shared_elements_follow_their_owners() {
             assert_eq!(r.full, n == 0);
             let v = dp.verify().unwrap();
             assert!(v.differences.is_empty(), "step {n}: {:?}", v.differences);
-            let owner = sh("nft list map ip kproxy service-ips");
+            let owner = sh("nft list ruleset ip");
+            let row = |port: u16| format!("203.0.113.7 . tcp . 80 . 0 : 10.244.1.2 . {port}");
             match n {
                 0 | 2 => assert!(
-                    owner.contains("203.0.113.7 . tcp . 80 : goto ext-") && owner.contains("ns/a/"),
+                    owner.contains("203.0.113.7 . tcp . 80 : goto disp-c-1")
+                        && owner.contains(&row(8080))
+                        && !owner.contains(&row(8081)),
                     "{owner}"
                 ),
-                1 => assert!(owner.contains("ns/b/"), "{owner}"),
+                1 => assert!(
+                    owner.contains(&row(8081)) && !owner.contains(&row(8080)),
+                    "{owner}"
+                ),
                 _ => {}
             }
             let hairpin = sh("nft list set ip kproxy hairpin");
