@@ -307,6 +307,54 @@ fn random_choice_covers_the_set_affinity_sticks_and_hairpin_masquerades() {
     );
 }
 
+/// Endpoint counts changing through delta syncs (each change moves the frontends to
+/// another dispatch group): every endpoint of the current set answers on every
+/// frontend, UDP included, and nothing else does.
+#[test]
+fn endpoint_count_changes_move_dispatch_groups_and_every_endpoint_answers() {
+    let f = Fabric::new();
+    let cfg = config();
+    let all = [
+        ("a", "node-a", READY),
+        ("b", "node-a", READY),
+        ("r", "node-b", READY),
+    ];
+    let steps: [&[(&str, &str, Cond)]; 5] = [&all[..1], &all, &all[1..], &all, &[all[2]]];
+    for (n, eps) in steps.iter().enumerate() {
+        let plan = plan_from_yaml(
+            &manifest(&Svc {
+                etp: "Cluster",
+                itp: "Cluster",
+                endpoints: eps,
+                extra: "",
+            }),
+            "node-a",
+            &cfg,
+        );
+        let r = f.sync(&plan);
+        assert_eq!(r.full, n == 0, "step {n}: {r:?}");
+        let want: Vec<&str> = eps.iter().map(|e| e.0).collect();
+        for (from, dst, port, proto) in [
+            (From::Client, "10.96.0.10", 80, Protocol::TCP),
+            (From::Pod(0), "10.96.0.10", 53, Protocol::UDP),
+            (From::Client, "203.0.113.10", 80, Protocol::TCP),
+            (From::Client, NODE_ADDRS[0], 30080, Protocol::TCP),
+        ] {
+            let mut seen = check(&f, &plan, from, dst, port, proto, 12 * want.len(), "count");
+            seen.sort();
+            seen.dedup();
+            assert_eq!(seen, want, "step {n}: {from:?} -> {dst}:{port}/{proto}");
+        }
+    }
+    let fails = FAILS.lock().unwrap();
+    assert!(
+        fails.is_empty(),
+        "{} mismatches:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
+}
+
 #[test]
 fn load_balancer_source_ranges() {
     let f = Fabric::new();
