@@ -22,8 +22,8 @@ pub fn plan_table(plan: &NodePlan) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<40} {:<5} {:<26} {:>6} {:>7} {:>5} {:>4}  {:<14} {}",
-        "SERVICE PORT", "FAM", "CLUSTER IP", "NODEP", "CLUSTER", "LOCAL", "ALL", "POLICY i/e", "EXTERNAL"
+        "{:<40} {:<5} {:<26} {:>6} {:>7} {:>5} {:>4}  {:<14} EXTERNAL",
+        "SERVICE PORT", "FAM", "CLUSTER IP", "NODEP", "CLUSTER", "LOCAL", "ALL", "POLICY i/e"
     );
     for p in plan.service_ports() {
         let count = |l: &Option<Vec<EndpointAddr>>| match l {

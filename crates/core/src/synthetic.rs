@@ -50,7 +50,7 @@ pub fn node(i: usize) -> Node {
 
 /// The `i`-th Service (cluster IPs from 10.96.0.0/12 upward).
 pub fn service(spec: &Spec, i: usize) -> Service {
-    let etp_local = spec.etp_local_every != 0 && i % spec.etp_local_every == 0;
+    let etp_local = spec.etp_local_every != 0 && i.is_multiple_of(spec.etp_local_every);
     let n = i as u32 + 1;
     let mut cluster_ips = BTreeMap::new();
     cluster_ips.insert(IpFamily::IPv4, IpAddr::V4(Ipv4Addr::from(0x0a60_0000u32 + n)));
@@ -78,11 +78,11 @@ pub fn service(spec: &Spec, i: usize) -> Service {
 /// The slice of the `i`-th Service; `generation` varies the endpoints' conditions so a
 /// benchmark can apply a real change.
 pub fn slice(spec: &Spec, i: usize, generation: usize) -> EndpointSlice {
-    let hinted = spec.hinted_every != 0 && i % spec.hinted_every == 0;
+    let hinted = spec.hinted_every != 0 && i.is_multiple_of(spec.hinted_every);
     let endpoints = (0..spec.endpoints_per_service)
         .map(|j| {
             let k = i * spec.endpoints_per_service + j;
-            let terminating = spec.terminating_every != 0 && (k + generation) % spec.terminating_every == 0;
+            let terminating = spec.terminating_every != 0 && (k + generation).is_multiple_of(spec.terminating_every);
             let node = k % spec.nodes.max(1);
             SliceEndpoint {
                 ip: IpAddr::V4(Ipv4Addr::from(0x0af4_0000u32 + k as u32)),

@@ -235,9 +235,9 @@ impl Ruleset {
         } else {
             IpFamily::IPv4
         };
-        if !self.sets.contains_key(&d.map()) {
+        if let std::collections::btree_map::Entry::Vacant(e) = self.sets.entry(d.map()) {
             let (set, chain) = d.objects(family);
-            self.sets.insert(d.map(), set);
+            e.insert(set);
             self.chains.insert(d.chain(), chain);
         }
     }
