@@ -5,6 +5,7 @@
 //!
 //! Run: `cargo bench -p kproxy-nft --bench sync` (sizes: 1000x10 10000x10) or with
 //! explicit sizes: `cargo bench -p kproxy-nft --bench sync -- 5000x50 44000x1`.
+//! `KPROXY_BENCH_DUMP=DIR` also writes each full script to `DIR/SxE.nft`.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -70,6 +71,10 @@ fn run(services: usize, eps: usize) {
     let t = Instant::now();
     let script = kproxy_nft::render(&plan, &cfg);
     let render = t.elapsed();
+    if let Some(dir) = std::env::var_os("KPROXY_BENCH_DUMP") {
+        let path = std::path::Path::new(&dir).join(format!("{services}x{eps}.nft"));
+        std::fs::write(&path, &script).expect("dump the script");
+    }
 
     let mut dp = Dataplane::new(cfg.clone()).expect("config");
     let cold = measure(&mut dp, &plan);

@@ -1,25 +1,43 @@
 //! The declarative nftables model of one family's table (`Ruleset`), built from a
 //! `NodePlan` by pure code, and the two ways it reaches nft text: a full
 //! table-replacing script and the delta between two rulesets. The in-memory record of
-//! what is programmed is a `Ruleset`, so an incremental sync is `diff(old, new)`.
+//! what is programmed (`crate::record`) keeps per-Service fragments, so an incremental
+//! sync costs work proportional to what changed.
 //!
-//! Layout (chosen for kernel cost: one chain per service port and frontend kind, no
-//! per-endpoint chains except for ClientIP affinity):
-//! - `service-ips` (addr . proto . port → goto) and `service-nodeports` (proto . port →
-//!   goto) dispatch new connections from the `services` chain;
-//! - `svc-…` holds a service port's *internal* rules (cluster IP), `ext-…` its
-//!   *external* rules (NodePort, external IPs, LB IPs; LB source ranges first);
-//! - a rule is `<source match> <verdict>`; a Forward verdict becomes one rule per
-//!   endpoint, rule `i` of `n` firing with probability 1/(n-i) (`numgen random mod
-//!   n-i 0`), each setting the masquerade mark when asked and DNATing. No anonymous
-//!   sets or maps per Service: the kernel names each anonymous set by scanning every
-//!   set of the table, which made one-map-per-Service layouts quadratic (measured:
-//!   55 s of kernel time for 10k Services, see BENCHMARKS.md);
+//! Layout (chosen for kernel and nft cost, see BENCHMARKS.md: nft spends ~45 µs per
+//! rule but ~6–14 µs per set element, and every nft call dumps all rules into its
+//! cache, so the table holds few rules and many elements):
+//! - `service-ips` (addr . proto . port → verdict) and `service-nodeports` (proto . port
+//!   → verdict) dispatch new connections from the `services` chain;
+//! - the endpoint is chosen by *dispatch groups*: map `dnat-c-N` (`dnat-l-N` for the
+//!   Local endpoint set) keyed `daddr . l4proto . dport . numgen random mod N` holds,
+//!   for every address frontend whose endpoint set has N endpoints, the rows
+//!   `frontend . i : endpoint ip . port`; its chain `disp-c-N` has the one rule
+//!   `dnat to daddr . l4proto . dport . numgen random mod N map @dnat-c-N`. NodePorts
+//!   use `npdnat-…`/`npdisp-…`, keyed `l4proto . dport . numgen …` (daddr is any node
+//!   address). Each map is referenced by exactly one rule: the kernel walks every
+//!   binding of a map on each element insert, and names each anonymous set by scanning
+//!   every set of the table, both of which made per-Service maps quadratic;
+//! - a frontend whose rules are *regular* (one rule for every source, or "local pods
+//!   as they are, everyone else masqueraded", both to one endpoint set) maps straight
+//!   to `goto disp-…` from the verdict map: no chain or rule of its own. Its masquerade
+//!   is an element of `masq-ips` / `masq-ips-nonlocal` / `masq-nodeports`, which one
+//!   rule each in `services` turns into the masquerade mark before the dispatch;
+//! - an irregular frontend (eTP Local with its local-source short-circuit, LB source
+//!   ranges) gets a chain `svc-…` (cluster IP), `ext-…` (external/LB IPs, source-range
+//!   drop first) or `np-…` (NodePort) whose rules are `<source match> [mark] goto
+//!   disp-…`, `drop` or `goto no-endpoints`; ClientIP-affinity ports keep per-endpoint
+//!   chains with dynamic sets and a `numgen random mod n-i 0` rule per endpoint (rare);
+//! - frontends with nothing to forward to map to `drop`, or to `goto no-endpoints`
+//!   (`reject`; IPv6 TCP: `no-endpoints-tcp`, a TCP reset);
 //! - hairpin masquerade is one set `hairpin` of `ip . ip` pairs matched in postrouting
 //!   (source == DNATed destination), instead of a rule in every endpoint chain;
 //! - REJECT/DROP verdicts run in the same nat chains (kernel ≥ 5.9 allows `reject`
 //!   in prerouting); nat chains only see the first packet of a connection, so every
 //!   verdict applies to new connections only, as upstream's do.
+//!
+//! So a one-endpoint change is a few element deletes and adds (a frontend moving to
+//! another N: its old rows out, new rows in, its verdict-map element re-pointed).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
