@@ -142,12 +142,14 @@ impl FamilyRecord {
         self.shared.get(k).and_then(|o| o.values().next().cloned())
     }
 
-    /// Moves the record to `plan`, writing the delta script into `pre`/`mid`/`post`
+    /// Moves the record to `plan`, in which the Services `changed` (and only those)
+    /// differ from the record's, writing the delta script into `pre`/`mid`/`post`
     /// (concatenated in that order they form one valid transaction). Returns `None` when
     /// only a full sync can apply the change; the record is then unusable.
     pub fn advance(
         &mut self,
         plan: &NodePlan,
+        changed: &[ServiceName],
         cfg: &DataplaneConfig,
         pre: &mut String,
         mid: &mut String,
@@ -172,42 +174,14 @@ impl FamilyRecord {
         self.base = new_base;
         let (fam, t) = (self.base.family, self.base.table.clone());
 
-        // Which Services changed: a different Arc that is also different by value. Both
-        // maps are sorted by name, so one lock-step walk finds additions, removals and
-        // changes without a lookup per Service.
-        let mut changed: Vec<ServiceName> = Vec::new();
-        {
-            let mut old_it = self.services.iter_mut().peekable();
-            for (name, svc) in &plan.services {
-                while old_it.peek().is_some_and(|(k, _)| *k < name) {
-                    let (k, _) = old_it.next().expect("peeked");
-                    changed.push(k.clone()); // removed
-                }
-                match old_it.peek_mut() {
-                    Some((k, (old, _))) if *k == name => {
-                        if !Arc::ptr_eq(old, svc) {
-                            if **old == **svc {
-                                *old = svc.clone();
-                            } else {
-                                changed.push(name.clone());
-                            }
-                        }
-                        old_it.next();
-                    }
-                    _ => changed.push(name.clone()), // added
-                }
-            }
-            changed.extend(old_it.map(|(k, _)| k.clone()));
-        }
-
         let mut touched: BTreeMap<SharedKey, Option<String>> = BTreeMap::new();
         let mut touched_fe: BTreeMap<String, BTreeMap<(String, String), String>> = BTreeMap::new();
         let mut touched_disp: BTreeMap<Dispatch, bool> = BTreeMap::new();
         // Per-Service chain changes go after new dispatch groups (their rules jump there).
         let mut own_pre = String::new();
         for name in changed {
-            let old = self.services.remove(&name);
-            let new = plan.services.get(&name).map(|svc| {
+            let old = self.services.remove(name);
+            let new = plan.services.get(name).map(|svc| {
                 (
                     svc.clone(),
                     ruleset::build_service(svc, plan, cfg, self.family),
@@ -238,11 +212,11 @@ impl FamilyRecord {
                 }
             }
             if let Some((_, f)) = &old {
-                self.remove_shared(&name, f);
+                self.remove_shared(name, f);
             }
             if let Some((svc, f)) = new {
-                self.add_shared(&name, &f);
-                self.services.insert(name, (svc, f));
+                self.add_shared(name, &f);
+                self.services.insert(name.clone(), (svc, f));
             }
         }
 
