@@ -187,9 +187,7 @@ impl Dataplane {
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
                 ];
                 for rec in &recs {
-                    let rs = rec.assemble();
-                    rs.full_script(&mut script);
-                    report.changes.add(&rs.counts());
+                    report.changes.add(&rec.full_script(&mut script));
                 }
                 self.programmed = Some(recs);
             }

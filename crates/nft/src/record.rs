@@ -16,7 +16,7 @@ use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::ServicePlan;
 
 use crate::DataplaneConfig;
-use crate::ruleset::{self, DeltaCounts, Dispatch, Element, Fragment, Ruleset};
+use crate::ruleset::{self, Chain, DeltaCounts, Dispatch, Element, Fragment, Ruleset, Set};
 
 type SharedKey = (&'static str, String);
 type Owner = (ServiceName, u32);
@@ -28,7 +28,7 @@ pub struct FamilyRecord {
     services: BTreeMap<ServiceName, (Arc<ServicePlan>, Fragment)>,
     shared: BTreeMap<SharedKey, BTreeMap<Owner, String>>,
     /// Frontend → the Services claiming it → its elements from each.
-    frontends: BTreeMap<String, BTreeMap<ServiceName, Vec<Element>>>,
+    frontends: BTreeMap<String, BTreeMap<ServiceName, Arc<[Element]>>>,
     /// Dispatch group → number of Services using it.
     dispatch: BTreeMap<Dispatch, usize>,
 }
@@ -75,6 +75,82 @@ impl FamilyRecord {
             }
         }
         rs
+    }
+
+    /// The full table-replacing script of this record, written from references (the
+    /// same text as `self.assemble().full_script(out)`, without copying every element
+    /// into a `Ruleset` first). Returns the counts of a full sync.
+    pub fn full_script(&self, out: &mut String) -> DeltaCounts {
+        let disp: Vec<(String, String, Set, Chain)> = self
+            .dispatch
+            .keys()
+            .map(|d| {
+                let (s, c) = d.objects(self.family);
+                (d.map(), d.chain(), s, c)
+            })
+            .collect();
+        type Elems<'a> = Vec<(&'a str, &'a str)>;
+        let mut sets: BTreeMap<&str, (&Set, Elems)> = BTreeMap::new();
+        let mut chains: BTreeMap<&str, &Chain> = BTreeMap::new();
+        let own = std::iter::once(&self.base).chain(self.services.values().map(|(_, f)| &f.own));
+        for rs in own {
+            for (name, s) in &rs.sets {
+                let e = ruleset::str_pairs(s.elements.iter()).collect();
+                sets.insert(name, (s, e));
+            }
+            for (name, c) in &rs.chains {
+                chains.insert(name, c);
+            }
+        }
+        for (map, chain, s, c) in &disp {
+            sets.insert(map, (s, Vec::new()));
+            chains.insert(chain, c);
+        }
+        for ((set, key), owners) in &self.shared {
+            if let (Some(e), Some(v)) = (sets.get_mut(*set), owners.values().next()) {
+                e.1.push((key, v));
+            }
+        }
+        for owners in self.frontends.values() {
+            if let Some(elems) = owners.values().next() {
+                for (set, key, v) in elems.iter() {
+                    if let Some(e) = sets.get_mut(set.as_str()) {
+                        e.1.push((key, v));
+                    }
+                }
+            }
+        }
+        let (fam, t) = (self.base.family, self.base.table.as_str());
+        ruleset::full_header(out, fam, t);
+        let mut n = DeltaCounts {
+            chains_added: chains.len(),
+            sets_added: sets.len(),
+            ..DeltaCounts::default()
+        };
+        for (name, (s, _)) in &sets {
+            let _ = writeln!(
+                out,
+                "add {} {fam} {t} {name} {{ {} }}",
+                ruleset::kind(s),
+                s.decl
+            );
+        }
+        for (name, c) in &chains {
+            ruleset::decl_chain(out, fam, t, name, c);
+        }
+        for (name, c) in &chains {
+            for r in &c.rules {
+                let _ = writeln!(out, "add rule {fam} {t} {name} {r}");
+            }
+        }
+        for (name, (_, e)) in &mut sets {
+            // Sorted by key as in a `Ruleset`; a key twice keeps its first value.
+            e.sort_by(|a, b| a.0.cmp(b.0));
+            e.dedup_by(|a, b| a.0 == b.0);
+            n.elements_added += e.len();
+            ruleset::elements(out, "add", fam, t, name, e.iter().copied(), true);
+        }
+        n
     }
 
     /// The elements of a frontend now: those of its first claimant.
@@ -282,14 +358,62 @@ impl FamilyRecord {
                 fam,
                 &t,
                 set,
-                keys.iter().map(|k| (k, &blank)),
+                keys.iter().map(|k| (k.as_str(), blank.as_str())),
                 false,
             );
         }
         for (set, kv) in &adds {
             n.elements_added += kv.len();
-            ruleset::elements(mid, "add", fam, &t, set, kv.iter(), true);
+            ruleset::elements(
+                mid,
+                "add",
+                fam,
+                &t,
+                set,
+                ruleset::str_pairs(kv.iter()),
+                true,
+            );
         }
         Some(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kproxy_core::PlanConfig;
+    use kproxy_core::config::LocalDetectorConfig;
+    use kproxy_core::synthetic::{self, Spec};
+
+    /// The full script written from the record is the assembled ruleset's, byte for byte.
+    #[test]
+    fn full_script_from_references_equals_the_assembled_one() {
+        let cfgs = [
+            PlanConfig::default(),
+            PlanConfig {
+                local_detector: LocalDetectorConfig::ClusterCidr(vec![
+                    "10.0.0.0/8".parse().unwrap(),
+                ]),
+                ..PlanConfig::default()
+            },
+        ];
+        for pc in cfgs {
+            let state = synthetic::cluster(&Spec::new(60, 4));
+            let plan = kproxy_core::plan(&state, "node-0", &pc);
+            for family in IpFamily::ALL {
+                let rec = FamilyRecord::full(&plan, &DataplaneConfig::default(), family);
+                let (mut a, mut b) = (String::new(), String::new());
+                let n = rec.full_script(&mut a);
+                let rs = rec.assemble();
+                rs.full_script(&mut b);
+                assert_eq!(a, b);
+                assert_eq!(n, rs.counts());
+                let mut c = String::new();
+                crate::ruleset::build(&plan, &DataplaneConfig::default(), family)
+                    .full_script(&mut c);
+                assert_eq!(a, c, "record and pure render agree");
+                assert!(family == IpFamily::IPv6 || a.contains("dnat-c-"), "{a}");
+            }
+        }
     }
 }

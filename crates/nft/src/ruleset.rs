@@ -42,6 +42,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use kproxy_core::NodePlan;
 use kproxy_core::model::{EndpointAddr, IpFamily};
@@ -164,7 +165,7 @@ pub type Element = (String, String, String);
 pub struct Fragment {
     pub own: Ruleset,
     pub shared: Vec<(&'static str, String, String)>,
-    pub frontends: Vec<(String, Vec<Element>)>,
+    pub frontends: Vec<(String, Arc<[Element]>)>,
     pub dispatch: BTreeSet<Dispatch>,
 }
 
@@ -768,7 +769,7 @@ impl PortCtx<'_> {
                     ));
                 }
             }
-            frag.frontends.push((fe, elems));
+            frag.frontends.push((fe, elems.into()));
         }
     }
 }
@@ -840,7 +841,7 @@ fn add_affinity_port(
     };
     let mut push = |fe: String, vmap: &str, key: String, value: String| {
         if !frontends.iter().any(|(k, _)| *k == fe) {
-            frontends.push((fe, vec![(vmap.to_string(), key, value)]));
+            frontends.push((fe, vec![(vmap.to_string(), key, value)].into()));
         }
     };
 
@@ -1031,12 +1032,7 @@ impl Ruleset {
     /// the whole script is one transaction, so there is no gap.
     pub fn full_script(&self, out: &mut String) {
         let (fam, t) = (self.family, &self.table);
-        let _ = writeln!(out, "add table {fam} {t}");
-        let _ = writeln!(out, "delete table {fam} {t}");
-        let _ = writeln!(
-            out,
-            "add table {fam} {t} {{ comment \"rules for kproxy\"; }}"
-        );
+        full_header(out, fam, t);
         for (name, s) in &self.sets {
             let _ = writeln!(out, "add {} {fam} {t} {name} {{ {} }}", kind(s), s.decl);
         }
@@ -1049,7 +1045,7 @@ impl Ruleset {
             }
         }
         for (name, s) in &self.sets {
-            elements(out, "add", fam, t, name, s.elements.iter(), true);
+            elements(out, "add", fam, t, name, str_pairs(s.elements.iter()), true);
         }
     }
 
@@ -1136,8 +1132,16 @@ impl Ruleset {
                 .collect();
             n.elements_deleted += del.len();
             n.elements_added += add.len();
-            elements(out, "delete", fam, t, name, del.into_iter(), false);
-            elements(out, "add", fam, t, name, add.into_iter(), true);
+            elements(
+                out,
+                "delete",
+                fam,
+                t,
+                name,
+                str_pairs(del.into_iter()),
+                false,
+            );
+            elements(out, "add", fam, t, name, str_pairs(add.into_iter()), true);
         }
         true
     }
@@ -1178,16 +1182,34 @@ impl Ruleset {
     }
 }
 
-fn kind(s: &Set) -> &'static str {
+pub(crate) fn kind(s: &Set) -> &'static str {
     if s.decl.contains(" : ") { "map" } else { "set" }
 }
 
-fn decl_chain(out: &mut String, fam: &str, t: &str, name: &str, c: &Chain) {
+pub(crate) fn decl_chain(out: &mut String, fam: &str, t: &str, name: &str, c: &Chain) {
     if c.decl.is_empty() {
         let _ = writeln!(out, "add chain {fam} {t} {name}");
     } else {
         let _ = writeln!(out, "add chain {fam} {t} {name} {{ {} }}", c.decl);
     }
+}
+
+pub(crate) fn str_pairs<'a>(
+    it: impl Iterator<Item = (&'a String, &'a String)>,
+) -> impl Iterator<Item = (&'a str, &'a str)> {
+    it.map(|(k, v)| (k.as_str(), v.as_str()))
+}
+
+/// Writes the header of a full script: creating then deleting the table first makes
+/// `delete` succeed whether or not it exists, and the whole script is one transaction,
+/// so there is no gap.
+pub(crate) fn full_header(out: &mut String, fam: &str, t: &str) {
+    let _ = writeln!(out, "add table {fam} {t}");
+    let _ = writeln!(out, "delete table {fam} {t}");
+    let _ = writeln!(
+        out,
+        "add table {fam} {t} {{ comment \"rules for kproxy\"; }}"
+    );
 }
 
 /// Writes elements in batches so no single line grows without bound.
@@ -1197,7 +1219,7 @@ pub(crate) fn elements<'a>(
     fam: &str,
     t: &str,
     name: &str,
-    it: impl Iterator<Item = (&'a String, &'a String)>,
+    it: impl Iterator<Item = (&'a str, &'a str)>,
     with_value: bool,
 ) {
     let mut n = 0;
