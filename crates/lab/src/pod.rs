@@ -341,13 +341,34 @@ async fn connection(
             body.len(),
             if close { "connection: close\r\n" } else { "" }
         );
-        tokio::select! {
-            r = stream.write_all(resp.as_bytes()) => {
-                if r.is_err() { return; }
-                shared.served.fetch_add(1, Ordering::Relaxed);
+        // Write the answer to the request already read, unless SIGKILL comes first.
+        // Only SIGKILL may interrupt it: a SIGTERM (or any other change) arriving
+        // while the answer is written must not abort the write, or the request that
+        // was read is dropped and the client sees the connection close without an
+        // answer (the "closed" failure a graceful server never causes).
+        let written = {
+            let write = stream.write_all(resp.as_bytes());
+            tokio::pin!(write);
+            loop {
+                tokio::select! {
+                    biased;
+                    r = &mut write => break Some(r.is_ok()),
+                    r = ctl.changed() => {
+                        if r.is_err() || *ctl.borrow() == PodSignal::Kill {
+                            break None;
+                        }
+                    }
+                }
             }
-            _ = ctl.changed() => {
-                if *ctl.borrow() == PodSignal::Kill { reset(stream); return; }
+        };
+        match written {
+            None => {
+                reset(stream);
+                return;
+            }
+            Some(false) => return,
+            Some(true) => {
+                shared.served.fetch_add(1, Ordering::Relaxed);
             }
         }
         if close {
@@ -364,6 +385,63 @@ fn find_head_end(buf: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request the server has read when SIGTERM arrives is answered (with
+    /// `Connection: close`), never dropped. SIGTERM is sent at a sweep of small
+    /// delays after the request, so that it lands at every point of the server's
+    /// handling of it (before the read, between read and answer, after).
+    #[test]
+    fn a_request_read_when_sigterm_arrives_is_answered() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            for i in 0..400u32 {
+                let (ctl, ctl_rx) = watch::channel(PodSignal::Run);
+                let mut client = TcpStream::connect(addr).await.expect("connect");
+                let (server, _) = listener.accept().await.expect("accept");
+                let task = tokio::spawn(connection(
+                    Arc::from("p"),
+                    server,
+                    Duration::from_secs(5),
+                    Arc::new(PodShared::default()),
+                    ctl_rx,
+                    PodProfile::Graceful,
+                ));
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                client
+                    .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                    .await
+                    .expect("write");
+                let until =
+                    std::time::Instant::now() + Duration::from_nanos(u64::from(i % 100) * 500);
+                while std::time::Instant::now() < until {
+                    std::hint::spin_loop();
+                }
+                ctl.send_replace(PodSignal::Term);
+                // Read the whole answer (or until the server closes).
+                let mut got = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !got.ends_with(b"\r\n\r\np\n") {
+                    match client.read(&mut chunk).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => got.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let text = String::from_utf8_lossy(&got);
+                assert!(
+                    text.starts_with("HTTP/1.1 200 OK"),
+                    "attempt {i}: the request was dropped, got {text:?}"
+                );
+                drop(client);
+                task.await.expect("connection task");
+            }
+        });
+    }
 
     #[test]
     fn head_end_is_found() {
