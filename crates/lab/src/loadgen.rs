@@ -71,6 +71,14 @@ pub struct RequestRecord {
     pub conn: ConnKind,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// Keep-alive requests only: the request went out on a connection that had
+    /// already carried a request.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub reused: bool,
+    /// Failed keep-alive requests on a reused connection: the pod that answered the
+    /// connection's previous request (where the failed one was most likely sent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conn_pod: Option<String>,
 }
 
 /// Load settings. Rates are real (not scaled): they are what the machine does.
@@ -233,6 +241,8 @@ async fn run_load(
                     outcome,
                     conn: ConnKind::New,
                     pod,
+                    reused: false,
+                    conn_pod: None,
                 };
                 rec.lock().expect("records lock").push(r);
             });
@@ -347,6 +357,8 @@ async fn keepalive_loop(
     started: Arc<AtomicU64>,
 ) {
     let mut conn: Option<TcpStream> = None;
+    // The pod that answered the last request on `conn`.
+    let mut last_pod: Option<String> = None;
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !stop.load(Ordering::SeqCst) {
@@ -380,16 +392,24 @@ async fn keepalive_loop(
                 (status_outcome(status), pod)
             }
         };
-        if !outcome.is_ok() {
+        let conn_pod = if reused && !outcome.is_ok() {
+            last_pod.take()
+        } else {
+            None
+        };
+        last_pod = pod.clone();
+        if !outcome.is_ok() || conn.is_none() {
             conn = None;
+            last_pod = None;
         }
-        let _ = reused;
         let r = RequestRecord {
             start_ms: start,
             end_ms: ms(epoch),
             outcome,
             conn: ConnKind::KeepAlive,
             pod,
+            reused,
+            conn_pod,
         };
         records.lock().expect("records lock").push(r);
     }

@@ -542,6 +542,8 @@ mod tests {
             outcome,
             conn: ConnKind::New,
             pod: None,
+            reused: false,
+            conn_pod: None,
         }
     }
 
