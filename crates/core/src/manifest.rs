@@ -98,12 +98,19 @@ pub fn documents(file: &str, text: &str) -> (Vec<(Location, Value)>, Vec<Manifes
         }
         docs
     } else {
-        match serde_saphyr::from_multiple::<Value>(text) {
-            Ok(v) => v.into_iter().map(Ok).collect(),
-            Err(_) => split_yaml_documents(text)
-                .into_iter()
-                .map(|d| serde_saphyr::from_str::<Value>(d).map_err(|e| first_line(&e.to_string())))
-                .collect(),
+        // One parse per document: linear in the file (the whole-stream parse grows faster
+        // than the file at thousands of documents), and a broken document stays alone.
+        let split: Vec<Result<Value, String>> = split_yaml_documents(text)
+            .into_iter()
+            .map(|d| serde_saphyr::from_str::<Value>(d).map_err(|e| first_line(&e.to_string())))
+            .collect();
+        if split.iter().any(Result::is_err)
+            && let Ok(v) = serde_saphyr::from_multiple::<Value>(text)
+        {
+            // Valid YAML the line splitter misreads (directives, `...` markers).
+            v.into_iter().map(Ok).collect()
+        } else {
+            split
         }
     };
     for (document, doc) in docs.into_iter().enumerate() {
@@ -131,9 +138,11 @@ fn split_yaml_documents(text: &str) -> Vec<&str> {
     let mut start = 0;
     let mut offset = 0;
     for line in text.split_inclusive('\n') {
-        if line.starts_with("---") && line[3..].trim().is_empty() || line.trim_end() == "---" {
+        // A marker is `---` at the start of a line, alone or followed by whitespace; what
+        // follows it on the line (`--- {a: 1}`, `--- # comment`) opens the next document.
+        if line.starts_with("---") && line[3..].chars().next().is_none_or(char::is_whitespace) {
             docs.push(&text[start..offset]);
-            start = offset + line.len();
+            start = offset + 3;
         }
         offset += line.len();
     }
@@ -262,5 +271,20 @@ ports: [{port: 8080, name: ""}]
         let p = parse("x.yaml", text);
         assert_eq!(p.objects.len(), 2, "{:?}", p.errors);
         assert_eq!(p.errors.len(), 1);
+    }
+
+    #[test]
+    fn document_markers_with_content_comments_and_directives_split_as_yaml_does() {
+        let svc = "kind: Service\napiVersion: v1\nmetadata: {name: a, namespace: d}\nspec: {clusterIP: 10.96.0.1}\n";
+        let node = "kind: Node\napiVersion: v1\nmetadata: {name: n1}\n";
+        let inline = format!("--- # first\n{svc}--- {{kind: Node, apiVersion: v1, metadata: {{name: n2}}}}\n---\n{node}");
+        let p = parse("x.yaml", &inline);
+        assert_eq!((p.objects.len(), p.errors.len()), (3, 0), "{:?}", p.errors);
+        let directive = format!("%YAML 1.2\n---\n{svc}...\n---\n{node}");
+        let p = parse("x.yaml", &directive);
+        assert_eq!((p.objects.len(), p.errors.len()), (2, 0), "{:?}", p.errors);
+        // `----` and `---x` are not markers.
+        let p = parse("x.yaml", &format!("{svc}---x: 1\n"));
+        assert_eq!(p.objects.len(), 1, "{:?}", p.errors);
     }
 }

@@ -1,0 +1,297 @@
+//! `kproxy run` end to end at scale, in a throwaway network namespace (root): the time
+//! from start to the first successful sync (reading and parsing the manifests, planning,
+//! programming nftables), the daemon's peak RSS, and first-packet latency (TCP connect
+//! to a cluster IP, through the real rules) next to N synthetic Services.
+//!
+//! Run (the example drives the release binary, so build it first):
+//!
+//! ```text
+//! cargo build --release -p kproxy && \
+//!   cargo run --release -p kproxy --example daemon_bench -- 10x10 10000x10 30000x1
+//! ```
+//!
+//! The manifests are what users write (YAML, one file per 1,000 Services): Services in
+//! 50 namespaces, one in ten a LoadBalancer with externalTrafficPolicy Local (so it has
+//! a health-check node port), endpoints spread over 100 nodes, one in seven
+//! serving+terminating; plus one `bench/probe` Service whose endpoint is a listener in
+//! the namespace, the target of the latency samples.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const PROBE_CLUSTER_IP: &str = "10.95.255.1";
+const PROBE_POD_IP: &str = "10.250.0.2";
+const SAMPLES: usize = 2000;
+
+struct Netns(String);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sh(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().expect("spawn");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn enter(ns: &str) {
+    let f = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("open netns");
+    nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+}
+
+fn kproxy_binary() -> PathBuf {
+    // target/release/examples/daemon_bench → target/release/kproxy
+    let exe = std::env::current_exe().expect("current_exe");
+    let bin = exe.parent().and_then(Path::parent).expect("target dir").join("kproxy");
+    assert!(bin.exists(), "{} missing: run `cargo build --release -p kproxy` first", bin.display());
+    bin
+}
+
+fn ip4(base: u32, n: usize) -> String {
+    std::net::Ipv4Addr::from(base + n as u32).to_string()
+}
+
+/// YAML for Services `from..to` and their EndpointSlices.
+fn manifests(from: usize, to: usize, eps: usize) -> String {
+    let mut y = String::new();
+    for i in from..to {
+        let ns = format!("ns-{}", i % 50);
+        let lb = i % 10 == 0;
+        let cip = ip4(0x0a60_0000, i + 1);
+        let _ = write!(
+            y,
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: svc-{i}, namespace: {ns}}}\nspec:\n  type: {}\n  clusterIP: {cip}\n  clusterIPs: [{cip}]\n  ipFamilies: [IPv4]\n",
+            if lb { "LoadBalancer" } else { "ClusterIP" }
+        );
+        if lb {
+            let k = i / 10;
+            let _ = write!(
+                y,
+                "  externalTrafficPolicy: Local\n  healthCheckNodePort: {}\n  ports: [{{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: {}}}]\nstatus: {{loadBalancer: {{ingress: [{{ip: {}}}]}}}}\n",
+                40000 + k % 20000,
+                20000 + k % 20000,
+                ip4(0xcb00_7100, k + 1)
+            );
+        } else {
+            y.push_str("  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]\n");
+        }
+        let _ = write!(
+            y,
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: svc-{i}-x\n  namespace: {ns}\n  labels: {{kubernetes.io/service-name: svc-{i}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\nendpoints:\n"
+        );
+        for e in 0..eps {
+            let n = i * eps + e;
+            let terminating = n % 7 == 6;
+            let _ = write!(
+                y,
+                "- addresses: [{}]\n  nodeName: node-{}\n  conditions: {{ready: {}, serving: true, terminating: {terminating}}}\n",
+                ip4(0x0af4_0000, n + 1),
+                n % 100,
+                !terminating
+            );
+        }
+    }
+    y
+}
+
+const FIXED: &str = r#"apiVersion: v1
+kind: Node
+metadata: {name: node-0}
+status:
+  addresses: [{type: InternalIP, address: 10.200.0.1}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: probe, namespace: bench}
+spec:
+  clusterIP: 10.95.255.1
+  clusterIPs: [10.95.255.1]
+  ipFamilies: [IPv4]
+  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: probe-x
+  namespace: bench
+  labels: {kubernetes.io/service-name: probe}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- addresses: [10.250.0.2]
+  nodeName: node-0
+  conditions: {ready: true}
+"#;
+
+fn status_kib(pid: u32, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn wait_for_sync(events: &Path, daemon: &mut Daemon, limit: Duration) -> Duration {
+    let t = Instant::now();
+    loop {
+        let log = std::fs::read_to_string(events).unwrap_or_default();
+        if log.lines().any(|l| l.contains("\"event\":\"synced\"")) {
+            return t.elapsed();
+        }
+        if let Some(failed) = log.lines().find(|l| l.contains("\"sync_failed\"")) {
+            panic!("sync failed: {failed}");
+        }
+        if let Ok(Some(status)) = daemon.0.try_wait() {
+            panic!("kproxy exited with {status} before its first sync");
+        }
+        assert!(t.elapsed() < limit, "no sync within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+fn run(services: usize, eps: usize) {
+    let name = format!("kpb-{}-{services}x{eps}", std::process::id());
+    let _ = Command::new("ip").args(["netns", "del", &name]).output();
+    sh(&["ip", "netns", "add", &name]);
+    let ns = Netns(name.clone());
+    let exec = |args: &[&str]| {
+        let mut full = vec!["ip", "netns", "exec", &ns.0];
+        full.extend_from_slice(args);
+        sh(&full);
+    };
+    exec(&["ip", "link", "set", "lo", "up"]);
+    exec(&["ip", "link", "add", "kpb0", "type", "veth", "peer", "name", "kpb1"]);
+    exec(&["ip", "addr", "add", "10.200.0.1/24", "dev", "kpb0"]);
+    exec(&["ip", "addr", "add", &format!("{PROBE_POD_IP}/24"), "dev", "kpb1"]);
+    exec(&["ip", "link", "set", "kpb0", "up"]);
+    exec(&["ip", "link", "set", "kpb1", "up"]);
+    // A route for cluster IPs (as a node has, via its default route): the routing
+    // decision comes before the DNAT in the output hook. It stays inside the namespace.
+    exec(&["ip", "route", "add", "10.95.0.0/16", "dev", "kpb0"]);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let t = Instant::now();
+    std::fs::write(dir.path().join("00-fixed.yaml"), FIXED).expect("write");
+    let mut bytes = FIXED.len();
+    for (k, from) in (0..services).step_by(1000).enumerate() {
+        let y = manifests(from, (from + 1000).min(services), eps);
+        bytes += y.len();
+        std::fs::write(dir.path().join(format!("{k:03}.yaml")), y).expect("write");
+    }
+    let written = t.elapsed();
+    let events = dir.path().join("events.jsonl");
+
+    // The probe endpoint: a listener in the namespace that accepts and closes.
+    let ns_name = name.clone();
+    std::thread::spawn(move || {
+        enter(&ns_name);
+        let l = TcpListener::bind((PROBE_POD_IP, 8080)).expect("bind probe listener");
+        for c in l.incoming() {
+            drop(c);
+        }
+    });
+
+    let manifests_dir = dir.path().join("m");
+    std::fs::create_dir(&manifests_dir).expect("mkdir");
+    for e in std::fs::read_dir(dir.path()).expect("readdir").flatten() {
+        if e.path().extension().is_some_and(|x| x == "yaml") {
+            std::fs::rename(e.path(), manifests_dir.join(e.file_name())).expect("mv");
+        }
+    }
+    let stderr = std::fs::File::create(dir.path().join("kproxy.log")).expect("create kproxy.log");
+    let mut daemon = Daemon(
+        Command::new("ip")
+            .args(["netns", "exec", &ns.0])
+            .arg(kproxy_binary())
+            .args(["run", "--manifests"])
+            .arg(&manifests_dir)
+            .args(["--hostname-override", "node-0", "--event-log"])
+            .arg(&events)
+            .args(["--healthz-bind-address", "127.0.0.1:10256"])
+            .args(["--metrics-bind-address", "127.0.0.1:10249"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn kproxy"),
+    );
+    let pid = daemon.0.id();
+    let first_sync = wait_for_sync(&events, &mut daemon, Duration::from_secs(600));
+    // `ip netns exec` execs the binary, so the child's pid is kproxy's.
+    let rss_after_sync = status_kib(pid, "VmRSS:");
+
+    // First-packet latency: new TCP connections to the probe cluster IP, sequentially.
+    let ns_name = name.clone();
+    let mut samples = std::thread::spawn(move || {
+        enter(&ns_name);
+        let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
+        let mut out = Vec::with_capacity(SAMPLES);
+        for _ in 0..SAMPLES {
+            let t = Instant::now();
+            let s = TcpStream::connect_timeout(&dst, Duration::from_secs(2)).expect("connect through the rules");
+            out.push(t.elapsed());
+            drop(s);
+        }
+        out
+    })
+    .join()
+    .expect("latency thread");
+    samples.sort();
+    let hwm = status_kib(pid, "VmHWM:");
+
+    println!(
+        "{services}x{eps}: manifests {:.1} MB (written in {} ms) | start → first sync {:.2} s | RSS after sync {:.1} MiB, peak {:.1} MiB | first packet (connect) p50 {} µs, p99 {} µs over {SAMPLES}",
+        bytes as f64 / 1e6,
+        written.as_millis(),
+        first_sync.as_secs_f64(),
+        rss_after_sync as f64 / 1024.0,
+        hwm as f64 / 1024.0,
+        percentile(&samples, 0.5).as_micros(),
+        percentile(&samples, 0.99).as_micros(),
+    );
+    let _ = std::io::stdout().flush();
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
+    let _ = daemon.0.wait();
+    if std::env::var_os("DAEMON_BENCH_KEEP").is_some() {
+        println!("  kept {}", dir.keep().display());
+    }
+}
+
+fn main() {
+    assert!(unsafe { libc::geteuid() } == 0, "daemon_bench needs root (network namespaces, nftables)");
+    let sizes: Vec<(usize, usize)> = {
+        let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+        let args = if args.is_empty() { vec!["10x10".into(), "10000x10".into(), "30000x1".into()] } else { args };
+        args.iter()
+            .map(|a| {
+                let (s, e) = a.split_once('x').expect("SIZE is SERVICESxENDPOINTS");
+                (s.parse().expect("services"), e.parse().expect("endpoints"))
+            })
+            .collect()
+    };
+    for (s, e) in sizes {
+        run(s, e);
+    }
+}
