@@ -13,7 +13,9 @@ fn full_plan(c: &mut Criterion) {
         let spec = Spec::new(n, 10);
         let state = synthetic::cluster(&spec);
         let cfg = PlanConfig::default();
-        g.bench_function(format!("{n}x10"), |b| b.iter_with_large_drop(|| kproxy_core::plan(&state, "node-0", &cfg)));
+        g.bench_function(format!("{n}x10"), |b| {
+            b.iter_with_large_drop(|| kproxy_core::plan(&state, "node-0", &cfg))
+        });
     }
     g.finish();
 }

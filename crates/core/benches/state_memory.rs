@@ -2,13 +2,17 @@
 //! endpoints. Run: `cargo bench -p kproxy-core --bench state_memory`.
 //! Reads VmRSS from /proc/self/status (Linux), so it measures real allocations.
 
-use kproxy_core::synthetic::{self, Spec};
 use kproxy_core::PlanConfig;
+use kproxy_core::synthetic::{self, Spec};
 
 fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(str::to_string))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .map(str::to_string)
+        })
         .and_then(|l| l.split_whitespace().nth(1).and_then(|n| n.parse().ok()))
         .unwrap_or(0)
 }

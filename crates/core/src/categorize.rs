@@ -39,7 +39,10 @@ pub struct Context<'a> {
 }
 
 fn fallback_candidate(e: &EndpointState, ctx: &Context) -> bool {
-    ctx.proxy_terminating_endpoints && !e.conditions.ready && e.conditions.serving && e.conditions.terminating
+    ctx.proxy_terminating_endpoints
+        && !e.conditions.ready
+        && e.conditions.serving
+        && e.conditions.terminating
 }
 
 /// Picks the topology mode from the hints of the *ready* endpoints (spec §b.4).
@@ -54,7 +57,9 @@ pub fn topology_mode(endpoints: &[EndpointState], ctx: &Context) -> TopologyMode
             _ => all_node_hints = false,
         }
         match &e.zone_hints {
-            Some(h) if !h.is_empty() => for_zone |= ctx.zone.is_some_and(|z| h.iter().any(|n| n == z)),
+            Some(h) if !h.is_empty() => {
+                for_zone |= ctx.zone.is_some_and(|z| h.iter().any(|n| n == z))
+            }
             _ => all_zone_hints = false,
         }
     }
@@ -74,8 +79,14 @@ pub fn topology_mode(endpoints: &[EndpointState], ctx: &Context) -> TopologyMode
 pub fn passes_topology(e: &EndpointState, mode: &TopologyMode, node_name: &str) -> bool {
     match mode {
         TopologyMode::None => true,
-        TopologyMode::PreferSameNode => e.node_hints.as_ref().is_some_and(|h| h.iter().any(|n| n == node_name)),
-        TopologyMode::PreferSameZone(z) => e.zone_hints.as_ref().is_some_and(|h| h.iter().any(|n| n == z)),
+        TopologyMode::PreferSameNode => e
+            .node_hints
+            .as_ref()
+            .is_some_and(|h| h.iter().any(|n| n == node_name)),
+        TopologyMode::PreferSameZone(z) => e
+            .zone_hints
+            .as_ref()
+            .is_some_and(|h| h.iter().any(|n| n == z)),
     }
 }
 
@@ -93,7 +104,11 @@ pub fn categorize(endpoints: &[EndpointState], ctx: &Context) -> Categorized {
             .map(|e| e.addr)
             .collect();
         if list.is_empty() {
-            list = endpoints.iter().filter(|e| fallback_candidate(e, ctx)).map(|e| e.addr).collect();
+            list = endpoints
+                .iter()
+                .filter(|e| fallback_candidate(e, ctx))
+                .map(|e| e.addr)
+                .collect();
             cluster_uses_terminating = !list.is_empty();
         }
         has_any |= !list.is_empty();
@@ -115,10 +130,18 @@ pub fn categorize(endpoints: &[EndpointState], ctx: &Context) -> Categorized {
             }
         }
         let list: Vec<EndpointAddr> = if local_ready {
-            endpoints.iter().filter(|e| e.is_local && e.conditions.ready).map(|e| e.addr).collect()
+            endpoints
+                .iter()
+                .filter(|e| e.is_local && e.conditions.ready)
+                .map(|e| e.addr)
+                .collect()
         } else if local_fallback {
             local_uses_terminating = true;
-            endpoints.iter().filter(|e| e.is_local && fallback_candidate(e, ctx)).map(|e| e.addr).collect()
+            endpoints
+                .iter()
+                .filter(|e| e.is_local && fallback_candidate(e, ctx))
+                .map(|e| e.addr)
+                .collect()
         } else {
             Vec::new()
         };
@@ -131,7 +154,9 @@ pub fn categorize(endpoints: &[EndpointState], ctx: &Context) -> Categorized {
         (Some(c), None) => c.clone(),
         (None, Some(l)) => l.clone(),
         (None, None) => Vec::new(),
-        (Some(c), Some(_)) if topology == TopologyMode::None && !local_uses_terminating => c.clone(),
+        (Some(c), Some(_)) if topology == TopologyMode::None && !local_uses_terminating => {
+            c.clone()
+        }
         (Some(c), Some(l)) => {
             let mut all: Vec<EndpointAddr> = c.iter().chain(l.iter()).copied().collect();
             all.sort();
@@ -140,5 +165,13 @@ pub fn categorize(endpoints: &[EndpointState], ctx: &Context) -> Categorized {
         }
     };
 
-    Categorized { cluster, local, all_reachable, has_any, topology, local_uses_terminating, cluster_uses_terminating }
+    Categorized {
+        cluster,
+        local,
+        all_reachable,
+        has_any,
+        topology,
+        local_uses_terminating,
+        cluster_uses_terminating,
+    }
 }

@@ -7,7 +7,8 @@ use std::fmt::Write;
 
 use crate::model::{EndpointAddr, TrafficPolicy};
 use crate::plan::{
-    EndpointSet, EndpointState, NodePlan, ServicePlan, ServicePortPlan, SourceClass, TopologyMode, Verdict,
+    EndpointSet, EndpointState, NodePlan, ServicePlan, ServicePortPlan, SourceClass, TopologyMode,
+    Verdict,
 };
 
 /// One line per service port and family, with its frontends and endpoint counts.
@@ -17,8 +18,15 @@ pub fn plan_table(plan: &NodePlan) -> String {
         out,
         "node {}{}{}",
         plan.node,
-        plan.zone.as_deref().map(|z| format!(" (zone {z})")).unwrap_or_default(),
-        if plan.node_eligible { "" } else { " [not eligible: being deleted or drained]" }
+        plan.zone
+            .as_deref()
+            .map(|z| format!(" (zone {z})"))
+            .unwrap_or_default(),
+        if plan.node_eligible {
+            ""
+        } else {
+            " [not eligible: being deleted or drained]"
+        }
     );
     let _ = writeln!(
         out,
@@ -30,19 +38,28 @@ pub fn plan_table(plan: &NodePlan) -> String {
             None => "-".to_string(),
             Some(l) => l.len().to_string(),
         };
-        let ext: Vec<String> =
-            p.load_balancer_ips.iter().map(|ip| format!("lb:{ip}")).chain(p.external_ips.iter().map(|ip| format!("ext:{ip}"))).collect();
+        let ext: Vec<String> = p
+            .load_balancer_ips
+            .iter()
+            .map(|ip| format!("lb:{ip}"))
+            .chain(p.external_ips.iter().map(|ip| format!("ext:{ip}")))
+            .collect();
         let _ = writeln!(
             out,
             "{:<40} {:<5} {:<26} {:>6} {:>7} {:>5} {:>4}  {:<14} {}",
             p.service_port.to_string(),
             p.family.as_str(),
             EndpointAddr::new(p.cluster_ip, p.port).to_string(),
-            p.node_port.map(|n| n.to_string()).unwrap_or_else(|| "-".into()),
+            p.node_port
+                .map(|n| n.to_string())
+                .unwrap_or_else(|| "-".into()),
             count(&p.cluster_endpoints),
             count(&p.local_endpoints),
             p.all_reachable_endpoints.len(),
-            format!("{:?}/{:?}", p.internal_traffic_policy, p.external_traffic_policy),
+            format!(
+                "{:?}/{:?}",
+                p.internal_traffic_policy, p.external_traffic_policy
+            ),
             ext.join(",")
         );
     }
@@ -71,7 +88,10 @@ pub fn explain_service(plan: &NodePlan, svc: &ServicePlan) -> String {
         "Service {} on node {}{}",
         svc.service,
         plan.node,
-        plan.zone.as_deref().map(|z| format!(" (zone {z})")).unwrap_or_default()
+        plan.zone
+            .as_deref()
+            .map(|z| format!(" (zone {z})"))
+            .unwrap_or_default()
     );
     if svc.ports.is_empty() {
         let _ = writeln!(out, "  no ports: nothing is proxied");
@@ -85,7 +105,11 @@ pub fn explain_service(plan: &NodePlan, svc: &ServicePlan) -> String {
                 out,
                 "\nhealth-check node port {}: {} (localEndpoints={}: {})",
                 h.health_check_node_port,
-                if h.local_endpoints > 0 { "200 OK" } else { "503 Service Unavailable" },
+                if h.local_endpoints > 0 {
+                    "200 OK"
+                } else {
+                    "503 Service Unavailable"
+                },
                 h.local_endpoints,
                 if h.local_endpoints > 0 {
                     "this node has ready endpoints; the load balancer keeps sending new connections here"
@@ -95,14 +119,21 @@ pub fn explain_service(plan: &NodePlan, svc: &ServicePlan) -> String {
             );
         }
         None => {
-            let _ = writeln!(out, "\nno health-check node port (only LoadBalancer Services with externalTrafficPolicy Local and a healthCheckNodePort have one)");
+            let _ = writeln!(
+                out,
+                "\nno health-check node port (only LoadBalancer Services with externalTrafficPolicy Local and a healthCheckNodePort have one)"
+            );
         }
     }
     out
 }
 
 fn explain_port(out: &mut String, plan: &NodePlan, p: &ServicePortPlan) {
-    let _ = writeln!(out, "\nport {} ({}), {} {}", p.service_port, p.family, p.protocol, p.port);
+    let _ = writeln!(
+        out,
+        "\nport {} ({}), {} {}",
+        p.service_port, p.family, p.protocol, p.port
+    );
     let _ = writeln!(
         out,
         "  internalTrafficPolicy {:?}, externalTrafficPolicy {:?}{}{}",
@@ -115,13 +146,17 @@ fn explain_port(out: &mut String, plan: &NodePlan, p: &ServicePortPlan) {
         match &p.topology {
             TopologyMode::None => String::new(),
             TopologyMode::PreferSameZone(z) => format!(", topology: endpoints hinted for zone {z}"),
-            TopologyMode::PreferSameNode => ", topology: endpoints hinted for this node".to_string(),
+            TopologyMode::PreferSameNode =>
+                ", topology: endpoints hinted for this node".to_string(),
         }
     );
     if p.endpoints.is_empty() {
         let _ = writeln!(out, "  no endpoints in any EndpointSlice for this port");
     }
-    let mut frontends = vec![format!("cluster IP {}", EndpointAddr::new(p.cluster_ip, p.port))];
+    let mut frontends = vec![format!(
+        "cluster IP {}",
+        EndpointAddr::new(p.cluster_ip, p.port)
+    )];
     let _ = writeln!(out, "  traffic to {}:", frontends.remove(0));
     for r in &p.internal {
         explain_rule(out, plan, p, r.from, r.verdict);
@@ -131,12 +166,20 @@ fn explain_port(out: &mut String, plan: &NodePlan, p: &ServicePortPlan) {
         ext.push(format!("NodePort {np}"));
     }
     ext.extend(p.external_ips.iter().map(|ip| format!("external IP {ip}")));
-    ext.extend(p.load_balancer_ips.iter().map(|ip| format!("load-balancer IP {ip}")));
+    ext.extend(
+        p.load_balancer_ips
+            .iter()
+            .map(|ip| format!("load-balancer IP {ip}")),
+    );
     if !ext.is_empty() {
         let _ = writeln!(out, "  traffic to {}:", ext.join(", "));
         if let Some(fw) = &p.firewall {
             let nets: Vec<String> = fw.allowed_sources.iter().map(|n| n.to_string()).collect();
-            let _ = writeln!(out, "    load-balancer IPs accept new connections only from {}", nets.join(", "));
+            let _ = writeln!(
+                out,
+                "    load-balancer IPs accept new connections only from {}",
+                nets.join(", ")
+            );
         }
         for r in &p.external {
             explain_rule(out, plan, p, r.from, r.verdict);
@@ -144,7 +187,13 @@ fn explain_port(out: &mut String, plan: &NodePlan, p: &ServicePortPlan) {
     }
 }
 
-fn explain_rule(out: &mut String, plan: &NodePlan, p: &ServicePortPlan, from: SourceClass, verdict: Verdict) {
+fn explain_rule(
+    out: &mut String,
+    plan: &NodePlan,
+    p: &ServicePortPlan,
+    from: SourceClass,
+    verdict: Verdict,
+) {
     let who = match from {
         SourceClass::LocalPod => "from pods on this node",
         SourceClass::ThisNode => "from this node itself",
@@ -152,7 +201,10 @@ fn explain_rule(out: &mut String, plan: &NodePlan, p: &ServicePortPlan, from: So
     };
     match verdict {
         Verdict::Reject => {
-            let _ = writeln!(out, "    {who}: REJECT — no ready or serving endpoint anywhere in the cluster");
+            let _ = writeln!(
+                out,
+                "    {who}: REJECT — no ready or serving endpoint anywhere in the cluster"
+            );
         }
         Verdict::Drop => {
             let _ = writeln!(
@@ -160,23 +212,40 @@ fn explain_rule(out: &mut String, plan: &NodePlan, p: &ServicePortPlan, from: So
                 "    {who}: DROP — endpoints exist elsewhere, but none on this node (policy Local); a load balancer retries another node"
             );
             for e in &p.endpoints {
-                let _ = writeln!(out, "      ✗ {} — {}", e.addr, why_not(plan, p, EndpointSet::Local, e));
+                let _ = writeln!(
+                    out,
+                    "      ✗ {} — {}",
+                    e.addr,
+                    why_not(plan, p, EndpointSet::Local, e)
+                );
             }
         }
-        Verdict::Forward { endpoints, masquerade } => {
+        Verdict::Forward {
+            endpoints,
+            masquerade,
+        } => {
             let list = p.endpoints_for(endpoints);
             let _ = writeln!(
                 out,
                 "    {who}: {} endpoint(s) by {:?} policy, {}",
                 list.len(),
                 endpoints,
-                if masquerade { "source masqueraded to this node" } else { "client source address kept" }
+                if masquerade {
+                    "source masqueraded to this node"
+                } else {
+                    "client source address kept"
+                }
             );
             for e in &p.endpoints {
                 if list.contains(&e.addr) {
                     let _ = writeln!(out, "      ✓ {} — {}", e.addr, why_used(e));
                 } else {
-                    let _ = writeln!(out, "      ✗ {} — {}", e.addr, why_not(plan, p, endpoints, e));
+                    let _ = writeln!(
+                        out,
+                        "      ✗ {} — {}",
+                        e.addr,
+                        why_not(plan, p, endpoints, e)
+                    );
                 }
             }
         }
@@ -193,7 +262,11 @@ fn location(e: &EndpointState) -> String {
 fn why_used(e: &EndpointState) -> String {
     let c = e.conditions;
     let state = if c.ready {
-        if c.terminating { "ready (terminating, but ready: publishNotReadyAddresses)" } else { "ready" }
+        if c.terminating {
+            "ready (terminating, but ready: publishNotReadyAddresses)"
+        } else {
+            "ready"
+        }
     } else {
         "serving and terminating: failover, no ready endpoint qualifies"
     };
@@ -201,16 +274,27 @@ fn why_used(e: &EndpointState) -> String {
 }
 
 /// Why endpoint `e` is not in the `set` list of port `p`.
-pub fn why_not(plan: &NodePlan, p: &ServicePortPlan, set: EndpointSet, e: &EndpointState) -> String {
+pub fn why_not(
+    plan: &NodePlan,
+    p: &ServicePortPlan,
+    set: EndpointSet,
+    e: &EndpointState,
+) -> String {
     let c = e.conditions;
     if !c.ready && !c.serving {
-        return format!("not serving{}, {}", if c.terminating { " (terminating)" } else { "" }, location(e));
+        return format!(
+            "not serving{}, {}",
+            if c.terminating { " (terminating)" } else { "" },
+            location(e)
+        );
     }
     if !c.ready && !c.terminating {
         return format!("not ready (serving but not terminating), {}", location(e));
     }
     if set == EndpointSet::Local && !e.is_local {
-        let why = if p.internal_traffic_policy == TrafficPolicy::Local && p.external_traffic_policy != TrafficPolicy::Local {
+        let why = if p.internal_traffic_policy == TrafficPolicy::Local
+            && p.external_traffic_policy != TrafficPolicy::Local
+        {
             "internalTrafficPolicy is Local"
         } else if p.internal_traffic_policy != TrafficPolicy::Local {
             "externalTrafficPolicy is Local"
@@ -236,7 +320,11 @@ pub fn why_not(plan: &NodePlan, p: &ServicePortPlan, set: EndpointSet, e: &Endpo
             None => "has no zone hint".to_string(),
         },
         TopologyMode::PreferSameNode if set == EndpointSet::Cluster => match &e.node_hints {
-            Some(h) => format!("hinted for node {} (this node is {})", h.join(","), plan.node),
+            Some(h) => format!(
+                "hinted for node {} (this node is {})",
+                h.join(","),
+                plan.node
+            ),
             None => "has no node hint".to_string(),
         },
         _ => "not selected (local ready endpoints are preferred)".to_string(),

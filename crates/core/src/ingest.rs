@@ -26,7 +26,8 @@ pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// Label that ties an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
-pub const ANNOTATION_LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+pub const ANNOTATION_LAST_CHANGE_TRIGGER_TIME: &str =
+    "endpoints.kubernetes.io/last-change-trigger-time";
 pub const TAINT_TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
 
 /// Which kind of object a report is about.
@@ -62,7 +63,13 @@ impl fmt::Display for ObjectRef {
             None => "<unnamed>".to_string(),
         };
         match &self.namespace {
-            Some(_) => write!(f, "{} {}/{}", self.kind, show(&self.namespace), show(&self.name)),
+            Some(_) => write!(
+                f,
+                "{} {}/{}",
+                self.kind,
+                show(&self.namespace),
+                show(&self.name)
+            ),
             None => write!(f, "{} {}", self.kind, show(&self.name)),
         }
     }
@@ -99,7 +106,9 @@ impl fmt::Display for NotProxied {
         f.write_str(match self {
             NotProxied::ExternalName => "type ExternalName is not proxied",
             NotProxied::Headless => "headless Service (no cluster IP) is not proxied",
-            NotProxied::OtherProxy => "labelled service.kubernetes.io/service-proxy-name for another proxy",
+            NotProxied::OtherProxy => {
+                "labelled service.kubernetes.io/service-proxy-name for another proxy"
+            }
         })
     }
 }
@@ -138,12 +147,20 @@ struct Ctx {
 impl Ctx {
     fn new(kind: Kind, meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Ctx {
         Ctx {
-            object: ObjectRef { kind, namespace: meta.namespace.clone(), name: meta.name.clone() },
+            object: ObjectRef {
+                kind,
+                namespace: meta.namespace.clone(),
+                name: meta.name.clone(),
+            },
             warnings: Vec::new(),
         }
     }
     fn err(&self, field: impl Into<String>, reason: impl Into<String>) -> IngestError {
-        IngestError { object: self.object.clone(), field: field.into(), reason: reason.into() }
+        IngestError {
+            object: self.object.clone(),
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
     fn warn(&mut self, field: impl Into<String>, reason: impl Into<String>) {
         let e = self.err(field, reason);
@@ -155,7 +172,8 @@ impl Ctx {
 pub fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !s.starts_with('-')
         && !s.ends_with('-')
 }
@@ -175,7 +193,8 @@ pub fn is_port_name(s: &str) -> bool {
 pub fn is_label_value(s: &str) -> bool {
     s.is_empty()
         || (s.len() <= 63
-            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
             && s.as_bytes()[0].is_ascii_alphanumeric()
             && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric())
 }
@@ -210,22 +229,41 @@ pub fn parse_cidr(s: &str) -> Option<IpNet> {
     IpNet::new(ip, len).ok().map(|n| n.trunc())
 }
 
-fn check_meta_name(ctx: &Ctx, namespaced: bool, subdomain: bool) -> Result<(String, String), IngestError> {
+fn check_meta_name(
+    ctx: &Ctx,
+    namespaced: bool,
+    subdomain: bool,
+) -> Result<(String, String), IngestError> {
     let ns = if namespaced {
         match &ctx.object.namespace {
             Some(ns) if is_dns_label(ns) => ns.clone(),
-            Some(_) => return Err(ctx.err(".metadata.namespace", "not a valid namespace (DNS-1123 label)")),
+            Some(_) => {
+                return Err(ctx.err(
+                    ".metadata.namespace",
+                    "not a valid namespace (DNS-1123 label)",
+                ));
+            }
             None => return Err(ctx.err(".metadata.namespace", "missing")),
         }
     } else {
         String::new()
     };
-    let valid = |n: &str| if subdomain { is_dns_subdomain(n) } else { is_dns_label(n) };
+    let valid = |n: &str| {
+        if subdomain {
+            is_dns_subdomain(n)
+        } else {
+            is_dns_label(n)
+        }
+    };
     match &ctx.object.name {
         Some(n) if valid(n) => Ok((ns, n.clone())),
         Some(_) => Err(ctx.err(
             ".metadata.name",
-            if subdomain { "not a valid name (DNS-1123 subdomain)" } else { "not a valid name (DNS-1123 label)" },
+            if subdomain {
+                "not a valid name (DNS-1123 subdomain)"
+            } else {
+                "not a valid name (DNS-1123 label)"
+            },
         )),
         None => Err(ctx.err(".metadata.name", "missing")),
     }
@@ -236,7 +274,10 @@ fn port_number(v: i32) -> Option<u16> {
 }
 
 /// Ingests a Service (spec §a.1, §a.2).
-pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOutcome, IngestError> {
+pub fn service(
+    svc: &corev1::Service,
+    ownership: &Ownership,
+) -> Result<ServiceOutcome, IngestError> {
     let mut ctx = Ctx::new(Kind::Service, &svc.metadata);
     let (namespace, name) = check_meta_name(&ctx, true, false)?;
     let sname = ServiceName::new(namespace, name);
@@ -254,8 +295,15 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
         None | Some("ClusterIP") => ServiceType::ClusterIP,
         Some("NodePort") => ServiceType::NodePort,
         Some("LoadBalancer") => ServiceType::LoadBalancer,
-        Some("ExternalName") => return Ok(ServiceOutcome::NotProxied(sname, NotProxied::ExternalName)),
-        Some(other) => return Err(ctx.err(".spec.type", format!("unknown type {:?}", other.escape_debug().to_string()))),
+        Some("ExternalName") => {
+            return Ok(ServiceOutcome::NotProxied(sname, NotProxied::ExternalName));
+        }
+        Some(other) => {
+            return Err(ctx.err(
+                ".spec.type",
+                format!("unknown type {:?}", other.escape_debug().to_string()),
+            ));
+        }
     };
     let primary = spec.cluster_ip.as_deref().unwrap_or("");
     if primary.is_empty() || primary == "None" {
@@ -266,7 +314,8 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
     let mut cluster_ips = BTreeMap::new();
     let families = spec.ip_families.as_deref().unwrap_or(&[]);
     if families.is_empty() {
-        let ip = parse_ip(primary).ok_or_else(|| ctx.err(".spec.clusterIP", "not an IP address"))?;
+        let ip =
+            parse_ip(primary).ok_or_else(|| ctx.err(".spec.clusterIP", "not an IP address"))?;
         cluster_ips.insert(IpFamily::of(&ip), ip);
     } else {
         let ips: Vec<&str> = match &spec.cluster_ips {
@@ -278,20 +327,32 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
                 "IPv4" => IpFamily::IPv4,
                 "IPv6" => IpFamily::IPv6,
                 _ => {
-                    ctx.warn(format!(".spec.ipFamilies[{i}]"), "unknown IP family; ignored");
+                    ctx.warn(
+                        format!(".spec.ipFamilies[{i}]"),
+                        "unknown IP family; ignored",
+                    );
                     continue;
                 }
             };
             let Some(s) = ips.get(i) else {
-                ctx.warn(format!(".spec.clusterIPs[{i}]"), format!("missing for family {family}"));
+                ctx.warn(
+                    format!(".spec.clusterIPs[{i}]"),
+                    format!("missing for family {family}"),
+                );
                 continue;
             };
             match parse_ip(s) {
                 Some(ip) if family.contains(&ip) => {
                     cluster_ips.insert(family, ip);
                 }
-                Some(_) => ctx.warn(format!(".spec.clusterIPs[{i}]"), format!("not an {family} address; ignored")),
-                None => ctx.warn(format!(".spec.clusterIPs[{i}]"), "not an IP address; ignored"),
+                Some(_) => ctx.warn(
+                    format!(".spec.clusterIPs[{i}]"),
+                    format!("not an {family} address; ignored"),
+                ),
+                None => ctx.warn(
+                    format!(".spec.clusterIPs[{i}]"),
+                    "not an IP address; ignored",
+                ),
             }
         }
         if cluster_ips.is_empty() {
@@ -304,7 +365,10 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
         let field = format!(".spec.ports[{i}]");
         let pname = p.name.clone().unwrap_or_default();
         if !is_port_name(&pname) {
-            ctx.warn(format!("{field}.name"), "not a valid port name; port ignored");
+            ctx.warn(
+                format!("{field}.name"),
+                "not a valid port name; port ignored",
+            );
             continue;
         }
         let protocol = match p.protocol.as_deref() {
@@ -312,13 +376,19 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
             Some(s) => match Protocol::parse(s) {
                 Some(proto) => proto,
                 None => {
-                    ctx.warn(format!("{field}.protocol"), "unknown protocol; port ignored");
+                    ctx.warn(
+                        format!("{field}.protocol"),
+                        "unknown protocol; port ignored",
+                    );
                     continue;
                 }
             },
         };
         let Some(port) = port_number(p.port) else {
-            ctx.warn(format!("{field}.port"), "not a port number (1-65535); port ignored");
+            ctx.warn(
+                format!("{field}.port"),
+                "not a port number (1-65535); port ignored",
+            );
             continue;
         };
         let node_port = match p.node_port {
@@ -326,45 +396,77 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
             Some(n) => match port_number(n) {
                 Some(n) => Some(n),
                 None => {
-                    ctx.warn(format!("{field}.nodePort"), "not a port number; NodePort ignored");
+                    ctx.warn(
+                        format!("{field}.nodePort"),
+                        "not a port number; NodePort ignored",
+                    );
                     None
                 }
             },
         };
-        if ports.iter().any(|q: &ServicePort| q.name == pname && q.protocol == protocol) {
+        if ports
+            .iter()
+            .any(|q: &ServicePort| q.name == pname && q.protocol == protocol)
+        {
             ctx.warn(field, "duplicate (name, protocol); port ignored");
             continue;
         }
-        ports.push(ServicePort { name: pname, protocol, port, node_port });
+        ports.push(ServicePort {
+            name: pname,
+            protocol,
+            port,
+            node_port,
+        });
     }
 
     let mut external_ips = Vec::new();
     for (i, s) in spec.external_ips.iter().flatten().enumerate() {
         match parse_ip(s.trim()) {
             Some(ip) => external_ips.push(ip),
-            None => ctx.warn(format!(".spec.externalIPs[{i}]"), "not an IP address; ignored"),
+            None => ctx.warn(
+                format!(".spec.externalIPs[{i}]"),
+                "not an IP address; ignored",
+            ),
         }
     }
 
     let mut load_balancer_ips = Vec::new();
-    if let Some(ingress) = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref()) {
+    if let Some(ingress) = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|l| l.ingress.as_ref())
+    {
         for (i, ing) in ingress.iter().enumerate() {
             if ing.ip_mode.as_deref() == Some("Proxy") {
                 continue;
             }
-            let Some(s) = ing.ip.as_deref().filter(|s| !s.is_empty()) else { continue };
+            let Some(s) = ing.ip.as_deref().filter(|s| !s.is_empty()) else {
+                continue;
+            };
             match parse_ip(s) {
                 Some(ip) => load_balancer_ips.push(ip),
-                None => ctx.warn(format!(".status.loadBalancer.ingress[{i}].ip"), "not an IP address; ignored"),
+                None => ctx.warn(
+                    format!(".status.loadBalancer.ingress[{i}].ip"),
+                    "not an IP address; ignored",
+                ),
             }
         }
     }
 
     let mut load_balancer_source_ranges = Vec::new();
-    for (i, s) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
+    for (i, s) in spec
+        .load_balancer_source_ranges
+        .iter()
+        .flatten()
+        .enumerate()
+    {
         match parse_cidr(s) {
             Some(net) => load_balancer_source_ranges.push(net),
-            None => ctx.warn(format!(".spec.loadBalancerSourceRanges[{i}]"), "not a CIDR; ignored"),
+            None => ctx.warn(
+                format!(".spec.loadBalancerSourceRanges[{i}]"),
+                "not a CIDR; ignored",
+            ),
         }
     }
 
@@ -376,8 +478,16 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
             TrafficPolicy::Cluster
         }
     };
-    let external_traffic_policy = policy(spec.external_traffic_policy.as_deref(), ".spec.externalTrafficPolicy", &mut ctx);
-    let internal_traffic_policy = policy(spec.internal_traffic_policy.as_deref(), ".spec.internalTrafficPolicy", &mut ctx);
+    let external_traffic_policy = policy(
+        spec.external_traffic_policy.as_deref(),
+        ".spec.externalTrafficPolicy",
+        &mut ctx,
+    );
+    let internal_traffic_policy = policy(
+        spec.internal_traffic_policy.as_deref(),
+        ".spec.internalTrafficPolicy",
+        &mut ctx,
+    );
 
     let health_check_node_port = match spec.health_check_node_port {
         None | Some(0) => None,
@@ -399,7 +509,10 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
                 .and_then(|c| c.timeout_seconds)
                 .unwrap_or(10800);
             if !(1..=86400).contains(&t) {
-                ctx.warn(".spec.sessionAffinityConfig.clientIP.timeoutSeconds", "must be 1-86400; using 10800");
+                ctx.warn(
+                    ".spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                    "must be 1-86400; using 10800",
+                );
                 Some(10800)
             } else {
                 Some(t as u32)
@@ -408,7 +521,10 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
         _ => None,
     };
 
-    let traffic_distribution = spec.traffic_distribution.clone().filter(|s| is_label_value(s));
+    let traffic_distribution = spec
+        .traffic_distribution
+        .clone()
+        .filter(|s| is_label_value(s));
 
     Ok(ServiceOutcome::Proxied(Ingested {
         value: Service {
@@ -434,32 +550,58 @@ pub fn service(svc: &corev1::Service, ownership: &Ownership) -> Result<ServiceOu
 pub enum SliceOutcome {
     Used(Ingested<EndpointSlice>),
     /// A valid slice kproxy does not use (FQDN, or labelled for another proxy / headless).
-    Ignored { namespace: String, name: String, reason: &'static str },
+    Ignored {
+        namespace: String,
+        name: String,
+        reason: &'static str,
+    },
 }
 
 /// Ingests an EndpointSlice (spec §a.3).
-pub fn endpoint_slice(slice: &discoveryv1::EndpointSlice, ownership: &Ownership) -> Result<SliceOutcome, IngestError> {
+pub fn endpoint_slice(
+    slice: &discoveryv1::EndpointSlice,
+    ownership: &Ownership,
+) -> Result<SliceOutcome, IngestError> {
     let mut ctx = Ctx::new(Kind::EndpointSlice, &slice.metadata);
     let (namespace, name) = check_meta_name(&ctx, true, true)?;
     let labels = slice.metadata.labels.as_ref();
     if !ownership.owns(labels) {
-        return Ok(SliceOutcome::Ignored { namespace, name, reason: "labelled for another proxy" });
+        return Ok(SliceOutcome::Ignored {
+            namespace,
+            name,
+            reason: "labelled for another proxy",
+        });
     }
     if labels.is_some_and(|l| l.contains_key(LABEL_HEADLESS)) {
-        return Ok(SliceOutcome::Ignored { namespace, name, reason: "belongs to a headless Service" });
+        return Ok(SliceOutcome::Ignored {
+            namespace,
+            name,
+            reason: "belongs to a headless Service",
+        });
     }
     let service_name = match labels.and_then(|l| l.get(LABEL_SERVICE_NAME)) {
         Some(s) if is_dns_label(s) => s.clone(),
         Some(s) if s.is_empty() => {
             return Err(ctx.err(format!(".metadata.labels[{LABEL_SERVICE_NAME}]"), "empty"));
         }
-        Some(_) => return Err(ctx.err(format!(".metadata.labels[{LABEL_SERVICE_NAME}]"), "not a valid Service name")),
+        Some(_) => {
+            return Err(ctx.err(
+                format!(".metadata.labels[{LABEL_SERVICE_NAME}]"),
+                "not a valid Service name",
+            ));
+        }
         None => return Err(ctx.err(format!(".metadata.labels[{LABEL_SERVICE_NAME}]"), "missing")),
     };
     let family = match slice.address_type.as_str() {
         "IPv4" => IpFamily::IPv4,
         "IPv6" => IpFamily::IPv6,
-        "FQDN" => return Ok(SliceOutcome::Ignored { namespace, name, reason: "addressType FQDN is not proxied" }),
+        "FQDN" => {
+            return Ok(SliceOutcome::Ignored {
+                namespace,
+                name,
+                reason: "addressType FQDN is not proxied",
+            });
+        }
         _ => return Err(ctx.err(".addressType", "must be IPv4, IPv6 or FQDN")),
     };
 
@@ -467,37 +609,59 @@ pub fn endpoint_slice(slice: &discoveryv1::EndpointSlice, ownership: &Ownership)
     for (i, p) in slice.ports.iter().flatten().enumerate() {
         let field = format!(".ports[{i}]");
         // Upstream skips a port whose name is absent (nil) or whose number is absent/0.
-        let Some(pname) = p.name.clone() else { continue };
+        let Some(pname) = p.name.clone() else {
+            continue;
+        };
         if !is_port_name(&pname) {
-            ctx.warn(format!("{field}.name"), "not a valid port name; port ignored");
+            ctx.warn(
+                format!("{field}.name"),
+                "not a valid port name; port ignored",
+            );
             continue;
         }
-        let Some(port) = p.port.and_then(port_number) else { continue };
+        let Some(port) = p.port.and_then(port_number) else {
+            continue;
+        };
         let protocol = match p.protocol.as_deref() {
             None => Protocol::TCP,
             Some(s) => match Protocol::parse(s) {
                 Some(proto) => proto,
                 None => {
-                    ctx.warn(format!("{field}.protocol"), "unknown protocol; port ignored");
+                    ctx.warn(
+                        format!("{field}.protocol"),
+                        "unknown protocol; port ignored",
+                    );
                     continue;
                 }
             },
         };
-        ports.push(SlicePort { name: pname, protocol, port });
+        ports.push(SlicePort {
+            name: pname,
+            protocol,
+            port,
+        });
     }
 
     let mut endpoints = Vec::new();
     for (i, e) in slice.endpoints.iter().enumerate() {
         let field = format!(".endpoints[{i}]");
-        let Some(first) = e.addresses.first() else { continue };
+        let Some(first) = e.addresses.first() else {
+            continue;
+        };
         let ip = match parse_ip(first) {
             Some(ip) if family.contains(&ip) => ip,
             Some(_) => {
-                ctx.warn(format!("{field}.addresses[0]"), format!("not an {family} address; endpoint ignored"));
+                ctx.warn(
+                    format!("{field}.addresses[0]"),
+                    format!("not an {family} address; endpoint ignored"),
+                );
                 continue;
             }
             None => {
-                ctx.warn(format!("{field}.addresses[0]"), "not an IP address; endpoint ignored");
+                ctx.warn(
+                    format!("{field}.addresses[0]"),
+                    "not an IP address; endpoint ignored",
+                );
                 continue;
             }
         };
@@ -511,7 +675,10 @@ pub fn endpoint_slice(slice: &discoveryv1::EndpointSlice, ownership: &Ownership)
             None | Some("") => None,
             Some(n) if is_dns_subdomain(n) => Some(n.into()),
             Some(_) => {
-                ctx.warn(format!("{field}.nodeName"), "not a valid node name; treated as remote");
+                ctx.warn(
+                    format!("{field}.nodeName"),
+                    "not a valid node name; treated as remote",
+                );
                 None
             }
         };
@@ -523,30 +690,51 @@ pub fn endpoint_slice(slice: &discoveryv1::EndpointSlice, ownership: &Ownership)
                 None
             }
         };
-        let hint_list = |list: Option<Vec<String>>, what: &str, ctx: &mut Ctx| -> Option<std::sync::Arc<[String]>> {
+        let hint_list = |list: Option<Vec<String>>,
+                         what: &str,
+                         ctx: &mut Ctx|
+         -> Option<std::sync::Arc<[String]>> {
             let list = list?;
             let mut out = Vec::new();
             for (j, n) in list.into_iter().enumerate() {
                 if is_label_value(&n) && !n.is_empty() {
                     out.push(n);
                 } else {
-                    ctx.warn(format!("{field}.hints.{what}[{j}].name"), "not a valid name; hint ignored");
+                    ctx.warn(
+                        format!("{field}.hints.{what}[{j}].name"),
+                        "not a valid name; hint ignored",
+                    );
                 }
             }
-            if out.is_empty() { None } else { Some(out.into()) }
+            if out.is_empty() {
+                None
+            } else {
+                Some(out.into())
+            }
         };
         let hints = e.hints.as_ref();
         let zone_hints = hint_list(
-            hints.and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()),
+            hints
+                .and_then(|h| h.for_zones.as_ref())
+                .map(|z| z.iter().map(|z| z.name.clone()).collect()),
             "forZones",
             &mut ctx,
         );
         let node_hints = hint_list(
-            hints.and_then(|h| h.for_nodes.as_ref()).map(|n| n.iter().map(|n| n.name.clone()).collect()),
+            hints
+                .and_then(|h| h.for_nodes.as_ref())
+                .map(|n| n.iter().map(|n| n.name.clone()).collect()),
             "forNodes",
             &mut ctx,
         );
-        endpoints.push(SliceEndpoint { ip, conditions, node_name, zone, zone_hints, node_hints });
+        endpoints.push(SliceEndpoint {
+            ip,
+            conditions,
+            node_name,
+            zone,
+            zone_hints,
+            node_hints,
+        });
     }
 
     let last_change_trigger_time = slice
@@ -579,7 +767,10 @@ pub fn node(n: &corev1::Node) -> Result<Ingested<Node>, IngestError> {
         if is_label_value(v) && k.len() <= 317 && k.bytes().all(|b| b.is_ascii_graphic()) {
             labels.insert(k.clone(), v.clone());
         } else {
-            ctx.warn(format!(".metadata.labels[{}]", k.escape_debug()), "not a valid label; ignored");
+            ctx.warn(
+                format!(".metadata.labels[{}]", k.escape_debug()),
+                "not a valid label; ignored",
+            );
         }
     }
     let zone = labels.get(LABEL_ZONE).filter(|z| !z.is_empty()).cloned();
@@ -590,7 +781,10 @@ pub fn node(n: &corev1::Node) -> Result<Ingested<Node>, IngestError> {
                 match parse_ip(&a.address) {
                     Some(ip) if !addresses.contains(&ip) => addresses.push(ip),
                     Some(_) => {}
-                    None => ctx.warn(format!(".status.addresses[{i}].address"), "not an IP address; ignored"),
+                    None => ctx.warn(
+                        format!(".status.addresses[{i}].address"),
+                        "not an IP address; ignored",
+                    ),
                 }
             }
         }
@@ -608,10 +802,19 @@ pub fn node(n: &corev1::Node) -> Result<Ingested<Node>, IngestError> {
         }
     }
     let deleting = n.metadata.deletion_timestamp.is_some();
-    let to_be_deleted_by_autoscaler =
-        spec.and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
+    let to_be_deleted_by_autoscaler = spec
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
     Ok(Ingested {
-        value: Node { name, zone, labels, addresses, pod_cidrs, deleting, to_be_deleted_by_autoscaler },
+        value: Node {
+            name,
+            zone,
+            labels,
+            addresses,
+            pod_cidrs,
+            deleting,
+            to_be_deleted_by_autoscaler,
+        },
         warnings: ctx.warnings,
     })
 }
@@ -622,8 +825,14 @@ mod tests {
 
     #[test]
     fn sloppy_ipv4_reads_leading_zeros_as_decimal() {
-        assert_eq!(parse_ip("172.30.0.041"), Some("172.30.0.41".parse().unwrap()));
-        assert_eq!(parse_ip("010.001.002.003"), Some("10.1.2.3".parse().unwrap()));
+        assert_eq!(
+            parse_ip("172.30.0.041"),
+            Some("172.30.0.41".parse().unwrap())
+        );
+        assert_eq!(
+            parse_ip("010.001.002.003"),
+            Some("10.1.2.3".parse().unwrap())
+        );
         assert_eq!(parse_ip("1.2.3.256"), None);
         assert_eq!(parse_ip("1.2.3"), None);
         assert_eq!(parse_ip("fd00::1"), Some("fd00::1".parse().unwrap()));
@@ -631,7 +840,10 @@ mod tests {
 
     #[test]
     fn cidrs_are_trimmed_and_normalised() {
-        assert_eq!(parse_cidr(" 10.0.0.5/8 "), Some("10.0.0.0/8".parse().unwrap()));
+        assert_eq!(
+            parse_cidr(" 10.0.0.5/8 "),
+            Some("10.0.0.0/8".parse().unwrap())
+        );
         assert_eq!(parse_cidr("bogus"), None);
     }
 

@@ -71,7 +71,10 @@ pub const MAX_OBJECTS_PER_FILE: usize = 1_000_000;
 /// Parses one file's text into the objects kproxy consumes.
 pub fn parse(file: &str, text: &str) -> Parsed {
     let (values, errors) = documents(file, text);
-    let mut out = Parsed { objects: Vec::new(), errors };
+    let mut out = Parsed {
+        objects: Vec::new(),
+        errors,
+    };
     for (location, v) in values {
         read_object(v, location, &mut out);
     }
@@ -114,11 +117,20 @@ pub fn documents(file: &str, text: &str) -> (Vec<(Location, Value)>, Vec<Manifes
         }
     };
     for (document, doc) in docs.into_iter().enumerate() {
-        let location = Location { file: file.to_string(), document, item: None };
+        let location = Location {
+            file: file.to_string(),
+            document,
+            item: None,
+        };
         match doc {
             Ok(Value::Null) => {}
             Ok(v) => flatten_lists(v, location, &mut values, &mut errors),
-            Err(reason) => errors.push(ManifestError { location, what: "document".into(), field: ".".into(), reason }),
+            Err(reason) => errors.push(ManifestError {
+                location,
+                what: "document".into(),
+                field: ".".into(),
+                reason,
+            }),
         }
         if values.len() + errors.len() >= MAX_OBJECTS_PER_FILE {
             break;
@@ -150,8 +162,17 @@ fn split_yaml_documents(text: &str) -> Vec<&str> {
     docs.into_iter().filter(|d| !d.trim().is_empty()).collect()
 }
 
-fn flatten_lists(v: Value, location: Location, values: &mut Vec<(Location, Value)>, errors: &mut Vec<ManifestError>) {
-    let kind = v.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
+fn flatten_lists(
+    v: Value,
+    location: Location,
+    values: &mut Vec<(Location, Value)>,
+    errors: &mut Vec<ManifestError>,
+) {
+    let kind = v
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
     if !(kind.ends_with("List") && v.get("items").is_some()) {
         values.push((location, v));
         return;
@@ -161,17 +182,31 @@ fn flatten_lists(v: Value, location: Location, values: &mut Vec<(Location, Value
         Some(Value::Array(items)) => items,
         Some(Value::Null) | None => Vec::new(),
         Some(_) => {
-            errors.push(ManifestError { location, what: kind, field: ".items".into(), reason: "not a list".into() });
+            errors.push(ManifestError {
+                location,
+                what: kind,
+                field: ".items".into(),
+                reason: "not a list".into(),
+            });
             return;
         }
     };
     // Items of a typed list (ServiceList) may omit kind.
-    let item_kind = kind.strip_suffix("List").filter(|k| !k.is_empty()).map(str::to_string);
+    let item_kind = kind
+        .strip_suffix("List")
+        .filter(|k| !k.is_empty())
+        .map(str::to_string);
     for (i, mut item) in items.into_iter().enumerate() {
         if let (Some(k), Value::Object(m)) = (&item_kind, &mut item) {
             m.entry("kind").or_insert_with(|| Value::String(k.clone()));
         }
-        values.push((Location { item: Some(i), ..location.clone() }, item));
+        values.push((
+            Location {
+                item: Some(i),
+                ..location.clone()
+            },
+            item,
+        ));
     }
 }
 
@@ -190,14 +225,23 @@ fn read_object(v: Value, location: Location, out: &mut Parsed) {
     };
     match result {
         Ok(object) => out.objects.push(Located { location, object }),
-        Err((field, reason)) => out.errors.push(ManifestError { location, what, field, reason }),
+        Err((field, reason)) => out.errors.push(ManifestError {
+            location,
+            what,
+            field,
+            reason,
+        }),
     }
 }
 
 fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
     serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
         let path = e.path().to_string();
-        let field = if path == "." { ".".to_string() } else { format!(".{path}") };
+        let field = if path == "." {
+            ".".to_string()
+        } else {
+            format!(".{path}")
+        };
         (field, e.into_inner().to_string())
     })
 }
@@ -206,7 +250,11 @@ fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
 fn describe(v: &Value) -> String {
     let kind = v.get("kind").and_then(Value::as_str).unwrap_or("document");
     let meta = v.get("metadata");
-    let s = |k: &str| meta.and_then(|m| m.get(k)).and_then(Value::as_str).map(|s| s.escape_debug().to_string());
+    let s = |k: &str| {
+        meta.and_then(|m| m.get(k))
+            .and_then(Value::as_str)
+            .map(|s| s.escape_debug().to_string())
+    };
     match (s("namespace"), s("name")) {
         (Some(ns), Some(n)) => format!("{kind} {ns}/{n}"),
         (None, Some(n)) => format!("{kind} {n}"),
@@ -251,7 +299,11 @@ ports: [{port: 8080, name: ""}]
         assert_eq!(e.location.document, 1);
         assert_eq!(e.what, "EndpointSlice shop/web-bad");
         assert_eq!(e.field, ".endpoints[0].conditions.ready");
-        assert!(e.to_string().starts_with("web.yaml: document 1: EndpointSlice shop/web-bad"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("web.yaml: document 1: EndpointSlice shop/web-bad"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -277,7 +329,9 @@ ports: [{port: 8080, name: ""}]
     fn document_markers_with_content_comments_and_directives_split_as_yaml_does() {
         let svc = "kind: Service\napiVersion: v1\nmetadata: {name: a, namespace: d}\nspec: {clusterIP: 10.96.0.1}\n";
         let node = "kind: Node\napiVersion: v1\nmetadata: {name: n1}\n";
-        let inline = format!("--- # first\n{svc}--- {{kind: Node, apiVersion: v1, metadata: {{name: n2}}}}\n---\n{node}");
+        let inline = format!(
+            "--- # first\n{svc}--- {{kind: Node, apiVersion: v1, metadata: {{name: n2}}}}\n---\n{node}"
+        );
         let p = parse("x.yaml", &inline);
         assert_eq!((p.objects.len(), p.errors.len()), (3, 0), "{:?}", p.errors);
         let directive = format!("%YAML 1.2\n---\n{svc}...\n---\n{node}");

@@ -100,7 +100,10 @@ pub struct ServiceName {
 
 impl ServiceName {
     pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> Self {
-        ServiceName { namespace: namespace.into(), name: name.into() }
+        ServiceName {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
     }
 
     /// Parses `ns/name`.
@@ -128,7 +131,8 @@ impl Serialize for ServiceName {
 impl<'de> Deserialize<'de> for ServiceName {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        ServiceName::parse(&s).ok_or_else(|| serde::de::Error::custom(format!("not ns/name: {s:?}")))
+        ServiceName::parse(&s)
+            .ok_or_else(|| serde::de::Error::custom(format!("not ns/name: {s:?}")))
     }
 }
 
@@ -202,14 +206,17 @@ impl Serialize for EndpointAddr {
 impl<'de> Deserialize<'de> for EndpointAddr {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        let sa: std::net::SocketAddr =
-            s.parse().map_err(|_| serde::de::Error::custom(format!("not ip:port: {s:?}")))?;
+        let sa: std::net::SocketAddr = s
+            .parse()
+            .map_err(|_| serde::de::Error::custom(format!("not ip:port: {s:?}")))?;
         Ok(EndpointAddr::new(sa.ip(), sa.port()))
     }
 }
 
 /// externalTrafficPolicy / internalTrafficPolicy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub enum TrafficPolicy {
     #[default]
     Cluster,
@@ -217,7 +224,9 @@ pub enum TrafficPolicy {
 }
 
 /// `spec.type` of a Service that kproxy proxies (ExternalName is never ingested).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub enum ServiceType {
     #[default]
     ClusterIP,
@@ -331,7 +340,10 @@ pub struct Node {
 impl Node {
     /// The node's primary IP of a family: the first address of that family.
     pub fn primary_ip(&self, family: IpFamily) -> Option<IpAddr> {
-        self.addresses.iter().copied().find(|ip| family.contains(ip))
+        self.addresses
+            .iter()
+            .copied()
+            .find(|ip| family.contains(ip))
     }
 
     /// A node that a load balancer for eTP-Cluster Services may use (upstream

@@ -39,7 +39,9 @@ impl NodePlan {
 
     /// Health-check node ports this node must serve, in service order.
     pub fn health_checks(&self) -> impl Iterator<Item = &HealthCheck> {
-        self.services.values().filter_map(|s| s.health_check.as_ref())
+        self.services
+            .values()
+            .filter_map(|s| s.health_check.as_ref())
     }
 
     pub fn family(&self, family: IpFamily) -> &FamilyPlan {
@@ -165,12 +167,17 @@ impl ServicePortPlan {
 
     /// Endpoints that conntrack cleanup keeps flows to: ready or serving.
     pub fn serving_endpoints(&self) -> impl Iterator<Item = EndpointAddr> + '_ {
-        self.endpoints.iter().filter(|e| e.conditions.ready || e.conditions.serving).map(|e| e.addr)
+        self.endpoints
+            .iter()
+            .filter(|e| e.conditions.ready || e.conditions.serving)
+            .map(|e| e.addr)
     }
 
     /// True when the port has any external frontend (NodePort, external IP, LB IP).
     pub fn externally_accessible(&self) -> bool {
-        self.node_port.is_some() || !self.external_ips.is_empty() || !self.load_balancer_ips.is_empty()
+        self.node_port.is_some()
+            || !self.external_ips.is_empty()
+            || !self.load_balancer_ips.is_empty()
     }
 }
 
@@ -219,7 +226,10 @@ pub enum EndpointSet {
 pub enum Verdict {
     /// DNAT to one endpoint of the set (affinity first, then uniform random). The set is
     /// never empty.
-    Forward { endpoints: EndpointSet, masquerade: bool },
+    Forward {
+        endpoints: EndpointSet,
+        masquerade: bool,
+    },
     /// Silently dropped: endpoints exist, but none for this traffic.
     Drop,
     /// Rejected (ICMP port unreachable / TCP reset): no usable endpoint anywhere.

@@ -28,7 +28,17 @@ pub fn plan(state: &ClusterState, node_name: &str, config: &PlanConfig) -> NodeP
     let facts = NodeFacts::new(node_name, state.node(), config);
     let services = state
         .services()
-        .map(|svc| (svc.name.clone(), Arc::new(plan_service(svc, state.slices_of(&svc.name), &facts, config))))
+        .map(|svc| {
+            (
+                svc.name.clone(),
+                Arc::new(plan_service(
+                    svc,
+                    state.slices_of(&svc.name),
+                    &facts,
+                    config,
+                )),
+            )
+        })
         .collect();
     facts.into_plan(services)
 }
@@ -64,7 +74,12 @@ impl Planner {
     pub fn new(node_name: impl Into<String>, config: PlanConfig) -> Planner {
         let node_name = node_name.into();
         let facts = NodeFacts::new(&node_name, None, &config);
-        Planner { plan: facts.into_plan(BTreeMap::new()), node_name, config, config_changed: true }
+        Planner {
+            plan: facts.into_plan(BTreeMap::new()),
+            node_name,
+            config,
+            config_changed: true,
+        }
     }
 
     pub fn plan(&self) -> &NodePlan {
@@ -94,7 +109,9 @@ impl Planner {
                 || new.node_eligible != self.plan.node_eligible
                 || new.families != self.plan.families;
             for name in self.plan.services.keys().chain(new.services.keys()) {
-                if self.plan.services.get(name) != new.services.get(name) && !update.services.contains(name) {
+                if self.plan.services.get(name) != new.services.get(name)
+                    && !update.services.contains(name)
+                {
                     update.services.push(name.clone());
                 }
             }
@@ -110,7 +127,14 @@ impl Planner {
             return update;
         }
         for name in changes.services {
-            let new = state.service(&name).map(|svc| Arc::new(plan_service(svc, state.slices_of(&name), &facts, &self.config)));
+            let new = state.service(&name).map(|svc| {
+                Arc::new(plan_service(
+                    svc,
+                    state.slices_of(&name),
+                    &facts,
+                    &self.config,
+                ))
+            });
             match (self.plan.services.entry(name.clone()), new) {
                 (Entry::Occupied(mut o), Some(new)) => {
                     if **o.get() != *new {
@@ -144,14 +168,23 @@ struct NodeFacts<'a> {
 
 impl<'a> NodeFacts<'a> {
     fn new(name: &'a str, node: Option<&Node>, config: &PlanConfig) -> NodeFacts<'a> {
-        let node_addrs: Vec<IpAddr> =
-            if config.node_ips.is_empty() { node.map(|n| n.addresses.clone()).unwrap_or_default() } else { config.node_ips.clone() };
+        let node_addrs: Vec<IpAddr> = if config.node_ips.is_empty() {
+            node.map(|n| n.addresses.clone()).unwrap_or_default()
+        } else {
+            config.node_ips.clone()
+        };
         let mut primary = BTreeMap::new();
         let families = IpFamily::ALL
             .into_iter()
             .map(|family| {
-                let node_ips: Vec<IpAddr> = node_addrs.iter().copied().filter(|ip| family.contains(ip)).collect();
-                let prim = node.and_then(|n| n.primary_ip(family)).or_else(|| node_ips.first().copied());
+                let node_ips: Vec<IpAddr> = node_addrs
+                    .iter()
+                    .copied()
+                    .filter(|ip| family.contains(ip))
+                    .collect();
+                let prim = node
+                    .and_then(|n| n.primary_ip(family))
+                    .or_else(|| node_ips.first().copied());
                 if let Some(p) = prim {
                     primary.insert(family, p);
                 }
@@ -163,27 +196,46 @@ impl<'a> NodeFacts<'a> {
                         None => NodePortAddresses::AllLocal,
                     },
                     NodePortAddressesConfig::Cidrs(cidrs) => {
-                        let fam: Vec<&IpNet> = cidrs.iter().filter(|c| family.contains(&c.addr())).collect();
+                        let fam: Vec<&IpNet> = cidrs
+                            .iter()
+                            .filter(|c| family.contains(&c.addr()))
+                            .collect();
                         if fam.iter().any(|c| c.prefix_len() == 0) {
                             NodePortAddresses::AllLocal
                         } else {
                             NodePortAddresses::Only(
-                                node_ips.iter().copied().filter(|ip| fam.iter().any(|c| c.contains(ip))).collect(),
+                                node_ips
+                                    .iter()
+                                    .copied()
+                                    .filter(|ip| fam.iter().any(|c| c.contains(ip)))
+                                    .collect(),
                             )
                         }
                     }
                 };
                 let of_family = |nets: &[IpNet]| -> Vec<IpNet> {
-                    nets.iter().copied().filter(|n| family.contains(&n.addr())).collect()
+                    nets.iter()
+                        .copied()
+                        .filter(|n| family.contains(&n.addr()))
+                        .collect()
                 };
                 let local_pods = match &config.local_detector {
                     LocalDetectorConfig::None => LocalPods::None,
                     LocalDetectorConfig::ClusterCidr(c) => cidrs_or_none(of_family(c)),
-                    LocalDetectorConfig::NodeCidr => cidrs_or_none(of_family(node.map(|n| &n.pod_cidrs[..]).unwrap_or(&[]))),
-                    LocalDetectorConfig::InterfaceNamePrefix(p) => LocalPods::InterfacePrefix(p.clone()),
+                    LocalDetectorConfig::NodeCidr => {
+                        cidrs_or_none(of_family(node.map(|n| &n.pod_cidrs[..]).unwrap_or(&[])))
+                    }
+                    LocalDetectorConfig::InterfaceNamePrefix(p) => {
+                        LocalPods::InterfacePrefix(p.clone())
+                    }
                     LocalDetectorConfig::BridgeInterface(b) => LocalPods::Bridge(b.clone()),
                 };
-                FamilyPlan { family, node_ips, node_port_addresses, local_pods }
+                FamilyPlan {
+                    family,
+                    node_ips,
+                    node_port_addresses,
+                    local_pods,
+                }
             })
             .collect();
         NodeFacts {
@@ -196,7 +248,9 @@ impl<'a> NodeFacts<'a> {
     }
 
     fn has_local_pod_detector(&self, family: IpFamily) -> bool {
-        self.families.iter().any(|f| f.family == family && f.local_pods != LocalPods::None)
+        self.families
+            .iter()
+            .any(|f| f.family == family && f.local_pods != LocalPods::None)
     }
 
     fn into_plan(self, services: BTreeMap<ServiceName, Arc<ServicePlan>>) -> NodePlan {
@@ -211,7 +265,11 @@ impl<'a> NodeFacts<'a> {
 }
 
 fn cidrs_or_none(c: Vec<IpNet>) -> LocalPods {
-    if c.is_empty() { LocalPods::None } else { LocalPods::Cidrs(c) }
+    if c.is_empty() {
+        LocalPods::None
+    } else {
+        LocalPods::Cidrs(c)
+    }
 }
 
 /// Merges a Service's slices of one family per (port name, protocol) into sorted
@@ -227,7 +285,9 @@ pub fn merge_endpoints<'a>(
     let mut by_port: BTreeMap<(&'a str, Protocol), Vec<EndpointState>> = BTreeMap::new();
     for slice in slices.filter(|s| s.family == family) {
         for port in &slice.ports {
-            let list = by_port.entry((port.name.as_str(), port.protocol)).or_default();
+            let list = by_port
+                .entry((port.name.as_str(), port.protocol))
+                .or_default();
             list.reserve(slice.endpoints.len());
             for e in &slice.endpoints {
                 let is_local = !node_name.is_empty() && e.node_name.as_deref() == Some(node_name);
@@ -265,9 +325,15 @@ fn plan_service<'a>(
 ) -> ServicePlan {
     let mut ports = Vec::new();
     let mut local_ready_ips = 0u32;
-    let externally_accessible_service = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer)
-        || !svc.external_ips.is_empty();
-    let etp = if externally_accessible_service { svc.external_traffic_policy } else { TrafficPolicy::Cluster };
+    let externally_accessible_service = matches!(
+        svc.service_type,
+        ServiceType::NodePort | ServiceType::LoadBalancer
+    ) || !svc.external_ips.is_empty();
+    let etp = if externally_accessible_service {
+        svc.external_traffic_policy
+    } else {
+        TrafficPolicy::Cluster
+    };
     for (&family, &cluster_ip) in &svc.cluster_ips {
         let mut merged = merge_endpoints(slices.clone(), family, facts.name);
         let mut ips: Vec<IpAddr> = merged
@@ -281,14 +347,26 @@ fn plan_service<'a>(
         local_ready_ips = local_ready_ips.max(ips.len() as u32);
         for sp in &svc.ports {
             // Service ports are unique per (name, protocol), so each list is taken once.
-            let endpoints = merged.remove(&(sp.name.as_str(), sp.protocol)).unwrap_or_default();
-            ports.push(plan_port(svc, sp, family, cluster_ip, etp, endpoints, facts, config));
+            let endpoints = merged
+                .remove(&(sp.name.as_str(), sp.protocol))
+                .unwrap_or_default();
+            ports.push(plan_port(
+                svc, sp, family, cluster_ip, etp, endpoints, facts, config,
+            ));
         }
     }
     ports.sort_by(|a, b| {
-        (&a.service_port.port_name, a.protocol, a.family).cmp(&(&b.service_port.port_name, b.protocol, b.family))
+        (&a.service_port.port_name, a.protocol, a.family).cmp(&(
+            &b.service_port.port_name,
+            b.protocol,
+            b.family,
+        ))
     });
-    let health_check = match (svc.service_type, svc.external_traffic_policy, svc.health_check_node_port) {
+    let health_check = match (
+        svc.service_type,
+        svc.external_traffic_policy,
+        svc.health_check_node_port,
+    ) {
         (ServiceType::LoadBalancer, TrafficPolicy::Local, Some(port)) => Some(HealthCheck {
             service: svc.name.clone(),
             health_check_node_port: port,
@@ -296,7 +374,11 @@ fn plan_service<'a>(
         }),
         _ => None,
     };
-    ServicePlan { service: svc.name.clone(), ports, health_check }
+    ServicePlan {
+        service: svc.name.clone(),
+        ports,
+        health_check,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -310,8 +392,18 @@ fn plan_port(
     facts: &NodeFacts,
     config: &PlanConfig,
 ) -> ServicePortPlan {
-    let external_ips: Vec<IpAddr> = svc.external_ips.iter().copied().filter(|ip| family.contains(ip)).collect();
-    let load_balancer_ips: Vec<IpAddr> = svc.load_balancer_ips.iter().copied().filter(|ip| family.contains(ip)).collect();
+    let external_ips: Vec<IpAddr> = svc
+        .external_ips
+        .iter()
+        .copied()
+        .filter(|ip| family.contains(ip))
+        .collect();
+    let load_balancer_ips: Vec<IpAddr> = svc
+        .load_balancer_ips
+        .iter()
+        .copied()
+        .filter(|ip| family.contains(ip))
+        .collect();
     let node_port = sp.node_port;
     let ext_acc = node_port.is_some() || !external_ips.is_empty() || !load_balancer_ips.is_empty();
     let itp = svc.internal_traffic_policy;
@@ -330,20 +422,38 @@ fn plan_port(
         EndpointSet::Cluster => cat.cluster.as_ref().is_some_and(|l| !l.is_empty()),
         EndpointSet::Local => cat.local.as_ref().is_some_and(|l| !l.is_empty()),
     };
-    let none_verdict = if cat.has_any { Verdict::Drop } else { Verdict::Reject };
+    let none_verdict = if cat.has_any {
+        Verdict::Drop
+    } else {
+        Verdict::Reject
+    };
     let forward = |set: EndpointSet, masquerade: bool| {
-        if nonempty(set) { Verdict::Forward { endpoints: set, masquerade } } else { none_verdict }
+        if nonempty(set) {
+            Verdict::Forward {
+                endpoints: set,
+                masquerade,
+            }
+        } else {
+            none_verdict
+        }
     };
     let rule = |from, verdict| TrafficRule { from, verdict };
 
     // Internal (cluster IP) traffic: spec §c.1.
-    let internal_set = if itp == TrafficPolicy::Local { EndpointSet::Local } else { EndpointSet::Cluster };
+    let internal_set = if itp == TrafficPolicy::Local {
+        EndpointSet::Local
+    } else {
+        EndpointSet::Cluster
+    };
     let internal = if !nonempty(internal_set) {
         vec![rule(SourceClass::Any, none_verdict)]
     } else if config.masquerade_all {
         vec![rule(SourceClass::Any, forward(internal_set, true))]
     } else if detector {
-        vec![rule(SourceClass::LocalPod, forward(internal_set, false)), rule(SourceClass::Any, forward(internal_set, true))]
+        vec![
+            rule(SourceClass::LocalPod, forward(internal_set, false)),
+            rule(SourceClass::Any, forward(internal_set, true)),
+        ]
     } else {
         vec![rule(SourceClass::Any, forward(internal_set, false))]
     };
@@ -358,28 +468,46 @@ fn plan_port(
     } else {
         let mut rules = Vec::new();
         if detector {
-            rules.push(rule(SourceClass::LocalPod, forward(EndpointSet::Cluster, config.masquerade_all)));
+            rules.push(rule(
+                SourceClass::LocalPod,
+                forward(EndpointSet::Cluster, config.masquerade_all),
+            ));
         }
-        rules.push(rule(SourceClass::ThisNode, forward(EndpointSet::Cluster, true)));
+        rules.push(rule(
+            SourceClass::ThisNode,
+            forward(EndpointSet::Cluster, true),
+        ));
         rules.push(rule(SourceClass::Any, forward(EndpointSet::Local, false)));
         rules
     };
 
     // Source ranges: LB IPs only (spec §c.5).
-    let ranges: Vec<IpNet> =
-        svc.load_balancer_source_ranges.iter().copied().filter(|n| family.contains(&n.addr())).collect();
+    let ranges: Vec<IpNet> = svc
+        .load_balancer_source_ranges
+        .iter()
+        .copied()
+        .filter(|n| family.contains(&n.addr()))
+        .collect();
     let firewall = if load_balancer_ips.is_empty() || ranges.is_empty() {
         None
     } else {
         let mut allowed_sources = ranges.clone();
-        if facts.primary.get(&family).is_some_and(|p| ranges.iter().any(|r| r.contains(p))) {
+        if facts
+            .primary
+            .get(&family)
+            .is_some_and(|p| ranges.iter().any(|r| r.contains(p)))
+        {
             allowed_sources.extend(load_balancer_ips.iter().map(|ip| IpNet::from(*ip)));
         }
         Some(Firewall { allowed_sources })
     };
 
     ServicePortPlan {
-        service_port: ServicePortName { service: svc.name.clone(), port_name: sp.name.clone(), protocol: sp.protocol },
+        service_port: ServicePortName {
+            service: svc.name.clone(),
+            port_name: sp.name.clone(),
+            protocol: sp.protocol,
+        },
         family,
         protocol: sp.protocol,
         port: sp.port,

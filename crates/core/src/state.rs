@@ -60,7 +60,10 @@ impl ClusterState {
     }
 
     /// The slices of one Service, in slice-name order.
-    pub fn slices_of(&self, name: &ServiceName) -> impl Iterator<Item = &Arc<EndpointSlice>> + Clone {
+    pub fn slices_of(
+        &self,
+        name: &ServiceName,
+    ) -> impl Iterator<Item = &Arc<EndpointSlice>> + Clone {
         self.slices.get(name).into_iter().flat_map(|m| m.values())
     }
 
@@ -105,20 +108,34 @@ impl ClusterState {
             if *old_owner != slice.service {
                 let old_owner = old_owner.clone();
                 self.delete_slice(&key.0, &key.1);
-                debug_assert!(!self.slice_owner.contains_key(&key), "{old_owner} still owns the slice");
-            } else if self.slices.get(old_owner).and_then(|m| m.get(&slice.name)).is_some_and(|s| **s == slice) {
+                debug_assert!(
+                    !self.slice_owner.contains_key(&key),
+                    "{old_owner} still owns the slice"
+                );
+            } else if self
+                .slices
+                .get(old_owner)
+                .and_then(|m| m.get(&slice.name))
+                .is_some_and(|s| **s == slice)
+            {
                 return false;
             }
         }
         self.changes.services.insert(slice.service.clone());
         self.changes.slice_events += 1;
         self.slice_owner.insert(key, slice.service.clone());
-        self.slices.entry(slice.service.clone()).or_default().insert(slice.name.clone(), Arc::new(slice));
+        self.slices
+            .entry(slice.service.clone())
+            .or_default()
+            .insert(slice.name.clone(), Arc::new(slice));
         true
     }
 
     pub fn delete_slice(&mut self, namespace: &str, name: &str) -> bool {
-        let Some(owner) = self.slice_owner.remove(&(namespace.to_string(), name.to_string())) else {
+        let Some(owner) = self
+            .slice_owner
+            .remove(&(namespace.to_string(), name.to_string()))
+        else {
             return false;
         };
         if let Some(m) = self.slices.get_mut(&owner) {
@@ -153,7 +170,12 @@ impl ClusterState {
 
     /// Marks everything as changed (a forced full re-plan).
     pub fn mark_all_changed(&mut self) {
-        let all: BTreeSet<ServiceName> = self.services.keys().chain(self.slices.keys()).cloned().collect();
+        let all: BTreeSet<ServiceName> = self
+            .services
+            .keys()
+            .chain(self.slices.keys())
+            .cloned()
+            .collect();
         self.changes.services.extend(all);
         self.changes.node = true;
     }
@@ -171,7 +193,12 @@ impl ClusterState {
         }
         let mut slices_changed: BTreeSet<&(String, String)> = BTreeSet::new();
         for key in self.slice_owner.keys().chain(other.slice_owner.keys()) {
-            let get = |st: &ClusterState| st.slice_owner.get(key).and_then(|o| st.slices.get(o)?.get(&key.1)).cloned();
+            let get = |st: &ClusterState| {
+                st.slice_owner
+                    .get(key)
+                    .and_then(|o| st.slices.get(o)?.get(&key.1))
+                    .cloned()
+            };
             if get(self) != get(&other) {
                 slices_changed.insert(key);
             }
@@ -200,7 +227,12 @@ impl ClusterState {
     /// `node_name` selects which Node object is this node's; other Nodes are ignored.
     /// Returns the warnings about dropped pieces; an error means the object was skipped
     /// and the state is unchanged.
-    pub fn apply(&mut self, obj: &Object, ownership: &Ownership, node_name: &str) -> Result<Vec<IngestError>, IngestError> {
+    pub fn apply(
+        &mut self,
+        obj: &Object,
+        ownership: &Ownership,
+        node_name: &str,
+    ) -> Result<Vec<IngestError>, IngestError> {
         match obj {
             Object::Service(svc) => match ingest::service(svc, ownership)? {
                 ServiceOutcome::Proxied(i) => {
@@ -217,7 +249,9 @@ impl ClusterState {
                     self.upsert_slice(i.value);
                     Ok(i.warnings)
                 }
-                SliceOutcome::Ignored { namespace, name, .. } => {
+                SliceOutcome::Ignored {
+                    namespace, name, ..
+                } => {
                     self.delete_slice(&namespace, &name);
                     Ok(Vec::new())
                 }
@@ -246,7 +280,6 @@ impl ClusterState {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::synthetic::{self, Spec};
 
     #[test]
@@ -260,13 +293,20 @@ mod tests {
         state.upsert_slice(synthetic::slice(&spec, 1, 4)); // identical: no event
         state.delete_service(&synthetic::service(&spec, 2).name);
         let c = state.take_changes();
-        assert_eq!((c.service_events, c.slice_events, c.services.len()), (1, 1, 2));
+        assert_eq!(
+            (c.service_events, c.slice_events, c.services.len()),
+            (1, 1, 2)
+        );
 
         // A relist counts only what differs.
         let mut relisted = synthetic::cluster(&spec);
         relisted.upsert_slice(synthetic::slice(&spec, 0, 6));
         state.replace(relisted);
         let c = state.take_changes();
-        assert_eq!((c.service_events, c.slice_events), (1, 2), "service 2 back; slices 0 and 1 differ");
+        assert_eq!(
+            (c.service_events, c.slice_events),
+            (1, 2),
+            "service 2 back; slices 0 and 1 differ"
+        );
     }
 }

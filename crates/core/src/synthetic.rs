@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 
 use crate::model::{
-    Conditions, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName, ServicePort, ServiceType,
-    SliceEndpoint, SlicePort, TrafficPolicy,
+    Conditions, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName, ServicePort,
+    ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
 };
 use crate::state::ClusterState;
 
@@ -28,7 +28,14 @@ pub struct Spec {
 
 impl Spec {
     pub fn new(services: usize, endpoints_per_service: usize) -> Spec {
-        Spec { services, endpoints_per_service, nodes: 100, etp_local_every: 10, terminating_every: 7, hinted_every: 5 }
+        Spec {
+            services,
+            endpoints_per_service,
+            nodes: 100,
+            etp_local_every: 10,
+            terminating_every: 7,
+            hinted_every: 5,
+        }
     }
 }
 
@@ -41,7 +48,12 @@ pub fn node(i: usize) -> Node {
         name: node_name(i),
         zone: Some(format!("zone-{}", i % 3)),
         labels: BTreeMap::new(),
-        addresses: vec![IpAddr::V4(Ipv4Addr::new(10, 200, (i / 250) as u8, (i % 250 + 1) as u8))],
+        addresses: vec![IpAddr::V4(Ipv4Addr::new(
+            10,
+            200,
+            (i / 250) as u8,
+            (i % 250 + 1) as u8,
+        ))],
         pod_cidrs: Vec::new(),
         deleting: false,
         to_be_deleted_by_autoscaler: false,
@@ -53,10 +65,17 @@ pub fn service(spec: &Spec, i: usize) -> Service {
     let etp_local = spec.etp_local_every != 0 && i.is_multiple_of(spec.etp_local_every);
     let n = i as u32 + 1;
     let mut cluster_ips = BTreeMap::new();
-    cluster_ips.insert(IpFamily::IPv4, IpAddr::V4(Ipv4Addr::from(0x0a60_0000u32 + n)));
+    cluster_ips.insert(
+        IpFamily::IPv4,
+        IpAddr::V4(Ipv4Addr::from(0x0a60_0000u32 + n)),
+    );
     Service {
         name: ServiceName::new(format!("ns-{}", i % 50), format!("svc-{i}")),
-        service_type: if etp_local { ServiceType::LoadBalancer } else { ServiceType::ClusterIP },
+        service_type: if etp_local {
+            ServiceType::LoadBalancer
+        } else {
+            ServiceType::ClusterIP
+        },
         cluster_ips,
         ports: vec![ServicePort {
             name: "http".into(),
@@ -65,9 +84,17 @@ pub fn service(spec: &Spec, i: usize) -> Service {
             node_port: etp_local.then_some(30000 + (i % 2768) as u16),
         }],
         external_ips: Vec::new(),
-        load_balancer_ips: if etp_local { vec![IpAddr::V4(Ipv4Addr::from(0xcb00_7100u32 + (n % 250)))] } else { Vec::new() },
+        load_balancer_ips: if etp_local {
+            vec![IpAddr::V4(Ipv4Addr::from(0xcb00_7100u32 + (n % 250)))]
+        } else {
+            Vec::new()
+        },
         load_balancer_source_ranges: Vec::new(),
-        external_traffic_policy: if etp_local { TrafficPolicy::Local } else { TrafficPolicy::Cluster },
+        external_traffic_policy: if etp_local {
+            TrafficPolicy::Local
+        } else {
+            TrafficPolicy::Cluster
+        },
         internal_traffic_policy: TrafficPolicy::Cluster,
         health_check_node_port: etp_local.then_some(32000 + (i % 700) as u16),
         session_affinity_timeout: None,
@@ -82,11 +109,16 @@ pub fn slice(spec: &Spec, i: usize, generation: usize) -> EndpointSlice {
     let endpoints = (0..spec.endpoints_per_service)
         .map(|j| {
             let k = i * spec.endpoints_per_service + j;
-            let terminating = spec.terminating_every != 0 && (k + generation).is_multiple_of(spec.terminating_every);
+            let terminating = spec.terminating_every != 0
+                && (k + generation).is_multiple_of(spec.terminating_every);
             let node = k % spec.nodes.max(1);
             SliceEndpoint {
                 ip: IpAddr::V4(Ipv4Addr::from(0x0af4_0000u32 + k as u32)),
-                conditions: Conditions { ready: !terminating, serving: true, terminating },
+                conditions: Conditions {
+                    ready: !terminating,
+                    serving: true,
+                    terminating,
+                },
                 node_name: Some(node_name(node).into()),
                 zone: Some(format!("zone-{}", node % 3).into()),
                 zone_hints: hinted.then(|| vec![format!("zone-{}", node % 3)].into()),
@@ -98,7 +130,11 @@ pub fn slice(spec: &Spec, i: usize, generation: usize) -> EndpointSlice {
         name: format!("svc-{i}-abcde"),
         service: ServiceName::new(format!("ns-{}", i % 50), format!("svc-{i}")),
         family: IpFamily::IPv4,
-        ports: vec![SlicePort { name: "http".into(), protocol: Protocol::TCP, port: 8080 }],
+        ports: vec![SlicePort {
+            name: "http".into(),
+            protocol: Protocol::TCP,
+            port: 8080,
+        }],
         endpoints,
         last_change_trigger_time: None,
     }

@@ -72,7 +72,11 @@ pub fn trace(plan: &NodePlan, pkt: &Packet, local_addresses: &[IpAddr]) -> Trace
         return none("source and destination are of different IP families");
     }
     let fam = plan.family(family);
-    let locals: Vec<IpAddr> = if local_addresses.is_empty() { fam.node_ips.clone() } else { local_addresses.to_vec() };
+    let locals: Vec<IpAddr> = if local_addresses.is_empty() {
+        fam.node_ips.clone()
+    } else {
+        local_addresses.to_vec()
+    };
     let is_local_addr = |ip: &IpAddr| locals.contains(ip);
 
     let mut cluster_ip_seen = false;
@@ -106,32 +110,59 @@ pub fn trace(plan: &NodePlan, pkt: &Packet, local_addresses: &[IpAddr]) -> Trace
             verdict: TraceVerdict::Reject,
             endpoints: Vec::new(),
             masquerade: false,
-            reason: format!("{} is a cluster IP, but no Service defines port {}/{}", pkt.dst, pkt.dport, pkt.proto),
+            reason: format!(
+                "{} is a cluster IP, but no Service defines port {}/{}",
+                pkt.dst, pkt.dport, pkt.proto
+            ),
         };
     }
     none("no Service frontend matches the destination")
 }
 
 fn none(reason: &str) -> Trace {
-    Trace { verdict: TraceVerdict::None, endpoints: Vec::new(), masquerade: false, reason: reason.to_string() }
+    Trace {
+        verdict: TraceVerdict::None,
+        endpoints: Vec::new(),
+        masquerade: false,
+        reason: reason.to_string(),
+    }
 }
 
 /// Whether `class` matches the packet's source.
-pub fn source_matches(class: SourceClass, pkt: &Packet, local_pods: &LocalPods, local_addresses: &[IpAddr]) -> bool {
+pub fn source_matches(
+    class: SourceClass,
+    pkt: &Packet,
+    local_pods: &LocalPods,
+    local_addresses: &[IpAddr],
+) -> bool {
     match class {
         SourceClass::Any => true,
         SourceClass::ThisNode => local_addresses.contains(&pkt.src),
         SourceClass::LocalPod => match local_pods {
             LocalPods::None => false,
             LocalPods::Cidrs(cidrs) => cidrs.iter().any(|c| c.contains(&pkt.src)),
-            LocalPods::InterfacePrefix(p) => pkt.in_interface.as_deref().is_some_and(|i| i.starts_with(p.as_str())),
+            LocalPods::InterfacePrefix(p) => pkt
+                .in_interface
+                .as_deref()
+                .is_some_and(|i| i.starts_with(p.as_str())),
             LocalPods::Bridge(b) => pkt.in_interface.as_deref() == Some(b.as_str()),
         },
     }
 }
 
-fn trace_port(sp: &ServicePortPlan, frontend: Frontend, pkt: &Packet, local_pods: &LocalPods, locals: &[IpAddr]) -> Trace {
-    let what = format!("{} {} of {}", frontend.describe(), frontend_addr(sp, frontend), sp.service_port);
+fn trace_port(
+    sp: &ServicePortPlan,
+    frontend: Frontend,
+    pkt: &Packet,
+    local_pods: &LocalPods,
+    locals: &[IpAddr],
+) -> Trace {
+    let what = format!(
+        "{} {} of {}",
+        frontend.describe(),
+        frontend_addr(sp, frontend),
+        sp.service_port
+    );
     if frontend == Frontend::LoadBalancerIp
         && let Some(fw) = &sp.firewall
         && !fw.allowed_sources.iter().any(|n| n.contains(&pkt.src))
@@ -140,11 +171,21 @@ fn trace_port(sp: &ServicePortPlan, frontend: Frontend, pkt: &Packet, local_pods
             verdict: TraceVerdict::Drop,
             endpoints: Vec::new(),
             masquerade: false,
-            reason: format!("{what}: source {} is outside loadBalancerSourceRanges", pkt.src),
+            reason: format!(
+                "{what}: source {} is outside loadBalancerSourceRanges",
+                pkt.src
+            ),
         };
     }
-    let rules: &[TrafficRule] = if frontend == Frontend::ClusterIp { &sp.internal } else { &sp.external };
-    let Some(rule) = rules.iter().find(|r| source_matches(r.from, pkt, local_pods, locals)) else {
+    let rules: &[TrafficRule] = if frontend == Frontend::ClusterIp {
+        &sp.internal
+    } else {
+        &sp.external
+    };
+    let Some(rule) = rules
+        .iter()
+        .find(|r| source_matches(r.from, pkt, local_pods, locals))
+    else {
         // Invariant: the planner always ends a rule list with `Any`.
         return none("no rule matched");
     };
@@ -154,7 +195,10 @@ fn trace_port(sp: &ServicePortPlan, frontend: Frontend, pkt: &Packet, local_pods
         SourceClass::Any => format!("source {}", pkt.src),
     };
     match rule.verdict {
-        Verdict::Forward { endpoints, masquerade } => {
+        Verdict::Forward {
+            endpoints,
+            masquerade,
+        } => {
             let list = sp.endpoints_for(endpoints).to_vec();
             // Hairpin: a connection to itself through the Service is always masqueraded;
             // it is certain only when every candidate is the source.
@@ -166,7 +210,11 @@ fn trace_port(sp: &ServicePortPlan, frontend: Frontend, pkt: &Packet, local_pods
                     "{what}: {source}: {:?}-policy endpoints ({}), {}",
                     endpoints,
                     list.len(),
-                    if masquerade || hairpin { "masqueraded" } else { "client address kept" }
+                    if masquerade || hairpin {
+                        "masqueraded"
+                    } else {
+                        "client address kept"
+                    }
                 ),
                 endpoints: list,
             }

@@ -24,32 +24,54 @@ fn conformance_dir() -> PathBuf {
 
 fn load(file: &str) -> Vec<Value> {
     let path = conformance_dir().join(file);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (set KPROXY_SHARED to the shared/ folder)", path.display()));
-    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (set KPROXY_SHARED to the shared/ folder)",
+            path.display()
+        )
+    });
+    let v: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     v["vectors"].as_array().cloned().unwrap_or_default()
 }
 
 fn test_name(prefix: &str, v: &Value) -> String {
     let name = v["name"].as_str().unwrap_or("unnamed");
-    let slug: String =
-        name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+    let slug: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
     format!("{prefix}::{}", slug.trim_matches('_'))
 }
 
 fn obj<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, Failed> {
-    serde_json::from_value(v.clone()).map_err(|e| Failed::from(format!("vector object does not parse: {e}")))
+    serde_json::from_value(v.clone())
+        .map_err(|e| Failed::from(format!("vector object does not parse: {e}")))
 }
 
-fn state_from(node: &Value, services: &[Value], slices: &[Value]) -> Result<(ClusterState, String), Failed> {
+fn state_from(
+    node: &Value,
+    services: &[Value],
+    slices: &[Value],
+) -> Result<(ClusterState, String), Failed> {
     let node: corev1::Node = obj(node)?;
     let node_name = node.metadata.name.clone().unwrap_or_default();
     let mut state = ClusterState::new();
     let own = Ownership::default();
-    state.apply(&Object::Node(Box::new(node)), &own, &node_name).map_err(|e| Failed::from(e.to_string()))?;
+    state
+        .apply(&Object::Node(Box::new(node)), &own, &node_name)
+        .map_err(|e| Failed::from(e.to_string()))?;
     for s in services {
         let svc: corev1::Service = obj(s)?;
-        state.apply(&Object::Service(Box::new(svc)), &own, &node_name).map_err(|e| Failed::from(e.to_string()))?;
+        state
+            .apply(&Object::Service(Box::new(svc)), &own, &node_name)
+            .map_err(|e| Failed::from(e.to_string()))?;
     }
     for s in slices {
         let slice: discoveryv1::EndpointSlice = obj(s)?;
@@ -62,7 +84,10 @@ fn state_from(node: &Value, services: &[Value], slices: &[Value]) -> Result<(Clu
 fn config_for(v: &Value) -> PlanConfig {
     let mut cfg = PlanConfig::default();
     if let Some(g) = v["featureGates"].as_object() {
-        if let Some(b) = g.get("PreferSameTrafficDistribution").and_then(Value::as_bool) {
+        if let Some(b) = g
+            .get("PreferSameTrafficDistribution")
+            .and_then(Value::as_bool)
+        {
             cfg.prefer_same_node_hints = b;
         }
         if let Some(b) = g.get("ProxyTerminatingEndpoints").and_then(Value::as_bool) {
@@ -73,11 +98,21 @@ fn config_for(v: &Value) -> PlanConfig {
 }
 
 fn string_set(v: &Value) -> Option<BTreeSet<String>> {
-    v.as_array().map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect())
+    v.as_array().map(|a| {
+        a.iter()
+            .filter_map(|s| s.as_str().map(str::to_string))
+            .collect()
+    })
 }
 
-fn check_list(what: &str, expected: &Value, got: &Option<Vec<kproxy_core::model::EndpointAddr>>) -> Result<(), String> {
-    let got_set: Option<BTreeSet<String>> = got.as_ref().map(|l| l.iter().map(|e| e.to_string()).collect());
+fn check_list(
+    what: &str,
+    expected: &Value,
+    got: &Option<Vec<kproxy_core::model::EndpointAddr>>,
+) -> Result<(), String> {
+    let got_set: Option<BTreeSet<String>> = got
+        .as_ref()
+        .map(|l| l.iter().map(|e| e.to_string()).collect());
     match (string_set(expected), got_set) {
         // null and [] compare equal (README), but a non-empty list where null is expected fails.
         (None, None) => Ok(()),
@@ -95,25 +130,52 @@ fn categorize_vector(v: &Value) -> Result<(), Failed> {
     let plan = kproxy_core::plan(&state, &node_name, &config_for(v));
     let want = &v["expect"];
     let key = want["servicePort"].as_str().unwrap_or_default();
-    let ports: Vec<_> = plan.service_ports().filter(|p| p.service_port.to_string() == key).collect();
+    let ports: Vec<_> = plan
+        .service_ports()
+        .filter(|p| p.service_port.to_string() == key)
+        .collect();
     let Some(p) = ports.first() else {
-        return Err(format!("service port {key} not in plan; plan has {:?}",
-            plan.service_ports().map(|p| p.service_port.to_string()).collect::<Vec<_>>()).into());
+        return Err(format!(
+            "service port {key} not in plan; plan has {:?}",
+            plan.service_ports()
+                .map(|p| p.service_port.to_string())
+                .collect::<Vec<_>>()
+        )
+        .into());
     };
     let mut errs = Vec::new();
-    if let Err(e) = check_list("clusterEndpoints", &want["clusterEndpoints"], &p.cluster_endpoints) {
+    if let Err(e) = check_list(
+        "clusterEndpoints",
+        &want["clusterEndpoints"],
+        &p.cluster_endpoints,
+    ) {
         errs.push(e);
     }
-    if let Err(e) = check_list("localEndpoints", &want["localEndpoints"], &p.local_endpoints) {
+    if let Err(e) = check_list(
+        "localEndpoints",
+        &want["localEndpoints"],
+        &p.local_endpoints,
+    ) {
         errs.push(e);
     }
-    if let Err(e) = check_list("allReachableEndpoints", &want["allReachableEndpoints"], &Some(p.all_reachable_endpoints.clone())) {
+    if let Err(e) = check_list(
+        "allReachableEndpoints",
+        &want["allReachableEndpoints"],
+        &Some(p.all_reachable_endpoints.clone()),
+    ) {
         errs.push(e);
     }
     if want["hasAnyEndpoints"].as_bool() != Some(p.has_any_endpoints) {
-        errs.push(format!("hasAnyEndpoints: expected {}, got {}", want["hasAnyEndpoints"], p.has_any_endpoints));
+        errs.push(format!(
+            "hasAnyEndpoints: expected {}, got {}",
+            want["hasAnyEndpoints"], p.has_any_endpoints
+        ));
     }
-    if errs.is_empty() { Ok(()) } else { Err(errs.join("; ").into()) }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs.join("; ").into())
+    }
 }
 
 fn ingestion_vector(v: &Value) -> Result<(), Failed> {
@@ -151,7 +213,16 @@ fn ingestion_vector(v: &Value) -> Result<(), Failed> {
         m.as_object()
             .map(|o| {
                 o.iter()
-                    .map(|(k, v)| (k.clone(), v.as_array().into_iter().flatten().map(|e| e.to_string()).collect()))
+                    .map(|(k, v)| {
+                        (
+                            k.clone(),
+                            v.as_array()
+                                .into_iter()
+                                .flatten()
+                                .map(|e| e.to_string())
+                                .collect(),
+                        )
+                    })
                     .collect()
             })
             .unwrap_or_default()
@@ -160,13 +231,22 @@ fn ingestion_vector(v: &Value) -> Result<(), Failed> {
     let got_eps = norm(&serde_json::to_value(&got).map_err(|e| Failed::from(e.to_string()))?);
     let mut errs = Vec::new();
     if want_eps != got_eps {
-        errs.push(format!("endpointsByServicePort:\n  expected {want_eps:?}\n  got      {got_eps:?}"));
+        errs.push(format!(
+            "endpointsByServicePort:\n  expected {want_eps:?}\n  got      {got_eps:?}"
+        ));
     }
-    let want_lr: BTreeMap<String, usize> = serde_json::from_value(v["expect"]["localReadyEndpoints"].clone()).unwrap_or_default();
+    let want_lr: BTreeMap<String, usize> =
+        serde_json::from_value(v["expect"]["localReadyEndpoints"].clone()).unwrap_or_default();
     if want_lr != local_ready {
-        errs.push(format!("localReadyEndpoints: expected {want_lr:?}, got {local_ready:?}"));
+        errs.push(format!(
+            "localReadyEndpoints: expected {want_lr:?}, got {local_ready:?}"
+        ));
     }
-    if errs.is_empty() { Ok(()) } else { Err(errs.join("\n").into()) }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs.join("\n").into())
+    }
 }
 
 fn health_vector(v: &Value) -> Result<(), Failed> {
@@ -181,23 +261,41 @@ fn health_vector(v: &Value) -> Result<(), Failed> {
         let got = plan.health_checks().find(|h| h.service.to_string() == svc);
         match (want["served"].as_bool(), got) {
             (Some(false), None) => {}
-            (Some(false), Some(h)) => errs.push(format!("{svc}: expected no health check, got port {}", h.health_check_node_port)),
+            (Some(false), Some(h)) => errs.push(format!(
+                "{svc}: expected no health check, got port {}",
+                h.health_check_node_port
+            )),
             (_, None) => errs.push(format!("{svc}: expected a health check, got none")),
             (_, Some(h)) => {
-                if want["healthCheckNodePort"].as_u64() != Some(u64::from(h.health_check_node_port)) {
-                    errs.push(format!("{svc}: port {} != {}", h.health_check_node_port, want["healthCheckNodePort"]));
+                if want["healthCheckNodePort"].as_u64() != Some(u64::from(h.health_check_node_port))
+                {
+                    errs.push(format!(
+                        "{svc}: port {} != {}",
+                        h.health_check_node_port, want["healthCheckNodePort"]
+                    ));
                 }
                 if want["body"]["localEndpoints"].as_u64() != Some(u64::from(h.local_endpoints)) {
-                    errs.push(format!("{svc}: localEndpoints {} != {}", h.local_endpoints, want["body"]["localEndpoints"]));
+                    errs.push(format!(
+                        "{svc}: localEndpoints {} != {}",
+                        h.local_endpoints, want["body"]["localEndpoints"]
+                    ));
                 }
-                let status = if h.local_endpoints > 0 && proxy_healthy { 200 } else { 503 };
+                let status = if h.local_endpoints > 0 && proxy_healthy {
+                    200
+                } else {
+                    503
+                };
                 if want["status"].as_u64() != Some(status) {
                     errs.push(format!("{svc}: status {status} != {}", want["status"]));
                 }
             }
         }
     }
-    if errs.is_empty() { Ok(()) } else { Err(errs.join("; ").into()) }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs.join("; ").into())
+    }
 }
 
 fn main() {
@@ -206,7 +304,11 @@ fn main() {
     type Check = fn(&Value) -> Result<(), Failed>;
     let files: [(&str, &str, Check); 3] = [
         ("categorize_endpoints.json", "categorize", categorize_vector),
-        ("endpointslice_ingestion.json", "ingestion", ingestion_vector),
+        (
+            "endpointslice_ingestion.json",
+            "ingestion",
+            ingestion_vector,
+        ),
         ("service_health.json", "service_health", health_vector),
     ];
     for (file, prefix, check) in files {
@@ -216,7 +318,11 @@ fn main() {
             // mismatch is reported as ignored rather than failed (conformance README).
             let uncertain = v["uncertain"].as_bool().unwrap_or(false);
             let trial = Trial::test(name, move || check(&v));
-            trials.push(if uncertain { trial.with_kind("uncertain") } else { trial });
+            trials.push(if uncertain {
+                trial.with_kind("uncertain")
+            } else {
+                trial
+            });
         }
     }
     libtest_mimic::run(&args, trials).exit();

@@ -16,7 +16,9 @@ fn slice(svc: &str, eps: &[(&str, &str, bool, bool, bool)]) -> String {
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {svc}-x, namespace: ns, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: IPv4\nports: [{{name: p, port: 8080, protocol: TCP}}]\nendpoints:\n"
     );
     for (ip, node, ready, serving, terminating) in eps {
-        s += &format!("- {{addresses: [{ip}], nodeName: {node}, conditions: {{ready: {ready}, serving: {serving}, terminating: {terminating}}}}}\n");
+        s += &format!(
+            "- {{addresses: [{ip}], nodeName: {node}, conditions: {{ready: {ready}, serving: {serving}, terminating: {terminating}}}}}\n"
+        );
     }
     s
 }
@@ -31,7 +33,8 @@ fn plan_with(docs: &[String], cfg: &PlanConfig) -> NodePlan {
     assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
     let mut st = ClusterState::new();
     for o in &parsed.objects {
-        st.apply(&o.object, &Ownership::default(), "node-a").expect("valid object");
+        st.apply(&o.object, &Ownership::default(), "node-a")
+            .expect("valid object");
     }
     kproxy_core::plan(&st, "node-a", cfg)
 }
@@ -41,18 +44,30 @@ fn plan(docs: &[String]) -> NodePlan {
 }
 
 fn port<'a>(p: &'a NodePlan, svc: &str) -> &'a ServicePortPlan {
-    p.service_ports().find(|sp| &*sp.service_port.service.name == svc).unwrap_or_else(|| panic!("no port for {svc}"))
+    p.service_ports()
+        .find(|sp| &*sp.service_port.service.name == svc)
+        .unwrap_or_else(|| panic!("no port for {svc}"))
 }
 
 fn svc(name: &str, extra_spec: &str) -> String {
     format!(
         "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns}}\nspec:\n  clusterIP: 10.96.0.10\n  ports: [{{name: p, port: 80, protocol: TCP{}}}]\n{extra_spec}",
-        if extra_spec.contains("NodePort") || extra_spec.contains("LoadBalancer") { ", nodePort: 30080" } else { "" }
+        if extra_spec.contains("NodePort") || extra_spec.contains("LoadBalancer") {
+            ", nodePort: 30080"
+        } else {
+            ""
+        }
     )
 }
 
 fn pkt(src: &str, dst: &str, dport: u16) -> Packet {
-    Packet { src: src.parse().unwrap(), dst: dst.parse().unwrap(), dport, proto: kproxy_core::model::Protocol::TCP, in_interface: None }
+    Packet {
+        src: src.parse().unwrap(),
+        dst: dst.parse().unwrap(),
+        dport,
+        proto: kproxy_core::model::Protocol::TCP,
+        in_interface: None,
+    }
 }
 
 #[test]
@@ -62,14 +77,24 @@ fn external_name_and_headless_services_are_not_proxied() {
         "apiVersion: v1\nkind: Service\nmetadata: {name: hl, namespace: ns}\nspec: {clusterIP: None, ports: [{port: 80}]}\n".into(),
         "apiVersion: v1\nkind: Service\nmetadata: {name: other, namespace: ns, labels: {service.kubernetes.io/service-proxy-name: cilium}}\nspec: {clusterIP: 10.96.0.8, ports: [{port: 80}]}\n".into(),
     ]);
-    assert!(p.services.is_empty(), "{:?}", p.services.keys().collect::<Vec<_>>());
+    assert!(
+        p.services.is_empty(),
+        "{:?}",
+        p.services.keys().collect::<Vec<_>>()
+    );
 }
 
 #[test]
 fn etp_local_on_a_cluster_ip_service_without_external_ips_is_ignored() {
-    let p = plan(&[svc("s", "  externalTrafficPolicy: Local\n"), slice("s", &[("10.244.2.5", "node-b", true, true, false)])]);
+    let p = plan(&[
+        svc("s", "  externalTrafficPolicy: Local\n"),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ]);
     let sp = port(&p, "s");
-    assert_eq!(sp.external_traffic_policy, kproxy_core::model::TrafficPolicy::Cluster);
+    assert_eq!(
+        sp.external_traffic_policy,
+        kproxy_core::model::TrafficPolicy::Cluster
+    );
     assert!(sp.local_endpoints.is_none());
     assert!(sp.external.is_empty());
 }
@@ -77,7 +102,10 @@ fn etp_local_on_a_cluster_ip_service_without_external_ips_is_ignored() {
 #[test]
 fn etp_local_applies_to_cluster_ip_service_with_external_ips() {
     let p = plan(&[
-        svc("s", "  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: Local\n"),
+        svc(
+            "s",
+            "  externalIPs: [192.0.2.7]\n  externalTrafficPolicy: Local\n",
+        ),
         slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
     ]);
     let sp = port(&p, "s");
@@ -101,19 +129,28 @@ fn lb_without_node_port_and_without_ip_is_not_externally_accessible() {
 
 #[test]
 fn health_check_node_port_is_ignored_for_etp_cluster() {
-    let p = plan(&[svc("s", "  type: LoadBalancer\n  externalTrafficPolicy: Cluster\n  healthCheckNodePort: 32000\n")]);
+    let p = plan(&[svc(
+        "s",
+        "  type: LoadBalancer\n  externalTrafficPolicy: Cluster\n  healthCheckNodePort: 32000\n",
+    )]);
     assert_eq!(p.health_checks().count(), 0);
 }
 
 #[test]
 fn health_check_counts_distinct_local_ready_ips_not_terminating_ones() {
     let p = plan(&[
-        svc("s", "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n"),
-        slice("s", &[
-            ("10.244.1.5", "node-a", true, true, false),
-            ("10.244.1.6", "node-a", false, true, true),
-            ("10.244.2.5", "node-b", true, true, false),
-        ]),
+        svc(
+            "s",
+            "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n",
+        ),
+        slice(
+            "s",
+            &[
+                ("10.244.1.5", "node-a", true, true, false),
+                ("10.244.1.6", "node-a", false, true, true),
+                ("10.244.2.5", "node-b", true, true, false),
+            ],
+        ),
     ]);
     assert_eq!(p.health_checks().next().map(|h| h.local_endpoints), Some(1));
 }
@@ -124,33 +161,65 @@ fn proxy_mode_lb_ingress_is_not_captured_and_vip_mode_is() {
         "{}status: {{loadBalancer: {{ingress: [{{ip: 203.0.113.1, ipMode: Proxy}}, {{ip: 203.0.113.2, ipMode: VIP}}, {{ip: 203.0.113.3}}, {{hostname: lb.example}}]}}}}\n",
         svc("s", "  type: LoadBalancer\n")
     )]);
-    let ips: Vec<String> = port(&p, "s").load_balancer_ips.iter().map(|i| i.to_string()).collect();
+    let ips: Vec<String> = port(&p, "s")
+        .load_balancer_ips
+        .iter()
+        .map(|i| i.to_string())
+        .collect();
     assert_eq!(ips, ["203.0.113.2", "203.0.113.3"]);
 }
 
 #[test]
 fn source_ranges_are_trimmed_filtered_per_family_and_apply_to_lb_ips_only() {
-    let p = plan(&[format!(
-        "{}status: {{loadBalancer: {{ingress: [{{ip: 203.0.113.2}}]}}}}\n",
-        svc("s", "  type: LoadBalancer\n  loadBalancerSourceRanges: [' 198.51.100.0/24 ', 'fd00::/64']\n")
-    ), slice("s", &[("10.244.2.5", "node-b", true, true, false)])]);
+    let p = plan(&[
+        format!(
+            "{}status: {{loadBalancer: {{ingress: [{{ip: 203.0.113.2}}]}}}}\n",
+            svc(
+                "s",
+                "  type: LoadBalancer\n  loadBalancerSourceRanges: [' 198.51.100.0/24 ', 'fd00::/64']\n"
+            )
+        ),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ]);
     let sp = port(&p, "s");
     let fw = sp.firewall.as_ref().expect("firewall");
-    assert_eq!(fw.allowed_sources.iter().map(|n| n.to_string()).collect::<Vec<_>>(), ["198.51.100.0/24"]);
-    assert_eq!(trace(&p, &pkt("192.0.2.1", "203.0.113.2", 80), &[]).verdict, TraceVerdict::Drop);
-    assert_eq!(trace(&p, &pkt("198.51.100.7", "203.0.113.2", 80), &[]).verdict, TraceVerdict::Dnat);
+    assert_eq!(
+        fw.allowed_sources
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>(),
+        ["198.51.100.0/24"]
+    );
+    assert_eq!(
+        trace(&p, &pkt("192.0.2.1", "203.0.113.2", 80), &[]).verdict,
+        TraceVerdict::Drop
+    );
+    assert_eq!(
+        trace(&p, &pkt("198.51.100.7", "203.0.113.2", 80), &[]).verdict,
+        TraceVerdict::Dnat
+    );
     // NodePorts bypass loadBalancerSourceRanges.
-    assert_eq!(trace(&p, &pkt("192.0.2.1", "10.200.0.11", 30080), &[]).verdict, TraceVerdict::Dnat);
+    assert_eq!(
+        trace(&p, &pkt("192.0.2.1", "10.200.0.11", 30080), &[]).verdict,
+        TraceVerdict::Dnat
+    );
 }
 
 #[test]
 fn node_ip_inside_a_source_range_also_allows_the_vips_as_sources() {
     let p = plan(&[format!(
         "{}status: {{loadBalancer: {{ingress: [{{ip: 203.0.113.2}}]}}}}\n",
-        svc("s", "  type: LoadBalancer\n  loadBalancerSourceRanges: [10.200.0.0/24]\n")
+        svc(
+            "s",
+            "  type: LoadBalancer\n  loadBalancerSourceRanges: [10.200.0.0/24]\n"
+        )
     )]);
     let fw = port(&p, "s").firewall.clone().expect("firewall");
-    assert!(fw.allowed_sources.iter().any(|n| n.to_string() == "203.0.113.2/32"));
+    assert!(
+        fw.allowed_sources
+            .iter()
+            .any(|n| n.to_string() == "203.0.113.2/32")
+    );
 }
 
 #[test]
@@ -161,7 +230,10 @@ fn leading_zero_ipv4_addresses_are_read_as_decimal() {
     ]);
     let sp = port(&p, "s");
     assert_eq!(sp.cluster_ip.to_string(), "10.96.0.10");
-    assert_eq!(sp.cluster_endpoints.as_ref().unwrap()[0].to_string(), "10.244.2.5:8080");
+    assert_eq!(
+        sp.cluster_endpoints.as_ref().unwrap()[0].to_string(),
+        "10.244.2.5:8080"
+    );
 }
 
 #[test]
@@ -172,78 +244,175 @@ fn a_service_port_with_node_port_zero_has_no_node_port_rules() {
 
 #[test]
 fn no_endpoints_anywhere_rejects_every_frontend() {
-    let p = plan(&[svc("s", "  type: NodePort\n  externalTrafficPolicy: Local\n")]);
+    let p = plan(&[svc(
+        "s",
+        "  type: NodePort\n  externalTrafficPolicy: Local\n",
+    )]);
     let sp = port(&p, "s");
     assert_eq!(sp.internal[0].verdict, Verdict::Reject);
     assert_eq!(sp.external[0].verdict, Verdict::Reject);
-    assert_eq!(trace(&p, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict, TraceVerdict::Reject);
+    assert_eq!(
+        trace(&p, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict,
+        TraceVerdict::Reject
+    );
 }
 
 #[test]
 fn etp_cluster_external_traffic_is_always_masqueraded() {
-    let p = plan(&[svc("s", "  type: NodePort\n"), slice("s", &[("10.244.2.5", "node-b", true, true, false)])]);
+    let p = plan(&[
+        svc("s", "  type: NodePort\n"),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ]);
     let sp = port(&p, "s");
-    assert_eq!(sp.external, vec![kproxy_core::plan::TrafficRule {
-        from: SourceClass::Any,
-        verdict: Verdict::Forward { endpoints: EndpointSet::Cluster, masquerade: true },
-    }]);
+    assert_eq!(
+        sp.external,
+        vec![kproxy_core::plan::TrafficRule {
+            from: SourceClass::Any,
+            verdict: Verdict::Forward {
+                endpoints: EndpointSet::Cluster,
+                masquerade: true
+            },
+        }]
+    );
 }
 
 #[test]
 fn etp_local_short_circuits_local_pods_and_the_node_to_cluster_endpoints() {
-    let cfg = PlanConfig { local_detector: LocalDetectorConfig::NodeCidr, ..PlanConfig::default() };
-    let p = plan_with(&[svc("s", "  type: NodePort\n  externalTrafficPolicy: Local\n"), slice("s", &[("10.244.2.5", "node-b", true, true, false)])], &cfg);
+    let cfg = PlanConfig {
+        local_detector: LocalDetectorConfig::NodeCidr,
+        ..PlanConfig::default()
+    };
+    let p = plan_with(
+        &[
+            svc("s", "  type: NodePort\n  externalTrafficPolicy: Local\n"),
+            slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+        ],
+        &cfg,
+    );
     // A pod on this node reaches the NodePort although this node has no endpoint,
     // without masquerade; the node itself is masqueraded; outsiders are dropped.
     let from_pod = trace(&p, &pkt("10.244.1.9", "10.200.0.11", 30080), &[]);
-    assert_eq!((from_pod.verdict, from_pod.masquerade), (TraceVerdict::Dnat, false), "{}", from_pod.reason);
+    assert_eq!(
+        (from_pod.verdict, from_pod.masquerade),
+        (TraceVerdict::Dnat, false),
+        "{}",
+        from_pod.reason
+    );
     let from_node = trace(&p, &pkt("10.200.0.11", "10.200.0.11", 30080), &[]);
-    assert_eq!((from_node.verdict, from_node.masquerade), (TraceVerdict::Dnat, true));
-    assert_eq!(trace(&p, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict, TraceVerdict::Drop);
+    assert_eq!(
+        (from_node.verdict, from_node.masquerade),
+        (TraceVerdict::Dnat, true)
+    );
+    assert_eq!(
+        trace(&p, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict,
+        TraceVerdict::Drop
+    );
 }
 
 #[test]
 fn without_a_local_detector_cluster_ip_traffic_is_not_masqueraded_and_with_one_outsiders_are() {
-    let docs = [svc("s", ""), slice("s", &[("10.244.2.5", "node-b", true, true, false)])];
+    let docs = [
+        svc("s", ""),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ];
     let none = plan(&docs);
     assert!(!trace(&none, &pkt("10.200.0.99", "10.96.0.10", 80), &[]).masquerade);
-    let cidr = plan_with(&docs, &PlanConfig { local_detector: LocalDetectorConfig::ClusterCidr(vec!["10.244.0.0/16".parse().unwrap()]), ..PlanConfig::default() });
+    let cidr = plan_with(
+        &docs,
+        &PlanConfig {
+            local_detector: LocalDetectorConfig::ClusterCidr(vec![
+                "10.244.0.0/16".parse().unwrap(),
+            ]),
+            ..PlanConfig::default()
+        },
+    );
     assert!(trace(&cidr, &pkt("10.200.0.99", "10.96.0.10", 80), &[]).masquerade);
     assert!(!trace(&cidr, &pkt("10.244.3.3", "10.96.0.10", 80), &[]).masquerade);
-    let all = plan_with(&docs, &PlanConfig { masquerade_all: true, ..PlanConfig::default() });
+    let all = plan_with(
+        &docs,
+        &PlanConfig {
+            masquerade_all: true,
+            ..PlanConfig::default()
+        },
+    );
     assert!(trace(&all, &pkt("10.244.3.3", "10.96.0.10", 80), &[]).masquerade);
 }
 
 #[test]
 fn node_ports_are_served_only_on_node_port_addresses() {
-    let docs = [svc("s", "  type: NodePort\n"), slice("s", &[("10.244.2.5", "node-b", true, true, false)])];
+    let docs = [
+        svc("s", "  type: NodePort\n"),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ];
     // Default (primary): the secondary node IP is not touched.
     let p = plan(&docs);
-    assert_eq!(trace(&p, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict, TraceVerdict::Dnat);
-    assert_eq!(trace(&p, &pkt("198.51.100.1", "10.200.1.11", 30080), &[]).verdict, TraceVerdict::None);
-    let cidrs = PlanConfig { node_port_addresses: NodePortAddressesConfig::Cidrs(vec!["10.200.1.0/24".parse().unwrap()]), ..PlanConfig::default() };
+    assert_eq!(
+        trace(&p, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict,
+        TraceVerdict::Dnat
+    );
+    assert_eq!(
+        trace(&p, &pkt("198.51.100.1", "10.200.1.11", 30080), &[]).verdict,
+        TraceVerdict::None
+    );
+    let cidrs = PlanConfig {
+        node_port_addresses: NodePortAddressesConfig::Cidrs(vec!["10.200.1.0/24".parse().unwrap()]),
+        ..PlanConfig::default()
+    };
     let p = plan_with(&docs, &cidrs);
-    assert_eq!(trace(&p, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict, TraceVerdict::None);
-    assert_eq!(trace(&p, &pkt("198.51.100.1", "10.200.1.11", 30080), &[]).verdict, TraceVerdict::Dnat);
+    assert_eq!(
+        trace(&p, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict,
+        TraceVerdict::None
+    );
+    assert_eq!(
+        trace(&p, &pkt("198.51.100.1", "10.200.1.11", 30080), &[]).verdict,
+        TraceVerdict::Dnat
+    );
 }
 
 #[test]
 fn a_cluster_ip_on_an_undefined_port_is_rejected() {
-    let p = plan(&[svc("s", ""), slice("s", &[("10.244.2.5", "node-b", true, true, false)])]);
-    assert_eq!(trace(&p, &pkt("10.244.1.3", "10.96.0.10", 81), &[]).verdict, TraceVerdict::Reject);
-    assert_eq!(trace(&p, &pkt("10.244.1.3", "10.96.0.11", 80), &[]).verdict, TraceVerdict::None);
+    let p = plan(&[
+        svc("s", ""),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ]);
+    assert_eq!(
+        trace(&p, &pkt("10.244.1.3", "10.96.0.10", 81), &[]).verdict,
+        TraceVerdict::Reject
+    );
+    assert_eq!(
+        trace(&p, &pkt("10.244.1.3", "10.96.0.11", 80), &[]).verdict,
+        TraceVerdict::None
+    );
 }
 
 #[test]
 fn pre_1_26_behaviour_has_no_terminating_failover() {
     let docs = [
         svc("s", "  type: NodePort\n  externalTrafficPolicy: Local\n"),
-        slice("s", &[("10.244.1.5", "node-a", false, true, true), ("10.244.2.5", "node-b", true, true, false)]),
+        slice(
+            "s",
+            &[
+                ("10.244.1.5", "node-a", false, true, true),
+                ("10.244.2.5", "node-b", true, true, false),
+            ],
+        ),
     ];
     let now = plan(&docs);
-    assert_eq!(trace(&now, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict, TraceVerdict::Dnat);
-    let old = plan_with(&docs, &PlanConfig { proxy_terminating_endpoints: false, ..PlanConfig::default() });
-    assert_eq!(trace(&old, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict, TraceVerdict::Drop);
+    assert_eq!(
+        trace(&now, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict,
+        TraceVerdict::Dnat
+    );
+    let old = plan_with(
+        &docs,
+        &PlanConfig {
+            proxy_terminating_endpoints: false,
+            ..PlanConfig::default()
+        },
+    );
+    assert_eq!(
+        trace(&old, &pkt("198.51.100.1", "10.200.0.11", 30080), &[]).verdict,
+        TraceVerdict::Drop
+    );
 }
 
 #[test]
@@ -255,7 +424,8 @@ fn session_affinity_timeout_defaults_to_three_hours() {
 #[test]
 fn duplicate_endpoint_across_slices_prefers_the_non_terminating_copy() {
     let a = slice("s", &[("10.244.1.5", "node-a", false, true, true)]);
-    let b = slice("s", &[("10.244.1.5", "node-a", true, true, false)]).replace("name: s-x", "name: s-y");
+    let b = slice("s", &[("10.244.1.5", "node-a", true, true, false)])
+        .replace("name: s-x", "name: s-y");
     let p = plan(&[svc("s", ""), a, b]);
     let sp = port(&p, "s");
     assert_eq!(sp.endpoints.len(), 1);

@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 
 use kproxy_core::model::{
-    Conditions, EndpointSlice, IpFamily, Protocol, Service, ServiceName, ServicePort, ServiceType, SliceEndpoint,
-    SlicePort, TrafficPolicy,
+    Conditions, EndpointSlice, IpFamily, Protocol, Service, ServiceName, ServicePort, ServiceType,
+    SliceEndpoint, SlicePort, TrafficPolicy,
 };
 use kproxy_core::synthetic;
 use kproxy_core::{ClusterState, PlanConfig, Planner};
@@ -33,13 +33,37 @@ struct Svc {
 }
 
 fn ep() -> impl Strategy<Value = Ep> {
-    (0u8..12, 0u8..3, any::<bool>(), any::<bool>(), any::<bool>(), proptest::option::of(0u8..3))
-        .prop_map(|(ip, node, ready, serving, terminating, zone_hint)| Ep { ip, node, ready, serving, terminating, zone_hint })
+    (
+        0u8..12,
+        0u8..3,
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        proptest::option::of(0u8..3),
+    )
+        .prop_map(|(ip, node, ready, serving, terminating, zone_hint)| Ep {
+            ip,
+            node,
+            ready,
+            serving,
+            terminating,
+            zone_hint,
+        })
 }
 
 fn svc() -> impl Strategy<Value = Svc> {
-    (any::<bool>(), any::<bool>(), any::<bool>(), proptest::collection::vec(proptest::collection::vec(ep(), 0..5), 0..3))
-        .prop_map(|(itp_local, etp_local, lb, slices)| Svc { itp_local, etp_local, lb, slices })
+    (
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+        proptest::collection::vec(proptest::collection::vec(ep(), 0..5), 0..3),
+    )
+        .prop_map(|(itp_local, etp_local, lb, slices)| Svc {
+            itp_local,
+            etp_local,
+            lb,
+            slices,
+        })
 }
 
 fn build(svcs: &[Svc]) -> (Vec<Service>, Vec<EndpointSlice>) {
@@ -48,17 +72,41 @@ fn build(svcs: &[Svc]) -> (Vec<Service>, Vec<EndpointSlice>) {
     for (i, s) in svcs.iter().enumerate() {
         let name = ServiceName::new("ns", format!("s{i}"));
         let mut cluster_ips = std::collections::BTreeMap::new();
-        cluster_ips.insert(IpFamily::IPv4, IpAddr::V4(Ipv4Addr::new(10, 96, 0, i as u8 + 1)));
+        cluster_ips.insert(
+            IpFamily::IPv4,
+            IpAddr::V4(Ipv4Addr::new(10, 96, 0, i as u8 + 1)),
+        );
         services.push(Service {
             name: name.clone(),
-            service_type: if s.lb { ServiceType::LoadBalancer } else { ServiceType::ClusterIP },
+            service_type: if s.lb {
+                ServiceType::LoadBalancer
+            } else {
+                ServiceType::ClusterIP
+            },
             cluster_ips,
-            ports: vec![ServicePort { name: "p".into(), protocol: Protocol::TCP, port: 80, node_port: s.lb.then_some(30000 + i as u16) }],
+            ports: vec![ServicePort {
+                name: "p".into(),
+                protocol: Protocol::TCP,
+                port: 80,
+                node_port: s.lb.then_some(30000 + i as u16),
+            }],
             external_ips: vec![],
-            load_balancer_ips: if s.lb { vec![IpAddr::V4(Ipv4Addr::new(203, 0, 113, i as u8 + 1))] } else { vec![] },
+            load_balancer_ips: if s.lb {
+                vec![IpAddr::V4(Ipv4Addr::new(203, 0, 113, i as u8 + 1))]
+            } else {
+                vec![]
+            },
             load_balancer_source_ranges: vec![],
-            external_traffic_policy: if s.etp_local { TrafficPolicy::Local } else { TrafficPolicy::Cluster },
-            internal_traffic_policy: if s.itp_local { TrafficPolicy::Local } else { TrafficPolicy::Cluster },
+            external_traffic_policy: if s.etp_local {
+                TrafficPolicy::Local
+            } else {
+                TrafficPolicy::Cluster
+            },
+            internal_traffic_policy: if s.itp_local {
+                TrafficPolicy::Local
+            } else {
+                TrafficPolicy::Cluster
+            },
             health_check_node_port: s.lb.then_some(32000 + i as u16),
             session_affinity_timeout: None,
             traffic_distribution: None,
@@ -68,12 +116,20 @@ fn build(svcs: &[Svc]) -> (Vec<Service>, Vec<EndpointSlice>) {
                 name: format!("s{i}-{j}"),
                 service: name.clone(),
                 family: IpFamily::IPv4,
-                ports: vec![SlicePort { name: "p".into(), protocol: Protocol::TCP, port: 8080 }],
+                ports: vec![SlicePort {
+                    name: "p".into(),
+                    protocol: Protocol::TCP,
+                    port: 8080,
+                }],
                 endpoints: eps
                     .iter()
                     .map(|e| SliceEndpoint {
                         ip: IpAddr::V4(Ipv4Addr::new(10, 244, e.node, e.ip)),
-                        conditions: Conditions { ready: e.ready, serving: e.serving, terminating: e.terminating },
+                        conditions: Conditions {
+                            ready: e.ready,
+                            serving: e.serving,
+                            terminating: e.terminating,
+                        },
                         node_name: Some(synthetic::node_name(e.node as usize).into()),
                         zone: None,
                         zone_hints: e.zone_hint.map(|z| vec![format!("zone-{z}")].into()),

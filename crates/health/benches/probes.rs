@@ -21,7 +21,10 @@ const REQ_KEEPALIVE: &[u8] = b"GET / HTTP/1.1\r\nHost: probe\r\n\r\n";
 const REQ_CLOSE: &[u8] = b"GET / HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n";
 
 fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Reads one response; returns its status.
@@ -33,7 +36,11 @@ async fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<
             let head = std::str::from_utf8(&buf[..end]).unwrap_or("");
             let len: usize = head
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap_or(0))
+                })
                 .unwrap_or(0);
             if buf.len() >= end + 4 + len {
                 return Ok(head.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0));
@@ -63,7 +70,9 @@ async fn load(addr: SocketAddr, conns: usize, secs: u64, keepalive: bool) -> (u6
                     conn = Some(s);
                 }
                 let s = conn.as_mut().expect("connected");
-                s.write_all(if keepalive { REQ_KEEPALIVE } else { REQ_CLOSE }).await.expect("write");
+                s.write_all(if keepalive { REQ_KEEPALIVE } else { REQ_CLOSE })
+                    .await
+                    .expect("write");
                 let status = read_response(s, &mut buf).await.expect("read");
                 assert_eq!(status, 200);
                 lat.push(t.elapsed().as_micros() as u32);
@@ -95,18 +104,29 @@ fn main() {
     }
     let secs = env("KPROXY_BENCH_SECS", 3);
     let conns = env("KPROXY_BENCH_CONNS", 16) as usize;
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET): the bench needs root");
-    let out = std::process::Command::new("ip").args(["link", "set", "lo", "up"]).output().expect("ip");
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+        .expect("unshare(CLONE_NEWNET): the bench needs root");
+    let out = std::process::Command::new("ip")
+        .args(["link", "set", "lo", "up"])
+        .output()
+        .expect("ip");
     assert!(out.status.success());
 
     // Server: one thread, one current-thread runtime (threads inherit the namespace).
     let (ready_tx, ready_rx) = mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
         rt.block_on(async move {
             let mut registry = prometheus_client::registry::Registry::default();
-            let cfg = HealthConfig { healthz_bind_address: None, semantics: Semantics::Truthful, sync_period: Duration::from_secs(30) };
+            let cfg = HealthConfig {
+                healthz_bind_address: None,
+                semantics: Semantics::Truthful,
+                sync_period: Duration::from_secs(30),
+            };
             let h = Health::start(cfg, &mut registry).await.expect("start");
             let p = plan(&[svc("default", "web", PORT, &["10.244.0.5", "10.244.0.6"])]);
             h.plan_computed(&p);
@@ -120,8 +140,13 @@ fn main() {
     ready_rx.recv().expect("server ready");
 
     let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), PORT);
-    let client = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-    println!("health-check node port, server on 1 thread, {conns} client connections, {secs} s each");
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    println!(
+        "health-check node port, server on 1 thread, {conns} client connections, {secs} s each"
+    );
     for (name, keepalive) in [("keep-alive", true), ("new connection per probe", false)] {
         let t = Instant::now();
         let (n, mut lat) = client.block_on(load(addr, conns, secs, keepalive));

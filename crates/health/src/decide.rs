@@ -56,7 +56,12 @@ pub struct ProxyHealth {
 
 impl ProxyHealth {
     pub fn new(now: SystemTime) -> ProxyHealth {
-        ProxyHealth { last_updated: now, oldest_pending: None, applied_once: false, consecutive_failures: 0 }
+        ProxyHealth {
+            last_updated: now,
+            oldest_pending: None,
+            applied_once: false,
+            consecutive_failures: 0,
+        }
     }
 
     /// Upstream `QueuedUpdate`: remembers the *oldest* pending change.
@@ -88,7 +93,10 @@ impl ProxyHealth {
     pub fn healthy(&self, now: SystemTime, timeout: Duration) -> bool {
         match self.oldest_pending {
             None => true,
-            Some(q) => now.duration_since(q).map(|age| age < timeout).unwrap_or(true),
+            Some(q) => now
+                .duration_since(q)
+                .map(|age| age < timeout)
+                .unwrap_or(true),
         }
     }
 }
@@ -148,7 +156,11 @@ pub fn proxy_answer(
         (Probe::Healthz, Semantics::Truthful) => healthy && node_eligible && health.applied_once,
     };
     let last = rfc3339(health.last_updated);
-    let top_last = if ok && semantics == Semantics::Upstream { rfc3339(now) } else { last.clone() };
+    let top_last = if ok && semantics == Semantics::Upstream {
+        rfc3339(now)
+    } else {
+        last.clone()
+    };
     let mut body = serde_json::Map::new();
     body.insert("lastUpdated".into(), top_last.into());
     body.insert("currentTime".into(), rfc3339(now).into());
@@ -158,13 +170,22 @@ pub fn proxy_answer(
     body.insert("healthy".into(), healthy.into());
     let mut status = serde_json::Map::new();
     for f in families {
-        status.insert(f.as_str().into(), serde_json::json!({ "lastUpdated": last, "healthy": healthy }));
+        status.insert(
+            f.as_str().into(),
+            serde_json::json!({ "lastUpdated": last, "healthy": healthy }),
+        );
     }
     body.insert("status".into(), status.into());
     if semantics == Semantics::Truthful {
         body.insert("syncedOnce".into(), health.applied_once.into());
-        body.insert("oldestPendingChange".into(), health.oldest_pending.map(rfc3339).into());
-        body.insert("consecutiveSyncFailures".into(), health.consecutive_failures.into());
+        body.insert(
+            "oldestPendingChange".into(),
+            health.oldest_pending.map(rfc3339).into(),
+        );
+        body.insert(
+            "consecutiveSyncFailures".into(),
+            health.consecutive_failures.into(),
+        );
     }
     Answer {
         status: if ok { 200 } else { 503 },
@@ -214,14 +235,20 @@ pub fn health_check_targets(
     computed: Option<&NodePlan>,
     applied: Option<&NodePlan>,
 ) -> BTreeMap<ServiceName, Target> {
-    let Some(applied) = applied else { return BTreeMap::new() };
+    let Some(applied) = applied else {
+        return BTreeMap::new();
+    };
     let mut out = BTreeMap::new();
     for (name, svc) in &applied.services {
-        let Some(hc) = &svc.health_check else { continue };
+        let Some(hc) = &svc.health_check else {
+            continue;
+        };
         let local_endpoints = match (semantics, computed) {
             (Semantics::Upstream, _) | (Semantics::Truthful, None) => hc.local_endpoints,
             (Semantics::Truthful, Some(computed)) => match computed.services.get(name) {
-                Some(now) if std::sync::Arc::ptr_eq(now, svc) || **now == **svc => hc.local_endpoints,
+                Some(now) if std::sync::Arc::ptr_eq(now, svc) || **now == **svc => {
+                    hc.local_endpoints
+                }
                 Some(now) => match &now.health_check {
                     Some(now_hc) => hc
                         .local_endpoints
@@ -232,7 +259,13 @@ pub fn health_check_targets(
                 None => 0,
             },
         };
-        out.insert(name.clone(), Target { port: hc.health_check_node_port, local_endpoints });
+        out.insert(
+            name.clone(),
+            Target {
+                port: hc.health_check_node_port,
+                local_endpoints,
+            },
+        );
     }
     out
 }
@@ -284,10 +317,14 @@ pub fn listen_addrs(families: &[FamilyPlan], local: &[LocalAddr], port: u16) -> 
             }
             NodePortAddresses::Only(ips) => {
                 for ip in ips {
-                    let Some(l) = local.iter().find(|l| l.ip == *ip) else { continue };
+                    let Some(l) = local.iter().find(|l| l.ip == *ip) else {
+                        continue;
+                    };
                     out.insert(match l.ip {
                         IpAddr::V4(_) => SocketAddr::new(l.ip, port),
-                        IpAddr::V6(v6) => SocketAddr::V6(SocketAddrV6::new(v6, port, 0, l.scope_id)),
+                        IpAddr::V6(v6) => {
+                            SocketAddr::V6(SocketAddrV6::new(v6, port, 0, l.scope_id))
+                        }
                     });
                 }
             }
@@ -305,9 +342,19 @@ pub fn node_eligible(computed: Option<&NodePlan>) -> bool {
 /// Families to report in the proxy body: those with node addresses, else both.
 pub fn families(computed: Option<&NodePlan>) -> Vec<IpFamily> {
     let known: Vec<IpFamily> = computed
-        .map(|p| p.families.iter().filter(|f| !f.node_ips.is_empty()).map(|f| f.family).collect())
+        .map(|p| {
+            p.families
+                .iter()
+                .filter(|f| !f.node_ips.is_empty())
+                .map(|f| f.family)
+                .collect()
+        })
         .unwrap_or_default();
-    if known.is_empty() { IpFamily::ALL.to_vec() } else { known }
+    if known.is_empty() {
+        IpFamily::ALL.to_vec()
+    } else {
+        known
+    }
 }
 
 #[cfg(test)]
@@ -341,21 +388,99 @@ mod tests {
     fn proxy_health_timelines() {
         use Ev::*;
         let cases = [
-            Case { name: "fresh start, nothing queued", events: &[], eligible: true, probe_at: 1000, want: [200, 503, 200, 200] },
-            Case { name: "start, first plan queued, young", events: &[(10, Queued)], eligible: true, probe_at: 69, want: [200, 503, 200, 200] },
-            Case { name: "start, first plan never applied, just stale", events: &[(10, Queued)], eligible: true, probe_at: 70, want: [503, 503, 503, 503] },
-            Case { name: "applied", events: &[(10, Queued), (11, Updated)], eligible: true, probe_at: 5000, want: [200, 200, 200, 200] },
-            Case { name: "applied, new change pending 59s", events: &[(10, Queued), (11, Updated), (100, Queued)], eligible: true, probe_at: 159, want: [200, 200, 200, 200] },
-            Case { name: "applied, new change pending 60s", events: &[(10, Queued), (11, Updated), (100, Queued)], eligible: true, probe_at: 160, want: [503, 503, 503, 503] },
-            Case { name: "later queued does not reset the oldest", events: &[(0, Updated), (100, Queued), (150, Queued)], eligible: true, probe_at: 165, want: [503, 503, 503, 503] },
-            Case { name: "update clears pending", events: &[(0, Updated), (100, Queued), (150, Queued), (170, Updated)], eligible: true, probe_at: 171, want: [200, 200, 200, 200] },
-            Case { name: "node not eligible: healthz 503, livez 200", events: &[(0, Updated)], eligible: false, probe_at: 10, want: [503, 503, 200, 200] },
-            Case { name: "failing syncs while queued: stale after timeout", events: &[(0, Updated), (10, Queued), (11, Failed), (40, Failed)], eligible: true, probe_at: 70, want: [503, 503, 503, 503] },
-            Case { name: "failing syncs while queued: young", events: &[(0, Updated), (10, Queued), (11, Failed)], eligible: true, probe_at: 69, want: [200, 200, 200, 200] },
+            Case {
+                name: "fresh start, nothing queued",
+                events: &[],
+                eligible: true,
+                probe_at: 1000,
+                want: [200, 503, 200, 200],
+            },
+            Case {
+                name: "start, first plan queued, young",
+                events: &[(10, Queued)],
+                eligible: true,
+                probe_at: 69,
+                want: [200, 503, 200, 200],
+            },
+            Case {
+                name: "start, first plan never applied, just stale",
+                events: &[(10, Queued)],
+                eligible: true,
+                probe_at: 70,
+                want: [503, 503, 503, 503],
+            },
+            Case {
+                name: "applied",
+                events: &[(10, Queued), (11, Updated)],
+                eligible: true,
+                probe_at: 5000,
+                want: [200, 200, 200, 200],
+            },
+            Case {
+                name: "applied, new change pending 59s",
+                events: &[(10, Queued), (11, Updated), (100, Queued)],
+                eligible: true,
+                probe_at: 159,
+                want: [200, 200, 200, 200],
+            },
+            Case {
+                name: "applied, new change pending 60s",
+                events: &[(10, Queued), (11, Updated), (100, Queued)],
+                eligible: true,
+                probe_at: 160,
+                want: [503, 503, 503, 503],
+            },
+            Case {
+                name: "later queued does not reset the oldest",
+                events: &[(0, Updated), (100, Queued), (150, Queued)],
+                eligible: true,
+                probe_at: 165,
+                want: [503, 503, 503, 503],
+            },
+            Case {
+                name: "update clears pending",
+                events: &[(0, Updated), (100, Queued), (150, Queued), (170, Updated)],
+                eligible: true,
+                probe_at: 171,
+                want: [200, 200, 200, 200],
+            },
+            Case {
+                name: "node not eligible: healthz 503, livez 200",
+                events: &[(0, Updated)],
+                eligible: false,
+                probe_at: 10,
+                want: [503, 503, 200, 200],
+            },
+            Case {
+                name: "failing syncs while queued: stale after timeout",
+                events: &[(0, Updated), (10, Queued), (11, Failed), (40, Failed)],
+                eligible: true,
+                probe_at: 70,
+                want: [503, 503, 503, 503],
+            },
+            Case {
+                name: "failing syncs while queued: young",
+                events: &[(0, Updated), (10, Queued), (11, Failed)],
+                eligible: true,
+                probe_at: 69,
+                want: [200, 200, 200, 200],
+            },
             // A failure reported without a queued change (e.g. re-verification):
             // upstream ignores it; truthful starts the staleness clock.
-            Case { name: "failure without queued change", events: &[(0, Updated), (10, Failed)], eligible: true, probe_at: 80, want: [200, 503, 200, 503] },
-            Case { name: "clock went backwards", events: &[(0, Updated), (100, Queued)], eligible: true, probe_at: 50, want: [200, 200, 200, 200] },
+            Case {
+                name: "failure without queued change",
+                events: &[(0, Updated), (10, Failed)],
+                eligible: true,
+                probe_at: 80,
+                want: [200, 503, 200, 503],
+            },
+            Case {
+                name: "clock went backwards",
+                events: &[(0, Updated), (100, Queued)],
+                eligible: true,
+                probe_at: 50,
+                want: [200, 200, 200, 200],
+            },
         ];
         for c in cases {
             let mut got = [0u16; 4];
@@ -376,7 +501,16 @@ mod tests {
                         Ev::Failed => h.failed(at(*t), sem),
                     }
                 }
-                got[i] = proxy_answer(sem, probe, &h, c.eligible, &IpFamily::ALL, at(c.probe_at), T).status;
+                got[i] = proxy_answer(
+                    sem,
+                    probe,
+                    &h,
+                    c.eligible,
+                    &IpFamily::ALL,
+                    at(c.probe_at),
+                    T,
+                )
+                .status;
             }
             assert_eq!(got, c.want, "{}", c.name);
         }
@@ -387,9 +521,21 @@ mod tests {
         let mut h = ProxyHealth::new(at(0));
         h.updated(at(5));
         let now = at(10);
-        let a = proxy_answer(Semantics::Upstream, Probe::Healthz, &h, true, &[IpFamily::IPv4], now, T);
+        let a = proxy_answer(
+            Semantics::Upstream,
+            Probe::Healthz,
+            &h,
+            true,
+            &[IpFamily::IPv4],
+            now,
+            T,
+        );
         let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
-        assert_eq!(v["lastUpdated"], rfc3339(now), "200 reports lastUpdated = currentTime");
+        assert_eq!(
+            v["lastUpdated"],
+            rfc3339(now),
+            "200 reports lastUpdated = currentTime"
+        );
         assert_eq!(v["currentTime"], rfc3339(now));
         assert_eq!(v["nodeEligible"], true);
         assert_eq!(v["healthy"], true);
@@ -397,14 +543,30 @@ mod tests {
         assert!(v["status"].get("IPv6").is_none());
         assert!(v.get("syncedOnce").is_none());
 
-        let l = proxy_answer(Semantics::Upstream, Probe::Livez, &h, true, &IpFamily::ALL, now, T);
+        let l = proxy_answer(
+            Semantics::Upstream,
+            Probe::Livez,
+            &h,
+            true,
+            &IpFamily::ALL,
+            now,
+            T,
+        );
         let v: serde_json::Value = serde_json::from_str(&l.body).unwrap();
         assert!(v.get("nodeEligible").is_none(), "livez has no nodeEligible");
         assert_eq!(v["status"]["IPv6"]["healthy"], true);
 
         // 503: the real last update.
         h.queued(at(20));
-        let a = proxy_answer(Semantics::Upstream, Probe::Healthz, &h, true, &[IpFamily::IPv4], at(100), T);
+        let a = proxy_answer(
+            Semantics::Upstream,
+            Probe::Healthz,
+            &h,
+            true,
+            &[IpFamily::IPv4],
+            at(100),
+            T,
+        );
         assert_eq!(a.status, 503);
         let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
         assert_eq!(v["lastUpdated"], rfc3339(at(5)));
@@ -414,7 +576,15 @@ mod tests {
         let mut h = ProxyHealth::new(at(0));
         h.updated(at(5));
         h.queued(at(8));
-        let t = proxy_answer(Semantics::Truthful, Probe::Healthz, &h, true, &[IpFamily::IPv4], now, T);
+        let t = proxy_answer(
+            Semantics::Truthful,
+            Probe::Healthz,
+            &h,
+            true,
+            &[IpFamily::IPv4],
+            now,
+            T,
+        );
         assert_eq!(t.status, 200);
         let v: serde_json::Value = serde_json::from_str(&t.body).unwrap();
         assert_eq!(v["lastUpdated"], rfc3339(at(5)));
@@ -425,7 +595,13 @@ mod tests {
     #[test]
     fn service_answer_table() {
         let svc = ServiceName::new("a", "b");
-        for (n, healthy, status) in [(0, true, 503), (1, true, 200), (18, true, 200), (7, false, 503), (0, false, 503)] {
+        for (n, healthy, status) in [
+            (0, true, 503),
+            (1, true, 200),
+            (18, true, 200),
+            (7, false, 503),
+            (0, false, 503),
+        ] {
             let a = service_answer(&svc, n, healthy);
             assert_eq!(a.status, status, "{n} {healthy}");
             assert_eq!(a.endpoint_weight, Some(n));
@@ -455,24 +631,103 @@ mod tests {
     fn listen_addrs_table() {
         let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
         let local = [
-            LocalAddr { ip: ip("127.0.0.1"), scope_id: 0 },
-            LocalAddr { ip: ip("10.200.0.2"), scope_id: 0 },
-            LocalAddr { ip: ip("10.200.0.3"), scope_id: 0 },
-            LocalAddr { ip: ip("fd00::2"), scope_id: 0 },
-            LocalAddr { ip: ip("fe80::1"), scope_id: 7 },
+            LocalAddr {
+                ip: ip("127.0.0.1"),
+                scope_id: 0,
+            },
+            LocalAddr {
+                ip: ip("10.200.0.2"),
+                scope_id: 0,
+            },
+            LocalAddr {
+                ip: ip("10.200.0.3"),
+                scope_id: 0,
+            },
+            LocalAddr {
+                ip: ip("fd00::2"),
+                scope_id: 0,
+            },
+            LocalAddr {
+                ip: ip("fe80::1"),
+                scope_id: 7,
+            },
         ];
         use NodePortAddresses::*;
         let cases: Vec<(&str, Vec<FamilyPlan>, Vec<&str>)> = vec![
-            ("nothing known: wildcard both", vec![fam(IpFamily::IPv4, &[], AllLocal), fam(IpFamily::IPv6, &[], AllLocal)], vec!["0.0.0.0:9", "[::]:9"]),
-            ("v4-only node: no v6 wildcard", vec![fam(IpFamily::IPv4, &["10.200.0.2"], AllLocal), fam(IpFamily::IPv6, &[], AllLocal)], vec!["0.0.0.0:9"]),
-            ("dual-stack all", vec![fam(IpFamily::IPv4, &["10.200.0.2"], AllLocal), fam(IpFamily::IPv6, &["fd00::2"], AllLocal)], vec!["0.0.0.0:9", "[::]:9"]),
-            ("primary only", vec![fam(IpFamily::IPv4, &["10.200.0.2"], Only(vec![ip("10.200.0.2")])), fam(IpFamily::IPv6, &[], AllLocal)], vec!["10.200.0.2:9"]),
-            ("non-local address skipped", vec![fam(IpFamily::IPv4, &["10.200.0.2", "192.0.2.1"], Only(vec![ip("10.200.0.2"), ip("192.0.2.1")])), fam(IpFamily::IPv6, &[], Only(vec![]))], vec!["10.200.0.2:9"]),
-            ("empty selection: nothing", vec![fam(IpFamily::IPv4, &["10.200.0.2"], Only(vec![])), fam(IpFamily::IPv6, &[], Only(vec![]))], vec![]),
-            ("v6 with scope", vec![fam(IpFamily::IPv4, &[], Only(vec![])), fam(IpFamily::IPv6, &["fe80::1"], Only(vec![ip("fe80::1"), ip("fd00::2")]))], vec!["[fd00::2]:9", "[fe80::1%7]:9"]),
+            (
+                "nothing known: wildcard both",
+                vec![
+                    fam(IpFamily::IPv4, &[], AllLocal),
+                    fam(IpFamily::IPv6, &[], AllLocal),
+                ],
+                vec!["0.0.0.0:9", "[::]:9"],
+            ),
+            (
+                "v4-only node: no v6 wildcard",
+                vec![
+                    fam(IpFamily::IPv4, &["10.200.0.2"], AllLocal),
+                    fam(IpFamily::IPv6, &[], AllLocal),
+                ],
+                vec!["0.0.0.0:9"],
+            ),
+            (
+                "dual-stack all",
+                vec![
+                    fam(IpFamily::IPv4, &["10.200.0.2"], AllLocal),
+                    fam(IpFamily::IPv6, &["fd00::2"], AllLocal),
+                ],
+                vec!["0.0.0.0:9", "[::]:9"],
+            ),
+            (
+                "primary only",
+                vec![
+                    fam(
+                        IpFamily::IPv4,
+                        &["10.200.0.2"],
+                        Only(vec![ip("10.200.0.2")]),
+                    ),
+                    fam(IpFamily::IPv6, &[], AllLocal),
+                ],
+                vec!["10.200.0.2:9"],
+            ),
+            (
+                "non-local address skipped",
+                vec![
+                    fam(
+                        IpFamily::IPv4,
+                        &["10.200.0.2", "192.0.2.1"],
+                        Only(vec![ip("10.200.0.2"), ip("192.0.2.1")]),
+                    ),
+                    fam(IpFamily::IPv6, &[], Only(vec![])),
+                ],
+                vec!["10.200.0.2:9"],
+            ),
+            (
+                "empty selection: nothing",
+                vec![
+                    fam(IpFamily::IPv4, &["10.200.0.2"], Only(vec![])),
+                    fam(IpFamily::IPv6, &[], Only(vec![])),
+                ],
+                vec![],
+            ),
+            (
+                "v6 with scope",
+                vec![
+                    fam(IpFamily::IPv4, &[], Only(vec![])),
+                    fam(
+                        IpFamily::IPv6,
+                        &["fe80::1"],
+                        Only(vec![ip("fe80::1"), ip("fd00::2")]),
+                    ),
+                ],
+                vec!["[fd00::2]:9", "[fe80::1%7]:9"],
+            ),
         ];
         for (name, fams, want) in cases {
-            let got: Vec<String> = listen_addrs(&fams, &local, 9).iter().map(|a| a.to_string()).collect();
+            let got: Vec<String> = listen_addrs(&fams, &local, 9)
+                .iter()
+                .map(|a| a.to_string())
+                .collect();
             assert_eq!(got, want, "{name}");
         }
     }
@@ -493,18 +748,84 @@ mod tests {
         type P<'a> = Option<&'a std::sync::Arc<NodePlan>>;
         type Case<'a> = (&'a str, P<'a>, P<'a>, Option<u32>, Option<u32>);
         let cases: Vec<Case> = vec![
-            ("nothing applied yet: no server", Some(&p_a), None, None, None),
+            (
+                "nothing applied yet: no server",
+                Some(&p_a),
+                None,
+                None,
+                None,
+            ),
             ("steady state", Some(&p_a), Some(&p_a), Some(1), Some(1)),
-            ("steady state, equal but not the same Arc", Some(&p_a2), Some(&p_a), Some(1), Some(1)),
-            ("new endpoint computed, not applied", Some(&p_ac), Some(&p_a), Some(1), Some(1)),
-            ("first endpoint computed, not applied", Some(&p_a), Some(&p_none), Some(0), Some(0)),
-            ("endpoint gone, not applied yet", Some(&p_none), Some(&p_a), Some(1), Some(0)),
-            ("endpoint terminating, not applied yet", Some(&p_term), Some(&p_a), Some(1), Some(0)),
-            ("pod replaced on the node, not applied yet", Some(&p_c), Some(&p_a), Some(1), Some(0)),
-            ("one of two gone, not applied yet", Some(&p_c), Some(&p_ac), Some(2), Some(1)),
-            ("service deleted, not applied yet", Some(&empty), Some(&p_a), Some(1), Some(0)),
-            ("port moved, not applied yet: old port stays", Some(&p_moved), Some(&p_a), Some(1), Some(1)),
-            ("service deleted and applied: no server", Some(&empty), Some(&empty), None, None),
+            (
+                "steady state, equal but not the same Arc",
+                Some(&p_a2),
+                Some(&p_a),
+                Some(1),
+                Some(1),
+            ),
+            (
+                "new endpoint computed, not applied",
+                Some(&p_ac),
+                Some(&p_a),
+                Some(1),
+                Some(1),
+            ),
+            (
+                "first endpoint computed, not applied",
+                Some(&p_a),
+                Some(&p_none),
+                Some(0),
+                Some(0),
+            ),
+            (
+                "endpoint gone, not applied yet",
+                Some(&p_none),
+                Some(&p_a),
+                Some(1),
+                Some(0),
+            ),
+            (
+                "endpoint terminating, not applied yet",
+                Some(&p_term),
+                Some(&p_a),
+                Some(1),
+                Some(0),
+            ),
+            (
+                "pod replaced on the node, not applied yet",
+                Some(&p_c),
+                Some(&p_a),
+                Some(1),
+                Some(0),
+            ),
+            (
+                "one of two gone, not applied yet",
+                Some(&p_c),
+                Some(&p_ac),
+                Some(2),
+                Some(1),
+            ),
+            (
+                "service deleted, not applied yet",
+                Some(&empty),
+                Some(&p_a),
+                Some(1),
+                Some(0),
+            ),
+            (
+                "port moved, not applied yet: old port stays",
+                Some(&p_moved),
+                Some(&p_a),
+                Some(1),
+                Some(1),
+            ),
+            (
+                "service deleted and applied: no server",
+                Some(&empty),
+                Some(&empty),
+                None,
+                None,
+            ),
         ];
         let name = ServiceName::new("a", "b");
         for (what, computed, applied, up, tr) in cases {
@@ -513,7 +834,11 @@ mod tests {
                 let got_n = got.get(&name).map(|t| t.local_endpoints);
                 assert_eq!(got_n, want, "{what} ({sem:?})");
                 if let (Some(t), Some(a)) = (got.get(&name), applied) {
-                    assert_eq!(t.port, a.health_checks().next().unwrap().health_check_node_port, "{what}: port follows the applied plan");
+                    assert_eq!(
+                        t.port,
+                        a.health_checks().next().unwrap().health_check_node_port,
+                        "{what}: port follows the applied plan"
+                    );
                 }
             }
         }

@@ -7,9 +7,12 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use kproxy_core::NodePlan;
-use kproxy_core::model::{Conditions, EndpointAddr, IpFamily, Protocol, ServiceName, ServicePortName, TrafficPolicy};
+use kproxy_core::model::{
+    Conditions, EndpointAddr, IpFamily, Protocol, ServiceName, ServicePortName, TrafficPolicy,
+};
 use kproxy_core::plan::{
-    EndpointState, FamilyPlan, HealthCheck, LocalPods, NodePortAddresses, ServicePlan, ServicePortPlan, TopologyMode,
+    EndpointState, FamilyPlan, HealthCheck, LocalPods, NodePortAddresses, ServicePlan,
+    ServicePortPlan, TopologyMode,
 };
 
 /// One eTP-Local LoadBalancer Service: `ns/name`, its healthCheckNodePort, and the IPs
@@ -27,7 +30,10 @@ pub fn svc(namespace: &'static str, name: &'static str, port: u16, ready_ips: &[
         namespace,
         name,
         port,
-        local: ready_ips.iter().map(|s| (s.parse().expect("fixture IP"), true)).collect(),
+        local: ready_ips
+            .iter()
+            .map(|s| (s.parse().expect("fixture IP"), true))
+            .collect(),
     }
 }
 
@@ -41,7 +47,12 @@ impl Svc {
 
 /// Both families match-all nodePortAddresses, node eligible.
 pub fn plan(services: &[Svc]) -> Arc<NodePlan> {
-    plan_with(services, true, [NodePortAddresses::AllLocal, NodePortAddresses::AllLocal], [vec![], vec![]])
+    plan_with(
+        services,
+        true,
+        [NodePortAddresses::AllLocal, NodePortAddresses::AllLocal],
+        [vec![], vec![]],
+    )
 }
 
 pub fn plan_with(
@@ -53,8 +64,18 @@ pub fn plan_with(
     let [npa4, npa6] = node_port_addresses;
     let [ips4, ips6] = node_ips;
     let families = vec![
-        FamilyPlan { family: IpFamily::IPv4, node_ips: ips4, node_port_addresses: npa4, local_pods: LocalPods::None },
-        FamilyPlan { family: IpFamily::IPv6, node_ips: ips6, node_port_addresses: npa6, local_pods: LocalPods::None },
+        FamilyPlan {
+            family: IpFamily::IPv4,
+            node_ips: ips4,
+            node_port_addresses: npa4,
+            local_pods: LocalPods::None,
+        },
+        FamilyPlan {
+            family: IpFamily::IPv6,
+            node_ips: ips6,
+            node_port_addresses: npa6,
+            local_pods: LocalPods::None,
+        },
     ];
     let mut map = BTreeMap::new();
     for s in services {
@@ -70,7 +91,11 @@ pub fn plan_with(
                     node_name: Some("node-a".into()),
                     zone: None,
                     is_local: true,
-                    conditions: Conditions { ready: *ready, serving: true, terminating: !*ready },
+                    conditions: Conditions {
+                        ready: *ready,
+                        serving: true,
+                        terminating: !*ready,
+                    },
                     zone_hints: None,
                     node_hints: None,
                 })
@@ -79,11 +104,19 @@ pub fn plan_with(
                 continue;
             }
             ports.push(ServicePortPlan {
-                service_port: ServicePortName { service: name.clone(), port_name: String::new(), protocol: Protocol::TCP },
+                service_port: ServicePortName {
+                    service: name.clone(),
+                    port_name: String::new(),
+                    protocol: Protocol::TCP,
+                },
                 family,
                 protocol: Protocol::TCP,
                 port: 80,
-                cluster_ip: if family == IpFamily::IPv4 { "10.96.0.10".parse().unwrap() } else { "fd00::10".parse().unwrap() },
+                cluster_ip: if family == IpFamily::IPv4 {
+                    "10.96.0.10".parse().unwrap()
+                } else {
+                    "fd00::10".parse().unwrap()
+                },
                 node_port: Some(30080),
                 external_ips: vec![],
                 load_balancer_ips: vec![],
@@ -102,7 +135,12 @@ pub fn plan_with(
             });
         }
         let ready = |f: IpFamily| {
-            let mut ips: Vec<IpAddr> = s.local.iter().filter(|(ip, r)| *r && f.contains(ip)).map(|(ip, _)| *ip).collect();
+            let mut ips: Vec<IpAddr> = s
+                .local
+                .iter()
+                .filter(|(ip, r)| *r && f.contains(ip))
+                .map(|(ip, _)| *ip)
+                .collect();
             ips.sort();
             ips.dedup();
             ips.len() as u32
@@ -113,9 +151,19 @@ pub fn plan_with(
             Arc::new(ServicePlan {
                 service: name.clone(),
                 ports,
-                health_check: Some(HealthCheck { service: name, health_check_node_port: s.port, local_endpoints }),
+                health_check: Some(HealthCheck {
+                    service: name,
+                    health_check_node_port: s.port,
+                    local_endpoints,
+                }),
             }),
         );
     }
-    Arc::new(NodePlan { node: "node-a".into(), zone: None, node_eligible, families, services: map })
+    Arc::new(NodePlan {
+        node: "node-a".into(),
+        zone: None,
+        node_eligible,
+        families,
+        services: map,
+    })
 }

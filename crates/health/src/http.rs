@@ -55,7 +55,11 @@ pub type Handler = Arc<dyn Fn(&http::request::Parts) -> Answer + Send + Sync>;
 /// with connections in TIME_WAIT), IPV6_V6ONLY on IPv6 (so `0.0.0.0` and `[::]` can
 /// both be bound), close-on-exec, non-blocking.
 pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM.cloexec(), Some(Protocol::TCP))?;
+    let socket = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.cloexec(),
+        Some(Protocol::TCP),
+    )?;
     socket.set_reuse_address(true)?;
     if addr.is_ipv6() {
         socket.set_only_v6(true)?;
@@ -76,7 +80,8 @@ pub fn response(a: Answer) -> Response<Full<Bytes>> {
         b = b.header("X-Load-Balancing-Endpoint-Weight", w);
     }
     // Invariant: status codes are 200/404/503 and header values are ASCII.
-    b.body(Full::new(Bytes::from(a.body))).expect("valid response")
+    b.body(Full::new(Bytes::from(a.body)))
+        .expect("valid response")
 }
 
 #[derive(Default)]
@@ -135,7 +140,10 @@ impl Server {
     pub async fn shutdown(self, grace: Duration) {
         self.drain.cancel();
         self.tasks.close();
-        if tokio::time::timeout(grace, self.tasks.wait()).await.is_err() {
+        if tokio::time::timeout(grace, self.tasks.wait())
+            .await
+            .is_err()
+        {
             self.close.cancel();
             self.tasks.wait().await;
         }
@@ -206,7 +214,12 @@ async fn accept_loop(listener: TcpListener, stop: CancellationToken, ctx: ConnCt
     }
 }
 
-async fn serve_conn(stream: tokio::net::TcpStream, id: u64, evict: CancellationToken, ctx: ConnCtx) {
+async fn serve_conn(
+    stream: tokio::net::TcpStream,
+    id: u64,
+    evict: CancellationToken,
+    ctx: ConnCtx,
+) {
     let handler = ctx.handler.clone();
     let svc = service_fn(move |req: Request<Incoming>| {
         let (parts, _body) = req.into_parts();
@@ -235,5 +248,9 @@ async fn serve_conn(stream: tokio::net::TcpStream, id: u64, evict: CancellationT
             }
         }
     }
-    ctx.conns.lock().unwrap_or_else(|e| e.into_inner()).open.remove(&id);
+    ctx.conns
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .open
+        .remove(&id);
 }

@@ -33,7 +33,8 @@ pub use decide::{Answer, LocalAddr, Probe, ProxyHealth, Semantics};
 use metrics::{CodeLabel, Metrics, PortLabels, ServiceLabels};
 
 /// Upstream's default `healthzBindAddress`.
-pub const DEFAULT_HEALTHZ_BIND_ADDRESS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 10256);
+pub const DEFAULT_HEALTHZ_BIND_ADDRESS: SocketAddr =
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 10256);
 
 /// How long `shutdown` lets in-flight requests finish.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
@@ -151,9 +152,15 @@ impl Shared {
     fn note_status(&self, check: &CheckState, status: u16) {
         let prev = check.last_status.swap(status, Ordering::Relaxed);
         if prev != status {
-            self.metrics.port_healthy.get_or_create(&PortLabels::of(&check.service, check.port)).set(i64::from(status == 200));
+            self.metrics
+                .port_healthy
+                .get_or_create(&PortLabels::of(&check.service, check.port))
+                .set(i64::from(status == 200));
             if prev != 0 {
-                self.metrics.transitions.get_or_create(&ServiceLabels::of(&check.service)).inc();
+                self.metrics
+                    .transitions
+                    .get_or_create(&ServiceLabels::of(&check.service))
+                    .inc();
             }
         }
     }
@@ -235,7 +242,11 @@ impl Health {
             semantics: cfg.semantics,
             timeout: cfg.sync_period.saturating_mul(2),
             clock,
-            core: Mutex::new(Core { health: ProxyHealth::new(now), computed: None, applied: None }),
+            core: Mutex::new(Core {
+                health: ProxyHealth::new(now),
+                computed: None,
+                applied: None,
+            }),
             metrics: Metrics::default(),
             limits,
         });
@@ -294,7 +305,9 @@ impl Health {
     /// the oldest unapplied change is 2 × syncPeriod old.
     pub fn sync_failed(&self) {
         let now = self.shared.clock.now();
-        lock(&self.shared.core).health.failed(now, self.shared.semantics);
+        lock(&self.shared.core)
+            .health
+            .failed(now, self.shared.semantics);
         self.kick();
     }
 
@@ -318,7 +331,9 @@ impl Health {
     pub async fn reconciled(&self) {
         let want = self.ctl.requested.load(Ordering::SeqCst);
         let mut rx = self.ctl.done.subscribe();
-        let _ = rx.wait_for(|done| *done >= want || self.ctl.stop.is_cancelled()).await;
+        let _ = rx
+            .wait_for(|done| *done >= want || self.ctl.stop.is_cancelled())
+            .await;
     }
 
     /// Closes every listener (in-flight requests get a short grace) and stops the
@@ -346,8 +361,13 @@ struct Retry {
 impl Retry {
     fn after_failure(prev: Option<Retry>) -> Retry {
         let attempts = prev.map_or(0, |r| r.attempts.saturating_add(1));
-        let delay = RETRY_FIRST.saturating_mul(1u32 << attempts.min(10)).min(RETRY_MAX);
-        Retry { attempts, next: tokio::time::Instant::now() + delay }
+        let delay = RETRY_FIRST
+            .saturating_mul(1u32 << attempts.min(10))
+            .min(RETRY_MAX);
+        Retry {
+            attempts,
+            next: tokio::time::Instant::now() + delay,
+        }
     }
 
     fn due(&self) -> bool {
@@ -379,20 +399,40 @@ impl HealthzServer {
                 "/healthz" => (Probe::Healthz, &s.metrics.healthz),
                 "/livez" => (Probe::Livez, &s.metrics.livez),
                 _ => {
-                    return Answer { status: 404, body: r#"{"error":"404 page not found"}"#.into(), endpoint_weight: None };
+                    return Answer {
+                        status: 404,
+                        body: r#"{"error":"404 page not found"}"#.into(),
+                        endpoint_weight: None,
+                    };
                 }
             };
             let a = s.proxy_answer(probe);
-            family.get_or_create(&CodeLabel { code: metrics::code(a.status) }).inc();
+            family
+                .get_or_create(&CodeLabel {
+                    code: metrics::code(a.status),
+                })
+                .inc();
             a
         });
-        let slot = |want, companion| HealthzSlot { want, companion, bound: None, retry: None, unavailable: false };
+        let slot = |want, companion| HealthzSlot {
+            want,
+            companion,
+            bound: None,
+            retry: None,
+            unavailable: false,
+        };
         let mut slots = vec![slot(addr, false)];
         // Port 0 (tests) would give the two sockets different ports: IPv4 only then.
         if addr.ip() == IpAddr::V4(Ipv4Addr::UNSPECIFIED) && addr.port() != 0 {
-            slots.push(slot(SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), addr.port()), true));
+            slots.push(slot(
+                SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), addr.port()),
+                true,
+            ));
         }
-        HealthzServer { server: http::Server::new(handler, shared.limits), slots }
+        HealthzServer {
+            server: http::Server::new(handler, shared.limits),
+            slots,
+        }
     }
 
     /// Binds every address not bound yet whose retry is due.
@@ -427,7 +467,11 @@ impl HealthzServer {
     }
 
     fn next_retry(&self) -> Option<tokio::time::Instant> {
-        self.slots.iter().filter(|s| s.bound.is_none() && !s.unavailable).filter_map(|s| s.retry.map(|r| r.next)).min()
+        self.slots
+            .iter()
+            .filter(|s| s.bound.is_none() && !s.unavailable)
+            .filter_map(|s| s.retry.map(|r| r.next))
+            .min()
     }
 }
 
@@ -450,17 +494,31 @@ impl Running {
         let (s, c) = (shared.clone(), check.clone());
         // Any path and method get the same answer (upstream ignores the request).
         let handler: http::Handler = Arc::new(move |_req: &::http::request::Parts| {
-            let a = decide::service_answer(&c.service, c.local_endpoints.load(Ordering::Relaxed), s.proxy_healthy());
+            let a = decide::service_answer(
+                &c.service,
+                c.local_endpoints.load(Ordering::Relaxed),
+                s.proxy_healthy(),
+            );
             s.note_status(&c, a.status);
             a
         });
-        Running { check, server: http::Server::new(handler, shared.limits), bound: BTreeMap::new(), failing: BTreeMap::new() }
+        Running {
+            check,
+            server: http::Server::new(handler, shared.limits),
+            bound: BTreeMap::new(),
+            failing: BTreeMap::new(),
+        }
     }
 
     /// Binds what is wanted and due, unbinds what is not wanted any more.
     async fn converge(&mut self, want: &[SocketAddr], shared: &Shared) {
         let labels = PortLabels::of(&self.check.service, self.check.port);
-        let unwanted: Vec<SocketAddr> = self.bound.keys().filter(|a| !want.contains(a)).copied().collect();
+        let unwanted: Vec<SocketAddr> = self
+            .bound
+            .keys()
+            .filter(|a| !want.contains(a))
+            .copied()
+            .collect();
         for a in unwanted {
             if let Some(l) = self.bound.remove(&a) {
                 l.close().await;
@@ -495,7 +553,11 @@ impl Running {
                 }
             }
         }
-        shared.metrics.port_listening.get_or_create(&labels).set(i64::from(self.failing.is_empty()));
+        shared
+            .metrics
+            .port_listening
+            .get_or_create(&labels)
+            .set(i64::from(self.failing.is_empty()));
     }
 
     fn next_retry(&self) -> Option<tokio::time::Instant> {
@@ -518,9 +580,15 @@ pub fn local_addresses() -> std::io::Result<Vec<LocalAddr>> {
     for ifa in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
         let Some(addr) = ifa.address else { continue };
         if let Some(v4) = addr.as_sockaddr_in() {
-            out.push(LocalAddr { ip: IpAddr::V4(v4.ip()), scope_id: 0 });
+            out.push(LocalAddr {
+                ip: IpAddr::V4(v4.ip()),
+                scope_id: 0,
+            });
         } else if let Some(v6) = addr.as_sockaddr_in6() {
-            out.push(LocalAddr { ip: IpAddr::V6(v6.ip()), scope_id: v6.scope_id() });
+            out.push(LocalAddr {
+                ip: IpAddr::V6(v6.ip()),
+                scope_id: v6.scope_id(),
+            });
         }
     }
     out.sort();
@@ -528,15 +596,29 @@ pub fn local_addresses() -> std::io::Result<Vec<LocalAddr>> {
     Ok(out)
 }
 
-async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, mut healthz: Option<HealthzServer>) {
+async fn reconcile_loop(
+    shared: Arc<Shared>,
+    ctl: Arc<Control>,
+    mut healthz: Option<HealthzServer>,
+) {
     let mut running: BTreeMap<ServiceName, Running> = BTreeMap::new();
     let mut warned_addrs = false;
     loop {
         let generation = ctl.requested.load(Ordering::SeqCst);
         let (targets, families) = {
             let c = lock(&shared.core);
-            let targets = decide::health_check_targets(shared.semantics, c.computed.as_deref(), c.applied.as_deref());
-            (targets, c.applied.as_ref().map(|p| p.families.clone()).unwrap_or_default())
+            let targets = decide::health_check_targets(
+                shared.semantics,
+                c.computed.as_deref(),
+                c.applied.as_deref(),
+            );
+            (
+                targets,
+                c.applied
+                    .as_ref()
+                    .map(|p| p.families.clone())
+                    .unwrap_or_default(),
+            )
         };
 
         // Close what is gone or moved to another port first, so a port handed from
@@ -572,8 +654,12 @@ async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, mut healthz: Opt
 
         let proxy_healthy = shared.proxy_healthy();
         for (name, t) in &targets {
-            let r = running.entry(name.clone()).or_insert_with(|| Running::new(&shared, name.clone(), t.port));
-            r.check.local_endpoints.store(t.local_endpoints, Ordering::Relaxed);
+            let r = running
+                .entry(name.clone())
+                .or_insert_with(|| Running::new(&shared, name.clone(), t.port));
+            r.check
+                .local_endpoints
+                .store(t.local_endpoints, Ordering::Relaxed);
             let want = decide::listen_addrs(&families, &local, t.port);
             r.converge(&want, &shared).await;
             let status = decide::service_answer(name, t.local_endpoints, proxy_healthy).status;
@@ -588,15 +674,21 @@ async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, mut healthz: Opt
             o.checks = running
                 .iter()
                 .map(|(name, r)| {
-                    (name.clone(), Listening {
-                        port: r.check.port,
-                        addrs: r.bound.keys().copied().collect(),
-                        failing: r.failing.keys().copied().collect(),
-                        local_endpoints: r.check.local_endpoints.load(Ordering::Relaxed),
-                    })
+                    (
+                        name.clone(),
+                        Listening {
+                            port: r.check.port,
+                            addrs: r.bound.keys().copied().collect(),
+                            failing: r.failing.keys().copied().collect(),
+                            local_endpoints: r.check.local_endpoints.load(Ordering::Relaxed),
+                        },
+                    )
                 })
                 .collect();
-            o.healthz = healthz.as_ref().map(HealthzServer::bound_addrs).unwrap_or_default();
+            o.healthz = healthz
+                .as_ref()
+                .map(HealthzServer::bound_addrs)
+                .unwrap_or_default();
         }
         ctl.done.send_replace(generation);
 
@@ -615,7 +707,8 @@ async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, mut healthz: Opt
     }
 
     // Shutdown: stop accepting everywhere at once, give in-flight requests a moment.
-    let mut closing: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> = Vec::new();
+    let mut closing: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> =
+        Vec::new();
     for (_, r) in std::mem::take(&mut running) {
         let labels = PortLabels::of(&r.check.service, r.check.port);
         shared.metrics.port_listening.remove(&labels);
@@ -636,7 +729,9 @@ async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, mut healthz: Opt
 }
 
 /// Joins boxed futures concurrently without another dependency.
-async fn futures_join_all(futs: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>) {
+async fn futures_join_all(
+    futs: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
+) {
     let mut set = tokio::task::JoinSet::new();
     for f in futs {
         set.spawn(f);

@@ -31,13 +31,20 @@ pub struct PortLabels {
 
 impl ServiceLabels {
     pub fn of(s: &ServiceName) -> Self {
-        ServiceLabels { namespace: s.namespace.to_string(), name: s.name.to_string() }
+        ServiceLabels {
+            namespace: s.namespace.to_string(),
+            name: s.name.to_string(),
+        }
     }
 }
 
 impl PortLabels {
     pub fn of(s: &ServiceName, port: u16) -> Self {
-        PortLabels { namespace: s.namespace.to_string(), name: s.name.to_string(), port }
+        PortLabels {
+            namespace: s.namespace.to_string(),
+            name: s.name.to_string(),
+            port,
+        }
     }
 }
 
@@ -68,8 +75,16 @@ pub struct Metrics {
 impl Metrics {
     pub fn register(&self, registry: &mut Registry) {
         let up = registry.sub_registry_with_prefix("kubeproxy");
-        up.register("proxy_healthz", "Cumulative proxy healthz HTTP status", self.healthz.clone());
-        up.register("proxy_livez", "Cumulative proxy livez HTTP status", self.livez.clone());
+        up.register(
+            "proxy_healthz",
+            "Cumulative proxy healthz HTTP status",
+            self.healthz.clone(),
+        );
+        up.register(
+            "proxy_livez",
+            "Cumulative proxy livez HTTP status",
+            self.livez.clone(),
+        );
         let own = registry.sub_registry_with_prefix("kproxy");
         own.register(
             "health_check_node_port_listening",

@@ -29,15 +29,29 @@ fn conformance_dir() -> PathBuf {
 
 fn load() -> Vec<Value> {
     let path = conformance_dir().join("service_health.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (set KPROXY_SHARED to the shared/ folder)", path.display()));
-    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (set KPROXY_SHARED to the shared/ folder)",
+            path.display()
+        )
+    });
+    let v: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     v["vectors"].as_array().cloned().unwrap_or_default()
 }
 
 fn slug(v: &Value) -> String {
     let name = v["name"].as_str().unwrap_or("unnamed");
-    let s: String = name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+    let s: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
     s.trim_matches('_').to_string()
 }
 
@@ -51,7 +65,10 @@ fn plan_of(v: &Value) -> Result<kproxy_core::NodePlan, Failed> {
     if !parsed.errors.is_empty() {
         return Err(format!("vector objects do not parse: {:?}", parsed.errors).into());
     }
-    let node_name = v["node"]["metadata"]["name"].as_str().unwrap_or_default().to_string();
+    let node_name = v["node"]["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let mut state = ClusterState::new();
     for o in &parsed.objects {
         // Upstream drops slices it cannot use with an error; so does ingestion.
@@ -62,10 +79,17 @@ fn plan_of(v: &Value) -> Result<kproxy_core::NodePlan, Failed> {
     }
     let mut cfg = PlanConfig::default();
     if let Some(cidrs) = v["nodePortAddresses"].as_array() {
-        let cidrs = cidrs.iter().filter_map(|c| c.as_str()?.parse().ok()).collect();
+        let cidrs = cidrs
+            .iter()
+            .filter_map(|c| c.as_str()?.parse().ok())
+            .collect();
         cfg.node_port_addresses = NodePortAddressesConfig::Cidrs(cidrs);
         // What the daemon does: node addresses from the interfaces.
-        cfg.node_ips = kproxy_health::local_addresses().map_err(|e| e.to_string())?.into_iter().map(|a| a.ip).collect();
+        cfg.node_ips = kproxy_health::local_addresses()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|a| a.ip)
+            .collect();
     }
     Ok(kproxy_core::plan(&state, &node_name, &cfg))
 }
@@ -74,8 +98,14 @@ async fn run_vector(v: Value, semantics: Semantics) -> Result<(), Failed> {
     let plan = Arc::new(plan_of(&v)?);
     let clock = ManualClock::new(t0());
     let mut registry = prometheus_client::registry::Registry::default();
-    let cfg = HealthConfig { healthz_bind_address: None, semantics, sync_period: Duration::from_secs(30) };
-    let health = Health::start_with_clock(cfg, &mut registry, clock.clone()).await.map_err(|e| e.to_string())?;
+    let cfg = HealthConfig {
+        healthz_bind_address: None,
+        semantics,
+        sync_period: Duration::from_secs(30),
+    };
+    let health = Health::start_with_clock(cfg, &mut registry, clock.clone())
+        .await
+        .map_err(|e| e.to_string())?;
     health.plan_computed(&plan);
     health.plan_applied(&plan);
     if v["proxyHealthy"].as_bool() == Some(false) {
@@ -88,10 +118,16 @@ async fn run_vector(v: Value, semantics: Semantics) -> Result<(), Failed> {
     let mut errs = Vec::new();
     for want in v["expect"]["healthChecks"].as_array().into_iter().flatten() {
         let svc = want["service"].as_str().unwrap_or_default();
-        let got = listening.iter().find(|(name, _)| name.to_string() == svc).map(|(_, l)| l);
+        let got = listening
+            .iter()
+            .find(|(name, _)| name.to_string() == svc)
+            .map(|(_, l)| l);
         if want["served"].as_bool() == Some(false) {
             if let Some(l) = got {
-                errs.push(format!("{svc}: expected no health check, listening on {:?}", l.addrs));
+                errs.push(format!(
+                    "{svc}: expected no health check, listening on {:?}",
+                    l.addrs
+                ));
             }
             continue;
         }
@@ -103,22 +139,44 @@ async fn run_vector(v: Value, semantics: Semantics) -> Result<(), Failed> {
         if l.port != port {
             errs.push(format!("{svc}: port {} != {port}", l.port));
         }
-        let want_listen: BTreeSet<SocketAddr> =
-            want["listen"].as_array().into_iter().flatten().filter_map(|a| a.as_str()?.parse().ok()).collect();
-        let got_v4: BTreeSet<SocketAddr> = l.addrs.iter().copied().filter(|a| a.is_ipv4()).collect();
-        if want_listen.iter().filter(|a| a.is_ipv4()).copied().collect::<BTreeSet<_>>() != got_v4
+        let want_listen: BTreeSet<SocketAddr> = want["listen"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a.as_str()?.parse().ok())
+            .collect();
+        let got_v4: BTreeSet<SocketAddr> =
+            l.addrs.iter().copied().filter(|a| a.is_ipv4()).collect();
+        if want_listen
+            .iter()
+            .filter(|a| a.is_ipv4())
+            .copied()
+            .collect::<BTreeSet<_>>()
+            != got_v4
             || !want_listen.iter().all(|a| l.addrs.contains(a))
         {
-            errs.push(format!("{svc}: listening on {:?}, expected {want_listen:?}", l.addrs));
+            errs.push(format!(
+                "{svc}: listening on {:?}, expected {want_listen:?}",
+                l.addrs
+            ));
         }
         // Probe every expected address (0.0.0.0 through loopback), on two paths and
         // two methods: upstream ignores the request.
         for a in &want_listen {
-            let target = if a.ip().is_unspecified() { SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), a.port()) } else { *a };
+            let target = if a.ip().is_unspecified() {
+                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), a.port())
+            } else {
+                *a
+            };
             for (method, path) in [("GET", "/"), ("POST", "/some/other/path?x=1")] {
-                let r = request(target, method, path).await.map_err(|e| format!("{svc}: {method} {target}{path}: {e}"))?;
+                let r = request(target, method, path)
+                    .await
+                    .map_err(|e| format!("{svc}: {method} {target}{path}: {e}"))?;
                 if Some(u64::from(r.status)) != want["status"].as_u64() {
-                    errs.push(format!("{svc} {method} {path}: status {} != {}", r.status, want["status"]));
+                    errs.push(format!(
+                        "{svc} {method} {path}: status {} != {}",
+                        r.status, want["status"]
+                    ));
                 }
                 for (h, hv) in want["headers"].as_object().into_iter().flatten() {
                     let got = r.headers.get(&h.to_ascii_lowercase());
@@ -134,16 +192,27 @@ async fn run_vector(v: Value, semantics: Semantics) -> Result<(), Failed> {
     }
     // Nothing else is served.
     for (name, l) in &listening {
-        let expected = v["expect"]["healthChecks"].as_array().into_iter().flatten().any(|w| {
-            w["service"].as_str() == Some(&name.to_string()) && w["served"].as_bool() != Some(false)
-        });
+        let expected = v["expect"]["healthChecks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|w| {
+                w["service"].as_str() == Some(&name.to_string())
+                    && w["served"].as_bool() != Some(false)
+            });
         if !expected {
-            errs.push(format!("{name}: unexpected health-check server on {:?}", l.addrs));
+            errs.push(format!(
+                "{name}: unexpected health-check server on {:?}",
+                l.addrs
+            ));
         }
     }
     // Served ports close again with the Service gone.
     let ports: Vec<u16> = listening.values().map(|l| l.port).collect();
-    let empty = Arc::new(kproxy_core::NodePlan { services: Default::default(), ..(*plan).clone() });
+    let empty = Arc::new(kproxy_core::NodePlan {
+        services: Default::default(),
+        ..(*plan).clone()
+    });
     health.plan_computed(&empty);
     health.plan_applied(&empty);
     health.reconciled().await;
@@ -153,7 +222,11 @@ async fn run_vector(v: Value, semantics: Semantics) -> Result<(), Failed> {
         }
     }
     health.shutdown().await;
-    if errs.is_empty() { Ok(()) } else { Err(errs.join("\n").into()) }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs.join("\n").into())
+    }
 }
 
 fn main() {
@@ -165,7 +238,11 @@ fn main() {
             let uncertain = v["uncertain"].as_bool().unwrap_or(false);
             let v = v.clone();
             let trial = Trial::test(name, move || in_netns(move || run_vector(v, semantics)));
-            trials.push(if uncertain { trial.with_kind("uncertain") } else { trial });
+            trials.push(if uncertain {
+                trial.with_kind("uncertain")
+            } else {
+                trial
+            });
         }
     }
     libtest_mimic::run(&args, trials).exit();

@@ -11,7 +11,9 @@ use kproxy_health::fixtures::{plan, svc};
 use kproxy_health::{Health, HealthConfig, ManualClock, Semantics};
 
 fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").expect("read /proc/self/fd").count()
+    std::fs::read_dir("/proc/self/fd")
+        .expect("read /proc/self/fd")
+        .count()
 }
 
 #[test]
@@ -23,7 +25,9 @@ fn no_fd_leak_over_1000_open_close_cycles() {
             semantics: Semantics::Truthful,
             sync_period: Duration::from_secs(30),
         };
-        let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0())).await.unwrap();
+        let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0()))
+            .await
+            .unwrap();
         let on = plan(&[svc("a", "b", 31800, &["10.244.0.5"])]);
         let off = plan(&[]);
         let probe = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 31800);
@@ -33,7 +37,11 @@ fn no_fd_leak_over_1000_open_close_cycles() {
                 h.plan_computed(&on);
                 h.plan_applied(&on);
                 h.reconciled().await;
-                assert!(h.listening().values().all(|l| l.failing.is_empty()), "cycle {i}: {:?}", h.listening());
+                assert!(
+                    h.listening().values().all(|l| l.failing.is_empty()),
+                    "cycle {i}: {:?}",
+                    h.listening()
+                );
                 if i.is_multiple_of(50) {
                     assert_eq!(get(probe, "/").await.status, 200, "cycle {i}");
                     assert_eq!(get(h.healthz_addrs()[0], "/livez").await.status, 200);
@@ -51,7 +59,10 @@ fn no_fd_leak_over_1000_open_close_cycles() {
         let after = open_fds();
         // Each cycle opens two listeners (0.0.0.0, [::]) and some connections: a leak
         // would show in the thousands.
-        assert!(after <= before + 2, "file descriptors: {before} before, {after} after 1000 cycles");
+        assert!(
+            after <= before + 2,
+            "file descriptors: {before} before, {after} after 1000 cycles"
+        );
         h.shutdown().await;
     });
 }

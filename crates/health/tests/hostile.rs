@@ -22,8 +22,14 @@ fn addr() -> SocketAddr {
 
 async fn start() -> Health {
     let mut registry = prometheus_client::registry::Registry::default();
-    let cfg = HealthConfig { healthz_bind_address: None, semantics: Semantics::Upstream, sync_period: Duration::from_secs(30) };
-    let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0())).await.unwrap();
+    let cfg = HealthConfig {
+        healthz_bind_address: None,
+        semantics: Semantics::Upstream,
+        sync_period: Duration::from_secs(30),
+    };
+    let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0()))
+        .await
+        .unwrap();
     let p = plan(&[svc("a", "b", PORT, &["10.244.0.5"])]);
     h.plan_computed(&p);
     h.plan_applied(&p);
@@ -45,14 +51,26 @@ async fn raw(bytes: &[u8]) -> String {
 fn oversized_and_malformed_requests_are_refused_and_the_probe_still_works() {
     in_netns(|| async {
         let h = start().await;
-        let big = format!("GET / HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n", "a".repeat(64 * 1024));
+        let big = format!(
+            "GET / HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(64 * 1024)
+        );
         let r = raw(big.as_bytes()).await;
-        assert!(r.is_empty() || r.starts_with("HTTP/1.1 431"), "oversized header: {r:?}");
+        assert!(
+            r.is_empty() || r.starts_with("HTTP/1.1 431"),
+            "oversized header: {r:?}"
+        );
         let many: String = (0..200).map(|i| format!("X-H{i}: v\r\n")).collect();
         let r = raw(format!("GET / HTTP/1.1\r\nHost: x\r\n{many}\r\n").as_bytes()).await;
-        assert!(r.is_empty() || r.starts_with("HTTP/1.1 431"), "too many headers: {r:?}");
+        assert!(
+            r.is_empty() || r.starts_with("HTTP/1.1 431"),
+            "too many headers: {r:?}"
+        );
         let r = raw(b"\x16\x03\x01\x02\x00garbage-not-http\r\n\r\n").await;
-        assert!(r.is_empty() || r.starts_with("HTTP/1.1 400"), "garbage: {r:?}");
+        assert!(
+            r.is_empty() || r.starts_with("HTTP/1.1 400"),
+            "garbage: {r:?}"
+        );
         assert_eq!(get(addr(), "/").await.status, 200);
         h.shutdown().await;
     });
@@ -62,11 +80,17 @@ fn oversized_and_malformed_requests_are_refused_and_the_probe_still_works() {
 fn slowloris_and_ten_thousand_idle_connections_do_not_starve_a_probe() {
     // Room for the client sockets plus the server's own: raise the soft limit to the
     // hard one (and the hard one too where allowed).
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: plain syscalls with valid pointers.
     unsafe {
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
-        let want = libc::rlimit { rlim_cur: 40_000, rlim_max: 40_000.max(lim.rlim_max) };
+        let want = libc::rlimit {
+            rlim_cur: 40_000,
+            rlim_max: 40_000.max(lim.rlim_max),
+        };
         if libc::setrlimit(libc::RLIMIT_NOFILE, &want) != 0 {
             lim.rlim_cur = lim.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
@@ -77,7 +101,10 @@ fn slowloris_and_ten_thousand_idle_connections_do_not_starve_a_probe() {
     let n = 10_000usize.min((lim.rlim_cur as usize).saturating_sub(2_000));
     if n < 1_000 {
         // Cannot exceed the server's 512-connection bound meaningfully: say so loudly.
-        eprintln!("SKIPPED: RLIMIT_NOFILE {} (hard limit not raisable) is too low for the idle-connection flood", lim.rlim_cur);
+        eprintln!(
+            "SKIPPED: RLIMIT_NOFILE {} (hard limit not raisable) is too low for the idle-connection flood",
+            lim.rlim_cur
+        );
         return;
     }
     in_netns(move || async move {
@@ -86,7 +113,9 @@ fn slowloris_and_ten_thousand_idle_connections_do_not_starve_a_probe() {
         let mut slow = Vec::new();
         for _ in 0..300 {
             let mut s = TcpStream::connect(addr()).await.unwrap();
-            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ").await.unwrap();
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                .await
+                .unwrap();
             slow.push(s);
         }
         assert_eq!(get(addr(), "/").await.status, 200, "probe during slowloris");
@@ -104,7 +133,10 @@ fn slowloris_and_ten_thousand_idle_connections_do_not_starve_a_probe() {
         // The server kept its own connection count bounded (512 per server): the
         // process holds the client ends plus at most that many server ends.
         let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
-        assert!(fds < n + 300 + 300 + 600, "server connections are not bounded: {fds} fds open");
+        assert!(
+            fds < n + 300 + 300 + 600,
+            "server connections are not bounded: {fds} fds open"
+        );
         drop(idle);
         drop(slow);
         assert_eq!(get(addr(), "/").await.status, 200);
@@ -129,7 +161,11 @@ where
                 }
             }
         }
-        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
     })
     .await;
     out.into_iter().map(|o| o.expect("ready")).collect()
@@ -141,24 +177,42 @@ where
 fn half_requests_are_disconnected_after_the_header_timeout() {
     in_netns(|| async {
         let mut registry = prometheus_client::registry::Registry::default();
-        let cfg = HealthConfig { healthz_bind_address: None, semantics: Semantics::Upstream, sync_period: Duration::from_secs(30) };
-        let limits = kproxy_health::http::Limits { header_read_timeout: Duration::from_millis(300), ..Default::default() };
-        let h = Health::start_with(cfg, &mut registry, ManualClock::new(t0()), limits).await.unwrap();
+        let cfg = HealthConfig {
+            healthz_bind_address: None,
+            semantics: Semantics::Upstream,
+            sync_period: Duration::from_secs(30),
+        };
+        let limits = kproxy_health::http::Limits {
+            header_read_timeout: Duration::from_millis(300),
+            ..Default::default()
+        };
+        let h = Health::start_with(cfg, &mut registry, ManualClock::new(t0()), limits)
+            .await
+            .unwrap();
         let p = plan(&[svc("a", "b", PORT, &["10.244.0.5"])]);
         h.plan_computed(&p);
         h.plan_applied(&p);
         h.reconciled().await;
         let mut half = TcpStream::connect(addr()).await.unwrap();
-        half.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ").await.unwrap();
+        half.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            .await
+            .unwrap();
         let mut idle = TcpStream::connect(addr()).await.unwrap(); // sends nothing at all
         assert_eq!(get(addr(), "/").await.status, 200);
-        for (what, s) in [("half request", &mut half), ("silent connection", &mut idle)] {
+        for (what, s) in [
+            ("half request", &mut half),
+            ("silent connection", &mut idle),
+        ] {
             let mut out = Vec::new();
             // Generous bound so a hang fails instead of blocking the run; no timing asserted.
-            let closed = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await;
+            let closed =
+                tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await;
             assert!(closed.is_ok(), "{what}: not disconnected");
             let text = String::from_utf8_lossy(&out);
-            assert!(!text.starts_with("HTTP/1.1 200"), "{what}: answered {text:?}");
+            assert!(
+                !text.starts_with("HTTP/1.1 200"),
+                "{what}: answered {text:?}"
+            );
         }
         h.shutdown().await;
     });

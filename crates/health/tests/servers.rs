@@ -27,17 +27,23 @@ async fn start(semantics: Semantics, healthz: bool) -> (Health, Arc<ManualClock>
     let clock = ManualClock::new(t0());
     let mut registry = Registry::default();
     let cfg = HealthConfig {
-        healthz_bind_address: healthz.then(|| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10256)),
+        healthz_bind_address: healthz
+            .then(|| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10256)),
         semantics,
         sync_period: SYNC,
     };
-    let h = Health::start_with_clock(cfg, &mut registry, clock.clone()).await.expect("start");
+    let h = Health::start_with_clock(cfg, &mut registry, clock.clone())
+        .await
+        .expect("start");
     (h, clock, registry)
 }
 
 async fn status(port: u16) -> (u16, u64) {
     let r = get(lo(port), "/").await;
-    (r.status, r.json()["localEndpoints"].as_u64().unwrap_or(u64::MAX))
+    (
+        r.status,
+        r.json()["localEndpoints"].as_u64().unwrap_or(u64::MAX),
+    )
 }
 
 #[test]
@@ -49,12 +55,21 @@ fn servers_open_and_close_with_the_applied_plan() {
             // Computed but not applied: nothing is served yet.
             h.plan_computed(&one);
             h.reconciled().await;
-            assert!(refused(lo(31001)).await, "{semantics:?}: served before any plan was applied");
+            assert!(
+                refused(lo(31001)).await,
+                "{semantics:?}: served before any plan was applied"
+            );
             h.plan_applied(&one);
             h.reconciled().await;
             assert_eq!(status(31001).await, (200, 1));
             let l = &h.listening()[&ServiceName::new("a", "b")];
-            assert_eq!(l.addrs, vec!["0.0.0.0:31001".parse().unwrap(), "[::]:31001".parse().unwrap()]);
+            assert_eq!(
+                l.addrs,
+                vec![
+                    "0.0.0.0:31001".parse().unwrap(),
+                    "[::]:31001".parse().unwrap()
+                ]
+            );
 
             // Port changed: old closes, new opens.
             let moved = plan(&[svc("a", "b", 31002, &["10.244.0.5"])]);
@@ -65,10 +80,19 @@ fn servers_open_and_close_with_the_applied_plan() {
             assert_eq!(status(31002).await, (200, 1));
 
             // Another Service takes the freed port in the same sync.
-            let swapped = plan(&[svc("a", "b", 31003, &["10.244.0.5"]), svc("c", "d", 31002, &[])]);
+            let swapped = plan(&[
+                svc("a", "b", 31003, &["10.244.0.5"]),
+                svc("c", "d", 31002, &[]),
+            ]);
             h.plan_computed(&swapped);
             h.plan_applied(&swapped);
-            assert!(eventually(&h, || h.listening().get(&ServiceName::new("c", "d")).is_some_and(|l| l.failing.is_empty())).await);
+            assert!(
+                eventually(&h, || h
+                    .listening()
+                    .get(&ServiceName::new("c", "d"))
+                    .is_some_and(|l| l.failing.is_empty()))
+                .await
+            );
             let r = get(lo(31002), "/").await;
             assert_eq!(r.status, 503);
             assert_eq!(r.json()["service"]["name"], "d");
@@ -108,7 +132,14 @@ fn truthful_and_upstream_differ_exactly_on_unapplied_removals() {
 
         // A second pod becomes ready; its rules are not programmed yet: neither counts it.
         both(&|h, port| h.plan_computed(&p(port, &["10.244.0.5", "10.244.0.6"])));
-        check(&up, &tr, (200, 1), (200, 1), "new endpoint computed, not applied").await;
+        check(
+            &up,
+            &tr,
+            (200, 1),
+            (200, 1),
+            "new endpoint computed, not applied",
+        )
+        .await;
         both(&|h, _| h.sync_failed());
         check(&up, &tr, (200, 1), (200, 1), "new endpoint, sync failed").await;
 
@@ -120,7 +151,14 @@ fn truthful_and_upstream_differ_exactly_on_unapplied_removals() {
 
         // The pod terminates (still serving): same.
         both(&|h, port| h.plan_computed(&p(port, &[])));
-        check(&up, &tr, (200, 1), (503, 0), "only a terminating pod, not applied").await;
+        check(
+            &up,
+            &tr,
+            (200, 1),
+            (503, 0),
+            "only a terminating pod, not applied",
+        )
+        .await;
 
         // The failing sync makes the proxy stale: both 503, serviceProxyHealthy false.
         up_clock.advance(STALE);
@@ -160,7 +198,11 @@ fn healthz_and_livez_timeline_through_http() {
 
             // Start-up, nothing applied: upstream says healthy, truthful keeps eTP-Cluster
             // load balancers away from a node without rules. Both are alive.
-            let want_start = if semantics == Semantics::Upstream { 200 } else { 503 };
+            let want_start = if semantics == Semantics::Upstream {
+                200
+            } else {
+                503
+            };
             let r = hz().await;
             assert_eq!(r.status, want_start, "{semantics:?} start");
             assert_eq!(r.headers["content-type"], "application/json");
@@ -173,7 +215,11 @@ fn healthz_and_livez_timeline_through_http() {
             clock.advance(Duration::from_secs(59));
             assert_eq!(hz().await.status, want_start, "young pending change");
             clock.advance(Duration::from_secs(1));
-            assert_eq!(hz().await.status, 503, "first change pending 2 × syncPeriod");
+            assert_eq!(
+                hz().await.status,
+                503,
+                "first change pending 2 × syncPeriod"
+            );
             assert_eq!(lz().await.status, 503);
             assert_eq!(lz().await.json()["healthy"], false);
 
@@ -184,7 +230,10 @@ fn healthz_and_livez_timeline_through_http() {
             assert_eq!(v["healthy"], true);
             assert!(v["status"]["IPv4"]["lastUpdated"].is_string());
             if semantics == Semantics::Upstream {
-                assert_eq!(v["lastUpdated"], v["currentTime"], "upstream reports lastUpdated = now on 200");
+                assert_eq!(
+                    v["lastUpdated"], v["currentTime"],
+                    "upstream reports lastUpdated = now on 200"
+                );
             } else {
                 assert_eq!(v["syncedOnce"], true);
             }
@@ -202,7 +251,12 @@ fn healthz_and_livez_timeline_through_http() {
             assert_eq!(hz().await.status, 200);
 
             // The Node is being deleted / tainted for scale-down: /healthz 503, /livez 200.
-            let leaving = plan_with(&[], false, [NodePortAddresses::AllLocal, NodePortAddresses::AllLocal], [vec![], vec![]]);
+            let leaving = plan_with(
+                &[],
+                false,
+                [NodePortAddresses::AllLocal, NodePortAddresses::AllLocal],
+                [vec![], vec![]],
+            );
             h.plan_computed(&leaving);
             let r = hz().await;
             assert_eq!(r.status, 503);
@@ -218,10 +272,19 @@ fn healthz_and_livez_timeline_through_http() {
 
             let ok = metric(&reg, r#"kubeproxy_proxy_healthz_total{code="200"}"#).unwrap_or(0.0);
             let bad = metric(&reg, r#"kubeproxy_proxy_healthz_total{code="503"}"#).unwrap_or(0.0);
-            let live_bad = metric(&reg, r#"kubeproxy_proxy_livez_total{code="503"}"#).unwrap_or(0.0);
-            let want_ok = if semantics == Semantics::Upstream { 5.0 } else { 3.0 };
+            let live_bad =
+                metric(&reg, r#"kubeproxy_proxy_livez_total{code="503"}"#).unwrap_or(0.0);
+            let want_ok = if semantics == Semantics::Upstream {
+                5.0
+            } else {
+                3.0
+            };
             // Nine /healthz probes above; upstream answered 200 twice more (start-up).
-            assert_eq!((ok, bad, live_bad), (want_ok, 9.0 - want_ok, 2.0), "{semantics:?} metrics");
+            assert_eq!(
+                (ok, bad, live_bad),
+                (want_ok, 9.0 - want_ok, 2.0),
+                "{semantics:?} metrics"
+            );
             h.shutdown().await;
             assert!(closed_soon(addr).await, "healthz closed on shutdown");
         });
@@ -243,18 +306,49 @@ fn busy_ports_are_retried_and_recover() {
         let name = ServiceName::new("a", "b");
         let l = &h.listening()[&name];
         assert_eq!(l.failing, vec!["0.0.0.0:31500".parse().unwrap()], "{l:?}");
-        assert_eq!(l.addrs, vec!["[::]:31500".parse().unwrap()], "the free address is served meanwhile");
+        assert_eq!(
+            l.addrs,
+            vec!["[::]:31500".parse().unwrap()],
+            "the free address is served meanwhile"
+        );
         let labels = r#"{namespace="a",name="b",port="31500"}"#;
-        assert!(eventually(&h, || metric(&reg, &format!("kproxy_health_check_node_port_bind_failures_total{labels}")).unwrap_or(0.0) >= 2.0).await, "retried");
-        assert_eq!(metric(&reg, &format!("kproxy_health_check_node_port_listening{labels}")), Some(0.0));
+        assert!(
+            eventually(&h, || metric(
+                &reg,
+                &format!("kproxy_health_check_node_port_bind_failures_total{labels}")
+            )
+            .unwrap_or(0.0)
+                >= 2.0)
+            .await,
+            "retried"
+        );
+        assert_eq!(
+            metric(
+                &reg,
+                &format!("kproxy_health_check_node_port_listening{labels}")
+            ),
+            Some(0.0)
+        );
         assert!(metric(&reg, "kproxy_proxy_healthz_bind_failures_total").unwrap_or(0.0) >= 1.0);
 
         drop(blocker);
         drop(healthz_blocker);
-        assert!(eventually(&h, || h.listening()[&name].failing.is_empty()).await, "recovered");
-        assert!(eventually(&h, || !h.healthz_addrs().is_empty()).await, "healthz recovered");
+        assert!(
+            eventually(&h, || h.listening()[&name].failing.is_empty()).await,
+            "recovered"
+        );
+        assert!(
+            eventually(&h, || !h.healthz_addrs().is_empty()).await,
+            "healthz recovered"
+        );
         assert_eq!(status(31500).await, (200, 1));
-        assert_eq!(metric(&reg, &format!("kproxy_health_check_node_port_listening{labels}")), Some(1.0));
+        assert_eq!(
+            metric(
+                &reg,
+                &format!("kproxy_health_check_node_port_listening{labels}")
+            ),
+            Some(1.0)
+        );
         assert_eq!(get(h.healthz_addrs()[0], "/livez").await.status, 200);
         h.shutdown().await;
     });
@@ -278,18 +372,27 @@ fn node_port_addresses_select_listen_addresses_on_a_veth_pair() {
         let p = plan_with(
             &[svc("a", "b", 31600, &["10.244.0.5"])],
             true,
-            [NodePortAddresses::Only(vec![node4, "192.0.2.9".parse().unwrap()]), NodePortAddresses::Only(vec![node6])],
+            [
+                NodePortAddresses::Only(vec![node4, "192.0.2.9".parse().unwrap()]),
+                NodePortAddresses::Only(vec![node6]),
+            ],
             [vec![node4, other4], vec![node6]],
         );
         h.plan_computed(&p);
         h.plan_applied(&p);
         h.reconciled().await;
         let l = &h.listening()[&ServiceName::new("a", "b")];
-        assert_eq!(l.addrs, vec![SocketAddr::new(node4, 31600), SocketAddr::new(node6, 31600)]);
+        assert_eq!(
+            l.addrs,
+            vec![SocketAddr::new(node4, 31600), SocketAddr::new(node6, 31600)]
+        );
         assert!(l.failing.is_empty());
         assert_eq!(get(SocketAddr::new(node4, 31600), "/").await.status, 200);
         assert_eq!(get(SocketAddr::new(node6, 31600), "/").await.status, 200);
-        assert!(refused(SocketAddr::new(other4, 31600)).await, "unselected node address");
+        assert!(
+            refused(SocketAddr::new(other4, 31600)).await,
+            "unselected node address"
+        );
         assert!(refused(lo(31600)).await, "loopback not selected");
 
         // The selection changes to match-all: wildcard listeners replace the addresses.
@@ -301,8 +404,16 @@ fn node_port_addresses_select_listen_addresses_on_a_veth_pair() {
         );
         h.plan_computed(&all);
         h.plan_applied(&all);
-        assert!(eventually(&h, || h.listening()[&ServiceName::new("a", "b")].addrs
-            == vec!["0.0.0.0:31600".parse().unwrap(), "[::]:31600".parse().unwrap()]).await, "{:?}", h.listening());
+        assert!(
+            eventually(&h, || h.listening()[&ServiceName::new("a", "b")].addrs
+                == vec![
+                    "0.0.0.0:31600".parse().unwrap(),
+                    "[::]:31600".parse().unwrap()
+                ])
+            .await,
+            "{:?}",
+            h.listening()
+        );
         assert_eq!(get(SocketAddr::new(other4, 31600), "/").await.status, 200);
         h.shutdown().await;
     });
@@ -316,7 +427,12 @@ fn any_path_and_method_same_answer_and_transition_metrics() {
         h.plan_computed(&on);
         h.plan_applied(&on);
         h.reconciled().await;
-        for (m, path) in [("GET", "/"), ("POST", "/healthz"), ("PUT", "/x/y?z=1"), ("DELETE", "/")] {
+        for (m, path) in [
+            ("GET", "/"),
+            ("POST", "/healthz"),
+            ("PUT", "/x/y?z=1"),
+            ("DELETE", "/"),
+        ] {
             let r = request(lo(31700), m, path).await.unwrap();
             assert_eq!(r.status, 200, "{m} {path}");
             assert_eq!(r.headers["x-load-balancing-endpoint-weight"], "2");
@@ -327,14 +443,26 @@ fn any_path_and_method_same_answer_and_transition_metrics() {
 
         let labels = r#"{namespace="ns1",name="svc1"}"#;
         let port_labels = r#"{namespace="ns1",name="svc1",port="31700"}"#;
-        assert_eq!(metric(&reg, &format!("kproxy_health_check_node_port_healthy{port_labels}")), Some(1.0));
+        assert_eq!(
+            metric(
+                &reg,
+                &format!("kproxy_health_check_node_port_healthy{port_labels}")
+            ),
+            Some(1.0)
+        );
         // 200 → 503 (stale) → 200 (applied) → 503 (no endpoints): three transitions,
         // seen by the reconciler even without a probe in between.
         h.plan_computed(&on);
         clock.advance(STALE);
         h.sync_failed();
         h.reconciled().await;
-        assert_eq!(metric(&reg, &format!("kproxy_health_check_node_port_healthy{port_labels}")), Some(0.0));
+        assert_eq!(
+            metric(
+                &reg,
+                &format!("kproxy_health_check_node_port_healthy{port_labels}")
+            ),
+            Some(0.0)
+        );
         h.plan_applied(&on);
         h.reconciled().await;
         let off = plan(&[svc("ns1", "svc1", 31700, &[])]);
@@ -342,7 +470,13 @@ fn any_path_and_method_same_answer_and_transition_metrics() {
         h.plan_applied(&off);
         h.reconciled().await;
         assert_eq!(status(31700).await, (503, 0));
-        assert_eq!(metric(&reg, &format!("kproxy_health_check_node_port_transitions_total{labels}")), Some(3.0));
+        assert_eq!(
+            metric(
+                &reg,
+                &format!("kproxy_health_check_node_port_transitions_total{labels}")
+            ),
+            Some(3.0)
+        );
         h.shutdown().await;
         assert!(closed_soon(lo(31700)).await, "closed on shutdown");
     });
@@ -352,7 +486,11 @@ fn any_path_and_method_same_answer_and_transition_metrics() {
 fn zero_sync_period_is_rejected() {
     in_netns(|| async {
         let mut reg = Registry::default();
-        let cfg = HealthConfig { healthz_bind_address: None, semantics: Semantics::Truthful, sync_period: Duration::ZERO };
+        let cfg = HealthConfig {
+            healthz_bind_address: None,
+            semantics: Semantics::Truthful,
+            sync_period: Duration::ZERO,
+        };
         assert!(Health::start(cfg, &mut reg).await.is_err());
     });
 }
@@ -372,7 +510,9 @@ fn a_restarted_health_server_rebinds_at_once() {
         let mut kept = Vec::new();
         for target in [lo(31950), h1.healthz_addrs()[0]] {
             let mut s = tokio::net::TcpStream::connect(target).await.unwrap();
-            s.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+            s.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
             let mut buf = [0u8; 1024];
             assert!(s.read(&mut buf).await.unwrap() > 0);
             kept.push(s);
@@ -391,11 +531,19 @@ fn a_restarted_health_server_rebinds_at_once() {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             h2.reconciled().await;
-            let l = h2.listening().get(&ServiceName::new("a", "b")).cloned().unwrap_or_default();
+            let l = h2
+                .listening()
+                .get(&ServiceName::new("a", "b"))
+                .cloned()
+                .unwrap_or_default();
             if l.failing.is_empty() && l.addrs.len() == 2 && h2.healthz_addrs().len() == 1 {
                 break;
             }
-            assert!(tokio::time::Instant::now() < deadline, "not rebound: {l:?} healthz {:?}", h2.healthz_addrs());
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not rebound: {l:?} healthz {:?}",
+                h2.healthz_addrs()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert_eq!(status(31950).await, (200, 1));
@@ -408,11 +556,30 @@ fn a_restarted_health_server_rebinds_at_once() {
 fn healthz_wildcard_serves_both_families() {
     in_netns(|| async {
         let mut registry = Registry::default();
-        let cfg = HealthConfig { semantics: Semantics::Upstream, ..HealthConfig::default() };
-        let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0())).await.unwrap();
-        assert_eq!(h.healthz_addrs(), vec!["0.0.0.0:10256".parse().unwrap(), "[::]:10256".parse().unwrap()]);
-        assert_eq!(get("127.0.0.1:10256".parse().unwrap(), "/livez").await.status, 200);
-        assert_eq!(get("[::1]:10256".parse().unwrap(), "/healthz").await.status, 200);
+        let cfg = HealthConfig {
+            semantics: Semantics::Upstream,
+            ..HealthConfig::default()
+        };
+        let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0()))
+            .await
+            .unwrap();
+        assert_eq!(
+            h.healthz_addrs(),
+            vec![
+                "0.0.0.0:10256".parse().unwrap(),
+                "[::]:10256".parse().unwrap()
+            ]
+        );
+        assert_eq!(
+            get("127.0.0.1:10256".parse().unwrap(), "/livez")
+                .await
+                .status,
+            200
+        );
+        assert_eq!(
+            get("[::1]:10256".parse().unwrap(), "/healthz").await.status,
+            200
+        );
         h.shutdown().await;
     });
 }

@@ -24,9 +24,13 @@ where
     T: Send + 'static,
 {
     let h = std::thread::spawn(move || {
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET): tests need root");
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+            .expect("unshare(CLONE_NEWNET): tests need root");
         ip(&["link", "set", "lo", "up"]);
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
         rt.block_on(f())
     });
     match h.join() {
@@ -37,8 +41,15 @@ where
 
 /// Runs `ip ARGS` in the calling thread's network namespace; panics on failure.
 pub fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("run ip (iproute2)");
-    assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .expect("run ip (iproute2)");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[derive(Debug)]
@@ -51,7 +62,8 @@ pub struct Resp {
 
 impl Resp {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
     }
 }
 
@@ -59,7 +71,11 @@ impl Resp {
 pub async fn request(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Resp> {
     let fut = async {
         let mut s = TcpStream::connect(addr).await?;
-        s.write_all(format!("{method} {path} HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+        s.write_all(
+            format!("{method} {path} HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
         let mut buf = Vec::new();
         s.read_to_end(&mut buf).await?;
         parse(&buf)
@@ -71,7 +87,9 @@ pub async fn request(addr: SocketAddr, method: &str, path: &str) -> std::io::Res
 }
 
 pub async fn get(addr: SocketAddr, path: &str) -> Resp {
-    request(addr, "GET", path).await.unwrap_or_else(|e| panic!("GET {addr}{path}: {e}"))
+    request(addr, "GET", path)
+        .await
+        .unwrap_or_else(|e| panic!("GET {addr}{path}: {e}"))
 }
 
 /// True when nothing listens on `addr` (connection refused).
@@ -79,7 +97,14 @@ pub async fn refused(addr: SocketAddr) -> bool {
     match TcpStream::connect(addr).await {
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => true,
         // Queued on a listener that was closing right then: not refused (yet).
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted) => false,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted
+            ) =>
+        {
+            false
+        }
         Err(e) => panic!("connect {addr}: unexpected error {e}"),
         Ok(_) => false,
     }
@@ -101,23 +126,36 @@ pub async fn closed_soon(addr: SocketAddr) -> bool {
 pub fn parse(buf: &[u8]) -> std::io::Result<Resp> {
     let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
     let text = String::from_utf8_lossy(buf);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| bad("no end of headers"))?;
     let mut lines = head.split("\r\n");
     let status_line = lines.next().ok_or_else(|| bad("empty"))?;
-    let status = status_line.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad("bad status line"))?;
+    let status = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("bad status line"))?;
     let headers = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
         .collect();
-    Ok(Resp { status, headers, body: body.to_string() })
+    Ok(Resp {
+        status,
+        headers,
+        body: body.to_string(),
+    })
 }
 
 /// The value of one sample line (`name{labels}` exactly as exposed), if present.
 pub fn metric(registry: &Registry, series: &str) -> Option<f64> {
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, registry).expect("encode metrics");
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+    })
 }
 
 pub fn t0() -> SystemTime {
