@@ -115,22 +115,13 @@ impl Fabric {
         let mut node_nets = Vec::new();
         for i in 1..=nodes {
             let ns = Netns::create(&format!("{prefix}-node{i}"))?;
-            let peer = format!("n{i}");
-            ns.ip(&[
-                "link",
-                "add",
-                "eth0",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &peer,
-                "netns",
-                lb.name(),
-            ])?;
-            lb.ip(&["link", "set", &peer, "master", "br0", "up"])?;
-            ns.ip(&["addr", "add", &format!("{}/24", node_ip(i)), "dev", "eth0"])?;
-            ns.ip(&["link", "set", "eth0", "up"])?;
+            plug_into_bridge(
+                &ns,
+                &lb,
+                &format!("n{i}"),
+                "br0",
+                &format!("{}/24", node_ip(i)),
+            )?;
             ns.ip(&["link", "add", "cni0", "type", "bridge"])?;
             ns.ip(&[
                 "addr",
@@ -200,23 +191,13 @@ impl Fabric {
         let ip = Ipv4Addr::new(10, 244, node_index as u8, host);
         let _ = pod_name;
         let ns = Netns::create(&format!("{}-n{node_index}p{host}", self.prefix))?;
-        let peer = format!("p{host}");
-        ns.ip(&[
-            "link",
-            "add",
-            "eth0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &peer,
-            "netns",
-            node.ns.name(),
-        ])?;
-        node.ns
-            .ip(&["link", "set", &peer, "master", "cni0", "up"])?;
-        ns.ip(&["addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
-        ns.ip(&["link", "set", "eth0", "up"])?;
+        plug_into_bridge(
+            &ns,
+            &node.ns,
+            &format!("p{host}"),
+            "cni0",
+            &format!("{ip}/24"),
+        )?;
         ns.ip(&[
             "route",
             "add",
@@ -226,6 +207,33 @@ impl Fabric {
         ])?;
         Ok(PodNet { ip, ns })
     }
+}
+
+/// Gives `ns` an `eth0` with address `cidr`, whose veth peer `peer` lives in `host` as
+/// a port of `bridge` there: how a node hangs off the LB's fabric and a pod off its node.
+fn plug_into_bridge(
+    ns: &Netns,
+    host: &Netns,
+    peer: &str,
+    bridge: &str,
+    cidr: &str,
+) -> Result<(), LabError> {
+    ns.ip(&[
+        "link",
+        "add",
+        "eth0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        peer,
+        "netns",
+        host.name(),
+    ])?;
+    host.ip(&["link", "set", peer, "master", bridge, "up"])?;
+    ns.ip(&["addr", "add", cidr, "dev", "eth0"])?;
+    ns.ip(&["link", "set", "eth0", "up"])?;
+    Ok(())
 }
 
 #[cfg(test)]

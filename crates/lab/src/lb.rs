@@ -216,54 +216,28 @@ impl LoadBalancer {
         let (st, pl, ns) = (stop.clone(), pool.clone(), fabric.lb.name().to_string());
         let names: Vec<String> = fabric.nodes.iter().map(|n| n.name.clone()).collect();
         let ips: Vec<Ipv4Addr> = fabric.nodes.iter().map(|n| n.ip).collect();
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), LabError>>();
-        let thread = std::thread::Builder::new()
-            .name("lab-lb".into())
-            .spawn(move || {
-                let rt = match netns::enter_netns_by_name(&ns).and_then(|_| {
-                    tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(|e| LabError::Io {
-                            what: "lb runtime".into(),
-                            source: e,
-                        })
-                }) {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                let _ = ready_tx.send(Ok(()));
-                rt.block_on(health_loop(
-                    ns,
-                    mode,
-                    hc,
-                    health_port,
-                    node_port,
-                    service_port,
-                    names,
-                    ips,
-                    st,
-                    pl,
-                    hl,
-                    recorder,
-                ));
-            })
-            .map_err(|e| LabError::Io {
-                what: "spawn lb thread".into(),
-                source: e,
-            })?;
+        let thread = netns::spawn_runtime_in_netns("lab-lb", ns.clone(), move || {
+            health_loop(
+                ns,
+                mode,
+                hc,
+                health_port,
+                node_port,
+                service_port,
+                names,
+                ips,
+                st,
+                pl,
+                hl,
+                recorder,
+            )
+        })?;
         let lb = LoadBalancer {
             stop,
             thread: Some(thread),
             pool,
             healthy,
         };
-        ready_rx
-            .recv()
-            .map_err(|_| LabError::Invalid("lb thread ended".into()))??;
         Ok(lb)
     }
 

@@ -131,41 +131,15 @@ impl LoadGenerator {
             netns_name.to_string(),
             started.clone(),
         );
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), LabError>>();
-        let thread = std::thread::Builder::new()
-            .name("lab-load".into())
-            .spawn(move || {
-                let rt = match netns::enter_netns_by_name(&ns).and_then(|_| {
-                    tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(|e| LabError::Io {
-                            what: "load runtime".into(),
-                            source: e,
-                        })
-                }) {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                let _ = ready_tx.send(Ok(()));
-                rt.block_on(run_load(target, spec, epoch, st, rec, sta));
-            })
-            .map_err(|e| LabError::Io {
-                what: "spawn load thread".into(),
-                source: e,
-            })?;
+        let thread = netns::spawn_runtime_in_netns("lab-load", ns, move || {
+            run_load(target, spec, epoch, st, rec, sta)
+        })?;
         let g = LoadGenerator {
             stop,
             started,
             records,
             thread: Some(thread),
         };
-        ready_rx
-            .recv()
-            .map_err(|_| LabError::Invalid("load thread ended".into()))??;
         Ok(g)
     }
 

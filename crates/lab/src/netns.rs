@@ -171,6 +171,53 @@ pub fn enter_netns_by_name(name: &str) -> Result<(), LabError> {
     })
 }
 
+/// Starts thread `thread_name` in namespace `ns` with its own current-thread tokio
+/// runtime, runs there the future that `task` makes, and returns once the thread is in
+/// place (or with what stopped it). The future is made inside the thread, so it need not
+/// be `Send`.
+pub fn spawn_runtime_in_netns<F, Fut>(
+    thread_name: &str,
+    ns: String,
+    task: F,
+) -> Result<std::thread::JoinHandle<()>, LabError>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), LabError>>();
+    let what = thread_name.to_string();
+    let thread = std::thread::Builder::new()
+        .name(thread_name.into())
+        .spawn(move || {
+            let rt = enter_netns_by_name(&ns).and_then(|_| {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| LabError::Io {
+                        what: format!("{what} runtime"),
+                        source: e,
+                    })
+            });
+            match rt {
+                Ok(rt) => {
+                    let _ = ready_tx.send(Ok(()));
+                    rt.block_on(task());
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|e| LabError::Io {
+            what: format!("spawn {thread_name} thread"),
+            source: e,
+        })?;
+    ready_rx
+        .recv()
+        .map_err(|_| LabError::Invalid(format!("{thread_name} thread ended")))??;
+    Ok(thread)
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         // Deleting the namespace destroys the veth ends inside it (and their peers).
