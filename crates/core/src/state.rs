@@ -30,6 +30,56 @@ impl Changes {
     }
 }
 
+/// What applying one object does to a [`ClusterState`], computed from the object alone
+/// (pure), so a source can keep it instead of the object and apply it again later: the
+/// ingested Service or slice is shared by `Arc` with every state it is applied to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Update {
+    Service(Arc<Service>),
+    /// A valid Service that is not proxied: removes any earlier version.
+    DeleteService(ServiceName),
+    Slice(Arc<EndpointSlice>),
+    /// A valid slice that is not used: removes any earlier version.
+    DeleteSlice {
+        namespace: String,
+        name: String,
+    },
+    /// This node's Node.
+    Node(Node),
+    /// Another node's Node.
+    Nothing,
+}
+
+impl Update {
+    /// Ingests `obj` (see [`ClusterState::apply`]): the update and the warnings about
+    /// dropped pieces, or the error that makes the object skipped.
+    pub fn of(
+        obj: &Object,
+        ownership: &Ownership,
+        node_name: &str,
+    ) -> Result<(Update, Vec<IngestError>), IngestError> {
+        Ok(match obj {
+            Object::Service(svc) => match ingest::service(svc, ownership)? {
+                ServiceOutcome::Proxied(i) => (Update::Service(Arc::new(i.value)), i.warnings),
+                ServiceOutcome::NotProxied(name, _) => (Update::DeleteService(name), Vec::new()),
+            },
+            Object::EndpointSlice(slice) => match ingest::endpoint_slice(slice, ownership)? {
+                SliceOutcome::Used(i) => (Update::Slice(Arc::new(i.value)), i.warnings),
+                SliceOutcome::Ignored {
+                    namespace, name, ..
+                } => (Update::DeleteSlice { namespace, name }, Vec::new()),
+            },
+            Object::Node(n) => {
+                if n.metadata.name.as_deref() != Some(node_name) {
+                    return Ok((Update::Nothing, Vec::new()));
+                }
+                let i = ingest::node(n)?;
+                (Update::Node(i.value), i.warnings)
+            }
+        })
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct ClusterState {
     services: BTreeMap<ServiceName, Arc<Service>>,
@@ -81,13 +131,14 @@ impl ClusterState {
     }
 
     /// Inserts or replaces a Service. Returns whether anything changed.
-    pub fn upsert_service(&mut self, svc: Service) -> bool {
-        if self.services.get(&svc.name).is_some_and(|old| **old == svc) {
+    pub fn upsert_service(&mut self, svc: impl Into<Arc<Service>>) -> bool {
+        let svc = svc.into();
+        if self.services.get(&svc.name).is_some_and(|old| *old == svc) {
             return false;
         }
         self.changes.services.insert(svc.name.clone());
         self.changes.service_events += 1;
-        self.services.insert(svc.name.clone(), Arc::new(svc));
+        self.services.insert(svc.name.clone(), svc);
         true
     }
 
@@ -102,7 +153,8 @@ impl ClusterState {
     }
 
     /// Inserts or replaces an EndpointSlice. Re-applying an identical slice is a no-op.
-    pub fn upsert_slice(&mut self, slice: EndpointSlice) -> bool {
+    pub fn upsert_slice(&mut self, slice: impl Into<Arc<EndpointSlice>>) -> bool {
+        let slice = slice.into();
         let key = (slice.service.namespace.to_string(), slice.name.clone());
         if let Some(old_owner) = self.slice_owner.get(&key) {
             if *old_owner != slice.service {
@@ -116,7 +168,7 @@ impl ClusterState {
                 .slices
                 .get(old_owner)
                 .and_then(|m| m.get(&slice.name))
-                .is_some_and(|s| **s == slice)
+                .is_some_and(|s| *s == slice)
             {
                 return false;
             }
@@ -127,7 +179,7 @@ impl ClusterState {
         self.slices
             .entry(slice.service.clone())
             .or_default()
-            .insert(slice.name.clone(), Arc::new(slice));
+            .insert(slice.name.clone(), slice);
         true
     }
 
@@ -233,37 +285,21 @@ impl ClusterState {
         ownership: &Ownership,
         node_name: &str,
     ) -> Result<Vec<IngestError>, IngestError> {
-        match obj {
-            Object::Service(svc) => match ingest::service(svc, ownership)? {
-                ServiceOutcome::Proxied(i) => {
-                    self.upsert_service(i.value);
-                    Ok(i.warnings)
-                }
-                ServiceOutcome::NotProxied(name, _) => {
-                    self.delete_service(&name);
-                    Ok(Vec::new())
-                }
-            },
-            Object::EndpointSlice(slice) => match ingest::endpoint_slice(slice, ownership)? {
-                SliceOutcome::Used(i) => {
-                    self.upsert_slice(i.value);
-                    Ok(i.warnings)
-                }
-                SliceOutcome::Ignored {
-                    namespace, name, ..
-                } => {
-                    self.delete_slice(&namespace, &name);
-                    Ok(Vec::new())
-                }
-            },
-            Object::Node(n) => {
-                if n.metadata.name.as_deref() != Some(node_name) {
-                    return Ok(Vec::new());
-                }
-                let i = ingest::node(n)?;
-                self.set_node(Some(i.value));
-                Ok(i.warnings)
-            }
+        let (update, warnings) = Update::of(obj, ownership, node_name)?;
+        self.apply_update(&update);
+        Ok(warnings)
+    }
+
+    /// Applies what [`Update::of`] computed (the ingested object shared, not copied).
+    /// Returns whether anything changed.
+    pub fn apply_update(&mut self, update: &Update) -> bool {
+        match update {
+            Update::Service(svc) => self.upsert_service(svc.clone()),
+            Update::DeleteService(name) => self.delete_service(name),
+            Update::Slice(slice) => self.upsert_slice(slice.clone()),
+            Update::DeleteSlice { namespace, name } => self.delete_slice(namespace, name),
+            Update::Node(node) => self.set_node(Some(node.clone())),
+            Update::Nothing => false,
         }
     }
 

@@ -12,12 +12,11 @@ use std::time::{Duration, SystemTime};
 
 use kproxy_core::ClusterState;
 use kproxy_core::ingest::Ownership;
-use kproxy_core::manifest::{self, Located};
 use notify::Watcher;
 use tokio::sync::mpsc;
 
 use crate::StateHandle;
-use crate::manifests::{self, LoadProblem};
+use crate::manifests::{self, FileRead, LoadProblem};
 
 /// What to watch and for which node.
 #[derive(Clone, Debug)]
@@ -34,21 +33,28 @@ pub struct WatchConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum WatchError {
     #[error("cannot watch {path}: {source}")]
-    Notify { path: PathBuf, source: notify::Error },
+    Notify {
+        path: PathBuf,
+        source: notify::Error,
+    },
     #[error("{0}")]
     Initial(LoadProblem),
 }
 
-/// One file's last good content.
+/// One file's last good content, ingested: its objects' updates share the ingested
+/// Services and slices with the state built from them, so the cache costs no second
+/// copy of the cluster.
 struct Cached {
     stamp: (SystemTime, u64),
-    objects: Vec<Located>,
+    read: FileRead,
 }
 
 /// The per-file cache and the logic of one rescan; no async, so tests drive it directly.
 #[derive(Default)]
 pub struct ManifestCache {
     files: BTreeMap<PathBuf, Cached>,
+    /// The node name and ownership the cached files were ingested for.
+    ingested_for: Option<(String, Ownership)>,
 }
 
 /// What one rescan found.
@@ -64,19 +70,38 @@ pub struct Rescan {
 impl ManifestCache {
     /// Re-reads changed files under `path` and builds the state. Returns `Err` only when
     /// the path itself cannot be listed (the caller keeps the previous state).
-    pub fn rescan(&mut self, path: &Path, node_name: &str, ownership: &Ownership) -> Result<Rescan, LoadProblem> {
+    pub fn rescan(
+        &mut self,
+        path: &Path,
+        node_name: &str,
+        ownership: &Ownership,
+    ) -> Result<Rescan, LoadProblem> {
         let files = manifests::files(path)?;
+        let key = (node_name.to_string(), ownership.clone());
+        if self.ingested_for.as_ref() != Some(&key) {
+            self.files.clear();
+            self.ingested_for = Some(key);
+        }
         let mut problems = Vec::new();
         let mut reread = Vec::new();
-        let removed: Vec<PathBuf> = self.files.keys().filter(|f| !files.contains(f)).cloned().collect();
+        let removed: Vec<PathBuf> = self
+            .files
+            .keys()
+            .filter(|f| !files.contains(f))
+            .cloned()
+            .collect();
         for f in &removed {
             self.files.remove(f);
         }
+        let mut stamps = Vec::new();
         for file in &files {
             let stamp = match std::fs::metadata(file) {
                 Ok(m) => (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len()),
                 Err(source) => {
-                    problems.push(LoadProblem::Io { path: file.clone(), source });
+                    problems.push(LoadProblem::Io {
+                        path: file.clone(),
+                        source,
+                    });
                     continue;
                 }
             };
@@ -84,41 +109,43 @@ impl ManifestCache {
                 continue;
             }
             reread.push(file.clone());
-            let text = match std::fs::read_to_string(file) {
-                Ok(t) => t,
+            stamps.push(stamp);
+        }
+        let paths: Vec<&Path> = reread.iter().map(PathBuf::as_path).collect();
+        let reads = manifests::read_files(&paths, node_name, ownership);
+        for ((file, stamp), read) in reread.iter().zip(stamps).zip(reads) {
+            let read = match read {
+                Ok(r) => r,
                 Err(source) => {
-                    problems.push(LoadProblem::Io { path: file.clone(), source });
+                    problems.push(LoadProblem::Io {
+                        path: file.clone(),
+                        source,
+                    });
                     continue;
                 }
             };
-            let parsed = manifest::parse(&file.display().to_string(), &text);
-            let broken = !parsed.errors.is_empty();
-            problems.extend(parsed.errors.into_iter().map(LoadProblem::Manifest));
+            let broken = !read.errors.is_empty();
+            problems.extend(read.errors.iter().cloned().map(LoadProblem::Manifest));
             match self.files.get_mut(file) {
                 // A file that no longer parses keeps its last good objects; its stamp is
                 // not updated so the next rescan tries again.
-                Some(_) if broken && parsed.objects.is_empty() => {}
+                Some(_) if broken && read.objects == 0 => {}
                 _ => {
-                    self.files.insert(file.clone(), Cached { stamp, objects: parsed.objects });
+                    self.files.insert(file.clone(), Cached { stamp, read });
                 }
             }
         }
         let mut state = ClusterState::new();
         for cached in self.files.values() {
-            for located in &cached.objects {
-                match state.apply(&located.object, ownership, node_name) {
-                    Ok(warnings) => problems.extend(warnings.into_iter().map(|error| LoadProblem::Invalid {
-                        location: located.location.clone(),
-                        error,
-                        skipped: false,
-                    })),
-                    Err(error) => {
-                        problems.push(LoadProblem::Invalid { location: located.location.clone(), error, skipped: true })
-                    }
-                }
-            }
+            cached.read.apply_to(&mut state);
+            problems.extend(cached.read.invalid_problems());
         }
-        Ok(Rescan { state, problems, reread, removed })
+        Ok(Rescan {
+            state,
+            problems,
+            reread,
+            removed,
+        })
     }
 }
 
@@ -131,16 +158,28 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
             let _ = tx.send(());
         }
     })
-    .map_err(|source| WatchError::Notify { path: cfg.path.clone(), source })?;
+    .map_err(|source| WatchError::Notify {
+        path: cfg.path.clone(),
+        source,
+    })?;
     // Watch the directory that holds a single file too: editors and atomic writers
     // replace the file by rename, which a watch on the file itself would lose.
-    let watched = if cfg.path.is_dir() { cfg.path.clone() } else { cfg.path.parent().map(Path::to_path_buf).unwrap_or_default() };
+    let watched = if cfg.path.is_dir() {
+        cfg.path.clone()
+    } else {
+        cfg.path.parent().map(Path::to_path_buf).unwrap_or_default()
+    };
     watcher
         .watch(&watched, notify::RecursiveMode::Recursive)
-        .map_err(|source| WatchError::Notify { path: watched.clone(), source })?;
+        .map_err(|source| WatchError::Notify {
+            path: watched.clone(),
+            source,
+        })?;
 
     let mut cache = ManifestCache::default();
-    let first = rescan_blocking(&mut cache, &cfg).await.map_err(WatchError::Initial)?;
+    let first = rescan_blocking(&mut cache, &cfg)
+        .await
+        .map_err(WatchError::Initial)?;
     install(&handle, first, true);
     handle.mark_ready();
 
@@ -166,7 +205,10 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
     }
 }
 
-async fn rescan_blocking(cache: &mut ManifestCache, cfg: &WatchConfig) -> Result<Rescan, LoadProblem> {
+async fn rescan_blocking(
+    cache: &mut ManifestCache,
+    cfg: &WatchConfig,
+) -> Result<Rescan, LoadProblem> {
     let mut owned = std::mem::take(cache);
     let cfg2 = cfg.clone();
     let (owned, result) = tokio::task::spawn_blocking(move || {
@@ -221,10 +263,18 @@ mod tests {
         assert!(r.reread.is_empty(), "nothing changed on disk");
 
         // A half-written file keeps the Service it held; the other file is unaffected.
-        std::fs::write(&b, "apiVersion: v1\nkind: Service\nmetadata: {name: api, namespace: shop\n").unwrap();
+        std::fs::write(
+            &b,
+            "apiVersion: v1\nkind: Service\nmetadata: {name: api, namespace: shop\n",
+        )
+        .unwrap();
         let r = cache.rescan(dir.path(), "n", &own).unwrap();
         assert_eq!(names(&r.state), ["shop/api", "shop/web"]);
-        assert!(r.problems.iter().any(|p| p.to_string().contains("b.yaml")), "{:?}", r.problems);
+        assert!(
+            r.problems.iter().any(|p| p.to_string().contains("b.yaml")),
+            "{:?}",
+            r.problems
+        );
 
         // Removing a file removes its objects.
         std::fs::remove_file(&a).unwrap();
