@@ -126,7 +126,19 @@ impl daemon::Dataplane for NftDataplane {
         Ok(SyncOutcome {
             full: r.full,
             conntrack_deleted: r.conntrack_deleted,
-            detail: serde_json::json!({ "nft_ms": r.elapsed.as_secs_f64() * 1e3 }),
+            detail: serde_json::json!({
+                "nft_ms": r.elapsed.as_secs_f64() * 1e3,
+                // How the change reached the kernel: an `nft -f` script, an nfnetlink
+                // batch (element changes only), or nothing to change.
+                "transport": if r.netlink_bytes > 0 {
+                    "netlink"
+                } else if r.script_bytes > 0 {
+                    "nft"
+                } else {
+                    "none"
+                },
+                "bytes": r.netlink_bytes + r.script_bytes,
+            }),
         })
     }
 

@@ -36,6 +36,7 @@ struct Sample {
     user: Duration,
     sys: Duration,
     bytes: usize,
+    netlink_bytes: usize,
 }
 
 fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan) -> Sample {
@@ -50,6 +51,7 @@ fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan) -> Sample {
         user: u1 - u0,
         sys: s1 - s0,
         bytes: r.script_bytes,
+        netlink_bytes: r.netlink_bytes,
     }
 }
 
@@ -115,8 +117,9 @@ fn run(services: usize, eps: usize) {
     }
     let p50 = &samples[samples.len() / 2];
     let max = samples.last().expect("non-empty");
+    let over_netlink = samples.iter().filter(|(_, s)| s.netlink_bytes > 0).count();
     println!(
-        "{services}x{eps}: one endpoint change ({} samples): p50 wall {} ms (render+diff {} ms, nft {} ms, nft user {} ms, sys {} ms, {} B script), max wall {} ms",
+        "{services}x{eps}: one endpoint change ({} samples, {over_netlink} as nfnetlink batches): p50 wall {} ms (render+diff {} ms, transaction {} ms, nft user {} ms, sys {} ms, {} B script, {} B netlink), max wall {} ms",
         samples.len(),
         ms(p50.1.wall),
         ms(p50.1.wall - p50.1.nft_wall),
@@ -124,6 +127,7 @@ fn run(services: usize, eps: usize) {
         ms(p50.1.user),
         ms(p50.1.sys),
         p50.1.bytes,
+        p50.1.netlink_bytes,
         ms(max.1.wall)
     );
     // Verification loads a scratch copy and lists both tables: slow at scale, and never

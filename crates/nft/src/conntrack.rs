@@ -22,7 +22,7 @@ use netlink_packet_netfilter::conntrack::{
 use netlink_packet_netfilter::{
     NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+use netlink_sys::Socket;
 
 use crate::NftError;
 
@@ -117,14 +117,8 @@ pub fn list(family_v6: bool) -> Result<Vec<Flow>, NftError> {
 }
 
 fn open() -> Result<Socket, NftError> {
-    let io = |what: &str, e: std::io::Error| NftError::Conntrack(format!("{what}: {e}"));
-    let mut sock =
-        Socket::new(NETLINK_NETFILTER).map_err(|e| io("opening a netfilter netlink socket", e))?;
-    sock.bind_auto()
-        .map_err(|e| io("binding the netlink socket", e))?;
-    sock.connect(&SocketAddr::new(0, 0))
-        .map_err(|e| io("connecting the netlink socket", e))?;
-    Ok(sock)
+    crate::netlink::open()
+        .map_err(|e| NftError::Conntrack(format!("opening a netfilter netlink socket: {e}")))
 }
 
 fn send(

@@ -5,9 +5,12 @@
 //!
 //! Functional core: [`ruleset`] (plan → declarative ruleset → script/delta text) and
 //! [`conntrack::stale_flows`]. Imperative shell: [`Dataplane`], which runs `nft -f -`
-//! and talks ctnetlink, always in the calling thread's network namespace.
+//! for full syncs and deltas that change chains, rules or sets, sends deltas of element
+//! changes only as nfnetlink batches ([`netlink`]), and talks ctnetlink, always in the
+//! calling thread's network namespace.
 
 pub mod conntrack;
+pub mod netlink;
 pub mod nft;
 pub mod record;
 pub mod ruleset;
@@ -87,6 +90,8 @@ pub enum NftError {
     Parse(String),
     #[error("conntrack: {0}")]
     Conntrack(String),
+    #[error("nfnetlink: {0}")]
+    Netlink(String),
 }
 
 /// What one sync did.
@@ -96,10 +101,14 @@ pub struct SyncReport {
     pub full: bool,
     /// Wall time of the whole sync (render, transaction, conntrack).
     pub elapsed: Duration,
-    /// Wall time of the nft transaction alone (zero when nothing changed).
+    /// Wall time of the transaction alone (zero when nothing changed).
     pub transaction: Duration,
-    /// Bytes of nft script sent (zero when nothing changed).
+    /// Bytes of nft script sent (zero when nothing changed or the delta went over
+    /// netlink).
     pub script_bytes: usize,
+    /// Bytes of the nfnetlink batch sent: a delta of element changes only (zero
+    /// otherwise).
+    pub netlink_bytes: usize,
     pub changes: DeltaCounts,
     pub conntrack_deleted: usize,
     /// Conntrack cleanup failed (the rules were applied; the next sync retries).
@@ -123,6 +132,8 @@ pub struct Dataplane {
     programmed: Option<[record::FamilyRecord; 2]>,
     /// The last plan applied, for conntrack cleanup decisions.
     last_plan: Option<NodePlan>,
+    /// The netlink socket for element-only deltas, opened at the first one.
+    writer: Option<netlink::Writer>,
 }
 
 impl Dataplane {
@@ -133,6 +144,7 @@ impl Dataplane {
             cfg,
             programmed: None,
             last_plan: None,
+            writer: None,
         })
     }
 
@@ -168,17 +180,43 @@ impl Dataplane {
             (Some(_), Some(last)) => changed_services(&mut last.services, &plan.services),
             _ => Vec::new(),
         };
+        let mut elems = [
+            record::ElementDelta::default(),
+            record::ElementDelta::default(),
+        ];
         let delta = self.programmed.as_mut().and_then(|recs| {
-            let (mut pre, mut mid, mut post) = (String::new(), String::new(), String::new());
+            let (mut pre, mut post) = (String::new(), String::new());
             let mut counts = DeltaCounts::default();
-            for rec in recs.iter_mut() {
-                counts.add(&rec.advance(plan, &changed, &self.cfg, &mut pre, &mut mid, &mut post)?);
+            for (rec, el) in recs.iter_mut().zip(&mut elems) {
+                counts.add(&rec.advance(plan, &changed, &self.cfg, &mut pre, el, &mut post)?);
             }
-            script = pre + &mid + &post;
-            Some(counts)
+            // Only element changes: over netlink when every set and element encodes.
+            let batch = if pre.is_empty() && post.is_empty() {
+                let mut batch = netlink::Batch::default();
+                recs.iter()
+                    .zip(&elems)
+                    .try_for_each(|(rec, el)| el.encode(rec, &mut batch))
+                    .filter(|_| batch.len() <= netlink::MAX_BATCH_BYTES)
+                    .map(|_| batch)
+            } else {
+                None
+            };
+            if batch.is_none() {
+                script = pre;
+                for (rec, el) in recs.iter().zip(&elems) {
+                    let (fam, t) = rec.table();
+                    el.script(fam, t, &mut script);
+                }
+                script.push_str(&post);
+            }
+            Some((counts, batch))
         });
+        let mut batch = None;
         match delta {
-            Some(c) => report.changes = c,
+            Some((c, b)) => {
+                report.changes = c;
+                batch = b;
+            }
             None => {
                 script.clear();
                 report.full = true;
@@ -191,6 +229,16 @@ impl Dataplane {
                 }
                 self.programmed = Some(recs);
             }
+        }
+        if let Some(batch) = batch.filter(|b| !b.is_empty()) {
+            let t = Instant::now();
+            report.netlink_bytes = batch.len();
+            if let Err(e) = self.send_batch(batch) {
+                self.programmed = None;
+                self.writer = None;
+                return Err(e);
+            }
+            report.transaction = t.elapsed();
         }
         if !script.is_empty() {
             let t = Instant::now();
@@ -233,6 +281,19 @@ impl Dataplane {
         }
         report.elapsed = start.elapsed();
         Ok(report)
+    }
+
+    /// Sends an element batch on the kept socket, (re)opening it in the calling
+    /// thread's network namespace when needed.
+    fn send_batch(&mut self, batch: netlink::Batch) -> Result<(), NftError> {
+        let reuse = match &self.writer {
+            Some(w) => w.in_current_netns()?,
+            None => false,
+        };
+        if !reuse {
+            self.writer = Some(netlink::Writer::open()?);
+        }
+        self.writer.as_ref().expect("opened above").send(batch)
     }
 
     /// Reads the kernel, compares with the record, repairs drift (full sync of the last

@@ -16,6 +16,7 @@ use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::ServicePlan;
 
 use crate::DataplaneConfig;
+use crate::netlink;
 use crate::ruleset::{self, Chain, DeltaCounts, Dispatch, Element, Fragment, Ruleset, Set};
 
 type SharedKey = (&'static str, String);
@@ -52,6 +53,53 @@ impl Owners {
     /// The value of the first owner: the one programmed.
     fn first(&self) -> Option<&String> {
         self.0.first().map(|(_, v)| v)
+    }
+}
+
+/// The element changes of one family's delta, per set: keys deleted, then keys added
+/// with their values (a changed value is a delete and an add).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ElementDelta {
+    pub dels: BTreeMap<String, BTreeSet<String>>,
+    pub adds: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+impl ElementDelta {
+    pub fn is_empty(&self) -> bool {
+        self.dels.is_empty() && self.adds.is_empty()
+    }
+
+    /// As `nft -f` commands: deletes first, then adds.
+    pub fn script(&self, fam: &str, t: &str, out: &mut String) {
+        for (set, keys) in &self.dels {
+            let keys = keys.iter().map(|k| (k.as_str(), ""));
+            ruleset::elements(out, "delete", fam, t, set, keys, false);
+        }
+        for (set, kv) in &self.adds {
+            ruleset::elements(out, "add", fam, t, set, ruleset::str_pairs(kv.iter()), true);
+        }
+    }
+
+    /// As one part of an nfnetlink batch (deletes first, then adds); `None` when a set's
+    /// type or an element is one the netlink writer does not encode.
+    pub fn encode(&self, rec: &FamilyRecord, batch: &mut netlink::Batch) -> Option<()> {
+        let (fam, t) = (rec.base.family, rec.base.table.as_str());
+        for (set, keys) in &self.dels {
+            let ty = rec.set_type(set)?;
+            batch.elements(
+                false,
+                fam,
+                t,
+                set,
+                &ty,
+                keys.iter().map(|k| (k.as_str(), "")),
+            )?;
+        }
+        for (set, kv) in &self.adds {
+            let ty = rec.set_type(set)?;
+            batch.elements(true, fam, t, set, &ty, ruleset::str_pairs(kv.iter()))?;
+        }
+        Some(())
     }
 }
 
@@ -247,21 +295,37 @@ impl FamilyRecord {
         }
     }
 
+    /// `(family, table)` as nft names them (`ip`, `kproxy`).
+    pub fn table(&self) -> (&'static str, &str) {
+        (self.base.family, &self.base.table)
+    }
+
+    /// The element type of a set that holds Service elements (the base sets and the
+    /// dispatch maps); `None` for any other.
+    fn set_type(&self, name: &str) -> Option<netlink::SetType> {
+        if let Some(s) = self.base.sets.get(name) {
+            return netlink::SetType::parse(&s.decl);
+        }
+        let d = self.dispatch.keys().find(|d| d.map() == name)?;
+        netlink::SetType::parse(&d.objects(self.family).0.decl)
+    }
+
     fn effective(&self, k: &SharedKey) -> Option<String> {
         self.shared.get(k).and_then(|o| o.first().cloned())
     }
 
     /// Moves the record to `plan`, in which the Services `changed` (and only those)
-    /// differ from the record's, writing the delta script into `pre`/`mid`/`post`
-    /// (concatenated in that order they form one valid transaction). Returns `None` when
-    /// only a full sync can apply the change; the record is then unusable.
+    /// differ from the record's, writing the delta: declarations, chains and rules into
+    /// the scripts `pre` and `post`, element changes into `elems` (`pre`, then
+    /// `elems.script`, then `post` form one valid transaction). Returns `None` when only
+    /// a full sync can apply the change; the record is then unusable.
     pub fn advance(
         &mut self,
         plan: &NodePlan,
         changed: &[ServiceName],
         cfg: &DataplaneConfig,
         pre: &mut String,
-        mid: &mut String,
+        elems: &mut ElementDelta,
         post: &mut String,
     ) -> Option<DeltaCounts> {
         let mut n = DeltaCounts::default();
@@ -382,31 +446,14 @@ impl FamilyRecord {
                 }
             }
         }
-        let blank = String::new();
-        for (set, keys) in &dels {
+        for keys in dels.values() {
             n.elements_deleted += keys.len();
-            ruleset::elements(
-                mid,
-                "delete",
-                fam,
-                &t,
-                set,
-                keys.iter().map(|k| (k.as_str(), blank.as_str())),
-                false,
-            );
         }
-        for (set, kv) in &adds {
+        for kv in adds.values() {
             n.elements_added += kv.len();
-            ruleset::elements(
-                mid,
-                "add",
-                fam,
-                &t,
-                set,
-                ruleset::str_pairs(kv.iter()),
-                true,
-            );
         }
+        elems.dels = dels;
+        elems.adds = adds;
         Some(n)
     }
 }

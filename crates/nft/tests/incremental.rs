@@ -302,3 +302,64 @@ fn shared_elements_follow_their_owners() {
         }
     });
 }
+
+/// Deltas that only add and delete elements (endpoints replaced, failing over to
+/// serving-terminating ones, a port losing all endpoints and getting them back) go out
+/// as nfnetlink batches, not `nft` scripts, and leave exactly what a full sync would —
+/// IPv4 and IPv6, cluster IPs, external IPs and NodePorts. A batch the kernel refuses
+/// fails the sync with the set named, and the next sync is a full one.
+#[test]
+fn element_only_deltas_go_over_netlink() {
+    let spec = |endpoints: [u8; 4]| SvcSpec {
+        present: true,
+        kind: 1,
+        etp_local: false,
+        itp_local: false,
+        affinity: false,
+        dual_stack: true,
+        ranges: false,
+        endpoints,
+    };
+    // s2 keeps one ready endpoint throughout, so the one-endpoint dispatch group exists
+    // and s0 moving between 2, 1 and 0 endpoints changes elements only.
+    let steps = [
+        [[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]],
+        [[1, 0, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]],
+        [[1, 0, 0, 0], [2, 2, 0, 0], [1, 0, 0, 0]],
+        [[0, 0, 0, 0], [2, 3, 1, 1], [1, 0, 0, 0]],
+        [[0, 1, 0, 1], [1, 1, 0, 0], [1, 0, 0, 0]],
+    ];
+    let ns = Netns::new("nl");
+    ns.run(move || {
+        let mut dp = Dataplane::new(DataplaneConfig::default()).unwrap();
+        for (n, step) in steps.iter().enumerate() {
+            let specs: Vec<SvcSpec> = step.iter().map(|e| spec(*e)).collect();
+            let plan = plan_from_yaml(&manifest(&specs), "node-a", &config());
+            let r = dp.sync(&plan).unwrap();
+            if n == 0 {
+                assert!(r.full && r.netlink_bytes == 0, "{r:?}");
+            } else {
+                assert!(
+                    !r.full && r.netlink_bytes > 0 && r.script_bytes == 0,
+                    "step {n}: {r:?}"
+                );
+                assert!(r.changes.elements_deleted > 0, "step {n}: {r:?}");
+            }
+            let v = dp.verify().unwrap();
+            assert!(v.differences.is_empty(), "step {n}: {:?}", v.differences);
+        }
+        // The kernel refuses the next delta: an element it deletes is already gone.
+        sh("nft delete element ip kproxy hairpin { 10.244.3.2 . 10.244.3.2 }");
+        let last = [spec([1, 1, 0, 0]), spec([1, 1, 0, 0]), spec([1, 0, 0, 0])];
+        let plan = plan_from_yaml(&manifest(&last), "node-a", &config());
+        let e = dp.sync(&plan).unwrap_err().to_string();
+        assert!(
+            e.contains("delete element ip kproxy hairpin") && e.contains("No such file"),
+            "{e}"
+        );
+        let r = dp.sync(&plan).unwrap();
+        assert!(r.full, "after a failed batch the next sync is full: {r:?}");
+        assert!(dp.verify().unwrap().differences.is_empty());
+        kproxy_nft::cleanup(dp.config()).unwrap();
+    });
+}
