@@ -128,14 +128,14 @@ impl daemon::Dataplane for NftDataplane {
             conntrack_deleted: r.conntrack_deleted,
             detail: serde_json::json!({
                 "nft_ms": r.elapsed.as_secs_f64() * 1e3,
-                // How the change reached the kernel: an `nft -f` script, an nfnetlink
-                // batch (element changes only), or nothing to change.
-                "transport": if r.netlink_bytes > 0 {
-                    "netlink"
-                } else if r.script_bytes > 0 {
-                    "nft"
-                } else {
-                    "none"
+                // How the change reached the kernel: `nft -f` scripts, an nfnetlink
+                // batch (element-only deltas), both (a first sync into absent
+                // tables), or nothing to change.
+                "transport": match (r.script_bytes > 0, r.netlink_bytes > 0) {
+                    (true, true) => "nft+netlink",
+                    (false, true) => "netlink",
+                    (true, false) => "nft",
+                    (false, false) => "none",
                 },
                 "bytes": r.netlink_bytes + r.script_bytes,
             }),

@@ -78,16 +78,19 @@ fn run(services: usize, eps: usize) {
         std::fs::write(&path, &script).expect("dump the script");
     }
 
+    // Cold means no kproxy table at all (an earlier size leaves its tables behind).
+    kproxy_nft::cleanup(&cfg).expect("remove the previous size's tables");
     let mut dp = Dataplane::new(cfg.clone()).expect("config");
     let cold = measure(&mut dp, &plan);
     dp.force_full_sync();
     let replace = measure(&mut dp, &plan);
     println!(
-        "{services}x{eps}: script {:.2} MB, render {} ms | full cold: wall {} ms (nft {} ms, nft user {} ms, sys {} ms) | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
+        "{services}x{eps}: script {:.2} MB, render {} ms | full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms) | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
         script.len() as f64 / 1e6,
         ms(render),
         ms(cold.wall),
         ms(cold.nft_wall),
+        cold.netlink_bytes as f64 / 1e6,
         ms(cold.user),
         ms(cold.sys),
         ms(replace.wall),

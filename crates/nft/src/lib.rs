@@ -101,13 +101,13 @@ pub struct SyncReport {
     pub full: bool,
     /// Wall time of the whole sync (render, transaction, conntrack).
     pub elapsed: Duration,
-    /// Wall time of the transaction alone (zero when nothing changed).
+    /// Wall time of the transactions alone (zero when nothing changed).
     pub transaction: Duration,
     /// Bytes of nft script sent (zero when nothing changed or the delta went over
     /// netlink).
     pub script_bytes: usize,
-    /// Bytes of the nfnetlink batch sent: a delta of element changes only (zero
-    /// otherwise).
+    /// Bytes of nfnetlink batches sent: a delta of element changes only, or the
+    /// elements of a first sync into absent tables (zero otherwise).
     pub netlink_bytes: usize,
     pub changes: DeltaCounts,
     pub conntrack_deleted: usize,
@@ -172,7 +172,6 @@ impl Dataplane {
     pub fn sync(&mut self, plan: &NodePlan) -> Result<SyncReport, NftError> {
         let start = Instant::now();
         validate_plan(plan)?;
-        let mut script = String::new();
         let mut report = SyncReport::default();
         // Delta: the record advances in place (work ∝ changed Services); any failure
         // below drops it, so the next sync is a full one.
@@ -191,62 +190,76 @@ impl Dataplane {
                 counts.add(&rec.advance(plan, &changed, &self.cfg, &mut pre, el, &mut post)?);
             }
             // Only element changes: over netlink when every set and element encodes.
-            let batch = if pre.is_empty() && post.is_empty() {
+            if pre.is_empty() && post.is_empty() {
                 let mut batch = netlink::Batch::default();
-                recs.iter()
+                let encoded = recs
+                    .iter()
                     .zip(&elems)
-                    .try_for_each(|(rec, el)| el.encode(rec, &mut batch))
-                    .filter(|_| batch.len() <= netlink::MAX_BATCH_BYTES)
-                    .map(|_| batch)
-            } else {
-                None
-            };
-            if batch.is_none() {
-                script = pre;
-                for (rec, el) in recs.iter().zip(&elems) {
-                    let (fam, t) = rec.table();
-                    el.script(fam, t, &mut script);
+                    .try_for_each(|(rec, el)| el.encode(rec, &mut batch));
+                if encoded.is_some() {
+                    return Some((counts, vec![Step::Netlink(batch)]));
                 }
-                script.push_str(&post);
             }
-            Some((counts, batch))
+            let mut script = pre;
+            for (rec, el) in recs.iter().zip(&elems) {
+                let (fam, t) = rec.table();
+                el.script(fam, t, &mut script);
+            }
+            script.push_str(&post);
+            Some((counts, vec![Step::Nft(script)]))
         });
-        let mut batch = None;
-        match delta {
-            Some((c, b)) => {
+        let steps = match delta {
+            Some((c, steps)) => {
                 report.changes = c;
-                batch = b;
+                steps
             }
             None => {
-                script.clear();
                 report.full = true;
                 let recs = [
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
                 ];
-                for rec in &recs {
-                    report.changes.add(&rec.full_script(&mut script));
-                }
+                let phased = self.first_sync_phased(&recs).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "cannot check for kproxy's tables over netlink; full sync by nft -f");
+                    None
+                });
+                let steps = match phased {
+                    Some((counts, steps)) => {
+                        report.changes = counts;
+                        steps
+                    }
+                    None => {
+                        let mut script = String::new();
+                        for rec in &recs {
+                            report.changes.add(&rec.full_script(&mut script));
+                        }
+                        vec![Step::Nft(script)]
+                    }
+                };
                 self.programmed = Some(recs);
+                steps
             }
-        }
-        if let Some(batch) = batch.filter(|b| !b.is_empty()) {
-            let t = Instant::now();
-            report.netlink_bytes = batch.len();
-            if let Err(e) = self.send_batch(batch) {
+        };
+        let t = Instant::now();
+        for step in steps {
+            let sent = match step {
+                Step::Nft(script) if !script.is_empty() => {
+                    report.script_bytes += script.len();
+                    nft::run_script(&script)
+                }
+                Step::Netlink(batch) if !batch.is_empty() => {
+                    report.netlink_bytes += batch.len();
+                    self.writer().and_then(|w| w.send(batch))
+                }
+                _ => Ok(()),
+            };
+            if let Err(e) = sent {
                 self.programmed = None;
                 self.writer = None;
                 return Err(e);
             }
-            report.transaction = t.elapsed();
         }
-        if !script.is_empty() {
-            let t = Instant::now();
-            report.script_bytes = script.len();
-            if let Err(e) = nft::run_script(&script) {
-                self.programmed = None;
-                return Err(e);
-            }
+        if report.script_bytes + report.netlink_bytes > 0 {
             report.transaction = t.elapsed();
         }
         if self.cfg.conntrack_cleanup {
@@ -283,9 +296,9 @@ impl Dataplane {
         Ok(report)
     }
 
-    /// Sends an element batch on the kept socket, (re)opening it in the calling
-    /// thread's network namespace when needed.
-    fn send_batch(&mut self, batch: netlink::Batch) -> Result<(), NftError> {
+    /// The kept netlink socket, (re)opened in the calling thread's network namespace
+    /// when needed.
+    fn writer(&mut self) -> Result<&mut netlink::Writer, NftError> {
         let reuse = match &self.writer {
             Some(w) => w.in_current_netns()?,
             None => false,
@@ -293,7 +306,39 @@ impl Dataplane {
         if !reuse {
             self.writer = Some(netlink::Writer::open()?);
         }
-        self.writer.as_ref().expect("opened above").send(batch)
+        Ok(self.writer.as_mut().expect("opened above"))
+    }
+
+    /// When neither of kproxy's tables exists (a node's first start, or after
+    /// `kproxy cleanup`), the full sync in steps: tables, sets and regular chains by
+    /// `nft -f`, the elements as one nfnetlink batch, then the hooked base chains by
+    /// `nft -f`. Nothing sees traffic before the last step, so no packet meets a
+    /// half-written table, and the bulk of the work (the elements) skips nft's parser.
+    /// `None` when a table exists (replacing it must be one transaction: `nft -f`).
+    fn first_sync_phased(
+        &mut self,
+        recs: &[record::FamilyRecord; 2],
+    ) -> Result<Option<(DeltaCounts, Vec<Step>)>, NftError> {
+        let writer = self.writer()?;
+        for rec in recs {
+            let (fam, t) = rec.table();
+            if writer.table_exists(fam, t)? {
+                return Ok(None);
+            }
+        }
+        let (mut tables, mut hooks) = (String::new(), String::new());
+        let mut batch = netlink::Batch::default();
+        let mut counts = DeltaCounts::default();
+        for rec in recs {
+            match rec.full_phased(&mut tables, &mut hooks, &mut batch) {
+                Some(c) => counts.add(&c),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some((
+            counts,
+            vec![Step::Nft(tables), Step::Netlink(batch), Step::Nft(hooks)],
+        )))
     }
 
     /// Reads the kernel, compares with the record, repairs drift (full sync of the last
@@ -350,6 +395,12 @@ fn changed_services(
     }
     changed.extend(old_it.map(|(k, _)| k.clone()));
     changed
+}
+
+/// One transaction of a sync, in the order sent.
+enum Step {
+    Nft(String),
+    Netlink(netlink::Batch),
 }
 
 /// Removes everything kproxy made (both tables); succeeds when they are absent.

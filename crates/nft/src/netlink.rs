@@ -27,10 +27,12 @@ use netlink_packet_core::{
 };
 use netlink_packet_netfilter::nftables::{
     DataAttribute, ListAttribute, NfTablesMessage, SetElementAttribute, SetElementList,
-    SetElementMessage, Verdict, VerdictAttribute,
+    SetElementMessage, TableAttribute, TableMessage, Verdict, VerdictAttribute,
 };
 use netlink_packet_netfilter::none::ControlMessage;
-use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
+use netlink_packet_netfilter::{
+    NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
+};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 use crate::NftError;
@@ -40,9 +42,9 @@ const NFNL_SUBSYS_NFTABLES: u16 = 10;
 /// Elements per message are capped so the nested element list stays under the 64 KiB
 /// an attribute length can say.
 const MAX_ELEMENTS_BYTES: usize = 48 * 1024;
-/// A batch larger than this goes through `nft -f` instead (the socket's send buffer is
-/// raised to hold it).
-pub const MAX_BATCH_BYTES: usize = 4 << 20;
+/// The send buffer a new socket starts with; raised to the size of a larger batch (a
+/// batch must reach the kernel in one `sendmsg`, as `nft` sends it too).
+const INITIAL_SNDBUF: usize = 1 << 20;
 
 /// Opens a netfilter netlink socket in the calling thread's network namespace.
 pub(crate) fn open() -> Result<Socket, std::io::Error> {
@@ -196,8 +198,10 @@ fn verdict(s: &str) -> Option<Vec<VerdictAttribute>> {
 #[derive(Debug, Default)]
 pub struct Batch {
     bytes: Vec<u8>,
-    /// Per message after the batch header: (sequence number, what it does) for errors.
-    messages: Vec<(u32, String)>,
+    /// Per element message: (sequence number, offset in `bytes`, what it does).
+    messages: Vec<(u32, usize, String)>,
+    /// Messages so far, batch header included (the next sequence number).
+    count: u32,
 }
 
 impl Batch {
@@ -216,7 +220,8 @@ impl Batch {
         inner: impl Into<NetfilterPayload>,
         what: String,
     ) {
-        let seq = self.messages.len() as u32 + 1;
+        self.count += 1;
+        let seq = self.count;
         let mut hdr = NetlinkHeader::default();
         hdr.flags = NLM_F_REQUEST | flags;
         hdr.sequence_number = seq;
@@ -233,8 +238,14 @@ impl Batch {
         let start = self.bytes.len();
         self.bytes.resize(start + packet.buffer_len(), 0);
         packet.serialize(&mut self.bytes[start..]);
-        if flags & NLM_F_ACK != 0 {
-            self.messages.push((seq, what));
+        if matches!(
+            packet.payload,
+            NetlinkPayload::InnerMessage(NetfilterMessage {
+                inner: NetfilterMessageInner::NfTables(_),
+                ..
+            })
+        ) {
+            self.messages.push((seq, start, what));
         }
     }
 
@@ -257,11 +268,7 @@ impl Batch {
                 String::new(),
             );
         }
-        let fam = match family {
-            "ip" => NetfilterProtoFamily::IPv4,
-            "ip6" => NetfilterProtoFamily::IPv6,
-            _ => return None,
-        };
+        let fam = proto_family(family).ok()?;
         let mut chunk = Vec::new();
         let mut size = 0;
         let flush = |b: &mut Batch, chunk: &mut Vec<ListAttribute<SetElementAttribute>>| {
@@ -275,13 +282,9 @@ impl Batch {
             ];
             let m = SetElementMessage { attributes: list };
             let (msg, flags, verb) = if add {
-                (
-                    NfTablesMessage::NewSetElement(m),
-                    NLM_F_CREATE | NLM_F_ACK,
-                    "add",
-                )
+                (NfTablesMessage::NewSetElement(m), NLM_F_CREATE, "add")
             } else {
-                (NfTablesMessage::DeleteSetElement(m), NLM_F_ACK, "delete")
+                (NfTablesMessage::DeleteSetElement(m), 0, "delete")
             };
             b.push(
                 fam,
@@ -305,8 +308,16 @@ impl Batch {
         Some(())
     }
 
-    /// Closes the batch (nothing can be added after).
+    /// Closes the batch (nothing can be added after). Only its last message asks for
+    /// an acknowledgement: the kernel runs the whole batch inside `sendmsg`, so that
+    /// answer arrives after any error of an earlier message (a few hundred answers
+    /// would overflow the socket's receive buffer on a full sync).
     fn finish(mut self) -> Batch {
+        if let Some((_, offset, _)) = self.messages.last() {
+            let at = offset + 6;
+            let flags = u16::from_ne_bytes([self.bytes[at], self.bytes[at + 1]]) | NLM_F_ACK;
+            self.bytes[at..at + 2].copy_from_slice(&flags.to_ne_bytes());
+        }
         if !self.bytes.is_empty() {
             self.push(
                 NetfilterProtoFamily::Unspec,
@@ -341,6 +352,7 @@ impl From<NfTablesMessage> for NetfilterPayload {
 pub struct Writer {
     sock: Socket,
     netns: u64,
+    sndbuf: usize,
 }
 
 fn current_netns() -> Result<u64, NftError> {
@@ -370,6 +382,41 @@ fn setsockopt<T>(sock: &Socket, opt: libc::c_int, value: &T) -> std::io::Result<
     }
 }
 
+fn set_sndbuf(sock: &Socket, size: usize) -> std::io::Result<()> {
+    let size = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
+    // SO_SNDBUFFORCE needs CAP_NET_ADMIN, which kproxy has; fall back to the capped one.
+    setsockopt(sock, libc::SO_SNDBUFFORCE, &size)
+        .or_else(|_| setsockopt(sock, libc::SO_SNDBUF, &size))
+}
+
+/// The netlink messages in one datagram, decoded (undecodable ones skipped).
+fn messages(buf: &[u8]) -> impl Iterator<Item = NetlinkPayload<NetfilterMessage>> + '_ {
+    let mut offset = 0;
+    std::iter::from_fn(move || {
+        while offset + 16 <= buf.len() {
+            let len =
+                u32::from_ne_bytes(buf[offset..offset + 4].try_into().expect("4 bytes")) as usize;
+            if len < 16 || offset + len > buf.len() {
+                return None;
+            }
+            let m = <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[offset..offset + len]);
+            offset += len.next_multiple_of(4);
+            if let Ok(m) = m {
+                return Some(m.payload);
+            }
+        }
+        None
+    })
+}
+
+fn proto_family(family: &str) -> Result<NetfilterProtoFamily, NftError> {
+    match family {
+        "ip" => Ok(NetfilterProtoFamily::IPv4),
+        "ip6" => Ok(NetfilterProtoFamily::IPv6),
+        f => Err(NftError::Invalid(format!("nft family {f:?}"))),
+    }
+}
+
 impl Writer {
     /// Opens the socket in the calling thread's network namespace.
     pub fn open() -> Result<Writer, NftError> {
@@ -381,11 +428,11 @@ impl Writer {
         // Errors carry only the failing message's header, not the whole batch back.
         sock.set_cap_ack(true)
             .map_err(io("setting NETLINK_CAP_ACK"))?;
-        let size = (MAX_BATCH_BYTES + (64 << 10)) as libc::c_int;
-        // SO_SNDBUFFORCE needs CAP_NET_ADMIN, which kproxy has; fall back to the capped one.
-        setsockopt(&sock, libc::SO_SNDBUFFORCE, &size)
-            .or_else(|_| setsockopt(&sock, libc::SO_SNDBUF, &size))
-            .map_err(io("raising the netlink send buffer"))?;
+        set_sndbuf(&sock, INITIAL_SNDBUF).map_err(io("raising the netlink send buffer"))?;
+        let rcvbuf: libc::c_int = 1 << 20;
+        setsockopt(&sock, libc::SO_RCVBUFFORCE, &rcvbuf)
+            .or_else(|_| setsockopt(&sock, libc::SO_RCVBUF, &rcvbuf))
+            .map_err(io("raising the netlink receive buffer"))?;
         // The kernel answers while processing the batch inside sendmsg, so replies are
         // queued before we read; the timeout only guards against a kernel that does not.
         let timeout = libc::timeval {
@@ -397,7 +444,67 @@ impl Writer {
         Ok(Writer {
             sock,
             netns: current_netns()?,
+            sndbuf: INITIAL_SNDBUF,
         })
+    }
+
+    /// Whether table `family name` exists (one GETTABLE request).
+    pub fn table_exists(&self, family: &str, name: &str) -> Result<bool, NftError> {
+        self.drain();
+        let mut hdr = NetlinkHeader::default();
+        hdr.flags = NLM_F_REQUEST | NLM_F_ACK;
+        let msg = NetfilterMessage::new(
+            NetfilterHeader::new(proto_family(family)?, 0, 0),
+            NfTablesMessage::GetTable(TableMessage {
+                attributes: vec![TableAttribute::Name(name.to_string())],
+            }),
+        );
+        let mut packet = NetlinkMessage::new(hdr, NetlinkPayload::from(msg));
+        packet.finalize();
+        let mut buf = vec![0; packet.buffer_len()];
+        packet.serialize(&mut buf);
+        self.sock.send(&buf, 0).map_err(|e| NftError::Io {
+            context: format!("asking the kernel for table {family} {name}"),
+            source: e,
+        })?;
+        let mut found = false;
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            let size = self
+                .sock
+                .recv(&mut &mut buf[..], 0)
+                .map_err(|e| NftError::Io {
+                    context: format!("waiting for the kernel's answer about table {family} {name}"),
+                    source: e,
+                })?;
+            for m in messages(&buf[..size]) {
+                match m {
+                    NetlinkPayload::Error(e) => {
+                        return match e.code.map_or(0, |c| c.get()) {
+                            0 => Ok(found),
+                            c if c == -libc::ENOENT => Ok(false),
+                            c => Err(NftError::Netlink(format!(
+                                "get table {family} {name}: {}",
+                                std::io::Error::from_raw_os_error(-c)
+                            ))),
+                        };
+                    }
+                    NetlinkPayload::InnerMessage(_) => found = true,
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Drops replies left from an aborted batch, so they are not read as answers to the
+    /// next one.
+    fn drain(&self) {
+        let mut buf = vec![0u8; 1 << 16];
+        while self
+            .sock
+            .recv(&mut &mut buf[..], libc::MSG_DONTWAIT)
+            .is_ok_and(|n| n > 0)
+        {}
     }
 
     /// True when the calling thread is in the namespace the socket was opened in.
@@ -407,10 +514,19 @@ impl Writer {
 
     /// Sends the batch as one transaction and waits for the kernel's answer to every
     /// message; the first error names the message it failed on.
-    pub fn send(&self, batch: Batch) -> Result<(), NftError> {
+    pub fn send(&mut self, batch: Batch) -> Result<(), NftError> {
         let batch = batch.finish();
         if batch.is_empty() {
             return Ok(());
+        }
+        self.drain();
+        if batch.bytes.len() + (64 << 10) > self.sndbuf {
+            let size = batch.bytes.len() + (64 << 10);
+            set_sndbuf(&self.sock, size).map_err(|e| NftError::Io {
+                context: format!("raising the netlink send buffer to {size} bytes"),
+                source: e,
+            })?;
+            self.sndbuf = size;
         }
         let sent = self.sock.send(&batch.bytes, 0).map_err(|e| NftError::Io {
             context: format!("sending a {}-byte nfnetlink batch", batch.bytes.len()),
@@ -422,47 +538,44 @@ impl Writer {
                 batch.bytes.len()
             )));
         }
-        let mut pending: Vec<u32> = batch.messages.iter().map(|(s, _)| *s).collect();
-        let mut first_error: Option<(u32, i32)> = None;
+        let last = batch.messages.last().map_or(0, |(seq, _, _)| *seq);
+        let (mut acked, mut first_error) = (false, None::<(u32, i32)>);
         let mut buf = vec![0u8; 1 << 16];
-        while !pending.is_empty() {
-            let size = self
-                .sock
-                .recv(&mut &mut buf[..], 0)
-                .map_err(|e| NftError::Io {
-                    context: format!(
-                        "waiting for the kernel's answer to {} nfnetlink messages",
-                        pending.len()
-                    ),
-                    source: e,
-                })?;
-            let mut offset = 0;
-            while offset + 16 <= size {
-                let len = u32::from_ne_bytes(buf[offset..offset + 4].try_into().expect("4 bytes"))
-                    as usize;
-                if len < 16 || offset + len > size {
-                    break;
+        // Everything the kernel says about the batch is queued before `send` returns:
+        // read it all, blocking (up to the receive timeout) only until the last message's
+        // acknowledgement or an error has come.
+        loop {
+            let flags = if acked || first_error.is_some() {
+                libc::MSG_DONTWAIT
+            } else {
+                0
+            };
+            let size = match self.sock.recv(&mut &mut buf[..], flags) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && flags != 0 => break,
+                Err(e) => {
+                    return Err(NftError::Io {
+                        context: format!(
+                            "reading the kernel's answer to a {}-message nfnetlink batch",
+                            batch.messages.len()
+                        ),
+                        source: e,
+                    });
                 }
-                let msg =
-                    <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[offset..offset + len]);
-                if let Ok(NetlinkMessage {
-                    payload: NetlinkPayload::Error(e),
-                    ..
-                }) = msg
-                {
+            };
+            for m in messages(&buf[..size]) {
+                if let NetlinkPayload::Error(e) = m {
                     let seq = e
                         .header
                         .get(8..12)
                         .map_or(0, |b| u32::from_ne_bytes(b.try_into().expect("4 bytes")));
-                    pending.retain(|s| *s != seq);
-                    let code = e.code.map_or(0, |c| c.get());
-                    if code != 0 && first_error.is_none() {
-                        first_error = Some((seq, code));
-                        // A failed batch is aborted: the remaining answers may not come.
-                        pending.clear();
+                    match e.code.map_or(0, |c| c.get()) {
+                        0 => acked |= seq == last,
+                        code => {
+                            first_error.get_or_insert((seq, code));
+                        }
                     }
                 }
-                offset += len.next_multiple_of(4);
             }
         }
         match first_error {
@@ -471,8 +584,8 @@ impl Writer {
                 let what = batch
                     .messages
                     .iter()
-                    .find(|(s, _)| *s == seq)
-                    .map_or("the batch", |(_, w)| w.as_str());
+                    .find(|(s, _, _)| *s == seq)
+                    .map_or("the batch", |(_, _, w)| w.as_str());
                 Err(NftError::Netlink(format!(
                     "{what}: {}",
                     std::io::Error::from_raw_os_error(-code)

@@ -163,6 +163,30 @@ impl FamilyRecord {
     /// same text as `self.assemble().full_script(out)`, without copying every element
     /// into a `Ruleset` first). Returns the counts of a full sync.
     pub fn full_script(&self, out: &mut String) -> DeltaCounts {
+        self.write_full(out, None)
+            .expect("a script takes every element")
+    }
+
+    /// The same table in three steps, for when it does not exist yet: `out` (the table,
+    /// its sets and regular chains, and elements netlink does not encode), then `batch`
+    /// (every other element), then `hooks` (the base chains and their rules). Traffic
+    /// sees the table only once the last step adds the hooks, so each step may be its
+    /// own transaction and the table is never seen half-written. `None` when an element
+    /// does not encode; nothing is sent then and `full_script` is the way.
+    pub fn full_phased(
+        &self,
+        out: &mut String,
+        hooks: &mut String,
+        batch: &mut netlink::Batch,
+    ) -> Option<DeltaCounts> {
+        self.write_full(out, Some((hooks, batch)))
+    }
+
+    fn write_full(
+        &self,
+        out: &mut String,
+        mut split: Option<(&mut String, &mut netlink::Batch)>,
+    ) -> Option<DeltaCounts> {
         let disp: Vec<(String, String, Set, Chain)> = self
             .dispatch
             .keys()
@@ -217,22 +241,46 @@ impl FamilyRecord {
                 s.decl
             );
         }
+        // With `split`, base chains (those with a hook) go to the last step.
+        let mut hooked = String::new();
+        let hooks_apart = split.is_some();
         for (name, c) in &chains {
-            ruleset::decl_chain(out, fam, t, name, c);
+            let o = if hooks_apart && !c.decl.is_empty() {
+                &mut hooked
+            } else {
+                &mut *out
+            };
+            ruleset::decl_chain(o, fam, t, name, c);
         }
         for (name, c) in &chains {
+            let o = if hooks_apart && !c.decl.is_empty() {
+                &mut hooked
+            } else {
+                &mut *out
+            };
             for r in &c.rules {
-                let _ = writeln!(out, "add rule {fam} {t} {name} {r}");
+                let _ = writeln!(o, "add rule {fam} {t} {name} {r}");
             }
         }
-        for (name, (_, e)) in &mut sets {
+        if let Some((hooks, _)) = &mut split {
+            hooks.push_str(&hooked);
+        }
+        for (name, (s, e)) in &mut sets {
             // Sorted by key as in a `Ruleset`; a key twice keeps its first value.
             e.sort_by(|a, b| a.0.cmp(b.0));
             e.dedup_by(|a, b| a.0 == b.0);
             n.elements_added += e.len();
-            ruleset::elements(out, "add", fam, t, name, e.iter().copied(), true);
+            let ty = split
+                .as_ref()
+                .and_then(|_| netlink::SetType::parse(&s.decl));
+            match (&mut split, ty) {
+                (Some((_, batch)), Some(ty)) if !e.is_empty() => {
+                    batch.elements(true, fam, t, name, &ty, e.iter().copied())?;
+                }
+                _ => ruleset::elements(out, "add", fam, t, name, e.iter().copied(), true),
+            }
         }
-        n
+        Some(n)
     }
 
     /// The elements of a frontend now: those of its first claimant.
@@ -493,6 +541,36 @@ mod tests {
                     .full_script(&mut c);
                 assert_eq!(a, c, "record and pure render agree");
                 assert!(family == IpFamily::IPv6 || a.contains("dnat-c-"), "{a}");
+
+                // In steps: every hooked chain and only those in the last step, no
+                // element left in the first but those netlink does not encode.
+                let (mut tables, mut hooks) = (String::new(), String::new());
+                let mut batch = crate::netlink::Batch::default();
+                let m = rec
+                    .full_phased(&mut tables, &mut hooks, &mut batch)
+                    .unwrap();
+                assert_eq!(m, n);
+                assert!(!tables.contains(" hook "), "{tables}");
+                let hooked = a.lines().filter(|l| l.contains(" hook ")).count();
+                assert_eq!(
+                    hooks.lines().filter(|l| l.contains(" hook ")).count(),
+                    hooked
+                );
+                assert!(
+                    hooks
+                        .lines()
+                        .all(|l| l.starts_with("add chain") || l.starts_with("add rule"))
+                );
+                assert!(
+                    tables
+                        .lines()
+                        .filter(|l| l.starts_with("add element"))
+                        .all(|l| l.contains("local-pods")),
+                    "{tables}"
+                );
+                let lines = |s: &str| s.lines().filter(|l| !l.starts_with("add element")).count();
+                assert_eq!(lines(&tables) + lines(&hooks), lines(&a));
+                assert!(family == IpFamily::IPv6 || !batch.is_empty());
             }
         }
     }
