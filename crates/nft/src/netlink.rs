@@ -25,14 +25,8 @@ use std::os::unix::fs::MetadataExt;
 use netlink_packet_core::{
     NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
-use netlink_packet_netfilter::nftables::{
-    DataAttribute, ListAttribute, NfTablesMessage, SetElementAttribute, SetElementList,
-    SetElementMessage, TableAttribute, TableMessage, Verdict, VerdictAttribute,
-};
-use netlink_packet_netfilter::none::ControlMessage;
-use netlink_packet_netfilter::{
-    NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
-};
+use netlink_packet_netfilter::nftables::{NfTablesMessage, TableAttribute, TableMessage};
+use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 use crate::NftError;
@@ -97,18 +91,17 @@ impl Field {
     }
 }
 
-/// Encodes `a . b . c` by `fields`: a single field as is, each field of a
+/// Appends `a . b . c` encoded by `fields`: a single field as is, each field of a
 /// concatenation padded to 4 bytes (nft's register layout).
-fn encode_fields(fields: &[Field], s: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(fields.len() * 16);
+fn encode_fields(fields: &[Field], s: &str, out: &mut Vec<u8>) -> Option<()> {
     let mut parts = s.split(" . ");
     for f in fields {
-        f.encode(parts.next()?, &mut out)?;
+        f.encode(parts.next()?, out)?;
         if fields.len() > 1 {
             out.resize(out.len().next_multiple_of(4), 0);
         }
     }
-    parts.next().is_none().then_some(out)
+    parts.next().is_none().then_some(())
 }
 
 /// What a map's elements point to.
@@ -150,51 +143,57 @@ impl SetType {
             },
         })
     }
-
-    /// One element's attributes: its key, and for a map its value (`value` is nft text:
-    /// `goto CHAIN`, `drop`, or `a . b`).
-    fn element(&self, key: &str, value: Option<&str>) -> Option<Vec<SetElementAttribute>> {
-        let mut attrs = vec![SetElementAttribute::Key(DataAttribute::Value(
-            encode_fields(&self.key, key)?,
-        ))];
-        if let Some(v) = value {
-            let data = match self.data.as_ref()? {
-                Data::Verdict => DataAttribute::Verdict(verdict(v)?),
-                Data::Value(fields) => DataAttribute::Value(encode_fields(fields, v)?),
-            };
-            attrs.push(SetElementAttribute::Data(data));
-        }
-        Some(attrs)
-    }
 }
 
-fn verdict(s: &str) -> Option<Vec<VerdictAttribute>> {
+/// `drop`, `accept`, `return`, `continue`, `goto CHAIN`, `jump CHAIN` → the verdict
+/// code (as the kernel's u32) and the chain.
+fn verdict(s: &str) -> Option<(u32, Option<&str>)> {
     const NF_DROP: u32 = 0;
     const NF_ACCEPT: u32 = 1;
-    let code = |v| vec![VerdictAttribute::Code(v)];
-    Some(match s.trim().split_once(' ') {
-        None => match s.trim() {
-            "drop" => code(Verdict::Other(NF_DROP)),
-            "accept" => code(Verdict::Other(NF_ACCEPT)),
-            "return" => code(Verdict::Return),
-            "continue" => code(Verdict::Continue),
+    const NFT_CONTINUE: u32 = -1i32 as u32;
+    const NFT_JUMP: u32 = -3i32 as u32;
+    const NFT_GOTO: u32 = -4i32 as u32;
+    const NFT_RETURN: u32 = -5i32 as u32;
+    let s = s.trim();
+    Some(match s.split_once(' ') {
+        None => match s {
+            "drop" => (NF_DROP, None),
+            "accept" => (NF_ACCEPT, None),
+            "return" => (NFT_RETURN, None),
+            "continue" => (NFT_CONTINUE, None),
             _ => return None,
         },
-        Some((kind, chain)) => {
-            let v = match kind {
-                "goto" => Verdict::Goto,
-                "jump" => Verdict::Jump,
-                _ => return None,
-            };
-            vec![
-                VerdictAttribute::Code(v),
-                VerdictAttribute::Chain(chain.trim().to_string()),
-            ]
-        }
+        Some(("goto", chain)) => (NFT_GOTO, Some(chain.trim())),
+        Some(("jump", chain)) => (NFT_JUMP, Some(chain.trim())),
+        Some(_) => return None,
     })
 }
 
+// Netlink and nf_tables constants (linux/netlink.h, linux/netfilter/nfnetlink.h,
+// linux/netfilter/nf_tables.h).
+const NLA_F_NESTED: u16 = 0x8000;
+const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+const NFNL_MSG_BATCH_END: u16 = 0x11;
+const NFT_MSG_NEWSETELEM: u16 = 12;
+const NFT_MSG_DELSETELEM: u16 = 14;
+const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
+const NFTA_SET_ELEM_LIST_SET: u16 = 2;
+const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
+const NFTA_LIST_ELEM: u16 = 1;
+const NFTA_SET_ELEM_KEY: u16 = 1;
+const NFTA_SET_ELEM_DATA: u16 = 2;
+const NFTA_DATA_VALUE: u16 = 1;
+const NFTA_DATA_VERDICT: u16 = 2;
+const NFTA_VERDICT_CODE: u16 = 1;
+const NFTA_VERDICT_CHAIN: u16 = 2;
+
 /// One transaction of element changes, encoded and ready to send.
+///
+/// Written as bytes directly rather than through netlink-packet-netfilter's message
+/// types: building a `Vec` of attribute objects per element and emitting them cost
+/// ≈ 3.5 µs per element (0.6 s of a 10k-Service first sync, 176k elements); writing
+/// the bytes costs a tenth of that. A test checks the bytes against the crate's
+/// encoding of the same elements.
 #[derive(Debug, Default)]
 pub struct Batch {
     bytes: Vec<u8>,
@@ -202,6 +201,30 @@ pub struct Batch {
     messages: Vec<(u32, usize, String)>,
     /// Messages so far, batch header included (the next sequence number).
     count: u32,
+}
+
+/// Starts an attribute; returns its offset for [`nla_end`].
+fn nla_begin(buf: &mut Vec<u8>, kind: u16) -> usize {
+    let at = buf.len();
+    buf.extend_from_slice(&[0, 0]);
+    buf.extend_from_slice(&kind.to_ne_bytes());
+    at
+}
+
+/// Closes the attribute started at `at`: its length, then padding to 4 bytes.
+/// `None` when it does not fit the 16-bit length.
+fn nla_end(buf: &mut Vec<u8>, at: usize) -> Option<()> {
+    let len = u16::try_from(buf.len() - at).ok()?;
+    buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
+    buf.resize(buf.len().next_multiple_of(4), 0);
+    Some(())
+}
+
+fn nla_str(buf: &mut Vec<u8>, kind: u16, s: &str) -> Option<()> {
+    let at = nla_begin(buf, kind);
+    buf.extend_from_slice(s.as_bytes());
+    buf.push(0);
+    nla_end(buf, at)
 }
 
 impl Batch {
@@ -213,40 +236,25 @@ impl Batch {
         self.messages.is_empty()
     }
 
-    fn push(
-        &mut self,
-        family: NetfilterProtoFamily,
-        flags: u16,
-        inner: impl Into<NetfilterPayload>,
-        what: String,
-    ) {
+    /// Starts a message: netlink header (length filled by [`Batch::end_message`]) and
+    /// nfgenmsg. Returns its offset.
+    fn begin_message(&mut self, kind: u16, flags: u16, family: u8, res_id: u16) -> usize {
         self.count += 1;
-        let seq = self.count;
-        let mut hdr = NetlinkHeader::default();
-        hdr.flags = NLM_F_REQUEST | flags;
-        hdr.sequence_number = seq;
-        let msg = match inner.into() {
-            NetfilterPayload::Control(c) => {
-                NetfilterMessage::new(NetfilterHeader::new(family, 0, NFNL_SUBSYS_NFTABLES), c)
-            }
-            NetfilterPayload::Tables(t) => {
-                NetfilterMessage::new(NetfilterHeader::new(family, 0, 0), t)
-            }
-        };
-        let mut packet = NetlinkMessage::new(hdr, NetlinkPayload::from(msg));
-        packet.finalize();
-        let start = self.bytes.len();
-        self.bytes.resize(start + packet.buffer_len(), 0);
-        packet.serialize(&mut self.bytes[start..]);
-        if matches!(
-            packet.payload,
-            NetlinkPayload::InnerMessage(NetfilterMessage {
-                inner: NetfilterMessageInner::NfTables(_),
-                ..
-            })
-        ) {
-            self.messages.push((seq, start, what));
-        }
+        let at = self.bytes.len();
+        let b = &mut self.bytes;
+        b.extend_from_slice(&[0; 4]);
+        b.extend_from_slice(&kind.to_ne_bytes());
+        b.extend_from_slice(&(NLM_F_REQUEST | flags).to_ne_bytes());
+        b.extend_from_slice(&self.count.to_ne_bytes());
+        b.extend_from_slice(&0u32.to_ne_bytes());
+        b.extend_from_slice(&[family, 0]);
+        b.extend_from_slice(&res_id.to_be_bytes());
+        at
+    }
+
+    fn end_message(&mut self, at: usize) {
+        let len = (self.bytes.len() - at) as u32;
+        self.bytes[at..at + 4].copy_from_slice(&len.to_ne_bytes());
     }
 
     /// Adds (`add`) or deletes the elements `items` (key, value) of `set` in `table`
@@ -261,50 +269,74 @@ impl Batch {
         items: impl Iterator<Item = (&'a str, &'a str)>,
     ) -> Option<()> {
         if self.bytes.is_empty() {
-            self.push(
-                NetfilterProtoFamily::Unspec,
-                0,
-                ControlMessage::BatchBegin,
-                String::new(),
-            );
+            let at = self.begin_message(NFNL_MSG_BATCH_BEGIN, 0, 0, NFNL_SUBSYS_NFTABLES);
+            self.end_message(at);
         }
-        let fam = proto_family(family).ok()?;
-        let mut chunk = Vec::new();
-        let mut size = 0;
-        let flush = |b: &mut Batch, chunk: &mut Vec<ListAttribute<SetElementAttribute>>| {
-            if chunk.is_empty() {
-                return;
-            }
-            let list = vec![
-                SetElementList::Table(table.to_string()),
-                SetElementList::Set(set.to_string()),
-                SetElementList::Elements(std::mem::take(chunk)),
-            ];
-            let m = SetElementMessage { attributes: list };
-            let (msg, flags, verb) = if add {
-                (NfTablesMessage::NewSetElement(m), NLM_F_CREATE, "add")
-            } else {
-                (NfTablesMessage::DeleteSetElement(m), 0, "delete")
-            };
-            b.push(
-                fam,
-                flags,
-                msg,
-                format!("{verb} element {family} {table} {set}"),
-            );
+        let fam = u8::from(proto_family(family).ok()?);
+        let (kind, flags, verb) = if add {
+            (NFT_MSG_NEWSETELEM, NLM_F_CREATE, "add")
+        } else {
+            (NFT_MSG_DELSETELEM, 0, "delete")
         };
+        let kind = (u16::from(NFNL_SUBSYS_NFTABLES as u8) << 8) | kind;
+        // (message offset, element list offset) of the open message.
+        let mut open: Option<(usize, usize)> = None;
         for (k, v) in items {
-            let value = (add && ty.data.is_some()).then_some(v);
-            let attrs = ty.element(k, value)?;
-            // Key, value and the nesting headers; chain names dominate.
-            size += 32 + k.len() + v.len() + 24;
-            chunk.push(ListAttribute::Element(attrs));
-            if size >= MAX_ELEMENTS_BYTES {
-                flush(self, &mut chunk);
-                size = 0;
+            let (msg, list) = match open {
+                Some(o) => o,
+                None => {
+                    let seq = self.count + 1;
+                    let msg = self.begin_message(kind, flags, fam, 0);
+                    nla_str(&mut self.bytes, NFTA_SET_ELEM_LIST_TABLE, table)?;
+                    nla_str(&mut self.bytes, NFTA_SET_ELEM_LIST_SET, set)?;
+                    let list =
+                        nla_begin(&mut self.bytes, NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED);
+                    let what = format!("{verb} element {family} {table} {set}");
+                    self.messages.push((seq, msg, what));
+                    *open.insert((msg, list))
+                }
+            };
+            let b = &mut self.bytes;
+            let elem = nla_begin(b, NFTA_LIST_ELEM | NLA_F_NESTED);
+            let key = nla_begin(b, NFTA_SET_ELEM_KEY | NLA_F_NESTED);
+            let value = nla_begin(b, NFTA_DATA_VALUE);
+            encode_fields(&ty.key, k, b)?;
+            nla_end(b, value)?;
+            nla_end(b, key)?;
+            match (&ty.data, add) {
+                (Some(Data::Verdict), true) => {
+                    let (code, chain) = verdict(v)?;
+                    let data = nla_begin(b, NFTA_SET_ELEM_DATA | NLA_F_NESTED);
+                    let vd = nla_begin(b, NFTA_DATA_VERDICT | NLA_F_NESTED);
+                    let c = nla_begin(b, NFTA_VERDICT_CODE);
+                    b.extend_from_slice(&code.to_be_bytes());
+                    nla_end(b, c)?;
+                    if let Some(chain) = chain {
+                        nla_str(b, NFTA_VERDICT_CHAIN, chain)?;
+                    }
+                    nla_end(b, vd)?;
+                    nla_end(b, data)?;
+                }
+                (Some(Data::Value(fields)), true) => {
+                    let data = nla_begin(b, NFTA_SET_ELEM_DATA | NLA_F_NESTED);
+                    let value = nla_begin(b, NFTA_DATA_VALUE);
+                    encode_fields(fields, v, b)?;
+                    nla_end(b, value)?;
+                    nla_end(b, data)?;
+                }
+                _ => {}
+            }
+            nla_end(b, elem)?;
+            if b.len() - list >= MAX_ELEMENTS_BYTES {
+                nla_end(b, list)?;
+                self.end_message(msg);
+                open = None;
             }
         }
-        flush(self, &mut chunk);
+        if let Some((msg, list)) = open {
+            nla_end(&mut self.bytes, list)?;
+            self.end_message(msg);
+        }
         Some(())
     }
 
@@ -319,31 +351,10 @@ impl Batch {
             self.bytes[at..at + 2].copy_from_slice(&flags.to_ne_bytes());
         }
         if !self.bytes.is_empty() {
-            self.push(
-                NetfilterProtoFamily::Unspec,
-                0,
-                ControlMessage::BatchEnd,
-                String::new(),
-            );
+            let at = self.begin_message(NFNL_MSG_BATCH_END, 0, 0, NFNL_SUBSYS_NFTABLES);
+            self.end_message(at);
         }
         self
-    }
-}
-
-enum NetfilterPayload {
-    Control(ControlMessage),
-    Tables(NfTablesMessage),
-}
-
-impl From<ControlMessage> for NetfilterPayload {
-    fn from(c: ControlMessage) -> Self {
-        NetfilterPayload::Control(c)
-    }
-}
-
-impl From<NfTablesMessage> for NetfilterPayload {
-    fn from(t: NfTablesMessage) -> Self {
-        NetfilterPayload::Tables(t)
     }
 }
 
@@ -598,6 +609,7 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use netlink_packet_netfilter::NetfilterMessageInner;
 
     #[test]
     fn set_types_from_kproxy_declarations() {
@@ -664,30 +676,222 @@ mod tests {
                 vec![0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
             ),
         ];
+        let enc = |fields: &[Field], s: &str| {
+            let mut out = Vec::new();
+            encode_fields(fields, s, &mut out).map(|_| out)
+        };
         for (fields, s, want) in cases {
-            assert_eq!(encode_fields(fields, s).as_ref(), Some(want), "{s}");
+            assert_eq!(enc(fields, s).as_ref(), Some(want), "{s}");
         }
         // Wrong arity or unparsable fields are refused, not guessed.
-        assert_eq!(encode_fields(&[Ipv4, Service], "10.0.0.1"), None);
-        assert_eq!(encode_fields(&[Ipv4], "10.0.0.1 . 80"), None);
-        assert_eq!(encode_fields(&[Ipv4], "fd00::1"), None);
-        assert_eq!(encode_fields(&[Proto], "icmp"), None);
+        assert_eq!(enc(&[Ipv4, Service], "10.0.0.1"), None);
+        assert_eq!(enc(&[Ipv4], "10.0.0.1 . 80"), None);
+        assert_eq!(enc(&[Ipv4], "fd00::1"), None);
+        assert_eq!(enc(&[Proto], "icmp"), None);
     }
 
     #[test]
     fn verdicts() {
-        assert_eq!(
-            verdict("goto svc-1"),
-            Some(vec![
-                VerdictAttribute::Code(Verdict::Goto),
-                VerdictAttribute::Chain("svc-1".into())
-            ])
-        );
-        assert_eq!(
-            verdict("drop"),
-            Some(vec![VerdictAttribute::Code(Verdict::Other(0))])
-        );
+        assert_eq!(verdict("goto svc-1"), Some((-4i32 as u32, Some("svc-1"))));
+        assert_eq!(verdict("jump x"), Some((-3i32 as u32, Some("x"))));
+        assert_eq!(verdict("drop"), Some((0, None)));
         assert_eq!(verdict("reject"), None);
         assert_eq!(verdict("dnat to 1.2.3.4"), None);
+    }
+
+    /// The hand-written bytes equal netlink-packet-netfilter's encoding of the same
+    /// messages (its types are the reference; kproxy only skips their per-element cost).
+    #[test]
+    fn batch_bytes_equal_the_crates_encoding() {
+        use netlink_packet_core::NetlinkHeader;
+        use netlink_packet_netfilter::nftables::{
+            DataAttribute, ListAttribute, SetElementAttribute, SetElementList, SetElementMessage,
+            Verdict, VerdictAttribute,
+        };
+        use netlink_packet_netfilter::none::ControlMessage;
+
+        fn serialize(
+            seq: u32,
+            flags: u16,
+            family: NetfilterProtoFamily,
+            res: u16,
+            inner: NetfilterMessageInner,
+        ) -> Vec<u8> {
+            let mut hdr = NetlinkHeader::default();
+            hdr.flags = NLM_F_REQUEST | flags;
+            hdr.sequence_number = seq;
+            let mut m = NetfilterMessage::new(
+                NetfilterHeader::new(family, 0, res),
+                NfTablesMessage::GetTable(TableMessage { attributes: vec![] }),
+            );
+            m.inner = inner;
+            let mut packet = NetlinkMessage::new(hdr, NetlinkPayload::from(m));
+            packet.finalize();
+            let mut buf = vec![0; packet.buffer_len()];
+            packet.serialize(&mut buf);
+            buf
+        }
+        let key = |f: &[Field], s: &str| {
+            let mut v = Vec::new();
+            encode_fields(f, s, &mut v).unwrap();
+            SetElementAttribute::Key(DataAttribute::Value(v))
+        };
+        let elems_msg = |set: &str, elems: Vec<Vec<SetElementAttribute>>, add: bool| {
+            let m = SetElementMessage {
+                attributes: vec![
+                    SetElementList::Table("kproxy".into()),
+                    SetElementList::Set(set.into()),
+                    SetElementList::Elements(
+                        elems.into_iter().map(ListAttribute::Element).collect(),
+                    ),
+                ],
+            };
+            NetfilterMessageInner::NfTables(if add {
+                NfTablesMessage::NewSetElement(m)
+            } else {
+                NfTablesMessage::DeleteSetElement(m)
+            })
+        };
+        let vmap = SetType::parse("type ipv4_addr . inet_proto . inet_service : verdict;").unwrap();
+        let dnat = SetType::parse("typeof ip daddr . meta l4proto . th dport . numgen random mod 2 : ip daddr . th dport;").unwrap();
+        let set = SetType::parse("type ipv4_addr;").unwrap();
+
+        let mut b = Batch::default();
+        b.elements(
+            true,
+            "ip",
+            "kproxy",
+            "service-ips",
+            &vmap,
+            [
+                ("10.96.0.1 . tcp . 80", "goto svc-a"),
+                ("10.96.0.2 . udp . 53", "drop"),
+            ]
+            .into_iter(),
+        )
+        .unwrap();
+        b.elements(
+            true,
+            "ip",
+            "kproxy",
+            "dnat-c-2",
+            &dnat,
+            [("10.96.0.1 . tcp . 80 . 1", "10.244.1.2 . 8080")].into_iter(),
+        )
+        .unwrap();
+        b.elements(
+            false,
+            "ip",
+            "kproxy",
+            "cluster-ips",
+            &set,
+            [("10.96.0.3", "")].into_iter(),
+        )
+        .unwrap();
+        let got = b.finish().bytes;
+
+        let v4 = NetfilterProtoFamily::IPv4;
+        let mut want = serialize(
+            1,
+            0,
+            NetfilterProtoFamily::Unspec,
+            NFNL_SUBSYS_NFTABLES,
+            NetfilterMessageInner::None(ControlMessage::BatchBegin),
+        );
+        want.extend(serialize(
+            2,
+            NLM_F_CREATE,
+            v4,
+            0,
+            elems_msg(
+                "service-ips",
+                vec![
+                    vec![
+                        key(&vmap.key, "10.96.0.1 . tcp . 80"),
+                        SetElementAttribute::Data(DataAttribute::Verdict(vec![
+                            VerdictAttribute::Code(Verdict::Goto),
+                            VerdictAttribute::Chain("svc-a".into()),
+                        ])),
+                    ],
+                    vec![
+                        key(&vmap.key, "10.96.0.2 . udp . 53"),
+                        SetElementAttribute::Data(DataAttribute::Verdict(vec![
+                            VerdictAttribute::Code(Verdict::Other(0)),
+                        ])),
+                    ],
+                ],
+                true,
+            ),
+        ));
+        let mut data = Vec::new();
+        encode_fields(
+            &[Field::Ipv4, Field::Service],
+            "10.244.1.2 . 8080",
+            &mut data,
+        )
+        .unwrap();
+        want.extend(serialize(
+            3,
+            NLM_F_CREATE,
+            v4,
+            0,
+            elems_msg(
+                "dnat-c-2",
+                vec![vec![
+                    key(&dnat.key, "10.96.0.1 . tcp . 80 . 1"),
+                    SetElementAttribute::Data(DataAttribute::Value(data)),
+                ]],
+                true,
+            ),
+        ));
+        want.extend(serialize(
+            4,
+            NLM_F_ACK,
+            v4,
+            0,
+            elems_msg("cluster-ips", vec![vec![key(&set.key, "10.96.0.3")]], false),
+        ));
+        want.extend(serialize(
+            5,
+            0,
+            NetfilterProtoFamily::Unspec,
+            NFNL_SUBSYS_NFTABLES,
+            NetfilterMessageInner::None(ControlMessage::BatchEnd),
+        ));
+        assert_eq!(got, want);
+    }
+
+    /// Many elements are split into messages whose element list fits a 16-bit length.
+    #[test]
+    fn large_batches_split_into_messages() {
+        let ty = SetType::parse("type ipv4_addr . ipv4_addr;").unwrap();
+        let keys: Vec<String> = (0..20_000u32)
+            .map(|i| {
+                let ip = std::net::Ipv4Addr::from(0x0af4_0000 + i);
+                format!("{ip} . {ip}")
+            })
+            .collect();
+        let mut b = Batch::default();
+        b.elements(
+            true,
+            "ip",
+            "kproxy",
+            "hairpin",
+            &ty,
+            keys.iter().map(|k| (k.as_str(), "")),
+        )
+        .unwrap();
+        let b = b.finish();
+        assert!(b.messages.len() > 5, "{}", b.messages.len());
+        let mut offset = 0;
+        let mut n = 0;
+        while offset < b.bytes.len() {
+            let len = u32::from_ne_bytes(b.bytes[offset..offset + 4].try_into().unwrap()) as usize;
+            assert!(len < 65536 && len >= 20);
+            offset += len;
+            n += 1;
+        }
+        assert_eq!(offset, b.bytes.len());
+        assert_eq!(n, b.messages.len() + 2);
     }
 }
