@@ -887,7 +887,7 @@ mod tests {
         let mut n = 0;
         while offset < b.bytes.len() {
             let len = u32::from_ne_bytes(b.bytes[offset..offset + 4].try_into().unwrap()) as usize;
-            assert!(len < 65536 && len >= 20);
+            assert!((20..65536).contains(&len));
             offset += len;
             n += 1;
         }
