@@ -126,8 +126,9 @@ impl FamilyRecord {
             frontends: BTreeMap::new(),
             dispatch: BTreeMap::new(),
         };
-        for (name, svc) in &plan.services {
-            let frag = ruleset::build_service(svc, plan, cfg, family);
+        let services: Vec<_> = plan.services.iter().collect();
+        let frags = build_fragments(&services, plan, cfg, family);
+        for ((name, svc), frag) in services.into_iter().zip(frags) {
             r.add_shared(name, &frag);
             r.services.insert(name.clone(), (svc.clone(), frag));
         }
@@ -504,6 +505,36 @@ impl FamilyRecord {
         elems.adds = adds;
         Some(n)
     }
+}
+
+/// The fragments of `services`, in order, built on every core: each is a pure function
+/// of its Service, and building them is most of a full sync's own work (0.5 s at 10k
+/// Services × 10 endpoints on one core).
+fn build_fragments(
+    services: &[(&ServiceName, &Arc<ServicePlan>)],
+    plan: &NodePlan,
+    cfg: &DataplaneConfig,
+    family: IpFamily,
+) -> Vec<Fragment> {
+    let build = |c: &[(&ServiceName, &Arc<ServicePlan>)]| -> Vec<Fragment> {
+        c.iter()
+            .map(|(_, svc)| ruleset::build_service(svc, plan, cfg, family))
+            .collect()
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    if threads == 1 || services.len() < 512 {
+        return build(services);
+    }
+    std::thread::scope(|s| {
+        let parts: Vec<_> = services
+            .chunks(services.len().div_ceil(threads))
+            .map(|c| s.spawn(move || build(c)))
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
 }
 
 #[cfg(test)]
