@@ -219,29 +219,31 @@ impl Dataplane {
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
                 ];
-                let phased = self.first_sync_phased(&recs).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "cannot check for kproxy's tables over netlink; full sync by nft -f");
-                    None
-                });
-                let steps = match phased {
-                    Some((counts, steps)) => {
-                        report.changes = counts;
-                        steps
-                    }
-                    None => {
-                        let mut script = String::new();
-                        for rec in &recs {
-                            report.changes.add(&rec.full_script(&mut script));
+                let phased = self.tables_absent(&recs)
+                    && match self.first_sync_phased(&recs, &mut report) {
+                        Ok(done) => done,
+                        Err(e) => {
+                            self.programmed = None;
+                            self.writer = None;
+                            return Err(e);
                         }
-                        vec![Step::Nft(script)]
+                    };
+                let steps = if phased {
+                    Vec::new()
+                } else {
+                    report.changes = DeltaCounts::default();
+                    let mut script = String::new();
+                    for rec in &recs {
+                        report.changes.add(&rec.full_script(&mut script));
                     }
+                    vec![Step::Nft(script)]
                 };
                 self.programmed = Some(recs);
                 steps
             }
         };
-        let t = Instant::now();
         for step in steps {
+            let t = Instant::now();
             let sent = match step {
                 Step::Nft(script) if !script.is_empty() => {
                     report.script_bytes += script.len();
@@ -258,9 +260,7 @@ impl Dataplane {
                 self.writer = None;
                 return Err(e);
             }
-        }
-        if report.script_bytes + report.netlink_bytes > 0 {
-            report.transaction = t.elapsed();
+            report.transaction += t.elapsed();
         }
         if self.cfg.conntrack_cleanup {
             match conntrack::cleanup(self.last_plan.as_ref(), plan) {
@@ -309,36 +309,65 @@ impl Dataplane {
         Ok(self.writer.as_mut().expect("opened above"))
     }
 
-    /// When neither of kproxy's tables exists (a node's first start, or after
-    /// `kproxy cleanup`), the full sync in steps: tables, sets and regular chains by
-    /// `nft -f`, the elements as one nfnetlink batch, then the hooked base chains by
-    /// `nft -f`. Nothing sees traffic before the last step, so no packet meets a
-    /// half-written table, and the bulk of the work (the elements) skips nft's parser.
-    /// `None` when a table exists (replacing it must be one transaction: `nft -f`).
+    /// Whether neither of kproxy's tables exists (a node's first start, or after
+    /// `kproxy cleanup`); false when that cannot be told.
+    fn tables_absent(&mut self, recs: &[record::FamilyRecord; 2]) -> bool {
+        let absent = self.writer().and_then(|w| {
+            for rec in recs {
+                let (fam, t) = rec.table();
+                if w.table_exists(fam, t)? {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        });
+        absent.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "cannot check for kproxy's tables over netlink; full sync by nft -f");
+            false
+        })
+    }
+
+    /// The first sync into absent tables, in steps: tables, sets and regular chains by
+    /// `nft -f` (while the elements are encoded on this thread), the elements as one
+    /// nfnetlink batch, then the hooked base chains by `nft -f`. Nothing sees traffic
+    /// before the last step, so no packet meets a half-written table, and the bulk of
+    /// the work (the elements) skips nft's parser. `Ok(false)` when an element does not
+    /// encode: the tables then exist without hooks and a one-transaction replacement
+    /// (`full_script`) must follow.
     fn first_sync_phased(
         &mut self,
         recs: &[record::FamilyRecord; 2],
-    ) -> Result<Option<(DeltaCounts, Vec<Step>)>, NftError> {
-        let writer = self.writer()?;
-        for rec in recs {
-            let (fam, t) = rec.table();
-            if writer.table_exists(fam, t)? {
-                return Ok(None);
-            }
-        }
+        report: &mut SyncReport,
+    ) -> Result<bool, NftError> {
         let (mut tables, mut hooks) = (String::new(), String::new());
-        let mut batch = netlink::Batch::default();
         let mut counts = DeltaCounts::default();
         for rec in recs {
-            match rec.full_phased(&mut tables, &mut hooks, &mut batch) {
-                Some(c) => counts.add(&c),
-                None => return Ok(None),
-            }
+            counts.add(&rec.full_structure(&mut tables, &mut hooks));
         }
-        Ok(Some((
-            counts,
-            vec![Step::Nft(tables), Step::Netlink(batch), Step::Nft(hooks)],
-        )))
+        let t = Instant::now();
+        let (loaded, batch) = std::thread::scope(|s| {
+            // A thread starts in its creator's network namespace, so nft acts on ours.
+            let nft = s.spawn(|| nft::run_script(&tables));
+            let mut batch = netlink::Batch::default();
+            let encoded = recs.iter().try_for_each(|rec| {
+                counts.add(&rec.full_elements(&mut batch)?);
+                Some(())
+            });
+            let loaded = nft.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (loaded, encoded.map(|_| batch))
+        });
+        report.script_bytes += tables.len();
+        loaded?;
+        let Some(batch) = batch else {
+            return Ok(false);
+        };
+        report.netlink_bytes += batch.len();
+        self.writer()?.send(batch)?;
+        report.script_bytes += hooks.len();
+        nft::run_script(&hooks)?;
+        report.transaction += t.elapsed();
+        report.changes = counts;
+        Ok(true)
     }
 
     /// Reads the kernel, compares with the record, repairs drift (full sync of the last

@@ -103,6 +103,17 @@ impl ElementDelta {
     }
 }
 
+/// What [`FamilyRecord::write_full`] writes: the whole table as one script, or one of
+/// the steps of a first sync.
+enum Part<'a> {
+    All(&'a mut String),
+    Structure {
+        out: &'a mut String,
+        hooks: &'a mut String,
+    },
+    Elements(&'a mut netlink::Batch),
+}
+
 #[derive(Clone, Debug)]
 pub struct FamilyRecord {
     family: IpFamily,
@@ -164,30 +175,28 @@ impl FamilyRecord {
     /// same text as `self.assemble().full_script(out)`, without copying every element
     /// into a `Ruleset` first). Returns the counts of a full sync.
     pub fn full_script(&self, out: &mut String) -> DeltaCounts {
-        self.write_full(out, None)
+        self.write_full(Part::All(out))
             .expect("a script takes every element")
     }
 
-    /// The same table in three steps, for when it does not exist yet: `out` (the table,
-    /// its sets and regular chains, and elements netlink does not encode), then `batch`
-    /// (every other element), then `hooks` (the base chains and their rules). Traffic
-    /// sees the table only once the last step adds the hooks, so each step may be its
-    /// own transaction and the table is never seen half-written. `None` when an element
-    /// does not encode; nothing is sent then and `full_script` is the way.
-    pub fn full_phased(
-        &self,
-        out: &mut String,
-        hooks: &mut String,
-        batch: &mut netlink::Batch,
-    ) -> Option<DeltaCounts> {
-        self.write_full(out, Some((hooks, batch)))
+    /// The same table in steps, for when it does not exist yet: `full_structure` (the
+    /// table, its sets, regular chains and rules, and the elements netlink does not
+    /// encode into `out`; base chains and their rules into `hooks`), then
+    /// `full_elements` (every other element). Sent as `out`, the batch, then `hooks`:
+    /// traffic sees the table only once the last step adds the hooks, so each step may
+    /// be its own transaction and the table is never seen half-written.
+    pub fn full_structure(&self, out: &mut String, hooks: &mut String) -> DeltaCounts {
+        self.write_full(Part::Structure { out, hooks })
+            .expect("a script takes every element")
     }
 
-    fn write_full(
-        &self,
-        out: &mut String,
-        mut split: Option<(&mut String, &mut netlink::Batch)>,
-    ) -> Option<DeltaCounts> {
+    /// See [`FamilyRecord::full_structure`]. `None` when an element does not encode
+    /// (the batch is then unusable).
+    pub fn full_elements(&self, batch: &mut netlink::Batch) -> Option<DeltaCounts> {
+        self.write_full(Part::Elements(batch))
+    }
+
+    fn write_full(&self, mut part: Part) -> Option<DeltaCounts> {
         let disp: Vec<(String, String, Set, Chain)> = self
             .dispatch
             .keys()
@@ -196,45 +205,86 @@ impl FamilyRecord {
                 (d.map(), d.chain(), s, c)
             })
             .collect();
+        // Per set: its declaration, its netlink type when this part sends its elements
+        // by netlink, whether this part handles its elements, and the elements.
         type Elems<'a> = Vec<(&'a str, &'a str)>;
-        let mut sets: BTreeMap<&str, (&Set, Elems)> = BTreeMap::new();
+        type Entry<'a> = (&'a Set, Option<netlink::SetType>, bool, Elems<'a>);
+        let mut sets: BTreeMap<&str, Entry> = BTreeMap::new();
         let mut chains: BTreeMap<&str, &Chain> = BTreeMap::new();
+        let (all, structure) = (
+            matches!(part, Part::All(_)),
+            matches!(part, Part::Structure { .. }),
+        );
+        fn add_set<'s>(s: &'s Set, all: bool, structure: bool) -> Entry<'s> {
+            let ty = if all {
+                None
+            } else {
+                netlink::SetType::parse(&s.decl)
+            };
+            // Whole script: every element; steps: by nft if it does not encode.
+            let mine = all || (structure == ty.is_none());
+            (s, ty, mine, Vec::new())
+        }
         let own = std::iter::once(&self.base).chain(self.services.values().map(|(_, f)| &f.own));
         for rs in own {
             for (name, s) in &rs.sets {
-                let e = ruleset::str_pairs(s.elements.iter()).collect();
-                sets.insert(name, (s, e));
+                let mut e = add_set(s, all, structure);
+                if e.2 {
+                    e.3 = ruleset::str_pairs(s.elements.iter()).collect();
+                }
+                sets.insert(name, e);
             }
             for (name, c) in &rs.chains {
                 chains.insert(name, c);
             }
         }
         for (map, chain, s, c) in &disp {
-            sets.insert(map, (s, Vec::new()));
+            sets.insert(map, add_set(s, all, structure));
             chains.insert(chain, c);
         }
         for ((set, key), owners) in &self.shared {
-            if let (Some(e), Some(v)) = (sets.get_mut(*set), owners.first()) {
-                e.1.push((key, v));
+            if let (Some(e), Some(v)) = (sets.get_mut(*set), owners.first())
+                && e.2
+            {
+                e.3.push((key, v));
             }
         }
         for owners in self.frontends.values() {
             if let Some(elems) = owners.values().next() {
                 for (set, key, v) in elems.iter() {
-                    if let Some(e) = sets.get_mut(set.as_str()) {
-                        e.1.push((key, v));
+                    if let Some(e) = sets.get_mut(set.as_str())
+                        && e.2
+                    {
+                        e.3.push((key, v));
                     }
                 }
             }
         }
         let (fam, t) = (self.base.family, self.base.table.as_str());
-        ruleset::full_header(out, fam, t);
-        let mut n = DeltaCounts {
-            chains_added: chains.len(),
-            sets_added: sets.len(),
-            ..DeltaCounts::default()
+        let mut n = DeltaCounts::default();
+        for (name, (_, ty, mine, e)) in &mut sets {
+            if !*mine {
+                continue;
+            }
+            // Sorted by key as in a `Ruleset`; a key twice keeps its first value.
+            e.sort_by(|a, b| a.0.cmp(b.0));
+            e.dedup_by(|a, b| a.0 == b.0);
+            n.elements_added += e.len();
+            if let (Part::Elements(batch), Some(ty)) = (&mut part, ty)
+                && !e.is_empty()
+            {
+                batch.elements(true, fam, t, name, ty, e.iter().copied())?;
+            }
+        }
+        let (out, mut hooks) = match part {
+            Part::Elements(_) => return Some(n),
+            Part::All(out) => (out, None),
+            Part::Structure { out, hooks } => (out, Some(hooks)),
         };
-        for (name, (s, _)) in &sets {
+        n.chains_added = chains.len();
+        n.sets_added = sets.len();
+        ruleset::full_header(out, fam, t);
+        for (name, (s, ..)) in &sets {
             let _ = writeln!(
                 out,
                 "add {} {fam} {t} {name} {{ {} }}",
@@ -242,43 +292,26 @@ impl FamilyRecord {
                 s.decl
             );
         }
-        // With `split`, base chains (those with a hook) go to the last step.
-        let mut hooked = String::new();
-        let hooks_apart = split.is_some();
+        // In steps, base chains (those with a hook) go to the last one.
         for (name, c) in &chains {
-            let o = if hooks_apart && !c.decl.is_empty() {
-                &mut hooked
-            } else {
-                &mut *out
+            let o = match &mut hooks {
+                Some(h) if !c.decl.is_empty() => &mut **h,
+                _ => &mut *out,
             };
             ruleset::decl_chain(o, fam, t, name, c);
         }
         for (name, c) in &chains {
-            let o = if hooks_apart && !c.decl.is_empty() {
-                &mut hooked
-            } else {
-                &mut *out
+            let o = match &mut hooks {
+                Some(h) if !c.decl.is_empty() => &mut **h,
+                _ => &mut *out,
             };
             for r in &c.rules {
                 let _ = writeln!(o, "add rule {fam} {t} {name} {r}");
             }
         }
-        if let Some((hooks, _)) = &mut split {
-            hooks.push_str(&hooked);
-        }
-        for (name, (s, e)) in &mut sets {
-            // Sorted by key as in a `Ruleset`; a key twice keeps its first value.
-            e.sort_by(|a, b| a.0.cmp(b.0));
-            e.dedup_by(|a, b| a.0 == b.0);
-            n.elements_added += e.len();
-            let ty = split
-                .as_ref()
-                .and_then(|_| netlink::SetType::parse(&s.decl));
-            match (&mut split, ty) {
-                (Some((_, batch)), Some(ty)) if !e.is_empty() => {
-                    batch.elements(true, fam, t, name, &ty, e.iter().copied())?;
-                }
-                _ => ruleset::elements(out, "add", fam, t, name, e.iter().copied(), true),
+        for (name, (_, _, mine, e)) in &sets {
+            if *mine {
+                ruleset::elements(out, "add", fam, t, name, e.iter().copied(), true);
             }
         }
         Some(n)
@@ -577,10 +610,10 @@ mod tests {
                 // element left in the first but those netlink does not encode.
                 let (mut tables, mut hooks) = (String::new(), String::new());
                 let mut batch = crate::netlink::Batch::default();
-                let m = rec
-                    .full_phased(&mut tables, &mut hooks, &mut batch)
-                    .unwrap();
-                assert_eq!(m, n);
+                let m = rec.full_structure(&mut tables, &mut hooks);
+                rec.full_elements(&mut batch).unwrap();
+                assert_eq!(m.chains_added, n.chains_added);
+                assert_eq!(m.sets_added, n.sets_added);
                 assert!(!tables.contains(" hook "), "{tables}");
                 let hooked = a.lines().filter(|l| l.contains(" hook ")).count();
                 assert_eq!(
