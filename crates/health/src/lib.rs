@@ -301,6 +301,15 @@ impl Health {
         self.kick();
     }
 
+    /// A change reached the cluster state (upstream `QueuedUpdate`, called where the
+    /// change arrives): starts the staleness clock unless an older change is pending, so
+    /// a sync loop that stops taking changes turns `/livez` unhealthy after
+    /// 2 × syncPeriod even though it never computes a plan.
+    pub fn change_queued(&self) {
+        let now = self.shared.clock.now();
+        lock(&self.shared.core).health.queued(now);
+    }
+
     /// A sync failed: the last applied answers stay, and the proxy turns unhealthy once
     /// the oldest unapplied change is 2 × syncPeriod old.
     pub fn sync_failed(&self) {

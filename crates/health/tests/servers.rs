@@ -583,3 +583,32 @@ fn healthz_wildcard_serves_both_families() {
         h.shutdown().await;
     });
 }
+
+/// A change that reaches the cluster state but is never planned (a sync loop that
+/// stopped taking changes) turns the proxy unhealthy 2 × syncPeriod after it arrived,
+/// as upstream's `QueuedUpdate` from the informer handlers does; a later change does
+/// not restart the clock, and a successful sync clears it.
+#[test]
+fn a_change_never_taken_by_the_sync_loop_turns_the_proxy_stale() {
+    for semantics in [Semantics::Upstream, Semantics::Truthful] {
+        in_netns(move || async move {
+            let (h, clock, _reg) = start(semantics, false).await;
+            let one = plan(&[svc("a", "b", 31101, &["10.244.0.5"])]);
+            h.plan_computed(&one);
+            h.plan_applied(&one);
+            assert!(h.proxy_healthy(), "{semantics:?}: fresh after a sync");
+            h.change_queued();
+            clock.advance(STALE - Duration::from_secs(1));
+            h.change_queued();
+            assert!(h.proxy_healthy(), "{semantics:?}: change still young");
+            clock.advance(Duration::from_secs(2));
+            assert!(
+                !h.proxy_healthy(),
+                "{semantics:?}: the oldest change waited 2 x syncPeriod"
+            );
+            h.plan_computed(&one);
+            h.plan_applied(&one);
+            assert!(h.proxy_healthy(), "{semantics:?}: synced again");
+        });
+    }
+}

@@ -216,6 +216,8 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     );
 
     let handle = StateHandle::new();
+    let queued = health.clone();
+    handle.on_update(move || queued.change_queued());
     let ownership = Ownership { service_proxy_name: args.service_proxy_name.clone() };
     let source = match &args.manifests {
         Some(path) => {

@@ -15,9 +15,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::Uri;
 /// Re-exported so tests need no direct axum dependency.
 pub use axum::http::StatusCode;
+use axum::http::Uri;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
@@ -165,7 +165,10 @@ impl Resource {
 
     /// How many list requests arrived.
     pub fn lists(&self) -> usize {
-        self.requests().iter().filter(|q| !q.contains_key("watch")).count()
+        self.requests()
+            .iter()
+            .filter(|q| !q.contains_key("watch"))
+            .count()
     }
 
     /// The queries of the watch requests, in order.
@@ -285,9 +288,14 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
         let body = futures::stream::unfold(Some(steps), move |steps| async move {
             let steps = steps?;
             match steps.next(generation).await? {
-                Step::Line(l) => Some((Ok::<_, std::io::Error>(Bytes::from(l + "\n")), Some(steps))),
+                Step::Line(l) => {
+                    Some((Ok::<_, std::io::Error>(Bytes::from(l + "\n")), Some(steps)))
+                }
                 Step::Close => None,
-                Step::Abort => Some((Err(std::io::Error::other("connection dropped by the test")), None)),
+                Step::Abort => Some((
+                    Err(std::io::Error::other("connection dropped by the test")),
+                    None,
+                )),
             }
         });
         return Response::builder()
@@ -299,7 +307,11 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
     let _ = open.wait_for(|o| *o).await;
     let list = lock(&res.list);
     if list.status != StatusCode::OK {
-        return (list.status, axum::Json(status(list.status, "InternalError"))).into_response();
+        return (
+            list.status,
+            axum::Json(status(list.status, "InternalError")),
+        )
+            .into_response();
     }
     let api_version = if res.list_kind == "EndpointSliceList" {
         "discovery.k8s.io/v1"
@@ -316,7 +328,10 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
 
 /// Serves `api` on `listener` (bound by the caller, possibly inside a network
 /// namespace) until the task is aborted or its runtime shuts down.
-pub fn spawn(listener: tokio::net::TcpListener, api: Arc<FakeApi>) -> tokio::task::JoinHandle<std::io::Result<()>> {
+pub fn spawn(
+    listener: tokio::net::TcpListener,
+    api: Arc<FakeApi>,
+) -> tokio::task::JoinHandle<std::io::Result<()>> {
     let app = axum::Router::new().fallback(serve).with_state(api);
     tokio::spawn(async move { axum::serve(listener, app).await })
 }

@@ -81,7 +81,11 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, SourceErr
 /// and other proxies' objects; with a service proxy name, take exactly that proxy's.
 pub fn label_selector(ownership: &Ownership) -> String {
     match &ownership.service_proxy_name {
-        None => format!("!{},!{}", ingest::LABEL_HEADLESS, ingest::LABEL_SERVICE_PROXY_NAME),
+        None => format!(
+            "!{},!{}",
+            ingest::LABEL_HEADLESS,
+            ingest::LABEL_SERVICE_PROXY_NAME
+        ),
         Some(name) => format!(
             "!{},{}={name}",
             ingest::LABEL_HEADLESS,
@@ -102,7 +106,10 @@ fn valid_node_name(s: &str) -> bool {
         && s.len() <= 253
         && s.split('.').all(|label| {
             let b = label.as_bytes();
-            !b.is_empty() && alnum(b[0]) && alnum(b[b.len() - 1]) && b.iter().all(|&c| alnum(c) || c == b'-')
+            !b.is_empty()
+                && alnum(b[0])
+                && alnum(b[b.len() - 1])
+                && b.iter().all(|&c| alnum(c) || c == b'-')
         })
 }
 
@@ -134,7 +141,9 @@ impl KubeSourceConfig {
 }
 
 /// A kind kproxy watches.
-trait Watched: kube::Resource<DynamicType = (), Scope = Self::S> + serde::de::DeserializeOwned + 'static {
+trait Watched:
+    kube::Resource<DynamicType = (), Scope = Self::S> + serde::de::DeserializeOwned + 'static
+{
     type S;
     const KIND: Kind;
     fn object(self) -> Object;
@@ -199,7 +208,10 @@ fn input<K: Watched>(event: watcher::Event<Raw<K>>) -> Input {
 type Tagged = (Kind, Result<Input, watcher::Error>);
 
 /// One kind's watcher, with backoff, its events decoded and tagged with the kind.
-fn watch<K: Watched>(client: kube::Client, config: watcher::Config) -> impl Stream<Item = Tagged> + Send
+fn watch<K: Watched>(
+    client: kube::Client,
+    config: watcher::Config,
+) -> impl Stream<Item = Tagged> + Send
 where
     Raw<K>: kube::Resource<DynamicType = ()>,
 {
@@ -214,7 +226,11 @@ where
 /// it) and this Node (field selector `metadata.name`). Marks `handle` ready once all
 /// three have been listed. Relists with backoff on errors, 410 Gone and dropped
 /// connections; the last state stays in place meanwhile.
-pub async fn run(client: kube::Client, cfg: KubeSourceConfig, handle: StateHandle) -> Result<(), SourceError> {
+pub async fn run(
+    client: kube::Client,
+    cfg: KubeSourceConfig,
+    handle: StateHandle,
+) -> Result<(), SourceError> {
     cfg.validate()?;
     let labels = label_selector(&cfg.ownership);
     // Lists with resourceVersion=0 are served from the API server's watch cache, as
@@ -252,7 +268,8 @@ pub async fn run(client: kube::Client, cfg: KubeSourceConfig, handle: StateHandl
             tracing::warn!("skipped {w}");
         }
         if let Some(change) = change {
-            let warnings = handle.update(|state| fold::apply_change(state, change, &cfg.ownership, &cfg.node_name));
+            let warnings = handle
+                .update(|state| fold::apply_change(state, change, &cfg.ownership, &cfg.node_name));
             for w in &warnings {
                 tracing::warn!("{w}");
             }

@@ -29,6 +29,8 @@ struct Inner {
     state: Mutex<ClusterState>,
     notify: Notify,
     ready: AtomicBool,
+    /// Called after every `update`, in the source's task (see [`StateHandle::on_update`]).
+    on_update: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl StateHandle {
@@ -45,8 +47,19 @@ impl StateHandle {
     /// Mutates the state and wakes the sync loop.
     pub fn update<R>(&self, f: impl FnOnce(&mut ClusterState) -> R) -> R {
         let r = f(&mut self.lock());
+        if let Some(hook) = self.0.on_update.get() {
+            hook();
+        }
         self.0.notify.notify_one();
         r
+    }
+
+    /// Sets a function called after every `update` (once; later calls are ignored and
+    /// return false). The daemon uses it to note when a change was queued — upstream's
+    /// `QueuedUpdate` — at the moment it arrives, not when the sync loop gets to it, so
+    /// `/livez` sees a loop that stopped taking changes.
+    pub fn on_update(&self, f: impl Fn() + Send + Sync + 'static) -> bool {
+        self.0.on_update.set(Box::new(f)).is_ok()
     }
 
     /// Reads (or takes changes from) the state without waking anyone.
@@ -68,5 +81,27 @@ impl StateHandle {
     /// since the last wait).
     pub async fn changed(&self) {
         self.0.notify.notified().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn the_update_hook_runs_after_every_update_and_is_set_once() {
+        let h = StateHandle::new();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        assert!(h.on_update(move || {
+            c.fetch_add(1, Ordering::SeqCst);
+        }));
+        assert!(!h.on_update(|| {}), "a second hook is refused");
+        h.with(|_| ());
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "reads are not updates");
+        h.update(|_| ());
+        h.update(|_| ());
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
     }
 }

@@ -45,7 +45,9 @@ async fn start(ownership: Ownership, setup: impl FnOnce(&FakeApi)) -> Harness {
     let dir = tempfile::tempdir().expect("tempdir");
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::write(&kubeconfig, fake_api::kubeconfig(addr)).expect("write kubeconfig");
-    let client = source::client(Some(&kubeconfig)).await.expect("client from kubeconfig");
+    let client = source::client(Some(&kubeconfig))
+        .await
+        .expect("client from kubeconfig");
     let handle = StateHandle::new();
     let cfg = KubeSourceConfig {
         node_name: NODE.into(),
@@ -121,7 +123,11 @@ fn seen(state: &ClusterState) -> Seen {
             format!(
                 "{}:{}",
                 s.name.name,
-                s.ports.iter().map(|p| p.port.to_string()).collect::<Vec<_>>().join(",")
+                s.ports
+                    .iter()
+                    .map(|p| p.port.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
             )
         })
         .collect();
@@ -145,10 +151,18 @@ fn seen(state: &ClusterState) -> Seen {
         format!(
             "{}@{}",
             n.name,
-            n.addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",")
+            n.addresses
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
         )
     });
-    Seen { services, slices, node }
+    Seen {
+        services,
+        slices,
+        node,
+    }
 }
 
 fn strs(v: &[&str]) -> Vec<String> {
@@ -180,7 +194,10 @@ async fn wait_cheap(h: &Harness, what: &str, cond: impl Fn(&ClusterState) -> boo
         if h.handle.is_ready() && h.handle.with(|st| cond(st)) {
             return;
         }
-        assert!(!h.source.is_finished(), "the source stopped while waiting for {what}");
+        assert!(
+            !h.source.is_finished(),
+            "the source stopped while waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     panic!("timed out waiting for {what}");
@@ -237,37 +254,57 @@ async fn first_sync_waits_until_services_slices_and_the_node_are_listed() {
     .await;
     // The slice list has been requested and is still pending.
     wait_server(&h, "the slice list request", |api| api.slices.lists() == 1).await;
-    assert!(!h.handle.is_ready(), "ready before the EndpointSlices were listed");
+    assert!(
+        !h.handle.is_ready(),
+        "ready before the EndpointSlices were listed"
+    );
     assert!(h.handle.with(|s| s.slice_count()) == 0);
 
     h.api.slices.open.send_replace(true);
-    wait_for(&h, "ready with the slices", |s, ready| ready && s.slices.len() == 2).await;
+    wait_for(&h, "ready with the slices", |s, ready| {
+        ready && s.slices.len() == 2
+    })
+    .await;
     let s = h.handle.with(|st| seen(st));
     assert_eq!(s.services, strs(&["db:5432", "web:80"]));
-    assert_eq!(s.slices, strs(&["db-xyz=10.244.0.9", "web-abc=10.244.0.5,10.244.0.6"]));
+    assert_eq!(
+        s.slices,
+        strs(&["db-xyz=10.244.0.9", "web-abc=10.244.0.5,10.244.0.6"])
+    );
     assert_eq!(s.node.as_deref(), Some("node-a@10.200.0.1"));
 
     // Upstream's selectors reached the server.
     let selector = "!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name";
     assert_eq!(
-        h.api.services.requests()[0].get("labelSelector").map(String::as_str),
+        h.api.services.requests()[0]
+            .get("labelSelector")
+            .map(String::as_str),
         Some(selector)
     );
     assert_eq!(
-        h.api.slices.requests()[0].get("labelSelector").map(String::as_str),
+        h.api.slices.requests()[0]
+            .get("labelSelector")
+            .map(String::as_str),
         Some(selector)
     );
     assert_eq!(
-        h.api.nodes.requests()[0].get("fieldSelector").map(String::as_str),
+        h.api.nodes.requests()[0]
+            .get("fieldSelector")
+            .map(String::as_str),
         Some("metadata.name=node-a")
     );
     // Lists come from the API server's watch cache (resourceVersion=0), as client-go's.
     assert_eq!(
-        h.api.services.requests()[0].get("resourceVersion").map(String::as_str),
+        h.api.services.requests()[0]
+            .get("resourceVersion")
+            .map(String::as_str),
         Some("0")
     );
     // After the list, a watch from the list's resourceVersion.
-    wait_server(&h, "the service watch", |api| !api.services.watches().is_empty()).await;
+    wait_server(&h, "the service watch", |api| {
+        !api.services.watches().is_empty()
+    })
+    .await;
     let w = &h.api.services.watches()[0];
     assert_eq!(w.get("resourceVersion").map(String::as_str), Some("10"));
     assert_eq!(w.get("labelSelector").map(String::as_str), Some(selector));
@@ -280,15 +317,28 @@ async fn watch_events_added_modified_deleted_and_bookmarks_update_the_state() {
     h.api
         .services
         .event("ADDED", service("cache", "11", "10.96.0.12", 6379));
-    wait_for(&h, "cache added", |s, _| s.services.contains(&"cache:6379".to_string())).await;
+    wait_for(&h, "cache added", |s, _| {
+        s.services.contains(&"cache:6379".to_string())
+    })
+    .await;
 
     h.api
         .services
         .event("MODIFIED", service("web", "12", "10.96.0.10", 8443));
-    wait_for(&h, "web modified", |s, _| s.services.contains(&"web:8443".to_string())).await;
-    assert!(!h.handle.with(|st| seen(st)).services.contains(&"web:80".to_string()));
+    wait_for(&h, "web modified", |s, _| {
+        s.services.contains(&"web:8443".to_string())
+    })
+    .await;
+    assert!(
+        !h.handle
+            .with(|st| seen(st))
+            .services
+            .contains(&"web:80".to_string())
+    );
 
-    h.api.services.event("BOOKMARK", bookmark("13", "Service", "v1"));
+    h.api
+        .services
+        .event("BOOKMARK", bookmark("13", "Service", "v1"));
     h.api
         .slices
         .event("MODIFIED", slice("web-abc", "web", "14", &["10.244.0.5"]));
@@ -300,10 +350,18 @@ async fn watch_events_added_modified_deleted_and_bookmarks_update_the_state() {
     h.api
         .slices
         .event("DELETED", slice("db-xyz", "db", "15", &["10.244.0.9"]));
-    wait_for(&h, "db-xyz deleted", |s, _| s.slices == strs(&["web-abc=10.244.0.5"])).await;
+    wait_for(&h, "db-xyz deleted", |s, _| {
+        s.slices == strs(&["web-abc=10.244.0.5"])
+    })
+    .await;
 
-    h.api.services.event("DELETED", service("db", "16", "10.96.0.11", 5432));
-    wait_for(&h, "db deleted", |s, _| s.services == strs(&["cache:6379", "web:8443"])).await;
+    h.api
+        .services
+        .event("DELETED", service("db", "16", "10.96.0.11", 5432));
+    wait_for(&h, "db deleted", |s, _| {
+        s.services == strs(&["cache:6379", "web:8443"])
+    })
+    .await;
 
     h.api.nodes.event("MODIFIED", node("17", "10.200.0.2"));
     wait_for(&h, "node address changed", |s, _| {
@@ -313,15 +371,28 @@ async fn watch_events_added_modified_deleted_and_bookmarks_update_the_state() {
 
     // A watch that ends cleanly resumes from the last resourceVersion seen, which a
     // BOOKMARK advances without any object.
-    h.api.services.event("BOOKMARK", bookmark("30", "Service", "v1"));
+    h.api
+        .services
+        .event("BOOKMARK", bookmark("30", "Service", "v1"));
     h.api.services.close();
-    wait_server(&h, "a second service watch", |api| api.services.watches().len() >= 2).await;
+    wait_server(&h, "a second service watch", |api| {
+        api.services.watches().len() >= 2
+    })
+    .await;
     assert_eq!(
-        h.api.services.watches()[1].get("resourceVersion").map(String::as_str),
+        h.api.services.watches()[1]
+            .get("resourceVersion")
+            .map(String::as_str),
         Some("30")
     );
-    assert_eq!(h.api.services.lists(), 1, "a clean end of a watch does not relist");
-    h.api.services.event("ADDED", service("late", "31", "10.96.0.13", 81));
+    assert_eq!(
+        h.api.services.lists(),
+        1,
+        "a clean end of a watch does not relist"
+    );
+    h.api
+        .services
+        .event("ADDED", service("late", "31", "10.96.0.13", 81));
     wait_for(&h, "late added on the resumed watch", |s, _| {
         s.services.contains(&"late:81".to_string())
     })
@@ -370,7 +441,9 @@ async fn gone_mid_stream_relists_and_replaces_that_kind_in_one_step() {
             == Some("50")
     })
     .await;
-    h.api.services.event("ADDED", service("after", "51", "10.96.0.21", 82));
+    h.api
+        .services
+        .event("ADDED", service("after", "51", "10.96.0.21", 82));
     wait_for(&h, "an event after the relist", |s, _| {
         s.services.contains(&"after:82".to_string())
     })
@@ -389,10 +462,16 @@ async fn a_dropped_connection_resumes_from_the_last_resource_version() {
     h.api
         .slices
         .event("ADDED", slice("web-ghi", "web", "12", &["10.244.0.8"]));
-    wait_for(&h, "web-ghi added after the reconnect", |s, _| s.slices.len() == 4).await;
+    wait_for(&h, "web-ghi added after the reconnect", |s, _| {
+        s.slices.len() == 4
+    })
+    .await;
     let watches = h.api.slices.watches();
     assert!(watches.len() >= 2, "{watches:?}");
-    assert_eq!(watches[1].get("resourceVersion").map(String::as_str), Some("11"));
+    assert_eq!(
+        watches[1].get("resourceVersion").map(String::as_str),
+        Some("11")
+    );
     assert_eq!(
         h.api.slices.lists(),
         1,
@@ -420,10 +499,15 @@ async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept(
     })
     .await;
     wait_for(&h, "the first sync despite bad objects", |_, ready| ready).await;
-    assert_eq!(h.handle.with(|st| seen(st)).services, strs(&["db:5432", "web:80"]));
+    assert_eq!(
+        h.handle.with(|st| seen(st)).services,
+        strs(&["db:5432", "web:80"])
+    );
 
     // Malformed lines on the watch stream: the stream goes on.
-    h.api.services.line("{\"type\":\"ADDED\",\"object\":{".into());
+    h.api
+        .services
+        .line("{\"type\":\"ADDED\",\"object\":{".into());
     h.api.services.line("this is not JSON".into());
     // web turns bad: its last good version stays.
     let mut web_bad = service("web", "20", "10.96.0.10", 81);
@@ -436,10 +520,13 @@ async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept(
     h.api
         .slices
         .event("ADDED", slice("db-good", "db", "22", &["10.244.0.11"]));
-    h.api.services.event("ADDED", service("after", "23", "10.96.0.21", 82));
+    h.api
+        .services
+        .event("ADDED", service("after", "23", "10.96.0.21", 82));
 
     wait_for(&h, "the good events after the bad ones", |s, _| {
-        s.services.contains(&"after:82".to_string()) && s.slices.iter().any(|x| x.starts_with("db-good="))
+        s.services.contains(&"after:82".to_string())
+            && s.slices.iter().any(|x| x.starts_with("db-good="))
     })
     .await;
     let s = h.handle.with(|st| seen(st));
@@ -468,9 +555,17 @@ async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept(
     h.api
         .services
         .set_list("61", vec![web_bad, service("db", "6", "10.96.0.11", 5432)]);
-    h.api.services.event("ADDED", json!("a string is not an object"));
-    wait_for(&h, "the relist", |s, _| !s.services.contains(&"after:82".to_string())).await;
-    assert_eq!(h.handle.with(|st| seen(st)).services, strs(&["db:5432", "web:80"]));
+    h.api
+        .services
+        .event("ADDED", json!("a string is not an object"));
+    wait_for(&h, "the relist", |s, _| {
+        !s.services.contains(&"after:82".to_string())
+    })
+    .await;
+    assert_eq!(
+        h.handle.with(|st| seen(st)).services,
+        strs(&["db:5432", "web:80"])
+    );
     assert_eq!(h.api.services.lists(), 2);
 }
 
@@ -486,15 +581,23 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
         s.services.len() == 2 && s.slices.len() == 2
     })
     .await;
-    assert!(!h.handle.is_ready(), "ready although the Node list keeps failing");
+    assert!(
+        !h.handle.is_ready(),
+        "ready although the Node list keeps failing"
+    );
     assert_eq!(h.handle.with(|st| seen(st)).node, None);
 
     h.api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
-    wait_for(&h, "ready once the Node lists", |s, ready| ready && s.node.is_some()).await;
+    wait_for(&h, "ready once the Node lists", |s, ready| {
+        ready && s.node.is_some()
+    })
+    .await;
 
     // The API becomes unreachable for Services: watches fail, the state stays.
     let before = h.handle.with(|st| seen(st));
-    h.api.services.set_watch_status(StatusCode::SERVICE_UNAVAILABLE);
+    h.api
+        .services
+        .set_watch_status(StatusCode::SERVICE_UNAVAILABLE);
     h.api.services.fail_lists(StatusCode::SERVICE_UNAVAILABLE);
     let watches = h.api.services.watches().len();
     h.api.services.close();
@@ -507,7 +610,9 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
 
     // Back again: events flow.
     h.api.services.set_watch_status(StatusCode::OK);
-    h.api.services.event("ADDED", service("back", "70", "10.96.0.40", 90));
+    h.api
+        .services
+        .event("ADDED", service("back", "70", "10.96.0.40", 90));
     wait_for(&h, "an event after the outage", |s, _| {
         s.services.contains(&"back:90".to_string())
     })
@@ -522,9 +627,11 @@ async fn a_service_proxy_name_selects_that_proxys_services() {
         },
         |api| {
             let mut mine = service("mine", "5", "10.96.0.50", 80);
-            mine["metadata"]["labels"] = json!({"service.kubernetes.io/service-proxy-name": "kproxy"});
+            mine["metadata"]["labels"] =
+                json!({"service.kubernetes.io/service-proxy-name": "kproxy"});
             let mut slice_mine = slice("mine-1", "mine", "6", &["10.244.0.50"]);
-            slice_mine["metadata"]["labels"]["service.kubernetes.io/service-proxy-name"] = json!("kproxy");
+            slice_mine["metadata"]["labels"]["service.kubernetes.io/service-proxy-name"] =
+                json!("kproxy");
             api.services.set_list("10", vec![mine]);
             api.slices.set_list("10", vec![slice_mine]);
             api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
@@ -537,20 +644,28 @@ async fn a_service_proxy_name_selects_that_proxys_services() {
         (s.services, s.slices),
         (strs(&["mine:80"]), strs(&["mine-1=10.244.0.50"]))
     );
-    let selector = "!service.kubernetes.io/headless,service.kubernetes.io/service-proxy-name=kproxy";
+    let selector =
+        "!service.kubernetes.io/headless,service.kubernetes.io/service-proxy-name=kproxy";
     assert_eq!(
-        h.api.services.requests()[0].get("labelSelector").map(String::as_str),
+        h.api.services.requests()[0]
+            .get("labelSelector")
+            .map(String::as_str),
         Some(selector)
     );
     assert_eq!(
-        h.api.slices.requests()[0].get("labelSelector").map(String::as_str),
+        h.api.slices.requests()[0]
+            .get("labelSelector")
+            .map(String::as_str),
         Some(selector)
     );
 }
 
 #[tokio::test]
 async fn an_invalid_node_name_is_refused_before_any_request() {
-    let client = kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().expect("uri"))).expect("client");
+    let client = kube::Client::try_from(kube::Config::new(
+        "http://127.0.0.1:9".parse().expect("uri"),
+    ))
+    .expect("client");
     let cfg = KubeSourceConfig {
         node_name: "a,metadata.name=b".into(),
         ownership: Ownership::default(),
@@ -558,12 +673,16 @@ async fn an_invalid_node_name_is_refused_before_any_request() {
     let err = source::run(client, cfg, StateHandle::new())
         .await
         .expect_err("invalid node name");
-    assert!(err.to_string().contains("not a valid Kubernetes node name"), "{err}");
+    assert!(
+        err.to_string().contains("not a valid Kubernetes node name"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
 async fn a_missing_kubeconfig_names_the_file() {
-    let Err(err) = source::client(Some(std::path::Path::new("/nonexistent/kubeconfig"))).await else {
+    let Err(err) = source::client(Some(std::path::Path::new("/nonexistent/kubeconfig"))).await
+    else {
         panic!("a client from a missing kubeconfig");
     };
     assert!(err.to_string().contains("/nonexistent/kubeconfig"), "{err}");
@@ -584,12 +703,21 @@ async fn a_large_cluster_lists_and_relists() {
     let h = start(Ownership::default(), |api| {
         api.services.set_list(
             "10",
-            (0..n).map(|i| service(&format!("s{i}"), "5", &ip(i), 80)).collect(),
+            (0..n)
+                .map(|i| service(&format!("s{i}"), "5", &ip(i), 80))
+                .collect(),
         );
         api.slices.set_list(
             "10",
             (0..n)
-                .map(|i| slice(&format!("s{i}-x"), &format!("s{i}"), "6", &["10.244.0.5", "10.244.0.6"]))
+                .map(|i| {
+                    slice(
+                        &format!("s{i}-x"),
+                        &format!("s{i}"),
+                        "6",
+                        &["10.244.0.5", "10.244.0.6"],
+                    )
+                })
                 .collect(),
         );
         api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
@@ -605,7 +733,9 @@ async fn a_large_cluster_lists_and_relists() {
     h.handle.with(|st| st.take_changes());
     h.api.services.set_list(
         "20",
-        (0..n).map(|i| service(&format!("s{i}"), "15", &ip(i), 81)).collect(),
+        (0..n)
+            .map(|i| service(&format!("s{i}"), "15", &ip(i), 81))
+            .collect(),
     );
     let t1 = std::time::Instant::now();
     h.api.services.event("ERROR", gone());
@@ -615,7 +745,13 @@ async fn a_large_cluster_lists_and_relists() {
     let relisted = t1.elapsed();
     let c = h.handle.with(|st| st.take_changes());
     assert_eq!((c.service_events, c.slice_events), (n as u64, 0));
-    assert!(h.handle.with(|st| seen(st)).services.iter().all(|x| x.ends_with(":81")));
+    assert!(
+        h.handle
+            .with(|st| seen(st))
+            .services
+            .iter()
+            .all(|x| x.ends_with(":81"))
+    );
     eprintln!(
         "kube source, {n} Services + {n} EndpointSlices: first sync {:.0} ms; 410 relist of {n} changed Services {:.0} ms (includes the watcher's backoff before relisting)",
         listed.as_secs_f64() * 1e3,

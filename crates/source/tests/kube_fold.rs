@@ -76,7 +76,10 @@ fn slices(state: &ClusterState) -> Vec<String> {
     v
 }
 
-fn listed(kind: Kind, objects: Vec<(&str, Result<Object, kproxy_core::ingest::IngestError>)>) -> Vec<(Kind, Input)> {
+fn listed(
+    kind: Kind,
+    objects: Vec<(&str, Result<Object, kproxy_core::ingest::IngestError>)>,
+) -> Vec<(Kind, Input)> {
     let ns = if kind == Kind::Node { "" } else { "d" };
     let mut v = vec![(kind, Input::Init)];
     v.extend(
@@ -91,13 +94,23 @@ fn listed(kind: Kind, objects: Vec<(&str, Result<Object, kproxy_core::ingest::In
 fn initial() -> (Folder, ClusterState) {
     let mut folder = Folder::new();
     let mut state = ClusterState::new();
-    let mut events = listed(Kind::Service, vec![("a", ok(svc("a", 80))), ("b", ok(svc("b", 81)))]);
+    let mut events = listed(
+        Kind::Service,
+        vec![("a", ok(svc("a", 80))), ("b", ok(svc("b", 81)))],
+    );
     events.extend(listed(
         Kind::EndpointSlice,
-        vec![("a-1", ok(slice("a-1", "a"))), ("b-1", ok(slice("b-1", "b")))],
+        vec![
+            ("a-1", ok(slice("a-1", "a"))),
+            ("b-1", ok(slice("b-1", "b"))),
+        ],
     ));
     events.extend(listed(Kind::Node, vec![(NODE, ok(node(NODE)))]));
-    assert_eq!(feed(&mut folder, &mut state, events), 3, "one change per listed kind");
+    assert_eq!(
+        feed(&mut folder, &mut state, events),
+        3,
+        "one change per listed kind"
+    );
     (folder, state)
 }
 
@@ -105,7 +118,11 @@ fn initial() -> (Folder, ClusterState) {
 fn readiness_needs_all_three_kinds_and_survives_relists() {
     let mut folder = Folder::new();
     let mut state = ClusterState::new();
-    for (kind, ready_after) in [(Kind::Node, false), (Kind::Service, false), (Kind::EndpointSlice, true)] {
+    for (kind, ready_after) in [
+        (Kind::Node, false),
+        (Kind::Service, false),
+        (Kind::EndpointSlice, true),
+    ] {
         feed(&mut folder, &mut state, listed(kind, vec![]));
         assert!(folder.listed(kind));
         assert_eq!(folder.all_listed(), ready_after, "{kind}");
@@ -120,7 +137,10 @@ fn a_relist_replaces_one_kind_in_one_change() {
     let (mut folder, mut state) = initial();
     state.take_changes();
     // Buffered until InitDone: nothing happens to the state before.
-    let mut events = listed(Kind::Service, vec![("a", ok(svc("a", 8080))), ("c", ok(svc("c", 82)))]);
+    let mut events = listed(
+        Kind::Service,
+        vec![("a", ok(svc("a", 8080))), ("c", ok(svc("c", 82)))],
+    );
     let done = events.pop().unwrap();
     assert_eq!(feed(&mut folder, &mut state, events), 0);
     assert_eq!(services(&state), ["a:80", "b:81"]);
@@ -140,9 +160,15 @@ fn a_relist_replaces_one_kind_in_one_change() {
 fn decode_failures_keep_the_last_good_version() {
     let (mut folder, mut state) = initial();
     // A watch event that cannot be decoded: warned, no change.
-    let (change, warnings) = folder.step(Kind::Service, Input::Apply(key("d", "a"), bad(Kind::Service, "a")));
+    let (change, warnings) = folder.step(
+        Kind::Service,
+        Input::Apply(key("d", "a"), bad(Kind::Service, "a")),
+    );
     assert!(change.is_none());
-    assert_eq!(warnings[0].to_string(), "Service d/a: .spec.ports: invalid type");
+    assert_eq!(
+        warnings[0].to_string(),
+        "Service d/a: .spec.ports: invalid type"
+    );
     // A relist where b cannot be decoded: b keeps its last version, the vanished a goes.
     feed(
         &mut folder,
@@ -176,7 +202,10 @@ fn deletes_and_the_node() {
         &mut state,
         vec![(Kind::Node, Input::Apply(key("", NODE), ok(node(NODE))))],
     );
-    assert!(state.node().is_some_and(|n| n.eligible()), "a Node that reappears is applied");
+    assert!(
+        state.node().is_some_and(|n| n.eligible()),
+        "a Node that reappears is applied"
+    );
     // A DELETED event: the same; a second one changes nothing.
     state.take_changes();
     let deleted = || vec![(Kind::Node, Input::Delete(key("", NODE)))];
@@ -194,7 +223,12 @@ fn rejected_objects_are_reported_by_apply_change() {
     if let Object::Service(s) = &mut bad_ip {
         s.spec.as_mut().unwrap().cluster_ip = Some("not-an-ip".into());
     }
-    let w = fold::apply_change(&mut state, Change::Apply(bad_ip), &Ownership::default(), NODE);
+    let w = fold::apply_change(
+        &mut state,
+        Change::Apply(bad_ip),
+        &Ownership::default(),
+        NODE,
+    );
     assert_eq!(w.len(), 1, "{w:?}");
     assert!(w[0].to_string().starts_with("Service d/x: "), "{}", w[0]);
     assert_eq!(state.service_count(), 0);

@@ -109,7 +109,11 @@ impl Folder {
             Input::InitDone => {
                 let (objects, seen) = p.relist.take().unwrap_or_default();
                 p.listed = true;
-                Some(Change::Relisted { kind, objects, seen })
+                Some(Change::Relisted {
+                    kind,
+                    objects,
+                    seen,
+                })
             }
             Input::Apply(_, Ok(o)) => Some(Change::Apply(o)),
             Input::Apply(_, Err(e)) => {
@@ -153,12 +157,17 @@ pub fn apply_change(
     node_name: &str,
 ) -> Vec<IngestError> {
     let mut warnings = Vec::new();
-    let mut apply = |state: &mut ClusterState, o: &Object| match state.apply(o, ownership, node_name) {
-        Ok(w) => warnings.extend(w),
-        Err(e) => warnings.push(e),
-    };
+    let mut apply =
+        |state: &mut ClusterState, o: &Object| match state.apply(o, ownership, node_name) {
+            Ok(w) => warnings.extend(w),
+            Err(e) => warnings.push(e),
+        };
     match change {
-        Change::Relisted { kind, objects, seen } => {
+        Change::Relisted {
+            kind,
+            objects,
+            seen,
+        } => {
             for o in &objects {
                 apply(state, o);
             }

@@ -44,7 +44,11 @@ impl<K> std::fmt::Debug for Raw<K> {
 
 /// A string field of `metadata`, or `None` when absent or not a string.
 fn meta_str(value: &Value, key: &str) -> Option<String> {
-    value.get("metadata")?.get(key)?.as_str().map(str::to_string)
+    value
+        .get("metadata")?
+        .get(key)?
+        .as_str()
+        .map(str::to_string)
 }
 
 /// Annotation kubectl keeps a full copy of the object in; never read by kproxy.
@@ -168,9 +172,13 @@ mod tests {
     fn a_bad_field_fails_only_the_typed_decode_and_names_the_field() {
         let v = json!({"metadata": {"name": "web", "namespace": "shop", "resourceVersion": "7",
                         "labels": {"a": 1}}, "spec": {"ports": "nope"}});
-        let raw: Raw<Service> = serde_json::from_value(v).expect("raw decode never fails on an object");
+        let raw: Raw<Service> =
+            serde_json::from_value(v).expect("raw decode never fails on an object");
         assert_eq!((raw.namespace(), raw.name()), (Some("shop"), Some("web")));
-        assert_eq!(kube::Resource::meta(&raw).resource_version.as_deref(), Some("7"));
+        assert_eq!(
+            kube::Resource::meta(&raw).resource_version.as_deref(),
+            Some("7")
+        );
         let e = raw.typed().expect_err("labels.a is not a string");
         assert_eq!(e.field, ".metadata.labels.a");
     }
@@ -195,7 +203,10 @@ mod tests {
             "/api/v1/services"
         );
         assert_eq!(
-            <Raw<k8s_openapi::api::discovery::v1::EndpointSlice> as kube::Resource>::url_path(&(), None),
+            <Raw<k8s_openapi::api::discovery::v1::EndpointSlice> as kube::Resource>::url_path(
+                &(),
+                None
+            ),
             "/apis/discovery.k8s.io/v1/endpointslices"
         );
     }
