@@ -233,7 +233,14 @@ fn install(handle: &StateHandle, r: Rescan, first: bool) {
         first,
         "manifests loaded"
     );
-    handle.update(|s| s.replace(r.state));
+    handle.update(|s| {
+        let last = s.node().cloned();
+        s.replace(r.state);
+        if s.node().is_none() && last.is_some() {
+            tracing::warn!("this node's Node object is gone from the manifests; the node stays known as being deleted");
+            s.node_gone(last);
+        }
+    });
 }
 
 #[cfg(test)]
@@ -304,6 +311,31 @@ mod tests {
         wait_for(&handle, |s| s.service_count() == 2).await;
         std::fs::remove_file(dir.path().join("a.yaml")).unwrap();
         wait_for(&handle, |s| names(s) == ["shop/api"]).await;
+        task.abort();
+    }
+
+    /// This node's Node leaving the manifests makes it "being deleted" (not eligible),
+    /// as the API source does on a DELETED event; it is not forgotten.
+    #[tokio::test]
+    async fn a_node_removed_from_the_manifests_stays_known_as_deleting() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = dir.path().join("node.yaml");
+        std::fs::write(&node, "apiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 10.0.0.1}]}\n").unwrap();
+        std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
+        let handle = StateHandle::new();
+        let cfg = WatchConfig {
+            path: dir.path().to_path_buf(),
+            node_name: "node-1".into(),
+            ownership: Ownership::default(),
+            rescan: Duration::from_secs(3600),
+            settle: Duration::from_millis(10),
+        };
+        let task = tokio::spawn(run(cfg, handle.clone()));
+        wait_for(&handle, |s| s.node().is_some_and(|n| !n.deleting)).await;
+        std::fs::remove_file(&node).unwrap();
+        wait_for(&handle, |s| s.node().is_some_and(|n| n.deleting)).await;
+        let addrs = handle.with(|s| s.node().map(|n| n.addresses.len()));
+        assert_eq!(addrs, Some(1), "the last known addresses stay");
         task.abort();
     }
 

@@ -176,34 +176,21 @@ pub fn apply_change(
                     continue;
                 }
                 if kind == Kind::Node {
-                    node_gone(state);
+                    state.node_gone(state.node().cloned());
                 } else {
                     state.delete(kind, &ns, &name, node_name);
                 }
             }
         }
         Change::Apply(o) => apply(state, &o),
-        Change::Delete(Kind::Node, (_, name)) if name == node_name => node_gone(state),
+        Change::Delete(Kind::Node, (_, name)) if name == node_name => {
+            state.node_gone(state.node().cloned());
+        }
         Change::Delete(kind, (ns, name)) => {
             state.delete(kind, &ns, &name, node_name);
         }
     }
     warnings
-}
-
-/// This node's Node object is gone (a DELETED event, or a relist without it). The last
-/// version kproxy knew stays, marked as being deleted: the node is not eligible for load
-/// balancers (`/healthz` 503, nodeEligible false) and keeps its addresses, as kube-proxy
-/// keeps the node IPs it started with. Upstream never turns a deleted Node eligible
-/// again: v1.28-v1.32 sync the deleted object (whose deletionTimestamp is set when the
-/// Node went through a finalizer), later releases exit and wait for the Node at restart
-/// (spec §d.2). A Node that reappears is applied as any other.
-fn node_gone(state: &mut ClusterState) {
-    if let Some(node) = state.node().filter(|n| !n.deleting) {
-        let mut node = node.clone();
-        node.deleting = true;
-        state.set_node(Some(node));
-    }
 }
 
 /// The warning for an object the typed decode refused. Field and reason are shown
