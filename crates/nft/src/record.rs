@@ -139,10 +139,39 @@ impl FamilyRecord {
         };
         let services: Vec<_> = plan.services.iter().collect();
         let frags = build_fragments(&services, plan, cfg, family);
-        for ((name, svc), frag) in services.into_iter().zip(frags) {
-            r.add_shared(name, &frag);
-            r.services.insert(name.clone(), (svc.clone(), frag));
+        // The same maps `add_shared` would build Service by Service, built in bulk from
+        // sorted vectors (a third of the time at 10k Services).
+        let mut shared = Vec::new();
+        let mut frontends = Vec::new();
+        for ((name, _), frag) in services.iter().zip(&frags) {
+            for (fe, elems) in &frag.frontends {
+                frontends.push((fe.clone(), (*name).clone(), elems.clone()));
+            }
+            for d in &frag.dispatch {
+                *r.dispatch.entry(*d).or_default() += 1;
+            }
+            for (seq, (set, key, value)) in frag.shared.iter().enumerate() {
+                shared.push((
+                    (*set, key.clone()),
+                    ((*name).clone(), seq as u32),
+                    value.clone(),
+                ));
+            }
         }
+        // Stable sorts keep plan (owner) order within a key, as `add_shared` does.
+        shared.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+        frontends.sort_by(|a, b| a.0.cmp(&b.0));
+        r.shared = group(shared.into_iter().map(|(k, o, v)| (k, (o, v))))
+            .map(|(k, owners)| (k, Owners(owners)))
+            .collect();
+        r.frontends = group(frontends.into_iter().map(|(fe, name, e)| (fe, (name, e))))
+            .map(|(fe, claims)| (fe, claims.into_iter().collect()))
+            .collect();
+        r.services = services
+            .into_iter()
+            .zip(frags)
+            .map(|((name, svc), frag)| (name.clone(), (svc.clone(), frag)))
+            .collect();
         r
     }
 
@@ -540,6 +569,21 @@ impl FamilyRecord {
     }
 }
 
+/// Runs of equal keys of a sorted iterator, with their values in order.
+fn group<K: PartialEq, V>(
+    sorted: impl Iterator<Item = (K, V)>,
+) -> impl Iterator<Item = (K, Vec<V>)> {
+    let mut it = sorted.peekable();
+    std::iter::from_fn(move || {
+        let (k, v) = it.next()?;
+        let mut vs = vec![v];
+        while let Some((_, v)) = it.next_if(|(k2, _)| *k2 == k) {
+            vs.push(v);
+        }
+        Some((k, vs))
+    })
+}
+
 /// The fragments of `services`, in order, built on every core: each is a pure function
 /// of its Service, and building them is most of a full sync's own work (0.5 s at 10k
 /// Services × 10 endpoints on one core).
@@ -576,6 +620,41 @@ mod tests {
     use kproxy_core::PlanConfig;
     use kproxy_core::config::LocalDetectorConfig;
     use kproxy_core::synthetic::{self, Spec};
+
+    /// The bulk-built maps of `full` are those `add_shared` builds Service by Service.
+    #[test]
+    fn full_builds_the_maps_add_shared_would() {
+        let state = synthetic::cluster(&Spec::new(300, 4));
+        let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
+        let cfg = DataplaneConfig::default();
+        for family in IpFamily::ALL {
+            let bulk = FamilyRecord::full(&plan, &cfg, family);
+            let mut one = FamilyRecord {
+                family,
+                base: ruleset::build_base(&plan, &cfg, family),
+                services: BTreeMap::new(),
+                shared: BTreeMap::new(),
+                frontends: BTreeMap::new(),
+                dispatch: BTreeMap::new(),
+            };
+            for (name, svc) in &plan.services {
+                let frag = ruleset::build_service(svc, &plan, &cfg, family);
+                one.add_shared(name, &frag);
+                one.services.insert(name.clone(), (svc.clone(), frag));
+            }
+            assert_eq!(format!("{:?}", bulk.shared), format!("{:?}", one.shared));
+            assert_eq!(
+                format!("{:?}", bulk.frontends),
+                format!("{:?}", one.frontends)
+            );
+            assert_eq!(bulk.dispatch, one.dispatch);
+            assert_eq!(
+                format!("{:?}", bulk.services),
+                format!("{:?}", one.services)
+            );
+            assert!(family == IpFamily::IPv6 || !bulk.shared.is_empty());
+        }
+    }
 
     /// The full script written from the record is the assembled ruleset's, byte for byte.
     #[test]
