@@ -1,8 +1,9 @@
-//! Set and map elements written to the kernel over nfnetlink, without the `nft` tool:
-//! the delta of a sync that only adds and deletes elements (an endpoint became ready,
-//! terminating or gone; a Service port gained or lost endpoints) goes out as one
-//! nfnetlink batch — one transaction, all or nothing, like `nft -f` — on a socket kept
-//! open between syncs.
+//! Set and map elements written to the kernel over nfnetlink, without the `nft` tool,
+//! as one nfnetlink batch (one transaction, all or nothing, like `nft -f`) on a socket
+//! kept open between syncs: the delta of a sync that only adds and deletes elements (an
+//! endpoint became ready, terminating or gone; a Service port gained or lost
+//! endpoints), and every element of a first sync into absent tables (between the `nft`
+//! steps that create the tables and hook them; see `Dataplane::sync`).
 //!
 //! Why not `nft` for these: at 10k Services one `nft -f` costs ≈ 5 ms to start, a few
 //! ms to fetch its cache and parse, and 10–20 ms *closing its netlink socket* after a
