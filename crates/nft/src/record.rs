@@ -1,11 +1,16 @@
 //! The in-memory record of what is programmed, per family, kept so that a sync costs
 //! work proportional to what changed: the base objects (rebuilt every sync; cheap), one
 //! fragment per Service (rebuilt only when the planner handed a different
-//! `Arc<ServicePlan>`), the owners of every shared set element (a hairpin pair or a
-//! cluster IP may come from several Services), the owners of every frontend (a
-//! colliding frontend takes all its elements from the first Service in plan order, as
-//! in a full render), and how many Services use each dispatch group (its map and chain
-//! exist while one does).
+//! `Arc<ServicePlan>`), how many times the fragments hold every shared set element (a
+//! hairpin pair or a cluster IP may come from several Services; it is programmed while
+//! any does), the claimants of every frontend (a colliding frontend takes all its
+//! elements from the first Service in plan order, as in a full render), and how many
+//! Services use each dispatch group (its map and chain exist while one does).
+//!
+//! It is the dataplane's largest long-lived data (≈ 176k elements at 10k Services ×
+//! 10 endpoints), so elements are held once: a frontend's as one text shared by `Arc`
+//! between its fragment and its claim, shared ones as addresses, and nft names are
+//! made when a script or batch is written.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -17,31 +22,31 @@ use kproxy_core::plan::ServicePlan;
 
 use crate::DataplaneConfig;
 use crate::netlink;
-use crate::ruleset::{self, Chain, DeltaCounts, Dispatch, Element, Fragment, Ruleset, Set};
+use crate::ruleset::{
+    self, Chain, DeltaCounts, Dispatch, Fragment, Frontend, Ruleset, Set, SetRef, Shared,
+};
 
-type SharedKey = (&'static str, String);
-type Owner = (ServiceName, u32);
-
-/// The Services (with the fragment position) that hold one shared element, each with
-/// its value, in owner order. Almost every element has exactly one owner, so this is a
-/// sorted `Vec` (one small allocation) rather than a `BTreeMap` (a 700-byte node per
-/// element: 80 MB at 100k endpoints).
+/// The Services claiming one frontend, in plan order, each with the frontend's elements
+/// from its fragment. Almost every frontend has exactly one claimant, so this is a
+/// sorted `Vec` of exact capacity rather than a `BTreeMap` (a 500-byte node each).
 #[derive(Clone, Debug, Default)]
-struct Owners(Vec<(Owner, String)>);
+struct Claims(Vec<(ServiceName, Arc<Frontend>)>);
 
-impl Owners {
-    /// Adds `owner` with `value` unless it is already present (its value stays).
-    fn insert(&mut self, owner: Owner, value: impl FnOnce() -> String) {
-        if let Err(i) = self.0.binary_search_by(|(o, _)| o.cmp(&owner)) {
-            if self.0.capacity() == 0 {
-                self.0.reserve_exact(1);
+impl Claims {
+    fn insert(&mut self, name: &ServiceName, fe: &Arc<Frontend>) {
+        match self.0.binary_search_by(|(n, _)| n.cmp(name)) {
+            Ok(i) => self.0[i].1 = fe.clone(),
+            Err(i) => {
+                if self.0.capacity() == 0 {
+                    self.0.reserve_exact(1);
+                }
+                self.0.insert(i, (name.clone(), fe.clone()));
             }
-            self.0.insert(i, (owner, value()));
         }
     }
 
-    fn remove(&mut self, owner: &Owner) {
-        if let Ok(i) = self.0.binary_search_by(|(o, _)| o.cmp(owner)) {
+    fn remove(&mut self, name: &ServiceName) {
+        if let Ok(i) = self.0.binary_search_by(|(n, _)| n.cmp(name)) {
             self.0.remove(i);
         }
     }
@@ -50,9 +55,9 @@ impl Owners {
         self.0.is_empty()
     }
 
-    /// The value of the first owner: the one programmed.
-    fn first(&self) -> Option<&String> {
-        self.0.first().map(|(_, v)| v)
+    /// The elements of the first claimant: those programmed.
+    fn first(&self) -> Option<&Arc<Frontend>> {
+        self.0.first().map(|(_, fe)| fe)
     }
 }
 
@@ -119,9 +124,10 @@ pub struct FamilyRecord {
     family: IpFamily,
     base: Ruleset,
     services: BTreeMap<ServiceName, (Arc<ServicePlan>, Fragment)>,
-    shared: BTreeMap<SharedKey, Owners>,
-    /// Frontend → the Services claiming it → its elements from each.
-    frontends: BTreeMap<String, BTreeMap<ServiceName, Arc<[Element]>>>,
+    /// Shared element → how many times the fragments hold it (never 0).
+    shared: BTreeMap<Shared, u32>,
+    /// Frontend name → the Services claiming it, with its elements from each.
+    frontends: BTreeMap<Box<str>, Claims>,
     /// Dispatch group → number of Services using it.
     dispatch: BTreeMap<Dispatch, usize>,
 }
@@ -141,31 +147,35 @@ impl FamilyRecord {
         let frags = build_fragments(&services, plan, cfg, family);
         // The same maps `add_shared` would build Service by Service, built in bulk from
         // sorted vectors (a third of the time at 10k Services).
-        let mut shared = Vec::new();
+        let mut shared = Vec::with_capacity(frags.iter().map(|f| f.shared.len()).sum());
         let mut frontends = Vec::new();
         for ((name, _), frag) in services.iter().zip(&frags) {
-            for (fe, elems) in &frag.frontends {
-                frontends.push((fe.clone(), (*name).clone(), elems.clone()));
+            for fe in &frag.frontends {
+                frontends.push((fe.name(), *name, fe));
             }
             for d in &frag.dispatch {
                 *r.dispatch.entry(*d).or_default() += 1;
             }
-            for (seq, (set, key, value)) in frag.shared.iter().enumerate() {
-                shared.push((
-                    (*set, key.clone()),
-                    ((*name).clone(), seq as u32),
-                    value.clone(),
-                ));
+            shared.extend_from_slice(&frag.shared);
+        }
+        shared.sort_unstable();
+        let mut counted: Vec<(Shared, u32)> = Vec::new();
+        for sh in shared {
+            match counted.last_mut() {
+                Some((last, n)) if *last == sh => *n += 1,
+                _ => counted.push((sh, 1)),
             }
         }
-        // Stable sorts keep plan (owner) order within a key, as `add_shared` does.
-        shared.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
-        frontends.sort_by(|a, b| a.0.cmp(&b.0));
-        r.shared = group(shared.into_iter().map(|(k, o, v)| (k, (o, v))))
-            .map(|(k, owners)| (k, Owners(owners)))
-            .collect();
+        r.shared = counted.into_iter().collect();
+        // A stable sort keeps plan (claimant) order within a frontend, as `add_shared`.
+        frontends.sort_by(|a, b| a.0.cmp(b.0));
         r.frontends = group(frontends.into_iter().map(|(fe, name, e)| (fe, (name, e))))
-            .map(|(fe, claims)| (fe, claims.into_iter().collect()))
+            .map(|(fe, claims)| {
+                let claims = claims
+                    .into_iter()
+                    .map(|(name, e)| (name.clone(), e.clone()));
+                (fe.into(), Claims(claims.collect()))
+            })
             .collect();
         r.services = services
             .into_iter()
@@ -179,22 +189,21 @@ impl FamilyRecord {
     pub fn assemble(&self) -> Ruleset {
         let mut rs = self.base.clone();
         for (_, frag) in self.services.values() {
-            rs.chains
-                .extend(frag.own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
-            rs.sets
-                .extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
+            if let Some(own) = &frag.own {
+                rs.add_own(own);
+            }
         }
         for d in self.dispatch.keys() {
             rs.add_dispatch(d);
         }
-        for ((set, key), owners) in &self.shared {
-            if let (Some(s), Some(v)) = (rs.sets.get_mut(*set), owners.first()) {
-                s.elements.insert(key.clone(), v.clone());
+        for sh in self.shared.keys() {
+            if let Some(s) = rs.sets.get_mut(sh.set()) {
+                s.elements.insert(sh.key(), String::new());
             }
         }
-        for owners in self.frontends.values() {
-            if let Some(elems) = owners.values().next() {
-                rs.add_elements(elems);
+        for claims in self.frontends.values() {
+            if let Some(fe) = claims.first() {
+                rs.add_elements(fe);
             }
         }
         rs
@@ -234,11 +243,16 @@ impl FamilyRecord {
                 (d.map(), d.chain(), s, c)
             })
             .collect();
+        // The keys of shared elements, written for this part (they are kept as
+        // addresses): declared first, as the entries below borrow from it.
+        let mut shared_text = String::new();
         // Per set: its declaration, its netlink type when this part sends its elements
         // by netlink, whether this part handles its elements, and the elements.
         type Elems<'a> = Vec<(&'a str, &'a str)>;
         type Entry<'a> = (&'a Set, Option<netlink::SetType>, bool, Elems<'a>);
-        let mut sets: BTreeMap<&str, Entry> = BTreeMap::new();
+        let mut entries: Vec<Entry> = Vec::new();
+        // Set name → its entry.
+        let mut sets: BTreeMap<&str, usize> = BTreeMap::new();
         let mut chains: BTreeMap<&str, &Chain> = BTreeMap::new();
         let (all, structure) = (
             matches!(part, Part::All(_)),
@@ -254,44 +268,83 @@ impl FamilyRecord {
             let mine = all || (structure == ty.is_none());
             (s, ty, mine, Vec::new())
         }
-        let own = std::iter::once(&self.base).chain(self.services.values().map(|(_, f)| &f.own));
+        let own = std::iter::once(&self.base)
+            .chain(self.services.values().filter_map(|(_, f)| f.own.as_deref()));
         for rs in own {
             for (name, s) in &rs.sets {
                 let mut e = add_set(s, all, structure);
                 if e.2 {
                     e.3 = ruleset::str_pairs(s.elements.iter()).collect();
                 }
-                sets.insert(name, e);
+                sets.insert(name, entries.len());
+                entries.push(e);
             }
             for (name, c) in &rs.chains {
                 chains.insert(name, c);
             }
         }
         for (map, chain, s, c) in &disp {
-            sets.insert(map, add_set(s, all, structure));
+            sets.insert(map, entries.len());
+            entries.push(add_set(s, all, structure));
             chains.insert(chain, c);
         }
-        for ((set, key), owners) in &self.shared {
-            if let (Some(e), Some(v)) = (sets.get_mut(*set), owners.first())
-                && e.2
-            {
-                e.3.push((key, v));
+        let mut shared = Vec::with_capacity(self.shared.len());
+        let mut last: Option<(&str, Option<usize>)> = None;
+        for sh in self.shared.keys() {
+            let i = match last {
+                Some((s, i)) if s == sh.set() => i,
+                _ => {
+                    let i = sets.get(sh.set()).copied().filter(|&i| entries[i].2);
+                    last = Some((sh.set(), i));
+                    i
+                }
+            };
+            if let Some(i) = i {
+                shared.push((sh.text_order(), i, sh));
             }
         }
-        for owners in self.frontends.values() {
-            if let Some(elems) = owners.values().next() {
-                for (set, key, v) in elems.iter() {
-                    if let Some(e) = sets.get_mut(set.as_str())
-                        && e.2
-                    {
-                        e.3.push((key, v));
+        // In text order where that is cheap (IPv4), so the sort below finds them sorted.
+        shared.sort_unstable_by_key(|(order, ..)| *order);
+        let mut ends = Vec::with_capacity(shared.len());
+        for (_, i, sh) in shared {
+            sh.write_key(&mut shared_text);
+            ends.push((i, shared_text.len()));
+        }
+        let mut start = 0;
+        for (i, end) in ends {
+            entries[i].3.push((&shared_text[start..end], ""));
+            start = end;
+        }
+        // The entry of each set that frontend elements name (found by name once per
+        // set; elements come in runs of one set).
+        let mut dest: BTreeMap<SetRef, Option<usize>> = BTreeMap::new();
+        let mut run: Option<(SetRef, Option<usize>)> = None;
+        for claims in self.frontends.values() {
+            let Some(fe) = claims.first() else {
+                continue;
+            };
+            for (set, key, v) in fe.elements() {
+                let i = match run {
+                    Some((s, i)) if s == set => i,
+                    _ => {
+                        let i = *dest
+                            .entry(set)
+                            .or_insert_with(|| sets.get(set.name().as_ref()).copied());
+                        run = Some((set, i));
+                        i
                     }
+                };
+                if let Some(i) = i
+                    && entries[i].2
+                {
+                    entries[i].3.push((key, v));
                 }
             }
         }
         let (fam, t) = (self.base.family, self.base.table.as_str());
         let mut n = DeltaCounts::default();
-        for (name, (_, ty, mine, e)) in &mut sets {
+        for (name, &i) in &sets {
+            let (_, ty, mine, e) = &mut entries[i];
             if !*mine {
                 continue;
             }
@@ -313,7 +366,8 @@ impl FamilyRecord {
         n.chains_added = chains.len();
         n.sets_added = sets.len();
         ruleset::full_header(out, fam, t);
-        for (name, (s, ..)) in &sets {
+        for (name, &i) in &sets {
+            let s = entries[i].0;
             let _ = writeln!(
                 out,
                 "add {} {fam} {t} {name} {{ {} }}",
@@ -338,7 +392,8 @@ impl FamilyRecord {
                 let _ = writeln!(o, "add rule {fam} {t} {name} {r}");
             }
         }
-        for (name, (_, _, mine, e)) in &sets {
+        for (name, &i) in &sets {
+            let (_, _, mine, e) = &entries[i];
             if *mine {
                 ruleset::elements(out, "add", fam, t, name, e.iter().copied(), true);
             }
@@ -347,43 +402,35 @@ impl FamilyRecord {
     }
 
     /// The elements of a frontend now: those of its first claimant.
-    fn frontend_elements(&self, fe: &str) -> BTreeMap<(String, String), String> {
-        self.frontends
-            .get(fe)
-            .and_then(|o| o.values().next())
-            .map(|elems| {
-                elems
-                    .iter()
-                    .map(|(s, k, v)| ((s.clone(), k.clone()), v.clone()))
-                    .collect()
-            })
-            .unwrap_or_default()
+    fn frontend_now(&self, fe: &str) -> Option<Arc<Frontend>> {
+        self.frontends.get(fe).and_then(Claims::first).cloned()
     }
 
     fn add_shared(&mut self, name: &ServiceName, frag: &Fragment) {
-        for (fe, elems) in &frag.frontends {
-            self.frontends
-                .entry(fe.clone())
-                .or_default()
-                .insert(name.clone(), elems.clone());
+        for fe in &frag.frontends {
+            match self.frontends.get_mut(fe.name()) {
+                Some(claims) => claims.insert(name, fe),
+                None => {
+                    let mut claims = Claims::default();
+                    claims.insert(name, fe);
+                    self.frontends.insert(fe.name().into(), claims);
+                }
+            }
         }
         for d in &frag.dispatch {
             *self.dispatch.entry(*d).or_default() += 1;
         }
-        for (seq, (set, key, value)) in frag.shared.iter().enumerate() {
-            self.shared
-                .entry((*set, key.clone()))
-                .or_default()
-                .insert((name.clone(), seq as u32), || value.clone());
+        for sh in &frag.shared {
+            *self.shared.entry(*sh).or_default() += 1;
         }
     }
 
     fn remove_shared(&mut self, name: &ServiceName, frag: &Fragment) {
-        for (fe, _) in &frag.frontends {
-            if let Some(owners) = self.frontends.get_mut(fe) {
-                owners.remove(name);
-                if owners.is_empty() {
-                    self.frontends.remove(fe);
+        for fe in &frag.frontends {
+            if let Some(claims) = self.frontends.get_mut(fe.name()) {
+                claims.remove(name);
+                if claims.is_empty() {
+                    self.frontends.remove(fe.name());
                 }
             }
         }
@@ -395,12 +442,11 @@ impl FamilyRecord {
                 }
             }
         }
-        for (seq, (set, key, _)) in frag.shared.iter().enumerate() {
-            let k = (*set, key.clone());
-            if let Some(owners) = self.shared.get_mut(&k) {
-                owners.remove(&(name.clone(), seq as u32));
-                if owners.is_empty() {
-                    self.shared.remove(&k);
+        for sh in &frag.shared {
+            if let Some(c) = self.shared.get_mut(sh) {
+                *c -= 1;
+                if *c == 0 {
+                    self.shared.remove(sh);
                 }
             }
         }
@@ -419,10 +465,6 @@ impl FamilyRecord {
         }
         let d = self.dispatch.keys().find(|d| d.map() == name)?;
         netlink::SetType::parse(&d.objects(self.family).0.decl)
-    }
-
-    fn effective(&self, k: &SharedKey) -> Option<String> {
-        self.shared.get(k).and_then(|o| o.first().cloned())
     }
 
     /// Moves the record to `plan`, in which the Services `changed` (and only those)
@@ -445,21 +487,19 @@ impl FamilyRecord {
             return None;
         }
         new_base.delta_post(&self.base, post, &mut n);
-        let empty = Fragment {
-            own: Ruleset {
-                sets: BTreeMap::new(),
-                chains: BTreeMap::new(),
-                ..new_base.clone()
-            },
-            shared: Vec::new(),
-            frontends: Vec::new(),
-            dispatch: Default::default(),
+        let empty = Fragment::default();
+        let no_own = Ruleset {
+            family: new_base.family,
+            table: new_base.table.clone(),
+            sets: BTreeMap::new(),
+            chains: BTreeMap::new(),
         };
         self.base = new_base;
         let (fam, t) = (self.base.family, self.base.table.clone());
 
-        let mut touched: BTreeMap<SharedKey, Option<String>> = BTreeMap::new();
-        let mut touched_fe: BTreeMap<String, BTreeMap<(String, String), String>> = BTreeMap::new();
+        // Shared elements → present before; frontends → their elements before.
+        let mut touched: BTreeMap<Shared, bool> = BTreeMap::new();
+        let mut touched_fe: BTreeMap<Box<str>, Option<Arc<Frontend>>> = BTreeMap::new();
         let mut touched_disp: BTreeMap<Dispatch, bool> = BTreeMap::new();
         // Per-Service chain changes go after new dispatch groups (their rules jump there).
         let mut own_pre = String::new();
@@ -473,21 +513,21 @@ impl FamilyRecord {
             });
             let old_frag = old.as_ref().map(|(_, f)| f).unwrap_or(&empty);
             let new_frag = new.as_ref().map(|(_, f)| f).unwrap_or(&empty);
-            if !new_frag.own.delta_pre(&old_frag.own, &mut own_pre, &mut n) {
+            let old_own = old_frag.own.as_deref().unwrap_or(&no_own);
+            let new_own = new_frag.own.as_deref().unwrap_or(&no_own);
+            if !new_own.delta_pre(old_own, &mut own_pre, &mut n) {
                 return None;
             }
-            new_frag.own.delta_post(&old_frag.own, post, &mut n);
-            for (set, key, _) in old_frag.shared.iter().chain(&new_frag.shared) {
-                let k = (*set, key.clone());
-                if let std::collections::btree_map::Entry::Vacant(e) = touched.entry(k) {
-                    let before = self.effective(e.key());
-                    e.insert(before);
+            new_own.delta_post(old_own, post, &mut n);
+            for sh in old_frag.shared.iter().chain(&new_frag.shared) {
+                if !touched.contains_key(sh) {
+                    touched.insert(*sh, self.shared.contains_key(sh));
                 }
             }
-            for (fe, _) in old_frag.frontends.iter().chain(&new_frag.frontends) {
-                if !touched_fe.contains_key(fe) {
-                    let before = self.frontend_elements(fe);
-                    touched_fe.insert(fe.clone(), before);
+            for fe in old_frag.frontends.iter().chain(&new_frag.frontends) {
+                if !touched_fe.contains_key(fe.name()) {
+                    let before = self.frontend_now(fe.name());
+                    touched_fe.insert(fe.name().into(), before);
                 }
             }
             for d in old_frag.dispatch.iter().chain(&new_frag.dispatch) {
@@ -532,28 +572,42 @@ impl FamilyRecord {
         // Shared elements whose effective value changed: deletes first, then adds.
         let mut dels: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         let mut adds: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
-        for (k, before) in touched {
-            let after = self.effective(&k);
+        for (sh, before) in touched {
+            let after = self.shared.contains_key(&sh);
             if before == after {
                 continue;
             }
-            if before.is_some() {
-                dels.entry(k.0.to_string()).or_default().insert(k.1.clone());
-            }
-            if let Some(v) = after {
-                adds.entry(k.0.to_string()).or_default().insert(k.1, v);
+            let set = sh.set().to_string();
+            if before {
+                dels.entry(set).or_default().insert(sh.key());
+            } else {
+                adds.entry(set).or_default().insert(sh.key(), String::new());
             }
         }
         for (fe, before) in touched_fe {
-            let after = self.frontend_elements(&fe);
-            for (k, v) in &before {
-                if after.get(k) != Some(v) {
-                    dels.entry(k.0.clone()).or_default().insert(k.1.clone());
+            let after = self.frontend_now(&fe);
+            if let (Some(b), Some(a)) = (&before, &after)
+                && Arc::ptr_eq(b, a)
+            {
+                continue;
+            }
+            fn elements(fe: &Option<Arc<Frontend>>) -> BTreeMap<(SetRef, &str), &str> {
+                fe.iter()
+                    .flat_map(|fe| fe.elements())
+                    .map(|(s, k, v)| ((s, k), v))
+                    .collect()
+            }
+            let (b, a) = (elements(&before), elements(&after));
+            for ((set, k), v) in &b {
+                if a.get(&(*set, *k)) != Some(v) {
+                    let keys = dels.entry(set.name().into_owned()).or_default();
+                    keys.insert(k.to_string());
                 }
             }
-            for (k, v) in after {
-                if before.get(&k) != Some(&v) {
-                    adds.entry(k.0).or_default().insert(k.1, v);
+            for ((set, k), v) in &a {
+                if b.get(&(*set, *k)) != Some(v) {
+                    let kv = adds.entry(set.name().into_owned()).or_default();
+                    kv.insert(k.to_string(), v.to_string());
                 }
             }
         }

@@ -39,6 +39,7 @@
 //! So a one-endpoint change is a few element deletes and adds (a frontend moving to
 //! another N: its old rows out, new rows in, its verdict-map element re-pointed).
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::net::IpAddr;
@@ -151,22 +152,247 @@ pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Rulese
     rs
 }
 
-/// One element of a named set or map: (set, key, value; value empty for sets).
-pub type Element = (String, String, String);
-
 /// What one Service contributes to one family's table: its own chains and sets (a
-/// `Ruleset` holding only those), its elements of the shared sets (`cluster-ips`,
-/// `hairpin`: present while any Service has them), its frontends (every element a
-/// frontend key brings: the `service-ips`/`service-nodeports` verdict, the masquerade
-/// set entry and the dispatch-map rows; a frontend claimed by several Services takes
+/// `Ruleset` holding only those; `None` for the many Services that need none), its
+/// elements of the shared sets (present while any Service has them), its frontends
+/// (every element a frontend key brings; a frontend claimed by several Services takes
 /// all of them from the first in plan order, which is what `trace` predicts), and the
-/// dispatch groups it uses (created while any Service uses them).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// dispatch groups it uses (sorted; created while any Service uses them).
+///
+/// Fragments are kept for every Service between syncs, so they are built once and then
+/// held in boxed slices, without spare capacity.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Fragment {
-    pub own: Ruleset,
-    pub shared: Vec<(&'static str, String, String)>,
-    pub frontends: Vec<(String, Arc<[Element]>)>,
-    pub dispatch: BTreeSet<Dispatch>,
+    pub own: Option<Box<Ruleset>>,
+    pub shared: Box<[Shared]>,
+    pub frontends: Box<[Arc<Frontend>]>,
+    pub dispatch: Box<[Dispatch]>,
+}
+
+/// A fragment while it is built.
+struct Draft {
+    own: Ruleset,
+    shared: Vec<Shared>,
+    frontends: Vec<Arc<Frontend>>,
+    dispatch: BTreeSet<Dispatch>,
+}
+
+impl Draft {
+    fn finish(self) -> Fragment {
+        let own = !(self.own.sets.is_empty() && self.own.chains.is_empty());
+        Fragment {
+            own: own.then(|| Box::new(self.own)),
+            shared: self.shared.into_boxed_slice(),
+            frontends: self.frontends.into_boxed_slice(),
+            dispatch: self.dispatch.into_iter().collect(),
+        }
+    }
+}
+
+/// An element of a set that several Services may hold at once: present while any
+/// does. Both shared sets are plain sets (no value to choose between owners), and both
+/// keys are one address, so the element is kept as that address rather than as text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Shared {
+    /// `hairpin`: an endpoint's `ip . ip` pair (source == DNATed destination).
+    Hairpin(IpAddr),
+    /// `cluster-ips`: a live cluster IP.
+    ClusterIp(IpAddr),
+}
+
+impl Shared {
+    pub fn set(&self) -> &'static str {
+        match self {
+            Shared::Hairpin(_) => "hairpin",
+            Shared::ClusterIp(_) => "cluster-ips",
+        }
+    }
+
+    /// Appends the element's key as nft writes it.
+    pub fn write_key(&self, out: &mut String) {
+        match self {
+            Shared::Hairpin(ip) => {
+                write_ip(out, ip);
+                out.push_str(" . ");
+                write_ip(out, ip);
+            }
+            Shared::ClusterIp(ip) => write_ip(out, ip),
+        }
+    }
+
+    pub fn key(&self) -> String {
+        let mut k = String::new();
+        self.write_key(&mut k);
+        k
+    }
+
+    /// A key whose order is that of [`Shared::key`]'s text for IPv4 addresses (each
+    /// octet's digits, padded with a byte below '0' as the '.' and ' ' after them
+    /// are), and the address order for IPv6, so that a full script can take IPv4 keys
+    /// in text order without sorting their text.
+    pub fn text_order(&self) -> (u8, u128) {
+        let (kind, ip) = match self {
+            Shared::Hairpin(ip) => (0, ip),
+            Shared::ClusterIp(ip) => (2, ip),
+        };
+        match ip {
+            IpAddr::V4(v4) => {
+                let mut k = [0; 16];
+                for (o, d) in v4.octets().iter().zip(k.chunks_mut(3)) {
+                    let mut digits = [0; 3];
+                    let n = u8_digits(*o, &mut digits);
+                    d[..n].copy_from_slice(&digits[..n]);
+                }
+                (kind, u128::from_be_bytes(k))
+            }
+            IpAddr::V6(v6) => (kind + 1, v6.to_bits()),
+        }
+    }
+}
+
+/// The ASCII digits of `o` into `buf`; returns how many.
+fn u8_digits(o: u8, buf: &mut [u8; 3]) -> usize {
+    if o >= 100 {
+        *buf = [b'0' + o / 100, b'0' + o / 10 % 10, b'0' + o % 10];
+        3
+    } else if o >= 10 {
+        buf[..2].copy_from_slice(&[b'0' + o / 10, b'0' + o % 10]);
+        2
+    } else {
+        buf[0] = b'0' + o;
+        1
+    }
+}
+
+/// `ip` as its `Display` writes it; IPv4 without the formatting machinery, as a full
+/// script writes some 100k of them.
+pub(crate) fn write_ip(out: &mut String, ip: &IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            let mut buf = [0; 15];
+            let mut n = 0;
+            for (i, o) in v4.octets().iter().enumerate() {
+                if i > 0 {
+                    buf[n] = b'.';
+                    n += 1;
+                }
+                let mut digits = [0; 3];
+                let d = u8_digits(*o, &mut digits);
+                buf[n..n + d].copy_from_slice(&digits[..d]);
+                n += d;
+            }
+            out.push_str(std::str::from_utf8(&buf[..n]).unwrap_or_default());
+        }
+        IpAddr::V6(_) => {
+            let _ = write!(out, "{ip}");
+        }
+    }
+}
+
+/// A set or map that holds frontend elements, named without a `String` per element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SetRef {
+    ServiceIps,
+    ServiceNodeports,
+    MasqIps,
+    MasqIpsNonlocal,
+    MasqNodeports,
+    /// A dispatch group's map.
+    Map(Dispatch),
+}
+
+impl SetRef {
+    pub fn name(&self) -> Cow<'static, str> {
+        Cow::Borrowed(match self {
+            SetRef::ServiceIps => "service-ips",
+            SetRef::ServiceNodeports => "service-nodeports",
+            SetRef::MasqIps => "masq-ips",
+            SetRef::MasqIpsNonlocal => "masq-ips-nonlocal",
+            SetRef::MasqNodeports => "masq-nodeports",
+            SetRef::Map(d) => return Cow::Owned(d.map()),
+        })
+    }
+}
+
+/// The elements one frontend brings: its `service-ips`/`service-nodeports` verdict,
+/// its masquerade-set entry and its dispatch-map rows. They are the largest part of the
+/// record, so they are kept as one text (the frontend's name, then every key and value
+/// back to back) with offsets, not as three `String`s per element.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Frontend {
+    text: Box<str>,
+    name_end: u32,
+    /// Per element: its set, and where its key and its value end in `text`.
+    elems: Box<[(SetRef, u32, u32)]>,
+}
+
+impl Frontend {
+    /// `ip KEY` (address frontends) or `np KEY` (NodePorts).
+    pub fn name(&self) -> &str {
+        &self.text[..self.name_end as usize]
+    }
+
+    /// `(set, key, value)` of each element, in the order they were added.
+    pub fn elements(&self) -> impl Iterator<Item = (SetRef, &str, &str)> {
+        let mut start = self.name_end as usize;
+        self.elems.iter().map(move |&(set, k, v)| {
+            let (k, v) = (k as usize, v as usize);
+            let e = (set, &self.text[start..k], &self.text[k..v]);
+            start = v;
+            e
+        })
+    }
+}
+
+impl std::fmt::Debug for Frontend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frontend")
+            .field("name", &self.name())
+            .field("elements", &self.elements().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// A [`Frontend`] while its elements are written.
+struct FrontendDraft {
+    text: String,
+    name_end: u32,
+    elems: Vec<(SetRef, u32, u32)>,
+}
+
+impl FrontendDraft {
+    fn new(name: std::fmt::Arguments, rows: usize) -> FrontendDraft {
+        // A row's key and value take 40-100 bytes; `finish` trims the rest.
+        let mut text = String::with_capacity(64 * (rows + 1));
+        let _ = text.write_fmt(name);
+        FrontendDraft {
+            name_end: offset(&text),
+            text,
+            elems: Vec::with_capacity(rows),
+        }
+    }
+
+    fn push(&mut self, set: SetRef, key: std::fmt::Arguments, value: std::fmt::Arguments) {
+        let _ = self.text.write_fmt(key);
+        let k = offset(&self.text);
+        let _ = self.text.write_fmt(value);
+        self.elems.push((set, k, offset(&self.text)));
+    }
+
+    fn finish(self) -> Arc<Frontend> {
+        Arc::new(Frontend {
+            text: self.text.into_boxed_str(),
+            name_end: self.name_end,
+            elems: self.elems.into_boxed_slice(),
+        })
+    }
+}
+
+/// The length of a frontend's text so far, as an offset.
+fn offset(text: &str) -> u32 {
+    // One frontend's elements: a few bytes short of 4 GiB would take tens of millions
+    // of endpoints behind one Service port, far past what the plan could hold.
+    u32::try_from(text.len()).expect("a frontend's elements fit in 4 GiB of text")
 }
 
 /// A dispatch group: the map `dnat-{c,l}-N` (address frontends) or `npdnat-{c,l}-N`
@@ -179,7 +405,8 @@ pub struct Fragment {
 pub struct Dispatch {
     pub nodeport: bool,
     pub local: bool,
-    pub n: usize,
+    /// `numgen random mod N`: nft's modulus is 32 bits.
+    pub n: u32,
 }
 
 impl Dispatch {
@@ -226,25 +453,30 @@ impl Ruleset {
     /// frontend already in `claimed` keeps the elements of its first Service (plan
     /// order), which is what `trace` predicts for colliding frontends.
     pub fn merge(&mut self, frag: &Fragment, claimed: &mut BTreeSet<String>) {
-        self.chains
-            .extend(frag.own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
-        self.sets
-            .extend(frag.own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
+        if let Some(own) = &frag.own {
+            self.add_own(own);
+        }
         for d in &frag.dispatch {
             self.add_dispatch(d);
         }
-        for (set, key, value) in &frag.shared {
-            if let Some(s) = self.sets.get_mut(*set) {
-                s.elements
-                    .entry(key.clone())
-                    .or_insert_with(|| value.clone());
+        for sh in &frag.shared {
+            if let Some(s) = self.sets.get_mut(sh.set()) {
+                s.elements.entry(sh.key()).or_default();
             }
         }
-        for (fe, elems) in &frag.frontends {
-            if claimed.insert(fe.clone()) {
-                self.add_elements(elems);
+        for fe in &frag.frontends {
+            if claimed.insert(fe.name().to_string()) {
+                self.add_elements(fe);
             }
         }
+    }
+
+    /// Adds a fragment's own chains and sets.
+    pub fn add_own(&mut self, own: &Ruleset) {
+        self.chains
+            .extend(own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.sets
+            .extend(own.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
 
     /// Declares a dispatch group's map and chain (no-op when present).
@@ -261,13 +493,18 @@ impl Ruleset {
         }
     }
 
-    /// Inserts elements into sets that exist (first value of a key wins).
-    pub fn add_elements(&mut self, elems: &[Element]) {
-        for (set, key, value) in elems {
-            if let Some(s) = self.sets.get_mut(set) {
+    /// Inserts a frontend's elements into sets that exist (first value of a key wins).
+    pub fn add_elements(&mut self, fe: &Frontend) {
+        // Elements come in runs of one set: its name is made once per run.
+        let (mut cur, mut name) = (None, Cow::Borrowed(""));
+        for (set, key, value) in fe.elements() {
+            if cur != Some(set) {
+                (cur, name) = (Some(set), set.name());
+            }
+            if let Some(s) = self.sets.get_mut(name.as_ref()) {
                 s.elements
-                    .entry(key.clone())
-                    .or_insert_with(|| value.clone());
+                    .entry(key.to_string())
+                    .or_insert_with(|| value.to_string());
             }
         }
     }
@@ -281,7 +518,7 @@ pub fn build_service(
     family: IpFamily,
 ) -> Fragment {
     let f = Fam::of(family);
-    let mut frag = Fragment {
+    let mut frag = Draft {
         own: Ruleset {
             family: nft_family(family),
             table: cfg.table.clone(),
@@ -296,7 +533,7 @@ pub fn build_service(
     for sp in svc.ports.iter().filter(|sp| sp.family == family) {
         add_service_port(&mut frag, &f, sp, local_pods, cfg.mark());
     }
-    frag
+    frag.finish()
 }
 
 /// The table without any Service: base chains, the shared sets (empty of Service
@@ -472,7 +709,7 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
 }
 
 fn add_service_port(
-    frag: &mut Fragment,
+    frag: &mut Draft,
     f: &Fam,
     sp: &ServicePortPlan,
     local_pods: &LocalPods,
@@ -481,11 +718,9 @@ fn add_service_port(
     let id = port_id(sp);
     let proto = sp.protocol.nft_name();
     for ep in &sp.all_reachable_endpoints {
-        frag.shared
-            .push(("hairpin", format!("{ip} . {ip}", ip = ep.ip), String::new()));
+        frag.shared.push(Shared::Hairpin(ep.ip));
     }
-    frag.shared
-        .push(("cluster-ips", sp.cluster_ip.to_string(), String::new()));
+    frag.shared.push(Shared::ClusterIp(sp.cluster_ip));
     if sp.session_affinity_timeout.is_some() {
         add_affinity_port(frag, f, sp, &id, local_pods, mark);
         return;
@@ -646,10 +881,12 @@ impl PortCtx<'_> {
     }
 
     fn dispatch(&self, set: EndpointSet, nodeport: bool) -> Dispatch {
+        let n = self.sp.endpoints_for(set).len();
         Dispatch {
             nodeport,
             local: set == EndpointSet::Local,
-            n: self.sp.endpoints_for(set).len(),
+            // Beyond nft's 32-bit modulus there is no map to write either.
+            n: u32::try_from(n).unwrap_or(u32::MAX),
         }
     }
 
@@ -670,7 +907,7 @@ impl PortCtx<'_> {
     /// to a dispatch chain when the rules are regular, else through the chain `chain`.
     fn frontends(
         &self,
-        frag: &mut Fragment,
+        frag: &mut Draft,
         rules: &[TrafficRule],
         keys: Vec<String>,
         nodeport: bool,
@@ -739,37 +976,43 @@ impl PortCtx<'_> {
         let (vmap, masq_set) = match (nodeport, masq) {
             (_, Masq::Never) => (
                 if nodeport {
-                    "service-nodeports"
+                    SetRef::ServiceNodeports
                 } else {
-                    "service-ips"
+                    SetRef::ServiceIps
                 },
                 None,
             ),
-            (true, _) => ("service-nodeports", Some("masq-nodeports")),
-            (false, Masq::Always) => ("service-ips", Some("masq-ips")),
-            (false, Masq::NonLocal) => ("service-ips", Some("masq-ips-nonlocal")),
+            (true, _) => (SetRef::ServiceNodeports, Some(SetRef::MasqNodeports)),
+            (false, Masq::Always) => (SetRef::ServiceIps, Some(SetRef::MasqIps)),
+            (false, Masq::NonLocal) => (SetRef::ServiceIps, Some(SetRef::MasqIpsNonlocal)),
         };
+        let prefix = if nodeport { "np " } else { "ip " };
+        let rows: usize = sets.iter().map(|s| self.sp.endpoints_for(*s).len()).sum();
         for key in keys {
-            let fe = format!("{}{key}", if nodeport { "np " } else { "ip " });
-            if frag.frontends.iter().any(|(k, _)| *k == fe) {
-                continue; // the same frontend twice in one Service: the first counts
+            // The same frontend twice in one Service: the first counts.
+            if frag
+                .frontends
+                .iter()
+                .any(|fe| fe.name().strip_prefix(prefix) == Some(key.as_str()))
+            {
+                continue;
             }
-            let mut elems = vec![(vmap.to_string(), key.clone(), value.clone())];
+            let mut fe = FrontendDraft::new(format_args!("{prefix}{key}"), rows + 2);
+            fe.push(vmap, format_args!("{key}"), format_args!("{value}"));
             if let Some(ms) = masq_set {
-                elems.push((ms.to_string(), key.clone(), String::new()));
+                fe.push(ms, format_args!("{key}"), format_args!(""));
             }
             for set in &sets {
-                let d = self.dispatch(*set, nodeport);
-                let map = d.map();
+                let map = SetRef::Map(self.dispatch(*set, nodeport));
                 for (i, ep) in self.sp.endpoints_for(*set).iter().enumerate() {
-                    elems.push((
-                        map.clone(),
-                        format!("{key} . {i}"),
-                        format!("{} . {}", ep.ip, ep.port),
-                    ));
+                    fe.push(
+                        map,
+                        format_args!("{key} . {i}"),
+                        format_args!("{} . {}", ep.ip, ep.port),
+                    );
                 }
             }
-            frag.frontends.push((fe, elems.into()));
+            frag.frontends.push(fe.finish());
         }
     }
 }
@@ -777,14 +1020,14 @@ impl PortCtx<'_> {
 /// A ClientIP-affinity port: per-endpoint chains and dynamic sets as before the
 /// dispatch maps (rare; the per-endpoint rules are what remembers the client).
 fn add_affinity_port(
-    frag: &mut Fragment,
+    frag: &mut Draft,
     f: &Fam,
     sp: &ServicePortPlan,
     id: &str,
     local_pods: &LocalPods,
     mark: u32,
 ) {
-    let Fragment {
+    let Draft {
         own: rs, frontends, ..
     } = frag;
     let proto = sp.protocol.nft_name();
@@ -839,9 +1082,11 @@ fn add_affinity_port(
         }
         out
     };
-    let mut push = |fe: String, vmap: &str, key: String, value: String| {
-        if !frontends.iter().any(|(k, _)| *k == fe) {
-            frontends.push((fe, vec![(vmap.to_string(), key, value)].into()));
+    let mut push = |fe: String, vmap: SetRef, key: String, value: String| {
+        if !frontends.iter().any(|f| f.name() == fe) {
+            let mut f = FrontendDraft::new(format_args!("{fe}"), 1);
+            f.push(vmap, format_args!("{key}"), format_args!("{value}"));
+            frontends.push(f.finish());
         }
     };
 
@@ -855,7 +1100,7 @@ fn add_affinity_port(
     let key = format!("{} . {proto} . {}", sp.cluster_ip, sp.port);
     push(
         format!("ip {key}"),
-        "service-ips",
+        SetRef::ServiceIps,
         key,
         format!("goto {svc_chain}"),
     );
@@ -874,7 +1119,7 @@ fn add_affinity_port(
             let key = format!("{ip} . {proto} . {}", sp.port);
             push(
                 format!("ip {key}"),
-                "service-ips",
+                SetRef::ServiceIps,
                 key,
                 format!("goto {ext_chain}"),
             );
@@ -883,7 +1128,7 @@ fn add_affinity_port(
             let key = format!("{proto} . {np}");
             push(
                 format!("np {key}"),
-                "service-nodeports",
+                SetRef::ServiceNodeports,
                 key,
                 format!("goto {ext_chain}"),
             );
@@ -1241,5 +1486,56 @@ pub(crate) fn elements<'a>(
     }
     if n > 0 {
         out.push_str(" }\n");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shared keys are the text `Display` gives, and `text_order` sorts IPv4 keys as
+    /// their text sorts (what lets a full script skip sorting them).
+    #[test]
+    fn shared_keys_are_display_text_in_text_order() {
+        let few = [0u8, 1, 2, 10, 100, 255];
+        let many = [
+            0u8, 1, 2, 9, 10, 11, 19, 20, 25, 99, 100, 101, 109, 110, 199, 200, 249, 250, 255,
+        ];
+        let mut ips = Vec::new();
+        for a in few {
+            for b in few {
+                for c in many {
+                    for d in many {
+                        ips.push(IpAddr::V4(std::net::Ipv4Addr::new(a, b, c, d)));
+                    }
+                }
+            }
+        }
+        for kind in [Shared::Hairpin, Shared::ClusterIp] {
+            let mut elems: Vec<Shared> = ips.iter().map(|ip| kind(*ip)).collect();
+            for e in &elems {
+                let (Shared::Hairpin(ip) | Shared::ClusterIp(ip)) = e;
+                let want = match e {
+                    Shared::Hairpin(_) => format!("{ip} . {ip}"),
+                    Shared::ClusterIp(_) => ip.to_string(),
+                };
+                assert_eq!(e.key(), want);
+            }
+            elems.sort_by_key(Shared::text_order);
+            let keys: Vec<String> = elems.iter().map(Shared::key).collect();
+            let mut sorted = keys.clone();
+            sorted.sort();
+            assert_eq!(keys, sorted);
+        }
+        for ip in [
+            "::",
+            "::1",
+            "fd00::a",
+            "2001:db8::ff00:42:8329",
+            "::ffff:10.0.0.1",
+        ] {
+            let ip: IpAddr = ip.parse().unwrap();
+            assert_eq!(Shared::ClusterIp(ip).key(), ip.to_string());
+        }
     }
 }
