@@ -52,11 +52,11 @@ pub fn topology_mode(endpoints: &[EndpointState], ctx: &Context) -> TopologyMode
     let (mut all_zone_hints, mut for_zone) = (true, false);
     for e in endpoints.iter().filter(|e| e.conditions.ready) {
         any_ready = true;
-        match &e.node_hints {
+        match &e.placement.node_hints {
             Some(h) if !h.is_empty() => for_node |= h.iter().any(|n| n == ctx.node_name),
             _ => all_node_hints = false,
         }
-        match &e.zone_hints {
+        match &e.placement.zone_hints {
             Some(h) if !h.is_empty() => {
                 for_zone |= ctx.zone.is_some_and(|z| h.iter().any(|n| n == z))
             }
@@ -80,10 +80,12 @@ pub fn passes_topology(e: &EndpointState, mode: &TopologyMode, node_name: &str) 
     match mode {
         TopologyMode::None => true,
         TopologyMode::PreferSameNode => e
+            .placement
             .node_hints
             .as_ref()
             .is_some_and(|h| h.iter().any(|n| n == node_name)),
         TopologyMode::PreferSameZone(z) => e
+            .placement
             .zone_hints
             .as_ref()
             .is_some_and(|h| h.iter().any(|n| n == z)),

@@ -253,7 +253,7 @@ fn explain_rule(
 }
 
 fn location(e: &EndpointState) -> String {
-    match &e.node_name {
+    match &e.placement.node_name {
         Some(n) => format!("on {n}"),
         None => "on an unknown node".to_string(),
     }
@@ -315,18 +315,22 @@ pub fn why_not(
         };
     }
     match &p.topology {
-        TopologyMode::PreferSameZone(z) if set == EndpointSet::Cluster => match &e.zone_hints {
-            Some(h) => format!("hinted for zone {} (this node is in zone {z})", h.join(",")),
-            None => "has no zone hint".to_string(),
-        },
-        TopologyMode::PreferSameNode if set == EndpointSet::Cluster => match &e.node_hints {
-            Some(h) => format!(
-                "hinted for node {} (this node is {})",
-                h.join(","),
-                plan.node
-            ),
-            None => "has no node hint".to_string(),
-        },
+        TopologyMode::PreferSameZone(z) if set == EndpointSet::Cluster => {
+            match &e.placement.zone_hints {
+                Some(h) => format!("hinted for zone {} (this node is in zone {z})", h.join(",")),
+                None => "has no zone hint".to_string(),
+            }
+        }
+        TopologyMode::PreferSameNode if set == EndpointSet::Cluster => {
+            match &e.placement.node_hints {
+                Some(h) => format!(
+                    "hinted for node {} (this node is {})",
+                    h.join(","),
+                    plan.node
+                ),
+                None => "has no node hint".to_string(),
+            }
+        }
         _ => "not selected (local ready endpoints are preferred)".to_string(),
     }
 }

@@ -15,8 +15,8 @@ use k8s_openapi::api::discovery::v1 as discoveryv1;
 use serde::Serialize;
 
 use crate::model::{
-    Conditions, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName, ServicePort,
-    ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
+    Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service, ServiceName,
+    ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
 };
 
 /// Label that hands a Service to another proxy; upstream's watch excludes it.
@@ -730,10 +730,13 @@ pub fn endpoint_slice(
         endpoints.push(SliceEndpoint {
             ip,
             conditions,
-            node_name,
-            zone,
-            zone_hints,
-            node_hints,
+            placement: Placement {
+                node_name,
+                zone,
+                zone_hints,
+                node_hints,
+            }
+            .shared(),
         });
     }
 

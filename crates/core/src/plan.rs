@@ -10,7 +10,8 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::model::{
-    Conditions, EndpointAddr, IpFamily, Protocol, ServiceName, ServicePortName, TrafficPolicy,
+    Conditions, EndpointAddr, IpFamily, Placement, Protocol, ServiceName, ServicePortName,
+    TrafficPolicy,
 };
 
 /// The desired state of one node.
@@ -248,12 +249,11 @@ pub struct TrafficRule {
 #[serde(rename_all = "camelCase")]
 pub struct EndpointState {
     pub addr: EndpointAddr,
-    pub node_name: Option<Arc<str>>,
-    pub zone: Option<Arc<str>>,
     pub is_local: bool,
     pub conditions: Conditions,
-    pub zone_hints: Option<Arc<[String]>>,
-    pub node_hints: Option<Arc<[String]>>,
+    /// The slice endpoint's node, zone and hints (shared, not copied).
+    #[serde(flatten)]
+    pub placement: Arc<Placement>,
 }
 
 /// The JSON contract of `kproxy plan -o json` (docs/plan-json.md): the services map is

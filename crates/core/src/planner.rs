@@ -291,15 +291,13 @@ pub fn merge_endpoints<'a>(
                 .or_default();
             list.reserve(slice.endpoints.len());
             for e in &slice.endpoints {
-                let is_local = !node_name.is_empty() && e.node_name.as_deref() == Some(node_name);
+                let is_local =
+                    !node_name.is_empty() && e.placement.node_name.as_deref() == Some(node_name);
                 list.push(EndpointState {
                     addr: EndpointAddr::new(e.ip, port.port),
-                    node_name: e.node_name.clone(),
-                    zone: e.zone.clone(),
                     is_local,
                     conditions: e.conditions,
-                    zone_hints: e.zone_hints.clone(),
-                    node_hints: e.node_hints.clone(),
+                    placement: e.placement.clone(),
                 });
             }
         }
@@ -324,7 +322,9 @@ fn plan_service<'a>(
     facts: &NodeFacts,
     config: &PlanConfig,
 ) -> ServicePlan {
-    let mut ports = Vec::new();
+    // Exact capacity: a pushed Vec would keep room for 4 ports of 344 bytes each, 10 MiB
+    // of a 10k-Service plan.
+    let mut ports = Vec::with_capacity(svc.cluster_ips.len() * svc.ports.len());
     let mut local_ready_ips = 0u32;
     let externally_accessible_service = matches!(
         svc.service_type,

@@ -80,11 +80,44 @@ impl Update {
     }
 }
 
+/// The slices of one Service, sorted by slice name. Most Services have one slice, for
+/// which a sorted `Vec` is one 8-byte allocation where a `BTreeMap` is a 360-byte
+/// node (3.4 MiB at 10k Services).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct ServiceSlices(Vec<Arc<EndpointSlice>>);
+
+impl ServiceSlices {
+    fn find(&self, name: &str) -> Result<usize, usize> {
+        self.0.binary_search_by(|s| s.name.as_str().cmp(name))
+    }
+
+    fn get(&self, name: &str) -> Option<&Arc<EndpointSlice>> {
+        self.find(name).ok().map(|i| &self.0[i])
+    }
+
+    fn insert(&mut self, slice: Arc<EndpointSlice>) {
+        match self.find(&slice.name) {
+            Ok(i) => self.0[i] = slice,
+            Err(i) => self.0.insert(i, slice),
+        }
+    }
+
+    fn remove(&mut self, name: &str) {
+        if let Ok(i) = self.find(name) {
+            self.0.remove(i);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct ClusterState {
     services: BTreeMap<ServiceName, Arc<Service>>,
     /// Slices by the Service they belong to, then by slice name.
-    slices: BTreeMap<ServiceName, BTreeMap<String, Arc<EndpointSlice>>>,
+    slices: BTreeMap<ServiceName, ServiceSlices>,
     /// (namespace, slice name) → owning Service, so a delete by name (or a slice whose
     /// service-name label changed) finds its old owner.
     slice_owner: BTreeMap<(String, String), ServiceName>,
@@ -114,7 +147,7 @@ impl ClusterState {
         &self,
         name: &ServiceName,
     ) -> impl Iterator<Item = &Arc<EndpointSlice>> + Clone {
-        self.slices.get(name).into_iter().flat_map(|m| m.values())
+        self.slices.get(name).into_iter().flat_map(|m| m.0.iter())
     }
 
     /// Every Service name that has slices (whether or not the Service is known).
@@ -179,7 +212,7 @@ impl ClusterState {
         self.slices
             .entry(slice.service.clone())
             .or_default()
-            .insert(slice.name.clone(), slice);
+            .insert(slice);
         true
     }
 

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 
 use crate::model::{
-    Conditions, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName, ServicePort,
-    ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
+    Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service, ServiceName,
+    ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
 };
 use crate::state::ClusterState;
 
@@ -119,10 +119,13 @@ pub fn slice(spec: &Spec, i: usize, generation: usize) -> EndpointSlice {
                     serving: true,
                     terminating,
                 },
-                node_name: Some(node_name(node).into()),
-                zone: Some(format!("zone-{}", node % 3).into()),
-                zone_hints: hinted.then(|| vec![format!("zone-{}", node % 3)].into()),
-                node_hints: None,
+                placement: Placement {
+                    node_name: Some(node_name(node).into()),
+                    zone: Some(format!("zone-{}", node % 3).into()),
+                    zone_hints: hinted.then(|| vec![format!("zone-{}", node % 3)].into()),
+                    node_hints: None,
+                }
+                .shared(),
             }
         })
         .collect();

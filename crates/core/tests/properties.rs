@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 
 use kproxy_core::model::{
-    Conditions, EndpointSlice, IpFamily, Protocol, Service, ServiceName, ServicePort, ServiceType,
-    SliceEndpoint, SlicePort, TrafficPolicy,
+    Conditions, EndpointSlice, IpFamily, Placement, Protocol, Service, ServiceName, ServicePort,
+    ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
 };
 use kproxy_core::synthetic;
 use kproxy_core::{ClusterState, PlanConfig, Planner};
@@ -130,10 +130,13 @@ fn build(svcs: &[Svc]) -> (Vec<Service>, Vec<EndpointSlice>) {
                             serving: e.serving,
                             terminating: e.terminating,
                         },
-                        node_name: Some(synthetic::node_name(e.node as usize).into()),
-                        zone: None,
-                        zone_hints: e.zone_hint.map(|z| vec![format!("zone-{z}")].into()),
-                        node_hints: None,
+                        placement: Placement {
+                            node_name: Some(synthetic::node_name(e.node as usize).into()),
+                            zone: None,
+                            zone_hints: e.zone_hint.map(|z| vec![format!("zone-{z}")].into()),
+                            node_hints: None,
+                        }
+                        .shared(),
                     })
                     .collect(),
                 last_change_trigger_time: None,

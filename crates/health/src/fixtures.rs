@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use kproxy_core::NodePlan;
 use kproxy_core::model::{
-    Conditions, EndpointAddr, IpFamily, Protocol, ServiceName, ServicePortName, TrafficPolicy,
+    Conditions, EndpointAddr, IpFamily, Placement, Protocol, ServiceName, ServicePortName,
+    TrafficPolicy,
 };
 use kproxy_core::plan::{
     EndpointState, FamilyPlan, HealthCheck, LocalPods, NodePortAddresses, ServicePlan,
@@ -88,16 +89,17 @@ pub fn plan_with(
                 .filter(|(ip, _)| family.contains(ip))
                 .map(|(ip, ready)| EndpointState {
                     addr: EndpointAddr::new(*ip, 8080),
-                    node_name: Some("node-a".into()),
-                    zone: None,
                     is_local: true,
                     conditions: Conditions {
                         ready: *ready,
                         serving: true,
                         terminating: !*ready,
                     },
-                    zone_hints: None,
-                    node_hints: None,
+                    placement: Placement {
+                        node_name: Some("node-a".into()),
+                        ..Placement::default()
+                    }
+                    .shared(),
                 })
                 .collect();
             if endpoints.is_empty() && family == IpFamily::IPv6 {
