@@ -1,6 +1,7 @@
 //! kproxy: the binary. Parses the command line, then hands off to one module per
 //! subcommand. Exit codes: 0 ok, 1 failure (or `--strict` problems), 2 usage.
 
+mod allocator;
 mod cmd_cleanup;
 mod cmd_explain;
 mod cmd_plan;
