@@ -15,8 +15,8 @@ use k8s_openapi::api::discovery::v1 as discoveryv1;
 use serde::Serialize;
 
 use crate::model::{
-    Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service, ServiceName,
-    ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
+    ClusterIps, Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service,
+    ServiceName, ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
 };
 
 /// Label that hands a Service to another proxy; upstream's watch excludes it.
@@ -311,7 +311,7 @@ pub fn service(
     }
 
     // Cluster IPs per family (spec §a.1).
-    let mut cluster_ips = BTreeMap::new();
+    let mut cluster_ips = ClusterIps::default();
     let families = spec.ip_families.as_deref().unwrap_or(&[]);
     if families.is_empty() {
         let ip =

@@ -223,6 +223,61 @@ pub enum TrafficPolicy {
     Local,
 }
 
+/// A Service's cluster IPs, at most one per family, iterated IPv4 first. Two slots
+/// rather than a map: a `BTreeMap` node is about 200 bytes, 2 MiB at 10k Services.
+/// Serialized as the map it stands for (`{"IPv4": "10.96.0.1"}`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ClusterIps([Option<IpAddr>; 2]);
+
+impl ClusterIps {
+    fn slot(family: IpFamily) -> usize {
+        match family {
+            IpFamily::IPv4 => 0,
+            IpFamily::IPv6 => 1,
+        }
+    }
+
+    /// Sets the family's cluster IP (replacing an earlier one of that family).
+    pub fn insert(&mut self, family: IpFamily, ip: IpAddr) {
+        self.0[Self::slot(family)] = Some(ip);
+    }
+
+    pub fn get(&self, family: IpFamily) -> Option<IpAddr> {
+        self.0[Self::slot(family)]
+    }
+
+    /// `(family, cluster IP)` pairs, IPv4 first.
+    pub fn iter(&self) -> impl Iterator<Item = (IpFamily, IpAddr)> + '_ {
+        IpFamily::ALL
+            .into_iter()
+            .filter_map(|f| self.get(f).map(|ip| (f, ip)))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.iter().flatten().count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl FromIterator<(IpFamily, IpAddr)> for ClusterIps {
+    fn from_iter<I: IntoIterator<Item = (IpFamily, IpAddr)>>(iter: I) -> Self {
+        let mut ips = ClusterIps::default();
+        for (family, ip) in iter {
+            ips.insert(family, ip);
+        }
+        ips
+    }
+}
+
+impl Serialize for ClusterIps {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.iter())
+    }
+}
+
 /// `spec.type` of a Service that kproxy proxies (ExternalName is never ingested).
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
@@ -253,7 +308,7 @@ pub struct Service {
     pub name: ServiceName,
     pub service_type: ServiceType,
     /// Cluster IP per family, from `ipFamilies`/`clusterIPs` (or `clusterIP` on old objects).
-    pub cluster_ips: BTreeMap<IpFamily, IpAddr>,
+    pub cluster_ips: ClusterIps,
     pub ports: Vec<ServicePort>,
     pub external_ips: Vec<IpAddr>,
     /// `status.loadBalancer.ingress[].ip`, without `ipMode: Proxy` entries.

@@ -335,7 +335,7 @@ fn plan_service<'a>(
     } else {
         TrafficPolicy::Cluster
     };
-    for (&family, &cluster_ip) in &svc.cluster_ips {
+    for (family, cluster_ip) in svc.cluster_ips.iter() {
         let mut merged = merge_endpoints(slices.clone(), family, facts.name);
         let mut ips: Vec<IpAddr> = merged
             .values()

@@ -44,8 +44,9 @@ pub enum Update {
         namespace: String,
         name: String,
     },
-    /// This node's Node.
-    Node(Node),
+    /// This node's Node (boxed: sources keep every file's updates, and this variant
+    /// would make each of them as large as a Node).
+    Node(Box<Node>),
     /// Another node's Node.
     Nothing,
 }
@@ -74,7 +75,7 @@ impl Update {
                     return Ok((Update::Nothing, Vec::new()));
                 }
                 let i = ingest::node(n)?;
-                (Update::Node(i.value), i.warnings)
+                (Update::Node(Box::new(i.value)), i.warnings)
             }
         })
     }
@@ -348,7 +349,7 @@ impl ClusterState {
             Update::DeleteService(name) => self.delete_service(name),
             Update::Slice(slice) => self.upsert_slice(slice.clone()),
             Update::DeleteSlice { namespace, name } => self.delete_slice(namespace, name),
-            Update::Node(node) => self.set_node(Some(node.clone())),
+            Update::Node(node) => self.set_node(Some((**node).clone())),
             Update::Nothing => false,
         }
     }

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 
 use crate::model::{
-    Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service, ServiceName,
-    ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
+    ClusterIps, Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service,
+    ServiceName, ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
 };
 use crate::state::ClusterState;
 
@@ -64,11 +64,10 @@ pub fn node(i: usize) -> Node {
 pub fn service(spec: &Spec, i: usize) -> Service {
     let etp_local = spec.etp_local_every != 0 && i.is_multiple_of(spec.etp_local_every);
     let n = i as u32 + 1;
-    let mut cluster_ips = BTreeMap::new();
-    cluster_ips.insert(
+    let cluster_ips = ClusterIps::from_iter([(
         IpFamily::IPv4,
         IpAddr::V4(Ipv4Addr::from(0x0a60_0000u32 + n)),
-    );
+    )]);
     Service {
         name: ServiceName::new(format!("ns-{}", i % 50), format!("svc-{i}")),
         service_type: if etp_local {

@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 
 use kproxy_core::model::{
-    Conditions, EndpointSlice, IpFamily, Placement, Protocol, Service, ServiceName, ServicePort,
-    ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
+    ClusterIps, Conditions, EndpointSlice, IpFamily, Placement, Protocol, Service, ServiceName,
+    ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
 };
 use kproxy_core::synthetic;
 use kproxy_core::{ClusterState, PlanConfig, Planner};
@@ -71,11 +71,10 @@ fn build(svcs: &[Svc]) -> (Vec<Service>, Vec<EndpointSlice>) {
     let mut slices = Vec::new();
     for (i, s) in svcs.iter().enumerate() {
         let name = ServiceName::new("ns", format!("s{i}"));
-        let mut cluster_ips = std::collections::BTreeMap::new();
-        cluster_ips.insert(
+        let cluster_ips = ClusterIps::from_iter([(
             IpFamily::IPv4,
             IpAddr::V4(Ipv4Addr::new(10, 96, 0, i as u8 + 1)),
-        );
+        )]);
         services.push(Service {
             name: name.clone(),
             service_type: if s.lb {
