@@ -1,7 +1,8 @@
 //! The in-memory record of what is programmed, per family, kept so that a sync costs
 //! work proportional to what changed: the base objects (rebuilt every sync; cheap), one
-//! fragment per Service (rebuilt only when the planner handed a different
-//! `Arc<ServicePlan>`), how many times the fragments hold every shared set element (a
+//! fragment per Service with a port of the family, with its `Arc<ServicePlan>` (rebuilt
+//! only when the planner handed a different one; the Service's shared elements are
+//! derived from that plan), how many times the fragments hold every shared set element (a
 //! hairpin pair or a cluster IP may come from several Services; it is programmed while
 //! any does), the claimants of every frontend (a colliding frontend takes all its
 //! elements from the first Service in plan order, as in a full render), and how many
@@ -9,8 +10,8 @@
 //!
 //! It is the dataplane's largest long-lived data (≈ 176k elements at 10k Services ×
 //! 10 endpoints), so elements are held once: a frontend's as one text shared by `Arc`
-//! between its fragment and its claim, shared ones as addresses, and nft names are
-//! made when a script or batch is written.
+//! between its fragment and its claim (its keys made from its name), shared ones as
+//! addresses, and nft names and keys are made when a script or batch is written.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -143,20 +144,27 @@ impl FamilyRecord {
             frontends: BTreeMap::new(),
             dispatch: BTreeMap::new(),
         };
-        let services: Vec<_> = plan.services.iter().collect();
+        // A Service without a port of this family has nothing here (an IPv4-only
+        // cluster's IPv6 record would otherwise hold 10k empty fragments); `advance`
+        // takes a Service it does not hold as one that had nothing.
+        let services: Vec<_> = plan
+            .services
+            .iter()
+            .filter(|(_, svc)| ruleset::has_family(svc, family))
+            .collect();
         let frags = build_fragments(&services, plan, cfg, family);
         // The same maps `add_shared` would build Service by Service, built in bulk from
         // sorted vectors (a third of the time at 10k Services).
-        let mut shared = Vec::with_capacity(frags.iter().map(|f| f.shared.len()).sum());
+        let mut shared = Vec::new();
         let mut frontends = Vec::new();
-        for ((name, _), frag) in services.iter().zip(&frags) {
+        for ((name, svc), frag) in services.iter().zip(&frags) {
             for fe in &frag.frontends {
                 frontends.push((fe.name(), *name, fe));
             }
             for d in &frag.dispatch {
                 *r.dispatch.entry(*d).or_default() += 1;
             }
-            shared.extend_from_slice(&frag.shared);
+            shared.extend(ruleset::shared(svc, family));
         }
         shared.sort_unstable();
         let mut counted: Vec<(Shared, u32)> = Vec::new();
@@ -246,6 +254,8 @@ impl FamilyRecord {
         // The keys of shared elements, written for this part (they are kept as
         // addresses): declared first, as the entries below borrow from it.
         let mut shared_text = String::new();
+        // Likewise the keys of dispatch-map rows (made from their frontend's key).
+        let mut row_text = String::new();
         // Per set: its declaration, its netlink type when this part sends its elements
         // by netlink, whether this part handles its elements, and the elements.
         type Elems<'a> = Vec<(&'a str, &'a str)>;
@@ -268,20 +278,19 @@ impl FamilyRecord {
             let mine = all || (structure == ty.is_none());
             (s, ty, mine, Vec::new())
         }
-        let own = std::iter::once(&self.base)
-            .chain(self.services.values().filter_map(|(_, f)| f.own.as_deref()));
-        for rs in own {
-            for (name, s) in &rs.sets {
-                let mut e = add_set(s, all, structure);
-                if e.2 {
-                    e.3 = ruleset::str_pairs(s.elements.iter()).collect();
-                }
-                sets.insert(name, entries.len());
-                entries.push(e);
+        let own = self.services.values().filter_map(|(_, f)| f.own.as_deref());
+        let own_sets = own.clone().flat_map(|o| o.sets.iter().map(|(n, s)| (n, s)));
+        let own_chains = own.flat_map(|o| o.chains.iter().map(|(n, c)| (n, c)));
+        for (name, c) in self.base.chains.iter().chain(own_chains) {
+            chains.insert(name, c);
+        }
+        for (name, s) in self.base.sets.iter().chain(own_sets) {
+            let mut e = add_set(s, all, structure);
+            if e.2 {
+                e.3 = ruleset::str_pairs(s.elements.iter()).collect();
             }
-            for (name, c) in &rs.chains {
-                chains.insert(name, c);
-            }
+            sets.insert(name, entries.len());
+            entries.push(e);
         }
         for (map, chain, s, c) in &disp {
             sets.insert(map, entries.len());
@@ -319,6 +328,10 @@ impl FamilyRecord {
         // set; elements come in runs of one set).
         let mut dest: BTreeMap<SetRef, Option<usize>> = BTreeMap::new();
         let mut run: Option<(SetRef, Option<usize>)> = None;
+        // Row elements: their entry, where their key ends in `row_text`, their value.
+        // Rows are the only elements of the dispatch maps, so adding them to their
+        // entries after the others keeps each entry's order.
+        let mut rows: Vec<(usize, usize, &str)> = Vec::new();
         for claims in self.frontends.values() {
             let Some(fe) = claims.first() else {
                 continue;
@@ -337,9 +350,19 @@ impl FamilyRecord {
                 if let Some(i) = i
                     && entries[i].2
                 {
-                    entries[i].3.push((key, v));
+                    if key.row.is_none() {
+                        entries[i].3.push((key.base, v));
+                    } else {
+                        key.write(&mut row_text);
+                        rows.push((i, row_text.len(), v));
+                    }
                 }
             }
+        }
+        let mut start = 0;
+        for (i, end, v) in rows {
+            entries[i].3.push((&row_text[start..end], v));
+            start = end;
         }
         let (fam, t) = (self.base.family, self.base.table.as_str());
         let mut n = DeltaCounts::default();
@@ -406,7 +429,7 @@ impl FamilyRecord {
         self.frontends.get(fe).and_then(Claims::first).cloned()
     }
 
-    fn add_shared(&mut self, name: &ServiceName, frag: &Fragment) {
+    fn add_shared(&mut self, name: &ServiceName, svc: &ServicePlan, frag: &Fragment) {
         for fe in &frag.frontends {
             match self.frontends.get_mut(fe.name()) {
                 Some(claims) => claims.insert(name, fe),
@@ -420,12 +443,12 @@ impl FamilyRecord {
         for d in &frag.dispatch {
             *self.dispatch.entry(*d).or_default() += 1;
         }
-        for sh in &frag.shared {
-            *self.shared.entry(*sh).or_default() += 1;
+        for sh in ruleset::shared(svc, self.family) {
+            *self.shared.entry(sh).or_default() += 1;
         }
     }
 
-    fn remove_shared(&mut self, name: &ServiceName, frag: &Fragment) {
+    fn remove_shared(&mut self, name: &ServiceName, svc: &ServicePlan, frag: &Fragment) {
         for fe in &frag.frontends {
             if let Some(claims) = self.frontends.get_mut(fe.name()) {
                 claims.remove(name);
@@ -442,11 +465,11 @@ impl FamilyRecord {
                 }
             }
         }
-        for sh in &frag.shared {
-            if let Some(c) = self.shared.get_mut(sh) {
+        for sh in ruleset::shared(svc, self.family) {
+            if let Some(c) = self.shared.get_mut(&sh) {
                 *c -= 1;
                 if *c == 0 {
-                    self.shared.remove(sh);
+                    self.shared.remove(&sh);
                 }
             }
         }
@@ -488,12 +511,7 @@ impl FamilyRecord {
         }
         new_base.delta_post(&self.base, post, &mut n);
         let empty = Fragment::default();
-        let no_own = Ruleset {
-            family: new_base.family,
-            table: new_base.table.clone(),
-            sets: BTreeMap::new(),
-            chains: BTreeMap::new(),
-        };
+        let no_own = ruleset::Own::default();
         self.base = new_base;
         let (fam, t) = (self.base.family, self.base.table.clone());
 
@@ -505,24 +523,36 @@ impl FamilyRecord {
         let mut own_pre = String::new();
         for name in changed {
             let old = self.services.remove(name);
-            let new = plan.services.get(name).map(|svc| {
-                (
-                    svc.clone(),
-                    ruleset::build_service(svc, plan, cfg, self.family),
-                )
-            });
+            let new = plan
+                .services
+                .get(name)
+                .filter(|svc| ruleset::has_family(svc, self.family))
+                .map(|svc| {
+                    (
+                        svc.clone(),
+                        ruleset::build_service(svc, plan, cfg, self.family),
+                    )
+                });
             let old_frag = old.as_ref().map(|(_, f)| f).unwrap_or(&empty);
             let new_frag = new.as_ref().map(|(_, f)| f).unwrap_or(&empty);
+            // As rulesets for the delta (a changed Service's one or two chains).
             let old_own = old_frag.own.as_deref().unwrap_or(&no_own);
+            let old_own = old_own.to_ruleset(fam, &t);
             let new_own = new_frag.own.as_deref().unwrap_or(&no_own);
-            if !new_own.delta_pre(old_own, &mut own_pre, &mut n) {
+            let new_own = new_own.to_ruleset(fam, &t);
+            if !new_own.delta_pre(&old_own, &mut own_pre, &mut n) {
                 return None;
             }
-            new_own.delta_post(old_own, post, &mut n);
-            for sh in old_frag.shared.iter().chain(&new_frag.shared) {
-                if !touched.contains_key(sh) {
-                    touched.insert(*sh, self.shared.contains_key(sh));
-                }
+            new_own.delta_post(&old_own, post, &mut n);
+            let old_shared = old
+                .iter()
+                .flat_map(|(svc, _)| ruleset::shared(svc, self.family));
+            let new_shared = new
+                .iter()
+                .flat_map(|(svc, _)| ruleset::shared(svc, self.family));
+            for sh in old_shared.chain(new_shared) {
+                let before = self.shared.contains_key(&sh);
+                touched.entry(sh).or_insert(before);
             }
             for fe in old_frag.frontends.iter().chain(&new_frag.frontends) {
                 if !touched_fe.contains_key(fe.name()) {
@@ -535,11 +565,11 @@ impl FamilyRecord {
                     touched_disp.insert(*d, self.dispatch.contains_key(d));
                 }
             }
-            if let Some((_, f)) = &old {
-                self.remove_shared(name, f);
+            if let Some((svc, f)) = &old {
+                self.remove_shared(name, svc, f);
             }
             if let Some((svc, f)) = new {
-                self.add_shared(name, &f);
+                self.add_shared(name, &svc, &f);
                 self.services.insert(name.clone(), (svc, f));
             }
         }
@@ -591,21 +621,21 @@ impl FamilyRecord {
             {
                 continue;
             }
-            fn elements(fe: &Option<Arc<Frontend>>) -> BTreeMap<(SetRef, &str), &str> {
+            fn elements(fe: &Option<Arc<Frontend>>) -> BTreeMap<(SetRef, String), &str> {
                 fe.iter()
                     .flat_map(|fe| fe.elements())
-                    .map(|(s, k, v)| ((s, k), v))
+                    .map(|(s, k, v)| ((s, k.text()), v))
                     .collect()
             }
             let (b, a) = (elements(&before), elements(&after));
             for ((set, k), v) in &b {
-                if a.get(&(*set, *k)) != Some(v) {
+                if a.get(&(*set, k.clone())) != Some(v) {
                     let keys = dels.entry(set.name().into_owned()).or_default();
                     keys.insert(k.to_string());
                 }
             }
             for ((set, k), v) in &a {
-                if b.get(&(*set, *k)) != Some(v) {
+                if b.get(&(*set, k.clone())) != Some(v) {
                     let kv = adds.entry(set.name().into_owned()).or_default();
                     kv.insert(k.to_string(), v.to_string());
                 }
@@ -692,8 +722,11 @@ mod tests {
                 dispatch: BTreeMap::new(),
             };
             for (name, svc) in &plan.services {
+                if !ruleset::has_family(svc, family) {
+                    continue;
+                }
                 let frag = ruleset::build_service(svc, &plan, &cfg, family);
-                one.add_shared(name, &frag);
+                one.add_shared(name, svc, &frag);
                 one.services.insert(name.clone(), (svc.clone(), frag));
             }
             assert_eq!(format!("{:?}", bulk.shared), format!("{:?}", one.shared));

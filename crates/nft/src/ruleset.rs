@@ -147,24 +147,27 @@ pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Rulese
     let mut rs = build_base(plan, cfg, family);
     let mut claimed = BTreeSet::new();
     for svc in plan.services.values() {
-        rs.merge(&build_service(svc, plan, cfg, family), &mut claimed);
+        rs.merge(svc, &build_service(svc, plan, cfg, family), &mut claimed);
     }
     rs
 }
 
 /// What one Service contributes to one family's table: its own chains and sets (a
 /// `Ruleset` holding only those; `None` for the many Services that need none), its
-/// elements of the shared sets (present while any Service has them), its frontends
+/// frontends
 /// (every element a frontend key brings; a frontend claimed by several Services takes
 /// all of them from the first in plan order, which is what `trace` predicts), and the
 /// dispatch groups it uses (sorted; created while any Service uses them).
+///
+/// Its elements of the shared sets (present while any Service has them) are not part
+/// of it: [`shared`] derives them from the Service's plan, which the record keeps
+/// anyway, rather than holding ≈ 100k addresses twice.
 ///
 /// Fragments are kept for every Service between syncs, so they are built once and then
 /// held in boxed slices, without spare capacity.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Fragment {
-    pub own: Option<Box<Ruleset>>,
-    pub shared: Box<[Shared]>,
+    pub own: Option<Box<Own>>,
     pub frontends: Box<[Arc<Frontend>]>,
     pub dispatch: Box<[Dispatch]>,
 }
@@ -172,21 +175,72 @@ pub struct Fragment {
 /// A fragment while it is built.
 struct Draft {
     own: Ruleset,
-    shared: Vec<Shared>,
     frontends: Vec<Arc<Frontend>>,
     dispatch: BTreeSet<Dispatch>,
+}
+
+/// A Service's own chains and sets, each sorted by name: boxed slices rather than a
+/// `Ruleset`'s maps, as a map node costs several hundred bytes for the one or two
+/// chains most such Services (eTP Local ones) have.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Own {
+    pub sets: Box<[(String, Set)]>,
+    pub chains: Box<[(String, Chain)]>,
+}
+
+impl Own {
+    /// As a ruleset of `family`'s `table` (to compute a delta).
+    pub fn to_ruleset(&self, family: &'static str, table: &str) -> Ruleset {
+        Ruleset {
+            family,
+            table: table.to_string(),
+            sets: self.sets.iter().cloned().collect(),
+            chains: self.chains.iter().cloned().collect(),
+        }
+    }
 }
 
 impl Draft {
     fn finish(self) -> Fragment {
         let own = !(self.own.sets.is_empty() && self.own.chains.is_empty());
         Fragment {
-            own: own.then(|| Box::new(self.own)),
-            shared: self.shared.into_boxed_slice(),
+            // The maps iterate in name order, so the slices come sorted.
+            own: own.then(|| {
+                Box::new(Own {
+                    sets: self.own.sets.into_iter().collect(),
+                    chains: self.own.chains.into_iter().collect(),
+                })
+            }),
             frontends: self.frontends.into_boxed_slice(),
             dispatch: self.dispatch.into_iter().collect(),
         }
     }
+}
+
+/// The elements a Service brings to the shared sets of `family`, in fragment order:
+/// per port of the family, the hairpin pair of each reachable endpoint, then its
+/// cluster IP (also for affinity ports). A pure function of the plan, so the record
+/// derives them instead of storing them.
+pub fn shared(
+    svc: &kproxy_core::plan::ServicePlan,
+    family: IpFamily,
+) -> impl Iterator<Item = Shared> + '_ {
+    svc.ports
+        .iter()
+        .filter(move |sp| sp.family == family)
+        .flat_map(|sp| {
+            let hairpins = sp
+                .all_reachable_endpoints
+                .iter()
+                .map(|ep| Shared::Hairpin(ep.ip));
+            hairpins.chain(std::iter::once(Shared::ClusterIp(sp.cluster_ip)))
+        })
+}
+
+/// Whether `svc` has a port of `family`: without one its fragment and its shared
+/// elements there are empty.
+pub fn has_family(svc: &kproxy_core::plan::ServicePlan, family: IpFamily) -> bool {
+    svc.ports.iter().any(|sp| sp.family == family)
 }
 
 /// An element of a set that several Services may hold at once: present while any
@@ -316,14 +370,81 @@ impl SetRef {
 
 /// The elements one frontend brings: its `service-ips`/`service-nodeports` verdict,
 /// its masquerade-set entry and its dispatch-map rows. They are the largest part of the
-/// record, so they are kept as one text (the frontend's name, then every key and value
-/// back to back) with offsets, not as three `String`s per element.
+/// record, so they are kept as one text (the frontend's name, then every value back to
+/// back) with offsets, not as three `String`s per element. Every key is the frontend's
+/// own key (its name without `ip `/`np `), a dispatch row's followed by ` . i`, so keys
+/// are not stored but made from the name when written (a third of the text at 10k
+/// Services × 10 endpoints).
 #[derive(Clone, PartialEq, Eq)]
 pub struct Frontend {
     text: Box<str>,
     name_end: u32,
-    /// Per element: its set, and where its key and its value end in `text`.
+    /// Per element: its set, its row (`NO_ROW` for a key without one), and where its
+    /// value ends in `text`.
     elems: Box<[(SetRef, u32, u32)]>,
+}
+
+/// The row of an element whose key is the frontend's key alone. (A row index is below
+/// a dispatch group's `n`, itself a `u32`, so it is never `u32::MAX`.)
+const NO_ROW: u32 = u32::MAX;
+
+/// The key of a frontend element: the frontend's key, and for a dispatch-map row its
+/// index (` . i`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Key<'a> {
+    pub base: &'a str,
+    pub row: Option<u32>,
+}
+
+impl Key<'_> {
+    /// Appends the key as nft writes it.
+    pub fn write(&self, out: &mut String) {
+        out.push_str(self.base);
+        if let Some(i) = self.row {
+            out.push_str(" . ");
+            write_u32(out, i);
+        }
+    }
+
+    /// The key as a `String` (without `Display`'s machinery, as a render makes ≈ 100k).
+    pub fn text(&self) -> String {
+        let mut s =
+            String::with_capacity(self.base.len() + if self.row.is_some() { 13 } else { 0 });
+        self.write(&mut s);
+        s
+    }
+}
+
+impl std::fmt::Display for Key<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.base)?;
+        match self.row {
+            Some(i) => write!(f, " . {i}"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Key<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.to_string())
+    }
+}
+
+/// `n` in decimal, without the formatting machinery (a full script writes ≈ 100k row
+/// keys).
+fn write_u32(out: &mut String, mut n: u32) {
+    let mut buf = [0u8; 10];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.push_str(std::str::from_utf8(&buf[i..]).unwrap_or_default());
 }
 
 impl Frontend {
@@ -332,12 +453,19 @@ impl Frontend {
         &self.text[..self.name_end as usize]
     }
 
+    /// The frontend's key: its name without `ip `/`np `.
+    fn key(&self) -> &str {
+        self.name().get(3..).unwrap_or_default()
+    }
+
     /// `(set, key, value)` of each element, in the order they were added.
-    pub fn elements(&self) -> impl Iterator<Item = (SetRef, &str, &str)> {
+    pub fn elements(&self) -> impl Iterator<Item = (SetRef, Key<'_>, &str)> {
         let mut start = self.name_end as usize;
-        self.elems.iter().map(move |&(set, k, v)| {
-            let (k, v) = (k as usize, v as usize);
-            let e = (set, &self.text[start..k], &self.text[k..v]);
+        let base = self.key();
+        self.elems.iter().map(move |&(set, row, v)| {
+            let v = v as usize;
+            let row = (row != NO_ROW).then_some(row);
+            let e = (set, Key { base, row }, &self.text[start..v]);
             start = v;
             e
         })
@@ -361,10 +489,14 @@ struct FrontendDraft {
 }
 
 impl FrontendDraft {
-    fn new(name: std::fmt::Arguments, rows: usize) -> FrontendDraft {
-        // A row's key and value take 40-100 bytes; `finish` trims the rest.
-        let mut text = String::with_capacity(64 * (rows + 1));
-        let _ = text.write_fmt(name);
+    /// `prefix` is `ip ` or `np `, `key` the frontend's key (every element's key
+    /// starts with it; see [`Frontend`]).
+    fn new(prefix: &str, key: &str, rows: usize) -> FrontendDraft {
+        debug_assert!(prefix.len() == 3);
+        // A row's value takes 15-50 bytes; `finish` trims the rest.
+        let mut text = String::with_capacity(prefix.len() + key.len() + 32 * rows);
+        text.push_str(prefix);
+        text.push_str(key);
         FrontendDraft {
             name_end: offset(&text),
             text,
@@ -372,11 +504,11 @@ impl FrontendDraft {
         }
     }
 
-    fn push(&mut self, set: SetRef, key: std::fmt::Arguments, value: std::fmt::Arguments) {
-        let _ = self.text.write_fmt(key);
-        let k = offset(&self.text);
+    /// An element keyed by the frontend's key, followed by ` . row` when `row` is given.
+    fn push(&mut self, set: SetRef, row: Option<u32>, value: std::fmt::Arguments) {
         let _ = self.text.write_fmt(value);
-        self.elems.push((set, k, offset(&self.text)));
+        let row = row.unwrap_or(NO_ROW);
+        self.elems.push((set, row, offset(&self.text)));
     }
 
     fn finish(self) -> Arc<Frontend> {
@@ -452,14 +584,24 @@ impl Ruleset {
     /// Adds a Service's fragment. A shared key already present keeps its first value; a
     /// frontend already in `claimed` keeps the elements of its first Service (plan
     /// order), which is what `trace` predicts for colliding frontends.
-    pub fn merge(&mut self, frag: &Fragment, claimed: &mut BTreeSet<String>) {
+    pub fn merge(
+        &mut self,
+        svc: &kproxy_core::plan::ServicePlan,
+        frag: &Fragment,
+        claimed: &mut BTreeSet<String>,
+    ) {
         if let Some(own) = &frag.own {
             self.add_own(own);
         }
         for d in &frag.dispatch {
             self.add_dispatch(d);
         }
-        for sh in &frag.shared {
+        let family = if self.family == "ip6" {
+            IpFamily::IPv6
+        } else {
+            IpFamily::IPv4
+        };
+        for sh in shared(svc, family) {
             if let Some(s) = self.sets.get_mut(sh.set()) {
                 s.elements.entry(sh.key()).or_default();
             }
@@ -472,7 +614,7 @@ impl Ruleset {
     }
 
     /// Adds a fragment's own chains and sets.
-    pub fn add_own(&mut self, own: &Ruleset) {
+    pub fn add_own(&mut self, own: &Own) {
         self.chains
             .extend(own.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
         self.sets
@@ -503,7 +645,7 @@ impl Ruleset {
             }
             if let Some(s) = self.sets.get_mut(name.as_ref()) {
                 s.elements
-                    .entry(key.to_string())
+                    .entry(key.text())
                     .or_insert_with(|| value.to_string());
             }
         }
@@ -525,7 +667,6 @@ pub fn build_service(
             sets: BTreeMap::new(),
             chains: BTreeMap::new(),
         },
-        shared: Vec::new(),
         frontends: Vec::new(),
         dispatch: BTreeSet::new(),
     };
@@ -717,10 +858,7 @@ fn add_service_port(
 ) {
     let id = port_id(sp);
     let proto = sp.protocol.nft_name();
-    for ep in &sp.all_reachable_endpoints {
-        frag.shared.push(Shared::Hairpin(ep.ip));
-    }
-    frag.shared.push(Shared::ClusterIp(sp.cluster_ip));
+    // Its shared elements are derived by `shared`.
     if sp.session_affinity_timeout.is_some() {
         add_affinity_port(frag, f, sp, &id, local_pods, mark);
         return;
@@ -997,19 +1135,17 @@ impl PortCtx<'_> {
             {
                 continue;
             }
-            let mut fe = FrontendDraft::new(format_args!("{prefix}{key}"), rows + 2);
-            fe.push(vmap, format_args!("{key}"), format_args!("{value}"));
+            let mut fe = FrontendDraft::new(prefix, &key, rows + 2);
+            fe.push(vmap, None, format_args!("{value}"));
             if let Some(ms) = masq_set {
-                fe.push(ms, format_args!("{key}"), format_args!(""));
+                fe.push(ms, None, format_args!(""));
             }
             for set in &sets {
                 let map = SetRef::Map(self.dispatch(*set, nodeport));
-                for (i, ep) in self.sp.endpoints_for(*set).iter().enumerate() {
-                    fe.push(
-                        map,
-                        format_args!("{key} . {i}"),
-                        format_args!("{} . {}", ep.ip, ep.port),
-                    );
+                // Row indices are below the group's `n`, a `u32`.
+                let eps = self.sp.endpoints_for(*set).iter().zip(0..u32::MAX);
+                for (ep, i) in eps {
+                    fe.push(map, Some(i), format_args!("{} . {}", ep.ip, ep.port));
                 }
             }
             frag.frontends.push(fe.finish());
@@ -1082,10 +1218,12 @@ fn add_affinity_port(
         }
         out
     };
-    let mut push = |fe: String, vmap: SetRef, key: String, value: String| {
-        if !frontends.iter().any(|f| f.name() == fe) {
-            let mut f = FrontendDraft::new(format_args!("{fe}"), 1);
-            f.push(vmap, format_args!("{key}"), format_args!("{value}"));
+    // `prefix` is `ip ` or `np `; the frontend's name is `prefix` then `key`.
+    let mut push = |prefix: &str, vmap: SetRef, key: String, value: String| {
+        let exists = |f: &&Arc<Frontend>| f.name().strip_prefix(prefix) == Some(key.as_str());
+        if !frontends.iter().any(|f| exists(&f)) {
+            let mut f = FrontendDraft::new(prefix, &key, 1);
+            f.push(vmap, None, format_args!("{value}"));
             frontends.push(f.finish());
         }
     };
@@ -1098,12 +1236,7 @@ fn add_affinity_port(
         },
     );
     let key = format!("{} . {proto} . {}", sp.cluster_ip, sp.port);
-    push(
-        format!("ip {key}"),
-        SetRef::ServiceIps,
-        key,
-        format!("goto {svc_chain}"),
-    );
+    push("ip ", SetRef::ServiceIps, key, format!("goto {svc_chain}"));
 
     if !sp.external.is_empty() {
         let mut ext: Vec<String> = firewall_rule(f, sp).into_iter().collect();
@@ -1117,17 +1250,12 @@ fn add_affinity_port(
         );
         for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
             let key = format!("{ip} . {proto} . {}", sp.port);
-            push(
-                format!("ip {key}"),
-                SetRef::ServiceIps,
-                key,
-                format!("goto {ext_chain}"),
-            );
+            push("ip ", SetRef::ServiceIps, key, format!("goto {ext_chain}"));
         }
         if let Some(np) = sp.node_port {
             let key = format!("{proto} . {np}");
             push(
-                format!("np {key}"),
+                "np ",
                 SetRef::ServiceNodeports,
                 key,
                 format!("goto {ext_chain}"),
