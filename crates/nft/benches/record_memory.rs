@@ -3,13 +3,13 @@
 //! between syncs. Run: `cargo bench -p kproxy-nft --bench record_memory`. No kernel
 //! access.
 //!
-//! Two measures: live heap bytes (a counting global allocator: what the records hold
-//! once built, and the peak while building them, which includes the fragments built on
-//! every core and the sort vectors), and the VmRSS growth from /proc/self/status
-//! (Linux), which also counts allocator slack that a daemon keeps.
+//! Two measures (`crates/core/benches/support/memory.rs`): live heap bytes, what the
+//! records hold once built and the peak while building them (which includes the
+//! fragments built on every core and the sort vectors), and VmRSS growth, which also
+//! counts allocator slack that a daemon keeps.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+#[path = "../../core/benches/support/memory.rs"]
+mod memory;
 
 use kproxy_core::PlanConfig;
 use kproxy_core::model::IpFamily;
@@ -17,88 +17,21 @@ use kproxy_core::synthetic::{self, Spec};
 use kproxy_nft::DataplaneConfig;
 use kproxy_nft::record::FamilyRecord;
 
-/// `System`, counting the bytes currently allocated and their high-water mark.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(n: usize) {
-    let now = LIVE.fetch_add(n, Relaxed) + n;
-    PEAK.fetch_max(now, Relaxed);
-}
-
-// SAFETY: every call is forwarded to `System` with the same arguments; the counters
-// only observe sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract is `System`'s.
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract is `System`'s.
-        let p = unsafe { System.alloc_zeroed(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: the caller's contract is `System`'s.
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size(), Relaxed);
-    }
-
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        // SAFETY: the caller's contract is `System`'s.
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            LIVE.fetch_sub(l.size(), Relaxed);
-            grew(new);
-        }
-        q
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
-
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .map(str::to_string)
-        })
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|n| n.parse().ok()))
-        .unwrap_or(0)
-}
-
-fn mib(b: usize) -> f64 {
-    b as f64 / (1024.0 * 1024.0)
-}
+use memory::{live, mib, peak, reset_peak, rss_kib};
 
 fn main() {
     let state = synthetic::cluster(&Spec::new(10_000, 10));
     let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
     let cfg = DataplaneConfig::default();
     let before = rss_kib();
-    let live_before = LIVE.load(Relaxed);
-    PEAK.store(live_before, Relaxed);
+    let live_before = live();
+    reset_peak();
     let recs = [
         FamilyRecord::full(&plan, &cfg, IpFamily::IPv4),
         FamilyRecord::full(&plan, &cfg, IpFamily::IPv6),
     ];
     let after = rss_kib();
-    let live = LIVE.load(Relaxed) - live_before;
-    let peak = PEAK.load(Relaxed) - live_before;
+    let (live, peak) = (live() - live_before, peak() - live_before);
     let mut script = String::new();
     for r in &recs {
         r.full_script(&mut script);
