@@ -3,8 +3,9 @@
 //!
 //! Why not the system allocator: a node agent's memory comes in bursts (the first sync
 //! parses, plans and renders everything on every core, then idles for hours), and
-//! glibc keeps what each thread's arena once held. `kproxy run` at 10k Services × 10
-//! endpoints holds 55 MiB of live heap after its first sync, yet glibc left it at
+//! glibc keeps what each thread's arena once held. When this was chosen, `kproxy run`
+//! at 10k Services × 10 endpoints held 55 MiB of live heap after its first sync, and
+//! glibc left it at
 //! 115–128 MiB RSS in five arenas. jemalloc with a background purging thread settles at
 //! 81 MiB, and at 74–75 MiB with one arena (BENCHMARKS.md, "kproxy run at scale"), with
 //! the same first-sync time: the threads' own caches (tcache) keep allocation off the

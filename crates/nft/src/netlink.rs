@@ -13,8 +13,8 @@
 //! netlink crates cannot express kproxy's rules (numgen maps, dynsets), and those change
 //! rarely.
 //!
-//! Elements are kept as nft text in the record; this module parses them back by the
-//! set's declared type (`type …` / `typeof …`) and encodes them as nft does: each field
+//! Elements reach this module as the nft text the record writes for them; it parses
+//! them back by the set's declared type (`type …` / `typeof …`) and encodes them as nft does: each field
 //! of a concatenation padded to 4 bytes, addresses and ports in network order, the
 //! `numgen` index in host order. A type it does not know makes the caller fall back to
 //! `nft -f` ([`SetType::parse`] returns `None`), never a guess.
