@@ -129,7 +129,10 @@ const TOP: &[(&str, Field)] = &[
     ("detectLocalMode", Honoured),
     (
         "detectLocal",
-        Section(&[("bridgeInterface", Honoured), ("interfaceNamePrefix", Honoured)]),
+        Section(&[
+            ("bridgeInterface", Honoured),
+            ("interfaceNamePrefix", Honoured),
+        ]),
     ),
     ("clusterCIDR", Honoured),
     ("nodePortAddresses", Honoured),
@@ -151,7 +154,9 @@ const TOP: &[(&str, Field)] = &[
     ),
     (
         "configSyncPeriod",
-        Inapplicable("kproxy's watches do not resync periodically; the sync loop resyncs every nftables.syncPeriod"),
+        Inapplicable(
+            "kproxy's watches do not resync periodically; the sync loop resyncs every nftables.syncPeriod",
+        ),
     ),
     ("portRange", Inapplicable(NOT_SUPPORTED)),
     ("udpIdleTimeout", Inapplicable(NOT_SUPPORTED)),
@@ -208,12 +213,18 @@ fn walk(
                 non_zero_leaves(&path, value, &mut leaves);
                 for leaf in leaves {
                     let message = match leaf.strip_prefix("iptables.") {
-                        Some(rest @ ("masqueradeBit" | "masqueradeAll" | "syncPeriod" | "minSyncPeriod")) => {
+                        Some(
+                            rest @ ("masqueradeBit" | "masqueradeAll" | "syncPeriod"
+                            | "minSyncPeriod"),
+                        ) => {
                             format!("{why}; use nftables.{rest}")
                         }
                         _ => why.to_string(),
                     };
-                    warnings.push(ConfigWarning { path: leaf, message });
+                    warnings.push(ConfigWarning {
+                        path: leaf,
+                        message,
+                    });
                 }
             }
             None => warnings.push(ConfigWarning {
@@ -225,7 +236,10 @@ fn walk(
 }
 
 /// Parses the text of a KubeProxyConfiguration file. Errors name `file` and the field.
-pub fn parse(file: &str, text: &str) -> Result<(KubeProxyConfiguration, Vec<ConfigWarning>), ConfigError> {
+pub fn parse(
+    file: &str,
+    text: &str,
+) -> Result<(KubeProxyConfiguration, Vec<ConfigWarning>), ConfigError> {
     let err = |path: &str, message: String| ConfigError::Field {
         file: file.to_string(),
         path: path.to_string(),
@@ -257,7 +271,10 @@ pub fn parse(file: &str, text: &str) -> Result<(KubeProxyConfiguration, Vec<Conf
     if s("kind") != KIND {
         return Err(err(
             "kind",
-            format!("{:?}: expected {KIND}", s("kind").escape_debug().to_string()),
+            format!(
+                "{:?}: expected {KIND}",
+                s("kind").escape_debug().to_string()
+            ),
         ));
     }
     let mut warnings = Vec::new();

@@ -169,7 +169,10 @@ impl std::fmt::Display for ConfigWarning {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// A bad value in the file: the file and the field's path.
     #[error("{file}: {path}: {message}")]
     Field {
@@ -201,7 +204,11 @@ pub fn load(flags: &ConfigFlags) -> Result<(ProxyConfig, Vec<ConfigWarning>), Co
 }
 
 /// As [`load`], with the file's text given (`file` names it in errors).
-pub fn load_str(file: &str, text: &str, flags: &ConfigFlags) -> Result<(ProxyConfig, Vec<ConfigWarning>), ConfigError> {
+pub fn load_str(
+    file: &str,
+    text: &str,
+    flags: &ConfigFlags,
+) -> Result<(ProxyConfig, Vec<ConfigWarning>), ConfigError> {
     let (parsed, mut warnings) = file::parse(file, text)?;
     let (cfg, more) = resolve(Some((file, parsed)), flags)?;
     warnings.extend(more);
@@ -314,7 +321,10 @@ fn resolve(
         .as_ref()
         .and_then(|c| c.kubeconfig.clone())
         .filter(|s| !s.is_empty());
-    cfg.kubeconfig = flags.kubeconfig.clone().or(kubeconfig_file.map(PathBuf::from));
+    cfg.kubeconfig = flags
+        .kubeconfig
+        .clone()
+        .or(kubeconfig_file.map(PathBuf::from));
 
     let hostname_file = f.hostname_override.clone();
     cfg.hostname_override = flags
@@ -332,8 +342,12 @@ fn resolve(
         "bindAddress",
     ) && !s.is_empty()
     {
-        cfg.bind_address = parse_ip(&s)
-            .ok_or_else(|| origin.err(format!("{:?} is not an IP address", s.escape_debug().to_string())))?;
+        cfg.bind_address = parse_ip(&s).ok_or_else(|| {
+            origin.err(format!(
+                "{:?} is not an IP address",
+                s.escape_debug().to_string()
+            ))
+        })?;
     }
     let v6 = cfg.bind_address.is_ipv6();
     cfg.healthz_bind_address = Some(default_addr(v6, false));
@@ -430,7 +444,8 @@ fn resolve(
         None => Vec::new(),
     };
     if cluster_cidrs.len() > 2
-        || (cluster_cidrs.len() == 2 && cluster_cidrs[0].addr().is_ipv4() == cluster_cidrs[1].addr().is_ipv4())
+        || (cluster_cidrs.len() == 2
+            && cluster_cidrs[0].addr().is_ipv4() == cluster_cidrs[1].addr().is_ipv4())
     {
         let origin = if flags.cluster_cidr.is_some() {
             Origin::Flag("--cluster-cidr")
@@ -492,7 +507,9 @@ fn resolve(
             )
             .filter(|(s, _)| !s.is_empty())
             .ok_or_else(|| {
-                mode_origin.err("BridgeInterface needs detectLocal.bridgeInterface (--pod-bridge-interface)")
+                mode_origin.err(
+                    "BridgeInterface needs detectLocal.bridgeInterface (--pod-bridge-interface)",
+                )
             })?;
             check_interface_name(&s).map_err(|m| origin.err(m))?;
             LocalDetectorConfig::BridgeInterface(s)
@@ -506,33 +523,40 @@ fn resolve(
     };
 
     // NodePort addresses.
-    let npa: Option<(Vec<String>, Origin)> = match (&flags.nodeport_addresses, &f.node_port_addresses, name) {
-        (Some(s), _, _) => Some((
-            s.split(',')
-                .map(|x| x.trim().to_string())
-                .filter(|x| !x.is_empty())
-                .collect(),
-            Origin::Flag("--nodeport-addresses"),
-        )),
-        (None, Some(v), Some(file)) => Some((v.clone(), Origin::File(file, "nodePortAddresses"))),
-        _ => None,
-    };
+    let npa: Option<(Vec<String>, Origin)> =
+        match (&flags.nodeport_addresses, &f.node_port_addresses, name) {
+            (Some(s), _, _) => Some((
+                s.split(',')
+                    .map(|x| x.trim().to_string())
+                    .filter(|x| !x.is_empty())
+                    .collect(),
+                Origin::Flag("--nodeport-addresses"),
+            )),
+            (None, Some(v), Some(file)) => {
+                Some((v.clone(), Origin::File(file, "nodePortAddresses")))
+            }
+            _ => None,
+        };
     if let Some((entries, origin)) = npa {
         cfg.plan.node_port_addresses = parse_node_port_addresses(&entries, origin, &mut warnings)?;
     }
 
     // Conntrack.
     let ct_origin = |path: &'static str| Origin::File(name.unwrap_or(""), path);
-    let non_negative = |v: Option<i64>, path: &'static str, default: u32| -> Result<u32, ConfigError> {
-        match v {
-            None => Ok(default),
-            Some(v) => {
-                u32::try_from(v).map_err(|_| ct_origin(path).err(format!("{v} must be between 0 and {}", u32::MAX)))
+    let non_negative =
+        |v: Option<i64>, path: &'static str, default: u32| -> Result<u32, ConfigError> {
+            match v {
+                None => Ok(default),
+                Some(v) => u32::try_from(v).map_err(|_| {
+                    ct_origin(path).err(format!("{v} must be between 0 and {}", u32::MAX))
+                }),
             }
-        }
-    };
+        };
     let d = ConntrackConfig::default();
-    let duration = |v: &Option<String>, path: &'static str, default: Duration| -> Result<Duration, ConfigError> {
+    let duration = |v: &Option<String>,
+                    path: &'static str,
+                    default: Duration|
+     -> Result<Duration, ConfigError> {
         match v {
             None => Ok(default),
             Some(s) => parse_go_duration(s).map_err(|m| ct_origin(path).err(m)),
@@ -553,17 +577,28 @@ fn resolve(
         )?,
         tcp_be_liberal: ct.tcp_be_liberal.unwrap_or(false),
         udp_timeout: duration(&ct.udp_timeout, "conntrack.udpTimeout", Duration::ZERO)?,
-        udp_stream_timeout: duration(&ct.udp_stream_timeout, "conntrack.udpStreamTimeout", Duration::ZERO)?,
+        udp_stream_timeout: duration(
+            &ct.udp_stream_timeout,
+            "conntrack.udpStreamTimeout",
+            Duration::ZERO,
+        )?,
     };
 
     Ok((cfg, warnings))
 }
 
 /// Whether detectLocalMode ClusterCIDR was asked for (rather than being the default).
-fn mode_origin_is_explicit(origin: &Origin, flags: &ConfigFlags, f: &KubeProxyConfiguration) -> bool {
+fn mode_origin_is_explicit(
+    origin: &Origin,
+    flags: &ConfigFlags,
+    f: &KubeProxyConfiguration,
+) -> bool {
     match origin {
         Origin::Flag(_) => flags.detect_local_mode.is_some(),
-        Origin::File(..) => f.detect_local_mode.as_deref().is_some_and(|m| !m.is_empty()),
+        Origin::File(..) => f
+            .detect_local_mode
+            .as_deref()
+            .is_some_and(|m| !m.is_empty()),
     }
 }
 
@@ -640,12 +675,15 @@ fn parse_node_port_addresses(
         match e.trim() {
             "" => {}
             "primary" => primary = true,
-            "all" => cidrs.extend(["0.0.0.0/0", "::/0"].map(|c| c.parse::<IpNet>().expect("valid literal"))),
+            "all" => cidrs
+                .extend(["0.0.0.0/0", "::/0"].map(|c| c.parse::<IpNet>().expect("valid literal"))),
             "localhost" => {
                 warnings.push(
                     origin.warn("localhost: NodePorts on loopback addresses are not served by an nftables proxy"),
                 );
-                cidrs.extend(["127.0.0.0/8", "::1/128"].map(|c| c.parse::<IpNet>().expect("valid literal")));
+                cidrs.extend(
+                    ["127.0.0.0/8", "::1/128"].map(|c| c.parse::<IpNet>().expect("valid literal")),
+                );
             }
             c => cidrs.extend(parse_cidrs(c).map_err(|m| origin.err(m))?),
         }
@@ -684,17 +722,28 @@ fn parse_feature_gates(s: &str) -> Result<Vec<(String, bool)>, ConfigError> {
     let flag = Origin::Flag("--feature-gates");
     let mut out = Vec::new();
     for kv in s.split(',').map(str::trim).filter(|kv| !kv.is_empty()) {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| flag.err(format!("{:?} is not Name=true|false", kv.escape_debug().to_string())))?;
+        let (k, v) = kv.split_once('=').ok_or_else(|| {
+            flag.err(format!(
+                "{:?} is not Name=true|false",
+                kv.escape_debug().to_string()
+            ))
+        })?;
         let k = k.trim();
         if k.is_empty() || !k.bytes().all(|b| b.is_ascii_alphanumeric()) {
-            return Err(flag.err(format!("{:?} is not a feature gate name", k.escape_debug().to_string())));
+            return Err(flag.err(format!(
+                "{:?} is not a feature gate name",
+                k.escape_debug().to_string()
+            )));
         }
         let v = match v.trim().to_ascii_lowercase().as_str() {
             "true" => true,
             "false" => false,
-            _ => return Err(flag.err(format!("{k}: {:?} is not true or false", v.escape_debug().to_string()))),
+            _ => {
+                return Err(flag.err(format!(
+                    "{k}: {:?} is not true or false",
+                    v.escape_debug().to_string()
+                )));
+            }
         };
         out.push((k.to_string(), v));
     }
@@ -714,8 +763,14 @@ pub fn conntrack_sysctls(c: &ConntrackConfig, ncpu: usize) -> Vec<(String, u64)>
         out.push((format!("{NF}/nf_conntrack_max"), max));
     }
     for (name, d) in [
-        ("nf_conntrack_tcp_timeout_established", c.tcp_established_timeout),
-        ("nf_conntrack_tcp_timeout_close_wait", c.tcp_close_wait_timeout),
+        (
+            "nf_conntrack_tcp_timeout_established",
+            c.tcp_established_timeout,
+        ),
+        (
+            "nf_conntrack_tcp_timeout_close_wait",
+            c.tcp_close_wait_timeout,
+        ),
         ("nf_conntrack_udp_timeout", c.udp_timeout),
         ("nf_conntrack_udp_timeout_stream", c.udp_stream_timeout),
     ] {

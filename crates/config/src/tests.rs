@@ -56,7 +56,8 @@ fn every_honoured_field_changes_the_config() {
             c.plan.local_detector == LocalDetectorConfig::ClusterCidr(cidrs(&["10.244.0.0/16"]))
         }),
         ("clusterCIDR: 10.244.0.0/16,fd00:10:244::/56", |c| {
-            c.plan.local_detector == LocalDetectorConfig::ClusterCidr(cidrs(&["10.244.0.0/16", "fd00:10:244::/56"]))
+            c.plan.local_detector
+                == LocalDetectorConfig::ClusterCidr(cidrs(&["10.244.0.0/16", "fd00:10:244::/56"]))
         }),
         ("detectLocalMode: NodeCIDR", |c| {
             c.plan.local_detector == LocalDetectorConfig::NodeCidr
@@ -76,9 +77,12 @@ fn every_honoured_field_changes_the_config() {
             c.plan.node_port_addresses == NodePortAddressesConfig::Cidrs(cidrs(&["10.200.0.0/24"]))
         }),
         ("nodePortAddresses: [all]", |c| {
-            c.plan.node_port_addresses == NodePortAddressesConfig::Cidrs(cidrs(&["0.0.0.0/0", "::/0"]))
+            c.plan.node_port_addresses
+                == NodePortAddressesConfig::Cidrs(cidrs(&["0.0.0.0/0", "::/0"]))
         }),
-        ("conntrack: {maxPerCore: 0}", |c| c.conntrack.max_per_core == 0),
+        ("conntrack: {maxPerCore: 0}", |c| {
+            c.conntrack.max_per_core == 0
+        }),
         ("conntrack: {min: 1000}", |c| c.conntrack.min == 1000),
         ("conntrack: {tcpEstablishedTimeout: 2h}", |c| {
             c.conntrack.tcp_established_timeout == Duration::from_secs(7200)
@@ -86,16 +90,22 @@ fn every_honoured_field_changes_the_config() {
         ("conntrack: {tcpCloseWaitTimeout: 60s}", |c| {
             c.conntrack.tcp_close_wait_timeout == Duration::from_secs(60)
         }),
-        ("conntrack: {tcpBeLiberal: true}", |c| c.conntrack.tcp_be_liberal),
+        ("conntrack: {tcpBeLiberal: true}", |c| {
+            c.conntrack.tcp_be_liberal
+        }),
         ("conntrack: {udpTimeout: 30s}", |c| {
             c.conntrack.udp_timeout == Duration::from_secs(30)
         }),
         ("conntrack: {udpStreamTimeout: 300s}", |c| {
             c.conntrack.udp_stream_timeout == Duration::from_secs(300)
         }),
-        ("featureGates: {PreferSameTrafficDistribution: false}", |c| {
-            !c.plan.prefer_same_node_hints && c.feature_gates.get("PreferSameTrafficDistribution") == Some(&false)
-        }),
+        (
+            "featureGates: {PreferSameTrafficDistribution: false}",
+            |c| {
+                !c.plan.prefer_same_node_hints
+                    && c.feature_gates.get("PreferSameTrafficDistribution") == Some(&false)
+            },
+        ),
         ("featureGates: {ProxyTerminatingEndpoints: false}", |c| {
             !c.plan.proxy_terminating_endpoints
         }),
@@ -118,15 +128,30 @@ fn defaults_are_kube_proxys() {
     let (cfg, warnings) = file("").unwrap();
     assert!(warnings.is_empty());
     assert_eq!(cfg, ProxyConfig::default());
-    assert_eq!(cfg.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
-    assert_eq!(cfg.metrics_bind_address, Some("127.0.0.1:10249".parse().unwrap()));
+    assert_eq!(
+        cfg.healthz_bind_address,
+        Some("0.0.0.0:10256".parse().unwrap())
+    );
+    assert_eq!(
+        cfg.metrics_bind_address,
+        Some("127.0.0.1:10249".parse().unwrap())
+    );
     assert_eq!(
         (cfg.min_sync_period, cfg.sync_period, cfg.masquerade_bit),
         (Duration::from_secs(1), Duration::from_secs(30), 14)
     );
-    assert_eq!((cfg.conntrack.max_per_core, cfg.conntrack.min), (32768, 131072));
-    assert_eq!(cfg.conntrack.tcp_established_timeout, Duration::from_secs(86400));
-    assert_eq!(cfg.conntrack.tcp_close_wait_timeout, Duration::from_secs(3600));
+    assert_eq!(
+        (cfg.conntrack.max_per_core, cfg.conntrack.min),
+        (32768, 131072)
+    );
+    assert_eq!(
+        cfg.conntrack.tcp_established_timeout,
+        Duration::from_secs(86400)
+    );
+    assert_eq!(
+        cfg.conntrack.tcp_close_wait_timeout,
+        Duration::from_secs(3600)
+    );
     assert_eq!(cfg.plan, PlanConfig::default());
     // No file at all: the same.
     assert_eq!(load(&ConfigFlags::default()).unwrap().0, cfg);
@@ -194,7 +219,14 @@ fn inapplicable_and_unknown_fields_warn_with_their_path() {
         ],
         "{warnings:#?}"
     );
-    let w = |p: &str| warnings.iter().find(|w| w.path == p).unwrap().message.clone();
+    let w = |p: &str| {
+        warnings
+            .iter()
+            .find(|w| w.path == p)
+            .unwrap()
+            .message
+            .clone()
+    };
     assert_eq!(
         w("iptables.syncPeriod"),
         "does not apply to kproxy (nftables); use nftables.syncPeriod"
@@ -217,7 +249,10 @@ fn other_modes_are_refused_clearly() {
 fn bad_values_fail_with_the_file_and_the_field_path() {
     for (body, path) in [
         ("nftables: {masqueradeBit: 32}", "nftables.masqueradeBit"),
-        ("nftables: {masqueradeBit: fourteen}", "nftables.masqueradeBit"),
+        (
+            "nftables: {masqueradeBit: fourteen}",
+            "nftables.masqueradeBit",
+        ),
         ("nftables: {syncPeriod: 30}", "nftables.syncPeriod"),
         ("nftables: {minSyncPeriod: soon}", "nftables.minSyncPeriod"),
         (
@@ -237,7 +272,10 @@ fn bad_values_fail_with_the_file_and_the_field_path() {
             "detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: 'br0; flush ruleset'}",
             "detectLocal.bridgeInterface",
         ),
-        ("nodePortAddresses: [primary, 10.0.0.0/8]", "nodePortAddresses"),
+        (
+            "nodePortAddresses: [primary, 10.0.0.0/8]",
+            "nodePortAddresses",
+        ),
         ("nodePortAddresses: [nope]", "nodePortAddresses"),
         ("featureGates: {A: yes please}", "featureGates.A"),
         ("nodePortAddresses: 10.0.0.0/8", "nodePortAddresses"),
@@ -245,11 +283,18 @@ fn bad_values_fail_with_the_file_and_the_field_path() {
         let e = file(body).expect_err(body);
         match &e {
             ConfigError::Field { file, path: p, .. } => {
-                assert_eq!((file.as_str(), p.as_str()), ("kp.yaml", path), "{body}: {e}");
+                assert_eq!(
+                    (file.as_str(), p.as_str()),
+                    ("kp.yaml", path),
+                    "{body}: {e}"
+                );
             }
             other => panic!("{body}: {other}"),
         }
-        assert!(e.to_string().starts_with(&format!("kp.yaml: {path}: ")), "{e}");
+        assert!(
+            e.to_string().starts_with(&format!("kp.yaml: {path}: ")),
+            "{e}"
+        );
     }
 }
 
@@ -330,8 +375,14 @@ fn flags_override_the_file() {
     assert!(warnings.is_empty(), "{warnings:?}");
     assert_eq!(c.kubeconfig, Some(PathBuf::from("/flag/kubeconfig")));
     assert_eq!(c.hostname_override.as_deref(), Some("from-flag"));
-    assert_eq!(c.healthz_bind_address, None, "an empty flag disables the server");
-    assert_eq!(c.metrics_bind_address, Some("127.0.0.1:9999".parse().unwrap()));
+    assert_eq!(
+        c.healthz_bind_address, None,
+        "an empty flag disables the server"
+    );
+    assert_eq!(
+        c.metrics_bind_address,
+        Some("127.0.0.1:9999".parse().unwrap())
+    );
     assert_eq!(
         c.plan.local_detector,
         LocalDetectorConfig::ClusterCidr(cidrs(&["10.244.0.0/16"]))
@@ -339,7 +390,11 @@ fn flags_override_the_file() {
     assert_eq!(c.plan.node_port_addresses, NodePortAddressesConfig::Primary);
     assert!(!c.plan.masquerade_all);
     assert_eq!(c.masquerade_bit, 7);
-    assert_eq!(c.min_sync_period, Duration::ZERO, "a flag's 0 is taken as given");
+    assert_eq!(
+        c.min_sync_period,
+        Duration::ZERO,
+        "a flag's 0 is taken as given"
+    );
     assert_eq!(c.sync_period, Duration::from_secs(60));
     assert!(c.plan.prefer_same_node_hints);
     assert!(!c.plan.proxy_terminating_endpoints);
@@ -465,7 +520,9 @@ fn flags_alone_and_bad_flags() {
         config: Some("/nonexistent/kp.yaml".into()),
         ..Default::default()
     }) {
-        Err(e @ ConfigError::Read { .. }) => assert!(e.to_string().contains("/nonexistent/kp.yaml")),
+        Err(e @ ConfigError::Read { .. }) => {
+            assert!(e.to_string().contains("/nonexistent/kp.yaml"))
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -520,7 +577,10 @@ fn conntrack_sysctls_follow_upstream() {
             (nf("nf_conntrack_tcp_timeout_close_wait"), 3600),
         ]
     );
-    assert_eq!(conntrack_sysctls(&d, 8)[0], (nf("nf_conntrack_max"), 262144));
+    assert_eq!(
+        conntrack_sysctls(&d, 8)[0],
+        (nf("nf_conntrack_max"), 262144)
+    );
     let c = ConntrackConfig {
         max_per_core: 0,
         min: 5,

@@ -29,7 +29,11 @@ fn subset(original: &Value, typed: &Value, path: &str) -> Result<(), String> {
                 match b.get(k) {
                     Some(w) => subset(v, w, &p)?,
                     None if v.is_null() => {}
-                    None => return Err(format!("{p}: not a field of the type (unknown or misspelled)")),
+                    None => {
+                        return Err(format!(
+                            "{p}: not a field of the type (unknown or misspelled)"
+                        ));
+                    }
                 }
             }
             Ok(())
@@ -46,8 +50,8 @@ fn subset(original: &Value, typed: &Value, path: &str) -> Result<(), String> {
 }
 
 fn typed<T: DeserializeOwned + Serialize>(doc: &Value, what: &str) -> T {
-    let t: T =
-        serde_path_to_error::deserialize(doc.clone()).unwrap_or_else(|e| panic!("{what}: {}: {}", e.path(), e.inner()));
+    let t: T = serde_path_to_error::deserialize(doc.clone())
+        .unwrap_or_else(|e| panic!("{what}: {}: {}", e.path(), e.inner()));
     let back = serde_json::to_value(&t).expect("serialize");
     if let Err(e) = subset(doc, &back, "") {
         panic!("{what}: {e}");
@@ -75,9 +79,14 @@ fn read_all() -> Objects {
     assert!(!files.is_empty(), "no manifests in deploy/");
     for file in files {
         let text = std::fs::read_to_string(&file).expect("read manifest");
-        let docs: Vec<Value> = serde_saphyr::from_multiple(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&text)
+            .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         for (i, doc) in docs.into_iter().enumerate().filter(|(_, d)| !d.is_null()) {
-            let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default().to_string();
+            let kind = doc
+                .get("kind")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
             let what = format!("{} document {i} ({kind})", file.display());
             match kind.as_str() {
                 "ServiceAccount" => out.service_accounts.push(typed(&doc, &what)),
@@ -138,14 +147,24 @@ fn rbac_is_least_privilege_and_bound_to_the_daemonsets_account() {
         ]
     );
     let b = &o.bindings[0];
-    assert_eq!(b.role_ref.name, o.cluster_roles[0].metadata.name.clone().unwrap());
+    assert_eq!(
+        b.role_ref.name,
+        o.cluster_roles[0].metadata.name.clone().unwrap()
+    );
     let subject = &b.subjects.as_ref().unwrap()[0];
     let sa = &o.service_accounts[0].metadata;
     assert_eq!(
         (Some(&subject.name), subject.namespace.as_ref()),
         (sa.name.as_ref(), sa.namespace.as_ref())
     );
-    let pod = o.daemon_sets[0].spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    let pod = o.daemon_sets[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
     assert_eq!(pod.service_account_name.as_ref(), sa.name.as_ref());
 }
 
@@ -162,12 +181,17 @@ fn the_daemonset_runs_kproxy_like_kube_proxy() {
     );
     let pod = spec.template.spec.as_ref().unwrap();
     assert_eq!(pod.host_network, Some(true));
-    assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
+    assert_eq!(
+        pod.priority_class_name.as_deref(),
+        Some("system-node-critical")
+    );
     let tolerations = pod.tolerations.as_ref().unwrap();
     assert!(
         tolerations
             .iter()
-            .any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none() && t.effect.is_none())
+            .any(|t| t.operator.as_deref() == Some("Exists")
+                && t.key.is_none()
+                && t.effect.is_none())
     );
     let c = &pod.containers[0];
     assert_eq!(
@@ -179,17 +203,29 @@ fn the_daemonset_runs_kproxy_like_kube_proxy() {
         (g.path.clone().unwrap(), g.port.clone())
     };
     let port = k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256);
-    assert_eq!(probe_path(&c.liveness_probe), ("/livez".to_string(), port.clone()));
-    assert_eq!(probe_path(&c.readiness_probe), ("/healthz".to_string(), port));
+    assert_eq!(
+        probe_path(&c.liveness_probe),
+        ("/livez".to_string(), port.clone())
+    );
+    assert_eq!(
+        probe_path(&c.readiness_probe),
+        ("/healthz".to_string(), port)
+    );
     let sc = c.security_context.as_ref().unwrap();
     assert_ne!(sc.privileged, Some(true));
     let caps = sc.capabilities.as_ref().unwrap();
     assert_eq!(caps.add.as_deref().unwrap(), ["NET_ADMIN", "NET_RAW"]);
     assert_eq!(caps.drop.as_deref().unwrap(), ["ALL"]);
     let mounts = c.volume_mounts.as_ref().unwrap();
-    let lib = mounts.iter().find(|m| m.mount_path == "/lib/modules").unwrap();
+    let lib = mounts
+        .iter()
+        .find(|m| m.mount_path == "/lib/modules")
+        .unwrap();
     assert_eq!(lib.read_only, Some(true));
-    let cfg_mount = mounts.iter().find(|m| m.mount_path == "/var/lib/kproxy").unwrap();
+    let cfg_mount = mounts
+        .iter()
+        .find(|m| m.mount_path == "/var/lib/kproxy")
+        .unwrap();
     let vol = pod
         .volumes
         .as_ref()
@@ -201,11 +237,30 @@ fn the_daemonset_runs_kproxy_like_kube_proxy() {
         vol.config_map.as_ref().unwrap().name,
         o.config_maps[0].metadata.name.clone().unwrap()
     );
-    let node_name = c.env.as_ref().unwrap().iter().find(|e| e.name == "NODE_NAME").unwrap();
-    let field = node_name.value_from.as_ref().unwrap().field_ref.as_ref().unwrap();
+    let node_name = c
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|e| e.name == "NODE_NAME")
+        .unwrap();
+    let field = node_name
+        .value_from
+        .as_ref()
+        .unwrap()
+        .field_ref
+        .as_ref()
+        .unwrap();
     assert_eq!(field.field_path, "spec.nodeName");
     // The selector selects the template.
-    let labels = spec.template.metadata.as_ref().unwrap().labels.clone().unwrap();
+    let labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap();
     for (k, v) in spec.selector.match_labels.clone().unwrap() {
         assert_eq!(labels.get(&k), Some(&v));
     }
@@ -230,9 +285,16 @@ fn the_configmaps_configuration_loads_cleanly() {
         Some(Path::new("/var/lib/kproxy/kubeconfig.conf"))
     );
     assert!(data.contains_key("kubeconfig.conf"));
-    assert_eq!(cfg.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
-    assert_eq!(cfg.metrics_bind_address, Some("127.0.0.1:10249".parse().unwrap()));
-    let kc = kube::config::Kubeconfig::from_yaml(&data["kubeconfig.conf"]).expect("the shipped kubeconfig parses");
+    assert_eq!(
+        cfg.healthz_bind_address,
+        Some("0.0.0.0:10256".parse().unwrap())
+    );
+    assert_eq!(
+        cfg.metrics_bind_address,
+        Some("127.0.0.1:10249".parse().unwrap())
+    );
+    let kc = kube::config::Kubeconfig::from_yaml(&data["kubeconfig.conf"])
+        .expect("the shipped kubeconfig parses");
     let user = kc.auth_infos[0].auth_info.as_ref().unwrap();
     assert_eq!(
         user.token_file.as_deref(),

@@ -46,8 +46,15 @@ impl Drop for Daemon {
 }
 
 fn sh(args: &[&str]) {
-    let out = Command::new(args[0]).args(&args[1..]).output().expect("spawn");
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .expect("spawn");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn enter(ns: &str) {
@@ -58,8 +65,16 @@ fn enter(ns: &str) {
 fn kproxy_binary() -> PathBuf {
     // target/release/examples/daemon_bench → target/release/kproxy
     let exe = std::env::current_exe().expect("current_exe");
-    let bin = exe.parent().and_then(Path::parent).expect("target dir").join("kproxy");
-    assert!(bin.exists(), "{} missing: run `cargo build --release -p kproxy` first", bin.display());
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("kproxy");
+    assert!(
+        bin.exists(),
+        "{} missing: run `cargo build --release -p kproxy` first",
+        bin.display()
+    );
     bin
 }
 
@@ -182,9 +197,18 @@ fn run(services: usize, eps: usize) {
         sh(&full);
     };
     exec(&["ip", "link", "set", "lo", "up"]);
-    exec(&["ip", "link", "add", "kpb0", "type", "veth", "peer", "name", "kpb1"]);
+    exec(&[
+        "ip", "link", "add", "kpb0", "type", "veth", "peer", "name", "kpb1",
+    ]);
     exec(&["ip", "addr", "add", "10.200.0.1/24", "dev", "kpb0"]);
-    exec(&["ip", "addr", "add", &format!("{PROBE_POD_IP}/24"), "dev", "kpb1"]);
+    exec(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{PROBE_POD_IP}/24"),
+        "dev",
+        "kpb1",
+    ]);
     exec(&["ip", "link", "set", "kpb0", "up"]);
     exec(&["ip", "link", "set", "kpb1", "up"]);
     // A route for cluster IPs (as a node has, via its default route): the routing
@@ -250,7 +274,8 @@ fn run(services: usize, eps: usize) {
         let mut out = Vec::with_capacity(SAMPLES);
         for _ in 0..SAMPLES {
             let t = Instant::now();
-            let s = TcpStream::connect_timeout(&dst, Duration::from_secs(2)).expect("connect through the rules");
+            let s = TcpStream::connect_timeout(&dst, Duration::from_secs(2))
+                .expect("connect through the rules");
             out.push(t.elapsed());
             drop(s);
         }
@@ -277,7 +302,10 @@ fn run(services: usize, eps: usize) {
         percentile(&samples, 0.99).as_micros(),
     );
     let _ = std::io::stdout().flush();
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
     let _ = daemon.0.wait();
     if std::env::var_os("DAEMON_BENCH_KEEP").is_some() {
         println!("  kept {}", dir.keep().display());
@@ -285,10 +313,20 @@ fn run(services: usize, eps: usize) {
 }
 
 fn main() {
-    assert!(unsafe { libc::geteuid() } == 0, "daemon_bench needs root (network namespaces, nftables)");
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "daemon_bench needs root (network namespaces, nftables)"
+    );
     let sizes: Vec<(usize, usize)> = {
-        let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
-        let args = if args.is_empty() { vec!["10x10".into(), "10000x10".into(), "30000x1".into()] } else { args };
+        let args: Vec<String> = std::env::args()
+            .skip(1)
+            .filter(|a| !a.starts_with('-'))
+            .collect();
+        let args = if args.is_empty() {
+            vec!["10x10".into(), "10000x10".into(), "30000x1".into()]
+        } else {
+            args
+        };
         args.iter()
             .map(|a| {
                 let (s, e) = a.split_once('x').expect("SIZE is SERVICESxENDPOINTS");

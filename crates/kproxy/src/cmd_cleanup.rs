@@ -13,7 +13,10 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let cfg = DataplaneConfig { table: args.nft_table, ..Default::default() };
+    let cfg = DataplaneConfig {
+        table: args.nft_table,
+        ..Default::default()
+    };
     kproxy_nft::cleanup(&cfg).context("removing kproxy's nftables tables")?;
     println!("removed kproxy's nftables tables ({})", cfg.table);
     Ok(ExitCode::SUCCESS)

@@ -21,13 +21,25 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode> {
     let name = match ServiceName::parse(&args.service) {
         Some(n) => n,
-        None if !args.service.contains('/') => ServiceName::new(args.namespace.as_str(), args.service.as_str()),
-        None => bail!("SERVICE must be namespace/name or name, got {:?}", args.service),
+        None if !args.service.contains('/') => {
+            ServiceName::new(args.namespace.as_str(), args.service.as_str())
+        }
+        None => bail!(
+            "SERVICE must be namespace/name or name, got {:?}",
+            args.service
+        ),
     };
     let (plan, strict_failed) = args.source.plan(&args.source.plan_config()?)?;
     let Some(svc) = plan.services.get(&name) else {
-        bail!("Service {name} is not proxied on node {} (unknown, headless, ExternalName, or another proxy's)", plan.node);
+        bail!(
+            "Service {name} is not proxied on node {} (unknown, headless, ExternalName, or another proxy's)",
+            plan.node
+        );
     };
     print!("{}", kproxy_core::explain::explain_service(&plan, svc));
-    Ok(if strict_failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if strict_failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

@@ -28,5 +28,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
         Format::Table => print!("{}", kproxy_core::explain::plan_table(&plan)),
     }
-    Ok(if strict_failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if strict_failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

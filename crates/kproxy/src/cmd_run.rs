@@ -69,7 +69,8 @@ fn node_name(args: &Args, cfg: &ProxyConfig) -> Result<String> {
     {
         return Ok(n.trim().to_lowercase());
     }
-    let h = std::fs::read_to_string("/proc/sys/kernel/hostname").context("reading the host name")?;
+    let h =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").context("reading the host name")?;
     Ok(h.trim().to_lowercase())
 }
 
@@ -94,7 +95,10 @@ fn local_addresses() -> Vec<IpAddr> {
 /// True when this process runs in the host's network namespace (the one of PID 1).
 /// Global sysctls are only written there; in a lab namespace they would change the host.
 fn in_host_netns() -> bool {
-    match (std::fs::read_link("/proc/self/ns/net"), std::fs::read_link("/proc/1/ns/net")) {
+    match (
+        std::fs::read_link("/proc/self/ns/net"),
+        std::fs::read_link("/proc/1/ns/net"),
+    ) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
     }
@@ -105,9 +109,13 @@ fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
         tracing::info!("not in the host network namespace: leaving conntrack sysctls alone");
         return;
     }
-    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let ncpu = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     for (path, value) in kproxy_config::conntrack_sysctls(&cfg.conntrack, ncpu) {
-        let current = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse::<u64>().ok());
+        let current = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok());
         if current == Some(value) {
             continue;
         }
@@ -180,7 +188,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCode> {
     let mut plan_cfg = cfg.plan.clone();
-    if matches!(plan_cfg.node_port_addresses, NodePortAddressesConfig::Cidrs(_)) && plan_cfg.node_ips.is_empty() {
+    if matches!(
+        plan_cfg.node_port_addresses,
+        NodePortAddressesConfig::Cidrs(_)
+    ) && plan_cfg.node_ips.is_empty()
+    {
         plan_cfg.node_ips = local_addresses();
     }
     apply_conntrack_sysctls(&cfg);
@@ -211,14 +223,20 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     }
 
     let dataplane = NftDataplane(
-        Nft::new(DataplaneConfig { table: args.nft_table.clone(), masquerade_bit: cfg.masquerade_bit, ..Default::default() })
-            .context("setting up the nftables dataplane")?,
+        Nft::new(DataplaneConfig {
+            table: args.nft_table.clone(),
+            masquerade_bit: cfg.masquerade_bit,
+            ..Default::default()
+        })
+        .context("setting up the nftables dataplane")?,
     );
 
     let handle = StateHandle::new();
     let queued = health.clone();
     handle.on_update(move || queued.change_queued());
-    let ownership = Ownership { service_proxy_name: args.service_proxy_name.clone() };
+    let ownership = Ownership {
+        service_proxy_name: args.service_proxy_name.clone(),
+    };
     let source = match &args.manifests {
         Some(path) => {
             let wc = kproxy_source::watch::WatchConfig {
@@ -229,14 +247,26 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
                 settle: Duration::from_millis(10),
             };
             let h = handle.clone();
-            tokio::spawn(async move { kproxy_source::watch::run(wc, h).await.map_err(anyhow::Error::from) })
+            tokio::spawn(async move {
+                kproxy_source::watch::run(wc, h)
+                    .await
+                    .map_err(anyhow::Error::from)
+            })
         }
         None => {
-            let client =
-                kproxy_source::kube::client(cfg.kubeconfig.as_deref()).await.context("connecting to the API server")?;
-            let kc = kproxy_source::kube::KubeSourceConfig { node_name: node.clone(), ownership };
+            let client = kproxy_source::kube::client(cfg.kubeconfig.as_deref())
+                .await
+                .context("connecting to the API server")?;
+            let kc = kproxy_source::kube::KubeSourceConfig {
+                node_name: node.clone(),
+                ownership,
+            };
             let h = handle.clone();
-            tokio::spawn(async move { kproxy_source::kube::run(client, kc, h).await.map_err(anyhow::Error::from) })
+            tokio::spawn(async move {
+                kproxy_source::kube::run(client, kc, h)
+                    .await
+                    .map_err(anyhow::Error::from)
+            })
         }
     };
 
@@ -274,7 +304,10 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
 
 async fn wait_for_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
         (Ok(mut term), Ok(mut int)) => {
             tokio::select! {
                 _ = term.recv() => tracing::info!("SIGTERM"),

@@ -26,8 +26,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let config = args.source.plan_config()?;
     let (plan, strict_failed) = args.source.plan(&config)?;
-    let mut dp = Dataplane::new(DataplaneConfig { table: args.nft_table.clone(), ..Default::default() })
-        .context("setting up the nftables dataplane")?;
+    let mut dp = Dataplane::new(DataplaneConfig {
+        table: args.nft_table.clone(),
+        ..Default::default()
+    })
+    .context("setting up the nftables dataplane")?;
     let report = dp.sync(&plan).context("programming nftables")?;
     println!(
         "synced {} service ports of {} Services in {:.1} ms (conntrack entries deleted: {})",
@@ -36,5 +39,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         report.elapsed.as_secs_f64() * 1e3,
         report.conntrack_deleted
     );
-    Ok(if strict_failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if strict_failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

@@ -81,11 +81,25 @@ pub fn run(args: Args) -> Result<ExitCode> {
             println!("verdict:    {verdict}");
             if t.verdict == TraceVerdict::Dnat {
                 let eps: Vec<String> = t.endpoints.iter().map(ToString::to_string).collect();
-                println!("endpoints:  {} (one chosen at random per connection)", eps.join(", "));
-                println!("masquerade: {}", if t.masquerade { "yes (source NATed to the node)" } else { "no (client address kept)" });
+                println!(
+                    "endpoints:  {} (one chosen at random per connection)",
+                    eps.join(", ")
+                );
+                println!(
+                    "masquerade: {}",
+                    if t.masquerade {
+                        "yes (source NATed to the node)"
+                    } else {
+                        "no (client address kept)"
+                    }
+                );
             }
             println!("reason:     {}", t.reason);
         }
     }
-    Ok(if strict_failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if strict_failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

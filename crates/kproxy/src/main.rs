@@ -17,7 +17,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "kproxy", version, about = "A Kubernetes Service proxy for Linux nodes")]
+#[command(
+    name = "kproxy",
+    version,
+    about = "A Kubernetes Service proxy for Linux nodes"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

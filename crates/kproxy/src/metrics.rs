@@ -73,7 +73,11 @@ impl Metrics {
             skipped_objects: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("kubeproxy");
-        r.register("sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds", m.sync_duration.clone());
+        r.register(
+            "sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            m.sync_duration.clone(),
+        );
         r.register(
             "sync_full_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds for full resyncs",
@@ -105,9 +109,21 @@ impl Metrics {
             m.endpoint_changes_pending.clone(),
         );
         // prometheus-client appends `_total` to counters.
-        r.register("sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", m.endpoint_changes_total.clone());
-        r.register("sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", m.service_changes_pending.clone());
-        r.register("sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", m.service_changes_total.clone());
+        r.register(
+            "sync_proxy_rules_endpoint_changes",
+            "Cumulative proxy rules Endpoint changes",
+            m.endpoint_changes_total.clone(),
+        );
+        r.register(
+            "sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            m.service_changes_pending.clone(),
+        );
+        r.register(
+            "sync_proxy_rules_service_changes",
+            "Cumulative proxy rules Service changes",
+            m.service_changes_total.clone(),
+        );
         r.register(
             "sync_proxy_rules_no_local_endpoints_total",
             "Number of services with a Local traffic policy and no endpoints",
@@ -129,7 +145,11 @@ impl Metrics {
             "Times the periodic verification found the kernel different from what kproxy programmed and repaired it",
             m.drift_repairs.clone(),
         );
-        own.register("conntrack_entries_deleted", "Stale conntrack entries deleted after syncs", m.conntrack_deleted.clone());
+        own.register(
+            "conntrack_entries_deleted",
+            "Stale conntrack entries deleted after syncs",
+            m.conntrack_deleted.clone(),
+        );
         own.register(
             "skipped_objects",
             "Objects skipped or trimmed at the last load because they failed validation",
@@ -143,7 +163,8 @@ impl Metrics {
 pub fn encode(registry: &Registry) -> String {
     let mut out = String::new();
     // Encoding into a String cannot fail except on a formatting bug.
-    prometheus_client::encoding::text::encode(&mut out, registry).expect("encoding metrics into a String");
+    prometheus_client::encoding::text::encode(&mut out, registry)
+        .expect("encoding metrics into a String");
     out
 }
 
@@ -155,12 +176,22 @@ pub async fn serve(addr: SocketAddr, registry: Arc<Registry>) -> Result<()> {
         get(move || {
             let registry = registry.clone();
             async move {
-                ([(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], encode(&registry))
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    encode(&registry),
+                )
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding the metrics server to {addr}"))?;
-    axum::serve(listener, app).await.with_context(|| format!("metrics server on {addr}"))
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the metrics server to {addr}"))?;
+    axum::serve(listener, app)
+        .await
+        .with_context(|| format!("metrics server on {addr}"))
 }
 
 #[cfg(test)]
@@ -173,7 +204,11 @@ mod tests {
         let m = Metrics::register(&mut registry);
         m.sync_duration.observe(0.003);
         m.endpoint_changes_total.inc();
-        m.no_local_endpoints.get_or_create(&TrafficPolicyLabel { traffic_policy: "internal" }).set(2);
+        m.no_local_endpoints
+            .get_or_create(&TrafficPolicyLabel {
+                traffic_policy: "internal",
+            })
+            .set(2);
         let text = encode(&registry);
         for line in [
             "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
@@ -195,7 +230,10 @@ mod tests {
             "kubeproxy_sync_proxy_rules_nftables_sync_failures_total 0",
             "kproxy_dataplane_drift_repairs_total 0",
         ] {
-            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
         }
         assert_eq!(network_programming_buckets().len(), 2 + 59 + 12 + 7);
     }

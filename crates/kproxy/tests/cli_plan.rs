@@ -11,12 +11,24 @@ fn kproxy(args: &[&str]) -> (i32, String, String) {
         .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
         .output()
         .expect("run kproxy");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[test]
 fn plan_json_of_the_example_cluster_matches_the_snapshot() {
-    let (code, out, err) = kproxy(&["plan", "--manifests", "examples/cluster", "--node", "node-a", "-o", "json"]);
+    let (code, out, err) = kproxy(&[
+        "plan",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "-o",
+        "json",
+    ]);
     assert_eq!(code, 0, "{err}");
     let v: Value = serde_json::from_str(&out).expect("valid JSON");
     insta::assert_json_snapshot!("plan_node_a", v);
@@ -24,35 +36,85 @@ fn plan_json_of_the_example_cluster_matches_the_snapshot() {
 
 #[test]
 fn plan_json_has_the_documented_contract_fields() {
-    let (_, out, _) = kproxy(&["plan", "--manifests", "examples/cluster", "--node", "node-c", "-o", "json"]);
+    let (_, out, _) = kproxy(&[
+        "plan",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-c",
+        "-o",
+        "json",
+    ]);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["node"], "node-c");
     let ports = v["servicePorts"].as_array().unwrap();
-    let web = ports.iter().find(|p| p["servicePort"] == "shop/web:http/TCP").unwrap();
-    for key in ["family", "clusterEndpoints", "localEndpoints", "allReachableEndpoints", "hasAnyEndpoints", "internal", "external"] {
+    let web = ports
+        .iter()
+        .find(|p| p["servicePort"] == "shop/web:http/TCP")
+        .unwrap();
+    for key in [
+        "family",
+        "clusterEndpoints",
+        "localEndpoints",
+        "allReachableEndpoints",
+        "hasAnyEndpoints",
+        "internal",
+        "external",
+    ] {
         assert!(web.get(key).is_some(), "missing {key}");
     }
     // node-c holds only a terminating, non-serving pod: external traffic from outside is
     // dropped (endpoints exist elsewhere), and the health check says 503.
     assert_eq!(web["localEndpoints"], serde_json::json!([]));
-    assert_eq!(web["external"].as_array().unwrap().last().unwrap()["verdict"]["action"], "drop");
+    assert_eq!(
+        web["external"].as_array().unwrap().last().unwrap()["verdict"]["action"],
+        "drop"
+    );
     assert_eq!(v["healthChecks"][0]["localEndpoints"], 0);
     // iTP Local on a node without an agent: cluster-IP traffic is dropped, not rejected.
-    let agent = ports.iter().find(|p| p["servicePort"] == "monitoring/node-agent:metrics/TCP").unwrap();
+    let agent = ports
+        .iter()
+        .find(|p| p["servicePort"] == "monitoring/node-agent:metrics/TCP")
+        .unwrap();
     assert_eq!(agent["internal"][0]["verdict"]["action"], "drop");
     // Dual-stack: one entry per family, IPv6 endpoints bracketed.
-    let api6 = ports.iter().find(|p| p["servicePort"] == "shop/api:grpc/TCP" && p["family"] == "IPv6").unwrap();
+    let api6 = ports
+        .iter()
+        .find(|p| p["servicePort"] == "shop/api:grpc/TCP" && p["family"] == "IPv6")
+        .unwrap();
     assert_eq!(api6["clusterEndpoints"][0], "[fd00:10:244:1::30]:9000");
 }
 
 #[test]
 fn explain_says_why_each_endpoint_is_not_used() {
-    let (code, out, err) = kproxy(&["explain", "--manifests", "examples/cluster", "--node", "node-a", "web", "-n", "shop"]);
+    let (code, out, err) = kproxy(&[
+        "explain",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "web",
+        "-n",
+        "shop",
+    ]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("terminating, and 1 ready endpoint(s) exist"), "{out}");
-    assert!(out.contains("on node-b, and externalTrafficPolicy is Local"), "{out}");
+    assert!(
+        out.contains("terminating, and 1 ready endpoint(s) exist"),
+        "{out}"
+    );
+    assert!(
+        out.contains("on node-b, and externalTrafficPolicy is Local"),
+        "{out}"
+    );
     assert!(out.contains("health-check node port 32000: 503"), "{out}");
-    let (code, _, err) = kproxy(&["explain", "--manifests", "examples/cluster", "--node", "node-a", "shop/nope"]);
+    let (code, _, err) = kproxy(&[
+        "explain",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "shop/nope",
+    ]);
     assert_eq!(code, 1);
     assert!(err.contains("shop/nope"), "{err}");
 }
@@ -68,10 +130,19 @@ fn broken_objects_are_reported_and_skipped_and_strict_fails() {
     let path = dir.path().to_str().unwrap();
     let (code, out, err) = kproxy(&["plan", "--manifests", path, "--node", "n1", "-o", "json"]);
     assert_eq!(code, 0, "{err}");
-    assert!(err.contains("mixed.yaml: document 2: Service shop/bad: .spec.ports[0].port"), "{err}");
-    assert!(err.contains("EndpointSlice shop/web-1: .endpoints[1].addresses[0]: not an IP address"), "{err}");
+    assert!(
+        err.contains("mixed.yaml: document 2: Service shop/bad: .spec.ports[0].port"),
+        "{err}"
+    );
+    assert!(
+        err.contains("EndpointSlice shop/web-1: .endpoints[1].addresses[0]: not an IP address"),
+        "{err}"
+    );
     let v: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["servicePorts"][0]["clusterEndpoints"], serde_json::json!(["10.244.0.1:8080"]));
+    assert_eq!(
+        v["servicePorts"][0]["clusterEndpoints"],
+        serde_json::json!(["10.244.0.1:8080"])
+    );
     let (code, _, _) = kproxy(&["plan", "--manifests", path, "--node", "n1", "--strict"]);
     assert_eq!(code, 1);
     let (code, _, err) = kproxy(&["plan", "--manifests", "/nonexistent", "--node", "n1"]);
@@ -81,7 +152,21 @@ fn broken_objects_are_reported_and_skipped_and_strict_fails() {
 #[test]
 fn trace_answers_per_node_for_the_lb_ip() {
     let args = |node: &'static str| {
-        ["trace", "--manifests", "examples/cluster", "--node", node, "--src", "198.51.100.7", "--dst", "203.0.113.10", "--dport", "80", "-o", "json"]
+        [
+            "trace",
+            "--manifests",
+            "examples/cluster",
+            "--node",
+            node,
+            "--src",
+            "198.51.100.7",
+            "--dst",
+            "203.0.113.10",
+            "--dport",
+            "80",
+            "-o",
+            "json",
+        ]
     };
     let (code, out, err) = kproxy(&args("node-a"));
     assert_eq!(code, 0, "{err}");
@@ -94,11 +179,41 @@ fn trace_answers_per_node_for_the_lb_ip() {
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["verdict"], "DROP");
     // An address kproxy does not own is not touched.
-    let (_, out, _) = kproxy(&["trace", "--manifests", "examples/cluster", "--node", "node-a", "--src", "10.244.1.9", "--dst", "10.1.2.3", "--dport", "80", "--proto", "udp", "-o", "json"]);
+    let (_, out, _) = kproxy(&[
+        "trace",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "--src",
+        "10.244.1.9",
+        "--dst",
+        "10.1.2.3",
+        "--dport",
+        "80",
+        "--proto",
+        "udp",
+        "-o",
+        "json",
+    ]);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["verdict"], "NONE");
     // A bad protocol is a usage error.
-    let (code, _, _) = kproxy(&["trace", "--manifests", "examples/cluster", "--node", "node-a", "--src", "1.2.3.4", "--dst", "1.2.3.5", "--dport", "80", "--proto", "ICMP"]);
+    let (code, _, _) = kproxy(&[
+        "trace",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "--src",
+        "1.2.3.4",
+        "--dst",
+        "1.2.3.5",
+        "--dport",
+        "80",
+        "--proto",
+        "ICMP",
+    ]);
     assert_eq!(code, 2);
 }
 
@@ -107,17 +222,39 @@ fn config_file_changes_the_plan_and_a_wrong_mode_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let good = dir.path().join("good.yaml");
     std::fs::write(&good, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nnftables:\n  masqueradeAll: true\n").unwrap();
-    let (code, out, err) =
-        kproxy(&["plan", "--manifests", "examples/cluster", "--node", "node-a", "-o", "json", "--config", good.to_str().unwrap()]);
+    let (code, out, err) = kproxy(&[
+        "plan",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "-o",
+        "json",
+        "--config",
+        good.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0, "{err}");
     let v: Value = serde_json::from_str(&out).unwrap();
-    let web = v["servicePorts"].as_array().unwrap().iter().find(|p| p["servicePort"] == "shop/web:http/TCP").unwrap().clone();
+    let web = v["servicePorts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["servicePort"] == "shop/web:http/TCP")
+        .unwrap()
+        .clone();
     assert_eq!(web["internal"][0]["verdict"]["masquerade"], true, "{web}");
 
     let bad = dir.path().join("bad.yaml");
     std::fs::write(&bad, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: iptables\n").unwrap();
-    let (code, _, err) =
-        kproxy(&["plan", "--manifests", "examples/cluster", "--node", "node-a", "--config", bad.to_str().unwrap()]);
+    let (code, _, err) = kproxy(&[
+        "plan",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "--config",
+        bad.to_str().unwrap(),
+    ]);
     assert_eq!(code, 1);
     assert!(err.contains("mode") && err.contains("iptables"), "{err}");
 }

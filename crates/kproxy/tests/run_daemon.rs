@@ -64,10 +64,33 @@ fn write_atomic(dir: &Path, name: &str, text: &str) {
 fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path) -> Daemon {
     Daemon(
         Command::new("ip")
-            .args(["netns", "exec", &node.0, env!("CARGO_BIN_EXE_kproxy"), "run"])
-            .args(["--manifests", dir.to_str().unwrap(), "--hostname-override", "node-a"])
-            .args(["--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249"])
-            .args(["--min-sync-period", "50ms", "--sync-period", "5s", "--nft-table", table])
+            .args([
+                "netns",
+                "exec",
+                &node.0,
+                env!("CARGO_BIN_EXE_kproxy"),
+                "run",
+            ])
+            .args([
+                "--manifests",
+                dir.to_str().unwrap(),
+                "--hostname-override",
+                "node-a",
+            ])
+            .args([
+                "--healthz-bind-address",
+                "127.0.0.1:10256",
+                "--metrics-bind-address",
+                "127.0.0.1:10249",
+            ])
+            .args([
+                "--min-sync-period",
+                "50ms",
+                "--sync-period",
+                "5s",
+                "--nft-table",
+                table,
+            ])
             .args(["--event-log", events.to_str().unwrap()])
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -96,9 +119,13 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
     let table = "kpt";
     let daemon = start_daemon(node, dir.path(), table, &events);
     // The cluster IP reaches the pod; the health-check node port says 200 with 1 endpoint.
-    let body = eventually(node, "the cluster IP to answer", || http_get("10.96.0.10:80".parse().unwrap(), "/"));
+    let body = eventually(node, "the cluster IP to answer", || {
+        http_get("10.96.0.10:80".parse().unwrap(), "/")
+    });
     assert_eq!(body, (200, "pod-1".to_string()));
-    let (code, hc) = eventually(node, "the health-check node port", || http_get("10.200.0.11:32000".parse().unwrap(), "/"));
+    let (code, hc) = eventually(node, "the health-check node port", || {
+        http_get("10.200.0.11:32000".parse().unwrap(), "/")
+    });
     assert_eq!(code, 200, "{hc}");
     let hc: serde_json::Value = serde_json::from_str(&hc).expect("health JSON");
     assert_eq!(hc["localEndpoints"], 1);
@@ -111,21 +138,36 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
         http_get("10.200.0.11:32000".parse().unwrap(), "/").filter(|(c, _)| *c == 503)
     });
     let still = node.run(|| http_get("10.96.0.10:80".parse().unwrap(), "/"));
-    assert_eq!(still, Some((200, "pod-1".to_string())), "serving+terminating endpoint keeps serving");
+    assert_eq!(
+        still,
+        Some((200, "pod-1".to_string())),
+        "serving+terminating endpoint keeps serving"
+    );
 
     // Proxy health and metrics.
-    let (code, _) = eventually(node, "/healthz", || http_get("127.0.0.1:10256".parse().unwrap(), "/healthz"));
+    let (code, _) = eventually(node, "/healthz", || {
+        http_get("127.0.0.1:10256".parse().unwrap(), "/healthz")
+    });
     assert_eq!(code, 200);
-    let (code, metrics) = eventually(node, "/metrics", || http_get("127.0.0.1:10249".parse().unwrap(), "/metrics"));
+    let (code, metrics) = eventually(node, "/metrics", || {
+        http_get("127.0.0.1:10249".parse().unwrap(), "/metrics")
+    });
     assert_eq!(code, 200);
-    for name in ["kubeproxy_sync_proxy_rules_duration_seconds_count", "kubeproxy_sync_proxy_rules_last_timestamp_seconds", "kubeproxy_proxy_healthz_total"] {
+    for name in [
+        "kubeproxy_sync_proxy_rules_duration_seconds_count",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_proxy_healthz_total",
+    ] {
         assert!(metrics.contains(name), "{name} missing from\n{metrics}");
     }
 
     // The event log recorded the syncs.
     let log = std::fs::read_to_string(&events).unwrap();
-    let synced: Vec<serde_json::Value> =
-        log.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()).filter(|v| v["event"] == "synced").collect();
+    let synced: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "synced")
+        .collect();
     assert!(synced.len() >= 2, "{log}");
     assert_eq!(synced[0]["full"], true);
 
@@ -135,7 +177,11 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
     assert!(status.success(), "{status:?}");
     node.exec(&["nft", "list", "table", "ip", table]);
     let still = node.run(|| http_get("10.96.0.10:80".parse().unwrap(), "/"));
-    assert_eq!(still, Some((200, "pod-1".to_string())), "traffic keeps flowing with kproxy stopped");
+    assert_eq!(
+        still,
+        Some((200, "pod-1".to_string())),
+        "traffic keeps flowing with kproxy stopped"
+    );
 }
 
 /// Issue 3: a client keeps requests flowing while `kproxy run` is stopped and started
@@ -151,15 +197,21 @@ fn restart_under_load_loses_nothing() {
     let events = dir.path().join("events.jsonl");
     let table = "kpr";
     let mut daemon = start_daemon(&fab.node, dir.path(), table, &events);
-    eventually(&fab.node, "the cluster IP to answer", || http_get("10.96.0.10:80".parse().unwrap(), "/"));
+    eventually(&fab.node, "the cluster IP to answer", || {
+        http_get("10.96.0.10:80".parse().unwrap(), "/")
+    });
 
     // An established keep-alive connection, opened before the restart.
-    let mut kept = fab.node.run(|| TcpStream::connect("10.96.0.10:80").expect("connect"));
+    let mut kept = fab
+        .node
+        .run(|| TcpStream::connect("10.96.0.10:80").expect("connect"));
     kept.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let ask = |s: &mut TcpStream| -> bool {
         let req = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
         let mut buf = [0u8; 256];
-        s.write_all(req).is_ok() && s.read(&mut buf).is_ok_and(|n| n > 0 && buf[..n].ends_with(b"pod-1"))
+        s.write_all(req).is_ok()
+            && s.read(&mut buf)
+                .is_ok_and(|n| n > 0 && buf[..n].ends_with(b"pod-1"))
     };
     assert!(ask(&mut kept));
 
@@ -189,17 +241,29 @@ fn restart_under_load_loses_nothing() {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let log = std::fs::read_to_string(&events).unwrap_or_default();
-        let fulls = log.lines().filter(|l| l.contains("\"synced\"") && l.contains("\"full\":true")).count();
+        let fulls = log
+            .lines()
+            .filter(|l| l.contains("\"synced\"") && l.contains("\"full\":true"))
+            .count();
         if fulls >= 2 {
             break;
         }
-        assert!(Instant::now() < deadline, "the restarted daemon never synced:\n{log}");
+        assert!(
+            Instant::now() < deadline,
+            "the restarted daemon never synced:\n{log}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_millis(300));
     done.store(true, Ordering::SeqCst);
     let (sent, failed) = load.join().unwrap();
     assert!(sent > 20, "the load generator ran ({sent} requests)");
-    assert_eq!(failed, 0, "{failed} of {sent} new connections failed across the restart");
-    assert!(ask(&mut kept), "the established connection survived the restart");
+    assert_eq!(
+        failed, 0,
+        "{failed} of {sent} new connections failed across the restart"
+    );
+    assert!(
+        ask(&mut kept),
+        "the established connection survived the restart"
+    );
 }
