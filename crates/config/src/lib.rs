@@ -9,6 +9,8 @@
 //! conntrack sysctls derived from the `conntrack` section. Pure apart from reading the
 //! file: the daemon applies the result.
 
+#![forbid(unsafe_code)]
+
 mod duration;
 mod file;
 

@@ -14,6 +14,8 @@
 //! - [`planner`]: the plan, full and incremental.
 //! - [`trace`]: the fate of one packet under a plan; [`explain`]: why, for people.
 
+#![forbid(unsafe_code)]
+
 pub mod categorize;
 pub mod config;
 pub mod explain;

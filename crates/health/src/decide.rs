@@ -1,7 +1,7 @@
 //! The pure decisions of the health servers: what the proxy's `/healthz` and `/livez`
 //! answer, what each health-check node port answers, which Services get a health-check
 //! server, and on which addresses it listens. No I/O, no clock: `now` is an argument,
-//! so timelines are table tests. The servers (`crate::server`) only call these.
+//! so timelines are table tests. The servers (`crate::Health`, over `crate::http`) only call these.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};

@@ -10,6 +10,8 @@
 //! [`Health::sync_failed`]. Semantics (truthful vs upstream) are documented in
 //! `docs/health.md`.
 
+#![forbid(unsafe_code)]
+
 pub mod decide;
 pub mod fixtures;
 pub mod http;

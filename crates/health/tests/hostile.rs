@@ -80,30 +80,19 @@ fn oversized_and_malformed_requests_are_refused_and_the_probe_still_works() {
 fn slowloris_and_ten_thousand_idle_connections_do_not_starve_a_probe() {
     // Room for the client sockets plus the server's own: raise the soft limit to the
     // hard one (and the hard one too where allowed).
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: plain syscalls with valid pointers.
-    unsafe {
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
-        let want = libc::rlimit {
-            rlim_cur: 40_000,
-            rlim_max: 40_000.max(lim.rlim_max),
-        };
-        if libc::setrlimit(libc::RLIMIT_NOFILE, &want) != 0 {
-            lim.rlim_cur = lim.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
-        }
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    if setrlimit(Resource::RLIMIT_NOFILE, 40_000, 40_000.max(hard)).is_err() {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
     }
+    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
     // 10,000 when the limit allows (it does on CI: root), else as many as fit.
-    let n = 10_000usize.min((lim.rlim_cur as usize).saturating_sub(2_000));
+    let n = 10_000usize.min((soft as usize).saturating_sub(2_000));
     if n < 1_000 {
         // Cannot exceed the server's 512-connection bound meaningfully: say so loudly.
         eprintln!(
             "SKIPPED: RLIMIT_NOFILE {} (hard limit not raisable) is too low for the idle-connection flood",
-            lim.rlim_cur
+            soft
         );
         return;
     }

@@ -314,7 +314,7 @@ fn run(services: usize, eps: usize) {
 
 fn main() {
     assert!(
-        unsafe { libc::geteuid() } == 0,
+        nix::unistd::geteuid().is_root(),
         "daemon_bench needs root (network namespaces, nftables)"
     );
     let sizes: Vec<(usize, usize)> = {

@@ -15,6 +15,10 @@
 //! Freed pages are returned after about a second (`dirty_decay_ms`) by jemalloc's own
 //! background thread, so an idle daemon shrinks without any allocation to trigger it.
 //! `_RJEM_MALLOC_CONF` in the environment still overrides this at run time.
+//!
+//! The one module of the workspace allowed `unsafe` (reviewed): exporting the options
+//! symbol needs `#[unsafe(export_name)]`, and the test reads options back with mallctl.
+#![allow(unsafe_code)]
 
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;

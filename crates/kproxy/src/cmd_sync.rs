@@ -15,22 +15,36 @@ pub struct Args {
     /// Sync once and exit (the only mode: `kproxy run` is the daemon).
     #[arg(long)]
     pub once: bool,
+    /// Print the nft script a full sync of this plan would apply, and change nothing
+    /// (needs no root).
+    #[arg(long)]
+    pub dry_run: bool,
     /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
     #[arg(long, value_name = "NAME", default_value = "kproxy")]
     pub nft_table: String,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    if !args.once {
-        bail!("`kproxy sync` needs --once (the daemon is `kproxy run`)");
+    if !args.once && !args.dry_run {
+        bail!("`kproxy sync` needs --once or --dry-run (the daemon is `kproxy run`)");
     }
-    let config = args.source.plan_config()?;
-    let (plan, strict_failed) = args.source.plan(&config)?;
-    let mut dp = Dataplane::new(DataplaneConfig {
+    let config = args.source.proxy_config()?;
+    let (plan, strict_failed) = args.source.plan(&config.plan)?;
+    let dp_config = DataplaneConfig {
         table: args.nft_table.clone(),
+        masquerade_bit: config.masquerade_bit,
         ..Default::default()
-    })
-    .context("setting up the nftables dataplane")?;
+    };
+    if args.dry_run {
+        kproxy_nft::validate_plan(&plan).context("checking the plan")?;
+        print!("{}", kproxy_nft::render(&plan, &dp_config));
+        return Ok(if strict_failed {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        });
+    }
+    let mut dp = Dataplane::new(dp_config).context("setting up the nftables dataplane")?;
     let report = dp.sync(&plan).context("programming nftables")?;
     println!(
         "synced {} service ports of {} Services in {:.1} ms (conntrack entries deleted: {})",

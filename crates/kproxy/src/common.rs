@@ -8,13 +8,103 @@ use kproxy_core::ingest::Ownership;
 use kproxy_core::{ClusterState, NodePlan, PlanConfig};
 use kproxy_source::manifests;
 
-pub fn init_logging() {
+/// Log line format (`--logging-format`, as kube-proxy's flag).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LoggingFormat {
+    /// Human-readable lines; coloured only when stderr is a terminal.
+    #[default]
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+/// Logs go to stderr, filtered by `KPROXY_LOG` (default `info`). Colour codes are
+/// written only to a terminal: in a file or a pipe they are noise a collector keeps.
+pub fn init_logging(format: LoggingFormat) {
+    use std::io::IsTerminal;
     let filter =
         tracing_subscriber::EnvFilter::try_from_env("KPROXY_LOG").unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt()
+    let ansi = std::io::stderr().is_terminal();
+    let _ = tracing::subscriber::set_global_default(subscriber(
+        format,
+        ansi,
+        filter,
+        std::io::stderr,
+    ));
+}
+
+/// The subscriber [`init_logging`] installs, with its writer and colour choice given.
+fn subscriber<W>(
+    format: LoggingFormat,
+    ansi: bool,
+    filter: tracing_subscriber::EnvFilter,
+    writer: W,
+) -> Box<dyn tracing::Subscriber + Send + Sync>
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(writer);
+    match format {
+        LoggingFormat::Text => Box::new(builder.with_ansi(ansi).finish()),
+        LoggingFormat::Json => Box::new(
+            builder
+                .json()
+                .flatten_event(true)
+                .with_current_span(false)
+                .finish(),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod logging_tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::{LoggingFormat, subscriber};
+
+    /// A writer the test reads back.
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn log_one(format: LoggingFormat, ansi: bool) -> String {
+        let buf = Buf::default();
+        let out = buf.clone();
+        let sub = subscriber(format, ansi, "info".into(), move || out.clone());
+        tracing::subscriber::with_default(sub, || {
+            tracing::warn!(service = "shop/web", port = 8080, "health-check node port not bound");
+        });
+        String::from_utf8(buf.0.lock().unwrap().clone()).unwrap()
+    }
+
+    #[test]
+    fn text_has_colour_codes_only_when_asked() {
+        let plain = log_one(LoggingFormat::Text, false);
+        assert!(plain.contains("health-check node port not bound"), "{plain}");
+        assert!(!plain.contains('\x1b'), "colour codes in a non-terminal log: {plain:?}");
+        assert!(log_one(LoggingFormat::Text, true).contains('\x1b'));
+    }
+
+    #[test]
+    fn json_is_one_object_per_line_with_the_fields() {
+        let out = log_one(LoggingFormat::Json, true);
+        let line: serde_json::Value = serde_json::from_str(out.trim()).expect(&out);
+        assert_eq!(line["level"], "WARN");
+        assert_eq!(line["message"], "health-check node port not bound");
+        assert_eq!(line["service"], "shop/web");
+        assert_eq!(line["port"], 8080);
+        assert!(!out.contains('\x1b'));
+    }
 }
 
 /// `--manifests PATH --node NAME [--strict]`, shared by the offline subcommands.
@@ -41,18 +131,20 @@ pub struct ManifestArgs {
 impl ManifestArgs {
     /// The planner settings: upstream defaults, or those of `--config`.
     pub fn plan_config(&self) -> Result<PlanConfig> {
-        let Some(path) = &self.config else {
-            return Ok(PlanConfig::default());
-        };
+        Ok(self.proxy_config()?.plan)
+    }
+
+    /// Every setting of `--config` (upstream defaults without it), warnings printed.
+    pub fn proxy_config(&self) -> Result<kproxy_config::ProxyConfig> {
         let flags = kproxy_config::ConfigFlags {
-            config: Some(path.clone()),
+            config: self.config.clone(),
             ..Default::default()
         };
         let (cfg, warnings) = kproxy_config::load(&flags)?;
         for w in warnings {
             eprintln!("kproxy: warning: {}: {}", w.path, w.message);
         }
-        Ok(cfg.plan)
+        Ok(cfg)
     }
 
     pub fn ownership(&self) -> Ownership {

@@ -23,6 +23,9 @@ use clap::{Parser, Subcommand};
     about = "A Kubernetes Service proxy for Linux nodes"
 )]
 struct Cli {
+    /// Log format: text (coloured only on a terminal) or json (one object per line).
+    #[arg(long, global = true, value_enum, default_value_t, value_name = "FORMAT")]
+    logging_format: common::LoggingFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -42,14 +45,16 @@ enum Command {
     /// The fate of one new connection on this node: DNAT (to which endpoints), DROP, REJECT or NONE.
     Trace(cmd_trace::Args),
     /// Check workloads' rollout settings against the load balancer in front of them.
+    #[cfg(feature = "lint")]
     Lint(kproxy_lint::cli::LintArgs),
     /// Build a small cluster in network namespaces and run experiments on it (root).
+    #[cfg(feature = "lab")]
     Lab(kproxy_lab::cli::LabArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    common::init_logging();
+    common::init_logging(cli.logging_format);
     let result = match cli.command {
         Command::Plan(a) => cmd_plan::run(a),
         Command::Explain(a) => cmd_explain::run(a),
@@ -57,7 +62,9 @@ fn main() -> ExitCode {
         Command::Run(a) => cmd_run::run(*a),
         Command::Sync(a) => cmd_sync::run(a),
         Command::Cleanup(a) => cmd_cleanup::run(a),
+        #[cfg(feature = "lint")]
         Command::Lint(a) => kproxy_lint::cli::run(a),
+        #[cfg(feature = "lab")]
         Command::Lab(a) => kproxy_lab::cli::run(a),
     };
     match result {

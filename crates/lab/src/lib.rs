@@ -7,6 +7,8 @@
 //! Imperative shell: `netns`, `fabric`, `pod`, `cluster`, `lb`, `loadgen`,
 //! `kproxyd`, `scenario`, `cli`.
 
+#![forbid(unsafe_code)]
+
 pub mod cli;
 pub mod cluster;
 pub mod config;
@@ -40,6 +42,5 @@ pub enum LabError {
 
 /// The lab needs root (namespaces, nftables).
 pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
+    nix::unistd::geteuid().is_root()
 }

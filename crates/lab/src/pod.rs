@@ -248,21 +248,8 @@ async fn ctl_kill_all(shared: &PodShared) -> bool {
 }
 
 fn reset(stream: TcpStream) {
-    use std::os::fd::AsRawFd;
-    let l = libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    // SAFETY: a valid open fd and a correctly sized linger struct.
-    unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            &l as *const libc::linger as *const libc::c_void,
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        );
-    }
+    // Linger 0: close sends a RST instead of a FIN.
+    let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
     drop(stream);
 }
 

@@ -6,6 +6,8 @@
 //! pure function from them and an [`lb::LbProfile`] to findings, [`report`] renders them,
 //! and [`cli`] is the only module that touches files and streams.
 
+#![forbid(unsafe_code)]
+
 pub mod cli;
 pub mod input;
 pub mod lb;

@@ -22,12 +22,14 @@ impl Drop for Ns {
 }
 
 fn children_cpu() -> (Duration, Duration) {
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage only writes the struct we pass.
-    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
-    let tv =
-        |t: libc::timeval| Duration::from_micros(t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64);
-    (tv(ru.ru_utime), tv(ru.ru_stime))
+    use nix::sys::resource::{UsageWho, getrusage};
+    let Ok(ru) = getrusage(UsageWho::RUSAGE_CHILDREN) else {
+        return (Duration::ZERO, Duration::ZERO);
+    };
+    let tv = |t: nix::sys::time::TimeVal| {
+        Duration::from_micros(t.tv_sec() as u64 * 1_000_000 + t.tv_usec() as u64)
+    };
+    (tv(ru.user_time()), tv(ru.system_time()))
 }
 
 struct Sample {

@@ -9,6 +9,8 @@
 //! changes only as nfnetlink batches ([`netlink`]), and talks ctnetlink, always in the
 //! calling thread's network namespace.
 
+#![forbid(unsafe_code)]
+
 pub mod conntrack;
 pub mod netlink;
 pub mod nft;

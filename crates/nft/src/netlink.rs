@@ -20,7 +20,6 @@
 //! `nft -f` ([`SetType::parse`] returns `None`), never a guess.
 
 use std::net::{Ipv4Addr, Ipv6Addr};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 
 use netlink_packet_core::{
@@ -29,6 +28,8 @@ use netlink_packet_core::{
 use netlink_packet_netfilter::nftables::{NfTablesMessage, TableAttribute, TableMessage};
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::time::TimeVal;
 
 use crate::NftError;
 
@@ -376,29 +377,11 @@ fn current_netns() -> Result<u64, NftError> {
         })
 }
 
-fn setsockopt<T>(sock: &Socket, opt: libc::c_int, value: &T) -> std::io::Result<()> {
-    // SAFETY: `value` is a valid T for the duration of the call, and its size is passed.
-    let r = unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            opt,
-            (value as *const T).cast(),
-            std::mem::size_of::<T>() as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
 fn set_sndbuf(sock: &Socket, size: usize) -> std::io::Result<()> {
-    let size = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
     // SO_SNDBUFFORCE needs CAP_NET_ADMIN, which kproxy has; fall back to the capped one.
-    setsockopt(sock, libc::SO_SNDBUFFORCE, &size)
-        .or_else(|_| setsockopt(sock, libc::SO_SNDBUF, &size))
+    setsockopt(sock, sockopt::SndBufForce, &size)
+        .or_else(|_| setsockopt(sock, sockopt::SndBuf, &size))
+        .map_err(std::io::Error::from)
 }
 
 /// The netlink messages in one datagram, decoded (undecodable ones skipped).
@@ -441,17 +424,15 @@ impl Writer {
         sock.set_cap_ack(true)
             .map_err(io("setting NETLINK_CAP_ACK"))?;
         set_sndbuf(&sock, INITIAL_SNDBUF).map_err(io("raising the netlink send buffer"))?;
-        let rcvbuf: libc::c_int = 1 << 20;
-        setsockopt(&sock, libc::SO_RCVBUFFORCE, &rcvbuf)
-            .or_else(|_| setsockopt(&sock, libc::SO_RCVBUF, &rcvbuf))
+        let rcvbuf: usize = 1 << 20;
+        setsockopt(&sock, sockopt::RcvBufForce, &rcvbuf)
+            .or_else(|_| setsockopt(&sock, sockopt::RcvBuf, &rcvbuf))
+            .map_err(std::io::Error::from)
             .map_err(io("raising the netlink receive buffer"))?;
         // The kernel answers while processing the batch inside sendmsg, so replies are
         // queued before we read; the timeout only guards against a kernel that does not.
-        let timeout = libc::timeval {
-            tv_sec: 5,
-            tv_usec: 0,
-        };
-        setsockopt(&sock, libc::SO_RCVTIMEO, &timeout)
+        setsockopt(&sock, sockopt::ReceiveTimeout, &TimeVal::new(5, 0))
+            .map_err(std::io::Error::from)
             .map_err(io("setting the netlink receive timeout"))?;
         Ok(Writer {
             sock,

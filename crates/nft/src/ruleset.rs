@@ -1339,7 +1339,7 @@ fn source_match(class: SourceClass, f: &Fam, local_pods: &LocalPods) -> Option<S
                     _ => Some(format!("{} saddr @local-pods ", f.p)),
                 }
             }
-            // Interface names are validated by `crate::ident::interface_name`; an invalid
+            // Interface names are validated by `crate::validate_interface`; an invalid
             // one was rejected before rendering (see `validate_plan`).
             LocalPods::InterfacePrefix(p) => Some(format!("iifname \"{p}*\" ")),
             LocalPods::Bridge(b) => Some(format!("iifname \"{b}\" ")),

@@ -6,6 +6,8 @@
 //! - [`watch`]: keep a `StateHandle` in step with a manifest file or directory.
 //! - [`kube`]: the Kubernetes API watchers.
 
+#![forbid(unsafe_code)]
+
 #[cfg(feature = "fake-api")]
 pub mod fake_api;
 pub mod kube;
