@@ -25,12 +25,8 @@ pub fn init_logging(format: LoggingFormat) {
     let filter =
         tracing_subscriber::EnvFilter::try_from_env("KPROXY_LOG").unwrap_or_else(|_| "info".into());
     let ansi = std::io::stderr().is_terminal();
-    let _ = tracing::subscriber::set_global_default(subscriber(
-        format,
-        ansi,
-        filter,
-        std::io::stderr,
-    ));
+    let _ =
+        tracing::subscriber::set_global_default(subscriber(format, ansi, filter, std::io::stderr));
 }
 
 /// The subscriber [`init_logging`] installs, with its writer and colour choice given.
@@ -82,7 +78,11 @@ mod logging_tests {
         let out = buf.clone();
         let sub = subscriber(format, ansi, "info".into(), move || out.clone());
         tracing::subscriber::with_default(sub, || {
-            tracing::warn!(service = "shop/web", port = 8080, "health-check node port not bound");
+            tracing::warn!(
+                service = "shop/web",
+                port = 8080,
+                "health-check node port not bound"
+            );
         });
         String::from_utf8(buf.0.lock().unwrap().clone()).unwrap()
     }
@@ -90,8 +90,14 @@ mod logging_tests {
     #[test]
     fn text_has_colour_codes_only_when_asked() {
         let plain = log_one(LoggingFormat::Text, false);
-        assert!(plain.contains("health-check node port not bound"), "{plain}");
-        assert!(!plain.contains('\x1b'), "colour codes in a non-terminal log: {plain:?}");
+        assert!(
+            plain.contains("health-check node port not bound"),
+            "{plain}"
+        );
+        assert!(
+            !plain.contains('\x1b'),
+            "colour codes in a non-terminal log: {plain:?}"
+        );
         assert!(log_one(LoggingFormat::Text, true).contains('\x1b'));
     }
 

@@ -24,7 +24,13 @@ use clap::{Parser, Subcommand};
 )]
 struct Cli {
     /// Log format: text (coloured only on a terminal) or json (one object per line).
-    #[arg(long, global = true, value_enum, default_value_t, value_name = "FORMAT")]
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t,
+        value_name = "FORMAT"
+    )]
     logging_format: common::LoggingFormat,
     #[command(subcommand)]
     command: Command,

@@ -47,6 +47,12 @@ fn dry_run_takes_the_masquerade_bit_from_the_config_file() {
     .unwrap();
     let (code, out, err) = dry_run(&["--config", cfg.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("meta mark | 0x8 "), "masqueradeBit 3 not used:\n{out}");
-    assert!(!out.contains("0x4000"), "the default mark is still there:\n{out}");
+    assert!(
+        out.contains("meta mark | 0x8 "),
+        "masqueradeBit 3 not used:\n{out}"
+    );
+    assert!(
+        !out.contains("0x4000"),
+        "the default mark is still there:\n{out}"
+    );
 }

@@ -102,7 +102,10 @@ pub fn can_run() -> bool {
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
-    assert!(nft, "running as root but `nft` is missing (install nftables)");
+    assert!(
+        nft,
+        "running as root but `nft` is missing (install nftables)"
+    );
     true
 }
 
