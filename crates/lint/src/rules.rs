@@ -17,6 +17,7 @@ use k8s_openapi::api::policy::v1 as policyv1;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kproxy_core::manifest::Location;
+use kproxy_core::model::TrafficPolicy;
 use serde::Serialize;
 
 use crate::input::{
@@ -184,19 +185,11 @@ const NO_SURGE_RISK: &str = "no request is lost only if the preStop delay outlas
 /// Kubernetes' default `terminationGracePeriodSeconds`.
 const DEFAULT_TERMINATION_GRACE: f64 = 30.0;
 
-/// The externalTrafficPolicy of a LoadBalancer Service.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Policy {
-    Local,
-    Cluster,
-}
-
-impl Policy {
-    fn as_str(self) -> &'static str {
-        match self {
-            Policy::Local => "Local",
-            Policy::Cluster => "Cluster",
-        }
+/// The name Kubernetes writes for an externalTrafficPolicy.
+fn policy_name(p: TrafficPolicy) -> &'static str {
+    match p {
+        TrafficPolicy::Local => "Local",
+        TrafficPolicy::Cluster => "Cluster",
     }
 }
 
@@ -357,7 +350,7 @@ struct Checker<'a> {
 #[derive(Default)]
 struct About<'s> {
     service: Option<String>,
-    policy: Option<Policy>,
+    policy: Option<TrafficPolicy>,
     container: Option<&'s str>,
 }
 
@@ -385,7 +378,7 @@ impl Checker<'_> {
             object: self.w.id.to_string(),
             workload: Some(self.w.id.clone()),
             service: about.service.clone(),
-            external_traffic_policy: about.policy.map(Policy::as_str),
+            external_traffic_policy: about.policy.map(policy_name),
             container: about.container.map(str::to_string),
             numbers: numbers.iter().copied().collect(),
             message,
@@ -408,8 +401,8 @@ impl Checker<'_> {
         self.lb = service_lb(s, self.opts).0;
         let spec = s.object.spec.as_ref();
         let policy = match spec.and_then(|s| s.external_traffic_policy.as_deref()) {
-            Some("Local") => Policy::Local,
-            _ => Policy::Cluster,
+            Some("Local") => TrafficPolicy::Local,
+            _ => TrafficPolicy::Cluster,
         };
         let service = format!(
             "{}/{}",
@@ -436,7 +429,7 @@ impl Checker<'_> {
             policy: Some(policy),
             container: None,
         };
-        if policy == Policy::Local {
+        if policy == TrafficPolicy::Local {
             self.ready_before_registration(&about);
             self.no_surge(&about);
         }
@@ -444,7 +437,21 @@ impl Checker<'_> {
     }
 
     /// Container-level rules: readiness probe, preStop, SIGTERM readiness, grace period.
-    fn container(&mut self, c: &corev1::Container, policy: Policy, about: &About) {
+    fn container(&mut self, c: &corev1::Container, policy: TrafficPolicy, about: &About) {
+        self.readiness_probe_present(c, about);
+        let Some(pre_stop) = self.pre_stop_seconds(c, about) else {
+            return;
+        };
+        let grace = self.termination_grace();
+        self.pre_stop_covers_detection(c, policy, about, pre_stop);
+        if policy == TrafficPolicy::Local {
+            self.readiness_holds_until_kill(c, about, pre_stop, grace);
+        }
+        self.grace_covers_drain(c, policy, about, pre_stop, grace);
+    }
+
+    /// A container without a readinessProbe is Ready before it listens.
+    fn readiness_probe_present(&mut self, c: &corev1::Container, about: &About) {
         if c.readiness_probe.is_none() {
             self.push(
                 READINESS_PROBE_MISSING,
@@ -458,8 +465,13 @@ impl Checker<'_> {
                 "Add a readinessProbe that passes only when the application serves (e.g. an HTTP GET on its health path).".into(),
             );
         }
-        let pre_stop = match self.pre_stop(c) {
-            PreStop::Seconds(s) => s,
+    }
+
+    /// The preStop duration, or `None` (with a note) when lint cannot read it: the rules
+    /// that depend on it are then skipped.
+    fn pre_stop_seconds(&mut self, c: &corev1::Container, about: &About) -> Option<f64> {
+        match self.pre_stop(c) {
+            PreStop::Seconds(s) => Some(s),
             PreStop::Unknown => {
                 self.push(
                     PRESTOP_DURATION_UNKNOWN,
@@ -472,16 +484,23 @@ impl Checker<'_> {
                     ),
                     format!("Use `lifecycle.preStop.sleep.seconds`, or declare the hook's duration with the pod annotation {ANNOTATION_PRESTOP_SECONDS}: \"<seconds>\"."),
                 );
-                return;
+                None
             }
-        };
-        let grace = self.termination_grace();
+        }
+    }
+
+    /// preStop must outlast the time until nobody sends the pod new connections.
+    fn pre_stop_covers_detection(
+        &mut self,
+        c: &corev1::Container,
+        policy: TrafficPolicy,
+        about: &About,
+        pre_stop: f64,
+    ) {
         let programming = self.opts.proxy_programming_seconds;
         let lb = self.lb.clone();
-
-        // preStop vs the time until nobody sends new connections any more.
         let (required, severity, why) = match policy {
-            Policy::Local => (
+            TrafficPolicy::Local => (
                 lb.detection_window() + programming,
                 Severity::Error,
                 format!(
@@ -494,7 +513,7 @@ impl Checker<'_> {
                     num(programming)
                 ),
             ),
-            Policy::Cluster => (
+            TrafficPolicy::Cluster => (
                 programming,
                 Severity::Warning,
                 format!(
@@ -509,7 +528,7 @@ impl Checker<'_> {
                 ("requiredSeconds", required),
                 ("proxyProgrammingSeconds", programming),
             ];
-            if policy == Policy::Local {
+            if policy == TrafficPolicy::Local {
                 numbers.push(("lbDetectionWindowSeconds", lb.detection_window()));
             }
             self.push(
@@ -527,12 +546,21 @@ impl Checker<'_> {
                 format!("Set lifecycle.preStop.sleep.seconds to at least {} (and terminationGracePeriodSeconds above it).", num(required.ceil())),
             );
         }
+    }
 
+    /// eTP Local: readiness failing at SIGTERM must not turn the pod not-ready before it is
+    /// killed.
+    fn readiness_holds_until_kill(
+        &mut self,
+        c: &corev1::Container,
+        about: &About,
+        pre_stop: f64,
+        grace: f64,
+    ) {
         // Seed 2: readiness that fails at SIGTERM must not turn the pod not-ready before it
         // is killed, or the node (Local) keeps receiving packets for a pod no proxy forwards to.
-        if policy == Policy::Local
-            && let (Some(probe), Some(reason)) =
-                (&c.readiness_probe, self.readiness_fails_on_sigterm(c))
+        if let (Some(probe), Some(reason)) =
+            (&c.readiness_probe, self.readiness_fails_on_sigterm(c))
         {
             let period = probe.period_seconds.unwrap_or(10).max(1) as f64;
             let failures = probe.failure_threshold.unwrap_or(3).max(1) as f64;
@@ -569,9 +597,19 @@ impl Checker<'_> {
                 );
             }
         }
+    }
 
-        // Grace period vs preStop and the load balancer's connection draining.
-        let drain = if policy == Policy::Local {
+    /// The grace period must cover preStop and the load balancer's connection draining.
+    fn grace_covers_drain(
+        &mut self,
+        c: &corev1::Container,
+        policy: TrafficPolicy,
+        about: &About,
+        pre_stop: f64,
+        grace: f64,
+    ) {
+        let lb = self.lb.clone();
+        let drain = if policy == TrafficPolicy::Local {
             lb.drain_seconds
         } else {
             0.0
