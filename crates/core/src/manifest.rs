@@ -794,4 +794,79 @@ ports: [{port: 8080, name: ""}]
         let p = parse("x.yaml", &format!("{svc}---x: 1\n"));
         assert_eq!(p.objects.len(), 1, "{:?}", p.errors);
     }
+    /// `kubectl get svc,endpointslices -A -o yaml` of `n` Services, as kubectl prints it.
+    fn kubectl_yaml_list(n: usize) -> String {
+        let mut s = String::from("apiVersion: v1\nitems:\n");
+        for i in 0..n {
+            s.push_str(&format!(
+                "- apiVersion: v1\n  kind: Service\n  metadata:\n    name: svc-{i}\n    namespace: ns\n    labels:\n      app: web\n  spec:\n    clusterIP: 10.96.{}.{}\n    ports:\n    - name: http\n      port: 80\n      protocol: TCP\n      targetPort: 8080\n    type: ClusterIP\n  status:\n    loadBalancer: {{}}\n- addressType: IPv4\n  apiVersion: discovery.k8s.io/v1\n  endpoints:\n  - addresses:\n    - 10.244.{}.{}\n    conditions:\n      ready: true\n  kind: EndpointSlice\n  metadata:\n    labels:\n      kubernetes.io/service-name: svc-{i}\n    name: svc-{i}-abcde\n    namespace: ns\n  ports:\n  - name: http\n    port: 8080\n    protocol: TCP\n",
+                i / 250, i % 250, i / 250, i % 250
+            ));
+        }
+        s.push_str("kind: List\nmetadata:\n  resourceVersion: \"\"\n");
+        s
+    }
+
+    /// Issue 17: 3,000 Services in one `kind: List` exceeded the YAML parser's node
+    /// budget for one document, and the whole file was skipped.
+    #[test]
+    fn a_3000_service_yaml_list_loads_every_item() {
+        let p = parse("all.yaml", &kubectl_yaml_list(3000));
+        assert!(
+            p.errors.is_empty(),
+            "{:?}",
+            &p.errors[..p.errors.len().min(3)]
+        );
+        assert_eq!(p.objects.len(), 6000);
+        assert_eq!(p.objects[5999].location.item, Some(5999));
+    }
+
+    #[test]
+    fn a_broken_item_of_a_yaml_list_costs_only_that_item() {
+        let text = kubectl_yaml_list(3).replace("    name: svc-1\n", "    name: [svc-1\n");
+        let p = parse("all.yaml", &text);
+        assert_eq!(p.objects.len(), 5, "{:?}", p.errors);
+        assert_eq!(p.errors.len(), 1);
+        assert_eq!(p.errors[0].location.item, Some(2));
+    }
+
+    #[test]
+    fn a_typed_json_list_with_items_before_kind_streams_and_names_its_items() {
+        let text = r#"{"apiVersion":"v1","items":[{"metadata":{"name":"a","namespace":"d"},"spec":{"clusterIP":"10.96.0.1"}}],"kind":"ServiceList"}
+        {"kind":"List","items":null}"#;
+        let p = parse("x.json", text);
+        assert_eq!((p.objects.len(), p.errors.len()), (1, 0), "{:?}", p.errors);
+        assert!(matches!(p.objects[0].object, Object::Service(_)));
+    }
+
+    #[test]
+    fn duplicate_json_keys_are_an_error_as_in_yaml() {
+        let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"a","name":"b","namespace":"d"}}"#;
+        let p = parse("x.json", json);
+        assert_eq!(p.objects.len(), 0);
+        assert!(
+            p.errors[0].reason.contains("duplicate key"),
+            "{:?}",
+            p.errors
+        );
+        let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: a, name: b, namespace: d}\n";
+        assert_eq!(parse("x.yaml", yaml).errors.len(), 1);
+    }
+
+    #[test]
+    fn invalid_utf8_costs_only_its_document() {
+        let mut bytes = b"kind: Node\napiVersion: v1\nmetadata: {name: n1}\n---\n# caf".to_vec();
+        bytes.push(0xE9);
+        bytes.extend_from_slice(b"\nkind: Node\napiVersion: v1\nmetadata: {name: n2}\n---\nkind: Node\napiVersion: v1\nmetadata: {name: n3}\n");
+        let mut objects = 0;
+        let mut errors = Vec::new();
+        for_each_object("x.yaml", &bytes, &mut |r| match r {
+            Ok(_) => objects += 1,
+            Err(e) => errors.push(e),
+        });
+        assert_eq!(objects, 2);
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].location.document, 1);
+        assert!(errors[0].reason.contains("UTF-8"), "{errors:?}");
+    }
 }
