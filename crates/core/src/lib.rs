@@ -16,6 +16,7 @@
 
 pub mod categorize;
 pub mod config;
+pub mod conflicts;
 pub mod explain;
 pub mod ingest;
 pub mod manifest;

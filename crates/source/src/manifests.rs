@@ -58,12 +58,19 @@ impl LoadProblem {
     }
 }
 
-/// Limits on what is read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Limits on what is read, and the checks that manifest files need beyond what ingestion
+/// does for every source (the apiserver did them for the API source).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReadLimits {
     /// Files larger than this are not read (reported as [`LoadProblem::TooLarge`]).
     pub max_file_bytes: u64,
+    /// The apiserver's `--service-node-port-range`: node ports outside it are dropped
+    /// ([`kproxy_core::ingest::restrict_node_ports`]). `None`: not checked.
+    pub node_port_range: Option<std::ops::RangeInclusive<u16>>,
 }
+
+/// The apiserver's default `--service-node-port-range`.
+pub const DEFAULT_NODE_PORT_RANGE: std::ops::RangeInclusive<u16> = 30000..=32767;
 
 /// 1 GiB: a `kubectl get -o yaml` dump of 50,000 Services and their EndpointSlices is
 /// about 160 MiB.
@@ -73,6 +80,7 @@ impl Default for ReadLimits {
     fn default() -> Self {
         ReadLimits {
             max_file_bytes: DEFAULT_MAX_FILE_BYTES,
+            node_port_range: Some(DEFAULT_NODE_PORT_RANGE),
         }
     }
 }
@@ -268,7 +276,13 @@ pub(crate) fn read_file(
         Ok(located) => {
             out.objects += 1;
             match Update::of(&located.object, ownership, node_name) {
-                Ok((update, warnings)) => {
+                Ok((mut update, mut warnings)) => {
+                    if let (Update::Service(svc), Some(range)) =
+                        (&mut update, &limits.node_port_range)
+                        && let Some(svc) = std::sync::Arc::get_mut(svc)
+                    {
+                        warnings.extend(kproxy_core::ingest::restrict_node_ports(svc, range));
+                    }
                     out.updates.push(update);
                     out.invalid.extend(
                         warnings

@@ -601,7 +601,14 @@ mod tests {
         let mut cache = ManifestCache::default();
         let t0 = Instant::now();
         scan(&mut cache, dir.path(), t0);
-        std::fs::write(&a, SVC.replace("clusterIP: 10.96.0.10, ports: [{port: 80}]", "clusterIP: nope, ports: [{port: 81}]")).unwrap();
+        std::fs::write(
+            &a,
+            SVC.replace(
+                "clusterIP: 10.96.0.10, ports: [{port: 80}]",
+                "clusterIP: nope, ports: [{port: 81}]",
+            ),
+        )
+        .unwrap();
         let r = scan(&mut cache, dir.path(), t0);
         let r2 = scan(&mut cache, dir.path(), t0 + SETTLE * 10);
         for r in [r, r2] {
