@@ -13,6 +13,7 @@
 
 mod duration;
 mod file;
+mod names;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -25,6 +26,7 @@ use kproxy_core::config::{LocalDetectorConfig, NodePortAddressesConfig};
 
 pub use duration::parse_go_duration;
 pub use file::KubeProxyConfiguration;
+pub use names::{parse_nft_table_name, parse_port_range};
 
 /// Upstream's `ports.ProxyHealthzPort`.
 pub const DEFAULT_HEALTHZ_PORT: u16 = 10256;

@@ -53,6 +53,9 @@ pub struct PlanConfig {
     pub proxy_terminating_endpoints: bool,
     /// Honour `hints.forNodes` (the `PreferSameTrafficDistribution` gate, on from 1.34).
     pub prefer_same_node_hints: bool,
+    /// Allow an external or load-balancer IP equal to a Service's cluster IP or to a
+    /// node address (CVE-2020-8554; refused by default, see `crate::conflicts`).
+    pub allow_external_ip_overlap: bool,
 }
 
 impl Default for PlanConfig {
@@ -64,6 +67,7 @@ impl Default for PlanConfig {
             node_ips: Vec::new(),
             proxy_terminating_endpoints: true,
             prefer_same_node_hints: true,
+            allow_external_ip_overlap: false,
         }
     }
 }

@@ -229,6 +229,82 @@ pub fn parse_cidr(s: &str) -> Option<IpNet> {
     IpNet::new(ip, len).ok().map(|n| n.trunc())
 }
 
+/// Why `ip` cannot be a Service's cluster, external or load-balancer IP, as the
+/// apiserver's `ValidateNonSpecialIP` judges (plus broadcast): traffic to such an address
+/// would never leave the node, or would capture the node's own traffic (a cluster IP of
+/// 127.0.0.1 broke every new TCP connection to the node's loopback).
+pub fn special_ip(ip: &IpAddr) -> Option<&'static str> {
+    match ip {
+        _ if ip.is_unspecified() => Some("may not be unspecified (0.0.0.0, ::)"),
+        _ if ip.is_loopback() => Some("may not be in the loopback range"),
+        _ if ip.is_multicast() => Some("may not be a multicast address"),
+        IpAddr::V4(v4) if v4.is_broadcast() => Some("may not be the broadcast address"),
+        IpAddr::V4(v4) if v4.is_link_local() => {
+            Some("may not be in the link-local range (169.254.0.0/16)")
+        }
+        IpAddr::V6(v6) if v6.is_unicast_link_local() => {
+            Some("may not be in the link-local range (fe80::/10)")
+        }
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => special_ip(&IpAddr::V4(v4)),
+            None => None,
+        },
+        _ => None,
+    }
+}
+
+/// Drops the node ports of `svc` outside `range` (the apiserver's
+/// `--service-node-port-range`, which an API source never needs to check again), and a
+/// health-check node port outside it or equal to one of the Service's node ports (it
+/// would show as listening but the NodePort rule takes its packets). Returns what was
+/// dropped, as warnings.
+pub fn restrict_node_ports(
+    svc: &mut Service,
+    range: &std::ops::RangeInclusive<u16>,
+) -> Vec<IngestError> {
+    let object = ObjectRef {
+        kind: Kind::Service,
+        namespace: Some(svc.name.namespace.to_string()),
+        name: Some(svc.name.name.to_string()),
+    };
+    let mut out = Vec::new();
+    let mut warn = |field: String, reason: String| {
+        out.push(IngestError {
+            object: object.clone(),
+            field,
+            reason,
+        })
+    };
+    let (lo, hi) = (range.start(), range.end());
+    for (i, p) in svc.ports.iter_mut().enumerate() {
+        if let Some(n) = p.node_port
+            && !range.contains(&n)
+        {
+            warn(
+                format!(".spec.ports[{i}].nodePort"),
+                format!("{n} is outside the node port range {lo}-{hi}; NodePort ignored"),
+            );
+            p.node_port = None;
+        }
+    }
+    if let Some(h) = svc.health_check_node_port {
+        if !range.contains(&h) {
+            warn(
+                ".spec.healthCheckNodePort".into(),
+                format!("{h} is outside the node port range {lo}-{hi}; ignored"),
+            );
+            svc.health_check_node_port = None;
+        } else if svc.ports.iter().any(|p| p.node_port == Some(h)) {
+            warn(
+                ".spec.healthCheckNodePort".into(),
+                format!("{h} is also a nodePort of this Service; ignored"),
+            );
+            svc.health_check_node_port = None;
+        }
+    }
+    out
+}
+
 fn check_meta_name(
     ctx: &Ctx,
     namespaced: bool,
@@ -316,6 +392,9 @@ pub fn service(
     if families.is_empty() {
         let ip =
             parse_ip(primary).ok_or_else(|| ctx.err(".spec.clusterIP", "not an IP address"))?;
+        if let Some(why) = special_ip(&ip) {
+            return Err(ctx.err(".spec.clusterIP", why));
+        }
         cluster_ips.insert(IpFamily::of(&ip), ip);
     } else {
         let ips: Vec<&str> = match &spec.cluster_ips {
@@ -342,9 +421,14 @@ pub fn service(
                 continue;
             };
             match parse_ip(s) {
-                Some(ip) if family.contains(&ip) => {
-                    cluster_ips.insert(family, ip);
-                }
+                Some(ip) if family.contains(&ip) => match special_ip(&ip) {
+                    Some(why) => {
+                        ctx.warn(format!(".spec.clusterIPs[{i}]"), format!("{why}; ignored"))
+                    }
+                    None => {
+                        cluster_ips.insert(family, ip);
+                    }
+                },
                 Some(_) => ctx.warn(
                     format!(".spec.clusterIPs[{i}]"),
                     format!("not an {family} address; ignored"),
@@ -422,7 +506,10 @@ pub fn service(
     let mut external_ips = Vec::new();
     for (i, s) in spec.external_ips.iter().flatten().enumerate() {
         match parse_ip(s.trim()) {
-            Some(ip) => external_ips.push(ip),
+            Some(ip) => match special_ip(&ip) {
+                Some(why) => ctx.warn(format!(".spec.externalIPs[{i}]"), format!("{why}; ignored")),
+                None => external_ips.push(ip),
+            },
             None => ctx.warn(
                 format!(".spec.externalIPs[{i}]"),
                 "not an IP address; ignored",
@@ -445,7 +532,13 @@ pub fn service(
                 continue;
             };
             match parse_ip(s) {
-                Some(ip) => load_balancer_ips.push(ip),
+                Some(ip) => match special_ip(&ip) {
+                    Some(why) => ctx.warn(
+                        format!(".status.loadBalancer.ingress[{i}].ip"),
+                        format!("{why}; ignored"),
+                    ),
+                    None => load_balancer_ips.push(ip),
+                },
                 None => ctx.warn(
                     format!(".status.loadBalancer.ingress[{i}].ip"),
                     "not an IP address; ignored",
@@ -540,6 +633,11 @@ pub fn service(
             health_check_node_port,
             session_affinity_timeout,
             traffic_distribution,
+            created: svc
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.as_second()),
         },
         warnings: ctx.warnings,
     }))
@@ -858,5 +956,85 @@ mod tests {
         }
         assert!(is_dns_subdomain("web-abc.x"));
         assert!(!is_dns_subdomain("web..x"));
+    }
+
+    fn svc_with(spec: &str) -> corev1::Service {
+        let text = format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: shop}}\nspec: {spec}\n"
+        );
+        serde_saphyr::from_str(&text).unwrap()
+    }
+
+    /// Issue 17: a cluster IP of 127.0.0.1 broke every new TCP connection to the node's
+    /// loopback; 0.0.0.0, broadcast and multicast were accepted too.
+    #[test]
+    fn special_addresses_are_refused_as_service_ips() {
+        for ip in [
+            "127.0.0.1",
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "169.254.1.1",
+            "::1",
+            "::",
+            "ff02::1",
+            "fe80::1",
+            "::ffff:127.0.0.1",
+        ] {
+            let svc = svc_with(&format!("{{clusterIP: \"{ip}\", ports: [{{port: 80}}]}}"));
+            let e = service(&svc, &Ownership::default()).unwrap_err();
+            assert_eq!(e.field, ".spec.clusterIP", "{ip}");
+            assert!(e.reason.starts_with("may not be"), "{ip}: {e}");
+
+            let svc = svc_with(&format!(
+                "{{clusterIP: 10.96.0.1, externalIPs: [\"{ip}\", 192.0.2.1], ports: [{{port: 80}}]}}"
+            ));
+            let ServiceOutcome::Proxied(i) = service(&svc, &Ownership::default()).unwrap() else {
+                panic!()
+            };
+            assert_eq!(
+                i.value.external_ips,
+                ["192.0.2.1".parse::<IpAddr>().unwrap()],
+                "{ip}"
+            );
+            assert_eq!(i.warnings[0].field, ".spec.externalIPs[0]");
+        }
+        let mut svc = svc_with("{clusterIP: 10.96.0.1, ports: [{port: 80}]}");
+        svc.status = Some(
+            serde_json::from_str(
+                r#"{"loadBalancer":{"ingress":[{"ip":"127.0.0.2"},{"ip":"203.0.113.9"}]}}"#,
+            )
+            .unwrap(),
+        );
+        let ServiceOutcome::Proxied(i) = service(&svc, &Ownership::default()).unwrap() else {
+            panic!()
+        };
+        assert_eq!(i.value.load_balancer_ips.len(), 1);
+        assert_eq!(i.warnings[0].field, ".status.loadBalancer.ingress[0].ip");
+    }
+
+    #[test]
+    fn node_ports_outside_the_range_and_a_health_port_equal_to_a_node_port_are_dropped() {
+        let svc = svc_with(
+            "{type: LoadBalancer, clusterIP: 10.96.0.1, externalTrafficPolicy: Local, healthCheckNodePort: 30001, ports: [{name: a, port: 80, nodePort: 22}, {name: b, port: 81, nodePort: 30001}]}",
+        );
+        let ServiceOutcome::Proxied(mut i) = service(&svc, &Ownership::default()).unwrap() else {
+            panic!()
+        };
+        let w = restrict_node_ports(&mut i.value, &(30000..=32767));
+        assert_eq!(i.value.ports[0].node_port, None);
+        assert_eq!(i.value.ports[1].node_port, Some(30001));
+        assert_eq!(i.value.health_check_node_port, None);
+        let fields: Vec<&str> = w.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [".spec.ports[0].nodePort", ".spec.healthCheckNodePort"]
+        );
+        assert!(
+            w[0].to_string()
+                .starts_with("Service shop/web: .spec.ports[0].nodePort: 22 is outside"),
+            "{}",
+            w[0]
+        );
     }
 }

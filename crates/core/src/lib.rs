@@ -18,6 +18,7 @@
 
 pub mod categorize;
 pub mod config;
+pub mod conflicts;
 pub mod explain;
 pub mod ingest;
 pub mod manifest;

@@ -324,6 +324,9 @@ pub struct Service {
     pub session_affinity_timeout: Option<u32>,
     /// `spec.trafficDistribution`, for display only: kube-proxy consumes hints, not this.
     pub traffic_distribution: Option<String>,
+    /// `metadata.creationTimestamp` in Unix seconds: who wins a frontend conflict
+    /// (`crate::conflicts`).
+    pub created: Option<i64>,
 }
 
 /// Conditions of one endpoint after upstream's nil rules (ready/serving nil ⇒ true,

@@ -30,6 +30,10 @@ pub struct NodePlan {
     /// Every proxied Service, keyed by `ns/name`. An unchanged Service keeps the same
     /// `Arc` across incremental re-plans, so consumers diff by pointer first.
     pub services: BTreeMap<ServiceName, Arc<ServicePlan>>,
+    /// Frontends refused to a Service because another claims them, or because they would
+    /// capture a cluster IP or node address (`crate::conflicts`); sorted by Service. The
+    /// plans in `services` already lack them. Empty: no conflict.
+    pub conflicts: Vec<crate::conflicts::Conflict>,
 }
 
 impl NodePlan {
@@ -269,6 +273,7 @@ impl Serialize for NodePlan {
             families: &'a [FamilyPlan],
             service_ports: Vec<&'a ServicePortPlan>,
             health_checks: Vec<&'a HealthCheck>,
+            conflicts: &'a [crate::conflicts::Conflict],
         }
         View {
             node: &self.node,
@@ -277,6 +282,7 @@ impl Serialize for NodePlan {
             families: &self.families,
             service_ports: self.service_ports().collect(),
             health_checks: self.health_checks().collect(),
+            conflicts: &self.conflicts,
         }
         .serialize(s)
     }

@@ -40,7 +40,13 @@ pub fn plan(state: &ClusterState, node_name: &str, config: &PlanConfig) -> NodeP
             )
         })
         .collect();
-    facts.into_plan(services)
+    let mut plan = facts.into_plan(services);
+    crate::conflicts::apply(
+        &mut plan,
+        |n| state.service(n).and_then(|s| s.created),
+        config.allow_external_ip_overlap,
+    );
+    plan
 }
 
 /// Holds the current plan and updates it from the changes recorded in a
@@ -51,6 +57,9 @@ pub struct Planner {
     node_name: String,
     config: PlanConfig,
     plan: NodePlan,
+    /// Every Service's plan before conflicts are resolved; `plan.services` is this with
+    /// the losers' plans replaced (`crate::conflicts`).
+    raw: BTreeMap<ServiceName, Arc<ServicePlan>>,
     config_changed: bool,
 }
 
@@ -76,6 +85,7 @@ impl Planner {
         let facts = NodeFacts::new(&node_name, None, &config);
         Planner {
             plan: facts.into_plan(BTreeMap::new()),
+            raw: BTreeMap::new(),
             node_name,
             config,
             config_changed: true,
@@ -105,6 +115,20 @@ impl Planner {
         let mut update = PlanUpdate::default();
         if full {
             let new = plan(state, &self.node_name, &self.config);
+            self.raw = new.services.clone();
+            for c in &new.conflicts {
+                if let Some(svc) = state.service(&c.service) {
+                    self.raw.insert(
+                        c.service.clone(),
+                        Arc::new(plan_service(
+                            svc,
+                            state.slices_of(&c.service),
+                            &facts,
+                            &self.config,
+                        )),
+                    );
+                }
+            }
             update.node = new.zone != self.plan.zone
                 || new.node_eligible != self.plan.node_eligible
                 || new.families != self.plan.families;
@@ -136,7 +160,7 @@ impl Planner {
                     &self.config,
                 ))
             });
-            match (self.plan.services.entry(name.clone()), new) {
+            match (self.raw.entry(name.clone()), new) {
                 (Entry::Occupied(mut o), Some(new)) => {
                     if **o.get() != *new {
                         o.insert(new);
@@ -154,7 +178,50 @@ impl Planner {
                 (Entry::Vacant(_), None) => {}
             }
         }
+        self.resolve_conflicts(state, &mut update);
         update
+    }
+
+    /// Rebuilds `plan.services` from `raw` with conflicts resolved, adding to `update`
+    /// every Service whose resolved plan changed (a conflict won or lost elsewhere
+    /// changes a Service that did not change itself).
+    fn resolve_conflicts(&mut self, state: &ClusterState, update: &mut PlanUpdate) {
+        let node_ips: Vec<IpAddr> = self
+            .plan
+            .families
+            .iter()
+            .flat_map(|f| f.node_ips.iter().copied())
+            .collect();
+        let (conflicts, patched) = crate::conflicts::resolve(
+            &self.raw,
+            |n| state.service(n).and_then(|s| s.created),
+            &node_ips,
+            self.config.allow_external_ip_overlap,
+        );
+        let mut touched: BTreeSet<ServiceName> = update.services.drain(..).collect();
+        touched.extend(self.plan.conflicts.iter().map(|c| c.service.clone()));
+        touched.extend(conflicts.iter().map(|c| c.service.clone()));
+        for name in touched {
+            let new = patched.get(&name).or_else(|| self.raw.get(&name)).cloned();
+            let changed = match (self.plan.services.get(&name), &new) {
+                (Some(old), Some(new)) => old != new,
+                (None, None) => false,
+                _ => true,
+            };
+            match new {
+                Some(new) if changed => {
+                    self.plan.services.insert(name.clone(), new);
+                }
+                Some(_) => {}
+                None => {
+                    self.plan.services.remove(&name);
+                }
+            }
+            if changed {
+                update.services.push(name);
+            }
+        }
+        self.plan.conflicts = conflicts;
     }
 }
 
@@ -261,6 +328,7 @@ impl<'a> NodeFacts<'a> {
             node_eligible: self.eligible,
             families: self.families,
             services,
+            conflicts: Vec::new(),
         }
     }
 }

@@ -80,11 +80,12 @@ pub fn service(spec: &Spec, i: usize) -> Service {
             name: "http".into(),
             protocol: Protocol::TCP,
             port: 80,
-            node_port: etp_local.then_some(30000 + (i % 2768) as u16),
+            // Unique frontends: a shared one would be a conflict (`crate::conflicts`).
+            node_port: etp_local.then_some(30000 + (i % 35_000) as u16),
         }],
         external_ips: Vec::new(),
         load_balancer_ips: if etp_local {
-            vec![IpAddr::V4(Ipv4Addr::from(0xcb00_7100u32 + (n % 250)))]
+            vec![IpAddr::V4(Ipv4Addr::from(0xc612_0000u32 + n))]
         } else {
             Vec::new()
         },
@@ -98,6 +99,7 @@ pub fn service(spec: &Spec, i: usize) -> Service {
         health_check_node_port: etp_local.then_some(32000 + (i % 700) as u16),
         session_affinity_timeout: None,
         traffic_distribution: None,
+        created: None,
     }
 }
 

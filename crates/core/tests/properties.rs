@@ -109,6 +109,7 @@ fn build(svcs: &[Svc]) -> (Vec<Service>, Vec<EndpointSlice>) {
             health_check_node_port: s.lb.then_some(32000 + i as u16),
             session_affinity_timeout: None,
             traffic_distribution: None,
+            created: None,
         });
         for (j, eps) in s.slices.iter().enumerate() {
             slices.push(EndpointSlice {

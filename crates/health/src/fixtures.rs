@@ -167,5 +167,6 @@ pub fn plan_with(
         node_eligible,
         families,
         services: map,
+        conflicts: Vec::new(),
     })
 }

@@ -8,7 +8,7 @@ use kproxy_nft::DataplaneConfig;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
-    #[arg(long, value_name = "NAME", default_value = "kproxy")]
+    #[arg(long, value_name = "NAME", default_value = "kproxy", value_parser = kproxy_config::parse_nft_table_name)]
     pub nft_table: String,
 }
 

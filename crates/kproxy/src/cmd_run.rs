@@ -54,8 +54,15 @@ pub struct Args {
     #[arg(long, value_name = "NAME")]
     pub service_proxy_name: Option<String>,
     /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
-    #[arg(long, value_name = "NAME", default_value = "kproxy")]
+    #[arg(long, value_name = "NAME", default_value = "kproxy", value_parser = kproxy_config::parse_nft_table_name)]
     pub nft_table: String,
+    /// With --manifests: how long a file must stay empty, missing, or without an object
+    /// before that object is removed (so a truncate-then-write never reaches the kernel).
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = kproxy_config::parse_go_duration)]
+    pub manifest_remove_after: Duration,
+    /// With --manifests: manifest files larger than this many bytes are not read.
+    #[arg(long, value_name = "BYTES", default_value_t = kproxy_source::manifests::DEFAULT_MAX_FILE_BYTES)]
+    pub manifest_max_file_bytes: u64,
 }
 
 /// The node name as kube-proxy picks it: the override, else `NODE_NAME`, else the host
@@ -239,13 +246,23 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     };
     let source = match &args.manifests {
         Some(path) => {
-            let wc = kproxy_source::watch::WatchConfig {
-                path: path.clone(),
-                node_name: node.clone(),
-                ownership,
-                rescan: Duration::from_secs(10).min(cfg.sync_period.max(Duration::from_secs(1))),
-                settle: Duration::from_millis(10),
-            };
+            let mut wc =
+                kproxy_source::watch::WatchConfig::new(path.clone(), node.clone(), ownership);
+            wc.rescan = Duration::from_secs(10).min(cfg.sync_period.max(Duration::from_secs(1)));
+            wc.remove_after = args.manifest_remove_after;
+            wc.limits.max_file_bytes = args.manifest_max_file_bytes;
+            // A stalled reader keeps reporting a failed sync, so /livez turns unhealthy
+            // after 2 x syncPeriod as for a sync loop that stopped (issue 17).
+            let (h, stalled_health) = (handle.clone(), health.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    tick.tick().await;
+                    if h.is_source_stalled() {
+                        stalled_health.sync_failed();
+                    }
+                }
+            });
             let h = handle.clone();
             tokio::spawn(async move {
                 kproxy_source::watch::run(wc, h)

@@ -1,5 +1,11 @@
 //! `kproxy sync --once`: plan from manifests and program nftables once, for scripts
 //! and first-boot set-ups. Prints what it did; the rules stay.
+//!
+//! Exit status: 0 when every object was used; 1 when objects were skipped (the rest is
+//! programmed: each skipped object is named on stderr); 2, with nothing programmed,
+//! when a file or document could not be read or parsed, because the rules it would
+//! replace may hold objects that this state lost without a name (issue 17: a List that
+//! failed to parse wiped every Service). `--allow-partial` programs anyway.
 
 use std::process::ExitCode;
 
@@ -20,8 +26,11 @@ pub struct Args {
     #[arg(long)]
     pub dry_run: bool,
     /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
-    #[arg(long, value_name = "NAME", default_value = "kproxy")]
+    #[arg(long, value_name = "NAME", default_value = "kproxy", value_parser = kproxy_config::parse_nft_table_name)]
     pub nft_table: String,
+    /// Program the state even when a file or document could not be read or parsed.
+    #[arg(long)]
+    pub allow_partial: bool,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -29,7 +38,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
         bail!("`kproxy sync` needs --once or --dry-run (the daemon is `kproxy run`)");
     }
     let config = args.source.proxy_config()?;
-    let (plan, strict_failed) = args.source.plan(&config.plan)?;
+    let (plan, input) = args.source.plan_report(&config.plan)?;
+    if input.lost && !args.allow_partial && !args.dry_run {
+        eprintln!(
+            "kproxy: not programming: some manifests could not be read or parsed, and the rules in place may hold their objects (--allow-partial programs anyway)"
+        );
+        return Ok(ExitCode::from(2));
+    }
+    let failed = input.strict_failed || input.skipped;
     let dp_config = DataplaneConfig {
         table: args.nft_table.clone(),
         masquerade_bit: config.masquerade_bit,
@@ -38,7 +54,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.dry_run {
         kproxy_nft::validate_plan(&plan).context("checking the plan")?;
         print!("{}", kproxy_nft::render(&plan, &dp_config));
-        return Ok(if strict_failed {
+        return Ok(if failed {
             ExitCode::from(1)
         } else {
             ExitCode::SUCCESS
@@ -53,7 +69,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         report.elapsed.as_secs_f64() * 1e3,
         report.conntrack_deleted
     );
-    Ok(if strict_failed {
+    Ok(if failed {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS

@@ -132,6 +132,25 @@ pub struct ManifestArgs {
     /// nodePortAddresses, masqueradeAll, feature gates).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// The apiserver's --service-node-port-range: node ports outside it are dropped
+    /// from the manifests (with a warning).
+    #[arg(long, value_name = "FIRST-LAST", default_value = "30000-32767", value_parser = kproxy_config::parse_port_range)]
+    pub node_port_range: std::ops::RangeInclusive<u16>,
+    /// Manifest files larger than this many bytes are not read.
+    #[arg(long, value_name = "BYTES", default_value_t = manifests::DEFAULT_MAX_FILE_BYTES)]
+    pub max_file_bytes: u64,
+}
+
+/// What loading the manifests ran into, beyond the state itself.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadReport {
+    /// `--strict` and something was reported.
+    pub strict_failed: bool,
+    /// An object, document or file was skipped.
+    pub skipped: bool,
+    /// A file or document could not be read or parsed: objects may be missing that no
+    /// report names, so the state must not replace a programmed one.
+    pub lost: bool,
 }
 
 impl ManifestArgs {
@@ -159,10 +178,22 @@ impl ManifestArgs {
         }
     }
 
+    pub fn limits(&self) -> manifests::ReadLimits {
+        manifests::ReadLimits {
+            max_file_bytes: self.max_file_bytes,
+            node_port_range: Some(self.node_port_range.clone()),
+        }
+    }
+
     /// Loads the manifests, prints every problem to stderr, and returns the state and
-    /// whether `--strict` turned problems into failure.
-    pub fn load(&self) -> Result<(ClusterState, bool)> {
-        let loaded = manifests::load(&self.manifests, &self.node, &self.ownership());
+    /// what the problems amount to.
+    pub fn load(&self) -> Result<(ClusterState, LoadReport)> {
+        let loaded = manifests::load_with(
+            &self.manifests,
+            &self.node,
+            &self.ownership(),
+            &self.limits(),
+        );
         for p in &loaded.problems {
             eprintln!(
                 "kproxy: {}: {p}",
@@ -179,17 +210,27 @@ impl ManifestArgs {
                 self.manifests.display()
             );
         }
-        Ok((loaded.state, self.strict && !loaded.problems.is_empty()))
+        let report = LoadReport {
+            strict_failed: self.strict && !loaded.problems.is_empty(),
+            skipped: loaded.problems.iter().any(|p| p.skipped_object()),
+            lost: loaded.problems.iter().any(|p| p.loses_unknown_objects()),
+        };
+        Ok((loaded.state, report))
     }
 
     pub fn plan(&self, config: &PlanConfig) -> Result<(NodePlan, bool)> {
-        let (state, strict_failed) = self.load()?;
+        let (plan, report) = self.plan_report(config)?;
+        Ok((plan, report.strict_failed))
+    }
+
+    pub fn plan_report(&self, config: &PlanConfig) -> Result<(NodePlan, LoadReport)> {
+        let (state, report) = self.load()?;
         if state.node().is_none() {
             eprintln!(
                 "kproxy: warning: no Node object named {:?} in the manifests: no zone, no node addresses",
                 self.node
             );
         }
-        Ok((kproxy_core::plan(&state, &self.node, config), strict_failed))
+        Ok((kproxy_core::plan(&state, &self.node, config), report))
     }
 }

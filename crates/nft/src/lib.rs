@@ -434,14 +434,20 @@ enum Step {
     Netlink(netlink::Batch),
 }
 
-/// Removes everything kproxy made (both tables); succeeds when they are absent.
+/// Removes everything kproxy made (both tables, and the `-verify` scratch tables a
+/// verification interrupted by a crash leaves behind); succeeds when they are absent.
 pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
     cfg.validate()?;
     // `add` then `delete` in one transaction: deletes whether or not the table exists.
-    let t = &cfg.table;
-    nft::run_script(&format!(
-        "add table ip {t}\ndelete table ip {t}\nadd table ip6 {t}\ndelete table ip6 {t}\n"
-    ))
+    let mut script = String::new();
+    for t in [cfg.table.clone(), format!("{}-verify", cfg.table)] {
+        for family in ["ip", "ip6"] {
+            script.push_str(&format!(
+                "add table {family} {t}\ndelete table {family} {t}\n"
+            ));
+        }
+    }
+    nft::run_script(&script)
 }
 
 /// The full script for a plan (both families), as `sync` would send on a full sync.

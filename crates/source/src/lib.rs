@@ -31,6 +31,8 @@ struct Inner {
     state: Mutex<ClusterState>,
     notify: Notify,
     ready: AtomicBool,
+    /// A source that stopped making progress (see [`StateHandle::set_source_stalled`]).
+    stalled: AtomicBool,
     /// Called after every `update`, in the source's task (see [`StateHandle::on_update`]).
     on_update: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
@@ -73,6 +75,17 @@ impl StateHandle {
     pub fn mark_ready(&self) {
         self.0.ready.store(true, Ordering::SeqCst);
         self.0.notify.notify_one();
+    }
+
+    /// A source marks itself stalled while a read runs far longer than it should (a hung
+    /// filesystem): the daemon turns this into an unhealthy `/livez`, since the state it
+    /// programs is no longer following the source.
+    pub fn set_source_stalled(&self, stalled: bool) {
+        self.0.stalled.store(stalled, Ordering::SeqCst);
+    }
+
+    pub fn is_source_stalled(&self) -> bool {
+        self.0.stalled.load(Ordering::SeqCst)
     }
 
     pub fn is_ready(&self) -> bool {

@@ -19,6 +19,16 @@ pub enum LoadProblem {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A FIFO, device or socket (or a symlink to one) named like a manifest: reading it
+    /// could block forever or never end, so it is not read.
+    #[error("{path}: not a regular file ({what}); not read")]
+    NotRegular { path: PathBuf, what: &'static str },
+    #[error("{path}: {size} bytes is more than the limit of {limit} bytes; not read")]
+    TooLarge {
+        path: PathBuf,
+        size: u64,
+        limit: u64,
+    },
     #[error(transparent)]
     Manifest(#[from] ManifestError),
     /// An object that parsed but failed validation (or a dropped piece of one).
@@ -39,6 +49,40 @@ impl LoadProblem {
             _ => true,
         }
     }
+
+    /// True when objects may be missing because a file or document could not be read
+    /// or parsed (as opposed to an object that parsed and was judged invalid, which is
+    /// named in the report): a state built despite this may lack objects nobody named.
+    pub fn loses_unknown_objects(&self) -> bool {
+        !matches!(self, LoadProblem::Invalid { .. })
+    }
+}
+
+/// Limits on what is read, and the checks that manifest files need beyond what ingestion
+/// does for every source (the apiserver did them for the API source).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadLimits {
+    /// Files larger than this are not read (reported as [`LoadProblem::TooLarge`]).
+    pub max_file_bytes: u64,
+    /// The apiserver's `--service-node-port-range`: node ports outside it are dropped
+    /// ([`kproxy_core::ingest::restrict_node_ports`]). `None`: not checked.
+    pub node_port_range: Option<std::ops::RangeInclusive<u16>>,
+}
+
+/// The apiserver's default `--service-node-port-range`.
+pub const DEFAULT_NODE_PORT_RANGE: std::ops::RangeInclusive<u16> = 30000..=32767;
+
+/// 1 GiB: a `kubectl get -o yaml` dump of 50,000 Services and their EndpointSlices is
+/// about 160 MiB.
+pub const DEFAULT_MAX_FILE_BYTES: u64 = 1 << 30;
+
+impl Default for ReadLimits {
+    fn default() -> Self {
+        ReadLimits {
+            max_file_bytes: DEFAULT_MAX_FILE_BYTES,
+            node_port_range: Some(DEFAULT_NODE_PORT_RANGE),
+        }
+    }
 }
 
 /// Result of loading manifests.
@@ -49,17 +93,43 @@ pub struct Loaded {
     pub files: Vec<PathBuf>,
 }
 
-/// The manifest files under `path`, sorted (a file is returned as itself).
-pub fn files(path: &Path) -> Result<Vec<PathBuf>, LoadProblem> {
+fn kind_of(ft: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if ft.is_fifo() {
+        "a FIFO"
+    } else if ft.is_char_device() {
+        "a character device"
+    } else if ft.is_block_device() {
+        "a block device"
+    } else if ft.is_socket() {
+        "a socket"
+    } else if ft.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// The manifest files under `path`, sorted (a file is returned as itself), and the
+/// entries named like manifests that are not regular files (not read). Symlinks are
+/// followed to regular files and directories only.
+pub fn files(path: &Path) -> Result<(Vec<PathBuf>, Vec<LoadProblem>), LoadProblem> {
     let io = |source| LoadProblem::Io {
         path: path.to_path_buf(),
         source,
     };
     let meta = std::fs::metadata(path).map_err(io)?;
-    if meta.is_file() {
-        return Ok(vec![path.to_path_buf()]);
+    if !meta.is_dir() {
+        if !meta.is_file() {
+            return Err(LoadProblem::NotRegular {
+                path: path.to_path_buf(),
+                what: kind_of(meta.file_type()),
+            });
+        }
+        return Ok((vec![path.to_path_buf()], Vec::new()));
     }
     let mut out = Vec::new();
+    let mut skipped = Vec::new();
     let mut stack = vec![path.to_path_buf()];
     while let Some(dir) = stack.pop() {
         let rd = std::fs::read_dir(&dir).map_err(|source| LoadProblem::Io {
@@ -72,10 +142,6 @@ pub fn files(path: &Path) -> Result<Vec<PathBuf>, LoadProblem> {
                 source,
             })?;
             let p = entry.path();
-            let ft = entry.file_type().map_err(|source| LoadProblem::Io {
-                path: p.clone(),
-                source,
-            })?;
             let hidden = p
                 .file_name()
                 .and_then(|n| n.to_str())
@@ -83,22 +149,89 @@ pub fn files(path: &Path) -> Result<Vec<PathBuf>, LoadProblem> {
             if hidden {
                 continue;
             }
-            if ft.is_dir() {
-                stack.push(p);
-            } else if matches!(
+            let mut ft = match entry.file_type() {
+                Ok(ft) => ft,
+                Err(source) => {
+                    skipped.push(LoadProblem::Io { path: p, source });
+                    continue;
+                }
+            };
+            if ft.is_symlink() {
+                match std::fs::metadata(&p) {
+                    Ok(m) => ft = m.file_type(),
+                    Err(source) => {
+                        skipped.push(LoadProblem::Io { path: p, source });
+                        continue;
+                    }
+                }
+            }
+            let manifest = matches!(
                 p.extension().and_then(|e| e.to_str()),
                 Some("yaml" | "yml" | "json")
-            ) {
+            );
+            if ft.is_dir() {
+                stack.push(p);
+            } else if !manifest {
+            } else if ft.is_file() {
                 out.push(p);
+            } else {
+                skipped.push(LoadProblem::NotRegular {
+                    path: p,
+                    what: kind_of(ft),
+                });
             }
         }
     }
     out.sort();
-    Ok(out)
+    skipped.sort_by(|a, b| a.to_string().cmp(&b.to_string()));
+    Ok((out, skipped))
+}
+
+/// Reads a whole regular file, refusing anything else: opened non-blocking so a FIFO
+/// swapped in after listing cannot block, checked with `fstat` on the opened file, and
+/// read no further than `limit` bytes so a file that grows (or a device) cannot exhaust
+/// memory.
+pub fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, LoadProblem> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |source| LoadProblem::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(io)?;
+    let meta = f.metadata().map_err(io)?;
+    if !meta.is_file() {
+        return Err(LoadProblem::NotRegular {
+            path: path.to_path_buf(),
+            what: kind_of(meta.file_type()),
+        });
+    }
+    let too_large = |size| LoadProblem::TooLarge {
+        path: path.to_path_buf(),
+        size,
+        limit,
+    };
+    if meta.len() > limit {
+        return Err(too_large(meta.len()));
+    }
+    let mut buf = Vec::with_capacity(meta.len() as usize);
+    (&mut f)
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut buf)
+        .map_err(io)?;
+    if buf.len() as u64 > limit {
+        return Err(too_large(buf.len() as u64));
+    }
+    Ok(buf)
 }
 
 /// One file read, parsed and ingested: what its objects do to a `ClusterState` (the
-/// parsed Kubernetes objects themselves are dropped), and its problems.
+/// parsed Kubernetes objects themselves are dropped as soon as they are ingested), and
+/// its problems.
 #[derive(Debug, Default)]
 pub(crate) struct FileRead {
     /// Objects that parsed (including those that then failed validation).
@@ -130,34 +263,38 @@ impl FileRead {
     }
 }
 
-/// Reads, parses and ingests one file.
+/// Reads, parses and ingests one file, one object at a time.
 pub(crate) fn read_file(
     file: &Path,
     node_name: &str,
     ownership: &Ownership,
-) -> std::io::Result<FileRead> {
-    let text = std::fs::read_to_string(file)?;
-    let parsed = manifest::parse(&file.display().to_string(), &text);
-    drop(text);
-    let mut out = FileRead {
-        objects: parsed.objects.len(),
-        errors: parsed.errors,
-        ..FileRead::default()
-    };
-    out.updates.reserve_exact(parsed.objects.len());
-    for located in parsed.objects {
-        match Update::of(&located.object, ownership, node_name) {
-            Ok((update, warnings)) => {
-                out.updates.push(update);
-                out.invalid.extend(
-                    warnings
-                        .into_iter()
-                        .map(|w| (located.location.clone(), w, false)),
-                );
+    limits: &ReadLimits,
+) -> Result<FileRead, LoadProblem> {
+    let bytes = read_regular(file, limits.max_file_bytes)?;
+    let mut out = FileRead::default();
+    manifest::for_each_object(&file.display().to_string(), &bytes, &mut |r| match r {
+        Ok(located) => {
+            out.objects += 1;
+            match Update::of(&located.object, ownership, node_name) {
+                Ok((mut update, mut warnings)) => {
+                    if let (Update::Service(svc), Some(range)) =
+                        (&mut update, &limits.node_port_range)
+                        && let Some(svc) = std::sync::Arc::get_mut(svc)
+                    {
+                        warnings.extend(kproxy_core::ingest::restrict_node_ports(svc, range));
+                    }
+                    out.updates.push(update);
+                    out.invalid.extend(
+                        warnings
+                            .into_iter()
+                            .map(|w| (located.location.clone(), w, false)),
+                    );
+                }
+                Err(error) => out.invalid.push((located.location, error, true)),
             }
-            Err(error) => out.invalid.push((located.location, error, true)),
         }
-    }
+        Err(e) => out.errors.push(e),
+    });
     out.updates.shrink_to_fit();
     Ok(out)
 }
@@ -168,18 +305,19 @@ pub(crate) fn read_files(
     files: &[&Path],
     node_name: &str,
     ownership: &Ownership,
-) -> Vec<std::io::Result<FileRead>> {
+    limits: &ReadLimits,
+) -> Vec<Result<FileRead, LoadProblem>> {
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(files.len());
     if workers <= 1 {
         return files
             .iter()
-            .map(|f| read_file(f, node_name, ownership))
+            .map(|f| read_file(f, node_name, ownership, limits))
             .collect();
     }
     let next = AtomicUsize::new(0);
-    let mut out: Vec<Option<std::io::Result<FileRead>>> = files.iter().map(|_| None).collect();
+    let mut out: Vec<Option<Result<FileRead, LoadProblem>>> = files.iter().map(|_| None).collect();
     std::thread::scope(|s| {
         let workers: Vec<_> = (0..workers)
             .map(|_| {
@@ -188,7 +326,7 @@ pub(crate) fn read_files(
                     loop {
                         let i = next.fetch_add(1, Ordering::Relaxed);
                         let Some(file) = files.get(i) else { break };
-                        done.push((i, read_file(file, node_name, ownership)));
+                        done.push((i, read_file(file, node_name, ownership, limits)));
                     }
                     done
                 })
@@ -206,19 +344,32 @@ pub(crate) fn read_files(
         .collect()
 }
 
-/// Loads every manifest under `path` into a fresh `ClusterState`. `node_name` picks
-/// which Node object is this node's.
+/// Loads every manifest under `path` into a fresh `ClusterState`, with the default
+/// [`ReadLimits`]. `node_name` picks which Node object is this node's.
 pub fn load(path: &Path, node_name: &str, ownership: &Ownership) -> Loaded {
+    load_with(path, node_name, ownership, &ReadLimits::default())
+}
+
+/// [`load`] with explicit limits.
+pub fn load_with(
+    path: &Path,
+    node_name: &str,
+    ownership: &Ownership,
+    limits: &ReadLimits,
+) -> Loaded {
     let mut loaded = Loaded::default();
     let files = match files(path) {
-        Ok(f) => f,
+        Ok((f, skipped)) => {
+            loaded.problems.extend(skipped);
+            f
+        }
         Err(e) => {
             loaded.problems.push(e);
             return loaded;
         }
     };
     let paths: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
-    for (file, read) in files.iter().zip(read_files(&paths, node_name, ownership)) {
+    for read in read_files(&paths, node_name, ownership, limits) {
         match read {
             Ok(read) => {
                 read.apply_to(&mut loaded.state);
@@ -227,10 +378,7 @@ pub fn load(path: &Path, node_name: &str, ownership: &Ownership) -> Loaded {
                     .extend(read.errors.iter().cloned().map(LoadProblem::Manifest));
                 loaded.problems.extend(read.invalid_problems());
             }
-            Err(source) => loaded.problems.push(LoadProblem::Io {
-                path: file.clone(),
-                source,
-            }),
+            Err(p) => loaded.problems.push(p),
         }
     }
     loaded.files = files;
@@ -277,5 +425,64 @@ mod tests {
                 .to_string()
                 .starts_with("/nonexistent/kproxy")
         );
+    }
+
+    /// Issue 17: a FIFO named `*.yaml` hung `plan`; a symlink to /dev/zero was read until
+    /// memory ran out. Both are reported and not read; the regular file beside them loads.
+    #[test]
+    fn fifos_and_devices_are_not_read_and_do_not_cost_their_neighbours() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("svc.yaml"),
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n",
+        )
+        .unwrap();
+        let fifo = dir.path().join("fifo.yaml");
+        nix_mkfifo(&fifo);
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join("zero.yaml")).unwrap();
+        let loaded = load(dir.path(), "n", &Ownership::default());
+        assert_eq!(loaded.state.service_count(), 1);
+        let msgs: Vec<String> = loaded.problems.iter().map(|p| p.to_string()).collect();
+        assert_eq!(msgs.len(), 2, "{msgs:?}");
+        assert!(
+            msgs[0].contains("fifo.yaml") && msgs[0].contains("FIFO"),
+            "{msgs:?}"
+        );
+        assert!(
+            msgs[1].contains("zero.yaml") && msgs[1].contains("character device"),
+            "{msgs:?}"
+        );
+        // Named directly, too.
+        assert!(matches!(
+            read_regular(&fifo, 1 << 20),
+            Err(LoadProblem::NotRegular { .. })
+        ));
+        let loaded = load(&dir.path().join("zero.yaml"), "n", &Ownership::default());
+        assert!(matches!(loaded.problems[0], LoadProblem::NotRegular { .. }));
+    }
+
+    #[test]
+    fn a_file_over_the_size_limit_is_reported_and_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("big.yaml");
+        std::fs::write(&f, "x".repeat(100)).unwrap();
+        let limits = ReadLimits { max_file_bytes: 99 };
+        let loaded = load_with(dir.path(), "n", &Ownership::default(), &limits);
+        assert!(matches!(
+            loaded.problems[..],
+            [LoadProblem::TooLarge {
+                size: 100,
+                limit: 99,
+                ..
+            }]
+        ));
+    }
+
+    fn nix_mkfifo(p: &Path) {
+        let ok = std::process::Command::new("mkfifo")
+            .arg(p)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "mkfifo {}", p.display());
     }
 }

@@ -1,22 +1,36 @@
 //! The manifest source as a live source: keeps a [`StateHandle`] in step with a
 //! manifest file or directory. Each change (inotify through `notify`, plus a periodic
-//! rescan in case an event is missed) re-reads only the files whose size or mtime
-//! changed, and swaps the whole ClusterState in one `replace`, so the sync loop never
-//! sees half a directory. A file that can no longer be read or parsed keeps its last
-//! good content (a half-written file must not delete a Service); an object that fails
-//! validation is skipped alone.
+//! rescan in case an event is missed) re-reads only the files whose size, mtime or
+//! inode changed, and swaps the whole ClusterState in one `replace`, so the sync loop
+//! never sees half a directory.
+//!
+//! Bad input never costs good state (issue 17). Per file, objects are keyed by kind,
+//! namespace and name, and a re-read can only remove an object in one way:
+//! - an object whose document no longer parses, or that no longer passes validation,
+//!   keeps its last good version until it does (the problem is reported at every
+//!   rescan); a file that cannot be opened or read keeps all its objects;
+//! - an object that is simply gone from a file that parses — including a file that
+//!   became empty or vanished — is removed only once the file has stayed that way for
+//!   [`WatchConfig::remove_after`], so the truncate-then-write of most editors and
+//!   tools never reaches the kernel.
+//!
+//! Reading runs on the blocking pool and never opens anything but regular files (see
+//! [`manifests::read_regular`]); a rescan that takes longer than
+//! [`WatchConfig::stall_after`] marks the source stalled on the handle, which `kproxy run`
+//! turns into an unhealthy `/livez`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use kproxy_core::ClusterState;
-use kproxy_core::ingest::Ownership;
+use kproxy_core::ingest::{Kind, ObjectRef, Ownership};
+use kproxy_core::state::Update;
 use notify::Watcher;
 use tokio::sync::mpsc;
 
 use crate::StateHandle;
-use crate::manifests::{self, FileRead, LoadProblem};
+use crate::manifests::{self, FileRead, LoadProblem, ReadLimits};
 
 /// What to watch and for which node.
 #[derive(Clone, Debug)]
@@ -28,6 +42,33 @@ pub struct WatchConfig {
     pub rescan: Duration,
     /// Quiet time after an event before reading, so a burst of writes is read once.
     pub settle: Duration,
+    /// How long a file must stay without an object (emptied, vanished, or the object
+    /// removed from it) before that object is removed.
+    pub remove_after: Duration,
+    pub limits: ReadLimits,
+    /// A rescan running longer than this marks the source stalled.
+    pub stall_after: Duration,
+}
+
+/// Default [`WatchConfig::remove_after`].
+pub const DEFAULT_REMOVE_AFTER: Duration = Duration::from_secs(1);
+/// Default [`WatchConfig::stall_after`].
+pub const DEFAULT_STALL_AFTER: Duration = Duration::from_secs(60);
+
+impl WatchConfig {
+    /// The defaults for everything but what to watch and for whom.
+    pub fn new(path: PathBuf, node_name: String, ownership: Ownership) -> WatchConfig {
+        WatchConfig {
+            path,
+            node_name,
+            ownership,
+            rescan: Duration::from_secs(10),
+            settle: Duration::from_millis(10),
+            remove_after: DEFAULT_REMOVE_AFTER,
+            limits: ReadLimits::default(),
+            stall_after: DEFAULT_STALL_AFTER,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -41,12 +82,121 @@ pub enum WatchError {
     Initial(LoadProblem),
 }
 
-/// One file's last good content, ingested: its objects' updates share the ingested
-/// Services and slices with the state built from them, so the cache costs no second
-/// copy of the cluster.
+/// Size, mtime and inode: a change in any means the file must be read again.
+type Stamp = (SystemTime, u64, u64);
+
+/// Which object an update is about, within one file.
+type Key = (Kind, String, String);
+
+fn key_of(u: &Update) -> Option<Key> {
+    Some(match u {
+        Update::Service(s) => (
+            Kind::Service,
+            s.name.namespace.to_string(),
+            s.name.name.to_string(),
+        ),
+        Update::DeleteService(n) => (Kind::Service, n.namespace.to_string(), n.name.to_string()),
+        Update::Slice(s) => (
+            Kind::EndpointSlice,
+            s.service.namespace.to_string(),
+            s.name.clone(),
+        ),
+        Update::DeleteSlice { namespace, name } => {
+            (Kind::EndpointSlice, namespace.clone(), name.clone())
+        }
+        Update::Node(n) => (Kind::Node, String::new(), n.name.clone()),
+        Update::Nothing => return None,
+    })
+}
+
+fn key_of_ref(o: &ObjectRef) -> Option<Key> {
+    Some((
+        o.kind,
+        o.namespace.clone().unwrap_or_default(),
+        o.name.clone()?,
+    ))
+}
+
+/// Until when an object of earlier content is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hold {
+    /// Until its document parses and it validates again.
+    UntilFixed,
+    /// Until this time, unless the file changes first.
+    Until(Instant),
+}
+
+/// One file: its latest read, and the objects of earlier content still kept. Updates
+/// share the ingested Services and slices with the state built from them, so the cache
+/// costs no second copy of the cluster.
 struct Cached {
-    stamp: (SystemTime, u64),
+    /// `None`: the file is gone.
+    stamp: Option<Stamp>,
     read: FileRead,
+    kept: Vec<(Update, Hold)>,
+}
+
+impl Cached {
+    /// Takes a new read of the file (`None` stamp: it vanished) at `now`.
+    fn replace(
+        &mut self,
+        stamp: Option<Stamp>,
+        read: FileRead,
+        now: Instant,
+        remove_after: Duration,
+    ) {
+        let present: BTreeSet<Key> = read.updates.iter().filter_map(key_of).collect();
+        let failed: BTreeSet<Key> = read
+            .invalid
+            .iter()
+            .filter(|(_, _, skipped)| *skipped)
+            .filter_map(|(_, e, _)| key_of_ref(&e.object))
+            .collect();
+        let broken = !read.errors.is_empty();
+        let old = std::mem::take(&mut self.read.updates)
+            .into_iter()
+            .chain(std::mem::take(&mut self.kept).into_iter().map(|(u, _)| u));
+        let mut seen = BTreeSet::new();
+        for u in old {
+            let Some(k) = key_of(&u) else { continue };
+            if present.contains(&k) || !seen.insert(k.clone()) {
+                continue;
+            }
+            let hold = if broken || failed.contains(&k) {
+                Hold::UntilFixed
+            } else {
+                Hold::Until(now + remove_after)
+            };
+            self.kept.push((u, hold));
+        }
+        self.stamp = stamp;
+        self.read = read;
+    }
+
+    /// Drops kept objects whose time is up; true if any was dropped.
+    fn expire(&mut self, now: Instant) -> bool {
+        let before = self.kept.len();
+        self.kept
+            .retain(|(_, h)| !matches!(h, Hold::Until(t) if *t <= now));
+        self.kept.len() != before
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.kept
+            .iter()
+            .filter_map(|(_, h)| match h {
+                Hold::Until(t) => Some(*t),
+                Hold::UntilFixed => None,
+            })
+            .min()
+    }
+
+    fn apply_to(&self, state: &mut ClusterState) {
+        for (u, _) in &self.kept {
+            state.apply_update(u);
+        }
+        self.read.apply_to(state);
+    }
 }
 
 /// The per-file cache and the logic of one rescan; no async, so tests drive it directly.
@@ -62,41 +212,55 @@ pub struct Rescan {
     /// The state built from every file's last good content.
     pub state: ClusterState,
     pub problems: Vec<LoadProblem>,
-    /// Files (re)read in this rescan; empty means nothing changed on disk.
+    /// Files (re)read in this rescan.
     pub reread: Vec<PathBuf>,
+    /// Files whose objects are all gone from the state in this rescan.
     pub removed: Vec<PathBuf>,
+    /// Whether the state may differ from the previous rescan's.
+    pub changed: bool,
+    /// When a kept object's time is up: rescan then.
+    pub next_deadline: Option<Instant>,
 }
 
 impl ManifestCache {
-    /// Re-reads changed files under `path` and builds the state. Returns `Err` only when
-    /// the path itself cannot be listed (the caller keeps the previous state).
+    /// Re-reads changed files under `path` and builds the state, as of `now`. Returns
+    /// `Err` only when the path itself cannot be listed (the caller keeps the previous
+    /// state).
     pub fn rescan(
         &mut self,
         path: &Path,
         node_name: &str,
         ownership: &Ownership,
+        limits: &ReadLimits,
+        remove_after: Duration,
+        now: Instant,
     ) -> Result<Rescan, LoadProblem> {
-        let files = manifests::files(path)?;
+        let (files, mut problems) = manifests::files(path)?;
         let key = (node_name.to_string(), ownership.clone());
         if self.ingested_for.as_ref() != Some(&key) {
             self.files.clear();
             self.ingested_for = Some(key);
         }
-        let mut problems = Vec::new();
-        let mut reread = Vec::new();
-        let removed: Vec<PathBuf> = self
-            .files
-            .keys()
-            .filter(|f| !files.contains(f))
-            .cloned()
-            .collect();
-        for f in &removed {
-            self.files.remove(f);
+        let mut changed = false;
+        let listed: BTreeSet<&PathBuf> = files.iter().collect();
+        for (file, cached) in &mut self.files {
+            if !listed.contains(file) && cached.stamp.is_some() {
+                cached.replace(None, FileRead::default(), now, remove_after);
+                changed = true;
+            }
         }
+        let mut reread = Vec::new();
         let mut stamps = Vec::new();
         for file in &files {
             let stamp = match std::fs::metadata(file) {
-                Ok(m) => (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len()),
+                Ok(m) => {
+                    use std::os::unix::fs::MetadataExt;
+                    (
+                        m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                        m.len(),
+                        m.ino(),
+                    )
+                }
                 Err(source) => {
                     problems.push(LoadProblem::Io {
                         path: file.clone(),
@@ -105,63 +269,95 @@ impl ManifestCache {
                     continue;
                 }
             };
-            if self.files.get(file).is_some_and(|c| c.stamp == stamp) {
+            if self.files.get(file).is_some_and(|c| c.stamp == Some(stamp)) {
                 continue;
             }
             reread.push(file.clone());
             stamps.push(stamp);
         }
         let paths: Vec<&Path> = reread.iter().map(PathBuf::as_path).collect();
-        let reads = manifests::read_files(&paths, node_name, ownership);
+        let reads = manifests::read_files(&paths, node_name, ownership, limits);
         for ((file, stamp), read) in reread.iter().zip(stamps).zip(reads) {
             let read = match read {
                 Ok(r) => r,
-                Err(source) => {
-                    problems.push(LoadProblem::Io {
-                        path: file.clone(),
-                        source,
-                    });
+                // Unreadable: keep everything; the stamp stays old so the next rescan
+                // tries again.
+                Err(p) => {
+                    problems.push(p);
                     continue;
                 }
             };
-            let broken = !read.errors.is_empty();
-            problems.extend(read.errors.iter().cloned().map(LoadProblem::Manifest));
-            match self.files.get_mut(file) {
-                // A file that no longer parses keeps its last good objects; its stamp is
-                // not updated so the next rescan tries again.
-                Some(_) if broken && read.objects == 0 => {}
-                _ => {
-                    self.files.insert(file.clone(), Cached { stamp, read });
-                }
-            }
+            changed = true;
+            self.files
+                .entry(file.clone())
+                .or_insert_with(|| Cached {
+                    stamp: None,
+                    read: FileRead::default(),
+                    kept: Vec::new(),
+                })
+                .replace(Some(stamp), read, now, remove_after);
         }
+        let mut removed = Vec::new();
+        self.files.retain(|file, cached| {
+            changed |= cached.expire(now);
+            let gone = cached.stamp.is_none() && cached.kept.is_empty();
+            if gone {
+                removed.push(file.clone());
+            }
+            !gone
+        });
         let mut state = ClusterState::new();
+        let mut next_deadline: Option<Instant> = None;
         for cached in self.files.values() {
-            cached.read.apply_to(&mut state);
+            cached.apply_to(&mut state);
+            problems.extend(
+                cached
+                    .read
+                    .errors
+                    .iter()
+                    .cloned()
+                    .map(LoadProblem::Manifest),
+            );
             problems.extend(cached.read.invalid_problems());
+            if let Some(t) = cached.next_deadline() {
+                next_deadline = Some(next_deadline.map_or(t, |n| n.min(t)));
+            }
         }
         Ok(Rescan {
             state,
             problems,
             reread,
             removed,
+            changed,
+            next_deadline,
         })
     }
+}
+
+/// The inode of the watched directory: a directory replaced under the same name (a
+/// `ln -sfn` switch, `mv new old`) needs a new watch, or its changes are only seen by the
+/// periodic rescan.
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 /// Loads the manifests, marks the handle ready, then follows changes until the task is
 /// dropped. Fails only when the first load cannot list the path at all.
 pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError> {
     let (tx, mut rx) = mpsc::unbounded_channel::<()>();
-    let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if res.is_ok() {
-            let _ = tx.send(());
-        }
-    })
-    .map_err(|source| WatchError::Notify {
-        path: cfg.path.clone(),
-        source,
-    })?;
+    let make_watcher = || {
+        let tx = tx.clone();
+        notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            if res.is_ok() {
+                let _ = tx.send(());
+            }
+        })
+        .map_err(|source| WatchError::Notify {
+            path: cfg.path.clone(),
+            source,
+        })
+    };
     // Watch the directory that holds a single file too: editors and atomic writers
     // replace the file by rename, which a watch on the file itself would lose.
     let watched = if cfg.path.is_dir() {
@@ -169,17 +365,22 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
     } else {
         cfg.path.parent().map(Path::to_path_buf).unwrap_or_default()
     };
-    watcher
-        .watch(&watched, notify::RecursiveMode::Recursive)
-        .map_err(|source| WatchError::Notify {
-            path: watched.clone(),
-            source,
-        })?;
+    let start_watch = |w: &mut notify::RecommendedWatcher| {
+        w.watch(&watched, notify::RecursiveMode::Recursive)
+            .map_err(|source| WatchError::Notify {
+                path: watched.clone(),
+                source,
+            })
+    };
+    let mut watcher = make_watcher()?;
+    start_watch(&mut watcher)?;
+    let mut watched_id = identity(&watched);
 
     let mut cache = ManifestCache::default();
-    let first = rescan_blocking(&mut cache, &cfg)
+    let first = rescan_blocking(&mut cache, &cfg, &handle)
         .await
         .map_err(WatchError::Initial)?;
+    let mut deadline = first.next_deadline;
     install(&handle, first, true);
     handle.mark_ready();
 
@@ -187,6 +388,7 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticker.tick().await;
     loop {
+        let wake = deadline.map(tokio::time::Instant::from_std);
         tokio::select! {
             ev = rx.recv() => {
                 if ev.is_none() {
@@ -196,27 +398,67 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
                 while rx.try_recv().is_ok() {}
             }
             _ = ticker.tick() => {}
+            _ = async { tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)).await }, if wake.is_some() => {}
         }
-        match rescan_blocking(&mut cache, &cfg).await {
-            Ok(r) if r.reread.is_empty() && r.removed.is_empty() => {}
-            Ok(r) => install(&handle, r, false),
+        let id = identity(&watched);
+        if id != watched_id {
+            // Replaced: a fresh watcher on the new directory (dropping the old one).
+            match make_watcher().and_then(|mut w| start_watch(&mut w).map(|()| w)) {
+                Ok(w) => {
+                    drop(std::mem::replace(&mut watcher, w));
+                    watched_id = id;
+                    tracing::info!(path = %watched.display(), "manifest directory replaced; watching the new one");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot watch the replaced manifest directory; rescanning every {:?}", cfg.rescan)
+                }
+            }
+        }
+        match rescan_blocking(&mut cache, &cfg, &handle).await {
+            Ok(r) => {
+                deadline = r.next_deadline;
+                if r.changed {
+                    install(&handle, r, false);
+                }
+            }
             Err(e) => tracing::warn!(error = %e, "manifests unreadable; keeping the last state"),
         }
     }
 }
 
+/// One rescan on the blocking pool, watched: running longer than `stall_after` marks the
+/// source stalled until it returns (and the state is then re-synced in full, so health
+/// recovers with a fresh plan).
 async fn rescan_blocking(
     cache: &mut ManifestCache,
     cfg: &WatchConfig,
+    handle: &StateHandle,
 ) -> Result<Rescan, LoadProblem> {
     let mut owned = std::mem::take(cache);
     let cfg2 = cfg.clone();
-    let (owned, result) = tokio::task::spawn_blocking(move || {
-        let r = owned.rescan(&cfg2.path, &cfg2.node_name, &cfg2.ownership);
+    let mut task = tokio::task::spawn_blocking(move || {
+        let r = owned.rescan(
+            &cfg2.path,
+            &cfg2.node_name,
+            &cfg2.ownership,
+            &cfg2.limits,
+            cfg2.remove_after,
+            Instant::now(),
+        );
         (owned, r)
-    })
-    .await
-    .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+    });
+    let joined = match tokio::time::timeout(cfg.stall_after, &mut task).await {
+        Ok(j) => j,
+        Err(_) => {
+            tracing::error!(path = %cfg.path.display(), after = ?cfg.stall_after, "reading the manifests makes no progress; the source is stalled");
+            handle.set_source_stalled(true);
+            let j = task.await;
+            handle.set_source_stalled(false);
+            handle.update(ClusterState::mark_all_changed);
+            j
+        }
+    };
+    let (owned, result) = joined.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
     *cache = owned;
     result
 }
@@ -249,9 +491,24 @@ mod tests {
 
     const SVC: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n";
     const SVC2: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: api, namespace: shop}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}\n";
+    const SLICE: &str = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nendpoints: [{addresses: [10.244.0.5]}]\nports: [{port: 8080}]\n";
+    const SETTLE: Duration = Duration::from_secs(1);
 
     fn names(s: &ClusterState) -> Vec<String> {
         s.services().map(|s| s.name.to_string()).collect()
+    }
+
+    fn scan(cache: &mut ManifestCache, dir: &Path, now: Instant) -> Rescan {
+        cache
+            .rescan(
+                dir,
+                "n",
+                &Ownership::default(),
+                &ReadLimits::default(),
+                SETTLE,
+                now,
+            )
+            .unwrap()
     }
 
     #[test]
@@ -261,13 +518,13 @@ mod tests {
         std::fs::write(&a, SVC).unwrap();
         std::fs::write(&b, SVC2).unwrap();
         let mut cache = ManifestCache::default();
-        let own = Ownership::default();
-        let r = cache.rescan(dir.path(), "n", &own).unwrap();
+        let t0 = Instant::now();
+        let r = scan(&mut cache, dir.path(), t0);
         assert_eq!(names(&r.state), ["shop/api", "shop/web"]);
         assert_eq!(r.reread.len(), 2);
 
-        let r = cache.rescan(dir.path(), "n", &own).unwrap();
-        assert!(r.reread.is_empty(), "nothing changed on disk");
+        let r = scan(&mut cache, dir.path(), t0);
+        assert!(r.reread.is_empty() && !r.changed, "nothing changed on disk");
 
         // A half-written file keeps the Service it held; the other file is unaffected.
         std::fs::write(
@@ -275,19 +532,95 @@ mod tests {
             "apiVersion: v1\nkind: Service\nmetadata: {name: api, namespace: shop\n",
         )
         .unwrap();
-        let r = cache.rescan(dir.path(), "n", &own).unwrap();
+        let r = scan(&mut cache, dir.path(), t0);
         assert_eq!(names(&r.state), ["shop/api", "shop/web"]);
         assert!(
             r.problems.iter().any(|p| p.to_string().contains("b.yaml")),
             "{:?}",
             r.problems
         );
+        // ... for good, not only for the settle time.
+        let r = scan(&mut cache, dir.path(), t0 + SETTLE * 10);
+        assert_eq!(names(&r.state), ["shop/api", "shop/web"]);
 
-        // Removing a file removes its objects.
+        // Removing a file removes its objects once it has stayed removed.
         std::fs::remove_file(&a).unwrap();
-        let r = cache.rescan(dir.path(), "n", &own).unwrap();
+        let r = scan(&mut cache, dir.path(), t0);
+        assert_eq!(names(&r.state), ["shop/api", "shop/web"], "not yet");
+        assert_eq!(r.next_deadline, Some(t0 + SETTLE));
+        let r = scan(&mut cache, dir.path(), t0 + SETTLE);
         assert_eq!(names(&r.state), ["shop/api"]);
         assert_eq!(r.removed, [a]);
+    }
+
+    /// Issue 17: a file truncated to 0 bytes (the first step of most writes) deleted its
+    /// Services at once; a partial write that kept the first document sent a Service to
+    /// REJECT.
+    #[test]
+    fn truncation_and_partial_writes_never_remove_objects_before_the_file_settles() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.yaml");
+        std::fs::write(&a, format!("{SVC}---\n{SLICE}")).unwrap();
+        let mut cache = ManifestCache::default();
+        let t0 = Instant::now();
+        let r = scan(&mut cache, dir.path(), t0);
+        assert_eq!((r.state.service_count(), r.state.slice_count()), (1, 1));
+
+        // Truncated: everything stays until the settle time has passed.
+        std::fs::write(&a, "").unwrap();
+        let r = scan(&mut cache, dir.path(), t0);
+        assert_eq!((r.state.service_count(), r.state.slice_count()), (1, 1));
+        // Rewritten in two steps: the first document, then all of it.
+        std::fs::write(&a, SVC).unwrap();
+        let r = scan(&mut cache, dir.path(), t0 + SETTLE / 2);
+        assert_eq!((r.state.service_count(), r.state.slice_count()), (1, 1));
+        std::fs::write(&a, format!("{SVC}---\n{SLICE}")).unwrap();
+        let r = scan(&mut cache, dir.path(), t0 + SETTLE / 2);
+        assert_eq!((r.state.service_count(), r.state.slice_count()), (1, 1));
+        assert_eq!(r.next_deadline, None, "nothing waits for removal");
+        let r = scan(&mut cache, dir.path(), t0 + SETTLE * 5);
+        assert_eq!((r.state.service_count(), r.state.slice_count()), (1, 1));
+
+        // A slice removed for good goes once the file stays without it.
+        std::fs::write(&a, SVC).unwrap();
+        let t1 = t0 + SETTLE * 10;
+        let r = scan(&mut cache, dir.path(), t1);
+        assert_eq!(r.state.slice_count(), 1);
+        let r = scan(&mut cache, dir.path(), t1 + SETTLE);
+        assert_eq!(r.state.slice_count(), 0);
+        assert!(r.changed);
+    }
+
+    /// An object that stops validating keeps its last good version (as the apiserver
+    /// would have refused the update), and is reported.
+    #[test]
+    fn an_object_that_turns_invalid_keeps_its_last_good_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.yaml");
+        std::fs::write(&a, SVC).unwrap();
+        let mut cache = ManifestCache::default();
+        let t0 = Instant::now();
+        scan(&mut cache, dir.path(), t0);
+        std::fs::write(
+            &a,
+            SVC.replace(
+                "clusterIP: 10.96.0.10, ports: [{port: 80}]",
+                "clusterIP: nope, ports: [{port: 81}]",
+            ),
+        )
+        .unwrap();
+        let r = scan(&mut cache, dir.path(), t0);
+        let r2 = scan(&mut cache, dir.path(), t0 + SETTLE * 10);
+        for r in [r, r2] {
+            assert_eq!(names(&r.state), ["shop/web"]);
+            let port = r.state.services().next().unwrap().ports[0].port;
+            assert_eq!(port, 80);
+            assert!(
+                r.problems.iter().any(|p| p.skipped_object()),
+                "{:?}",
+                r.problems
+            );
+        }
     }
 
     #[tokio::test]
@@ -295,13 +628,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
         let handle = StateHandle::new();
-        let cfg = WatchConfig {
-            path: dir.path().to_path_buf(),
-            node_name: "n".into(),
-            ownership: Ownership::default(),
-            rescan: Duration::from_secs(3600),
-            settle: Duration::from_millis(10),
-        };
+        let mut cfg = WatchConfig::new(dir.path().to_path_buf(), "n".into(), Ownership::default());
+        cfg.rescan = Duration::from_secs(3600);
+        cfg.remove_after = Duration::from_millis(50);
         let task = tokio::spawn(run(cfg, handle.clone()));
         wait_for(&handle, |s| s.service_count() == 1).await;
         assert!(handle.is_ready());
@@ -314,6 +643,39 @@ mod tests {
         task.abort();
     }
 
+    /// Issue 17: after the watched directory was replaced, changes took until the next
+    /// periodic rescan. With an hour-long rescan period, only a new watch sees them.
+    #[tokio::test]
+    async fn a_replaced_directory_is_watched_again() {
+        let top = tempfile::tempdir().unwrap();
+        let dir = top.path().join("m");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join("a.yaml"), SVC).unwrap();
+        let handle = StateHandle::new();
+        let mut cfg = WatchConfig::new(dir.clone(), "n".into(), Ownership::default());
+        cfg.rescan = Duration::from_secs(3600);
+        let task = tokio::spawn(run(cfg, handle.clone()));
+        wait_for(&handle, |s| s.service_count() == 1).await;
+        let new = top.path().join("m.new");
+        std::fs::create_dir(&new).unwrap();
+        std::fs::write(new.join("a.yaml"), SVC).unwrap();
+        std::fs::rename(&dir, top.path().join("m.old")).unwrap();
+        std::fs::rename(&new, &dir).unwrap();
+        // The swap itself is only seen by the periodic rescan, or by the next event in
+        // the new directory: poke the new directory until the new watch is in place.
+        for i in 0..200 {
+            std::fs::write(dir.join("b.yaml"), SVC2).unwrap();
+            if handle.with(|s| s.service_count() == 2) {
+                break;
+            }
+            if i == 199 {
+                panic!("changes in the replaced directory are never seen");
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        task.abort();
+    }
+
     /// This node's Node leaving the manifests makes it "being deleted" (not eligible),
     /// as the API source does on a DELETED event; it is not forgotten.
     #[tokio::test]
@@ -323,13 +685,13 @@ mod tests {
         std::fs::write(&node, "apiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 10.0.0.1}]}\n").unwrap();
         std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
         let handle = StateHandle::new();
-        let cfg = WatchConfig {
-            path: dir.path().to_path_buf(),
-            node_name: "node-1".into(),
-            ownership: Ownership::default(),
-            rescan: Duration::from_secs(3600),
-            settle: Duration::from_millis(10),
-        };
+        let mut cfg = WatchConfig::new(
+            dir.path().to_path_buf(),
+            "node-1".into(),
+            Ownership::default(),
+        );
+        cfg.rescan = Duration::from_secs(3600);
+        cfg.remove_after = Duration::from_millis(50);
         let task = tokio::spawn(run(cfg, handle.clone()));
         wait_for(&handle, |s| s.node().is_some_and(|n| !n.deleting)).await;
         std::fs::remove_file(&node).unwrap();

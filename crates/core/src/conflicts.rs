@@ -1,0 +1,264 @@
+//! Frontend conflicts: two Services that claim the same address, port and protocol on
+//! this node (a cluster IP, an external IP, a load-balancer IP, or a node port), and
+//! external or load-balancer IPs that would capture another Service's cluster IP or this
+//! node's own address (CVE-2020-8554). Pure: the planner calls [`resolve`] on the plans
+//! it built and programs only what survives; `plan`, `explain`, the logs and the
+//! `kproxy_frontend_conflicts` metric show [`Conflict`]s.
+//!
+//! The rule (docs/input.md): a frontend goes to the Service created first
+//! (`metadata.creationTimestamp`; a Service without one counts as newest), then to the
+//! one whose `namespace/name` sorts first — the order in which the apiserver would have
+//! allocated it. The other Service loses only that frontend: an external, LB IP or node
+//! port is dropped from its port; a cluster IP lost costs the whole port (of that family),
+//! since nothing of it can be reached unambiguously. Without the
+//! `allow_external_ip_overlap` setting, an external or LB IP equal to any Service's cluster
+//! IP or to one of this node's addresses is refused whatever the port.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::model::{IpFamily, Protocol, ServiceName};
+use crate::plan::{NodePlan, ServicePlan, ServicePortPlan};
+
+/// Which kind of frontend a claim is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum FrontendKind {
+    ClusterIp,
+    ExternalIp,
+    LoadBalancerIp,
+    NodePort,
+}
+
+/// One frontend: `ip` is `None` for a node port (every node address of the family).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Frontend {
+    pub kind: FrontendKind,
+    pub family: IpFamily,
+    pub ip: Option<IpAddr>,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+/// Why a frontend was not given to a Service.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase", tag = "reason")]
+pub enum ConflictReason {
+    /// The same address, port and protocol belongs to `owner` (created earlier, or same
+    /// age and sorting first).
+    Claimed { owner: ServiceName },
+    /// An external or LB IP equal to `owner`'s cluster IP (refused on any port).
+    ClusterIpCapture { owner: ServiceName },
+    /// An external or LB IP equal to one of this node's addresses.
+    NodeIpCapture,
+}
+
+/// A frontend refused to a Service.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Conflict {
+    /// The Service that does not get the frontend.
+    pub service: ServiceName,
+    /// Its port (`spec.ports[].name`).
+    pub port_name: String,
+    pub frontend: Frontend,
+    #[serde(flatten)]
+    pub reason: ConflictReason,
+}
+
+impl std::fmt::Display for Conflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let fe = &self.frontend;
+        let what = match fe.kind {
+            FrontendKind::ClusterIp => "cluster IP",
+            FrontendKind::ExternalIp => "external IP",
+            FrontendKind::LoadBalancerIp => "load-balancer IP",
+            FrontendKind::NodePort => "node port",
+        };
+        let at = match fe.ip {
+            Some(IpAddr::V6(ip)) => format!("[{ip}]:{}/{:?}", fe.port, fe.protocol),
+            Some(ip) => format!("{ip}:{}/{:?}", fe.port, fe.protocol),
+            None => format!("{}/{:?} ({})", fe.port, fe.protocol, fe.family),
+        };
+        write!(f, "{}: {what} {at} not programmed: ", self.service)?;
+        match &self.reason {
+            ConflictReason::Claimed { owner } => write!(f, "it belongs to {owner}"),
+            ConflictReason::ClusterIpCapture { owner } => write!(
+                f,
+                "it is the cluster IP of {owner} (CVE-2020-8554; --allow-external-ip-overlap allows it)"
+            ),
+            ConflictReason::NodeIpCapture => write!(
+                f,
+                "it is an address of this node (CVE-2020-8554; --allow-external-ip-overlap allows it)"
+            ),
+        }
+    }
+}
+
+/// Who may claim first: created earlier (`None` last), then by name.
+pub type Age = Option<i64>;
+
+fn frontends(p: &ServicePortPlan) -> impl Iterator<Item = Frontend> + '_ {
+    let fe = move |kind, ip| Frontend {
+        kind,
+        family: p.family,
+        ip,
+        port: p.port,
+        protocol: p.protocol,
+    };
+    std::iter::once(fe(FrontendKind::ClusterIp, Some(p.cluster_ip)))
+        .chain(
+            p.external_ips
+                .iter()
+                .map(move |ip| fe(FrontendKind::ExternalIp, Some(*ip))),
+        )
+        .chain(
+            p.load_balancer_ips
+                .iter()
+                .map(move |ip| fe(FrontendKind::LoadBalancerIp, Some(*ip))),
+        )
+        .chain(p.node_port.map(|n| Frontend {
+            kind: FrontendKind::NodePort,
+            ip: None,
+            port: n,
+            ..fe(FrontendKind::NodePort, None)
+        }))
+}
+
+/// The key two claims collide on: what the kernel would match. An external IP and a
+/// cluster IP at the same address and port collide; a node port collides with node ports.
+fn collision_key(fe: &Frontend) -> (bool, IpFamily, Option<IpAddr>, u16, Protocol) {
+    (
+        fe.kind == FrontendKind::NodePort,
+        fe.family,
+        fe.ip,
+        fe.port,
+        fe.protocol,
+    )
+}
+
+/// Decides every conflict among `services` and returns the conflicts and, for each
+/// Service that lost something, its plan without the lost frontends. `age` gives a
+/// Service's creation time; `node_ips` are this node's addresses.
+pub fn resolve(
+    services: &BTreeMap<ServiceName, Arc<ServicePlan>>,
+    age: impl Fn(&ServiceName) -> Age,
+    node_ips: &[IpAddr],
+    allow_external_ip_overlap: bool,
+) -> (Vec<Conflict>, BTreeMap<ServiceName, Arc<ServicePlan>>) {
+    // Claim order: oldest first, then by name (the map is sorted by name; a stable sort
+    // by age keeps that order among equals).
+    let mut order: Vec<(&ServiceName, &Arc<ServicePlan>, Age)> =
+        services.iter().map(|(n, p)| (n, p, age(n))).collect();
+    order.sort_by_key(|(_, _, a)| (a.is_none(), *a));
+
+    let cluster_ips: BTreeMap<IpAddr, &ServiceName> = if allow_external_ip_overlap {
+        BTreeMap::new()
+    } else {
+        let mut m = BTreeMap::new();
+        for (name, plan, _) in &order {
+            for p in &plan.ports {
+                m.entry(p.cluster_ip).or_insert(*name);
+            }
+        }
+        m
+    };
+
+    let mut owner: BTreeMap<_, &ServiceName> = BTreeMap::new();
+    let mut conflicts = Vec::new();
+    for (name, plan, _) in &order {
+        for p in &plan.ports {
+            for fe in frontends(p) {
+                let reason = match fe.kind {
+                    FrontendKind::ExternalIp | FrontendKind::LoadBalancerIp
+                        if !allow_external_ip_overlap =>
+                    {
+                        let ip = fe.ip.expect("external and LB frontends have an IP");
+                        match cluster_ips.get(&ip) {
+                            Some(o) if *o != *name => Some(ConflictReason::ClusterIpCapture {
+                                owner: (*o).clone(),
+                            }),
+                            _ if node_ips.contains(&ip) => Some(ConflictReason::NodeIpCapture),
+                            _ => None,
+                        }
+                    }
+                    _ => None,
+                };
+                let reason = reason.or_else(|| match owner.get(&collision_key(&fe)) {
+                    Some(o) if *o != *name => Some(ConflictReason::Claimed {
+                        owner: (*o).clone(),
+                    }),
+                    Some(_) => None,
+                    None => {
+                        owner.insert(collision_key(&fe), *name);
+                        None
+                    }
+                });
+                if let Some(reason) = reason {
+                    conflicts.push(Conflict {
+                        service: (*name).clone(),
+                        port_name: p.service_port.port_name.clone(),
+                        frontend: fe,
+                        reason,
+                    });
+                }
+            }
+        }
+    }
+    conflicts.sort_by(|a, b| {
+        (&a.service, &a.port_name, &a.frontend).cmp(&(&b.service, &b.port_name, &b.frontend))
+    });
+
+    let mut patched: BTreeMap<ServiceName, Arc<ServicePlan>> = BTreeMap::new();
+    for c in &conflicts {
+        let plan = patched
+            .entry(c.service.clone())
+            .or_insert_with(|| services[&c.service].clone());
+        let plan = Arc::make_mut(plan);
+        let fe = &c.frontend;
+        let port_of = |p: &ServicePortPlan| {
+            p.service_port.port_name == c.port_name
+                && p.family == fe.family
+                && p.protocol == fe.protocol
+        };
+        match fe.kind {
+            FrontendKind::ClusterIp => plan.ports.retain(|p| !port_of(p)),
+            _ => {
+                for p in plan.ports.iter_mut().filter(|p| port_of(p)) {
+                    match fe.kind {
+                        FrontendKind::ExternalIp => p.external_ips.retain(|ip| Some(*ip) != fe.ip),
+                        FrontendKind::LoadBalancerIp => {
+                            p.load_balancer_ips.retain(|ip| Some(*ip) != fe.ip)
+                        }
+                        _ => p.node_port = None,
+                    }
+                    if !p.externally_accessible() {
+                        p.external.clear();
+                    }
+                }
+            }
+        }
+    }
+    (conflicts, patched)
+}
+
+/// [`resolve`] applied to a whole plan: replaces the losers' plans and records the
+/// conflicts in `plan.conflicts`.
+pub fn apply(
+    plan: &mut NodePlan,
+    age: impl Fn(&ServiceName) -> Age,
+    allow_external_ip_overlap: bool,
+) {
+    let node_ips: Vec<IpAddr> = plan
+        .families
+        .iter()
+        .flat_map(|f| f.node_ips.iter().copied())
+        .collect();
+    let (conflicts, patched) = resolve(&plan.services, age, &node_ips, allow_external_ip_overlap);
+    plan.services.extend(patched);
+    plan.conflicts = conflicts;
+}

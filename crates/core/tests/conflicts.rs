@@ -1,0 +1,202 @@
+//! Issue 17: frontend takeover. Every combination of two Services claiming the same
+//! frontend (cluster IP, external IP, LB IP, node port), each in both creation orders:
+//! the older Service keeps it whatever the names, the newer is reported, and the planner
+//! (incremental or not) agrees.
+
+use kproxy_core::conflicts::{ConflictReason, FrontendKind};
+use kproxy_core::ingest::Ownership;
+use kproxy_core::manifest;
+use kproxy_core::planner::Planner;
+use kproxy_core::{ClusterState, NodePlan, PlanConfig};
+
+const NODE: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.1}]}\n";
+
+/// A Service `name` created at `created` with `spec` (YAML flow mapping body).
+fn svc(name: &str, created: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns, creationTimestamp: \"{created}\"}}\nspec: {{ports: [{{name: p, port: 80, protocol: TCP, nodePort: NP}}], {spec}}}\n"
+    )
+}
+
+fn state(docs: &[String]) -> ClusterState {
+    let text = format!("{NODE}---\n{}", docs.join("---\n"));
+    let parsed = manifest::parse("t.yaml", &text);
+    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
+    let mut st = ClusterState::new();
+    for o in &parsed.objects {
+        st.apply(&o.object, &Ownership::default(), "node-a")
+            .expect("valid object");
+    }
+    st
+}
+
+fn plan_both_ways(docs: &[String], cfg: &PlanConfig) -> NodePlan {
+    let mut st = state(docs);
+    let full = kproxy_core::plan(&st, "node-a", cfg);
+    // The incremental planner, fed the same objects, reaches the same plan.
+    let mut planner = Planner::new("node-a", cfg.clone());
+    planner.update(&mut st);
+    assert_eq!(planner.plan(), &full, "incremental and full plans differ");
+    full
+}
+
+const OLD: &str = "2020-01-01T00:00:00Z";
+const NEW: &str = "2024-01-01T00:00:00Z";
+
+/// (what B claims, what A has, the kind B loses)
+fn cases() -> Vec<(&'static str, &'static str, &'static str, FrontendKind)> {
+    vec![
+        (
+            "same cluster IP",
+            "type: NodePort, clusterIP: 10.96.0.10",
+            "type: NodePort, clusterIP: 10.96.0.10",
+            FrontendKind::ClusterIp,
+        ),
+        (
+            "same external IP and port",
+            "type: NodePort, clusterIP: 10.96.0.10, externalIPs: [192.0.2.7]",
+            "type: NodePort, clusterIP: 10.96.0.11, externalIPs: [192.0.2.7]",
+            FrontendKind::ExternalIp,
+        ),
+        (
+            "same node port",
+            "type: NodePort, clusterIP: 10.96.0.10",
+            "type: NodePort, clusterIP: 10.96.0.11",
+            FrontendKind::NodePort,
+        ),
+    ]
+}
+
+#[test]
+fn the_older_service_keeps_a_shared_frontend_whatever_the_names() {
+    for (case, a_spec, b_spec, kind) in cases() {
+        for (a_age, b_age, winner) in [(OLD, NEW, "a"), (NEW, OLD, "b")] {
+            // Node ports are unique per Service except where the case shares them.
+            let a = svc("a", a_age, a_spec).replace("NP", "30080");
+            let b_np = if kind == FrontendKind::NodePort {
+                "30080"
+            } else {
+                "30081"
+            };
+            let b = svc("b", b_age, b_spec).replace("NP", b_np);
+            let plan = plan_both_ways(&[a, b], &PlanConfig::default());
+            let loser = if winner == "a" { "b" } else { "a" };
+            assert_eq!(plan.conflicts.len(), 1, "{case}: {:?}", plan.conflicts);
+            let c = &plan.conflicts[0];
+            assert_eq!(&*c.service.name, loser, "{case}");
+            assert_eq!(c.frontend.kind, kind, "{case}");
+            assert!(
+                matches!(&c.reason, ConflictReason::Claimed { owner } if &*owner.name == winner),
+                "{case}: {c:?}"
+            );
+            assert!(c.to_string().contains("belongs to ns/"), "{c}");
+            // The winner is programmed untouched; the loser lacks exactly the frontend.
+            let ports = |n: &str| {
+                plan.service_ports()
+                    .filter(|p| &*p.service_port.service.name == n)
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(ports(winner).len(), 1, "{case}");
+            match kind {
+                FrontendKind::ClusterIp => assert!(ports(loser).is_empty(), "{case}"),
+                FrontendKind::ExternalIp => assert!(ports(loser)[0].external_ips.is_empty()),
+                FrontendKind::NodePort => assert_eq!(ports(loser)[0].node_port, None),
+                FrontendKind::LoadBalancerIp => unreachable!(),
+            }
+        }
+    }
+}
+
+#[test]
+fn same_age_goes_to_the_name_that_sorts_first() {
+    let a = svc("a", OLD, "type: NodePort, clusterIP: 10.96.0.10").replace("NP", "30080");
+    let b = svc("b", OLD, "type: NodePort, clusterIP: 10.96.0.11").replace("NP", "30080");
+    let plan = plan_both_ways(&[b, a], &PlanConfig::default());
+    assert_eq!(&*plan.conflicts[0].service.name, "b");
+}
+
+/// CVE-2020-8554: an external IP (or LB IP) equal to another Service's cluster IP or a
+/// node address captures that traffic. Refused by default whatever the port; allowed
+/// with the setting, and then only an exact address+port clash is a conflict.
+#[test]
+fn external_and_lb_ips_may_not_capture_cluster_ips_or_node_addresses() {
+    let victim = svc("victim", OLD, "clusterIP: 10.96.0.10").replace(", nodePort: NP", "");
+    let by_external = svc(
+        "thief",
+        NEW,
+        "clusterIP: 10.96.0.11, externalIPs: [10.96.0.10, 10.200.0.1, 192.0.2.1]",
+    )
+    .replace(", nodePort: NP", "");
+    let plan = plan_both_ways(
+        &[victim.clone(), by_external.clone()],
+        &PlanConfig::default(),
+    );
+    let reasons: Vec<_> = plan
+        .conflicts
+        .iter()
+        .map(|c| (c.frontend.ip.unwrap().to_string(), c.reason.clone()))
+        .collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(
+        matches!(&reasons[0], (ip, ConflictReason::ClusterIpCapture { owner }) if ip == "10.96.0.10" && &*owner.name == "victim")
+    );
+    assert!(matches!(&reasons[1], (ip, ConflictReason::NodeIpCapture) if ip == "10.200.0.1"));
+    let thief = plan
+        .service_ports()
+        .find(|p| &*p.service_port.service.name == "thief")
+        .unwrap();
+    assert_eq!(
+        thief.external_ips,
+        ["192.0.2.1".parse::<std::net::IpAddr>().unwrap()]
+    );
+
+    // Even when the thief is older: the cluster IP is never given away.
+    let older_thief = by_external.replace(NEW, "2000-01-01T00:00:00Z");
+    let plan = plan_both_ways(&[victim.clone(), older_thief], &PlanConfig::default());
+    assert_eq!(plan.conflicts.len(), 2);
+    assert!(plan.conflicts.iter().all(|c| &*c.service.name == "thief"));
+
+    // LB IPs, from status.
+    let lb = format!(
+        "{}status: {{loadBalancer: {{ingress: [{{ip: 10.96.0.10}}]}}}}\n",
+        svc("lb", NEW, "type: LoadBalancer, clusterIP: 10.96.0.12").replace("NP", "30090")
+    );
+    let plan = plan_both_ways(&[victim.clone(), lb], &PlanConfig::default());
+    assert_eq!(plan.conflicts.len(), 1);
+    assert_eq!(
+        plan.conflicts[0].frontend.kind,
+        FrontendKind::LoadBalancerIp
+    );
+
+    // Allowed: the external IP equal to a cluster IP at the same port is still a clash
+    // (older wins), the node address is used.
+    let cfg = PlanConfig {
+        allow_external_ip_overlap: true,
+        ..PlanConfig::default()
+    };
+    let plan = plan_both_ways(&[victim, by_external], &cfg);
+    assert_eq!(plan.conflicts.len(), 1, "{:?}", plan.conflicts);
+    assert!(
+        matches!(&plan.conflicts[0].reason, ConflictReason::Claimed { owner } if &*owner.name == "victim")
+    );
+}
+
+/// The incremental planner re-plans a Service whose conflict went away although the
+/// Service itself did not change.
+#[test]
+fn removing_the_winner_gives_the_frontend_to_the_loser() {
+    let a = svc("a", OLD, "type: NodePort, clusterIP: 10.96.0.10").replace("NP", "30080");
+    let b = svc("b", NEW, "type: NodePort, clusterIP: 10.96.0.11").replace("NP", "30080");
+    let mut st = state(&[a, b]);
+    let mut planner = Planner::new("node-a", PlanConfig::default());
+    planner.update(&mut st);
+    assert_eq!(planner.plan().conflicts.len(), 1);
+    let name = kproxy_core::model::ServiceName::new("ns", "a");
+    st.delete_service(&name);
+    let update = planner.update(&mut st);
+    assert!(planner.plan().conflicts.is_empty());
+    let names: Vec<&str> = update.services.iter().map(|s| &*s.name).collect();
+    assert_eq!(names, ["a", "b"]);
+    let b_port = planner.plan().service_ports().next().unwrap();
+    assert_eq!(b_port.node_port, Some(30080));
+}
