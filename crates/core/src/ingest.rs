@@ -114,6 +114,9 @@ impl fmt::Display for NotProxied {
 }
 
 /// Outcome of ingesting a Service.
+// A value returned and consumed at once, never stored: boxing the large variant would
+// only add an allocation per Service.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ServiceOutcome {
     Proxied(Ingested<Service>),

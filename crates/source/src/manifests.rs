@@ -183,7 +183,7 @@ pub fn files(path: &Path) -> Result<(Vec<PathBuf>, Vec<LoadProblem>), LoadProble
         }
     }
     out.sort();
-    skipped.sort_by(|a, b| a.to_string().cmp(&b.to_string()));
+    skipped.sort_by_key(|p| p.to_string());
     Ok((out, skipped))
 }
 
