@@ -22,8 +22,49 @@ pub struct LabArgs {
 pub enum LabCommand {
     /// A rolling update behind an emulated cloud load balancer, every failed request counted (root).
     Rollout(Box<RolloutArgs>),
+    /// The scenario matrix: pod profiles × seed 2's settings × LB presets × both proxy
+    /// behaviours, one real rollout per cell, each beside what `kproxy lint` says (root).
+    Matrix(Box<MatrixArgs>),
     /// Remove lab namespaces (and their processes) left behind by killed runs (root).
     Sweep,
+}
+
+#[derive(clap::Args, Debug, Default)]
+pub struct MatrixArgs {
+    /// The reduced matrix CI runs (graceful pods, gke, recommended / short preStop /
+    /// kproxy restart, both behaviours); filters below narrow it further.
+    #[arg(long)]
+    pub reduced: bool,
+    /// Pod profiles (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub profiles: Vec<PodProfile>,
+    /// Settings (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub settings: Vec<crate::matrix::Setting>,
+    /// Load-balancer presets (default: gke, aws-nlb, azure).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub lb_presets: Vec<LbPreset>,
+    /// Only kproxy behaviour (skip the pre-1.26 cells).
+    #[arg(long)]
+    pub kproxy_only: bool,
+    /// Real time = nominal time × this.
+    #[arg(long)]
+    pub time_scale: Option<f64>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[arg(short = 'o', long, value_enum, default_value = "text")]
+    pub output: Option<OutputFormat>,
+    /// The HTML report (matrix table, every cell's timeline).
+    #[arg(long, default_value = "kproxy-lab-matrix.html")]
+    pub html: PathBuf,
+    #[arg(long)]
+    pub no_html: bool,
+    /// The kproxy binary to run on each node (default: this executable).
+    #[arg(long)]
+    pub kproxy: Option<PathBuf>,
+    /// Install missing tools (nftables, conntrack, iproute2) with apt-get.
+    #[arg(long)]
+    pub install_deps: bool,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +92,9 @@ pub struct RolloutArgs {
     /// Print the full event timeline of every run in the text report.
     #[arg(long)]
     pub timeline: bool,
+    /// Also write a self-contained HTML report (timelines, bursts) to this file.
+    #[arg(long)]
+    pub html: Option<PathBuf>,
     /// Directory for the plots (SVG + PNG per run).
     #[arg(long, default_value = ".")]
     pub plot_dir: PathBuf,
@@ -280,18 +324,132 @@ pub fn run(args: LabArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         LabCommand::Rollout(a) => rollout(&a),
+        LabCommand::Matrix(a) => matrix(&a),
     }
+}
+
+fn need_root(what: &str) -> anyhow::Result<()> {
+    if !crate::is_root() {
+        bail!(
+            "kproxy lab {what} must run as root: it creates network namespaces, veth pairs and nftables rules \
+             (all inside its own namespaces; the host's network is not touched). Try: sudo {} lab {what} ...",
+            std::env::args().next().unwrap_or_else(|| "kproxy".into())
+        );
+    }
+    Ok(())
+}
+
+/// The cells `a` selects.
+pub fn selection(a: &MatrixArgs) -> crate::matrix::Selection {
+    use crate::matrix::Selection;
+    let mut sel = if a.reduced {
+        Selection::reduced()
+    } else {
+        Selection::full()
+    };
+    if !a.profiles.is_empty() {
+        sel.profiles.retain(|p| a.profiles.contains(p));
+        if !a.reduced {
+            sel.profiles = a.profiles.clone();
+        }
+    }
+    if !a.settings.is_empty() {
+        sel.settings = if a.reduced {
+            sel.settings.into_iter().filter(|s| a.settings.contains(s)).collect()
+        } else {
+            a.settings.clone()
+        };
+    }
+    if !a.lb_presets.is_empty() {
+        sel.presets = a.lb_presets.clone();
+    }
+    if a.kproxy_only {
+        sel.behaviours = vec![Behaviour::Kproxy];
+    }
+    sel
+}
+
+fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
+    let mut base = RolloutConfig::default();
+    if let Some(t) = a.time_scale {
+        base.time_scale = t;
+    }
+    if let Some(s) = a.seed {
+        base.seed = s;
+    }
+    base.validate()?;
+    if a.lb_presets.contains(&LbPreset::Custom) {
+        bail!("--lb-presets: the matrix runs the gke, aws-nlb and azure presets (custom has no numbers)");
+    }
+    let sel = selection(a);
+    let cells = sel.cells();
+    if cells.is_empty() {
+        bail!("the filters select no cell");
+    }
+    need_root("matrix")?;
+    ensure_tools(a.install_deps)?;
+    let kproxy = match &a.kproxy {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().context("finding the kproxy executable")?,
+    };
+    let progress = |line: &str| eprintln!("{line}");
+    let mut runs = Vec::new();
+    let results = crate::matrix::run_matrix(&sel, &base, &kproxy, &progress, &mut |c, r| {
+        eprintln!(
+            "[matrix] {}: {} of {} lost, lint: {}; {}",
+            c.id,
+            c.lost,
+            c.sent,
+            c.lint
+                .iter()
+                .map(|f| f.rule.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            c.verdict.as_str()
+        );
+        runs.push(r.clone());
+    })?;
+    if !a.no_html {
+        let page = crate::html::render(
+            "kproxy lab matrix",
+            &format!(
+                "{} cells, time scale {} (times nominal). Each cell is one real rolling update behind the emulated load balancer with the real kproxy daemon on every node; kproxy lint ran on the same settings' manifests, told the emulated load balancer's numbers.",
+                results.len(),
+                base.time_scale
+            ),
+            &runs,
+            &results,
+        );
+        std::fs::write(&a.html, page).with_context(|| format!("writing {}", a.html.display()))?;
+        eprintln!("kproxy lab: HTML report: {}", a.html.display());
+    }
+    if a.output == Some(OutputFormat::Json) {
+        let doc = serde_json::json!({
+            "time_scale": base.time_scale,
+            "cells": results,
+            "html": (!a.no_html).then(|| a.html.display().to_string()),
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", crate::matrix::render_text(&results));
+    }
+    // The claims under test: kproxy loses nothing with the recommended settings,
+    // also across a restart of every node's kproxy.
+    let bad = results.iter().any(|c| {
+        c.cell.behaviour == Behaviour::Kproxy
+            && matches!(
+                c.cell.setting,
+                crate::matrix::Setting::Recommended | crate::matrix::Setting::KproxyRestart
+            )
+            && c.cell.profile != PodProfile::ExitOnTerm
+            && c.lost > 0
+    });
+    Ok(if bad { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }
 
 fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
     let cfg = build_config(a)?;
-    if !crate::is_root() {
-        bail!(
-            "kproxy lab rollout must run as root: it creates network namespaces, veth pairs and nftables rules \
-             (all inside its own namespaces; the host's network is not touched). Try: sudo {} lab rollout ...",
-            std::env::args().next().unwrap_or_else(|| "kproxy".into())
-        );
-    }
+    need_root("rollout")?;
     ensure_tools(a.install_deps)?;
     let kproxy = match &a.kproxy {
         Some(p) => p.clone(),
@@ -332,6 +490,20 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
                 Err(e) => eprintln!("kproxy lab: warning: {e}"),
             }
         }
+    }
+    if let Some(path) = &a.html {
+        let page = crate::html::render(
+            "kproxy lab rollout",
+            &format!(
+                "{} run(s), time scale {} (times nominal): a rolling update behind the emulated load balancer, the real kproxy daemon on every node.",
+                runs.len(),
+                cfg.time_scale
+            ),
+            &runs,
+            &[],
+        );
+        std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("kproxy lab: HTML report: {}", path.display());
     }
     if json {
         let doc = report::render_json(&runs, &cfg, &plots);

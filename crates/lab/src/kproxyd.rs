@@ -15,6 +15,8 @@ pub struct Kproxyd {
     pub node: String,
     pub event_log: PathBuf,
     pub log: PathBuf,
+    /// `ip` and its arguments, kept for `restart`.
+    argv: Vec<std::ffi::OsString>,
     child: Option<Child>,
 }
 
@@ -31,44 +33,82 @@ impl Kproxyd {
     ) -> Result<Kproxyd, LabError> {
         let event_log = workdir.join(format!("{}-events.jsonl", node.name));
         let log = workdir.join(format!("{}.log", node.name));
-        let logf = std::fs::File::create(&log).map_err(|e| LabError::Io {
-            what: format!("create {}", log.display()),
-            source: e,
-        })?;
+        let mut argv: Vec<std::ffi::OsString> = vec!["netns".into(), "exec".into(), node.ns.name().into()];
+        argv.push(kproxy.into());
+        argv.push("run".into());
+        argv.push("--manifests".into());
+        argv.push(manifests.into());
+        let hz = format!("{}:10256", node.ip);
+        for a in [
+            "--hostname-override",
+            &node.name,
+            "--healthz-bind-address",
+            &hz,
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+            "--min-sync-period",
+            "50ms",
+            "--sync-period",
+            "10s",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--event-log",
+        ] {
+            argv.push(a.into());
+        }
+        argv.push(event_log.clone().into());
+        if !proxy_terminating_endpoints {
+            argv.push("--proxy-terminating-endpoints=false".into());
+        }
+        argv.extend(extra_args.iter().map(Into::into));
+        let mut d = Kproxyd {
+            node: node.name.clone(),
+            event_log,
+            log,
+            argv,
+            child: None,
+        };
+        d.spawn(false)?;
+        Ok(d)
+    }
+
+    /// Start the process; `append` keeps the log of an earlier process (a restart).
+    fn spawn(&mut self, append: bool) -> Result<(), LabError> {
+        let logf = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(&self.log)
+            .map_err(|e| LabError::Io {
+                what: format!("open {}", self.log.display()),
+                source: e,
+            })?;
         let logf2 = logf.try_clone().map_err(|e| LabError::Io {
             what: "dup log fd".into(),
             source: e,
         })?;
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", node.ns.name()])
-            .arg(kproxy)
-            .arg("run")
-            .arg("--manifests")
-            .arg(manifests)
-            .args(["--hostname-override", &node.name])
-            .args(["--healthz-bind-address", &format!("{}:10256", node.ip)])
-            .args(["--metrics-bind-address", "127.0.0.1:10249"])
-            .args(["--min-sync-period", "50ms", "--sync-period", "10s"])
-            .args(["--cluster-cidr", "10.244.0.0/16"])
-            .arg("--event-log")
-            .arg(&event_log);
-        if !proxy_terminating_endpoints {
-            cmd.arg("--proxy-terminating-endpoints=false");
-        }
-        cmd.args(extra_args);
-        cmd.stdin(Stdio::null())
+        let child = Command::new("ip")
+            .args(&self.argv)
+            .stdin(Stdio::null())
             .stdout(Stdio::from(logf))
-            .stderr(Stdio::from(logf2));
-        let child = cmd.spawn().map_err(|e| LabError::Io {
-            what: format!("spawn kproxy for {}", node.name),
-            source: e,
-        })?;
-        Ok(Kproxyd {
-            node: node.name.clone(),
-            event_log,
-            log,
-            child: Some(child),
-        })
+            .stderr(Stdio::from(logf2))
+            .spawn()
+            .map_err(|e| LabError::Io {
+                what: format!("spawn kproxy for {}", self.node),
+                source: e,
+            })?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Stop the daemon (SIGTERM, as a rolling restart of the DaemonSet does) and
+    /// start it again with the same arguments. kproxy leaves its rules in place
+    /// when it stops, so traffic keeps flowing while it is down; its health check
+    /// node port does not answer until the new process serves it.
+    pub fn restart(&mut self) -> Result<(), LabError> {
+        self.stop();
+        self.spawn(true)
     }
 
     /// Is the process still running? Err carries the tail of its log if not.

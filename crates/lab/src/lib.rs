@@ -3,7 +3,7 @@
 //! real kproxy daemon on every node (issues 6 and 7).
 //!
 //! Functional core: `controlplane::endpoint_conditions`, `lb::pool_for`,
-//! `lb::render_nft`, `config`, `report` (pure functions over records and events).
+//! `lb::render_nft`, `config`, `matrix` (cells, their settings and lint verdicts), `report` (pure functions over records and events).
 //! Imperative shell: `netns`, `fabric`, `pod`, `cluster`, `lb`, `loadgen`,
 //! `kproxyd`, `scenario`, `cli`.
 
@@ -14,9 +14,11 @@ pub mod cluster;
 pub mod config;
 pub mod controlplane;
 pub mod fabric;
+pub mod html;
 pub mod kproxyd;
 pub mod lb;
 pub mod loadgen;
+pub mod matrix;
 pub mod netns;
 pub mod plot;
 pub mod pod;

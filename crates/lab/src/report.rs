@@ -297,6 +297,39 @@ pub fn explain_burst(
     causes.join("; ")
 }
 
+/// Nodes in an `LbPool` event's pool that are healthy (0 when the LB fell back to
+/// all nodes because none was).
+fn healthy_in_pool(detail: &str) -> Option<usize> {
+    if detail.starts_with("no healthy node") {
+        return Some(0);
+    }
+    let list = detail.strip_prefix("new connections to ")?;
+    Some(list.split(", ").filter(|s| !s.is_empty()).count())
+}
+
+/// The fewest healthy nodes the LB had in its pool between rollout start and end.
+pub fn min_pool_during_rollout(r: &RunResult) -> Option<usize> {
+    let mut current = None;
+    let mut min: Option<usize> = None;
+    for e in r.events.iter().filter(|e| e.kind == EventKind::LbPool) {
+        let Some(n) = healthy_in_pool(&e.detail) else {
+            continue;
+        };
+        if e.t_ms <= r.rollout_start_ms {
+            current = Some(n);
+            continue;
+        }
+        if e.t_ms > r.rollout_end_ms {
+            break;
+        }
+        if min.is_none() {
+            min = current;
+        }
+        min = Some(min.map_or(n, |m| m.min(n)));
+    }
+    min.or(current)
+}
+
 pub fn summarize(r: &RunResult) -> Summary {
     let sent = r.records.len();
     let ok = r
@@ -438,12 +471,20 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
                 .map(|m| (m.run, m.failed))
                 .unwrap_or((0, 0));
             let with_loss = v.iter().filter(|m| m.failed > 0).count();
+            let slowest = runs
+                .iter()
+                .filter(|r| r.behaviour.as_str() == *b)
+                .map(|r| (r.run + 1, (r.rollout_end_ms - r.rollout_start_ms) / 1000.0 / r.time_scale))
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+                .unwrap_or((0, 0.0));
             let _ = writeln!(
                 s,
-                "{b}: {} runs, {total} of {sent} requests failed in total; runs with loss: {with_loss}; worst run: #{} with {} failed",
+                "{b}: {} runs, {total} of {sent} requests failed in total; runs with loss: {with_loss}; worst run: #{} with {} failed; slowest rollout: #{} in {:.1} s",
                 v.len(),
                 worst.0,
-                worst.1
+                worst.1,
+                slowest.0,
+                slowest.1
             );
         }
     }
@@ -571,6 +612,16 @@ mod tests {
             rec(200.0, Outcome::Reset),
         ];
         assert_eq!(longest_outage_ms(&rs), 100.0);
+    }
+
+    #[test]
+    fn pool_sizes_from_events() {
+        assert_eq!(healthy_in_pool("new connections to node-1, node-3"), Some(2));
+        assert_eq!(
+            healthy_in_pool("no healthy node: new connections to all (node-1, node-2)"),
+            Some(0)
+        );
+        assert_eq!(healthy_in_pool("pool update failed: x"), None);
     }
 
     #[test]

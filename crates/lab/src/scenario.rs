@@ -56,12 +56,33 @@ pub struct RunResult {
 
 pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
 
+/// Disturbances a run adds to the rolling update (the scenario matrix's extra rows).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RunOptions {
+    /// Restart every node's kproxy (SIGTERM, then start again) when the rollout's
+    /// second old pod becomes terminating: the new processes start while a pod is
+    /// serving-terminating and must pick up where the old ones left.
+    pub restart_kproxy_mid_rollout: bool,
+}
+
 /// Run one rollout with `behaviour`, using the kproxy binary at `kproxy`.
 pub fn run_once(
     cfg: &RolloutConfig,
     behaviour: Behaviour,
     run: usize,
     kproxy: &Path,
+    progress: Progress,
+) -> Result<RunResult, LabError> {
+    run_with(cfg, behaviour, run, kproxy, RunOptions::default(), progress)
+}
+
+/// `run_once` with disturbances.
+pub fn run_with(
+    cfg: &RolloutConfig,
+    behaviour: Behaviour,
+    run: usize,
+    kproxy: &Path,
+    opts: RunOptions,
     progress: Progress,
 ) -> Result<RunResult, LabError> {
     cfg.validate()?;
@@ -73,7 +94,7 @@ pub fn run_once(
             what: "lab runtime".into(),
             source: e,
         })?;
-    let result = rt.block_on(run_async(cfg, behaviour, run, kproxy, progress));
+    let result = rt.block_on(run_async(cfg, behaviour, run, kproxy, opts, progress));
     // Kubelet tasks hold pods; shutting the runtime down drops them (and their
     // servers and namespaces) before we return.
     rt.shutdown_timeout(Duration::from_secs(5));
@@ -114,6 +135,7 @@ async fn run_async(
     behaviour: Behaviour,
     run: usize,
     kproxy: &Path,
+    opts: RunOptions,
     progress: Progress<'_>,
 ) -> Result<RunResult, LabError> {
     let clock = Clock::new(cfg.time_scale);
@@ -233,6 +255,32 @@ async fn run_async(
         let c2 = cluster.clone();
         let rollout_limit = step_limit * (cfg.deployment.replicas + 1);
         let rollout = tokio::spawn(async move { c2.rollout(2, rollout_limit).await });
+        if opts.restart_kproxy_mid_rollout {
+            let step = 2.min(cfg.deployment.replicas as usize);
+            let terminating = || {
+                rec.events()
+                    .iter()
+                    .filter(|e| e.kind == EventKind::PodTerminating)
+                    .count()
+            };
+            wait_for(
+                "an old pod of the rollout's second step to become terminating",
+                rollout_limit,
+                &mut daemons,
+                || terminating() >= step || rollout.is_finished(),
+            )
+            .await?;
+            for d in daemons.iter_mut() {
+                d.restart()?;
+                rec.record(
+                    EventKind::KproxyRestarted,
+                    Some(&d.node),
+                    None,
+                    "kproxy stopped (SIGTERM) and started again",
+                );
+            }
+            progress(&format!("{tag} restarted kproxy on every node"));
+        }
         let mut last_line = Instant::now();
         wait_for("the rolling update", rollout_limit, &mut daemons, || {
             if last_line.elapsed() > Duration::from_secs(2) {

@@ -66,6 +66,8 @@ pub enum EventKind {
     LbDrained,
     KproxySynced,
     KproxySyncFailed,
+    /// The lab stopped a node's kproxy (SIGTERM) and started it again.
+    KproxyRestarted,
     RolloutStarted,
     RolloutDone,
     LoadStarted,

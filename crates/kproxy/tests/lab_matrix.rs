@@ -1,0 +1,151 @@
+//! Acceptance test of `kproxy lab matrix` (issue 19): the reduced matrix CI runs, real
+//! rollouts with the real kproxy daemon on every node, and its HTML report rendered
+//! in a real headless browser. Needs root (network namespaces; nothing touches the
+//! host's network). The full matrix is `kproxy lab matrix` (docs/lab.md).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+fn cell<'a>(cells: &'a [Value], id: &str) -> &'a Value {
+    cells
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap_or_else(|| panic!("no cell {id}"))
+}
+
+fn lost(c: &Value) -> u64 {
+    c["lost"].as_u64().expect("lost")
+}
+
+fn describe(c: &Value) -> String {
+    format!(
+        "{}: {} of {} lost, verdict {}, lint {}, bursts {}",
+        c["id"], c["lost"], c["sent"], c["verdict"], c["lint"], c["bursts"]
+    )
+}
+
+#[test]
+fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart() {
+    if !kproxy_lab::is_root() {
+        eprintln!("skipped: kproxy lab needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let html = dir.path().join("matrix.html");
+    let out = Command::new(env!("CARGO_BIN_EXE_kproxy"))
+        .args(["lab", "matrix", "--reduced", "-o", "json", "--time-scale", "0.15"])
+        .arg("--html")
+        .arg(&html)
+        .output()
+        .expect("run kproxy lab matrix");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!(
+            "no JSON ({e}); exit {:?}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let cells = v["cells"].as_array().expect("cells");
+    assert_eq!(cells.len(), 6, "{stdout}");
+    for c in cells {
+        assert!(c["sent"].as_u64().unwrap_or(0) > 100, "{}", describe(c));
+    }
+
+    // Seed 2's settings behind gke: lint is clean on its rules and kproxy loses
+    // nothing; pre-1.26 behaviour loses requests with the very same settings.
+    let rec = cell(cells, "graceful/recommended/gke/kproxy");
+    assert_eq!(lost(rec), 0, "{}", describe(rec));
+    assert_eq!(rec["verdict"], "clean-confirmed", "{}", describe(rec));
+    let pre = cell(cells, "graceful/recommended/gke/pre-1.26");
+    assert!(lost(pre) > 0, "{}", describe(pre));
+
+    // preStop 1 s: lint's prestop rule fires and the packets confirm it.
+    let short = cell(cells, "graceful/short-prestop/gke/kproxy");
+    assert!(lost(short) > 0, "{}", describe(short));
+    assert_eq!(short["verdict"], "confirmed", "{}", describe(short));
+    assert!(
+        short["bursts"].to_string().contains("preStop sleep is shorter"),
+        "{}",
+        describe(short)
+    );
+
+    // Every node's kproxy restarted while a pod is serving-terminating: nothing lost.
+    let restart = cell(cells, "graceful/kproxy-restart/gke/kproxy");
+    assert_eq!(lost(restart), 0, "{}", describe(restart));
+    assert_eq!(out.status.code(), Some(0));
+
+    check_in_browser(&html, cells);
+}
+
+/// Render the report in headless chromium and check the DOM it built shows every
+/// cell's numbers and one failure mark per lost request.
+fn check_in_browser(html: &Path, cells: &[Value]) {
+    let Some(browser) = browser() else {
+        eprintln!(
+            "skipped the browser check: no chromium and `apt-get install -y chromium` failed"
+        );
+        return;
+    };
+    let profile = tempfile::tempdir().expect("profile dir");
+    let out = Command::new("timeout")
+        .arg("120")
+        .arg(&browser)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--dump-dom",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .arg(format!("file://{}", html.display()))
+        .output()
+        .expect("run chromium");
+    let dom = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        dom.contains("Scenario matrix"),
+        "chromium built no report DOM (exit {:?}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for c in cells {
+        let id = c["id"].as_str().expect("id");
+        assert!(dom.contains(id), "{id} shown");
+        let sent = format!("<td class=\"num\">{}</td>", c["sent"]);
+        assert!(dom.contains(&sent), "{id}: sent {} shown", c["sent"]);
+    }
+    let total_lost: u64 = cells.iter().map(lost).sum();
+    let marks = dom.matches("class=\"fail\"").count() as u64;
+    assert_eq!(marks, total_lost, "one failure mark per lost request");
+}
+
+fn browser() -> Option<PathBuf> {
+    let find = || {
+        ["chromium", "chromium-browser", "google-chrome"]
+            .iter()
+            .find_map(|b| {
+                std::env::var_os("PATH").and_then(|p| {
+                    std::env::split_paths(&p)
+                        .map(|d| d.join(b))
+                        .find(|f| f.is_file())
+                })
+            })
+    };
+    if let Some(b) = find() {
+        return Some(b);
+    }
+    eprintln!("installing chromium for the HTML report check");
+    let _ = Command::new("apt-get").args(["update", "-qq"]).status();
+    let ok = Command::new("apt-get")
+        .args(["install", "-y", "-qq", "chromium"])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok { find() } else { None }
+}

@@ -1,0 +1,475 @@
+//! The self-contained HTML report (issue 19): per run, a timeline with one lane per
+//! node and per pod (pod lifecycles as coloured bars, health answers, LB pool
+//! membership, kproxy restarts) and a request lane with every failure marked where it
+//! happened; the failure bursts with their causes; and, for a matrix, the cells as a
+//! coloured table with lint's findings beside the packets. Inline CSS and SVG only: no
+//! script, no external resource. Pure functions over finished runs.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::matrix::CellResult;
+use crate::report::{self, Summary};
+use crate::scenario::RunResult;
+use crate::timeline::EventKind;
+
+/// Escape text for HTML element content and attribute values.
+pub fn esc(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => o.push_str("&amp;"),
+            '<' => o.push_str("&lt;"),
+            '>' => o.push_str("&gt;"),
+            '"' => o.push_str("&quot;"),
+            '\'' => o.push_str("&#39;"),
+            c => o.push(c),
+        }
+    }
+    o
+}
+
+const STYLE: &str = r#"
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5em;color:#1d232b;background:#fbfbfc}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:.85em;margin:.6em 0}
+th,td{border:1px solid #ccd;padding:3px 6px;text-align:left;vertical-align:top}
+th{background:#eef0f4}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+.v-confirmed{background:#f6c4c0}.v-clean-confirmed{background:#c9ecc9}
+.v-flagged-no-loss{background:#fbe9b7}.v-missed-by-lint{background:#e9a1f0}
+.v-baseline-loss{background:#f3d6d3}.v-baseline-ok{background:#e3f2e3}
+.lost{color:#b3261e;font-weight:600}.ok{color:#1b6e20;font-weight:600}
+.cause{font-size:.85em;color:#333}
+details{margin:.3em 0}summary{cursor:pointer}
+.legend span{display:inline-block;padding:1px 6px;margin-right:6px;border:1px solid #ccd;font-size:.8em}
+svg text{font-family:system-ui,sans-serif}
+"#;
+
+/// A whole report: optional matrix table, then every run (summary, bursts, timeline).
+pub fn render(title: &str, intro: &str, runs: &[RunResult], matrix: &[CellResult]) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{}</title><style>{STYLE}</style></head><body>\n<h1>{}</h1>\n<p>{}</p>\n",
+        esc(title),
+        esc(title),
+        esc(intro)
+    );
+    if !matrix.is_empty() {
+        s.push_str(&matrix_table(matrix));
+    }
+    let sums: Vec<Summary> = runs.iter().map(report::summarize).collect();
+    if !runs.is_empty() {
+        s.push_str(&summary_table(&sums, runs));
+    }
+    for (i, (r, m)) in runs.iter().zip(&sums).enumerate() {
+        let label = match matrix.get(i) {
+            Some(c) if matrix.len() == runs.len() => c.id.clone(),
+            _ => format!("{} run {}", m.behaviour, m.run),
+        };
+        let open = if m.failed > 0 || runs.len() <= 4 {
+            " open"
+        } else {
+            ""
+        };
+        let _ = write!(
+            s,
+            "<details{open} id=\"run-{i}\"><summary><b>{}</b>: <span class=\"{}\">{} of {} requests failed</span>, {} burst(s)</summary>\n",
+            esc(&label),
+            if m.failed > 0 { "lost" } else { "ok" },
+            m.failed,
+            m.sent,
+            m.bursts.len()
+        );
+        s.push_str(&bursts(m));
+        s.push_str(&timeline_svg(r));
+        s.push_str("</details>\n");
+    }
+    s.push_str("</body></html>\n");
+    s
+}
+
+fn summary_table(sums: &[Summary], runs: &[RunResult]) -> String {
+    let mut s = String::from(
+        "<h2>Runs</h2><table><tr><th>run</th><th>behaviour</th><th>sent</th><th>ok</th><th>failed</th><th>by kind</th><th>longest outage (s)</th><th>rollout (s)</th></tr>\n",
+    );
+    for (i, (m, r)) in sums.iter().zip(runs).enumerate() {
+        let kinds: Vec<String> = m
+            .failed_by_kind
+            .iter()
+            .map(|(k, n)| format!("{n} {k}"))
+            .collect();
+        let _ = writeln!(
+            s,
+            "<tr><td><a href=\"#run-{i}\">{}</a></td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num {}\">{}</td><td>{}</td><td class=\"num\">{:.1}</td><td class=\"num\">{:.1}</td></tr>",
+            m.run,
+            esc(&m.behaviour),
+            m.sent,
+            m.ok,
+            if m.failed > 0 { "lost" } else { "ok" },
+            m.failed,
+            esc(&kinds.join(", ")),
+            m.longest_outage_s,
+            (r.rollout_end_ms - r.rollout_start_ms) / 1000.0 / r.time_scale
+        );
+    }
+    s.push_str("</table>\n");
+    s
+}
+
+fn verdict_class(c: &CellResult) -> &'static str {
+    use crate::matrix::Verdict::*;
+    match c.verdict {
+        Confirmed => "v-confirmed",
+        CleanConfirmed => "v-clean-confirmed",
+        NoLossObserved => "v-flagged-no-loss",
+        MissedByLint => "v-missed-by-lint",
+        Baseline if c.lost > 0 => "v-baseline-loss",
+        Baseline => "v-baseline-ok",
+    }
+}
+
+/// The matrix as a coloured table: one row per cell.
+pub fn matrix_table(cells: &[CellResult]) -> String {
+    let mut s = String::from(
+        "<h2>Scenario matrix</h2>\n<p class=\"legend\"><span class=\"v-confirmed\">lint flags the setting, packets lost</span><span class=\"v-clean-confirmed\">lint clean, nothing lost</span><span class=\"v-flagged-no-loss\">lint flags, nothing lost</span><span class=\"v-missed-by-lint\">lint clean, packets lost</span><span class=\"v-baseline-loss\">pre-1.26 behaviour, lost</span><span class=\"v-baseline-ok\">pre-1.26 behaviour, nothing lost</span></p>\n<table><tr><th>setting</th><th>pod profile</th><th>LB</th><th>behaviour</th><th>preStop / grace / period×failures / initialDelay (s)</th><th>LB detect / register / drain (s)</th><th>sent</th><th>lost</th><th>min LB pool</th><th>kproxy lint</th><th>verdict</th><th>cause of every burst</th></tr>\n",
+    );
+    for (i, c) in cells.iter().enumerate() {
+        let st = &c.settings;
+        let lint: Vec<String> = c
+            .lint
+            .iter()
+            .map(|f| format!("<span title=\"{}\">{} {}</span>", esc(&f.message), esc(&f.severity), esc(&f.rule)))
+            .collect();
+        let causes: Vec<String> = c
+            .bursts
+            .iter()
+            .map(|b| {
+                format!(
+                    "{:.1}–{:.1} s, {} failed: {}",
+                    b.start_s,
+                    b.end_s,
+                    b.failed,
+                    esc(&b.cause)
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            s,
+            "<tr class=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} / {} / {}×{} / {}</td><td>{:.0} / {:.0} / {:.0}</td><td class=\"num\">{}</td><td class=\"num {}\"><a href=\"#run-{i}\">{}</a></td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td class=\"cause\">{}</td></tr>",
+            verdict_class(c),
+            esc(c.cell.setting.as_str()),
+            esc(crate::matrix::profile_str(c.cell.profile)),
+            esc(crate::matrix::preset_str(c.cell.preset)),
+            esc(c.cell.behaviour.as_str()),
+            st.pre_stop_s,
+            st.grace_s,
+            st.readiness_period_s,
+            st.readiness_failure_threshold,
+            st.initial_delay_s,
+            st.lb_detection_window_s,
+            st.lb_registration_s,
+            st.lb_drain_s,
+            c.sent,
+            if c.lost > 0 { "lost" } else { "ok" },
+            c.lost,
+            c.min_lb_pool.map_or("?".to_string(), |n| n.to_string()),
+            lint.join("<br>"),
+            esc(c.verdict.as_str()),
+            causes.join("<br>")
+        );
+    }
+    s.push_str("</table>\n");
+    s
+}
+
+fn bursts(m: &Summary) -> String {
+    if m.bursts.is_empty() {
+        return "<p>No failed request.</p>\n".into();
+    }
+    let mut s = String::from("<table><tr><th>from (s)</th><th>to (s)</th><th>failed</th><th>kinds</th><th>cause</th></tr>\n");
+    for b in &m.bursts {
+        let kinds: Vec<String> = b.kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
+        let _ = writeln!(
+            s,
+            "<tr><td class=\"num\">{:.2}</td><td class=\"num\">{:.2}</td><td class=\"num lost\">{}</td><td>{}</td><td class=\"cause\">{}</td></tr>",
+            b.start_s,
+            b.end_s,
+            b.failed,
+            esc(&kinds.join(", ")),
+            esc(&b.cause)
+        );
+    }
+    s.push_str("</table>\n");
+    s
+}
+
+/// A pod's lifecycle on its lane: (state, from, to) in nominal seconds.
+#[derive(Debug, Default)]
+struct PodLane {
+    node: String,
+    created: f64,
+    ready: Vec<(f64, f64)>,
+    terminating: Option<f64>,
+    sigterm: Option<f64>,
+    end: Option<(f64, bool)>,
+}
+
+const LANE_H: f64 = 18.0;
+const LEFT: f64 = 150.0;
+const WIDTH: f64 = 1100.0;
+
+/// The run's timeline as inline SVG.
+pub fn timeline_svg(r: &RunResult) -> String {
+    let nominal = |ms: f64| ms / 1000.0 / r.time_scale;
+    let t0 = 0.0;
+    let t1 = nominal(r.load_end_ms.max(1.0)) * 1.02;
+    let x = |t: f64| LEFT + (t - t0) / (t1 - t0) * (WIDTH - LEFT - 10.0);
+    // Lanes: requests, LB pool per node, then pods by node.
+    let mut pods: BTreeMap<String, PodLane> = BTreeMap::new();
+    let mut health: BTreeMap<String, Vec<(f64, String)>> = BTreeMap::new();
+    let mut pool_changes: Vec<(f64, String)> = Vec::new();
+    let mut restarts: Vec<(f64, String)> = Vec::new();
+    let mut drained: Vec<(f64, String)> = Vec::new();
+    for e in &r.events {
+        let t = nominal(e.t_ms);
+        match (&e.kind, &e.pod) {
+            (EventKind::PodCreated, Some(p)) => {
+                pods.insert(
+                    p.clone(),
+                    PodLane {
+                        node: e.node.clone().unwrap_or_default(),
+                        created: t,
+                        ..Default::default()
+                    },
+                );
+            }
+            (EventKind::PodReady, Some(p)) => {
+                if let Some(l) = pods.get_mut(p) {
+                    l.ready.push((t, f64::NAN));
+                }
+            }
+            (EventKind::PodNotReady, Some(p)) => {
+                if let Some(l) = pods.get_mut(p)
+                    && let Some(last) = l.ready.last_mut()
+                    && last.1.is_nan()
+                {
+                    last.1 = t;
+                }
+            }
+            (EventKind::PodTerminating, Some(p)) => {
+                if let Some(l) = pods.get_mut(p) {
+                    l.terminating = Some(t);
+                }
+            }
+            (EventKind::PodSigterm, Some(p)) => {
+                if let Some(l) = pods.get_mut(p) {
+                    l.sigterm = Some(t);
+                }
+            }
+            (EventKind::PodExited | EventKind::PodKilled, Some(p)) => {
+                if let Some(l) = pods.get_mut(p) {
+                    l.end = Some((t, e.kind == EventKind::PodKilled));
+                }
+            }
+            (EventKind::HealthAnswer, _) => {
+                if let Some(n) = &e.node {
+                    health.entry(n.clone()).or_default().push((t, e.detail.clone()));
+                }
+            }
+            (EventKind::LbPool, _) => pool_changes.push((t, e.detail.clone())),
+            (EventKind::KproxyRestarted, _) => {
+                restarts.push((t, e.node.clone().unwrap_or_default()))
+            }
+            (EventKind::LbDrained, _) => drained.push((t, e.node.clone().unwrap_or_default())),
+            _ => {}
+        }
+    }
+    let n_lanes = 1 + r.nodes.len() + pods.len();
+    let top = 22.0;
+    let h = top + n_lanes as f64 * (LANE_H + 4.0) + 28.0;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{h:.0}\" viewBox=\"0 0 {WIDTH} {h:.0}\" role=\"img\" aria-label=\"timeline\">"
+    );
+    let lane_y = |i: usize| top + i as f64 * (LANE_H + 4.0);
+    // Rollout window.
+    let (rs, re) = (nominal(r.rollout_start_ms), nominal(r.rollout_end_ms));
+    let _ = writeln!(
+        s,
+        "<rect x=\"{:.1}\" y=\"{}\" width=\"{:.1}\" height=\"{:.0}\" fill=\"#eef3ff\"><title>rollout {rs:.1}–{re:.1} s</title></rect><text x=\"{:.1}\" y=\"14\" font-size=\"11\" fill=\"#335\">rollout</text>",
+        x(rs),
+        top - 4.0,
+        (x(re) - x(rs)).max(1.0),
+        n_lanes as f64 * (LANE_H + 4.0),
+        x(rs) + 2.0
+    );
+    // Lane 0: requests; failures as red ticks at their start.
+    let y0 = lane_y(0);
+    let _ = writeln!(
+        s,
+        "<text x=\"4\" y=\"{:.1}\" font-size=\"12\">requests</text><line x1=\"{LEFT}\" x2=\"{:.0}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#9c9\"/>",
+        y0 + 13.0,
+        WIDTH - 10.0,
+        y0 + LANE_H / 2.0,
+        y0 + LANE_H / 2.0
+    );
+    for rec in r.records.iter().filter(|x| !x.outcome.is_ok()) {
+        let t = nominal(rec.start_ms);
+        let _ = writeln!(
+            s,
+            "<line class=\"fail\" x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{y0:.1}\" y2=\"{:.1}\" stroke=\"#d22\" stroke-width=\"1.5\"><title>{} at {t:.2} s</title></line>",
+            x(t),
+            x(t),
+            y0 + LANE_H,
+            rec.outcome.as_str()
+        );
+    }
+    // Node lanes: in the LB pool (green) or out (grey), health answers, restarts.
+    for (i, node) in r.nodes.iter().enumerate() {
+        let y = lane_y(1 + i);
+        let _ = writeln!(s, "<text x=\"4\" y=\"{:.1}\" font-size=\"12\">{} (LB)</text>", y + 13.0, esc(node));
+        let mut segs: Vec<(f64, bool)> = vec![(0.0, true)];
+        for (t, d) in &pool_changes {
+            let inside = d.split([' ', ',', '(', ')']).any(|w| w == node)
+                && !d.starts_with("no healthy node");
+            segs.push((*t, inside));
+        }
+        for (k, (t, inside)) in segs.iter().enumerate() {
+            let end = segs.get(k + 1).map_or(t1, |s| s.0);
+            let _ = writeln!(
+                s,
+                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{LANE_H}\" fill=\"{}\"><title>{} {t:.1}–{end:.1} s</title></rect>",
+                x(*t),
+                (x(end) - x(*t)).max(0.0),
+                if *inside { "#bfe5bf" } else { "#d9d9d9" },
+                if *inside { "in the LB pool" } else { "out of the LB pool" }
+            );
+        }
+        for (t, d) in health.get(node).into_iter().flatten() {
+            let _ = writeln!(
+                s,
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"#246\"><title>health check {} at {t:.1} s</title></circle>",
+                x(*t),
+                y + LANE_H / 2.0,
+                esc(d)
+            );
+        }
+        for (t, _) in restarts.iter().filter(|(_, n)| n == node) {
+            let _ = writeln!(
+                s,
+                "<path d=\"M{:.1} {y:.1} l5 9 l-5 9 l-5 -9 z\" fill=\"#e80\"><title>kproxy restarted at {t:.1} s</title></path>",
+                x(*t)
+            );
+        }
+        for (t, _) in drained.iter().filter(|(_, n)| n == node) {
+            let _ = writeln!(
+                s,
+                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"3\" height=\"{LANE_H}\" fill=\"#a0a\"><title>LB drain timeout cut flows at {t:.1} s</title></rect>",
+                x(*t)
+            );
+        }
+    }
+    // Pod lanes.
+    let mut lanes: Vec<(&String, &PodLane)> = pods.iter().collect();
+    lanes.sort_by(|a, b| (&a.1.node, a.1.created).partial_cmp(&(&b.1.node, b.1.created)).unwrap_or(std::cmp::Ordering::Equal));
+    for (i, (name, l)) in lanes.iter().enumerate() {
+        let y = lane_y(1 + r.nodes.len() + i);
+        let end = l.end.map_or(t1, |e| e.0);
+        let _ = writeln!(
+            s,
+            "<text x=\"4\" y=\"{:.1}\" font-size=\"11\">{} ({})</text><rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{LANE_H}\" fill=\"#e4e4ee\"><title>{} created at {:.1} s</title></rect>",
+            y + 13.0,
+            esc(name),
+            esc(&l.node),
+            x(l.created),
+            (x(end) - x(l.created)).max(0.5),
+            esc(name),
+            l.created
+        );
+        for (a, b) in &l.ready {
+            let b = if b.is_nan() { end } else { *b };
+            let _ = writeln!(
+                s,
+                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.0}\" fill=\"#5cb85c\"><title>ready {a:.1}–{b:.1} s</title></rect>",
+                x(*a),
+                y + 3.0,
+                (x(b) - x(*a)).max(0.5),
+                LANE_H - 6.0
+            );
+        }
+        if let Some(t) = l.terminating {
+            let _ = writeln!(
+                s,
+                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"4\" fill=\"#f0ad4e\"><title>terminating from {t:.1} s</title></rect>",
+                x(t),
+                (x(end) - x(t)).max(0.5)
+            );
+        }
+        if let Some(t) = l.sigterm {
+            let _ = writeln!(
+                s,
+                "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{y:.1}\" y2=\"{:.1}\" stroke=\"#c60\" stroke-width=\"2\"><title>SIGTERM at {t:.1} s</title></line>",
+                x(t),
+                x(t),
+                y + LANE_H
+            );
+        }
+        if let Some((t, killed)) = l.end {
+            let _ = writeln!(
+                s,
+                "<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" fill=\"{}\">{}<title>{} at {t:.1} s</title></text>",
+                x(t) + 2.0,
+                y + 13.0,
+                if killed { "#b00" } else { "#555" },
+                if killed { "✖" } else { "■" },
+                if killed { "SIGKILL" } else { "exited" }
+            );
+        }
+    }
+    // Time axis.
+    let ya = h - 20.0;
+    let step = nice_step(t1 - t0);
+    let mut t = 0.0;
+    while t <= t1 {
+        let _ = writeln!(
+            s,
+            "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{ya:.1}\" y2=\"{:.1}\" stroke=\"#888\"/><text x=\"{:.1}\" y=\"{:.1}\" font-size=\"10\" text-anchor=\"middle\">{t:.0}s</text>",
+            x(t),
+            x(t),
+            ya + 4.0,
+            x(t),
+            ya + 15.0
+        );
+        t += step;
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn nice_step(span: f64) -> f64 {
+    for s in [1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0] {
+        if span / s <= 20.0 {
+            return s;
+        }
+    }
+    600.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_markup() {
+        assert_eq!(esc("<a href=\"x\">&'"), "&lt;a href=&quot;x&quot;&gt;&amp;&#39;");
+    }
+
+    #[test]
+    fn steps_keep_the_axis_readable() {
+        assert_eq!(nice_step(15.0), 1.0);
+        assert_eq!(nice_step(150.0), 10.0);
+    }
+}
