@@ -293,12 +293,13 @@ async fn first_sync_waits_until_services_slices_and_the_node_are_listed() {
             .map(String::as_str),
         Some("metadata.name=node-a")
     );
-    // Lists come from the API server's watch cache (resourceVersion=0), as client-go's.
+    // Lists are paginated consistent reads (no resourceVersion: a resourceVersion=0 list
+    // is answered whole, in one response, however large).
+    let first = &h.api.services.requests()[0];
+    assert_eq!(first.get("resourceVersion"), None);
     assert_eq!(
-        h.api.services.requests()[0]
-            .get("resourceVersion")
-            .map(String::as_str),
-        Some("0")
+        first.get("limit").map(String::as_str),
+        Some(kproxy_source::kube::PAGE_SIZE.to_string().as_str())
     );
     // After the list, a watch from the list's resourceVersion.
     wait_server(&h, "the service watch", |api| {
@@ -729,6 +730,20 @@ async fn a_large_cluster_lists_and_relists() {
     })
     .await;
     let listed = t0.elapsed();
+    // Read page by page: each page request continues the one before.
+    let pages: Vec<_> = h
+        .api
+        .slices
+        .requests()
+        .into_iter()
+        .filter(|q| !q.contains_key("watch"))
+        .collect();
+    let page_size = kproxy_source::kube::PAGE_SIZE as usize;
+    assert_eq!(pages.len(), n.div_ceil(page_size), "{pages:?}");
+    for (i, q) in pages.iter().enumerate().skip(1) {
+        assert_eq!(q.get("continue"), Some(&(i * page_size).to_string()));
+    }
+    assert_eq!(h.api.slices.lists(), 1);
 
     h.handle.with(|st| st.take_changes());
     h.api.services.set_list(
