@@ -163,11 +163,11 @@ impl Resource {
         lock(&self.requests).clone()
     }
 
-    /// How many list requests arrived.
+    /// How many lists started (a list of several pages counts once).
     pub fn lists(&self) -> usize {
         self.requests()
             .iter()
-            .filter(|q| !q.contains_key("watch"))
+            .filter(|q| !q.contains_key("watch") && !q.contains_key("continue"))
             .count()
     }
 
@@ -318,10 +318,26 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
     } else {
         "v1"
     };
+    // Pages as the API server does: `limit` objects, and a `continue` token (here the
+    // offset of the next page) while more remain.
+    let offset: usize = q
+        .get("continue")
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+        .min(list.items.len());
+    let end = q
+        .get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .filter(|l| *l > 0)
+        .map_or(list.items.len(), |l| (offset + l).min(list.items.len()));
+    let mut metadata = json!({"resourceVersion": list.resource_version});
+    if end < list.items.len() {
+        metadata["continue"] = json!(end.to_string());
+    }
     let body = json!({
         "kind": res.list_kind, "apiVersion": api_version,
-        "metadata": {"resourceVersion": list.resource_version},
-        "items": list.items,
+        "metadata": metadata,
+        "items": &list.items[offset..end],
     });
     axum::Json(body).into_response()
 }

@@ -4,27 +4,28 @@
 //! when the first sync may happen (all three kinds listed), and how relists are applied
 //! (atomically per kind, see [`fold`]).
 //!
-//! Failure model: kube-rs' watcher resumes a dropped watch from the last
-//! resourceVersion, relists on 410 Gone, and retries errors with its default backoff
-//! (client-go's: 0.8 s doubling to 30 s, jittered). Meanwhile the last state stays in
-//! place, so the rules already programmed keep serving.
+//! Memory: objects are decoded one at a time from each list page as it arrives, into
+//! slim types holding only what ingest reads ([`slim`]), and ingested at once; a relist
+//! buffers the ingested updates, not objects ([`reflect`], [`fold`]).
+//!
+//! Failure model ([`reflect`]): a dropped watch resumes from the last resourceVersion,
+//! 410 Gone relists, errors are retried with client-go's backoff (0.8 s doubling to
+//! 30 s, jittered). Meanwhile the last state stays in place, so the rules already
+//! programmed keep serving.
 
 pub mod fold;
-pub mod raw;
+pub mod reflect;
+pub mod slim;
 
 use std::path::{Path, PathBuf};
 
-use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1 as corev1;
-use k8s_openapi::api::discovery::v1 as discoveryv1;
 use kproxy_core::ingest::{self, Kind, Ownership};
-use kproxy_core::manifest::Object;
-use kube::api::Api;
-use kube::runtime::{WatchStreamExt, watcher};
+use kproxy_core::state::Update;
+use tokio::sync::mpsc;
 
 use crate::StateHandle;
-use fold::{Folder, Input, Key};
-use raw::Raw;
+use fold::{Folder, Input};
+use reflect::{Decoder, Target};
 
 /// What the Kubernetes source needs to know.
 #[derive(Clone, Debug, Default)]
@@ -140,128 +141,84 @@ impl KubeSourceConfig {
     }
 }
 
-/// A kind kproxy watches.
-trait Watched:
-    kube::Resource<DynamicType = (), Scope = Self::S> + serde::de::DeserializeOwned + 'static
-{
-    type S;
-    const KIND: Kind;
-    fn object(self) -> Object;
+/// The three watched collections, with upstream's selectors.
+pub fn targets(cfg: &KubeSourceConfig, page_size: u32) -> [Target; 3] {
+    let labels = label_selector(&cfg.ownership);
+    let target = |kind, url: &str, labels: Option<String>, fields: Option<String>| Target {
+        kind,
+        url: url.to_string(),
+        label_selector: labels,
+        field_selector: fields,
+        page_size,
+    };
+    [
+        target(
+            Kind::Service,
+            "/api/v1/services",
+            Some(labels.clone()),
+            None,
+        ),
+        target(
+            Kind::EndpointSlice,
+            "/apis/discovery.k8s.io/v1/endpointslices",
+            Some(labels),
+            None,
+        ),
+        target(
+            Kind::Node,
+            "/api/v1/nodes",
+            None,
+            Some(node_field_selector(&cfg.node_name)),
+        ),
+    ]
 }
 
-impl Watched for corev1::Service {
-    type S = k8s_openapi::NamespaceResourceScope;
-    const KIND: Kind = Kind::Service;
-    fn object(self) -> Object {
-        Object::Service(Box::new(self))
-    }
-}
+/// Objects per list page (client-go's pager uses 500 too): pages are decoded as they
+/// arrive, so this bounds the JSON text held at once (about 2 MB of EndpointSlices).
+pub const PAGE_SIZE: u32 = 500;
 
-impl Watched for discoveryv1::EndpointSlice {
-    type S = k8s_openapi::NamespaceResourceScope;
-    const KIND: Kind = Kind::EndpointSlice;
-    fn object(self) -> Object {
-        Object::EndpointSlice(Box::new(self))
-    }
-}
+/// Aborts the spawned reflectors when the source is dropped (cancelled).
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
 
-impl Watched for corev1::Node {
-    type S = k8s_openapi::ClusterResourceScope;
-    const KIND: Kind = Kind::Node;
-    fn object(self) -> Object {
-        Object::Node(Box::new(self))
-    }
-}
-
-fn key<K>(raw: &Raw<K>) -> Key {
-    (
-        raw.namespace().unwrap_or_default().to_string(),
-        raw.name().unwrap_or_default().to_string(),
-    )
-}
-
-fn decode<K: Watched>(raw: Raw<K>) -> (Key, Result<Object, ingest::IngestError>) {
-    let key = key(&raw);
-    let decoded = raw
-        .typed()
-        .map(K::object)
-        .map_err(|e| fold::decode_warning(K::KIND, &key, &e.field, &e.reason));
-    (key, decoded)
-}
-
-fn input<K: Watched>(event: watcher::Event<Raw<K>>) -> Input {
-    match event {
-        watcher::Event::Init => Input::Init,
-        watcher::Event::InitApply(raw) => {
-            let (k, d) = decode(raw);
-            Input::Listed(k, d)
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
         }
-        watcher::Event::InitDone => Input::InitDone,
-        watcher::Event::Apply(raw) => {
-            let (k, d) = decode(raw);
-            Input::Apply(k, d)
-        }
-        watcher::Event::Delete(raw) => Input::Delete(key(&raw)),
     }
 }
 
-type Tagged = (Kind, Result<Input, watcher::Error>);
-
-/// One kind's watcher, with backoff, its events decoded and tagged with the kind.
-fn watch<K: Watched>(
-    client: kube::Client,
-    config: watcher::Config,
-) -> impl Stream<Item = Tagged> + Send
-where
-    Raw<K>: kube::Resource<DynamicType = ()>,
-{
-    let api: Api<Raw<K>> = Api::all(client);
-    watcher(api, config)
-        .default_backoff()
-        .map(|r| (K::KIND, r.map(input::<K>)))
-}
-
-/// Runs until cancelled (drop the future): watchers for Services and EndpointSlices
+/// Runs until cancelled (drop the future): reflectors for Services and EndpointSlices
 /// (label selector as upstream, §f; with a service proxy name, the Services carrying
-/// it) and this Node (field selector `metadata.name`). Marks `handle` ready once all
-/// three have been listed. Relists with backoff on errors, 410 Gone and dropped
-/// connections; the last state stays in place meanwhile.
+/// it) and this Node (field selector `metadata.name`), each decoding its objects on its
+/// own task. Marks `handle` ready once all three have been listed. Relists on 410
+/// Gone, resumes dropped watches, retries errors with backoff; the last state stays in
+/// place meanwhile.
 pub async fn run(
     client: kube::Client,
     cfg: KubeSourceConfig,
     handle: StateHandle,
 ) -> Result<(), SourceError> {
     cfg.validate()?;
-    let labels = label_selector(&cfg.ownership);
-    // Lists with resourceVersion=0 are served from the API server's watch cache, as
-    // client-go's reflectors do: thousands of nodes relisting must not all reach etcd.
-    // kube-rs drops resourceVersion=0 from paginated lists, and the watch cache answers
-    // in one response anyway, so no page size.
-    let base = || {
-        let mut c = watcher::Config::default().any_semantic();
-        c.page_size = None;
-        c
+    let decoder = Decoder {
+        ownership: cfg.ownership.clone(),
+        node_name: cfg.node_name.clone(),
     };
-    let streams = vec![
-        watch::<corev1::Service>(client.clone(), base().labels(&labels)).boxed(),
-        watch::<discoveryv1::EndpointSlice>(client.clone(), base().labels(&labels)).boxed(),
-        watch::<corev1::Node>(client, base().fields(&node_field_selector(&cfg.node_name))).boxed(),
-    ];
-    let mut events = futures::stream::select_all(streams);
-    let mut folder = Folder::new();
+    // Lists are paginated consistent reads (no resourceVersion), which API servers
+    // since 1.31 serve from the watch cache; a resourceVersion=0 list would be served
+    // whole, in one response, however large.
+    let (tx, mut rx) = mpsc::channel(1024);
+    let _reflectors = AbortOnDrop(
+        targets(&cfg, PAGE_SIZE)
+            .into_iter()
+            .map(|t| tokio::spawn(reflect::run(client.clone(), t, decoder.clone(), tx.clone())))
+            .collect(),
+    );
+    drop(tx);
+    let mut folder: Folder<Update> = Folder::new();
     let mut ready = false;
-    tracing::info!(node = %cfg.node_name, label_selector = %labels, "watching the Kubernetes API");
-    while let Some((kind, item)) = events.next().await {
-        let event = match item {
-            Ok(event) => event,
-            Err(e) => {
-                // The watcher recovers on its own (resume, or relist on 410) after the
-                // backoff; the state, and so the programmed rules, stay as they are.
-                let error = e.to_string();
-                tracing::warn!(%kind, error = %error.escape_debug(), "watch error; keeping the last state and retrying");
-                continue;
-            }
-        };
+    tracing::info!(node = %cfg.node_name, label_selector = %label_selector(&cfg.ownership), "watching the Kubernetes API");
+    while let Some((kind, event)) = rx.recv().await {
         let relist = matches!(event, Input::InitDone);
         let (change, skipped) = folder.step(kind, event);
         for w in &skipped {
@@ -283,7 +240,7 @@ pub async fn run(
             handle.mark_ready();
         }
     }
-    // select_all ends only when every watcher ended, which kube's watcher never does.
+    // The reflectors only end when this receiver is dropped.
     Err(SourceError::WatchEnded)
 }
 

@@ -293,12 +293,13 @@ async fn first_sync_waits_until_services_slices_and_the_node_are_listed() {
             .map(String::as_str),
         Some("metadata.name=node-a")
     );
-    // Lists come from the API server's watch cache (resourceVersion=0), as client-go's.
+    // Lists are paginated consistent reads (no resourceVersion: a resourceVersion=0 list
+    // is answered whole, in one response, however large).
+    let first = &h.api.services.requests()[0];
+    assert_eq!(first.get("resourceVersion"), None);
     assert_eq!(
-        h.api.services.requests()[0]
-            .get("resourceVersion")
-            .map(String::as_str),
-        Some("0")
+        first.get("limit").map(String::as_str),
+        Some(kproxy_source::kube::PAGE_SIZE.to_string().as_str())
     );
     // After the list, a watch from the list's resourceVersion.
     wait_server(&h, "the service watch", |api| {
@@ -729,6 +730,20 @@ async fn a_large_cluster_lists_and_relists() {
     })
     .await;
     let listed = t0.elapsed();
+    // Read page by page: each page request continues the one before.
+    let pages: Vec<_> = h
+        .api
+        .slices
+        .requests()
+        .into_iter()
+        .filter(|q| !q.contains_key("watch"))
+        .collect();
+    let page_size = kproxy_source::kube::PAGE_SIZE as usize;
+    assert_eq!(pages.len(), n.div_ceil(page_size), "{pages:?}");
+    for (i, q) in pages.iter().enumerate().skip(1) {
+        assert_eq!(q.get("continue"), Some(&(i * page_size).to_string()));
+    }
+    assert_eq!(h.api.slices.lists(), 1);
 
     h.handle.with(|st| st.take_changes());
     h.api.services.set_list(
@@ -757,4 +772,53 @@ async fn a_large_cluster_lists_and_relists() {
         listed.as_secs_f64() * 1e3,
         relisted.as_secs_f64() * 1e3
     );
+}
+
+/// Issue 18 item 5 on the fake API: every kind's lists and watches fail for a while
+/// (the API server down), the state stays as it was; when the API is back its watch
+/// history is gone (410), so each kind relists, and the relists, which find nothing
+/// changed, change nothing: the sync loop has nothing to program.
+#[tokio::test]
+async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
+    let h = started().await;
+    h.handle.with(|st| st.take_changes());
+    let before = h.handle.with(|st| seen(st));
+    fn kinds(api: &FakeApi) -> [&fake_api::Resource; 3] {
+        [&api.services, &api.slices, &api.nodes]
+    }
+    let watches: Vec<usize> = kinds(&h.api).iter().map(|r| r.watches().len()).collect();
+    for r in kinds(&h.api) {
+        r.set_watch_status(StatusCode::SERVICE_UNAVAILABLE);
+        r.fail_lists(StatusCode::SERVICE_UNAVAILABLE);
+        r.close();
+    }
+    wait_server(&h, "two failed watches of every kind", |api| {
+        kinds(api)
+            .iter()
+            .zip(&watches)
+            .all(|(r, n)| r.watches().len() >= n + 2)
+    })
+    .await;
+    assert_eq!(h.handle.with(|st| seen(st)), before, "the outage kept the state");
+    assert!(h.handle.with(|st| st.take_changes()).is_empty());
+
+    // Back, with the same objects at a newer resourceVersion and no watch history.
+    let lists: Vec<Vec<Value>> = kinds(&h.api).iter().map(|r| r.list_items()).collect();
+    for (r, items) in kinds(&h.api).iter().zip(lists) {
+        r.set_list("30", items);
+        r.event("ERROR", gone());
+        r.set_watch_status(StatusCode::OK);
+    }
+    wait_server(&h, "every kind relisted and watching from the relist", |api| {
+        kinds(api).iter().all(|r| {
+            r.lists() == 2
+                && r.watches().last().and_then(|w| w.get("resourceVersion").cloned())
+                    == Some("30".into())
+        })
+    })
+    .await;
+    let c = h.handle.with(|st| st.take_changes());
+    assert!(c.is_empty(), "{c:?}");
+    assert_eq!((c.service_events, c.slice_events), (0, 0));
+    assert_eq!(h.handle.with(|st| seen(st)), before);
 }

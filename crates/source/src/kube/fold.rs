@@ -13,54 +13,108 @@
 
 use std::collections::BTreeSet;
 
-use kproxy_core::ClusterState;
 use kproxy_core::ingest::{IngestError, Kind, ObjectRef, Ownership};
 use kproxy_core::manifest::Object;
+use kproxy_core::ClusterState;
+use kproxy_core::state::Update;
 
 /// Namespace and name of an object (namespace empty for Nodes).
 pub type Key = (String, String);
 
+/// Something the fold can apply to the state: an object (ingested when applied), or an
+/// [`Update`] already ingested when it was decoded (what the API source buffers: the
+/// ingested value, shared by `Arc` with the state it ends up in, is far smaller than
+/// the object).
+pub trait Applicable {
+    /// Applies to `state`: the warnings, or the error that makes the object skipped.
+    fn apply_to(
+        &self,
+        state: &mut ClusterState,
+        ownership: &Ownership,
+        node_name: &str,
+    ) -> Result<Vec<IngestError>, IngestError>;
+}
+
+impl Applicable for Object {
+    fn apply_to(
+        &self,
+        state: &mut ClusterState,
+        ownership: &Ownership,
+        node_name: &str,
+    ) -> Result<Vec<IngestError>, IngestError> {
+        state.apply(self, ownership, node_name)
+    }
+}
+
+/// Its warnings were reported when it was ingested.
+impl Applicable for Update {
+    fn apply_to(
+        &self,
+        state: &mut ClusterState,
+        _: &Ownership,
+        _: &str,
+    ) -> Result<Vec<IngestError>, IngestError> {
+        state.apply_update(self);
+        Ok(Vec::new())
+    }
+}
+
 /// One watcher event, with its object already decoded (or the reason it could not be).
 #[derive(Debug)]
-pub enum Input {
+pub enum Input<T = Object> {
     /// A relist starts.
     Init,
     /// One object of the relist.
-    Listed(Key, Result<Object, IngestError>),
+    Listed(Key, Result<T, IngestError>),
     /// The relist is complete.
     InitDone,
     /// ADDED or MODIFIED.
-    Apply(Key, Result<Object, IngestError>),
+    Apply(Key, Result<T, IngestError>),
     /// DELETED.
     Delete(Key),
 }
 
 /// What one event does to the state.
 #[derive(Debug)]
-pub enum Change {
+pub enum Change<T = Object> {
     /// A complete list of one kind: apply `objects`, delete every object of `kind` whose
     /// key is not in `seen` (`seen` also holds the keys of objects that failed to decode,
     /// so their last good version stays).
     Relisted {
         kind: Kind,
-        objects: Vec<Object>,
+        objects: Vec<T>,
         seen: BTreeSet<Key>,
     },
-    Apply(Object),
+    Apply(T),
     Delete(Kind, Key),
 }
 
-#[derive(Default)]
-struct Progress {
+struct Progress<T> {
     listed: bool,
-    relist: Option<(Vec<Object>, BTreeSet<Key>)>,
+    relist: Option<(Vec<T>, BTreeSet<Key>)>,
+}
+
+impl<T> Default for Progress<T> {
+    fn default() -> Self {
+        Progress {
+            listed: false,
+            relist: None,
+        }
+    }
 }
 
 /// Per-kind progress of the three watchers: the relist being buffered and whether the
 /// kind has been listed once.
-#[derive(Default)]
-pub struct Folder {
-    progress: [Progress; 3],
+pub struct Folder<T = Object> {
+    progress: [Progress<T>; 3],
+}
+
+impl<T> Default for Folder<T> {
+    fn default() -> Self {
+        Folder {
+            progress: Default::default(),
+        }
+    }
 }
 
 fn index(kind: Kind) -> usize {
@@ -71,7 +125,7 @@ fn index(kind: Kind) -> usize {
     }
 }
 
-impl Folder {
+impl<T> Folder<T> {
     pub fn new() -> Self {
         Self::default()
     }
@@ -89,7 +143,7 @@ impl Folder {
 
     /// Folds one event. Returns the change to apply (if any) and the warnings about
     /// objects skipped because they could not be decoded.
-    pub fn step(&mut self, kind: Kind, input: Input) -> (Option<Change>, Vec<IngestError>) {
+    pub fn step(&mut self, kind: Kind, input: Input<T>) -> (Option<Change<T>>, Vec<IngestError>) {
         let p = &mut self.progress[index(kind)];
         let mut warnings = Vec::new();
         let change = match input {
@@ -150,15 +204,15 @@ fn keys_of(state: &ClusterState, kind: Kind, node_name: &str) -> BTreeSet<Key> {
 }
 
 /// Applies one change. Returns the warnings (dropped pieces, rejected objects).
-pub fn apply_change(
+pub fn apply_change<T: Applicable>(
     state: &mut ClusterState,
-    change: Change,
+    change: Change<T>,
     ownership: &Ownership,
     node_name: &str,
 ) -> Vec<IngestError> {
     let mut warnings = Vec::new();
     let mut apply =
-        |state: &mut ClusterState, o: &Object| match state.apply(o, ownership, node_name) {
+        |state: &mut ClusterState, o: &T| match o.apply_to(state, ownership, node_name) {
             Ok(w) => warnings.extend(w),
             Err(e) => warnings.push(e),
         };

@@ -1,0 +1,378 @@
+//! `kproxy run --kubeconfig` against a real API server, at scale (root): populates the
+//! API with N Services × E endpoints, then starts kproxy in a throwaway network
+//! namespace (the API bridged in through a unix socket) and reports the time from
+//! process start to the first sync and to the first connection through a cluster IP,
+//! the RSS after the first sync and settled, and the peak RSS (VmHWM).
+//!
+//! Needs a running API server, e.g. the k8s-lab (../shared/tools/k8s-lab):
+//!
+//! ```text
+//! K8S_LAB=/tmp/k8s-lab-x API_PORT=6452 ETCD_PORT=2393 KCM_PORT=10262 start.sh start
+//! cargo build --release -p kproxy && cargo run --release -p kproxy --example api_bench -- \
+//!   --kubeconfig /tmp/k8s-lab-x/kubeconfig --proxy-kubeconfig /tmp/k8s-lab-x/kubeconfig-proxy \
+//!   10000x10 [--runs 3] [--skip-populate]
+//! ```
+//!
+//! Objects already there (409) are kept, so a second call at the same scale only
+//! measures (or pass --skip-populate); for another scale wipe the lab first
+//! (`start.sh wipe && start.sh start`). The objects are those of `daemon_bench`:
+//! Services in 50 namespaces, one in ten of the first 10,000 a LoadBalancer with
+//! externalTrafficPolicy Local (the node-port range holds no more), endpoints on 100
+//! nodes, one in seven serving+terminating; plus `bench/probe`, whose endpoint is a
+//! listener in the namespace. kproxy runs as system:kube-proxy (RBAC
+//! system:node-proxier), as upstream's does. Each run starts with no kproxy tables.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use kube::core::Request;
+use kube::core::params::PostParams;
+use serde_json::{Value, json};
+
+const PROBE_CLUSTER_IP: &str = "10.96.255.250";
+const PROBE_POD_IP: &str = "10.250.0.2";
+const NAMESPACES: usize = 50;
+
+struct Netns(String);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+/// A child process killed (and reaped) when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sh(args: &[&str]) {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("spawn {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn enter(ns: &str) {
+    let f = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("open netns");
+    nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+}
+
+fn kproxy_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("kproxy");
+    assert!(
+        bin.exists(),
+        "{} missing: run `cargo build --release -p kproxy` first",
+        bin.display()
+    );
+    bin
+}
+
+fn ip4(base: u32, n: usize) -> String {
+    std::net::Ipv4Addr::from(base + n as u32).to_string()
+}
+
+fn service(i: usize) -> (String, Value) {
+    let ns = format!("ns-{}", i % NAMESPACES);
+    let lb = i % 10 == 0 && i < 10_000;
+    let mut spec = json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]});
+    if lb {
+        spec["type"] = json!("LoadBalancer");
+        spec["externalTrafficPolicy"] = json!("Local");
+    }
+    let body = json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": format!("svc-{i}"), "namespace": ns}, "spec": spec});
+    (format!("/api/v1/namespaces/{ns}/services"), body)
+}
+
+fn slice(i: usize, eps: usize) -> (String, Value) {
+    let ns = format!("ns-{}", i % NAMESPACES);
+    let endpoints: Vec<Value> = (0..eps)
+        .map(|e| {
+            let n = i * eps + e;
+            let terminating = n % 7 == 6;
+            json!({"addresses": [ip4(0x0af4_0000, n + 1)], "nodeName": format!("node-{}", n % 100),
+                   "conditions": {"ready": !terminating, "serving": true, "terminating": terminating}})
+        })
+        .collect();
+    let body = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("svc-{i}-x"), "namespace": ns,
+                     "labels": {"kubernetes.io/service-name": format!("svc-{i}")}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": endpoints});
+    (
+        format!("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"),
+        body,
+    )
+}
+
+fn fixed() -> Vec<(String, Value)> {
+    let mut v: Vec<(String, Value)> = (0..NAMESPACES)
+        .map(|k| format!("ns-{k}"))
+        .chain(["bench".to_string()])
+        .map(|ns| {
+            (
+                "/api/v1/namespaces".to_string(),
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+            )
+        })
+        .collect();
+    v.push((
+        "/api/v1/nodes".into(),
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-0"}}),
+    ));
+    v.push(("/api/v1/namespaces/bench/services".into(), json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "probe", "namespace": "bench"},
+        "spec": {"clusterIP": PROBE_CLUSTER_IP, "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]}})));
+    v.push(("/apis/discovery.k8s.io/v1/namespaces/bench/endpointslices".into(), json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "probe-x", "namespace": "bench", "labels": {"kubernetes.io/service-name": "probe"}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [PROBE_POD_IP], "nodeName": "node-0", "conditions": {"ready": true}}]})));
+    v
+}
+
+/// Creates the objects, 32 requests in flight; an object already there is kept.
+async fn create(client: &kube::Client, objects: Vec<(String, Value)>) -> (usize, usize) {
+    let results: Vec<Result<bool, String>> = futures::stream::iter(objects)
+        .map(|(path, body)| {
+            let client = client.clone();
+            async move {
+                let req = Request::new(path)
+                    .create(&PostParams::default(), body.to_string().into_bytes())
+                    .map_err(|e| e.to_string())?;
+                match client.request_text(req).await {
+                    Ok(_) => Ok(true),
+                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+        })
+        .buffer_unordered(32)
+        .collect()
+        .await;
+    let mut created = 0;
+    let mut existing = 0;
+    for r in results {
+        match r {
+            Ok(true) => created += 1,
+            Ok(false) => existing += 1,
+            Err(e) => panic!("populating the API: {e}"),
+        }
+    }
+    (created, existing)
+}
+
+fn populate(kubeconfig: &Path, services: usize, eps: usize) {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let client = kproxy_source::kube::client(Some(kubeconfig))
+            .await
+            .expect("admin client");
+        let t = Instant::now();
+        create(&client, fixed()).await;
+        let (c1, e1) = create(&client, (0..services).map(service).collect()).await;
+        let (c2, e2) = create(&client, (0..services).map(|i| slice(i, eps)).collect()).await;
+        eprintln!(
+            "populated in {:.0} s: {c1} Services and {c2} EndpointSlices created, {} already there",
+            t.elapsed().as_secs_f64(),
+            e1 + e2
+        );
+    });
+}
+
+fn status_kib(pid: u32, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn api_port(kubeconfig: &Path) -> u16 {
+    let text = std::fs::read_to_string(kubeconfig).expect("read the proxy kubeconfig");
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("server:"))
+        .and_then(|s| s.trim().rsplit(':').next())
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .expect("server: https://127.0.0.1:PORT in the kubeconfig")
+}
+
+struct Run {
+    first_sync: Duration,
+    first_connect: Duration,
+    rss_sync: u64,
+    rss_settled: u64,
+    hwm: u64,
+}
+
+fn measure(proxy_kubeconfig: &Path, ns: &str, dir: &Path, run: usize) -> Run {
+    let events = dir.join(format!("events-{run}.jsonl"));
+    let stderr = std::fs::File::create(dir.join(format!("kproxy-{run}.log"))).expect("log");
+    let t0 = Instant::now();
+    let mut daemon = Proc(
+        Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(kproxy_binary())
+            .arg("run")
+            .arg("--kubeconfig")
+            .arg(proxy_kubeconfig)
+            .args(["--hostname-override", "node-0", "--event-log"])
+            .arg(&events)
+            .args(["--healthz-bind-address", "127.0.0.1:10256"])
+            .args(["--metrics-bind-address", "127.0.0.1:10249"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn kproxy"),
+    );
+    let pid = daemon.0.id();
+    // The probe connects from the start: the first success is when the rules serve.
+    let ns_name = ns.to_string();
+    let prober = std::thread::spawn(move || {
+        enter(&ns_name);
+        let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
+        loop {
+            if TcpStream::connect_timeout(&dst, Duration::from_millis(200)).is_ok() {
+                return Instant::now();
+            }
+            assert!(t0.elapsed() < Duration::from_secs(300), "no connection within 300 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    let first_sync = loop {
+        let log = std::fs::read_to_string(&events).unwrap_or_default();
+        if log.lines().any(|l| l.contains("\"event\":\"synced\"")) {
+            break t0.elapsed();
+        }
+        if let Ok(Some(status)) = daemon.0.try_wait() {
+            panic!("kproxy exited with {status} before its first sync (see {run} log in {dir:?})");
+        }
+        assert!(t0.elapsed() < Duration::from_secs(300), "no sync within 300 s");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let rss_sync = status_kib(pid, "VmRSS:");
+    let first_connect = prober.join().expect("prober") - t0;
+    std::thread::sleep(Duration::from_secs(5));
+    let rss_settled = status_kib(pid, "VmRSS:");
+    let hwm = status_kib(pid, "VmHWM:");
+    drop(daemon);
+    Run {
+        first_sync,
+        first_connect,
+        rss_sync,
+        rss_settled,
+        hwm,
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut kubeconfig = None;
+    let mut proxy_kubeconfig = None;
+    let mut runs = 3;
+    let mut skip_populate = false;
+    let mut scale = None;
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--kubeconfig" => kubeconfig = args.next().map(PathBuf::from),
+            "--proxy-kubeconfig" => proxy_kubeconfig = args.next().map(PathBuf::from),
+            "--runs" => runs = args.next().and_then(|r| r.parse().ok()).expect("--runs N"),
+            "--skip-populate" => skip_populate = true,
+            s => scale = Some(s.to_string()),
+        }
+    }
+    let (Some(kubeconfig), Some(proxy_kubeconfig), Some(scale)) =
+        (kubeconfig, proxy_kubeconfig, scale)
+    else {
+        eprintln!("usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate]");
+        std::process::exit(2);
+    };
+    let (services, eps) = scale
+        .split_once('x')
+        .and_then(|(s, e)| Some((s.parse::<usize>().ok()?, e.parse::<usize>().ok()?)))
+        .expect("scale as SERVICESxENDPOINTS, e.g. 10000x10");
+    if !skip_populate {
+        populate(&kubeconfig, services, eps);
+    }
+
+    let name = format!("apb-{}", std::process::id());
+    sh(&["ip", "netns", "add", &name]);
+    let ns = Netns(name.clone());
+    let exec = |args: &[&str]| {
+        let mut full = vec!["ip", "netns", "exec", &ns.0];
+        full.extend_from_slice(args);
+        sh(&full);
+    };
+    exec(&["ip", "link", "set", "lo", "up"]);
+    exec(&["ip", "link", "add", "apb0", "type", "veth", "peer", "name", "apb1"]);
+    exec(&["ip", "addr", "add", "10.200.0.1/24", "dev", "apb0"]);
+    exec(&["ip", "addr", "add", &format!("{PROBE_POD_IP}/24"), "dev", "apb1"]);
+    exec(&["ip", "link", "set", "apb0", "up"]);
+    exec(&["ip", "link", "set", "apb1", "up"]);
+    exec(&["ip", "route", "add", "10.96.0.0/16", "dev", "apb0"]);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = api_port(&proxy_kubeconfig);
+    let sock = dir.path().join("api.sock");
+    let _host_side = Proc(
+        Command::new("socat")
+            .arg(format!("UNIX-LISTEN:{},fork,unlink-early", sock.display()))
+            .arg(format!("TCP:127.0.0.1:{port}"))
+            .spawn()
+            .expect("socat (apt-get install socat)"),
+    );
+    let _ns_side = Proc(
+        Command::new("ip")
+            .args(["netns", "exec", &name, "socat"])
+            .arg(format!("TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr"))
+            .arg(format!("UNIX-CONNECT:{}", sock.display()))
+            .spawn()
+            .expect("socat in the namespace"),
+    );
+    let ns_name = name.clone();
+    std::thread::spawn(move || {
+        enter(&ns_name);
+        let l = TcpListener::bind((PROBE_POD_IP, 8080)).expect("bind probe listener");
+        for c in l.incoming() {
+            drop(c);
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+
+    for run in 0..runs {
+        exec(&["nft", "flush", "ruleset"]);
+        let r = measure(&proxy_kubeconfig, &name, dir.path(), run);
+        let mib = |k: u64| k as f64 / 1024.0;
+        println!(
+            "{services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB",
+            r.first_sync.as_secs_f64(),
+            r.first_connect.as_secs_f64(),
+            mib(r.rss_sync),
+            mib(r.rss_settled),
+            mib(r.hwm)
+        );
+    }
+    exec(&["nft", "flush", "ruleset"]);
+}

@@ -1,0 +1,364 @@
+//! One kind's list-then-watch loop against the API server (client-go's reflector, in
+//! kproxy's terms). Owns: paging through the list, decoding each object on its own as
+//! its page arrives (one page of JSON text in memory at a time, never a list of
+//! objects), resuming a dropped watch from the last resourceVersion, relisting on
+//! 410 Gone, and backing off on errors without flooding the log.
+//!
+//! Every object goes out as a [`fold::Input`] carrying the ingested [`Update`] (or why
+//! the object was skipped), over a bounded channel: a slow consumer slows the reader
+//! down instead of growing a queue.
+
+use std::time::{Duration, Instant};
+
+use futures::{AsyncBufReadExt, TryStreamExt};
+use kproxy_core::ingest::{IngestError, Kind, Ownership};
+use kproxy_core::state::Update;
+use kube::core::params::{ListParams, WatchParams};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use tokio::sync::mpsc;
+
+use super::fold::{self, Input, Key};
+use super::slim::{self, Coordinates};
+
+/// What one reflector lists and watches.
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub kind: Kind,
+    /// The collection's path, e.g. `/api/v1/services`.
+    pub url: String,
+    pub label_selector: Option<String>,
+    pub field_selector: Option<String>,
+    /// Objects per list page. Pages are decoded as they arrive, so this bounds the
+    /// JSON text held at once.
+    pub page_size: u32,
+}
+
+/// How objects become updates: what ingest needs besides the object.
+#[derive(Clone, Debug)]
+pub struct Decoder {
+    pub ownership: Ownership,
+    pub node_name: String,
+}
+
+impl Decoder {
+    /// Decodes and ingests one object (JSON text): its key, and the update or why it is
+    /// skipped. Warnings about dropped pieces of a kept object are logged here.
+    pub fn decode(&self, kind: Kind, json: &str, coords: &Coordinates) -> Result<Update, IngestError> {
+        let key = coords.key();
+        let object = slim::decode(kind, json)
+            .map_err(|e| fold::decode_warning(kind, &key, &e.field, &e.reason))?;
+        let (update, warnings) = Update::of(&object, &self.ownership, &self.node_name)?;
+        for w in &warnings {
+            tracing::warn!("{w}");
+        }
+        Ok(update)
+    }
+}
+
+pub type Sender = mpsc::Sender<(Kind, Input<Update>)>;
+
+/// Why a list or watch ended.
+#[derive(Debug)]
+enum Stop {
+    /// 410 Gone, or an event that cannot be resumed after: list again at once.
+    Relist(String),
+    /// Anything else: retry (the watch from the same resourceVersion) after the backoff.
+    Failed(String),
+    /// The server ended the watch (its timeout): watch again from the same version.
+    Resume,
+    /// The receiver is gone: the source is shutting down.
+    Closed,
+}
+
+fn api_error(e: kube::Error) -> Stop {
+    match &e {
+        kube::Error::Api(s) if s.code == 410 => Stop::Relist(format!("410 Gone: {}", s.message)),
+        _ => Stop::Failed(e.to_string()),
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct ListMeta {
+    #[serde(rename = "resourceVersion")]
+    resource_version: Option<String>,
+    #[serde(rename = "continue")]
+    continue_token: Option<String>,
+}
+
+/// A list page: the items stay raw text borrowed from the page until each is decoded.
+#[derive(Deserialize)]
+struct Page<'a> {
+    #[serde(default)]
+    metadata: ListMeta,
+    #[serde(borrow, default)]
+    items: Option<Vec<&'a RawValue>>,
+}
+
+/// One watch event line; the object stays raw text borrowed from the line.
+#[derive(Deserialize)]
+struct Event<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    #[serde(borrow)]
+    object: &'a RawValue,
+}
+
+#[derive(Deserialize)]
+struct StatusCode {
+    #[serde(default)]
+    code: u16,
+    #[serde(default)]
+    message: String,
+}
+
+/// Client-go's reflector backoff: 0.8 s doubling to 30 s, with up to 100% jitter. The
+/// first failure of a run is logged as a warning, then only every doubling of the
+/// count, so an API outage costs a handful of lines, not one per retry.
+pub struct Backoff {
+    failures: u32,
+    since: Option<Instant>,
+    seed: u64,
+}
+
+impl Backoff {
+    const BASE: Duration = Duration::from_millis(800);
+    const MAX: Duration = Duration::from_secs(30);
+
+    pub fn new() -> Self {
+        use std::hash::{BuildHasher, RandomState};
+        Backoff {
+            failures: 0,
+            since: None,
+            seed: RandomState::new().hash_one(Instant::now()),
+        }
+    }
+
+    /// The delay before the next attempt after a failure: base·2ⁿ capped at the max,
+    /// times a factor in [1, 2).
+    pub fn delay(failures: u32, jitter: f64) -> Duration {
+        let exp = Self::BASE.saturating_mul(1 << failures.saturating_sub(1).min(16));
+        exp.min(Self::MAX).mul_f64(1.0 + jitter.clamp(0.0, 1.0))
+    }
+
+    /// Whether the `failures`-th failure in a row is logged at warning level.
+    pub fn loud(failures: u32) -> bool {
+        failures.is_power_of_two()
+    }
+
+    fn jitter(&mut self) -> f64 {
+        // xorshift: enough to spread thousands of nodes' retries apart.
+        self.seed ^= self.seed << 13;
+        self.seed ^= self.seed >> 7;
+        self.seed ^= self.seed << 17;
+        (self.seed >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    async fn failed(&mut self, kind: Kind, what: &str, error: &str) {
+        self.failures += 1;
+        let since = *self.since.get_or_insert_with(Instant::now);
+        let delay = Self::delay(self.failures, self.jitter());
+        let error = error.escape_debug().to_string();
+        if Self::loud(self.failures) {
+            tracing::warn!(%kind, failures = self.failures, failing_for_s = since.elapsed().as_secs(),
+                retry_in_ms = delay.as_millis() as u64, %error,
+                "{what} failed; keeping the last state and retrying");
+        } else {
+            tracing::debug!(%kind, failures = self.failures, %error, "{what} failed again");
+        }
+        tokio::time::sleep(delay).await;
+    }
+
+    fn succeeded(&mut self, kind: Kind) {
+        if let Some(since) = self.since.take() {
+            tracing::info!(%kind, failures = self.failures, after_s = since.elapsed().as_secs_f64(),
+                "the API answers again");
+        }
+        self.failures = 0;
+    }
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Lists and watches `target` until the receiver of `tx` is dropped.
+pub async fn run(client: kube::Client, target: Target, decoder: Decoder, tx: Sender) {
+    let kind = target.kind;
+    let request = kube::core::Request::new(target.url.clone());
+    let mut backoff = Backoff::new();
+    let mut version: Option<String> = None;
+    loop {
+        let stop = match &mut version {
+            None => match list(&client, &request, &target, &decoder, &tx).await {
+                Ok(rv) => {
+                    backoff.succeeded(kind);
+                    version = Some(rv);
+                    continue;
+                }
+                Err(stop) => stop,
+            },
+            Some(rv) => watch(&client, &request, &target, &decoder, &tx, rv, &mut backoff).await,
+        };
+        match stop {
+            Stop::Closed => return,
+            Stop::Resume => {}
+            Stop::Relist(why) => {
+                tracing::info!(%kind, why = %why.escape_debug(), "relisting");
+                version = None;
+            }
+            Stop::Failed(error) => {
+                let what = if version.is_none() { "list" } else { "watch" };
+                backoff.failed(kind, what, &error).await;
+            }
+        }
+    }
+}
+
+async fn send(tx: &Sender, kind: Kind, input: Input<Update>) -> Result<(), Stop> {
+    tx.send((kind, input)).await.map_err(|_| Stop::Closed)
+}
+
+fn item(decoder: &Decoder, kind: Kind, json: &str) -> (Key, Result<Update, IngestError>) {
+    match Coordinates::of(json) {
+        Some(c) => (c.key(), decoder.decode(kind, json, &c)),
+        None => {
+            let key = Key::default();
+            let e = fold::decode_warning(kind, &key, ".", "not a JSON object");
+            (key, Err(e))
+        }
+    }
+}
+
+/// One complete list, page by page: `Init`, one `Listed` per object, `InitDone`.
+/// Returns the list's resourceVersion, to watch from.
+async fn list(
+    client: &kube::Client,
+    request: &kube::core::Request,
+    target: &Target,
+    decoder: &Decoder,
+    tx: &Sender,
+) -> Result<String, Stop> {
+    let kind = target.kind;
+    send(tx, kind, Input::Init).await?;
+    let mut params = ListParams {
+        label_selector: target.label_selector.clone(),
+        field_selector: target.field_selector.clone(),
+        limit: Some(target.page_size),
+        ..ListParams::default()
+    };
+    loop {
+        let req = request.list(&params).map_err(|e| Stop::Failed(e.to_string()))?;
+        let text = client.request_text(req).await.map_err(api_error)?;
+        let page: Page<'_> = serde_json::from_str(&text)
+            .map_err(|e| Stop::Failed(format!("undecodable list page: {e}")))?;
+        for raw in page.items.into_iter().flatten() {
+            let (key, decoded) = item(decoder, kind, raw.get());
+            send(tx, kind, Input::Listed(key, decoded)).await?;
+        }
+        match page.metadata.continue_token.filter(|c| !c.is_empty()) {
+            Some(token) => params.continue_token = Some(token),
+            None => {
+                send(tx, kind, Input::InitDone).await?;
+                return page
+                    .metadata
+                    .resource_version
+                    .ok_or_else(|| Stop::Failed("list without a resourceVersion".into()));
+            }
+        }
+    }
+}
+
+/// One watch request from `rv`, until the server or an error ends it. Updates `rv` as
+/// events arrive.
+async fn watch(
+    client: &kube::Client,
+    request: &kube::core::Request,
+    target: &Target,
+    decoder: &Decoder,
+    tx: &Sender,
+    rv: &mut String,
+    backoff: &mut Backoff,
+) -> Stop {
+    let kind = target.kind;
+    let params = WatchParams {
+        label_selector: target.label_selector.clone(),
+        field_selector: target.field_selector.clone(),
+        bookmarks: true,
+        ..WatchParams::default()
+    };
+    let req = match request.watch(&params, rv) {
+        Ok(r) => r,
+        Err(e) => return Stop::Failed(e.to_string()),
+    };
+    let body = match client.request_stream(req).await {
+        Ok(b) => b,
+        Err(e) => return api_error(e),
+    };
+    backoff.succeeded(kind);
+    let mut lines = body.lines();
+    loop {
+        let line = match lines.try_next().await {
+            Ok(Some(l)) => l,
+            // The server's timeout ended the watch: resume from `rv` at once.
+            Ok(None) => return Stop::Resume,
+            Err(e) => return Stop::Failed(format!("watch stream: {e}")),
+        };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let event: Event<'_> = match serde_json::from_str(&line) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(%kind, error = %e, "malformed watch event skipped");
+                continue;
+            }
+        };
+        let json = event.object.get();
+        let input = match event.kind {
+            "ADDED" | "MODIFIED" | "DELETED" => {
+                let Some(c) = Coordinates::of(json) else {
+                    return Stop::Relist(format!("{} event without an object", event.kind));
+                };
+                match &c.resource_version {
+                    Some(v) => v.clone_into(rv),
+                    None => {
+                        return Stop::Relist(format!(
+                            "{} event without a resourceVersion",
+                            event.kind
+                        ));
+                    }
+                }
+                if event.kind == "DELETED" {
+                    Input::Delete(c.key())
+                } else {
+                    Input::Apply(c.key(), decoder.decode(kind, json, &c))
+                }
+            }
+            "BOOKMARK" => {
+                if let Some(v) = Coordinates::of(json).and_then(|c| c.resource_version) {
+                    *rv = v;
+                }
+                continue;
+            }
+            "ERROR" => {
+                let status: Option<StatusCode> = serde_json::from_str(json).ok();
+                return match status {
+                    Some(s) if s.code == 410 => Stop::Relist(format!("410 Gone: {}", s.message)),
+                    Some(s) => Stop::Failed(format!("watch error {}: {}", s.code, s.message)),
+                    None => Stop::Failed("undecodable watch error".into()),
+                };
+            }
+            other => {
+                tracing::warn!(%kind, event = %other.escape_debug(), "unknown watch event type skipped");
+                continue;
+            }
+        };
+        if let Err(stop) = send(tx, kind, input).await {
+            return stop;
+        }
+    }
+}
