@@ -114,6 +114,8 @@ impl fmt::Display for NotProxied {
 }
 
 /// Outcome of ingesting a Service.
+// Short-lived (one per object while ingesting); boxing would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ServiceOutcome {
     Proxied(Ingested<Service>),
