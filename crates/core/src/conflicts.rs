@@ -102,7 +102,8 @@ impl std::fmt::Display for Conflict {
 /// Who may claim first: created earlier (`None` last), then by name.
 pub type Age = Option<i64>;
 
-fn frontends(p: &ServicePortPlan) -> impl Iterator<Item = Frontend> + '_ {
+/// The frontends one port plan claims.
+pub fn frontends(p: &ServicePortPlan) -> impl Iterator<Item = Frontend> + '_ {
     let fe = move |kind, ip| Frontend {
         kind,
         family: p.family,
@@ -218,32 +219,45 @@ pub fn resolve(
         let plan = patched
             .entry(c.service.clone())
             .or_insert_with(|| services[&c.service].clone());
-        let plan = Arc::make_mut(plan);
-        let fe = &c.frontend;
-        let port_of = |p: &ServicePortPlan| {
-            p.service_port.port_name == c.port_name
-                && p.family == fe.family
-                && p.protocol == fe.protocol
-        };
-        match fe.kind {
-            FrontendKind::ClusterIp => plan.ports.retain(|p| !port_of(p)),
-            _ => {
-                for p in plan.ports.iter_mut().filter(|p| port_of(p)) {
-                    match fe.kind {
-                        FrontendKind::ExternalIp => p.external_ips.retain(|ip| Some(*ip) != fe.ip),
-                        FrontendKind::LoadBalancerIp => {
-                            p.load_balancer_ips.retain(|ip| Some(*ip) != fe.ip)
-                        }
-                        _ => p.node_port = None,
+        remove_frontend(Arc::make_mut(plan), c);
+    }
+    (conflicts, patched)
+}
+
+/// `plan` without the frontends its `conflicts` refuse (those of other Services are
+/// ignored).
+pub fn patch(plan: &Arc<ServicePlan>, conflicts: &[Conflict]) -> Arc<ServicePlan> {
+    let mut out = plan.clone();
+    for c in conflicts.iter().filter(|c| c.service == plan.service) {
+        remove_frontend(Arc::make_mut(&mut out), c);
+    }
+    out
+}
+
+fn remove_frontend(plan: &mut ServicePlan, c: &Conflict) {
+    let fe = &c.frontend;
+    let port_of = |p: &ServicePortPlan| {
+        p.service_port.port_name == c.port_name
+            && p.family == fe.family
+            && p.protocol == fe.protocol
+    };
+    match fe.kind {
+        FrontendKind::ClusterIp => plan.ports.retain(|p| !port_of(p)),
+        _ => {
+            for p in plan.ports.iter_mut().filter(|p| port_of(p)) {
+                match fe.kind {
+                    FrontendKind::ExternalIp => p.external_ips.retain(|ip| Some(*ip) != fe.ip),
+                    FrontendKind::LoadBalancerIp => {
+                        p.load_balancer_ips.retain(|ip| Some(*ip) != fe.ip)
                     }
-                    if !p.externally_accessible() {
-                        p.external.clear();
-                    }
+                    _ => p.node_port = None,
+                }
+                if !p.externally_accessible() {
+                    p.external.clear();
                 }
             }
         }
     }
-    (conflicts, patched)
 }
 
 /// [`resolve`] applied to a whole plan: replaces the losers' plans and records the

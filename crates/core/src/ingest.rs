@@ -114,8 +114,7 @@ impl fmt::Display for NotProxied {
 }
 
 /// Outcome of ingesting a Service.
-// A value returned and consumed at once, never stored: boxing the large variant would
-// only add an allocation per Service.
+// Short-lived (one per object while ingesting); boxing would cost an allocation each.
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ServiceOutcome {

@@ -151,6 +151,9 @@ impl Planner {
             self.plan = merged;
             return update;
         }
+        // Whether any changed Service claims other frontends than before: only then can
+        // the conflicts change (an endpoint change, the hot path, never does).
+        let mut frontends_changed = false;
         for name in changes.services {
             let new = state.service(&name).map(|svc| {
                 Arc::new(plan_service(
@@ -160,6 +163,12 @@ impl Planner {
                     &self.config,
                 ))
             });
+            let claims = |p: Option<&Arc<ServicePlan>>| -> Vec<crate::conflicts::Frontend> {
+                p.into_iter()
+                    .flat_map(|p| p.ports.iter().flat_map(crate::conflicts::frontends))
+                    .collect()
+            };
+            frontends_changed |= claims(self.raw.get(&name)) != claims(new.as_ref());
             match (self.raw.entry(name.clone()), new) {
                 (Entry::Occupied(mut o), Some(new)) => {
                     if **o.get() != *new {
@@ -178,8 +187,42 @@ impl Planner {
                 (Entry::Vacant(_), None) => {}
             }
         }
-        self.resolve_conflicts(state, &mut update);
+        if frontends_changed {
+            self.resolve_conflicts(state, &mut update);
+        } else {
+            self.reapply_conflicts(&mut update);
+        }
         update
+    }
+
+    /// The conflicts are as before: the changed Services' plans are their raw plans with
+    /// their known conflicts applied. O(changed Services).
+    fn reapply_conflicts(&mut self, update: &mut PlanUpdate) {
+        let mut changed = Vec::with_capacity(update.services.len());
+        for name in update.services.drain(..) {
+            let new = self
+                .raw
+                .get(&name)
+                .map(|raw| crate::conflicts::patch(raw, &self.plan.conflicts));
+            let differs = match (self.plan.services.get(&name), &new) {
+                (Some(old), Some(new)) => old != new,
+                (None, None) => false,
+                _ => true,
+            };
+            match new {
+                Some(new) if differs => {
+                    self.plan.services.insert(name.clone(), new);
+                }
+                Some(_) => {}
+                None => {
+                    self.plan.services.remove(&name);
+                }
+            }
+            if differs {
+                changed.push(name);
+            }
+        }
+        update.services = changed;
     }
 
     /// Rebuilds `plan.services` from `raw` with conflicts resolved, adding to `update`

@@ -200,3 +200,32 @@ fn removing_the_winner_gives_the_frontend_to_the_loser() {
     let b_port = planner.plan().service_ports().next().unwrap();
     assert_eq!(b_port.node_port, Some(30080));
 }
+
+/// An endpoint change of a conflict loser (the hot path, which skips re-resolving) keeps
+/// its lost frontend lost, and the incremental plan equals the full one.
+#[test]
+fn an_endpoint_change_of_a_loser_keeps_its_conflict() {
+    let a = svc("a", OLD, "type: NodePort, clusterIP: 10.96.0.10").replace("NP", "30080");
+    let b = svc("b", NEW, "type: NodePort, clusterIP: 10.96.0.11").replace("NP", "30080");
+    let mut st = state(&[a, b]);
+    let mut planner = Planner::new("node-a", PlanConfig::default());
+    planner.update(&mut st);
+    let slice = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: b-1, namespace: ns, labels: {kubernetes.io/service-name: b}}\naddressType: IPv4\nendpoints: [{addresses: [10.244.0.5]}]\nports: [{name: p, port: 8080}]\n";
+    for o in manifest::parse("s.yaml", slice).objects {
+        st.apply(&o.object, &Ownership::default(), "node-a")
+            .unwrap();
+    }
+    let update = planner.update(&mut st);
+    assert_eq!(update.services.len(), 1);
+    assert_eq!(
+        planner.plan(),
+        &kproxy_core::plan(&st, "node-a", &PlanConfig::default())
+    );
+    let b_port = planner
+        .plan()
+        .service_ports()
+        .find(|p| &*p.service_port.service.name == "b")
+        .unwrap();
+    assert_eq!(b_port.node_port, None);
+    assert_eq!(b_port.all_reachable_endpoints.len(), 1);
+}

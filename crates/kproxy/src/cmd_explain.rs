@@ -37,6 +37,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         );
     };
     print!("{}", kproxy_core::explain::explain_service(&plan, svc));
+    crate::common::print_conflicts(&plan, Some(&name));
     Ok(if strict_failed {
         ExitCode::from(1)
     } else {

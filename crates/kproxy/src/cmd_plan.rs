@@ -26,7 +26,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let (plan, strict_failed) = args.source.plan(&args.source.plan_config()?)?;
     match args.output {
         Format::Json => println!("{}", serde_json::to_string_pretty(&plan)?),
-        Format::Table => print!("{}", kproxy_core::explain::plan_table(&plan)),
+        Format::Table => {
+            print!("{}", kproxy_core::explain::plan_table(&plan));
+            crate::common::print_conflicts(&plan, None);
+        }
     }
     Ok(if strict_failed {
         ExitCode::from(1)

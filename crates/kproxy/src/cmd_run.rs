@@ -63,6 +63,10 @@ pub struct Args {
     /// With --manifests: manifest files larger than this many bytes are not read.
     #[arg(long, value_name = "BYTES", default_value_t = kproxy_source::manifests::DEFAULT_MAX_FILE_BYTES)]
     pub manifest_max_file_bytes: u64,
+    /// Program external and load-balancer IPs that equal a Service's cluster IP or a node
+    /// address (refused by default: CVE-2020-8554, docs/input.md).
+    #[arg(long)]
+    pub allow_external_ip_overlap: bool,
 }
 
 /// The node name as kube-proxy picks it: the override, else `NODE_NAME`, else the host
@@ -195,6 +199,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCode> {
     let mut plan_cfg = cfg.plan.clone();
+    plan_cfg.allow_external_ip_overlap = args.allow_external_ip_overlap;
     if matches!(
         plan_cfg.node_port_addresses,
         NodePortAddressesConfig::Cidrs(_)

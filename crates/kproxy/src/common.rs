@@ -136,6 +136,10 @@ pub struct ManifestArgs {
     /// from the manifests (with a warning).
     #[arg(long, value_name = "FIRST-LAST", default_value = "30000-32767", value_parser = kproxy_config::parse_port_range)]
     pub node_port_range: std::ops::RangeInclusive<u16>,
+    /// Plan external and load-balancer IPs that equal a Service's cluster IP or a node
+    /// address (refused by default: CVE-2020-8554, docs/input.md).
+    #[arg(long)]
+    pub allow_external_ip_overlap: bool,
     /// Manifest files larger than this many bytes are not read.
     #[arg(long, value_name = "BYTES", default_value_t = manifests::DEFAULT_MAX_FILE_BYTES)]
     pub max_file_bytes: u64,
@@ -159,16 +163,18 @@ impl ManifestArgs {
         Ok(self.proxy_config()?.plan)
     }
 
-    /// Every setting of `--config` (upstream defaults without it), warnings printed.
+    /// Every setting of `--config` (upstream defaults without it) with the flags of
+    /// this command line, warnings printed.
     pub fn proxy_config(&self) -> Result<kproxy_config::ProxyConfig> {
         let flags = kproxy_config::ConfigFlags {
             config: self.config.clone(),
             ..Default::default()
         };
-        let (cfg, warnings) = kproxy_config::load(&flags)?;
+        let (mut cfg, warnings) = kproxy_config::load(&flags)?;
         for w in warnings {
             eprintln!("kproxy: warning: {}: {}", w.path, w.message);
         }
+        cfg.plan.allow_external_ip_overlap = self.allow_external_ip_overlap;
         Ok(cfg)
     }
 
@@ -232,5 +238,29 @@ impl ManifestArgs {
             );
         }
         Ok((kproxy_core::plan(&state, &self.node, config), report))
+    }
+}
+
+/// Prints the plan's frontend conflicts (all, or those of `service` as loser or owner)
+/// under a heading; nothing when there are none.
+pub fn print_conflicts(plan: &NodePlan, service: Option<&kproxy_core::model::ServiceName>) {
+    use kproxy_core::conflicts::ConflictReason;
+    let involved = |c: &&kproxy_core::conflicts::Conflict| {
+        service.is_none_or(|s| {
+            c.service == *s
+                || matches!(&c.reason, ConflictReason::Claimed { owner } | ConflictReason::ClusterIpCapture { owner } if owner == s)
+        })
+    };
+    let lines: Vec<String> = plan
+        .conflicts
+        .iter()
+        .filter(involved)
+        .map(|c| format!("  {c}"))
+        .collect();
+    if !lines.is_empty() {
+        println!(
+            "\nfrontend conflicts (docs/input.md):\n{}",
+            lines.join("\n")
+        );
     }
 }

@@ -115,6 +115,7 @@ pub async fn run<D: Dataplane, H: HealthSink>(
     tracing::info!(node = %cfg.node_name, "source synced; starting the sync loop");
     let mut planner = Planner::new(cfg.node_name.clone(), cfg.plan.clone());
     let mut programming = ProgrammingLatency::default();
+    let mut last_conflicts: Vec<kproxy_core::conflicts::Conflict> = Vec::new();
     let mut last_sync: Option<Instant> = None;
     let mut need_sync = true; // the first sync always runs, even for an empty cluster
     let mut failures: u32 = 0;
@@ -176,6 +177,18 @@ pub async fn run<D: Dataplane, H: HealthSink>(
         need_sync = false;
         let plan = Arc::new(planner.plan().clone());
         health.plan_computed(&plan);
+        if plan.conflicts != last_conflicts {
+            // Each conflict once when it appears, not at every sync.
+            for c in plan
+                .conflicts
+                .iter()
+                .filter(|c| !last_conflicts.contains(c))
+            {
+                tracing::warn!(conflict = %c, "frontend conflict");
+            }
+            metrics.frontend_conflicts.set(plan.conflicts.len() as i64);
+            last_conflicts = plan.conflicts.clone();
+        }
 
         let plan2 = plan.clone();
         let (dp, res) = blocking(dataplane, move |d| d.sync(&plan2)).await;

@@ -37,6 +37,7 @@ pub struct Metrics {
     pub drift_repairs: Counter,
     pub conntrack_deleted: Counter,
     pub skipped_objects: Gauge,
+    pub frontend_conflicts: Gauge,
 }
 
 /// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
@@ -71,6 +72,7 @@ impl Metrics {
             drift_repairs: Counter::default(),
             conntrack_deleted: Counter::default(),
             skipped_objects: Gauge::default(),
+            frontend_conflicts: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("kubeproxy");
         r.register(
@@ -154,6 +156,11 @@ impl Metrics {
             "skipped_objects",
             "Objects skipped or trimmed at the last load because they failed validation",
             m.skipped_objects.clone(),
+        );
+        own.register(
+            "frontend_conflicts",
+            "Frontends (address, port, protocol) refused to a Service in the current plan because another Service holds them or they would capture a cluster IP or node address (docs/input.md)",
+            m.frontend_conflicts.clone(),
         );
         Arc::new(m)
     }

@@ -1,10 +1,16 @@
 //! Loads one `kubectl get svc,endpointslices -A -o yaml|json` dump of N Services (each
 //! with one EndpointSlice) through the manifest source and prints time and peak memory.
 //!
-//! `cargo run --release -p kproxy-source --example large_list -- 50000 yaml`
+//! ```sh
+//! cargo run --release -p kproxy-source --example large_list -- 50000 yaml /tmp/d.yaml  # writes
+//! cargo run --release -p kproxy-source --example large_list -- 50000 yaml /tmp/d.yaml  # loads
+//! ```
 //!
-//! The dump is written to a temporary file first; the figures are for `manifests::load`
-//! alone: wall time, and the process's peak RSS (VmHWM) minus the RSS before loading.
+//! With a path that does not exist, the dump is written there and the program exits (so
+//! generating it costs the measuring process nothing); with one that exists, it is loaded
+//! and measured: wall time of `manifests::load`, and the process's peak RSS (VmHWM)
+//! minus the RSS before loading. Without a path, both in one process (the peak is then
+//! reset before loading, but memory the generator freed may still count).
 
 use std::io::Write;
 use std::time::Instant;
@@ -38,8 +44,11 @@ fn main() {
     let n: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let format = args.next().unwrap_or_else(|| "yaml".into());
     let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join(format!("dump.{format}"));
-    {
+    let given = args.next().map(std::path::PathBuf::from);
+    let path = given
+        .clone()
+        .unwrap_or_else(|| dir.path().join(format!("dump.{format}")));
+    if !path.exists() {
         let mut text = String::from("apiVersion: v1\nitems:\n");
         for i in 0..n {
             yaml_item(i, &mut text);
@@ -53,6 +62,10 @@ fn main() {
         };
         let mut f = std::fs::File::create(&path).expect("create");
         f.write_all(&bytes).expect("write");
+        if given.is_some() {
+            println!("wrote {}", path.display());
+            return;
+        }
     }
     let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
     // Reset the peak to now: generating the dump used far more than loading it.

@@ -183,7 +183,7 @@ pub fn files(path: &Path) -> Result<(Vec<PathBuf>, Vec<LoadProblem>), LoadProble
         }
     }
     out.sort();
-    skipped.sort_by_key(|p| p.to_string());
+    skipped.sort_by_key(ToString::to_string);
     Ok((out, skipped))
 }
 
@@ -466,7 +466,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("big.yaml");
         std::fs::write(&f, "x".repeat(100)).unwrap();
-        let limits = ReadLimits { max_file_bytes: 99 };
+        let limits = ReadLimits {
+            max_file_bytes: 99,
+            ..ReadLimits::default()
+        };
         let loaded = load_with(dir.path(), "n", &Ownership::default(), &limits);
         assert!(matches!(
             loaded.problems[..],
