@@ -819,6 +819,14 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
         ));
     }
     // A live cluster IP on a port/protocol no Service defines is rejected (v1.30+).
+    // IPv6 TCP gets a reset: the ICMPv6 error of a `reject` in these nat hooks never
+    // reaches the client (as for `no-endpoints-tcp`).
+    if family == IpFamily::IPv6 {
+        services.push(format!(
+            "{} daddr @cluster-ips meta l4proto tcp reject with tcp reset",
+            f.p
+        ));
+    }
     services.push(format!("{} daddr @cluster-ips reject", f.p));
     rs.chains.insert("services".into(), base("", services));
     // REJECT targets of frontends without endpoints (verdict maps cannot reject).
