@@ -7,9 +7,7 @@ use std::net::IpAddr;
 use serde::Serialize;
 
 use crate::model::{EndpointAddr, IpFamily, Protocol};
-use crate::plan::{
-    LocalPods, NodePlan, NodePortAddresses, ServicePortPlan, SourceClass, TrafficRule, Verdict,
-};
+use crate::plan::{LocalPods, NodePlan, ServicePortPlan, SourceClass, TrafficRule, Verdict};
 
 /// A new connection as it arrives at the node (or leaves a process on it).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,10 +92,9 @@ pub fn trace(plan: &NodePlan, pkt: &Packet, local_addresses: &[IpAddr]) -> Trace
         } else if sp.port == pkt.dport && sp.external_ips.contains(&pkt.dst) {
             Frontend::ExternalIp
         } else if sp.node_port == Some(pkt.dport)
-            && match &fam.node_port_addresses {
-                NodePortAddresses::AllLocal => is_local_addr(&pkt.dst) && !pkt.dst.is_loopback(),
-                NodePortAddresses::Only(list) => list.contains(&pkt.dst),
-            }
+            && fam
+                .node_port_addresses
+                .selects(&pkt.dst, is_local_addr(&pkt.dst))
         {
             Frontend::NodePort
         } else {

@@ -799,6 +799,23 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
             "fib daddr type local {} daddr != {} ",
             f.p, f.loopback
         )),
+        // Local addresses inside the CIDRs, decided per packet as `trace` decides it, so
+        // a secondary address the Node object does not list still takes NodePorts.
+        NodePortAddresses::Cidrs(cidrs) => {
+            let c: Vec<String> = cidrs
+                .iter()
+                .filter(|n| family.contains(&n.addr()))
+                .map(|n| n.trunc().to_string())
+                .collect();
+            (!c.is_empty()).then(|| {
+                format!(
+                    "fib daddr type local {p} daddr != {} {p} daddr {{ {} }} ",
+                    f.loopback,
+                    c.join(", "),
+                    p = f.p
+                )
+            })
+        }
         NodePortAddresses::Only(list) => {
             let ips: Vec<&IpAddr> = list.iter().filter(|ip| family.contains(ip)).collect();
             if ips.is_empty() {

@@ -580,3 +580,70 @@ fn trace_equals_kernel_on_random_clusters() {
         panic!("trace and kernel disagree:\n{detail}");
     }
 }
+
+/// Regression cases: minimal states the random test found, kept fixed.
+fn assert_case(c: &Case) {
+    if !require_root() {
+        return;
+    }
+    let f = Arc::new(Fabric::new());
+    let (n, fails) = run_case(&f, c).expect("valid state");
+    assert!(n > 0);
+    assert!(
+        fails.is_empty(),
+        "{} mismatches:\n{}\nstate:\n{}",
+        fails.len(),
+        fails.join("\n"),
+        manifests(c)
+    );
+}
+
+fn one_service(s: Svc) -> Case {
+    Case {
+        masquerade_all: false,
+        detector: 0,
+        node_port_cidrs: None,
+        node_lists_secondary: false,
+        services: vec![s],
+    }
+}
+
+fn plain(kind: u8) -> Svc {
+    Svc {
+        kind,
+        v4: true,
+        v6: false,
+        http: true,
+        dns: false,
+        external_ip: false,
+        lb_ip: false,
+        source_ranges: Vec::new(),
+        etp_local: false,
+        itp_local: false,
+        affinity: false,
+        endpoints: Vec::new(),
+    }
+}
+
+/// Seed 16, after the IPv6 reset fix: a NodePort without endpoints and
+/// nodePortAddresses [10.244.0.0/16]. 10.244.1.1 is a local address the Node object does
+/// not list: trace (told the host's addresses) rejected, the kernel programmed by
+/// `sync --once` left the packet to the host (issue 16 area 4).
+#[test]
+fn regression_node_port_on_a_secondary_address_inside_node_port_cidrs() {
+    assert_case(&Case {
+        node_port_cidrs: Some(vec![2]),
+        ..one_service(plain(1))
+    });
+}
+
+/// Seed 16, first failure: IPv6 TCP to a live cluster IP on an undefined port timed
+/// out instead of being refused.
+#[test]
+fn regression_ipv6_cluster_ip_undefined_port_is_refused() {
+    assert_case(&one_service(Svc {
+        v4: false,
+        v6: true,
+        ..plain(0)
+    }));
+}
