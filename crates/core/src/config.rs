@@ -53,6 +53,11 @@ pub struct PlanConfig {
     pub proxy_terminating_endpoints: bool,
     /// Honour `hints.forNodes` (the `PreferSameTrafficDistribution` gate, on from 1.34).
     pub prefer_same_node_hints: bool,
+    /// The cluster's service CIDRs (`--service-cluster-ip-range` style). New connections
+    /// to an address inside them that no Service owns are dropped (upstream
+    /// `cluster-ips-check`); empty: nothing is dropped.
+    #[serde(default)]
+    pub service_cidrs: Vec<IpNet>,
 }
 
 impl Default for PlanConfig {
@@ -64,6 +69,7 @@ impl Default for PlanConfig {
             node_ips: Vec::new(),
             proxy_terminating_endpoints: true,
             prefer_same_node_hints: true,
+            service_cidrs: Vec::new(),
         }
     }
 }

@@ -65,6 +65,9 @@ pub struct FamilyPlan {
     pub node_port_addresses: NodePortAddresses,
     /// How "from a local pod" is recognised; `None` ⇒ no `LocalPod` rules appear.
     pub local_pods: LocalPods,
+    /// Service CIDRs of this family: a new connection to an address inside them that is
+    /// no Service's frontend is dropped.
+    pub service_cidrs: Vec<IpNet>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

@@ -233,6 +233,10 @@ impl<'a> NodeFacts<'a> {
                     node_ips,
                     node_port_addresses,
                     local_pods,
+                    service_cidrs: of_family(&config.service_cidrs)
+                        .into_iter()
+                        .map(|n| n.trunc())
+                        .collect(),
                 }
             })
             .collect();

@@ -113,6 +113,17 @@ pub fn trace(plan: &NodePlan, pkt: &Packet, local_addresses: &[IpAddr]) -> Trace
             ),
         };
     }
+    if fam.service_cidrs.iter().any(|c| c.contains(&pkt.dst)) {
+        return Trace {
+            verdict: TraceVerdict::Drop,
+            endpoints: Vec::new(),
+            masquerade: false,
+            reason: format!(
+                "{} is inside a service CIDR, but no Service owns it (unallocated cluster IP)",
+                pkt.dst
+            ),
+        };
+    }
     none("no Service frontend matches the destination")
 }
 

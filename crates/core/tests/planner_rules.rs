@@ -489,6 +489,44 @@ fn a_cluster_ip_on_an_undefined_port_is_rejected() {
     );
 }
 
+/// Issue 16 area 1: with the service CIDRs known, a new connection to an address
+/// inside them that no Service owns is dropped; a live cluster IP on an undefined port
+/// is still rejected; addresses outside the CIDRs are untouched.
+#[test]
+fn an_unallocated_address_inside_the_service_cidrs_is_dropped() {
+    let docs = [
+        svc("s", ""),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ];
+    let p = plan_with(
+        &docs,
+        &PlanConfig {
+            service_cidrs: vec![
+                "10.96.0.0/16".parse().unwrap(),
+                "fd00:96::/112".parse().unwrap(),
+            ],
+            ..PlanConfig::default()
+        },
+    );
+    for (dst, port, want) in [
+        ("10.96.0.11", 80, TraceVerdict::Drop),
+        ("10.96.0.10", 81, TraceVerdict::Reject),
+        ("10.96.0.10", 80, TraceVerdict::Dnat),
+        ("10.97.0.1", 80, TraceVerdict::None),
+    ] {
+        assert_eq!(
+            trace(&p, &pkt("10.244.1.3", dst, port), &[]).verdict,
+            want,
+            "{dst}:{port}"
+        );
+    }
+    // Without the CIDRs nothing is dropped.
+    assert_eq!(
+        trace(&plan(&docs), &pkt("10.244.1.3", "10.96.0.11", 80), &[]).verdict,
+        TraceVerdict::None
+    );
+}
+
 #[test]
 fn pre_1_26_behaviour_has_no_terminating_failover() {
     let docs = [

@@ -637,6 +637,7 @@ mod tests {
             node_ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
             node_port_addresses: npa,
             local_pods: kproxy_core::plan::LocalPods::None,
+            service_cidrs: Vec::new(),
         }
     }
 

@@ -845,6 +845,12 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
         ));
     }
     services.push(format!("{} daddr @cluster-ips reject", f.p));
+    // An unallocated address inside a service CIDR is dropped (upstream
+    // `cluster-ips-check`, needs the service CIDRs).
+    if !fp.service_cidrs.is_empty() {
+        let c: Vec<String> = fp.service_cidrs.iter().map(|n| n.to_string()).collect();
+        services.push(format!("{} daddr {{ {} }} drop", f.p, c.join(", ")));
+    }
     rs.chains.insert("services".into(), base("", services));
     // REJECT targets of frontends without endpoints (verdict maps cannot reject).
     rs.chains

@@ -13,7 +13,7 @@
 //! from the Node object); trace's plan as `kproxy trace --node-addresses <every host
 //! address>` makes it: both binaries' views must agree.
 //!
-//! Cases: `KPROXY_DIFF_CASES` (default 16), seed `KPROXY_DIFF_SEED` (default: a fixed
+//! Cases: `KPROXY_DIFF_CASES` (default 32), seed `KPROXY_DIFF_SEED` (default: a fixed
 //! seed, so CI is reproducible; `random` for a fresh one).
 
 mod common;
@@ -63,6 +63,8 @@ struct Case {
     node_port_cidrs: Option<Vec<usize>>,
     /// The Node lists its secondary (ExternalIP) addresses too.
     node_lists_secondary: bool,
+    /// The service CIDRs (10.96.0.0/16, fd00:96::/64) are configured.
+    service_cidrs: bool,
     services: Vec<Svc>,
 }
 
@@ -125,20 +127,23 @@ fn case() -> impl Strategy<Value = Case> {
         any::<bool>(),
         0u8..5,
         proptest::option::of(proptest::collection::vec(0..NP_CIDRS.len(), 1..4)),
-        any::<bool>(),
+        (any::<bool>(), any::<bool>()),
         proptest::collection::vec(svc(), 1..3),
     )
         .prop_map(
-            |(masquerade_all, detector, cidrs, node_lists_secondary, services)| Case {
-                masquerade_all,
-                detector,
-                node_port_cidrs: cidrs.map(|mut c| {
-                    c.sort();
-                    c.dedup();
-                    c
-                }),
-                node_lists_secondary,
-                services,
+            |(masquerade_all, detector, cidrs, (node_lists_secondary, service_cidrs), services)| {
+                Case {
+                    service_cidrs,
+                    masquerade_all,
+                    detector,
+                    node_port_cidrs: cidrs.map(|mut c| {
+                        c.sort();
+                        c.dedup();
+                        c
+                    }),
+                    node_lists_secondary,
+                    services,
+                }
             },
         )
 }
@@ -293,6 +298,11 @@ fn config(c: &Case) -> PlanConfig {
                     .map(|&i| NP_CIDRS[i].parse().expect("net"))
                     .collect(),
             ),
+        },
+        service_cidrs: if c.service_cidrs {
+            nets(&["10.96.0.0/16", "fd00:96::/64"])
+        } else {
+            Vec::new()
         },
         ..PlanConfig::default()
     }
@@ -504,7 +514,7 @@ fn cases() -> u32 {
     std::env::var("KPROXY_DIFF_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(16)
+        .unwrap_or(32)
 }
 
 fn rng() -> TestRng {
@@ -604,6 +614,7 @@ fn one_service(s: Svc) -> Case {
         detector: 0,
         node_port_cidrs: None,
         node_lists_secondary: false,
+        service_cidrs: false,
         services: vec![s],
     }
 }
