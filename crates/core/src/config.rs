@@ -56,6 +56,11 @@ pub struct PlanConfig {
     /// Allow an external or load-balancer IP equal to a Service's cluster IP or to a
     /// node address (CVE-2020-8554; refused by default, see `crate::conflicts`).
     pub allow_external_ip_overlap: bool,
+    /// The cluster's service CIDRs (`--service-cluster-ip-range` style). New connections
+    /// to an address inside them that no Service owns are dropped (upstream
+    /// `cluster-ips-check`); empty: nothing is dropped.
+    #[serde(default)]
+    pub service_cidrs: Vec<IpNet>,
 }
 
 impl Default for PlanConfig {
@@ -68,6 +73,7 @@ impl Default for PlanConfig {
             proxy_terminating_endpoints: true,
             prefer_same_node_hints: true,
             allow_external_ip_overlap: false,
+            service_cidrs: Vec::new(),
         }
     }
 }

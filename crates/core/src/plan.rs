@@ -69,6 +69,9 @@ pub struct FamilyPlan {
     pub node_port_addresses: NodePortAddresses,
     /// How "from a local pod" is recognised; `None` ⇒ no `LocalPod` rules appear.
     pub local_pods: LocalPods,
+    /// Service CIDRs of this family: a new connection to an address inside them that is
+    /// no Service's frontend is dropped.
+    pub service_cidrs: Vec<IpNet>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -78,6 +81,25 @@ pub enum NodePortAddresses {
     AllLocal,
     /// Only these addresses (may be empty: NodePorts are then not served on this family).
     Only(Vec<IpAddr>),
+    /// Any local, non-loopback address inside one of these CIDRs (an explicit
+    /// nodePortAddresses list). Kept as CIDRs, not resolved to addresses, so the kernel
+    /// (`fib daddr type local`) and `trace` (the node's addresses) select the same
+    /// addresses whichever addresses the Node object lists.
+    Cidrs(Vec<IpNet>),
+}
+
+impl NodePortAddresses {
+    /// Whether a packet to `ip` may hit a NodePort; `is_local` says whether `ip` is one
+    /// of this node's addresses.
+    pub fn selects(&self, ip: &IpAddr, is_local: bool) -> bool {
+        match self {
+            NodePortAddresses::AllLocal => is_local && !ip.is_loopback(),
+            NodePortAddresses::Only(list) => list.contains(ip),
+            NodePortAddresses::Cidrs(cidrs) => {
+                is_local && !ip.is_loopback() && cidrs.iter().any(|c| c.contains(ip))
+            }
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -170,11 +192,12 @@ impl ServicePortPlan {
         }
     }
 
-    /// Endpoints that conntrack cleanup keeps flows to: ready or serving.
+    /// Endpoints that conntrack cleanup keeps flows to: serving ones, whatever `ready`
+    /// says (upstream's reconciler keys on serving; issue 16 area 5).
     pub fn serving_endpoints(&self) -> impl Iterator<Item = EndpointAddr> + '_ {
         self.endpoints
             .iter()
-            .filter(|e| e.conditions.ready || e.conditions.serving)
+            .filter(|e| e.conditions.serving)
             .map(|e| e.addr)
     }
 

@@ -306,21 +306,18 @@ impl<'a> NodeFacts<'a> {
                         Some(p) => NodePortAddresses::Only(vec![p]),
                         None => NodePortAddresses::AllLocal,
                     },
+                    // Upstream NewNodePortAddresses: no CIDR of this family, or a
+                    // zero CIDR among them, means every local address of the family.
                     NodePortAddressesConfig::Cidrs(cidrs) => {
-                        let fam: Vec<&IpNet> = cidrs
+                        let fam: Vec<IpNet> = cidrs
                             .iter()
                             .filter(|c| family.contains(&c.addr()))
+                            .map(|c| c.trunc())
                             .collect();
-                        if fam.iter().any(|c| c.prefix_len() == 0) {
+                        if fam.is_empty() || fam.iter().any(|c| c.prefix_len() == 0) {
                             NodePortAddresses::AllLocal
                         } else {
-                            NodePortAddresses::Only(
-                                node_ips
-                                    .iter()
-                                    .copied()
-                                    .filter(|ip| fam.iter().any(|c| c.contains(ip)))
-                                    .collect(),
-                            )
+                            NodePortAddresses::Cidrs(fam)
                         }
                     }
                 };
@@ -346,6 +343,10 @@ impl<'a> NodeFacts<'a> {
                     node_ips,
                     node_port_addresses,
                     local_pods,
+                    service_cidrs: of_family(&config.service_cidrs)
+                        .into_iter()
+                        .map(|n| n.trunc())
+                        .collect(),
                 }
             })
             .collect();
@@ -579,10 +580,12 @@ fn plan_port(
         vec![rule(SourceClass::Any, forward(EndpointSet::Cluster, true))]
     } else {
         let mut rules = Vec::new();
+        // The local-pod short-circuit is never masqueraded, masqueradeAll or not:
+        // upstream's masqueradeAll rule matches the cluster IP only (issue 16 area 3).
         if detector {
             rules.push(rule(
                 SourceClass::LocalPod,
-                forward(EndpointSet::Cluster, config.masquerade_all),
+                forward(EndpointSet::Cluster, false),
             ));
         }
         rules.push(rule(

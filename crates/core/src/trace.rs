@@ -7,9 +7,7 @@ use std::net::IpAddr;
 use serde::Serialize;
 
 use crate::model::{EndpointAddr, IpFamily, Protocol};
-use crate::plan::{
-    LocalPods, NodePlan, NodePortAddresses, ServicePortPlan, SourceClass, TrafficRule, Verdict,
-};
+use crate::plan::{LocalPods, NodePlan, ServicePortPlan, SourceClass, TrafficRule, Verdict};
 
 /// A new connection as it arrives at the node (or leaves a process on it).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,10 +92,9 @@ pub fn trace(plan: &NodePlan, pkt: &Packet, local_addresses: &[IpAddr]) -> Trace
         } else if sp.port == pkt.dport && sp.external_ips.contains(&pkt.dst) {
             Frontend::ExternalIp
         } else if sp.node_port == Some(pkt.dport)
-            && match &fam.node_port_addresses {
-                NodePortAddresses::AllLocal => is_local_addr(&pkt.dst) && !pkt.dst.is_loopback(),
-                NodePortAddresses::Only(list) => list.contains(&pkt.dst),
-            }
+            && fam
+                .node_port_addresses
+                .selects(&pkt.dst, is_local_addr(&pkt.dst))
         {
             Frontend::NodePort
         } else {
@@ -113,6 +110,17 @@ pub fn trace(plan: &NodePlan, pkt: &Packet, local_addresses: &[IpAddr]) -> Trace
             reason: format!(
                 "{} is a cluster IP, but no Service defines port {}/{}",
                 pkt.dst, pkt.dport, pkt.proto
+            ),
+        };
+    }
+    if fam.service_cidrs.iter().any(|c| c.contains(&pkt.dst)) {
+        return Trace {
+            verdict: TraceVerdict::Drop,
+            endpoints: Vec::new(),
+            masquerade: false,
+            reason: format!(
+                "{} is inside a service CIDR, but no Service owns it (unallocated cluster IP)",
+                pkt.dst
             ),
         };
     }

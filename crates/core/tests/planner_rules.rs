@@ -369,6 +369,110 @@ fn node_ports_are_served_only_on_node_port_addresses() {
     );
 }
 
+/// Issue 16 area 4: a nodePortAddresses CIDR selects every local address inside it,
+/// including secondary addresses the Node object does not list (what the kernel's
+/// `fib daddr type local` sees), never loopback; a list without a CIDR of a family
+/// selects every local address of that family (upstream `NewNodePortAddresses`).
+#[test]
+fn node_port_cidrs_select_every_local_address_inside_them() {
+    use kproxy_core::model::IpFamily;
+    use kproxy_core::plan::NodePortAddresses;
+    let docs = [
+        svc("s", "  type: NodePort\n"),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ];
+    let cidrs = PlanConfig {
+        node_port_addresses: NodePortAddressesConfig::Cidrs(vec![
+            "198.51.100.0/24".parse().unwrap(),
+            "10.200.0.0/24".parse().unwrap(),
+            "127.0.0.0/8".parse().unwrap(),
+        ]),
+        ..PlanConfig::default()
+    };
+    let p = plan_with(&docs, &cidrs);
+    // The host's addresses: 198.51.100.7 is not in the Node object.
+    let locals: Vec<std::net::IpAddr> = ["10.200.0.11", "10.200.1.11", "198.51.100.7", "127.0.0.1"]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect();
+    for (dst, want) in [
+        ("198.51.100.7", TraceVerdict::Dnat), // secondary, inside a CIDR
+        ("10.200.0.11", TraceVerdict::Dnat),  // primary, inside a CIDR
+        ("10.200.1.11", TraceVerdict::None),  // local, outside every CIDR
+        ("198.51.100.8", TraceVerdict::None), // inside a CIDR, not local
+        ("127.0.0.1", TraceVerdict::None),    // loopback never takes NodePorts
+    ] {
+        assert_eq!(
+            trace(&p, &pkt("192.0.2.1", dst, 30080), &locals).verdict,
+            want,
+            "{dst}"
+        );
+    }
+    // The plan does not depend on which addresses the planner was told about.
+    let told = plan_with(
+        &docs,
+        &PlanConfig {
+            node_ips: locals.clone(),
+            ..cidrs.clone()
+        },
+    );
+    assert_eq!(
+        told.family(IpFamily::IPv4).node_port_addresses,
+        p.family(IpFamily::IPv4).node_port_addresses
+    );
+    assert_eq!(
+        p.family(IpFamily::IPv6).node_port_addresses,
+        NodePortAddresses::AllLocal
+    );
+}
+
+/// Issue 16 area 3: with masqueradeAll, a local pod's connection to an eTP:Local
+/// NodePort takes the short-circuit to the Cluster endpoints unmasqueraded (upstream's
+/// masqueradeAll rule matches the cluster IP only); the cluster IP itself and this
+/// node's own connections are still masqueraded.
+#[test]
+fn masquerade_all_leaves_the_local_pod_short_circuit_unmasqueraded() {
+    let docs = [
+        svc("s", "  type: NodePort\n  externalTrafficPolicy: Local\n"),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ];
+    let p = plan_with(
+        &docs,
+        &PlanConfig {
+            masquerade_all: true,
+            local_detector: LocalDetectorConfig::ClusterCidr(vec![
+                "10.244.0.0/16".parse().unwrap(),
+            ]),
+            ..PlanConfig::default()
+        },
+    );
+    // (source, destination, port) → (verdict, masquerade)
+    for (src, dst, dport, want) in [
+        (
+            "10.244.1.3",
+            "10.200.0.11",
+            30080,
+            (TraceVerdict::Dnat, false),
+        ),
+        ("10.244.1.3", "10.96.0.10", 80, (TraceVerdict::Dnat, true)),
+        (
+            "10.200.0.11",
+            "10.200.0.11",
+            30080,
+            (TraceVerdict::Dnat, true),
+        ),
+        (
+            "198.51.100.1",
+            "10.200.0.11",
+            30080,
+            (TraceVerdict::Drop, false),
+        ),
+    ] {
+        let t = trace(&p, &pkt(src, dst, dport), &[]);
+        assert_eq!((t.verdict, t.masquerade), want, "{src} -> {dst}:{dport}");
+    }
+}
+
 #[test]
 fn a_cluster_ip_on_an_undefined_port_is_rejected() {
     let p = plan(&[
@@ -381,6 +485,44 @@ fn a_cluster_ip_on_an_undefined_port_is_rejected() {
     );
     assert_eq!(
         trace(&p, &pkt("10.244.1.3", "10.96.0.11", 80), &[]).verdict,
+        TraceVerdict::None
+    );
+}
+
+/// Issue 16 area 1: with the service CIDRs known, a new connection to an address
+/// inside them that no Service owns is dropped; a live cluster IP on an undefined port
+/// is still rejected; addresses outside the CIDRs are untouched.
+#[test]
+fn an_unallocated_address_inside_the_service_cidrs_is_dropped() {
+    let docs = [
+        svc("s", ""),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ];
+    let p = plan_with(
+        &docs,
+        &PlanConfig {
+            service_cidrs: vec![
+                "10.96.0.0/16".parse().unwrap(),
+                "fd00:96::/112".parse().unwrap(),
+            ],
+            ..PlanConfig::default()
+        },
+    );
+    for (dst, port, want) in [
+        ("10.96.0.11", 80, TraceVerdict::Drop),
+        ("10.96.0.10", 81, TraceVerdict::Reject),
+        ("10.96.0.10", 80, TraceVerdict::Dnat),
+        ("10.97.0.1", 80, TraceVerdict::None),
+    ] {
+        assert_eq!(
+            trace(&p, &pkt("10.244.1.3", dst, port), &[]).verdict,
+            want,
+            "{dst}:{port}"
+        );
+    }
+    // Without the CIDRs nothing is dropped.
+    assert_eq!(
+        trace(&plan(&docs), &pkt("10.244.1.3", "10.96.0.11", 80), &[]).verdict,
         TraceVerdict::None
     );
 }

@@ -315,6 +315,19 @@ pub fn listen_addrs(families: &[FamilyPlan], local: &[LocalAddr], port: u16) -> 
                     IpFamily::IPv6 => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port),
                 });
             }
+            NodePortAddresses::Cidrs(_) => {
+                for l in local
+                    .iter()
+                    .filter(|l| f.node_port_addresses.selects(&l.ip, true))
+                {
+                    out.insert(match l.ip {
+                        IpAddr::V4(_) => SocketAddr::new(l.ip, port),
+                        IpAddr::V6(v6) => {
+                            SocketAddr::V6(SocketAddrV6::new(v6, port, 0, l.scope_id))
+                        }
+                    });
+                }
+            }
             NodePortAddresses::Only(ips) => {
                 for ip in ips {
                     let Some(l) = local.iter().find(|l| l.ip == *ip) else {
@@ -624,6 +637,7 @@ mod tests {
             node_ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
             node_port_addresses: npa,
             local_pods: kproxy_core::plan::LocalPods::None,
+            service_cidrs: Vec::new(),
         }
     }
 

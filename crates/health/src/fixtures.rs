@@ -70,12 +70,14 @@ pub fn plan_with(
             node_ips: ips4,
             node_port_addresses: npa4,
             local_pods: LocalPods::None,
+            service_cidrs: Vec::new(),
         },
         FamilyPlan {
             family: IpFamily::IPv6,
             node_ips: ips6,
             node_port_addresses: npa6,
             local_pods: LocalPods::None,
+            service_cidrs: Vec::new(),
         },
     ];
     let mut map = BTreeMap::new();

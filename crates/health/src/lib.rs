@@ -645,9 +645,11 @@ async fn reconcile_loop(
             }
         }
 
-        let needs_local = families
-            .iter()
-            .any(|f| matches!(&f.node_port_addresses, NodePortAddresses::Only(v) if !v.is_empty()));
+        let needs_local = families.iter().any(|f| match &f.node_port_addresses {
+            NodePortAddresses::Only(v) => !v.is_empty(),
+            NodePortAddresses::Cidrs(_) => true,
+            NodePortAddresses::AllLocal => false,
+        });
         let local = if needs_local && !targets.is_empty() {
             match local_addresses() {
                 Ok(l) => l,

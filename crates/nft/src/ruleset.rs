@@ -799,6 +799,23 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
             "fib daddr type local {} daddr != {} ",
             f.p, f.loopback
         )),
+        // Local addresses inside the CIDRs, decided per packet as `trace` decides it, so
+        // a secondary address the Node object does not list still takes NodePorts.
+        NodePortAddresses::Cidrs(cidrs) => {
+            let c: Vec<String> = cidrs
+                .iter()
+                .filter(|n| family.contains(&n.addr()))
+                .map(|n| n.trunc().to_string())
+                .collect();
+            (!c.is_empty()).then(|| {
+                format!(
+                    "fib daddr type local {p} daddr != {} {p} daddr {{ {} }} ",
+                    f.loopback,
+                    c.join(", "),
+                    p = f.p
+                )
+            })
+        }
         NodePortAddresses::Only(list) => {
             let ips: Vec<&IpAddr> = list.iter().filter(|ip| family.contains(ip)).collect();
             if ips.is_empty() {
@@ -819,7 +836,21 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
         ));
     }
     // A live cluster IP on a port/protocol no Service defines is rejected (v1.30+).
+    // IPv6 TCP gets a reset: the ICMPv6 error of a `reject` in these nat hooks never
+    // reaches the client (as for `no-endpoints-tcp`).
+    if family == IpFamily::IPv6 {
+        services.push(format!(
+            "{} daddr @cluster-ips meta l4proto tcp reject with tcp reset",
+            f.p
+        ));
+    }
     services.push(format!("{} daddr @cluster-ips reject", f.p));
+    // An unallocated address inside a service CIDR is dropped (upstream
+    // `cluster-ips-check`, needs the service CIDRs).
+    if !fp.service_cidrs.is_empty() {
+        let c: Vec<String> = fp.service_cidrs.iter().map(|n| n.to_string()).collect();
+        services.push(format!("{} daddr {{ {} }} drop", f.p, c.join(", ")));
+    }
     rs.chains.insert("services".into(), base("", services));
     // REJECT targets of frontends without endpoints (verdict maps cannot reject).
     rs.chains

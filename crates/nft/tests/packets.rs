@@ -15,7 +15,26 @@ use kproxy_core::model::Protocol;
 use kproxy_core::trace::{Packet, TraceVerdict, trace};
 use kproxy_core::{NodePlan, PlanConfig};
 
-static FAILS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+thread_local! {
+    /// Mismatches `check` found, per test: libtest runs each test on its own thread, so
+    /// one test's mismatch is never reported (or lost) under another's name.
+    static FAILS: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn mismatch(msg: String) {
+    FAILS.with(|f| f.borrow_mut().push(msg));
+}
+
+/// Fails the calling test with every mismatch `check` recorded for it.
+fn assert_no_mismatches() {
+    let fails = FAILS.with(|f| f.take());
+    assert!(
+        fails.is_empty(),
+        "{} mismatches:\n{}",
+        fails.len(),
+        fails.join("\n")
+    );
+}
 
 const NODE: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nspec: {podCIDRs: [10.244.1.0/24]}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.1}]}\n";
 
@@ -42,8 +61,10 @@ fn manifest(s: &Svc) -> String {
     if !s.endpoints.is_empty() {
         m += "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: ns, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 8080, protocol: UDP}]\nendpoints:\n";
         for (pod, node, (r, s, t)) in s.endpoints {
+            // `x` is an endpoint no fabric pod answers for (plan-only tests).
             let addr = common::fabric::PODS
                 .iter()
+                .chain(&[("x", "10.244.1.4")])
                 .find(|(n, _)| n == pod)
                 .expect("pod")
                 .1;
@@ -101,10 +122,7 @@ fn check(
         match t.verdict {
             TraceVerdict::Dnat => {
                 let Outcome::Answer { pod, seen } = &got else {
-                    FAILS
-                        .lock()
-                        .unwrap()
-                        .push(format!("{ctx}: kernel gave {got:?}"));
+                    mismatch(format!("{ctx}: kernel gave {got:?}"));
                     continue;
                 };
                 let allowed: Vec<&str> = t
@@ -129,18 +147,12 @@ fn check(
             }
             TraceVerdict::Drop => {
                 if got != Outcome::Timeout {
-                    FAILS
-                        .lock()
-                        .unwrap()
-                        .push(format!("{ctx}: kernel gave {got:?}"));
+                    mismatch(format!("{ctx}: kernel gave {got:?}"));
                 }
             }
             TraceVerdict::Reject => {
                 if got != Outcome::Refused {
-                    FAILS
-                        .lock()
-                        .unwrap()
-                        .push(format!("{ctx}: kernel gave {got:?}"));
+                    mismatch(format!("{ctx}: kernel gave {got:?}"));
                 }
             }
             TraceVerdict::None => {}
@@ -203,13 +215,7 @@ fn policy_matrix() {
         }
     }
     assert!(probes > 300);
-    let fails = FAILS.lock().unwrap();
-    assert!(
-        fails.is_empty(),
-        "{} mismatches:\n{}",
-        fails.len(),
-        fails.join("\n")
-    );
+    assert_no_mismatches();
 }
 
 #[test]
@@ -305,6 +311,7 @@ fn random_choice_covers_the_set_affinity_sticks_and_hairpin_masquerades() {
         1,
         "cluster-ips-check",
     );
+    assert_no_mismatches();
 }
 
 /// Endpoint counts changing through delta syncs (each change moves the frontends to
@@ -346,13 +353,7 @@ fn endpoint_count_changes_move_dispatch_groups_and_every_endpoint_answers() {
             assert_eq!(seen, want, "step {n}: {from:?} -> {dst}:{port}/{proto}");
         }
     }
-    let fails = FAILS.lock().unwrap();
-    assert!(
-        fails.is_empty(),
-        "{} mismatches:\n{}",
-        fails.len(),
-        fails.join("\n")
-    );
+    assert_no_mismatches();
 }
 
 #[test]
@@ -392,6 +393,7 @@ fn load_balancer_source_ranges() {
         }
     }
     let _ = CLIENT_IP;
+    assert_no_mismatches();
 }
 
 #[test]
@@ -468,6 +470,8 @@ fn stale_flow_decisions() {
         ("a", "node-a", READY),
         ("b", "node-a", TERMINATING),
         ("r", "node-b", SERVING_TERMINATING),
+        // Ready (or ready unset: nil means true) but not serving: cleanup follows serving.
+        ("x", "node-b", (true, false, false)),
     ];
     let plan = plan_from_yaml(
         &manifest(&Svc {
@@ -493,8 +497,9 @@ fn stale_flow_decisions() {
         (flow(17, "10.96.0.10", 53, "10.244.1.2", 8080), false), // ready endpoint
         (flow(17, "10.96.0.10", 53, "10.244.2.2", 8080), false), // serving-terminating still serves
         (flow(17, "10.96.0.10", 53, "10.244.1.3", 8080), true),  // not serving
-        (flow(17, "10.96.0.10", 53, "10.244.9.9", 8080), true),  // gone
-        (flow(17, "10.96.0.10", 53, "10.244.1.2", 9999), true),  // right IP, wrong port
+        (flow(17, "10.96.0.10", 53, "10.244.1.4", 8080), true), // ready, not serving (issue 16 area 5)
+        (flow(17, "10.96.0.10", 53, "10.244.9.9", 8080), true), // gone
+        (flow(17, "10.96.0.10", 53, "10.244.1.2", 9999), true), // right IP, wrong port
         (flow(17, "10.96.0.10", 53, "10.96.0.10", 53), true), // never DNATed (cached before endpoints)
         (flow(17, "203.0.113.10", 53, "10.244.9.9", 8080), true), // LB IP
         (flow(17, "203.0.113.50", 53, "10.244.9.9", 8080), true), // external IP
@@ -555,13 +560,7 @@ fn ipv6_dual_stack() {
             }
         }
     }
-    let fails = FAILS.lock().unwrap();
-    assert!(
-        fails.is_empty(),
-        "{} mismatches:\n{}",
-        fails.len(),
-        fails.join("\n")
-    );
+    assert_no_mismatches();
 }
 
 /// A restart adopts the tables left by the previous run with one atomic replacement:

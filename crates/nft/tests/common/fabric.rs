@@ -37,9 +37,22 @@ pub const PODS6: [(&str, &str); 3] = [
     ("r", "fd00:244:2::2"),
 ];
 pub const CLIENT_IP6: &str = "fd00:198::2";
+/// Address ranges owned by the sink namespace (see `Fabric::new`).
+pub const SINK_NETS: [&str; 4] = [
+    "10.96.0.0/16",
+    "203.0.113.0/24",
+    "fd00:96::/64",
+    "fd00:203::/64",
+];
+/// Ports the sink answers on (TCP and UDP, both families).
+pub const SINK_PORTS: [u16; 3] = [80, 53, 81];
+/// Ports the node's own stack answers on (TCP and UDP, both families).
+pub const HOST_PORTS: [u16; 6] = [30080, 30053, 31080, 31053, 32080, 32053];
 
 pub struct Fabric {
     pub node: Netns,
+    /// Owns the service ranges; answers what kproxy leaves untouched.
+    pub sink: Netns,
     /// name, IPv4 address, namespace, IPv6 address
     pub pods: Vec<(String, IpAddr, Netns, IpAddr)>,
     pub client: Netns,
@@ -82,9 +95,36 @@ impl Fabric {
         client.exec(
             "ip addr add fd00:198::2/64 dev eth0 nodad && ip -6 route add default via fd00:198::1",
         );
-        node.exec("ip -6 route add fd00:96::/64 dev ext0 src fd00:200::1");
-        // Node-originated traffic to service ranges leaves from the node IP.
-        node.exec("ip route add 10.96.0.0/16 dev ext0 src 10.200.0.1 && ip route add 203.0.113.0/24 dev ext0 src 10.200.0.1");
+        // Service ranges (cluster, external and LB IPs) route to the `sink` namespace,
+        // which owns every address in them and answers `sink <client>`: a packet kproxy
+        // leaves untouched is answered there, so "untouched" is observable and differs
+        // from DROP. Node-originated traffic to them leaves from the node IP.
+        let sink = Netns::new("u");
+        node.exec(&format!(
+            "ip link add up0 type veth peer name eth0 netns {}",
+            sink.name
+        ));
+        node.exec("ip addr add 100.64.0.1/30 dev up0 && ip addr add fd00:64::1/64 dev up0 nodad && ip link set up0 up");
+        sink.exec("ip addr add 100.64.0.2/30 dev eth0 && ip addr add fd00:64::2/64 dev eth0 nodad && ip link set eth0 up && ip route add default via 100.64.0.1 && ip -6 route add default via fd00:64::1");
+        for net in SINK_NETS {
+            sink.exec(&format!("ip route add local {net} dev lo"));
+        }
+        node.exec("ip route add 10.96.0.0/16 via 100.64.0.2 src 10.200.0.1 && ip route add 203.0.113.0/24 via 100.64.0.2 src 10.200.0.1");
+        node.exec("ip -6 route add fd00:96::/64 via fd00:64::2 src fd00:200::1 && ip -6 route add fd00:203::/64 via fd00:64::2 src fd00:200::1");
+        // UDP answers must leave from the address asked, so UDP sockets are bound per
+        // address (the sink's addresses are "local" only by route: non-local bind).
+        sink.exec(
+            "sysctl -qw net.ipv4.ip_nonlocal_bind=1 && sysctl -qw net.ipv6.ip_nonlocal_bind=1",
+        );
+        let mut sink_addrs = Vec::new();
+        for host in (10..14).chain(50..54).chain([99]) {
+            for net in ["10.96.0.", "203.0.113.", "fd00:96::", "fd00:203::"] {
+                sink_addrs.push(ip(&format!("{net}{host}")));
+            }
+        }
+        for port in SINK_PORTS {
+            serve_any(&sink, "sink", port, &sink_addrs);
+        }
         let mut pods = Vec::new();
         for ((name, addr), (_, addr6)) in PODS.into_iter().zip(PODS6) {
             let ns = Netns::new(name);
@@ -117,11 +157,22 @@ impl Fabric {
             serve(&ns, name);
             pods.push((name.to_string(), ip(addr), ns, ip(addr6)));
         }
+        // The node's own stack answers `host <client>` on the NodePorts, so a NodePort
+        // packet kproxy leaves untouched is observable too.
+        let node_addrs: Vec<IpAddr> = NODE_ADDRS
+            .iter()
+            .chain(&NODE_ADDRS6[..4])
+            .map(|a| ip(a))
+            .collect();
+        for port in HOST_PORTS {
+            serve_any(&node, "host", port, &node_addrs);
+        }
         let dp = Arc::new(Mutex::new(
             Dataplane::new(DataplaneConfig::default()).expect("config"),
         ));
         Fabric {
             node,
+            sink,
             pods,
             client,
             dp,
@@ -268,6 +319,39 @@ fn udp_probe(to: SocketAddr, sport: u16) -> Outcome {
         }
     }
     Outcome::Timeout
+}
+
+/// A dual-stack TCP and UDP server on `port` answering `<name> <client>` (the client
+/// address without IPv4-mapping).
+fn serve_any(ns: &Netns, name: &str, port: u16, udp_addrs: &[IpAddr]) {
+    let addrs = udp_addrs.to_vec();
+    let (tcp, udps) = ns.run(move || {
+        (
+            TcpListener::bind(("::", port)).expect("bind tcp"),
+            addrs
+                .into_iter()
+                .map(|a| UdpSocket::bind((a, port)).expect("bind udp"))
+                .collect::<Vec<_>>(),
+        )
+    });
+    let n = name.to_string();
+    std::thread::spawn(move || {
+        for c in tcp.incoming() {
+            let Ok(mut c) = c else { continue };
+            if let Ok(peer) = c.peer_addr() {
+                let _ = c.write_all(format!("{n} {}\n", peer.ip().to_canonical()).as_bytes());
+            }
+        }
+    });
+    for udp in udps {
+        let n = name.to_string();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            while let Ok((_, peer)) = udp.recv_from(&mut buf) {
+                let _ = udp.send_to(format!("{n} {}\n", peer.ip()).as_bytes(), peer);
+            }
+        });
+    }
 }
 
 /// IPv4 servers on 8080, IPv6 servers on 8081 (so the two never share a port).
