@@ -474,7 +474,12 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
             let slowest = runs
                 .iter()
                 .filter(|r| r.behaviour.as_str() == *b)
-                .map(|r| (r.run + 1, (r.rollout_end_ms - r.rollout_start_ms) / 1000.0 / r.time_scale))
+                .map(|r| {
+                    (
+                        r.run + 1,
+                        (r.rollout_end_ms - r.rollout_start_ms) / 1000.0 / r.time_scale,
+                    )
+                })
                 .max_by(|a, b| a.1.total_cmp(&b.1))
                 .unwrap_or((0, 0.0));
             let _ = writeln!(
@@ -616,7 +621,10 @@ mod tests {
 
     #[test]
     fn pool_sizes_from_events() {
-        assert_eq!(healthy_in_pool("new connections to node-1, node-3"), Some(2));
+        assert_eq!(
+            healthy_in_pool("new connections to node-1, node-3"),
+            Some(2)
+        );
         assert_eq!(
             healthy_in_pool("no healthy node: new connections to all (node-1, node-2)"),
             Some(0)
