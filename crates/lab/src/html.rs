@@ -73,9 +73,9 @@ pub fn render(title: &str, intro: &str, runs: &[RunResult], matrix: &[CellResult
         } else {
             ""
         };
-        let _ = write!(
+        let _ = writeln!(
             s,
-            "<details{open} id=\"run-{i}\"><summary><b>{}</b>: <span class=\"{}\">{} of {} requests failed</span>, {} burst(s)</summary>\n",
+            "<details{open} id=\"run-{i}\"><summary><b>{}</b>: <span class=\"{}\">{} of {} requests failed</span>, {} burst(s)</summary>",
             esc(&label),
             if m.failed > 0 { "lost" } else { "ok" },
             m.failed,
