@@ -35,7 +35,15 @@ fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart() {
     let dir = tempfile::tempdir().expect("tempdir");
     let html = dir.path().join("matrix.html");
     let out = Command::new(env!("CARGO_BIN_EXE_kproxy"))
-        .args(["lab", "matrix", "--reduced", "-o", "json", "--time-scale", "0.15"])
+        .args([
+            "lab",
+            "matrix",
+            "--reduced",
+            "-o",
+            "json",
+            "--time-scale",
+            "0.15",
+        ])
         .arg("--html")
         .arg(&html)
         .output()
@@ -67,7 +75,9 @@ fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart() {
     assert!(lost(short) > 0, "{}", describe(short));
     assert_eq!(short["verdict"], "confirmed", "{}", describe(short));
     assert!(
-        short["bursts"].to_string().contains("preStop sleep is shorter"),
+        short["bursts"]
+            .to_string()
+            .contains("preStop sleep is shorter"),
         "{}",
         describe(short)
     );

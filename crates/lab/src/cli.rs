@@ -355,7 +355,10 @@ pub fn selection(a: &MatrixArgs) -> crate::matrix::Selection {
     }
     if !a.settings.is_empty() {
         sel.settings = if a.reduced {
-            sel.settings.into_iter().filter(|s| a.settings.contains(s)).collect()
+            sel.settings
+                .into_iter()
+                .filter(|s| a.settings.contains(s))
+                .collect()
         } else {
             a.settings.clone()
         };
@@ -379,7 +382,9 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     }
     base.validate()?;
     if a.lb_presets.contains(&LbPreset::Custom) {
-        bail!("--lb-presets: the matrix runs the gke, aws-nlb and azure presets (custom has no numbers)");
+        bail!(
+            "--lb-presets: the matrix runs the gke, aws-nlb and azure presets (custom has no numbers)"
+        );
     }
     let sel = selection(a);
     let cells = sel.cells();
@@ -444,7 +449,11 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
             && c.cell.profile != PodProfile::ExitOnTerm
             && c.lost > 0
     });
-    Ok(if bad { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if bad {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {

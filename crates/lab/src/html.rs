@@ -73,9 +73,9 @@ pub fn render(title: &str, intro: &str, runs: &[RunResult], matrix: &[CellResult
         } else {
             ""
         };
-        let _ = write!(
+        let _ = writeln!(
             s,
-            "<details{open} id=\"run-{i}\"><summary><b>{}</b>: <span class=\"{}\">{} of {} requests failed</span>, {} burst(s)</summary>\n",
+            "<details{open} id=\"run-{i}\"><summary><b>{}</b>: <span class=\"{}\">{} of {} requests failed</span>, {} burst(s)</summary>",
             esc(&label),
             if m.failed > 0 { "lost" } else { "ok" },
             m.failed,
@@ -140,7 +140,14 @@ pub fn matrix_table(cells: &[CellResult]) -> String {
         let lint: Vec<String> = c
             .lint
             .iter()
-            .map(|f| format!("<span title=\"{}\">{} {}</span>", esc(&f.message), esc(&f.severity), esc(&f.rule)))
+            .map(|f| {
+                format!(
+                    "<span title=\"{}\">{} {}</span>",
+                    esc(&f.message),
+                    esc(&f.severity),
+                    esc(&f.rule)
+                )
+            })
             .collect();
         let causes: Vec<String> = c
             .bursts
@@ -188,7 +195,9 @@ fn bursts(m: &Summary) -> String {
     if m.bursts.is_empty() {
         return "<p>No failed request.</p>\n".into();
     }
-    let mut s = String::from("<table><tr><th>from (s)</th><th>to (s)</th><th>failed</th><th>kinds</th><th>cause</th></tr>\n");
+    let mut s = String::from(
+        "<table><tr><th>from (s)</th><th>to (s)</th><th>failed</th><th>kinds</th><th>cause</th></tr>\n",
+    );
     for b in &m.bursts {
         let kinds: Vec<String> = b.kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
         let _ = writeln!(
@@ -275,7 +284,10 @@ pub fn timeline_svg(r: &RunResult) -> String {
             }
             (EventKind::HealthAnswer, _) => {
                 if let Some(n) = &e.node {
-                    health.entry(n.clone()).or_default().push((t, e.detail.clone()));
+                    health
+                        .entry(n.clone())
+                        .or_default()
+                        .push((t, e.detail.clone()));
                 }
             }
             (EventKind::LbPool, _) => pool_changes.push((t, e.detail.clone())),
@@ -330,7 +342,12 @@ pub fn timeline_svg(r: &RunResult) -> String {
     // Node lanes: in the LB pool (green) or out (grey), health answers, restarts.
     for (i, node) in r.nodes.iter().enumerate() {
         let y = lane_y(1 + i);
-        let _ = writeln!(s, "<text x=\"4\" y=\"{:.1}\" font-size=\"12\">{} (LB)</text>", y + 13.0, esc(node));
+        let _ = writeln!(
+            s,
+            "<text x=\"4\" y=\"{:.1}\" font-size=\"12\">{} (LB)</text>",
+            y + 13.0,
+            esc(node)
+        );
         let mut segs: Vec<(f64, bool)> = vec![(0.0, true)];
         for (t, d) in &pool_changes {
             let inside = d.split([' ', ',', '(', ')']).any(|w| w == node)
@@ -345,7 +362,11 @@ pub fn timeline_svg(r: &RunResult) -> String {
                 x(*t),
                 (x(end) - x(*t)).max(0.0),
                 if *inside { "#bfe5bf" } else { "#d9d9d9" },
-                if *inside { "in the LB pool" } else { "out of the LB pool" }
+                if *inside {
+                    "in the LB pool"
+                } else {
+                    "out of the LB pool"
+                }
             );
         }
         for (t, d) in health.get(node).into_iter().flatten() {
@@ -374,7 +395,11 @@ pub fn timeline_svg(r: &RunResult) -> String {
     }
     // Pod lanes.
     let mut lanes: Vec<(&String, &PodLane)> = pods.iter().collect();
-    lanes.sort_by(|a, b| (&a.1.node, a.1.created).partial_cmp(&(&b.1.node, b.1.created)).unwrap_or(std::cmp::Ordering::Equal));
+    lanes.sort_by(|a, b| {
+        (&a.1.node, a.1.created)
+            .partial_cmp(&(&b.1.node, b.1.created))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     for (i, (name, l)) in lanes.iter().enumerate() {
         let y = lane_y(1 + r.nodes.len() + i);
         let end = l.end.map_or(t1, |e| e.0);
@@ -464,7 +489,10 @@ mod tests {
 
     #[test]
     fn escapes_markup() {
-        assert_eq!(esc("<a href=\"x\">&'"), "&lt;a href=&quot;x&quot;&gt;&amp;&#39;");
+        assert_eq!(
+            esc("<a href=\"x\">&'"),
+            "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
+        );
     }
 
     #[test]

@@ -33,7 +33,8 @@ impl Kproxyd {
     ) -> Result<Kproxyd, LabError> {
         let event_log = workdir.join(format!("{}-events.jsonl", node.name));
         let log = workdir.join(format!("{}.log", node.name));
-        let mut argv: Vec<std::ffi::OsString> = vec!["netns".into(), "exec".into(), node.ns.name().into()];
+        let mut argv: Vec<std::ffi::OsString> =
+            vec!["netns".into(), "exec".into(), node.ns.name().into()];
         argv.push(kproxy.into());
         argv.push("run".into());
         argv.push("--manifests".into());

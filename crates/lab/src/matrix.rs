@@ -358,10 +358,7 @@ pub fn lint_cell(cfg: &RolloutConfig) -> Result<Vec<LintFinding>, LabError> {
         nodes: Some(cfg.nodes),
     };
     let findings = rules::lint(&inv, &opts);
-    if let Some(bad) = findings
-        .iter()
-        .find(|f| f.rule == rules::MANIFEST_INVALID)
-    {
+    if let Some(bad) = findings.iter().find(|f| f.rule == rules::MANIFEST_INVALID) {
         return Err(LabError::Invalid(format!(
             "the matrix's own manifests do not lint: {}",
             bad.message
@@ -385,7 +382,8 @@ pub enum Verdict {
     Confirmed,
     /// Lint is clean on the rule and nothing was lost.
     CleanConfirmed,
-    /// Lint flags the rule, no request was lost (the harm is elsewhere, e.g.
+    /// Lint flags the rule, and no request was lost beyond what the recommended
+    /// cell of the same profile, LB and behaviour lost (the harm is elsewhere, e.g.
     /// capacity, or on dataplanes the lab does not emulate).
     NoLossObserved,
     /// Lint is clean on the setting's rules but requests were lost.
@@ -399,7 +397,7 @@ impl Verdict {
         match self {
             Verdict::Confirmed => "confirmed",
             Verdict::CleanConfirmed => "clean, confirmed",
-            Verdict::NoLossObserved => "flagged, no loss",
+            Verdict::NoLossObserved => "flagged, no extra loss",
             Verdict::MissedByLint => "missed by lint",
             Verdict::Baseline => "baseline",
         }
@@ -430,6 +428,33 @@ pub fn verdict(cell: &Cell, lost: usize, findings: &[LintFinding]) -> Verdict {
         (false, false) => Verdict::CleanConfirmed,
         (true, false) => Verdict::NoLossObserved,
         (false, true) => Verdict::MissedByLint,
+    }
+}
+
+/// A flagged cell counts as confirmed only when it lost clearly more than the
+/// recommended cell of the same profile, preset and behaviour: an `exit-on-term`
+/// pod resets its keep-alive connections in every setting, and that loss is not the
+/// flagged rule's. "Clearly": more than twice the recommended loss plus 5.
+pub fn judge_against_recommended(cells: &mut [CellResult]) {
+    let base: Vec<(PodProfile, LbPreset, Behaviour, usize)> = cells
+        .iter()
+        .filter(|c| c.cell.setting == Setting::Recommended)
+        .map(|c| (c.cell.profile, c.cell.preset, c.cell.behaviour, c.lost))
+        .collect();
+    for c in cells.iter_mut() {
+        if c.verdict != Verdict::Confirmed {
+            continue;
+        }
+        let rec = base
+            .iter()
+            .find(|b| (b.0, b.1, b.2) == (c.cell.profile, c.cell.preset, c.cell.behaviour))
+            .map(|b| b.3);
+        if let Some(rec) = rec
+            && c.lost <= 2 * rec + 5
+            && rec > 0
+        {
+            c.verdict = Verdict::NoLossObserved;
+        }
     }
 }
 
@@ -535,8 +560,16 @@ pub fn render_text(cells: &[CellResult]) -> String {
             c.lost,
             c.min_lb_pool.map_or("?".into(), |n| n.to_string()),
             c.verdict.as_str(),
-            if seed2.is_empty() { "clean".into() } else { names(&seed2) },
-            if other.is_empty() { "-".into() } else { names(&other) },
+            if seed2.is_empty() {
+                "clean".into()
+            } else {
+                names(&seed2)
+            },
+            if other.is_empty() {
+                "-".into()
+            } else {
+                names(&other)
+            },
         );
     }
     for c in cells.iter().filter(|c| !c.bursts.is_empty()) {
@@ -576,6 +609,7 @@ pub fn run_matrix(
         on_cell(&r, &run);
         out.push(r);
     }
+    judge_against_recommended(&mut out);
     Ok(out)
 }
 
@@ -661,6 +695,36 @@ mod tests {
         assert_eq!(reduced.len(), 6);
         let ids: Vec<String> = reduced.iter().map(Cell::id).collect();
         assert!(ids.contains(&"graceful/kproxy-restart/gke/kproxy".to_string()));
+    }
+
+    #[test]
+    fn flagged_loss_no_larger_than_the_recommended_cells_is_not_the_rules() {
+        let mk = |setting: Setting, lost: usize, verdict: Verdict| {
+            let c = cell(PodProfile::ExitOnTerm, setting, LbPreset::Gke);
+            let cfg = config_for(&c, &RolloutConfig::default()).unwrap();
+            CellResult {
+                id: c.id(),
+                cell: c,
+                settings: settings_of(&cfg),
+                sent: 1000,
+                lost,
+                lost_by_kind: BTreeMap::new(),
+                min_lb_pool: None,
+                rollout_s: 0.0,
+                bursts: vec![],
+                lint: vec![],
+                verdict,
+            }
+        };
+        let mut v = vec![
+            mk(Setting::Recommended, 5, Verdict::MissedByLint),
+            mk(Setting::GraceShorterThanDrain, 8, Verdict::Confirmed),
+            mk(Setting::ShortPrestop, 54, Verdict::Confirmed),
+        ];
+        judge_against_recommended(&mut v);
+        assert_eq!(v[0].verdict, Verdict::MissedByLint);
+        assert_eq!(v[1].verdict, Verdict::NoLossObserved);
+        assert_eq!(v[2].verdict, Verdict::Confirmed);
     }
 
     #[test]

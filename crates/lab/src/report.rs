@@ -288,6 +288,31 @@ pub fn explain_burst(
         }
     }
     if causes.is_empty() {
+        // Keep-alive requests on a connection whose pod had just exited (an
+        // `exit-on-term` pod ends at SIGTERM and its open connections die with it).
+        let mut exited: Vec<String> = records
+            .iter()
+            .filter_map(|x| x.conn_pod.as_ref())
+            .filter(|p| {
+                r.events.iter().any(|e| {
+                    matches!(e.kind, EventKind::PodExited | EventKind::PodKilled)
+                        && e.pod.as_ref() == Some(*p)
+                        && e.t_ms >= start_ms - 3000.0 * r.time_scale
+                        && e.t_ms <= end_ms + 1000.0 * r.time_scale
+                })
+            })
+            .cloned()
+            .collect();
+        exited.sort();
+        exited.dedup();
+        if !exited.is_empty() {
+            causes.push(format!(
+                "keep-alive connections to {} failed when that pod's process ended (at SIGTERM or SIGKILL) with the connections still open: the application closed no connection before exiting",
+                exited.join(", ")
+            ));
+        }
+    }
+    if causes.is_empty() {
         let kinds: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
         causes.push(format!(
             "no cause found in the timeline ({}); possibly machine noise",
@@ -474,7 +499,12 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
             let slowest = runs
                 .iter()
                 .filter(|r| r.behaviour.as_str() == *b)
-                .map(|r| (r.run + 1, (r.rollout_end_ms - r.rollout_start_ms) / 1000.0 / r.time_scale))
+                .map(|r| {
+                    (
+                        r.run + 1,
+                        (r.rollout_end_ms - r.rollout_start_ms) / 1000.0 / r.time_scale,
+                    )
+                })
                 .max_by(|a, b| a.1.total_cmp(&b.1))
                 .unwrap_or((0, 0.0));
             let _ = writeln!(
@@ -615,8 +645,59 @@ mod tests {
     }
 
     #[test]
+    fn keep_alive_failures_after_a_pod_exit_are_explained() {
+        use crate::scenario::{Behaviour, RunResult};
+        let mut failed = rec(1000.0, Outcome::Reset);
+        failed.conn = ConnKind::KeepAlive;
+        failed.conn_pod = Some("web-r1-1".into());
+        let r = RunResult {
+            behaviour: Behaviour::Kproxy,
+            run: 0,
+            time_scale: 0.1,
+            nodes: vec!["node-1".into()],
+            health_check: crate::lb::LbPreset::Gke.health_check().unwrap(),
+            records: vec![rec(0.0, Outcome::Ok), failed.clone()],
+            events: vec![
+                Event {
+                    t_ms: 1.0,
+                    kind: EventKind::PodCreated,
+                    node: Some("node-1".into()),
+                    pod: Some("web-r2-1".into()),
+                    detail: String::new(),
+                },
+                Event {
+                    t_ms: 2.0,
+                    kind: EventKind::PodReady,
+                    node: Some("node-1".into()),
+                    pod: Some("web-r2-1".into()),
+                    detail: String::new(),
+                },
+                Event {
+                    t_ms: 1001.0,
+                    kind: EventKind::PodExited,
+                    node: Some("node-1".into()),
+                    pod: Some("web-r1-1".into()),
+                    detail: "process exited".into(),
+                },
+            ],
+            load_start_ms: 0.0,
+            rollout_start_ms: 0.0,
+            rollout_end_ms: 2000.0,
+            load_end_ms: 2000.0,
+        };
+        let cause = explain_burst(&r, 1000.0, 1000.0, &[&failed]);
+        assert!(
+            cause.contains("keep-alive connections to web-r1-1"),
+            "{cause}"
+        );
+    }
+
+    #[test]
     fn pool_sizes_from_events() {
-        assert_eq!(healthy_in_pool("new connections to node-1, node-3"), Some(2));
+        assert_eq!(
+            healthy_in_pool("new connections to node-1, node-3"),
+            Some(2)
+        );
         assert_eq!(
             healthy_in_pool("no healthy node: new connections to all (node-1, node-2)"),
             Some(0)
