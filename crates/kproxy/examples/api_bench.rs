@@ -93,8 +93,9 @@ fn ip4(base: u32, n: usize) -> String {
 
 fn service(i: usize) -> (String, Value) {
     let ns = format!("ns-{}", i % NAMESPACES);
-    let lb = i % 10 == 0 && i < 10_000;
-    let mut spec = json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]});
+    let lb = i.is_multiple_of(10) && i < 10_000;
+    let mut spec =
+        json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]});
     if lb {
         spec["type"] = json!("LoadBalancer");
         spec["externalTrafficPolicy"] = json!("Local");
@@ -257,7 +258,10 @@ fn measure(proxy_kubeconfig: &Path, ns: &str, dir: &Path, run: usize) -> Run {
             if TcpStream::connect_timeout(&dst, Duration::from_millis(200)).is_ok() {
                 return Instant::now();
             }
-            assert!(t0.elapsed() < Duration::from_secs(300), "no connection within 300 s");
+            assert!(
+                t0.elapsed() < Duration::from_secs(300),
+                "no connection within 300 s"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     });
@@ -269,7 +273,10 @@ fn measure(proxy_kubeconfig: &Path, ns: &str, dir: &Path, run: usize) -> Run {
         if let Ok(Some(status)) = daemon.0.try_wait() {
             panic!("kproxy exited with {status} before its first sync (see {run} log in {dir:?})");
         }
-        assert!(t0.elapsed() < Duration::from_secs(300), "no sync within 300 s");
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "no sync within 300 s"
+        );
         std::thread::sleep(Duration::from_millis(10));
     };
     let rss_sync = status_kib(pid, "VmRSS:");
@@ -306,7 +313,9 @@ fn main() {
     let (Some(kubeconfig), Some(proxy_kubeconfig), Some(scale)) =
         (kubeconfig, proxy_kubeconfig, scale)
     else {
-        eprintln!("usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate]");
+        eprintln!(
+            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate]"
+        );
         std::process::exit(2);
     };
     let (services, eps) = scale
@@ -326,9 +335,18 @@ fn main() {
         sh(&full);
     };
     exec(&["ip", "link", "set", "lo", "up"]);
-    exec(&["ip", "link", "add", "apb0", "type", "veth", "peer", "name", "apb1"]);
+    exec(&[
+        "ip", "link", "add", "apb0", "type", "veth", "peer", "name", "apb1",
+    ]);
     exec(&["ip", "addr", "add", "10.200.0.1/24", "dev", "apb0"]);
-    exec(&["ip", "addr", "add", &format!("{PROBE_POD_IP}/24"), "dev", "apb1"]);
+    exec(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{PROBE_POD_IP}/24"),
+        "dev",
+        "apb1",
+    ]);
     exec(&["ip", "link", "set", "apb0", "up"]);
     exec(&["ip", "link", "set", "apb1", "up"]);
     exec(&["ip", "route", "add", "10.96.0.0/16", "dev", "apb0"]);

@@ -799,7 +799,11 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
             .all(|(r, n)| r.watches().len() >= n + 2)
     })
     .await;
-    assert_eq!(h.handle.with(|st| seen(st)), before, "the outage kept the state");
+    assert_eq!(
+        h.handle.with(|st| seen(st)),
+        before,
+        "the outage kept the state"
+    );
     assert!(h.handle.with(|st| st.take_changes()).is_empty());
 
     // Back, with the same objects at a newer resourceVersion and no watch history.
@@ -809,13 +813,19 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
         r.event("ERROR", gone());
         r.set_watch_status(StatusCode::OK);
     }
-    wait_server(&h, "every kind relisted and watching from the relist", |api| {
-        kinds(api).iter().all(|r| {
-            r.lists() == 2
-                && r.watches().last().and_then(|w| w.get("resourceVersion").cloned())
-                    == Some("30".into())
-        })
-    })
+    wait_server(
+        &h,
+        "every kind relisted and watching from the relist",
+        |api| {
+            kinds(api).iter().all(|r| {
+                r.lists() == 2
+                    && r.watches()
+                        .last()
+                        .and_then(|w| w.get("resourceVersion").cloned())
+                        == Some("30".into())
+            })
+        },
+    )
     .await;
     let c = h.handle.with(|st| st.take_changes());
     assert!(c.is_empty(), "{c:?}");
