@@ -63,6 +63,10 @@ pub struct Args {
     /// With --manifests: manifest files larger than this many bytes are not read.
     #[arg(long, value_name = "BYTES", default_value_t = kproxy_source::manifests::DEFAULT_MAX_FILE_BYTES)]
     pub manifest_max_file_bytes: u64,
+    /// With --manifests: the apiserver's --service-node-port-range; node ports outside it
+    /// are dropped from the manifests (with a warning).
+    #[arg(long, value_name = "FIRST-LAST", default_value = "30000-32767", value_parser = kproxy_config::parse_port_range)]
+    pub node_port_range: std::ops::RangeInclusive<u16>,
     /// Program external and load-balancer IPs that equal a Service's cluster IP or a node
     /// address (refused by default: CVE-2020-8554, docs/input.md).
     #[arg(long)]
@@ -256,6 +260,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
             wc.rescan = Duration::from_secs(10).min(cfg.sync_period.max(Duration::from_secs(1)));
             wc.remove_after = args.manifest_remove_after;
             wc.limits.max_file_bytes = args.manifest_max_file_bytes;
+            wc.limits.node_port_range = Some(args.node_port_range.clone());
             // A stalled reader keeps reporting a failed sync, so /livez turns unhealthy
             // after 2 x syncPeriod as for a sync loop that stopped (issue 17).
             let (h, stalled_health) = (handle.clone(), health.clone());
