@@ -315,10 +315,13 @@ pub fn listen_addrs(families: &[FamilyPlan], local: &[LocalAddr], port: u16) -> 
                     IpFamily::IPv6 => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port),
                 });
             }
-            NodePortAddresses::Cidrs(_) => {
+            // Every local address inside the CIDRs, loopback included: unlike NodePorts
+            // (which nftables mode never serves on loopback), upstream's health server
+            // listens on 127.0.0.1 when nodePortAddresses selects it.
+            NodePortAddresses::Cidrs(cidrs) => {
                 for l in local
                     .iter()
-                    .filter(|l| f.node_port_addresses.selects(&l.ip, true))
+                    .filter(|l| cidrs.iter().any(|c| c.contains(&l.ip)))
                 {
                     out.insert(match l.ip {
                         IpAddr::V4(_) => SocketAddr::new(l.ip, port),

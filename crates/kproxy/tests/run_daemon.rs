@@ -267,3 +267,73 @@ fn restart_under_load_loses_nothing() {
         "the established connection survived the restart"
     );
 }
+
+/// Issue 17: the manifests rewritten the way editors and `>` redirections write them —
+/// truncated to 0 bytes first, then a partial write that keeps the first document and
+/// cuts the next one mid-line, then the whole text — never reach the kernel: new
+/// connections to the cluster IP and the health-check node port keep working throughout.
+#[test]
+fn truncated_and_partial_manifest_writes_under_run_lose_no_connection() {
+    if !can_run() {
+        return;
+    }
+    let fab = fabric('c');
+    let dir = tempfile::tempdir().unwrap();
+    let all = format!("{NODE}---{SERVICE}---{}", slice(true));
+    write_atomic(dir.path(), "all.yaml", &all);
+    let events = dir.path().join("events.jsonl");
+    let table = "kpw";
+    let mut daemon = start_daemon(&fab.node, dir.path(), table, &events);
+    eventually(&fab.node, "the cluster IP to answer", || {
+        http_get("10.96.0.10:80".parse().unwrap(), "/")
+    });
+    eventually(&fab.node, "the health-check node port to say 200", || {
+        http_get("10.200.0.11:32000".parse().unwrap(), "/").filter(|(c, _)| *c == 200)
+    });
+
+    // New connections to the cluster IP and probes of the health-check node port, one
+    // each every 20 ms, from a thread in the node namespace.
+    let done = Arc::new(AtomicBool::new(false));
+    let done2 = done.clone();
+    let path = format!("/var/run/netns/{}", fab.node.0);
+    let load = std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).expect("open netns");
+        nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let (mut sent, mut failed, mut unhealthy) = (0u32, 0u32, 0u32);
+        while !done2.load(Ordering::SeqCst) {
+            sent += 1;
+            if http_get("10.96.0.10:80".parse().unwrap(), "/") != Some((200, "pod-1".to_string())) {
+                failed += 1;
+            }
+            if http_get("10.200.0.11:32000".parse().unwrap(), "/").map(|(c, _)| c) != Some(200) {
+                unhealthy += 1;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (sent, failed, unhealthy)
+    });
+
+    let file = dir.path().join("all.yaml");
+    // The first document whole, the Service's cut in the middle of its flow mapping.
+    let cut = all.find("metadata: {name: web").expect("service metadata") + 15;
+    for _ in 0..3 {
+        std::fs::write(&file, "").unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        std::fs::write(&file, &all[..cut]).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        std::fs::write(&file, &all).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    done.store(true, Ordering::SeqCst);
+    let (sent, failed, unhealthy) = load.join().unwrap();
+    assert!(sent > 20, "the load generator ran ({sent} requests)");
+    assert_eq!(
+        failed, 0,
+        "{failed} of {sent} new connections to the cluster IP failed during the rewrites"
+    );
+    assert_eq!(
+        unhealthy, 0,
+        "{unhealthy} of {sent} health-check probes were not 200 during the rewrites"
+    );
+    assert!(sigterm(&mut daemon).success());
+}
