@@ -786,6 +786,11 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
     fn kinds(api: &FakeApi) -> [&fake_api::Resource; 3] {
         [&api.services, &api.slices, &api.nodes]
     }
+    // Readiness comes with the lists; wait for every kind's watch to be up.
+    wait_server(&h, "every kind watching", |api| {
+        kinds(api).iter().all(|r| !r.watches().is_empty())
+    })
+    .await;
     let watches: Vec<usize> = kinds(&h.api).iter().map(|r| r.watches().len()).collect();
     for r in kinds(&h.api) {
         r.set_watch_status(StatusCode::SERVICE_UNAVAILABLE);
@@ -799,7 +804,11 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
             .all(|(r, n)| r.watches().len() >= n + 2)
     })
     .await;
-    assert_eq!(h.handle.with(|st| seen(st)), before, "the outage kept the state");
+    assert_eq!(
+        h.handle.with(|st| seen(st)),
+        before,
+        "the outage kept the state"
+    );
     assert!(h.handle.with(|st| st.take_changes()).is_empty());
 
     // Back, with the same objects at a newer resourceVersion and no watch history.
@@ -809,13 +818,19 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
         r.event("ERROR", gone());
         r.set_watch_status(StatusCode::OK);
     }
-    wait_server(&h, "every kind relisted and watching from the relist", |api| {
-        kinds(api).iter().all(|r| {
-            r.lists() == 2
-                && r.watches().last().and_then(|w| w.get("resourceVersion").cloned())
-                    == Some("30".into())
-        })
-    })
+    wait_server(
+        &h,
+        "every kind relisted and watching from the relist",
+        |api| {
+            kinds(api).iter().all(|r| {
+                r.lists() == 2
+                    && r.watches()
+                        .last()
+                        .and_then(|w| w.get("resourceVersion").cloned())
+                        == Some("30".into())
+            })
+        },
+    )
     .await;
     let c = h.handle.with(|st| st.take_changes());
     assert!(c.is_empty(), "{c:?}");

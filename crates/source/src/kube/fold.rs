@@ -13,9 +13,9 @@
 
 use std::collections::BTreeSet;
 
+use kproxy_core::ClusterState;
 use kproxy_core::ingest::{IngestError, Kind, ObjectRef, Ownership};
 use kproxy_core::manifest::Object;
-use kproxy_core::ClusterState;
 use kproxy_core::state::Update;
 
 /// Namespace and name of an object (namespace empty for Nodes).
@@ -211,11 +211,11 @@ pub fn apply_change<T: Applicable>(
     node_name: &str,
 ) -> Vec<IngestError> {
     let mut warnings = Vec::new();
-    let mut apply =
-        |state: &mut ClusterState, o: &T| match o.apply_to(state, ownership, node_name) {
-            Ok(w) => warnings.extend(w),
-            Err(e) => warnings.push(e),
-        };
+    let mut apply = |state: &mut ClusterState, o: &T| match o.apply_to(state, ownership, node_name)
+    {
+        Ok(w) => warnings.extend(w),
+        Err(e) => warnings.push(e),
+    };
     match change {
         Change::Relisted {
             kind,

@@ -44,7 +44,12 @@ pub struct Decoder {
 impl Decoder {
     /// Decodes and ingests one object (JSON text): its key, and the update or why it is
     /// skipped. Warnings about dropped pieces of a kept object are logged here.
-    pub fn decode(&self, kind: Kind, json: &str, coords: &Coordinates) -> Result<Update, IngestError> {
+    pub fn decode(
+        &self,
+        kind: Kind,
+        json: &str,
+        coords: &Coordinates,
+    ) -> Result<Update, IngestError> {
         let key = coords.key();
         let object = slim::decode(kind, json)
             .map_err(|e| fold::decode_warning(kind, &key, &e.field, &e.reason))?;
@@ -251,7 +256,9 @@ async fn list(
         ..ListParams::default()
     };
     loop {
-        let req = request.list(&params).map_err(|e| Stop::Failed(e.to_string()))?;
+        let req = request
+            .list(&params)
+            .map_err(|e| Stop::Failed(e.to_string()))?;
         let text = client.request_text(req).await.map_err(api_error)?;
         let page: Page<'_> = serde_json::from_str(&text)
             .map_err(|e| Stop::Failed(format!("undecodable list page: {e}")))?;

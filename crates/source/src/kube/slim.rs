@@ -327,6 +327,11 @@ mod tests {
         assert_eq!(c.key(), (String::new(), "web".to_string()));
         assert_eq!(c.resource_version.as_deref(), Some("9"));
         assert!(Coordinates::of("\"a string\"").is_none());
-        assert!(Coordinates::of(r#"{"metadata":[]}"#).unwrap().name.is_none());
+        assert!(
+            Coordinates::of(r#"{"metadata":[]}"#)
+                .unwrap()
+                .name
+                .is_none()
+        );
     }
 }
