@@ -101,7 +101,7 @@ fn ip4(base: u32, n: usize) -> String {
 
 fn service(i: usize) -> (String, Value) {
     let ns = format!("ns-{}", i % NAMESPACES);
-    let lb = i % 10 == 0 && i < 10_000;
+    let lb = i.is_multiple_of(10) && i < 10_000;
     let mut spec =
         json!({"ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]});
     if lb {
@@ -385,7 +385,7 @@ fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, sec
                 // same objects still changes them) flips between its original
                 // readiness and the opposite on every pass over the slices.
                 let e = std::process::id() as usize % eps;
-                let flip = (k / services) % 2 == 0;
+                let flip = (k / services).is_multiple_of(2);
                 let ready = endpoints[e]["conditions"]["ready"].as_bool() == Some(true);
                 endpoints[e]["conditions"]["ready"] = json!(ready != flip);
                 let body = json!({"endpoints": endpoints});

@@ -231,7 +231,7 @@ pub async fn run<D: Dataplane, H: HealthSink>(
                 for (stage, secs) in stages.iter().flatten() {
                     metrics
                         .change_stages
-                        .get_or_create(&StageLabel { stage: *stage })
+                        .get_or_create(&StageLabel { stage })
                         .observe(*secs);
                 }
                 metrics.sync_duration.observe(elapsed.as_secs_f64());
