@@ -10,8 +10,16 @@
 //! K8S_LAB=/tmp/k8s-lab-x API_PORT=6452 ETCD_PORT=2393 KCM_PORT=10262 start.sh start
 //! cargo build --release -p kproxy && cargo run --release -p kproxy --example api_bench -- \
 //!   --kubeconfig /tmp/k8s-lab-x/kubeconfig --proxy-kubeconfig /tmp/k8s-lab-x/kubeconfig-proxy \
-//!   10000x10 [--runs 3] [--skip-populate]
+//!   10000x10 [--runs 3] [--skip-populate] [--churn SECONDS] [--rate PER_SECOND] \
+//!   [--kproxy-arg ARG]...   # e.g. --kproxy-arg --min-sync-period=0s
 //! ```
+//!
+//! `--churn S` then keeps the last run's kproxy up and flips one endpoint's readiness
+//! in a different EndpointSlice `--rate` times a second (default 100) for S seconds,
+//! one merge PATCH each, and reports: writes acknowledged, the API's write latency,
+//! kproxy's `kproxy_change_stage_duration_seconds` (a change reaching the state →
+//! planned → kernel committed; p50/p99 from the histogram buckets, so bucket-bounded),
+//! the pending-change gauges after the churn, and kproxy's CPU time during it.
 //!
 //! Objects already there (409) are kept, so a second call at the same scale only
 //! measures (or pass --skip-populate); for another scale wipe the lab first
@@ -30,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kube::core::Request;
-use kube::core::params::PostParams;
+use kube::core::params::{Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 const PROBE_CLUSTER_IP: &str = "10.96.255.250";
@@ -227,7 +235,13 @@ struct Run {
     hwm: u64,
 }
 
-fn measure(proxy_kubeconfig: &Path, ns: &str, dir: &Path, run: usize) -> Run {
+fn measure(
+    proxy_kubeconfig: &Path,
+    extra: &[String],
+    ns: &str,
+    dir: &Path,
+    run: usize,
+) -> (Run, Proc) {
     let events = dir.join(format!("events-{run}.jsonl"));
     let stderr = std::fs::File::create(dir.join(format!("kproxy-{run}.log"))).expect("log");
     let t0 = Instant::now();
@@ -242,6 +256,7 @@ fn measure(proxy_kubeconfig: &Path, ns: &str, dir: &Path, run: usize) -> Run {
             .arg(&events)
             .args(["--healthz-bind-address", "127.0.0.1:10256"])
             .args(["--metrics-bind-address", "127.0.0.1:10249"])
+            .args(extra)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -284,13 +299,150 @@ fn measure(proxy_kubeconfig: &Path, ns: &str, dir: &Path, run: usize) -> Run {
     std::thread::sleep(Duration::from_secs(5));
     let rss_settled = status_kib(pid, "VmRSS:");
     let hwm = status_kib(pid, "VmHWM:");
-    drop(daemon);
-    Run {
-        first_sync,
-        first_connect,
-        rss_sync,
-        rss_settled,
-        hwm,
+    (
+        Run {
+            first_sync,
+            first_connect,
+            rss_sync,
+            rss_settled,
+            hwm,
+        },
+        daemon,
+    )
+}
+
+/// utime + stime of `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are 14 and 15.
+    let rest = s.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)
+}
+
+/// Quantile `q` of a Prometheus histogram (`le` bounds and cumulative counts): the
+/// upper bound of the bucket holding it.
+fn bucket_quantile(buckets: &[(f64, f64)], q: f64) -> f64 {
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    buckets
+        .iter()
+        .find(|(_, c)| *c >= q * total)
+        .map_or(f64::NAN, |(le, _)| *le)
+}
+
+fn metrics_text(ns: &str) -> String {
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            ns,
+            "curl",
+            "-s",
+            "http://127.0.0.1:10249/metrics",
+        ])
+        .output()
+        .expect("curl the metrics");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stage_buckets(text: &str, stage: &str) -> Vec<(f64, f64)> {
+    let prefix = "kproxy_change_stage_duration_seconds_bucket{";
+    text.lines()
+        .filter(|l| l.starts_with(prefix) && l.contains(&format!("stage=\"{stage}\"")))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, secs: u64, rate: u64) {
+    let before = metrics_text(ns);
+    let ticks0 = cpu_ticks(pid);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let (acked, mut write_ms) = rt.block_on(async {
+        let client = kproxy_source::kube::client(Some(kubeconfig))
+            .await
+            .expect("admin client");
+        let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
+        let mut tasks = Vec::new();
+        for k in 0..(secs * rate) as usize {
+            tick.tick().await;
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let i = (k * 7919) % services;
+                let ns = format!("ns-{}", i % NAMESPACES);
+                let mut endpoints = slice(i, eps).1["endpoints"].clone();
+                // One endpoint (picked per bench process, so a second churn run on the
+                // same objects still changes them) flips between its original
+                // readiness and the opposite on every pass over the slices.
+                let e = std::process::id() as usize % eps;
+                let flip = (k / services).is_multiple_of(2);
+                let ready = endpoints[e]["conditions"]["ready"].as_bool() == Some(true);
+                endpoints[e]["conditions"]["ready"] = json!(ready != flip);
+                let body = json!({"endpoints": endpoints});
+                let req = Request::new(format!(
+                    "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+                ))
+                .patch(
+                    &format!("svc-{i}-x"),
+                    &PatchParams::default(),
+                    &Patch::Merge(body),
+                )
+                .expect("patch request");
+                let t = Instant::now();
+                client.request_text(req).await.map(|_| t.elapsed())
+            }));
+        }
+        let mut acked = 0;
+        let mut write_ms = Vec::new();
+        for t in tasks {
+            if let Ok(Ok(d)) = t.await {
+                acked += 1;
+                write_ms.push(d.as_secs_f64() * 1e3);
+            }
+        }
+        (acked, write_ms)
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let ticks = cpu_ticks(pid) - ticks0;
+    let after = metrics_text(ns);
+    write_ms.sort_by(f64::total_cmp);
+    let pct = |v: &[f64], q: f64| {
+        v.get(((v.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    println!(
+        "churn {rate}/s for {secs} s: {acked} writes acknowledged; API write latency p50 {:.1} ms, p99 {:.1} ms; kproxy CPU {:.1} s ({:.0} % of one core)",
+        pct(&write_ms, 0.5),
+        pct(&write_ms, 0.99),
+        ticks as f64 / 100.0,
+        ticks as f64 / secs as f64
+    );
+    for stage in ["queued", "plan", "commit", "total"] {
+        let (b, a) = (stage_buckets(&before, stage), stage_buckets(&after, stage));
+        let diff: Vec<(f64, f64)> = a
+            .iter()
+            .map(|(le, c)| (*le, c - b.iter().find(|x| x.0 == *le).map_or(0.0, |x| x.1)))
+            .collect();
+        println!(
+            "  stage {stage}: {} syncs, p50 ≤ {:.2} ms, p99 ≤ {:.2} ms",
+            diff.last().map_or(0.0, |d| d.1),
+            bucket_quantile(&diff, 0.5) * 1e3,
+            bucket_quantile(&diff, 0.99) * 1e3
+        );
+    }
+    for l in after.lines().filter(|l| l.contains("changes_pending")) {
+        println!("  after: {l}");
     }
 }
 
@@ -300,6 +452,9 @@ fn main() {
     let mut proxy_kubeconfig = None;
     let mut runs = 3;
     let mut skip_populate = false;
+    let mut churn_secs = 0;
+    let mut rate = 100;
+    let mut extra = Vec::new();
     let mut scale = None;
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -307,6 +462,19 @@ fn main() {
             "--proxy-kubeconfig" => proxy_kubeconfig = args.next().map(PathBuf::from),
             "--runs" => runs = args.next().and_then(|r| r.parse().ok()).expect("--runs N"),
             "--skip-populate" => skip_populate = true,
+            "--churn" => {
+                churn_secs = args
+                    .next()
+                    .and_then(|r| r.parse().ok())
+                    .expect("--churn SECONDS")
+            }
+            "--kproxy-arg" => extra.extend(args.next()),
+            "--rate" => {
+                rate = args
+                    .next()
+                    .and_then(|r| r.parse().ok())
+                    .expect("--rate PER_SECOND")
+            }
             s => scale = Some(s.to_string()),
         }
     }
@@ -381,7 +549,7 @@ fn main() {
 
     for run in 0..runs {
         exec(&["nft", "flush", "ruleset"]);
-        let r = measure(&proxy_kubeconfig, &name, dir.path(), run);
+        let (r, daemon) = measure(&proxy_kubeconfig, &extra, &name, dir.path(), run);
         let mib = |k: u64| k as f64 / 1024.0;
         println!(
             "{services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB",
@@ -391,6 +559,18 @@ fn main() {
             mib(r.rss_settled),
             mib(r.hwm)
         );
+        if run + 1 == runs && churn_secs > 0 {
+            churn(
+                &kubeconfig,
+                &name,
+                daemon.0.id(),
+                services,
+                eps,
+                churn_secs,
+                rate,
+            );
+        }
+        drop(daemon);
     }
     exec(&["nft", "flush", "ruleset"]);
 }

@@ -249,7 +249,12 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
 
     let handle = StateHandle::new();
     let queued = health.clone();
-    handle.on_update(move || queued.change_queued());
+    let changes = daemon::ChangeClock::default();
+    let clock = changes.clone();
+    handle.on_update(move || {
+        queued.change_queued();
+        clock.note();
+    });
     let ownership = Ownership {
         service_proxy_name: args.service_proxy_name.clone(),
     };
@@ -312,6 +317,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         sync_period: cfg.sync_period,
         verify_period: args.verify_period,
         event_log: args.event_log.clone(),
+        changes,
     };
     let sync_loop = daemon::run(loop_cfg, handle, dataplane, health_handle, metrics, stop_rx);
     tokio::pin!(sync_loop);

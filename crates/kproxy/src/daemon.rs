@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
@@ -19,7 +19,7 @@ use kproxy_source::StateHandle;
 use serde_json::json;
 use tokio::sync::watch;
 
-use crate::metrics::{Metrics, TrafficPolicyLabel};
+use crate::metrics::{Metrics, StageLabel, TrafficPolicyLabel};
 
 /// What the loop needs from a dataplane. Implemented by kproxy-nft's `Dataplane`.
 pub trait Dataplane: Send + 'static {
@@ -52,6 +52,45 @@ pub struct LoopConfig {
     pub sync_period: Duration,
     pub verify_period: Duration,
     pub event_log: Option<PathBuf>,
+    /// Noted by the source's update hook; read by each sync.
+    pub changes: ChangeClock,
+}
+
+/// When the oldest change not yet taken by a sync reached the state. The source notes
+/// every update (`StateHandle::on_update`); a sync takes the instant, so each sync
+/// reports the way of the oldest change it carried: queued (until planning starts,
+/// including minSyncPeriod batching), plan, commit (the kernel transaction).
+#[derive(Clone, Debug, Default)]
+pub struct ChangeClock(Arc<Mutex<Option<Instant>>>);
+
+impl ChangeClock {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn note(&self) {
+        self.lock().get_or_insert_with(Instant::now);
+    }
+
+    pub fn take(&self) -> Option<Instant> {
+        self.lock().take()
+    }
+}
+
+/// The way of the oldest change a sync carried, in seconds, per stage.
+fn change_stages(
+    oldest: Instant,
+    start: Instant,
+    planned: Instant,
+    committed: Instant,
+) -> [(&'static str, f64); 4] {
+    let s = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
+    [
+        ("queued", s(oldest, start)),
+        ("plan", s(start, planned)),
+        ("commit", s(planned, committed)),
+        ("total", s(oldest, committed)),
+    ]
 }
 
 /// Appends one JSON object per line; a write failure is logged, never fatal.
@@ -162,6 +201,7 @@ pub async fn run<D: Dataplane, H: HealthSink>(
         }
         metrics.last_queued_timestamp.set(unix_now());
 
+        let oldest_change = cfg.changes.take();
         let start = Instant::now();
         let (update, service_events, slice_events) = handle.with(|state| {
             let c = state.changes();
@@ -176,6 +216,7 @@ pub async fn run<D: Dataplane, H: HealthSink>(
         metrics.endpoint_changes_pending.set(0);
         need_sync = false;
         let plan = Arc::new(planner.plan().clone());
+        let planned = Instant::now();
         health.plan_computed(&plan);
         if plan.conflicts != last_conflicts {
             // Each conflict once when it appears, not at every sync.
@@ -198,6 +239,14 @@ pub async fn run<D: Dataplane, H: HealthSink>(
         match res {
             Ok(outcome) => {
                 failures = 0;
+                let stages =
+                    oldest_change.map(|t| change_stages(t, start, planned, start + elapsed));
+                for (stage, secs) in stages.iter().flatten() {
+                    metrics
+                        .change_stages
+                        .get_or_create(&StageLabel { stage })
+                        .observe(*secs);
+                }
                 metrics.sync_duration.observe(elapsed.as_secs_f64());
                 if outcome.full {
                     metrics.sync_full_duration.observe(elapsed.as_secs_f64());
@@ -238,6 +287,10 @@ pub async fn run<D: Dataplane, H: HealthSink>(
                             "localEndpoints": h.local_endpoints,
                         })).collect::<Vec<_>>(),
                         "detail": outcome.detail,
+                        "change_ms": stages.map(|st| st
+                            .iter()
+                            .map(|(k, v)| (k.to_string(), json!(v * 1e3)))
+                            .collect::<serde_json::Map<_, _>>()),
                     }),
                 );
             }

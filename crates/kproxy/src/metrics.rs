@@ -14,6 +14,17 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+/// A stage of a change's way to the kernel (see [`crate::daemon::ChangeClock`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabel {
+    pub stage: &'static str,
+}
+
+fn change_stage_histogram() -> Histogram {
+    // 0.1 ms .. ~52 s.
+    Histogram::new(exponential_buckets(0.0001, 2.0, 20))
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TrafficPolicyLabel {
     pub traffic_policy: &'static str,
@@ -38,6 +49,7 @@ pub struct Metrics {
     pub conntrack_deleted: Counter,
     pub skipped_objects: Gauge,
     pub frontend_conflicts: Gauge,
+    pub change_stages: Family<StageLabel, Histogram, fn() -> Histogram>,
 }
 
 /// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
@@ -73,6 +85,7 @@ impl Metrics {
             conntrack_deleted: Counter::default(),
             skipped_objects: Gauge::default(),
             frontend_conflicts: Gauge::default(),
+            change_stages: Family::new_with_constructor(change_stage_histogram),
         };
         let r = registry.sub_registry_with_prefix("kubeproxy");
         r.register(
@@ -161,6 +174,9 @@ impl Metrics {
             "frontend_conflicts",
             "Frontends (address, port, protocol) refused to a Service in the current plan because another Service holds them or they would capture a cluster IP or node address (docs/input.md)",
             m.frontend_conflicts.clone(),
+            "change_stage_duration_seconds",
+            "A change's way to the kernel by stage, from the oldest change a sync carried: queued (reached the state -> planning starts), plan, commit (kernel transaction), total",
+            m.change_stages.clone(),
         );
         Arc::new(m)
     }

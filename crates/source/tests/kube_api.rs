@@ -786,6 +786,11 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
     fn kinds(api: &FakeApi) -> [&fake_api::Resource; 3] {
         [&api.services, &api.slices, &api.nodes]
     }
+    // Readiness comes with the lists; wait for every kind's watch to be up.
+    wait_server(&h, "every kind watching", |api| {
+        kinds(api).iter().all(|r| !r.watches().is_empty())
+    })
+    .await;
     let watches: Vec<usize> = kinds(&h.api).iter().map(|r| r.watches().len()).collect();
     for r in kinds(&h.api) {
         r.set_watch_status(StatusCode::SERVICE_UNAVAILABLE);
