@@ -174,6 +174,8 @@ impl Metrics {
             "frontend_conflicts",
             "Frontends (address, port, protocol) refused to a Service in the current plan because another Service holds them or they would capture a cluster IP or node address (docs/input.md)",
             m.frontend_conflicts.clone(),
+        );
+        own.register(
             "change_stage_duration_seconds",
             "A change's way to the kernel by stage, from the oldest change a sync carried: queued (reached the state -> planning starts), plan, commit (kernel transaction), total",
             m.change_stages.clone(),
