@@ -11,7 +11,8 @@
 //! - [`state`]: the one store, keyed like the API, tracking which Services changed.
 //! - [`categorize`]: upstream's CategorizeEndpoints (ready first, terminating fallback,
 //!   topology), per service port.
-//! - [`planner`]: the plan, full and incremental.
+//! - [`planner`]: the plan, full and incremental; [`no_local`]: which of its ports upstream
+//!   counts in `sync_proxy_rules_no_local_endpoints_total`.
 //! - [`trace`]: the fate of one packet under a plan; [`explain`]: why, for people.
 
 #![forbid(unsafe_code)]
@@ -23,6 +24,7 @@ pub mod explain;
 pub mod ingest;
 pub mod manifest;
 pub mod model;
+pub mod no_local;
 pub mod plan;
 pub mod planner;
 pub mod state;
