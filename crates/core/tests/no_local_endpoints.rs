@@ -61,18 +61,22 @@ fn n(internal: u32, external: u32) -> NoLocalEndpoints {
     NoLocalEndpoints { internal, external }
 }
 
+/// (name, Service spec lines, endpoints as (ip, node, ready, serving, terminating),
+/// expected counts).
+type Case<'a> = (
+    &'a str,
+    &'a str,
+    &'a [(&'a str, &'a str, bool, bool, bool)],
+    NoLocalEndpoints,
+);
+
 #[test]
 fn table() {
     let itp_local = "  internalTrafficPolicy: Local\n";
     let etp_local_np = "  type: NodePort\n  externalTrafficPolicy: Local\n";
     let both = "  type: NodePort\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Local\n";
     let etp_local_cluster_ip = "  externalTrafficPolicy: Local\n";
-    let cases: &[(
-        &str,
-        &str,
-        &[(&str, &str, bool, bool, bool)],
-        NoLocalEndpoints,
-    )] = &[
+    let cases: &[Case] = &[
         (
             "iTP Local, no endpoints at all: not counted",
             itp_local,

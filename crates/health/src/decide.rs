@@ -40,41 +40,78 @@ impl Semantics {
 }
 
 /// The proxy's sync freshness, upstream's `ProxyHealthServer` bookkeeping (spec §d.2).
-/// kproxy programs both families in one transaction, so one tracker stands for both.
+/// Upstream keeps one `lastUpdated` and one oldest pending change *per family* (one
+/// proxier each) and is healthy only when every family is. kproxy programs both families
+/// in one transaction, so the daemon calls the all-family [`ProxyHealth::queued`] /
+/// [`ProxyHealth::updated`]; the per-family calls exist so upstream's timelines (one
+/// family late, the other fine) have the same answers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProxyHealth {
-    /// Last successful apply; at start-up the start time (upstream calls `Updated` once
-    /// when the sync loop starts, so a proxy that never syncs still starts healthy).
-    pub last_updated: SystemTime,
-    /// The oldest change that is computed but not yet applied.
-    pub oldest_pending: Option<SystemTime>,
+    /// Last successful apply per family (`IpFamily::ALL` order); at start-up the start
+    /// time (upstream calls `Updated` once when the sync loop starts, so a proxy that
+    /// never syncs still starts healthy).
+    pub family_updated: [SystemTime; 2],
+    /// Per family, the oldest change that is queued but not yet applied.
+    pub family_pending: [Option<SystemTime>; 2],
     /// A plan has been applied at least once.
     pub applied_once: bool,
     /// Failed syncs since the last success.
     pub consecutive_failures: u32,
 }
 
+fn slot(f: IpFamily) -> usize {
+    match f {
+        IpFamily::IPv4 => 0,
+        IpFamily::IPv6 => 1,
+    }
+}
+
 impl ProxyHealth {
     pub fn new(now: SystemTime) -> ProxyHealth {
         ProxyHealth {
-            last_updated: now,
-            oldest_pending: None,
+            family_updated: [now; 2],
+            family_pending: [None; 2],
             applied_once: false,
             consecutive_failures: 0,
         }
     }
 
-    /// Upstream `QueuedUpdate`: remembers the *oldest* pending change.
-    pub fn queued(&mut self, now: SystemTime) {
-        self.oldest_pending.get_or_insert(now);
+    /// Upstream `QueuedUpdate(family)`: remembers the family's *oldest* pending change.
+    pub fn queued_family(&mut self, family: IpFamily, now: SystemTime) {
+        self.family_pending[slot(family)].get_or_insert(now);
     }
 
-    /// Upstream `Updated`: nothing pending any more.
+    /// Upstream `Updated(family)`: nothing of that family pending any more.
+    pub fn updated_family(&mut self, family: IpFamily, now: SystemTime) {
+        self.family_pending[slot(family)] = None;
+        self.family_updated[slot(family)] = now;
+    }
+
+    /// A change queued for both families (kproxy syncs them together).
+    pub fn queued(&mut self, now: SystemTime) {
+        for f in IpFamily::ALL {
+            self.queued_family(f, now);
+        }
+    }
+
+    /// Both families applied in one successful sync.
     pub fn updated(&mut self, now: SystemTime) {
-        self.oldest_pending = None;
-        self.last_updated = now;
+        for f in IpFamily::ALL {
+            self.updated_family(f, now);
+        }
         self.applied_once = true;
         self.consecutive_failures = 0;
+    }
+
+    /// The most recent successful apply of any family (upstream's top-level
+    /// `lastUpdated` before it is rewritten for 200 answers).
+    pub fn last_updated(&self) -> SystemTime {
+        self.family_updated[0].max(self.family_updated[1])
+    }
+
+    /// The oldest change pending in any family.
+    pub fn oldest_pending(&self) -> Option<SystemTime> {
+        self.family_pending.iter().flatten().min().copied()
     }
 
     /// A sync failed. Upstream has no such call (a failure simply leaves the queued
@@ -88,16 +125,24 @@ impl ProxyHealth {
         }
     }
 
-    /// Unhealthy iff a pending change is at least `timeout` old. A clock that went
-    /// backwards counts as "not late" (as Go's negative `Sub` does).
-    pub fn healthy(&self, now: SystemTime, timeout: Duration) -> bool {
-        match self.oldest_pending {
+    /// Whether `family` is healthy: unhealthy iff its pending change is at least
+    /// `timeout` old. A clock that went backwards counts as "not late" (as Go's
+    /// negative `Sub` does).
+    pub fn family_healthy(&self, family: IpFamily, now: SystemTime, timeout: Duration) -> bool {
+        match self.family_pending[slot(family)] {
             None => true,
             Some(q) => now
                 .duration_since(q)
                 .map(|age| age < timeout)
                 .unwrap_or(true),
         }
+    }
+
+    /// Healthy iff every family is.
+    pub fn healthy(&self, now: SystemTime, timeout: Duration) -> bool {
+        IpFamily::ALL
+            .into_iter()
+            .all(|f| self.family_healthy(f, now, timeout))
     }
 }
 
@@ -155,7 +200,7 @@ pub fn proxy_answer(
         (Probe::Healthz, Semantics::Upstream) => healthy && node_eligible,
         (Probe::Healthz, Semantics::Truthful) => healthy && node_eligible && health.applied_once,
     };
-    let last = rfc3339(health.last_updated);
+    let last = rfc3339(health.last_updated());
     let top_last = if ok && semantics == Semantics::Upstream {
         rfc3339(now)
     } else {
@@ -172,7 +217,10 @@ pub fn proxy_answer(
     for f in families {
         status.insert(
             f.as_str().into(),
-            serde_json::json!({ "lastUpdated": last, "healthy": healthy }),
+            serde_json::json!({
+                "lastUpdated": rfc3339(health.family_updated[slot(*f)]),
+                "healthy": health.family_healthy(*f, now, timeout),
+            }),
         );
     }
     body.insert("status".into(), status.into());
@@ -180,7 +228,7 @@ pub fn proxy_answer(
         body.insert("syncedOnce".into(), health.applied_once.into());
         body.insert(
             "oldestPendingChange".into(),
-            health.oldest_pending.map(rfc3339).into(),
+            health.oldest_pending().map(rfc3339).into(),
         );
         body.insert(
             "consecutiveSyncFailures".into(),

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use kproxy_core::NodePlan;
-use kproxy_core::model::ServiceName;
+use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::NodePortAddresses;
 use prometheus_client::registry::Registry;
 use tokio::sync::{Notify, watch};
@@ -310,6 +310,20 @@ impl Health {
     pub fn change_queued(&self) {
         let now = self.shared.clock.now();
         lock(&self.shared.core).health.queued(now);
+    }
+
+    /// Upstream `QueuedUpdate(family)` for one family only. The daemon syncs both
+    /// families together and uses [`Health::plan_computed`]; this exists for upstream's
+    /// per-family timelines (`proxy_healthz.json`).
+    pub fn family_queued(&self, family: IpFamily) {
+        let now = self.shared.clock.now();
+        lock(&self.shared.core).health.queued_family(family, now);
+    }
+
+    /// Upstream `Updated(family)` for one family only (see [`Health::family_queued`]).
+    pub fn family_updated(&self, family: IpFamily) {
+        let now = self.shared.clock.now();
+        lock(&self.shared.core).health.updated_family(family, now);
     }
 
     /// A sync failed: the last applied answers stay, and the proxy turns unhealthy once

@@ -2,6 +2,11 @@
 //! through the real path: Kubernetes objects → ingestion → planner → `Health` → real
 //! listeners in a private network namespace → real HTTP requests. Each vector runs under
 //! both semantics: in a steady state (the plan applied) they must answer identically.
+//!
+//! Upstream's /healthz and /livez timelines (proxy_healthz.json) drive one `Health` with
+//! a manual clock and ask the real `healthzBindAddress` server after every `check` step.
+//! They run under upstream semantics only: truthful answers 503 on /healthz before the
+//! first apply on purpose (docs/health.md), which the first step of the timeline asks.
 
 mod common;
 
@@ -15,6 +20,7 @@ use common::{closed_soon, in_netns, request, t0};
 use kproxy_core::config::NodePortAddressesConfig;
 use kproxy_core::ingest::Ownership;
 use kproxy_core::manifest::Object;
+use kproxy_core::model::IpFamily;
 use kproxy_core::{ClusterState, PlanConfig};
 use kproxy_health::{Health, HealthConfig, ManualClock, Semantics};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -28,7 +34,11 @@ fn conformance_dir() -> PathBuf {
 }
 
 fn load() -> Vec<Value> {
-    let path = conformance_dir().join("service_health.json");
+    load_file("service_health.json", "vectors")
+}
+
+fn load_file(file: &str, key: &str) -> Vec<Value> {
+    let path = conformance_dir().join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
             "{}: {e} (set KPROXY_SHARED to the shared/ folder)",
@@ -37,7 +47,7 @@ fn load() -> Vec<Value> {
     });
     let v: Value =
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    v["vectors"].as_array().cloned().unwrap_or_default()
+    v[key].as_array().cloned().unwrap_or_default()
 }
 
 fn slug(v: &Value) -> String {
@@ -229,6 +239,113 @@ async fn run_vector(v: Value, semantics: Semantics) -> Result<(), Failed> {
     }
 }
 
+fn family(step: &Value) -> Result<IpFamily, Failed> {
+    match step["family"].as_str() {
+        Some("IPv4") => Ok(IpFamily::IPv4),
+        Some("IPv6") => Ok(IpFamily::IPv6),
+        other => Err(format!("step {step}: bad family {other:?}").into()),
+    }
+}
+
+/// The plan the daemon computes for the Node a `node` step describes (no Services):
+/// node eligibility is the planner's decision, not the test's.
+fn node_plan(node: &Value) -> Result<Arc<kproxy_core::NodePlan>, Failed> {
+    let mut state = ClusterState::new();
+    if node["exists"].as_bool() != Some(false) {
+        let mut meta = serde_json::json!({"name": "test-node"});
+        if node["deleted"].as_bool() == Some(true) {
+            meta["deletionTimestamp"] = "2024-01-01T00:00:00Z".into();
+        }
+        let taints: Vec<Value> = node["taints"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|k| serde_json::json!({"key": k, "effect": "NoSchedule"}))
+            .collect();
+        let obj = serde_json::json!({
+            "apiVersion": "v1", "kind": "Node", "metadata": meta,
+            "spec": {"taints": taints},
+            "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.1"}]},
+        });
+        let parsed = kproxy_core::manifest::parse("node.json", &obj.to_string());
+        if !parsed.errors.is_empty() {
+            return Err(format!("node does not parse: {:?}", parsed.errors).into());
+        }
+        for o in &parsed.objects {
+            state
+                .apply(&o.object, &Ownership::default(), "test-node")
+                .map_err(|e| format!("node ingestion: {e:?}"))?;
+        }
+    }
+    Ok(Arc::new(kproxy_core::plan(
+        &state,
+        "test-node",
+        &PlanConfig::default(),
+    )))
+}
+
+async fn run_timeline(t: Value) -> Result<(), Failed> {
+    let timeout = t["healthTimeoutSeconds"]
+        .as_f64()
+        .ok_or("timeline without healthTimeoutSeconds")?;
+    let clock = ManualClock::new(t0());
+    let mut registry = prometheus_client::registry::Registry::default();
+    let cfg = HealthConfig {
+        healthz_bind_address: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)),
+        semantics: Semantics::Upstream,
+        // healthTimeout = 2 × syncPeriod.
+        sync_period: Duration::from_secs_f64(timeout / 2.0),
+    };
+    let health = Health::start_with_clock(cfg, &mut registry, clock.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    health.reconciled().await;
+    let addr = *health
+        .healthz_addrs()
+        .first()
+        .ok_or("healthzBindAddress not bound")?;
+    let mut errs = Vec::new();
+    for (i, step) in t["steps"].as_array().into_iter().flatten().enumerate() {
+        match step["op"].as_str() {
+            Some("queued") => health.family_queued(family(step)?),
+            Some("updated") => health.family_updated(family(step)?),
+            Some("advance") => clock.advance(Duration::from_secs_f64(
+                step["seconds"].as_f64().ok_or("advance without seconds")?,
+            )),
+            // What the daemon does on a Node change: compute the plan, apply it.
+            Some("node") => {
+                let plan = node_plan(&step["node"])?;
+                health.plan_computed(&plan);
+                health.plan_applied(&plan);
+                health.reconciled().await;
+            }
+            Some("check") => {
+                for probe in ["healthz", "livez"] {
+                    let r = request(addr, "GET", &format!("/{probe}"))
+                        .await
+                        .map_err(|e| format!("GET /{probe}: {e}"))?;
+                    let want = step["expect"][probe].as_u64();
+                    if Some(u64::from(r.status)) != want {
+                        errs.push(format!(
+                            "step {i} ({}): /{probe} {} != {}",
+                            step["upstreamComment"].as_str().unwrap_or(""),
+                            r.status,
+                            step["expect"][probe]
+                        ));
+                    }
+                }
+            }
+            other => return Err(format!("step {i}: unknown op {other:?}").into()),
+        }
+    }
+    health.shutdown().await;
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs.join("\n").into())
+    }
+}
+
 fn main() {
     let args = Arguments::from_args();
     let mut trials = Vec::new();
@@ -244,6 +361,10 @@ fn main() {
                 trial
             });
         }
+    }
+    for t in load_file("proxy_healthz.json", "timelines") {
+        let name = format!("proxy_healthz::upstream::{}", slug(&t));
+        trials.push(Trial::test(name, move || in_netns(move || run_timeline(t))));
     }
     libtest_mimic::run(&args, trials).exit();
 }

@@ -13,13 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
-use kproxy_core::model::TrafficPolicy;
 use kproxy_core::{NodePlan, PlanConfig, Planner};
 use kproxy_source::StateHandle;
 use serde_json::json;
 use tokio::sync::watch;
 
-use crate::metrics::{Metrics, StageLabel, TrafficPolicyLabel};
+use crate::metrics::{Metrics, NoLocalLabels, StageLabel};
 
 /// What the loop needs from a dataplane. Implemented by kproxy-nft's `Dataplane`.
 pub trait Dataplane: Send + 'static {
@@ -347,45 +346,21 @@ async fn blocking<D: Send + 'static, R: Send + 'static>(
     }
 }
 
-/// Upstream's `sync_proxy_rules_no_local_endpoints_total`: Services with a Local policy
-/// and no local endpoints, counted per policy (once per Service, not per port or family).
+/// Upstream's `sync_proxy_rules_no_local_endpoints_total{traffic_policy, ip_family}`:
+/// the decision is `kproxy_core::no_local`; one gauge pair per family of the plan.
 fn set_no_local_endpoints(metrics: &Metrics, plan: &NodePlan) {
-    let (mut internal, mut external) = (0i64, 0i64);
-    for svc in plan.services.values() {
-        let none_local = |p: &&kproxy_core::plan::ServicePortPlan| {
-            p.local_endpoints.as_ref().is_none_or(|l| l.is_empty())
-        };
-        if svc
-            .ports
-            .iter()
-            .filter(|p| p.internal_traffic_policy == TrafficPolicy::Local)
-            .any(|p| none_local(&p))
-        {
-            internal += 1;
-        }
-        if svc
-            .ports
-            .iter()
-            .filter(|p| {
-                p.external_traffic_policy == TrafficPolicy::Local && p.externally_accessible()
-            })
-            .any(|p| none_local(&p))
-        {
-            external += 1;
+    for f in &plan.families {
+        let n = kproxy_core::no_local::no_local_endpoints(plan, f.family);
+        for (traffic_policy, v) in [("internal", n.internal), ("external", n.external)] {
+            metrics
+                .no_local_endpoints
+                .get_or_create(&NoLocalLabels {
+                    traffic_policy,
+                    ip_family: f.family.as_str(),
+                })
+                .set(i64::from(v));
         }
     }
-    metrics
-        .no_local_endpoints
-        .get_or_create(&TrafficPolicyLabel {
-            traffic_policy: "internal",
-        })
-        .set(internal);
-    metrics
-        .no_local_endpoints
-        .get_or_create(&TrafficPolicyLabel {
-            traffic_policy: "external",
-        })
-        .set(external);
 }
 
 /// `network_programming_duration_seconds`: for each EndpointSlice whose

@@ -26,8 +26,10 @@ fn change_stage_histogram() -> Histogram {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TrafficPolicyLabel {
+pub struct NoLocalLabels {
     pub traffic_policy: &'static str,
+    /// "IPv4" / "IPv6", upstream's `ip_family` label (one proxier per family).
+    pub ip_family: &'static str,
 }
 
 pub struct Metrics {
@@ -41,7 +43,7 @@ pub struct Metrics {
     pub endpoint_changes_total: Counter,
     pub service_changes_pending: Gauge,
     pub service_changes_total: Counter,
-    pub no_local_endpoints: Family<TrafficPolicyLabel, Gauge>,
+    pub no_local_endpoints: Family<NoLocalLabels, Gauge>,
     pub nftables_sync_failures: Counter,
     pub nftables_cleanup_failures: Counter,
     // kproxy's own
@@ -230,8 +232,9 @@ mod tests {
         m.sync_duration.observe(0.003);
         m.endpoint_changes_total.inc();
         m.no_local_endpoints
-            .get_or_create(&TrafficPolicyLabel {
+            .get_or_create(&NoLocalLabels {
                 traffic_policy: "internal",
+                ip_family: "IPv4",
             })
             .set(2);
         let text = encode(&registry);
@@ -251,7 +254,7 @@ mod tests {
             "kubeproxy_sync_proxy_rules_endpoint_changes_total 1",
             "# TYPE kubeproxy_sync_proxy_rules_endpoint_changes_pending gauge",
             "# TYPE kubeproxy_sync_proxy_rules_service_changes counter",
-            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"} 2",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\",ip_family=\"IPv4\"} 2",
             "kubeproxy_sync_proxy_rules_nftables_sync_failures_total 0",
             "kproxy_dataplane_drift_repairs_total 0",
         ] {
