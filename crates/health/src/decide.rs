@@ -344,6 +344,26 @@ pub struct LocalAddr {
     pub scope_id: u32,
 }
 
+/// Node addresses that nodePortAddresses selects explicitly (the node's primary IPs by
+/// default) but this host does not have: a health-check node port cannot listen there,
+/// which the servers report rather than skip in silence. Empty when nothing is known
+/// about local addresses.
+pub fn missing_node_addrs(families: &[FamilyPlan], local: &[LocalAddr]) -> Vec<IpAddr> {
+    if local.is_empty() {
+        return Vec::new();
+    }
+    families
+        .iter()
+        .filter_map(|f| match &f.node_port_addresses {
+            NodePortAddresses::Only(ips) => Some(ips),
+            NodePortAddresses::AllLocal | NodePortAddresses::Cidrs(_) => None,
+        })
+        .flatten()
+        .filter(|ip| !local.iter().any(|l| l.ip == **ip))
+        .copied()
+        .collect()
+}
+
 /// Where a health-check node port listens (spec §d.1): the wildcard address of each
 /// family whose nodePortAddresses match everything, else each selected node address
 /// that is really local (binding another one would fail). A family without any node
@@ -690,6 +710,39 @@ mod tests {
             local_pods: kproxy_core::plan::LocalPods::None,
             service_cidrs: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_selected_node_address_absent_from_the_host_is_reported_missing() {
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let local = [LocalAddr {
+            ip: ip("10.200.0.2"),
+            scope_id: 0,
+        }];
+        let only = |ips: &[&str]| NodePortAddresses::Only(ips.iter().map(|s| ip(s)).collect());
+        let families = [
+            fam(
+                IpFamily::IPv4,
+                &["10.200.0.9"],
+                only(&["10.200.0.9", "10.200.0.2"]),
+            ),
+            fam(IpFamily::IPv6, &[], NodePortAddresses::AllLocal),
+        ];
+        assert_eq!(
+            missing_node_addrs(&families, &local),
+            vec![ip("10.200.0.9")]
+        );
+        // Every selected address present: nothing missing; nothing known: nothing said.
+        let present = [fam(IpFamily::IPv4, &["10.200.0.2"], only(&["10.200.0.2"]))];
+        assert!(missing_node_addrs(&present, &local).is_empty());
+        assert!(missing_node_addrs(&families, &[]).is_empty());
+        // Match-all and CIDR selections name no address that could be missing.
+        let cidrs = [fam(
+            IpFamily::IPv4,
+            &["10.200.0.9"],
+            NodePortAddresses::Cidrs(vec!["10.0.0.0/8".parse().unwrap()]),
+        )];
+        assert!(missing_node_addrs(&cidrs, &local).is_empty());
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub mod fixtures;
 pub mod http;
 pub mod metrics;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -506,6 +506,8 @@ struct Running {
     server: http::Server,
     bound: BTreeMap<SocketAddr, http::Listener>,
     failing: BTreeMap<SocketAddr, Retry>,
+    /// Selected node addresses this host does not have (reported once each).
+    missing: BTreeSet<IpAddr>,
 }
 
 impl Running {
@@ -532,12 +534,26 @@ impl Running {
             server: http::Server::new(handler, shared.limits),
             bound: BTreeMap::new(),
             failing: BTreeMap::new(),
+            missing: BTreeSet::new(),
         }
     }
 
-    /// Binds what is wanted and due, unbinds what is not wanted any more.
-    async fn converge(&mut self, want: &[SocketAddr], shared: &Shared) {
+    /// Binds what is wanted and due, unbinds what is not wanted any more. `missing`:
+    /// node addresses nodePortAddresses selects that are not on this host; each is a
+    /// bind failure (logged and counted once when it goes missing), since the load
+    /// balancer probing it finds nothing listening.
+    async fn converge(&mut self, want: &[SocketAddr], missing: &[IpAddr], shared: &Shared) {
         let labels = PortLabels::of(&self.check.service, self.check.port);
+        for ip in missing {
+            if self.missing.insert(*ip) {
+                shared.metrics.bind_failures.get_or_create(&labels).inc();
+                tracing::warn!(
+                    service = %self.check.service, address = %ip, port = self.check.port,
+                    "cannot serve health-check node port: the node address is not on this host"
+                );
+            }
+        }
+        self.missing.retain(|ip| missing.contains(ip));
         let unwanted: Vec<SocketAddr> = self
             .bound
             .keys()
@@ -582,7 +598,9 @@ impl Running {
             .metrics
             .port_listening
             .get_or_create(&labels)
-            .set(i64::from(self.failing.is_empty()));
+            .set(i64::from(
+                self.failing.is_empty() && self.missing.is_empty(),
+            ));
     }
 
     fn next_retry(&self) -> Option<tokio::time::Instant> {
@@ -688,7 +706,8 @@ async fn reconcile_loop(
                 .local_endpoints
                 .store(t.local_endpoints, Ordering::Relaxed);
             let want = decide::listen_addrs(&families, &local, t.port);
-            r.converge(&want, &shared).await;
+            let missing = decide::missing_node_addrs(&families, &local);
+            r.converge(&want, &missing, &shared).await;
             let status = decide::service_answer(name, t.local_endpoints, proxy_healthy).status;
             shared.note_status(&r.check, status);
         }
