@@ -1,5 +1,5 @@
-//! `kproxy plan` and `kproxy explain` on the example cluster and on broken input,
-//! through the real binary.
+//! `kproxy plan`, `kproxy explain` and `kproxy sync --dry-run` on the example cluster
+//! and on broken input, through the real binary.
 
 use std::process::Command;
 
@@ -257,4 +257,52 @@ fn config_file_changes_the_plan_and_a_wrong_mode_is_refused() {
     ]);
     assert_eq!(code, 1);
     assert!(err.contains("mode") && err.contains("iptables"), "{err}");
+}
+
+/// `kproxy sync --dry-run`: the script a full sync would apply, with `--config`'s
+/// settings, programming nothing (no root needed).
+fn dry_run(extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec![
+        "sync",
+        "--dry-run",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "--nft-table",
+        "kproxy-dry-run-test",
+    ];
+    args.extend_from_slice(extra);
+    kproxy(&args)
+}
+
+#[test]
+fn sync_dry_run_prints_both_families_full_script_with_the_default_mark() {
+    let (code, out, err) = dry_run(&[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("add table ip kproxy-dry-run-test"), "{out}");
+    assert!(out.contains("add table ip6 kproxy-dry-run-test"), "{out}");
+    // masqueradeBit 14, upstream's default.
+    assert!(out.contains("meta mark | 0x4000"), "{out}");
+}
+
+#[test]
+fn sync_dry_run_takes_the_masquerade_bit_from_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.yaml");
+    std::fs::write(
+        &cfg,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\nnftables: {masqueradeBit: 3}\n",
+    )
+    .unwrap();
+    let (code, out, err) = dry_run(&["--config", cfg.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("meta mark | 0x8 "),
+        "masqueradeBit 3 not used:\n{out}"
+    );
+    assert!(
+        !out.contains("0x4000"),
+        "the default mark is still there:\n{out}"
+    );
 }

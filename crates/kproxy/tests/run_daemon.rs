@@ -99,6 +99,49 @@ fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path) -> Daemon 
     )
 }
 
+/// A client in the node namespace opening a new connection to the cluster IP every
+/// 20 ms (and probing the health-check node port with it, when asked), counting failures.
+struct Load {
+    done: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<(u32, u32, u32)>,
+}
+
+impl Load {
+    fn start(node: &Netns, probe_health: bool) -> Load {
+        let done = Arc::new(AtomicBool::new(false));
+        let done2 = done.clone();
+        let path = format!("/var/run/netns/{}", node.0);
+        let thread = std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).expect("open netns");
+            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            let (mut sent, mut failed, mut unhealthy) = (0u32, 0u32, 0u32);
+            while !done2.load(Ordering::SeqCst) {
+                sent += 1;
+                if http_get("10.96.0.10:80".parse().unwrap(), "/")
+                    != Some((200, "pod-1".to_string()))
+                {
+                    failed += 1;
+                }
+                if probe_health
+                    && http_get("10.200.0.11:32000".parse().unwrap(), "/").map(|(c, _)| c)
+                        != Some(200)
+                {
+                    unhealthy += 1;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (sent, failed, unhealthy)
+        });
+        Load { done, thread }
+    }
+
+    /// (sent, failed connections, health probes not 200)
+    fn stop(self) -> (u32, u32, u32) {
+        self.done.store(true, Ordering::SeqCst);
+        self.thread.join().unwrap()
+    }
+}
+
 fn manifests() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     write_atomic(dir.path(), "node.yaml", NODE);
@@ -216,22 +259,7 @@ fn restart_under_load_loses_nothing() {
     assert!(ask(&mut kept));
 
     // New connections, one every 20 ms, from a thread in the node namespace.
-    let done = Arc::new(AtomicBool::new(false));
-    let done2 = done.clone();
-    let path = format!("/var/run/netns/{}", fab.node.0);
-    let load = std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).expect("open netns");
-        nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        let (mut sent, mut failed) = (0u32, 0u32);
-        while !done2.load(Ordering::SeqCst) {
-            sent += 1;
-            if http_get("10.96.0.10:80".parse().unwrap(), "/") != Some((200, "pod-1".to_string())) {
-                failed += 1;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        (sent, failed)
-    });
+    let load = Load::start(&fab.node, false);
 
     std::thread::sleep(Duration::from_millis(300));
     assert!(sigterm(&mut daemon).success());
@@ -255,8 +283,7 @@ fn restart_under_load_loses_nothing() {
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_millis(300));
-    done.store(true, Ordering::SeqCst);
-    let (sent, failed) = load.join().unwrap();
+    let (sent, failed, _) = load.stop();
     assert!(sent > 20, "the load generator ran ({sent} requests)");
     assert_eq!(
         failed, 0,
@@ -293,25 +320,7 @@ fn truncated_and_partial_manifest_writes_under_run_lose_no_connection() {
 
     // New connections to the cluster IP and probes of the health-check node port, one
     // each every 20 ms, from a thread in the node namespace.
-    let done = Arc::new(AtomicBool::new(false));
-    let done2 = done.clone();
-    let path = format!("/var/run/netns/{}", fab.node.0);
-    let load = std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).expect("open netns");
-        nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        let (mut sent, mut failed, mut unhealthy) = (0u32, 0u32, 0u32);
-        while !done2.load(Ordering::SeqCst) {
-            sent += 1;
-            if http_get("10.96.0.10:80".parse().unwrap(), "/") != Some((200, "pod-1".to_string())) {
-                failed += 1;
-            }
-            if http_get("10.200.0.11:32000".parse().unwrap(), "/").map(|(c, _)| c) != Some(200) {
-                unhealthy += 1;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        (sent, failed, unhealthy)
-    });
+    let load = Load::start(&fab.node, true);
 
     let file = dir.path().join("all.yaml");
     // The first document whole, the Service's cut in the middle of its flow mapping.
@@ -324,8 +333,7 @@ fn truncated_and_partial_manifest_writes_under_run_lose_no_connection() {
         std::fs::write(&file, &all).unwrap();
         std::thread::sleep(Duration::from_millis(500));
     }
-    done.store(true, Ordering::SeqCst);
-    let (sent, failed, unhealthy) = load.join().unwrap();
+    let (sent, failed, unhealthy) = load.stop();
     assert!(sent > 20, "the load generator ran ({sent} requests)");
     assert_eq!(
         failed, 0,
