@@ -1,7 +1,9 @@
 //! The HTTP shell: binding listeners, accepting connections and serving one handler
 //! with hyper, with every per-connection resource bounded so that hostile clients
 //! (half requests, huge headers, thousands of idle connections) cannot starve a
-//! well-behaved load-balancer probe.
+//! well-behaved load-balancer probe. The kproxy metrics server uses the same shell
+//! (through [`Server::with_responder`]), so every HTTP server of the process has one
+//! set of bounds.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -51,6 +53,9 @@ impl Default for Limits {
 /// Answers one request; must not block.
 pub type Handler = Arc<dyn Fn(&http::request::Parts) -> Answer + Send + Sync>;
 
+/// Answers one request with a complete response (any content type); must not block.
+pub type Responder = Arc<dyn Fn(&http::request::Parts) -> Response<Full<Bytes>> + Send + Sync>;
+
 /// Binds a listening TCP socket: SO_REUSEADDR (a restarted proxy rebinds at once even
 /// with connections in TIME_WAIT), IPV6_V6ONLY on IPv6 (so `0.0.0.0` and `[::]` can
 /// both be bound), close-on-exec, non-blocking.
@@ -84,6 +89,21 @@ pub fn response(a: Answer) -> Response<Full<Bytes>> {
         .expect("valid response")
 }
 
+/// A plain response for a [`Responder`] (common headers added here).
+pub fn body_response(
+    status: http::StatusCode,
+    content_type: &'static str,
+    body: String,
+) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header("Content-Type", content_type)
+        .header("X-Content-Type-Options", "nosniff")
+        .body(Full::new(Bytes::from(body)))
+        // Invariant: a valid status code and static ASCII header values.
+        .expect("valid response")
+}
+
 #[derive(Default)]
 struct Connections {
     next: u64,
@@ -96,12 +116,20 @@ pub struct Server {
     drain: CancellationToken,
     tasks: TaskTracker,
     conns: Arc<Mutex<Connections>>,
-    handler: Handler,
+    handler: Responder,
     limits: Limits,
+    name: &'static str,
 }
 
 impl Server {
+    /// A health server: `handler`'s answers as JSON responses.
     pub fn new(handler: Handler, limits: Limits) -> Server {
+        let responder: Responder = Arc::new(move |req| response(handler(req)));
+        Server::with_responder("health server", responder, limits)
+    }
+
+    /// Any server; `name` appears in its log lines.
+    pub fn with_responder(name: &'static str, handler: Responder, limits: Limits) -> Server {
         Server {
             close: CancellationToken::new(),
             drain: CancellationToken::new(),
@@ -109,6 +137,7 @@ impl Server {
             conns: Arc::default(),
             handler,
             limits,
+            name,
         }
     }
 
@@ -123,6 +152,7 @@ impl Server {
             conns: self.conns.clone(),
             handler: self.handler.clone(),
             limits: self.limits,
+            name: self.name,
         };
         let task = self.tasks.spawn(accept_loop(listener, stop.clone(), ctx));
         Listener { stop, task }
@@ -171,8 +201,9 @@ struct ConnCtx {
     drain: CancellationToken,
     tasks: TaskTracker,
     conns: Arc<Mutex<Connections>>,
-    handler: Handler,
+    handler: Responder,
     limits: Limits,
+    name: &'static str,
 }
 
 async fn accept_loop(listener: TcpListener, stop: CancellationToken, ctx: ConnCtx) {
@@ -204,7 +235,7 @@ async fn accept_loop(listener: TcpListener, stop: CancellationToken, ctx: ConnCt
             Err(e) => {
                 // Out of file descriptors (or a transient error): back off briefly
                 // instead of spinning; existing connections keep being served.
-                tracing::warn!(error = %e, "health server: accept failed");
+                tracing::warn!(error = %e, server = ctx.name, "accept failed");
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                     _ = stop.cancelled() => return,
@@ -223,8 +254,8 @@ async fn serve_conn(
     let handler = ctx.handler.clone();
     let svc = service_fn(move |req: Request<Incoming>| {
         let (parts, _body) = req.into_parts();
-        let answer = handler(&parts);
-        async move { Ok::<_, Infallible>(response(answer)) }
+        let resp = handler(&parts);
+        async move { Ok::<_, Infallible>(resp) }
     });
     let mut builder = http1::Builder::new();
     builder

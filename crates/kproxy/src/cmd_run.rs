@@ -215,6 +215,15 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
 
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
+    let health_limits = kproxy_health::http::Limits::default();
+    let wanted = crate::fdlimit::wanted(
+        cfg.metrics_bind_address
+            .map(|_| metrics::SERVER_LIMITS.max_connections),
+        cfg.healthz_bind_address
+            .map(|_| health_limits.max_connections),
+        health_limits.max_connections,
+    );
+    crate::fdlimit::raise_and_check(wanted, &mut registry).context("reading RLIMIT_NOFILE")?;
     let health = Health::start(
         HealthConfig {
             healthz_bind_address: cfg.healthz_bind_address,

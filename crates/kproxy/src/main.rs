@@ -10,6 +10,7 @@ mod cmd_sync;
 mod cmd_trace;
 mod common;
 mod daemon;
+mod fdlimit;
 mod metrics;
 
 use std::process::ExitCode;

@@ -195,30 +195,42 @@ pub fn encode(registry: &Registry) -> String {
     out
 }
 
-/// Serves `GET /metrics` on `addr` until the task is dropped.
+/// Bounds of the metrics server: a scraper or two need few connections; a flood of
+/// idle ones is cut at this many (oldest closed first) instead of exhausting the
+/// process's file descriptors, and keep-alive idleness ends after the header timeout.
+pub const SERVER_LIMITS: kproxy_health::http::Limits = kproxy_health::http::Limits {
+    max_connections: 64,
+    header_read_timeout: std::time::Duration::from_secs(10),
+    max_buf_size: 8192,
+    max_headers: 64,
+};
+
+/// Serves `GET /metrics` on `addr` (other paths: 404) with [`SERVER_LIMITS`], through
+/// the health crate's bounded HTTP shell; runs until the task is dropped.
 pub async fn serve(addr: SocketAddr, registry: Arc<Registry>) -> Result<()> {
-    use axum::routing::get;
-    let app = axum::Router::new().route(
-        "/metrics",
-        get(move || {
-            let registry = registry.clone();
-            async move {
-                (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    )],
-                    encode(&registry),
-                )
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the metrics server to {addr}"))?;
-    axum::serve(listener, app)
-        .await
-        .with_context(|| format!("metrics server on {addr}"))
+    use kproxy_health::http::{Responder, Server, bind, body_response};
+    let responder: Responder = Arc::new(move |req: &axum::http::request::Parts| {
+        if req.uri.path() == "/metrics" {
+            body_response(
+                axum::http::StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                encode(&registry),
+            )
+        } else {
+            body_response(
+                axum::http::StatusCode::NOT_FOUND,
+                "text/plain; charset=utf-8",
+                "not found: kproxy serves /metrics here\n".to_string(),
+            )
+        }
+    });
+    let listener = bind(addr).with_context(|| format!("binding the metrics server to {addr}"))?;
+    let server = Server::with_responder("metrics server", responder, SERVER_LIMITS);
+    let _listener = server.serve(listener);
+    // The server's tasks run on their own; keeping `server` alive keeps them running.
+    std::future::pending::<()>().await;
+    drop(server);
+    Ok(())
 }
 
 #[cfg(test)]
