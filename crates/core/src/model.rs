@@ -427,6 +427,17 @@ pub struct EndpointSlice {
     pub last_change_trigger_time: Option<String>,
 }
 
+/// A `networking.k8s.io/v1` ServiceCIDR (cluster-scoped): ranges the API server
+/// allocates cluster IPs from. The planner drops new connections to an address inside
+/// the union of every ServiceCIDR's `spec.cidrs` (and `PlanConfig::service_cidrs`) that
+/// no Service owns, as upstream kube-proxy does from v1.33 on.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceCidr {
+    pub name: String,
+    pub cidrs: Vec<IpNet>,
+}
+
 /// What kproxy reads of its own Node.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]

@@ -25,7 +25,7 @@ use crate::state::ClusterState;
 /// Plans the whole node from scratch. This node's Node object is read from `state`
 /// (it may be absent: no zone, no addresses, eligible).
 pub fn plan(state: &ClusterState, node_name: &str, config: &PlanConfig) -> NodePlan {
-    let facts = NodeFacts::new(node_name, state.node(), config);
+    let facts = NodeFacts::new(node_name, state.node(), &state.service_cidrs(), config);
     let services = state
         .services()
         .map(|svc| {
@@ -82,7 +82,7 @@ impl PlanUpdate {
 impl Planner {
     pub fn new(node_name: impl Into<String>, config: PlanConfig) -> Planner {
         let node_name = node_name.into();
-        let facts = NodeFacts::new(&node_name, None, &config);
+        let facts = NodeFacts::new(&node_name, None, &[], &config);
         Planner {
             plan: facts.into_plan(BTreeMap::new()),
             raw: BTreeMap::new(),
@@ -110,8 +110,14 @@ impl Planner {
     /// Applies the changes recorded in `state` since the last update.
     pub fn update(&mut self, state: &mut ClusterState) -> PlanUpdate {
         let changes = state.take_changes();
-        let full = changes.node || std::mem::take(&mut self.config_changed);
-        let facts = NodeFacts::new(&self.node_name, state.node(), &self.config);
+        let full =
+            changes.node || changes.service_cidrs || std::mem::take(&mut self.config_changed);
+        let facts = NodeFacts::new(
+            &self.node_name,
+            state.node(),
+            &state.service_cidrs(),
+            &self.config,
+        );
         let mut update = PlanUpdate::default();
         if full {
             let new = plan(state, &self.node_name, &self.config);
@@ -278,7 +284,24 @@ struct NodeFacts<'a> {
 }
 
 impl<'a> NodeFacts<'a> {
-    fn new(name: &'a str, node: Option<&Node>, config: &PlanConfig) -> NodeFacts<'a> {
+    /// `object_cidrs`: the union of the state's ServiceCIDR objects; the planned
+    /// `service_cidrs` are that plus `config.service_cidrs` (a union: either source alone
+    /// names ranges no Service may be reached in, so neither overrides the other).
+    fn new(
+        name: &'a str,
+        node: Option<&Node>,
+        object_cidrs: &[IpNet],
+        config: &PlanConfig,
+    ) -> NodeFacts<'a> {
+        let all_cidrs: Vec<IpNet> = {
+            let set: BTreeSet<IpNet> = config
+                .service_cidrs
+                .iter()
+                .chain(object_cidrs)
+                .map(|n| n.trunc())
+                .collect();
+            set.into_iter().collect()
+        };
         let node_addrs: Vec<IpAddr> = if config.node_ips.is_empty() {
             node.map(|n| n.addresses.clone()).unwrap_or_default()
         } else {
@@ -343,10 +366,7 @@ impl<'a> NodeFacts<'a> {
                     node_ips,
                     node_port_addresses,
                     local_pods,
-                    service_cidrs: of_family(&config.service_cidrs)
-                        .into_iter()
-                        .map(|n| n.trunc())
-                        .collect(),
+                    service_cidrs: of_family(&all_cidrs),
                 }
             })
             .collect();

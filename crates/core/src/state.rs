@@ -6,9 +6,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use ipnet::IpNet;
+
 use crate::ingest::{self, IngestError, Kind, Ownership, ServiceOutcome, SliceOutcome};
 use crate::manifest::Object;
-use crate::model::{EndpointSlice, Node, Service, ServiceName};
+use crate::model::{EndpointSlice, Node, Service, ServiceCidr, ServiceName};
 
 /// What changed since the last [`ClusterState::take_changes`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -17,6 +19,9 @@ pub struct Changes {
     pub services: BTreeSet<ServiceName>,
     /// The Node changed (labels, addresses, pod CIDRs, deletion, taints).
     pub node: bool,
+    /// The set of ServiceCIDR objects changed (every family's `service_cidrs` may differ:
+    /// a full re-plan, like a Node change).
+    pub service_cidrs: bool,
     /// Service objects added, changed or removed (upstream counts these for
     /// `sync_proxy_rules_service_changes_total`).
     pub service_events: u64,
@@ -26,7 +31,7 @@ pub struct Changes {
 
 impl Changes {
     pub fn is_empty(&self) -> bool {
-        self.services.is_empty() && !self.node
+        self.services.is_empty() && !self.node && !self.service_cidrs
     }
 }
 
@@ -123,6 +128,8 @@ pub struct ClusterState {
     /// service-name label changed) finds its old owner.
     slice_owner: BTreeMap<(String, String), ServiceName>,
     node: Option<Node>,
+    /// ServiceCIDR objects by name (cluster-scoped).
+    service_cidrs: BTreeMap<String, ServiceCidr>,
     changes: Changes,
 }
 
@@ -162,6 +169,40 @@ impl ClusterState {
 
     pub fn node(&self) -> Option<&Node> {
         self.node.as_ref()
+    }
+
+    /// The ServiceCIDR objects, by name.
+    pub fn service_cidr_objects(&self) -> impl Iterator<Item = &ServiceCidr> {
+        self.service_cidrs.values()
+    }
+
+    /// The union of every ServiceCIDR object's CIDRs, sorted and deduplicated.
+    pub fn service_cidrs(&self) -> Vec<IpNet> {
+        let set: BTreeSet<IpNet> = self
+            .service_cidrs
+            .values()
+            .flat_map(|c| c.cidrs.iter().map(|n| n.trunc()))
+            .collect();
+        set.into_iter().collect()
+    }
+
+    /// Inserts or replaces a ServiceCIDR object. Returns whether anything changed.
+    pub fn upsert_service_cidr(&mut self, cidr: ServiceCidr) -> bool {
+        if self.service_cidrs.get(&cidr.name) == Some(&cidr) {
+            return false;
+        }
+        self.service_cidrs.insert(cidr.name.clone(), cidr);
+        self.changes.service_cidrs = true;
+        true
+    }
+
+    pub fn delete_service_cidr(&mut self, name: &str) -> bool {
+        if self.service_cidrs.remove(name).is_some() {
+            self.changes.service_cidrs = true;
+            true
+        } else {
+            false
+        }
     }
 
     /// Inserts or replaces a Service. Returns whether anything changed.
@@ -281,6 +322,7 @@ impl ClusterState {
             .collect();
         self.changes.services.extend(all);
         self.changes.node = true;
+        self.changes.service_cidrs = true;
     }
 
     /// Replaces the whole content with `other` (an atomic relist), recording as changed
@@ -313,11 +355,14 @@ impl ClusterState {
             }
         }
         let node_changed = self.node != other.node;
+        let cidrs_changed = self.service_cidrs != other.service_cidrs;
         let mut pending = std::mem::take(&mut self.changes);
         self.services = other.services;
         self.slices = other.slices;
         self.slice_owner = other.slice_owner;
         self.node = other.node;
+        self.service_cidrs = other.service_cidrs;
+        pending.service_cidrs |= cidrs_changed;
         pending.services.extend(changed);
         pending.node |= node_changed;
         pending.service_events += service_events;

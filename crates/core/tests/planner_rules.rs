@@ -573,3 +573,92 @@ fn duplicate_endpoint_across_slices_prefers_the_non_terminating_copy() {
     assert_eq!(sp.endpoints.len(), 1);
     assert!(sp.endpoints[0].conditions.ready);
 }
+
+fn state_of(docs: &[String]) -> ClusterState {
+    let mut text = NODE.to_string();
+    for d in docs {
+        text += "---\n";
+        text += d;
+    }
+    let parsed = manifest::parse("t.yaml", &text);
+    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
+    let mut st = ClusterState::new();
+    for o in &parsed.objects {
+        st.apply(&o.object, &Ownership::default(), "node-a")
+            .expect("valid object");
+    }
+    st
+}
+
+#[test]
+fn service_cidr_objects_and_the_setting_are_unioned_and_replanned_incrementally() {
+    use kproxy_core::model::ServiceCidr;
+    let docs = [
+        svc("s", ""),
+        slice("s", &[("10.244.2.5", "node-b", true, true, false)]),
+    ];
+    let mut st = state_of(&docs);
+    let cfg = PlanConfig {
+        service_cidrs: vec!["10.97.0.0/16".parse().unwrap()],
+        ..PlanConfig::default()
+    };
+    let mut planner = kproxy_core::Planner::new("node-a", cfg.clone());
+    planner.update(&mut st);
+    let verdict = |p: &NodePlan, dst: &str| trace(p, &pkt("10.244.1.3", dst, 80), &[]).verdict;
+    // Only the setting so far.
+    assert_eq!(verdict(planner.plan(), "10.97.0.1"), TraceVerdict::Drop);
+    assert_eq!(verdict(planner.plan(), "10.96.0.11"), TraceVerdict::None);
+
+    assert!(st.upsert_service_cidr(ServiceCidr {
+        name: "kubernetes".into(),
+        cidrs: vec![
+            "10.96.0.1/16".parse().unwrap(),
+            "fd00:96::/112".parse().unwrap()
+        ],
+    }));
+    let up = planner.update(&mut st);
+    assert!(up.node, "a ServiceCIDR change re-plans the families");
+    assert_eq!(*planner.plan(), kproxy_core::plan(&st, "node-a", &cfg));
+    assert_eq!(verdict(planner.plan(), "10.96.0.11"), TraceVerdict::Drop);
+    assert_eq!(verdict(planner.plan(), "10.97.0.1"), TraceVerdict::Drop);
+    assert_eq!(verdict(planner.plan(), "10.96.0.10"), TraceVerdict::Dnat);
+    assert_eq!(
+        planner.plan().families[1].service_cidrs,
+        vec!["fd00:96::/112".parse::<ipnet::IpNet>().unwrap()]
+    );
+    assert_eq!(
+        planner.plan().families[0].service_cidrs,
+        vec![
+            "10.96.0.0/16".parse::<ipnet::IpNet>().unwrap(),
+            "10.97.0.0/16".parse().unwrap()
+        ],
+        "host bits truncated, union sorted"
+    );
+
+    // Re-applying the same object changes nothing.
+    assert!(!st.upsert_service_cidr(ServiceCidr {
+        name: "kubernetes".into(),
+        cidrs: vec![
+            "10.96.0.1/16".parse().unwrap(),
+            "fd00:96::/112".parse().unwrap()
+        ],
+    }));
+    assert!(planner.update(&mut st).is_empty());
+
+    assert!(st.delete_service_cidr("kubernetes"));
+    let up = planner.update(&mut st);
+    assert!(up.node);
+    assert_eq!(*planner.plan(), kproxy_core::plan(&st, "node-a", &cfg));
+    assert_eq!(verdict(planner.plan(), "10.96.0.11"), TraceVerdict::None);
+
+    // A relist that brings the object back is a change too.
+    let mut relisted = state_of(&docs);
+    relisted.upsert_service_cidr(ServiceCidr {
+        name: "kubernetes".into(),
+        cidrs: vec!["10.96.0.0/16".parse().unwrap()],
+    });
+    st.replace(relisted);
+    assert!(planner.update(&mut st).node);
+    assert_eq!(*planner.plan(), kproxy_core::plan(&st, "node-a", &cfg));
+    assert_eq!(verdict(planner.plan(), "10.96.0.11"), TraceVerdict::Drop);
+}
