@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 use kproxy_core::NodePlan;
 use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::{FamilyPlan, NodePortAddresses, ServicePlan};
+use kproxy_core::planner::PlanUpdate;
 
 /// Which answers the health servers give (`--health-check-semantics`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -259,6 +260,50 @@ pub fn service_answer(service: &ServiceName, local_endpoints: u32, proxy_healthy
     }
 }
 
+/// An update that says "everything may have changed": for callers holding a whole plan
+/// and no delta (tests, tools).
+pub const WHOLE_PLAN: PlanUpdate = PlanUpdate {
+    services: Vec::new(),
+    node: true,
+};
+
+/// What the health servers keep of a plan: its node facts and its health-checked
+/// Services only, moved by the planner's [`PlanUpdate`] (work ∝ the changed Services; the
+/// sync loop never clones a whole plan for health). A node-level change, or no view yet,
+/// rebuilds it from `plan`.
+pub fn follow(view: &mut Option<NodePlan>, plan: &NodePlan, update: &PlanUpdate) {
+    let checked = |svc: &&std::sync::Arc<ServicePlan>| svc.health_check.is_some();
+    match view {
+        Some(v) if !update.node => {
+            for name in &update.services {
+                match plan.services.get(name).filter(checked) {
+                    Some(svc) => {
+                        v.services.insert(name.clone(), svc.clone());
+                    }
+                    None => {
+                        v.services.remove(name);
+                    }
+                }
+            }
+        }
+        _ => {
+            *view = Some(NodePlan {
+                node: plan.node.clone(),
+                zone: plan.zone.clone(),
+                node_eligible: plan.node_eligible,
+                families: plan.families.clone(),
+                services: plan
+                    .services
+                    .iter()
+                    .filter(|(_, s)| checked(s))
+                    .map(|(n, s)| (n.clone(), s.clone()))
+                    .collect(),
+                conflicts: Vec::new(),
+            })
+        }
+    }
+}
+
 /// What one health-check server must serve.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Target {
@@ -444,6 +489,42 @@ pub fn families(computed: Option<&NodePlan>) -> Vec<IpFamily> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_view_moved_by_plan_updates_equals_one_built_from_the_whole_plan() {
+        use kproxy_core::synthetic::{self, Spec};
+        let spec = Spec {
+            nodes: 2,
+            etp_local_every: 3,
+            ..Spec::new(60, 4)
+        };
+        let mut state = synthetic::cluster(&spec);
+        let mut planner = kproxy_core::Planner::new(synthetic::node_name(0), Default::default());
+        let mut view = None;
+        let update = planner.update(&mut state);
+        follow(&mut view, planner.plan(), &update);
+        let rebuilt = |plan: &NodePlan| {
+            let mut v = None;
+            follow(&mut v, plan, &WHOLE_PLAN);
+            v
+        };
+        assert_eq!(view, rebuilt(planner.plan()));
+        assert_eq!(view.as_ref().map(|v| v.services.len()), Some(20));
+        // Endpoints change, a health-checked Service goes, another loses its eTP Local,
+        // a new one comes.
+        for i in (0..30).step_by(2) {
+            state.upsert_slice(synthetic::slice(&spec, i, 1));
+        }
+        state.delete_service(&synthetic::service(&spec, 3).name);
+        let mut cluster_policy = synthetic::service(&spec, 6);
+        cluster_policy.external_traffic_policy = kproxy_core::model::TrafficPolicy::Cluster;
+        state.upsert_service(cluster_policy);
+        state.upsert_service(synthetic::service(&spec, 60));
+        let update = planner.update(&mut state);
+        assert!(!update.node && !update.services.is_empty());
+        follow(&mut view, planner.plan(), &update);
+        assert_eq!(view, rebuilt(planner.plan()));
+    }
 
     const T: Duration = Duration::from_secs(60);
 

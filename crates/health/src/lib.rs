@@ -6,7 +6,8 @@
 //! of (plans, proxy-health state, now); this module keeps the state and runs a
 //! reconciler task that opens, retargets and closes listeners as plans change; [`http`]
 //! is the hyper shell with bounded per-connection resources. The sync loop reports to a
-//! cheap [`Health`] handle: [`Health::plan_computed`], [`Health::plan_applied`],
+//! cheap [`Health`] handle: [`Health::computed`], [`Health::applied`] (each with the
+//! planner's `PlanUpdate`, so health keeps its own small view of the plans), and
 //! [`Health::sync_failed`]. Semantics (truthful vs upstream) are documented in
 //! `docs/health.md`.
 
@@ -26,6 +27,7 @@ use std::time::{Duration, SystemTime};
 use kproxy_core::NodePlan;
 use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::NodePortAddresses;
+use kproxy_core::planner::PlanUpdate;
 use prometheus_client::registry::Registry;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
@@ -115,8 +117,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 struct Core {
     health: ProxyHealth,
-    computed: Option<Arc<NodePlan>>,
-    applied: Option<Arc<NodePlan>>,
+    /// Views of the computed and applied plans ([`decide::follow`]).
+    computed: Option<NodePlan>,
+    applied: Option<NodePlan>,
 }
 
 /// What request handlers and the reconciler share.
@@ -138,7 +141,7 @@ impl Shared {
     fn proxy_answer(&self, probe: Probe) -> Answer {
         let now = self.clock.now();
         let c = lock(&self.core);
-        let computed = c.computed.as_deref();
+        let computed = c.computed.as_ref();
         decide::proxy_answer(
             self.semantics,
             probe,
@@ -275,32 +278,44 @@ impl Health {
         Ok(Health { shared, ctl })
     }
 
-    /// The sync loop has a new computed plan queued (upstream `QueuedUpdate`). Node
-    /// eligibility for `/healthz` comes from this plan; truthful semantics also stop
-    /// counting endpoints this plan no longer has as ready.
-    pub fn plan_computed(&self, plan: &Arc<NodePlan>) {
+    /// The sync loop has a new computed plan queued (upstream `QueuedUpdate`); `update`
+    /// is what the planner changed since the previous one. Node eligibility for
+    /// `/healthz` comes from this plan; truthful semantics also stop counting endpoints
+    /// this plan no longer has as ready.
+    pub fn computed(&self, plan: &NodePlan, update: &PlanUpdate) {
         let now = self.shared.clock.now();
         {
             let mut c = lock(&self.shared.core);
             c.health.queued(now);
-            c.computed = Some(plan.clone());
+            decide::follow(&mut c.computed, plan, update);
         }
         self.kick();
     }
 
     /// The dataplane applied this plan successfully (upstream `Updated`, then
-    /// `SyncServices`/`SyncEndpoints`): health-check servers follow this plan.
-    pub fn plan_applied(&self, plan: &Arc<NodePlan>) {
+    /// `SyncServices`/`SyncEndpoints`): health-check servers follow this plan. `update`
+    /// is every change since the previous applied plan (failed syncs in between included).
+    pub fn applied(&self, plan: &NodePlan, update: &PlanUpdate) {
         let now = self.shared.clock.now();
         {
             let mut c = lock(&self.shared.core);
             c.health.updated(now);
-            c.applied = Some(plan.clone());
+            decide::follow(&mut c.applied, plan, update);
             if c.computed.is_none() {
-                c.computed = Some(plan.clone());
+                decide::follow(&mut c.computed, plan, &decide::WHOLE_PLAN);
             }
         }
         self.kick();
+    }
+
+    /// [`Health::computed`] for a caller with a whole plan and no delta.
+    pub fn plan_computed(&self, plan: &NodePlan) {
+        self.computed(plan, &decide::WHOLE_PLAN);
+    }
+
+    /// [`Health::applied`] for a caller with a whole plan and no delta.
+    pub fn plan_applied(&self, plan: &NodePlan) {
+        self.applied(plan, &decide::WHOLE_PLAN);
     }
 
     /// A change reached the cluster state (upstream `QueuedUpdate`, called where the
@@ -652,8 +667,8 @@ async fn reconcile_loop(
             let c = lock(&shared.core);
             let targets = decide::health_check_targets(
                 shared.semantics,
-                c.computed.as_deref(),
-                c.applied.as_deref(),
+                c.computed.as_ref(),
+                c.applied.as_ref(),
             );
             (
                 targets,

@@ -13,14 +13,15 @@ use kproxy_config::{ConfigFlags, ProxyConfig};
 use kproxy_core::NodePlan;
 use kproxy_core::config::NodePortAddressesConfig;
 use kproxy_core::ingest::Ownership;
+use kproxy_core::planner::PlanUpdate;
 use kproxy_health::{Health, HealthConfig, Semantics};
 use kproxy_nft::{Dataplane as Nft, DataplaneConfig};
 use kproxy_source::StateHandle;
 use prometheus_client::registry::Registry;
-use tokio::sync::watch;
 
-use crate::daemon::{self, HealthSink, LoopConfig, SyncOutcome};
+use crate::daemon::{self, LoopConfig, SyncLoop, SyncOutcome};
 use crate::metrics::{self, Metrics};
+use crate::tasks::Tasks;
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 pub enum HealthSemantics {
@@ -144,7 +145,9 @@ fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
 struct NftDataplane(Nft);
 
 impl daemon::Dataplane for NftDataplane {
-    fn sync(&mut self, plan: &NodePlan) -> Result<SyncOutcome> {
+    // The nft dataplane diffs against its own record, so it needs no delta; after a
+    // failure it re-programs everything by itself.
+    fn sync(&mut self, plan: &NodePlan, _update: &PlanUpdate) -> Result<SyncOutcome> {
         let r = self.0.sync(plan).context("programming nftables")?;
         Ok(SyncOutcome {
             full: r.full,
@@ -167,20 +170,6 @@ impl daemon::Dataplane for NftDataplane {
 
     fn verify(&mut self) -> Result<bool> {
         Ok(self.0.verify().context("verifying nftables")?.drift)
-    }
-}
-
-struct HealthHandle(Health);
-
-impl HealthSink for HealthHandle {
-    fn plan_computed(&self, plan: &Arc<NodePlan>) {
-        self.0.plan_computed(plan);
-    }
-    fn plan_applied(&self, plan: &Arc<NodePlan>) {
-        self.0.plan_applied(plan);
-    }
-    fn sync_failed(&self) {
-        self.0.sync_failed();
     }
 }
 
@@ -238,12 +227,19 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     .await
     .context("starting the health servers")?;
     let registry = Arc::new(registry);
+    let mut tasks = Tasks::new();
     if let Some(addr) = cfg.metrics_bind_address {
         let registry = registry.clone();
-        tokio::spawn(async move {
-            if let Err(e) = metrics::serve(addr, registry).await {
-                tracing::error!(error = format!("{e:#}"), "metrics server stopped");
+        // A metrics server that cannot start is logged, never fatal.
+        tasks.spawn("the metrics server", move |stop| async move {
+            tokio::select! {
+                _ = stop.cancelled() => return Ok(()),
+                r = metrics::serve(addr, registry) => if let Err(e) = r {
+                    tracing::error!(error = format!("{e:#}"), "metrics server stopped");
+                },
             }
+            stop.cancelled().await;
+            Ok(())
         });
     }
 
@@ -267,7 +263,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     let ownership = Ownership {
         service_proxy_name: args.service_proxy_name.clone(),
     };
-    let source = match &args.manifests {
+    match &args.manifests {
         Some(path) => {
             let mut wc =
                 kproxy_source::watch::WatchConfig::new(path.clone(), node.clone(), ownership);
@@ -278,21 +274,24 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
             // A stalled reader keeps reporting a failed sync, so /livez turns unhealthy
             // after 2 x syncPeriod as for a sync loop that stopped (issue 17).
             let (h, stalled_health) = (handle.clone(), health.clone());
-            tokio::spawn(async move {
+            tasks.spawn("the stall watch", move |stop| async move {
                 let mut tick = tokio::time::interval(Duration::from_secs(1));
                 loop {
-                    tick.tick().await;
+                    tokio::select! {
+                        _ = stop.cancelled() => return Ok(()),
+                        _ = tick.tick() => {}
+                    }
                     if h.is_source_stalled() {
                         stalled_health.sync_failed();
                     }
                 }
             });
             let h = handle.clone();
-            tokio::spawn(async move {
+            tasks.spawn_until_cancelled("the source", "the source stopped", async move {
                 kproxy_source::watch::run(wc, h)
                     .await
                     .map_err(anyhow::Error::from)
-            })
+            });
         }
         None => {
             let client = kproxy_source::kube::client(cfg.kubeconfig.as_deref())
@@ -303,22 +302,23 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
                 ownership,
             };
             let h = handle.clone();
-            tokio::spawn(async move {
+            tasks.spawn_until_cancelled("the source", "the source stopped", async move {
                 kproxy_source::kube::run(client, kc, h)
                     .await
                     .map_err(anyhow::Error::from)
-            })
+            });
         }
     };
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        wait_for_signal().await;
-        let _ = stop_tx.send(true);
+    tasks.spawn("the signal handler", |stop| async move {
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = wait_for_signal() => {}
+        }
+        Ok(())
     });
 
     tracing::info!(%node, source = if args.manifests.is_some() { "manifests" } else { "kubernetes" }, "kproxy starting");
-    let health_handle = Arc::new(HealthHandle(health.clone()));
     let loop_cfg = LoopConfig {
         node_name: node,
         plan: plan_cfg,
@@ -328,18 +328,20 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         event_log: args.event_log.clone(),
         changes,
     };
-    let sync_loop = daemon::run(loop_cfg, handle, dataplane, health_handle, metrics, stop_rx);
-    tokio::pin!(sync_loop);
-    let mut source = source;
-    let result = tokio::select! {
-        r = &mut sync_loop => r.map(|_| ()),
-        r = &mut source => match r {
-            Ok(Ok(())) => Err(anyhow::anyhow!("the source stopped")),
-            Ok(Err(e)) => Err(e),
-            Err(e) => Err(anyhow::anyhow!("the source task failed: {e}")),
-        },
-    };
-    source.abort();
+    let sync_loop = SyncLoop::new(
+        loop_cfg,
+        handle,
+        dataplane,
+        Arc::new(health.clone()),
+        metrics,
+    )?;
+    tasks.spawn("the sync loop", |stop| async move {
+        // The dataplane is dropped: the rules stay in place.
+        sync_loop.run(stop).await.map(drop)
+    });
+    // Every task has returned (the sync loop after finishing a sync in flight) before
+    // the health servers close.
+    let result = tasks.run().await;
     health.shutdown().await;
     result.map(|()| ExitCode::SUCCESS)
 }

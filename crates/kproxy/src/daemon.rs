@@ -1,29 +1,38 @@
-//! The sync loop of `kproxy run`: waits until the source has listed everything, then
-//! for every batch of changes (at most one sync per minSyncPeriod) re-plans what changed,
-//! tells the health servers what is queued, applies the plan to the dataplane on a
-//! blocking thread, and tells the health servers what is now programmed. Failed syncs
-//! retry with backoff; syncPeriod forces a sync attempt; a long verifyPeriod compares the
-//! kernel with what was programmed. On shutdown the rules stay in place, as kube-proxy
-//! leaves them, so traffic keeps flowing across a restart.
+//! The sync loop of `kproxy run` as a library type, [`SyncLoop`]: waits until the
+//! source has listed everything, then for every batch of changes (at most one sync per
+//! minSyncPeriod) re-plans what changed, tells the health servers what is queued, applies
+//! the plan to the dataplane on a blocking thread, and tells the health servers what is
+//! now programmed. Failed syncs retry with backoff; syncPeriod forces a sync attempt; a
+//! long verifyPeriod compares the kernel with what was programmed. It stops when its
+//! cancellation token fires (after finishing a sync in flight); the rules stay in place,
+//! as kube-proxy leaves them, so traffic keeps flowing across a restart.
+//!
+//! One owner of change: the planner's [`PlanUpdate`] is the delta handed to the dataplane
+//! and to health; the loop never clones a plan. The dataplane and health are traits, so
+//! the loop is tested with fakes under paused time (tests below). Time is
+//! `tokio::time::Instant` throughout for that reason.
 
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
+use kproxy_core::planner::PlanUpdate;
 use kproxy_core::{NodePlan, PlanConfig, Planner};
 use kproxy_source::StateHandle;
 use serde_json::json;
-use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{Metrics, NoLocalLabels, StageLabel};
 
 /// What the loop needs from a dataplane. Implemented by kproxy-nft's `Dataplane`.
 pub trait Dataplane: Send + 'static {
-    /// Programs `plan` (full the first time, then deltas). Blocking.
-    fn sync(&mut self, plan: &NodePlan) -> Result<SyncOutcome>;
+    /// Programs `plan`; `update` is every change since the last successful sync (the
+    /// first call, and any call after a failure, must program everything). Blocking.
+    fn sync(&mut self, plan: &NodePlan, update: &PlanUpdate) -> Result<SyncOutcome>;
     /// Compares the kernel with what was programmed and repairs it; true when it drifted.
     fn verify(&mut self) -> Result<bool>;
 }
@@ -38,9 +47,23 @@ pub struct SyncOutcome {
 
 /// What the loop tells the health servers. Implemented by kproxy-health's `Health`.
 pub trait HealthSink: Send + Sync + 'static {
-    fn plan_computed(&self, plan: &Arc<NodePlan>);
-    fn plan_applied(&self, plan: &Arc<NodePlan>);
+    /// A plan was computed; `update` is what changed since the previous computed plan.
+    fn computed(&self, plan: &NodePlan, update: &PlanUpdate);
+    /// A plan was programmed; `update` is what changed since the previous applied plan.
+    fn applied(&self, plan: &NodePlan, update: &PlanUpdate);
     fn sync_failed(&self);
+}
+
+impl HealthSink for kproxy_health::Health {
+    fn computed(&self, plan: &NodePlan, update: &PlanUpdate) {
+        kproxy_health::Health::computed(self, plan, update);
+    }
+    fn applied(&self, plan: &NodePlan, update: &PlanUpdate) {
+        kproxy_health::Health::applied(self, plan, update);
+    }
+    fn sync_failed(&self) {
+        kproxy_health::Health::sync_failed(self);
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -133,76 +156,168 @@ fn unix_now() -> f64 {
         .as_secs_f64()
 }
 
-/// Runs until `shutdown` flips to true. Returns the dataplane so the caller can decide
-/// what to do with it (nothing: the rules stay).
-pub async fn run<D: Dataplane, H: HealthSink>(
+/// The planner and the dataplane: what a sync runs on the blocking thread, moved there
+/// and back so the plan is lent, not cloned.
+struct Engine<D> {
+    planner: Planner,
+    dataplane: D,
+}
+
+/// The sync loop. [`SyncLoop::new`] wires it; [`SyncLoop::run`] runs it until its token
+/// is cancelled.
+pub struct SyncLoop<D, H> {
     cfg: LoopConfig,
     handle: StateHandle,
-    mut dataplane: D,
+    /// `None` only while a blocking call holds it (inside `on_engine`, which holds
+    /// `&mut self` and is never dropped half-way).
+    engine: Option<Engine<D>>,
     health: Arc<H>,
     metrics: Arc<Metrics>,
-    mut shutdown: watch::Receiver<bool>,
-) -> Result<D> {
-    let mut events = EventLog::open(cfg.event_log.as_ref())?;
-    while !handle.is_ready() {
-        tokio::select! {
-            _ = handle.changed() => {}
-            _ = shutdown.changed() => return Ok(dataplane),
+    events: EventLog,
+    programming: ProgrammingLatency,
+    last_conflicts: Vec<kproxy_core::conflicts::Conflict>,
+    last_sync: Option<Instant>,
+    failures: u32,
+    /// Every change planned since the last successful sync: what the dataplane and
+    /// health's applied view have not seen yet.
+    unapplied: PlanUpdate,
+}
+
+const ENGINE_HOME: &str = "the engine is home between blocking calls";
+
+/// How one sync attempt ended.
+enum Attempt {
+    Synced,
+    Failed { retry_in: Duration },
+}
+
+impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
+    pub fn new(
+        cfg: LoopConfig,
+        handle: StateHandle,
+        dataplane: D,
+        health: Arc<H>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self> {
+        let events = EventLog::open(cfg.event_log.as_ref())?;
+        let planner = Planner::new(cfg.node_name.clone(), cfg.plan.clone());
+        Ok(SyncLoop {
+            cfg,
+            handle,
+            engine: Some(Engine { planner, dataplane }),
+            health,
+            metrics,
+            events,
+            programming: ProgrammingLatency::default(),
+            last_conflicts: Vec::new(),
+            last_sync: None,
+            failures: 0,
+            unapplied: PlanUpdate::default(),
+        })
+    }
+
+    /// Runs until `stop` is cancelled; a sync in flight finishes first. Returns the
+    /// dataplane so the caller can decide what to do with it (nothing: the rules stay).
+    pub async fn run(mut self, stop: CancellationToken) -> Result<D> {
+        while !self.handle.is_ready() {
+            tokio::select! {
+                _ = self.handle.changed() => {}
+                _ = stop.cancelled() => return Ok(self.into_dataplane()),
+            }
+        }
+        tracing::info!(node = %self.cfg.node_name, "source synced; starting the sync loop");
+        let mut need_sync = true; // the first sync always runs, even for an empty cluster
+        let mut next_verify = Instant::now() + self.cfg.verify_period;
+        loop {
+            if !need_sync {
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => break,
+                    _ = self.handle.changed() => {
+                        // A wake left over from changes the last sync already took.
+                        if self.handle.with(|s| s.changes().is_empty()) {
+                            continue;
+                        }
+                    }
+                    _ = tokio::time::sleep(self.cfg.sync_period) => {
+                        tracing::debug!("syncPeriod elapsed");
+                    }
+                    _ = tokio::time::sleep_until(next_verify) => {
+                        self.verify().await;
+                        next_verify = Instant::now() + self.cfg.verify_period;
+                        continue;
+                    }
+                }
+            }
+            // Batch: at most one sync per minSyncPeriod; changes arriving meanwhile join it.
+            if let Some(t) = self.last_sync {
+                let earliest = t + self.cfg.min_sync_period;
+                if Instant::now() < earliest {
+                    self.metrics.last_queued_timestamp.set(unix_now());
+                    tokio::select! {
+                        biased;
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep_until(earliest) => {}
+                    }
+                }
+            }
+            if stop.is_cancelled() {
+                break;
+            }
+            need_sync = false;
+            if let Attempt::Failed { retry_in } = self.sync().await {
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(retry_in) => {}
+                }
+                need_sync = true;
+            }
+            if self.handle.with(|s| !s.changes().is_empty()) {
+                need_sync = true;
+            }
+        }
+        tracing::info!("shutting down; nftables rules stay in place");
+        self.events.emit("stopped", json!({}));
+        Ok(self.into_dataplane())
+    }
+
+    fn into_dataplane(mut self) -> D {
+        self.engine.take().expect(ENGINE_HOME).dataplane
+    }
+
+    async fn verify(&mut self) {
+        let res = self.on_engine(|e| e.dataplane.verify()).await;
+        match res {
+            Ok(true) => {
+                self.metrics.drift_repairs.inc();
+                tracing::warn!("kernel rules drifted from what kproxy programmed; repaired");
+                self.events.emit("drift_repaired", json!({}));
+            }
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = format!("{e:#}"), "verification failed"),
         }
     }
-    tracing::info!(node = %cfg.node_name, "source synced; starting the sync loop");
-    let mut planner = Planner::new(cfg.node_name.clone(), cfg.plan.clone());
-    let mut programming = ProgrammingLatency::default();
-    let mut last_conflicts: Vec<kproxy_core::conflicts::Conflict> = Vec::new();
-    let mut last_sync: Option<Instant> = None;
-    let mut need_sync = true; // the first sync always runs, even for an empty cluster
-    let mut failures: u32 = 0;
-    let mut next_verify = Instant::now() + cfg.verify_period;
 
-    loop {
-        if !need_sync {
-            let wait_resync = tokio::time::sleep(cfg.sync_period);
-            let wait_verify = tokio::time::sleep_until(next_verify.into());
-            tokio::select! {
-                _ = handle.changed() => {}
-                _ = wait_resync => { tracing::debug!("syncPeriod elapsed"); }
-                _ = wait_verify => {
-                    next_verify = Instant::now() + cfg.verify_period;
-                    let (dp, res) = blocking(dataplane, |d| d.verify()).await;
-                    dataplane = dp;
-                    match res {
-                        Ok(true) => {
-                            metrics.drift_repairs.inc();
-                            tracing::warn!("kernel rules drifted from what kproxy programmed; repaired");
-                            events.emit("drift_repaired", json!({}));
-                        }
-                        Ok(false) => {}
-                        Err(e) => tracing::warn!(error = format!("{e:#}"), "verification failed"),
-                    }
-                    continue;
-                }
-                _ = shutdown.changed() => break,
-            }
-        }
-        if *shutdown.borrow() {
-            break;
-        }
-        // Batch: at most one sync per minSyncPeriod; changes arriving meanwhile join it.
-        if let Some(t) = last_sync {
-            let earliest = t + cfg.min_sync_period;
-            if Instant::now() < earliest {
-                metrics.last_queued_timestamp.set(unix_now());
-                tokio::select! {
-                    _ = tokio::time::sleep_until(earliest.into()) => {}
-                    _ = shutdown.changed() => break,
-                }
-            }
-        }
+    /// Runs `f` on the engine on a blocking thread.
+    async fn on_engine<R: Send + 'static>(
+        &mut self,
+        f: impl FnOnce(&mut Engine<D>) -> R + Send + 'static,
+    ) -> R {
+        let engine = self.engine.take().expect(ENGINE_HOME);
+        let (engine, r) = blocking(engine, f).await;
+        self.engine = Some(engine);
+        r
+    }
+
+    /// One sync: re-plan what changed, apply, report.
+    async fn sync(&mut self) -> Attempt {
+        let metrics = self.metrics.clone();
         metrics.last_queued_timestamp.set(unix_now());
-
-        let oldest_change = cfg.changes.take();
+        let oldest_change = self.cfg.changes.take();
         let start = Instant::now();
-        let (update, service_events, slice_events) = handle.with(|state| {
+        let planner = &mut self.engine.as_mut().expect(ENGINE_HOME).planner;
+        let (update, service_events, slice_events) = self.handle.with(|state| {
             let c = state.changes();
             let counts = (c.service_events, c.slice_events);
             metrics.service_changes_pending.set(counts.0 as i64);
@@ -213,31 +328,36 @@ pub async fn run<D: Dataplane, H: HealthSink>(
         metrics.endpoint_changes_total.inc_by(slice_events);
         metrics.service_changes_pending.set(0);
         metrics.endpoint_changes_pending.set(0);
-        need_sync = false;
-        let plan = Arc::new(planner.plan().clone());
         let planned = Instant::now();
-        health.plan_computed(&plan);
-        if plan.conflicts != last_conflicts {
+        let plan = self.engine.as_ref().expect(ENGINE_HOME).planner.plan();
+        self.health.computed(plan, &update);
+        merge(&mut self.unapplied, update);
+        if plan.conflicts != self.last_conflicts {
             // Each conflict once when it appears, not at every sync.
             for c in plan
                 .conflicts
                 .iter()
-                .filter(|c| !last_conflicts.contains(c))
+                .filter(|c| !self.last_conflicts.contains(c))
             {
                 tracing::warn!(conflict = %c, "frontend conflict");
             }
             metrics.frontend_conflicts.set(plan.conflicts.len() as i64);
-            last_conflicts = plan.conflicts.clone();
+            self.last_conflicts = plan.conflicts.clone();
         }
 
-        let plan2 = plan.clone();
-        let (dp, res) = blocking(dataplane, move |d| d.sync(&plan2)).await;
-        dataplane = dp;
+        let unapplied = std::mem::take(&mut self.unapplied);
+        let (unapplied, res) = self
+            .on_engine(move |e| {
+                let r = e.dataplane.sync(e.planner.plan(), &unapplied);
+                (unapplied, r)
+            })
+            .await;
         let elapsed = start.elapsed();
-        last_sync = Some(Instant::now());
+        self.last_sync = Some(Instant::now());
+        let plan = self.engine.as_ref().expect(ENGINE_HOME).planner.plan();
         match res {
             Ok(outcome) => {
-                failures = 0;
+                self.failures = 0;
                 let stages =
                     oldest_change.map(|t| change_stages(t, start, planned, start + elapsed));
                 for (stage, secs) in stages.iter().flatten() {
@@ -256,14 +376,16 @@ pub async fn run<D: Dataplane, H: HealthSink>(
                 metrics
                     .conntrack_deleted
                     .inc_by(outcome.conntrack_deleted as u64);
-                set_no_local_endpoints(&metrics, &plan);
-                health.plan_applied(&plan);
-                handle.with(|state| programming.observe(&metrics, state, &update.services));
-                let level_info = outcome.full || !update.services.is_empty() || update.node;
+                set_no_local_endpoints(&metrics, plan);
+                self.health.applied(plan, &unapplied);
+                let programming = &mut self.programming;
+                self.handle
+                    .with(|state| programming.observe(&metrics, state, &unapplied.services));
+                let level_info = outcome.full || !unapplied.is_empty();
                 if level_info {
                     tracing::info!(
                         full = outcome.full,
-                        services_changed = update.services.len(),
+                        services_changed = unapplied.services.len(),
                         elapsed_ms = elapsed.as_secs_f64() * 1e3,
                         "synced"
                     );
@@ -273,11 +395,11 @@ pub async fn run<D: Dataplane, H: HealthSink>(
                         "periodic sync: nothing changed"
                     );
                 }
-                events.emit(
+                self.events.emit(
                     "synced",
                     json!({
                         "full": outcome.full,
-                        "services_changed": update.services.len(),
+                        "services_changed": unapplied.services.len(),
                         "elapsed_ms": elapsed.as_secs_f64() * 1e3,
                         "conntrack_deleted": outcome.conntrack_deleted,
                         "health_checks": plan.health_checks().map(|h| json!({
@@ -292,35 +414,44 @@ pub async fn run<D: Dataplane, H: HealthSink>(
                             .collect::<serde_json::Map<_, _>>()),
                     }),
                 );
+                Attempt::Synced
             }
             Err(e) => {
-                failures += 1;
+                self.failures += 1;
                 metrics.nftables_sync_failures.inc();
-                health.sync_failed();
-                // The planner has consumed the changes; force the next attempt to
-                // re-send everything so nothing is lost.
-                handle.with(|state| state.mark_all_changed());
-                let backoff = retry_after(failures, cfg.min_sync_period, cfg.sync_period);
+                self.health.sync_failed();
+                // The planner has consumed the changes; they stay owed to the
+                // dataplane and health until a sync succeeds (the dataplane itself
+                // re-programs everything after a failure).
+                merge(&mut self.unapplied, unapplied);
+                let retry_in = retry_after(
+                    self.failures,
+                    self.cfg.min_sync_period,
+                    self.cfg.sync_period,
+                );
                 tracing::error!(
                     error = format!("{e:#}"),
-                    retry_in_ms = backoff.as_millis() as u64,
+                    retry_in_ms = retry_in.as_millis() as u64,
                     "sync failed"
                 );
-                events.emit("sync_failed", json!({ "error": format!("{e:#}") }));
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = shutdown.changed() => break,
-                }
-                need_sync = true;
+                self.events
+                    .emit("sync_failed", json!({ "error": format!("{e:#}") }));
+                Attempt::Failed { retry_in }
             }
         }
-        if handle.with(|s| !s.changes().is_empty()) {
-            need_sync = true;
-        }
     }
-    tracing::info!("shutting down; nftables rules stay in place");
-    events.emit("stopped", json!({}));
-    Ok(dataplane)
+}
+
+/// Adds `more` to `acc`: the union of the changed Services, a node change if either had one.
+fn merge(acc: &mut PlanUpdate, more: PlanUpdate) {
+    if acc.is_empty() {
+        *acc = more;
+        return;
+    }
+    acc.node |= more.node;
+    acc.services.extend(more.services);
+    acc.services.sort();
+    acc.services.dedup();
 }
 
 /// Exponential backoff from max(minSyncPeriod, 100 ms), capped at syncPeriod.
@@ -330,13 +461,13 @@ fn retry_after(failures: u32, min_sync: Duration, sync_period: Duration) -> Dura
     (base * factor).min(sync_period.max(base))
 }
 
-async fn blocking<D: Send + 'static, R: Send + 'static>(
-    mut d: D,
-    f: impl FnOnce(&mut D) -> Result<R> + Send + 'static,
-) -> (D, Result<R>) {
+async fn blocking<T: Send + 'static, R: Send + 'static>(
+    mut t: T,
+    f: impl FnOnce(&mut T) -> R + Send + 'static,
+) -> (T, R) {
     match tokio::task::spawn_blocking(move || {
-        let r = f(&mut d);
-        (d, r)
+        let r = f(&mut t);
+        (t, r)
     })
     .await
     {
@@ -413,6 +544,308 @@ impl ProgrammingLatency {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::VecDeque;
+
+    use kproxy_core::model::ServiceName;
+    use kproxy_core::synthetic::{self, Spec};
+    use prometheus_client::registry::Registry;
+
+    /// What the fakes saw, in order, with the (paused) time since the test began.
+    #[derive(Clone, Debug, PartialEq)]
+    enum Seen {
+        Computed(Vec<ServiceName>),
+        Sync {
+            ms: u64,
+            full: bool,
+            update: PlanUpdate,
+            services: usize,
+        },
+        SyncFailed {
+            ms: u64,
+        },
+        Applied(Vec<ServiceName>),
+        HealthFailed,
+    }
+
+    #[derive(Clone)]
+    struct Log(Arc<Mutex<Vec<Seen>>>, Instant);
+
+    impl Log {
+        fn push(&self, s: Seen) {
+            self.0.lock().unwrap().push(s);
+        }
+        fn ms(&self) -> u64 {
+            self.1.elapsed().as_millis() as u64
+        }
+        fn take(&self) -> Vec<Seen> {
+            std::mem::take(&mut self.0.lock().unwrap())
+        }
+        fn syncs(&self) -> usize {
+            let seen = self.0.lock().unwrap();
+            seen.iter()
+                .filter(|s| matches!(s, Seen::Sync { .. } | Seen::SyncFailed { .. }))
+                .count()
+        }
+    }
+
+    /// Behaves like the nft dataplane where the loop can tell: the first sync and any
+    /// sync after a failure are full. `fail` scripts upcoming failures; `gate`, when
+    /// set, holds a sync until the test lets it go.
+    struct FakeDataplane {
+        log: Log,
+        fail: VecDeque<bool>,
+        synced_once: bool,
+        gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
+    }
+
+    impl Dataplane for FakeDataplane {
+        fn sync(&mut self, plan: &NodePlan, update: &PlanUpdate) -> Result<SyncOutcome> {
+            if let Some((started, release)) = &self.gate {
+                started.send(()).unwrap();
+                release.recv().unwrap();
+            }
+            let ms = self.log.ms();
+            if self.fail.pop_front().unwrap_or(false) {
+                self.synced_once = false;
+                self.log.push(Seen::SyncFailed { ms });
+                anyhow::bail!("scripted failure");
+            }
+            let full = !self.synced_once;
+            self.synced_once = true;
+            self.log.push(Seen::Sync {
+                ms,
+                full,
+                update: update.clone(),
+                services: plan.services.len(),
+            });
+            Ok(SyncOutcome {
+                full,
+                ..Default::default()
+            })
+        }
+        fn verify(&mut self) -> Result<bool> {
+            Ok(false)
+        }
+    }
+
+    struct FakeHealth(Log);
+
+    impl HealthSink for FakeHealth {
+        fn computed(&self, _plan: &NodePlan, update: &PlanUpdate) {
+            self.0.push(Seen::Computed(update.services.clone()));
+        }
+        fn applied(&self, _plan: &NodePlan, update: &PlanUpdate) {
+            self.0.push(Seen::Applied(update.services.clone()));
+        }
+        fn sync_failed(&self) {
+            self.0.push(Seen::HealthFailed);
+        }
+    }
+
+    fn service(i: usize) -> kproxy_core::model::Service {
+        synthetic::service(&Spec::new(100, 1), i)
+    }
+
+    fn name(i: usize) -> ServiceName {
+        service(i).name.clone()
+    }
+
+    struct Harness {
+        log: Log,
+        handle: StateHandle,
+        stop: CancellationToken,
+        task: tokio::task::JoinHandle<Result<FakeDataplane>>,
+    }
+
+    fn start(
+        min_sync: u64,
+        fail: &[bool],
+        gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
+    ) -> Harness {
+        let log = Log(Arc::default(), Instant::now());
+        let handle = StateHandle::new();
+        let cfg = LoopConfig {
+            node_name: synthetic::node_name(0),
+            plan: PlanConfig::default(),
+            min_sync_period: Duration::from_millis(min_sync),
+            sync_period: Duration::from_secs(3600),
+            verify_period: Duration::from_secs(7200),
+            event_log: None,
+            changes: ChangeClock::default(),
+        };
+        let dataplane = FakeDataplane {
+            log: log.clone(),
+            fail: fail.iter().copied().collect(),
+            synced_once: false,
+            gate,
+        };
+        let metrics = Metrics::register(&mut Registry::default());
+        let sync_loop = SyncLoop::new(
+            cfg,
+            handle.clone(),
+            dataplane,
+            Arc::new(FakeHealth(log.clone())),
+            metrics,
+        )
+        .unwrap();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(sync_loop.run(stop.clone()));
+        Harness {
+            log,
+            handle,
+            stop,
+            task,
+        }
+    }
+
+    impl Harness {
+        fn add(&self, i: usize) {
+            self.handle.update(|s| s.upsert_service(service(i)));
+        }
+        /// Lets paused time run until `n` sync attempts happened.
+        async fn until_syncs(&self, n: usize) {
+            while self.log.syncs() < n {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        async fn stop(self) -> FakeDataplane {
+            self.stop.cancel();
+            self.task.await.unwrap().unwrap()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn changes_within_min_sync_period_coalesce_into_one_delta() {
+        let h = start(1000, &[], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        for i in 1..=3 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            h.add(i);
+        }
+        h.until_syncs(2).await;
+        // Nothing more to do: no third sync in the next hour but the syncPeriod one.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        assert_eq!(h.log.syncs(), 2);
+        let seen = h.log.take();
+        h.stop().await;
+        let all = PlanUpdate {
+            services: vec![name(0)],
+            node: false,
+        };
+        let three = PlanUpdate {
+            services: vec![name(1), name(2), name(3)],
+            node: false,
+        };
+        assert_eq!(
+            seen,
+            [
+                Seen::Computed(all.services.clone()),
+                Seen::Sync {
+                    ms: 0,
+                    full: true,
+                    update: all.clone(),
+                    services: 1
+                },
+                Seen::Applied(all.services.clone()),
+                Seen::Computed(three.services.clone()),
+                // The first sync ended at 0 ms: the batch waits for 1000 ms.
+                Seen::Sync {
+                    ms: 1000,
+                    full: false,
+                    update: three.clone(),
+                    services: 4
+                },
+                Seen::Applied(three.services.clone()),
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_sync_retries_with_backoff_and_owes_every_change_since_the_last_success() {
+        // Fails the second and third syncs: retries after 200 ms, then 400 ms.
+        let h = start(200, &[false, true, true], None);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        h.add(0);
+        h.until_syncs(2).await;
+        // A change during the backoff joins the retry.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        h.add(1);
+        h.until_syncs(4).await;
+        let seen = h.log.take();
+        h.stop().await;
+        let both = PlanUpdate {
+            services: vec![name(0), name(1)],
+            node: false,
+        };
+        assert_eq!(
+            seen[3..],
+            [
+                Seen::Computed(vec![name(0)]),
+                // 1 ms late: `until_syncs` polls in 1 ms steps.
+                Seen::SyncFailed { ms: 1001 },
+                Seen::HealthFailed,
+                Seen::Computed(vec![name(1)]),
+                Seen::SyncFailed { ms: 1201 },
+                Seen::HealthFailed,
+                Seen::Computed(vec![]),
+                // The dataplane re-programs everything after a failure; the loop hands
+                // it and health every change since the last success.
+                Seen::Sync {
+                    ms: 1601,
+                    full: true,
+                    update: both.clone(),
+                    services: 2
+                },
+                Seen::Applied(both.services.clone()),
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_finishes_the_sync_in_flight_reports_it_and_syncs_no_more() {
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel();
+        let h = start(0, &[], Some((started_tx, release_rx)));
+        h.add(0);
+        h.handle.mark_ready();
+        tokio::task::spawn_blocking(move || started_rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        // Cancelled mid-sync, and a change that will never be synced.
+        h.stop.cancel();
+        h.add(1);
+        release_tx.send(()).unwrap();
+        let seen_log = h.log.clone();
+        let dataplane = h.stop().await;
+        assert!(dataplane.synced_once);
+        let seen = seen_log.take();
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        assert!(matches!(seen[1], Seen::Sync { services: 1, .. }));
+        assert_eq!(seen[2], Seen::Applied(vec![name(0)]));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_while_batching_does_not_sync_and_before_ready_returns_at_once() {
+        let h = start(1000, &[], None);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        h.add(0);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let log = h.log.clone();
+        h.stop().await;
+        assert_eq!(log.syncs(), 1);
+
+        let h = start(0, &[], None);
+        h.add(0);
+        let log = h.log.clone();
+        h.stop().await;
+        assert_eq!(log.syncs(), 0);
+    }
 
     #[test]
     fn retry_backoff_grows_and_is_capped_by_sync_period() {

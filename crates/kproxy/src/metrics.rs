@@ -209,16 +209,16 @@ pub const SERVER_LIMITS: kproxy_health::http::Limits = kproxy_health::http::Limi
 /// the health crate's bounded HTTP shell; runs until the task is dropped.
 pub async fn serve(addr: SocketAddr, registry: Arc<Registry>) -> Result<()> {
     use kproxy_health::http::{Responder, Server, bind, body_response};
-    let responder: Responder = Arc::new(move |req: &axum::http::request::Parts| {
+    let responder: Responder = Arc::new(move |req: &http::request::Parts| {
         if req.uri.path() == "/metrics" {
             body_response(
-                axum::http::StatusCode::OK,
+                http::StatusCode::OK,
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 encode(&registry),
             )
         } else {
             body_response(
-                axum::http::StatusCode::NOT_FOUND,
+                http::StatusCode::NOT_FOUND,
                 "text/plain; charset=utf-8",
                 "not found: kproxy serves /metrics here\n".to_string(),
             )
