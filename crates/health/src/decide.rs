@@ -382,6 +382,51 @@ fn programmed_and_ready(applied: &ServicePlan, computed: &ServicePlan) -> u32 {
         .unwrap_or(0)
 }
 
+/// Why a health-check node port is not served on an address: logged with the Service,
+/// counted by reason (`kproxy_health_check_node_port_bind_failures_total{reason}`) and
+/// shown by `kproxy explain --server`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BindFailure {
+    /// nodePortAddresses selects a node address this host does not have.
+    AddressAbsent,
+    /// Another socket holds the port.
+    PortInUse,
+    /// Anything else the kernel refused (the error's text).
+    Other(String),
+}
+
+impl BindFailure {
+    /// Every metric label value, for removing a port's series.
+    pub const LABELS: [&'static str; 3] = ["address_absent", "port_in_use", "other"];
+
+    pub fn of(e: &std::io::Error) -> BindFailure {
+        match e.kind() {
+            std::io::ErrorKind::AddrInUse => BindFailure::PortInUse,
+            std::io::ErrorKind::AddrNotAvailable => BindFailure::AddressAbsent,
+            _ => BindFailure::Other(e.to_string()),
+        }
+    }
+
+    /// The metric label value.
+    pub fn label(&self) -> &'static str {
+        match self {
+            BindFailure::AddressAbsent => Self::LABELS[0],
+            BindFailure::PortInUse => Self::LABELS[1],
+            BindFailure::Other(_) => Self::LABELS[2],
+        }
+    }
+}
+
+impl std::fmt::Display for BindFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BindFailure::AddressAbsent => f.write_str("the node address is not on this host"),
+            BindFailure::PortInUse => f.write_str("the port is in use by another socket"),
+            BindFailure::Other(e) => f.write_str(e),
+        }
+    }
+}
+
 /// A local interface address (with its IPv6 scope, needed to bind link-local ones).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct LocalAddr {
@@ -489,6 +534,32 @@ pub fn families(computed: Option<&NodePlan>) -> Vec<IpFamily> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bind_failures_are_classified_by_the_kernel_error() {
+        use std::io::{Error, ErrorKind};
+        for (e, want, label) in [
+            (
+                Error::from(ErrorKind::AddrInUse),
+                BindFailure::PortInUse,
+                "port_in_use",
+            ),
+            (
+                Error::from(ErrorKind::AddrNotAvailable),
+                BindFailure::AddressAbsent,
+                "address_absent",
+            ),
+            (
+                Error::from_raw_os_error(libc::EACCES),
+                BindFailure::Other(Error::from_raw_os_error(libc::EACCES).to_string()),
+                "other",
+            ),
+        ] {
+            let got = BindFailure::of(&e);
+            assert_eq!(got, want);
+            assert_eq!(got.label(), label);
+        }
+    }
 
     #[test]
     fn a_view_moved_by_plan_updates_equals_one_built_from_the_whole_plan() {

@@ -33,8 +33,8 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use decide::{Answer, LocalAddr, Probe, ProxyHealth, Semantics};
-use metrics::{CodeLabel, Metrics, PortLabels, ServiceLabels};
+pub use decide::{Answer, BindFailure, LocalAddr, Probe, ProxyHealth, Semantics};
+use metrics::{BindLabels, CodeLabel, Metrics, PortLabels, ServiceLabels};
 
 /// Upstream's default `healthzBindAddress`.
 pub const DEFAULT_HEALTHZ_BIND_ADDRESS: SocketAddr =
@@ -188,6 +188,9 @@ pub struct Listening {
     pub addrs: Vec<SocketAddr>,
     /// Selected but not bound (being retried with backoff).
     pub failing: Vec<SocketAddr>,
+    /// Every address the port should serve but does not, with the reason: the
+    /// `failing` ones, and selected node addresses absent from this host.
+    pub unbound: Vec<(SocketAddr, BindFailure)>,
     /// The count the port answers with.
     pub local_endpoints: u32,
 }
@@ -520,7 +523,7 @@ struct Running {
     check: Arc<CheckState>,
     server: http::Server,
     bound: BTreeMap<SocketAddr, http::Listener>,
-    failing: BTreeMap<SocketAddr, Retry>,
+    failing: BTreeMap<SocketAddr, (Retry, BindFailure)>,
     /// Selected node addresses this host does not have (reported once each).
     missing: BTreeSet<IpAddr>,
 }
@@ -559,9 +562,20 @@ impl Running {
     /// balancer probing it finds nothing listening.
     async fn converge(&mut self, want: &[SocketAddr], missing: &[IpAddr], shared: &Shared) {
         let labels = PortLabels::of(&self.check.service, self.check.port);
+        let failed = |why: &BindFailure| {
+            shared
+                .metrics
+                .bind_failures
+                .get_or_create(&BindLabels::of(
+                    &self.check.service,
+                    self.check.port,
+                    why.label(),
+                ))
+                .inc();
+        };
         for ip in missing {
             if self.missing.insert(*ip) {
-                shared.metrics.bind_failures.get_or_create(&labels).inc();
+                failed(&BindFailure::AddressAbsent);
                 tracing::warn!(
                     service = %self.check.service, address = %ip, port = self.check.port,
                     "cannot serve health-check node port: the node address is not on this host"
@@ -582,7 +596,7 @@ impl Running {
         }
         self.failing.retain(|a, _| want.contains(a));
         for a in want {
-            if self.bound.contains_key(a) || self.failing.get(a).is_some_and(|r| !r.due()) {
+            if self.bound.contains_key(a) || self.failing.get(a).is_some_and(|(r, _)| !r.due()) {
                 continue;
             }
             match http::bind(*a) {
@@ -598,14 +612,15 @@ impl Running {
                     tracing::debug!(service = %self.check.service, address = %a, "IPv6 unavailable; not listening there");
                 }
                 Err(e) => {
-                    shared.metrics.bind_failures.get_or_create(&labels).inc();
-                    let r = Retry::after_failure(self.failing.get(a).copied());
+                    let why = BindFailure::of(&e);
+                    failed(&why);
+                    let r = Retry::after_failure(self.failing.get(a).map(|(r, _)| *r));
                     // Upstream emits a FailedToStartServiceHealthcheck Event here.
                     tracing::warn!(
-                        service = %self.check.service, address = %a, error = %e, attempt = r.attempts + 1,
+                        service = %self.check.service, address = %a, error = %e, reason = why.label(), attempt = r.attempts + 1,
                         "cannot bind health-check node port; retrying"
                     );
-                    self.failing.insert(*a, r);
+                    self.failing.insert(*a, (r, why));
                 }
             }
         }
@@ -619,17 +634,56 @@ impl Running {
     }
 
     fn next_retry(&self) -> Option<tokio::time::Instant> {
-        self.failing.values().map(|r| r.next).min()
+        self.failing.values().map(|(r, _)| r.next).min()
+    }
+
+    /// Addresses wanted but not served, with the reason (see [`Listening::unbound`]).
+    fn unbound(&self) -> Vec<(SocketAddr, BindFailure)> {
+        let missing = self.missing.iter().map(|ip| {
+            (
+                SocketAddr::new(*ip, self.check.port),
+                BindFailure::AddressAbsent,
+            )
+        });
+        let failing = self.failing.iter().map(|(a, (_, why))| (*a, why.clone()));
+        missing.chain(failing).collect()
     }
 
     async fn close(self, shared: &Shared) {
         let labels = PortLabels::of(&self.check.service, self.check.port);
         shared.metrics.port_listening.remove(&labels);
         shared.metrics.port_healthy.remove(&labels);
-        shared.metrics.bind_failures.remove(&labels);
+        for reason in BindFailure::LABELS {
+            let labels = BindLabels::of(&self.check.service, self.check.port, reason);
+            shared.metrics.bind_failures.remove(&labels);
+        }
         tracing::info!(service = %self.check.service, port = self.check.port, "closing health-check node port");
         self.server.close().await;
     }
+}
+
+/// The runtime state of the health-check node ports as JSON (what the daemon serves on
+/// `/health-check-node-ports` and `kproxy explain --server` reads): per Service, the
+/// port, the count it answers with, where it listens, and where it cannot, with why.
+pub fn listening_json(listening: &BTreeMap<ServiceName, Listening>) -> serde_json::Value {
+    use serde_json::json;
+    let ports: Vec<serde_json::Value> = listening
+        .iter()
+        .map(|(name, l)| {
+            json!({
+                "service": name.to_string(),
+                "port": l.port,
+                "localEndpoints": l.local_endpoints,
+                "listening": l.addrs.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+                "unbound": l.unbound.iter().map(|(a, why)| json!({
+                    "address": a.to_string(),
+                    "reason": why.label(),
+                    "message": why.to_string(),
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({ "healthCheckNodePorts": ports })
 }
 
 /// This host's interface addresses (for `nodePortAddresses` selections).
@@ -741,6 +795,7 @@ async fn reconcile_loop(
                             port: r.check.port,
                             addrs: r.bound.keys().copied().collect(),
                             failing: r.failing.keys().copied().collect(),
+                            unbound: r.unbound(),
                             local_endpoints: r.check.local_endpoints.load(Ordering::Relaxed),
                         },
                     )

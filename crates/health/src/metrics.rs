@@ -29,6 +29,26 @@ pub struct PortLabels {
     pub port: u16,
 }
 
+/// A bind failure of one health-check node port, by [`crate::decide::BindFailure`] reason.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BindLabels {
+    pub namespace: String,
+    pub name: String,
+    pub port: u16,
+    pub reason: &'static str,
+}
+
+impl BindLabels {
+    pub fn of(s: &ServiceName, port: u16, reason: &'static str) -> Self {
+        BindLabels {
+            namespace: s.namespace.to_string(),
+            name: s.name.to_string(),
+            port,
+            reason,
+        }
+    }
+}
+
 impl ServiceLabels {
     pub fn of(s: &ServiceName) -> Self {
         ServiceLabels {
@@ -67,7 +87,8 @@ pub struct Metrics {
     pub port_healthy: Family<PortLabels, Gauge>,
     /// Answer changes 200↔503 per Service.
     pub transitions: Family<ServiceLabels, Counter>,
-    pub bind_failures: Family<PortLabels, Counter>,
+    /// Failed binds (and selected node addresses found absent) by reason.
+    pub bind_failures: Family<BindLabels, Counter>,
     /// `healthzBindAddress` bind failures.
     pub healthz_bind_failures: Counter,
 }
@@ -103,7 +124,7 @@ impl Metrics {
         );
         own.register(
             "health_check_node_port_bind_failures",
-            "Failed attempts to bind a health-check node port (retried with backoff)",
+            "Failed attempts to bind a health-check node port (retried with backoff), by reason: address_absent (a selected node address is not on this host), port_in_use, other",
             self.bind_failures.clone(),
         );
         own.register(

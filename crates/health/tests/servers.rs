@@ -307,6 +307,13 @@ fn busy_ports_are_retried_and_recover() {
         let l = &h.listening()[&name];
         assert_eq!(l.failing, vec!["0.0.0.0:31500".parse().unwrap()], "{l:?}");
         assert_eq!(
+            l.unbound,
+            vec![(
+                "0.0.0.0:31500".parse().unwrap(),
+                kproxy_health::BindFailure::PortInUse
+            )]
+        );
+        assert_eq!(
             l.addrs,
             vec!["[::]:31500".parse().unwrap()],
             "the free address is served meanwhile"
@@ -315,7 +322,7 @@ fn busy_ports_are_retried_and_recover() {
         assert!(
             eventually(&h, || metric(
                 &reg,
-                &format!("kproxy_health_check_node_port_bind_failures_total{labels}")
+                r#"kproxy_health_check_node_port_bind_failures_total{namespace="a",name="b",port="31500",reason="port_in_use"}"#
             )
             .unwrap_or(0.0)
                 >= 2.0)
@@ -387,6 +394,14 @@ fn node_port_addresses_select_listen_addresses_on_a_veth_pair() {
             vec![SocketAddr::new(node4, 31600), SocketAddr::new(node6, 31600)]
         );
         assert!(l.failing.is_empty());
+        assert_eq!(
+            l.unbound,
+            vec![(
+                "192.0.2.9:31600".parse().unwrap(),
+                kproxy_health::BindFailure::AddressAbsent
+            )],
+            "the absent node address is reported with its reason"
+        );
         assert_eq!(get(SocketAddr::new(node4, 31600), "/").await.status, 200);
         assert_eq!(get(SocketAddr::new(node6, 31600), "/").await.status, 200);
         assert!(

@@ -1,10 +1,18 @@
 //! `kproxy explain`: for one Service, per port and per kind of traffic, which endpoints
-//! are used and why every other endpoint is not.
+//! are used and why every other endpoint is not. The plan is computed offline from
+//! manifests; with `--server`, the runtime state of the Service's health-check node port
+//! (where it listens, where it cannot bind and why) is read from a running daemon's
+//! metrics server (`/health-check-node-ports`, JSON).
 
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
 use kproxy_core::model::ServiceName;
+use serde_json::Value;
 
 use crate::common::ManifestArgs;
 
@@ -16,6 +24,11 @@ pub struct Args {
     pub service: String,
     #[arg(short = 'n', long = "namespace", default_value = "default")]
     pub namespace: String,
+    /// A running `kproxy run`'s metrics address (`HOST:PORT` or `http://HOST:PORT`):
+    /// also show where the Service's health-check node port listens and where it cannot
+    /// bind, and why.
+    #[arg(long, value_name = "URL")]
+    pub server: Option<String>,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -37,10 +50,139 @@ pub fn run(args: Args) -> Result<ExitCode> {
         );
     };
     print!("{}", kproxy_core::explain::explain_service(&plan, svc));
+    if let Some(server) = &args.server {
+        let state = fetch_json(server, crate::metrics::HEALTH_CHECK_PORTS_PATH)?;
+        print!("{}", health_check_runtime(&state, &name, server)?);
+    }
     crate::common::print_conflicts(&plan, Some(&name));
     Ok(if strict_failed {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `GET path` from a daemon's metrics server; the body as JSON.
+fn fetch_json(server: &str, path: &str) -> Result<Value> {
+    let authority = server
+        .strip_prefix("http://")
+        .unwrap_or(server)
+        .trim_end_matches('/');
+    if authority.is_empty() || authority.contains('/') {
+        bail!("--server must be HOST:PORT or http://HOST:PORT, got {server:?}");
+    }
+    let addr = authority
+        .to_socket_addrs()
+        .with_context(|| format!("resolving --server {server:?}"))?
+        .next()
+        .with_context(|| format!("--server {server:?} resolves to no address"))?;
+    let timeout = Duration::from_secs(5);
+    let mut conn = TcpStream::connect_timeout(&addr, timeout)
+        .with_context(|| format!("connecting to {addr} (--server)"))?;
+    conn.set_read_timeout(Some(timeout))
+        .and_then(|()| conn.set_write_timeout(Some(timeout)))
+        .context("setting socket timeouts")?;
+    // HTTP/1.0: the server answers with the whole body and closes (no chunking).
+    write!(conn, "GET {path} HTTP/1.0\r\nHost: {authority}\r\n\r\n")
+        .with_context(|| format!("sending the request to {addr}"))?;
+    let mut raw = Vec::new();
+    conn.take(8 << 20)
+        .read_to_end(&mut raw)
+        .with_context(|| format!("reading the answer of {addr}"))?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("{addr}{path}: not an HTTP answer"))?;
+    let status = head.lines().next().unwrap_or_default();
+    if status.split_whitespace().nth(1) != Some("200") {
+        bail!("{addr}{path} answered {status:?} (is this a kproxy metrics address?)");
+    }
+    serde_json::from_str(body).with_context(|| format!("{addr}{path}: the body is not JSON"))
+}
+
+/// The runtime section for one Service, from the daemon's `/health-check-node-ports`.
+fn health_check_runtime(state: &Value, service: &ServiceName, server: &str) -> Result<String> {
+    use std::fmt::Write as _;
+    let ports = state
+        .get("healthCheckNodePorts")
+        .and_then(Value::as_array)
+        .with_context(|| format!("{server}: the answer has no healthCheckNodePorts list"))?;
+    let wanted = service.to_string();
+    let mut out = format!("health-check node port at runtime ({server}):\n");
+    let Some(entry) = ports
+        .iter()
+        .find(|p| p.get("service").and_then(Value::as_str) == Some(wanted.as_str()))
+    else {
+        out.push_str(
+            "  not served: the daemon's applied plan has no health check for this Service\n",
+        );
+        return Ok(out);
+    };
+    let field = |name: &str| {
+        entry
+            .get(name)
+            .with_context(|| format!("{server}: health-check port of {wanted}: no field {name:?}"))
+    };
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x.as_str().map(str::to_string))
+            .collect()
+    };
+    let _ = writeln!(
+        out,
+        "  port {}, answering with localEndpoints {}",
+        field("port")?,
+        field("localEndpoints")?
+    );
+    let listening = strings(field("listening")?);
+    if listening.is_empty() {
+        out.push_str("  listening nowhere\n");
+    }
+    for a in listening {
+        let _ = writeln!(out, "  listening on {a}");
+    }
+    for u in field("unbound")?.as_array().into_iter().flatten() {
+        let text = |k: &str| u.get(k).and_then(Value::as_str).unwrap_or("?");
+        let _ = writeln!(
+            out,
+            "  NOT listening on {}: {} ({})",
+            text("address"),
+            text("message"),
+            text("reason")
+        );
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_runtime_section_shows_where_the_port_cannot_bind_and_why() {
+        let state = serde_json::json!({"healthCheckNodePorts": [{
+            "service": "a/b", "port": 31500, "localEndpoints": 2,
+            "listening": ["[::]:31500"],
+            "unbound": [
+                {"address": "10.0.0.9:31500", "reason": "address_absent", "message": "the node address is not on this host"},
+                {"address": "0.0.0.0:31500", "reason": "port_in_use", "message": "the port is in use by another socket"},
+            ],
+        }]});
+        let got =
+            health_check_runtime(&state, &ServiceName::new("a", "b"), "127.0.0.1:10249").unwrap();
+        assert_eq!(
+            got,
+            "health-check node port at runtime (127.0.0.1:10249):\n  port 31500, answering with localEndpoints 2\n  listening on [::]:31500\n  NOT listening on 10.0.0.9:31500: the node address is not on this host (address_absent)\n  NOT listening on 0.0.0.0:31500: the port is in use by another socket (port_in_use)\n"
+        );
+        let other = health_check_runtime(&state, &ServiceName::new("a", "c"), "s").unwrap();
+        assert!(other.contains("not served"), "{other}");
+        let err = health_check_runtime(&serde_json::json!({}), &ServiceName::new("a", "b"), "s")
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "s: the answer has no healthCheckNodePorts list"
+        );
+    }
 }

@@ -229,12 +229,12 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     let registry = Arc::new(registry);
     let mut tasks = Tasks::new();
     if let Some(addr) = cfg.metrics_bind_address {
-        let registry = registry.clone();
+        let (registry, health) = (registry.clone(), health.clone());
         // A metrics server that cannot start is logged, never fatal.
         tasks.spawn("the metrics server", move |stop| async move {
             tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
-                r = metrics::serve(addr, registry) => if let Err(e) = r {
+                r = metrics::serve(addr, registry, health) => if let Err(e) = r {
                     tracing::error!(error = format!("{e:#}"), "metrics server stopped");
                 },
             }

@@ -205,24 +205,35 @@ pub const SERVER_LIMITS: kproxy_health::http::Limits = kproxy_health::http::Limi
     max_headers: 64,
 };
 
-/// Serves `GET /metrics` on `addr` (other paths: 404) with [`SERVER_LIMITS`], through
-/// the health crate's bounded HTTP shell; runs until the task is dropped.
-pub async fn serve(addr: SocketAddr, registry: Arc<Registry>) -> Result<()> {
+/// Where the daemon serves the health-check node ports' runtime state (JSON, see
+/// `kproxy_health::listening_json`); `kproxy explain --server` reads it.
+pub const HEALTH_CHECK_PORTS_PATH: &str = "/health-check-node-ports";
+
+/// Serves `GET /metrics` and [`HEALTH_CHECK_PORTS_PATH`] on `addr` (other paths: 404)
+/// with [`SERVER_LIMITS`], through the health crate's bounded HTTP shell; runs until the
+/// task is dropped.
+pub async fn serve(
+    addr: SocketAddr,
+    registry: Arc<Registry>,
+    health: kproxy_health::Health,
+) -> Result<()> {
     use kproxy_health::http::{Responder, Server, bind, body_response};
-    let responder: Responder = Arc::new(move |req: &http::request::Parts| {
-        if req.uri.path() == "/metrics" {
-            body_response(
-                http::StatusCode::OK,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                encode(&registry),
-            )
-        } else {
-            body_response(
-                http::StatusCode::NOT_FOUND,
-                "text/plain; charset=utf-8",
-                "not found: kproxy serves /metrics here\n".to_string(),
-            )
-        }
+    let responder: Responder = Arc::new(move |req: &http::request::Parts| match req.uri.path() {
+        "/metrics" => body_response(
+            http::StatusCode::OK,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            encode(&registry),
+        ),
+        HEALTH_CHECK_PORTS_PATH => body_response(
+            http::StatusCode::OK,
+            "application/json",
+            kproxy_health::listening_json(&health.listening()).to_string(),
+        ),
+        _ => body_response(
+            http::StatusCode::NOT_FOUND,
+            "text/plain; charset=utf-8",
+            format!("not found: kproxy serves /metrics and {HEALTH_CHECK_PORTS_PATH} here\n"),
+        ),
     });
     let listener = bind(addr).with_context(|| format!("binding the metrics server to {addr}"))?;
     let server = Server::with_responder("metrics server", responder, SERVER_LIMITS);

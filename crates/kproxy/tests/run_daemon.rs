@@ -345,3 +345,74 @@ fn truncated_and_partial_manifest_writes_under_run_lose_no_connection() {
     );
     assert!(sigterm(&mut daemon).success());
 }
+
+/// Issue 16 item 4: a health-check node port that cannot listen on the Node's primary
+/// address (absent from the host) is reported with the Service and the reason: in the
+/// metric, on the daemon's `/health-check-node-ports`, and by `kproxy explain --server`.
+#[test]
+fn a_health_check_port_on_an_absent_node_address_is_reported_in_metrics_and_explain() {
+    if !can_run() {
+        return;
+    }
+    let fab = fabric('h');
+    let node = &fab.node;
+    let dir = manifests();
+    // The Node's primary address is not configured on the node namespace.
+    write_atomic(
+        dir.path(),
+        "node.yaml",
+        &NODE.replace("10.200.0.11", "10.200.0.99"),
+    );
+    let events = dir.path().join("events.jsonl");
+    let mut daemon = start_daemon(node, dir.path(), "kph", &events);
+    let (code, state) = eventually(node, "the health-check port to be reported", || {
+        http_get(
+            "127.0.0.1:10249".parse().unwrap(),
+            "/health-check-node-ports",
+        )
+        .filter(|(_, body)| body.contains("address_absent"))
+    });
+    assert_eq!(code, 200, "{state}");
+    let state: serde_json::Value = serde_json::from_str(&state).expect("JSON");
+    let port = &state["healthCheckNodePorts"][0];
+    assert_eq!(port["service"], "shop/web", "{state}");
+    assert_eq!(port["listening"], serde_json::json!([]), "{state}");
+    assert_eq!(
+        port["unbound"][0]["address"], "10.200.0.99:32000",
+        "{state}"
+    );
+    let (_, metrics) = node
+        .run(|| http_get("127.0.0.1:10249".parse().unwrap(), "/metrics"))
+        .expect("/metrics");
+    let counted = r#"kproxy_health_check_node_port_bind_failures_total{namespace="shop",name="web",port="32000",reason="address_absent"} 1"#;
+    assert!(metrics.lines().any(|l| l == counted), "{metrics}");
+
+    let explain = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &node.0,
+            env!("CARGO_BIN_EXE_kproxy"),
+            "explain",
+        ])
+        .args([
+            "--manifests",
+            dir.path().to_str().unwrap(),
+            "--node",
+            "node-a",
+        ])
+        .args(["shop/web", "--server", "http://127.0.0.1:10249"])
+        .output()
+        .expect("kproxy explain");
+    let out = String::from_utf8_lossy(&explain.stdout);
+    assert!(
+        explain.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&explain.stderr)
+    );
+    assert!(
+        out.contains("NOT listening on 10.200.0.99:32000: the node address is not on this host (address_absent)"),
+        "{out}"
+    );
+    assert!(sigterm(&mut daemon).success());
+}
