@@ -2,7 +2,7 @@
 //! consumer (nftables, health servers, `explain`, `trace`, metrics) reads this; none
 //! re-decides policy. The planner that builds it is `crate::planner`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -131,9 +131,33 @@ pub struct ServicePlan {
 pub struct HealthCheck {
     pub service: ServiceName,
     pub health_check_node_port: u16,
-    /// Distinct IPs of this node's *ready* endpoints of the Service, any port, any
-    /// family. Serving+terminating endpoints do not count (KEP-1669 drain signal).
+    /// Distinct IPs of this node's *ready* endpoints of the Service, any port, counted
+    /// per family, the larger family's count ([`local_ready_count`]). Serving+terminating
+    /// endpoints do not count (KEP-1669 drain signal).
     pub local_endpoints: u32,
+}
+
+/// The IPs of this node's *ready* endpoints among `endpoints` (give one family's): the
+/// set a health-check node port counts. The one definition of "local ready endpoints",
+/// used by the planner and the health servers.
+pub fn local_ready_ips<'a>(
+    endpoints: impl IntoIterator<Item = &'a EndpointState>,
+) -> BTreeSet<IpAddr> {
+    endpoints
+        .into_iter()
+        .filter(|e| e.is_local && e.conditions.ready)
+        .map(|e| e.addr.ip)
+        .collect()
+}
+
+/// The health-check count from each family's [`local_ready_ips`] (or a subset of them):
+/// the largest family's, as a dual-stack Service's pods have one IP per family.
+pub fn local_ready_count(per_family: impl IntoIterator<Item = BTreeSet<IpAddr>>) -> u32 {
+    per_family
+        .into_iter()
+        .map(|ips| u32::try_from(ips.len()).unwrap_or(u32::MAX))
+        .max()
+        .unwrap_or(0)
 }
 
 /// How traffic to one frontend family of one service port is handled.

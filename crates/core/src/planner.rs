@@ -457,7 +457,7 @@ fn plan_service<'a>(
     // Exact capacity: a pushed Vec would keep room for 4 ports of 344 bytes each, 10 MiB
     // of a 10k-Service plan.
     let mut ports = Vec::with_capacity(svc.cluster_ips.len() * svc.ports.len());
-    let mut local_ready_ips = 0u32;
+    let mut local_ready = Vec::new();
     let externally_accessible_service = matches!(
         svc.service_type,
         ServiceType::NodePort | ServiceType::LoadBalancer
@@ -469,15 +469,7 @@ fn plan_service<'a>(
     };
     for (family, cluster_ip) in svc.cluster_ips.iter() {
         let mut merged = merge_endpoints(slices.clone(), family, facts.name);
-        let mut ips: Vec<IpAddr> = merged
-            .values()
-            .flatten()
-            .filter(|e| e.is_local && e.conditions.ready)
-            .map(|e| e.addr.ip)
-            .collect();
-        ips.sort();
-        ips.dedup();
-        local_ready_ips = local_ready_ips.max(ips.len() as u32);
+        local_ready.push(crate::plan::local_ready_ips(merged.values().flatten()));
         for sp in &svc.ports {
             // Service ports are unique per (name, protocol), so each list is taken once.
             let endpoints = merged
@@ -503,7 +495,7 @@ fn plan_service<'a>(
         (ServiceType::LoadBalancer, TrafficPolicy::Local, Some(port)) => Some(HealthCheck {
             service: svc.name.clone(),
             health_check_node_port: port,
-            local_endpoints: local_ready_ips,
+            local_endpoints: crate::plan::local_ready_count(local_ready),
         }),
         _ => None,
     };

@@ -9,7 +9,9 @@ use std::time::{Duration, SystemTime};
 
 use kproxy_core::NodePlan;
 use kproxy_core::model::{IpFamily, ServiceName};
-use kproxy_core::plan::{FamilyPlan, NodePortAddresses, ServicePlan};
+use kproxy_core::plan::{
+    FamilyPlan, NodePortAddresses, ServicePlan, local_ready_count, local_ready_ips,
+};
 use kproxy_core::planner::PlanUpdate;
 
 /// Which answers the health servers give (`--health-check-semantics`).
@@ -363,23 +365,23 @@ pub fn health_check_targets(
     out
 }
 
-/// Distinct local ready endpoint IPs present in both plans of a Service, counted per
-/// family and maximised over families (the planner's convention for the count).
+/// Local ready endpoint IPs present in both plans of a Service, counted as the planner
+/// counts them (`kproxy_core::plan::local_ready_count`).
 fn programmed_and_ready(applied: &ServicePlan, computed: &ServicePlan) -> u32 {
-    let ips = |s: &ServicePlan, f: IpFamily| -> BTreeSet<IpAddr> {
-        s.ports
-            .iter()
-            .filter(|p| p.family == f)
-            .flat_map(|p| p.endpoints.iter())
-            .filter(|e| e.is_local && e.conditions.ready)
-            .map(|e| e.addr.ip)
-            .collect()
+    let ips = |s: &ServicePlan, f: IpFamily| {
+        local_ready_ips(
+            s.ports
+                .iter()
+                .filter(|p| p.family == f)
+                .flat_map(|p| p.endpoints.iter()),
+        )
     };
-    IpFamily::ALL
-        .into_iter()
-        .map(|f| ips(applied, f).intersection(&ips(computed, f)).count() as u32)
-        .max()
-        .unwrap_or(0)
+    local_ready_count(IpFamily::ALL.into_iter().map(|f| {
+        ips(applied, f)
+            .intersection(&ips(computed, f))
+            .copied()
+            .collect()
+    }))
 }
 
 /// Why a health-check node port is not served on an address: logged with the Service,

@@ -1,21 +1,21 @@
-//! Small hand-built plans for tests of this crate and of its callers: a node with
-//! health-checked Services whose local endpoints are given by IP. Not used by the
-//! servers themselves.
+//! Small plans for tests of this crate and of its callers: a node with health-checked
+//! Services whose local endpoints are given by IP. Built by the real planner from a
+//! cluster state, so a fixture cannot describe a plan the planner would never produce.
+//! Behind the `test-util` feature (and this crate's own tests); not used by the servers.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 
-use kproxy_core::NodePlan;
+use kproxy_core::config::NodePortAddressesConfig;
 use kproxy_core::model::{
-    Conditions, EndpointAddr, IpFamily, Placement, Protocol, ServiceName, ServicePortName,
-    TrafficPolicy,
+    ClusterIps, Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service,
+    ServiceName, ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
 };
-use kproxy_core::plan::{
-    EndpointState, FamilyPlan, HealthCheck, LocalPods, NodePortAddresses, ServicePlan,
-    ServicePortPlan, TopologyMode,
-};
+use kproxy_core::{ClusterState, NodePlan, PlanConfig};
 
+/// The node every fixture plans for.
+pub const NODE: &str = "node-a";
 /// One eTP-Local LoadBalancer Service: `ns/name`, its healthCheckNodePort, and the IPs
 /// of its local endpoints with whether each is ready (terminating when not ready).
 #[derive(Clone, Debug)]
@@ -46,129 +46,103 @@ impl Svc {
     }
 }
 
-/// Both families match-all nodePortAddresses, node eligible.
+/// A node with no known address (both families match-all), eligible.
 pub fn plan(services: &[Svc]) -> Arc<NodePlan> {
-    plan_with(
-        services,
-        true,
-        [NodePortAddresses::AllLocal, NodePortAddresses::AllLocal],
-        [vec![], vec![]],
-    )
+    plan_with(services, true, NodePortAddressesConfig::Primary, &[])
 }
 
+/// The plan of node [`NODE`] whose Node object has `node_ips` (the first of each family
+/// is its primary address) and is being deleted unless `node_eligible`.
 pub fn plan_with(
     services: &[Svc],
     node_eligible: bool,
-    node_port_addresses: [NodePortAddresses; 2],
-    node_ips: [Vec<IpAddr>; 2],
+    node_port_addresses: NodePortAddressesConfig,
+    node_ips: &[IpAddr],
 ) -> Arc<NodePlan> {
-    let [npa4, npa6] = node_port_addresses;
-    let [ips4, ips6] = node_ips;
-    let families = vec![
-        FamilyPlan {
-            family: IpFamily::IPv4,
-            node_ips: ips4,
-            node_port_addresses: npa4,
-            local_pods: LocalPods::None,
-            service_cidrs: Vec::new(),
-        },
-        FamilyPlan {
-            family: IpFamily::IPv6,
-            node_ips: ips6,
-            node_port_addresses: npa6,
-            local_pods: LocalPods::None,
-            service_cidrs: Vec::new(),
-        },
-    ];
-    let mut map = BTreeMap::new();
-    for s in services {
+    let mut state = ClusterState::new();
+    state.set_node(Some(Node {
+        name: NODE.into(),
+        zone: None,
+        labels: BTreeMap::new(),
+        addresses: node_ips.to_vec(),
+        pod_cidrs: Vec::new(),
+        deleting: !node_eligible,
+        to_be_deleted_by_autoscaler: false,
+    }));
+    for (i, s) in services.iter().enumerate() {
         let name = ServiceName::new(s.namespace, s.name);
-        let mut ports = Vec::new();
-        for family in IpFamily::ALL {
-            let endpoints: Vec<EndpointState> = s
-                .local
-                .iter()
-                .filter(|(ip, _)| family.contains(ip))
-                .map(|(ip, ready)| EndpointState {
-                    addr: EndpointAddr::new(*ip, 8080),
-                    is_local: true,
-                    conditions: Conditions {
-                        ready: *ready,
-                        serving: true,
-                        terminating: !*ready,
-                    },
-                    placement: Placement {
-                        node_name: Some("node-a".into()),
-                        ..Placement::default()
-                    }
-                    .shared(),
-                })
-                .collect();
-            if endpoints.is_empty() && family == IpFamily::IPv6 {
-                continue;
-            }
-            ports.push(ServicePortPlan {
-                service_port: ServicePortName {
-                    service: name.clone(),
-                    port_name: String::new(),
-                    protocol: Protocol::TCP,
-                },
-                family,
+        let i = u16::try_from(i).expect("fixture Service count");
+        let families: Vec<IpFamily> = IpFamily::ALL
+            .into_iter()
+            .filter(|f| f == &IpFamily::IPv4 || s.local.iter().any(|(ip, _)| f.contains(ip)))
+            .collect();
+        state.upsert_service(Service {
+            name: name.clone(),
+            service_type: ServiceType::LoadBalancer,
+            cluster_ips: ClusterIps::from_iter(families.iter().map(|f| {
+                let ip = match f {
+                    IpFamily::IPv4 => IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10 + i as u8)),
+                    IpFamily::IPv6 => IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10 + i)),
+                };
+                (*f, ip)
+            })),
+            ports: vec![ServicePort {
+                name: String::new().into(),
                 protocol: Protocol::TCP,
                 port: 80,
-                cluster_ip: if family == IpFamily::IPv4 {
-                    "10.96.0.10".parse().unwrap()
-                } else {
-                    "fd00::10".parse().unwrap()
-                },
-                node_port: Some(30080),
-                external_ips: vec![],
-                load_balancer_ips: vec![],
-                firewall: None,
-                internal_traffic_policy: TrafficPolicy::Cluster,
-                external_traffic_policy: TrafficPolicy::Local,
-                session_affinity_timeout: None,
-                topology: TopologyMode::None,
-                cluster_endpoints: None,
-                local_endpoints: None,
-                all_reachable_endpoints: vec![],
-                has_any_endpoints: !endpoints.is_empty(),
-                internal: vec![],
-                external: vec![],
-                endpoints,
+                node_port: Some(30080 + i),
+            }],
+            external_ips: Vec::new(),
+            load_balancer_ips: Vec::new(),
+            load_balancer_source_ranges: Vec::new(),
+            external_traffic_policy: TrafficPolicy::Local,
+            internal_traffic_policy: TrafficPolicy::Cluster,
+            health_check_node_port: Some(s.port),
+            session_affinity_timeout: None,
+            traffic_distribution: None,
+            created: None,
+        });
+        for family in families {
+            state.upsert_slice(EndpointSlice {
+                name: format!("{}-{}", s.name, family.as_str().to_lowercase()),
+                service: name.clone(),
+                family,
+                ports: vec![SlicePort {
+                    name: String::new().into(),
+                    protocol: Protocol::TCP,
+                    port: 8080,
+                }],
+                endpoints: s
+                    .local
+                    .iter()
+                    .filter(|(ip, _)| family.contains(ip))
+                    .map(|(ip, ready)| SliceEndpoint {
+                        ip: *ip,
+                        conditions: Conditions {
+                            ready: *ready,
+                            serving: true,
+                            terminating: !*ready,
+                        },
+                        placement: Placement {
+                            node_name: Some(NODE.into()),
+                            ..Placement::default()
+                        }
+                        .shared(),
+                    })
+                    .collect(),
+                last_change_trigger_time: None,
             });
         }
-        let ready = |f: IpFamily| {
-            let mut ips: Vec<IpAddr> = s
-                .local
-                .iter()
-                .filter(|(ip, r)| *r && f.contains(ip))
-                .map(|(ip, _)| *ip)
-                .collect();
-            ips.sort();
-            ips.dedup();
-            ips.len() as u32
-        };
-        let local_endpoints = ready(IpFamily::IPv4).max(ready(IpFamily::IPv6));
-        map.insert(
-            name.clone(),
-            Arc::new(ServicePlan {
-                service: name.clone(),
-                ports,
-                health_check: Some(HealthCheck {
-                    service: name,
-                    health_check_node_port: s.port,
-                    local_endpoints,
-                }),
-            }),
-        );
     }
-    Arc::new(NodePlan {
-        node: "node-a".into(),
-        zone: None,
-        node_eligible,
-        families,
-        services: map,
-        conflicts: Vec::new(),
-    })
+    let config = PlanConfig {
+        node_port_addresses,
+        ..PlanConfig::default()
+    };
+    let plan = kproxy_core::plan(&state, NODE, &config);
+    assert!(
+        plan.conflicts.is_empty(),
+        "fixture conflicts: {:?}",
+        plan.conflicts
+    );
+    Arc::new(plan)
 }

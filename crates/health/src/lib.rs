@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod decide;
+#[cfg(any(test, feature = "test-util"))]
 pub mod fixtures;
 pub mod http;
 pub mod metrics;

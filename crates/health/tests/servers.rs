@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{closed_soon, eventually, get, in_netns, ip, metric, refused, request, t0};
+use kproxy_core::config::NodePortAddressesConfig;
 use kproxy_core::model::ServiceName;
-use kproxy_core::plan::NodePortAddresses;
 use kproxy_health::fixtures::{plan, plan_with, svc};
 use kproxy_health::{Health, HealthConfig, ManualClock, Semantics};
 use prometheus_client::registry::Registry;
@@ -251,12 +251,7 @@ fn healthz_and_livez_timeline_through_http() {
             assert_eq!(hz().await.status, 200);
 
             // The Node is being deleted / tainted for scale-down: /healthz 503, /livez 200.
-            let leaving = plan_with(
-                &[],
-                false,
-                [NodePortAddresses::AllLocal, NodePortAddresses::AllLocal],
-                [vec![], vec![]],
-            );
+            let leaving = plan_with(&[], false, NodePortAddressesConfig::Primary, &[]);
             h.plan_computed(&leaving);
             let r = hz().await;
             assert_eq!(r.status, 503);
@@ -374,16 +369,13 @@ fn node_port_addresses_select_listen_addresses_on_a_veth_pair() {
         let node4 = "10.200.0.2".parse().unwrap();
         let other4: IpAddr = "10.200.0.3".parse().unwrap();
         let node6: IpAddr = "fd00:200::2".parse().unwrap();
-        // nodePortAddresses selected 10.200.0.2 (primary) and fd00:200::2; 192.0.2.9 is
-        // in the selection but not on this host: skipped, not retried forever.
+        // nodePortAddresses (default: the primary address of each family) selects
+        // 10.200.0.2 and fd00:200::2; 10.200.0.3 is a node address too, not selected.
         let p = plan_with(
             &[svc("a", "b", 31600, &["10.244.0.5"])],
             true,
-            [
-                NodePortAddresses::Only(vec![node4, "192.0.2.9".parse().unwrap()]),
-                NodePortAddresses::Only(vec![node6]),
-            ],
-            [vec![node4, other4], vec![node6]],
+            NodePortAddressesConfig::Primary,
+            &[node4, other4, node6],
         );
         h.plan_computed(&p);
         h.plan_applied(&p);
@@ -393,15 +385,7 @@ fn node_port_addresses_select_listen_addresses_on_a_veth_pair() {
             l.addrs,
             vec![SocketAddr::new(node4, 31600), SocketAddr::new(node6, 31600)]
         );
-        assert!(l.failing.is_empty());
-        assert_eq!(
-            l.unbound,
-            vec![(
-                "192.0.2.9:31600".parse().unwrap(),
-                kproxy_health::BindFailure::AddressAbsent
-            )],
-            "the absent node address is reported with its reason"
-        );
+        assert!(l.failing.is_empty() && l.unbound.is_empty(), "{l:?}");
         assert_eq!(get(SocketAddr::new(node4, 31600), "/").await.status, 200);
         assert_eq!(get(SocketAddr::new(node6, 31600), "/").await.status, 200);
         assert!(
@@ -410,12 +394,38 @@ fn node_port_addresses_select_listen_addresses_on_a_veth_pair() {
         );
         assert!(refused(lo(31600)).await, "loopback not selected");
 
+        // The Node's primary IPv4 address is not on this host: reported with the
+        // reason, not retried forever; the IPv6 one is still served.
+        let absent: IpAddr = "192.0.2.9".parse().unwrap();
+        let moved = plan_with(
+            &[svc("a", "b", 31600, &["10.244.0.5"])],
+            true,
+            NodePortAddressesConfig::Primary,
+            &[absent, node6],
+        );
+        h.plan_computed(&moved);
+        h.plan_applied(&moved);
+        h.reconciled().await;
+        let l = &h.listening()[&ServiceName::new("a", "b")];
+        assert_eq!(l.addrs, vec![SocketAddr::new(node6, 31600)], "{l:?}");
+        assert_eq!(
+            l.unbound,
+            vec![(
+                SocketAddr::new(absent, 31600),
+                kproxy_health::BindFailure::AddressAbsent
+            )],
+            "the absent node address is reported with its reason"
+        );
+
         // The selection changes to match-all: wildcard listeners replace the addresses.
         let all = plan_with(
             &[svc("a", "b", 31600, &["10.244.0.5"])],
             true,
-            [NodePortAddresses::AllLocal, NodePortAddresses::AllLocal],
-            [vec![node4, other4], vec![node6]],
+            NodePortAddressesConfig::Cidrs(vec![
+                "0.0.0.0/0".parse().unwrap(),
+                "::/0".parse().unwrap(),
+            ]),
+            &[node4, other4, node6],
         );
         h.plan_computed(&all);
         h.plan_applied(&all);
