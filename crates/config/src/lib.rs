@@ -498,7 +498,7 @@ fn resolve(
                 mode_origin
                     .err("InterfaceNamePrefix needs detectLocal.interfaceNamePrefix (--pod-interface-name-prefix)")
             })?;
-            check_interface_name(&s).map_err(|m| origin.err(m))?;
+            kproxy_core::config::check_interface_name(&s).map_err(|m| origin.err(m))?;
             LocalDetectorConfig::InterfaceNamePrefix(s)
         }
         "BridgeInterface" => {
@@ -515,7 +515,7 @@ fn resolve(
                     "BridgeInterface needs detectLocal.bridgeInterface (--pod-bridge-interface)",
                 )
             })?;
-            check_interface_name(&s).map_err(|m| origin.err(m))?;
+            kproxy_core::config::check_interface_name(&s).map_err(|m| origin.err(m))?;
             LocalDetectorConfig::BridgeInterface(s)
         }
         other => {
@@ -617,21 +617,7 @@ fn default_addr(v6: bool, metrics: bool) -> SocketAddr {
 
 /// An IP, accepting IPv4 octets with leading zeros as decimal (Go's ParseIPSloppy).
 fn parse_ip(s: &str) -> Option<IpAddr> {
-    let s = s.trim();
-    if let Ok(ip) = s.parse() {
-        return Some(ip);
-    }
-    let octets: Vec<u8> = s
-        .split('.')
-        .map(|o| {
-            if o.len() <= 3 && o.bytes().all(|b| b.is_ascii_digit()) {
-                o.parse().ok()
-            } else {
-                None
-            }
-        })
-        .collect::<Option<_>>()?;
-    <[u8; 4]>::try_from(octets).ok().map(IpAddr::from)
+    kproxy_core::ingest::parse_ip(s.trim())
 }
 
 /// `IP:PORT`, `[IPv6]:PORT`, `:PORT` (all IPv4 addresses) or a bare IP (default port
@@ -661,9 +647,8 @@ fn parse_cidrs(s: &str) -> Result<Vec<IpNet>, String> {
         .map(str::trim)
         .filter(|x| !x.is_empty())
         .map(|x| {
-            x.parse::<IpNet>()
-                .map(|n| n.trunc())
-                .map_err(|_| format!("{:?} is not a CIDR", x.escape_debug().to_string()))
+            kproxy_core::ingest::parse_cidr(x)
+                .ok_or_else(|| format!("{:?} is not a CIDR", x.escape_debug().to_string()))
         })
         .collect()
 }
@@ -699,26 +684,6 @@ fn parse_node_port_addresses(
             "kproxy cannot combine 'primary' with CIDRs yet: list the primary addresses' CIDRs explicitly, or use 'primary' alone",
         )),
     }
-}
-
-/// Interface names reach nftables scripts: only what Linux names commonly use.
-fn check_interface_name(s: &str) -> Result<(), String> {
-    if s.len() > 15 {
-        return Err(format!(
-            "{:?} is longer than an interface name (15)",
-            s.escape_debug().to_string()
-        ));
-    }
-    if !s
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-    {
-        return Err(format!(
-            "{:?}: an interface name has only letters, digits, '-', '_' and '.'",
-            s.escape_debug().to_string()
-        ));
-    }
-    Ok(())
 }
 
 /// `Name=true,Other=false` as kube-proxy's --feature-gates.

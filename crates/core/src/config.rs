@@ -77,3 +77,40 @@ impl Default for PlanConfig {
         }
     }
 }
+
+/// Linux interface names (1–15 bytes), limited to the alphabet Linux names commonly use
+/// so a name sits in an nftables string without escaping: the one check for the
+/// interface settings of [`LocalDetectorConfig`], wherever they come from.
+pub fn check_interface_name(s: &str) -> Result<(), String> {
+    let shown = || format!("{:?}", s.escape_debug().to_string());
+    if s.is_empty() {
+        return Err("an interface name may not be empty".into());
+    }
+    if s.len() > 15 {
+        return Err(format!("{} is longer than an interface name (15)", shown()));
+    }
+    if !s
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Err(format!(
+            "{}: an interface name has only letters, digits, '-', '_' and '.'",
+            shown()
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn interface_names() {
+        use super::check_interface_name as check;
+        for ok in ["eth0", "veth.1_a-b", "fifteen-chars15"] {
+            assert_eq!(check(ok), Ok(()), "{ok}");
+        }
+        for bad in ["", "sixteen-chars-16", "eth 0", "eth0;", "é"] {
+            assert!(check(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -23,13 +23,13 @@ use crate::daemon::{self, LoopConfig, SyncLoop, SyncOutcome};
 use crate::metrics::{self, Metrics};
 use crate::tasks::Tasks;
 
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum HealthSemantics {
-    /// Health-check node ports answer from the plan the dataplane applied, and 503 while
-    /// the proxy is unhealthy (kproxy's default).
-    Truthful,
-    /// Exactly upstream kube-proxy's answers (from the computed plan).
-    Upstream,
+/// `--health-check-semantics`: the names are kproxy-health's ([`Semantics::as_str`]).
+fn semantics_parser() -> impl clap::builder::TypedValueParser<Value = Semantics> {
+    use clap::builder::TypedValueParser;
+    let names = [Semantics::Truthful, Semantics::Upstream].map(Semantics::as_str);
+    clap::builder::PossibleValuesParser::new(names)
+        // Only the possible values get here, and each parses.
+        .map(|s| Semantics::parse(&s).expect("a possible value"))
 }
 
 #[derive(clap::Args, Debug)]
@@ -43,8 +43,11 @@ pub struct Args {
     /// This node's name (same as --hostname-override).
     #[arg(long, value_name = "NAME")]
     pub node: Option<String>,
-    #[arg(long, value_enum, default_value = "truthful")]
-    pub health_check_semantics: HealthSemantics,
+    /// Health-check node ports answer from the plan the dataplane applied, and 503
+    /// while the proxy is unhealthy (`truthful`, kproxy's default), or exactly as
+    /// upstream kube-proxy does, from the computed plan (`upstream`). docs/health.md.
+    #[arg(long, default_value = "truthful", value_parser = semantics_parser())]
+    pub health_check_semantics: Semantics,
     /// Append one JSON line per sync / failure / drift repair to this file.
     #[arg(long, value_name = "FILE")]
     pub event_log: Option<PathBuf>,
@@ -92,20 +95,17 @@ fn node_name(args: &Args, cfg: &ProxyConfig) -> Result<String> {
 
 /// Every address on this host's interfaces (for nodePortAddresses CIDRs).
 fn local_addresses() -> Vec<IpAddr> {
-    let mut out = Vec::new();
-    if let Ok(addrs) = nix::ifaddrs::getifaddrs() {
-        for a in addrs {
-            let Some(sa) = a.address else { continue };
-            if let Some(v4) = sa.as_sockaddr_in() {
-                out.push(IpAddr::V4(v4.ip()));
-            } else if let Some(v6) = sa.as_sockaddr_in6() {
-                out.push(IpAddr::V6(v6.ip()));
-            }
+    match kproxy_health::local_addresses() {
+        Ok(addrs) => {
+            let mut ips: Vec<IpAddr> = addrs.into_iter().map(|a| a.ip).collect();
+            ips.dedup();
+            ips
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read this host's addresses for nodePortAddresses");
+            Vec::new()
         }
     }
-    out.sort();
-    out.dedup();
-    out
 }
 
 /// True when this process runs in the host's network namespace (the one of PID 1).
@@ -216,10 +216,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     let health = Health::start(
         HealthConfig {
             healthz_bind_address: cfg.healthz_bind_address,
-            semantics: match args.health_check_semantics {
-                HealthSemantics::Truthful => Semantics::Truthful,
-                HealthSemantics::Upstream => Semantics::Upstream,
-            },
+            semantics: args.health_check_semantics,
             sync_period: cfg.sync_period,
         },
         &mut registry,
