@@ -238,7 +238,7 @@ fn explain_rule(
             );
             for e in &p.endpoints {
                 if list.contains(&e.addr) {
-                    let _ = writeln!(out, "      ✓ {} — {}", e.addr, why_used(e));
+                    let _ = writeln!(out, "      ✓ {} — {}", e.addr, why_used(p, endpoints, e));
                 } else {
                     let _ = writeln!(
                         out,
@@ -259,16 +259,16 @@ fn location(e: &EndpointState) -> String {
     }
 }
 
-fn why_used(e: &EndpointState) -> String {
+/// Why endpoint `e` is in the `set` list of port `p`: ready, or categorisation's
+/// failover (`ServicePortPlan::uses_terminating`).
+fn why_used(p: &ServicePortPlan, set: EndpointSet, e: &EndpointState) -> String {
     let c = e.conditions;
-    let state = if c.ready {
-        if c.terminating {
-            "ready (terminating, but ready: publishNotReadyAddresses)"
-        } else {
-            "ready"
-        }
-    } else {
+    let state = if p.uses_terminating(set) {
         "serving and terminating: failover, no ready endpoint qualifies"
+    } else if c.ready && c.terminating {
+        "ready (terminating, but ready: publishNotReadyAddresses)"
+    } else {
+        "ready"
     };
     format!("{state}, {}", location(e))
 }
@@ -305,11 +305,10 @@ pub fn why_not(
     }
     let list = p.endpoints_for(set);
     if !c.ready {
-        // Serving and terminating, yet not chosen: ready endpoints exist for this policy,
-        // or failover is switched off.
-        let ready = list.len();
-        return if ready > 0 {
-            format!("terminating, and {ready} ready endpoint(s) exist")
+        // Serving and terminating, yet not chosen: categorisation found ready endpoints
+        // for this policy, or did not fall back at all (failover switched off).
+        return if !p.uses_terminating(set) && !list.is_empty() {
+            format!("terminating, and {} ready endpoint(s) exist", list.len())
         } else {
             "terminating, and failover to terminating endpoints is off".to_string()
         };
@@ -332,5 +331,51 @@ pub fn why_not(
             }
         }
         _ => "not selected (local ready endpoints are preferred)".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synthetic::{self, Spec};
+    use crate::{PlanConfig, plan};
+
+    /// The failover reasons are categorisation's (`uses_terminating`), per setting.
+    #[test]
+    fn failover_reasons_come_from_categorisation() {
+        let spec = Spec {
+            terminating_every: 1,
+            etp_local_every: 0,
+            hinted_every: 0,
+            ..Spec::new(1, 2)
+        };
+        let state = synthetic::cluster(&spec);
+        let name = synthetic::service(&spec, 0).name;
+        for (proxy_terminating_endpoints, want, port_uses) in [
+            (
+                true,
+                "✓ 10.244.0.0:8080 — serving and terminating: failover, no ready endpoint qualifies",
+                true,
+            ),
+            (
+                false,
+                // No fallback: nothing usable anywhere.
+                "REJECT — no ready or serving endpoint anywhere in the cluster",
+                false,
+            ),
+        ] {
+            let cfg = PlanConfig {
+                proxy_terminating_endpoints,
+                ..PlanConfig::default()
+            };
+            let p = plan(&state, "node-0", &cfg);
+            let svc = &p.services[&name];
+            assert_eq!(
+                svc.ports[0].uses_terminating(EndpointSet::Cluster),
+                port_uses
+            );
+            let text = explain_service(&p, svc);
+            assert!(text.contains(want), "{text}");
+        }
     }
 }

@@ -197,6 +197,12 @@ pub struct ServicePortPlan {
     /// Usable endpoints exist somewhere in the cluster: false ⇒ REJECT, true with an
     /// empty applicable list ⇒ DROP.
     pub has_any_endpoints: bool,
+    /// `cluster_endpoints` / `local_endpoints` is categorisation's serving+terminating
+    /// fallback: no ready endpoint qualified (`crate::categorize`). Read by `explain`.
+    #[serde(skip)]
+    pub cluster_uses_terminating: bool,
+    #[serde(skip)]
+    pub local_uses_terminating: bool,
     /// Traffic to the cluster IP, rules in match order (first match wins).
     pub internal: Vec<TrafficRule>,
     /// Traffic to the NodePort, external IPs and LB IPs, rules in match order. Empty
@@ -213,6 +219,14 @@ impl ServicePortPlan {
         match set {
             EndpointSet::Cluster => self.cluster_endpoints.as_deref().unwrap_or(&[]),
             EndpointSet::Local => self.local_endpoints.as_deref().unwrap_or(&[]),
+        }
+    }
+
+    /// Whether the `set` list is the serving+terminating fallback.
+    pub fn uses_terminating(&self, set: EndpointSet) -> bool {
+        match set {
+            EndpointSet::Cluster => self.cluster_uses_terminating,
+            EndpointSet::Local => self.local_uses_terminating,
         }
     }
 

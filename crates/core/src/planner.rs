@@ -651,6 +651,8 @@ fn plan_port(
         local_endpoints: cat.local,
         all_reachable_endpoints: cat.all_reachable,
         has_any_endpoints: cat.has_any,
+        cluster_uses_terminating: cat.cluster_uses_terminating,
+        local_uses_terminating: cat.local_uses_terminating,
         internal,
         external,
         endpoints,
