@@ -388,7 +388,65 @@ pub fn service(
         return Ok(ServiceOutcome::NotProxied(sname, NotProxied::Headless));
     }
 
-    // Cluster IPs per family (spec §a.1).
+    let cluster_ips = service_cluster_ips(spec, primary, &mut ctx)?;
+    let ports = service_ports(spec, &mut ctx);
+    let external_ips = spec
+        .external_ips
+        .iter()
+        .flatten()
+        .enumerate()
+        .filter_map(|(i, s)| usable_ip(s.trim(), format!(".spec.externalIPs[{i}]"), &mut ctx))
+        .collect();
+    let load_balancer_ips = service_load_balancer_ips(svc, &mut ctx);
+    let load_balancer_source_ranges = service_source_ranges(spec, &mut ctx);
+    let external_traffic_policy = traffic_policy(
+        spec.external_traffic_policy.as_deref(),
+        ".spec.externalTrafficPolicy",
+        &mut ctx,
+    );
+    let internal_traffic_policy = traffic_policy(
+        spec.internal_traffic_policy.as_deref(),
+        ".spec.internalTrafficPolicy",
+        &mut ctx,
+    );
+    let health_check_node_port = service_health_check_node_port(spec, &mut ctx);
+    let session_affinity_timeout = service_session_affinity(spec, &mut ctx);
+    let traffic_distribution = spec
+        .traffic_distribution
+        .clone()
+        .filter(|s| is_label_value(s));
+
+    Ok(ServiceOutcome::Proxied(Ingested {
+        value: Service {
+            name: sname,
+            service_type,
+            cluster_ips,
+            ports,
+            external_ips,
+            load_balancer_ips,
+            load_balancer_source_ranges,
+            external_traffic_policy,
+            internal_traffic_policy,
+            health_check_node_port,
+            session_affinity_timeout,
+            traffic_distribution,
+            created: svc
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.as_second()),
+        },
+        warnings: ctx.warnings,
+    }))
+}
+
+/// Cluster IPs per family (spec §a.1): `.spec.ipFamilies` with `.spec.clusterIPs`, or
+/// the primary `.spec.clusterIP` alone. A Service without a usable one is an error.
+fn service_cluster_ips(
+    spec: &corev1::ServiceSpec,
+    primary: &str,
+    ctx: &mut Ctx,
+) -> Result<ClusterIps, IngestError> {
     let mut cluster_ips = ClusterIps::default();
     let families = spec.ip_families.as_deref().unwrap_or(&[]);
     if families.is_empty() {
@@ -446,6 +504,11 @@ pub fn service(
         }
     }
 
+    Ok(cluster_ips)
+}
+
+/// `.spec.ports`: a bad port is skipped with a warning, never the Service.
+fn service_ports(spec: &corev1::ServiceSpec, ctx: &mut Ctx) -> Vec<ServicePort> {
     let mut ports = Vec::new();
     for (i, p) in spec.ports.iter().flatten().enumerate() {
         let field = format!(".spec.ports[{i}]");
@@ -457,18 +520,8 @@ pub fn service(
             );
             continue;
         }
-        let protocol = match p.protocol.as_deref() {
-            None => Protocol::TCP,
-            Some(s) => match Protocol::parse(s) {
-                Some(proto) => proto,
-                None => {
-                    ctx.warn(
-                        format!("{field}.protocol"),
-                        "unknown protocol; port ignored",
-                    );
-                    continue;
-                }
-            },
+        let Some(protocol) = port_protocol(p.protocol.as_deref(), &field, ctx) else {
+            continue;
         };
         let Some(port) = port_number(p.port) else {
             ctx.warn(
@@ -505,50 +558,66 @@ pub fn service(
         });
     }
 
-    let mut external_ips = Vec::new();
-    for (i, s) in spec.external_ips.iter().flatten().enumerate() {
-        match parse_ip(s.trim()) {
-            Some(ip) => match special_ip(&ip) {
-                Some(why) => ctx.warn(format!(".spec.externalIPs[{i}]"), format!("{why}; ignored")),
-                None => external_ips.push(ip),
-            },
-            None => ctx.warn(
-                format!(".spec.externalIPs[{i}]"),
-                "not an IP address; ignored",
-            ),
+    ports
+}
+
+/// A port's protocol (default TCP); `None`, with a warning, for an unknown one.
+fn port_protocol(v: Option<&str>, field: &str, ctx: &mut Ctx) -> Option<Protocol> {
+    match v {
+        None => Some(Protocol::TCP),
+        Some(s) => {
+            let proto = Protocol::parse(s);
+            if proto.is_none() {
+                ctx.warn(
+                    format!("{field}.protocol"),
+                    "unknown protocol; port ignored",
+                );
+            }
+            proto
         }
     }
+}
 
-    let mut load_balancer_ips = Vec::new();
-    if let Some(ingress) = svc
+/// An IP a Service may be reached at (external or load-balancer IP); a bad one is
+/// skipped with a warning naming `field`.
+fn usable_ip(s: &str, field: String, ctx: &mut Ctx) -> Option<IpAddr> {
+    match parse_ip(s) {
+        Some(ip) => match special_ip(&ip) {
+            Some(why) => {
+                ctx.warn(field, format!("{why}; ignored"));
+                None
+            }
+            None => Some(ip),
+        },
+        None => {
+            ctx.warn(field, "not an IP address; ignored");
+            None
+        }
+    }
+}
+
+/// `.status.loadBalancer.ingress[].ip`, except `ipMode: Proxy` ones (the load balancer
+/// proxies: traffic never arrives for the LB IP).
+fn service_load_balancer_ips(svc: &corev1::Service, ctx: &mut Ctx) -> Vec<IpAddr> {
+    let ingress = svc
         .status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|l| l.ingress.as_ref())
-    {
-        for (i, ing) in ingress.iter().enumerate() {
-            if ing.ip_mode.as_deref() == Some("Proxy") {
-                continue;
-            }
-            let Some(s) = ing.ip.as_deref().filter(|s| !s.is_empty()) else {
-                continue;
-            };
-            match parse_ip(s) {
-                Some(ip) => match special_ip(&ip) {
-                    Some(why) => ctx.warn(
-                        format!(".status.loadBalancer.ingress[{i}].ip"),
-                        format!("{why}; ignored"),
-                    ),
-                    None => load_balancer_ips.push(ip),
-                },
-                None => ctx.warn(
-                    format!(".status.loadBalancer.ingress[{i}].ip"),
-                    "not an IP address; ignored",
-                ),
-            }
-        }
-    }
+        .and_then(|l| l.ingress.as_ref());
+    ingress
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .filter(|(_, ing)| ing.ip_mode.as_deref() != Some("Proxy"))
+        .filter_map(|(i, ing)| {
+            let s = ing.ip.as_deref().filter(|s| !s.is_empty())?;
+            usable_ip(s, format!(".status.loadBalancer.ingress[{i}].ip"), ctx)
+        })
+        .collect()
+}
 
+/// `.spec.loadBalancerSourceRanges`; a bad CIDR is skipped with a warning.
+fn service_source_ranges(spec: &corev1::ServiceSpec, ctx: &mut Ctx) -> Vec<IpNet> {
     let mut load_balancer_source_ranges = Vec::new();
     for (i, s) in spec
         .load_balancer_source_ranges
@@ -565,26 +634,23 @@ pub fn service(
         }
     }
 
-    let policy = |v: Option<&str>, field: &str, ctx: &mut Ctx| match v {
+    load_balancer_source_ranges
+}
+
+/// An external or internal traffic policy; unknown values are Cluster, with a warning.
+fn traffic_policy(v: Option<&str>, field: &str, ctx: &mut Ctx) -> TrafficPolicy {
+    match v {
         None | Some("") | Some("Cluster") => TrafficPolicy::Cluster,
         Some("Local") => TrafficPolicy::Local,
         Some(_) => {
             ctx.warn(field, "unknown policy; treated as Cluster");
             TrafficPolicy::Cluster
         }
-    };
-    let external_traffic_policy = policy(
-        spec.external_traffic_policy.as_deref(),
-        ".spec.externalTrafficPolicy",
-        &mut ctx,
-    );
-    let internal_traffic_policy = policy(
-        spec.internal_traffic_policy.as_deref(),
-        ".spec.internalTrafficPolicy",
-        &mut ctx,
-    );
+    }
+}
 
-    let health_check_node_port = match spec.health_check_node_port {
+fn service_health_check_node_port(spec: &corev1::ServiceSpec, ctx: &mut Ctx) -> Option<u16> {
+    match spec.health_check_node_port {
         None | Some(0) => None,
         Some(n) => match port_number(n) {
             Some(n) => Some(n),
@@ -593,9 +659,12 @@ pub fn service(
                 None
             }
         },
-    };
+    }
+}
 
-    let session_affinity_timeout = match spec.session_affinity.as_deref() {
+/// ClientIP session affinity's timeout (default 10800 s); `None` without affinity.
+fn service_session_affinity(spec: &corev1::ServiceSpec, ctx: &mut Ctx) -> Option<u32> {
+    match spec.session_affinity.as_deref() {
         Some("ClientIP") => {
             let t = spec
                 .session_affinity_config
@@ -614,35 +683,7 @@ pub fn service(
             }
         }
         _ => None,
-    };
-
-    let traffic_distribution = spec
-        .traffic_distribution
-        .clone()
-        .filter(|s| is_label_value(s));
-
-    Ok(ServiceOutcome::Proxied(Ingested {
-        value: Service {
-            name: sname,
-            service_type,
-            cluster_ips,
-            ports,
-            external_ips,
-            load_balancer_ips,
-            load_balancer_source_ranges,
-            external_traffic_policy,
-            internal_traffic_policy,
-            health_check_node_port,
-            session_affinity_timeout,
-            traffic_distribution,
-            created: svc
-                .metadata
-                .creation_timestamp
-                .as_ref()
-                .map(|t| t.0.as_second()),
-        },
-        warnings: ctx.warnings,
-    }))
+    }
 }
 
 /// Outcome of ingesting an EndpointSlice.
@@ -705,140 +746,13 @@ pub fn endpoint_slice(
         _ => return Err(ctx.err(".addressType", "must be IPv4, IPv6 or FQDN")),
     };
 
-    let mut ports = Vec::new();
-    for (i, p) in slice.ports.iter().flatten().enumerate() {
-        let field = format!(".ports[{i}]");
-        // Upstream skips a port whose name is absent (nil) or whose number is absent/0.
-        let Some(pname) = p.name.clone() else {
-            continue;
-        };
-        if !is_port_name(&pname) {
-            ctx.warn(
-                format!("{field}.name"),
-                "not a valid port name; port ignored",
-            );
-            continue;
-        }
-        let Some(port) = p.port.and_then(port_number) else {
-            continue;
-        };
-        let protocol = match p.protocol.as_deref() {
-            None => Protocol::TCP,
-            Some(s) => match Protocol::parse(s) {
-                Some(proto) => proto,
-                None => {
-                    ctx.warn(
-                        format!("{field}.protocol"),
-                        "unknown protocol; port ignored",
-                    );
-                    continue;
-                }
-            },
-        };
-        ports.push(SlicePort {
-            name: pname,
-            protocol,
-            port,
-        });
-    }
-
-    let mut endpoints = Vec::new();
-    for (i, e) in slice.endpoints.iter().enumerate() {
-        let field = format!(".endpoints[{i}]");
-        let Some(first) = e.addresses.first() else {
-            continue;
-        };
-        let ip = match parse_ip(first) {
-            Some(ip) if family.contains(&ip) => ip,
-            Some(_) => {
-                ctx.warn(
-                    format!("{field}.addresses[0]"),
-                    format!("not an {family} address; endpoint ignored"),
-                );
-                continue;
-            }
-            None => {
-                ctx.warn(
-                    format!("{field}.addresses[0]"),
-                    "not an IP address; endpoint ignored",
-                );
-                continue;
-            }
-        };
-        let c = e.conditions.as_ref();
-        let conditions = Conditions {
-            ready: c.and_then(|c| c.ready).unwrap_or(true),
-            serving: c.and_then(|c| c.serving).unwrap_or(true),
-            terminating: c.and_then(|c| c.terminating).unwrap_or(false),
-        };
-        let node_name = match e.node_name.as_deref() {
-            None | Some("") => None,
-            Some(n) if is_dns_subdomain(n) => Some(n.into()),
-            Some(_) => {
-                ctx.warn(
-                    format!("{field}.nodeName"),
-                    "not a valid node name; treated as remote",
-                );
-                None
-            }
-        };
-        let zone = match e.zone.as_deref() {
-            None | Some("") => None,
-            Some(z) if is_label_value(z) => Some(z.into()),
-            Some(_) => {
-                ctx.warn(format!("{field}.zone"), "not a valid zone; ignored");
-                None
-            }
-        };
-        let hint_list = |list: Option<Vec<String>>,
-                         what: &str,
-                         ctx: &mut Ctx|
-         -> Option<std::sync::Arc<[String]>> {
-            let list = list?;
-            let mut out = Vec::new();
-            for (j, n) in list.into_iter().enumerate() {
-                if is_label_value(&n) && !n.is_empty() {
-                    out.push(n);
-                } else {
-                    ctx.warn(
-                        format!("{field}.hints.{what}[{j}].name"),
-                        "not a valid name; hint ignored",
-                    );
-                }
-            }
-            if out.is_empty() {
-                None
-            } else {
-                Some(out.into())
-            }
-        };
-        let hints = e.hints.as_ref();
-        let zone_hints = hint_list(
-            hints
-                .and_then(|h| h.for_zones.as_ref())
-                .map(|z| z.iter().map(|z| z.name.clone()).collect()),
-            "forZones",
-            &mut ctx,
-        );
-        let node_hints = hint_list(
-            hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .map(|n| n.iter().map(|n| n.name.clone()).collect()),
-            "forNodes",
-            &mut ctx,
-        );
-        endpoints.push(SliceEndpoint {
-            ip,
-            conditions,
-            placement: Placement {
-                node_name,
-                zone,
-                zone_hints,
-                node_hints,
-            }
-            .shared(),
-        });
-    }
+    let ports = slice_ports(slice, &mut ctx);
+    let endpoints = slice
+        .endpoints
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| slice_endpoint(e, &format!(".endpoints[{i}]"), family, &mut ctx))
+        .collect();
 
     let last_change_trigger_time = slice
         .metadata
@@ -859,6 +773,143 @@ pub fn endpoint_slice(
         },
         warnings: ctx.warnings,
     }))
+}
+
+/// `.ports` of an EndpointSlice: as upstream, a port without a name or a number is
+/// skipped silently; an invalid one with a warning.
+fn slice_ports(slice: &discoveryv1::EndpointSlice, ctx: &mut Ctx) -> Vec<SlicePort> {
+    let mut ports = Vec::new();
+    for (i, p) in slice.ports.iter().flatten().enumerate() {
+        let field = format!(".ports[{i}]");
+        // Upstream skips a port whose name is absent (nil) or whose number is absent/0.
+        let Some(pname) = p.name.clone() else {
+            continue;
+        };
+        if !is_port_name(&pname) {
+            ctx.warn(
+                format!("{field}.name"),
+                "not a valid port name; port ignored",
+            );
+            continue;
+        }
+        let Some(port) = p.port.and_then(port_number) else {
+            continue;
+        };
+        let Some(protocol) = port_protocol(p.protocol.as_deref(), &field, ctx) else {
+            continue;
+        };
+        ports.push(SlicePort {
+            name: pname,
+            protocol,
+            port,
+        });
+    }
+
+    ports
+}
+
+/// One endpoint of an EndpointSlice (its first address, of the slice's family), or
+/// `None` when it cannot be used (with a warning naming `field` when it is invalid).
+fn slice_endpoint(
+    e: &discoveryv1::Endpoint,
+    field: &str,
+    family: IpFamily,
+    ctx: &mut Ctx,
+) -> Option<SliceEndpoint> {
+    let first = e.addresses.first()?;
+    let ip = match parse_ip(first) {
+        Some(ip) if family.contains(&ip) => ip,
+        Some(_) => {
+            ctx.warn(
+                format!("{field}.addresses[0]"),
+                format!("not an {family} address; endpoint ignored"),
+            );
+            return None;
+        }
+        None => {
+            ctx.warn(
+                format!("{field}.addresses[0]"),
+                "not an IP address; endpoint ignored",
+            );
+            return None;
+        }
+    };
+    let c = e.conditions.as_ref();
+    let conditions = Conditions {
+        ready: c.and_then(|c| c.ready).unwrap_or(true),
+        serving: c.and_then(|c| c.serving).unwrap_or(true),
+        terminating: c.and_then(|c| c.terminating).unwrap_or(false),
+    };
+    let node_name = match e.node_name.as_deref() {
+        None | Some("") => None,
+        Some(n) if is_dns_subdomain(n) => Some(n.into()),
+        Some(_) => {
+            ctx.warn(
+                format!("{field}.nodeName"),
+                "not a valid node name; treated as remote",
+            );
+            None
+        }
+    };
+    let zone = match e.zone.as_deref() {
+        None | Some("") => None,
+        Some(z) if is_label_value(z) => Some(z.into()),
+        Some(_) => {
+            ctx.warn(format!("{field}.zone"), "not a valid zone; ignored");
+            None
+        }
+    };
+    let hints = e.hints.as_ref();
+    let zone_hints = hint_names(
+        hints
+            .and_then(|h| h.for_zones.as_ref())
+            .map(|z| z.iter().map(|z| z.name.clone()).collect()),
+        &format!("{field}.hints.forZones"),
+        ctx,
+    );
+    let node_hints = hint_names(
+        hints
+            .and_then(|h| h.for_nodes.as_ref())
+            .map(|n| n.iter().map(|n| n.name.clone()).collect()),
+        &format!("{field}.hints.forNodes"),
+        ctx,
+    );
+    Some(SliceEndpoint {
+        ip,
+        conditions,
+        placement: Placement {
+            node_name,
+            zone,
+            zone_hints,
+            node_hints,
+        }
+        .shared(),
+    })
+}
+
+/// Topology hint names (`forZones` / `forNodes`, at `field`); invalid ones are skipped
+/// with a warning, and a list left empty is no hint.
+fn hint_names(
+    list: Option<Vec<String>>,
+    field: &str,
+    ctx: &mut Ctx,
+) -> Option<std::sync::Arc<[String]>> {
+    let mut out = Vec::new();
+    for (j, n) in list?.into_iter().enumerate() {
+        if is_label_value(&n) && !n.is_empty() {
+            out.push(n);
+        } else {
+            ctx.warn(
+                format!("{field}[{j}].name"),
+                "not a valid name; hint ignored",
+            );
+        }
+    }
+    if out.is_empty() {
+        None
+    } else {
+        Some(out.into())
+    }
 }
 
 /// Ingests a Node.
