@@ -26,6 +26,7 @@ use kproxy_core::config::{LocalDetectorConfig, NodePortAddressesConfig};
 
 pub use duration::parse_go_duration;
 pub use file::KubeProxyConfiguration;
+use file::{Conntrack, Nftables};
 pub use names::{parse_nft_table_name, parse_port_range};
 
 /// Upstream's `ports.ProxyHealthzPort`.
@@ -278,10 +279,26 @@ fn resolve(
     };
     let mut warnings = Vec::new();
     let mut cfg = ProxyConfig::default();
-    let nft = f.nftables.clone().unwrap_or_default();
-    let ct = f.conntrack.clone().unwrap_or_default();
-    let dl = f.detect_local.clone().unwrap_or_default();
 
+    check_mode(&f, name)?;
+    resolve_feature_gates(&f, flags, name, &mut cfg, &mut warnings)?;
+    resolve_addresses(&f, flags, name, &mut cfg)?;
+    resolve_nftables(
+        &f.nftables.clone().unwrap_or_default(),
+        flags,
+        name,
+        &mut cfg,
+    )?;
+    cfg.plan.local_detector = resolve_local_detector(&f, flags, name, &mut warnings)?;
+    if let Some(npa) = resolve_node_port_addresses(&f, flags, name, &mut warnings)? {
+        cfg.plan.node_port_addresses = npa;
+    }
+    cfg.conntrack = resolve_conntrack(&f.conntrack.clone().unwrap_or_default(), name)?;
+    Ok((cfg, warnings))
+}
+
+/// `mode`: kproxy is an nftables proxy; anything else is refused.
+fn check_mode(f: &KubeProxyConfiguration, name: Option<&str>) -> Result<(), ConfigError> {
     if let Some(mode) = f.mode.as_deref()
         && !mode.is_empty()
         && mode != "nftables"
@@ -292,7 +309,17 @@ fn resolve(
         )));
     }
 
-    // Feature gates: the file's, then the flag's on top.
+    Ok(())
+}
+
+/// Feature gates: the file's, then the flag's on top; kproxy acts on two of them.
+fn resolve_feature_gates(
+    f: &KubeProxyConfiguration,
+    flags: &ConfigFlags,
+    name: Option<&str>,
+    cfg: &mut ProxyConfig,
+    warnings: &mut Vec<ConfigWarning>,
+) -> Result<(), ConfigError> {
     let mut gates: Vec<(String, bool, Origin)> = Vec::new();
     if let (Some(g), Some(file)) = (&f.feature_gates, name) {
         gates.extend(
@@ -320,6 +347,17 @@ fn resolve(
         cfg.plan.proxy_terminating_endpoints = v;
     }
 
+    Ok(())
+}
+
+/// Where kproxy finds the API server and who it is, and where its servers listen:
+/// kubeconfig, hostnameOverride, bindAddress, healthzBindAddress, metricsBindAddress.
+fn resolve_addresses(
+    f: &KubeProxyConfiguration,
+    flags: &ConfigFlags,
+    name: Option<&str>,
+    cfg: &mut ProxyConfig,
+) -> Result<(), ConfigError> {
     let kubeconfig_file = f
         .client_connection
         .as_ref()
@@ -394,7 +432,16 @@ fn resolve(
         }
     }
 
-    // nftables section.
+    Ok(())
+}
+
+/// The `nftables` section: masqueradeBit, masqueradeAll, syncPeriod, minSyncPeriod.
+fn resolve_nftables(
+    nft: &Nftables,
+    flags: &ConfigFlags,
+    name: Option<&str>,
+    cfg: &mut ProxyConfig,
+) -> Result<(), ConfigError> {
     if let Some((v, origin)) = pick(
         flags.masquerade_bit,
         "--masquerade-bit",
@@ -436,7 +483,17 @@ fn resolve(
         }
     }
 
-    // Local traffic detection.
+    Ok(())
+}
+
+/// Local traffic detection: detectLocalMode with clusterCIDR or detectLocal.
+fn resolve_local_detector(
+    f: &KubeProxyConfiguration,
+    flags: &ConfigFlags,
+    name: Option<&str>,
+    warnings: &mut Vec<ConfigWarning>,
+) -> Result<LocalDetectorConfig, ConfigError> {
+    let dl = f.detect_local.clone().unwrap_or_default();
     let cluster_cidrs = match pick(
         flags.cluster_cidr.clone(),
         "--cluster-cidr",
@@ -472,9 +529,9 @@ fn resolve(
             Origin::File(name.unwrap_or(""), "detectLocalMode"),
         ),
     };
-    cfg.plan.local_detector = match mode.as_str() {
+    let detector = match mode.as_str() {
         "ClusterCIDR" if cluster_cidrs.is_empty() => {
-            if mode_origin_is_explicit(&mode_origin, flags, &f) {
+            if mode_origin_is_explicit(&mode_origin, flags, f) {
                 warnings.push(
                     mode_origin
                         .warn("ClusterCIDR without a cluster CIDR: no traffic is treated as coming from local pods"),
@@ -525,8 +582,16 @@ fn resolve(
             )));
         }
     };
+    Ok(detector)
+}
 
-    // NodePort addresses.
+/// nodePortAddresses (`None`: not set, the default stays).
+fn resolve_node_port_addresses(
+    f: &KubeProxyConfiguration,
+    flags: &ConfigFlags,
+    name: Option<&str>,
+    warnings: &mut Vec<ConfigWarning>,
+) -> Result<Option<NodePortAddressesConfig>, ConfigError> {
     let npa: Option<(Vec<String>, Origin)> =
         match (&flags.nodeport_addresses, &f.node_port_addresses, name) {
             (Some(s), _, _) => Some((
@@ -541,11 +606,12 @@ fn resolve(
             }
             _ => None,
         };
-    if let Some((entries, origin)) = npa {
-        cfg.plan.node_port_addresses = parse_node_port_addresses(&entries, origin, &mut warnings)?;
-    }
+    npa.map(|(entries, origin)| parse_node_port_addresses(&entries, origin, warnings))
+        .transpose()
+}
 
-    // Conntrack.
+/// The `conntrack` section (file only, as upstream's flags are deprecated).
+fn resolve_conntrack(ct: &Conntrack, name: Option<&str>) -> Result<ConntrackConfig, ConfigError> {
     let ct_origin = |path: &'static str| Origin::File(name.unwrap_or(""), path);
     let non_negative =
         |v: Option<i64>, path: &'static str, default: u32| -> Result<u32, ConfigError> {
@@ -566,7 +632,7 @@ fn resolve(
             Some(s) => parse_go_duration(s).map_err(|m| ct_origin(path).err(m)),
         }
     };
-    cfg.conntrack = ConntrackConfig {
+    Ok(ConntrackConfig {
         max_per_core: non_negative(ct.max_per_core, "conntrack.maxPerCore", d.max_per_core)?,
         min: non_negative(ct.min, "conntrack.min", d.min)?,
         tcp_established_timeout: duration(
@@ -586,9 +652,7 @@ fn resolve(
             "conntrack.udpStreamTimeout",
             Duration::ZERO,
         )?,
-    };
-
-    Ok((cfg, warnings))
+    })
 }
 
 /// Whether detectLocalMode ClusterCIDR was asked for (rather than being the default).

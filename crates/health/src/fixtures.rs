@@ -87,7 +87,7 @@ pub fn plan_with(
                 (*f, ip)
             })),
             ports: vec![ServicePort {
-                name: String::new().into(),
+                name: String::new(),
                 protocol: Protocol::TCP,
                 port: 80,
                 node_port: Some(30080 + i),
@@ -108,7 +108,7 @@ pub fn plan_with(
                 service: name.clone(),
                 family,
                 ports: vec![SlicePort {
-                    name: String::new().into(),
+                    name: String::new(),
                     protocol: Protocol::TCP,
                     port: 8080,
                 }],
