@@ -1,6 +1,9 @@
 //! `kproxy run`: the node agent. Wires a source (manifest files, or the Kubernetes API)
 //! into the sync loop ([`crate::daemon`]), the nftables dataplane, the health servers
 //! and the metrics server, and stops on SIGTERM / SIGINT leaving the rules in place.
+//! Every long-running task runs under one cancellation tree ([`crate::tasks`]): the
+//! first to end stops the rest, the sync loop finishing a sync in flight, and the
+//! health servers close last.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
