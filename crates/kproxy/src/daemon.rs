@@ -239,7 +239,10 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                             continue;
                         }
                     }
-                    _ = tokio::time::sleep(self.cfg.sync_period) => {
+                    // From the last sync, so wakes without changes do not postpone it.
+                    _ = tokio::time::sleep_until(
+                        self.last_sync.unwrap_or_else(Instant::now) + self.cfg.sync_period
+                    ) => {
                         tracing::debug!("syncPeriod elapsed");
                     }
                     _ = tokio::time::sleep_until(next_verify) => {
@@ -802,6 +805,36 @@ mod tests {
                 },
                 Seen::Applied(both.services.clone()),
             ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sync_period_forces_a_sync_even_while_updates_change_nothing() {
+        let h = start(0, &[], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        // A source re-listing the same object every 10 s: updates, no change.
+        for _ in 0..40 {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            h.add(0);
+        }
+        // 400 s with syncPeriod 3600 s: no sync; then the periodic one at 3600 s.
+        assert_eq!(h.log.syncs(), 1);
+        tokio::time::sleep(Duration::from_secs(3190)).await;
+        h.until_syncs(2).await;
+        let seen = h.log.take();
+        h.stop().await;
+        assert!(
+            matches!(
+                seen[4],
+                Seen::Sync {
+                    ms: 3_600_000,
+                    full: false,
+                    ..
+                }
+            ),
+            "{seen:?}"
         );
     }
 
