@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod conntrack;
+pub mod model;
 pub mod netlink;
 pub mod nft;
 pub mod record;
