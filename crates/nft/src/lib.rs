@@ -26,7 +26,8 @@ use kproxy_core::NodePlan;
 use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::{LocalPods, ServicePlan};
 
-pub use ruleset::{DeltaCounts, Ruleset};
+pub use model::{Table, Transaction};
+pub use ruleset::DeltaCounts;
 
 /// How the plan reaches the kernel (settings that do not change decisions).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -160,9 +161,9 @@ impl Dataplane {
         self.programmed = None;
     }
 
-    /// What is programmed, as whole rulesets (IPv4, IPv6); `None` before the first
+    /// What is programmed, as whole tables (IPv4, IPv6); `None` before the first
     /// successful sync. Assembles a copy: for tests and tools, not the sync path.
-    pub fn programmed(&self) -> Option<[Ruleset; 2]> {
+    pub fn programmed(&self) -> Option<[Table; 2]> {
         self.programmed
             .as_ref()
             .map(|[a, b]| [a.assemble(), b.assemble()])
@@ -182,39 +183,26 @@ impl Dataplane {
             (Some(_), Some(last)) => changed_services(&mut last.services, &plan.services),
             _ => Vec::new(),
         };
-        let mut elems = [
-            record::ElementDelta::default(),
-            record::ElementDelta::default(),
-        ];
         let delta = self.programmed.as_mut().and_then(|recs| {
-            let (mut pre, mut post) = (String::new(), String::new());
-            let mut counts = DeltaCounts::default();
-            for (rec, el) in recs.iter_mut().zip(&mut elems) {
-                counts.add(&rec.advance(plan, &changed, &self.cfg, &mut pre, el, &mut post)?);
+            let mut tx = Transaction::default();
+            for rec in recs.iter_mut() {
+                tx.extend(rec.advance(plan, &changed, &self.cfg)?);
             }
-            // Only element changes: over netlink when every set and element encodes.
-            if pre.is_empty() && post.is_empty() {
-                let mut batch = netlink::Batch::default();
-                let encoded = recs
-                    .iter()
-                    .zip(&elems)
-                    .try_for_each(|(rec, el)| el.encode(rec, &mut batch));
-                if encoded.is_some() {
-                    return Some((counts, vec![Step::Netlink(batch)]));
-                }
-            }
-            let mut script = pre;
-            for (rec, el) in recs.iter().zip(&elems) {
-                let (fam, t) = rec.table();
-                el.script(fam, t, &mut script);
-            }
-            script.push_str(&post);
-            Some((counts, vec![Step::Nft(script)]))
+            tx.order();
+            Some(tx)
         });
         let steps = match delta {
-            Some((c, steps)) => {
-                report.changes = c;
-                steps
+            Some(tx) => {
+                report.changes = tx.counts;
+                // Only element changes: over netlink when every element encodes.
+                let batch = tx
+                    .elements_only()
+                    .then(|| netlink::Batch::transaction(&tx))
+                    .flatten();
+                match batch {
+                    Some(b) => vec![Step::Netlink(b)],
+                    None => vec![Step::Nft(tx.nft_text())],
+                }
             }
             None => {
                 report.full = true;
@@ -222,8 +210,9 @@ impl Dataplane {
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
                 ];
-                let phased = self.tables_absent(&recs)
-                    && match self.first_sync_phased(&recs, &mut report) {
+                let tables = [recs[0].assemble(), recs[1].assemble()];
+                let phased = self.tables_absent(&tables)
+                    && match self.first_sync_phased(&tables, &mut report) {
                         Ok(done) => done,
                         Err(e) => {
                             self.programmed = None;
@@ -234,12 +223,9 @@ impl Dataplane {
                 let steps = if phased {
                     Vec::new()
                 } else {
-                    report.changes = DeltaCounts::default();
-                    let mut script = String::new();
-                    for rec in &recs {
-                        report.changes.add(&rec.full_script(&mut script));
-                    }
-                    vec![Step::Nft(script)]
+                    let tx = full_transaction(&tables);
+                    report.changes = tx.counts;
+                    vec![Step::Nft(tx.nft_text())]
                 };
                 self.programmed = Some(recs);
                 steps
@@ -314,11 +300,10 @@ impl Dataplane {
 
     /// Whether neither of kproxy's tables exists (a node's first start, or after
     /// `kproxy cleanup`); false when that cannot be told.
-    fn tables_absent(&mut self, recs: &[record::FamilyRecord; 2]) -> bool {
+    fn tables_absent(&mut self, tables: &[Table; 2]) -> bool {
         let absent = self.writer().and_then(|w| {
-            for rec in recs {
-                let (fam, t) = rec.table();
-                if w.table_exists(fam, t)? {
+            for t in tables {
+                if w.table_exists(t.family, &t.name)? {
                     return Ok(false);
                 }
             }
@@ -330,36 +315,35 @@ impl Dataplane {
         })
     }
 
-    /// The first sync into absent tables, in steps: tables, sets and regular chains by
-    /// `nft -f` (while the elements are encoded on this thread), the elements as one
-    /// nfnetlink batch, then the hooked base chains by `nft -f`. Nothing sees traffic
-    /// before the last step, so no packet meets a half-written table, and the bulk of
-    /// the work (the elements) skips nft's parser. `Ok(false)` when an element does not
-    /// encode: the tables then exist without hooks and a one-transaction replacement
-    /// (`full_script`) must follow.
+    /// The first sync into absent tables, in steps of the transaction that creates them
+    /// ([`Transaction::split_for_absent_tables`]): tables, sets, regular chains and
+    /// their rules by `nft -f` (while the elements are encoded on this thread), the
+    /// elements as one nfnetlink batch, then the hooked base chains by `nft -f`.
+    /// Nothing sees traffic before the last step, so no packet meets a half-written
+    /// table, and the bulk of the work (the elements) skips nft's parser. `Ok(false)`
+    /// when an element does not encode: the tables then exist without hooks and a
+    /// one-transaction replacement must follow.
     fn first_sync_phased(
         &mut self,
-        recs: &[record::FamilyRecord; 2],
+        tables: &[Table; 2],
         report: &mut SyncReport,
     ) -> Result<bool, NftError> {
-        let (mut tables, mut hooks) = (String::new(), String::new());
-        let mut counts = DeltaCounts::default();
-        for rec in recs {
-            counts.add(&rec.full_structure(&mut tables, &mut hooks));
+        let mut create = Transaction::default();
+        for t in tables {
+            create.extend(model::diff(&Table::absent(t.family, &t.name), t)?);
         }
+        let counts = create.counts;
+        let (structure, elements, hooks) = create.split_for_absent_tables();
+        let (structure, hooks) = (structure.nft_text(), hooks.nft_text());
         let t = Instant::now();
         let (loaded, batch) = std::thread::scope(|s| {
             // A thread starts in its creator's network namespace, so nft acts on ours.
-            let nft = s.spawn(|| nft::run_script(&tables));
-            let mut batch = netlink::Batch::default();
-            let encoded = recs.iter().try_for_each(|rec| {
-                counts.add(&rec.full_elements(&mut batch)?);
-                Some(())
-            });
+            let nft = s.spawn(|| nft::run_script(&structure));
+            let batch = netlink::Batch::transaction(&elements);
             let loaded = nft.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-            (loaded, encoded.map(|_| batch))
+            (loaded, batch)
         });
-        report.script_bytes += tables.len();
+        report.script_bytes += structure.len();
         loaded?;
         let Some(batch) = batch else {
             return Ok(false);
@@ -451,14 +435,26 @@ pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
     nft::run_script(&script)
 }
 
-/// The full script for a plan (both families), as `sync` would send on a full sync.
-/// For golden tests and operators (`kproxy sync --dry-run`).
-pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
-    let mut s = String::new();
-    for f in IpFamily::ALL {
-        ruleset::build(plan, cfg, f).full_script(&mut s);
+/// The desired state of kproxy's tables for a plan (IPv4, IPv6). Pure.
+pub fn desired(plan: &NodePlan, cfg: &DataplaneConfig) -> [Table; 2] {
+    IpFamily::ALL.map(|f| ruleset::build(plan, cfg, f))
+}
+
+/// The one transaction a full sync sends when the tables may exist: each family's
+/// table replaced (created, deleted, created again with everything), no gap.
+pub fn full_transaction(tables: &[Table; 2]) -> Transaction {
+    let mut tx = Transaction::default();
+    for t in tables {
+        tx.extend(Transaction::replace(t));
     }
-    s
+    tx
+}
+
+/// The full sync's transaction for a plan, as nft text (what `sync` sends when the
+/// tables exist; into absent tables it sends the same objects in steps). For golden
+/// tests and operators (`kproxy sync --dry-run`).
+pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
+    full_transaction(&desired(plan, cfg)).nft_text()
 }
 
 /// Checks the plan's only free-form strings (interface names from the local-traffic

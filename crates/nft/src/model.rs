@@ -660,7 +660,17 @@ impl Op {
         matches!(self, Op::AddElements { .. } | Op::DeleteElements { .. })
     }
 
-    /// Whether it declares a base chain or adds a rule to `hooked` chains.
+    /// Whether it adds or deletes an element holding a prefix (an interval set's).
+    pub fn has_prefix(&self) -> bool {
+        let prefix = |t: &Tuple| t.0.iter().any(|a| matches!(a, Atom::Prefix(..)));
+        match self {
+            Op::AddElements { elems, .. } => elems.iter().any(|e| prefix(&e.key)),
+            Op::DeleteElements { keys, .. } => keys.iter().any(prefix),
+            _ => false,
+        }
+    }
+
+    /// Whether it declares a base chain.
     fn is_hook(&self) -> bool {
         matches!(self, Op::AddChain { hook: Some(_), .. })
     }
@@ -750,7 +760,8 @@ impl Transaction {
     }
 
     /// Splits a transaction that creates tables into (everything but the hooked base
-    /// chains, their rules, and elements), (elements), (the hooked base chains with
+    /// chains, their rules, and elements without prefixes), (elements without prefixes:
+    /// what netlink encodes), (the hooked base chains with
     /// their rules): sent in that order, traffic meets the tables only once the last
     /// part hooks them, so each part may be its own transaction. For a first sync
     /// into absent tables.
@@ -787,7 +798,7 @@ impl Transaction {
             };
             if to_hooks {
                 c.ops.push(op);
-            } else if op.is_element_op() {
+            } else if op.is_element_op() && !op.has_prefix() {
                 b.ops.push(op);
             } else {
                 a.ops.push(op);
