@@ -3,11 +3,13 @@
 //! then deltas computed from the in-memory record of what is programmed), verifies the
 //! kernel against that record, and deletes stale UDP conntrack entries.
 //!
-//! Functional core: [`ruleset`] (plan → declarative ruleset → script/delta text) and
-//! [`conntrack::stale_flows`]. Imperative shell: [`Dataplane`], which runs `nft -f -`
-//! for full syncs and deltas that change chains, rules or sets, sends deltas of element
-//! changes only as nfnetlink batches ([`netlink`]), and talks ctnetlink, always in the
-//! calling thread's network namespace.
+//! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), [`model`]
+//! (the typed nftables model, `diff(old, new) → Transaction`, the transaction's nft
+//! text), [`record`] (the record that moves by the changed Services and yields each
+//! sync's transaction) and [`conntrack::stale_flows`]. Imperative shell:
+//! [`Dataplane`], which sends each sync's one transaction as `nft -f` text or, when it
+//! only changes elements, as an nfnetlink batch ([`netlink`], the transaction's second
+//! renderer), and talks ctnetlink, always in the calling thread's network namespace.
 
 #![forbid(unsafe_code)]
 

@@ -106,7 +106,7 @@ impl Field {
     }
 
     /// Bytes of one datum of this field.
-    pub fn len(self) -> usize {
+    pub fn datum_len(self) -> usize {
         match self {
             Field::Ipv4Addr | Field::Numgen(_) => 4,
             Field::Ipv6Addr => 16,
@@ -289,7 +289,10 @@ fn parse_tuple(fields: &[Field], s: &str, interval: bool) -> Option<Tuple> {
     for f in fields {
         out.push(f.parse(parts.next()?, interval)?);
     }
-    parts.next().is_none().then(|| Tuple(out.into_boxed_slice()))
+    parts
+        .next()
+        .is_none()
+        .then(|| Tuple(out.into_boxed_slice()))
 }
 
 /// One datum of an element.
@@ -839,7 +842,12 @@ impl Transaction {
                     name,
                     decl,
                 } => {
-                    let _ = write!(out, "add {} {} {table} {name} {{ ", decl.kind(), family.nft());
+                    let _ = write!(
+                        out,
+                        "add {} {} {table} {name} {{ ",
+                        decl.kind(),
+                        family.nft()
+                    );
                     decl.write(out);
                     out.push_str(" }\n");
                 }

@@ -424,7 +424,9 @@ impl Writer {
                 .sock
                 .recv(&mut &mut buf[..], 0)
                 .map_err(|e| NftError::Io {
-                    context: format!("waiting for the kernel's answer about table {family_name} {name}"),
+                    context: format!(
+                        "waiting for the kernel's answer about table {family_name} {name}"
+                    ),
                     source: e,
                 })?;
             for m in messages(&buf[..size]) {
@@ -616,7 +618,8 @@ mod tests {
 
     #[test]
     fn verdicts() {
-        let v = |s: &str| Verdict::parse(s).map(|v| (verdict(&v).0, verdict(&v).1.map(String::from)));
+        let v =
+            |s: &str| Verdict::parse(s).map(|v| (verdict(&v).0, verdict(&v).1.map(String::from)));
         assert_eq!(v("goto svc-1"), Some((-4i32 as u32, Some("svc-1".into()))));
         assert_eq!(v("jump x"), Some((-3i32 as u32, Some("x".into()))));
         assert_eq!(v("drop"), Some((0, None)));
@@ -791,7 +794,11 @@ mod tests {
             NLM_F_ACK,
             v4,
             0,
-            elems_msg("cluster-ips", vec![vec![key(&set.key[..], "10.96.0.3")]], false),
+            elems_msg(
+                "cluster-ips",
+                vec![vec![key(&set.key[..], "10.96.0.3")]],
+                false,
+            ),
         ));
         want.extend(serialize(
             5,

@@ -11,7 +11,9 @@
 //! It is the dataplane's largest long-lived data (≈ 176k elements at 10k Services ×
 //! 10 endpoints), so elements are held once: a frontend's as one text shared by `Arc`
 //! between its fragment and its claim (its keys made from its name), shared ones as
-//! addresses, and nft names and keys are made when a script or batch is written.
+//! addresses, and typed elements are made when a transaction is built (the whole
+//! table by [`FamilyRecord::assemble`] for a full sync, the touched elements by
+//! [`FamilyRecord::advance`] for a delta).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -218,7 +220,11 @@ impl FamilyRecord {
     fn decl(&self, set: SetRef) -> Option<SetDecl> {
         match set {
             SetRef::Map(d) => Some(d.objects(self.family).0.decl),
-            _ => self.base.sets.get(set.name().as_ref()).map(|s| s.decl.clone()),
+            _ => self
+                .base
+                .sets
+                .get(set.name().as_ref())
+                .map(|s| s.decl.clone()),
         }
     }
 
@@ -341,19 +347,20 @@ impl FamilyRecord {
             {
                 continue;
             }
-            let mut elements = |fe: &Option<Arc<Frontend>>| -> BTreeMap<(SetRef, Tuple), Option<Value>> {
-                let mut out = BTreeMap::new();
-                for (set, k, v) in fe.iter().flat_map(|fe| fe.elements()) {
-                    let decl = decls.entry(set).or_insert_with(|| self.decl(set));
-                    // A set that does not exist takes no elements (as in `assemble`).
-                    let Some(decl) = decl else { continue };
-                    let e = decl.parse_elem(&k.text(), v);
-                    // Written by `ruleset` from typed plan data.
-                    let e: Elem = e.expect("a frontend's element fits its set's declaration");
-                    out.entry((set, e.key)).or_insert(e.value);
-                }
-                out
-            };
+            let mut elements =
+                |fe: &Option<Arc<Frontend>>| -> BTreeMap<(SetRef, Tuple), Option<Value>> {
+                    let mut out = BTreeMap::new();
+                    for (set, k, v) in fe.iter().flat_map(|fe| fe.elements()) {
+                        let decl = decls.entry(set).or_insert_with(|| self.decl(set));
+                        // A set that does not exist takes no elements (as in `assemble`).
+                        let Some(decl) = decl else { continue };
+                        let e = decl.parse_elem(&k.text(), v);
+                        // Written by `ruleset` from typed plan data.
+                        let e: Elem = e.expect("a frontend's element fits its set's declaration");
+                        out.entry((set, e.key)).or_insert(e.value);
+                    }
+                    out
+                };
             let (b, a) = (elements(&before), elements(&after));
             for ((set, k), v) in &b {
                 if a.get(&(*set, k.clone())) != Some(v) {
@@ -363,7 +370,9 @@ impl FamilyRecord {
             }
             for ((set, k), v) in a {
                 if b.get(&(set, k.clone())) != Some(&v) {
-                    adds.entry(set.name().into_owned()).or_default().insert(k, v);
+                    adds.entry(set.name().into_owned())
+                        .or_default()
+                        .insert(k, v);
                 }
             }
         }
@@ -382,7 +391,10 @@ impl FamilyRecord {
                 family: fam,
                 table: t.clone(),
                 set,
-                elems: kv.into_iter().map(|(key, value)| Elem { key, value }).collect(),
+                elems: kv
+                    .into_iter()
+                    .map(|(key, value)| Elem { key, value })
+                    .collect(),
             });
         }
         tx.order();
@@ -525,7 +537,10 @@ mod tests {
                 // `local-pods` (an interval set) stays with the structure.
                 assert!(crate::netlink::Batch::transaction(&elements).is_some());
                 let interval = table.sets.values().any(|s| s.decl.interval);
-                assert_eq!(st.contains("add element ip kproxy local-pods"), interval && family == IpFamily::IPv4);
+                assert_eq!(
+                    st.contains("add element ip kproxy local-pods"),
+                    interval && family == IpFamily::IPv4
+                );
                 assert!(family == IpFamily::IPv6 || !elements.is_empty());
             }
         }

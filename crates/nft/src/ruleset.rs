@@ -1,8 +1,9 @@
-//! The declarative nftables model of one family's table (`Ruleset`), built from a
-//! `NodePlan` by pure code, and the two ways it reaches nft text: a full
-//! table-replacing script and the delta between two rulesets. The in-memory record of
-//! what is programmed (`crate::record`) keeps per-Service fragments, so an incremental
-//! sync costs work proportional to what changed.
+//! The desired state of one family's table for a `NodePlan`: a typed
+//! [`crate::model::Table`] built by pure code, whole ([`build`]) or as the base objects
+//! ([`build_base`]) plus one fragment per Service ([`build_service`]), so the in-memory
+//! record of what is programmed (`crate::record`) can move by the changed Services
+//! only. What changed and how it reaches the kernel is `crate::model`'s business
+//! (`diff`, `Transaction`).
 //!
 //! Layout (chosen for kernel and nft cost, see BENCHMARKS.md: nft spends ~45 µs per
 //! rule but ~6–14 µs per set element, and every nft call dumps all rules into its
@@ -54,18 +55,11 @@ use sha2::{Digest, Sha256};
 
 use crate::DataplaneConfig;
 
-pub use crate::model::{Chain, Set, Table};
 use crate::model::{Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple};
+pub use crate::model::{Chain, Set, Table};
 
 /// Counts of what a delta changes, for the sync report and metrics.
 pub type DeltaCounts = crate::model::Counts;
-
-pub fn nft_family(f: IpFamily) -> &'static str {
-    match f {
-        IpFamily::IPv4 => "ip",
-        IpFamily::IPv6 => "ip6",
-    }
-}
 
 /// Family-specific vocabulary.
 struct Fam {
@@ -142,7 +136,7 @@ pub struct Own {
 }
 
 impl Own {
-    /// As a ruleset of `family`'s `table` (to compute a delta).
+    /// As a table of `family`'s `table` (to diff a changed Service's own objects).
     pub fn to_table(&self, family: Family, table: &str) -> Table {
         Table {
             sets: self.sets.iter().cloned().collect(),
@@ -527,10 +521,15 @@ impl Dispatch {
             Set::new(SetDecl {
                 by_expr: true,
                 ..SetDecl::map(
-                    vec![f.addr, Field::InetProto, Field::InetService, Field::Numgen(self.n)]
-                        .into_iter()
-                        .skip(if self.nodeport { 1 } else { 0 })
-                        .collect(),
+                    vec![
+                        f.addr,
+                        Field::InetProto,
+                        Field::InetService,
+                        Field::Numgen(self.n),
+                    ]
+                    .into_iter()
+                    .skip(if self.nodeport { 1 } else { 0 })
+                    .collect(),
                     SetData::Fields(vec![f.addr, Field::InetService]),
                 )
             }),
@@ -806,7 +805,10 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
             let mut s = set(vec![f.addr], "local pod CIDRs");
             s.decl.interval = true;
             s.decl.auto_merge = true;
-            s.elements = c.into_iter().map(|k| (Tuple(Box::new([k])), None)).collect();
+            s.elements = c
+                .into_iter()
+                .map(|k| (Tuple(Box::new([k])), None))
+                .collect();
             rs.sets.insert("local-pods".into(), s);
         }
     }
