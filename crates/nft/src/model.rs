@@ -526,17 +526,20 @@ pub struct Chain {
 
 /// What the comment of every rule kproxy writes starts with; the rest is its
 /// [`rule_id`].
-pub const RULE_ID_PREFIX: &str = "k:";
+pub const RULE_ID_PREFIX: &str = "kp:";
 
-/// The identity of a rule's content: the first 8 bytes of SHA-256 of its text, in hex.
-/// Stable across builds and versions of kproxy that render the same text; what a rule
-/// read back from the kernel is compared by: every rule is written with the comment
-/// `k:<id>` (the kernel keeps it as the rule's userdata), so a reader compares chains
-/// by their list of ids without decoding expressions.
+/// The identity of a rule's content: the FNV-1a 64 hash of its text body (without
+/// `add rule FAMILY TABLE CHAIN` and without the comment), 16 hex digits. Every rule is
+/// written with the comment `kp:<id>` (the kernel keeps it as the rule's userdata), so
+/// a reader of the kernel's tables compares a chain by its rules' ids, in order,
+/// without decoding expressions (agreed with the adoption reader, `crate::dump`).
 pub fn rule_id(rule: &str) -> String {
-    use sha2::{Digest, Sha256};
-    let h = Sha256::digest(rule.as_bytes());
-    h.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in rule.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
 }
 
 /// One family's table: what kproxy programs into it.
@@ -1127,4 +1130,318 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
     }
     t.ops = ops;
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What applying `tx` to `t` gives (a model of the kernel's transaction, for
+    /// checking that `diff` says everything and only what changed).
+    fn apply(t: &Table, tx: &Transaction) -> Table {
+        let mut t = t.clone();
+        for op in &tx.ops {
+            match op {
+                Op::AddTable { comment, .. } => {
+                    if !t.exists {
+                        t.exists = true;
+                        t.comment = comment.clone();
+                    }
+                }
+                Op::DeleteTable { .. } => {
+                    t = Table::absent(t.family, &t.name);
+                }
+                Op::AddSet { name, decl, .. } => {
+                    t.sets.entry(name.clone()).or_insert(Set::new(decl.clone()));
+                }
+                Op::DeleteSet { name, .. } => {
+                    t.sets.remove(name).expect("deleted set exists");
+                }
+                Op::AddChain { name, hook, .. } => {
+                    t.chains.entry(name.clone()).or_insert(Chain {
+                        hook: *hook,
+                        rules: Vec::new(),
+                    });
+                }
+                Op::FlushChain { name, .. } => t.chains.get_mut(name).unwrap().rules.clear(),
+                Op::DeleteChain { name, .. } => {
+                    let c = t.chains.remove(name).expect("deleted chain exists");
+                    assert!(c.rules.is_empty(), "chain {name} deleted while not empty");
+                }
+                Op::AddRule { chain, rule, .. } => {
+                    t.chains.get_mut(chain).unwrap().rules.push(rule.clone())
+                }
+                Op::AddElements { set, elems, .. } => {
+                    let s = t.sets.get_mut(set).unwrap();
+                    for e in elems {
+                        assert!(s.elements.insert(e.key.clone(), e.value.clone()).is_none());
+                    }
+                }
+                Op::DeleteElements { set, keys, .. } => {
+                    let s = t.sets.get_mut(set).unwrap();
+                    for k in keys {
+                        assert!(s.elements.remove(k).is_some(), "deleted element exists");
+                    }
+                }
+            }
+        }
+        t
+    }
+
+    fn ip(s: &str) -> Atom {
+        Atom::Addr(s.parse().unwrap())
+    }
+
+    fn vmap() -> SetDecl {
+        SetDecl::map(
+            vec![Field::Ipv4Addr, Field::InetProto, Field::InetService],
+            SetData::Verdict,
+        )
+        .with_comment("cluster IPs")
+    }
+
+    fn sample() -> Table {
+        let mut t = Table::new(Family::Ip, "kproxy");
+        t.chains.insert(
+            "nat-prerouting".into(),
+            Chain {
+                hook: Some(Hook::nat(HookPoint::Prerouting, -100)),
+                rules: vec!["jump services".into()],
+            },
+        );
+        t.chains.insert(
+            "services".into(),
+            Chain {
+                hook: None,
+                rules: vec!["ip daddr . meta l4proto . th dport vmap @service-ips".into()],
+            },
+        );
+        t.chains.insert(
+            "svc-a".into(),
+            Chain {
+                hook: None,
+                rules: vec!["drop".into()],
+            },
+        );
+        let mut s = Set::new(vmap());
+        let key = |a: &str| Tuple(Box::new([ip(a), Atom::Proto(6), Atom::Port(80)]));
+        s.elements.insert(
+            key("10.96.0.1"),
+            Some(Value::Verdict(Verdict::Goto("svc-a".into()))),
+        );
+        s.elements
+            .insert(key("10.96.0.2"), Some(Value::Verdict(Verdict::Drop)));
+        t.sets.insert("service-ips".into(), s);
+        let mut h = Set::new(SetDecl::set(vec![Field::Ipv4Addr]));
+        h.elements.insert(Tuple(Box::new([ip("10.96.0.1")])), None);
+        t.sets.insert("cluster-ips".into(), h);
+        t
+    }
+
+    /// Variants of `sample`, each one kind of change.
+    fn variants() -> Vec<(&'static str, Table)> {
+        let key = |a: &str| Tuple(Box::new([ip(a), Atom::Proto(6), Atom::Port(80)]));
+        let mut v = Vec::new();
+        let mut t = sample();
+        t.chains.get_mut("svc-a").unwrap().rules = vec!["accept".into(), "drop".into()];
+        v.push(("rules changed", t));
+        let mut t = sample();
+        t.chains.remove("svc-a");
+        t.sets
+            .get_mut("service-ips")
+            .unwrap()
+            .elements
+            .remove(&key("10.96.0.1"));
+        v.push(("chain and its element removed", t));
+        let mut t = sample();
+        t.sets.get_mut("service-ips").unwrap().elements.insert(
+            key("10.96.0.2"),
+            Some(Value::Verdict(Verdict::Goto("svc-a".into()))),
+        );
+        v.push(("element re-valued", t));
+        let mut t = sample();
+        t.sets.remove("cluster-ips");
+        t.sets.insert(
+            "dnat-c-2".into(),
+            Set::new(SetDecl {
+                by_expr: true,
+                ..SetDecl::map(
+                    vec![
+                        Field::Ipv4Addr,
+                        Field::InetProto,
+                        Field::InetService,
+                        Field::Numgen(2),
+                    ],
+                    SetData::Fields(vec![Field::Ipv4Addr, Field::InetService]),
+                )
+            }),
+        );
+        t.chains.insert(
+            "disp-c-2".into(),
+            Chain {
+                hook: None,
+                rules: vec!["dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @dnat-c-2".into()],
+            },
+        );
+        v.push(("set removed, map and chain added", t));
+        v.push(("same", sample()));
+        v.push(("empty table", Table::new(Family::Ip, "kproxy")));
+        v
+    }
+
+    /// Applying diff(old, new) to old gives new, for every pair of variants, and the
+    /// counts say what changed.
+    #[test]
+    fn diff_applied_to_old_gives_new() {
+        let mut all = variants();
+        all.push(("absent", Table::absent(Family::Ip, "kproxy")));
+        for (a, old) in &all {
+            for (b, new) in &all {
+                let tx = diff(old, new).unwrap();
+                assert!(!tx.replaces, "{a} -> {b}");
+                assert_eq!(&apply(old, &tx), new, "{a} -> {b}:\n{}", tx.nft_text());
+                if old == new {
+                    assert!(tx.is_empty(), "{a} -> {b}: {tx:?}");
+                    assert!(tx.counts.is_empty());
+                } else {
+                    assert!(!tx.is_empty(), "{a} -> {b}");
+                }
+                // Ordered by phase already: `order` changes nothing.
+                let mut o = tx.clone();
+                o.order();
+                assert_eq!(o, tx, "{a} -> {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn diff_counts_and_text() {
+        let old = sample();
+        let mut new = sample();
+        new.chains.get_mut("svc-a").unwrap().rules = vec!["accept".into()];
+        let key = Tuple(Box::new([ip("10.96.0.2"), Atom::Proto(6), Atom::Port(80)]));
+        new.sets
+            .get_mut("service-ips")
+            .unwrap()
+            .elements
+            .insert(key, Some(Value::Verdict(Verdict::Goto("svc-a".into()))));
+        let tx = diff(&old, &new).unwrap();
+        assert_eq!(
+            tx.counts,
+            Counts {
+                chains_changed: 1,
+                elements_added: 1,
+                elements_deleted: 1,
+                ..Counts::default()
+            }
+        );
+        assert_eq!(
+            tx.nft_text(),
+            format!(
+                "flush chain ip kproxy svc-a\n\
+                 add rule ip kproxy svc-a accept comment \"kp:{}\"\n\
+                 delete element ip kproxy service-ips {{ 10.96.0.2 . tcp . 80 }}\n\
+                 add element ip kproxy service-ips {{ 10.96.0.2 . tcp . 80 : goto svc-a }}\n",
+                rule_id("accept")
+            )
+        );
+        assert!(tx.elements_only() == false);
+    }
+
+    /// A declaration that cannot change in place replaces the table.
+    #[test]
+    fn changed_declarations_replace_the_table() {
+        let old = sample();
+        let mut new = sample();
+        new.sets.get_mut("cluster-ips").unwrap().decl.comment = Some("x".into());
+        let tx = diff(&old, &new).unwrap();
+        assert!(tx.replaces);
+        assert_eq!(apply(&old, &tx), new);
+        let mut new = sample();
+        new.chains.get_mut("nat-prerouting").unwrap().hook =
+            Some(Hook::nat(HookPoint::Prerouting, -99));
+        let tx = diff(&old, &new).unwrap();
+        assert!(tx.replaces);
+        assert_eq!(apply(&old, &tx), new);
+        assert!(diff(&old, &Table::new(Family::Ip6, "kproxy")).is_err());
+        assert!(diff(&old, &Table::new(Family::Ip, "other")).is_err());
+    }
+
+    /// Declarations render as kproxy has always written them.
+    #[test]
+    fn declarations_render_as_nft_text() {
+        let text = |d: &SetDecl| {
+            let mut s = String::new();
+            d.write(&mut s);
+            s
+        };
+        assert_eq!(
+            text(&vmap()),
+            "type ipv4_addr . inet_proto . inet_service : verdict; comment \"cluster IPs\";"
+        );
+        let dnat = SetDecl {
+            by_expr: true,
+            ..SetDecl::map(
+                vec![
+                    Field::Ipv6Addr,
+                    Field::InetProto,
+                    Field::InetService,
+                    Field::Numgen(3),
+                ],
+                SetData::Fields(vec![Field::Ipv6Addr, Field::InetService]),
+            )
+        };
+        assert_eq!(
+            text(&dnat),
+            "typeof ip6 daddr . meta l4proto . th dport . numgen random mod 3 : ip6 daddr . th dport;"
+        );
+        let aff = SetDecl {
+            dynamic: true,
+            timeout_secs: Some(10800),
+            ..SetDecl::set(vec![Field::Ipv4Addr])
+        };
+        assert_eq!(
+            text(&aff),
+            "type ipv4_addr; flags dynamic,timeout; timeout 10800s;"
+        );
+        let pods = SetDecl {
+            interval: true,
+            auto_merge: true,
+            ..SetDecl::set(vec![Field::Ipv4Addr]).with_comment("local pod CIDRs")
+        };
+        assert_eq!(
+            text(&pods),
+            "type ipv4_addr; flags interval; auto-merge; comment \"local pod CIDRs\";"
+        );
+        let mut h = String::new();
+        Hook::nat(HookPoint::Postrouting, 100).write(&mut h);
+        assert_eq!(
+            h,
+            "type nat hook postrouting priority srcnat; policy accept;"
+        );
+    }
+
+    #[test]
+    fn elements_parse_typed_and_write_back() {
+        let d = vmap();
+        let e = d.parse_elem("10.96.0.1 . udp . 53", "goto svc-x").unwrap();
+        assert_eq!(
+            e.key,
+            Tuple(Box::new([ip("10.96.0.1"), Atom::Proto(17), Atom::Port(53)]))
+        );
+        let mut s = String::new();
+        e.write(&mut s);
+        assert_eq!(s, "10.96.0.1 . udp . 53 : goto svc-x");
+        assert!(d.parse_elem("10.96.0.1 . udp", "drop").is_none());
+        assert!(d.parse_elem("10.96.0.1 . udp . 53", "reject").is_none());
+        assert!(d.parse_elem("fd00::1 . udp . 53", "drop").is_none());
+    }
+
+    /// FNV-1a 64 test vectors: the ids a reader of the kernel recomputes.
+    #[test]
+    fn rule_ids_are_fnv1a_64() {
+        assert_eq!(rule_id(""), "cbf29ce484222325");
+        assert_eq!(rule_id("a"), "af63dc4c8601ec8c");
+        assert_eq!(rule_id("foobar"), "85944171f73967e8");
+    }
 }
