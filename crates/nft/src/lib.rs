@@ -426,15 +426,21 @@ enum Step {
 pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
     cfg.validate()?;
     // `add` then `delete` in one transaction: deletes whether or not the table exists.
-    let mut script = String::new();
-    for t in [cfg.table.clone(), format!("{}-verify", cfg.table)] {
-        for family in ["ip", "ip6"] {
-            script.push_str(&format!(
-                "add table {family} {t}\ndelete table {family} {t}\n"
-            ));
+    let mut tx = Transaction::default();
+    for table in [cfg.table.clone(), format!("{}-verify", cfg.table)] {
+        for family in [model::Family::Ip, model::Family::Ip6] {
+            tx.ops.push(model::Op::AddTable {
+                family,
+                table: table.clone(),
+                comment: None,
+            });
+            tx.ops.push(model::Op::DeleteTable {
+                family,
+                table: table.clone(),
+            });
         }
     }
-    nft::run_script(&script)
+    nft::run_script(&tx.nft_text())
 }
 
 /// The desired state of kproxy's tables for a plan (IPv4, IPv6). Pure.

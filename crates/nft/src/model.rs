@@ -283,16 +283,55 @@ impl SetDecl {
     }
 }
 
+impl SetDecl {
+    /// Parses a key's leading fields: all of them, or all but the last when `row` (a
+    /// dispatch map's key is a frontend's key and a `numgen` index).
+    pub fn parse_key_prefix(&self, s: &str, row: bool) -> Option<Tuple> {
+        let n = self.key.len().checked_sub(usize::from(row))?;
+        parse_tuple(&self.key[..n], s, self.interval)
+    }
+
+    /// The element of key `prefix` (followed by the index `row`, when given) and the
+    /// value text `value`.
+    pub fn finish_elem(&self, prefix: Tuple, row: Option<u32>, value: &str) -> Option<Elem> {
+        let key = match row {
+            None => prefix,
+            Some(i) => {
+                let Some(Field::Numgen(n)) = self.key.last() else {
+                    return None;
+                };
+                if i >= *n || prefix.atoms().len() >= MAX_FIELDS {
+                    return None;
+                }
+                let mut atoms = [FILLER; MAX_FIELDS];
+                let len = prefix.atoms().len();
+                atoms[..len].copy_from_slice(prefix.atoms());
+                atoms[len] = Atom::Index(i);
+                Tuple::new(&atoms[..=len])
+            }
+        };
+        let value = match &self.data {
+            None => None,
+            Some(SetData::Verdict) => Some(Value::Verdict(Verdict::parse(value)?)),
+            Some(SetData::Fields(f)) => Some(Value::Data(parse_tuple(f, value, false)?)),
+        };
+        Some(Elem { key, value })
+    }
+}
+
 fn parse_tuple(fields: &[Field], s: &str, interval: bool) -> Option<Tuple> {
+    if fields.len() > MAX_FIELDS {
+        return None;
+    }
     let mut parts = s.split(" . ");
-    let mut out = Vec::with_capacity(fields.len());
-    for f in fields {
-        out.push(f.parse(parts.next()?, interval)?);
+    let mut out = [FILLER; MAX_FIELDS];
+    for (f, o) in fields.iter().zip(&mut out) {
+        *o = f.parse(parts.next()?, interval)?;
     }
     parts
         .next()
         .is_none()
-        .then(|| Tuple(out.into_boxed_slice()))
+        .then(|| Tuple::new(&out[..fields.len()]))
 }
 
 /// One datum of an element.
@@ -332,18 +371,57 @@ impl Atom {
     }
 }
 
-/// A concatenation of atoms (one atom for a single-field key).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Tuple(pub Box<[Atom]>);
+/// The most fields a key or value of kproxy's sets has (a dispatch map's key:
+/// address, protocol, port, index).
+pub const MAX_FIELDS: usize = 4;
+
+/// A concatenation of atoms (one atom for a single-field key), held inline: a full sync
+/// holds ≈ 176k of them twice (key and value), and a heap slice each cost a quarter of
+/// its time in allocation and pointer chasing.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Tuple {
+    /// The first `len` are the tuple's; the rest are `FILLER`, so derived comparisons
+    /// are those of the slices.
+    atoms: [Atom; MAX_FIELDS],
+    len: u8,
+}
+
+const FILLER: Atom = Atom::Index(0);
 
 impl Tuple {
+    /// Panics on more than [`MAX_FIELDS`] atoms: a kproxy declaration never has more
+    /// (parsing refuses them).
+    pub fn new(atoms: &[Atom]) -> Tuple {
+        assert!(
+            atoms.len() <= MAX_FIELDS,
+            "a tuple of {} atoms",
+            atoms.len()
+        );
+        let mut t = Tuple {
+            atoms: [FILLER; MAX_FIELDS],
+            len: atoms.len() as u8,
+        };
+        t.atoms[..atoms.len()].copy_from_slice(atoms);
+        t
+    }
+
+    pub fn atoms(&self) -> &[Atom] {
+        &self.atoms[..usize::from(self.len)]
+    }
+
     pub fn write(&self, out: &mut String) {
-        for (i, a) in self.0.iter().enumerate() {
+        for (i, a) in self.atoms().iter().enumerate() {
             if i > 0 {
                 out.push_str(" . ");
             }
             a.write(out);
         }
+    }
+}
+
+impl std::fmt::Debug for Tuple {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.atoms()).finish()
     }
 }
 
@@ -579,6 +657,16 @@ impl Table {
         }
     }
 
+    /// What creating this table counts as.
+    pub fn counts(&self) -> Counts {
+        Counts {
+            chains_added: self.chains.len(),
+            sets_added: self.sets.len(),
+            elements_added: self.element_count(),
+            ..Counts::default()
+        }
+    }
+
     /// Number of elements of all sets.
     pub fn element_count(&self) -> usize {
         self.sets.values().map(|s| s.elements.len()).sum()
@@ -668,7 +756,7 @@ impl Op {
 
     /// Whether it adds or deletes an element holding a prefix (an interval set's).
     pub fn has_prefix(&self) -> bool {
-        let prefix = |t: &Tuple| t.0.iter().any(|a| matches!(a, Atom::Prefix(..)));
+        let prefix = |t: &Tuple| t.atoms().iter().any(|a| matches!(a, Atom::Prefix(..)));
         match self {
             Op::AddElements { elems, .. } => elems.iter().any(|e| prefix(&e.key)),
             Op::DeleteElements { keys, .. } => keys.iter().any(prefix),
@@ -1224,7 +1312,7 @@ mod tests {
             },
         );
         let mut s = Set::new(vmap());
-        let key = |a: &str| Tuple(Box::new([ip(a), Atom::Proto(6), Atom::Port(80)]));
+        let key = |a: &str| Tuple::new(&[ip(a), Atom::Proto(6), Atom::Port(80)]);
         s.elements.insert(
             key("10.96.0.1"),
             Some(Value::Verdict(Verdict::Goto("svc-a".into()))),
@@ -1233,14 +1321,14 @@ mod tests {
             .insert(key("10.96.0.2"), Some(Value::Verdict(Verdict::Drop)));
         t.sets.insert("service-ips".into(), s);
         let mut h = Set::new(SetDecl::set(vec![Field::Ipv4Addr]));
-        h.elements.insert(Tuple(Box::new([ip("10.96.0.1")])), None);
+        h.elements.insert(Tuple::new(&[ip("10.96.0.1")]), None);
         t.sets.insert("cluster-ips".into(), h);
         t
     }
 
     /// Variants of `sample`, each one kind of change.
     fn variants() -> Vec<(&'static str, Table)> {
-        let key = |a: &str| Tuple(Box::new([ip(a), Atom::Proto(6), Atom::Port(80)]));
+        let key = |a: &str| Tuple::new(&[ip(a), Atom::Proto(6), Atom::Port(80)]);
         let mut v = Vec::new();
         let mut t = sample();
         t.chains.get_mut("svc-a").unwrap().rules = vec!["accept".into(), "drop".into()];
@@ -1319,7 +1407,7 @@ mod tests {
         let old = sample();
         let mut new = sample();
         new.chains.get_mut("svc-a").unwrap().rules = vec!["accept".into()];
-        let key = Tuple(Box::new([ip("10.96.0.2"), Atom::Proto(6), Atom::Port(80)]));
+        let key = Tuple::new(&[ip("10.96.0.2"), Atom::Proto(6), Atom::Port(80)]);
         new.sets
             .get_mut("service-ips")
             .unwrap()
@@ -1427,7 +1515,7 @@ mod tests {
         let e = d.parse_elem("10.96.0.1 . udp . 53", "goto svc-x").unwrap();
         assert_eq!(
             e.key,
-            Tuple(Box::new([ip("10.96.0.1"), Atom::Proto(17), Atom::Port(53)]))
+            Tuple::new(&[ip("10.96.0.1"), Atom::Proto(17), Atom::Port(53)])
         );
         let mut s = String::new();
         e.write(&mut s);

@@ -57,8 +57,8 @@ pub(crate) fn open() -> Result<Socket, std::io::Error> {
 /// `numgen` index in host order. `None` for a prefix (interval sets need start and end
 /// elements; their few elements go by `nft`).
 fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Option<()> {
-    let concat = t.0.len() > 1;
-    for a in t.0.iter() {
+    let concat = t.atoms().len() > 1;
+    for a in t.atoms().iter() {
         match a {
             Atom::Addr(IpAddr::V4(v4)) => out.extend_from_slice(&v4.octets()),
             Atom::Addr(IpAddr::V6(v6)) => out.extend_from_slice(&v6.octets()),
@@ -817,7 +817,7 @@ mod tests {
             .map(|i| {
                 let ip = IpAddr::V4(std::net::Ipv4Addr::from(0x0af4_0000 + i));
                 Elem {
-                    key: Tuple(Box::new([Atom::Addr(ip), Atom::Addr(ip)])),
+                    key: Tuple::new(&[Atom::Addr(ip), Atom::Addr(ip)]),
                     value: None,
                 }
             })

@@ -347,20 +347,19 @@ impl FamilyRecord {
             {
                 continue;
             }
-            let mut elements =
-                |fe: &Option<Arc<Frontend>>| -> BTreeMap<(SetRef, Tuple), Option<Value>> {
-                    let mut out = BTreeMap::new();
-                    for (set, k, v) in fe.iter().flat_map(|fe| fe.elements()) {
-                        let decl = decls.entry(set).or_insert_with(|| self.decl(set));
-                        // A set that does not exist takes no elements (as in `assemble`).
-                        let Some(decl) = decl else { continue };
-                        let e = decl.parse_elem(&k.text(), v);
-                        // Written by `ruleset` from typed plan data.
-                        let e: Elem = e.expect("a frontend's element fits its set's declaration");
-                        out.entry((set, e.key)).or_insert(e.value);
-                    }
-                    out
-                };
+            let mut elements = |fe: &Option<Arc<Frontend>>| {
+                let mut out: BTreeMap<(SetRef, Tuple), Option<Value>> = BTreeMap::new();
+                let Some(fe) = fe else { return out };
+                for (set, ..) in fe.elements() {
+                    decls.entry(set).or_insert_with(|| self.decl(set));
+                }
+                // A set that does not exist takes no elements (as in `assemble`).
+                let typed = fe.typed_elements(|set| decls.get(&set).and_then(|d| d.as_ref()));
+                for (set, e) in typed {
+                    out.entry((set, e.key)).or_insert(e.value);
+                }
+                out
+            };
             let (b, a) = (elements(&before), elements(&after));
             for ((set, k), v) in &b {
                 if a.get(&(*set, k.clone())) != Some(v) {

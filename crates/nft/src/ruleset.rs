@@ -204,8 +204,8 @@ impl Shared {
     /// The element, typed.
     pub fn tuple(&self) -> Tuple {
         match self {
-            Shared::Hairpin(ip) => Tuple(Box::new([Atom::Addr(*ip), Atom::Addr(*ip)])),
-            Shared::ClusterIp(ip) => Tuple(Box::new([Atom::Addr(*ip)])),
+            Shared::Hairpin(ip) => Tuple::new(&[Atom::Addr(*ip), Atom::Addr(*ip)]),
+            Shared::ClusterIp(ip) => Tuple::new(&[Atom::Addr(*ip)]),
         }
     }
 
@@ -426,6 +426,41 @@ impl Frontend {
     }
 }
 
+impl Frontend {
+    /// The frontend's elements, typed by their sets' declarations (`decl`; `None`
+    /// leaves a set's elements out): the one place its text becomes typed. The
+    /// frontend's key is parsed once per run of one set's elements (a dispatch map's
+    /// rows are the key and an index).
+    pub fn typed_elements<'d>(
+        &self,
+        decl: impl Fn(SetRef) -> Option<&'d SetDecl>,
+    ) -> Vec<(SetRef, crate::model::Elem)> {
+        let mut out = Vec::with_capacity(self.elems.len());
+        // The current run: its set, declaration, and parsed key (per row-ness).
+        let mut run: Option<(SetRef, Option<&SetDecl>, Option<(bool, Tuple)>)> = None;
+        for (set, key, value) in self.elements() {
+            if run.as_ref().is_none_or(|(s, ..)| *s != set) {
+                run = Some((set, decl(set), None));
+            }
+            let Some((_, Some(d), base)) = &mut run else {
+                continue;
+            };
+            let row = key.row.is_some();
+            let parsed = match base {
+                Some((r, t)) if *r == row => Some(*t),
+                _ => d.parse_key_prefix(key.base, row),
+            };
+            *base = parsed.map(|t| (row, t));
+            // The frontend's text is written by this module from typed plan data.
+            let e = parsed
+                .and_then(|t| d.finish_elem(t, key.row, value))
+                .expect("a frontend's element fits its set's declaration");
+            out.push((set, e));
+        }
+        out
+    }
+}
+
 impl std::fmt::Debug for Frontend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Frontend")
@@ -592,16 +627,10 @@ impl Table {
 
     /// Inserts a frontend's elements into sets that exist (first value of a key wins).
     pub fn add_elements(&mut self, fe: &Frontend) {
-        // Elements come in runs of one set: its name is made once per run.
-        let (mut cur, mut name) = (None, Cow::Borrowed(""));
-        for (set, key, value) in fe.elements() {
-            if cur != Some(set) {
-                (cur, name) = (Some(set), set.name());
-            }
-            if let Some(s) = self.sets.get_mut(name.as_ref()) {
-                let e = s.decl.parse_elem(&key.text(), value);
-                // The frontend's text is written by this module from typed plan data.
-                let e = e.expect("a frontend's element fits its set's declaration");
+        let sets = &self.sets;
+        let elems = fe.typed_elements(|set| sets.get(set.name().as_ref()).map(|s| &s.decl));
+        for (set, e) in elems {
+            if let Some(s) = self.sets.get_mut(set.name().as_ref()) {
                 s.elements.entry(e.key).or_insert(e.value);
             }
         }
@@ -756,7 +785,7 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
             } else {
                 let s = rs.sets.get_mut("nodeport-ips").expect("declared above");
                 for ip in ips {
-                    s.elements.insert(Tuple(Box::new([Atom::Addr(*ip)])), None);
+                    s.elements.insert(Tuple::new(&[Atom::Addr(*ip)]), None);
                 }
                 Some(format!("{} daddr @nodeport-ips ", f.p))
             }
@@ -805,10 +834,7 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
             let mut s = set(vec![f.addr], "local pod CIDRs");
             s.decl.interval = true;
             s.decl.auto_merge = true;
-            s.elements = c
-                .into_iter()
-                .map(|k| (Tuple(Box::new([k])), None))
-                .collect();
+            s.elements = c.into_iter().map(|k| (Tuple::new(&[k]), None)).collect();
             rs.sets.insert("local-pods".into(), s);
         }
     }
@@ -1361,24 +1387,6 @@ fn sanitize(s: &str) -> String {
             }
         })
         .collect()
-}
-
-impl Table {
-    /// The full script that replaces this family's table atomically (see
-    /// [`crate::model::Transaction::replace`]).
-    pub fn full_script(&self, out: &mut String) {
-        crate::model::Transaction::replace(self).write_nft_text(out);
-    }
-
-    /// Counts for a full sync.
-    pub fn counts(&self) -> DeltaCounts {
-        DeltaCounts {
-            chains_added: self.chains.len(),
-            sets_added: self.sets.len(),
-            elements_added: self.element_count(),
-            ..DeltaCounts::default()
-        }
-    }
 }
 
 #[cfg(test)]
