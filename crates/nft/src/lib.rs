@@ -212,9 +212,8 @@ impl Dataplane {
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
                 ];
-                let tables = [recs[0].assemble(), recs[1].assemble()];
-                let phased = self.tables_absent(&tables)
-                    && match self.first_sync_phased(&tables, &mut report) {
+                let phased = self.tables_absent(&recs)
+                    && match self.first_sync_phased(&recs, &mut report) {
                         Ok(done) => done,
                         Err(e) => {
                             self.programmed = None;
@@ -225,6 +224,7 @@ impl Dataplane {
                 let steps = if phased {
                     Vec::new()
                 } else {
+                    let tables = [recs[0].assemble(), recs[1].assemble()];
                     let tx = full_transaction(&tables);
                     report.changes = tx.counts;
                     vec![Step::Nft(tx.nft_text())]
@@ -302,10 +302,11 @@ impl Dataplane {
 
     /// Whether neither of kproxy's tables exists (a node's first start, or after
     /// `kproxy cleanup`); false when that cannot be told.
-    fn tables_absent(&mut self, tables: &[Table; 2]) -> bool {
+    fn tables_absent(&mut self, recs: &[record::FamilyRecord; 2]) -> bool {
         let absent = self.writer().and_then(|w| {
-            for t in tables {
-                if w.table_exists(t.family, &t.name)? {
+            for rec in recs {
+                let (family, name) = rec.table();
+                if w.table_exists(family, name)? {
                     return Ok(false);
                 }
             }
@@ -317,36 +318,46 @@ impl Dataplane {
         })
     }
 
-    /// The first sync into absent tables, in steps of the transaction that creates them
-    /// ([`Transaction::split_for_absent_tables`]): tables, sets, regular chains and
-    /// their rules by `nft -f` (while the elements are encoded on this thread), the
-    /// elements as one nfnetlink batch, then the hooked base chains by `nft -f`.
-    /// Nothing sees traffic before the last step, so no packet meets a half-written
-    /// table, and the bulk of the work (the elements) skips nft's parser. `Ok(false)`
-    /// when an element does not encode: the tables then exist without hooks and a
-    /// one-transaction replacement must follow.
+    /// The first sync into absent tables, in the steps of the transaction that creates
+    /// them ([`Transaction::split_for_absent_tables`]): tables, sets, regular chains
+    /// and their rules by `nft -f`, the elements as one nfnetlink batch, then the hooked
+    /// base chains by `nft -f`. Nothing sees traffic before the last step, so no packet
+    /// meets a half-written table, and the bulk of the work (the elements) skips nft's
+    /// parser. The structure does not depend on the Service elements, so it is diffed
+    /// from the tables without them and loaded while this thread assembles the whole
+    /// tables and encodes their elements. `Ok(false)` when an element does not encode:
+    /// the tables then exist without hooks and a one-transaction replacement must
+    /// follow.
     fn first_sync_phased(
         &mut self,
-        tables: &[Table; 2],
+        recs: &[record::FamilyRecord; 2],
         report: &mut SyncReport,
     ) -> Result<bool, NftError> {
-        let mut create = Transaction::default();
-        for t in tables {
-            create.extend(model::diff(&Table::absent(t.family, &t.name), t)?);
-        }
-        let counts = create.counts;
-        let (structure, elements, hooks) = create.split_for_absent_tables();
+        let create = |tables: &[Table; 2]| -> Result<Transaction, NftError> {
+            let mut tx = Transaction::default();
+            for t in tables {
+                tx.extend(model::diff(&Table::absent(t.family, &t.name), t)?);
+            }
+            Ok(tx)
+        };
+        let bare = [recs[0].assemble_structure(), recs[1].assemble_structure()];
+        let (structure, _, hooks) = create(&bare)?.split_for_absent_tables();
         let (structure, hooks) = (structure.nft_text(), hooks.nft_text());
         let t = Instant::now();
-        let (loaded, batch) = std::thread::scope(|s| {
+        let (loaded, encoded) = std::thread::scope(|s| {
             // A thread starts in its creator's network namespace, so nft acts on ours.
             let nft = s.spawn(|| nft::run_script(&structure));
-            let batch = netlink::Batch::transaction(&elements);
+            let encoded = create(&[recs[0].assemble(), recs[1].assemble()]).map(|tx| {
+                let counts = tx.counts;
+                let (_, elements, _) = tx.split_for_absent_tables();
+                (counts, netlink::Batch::transaction(&elements))
+            });
             let loaded = nft.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-            (loaded, batch)
+            (loaded, encoded)
         });
         report.script_bytes += structure.len();
         loaded?;
+        let (counts, batch) = encoded?;
         let Some(batch) = batch else {
             return Ok(false);
         };

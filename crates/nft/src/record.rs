@@ -137,15 +137,7 @@ impl FamilyRecord {
     /// The whole table, typed: the desired state of a full sync (and what verification
     /// compares the kernel with).
     pub fn assemble(&self) -> Table {
-        let mut rs = self.base.clone();
-        for (_, frag) in self.services.values() {
-            if let Some(own) = &frag.own {
-                rs.add_own(own);
-            }
-        }
-        for d in self.dispatch.keys() {
-            rs.add_dispatch(d);
-        }
+        let mut rs = self.assemble_structure();
         for sh in self.shared.keys() {
             if let Some(s) = rs.sets.get_mut(sh.set()) {
                 s.elements.insert(sh.tuple(), None);
@@ -155,6 +147,22 @@ impl FamilyRecord {
             if let Some(fe) = claims.first() {
                 rs.add_elements(fe);
             }
+        }
+        rs
+    }
+
+    /// The whole table without the Services' elements of the shared sets and maps
+    /// (the base sets' own elements included): everything a first sync's structure
+    /// step needs, cheap.
+    pub fn assemble_structure(&self) -> Table {
+        let mut rs = self.base.clone();
+        for (_, frag) in self.services.values() {
+            if let Some(own) = &frag.own {
+                rs.add_own(own);
+            }
+        }
+        for d in self.dispatch.keys() {
+            rs.add_dispatch(d);
         }
         rs
     }
@@ -529,6 +537,12 @@ mod tests {
                         .all(|l| l.starts_with("add chain") || l.starts_with("add rule"))
                 );
                 assert!(elements.elements_only());
+                // The structure and hooks do not depend on the Services' elements (a
+                // first sync loads them from the bare tables while it encodes those).
+                let bare = model::diff(&absent, &rec.assemble_structure()).unwrap();
+                let (bare_structure, _, bare_hooks) = bare.split_for_absent_tables();
+                assert_eq!(bare_structure.ops, structure.ops);
+                assert_eq!(bare_hooks.ops, hooks.ops);
                 assert_eq!(
                     structure.ops.len() + elements.ops.len() + hooks.ops.len(),
                     create.ops.len()
