@@ -358,15 +358,10 @@ impl Atom {
             Atom::Proto(6) => out.push_str("tcp"),
             Atom::Proto(17) => out.push_str("udp"),
             Atom::Proto(132) => out.push_str("sctp"),
-            Atom::Proto(p) => {
-                let _ = write!(out, "{p}");
-            }
-            Atom::Port(p) => {
-                let _ = write!(out, "{p}");
-            }
-            Atom::Index(i) => {
-                let _ = write!(out, "{i}");
-            }
+            // Without the formatting machinery: a full sync writes ≈ 300k numbers.
+            Atom::Proto(p) => crate::ruleset::write_u32(out, u32::from(*p)),
+            Atom::Port(p) => crate::ruleset::write_u32(out, u32::from(*p)),
+            Atom::Index(i) => crate::ruleset::write_u32(out, *i),
         }
     }
 }

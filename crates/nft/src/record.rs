@@ -138,14 +138,37 @@ impl FamilyRecord {
     /// compares the kernel with).
     pub fn assemble(&self) -> Table {
         let mut rs = self.assemble_structure();
+        // Per set, its Service elements in plan order, sorted and built into the set's
+        // map in bulk (a third of the time of inserting ≈ 176k elements one by one); a
+        // key twice keeps its first value, as `Table::add_elements` does.
+        let mut pending: BTreeMap<SetRef, Vec<(Tuple, Option<Value>)>> = BTreeMap::new();
+        let mut shared: BTreeMap<&str, Vec<(Tuple, Option<Value>)>> = BTreeMap::new();
         for sh in self.shared.keys() {
-            if let Some(s) = rs.sets.get_mut(sh.set()) {
-                s.elements.insert(sh.tuple(), None);
-            }
+            shared.entry(sh.set()).or_default().push((sh.tuple(), None));
         }
+        let sets = &rs.sets;
         for claims in self.frontends.values() {
             if let Some(fe) = claims.first() {
-                rs.add_elements(fe);
+                let typed = fe.typed_elements(|set| sets.get(set.name().as_ref()).map(|s| &s.decl));
+                for (set, e) in typed {
+                    pending.entry(set).or_default().push((e.key, e.value));
+                }
+            }
+        }
+        let pending = pending.into_iter().map(|(set, v)| (set.name(), v));
+        let shared = shared.into_iter().map(|(set, v)| (set.into(), v));
+        for (name, mut elems) in pending.chain(shared) {
+            let Some(s) = rs.sets.get_mut(name.as_ref()) else {
+                continue;
+            };
+            elems.sort_by(|a, b| a.0.cmp(&b.0));
+            elems.dedup_by(|later, first| later.0 == first.0);
+            if s.elements.is_empty() {
+                s.elements = elems.into_iter().collect();
+            } else {
+                for (k, v) in elems {
+                    s.elements.entry(k).or_insert(v);
+                }
             }
         }
         rs

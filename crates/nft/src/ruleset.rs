@@ -387,7 +387,7 @@ impl std::fmt::Debug for Key<'_> {
 
 /// `n` in decimal, without the formatting machinery (a full script writes ≈ 100k row
 /// keys).
-fn write_u32(out: &mut String, mut n: u32) {
+pub(crate) fn write_u32(out: &mut String, mut n: u32) {
     let mut buf = [0u8; 10];
     let mut i = buf.len();
     loop {
