@@ -570,7 +570,7 @@ mod tests {
                 let rec = FamilyRecord::full(&plan, &cfg, family);
                 let table = rec.assemble();
                 assert_eq!(table, ruleset::build(&plan, &cfg, family));
-                let all = Transaction::replace(&table).nft_text();
+                let all = Transaction::replace(table.clone()).nft_text();
                 assert!(family == IpFamily::IPv6 || all.contains("dnat-c-"), "{all}");
 
                 let absent = Table::absent(table.family, &table.name);
