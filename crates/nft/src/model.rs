@@ -1226,14 +1226,14 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
         let del: Vec<Tuple> = olde
             .iter()
             .filter(|(k, v)| s.elements.get(*k) != Some(*v))
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| *k)
             .collect();
         let add: Vec<Elem> = s
             .elements
             .iter()
             .filter(|(k, v)| olde.get(*k) != Some(*v))
             .map(|(k, v)| Elem {
-                key: k.clone(),
+                key: *k,
                 value: v.clone(),
             })
             .collect();
@@ -1316,7 +1316,7 @@ mod tests {
                 Op::AddElements { set, elems, .. } => {
                     let s = t.sets.get_mut(set).unwrap();
                     for e in elems {
-                        assert!(s.elements.insert(e.key.clone(), e.value.clone()).is_none());
+                        assert!(s.elements.insert(e.key, e.value.clone()).is_none());
                     }
                 }
                 Op::DeleteElements { set, keys, .. } => {
@@ -1500,7 +1500,7 @@ mod tests {
                 rule_id("accept")
             )
         );
-        assert!(tx.elements_only() == false);
+        assert!(!tx.elements_only());
     }
 
     /// A declaration that cannot change in place replaces the table.

@@ -187,7 +187,7 @@ impl FamilyRecord {
             let Some(s) = rs.sets.get_mut(name.as_ref()) else {
                 continue;
             };
-            elems.sort_by(|a, b| a.0.cmp(&b.0));
+            elems.sort_by_key(|a| a.0);
             elems.dedup_by(|later, first| later.0 == first.0);
             if s.elements.is_empty() {
                 s.elements = elems.into_iter().collect();
@@ -419,13 +419,13 @@ impl FamilyRecord {
             };
             let (b, a) = (elements(&before), elements(&after));
             for ((set, k), v) in &b {
-                if a.get(&(*set, k.clone())) != Some(v) {
+                if a.get(&(*set, *k)) != Some(v) {
                     let keys = dels.entry(set.name().into_owned()).or_default();
-                    keys.insert(k.clone());
+                    keys.insert(*k);
                 }
             }
             for ((set, k), v) in a {
-                if b.get(&(set, k.clone())) != Some(&v) {
+                if b.get(&(set, k)) != Some(&v) {
                     adds.entry(set.name().into_owned())
                         .or_default()
                         .insert(k, v);
