@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod conntrack;
+pub mod dump;
 pub mod netlink;
 pub mod nft;
 pub mod record;
@@ -113,6 +114,9 @@ pub struct SyncReport {
     pub netlink_bytes: usize,
     pub changes: DeltaCounts,
     pub conntrack_deleted: usize,
+    /// The first sync of this process found kproxy's tables in the kernel, read them
+    /// back and sent only the difference (`changes`); see [`dump`].
+    pub adopted: bool,
     /// Conntrack cleanup failed (the rules were applied; the next sync retries).
     pub conntrack_error: Option<String>,
 }
@@ -136,6 +140,9 @@ pub struct Dataplane {
     last_plan: Option<NodePlan>,
     /// The netlink socket for element-only deltas, opened at the first one.
     writer: Option<netlink::Writer>,
+    /// The next full sync may adopt the tables in the kernel: only the first one of a
+    /// process (later full syncs repair failures and drift, and replace).
+    adopt_pending: bool,
 }
 
 impl Dataplane {
@@ -147,6 +154,7 @@ impl Dataplane {
             programmed: None,
             last_plan: None,
             writer: None,
+            adopt_pending: true,
         })
     }
 
@@ -221,27 +229,40 @@ impl Dataplane {
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
                     record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
                 ];
-                let phased = self.tables_absent(&recs)
-                    && match self.first_sync_phased(&recs, &mut report) {
-                        Ok(done) => done,
-                        Err(e) => {
-                            self.programmed = None;
-                            self.writer = None;
-                            return Err(e);
-                        }
-                    };
-                let steps = if phased {
-                    Vec::new()
+                let adopted = if std::mem::take(&mut self.adopt_pending) {
+                    self.adopt(&recs)
                 } else {
-                    report.changes = DeltaCounts::default();
-                    let mut script = String::new();
-                    for rec in &recs {
-                        report.changes.add(&rec.full_script(&mut script));
-                    }
-                    vec![Step::Nft(script)]
+                    None
                 };
-                self.programmed = Some(recs);
-                steps
+                if let Some((script, counts)) = adopted {
+                    report.full = false;
+                    report.adopted = true;
+                    report.changes = counts;
+                    self.programmed = Some(recs);
+                    vec![Step::Nft(script)]
+                } else {
+                    let phased = self.tables_absent(&recs)
+                        && match self.first_sync_phased(&recs, &mut report) {
+                            Ok(done) => done,
+                            Err(e) => {
+                                self.programmed = None;
+                                self.writer = None;
+                                return Err(e);
+                            }
+                        };
+                    let steps = if phased {
+                        Vec::new()
+                    } else {
+                        report.changes = DeltaCounts::default();
+                        let mut script = String::new();
+                        for rec in &recs {
+                            report.changes.add(&rec.full_script(&mut script));
+                        }
+                        vec![Step::Nft(script)]
+                    };
+                    self.programmed = Some(recs);
+                    steps
+                }
             }
         };
         for step in steps {
@@ -296,6 +317,55 @@ impl Dataplane {
         }
         report.elapsed = start.elapsed();
         Ok(report)
+    }
+
+    /// Adoption at start: reads both tables back (netlink dumps), and returns the delta
+    /// from them to `recs` as one script; `None` (full replacement follows) when a
+    /// table is absent (a first start: the cold path), or when the kernel holds
+    /// anything the delta cannot repair in place (logged).
+    fn adopt(&mut self, recs: &[record::FamilyRecord; 2]) -> Option<(String, DeltaCounts)> {
+        let t = Instant::now();
+        let (mut pre, mut post) = (String::new(), String::new());
+        let mut counts = DeltaCounts::default();
+        let (mut rules, mut elements) = (0, 0);
+        for rec in recs {
+            let (fam, table) = rec.table();
+            let raw = match dump::read_table(fam, table) {
+                Ok(Some(raw)) => raw,
+                Ok(None) => return None,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read kproxy's tables back; replacing them");
+                    return None;
+                }
+            };
+            rules += raw.rule_count();
+            elements += raw.element_count();
+            let desired = rec.assemble();
+            let kernel = match dump::adopt(&raw, &desired) {
+                Ok(k) => k,
+                Err(e) => {
+                    tracing::warn!(error = %e, "kproxy's tables hold what a delta cannot repair; replacing them");
+                    return None;
+                }
+            };
+            if !desired.delta_pre(&kernel, &mut pre, &mut counts) {
+                tracing::warn!(
+                    family = fam,
+                    "a declaration in the kernel differs; replacing the tables"
+                );
+                return None;
+            }
+            desired.delta_post(&kernel, &mut post, &mut counts);
+        }
+        pre.push_str(&post);
+        tracing::info!(
+            rules,
+            elements,
+            read_and_diff_ms = t.elapsed().as_secs_f64() * 1e3,
+            changes = ?counts,
+            "adopted kproxy's tables from the kernel"
+        );
+        Some((pre, counts))
     }
 
     /// The kept netlink socket, (re)opened in the calling thread's network namespace

@@ -412,7 +412,7 @@ impl FamilyRecord {
                 _ => &mut *out,
             };
             for r in &c.rules {
-                let _ = writeln!(o, "add rule {fam} {t} {name} {r}");
+                ruleset::write_rule(o, fam, t, name, r);
             }
         }
         for (name, &i) in &sets {
@@ -587,7 +587,7 @@ impl FamilyRecord {
                 let _ = writeln!(pre, "add map {fam} {t} {} {{ {} }}", d.map(), set.decl);
                 let _ = writeln!(pre, "add chain {fam} {t} {}", d.chain());
                 for r in &chain.rules {
-                    let _ = writeln!(pre, "add rule {fam} {t} {} {r}", d.chain());
+                    ruleset::write_rule(pre, fam, &t, &d.chain(), r);
                 }
             } else {
                 n.sets_deleted += 1;

@@ -1445,7 +1445,7 @@ impl Ruleset {
         }
         for (name, c) in &self.chains {
             for r in &c.rules {
-                let _ = writeln!(out, "add rule {fam} {t} {name} {r}");
+                write_rule(out, fam, t, name, r);
             }
         }
         for (name, s) in &self.sets {
@@ -1518,7 +1518,7 @@ impl Ruleset {
                 continue;
             }
             for r in &c.rules {
-                let _ = writeln!(out, "add rule {fam} {t} {name} {r}");
+                write_rule(out, fam, t, name, r);
             }
         }
         // 4. Elements: removed or re-valued keys out, new or re-valued keys in.
@@ -1588,6 +1588,28 @@ impl Ruleset {
 
 pub(crate) fn kind(s: &Set) -> &'static str {
     if s.decl.contains(" : ") { "map" } else { "set" }
+}
+
+/// The tag every rule carries as its comment: `kp:` and the FNV-1a 64 hash of the
+/// rule's text. A restart reads the tags back from the kernel (see [`crate::dump`]) to
+/// tell which chains already hold the desired rules, as rule expressions cannot be
+/// turned back into kproxy's text.
+pub fn rule_tag(rule: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in rule.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("kp:{h:016x}")
+}
+
+/// Writes `add rule FAM T CHAIN RULE comment "TAG"`: the one place a rule line is made.
+pub fn write_rule(out: &mut String, fam: &str, t: &str, chain: &str, rule: &str) {
+    let _ = writeln!(
+        out,
+        "add rule {fam} {t} {chain} {rule} comment \"{}\"",
+        rule_tag(rule)
+    );
 }
 
 pub(crate) fn decl_chain(out: &mut String, fam: &str, t: &str, name: &str, c: &Chain) {
