@@ -162,9 +162,11 @@ impl Dataplane {
         &self.cfg
     }
 
-    /// Forgets the record, so the next sync is a full one.
+    /// Forgets the record, so the next sync is a full one (a replacement, never an
+    /// adoption of the tables in the kernel).
     pub fn force_full_sync(&mut self) {
         self.programmed = None;
+        self.adopt_pending = false;
     }
 
     /// What is programmed, as whole rulesets (IPv4, IPv6); `None` before the first

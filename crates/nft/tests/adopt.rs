@@ -114,7 +114,10 @@ fn restart_with_nothing_changed_sends_an_empty_transaction() {
     let before = listing(&ns);
     // The plan has every kind of set adoption reads: interval, dynamic, verdict maps.
     for kind in ["set local-pods", "set aff-", "map service-ips", "map dnat-"] {
-        assert!(before.iter().any(|l| l.contains(kind)), "no {kind} in {before:#?}");
+        assert!(
+            before.iter().any(|l| l.contains(kind)),
+            "no {kind} in {before:#?}"
+        );
     }
     let again = sync_in(&ns, &plan);
     assert!(again.adopted && !again.full, "{again:?}");
