@@ -227,14 +227,34 @@ impl Dataplane {
             }
             None => {
                 report.full = true;
-                let recs = [
-                    record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
-                    record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
-                ];
-                let adopted = if std::mem::take(&mut self.adopt_pending) {
-                    self.adopt(&recs)
+                let build = || {
+                    [
+                        record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
+                        record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
+                    ]
+                };
+                let (recs, adopted) = if std::mem::take(&mut self.adopt_pending) {
+                    // The kernel's tables are read (mostly kernel time) while the
+                    // records are built. A thread starts in its creator's network
+                    // namespace, so it reads ours.
+                    let table = self.cfg.table.as_str();
+                    let (recs, raw) = std::thread::scope(|s| {
+                        let reader = s.spawn(|| {
+                            [
+                                dump::read_table("ip", table),
+                                dump::read_table("ip6", table),
+                            ]
+                        });
+                        let recs = build();
+                        let raw = reader
+                            .join()
+                            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+                        (recs, raw)
+                    });
+                    let adopted = adopt(&recs, raw);
+                    (recs, adopted)
                 } else {
-                    None
+                    (build(), None)
                 };
                 if let Some((script, counts)) = adopted {
                     report.full = false;
@@ -319,55 +339,6 @@ impl Dataplane {
         }
         report.elapsed = start.elapsed();
         Ok(report)
-    }
-
-    /// Adoption at start: reads both tables back (netlink dumps), and returns the delta
-    /// from them to `recs` as one script; `None` (full replacement follows) when a
-    /// table is absent (a first start: the cold path), or when the kernel holds
-    /// anything the delta cannot repair in place (logged).
-    fn adopt(&mut self, recs: &[record::FamilyRecord; 2]) -> Option<(String, DeltaCounts)> {
-        let t = Instant::now();
-        let (mut pre, mut post) = (String::new(), String::new());
-        let mut counts = DeltaCounts::default();
-        let (mut rules, mut elements) = (0, 0);
-        for rec in recs {
-            let (fam, table) = rec.table();
-            let raw = match dump::read_table(fam, table) {
-                Ok(Some(raw)) => raw,
-                Ok(None) => return None,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read kproxy's tables back; replacing them");
-                    return None;
-                }
-            };
-            rules += raw.rule_count();
-            elements += raw.element_count();
-            let desired = rec.assemble();
-            let kernel = match dump::adopt(&raw, &desired) {
-                Ok(k) => k,
-                Err(e) => {
-                    tracing::warn!(error = %e, "kproxy's tables hold what a delta cannot repair; replacing them");
-                    return None;
-                }
-            };
-            if !desired.delta_pre(&kernel, &mut pre, &mut counts) {
-                tracing::warn!(
-                    family = fam,
-                    "a declaration in the kernel differs; replacing the tables"
-                );
-                return None;
-            }
-            desired.delta_post(&kernel, &mut post, &mut counts);
-        }
-        pre.push_str(&post);
-        tracing::info!(
-            rules,
-            elements,
-            read_and_diff_ms = t.elapsed().as_secs_f64() * 1e3,
-            changes = ?counts,
-            "adopted kproxy's tables from the kernel"
-        );
-        Some((pre, counts))
     }
 
     /// The kept netlink socket, (re)opened in the calling thread's network namespace
@@ -465,6 +436,58 @@ impl Dataplane {
         }
         Ok(VerifyReport { drift, differences })
     }
+}
+
+/// Adoption at start: from both tables as read back (netlink dumps), the delta to
+/// `recs` as one script; `None` (a full replacement follows) when a table is absent (a
+/// first start: the cold path), or when the kernel holds anything the delta cannot
+/// repair in place (logged).
+fn adopt(
+    recs: &[record::FamilyRecord; 2],
+    raw: [Result<Option<dump::RawTable>, NftError>; 2],
+) -> Option<(String, DeltaCounts)> {
+    let t = Instant::now();
+    let (mut pre, mut post) = (String::new(), String::new());
+    let mut counts = DeltaCounts::default();
+    let (mut rules, mut elements) = (0, 0);
+    for (rec, raw) in recs.iter().zip(raw) {
+        let (fam, _) = rec.table();
+        let raw = match raw {
+            Ok(Some(raw)) => raw,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read kproxy's tables back; replacing them");
+                return None;
+            }
+        };
+        rules += raw.rule_count();
+        elements += raw.element_count();
+        let desired = rec.assemble();
+        let kernel = match dump::adopt(&raw, &desired) {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::warn!(error = %e, "kproxy's tables hold what a delta cannot repair; replacing them");
+                return None;
+            }
+        };
+        if !desired.delta_pre(&kernel, &mut pre, &mut counts) {
+            tracing::warn!(
+                family = fam,
+                "a declaration in the kernel differs; replacing the tables"
+            );
+            return None;
+        }
+        desired.delta_post(&kernel, &mut post, &mut counts);
+    }
+    pre.push_str(&post);
+    tracing::info!(
+        rules,
+        elements,
+        diff_ms = t.elapsed().as_secs_f64() * 1e3,
+        changes = ?counts,
+        "adopted kproxy's tables from the kernel"
+    );
+    Some((pre, counts))
 }
 
 /// The Services whose plan differs between `old` and `new`: a different Arc that is also
