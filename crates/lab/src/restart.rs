@@ -27,7 +27,7 @@ use crate::controlplane::{self, ControlPlane};
 use crate::fabric::{self, Fabric};
 use crate::kproxyd::Kproxyd;
 use crate::lb::LoadBalancer;
-use crate::loadgen::{ConnKind, LoadGenerator, Outcome, RequestRecord};
+use crate::loadgen::{ConnKind, LoadGenerator, RequestRecord};
 use crate::timeline::{Clock, Recorder};
 
 /// What is done to node 1's kproxy at the start of a phase.
@@ -431,6 +431,7 @@ impl Drop for RemoveDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::loadgen::Outcome;
 
     fn rec(start_ms: f64, conn: ConnKind, outcome: Outcome, reused: bool) -> RequestRecord {
         RequestRecord {

@@ -28,6 +28,7 @@ use netlink_sys::Socket;
 
 use crate::NftError;
 use crate::netlink::{Data, Field, SetType};
+use crate::record::ElementDelta;
 use crate::ruleset::{Chain, Ruleset, Set, rule_tag};
 
 // linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h.
@@ -838,48 +839,94 @@ fn set_matches(raw: &RawSet, decl: &str, ty: Option<&SetType>) -> Result<(), Str
     }
 }
 
-/// The elements of a kernel set as kproxy's text, decoded by the desired type.
-fn decode_elements(
-    raw: &RawSet,
-    decl: &str,
-    ty: Option<&SetType>,
-    v6: bool,
-) -> Result<BTreeMap<String, String>, String> {
-    if raw.flags & SET_INTERVAL != 0 {
-        return decode_intervals(v6, &raw.elements)
-            .ok_or_else(|| "interval elements that are not prefixes".to_string());
+/// One kernel element as kproxy's text: key into `k`, value into `v` (both cleared
+/// first), decoded by the desired type.
+fn decode_element(
+    ty: &SetType,
+    e: &RawElement,
+    k: &mut String,
+    v: &mut String,
+) -> Result<(), String> {
+    k.clear();
+    v.clear();
+    decode_fields(&ty.key, &e.key, k)
+        .ok_or_else(|| format!("element key {:02x?} does not fit the type", e.key))?;
+    match (&ty.data, &e.data) {
+        (None, None) => {}
+        (Some(Data::Verdict), Some(RawData::Verdict { code, chain })) => v.push_str(
+            &decode_verdict(*code, chain.as_deref())
+                .ok_or_else(|| format!("element {k}: verdict {code:#x} {chain:?}"))?,
+        ),
+        (Some(Data::Value(f)), Some(RawData::Value(b))) => decode_fields(f, b, v)
+            .ok_or_else(|| format!("element {k}: value {b:02x?} does not fit"))?,
+        _ => return Err(format!("element {k}: data does not fit the declaration")),
     }
-    let Some(ty) = ty else {
-        return Err(format!("elements of {decl:?} are not ones adoption reads"));
-    };
-    let mut out = BTreeMap::new();
-    for e in &raw.elements {
-        let mut k = String::with_capacity(48);
-        decode_fields(&ty.key, &e.key, &mut k)
-            .ok_or_else(|| format!("element key {:02x?} does not fit the type", e.key))?;
-        let v = match (&ty.data, &e.data) {
-            (None, None) => String::new(),
-            (Some(Data::Verdict), Some(RawData::Verdict { code, chain })) => {
-                decode_verdict(*code, chain.as_deref())
-                    .ok_or_else(|| format!("element {k}: verdict {code:#x} {chain:?}"))?
-            }
-            (Some(Data::Value(f)), Some(RawData::Value(b))) => {
-                let mut v = String::with_capacity(32);
-                decode_fields(f, b, &mut v)
-                    .ok_or_else(|| format!("element {k}: value {b:02x?} does not fit"))?;
-                v
-            }
-            _ => return Err(format!("element {k}: data does not fit the declaration")),
-        };
-        out.insert(k, v);
-    }
-    Ok(out)
+    Ok(())
 }
 
-/// The kernel's table as a [`Ruleset`] to diff the desired one against: the delta
-/// from it (`desired.delta_pre(&kernel, …)` and `delta_post`) is what brings the kernel
-/// to the desired state. Objects kproxy's delta cannot repair in place are an error.
-pub fn adopt(raw: &RawTable, desired: &Ruleset) -> Result<Ruleset, AdoptError> {
+/// The element changes that bring the kernel's set `name` to `want`: one pass over
+/// the kernel's elements, each looked up in `want`; the desired elements the kernel
+/// lacks are looked for only when some are missing.
+fn element_delta(
+    name: &str,
+    raw: &RawSet,
+    decl: &str,
+    want: &BTreeMap<String, String>,
+    v6: bool,
+    out: &mut ElementDelta,
+) -> Result<(), String> {
+    let ty = SetType::parse(decl);
+    let interval;
+    let kernel: Box<dyn Iterator<Item = Result<(String, String), String>>> =
+        if raw.flags & SET_INTERVAL != 0 {
+            interval = decode_intervals(v6, &raw.elements)
+                .ok_or_else(|| "interval elements that are not prefixes".to_string())?;
+            Box::new(interval.iter().map(|(k, v)| Ok((k.clone(), v.clone()))))
+        } else {
+            let Some(ty) = ty else {
+                return Err(format!("elements of {decl:?} are not ones adoption reads"));
+            };
+            Box::new(raw.elements.iter().map(move |e| {
+                let (mut k, mut v) = (String::with_capacity(48), String::new());
+                decode_element(&ty, e, &mut k, &mut v).map(|_| (k, v))
+            }))
+        };
+    let mut matched = 0;
+    let mut seen = std::collections::HashSet::new();
+    for kv in kernel {
+        let (k, v) = kv?;
+        match want.get(&k) {
+            Some(w) if *w == v => matched += 1,
+            _ => {
+                out.dels
+                    .entry(name.to_string())
+                    .or_default()
+                    .insert(k.clone());
+            }
+        }
+        seen.insert(k);
+    }
+    if matched != want.len() {
+        for (k, v) in want {
+            let present = seen.contains(k) && !out.dels.get(name).is_some_and(|d| d.contains(k));
+            if !present {
+                out.adds
+                    .entry(name.to_string())
+                    .or_default()
+                    .insert(k.clone(), v.clone());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The kernel's table as a [`Ruleset`] to diff the desired one against, and the element
+/// changes. The elements of `desired`'s sets are taken out (compared here, one lookup
+/// per kernel element), so that the structural delta from the returned ruleset
+/// (`desired.delta_pre(&kernel, …)` and `delta_post`, both now without elements) plus
+/// the element changes, in that order, bring the kernel to the desired state. Objects
+/// kproxy's delta cannot repair in place are an error.
+pub fn adopt(raw: &RawTable, desired: &mut Ruleset) -> Result<(Ruleset, ElementDelta), AdoptError> {
     let err = |what: String| AdoptError {
         family: desired.family,
         table: desired.table.clone(),
@@ -926,23 +973,22 @@ pub fn adopt(raw: &RawTable, desired: &Ruleset) -> Result<Ruleset, AdoptError> {
         };
         kernel.chains.insert(name.clone(), Chain { decl, rules });
     }
+    let mut delta = ElementDelta::default();
     for (name, rs) in &raw.sets {
-        let set = match desired.sets.get(name) {
+        let set = match desired.sets.get_mut(name) {
             Some(w) => {
-                let dynamic = w.decl.contains("dynamic");
                 let ty = SetType::parse(&w.decl);
                 set_matches(rs, &w.decl, ty.as_ref())
                     .map_err(|e| err(format!("set {name}: {e}")))?;
-                let elements = if dynamic {
-                    // Filled by the datapath (affinity); never programmed by kproxy.
-                    w.elements.clone()
-                } else {
-                    decode_elements(rs, &w.decl, ty.as_ref(), v6)
-                        .map_err(|e| err(format!("set {name}: {e}")))?
-                };
+                let want = std::mem::take(&mut w.elements);
+                // A dynamic set is filled by the datapath (affinity), never by kproxy.
+                if !w.decl.contains("dynamic") {
+                    element_delta(name, rs, &w.decl, &want, v6, &mut delta)
+                        .map_err(|e| err(format!("set {name}: {e}")))?;
+                }
                 Set {
                     decl: w.decl.clone(),
-                    elements,
+                    elements: BTreeMap::new(),
                 }
             }
             // Deleted whole by the delta: its type and elements do not matter, only
@@ -958,7 +1004,16 @@ pub fn adopt(raw: &RawTable, desired: &Ruleset) -> Result<Ruleset, AdoptError> {
         };
         kernel.sets.insert(name.clone(), set);
     }
-    Ok(kernel)
+    // Sets the kernel lacks: created by the structural delta, filled here.
+    for (name, w) in desired.sets.iter_mut() {
+        if !raw.sets.contains_key(name) {
+            let want = std::mem::take(&mut w.elements);
+            if !want.is_empty() {
+                delta.adds.insert(name.clone(), want);
+            }
+        }
+    }
+    Ok((kernel, delta))
 }
 
 #[cfg(test)]

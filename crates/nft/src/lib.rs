@@ -256,12 +256,12 @@ impl Dataplane {
                 } else {
                     (build(), None)
                 };
-                if let Some((script, counts)) = adopted {
+                if let Some((steps, counts)) = adopted {
                     report.full = false;
                     report.adopted = true;
                     report.changes = counts;
                     self.programmed = Some(recs);
-                    vec![Step::Nft(script)]
+                    steps
                 } else {
                     let phased = self.tables_absent(&recs)
                         && match self.first_sync_phased(&recs, &mut report) {
@@ -439,17 +439,19 @@ impl Dataplane {
 }
 
 /// Adoption at start: from both tables as read back (netlink dumps), the delta to
-/// `recs` as one script; `None` (a full replacement follows) when a table is absent (a
-/// first start: the cold path), or when the kernel holds anything the delta cannot
-/// repair in place (logged).
+/// `recs` as one transaction (an nfnetlink batch when only elements differ, else one
+/// script); `None` (a full replacement follows) when a table is absent (a first
+/// start: the cold path), or when the kernel holds anything the delta cannot repair in
+/// place (logged).
 fn adopt(
     recs: &[record::FamilyRecord; 2],
     raw: [Result<Option<dump::RawTable>, NftError>; 2],
-) -> Option<(String, DeltaCounts)> {
+) -> Option<(Vec<Step>, DeltaCounts)> {
     let t = Instant::now();
     let (mut pre, mut post) = (String::new(), String::new());
     let mut counts = DeltaCounts::default();
     let (mut rules, mut elements) = (0, 0);
+    let mut els = Vec::with_capacity(2);
     for (rec, raw) in recs.iter().zip(raw) {
         let (fam, _) = rec.table();
         let raw = match raw {
@@ -462,8 +464,8 @@ fn adopt(
         };
         rules += raw.rule_count();
         elements += raw.element_count();
-        let desired = rec.assemble();
-        let kernel = match dump::adopt(&raw, &desired) {
+        let mut desired = rec.assemble();
+        let (kernel, el) = match dump::adopt(&raw, &mut desired) {
             Ok(k) => k,
             Err(e) => {
                 tracing::warn!(error = %e, "kproxy's tables hold what a delta cannot repair; replacing them");
@@ -478,8 +480,10 @@ fn adopt(
             return None;
         }
         desired.delta_post(&kernel, &mut post, &mut counts);
+        counts.elements_deleted += el.dels.values().map(|d| d.len()).sum::<usize>();
+        counts.elements_added += el.adds.values().map(|a| a.len()).sum::<usize>();
+        els.push(el);
     }
-    pre.push_str(&post);
     tracing::info!(
         rules,
         elements,
@@ -487,7 +491,25 @@ fn adopt(
         changes = ?counts,
         "adopted kproxy's tables from the kernel"
     );
-    Some((pre, counts))
+    // Only element changes: over netlink when every set and element encodes.
+    if pre.is_empty() && post.is_empty() {
+        let mut batch = netlink::Batch::default();
+        if recs
+            .iter()
+            .zip(&els)
+            .try_for_each(|(rec, el)| el.encode(rec, &mut batch))
+            .is_some()
+        {
+            return Some((vec![Step::Netlink(batch)], counts));
+        }
+    }
+    let mut script = pre;
+    for (rec, el) in recs.iter().zip(&els) {
+        let (fam, t) = rec.table();
+        el.script(fam, t, &mut script);
+    }
+    script.push_str(&post);
+    Some((vec![Step::Nft(script)], counts))
 }
 
 /// The Services whose plan differs between `old` and `new`: a different Arc that is also
