@@ -323,6 +323,16 @@ async fn run_async(
     .await?;
     progress("pods ready, load balancer pool complete; starting both loads");
 
+    // A node reaches the Service range by its default route on a real cluster; the
+    // lab's nodes have none, so node 1 gets one for the range (DNAT in the output hook
+    // then re-routes to the chosen pod).
+    fabric.nodes[0].ns.ip(&[
+        "route",
+        "add",
+        "10.96.0.0/16",
+        "via",
+        &fabric::LB_FABRIC_IP.to_string(),
+    ])?;
     let cip: std::net::IpAddr = controlplane::CLUSTER_IP
         .parse()
         .map_err(|e| LabError::Invalid(format!("cluster IP: {e}")))?;

@@ -1,6 +1,8 @@
 //! kproxy's nftables dataplane: renders a NodePlan into kproxy's own tables
 //! (`ip kproxy`, `ip6 kproxy`), applies it atomically (a full table replacement first,
-//! then deltas computed from the in-memory record of what is programmed), verifies the
+//! then deltas computed from the in-memory record of what is programmed; a process's
+//! first sync into tables a previous process left reads them back with [`dump`] and
+//! sends only the difference), verifies the
 //! kernel against that record, and deletes stale UDP conntrack entries.
 //!
 //! Functional core: [`ruleset`] (plan → declarative ruleset → script/delta text) and
