@@ -21,7 +21,8 @@ pub struct Args {
     /// Sync once and exit (the only mode: `kproxy run` is the daemon).
     #[arg(long)]
     pub once: bool,
-    /// Print the nft script a full sync of this plan would apply, and change nothing
+    /// Print the transaction a full sync of this plan would apply (its `nft -f`
+    /// rendering: each family's table replaced in one transaction), and change nothing
     /// (needs no root).
     #[arg(long)]
     pub dry_run: bool,
@@ -53,7 +54,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     };
     if args.dry_run {
         kproxy_nft::validate_plan(&plan).context("checking the plan")?;
-        print!("{}", kproxy_nft::render(&plan, &dp_config));
+        let desired = kproxy_nft::desired(&plan, &dp_config);
+        print!("{}", kproxy_nft::full_transaction(&desired).nft_text());
         return Ok(if failed {
             ExitCode::from(1)
         } else {

@@ -32,16 +32,21 @@ fn main() {
     ];
     let after = rss_kib();
     let (live, peak) = (live() - live_before, peak() - live_before);
-    let mut script = String::new();
-    for r in &recs {
-        r.full_script(&mut script);
-    }
+    // A full sync's transient: the typed tables, their transaction and its text.
+    let live_tx = memory::live();
+    reset_peak();
+    let tables = [recs[0].assemble(), recs[1].assemble()];
+    let tx = kproxy_nft::full_transaction(&tables);
+    let script = tx.nft_text();
+    let tx_peak = memory::peak().saturating_sub(live_tx);
     println!(
         "record_memory 10000x10: FamilyRecord (both families) live {:.1} MiB (peak while \
-         building {:.1} MiB), RSS +{:.1} MiB; full script {:.1} MB",
+         building {:.1} MiB), RSS +{:.1} MiB; full sync transaction (tables, ops, text) \
+         peak {:.1} MiB; full script {:.1} MB",
         mib(live),
         mib(peak),
         after.saturating_sub(before) as f64 / 1024.0,
+        mib(tx_peak),
         script.len() as f64 / 1e6
     );
 }

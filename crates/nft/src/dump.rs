@@ -9,27 +9,27 @@
 //!   per element, and a 10k-Service table has ≈ 176k of them). A dump the kernel marks
 //!   interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved while reading is
 //!   an error: the caller falls back to a full replacement.
-//! - [`adopt`] (pure): a [`RawTable`] and the desired [`Ruleset`] → the kernel as a
-//!   `Ruleset` in kproxy's text form, to which the existing delta (`delta_pre` /
-//!   `delta_post`) applies. Rules cannot be turned back into text, so a chain is taken
-//!   as "holding the desired rules" when its rules' comments are the desired rules' tags
-//!   ([`crate::ruleset::rule_tag`]) in order; any other chain is marked so that the delta
-//!   flushes and refills it. Sets and maps compare by declaration (key/data types,
-//!   flags, timeout, comment, checked against the dump) and by elements decoded with the
-//!   desired set's type. Anything it cannot account for — a foreign table comment, a
-//!   base chain whose hook differs, a set whose type differs or whose elements do not
-//!   decode — is an [`AdoptError`], and the caller replaces the table as a whole.
+//! - [`adopt`] (pure): a [`RawTable`] and the desired model [`Table`] → the kernel as a
+//!   `Table`, so that adoption is `model::diff(kernel, desired)`. Rules cannot be turned
+//!   back into text, so a chain is taken as "holding the desired rules" when its rules'
+//!   comments are `kp:` + [`rule_id`] of the desired rules, in order; any other chain is
+//!   marked so that the diff flushes and refills it. Sets and maps compare by
+//!   declaration (key/data types, flags, timeout, comment, checked against the dump)
+//!   and by typed elements decoded with the desired declaration. Anything it cannot
+//!   account for — a foreign table comment, a base chain whose hook differs, a set
+//!   whose type differs or whose elements do not decode — is an [`AdoptError`], and the
+//!   caller replaces the table as a whole.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use netlink_sys::Socket;
 
 use crate::NftError;
-use crate::netlink::{Data, Field, SetType};
-use crate::record::ElementDelta;
-use crate::ruleset::{Chain, Ruleset, Set, rule_tag};
+use crate::model::{
+    Atom, Chain, ChainType, Family, Field, Hook, HookPoint, MAX_FIELDS, RULE_ID_PREFIX, Set,
+    SetData, SetDecl, Table, Tuple, Value, Verdict, rule_id,
+};
 
 // linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h.
 const NLMSG_ERROR: u16 = 2;
@@ -569,37 +569,30 @@ fn element(e: &[u8]) -> RawElement {
     el
 }
 
-// ---- Decoding elements back into kproxy's text (the inverse of netlink.rs's encoding).
+// ---- Decoding elements back into the typed model (the inverse of netlink.rs's
+// encoding).
 
-fn field_len(f: Field) -> usize {
-    match f {
-        Field::Ipv4 | Field::Numgen => 4,
-        Field::Ipv6 => 16,
-        Field::Proto => 1,
-        Field::Service => 2,
-    }
+/// One datum of `f` from `b` (exactly its bytes).
+fn decode_atom(f: Field, b: &[u8]) -> Option<Atom> {
+    Some(match f {
+        Field::Ipv4Addr => Atom::Addr(IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(b).ok()?))),
+        Field::Ipv6Addr => Atom::Addr(IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(b).ok()?))),
+        Field::InetProto => Atom::Proto(*b.first()?),
+        Field::InetService => Atom::Port(u16::from_be_bytes(b.try_into().ok()?)),
+        Field::Numgen(_) => Atom::Index(u32::from_ne_bytes(b.try_into().ok()?)),
+    })
 }
 
-/// Bytes → `a . b . c` as kproxy writes them; `None` when the bytes do not fit.
-pub fn decode_fields(fields: &[Field], mut b: &[u8], out: &mut String) -> Option<()> {
+/// Bytes → a tuple of `fields` (a single field unpadded, each field of a concatenation
+/// padded to 4 bytes); `None` when the bytes do not fit.
+pub fn decode_tuple(fields: &[Field], mut b: &[u8]) -> Option<Tuple> {
+    if fields.is_empty() || fields.len() > MAX_FIELDS {
+        return None;
+    }
+    let mut atoms = [Atom::Index(0); MAX_FIELDS];
     for (i, &f) in fields.iter().enumerate() {
-        if i > 0 {
-            out.push_str(" . ");
-        }
-        let n = field_len(f);
-        let v = b.get(..n)?;
-        match f {
-            Field::Ipv4 => write!(out, "{}", Ipv4Addr::from(<[u8; 4]>::try_from(v).ok()?)).ok()?,
-            Field::Ipv6 => write!(out, "{}", Ipv6Addr::from(<[u8; 16]>::try_from(v).ok()?)).ok()?,
-            Field::Proto => match v[0] {
-                6 => out.push_str("tcp"),
-                17 => out.push_str("udp"),
-                132 => out.push_str("sctp"),
-                p => write!(out, "{p}").ok()?,
-            },
-            Field::Service => write!(out, "{}", u16::from_be_bytes([v[0], v[1]])).ok()?,
-            Field::Numgen => write!(out, "{}", u32::from_ne_bytes(v.try_into().ok()?)).ok()?,
-        }
+        let n = f.datum_len();
+        atoms[i] = decode_atom(f, b.get(..n)?)?;
         let step = if fields.len() > 1 {
             n.next_multiple_of(4)
         } else {
@@ -607,26 +600,25 @@ pub fn decode_fields(fields: &[Field], mut b: &[u8], out: &mut String) -> Option
         };
         b = b.get(step..)?;
     }
-    b.is_empty().then_some(())
+    b.is_empty().then(|| Tuple::new(&atoms[..fields.len()]))
 }
 
-/// A verdict as kproxy writes it in a verdict map.
-pub fn decode_verdict(code: u32, chain: Option<&str>) -> Option<String> {
+/// A verdict as the kernel reports it.
+pub fn decode_verdict(code: u32, chain: Option<&str>) -> Option<Verdict> {
     Some(match (code as i32, chain) {
-        (0, None) => "drop".into(),
-        (1, None) => "accept".into(),
-        (-1, None) => "continue".into(),
-        (-5, None) => "return".into(),
-        (-3, Some(c)) => format!("jump {c}"),
-        (-4, Some(c)) => format!("goto {c}"),
+        (0, None) => Verdict::Drop,
+        (1, None) => Verdict::Accept,
+        (-1, None) => Verdict::Continue,
+        (-5, None) => Verdict::Return,
+        (-3, Some(c)) => Verdict::Jump(c.into()),
+        (-4, Some(c)) => Verdict::Goto(c.into()),
         _ => return None,
     })
 }
 
-/// The elements of an interval set of addresses as kproxy writes them: `a/len` (also
-/// for a single address). The kernel holds each interval as its start and an end
-/// element (flagged) one past its last address.
-fn decode_intervals(v6: bool, elements: &[RawElement]) -> Option<BTreeMap<String, String>> {
+/// The elements of an interval set of addresses as prefixes. The kernel holds each
+/// interval as its start and an end element (flagged) one past its last address.
+fn decode_intervals(v6: bool, elements: &[RawElement]) -> Option<Vec<Tuple>> {
     let num = |b: &[u8]| -> Option<u128> {
         Some(if v6 {
             u128::from_be_bytes(b.try_into().ok()?)
@@ -640,7 +632,7 @@ fn decode_intervals(v6: bool, elements: &[RawElement]) -> Option<BTreeMap<String
         .map(|e| Some((num(&e.key)?, e.flags & ELEM_INTERVAL_END != 0)))
         .collect::<Option<_>>()?;
     points.sort();
-    let mut out = BTreeMap::new();
+    let mut out = Vec::new();
     let mut i = 0;
     while i < points.len() {
         let (start, end_flag) = points[i];
@@ -655,35 +647,33 @@ fn decode_intervals(v6: bool, elements: &[RawElement]) -> Option<BTreeMap<String
         let end = match points.get(i + 1) {
             Some(&(e, true)) => {
                 i += 2;
-                e
+                Some(e)
             }
             _ => {
                 i += 1;
-                if bits == 128 { 0 } else { 1u128 << 32 }
+                None
             }
         };
-        let size = end.wrapping_sub(start) & if v6 { u128::MAX } else { (1u128 << 32) - 1 };
-        let size = if size == 0 && bits == 32 {
-            1u128 << 32
-        } else {
-            size
+        let size = match end {
+            Some(e) => e.checked_sub(start)?,
+            None if v6 => u128::MAX - start + 1, // overflows only for ::/0
+            None => (1u128 << 32) - start,
         };
         if size == 0 || !size.is_power_of_two() || start % size != 0 {
             return None; // not a prefix: kproxy never writes ranges
         }
         let len = bits - size.trailing_zeros();
         let addr = if v6 {
-            Ipv6Addr::from(start).to_string()
+            IpAddr::V6(Ipv6Addr::from(start))
         } else {
-            Ipv4Addr::from(start as u32).to_string()
+            IpAddr::V4(Ipv4Addr::from(start as u32))
         };
-        let text = format!("{addr}/{len}");
-        out.insert(text, String::new());
+        out.push(Tuple::new(&[Atom::Prefix(addr, len as u8)]));
     }
     Some(out)
 }
 
-// ---- Adoption: the kernel in the desired state's vocabulary.
+// ---- Adoption: the kernel as a model Table.
 
 /// Why a table cannot be adopted (the caller replaces it as a whole).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -695,68 +685,39 @@ pub struct AdoptError {
 }
 
 /// Stands for rules that are not the desired ones: a chain holding it differs from
-/// every desired chain, so the delta flushes it and adds the desired rules.
+/// every desired chain, so the diff flushes it and adds the desired rules.
 const UNKNOWN_RULES: &str = "# rules read from the kernel that kproxy did not write";
 
-/// `NF_INET_*` hook numbers by name.
-fn hook_number(name: &str) -> Option<u32> {
-    Some(match name {
-        "prerouting" => 0,
-        "input" => 1,
-        "forward" => 2,
-        "output" => 3,
-        "postrouting" => 4,
-        _ => return None,
-    })
-}
-
-/// A base chain declaration (`type nat hook output priority -100; policy accept;`)
-/// as the kernel reports it.
-fn parse_hook(decl: &str) -> Option<RawHook> {
-    let mut h = RawHook {
-        hooknum: u32::MAX,
-        priority: 0,
-        kind: String::new(),
-        policy: 1,
-    };
-    for part in decl.split(';').map(str::trim).filter(|p| !p.is_empty()) {
-        let words: Vec<&str> = part.split_whitespace().collect();
-        match words.as_slice() {
-            ["type", kind, "hook", hook, "priority", prio] => {
-                h.kind = (*kind).into();
-                h.hooknum = hook_number(hook)?;
-                h.priority = match *prio {
-                    "raw" => -300,
-                    "mangle" => -150,
-                    "dstnat" => -100,
-                    "filter" => 0,
-                    "security" => 50,
-                    "srcnat" => 100,
-                    n => n.parse().ok()?,
-                };
-            }
-            ["policy", "accept"] => h.policy = 1,
-            ["policy", "drop"] => h.policy = 0,
-            _ => return None,
-        }
+fn hook_number(h: HookPoint) -> u32 {
+    match h {
+        HookPoint::Prerouting => 0,
+        HookPoint::Input => 1,
+        HookPoint::Forward => 2,
+        HookPoint::Output => 3,
+        HookPoint::Postrouting => 4,
     }
-    (h.hooknum != u32::MAX).then_some(h)
 }
 
-/// The comment of a set declaration, if it has one.
-fn decl_comment(decl: &str) -> Option<&str> {
-    let (_, rest) = decl.split_once("comment \"")?;
-    rest.split_once('"').map(|(c, _)| c)
+/// Does the kernel's base chain have hook `h` (policy accept, as kproxy declares)?
+fn hook_matches(raw: &RawHook, h: &Hook) -> bool {
+    let ty = match h.ty {
+        ChainType::Filter => "filter",
+        ChainType::Nat => "nat",
+    };
+    raw.kind == ty
+        && raw.hooknum == hook_number(h.hook)
+        && raw.priority == h.priority
+        && raw.policy == 1
 }
 
 /// nft's datatype ids, and the key type it stores for a concatenation.
 fn datatype(f: Field) -> u32 {
     match f {
-        Field::Ipv4 => 7,
-        Field::Ipv6 => 8,
-        Field::Proto => 12,
-        Field::Service => 13,
-        Field::Numgen => 0, // `integer` from `typeof numgen …`
+        Field::Ipv4Addr => 7,
+        Field::Ipv6Addr => 8,
+        Field::InetProto => 12,
+        Field::InetService => 13,
+        Field::Numgen(_) => 0,
     }
 }
 
@@ -766,318 +727,218 @@ fn concat_type(fields: &[Field]) -> u32 {
 
 fn fields_len(fields: &[Field]) -> u32 {
     if fields.len() == 1 {
-        field_len(fields[0]) as u32
+        fields[0].datum_len() as u32
     } else {
         fields
             .iter()
-            .map(|&f| field_len(f).next_multiple_of(4) as u32)
+            .map(|&f| f.datum_len().next_multiple_of(4) as u32)
             .sum()
     }
 }
 
 /// Does the kernel's set have the declaration `decl`? Checks what the dump shows: key
 /// and data types and lengths, interval/timeout flags, timeout, comment.
-fn set_matches(raw: &RawSet, decl: &str, ty: Option<&SetType>) -> Result<(), String> {
+fn set_matches(raw: &RawSet, decl: &SetDecl) -> Result<(), String> {
     let flag = |f: u32| raw.flags & f != 0;
-    if flag(SET_INTERVAL) != decl.contains("interval") {
+    if flag(SET_INTERVAL) != decl.interval {
         return Err("interval flag differs".into());
     }
-    if flag(SET_TIMEOUT) != decl.contains("timeout") {
+    if flag(SET_TIMEOUT) != decl.timeout_secs.is_some() {
         return Err("timeout flag differs".into());
     }
-    if decl_comment(decl) != raw.comment.as_deref() {
+    if let Some(t) = decl.timeout_secs
+        && raw.timeout != Some(u64::from(t) * 1000)
+    {
+        return Err(format!("timeout {:?} ms instead of {t} s", raw.timeout));
+    }
+    if decl.comment.as_deref() != raw.comment.as_deref() {
         return Err(format!(
             "comment {:?} instead of {:?}",
-            raw.comment,
-            decl_comment(decl)
+            raw.comment, decl.comment
         ));
     }
-    if let Some(t) = decl
-        .split(';')
-        .map(str::trim)
-        .find_map(|p| p.strip_prefix("timeout "))
-    {
-        let want = t
-            .strip_suffix('s')
-            .and_then(|s| s.parse::<u64>().ok())
-            .map(|s| s * 1000);
-        if want.is_none() || want != raw.timeout {
-            return Err(format!("timeout {:?} ms instead of {t}", raw.timeout));
-        }
-    }
-    let key: Vec<Field> = match ty {
-        Some(ty) => ty.key.clone(),
-        None => {
-            // Interval and dynamic sets: a single address key.
-            let spec = decl.split(';').next().unwrap_or("").trim();
-            match spec.strip_prefix("type ") {
-                Some("ipv4_addr") => vec![Field::Ipv4],
-                Some("ipv6_addr") => vec![Field::Ipv6],
-                _ => return Err(format!("declaration {decl:?} is not one adoption reads")),
-            }
-        }
-    };
-    if raw.key_len != fields_len(&key) {
+    if raw.key_len != fields_len(&decl.key) {
         return Err(format!("key length {} bytes", raw.key_len));
     }
     // `typeof` keys may be stored with other type ids; lengths cover them.
-    if decl.trim_start().starts_with("type ") && raw.key_type != concat_type(&key) {
+    if !decl.by_expr && raw.key_type != concat_type(&decl.key) {
         return Err(format!("key type {:#x}", raw.key_type));
     }
-    match ty.and_then(|t| t.data.as_ref()) {
+    match &decl.data {
         None if flag(SET_MAP) => Err("a map where a set is declared".into()),
         None => Ok(()),
         Some(_) if !flag(SET_MAP) => Err("a set where a map is declared".into()),
-        Some(Data::Verdict) => match raw.data_type {
+        Some(SetData::Verdict) => match raw.data_type {
             Some(0xffff_ff00) => Ok(()),
             t => Err(format!("data type {t:?} instead of verdict")),
         },
-        Some(Data::Value(fields)) => match raw.data_len {
+        Some(SetData::Fields(fields)) => match raw.data_len {
             Some(n) if n == fields_len(fields) => Ok(()),
             n => Err(format!("data length {n:?}")),
         },
     }
 }
 
-/// One kernel element as kproxy's text: key into `k`, value into `v` (both cleared
-/// first), decoded by the desired type.
-fn decode_element(
-    ty: &SetType,
-    e: &RawElement,
-    k: &mut String,
-    v: &mut String,
-) -> Result<(), String> {
-    k.clear();
-    v.clear();
-    decode_fields(&ty.key, &e.key, k)
-        .ok_or_else(|| format!("element key {:02x?} does not fit the type", e.key))?;
-    match (&ty.data, &e.data) {
-        (None, None) => {}
-        (Some(Data::Verdict), Some(RawData::Verdict { code, chain })) => v.push_str(
-            &decode_verdict(*code, chain.as_deref())
-                .ok_or_else(|| format!("element {k}: verdict {code:#x} {chain:?}"))?,
-        ),
-        (Some(Data::Value(f)), Some(RawData::Value(b))) => decode_fields(f, b, v)
-            .ok_or_else(|| format!("element {k}: value {b:02x?} does not fit"))?,
-        _ => return Err(format!("element {k}: data does not fit the declaration")),
-    }
-    Ok(())
-}
-
-/// The element changes that bring the kernel's set `name` to `want`: one pass over
-/// the kernel's elements, each looked up in `want`; the desired elements the kernel
-/// lacks are looked for only when some are missing.
-fn element_delta(
-    name: &str,
+/// The kernel's elements of a set declared `decl`, typed.
+fn decode_elements(
     raw: &RawSet,
-    decl: &str,
-    want: &BTreeMap<String, String>,
+    decl: &SetDecl,
     v6: bool,
-    out: &mut ElementDelta,
-) -> Result<(), String> {
-    let ty = SetType::parse(decl);
-    let interval;
-    let kernel: Box<dyn Iterator<Item = Result<(String, String), String>>> =
-        if raw.flags & SET_INTERVAL != 0 {
-            interval = decode_intervals(v6, &raw.elements)
-                .ok_or_else(|| "interval elements that are not prefixes".to_string())?;
-            Box::new(interval.iter().map(|(k, v)| Ok((k.clone(), v.clone()))))
-        } else {
-            let Some(ty) = ty else {
-                return Err(format!("elements of {decl:?} are not ones adoption reads"));
-            };
-            Box::new(raw.elements.iter().map(move |e| {
-                let (mut k, mut v) = (String::with_capacity(48), String::new());
-                decode_element(&ty, e, &mut k, &mut v).map(|_| (k, v))
-            }))
+) -> Result<BTreeMap<Tuple, Option<Value>>, String> {
+    if decl.interval {
+        let prefixes = decode_intervals(v6, &raw.elements)
+            .ok_or_else(|| "interval elements that are not prefixes".to_string())?;
+        return Ok(prefixes.into_iter().map(|t| (t, None)).collect());
+    }
+    let mut out = BTreeMap::new();
+    for e in &raw.elements {
+        let key = decode_tuple(&decl.key, &e.key)
+            .ok_or_else(|| format!("element key {:02x?} does not fit the type", e.key))?;
+        let value = match (&decl.data, &e.data) {
+            (None, None) => None,
+            (Some(SetData::Verdict), Some(RawData::Verdict { code, chain })) => {
+                Some(Value::Verdict(
+                    decode_verdict(*code, chain.as_deref())
+                        .ok_or_else(|| format!("element {key}: verdict {code:#x} {chain:?}"))?,
+                ))
+            }
+            (Some(SetData::Fields(f)), Some(RawData::Value(b))) => {
+                Some(Value::Data(decode_tuple(f, b).ok_or_else(|| {
+                    format!("element {key}: value {b:02x?} does not fit")
+                })?))
+            }
+            _ => return Err(format!("element {key}: data does not fit the declaration")),
         };
-    let mut matched = 0;
-    let mut seen = std::collections::HashSet::new();
-    for kv in kernel {
-        let (k, v) = kv?;
-        match want.get(&k) {
-            Some(w) if *w == v => matched += 1,
-            _ => {
-                out.dels
-                    .entry(name.to_string())
-                    .or_default()
-                    .insert(k.clone());
-            }
-        }
-        seen.insert(k);
+        out.insert(key, value);
     }
-    if matched != want.len() {
-        for (k, v) in want {
-            let present = seen.contains(k) && !out.dels.get(name).is_some_and(|d| d.contains(k));
-            if !present {
-                out.adds
-                    .entry(name.to_string())
-                    .or_default()
-                    .insert(k.clone(), v.clone());
-            }
-        }
-    }
-    Ok(())
+    Ok(out)
 }
 
-/// The kernel's table as a [`Ruleset`] to diff the desired one against, and the element
-/// changes. The elements of `desired`'s sets are taken out (compared here, one lookup
-/// per kernel element), so that the structural delta from the returned ruleset
-/// (`desired.delta_pre(&kernel, …)` and `delta_post`, both now without elements) plus
-/// the element changes, in that order, bring the kernel to the desired state. Objects
-/// kproxy's delta cannot repair in place are an error.
-pub fn adopt(raw: &RawTable, desired: &mut Ruleset) -> Result<(Ruleset, ElementDelta), AdoptError> {
+/// The kernel's table as a model [`Table`] in the desired one's terms: `diff(kernel,
+/// desired)` is then the transaction that brings the kernel to the desired state.
+/// Chains holding exactly the desired rules (by their ids) take the desired rules'
+/// text; other chains are marked so that the diff flushes and refills them. Objects the
+/// diff cannot repair in place (a foreign table comment, a base chain hooked otherwise,
+/// a set declared otherwise, elements that do not decode) are an error.
+pub fn adopt(raw: &RawTable, desired: &Table) -> Result<Table, AdoptError> {
     let err = |what: String| AdoptError {
-        family: desired.family,
-        table: desired.table.clone(),
+        family: desired.family.nft(),
+        table: desired.name.clone(),
         what,
     };
-    let want_comment = "rules for kproxy";
-    if raw.comment.as_deref() != Some(want_comment) || raw.flags != 0 {
+    if raw.comment != desired.comment || raw.flags != 0 {
         return Err(err(format!(
             "comment {:?} and flags {:#x}: not a table kproxy made",
             raw.comment, raw.flags
         )));
     }
-    let v6 = desired.family == "ip6";
-    let mut kernel = Ruleset {
-        family: desired.family,
-        table: desired.table.clone(),
-        sets: BTreeMap::new(),
-        chains: BTreeMap::new(),
-    };
+    let v6 = desired.family == Family::Ip6;
+    let mut kernel = Table::new(desired.family, &desired.name);
+    kernel.comment = raw.comment.clone();
     for (name, rc) in &raw.chains {
         let want = desired.chains.get(name);
-        let decl = match (&rc.hook, want) {
-            (None, Some(w)) if w.decl.is_empty() => String::new(),
-            (None, None) => String::new(),
-            (Some(h), Some(w)) if parse_hook(&w.decl).as_ref() == Some(h) => w.decl.clone(),
+        let hook = match (&rc.hook, want) {
+            (None, Some(w)) if w.hook.is_none() => None,
+            (None, None) => None,
+            (Some(h), Some(w)) if w.hook.as_ref().is_some_and(|wh| hook_matches(h, wh)) => w.hook,
             (h, _) => {
                 return Err(err(format!(
                     "chain {name}: hook {h:?} is not the declared {:?}",
-                    want.map(|w| w.decl.as_str())
+                    want.map(|w| w.hook)
                 )));
             }
         };
         let same = want.is_some_and(|w| {
             w.rules.len() == rc.rules.len()
-                && w.rules
-                    .iter()
-                    .zip(&rc.rules)
-                    .all(|(r, k)| k.comment.as_deref() == Some(rule_tag(r).as_str()))
+                && w.rules.iter().zip(&rc.rules).all(|(r, k)| {
+                    k.comment
+                        .as_deref()
+                        .and_then(|c| c.strip_prefix(RULE_ID_PREFIX))
+                        == Some(rule_id(r).as_str())
+                })
         });
         let rules = match want {
             Some(w) if same => w.rules.clone(),
             _ if rc.rules.is_empty() => Vec::new(),
             _ => vec![UNKNOWN_RULES.to_string()],
         };
-        kernel.chains.insert(name.clone(), Chain { decl, rules });
+        kernel.chains.insert(name.clone(), Chain { hook, rules });
     }
-    let mut delta = ElementDelta::default();
     for (name, rs) in &raw.sets {
-        let set = match desired.sets.get_mut(name) {
+        let set = match desired.sets.get(name) {
             Some(w) => {
-                let ty = SetType::parse(&w.decl);
-                set_matches(rs, &w.decl, ty.as_ref())
-                    .map_err(|e| err(format!("set {name}: {e}")))?;
-                let want = std::mem::take(&mut w.elements);
-                // A dynamic set is filled by the datapath (affinity), never by kproxy.
-                if !w.decl.contains("dynamic") {
-                    element_delta(name, rs, &w.decl, &want, v6, &mut delta)
-                        .map_err(|e| err(format!("set {name}: {e}")))?;
-                }
+                set_matches(rs, &w.decl).map_err(|e| err(format!("set {name}: {e}")))?;
                 Set {
                     decl: w.decl.clone(),
-                    elements: BTreeMap::new(),
+                    // A dynamic set is filled by the datapath (affinity), never by kproxy.
+                    elements: if w.decl.dynamic {
+                        BTreeMap::new()
+                    } else {
+                        decode_elements(rs, &w.decl, v6)
+                            .map_err(|e| err(format!("set {name}: {e}")))?
+                    },
                 }
             }
-            // Deleted whole by the delta: its type and elements do not matter, only
-            // whether it is a map (the delete command says which).
-            None => Set {
-                decl: if rs.flags & SET_MAP != 0 {
-                    "type ipv4_addr : verdict;".into()
-                } else {
-                    "type ipv4_addr;".into()
-                },
-                elements: BTreeMap::new(),
-            },
+            // Deleted whole by the diff: only whether it is a map matters (the delete
+            // command says which).
+            None => Set::new(if rs.flags & SET_MAP != 0 {
+                SetDecl::map(vec![Field::Ipv4Addr], SetData::Verdict)
+            } else {
+                SetDecl::set(vec![Field::Ipv4Addr])
+            }),
         };
         kernel.sets.insert(name.clone(), set);
     }
-    // Sets the kernel lacks: created by the structural delta, filled here.
-    for (name, w) in desired.sets.iter_mut() {
-        if !raw.sets.contains_key(name) {
-            let want = std::mem::take(&mut w.elements);
-            if !want.is_empty() {
-                delta.adds.insert(name.clone(), want);
-            }
-        }
-    }
-    Ok((kernel, delta))
+    Ok(kernel)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The byte layouts of netlink.rs's `encodings_match_nft` test, decoded back.
+    fn text(t: Tuple) -> String {
+        t.to_string()
+    }
+
+    /// The byte layouts of netlink.rs's encoding tests, decoded back.
     #[test]
-    fn fields_decode_as_they_encode() {
+    fn tuples_decode_as_they_encode() {
         use Field::*;
         let n = 1u32.to_ne_bytes();
         let cases: &[(&[Field], Vec<u8>, &str)] = &[
             (
-                &[Ipv4, Proto, Service, Numgen],
+                &[Ipv4Addr, InetProto, InetService, Numgen(2)],
                 [&[10, 0, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0][..], &n].concat(),
                 "10.0.0.1 . tcp . 80 . 1",
             ),
             (
-                &[Ipv4, Service],
+                &[Ipv4Addr, InetService],
                 vec![10, 244, 1, 2, 0x1f, 0x90, 0, 0],
                 "10.244.1.2 . 8080",
             ),
             (
-                &[Proto, Service],
+                &[InetProto, InetService],
                 vec![17, 0, 0, 0, 0x75, 0x65, 0, 0],
                 "udp . 30053",
             ),
-            (&[Ipv4], vec![10, 96, 0, 1], "10.96.0.1"),
-            (&[Service], vec![1, 0xbb], "443"),
+            (&[Ipv4Addr], vec![10, 96, 0, 1], "10.96.0.1"),
+            (&[InetService], vec![1, 0xbb], "443"),
             (
-                &[Ipv6],
+                &[Ipv6Addr],
                 vec![0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
                 "fd00::1",
             ),
         ];
         for (fields, bytes, want) in cases {
-            let mut s = String::new();
-            assert_eq!(decode_fields(fields, bytes, &mut s), Some(()), "{want}");
-            assert_eq!(&s, want);
+            let t = decode_tuple(fields, bytes).unwrap_or_else(|| panic!("{want}"));
+            assert_eq!(&text(t), want);
             assert_eq!(bytes.len() as u32, fields_len(fields), "{want}");
         }
-        let mut s = String::new();
-        decode_fields(
-            &[Ipv4, Proto, Service, Numgen],
-            &[
-                [10, 0, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0].as_slice(),
-                &1u32.to_ne_bytes(),
-            ]
-            .concat(),
-            &mut s,
-        )
-        .unwrap();
-        assert_eq!(s, "10.0.0.1 . tcp . 80 . 1");
-        let mut s = String::new();
-        decode_fields(&[Service], &[1, 0xbb], &mut s).unwrap();
-        assert_eq!(s, "443");
         // Wrong lengths are refused, never guessed.
-        assert_eq!(decode_fields(&[Ipv4], &[1, 2, 3], &mut String::new()), None);
+        assert_eq!(decode_tuple(&[Ipv4Addr], &[1, 2, 3]), None);
+        assert_eq!(decode_tuple(&[Ipv4Addr], &[1, 2, 3, 4, 5]), None);
         assert_eq!(
-            decode_fields(&[Ipv4], &[1, 2, 3, 4, 5], &mut String::new()),
-            None
-        );
-        assert_eq!(
-            decode_fields(&[Ipv4, Service], &[1, 2, 3, 4, 0, 80], &mut String::new()),
+            decode_tuple(&[Ipv4Addr, InetService], &[1, 2, 3, 4, 0, 80]),
             None
         );
     }
@@ -1085,36 +946,37 @@ mod tests {
     #[test]
     fn verdicts_decode() {
         assert_eq!(
-            decode_verdict(-4i32 as u32, Some("svc-a")).as_deref(),
-            Some("goto svc-a")
+            decode_verdict(-4i32 as u32, Some("svc-a")),
+            Some(Verdict::Goto("svc-a".into()))
         );
         assert_eq!(
-            decode_verdict(-3i32 as u32, Some("x")).as_deref(),
-            Some("jump x")
+            decode_verdict(-3i32 as u32, Some("x")),
+            Some(Verdict::Jump("x".into()))
         );
-        assert_eq!(decode_verdict(0, None).as_deref(), Some("drop"));
+        assert_eq!(decode_verdict(0, None), Some(Verdict::Drop));
         assert_eq!(decode_verdict(-4i32 as u32, None), None);
         assert_eq!(decode_verdict(7, None), None);
     }
 
     #[test]
-    fn hooks_parse() {
-        let h = |d| parse_hook(d).map(|h| (h.kind, h.hooknum, h.priority, h.policy));
-        assert_eq!(
-            h("type nat hook output priority -100; policy accept;"),
-            Some(("nat".into(), 3, -100, 1))
-        );
-        assert_eq!(
-            h("type nat hook postrouting priority srcnat; policy accept;"),
-            Some(("nat".into(), 4, 100, 1))
-        );
-        assert_eq!(
-            h("type nat hook prerouting priority dstnat;"),
-            Some(("nat".into(), 0, -100, 1))
-        );
-        assert_eq!(h("type nat hook ingress priority 0;"), None);
-        assert_eq!(h(""), None);
-        assert_eq!(h("policy accept;"), None);
+    fn hooks_match() {
+        let raw = |hooknum, priority| RawHook {
+            hooknum,
+            priority,
+            kind: "nat".into(),
+            policy: 1,
+        };
+        let out = Hook::nat(HookPoint::Output, -100);
+        assert!(hook_matches(&raw(3, -100), &out));
+        assert!(!hook_matches(&raw(3, 0), &out));
+        assert!(!hook_matches(&raw(1, -100), &out));
+        assert!(!hook_matches(
+            &RawHook {
+                policy: 0,
+                ..raw(3, -100)
+            },
+            &out
+        ));
     }
 
     fn el(key: &[u8], end: bool) -> RawElement {
@@ -1127,6 +989,18 @@ mod tests {
 
     #[test]
     fn intervals_decode_to_prefixes() {
+        let texts = |v: Vec<Tuple>| v.into_iter().map(text).collect::<Vec<_>>();
+        let got = decode_intervals(
+            false,
+            &[
+                el(&[10, 245, 0, 0], true),
+                el(&[10, 244, 0, 0], false),
+                el(&[192, 168, 1, 8], true),
+                el(&[192, 168, 1, 7], false),
+            ],
+        )
+        .unwrap();
+        assert_eq!(texts(got), ["10.244.0.0/16", "192.168.1.7/32"]);
         // An end element with no start is not an interval kproxy wrote (but one at the
         // bottom of the space is nft's marker).
         assert_eq!(decode_intervals(false, &[el(&[10, 0, 0, 0], true)]), None);
@@ -1138,22 +1012,7 @@ mod tests {
                 el(&[11, 0, 0, 0], true),
             ],
         );
-        assert_eq!(
-            got.unwrap().keys().next().map(String::as_str),
-            Some("10.0.0.0/8")
-        );
-        let got = decode_intervals(
-            false,
-            &[
-                el(&[10, 245, 0, 0], true),
-                el(&[10, 244, 0, 0], false),
-                el(&[192, 168, 1, 8], true),
-                el(&[192, 168, 1, 7], false),
-            ],
-        )
-        .unwrap();
-        let keys: Vec<&str> = got.keys().map(String::as_str).collect();
-        assert_eq!(keys, ["10.244.0.0/16", "192.168.1.7/32"]);
+        assert_eq!(texts(got.unwrap()), ["10.0.0.0/8"]);
         // A range that is not a prefix.
         assert_eq!(
             decode_intervals(
@@ -1164,6 +1023,6 @@ mod tests {
         );
         // Up to the end of the space: no end element.
         let got = decode_intervals(false, &[el(&[128, 0, 0, 0], false)]).unwrap();
-        assert_eq!(got.keys().next().map(String::as_str), Some("128.0.0.0/1"));
+        assert_eq!(texts(got), ["128.0.0.0/1"]);
     }
 }

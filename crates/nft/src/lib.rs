@@ -1,20 +1,21 @@
 //! kproxy's nftables dataplane: renders a NodePlan into kproxy's own tables
 //! (`ip kproxy`, `ip6 kproxy`), applies it atomically (a full table replacement first,
-//! then deltas computed from the in-memory record of what is programmed; a process's
-//! first sync into tables a previous process left reads them back with [`dump`] and
-//! sends only the difference), verifies the
+//! then deltas computed from the in-memory record of what is programmed), verifies the
 //! kernel against that record, and deletes stale UDP conntrack entries.
 //!
-//! Functional core: [`ruleset`] (plan → declarative ruleset → script/delta text) and
-//! [`conntrack::stale_flows`]. Imperative shell: [`Dataplane`], which runs `nft -f -`
-//! for full syncs and deltas that change chains, rules or sets, sends deltas of element
-//! changes only as nfnetlink batches ([`netlink`]), and talks ctnetlink, always in the
-//! calling thread's network namespace.
+//! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), [`model`]
+//! (the typed nftables model, `diff(old, new) → Transaction`, the transaction's nft
+//! text), [`record`] (the record that moves by the changed Services and yields each
+//! sync's transaction) and [`conntrack::stale_flows`]. Imperative shell:
+//! [`Dataplane`], which sends each sync's one transaction as `nft -f` text or, when it
+//! only changes elements, as an nfnetlink batch ([`netlink`], the transaction's second
+//! renderer), and talks ctnetlink, always in the calling thread's network namespace.
 
 #![forbid(unsafe_code)]
 
 pub mod conntrack;
 pub mod dump;
+pub mod model;
 pub mod netlink;
 pub mod nft;
 pub mod record;
@@ -28,7 +29,8 @@ use kproxy_core::NodePlan;
 use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::{LocalPods, ServicePlan};
 
-pub use ruleset::{DeltaCounts, Ruleset};
+pub use model::{Table, Transaction};
+pub use ruleset::DeltaCounts;
 
 /// How the plan reaches the kernel (settings that do not change decisions).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -171,9 +173,9 @@ impl Dataplane {
         self.adopt_pending = false;
     }
 
-    /// What is programmed, as whole rulesets (IPv4, IPv6); `None` before the first
+    /// What is programmed, as whole tables (IPv4, IPv6); `None` before the first
     /// successful sync. Assembles a copy: for tests and tools, not the sync path.
-    pub fn programmed(&self) -> Option<[Ruleset; 2]> {
+    pub fn programmed(&self) -> Option<[Table; 2]> {
         self.programmed
             .as_ref()
             .map(|[a, b]| [a.assemble(), b.assemble()])
@@ -193,39 +195,26 @@ impl Dataplane {
             (Some(_), Some(last)) => changed_services(&mut last.services, &plan.services),
             _ => Vec::new(),
         };
-        let mut elems = [
-            record::ElementDelta::default(),
-            record::ElementDelta::default(),
-        ];
         let delta = self.programmed.as_mut().and_then(|recs| {
-            let (mut pre, mut post) = (String::new(), String::new());
-            let mut counts = DeltaCounts::default();
-            for (rec, el) in recs.iter_mut().zip(&mut elems) {
-                counts.add(&rec.advance(plan, &changed, &self.cfg, &mut pre, el, &mut post)?);
+            let mut tx = Transaction::default();
+            for rec in recs.iter_mut() {
+                tx.extend(rec.advance(plan, &changed, &self.cfg)?);
             }
-            // Only element changes: over netlink when every set and element encodes.
-            if pre.is_empty() && post.is_empty() {
-                let mut batch = netlink::Batch::default();
-                let encoded = recs
-                    .iter()
-                    .zip(&elems)
-                    .try_for_each(|(rec, el)| el.encode(rec, &mut batch));
-                if encoded.is_some() {
-                    return Some((counts, vec![Step::Netlink(batch)]));
-                }
-            }
-            let mut script = pre;
-            for (rec, el) in recs.iter().zip(&elems) {
-                let (fam, t) = rec.table();
-                el.script(fam, t, &mut script);
-            }
-            script.push_str(&post);
-            Some((counts, vec![Step::Nft(script)]))
+            tx.order();
+            Some(tx)
         });
         let steps = match delta {
-            Some((c, steps)) => {
-                report.changes = c;
-                steps
+            Some(tx) => {
+                report.changes = tx.counts;
+                // Only element changes: over netlink when every element encodes.
+                let batch = tx
+                    .elements_only()
+                    .then(|| netlink::Batch::transaction(&tx))
+                    .flatten();
+                match batch {
+                    Some(b) => vec![Step::Netlink(b)],
+                    None => vec![Step::Nft(tx.nft_text())],
+                }
             }
             None => {
                 report.full = true;
@@ -258,12 +247,19 @@ impl Dataplane {
                 } else {
                     (build(), None)
                 };
-                if let Some((steps, counts)) = adopted {
+                if let Some(tx) = adopted {
                     report.full = false;
                     report.adopted = true;
-                    report.changes = counts;
+                    report.changes = tx.counts;
                     self.programmed = Some(recs);
-                    steps
+                    let batch = tx
+                        .elements_only()
+                        .then(|| netlink::Batch::transaction(&tx))
+                        .flatten();
+                    match batch {
+                        Some(b) => vec![Step::Netlink(b)],
+                        None => vec![Step::Nft(tx.nft_text())],
+                    }
                 } else {
                     let phased = self.tables_absent(&recs)
                         && match self.first_sync_phased(&recs, &mut report) {
@@ -277,12 +273,10 @@ impl Dataplane {
                     let steps = if phased {
                         Vec::new()
                     } else {
-                        report.changes = DeltaCounts::default();
-                        let mut script = String::new();
-                        for rec in &recs {
-                            report.changes.add(&rec.full_script(&mut script));
-                        }
-                        vec![Step::Nft(script)]
+                        let tables = [recs[0].assemble(), recs[1].assemble()];
+                        let tx = full_transaction(&tables);
+                        report.changes = tx.counts;
+                        vec![Step::Nft(tx.nft_text())]
                     };
                     self.programmed = Some(recs);
                     steps
@@ -361,8 +355,8 @@ impl Dataplane {
     fn tables_absent(&mut self, recs: &[record::FamilyRecord; 2]) -> bool {
         let absent = self.writer().and_then(|w| {
             for rec in recs {
-                let (fam, t) = rec.table();
-                if w.table_exists(fam, t)? {
+                let (family, name) = rec.table();
+                if w.table_exists(family, name)? {
                     return Ok(false);
                 }
             }
@@ -374,37 +368,46 @@ impl Dataplane {
         })
     }
 
-    /// The first sync into absent tables, in steps: tables, sets and regular chains by
-    /// `nft -f` (while the elements are encoded on this thread), the elements as one
-    /// nfnetlink batch, then the hooked base chains by `nft -f`. Nothing sees traffic
-    /// before the last step, so no packet meets a half-written table, and the bulk of
-    /// the work (the elements) skips nft's parser. `Ok(false)` when an element does not
-    /// encode: the tables then exist without hooks and a one-transaction replacement
-    /// (`full_script`) must follow.
+    /// The first sync into absent tables, in the steps of the transaction that creates
+    /// them ([`Transaction::split_for_absent_tables`]): tables, sets, regular chains
+    /// and their rules by `nft -f`, the elements as one nfnetlink batch, then the hooked
+    /// base chains by `nft -f`. Nothing sees traffic before the last step, so no packet
+    /// meets a half-written table, and the bulk of the work (the elements) skips nft's
+    /// parser. The structure does not depend on the Service elements, so it is diffed
+    /// from the tables without them and loaded while this thread assembles the whole
+    /// tables and encodes their elements. `Ok(false)` when an element does not encode:
+    /// the tables then exist without hooks and a one-transaction replacement must
+    /// follow.
     fn first_sync_phased(
         &mut self,
         recs: &[record::FamilyRecord; 2],
         report: &mut SyncReport,
     ) -> Result<bool, NftError> {
-        let (mut tables, mut hooks) = (String::new(), String::new());
-        let mut counts = DeltaCounts::default();
-        for rec in recs {
-            counts.add(&rec.full_structure(&mut tables, &mut hooks));
-        }
+        let create = |tables: &[Table; 2]| -> Result<Transaction, NftError> {
+            let mut tx = Transaction::default();
+            for t in tables {
+                tx.extend(model::diff(&Table::absent(t.family, &t.name), t)?);
+            }
+            Ok(tx)
+        };
+        let bare = [recs[0].assemble_structure(), recs[1].assemble_structure()];
+        let (structure, _, hooks) = create(&bare)?.split_for_absent_tables();
+        let (structure, hooks) = (structure.nft_text(), hooks.nft_text());
         let t = Instant::now();
-        let (loaded, batch) = std::thread::scope(|s| {
+        let (loaded, encoded) = std::thread::scope(|s| {
             // A thread starts in its creator's network namespace, so nft acts on ours.
-            let nft = s.spawn(|| nft::run_script(&tables));
-            let mut batch = netlink::Batch::default();
-            let encoded = recs.iter().try_for_each(|rec| {
-                counts.add(&rec.full_elements(&mut batch)?);
-                Some(())
+            let nft = s.spawn(|| nft::run_script(&structure));
+            let encoded = create(&[recs[0].assemble(), recs[1].assemble()]).map(|tx| {
+                let counts = tx.counts;
+                let (_, elements, _) = tx.split_for_absent_tables();
+                (counts, netlink::Batch::transaction(&elements))
             });
             let loaded = nft.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-            (loaded, encoded.map(|_| batch))
+            (loaded, encoded)
         });
-        report.script_bytes += tables.len();
+        report.script_bytes += structure.len();
         loaded?;
+        let (counts, batch) = encoded?;
         let Some(batch) = batch else {
             return Ok(false);
         };
@@ -440,22 +443,18 @@ impl Dataplane {
     }
 }
 
-/// Adoption at start: from both tables as read back (netlink dumps), the delta to
-/// `recs` as one transaction (an nfnetlink batch when only elements differ, else one
-/// script); `None` (a full replacement follows) when a table is absent (a first
-/// start: the cold path), or when the kernel holds anything the delta cannot repair in
-/// place (logged).
+/// Adoption at start: from both tables as read back (netlink dumps), the transaction
+/// `diff(kernel, desired)`; `None` (a full replacement follows) when a table is absent
+/// (a first start: the cold path), or when the kernel holds anything the diff cannot
+/// repair in place (logged).
 fn adopt(
     recs: &[record::FamilyRecord; 2],
     raw: [Result<Option<dump::RawTable>, NftError>; 2],
-) -> Option<(Vec<Step>, DeltaCounts)> {
+) -> Option<Transaction> {
     let t = Instant::now();
-    let (mut pre, mut post) = (String::new(), String::new());
-    let mut counts = DeltaCounts::default();
+    let mut tx = Transaction::default();
     let (mut rules, mut elements) = (0, 0);
-    let mut els = Vec::with_capacity(2);
     for (rec, raw) in recs.iter().zip(raw) {
-        let (fam, _) = rec.table();
         let raw = match raw {
             Ok(Some(raw)) => raw,
             Ok(None) => return None,
@@ -466,52 +465,38 @@ fn adopt(
         };
         rules += raw.rule_count();
         elements += raw.element_count();
-        let mut desired = rec.assemble();
-        let (kernel, el) = match dump::adopt(&raw, &mut desired) {
+        let desired = rec.assemble();
+        let kernel = match dump::adopt(&raw, &desired) {
             Ok(k) => k,
             Err(e) => {
                 tracing::warn!(error = %e, "kproxy's tables hold what a delta cannot repair; replacing them");
                 return None;
             }
         };
-        if !desired.delta_pre(&kernel, &mut pre, &mut counts) {
-            tracing::warn!(
-                family = fam,
-                "a declaration in the kernel differs; replacing the tables"
-            );
-            return None;
+        match model::diff(&kernel, &desired) {
+            Ok(d) if !d.replaces => tx.extend(d),
+            Ok(_) => {
+                tracing::warn!(
+                    family = desired.family.nft(),
+                    "a declaration in the kernel differs; replacing the tables"
+                );
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot diff the kernel's tables; replacing them");
+                return None;
+            }
         }
-        desired.delta_post(&kernel, &mut post, &mut counts);
-        counts.elements_deleted += el.dels.values().map(|d| d.len()).sum::<usize>();
-        counts.elements_added += el.adds.values().map(|a| a.len()).sum::<usize>();
-        els.push(el);
     }
+    tx.order();
     tracing::info!(
         rules,
         elements,
         diff_ms = t.elapsed().as_secs_f64() * 1e3,
-        changes = ?counts,
+        changes = ?tx.counts,
         "adopted kproxy's tables from the kernel"
     );
-    // Only element changes: over netlink when every set and element encodes.
-    if pre.is_empty() && post.is_empty() {
-        let mut batch = netlink::Batch::default();
-        if recs
-            .iter()
-            .zip(&els)
-            .try_for_each(|(rec, el)| el.encode(rec, &mut batch))
-            .is_some()
-        {
-            return Some((vec![Step::Netlink(batch)], counts));
-        }
-    }
-    let mut script = pre;
-    for (rec, el) in recs.iter().zip(&els) {
-        let (fam, t) = rec.table();
-        el.script(fam, t, &mut script);
-    }
-    script.push_str(&post);
-    Some((vec![Step::Nft(script)], counts))
+    Some(tx)
 }
 
 /// The Services whose plan differs between `old` and `new`: a different Arc that is also
@@ -558,25 +543,43 @@ enum Step {
 pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
     cfg.validate()?;
     // `add` then `delete` in one transaction: deletes whether or not the table exists.
-    let mut script = String::new();
-    for t in [cfg.table.clone(), format!("{}-verify", cfg.table)] {
-        for family in ["ip", "ip6"] {
-            script.push_str(&format!(
-                "add table {family} {t}\ndelete table {family} {t}\n"
-            ));
+    let mut tx = Transaction::default();
+    for table in [cfg.table.clone(), format!("{}-verify", cfg.table)] {
+        for family in [model::Family::Ip, model::Family::Ip6] {
+            tx.ops.push(model::Op::AddTable {
+                family,
+                table: table.clone(),
+                comment: None,
+            });
+            tx.ops.push(model::Op::DeleteTable {
+                family,
+                table: table.clone(),
+            });
         }
     }
-    nft::run_script(&script)
+    nft::run_script(&tx.nft_text())
 }
 
-/// The full script for a plan (both families), as `sync` would send on a full sync.
-/// For golden tests and operators (`kproxy sync --dry-run`).
-pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
-    let mut s = String::new();
-    for f in IpFamily::ALL {
-        ruleset::build(plan, cfg, f).full_script(&mut s);
+/// The desired state of kproxy's tables for a plan (IPv4, IPv6). Pure.
+pub fn desired(plan: &NodePlan, cfg: &DataplaneConfig) -> [Table; 2] {
+    IpFamily::ALL.map(|f| ruleset::build(plan, cfg, f))
+}
+
+/// The one transaction a full sync sends when the tables may exist: each family's
+/// table replaced (created, deleted, created again with everything), no gap.
+pub fn full_transaction(tables: &[Table; 2]) -> Transaction {
+    let mut tx = Transaction::default();
+    for t in tables {
+        tx.extend(Transaction::replace(t));
     }
-    s
+    tx
+}
+
+/// The full sync's transaction for a plan, as nft text (what `sync` sends when the
+/// tables exist; into absent tables it sends the same objects in steps). For golden
+/// tests and operators (`kproxy sync --dry-run`).
+pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
+    full_transaction(&desired(plan, cfg)).nft_text()
 }
 
 /// Checks the plan's only free-form strings (interface names from the local-traffic

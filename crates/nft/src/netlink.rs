@@ -13,13 +13,14 @@
 //! netlink crates cannot express kproxy's rules (numgen maps, dynsets), and those change
 //! rarely.
 //!
-//! Elements reach this module as the nft text the record writes for them; it parses
-//! them back by the set's declared type (`type …` / `typeof …`) and encodes them as nft does: each field
-//! of a concatenation padded to 4 bytes, addresses and ports in network order, the
-//! `numgen` index in host order. A type it does not know makes the caller fall back to
-//! `nft -f` ([`SetType::parse`] returns `None`), never a guess.
+//! Elements reach this module as the typed element operations of a
+//! [`crate::model::Transaction`] ([`Batch::transaction`], the model's second renderer
+//! beside its nft text) and are encoded as nft encodes them: each field of a
+//! concatenation padded to 4 bytes, addresses and ports in network order, the `numgen`
+//! index in host order. An element it does not encode (a prefix of an interval set)
+//! makes the caller render the transaction as nft text, never a guess.
 
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 use std::os::unix::fs::MetadataExt;
 
 use netlink_packet_core::{
@@ -32,6 +33,7 @@ use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
 use crate::NftError;
+use crate::model::{Atom, Family, Op, Transaction, Tuple, Value, Verdict};
 
 /// `NFNL_SUBSYS_NFTABLES`: the batch header's resource id names the subsystem.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -50,125 +52,44 @@ pub(crate) fn open() -> Result<Socket, std::io::Error> {
     Ok(sock)
 }
 
-/// One field of a set key or map value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Field {
-    Ipv4,
-    Ipv6,
-    /// `inet_proto` / `meta l4proto`: one byte.
-    Proto,
-    /// `inet_service` / `th dport`: two bytes, network order.
-    Service,
-    /// `numgen random mod N`: a 32-bit register in host order.
-    Numgen,
-}
-
-impl Field {
-    fn parse(s: &str) -> Option<Field> {
-        Some(match s.trim() {
-            "ipv4_addr" | "ip daddr" | "ip saddr" => Field::Ipv4,
-            "ipv6_addr" | "ip6 daddr" | "ip6 saddr" => Field::Ipv6,
-            "inet_proto" | "meta l4proto" => Field::Proto,
-            "inet_service" | "th dport" => Field::Service,
-            s if s.starts_with("numgen random mod ") => Field::Numgen,
-            _ => return None,
-        })
-    }
-
-    fn encode(self, s: &str, out: &mut Vec<u8>) -> Option<()> {
-        let s = s.trim();
-        match self {
-            Field::Ipv4 => out.extend_from_slice(&s.parse::<Ipv4Addr>().ok()?.octets()),
-            Field::Ipv6 => out.extend_from_slice(&s.parse::<Ipv6Addr>().ok()?.octets()),
-            Field::Proto => out.push(match s {
-                "tcp" => 6,
-                "udp" => 17,
-                "sctp" => 132,
-                n => n.parse().ok()?,
-            }),
-            Field::Service => out.extend_from_slice(&s.parse::<u16>().ok()?.to_be_bytes()),
-            Field::Numgen => out.extend_from_slice(&s.parse::<u32>().ok()?.to_ne_bytes()),
+/// Appends a key or value: a single field as is, each field of a concatenation padded
+/// to 4 bytes (nft's register layout); addresses and ports in network order, the
+/// `numgen` index in host order. `None` for a prefix (interval sets need start and end
+/// elements; their few elements go by `nft`).
+fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Option<()> {
+    let concat = t.atoms().len() > 1;
+    for a in t.atoms().iter() {
+        match a {
+            Atom::Addr(IpAddr::V4(v4)) => out.extend_from_slice(&v4.octets()),
+            Atom::Addr(IpAddr::V6(v6)) => out.extend_from_slice(&v6.octets()),
+            Atom::Prefix(..) => return None,
+            Atom::Proto(p) => out.push(*p),
+            Atom::Port(p) => out.extend_from_slice(&p.to_be_bytes()),
+            Atom::Index(i) => out.extend_from_slice(&i.to_ne_bytes()),
         }
-        Some(())
-    }
-}
-
-/// Appends `a . b . c` encoded by `fields`: a single field as is, each field of a
-/// concatenation padded to 4 bytes (nft's register layout).
-fn encode_fields(fields: &[Field], s: &str, out: &mut Vec<u8>) -> Option<()> {
-    let mut parts = s.split(" . ");
-    for f in fields {
-        f.encode(parts.next()?, out)?;
-        if fields.len() > 1 {
+        if concat {
             out.resize(out.len().next_multiple_of(4), 0);
         }
     }
-    parts.next().is_none().then_some(())
+    Some(())
 }
 
-/// What a map's elements point to.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Data {
-    Verdict,
-    Value(Vec<Field>),
-}
-
-/// A set's or map's element type, from its declaration.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SetType {
-    pub key: Vec<Field>,
-    pub data: Option<Data>,
-}
-
-impl SetType {
-    /// `None` for anything this module does not encode (intervals, dynamic sets,
-    /// unknown types): those elements go through `nft -f`.
-    pub fn parse(decl: &str) -> Option<SetType> {
-        let spec = decl.split(';').next()?.trim();
-        if decl.contains("interval") || decl.contains("dynamic") {
-            return None;
-        }
-        let spec = spec
-            .strip_prefix("typeof ")
-            .or_else(|| spec.strip_prefix("type "))?;
-        let (key, data) = match spec.split_once(" : ") {
-            Some((k, d)) => (k, Some(d)),
-            None => (spec, None),
-        };
-        let fields = |s: &str| s.split(" . ").map(Field::parse).collect::<Option<Vec<_>>>();
-        Some(SetType {
-            key: fields(key)?,
-            data: match data.map(str::trim) {
-                None => None,
-                Some("verdict") => Some(Data::Verdict),
-                Some(d) => Some(Data::Value(fields(d)?)),
-            },
-        })
-    }
-}
-
-/// `drop`, `accept`, `return`, `continue`, `goto CHAIN`, `jump CHAIN` → the verdict
-/// code (as the kernel's u32) and the chain.
-fn verdict(s: &str) -> Option<(u32, Option<&str>)> {
+/// The verdict code (as the kernel's u32) and chain of a verdict.
+fn verdict(v: &Verdict) -> (u32, Option<&str>) {
     const NF_DROP: u32 = 0;
     const NF_ACCEPT: u32 = 1;
     const NFT_CONTINUE: u32 = -1i32 as u32;
     const NFT_JUMP: u32 = -3i32 as u32;
     const NFT_GOTO: u32 = -4i32 as u32;
     const NFT_RETURN: u32 = -5i32 as u32;
-    let s = s.trim();
-    Some(match s.split_once(' ') {
-        None => match s {
-            "drop" => (NF_DROP, None),
-            "accept" => (NF_ACCEPT, None),
-            "return" => (NFT_RETURN, None),
-            "continue" => (NFT_CONTINUE, None),
-            _ => return None,
-        },
-        Some(("goto", chain)) => (NFT_GOTO, Some(chain.trim())),
-        Some(("jump", chain)) => (NFT_JUMP, Some(chain.trim())),
-        Some(_) => return None,
-    })
+    match v {
+        Verdict::Drop => (NF_DROP, None),
+        Verdict::Accept => (NF_ACCEPT, None),
+        Verdict::Return => (NFT_RETURN, None),
+        Verdict::Continue => (NFT_CONTINUE, None),
+        Verdict::Goto(c) => (NFT_GOTO, Some(c)),
+        Verdict::Jump(c) => (NFT_JUMP, Some(c)),
+    }
 }
 
 // Netlink and nf_tables constants (linux/netlink.h, linux/netfilter/nfnetlink.h,
@@ -259,22 +180,58 @@ impl Batch {
         self.bytes[at..at + 4].copy_from_slice(&len.to_ne_bytes());
     }
 
+    /// The nfnetlink rendering of a transaction of element operations (one batch, one
+    /// transaction). `None` when an operation is not an element one, or an element is
+    /// one this writer does not encode (a prefix): the caller renders nft text then.
+    pub fn transaction(tx: &Transaction) -> Option<Batch> {
+        let mut b = Batch::default();
+        b.add(tx)?;
+        Some(b)
+    }
+
+    /// Appends a transaction's element operations (see [`Batch::transaction`]).
+    pub fn add(&mut self, tx: &Transaction) -> Option<()> {
+        for op in &tx.ops {
+            match op {
+                Op::AddElements {
+                    family,
+                    table,
+                    set,
+                    elems,
+                } => self.elements(
+                    true,
+                    *family,
+                    table,
+                    set,
+                    elems.iter().map(|e| (&e.key, e.value.as_ref())),
+                )?,
+                Op::DeleteElements {
+                    family,
+                    table,
+                    set,
+                    keys,
+                } => self.elements(false, *family, table, set, keys.iter().map(|k| (k, None)))?,
+                _ => return None,
+            }
+        }
+        Some(())
+    }
+
     /// Adds (`add`) or deletes the elements `items` (key, value) of `set` in `table`
-    /// of `family` (`ip`/`ip6`). `None` when an element does not fit `ty`.
-    pub fn elements<'a>(
+    /// of `family`. `None` when an element does not encode.
+    fn elements<'a>(
         &mut self,
         add: bool,
-        family: &str,
+        family: Family,
         table: &str,
         set: &str,
-        ty: &SetType,
-        items: impl Iterator<Item = (&'a str, &'a str)>,
+        items: impl Iterator<Item = (&'a Tuple, Option<&'a Value>)>,
     ) -> Option<()> {
         if self.bytes.is_empty() {
             let at = self.begin_message(NFNL_MSG_BATCH_BEGIN, 0, 0, NFNL_SUBSYS_NFTABLES);
             self.end_message(at);
         }
-        let fam = u8::from(proto_family(family).ok()?);
+        let fam = family.nfproto();
         let (kind, flags, verb) = if add {
             (NFT_MSG_NEWSETELEM, NLM_F_CREATE, "add")
         } else {
@@ -293,7 +250,7 @@ impl Batch {
                     nla_str(&mut self.bytes, NFTA_SET_ELEM_LIST_SET, set)?;
                     let list =
                         nla_begin(&mut self.bytes, NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED);
-                    let what = format!("{verb} element {family} {table} {set}");
+                    let what = format!("{verb} element {} {table} {set}", family.nft());
                     self.messages.push((seq, msg, what));
                     *open.insert((msg, list))
                 }
@@ -302,12 +259,12 @@ impl Batch {
             let elem = nla_begin(b, NFTA_LIST_ELEM | NLA_F_NESTED);
             let key = nla_begin(b, NFTA_SET_ELEM_KEY | NLA_F_NESTED);
             let value = nla_begin(b, NFTA_DATA_VALUE);
-            encode_fields(&ty.key, k, b)?;
+            encode_tuple(k, b)?;
             nla_end(b, value)?;
             nla_end(b, key)?;
-            match (&ty.data, add) {
-                (Some(Data::Verdict), true) => {
-                    let (code, chain) = verdict(v)?;
+            match (v, add) {
+                (Some(Value::Verdict(v)), true) => {
+                    let (code, chain) = verdict(v);
                     let data = nla_begin(b, NFTA_SET_ELEM_DATA | NLA_F_NESTED);
                     let vd = nla_begin(b, NFTA_DATA_VERDICT | NLA_F_NESTED);
                     let c = nla_begin(b, NFTA_VERDICT_CODE);
@@ -319,10 +276,10 @@ impl Batch {
                     nla_end(b, vd)?;
                     nla_end(b, data)?;
                 }
-                (Some(Data::Value(fields)), true) => {
+                (Some(Value::Data(t)), true) => {
                     let data = nla_begin(b, NFTA_SET_ELEM_DATA | NLA_F_NESTED);
                     let value = nla_begin(b, NFTA_DATA_VALUE);
-                    encode_fields(fields, v, b)?;
+                    encode_tuple(t, b)?;
                     nla_end(b, value)?;
                     nla_end(b, data)?;
                 }
@@ -404,11 +361,10 @@ fn messages(buf: &[u8]) -> impl Iterator<Item = NetlinkPayload<NetfilterMessage>
     })
 }
 
-fn proto_family(family: &str) -> Result<NetfilterProtoFamily, NftError> {
+fn proto_family(family: Family) -> NetfilterProtoFamily {
     match family {
-        "ip" => Ok(NetfilterProtoFamily::IPv4),
-        "ip6" => Ok(NetfilterProtoFamily::IPv6),
-        f => Err(NftError::Invalid(format!("nft family {f:?}"))),
+        Family::Ip => NetfilterProtoFamily::IPv4,
+        Family::Ip6 => NetfilterProtoFamily::IPv6,
     }
 }
 
@@ -442,12 +398,13 @@ impl Writer {
     }
 
     /// Whether table `family name` exists (one GETTABLE request).
-    pub fn table_exists(&self, family: &str, name: &str) -> Result<bool, NftError> {
+    pub fn table_exists(&self, family: Family, name: &str) -> Result<bool, NftError> {
+        let family_name = family.nft();
         self.drain();
         let mut hdr = NetlinkHeader::default();
         hdr.flags = NLM_F_REQUEST | NLM_F_ACK;
         let msg = NetfilterMessage::new(
-            NetfilterHeader::new(proto_family(family)?, 0, 0),
+            NetfilterHeader::new(proto_family(family), 0, 0),
             NfTablesMessage::GetTable(TableMessage {
                 attributes: vec![TableAttribute::Name(name.to_string())],
             }),
@@ -457,7 +414,7 @@ impl Writer {
         let mut buf = vec![0; packet.buffer_len()];
         packet.serialize(&mut buf);
         self.sock.send(&buf, 0).map_err(|e| NftError::Io {
-            context: format!("asking the kernel for table {family} {name}"),
+            context: format!("asking the kernel for table {family_name} {name}"),
             source: e,
         })?;
         let mut found = false;
@@ -467,7 +424,9 @@ impl Writer {
                 .sock
                 .recv(&mut &mut buf[..], 0)
                 .map_err(|e| NftError::Io {
-                    context: format!("waiting for the kernel's answer about table {family} {name}"),
+                    context: format!(
+                        "waiting for the kernel's answer about table {family_name} {name}"
+                    ),
                     source: e,
                 })?;
             for m in messages(&buf[..size]) {
@@ -477,7 +436,7 @@ impl Writer {
                             0 => Ok(found),
                             c if c == -libc::ENOENT => Ok(false),
                             c => Err(NftError::Netlink(format!(
-                                "get table {family} {name}: {}",
+                                "get table {family_name} {name}: {}",
                                 std::io::Error::from_raw_os_error(-c)
                             ))),
                         };
@@ -591,40 +550,21 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Elem;
     use netlink_packet_netfilter::NetfilterMessageInner;
 
-    #[test]
-    fn set_types_from_kproxy_declarations() {
-        use Field::*;
-        let cases: &[(&str, Option<SetType>)] = &[
-            (
-                "type ipv4_addr . inet_proto . inet_service : verdict; comment \"x\";",
-                Some(SetType {
-                    key: vec![Ipv4, Proto, Service],
-                    data: Some(Data::Verdict),
-                }),
-            ),
-            (
-                "typeof ip6 daddr . meta l4proto . th dport . numgen random mod 3 : ip6 daddr . th dport;",
-                Some(SetType {
-                    key: vec![Ipv6, Proto, Service, Numgen],
-                    data: Some(Data::Value(vec![Ipv6, Service])),
-                }),
-            ),
-            (
-                "type ipv4_addr . ipv4_addr; comment \"endpoint IP . endpoint IP\";",
-                Some(SetType {
-                    key: vec![Ipv4, Ipv4],
-                    data: None,
-                }),
-            ),
-            ("type ipv4_addr; flags interval; auto-merge;", None),
-            ("type ipv4_addr; flags dynamic,timeout; timeout 600s;", None),
-            ("type ether_addr;", None),
-        ];
-        for (decl, want) in cases {
-            assert_eq!(&SetType::parse(decl), want, "{decl}");
+    use crate::model::{Field, SetData, SetDecl};
+
+    /// `fields` as a set declaration (`typeof` when a `numgen` field needs it).
+    fn decl(fields: &[Field]) -> SetDecl {
+        SetDecl {
+            by_expr: fields.iter().any(|f| matches!(f, Field::Numgen(_))),
+            ..SetDecl::set(fields.to_vec())
         }
+    }
+
+    fn tuple(fields: &[Field], s: &str) -> Option<Tuple> {
+        decl(fields).parse_elem(s, "").map(|e| e.key)
     }
 
     /// Byte layouts as `nft --debug=netlink` prints them for the same elements (words
@@ -636,49 +576,55 @@ mod tests {
         let n = 1u32.to_ne_bytes();
         let cases: &[(&[Field], &str, Vec<u8>)] = &[
             (
-                &[Ipv4, Proto, Service, Numgen],
+                &[Ipv4Addr, InetProto, InetService, Numgen(2)],
                 "10.0.0.1 . tcp . 80 . 1",
                 [&[10, 0, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0][..], &n].concat(),
             ),
             (
-                &[Ipv4, Service],
+                &[Ipv4Addr, InetService],
                 "10.244.1.2 . 8080",
                 vec![10, 244, 1, 2, 0x1f, 0x90, 0, 0],
             ),
             (
-                &[Proto, Service],
+                &[InetProto, InetService],
                 "udp . 30053",
                 vec![17, 0, 0, 0, 0x75, 0x65, 0, 0],
             ),
-            (&[Ipv4], "10.96.0.1", vec![10, 96, 0, 1]),
-            (&[Service], "443", vec![1, 0xbb]),
+            (&[Ipv4Addr], "10.96.0.1", vec![10, 96, 0, 1]),
+            (&[InetService], "443", vec![1, 0xbb]),
             (
-                &[Ipv6],
+                &[Ipv6Addr],
                 "fd00::1",
                 vec![0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
             ),
         ];
-        let enc = |fields: &[Field], s: &str| {
-            let mut out = Vec::new();
-            encode_fields(fields, s, &mut out).map(|_| out)
-        };
         for (fields, s, want) in cases {
-            assert_eq!(enc(fields, s).as_ref(), Some(want), "{s}");
+            let mut out = Vec::new();
+            encode_tuple(&tuple(fields, s).unwrap(), &mut out).unwrap();
+            assert_eq!(&out, want, "{s}");
         }
         // Wrong arity or unparsable fields are refused, not guessed.
-        assert_eq!(enc(&[Ipv4, Service], "10.0.0.1"), None);
-        assert_eq!(enc(&[Ipv4], "10.0.0.1 . 80"), None);
-        assert_eq!(enc(&[Ipv4], "fd00::1"), None);
-        assert_eq!(enc(&[Proto], "icmp"), None);
+        assert_eq!(tuple(&[Ipv4Addr, InetService], "10.0.0.1"), None);
+        assert_eq!(tuple(&[Ipv4Addr], "10.0.0.1 . 80"), None);
+        assert_eq!(tuple(&[Ipv4Addr], "fd00::1"), None);
+        assert_eq!(tuple(&[InetProto], "icmp"), None);
+        assert_eq!(tuple(&[Numgen(2)], "2"), None);
+        // A prefix (interval sets) is left to nft.
+        let mut iv = decl(&[Ipv4Addr]);
+        iv.interval = true;
+        let p = iv.parse_elem("10.0.0.0/8", "").unwrap().key;
+        assert_eq!(encode_tuple(&p, &mut Vec::new()), None);
     }
 
     #[test]
     fn verdicts() {
-        assert_eq!(verdict("goto svc-1"), Some((-4i32 as u32, Some("svc-1"))));
-        assert_eq!(verdict("jump x"), Some((-3i32 as u32, Some("x"))));
-        assert_eq!(verdict("drop"), Some((0, None)));
-        assert_eq!(verdict("reject"), None);
-        assert_eq!(verdict("dnat to 1.2.3.4"), None);
+        let v =
+            |s: &str| Verdict::parse(s).map(|v| (verdict(&v).0, verdict(&v).1.map(String::from)));
+        assert_eq!(v("goto svc-1"), Some((-4i32 as u32, Some("svc-1".into()))));
+        assert_eq!(v("jump x"), Some((-3i32 as u32, Some("x".into()))));
+        assert_eq!(v("drop"), Some((0, None)));
+        assert_eq!(v("reject"), None);
+        assert_eq!(v("dnat to 1.2.3.4"), None);
     }
 
     /// The hand-written bytes equal netlink-packet-netfilter's encoding of the same
@@ -715,7 +661,7 @@ mod tests {
         }
         let key = |f: &[Field], s: &str| {
             let mut v = Vec::new();
-            encode_fields(f, s, &mut v).unwrap();
+            encode_tuple(&tuple(f, s).unwrap(), &mut v).unwrap();
             SetElementAttribute::Key(DataAttribute::Value(v))
         };
         let elems_msg = |set: &str, elems: Vec<Vec<SetElementAttribute>>, add: bool| {
@@ -734,42 +680,60 @@ mod tests {
                 NfTablesMessage::DeleteSetElement(m)
             })
         };
-        let vmap = SetType::parse("type ipv4_addr . inet_proto . inet_service : verdict;").unwrap();
-        let dnat = SetType::parse("typeof ip daddr . meta l4proto . th dport . numgen random mod 2 : ip daddr . th dport;").unwrap();
-        let set = SetType::parse("type ipv4_addr;").unwrap();
-
-        let mut b = Batch::default();
-        b.elements(
-            true,
-            "ip",
-            "kproxy",
-            "service-ips",
-            &vmap,
-            [
-                ("10.96.0.1 . tcp . 80", "goto svc-a"),
-                ("10.96.0.2 . udp . 53", "drop"),
-            ]
-            .into_iter(),
-        )
-        .unwrap();
-        b.elements(
-            true,
-            "ip",
-            "kproxy",
-            "dnat-c-2",
-            &dnat,
-            [("10.96.0.1 . tcp . 80 . 1", "10.244.1.2 . 8080")].into_iter(),
-        )
-        .unwrap();
-        b.elements(
-            false,
-            "ip",
-            "kproxy",
-            "cluster-ips",
-            &set,
-            [("10.96.0.3", "")].into_iter(),
-        )
-        .unwrap();
+        use Field::*;
+        let vmap = SetDecl::map(vec![Ipv4Addr, InetProto, InetService], SetData::Verdict);
+        let dnat = SetDecl {
+            by_expr: true,
+            ..SetDecl::map(
+                vec![Ipv4Addr, InetProto, InetService, Numgen(2)],
+                SetData::Fields(vec![Ipv4Addr, InetService]),
+            )
+        };
+        let set = SetDecl::set(vec![Ipv4Addr]);
+        let op = |decl: &SetDecl, set: &str, add: bool, items: &[(&str, &str)]| {
+            let elems: Vec<_> = items
+                .iter()
+                .map(|(k, v)| decl.parse_elem(k, v).unwrap())
+                .collect();
+            let (family, table, set) = (Family::Ip, "kproxy".to_string(), set.to_string());
+            if add {
+                Op::AddElements {
+                    family,
+                    table,
+                    set,
+                    elems,
+                }
+            } else {
+                Op::DeleteElements {
+                    family,
+                    table,
+                    set,
+                    keys: elems.into_iter().map(|e| e.key).collect(),
+                }
+            }
+        };
+        let tx = Transaction {
+            ops: vec![
+                op(
+                    &vmap,
+                    "service-ips",
+                    true,
+                    &[
+                        ("10.96.0.1 . tcp . 80", "goto svc-a"),
+                        ("10.96.0.2 . udp . 53", "drop"),
+                    ],
+                ),
+                op(
+                    &dnat,
+                    "dnat-c-2",
+                    true,
+                    &[("10.96.0.1 . tcp . 80 . 1", "10.244.1.2 . 8080")],
+                ),
+                op(&set, "cluster-ips", false, &[("10.96.0.3", "")]),
+            ],
+            ..Transaction::default()
+        };
+        let b = Batch::transaction(&tx).unwrap();
         let got = b.finish().bytes;
 
         let v4 = NetfilterProtoFamily::IPv4;
@@ -789,14 +753,14 @@ mod tests {
                 "service-ips",
                 vec![
                     vec![
-                        key(&vmap.key, "10.96.0.1 . tcp . 80"),
+                        key(&vmap.key[..], "10.96.0.1 . tcp . 80"),
                         SetElementAttribute::Data(DataAttribute::Verdict(vec![
                             VerdictAttribute::Code(Verdict::Goto),
                             VerdictAttribute::Chain("svc-a".into()),
                         ])),
                     ],
                     vec![
-                        key(&vmap.key, "10.96.0.2 . udp . 53"),
+                        key(&vmap.key[..], "10.96.0.2 . udp . 53"),
                         SetElementAttribute::Data(DataAttribute::Verdict(vec![
                             VerdictAttribute::Code(Verdict::Other(0)),
                         ])),
@@ -806,9 +770,8 @@ mod tests {
             ),
         ));
         let mut data = Vec::new();
-        encode_fields(
-            &[Field::Ipv4, Field::Service],
-            "10.244.1.2 . 8080",
+        encode_tuple(
+            &tuple(&[Ipv4Addr, InetService], "10.244.1.2 . 8080").unwrap(),
             &mut data,
         )
         .unwrap();
@@ -820,7 +783,7 @@ mod tests {
             elems_msg(
                 "dnat-c-2",
                 vec![vec![
-                    key(&dnat.key, "10.96.0.1 . tcp . 80 . 1"),
+                    key(&dnat.key[..], "10.96.0.1 . tcp . 80 . 1"),
                     SetElementAttribute::Data(DataAttribute::Value(data)),
                 ]],
                 true,
@@ -831,7 +794,11 @@ mod tests {
             NLM_F_ACK,
             v4,
             0,
-            elems_msg("cluster-ips", vec![vec![key(&set.key, "10.96.0.3")]], false),
+            elems_msg(
+                "cluster-ips",
+                vec![vec![key(&set.key[..], "10.96.0.3")]],
+                false,
+            ),
         ));
         want.extend(serialize(
             5,
@@ -846,23 +813,25 @@ mod tests {
     /// Many elements are split into messages whose element list fits a 16-bit length.
     #[test]
     fn large_batches_split_into_messages() {
-        let ty = SetType::parse("type ipv4_addr . ipv4_addr;").unwrap();
-        let keys: Vec<String> = (0..20_000u32)
+        let elems: Vec<Elem> = (0..20_000u32)
             .map(|i| {
-                let ip = std::net::Ipv4Addr::from(0x0af4_0000 + i);
-                format!("{ip} . {ip}")
+                let ip = IpAddr::V4(std::net::Ipv4Addr::from(0x0af4_0000 + i));
+                Elem {
+                    key: Tuple::new(&[Atom::Addr(ip), Atom::Addr(ip)]),
+                    value: None,
+                }
             })
             .collect();
-        let mut b = Batch::default();
-        b.elements(
-            true,
-            "ip",
-            "kproxy",
-            "hairpin",
-            &ty,
-            keys.iter().map(|k| (k.as_str(), "")),
-        )
-        .unwrap();
+        let tx = Transaction {
+            ops: vec![Op::AddElements {
+                family: Family::Ip,
+                table: "kproxy".into(),
+                set: "hairpin".into(),
+                elems,
+            }],
+            ..Transaction::default()
+        };
+        let b = Batch::transaction(&tx).unwrap();
         let b = b.finish();
         assert!(b.messages.len() > 5, "{}", b.messages.len());
         let mut offset = 0;

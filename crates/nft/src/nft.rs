@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use serde_json::Value;
 
 use crate::NftError;
-use crate::ruleset::Ruleset;
+use crate::model::{Table, Transaction};
 
 const NFT: &str = "nft";
 
@@ -134,23 +134,19 @@ pub fn normalize(json: &Value) -> BTreeMap<String, Value> {
 /// Compares the kernel's copy of `rs`'s table with what `rs` says: loads `rs` into a
 /// scratch table (same content, no hooks, so it never sees traffic), reads both back,
 /// and lists the objects that differ. Base-chain hook parameters are not compared.
-pub fn compare_with_kernel(rs: &Ruleset) -> Result<Vec<String>, NftError> {
-    let Some(kernel) = list_table_json(rs.family, &rs.table)? else {
-        return Ok(vec![format!("table {} {}", rs.family, rs.table)]);
+pub fn compare_with_kernel(rs: &Table) -> Result<Vec<String>, NftError> {
+    let family = rs.family.nft();
+    let Some(kernel) = list_table_json(family, &rs.name)? else {
+        return Ok(vec![format!("table {family} {}", rs.name)]);
     };
     let mut scratch = rs.clone();
-    scratch.table = format!("{}-verify", rs.table);
+    scratch.name = format!("{}-verify", rs.name);
     for c in scratch.chains.values_mut() {
-        c.decl.clear();
+        c.hook = None;
     }
-    let mut script = String::new();
-    scratch.full_script(&mut script);
-    run_script(&script)?;
-    let expected = list_table_json(scratch.family, &scratch.table);
-    let removed = run_script(&format!(
-        "delete table {} {}\n",
-        scratch.family, scratch.table
-    ));
+    run_script(&Transaction::replace(&scratch).nft_text())?;
+    let expected = list_table_json(family, &scratch.name);
+    let removed = run_script(&format!("delete table {family} {}\n", scratch.name));
     let expected = expected?.ok_or_else(|| NftError::Parse("scratch table vanished".into()))?;
     removed?;
     let (k, e) = (normalize(&kernel), normalize(&expected));

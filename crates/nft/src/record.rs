@@ -11,10 +11,11 @@
 //! It is the dataplane's largest long-lived data (≈ 176k elements at 10k Services ×
 //! 10 endpoints), so elements are held once: a frontend's as one text shared by `Arc`
 //! between its fragment and its claim (its keys made from its name), shared ones as
-//! addresses, and nft names and keys are made when a script or batch is written.
+//! addresses, and typed elements are made when a transaction is built (the whole
+//! table by [`FamilyRecord::assemble`] for a full sync, the touched elements by
+//! [`FamilyRecord::advance`] for a delta).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write as _;
 use std::sync::Arc;
 
 use kproxy_core::NodePlan;
@@ -22,10 +23,8 @@ use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::ServicePlan;
 
 use crate::DataplaneConfig;
-use crate::netlink;
-use crate::ruleset::{
-    self, Chain, DeltaCounts, Dispatch, Fragment, Frontend, Ruleset, Set, SetRef, Shared,
-};
+use crate::model::{self, Elem, Family, Op, SetDecl, Table, Transaction, Tuple, Value};
+use crate::ruleset::{self, Dispatch, Fragment, Frontend, SetRef, Shared};
 
 /// The Services claiming one frontend, in plan order, each with the frontend's elements
 /// from its fragment. Almost every frontend has exactly one claimant, so this is a
@@ -62,68 +61,10 @@ impl Claims {
     }
 }
 
-/// The element changes of one family's delta, per set: keys deleted, then keys added
-/// with their values (a changed value is a delete and an add).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ElementDelta {
-    pub dels: BTreeMap<String, BTreeSet<String>>,
-    pub adds: BTreeMap<String, BTreeMap<String, String>>,
-}
-
-impl ElementDelta {
-    pub fn is_empty(&self) -> bool {
-        self.dels.is_empty() && self.adds.is_empty()
-    }
-
-    /// As `nft -f` commands: deletes first, then adds.
-    pub fn script(&self, fam: &str, t: &str, out: &mut String) {
-        for (set, keys) in &self.dels {
-            let keys = keys.iter().map(|k| (k.as_str(), ""));
-            ruleset::elements(out, "delete", fam, t, set, keys, false);
-        }
-        for (set, kv) in &self.adds {
-            ruleset::elements(out, "add", fam, t, set, ruleset::str_pairs(kv.iter()), true);
-        }
-    }
-
-    /// As one part of an nfnetlink batch (deletes first, then adds); `None` when a set's
-    /// type or an element is one the netlink writer does not encode.
-    pub fn encode(&self, rec: &FamilyRecord, batch: &mut netlink::Batch) -> Option<()> {
-        let (fam, t) = (rec.base.family, rec.base.table.as_str());
-        for (set, keys) in &self.dels {
-            let ty = rec.set_type(set)?;
-            batch.elements(
-                false,
-                fam,
-                t,
-                set,
-                &ty,
-                keys.iter().map(|k| (k.as_str(), "")),
-            )?;
-        }
-        for (set, kv) in &self.adds {
-            let ty = rec.set_type(set)?;
-            batch.elements(true, fam, t, set, &ty, ruleset::str_pairs(kv.iter()))?;
-        }
-        Some(())
-    }
-}
-
-/// What [`FamilyRecord::write_full`] writes: the whole table as one script, or one of
-/// the steps of a first sync.
-enum Part<'a> {
-    All(&'a mut String),
-    Structure {
-        out: &'a mut String,
-        hooks: &'a mut String,
-    },
-    Elements(&'a mut netlink::Batch),
-}
-
 #[derive(Clone, Debug)]
 pub struct FamilyRecord {
     family: IpFamily,
-    base: Ruleset,
+    base: Table,
     services: BTreeMap<ServiceName, (Arc<ServicePlan>, Fragment)>,
     /// Shared element → how many times the fragments hold it (never 0).
     shared: BTreeMap<Shared, u32>,
@@ -193,20 +134,13 @@ impl FamilyRecord {
         r
     }
 
-    /// The whole table as one ruleset (for the full script and verification).
-    pub fn assemble(&self) -> Ruleset {
-        let mut rs = self.base.clone();
-        for (_, frag) in self.services.values() {
-            if let Some(own) = &frag.own {
-                rs.add_own(own);
-            }
-        }
-        for d in self.dispatch.keys() {
-            rs.add_dispatch(d);
-        }
+    /// The whole table, typed: the desired state of a full sync (and what verification
+    /// compares the kernel with).
+    pub fn assemble(&self) -> Table {
+        let mut rs = self.assemble_structure();
         for sh in self.shared.keys() {
             if let Some(s) = rs.sets.get_mut(sh.set()) {
-                s.elements.insert(sh.key(), String::new());
+                s.elements.insert(sh.tuple(), None);
             }
         }
         for claims in self.frontends.values() {
@@ -217,211 +151,20 @@ impl FamilyRecord {
         rs
     }
 
-    /// The full table-replacing script of this record, written from references (the
-    /// same text as `self.assemble().full_script(out)`, without copying every element
-    /// into a `Ruleset` first). Returns the counts of a full sync.
-    pub fn full_script(&self, out: &mut String) -> DeltaCounts {
-        self.write_full(Part::All(out))
-            .expect("a script takes every element")
-    }
-
-    /// The same table in steps, for when it does not exist yet: `full_structure` (the
-    /// table, its sets, regular chains and rules, and the elements netlink does not
-    /// encode into `out`; base chains and their rules into `hooks`), then
-    /// `full_elements` (every other element). Sent as `out`, the batch, then `hooks`:
-    /// traffic sees the table only once the last step adds the hooks, so each step may
-    /// be its own transaction and the table is never seen half-written.
-    pub fn full_structure(&self, out: &mut String, hooks: &mut String) -> DeltaCounts {
-        self.write_full(Part::Structure { out, hooks })
-            .expect("a script takes every element")
-    }
-
-    /// See [`FamilyRecord::full_structure`]. `None` when an element does not encode
-    /// (the batch is then unusable).
-    pub fn full_elements(&self, batch: &mut netlink::Batch) -> Option<DeltaCounts> {
-        self.write_full(Part::Elements(batch))
-    }
-
-    fn write_full(&self, mut part: Part) -> Option<DeltaCounts> {
-        let disp: Vec<(String, String, Set, Chain)> = self
-            .dispatch
-            .keys()
-            .map(|d| {
-                let (s, c) = d.objects(self.family);
-                (d.map(), d.chain(), s, c)
-            })
-            .collect();
-        // The keys of shared elements, written for this part (they are kept as
-        // addresses): declared first, as the entries below borrow from it.
-        let mut shared_text = String::new();
-        // Likewise the keys of dispatch-map rows (made from their frontend's key).
-        let mut row_text = String::new();
-        // Per set: its declaration, its netlink type when this part sends its elements
-        // by netlink, whether this part handles its elements, and the elements.
-        type Elems<'a> = Vec<(&'a str, &'a str)>;
-        type Entry<'a> = (&'a Set, Option<netlink::SetType>, bool, Elems<'a>);
-        let mut entries: Vec<Entry> = Vec::new();
-        // Set name → its entry.
-        let mut sets: BTreeMap<&str, usize> = BTreeMap::new();
-        let mut chains: BTreeMap<&str, &Chain> = BTreeMap::new();
-        let (all, structure) = (
-            matches!(part, Part::All(_)),
-            matches!(part, Part::Structure { .. }),
-        );
-        fn add_set<'s>(s: &'s Set, all: bool, structure: bool) -> Entry<'s> {
-            let ty = if all {
-                None
-            } else {
-                netlink::SetType::parse(&s.decl)
-            };
-            // Whole script: every element; steps: by nft if it does not encode.
-            let mine = all || (structure == ty.is_none());
-            (s, ty, mine, Vec::new())
-        }
-        let own = self.services.values().filter_map(|(_, f)| f.own.as_deref());
-        let own_sets = own.clone().flat_map(|o| o.sets.iter().map(|(n, s)| (n, s)));
-        let own_chains = own.flat_map(|o| o.chains.iter().map(|(n, c)| (n, c)));
-        for (name, c) in self.base.chains.iter().chain(own_chains) {
-            chains.insert(name, c);
-        }
-        for (name, s) in self.base.sets.iter().chain(own_sets) {
-            let mut e = add_set(s, all, structure);
-            if e.2 {
-                e.3 = ruleset::str_pairs(s.elements.iter()).collect();
-            }
-            sets.insert(name, entries.len());
-            entries.push(e);
-        }
-        for (map, chain, s, c) in &disp {
-            sets.insert(map, entries.len());
-            entries.push(add_set(s, all, structure));
-            chains.insert(chain, c);
-        }
-        let mut shared = Vec::with_capacity(self.shared.len());
-        let mut last: Option<(&str, Option<usize>)> = None;
-        for sh in self.shared.keys() {
-            let i = match last {
-                Some((s, i)) if s == sh.set() => i,
-                _ => {
-                    let i = sets.get(sh.set()).copied().filter(|&i| entries[i].2);
-                    last = Some((sh.set(), i));
-                    i
-                }
-            };
-            if let Some(i) = i {
-                shared.push((sh.text_order(), i, sh));
+    /// The whole table without the Services' elements of the shared sets and maps
+    /// (the base sets' own elements included): everything a first sync's structure
+    /// step needs, cheap.
+    pub fn assemble_structure(&self) -> Table {
+        let mut rs = self.base.clone();
+        for (_, frag) in self.services.values() {
+            if let Some(own) = &frag.own {
+                rs.add_own(own);
             }
         }
-        // In text order where that is cheap (IPv4), so the sort below finds them sorted.
-        shared.sort_unstable_by_key(|(order, ..)| *order);
-        let mut ends = Vec::with_capacity(shared.len());
-        for (_, i, sh) in shared {
-            sh.write_key(&mut shared_text);
-            ends.push((i, shared_text.len()));
+        for d in self.dispatch.keys() {
+            rs.add_dispatch(d);
         }
-        let mut start = 0;
-        for (i, end) in ends {
-            entries[i].3.push((&shared_text[start..end], ""));
-            start = end;
-        }
-        // The entry of each set that frontend elements name (found by name once per
-        // set; elements come in runs of one set).
-        let mut dest: BTreeMap<SetRef, Option<usize>> = BTreeMap::new();
-        let mut run: Option<(SetRef, Option<usize>)> = None;
-        // Row elements: their entry, where their key ends in `row_text`, their value.
-        // Rows are the only elements of the dispatch maps, so adding them to their
-        // entries after the others keeps each entry's order.
-        let mut rows: Vec<(usize, usize, &str)> = Vec::new();
-        for claims in self.frontends.values() {
-            let Some(fe) = claims.first() else {
-                continue;
-            };
-            for (set, key, v) in fe.elements() {
-                let i = match run {
-                    Some((s, i)) if s == set => i,
-                    _ => {
-                        let i = *dest
-                            .entry(set)
-                            .or_insert_with(|| sets.get(set.name().as_ref()).copied());
-                        run = Some((set, i));
-                        i
-                    }
-                };
-                if let Some(i) = i
-                    && entries[i].2
-                {
-                    if key.row.is_none() {
-                        entries[i].3.push((key.base, v));
-                    } else {
-                        key.write(&mut row_text);
-                        rows.push((i, row_text.len(), v));
-                    }
-                }
-            }
-        }
-        let mut start = 0;
-        for (i, end, v) in rows {
-            entries[i].3.push((&row_text[start..end], v));
-            start = end;
-        }
-        let (fam, t) = (self.base.family, self.base.table.as_str());
-        let mut n = DeltaCounts::default();
-        for (name, &i) in &sets {
-            let (_, ty, mine, e) = &mut entries[i];
-            if !*mine {
-                continue;
-            }
-            // Sorted by key as in a `Ruleset`; a key twice keeps its first value.
-            e.sort_by(|a, b| a.0.cmp(b.0));
-            e.dedup_by(|a, b| a.0 == b.0);
-            n.elements_added += e.len();
-            if let (Part::Elements(batch), Some(ty)) = (&mut part, ty)
-                && !e.is_empty()
-            {
-                batch.elements(true, fam, t, name, ty, e.iter().copied())?;
-            }
-        }
-        let (out, mut hooks) = match part {
-            Part::Elements(_) => return Some(n),
-            Part::All(out) => (out, None),
-            Part::Structure { out, hooks } => (out, Some(hooks)),
-        };
-        n.chains_added = chains.len();
-        n.sets_added = sets.len();
-        ruleset::full_header(out, fam, t);
-        for (name, &i) in &sets {
-            let s = entries[i].0;
-            let _ = writeln!(
-                out,
-                "add {} {fam} {t} {name} {{ {} }}",
-                ruleset::kind(s),
-                s.decl
-            );
-        }
-        // In steps, base chains (those with a hook) go to the last one.
-        for (name, c) in &chains {
-            let o = match &mut hooks {
-                Some(h) if !c.decl.is_empty() => &mut **h,
-                _ => &mut *out,
-            };
-            ruleset::decl_chain(o, fam, t, name, c);
-        }
-        for (name, c) in &chains {
-            let o = match &mut hooks {
-                Some(h) if !c.decl.is_empty() => &mut **h,
-                _ => &mut *out,
-            };
-            for r in &c.rules {
-                ruleset::write_rule(o, fam, t, name, r);
-            }
-        }
-        for (name, &i) in &sets {
-            let (_, _, mine, e) = &entries[i];
-            if *mine {
-                ruleset::elements(out, "add", fam, t, name, e.iter().copied(), true);
-            }
-        }
-        Some(n)
+        rs
     }
 
     /// The elements of a frontend now: those of its first claimant.
@@ -475,52 +218,51 @@ impl FamilyRecord {
         }
     }
 
-    /// `(family, table)` as nft names them (`ip`, `kproxy`).
-    pub fn table(&self) -> (&'static str, &str) {
-        (self.base.family, &self.base.table)
+    /// `(family, table)` of this record's table.
+    pub fn table(&self) -> (Family, &str) {
+        (self.base.family, &self.base.name)
     }
 
-    /// The element type of a set that holds Service elements (the base sets and the
-    /// dispatch maps); `None` for any other.
-    fn set_type(&self, name: &str) -> Option<netlink::SetType> {
-        if let Some(s) = self.base.sets.get(name) {
-            return netlink::SetType::parse(&s.decl);
+    /// The declaration of a set that holds Service elements (the base sets and the
+    /// dispatch maps); `None` when it does not exist.
+    fn decl(&self, set: SetRef) -> Option<SetDecl> {
+        match set {
+            SetRef::Map(d) => Some(d.objects(self.family).0.decl),
+            _ => self
+                .base
+                .sets
+                .get(set.name().as_ref())
+                .map(|s| s.decl.clone()),
         }
-        let d = self.dispatch.keys().find(|d| d.map() == name)?;
-        netlink::SetType::parse(&d.objects(self.family).0.decl)
     }
 
     /// Moves the record to `plan`, in which the Services `changed` (and only those)
-    /// differ from the record's, writing the delta: declarations, chains and rules into
-    /// the scripts `pre` and `post`, element changes into `elems` (`pre`, then
-    /// `elems.script`, then `post` form one valid transaction). Returns `None` when only
-    /// a full sync can apply the change; the record is then unusable.
+    /// differ from the record's, and returns the transaction that moves the kernel
+    /// along: [`model::diff`] of the base objects, of each changed Service's own chains
+    /// and sets, of the dispatch groups that appear or go, and the element changes of
+    /// the shared sets and frontends, ordered by [`Transaction::order`]. `None` when
+    /// only a full sync can apply the change (a declaration changed); the record is
+    /// then unusable.
     pub fn advance(
         &mut self,
         plan: &NodePlan,
         changed: &[ServiceName],
         cfg: &DataplaneConfig,
-        pre: &mut String,
-        elems: &mut ElementDelta,
-        post: &mut String,
-    ) -> Option<DeltaCounts> {
-        let mut n = DeltaCounts::default();
+    ) -> Option<Transaction> {
         let new_base = ruleset::build_base(plan, cfg, self.family);
-        if !new_base.delta_pre(&self.base, pre, &mut n) {
+        let mut tx = model::diff(&self.base, &new_base).ok()?;
+        if tx.replaces {
             return None;
         }
-        new_base.delta_post(&self.base, post, &mut n);
         let empty = Fragment::default();
         let no_own = ruleset::Own::default();
         self.base = new_base;
-        let (fam, t) = (self.base.family, self.base.table.clone());
+        let (fam, t) = (self.base.family, self.base.name.clone());
 
         // Shared elements → present before; frontends → their elements before.
         let mut touched: BTreeMap<Shared, bool> = BTreeMap::new();
         let mut touched_fe: BTreeMap<Box<str>, Option<Arc<Frontend>>> = BTreeMap::new();
         let mut touched_disp: BTreeMap<Dispatch, bool> = BTreeMap::new();
-        // Per-Service chain changes go after new dispatch groups (their rules jump there).
-        let mut own_pre = String::new();
         for name in changed {
             let old = self.services.remove(name);
             let new = plan
@@ -535,15 +277,14 @@ impl FamilyRecord {
                 });
             let old_frag = old.as_ref().map(|(_, f)| f).unwrap_or(&empty);
             let new_frag = new.as_ref().map(|(_, f)| f).unwrap_or(&empty);
-            // As rulesets for the delta (a changed Service's one or two chains).
+            // As tables for the diff (a changed Service's one or two chains).
             let old_own = old_frag.own.as_deref().unwrap_or(&no_own);
-            let old_own = old_own.to_ruleset(fam, &t);
             let new_own = new_frag.own.as_deref().unwrap_or(&no_own);
-            let new_own = new_own.to_ruleset(fam, &t);
-            if !new_own.delta_pre(&old_own, &mut own_pre, &mut n) {
+            let own = model::diff(&old_own.to_table(fam, &t), &new_own.to_table(fam, &t)).ok()?;
+            if own.replaces {
                 return None;
             }
-            new_own.delta_post(&old_own, post, &mut n);
+            tx.extend(own);
             let old_shared = old
                 .iter()
                 .flat_map(|(svc, _)| ruleset::shared(svc, self.family));
@@ -574,34 +315,26 @@ impl FamilyRecord {
             }
         }
 
-        // Dispatch groups that appear or disappear with these Services.
+        // Dispatch groups that appear or go with these Services: the diff of a table
+        // holding the group and one without it.
         for (d, before) in touched_disp {
             let after = self.dispatch.contains_key(&d);
             if before == after {
                 continue;
             }
-            if after {
-                let (set, chain) = d.objects(self.family);
-                n.sets_added += 1;
-                n.chains_added += 1;
-                let _ = writeln!(pre, "add map {fam} {t} {} {{ {} }}", d.map(), set.decl);
-                let _ = writeln!(pre, "add chain {fam} {t} {}", d.chain());
-                for r in &chain.rules {
-                    ruleset::write_rule(pre, fam, &t, &d.chain(), r);
+            let with = |present: bool| {
+                let mut tb = Table::new(fam, &t);
+                if present {
+                    tb.add_dispatch(&d);
                 }
-            } else {
-                n.sets_deleted += 1;
-                n.chains_deleted += 1;
-                let _ = writeln!(pre, "flush chain {fam} {t} {}", d.chain());
-                let _ = writeln!(post, "delete chain {fam} {t} {}", d.chain());
-                let _ = writeln!(post, "delete map {fam} {t} {}", d.map());
-            }
+                tb
+            };
+            tx.extend(model::diff(&with(before), &with(after)).ok()?);
         }
-        pre.push_str(&own_pre);
 
-        // Shared elements whose effective value changed: deletes first, then adds.
-        let mut dels: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        let mut adds: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        // Elements whose effective value changed: deletes, then adds.
+        let mut dels: BTreeMap<String, BTreeSet<Tuple>> = BTreeMap::new();
+        let mut adds: BTreeMap<String, BTreeMap<Tuple, Option<Value>>> = BTreeMap::new();
         for (sh, before) in touched {
             let after = self.shared.contains_key(&sh);
             if before == after {
@@ -609,11 +342,12 @@ impl FamilyRecord {
             }
             let set = sh.set().to_string();
             if before {
-                dels.entry(set).or_default().insert(sh.key());
+                dels.entry(set).or_default().insert(sh.tuple());
             } else {
-                adds.entry(set).or_default().insert(sh.key(), String::new());
+                adds.entry(set).or_default().insert(sh.tuple(), None);
             }
         }
+        let mut decls: BTreeMap<SetRef, Option<SetDecl>> = BTreeMap::new();
         for (fe, before) in touched_fe {
             let after = self.frontend_now(&fe);
             if let (Some(b), Some(a)) = (&before, &after)
@@ -621,35 +355,57 @@ impl FamilyRecord {
             {
                 continue;
             }
-            fn elements(fe: &Option<Arc<Frontend>>) -> BTreeMap<(SetRef, String), &str> {
-                fe.iter()
-                    .flat_map(|fe| fe.elements())
-                    .map(|(s, k, v)| ((s, k.text()), v))
-                    .collect()
-            }
+            let mut elements = |fe: &Option<Arc<Frontend>>| {
+                let mut out: BTreeMap<(SetRef, Tuple), Option<Value>> = BTreeMap::new();
+                let Some(fe) = fe else { return out };
+                for (set, ..) in fe.elements() {
+                    decls.entry(set).or_insert_with(|| self.decl(set));
+                }
+                // A set that does not exist takes no elements (as in `assemble`).
+                let typed = fe.typed_elements(|set| decls.get(&set).and_then(|d| d.as_ref()));
+                for (set, e) in typed {
+                    out.entry((set, e.key)).or_insert(e.value);
+                }
+                out
+            };
             let (b, a) = (elements(&before), elements(&after));
             for ((set, k), v) in &b {
                 if a.get(&(*set, k.clone())) != Some(v) {
                     let keys = dels.entry(set.name().into_owned()).or_default();
-                    keys.insert(k.to_string());
+                    keys.insert(k.clone());
                 }
             }
-            for ((set, k), v) in &a {
-                if b.get(&(*set, k.clone())) != Some(v) {
-                    let kv = adds.entry(set.name().into_owned()).or_default();
-                    kv.insert(k.to_string(), v.to_string());
+            for ((set, k), v) in a {
+                if b.get(&(set, k.clone())) != Some(&v) {
+                    adds.entry(set.name().into_owned())
+                        .or_default()
+                        .insert(k, v);
                 }
             }
         }
-        for keys in dels.values() {
-            n.elements_deleted += keys.len();
+        for (set, keys) in dels {
+            tx.counts.elements_deleted += keys.len();
+            tx.ops.push(Op::DeleteElements {
+                family: fam,
+                table: t.clone(),
+                set,
+                keys: keys.into_iter().collect(),
+            });
         }
-        for kv in adds.values() {
-            n.elements_added += kv.len();
+        for (set, kv) in adds {
+            tx.counts.elements_added += kv.len();
+            tx.ops.push(Op::AddElements {
+                family: fam,
+                table: t.clone(),
+                set,
+                elems: kv
+                    .into_iter()
+                    .map(|(key, value)| Elem { key, value })
+                    .collect(),
+            });
         }
-        elems.dels = dels;
-        elems.adds = adds;
-        Some(n)
+        tx.order();
+        Some(tx)
     }
 }
 
@@ -743,9 +499,11 @@ mod tests {
         }
     }
 
-    /// The full script written from the record is the assembled ruleset's, byte for byte.
+    /// The record's table is the pure build's, and the transaction that creates it
+    /// splits into structure, elements (all encodable but the interval set's) and the
+    /// hooked base chains last.
     #[test]
-    fn full_script_from_references_equals_the_assembled_one() {
+    fn assembled_table_equals_the_pure_build_and_splits_for_absent_tables() {
         let cfgs = [
             PlanConfig::default(),
             PlanConfig {
@@ -759,48 +517,44 @@ mod tests {
             let state = synthetic::cluster(&Spec::new(60, 4));
             let plan = kproxy_core::plan(&state, "node-0", &pc);
             for family in IpFamily::ALL {
-                let rec = FamilyRecord::full(&plan, &DataplaneConfig::default(), family);
-                let (mut a, mut b) = (String::new(), String::new());
-                let n = rec.full_script(&mut a);
-                let rs = rec.assemble();
-                rs.full_script(&mut b);
-                assert_eq!(a, b);
-                assert_eq!(n, rs.counts());
-                let mut c = String::new();
-                crate::ruleset::build(&plan, &DataplaneConfig::default(), family)
-                    .full_script(&mut c);
-                assert_eq!(a, c, "record and pure render agree");
-                assert!(family == IpFamily::IPv6 || a.contains("dnat-c-"), "{a}");
+                let cfg = DataplaneConfig::default();
+                let rec = FamilyRecord::full(&plan, &cfg, family);
+                let table = rec.assemble();
+                assert_eq!(table, ruleset::build(&plan, &cfg, family));
+                let all = Transaction::replace(&table).nft_text();
+                assert!(family == IpFamily::IPv6 || all.contains("dnat-c-"), "{all}");
 
-                // In steps: every hooked chain and only those in the last step, no
-                // element left in the first but those netlink does not encode.
-                let (mut tables, mut hooks) = (String::new(), String::new());
-                let mut batch = crate::netlink::Batch::default();
-                let m = rec.full_structure(&mut tables, &mut hooks);
-                rec.full_elements(&mut batch).unwrap();
-                assert_eq!(m.chains_added, n.chains_added);
-                assert_eq!(m.sets_added, n.sets_added);
-                assert!(!tables.contains(" hook "), "{tables}");
-                let hooked = a.lines().filter(|l| l.contains(" hook ")).count();
-                assert_eq!(
-                    hooks.lines().filter(|l| l.contains(" hook ")).count(),
-                    hooked
-                );
+                let absent = Table::absent(table.family, &table.name);
+                let create = model::diff(&absent, &table).unwrap();
+                assert_eq!(create.counts, table.counts());
+                let (structure, elements, hooks) = create.clone().split_for_absent_tables();
+                let (st, hk) = (structure.nft_text(), hooks.nft_text());
+                assert!(!st.contains(" hook "), "{st}");
+                let hooked = all.lines().filter(|l| l.contains(" hook ")).count();
+                assert_eq!(hk.lines().filter(|l| l.contains(" hook ")).count(), hooked);
                 assert!(
-                    hooks
-                        .lines()
+                    hk.lines()
                         .all(|l| l.starts_with("add chain") || l.starts_with("add rule"))
                 );
-                assert!(
-                    tables
-                        .lines()
-                        .filter(|l| l.starts_with("add element"))
-                        .all(|l| l.contains("local-pods")),
-                    "{tables}"
+                assert!(elements.elements_only());
+                // The structure and hooks do not depend on the Services' elements (a
+                // first sync loads them from the bare tables while it encodes those).
+                let bare = model::diff(&absent, &rec.assemble_structure()).unwrap();
+                let (bare_structure, _, bare_hooks) = bare.split_for_absent_tables();
+                assert_eq!(bare_structure.ops, structure.ops);
+                assert_eq!(bare_hooks.ops, hooks.ops);
+                assert_eq!(
+                    structure.ops.len() + elements.ops.len() + hooks.ops.len(),
+                    create.ops.len()
                 );
-                let lines = |s: &str| s.lines().filter(|l| !l.starts_with("add element")).count();
-                assert_eq!(lines(&tables) + lines(&hooks), lines(&a));
-                assert!(family == IpFamily::IPv6 || !batch.is_empty());
+                // `local-pods` (an interval set) stays with the structure.
+                assert!(crate::netlink::Batch::transaction(&elements).is_some());
+                let interval = table.sets.values().any(|s| s.decl.interval);
+                assert_eq!(
+                    st.contains("add element ip kproxy local-pods"),
+                    interval && family == IpFamily::IPv4
+                );
+                assert!(family == IpFamily::IPv6 || !elements.is_empty());
             }
         }
     }

@@ -1,8 +1,9 @@
-//! The declarative nftables model of one family's table (`Ruleset`), built from a
-//! `NodePlan` by pure code, and the two ways it reaches nft text: a full
-//! table-replacing script and the delta between two rulesets. The in-memory record of
-//! what is programmed (`crate::record`) keeps per-Service fragments, so an incremental
-//! sync costs work proportional to what changed.
+//! The desired state of one family's table for a `NodePlan`: a typed
+//! [`crate::model::Table`] built by pure code, whole ([`build`]) or as the base objects
+//! ([`build_base`]) plus one fragment per Service ([`build_service`]), so the in-memory
+//! record of what is programmed (`crate::record`) can move by the changed Services
+//! only. What changed and how it reaches the kernel is `crate::model`'s business
+//! (`diff`, `Transaction`).
 //!
 //! Layout (chosen for kernel and nft cost, see BENCHMARKS.md: nft spends ~45 µs per
 //! rule but ~6–14 µs per set element, and every nft call dumps all rules into its
@@ -40,7 +41,7 @@
 //! another N: its old rows out, new rows in, its verdict-map element re-pointed).
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -54,71 +55,17 @@ use sha2::{Digest, Sha256};
 
 use crate::DataplaneConfig;
 
-/// One chain: its declaration (base-chain hook spec, or empty) and its rules in order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Chain {
-    pub decl: String,
-    pub rules: Vec<String>,
-}
-
-/// One named set or map: its declaration and its elements (key → value; value empty
-/// for sets).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Set {
-    pub decl: String,
-    pub elements: BTreeMap<String, String>,
-}
-
-/// Everything kproxy programs into one family's table.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Ruleset {
-    /// `ip` or `ip6`.
-    pub family: &'static str,
-    pub table: String,
-    pub sets: BTreeMap<String, Set>,
-    pub chains: BTreeMap<String, Chain>,
-}
+use crate::model::{Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple};
+pub use crate::model::{Chain, Set, Table};
 
 /// Counts of what a delta changes, for the sync report and metrics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DeltaCounts {
-    pub chains_added: usize,
-    pub chains_changed: usize,
-    pub chains_deleted: usize,
-    pub elements_added: usize,
-    pub elements_deleted: usize,
-    pub sets_added: usize,
-    pub sets_deleted: usize,
-}
-
-impl DeltaCounts {
-    pub fn is_empty(&self) -> bool {
-        *self == DeltaCounts::default()
-    }
-
-    pub fn add(&mut self, o: &DeltaCounts) {
-        self.chains_added += o.chains_added;
-        self.chains_changed += o.chains_changed;
-        self.chains_deleted += o.chains_deleted;
-        self.elements_added += o.elements_added;
-        self.elements_deleted += o.elements_deleted;
-        self.sets_added += o.sets_added;
-        self.sets_deleted += o.sets_deleted;
-    }
-}
-
-pub fn nft_family(f: IpFamily) -> &'static str {
-    match f {
-        IpFamily::IPv4 => "ip",
-        IpFamily::IPv6 => "ip6",
-    }
-}
+pub type DeltaCounts = crate::model::Counts;
 
 /// Family-specific vocabulary.
 struct Fam {
     /// `ip` / `ip6` as a payload protocol.
     p: &'static str,
-    addr: &'static str,
+    addr: Field,
     loopback: &'static str,
     family: IpFamily,
 }
@@ -128,13 +75,13 @@ impl Fam {
         match family {
             IpFamily::IPv4 => Fam {
                 p: "ip",
-                addr: "ipv4_addr",
+                addr: Field::Ipv4Addr,
                 loopback: "127.0.0.0/8",
                 family,
             },
             IpFamily::IPv6 => Fam {
                 p: "ip6",
-                addr: "ipv6_addr",
+                addr: Field::Ipv6Addr,
                 loopback: "::1",
                 family,
             },
@@ -143,7 +90,7 @@ impl Fam {
 }
 
 /// Builds the ruleset of one family. Pure.
-pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Ruleset {
+pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Table {
     let mut rs = build_base(plan, cfg, family);
     let mut claimed = BTreeSet::new();
     for svc in plan.services.values() {
@@ -174,7 +121,7 @@ pub struct Fragment {
 
 /// A fragment while it is built.
 struct Draft {
-    own: Ruleset,
+    own: Table,
     frontends: Vec<Arc<Frontend>>,
     dispatch: BTreeSet<Dispatch>,
 }
@@ -189,13 +136,12 @@ pub struct Own {
 }
 
 impl Own {
-    /// As a ruleset of `family`'s `table` (to compute a delta).
-    pub fn to_ruleset(&self, family: &'static str, table: &str) -> Ruleset {
-        Ruleset {
-            family,
-            table: table.to_string(),
+    /// As a table of `family`'s `table` (to diff a changed Service's own objects).
+    pub fn to_table(&self, family: Family, table: &str) -> Table {
+        Table {
             sets: self.sets.iter().cloned().collect(),
             chains: self.chains.iter().cloned().collect(),
+            ..Table::new(family, table)
         }
     }
 }
@@ -255,6 +201,14 @@ pub enum Shared {
 }
 
 impl Shared {
+    /// The element, typed.
+    pub fn tuple(&self) -> Tuple {
+        match self {
+            Shared::Hairpin(ip) => Tuple::new(&[Atom::Addr(*ip), Atom::Addr(*ip)]),
+            Shared::ClusterIp(ip) => Tuple::new(&[Atom::Addr(*ip)]),
+        }
+    }
+
     pub fn set(&self) -> &'static str {
         match self {
             Shared::Hairpin(_) => "hairpin",
@@ -472,6 +426,41 @@ impl Frontend {
     }
 }
 
+impl Frontend {
+    /// The frontend's elements, typed by their sets' declarations (`decl`; `None`
+    /// leaves a set's elements out): the one place its text becomes typed. The
+    /// frontend's key is parsed once per run of one set's elements (a dispatch map's
+    /// rows are the key and an index).
+    pub fn typed_elements<'d>(
+        &self,
+        decl: impl Fn(SetRef) -> Option<&'d SetDecl>,
+    ) -> Vec<(SetRef, crate::model::Elem)> {
+        let mut out = Vec::with_capacity(self.elems.len());
+        // The current run: its set, declaration, and parsed key (per row-ness).
+        let mut run: Option<(SetRef, Option<&SetDecl>, Option<(bool, Tuple)>)> = None;
+        for (set, key, value) in self.elements() {
+            if run.as_ref().is_none_or(|(s, ..)| *s != set) {
+                run = Some((set, decl(set), None));
+            }
+            let Some((_, Some(d), base)) = &mut run else {
+                continue;
+            };
+            let row = key.row.is_some();
+            let parsed = match base {
+                Some((r, t)) if *r == row => Some(*t),
+                _ => d.parse_key_prefix(key.base, row),
+            };
+            *base = parsed.map(|t| (row, t));
+            // The frontend's text is written by this module from typed plan data.
+            let e = parsed
+                .and_then(|t| d.finish_elem(t, key.row, value))
+                .expect("a frontend's element fits its set's declaration");
+            out.push((set, e));
+        }
+        out
+    }
+}
+
 impl std::fmt::Debug for Frontend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Frontend")
@@ -564,12 +553,23 @@ impl Dispatch {
         };
         let pick = format!("numgen random mod {}", self.n);
         (
-            Set {
-                decl: format!("typeof {key} . {pick} : {} daddr . th dport;", f.p),
-                elements: BTreeMap::new(),
-            },
+            Set::new(SetDecl {
+                by_expr: true,
+                ..SetDecl::map(
+                    vec![
+                        f.addr,
+                        Field::InetProto,
+                        Field::InetService,
+                        Field::Numgen(self.n),
+                    ]
+                    .into_iter()
+                    .skip(if self.nodeport { 1 } else { 0 })
+                    .collect(),
+                    SetData::Fields(vec![f.addr, Field::InetService]),
+                )
+            }),
             Chain {
-                decl: String::new(),
+                hook: None,
                 rules: vec![format!(
                     "dnat {} to {key} . {pick} map @{}",
                     f.p,
@@ -580,7 +580,7 @@ impl Dispatch {
     }
 }
 
-impl Ruleset {
+impl Table {
     /// Adds a Service's fragment. A shared key already present keeps its first value; a
     /// frontend already in `claimed` keeps the elements of its first Service (plan
     /// order), which is what `trace` predicts for colliding frontends.
@@ -596,14 +596,9 @@ impl Ruleset {
         for d in &frag.dispatch {
             self.add_dispatch(d);
         }
-        let family = if self.family == "ip6" {
-            IpFamily::IPv6
-        } else {
-            IpFamily::IPv4
-        };
-        for sh in shared(svc, family) {
+        for sh in shared(svc, self.family.ip_family()) {
             if let Some(s) = self.sets.get_mut(sh.set()) {
-                s.elements.entry(sh.key()).or_default();
+                s.elements.entry(sh.tuple()).or_default();
             }
         }
         for fe in &frag.frontends {
@@ -623,13 +618,8 @@ impl Ruleset {
 
     /// Declares a dispatch group's map and chain (no-op when present).
     pub fn add_dispatch(&mut self, d: &Dispatch) {
-        let family = if self.family == "ip6" {
-            IpFamily::IPv6
-        } else {
-            IpFamily::IPv4
-        };
         if let std::collections::btree_map::Entry::Vacant(e) = self.sets.entry(d.map()) {
-            let (set, chain) = d.objects(family);
+            let (set, chain) = d.objects(self.family.ip_family());
             e.insert(set);
             self.chains.insert(d.chain(), chain);
         }
@@ -637,16 +627,11 @@ impl Ruleset {
 
     /// Inserts a frontend's elements into sets that exist (first value of a key wins).
     pub fn add_elements(&mut self, fe: &Frontend) {
-        // Elements come in runs of one set: its name is made once per run.
-        let (mut cur, mut name) = (None, Cow::Borrowed(""));
-        for (set, key, value) in fe.elements() {
-            if cur != Some(set) {
-                (cur, name) = (Some(set), set.name());
-            }
-            if let Some(s) = self.sets.get_mut(name.as_ref()) {
-                s.elements
-                    .entry(key.text())
-                    .or_insert_with(|| value.to_string());
+        let sets = &self.sets;
+        let elems = fe.typed_elements(|set| sets.get(set.name().as_ref()).map(|s| &s.decl));
+        for (set, e) in elems {
+            if let Some(s) = self.sets.get_mut(set.name().as_ref()) {
+                s.elements.entry(e.key).or_insert(e.value);
             }
         }
     }
@@ -661,12 +646,7 @@ pub fn build_service(
 ) -> Fragment {
     let f = Fam::of(family);
     let mut frag = Draft {
-        own: Ruleset {
-            family: nft_family(family),
-            table: cfg.table.clone(),
-            sets: BTreeMap::new(),
-            chains: BTreeMap::new(),
-        },
+        own: Table::new(Family::of(family), &cfg.table),
         frontends: Vec::new(),
         dispatch: BTreeSet::new(),
     };
@@ -679,100 +659,82 @@ pub fn build_service(
 
 /// The table without any Service: base chains, the shared sets (empty of Service
 /// elements) and the node-level sets. Pure and cheap (no per-Service work).
-pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Ruleset {
+pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Table {
     let f = Fam::of(family);
     let mark = cfg.mark();
-    let mut rs = Ruleset {
-        family: nft_family(family),
-        table: cfg.table.clone(),
-        sets: BTreeMap::new(),
-        chains: BTreeMap::new(),
-    };
+    let mut rs = Table::new(Family::of(family), &cfg.table);
     let fp = plan.family(family);
 
     // Sets and maps.
-    let set = |decl: String| Set {
-        decl,
-        elements: BTreeMap::new(),
+    let (a, proto, port) = (f.addr, Field::InetProto, Field::InetService);
+    let set = |key: Vec<Field>, comment: &str| Set::new(SetDecl::set(key).with_comment(comment));
+    let vmap = |key: Vec<Field>, comment: &str| {
+        Set::new(SetDecl::map(key, SetData::Verdict).with_comment(comment))
     };
     rs.sets.insert(
         "service-ips".into(),
-        set(format!("type {} . inet_proto . inet_service : verdict; comment \"cluster IPs, external IPs and LB IPs\";", f.addr)),
+        vmap(vec![a, proto, port], "cluster IPs, external IPs and LB IPs"),
     );
     rs.sets.insert(
         "service-nodeports".into(),
-        set("type inet_proto . inet_service : verdict; comment \"NodePorts\";".into()),
+        vmap(vec![proto, port], "NodePorts"),
     );
-    rs.sets.insert(
-        "cluster-ips".into(),
-        set(format!("type {}; comment \"active cluster IPs\";", f.addr)),
-    );
+    rs.sets
+        .insert("cluster-ips".into(), set(vec![a], "active cluster IPs"));
     rs.sets.insert(
         "nodeport-ips".into(),
-        set(format!(
-            "type {}; comment \"addresses that accept NodePorts\";",
-            f.addr
-        )),
+        set(vec![a], "addresses that accept NodePorts"),
     );
     rs.sets.insert(
         "masq-ips".into(),
-        set(format!(
-            "type {} . inet_proto . inet_service; comment \"frontends that masquerade\";",
-            f.addr
-        )),
+        set(vec![a, proto, port], "frontends that masquerade"),
     );
     rs.sets.insert(
         "masq-nodeports".into(),
-        set("type inet_proto . inet_service; comment \"NodePorts that masquerade\";".into()),
+        set(vec![proto, port], "NodePorts that masquerade"),
     );
     let nonlocal = nonlocal_match(&f, &fp.local_pods);
     if nonlocal.is_some() {
         rs.sets.insert(
             "masq-ips-nonlocal".into(),
-            set(format!(
-                "type {} . inet_proto . inet_service; comment \"frontends that masquerade unless from a local pod\";",
-                f.addr
-            )),
+            set(
+                vec![a, proto, port],
+                "frontends that masquerade unless from a local pod",
+            ),
         );
     }
     rs.sets.insert(
         "hairpin".into(),
-        set(format!(
-            "type {} . {}; comment \"endpoint IP . endpoint IP\";",
-            f.addr, f.addr
-        )),
+        set(vec![a, a], "endpoint IP . endpoint IP"),
     );
 
     // Base chains, hooks and priorities as upstream's nat chains.
-    let base = |decl: &str, rules: Vec<String>| Chain {
-        decl: decl.to_string(),
-        rules,
-    };
+    let base = |hook: Option<Hook>, rules: Vec<String>| Chain { hook, rules };
     rs.chains.insert(
         "nat-prerouting".into(),
         base(
-            "type nat hook prerouting priority dstnat; policy accept;",
+            Some(Hook::nat(HookPoint::Prerouting, -100)),
             vec!["jump services".into()],
         ),
     );
     rs.chains.insert(
         "nat-output".into(),
         base(
-            "type nat hook output priority -100; policy accept;",
+            Some(Hook::nat(HookPoint::Output, -100)),
             vec!["jump services".into()],
         ),
     );
     rs.chains.insert(
         "nat-postrouting".into(),
         base(
-            "type nat hook postrouting priority srcnat; policy accept;",
+            Some(Hook::nat(HookPoint::Postrouting, 100)),
             vec!["jump masquerading".into()],
         ),
     );
     rs.chains.insert(
         "masquerading".into(),
         base(
-            "",
+            None,
             vec![
                 // Hairpin: a pod reaching itself through a Service (source == chosen endpoint).
                 format!(
@@ -823,7 +785,7 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
             } else {
                 let s = rs.sets.get_mut("nodeport-ips").expect("declared above");
                 for ip in ips {
-                    s.elements.insert(ip.to_string(), String::new());
+                    s.elements.insert(Tuple::new(&[Atom::Addr(*ip)]), None);
                 }
                 Some(format!("{} daddr @nodeport-ips ", f.p))
             }
@@ -851,29 +813,28 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> R
         let c: Vec<String> = fp.service_cidrs.iter().map(|n| n.to_string()).collect();
         services.push(format!("{} daddr {{ {} }} drop", f.p, c.join(", ")));
     }
-    rs.chains.insert("services".into(), base("", services));
+    rs.chains.insert("services".into(), base(None, services));
     // REJECT targets of frontends without endpoints (verdict maps cannot reject).
     rs.chains
-        .insert("no-endpoints".into(), base("", vec!["reject".into()]));
+        .insert("no-endpoints".into(), base(None, vec!["reject".into()]));
     if family == IpFamily::IPv6 {
         rs.chains.insert(
             "no-endpoints-tcp".into(),
-            base("", vec!["reject with tcp reset".into()]),
+            base(None, vec!["reject with tcp reset".into()]),
         );
     }
 
     if let LocalPods::Cidrs(cidrs) = &fp.local_pods {
-        let c: Vec<String> = cidrs
+        let c: Vec<Atom> = cidrs
             .iter()
             .filter(|n| family.contains(&n.addr()))
-            .map(|n| n.trunc().to_string())
+            .map(|n| Atom::Prefix(n.trunc().addr(), n.prefix_len()))
             .collect();
         if c.len() > 1 {
-            let mut s = set(format!(
-                "type {}; flags interval; auto-merge; comment \"local pod CIDRs\";",
-                f.addr
-            ));
-            s.elements = c.into_iter().map(|k| (k, String::new())).collect();
+            let mut s = set(vec![f.addr], "local pod CIDRs");
+            s.decl.interval = true;
+            s.decl.auto_merge = true;
+            s.elements = c.into_iter().map(|k| (Tuple::new(&[k]), None)).collect();
             rs.sets.insert("local-pods".into(), s);
         }
     }
@@ -1132,7 +1093,7 @@ impl PortCtx<'_> {
                 frag.own.chains.insert(
                     chain.clone(),
                     Chain {
-                        decl: String::new(),
+                        hook: None,
                         rules: out,
                     },
                 );
@@ -1205,18 +1166,16 @@ fn add_affinity_port(
         let (set, chain) = affinity_names(id, ep);
         rs.sets.insert(
             set.clone(),
-            Set {
-                decl: format!(
-                    "type {}; flags dynamic,timeout; timeout {timeout}s;",
-                    f.addr
-                ),
-                elements: BTreeMap::new(),
-            },
+            Set::new(SetDecl {
+                dynamic: true,
+                timeout_secs: Some(timeout),
+                ..SetDecl::set(vec![f.addr])
+            }),
         );
         rs.chains.insert(
             chain,
             Chain {
-                decl: String::new(),
+                hook: None,
                 rules: vec![format!(
                     "update @{set} {{ {} saddr }} meta l4proto {proto} dnat to {}",
                     f.p,
@@ -1262,7 +1221,7 @@ fn add_affinity_port(
     rs.chains.insert(
         svc_chain.clone(),
         Chain {
-            decl: String::new(),
+            hook: None,
             rules: rules(&sp.internal),
         },
     );
@@ -1275,7 +1234,7 @@ fn add_affinity_port(
         rs.chains.insert(
             ext_chain.clone(),
             Chain {
-                decl: String::new(),
+                hook: None,
                 rules: ext,
             },
         );
@@ -1428,246 +1387,6 @@ fn sanitize(s: &str) -> String {
             }
         })
         .collect()
-}
-
-impl Ruleset {
-    /// The full script that replaces this family's table atomically: creating then
-    /// deleting the table first makes `delete` succeed whether or not it exists, and
-    /// the whole script is one transaction, so there is no gap.
-    pub fn full_script(&self, out: &mut String) {
-        let (fam, t) = (self.family, &self.table);
-        full_header(out, fam, t);
-        for (name, s) in &self.sets {
-            let _ = writeln!(out, "add {} {fam} {t} {name} {{ {} }}", kind(s), s.decl);
-        }
-        for (name, c) in &self.chains {
-            decl_chain(out, fam, t, name, c);
-        }
-        for (name, c) in &self.chains {
-            for r in &c.rules {
-                write_rule(out, fam, t, name, r);
-            }
-        }
-        for (name, s) in &self.sets {
-            elements(out, "add", fam, t, name, str_pairs(s.elements.iter()), true);
-        }
-    }
-
-    /// The delta from `old` (what is programmed) to `self`, as one script; `None` when
-    /// a declaration changed and only a full sync can apply it.
-    pub fn delta_script(&self, old: &Ruleset, out: &mut String) -> Option<DeltaCounts> {
-        let mut n = DeltaCounts::default();
-        if !self.delta_pre(old, out, &mut n) {
-            return None;
-        }
-        self.delta_post(old, out, &mut n);
-        Some(n)
-    }
-
-    /// First half of the delta (new sets and chains, flushes, rules, own elements);
-    /// `false` when a declaration changed and only a full sync can apply it. Shared
-    /// elements that reference chains go between this and [`Ruleset::delta_post`].
-    pub fn delta_pre(&self, old: &Ruleset, out: &mut String, n: &mut DeltaCounts) -> bool {
-        if old.family != self.family || old.table != self.table {
-            return false;
-        }
-        let (fam, t) = (self.family, &self.table);
-        for (name, s) in &self.sets {
-            if let Some(o) = old.sets.get(name)
-                && o.decl != s.decl
-            {
-                return false;
-            }
-        }
-        for (name, c) in &self.chains {
-            if let Some(o) = old.chains.get(name)
-                && o.decl != c.decl
-            {
-                return false;
-            }
-        }
-        // 1. New sets and chains.
-        for (name, s) in &self.sets {
-            if !old.sets.contains_key(name) {
-                n.sets_added += 1;
-                let _ = writeln!(out, "add {} {fam} {t} {name} {{ {} }}", kind(s), s.decl);
-            }
-        }
-        for (name, c) in &self.chains {
-            if !old.chains.contains_key(name) {
-                n.chains_added += 1;
-                decl_chain(out, fam, t, name, c);
-            }
-        }
-        // 2. Flush changed and removed chains (drops their references first).
-        for (name, c) in &old.chains {
-            match self.chains.get(name) {
-                Some(new) if new.rules == c.rules => {}
-                Some(_) => {
-                    n.chains_changed += 1;
-                    let _ = writeln!(out, "flush chain {fam} {t} {name}");
-                }
-                None => {
-                    let _ = writeln!(out, "flush chain {fam} {t} {name}");
-                }
-            }
-        }
-        // 3. Rules of new and changed chains.
-        for (name, c) in &self.chains {
-            if old.chains.get(name).is_some_and(|o| o.rules == c.rules) {
-                continue;
-            }
-            for r in &c.rules {
-                write_rule(out, fam, t, name, r);
-            }
-        }
-        // 4. Elements: removed or re-valued keys out, new or re-valued keys in.
-        for (name, s) in &self.sets {
-            let empty = BTreeMap::new();
-            let olde = old.sets.get(name).map(|o| &o.elements).unwrap_or(&empty);
-            let del: Vec<_> = olde
-                .iter()
-                .filter(|(k, v)| s.elements.get(*k) != Some(*v))
-                .collect();
-            let add: Vec<_> = s
-                .elements
-                .iter()
-                .filter(|(k, v)| olde.get(*k) != Some(*v))
-                .collect();
-            n.elements_deleted += del.len();
-            n.elements_added += add.len();
-            elements(
-                out,
-                "delete",
-                fam,
-                t,
-                name,
-                str_pairs(del.into_iter()),
-                false,
-            );
-            elements(out, "add", fam, t, name, str_pairs(add.into_iter()), true);
-        }
-        true
-    }
-
-    /// Second half of the delta: removed chains and sets, now unreferenced.
-    pub fn delta_post(&self, old: &Ruleset, out: &mut String, n: &mut DeltaCounts) {
-        let (fam, t) = (self.family, &self.table);
-        for name in old.chains.keys() {
-            if !self.chains.contains_key(name) {
-                n.chains_deleted += 1;
-                let _ = writeln!(out, "delete chain {fam} {t} {name}");
-            }
-        }
-        for name in old.sets.keys() {
-            if !self.sets.contains_key(name) {
-                n.sets_deleted += 1;
-                let _ = writeln!(out, "delete {} {fam} {t} {name}", kind(&old.sets[name]));
-            }
-        }
-    }
-
-    /// Counts for a full sync.
-    pub fn counts(&self) -> DeltaCounts {
-        DeltaCounts {
-            chains_added: self.chains.len(),
-            sets_added: self.sets.len(),
-            elements_added: self.sets.values().map(|s| s.elements.len()).sum(),
-            ..DeltaCounts::default()
-        }
-    }
-
-    /// Names of all chains and sets (for verification).
-    pub fn names(&self) -> (BTreeSet<&str>, BTreeSet<&str>) {
-        (
-            self.chains.keys().map(|s| s.as_str()).collect(),
-            self.sets.keys().map(|s| s.as_str()).collect(),
-        )
-    }
-}
-
-pub(crate) fn kind(s: &Set) -> &'static str {
-    if s.decl.contains(" : ") { "map" } else { "set" }
-}
-
-/// The tag every rule carries as its comment: `kp:` and the FNV-1a 64 hash of the
-/// rule's text. A restart reads the tags back from the kernel (see [`crate::dump`]) to
-/// tell which chains already hold the desired rules, as rule expressions cannot be
-/// turned back into kproxy's text.
-pub fn rule_tag(rule: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in rule.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("kp:{h:016x}")
-}
-
-/// Writes `add rule FAM T CHAIN RULE comment "TAG"`: the one place a rule line is made.
-pub fn write_rule(out: &mut String, fam: &str, t: &str, chain: &str, rule: &str) {
-    let _ = writeln!(
-        out,
-        "add rule {fam} {t} {chain} {rule} comment \"{}\"",
-        rule_tag(rule)
-    );
-}
-
-pub(crate) fn decl_chain(out: &mut String, fam: &str, t: &str, name: &str, c: &Chain) {
-    if c.decl.is_empty() {
-        let _ = writeln!(out, "add chain {fam} {t} {name}");
-    } else {
-        let _ = writeln!(out, "add chain {fam} {t} {name} {{ {} }}", c.decl);
-    }
-}
-
-pub(crate) fn str_pairs<'a>(
-    it: impl Iterator<Item = (&'a String, &'a String)>,
-) -> impl Iterator<Item = (&'a str, &'a str)> {
-    it.map(|(k, v)| (k.as_str(), v.as_str()))
-}
-
-/// Writes the header of a full script: creating then deleting the table first makes
-/// `delete` succeed whether or not it exists, and the whole script is one transaction,
-/// so there is no gap.
-pub(crate) fn full_header(out: &mut String, fam: &str, t: &str) {
-    let _ = writeln!(out, "add table {fam} {t}");
-    let _ = writeln!(out, "delete table {fam} {t}");
-    let _ = writeln!(
-        out,
-        "add table {fam} {t} {{ comment \"rules for kproxy\"; }}"
-    );
-}
-
-/// Writes elements in batches so no single line grows without bound.
-pub(crate) fn elements<'a>(
-    out: &mut String,
-    verb: &str,
-    fam: &str,
-    t: &str,
-    name: &str,
-    it: impl Iterator<Item = (&'a str, &'a str)>,
-    with_value: bool,
-) {
-    let mut n = 0;
-    for (k, v) in it {
-        if n % 1000 == 0 {
-            if n > 0 {
-                out.push_str(" }\n");
-            }
-            let _ = write!(out, "{verb} element {fam} {t} {name} {{ ");
-        } else {
-            out.push_str(", ");
-        }
-        out.push_str(k);
-        if with_value && !v.is_empty() {
-            out.push_str(" : ");
-            out.push_str(v);
-        }
-        n += 1;
-    }
-    if n > 0 {
-        out.push_str(" }\n");
-    }
 }
 
 #[cfg(test)]

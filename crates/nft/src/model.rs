@@ -1,0 +1,1535 @@
+//! The typed nftables model: what kproxy wants in (or reads back from) the kernel, as
+//! values, and the one way to get from one state to another.
+//!
+//! - [`Table`] holds [`Chain`]s (an optional base-chain [`Hook`] and rules whose bodies
+//!   stay nft text, each identified by [`rule_id`]) and [`Set`]s (a typed [`SetDecl`]
+//!   and typed [`Elem`]ents).
+//! - [`diff`]`(old, new)` is the only place that decides what changed: it returns a
+//!   [`Transaction`], an ordered list of [`Op`]s that, applied to `old`, gives `new`.
+//!   A full sync is `diff(&Table::absent(..), &desired)` (plus the table-replacing
+//!   header of [`Transaction::replace`]), a delta `diff(&previous, &desired)`.
+//! - A transaction has exactly two renderers: [`Transaction::nft_text`] (`nft -f` input)
+//!   and [`crate::netlink::Batch::transaction`] (nfnetlink bytes, element operations
+//!   only, encoded from the typed elements).
+//!
+//! Element keys and values are typed ([`Atom`]: addresses, prefixes, protocols, ports,
+//! `numgen` indexes; [`Verdict`]), so the netlink writer never parses text, and two
+//! elements compare by value (how an adopted kernel table is compared with the desired
+//! one).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use kproxy_core::model::IpFamily;
+
+use crate::NftError;
+
+/// An nftables table family kproxy uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Family {
+    Ip,
+    Ip6,
+}
+
+impl Family {
+    pub fn of(f: IpFamily) -> Family {
+        match f {
+            IpFamily::IPv4 => Family::Ip,
+            IpFamily::IPv6 => Family::Ip6,
+        }
+    }
+
+    pub fn ip_family(self) -> IpFamily {
+        match self {
+            Family::Ip => IpFamily::IPv4,
+            Family::Ip6 => IpFamily::IPv6,
+        }
+    }
+
+    /// As nft writes it: `ip` / `ip6`.
+    pub fn nft(self) -> &'static str {
+        match self {
+            Family::Ip => "ip",
+            Family::Ip6 => "ip6",
+        }
+    }
+
+    /// `NFPROTO_IPV4` / `NFPROTO_IPV6` (nfgenmsg's family byte).
+    pub fn nfproto(self) -> u8 {
+        match self {
+            Family::Ip => 2,
+            Family::Ip6 => 10,
+        }
+    }
+}
+
+/// One field of a set's key or a map's value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Field {
+    Ipv4Addr,
+    Ipv6Addr,
+    /// `inet_proto` / `meta l4proto`: one byte.
+    InetProto,
+    /// `inet_service` / `th dport`: two bytes, network order.
+    InetService,
+    /// `numgen random mod N` (only in `typeof` declarations): a 32-bit host-order index.
+    Numgen(u32),
+}
+
+impl Field {
+    /// The datatype name of a `type` declaration (`None` for `numgen`, which only
+    /// `typeof` can declare).
+    fn type_name(self) -> Option<&'static str> {
+        Some(match self {
+            Field::Ipv4Addr => "ipv4_addr",
+            Field::Ipv6Addr => "ipv6_addr",
+            Field::InetProto => "inet_proto",
+            Field::InetService => "inet_service",
+            Field::Numgen(_) => return None,
+        })
+    }
+
+    /// The expression of a `typeof` declaration (addresses are destination addresses:
+    /// kproxy's `typeof` maps are keyed and valued by them).
+    fn write_typeof(self, out: &mut String) {
+        match self {
+            Field::Ipv4Addr => out.push_str("ip daddr"),
+            Field::Ipv6Addr => out.push_str("ip6 daddr"),
+            Field::InetProto => out.push_str("meta l4proto"),
+            Field::InetService => out.push_str("th dport"),
+            Field::Numgen(n) => {
+                let _ = write!(out, "numgen random mod {n}");
+            }
+        }
+    }
+
+    /// Bytes of one datum of this field.
+    pub fn datum_len(self) -> usize {
+        match self {
+            Field::Ipv4Addr | Field::Numgen(_) => 4,
+            Field::Ipv6Addr => 16,
+            Field::InetProto => 1,
+            Field::InetService => 2,
+        }
+    }
+
+    /// Parses one datum of this field from nft text.
+    fn parse(self, s: &str, interval: bool) -> Option<Atom> {
+        let s = s.trim();
+        Some(match self {
+            Field::Ipv4Addr | Field::Ipv6Addr => {
+                let v6 = self == Field::Ipv6Addr;
+                match s.split_once('/') {
+                    Some((ip, len)) if interval => {
+                        let ip: IpAddr = ip.parse().ok()?;
+                        let len: u8 = len.parse().ok()?;
+                        if ip.is_ipv6() != v6 || len > if v6 { 128 } else { 32 } {
+                            return None;
+                        }
+                        Atom::Prefix(ip, len)
+                    }
+                    Some(_) => return None,
+                    None => {
+                        let ip: IpAddr = s.parse().ok()?;
+                        if ip.is_ipv6() != v6 {
+                            return None;
+                        }
+                        Atom::Addr(ip)
+                    }
+                }
+            }
+            Field::InetProto => Atom::Proto(match s {
+                "tcp" => 6,
+                "udp" => 17,
+                "sctp" => 132,
+                n => n.parse().ok()?,
+            }),
+            Field::InetService => Atom::Port(s.parse().ok()?),
+            Field::Numgen(n) => {
+                let i: u32 = s.parse().ok()?;
+                if i >= n {
+                    return None;
+                }
+                Atom::Index(i)
+            }
+        })
+    }
+}
+
+/// What a map's elements point to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum SetData {
+    Verdict,
+    Fields(Vec<Field>),
+}
+
+/// A set's or map's declaration.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SetDecl {
+    pub key: Vec<Field>,
+    /// `Some` for a map.
+    pub data: Option<SetData>,
+    /// Declared with `typeof` expressions rather than `type` names (needed for `numgen`
+    /// keys; the kernel keeps the expressions in the set's userdata).
+    pub by_expr: bool,
+    /// `flags interval` (elements may be prefixes).
+    pub interval: bool,
+    /// `auto-merge` (interval sets).
+    pub auto_merge: bool,
+    /// `flags dynamic` (filled by rules from traffic; its elements are not kproxy's).
+    pub dynamic: bool,
+    /// `timeout Ns` (with `flags timeout`).
+    pub timeout_secs: Option<u32>,
+    pub comment: Option<String>,
+}
+
+impl SetDecl {
+    /// A plain `type` set of `key` (no flags, no comment).
+    pub fn set(key: Vec<Field>) -> SetDecl {
+        SetDecl {
+            key,
+            data: None,
+            by_expr: false,
+            interval: false,
+            auto_merge: false,
+            dynamic: false,
+            timeout_secs: None,
+            comment: None,
+        }
+    }
+
+    /// A `type` map of `key` to `data`.
+    pub fn map(key: Vec<Field>, data: SetData) -> SetDecl {
+        SetDecl {
+            data: Some(data),
+            ..SetDecl::set(key)
+        }
+    }
+
+    pub fn with_comment(mut self, c: &str) -> SetDecl {
+        self.comment = Some(c.to_string());
+        self
+    }
+
+    pub fn is_map(&self) -> bool {
+        self.data.is_some()
+    }
+
+    /// `set` or `map`, as nft's commands name the object.
+    pub fn kind(&self) -> &'static str {
+        if self.is_map() { "map" } else { "set" }
+    }
+
+    /// The body of the declaration, as between `{ }` of `add set`.
+    pub fn write(&self, out: &mut String) {
+        out.push_str(if self.by_expr { "typeof " } else { "type " });
+        self.write_fields(&self.key, out);
+        match &self.data {
+            None => {}
+            Some(SetData::Verdict) => out.push_str(" : verdict"),
+            Some(SetData::Fields(f)) => {
+                out.push_str(" : ");
+                self.write_fields(f, out);
+            }
+        }
+        out.push(';');
+        let flags: Vec<&str> = [
+            (self.interval, "interval"),
+            (self.dynamic, "dynamic"),
+            (self.timeout_secs.is_some(), "timeout"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, f)| *f)
+        .collect();
+        if !flags.is_empty() {
+            let _ = write!(out, " flags {};", flags.join(","));
+        }
+        if let Some(t) = self.timeout_secs {
+            let _ = write!(out, " timeout {t}s;");
+        }
+        if self.auto_merge {
+            out.push_str(" auto-merge;");
+        }
+        if let Some(c) = &self.comment {
+            let _ = write!(out, " comment \"{c}\";");
+        }
+    }
+
+    fn write_fields(&self, fields: &[Field], out: &mut String) {
+        for (i, f) in fields.iter().enumerate() {
+            if i > 0 {
+                out.push_str(" . ");
+            }
+            match f.type_name() {
+                Some(n) if !self.by_expr => out.push_str(n),
+                _ => f.write_typeof(out),
+            }
+        }
+    }
+
+    /// Parses an element from nft text (`a . b . c`, value as nft writes it). The one
+    /// place element text becomes typed; `None` when it does not fit the declaration.
+    pub fn parse_elem(&self, key: &str, value: &str) -> Option<Elem> {
+        let key = parse_tuple(&self.key, key, self.interval)?;
+        let value = match &self.data {
+            None => None,
+            Some(SetData::Verdict) => Some(Value::Verdict(Verdict::parse(value)?)),
+            Some(SetData::Fields(f)) => Some(Value::Data(parse_tuple(f, value, false)?)),
+        };
+        Some(Elem { key, value })
+    }
+}
+
+impl SetDecl {
+    /// Parses a key's leading fields: all of them, or all but the last when `row` (a
+    /// dispatch map's key is a frontend's key and a `numgen` index).
+    pub fn parse_key_prefix(&self, s: &str, row: bool) -> Option<Tuple> {
+        let n = self.key.len().checked_sub(usize::from(row))?;
+        parse_tuple(&self.key[..n], s, self.interval)
+    }
+
+    /// The element of key `prefix` (followed by the index `row`, when given) and the
+    /// value text `value`.
+    pub fn finish_elem(&self, prefix: Tuple, row: Option<u32>, value: &str) -> Option<Elem> {
+        let key = match row {
+            None => prefix,
+            Some(i) => {
+                let Some(Field::Numgen(n)) = self.key.last() else {
+                    return None;
+                };
+                if i >= *n || prefix.atoms().len() >= MAX_FIELDS {
+                    return None;
+                }
+                let mut atoms = [FILLER; MAX_FIELDS];
+                let len = prefix.atoms().len();
+                atoms[..len].copy_from_slice(prefix.atoms());
+                atoms[len] = Atom::Index(i);
+                Tuple::new(&atoms[..=len])
+            }
+        };
+        let value = match &self.data {
+            None => None,
+            Some(SetData::Verdict) => Some(Value::Verdict(Verdict::parse(value)?)),
+            Some(SetData::Fields(f)) => Some(Value::Data(parse_tuple(f, value, false)?)),
+        };
+        Some(Elem { key, value })
+    }
+}
+
+fn parse_tuple(fields: &[Field], s: &str, interval: bool) -> Option<Tuple> {
+    if fields.len() > MAX_FIELDS {
+        return None;
+    }
+    let mut parts = s.split(" . ");
+    let mut out = [FILLER; MAX_FIELDS];
+    for (f, o) in fields.iter().zip(&mut out) {
+        *o = f.parse(parts.next()?, interval)?;
+    }
+    parts
+        .next()
+        .is_none()
+        .then(|| Tuple::new(&out[..fields.len()]))
+}
+
+/// One datum of an element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Atom {
+    Addr(IpAddr),
+    /// An address prefix (elements of interval sets).
+    Prefix(IpAddr, u8),
+    /// An IP protocol number.
+    Proto(u8),
+    Port(u16),
+    /// A `numgen` index.
+    Index(u32),
+}
+
+impl Atom {
+    pub fn write(&self, out: &mut String) {
+        match self {
+            Atom::Addr(ip) => crate::ruleset::write_ip(out, ip),
+            Atom::Prefix(ip, len) => {
+                crate::ruleset::write_ip(out, ip);
+                let _ = write!(out, "/{len}");
+            }
+            Atom::Proto(6) => out.push_str("tcp"),
+            Atom::Proto(17) => out.push_str("udp"),
+            Atom::Proto(132) => out.push_str("sctp"),
+            Atom::Proto(p) => {
+                let _ = write!(out, "{p}");
+            }
+            Atom::Port(p) => {
+                let _ = write!(out, "{p}");
+            }
+            Atom::Index(i) => {
+                let _ = write!(out, "{i}");
+            }
+        }
+    }
+}
+
+/// The most fields a key or value of kproxy's sets has (a dispatch map's key:
+/// address, protocol, port, index).
+pub const MAX_FIELDS: usize = 4;
+
+/// A concatenation of atoms (one atom for a single-field key), held inline: a full sync
+/// holds ≈ 176k of them twice (key and value), and a heap slice each cost a quarter of
+/// its time in allocation and pointer chasing.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Tuple {
+    /// The first `len` are the tuple's; the rest are `FILLER`, so derived comparisons
+    /// are those of the slices.
+    atoms: [Atom; MAX_FIELDS],
+    len: u8,
+}
+
+const FILLER: Atom = Atom::Index(0);
+
+impl Tuple {
+    /// Panics on more than [`MAX_FIELDS`] atoms: a kproxy declaration never has more
+    /// (parsing refuses them).
+    pub fn new(atoms: &[Atom]) -> Tuple {
+        assert!(
+            atoms.len() <= MAX_FIELDS,
+            "a tuple of {} atoms",
+            atoms.len()
+        );
+        let mut t = Tuple {
+            atoms: [FILLER; MAX_FIELDS],
+            len: atoms.len() as u8,
+        };
+        t.atoms[..atoms.len()].copy_from_slice(atoms);
+        t
+    }
+
+    pub fn atoms(&self) -> &[Atom] {
+        &self.atoms[..usize::from(self.len)]
+    }
+
+    pub fn write(&self, out: &mut String) {
+        for (i, a) in self.atoms().iter().enumerate() {
+            if i > 0 {
+                out.push_str(" . ");
+            }
+            a.write(out);
+        }
+    }
+}
+
+impl std::fmt::Debug for Tuple {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.atoms()).finish()
+    }
+}
+
+impl std::fmt::Display for Tuple {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut s = String::new();
+        self.write(&mut s);
+        f.write_str(&s)
+    }
+}
+
+/// A verdict map's value.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Verdict {
+    Accept,
+    Drop,
+    Return,
+    Continue,
+    Jump(Arc<str>),
+    Goto(Arc<str>),
+}
+
+impl Verdict {
+    pub fn parse(s: &str) -> Option<Verdict> {
+        let s = s.trim();
+        Some(match s.split_once(' ') {
+            None => match s {
+                "drop" => Verdict::Drop,
+                "accept" => Verdict::Accept,
+                "return" => Verdict::Return,
+                "continue" => Verdict::Continue,
+                _ => return None,
+            },
+            Some(("goto", c)) => Verdict::Goto(c.trim().into()),
+            Some(("jump", c)) => Verdict::Jump(c.trim().into()),
+            Some(_) => return None,
+        })
+    }
+
+    pub fn write(&self, out: &mut String) {
+        match self {
+            Verdict::Accept => out.push_str("accept"),
+            Verdict::Drop => out.push_str("drop"),
+            Verdict::Return => out.push_str("return"),
+            Verdict::Continue => out.push_str("continue"),
+            Verdict::Jump(c) => {
+                out.push_str("jump ");
+                out.push_str(c);
+            }
+            Verdict::Goto(c) => {
+                out.push_str("goto ");
+                out.push_str(c);
+            }
+        }
+    }
+}
+
+/// A map element's value.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Value {
+    Verdict(Verdict),
+    Data(Tuple),
+}
+
+impl Value {
+    pub fn write(&self, out: &mut String) {
+        match self {
+            Value::Verdict(v) => v.write(out),
+            Value::Data(t) => t.write(out),
+        }
+    }
+}
+
+/// One element: its key, and its value for a map.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Elem {
+    pub key: Tuple,
+    pub value: Option<Value>,
+}
+
+impl Elem {
+    pub fn write(&self, out: &mut String) {
+        self.key.write(out);
+        if let Some(v) = &self.value {
+            out.push_str(" : ");
+            v.write(out);
+        }
+    }
+}
+
+/// A set or map: its declaration and its elements, by key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Set {
+    pub decl: SetDecl,
+    pub elements: BTreeMap<Tuple, Option<Value>>,
+}
+
+impl Set {
+    pub fn new(decl: SetDecl) -> Set {
+        Set {
+            decl,
+            elements: BTreeMap::new(),
+        }
+    }
+}
+
+/// A base chain's netfilter hook.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HookPoint {
+    Prerouting,
+    Input,
+    Forward,
+    Output,
+    Postrouting,
+}
+
+impl HookPoint {
+    pub fn nft(self) -> &'static str {
+        match self {
+            HookPoint::Prerouting => "prerouting",
+            HookPoint::Input => "input",
+            HookPoint::Forward => "forward",
+            HookPoint::Output => "output",
+            HookPoint::Postrouting => "postrouting",
+        }
+    }
+}
+
+/// A base chain's type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ChainType {
+    Filter,
+    Nat,
+}
+
+/// What makes a chain a base chain: type, hook, priority (policy accept).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Hook {
+    pub ty: ChainType,
+    pub hook: HookPoint,
+    /// The numeric priority (dstnat = -100, srcnat = 100).
+    pub priority: i32,
+}
+
+impl Hook {
+    pub fn nat(hook: HookPoint, priority: i32) -> Hook {
+        Hook {
+            ty: ChainType::Nat,
+            hook,
+            priority,
+        }
+    }
+
+    /// The body of the declaration, as between `{ }` of `add chain`.
+    pub fn write(&self, out: &mut String) {
+        let ty = match self.ty {
+            ChainType::Filter => "filter",
+            ChainType::Nat => "nat",
+        };
+        // nft's names for the standard nat priorities, as kube-proxy writes them.
+        let prio = match (self.hook, self.priority) {
+            (HookPoint::Prerouting, -100) => "dstnat".to_string(),
+            (HookPoint::Postrouting, 100) => "srcnat".to_string(),
+            (_, p) => p.to_string(),
+        };
+        let _ = write!(
+            out,
+            "type {ty} hook {} priority {prio}; policy accept;",
+            self.hook.nft()
+        );
+    }
+}
+
+/// A chain: `None` hook for a regular chain; rules in order, as nft text.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Chain {
+    pub hook: Option<Hook>,
+    pub rules: Vec<String>,
+}
+
+/// What the comment of every rule kproxy writes starts with; the rest is its
+/// [`rule_id`].
+pub const RULE_ID_PREFIX: &str = "kp:";
+
+/// The identity of a rule's content: the FNV-1a 64 hash of its text body (without
+/// `add rule FAMILY TABLE CHAIN` and without the comment), 16 hex digits. Every rule is
+/// written with the comment `kp:<id>` (the kernel keeps it as the rule's userdata), so
+/// a reader of the kernel's tables compares a chain by its rules' ids, in order,
+/// without decoding expressions (agreed with the adoption reader, `crate::dump`).
+pub fn rule_id(rule: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in rule.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// One family's table: what kproxy programs into it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    pub family: Family,
+    pub name: String,
+    /// `None` when the table does not exist (the `old` of a first sync).
+    pub comment: Option<String>,
+    pub exists: bool,
+    pub sets: BTreeMap<String, Set>,
+    pub chains: BTreeMap<String, Chain>,
+}
+
+impl Table {
+    /// The comment kproxy's tables carry.
+    pub const COMMENT: &'static str = "rules for kproxy";
+
+    /// An empty kproxy table (exists, no chains or sets).
+    pub fn new(family: Family, name: &str) -> Table {
+        Table {
+            family,
+            name: name.to_string(),
+            comment: Some(Table::COMMENT.to_string()),
+            exists: true,
+            sets: BTreeMap::new(),
+            chains: BTreeMap::new(),
+        }
+    }
+
+    /// A table that does not exist (diffing against it creates everything).
+    pub fn absent(family: Family, name: &str) -> Table {
+        Table {
+            exists: false,
+            comment: None,
+            ..Table::new(family, name)
+        }
+    }
+
+    /// What creating this table counts as.
+    pub fn counts(&self) -> Counts {
+        Counts {
+            chains_added: self.chains.len(),
+            sets_added: self.sets.len(),
+            elements_added: self.element_count(),
+            ..Counts::default()
+        }
+    }
+
+    /// Number of elements of all sets.
+    pub fn element_count(&self) -> usize {
+        self.sets.values().map(|s| s.elements.len()).sum()
+    }
+}
+
+/// One operation of a transaction. Every operation names its table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    AddTable {
+        family: Family,
+        table: String,
+        comment: Option<String>,
+    },
+    DeleteTable {
+        family: Family,
+        table: String,
+    },
+    AddSet {
+        family: Family,
+        table: String,
+        name: String,
+        decl: SetDecl,
+    },
+    DeleteSet {
+        family: Family,
+        table: String,
+        name: String,
+        map: bool,
+    },
+    AddChain {
+        family: Family,
+        table: String,
+        name: String,
+        hook: Option<Hook>,
+    },
+    FlushChain {
+        family: Family,
+        table: String,
+        name: String,
+    },
+    DeleteChain {
+        family: Family,
+        table: String,
+        name: String,
+    },
+    AddRule {
+        family: Family,
+        table: String,
+        chain: String,
+        rule: String,
+    },
+    AddElements {
+        family: Family,
+        table: String,
+        set: String,
+        elems: Vec<Elem>,
+    },
+    DeleteElements {
+        family: Family,
+        table: String,
+        set: String,
+        keys: Vec<Tuple>,
+    },
+}
+
+impl Op {
+    /// Where the operation goes in a transaction that merges several diffs: every
+    /// object is declared before anything refers to it, and deleted after nothing does.
+    pub fn phase(&self) -> u8 {
+        match self {
+            Op::AddTable { .. } | Op::DeleteTable { .. } => 0,
+            Op::AddSet { .. } | Op::AddChain { .. } => 1,
+            Op::FlushChain { .. } => 2,
+            Op::AddRule { .. } => 3,
+            Op::DeleteElements { .. } => 4,
+            Op::AddElements { .. } => 5,
+            Op::DeleteChain { .. } => 6,
+            Op::DeleteSet { .. } => 7,
+        }
+    }
+
+    /// Whether it changes elements only (what netlink sends without nft).
+    pub fn is_element_op(&self) -> bool {
+        matches!(self, Op::AddElements { .. } | Op::DeleteElements { .. })
+    }
+
+    /// Whether it adds or deletes an element holding a prefix (an interval set's).
+    pub fn has_prefix(&self) -> bool {
+        let prefix = |t: &Tuple| t.atoms().iter().any(|a| matches!(a, Atom::Prefix(..)));
+        match self {
+            Op::AddElements { elems, .. } => elems.iter().any(|e| prefix(&e.key)),
+            Op::DeleteElements { keys, .. } => keys.iter().any(prefix),
+            _ => false,
+        }
+    }
+
+    /// Whether it declares a base chain.
+    fn is_hook(&self) -> bool {
+        matches!(self, Op::AddChain { hook: Some(_), .. })
+    }
+}
+
+/// Counts of what a transaction changes, for the sync report and metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub chains_added: usize,
+    pub chains_changed: usize,
+    pub chains_deleted: usize,
+    pub elements_added: usize,
+    pub elements_deleted: usize,
+    pub sets_added: usize,
+    pub sets_deleted: usize,
+}
+
+impl Counts {
+    pub fn is_empty(&self) -> bool {
+        *self == Counts::default()
+    }
+
+    pub fn add(&mut self, o: &Counts) {
+        self.chains_added += o.chains_added;
+        self.chains_changed += o.chains_changed;
+        self.chains_deleted += o.chains_deleted;
+        self.elements_added += o.elements_added;
+        self.elements_deleted += o.elements_deleted;
+        self.sets_added += o.sets_added;
+        self.sets_deleted += o.sets_deleted;
+    }
+}
+
+/// An ordered list of operations, applied as one transaction (all or nothing).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Transaction {
+    pub ops: Vec<Op>,
+    /// What the operations change (chains whose rules are replaced count as changed).
+    pub counts: Counts,
+    /// It replaces a whole table (a declaration changed), rather than changing it.
+    pub replaces: bool,
+}
+
+/// Elements per `add element`/`delete element` command of the nft text, so no line
+/// grows without bound.
+const TEXT_ELEMENTS_PER_COMMAND: usize = 1000;
+
+impl Transaction {
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Whether every operation changes elements only.
+    pub fn elements_only(&self) -> bool {
+        self.ops.iter().all(Op::is_element_op)
+    }
+
+    /// Appends `other`'s operations and counts.
+    pub fn extend(&mut self, other: Transaction) {
+        self.ops.extend(other.ops);
+        self.counts.add(&other.counts);
+        self.replaces |= other.replaces;
+    }
+
+    /// Orders the operations by [`Op::phase`] (stable), so a transaction assembled from
+    /// several diffs declares before it refers and deletes after nothing refers.
+    pub fn order(&mut self) {
+        self.ops.sort_by_key(Op::phase);
+    }
+
+    /// The transaction that makes the kernel's `new.family new.name` equal to `new`
+    /// whatever it holds now: create-then-delete the table (so `delete` succeeds whether
+    /// or not it exists), then everything of `new`. One transaction: no gap.
+    pub fn replace(new: &Table) -> Transaction {
+        let mut t = Transaction::default();
+        t.ops.push(Op::AddTable {
+            family: new.family,
+            table: new.name.clone(),
+            comment: None,
+        });
+        t.ops.push(Op::DeleteTable {
+            family: new.family,
+            table: new.name.clone(),
+        });
+        t.extend(diff_tables(&Table::absent(new.family, &new.name), new));
+        t
+    }
+
+    /// Splits a transaction that creates tables into (everything but the hooked base
+    /// chains, their rules, and elements without prefixes), (elements without prefixes:
+    /// what netlink encodes), (the hooked base chains with
+    /// their rules): sent in that order, traffic meets the tables only once the last
+    /// part hooks them, so each part may be its own transaction. For a first sync
+    /// into absent tables.
+    pub fn split_for_absent_tables(self) -> (Transaction, Transaction, Transaction) {
+        let hooked: std::collections::BTreeSet<(Family, String, String)> = self
+            .ops
+            .iter()
+            .filter(|o| o.is_hook())
+            .filter_map(|o| match o {
+                Op::AddChain {
+                    family,
+                    table,
+                    name,
+                    ..
+                } => Some((*family, table.clone(), name.clone())),
+                _ => None,
+            })
+            .collect();
+        let (mut a, mut b, mut c) = (
+            Transaction::default(),
+            Transaction::default(),
+            Transaction::default(),
+        );
+        for op in self.ops {
+            let to_hooks = match &op {
+                Op::AddChain { hook: Some(_), .. } => true,
+                Op::AddRule {
+                    family,
+                    table,
+                    chain,
+                    ..
+                } => hooked.contains(&(*family, table.clone(), chain.clone())),
+                _ => false,
+            };
+            if to_hooks {
+                c.ops.push(op);
+            } else if op.is_element_op() && !op.has_prefix() {
+                b.ops.push(op);
+            } else {
+                a.ops.push(op);
+            }
+        }
+        a.counts = self.counts;
+        (a, b, c)
+    }
+
+    /// The `nft -f` input of this transaction.
+    pub fn nft_text(&self) -> String {
+        let mut out = String::new();
+        self.write_nft_text(&mut out);
+        out
+    }
+
+    /// Appends the `nft -f` input of this transaction to `out`.
+    pub fn write_nft_text(&self, out: &mut String) {
+        for op in &self.ops {
+            match op {
+                Op::AddTable {
+                    family,
+                    table,
+                    comment,
+                } => {
+                    let _ = write!(out, "add table {} {table}", family.nft());
+                    if let Some(c) = comment {
+                        let _ = write!(out, " {{ comment \"{c}\"; }}");
+                    }
+                    out.push('\n');
+                }
+                Op::DeleteTable { family, table } => {
+                    let _ = writeln!(out, "delete table {} {table}", family.nft());
+                }
+                Op::AddSet {
+                    family,
+                    table,
+                    name,
+                    decl,
+                } => {
+                    let _ = write!(
+                        out,
+                        "add {} {} {table} {name} {{ ",
+                        decl.kind(),
+                        family.nft()
+                    );
+                    decl.write(out);
+                    out.push_str(" }\n");
+                }
+                Op::DeleteSet {
+                    family,
+                    table,
+                    name,
+                    map,
+                } => {
+                    let kind = if *map { "map" } else { "set" };
+                    let _ = writeln!(out, "delete {kind} {} {table} {name}", family.nft());
+                }
+                Op::AddChain {
+                    family,
+                    table,
+                    name,
+                    hook,
+                } => {
+                    let _ = write!(out, "add chain {} {table} {name}", family.nft());
+                    if let Some(h) = hook {
+                        out.push_str(" { ");
+                        h.write(out);
+                        out.push_str(" }");
+                    }
+                    out.push('\n');
+                }
+                Op::FlushChain {
+                    family,
+                    table,
+                    name,
+                } => {
+                    let _ = writeln!(out, "flush chain {} {table} {name}", family.nft());
+                }
+                Op::DeleteChain {
+                    family,
+                    table,
+                    name,
+                } => {
+                    let _ = writeln!(out, "delete chain {} {table} {name}", family.nft());
+                }
+                Op::AddRule {
+                    family,
+                    table,
+                    chain,
+                    rule,
+                } => {
+                    let _ = writeln!(
+                        out,
+                        "add rule {} {table} {chain} {rule} comment \"{RULE_ID_PREFIX}{}\"",
+                        family.nft(),
+                        rule_id(rule)
+                    );
+                }
+                Op::AddElements {
+                    family,
+                    table,
+                    set,
+                    elems,
+                } => {
+                    for chunk in elems.chunks(TEXT_ELEMENTS_PER_COMMAND) {
+                        let _ = write!(out, "add element {} {table} {set} {{ ", family.nft());
+                        for (i, e) in chunk.iter().enumerate() {
+                            if i > 0 {
+                                out.push_str(", ");
+                            }
+                            e.write(out);
+                        }
+                        out.push_str(" }\n");
+                    }
+                }
+                Op::DeleteElements {
+                    family,
+                    table,
+                    set,
+                    keys,
+                } => {
+                    for chunk in keys.chunks(TEXT_ELEMENTS_PER_COMMAND) {
+                        let _ = write!(out, "delete element {} {table} {set} {{ ", family.nft());
+                        for (i, k) in chunk.iter().enumerate() {
+                            if i > 0 {
+                                out.push_str(", ");
+                            }
+                            k.write(out);
+                        }
+                        out.push_str(" }\n");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The transaction that turns `old` into `new` (the same table; a different family or
+/// name is an error). The one function that decides what changed:
+///
+/// 1. the table, if `old` does not exist;
+/// 2. new sets and chains (a set or chain whose declaration changed cannot change in
+///    place: then the whole table is replaced, [`Transaction::replace`], and the
+///    transaction says so in `replaces`);
+/// 3. chains whose rules changed are flushed, and chains that go are flushed (dropping
+///    their references first);
+/// 4. rules of new and changed chains;
+/// 5. elements: removed or re-valued keys out, new or re-valued keys in;
+/// 6. removed chains, then removed sets (now unreferenced).
+///
+/// Dynamic sets' elements are the kernel's, never diffed.
+pub fn diff(old: &Table, new: &Table) -> Result<Transaction, NftError> {
+    if old.family != new.family || old.name != new.name {
+        return Err(NftError::Invalid(format!(
+            "diff between tables {} {} and {} {}",
+            old.family.nft(),
+            old.name,
+            new.family.nft(),
+            new.name
+        )));
+    }
+    Ok(diff_tables(old, new))
+}
+
+/// [`diff`] of two states of the same table.
+fn diff_tables(old: &Table, new: &Table) -> Transaction {
+    let (family, table) = (new.family, &new.name);
+    let mut t = Transaction::default();
+    let n = &mut t.counts;
+    let mut ops = Vec::new();
+    if !old.exists && new.exists {
+        ops.push(Op::AddTable {
+            family,
+            table: table.clone(),
+            comment: new.comment.clone(),
+        });
+    }
+    if !new.exists {
+        if old.exists {
+            ops.push(Op::DeleteTable {
+                family,
+                table: table.clone(),
+            });
+        }
+        t.ops = ops;
+        return t;
+    }
+    // A changed declaration cannot be applied in place (a set's type, a chain's hook):
+    // the table is replaced, in one transaction as always.
+    let redeclared = new
+        .sets
+        .iter()
+        .any(|(name, s)| old.sets.get(name).is_some_and(|o| o.decl != s.decl))
+        || new
+            .chains
+            .iter()
+            .any(|(name, c)| old.chains.get(name).is_some_and(|o| o.hook != c.hook));
+    if old.exists && redeclared {
+        let mut t = Transaction::replace(new);
+        t.replaces = true;
+        return t;
+    }
+    let mut deletes = Vec::new();
+    // 1. New sets and chains.
+    for (name, s) in &new.sets {
+        if !old.sets.contains_key(name) {
+            n.sets_added += 1;
+            ops.push(Op::AddSet {
+                family,
+                table: table.clone(),
+                name: name.clone(),
+                decl: s.decl.clone(),
+            });
+        }
+    }
+    for (name, c) in &new.chains {
+        if !old.chains.contains_key(name) {
+            n.chains_added += 1;
+            ops.push(Op::AddChain {
+                family,
+                table: table.clone(),
+                name: name.clone(),
+                hook: c.hook,
+            });
+        }
+    }
+    // 2. Flush changed and removed chains.
+    for (name, c) in &old.chains {
+        match new.chains.get(name) {
+            Some(nc) if nc.rules == c.rules => {}
+            Some(_) => {
+                n.chains_changed += 1;
+                ops.push(Op::FlushChain {
+                    family,
+                    table: table.clone(),
+                    name: name.clone(),
+                });
+            }
+            None => {
+                ops.push(Op::FlushChain {
+                    family,
+                    table: table.clone(),
+                    name: name.clone(),
+                });
+                n.chains_deleted += 1;
+                deletes.push(Op::DeleteChain {
+                    family,
+                    table: table.clone(),
+                    name: name.clone(),
+                });
+            }
+        }
+    }
+    // 3. Rules of new and changed chains.
+    for (name, c) in &new.chains {
+        if old.chains.get(name).is_some_and(|o| o.rules == c.rules) {
+            continue;
+        }
+        for r in &c.rules {
+            ops.push(Op::AddRule {
+                family,
+                table: table.clone(),
+                chain: name.clone(),
+                rule: r.clone(),
+            });
+        }
+    }
+    // 4. Elements.
+    let empty = BTreeMap::new();
+    let mut adds = Vec::new();
+    for (name, s) in &new.sets {
+        if s.decl.dynamic {
+            continue;
+        }
+        let olde = old.sets.get(name).map(|o| &o.elements).unwrap_or(&empty);
+        let del: Vec<Tuple> = olde
+            .iter()
+            .filter(|(k, v)| s.elements.get(*k) != Some(*v))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let add: Vec<Elem> = s
+            .elements
+            .iter()
+            .filter(|(k, v)| olde.get(*k) != Some(*v))
+            .map(|(k, v)| Elem {
+                key: k.clone(),
+                value: v.clone(),
+            })
+            .collect();
+        n.elements_deleted += del.len();
+        n.elements_added += add.len();
+        if !del.is_empty() {
+            ops.push(Op::DeleteElements {
+                family,
+                table: table.clone(),
+                set: name.clone(),
+                keys: del,
+            });
+        }
+        if !add.is_empty() {
+            adds.push(Op::AddElements {
+                family,
+                table: table.clone(),
+                set: name.clone(),
+                elems: add,
+            });
+        }
+    }
+    ops.extend(adds);
+    // 5. Removed chains, then removed sets.
+    ops.extend(deletes);
+    for (name, s) in &old.sets {
+        if !new.sets.contains_key(name) {
+            n.sets_deleted += 1;
+            ops.push(Op::DeleteSet {
+                family,
+                table: table.clone(),
+                name: name.clone(),
+                map: s.decl.is_map(),
+            });
+        }
+    }
+    t.ops = ops;
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What applying `tx` to `t` gives (a model of the kernel's transaction, for
+    /// checking that `diff` says everything and only what changed).
+    fn apply(t: &Table, tx: &Transaction) -> Table {
+        let mut t = t.clone();
+        for op in &tx.ops {
+            match op {
+                Op::AddTable { comment, .. } => {
+                    if !t.exists {
+                        t.exists = true;
+                        t.comment = comment.clone();
+                    }
+                }
+                Op::DeleteTable { .. } => {
+                    t = Table::absent(t.family, &t.name);
+                }
+                Op::AddSet { name, decl, .. } => {
+                    t.sets.entry(name.clone()).or_insert(Set::new(decl.clone()));
+                }
+                Op::DeleteSet { name, .. } => {
+                    t.sets.remove(name).expect("deleted set exists");
+                }
+                Op::AddChain { name, hook, .. } => {
+                    t.chains.entry(name.clone()).or_insert(Chain {
+                        hook: *hook,
+                        rules: Vec::new(),
+                    });
+                }
+                Op::FlushChain { name, .. } => t.chains.get_mut(name).unwrap().rules.clear(),
+                Op::DeleteChain { name, .. } => {
+                    let c = t.chains.remove(name).expect("deleted chain exists");
+                    assert!(c.rules.is_empty(), "chain {name} deleted while not empty");
+                }
+                Op::AddRule { chain, rule, .. } => {
+                    t.chains.get_mut(chain).unwrap().rules.push(rule.clone())
+                }
+                Op::AddElements { set, elems, .. } => {
+                    let s = t.sets.get_mut(set).unwrap();
+                    for e in elems {
+                        assert!(s.elements.insert(e.key.clone(), e.value.clone()).is_none());
+                    }
+                }
+                Op::DeleteElements { set, keys, .. } => {
+                    let s = t.sets.get_mut(set).unwrap();
+                    for k in keys {
+                        assert!(s.elements.remove(k).is_some(), "deleted element exists");
+                    }
+                }
+            }
+        }
+        t
+    }
+
+    fn ip(s: &str) -> Atom {
+        Atom::Addr(s.parse().unwrap())
+    }
+
+    fn vmap() -> SetDecl {
+        SetDecl::map(
+            vec![Field::Ipv4Addr, Field::InetProto, Field::InetService],
+            SetData::Verdict,
+        )
+        .with_comment("cluster IPs")
+    }
+
+    fn sample() -> Table {
+        let mut t = Table::new(Family::Ip, "kproxy");
+        t.chains.insert(
+            "nat-prerouting".into(),
+            Chain {
+                hook: Some(Hook::nat(HookPoint::Prerouting, -100)),
+                rules: vec!["jump services".into()],
+            },
+        );
+        t.chains.insert(
+            "services".into(),
+            Chain {
+                hook: None,
+                rules: vec!["ip daddr . meta l4proto . th dport vmap @service-ips".into()],
+            },
+        );
+        t.chains.insert(
+            "svc-a".into(),
+            Chain {
+                hook: None,
+                rules: vec!["drop".into()],
+            },
+        );
+        let mut s = Set::new(vmap());
+        let key = |a: &str| Tuple::new(&[ip(a), Atom::Proto(6), Atom::Port(80)]);
+        s.elements.insert(
+            key("10.96.0.1"),
+            Some(Value::Verdict(Verdict::Goto("svc-a".into()))),
+        );
+        s.elements
+            .insert(key("10.96.0.2"), Some(Value::Verdict(Verdict::Drop)));
+        t.sets.insert("service-ips".into(), s);
+        let mut h = Set::new(SetDecl::set(vec![Field::Ipv4Addr]));
+        h.elements.insert(Tuple::new(&[ip("10.96.0.1")]), None);
+        t.sets.insert("cluster-ips".into(), h);
+        t
+    }
+
+    /// Variants of `sample`, each one kind of change.
+    fn variants() -> Vec<(&'static str, Table)> {
+        let key = |a: &str| Tuple::new(&[ip(a), Atom::Proto(6), Atom::Port(80)]);
+        let mut v = Vec::new();
+        let mut t = sample();
+        t.chains.get_mut("svc-a").unwrap().rules = vec!["accept".into(), "drop".into()];
+        v.push(("rules changed", t));
+        let mut t = sample();
+        t.chains.remove("svc-a");
+        t.sets
+            .get_mut("service-ips")
+            .unwrap()
+            .elements
+            .remove(&key("10.96.0.1"));
+        v.push(("chain and its element removed", t));
+        let mut t = sample();
+        t.sets.get_mut("service-ips").unwrap().elements.insert(
+            key("10.96.0.2"),
+            Some(Value::Verdict(Verdict::Goto("svc-a".into()))),
+        );
+        v.push(("element re-valued", t));
+        let mut t = sample();
+        t.sets.remove("cluster-ips");
+        t.sets.insert(
+            "dnat-c-2".into(),
+            Set::new(SetDecl {
+                by_expr: true,
+                ..SetDecl::map(
+                    vec![
+                        Field::Ipv4Addr,
+                        Field::InetProto,
+                        Field::InetService,
+                        Field::Numgen(2),
+                    ],
+                    SetData::Fields(vec![Field::Ipv4Addr, Field::InetService]),
+                )
+            }),
+        );
+        t.chains.insert(
+            "disp-c-2".into(),
+            Chain {
+                hook: None,
+                rules: vec!["dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @dnat-c-2".into()],
+            },
+        );
+        v.push(("set removed, map and chain added", t));
+        v.push(("same", sample()));
+        v.push(("empty table", Table::new(Family::Ip, "kproxy")));
+        v
+    }
+
+    /// Applying diff(old, new) to old gives new, for every pair of variants, and the
+    /// counts say what changed.
+    #[test]
+    fn diff_applied_to_old_gives_new() {
+        let mut all = variants();
+        all.push(("absent", Table::absent(Family::Ip, "kproxy")));
+        for (a, old) in &all {
+            for (b, new) in &all {
+                let tx = diff(old, new).unwrap();
+                assert!(!tx.replaces, "{a} -> {b}");
+                assert_eq!(&apply(old, &tx), new, "{a} -> {b}:\n{}", tx.nft_text());
+                if old == new {
+                    assert!(tx.is_empty(), "{a} -> {b}: {tx:?}");
+                    assert!(tx.counts.is_empty());
+                } else {
+                    assert!(!tx.is_empty(), "{a} -> {b}");
+                }
+                // Ordered by phase already: `order` changes nothing.
+                let mut o = tx.clone();
+                o.order();
+                assert_eq!(o, tx, "{a} -> {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn diff_counts_and_text() {
+        let old = sample();
+        let mut new = sample();
+        new.chains.get_mut("svc-a").unwrap().rules = vec!["accept".into()];
+        let key = Tuple::new(&[ip("10.96.0.2"), Atom::Proto(6), Atom::Port(80)]);
+        new.sets
+            .get_mut("service-ips")
+            .unwrap()
+            .elements
+            .insert(key, Some(Value::Verdict(Verdict::Goto("svc-a".into()))));
+        let tx = diff(&old, &new).unwrap();
+        assert_eq!(
+            tx.counts,
+            Counts {
+                chains_changed: 1,
+                elements_added: 1,
+                elements_deleted: 1,
+                ..Counts::default()
+            }
+        );
+        assert_eq!(
+            tx.nft_text(),
+            format!(
+                "flush chain ip kproxy svc-a\n\
+                 add rule ip kproxy svc-a accept comment \"kp:{}\"\n\
+                 delete element ip kproxy service-ips {{ 10.96.0.2 . tcp . 80 }}\n\
+                 add element ip kproxy service-ips {{ 10.96.0.2 . tcp . 80 : goto svc-a }}\n",
+                rule_id("accept")
+            )
+        );
+        assert!(tx.elements_only() == false);
+    }
+
+    /// A declaration that cannot change in place replaces the table.
+    #[test]
+    fn changed_declarations_replace_the_table() {
+        let old = sample();
+        let mut new = sample();
+        new.sets.get_mut("cluster-ips").unwrap().decl.comment = Some("x".into());
+        let tx = diff(&old, &new).unwrap();
+        assert!(tx.replaces);
+        assert_eq!(apply(&old, &tx), new);
+        let mut new = sample();
+        new.chains.get_mut("nat-prerouting").unwrap().hook =
+            Some(Hook::nat(HookPoint::Prerouting, -99));
+        let tx = diff(&old, &new).unwrap();
+        assert!(tx.replaces);
+        assert_eq!(apply(&old, &tx), new);
+        assert!(diff(&old, &Table::new(Family::Ip6, "kproxy")).is_err());
+        assert!(diff(&old, &Table::new(Family::Ip, "other")).is_err());
+    }
+
+    /// Declarations render as kproxy has always written them.
+    #[test]
+    fn declarations_render_as_nft_text() {
+        let text = |d: &SetDecl| {
+            let mut s = String::new();
+            d.write(&mut s);
+            s
+        };
+        assert_eq!(
+            text(&vmap()),
+            "type ipv4_addr . inet_proto . inet_service : verdict; comment \"cluster IPs\";"
+        );
+        let dnat = SetDecl {
+            by_expr: true,
+            ..SetDecl::map(
+                vec![
+                    Field::Ipv6Addr,
+                    Field::InetProto,
+                    Field::InetService,
+                    Field::Numgen(3),
+                ],
+                SetData::Fields(vec![Field::Ipv6Addr, Field::InetService]),
+            )
+        };
+        assert_eq!(
+            text(&dnat),
+            "typeof ip6 daddr . meta l4proto . th dport . numgen random mod 3 : ip6 daddr . th dport;"
+        );
+        let aff = SetDecl {
+            dynamic: true,
+            timeout_secs: Some(10800),
+            ..SetDecl::set(vec![Field::Ipv4Addr])
+        };
+        assert_eq!(
+            text(&aff),
+            "type ipv4_addr; flags dynamic,timeout; timeout 10800s;"
+        );
+        let pods = SetDecl {
+            interval: true,
+            auto_merge: true,
+            ..SetDecl::set(vec![Field::Ipv4Addr]).with_comment("local pod CIDRs")
+        };
+        assert_eq!(
+            text(&pods),
+            "type ipv4_addr; flags interval; auto-merge; comment \"local pod CIDRs\";"
+        );
+        let mut h = String::new();
+        Hook::nat(HookPoint::Postrouting, 100).write(&mut h);
+        assert_eq!(
+            h,
+            "type nat hook postrouting priority srcnat; policy accept;"
+        );
+    }
+
+    #[test]
+    fn elements_parse_typed_and_write_back() {
+        let d = vmap();
+        let e = d.parse_elem("10.96.0.1 . udp . 53", "goto svc-x").unwrap();
+        assert_eq!(
+            e.key,
+            Tuple::new(&[ip("10.96.0.1"), Atom::Proto(17), Atom::Port(53)])
+        );
+        let mut s = String::new();
+        e.write(&mut s);
+        assert_eq!(s, "10.96.0.1 . udp . 53 : goto svc-x");
+        assert!(d.parse_elem("10.96.0.1 . udp", "drop").is_none());
+        assert!(d.parse_elem("10.96.0.1 . udp . 53", "reject").is_none());
+        assert!(d.parse_elem("fd00::1 . udp . 53", "drop").is_none());
+    }
+
+    /// FNV-1a 64 test vectors: the ids a reader of the kernel recomputes.
+    #[test]
+    fn rule_ids_are_fnv1a_64() {
+        assert_eq!(rule_id(""), "cbf29ce484222325");
+        assert_eq!(rule_id("a"), "af63dc4c8601ec8c");
+        assert_eq!(rule_id("foobar"), "85944171f73967e8");
+    }
+}
