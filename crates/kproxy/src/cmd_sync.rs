@@ -55,7 +55,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.dry_run {
         kproxy_nft::validate_plan(&plan).context("checking the plan")?;
         let desired = kproxy_nft::desired(&plan, &dp_config);
-        print!("{}", kproxy_nft::full_transaction(&desired).nft_text());
+        print!("{}", kproxy_nft::full_transaction(desired).nft_text());
         return Ok(if failed {
             ExitCode::from(1)
         } else {

@@ -36,7 +36,7 @@ fn main() {
     let live_tx = memory::live();
     reset_peak();
     let tables = [recs[0].assemble(), recs[1].assemble()];
-    let tx = kproxy_nft::full_transaction(&tables);
+    let tx = kproxy_nft::full_transaction(tables);
     let script = tx.nft_text();
     let tx_peak = memory::peak().saturating_sub(live_tx);
     println!(

@@ -274,7 +274,7 @@ impl Dataplane {
                         Vec::new()
                     } else {
                         let tables = [recs[0].assemble(), recs[1].assemble()];
-                        let tx = full_transaction(&tables);
+                        let tx = full_transaction(tables);
                         report.changes = tx.counts;
                         vec![Step::Nft(tx.nft_text())]
                     };
@@ -383,31 +383,30 @@ impl Dataplane {
         recs: &[record::FamilyRecord; 2],
         report: &mut SyncReport,
     ) -> Result<bool, NftError> {
-        let create = |tables: &[Table; 2]| -> Result<Transaction, NftError> {
+        let create = |tables: [Table; 2]| {
             let mut tx = Transaction::default();
             for t in tables {
-                tx.extend(model::diff(&Table::absent(t.family, &t.name), t)?);
+                tx.extend(Transaction::create(t));
             }
-            Ok(tx)
+            tx
         };
         let bare = [recs[0].assemble_structure(), recs[1].assemble_structure()];
-        let (structure, _, hooks) = create(&bare)?.split_for_absent_tables();
+        let (structure, _, hooks) = create(bare).split_for_absent_tables();
         let (structure, hooks) = (structure.nft_text(), hooks.nft_text());
         let t = Instant::now();
         let (loaded, encoded) = std::thread::scope(|s| {
             // A thread starts in its creator's network namespace, so nft acts on ours.
             let nft = s.spawn(|| nft::run_script(&structure));
-            let encoded = create(&[recs[0].assemble(), recs[1].assemble()]).map(|tx| {
-                let counts = tx.counts;
-                let (_, elements, _) = tx.split_for_absent_tables();
-                (counts, netlink::Batch::transaction(&elements))
-            });
+            let tx = create([recs[0].assemble(), recs[1].assemble()]);
+            let counts = tx.counts;
+            let (_, elements, _) = tx.split_for_absent_tables();
+            let encoded = (counts, netlink::Batch::transaction(&elements));
             let loaded = nft.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
             (loaded, encoded)
         });
         report.script_bytes += structure.len();
         loaded?;
-        let (counts, batch) = encoded?;
+        let (counts, batch) = encoded;
         let Some(batch) = batch else {
             return Ok(false);
         };
@@ -567,7 +566,7 @@ pub fn desired(plan: &NodePlan, cfg: &DataplaneConfig) -> [Table; 2] {
 
 /// The one transaction a full sync sends when the tables may exist: each family's
 /// table replaced (created, deleted, created again with everything), no gap.
-pub fn full_transaction(tables: &[Table; 2]) -> Transaction {
+pub fn full_transaction(tables: [Table; 2]) -> Transaction {
     let mut tx = Transaction::default();
     for t in tables {
         tx.extend(Transaction::replace(t));
@@ -579,7 +578,7 @@ pub fn full_transaction(tables: &[Table; 2]) -> Transaction {
 /// tables exist; into absent tables it sends the same objects in steps). For golden
 /// tests and operators (`kproxy sync --dry-run`).
 pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
-    full_transaction(&desired(plan, cfg)).nft_text()
+    full_transaction(desired(plan, cfg)).nft_text()
 }
 
 /// Checks the plan's only free-form strings (interface names from the local-traffic

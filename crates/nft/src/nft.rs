@@ -144,9 +144,10 @@ pub fn compare_with_kernel(rs: &Table) -> Result<Vec<String>, NftError> {
     for c in scratch.chains.values_mut() {
         c.hook = None;
     }
-    run_script(&Transaction::replace(&scratch).nft_text())?;
-    let expected = list_table_json(family, &scratch.name);
-    let removed = run_script(&format!("delete table {family} {}\n", scratch.name));
+    let scratch_name = scratch.name.clone();
+    run_script(&Transaction::replace(scratch).nft_text())?;
+    let expected = list_table_json(family, &scratch_name);
+    let removed = run_script(&format!("delete table {family} {scratch_name}\n"));
     let expected = expected?.ok_or_else(|| NftError::Parse("scratch table vanished".into()))?;
     removed?;
     let (k, e) = (normalize(&kernel), normalize(&expected));

@@ -138,14 +138,63 @@ impl FamilyRecord {
     /// compares the kernel with).
     pub fn assemble(&self) -> Table {
         let mut rs = self.assemble_structure();
+        // Per set, its Service elements in plan order, sorted and built into the set's
+        // map in bulk (a third of the time of inserting ≈ 176k elements one by one); a
+        // key twice keeps its first value, as `Table::add_elements` does.
+        let mut pending: BTreeMap<SetRef, Vec<(Tuple, Option<Value>)>> = BTreeMap::new();
+        let mut shared: BTreeMap<&str, Vec<(Tuple, Option<Value>)>> = BTreeMap::new();
         for sh in self.shared.keys() {
-            if let Some(s) = rs.sets.get_mut(sh.set()) {
-                s.elements.insert(sh.tuple(), None);
+            shared.entry(sh.set()).or_default().push((sh.tuple(), None));
+        }
+        // Typing the frontends' elements is most of the work (≈ 250k rows at 5k × 50):
+        // on every core, as the fragments are built. Frontends never share a key, so
+        // the parts' order does not matter.
+        let sets = &rs.sets;
+        let type_all = |fes: &[&Arc<Frontend>]| {
+            let mut part: BTreeMap<SetRef, Vec<(Tuple, Option<Value>)>> = BTreeMap::new();
+            for fe in fes {
+                let typed = fe.typed_elements(|set| sets.get(set.name().as_ref()).map(|s| &s.decl));
+                for (set, e) in typed {
+                    part.entry(set).or_default().push((e.key, e.value));
+                }
+            }
+            part
+        };
+        let fes: Vec<&Arc<Frontend>> = self.frontends.values().filter_map(Claims::first).collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        let parts = if threads == 1 || fes.len() < 2048 {
+            vec![type_all(&fes)]
+        } else {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = fes
+                    .chunks(fes.len().div_ceil(threads))
+                    .map(|c| s.spawn(move || type_all(c)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect()
+            })
+        };
+        for part in parts {
+            for (set, mut v) in part {
+                pending.entry(set).or_default().append(&mut v);
             }
         }
-        for claims in self.frontends.values() {
-            if let Some(fe) = claims.first() {
-                rs.add_elements(fe);
+        let pending = pending.into_iter().map(|(set, v)| (set.name(), v));
+        let shared = shared.into_iter().map(|(set, v)| (set.into(), v));
+        for (name, mut elems) in pending.chain(shared) {
+            let Some(s) = rs.sets.get_mut(name.as_ref()) else {
+                continue;
+            };
+            elems.sort_by_key(|a| a.0);
+            elems.dedup_by(|later, first| later.0 == first.0);
+            if s.elements.is_empty() {
+                s.elements = elems.into_iter().collect();
+            } else {
+                for (k, v) in elems {
+                    s.elements.entry(k).or_insert(v);
+                }
             }
         }
         rs
@@ -370,13 +419,13 @@ impl FamilyRecord {
             };
             let (b, a) = (elements(&before), elements(&after));
             for ((set, k), v) in &b {
-                if a.get(&(*set, k.clone())) != Some(v) {
+                if a.get(&(*set, *k)) != Some(v) {
                     let keys = dels.entry(set.name().into_owned()).or_default();
-                    keys.insert(k.clone());
+                    keys.insert(*k);
                 }
             }
             for ((set, k), v) in a {
-                if b.get(&(set, k.clone())) != Some(&v) {
+                if b.get(&(set, k)) != Some(&v) {
                     adds.entry(set.name().into_owned())
                         .or_default()
                         .insert(k, v);
@@ -521,7 +570,7 @@ mod tests {
                 let rec = FamilyRecord::full(&plan, &cfg, family);
                 let table = rec.assemble();
                 assert_eq!(table, ruleset::build(&plan, &cfg, family));
-                let all = Transaction::replace(&table).nft_text();
+                let all = Transaction::replace(table.clone()).nft_text();
                 assert!(family == IpFamily::IPv6 || all.contains("dnat-c-"), "{all}");
 
                 let absent = Table::absent(table.family, &table.name);

@@ -387,7 +387,7 @@ impl std::fmt::Debug for Key<'_> {
 
 /// `n` in decimal, without the formatting machinery (a full script writes ≈ 100k row
 /// keys).
-fn write_u32(out: &mut String, mut n: u32) {
+pub(crate) fn write_u32(out: &mut String, mut n: u32) {
     let mut buf = [0u8; 10];
     let mut i = buf.len();
     loop {
@@ -437,7 +437,8 @@ impl Frontend {
     ) -> Vec<(SetRef, crate::model::Elem)> {
         let mut out = Vec::with_capacity(self.elems.len());
         // The current run: its set, declaration, and parsed key (per row-ness).
-        let mut run: Option<(SetRef, Option<&SetDecl>, Option<(bool, Tuple)>)> = None;
+        type Run<'d> = (SetRef, Option<&'d SetDecl>, Option<(bool, Tuple)>);
+        let mut run: Option<Run> = None;
         for (set, key, value) in self.elements() {
             if run.as_ref().is_none_or(|(s, ..)| *s != set) {
                 run = Some((set, decl(set), None));
