@@ -153,10 +153,13 @@ impl daemon::Dataplane for NftDataplane {
     fn sync(&mut self, plan: &NodePlan, _update: &PlanUpdate) -> Result<SyncOutcome> {
         let r = self.0.sync(plan).context("programming nftables")?;
         Ok(SyncOutcome {
-            full: r.full,
+            // An adoption (a process's first sync into tables it found, sending only
+            // the difference) reconciles the whole state, as a full sync does.
+            full: r.full || r.adopted,
             conntrack_deleted: r.conntrack_deleted,
             detail: serde_json::json!({
                 "nft_ms": r.elapsed.as_secs_f64() * 1e3,
+                "adopted": r.adopted,
                 // How the change reached the kernel: `nft -f` scripts, an nfnetlink
                 // batch (element-only deltas), both (a first sync into absent
                 // tables), or nothing to change.

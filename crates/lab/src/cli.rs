@@ -25,8 +25,30 @@ pub enum LabCommand {
     /// The scenario matrix: pod profiles × seed 2's settings × LB presets × both proxy
     /// behaviours, one real rollout per cell, each beside what `kproxy lint` says (root).
     Matrix(Box<MatrixArgs>),
+    /// Restart, kill and upgrade node 1's kproxy under load through an eTP=Local LB and
+    /// a cluster IP; failures counted per phase (issue 18; root).
+    Restart(Box<RestartArgs>),
     /// Remove lab namespaces (and their processes) left behind by killed runs (root).
     Sweep,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RestartArgs {
+    /// Nodes in the lab cluster (one pod each).
+    #[arg(long, default_value_t = 3)]
+    pub nodes: usize,
+    /// Real time = nominal time × this (pod readiness, LB health checks).
+    #[arg(long, default_value_t = 0.15)]
+    pub time_scale: f64,
+    /// Seconds of load after each new process has synced, before the next phase.
+    #[arg(long, default_value_t = 3.0)]
+    pub hold_seconds: f64,
+    #[arg(short = 'o', long, value_enum, default_value = "text")]
+    pub output: OutputFormat,
+    /// The kproxy binary to run on each node (default: this executable); the upgrade
+    /// phase runs a copy of it from another path.
+    #[arg(long)]
+    pub kproxy: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -325,7 +347,51 @@ pub fn run(args: LabArgs) -> anyhow::Result<ExitCode> {
         }
         LabCommand::Rollout(a) => rollout(&a),
         LabCommand::Matrix(a) => matrix(&a),
+        LabCommand::Restart(a) => restart(&a),
     }
+}
+
+fn restart(a: &RestartArgs) -> anyhow::Result<ExitCode> {
+    need_root("restart")?;
+    if !(1..=fabric_max_nodes()).contains(&a.nodes) {
+        bail!("--nodes must be 1..={}", fabric_max_nodes());
+    }
+    if !(a.hold_seconds.is_finite() && (0.5..=600.0).contains(&a.hold_seconds)) {
+        bail!("--hold-seconds must be 0.5..=600");
+    }
+    let cfg = RolloutConfig {
+        nodes: a.nodes,
+        time_scale: a.time_scale,
+        deployment: crate::cluster::DeploymentSpec {
+            replicas: a.nodes as u32,
+            ..RolloutConfig::default().deployment
+        },
+        ..RolloutConfig::default()
+    };
+    let kproxy = match &a.kproxy {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().context("finding the kproxy executable")?,
+    };
+    let progress = |line: &str| eprintln!("{line}");
+    let report = crate::restart::run(
+        &cfg,
+        &kproxy,
+        std::time::Duration::from_secs_f64(a.hold_seconds),
+        &progress,
+    )?;
+    match a.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        _ => print!("{}", crate::restart::render_text(&report)),
+    }
+    Ok(if report.failures == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn fabric_max_nodes() -> usize {
+    crate::fabric::MAX_NODES
 }
 
 fn need_root(what: &str) -> anyhow::Result<()> {

@@ -112,6 +112,25 @@ impl Kproxyd {
         self.spawn(true)
     }
 
+    /// Kill the daemon with SIGKILL (no shutdown path runs) and start it again with the
+    /// same arguments.
+    pub fn kill_and_start(&mut self) -> Result<(), LabError> {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.spawn(true)
+    }
+
+    /// Stop the daemon (SIGTERM) and start `kproxy` in its place with the same
+    /// arguments, as a DaemonSet update does.
+    pub fn replace(&mut self, kproxy: &Path) -> Result<(), LabError> {
+        self.stop();
+        // argv: netns exec NS KPROXY run ...
+        self.argv[3] = kproxy.into();
+        self.spawn(true)
+    }
+
     /// Is the process still running? Err carries the tail of its log if not.
     pub fn check_alive(&mut self) -> Result<(), LabError> {
         let Some(c) = self.child.as_mut() else {

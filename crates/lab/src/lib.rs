@@ -23,6 +23,7 @@ pub mod netns;
 pub mod plot;
 pub mod pod;
 pub mod report;
+pub mod restart;
 pub mod scenario;
 pub mod timeline;
 

@@ -1,5 +1,6 @@
 //! Dataplane benchmarks in a throwaway network namespace: full sync (cold, and replacing
-//! an existing table) and one-endpoint-change syncs (delta path) for synthetic clusters.
+//! an existing table), one-endpoint-change syncs (delta path), and a restart that adopts
+//! the tables (nothing changed; 100 Services changed) for synthetic clusters.
 //! Reports wall time and the kernel/user CPU of the `nft` child (getrusage
 //! RUSAGE_CHILDREN), i.e. where the transaction's kernel work is accounted.
 //!
@@ -135,6 +136,32 @@ fn run(services: usize, eps: usize) {
         p50.1.netlink_bytes,
         ms(max.1.wall)
     );
+    // Restart (issue 18 item 3): a new Dataplane reads the tables back and adopts them,
+    // with nothing changed, then after 100 Services' endpoints changed while it was down.
+    let restart = measure(
+        &mut Dataplane::new(cfg.clone()).expect("config"),
+        planner.plan(),
+    );
+    for i in 0..100 {
+        state.upsert_slice(synthetic::slice(&spec, (i * 97) % services, 100 + i));
+    }
+    planner.update(&mut state);
+    let mut dp2 = Dataplane::new(cfg.clone()).expect("config");
+    let t = Instant::now();
+    let r = dp2.sync(planner.plan()).expect("sync");
+    let changed = t.elapsed();
+    println!(
+        "{services}x{eps}: restart adopting, nothing changed: wall {} ms ({} B sent) | 100 Services changed meanwhile: wall {} ms (adopted {}, {} elements added, {} deleted, {} chains changed, transaction {} ms)",
+        ms(restart.wall),
+        restart.bytes + restart.netlink_bytes,
+        ms(changed),
+        r.adopted,
+        r.changes.elements_added,
+        r.changes.elements_deleted,
+        r.changes.chains_changed,
+        ms(r.transaction)
+    );
+    dp = dp2;
     // Verification loads a scratch copy and lists both tables: slow at scale, and never
     // on the sync path; measured only on request.
     if std::env::var_os("KPROXY_BENCH_VERIFY").is_some() {

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod conntrack;
+pub mod dump;
 pub mod model;
 pub mod netlink;
 pub mod nft;
@@ -117,6 +118,9 @@ pub struct SyncReport {
     pub netlink_bytes: usize,
     pub changes: DeltaCounts,
     pub conntrack_deleted: usize,
+    /// The first sync of this process found kproxy's tables in the kernel, read them
+    /// back and sent only the difference (`changes`); see [`dump`].
+    pub adopted: bool,
     /// Conntrack cleanup failed (the rules were applied; the next sync retries).
     pub conntrack_error: Option<String>,
 }
@@ -140,6 +144,9 @@ pub struct Dataplane {
     last_plan: Option<NodePlan>,
     /// The netlink socket for element-only deltas, opened at the first one.
     writer: Option<netlink::Writer>,
+    /// The next full sync may adopt the tables in the kernel: only the first one of a
+    /// process (later full syncs repair failures and drift, and replace).
+    adopt_pending: bool,
 }
 
 impl Dataplane {
@@ -151,6 +158,7 @@ impl Dataplane {
             programmed: None,
             last_plan: None,
             writer: None,
+            adopt_pending: true,
         })
     }
 
@@ -158,9 +166,11 @@ impl Dataplane {
         &self.cfg
     }
 
-    /// Forgets the record, so the next sync is a full one.
+    /// Forgets the record, so the next sync is a full one (a replacement, never an
+    /// adoption of the tables in the kernel).
     pub fn force_full_sync(&mut self) {
         self.programmed = None;
+        self.adopt_pending = false;
     }
 
     /// What is programmed, as whole tables (IPv4, IPv6); `None` before the first
@@ -208,29 +218,69 @@ impl Dataplane {
             }
             None => {
                 report.full = true;
-                let recs = [
-                    record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
-                    record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
-                ];
-                let phased = self.tables_absent(&recs)
-                    && match self.first_sync_phased(&recs, &mut report) {
-                        Ok(done) => done,
-                        Err(e) => {
-                            self.programmed = None;
-                            self.writer = None;
-                            return Err(e);
-                        }
-                    };
-                let steps = if phased {
-                    Vec::new()
-                } else {
-                    let tables = [recs[0].assemble(), recs[1].assemble()];
-                    let tx = full_transaction(tables);
-                    report.changes = tx.counts;
-                    vec![Step::Nft(tx.nft_text())]
+                let build = || {
+                    [
+                        record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
+                        record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
+                    ]
                 };
-                self.programmed = Some(recs);
-                steps
+                let (recs, adopted) = if std::mem::take(&mut self.adopt_pending) {
+                    // The kernel's tables are read (mostly kernel time) while the
+                    // records are built. A thread starts in its creator's network
+                    // namespace, so it reads ours.
+                    let table = self.cfg.table.as_str();
+                    let (recs, raw) = std::thread::scope(|s| {
+                        let reader = s.spawn(|| {
+                            [
+                                dump::read_table("ip", table),
+                                dump::read_table("ip6", table),
+                            ]
+                        });
+                        let recs = build();
+                        let raw = reader
+                            .join()
+                            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+                        (recs, raw)
+                    });
+                    let adopted = adopt(&recs, raw);
+                    (recs, adopted)
+                } else {
+                    (build(), None)
+                };
+                if let Some(tx) = adopted {
+                    report.full = false;
+                    report.adopted = true;
+                    report.changes = tx.counts;
+                    self.programmed = Some(recs);
+                    let batch = tx
+                        .elements_only()
+                        .then(|| netlink::Batch::transaction(&tx))
+                        .flatten();
+                    match batch {
+                        Some(b) => vec![Step::Netlink(b)],
+                        None => vec![Step::Nft(tx.nft_text())],
+                    }
+                } else {
+                    let phased = self.tables_absent(&recs)
+                        && match self.first_sync_phased(&recs, &mut report) {
+                            Ok(done) => done,
+                            Err(e) => {
+                                self.programmed = None;
+                                self.writer = None;
+                                return Err(e);
+                            }
+                        };
+                    let steps = if phased {
+                        Vec::new()
+                    } else {
+                        let tables = [recs[0].assemble(), recs[1].assemble()];
+                        let tx = full_transaction(tables);
+                        report.changes = tx.counts;
+                        vec![Step::Nft(tx.nft_text())]
+                    };
+                    self.programmed = Some(recs);
+                    steps
+                }
             }
         };
         for step in steps {
@@ -390,6 +440,62 @@ impl Dataplane {
         }
         Ok(VerifyReport { drift, differences })
     }
+}
+
+/// Adoption at start: from both tables as read back (netlink dumps), the transaction
+/// `diff(kernel, desired)`; `None` (a full replacement follows) when a table is absent
+/// (a first start: the cold path), or when the kernel holds anything the diff cannot
+/// repair in place (logged).
+fn adopt(
+    recs: &[record::FamilyRecord; 2],
+    raw: [Result<Option<dump::RawTable>, NftError>; 2],
+) -> Option<Transaction> {
+    let t = Instant::now();
+    let mut tx = Transaction::default();
+    let (mut rules, mut elements) = (0, 0);
+    for (rec, raw) in recs.iter().zip(raw) {
+        let raw = match raw {
+            Ok(Some(raw)) => raw,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read kproxy's tables back; replacing them");
+                return None;
+            }
+        };
+        rules += raw.rule_count();
+        elements += raw.element_count();
+        let desired = rec.assemble();
+        let kernel = match dump::adopt(&raw, &desired) {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::warn!(error = %e, "kproxy's tables hold what a delta cannot repair; replacing them");
+                return None;
+            }
+        };
+        match model::diff(&kernel, &desired) {
+            Ok(d) if !d.replaces => tx.extend(d),
+            Ok(_) => {
+                tracing::warn!(
+                    family = desired.family.nft(),
+                    "a declaration in the kernel differs; replacing the tables"
+                );
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot diff the kernel's tables; replacing them");
+                return None;
+            }
+        }
+    }
+    tx.order();
+    tracing::info!(
+        rules,
+        elements,
+        diff_ms = t.elapsed().as_secs_f64() * 1e3,
+        changes = ?tx.counts,
+        "adopted kproxy's tables from the kernel"
+    );
+    Some(tx)
 }
 
 /// The Services whose plan differs between `old` and `new`: a different Arc that is also

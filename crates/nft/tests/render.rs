@@ -116,6 +116,8 @@ fn rendered_scripts_load_into_the_kernel() {
     ns.run(move || {
         for plan in &plans {
             let mut dp = kproxy_nft::Dataplane::new(DataplaneConfig::default()).unwrap();
+            // A replacement, not an adoption of the previous plan's tables.
+            dp.force_full_sync();
             let r = dp.sync(plan).expect("full sync loads");
             assert!(r.full);
             assert!(dp.verify().expect("verify").differences.is_empty());

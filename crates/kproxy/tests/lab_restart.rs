@@ -1,0 +1,59 @@
+//! Acceptance test of `kproxy lab restart` (issue 18 item 4): node 1's kproxy is
+//! restarted (SIGTERM), killed (SIGKILL) and replaced by another binary while load
+//! runs through an eTP=Local LB and a cluster IP; no new connection may fail and no
+//! established one break. Needs root (network namespaces; nothing touches the host's
+//! network). Bounded: a time-scaled cluster and 2 s of load per phase.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn restart_kill_and_upgrade_under_load_lose_nothing() {
+    if !kproxy_lab::is_root() {
+        eprintln!("skipped: kproxy lab needs root");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_kproxy"))
+        .args(["lab", "restart", "-o", "json", "--hold-seconds", "2"])
+        .output()
+        .expect("run kproxy lab restart");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!(
+            "no JSON report ({e}); exit {:?}\nstderr:\n{stderr}\nstdout:\n{stdout}",
+            out.status
+        )
+    });
+    let phases = v["phases"].as_array().expect("phases");
+    let names: Vec<&str> = phases
+        .iter()
+        .map(|p| p["disturbance"].as_str().unwrap_or("?"))
+        .collect();
+    assert_eq!(names, ["none", "sigterm", "sigkill", "upgrade"]);
+    for p in phases {
+        let d = p["disturbance"].as_str().unwrap_or("?");
+        if d != "none" {
+            assert!(
+                p["converged_ms"].as_f64().is_some(),
+                "{d}: the new process never synced"
+            );
+        }
+        for path in ["lb", "cluster-ip"] {
+            let c = &p["by_path"][path];
+            let n = |k: &str| {
+                c[k].as_u64()
+                    .unwrap_or_else(|| panic!("{d} {path} {k}: {c}"))
+            };
+            // Load really ran in every phase, on both paths, on new and held connections.
+            assert!(n("new_sent") >= 20, "{d} {path}: {c}");
+            assert!(n("keepalive_sent") >= 20, "{d} {path}: {c}");
+            assert_eq!(n("new_failed"), 0, "{d} {path}: {c}\n{stderr}");
+            assert_eq!(n("established_broken"), 0, "{d} {path}: {c}\n{stderr}");
+            assert_eq!(n("keepalive_other_failed"), 0, "{d} {path}: {c}\n{stderr}");
+        }
+    }
+    assert_eq!(v["failures"], 0);
+    assert!(out.status.success(), "exit {:?}\n{stderr}", out.status);
+}

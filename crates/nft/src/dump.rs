@@ -1,0 +1,1028 @@
+//! Reads kproxy's own tables back from the kernel over nfnetlink (NFT_MSG_GETTABLE,
+//! GETCHAIN, GETSET, GETSETELEM, GETRULE dumps; no `nft list`), and turns what it read
+//! into the desired state's vocabulary so that a restart can apply only the difference
+//! ("adoption", see `Dataplane::sync`).
+//!
+//! Two halves:
+//! - [`read_table`] (imperative): the dumps, decoded by hand into [`RawTable`] (attribute
+//!   walking over the received bytes; netlink-packet-netfilter's types cost microseconds
+//!   per element, and a 10k-Service table has ≈ 176k of them). A dump the kernel marks
+//!   interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved while reading is
+//!   an error: the caller falls back to a full replacement.
+//! - [`adopt`] (pure): a [`RawTable`] and the desired model [`Table`] → the kernel as a
+//!   `Table`, so that adoption is `model::diff(kernel, desired)`. Rules cannot be turned
+//!   back into text, so a chain is taken as "holding the desired rules" when its rules'
+//!   comments are `kp:` + [`rule_id`] of the desired rules, in order; any other chain is
+//!   marked so that the diff flushes and refills it. Sets and maps compare by
+//!   declaration (key/data types, flags, timeout, comment, checked against the dump)
+//!   and by typed elements decoded with the desired declaration. Anything it cannot
+//!   account for — a foreign table comment, a base chain whose hook differs, a set
+//!   whose type differs or whose elements do not decode — is an [`AdoptError`], and the
+//!   caller replaces the table as a whole.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use netlink_sys::Socket;
+
+use crate::NftError;
+use crate::model::{
+    Atom, Chain, ChainType, Family, Field, Hook, HookPoint, MAX_FIELDS, RULE_ID_PREFIX, Set,
+    SetData, SetDecl, Table, Tuple, Value, Verdict, rule_id,
+};
+
+// linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h.
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_DUMP_INTR: u16 = 0x10;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_DUMP: u16 = 0x300;
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFT_MSG_GETTABLE: u16 = 1;
+const NFT_MSG_GETCHAIN: u16 = 4;
+const NFT_MSG_GETRULE: u16 = 7;
+const NFT_MSG_GETSET: u16 = 10;
+const NFT_MSG_GETSETELEM: u16 = 13;
+const NFT_MSG_GETGEN: u16 = 16;
+const NFTA_GEN_ID: u16 = 1;
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_TABLE_FLAGS: u16 = 2;
+const NFTA_TABLE_USERDATA: u16 = 6;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_HOOK_HOOKNUM: u16 = 1;
+const NFTA_HOOK_PRIORITY: u16 = 2;
+const NFTA_CHAIN_POLICY: u16 = 5;
+const NFTA_CHAIN_TYPE: u16 = 7;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_HANDLE: u16 = 3;
+const NFTA_RULE_USERDATA: u16 = 7;
+const NFTA_SET_TABLE: u16 = 1;
+const NFTA_SET_NAME: u16 = 2;
+const NFTA_SET_FLAGS: u16 = 3;
+const NFTA_SET_KEY_TYPE: u16 = 4;
+const NFTA_SET_KEY_LEN: u16 = 5;
+const NFTA_SET_DATA_TYPE: u16 = 6;
+const NFTA_SET_DATA_LEN: u16 = 7;
+const NFTA_SET_TIMEOUT: u16 = 11;
+const NFTA_SET_USERDATA: u16 = 13;
+const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
+const NFTA_SET_ELEM_LIST_SET: u16 = 2;
+const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
+const NFTA_SET_ELEM_KEY: u16 = 1;
+const NFTA_SET_ELEM_DATA: u16 = 2;
+const NFTA_SET_ELEM_FLAGS: u16 = 3;
+const NFTA_DATA_VALUE: u16 = 1;
+const NFTA_DATA_VERDICT: u16 = 2;
+const NFTA_VERDICT_CODE: u16 = 1;
+const NFTA_VERDICT_CHAIN: u16 = 2;
+/// libnftnl's udata TLV types: a rule's comment, a set's comment.
+const UDATA_RULE_COMMENT: u8 = 0;
+const UDATA_SET_COMMENT: u8 = 7;
+
+pub const SET_ANONYMOUS: u32 = 0x1;
+pub const SET_INTERVAL: u32 = 0x4;
+pub const SET_MAP: u32 = 0x8;
+pub const SET_TIMEOUT: u32 = 0x10;
+pub const SET_EVAL: u32 = 0x20;
+pub const SET_CONCAT: u32 = 0x80;
+const ELEM_INTERVAL_END: u32 = 0x1;
+
+/// A base chain's hook as the kernel reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawHook {
+    /// `NF_INET_*`: 0 prerouting, 1 input, 2 forward, 3 output, 4 postrouting.
+    pub hooknum: u32,
+    pub priority: i32,
+    /// `nat`, `filter`, `route`.
+    pub kind: String,
+    /// `NF_DROP` 0 / `NF_ACCEPT` 1.
+    pub policy: u32,
+}
+
+/// One rule: its handle and its comment (kproxy's tag), if any.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawRule {
+    pub handle: u64,
+    pub comment: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RawChain {
+    pub hook: Option<RawHook>,
+    pub rules: Vec<RawRule>,
+}
+
+/// What a map element points to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RawData {
+    Value(Vec<u8>),
+    Verdict { code: u32, chain: Option<String> },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawElement {
+    pub key: Vec<u8>,
+    pub data: Option<RawData>,
+    /// `NFT_SET_ELEM_*` (bit 0: the end of an interval).
+    pub flags: u32,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RawSet {
+    pub flags: u32,
+    pub key_type: u32,
+    pub key_len: u32,
+    pub data_type: Option<u32>,
+    pub data_len: Option<u32>,
+    /// Milliseconds.
+    pub timeout: Option<u64>,
+    pub comment: Option<String>,
+    pub elements: Vec<RawElement>,
+}
+
+/// One table as the kernel holds it (anonymous sets, which belong to rules, left out).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RawTable {
+    pub flags: u32,
+    pub comment: Option<String>,
+    pub chains: BTreeMap<String, RawChain>,
+    pub sets: BTreeMap<String, RawSet>,
+}
+
+impl RawTable {
+    pub fn rule_count(&self) -> usize {
+        self.chains.values().map(|c| c.rules.len()).sum()
+    }
+
+    pub fn element_count(&self) -> usize {
+        self.sets.values().map(|s| s.elements.len()).sum()
+    }
+}
+
+/// `ip` / `ip6` → NFPROTO_IPV4 / NFPROTO_IPV6.
+fn family_code(family: &str) -> Result<u8, NftError> {
+    match family {
+        "ip" => Ok(2),
+        "ip6" => Ok(10),
+        f => Err(NftError::Invalid(format!(
+            "table family {f:?}: want ip or ip6"
+        ))),
+    }
+}
+
+/// Attributes of a netlink attribute stream: (type without flag bits, payload).
+struct Attrs<'a>(&'a [u8]);
+
+impl<'a> Iterator for Attrs<'a> {
+    type Item = (u16, &'a [u8]);
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.0.len() < 4 {
+            return None;
+        }
+        let len = usize::from(u16::from_ne_bytes([self.0[0], self.0[1]]));
+        let kind = u16::from_ne_bytes([self.0[2], self.0[3]]) & 0x3fff;
+        if len < 4 || len > self.0.len() {
+            self.0 = &[];
+            return None;
+        }
+        let payload = &self.0[4..len];
+        self.0 = &self.0[len.next_multiple_of(4).min(self.0.len())..];
+        Some((kind, payload))
+    }
+}
+
+fn be32(b: &[u8]) -> Option<u32> {
+    Some(u32::from_be_bytes(b.get(..4)?.try_into().ok()?))
+}
+
+fn be64(b: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(b.get(..8)?.try_into().ok()?))
+}
+
+fn string(b: &[u8]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}
+
+/// The string of TLV `kind` in libnftnl user data (type u8, length u8, value).
+fn udata_string(mut b: &[u8], kind: u8) -> Option<String> {
+    while b.len() >= 2 {
+        let (t, len) = (b[0], usize::from(b[1]));
+        let v = b.get(2..2 + len)?;
+        if t == kind {
+            return Some(string(v));
+        }
+        b = &b[2 + len..];
+    }
+    None
+}
+
+/// A netfilter socket for one reading, with a sequence counter.
+struct Reader {
+    sock: Socket,
+    seq: u32,
+    buf: Vec<u8>,
+}
+
+impl Reader {
+    fn open() -> Result<Reader, NftError> {
+        let sock = crate::netlink::open().map_err(|e| NftError::Io {
+            context: "opening a netfilter netlink socket to read kproxy's tables".into(),
+            source: e,
+        })?;
+        Ok(Reader {
+            sock,
+            seq: 0,
+            buf: vec![0; 1 << 20],
+        })
+    }
+
+    /// Sends one request and hands every answer's nfgenmsg payload (after the 4-byte
+    /// nfgenmsg header) to `each`, until the dump ends or the request is acknowledged.
+    /// `Ok(false)` when the kernel answered ENOENT.
+    fn request(
+        &mut self,
+        what: &str,
+        msg: u16,
+        flags: u16,
+        family: u8,
+        attrs: &[(u16, &str)],
+        mut each: impl FnMut(&[u8]) -> Result<(), NftError>,
+    ) -> Result<bool, NftError> {
+        self.seq += 1;
+        let seq = self.seq;
+        let mut req = Vec::with_capacity(64);
+        req.extend_from_slice(&[0; 4]);
+        req.extend_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | msg).to_ne_bytes());
+        req.extend_from_slice(&(NLM_F_REQUEST | flags).to_ne_bytes());
+        req.extend_from_slice(&seq.to_ne_bytes());
+        req.extend_from_slice(&0u32.to_ne_bytes());
+        req.extend_from_slice(&[family, 0, 0, 0]);
+        for (kind, s) in attrs {
+            let len = 4 + s.len() + 1;
+            req.extend_from_slice(&(len as u16).to_ne_bytes());
+            req.extend_from_slice(&kind.to_ne_bytes());
+            req.extend_from_slice(s.as_bytes());
+            req.push(0);
+            req.resize(req.len().next_multiple_of(4), 0);
+        }
+        let total = req.len() as u32;
+        req[..4].copy_from_slice(&total.to_ne_bytes());
+        self.sock.send(&req, 0).map_err(|e| NftError::Io {
+            context: format!("asking the kernel for {what}"),
+            source: e,
+        })?;
+        loop {
+            let n = self
+                .sock
+                .recv(&mut &mut self.buf[..], 0)
+                .map_err(|e| NftError::Io {
+                    context: format!("reading the kernel's answer about {what}"),
+                    source: e,
+                })?;
+            let mut at = 0;
+            while at + 16 <= n {
+                let b = &self.buf[at..n];
+                let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
+                if len < 16 || len > b.len() {
+                    return Err(NftError::Netlink(format!(
+                        "{what}: a malformed answer ({len}-byte message in {} bytes)",
+                        b.len()
+                    )));
+                }
+                let kind = u16::from_ne_bytes([b[4], b[5]]);
+                let mflags = u16::from_ne_bytes([b[6], b[7]]);
+                let mseq = u32::from_ne_bytes(b[8..12].try_into().expect("4 bytes"));
+                let payload = &b[16..len];
+                at += len.next_multiple_of(4);
+                if mseq != seq {
+                    continue; // a late answer to an earlier request
+                }
+                if mflags & NLM_F_DUMP_INTR != 0 {
+                    return Err(NftError::Netlink(format!(
+                        "{what}: the ruleset changed during the dump"
+                    )));
+                }
+                match kind {
+                    NLMSG_DONE => return Ok(true),
+                    NLMSG_ERROR => {
+                        let code = payload
+                            .get(..4)
+                            .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")));
+                        return match code {
+                            0 => Ok(true),
+                            c if c == -libc::ENOENT => Ok(false),
+                            c => Err(NftError::Netlink(format!(
+                                "{what}: {}",
+                                std::io::Error::from_raw_os_error(-c)
+                            ))),
+                        };
+                    }
+                    _ => each(payload.get(4..).unwrap_or_default())?,
+                }
+            }
+        }
+    }
+
+    /// The ruleset generation (bumped by every committed transaction).
+    fn generation(&mut self) -> Result<u32, NftError> {
+        let mut id = None;
+        self.request(
+            "the ruleset generation",
+            NFT_MSG_GETGEN,
+            NLM_F_ACK,
+            0,
+            &[],
+            |p| {
+                for (k, v) in Attrs(p) {
+                    if k == NFTA_GEN_ID {
+                        id = be32(v);
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        id.ok_or_else(|| NftError::Netlink("the kernel sent no ruleset generation".into()))
+    }
+}
+
+/// Reads table `family table` (e.g. `ip kproxy`) with its chains, rules, named sets
+/// and their elements from the calling thread's network namespace; `None` when the
+/// table does not exist. Consistent: the reading is repeated (up to three times) when a
+/// transaction committed meanwhile, then an error.
+pub fn read_table(family: &str, table: &str) -> Result<Option<RawTable>, NftError> {
+    let fam = family_code(family)?;
+    let mut r = Reader::open()?;
+    for _ in 0..3 {
+        let before = r.generation()?;
+        let got = read_once(&mut r, family, fam, table);
+        let after = r.generation()?;
+        match got {
+            Ok(t) if before == after => return Ok(t),
+            Err(e) if before == after => return Err(e),
+            _ => continue,
+        }
+    }
+    Err(NftError::Netlink(format!(
+        "table {family} {table}: the ruleset kept changing while it was read"
+    )))
+}
+
+fn read_once(
+    r: &mut Reader,
+    family: &str,
+    fam: u8,
+    table: &str,
+) -> Result<Option<RawTable>, NftError> {
+    let mut t = RawTable::default();
+    let found = r.request(
+        &format!("table {family} {table}"),
+        NFT_MSG_GETTABLE,
+        NLM_F_ACK,
+        fam,
+        &[(NFTA_TABLE_NAME, table)],
+        |p| {
+            for (k, v) in Attrs(p) {
+                match k {
+                    NFTA_TABLE_FLAGS => t.flags = be32(v).unwrap_or(0),
+                    NFTA_TABLE_USERDATA => t.comment = udata_string(v, 0),
+                    _ => {}
+                }
+            }
+            Ok(())
+        },
+    )?;
+    if !found {
+        return Ok(None);
+    }
+    r.request(
+        &format!("the chains of table {family} {table}"),
+        NFT_MSG_GETCHAIN,
+        NLM_F_DUMP,
+        fam,
+        &[(NFTA_CHAIN_TABLE, table)],
+        |p| {
+            let (mut tbl, mut name, mut chain) =
+                (String::new(), String::new(), RawChain::default());
+            let (mut hooknum, mut prio, mut kind, mut policy) = (None, 0i32, String::new(), 1u32);
+            for (k, v) in Attrs(p) {
+                match k {
+                    NFTA_CHAIN_TABLE => tbl = string(v),
+                    NFTA_CHAIN_NAME => name = string(v),
+                    NFTA_CHAIN_HOOK => {
+                        for (hk, hv) in Attrs(v) {
+                            match hk {
+                                NFTA_HOOK_HOOKNUM => hooknum = be32(hv),
+                                NFTA_HOOK_PRIORITY => prio = be32(hv).unwrap_or(0) as i32,
+                                _ => {}
+                            }
+                        }
+                    }
+                    NFTA_CHAIN_TYPE => kind = string(v),
+                    NFTA_CHAIN_POLICY => policy = be32(v).unwrap_or(1),
+                    _ => {}
+                }
+            }
+            if tbl == table {
+                chain.hook = hooknum.map(|hooknum| RawHook {
+                    hooknum,
+                    priority: prio,
+                    kind,
+                    policy,
+                });
+                t.chains.insert(name, chain);
+            }
+            Ok(())
+        },
+    )?;
+    let mut orphans = Vec::new();
+    r.request(
+        &format!("the rules of table {family} {table}"),
+        NFT_MSG_GETRULE,
+        NLM_F_DUMP,
+        fam,
+        &[(NFTA_RULE_TABLE, table)],
+        |p| {
+            let (mut tbl, mut chain) = (String::new(), String::new());
+            let mut rule = RawRule {
+                handle: 0,
+                comment: None,
+            };
+            for (k, v) in Attrs(p) {
+                match k {
+                    NFTA_RULE_TABLE => tbl = string(v),
+                    NFTA_RULE_CHAIN => chain = string(v),
+                    NFTA_RULE_HANDLE => rule.handle = be64(v).unwrap_or(0),
+                    NFTA_RULE_USERDATA => rule.comment = udata_string(v, UDATA_RULE_COMMENT),
+                    _ => {}
+                }
+            }
+            if tbl == table {
+                match t.chains.get_mut(&chain) {
+                    Some(c) => c.rules.push(rule),
+                    None => orphans.push(chain),
+                }
+            }
+            Ok(())
+        },
+    )?;
+    if let Some(c) = orphans.first() {
+        // A chain created between the two dumps; the generation check repeats the read.
+        return Err(NftError::Netlink(format!(
+            "table {family} {table}: a rule of chain {c} that the chain dump did not list"
+        )));
+    }
+    r.request(
+        &format!("the sets of table {family} {table}"),
+        NFT_MSG_GETSET,
+        NLM_F_DUMP,
+        fam,
+        &[(NFTA_SET_TABLE, table)],
+        |p| {
+            let (mut tbl, mut name, mut set) = (String::new(), String::new(), RawSet::default());
+            for (k, v) in Attrs(p) {
+                match k {
+                    NFTA_SET_TABLE => tbl = string(v),
+                    NFTA_SET_NAME => name = string(v),
+                    NFTA_SET_FLAGS => set.flags = be32(v).unwrap_or(0),
+                    NFTA_SET_KEY_TYPE => set.key_type = be32(v).unwrap_or(0),
+                    NFTA_SET_KEY_LEN => set.key_len = be32(v).unwrap_or(0),
+                    NFTA_SET_DATA_TYPE => set.data_type = be32(v),
+                    NFTA_SET_DATA_LEN => set.data_len = be32(v),
+                    NFTA_SET_TIMEOUT => set.timeout = be64(v),
+                    NFTA_SET_USERDATA => set.comment = udata_string(v, UDATA_SET_COMMENT),
+                    _ => {}
+                }
+            }
+            if tbl == table && set.flags & SET_ANONYMOUS == 0 {
+                t.sets.insert(name, set);
+            }
+            Ok(())
+        },
+    )?;
+    for (name, set) in t.sets.iter_mut() {
+        r.request(
+            &format!("the elements of set {name} in table {family} {table}"),
+            NFT_MSG_GETSETELEM,
+            NLM_F_DUMP,
+            fam,
+            &[
+                (NFTA_SET_ELEM_LIST_TABLE, table),
+                (NFTA_SET_ELEM_LIST_SET, name),
+            ],
+            |p| {
+                for (k, v) in Attrs(p) {
+                    if k != NFTA_SET_ELEM_LIST_ELEMENTS {
+                        continue;
+                    }
+                    for (_, e) in Attrs(v) {
+                        set.elements.push(element(e));
+                    }
+                }
+                Ok(())
+            },
+        )?;
+    }
+    Ok(Some(t))
+}
+
+fn element(e: &[u8]) -> RawElement {
+    let mut el = RawElement {
+        key: Vec::new(),
+        data: None,
+        flags: 0,
+    };
+    for (k, v) in Attrs(e) {
+        match k {
+            NFTA_SET_ELEM_KEY => {
+                if let Some((_, b)) = Attrs(v).find(|(t, _)| *t == NFTA_DATA_VALUE) {
+                    el.key = b.to_vec();
+                }
+            }
+            NFTA_SET_ELEM_DATA => {
+                for (dk, dv) in Attrs(v) {
+                    match dk {
+                        NFTA_DATA_VALUE => el.data = Some(RawData::Value(dv.to_vec())),
+                        NFTA_DATA_VERDICT => {
+                            let (mut code, mut chain) = (0, None);
+                            for (vk, vv) in Attrs(dv) {
+                                match vk {
+                                    NFTA_VERDICT_CODE => code = be32(vv).unwrap_or(0),
+                                    NFTA_VERDICT_CHAIN => chain = Some(string(vv)),
+                                    _ => {}
+                                }
+                            }
+                            el.data = Some(RawData::Verdict { code, chain });
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            NFTA_SET_ELEM_FLAGS => el.flags = be32(v).unwrap_or(0),
+            _ => {}
+        }
+    }
+    el
+}
+
+// ---- Decoding elements back into the typed model (the inverse of netlink.rs's
+// encoding).
+
+/// One datum of `f` from `b` (exactly its bytes).
+fn decode_atom(f: Field, b: &[u8]) -> Option<Atom> {
+    Some(match f {
+        Field::Ipv4Addr => Atom::Addr(IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(b).ok()?))),
+        Field::Ipv6Addr => Atom::Addr(IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(b).ok()?))),
+        Field::InetProto => Atom::Proto(*b.first()?),
+        Field::InetService => Atom::Port(u16::from_be_bytes(b.try_into().ok()?)),
+        Field::Numgen(_) => Atom::Index(u32::from_ne_bytes(b.try_into().ok()?)),
+    })
+}
+
+/// Bytes → a tuple of `fields` (a single field unpadded, each field of a concatenation
+/// padded to 4 bytes); `None` when the bytes do not fit.
+pub fn decode_tuple(fields: &[Field], mut b: &[u8]) -> Option<Tuple> {
+    if fields.is_empty() || fields.len() > MAX_FIELDS {
+        return None;
+    }
+    let mut atoms = [Atom::Index(0); MAX_FIELDS];
+    for (i, &f) in fields.iter().enumerate() {
+        let n = f.datum_len();
+        atoms[i] = decode_atom(f, b.get(..n)?)?;
+        let step = if fields.len() > 1 {
+            n.next_multiple_of(4)
+        } else {
+            n
+        };
+        b = b.get(step..)?;
+    }
+    b.is_empty().then(|| Tuple::new(&atoms[..fields.len()]))
+}
+
+/// A verdict as the kernel reports it.
+pub fn decode_verdict(code: u32, chain: Option<&str>) -> Option<Verdict> {
+    Some(match (code as i32, chain) {
+        (0, None) => Verdict::Drop,
+        (1, None) => Verdict::Accept,
+        (-1, None) => Verdict::Continue,
+        (-5, None) => Verdict::Return,
+        (-3, Some(c)) => Verdict::Jump(c.into()),
+        (-4, Some(c)) => Verdict::Goto(c.into()),
+        _ => return None,
+    })
+}
+
+/// The elements of an interval set of addresses as prefixes. The kernel holds each
+/// interval as its start and an end element (flagged) one past its last address.
+fn decode_intervals(v6: bool, elements: &[RawElement]) -> Option<Vec<Tuple>> {
+    let num = |b: &[u8]| -> Option<u128> {
+        Some(if v6 {
+            u128::from_be_bytes(b.try_into().ok()?)
+        } else {
+            u128::from(u32::from_be_bytes(b.try_into().ok()?))
+        })
+    };
+    let bits: u32 = if v6 { 128 } else { 32 };
+    let mut points: Vec<(u128, bool)> = elements
+        .iter()
+        .map(|e| Some((num(&e.key)?, e.flags & ELEM_INTERVAL_END != 0)))
+        .collect::<Option<_>>()?;
+    points.sort();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < points.len() {
+        let (start, end_flag) = points[i];
+        if end_flag && start == 0 && i == 0 {
+            i += 1; // nft's marker below the first interval
+            continue;
+        }
+        if end_flag {
+            return None;
+        }
+        // The end element is absent when the interval runs to the top of the space.
+        let end = match points.get(i + 1) {
+            Some(&(e, true)) => {
+                i += 2;
+                Some(e)
+            }
+            _ => {
+                i += 1;
+                None
+            }
+        };
+        let size = match end {
+            Some(e) => e.checked_sub(start)?,
+            None if v6 => u128::MAX - start + 1, // overflows only for ::/0
+            None => (1u128 << 32) - start,
+        };
+        if size == 0 || !size.is_power_of_two() || start % size != 0 {
+            return None; // not a prefix: kproxy never writes ranges
+        }
+        let len = bits - size.trailing_zeros();
+        let addr = if v6 {
+            IpAddr::V6(Ipv6Addr::from(start))
+        } else {
+            IpAddr::V4(Ipv4Addr::from(start as u32))
+        };
+        out.push(Tuple::new(&[Atom::Prefix(addr, len as u8)]));
+    }
+    Some(out)
+}
+
+// ---- Adoption: the kernel as a model Table.
+
+/// Why a table cannot be adopted (the caller replaces it as a whole).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("table {family} {table}: {what}")]
+pub struct AdoptError {
+    pub family: &'static str,
+    pub table: String,
+    pub what: String,
+}
+
+/// Stands for rules that are not the desired ones: a chain holding it differs from
+/// every desired chain, so the diff flushes it and adds the desired rules.
+const UNKNOWN_RULES: &str = "# rules read from the kernel that kproxy did not write";
+
+fn hook_number(h: HookPoint) -> u32 {
+    match h {
+        HookPoint::Prerouting => 0,
+        HookPoint::Input => 1,
+        HookPoint::Forward => 2,
+        HookPoint::Output => 3,
+        HookPoint::Postrouting => 4,
+    }
+}
+
+/// Does the kernel's base chain have hook `h` (policy accept, as kproxy declares)?
+fn hook_matches(raw: &RawHook, h: &Hook) -> bool {
+    let ty = match h.ty {
+        ChainType::Filter => "filter",
+        ChainType::Nat => "nat",
+    };
+    raw.kind == ty
+        && raw.hooknum == hook_number(h.hook)
+        && raw.priority == h.priority
+        && raw.policy == 1
+}
+
+/// nft's datatype ids, and the key type it stores for a concatenation.
+fn datatype(f: Field) -> u32 {
+    match f {
+        Field::Ipv4Addr => 7,
+        Field::Ipv6Addr => 8,
+        Field::InetProto => 12,
+        Field::InetService => 13,
+        Field::Numgen(_) => 0,
+    }
+}
+
+fn concat_type(fields: &[Field]) -> u32 {
+    fields.iter().fold(0u32, |acc, &f| (acc << 6) | datatype(f))
+}
+
+fn fields_len(fields: &[Field]) -> u32 {
+    if fields.len() == 1 {
+        fields[0].datum_len() as u32
+    } else {
+        fields
+            .iter()
+            .map(|&f| f.datum_len().next_multiple_of(4) as u32)
+            .sum()
+    }
+}
+
+/// Does the kernel's set have the declaration `decl`? Checks what the dump shows: key
+/// and data types and lengths, interval/timeout flags, timeout, comment.
+fn set_matches(raw: &RawSet, decl: &SetDecl) -> Result<(), String> {
+    let flag = |f: u32| raw.flags & f != 0;
+    if flag(SET_INTERVAL) != decl.interval {
+        return Err("interval flag differs".into());
+    }
+    if flag(SET_TIMEOUT) != decl.timeout_secs.is_some() {
+        return Err("timeout flag differs".into());
+    }
+    if let Some(t) = decl.timeout_secs
+        && raw.timeout != Some(u64::from(t) * 1000)
+    {
+        return Err(format!("timeout {:?} ms instead of {t} s", raw.timeout));
+    }
+    if decl.comment.as_deref() != raw.comment.as_deref() {
+        return Err(format!(
+            "comment {:?} instead of {:?}",
+            raw.comment, decl.comment
+        ));
+    }
+    if raw.key_len != fields_len(&decl.key) {
+        return Err(format!("key length {} bytes", raw.key_len));
+    }
+    // `typeof` keys may be stored with other type ids; lengths cover them.
+    if !decl.by_expr && raw.key_type != concat_type(&decl.key) {
+        return Err(format!("key type {:#x}", raw.key_type));
+    }
+    match &decl.data {
+        None if flag(SET_MAP) => Err("a map where a set is declared".into()),
+        None => Ok(()),
+        Some(_) if !flag(SET_MAP) => Err("a set where a map is declared".into()),
+        Some(SetData::Verdict) => match raw.data_type {
+            Some(0xffff_ff00) => Ok(()),
+            t => Err(format!("data type {t:?} instead of verdict")),
+        },
+        Some(SetData::Fields(fields)) => match raw.data_len {
+            Some(n) if n == fields_len(fields) => Ok(()),
+            n => Err(format!("data length {n:?}")),
+        },
+    }
+}
+
+/// The kernel's elements of a set declared `decl`, typed.
+fn decode_elements(
+    raw: &RawSet,
+    decl: &SetDecl,
+    v6: bool,
+) -> Result<BTreeMap<Tuple, Option<Value>>, String> {
+    if decl.interval {
+        let prefixes = decode_intervals(v6, &raw.elements)
+            .ok_or_else(|| "interval elements that are not prefixes".to_string())?;
+        return Ok(prefixes.into_iter().map(|t| (t, None)).collect());
+    }
+    let mut out = BTreeMap::new();
+    for e in &raw.elements {
+        let key = decode_tuple(&decl.key, &e.key)
+            .ok_or_else(|| format!("element key {:02x?} does not fit the type", e.key))?;
+        let value = match (&decl.data, &e.data) {
+            (None, None) => None,
+            (Some(SetData::Verdict), Some(RawData::Verdict { code, chain })) => {
+                Some(Value::Verdict(
+                    decode_verdict(*code, chain.as_deref())
+                        .ok_or_else(|| format!("element {key}: verdict {code:#x} {chain:?}"))?,
+                ))
+            }
+            (Some(SetData::Fields(f)), Some(RawData::Value(b))) => {
+                Some(Value::Data(decode_tuple(f, b).ok_or_else(|| {
+                    format!("element {key}: value {b:02x?} does not fit")
+                })?))
+            }
+            _ => return Err(format!("element {key}: data does not fit the declaration")),
+        };
+        out.insert(key, value);
+    }
+    Ok(out)
+}
+
+/// The kernel's table as a model [`Table`] in the desired one's terms: `diff(kernel,
+/// desired)` is then the transaction that brings the kernel to the desired state.
+/// Chains holding exactly the desired rules (by their ids) take the desired rules'
+/// text; other chains are marked so that the diff flushes and refills them. Objects the
+/// diff cannot repair in place (a foreign table comment, a base chain hooked otherwise,
+/// a set declared otherwise, elements that do not decode) are an error.
+pub fn adopt(raw: &RawTable, desired: &Table) -> Result<Table, AdoptError> {
+    let err = |what: String| AdoptError {
+        family: desired.family.nft(),
+        table: desired.name.clone(),
+        what,
+    };
+    if raw.comment != desired.comment || raw.flags != 0 {
+        return Err(err(format!(
+            "comment {:?} and flags {:#x}: not a table kproxy made",
+            raw.comment, raw.flags
+        )));
+    }
+    let v6 = desired.family == Family::Ip6;
+    let mut kernel = Table::new(desired.family, &desired.name);
+    kernel.comment = raw.comment.clone();
+    for (name, rc) in &raw.chains {
+        let want = desired.chains.get(name);
+        let hook = match (&rc.hook, want) {
+            (None, Some(w)) if w.hook.is_none() => None,
+            (None, None) => None,
+            (Some(h), Some(w)) if w.hook.as_ref().is_some_and(|wh| hook_matches(h, wh)) => w.hook,
+            (h, _) => {
+                return Err(err(format!(
+                    "chain {name}: hook {h:?} is not the declared {:?}",
+                    want.map(|w| w.hook)
+                )));
+            }
+        };
+        let same = want.is_some_and(|w| {
+            w.rules.len() == rc.rules.len()
+                && w.rules.iter().zip(&rc.rules).all(|(r, k)| {
+                    k.comment
+                        .as_deref()
+                        .and_then(|c| c.strip_prefix(RULE_ID_PREFIX))
+                        == Some(rule_id(r).as_str())
+                })
+        });
+        let rules = match want {
+            Some(w) if same => w.rules.clone(),
+            _ if rc.rules.is_empty() => Vec::new(),
+            _ => vec![UNKNOWN_RULES.to_string()],
+        };
+        kernel.chains.insert(name.clone(), Chain { hook, rules });
+    }
+    for (name, rs) in &raw.sets {
+        let set = match desired.sets.get(name) {
+            Some(w) => {
+                set_matches(rs, &w.decl).map_err(|e| err(format!("set {name}: {e}")))?;
+                Set {
+                    decl: w.decl.clone(),
+                    // A dynamic set is filled by the datapath (affinity), never by kproxy.
+                    elements: if w.decl.dynamic {
+                        BTreeMap::new()
+                    } else {
+                        decode_elements(rs, &w.decl, v6)
+                            .map_err(|e| err(format!("set {name}: {e}")))?
+                    },
+                }
+            }
+            // Deleted whole by the diff: only whether it is a map matters (the delete
+            // command says which).
+            None => Set::new(if rs.flags & SET_MAP != 0 {
+                SetDecl::map(vec![Field::Ipv4Addr], SetData::Verdict)
+            } else {
+                SetDecl::set(vec![Field::Ipv4Addr])
+            }),
+        };
+        kernel.sets.insert(name.clone(), set);
+    }
+    Ok(kernel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(t: Tuple) -> String {
+        t.to_string()
+    }
+
+    /// The byte layouts of netlink.rs's encoding tests, decoded back.
+    #[test]
+    fn tuples_decode_as_they_encode() {
+        use Field::*;
+        let n = 1u32.to_ne_bytes();
+        let cases: &[(&[Field], Vec<u8>, &str)] = &[
+            (
+                &[Ipv4Addr, InetProto, InetService, Numgen(2)],
+                [&[10, 0, 0, 1, 6, 0, 0, 0, 0, 80, 0, 0][..], &n].concat(),
+                "10.0.0.1 . tcp . 80 . 1",
+            ),
+            (
+                &[Ipv4Addr, InetService],
+                vec![10, 244, 1, 2, 0x1f, 0x90, 0, 0],
+                "10.244.1.2 . 8080",
+            ),
+            (
+                &[InetProto, InetService],
+                vec![17, 0, 0, 0, 0x75, 0x65, 0, 0],
+                "udp . 30053",
+            ),
+            (&[Ipv4Addr], vec![10, 96, 0, 1], "10.96.0.1"),
+            (&[InetService], vec![1, 0xbb], "443"),
+            (
+                &[Ipv6Addr],
+                vec![0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+                "fd00::1",
+            ),
+        ];
+        for (fields, bytes, want) in cases {
+            let t = decode_tuple(fields, bytes).unwrap_or_else(|| panic!("{want}"));
+            assert_eq!(&text(t), want);
+            assert_eq!(bytes.len() as u32, fields_len(fields), "{want}");
+        }
+        // Wrong lengths are refused, never guessed.
+        assert_eq!(decode_tuple(&[Ipv4Addr], &[1, 2, 3]), None);
+        assert_eq!(decode_tuple(&[Ipv4Addr], &[1, 2, 3, 4, 5]), None);
+        assert_eq!(
+            decode_tuple(&[Ipv4Addr, InetService], &[1, 2, 3, 4, 0, 80]),
+            None
+        );
+    }
+
+    #[test]
+    fn verdicts_decode() {
+        assert_eq!(
+            decode_verdict(-4i32 as u32, Some("svc-a")),
+            Some(Verdict::Goto("svc-a".into()))
+        );
+        assert_eq!(
+            decode_verdict(-3i32 as u32, Some("x")),
+            Some(Verdict::Jump("x".into()))
+        );
+        assert_eq!(decode_verdict(0, None), Some(Verdict::Drop));
+        assert_eq!(decode_verdict(-4i32 as u32, None), None);
+        assert_eq!(decode_verdict(7, None), None);
+    }
+
+    #[test]
+    fn hooks_match() {
+        let raw = |hooknum, priority| RawHook {
+            hooknum,
+            priority,
+            kind: "nat".into(),
+            policy: 1,
+        };
+        let out = Hook::nat(HookPoint::Output, -100);
+        assert!(hook_matches(&raw(3, -100), &out));
+        assert!(!hook_matches(&raw(3, 0), &out));
+        assert!(!hook_matches(&raw(1, -100), &out));
+        assert!(!hook_matches(
+            &RawHook {
+                policy: 0,
+                ..raw(3, -100)
+            },
+            &out
+        ));
+    }
+
+    fn el(key: &[u8], end: bool) -> RawElement {
+        RawElement {
+            key: key.to_vec(),
+            data: None,
+            flags: u32::from(end),
+        }
+    }
+
+    #[test]
+    fn intervals_decode_to_prefixes() {
+        let texts = |v: Vec<Tuple>| v.into_iter().map(text).collect::<Vec<_>>();
+        let got = decode_intervals(
+            false,
+            &[
+                el(&[10, 245, 0, 0], true),
+                el(&[10, 244, 0, 0], false),
+                el(&[192, 168, 1, 8], true),
+                el(&[192, 168, 1, 7], false),
+            ],
+        )
+        .unwrap();
+        assert_eq!(texts(got), ["10.244.0.0/16", "192.168.1.7/32"]);
+        // An end element with no start is not an interval kproxy wrote (but one at the
+        // bottom of the space is nft's marker).
+        assert_eq!(decode_intervals(false, &[el(&[10, 0, 0, 0], true)]), None);
+        let got = decode_intervals(
+            false,
+            &[
+                el(&[0, 0, 0, 0], true),
+                el(&[10, 0, 0, 0], false),
+                el(&[11, 0, 0, 0], true),
+            ],
+        );
+        assert_eq!(texts(got.unwrap()), ["10.0.0.0/8"]);
+        // A range that is not a prefix.
+        assert_eq!(
+            decode_intervals(
+                false,
+                &[el(&[10, 0, 0, 1], false), el(&[10, 0, 0, 4], true)]
+            ),
+            None
+        );
+        // Up to the end of the space: no end element.
+        let got = decode_intervals(false, &[el(&[128, 0, 0, 0], false)]).unwrap();
+        assert_eq!(texts(got), ["128.0.0.0/1"]);
+    }
+}
