@@ -5,7 +5,8 @@
 //! Functional core: `controlplane::endpoint_conditions`, `lb::pool_for`,
 //! `lb::render_nft`, `config`, `matrix` (cells, their settings and lint verdicts), `report` (pure functions over records and events).
 //! Imperative shell: `netns`, `fabric`, `pod`, `cluster`, `lb`, `loadgen`,
-//! `kproxyd`, `scenario`, `cli`.
+//! `kproxyd`, `scenario`, `cli`, `k8s` (the real control plane: k8s-lab's
+//! kube-apiserver and kube-controller-manager, the lab as scheduler and kubelet).
 
 #![forbid(unsafe_code)]
 
@@ -15,6 +16,7 @@ pub mod config;
 pub mod controlplane;
 pub mod fabric;
 pub mod html;
+pub mod k8s;
 pub mod kproxyd;
 pub mod lb;
 pub mod loadgen;

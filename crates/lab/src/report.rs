@@ -651,6 +651,7 @@ mod tests {
         failed.conn = ConnKind::KeepAlive;
         failed.conn_pod = Some("web-r1-1".into());
         let r = RunResult {
+            control_plane: crate::scenario::ControlPlaneKind::Emulated,
             behaviour: Behaviour::Kproxy,
             run: 0,
             time_scale: 0.1,
