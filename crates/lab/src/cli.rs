@@ -543,6 +543,7 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print!("{}", report::render_text(&runs, a.timeline));
+        print!("{}", crate::compare::render_text(&runs));
         if !plots.is_empty() {
             println!("\nplots: {}", plots.join(", "));
         }
