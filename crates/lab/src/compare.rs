@@ -46,10 +46,7 @@ fn revisions(r: &RunResult) -> BTreeMap<String, u32> {
 
 /// Per node, the endpoints of a slice summary (`pod@node:RST ...`) as
 /// `old:RST`/`new:RST`, sorted.
-fn endpoints_by_node(
-    summary: &str,
-    revs: &BTreeMap<String, u32>,
-) -> BTreeMap<String, Vec<String>> {
+fn endpoints_by_node(summary: &str, revs: &BTreeMap<String, u32>) -> BTreeMap<String, Vec<String>> {
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for part in summary.split_whitespace() {
         let Some((pod, rest)) = part.split_once('@') else {

@@ -139,7 +139,9 @@ pub async fn clean(client: &kube::Client, limit: Duration) -> Result<(), LabErro
         .patch(
             ns,
             &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})),
+            &Patch::Apply(
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+            ),
         )
         .await
         .map_err(api_err(format!("apply namespace {ns}")))?;
@@ -166,13 +168,28 @@ pub async fn clean(client: &kube::Client, limit: Duration) -> Result<(), LabErro
         ListParams::default().labels(&format!("kubernetes.io/service-name={SERVICE_NAME}"));
     let start = Instant::now();
     loop {
-        pods.delete_collection(&DeleteParams::default().grace_period(0), &ListParams::default())
+        pods.delete_collection(
+            &DeleteParams::default().grace_period(0),
+            &ListParams::default(),
+        )
+        .await
+        .map_err(api_err("delete pods"))?;
+        let left_pods = pods
+            .list(&ListParams::default())
             .await
-            .map_err(api_err("delete pods"))?;
-        let left_pods = pods.list(&ListParams::default()).await.map_err(api_err("list pods"))?;
-        let left_rs = rs.list(&by_app).await.map_err(api_err("list replicasets"))?;
-        let left_slices = slices.list(&by_svc).await.map_err(api_err("list endpointslices"))?;
-        let left_dep = deps.get_opt(SERVICE_NAME).await.map_err(api_err("get deployment"))?;
+            .map_err(api_err("list pods"))?;
+        let left_rs = rs
+            .list(&by_app)
+            .await
+            .map_err(api_err("list replicasets"))?;
+        let left_slices = slices
+            .list(&by_svc)
+            .await
+            .map_err(api_err("list endpointslices"))?;
+        let left_dep = deps
+            .get_opt(SERVICE_NAME)
+            .await
+            .map_err(api_err("get deployment"))?;
         if left_pods.items.is_empty()
             && left_rs.items.is_empty()
             && left_slices.items.is_empty()
@@ -629,8 +646,7 @@ impl Agent {
         pending: &mut BTreeMap<String, u32>,
         bound: &mut HashSet<String>,
     ) {
-        while let Some((name, revision)) = pending.first_key_value().map(|(n, r)| (n.clone(), *r))
-        {
+        while let Some((name, revision)) = pending.first_key_value().map(|(n, r)| (n.clone(), *r)) {
             let Some(node_index) = cluster.schedule() else {
                 return;
             };
@@ -670,7 +686,8 @@ impl Agent {
 /// controller publishes them (same summary as the emulation's publisher).
 pub async fn watch_slices(client: kube::Client, rec: Recorder) {
     let api: Api<EndpointSlice> = Api::namespaced(client, SERVICE_NAMESPACE);
-    let cfg = watcher::Config::default().labels(&format!("kubernetes.io/service-name={SERVICE_NAME}"));
+    let cfg =
+        watcher::Config::default().labels(&format!("kubernetes.io/service-name={SERVICE_NAME}"));
     let mut events = watcher::watcher(api, cfg).boxed();
     let mut slices: BTreeMap<String, Value> = BTreeMap::new();
     let mut last = None::<String>;
@@ -685,7 +702,12 @@ pub async fn watch_slices(client: kube::Client, rec: Recorder) {
             }
             Ok(_) => continue,
             Err(e) => {
-                rec.record(EventKind::Note, None, None, format!("endpointslice watch: {e}"));
+                rec.record(
+                    EventKind::Note,
+                    None,
+                    None,
+                    format!("endpointslice watch: {e}"),
+                );
                 continue;
             }
         }
@@ -711,12 +733,11 @@ impl ApiBridge {
         let listener = std::thread::scope(|s| {
             s.spawn(|| -> Result<std::net::TcpListener, LabError> {
                 crate::netns::enter_netns_by_name(&ns_name)?;
-                let l = std::net::TcpListener::bind(("127.0.0.1", port)).map_err(|e| {
-                    LabError::Io {
+                let l =
+                    std::net::TcpListener::bind(("127.0.0.1", port)).map_err(|e| LabError::Io {
                         what: format!("listen on 127.0.0.1:{port} in {ns_name} (API bridge)"),
                         source: e,
-                    }
-                })?;
+                    })?;
                 l.set_nonblocking(true).map_err(|e| LabError::Io {
                     what: "API bridge nonblocking".into(),
                     source: e,
@@ -877,7 +898,10 @@ mod tests {
         let v = deployment_object(&d, &t, 2, 0.1);
         assert_eq!(v["spec"]["strategy"]["rollingUpdate"]["maxSurge"], 1);
         assert_eq!(v["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0);
-        assert_eq!(v["spec"]["minReadySeconds"], 1, "5 nominal s at scale 0.1, rounded up");
+        assert_eq!(
+            v["spec"]["minReadySeconds"], 1,
+            "5 nominal s at scale 0.1, rounded up"
+        );
         assert_eq!(
             v["spec"]["template"]["metadata"]["annotations"][REVISION_ANNOTATION],
             "2"

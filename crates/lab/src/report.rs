@@ -453,7 +453,12 @@ fn shown_in_timeline(e: &Event) -> bool {
 pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
     let mut s = String::new();
     let sums: Vec<Summary> = runs.iter().map(summarize).collect();
-    let w = sums.iter().map(|m| label(m).len()).max().unwrap_or(0).max(9);
+    let w = sums
+        .iter()
+        .map(|m| label(m).len())
+        .max()
+        .unwrap_or(0)
+        .max(9);
     let _ = writeln!(
         s,
         "\nSummary (times are nominal: real time / time scale {})",

@@ -198,8 +198,7 @@ async fn run_async(
         .iter()
         .map(|n| workdir.path.join(&n.name))
         .collect();
-    let (real, api): (Option<Arc<RealControlPlane>>, Arc<dyn PodApi>) = match opts.control_plane
-    {
+    let (real, api): (Option<Arc<RealControlPlane>>, Arc<dyn PodApi>) = match opts.control_plane {
         ControlPlaneKind::Emulated => {
             let cp = ControlPlane::start(
                 cfg.nodes,
@@ -212,13 +211,9 @@ async fn run_async(
         }
         ControlPlaneKind::K8sLab => {
             let lab = K8sLab::from_env()?;
-            let r = RealControlPlane::start(
-                lab,
-                &fabric,
-                cfg.publish_not_ready_addresses,
-                rec.clone(),
-            )
-            .await?;
+            let r =
+                RealControlPlane::start(lab, &fabric, cfg.publish_not_ready_addresses, rec.clone())
+                    .await?;
             let w = r.writer.clone();
             (Some(Arc::new(r)), w)
         }
@@ -413,7 +408,9 @@ async fn run_async(
     if let Some(r) = &real
         && let Err(e) = r.stop().await
     {
-        progress(&format!("{tag} warning: cleaning the k8s-lab namespace: {e}"));
+        progress(&format!(
+            "{tag} warning: cleaning the k8s-lab namespace: {e}"
+        ));
     }
     let (records, load_start_ms, rollout_start_ms, rollout_end_ms, load_end_ms) = match result {
         Ok(v) => v,
