@@ -253,6 +253,101 @@ mod tests {
         assert_eq!(m["node-2"], vec!["?:RS-"]);
     }
 
+    fn run(plane: ControlPlaneKind, events: Vec<(f64, EventKind, &str, &str, &str)>) -> RunResult {
+        RunResult {
+            control_plane: plane,
+            behaviour: crate::scenario::Behaviour::Kproxy,
+            run: 0,
+            time_scale: 0.1,
+            nodes: vec!["node-1".into(), "node-2".into()],
+            health_check: crate::lb::LbPreset::Gke.health_check().expect("gke"),
+            records: vec![],
+            events: events
+                .into_iter()
+                .map(|(t_ms, kind, node, pod, detail)| crate::timeline::Event {
+                    t_ms,
+                    kind,
+                    node: (!node.is_empty()).then(|| node.to_string()),
+                    pod: (!pod.is_empty()).then(|| pod.to_string()),
+                    detail: detail.into(),
+                })
+                .collect(),
+            load_start_ms: 0.0,
+            rollout_start_ms: 1000.0,
+            rollout_end_ms: 2100.0,
+            load_end_ms: 3000.0,
+        }
+    }
+
+    /// The same steps on different nodes and with different pod names line up: the
+    /// first node whose old pod terminates is step1 on both planes.
+    #[test]
+    fn milestones_are_named_by_rollout_step() {
+        use EventKind as K;
+        let emulated = run(
+            ControlPlaneKind::Emulated,
+            vec![
+                (
+                    10.0,
+                    K::PodCreated,
+                    "node-1",
+                    "web-r1-1",
+                    "revision 1, 10.244.1.2",
+                ),
+                (1001.0, K::PodTerminating, "node-1", "web-r1-1", ""),
+                (1050.0, K::SlicePublished, "", "", "web-r1-1@node-1:-ST"),
+                (
+                    1500.0,
+                    K::PodCreated,
+                    "node-1",
+                    "web-r2-2",
+                    "revision 2, 10.244.1.3",
+                ),
+                (2000.0, K::PodReady, "node-1", "web-r2-2", ""),
+            ],
+        );
+        let real = run(
+            ControlPlaneKind::K8sLab,
+            vec![
+                (
+                    10.0,
+                    K::PodCreated,
+                    "node-2",
+                    "web-aa-x",
+                    "revision 1, 10.244.2.2",
+                ),
+                (1100.0, K::PodTerminating, "node-2", "web-aa-x", ""),
+                (1150.0, K::SlicePublished, "", "", "web-aa-x@node-2:-ST"),
+                (
+                    1600.0,
+                    K::PodCreated,
+                    "node-2",
+                    "web-bb-y",
+                    "revision 2, 10.244.2.3",
+                ),
+                (2050.0, K::PodReady, "node-2", "web-bb-y", ""),
+            ],
+        );
+        let names =
+            |r: &RunResult| -> Vec<String> { milestones(r).into_iter().map(|m| m.what).collect() };
+        let want = [
+            "step1 old pod terminating #1",
+            "step1 endpoints old:-ST #1",
+            "step1 new pod started #1",
+            "step1 new pod ready #1",
+            "rollout done #1",
+        ];
+        assert_eq!(names(&emulated), want);
+        assert_eq!(names(&real), want);
+        let rows = align(&milestones(&emulated), &milestones(&real));
+        assert_eq!(rows.len(), 5);
+        assert_eq!(rows[0].emulated_s, Some(0.01));
+        assert_eq!(rows[0].k8s_lab_s, Some(1.0));
+        let runs = [emulated, real];
+        assert_eq!(pairs(&runs).len(), 1);
+        assert!(render_text(&runs).contains("step1 new pod ready #1"));
+    }
+
     #[test]
     fn align_keeps_both_sides() {
         let m = |w: &str, t: f64| Milestone {
