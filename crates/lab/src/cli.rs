@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use crate::config::RolloutConfig;
 use crate::lb::{HealthCheck, LbMode, LbPreset};
 use crate::pod::PodProfile;
-use crate::scenario::{self, Behaviour, RunResult};
+use crate::scenario::{self, Behaviour, ControlPlaneKind, RunResult};
 use crate::{netns, plot, report};
 
 #[derive(clap::Args, Debug)]
@@ -128,6 +128,11 @@ pub struct RolloutArgs {
     /// Install missing tools (nftables, conntrack, iproute2) with apt-get.
     #[arg(long)]
     pub install_deps: bool,
+    /// Control plane(s), comma-separated: `emulated` (default) or `k8s-lab` (the real
+    /// kube-apiserver and kube-controller-manager of the instance named by K8S_LAB);
+    /// both runs every behaviour on each and the report compares them.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub control_plane: Vec<ControlPlaneKind>,
 
     #[arg(long)]
     pub nodes: Option<usize>,
@@ -540,14 +545,29 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
     } else {
         vec![Behaviour::Kproxy]
     };
+    let mut planes = a.control_plane.clone();
+    planes.dedup();
+    if planes.is_empty() {
+        planes.push(ControlPlaneKind::Emulated);
+    }
+    if planes.contains(&ControlPlaneKind::K8sLab) {
+        // Fail before building anything when the instance is not there.
+        crate::k8s::K8sLab::from_env()?;
+    }
     let json = a.output == Some(OutputFormat::Json);
     let progress = |line: &str| eprintln!("{line}");
     let mut runs: Vec<RunResult> = Vec::new();
     for run in 0..a.runs {
-        for b in &behaviours {
-            let r = scenario::run_once(&cfg, *b, run, &kproxy, &progress)
-                .with_context(|| format!("{} run {}", b.as_str(), run + 1))?;
-            runs.push(r);
+        for cp in &planes {
+            for b in &behaviours {
+                let opts = scenario::RunOptions {
+                    control_plane: *cp,
+                    ..Default::default()
+                };
+                let r = scenario::run_with(&cfg, *b, run, &kproxy, opts, &progress)
+                    .with_context(|| format!("{} run {} ({})", b.as_str(), run + 1, cp.as_str()))?;
+                runs.push(r);
+            }
         }
     }
     let mut plots = Vec::new();
@@ -555,8 +575,12 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
         std::fs::create_dir_all(&a.plot_dir)
             .with_context(|| format!("creating {}", a.plot_dir.display()))?;
         for r in &runs {
+            let plane = match r.control_plane {
+                ControlPlaneKind::Emulated => String::new(),
+                other => format!("-{}", other.as_str()),
+            };
             let stem = a.plot_dir.join(format!(
-                "kproxy-lab-rollout-{}-run{}",
+                "kproxy-lab-rollout-{}{plane}-run{}",
                 r.behaviour.as_str(),
                 r.run + 1
             ));
@@ -585,6 +609,7 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print!("{}", report::render_text(&runs, a.timeline));
+        print!("{}", crate::compare::render_text(&runs));
         if !plots.is_empty() {
             println!("\nplots: {}", plots.join(", "));
         }

@@ -4,6 +4,12 @@
 //! optional one-pod-per-node anti-affinity).
 //!
 //! All periods are nominal seconds, turned into real time by the run's clock.
+//!
+//! What the kubelet reports goes through [`PodApi`]: the embedded control plane
+//! ([`ControlPlane`]) or the real API server (`k8s::PodStatusWriter`). With the real
+//! control plane the Deployment controller is kube-controller-manager's and this
+//! module only schedules and runs the pods it creates (`k8s::Agent` drives
+//! [`Cluster::start_pod`] and [`Cluster::kubelet_delete`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -50,6 +56,41 @@ pub struct DeploymentSpec {
     pub one_pod_per_node: bool,
 }
 
+/// Where the kubelet writes what it observes about its pods.
+pub trait PodApi: Send + Sync {
+    /// The pod runs (it has its IP), not yet ready.
+    fn started(&self, pod: &PodRuntime);
+    /// The Ready condition changed.
+    fn ready_changed(&self, pod: &PodRuntime, ready: bool);
+    /// The lab's Deployment controller deleted the pod (deletionTimestamp set).
+    fn deleting(&self, pod: &PodRuntime);
+    /// The container ended (`killed`: by SIGKILL at the grace period) and the pod
+    /// object goes away.
+    fn gone(&self, pod: &PodRuntime, killed: bool);
+}
+
+impl PodApi for ControlPlane {
+    fn started(&self, pod: &PodRuntime) {
+        self.upsert_pod(PodRecord {
+            name: pod.name.clone(),
+            node: crate::fabric::node_name(pod.node_index),
+            ip: Some(pod.ip),
+            ready: false,
+            deleting: false,
+            finished: false,
+        });
+    }
+    fn ready_changed(&self, pod: &PodRuntime, ready: bool) {
+        self.update_pod(&pod.name, |r| r.ready = ready);
+    }
+    fn deleting(&self, pod: &PodRuntime) {
+        self.update_pod(&pod.name, |r| r.deleting = true);
+    }
+    fn gone(&self, pod: &PodRuntime, _killed: bool) {
+        self.remove_pod(&pod.name);
+    }
+}
+
 pub struct PodRuntime {
     pub name: String,
     pub node_index: usize,
@@ -74,6 +115,10 @@ impl PodRuntime {
     pub fn is_gone(&self) -> bool {
         self.gone.load(Ordering::SeqCst)
     }
+    /// When the pod last became ready (None while not ready).
+    pub fn ready_since(&self) -> Option<Instant> {
+        *self.ready_since.lock().expect("lock")
+    }
     fn available(&self, min_ready: Duration) -> bool {
         self.is_ready()
             && !self.is_deleting()
@@ -87,7 +132,7 @@ impl PodRuntime {
 
 pub struct Cluster {
     pub fabric: Arc<Fabric>,
-    pub cp: ControlPlane,
+    pub api: Arc<dyn PodApi>,
     pub recorder: Recorder,
     pub template: PodTemplate,
     pub deployment: DeploymentSpec,
@@ -99,7 +144,7 @@ pub struct Cluster {
 impl Cluster {
     pub fn new(
         fabric: Arc<Fabric>,
-        cp: ControlPlane,
+        api: Arc<dyn PodApi>,
         recorder: Recorder,
         template: PodTemplate,
         deployment: DeploymentSpec,
@@ -107,7 +152,7 @@ impl Cluster {
         let idle_close = recorder.clock().real(2.0).max(Duration::from_millis(500));
         Arc::new(Cluster {
             fabric,
-            cp,
+            api,
             recorder,
             template,
             deployment,
@@ -129,7 +174,7 @@ impl Cluster {
 
     /// Pick a node for a new pod: the one with fewest pods of the Deployment;
     /// with anti-affinity only nodes with none (terminating ones count).
-    fn schedule(&self) -> Option<usize> {
+    pub fn schedule(&self) -> Option<usize> {
         let pods = self.pods();
         let count = |i: usize| pods.iter().filter(|p| p.node_index == i).count();
         let mut best: Option<(usize, usize)> = None;
@@ -156,6 +201,18 @@ impl Cluster {
             *n
         };
         let name = format!("web-r{revision}-{id}");
+        self.start_pod(&name, revision, node_index)
+    }
+
+    /// The kubelet starts pod `name` on node `node_index`: its namespace, its
+    /// server, its prober and its termination handler.
+    pub fn start_pod(
+        self: &Arc<Self>,
+        name: &str,
+        revision: u32,
+        node_index: usize,
+    ) -> Result<Arc<PodRuntime>, LabError> {
+        let name = name.to_string();
         let net = self.fabric.add_pod(node_index, &name)?;
         let server =
             PodServer::start(&name, net.ns.name(), self.template.profile, self.idle_close)?;
@@ -173,14 +230,7 @@ impl Cluster {
             server: Mutex::new(Some(server)),
             net: Mutex::new(Some(net)),
         });
-        self.cp.upsert_pod(PodRecord {
-            name: name.clone(),
-            node: node.clone(),
-            ip: Some(pod.ip),
-            ready: false,
-            deleting: false,
-            finished: false,
-        });
+        self.api.started(&pod);
         self.recorder.record(
             EventKind::PodCreated,
             Some(&node),
@@ -211,7 +261,7 @@ impl Cluster {
     fn set_ready(&self, pod: &PodRuntime, ready: bool, why: &str) {
         pod.ready.store(ready, Ordering::SeqCst);
         *pod.ready_since.lock().expect("lock") = ready.then(Instant::now);
-        self.cp.update_pod(&pod.name, |r| r.ready = ready);
+        self.api.ready_changed(pod, ready);
         let node = crate::fabric::node_name(pod.node_index);
         self.recorder.record(
             if ready {
@@ -281,6 +331,7 @@ impl Cluster {
             Some(&pod.name),
             "SIGTERM after preStop",
         );
+        let mut killed = false;
         loop {
             if Self::server_exited(&pod) {
                 self.recorder.record(
@@ -295,6 +346,7 @@ impl Cluster {
                 if let Some(s) = pod.server.lock().expect("server lock").as_ref() {
                     s.signal(PodSignal::Kill);
                 }
+                killed = true;
                 self.recorder.record(
                     EventKind::PodKilled,
                     Some(&node),
@@ -310,7 +362,7 @@ impl Cluster {
             tokio::task::spawn_blocking(move || s.join()).await.ok();
         }
         pod.gone.store(true, Ordering::SeqCst);
-        self.cp.remove_pod(&pod.name);
+        self.api.gone(&pod, killed);
         let net = pod.net.lock().expect("net lock").take();
         drop(net);
     }
@@ -319,7 +371,23 @@ impl Cluster {
         if pod.deleting.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.cp.update_pod(&pod.name, |r| r.deleting = true);
+        self.api.deleting(pod);
+        self.begin_termination(pod);
+    }
+
+    /// The API server set the pod's deletionTimestamp (real control plane): the
+    /// kubelet starts its termination. False when the lab does not run that pod.
+    pub fn kubelet_delete(&self, name: &str) -> bool {
+        let Some(pod) = self.pods().into_iter().find(|p| p.name == name) else {
+            return false;
+        };
+        if !pod.deleting.swap(true, Ordering::SeqCst) {
+            self.begin_termination(&pod);
+        }
+        true
+    }
+
+    fn begin_termination(&self, pod: &PodRuntime) {
         let node = crate::fabric::node_name(pod.node_index);
         self.recorder.record(
             EventKind::PodTerminating,

@@ -277,7 +277,7 @@ impl ControlPlane {
 }
 
 /// One line per endpoint for the timeline: `pod@node r/s/t`.
-fn summarize(content: &str) -> String {
+pub(crate) fn summarize(content: &str) -> String {
     let Ok(v) = serde_json::from_str::<Value>(content) else {
         return String::new();
     };

@@ -11,6 +11,15 @@ use crate::LabError;
 use crate::fabric::NodeNet;
 use crate::timeline::{EventKind, Recorder};
 
+/// Where a node's kproxy reads the cluster from.
+#[derive(Clone, Copy, Debug)]
+pub enum KproxySource<'a> {
+    /// The embedded control plane's manifest directory (`--manifests`).
+    Manifests(&'a Path),
+    /// The real API server (`--kubeconfig`), reached through the node's API bridge.
+    Kubeconfig(&'a Path),
+}
+
 pub struct Kproxyd {
     pub node: String,
     pub event_log: PathBuf,
@@ -31,14 +40,37 @@ impl Kproxyd {
         proxy_terminating_endpoints: bool,
         extra_args: &[String],
     ) -> Result<Kproxyd, LabError> {
+        Self::start_from(
+            kproxy,
+            node,
+            KproxySource::Manifests(manifests),
+            workdir,
+            proxy_terminating_endpoints,
+            extra_args,
+        )
+    }
+
+    /// `start` with the source named.
+    pub fn start_from(
+        kproxy: &Path,
+        node: &NodeNet,
+        source: KproxySource,
+        workdir: &Path,
+        proxy_terminating_endpoints: bool,
+        extra_args: &[String],
+    ) -> Result<Kproxyd, LabError> {
         let event_log = workdir.join(format!("{}-events.jsonl", node.name));
         let log = workdir.join(format!("{}.log", node.name));
         let mut argv: Vec<std::ffi::OsString> =
             vec!["netns".into(), "exec".into(), node.ns.name().into()];
         argv.push(kproxy.into());
         argv.push("run".into());
-        argv.push("--manifests".into());
-        argv.push(manifests.into());
+        let (flag, path) = match source {
+            KproxySource::Manifests(p) => ("--manifests", p),
+            KproxySource::Kubeconfig(p) => ("--kubeconfig", p),
+        };
+        argv.push(flag.into());
+        argv.push(path.into());
         let hz = format!("{}:10256", node.ip);
         for a in [
             "--hostname-override",

@@ -3,18 +3,21 @@
 //! real kproxy daemon on every node (issues 6 and 7).
 //!
 //! Functional core: `controlplane::endpoint_conditions`, `lb::pool_for`,
-//! `lb::render_nft`, `config`, `matrix` (cells, their settings and lint verdicts), `report` (pure functions over records and events).
+//! `lb::render_nft`, `config`, `matrix` (cells, their settings and lint verdicts), `compare` (one scenario on both control planes), `report` (pure functions over records and events).
 //! Imperative shell: `netns`, `fabric`, `pod`, `cluster`, `lb`, `loadgen`,
-//! `kproxyd`, `scenario`, `cli`.
+//! `kproxyd`, `scenario`, `cli`, `k8s` (the real control plane: k8s-lab's
+//! kube-apiserver and kube-controller-manager, the lab as scheduler and kubelet).
 
 #![forbid(unsafe_code)]
 
 pub mod cli;
 pub mod cluster;
+pub mod compare;
 pub mod config;
 pub mod controlplane;
 pub mod fabric;
 pub mod html;
+pub mod k8s;
 pub mod kproxyd;
 pub mod lb;
 pub mod loadgen;

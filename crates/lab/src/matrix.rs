@@ -602,6 +602,7 @@ pub fn run_matrix(
         progress(&format!("[matrix {}/{}] {}", i + 1, cells.len(), cell.id()));
         let opts = RunOptions {
             restart_kproxy_mid_rollout: cell.setting == Setting::KproxyRestart,
+            ..RunOptions::default()
         };
         let run = scenario::run_with(&cfg, cell.behaviour, 0, kproxy, opts, progress)
             .map_err(|e| LabError::Invalid(format!("matrix cell {}: {e}", cell.id())))?;

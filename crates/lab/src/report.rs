@@ -25,6 +25,8 @@ pub struct Burst {
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Summary {
     pub behaviour: String,
+    /// `emulated` or `k8s-lab`.
+    pub control_plane: String,
     pub run: usize,
     pub sent: usize,
     pub ok: usize,
@@ -37,6 +39,19 @@ pub struct Summary {
     pub failed_during_rollout: usize,
     pub failed_after_rollout: usize,
     pub bursts: Vec<Burst>,
+}
+
+/// The behaviour, with the control plane when it is not the embedded emulation.
+fn label(m: &Summary) -> String {
+    label_of(&m.behaviour, &m.control_plane)
+}
+
+fn label_of(behaviour: &str, control_plane: &str) -> String {
+    if control_plane == "emulated" {
+        behaviour.to_string()
+    } else {
+        format!("{behaviour}/{control_plane}")
+    }
 }
 
 fn nominal(r: &RunResult, ms: f64) -> f64 {
@@ -392,6 +407,7 @@ pub fn summarize(r: &RunResult) -> Summary {
         .collect();
     Summary {
         behaviour: r.behaviour.as_str().to_string(),
+        control_plane: r.control_plane.as_str().to_string(),
         run: r.run + 1,
         sent,
         ok,
@@ -437,6 +453,12 @@ fn shown_in_timeline(e: &Event) -> bool {
 pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
     let mut s = String::new();
     let sums: Vec<Summary> = runs.iter().map(summarize).collect();
+    let w = sums
+        .iter()
+        .map(|m| label(m).len())
+        .max()
+        .unwrap_or(0)
+        .max(9);
     let _ = writeln!(
         s,
         "\nSummary (times are nominal: real time / time scale {})",
@@ -444,7 +466,7 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
     );
     let _ = writeln!(
         s,
-        "{:<9} {:>3} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>6} {:>12}  {:>8} {:>8} {:>8}",
+        "{:<w$} {:>3} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>6} {:>12}  {:>8} {:>8} {:>8}",
         "behaviour",
         "run",
         "sent",
@@ -464,8 +486,8 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
         let other = m.failed - k("refused") - k("reset") - k("timeout");
         let _ = writeln!(
             s,
-            "{:<9} {:>3} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>6} {:>11.1}s  {:>8} {:>8} {:>8}",
-            m.behaviour,
+            "{:<w$} {:>3} {:>7} {:>7} {:>7} {:>8} {:>6} {:>8} {:>6} {:>11.1}s  {:>8} {:>8} {:>8}",
+            label(m),
             m.run,
             m.sent,
             m.ok,
@@ -481,9 +503,9 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
         );
     }
     // Distribution per behaviour when there are several runs.
-    let mut per: BTreeMap<&str, Vec<&Summary>> = BTreeMap::new();
+    let mut per: BTreeMap<String, Vec<&Summary>> = BTreeMap::new();
     for m in &sums {
-        per.entry(m.behaviour.as_str()).or_default().push(m);
+        per.entry(label(m)).or_default().push(m);
     }
     if runs.len() > per.len() {
         let _ = writeln!(s);
@@ -498,7 +520,7 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
             let with_loss = v.iter().filter(|m| m.failed > 0).count();
             let slowest = runs
                 .iter()
-                .filter(|r| r.behaviour.as_str() == *b)
+                .filter(|r| label_of(r.behaviour.as_str(), r.control_plane.as_str()) == *b)
                 .map(|r| {
                     (
                         r.run + 1,
@@ -522,7 +544,7 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
         let _ = writeln!(
             s,
             "\n== {} run {}: {} failure burst(s)",
-            m.behaviour,
+            label(m),
             m.run,
             m.bursts.len()
         );
@@ -598,7 +620,17 @@ pub fn render_json(
             v
         })
         .collect();
-    json!({"runs": rs, "config": config, "plots": plots})
+    let comparison: Vec<Value> = crate::compare::pairs(runs)
+        .into_iter()
+        .map(|(e, k)| {
+            json!({
+                "behaviour": e.behaviour.as_str(),
+                "run": e.run + 1,
+                "rows": crate::compare::align(&crate::compare::milestones(e), &crate::compare::milestones(k)),
+            })
+        })
+        .collect();
+    json!({"runs": rs, "config": config, "plots": plots, "comparison": comparison})
 }
 
 #[cfg(test)]
@@ -651,6 +683,7 @@ mod tests {
         failed.conn = ConnKind::KeepAlive;
         failed.conn_pod = Some("web-r1-1".into());
         let r = RunResult {
+            control_plane: crate::scenario::ControlPlaneKind::Emulated,
             behaviour: Behaviour::Kproxy,
             run: 0,
             time_scale: 0.1,

@@ -10,11 +10,12 @@ use std::time::{Duration, Instant, SystemTime};
 use serde::Serialize;
 
 use crate::LabError;
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, PodApi};
 use crate::config::RolloutConfig;
 use crate::controlplane::{self, ControlPlane};
 use crate::fabric::{self, Fabric};
-use crate::kproxyd::Kproxyd;
+use crate::k8s::{K8sLab, RealControlPlane};
+use crate::kproxyd::{KproxySource, Kproxyd};
 use crate::lb::{HealthCheck, LoadBalancer};
 use crate::loadgen::{LoadGenerator, RequestRecord};
 use crate::timeline::{Clock, Event, EventKind, Recorder};
@@ -42,6 +43,7 @@ impl Behaviour {
 #[derive(Clone, Debug)]
 pub struct RunResult {
     pub behaviour: Behaviour,
+    pub control_plane: ControlPlaneKind,
     pub run: usize,
     pub time_scale: f64,
     pub nodes: Vec<String>,
@@ -56,6 +58,27 @@ pub struct RunResult {
 
 pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
 
+/// Which control plane runs the Deployment and EndpointSlice controllers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ControlPlaneKind {
+    /// The lab's own emulation (`controlplane`, `cluster`); kproxy reads manifests.
+    #[default]
+    Emulated,
+    /// kube-apiserver and kube-controller-manager of the k8s-lab instance named by
+    /// `K8S_LAB`; kproxy watches the API (`k8s`).
+    K8sLab,
+}
+
+impl ControlPlaneKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ControlPlaneKind::Emulated => "emulated",
+            ControlPlaneKind::K8sLab => "k8s-lab",
+        }
+    }
+}
+
 /// Disturbances a run adds to the rolling update (the scenario matrix's extra rows).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct RunOptions {
@@ -63,6 +86,26 @@ pub struct RunOptions {
     /// second old pod becomes terminating: the new processes start while a pod is
     /// serving-terminating and must pick up where the old ones left.
     pub restart_kproxy_mid_rollout: bool,
+    /// The control plane the run uses.
+    pub control_plane: ControlPlaneKind,
+}
+
+/// Start the rolling update to `revision` with the run's Deployment controller.
+fn spawn_rollout(
+    cluster: &Arc<Cluster>,
+    real: Option<&Arc<RealControlPlane>>,
+    revision: u32,
+    limit: Duration,
+) -> tokio::task::JoinHandle<Result<(), LabError>> {
+    let c2 = cluster.clone();
+    match real {
+        Some(r) => {
+            let r = r.clone();
+            let clock = cluster.recorder.clock().clone();
+            tokio::spawn(async move { r.rollout(&c2, &clock, revision, limit).await })
+        }
+        None => tokio::spawn(async move { c2.rollout(revision, limit).await }),
+    }
 }
 
 /// Run one rollout with `behaviour`, using the kproxy binary at `kproxy`.
@@ -155,20 +198,41 @@ async fn run_async(
         .iter()
         .map(|n| workdir.path.join(&n.name))
         .collect();
-    let cp = ControlPlane::start(
-        cfg.nodes,
-        dirs.clone(),
-        clock.real(cfg.propagation_delay_seconds),
-        cfg.publish_not_ready_addresses,
-        rec.clone(),
-    )?;
+    let (real, api): (Option<Arc<RealControlPlane>>, Arc<dyn PodApi>) = match opts.control_plane {
+        ControlPlaneKind::Emulated => {
+            let cp = ControlPlane::start(
+                cfg.nodes,
+                dirs.clone(),
+                clock.real(cfg.propagation_delay_seconds),
+                cfg.publish_not_ready_addresses,
+                rec.clone(),
+            )?;
+            (None, Arc::new(cp))
+        }
+        ControlPlaneKind::K8sLab => {
+            let lab = K8sLab::from_env()?;
+            let r =
+                RealControlPlane::start(lab, &fabric, cfg.publish_not_ready_addresses, rec.clone())
+                    .await?;
+            let w = r.writer.clone();
+            (Some(Arc::new(r)), w)
+        }
+    };
+    progress(&format!(
+        "{tag} control plane: {}",
+        opts.control_plane.as_str()
+    ));
 
     let mut daemons = Vec::new();
     for (n, dir) in fabric.nodes.iter().zip(&dirs) {
-        daemons.push(Kproxyd::start(
+        let source = match &real {
+            Some(r) => KproxySource::Kubeconfig(&r.lab.proxy_kubeconfig),
+            None => KproxySource::Manifests(dir),
+        };
+        daemons.push(Kproxyd::start_from(
             kproxy,
             n,
-            dir,
+            source,
             &workdir.path,
             behaviour == Behaviour::Kproxy,
             &[],
@@ -184,13 +248,10 @@ async fn run_async(
             controlplane::SERVICE_PORT,
             rec.clone(),
         )?;
-        let cluster = Cluster::new(
-            fabric.clone(),
-            cp.clone(),
-            rec.clone(),
-            cfg.pod,
-            cfg.deployment,
-        );
+        let cluster = Cluster::new(fabric.clone(), api, rec.clone(), cfg.pod, cfg.deployment);
+        if let Some(r) = &real {
+            r.start_agent(cluster.clone(), rec.clone());
+        }
         let p = &cfg.pod.readiness_probe;
         let nominal_limit = p.initial_delay_seconds
             + p.period_seconds * (p.success_threshold as f64 + 2.0)
@@ -202,8 +263,7 @@ async fn run_async(
 
         // Initial Deployment (revision 1), then wait for the LB to see every node
         // that has a pod as healthy.
-        let c2 = cluster.clone();
-        let initial = tokio::spawn(async move { c2.rollout(1, step_limit).await });
+        let initial = spawn_rollout(&cluster, real.as_ref(), 1, step_limit);
         wait_for(
             "the initial pods to become ready",
             step_limit,
@@ -252,9 +312,8 @@ async fn run_async(
             "rolling update to revision 2",
         );
         progress(&format!("{tag} rolling update started"));
-        let c2 = cluster.clone();
         let rollout_limit = step_limit * (cfg.deployment.replicas + 1);
-        let rollout = tokio::spawn(async move { c2.rollout(2, rollout_limit).await });
+        let rollout = spawn_rollout(&cluster, real.as_ref(), 2, rollout_limit);
         if opts.restart_kproxy_mid_rollout {
             let step = 2.min(cfg.deployment.replicas as usize);
             let terminating = || {
@@ -346,6 +405,13 @@ async fn run_async(
         d.stop();
         d.import_events(&rec, wall_start);
     }
+    if let Some(r) = &real
+        && let Err(e) = r.stop().await
+    {
+        progress(&format!(
+            "{tag} warning: cleaning the k8s-lab namespace: {e}"
+        ));
+    }
     let (records, load_start_ms, rollout_start_ms, rollout_end_ms, load_end_ms) = match result {
         Ok(v) => v,
         Err(e) => {
@@ -362,6 +428,7 @@ async fn run_async(
     };
     Ok(RunResult {
         behaviour,
+        control_plane: opts.control_plane,
         run,
         time_scale: cfg.time_scale,
         nodes: fabric.nodes.iter().map(|n| n.name.clone()).collect(),
