@@ -294,7 +294,7 @@ async fn run_async(
     )?;
     let cluster = Cluster::new(
         fabric.clone(),
-        cp.clone(),
+        Arc::new(cp.clone()),
         rec.clone(),
         cfg.pod,
         cfg.deployment,
