@@ -144,6 +144,8 @@ fn rbac_is_least_privilege_and_bound_to_the_daemonsets_account() {
             "discovery.k8s.io/endpointslices:watch",
             "events.k8s.io/events:create",
             "events.k8s.io/events:patch",
+            "networking.k8s.io/servicecidrs:list",
+            "networking.k8s.io/servicecidrs:watch",
         ]
     );
     let b = &o.bindings[0];

@@ -12,11 +12,12 @@ use std::net::{IpAddr, Ipv4Addr};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1 as corev1;
 use k8s_openapi::api::discovery::v1 as discoveryv1;
+use k8s_openapi::api::networking::v1 as networkingv1;
 use serde::Serialize;
 
 use crate::model::{
     ClusterIps, Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service,
-    ServiceName, ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
+    ServiceCidr, ServiceName, ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
 };
 
 /// Label that hands a Service to another proxy; upstream's watch excludes it.
@@ -36,6 +37,7 @@ pub enum Kind {
     Service,
     EndpointSlice,
     Node,
+    ServiceCidr,
 }
 
 impl fmt::Display for Kind {
@@ -44,6 +46,7 @@ impl fmt::Display for Kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::ServiceCidr => "ServiceCIDR",
         })
     }
 }
@@ -969,6 +972,31 @@ pub fn node(n: &corev1::Node) -> Result<Ingested<Node>, IngestError> {
             deleting,
             to_be_deleted_by_autoscaler,
         },
+        warnings: ctx.warnings,
+    })
+}
+
+/// Ingests a ServiceCIDR (cluster-scoped). An entry of `spec.cidrs` that is not a CIDR
+/// is dropped with a warning; the others still count.
+pub fn service_cidr(c: &networkingv1::ServiceCIDR) -> Result<Ingested<ServiceCidr>, IngestError> {
+    let mut ctx = Ctx::new(Kind::ServiceCidr, &c.metadata);
+    let (_, name) = check_meta_name(&ctx, false, true)?;
+    let mut cidrs = Vec::new();
+    for (i, s) in c
+        .spec
+        .as_ref()
+        .and_then(|s| s.cidrs.as_ref())
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        match parse_cidr(s) {
+            Some(net) => cidrs.push(net),
+            None => ctx.warn(format!(".spec.cidrs[{i}]"), "not a CIDR; ignored"),
+        }
+    }
+    Ok(Ingested {
+        value: ServiceCidr { name, cidrs },
         warnings: ctx.warnings,
     })
 }

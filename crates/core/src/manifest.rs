@@ -8,6 +8,7 @@ use std::fmt;
 
 use k8s_openapi::api::core::v1 as corev1;
 use k8s_openapi::api::discovery::v1 as discoveryv1;
+use k8s_openapi::api::networking::v1 as networkingv1;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -18,6 +19,7 @@ pub enum Object {
     Service(Box<corev1::Service>),
     EndpointSlice(Box<discoveryv1::EndpointSlice>),
     Node(Box<corev1::Node>),
+    ServiceCidr(Box<networkingv1::ServiceCIDR>),
 }
 
 /// Where a document sits: file, document index (0-based), and List item index.
@@ -438,6 +440,9 @@ fn read_object(v: Value, location: Location) -> Option<Result<Located, ManifestE
         ("Node", "v1" | "") => typed::<corev1::Node>(v).map(|o| Object::Node(Box::new(o))),
         ("EndpointSlice", "discovery.k8s.io/v1" | "") => {
             typed::<discoveryv1::EndpointSlice>(v).map(|o| Object::EndpointSlice(Box::new(o)))
+        }
+        ("ServiceCIDR", "networking.k8s.io/v1" | "") => {
+            typed::<networkingv1::ServiceCIDR>(v).map(|o| Object::ServiceCidr(Box::new(o)))
         }
         ("", _) if !v.is_object() => Err((".".to_string(), "not an object".to_string())),
         _ => return None,

@@ -52,6 +52,8 @@ pub enum Update {
     /// This node's Node (boxed: sources keep every file's updates, and this variant
     /// would make each of them as large as a Node).
     Node(Box<Node>),
+    /// A ServiceCIDR object.
+    ServiceCidr(ServiceCidr),
     /// Another node's Node.
     Nothing,
 }
@@ -81,6 +83,10 @@ impl Update {
                 }
                 let i = ingest::node(n)?;
                 (Update::Node(Box::new(i.value)), i.warnings)
+            }
+            Object::ServiceCidr(c) => {
+                let i = ingest::service_cidr(c)?;
+                (Update::ServiceCidr(i.value), i.warnings)
             }
         })
     }
@@ -395,6 +401,7 @@ impl ClusterState {
             Update::Slice(slice) => self.upsert_slice(slice.clone()),
             Update::DeleteSlice { namespace, name } => self.delete_slice(namespace, name),
             Update::Node(node) => self.set_node(Some((**node).clone())),
+            Update::ServiceCidr(c) => self.upsert_service_cidr(c.clone()),
             Update::Nothing => false,
         }
     }
@@ -406,6 +413,7 @@ impl ClusterState {
             Kind::EndpointSlice => self.delete_slice(namespace, name),
             Kind::Node if name == node_name => self.set_node(None),
             Kind::Node => false,
+            Kind::ServiceCidr => self.delete_service_cidr(name),
         }
     }
 }

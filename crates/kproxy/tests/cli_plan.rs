@@ -306,3 +306,53 @@ fn sync_dry_run_takes_the_masquerade_bit_from_the_config_file() {
         "the default mark is still there:\n{out}"
     );
 }
+
+#[test]
+fn a_service_cidr_manifest_reaches_each_familys_plan() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for f in std::fs::read_dir(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/cluster"
+    ))
+    .expect("examples/cluster")
+    {
+        let f = f.expect("dir entry").path();
+        std::fs::copy(&f, dir.path().join(f.file_name().expect("file name"))).expect("copy");
+    }
+    std::fs::write(
+        dir.path().join("servicecidr.yaml"),
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata:\n  name: kubernetes\n\
+         spec:\n  cidrs: [10.96.0.0/16, 'fd00:10:96::/112']\n",
+    )
+    .expect("write servicecidr.yaml");
+    let dir_arg = dir.path().to_str().expect("utf-8 path");
+    let (code, out, err) = kproxy(&[
+        "plan",
+        "--manifests",
+        dir_arg,
+        "--node",
+        "node-a",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).expect("valid JSON");
+    let cidrs: Vec<(String, Value)> = v["families"]
+        .as_array()
+        .expect("families")
+        .iter()
+        .map(|f| {
+            (
+                f["family"].as_str().unwrap_or("").to_string(),
+                f["serviceCidrs"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        cidrs,
+        vec![
+            ("IPv4".to_string(), serde_json::json!(["10.96.0.0/16"])),
+            ("IPv6".to_string(), serde_json::json!(["fd00:10:96::/112"])),
+        ]
+    );
+}

@@ -84,7 +84,7 @@ pub struct ListReply {
     pub items: Vec<Value>,
 }
 
-/// One resource (services, endpointslices, nodes) of the fake server.
+/// One resource (services, endpointslices, nodes, servicecidrs) of the fake server.
 pub struct Resource {
     pub list_kind: &'static str,
     pub list: Mutex<ListReply>,
@@ -185,6 +185,7 @@ pub struct FakeApi {
     pub services: Resource,
     pub slices: Resource,
     pub nodes: Resource,
+    pub service_cidrs: Resource,
 }
 
 impl Default for FakeApi {
@@ -199,6 +200,7 @@ impl FakeApi {
             services: Resource::new("ServiceList"),
             slices: Resource::new("EndpointSliceList"),
             nodes: Resource::new("NodeList"),
+            service_cidrs: Resource::new("ServiceCIDRList"),
         }
     }
 }
@@ -262,12 +264,13 @@ fn query(uri: &Uri) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The request handler: lists and watches of the three cluster-wide collections.
+/// The request handler: lists and watches of the four cluster-wide collections.
 pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
     let res = match uri.path() {
         "/api/v1/services" => &api.services,
         "/apis/discovery.k8s.io/v1/endpointslices" => &api.slices,
         "/api/v1/nodes" => &api.nodes,
+        "/apis/networking.k8s.io/v1/servicecidrs" => &api.service_cidrs,
         _ => {
             return (
                 StatusCode::NOT_FOUND,

@@ -1,8 +1,8 @@
-//! The Kubernetes API source: three kube-rs watchers (Services, EndpointSlices, this
-//! Node) folded into the one [`StateHandle`], the same ClusterState the manifest source
-//! fills. Owns: which objects are watched (upstream's label selectors, spec §a.1/§f),
-//! when the first sync may happen (all three kinds listed), and how relists are applied
-//! (atomically per kind, see [`fold`]).
+//! The Kubernetes API source: four watchers (Services, EndpointSlices, this Node,
+//! ServiceCIDRs) folded into the one [`StateHandle`], the same ClusterState the manifest
+//! source fills. Owns: which objects are watched (upstream's label selectors, spec
+//! §a.1/§f), when the first sync may happen (Services, EndpointSlices and the Node
+//! listed), and how relists are applied (atomically per kind, see [`fold`]).
 //!
 //! Memory: objects are decoded one at a time from each list page as it arrives, into
 //! slim types holding only what ingest reads ([`slim`]), and ingested at once; a relist
@@ -141,8 +141,10 @@ impl KubeSourceConfig {
     }
 }
 
-/// The three watched collections, with upstream's selectors.
-pub fn targets(cfg: &KubeSourceConfig, page_size: u32) -> [Target; 3] {
+/// The four watched collections, with upstream's selectors. ServiceCIDRs
+/// (`networking.k8s.io/v1`, cluster-scoped, unselected as upstream) feed the drop of
+/// traffic to unallocated service addresses; they do not gate the first sync.
+pub fn targets(cfg: &KubeSourceConfig, page_size: u32) -> [Target; 4] {
     let labels = label_selector(&cfg.ownership);
     let target = |kind, url: &str, labels: Option<String>, fields: Option<String>| Target {
         kind,
@@ -169,6 +171,12 @@ pub fn targets(cfg: &KubeSourceConfig, page_size: u32) -> [Target; 3] {
             "/api/v1/nodes",
             None,
             Some(node_field_selector(&cfg.node_name)),
+        ),
+        target(
+            Kind::ServiceCidr,
+            "/apis/networking.k8s.io/v1/servicecidrs",
+            None,
+            None,
         ),
     ]
 }

@@ -105,6 +105,7 @@ fn key_of(u: &Update) -> Option<Key> {
             (Kind::EndpointSlice, namespace.clone(), name.clone())
         }
         Update::Node(n) => (Kind::Node, String::new(), n.name.clone()),
+        Update::ServiceCidr(c) => (Kind::ServiceCidr, String::new(), c.name.clone()),
         Update::Nothing => return None,
     })
 }

@@ -837,3 +837,70 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
     assert_eq!((c.service_events, c.slice_events), (0, 0));
     assert_eq!(h.handle.with(|st| seen(st)), before);
 }
+
+fn service_cidr(name: &str, rv: &str, cidrs: &[&str]) -> Value {
+    json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+        "metadata": {"name": name, "resourceVersion": rv},
+        "spec": {"cidrs": cidrs},
+        "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "", "message": "",
+            "lastTransitionTime": "2026-11-24T00:00:00Z"}]}
+    })
+}
+
+fn cidrs_of(st: &ClusterState) -> Vec<String> {
+    st.service_cidrs().iter().map(|n| n.to_string()).collect()
+}
+
+#[tokio::test]
+async fn service_cidr_objects_are_watched_without_gating_the_first_sync() {
+    // The ServiceCIDR list is held back: the first sync must not wait for it, as
+    // upstream's proxier waits only for Services and EndpointSlices.
+    let h = start(Ownership::default(), |api| {
+        standard(api);
+        api.service_cidrs.set_list(
+            "10",
+            vec![service_cidr(
+                "kubernetes",
+                "3",
+                &["10.96.0.0/16", "fd00:10:96::/112"],
+            )],
+        );
+        api.service_cidrs.open.send_replace(false);
+    })
+    .await;
+    wait_for(&h, "the first sync", |_, ready| ready).await;
+    assert!(h.handle.with(|st| cidrs_of(st)).is_empty());
+    h.api.service_cidrs.open.send_replace(true);
+    wait_cheap(&h, "the kubernetes ServiceCIDR", |st| {
+        cidrs_of(st) == strs(&["10.96.0.0/16", "fd00:10:96::/112"])
+    })
+    .await;
+
+    h.api.service_cidrs.event(
+        "ADDED",
+        service_cidr("extra", "11", &["10.100.0.0/24", "not-a-cidr"]),
+    );
+    wait_cheap(&h, "the extra ServiceCIDR", |st| {
+        cidrs_of(st) == strs(&["10.96.0.0/16", "10.100.0.0/24", "fd00:10:96::/112"])
+    })
+    .await;
+    h.api.service_cidrs.event(
+        "DELETED",
+        service_cidr("kubernetes", "12", &["10.96.0.0/16", "fd00:10:96::/112"]),
+    );
+    wait_cheap(&h, "the kubernetes ServiceCIDR deleted", |st| {
+        cidrs_of(st) == strs(&["10.100.0.0/24"])
+    })
+    .await;
+
+    // A relist that no longer holds "extra" removes it (relists replace the kind).
+    h.api
+        .service_cidrs
+        .set_list("20", vec![service_cidr("other", "19", &["10.101.0.0/24"])]);
+    h.api.service_cidrs.event("ERROR", gone());
+    wait_cheap(&h, "the relisted ServiceCIDRs", |st| {
+        cidrs_of(st) == strs(&["10.101.0.0/24"])
+    })
+    .await;
+}

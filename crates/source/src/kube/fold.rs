@@ -103,10 +103,10 @@ impl<T> Default for Progress<T> {
     }
 }
 
-/// Per-kind progress of the three watchers: the relist being buffered and whether the
+/// Per-kind progress of the four watchers: the relist being buffered and whether the
 /// kind has been listed once.
 pub struct Folder<T = Object> {
-    progress: [Progress<T>; 3],
+    progress: [Progress<T>; 4],
 }
 
 impl<T> Default for Folder<T> {
@@ -122,6 +122,7 @@ fn index(kind: Kind) -> usize {
         Kind::Service => 0,
         Kind::EndpointSlice => 1,
         Kind::Node => 2,
+        Kind::ServiceCidr => 3,
     }
 }
 
@@ -137,8 +138,13 @@ impl<T> Folder<T> {
 
     /// Services, EndpointSlices and the Node have all been listed once (spec §f: nothing
     /// is programmed before, so no Service is blackholed for lack of its endpoints).
+    /// ServiceCIDRs do not gate the first sync, as upstream's `isInitialized` waits only
+    /// for Services and EndpointSlices: an API server without the resource must not keep
+    /// a node from serving.
     pub fn all_listed(&self) -> bool {
-        self.progress.iter().all(|p| p.listed)
+        [Kind::Service, Kind::EndpointSlice, Kind::Node]
+            .into_iter()
+            .all(|k| self.listed(k))
     }
 
     /// Folds one event. Returns the change to apply (if any) and the warnings about
@@ -199,6 +205,10 @@ fn keys_of(state: &ClusterState, kind: Kind, node_name: &str) -> BTreeSet<Key> {
             .node()
             .map(|_| (String::new(), node_name.to_string()))
             .into_iter()
+            .collect(),
+        Kind::ServiceCidr => state
+            .service_cidr_objects()
+            .map(|c| (String::new(), c.name.clone()))
             .collect(),
     }
 }

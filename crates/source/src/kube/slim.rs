@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1 as corev1;
 use k8s_openapi::api::discovery::v1 as discoveryv1;
+use k8s_openapi::api::networking::v1 as networkingv1;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kproxy_core::ingest::{ANNOTATION_LAST_CHANGE_TRIGGER_TIME, Kind};
 use kproxy_core::manifest::Object;
@@ -152,6 +153,11 @@ pub fn decode(kind: Kind, json: &str) -> Result<Object, DecodeError> {
                     ports: s.ports,
                 }))
             })
+        }
+        // Small and cluster-scoped (a handful per cluster): k8s-openapi's own type.
+        Kind::ServiceCidr => {
+            serde_path_to_error::deserialize::<_, networkingv1::ServiceCIDR>(&mut d)
+                .map(|c| Object::ServiceCidr(Box::new(c)))
         }
         Kind::Node => serde_path_to_error::deserialize::<_, Node>(&mut d).map(|n| {
             Object::Node(Box::new(corev1::Node {
