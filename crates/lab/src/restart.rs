@@ -232,14 +232,7 @@ pub fn run(
     progress: crate::scenario::Progress,
 ) -> Result<RestartReport, LabError> {
     cfg.validate()?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| LabError::Io {
-            what: "lab runtime".into(),
-            source: e,
-        })?;
+    let rt = crate::scenario::lab_runtime()?;
     let result = rt.block_on(run_async(cfg, kproxy, hold, progress));
     rt.shutdown_timeout(Duration::from_secs(5));
     result

@@ -119,6 +119,18 @@ pub fn run_once(
     run_with(cfg, behaviour, run, kproxy, RunOptions::default(), progress)
 }
 
+/// The lab's runtime: two workers, enough for the load, the kubelets and the LB.
+pub(crate) fn lab_runtime() -> Result<tokio::runtime::Runtime, LabError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| LabError::Io {
+            what: "lab runtime".into(),
+            source: e,
+        })
+}
+
 /// `run_once` with disturbances.
 pub fn run_with(
     cfg: &RolloutConfig,
@@ -129,14 +141,7 @@ pub fn run_with(
     progress: Progress,
 ) -> Result<RunResult, LabError> {
     cfg.validate()?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| LabError::Io {
-            what: "lab runtime".into(),
-            source: e,
-        })?;
+    let rt = lab_runtime()?;
     let result = rt.block_on(run_async(cfg, behaviour, run, kproxy, opts, progress));
     // Kubelet tasks hold pods; shutting the runtime down drops them (and their
     // servers and namespaces) before we return.

@@ -206,15 +206,7 @@ impl Dataplane {
         let steps = match delta {
             Some(tx) => {
                 report.changes = tx.counts;
-                // Only element changes: over netlink when every element encodes.
-                let batch = tx
-                    .elements_only()
-                    .then(|| netlink::Batch::transaction(&tx))
-                    .flatten();
-                match batch {
-                    Some(b) => vec![Step::Netlink(b)],
-                    None => vec![Step::Nft(tx.nft_text())],
-                }
+                vec![Step::of(&tx)]
             }
             None => {
                 report.full = true;
@@ -252,14 +244,7 @@ impl Dataplane {
                     report.adopted = true;
                     report.changes = tx.counts;
                     self.programmed = Some(recs);
-                    let batch = tx
-                        .elements_only()
-                        .then(|| netlink::Batch::transaction(&tx))
-                        .flatten();
-                    match batch {
-                        Some(b) => vec![Step::Netlink(b)],
-                        None => vec![Step::Nft(tx.nft_text())],
-                    }
+                    vec![Step::of(&tx)]
                 } else {
                     let phased = self.tables_absent(&recs)
                         && match self.first_sync_phased(&recs, &mut report) {
@@ -535,6 +520,21 @@ fn changed_services(
 enum Step {
     Nft(String),
     Netlink(netlink::Batch),
+}
+
+impl Step {
+    /// A delta as one step: only element changes go over netlink when every element
+    /// encodes; anything else is one `nft -f`.
+    fn of(tx: &Transaction) -> Step {
+        let batch = tx
+            .elements_only()
+            .then(|| netlink::Batch::transaction(tx))
+            .flatten();
+        match batch {
+            Some(b) => Step::Netlink(b),
+            None => Step::Nft(tx.nft_text()),
+        }
+    }
 }
 
 /// Removes everything kproxy made (both tables, and the `-verify` scratch tables a
