@@ -234,8 +234,10 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                     biased;
                     _ = stop.cancelled() => break,
                     _ = self.handle.changed() => {
-                        // A wake left over from changes the last sync already took.
+                        // A wake left over from changes the last sync already took,
+                        // or an API return whose relist changed nothing.
                         if self.handle.with(|s| s.changes().is_empty()) {
+                            self.settle_api_return();
                             continue;
                         }
                     }
@@ -278,11 +280,28 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             }
             if self.handle.with(|s| !s.changes().is_empty()) {
                 need_sync = true;
+            } else if !need_sync {
+                self.settle_api_return();
             }
         }
         tracing::info!("shutting down; nftables rules stay in place");
         self.events.emit("stopped", json!({}));
         Ok(self.into_dataplane())
+    }
+
+    /// Once the rules match the state (nothing pending, nothing owed to the dataplane),
+    /// an API return noted by the source is converged: time it.
+    fn settle_api_return(&mut self) {
+        if self.failures > 0 || !self.unapplied.is_empty() {
+            return;
+        }
+        if let Some(at) = self.handle.take_api_returned() {
+            let secs = at.elapsed().as_secs_f64();
+            self.metrics.api_return_to_converged.observe(secs);
+            tracing::info!(seconds = secs, "converged after the API answered again");
+            self.events
+                .emit("api_return_converged", json!({ "seconds": secs }));
+        }
     }
 
     fn into_dataplane(mut self) -> D {
@@ -655,6 +674,7 @@ mod tests {
 
     struct Harness {
         log: Log,
+        registry: Registry,
         handle: StateHandle,
         stop: CancellationToken,
         task: tokio::task::JoinHandle<Result<FakeDataplane>>,
@@ -682,7 +702,8 @@ mod tests {
             synced_once: false,
             gate,
         };
-        let metrics = Metrics::register(&mut Registry::default());
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
         let sync_loop = SyncLoop::new(
             cfg,
             handle.clone(),
@@ -695,6 +716,7 @@ mod tests {
         let task = tokio::spawn(sync_loop.run(stop.clone()));
         Harness {
             log,
+            registry,
             handle,
             stop,
             task,
@@ -715,6 +737,35 @@ mod tests {
             self.stop.cancel();
             self.task.await.unwrap().unwrap()
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_api_return_is_timed_once_the_rules_match_the_state() {
+        let count = |h: &Harness| {
+            crate::metrics::encode(&h.registry)
+                .lines()
+                .find_map(|l| l.strip_prefix("kproxy_api_return_to_converged_seconds_count "))
+                .map(str::to_string)
+        };
+        let h = start(1000, &[], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        // A relist that changed nothing: converged at once, nothing programmed.
+        h.handle.note_api_returned(std::time::Instant::now());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(count(&h).as_deref(), Some("1"));
+        assert_eq!(h.log.syncs(), 1);
+        // A relist that brought a change: converged only after the sync that carries it,
+        // which waits for minSyncPeriod.
+        h.add(1);
+        h.handle.note_api_returned(std::time::Instant::now());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(count(&h).as_deref(), Some("1"));
+        h.until_syncs(2).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(count(&h).as_deref(), Some("2"));
+        h.stop().await;
     }
 
     #[tokio::test(start_paused = true)]

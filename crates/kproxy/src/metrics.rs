@@ -52,6 +52,8 @@ pub struct Metrics {
     pub skipped_objects: Gauge,
     pub frontend_conflicts: Gauge,
     pub change_stages: Family<StageLabel, Histogram, fn() -> Histogram>,
+    /// From the API answering again after failures to the rules matching it.
+    pub api_return_to_converged: Histogram,
 }
 
 /// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
@@ -88,6 +90,7 @@ impl Metrics {
             skipped_objects: Gauge::default(),
             frontend_conflicts: Gauge::default(),
             change_stages: Family::new_with_constructor(change_stage_histogram),
+            api_return_to_converged: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
         };
         let r = registry.sub_registry_with_prefix("kubeproxy");
         r.register(
@@ -181,6 +184,11 @@ impl Metrics {
             "change_stage_duration_seconds",
             "A change's way to the kernel by stage, from the oldest change a sync carried: queued (reached the state -> planning starts), plan, commit (kernel transaction), total",
             m.change_stages.clone(),
+        );
+        own.register(
+            "api_return_to_converged_seconds",
+            "After an API outage: from the API answering again (its relist applied) to the rules matching the state (immediately when the relist found nothing changed: nothing is programmed)",
+            m.api_return_to_converged.clone(),
         );
         Arc::new(m)
     }

@@ -227,6 +227,10 @@ pub async fn run(
     let mut ready = false;
     tracing::info!(node = %cfg.node_name, label_selector = %label_selector(&cfg.ownership), "watching the Kubernetes API");
     while let Some((kind, event)) = rx.recv().await {
+        if let Input::Returned(at) = event {
+            handle.note_api_returned(at);
+            continue;
+        }
         let relist = matches!(event, Input::InitDone);
         let (change, skipped) = folder.step(kind, event);
         for w in &skipped {

@@ -35,6 +35,9 @@ struct Inner {
     stalled: AtomicBool,
     /// Called after every `update`, in the source's task (see [`StateHandle::on_update`]).
     on_update: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// When the API answered again after failures, until the sync loop sees the state
+    /// converged (see [`StateHandle::note_api_returned`]).
+    api_returned: Mutex<Option<std::time::Instant>>,
 }
 
 impl StateHandle {
@@ -86,6 +89,29 @@ impl StateHandle {
 
     pub fn is_source_stalled(&self) -> bool {
         self.0.stalled.load(Ordering::SeqCst)
+    }
+
+    /// The API answered again after failing, at `at`; called after what that answer
+    /// brought (a relist) is applied, so the sync loop can time the way from the API's
+    /// return to converged rules. The earliest unsettled return is kept.
+    pub fn note_api_returned(&self, at: std::time::Instant) {
+        let mut r = self
+            .0
+            .api_returned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        r.get_or_insert(at);
+        drop(r);
+        self.0.notify.notify_one();
+    }
+
+    /// Takes the unsettled API return, if any (the sync loop, once converged).
+    pub fn take_api_returned(&self) -> Option<std::time::Instant> {
+        self.0
+            .api_returned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     pub fn is_ready(&self) -> bool {

@@ -792,9 +792,11 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
     })
     .await;
     let watches: Vec<usize> = kinds(&h.api).iter().map(|r| r.watches().len()).collect();
+    // 500, not 503: kube's client retries 503 itself, which would hide the outage from
+    // the reflector (a stopped API server refuses connections: also seen by it).
     for r in kinds(&h.api) {
-        r.set_watch_status(StatusCode::SERVICE_UNAVAILABLE);
-        r.fail_lists(StatusCode::SERVICE_UNAVAILABLE);
+        r.set_watch_status(StatusCode::INTERNAL_SERVER_ERROR);
+        r.fail_lists(StatusCode::INTERNAL_SERVER_ERROR);
         r.close();
     }
     wait_server(&h, "two failed watches of every kind", |api| {
@@ -836,6 +838,17 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
     assert!(c.is_empty(), "{c:?}");
     assert_eq!((c.service_events, c.slice_events), (0, 0));
     assert_eq!(h.handle.with(|st| seen(st)), before);
+    // The source tells the sync loop that the API is back (it times the way to
+    // converged rules: kproxy_api_return_to_converged_seconds).
+    let mut returned = None;
+    for _ in 0..500 {
+        returned = h.handle.take_api_returned();
+        if returned.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(returned.is_some(), "no API return noted after the outage");
 }
 
 fn service_cidr(name: &str, rv: &str, cidrs: &[&str]) -> Value {

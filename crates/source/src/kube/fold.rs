@@ -72,6 +72,9 @@ pub enum Input<T = Object> {
     Apply(Key, Result<T, IngestError>),
     /// DELETED.
     Delete(Key),
+    /// The API answered again after failures (sent after the relist it brought), at
+    /// this time. Changes nothing in the state; the source notes it for the sync loop.
+    Returned(std::time::Instant),
 }
 
 /// What one event does to the state.
@@ -181,6 +184,7 @@ impl<T> Folder<T> {
                 None
             }
             Input::Delete(key) => Some(Change::Delete(kind, key)),
+            Input::Returned(_) => None,
         };
         (change, warnings)
     }

@@ -124,6 +124,9 @@ struct StatusCode {
 pub struct Backoff {
     failures: u32,
     since: Option<Instant>,
+    /// When the API answered again after failures, until the state holds what that
+    /// answer brought (a completed list, or a watch's first event).
+    returned: Option<Instant>,
     seed: u64,
 }
 
@@ -136,6 +139,7 @@ impl Backoff {
         Backoff {
             failures: 0,
             since: None,
+            returned: None,
             seed: RandomState::new().hash_one(Instant::now()),
         }
     }
@@ -179,8 +183,18 @@ impl Backoff {
         if let Some(since) = self.since.take() {
             tracing::info!(%kind, failures = self.failures, after_s = since.elapsed().as_secs_f64(),
                 "the API answers again");
+            self.returned.get_or_insert_with(Instant::now);
         }
         self.failures = 0;
+    }
+
+    /// Tells the source the API is back, once the state holds what its answer brought:
+    /// the sync loop times the way from here to converged rules.
+    async fn settle_return(&mut self, tx: &Sender, kind: Kind) -> Result<(), Stop> {
+        match self.returned.take() {
+            Some(at) => send(tx, kind, Input::Returned(at)).await,
+            None => Ok(()),
+        }
     }
 }
 
@@ -201,6 +215,9 @@ pub async fn run(client: kube::Client, target: Target, decoder: Decoder, tx: Sen
             None => match list(&client, &request, &target, &decoder, &tx).await {
                 Ok(rv) => {
                     backoff.succeeded(kind);
+                    if backoff.settle_return(&tx, kind).await.is_err() {
+                        return;
+                    }
                     version = Some(rv);
                     continue;
                 }
@@ -305,6 +322,8 @@ async fn watch(
         Ok(b) => b,
         Err(e) => return api_error(e),
     };
+    // A resumed watch is back once it delivers (an event or a bookmark); a 410 instead
+    // leaves the return to the relist that follows.
     backoff.succeeded(kind);
     let mut lines = body.lines();
     loop {
@@ -349,6 +368,9 @@ async fn watch(
                 if let Some(v) = Coordinates::of(json).and_then(|c| c.resource_version) {
                     *rv = v;
                 }
+                if let Err(stop) = backoff.settle_return(tx, kind).await {
+                    return stop;
+                }
                 continue;
             }
             "ERROR" => {
@@ -365,6 +387,9 @@ async fn watch(
             }
         };
         if let Err(stop) = send(tx, kind, input).await {
+            return stop;
+        }
+        if let Err(stop) = backoff.settle_return(tx, kind).await {
             return stop;
         }
     }
