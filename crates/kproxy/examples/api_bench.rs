@@ -368,6 +368,9 @@ fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, sec
     let before = metrics_text(ns);
     let ticks0 = cpu_ticks(pid);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let run_salt = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos() as usize);
     let (acked, mut write_ms) = rt.block_on(async {
         let client = kproxy_source::kube::client(Some(kubeconfig))
             .await
@@ -381,13 +384,24 @@ fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, sec
                 let i = (k * 7919) % services;
                 let ns = format!("ns-{}", i % NAMESPACES);
                 let mut endpoints = slice(i, eps).1["endpoints"].clone();
-                // One endpoint (picked per bench process, so a second churn run on the
-                // same objects still changes them) flips between its original
-                // readiness and the opposite on every pass over the slices.
-                let e = std::process::id() as usize % eps;
+                // One endpoint flips between its original readiness and the opposite
+                // on every pass over the slices. That alone can equal what an earlier
+                // run left (the flipped endpoint used to be picked by pid % eps: when two
+                // runs' picks met, every write was a no-op the API server does not
+                // even pass on, and the run recorded no syncs), so each write also adds
+                // one surge endpoint at an address of its own (10.245.x.y from the run's
+                // start time and the write's number): every write is a real change.
+                let e = k % eps;
                 let flip = (k / services).is_multiple_of(2);
                 let ready = endpoints[e]["conditions"]["ready"].as_bool() == Some(true);
                 endpoints[e]["conditions"]["ready"] = json!(ready != flip);
+                if let Some(list) = endpoints.as_array_mut() {
+                    list.push(json!({
+                        "addresses": [ip4(0x0af5_0000, (run_salt + k) % 65_000 + 1)],
+                        "nodeName": "node-1",
+                        "conditions": {"ready": true, "serving": true, "terminating": false}
+                    }));
+                }
                 let body = json!({"endpoints": endpoints});
                 let req = Request::new(format!(
                     "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
