@@ -596,15 +596,5 @@ pub fn validate_plan(plan: &NodePlan) -> Result<(), NftError> {
 /// Linux interface names: 1..=15 bytes; kproxy also limits the alphabet so the name can
 /// sit in an nft string without escaping.
 pub fn validate_interface(s: &str) -> Result<(), NftError> {
-    let ok = !s.is_empty()
-        && s.len() <= 15
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-    if ok {
-        Ok(())
-    } else {
-        Err(NftError::Invalid(format!(
-            "interface name {s:?}: want 1-15 of [A-Za-z0-9._-]"
-        )))
-    }
+    kproxy_core::config::check_interface_name(s).map_err(NftError::Invalid)
 }
