@@ -89,22 +89,9 @@ pub fn render_manifests(
             ]}
         }));
     }
-    items.push(json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": SERVICE_NAME, "namespace": SERVICE_NAMESPACE},
-        "spec": {
-            "type": "LoadBalancer",
-            "clusterIP": CLUSTER_IP, "clusterIPs": [CLUSTER_IP], "ipFamilies": ["IPv4"],
-            "selector": {"app": SERVICE_NAME},
-            "ports": [{"name": "http", "protocol": "TCP", "port": SERVICE_PORT, "targetPort": crate::pod::POD_PORT, "nodePort": NODE_PORT}],
-            "externalTrafficPolicy": "Local",
-            "internalTrafficPolicy": "Cluster",
-            "healthCheckNodePort": HEALTH_CHECK_NODE_PORT,
-            "publishNotReadyAddresses": publish_not_ready_addresses,
-            "sessionAffinity": "None"
-        },
-        "status": {"loadBalancer": {"ingress": [{"ip": fabric::VIP.to_string(), "ipMode": "VIP"}]}}
-    }));
+    let mut service = lab_service(publish_not_ready_addresses);
+    service["status"] = lab_service_status();
+    items.push(service);
     let endpoints: Vec<Value> = pods
         .values()
         .filter_map(|p| {
@@ -299,6 +286,32 @@ pub(crate) fn summarize(content: &str) -> String {
         }
     }
     parts.join(" ")
+}
+
+/// The lab's Service, as both control planes create it (the real one applies it; its
+/// status goes through the status subresource, see [`lab_service_status`]).
+pub(crate) fn lab_service(publish_not_ready_addresses: bool) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": SERVICE_NAME, "namespace": SERVICE_NAMESPACE},
+        "spec": {
+            "type": "LoadBalancer",
+            "clusterIP": CLUSTER_IP, "clusterIPs": [CLUSTER_IP], "ipFamilies": ["IPv4"],
+            "selector": {"app": SERVICE_NAME},
+            "ports": [{"name": "http", "protocol": "TCP", "port": SERVICE_PORT,
+                       "targetPort": crate::pod::POD_PORT, "nodePort": NODE_PORT}],
+            "externalTrafficPolicy": "Local",
+            "internalTrafficPolicy": "Cluster",
+            "healthCheckNodePort": HEALTH_CHECK_NODE_PORT,
+            "publishNotReadyAddresses": publish_not_ready_addresses,
+            "sessionAffinity": "None"
+        }
+    })
+}
+
+/// The lab Service's status: the emulated load balancer's VIP.
+pub(crate) fn lab_service_status() -> Value {
+    json!({"loadBalancer": {"ingress": [{"ip": fabric::VIP.to_string(), "ipMode": "VIP"}]}})
 }
 
 #[cfg(test)]

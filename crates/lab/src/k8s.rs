@@ -36,9 +36,7 @@ use tokio::sync::mpsc;
 
 use crate::LabError;
 use crate::cluster::{Cluster, DeploymentSpec, PodApi, PodRuntime, PodTemplate};
-use crate::controlplane::{
-    CLUSTER_IP, HEALTH_CHECK_NODE_PORT, NODE_PORT, SERVICE_NAME, SERVICE_NAMESPACE, SERVICE_PORT,
-};
+use crate::controlplane::{SERVICE_NAME, SERVICE_NAMESPACE};
 use crate::fabric;
 use crate::timeline::{Clock, EventKind, Recorder};
 
@@ -280,22 +278,7 @@ pub async fn prepare(
     let since = now_rfc3339();
     beat(client, nodes, &since).await?;
     let svc: Api<Service> = Api::namespaced(client.clone(), SERVICE_NAMESPACE);
-    let spec = json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": SERVICE_NAME, "namespace": SERVICE_NAMESPACE},
-        "spec": {
-            "type": "LoadBalancer",
-            "clusterIP": CLUSTER_IP, "clusterIPs": [CLUSTER_IP], "ipFamilies": ["IPv4"],
-            "selector": {"app": SERVICE_NAME},
-            "ports": [{"name": "http", "protocol": "TCP", "port": SERVICE_PORT,
-                       "targetPort": crate::pod::POD_PORT, "nodePort": NODE_PORT}],
-            "externalTrafficPolicy": "Local",
-            "internalTrafficPolicy": "Cluster",
-            "healthCheckNodePort": HEALTH_CHECK_NODE_PORT,
-            "publishNotReadyAddresses": publish_not_ready_addresses,
-            "sessionAffinity": "None"
-        }
-    });
+    let spec = crate::controlplane::lab_service(publish_not_ready_addresses);
     svc.patch(
         SERVICE_NAME,
         &PatchParams::apply(FIELD_MANAGER).force(),
@@ -306,8 +289,7 @@ pub async fn prepare(
     svc.patch_status(
         SERVICE_NAME,
         &PatchParams::default(),
-        &Patch::Merge(json!({"status": {"loadBalancer": {"ingress": [
-            {"ip": fabric::VIP.to_string(), "ipMode": "VIP"}]}}})),
+        &Patch::Merge(json!({"status": crate::controlplane::lab_service_status()})),
     )
     .await
     .map_err(api_err("service status"))?;
