@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use kproxy_core::ingest::Ownership;
 use kproxy_core::{ClusterState, NodePlan, PlanConfig, manifest};
 
+pub mod cases;
 pub mod fabric;
 
 pub fn state_from_yaml(text: &str, node: &str) -> ClusterState {
