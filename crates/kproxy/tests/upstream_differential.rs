@@ -68,6 +68,7 @@ fn enabled() -> Option<K8sLab> {
 /// too), source ranges only where the API allows them (type LoadBalancer).
 fn for_api(mut c: Case) -> Case {
     c.service_cidrs = true;
+    c.ipv4_only = true;
     for s in &mut c.services {
         s.v4 = true;
         s.v6 = false;
@@ -388,8 +389,15 @@ fn upstream_kube_proxy_meets_the_fate_kproxy_trace_predicts() {
     let mut differences: Vec<String> = Vec::new();
     let mut kproxy_mismatches: Vec<String> = Vec::new();
     let started = Instant::now();
+    // KPROXY_UPSTREAM_ONLY=3,8: run only these cases of the seed's sequence.
+    let only: Option<Vec<u32>> = std::env::var("KPROXY_UPSTREAM_ONLY")
+        .ok()
+        .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect());
     for n in 0..cases() {
         let c = for_api(strategy.new_tree(&mut runner).expect("case").current());
+        if only.as_ref().is_some_and(|o| !o.contains(&n)) {
+            continue;
+        }
         rt.block_on(apply(&client, &c))
             .unwrap_or_else(|e| panic!("case {n}: {e}\nstate:\n{}", manifests(&c)));
         let cfg = dir.join("config.yaml");
@@ -423,9 +431,10 @@ fn upstream_kube_proxy_meets_the_fate_kproxy_trace_predicts() {
         probes += np;
         if !up_fails.is_empty() || !kp_fails.is_empty() {
             let cfg_text = std::fs::read_to_string(cfg).unwrap_or_default();
+            let rules = up.ruleset();
             differences.extend(up_fails.iter().map(|f| {
                 format!(
-                    "case {n}: upstream: {f}\n--- state ---\n{}--- config ---\n{cfg_text}",
+                    "case {n}: upstream: {f}\n--- state ---\n{}--- config ---\n{cfg_text}--- kube-proxy's rules ---\n{rules}",
                     manifests(&c)
                 )
             }));

@@ -138,6 +138,7 @@ fn one_service(s: Svc) -> Case {
         node_port_cidrs: None,
         node_lists_secondary: false,
         service_cidrs: false,
+        ipv4_only: false,
         services: vec![s],
     }
 }

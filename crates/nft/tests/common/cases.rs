@@ -52,6 +52,9 @@ pub struct Case {
     pub node_lists_secondary: bool,
     /// The service CIDRs (10.96.0.0/16, fd00:96::/64) are configured.
     pub service_cidrs: bool,
+    /// A single-stack (IPv4) cluster: the only service CIDR is 10.96.0.0/16 and no
+    /// IPv6 address is probed (the k8s-lab API server, see the upstream harness).
+    pub ipv4_only: bool,
     pub services: Vec<Svc>,
 }
 
@@ -121,6 +124,7 @@ pub fn case() -> impl Strategy<Value = Case> {
             |(masquerade_all, detector, cidrs, (node_lists_secondary, service_cidrs), services)| {
                 Case {
                     service_cidrs,
+                    ipv4_only: false,
                     masquerade_all,
                     detector,
                     node_port_cidrs: cidrs.map(|mut c| {
@@ -286,7 +290,9 @@ pub fn config(c: &Case) -> PlanConfig {
                     .collect(),
             ),
         },
-        service_cidrs: if c.service_cidrs {
+        service_cidrs: if c.service_cidrs && c.ipv4_only {
+            nets(&["10.96.0.0/16"])
+        } else if c.service_cidrs {
             nets(&["10.96.0.0/16", "fd00:96::/64"])
         } else {
             Vec::new()
@@ -369,7 +375,9 @@ pub fn probes(c: &Case) -> Vec<Probe> {
         }
     }
     dsts.push((ip("10.96.0.99"), 80, Protocol::TCP));
-    dsts.push((ip("fd00:96::99"), 80, Protocol::TCP));
+    if !c.ipv4_only {
+        dsts.push((ip("fd00:96::99"), 80, Protocol::TCP));
+    }
     let sources = [
         From::Pod(0),
         From::Pod(1),
@@ -397,9 +405,17 @@ pub fn judge(f: &Fabric, t: &Trace, src: IpAddr, dst: IpAddr, got: &Outcome) -> 
                     .filter_map(|e| f.pod_name(e.ip))
                     .collect();
                 // Hairpin: the kernel masquerades whenever the chosen endpoint is the
-                // source; trace says so only when every candidate is.
-                let hairpin = f.pod_name(src) == Some(pod.as_str());
+                // source and a pod of this node (not `r`); trace says so only when every
+                // candidate is.
+                let hairpin = f.pod_name(src) == Some(pod.as_str()) && pod != "r";
                 allowed.contains(&pod.as_str()) && (*seen != src) == (t.masquerade || hairpin)
+            }
+            // A pod of another node DNATed back to itself without masquerade receives
+            // a packet from its own address, which its stack drops.
+            Outcome::Timeout => {
+                !t.masquerade
+                    && f.pod_name(src) == Some("r")
+                    && t.endpoints.iter().any(|e| e.ip == src)
             }
             _ => false,
         },
