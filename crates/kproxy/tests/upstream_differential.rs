@@ -33,6 +33,7 @@ use common::cases::{Case, case, manifests, probe_and_judge};
 use common::fabric::Fabric;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kproxy_core::manifest::{self, Object};
 use kproxy_lab::k8s::{ApiBridge, K8sLab};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -63,15 +64,18 @@ fn enabled() -> Option<K8sLab> {
     Some(lab)
 }
 
-/// What the lab's API server can hold: one family (IPv4), the service CIDR it
-/// publishes as a ServiceCIDR (kube-proxy always learns it, so kproxy's trace must
+/// What the lab's API server can hold: both families only when its service CIDRs
+/// have an IPv6 range (k8s-lab's start.sh configures IPv4 only), the service CIDRs it
+/// publishes as ServiceCIDRs (kube-proxy always learns them, so kproxy's trace must
 /// too), source ranges only where the API allows them (type LoadBalancer).
-fn for_api(mut c: Case) -> Case {
+fn for_api(mut c: Case, dual_stack: bool) -> Case {
     c.service_cidrs = true;
-    c.ipv4_only = true;
+    c.ipv4_only = !dual_stack;
     for s in &mut c.services {
-        s.v4 = true;
-        s.v6 = false;
+        if !dual_stack {
+            s.v4 = true;
+            s.v6 = false;
+        }
         if s.kind != 2 {
             s.source_ranges.clear();
         }
@@ -83,7 +87,10 @@ fn for_api(mut c: Case) -> Case {
 fn proxy_config(c: &Case, kubeconfig: &Path) -> String {
     let (mode, extra) = match c.detector {
         0 => ("ClusterCIDR", String::new()),
-        1 => ("ClusterCIDR", "clusterCIDR: 10.244.0.0/16\n".to_string()),
+        1 => (
+            "ClusterCIDR",
+            "clusterCIDR: 10.244.0.0/16,fd00:244::/32\n".to_string(),
+        ),
         2 => ("NodeCIDR", String::new()),
         3 => (
             "InterfaceNamePrefix",
@@ -303,8 +310,21 @@ async fn apply(client: &kube::Client, c: &Case) -> Result<(), String> {
     Ok(())
 }
 
-/// The namespace and node-a (its podCIDRs are set once; addresses change per case).
-async fn prepare(client: &kube::Client) -> Result<(), String> {
+/// The namespace and node-a (its podCIDRs are set once; addresses change per case);
+/// whether the API server serves both families (its default ServiceCIDR has an IPv6
+/// range).
+async fn prepare(client: &kube::Client) -> Result<bool, String> {
+    let cidrs: Api<ServiceCIDR> = Api::all(client.clone());
+    let default = cidrs
+        .get("kubernetes")
+        .await
+        .map_err(|e| format!("get ServiceCIDR kubernetes: {e}"))?;
+    let dual_stack = default
+        .spec
+        .and_then(|s| s.cidrs)
+        .unwrap_or_default()
+        .iter()
+        .any(|c| c.contains(':'));
     let nsapi: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
     let ns = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}})).expect("ns");
     match nsapi.create(&PostParams::default(), &ns).await {
@@ -319,8 +339,8 @@ async fn prepare(client: &kube::Client) -> Result<(), String> {
     }))
     .expect("node");
     match nodes.create(&PostParams::default(), &node).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Ok(_) => Ok(dual_stack),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(dual_stack),
         Err(e) => Err(format!("create Node {NODE}: {e}")),
     }
 }
@@ -370,7 +390,15 @@ fn upstream_kube_proxy_meets_the_fate_kproxy_trace_predicts() {
     let client = rt
         .block_on(kproxy_lab::k8s::client(&lab))
         .expect("lab client");
-    rt.block_on(prepare(&client)).expect("prepare");
+    let dual_stack = rt.block_on(prepare(&client)).expect("prepare");
+    eprintln!(
+        "upstream differential: {}",
+        if dual_stack {
+            "dual-stack API server: IPv4, IPv6 and dual-stack Services"
+        } else {
+            "IPv4 API server: IPv4 Services only"
+        }
+    );
     let upstream = Arc::new(Fabric::new());
     let ours = Arc::new(Fabric::new());
     let _bridges = {
@@ -394,7 +422,10 @@ fn upstream_kube_proxy_meets_the_fate_kproxy_trace_predicts() {
         .ok()
         .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect());
     for n in 0..cases() {
-        let c = for_api(strategy.new_tree(&mut runner).expect("case").current());
+        let c = for_api(
+            strategy.new_tree(&mut runner).expect("case").current(),
+            dual_stack,
+        );
         if only.as_ref().is_some_and(|o| !o.contains(&n)) {
             continue;
         }
@@ -451,6 +482,22 @@ fn upstream_kube_proxy_meets_the_fate_kproxy_trace_predicts() {
             kp_fails.len(),
             started.elapsed().as_secs_f64()
         );
+        // KPROXY_UPSTREAM_HOLD=SECONDS: keep both proxies and fabrics up after a
+        // differing case, to look inside (`ip netns exec NODE nft list ruleset`).
+        if (!up_fails.is_empty() || !kp_fails.is_empty())
+            && let Some(hold) = std::env::var("KPROXY_UPSTREAM_HOLD")
+                .ok()
+                .and_then(|v| v.parse().ok())
+        {
+            eprintln!(
+                "holding {hold} s: upstream node {}, kproxy node {}, pods {:?}, client {}",
+                upstream.node.name,
+                ours.node.name,
+                upstream.pods.iter().map(|p| &p.2.name).collect::<Vec<_>>(),
+                upstream.client.name
+            );
+            std::thread::sleep(Duration::from_secs(hold));
+        }
         drop(up);
         drop(kp);
     }

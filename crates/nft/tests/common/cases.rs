@@ -50,7 +50,7 @@ pub struct Case {
     pub node_port_cidrs: Option<Vec<usize>>,
     /// The Node lists its secondary (ExternalIP) addresses too.
     pub node_lists_secondary: bool,
-    /// The service CIDRs (10.96.0.0/16, fd00:96::/64) are configured.
+    /// The service CIDRs (10.96.0.0/16, fd00:96::/108) are configured.
     pub service_cidrs: bool,
     /// A single-stack (IPv4) cluster: the only service CIDR is 10.96.0.0/16 and no
     /// IPv6 address is probed (the k8s-lab API server, see the upstream harness).
@@ -293,7 +293,7 @@ pub fn config(c: &Case) -> PlanConfig {
         service_cidrs: if c.service_cidrs && c.ipv4_only {
             nets(&["10.96.0.0/16"])
         } else if c.service_cidrs {
-            nets(&["10.96.0.0/16", "fd00:96::/64"])
+            nets(&["10.96.0.0/16", "fd00:96::/108"])
         } else {
             Vec::new()
         },
