@@ -489,7 +489,7 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
         let page = crate::html::render(
             "kproxy lab matrix",
             &format!(
-                "{} cells, time scale {} (times nominal). Each cell is one real rolling update behind the emulated load balancer with the real kproxy daemon on every node; kproxy lint ran on the same settings' manifests, told the emulated load balancer's numbers.",
+                "{} cells, time scale {} (times nominal). Each cell is one real rolling update (the node-drain row: a node drained and deleted by the cluster autoscaler instead) behind the emulated load balancer with the real kproxy daemon on every node; kproxy lint ran on the same settings' manifests, told the emulated load balancer's numbers.",
                 results.len(),
                 base.time_scale
             ),

@@ -278,7 +278,7 @@ pub async fn prepare(
     let since = now_rfc3339();
     beat(client, nodes, &since).await?;
     let svc: Api<Service> = Api::namespaced(client.clone(), SERVICE_NAMESPACE);
-    let spec = crate::controlplane::lab_service(publish_not_ready_addresses);
+    let spec = crate::controlplane::lab_service(publish_not_ready_addresses, true);
     svc.patch(
         SERVICE_NAME,
         &PatchParams::apply(FIELD_MANAGER).force(),

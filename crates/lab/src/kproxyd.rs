@@ -20,6 +20,16 @@ pub enum KproxySource<'a> {
     Kubeconfig(&'a Path),
 }
 
+/// The flags that give kproxy the behaviour of kube-proxy before 1.26 (the lab's
+/// `pre-1.26` behaviour): no failover to serving-terminating endpoints (KEP-1669,
+/// on by default from 1.26) and a `/healthz` that ignores the Node's scale-down taint
+/// and deletion (KEP-3836, from 1.28, on by default from 1.30).
+pub const PRE_126_FLAGS: [&str; 3] = [
+    "--proxy-terminating-endpoints=false",
+    "--feature-gates",
+    "KubeProxyDrainingTerminatingNodes=false",
+];
+
 pub struct Kproxyd {
     pub node: String,
     pub event_log: PathBuf,
@@ -31,7 +41,7 @@ pub struct Kproxyd {
 
 impl Kproxyd {
     /// Start kproxy for `node`. `proxy_terminating_endpoints = false` gives the
-    /// pre-1.26 behaviour.
+    /// pre-1.26 behaviour ([`PRE_126_FLAGS`]).
     pub fn start(
         kproxy: &Path,
         node: &NodeNet,
@@ -71,7 +81,7 @@ impl Kproxyd {
         };
         argv.push(flag.into());
         argv.push(path.into());
-        let hz = format!("{}:10256", node.ip);
+        let hz = format!("{}:{}", node.ip, crate::controlplane::PROXY_HEALTHZ_PORT);
         for a in [
             "--hostname-override",
             &node.name,
@@ -91,7 +101,7 @@ impl Kproxyd {
         }
         argv.push(event_log.clone().into());
         if !proxy_terminating_endpoints {
-            argv.push("--proxy-terminating-endpoints=false".into());
+            argv.extend(PRE_126_FLAGS.iter().map(Into::into));
         }
         argv.extend(extra_args.iter().map(Into::into));
         let mut d = Kproxyd {
