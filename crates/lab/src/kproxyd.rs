@@ -221,6 +221,25 @@ impl Kproxyd {
         let _ = c.wait();
     }
 
+    /// Has the daemon logged a sync that started after wall time `t`? (Its event log's
+    /// `synced` lines carry the wall time they were written.)
+    pub fn synced_after(&self, t: SystemTime) -> bool {
+        let t_ms = t
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64()
+            * 1000.0;
+        let Ok(text) = std::fs::read_to_string(&self.event_log) else {
+            return false;
+        };
+        text.lines().rev().any(|line| {
+            serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| {
+                v["event"] == "synced"
+                    && v["t_unix_ms"].as_f64().is_some_and(|s| s > t_ms)
+            })
+        })
+    }
+
     /// Copy this daemon's event log into the timeline. `wall_start` is the wall
     /// clock when the run's clock started.
     pub fn import_events(&self, recorder: &Recorder, wall_start: SystemTime) {

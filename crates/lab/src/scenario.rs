@@ -330,6 +330,27 @@ async fn run_async(
             || want_healthy(&cluster, &lb),
         )
         .await?;
+        if let (Some(cp), Some(_)) = (&emulated, opts.drain) {
+            // eTP Cluster: /healthz passes before the endpoints are programmed (the
+            // health check node port of eTP Local waits for them); wait until every
+            // node's kproxy synced after the last EndpointSlice change.
+            let start = Instant::now();
+            loop {
+                if cp
+                    .settled_since()
+                    .is_some_and(|t| daemons.iter().all(|d| d.synced_after(t)))
+                {
+                    break;
+                }
+                check_daemons(&mut daemons)?;
+                if start.elapsed() > step_limit {
+                    return Err(LabError::Invalid(format!(
+                        "timed out after {step_limit:?} waiting for every kproxy to program the endpoints"
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         progress(&format!(
             "{tag} {} pods ready, load balancer pool complete; starting load",
             cfg.deployment.replicas
