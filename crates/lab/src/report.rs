@@ -372,11 +372,10 @@ fn drain_causes(
         return Vec::new();
     }
     let mut causes = Vec::new();
-    let new_failed = records
-        .iter()
-        .filter(|x| x.conn == crate::loadgen::ConnKind::New)
-        .count();
-    let kept_failed = records.len() - new_failed;
+    // A keep-alive request on a fresh connection (the first, or after a failure) is a
+    // new connection to the load balancer too.
+    let kept_failed = records.iter().filter(|x| x.reused).count();
+    let new_failed = records.len() - kept_failed;
     let in_pool_at_deletion = node_views(r, deleted).get(node).is_some_and(|v| v.in_pool);
     if new_failed > 0 && in_pool_at_deletion {
         let removed = match pool_removal_after(r, node, deleted) {
@@ -807,6 +806,73 @@ mod tests {
             cause.contains("keep-alive connections to web-r1-1"),
             "{cause}"
         );
+    }
+
+    /// The node-drain row's causes: new connections to a deleted node the LB still had
+    /// in its pool (and whether /healthz had failed since the taint), and requests on
+    /// keep-alive connections established through it.
+    #[test]
+    fn drain_bursts_name_the_deleted_node_and_the_health_story() {
+        use crate::scenario::{Behaviour, NodeDrain, RunResult};
+        let ev = |t_ms: f64, kind: EventKind, node: Option<&str>, detail: &str| Event {
+            t_ms,
+            kind,
+            node: node.map(Into::into),
+            pod: None,
+            detail: detail.into(),
+        };
+        let mut kept = rec(4010.0, Outcome::Timeout);
+        kept.conn = ConnKind::KeepAlive;
+        kept.reused = true;
+        let new = rec(4050.0, Outcome::Timeout);
+        let all = "new connections to node-1, node-2, node-3";
+        let without = "new connections to node-1, node-3";
+        let run = |events: Vec<Event>| RunResult {
+            control_plane: crate::scenario::ControlPlaneKind::Emulated,
+            behaviour: Behaviour::Pre126,
+            run: 0,
+            time_scale: 0.1,
+            nodes: vec!["node-1".into(), "node-2".into(), "node-3".into()],
+            health_check: crate::lb::LbPreset::Gke.health_check().unwrap(),
+            records: vec![kept.clone(), new.clone()],
+            events,
+            load_start_ms: 0.0,
+            rollout_start_ms: 1000.0,
+            rollout_end_ms: 5000.0,
+            load_end_ms: 6000.0,
+            drain: Some(NodeDrain {
+                node: 2,
+                delete_after_s: 3.0,
+            }),
+        };
+        // pre-KEP-3836: /healthz kept passing until the node vanished.
+        let r = run(vec![
+            ev(10.0, EventKind::LbPool, None, all),
+            ev(1000.0, EventKind::NodeTainted, Some("node-2"), ""),
+            ev(4000.0, EventKind::NodeDeleted, Some("node-2"), ""),
+            ev(4300.0, EventKind::HealthAnswer, Some("node-2"), "health check fails"),
+            ev(4600.0, EventKind::LbPool, None, without),
+        ]);
+        let cause = explain_burst(&r, 4010.0, 4050.0, &[&kept, &new]);
+        assert!(cause.contains("node-2 was deleted at 40.0 s"), "{cause}");
+        assert!(cause.contains("until it took node-2 out at 46.0 s"), "{cause}");
+        assert!(cause.contains("kept answering 200 for the 30.0 s"), "{cause}");
+        assert!(cause.contains("1 request(s) on keep-alive connections"), "{cause}");
+        assert!(!cause.contains("had no pod"), "no eTP-Local cause: {cause}");
+        // KEP-3836 and a node deleted within the LB's detection window.
+        let r = run(vec![
+            ev(10.0, EventKind::LbPool, None, all),
+            ev(1000.0, EventKind::NodeTainted, Some("node-2"), ""),
+            ev(1300.0, EventKind::HealthAnswer, Some("node-2"), "health check fails"),
+            ev(1500.0, EventKind::NodeDeleted, Some("node-2"), ""),
+            ev(1900.0, EventKind::LbPool, None, without),
+        ]);
+        let cause = explain_burst(&r, 1510.0, 1550.0, &[&new]);
+        assert!(cause.contains("answered 503 (the taint) from 13.0 s"), "{cause}");
+        assert!(cause.contains("deleted 5.0 s after the taint"), "{cause}");
+        // A burst well before the deletion is not the deletion's.
+        let cause = explain_burst(&r, 100.0, 120.0, &[&new]);
+        assert!(!cause.contains("was deleted"), "{cause}");
     }
 
     #[test]
