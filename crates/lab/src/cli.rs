@@ -54,7 +54,7 @@ pub struct RestartArgs {
 #[derive(clap::Args, Debug, Default)]
 pub struct MatrixArgs {
     /// The reduced matrix CI runs (graceful pods, gke, recommended / short preStop /
-    /// kproxy restart, both behaviours); filters below narrow it further.
+    /// kproxy restart / node drain, both behaviours); filters below narrow it further.
     #[arg(long)]
     pub reduced: bool,
     /// Pod profiles (default: all).

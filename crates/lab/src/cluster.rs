@@ -182,7 +182,12 @@ impl Cluster {
         let count = |i: usize| pods.iter().filter(|p| p.node_index == i).count();
         let cordoned = self.cordoned.lock().expect("cordoned lock").clone();
         let mut best: Option<(usize, usize)> = None;
-        for n in self.fabric.nodes.iter().filter(|n| !cordoned.contains(&n.index)) {
+        for n in self
+            .fabric
+            .nodes
+            .iter()
+            .filter(|n| !cordoned.contains(&n.index))
+        {
             let c = count(n.index);
             if self.deployment.one_pod_per_node && c > 0 {
                 continue;

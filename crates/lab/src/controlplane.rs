@@ -208,12 +208,9 @@ impl ControlPlane {
     ) -> Result<ControlPlane, LabError> {
         let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, String)>();
         let rec = recorder.clone();
-        let initial = serde_json::to_string_pretty(&render_manifests(
-            &objects,
-            &BTreeMap::new(),
-            None,
-        ))
-        .map_err(|e| LabError::Invalid(e.to_string()))?;
+        let initial =
+            serde_json::to_string_pretty(&render_manifests(&objects, &BTreeMap::new(), None))
+                .map_err(|e| LabError::Invalid(e.to_string()))?;
         for d in &dirs {
             std::fs::create_dir_all(d).map_err(|e| LabError::Io {
                 what: format!("mkdir {}", d.display()),
@@ -307,8 +304,8 @@ impl ControlPlane {
         let now = jiff::Timestamp::now();
         let doc = render_manifests(&s.objects, &s.pods, Some(now));
         // Compare without the trigger-time annotation: only real changes publish.
-        let key = serde_json::to_string(&render_manifests(&s.objects, &s.pods, None))
-        .unwrap_or_default();
+        let key =
+            serde_json::to_string(&render_manifests(&s.objects, &s.pods, None)).unwrap_or_default();
         if s.last_published.as_deref() == Some(key.as_str()) {
             return;
         }
@@ -471,7 +468,11 @@ mod tests {
         let text = serde_json::to_string(&doc).unwrap();
         let parsed = kproxy_core::manifest::parse("lab.json", &text);
         assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-        assert_eq!(parsed.objects.len(), 4, "2 nodes, the Service, the EndpointSlice");
+        assert_eq!(
+            parsed.objects.len(),
+            4,
+            "2 nodes, the Service, the EndpointSlice"
+        );
         let mut st = kproxy_core::ClusterState::new();
         for o in &parsed.objects {
             st.apply(&o.object, &Default::default(), "node-2")

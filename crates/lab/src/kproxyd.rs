@@ -234,8 +234,7 @@ impl Kproxyd {
         };
         text.lines().rev().any(|line| {
             serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| {
-                v["event"] == "synced"
-                    && v["t_unix_ms"].as_f64().is_some_and(|s| s > t_ms)
+                v["event"] == "synced" && v["t_unix_ms"].as_f64().is_some_and(|s| s > t_ms)
             })
         })
     }

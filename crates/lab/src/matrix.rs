@@ -168,8 +168,8 @@ impl Selection {
         }
     }
 
-    /// The matrix CI runs: graceful pods behind `gke`, the recommended settings and
-    /// the short preStop under both behaviours, and the kproxy restart.
+    /// The matrix CI runs: graceful pods behind `gke`, the recommended settings, the
+    /// short preStop, the kproxy restart and the node drain, under both behaviours.
     pub fn reduced() -> Selection {
         Selection {
             profiles: vec![PodProfile::Graceful],
@@ -177,6 +177,7 @@ impl Selection {
                 Setting::Recommended,
                 Setting::ShortPrestop,
                 Setting::KproxyRestart,
+                Setting::NodeDrain,
             ],
             presets: vec![LbPreset::Gke],
             behaviours: vec![Behaviour::Pre126, Behaviour::Kproxy],
@@ -759,9 +760,10 @@ mod tests {
                     && c.profile != PodProfile::FailReadinessOnTerm)
         );
         let reduced = Selection::reduced().cells();
-        assert_eq!(reduced.len(), 6);
+        assert_eq!(reduced.len(), 8);
         let ids: Vec<String> = reduced.iter().map(Cell::id).collect();
         assert!(ids.contains(&"graceful/kproxy-restart/gke/kproxy".to_string()));
+        assert!(ids.contains(&"graceful/node-drain/gke/pre-1.26".to_string()));
     }
 
     #[test]

@@ -850,25 +850,47 @@ mod tests {
             ev(10.0, EventKind::LbPool, None, all),
             ev(1000.0, EventKind::NodeTainted, Some("node-2"), ""),
             ev(4000.0, EventKind::NodeDeleted, Some("node-2"), ""),
-            ev(4300.0, EventKind::HealthAnswer, Some("node-2"), "health check fails"),
+            ev(
+                4300.0,
+                EventKind::HealthAnswer,
+                Some("node-2"),
+                "health check fails",
+            ),
             ev(4600.0, EventKind::LbPool, None, without),
         ]);
         let cause = explain_burst(&r, 4010.0, 4050.0, &[&kept, &new]);
         assert!(cause.contains("node-2 was deleted at 40.0 s"), "{cause}");
-        assert!(cause.contains("until it took node-2 out at 46.0 s"), "{cause}");
-        assert!(cause.contains("kept answering 200 for the 30.0 s"), "{cause}");
-        assert!(cause.contains("1 request(s) on keep-alive connections"), "{cause}");
+        assert!(
+            cause.contains("until it took node-2 out at 46.0 s"),
+            "{cause}"
+        );
+        assert!(
+            cause.contains("kept answering 200 for the 30.0 s"),
+            "{cause}"
+        );
+        assert!(
+            cause.contains("1 request(s) on keep-alive connections"),
+            "{cause}"
+        );
         assert!(!cause.contains("had no pod"), "no eTP-Local cause: {cause}");
         // KEP-3836 and a node deleted within the LB's detection window.
         let r = run(vec![
             ev(10.0, EventKind::LbPool, None, all),
             ev(1000.0, EventKind::NodeTainted, Some("node-2"), ""),
-            ev(1300.0, EventKind::HealthAnswer, Some("node-2"), "health check fails"),
+            ev(
+                1300.0,
+                EventKind::HealthAnswer,
+                Some("node-2"),
+                "health check fails",
+            ),
             ev(1500.0, EventKind::NodeDeleted, Some("node-2"), ""),
             ev(1900.0, EventKind::LbPool, None, without),
         ]);
         let cause = explain_burst(&r, 1510.0, 1550.0, &[&new]);
-        assert!(cause.contains("answered 503 (the taint) from 13.0 s"), "{cause}");
+        assert!(
+            cause.contains("answered 503 (the taint) from 13.0 s"),
+            "{cause}"
+        );
         assert!(cause.contains("deleted 5.0 s after the taint"), "{cause}");
         // A burst well before the deletion is not the deletion's.
         let cause = explain_burst(&r, 100.0, 120.0, &[&new]);

@@ -565,12 +565,9 @@ async fn drain_node(
         evicted.join(", ")
     ));
     let replace = spawn_rollout(cluster, None, 1, limit);
-    wait_for(
-        "the drained node's pods to be gone",
-        limit,
-        daemons,
-        || !cluster.pods().iter().any(|p| p.node_index == d.node),
-    )
+    wait_for("the drained node's pods to be gone", limit, daemons, || {
+        !cluster.pods().iter().any(|p| p.node_index == d.node)
+    })
     .await?;
     tokio::time::sleep(clock.real(d.delete_after_s)).await;
     // The cloud instance goes: kube-proxy stops with it and nothing reaches the node.
@@ -586,7 +583,10 @@ async fn drain_node(
         "node deleted: kproxy stopped, link cut, Node object removed",
     );
     progress(&format!("{tag} {name} deleted"));
-    wait_for("the replacement pods", limit, daemons, || replace.is_finished()).await?;
+    wait_for("the replacement pods", limit, daemons, || {
+        replace.is_finished()
+    })
+    .await?;
     replace
         .await
         .map_err(|e| LabError::Invalid(format!("replacement task: {e}")))??;
