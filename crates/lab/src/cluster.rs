@@ -376,14 +376,19 @@ impl Cluster {
         drop(net);
     }
 
-    /// Node drain: the node's `NoSchedule` taint keeps new pods off it, and every pod
-    /// on it is evicted (deleted with its grace period, as the Eviction API does). The
-    /// Deployment controller replaces them elsewhere. Returns the evicted pods' names.
-    pub fn drain_node(&self, node_index: usize) -> Vec<String> {
+    /// The scheduler stops using node `node_index` (its `NoSchedule` taint).
+    pub fn cordon(&self, node_index: usize) {
         self.cordoned
             .lock()
             .expect("cordoned lock")
             .push(node_index);
+    }
+
+    /// Node drain: the node's `NoSchedule` taint keeps new pods off it, and every pod
+    /// on it is evicted (deleted with its grace period, as the Eviction API does). The
+    /// Deployment controller replaces them elsewhere. Returns the evicted pods' names.
+    pub fn drain_node(&self, node_index: usize) -> Vec<String> {
+        self.cordon(node_index);
         let mut evicted = Vec::new();
         for p in self.pods() {
             if p.node_index == node_index && !p.is_deleting() {

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -189,10 +189,6 @@ struct Store {
 #[derive(Clone)]
 pub struct ControlPlane {
     store: Arc<Mutex<Store>>,
-    /// Changes handed to the publisher, and the publisher's (count written, wall time
-    /// of the last write).
-    queued: Arc<std::sync::atomic::AtomicU64>,
-    written: Arc<Mutex<(u64, Option<SystemTime>)>>,
     tx: mpsc::UnboundedSender<(Instant, String)>,
     recorder: Recorder,
 }
@@ -218,8 +214,6 @@ impl ControlPlane {
             })?;
             write_atomically(d, initial.as_bytes())?;
         }
-        let written = Arc::new(Mutex::new((0u64, None)));
-        let w = written.clone();
         tokio::spawn(async move {
             // One writer, in order: every change reaches every node after the same delay.
             while let Some((changed_at, content)) = rx.recv().await {
@@ -229,11 +223,7 @@ impl ControlPlane {
                         rec.record(EventKind::Note, None, None, format!("publish failed: {e}"));
                     }
                 }
-                {
-                    let mut w = w.lock().expect("written lock");
-                    w.0 += 1;
-                    w.1 = Some(SystemTime::now());
-                }
+
                 rec.record(EventKind::SlicePublished, None, None, summarize(&content));
             }
         });
@@ -243,8 +233,6 @@ impl ControlPlane {
                 pods: BTreeMap::new(),
                 last_published: None,
             })),
-            queued: Arc::new(std::sync::atomic::AtomicU64::new(0)),
-            written,
             tx,
             recorder,
         })
@@ -287,15 +275,6 @@ impl ControlPlane {
         self.publish_locked(&mut s);
     }
 
-    /// When every change so far reached the nodes' manifest directories: the wall
-    /// time of the last write (None while a change is still propagating).
-    pub fn settled_since(&self) -> Option<SystemTime> {
-        let w = self.written.lock().expect("written lock");
-        (w.0 == self.queued.load(std::sync::atomic::Ordering::SeqCst))
-            .then_some(w.1)
-            .flatten()
-    }
-
     pub fn pods(&self) -> BTreeMap<String, PodRecord> {
         self.store.lock().expect("store lock").pods.clone()
     }
@@ -311,8 +290,6 @@ impl ControlPlane {
         }
         s.last_published = Some(key);
         let content = serde_json::to_string_pretty(&doc).unwrap_or_default();
-        self.queued
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         if self.tx.send((Instant::now(), content)).is_err() {
             self.recorder.record(
                 EventKind::Note,

@@ -239,17 +239,16 @@ async fn run_async(
             emulated = Some(cp.clone());
             (None, Arc::new(cp))
         }
-        ControlPlaneKind::K8sLab if opts.drain.is_some() => {
-            return Err(LabError::Invalid(
-                "the node-drain run needs the emulated control plane (--control-plane emulated)"
-                    .into(),
-            ));
-        }
         ControlPlaneKind::K8sLab => {
             let lab = K8sLab::from_env()?;
-            let r =
-                RealControlPlane::start(lab, &fabric, cfg.publish_not_ready_addresses, rec.clone())
-                    .await?;
+            let r = RealControlPlane::start(
+                lab,
+                &fabric,
+                cfg.publish_not_ready_addresses,
+                opts.drain.is_none(),
+                rec.clone(),
+            )
+            .await?;
             let w = r.writer.clone();
             (Some(Arc::new(r)), w)
         }
@@ -330,15 +329,23 @@ async fn run_async(
             || want_healthy(&cluster, &lb),
         )
         .await?;
-        if let (Some(cp), Some(_)) = (&emulated, opts.drain) {
+        if opts.drain.is_some() {
             // eTP Cluster: /healthz passes before the endpoints are programmed (the
-            // health check node port of eTP Local waits for them); wait until every
-            // node's kproxy synced after the last EndpointSlice change.
+            // health check node port of eTP Local waits for them); wait until the
+            // EndpointSlice lists every replica ready and every node's kproxy synced
+            // after that change reached it.
             let start = Instant::now();
+            let replicas = cfg.deployment.replicas as usize;
             loop {
-                if cp
-                    .settled_since()
-                    .is_some_and(|t| daemons.iter().all(|d| d.synced_after(t)))
+                let last = rec
+                    .events()
+                    .into_iter()
+                    .rfind(|e| e.kind == EventKind::SlicePublished);
+                if let Some(e) = last
+                    && e.detail.matches(":R").count() == replicas
+                    && daemons.iter().all(|d| {
+                        d.synced_after(wall_start + Duration::from_secs_f64(e.t_ms / 1000.0))
+                    })
                 {
                     break;
                 }
@@ -372,6 +379,7 @@ async fn run_async(
                 d,
                 &cluster,
                 emulated.as_ref(),
+                real.as_ref(),
                 &fabric,
                 &lb,
                 &mut daemons,
@@ -529,6 +537,7 @@ async fn drain_node(
     d: NodeDrain,
     cluster: &Arc<Cluster>,
     emulated: Option<&ControlPlane>,
+    real: Option<&Arc<RealControlPlane>>,
     fabric: &Fabric,
     lb: &LoadBalancer,
     daemons: &mut [Kproxyd],
@@ -538,11 +547,8 @@ async fn drain_node(
 ) -> Result<(f64, f64), LabError> {
     let rec = &cluster.recorder;
     let clock = rec.clock().clone();
-    let (Some(cp), Some(net)) = (emulated, fabric.nodes.get(d.node.wrapping_sub(1))) else {
-        return Err(LabError::Invalid(format!(
-            "node drain: no node {} on the emulated control plane",
-            d.node
-        )));
+    let Some(net) = fabric.nodes.get(d.node.wrapping_sub(1)) else {
+        return Err(LabError::Invalid(format!("node drain: no node {}", d.node)));
     };
     let name = net.name.clone();
     let start = clock.now_ms();
@@ -552,19 +558,38 @@ async fn drain_node(
         None,
         format!("node drain of {name} (cluster autoscaler scale-down)"),
     );
-    cp.taint_node(d.node);
+    match (emulated, real) {
+        (Some(cp), _) => cp.taint_node(d.node),
+        (None, Some(r)) => r.taint_node(d.node).await?,
+        (None, None) => {}
+    }
     rec.record(
         EventKind::NodeTainted,
         Some(&name),
         None,
         "tainted ToBeDeletedByClusterAutoscaler:NoSchedule",
     );
-    let evicted = cluster.drain_node(d.node);
+    // The lab's Deployment controller replaces evicted pods (a rollout to the same
+    // revision); with the real control plane kcm does, and the lab waits for it.
+    let (evicted, replace) = match real {
+        None => (
+            cluster.drain_node(d.node),
+            spawn_rollout(cluster, None, 1, limit),
+        ),
+        Some(r) => {
+            cluster.cordon(d.node);
+            let evicted = r.evict_node_pods(d.node).await?;
+            let (r, c) = (r.clone(), cluster.clone());
+            (
+                evicted,
+                tokio::spawn(async move { r.wait_replaced(&c, limit).await }),
+            )
+        }
+    };
     progress(&format!(
         "{tag} {name} tainted ToBeDeletedByClusterAutoscaler; evicted {}",
         evicted.join(", ")
     ));
-    let replace = spawn_rollout(cluster, None, 1, limit);
     wait_for("the drained node's pods to be gone", limit, daemons, || {
         !cluster.pods().iter().any(|p| p.node_index == d.node)
     })
@@ -575,7 +600,11 @@ async fn drain_node(
         k.stop();
     }
     net.ns.ip(&["link", "set", "eth0", "down"])?;
-    cp.delete_node(d.node);
+    match (emulated, real) {
+        (Some(cp), _) => cp.delete_node(d.node),
+        (None, Some(r)) => r.delete_node(d.node).await?,
+        (None, None) => {}
+    }
     rec.record(
         EventKind::NodeDeleted,
         Some(&name),
