@@ -87,6 +87,10 @@ pub struct MatrixArgs {
     /// Install missing tools (nftables, conntrack, iproute2) with apt-get.
     #[arg(long)]
     pub install_deps: bool,
+    /// The control plane every cell runs on: the embedded emulation, or the real
+    /// kube-apiserver and kube-controller-manager of the k8s-lab named by `K8S_LAB`.
+    #[arg(long, value_enum, default_value = "emulated")]
+    pub control_plane: ControlPlaneKind,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -464,27 +468,38 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     }
     need_root("matrix")?;
     ensure_tools(a.install_deps)?;
+    if a.control_plane == ControlPlaneKind::K8sLab {
+        // Fail before building anything when the instance is not there.
+        crate::k8s::K8sLab::from_env()?;
+    }
     let kproxy = match &a.kproxy {
         Some(p) => p.clone(),
         None => std::env::current_exe().context("finding the kproxy executable")?,
     };
     let progress = |line: &str| eprintln!("{line}");
     let mut runs = Vec::new();
-    let results = crate::matrix::run_matrix(&sel, &base, &kproxy, &progress, &mut |c, r| {
-        eprintln!(
-            "[matrix] {}: {} of {} lost, lint: {}; {}",
-            c.id,
-            c.lost,
-            c.sent,
-            c.lint
-                .iter()
-                .map(|f| f.rule.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            c.verdict.as_str()
-        );
-        runs.push(r.clone());
-    })?;
+    let results = crate::matrix::run_matrix(
+        &sel,
+        &base,
+        &kproxy,
+        a.control_plane,
+        &progress,
+        &mut |c, r| {
+            eprintln!(
+                "[matrix] {}: {} of {} lost, lint: {}; {}",
+                c.id,
+                c.lost,
+                c.sent,
+                c.lint
+                    .iter()
+                    .map(|f| f.rule.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                c.verdict.as_str()
+            );
+            runs.push(r.clone());
+        },
+    )?;
     if !a.no_html {
         let page = crate::html::render(
             "kproxy lab matrix",
@@ -502,6 +517,7 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     if a.output == Some(OutputFormat::Json) {
         let doc = serde_json::json!({
             "time_scale": base.time_scale,
+            "control_plane": a.control_plane,
             "cells": results,
             "html": (!a.no_html).then(|| a.html.display().to_string()),
         });

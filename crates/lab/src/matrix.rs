@@ -631,6 +631,7 @@ pub fn run_matrix(
     sel: &Selection,
     base: &RolloutConfig,
     kproxy: &Path,
+    control_plane: scenario::ControlPlaneKind,
     progress: Progress,
     on_cell: &mut dyn FnMut(&CellResult, &RunResult),
 ) -> Result<Vec<CellResult>, LabError> {
@@ -643,7 +644,7 @@ pub fn run_matrix(
         let opts = RunOptions {
             restart_kproxy_mid_rollout: cell.setting == Setting::KproxyRestart,
             drain: (cell.setting == Setting::NodeDrain).then(|| node_drain(&cfg)),
-            ..RunOptions::default()
+            control_plane,
         };
         let run = scenario::run_with(&cfg, cell.behaviour, 0, kproxy, opts, progress)
             .map_err(|e| LabError::Invalid(format!("matrix cell {}: {e}", cell.id())))?;
