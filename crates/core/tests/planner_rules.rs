@@ -669,18 +669,13 @@ fn service_cidr_objects_and_the_setting_are_unioned_and_replanned_incrementally(
 /// affects eligibility.
 #[test]
 fn autoscaler_taint_makes_the_node_ineligible_unless_the_draining_gate_is_off() {
+    // The same Node again, now tainted: the later object replaces the first.
     let tainted = NODE.replace(
         "spec: {podCIDRs: [10.244.1.0/24]}",
         "spec: {podCIDRs: [10.244.1.0/24], taints: [{key: ToBeDeletedByClusterAutoscaler, value: \"1732270000\", effect: NoSchedule}]}",
     );
     assert_ne!(tainted, NODE);
-    let parsed = manifest::parse("t.yaml", &tainted);
-    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-    let mut st = ClusterState::new();
-    for o in &parsed.objects {
-        st.apply(&o.object, &Ownership::default(), "node-a")
-            .expect("valid object");
-    }
+    let st = state_of(&[tainted]);
     let on = PlanConfig::default();
     assert!(on.drain_terminating_nodes, "the gate is on by default");
     assert!(!kproxy_core::plan(&st, "node-a", &on).node_eligible);

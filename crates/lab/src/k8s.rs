@@ -901,18 +901,32 @@ impl RealControlPlane {
         cluster: &Arc<Cluster>,
         limit: Duration,
     ) -> Result<(), LabError> {
+        self.wait_done(cluster, 1, limit, "replacing the evicted pods")
+            .await
+    }
+
+    /// Wait until kcm reports the Deployment complete and the lab runs only pods of
+    /// `revision`, all ready.
+    async fn wait_done(
+        &self,
+        cluster: &Arc<Cluster>,
+        revision: u32,
+        limit: Duration,
+        what: &str,
+    ) -> Result<(), LabError> {
         let d = cluster.deployment;
         let start = Instant::now();
         loop {
             let dep = get_deployment(&self.client).await?;
             let pods = cluster.pods();
-            let lab_done = pods.len() == d.replicas as usize && pods.iter().all(|p| p.is_ready());
+            let lab_done = pods.len() == d.replicas as usize
+                && pods.iter().all(|p| p.revision == revision && p.is_ready());
             if lab_done && dep.is_some_and(|dep| deployment_complete(&dep, d.replicas)) {
                 return Ok(());
             }
             if start.elapsed() > limit {
                 return Err(LabError::Invalid(format!(
-                    "k8s-lab: the evicted pods were not replaced within {limit:?}"
+                    "k8s-lab: {what} did not finish within {limit:?}"
                 )));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -938,22 +952,13 @@ impl RealControlPlane {
     ) -> Result<(), LabError> {
         let d = cluster.deployment;
         apply_deployment(&self.client, &d, &cluster.template, revision, clock.scale()).await?;
-        let start = Instant::now();
-        loop {
-            let dep = get_deployment(&self.client).await?;
-            let pods = cluster.pods();
-            let lab_done = pods.len() == d.replicas as usize
-                && pods.iter().all(|p| p.revision == revision && p.is_ready());
-            if lab_done && dep.is_some_and(|dep| deployment_complete(&dep, d.replicas)) {
-                return Ok(());
-            }
-            if start.elapsed() > limit {
-                return Err(LabError::Invalid(format!(
-                    "k8s-lab: rollout to revision {revision} did not finish within {limit:?}"
-                )));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.wait_done(
+            cluster,
+            revision,
+            limit,
+            &format!("rollout to revision {revision}"),
+        )
+        .await
     }
 
     /// Stop the lab's controllers and remove the run's objects (best effort: a

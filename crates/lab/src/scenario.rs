@@ -529,6 +529,24 @@ async fn run_async(
     })
 }
 
+/// Write a drained node's change to the run's control plane: its scale-down taint, or
+/// (`delete`) the deletion of its Node object.
+async fn write_node_change(
+    emulated: Option<&ControlPlane>,
+    real: Option<&Arc<RealControlPlane>>,
+    node: usize,
+    delete: bool,
+) -> Result<(), LabError> {
+    match (emulated, real, delete) {
+        (Some(cp), _, false) => cp.taint_node(node),
+        (Some(cp), _, true) => cp.delete_node(node),
+        (None, Some(r), false) => r.taint_node(node).await?,
+        (None, Some(r), true) => r.delete_node(node).await?,
+        (None, None, _) => {}
+    }
+    Ok(())
+}
+
 /// The node drain (see [`NodeDrain`]); returns when the drained node is deleted and
 /// out of the load balancer's pool and the replacement pods are available: the
 /// disturbance's start and end (real ms), reported as the "rollout" phase.
@@ -558,11 +576,7 @@ async fn drain_node(
         None,
         format!("node drain of {name} (cluster autoscaler scale-down)"),
     );
-    match (emulated, real) {
-        (Some(cp), _) => cp.taint_node(d.node),
-        (None, Some(r)) => r.taint_node(d.node).await?,
-        (None, None) => {}
-    }
+    write_node_change(emulated, real, d.node, false).await?;
     rec.record(
         EventKind::NodeTainted,
         Some(&name),
@@ -600,11 +614,7 @@ async fn drain_node(
         k.stop();
     }
     net.ns.ip(&["link", "set", "eth0", "down"])?;
-    match (emulated, real) {
-        (Some(cp), _) => cp.delete_node(d.node),
-        (None, Some(r)) => r.delete_node(d.node).await?,
-        (None, None) => {}
-    }
+    write_node_change(emulated, real, d.node, true).await?;
     rec.record(
         EventKind::NodeDeleted,
         Some(&name),
