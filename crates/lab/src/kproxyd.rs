@@ -221,24 +221,6 @@ impl Kproxyd {
         let _ = c.wait();
     }
 
-    /// Has the daemon logged a sync that started after wall time `t`? (Its event log's
-    /// `synced` lines carry the wall time they were written.)
-    pub fn synced_after(&self, t: SystemTime) -> bool {
-        let t_ms = t
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs_f64()
-            * 1000.0;
-        let Ok(text) = std::fs::read_to_string(&self.event_log) else {
-            return false;
-        };
-        text.lines().rev().any(|line| {
-            serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| {
-                v["event"] == "synced" && v["t_unix_ms"].as_f64().is_some_and(|s| s > t_ms)
-            })
-        })
-    }
-
     /// Copy this daemon's event log into the timeline. `wall_start` is the wall
     /// clock when the run's clock started.
     pub fn import_events(&self, recorder: &Recorder, wall_start: SystemTime) {
@@ -288,4 +270,22 @@ impl Drop for Kproxyd {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Has the kproxy writing `event_log` logged a sync after wall time `t`? (Its
+/// `synced` lines carry the wall time they were written.)
+pub fn synced_after(event_log: &Path, t: SystemTime) -> bool {
+    let t_ms = t
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+        * 1000.0;
+    let Ok(text) = std::fs::read_to_string(event_log) else {
+        return false;
+    };
+    text.lines().rev().any(|line| {
+        serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| {
+            v["event"] == "synced" && v["t_unix_ms"].as_f64().is_some_and(|s| s > t_ms)
+        })
+    })
 }

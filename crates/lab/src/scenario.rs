@@ -15,7 +15,7 @@ use crate::config::RolloutConfig;
 use crate::controlplane::{self, ControlPlane};
 use crate::fabric::{self, Fabric};
 use crate::k8s::{K8sLab, RealControlPlane};
-use crate::kproxyd::{KproxySource, Kproxyd};
+use crate::kproxyd::{self, KproxySource, Kproxyd};
 use crate::lb::{HealthCheck, LoadBalancer};
 use crate::loadgen::{LoadGenerator, RequestRecord};
 use crate::timeline::{Clock, Event, EventKind, Recorder};
@@ -106,7 +106,7 @@ pub struct RunOptions {
     pub restart_kproxy_mid_rollout: bool,
     /// The control plane the run uses.
     pub control_plane: ControlPlaneKind,
-    /// Drain a node instead of rolling the Deployment (emulated control plane only).
+    /// Drain a node instead of rolling the Deployment.
     pub drain: Option<NodeDrain>,
 }
 
@@ -334,29 +334,25 @@ async fn run_async(
             // health check node port of eTP Local waits for them); wait until the
             // EndpointSlice lists every replica ready and every node's kproxy synced
             // after that change reached it.
-            let start = Instant::now();
             let replicas = cfg.deployment.replicas as usize;
-            loop {
-                let last = rec
-                    .events()
-                    .into_iter()
-                    .rfind(|e| e.kind == EventKind::SlicePublished);
-                if let Some(e) = last
-                    && e.detail.matches(":R").count() == replicas
-                    && daemons.iter().all(|d| {
-                        d.synced_after(wall_start + Duration::from_secs_f64(e.t_ms / 1000.0))
+            let logs: Vec<PathBuf> = daemons.iter().map(|d| d.event_log.clone()).collect();
+            wait_for(
+                "every kproxy to program the endpoints",
+                step_limit,
+                &mut daemons,
+                || {
+                    let last = rec
+                        .events()
+                        .into_iter()
+                        .rfind(|e| e.kind == EventKind::SlicePublished);
+                    last.is_some_and(|e| {
+                        let t = wall_start + Duration::from_secs_f64(e.t_ms / 1000.0);
+                        e.detail.matches(":R").count() == replicas
+                            && logs.iter().all(|l| kproxyd::synced_after(l, t))
                     })
-                {
-                    break;
-                }
-                check_daemons(&mut daemons)?;
-                if start.elapsed() > step_limit {
-                    return Err(LabError::Invalid(format!(
-                        "timed out after {step_limit:?} waiting for every kproxy to program the endpoints"
-                    )));
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+                },
+            )
+            .await?;
         }
         progress(&format!(
             "{tag} {} pods ready, load balancer pool complete; starting load",
