@@ -56,7 +56,8 @@ pub struct PlanConfig {
     /// `/healthz` reports the node not eligible (503) while its Node is being deleted or
     /// tainted `ToBeDeletedByClusterAutoscaler` (KEP-3836, the
     /// `KubeProxyDrainingTerminatingNodes` gate, on by default from 1.30). `false`
-    /// reproduces kube-proxy before KEP-3836: the Node never affects `/healthz`.
+    /// reproduces kube-proxy without KEP-3836 (before 1.28; by default before 1.30): the
+    /// Node never affects `/healthz`.
     #[serde(default = "yes")]
     pub drain_terminating_nodes: bool,
     /// Allow an external or load-balancer IP equal to a Service's cluster IP or to a
