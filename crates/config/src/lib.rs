@@ -193,6 +193,7 @@ pub enum ConfigError {
 /// Feature gates that change what kproxy does.
 const GATE_PREFER_SAME_NODE: &str = "PreferSameTrafficDistribution";
 const GATE_PROXY_TERMINATING: &str = "ProxyTerminatingEndpoints";
+const GATE_DRAINING_NODES: &str = "KubeProxyDrainingTerminatingNodes";
 
 /// Reads `flags.config` (if set) and resolves it with the flags.
 pub fn load(flags: &ConfigFlags) -> Result<(ProxyConfig, Vec<ConfigWarning>), ConfigError> {
@@ -336,8 +337,9 @@ fn resolve_feature_gates(
         match k.as_str() {
             GATE_PREFER_SAME_NODE => cfg.plan.prefer_same_node_hints = v,
             GATE_PROXY_TERMINATING => cfg.plan.proxy_terminating_endpoints = v,
+            GATE_DRAINING_NODES => cfg.plan.drain_terminating_nodes = v,
             _ => warnings.push(origin.warn(format!(
-                "feature gate {:?} does not change kproxy's behaviour (kproxy acts on {GATE_PREFER_SAME_NODE} and {GATE_PROXY_TERMINATING})",
+                "feature gate {:?} does not change kproxy's behaviour (kproxy acts on {GATE_PREFER_SAME_NODE}, {GATE_PROXY_TERMINATING} and {GATE_DRAINING_NODES})",
                 k.escape_debug().to_string()
             ))),
         }

@@ -109,6 +109,10 @@ fn every_honoured_field_changes_the_config() {
         ("featureGates: {ProxyTerminatingEndpoints: false}", |c| {
             !c.plan.proxy_terminating_endpoints
         }),
+        (
+            "featureGates: {KubeProxyDrainingTerminatingNodes: false}",
+            |c| !c.plan.drain_terminating_nodes && c.plan.proxy_terminating_endpoints,
+        ),
     ];
     let default = ProxyConfig::default();
     for (body, check) in table {

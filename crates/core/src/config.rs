@@ -53,6 +53,13 @@ pub struct PlanConfig {
     pub proxy_terminating_endpoints: bool,
     /// Honour `hints.forNodes` (the `PreferSameTrafficDistribution` gate, on from 1.34).
     pub prefer_same_node_hints: bool,
+    /// `/healthz` reports the node not eligible (503) while its Node is being deleted or
+    /// tainted `ToBeDeletedByClusterAutoscaler` (KEP-3836, the
+    /// `KubeProxyDrainingTerminatingNodes` gate, on by default from 1.30). `false`
+    /// reproduces kube-proxy without KEP-3836 (before 1.28; by default before 1.30): the
+    /// Node never affects `/healthz`.
+    #[serde(default = "yes")]
+    pub drain_terminating_nodes: bool,
     /// Allow an external or load-balancer IP equal to a Service's cluster IP or to a
     /// node address (CVE-2020-8554; refused by default, see `crate::conflicts`).
     pub allow_external_ip_overlap: bool,
@@ -61,6 +68,10 @@ pub struct PlanConfig {
     /// `cluster-ips-check`); empty: nothing is dropped.
     #[serde(default)]
     pub service_cidrs: Vec<IpNet>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for PlanConfig {
@@ -72,6 +83,7 @@ impl Default for PlanConfig {
             node_ips: Vec::new(),
             proxy_terminating_endpoints: true,
             prefer_same_node_hints: true,
+            drain_terminating_nodes: true,
             allow_external_ip_overlap: false,
             service_cidrs: Vec::new(),
         }

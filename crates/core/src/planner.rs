@@ -373,7 +373,7 @@ impl<'a> NodeFacts<'a> {
         NodeFacts {
             name,
             zone: node.and_then(|n| n.zone.clone()),
-            eligible: node.is_none_or(|n| n.eligible()),
+            eligible: !config.drain_terminating_nodes || node.is_none_or(|n| n.eligible()),
             families,
             primary,
         }

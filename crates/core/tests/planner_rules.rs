@@ -662,3 +662,27 @@ fn service_cidr_objects_and_the_setting_are_unioned_and_replanned_incrementally(
     assert_eq!(*planner.plan(), kproxy_core::plan(&st, "node-a", &cfg));
     assert_eq!(verdict(planner.plan(), "10.96.0.11"), TraceVerdict::Drop);
 }
+
+/// KEP-3836: a Node tainted `ToBeDeletedByClusterAutoscaler` is not eligible for
+/// eTP-Cluster load balancers (`/healthz` 503); with the
+/// `KubeProxyDrainingTerminatingNodes` gate off (kube-proxy before 1.28) the Node never
+/// affects eligibility.
+#[test]
+fn autoscaler_taint_makes_the_node_ineligible_unless_the_draining_gate_is_off() {
+    // The same Node again, now tainted: the later object replaces the first.
+    let tainted = NODE.replace(
+        "spec: {podCIDRs: [10.244.1.0/24]}",
+        "spec: {podCIDRs: [10.244.1.0/24], taints: [{key: ToBeDeletedByClusterAutoscaler, value: \"1732270000\", effect: NoSchedule}]}",
+    );
+    assert_ne!(tainted, NODE);
+    let st = state_of(&[tainted]);
+    let on = PlanConfig::default();
+    assert!(on.drain_terminating_nodes, "the gate is on by default");
+    assert!(!kproxy_core::plan(&st, "node-a", &on).node_eligible);
+    let off = PlanConfig {
+        drain_terminating_nodes: false,
+        ..PlanConfig::default()
+    };
+    assert!(kproxy_core::plan(&st, "node-a", &off).node_eligible);
+    assert!(plan(&[]).node_eligible, "an untainted node is eligible");
+}

@@ -27,7 +27,7 @@ fn describe(c: &Value) -> String {
 }
 
 #[test]
-fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart() {
+fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart_and_a_drain() {
     if !kproxy_lab::is_root() {
         eprintln!("skipped: kproxy lab needs root");
         return;
@@ -57,7 +57,7 @@ fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart() {
         )
     });
     let cells = v["cells"].as_array().expect("cells");
-    assert_eq!(cells.len(), 6, "{stdout}");
+    assert_eq!(cells.len(), 8, "{stdout}");
     for c in cells {
         assert!(c["sent"].as_u64().unwrap_or(0) > 100, "{}", describe(c));
     }
@@ -85,6 +85,32 @@ fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart() {
     // Every node's kproxy restarted while a pod is serving-terminating: nothing lost.
     let restart = cell(cells, "graceful/kproxy-restart/gke/kproxy");
     assert_eq!(lost(restart), 0, "{}", describe(restart));
+
+    // Node drain (eTP Cluster, the LB probes /healthz): without KEP-3836 the deleted
+    // node keeps receiving new connections until the LB notices it is gone; with
+    // kproxy the taint took it out first, so at most the requests on keep-alive
+    // connections established through the node fail (one per connection: the
+    // reconnect goes to a node in the pool), never a new connection.
+    let new_conn_cause = "still sent it new connections";
+    let pre = cell(cells, "graceful/node-drain/gke/pre-1.26");
+    assert!(lost(pre) > 0, "{}", describe(pre));
+    assert!(
+        pre["bursts"].to_string().contains("kept answering 200"),
+        "{}",
+        describe(pre)
+    );
+    let drain = cell(cells, "graceful/node-drain/gke/kproxy");
+    assert!(lost(drain) <= 4, "{}", describe(drain));
+    assert!(
+        !drain["bursts"].to_string().contains(new_conn_cause),
+        "{}",
+        describe(drain)
+    );
+    assert!(
+        drain["lint"].as_array().is_some_and(Vec::is_empty),
+        "{}",
+        describe(drain)
+    );
     assert_eq!(out.status.code(), Some(0));
 
     check_in_browser(&html, cells);

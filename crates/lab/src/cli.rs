@@ -54,7 +54,7 @@ pub struct RestartArgs {
 #[derive(clap::Args, Debug, Default)]
 pub struct MatrixArgs {
     /// The reduced matrix CI runs (graceful pods, gke, recommended / short preStop /
-    /// kproxy restart, both behaviours); filters below narrow it further.
+    /// kproxy restart / node drain, both behaviours); filters below narrow it further.
     #[arg(long)]
     pub reduced: bool,
     /// Pod profiles (default: all).
@@ -87,6 +87,10 @@ pub struct MatrixArgs {
     /// Install missing tools (nftables, conntrack, iproute2) with apt-get.
     #[arg(long)]
     pub install_deps: bool,
+    /// The control plane every cell runs on: the embedded emulation, or the real
+    /// kube-apiserver and kube-controller-manager of the k8s-lab named by `K8S_LAB`.
+    #[arg(long, value_enum, default_value = "emulated")]
+    pub control_plane: ControlPlaneKind,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -464,32 +468,43 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     }
     need_root("matrix")?;
     ensure_tools(a.install_deps)?;
+    if a.control_plane == ControlPlaneKind::K8sLab {
+        // Fail before building anything when the instance is not there.
+        crate::k8s::K8sLab::from_env()?;
+    }
     let kproxy = match &a.kproxy {
         Some(p) => p.clone(),
         None => std::env::current_exe().context("finding the kproxy executable")?,
     };
     let progress = |line: &str| eprintln!("{line}");
     let mut runs = Vec::new();
-    let results = crate::matrix::run_matrix(&sel, &base, &kproxy, &progress, &mut |c, r| {
-        eprintln!(
-            "[matrix] {}: {} of {} lost, lint: {}; {}",
-            c.id,
-            c.lost,
-            c.sent,
-            c.lint
-                .iter()
-                .map(|f| f.rule.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            c.verdict.as_str()
-        );
-        runs.push(r.clone());
-    })?;
+    let results = crate::matrix::run_matrix(
+        &sel,
+        &base,
+        &kproxy,
+        a.control_plane,
+        &progress,
+        &mut |c, r| {
+            eprintln!(
+                "[matrix] {}: {} of {} lost, lint: {}; {}",
+                c.id,
+                c.lost,
+                c.sent,
+                c.lint
+                    .iter()
+                    .map(|f| f.rule.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                c.verdict.as_str()
+            );
+            runs.push(r.clone());
+        },
+    )?;
     if !a.no_html {
         let page = crate::html::render(
             "kproxy lab matrix",
             &format!(
-                "{} cells, time scale {} (times nominal). Each cell is one real rolling update behind the emulated load balancer with the real kproxy daemon on every node; kproxy lint ran on the same settings' manifests, told the emulated load balancer's numbers.",
+                "{} cells, time scale {} (times nominal). Each cell is one real rolling update (the node-drain row: a node drained and deleted by the cluster autoscaler instead) behind the emulated load balancer with the real kproxy daemon on every node; kproxy lint ran on the same settings' manifests, told the emulated load balancer's numbers.",
                 results.len(),
                 base.time_scale
             ),
@@ -502,6 +517,7 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     if a.output == Some(OutputFormat::Json) {
         let doc = serde_json::json!({
             "time_scale": base.time_scale,
+            "control_plane": a.control_plane,
             "cells": results,
             "html": (!a.no_html).then(|| a.html.display().to_string()),
         });

@@ -139,6 +139,8 @@ pub struct Cluster {
     pods: Mutex<Vec<Arc<PodRuntime>>>,
     next_id: Mutex<u32>,
     idle_close: Duration,
+    /// Nodes (1-based) the scheduler no longer uses (tainted `NoSchedule`).
+    cordoned: Mutex<Vec<usize>>,
 }
 
 impl Cluster {
@@ -159,6 +161,7 @@ impl Cluster {
             pods: Mutex::new(Vec::new()),
             next_id: Mutex::new(0),
             idle_close,
+            cordoned: Mutex::new(Vec::new()),
         })
     }
 
@@ -177,8 +180,14 @@ impl Cluster {
     pub fn schedule(&self) -> Option<usize> {
         let pods = self.pods();
         let count = |i: usize| pods.iter().filter(|p| p.node_index == i).count();
+        let cordoned = self.cordoned.lock().expect("cordoned lock").clone();
         let mut best: Option<(usize, usize)> = None;
-        for n in &self.fabric.nodes {
+        for n in self
+            .fabric
+            .nodes
+            .iter()
+            .filter(|n| !cordoned.contains(&n.index))
+        {
             let c = count(n.index);
             if self.deployment.one_pod_per_node && c > 0 {
                 continue;
@@ -365,6 +374,29 @@ impl Cluster {
         self.api.gone(&pod, killed);
         let net = pod.net.lock().expect("net lock").take();
         drop(net);
+    }
+
+    /// The scheduler stops using node `node_index` (its `NoSchedule` taint).
+    pub fn cordon(&self, node_index: usize) {
+        self.cordoned
+            .lock()
+            .expect("cordoned lock")
+            .push(node_index);
+    }
+
+    /// Node drain: the node's `NoSchedule` taint keeps new pods off it, and every pod
+    /// on it is evicted (deleted with its grace period, as the Eviction API does). The
+    /// Deployment controller replaces them elsewhere. Returns the evicted pods' names.
+    pub fn drain_node(&self, node_index: usize) -> Vec<String> {
+        self.cordon(node_index);
+        let mut evicted = Vec::new();
+        for p in self.pods() {
+            if p.node_index == node_index && !p.is_deleting() {
+                self.delete_pod(&p);
+                evicted.push(p.name.clone());
+            }
+        }
+        evicted
     }
 
     pub fn delete_pod(&self, pod: &PodRuntime) {

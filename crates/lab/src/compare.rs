@@ -276,6 +276,7 @@ mod tests {
             rollout_start_ms: 1000.0,
             rollout_end_ms: 2100.0,
             load_end_ms: 3000.0,
+            drain: None,
         }
     }
 

@@ -3,7 +3,7 @@
 //! publication to every node's kproxy through the manifest source (files in a
 //! per-node directory, written atomically) after a propagation delay.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -22,6 +22,9 @@ pub const CLUSTER_IP: &str = "10.96.0.10";
 pub const SERVICE_PORT: u16 = 80;
 pub const NODE_PORT: u16 = 30080;
 pub const HEALTH_CHECK_NODE_PORT: u16 = 32000;
+/// kproxy's `/healthz` on every node (`--healthz-bind-address nodeIP:10256`), which
+/// load balancers of eTP-Cluster Services probe (KEP-3836).
+pub const PROXY_HEALTHZ_PORT: u16 = 10256;
 
 /// A pod as the API server knows it (only what the EndpointSlice controller reads).
 #[derive(Clone, Debug, PartialEq)]
@@ -69,27 +72,62 @@ pub fn endpoint_conditions(
     })
 }
 
+/// The cluster autoscaler's scale-down taint (upstream `ToBeDeletedTaint`); kproxy reads
+/// it as `kproxy_core::ingest::TAINT_TO_BE_DELETED`.
+pub const TAINT_TO_BE_DELETED: &str = kproxy_core::ingest::TAINT_TO_BE_DELETED;
+
+/// What the emulated API server holds besides the Pods: the Nodes (some tainted for
+/// scale-down, some deleted) and the shape of the lab's Service.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Objects {
+    pub nodes: usize,
+    /// Nodes (1-based) carrying the `ToBeDeletedByClusterAutoscaler` taint, with the
+    /// taint's value (the time it was set, Unix seconds, as the autoscaler writes it).
+    pub tainted: BTreeMap<usize, i64>,
+    /// Nodes (1-based) whose Node object is gone.
+    pub deleted: BTreeSet<usize>,
+    pub publish_not_ready_addresses: bool,
+    /// `externalTrafficPolicy: Local` (with a healthCheckNodePort); else `Cluster`.
+    pub etp_local: bool,
+}
+
+impl Objects {
+    pub fn new(nodes: usize, publish_not_ready_addresses: bool, etp_local: bool) -> Objects {
+        Objects {
+            nodes,
+            tainted: BTreeMap::new(),
+            deleted: BTreeSet::new(),
+            publish_not_ready_addresses,
+            etp_local,
+        }
+    }
+}
+
 /// The node objects, the Service and its EndpointSlice as one `kind: List`.
 pub fn render_manifests(
-    nodes: usize,
+    objects: &Objects,
     pods: &BTreeMap<String, PodRecord>,
-    publish_not_ready_addresses: bool,
     trigger_time: Option<jiff::Timestamp>,
 ) -> Value {
+    let publish_not_ready_addresses = objects.publish_not_ready_addresses;
     let mut items = Vec::new();
-    for i in 1..=nodes {
+    for i in (1..=objects.nodes).filter(|i| !objects.deleted.contains(i)) {
         let name = fabric::node_name(i);
+        let mut spec = json!({"podCIDR": format!("10.244.{i}.0/24"), "podCIDRs": [format!("10.244.{i}.0/24")]});
+        if let Some(t) = objects.tainted.get(&i) {
+            spec["taints"] = json!([{"key": TAINT_TO_BE_DELETED, "value": t.to_string(), "effect": "NoSchedule"}]);
+        }
         items.push(json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-            "spec": {"podCIDR": format!("10.244.{i}.0/24"), "podCIDRs": [format!("10.244.{i}.0/24")]},
+            "spec": spec,
             "status": {"addresses": [
                 {"type": "InternalIP", "address": fabric::node_ip(i).to_string()},
                 {"type": "Hostname", "address": name}
             ]}
         }));
     }
-    let mut service = lab_service(publish_not_ready_addresses);
+    let mut service = lab_service(publish_not_ready_addresses, objects.etp_local);
     service["status"] = lab_service_status();
     items.push(service);
     let endpoints: Vec<Value> = pods
@@ -142,6 +180,7 @@ pub fn write_atomically(dir: &Path, content: &[u8]) -> Result<(), LabError> {
 }
 
 struct Store {
+    objects: Objects,
     pods: BTreeMap<String, PodRecord>,
     last_published: Option<String>,
 }
@@ -150,8 +189,6 @@ struct Store {
 #[derive(Clone)]
 pub struct ControlPlane {
     store: Arc<Mutex<Store>>,
-    nodes: usize,
-    publish_not_ready_addresses: bool,
     tx: mpsc::UnboundedSender<(Instant, String)>,
     recorder: Recorder,
 }
@@ -160,21 +197,16 @@ impl ControlPlane {
     /// Start the publisher task (on the current tokio runtime) writing to `dirs`
     /// after `propagation` (real time).
     pub fn start(
-        nodes: usize,
+        objects: Objects,
         dirs: Vec<PathBuf>,
         propagation: Duration,
-        publish_not_ready_addresses: bool,
         recorder: Recorder,
     ) -> Result<ControlPlane, LabError> {
         let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, String)>();
         let rec = recorder.clone();
-        let initial = serde_json::to_string_pretty(&render_manifests(
-            nodes,
-            &BTreeMap::new(),
-            publish_not_ready_addresses,
-            None,
-        ))
-        .map_err(|e| LabError::Invalid(e.to_string()))?;
+        let initial =
+            serde_json::to_string_pretty(&render_manifests(&objects, &BTreeMap::new(), None))
+                .map_err(|e| LabError::Invalid(e.to_string()))?;
         for d in &dirs {
             std::fs::create_dir_all(d).map_err(|e| LabError::Io {
                 what: format!("mkdir {}", d.display()),
@@ -191,16 +223,16 @@ impl ControlPlane {
                         rec.record(EventKind::Note, None, None, format!("publish failed: {e}"));
                     }
                 }
+
                 rec.record(EventKind::SlicePublished, None, None, summarize(&content));
             }
         });
         Ok(ControlPlane {
             store: Arc::new(Mutex::new(Store {
+                objects,
                 pods: BTreeMap::new(),
                 last_published: None,
             })),
-            nodes,
-            publish_not_ready_addresses,
             tx,
             recorder,
         })
@@ -227,26 +259,32 @@ impl ControlPlane {
         self.publish_locked(&mut s);
     }
 
+    /// The cluster autoscaler taints node `index` `ToBeDeletedByClusterAutoscaler`.
+    pub fn taint_node(&self, index: usize) {
+        let mut s = self.store.lock().expect("store lock");
+        s.objects
+            .tainted
+            .insert(index, jiff::Timestamp::now().as_second());
+        self.publish_locked(&mut s);
+    }
+
+    /// Node `index`'s Node object is deleted.
+    pub fn delete_node(&self, index: usize) {
+        let mut s = self.store.lock().expect("store lock");
+        s.objects.deleted.insert(index);
+        self.publish_locked(&mut s);
+    }
+
     pub fn pods(&self) -> BTreeMap<String, PodRecord> {
         self.store.lock().expect("store lock").pods.clone()
     }
 
     fn publish_locked(&self, s: &mut Store) {
         let now = jiff::Timestamp::now();
-        let doc = render_manifests(
-            self.nodes,
-            &s.pods,
-            self.publish_not_ready_addresses,
-            Some(now),
-        );
+        let doc = render_manifests(&s.objects, &s.pods, Some(now));
         // Compare without the trigger-time annotation: only real changes publish.
-        let key = serde_json::to_string(&render_manifests(
-            self.nodes,
-            &s.pods,
-            self.publish_not_ready_addresses,
-            None,
-        ))
-        .unwrap_or_default();
+        let key =
+            serde_json::to_string(&render_manifests(&s.objects, &s.pods, None)).unwrap_or_default();
         if s.last_published.as_deref() == Some(key.as_str()) {
             return;
         }
@@ -290,8 +328,8 @@ pub(crate) fn summarize(content: &str) -> String {
 
 /// The lab's Service, as both control planes create it (the real one applies it; its
 /// status goes through the status subresource, see [`lab_service_status`]).
-pub(crate) fn lab_service(publish_not_ready_addresses: bool) -> Value {
-    json!({
+pub(crate) fn lab_service(publish_not_ready_addresses: bool, etp_local: bool) -> Value {
+    let mut svc = json!({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": SERVICE_NAME, "namespace": SERVICE_NAMESPACE},
         "spec": {
@@ -306,7 +344,16 @@ pub(crate) fn lab_service(publish_not_ready_addresses: bool) -> Value {
             "publishNotReadyAddresses": publish_not_ready_addresses,
             "sessionAffinity": "None"
         }
-    })
+    });
+    if !etp_local {
+        // eTP Cluster: no health check node port; load balancers probe each node's
+        // kproxy `/healthz` (10256) instead (KEP-3836).
+        svc["spec"]["externalTrafficPolicy"] = json!("Cluster");
+        if let Some(spec) = svc["spec"].as_object_mut() {
+            spec.remove("healthCheckNodePort");
+        }
+    }
+    svc
 }
 
 /// The lab Service's status: the emulated load balancer's VIP.
@@ -367,7 +414,11 @@ mod tests {
     fn manifests_parse_with_kproxy_core() {
         let mut pods = BTreeMap::new();
         pods.insert("p".to_string(), pod(true, true, true, false));
-        let doc = render_manifests(2, &pods, false, Some(jiff::Timestamp::UNIX_EPOCH));
+        let doc = render_manifests(
+            &Objects::new(2, false, true),
+            &pods,
+            Some(jiff::Timestamp::UNIX_EPOCH),
+        );
         let text = serde_json::to_string(&doc).unwrap();
         assert!(text.contains("last-change-trigger-time"));
         assert!(text.contains("\"terminating\":true"));
@@ -380,5 +431,36 @@ mod tests {
             4,
             "2 nodes, the Service, the EndpointSlice"
         );
+    }
+
+    /// The drain row's objects: a tainted Node carries the autoscaler's taint as kproxy
+    /// reads it, a deleted Node is gone, and an eTP-Cluster Service has no health
+    /// check node port.
+    #[test]
+    fn drained_nodes_and_cluster_policy_render_as_kproxy_reads_them() {
+        let mut objects = Objects::new(3, false, false);
+        objects.tainted.insert(2, 1_732_270_000);
+        objects.deleted.insert(3);
+        let doc = render_manifests(&objects, &BTreeMap::new(), None);
+        let text = serde_json::to_string(&doc).unwrap();
+        let parsed = kproxy_core::manifest::parse("lab.json", &text);
+        assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
+        assert_eq!(
+            parsed.objects.len(),
+            4,
+            "2 nodes, the Service, the EndpointSlice"
+        );
+        let mut st = kproxy_core::ClusterState::new();
+        for o in &parsed.objects {
+            st.apply(&o.object, &Default::default(), "node-2")
+                .expect("valid object");
+        }
+        let node = st.node().expect("node-2 is known");
+        assert!(node.to_be_deleted_by_autoscaler && !node.eligible());
+        assert!(!text.contains("node-3"), "a deleted node is not listed");
+        assert!(text.contains("\"externalTrafficPolicy\":\"Cluster\""));
+        assert!(!text.contains("healthCheckNodePort"));
+        let local = serde_json::to_string(&lab_service(false, true)).unwrap();
+        assert!(local.contains("\"healthCheckNodePort\":32000"));
     }
 }

@@ -241,6 +241,8 @@ pub fn timeline_svg(r: &RunResult) -> String {
     let mut pool_changes: Vec<(f64, String)> = Vec::new();
     let mut restarts: Vec<(f64, String)> = Vec::new();
     let mut drained: Vec<(f64, String)> = Vec::new();
+    // Node drain: (time, node, what).
+    let mut node_marks: Vec<(f64, String, &str)> = Vec::new();
     for e in &r.events {
         let t = nominal(e.t_ms);
         match (&e.kind, &e.pod) {
@@ -295,6 +297,16 @@ pub fn timeline_svg(r: &RunResult) -> String {
                 restarts.push((t, e.node.clone().unwrap_or_default()))
             }
             (EventKind::LbDrained, _) => drained.push((t, e.node.clone().unwrap_or_default())),
+            (EventKind::NodeTainted, _) => node_marks.push((
+                t,
+                e.node.clone().unwrap_or_default(),
+                "tainted ToBeDeletedByClusterAutoscaler",
+            )),
+            (EventKind::NodeDeleted, _) => node_marks.push((
+                t,
+                e.node.clone().unwrap_or_default(),
+                "deleted (kproxy stopped, link cut)",
+            )),
             _ => {}
         }
     }
@@ -307,11 +319,16 @@ pub fn timeline_svg(r: &RunResult) -> String {
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{h:.0}\" viewBox=\"0 0 {WIDTH} {h:.0}\" role=\"img\" aria-label=\"timeline\">"
     );
     let lane_y = |i: usize| top + i as f64 * (LANE_H + 4.0);
-    // Rollout window.
+    // Rollout (or node drain) window.
     let (rs, re) = (nominal(r.rollout_start_ms), nominal(r.rollout_end_ms));
+    let phase = if r.drain.is_some() {
+        "node drain"
+    } else {
+        "rollout"
+    };
     let _ = writeln!(
         s,
-        "<rect x=\"{:.1}\" y=\"{}\" width=\"{:.1}\" height=\"{:.0}\" fill=\"#eef3ff\"><title>rollout {rs:.1}–{re:.1} s</title></rect><text x=\"{:.1}\" y=\"14\" font-size=\"11\" fill=\"#335\">rollout</text>",
+        "<rect x=\"{:.1}\" y=\"{}\" width=\"{:.1}\" height=\"{:.0}\" fill=\"#eef3ff\"><title>{phase} {rs:.1}–{re:.1} s</title></rect><text x=\"{:.1}\" y=\"14\" font-size=\"11\" fill=\"#335\">{phase}</text>",
         x(rs),
         top - 4.0,
         (x(re) - x(rs)).max(1.0),
@@ -382,6 +399,13 @@ pub fn timeline_svg(r: &RunResult) -> String {
             let _ = writeln!(
                 s,
                 "<path d=\"M{:.1} {y:.1} l5 9 l-5 9 l-5 -9 z\" fill=\"#e80\"><title>kproxy restarted at {t:.1} s</title></path>",
+                x(*t)
+            );
+        }
+        for (t, _, what) in node_marks.iter().filter(|(_, n, _)| n == node) {
+            let _ = writeln!(
+                s,
+                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"4\" height=\"{LANE_H}\" fill=\"#000\"><title>{what} at {t:.1} s</title></rect>",
                 x(*t)
             );
         }

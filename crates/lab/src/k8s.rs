@@ -207,12 +207,27 @@ pub async fn clean(client: &kube::Client, limit: Duration) -> Result<(), LabErro
     }
 }
 
-fn node_object(i: usize) -> Value {
+/// What the lab changed about its Nodes (a node drain): the lab owns these fields.
+#[derive(Clone, Debug, Default)]
+pub struct NodeChanges {
+    /// Node (1-based) → the `ToBeDeletedByClusterAutoscaler` taint's value (Unix s).
+    pub tainted: BTreeMap<usize, i64>,
+    /// Nodes whose object the lab deleted (no heartbeat recreates them).
+    pub deleted: std::collections::BTreeSet<usize>,
+}
+
+fn node_object(i: usize, changes: &NodeChanges) -> Value {
     let name = fabric::node_name(i);
+    let mut spec =
+        json!({"podCIDR": format!("10.244.{i}.0/24"), "podCIDRs": [format!("10.244.{i}.0/24")]});
+    if let Some(t) = changes.tainted.get(&i) {
+        spec["taints"] = json!([{"key": crate::controlplane::TAINT_TO_BE_DELETED,
+            "value": t.to_string(), "effect": "NoSchedule"}]);
+    }
     json!({
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux"}},
-        "spec": {"podCIDR": format!("10.244.{i}.0/24"), "podCIDRs": [format!("10.244.{i}.0/24")]}
+        "spec": spec
     })
 }
 
@@ -244,14 +259,26 @@ fn lease_object(i: usize) -> Value {
     })
 }
 
-async fn beat(client: &kube::Client, nodes: usize, since: &str) -> Result<(), LabError> {
+async fn beat(
+    client: &kube::Client,
+    nodes: usize,
+    since: &str,
+    changes: &Mutex<NodeChanges>,
+) -> Result<(), LabError> {
     let napi: Api<Node> = Api::all(client.clone());
     let lapi: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), "kube-node-lease");
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     for i in 1..=nodes {
         let name = fabric::node_name(i);
-        napi.patch(&name, &pp, &Patch::Apply(node_object(i)))
+        let object = {
+            let c = changes.lock().expect("node changes lock");
+            if c.deleted.contains(&i) {
+                continue;
+            }
+            node_object(i, &c)
+        };
+        napi.patch(&name, &pp, &Patch::Apply(object))
             .await
             .map_err(api_err(format!("apply node {name}")))?;
         napi.patch_status(
@@ -274,11 +301,12 @@ pub async fn prepare(
     client: &kube::Client,
     nodes: usize,
     publish_not_ready_addresses: bool,
+    etp_local: bool,
 ) -> Result<String, LabError> {
     let since = now_rfc3339();
-    beat(client, nodes, &since).await?;
+    beat(client, nodes, &since, &Mutex::default()).await?;
     let svc: Api<Service> = Api::namespaced(client.clone(), SERVICE_NAMESPACE);
-    let spec = crate::controlplane::lab_service(publish_not_ready_addresses);
+    let spec = crate::controlplane::lab_service(publish_not_ready_addresses, etp_local);
     svc.patch(
         SERVICE_NAME,
         &PatchParams::apply(FIELD_MANAGER).force(),
@@ -298,12 +326,18 @@ pub async fn prepare(
 
 /// Keep every lab Node Ready: status heartbeat and Lease renewal every 5 s (the
 /// kubelet's defaults are 10 s, kcm's grace period 40-50 s).
-pub async fn heartbeat(client: kube::Client, nodes: usize, since: String, rec: Recorder) {
+pub async fn heartbeat(
+    client: kube::Client,
+    nodes: usize,
+    since: String,
+    changes: Arc<Mutex<NodeChanges>>,
+    rec: Recorder,
+) {
     let mut tick = tokio::time::interval(Duration::from_secs(5));
     tick.tick().await;
     loop {
         tick.tick().await;
-        if let Err(e) = beat(&client, nodes, &since).await {
+        if let Err(e) = beat(&client, nodes, &since, &changes).await {
             rec.record(EventKind::Note, None, None, format!("node heartbeat: {e}"));
         }
     }
@@ -760,6 +794,9 @@ pub struct RealControlPlane {
     pub writer: Arc<PodStatusWriter>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     _bridges: Vec<ApiBridge>,
+    nodes: usize,
+    since: String,
+    node_changes: Arc<Mutex<NodeChanges>>,
 }
 
 impl RealControlPlane {
@@ -769,11 +806,19 @@ impl RealControlPlane {
         lab: K8sLab,
         fabric: &fabric::Fabric,
         publish_not_ready_addresses: bool,
+        etp_local: bool,
         rec: Recorder,
     ) -> Result<RealControlPlane, LabError> {
         let client = client(&lab).await?;
         clean(&client, Duration::from_secs(60)).await?;
-        let since = prepare(&client, fabric.nodes.len(), publish_not_ready_addresses).await?;
+        let since = prepare(
+            &client,
+            fabric.nodes.len(),
+            publish_not_ready_addresses,
+            etp_local,
+        )
+        .await?;
+        let node_changes = Arc::new(Mutex::new(NodeChanges::default()));
         let mut bridges = Vec::new();
         for n in &fabric.nodes {
             bridges.push(ApiBridge::start(n.ns.name(), lab.api_port)?);
@@ -782,7 +827,8 @@ impl RealControlPlane {
             tokio::spawn(heartbeat(
                 client.clone(),
                 fabric.nodes.len(),
-                since,
+                since.clone(),
+                node_changes.clone(),
                 rec.clone(),
             )),
             tokio::spawn(watch_slices(client.clone(), rec.clone())),
@@ -794,7 +840,97 @@ impl RealControlPlane {
             writer,
             tasks: Mutex::new(tasks),
             _bridges: bridges,
+            nodes: fabric.nodes.len(),
+            since,
+            node_changes,
         })
+    }
+
+    /// The cluster autoscaler's scale-down taint on node `index`, written to the Node
+    /// object at once (the heartbeat keeps it there).
+    pub async fn taint_node(&self, index: usize) -> Result<(), LabError> {
+        self.node_changes
+            .lock()
+            .expect("node changes lock")
+            .tainted
+            .insert(index, jiff::Timestamp::now().as_second());
+        beat(&self.client, self.nodes, &self.since, &self.node_changes).await
+    }
+
+    /// Evict every pod bound to node `index` through the Eviction API, as the
+    /// autoscaler's drain does; returns their names.
+    pub async fn evict_node_pods(&self, index: usize) -> Result<Vec<String>, LabError> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), SERVICE_NAMESPACE);
+        let node = fabric::node_name(index);
+        let pods = api
+            .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+            .await
+            .map_err(api_err(format!("list pods on {node}")))?;
+        let mut evicted = Vec::new();
+        for p in pods.items {
+            let Some(name) = p.metadata.name else {
+                continue;
+            };
+            api.evict(&name, &kube::api::EvictParams::default())
+                .await
+                .map_err(api_err(format!("evict pod {name}")))?;
+            evicted.push(name);
+        }
+        Ok(evicted)
+    }
+
+    /// Delete node `index`'s Node object (and stop its heartbeat).
+    pub async fn delete_node(&self, index: usize) -> Result<(), LabError> {
+        self.node_changes
+            .lock()
+            .expect("node changes lock")
+            .deleted
+            .insert(index);
+        let name = fabric::node_name(index);
+        let napi: Api<Node> = Api::all(self.client.clone());
+        napi.delete(&name, &DeleteParams::default())
+            .await
+            .map_err(api_err(format!("delete node {name}")))?;
+        Ok(())
+    }
+
+    /// Wait until kcm's Deployment controller has replaced evicted pods: the
+    /// Deployment complete and the lab running `replicas` ready pods.
+    pub async fn wait_replaced(
+        &self,
+        cluster: &Arc<Cluster>,
+        limit: Duration,
+    ) -> Result<(), LabError> {
+        self.wait_done(cluster, 1, limit, "replacing the evicted pods")
+            .await
+    }
+
+    /// Wait until kcm reports the Deployment complete and the lab runs only pods of
+    /// `revision`, all ready.
+    async fn wait_done(
+        &self,
+        cluster: &Arc<Cluster>,
+        revision: u32,
+        limit: Duration,
+        what: &str,
+    ) -> Result<(), LabError> {
+        let d = cluster.deployment;
+        let start = Instant::now();
+        loop {
+            let dep = get_deployment(&self.client).await?;
+            let pods = cluster.pods();
+            let lab_done = pods.len() == d.replicas as usize
+                && pods.iter().all(|p| p.revision == revision && p.is_ready());
+            if lab_done && dep.is_some_and(|dep| deployment_complete(&dep, d.replicas)) {
+                return Ok(());
+            }
+            if start.elapsed() > limit {
+                return Err(LabError::Invalid(format!(
+                    "k8s-lab: {what} did not finish within {limit:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Start the scheduler/kubelet agent for `cluster`.
@@ -816,22 +952,13 @@ impl RealControlPlane {
     ) -> Result<(), LabError> {
         let d = cluster.deployment;
         apply_deployment(&self.client, &d, &cluster.template, revision, clock.scale()).await?;
-        let start = Instant::now();
-        loop {
-            let dep = get_deployment(&self.client).await?;
-            let pods = cluster.pods();
-            let lab_done = pods.len() == d.replicas as usize
-                && pods.iter().all(|p| p.revision == revision && p.is_ready());
-            if lab_done && dep.is_some_and(|dep| deployment_complete(&dep, d.replicas)) {
-                return Ok(());
-            }
-            if start.elapsed() > limit {
-                return Err(LabError::Invalid(format!(
-                    "k8s-lab: rollout to revision {revision} did not finish within {limit:?}"
-                )));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.wait_done(
+            cluster,
+            revision,
+            limit,
+            &format!("rollout to revision {revision}"),
+        )
+        .await
     }
 
     /// Stop the lab's controllers and remove the run's objects (best effort: a

@@ -20,6 +20,16 @@ pub enum KproxySource<'a> {
     Kubeconfig(&'a Path),
 }
 
+/// The flags that give kproxy the behaviour of kube-proxy before 1.26 (the lab's
+/// `pre-1.26` behaviour): no failover to serving-terminating endpoints (KEP-1669,
+/// on by default from 1.26) and a `/healthz` that ignores the Node's scale-down taint
+/// and deletion (KEP-3836, from 1.28, on by default from 1.30).
+pub const PRE_126_FLAGS: [&str; 3] = [
+    "--proxy-terminating-endpoints=false",
+    "--feature-gates",
+    "KubeProxyDrainingTerminatingNodes=false",
+];
+
 pub struct Kproxyd {
     pub node: String,
     pub event_log: PathBuf,
@@ -31,7 +41,7 @@ pub struct Kproxyd {
 
 impl Kproxyd {
     /// Start kproxy for `node`. `proxy_terminating_endpoints = false` gives the
-    /// pre-1.26 behaviour.
+    /// pre-1.26 behaviour ([`PRE_126_FLAGS`]).
     pub fn start(
         kproxy: &Path,
         node: &NodeNet,
@@ -71,7 +81,7 @@ impl Kproxyd {
         };
         argv.push(flag.into());
         argv.push(path.into());
-        let hz = format!("{}:10256", node.ip);
+        let hz = format!("{}:{}", node.ip, crate::controlplane::PROXY_HEALTHZ_PORT);
         for a in [
             "--hostname-override",
             &node.name,
@@ -91,7 +101,7 @@ impl Kproxyd {
         }
         argv.push(event_log.clone().into());
         if !proxy_terminating_endpoints {
-            argv.push("--proxy-terminating-endpoints=false".into());
+            argv.extend(PRE_126_FLAGS.iter().map(Into::into));
         }
         argv.extend(extra_args.iter().map(Into::into));
         let mut d = Kproxyd {
@@ -260,4 +270,22 @@ impl Drop for Kproxyd {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Has the kproxy writing `event_log` logged a sync after wall time `t`? (Its
+/// `synced` lines carry the wall time they were written.)
+pub fn synced_after(event_log: &Path, t: SystemTime) -> bool {
+    let t_ms = t
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+        * 1000.0;
+    let Ok(text) = std::fs::read_to_string(event_log) else {
+        return false;
+    };
+    text.lines().rev().any(|line| {
+        serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| {
+            v["event"] == "synced" && v["t_unix_ms"].as_f64().is_some_and(|s| s > t_ms)
+        })
+    })
 }

@@ -1,5 +1,6 @@
 //! The scenario matrix (issue 19): pod profiles × seed 2's settings × load-balancer
-//! presets × both proxy behaviours, plus a kproxy restart in the middle of a rollout.
+//! presets × both proxy behaviours, plus a kproxy restart in the middle of a rollout
+//! and a node drain by the cluster autoscaler.
 //! Each cell is one real rollout; next to its packets stands what `kproxy lint` says
 //! about the manifests of the same settings, so the table proves or refutes each lint
 //! rule cell by cell.
@@ -43,6 +44,11 @@ pub enum Setting {
     /// The recommended settings, and every node's kproxy restarted when the rollout's
     /// second old pod turns terminating.
     KproxyRestart,
+    /// No rollout: the cluster autoscaler drains a node of an `externalTrafficPolicy:
+    /// Cluster` Service whose load balancer probes kproxy's `/healthz` (KEP-3836):
+    /// taint `ToBeDeletedByClusterAutoscaler`, evict its pods, delete the node
+    /// ([`scenario::NodeDrain`]).
+    NodeDrain,
 }
 
 impl Setting {
@@ -54,6 +60,7 @@ impl Setting {
             Setting::GraceShorterThanDrain => "grace-shorter-than-drain",
             Setting::EarlyReady => "early-ready",
             Setting::KproxyRestart => "kproxy-restart",
+            Setting::NodeDrain => "node-drain",
         }
     }
 
@@ -61,12 +68,23 @@ impl Setting {
     pub fn rule(self) -> Option<&'static str> {
         use kproxy_lint::rules as r;
         match self {
-            Setting::Recommended | Setting::KproxyRestart => None,
+            Setting::Recommended | Setting::KproxyRestart | Setting::NodeDrain => None,
             Setting::ShortPrestop => Some(r::PRESTOP_SHORTER_THAN_LB_DETECTION),
             Setting::ReadinessInequalityViolated => Some(r::READINESS_FAILS_BEFORE_KILL),
             Setting::GraceShorterThanDrain => Some(r::TERMINATION_GRACE_VS_LB_DRAIN),
             Setting::EarlyReady => Some(r::READY_BEFORE_LB_REGISTRATION),
         }
+    }
+
+    /// Rows about the proxy rather than the pod: run with graceful pods only (when
+    /// the selection has them).
+    fn graceful_only(self) -> bool {
+        matches!(self, Setting::KproxyRestart | Setting::NodeDrain)
+    }
+
+    /// The lab's Service for this setting: eTP Local, except for the node drain.
+    pub fn etp_local(self) -> bool {
+        self != Setting::NodeDrain
     }
 
     fn applies_to(self, profile: PodProfile) -> bool {
@@ -77,13 +95,14 @@ impl Setting {
     }
 }
 
-pub const ALL_SETTINGS: [Setting; 6] = [
+pub const ALL_SETTINGS: [Setting; 7] = [
     Setting::Recommended,
     Setting::ShortPrestop,
     Setting::ReadinessInequalityViolated,
     Setting::GraceShorterThanDrain,
     Setting::EarlyReady,
     Setting::KproxyRestart,
+    Setting::NodeDrain,
 ];
 pub const ALL_PROFILES: [PodProfile; 3] = [
     PodProfile::Graceful,
@@ -149,8 +168,8 @@ impl Selection {
         }
     }
 
-    /// The matrix CI runs: graceful pods behind `gke`, the recommended settings and
-    /// the short preStop under both behaviours, and the kproxy restart.
+    /// The matrix CI runs: graceful pods behind `gke`, the recommended settings, the
+    /// short preStop, the kproxy restart and the node drain, under both behaviours.
     pub fn reduced() -> Selection {
         Selection {
             profiles: vec![PodProfile::Graceful],
@@ -158,20 +177,21 @@ impl Selection {
                 Setting::Recommended,
                 Setting::ShortPrestop,
                 Setting::KproxyRestart,
+                Setting::NodeDrain,
             ],
             presets: vec![LbPreset::Gke],
             behaviours: vec![Behaviour::Pre126, Behaviour::Kproxy],
         }
     }
 
-    /// The cells, setting by setting (the table's row order). The kproxy restart runs
-    /// with graceful pods only: it tests the proxy, not the pod.
+    /// The cells, setting by setting (the table's row order). The kproxy restart and
+    /// the node drain run with graceful pods only: they test the proxy, not the pod.
     pub fn cells(&self) -> Vec<Cell> {
         let mut out = Vec::new();
         for &setting in &self.settings {
             for &profile in &self.profiles {
                 if !setting.applies_to(profile)
-                    || (setting == Setting::KproxyRestart
+                    || (setting.graceful_only()
                         && profile != PodProfile::Graceful
                         && self.profiles.contains(&PodProfile::Graceful))
                 {
@@ -228,6 +248,8 @@ pub fn config_for(cell: &Cell, base: &RolloutConfig) -> Result<RolloutConfig, La
     p.initial_delay_seconds = (lb_registration_s(&hc).ceil() + 2.0).max(20.0);
     match cell.setting {
         Setting::Recommended | Setting::KproxyRestart => {}
+        // Replacement pods must fit on the remaining nodes.
+        Setting::NodeDrain => c.deployment.one_pod_per_node = false,
         Setting::ShortPrestop => c.pod.pre_stop_sleep_seconds = 1.0,
         Setting::ReadinessInequalityViolated => {
             p.period_seconds = 5.0;
@@ -247,9 +269,26 @@ pub fn config_for(cell: &Cell, base: &RolloutConfig) -> Result<RolloutConfig, La
     Ok(c)
 }
 
+/// The node drain of the node-drain row: node 2 (of 3), deleted one LB interval after
+/// its last pod is gone. From the taint to the deletion then passes the pods'
+/// preStop (longer than the LB's detection window in every cell) plus an interval:
+/// the autoscaler waits for the evicted pods (`--max-graceful-termination-sec`)
+/// before it deletes the node.
+pub fn node_drain(cfg: &RolloutConfig) -> scenario::NodeDrain {
+    let interval = cfg
+        .load_balancer
+        .effective_health_check()
+        .map_or(3.0, |hc| hc.interval_seconds);
+    scenario::NodeDrain {
+        node: 2.min(cfg.nodes),
+        delete_after_s: interval,
+    }
+}
+
 /// The Deployment, Service and PodDisruptionBudget a user would apply for `cfg`
-/// (one YAML stream); what `kproxy lint` reads for the cell.
-pub fn manifests_for(cfg: &RolloutConfig) -> String {
+/// (one YAML stream); what `kproxy lint` reads for the cell. `etp_local`: the
+/// Service's externalTrafficPolicy is Local (else Cluster).
+pub fn manifests_for(cfg: &RolloutConfig, etp_local: bool) -> String {
     let p = &cfg.pod;
     let r = &p.readiness_probe;
     let d = &cfg.deployment;
@@ -297,7 +336,7 @@ metadata:
   namespace: lab
 spec:
   type: LoadBalancer
-  externalTrafficPolicy: Local
+  externalTrafficPolicy: {etp}
   selector: {{app: web}}
   ports: [{{port: 80, targetPort: http}}]
 ---
@@ -322,6 +361,7 @@ spec:
         success = r.success_threshold,
         failure = r.failure_threshold,
         pre_stop = secs(p.pre_stop_sleep_seconds),
+        etp = if etp_local { "Local" } else { "Cluster" },
     )
 }
 
@@ -336,7 +376,7 @@ pub struct LintFinding {
 /// `kproxy lint` on the cell's manifests, told the numbers of the load balancer the
 /// lab emulates (as `--lb <preset> --lb-interval … --lb-drain … --lb-registration …`
 /// would).
-pub fn lint_cell(cfg: &RolloutConfig) -> Result<Vec<LintFinding>, LabError> {
+pub fn lint_cell(cfg: &RolloutConfig, etp_local: bool) -> Result<Vec<LintFinding>, LabError> {
     use kproxy_lint::{input::Inventory, lb, rules};
     let hc = cfg.load_balancer.effective_health_check()?;
     let name = preset_str(cfg.load_balancer.preset);
@@ -350,7 +390,7 @@ pub fn lint_cell(cfg: &RolloutConfig) -> Result<Vec<LintFinding>, LabError> {
     };
     overrides.apply(&mut profile);
     let mut inv = Inventory::default();
-    inv.add_file("cell.yaml", &manifests_for(cfg));
+    inv.add_file("cell.yaml", &manifests_for(cfg, etp_local));
     let opts = rules::Options {
         lb: profile,
         lb_flags: overrides,
@@ -591,6 +631,7 @@ pub fn run_matrix(
     sel: &Selection,
     base: &RolloutConfig,
     kproxy: &Path,
+    control_plane: scenario::ControlPlaneKind,
     progress: Progress,
     on_cell: &mut dyn FnMut(&CellResult, &RunResult),
 ) -> Result<Vec<CellResult>, LabError> {
@@ -598,11 +639,12 @@ pub fn run_matrix(
     let mut out = Vec::new();
     for (i, cell) in cells.iter().enumerate() {
         let cfg = config_for(cell, base)?;
-        let lint = lint_cell(&cfg)?;
+        let lint = lint_cell(&cfg, cell.setting.etp_local())?;
         progress(&format!("[matrix {}/{}] {}", i + 1, cells.len(), cell.id()));
         let opts = RunOptions {
             restart_kproxy_mid_rollout: cell.setting == Setting::KproxyRestart,
-            ..RunOptions::default()
+            drain: (cell.setting == Setting::NodeDrain).then(|| node_drain(&cfg)),
+            control_plane,
         };
         let run = scenario::run_with(&cfg, cell.behaviour, 0, kproxy, opts, progress)
             .map_err(|e| LabError::Invalid(format!("matrix cell {}: {e}", cell.id())))?;
@@ -629,7 +671,7 @@ mod tests {
 
     fn rules_of(c: &Cell) -> Vec<String> {
         let cfg = config_for(c, &RolloutConfig::default()).unwrap();
-        lint_cell(&cfg)
+        lint_cell(&cfg, c.setting.etp_local())
             .unwrap()
             .into_iter()
             .filter(|f| SEED2_RULES.contains(&f.rule.as_str()))
@@ -682,10 +724,36 @@ mod tests {
     }
 
     #[test]
+    fn node_drain_cell_is_a_lint_clean_cluster_policy_service_on_room_for_replacements() {
+        for preset in ALL_PRESETS {
+            let c = cell(PodProfile::Graceful, Setting::NodeDrain, preset);
+            assert_eq!(rules_of(&c), Vec::<String>::new(), "{}", c.id());
+            let cfg = config_for(&c, &RolloutConfig::default()).unwrap();
+            assert!(!cfg.deployment.one_pod_per_node, "replacements need room");
+            let m = manifests_for(&cfg, c.setting.etp_local());
+            assert!(m.contains("externalTrafficPolicy: Cluster"), "{m}");
+            let d = node_drain(&cfg);
+            assert_eq!(d.node, 2);
+            let hc = cfg.load_balancer.effective_health_check().unwrap();
+            // The evicted pods' preStop alone outlasts the LB's detection window.
+            assert!(cfg.pod.pre_stop_sleep_seconds > hc.detection_window_s());
+        }
+        let rec = cell(PodProfile::Graceful, Setting::Recommended, LbPreset::Gke);
+        let cfg = config_for(&rec, &RolloutConfig::default()).unwrap();
+        assert!(manifests_for(&cfg, true).contains("externalTrafficPolicy: Local"));
+    }
+
+    #[test]
     fn cell_selection() {
         let full = Selection::full().cells();
-        // 4 settings × 3 profiles + readiness × 1 + restart × 1 (graceful), × 3 presets × 2.
-        assert_eq!(full.len(), (4 * 3 + 1 + 1) * 3 * 2);
+        // 4 settings × 3 profiles + readiness × 1 + restart and drain × 1 (graceful),
+        // × 3 presets × 2.
+        assert_eq!(full.len(), (4 * 3 + 1 + 2) * 3 * 2);
+        assert!(
+            full.iter()
+                .filter(|c| c.setting == Setting::NodeDrain)
+                .all(|c| c.profile == PodProfile::Graceful)
+        );
         assert!(
             !full
                 .iter()
@@ -693,9 +761,10 @@ mod tests {
                     && c.profile != PodProfile::FailReadinessOnTerm)
         );
         let reduced = Selection::reduced().cells();
-        assert_eq!(reduced.len(), 6);
+        assert_eq!(reduced.len(), 8);
         let ids: Vec<String> = reduced.iter().map(Cell::id).collect();
         assert!(ids.contains(&"graceful/kproxy-restart/gke/kproxy".to_string()));
+        assert!(ids.contains(&"graceful/node-drain/gke/pre-1.26".to_string()));
     }
 
     #[test]

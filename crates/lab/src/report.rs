@@ -204,8 +204,10 @@ pub fn explain_burst(
     records: &[&RequestRecord],
 ) -> String {
     let views = node_views(r, start_ms);
-    let mut causes = Vec::new();
-    for (node, v) in &views {
+    let mut causes = drain_causes(r, start_ms, end_ms, records);
+    // Per-node pod checks are about eTP Local (a node without a serving local pod
+    // drops); with a drain the Service is eTP Cluster and any node forwards.
+    for (node, v) in views.iter().filter(|_| r.drain.is_none()) {
         if !v.in_pool {
             continue;
         }
@@ -335,6 +337,86 @@ pub fn explain_burst(
         ));
     }
     causes.join("; ")
+}
+
+/// The first event of `kind` for `node`.
+fn first_event(r: &RunResult, kind: EventKind, node: &str) -> Option<f64> {
+    r.events
+        .iter()
+        .find(|e| e.kind == kind && e.node.as_deref() == Some(node))
+        .map(|e| e.t_ms)
+}
+
+/// Causes of a burst in a node-drain run that reaches the drained node's deletion:
+/// new connections the load balancer still sent to the deleted node (and why its
+/// health check had not taken it out), and keep-alive connections established
+/// through it.
+fn drain_causes(
+    r: &RunResult,
+    start_ms: f64,
+    end_ms: f64,
+    records: &[&RequestRecord],
+) -> Vec<String> {
+    let Some(node) = r.drain.and_then(|d| r.nodes.get(d.node.wrapping_sub(1))) else {
+        return Vec::new();
+    };
+    let (Some(tainted), Some(deleted)) = (
+        first_event(r, EventKind::NodeTainted, node),
+        first_event(r, EventKind::NodeDeleted, node),
+    ) else {
+        return Vec::new();
+    };
+    // A request in flight when the node went fails at once or at its timeout; look
+    // back one nominal second for requests started just before.
+    if end_ms < deleted - 1000.0 * r.time_scale {
+        return Vec::new();
+    }
+    let mut causes = Vec::new();
+    // A keep-alive request on a fresh connection (the first, or after a failure) is a
+    // new connection to the load balancer too.
+    let kept_failed = records.iter().filter(|x| x.reused).count();
+    let new_failed = records.len() - kept_failed;
+    let in_pool_at_deletion = node_views(r, deleted).get(node).is_some_and(|v| v.in_pool);
+    if new_failed > 0 && in_pool_at_deletion {
+        let removed = match pool_removal_after(r, node, deleted) {
+            Some(t) => format!("until it took {node} out at {:.1} s", nominal(r, t)),
+            None => "until the end of the run".to_string(),
+        };
+        let failing_since = r
+            .events
+            .iter()
+            .find(|e| {
+                e.kind == EventKind::HealthAnswer
+                    && e.node.as_deref() == Some(node.as_str())
+                    && e.t_ms >= tainted
+                    && e.t_ms <= deleted
+                    && e.detail.contains("fails")
+            })
+            .map(|e| e.t_ms);
+        let why = match failing_since {
+            None => format!(
+                "its /healthz (10256) kept answering 200 for the {:.1} s from the ToBeDeletedByClusterAutoscaler taint to the deletion: with pre-KEP-3836 behaviour the taint does not affect /healthz, so the load balancer learned of the node only when it stopped answering",
+                nominal(r, deleted - tainted)
+            ),
+            Some(t) => format!(
+                "its /healthz had answered 503 (the taint) from {:.1} s, but the node was deleted {:.1} s after the taint, before the load balancer's detection window ({:.1} s) ran out",
+                nominal(r, t),
+                nominal(r, deleted - tainted),
+                r.health_check.detection_window_s()
+            ),
+        };
+        causes.push(format!(
+            "{node} was deleted at {:.1} s (kproxy stopped, link cut) while the load balancer still sent it new connections, {removed}: {why}",
+            nominal(r, deleted)
+        ));
+    }
+    if kept_failed > 0 && start_ms <= deleted + 3000.0 * r.time_scale {
+        causes.push(format!(
+            "{kept_failed} request(s) on keep-alive connections that the load balancer had established through {node} (a flow stays on the node it was first sent to) failed when {node} was deleted at {:.1} s: an established connection cannot leave a node that vanishes, whatever the proxy does; the client must reconnect",
+            nominal(r, deleted)
+        ));
+    }
+    causes
 }
 
 /// Nodes in an `LbPool` event's pool that are healthy (0 when the LB fell back to
@@ -717,12 +799,102 @@ mod tests {
             rollout_start_ms: 0.0,
             rollout_end_ms: 2000.0,
             load_end_ms: 2000.0,
+            drain: None,
         };
         let cause = explain_burst(&r, 1000.0, 1000.0, &[&failed]);
         assert!(
             cause.contains("keep-alive connections to web-r1-1"),
             "{cause}"
         );
+    }
+
+    /// The node-drain row's causes: new connections to a deleted node the LB still had
+    /// in its pool (and whether /healthz had failed since the taint), and requests on
+    /// keep-alive connections established through it.
+    #[test]
+    fn drain_bursts_name_the_deleted_node_and_the_health_story() {
+        use crate::scenario::{Behaviour, NodeDrain, RunResult};
+        let ev = |t_ms: f64, kind: EventKind, node: Option<&str>, detail: &str| Event {
+            t_ms,
+            kind,
+            node: node.map(Into::into),
+            pod: None,
+            detail: detail.into(),
+        };
+        let mut kept = rec(4010.0, Outcome::Timeout);
+        kept.conn = ConnKind::KeepAlive;
+        kept.reused = true;
+        let new = rec(4050.0, Outcome::Timeout);
+        let all = "new connections to node-1, node-2, node-3";
+        let without = "new connections to node-1, node-3";
+        let run = |events: Vec<Event>| RunResult {
+            control_plane: crate::scenario::ControlPlaneKind::Emulated,
+            behaviour: Behaviour::Pre126,
+            run: 0,
+            time_scale: 0.1,
+            nodes: vec!["node-1".into(), "node-2".into(), "node-3".into()],
+            health_check: crate::lb::LbPreset::Gke.health_check().unwrap(),
+            records: vec![kept.clone(), new.clone()],
+            events,
+            load_start_ms: 0.0,
+            rollout_start_ms: 1000.0,
+            rollout_end_ms: 5000.0,
+            load_end_ms: 6000.0,
+            drain: Some(NodeDrain {
+                node: 2,
+                delete_after_s: 3.0,
+            }),
+        };
+        // pre-KEP-3836: /healthz kept passing until the node vanished.
+        let r = run(vec![
+            ev(10.0, EventKind::LbPool, None, all),
+            ev(1000.0, EventKind::NodeTainted, Some("node-2"), ""),
+            ev(4000.0, EventKind::NodeDeleted, Some("node-2"), ""),
+            ev(
+                4300.0,
+                EventKind::HealthAnswer,
+                Some("node-2"),
+                "health check fails",
+            ),
+            ev(4600.0, EventKind::LbPool, None, without),
+        ]);
+        let cause = explain_burst(&r, 4010.0, 4050.0, &[&kept, &new]);
+        assert!(cause.contains("node-2 was deleted at 40.0 s"), "{cause}");
+        assert!(
+            cause.contains("until it took node-2 out at 46.0 s"),
+            "{cause}"
+        );
+        assert!(
+            cause.contains("kept answering 200 for the 30.0 s"),
+            "{cause}"
+        );
+        assert!(
+            cause.contains("1 request(s) on keep-alive connections"),
+            "{cause}"
+        );
+        assert!(!cause.contains("had no pod"), "no eTP-Local cause: {cause}");
+        // KEP-3836 and a node deleted within the LB's detection window.
+        let r = run(vec![
+            ev(10.0, EventKind::LbPool, None, all),
+            ev(1000.0, EventKind::NodeTainted, Some("node-2"), ""),
+            ev(
+                1300.0,
+                EventKind::HealthAnswer,
+                Some("node-2"),
+                "health check fails",
+            ),
+            ev(1500.0, EventKind::NodeDeleted, Some("node-2"), ""),
+            ev(1900.0, EventKind::LbPool, None, without),
+        ]);
+        let cause = explain_burst(&r, 1510.0, 1550.0, &[&new]);
+        assert!(
+            cause.contains("answered 503 (the taint) from 13.0 s"),
+            "{cause}"
+        );
+        assert!(cause.contains("deleted 5.0 s after the taint"), "{cause}");
+        // A burst well before the deletion is not the deletion's.
+        let cause = explain_burst(&r, 100.0, 120.0, &[&new]);
+        assert!(!cause.contains("was deleted"), "{cause}");
     }
 
     #[test]

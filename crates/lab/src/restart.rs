@@ -23,7 +23,7 @@ use serde::Serialize;
 use crate::LabError;
 use crate::cluster::Cluster;
 use crate::config::RolloutConfig;
-use crate::controlplane::{self, ControlPlane};
+use crate::controlplane::{self, ControlPlane, Objects};
 use crate::fabric::{self, Fabric};
 use crate::kproxyd::Kproxyd;
 use crate::lb::LoadBalancer;
@@ -266,10 +266,9 @@ async fn run_async(
     ));
     let dirs: Vec<PathBuf> = fabric.nodes.iter().map(|n| workdir.join(&n.name)).collect();
     let cp = ControlPlane::start(
-        cfg.nodes,
+        Objects::new(cfg.nodes, cfg.publish_not_ready_addresses, true),
         dirs.clone(),
         clock.real(cfg.propagation_delay_seconds),
-        cfg.publish_not_ready_addresses,
         rec.clone(),
     )?;
     let mut daemons = Vec::new();

@@ -15,7 +15,7 @@ use crate::config::RolloutConfig;
 use crate::controlplane::{self, ControlPlane};
 use crate::fabric::{self, Fabric};
 use crate::k8s::{K8sLab, RealControlPlane};
-use crate::kproxyd::{KproxySource, Kproxyd};
+use crate::kproxyd::{self, KproxySource, Kproxyd};
 use crate::lb::{HealthCheck, LoadBalancer};
 use crate::loadgen::{LoadGenerator, RequestRecord};
 use crate::timeline::{Clock, Event, EventKind, Recorder};
@@ -25,7 +25,8 @@ pub enum Behaviour {
     /// kproxy as it ships: failover to serving-terminating endpoints.
     #[serde(rename = "kproxy")]
     Kproxy,
-    /// `--proxy-terminating-endpoints=false`: kube-proxy before 1.26.
+    /// kube-proxy before 1.26: `--proxy-terminating-endpoints=false`, and `/healthz`
+    /// ignores the Node's scale-down taint (`kproxyd::PRE_126_FLAGS`).
     #[serde(rename = "pre-1.26")]
     Pre126,
 }
@@ -54,6 +55,9 @@ pub struct RunResult {
     pub rollout_start_ms: f64,
     pub rollout_end_ms: f64,
     pub load_end_ms: f64,
+    /// The node drain the run performed instead of a rolling update (the Service was
+    /// `externalTrafficPolicy: Cluster`); None: a rolling update of an eTP-Local Service.
+    pub drain: Option<NodeDrain>,
 }
 
 pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
@@ -79,8 +83,22 @@ impl ControlPlaneKind {
     }
 }
 
+/// A node drain by the cluster autoscaler (the matrix's node-drain row), run instead
+/// of the rolling update, with an `externalTrafficPolicy: Cluster` Service whose load
+/// balancer probes every node's kproxy `/healthz` (KEP-3836): the node is tainted
+/// `ToBeDeletedByClusterAutoscaler`, its pods are evicted (the Deployment replaces
+/// them on other nodes), and once they are gone and `delete_after_s` more has passed,
+/// the node is deleted: its kproxy stops, its link is cut, its Node object goes.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct NodeDrain {
+    /// The drained node (1-based).
+    pub node: usize,
+    /// Nominal seconds from the drained node's last pod being gone to its deletion.
+    pub delete_after_s: f64,
+}
+
 /// Disturbances a run adds to the rolling update (the scenario matrix's extra rows).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct RunOptions {
     /// Restart every node's kproxy (SIGTERM, then start again) when the rollout's
     /// second old pod becomes terminating: the new processes start while a pod is
@@ -88,6 +106,8 @@ pub struct RunOptions {
     pub restart_kproxy_mid_rollout: bool,
     /// The control plane the run uses.
     pub control_plane: ControlPlaneKind,
+    /// Drain a node instead of rolling the Deployment.
+    pub drain: Option<NodeDrain>,
 }
 
 /// Start the rolling update to `revision` with the run's Deployment controller.
@@ -203,22 +223,32 @@ async fn run_async(
         .iter()
         .map(|n| workdir.path.join(&n.name))
         .collect();
+    let mut emulated = None;
     let (real, api): (Option<Arc<RealControlPlane>>, Arc<dyn PodApi>) = match opts.control_plane {
         ControlPlaneKind::Emulated => {
             let cp = ControlPlane::start(
-                cfg.nodes,
+                controlplane::Objects::new(
+                    cfg.nodes,
+                    cfg.publish_not_ready_addresses,
+                    opts.drain.is_none(),
+                ),
                 dirs.clone(),
                 clock.real(cfg.propagation_delay_seconds),
-                cfg.publish_not_ready_addresses,
                 rec.clone(),
             )?;
+            emulated = Some(cp.clone());
             (None, Arc::new(cp))
         }
         ControlPlaneKind::K8sLab => {
             let lab = K8sLab::from_env()?;
-            let r =
-                RealControlPlane::start(lab, &fabric, cfg.publish_not_ready_addresses, rec.clone())
-                    .await?;
+            let r = RealControlPlane::start(
+                lab,
+                &fabric,
+                cfg.publish_not_ready_addresses,
+                opts.drain.is_none(),
+                rec.clone(),
+            )
+            .await?;
             let w = r.writer.clone();
             (Some(Arc::new(r)), w)
         }
@@ -248,7 +278,12 @@ async fn run_async(
             &fabric,
             cfg.load_balancer.mode,
             hc,
-            controlplane::HEALTH_CHECK_NODE_PORT,
+            // eTP Cluster has no health check node port: the LB probes kproxy's /healthz.
+            if opts.drain.is_some() {
+                controlplane::PROXY_HEALTHZ_PORT
+            } else {
+                controlplane::HEALTH_CHECK_NODE_PORT
+            },
             controlplane::NODE_PORT,
             controlplane::SERVICE_PORT,
             rec.clone(),
@@ -294,6 +329,31 @@ async fn run_async(
             || want_healthy(&cluster, &lb),
         )
         .await?;
+        if opts.drain.is_some() {
+            // eTP Cluster: /healthz passes before the endpoints are programmed (the
+            // health check node port of eTP Local waits for them); wait until the
+            // EndpointSlice lists every replica ready and every node's kproxy synced
+            // after that change reached it.
+            let replicas = cfg.deployment.replicas as usize;
+            let logs: Vec<PathBuf> = daemons.iter().map(|d| d.event_log.clone()).collect();
+            wait_for(
+                "every kproxy to program the endpoints",
+                step_limit,
+                &mut daemons,
+                || {
+                    let last = rec
+                        .events()
+                        .into_iter()
+                        .rfind(|e| e.kind == EventKind::SlicePublished);
+                    last.is_some_and(|e| {
+                        let t = wall_start + Duration::from_secs_f64(e.t_ms / 1000.0);
+                        e.detail.matches(":R").count() == replicas
+                            && logs.iter().all(|l| kproxyd::synced_after(l, t))
+                    })
+                },
+            )
+            .await?;
+        }
         progress(&format!(
             "{tag} {} pods ready, load balancer pool complete; starting load",
             cfg.deployment.replicas
@@ -309,70 +369,87 @@ async fn run_async(
         rec.record(EventKind::LoadStarted, None, None, "load generator started");
         tokio::time::sleep(clock.real(cfg.warmup_seconds)).await;
 
-        let rollout_start_ms = clock.now_ms();
-        rec.record(
-            EventKind::RolloutStarted,
-            None,
-            None,
-            "rolling update to revision 2",
-        );
-        progress(&format!("{tag} rolling update started"));
         let rollout_limit = step_limit * (cfg.deployment.replicas + 1);
-        let rollout = spawn_rollout(&cluster, real.as_ref(), 2, rollout_limit);
-        if opts.restart_kproxy_mid_rollout {
-            let step = 2.min(cfg.deployment.replicas as usize);
-            let terminating = || {
-                rec.events()
-                    .iter()
-                    .filter(|e| e.kind == EventKind::PodTerminating)
-                    .count()
-            };
-            wait_for(
-                "an old pod of the rollout's second step to become terminating",
-                rollout_limit,
+        let (rollout_start_ms, rollout_end_ms) = if let Some(d) = opts.drain {
+            drain_node(
+                d,
+                &cluster,
+                emulated.as_ref(),
+                real.as_ref(),
+                &fabric,
+                &lb,
                 &mut daemons,
-                || terminating() >= step || rollout.is_finished(),
+                rollout_limit,
+                &tag,
+                progress,
             )
+            .await?
+        } else {
+            let rollout_start_ms = clock.now_ms();
+            rec.record(
+                EventKind::RolloutStarted,
+                None,
+                None,
+                "rolling update to revision 2",
+            );
+            progress(&format!("{tag} rolling update started"));
+            let rollout = spawn_rollout(&cluster, real.as_ref(), 2, rollout_limit);
+            if opts.restart_kproxy_mid_rollout {
+                let step = 2.min(cfg.deployment.replicas as usize);
+                let terminating = || {
+                    rec.events()
+                        .iter()
+                        .filter(|e| e.kind == EventKind::PodTerminating)
+                        .count()
+                };
+                wait_for(
+                    "an old pod of the rollout's second step to become terminating",
+                    rollout_limit,
+                    &mut daemons,
+                    || terminating() >= step || rollout.is_finished(),
+                )
+                .await?;
+                for d in daemons.iter_mut() {
+                    d.restart()?;
+                    rec.record(
+                        EventKind::KproxyRestarted,
+                        Some(&d.node),
+                        None,
+                        "kproxy stopped (SIGTERM) and started again",
+                    );
+                }
+                progress(&format!("{tag} restarted kproxy on every node"));
+            }
+            let mut last_line = Instant::now();
+            wait_for("the rolling update", rollout_limit, &mut daemons, || {
+                if last_line.elapsed() > Duration::from_secs(2) {
+                    last_line = Instant::now();
+                    let (sent, failed) = load.counts();
+                    let new = cluster
+                        .pods()
+                        .iter()
+                        .filter(|p| p.revision == 2 && p.is_ready())
+                        .count();
+                    progress(&format!(
+                        "{tag}   {new}/{} new pods ready; {sent} requests sent, {failed} failed",
+                        cfg.deployment.replicas
+                    ));
+                }
+                rollout.is_finished()
+            })
             .await?;
-            for d in daemons.iter_mut() {
-                d.restart()?;
-                rec.record(
-                    EventKind::KproxyRestarted,
-                    Some(&d.node),
-                    None,
-                    "kproxy stopped (SIGTERM) and started again",
-                );
-            }
-            progress(&format!("{tag} restarted kproxy on every node"));
-        }
-        let mut last_line = Instant::now();
-        wait_for("the rolling update", rollout_limit, &mut daemons, || {
-            if last_line.elapsed() > Duration::from_secs(2) {
-                last_line = Instant::now();
-                let (sent, failed) = load.counts();
-                let new = cluster
-                    .pods()
-                    .iter()
-                    .filter(|p| p.revision == 2 && p.is_ready())
-                    .count();
-                progress(&format!(
-                    "{tag}   {new}/{} new pods ready; {sent} requests sent, {failed} failed",
-                    cfg.deployment.replicas
-                ));
-            }
-            rollout.is_finished()
-        })
-        .await?;
-        rollout
-            .await
-            .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
-        let rollout_end_ms = clock.now_ms();
-        rec.record(
-            EventKind::RolloutDone,
-            None,
-            None,
-            "all replicas of revision 2 available",
-        );
+            rollout
+                .await
+                .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
+            let rollout_end_ms = clock.now_ms();
+            rec.record(
+                EventKind::RolloutDone,
+                None,
+                None,
+                "all replicas of revision 2 available",
+            );
+            (rollout_start_ms, rollout_end_ms)
+        };
         wait_for(
             "the load balancer pool to be complete again",
             step_limit,
@@ -444,7 +521,125 @@ async fn run_async(
         rollout_start_ms,
         rollout_end_ms,
         load_end_ms,
+        drain: opts.drain,
     })
+}
+
+/// Write a drained node's change to the run's control plane: its scale-down taint, or
+/// (`delete`) the deletion of its Node object.
+async fn write_node_change(
+    emulated: Option<&ControlPlane>,
+    real: Option<&Arc<RealControlPlane>>,
+    node: usize,
+    delete: bool,
+) -> Result<(), LabError> {
+    match (emulated, real, delete) {
+        (Some(cp), _, false) => cp.taint_node(node),
+        (Some(cp), _, true) => cp.delete_node(node),
+        (None, Some(r), false) => r.taint_node(node).await?,
+        (None, Some(r), true) => r.delete_node(node).await?,
+        (None, None, _) => {}
+    }
+    Ok(())
+}
+
+/// The node drain (see [`NodeDrain`]); returns when the drained node is deleted and
+/// out of the load balancer's pool and the replacement pods are available: the
+/// disturbance's start and end (real ms), reported as the "rollout" phase.
+#[allow(clippy::too_many_arguments)]
+async fn drain_node(
+    d: NodeDrain,
+    cluster: &Arc<Cluster>,
+    emulated: Option<&ControlPlane>,
+    real: Option<&Arc<RealControlPlane>>,
+    fabric: &Fabric,
+    lb: &LoadBalancer,
+    daemons: &mut [Kproxyd],
+    limit: Duration,
+    tag: &str,
+    progress: Progress<'_>,
+) -> Result<(f64, f64), LabError> {
+    let rec = &cluster.recorder;
+    let clock = rec.clock().clone();
+    let Some(net) = fabric.nodes.get(d.node.wrapping_sub(1)) else {
+        return Err(LabError::Invalid(format!("node drain: no node {}", d.node)));
+    };
+    let name = net.name.clone();
+    let start = clock.now_ms();
+    rec.record(
+        EventKind::RolloutStarted,
+        None,
+        None,
+        format!("node drain of {name} (cluster autoscaler scale-down)"),
+    );
+    write_node_change(emulated, real, d.node, false).await?;
+    rec.record(
+        EventKind::NodeTainted,
+        Some(&name),
+        None,
+        "tainted ToBeDeletedByClusterAutoscaler:NoSchedule",
+    );
+    // The lab's Deployment controller replaces evicted pods (a rollout to the same
+    // revision); with the real control plane kcm does, and the lab waits for it.
+    let (evicted, replace) = match real {
+        None => (
+            cluster.drain_node(d.node),
+            spawn_rollout(cluster, None, 1, limit),
+        ),
+        Some(r) => {
+            cluster.cordon(d.node);
+            let evicted = r.evict_node_pods(d.node).await?;
+            let (r, c) = (r.clone(), cluster.clone());
+            (
+                evicted,
+                tokio::spawn(async move { r.wait_replaced(&c, limit).await }),
+            )
+        }
+    };
+    progress(&format!(
+        "{tag} {name} tainted ToBeDeletedByClusterAutoscaler; evicted {}",
+        evicted.join(", ")
+    ));
+    wait_for("the drained node's pods to be gone", limit, daemons, || {
+        !cluster.pods().iter().any(|p| p.node_index == d.node)
+    })
+    .await?;
+    tokio::time::sleep(clock.real(d.delete_after_s)).await;
+    // The cloud instance goes: kube-proxy stops with it and nothing reaches the node.
+    if let Some(k) = daemons.iter_mut().find(|k| k.node == name) {
+        k.stop();
+    }
+    net.ns.ip(&["link", "set", "eth0", "down"])?;
+    write_node_change(emulated, real, d.node, true).await?;
+    rec.record(
+        EventKind::NodeDeleted,
+        Some(&name),
+        None,
+        "node deleted: kproxy stopped, link cut, Node object removed",
+    );
+    progress(&format!("{tag} {name} deleted"));
+    wait_for("the replacement pods", limit, daemons, || {
+        replace.is_finished()
+    })
+    .await?;
+    replace
+        .await
+        .map_err(|e| LabError::Invalid(format!("replacement task: {e}")))??;
+    wait_for(
+        "the load balancer to take the deleted node out",
+        limit,
+        daemons,
+        || !lb.pool().contains(&d.node),
+    )
+    .await?;
+    let end = clock.now_ms();
+    rec.record(
+        EventKind::RolloutDone,
+        None,
+        None,
+        format!("{name} out of the load balancer's pool; replacement pods available"),
+    );
+    Ok((start, end))
 }
 
 /// The run's scratch directory (manifests, kproxy logs); removed unless kept.

@@ -68,6 +68,12 @@ pub enum EventKind {
     KproxySyncFailed,
     /// The lab stopped a node's kproxy (SIGTERM) and started it again.
     KproxyRestarted,
+    /// The cluster autoscaler's `ToBeDeletedByClusterAutoscaler` taint was put on a
+    /// node (node drain).
+    NodeTainted,
+    /// A drained node was deleted: its kproxy stopped, its link cut, its Node object
+    /// removed.
+    NodeDeleted,
     RolloutStarted,
     RolloutDone,
     LoadStarted,
