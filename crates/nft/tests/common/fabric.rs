@@ -183,7 +183,10 @@ impl Fabric {
         let dp = self.dp.clone();
         let plan = plan.clone();
         self.node
-            .run(move || dp.lock().expect("dp").sync(&plan).expect("sync"))
+            .run(move || dp.lock()
+                    .expect("dp")
+                    .sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
+                    .expect("sync"))
     }
 
     pub fn pod_name(&self, addr: IpAddr) -> Option<&str> {
