@@ -206,26 +206,41 @@ impl FamilyRecord {
             })
         };
         drop(fes);
+        // Every vector is made at its final size: these are the largest allocations
+        // of a full sync (≈ 176 bytes an element; the hairpin set alone holds one per
+        // endpoint), and a doubling vector's slack was a quarter of its transient.
         let mut out: BTreeMap<String, Vec<Elem>> = BTreeMap::new();
         let names: BTreeSet<SetRef> = parts.iter().flat_map(|p| p.keys().copied()).collect();
         for set in names {
-            // Each set's vector allocated once at its size, each part's freed as it is
-            // moved in.
-            let len = parts.iter().filter_map(|p| p.get(&set)).map(Vec::len).sum();
-            let mut elems = Vec::with_capacity(len);
+            // The first part's vector grown once to the set's size (in place where
+            // the allocator can), the others' moved in and freed one by one.
+            let len: usize = parts.iter().filter_map(|p| p.get(&set)).map(Vec::len).sum();
+            let mut elems: Vec<Elem> = Vec::new();
             for p in &mut parts {
                 if let Some(mut v) = p.remove(&set) {
-                    elems.append(&mut v);
+                    if elems.capacity() == 0 {
+                        elems = v;
+                        elems.reserve_exact(len - elems.len());
+                    } else {
+                        elems.append(&mut v);
+                    }
                 }
             }
             out.insert(set.name().into_owned(), elems);
+        }
+        let mut shared_len: BTreeMap<&str, usize> = BTreeMap::new();
+        for sh in self.shared.keys() {
+            *shared_len.entry(sh.set()).or_default() += 1;
+        }
+        for (set, n) in shared_len {
+            out.entry(set.to_string()).or_default().reserve_exact(n);
         }
         for sh in self.shared.keys() {
             let e = Elem {
                 key: sh.tuple(),
                 value: None,
             };
-            out.entry(sh.set().to_string()).or_default().push(e);
+            out.get_mut(sh.set()).expect("reserved above").push(e);
         }
         for elems in out.values_mut() {
             // In place (a stable sort's scratch would be ≈ 8 MB at 10k × 10). Keys are
