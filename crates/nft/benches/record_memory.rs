@@ -9,8 +9,9 @@
 //! counts allocator slack that a daemon keeps.
 //!
 //! A full sync's transient (peak heap above the records) is measured for what `sync`
-//! does, and, in the same binary, for the way it was done before (typed tables with
-//! their element maps, then the transaction, then the whole script as one `String`):
+//! does, and, in the same binary, through the typed tables with their element maps
+//! (`assemble`, then the transaction, then the whole script as one `String`: how it
+//! was done before issue 20's last step, with today's element vectors):
 //! - replacing existing tables: the transaction (`full_transaction_of`), its nft text
 //!   streamed into the pipe (here a sink) in 64 KiB pieces;
 //! - into absent tables: the creating transaction split, its elements encoded as one
@@ -75,9 +76,9 @@ fn main() {
     println!(
         "record_memory 10000x10: FamilyRecord (both families) live {:.1} MiB (peak while \
          building {:.1} MiB), RSS +{:.1} MiB; full sync transient peak: replacing \
-         {replace:.1} MiB (before: tables, transaction, script String {replace_old:.1} MiB; \
-         script {:.1} MB), into absent tables {cold:.1} MiB (before {cold_old:.1} MiB; \
-         batch {:.1} MB)",
+         {replace:.1} MiB (through tables and a script String: {replace_old:.1} MiB; \
+         script {:.1} MB), into absent tables {cold:.1} MiB (through tables: \
+         {cold_old:.1} MiB; batch {:.1} MB)",
         mib(live),
         mib(peak),
         after.saturating_sub(before) as f64 / 1024.0,
