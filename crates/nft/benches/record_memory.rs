@@ -22,9 +22,9 @@ mod memory;
 
 use kproxy_core::PlanConfig;
 use kproxy_core::model::IpFamily;
+use kproxy_core::synthetic::{self, Spec};
 use kproxy_nft::record::FamilyRecord;
 use kproxy_nft::{DataplaneConfig, Transaction};
-use kproxy_core::synthetic::{self, Spec};
 
 use memory::{live, mib, peak, reset_peak, rss_kib};
 

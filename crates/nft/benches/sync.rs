@@ -11,8 +11,8 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kproxy_core::synthetic::{self, Spec};
 use kproxy_core::planner::PlanUpdate;
+use kproxy_core::synthetic::{self, Spec};
 use kproxy_core::{PlanConfig, Planner};
 use kproxy_nft::{Dataplane, DataplaneConfig};
 
@@ -151,9 +151,7 @@ fn run(services: usize, eps: usize) {
     planner.update(&mut state);
     let mut dp2 = Dataplane::new(cfg.clone()).expect("config");
     let t = Instant::now();
-    let r = dp2
-        .sync(planner.plan(), &PlanUpdate::WHOLE)
-        .expect("sync");
+    let r = dp2.sync(planner.plan(), &PlanUpdate::WHOLE).expect("sync");
     let changed = t.elapsed();
     println!(
         "{services}x{eps}: restart adopting, nothing changed: wall {} ms ({} B sent) | 100 Services changed meanwhile: wall {} ms (adopted {}, {} elements added, {} deleted, {} chains changed, transaction {} ms)",

@@ -624,7 +624,11 @@ mod tests {
         let recs = IpFamily::ALL.map(|f| FamilyRecord::full(&plan, &cfg, f));
         let tx = crate::full_transaction_of(&recs);
         let whole = tx.nft_text();
-        assert!(whole.len() > 4 * 65536, "{} bytes: several pieces", whole.len());
+        assert!(
+            whole.len() > 4 * 65536,
+            "{} bytes: several pieces",
+            whole.len()
+        );
         let mut piped = Vec::new();
         assert_eq!(tx.write_nft_to(&mut piped).unwrap(), whole.len());
         assert!(piped == whole.as_bytes());

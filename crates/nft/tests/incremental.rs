@@ -219,7 +219,11 @@ fn effect(tx: &Transaction) -> Effect {
                 chain,
                 rule,
                 ..
-            } => e.rules.entry(at(family, chain)).or_default().push(rule.clone()),
+            } => e
+                .rules
+                .entry(at(family, chain))
+                .or_default()
+                .push(rule.clone()),
             Op::DeleteElements {
                 family, set, keys, ..
             } => {
@@ -372,7 +376,13 @@ fn delta_sync_equals_full_sync() {
                         .map_err(|e| TestCaseError::fail(format!("step {n}: {e}")))?;
                     // Step 0 of a case finds the previous case's tables and adopts them
                     // (a delta from whatever that case left), or replaces them.
-                    prop_assert_eq!(r.full || r.adopted, n == 0 || redeclared, "step {} {:?}", n, r);
+                    prop_assert_eq!(
+                        r.full || r.adopted,
+                        n == 0 || redeclared,
+                        "step {} {:?}",
+                        n,
+                        r
+                    );
                     prop_assert!(n == 0 || !r.adopted, "step {} {:?}", n, r);
                     let v = dp
                         .verify()
