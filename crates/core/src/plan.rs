@@ -230,6 +230,26 @@ impl ServicePortPlan {
         }
     }
 
+    /// Whether `ep` is on this node (`endpoints` is sorted by address).
+    pub fn is_local_endpoint(&self, ep: EndpointAddr) -> bool {
+        self.endpoints
+            .binary_search_by(|e| e.addr.cmp(&ep))
+            .is_ok_and(|i| self.endpoints[i].is_local)
+    }
+
+    /// The endpoints whose hairpin connections (a pod reaching itself through this
+    /// Service) are masqueraded: the reachable ones on this node. Upstream's nftables
+    /// proxier (v1.36) fills its `hairpin-connections` set from local endpoints only, so a
+    /// pod of another node whose connection to a cluster IP is routed through this node
+    /// back to itself keeps its address (and its own stack drops the packet). In a real
+    /// cluster that pod's traffic is proxied by its own node.
+    pub fn hairpin_endpoints(&self) -> impl Iterator<Item = EndpointAddr> + '_ {
+        self.all_reachable_endpoints
+            .iter()
+            .copied()
+            .filter(|ep| self.is_local_endpoint(*ep))
+    }
+
     /// Endpoints that conntrack cleanup keeps flows to: serving ones, whatever `ready`
     /// says (upstream's reconciler keys on serving; issue 16 area 5).
     pub fn serving_endpoints(&self) -> impl Iterator<Item = EndpointAddr> + '_ {

@@ -208,9 +208,13 @@ fn trace_port(
             masquerade,
         } => {
             let list = sp.endpoints_for(endpoints).to_vec();
-            // Hairpin: a connection to itself through the Service is always masqueraded;
-            // it is certain only when every candidate is the source.
-            let hairpin = !list.is_empty() && list.iter().all(|e| e.ip == pkt.src);
+            // Hairpin: a local pod's connection to itself through the Service is
+            // masqueraded (`ServicePortPlan::hairpin_endpoints`); it is certain only when
+            // every candidate is the source.
+            let hairpin = !list.is_empty()
+                && list
+                    .iter()
+                    .all(|e| e.ip == pkt.src && sp.is_local_endpoint(*e));
             Trace {
                 verdict: TraceVerdict::Dnat,
                 masquerade: masquerade || hairpin,

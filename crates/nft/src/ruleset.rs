@@ -31,7 +31,7 @@
 //!   chains with dynamic sets and a `numgen random mod n-i 0` rule per endpoint (rare);
 //! - frontends with nothing to forward to map to `drop`, or to `goto no-endpoints`
 //!   (`reject`; IPv6 TCP: `no-endpoints-tcp`, a TCP reset);
-//! - hairpin masquerade is one set `hairpin` of `ip . ip` pairs matched in postrouting
+//! - hairpin masquerade is one set `hairpin` of `ip . ip` pairs of local endpoints, matched in postrouting
 //!   (source == DNATed destination), instead of a rule in every endpoint chain;
 //! - REJECT/DROP verdicts run in the same nat chains (kernel ≥ 5.9 allows `reject`
 //!   in prerouting); nat chains only see the first packet of a connection, so every
@@ -164,7 +164,7 @@ impl Draft {
 }
 
 /// The elements a Service brings to the shared sets of `family`, in fragment order:
-/// per port of the family, the hairpin pair of each reachable endpoint, then its
+/// per port of the family, the hairpin pair of each local reachable endpoint, then its
 /// cluster IP (also for affinity ports). A pure function of the plan, so the record
 /// derives them instead of storing them.
 pub fn shared(
@@ -175,10 +175,7 @@ pub fn shared(
         .iter()
         .filter(move |sp| sp.family == family)
         .flat_map(|sp| {
-            let hairpins = sp
-                .all_reachable_endpoints
-                .iter()
-                .map(|ep| Shared::Hairpin(ep.ip));
+            let hairpins = sp.hairpin_endpoints().map(|ep| Shared::Hairpin(ep.ip));
             hairpins.chain(std::iter::once(Shared::ClusterIp(sp.cluster_ip)))
         })
 }

@@ -257,6 +257,11 @@ impl Fabric {
 }
 
 const WAIT: Duration = Duration::from_millis(700);
+/// An ICMPv6 error answering a SYN (upstream's IPv6 `reject`) refuses the connection
+/// only when it answers the SYN's first retransmission, ~1 s after the first try; a
+/// TCP reset (kproxy's IPv6 TCP reject) refuses at once. Waiting less would call
+/// upstream's REJECT a DROP.
+const WAIT_TCP6: Duration = Duration::from_millis(1600);
 
 fn parse_answer(s: &str) -> Outcome {
     let mut it = s.split_whitespace();
@@ -278,7 +283,8 @@ fn classify(e: std::io::Error) -> Outcome {
 }
 
 fn tcp_probe(to: SocketAddr) -> Outcome {
-    let mut s = match TcpStream::connect_timeout(&to, WAIT) {
+    let wait = if to.is_ipv6() { WAIT_TCP6 } else { WAIT };
+    let mut s = match TcpStream::connect_timeout(&to, wait) {
         Ok(s) => s,
         Err(e) => return classify(e),
     };

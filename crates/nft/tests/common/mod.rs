@@ -10,6 +10,7 @@ use kproxy_core::ingest::Ownership;
 use kproxy_core::planner::PlanUpdate;
 use kproxy_core::{ClusterState, NodePlan, PlanConfig, Planner, manifest};
 
+pub mod cases;
 pub mod fabric;
 
 pub fn state_from_yaml(text: &str, node: &str) -> ClusterState {
