@@ -1,12 +1,14 @@
 //! kproxy's nftables dataplane: renders a NodePlan into kproxy's own tables
 //! (`ip kproxy`, `ip6 kproxy`), applies it atomically (a full table replacement first,
-//! then deltas computed from the in-memory record of what is programmed), verifies the
-//! kernel against that record, and deletes stale UDP conntrack entries.
+//! then deltas: the in-memory record of what is programmed moved by the Services the
+//! planner's `PlanUpdate` names, [`delta`]), verifies the kernel against that record, and
+//! deletes stale UDP conntrack entries.
 //!
 //! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), [`model`]
 //! (the typed nftables model, `diff(old, new) → Transaction`, the transaction's nft
 //! text), [`record`] (the record that moves by the changed Services and yields each
-//! sync's transaction) and [`conntrack::stale_flows`]. Imperative shell:
+//! sync's transaction, a full sync's straight from the record) and
+//! [`conntrack::stale_flows`]. Imperative shell:
 //! [`Dataplane`], which sends each sync's one transaction as `nft -f` text or, when it
 //! only changes elements, as an nfnetlink batch ([`netlink`], the transaction's second
 //! renderer), and talks ctnetlink, always in the calling thread's network namespace.
