@@ -995,7 +995,7 @@ impl Transaction {
     }
 
     /// Writes the `nft -f` input of this transaction to `w` as it is rendered, in
-    /// pieces of about [`TEXT_PIECE`] bytes (a full sync's script is ≈ 8 MB: it is never
+    /// pieces of about 64 KiB (a full sync's script is ≈ 8 MB: it is never
     /// held whole). Returns the bytes written.
     pub fn write_nft_to(&self, w: &mut dyn std::io::Write) -> std::io::Result<usize> {
         let mut text = Text {
