@@ -74,6 +74,13 @@ pub struct PlanUpdate {
 }
 
 impl PlanUpdate {
+    /// "Everything may have changed": for callers that hold a whole plan and no delta
+    /// (tools, tests, a consumer rebuilding its view).
+    pub const WHOLE: PlanUpdate = PlanUpdate {
+        services: Vec::new(),
+        node: true,
+    };
+
     pub fn is_empty(&self) -> bool {
         self.services.is_empty() && !self.node
     }

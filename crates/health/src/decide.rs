@@ -262,13 +262,6 @@ pub fn service_answer(service: &ServiceName, local_endpoints: u32, proxy_healthy
     }
 }
 
-/// An update that says "everything may have changed": for callers holding a whole plan
-/// and no delta (tests, tools).
-pub const WHOLE_PLAN: PlanUpdate = PlanUpdate {
-    services: Vec::new(),
-    node: true,
-};
-
 /// What the health servers keep of a plan: its node facts and its health-checked
 /// Services only, moved by the planner's [`PlanUpdate`] (work ∝ the changed Services; the
 /// sync loop never clones a whole plan for health). A node-level change, or no view yet,
@@ -578,7 +571,7 @@ mod tests {
         follow(&mut view, planner.plan(), &update);
         let rebuilt = |plan: &NodePlan| {
             let mut v = None;
-            follow(&mut v, plan, &WHOLE_PLAN);
+            follow(&mut v, plan, &PlanUpdate::WHOLE);
             v
         };
         assert_eq!(view, rebuilt(planner.plan()));

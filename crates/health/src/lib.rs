@@ -306,7 +306,7 @@ impl Health {
             c.health.updated(now);
             decide::follow(&mut c.applied, plan, update);
             if c.computed.is_none() {
-                decide::follow(&mut c.computed, plan, &decide::WHOLE_PLAN);
+                decide::follow(&mut c.computed, plan, &PlanUpdate::WHOLE);
             }
         }
         self.kick();
@@ -314,12 +314,12 @@ impl Health {
 
     /// [`Health::computed`] for a caller with a whole plan and no delta.
     pub fn plan_computed(&self, plan: &NodePlan) {
-        self.computed(plan, &decide::WHOLE_PLAN);
+        self.computed(plan, &PlanUpdate::WHOLE);
     }
 
     /// [`Health::applied`] for a caller with a whole plan and no delta.
     pub fn plan_applied(&self, plan: &NodePlan) {
-        self.applied(plan, &decide::WHOLE_PLAN);
+        self.applied(plan, &PlanUpdate::WHOLE);
     }
 
     /// A change reached the cluster state (upstream `QueuedUpdate`, called where the

@@ -148,10 +148,10 @@ fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
 struct NftDataplane(Nft);
 
 impl daemon::Dataplane for NftDataplane {
-    // The nft dataplane diffs against its own record, so it needs no delta; after a
-    // failure it re-programs everything by itself.
-    fn sync(&mut self, plan: &NodePlan, _update: &PlanUpdate) -> Result<SyncOutcome> {
-        let r = self.0.sync(plan).context("programming nftables")?;
+    // The planner's update is nft's delta; after a failure nft re-programs everything
+    // by itself.
+    fn sync(&mut self, plan: &NodePlan, update: &PlanUpdate) -> Result<SyncOutcome> {
+        let r = self.0.sync(plan, update).context("programming nftables")?;
         Ok(SyncOutcome {
             // An adoption (a process's first sync into tables it found, sending only
             // the difference) reconciles the whole state, as a full sync does.

@@ -10,6 +10,7 @@
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
+use kproxy_core::planner::PlanUpdate;
 use kproxy_nft::{Dataplane, DataplaneConfig};
 
 use crate::common::ManifestArgs;
@@ -55,7 +56,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.dry_run {
         kproxy_nft::validate_plan(&plan).context("checking the plan")?;
         let desired = kproxy_nft::desired(&plan, &dp_config);
-        print!("{}", kproxy_nft::full_transaction(desired).nft_text());
+        kproxy_nft::full_transaction(desired)
+            .write_nft_to(&mut std::io::stdout().lock())
+            .context("writing the transaction to stdout")?;
         return Ok(if failed {
             ExitCode::from(1)
         } else {
@@ -63,7 +66,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
         });
     }
     let mut dp = Dataplane::new(dp_config).context("setting up the nftables dataplane")?;
-    let report = dp.sync(&plan).context("programming nftables")?;
+    // One process, one sync: a full one (there is no record yet).
+    let report = dp
+        .sync(&plan, &PlanUpdate::WHOLE)
+        .context("programming nftables")?;
     println!(
         "synced {} service ports of {} Services in {:.1} ms (conntrack entries deleted: {})",
         plan.service_ports().count(),

@@ -1,12 +1,21 @@
 //! Memory of the dataplane's record (what is programmed, per family) at 10k Services ×
 //! 10 endpoints: the part of `kproxy run`'s heap that the nftables dataplane keeps
-//! between syncs. Run: `cargo bench -p kproxy-nft --bench record_memory`. No kernel
-//! access.
+//! between syncs, and the transient of a full sync built from it. Run: `cargo bench -p
+//! kproxy-nft --bench record_memory`. No kernel access.
 //!
 //! Two measures (`crates/core/benches/support/memory.rs`): live heap bytes, what the
 //! records hold once built and the peak while building them (which includes the
 //! fragments built on every core and the sort vectors), and VmRSS growth, which also
 //! counts allocator slack that a daemon keeps.
+//!
+//! A full sync's transient (peak heap above the records) is measured for what `sync`
+//! does, and, in the same binary, through the typed tables with their element maps
+//! (`assemble`, then the transaction, then the whole script as one `String`: how it
+//! was done before issue 20's last step, with today's element vectors):
+//! - replacing existing tables: the transaction (`full_transaction_of`), its nft text
+//!   streamed into the pipe (here a sink) in 64 KiB pieces;
+//! - into absent tables: the creating transaction split, its elements encoded as one
+//!   nfnetlink batch.
 
 #[path = "../../core/benches/support/memory.rs"]
 mod memory;
@@ -14,10 +23,18 @@ mod memory;
 use kproxy_core::PlanConfig;
 use kproxy_core::model::IpFamily;
 use kproxy_core::synthetic::{self, Spec};
-use kproxy_nft::DataplaneConfig;
 use kproxy_nft::record::FamilyRecord;
+use kproxy_nft::{DataplaneConfig, Transaction};
 
 use memory::{live, mib, peak, reset_peak, rss_kib};
+
+/// Peak heap above the current live bytes while `f` runs, and what `f` returned.
+fn transient<T>(f: impl FnOnce() -> T) -> (f64, T) {
+    let base = live();
+    reset_peak();
+    let out = f();
+    (mib(peak().saturating_sub(base)), out)
+}
 
 fn main() {
     let state = synthetic::cluster(&Spec::new(10_000, 10));
@@ -32,21 +49,40 @@ fn main() {
     ];
     let after = rss_kib();
     let (live, peak) = (live() - live_before, peak() - live_before);
-    // A full sync's transient: the typed tables, their transaction and its text.
-    let live_tx = memory::live();
-    reset_peak();
-    let tables = [recs[0].assemble(), recs[1].assemble()];
-    let tx = kproxy_nft::full_transaction(tables);
-    let script = tx.nft_text();
-    let tx_peak = memory::peak().saturating_sub(live_tx);
+
+    // Replacing existing tables: what `sync` sends, streamed.
+    let (replace, sent) = transient(|| {
+        let tx = kproxy_nft::full_transaction_of(&recs);
+        tx.write_nft_to(&mut std::io::sink()).expect("a sink")
+    });
+    let (replace_old, script) = transient(|| {
+        let tables = [recs[0].assemble(), recs[1].assemble()];
+        let tx = kproxy_nft::full_transaction(tables);
+        tx.nft_text().len()
+    });
+    assert_eq!(sent, script, "both paths write the same script");
+
+    // Into absent tables: the elements as one nfnetlink batch.
+    let cold_batch = |create: &dyn Fn(&FamilyRecord) -> Transaction| {
+        let mut tx = create(&recs[0]);
+        tx.extend(create(&recs[1]));
+        let (_, elements, _) = tx.split_for_absent_tables();
+        kproxy_nft::netlink::Batch::transaction(&elements).map_or(0, |b| b.len())
+    };
+    let (cold, batch) = transient(|| cold_batch(&|r| r.create()));
+    let (cold_old, batch_old) = transient(|| cold_batch(&|r| Transaction::create(r.assemble())));
+    assert_eq!(batch, batch_old, "both paths encode the same batch");
+
     println!(
         "record_memory 10000x10: FamilyRecord (both families) live {:.1} MiB (peak while \
-         building {:.1} MiB), RSS +{:.1} MiB; full sync transaction (tables, ops, text) \
-         peak {:.1} MiB; full script {:.1} MB",
+         building {:.1} MiB), RSS +{:.1} MiB; full sync transient peak: replacing \
+         {replace:.1} MiB (through tables and a script String: {replace_old:.1} MiB; \
+         script {:.1} MB), into absent tables {cold:.1} MiB (through tables: \
+         {cold_old:.1} MiB; batch {:.1} MB)",
         mib(live),
         mib(peak),
         after.saturating_sub(before) as f64 / 1024.0,
-        mib(tx_peak),
-        script.len() as f64 / 1e6
+        sent as f64 / 1e6,
+        batch as f64 / 1e6,
     );
 }

@@ -11,6 +11,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use kproxy_core::planner::PlanUpdate;
 use kproxy_core::synthetic::{self, Spec};
 use kproxy_core::{PlanConfig, Planner};
 use kproxy_nft::{Dataplane, DataplaneConfig};
@@ -42,10 +43,10 @@ struct Sample {
     netlink_bytes: usize,
 }
 
-fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan) -> Sample {
+fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan, update: &PlanUpdate) -> Sample {
     let (u0, s0) = children_cpu();
     let t = Instant::now();
-    let r = dp.sync(plan).expect("sync");
+    let r = dp.sync(plan, update).expect("sync");
     let wall = t.elapsed();
     let (u1, s1) = children_cpu();
     Sample {
@@ -84,9 +85,9 @@ fn run(services: usize, eps: usize) {
     // Cold means no kproxy table at all (an earlier size leaves its tables behind).
     kproxy_nft::cleanup(&cfg).expect("remove the previous size's tables");
     let mut dp = Dataplane::new(cfg.clone()).expect("config");
-    let cold = measure(&mut dp, &plan);
+    let cold = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
     dp.force_full_sync();
-    let replace = measure(&mut dp, &plan);
+    let replace = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
     println!(
         "{services}x{eps}: script {:.2} MB, render {} ms | full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms) | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
         script.len() as f64 / 1e6,
@@ -113,7 +114,8 @@ fn run(services: usize, eps: usize) {
         if up.services.is_empty() {
             continue;
         }
-        let s = measure(&mut dp, planner.plan());
+        // The planner's update is the delta, as in `kproxy run`.
+        let s = measure(&mut dp, planner.plan(), &up);
         samples.push((plan_time, s));
     }
     samples.sort_by_key(|(_, s)| s.wall);
@@ -141,6 +143,7 @@ fn run(services: usize, eps: usize) {
     let restart = measure(
         &mut Dataplane::new(cfg.clone()).expect("config"),
         planner.plan(),
+        &PlanUpdate::WHOLE,
     );
     for i in 0..100 {
         state.upsert_slice(synthetic::slice(&spec, (i * 97) % services, 100 + i));
@@ -148,7 +151,7 @@ fn run(services: usize, eps: usize) {
     planner.update(&mut state);
     let mut dp2 = Dataplane::new(cfg.clone()).expect("config");
     let t = Instant::now();
-    let r = dp2.sync(planner.plan()).expect("sync");
+    let r = dp2.sync(planner.plan(), &PlanUpdate::WHOLE).expect("sync");
     let changed = t.elapsed();
     println!(
         "{services}x{eps}: restart adopting, nothing changed: wall {} ms ({} B sent) | 100 Services changed meanwhile: wall {} ms (adopted {}, {} elements added, {} deleted, {} chains changed, transaction {} ms)",

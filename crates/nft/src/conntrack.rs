@@ -85,7 +85,7 @@ pub fn stale_flows(plan: &NodePlan, flows: &[Flow]) -> Vec<Flow> {
 
 /// Dumps the calling thread's netns conntrack table (both families), deletes the stale
 /// UDP flows, returns how many were deleted.
-pub fn cleanup(_previous: Option<&NodePlan>, plan: &NodePlan) -> Result<usize, NftError> {
+pub fn cleanup(plan: &NodePlan) -> Result<usize, NftError> {
     let has_udp = plan.service_ports().any(|sp| sp.protocol == Protocol::UDP);
     if !has_udp {
         return Ok(0);

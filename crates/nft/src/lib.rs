@@ -1,12 +1,14 @@
 //! kproxy's nftables dataplane: renders a NodePlan into kproxy's own tables
 //! (`ip kproxy`, `ip6 kproxy`), applies it atomically (a full table replacement first,
-//! then deltas computed from the in-memory record of what is programmed), verifies the
-//! kernel against that record, and deletes stale UDP conntrack entries.
+//! then deltas: the in-memory record of what is programmed moved by the Services the
+//! planner's `PlanUpdate` names, [`delta`]), verifies the kernel against that record, and
+//! deletes stale UDP conntrack entries.
 //!
 //! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), [`model`]
 //! (the typed nftables model, `diff(old, new) → Transaction`, the transaction's nft
 //! text), [`record`] (the record that moves by the changed Services and yields each
-//! sync's transaction) and [`conntrack::stale_flows`]. Imperative shell:
+//! sync's transaction, a full sync's straight from the record) and
+//! [`conntrack::stale_flows`]. Imperative shell:
 //! [`Dataplane`], which sends each sync's one transaction as `nft -f` text or, when it
 //! only changes elements, as an nfnetlink batch ([`netlink`], the transaction's second
 //! renderer), and talks ctnetlink, always in the calling thread's network namespace.
@@ -21,13 +23,13 @@ pub mod nft;
 pub mod record;
 pub mod ruleset;
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use kproxy_core::NodePlan;
 use kproxy_core::model::{IpFamily, ServiceName};
-use kproxy_core::plan::{LocalPods, ServicePlan};
+use kproxy_core::plan::LocalPods;
+use kproxy_core::planner::PlanUpdate;
 
 pub use model::{Table, Transaction};
 pub use ruleset::DeltaCounts;
@@ -140,8 +142,6 @@ pub struct Dataplane {
     /// What the kernel holds, per family (IPv4, IPv6); `None` until a full sync
     /// succeeded, and again after any failure (forces the next sync to be full).
     programmed: Option<[record::FamilyRecord; 2]>,
-    /// The last plan applied, for conntrack cleanup decisions.
-    last_plan: Option<NodePlan>,
     /// The netlink socket for element-only deltas, opened at the first one.
     writer: Option<netlink::Writer>,
     /// The next full sync may adopt the tables in the kernel: only the first one of a
@@ -156,7 +156,6 @@ impl Dataplane {
         Ok(Dataplane {
             cfg,
             programmed: None,
-            last_plan: None,
             writer: None,
             adopt_pending: true,
         })
@@ -181,99 +180,48 @@ impl Dataplane {
             .map(|[a, b]| [a.assemble(), b.assemble()])
     }
 
-    /// First call (or after a failure/verify mismatch): one atomic transaction replacing
-    /// kproxy's tables (adopting tables left by a previous run without a gap). Later
-    /// calls: the delta only, one transaction. Then the UDP conntrack cleanup of §e.6.
-    /// Blocking; acts on the calling thread's network namespace.
-    pub fn sync(&mut self, plan: &NodePlan) -> Result<SyncReport, NftError> {
+    /// Programs `plan`. `update` is what changed since the last successful sync: the
+    /// planner's [`PlanUpdate`], the one owner of change. A delta moves the record by
+    /// the Services it names (their parts, and the dispatch groups they touch) and sends
+    /// one transaction; no other Service is looked at. A node-level change
+    /// (`update.node`, or [`PlanUpdate::WHOLE`] from a caller without a delta) moves it
+    /// by every Service, since a Service's rules also depend on node facts (the local-pod
+    /// detector). The first call, and any call after a failure or a verification
+    /// mismatch, is a full sync: one atomic transaction replacing kproxy's tables
+    /// (adopting tables left by a previous run without a gap). Then the UDP conntrack
+    /// cleanup of §e.6. Blocking; acts on the calling thread's network namespace.
+    pub fn sync(&mut self, plan: &NodePlan, update: &PlanUpdate) -> Result<SyncReport, NftError> {
         let start = Instant::now();
         validate_plan(plan)?;
         let mut report = SyncReport::default();
-        // Delta: the record advances in place (work ∝ changed Services); any failure
-        // below drops it, so the next sync is a full one.
-        let changed = match (&self.programmed, &mut self.last_plan) {
-            (Some(_), Some(last)) => changed_services(&mut last.services, &plan.services),
-            _ => Vec::new(),
-        };
-        let delta = self.programmed.as_mut().and_then(|recs| {
-            let mut tx = Transaction::default();
-            for rec in recs.iter_mut() {
-                tx.extend(rec.advance(plan, &changed, &self.cfg)?);
-            }
-            tx.order();
-            Some(tx)
+        // Taken: until the kernel took the transaction there is no record, so any
+        // failure makes the next sync a full one; and a record that cannot move (a
+        // declaration changed) is gone before a full sync builds the next one.
+        let moved = self.programmed.take().and_then(|mut recs| {
+            let tx = delta(&mut recs, plan, update, &self.cfg)?;
+            Some((recs, tx))
         });
-        let steps = match delta {
-            Some(tx) => {
+        let (recs, steps) = match moved {
+            Some((recs, tx)) => {
                 report.changes = tx.counts;
-                vec![Step::of(&tx)]
+                (recs, vec![Step::of(tx)])
             }
             None => {
                 report.full = true;
-                let build = || {
-                    [
-                        record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
-                        record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
-                    ]
-                };
-                let (recs, adopted) = if std::mem::take(&mut self.adopt_pending) {
-                    // The kernel's tables are read (mostly kernel time) while the
-                    // records are built. A thread starts in its creator's network
-                    // namespace, so it reads ours.
-                    let table = self.cfg.table.as_str();
-                    let (recs, raw) = std::thread::scope(|s| {
-                        let reader = s.spawn(|| {
-                            [
-                                dump::read_table("ip", table),
-                                dump::read_table("ip6", table),
-                            ]
-                        });
-                        let recs = build();
-                        let raw = reader
-                            .join()
-                            .unwrap_or_else(|p| std::panic::resume_unwind(p));
-                        (recs, raw)
-                    });
-                    let adopted = adopt(&recs, raw);
-                    (recs, adopted)
-                } else {
-                    (build(), None)
-                };
-                if let Some(tx) = adopted {
-                    report.full = false;
-                    report.adopted = true;
-                    report.changes = tx.counts;
-                    self.programmed = Some(recs);
-                    vec![Step::of(&tx)]
-                } else {
-                    let phased = self.tables_absent(&recs)
-                        && match self.first_sync_phased(&recs, &mut report) {
-                            Ok(done) => done,
-                            Err(e) => {
-                                self.programmed = None;
-                                self.writer = None;
-                                return Err(e);
-                            }
-                        };
-                    let steps = if phased {
-                        Vec::new()
-                    } else {
-                        let tables = [recs[0].assemble(), recs[1].assemble()];
-                        let tx = full_transaction(tables);
-                        report.changes = tx.counts;
-                        vec![Step::Nft(tx.nft_text())]
-                    };
-                    self.programmed = Some(recs);
-                    steps
+                match self.full(plan, &mut report) {
+                    Ok(done) => done,
+                    Err(e) => {
+                        self.writer = None;
+                        return Err(e);
+                    }
                 }
             }
         };
         for step in steps {
             let t = Instant::now();
             let sent = match step {
-                Step::Nft(script) if !script.is_empty() => {
-                    report.script_bytes += script.len();
-                    nft::run_script(&script)
+                Step::Nft(tx) if !tx.is_empty() => {
+                    nft::run_transaction(&tx).map(|n| report.script_bytes += n)
                 }
                 Step::Netlink(batch) if !batch.is_empty() => {
                     report.netlink_bytes += batch.len();
@@ -282,14 +230,14 @@ impl Dataplane {
                 _ => Ok(()),
             };
             if let Err(e) = sent {
-                self.programmed = None;
                 self.writer = None;
                 return Err(e);
             }
             report.transaction += t.elapsed();
         }
+        self.programmed = Some(recs);
         if self.cfg.conntrack_cleanup {
-            match conntrack::cleanup(self.last_plan.as_ref(), plan) {
+            match conntrack::cleanup(plan) {
                 Ok(n) => report.conntrack_deleted = n,
                 Err(e) => {
                     tracing::warn!(error = %e, "UDP conntrack cleanup failed; retried after the next sync");
@@ -297,29 +245,58 @@ impl Dataplane {
                 }
             }
         }
-        // The last plan moves by the changed Services only (cloning 10k entries cost
-        // ~5 ms per sync).
-        match &mut self.last_plan {
-            Some(last) if !report.full => {
-                for name in &changed {
-                    match plan.services.get(name) {
-                        Some(svc) => {
-                            last.services.insert(name.clone(), svc.clone());
-                        }
-                        None => {
-                            last.services.remove(name);
-                        }
-                    }
-                }
-                last.node.clone_from(&plan.node);
-                last.zone.clone_from(&plan.zone);
-                last.node_eligible = plan.node_eligible;
-                last.families.clone_from(&plan.families);
-            }
-            _ => self.last_plan = Some(plan.clone()),
-        }
         report.elapsed = start.elapsed();
         Ok(report)
+    }
+
+    /// A full sync's records and the steps still to send (a first sync into absent
+    /// tables sends its own).
+    fn full(
+        &mut self,
+        plan: &NodePlan,
+        report: &mut SyncReport,
+    ) -> Result<([record::FamilyRecord; 2], Vec<Step>), NftError> {
+        let build = || {
+            [
+                record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
+                record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
+            ]
+        };
+        let (recs, adopted) = if std::mem::take(&mut self.adopt_pending) {
+            // The kernel's tables are read (mostly kernel time) while the records are
+            // built. A thread starts in its creator's network namespace, so it reads
+            // ours.
+            let table = self.cfg.table.as_str();
+            let (recs, raw) = std::thread::scope(|s| {
+                let reader = s.spawn(|| {
+                    [
+                        dump::read_table("ip", table),
+                        dump::read_table("ip6", table),
+                    ]
+                });
+                let recs = build();
+                let raw = reader
+                    .join()
+                    .unwrap_or_else(|p| std::panic::resume_unwind(p));
+                (recs, raw)
+            });
+            let adopted = adopt(&recs, raw);
+            (recs, adopted)
+        } else {
+            (build(), None)
+        };
+        if let Some(tx) = adopted {
+            report.full = false;
+            report.adopted = true;
+            report.changes = tx.counts;
+            return Ok((recs, vec![Step::of(tx)]));
+        }
+        if self.tables_absent(&recs) && self.first_sync_phased(&recs, report)? {
+            return Ok((recs, Vec::new()));
+        }
+        let tx = full_transaction_of(&recs);
+        report.changes = tx.counts;
+        Ok((recs, vec![Step::Nft(tx)]))
     }
 
     /// The kept netlink socket, (re)opened in the calling thread's network namespace
@@ -368,44 +345,42 @@ impl Dataplane {
         recs: &[record::FamilyRecord; 2],
         report: &mut SyncReport,
     ) -> Result<bool, NftError> {
-        let create = |tables: [Table; 2]| {
+        let bare = || {
             let mut tx = Transaction::default();
-            for t in tables {
-                tx.extend(Transaction::create(t));
+            for rec in recs {
+                tx.extend(Transaction::create(rec.assemble_structure()));
             }
             tx
         };
-        let bare = [recs[0].assemble_structure(), recs[1].assemble_structure()];
-        let (structure, _, hooks) = create(bare).split_for_absent_tables();
-        let (structure, hooks) = (structure.nft_text(), hooks.nft_text());
+        let (structure, _, hooks) = bare().split_for_absent_tables();
         let t = Instant::now();
         let (loaded, encoded) = std::thread::scope(|s| {
             // A thread starts in its creator's network namespace, so nft acts on ours.
-            let nft = s.spawn(|| nft::run_script(&structure));
-            let tx = create([recs[0].assemble(), recs[1].assemble()]);
+            let nft = s.spawn(|| nft::run_transaction(&structure));
+            let mut tx = recs[0].create();
+            tx.extend(recs[1].create());
             let counts = tx.counts;
             let (_, elements, _) = tx.split_for_absent_tables();
             let encoded = (counts, netlink::Batch::transaction(&elements));
+            drop(elements);
             let loaded = nft.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
             (loaded, encoded)
         });
-        report.script_bytes += structure.len();
-        loaded?;
+        report.script_bytes += loaded?;
         let (counts, batch) = encoded;
         let Some(batch) = batch else {
             return Ok(false);
         };
         report.netlink_bytes += batch.len();
         self.writer()?.send(batch)?;
-        report.script_bytes += hooks.len();
-        nft::run_script(&hooks)?;
+        report.script_bytes += nft::run_transaction(&hooks)?;
         report.transaction += t.elapsed();
         report.changes = counts;
         Ok(true)
     }
 
-    /// Reads the kernel, compares with the record, repairs drift (full sync of the last
-    /// plan); never on the normal path. Without a record (nothing synced yet) there is
+    /// Reads the kernel, compares with the record, repairs drift (replaces the tables
+    /// with the record's, one transaction); never on the normal path. Without a record (nothing synced yet) there is
     /// nothing to compare and no drift.
     pub fn verify(&mut self) -> Result<VerifyReport, NftError> {
         let Some(programmed) = self.programmed() else {
@@ -418,9 +393,15 @@ impl Dataplane {
         let drift = !differences.is_empty();
         if drift {
             tracing::warn!(?differences, "nftables drift: repairing with a full sync");
-            self.programmed = None;
-            if let Some(plan) = self.last_plan.clone() {
-                self.sync(&plan)?;
+            // The record is what the kernel should hold: it replaces the tables.
+            let mut tx = Transaction::default();
+            for t in programmed {
+                tx.extend(Transaction::replace(t));
+            }
+            if let Err(e) = nft::run_transaction(&tx) {
+                self.programmed = None;
+                self.writer = None;
+                return Err(e);
             }
         }
         Ok(VerifyReport { drift, differences })
@@ -483,56 +464,54 @@ fn adopt(
     Some(tx)
 }
 
-/// The Services whose plan differs between `old` and `new`: a different Arc that is also
-/// different by value (an equal one under a new Arc is adopted into `old`, so the next
-/// walk compares by pointer). Both maps are sorted by name, so one lock-step walk finds
-/// additions, removals and changes without a lookup per Service.
-fn changed_services(
-    old: &mut BTreeMap<ServiceName, Arc<ServicePlan>>,
-    new: &BTreeMap<ServiceName, Arc<ServicePlan>>,
-) -> Vec<ServiceName> {
-    let mut changed = Vec::new();
-    let mut old_it = old.iter_mut().peekable();
-    for (name, svc) in new {
-        while old_it.peek().is_some_and(|(k, _)| *k < name) {
-            let (k, _) = old_it.next().expect("peeked");
-            changed.push(k.clone()); // removed
+/// A delta sync's transaction: moves both families' records to `plan` by the Services
+/// `update` names (every Service the plan or the records hold when `update.node`), by
+/// [`record::FamilyRecord::advance`]. `None` when only a full sync can apply the change
+/// (a declaration changed); the records are then unusable. Pure; public so a test can
+/// hold it equal to `model::diff` of the whole tables before and after.
+pub fn delta(
+    recs: &mut [record::FamilyRecord; 2],
+    plan: &NodePlan,
+    update: &PlanUpdate,
+    cfg: &DataplaneConfig,
+) -> Option<Transaction> {
+    let changed: Vec<ServiceName> = if update.node {
+        let mut all: BTreeSet<&ServiceName> = plan.services.keys().collect();
+        for rec in recs.iter() {
+            all.extend(rec.services());
         }
-        match old_it.peek_mut() {
-            Some((k, o)) if *k == name => {
-                if !Arc::ptr_eq(o, svc) {
-                    if ***o == **svc {
-                        **o = svc.clone();
-                    } else {
-                        changed.push(name.clone());
-                    }
-                }
-                old_it.next();
-            }
-            _ => changed.push(name.clone()), // added
-        }
+        all.into_iter().cloned().collect()
+    } else {
+        let mut names = update.services.clone();
+        names.sort_unstable();
+        names.dedup();
+        names
+    };
+    let mut tx = Transaction::default();
+    for rec in recs.iter_mut() {
+        tx.extend(rec.advance(plan, &changed, cfg)?);
     }
-    changed.extend(old_it.map(|(k, _)| k.clone()));
-    changed
+    tx.order();
+    Some(tx)
 }
 
 /// One transaction of a sync, in the order sent.
 enum Step {
-    Nft(String),
+    Nft(Transaction),
     Netlink(netlink::Batch),
 }
 
 impl Step {
     /// A delta as one step: only element changes go over netlink when every element
     /// encodes; anything else is one `nft -f`.
-    fn of(tx: &Transaction) -> Step {
+    fn of(tx: Transaction) -> Step {
         let batch = tx
             .elements_only()
-            .then(|| netlink::Batch::transaction(tx))
+            .then(|| netlink::Batch::transaction(&tx))
             .flatten();
         match batch {
             Some(b) => Step::Netlink(b),
-            None => Step::Nft(tx.nft_text()),
+            None => Step::Nft(tx),
         }
     }
 }
@@ -571,6 +550,14 @@ pub fn full_transaction(tables: [Table; 2]) -> Transaction {
     for t in tables {
         tx.extend(Transaction::replace(t));
     }
+    tx
+}
+
+/// [`full_transaction`] of the records' tables, built from the records without the
+/// tables' element maps ([`record::FamilyRecord::create`]): what a full sync sends.
+pub fn full_transaction_of(recs: &[record::FamilyRecord; 2]) -> Transaction {
+    let mut tx = recs[0].replace();
+    tx.extend(recs[1].replace());
     tx
 }
 

@@ -834,17 +834,24 @@ impl Transaction {
     /// whatever it holds now: create-then-delete the table (so `delete` succeeds whether
     /// or not it exists), then [`Transaction::create`]. One transaction: no gap.
     pub fn replace(new: Table) -> Transaction {
+        let mut t = Transaction::clearing(new.family, &new.name);
+        t.extend(Transaction::create(new));
+        t
+    }
+
+    /// The header of [`Transaction::replace`]: the table `family name` created, then
+    /// deleted, whether or not it existed.
+    pub fn clearing(family: Family, table: &str) -> Transaction {
         let mut t = Transaction::default();
         t.ops.push(Op::AddTable {
-            family: new.family,
-            table: new.name.clone(),
+            family,
+            table: table.to_string(),
             comment: None,
         });
         t.ops.push(Op::DeleteTable {
-            family: new.family,
-            table: new.name.clone(),
+            family,
+            table: table.to_string(),
         });
-        t.extend(Transaction::create(new));
         t
     }
 
@@ -853,6 +860,15 @@ impl Transaction {
     /// and holding them twice doubled its peak memory. (A test holds it equal to the
     /// diff.)
     pub fn create(new: Table) -> Transaction {
+        Transaction::create_with(new, BTreeMap::new())
+    }
+
+    /// [`Transaction::create`] of `new` with `more` elements in its sets: per set name,
+    /// sorted by key, one per key (a key `new`'s set holds keeps `new`'s value; a set
+    /// `new` does not declare takes none). They are moved into the operations, so a
+    /// caller holding a table's elements as sorted vectors never builds its maps (the
+    /// record's full sync, `crate::record::FamilyRecord::create`).
+    pub fn create_with(new: Table, mut more: BTreeMap<String, Vec<Elem>>) -> Transaction {
         let (family, table) = (new.family, new.name);
         let mut t = Transaction::default();
         if !new.exists {
@@ -872,10 +888,13 @@ impl Transaction {
                 name: name.clone(),
                 decl: s.decl.clone(),
             });
-            if !s.decl.dynamic && !s.elements.is_empty() {
-                t.counts.elements_added += s.elements.len();
-                let elems = s.elements.into_iter();
-                let elems = elems.map(|(key, value)| Elem { key, value }).collect();
+            let extra = more.remove(&name).unwrap_or_default();
+            if s.decl.dynamic {
+                continue;
+            }
+            let elems = merge_sorted(s.elements, extra);
+            if !elems.is_empty() {
+                t.counts.elements_added += elems.len();
                 elements.push(Op::AddElements {
                     family,
                     table: table.clone(),
@@ -965,7 +984,34 @@ impl Transaction {
 
     /// Appends the `nft -f` input of this transaction to `out`.
     pub fn write_nft_text(&self, out: &mut String) {
+        let mut text = Text {
+            buf: std::mem::take(out),
+            sink: None,
+            sent: 0,
+        };
+        let written = self.write_text(&mut text);
+        debug_assert!(written.is_ok(), "a String sink cannot fail");
+        *out = text.buf;
+    }
+
+    /// Writes the `nft -f` input of this transaction to `w` as it is rendered, in
+    /// pieces of about 64 KiB (a full sync's script is ≈ 8 MB: it is never
+    /// held whole). Returns the bytes written.
+    pub fn write_nft_to(&self, w: &mut dyn std::io::Write) -> std::io::Result<usize> {
+        let mut text = Text {
+            buf: String::with_capacity(TEXT_PIECE + 4096),
+            sink: Some(w),
+            sent: 0,
+        };
+        self.write_text(&mut text)?;
+        text.flush()?;
+        Ok(text.sent)
+    }
+
+    /// The one renderer of nft text, command by command into `out`.
+    fn write_text(&self, text: &mut Text<'_>) -> std::io::Result<()> {
         for op in &self.ops {
+            let out = &mut text.buf;
             match op {
                 Op::AddTable {
                     family,
@@ -1053,6 +1099,7 @@ impl Transaction {
                     elems,
                 } => {
                     for chunk in elems.chunks(TEXT_ELEMENTS_PER_COMMAND) {
+                        let out = &mut text.buf;
                         let _ = write!(out, "add element {} {table} {set} {{ ", family.nft());
                         for (i, e) in chunk.iter().enumerate() {
                             if i > 0 {
@@ -1061,7 +1108,9 @@ impl Transaction {
                             e.write(out);
                         }
                         out.push_str(" }\n");
+                        text.line_done()?;
                     }
+                    continue;
                 }
                 Op::DeleteElements {
                     family,
@@ -1070,6 +1119,7 @@ impl Transaction {
                     keys,
                 } => {
                     for chunk in keys.chunks(TEXT_ELEMENTS_PER_COMMAND) {
+                        let out = &mut text.buf;
                         let _ = write!(out, "delete element {} {table} {set} {{ ", family.nft());
                         for (i, k) in chunk.iter().enumerate() {
                             if i > 0 {
@@ -1078,11 +1128,63 @@ impl Transaction {
                             k.write(out);
                         }
                         out.push_str(" }\n");
+                        text.line_done()?;
                     }
+                    continue;
                 }
             }
+            text.line_done()?;
         }
+        Ok(())
     }
+}
+
+/// About how many bytes of nft text [`Transaction::write_nft_to`] writes at a time.
+const TEXT_PIECE: usize = 64 * 1024;
+
+/// nft text being rendered: into `buf` alone, or through `buf` into a sink.
+struct Text<'a> {
+    buf: String,
+    sink: Option<&'a mut dyn std::io::Write>,
+    sent: usize,
+}
+
+impl Text<'_> {
+    /// After each command: hands a full piece to the sink.
+    fn line_done(&mut self) -> std::io::Result<()> {
+        if self.sink.is_some() && self.buf.len() >= TEXT_PIECE {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if let Some(w) = &mut self.sink {
+            w.write_all(self.buf.as_bytes())?;
+            self.sent += self.buf.len();
+            self.buf.clear();
+        }
+        Ok(())
+    }
+}
+
+/// The elements of a set's map followed by `more` (sorted by key, one per key), in key
+/// order; the map's value wins on a key both hold.
+fn merge_sorted(map: BTreeMap<Tuple, Option<Value>>, more: Vec<Elem>) -> Vec<Elem> {
+    if map.is_empty() {
+        return more;
+    }
+    let mut out = Vec::with_capacity(map.len() + more.len());
+    let mut more = more.into_iter().peekable();
+    for (key, value) in map {
+        while let Some(e) = more.next_if(|e| e.key < key) {
+            out.push(e);
+        }
+        more.next_if(|e| e.key == key);
+        out.push(Elem { key, value });
+    }
+    out.extend(more);
+    out
 }
 
 /// The transaction that turns `old` into `new` (the same table; a different family or
@@ -1467,6 +1569,39 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    /// `create_with` is `create` of the table holding the extra elements too: merged
+    /// in key order, the table's value kept on a key both hold, none for an undeclared
+    /// set.
+    #[test]
+    fn create_with_merges_in_key_order() {
+        let key = |a: &str| Tuple::new(&[ip(a), Atom::Proto(6), Atom::Port(80)]);
+        let goto = |c: &str| Some(Value::Verdict(Verdict::Goto(c.into())));
+        let extra = |a: &str, c: &str| Elem {
+            key: key(a),
+            value: goto(c),
+        };
+        let more: BTreeMap<String, Vec<Elem>> = [
+            (
+                "service-ips".to_string(),
+                vec![
+                    extra("10.96.0.0", "x"),
+                    extra("10.96.0.1", "y"),
+                    extra("10.96.0.3", "z"),
+                ],
+            ),
+            ("undeclared".to_string(), vec![extra("10.96.0.9", "w")]),
+        ]
+        .into();
+        let mut whole = sample();
+        let s = whole.sets.get_mut("service-ips").unwrap();
+        s.elements.insert(key("10.96.0.0"), goto("x"));
+        s.elements.insert(key("10.96.0.3"), goto("z"));
+        assert_eq!(
+            Transaction::create_with(sample(), more),
+            Transaction::create(whole)
+        );
     }
 
     #[test]

@@ -16,6 +16,20 @@ const NFT: &str = "nft";
 /// Sends `script` as one transaction (`nft -f -` applies a file as one netlink batch:
 /// all or nothing).
 pub fn run_script(script: &str) -> Result<(), NftError> {
+    run(|w| w.write_all(script.as_bytes()).map(|()| script.len())).map(|_| ())
+}
+
+/// Sends `tx` as one `nft -f -` transaction, its text written into the pipe as it is
+/// rendered (a full sync's script is ≈ 8 MB; it is never held whole). Returns the bytes
+/// sent.
+pub fn run_transaction(tx: &Transaction) -> Result<usize, NftError> {
+    run(|w| tx.write_nft_to(w))
+}
+
+/// Runs `nft -f -` with `write` producing its input; the bytes written.
+fn run(
+    write: impl FnOnce(&mut dyn Write) -> std::io::Result<usize> + Send,
+) -> Result<usize, NftError> {
     let mut child = Command::new(NFT)
         .args(["-f", "-"])
         .stdin(Stdio::piped())
@@ -27,16 +41,20 @@ pub fn run_script(script: &str) -> Result<(), NftError> {
             source: e,
         })?;
     let mut stdin = child.stdin.take().expect("stdin is piped");
-    // Write from a thread so a chatty nft can never deadlock us on a full stderr pipe.
-    let owned = script.to_string();
-    let writer = std::thread::spawn(move || stdin.write_all(owned.as_bytes()));
-    let out = child.wait_with_output().map_err(|e| NftError::Io {
+    // Written from a thread so a chatty nft can never deadlock us on a full stderr pipe;
+    // stdin closes when the thread ends.
+    let (out, written) = std::thread::scope(|s| {
+        let writer = s.spawn(move || write(&mut stdin));
+        let out = child.wait_with_output();
+        let written = writer
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("writer thread panicked")));
+        (out, written)
+    });
+    let out = out.map_err(|e| NftError::Io {
         context: format!("waiting for `{NFT} -f -`"),
         source: e,
     })?;
-    let written = writer
-        .join()
-        .unwrap_or_else(|_| Err(std::io::Error::other("writer thread panicked")));
     if !out.status.success() {
         let mut stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         stderr.truncate(4000);
@@ -145,7 +163,7 @@ pub fn compare_with_kernel(rs: &Table) -> Result<Vec<String>, NftError> {
         c.hook = None;
     }
     let scratch_name = scratch.name.clone();
-    run_script(&Transaction::replace(scratch).nft_text())?;
+    run_transaction(&Transaction::replace(scratch))?;
     let expected = list_table_json(family, &scratch_name);
     let removed = run_script(&format!("delete table {family} {scratch_name}\n"));
     let expected = expected?.ok_or_else(|| NftError::Parse("scratch table vanished".into()))?;

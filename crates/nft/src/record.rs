@@ -1,7 +1,7 @@
 //! The in-memory record of what is programmed, per family, kept so that a sync costs
 //! work proportional to what changed: the base objects (rebuilt every sync; cheap), one
 //! fragment per Service with a port of the family, with its `Arc<ServicePlan>` (rebuilt
-//! only when the planner handed a different one; the Service's shared elements are
+//! only when the planner's update names the Service; the Service's shared elements are
 //! derived from that plan), how many times the fragments hold every shared set element (a
 //! hairpin pair or a cluster IP may come from several Services; it is programmed while
 //! any does), the claimants of every frontend (a colliding frontend takes all its
@@ -12,8 +12,8 @@
 //! 10 endpoints), so elements are held once: a frontend's as one text shared by `Arc`
 //! between its fragment and its claim (its keys made from its name), shared ones as
 //! addresses, and typed elements are made when a transaction is built (the whole
-//! table by [`FamilyRecord::assemble`] for a full sync, the touched elements by
-//! [`FamilyRecord::advance`] for a delta).
+//! table's straight into its creating transaction by [`FamilyRecord::create`] for a full
+//! sync, the touched elements by [`FamilyRecord::advance`] for a delta).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -137,32 +137,61 @@ impl FamilyRecord {
     /// The whole table, typed: the desired state of a full sync (and what verification
     /// compares the kernel with).
     pub fn assemble(&self) -> Table {
-        let mut rs = self.assemble_structure();
-        // Per set, its Service elements in plan order, sorted and built into the set's
-        // map in bulk (a third of the time of inserting ≈ 176k elements one by one); a
-        // key twice keeps its first value, as `Table::add_elements` does.
-        let mut pending: BTreeMap<SetRef, Vec<(Tuple, Option<Value>)>> = BTreeMap::new();
-        let mut shared: BTreeMap<&str, Vec<(Tuple, Option<Value>)>> = BTreeMap::new();
-        for sh in self.shared.keys() {
-            shared.entry(sh.set()).or_default().push((sh.tuple(), None));
+        let (mut rs, elements) = self.parts();
+        for (name, elems) in elements {
+            let Some(s) = rs.sets.get_mut(&name) else {
+                continue;
+            };
+            // A key twice keeps its first value, as `Table::add_elements` does.
+            if s.elements.is_empty() {
+                s.elements = elems.into_iter().map(|e| (e.key, e.value)).collect();
+            } else {
+                for e in elems {
+                    s.elements.entry(e.key).or_insert(e.value);
+                }
+            }
         }
+        rs
+    }
+
+    /// The transaction that creates the whole table: `Transaction::create(self.assemble())`
+    /// (a test holds them equal), with each set's Service elements moved from their
+    /// sorted vectors into the operations instead of through the table's maps. A full
+    /// sync's largest transient is its ≈ 176k elements (10k × 10); this holds them once.
+    pub fn create(&self) -> Transaction {
+        let (rs, elements) = self.parts();
+        Transaction::create_with(rs, elements)
+    }
+
+    /// [`FamilyRecord::create`] after the header that deletes the table if it exists
+    /// (`Transaction::replace(self.assemble())`).
+    pub fn replace(&self) -> Transaction {
+        let mut tx = Transaction::clearing(self.base.family, &self.base.name);
+        tx.extend(self.create());
+        tx
+    }
+
+    /// The table's structure ([`FamilyRecord::assemble_structure`]) and, per set name,
+    /// the Services' elements of that set, sorted by key, one per key.
+    fn parts(&self) -> (Table, BTreeMap<String, Vec<Elem>>) {
+        let rs = self.assemble_structure();
         // Typing the frontends' elements is most of the work (≈ 250k rows at 5k × 50):
         // on every core, as the fragments are built. Frontends never share a key, so
         // the parts' order does not matter.
         let sets = &rs.sets;
         let type_all = |fes: &[&Arc<Frontend>]| {
-            let mut part: BTreeMap<SetRef, Vec<(Tuple, Option<Value>)>> = BTreeMap::new();
+            let mut part: BTreeMap<SetRef, Vec<Elem>> = BTreeMap::new();
             for fe in fes {
                 let typed = fe.typed_elements(|set| sets.get(set.name().as_ref()).map(|s| &s.decl));
                 for (set, e) in typed {
-                    part.entry(set).or_default().push((e.key, e.value));
+                    part.entry(set).or_default().push(e);
                 }
             }
             part
         };
         let fes: Vec<&Arc<Frontend>> = self.frontends.values().filter_map(Claims::first).collect();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-        let parts = if threads == 1 || fes.len() < 2048 {
+        let mut parts = if threads == 1 || fes.len() < 2048 {
             vec![type_all(&fes)]
         } else {
             std::thread::scope(|s| {
@@ -176,28 +205,51 @@ impl FamilyRecord {
                     .collect()
             })
         };
-        for part in parts {
-            for (set, mut v) in part {
-                pending.entry(set).or_default().append(&mut v);
-            }
-        }
-        let pending = pending.into_iter().map(|(set, v)| (set.name(), v));
-        let shared = shared.into_iter().map(|(set, v)| (set.into(), v));
-        for (name, mut elems) in pending.chain(shared) {
-            let Some(s) = rs.sets.get_mut(name.as_ref()) else {
-                continue;
-            };
-            elems.sort_by_key(|a| a.0);
-            elems.dedup_by(|later, first| later.0 == first.0);
-            if s.elements.is_empty() {
-                s.elements = elems.into_iter().collect();
-            } else {
-                for (k, v) in elems {
-                    s.elements.entry(k).or_insert(v);
+        drop(fes);
+        // Every vector is made at its final size: these are the largest allocations
+        // of a full sync (≈ 176 bytes an element; the hairpin set alone holds one per
+        // endpoint), and a doubling vector's slack was a quarter of its transient.
+        let mut out: BTreeMap<String, Vec<Elem>> = BTreeMap::new();
+        let names: BTreeSet<SetRef> = parts.iter().flat_map(|p| p.keys().copied()).collect();
+        for set in names {
+            // The first part's vector grown once to the set's size (in place where
+            // the allocator can), the others' moved in and freed one by one.
+            let len: usize = parts.iter().filter_map(|p| p.get(&set)).map(Vec::len).sum();
+            let mut elems: Vec<Elem> = Vec::new();
+            for p in &mut parts {
+                if let Some(mut v) = p.remove(&set) {
+                    if elems.capacity() == 0 {
+                        elems = v;
+                        elems.reserve_exact(len - elems.len());
+                    } else {
+                        elems.append(&mut v);
+                    }
                 }
             }
+            out.insert(set.name().into_owned(), elems);
         }
-        rs
+        let mut shared_len: BTreeMap<&str, usize> = BTreeMap::new();
+        for sh in self.shared.keys() {
+            *shared_len.entry(sh.set()).or_default() += 1;
+        }
+        for (set, n) in shared_len {
+            out.entry(set.to_string()).or_default().reserve_exact(n);
+        }
+        for sh in self.shared.keys() {
+            let e = Elem {
+                key: sh.tuple(),
+                value: None,
+            };
+            out.get_mut(sh.set()).expect("reserved above").push(e);
+        }
+        for elems in out.values_mut() {
+            // In place (a stable sort's scratch would be ≈ 8 MB at 10k × 10). Keys are
+            // unique (a frontend's own, a shared element once); were one not, ordering
+            // by value too keeps the choice deterministic.
+            elems.sort_unstable();
+            elems.dedup_by(|later, first| later.key == first.key);
+        }
+        (rs, out)
     }
 
     /// The whole table without the Services' elements of the shared sets and maps
@@ -267,6 +319,11 @@ impl FamilyRecord {
         }
     }
 
+    /// The Services this record holds (those with a port of its family).
+    pub fn services(&self) -> impl Iterator<Item = &ServiceName> {
+        self.services.keys()
+    }
+
     /// `(family, table)` of this record's table.
     pub fn table(&self) -> (Family, &str) {
         (self.base.family, &self.base.name)
@@ -285,9 +342,9 @@ impl FamilyRecord {
         }
     }
 
-    /// Moves the record to `plan`, in which the Services `changed` (and only those)
-    /// differ from the record's, and returns the transaction that moves the kernel
-    /// along: [`model::diff`] of the base objects, of each changed Service's own chains
+    /// Moves the record to `plan`, in which the Services `changed` (and only those; no
+    /// other Service is looked at) differ from the record's, and returns the transaction
+    /// that moves the kernel along: [`model::diff`] of the base objects, of each changed Service's own chains
     /// and sets, of the dispatch groups that appear or go, and the element changes of
     /// the shared sets and frontends, ordered by [`Transaction::order`]. `None` when
     /// only a full sync can apply the change (a declaration changed); the record is
@@ -432,6 +489,16 @@ impl FamilyRecord {
                 }
             }
         }
+        // A set deleted by this transaction takes its elements with it (as `diff` has it).
+        let gone: BTreeSet<String> = tx
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::DeleteSet { name, .. } => Some(name.clone()),
+                _ => None,
+            })
+            .collect();
+        dels.retain(|set, _| !gone.contains(set));
         for (set, keys) in dels {
             tx.counts.elements_deleted += keys.len();
             tx.ops.push(Op::DeleteElements {
@@ -548,6 +615,25 @@ mod tests {
         }
     }
 
+    /// The nft text written into a pipe piece by piece is the text rendered whole.
+    #[test]
+    fn streamed_text_is_the_whole_text() {
+        let state = synthetic::cluster(&Spec::new(1000, 4));
+        let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
+        let cfg = DataplaneConfig::default();
+        let recs = IpFamily::ALL.map(|f| FamilyRecord::full(&plan, &cfg, f));
+        let tx = crate::full_transaction_of(&recs);
+        let whole = tx.nft_text();
+        assert!(
+            whole.len() > 4 * 65536,
+            "{} bytes: several pieces",
+            whole.len()
+        );
+        let mut piped = Vec::new();
+        assert_eq!(tx.write_nft_to(&mut piped).unwrap(), whole.len());
+        assert!(piped == whole.as_bytes());
+    }
+
     /// The record's table is the pure build's, and the transaction that creates it
     /// splits into structure, elements (all encodable but the interval set's) and the
     /// hooked base chains last.
@@ -570,6 +656,9 @@ mod tests {
                 let rec = FamilyRecord::full(&plan, &cfg, family);
                 let table = rec.assemble();
                 assert_eq!(table, ruleset::build(&plan, &cfg, family));
+                // A full sync's transaction, made without the table's element maps.
+                assert_eq!(rec.create(), Transaction::create(table.clone()));
+                assert_eq!(rec.replace(), Transaction::replace(table.clone()));
                 let all = Transaction::replace(table.clone()).nft_text();
                 assert!(family == IpFamily::IPv6 || all.contains("dnat-c-"), "{all}");
 

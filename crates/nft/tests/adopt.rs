@@ -84,7 +84,7 @@ fn sync_in(ns: &Netns, plan: &NodePlan) -> SyncReport {
     ns.run(move || {
         Dataplane::new(cfg())
             .expect("config")
-            .sync(&plan)
+            .sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
             .expect("sync")
     })
 }

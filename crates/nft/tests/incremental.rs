@@ -1,14 +1,22 @@
-//! Incremental correctness: random sequences of cluster changes applied through the
-//! delta path; after every step the kernel's tables must equal what a fresh full sync of
-//! the same plan produces (`Dataplane::verify` loads the full script into a scratch
-//! table and compares the normalized `nft -j list` output of both).
+//! Incremental correctness: random sequences of cluster changes, planned by the planner
+//! and applied through the delta path with the planner's update (as `kproxy run` does).
+//! Without the kernel: the update-driven delta equals `model::diff` of the whole tables
+//! before and after. In the kernel: after every step the tables must equal what a fresh
+//! full sync of the same plan produces (`Dataplane::verify` loads the full script into a
+//! scratch table and compares the normalized `nft -j list` output of both).
 
 mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
 
 use common::*;
 use kproxy_core::PlanConfig;
 use kproxy_core::config::LocalDetectorConfig;
-use kproxy_nft::{Dataplane, DataplaneConfig};
+use kproxy_core::model::IpFamily;
+use kproxy_core::planner::PlanUpdate;
+use kproxy_nft::model::{Counts, Family, Op, Tuple, Value, diff};
+use kproxy_nft::record::FamilyRecord;
+use kproxy_nft::{Dataplane, DataplaneConfig, Table, Transaction};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -17,26 +25,30 @@ struct SvcSpec {
     kind: u8,
     etp_local: bool,
     itp_local: bool,
-    affinity: bool,
+    /// ClientIP affinity with this timeout (seconds), or none.
+    affinity: Option<u32>,
     dual_stack: bool,
     ranges: bool,
+    /// The TCP port is named `web` instead of `http` (a renamed port).
+    renamed: bool,
     /// per pod: 0 absent, 1 ready, 2 serving-terminating, 3 terminating
     endpoints: [u8; 4],
 }
 
 fn svc_spec() -> impl Strategy<Value = SvcSpec> {
     (
-        any::<bool>(),
-        0u8..3,
-        any::<bool>(),
-        any::<bool>(),
-        any::<bool>(),
-        any::<bool>(),
-        any::<bool>(),
+        (any::<bool>(), 0u8..3, any::<bool>(), any::<bool>()),
+        prop_oneof![Just(None), Just(Some(300)), Just(Some(10800))],
+        (any::<bool>(), any::<bool>(), prop::bool::weighted(0.2)),
         [0u8..4, 0u8..4, 0u8..4, 0u8..4],
     )
         .prop_map(
-            |(present, kind, etp_local, itp_local, affinity, dual_stack, ranges, endpoints)| {
+            |(
+                (present, kind, etp_local, itp_local),
+                affinity,
+                (dual_stack, ranges, renamed),
+                endpoints,
+            )| {
                 SvcSpec {
                     present,
                     kind,
@@ -45,6 +57,7 @@ fn svc_spec() -> impl Strategy<Value = SvcSpec> {
                     affinity,
                     dual_stack,
                     ranges,
+                    renamed,
                     endpoints,
                 }
             },
@@ -86,8 +99,10 @@ fn manifest(specs: &[SvcSpec]) -> String {
             );
             spec += &format!("  externalIPs: [203.0.113.{}]\n", i + 50);
         }
-        if s.affinity {
-            spec += "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 300}}\n";
+        if let Some(t) = s.affinity {
+            spec += &format!(
+                "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {t}}}}}\n"
+            );
         }
         if s.ranges && s.kind == 2 {
             spec += "  loadBalancerSourceRanges: [198.51.100.0/24]\n";
@@ -99,8 +114,9 @@ fn manifest(specs: &[SvcSpec]) -> String {
                 String::new()
             }
         };
+        let http = if s.renamed { "web" } else { "http" };
         spec += &format!(
-            "  ports:\n  - {{name: http, port: 80, protocol: TCP{}}}\n  - {{name: dns, port: 53, protocol: UDP{}}}\n",
+            "  ports:\n  - {{name: {http}, port: 80, protocol: TCP{}}}\n  - {{name: dns, port: 53, protocol: UDP{}}}\n",
             np(30000),
             np(31000)
         );
@@ -121,7 +137,7 @@ fn manifest(specs: &[SvcSpec]) -> String {
             }
             let lf = fam.to_lowercase();
             m += &format!(
-                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-{lf}, namespace: ns, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: {fam}\nports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 8053, protocol: UDP}}]\nendpoints:\n"
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-{lf}, namespace: ns, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: {fam}\nports: [{{name: {http}, port: 8080, protocol: TCP}}, {{name: dns, port: 8053, protocol: UDP}}]\nendpoints:\n"
             );
             let mut any = false;
             for (p, st) in s.endpoints.iter().enumerate() {
@@ -161,6 +177,169 @@ fn config() -> PlanConfig {
     }
 }
 
+/// `manifest` with the Node's pod CIDRs of `variant` (a node-level change under the
+/// NodeCIDR detector: the local-pod match of every Service's rules changes).
+fn manifest_on_node(specs: &[SvcSpec], variant: u8) -> String {
+    let cidrs = match variant {
+        0 => "[10.244.1.0/24]",
+        1 => "[10.244.0.0/16]",
+        _ => "[10.244.1.0/24, 10.245.1.0/24]",
+    };
+    manifest(specs).replacen(
+        "podCIDRs: [10.244.1.0/24]",
+        &format!("podCIDRs: {cidrs}"),
+        1,
+    )
+}
+
+/// A transaction as what it does, independent of how its operations are grouped: the
+/// objects it adds, flushes and deletes, each chain's rules in order, each set's deleted
+/// keys and added elements (each key at most once), its counts, and whether it replaces.
+#[derive(Debug, Default, PartialEq)]
+struct Effect {
+    replaces: bool,
+    objects: BTreeSet<String>,
+    rules: BTreeMap<String, Vec<String>>,
+    deleted: BTreeMap<String, BTreeSet<Tuple>>,
+    added: BTreeMap<String, BTreeMap<Tuple, Option<Value>>>,
+    counts: Counts,
+}
+
+fn effect(tx: &Transaction) -> Effect {
+    let mut e = Effect {
+        replaces: tx.replaces,
+        counts: tx.counts,
+        ..Effect::default()
+    };
+    let at = |family: &Family, name: &str| format!("{} {name}", family.nft());
+    for op in &tx.ops {
+        match op {
+            Op::AddRule {
+                family,
+                chain,
+                rule,
+                ..
+            } => e
+                .rules
+                .entry(at(family, chain))
+                .or_default()
+                .push(rule.clone()),
+            Op::DeleteElements {
+                family, set, keys, ..
+            } => {
+                let d = e.deleted.entry(at(family, set)).or_default();
+                for k in keys {
+                    assert!(d.insert(*k), "{set}: {k} deleted twice");
+                }
+            }
+            Op::AddElements {
+                family, set, elems, ..
+            } => {
+                let a = e.added.entry(at(family, set)).or_default();
+                for el in elems {
+                    assert!(
+                        a.insert(el.key, el.value.clone()).is_none(),
+                        "{set}: {} added twice",
+                        el.key
+                    );
+                }
+            }
+            other => {
+                assert!(e.objects.insert(format!("{other:?}")), "{other:?} twice");
+            }
+        }
+    }
+    e
+}
+
+/// One owner of change, checked without the kernel: the delta a sync sends, moved by
+/// the planner's update alone (`kproxy_nft::delta`), equals `model::diff` of the whole
+/// tables of the previous plan and of the new one, and leaves the record equal to a
+/// fresh build. Random steps add and remove Services, change their type, traffic
+/// policies, affinity and its timeout, source ranges, families, a port's name and their
+/// endpoints (frontends moving between dispatch groups), and the Node's pod CIDRs (a
+/// node-level change under the NodeCIDR detector).
+#[test]
+fn delta_from_the_update_equals_the_full_diff() {
+    let cfg = PlanConfig {
+        local_detector: LocalDetectorConfig::NodeCidr,
+        ..PlanConfig::default()
+    };
+    let dp_cfg = DataplaneConfig::default();
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 48,
+        ..ProptestConfig::default()
+    });
+    // A step: the Services (or the previous step's again), and the Node's pod CIDRs
+    // (or the previous step's again).
+    let steps = proptest::collection::vec(
+        (
+            proptest::collection::vec(svc_spec(), 6),
+            prop::bool::weighted(0.3),
+            prop::option::weighted(0.3, 0u8..3),
+        ),
+        2..8,
+    );
+    runner
+        .run(&steps, |steps| {
+            let mut cluster = Moving::new("node-a", &cfg);
+            let mut recs: Option<[FamilyRecord; 2]> = None;
+            let mut previous: Option<[Table; 2]> = None;
+            let (mut specs, mut node) = (&steps[0].0, 0);
+            for (n, (new_specs, same_services, new_node)) in steps.iter().enumerate() {
+                if !same_services {
+                    specs = new_specs;
+                }
+                node = new_node.unwrap_or(node);
+                let (plan, update) = cluster.step(&manifest_on_node(specs, node));
+                let wanted = kproxy_nft::desired(plan, &dp_cfg);
+                let moved = match (recs.as_mut(), &previous) {
+                    (Some(r), Some(old)) => {
+                        let tx = kproxy_nft::delta(r, plan, &update, &dp_cfg);
+                        let mut full = Transaction::default();
+                        for (o, w) in old.iter().zip(&wanted) {
+                            full.extend(diff(o, w).unwrap());
+                        }
+                        full.order();
+                        match tx {
+                            Some(tx) => {
+                                prop_assert!(
+                                    tx.ops.windows(2).all(|w| w[0].phase() <= w[1].phase()),
+                                    "step {}: ops out of phase order",
+                                    n
+                                );
+                                prop_assert_eq!(
+                                    effect(&tx),
+                                    effect(&full),
+                                    "step {}: {:?}",
+                                    n,
+                                    update
+                                );
+                                true
+                            }
+                            // Only a full sync can apply it: exactly when the diff
+                            // replaces a table.
+                            None => {
+                                prop_assert!(full.replaces, "step {}: no delta", n);
+                                false
+                            }
+                        }
+                    }
+                    _ => false,
+                };
+                if !moved {
+                    recs = Some(IpFamily::ALL.map(|f| FamilyRecord::full(plan, &dp_cfg, f)));
+                }
+                let r = recs.as_ref().expect("set above");
+                prop_assert_eq!(&r[0].assemble(), &wanted[0], "step {}: IPv4 record", n);
+                prop_assert_eq!(&r[1].assemble(), &wanted[1], "step {}: IPv6 record", n);
+                previous = Some(wanted);
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
 #[test]
 fn delta_sync_equals_full_sync() {
     let ns = Netns::new("inc");
@@ -173,8 +352,19 @@ fn delta_sync_equals_full_sync() {
         runner
             .run(&steps, |steps| {
                 let mut dp = Dataplane::new(DataplaneConfig::default()).unwrap();
+                let mut cluster = Moving::new("node-a", &config());
+                let mut previous: Option<[Table; 2]> = None;
                 for (n, specs) in steps.iter().enumerate() {
-                    let plan = plan_from_yaml(&manifest(specs), "node-a", &config());
+                    let (plan, update) = cluster.step(&manifest(specs));
+                    // A declaration that changed (an affinity timeout: its sets'
+                    // `timeout`) cannot change in place: that sync replaces the tables.
+                    let wanted = kproxy_nft::desired(plan, &DataplaneConfig::default());
+                    let redeclared = previous.as_ref().is_some_and(|old| {
+                        old.iter()
+                            .zip(&wanted)
+                            .any(|(o, w)| diff(o, w).unwrap().replaces)
+                    });
+                    previous = Some(wanted);
                     let expected_ports: usize = specs
                         .iter()
                         .filter(|s| s.present)
@@ -182,11 +372,18 @@ fn delta_sync_equals_full_sync() {
                         .sum();
                     prop_assert_eq!(plan.service_ports().count(), expected_ports);
                     let r = dp
-                        .sync(&plan)
+                        .sync(plan, &update)
                         .map_err(|e| TestCaseError::fail(format!("step {n}: {e}")))?;
                     // Step 0 of a case finds the previous case's tables and adopts them
                     // (a delta from whatever that case left), or replaces them.
-                    prop_assert_eq!(r.full || r.adopted, n == 0, "step {} {:?}", n, r);
+                    prop_assert_eq!(
+                        r.full || r.adopted,
+                        n == 0 || redeclared,
+                        "step {} {:?}",
+                        n,
+                        r
+                    );
+                    prop_assert!(n == 0 || !r.adopted, "step {} {:?}", n, r);
                     let v = dp
                         .verify()
                         .map_err(|e| TestCaseError::fail(format!("verify: {e}")))?;
@@ -213,16 +410,17 @@ fn verify_detects_and_repairs_drift() {
                 kind: i,
                 etp_local: false,
                 itp_local: false,
-                affinity: i == 1,
+                affinity: (i == 1).then_some(300),
                 dual_stack: true,
                 ranges: true,
+                renamed: false,
                 endpoints: [1, 1, 2, 0],
             })
             .collect();
         let plan = plan_from_yaml(&manifest(&specs), "node-a", &config());
         assert_eq!(plan.service_ports().count(), 12);
         let mut dp = Dataplane::new(DataplaneConfig::default()).unwrap();
-        dp.sync(&plan).unwrap();
+        dp.sync(&plan, &PlanUpdate::WHOLE).unwrap();
         assert!(!dp.verify().unwrap().drift);
         // Someone else edits kproxy's table behind its back.
         sh("nft flush map ip kproxy service-ips && nft add rule ip6 kproxy services accept");
@@ -243,8 +441,8 @@ fn verify_detects_and_repairs_drift() {
         sh("nft delete table ip kproxy");
         assert!(dp.verify().unwrap().drift);
         assert!(!dp.verify().unwrap().drift);
-        // Unchanged plan: nothing sent.
-        let r = dp.sync(&plan).unwrap();
+        // Nothing changed: nothing sent.
+        let r = dp.sync(&plan, &PlanUpdate::default()).unwrap();
         assert!(!r.full && r.script_bytes == 0, "{r:?}");
         kproxy_nft::cleanup(dp.config()).unwrap();
     });
@@ -274,9 +472,10 @@ fn shared_elements_follow_their_owners() {
     let ns = Netns::new("shared");
     ns.run(move || {
         let mut dp = Dataplane::new(DataplaneConfig::default()).unwrap();
+        let mut cluster = Moving::new("node-a", &PlanConfig::default());
         for (n, text) in steps.iter().enumerate() {
-            let plan = plan_from_yaml(text, "node-a", &PlanConfig::default());
-            let r = dp.sync(&plan).unwrap();
+            let (plan, update) = cluster.step(text);
+            let r = dp.sync(plan, &update).unwrap();
             assert_eq!(r.full, n == 0);
             let v = dp.verify().unwrap();
             assert!(v.differences.is_empty(), "step {n}: {:?}", v.differences);
@@ -317,9 +516,10 @@ fn element_only_deltas_go_over_netlink() {
         kind: 1,
         etp_local: false,
         itp_local: false,
-        affinity: false,
+        affinity: None,
         dual_stack: true,
         ranges: false,
+        renamed: false,
         endpoints,
     };
     // s2 keeps one ready endpoint throughout, so the one-endpoint dispatch group exists
@@ -334,10 +534,11 @@ fn element_only_deltas_go_over_netlink() {
     let ns = Netns::new("nl");
     ns.run(move || {
         let mut dp = Dataplane::new(DataplaneConfig::default()).unwrap();
+        let mut cluster = Moving::new("node-a", &config());
         for (n, step) in steps.iter().enumerate() {
             let specs: Vec<SvcSpec> = step.iter().map(|e| spec(*e)).collect();
-            let plan = plan_from_yaml(&manifest(&specs), "node-a", &config());
-            let r = dp.sync(&plan).unwrap();
+            let (plan, update) = cluster.step(&manifest(&specs));
+            let r = dp.sync(plan, &update).unwrap();
             if n == 0 {
                 // No table yet: tables and chains by nft, elements by netlink, hooks last.
                 assert!(r.full && r.netlink_bytes > 0 && r.script_bytes > 0, "{r:?}");
@@ -352,15 +553,19 @@ fn element_only_deltas_go_over_netlink() {
             assert!(v.differences.is_empty(), "step {n}: {:?}", v.differences);
         }
         // The kernel refuses the next delta: an element it deletes is already gone.
-        sh("nft delete element ip kproxy hairpin { 10.244.3.2 . 10.244.3.2 }");
-        let last = [spec([1, 1, 0, 0]), spec([1, 1, 0, 0]), spec([1, 0, 0, 0])];
-        let plan = plan_from_yaml(&manifest(&last), "node-a", &config());
-        let e = dp.sync(&plan).unwrap_err().to_string();
+        // (The local pod 10.244.1.3 leaves every Service: its hairpin pair goes, the
+        // dispatch groups stay, so the delta is one batch.)
+        sh("nft delete element ip kproxy hairpin { 10.244.1.3 . 10.244.1.3 }");
+        let last = [spec([0, 0, 1, 1]), spec([1, 0, 0, 1]), spec([1, 0, 0, 0])];
+        let (plan, update) = cluster.step(&manifest(&last));
+        let e = dp.sync(plan, &update).unwrap_err().to_string();
         assert!(
             e.contains("delete element ip kproxy hairpin") && e.contains("No such file"),
             "{e}"
         );
-        let r = dp.sync(&plan).unwrap();
+        // The sync loop hands the same update again (it stays owed until a sync
+        // succeeds); the dataplane re-programs everything by itself.
+        let r = dp.sync(plan, &update).unwrap();
         assert!(r.full, "after a failed batch the next sync is full: {r:?}");
         // The tables exist, so replacing them is one `nft -f` transaction.
         assert!(r.netlink_bytes == 0, "{r:?}");

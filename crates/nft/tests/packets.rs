@@ -622,7 +622,7 @@ fn full_replacement_never_leaves_a_gap() {
             let r = f.node.run(move || {
                 kproxy_nft::Dataplane::new(kproxy_nft::DataplaneConfig::default())
                     .expect("config")
-                    .sync(&plan)
+                    .sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
                     .expect("sync")
             });
             assert!(r.adopted && !r.full, "{r:?}");

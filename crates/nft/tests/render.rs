@@ -118,7 +118,9 @@ fn rendered_scripts_load_into_the_kernel() {
             let mut dp = kproxy_nft::Dataplane::new(DataplaneConfig::default()).unwrap();
             // A replacement, not an adoption of the previous plan's tables.
             dp.force_full_sync();
-            let r = dp.sync(plan).expect("full sync loads");
+            let r = dp
+                .sync(plan, &kproxy_core::planner::PlanUpdate::WHOLE)
+                .expect("full sync loads");
             assert!(r.full);
             assert!(dp.verify().expect("verify").differences.is_empty());
         }

@@ -182,8 +182,12 @@ impl Fabric {
     pub fn sync(&self, plan: &NodePlan) -> SyncReport {
         let dp = self.dp.clone();
         let plan = plan.clone();
-        self.node
-            .run(move || dp.lock().expect("dp").sync(&plan).expect("sync"))
+        self.node.run(move || {
+            dp.lock()
+                .expect("dp")
+                .sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
+                .expect("sync")
+        })
     }
 
     pub fn pod_name(&self, addr: IpAddr) -> Option<&str> {

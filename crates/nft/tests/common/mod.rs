@@ -7,7 +7,8 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kproxy_core::ingest::Ownership;
-use kproxy_core::{ClusterState, NodePlan, PlanConfig, manifest};
+use kproxy_core::planner::PlanUpdate;
+use kproxy_core::{ClusterState, NodePlan, PlanConfig, Planner, manifest};
 
 pub mod cases;
 pub mod fabric;
@@ -27,6 +28,32 @@ pub fn state_from_yaml(text: &str, node: &str) -> ClusterState {
 
 pub fn plan_from_yaml(text: &str, node: &str, cfg: &PlanConfig) -> NodePlan {
     kproxy_core::plan(&state_from_yaml(text, node), node, cfg)
+}
+
+/// A cluster moving from manifest to manifest as `kproxy run` sees it: one
+/// `ClusterState` relisted with each step's objects, and the planner's update of each
+/// step (what the sync loop hands the dataplane).
+pub struct Moving {
+    node: String,
+    state: ClusterState,
+    planner: Planner,
+}
+
+impl Moving {
+    pub fn new(node: &str, cfg: &PlanConfig) -> Moving {
+        Moving {
+            node: node.to_string(),
+            state: ClusterState::new(),
+            planner: Planner::new(node, cfg.clone()),
+        }
+    }
+
+    /// The cluster is now `text`'s objects: the plan and what changed.
+    pub fn step(&mut self, text: &str) -> (&NodePlan, PlanUpdate) {
+        self.state.replace(state_from_yaml(text, &self.node));
+        let update = self.planner.update(&mut self.state);
+        (self.planner.plan(), update)
+    }
 }
 
 pub fn example_cluster() -> String {
