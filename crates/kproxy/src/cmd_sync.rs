@@ -22,9 +22,9 @@ pub struct Args {
     /// Sync once and exit (the only mode: `kproxy run` is the daemon).
     #[arg(long)]
     pub once: bool,
-    /// Print the transaction a full sync of this plan would apply (its `nft -f`
-    /// rendering: each family's table replaced in one transaction), and change nothing
-    /// (needs no root).
+    /// Print the transaction `--once` would apply now, as `nft -f` text, and change
+    /// nothing: the delta that adopts kproxy's tables when they exist (reading them
+    /// needs root), else each family's table replaced in one transaction.
     #[arg(long)]
     pub dry_run: bool,
     /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
@@ -55,9 +55,16 @@ pub fn run(args: Args) -> Result<ExitCode> {
     };
     if args.dry_run {
         kproxy_nft::validate_plan(&plan).context("checking the plan")?;
-        let desired = kproxy_nft::desired(&plan, &dp_config);
-        kproxy_nft::full_transaction(desired)
-            .write_nft_to(&mut std::io::stdout().lock())
+        let (tx, adopted) = kproxy_nft::first_sync_transaction(&plan, &dp_config);
+        eprintln!(
+            "kproxy: {}",
+            if adopted {
+                "kproxy's tables exist: `sync --once` would adopt them with this delta"
+            } else {
+                "`sync --once` would replace kproxy's tables with these (the kernel's tables are absent, unreadable or not adoptable)"
+            }
+        );
+        tx.write_nft_to(&mut std::io::stdout().lock())
             .context("writing the transaction to stdout")?;
         return Ok(if failed {
             ExitCode::from(1)

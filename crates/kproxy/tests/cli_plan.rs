@@ -5,9 +5,19 @@ use std::process::Command;
 
 use serde_json::Value;
 
+mod common;
+
 fn kproxy(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kproxy"))
-        .args(args)
+    let mut full = vec![env!("CARGO_BIN_EXE_kproxy")];
+    full.extend_from_slice(args);
+    kproxy_at(&full)
+}
+
+/// Runs `argv` (a kproxy command line, perhaps behind `ip netns exec`) from the
+/// repository root.
+fn kproxy_at(argv: &[&str]) -> (i32, String, String) {
+    let out = Command::new(argv[0])
+        .args(&argv[1..])
         .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
         .output()
         .expect("run kproxy");
@@ -355,4 +365,52 @@ fn a_service_cidr_manifest_reaches_each_familys_plan() {
             ("IPv6".to_string(), serde_json::json!(["fd00:10:96::/112"])),
         ]
     );
+}
+
+/// With kproxy's tables in the kernel, `sync --dry-run` prints the delta `sync --once`
+/// would adopt them with (empty when nothing changed), and changes nothing. Root: a
+/// namespace of its own.
+#[test]
+fn sync_dry_run_shows_the_adoption_delta_when_the_tables_exist() {
+    if !common::can_run() {
+        return;
+    }
+    let ns = common::Netns::new("dry");
+    let in_ns = |args: &[&str]| {
+        let mut full = vec!["ip", "netns", "exec", &ns.0, env!("CARGO_BIN_EXE_kproxy")];
+        full.extend_from_slice(args);
+        kproxy_at(&full)
+    };
+    let sync = |mode: &str, node: &str| {
+        in_ns(&[
+            "sync",
+            mode,
+            "--manifests",
+            "examples/cluster",
+            "--node",
+            node,
+        ])
+    };
+    let ruleset = || {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ns.0, "nft", "list", "ruleset"])
+            .output()
+            .expect("nft list ruleset");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let (code, _, err) = sync("--once", "node-a");
+    assert_eq!(code, 0, "{err}");
+    let before = ruleset();
+    // Same state: adopted with an empty delta.
+    let (code, out, err) = sync("--dry-run", "node-a");
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("would adopt them"), "{err}");
+    assert!(out.trim().is_empty(), "{out}");
+    // Another node: other endpoints are local, a delta, still no table replaced.
+    let (code, out, err) = sync("--dry-run", "node-b");
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("would adopt them"), "{err}");
+    assert!(!out.trim().is_empty(), "{err}");
+    assert!(!out.contains("delete table"), "{out}");
+    assert_eq!(ruleset(), before, "--dry-run changed the kernel");
 }

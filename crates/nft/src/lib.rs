@@ -263,25 +263,7 @@ impl Dataplane {
             ]
         };
         let (recs, adopted) = if std::mem::take(&mut self.adopt_pending) {
-            // The kernel's tables are read (mostly kernel time) while the records are
-            // built. A thread starts in its creator's network namespace, so it reads
-            // ours.
-            let table = self.cfg.table.as_str();
-            let (recs, raw) = std::thread::scope(|s| {
-                let reader = s.spawn(|| {
-                    [
-                        dump::read_table("ip", table),
-                        dump::read_table("ip6", table),
-                    ]
-                });
-                let recs = build();
-                let raw = reader
-                    .join()
-                    .unwrap_or_else(|p| std::panic::resume_unwind(p));
-                (recs, raw)
-            });
-            let adopted = adopt(&recs, raw);
-            (recs, adopted)
+            records_and_adoption(plan, &self.cfg)
         } else {
             (build(), None)
         };
@@ -405,6 +387,47 @@ impl Dataplane {
             }
         }
         Ok(VerifyReport { drift, differences })
+    }
+}
+
+/// A first sync's records and, when kproxy's tables exist and can be brought to them in
+/// place, the adoption delta `diff(kernel, desired)`. The kernel's tables are read
+/// (mostly kernel time) while the records are built; a thread starts in its creator's
+/// network namespace, so it reads ours.
+fn records_and_adoption(
+    plan: &NodePlan,
+    cfg: &DataplaneConfig,
+) -> ([record::FamilyRecord; 2], Option<Transaction>) {
+    let table = cfg.table.as_str();
+    let (recs, raw) = std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            [
+                dump::read_table("ip", table),
+                dump::read_table("ip6", table),
+            ]
+        });
+        let recs = [
+            record::FamilyRecord::full(plan, cfg, IpFamily::IPv4),
+            record::FamilyRecord::full(plan, cfg, IpFamily::IPv6),
+        ];
+        let raw = reader
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        (recs, raw)
+    });
+    let adopted = adopt(&recs, raw);
+    (recs, adopted)
+}
+
+/// What a new `Dataplane`'s first sync of `plan` would send here and now, without
+/// sending it: the adoption delta when kproxy's tables exist and can be adopted
+/// (`true`), else the full replacement (`false`; into absent tables a sync sends the
+/// same objects in steps). Reading the kernel needs CAP_NET_ADMIN; without it the
+/// answer is the full replacement (logged). `kproxy sync --dry-run`.
+pub fn first_sync_transaction(plan: &NodePlan, cfg: &DataplaneConfig) -> (Transaction, bool) {
+    match records_and_adoption(plan, cfg) {
+        (_, Some(tx)) => (tx, true),
+        (recs, None) => (full_transaction_of(&recs), false),
     }
 }
 
