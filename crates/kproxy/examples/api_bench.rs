@@ -227,12 +227,104 @@ fn api_port(kubeconfig: &Path) -> u16 {
         .expect("server: https://127.0.0.1:PORT in the kubeconfig")
 }
 
+/// VmRSS of a process sampled every 2 ms (from its start) until stopped: where in the
+/// first sync the peak falls.
+struct Sampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(Duration, u64)>>,
+}
+
+impl Sampler {
+    fn start(pid: u32, t0: Instant) -> Sampler {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                samples.push((t0.elapsed(), status_kib(pid, "VmRSS:")));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            samples
+        });
+        Sampler { stop, thread }
+    }
+
+    fn finish(self) -> Vec<(Duration, u64)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("sampler")
+    }
+}
+
+/// Seconds since midnight UTC of a log line's RFC 3339 timestamp
+/// (`2026-11-24T03:52:10.123456Z ...`).
+fn log_time_of_day(line: &str) -> Option<f64> {
+    let t = line.split_whitespace().next()?.split_once('T')?.1;
+    let t = t.trim_end_matches('Z');
+    let mut f = t.split(':');
+    let (h, m, s): (f64, f64, f64) = (
+        f.next()?.parse().ok()?,
+        f.next()?.parse().ok()?,
+        f.next()?.parse().ok()?,
+    );
+    Some(h * 3600.0 + m * 60.0 + s)
+}
+
+/// The phases of the first sync from kproxy's log, each with its time from process
+/// start, the RSS then and the highest RSS sampled since the previous one.
+fn timeline(log: &Path, start_of_day: f64, samples: &[(Duration, u64)]) -> String {
+    const MARKS: [&str; 6] = [
+        "kproxy starting",
+        "watching the Kubernetes API",
+        "listed",
+        "first sync allowed",
+        "starting the sync loop",
+        "synced",
+    ];
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut out = Vec::new();
+    let mut from = Duration::ZERO;
+    for line in text.lines() {
+        let Some(mark) = MARKS.iter().find(|m| line.contains(*m)) else {
+            continue;
+        };
+        let Some(tod) = log_time_of_day(line) else {
+            continue;
+        };
+        let at = Duration::from_secs_f64((tod - start_of_day).rem_euclid(86_400.0));
+        let in_phase = samples.iter().filter(|(t, _)| *t > from && *t <= at);
+        let max = in_phase.map(|s| s.1).max().unwrap_or(0);
+        let now = samples
+            .iter()
+            .rev()
+            .find(|(t, _)| *t <= at)
+            .map_or(0, |s| s.1);
+        let what = match line.split("kind=").nth(1) {
+            Some(kind) if *mark == "listed" => format!("{} listed", kind.trim()),
+            _ => mark.to_string(),
+        };
+        out.push(format!(
+            "{:.3} s {what}: RSS {:.1} MiB (max since previous {:.1})",
+            at.as_secs_f64(),
+            now as f64 / 1024.0,
+            max as f64 / 1024.0
+        ));
+        from = at;
+        if *mark == "synced" {
+            break;
+        }
+    }
+    out.join("\n    ")
+}
+
 struct Run {
     first_sync: Duration,
     first_connect: Duration,
     rss_sync: u64,
     rss_settled: u64,
     hwm: u64,
+    timeline: String,
+    /// The first `synced` event's line from the event log.
+    sync_event: String,
 }
 
 fn measure(
@@ -245,6 +337,10 @@ fn measure(
     let events = dir.join(format!("events-{run}.jsonl"));
     let stderr = std::fs::File::create(dir.join(format!("kproxy-{run}.log"))).expect("log");
     let t0 = Instant::now();
+    let start_of_day = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+        .rem_euclid(86_400.0);
     let mut daemon = Proc(
         Command::new("ip")
             .args(["netns", "exec", ns])
@@ -257,13 +353,15 @@ fn measure(
             .args(["--healthz-bind-address", "127.0.0.1:10256"])
             .args(["--metrics-bind-address", "127.0.0.1:10249"])
             .args(extra)
-            .env("RUST_LOG", "warn")
+            // Info: the timeline reads the phases from the log.
+            .env("KPROXY_LOG", "info")
             .stdout(Stdio::null())
             .stderr(stderr)
             .spawn()
             .expect("spawn kproxy"),
     );
     let pid = daemon.0.id();
+    let sampler = Sampler::start(pid, t0);
     // The probe connects from the start: the first success is when the rules serve.
     let ns_name = ns.to_string();
     let prober = std::thread::spawn(move || {
@@ -280,10 +378,10 @@ fn measure(
             std::thread::sleep(Duration::from_millis(5));
         }
     });
-    let first_sync = loop {
+    let (first_sync, sync_event) = loop {
         let log = std::fs::read_to_string(&events).unwrap_or_default();
-        if log.lines().any(|l| l.contains("\"event\":\"synced\"")) {
-            break t0.elapsed();
+        if let Some(l) = log.lines().find(|l| l.contains("\"event\":\"synced\"")) {
+            break (t0.elapsed(), l.to_string());
         }
         if let Ok(Some(status)) = daemon.0.try_wait() {
             panic!("kproxy exited with {status} before its first sync (see {run} log in {dir:?})");
@@ -295,6 +393,12 @@ fn measure(
         std::thread::sleep(Duration::from_millis(10));
     };
     let rss_sync = status_kib(pid, "VmRSS:");
+    let samples = sampler.finish();
+    let timeline = timeline(
+        &dir.join(format!("kproxy-{run}.log")),
+        start_of_day,
+        &samples,
+    );
     let first_connect = prober.join().expect("prober") - t0;
     std::thread::sleep(Duration::from_secs(5));
     let rss_settled = status_kib(pid, "VmRSS:");
@@ -306,6 +410,8 @@ fn measure(
             rss_sync,
             rss_settled,
             hwm,
+            timeline,
+            sync_event,
         },
         daemon,
     )
@@ -573,6 +679,11 @@ fn main() {
             mib(r.rss_settled),
             mib(r.hwm)
         );
+        println!("    {}", r.timeline);
+        let detail = serde_json::from_str::<Value>(&r.sync_event)
+            .map(|e| format!("{} ms, {}", e["elapsed_ms"], e["detail"]))
+            .unwrap_or_default();
+        println!("    the first sync (plan + nft): {detail}");
         if run + 1 == runs && churn_secs > 0 {
             churn(
                 &kubeconfig,
