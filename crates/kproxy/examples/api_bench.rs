@@ -272,11 +272,12 @@ fn log_time_of_day(line: &str) -> Option<f64> {
 /// The phases of the first sync from kproxy's log, each with its time from process
 /// start, the RSS then and the highest RSS sampled since the previous one.
 fn timeline(log: &Path, start_of_day: f64, samples: &[(Duration, u64)]) -> String {
+    // In match order: the first-sync-allowed line also says "listed".
     const MARKS: [&str; 6] = [
         "kproxy starting",
         "watching the Kubernetes API",
-        "listed",
         "first sync allowed",
+        "listed",
         "starting the sync loop",
         "synced",
     ];
@@ -308,10 +309,24 @@ fn timeline(log: &Path, start_of_day: f64, samples: &[(Duration, u64)]) -> Strin
             now as f64 / 1024.0,
             max as f64 / 1024.0
         ));
-        from = at;
         if *mark == "synced" {
+            // The first sync (plan, then nft) is where the peak is: its RSS curve.
+            let mut windows = vec![0u64; ((at - from).as_millis() / 50) as usize + 1];
+            for (t, rss) in samples.iter().filter(|(t, _)| *t > from && *t <= at) {
+                let w = &mut windows[((*t - from).as_millis() / 50) as usize];
+                *w = (*w).max(*rss);
+            }
+            let curve: Vec<String> = windows
+                .iter()
+                .map(|k| format!("{:.0}", *k as f64 / 1024.0))
+                .collect();
+            out.push(format!(
+                "first sync RSS, max per 50 ms, MiB: {}",
+                curve.join(" ")
+            ));
             break;
         }
+        from = at;
     }
     out.join("\n    ")
 }
