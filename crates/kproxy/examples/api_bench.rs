@@ -12,7 +12,13 @@
 //!   --kubeconfig /tmp/k8s-lab-x/kubeconfig --proxy-kubeconfig /tmp/k8s-lab-x/kubeconfig-proxy \
 //!   10000x10 [--runs 3] [--skip-populate] [--churn SECONDS] [--rate PER_SECOND] \
 //!   [--kproxy-arg ARG]...   # e.g. --kproxy-arg --min-sync-period=0s
+//!   [--upstream /tmp/k8s-lab-x/bin/kube-proxy]
 //! ```
+//!
+//! `--upstream BINARY` measures upstream kube-proxy (nftables mode, the k8s-lab's
+//! flags) instead, in the same namespace, as the same user, against the same API, with
+//! the same probe: its "first sync" is the first connection through the probe's cluster
+//! IP (it writes no event log), and it has no timeline and no churn figures.
 //!
 //! `--churn S` then keeps the last run's kproxy up and flips one endpoint's readiness
 //! in a different EndpointSlice `--rate` times a second (default 100) for S seconds,
@@ -166,13 +172,24 @@ async fn create(client: &kube::Client, objects: Vec<(String, Value)>) -> (usize,
         .map(|(path, body)| {
             let client = client.clone();
             async move {
-                let req = Request::new(path)
+                let req = Request::new(&path)
                     .create(&PostParams::default(), body.to_string().into_bytes())
                     .map_err(|e| e.to_string())?;
                 match client.request_text(req).await {
                     Ok(_) => Ok(true),
                     Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
-                    Err(e) => Err(e.to_string()),
+                    // A Service with a fixed cluster IP that is already there is refused
+                    // for its IP (422) before its name is found taken (409).
+                    Err(e) => {
+                        let name = body["metadata"]["name"].as_str().unwrap_or_default();
+                        let get = Request::new(&path)
+                            .get(name, &Default::default())
+                            .map_err(|e| e.to_string())?;
+                        match client.request_text(get).await {
+                            Ok(_) => Ok(false),
+                            Err(_) => Err(e.to_string()),
+                        }
+                    }
                 }
             }
         })
@@ -342,9 +359,33 @@ struct Run {
     sync_event: String,
 }
 
+/// Upstream kube-proxy (nftables mode) with the flags the k8s-lab starts it with: the
+/// same API, user, node and namespace as kproxy, conntrack sysctls left alone.
+fn upstream_command(binary: &Path, proxy_kubeconfig: &Path) -> Command {
+    let mut c = Command::new(binary);
+    c.arg(format!("--kubeconfig={}", proxy_kubeconfig.display()))
+        .args([
+            "--proxy-mode=nftables",
+            "--hostname-override=node-0",
+            "--bind-address=127.0.0.1",
+            "--metrics-bind-address=127.0.0.1:10249",
+            "--healthz-bind-address=127.0.0.1:10256",
+            "--conntrack-max-per-core=0",
+            "--conntrack-tcp-timeout-established=0",
+            "--conntrack-tcp-timeout-close-wait=0",
+            "--v=1",
+        ]);
+    c
+}
+
+/// How long a proxy may take to serve the probe: upstream's first sync at scale takes
+/// minutes.
+const SERVE_WITHIN: Duration = Duration::from_secs(1200);
+
 fn measure(
     proxy_kubeconfig: &Path,
     extra: &[String],
+    upstream: Option<&Path>,
     ns: &str,
     dir: &Path,
     run: usize,
@@ -356,24 +397,39 @@ fn measure(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
         .rem_euclid(86_400.0);
+    let command = match upstream {
+        Some(binary) => upstream_command(binary, proxy_kubeconfig),
+        None => {
+            let mut c = Command::new(kproxy_binary());
+            c.arg("run")
+                .arg("--kubeconfig")
+                .arg(proxy_kubeconfig)
+                .args(["--hostname-override", "node-0", "--event-log"])
+                .arg(&events)
+                .args(["--healthz-bind-address", "127.0.0.1:10256"])
+                .args(["--metrics-bind-address", "127.0.0.1:10249"])
+                .args(extra)
+                // Info: the timeline reads the phases from the log.
+                .env("KPROXY_LOG", "info");
+            c
+        }
+    };
+    let program = command.get_program().to_owned();
+    let args: Vec<_> = command.get_args().map(|a| a.to_owned()).collect();
+    let envs: Vec<_> = command
+        .get_envs()
+        .filter_map(|(k, v)| Some((k.to_owned(), v?.to_owned())))
+        .collect();
     let mut daemon = Proc(
         Command::new("ip")
             .args(["netns", "exec", ns])
-            .arg(kproxy_binary())
-            .arg("run")
-            .arg("--kubeconfig")
-            .arg(proxy_kubeconfig)
-            .args(["--hostname-override", "node-0", "--event-log"])
-            .arg(&events)
-            .args(["--healthz-bind-address", "127.0.0.1:10256"])
-            .args(["--metrics-bind-address", "127.0.0.1:10249"])
-            .args(extra)
-            // Info: the timeline reads the phases from the log.
-            .env("KPROXY_LOG", "info")
+            .arg(program)
+            .args(args)
+            .envs(envs)
             .stdout(Stdio::null())
             .stderr(stderr)
             .spawn()
-            .expect("spawn kproxy"),
+            .expect("spawn the proxy"),
     );
     let pid = daemon.0.id();
     let sampler = Sampler::start(pid, t0);
@@ -387,13 +443,21 @@ fn measure(
                 return Instant::now();
             }
             assert!(
-                t0.elapsed() < Duration::from_secs(300),
-                "no connection within 300 s"
+                t0.elapsed() < SERVE_WITHIN,
+                "no connection within {SERVE_WITHIN:?}"
             );
             std::thread::sleep(Duration::from_millis(5));
         }
     });
+    let mut prober = Some(prober);
+    let mut connected = None;
     let (first_sync, sync_event) = loop {
+        if upstream.is_some() {
+            // No event log: the first sync is when the probe gets through.
+            let at = prober.take().expect("joined once").join().expect("prober");
+            connected = Some(at);
+            break (at - t0, String::new());
+        }
         let log = std::fs::read_to_string(&events).unwrap_or_default();
         if let Some(l) = log.lines().find(|l| l.contains("\"event\":\"synced\"")) {
             break (t0.elapsed(), l.to_string());
@@ -402,8 +466,8 @@ fn measure(
             panic!("kproxy exited with {status} before its first sync (see {run} log in {dir:?})");
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(300),
-            "no sync within 300 s"
+            t0.elapsed() < SERVE_WITHIN,
+            "no sync within {SERVE_WITHIN:?}"
         );
         std::thread::sleep(Duration::from_millis(10));
     };
@@ -414,7 +478,11 @@ fn measure(
         start_of_day,
         &samples,
     );
-    let first_connect = prober.join().expect("prober") - t0;
+    let first_connect = match (connected, prober) {
+        (Some(at), _) => at,
+        (None, Some(p)) => p.join().expect("prober"),
+        (None, None) => unreachable!("the prober is joined once"),
+    } - t0;
     std::thread::sleep(Duration::from_secs(5));
     let rss_settled = status_kib(pid, "VmRSS:");
     let hwm = status_kib(pid, "VmHWM:");
@@ -590,6 +658,7 @@ fn main() {
     let mut churn_secs = 0;
     let mut rate = 100;
     let mut extra = Vec::new();
+    let mut upstream = None;
     let mut scale = None;
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -604,6 +673,7 @@ fn main() {
                     .expect("--churn SECONDS")
             }
             "--kproxy-arg" => extra.extend(args.next()),
+            "--upstream" => upstream = args.next().map(PathBuf::from),
             "--rate" => {
                 rate = args
                     .next()
@@ -617,7 +687,7 @@ fn main() {
         (kubeconfig, proxy_kubeconfig, scale)
     else {
         eprintln!(
-            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate]"
+            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY]"
         );
         std::process::exit(2);
     };
@@ -684,22 +754,36 @@ fn main() {
 
     for run in 0..runs {
         exec(&["nft", "flush", "ruleset"]);
-        let (r, daemon) = measure(&proxy_kubeconfig, &extra, &name, dir.path(), run);
+        let (r, daemon) = measure(
+            &proxy_kubeconfig,
+            &extra,
+            upstream.as_deref(),
+            &name,
+            dir.path(),
+            run,
+        );
         let mib = |k: u64| k as f64 / 1024.0;
+        let who = if upstream.is_some() {
+            "upstream kube-proxy"
+        } else {
+            "kproxy"
+        };
         println!(
-            "{services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB",
+            "{who} {services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB",
             r.first_sync.as_secs_f64(),
             r.first_connect.as_secs_f64(),
             mib(r.rss_sync),
             mib(r.rss_settled),
             mib(r.hwm)
         );
-        println!("    {}", r.timeline);
-        let detail = serde_json::from_str::<Value>(&r.sync_event)
-            .map(|e| format!("{} ms, {}", e["elapsed_ms"], e["detail"]))
-            .unwrap_or_default();
-        println!("    the first sync (plan + nft): {detail}");
-        if run + 1 == runs && churn_secs > 0 {
+        if upstream.is_none() {
+            println!("    {}", r.timeline);
+            let detail = serde_json::from_str::<Value>(&r.sync_event)
+                .map(|e| format!("{} ms, {}", e["elapsed_ms"], e["detail"]))
+                .unwrap_or_default();
+            println!("    the first sync (plan + nft): {detail}");
+        }
+        if run + 1 == runs && churn_secs > 0 && upstream.is_none() {
             churn(
                 &kubeconfig,
                 &name,
