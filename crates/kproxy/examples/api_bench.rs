@@ -28,7 +28,9 @@
 //! the pending-change gauges after the churn, and kproxy's CPU time during it.
 //!
 //! Objects already there (409) are kept, so a second call at the same scale only
-//! measures (or pass --skip-populate); for another scale wipe the lab first
+//! measures — slowly: the API server allocates and releases a cluster IP for each
+//! existing Service before refusing it (≈ 25/s on the k8s-lab), so pass
+//! --skip-populate; for another scale wipe the lab first
 //! (`start.sh wipe && start.sh start`). The objects are those of `daemon_bench`:
 //! Services in 50 namespaces, one in ten of the first 10,000 a LoadBalancer with
 //! externalTrafficPolicy Local (the node-port range holds no more), endpoints on 100
