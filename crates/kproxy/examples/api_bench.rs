@@ -12,7 +12,13 @@
 //!   --kubeconfig /tmp/k8s-lab-x/kubeconfig --proxy-kubeconfig /tmp/k8s-lab-x/kubeconfig-proxy \
 //!   10000x10 [--runs 3] [--skip-populate] [--churn SECONDS] [--rate PER_SECOND] \
 //!   [--kproxy-arg ARG]...   # e.g. --kproxy-arg --min-sync-period=0s
+//!   [--upstream /tmp/k8s-lab-x/bin/kube-proxy]
 //! ```
+//!
+//! `--upstream BINARY` measures upstream kube-proxy (nftables mode, the k8s-lab's
+//! flags) instead, in the same namespace, as the same user, against the same API, with
+//! the same probe: its "first sync" is the first connection through the probe's cluster
+//! IP (it writes no event log), and it has no timeline and no churn figures.
 //!
 //! `--churn S` then keeps the last run's kproxy up and flips one endpoint's readiness
 //! in a different EndpointSlice `--rate` times a second (default 100) for S seconds,
@@ -22,7 +28,9 @@
 //! the pending-change gauges after the churn, and kproxy's CPU time during it.
 //!
 //! Objects already there (409) are kept, so a second call at the same scale only
-//! measures (or pass --skip-populate); for another scale wipe the lab first
+//! measures — slowly: the API server allocates and releases a cluster IP for each
+//! existing Service before refusing it (≈ 25/s on the k8s-lab), so pass
+//! --skip-populate; for another scale wipe the lab first
 //! (`start.sh wipe && start.sh start`). The objects are those of `daemon_bench`:
 //! Services in 50 namespaces, one in ten of the first 10,000 a LoadBalancer with
 //! externalTrafficPolicy Local (the node-port range holds no more), endpoints on 100
@@ -166,13 +174,24 @@ async fn create(client: &kube::Client, objects: Vec<(String, Value)>) -> (usize,
         .map(|(path, body)| {
             let client = client.clone();
             async move {
-                let req = Request::new(path)
+                let req = Request::new(&path)
                     .create(&PostParams::default(), body.to_string().into_bytes())
                     .map_err(|e| e.to_string())?;
                 match client.request_text(req).await {
                     Ok(_) => Ok(true),
                     Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
-                    Err(e) => Err(e.to_string()),
+                    // A Service with a fixed cluster IP that is already there is refused
+                    // for its IP (422) before its name is found taken (409).
+                    Err(e) => {
+                        let name = body["metadata"]["name"].as_str().unwrap_or_default();
+                        let get = Request::new(&path)
+                            .get(name, &Default::default())
+                            .map_err(|e| e.to_string())?;
+                        match client.request_text(get).await {
+                            Ok(_) => Ok(false),
+                            Err(_) => Err(e.to_string()),
+                        }
+                    }
                 }
             }
         })
@@ -227,17 +246,148 @@ fn api_port(kubeconfig: &Path) -> u16 {
         .expect("server: https://127.0.0.1:PORT in the kubeconfig")
 }
 
+/// VmRSS of a process sampled every 2 ms (from its start) until stopped: where in the
+/// first sync the peak falls.
+struct Sampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(Duration, u64)>>,
+}
+
+impl Sampler {
+    fn start(pid: u32, t0: Instant) -> Sampler {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                samples.push((t0.elapsed(), status_kib(pid, "VmRSS:")));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            samples
+        });
+        Sampler { stop, thread }
+    }
+
+    fn finish(self) -> Vec<(Duration, u64)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("sampler")
+    }
+}
+
+/// Seconds since midnight UTC of a log line's RFC 3339 timestamp
+/// (`2026-11-24T03:52:10.123456Z ...`).
+fn log_time_of_day(line: &str) -> Option<f64> {
+    let t = line.split_whitespace().next()?.split_once('T')?.1;
+    let t = t.trim_end_matches('Z');
+    let mut f = t.split(':');
+    let (h, m, s): (f64, f64, f64) = (
+        f.next()?.parse().ok()?,
+        f.next()?.parse().ok()?,
+        f.next()?.parse().ok()?,
+    );
+    Some(h * 3600.0 + m * 60.0 + s)
+}
+
+/// The phases of the first sync from kproxy's log, each with its time from process
+/// start, the RSS then and the highest RSS sampled since the previous one.
+fn timeline(log: &Path, start_of_day: f64, samples: &[(Duration, u64)]) -> String {
+    // In match order: the first-sync-allowed line also says "listed".
+    const MARKS: [&str; 6] = [
+        "kproxy starting",
+        "watching the Kubernetes API",
+        "first sync allowed",
+        "listed",
+        "starting the sync loop",
+        "synced",
+    ];
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut out = Vec::new();
+    let mut from = Duration::ZERO;
+    for line in text.lines() {
+        let Some(mark) = MARKS.iter().find(|m| line.contains(*m)) else {
+            continue;
+        };
+        let Some(tod) = log_time_of_day(line) else {
+            continue;
+        };
+        let at = Duration::from_secs_f64((tod - start_of_day).rem_euclid(86_400.0));
+        let in_phase = samples.iter().filter(|(t, _)| *t > from && *t <= at);
+        let max = in_phase.map(|s| s.1).max().unwrap_or(0);
+        let now = samples
+            .iter()
+            .rev()
+            .find(|(t, _)| *t <= at)
+            .map_or(0, |s| s.1);
+        let what = match line.split("kind=").nth(1) {
+            Some(kind) if *mark == "listed" => format!("{} listed", kind.trim()),
+            _ => mark.to_string(),
+        };
+        out.push(format!(
+            "{:.3} s {what}: RSS {:.1} MiB (max since previous {:.1})",
+            at.as_secs_f64(),
+            now as f64 / 1024.0,
+            max as f64 / 1024.0
+        ));
+        if *mark == "synced" {
+            // The first sync (plan, then nft) is where the peak is: its RSS curve.
+            let mut windows = vec![0u64; ((at - from).as_millis() / 50) as usize + 1];
+            for (t, rss) in samples.iter().filter(|(t, _)| *t > from && *t <= at) {
+                let w = &mut windows[((*t - from).as_millis() / 50) as usize];
+                *w = (*w).max(*rss);
+            }
+            let curve: Vec<String> = windows
+                .iter()
+                .map(|k| format!("{:.0}", *k as f64 / 1024.0))
+                .collect();
+            out.push(format!(
+                "first sync RSS, max per 50 ms, MiB: {}",
+                curve.join(" ")
+            ));
+            break;
+        }
+        from = at;
+    }
+    out.join("\n    ")
+}
+
 struct Run {
     first_sync: Duration,
     first_connect: Duration,
     rss_sync: u64,
     rss_settled: u64,
     hwm: u64,
+    timeline: String,
+    /// The first `synced` event's line from the event log.
+    sync_event: String,
 }
+
+/// Upstream kube-proxy (nftables mode) with the flags the k8s-lab starts it with: the
+/// same API, user, node and namespace as kproxy, conntrack sysctls left alone.
+fn upstream_command(binary: &Path, proxy_kubeconfig: &Path) -> Command {
+    let mut c = Command::new(binary);
+    c.arg(format!("--kubeconfig={}", proxy_kubeconfig.display()))
+        .args([
+            "--proxy-mode=nftables",
+            "--hostname-override=node-0",
+            "--bind-address=127.0.0.1",
+            "--metrics-bind-address=127.0.0.1:10249",
+            "--healthz-bind-address=127.0.0.1:10256",
+            "--conntrack-max-per-core=0",
+            "--conntrack-tcp-timeout-established=0",
+            "--conntrack-tcp-timeout-close-wait=0",
+            "--v=1",
+        ]);
+    c
+}
+
+/// How long a proxy may take to serve the probe: upstream's first sync at scale takes
+/// minutes.
+const SERVE_WITHIN: Duration = Duration::from_secs(1200);
 
 fn measure(
     proxy_kubeconfig: &Path,
     extra: &[String],
+    upstream: Option<&Path>,
     ns: &str,
     dir: &Path,
     run: usize,
@@ -245,25 +395,46 @@ fn measure(
     let events = dir.join(format!("events-{run}.jsonl"));
     let stderr = std::fs::File::create(dir.join(format!("kproxy-{run}.log"))).expect("log");
     let t0 = Instant::now();
+    let start_of_day = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+        .rem_euclid(86_400.0);
+    let command = match upstream {
+        Some(binary) => upstream_command(binary, proxy_kubeconfig),
+        None => {
+            let mut c = Command::new(kproxy_binary());
+            c.arg("run")
+                .arg("--kubeconfig")
+                .arg(proxy_kubeconfig)
+                .args(["--hostname-override", "node-0", "--event-log"])
+                .arg(&events)
+                .args(["--healthz-bind-address", "127.0.0.1:10256"])
+                .args(["--metrics-bind-address", "127.0.0.1:10249"])
+                .args(extra)
+                // Info: the timeline reads the phases from the log.
+                .env("KPROXY_LOG", "info");
+            c
+        }
+    };
+    let program = command.get_program().to_owned();
+    let args: Vec<_> = command.get_args().map(|a| a.to_owned()).collect();
+    let envs: Vec<_> = command
+        .get_envs()
+        .filter_map(|(k, v)| Some((k.to_owned(), v?.to_owned())))
+        .collect();
     let mut daemon = Proc(
         Command::new("ip")
             .args(["netns", "exec", ns])
-            .arg(kproxy_binary())
-            .arg("run")
-            .arg("--kubeconfig")
-            .arg(proxy_kubeconfig)
-            .args(["--hostname-override", "node-0", "--event-log"])
-            .arg(&events)
-            .args(["--healthz-bind-address", "127.0.0.1:10256"])
-            .args(["--metrics-bind-address", "127.0.0.1:10249"])
-            .args(extra)
-            .env("RUST_LOG", "warn")
+            .arg(program)
+            .args(args)
+            .envs(envs)
             .stdout(Stdio::null())
             .stderr(stderr)
             .spawn()
-            .expect("spawn kproxy"),
+            .expect("spawn the proxy"),
     );
     let pid = daemon.0.id();
+    let sampler = Sampler::start(pid, t0);
     // The probe connects from the start: the first success is when the rules serve.
     let ns_name = ns.to_string();
     let prober = std::thread::spawn(move || {
@@ -274,28 +445,46 @@ fn measure(
                 return Instant::now();
             }
             assert!(
-                t0.elapsed() < Duration::from_secs(300),
-                "no connection within 300 s"
+                t0.elapsed() < SERVE_WITHIN,
+                "no connection within {SERVE_WITHIN:?}"
             );
             std::thread::sleep(Duration::from_millis(5));
         }
     });
-    let first_sync = loop {
+    let mut prober = Some(prober);
+    let mut connected = None;
+    let (first_sync, sync_event) = loop {
+        if upstream.is_some() {
+            // No event log: the first sync is when the probe gets through.
+            let at = prober.take().expect("joined once").join().expect("prober");
+            connected = Some(at);
+            break (at - t0, String::new());
+        }
         let log = std::fs::read_to_string(&events).unwrap_or_default();
-        if log.lines().any(|l| l.contains("\"event\":\"synced\"")) {
-            break t0.elapsed();
+        if let Some(l) = log.lines().find(|l| l.contains("\"event\":\"synced\"")) {
+            break (t0.elapsed(), l.to_string());
         }
         if let Ok(Some(status)) = daemon.0.try_wait() {
             panic!("kproxy exited with {status} before its first sync (see {run} log in {dir:?})");
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(300),
-            "no sync within 300 s"
+            t0.elapsed() < SERVE_WITHIN,
+            "no sync within {SERVE_WITHIN:?}"
         );
         std::thread::sleep(Duration::from_millis(10));
     };
     let rss_sync = status_kib(pid, "VmRSS:");
-    let first_connect = prober.join().expect("prober") - t0;
+    let samples = sampler.finish();
+    let timeline = timeline(
+        &dir.join(format!("kproxy-{run}.log")),
+        start_of_day,
+        &samples,
+    );
+    let first_connect = match (connected, prober) {
+        (Some(at), _) => at,
+        (None, Some(p)) => p.join().expect("prober"),
+        (None, None) => unreachable!("the prober is joined once"),
+    } - t0;
     std::thread::sleep(Duration::from_secs(5));
     let rss_settled = status_kib(pid, "VmRSS:");
     let hwm = status_kib(pid, "VmHWM:");
@@ -306,6 +495,8 @@ fn measure(
             rss_sync,
             rss_settled,
             hwm,
+            timeline,
+            sync_event,
         },
         daemon,
     )
@@ -469,6 +660,7 @@ fn main() {
     let mut churn_secs = 0;
     let mut rate = 100;
     let mut extra = Vec::new();
+    let mut upstream = None;
     let mut scale = None;
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -483,6 +675,7 @@ fn main() {
                     .expect("--churn SECONDS")
             }
             "--kproxy-arg" => extra.extend(args.next()),
+            "--upstream" => upstream = args.next().map(PathBuf::from),
             "--rate" => {
                 rate = args
                     .next()
@@ -496,7 +689,7 @@ fn main() {
         (kubeconfig, proxy_kubeconfig, scale)
     else {
         eprintln!(
-            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate]"
+            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY]"
         );
         std::process::exit(2);
     };
@@ -563,17 +756,36 @@ fn main() {
 
     for run in 0..runs {
         exec(&["nft", "flush", "ruleset"]);
-        let (r, daemon) = measure(&proxy_kubeconfig, &extra, &name, dir.path(), run);
+        let (r, daemon) = measure(
+            &proxy_kubeconfig,
+            &extra,
+            upstream.as_deref(),
+            &name,
+            dir.path(),
+            run,
+        );
         let mib = |k: u64| k as f64 / 1024.0;
+        let who = if upstream.is_some() {
+            "upstream kube-proxy"
+        } else {
+            "kproxy"
+        };
         println!(
-            "{services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB",
+            "{who} {services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB",
             r.first_sync.as_secs_f64(),
             r.first_connect.as_secs_f64(),
             mib(r.rss_sync),
             mib(r.rss_settled),
             mib(r.hwm)
         );
-        if run + 1 == runs && churn_secs > 0 {
+        if upstream.is_none() {
+            println!("    {}", r.timeline);
+            let detail = serde_json::from_str::<Value>(&r.sync_event)
+                .map(|e| format!("{} ms, {}", e["elapsed_ms"], e["detail"]))
+                .unwrap_or_default();
+            println!("    the first sync (plan + nft): {detail}");
+        }
+        if run + 1 == runs && churn_secs > 0 && upstream.is_none() {
             churn(
                 &kubeconfig,
                 &name,

@@ -303,6 +303,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
             let kc = kproxy_source::kube::KubeSourceConfig {
                 node_name: node.clone(),
                 ownership,
+                page_size: None,
             };
             let h = handle.clone();
             tasks.spawn_until_cancelled("the source", "the source stopped", async move {

@@ -4,9 +4,10 @@
 //! §a.1/§f), when the first sync may happen (Services, EndpointSlices and the Node
 //! listed), and how relists are applied (atomically per kind, see [`fold`]).
 //!
-//! Memory: objects are decoded one at a time from each list page as it arrives, into
-//! slim types holding only what ingest reads ([`slim`]), and ingested at once; a relist
-//! buffers the ingested updates, not objects ([`reflect`], [`fold`]).
+//! Memory: objects are decoded one at a time as the bytes of a list page arrive
+//! ([`split`]), into slim types holding only what ingest reads ([`slim`]), and
+//! ingested at once; a relist buffers the ingested updates, not objects ([`reflect`],
+//! [`fold`]).
 //!
 //! Failure model ([`reflect`]): a dropped watch resumes from the last resourceVersion,
 //! 410 Gone relists, errors are retried with client-go's backoff (0.8 s doubling to
@@ -16,6 +17,7 @@
 pub mod fold;
 pub mod reflect;
 pub mod slim;
+pub mod split;
 
 use std::path::{Path, PathBuf};
 
@@ -34,6 +36,9 @@ pub struct KubeSourceConfig {
     /// watched and which endpoints are local.
     pub node_name: String,
     pub ownership: Ownership,
+    /// Objects per list page; `None`: [`PAGE_SIZE`]. Tests page through small clusters
+    /// with small pages.
+    pub page_size: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -181,9 +186,14 @@ pub fn targets(cfg: &KubeSourceConfig, page_size: u32) -> [Target; 4] {
     ]
 }
 
-/// Objects per list page (client-go's pager uses 500 too): pages are decoded as they
-/// arrive, so this bounds the JSON text held at once (about 2 MB of EndpointSlices).
-pub const PAGE_SIZE: u32 = 500;
+/// Objects per list page. Each page is decoded object by object as its bytes arrive
+/// ([`split`]), so the page size bounds no memory; it sets the number of round trips.
+/// At 10k Services × 10 endpoints on a k8s-lab API server (1.36, lists served from
+/// the watch cache), 500 per page (client-go's pager) took 1.7–2.1 s to list both
+/// kinds, 5,000 per page 0.78–0.84 s, one unpaginated list 0.9 s (BENCHMARKS.md,
+/// "kproxy run from the real API"). Pages still bound each request's work on API
+/// servers that answer paginated lists from etcd.
+pub const PAGE_SIZE: u32 = 5000;
 
 /// Aborts the spawned reflectors when the source is dropped (cancelled).
 struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
@@ -213,11 +223,10 @@ pub async fn run(
         node_name: cfg.node_name.clone(),
     };
     // Lists are paginated consistent reads (no resourceVersion), which API servers
-    // since 1.31 serve from the watch cache; a resourceVersion=0 list would be served
-    // whole, in one response, however large.
+    // since 1.31 serve from the watch cache.
     let (tx, mut rx) = mpsc::channel(1024);
     let _reflectors = AbortOnDrop(
-        targets(&cfg, PAGE_SIZE)
+        targets(&cfg, cfg.page_size.unwrap_or(PAGE_SIZE))
             .into_iter()
             .map(|t| tokio::spawn(reflect::run(client.clone(), t, decoder.clone(), tx.clone())))
             .collect(),
@@ -282,6 +291,7 @@ mod tests {
             ownership: Ownership {
                 service_proxy_name: spn.map(str::to_string),
             },
+            page_size: None,
         };
         for (node, spn, ok) in [
             ("node-a", None, true),

@@ -35,6 +35,18 @@ impl Drop for Harness {
 
 /// Starts the fake server with `setup` applied, then the source against it.
 async fn start(ownership: Ownership, setup: impl FnOnce(&FakeApi)) -> Harness {
+    start_paged(ownership, None, setup).await
+}
+
+/// Objects per list page in the large-cluster test: several pages at its default size.
+const LARGE_PAGE: u32 = 500;
+
+/// [`start`], with `page_size` objects per list page.
+async fn start_paged(
+    ownership: Ownership,
+    page_size: Option<u32>,
+    setup: impl FnOnce(&FakeApi),
+) -> Harness {
     let api = Arc::new(FakeApi::new());
     setup(&api);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -52,6 +64,7 @@ async fn start(ownership: Ownership, setup: impl FnOnce(&FakeApi)) -> Harness {
     let cfg = KubeSourceConfig {
         node_name: NODE.into(),
         ownership,
+        page_size,
     };
     let source = tokio::spawn(source::run(client, cfg, handle.clone()));
     Harness {
@@ -670,6 +683,7 @@ async fn an_invalid_node_name_is_refused_before_any_request() {
     let cfg = KubeSourceConfig {
         node_name: "a,metadata.name=b".into(),
         ownership: Ownership::default(),
+        page_size: None,
     };
     let err = source::run(client, cfg, StateHandle::new())
         .await
@@ -701,7 +715,7 @@ async fn a_large_cluster_lists_and_relists() {
         .unwrap_or(2000);
     let ip = |i: usize| format!("10.96.{}.{}", i / 250, i % 250 + 1);
     let t0 = std::time::Instant::now();
-    let h = start(Ownership::default(), |api| {
+    let h = start_paged(Ownership::default(), Some(LARGE_PAGE), |api| {
         api.services.set_list(
             "10",
             (0..n)
@@ -738,7 +752,7 @@ async fn a_large_cluster_lists_and_relists() {
         .into_iter()
         .filter(|q| !q.contains_key("watch"))
         .collect();
-    let page_size = kproxy_source::kube::PAGE_SIZE as usize;
+    let page_size = LARGE_PAGE as usize;
     assert_eq!(pages.len(), n.div_ceil(page_size), "{pages:?}");
     for (i, q) in pages.iter().enumerate().skip(1) {
         assert_eq!(q.get("continue"), Some(&(i * page_size).to_string()));

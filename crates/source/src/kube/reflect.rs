@@ -1,7 +1,7 @@
 //! One kind's list-then-watch loop against the API server (client-go's reflector, in
 //! kproxy's terms). Owns: paging through the list, decoding each object on its own as
-//! its page arrives (one page of JSON text in memory at a time, never a list of
-//! objects), resuming a dropped watch from the last resourceVersion, relisting on
+//! its bytes arrive (one object's JSON text in memory at a time, never a page or a
+//! list of objects), resuming a dropped watch from the last resourceVersion, relisting on
 //! 410 Gone, and backing off on errors without flooding the log.
 //!
 //! Every object goes out as a [`fold::Input`] carrying the ingested [`Update`] (or why
@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 
 use super::fold::{self, Input, Key};
 use super::slim::{self, Coordinates};
+use super::split::Splitter;
 
 /// What one reflector lists and watches.
 #[derive(Clone, Debug)]
@@ -29,8 +30,8 @@ pub struct Target {
     pub url: String,
     pub label_selector: Option<String>,
     pub field_selector: Option<String>,
-    /// Objects per list page. Pages are decoded as they arrive, so this bounds the
-    /// JSON text held at once.
+    /// Objects per list page (0: no limit). Pages are decoded object by object as
+    /// their bytes arrive, so this bounds the work of one request, not memory.
     pub page_size: u32,
 }
 
@@ -90,15 +91,6 @@ struct ListMeta {
     resource_version: Option<String>,
     #[serde(rename = "continue")]
     continue_token: Option<String>,
-}
-
-/// A list page: the items stay raw text borrowed from the page until each is decoded.
-#[derive(Deserialize)]
-struct Page<'a> {
-    #[serde(default)]
-    metadata: ListMeta,
-    #[serde(borrow, default)]
-    items: Option<Vec<&'a RawValue>>,
 }
 
 /// One watch event line; the object stays raw text borrowed from the line.
@@ -255,8 +247,21 @@ fn item(decoder: &Decoder, kind: Kind, json: &str) -> (Key, Result<Update, Inges
     }
 }
 
-/// One complete list, page by page: `Init`, one `Listed` per object, `InitDone`.
-/// Returns the list's resourceVersion, to watch from.
+/// One item's key and decoded update, from its text.
+fn item_bytes(decoder: &Decoder, kind: Kind, json: &[u8]) -> (Key, Result<Update, IngestError>) {
+    match std::str::from_utf8(json) {
+        Ok(text) => item(decoder, kind, text),
+        Err(_) => {
+            let key = Key::default();
+            let e = fold::decode_warning(kind, &key, ".", "not UTF-8 text");
+            (key, Err(e))
+        }
+    }
+}
+
+/// One complete list, page by page, each page's items decoded as its bytes arrive
+/// ([`split`]): `Init`, one `Listed` per object, `InitDone`. Returns the list's
+/// resourceVersion, to watch from.
 async fn list(
     client: &kube::Client,
     request: &kube::core::Request,
@@ -269,26 +274,44 @@ async fn list(
     let mut params = ListParams {
         label_selector: target.label_selector.clone(),
         field_selector: target.field_selector.clone(),
-        limit: Some(target.page_size),
+        limit: (target.page_size > 0).then_some(target.page_size),
         ..ListParams::default()
     };
+    let mut decoded = Vec::new();
     loop {
         let req = request
             .list(&params)
             .map_err(|e| Stop::Failed(e.to_string()))?;
-        let text = client.request_text(req).await.map_err(api_error)?;
-        let page: Page<'_> = serde_json::from_str(&text)
-            .map_err(|e| Stop::Failed(format!("undecodable list page: {e}")))?;
-        for raw in page.items.into_iter().flatten() {
-            let (key, decoded) = item(decoder, kind, raw.get());
-            send(tx, kind, Input::Listed(key, decoded)).await?;
+        let mut body = client.request_stream(req).await.map_err(api_error)?;
+        let mut splitter = Splitter::new();
+        loop {
+            let chunk = body
+                .fill_buf()
+                .await
+                .map_err(|e| Stop::Failed(format!("reading the list response: {e}")))?;
+            if chunk.is_empty() {
+                break;
+            }
+            let n = chunk.len();
+            splitter
+                .feed(chunk, |json| decoded.push(item_bytes(decoder, kind, json)))
+                .map_err(|e| Stop::Failed(e.to_string()))?;
+            body.consume_unpin(n);
+            for (key, update) in decoded.drain(..) {
+                send(tx, kind, Input::Listed(key, update)).await?;
+            }
         }
-        match page.metadata.continue_token.filter(|c| !c.is_empty()) {
+        let metadata: ListMeta = match splitter.finish() {
+            Ok(Some(text)) => serde_json::from_slice(&text)
+                .map_err(|e| Stop::Failed(format!("undecodable list metadata: {e}")))?,
+            Ok(None) => ListMeta::default(),
+            Err(e) => return Err(Stop::Failed(e.to_string())),
+        };
+        match metadata.continue_token.filter(|c| !c.is_empty()) {
             Some(token) => params.continue_token = Some(token),
             None => {
                 send(tx, kind, Input::InitDone).await?;
-                return page
-                    .metadata
+                return metadata
                     .resource_version
                     .ok_or_else(|| Stop::Failed("list without a resourceVersion".into()));
             }
