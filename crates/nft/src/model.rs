@@ -374,7 +374,7 @@ pub const MAX_FIELDS: usize = 4;
 ///
 /// A full sync holds ≈ 176k of them twice (key and value), so their size is most of its
 /// transient memory, and a heap allocation each cost a quarter of its time. Tuples
-/// without an IPv6 address (the common case) are held inline as one 8-byte [`Slot`] per
+/// without an IPv6 address (the common case) are held inline as one 8-byte `Slot` per
 /// atom; the others (a 16-byte address does not fit a slot) as a boxed slice of atoms.
 /// The representation is canonical (chosen by the atoms alone), so the derived
 /// equality and hash are those of the atoms; the order is that of `(padded atoms,
