@@ -305,7 +305,7 @@ impl SetDecl {
                 }
                 let mut atoms = [FILLER; MAX_FIELDS];
                 let len = prefix.atoms().len();
-                atoms[..len].copy_from_slice(prefix.atoms());
+                atoms[..len].copy_from_slice(&prefix.atoms());
                 atoms[len] = Atom::Index(i);
                 Tuple::new(&atoms[..=len])
             }
@@ -370,18 +370,86 @@ impl Atom {
 /// address, protocol, port, index).
 pub const MAX_FIELDS: usize = 4;
 
-/// A concatenation of atoms (one atom for a single-field key), held inline: a full sync
-/// holds ≈ 176k of them twice (key and value), and a heap slice each cost a quarter of
-/// its time in allocation and pointer chasing.
+/// A concatenation of atoms (one atom for a single-field key).
+///
+/// A full sync at 10k Services × 10 endpoints holds ≈ 106k elements, most with a tuple
+/// as key and another as value, so their size is most of its transient memory; a heap
+/// allocation each cost a quarter of its time. Tuples
+/// without an IPv6 address (the common case) are held inline as one 8-byte `Slot` per
+/// atom; the others (a 16-byte address does not fit a slot) as a boxed slice of atoms.
+/// The representation is canonical (chosen by the atoms alone), so the derived
+/// equality and hash are those of the atoms; the order is that of `(padded atoms,
+/// len)` (see [`Ord for Tuple`](#impl-Ord-for-Tuple)).
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Tuple(Repr);
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Repr {
+    /// The first `len` slots are the tuple's; the rest are [`FILLER`]'s.
+    Inline { slots: [Slot; MAX_FIELDS], len: u8 },
+    /// A tuple with an IPv6 address.
+    Boxed(Box<[Atom]>),
+}
+
+/// One atom other than an IPv6 address or prefix, as `[high, low]` halves of a `u64`
+/// whose order is that of the atoms: the top byte is the variant (an IPv6 variant
+/// keeps its place in [`Atom`]'s order but never occurs here), the rest the datum.
+/// Two `u32`s rather than a `u64` so that a [`Tuple`] is 4-byte aligned inside.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Tuple {
-    /// The first `len` are the tuple's; the rest are `FILLER`, so derived comparisons
-    /// are those of the slices.
+struct Slot([u32; 2]);
+
+const ADDR4: u64 = 0;
+const PREFIX4: u64 = 2;
+const PROTO: u64 = 4;
+const PORT: u64 = 5;
+const INDEX: u64 = 6;
+
+impl Slot {
+    fn of(a: Atom) -> Option<Slot> {
+        let v = match a {
+            Atom::Addr(IpAddr::V4(ip)) => ADDR4 << 56 | u64::from(u32::from(ip)),
+            Atom::Prefix(IpAddr::V4(ip), len) => {
+                PREFIX4 << 56 | u64::from(u32::from(ip)) << 8 | u64::from(len)
+            }
+            Atom::Addr(IpAddr::V6(_)) | Atom::Prefix(IpAddr::V6(_), _) => return None,
+            Atom::Proto(p) => PROTO << 56 | u64::from(p),
+            Atom::Port(p) => PORT << 56 | u64::from(p),
+            Atom::Index(i) => INDEX << 56 | u64::from(i),
+        };
+        Some(Slot([(v >> 32) as u32, v as u32]))
+    }
+
+    fn atom(self) -> Atom {
+        let v = u64::from(self.0[0]) << 32 | u64::from(self.0[1]);
+        let datum = v & ((1 << 56) - 1);
+        match v >> 56 {
+            ADDR4 => Atom::Addr(IpAddr::V4((datum as u32).into())),
+            PREFIX4 => Atom::Prefix(IpAddr::V4(((datum >> 8) as u32).into()), datum as u8),
+            PROTO => Atom::Proto(datum as u8),
+            PORT => Atom::Port(datum as u16),
+            INDEX => Atom::Index(datum as u32),
+            _ => unreachable!("a slot is only made by Slot::of"),
+        }
+    }
+}
+
+/// What pads a tuple to [`MAX_FIELDS`] atoms.
+const FILLER: Atom = Atom::Index(0);
+const FILLER_SLOT: Slot = Slot([(INDEX << 24) as u32, 0]);
+
+/// A tuple's atoms, by value (an inline tuple has no [`Atom`]s to lend).
+#[derive(Clone, Copy)]
+pub struct Atoms {
     atoms: [Atom; MAX_FIELDS],
     len: u8,
 }
 
-const FILLER: Atom = Atom::Index(0);
+impl std::ops::Deref for Atoms {
+    type Target = [Atom];
+    fn deref(&self) -> &[Atom] {
+        &self.atoms[..usize::from(self.len)]
+    }
+}
 
 impl Tuple {
     /// Panics on more than [`MAX_FIELDS`] atoms: a kproxy declaration never has more
@@ -392,16 +460,44 @@ impl Tuple {
             "a tuple of {} atoms",
             atoms.len()
         );
-        let mut t = Tuple {
-            atoms: [FILLER; MAX_FIELDS],
+        let mut slots = [FILLER_SLOT; MAX_FIELDS];
+        for (s, a) in slots.iter_mut().zip(atoms) {
+            match Slot::of(*a) {
+                Some(x) => *s = x,
+                None => return Tuple(Repr::Boxed(atoms.into())),
+            }
+        }
+        Tuple(Repr::Inline {
+            slots,
             len: atoms.len() as u8,
-        };
-        t.atoms[..atoms.len()].copy_from_slice(atoms);
-        t
+        })
     }
 
-    pub fn atoms(&self) -> &[Atom] {
-        &self.atoms[..usize::from(self.len)]
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            Repr::Inline { len, .. } => usize::from(*len),
+            Repr::Boxed(a) => a.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn atoms(&self) -> Atoms {
+        let mut atoms = [FILLER; MAX_FIELDS];
+        match &self.0 {
+            Repr::Inline { slots, len } => {
+                for (a, s) in atoms.iter_mut().zip(&slots[..usize::from(*len)]) {
+                    *a = s.atom();
+                }
+            }
+            Repr::Boxed(b) => atoms[..b.len()].copy_from_slice(b),
+        }
+        Atoms {
+            atoms,
+            len: self.len() as u8,
+        }
     }
 
     pub fn write(&self, out: &mut String) {
@@ -414,9 +510,33 @@ impl Tuple {
     }
 }
 
+/// The order of `(atoms padded with FILLER to MAX_FIELDS, len)`: that of the former
+/// inline `[Atom; MAX_FIELDS]` representation, which decides the order elements are
+/// listed in (rendered text, netlink batches). Slots order like their atoms, so two
+/// inline tuples compare without decoding.
+impl Ord for Tuple {
+    fn cmp(&self, other: &Tuple) -> std::cmp::Ordering {
+        match (&self.0, &other.0) {
+            (Repr::Inline { slots: a, len: m }, Repr::Inline { slots: b, len: n }) => {
+                (a, m).cmp(&(b, n))
+            }
+            _ => {
+                let (a, b) = (self.atoms(), other.atoms());
+                (a.atoms, a.len).cmp(&(b.atoms, b.len))
+            }
+        }
+    }
+}
+
+impl PartialOrd for Tuple {
+    fn partial_cmp(&self, other: &Tuple) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
 impl std::fmt::Debug for Tuple {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(self.atoms()).finish()
+        f.debug_list().entries(self.atoms().iter()).finish()
     }
 }
 
@@ -1328,14 +1448,14 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
         let del: Vec<Tuple> = olde
             .iter()
             .filter(|(k, v)| s.elements.get(*k) != Some(*v))
-            .map(|(k, _)| *k)
+            .map(|(k, _)| k.clone())
             .collect();
         let add: Vec<Elem> = s
             .elements
             .iter()
             .filter(|(k, v)| olde.get(*k) != Some(*v))
             .map(|(k, v)| Elem {
-                key: *k,
+                key: k.clone(),
                 value: v.clone(),
             })
             .collect();
@@ -1418,7 +1538,7 @@ mod tests {
                 Op::AddElements { set, elems, .. } => {
                     let s = t.sets.get_mut(set).unwrap();
                     for e in elems {
-                        assert!(s.elements.insert(e.key, e.value.clone()).is_none());
+                        assert!(s.elements.insert(e.key.clone(), e.value.clone()).is_none());
                     }
                 }
                 Op::DeleteElements { set, keys, .. } => {
@@ -1430,6 +1550,73 @@ mod tests {
             }
         }
         t
+    }
+
+    /// A full sync holds ≈ 176k elements (key in a `Set`'s map, and again in an `Elem`
+    /// of the transaction): their size is most of its transient memory. An upper bound,
+    /// so that a change that grows them fails here.
+    #[test]
+    fn element_sizes() {
+        use std::mem::size_of;
+        let sizes = [
+            ("Atom", size_of::<Atom>()),
+            ("Tuple", size_of::<Tuple>()),
+            ("Value", size_of::<Value>()),
+            ("Option<Value>", size_of::<Option<Value>>()),
+            ("Elem", size_of::<Elem>()),
+        ];
+        println!("{sizes:?}");
+        assert!(size_of::<Elem>() <= 80, "{sizes:?}");
+    }
+
+    /// A tuple gives back its atoms, and tuples (inline, boxed, or one of each) order
+    /// and compare as `(atoms padded with FILLER, len)` do: the order elements are
+    /// listed in must not depend on the representation.
+    #[test]
+    fn tuple_atoms_and_order() {
+        let atoms: Vec<Atom> = [
+            "0.0.0.0",
+            "10.96.0.1",
+            "10.96.0.2",
+            "255.255.255.255",
+            "::",
+            "fd00::1",
+            "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        ]
+        .iter()
+        .flat_map(|s| {
+            let ip: IpAddr = s.parse().unwrap();
+            [Atom::Addr(ip), Atom::Prefix(ip, 0), Atom::Prefix(ip, 24)]
+        })
+        .chain([0, 6, 17, 255].map(Atom::Proto))
+        .chain([0, 80, 65535].map(Atom::Port))
+        .chain([0, 1, u32::MAX].map(Atom::Index))
+        .collect();
+        let mut lists: Vec<Vec<Atom>> = vec![vec![]];
+        for a in &atoms {
+            lists.push(vec![*a]);
+            for b in &atoms {
+                lists.push(vec![*a, *b]);
+            }
+            lists.push(vec![*a, Atom::Proto(6), Atom::Port(80), Atom::Index(3)]);
+            lists.push(vec![Atom::Port(80), *a, FILLER]);
+        }
+        let old = |l: &[Atom]| {
+            let mut p = [FILLER; MAX_FIELDS];
+            p[..l.len()].copy_from_slice(l);
+            (p, l.len())
+        };
+        let tuples: Vec<Tuple> = lists.iter().map(|l| Tuple::new(l)).collect();
+        for (l, t) in lists.iter().zip(&tuples) {
+            assert_eq!(&*t.atoms(), &l[..]);
+            assert_eq!(t.len(), l.len());
+        }
+        for (l, t) in lists.iter().zip(&tuples) {
+            for (m, u) in lists.iter().zip(&tuples) {
+                assert_eq!(t.cmp(u), old(l).cmp(&old(m)), "{l:?} vs {m:?}");
+                assert_eq!(t == u, l == m, "{l:?} vs {m:?}");
+            }
+        }
     }
 
     fn ip(s: &str) -> Atom {

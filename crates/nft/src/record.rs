@@ -476,13 +476,13 @@ impl FamilyRecord {
             };
             let (b, a) = (elements(&before), elements(&after));
             for ((set, k), v) in &b {
-                if a.get(&(*set, *k)) != Some(v) {
+                if a.get(&(*set, k.clone())) != Some(v) {
                     let keys = dels.entry(set.name().into_owned()).or_default();
-                    keys.insert(*k);
+                    keys.insert(k.clone());
                 }
             }
             for ((set, k), v) in a {
-                if b.get(&(set, k)) != Some(&v) {
+                if b.get(&(set, k.clone())) != Some(&v) {
                     adds.entry(set.name().into_owned())
                         .or_default()
                         .insert(k, v);

@@ -445,10 +445,10 @@ impl Frontend {
             };
             let row = key.row.is_some();
             let parsed = match base {
-                Some((r, t)) if *r == row => Some(*t),
+                Some((r, t)) if *r == row => Some(t.clone()),
                 _ => d.parse_key_prefix(key.base, row),
             };
-            *base = parsed.map(|t| (row, t));
+            *base = parsed.as_ref().map(|t| (row, t.clone()));
             // The frontend's text is written by this module from typed plan data.
             let e = parsed
                 .and_then(|t| d.finish_elem(t, key.row, value))

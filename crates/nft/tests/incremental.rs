@@ -229,7 +229,7 @@ fn effect(tx: &Transaction) -> Effect {
             } => {
                 let d = e.deleted.entry(at(family, set)).or_default();
                 for k in keys {
-                    assert!(d.insert(*k), "{set}: {k} deleted twice");
+                    assert!(d.insert(k.clone()), "{set}: {k} deleted twice");
                 }
             }
             Op::AddElements {
@@ -238,7 +238,7 @@ fn effect(tx: &Transaction) -> Effect {
                 let a = e.added.entry(at(family, set)).or_default();
                 for el in elems {
                     assert!(
-                        a.insert(el.key, el.value.clone()).is_none(),
+                        a.insert(el.key.clone(), el.value.clone()).is_none(),
                         "{set}: {} added twice",
                         el.key
                     );
