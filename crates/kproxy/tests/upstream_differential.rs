@@ -29,7 +29,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::cases::{Case, case, manifests, probe_and_judge};
+use common::cases::{Case, case, env_count, manifests, probe_and_judge, seeded_rng};
 use common::fabric::Fabric;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -38,7 +38,7 @@ use kproxy_core::manifest::{self, Object};
 use kproxy_lab::k8s::{ApiBridge, K8sLab};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use proptest::strategy::{Strategy, ValueTree};
-use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use proptest::test_runner::{Config, TestRunner};
 use serde_json::json;
 
 const NAMESPACE: &str = "ns";
@@ -346,30 +346,11 @@ async fn prepare(client: &kube::Client) -> Result<bool, String> {
 }
 
 fn cases() -> u32 {
-    std::env::var("KPROXY_UPSTREAM_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10)
+    env_count("KPROXY_UPSTREAM_CASES", 10)
 }
 
 fn runner() -> TestRunner {
-    let seed: u64 = match std::env::var("KPROXY_UPSTREAM_SEED").ok().as_deref() {
-        Some("random") => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1),
-        Some(s) => s
-            .parse()
-            .expect("KPROXY_UPSTREAM_SEED: a number or `random`"),
-        None => 36,
-    };
-    eprintln!("upstream differential: seed {seed}");
-    let mut bytes = [0u8; 32];
-    bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    TestRunner::new_with_rng(
-        Config::default(),
-        TestRng::from_seed(RngAlgorithm::ChaCha, &bytes),
-    )
+    TestRunner::new_with_rng(Config::default(), seeded_rng("KPROXY_UPSTREAM_SEED", 36))
 }
 
 /// Where the case's config and both proxies' logs go (kept when a case differs).

@@ -20,10 +20,12 @@ mod common;
 
 use std::sync::Arc;
 
-use common::cases::{Case, Svc, case, config, manifests, probe_and_judge, state};
+use common::cases::{
+    Case, Svc, case, config, env_count, manifests, probe_and_judge, seeded_rng, state,
+};
 use common::fabric::Fabric;
 use kproxy_core::NodePlan;
-use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
+use proptest::test_runner::{Config, TestCaseError, TestRng, TestRunner};
 
 /// Programs the case as `kproxy sync --once` does (node addresses from the Node object)
 /// and sends every probe; returns (probes, mismatches).
@@ -34,25 +36,11 @@ fn run_case(f: &Arc<Fabric>, c: &Case) -> Result<(usize, Vec<String>), String> {
 }
 
 fn cases() -> u32 {
-    std::env::var("KPROXY_DIFF_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(32)
+    env_count("KPROXY_DIFF_CASES", 32)
 }
 
 fn rng() -> TestRng {
-    let seed: u64 = match std::env::var("KPROXY_DIFF_SEED").ok().as_deref() {
-        Some("random") => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1),
-        Some(s) => s.parse().expect("KPROXY_DIFF_SEED: a number or `random`"),
-        None => 16,
-    };
-    eprintln!("differential: seed {seed}");
-    let mut bytes = [0u8; 32];
-    bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    TestRng::from_seed(RngAlgorithm::ChaCha, &bytes)
+    seeded_rng("KPROXY_DIFF_SEED", 16)
 }
 
 fn require_root() -> bool {

@@ -509,3 +509,32 @@ pub fn probe_and_judge(f: &Arc<Fabric>, c: &Case) -> Result<(usize, Vec<String>)
     }
     Ok((traces.len(), fails))
 }
+
+/// A number from the environment variable `var` (the number of states to try), else
+/// `default`.
+pub fn env_count(var: &str, default: u32) -> u32 {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The generator's random source, seeded from `var` (a number, or `random` for a
+/// fresh seed), else `default` so a run is reproducible; says which seed it used.
+pub fn seeded_rng(var: &str, default: u64) -> proptest::test_runner::TestRng {
+    use proptest::test_runner::{RngAlgorithm, TestRng};
+    let seed: u64 = match std::env::var(var).ok().as_deref() {
+        Some("random") => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1),
+        Some(s) => s
+            .parse()
+            .unwrap_or_else(|_| panic!("{var}: a number or `random`")),
+        None => default,
+    };
+    eprintln!("{var}: seed {seed}");
+    let mut bytes = [0u8; 32];
+    bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    TestRng::from_seed(RngAlgorithm::ChaCha, &bytes)
+}
