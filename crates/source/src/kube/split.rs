@@ -69,6 +69,15 @@ pub struct Splitter {
     metadata: Option<Vec<u8>>,
 }
 
+/// The largest item or metadata text held: far above any object the API server stores
+/// (etcd refuses requests over 1.5 MiB by default), so only a hostile or broken body
+/// reaches it, and it costs a bounded buffer, not the node's memory.
+pub const MAX_VALUE_BYTES: usize = 32 << 20;
+
+/// Longest root key kept: enough to tell `items` and `metadata`; a longer key matches
+/// neither, so its bytes past this are not kept.
+const MAX_KEY_BYTES: usize = 16;
+
 /// Why a body is not a list.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -123,7 +132,9 @@ impl Splitter {
                 self.at = At::RootColon;
                 return Ok(());
             }
-            self.key.push(b);
+            if self.key.len() < MAX_KEY_BYTES {
+                self.key.push(b);
+            }
             return Ok(());
         }
         if is_ws(b) {
@@ -201,12 +212,23 @@ impl Splitter {
         } else {
             match b {
                 b'"' => self.in_string = true,
-                b'{' | b'[' => v.depth += 1,
+                b'{' | b'[' => {
+                    v.depth = v
+                        .depth
+                        .checked_add(1)
+                        .ok_or_else(|| SplitError("not a list response: nesting too deep".into()))?
+                }
+                // depth ≥ 1 here: a scalar (depth 0) is handled above.
                 b'}' | b']' => v.depth -= 1,
                 _ => {}
             }
         }
         if v.collect != Collect::Nothing {
+            if self.buf.len() >= MAX_VALUE_BYTES {
+                return Err(SplitError(format!(
+                    "a list item or the list's metadata is larger than {MAX_VALUE_BYTES} bytes; not read"
+                )));
+            }
             self.buf.push(b);
         }
         if v.depth == 0 && !self.in_string && matches!(b, b'}' | b']') {
@@ -286,6 +308,29 @@ mod tests {
         assert!(items.is_empty());
         assert_eq!(meta, None);
         assert_eq!(split(r#"{"items":null}"#, 2).unwrap(), (vec![], None));
+    }
+
+    #[test]
+    fn an_oversized_item_is_an_error_not_an_allocation() {
+        let mut s = Splitter::new();
+        s.feed(br#"{"items":[{"a":""#, |_| {}).unwrap();
+        let chunk = vec![b'x'; 1 << 20];
+        let mut fed = 0;
+        let err = loop {
+            match s.feed(&chunk, |_| {}) {
+                Ok(()) => fed += chunk.len(),
+                Err(e) => break e,
+            }
+            assert!(fed <= MAX_VALUE_BYTES, "no limit");
+        };
+        assert!(err.0.contains("larger than"), "{err}");
+        // A long root key is read past, not kept.
+        let (items, _) = split(
+            &format!(r#"{{"{}":1,"items":[{{}}]}}"#, "k".repeat(1 << 16)),
+            4096,
+        )
+        .unwrap();
+        assert_eq!(items, ["{}"]);
     }
 
     #[test]
