@@ -256,16 +256,10 @@ impl Dataplane {
         plan: &NodePlan,
         report: &mut SyncReport,
     ) -> Result<([record::FamilyRecord; 2], Vec<Step>), NftError> {
-        let build = || {
-            [
-                record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv4),
-                record::FamilyRecord::full(plan, &self.cfg, IpFamily::IPv6),
-            ]
-        };
         let (recs, adopted) = if std::mem::take(&mut self.adopt_pending) {
             records_and_adoption(plan, &self.cfg)
         } else {
-            (build(), None)
+            (records(plan, &self.cfg), None)
         };
         if let Some(tx) = adopted {
             report.full = false;
@@ -390,6 +384,11 @@ impl Dataplane {
     }
 }
 
+/// Both families' records of a full sync of `plan`.
+fn records(plan: &NodePlan, cfg: &DataplaneConfig) -> [record::FamilyRecord; 2] {
+    IpFamily::ALL.map(|f| record::FamilyRecord::full(plan, cfg, f))
+}
+
 /// A first sync's records and, when kproxy's tables exist and can be brought to them in
 /// place, the adoption delta `diff(kernel, desired)`. The kernel's tables are read
 /// (mostly kernel time) while the records are built; a thread starts in its creator's
@@ -406,10 +405,7 @@ fn records_and_adoption(
                 dump::read_table("ip6", table),
             ]
         });
-        let recs = [
-            record::FamilyRecord::full(plan, cfg, IpFamily::IPv4),
-            record::FamilyRecord::full(plan, cfg, IpFamily::IPv6),
-        ];
+        let recs = records(plan, cfg);
         let raw = reader
             .join()
             .unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -585,8 +581,9 @@ pub fn full_transaction_of(recs: &[record::FamilyRecord; 2]) -> Transaction {
 }
 
 /// The full sync's transaction for a plan, as nft text (what `sync` sends when the
-/// tables exist; into absent tables it sends the same objects in steps). For golden
-/// tests and operators (`kproxy sync --dry-run`).
+/// tables exist and cannot be adopted; into absent tables it sends the same objects in
+/// steps). For golden tests and benches; operators see [`first_sync_transaction`]
+/// (`kproxy sync --dry-run`).
 pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
     full_transaction(desired(plan, cfg)).nft_text()
 }
