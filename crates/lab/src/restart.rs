@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
@@ -28,6 +28,7 @@ use crate::fabric::{self, Fabric};
 use crate::kproxyd::Kproxyd;
 use crate::lb::LoadBalancer;
 use crate::loadgen::{ConnKind, LoadGenerator, RequestRecord};
+use crate::scenario::wait_for;
 use crate::timeline::{Clock, Recorder};
 
 /// What is done to node 1's kproxy at the start of a phase.
@@ -202,27 +203,6 @@ fn synced_since(log: &Path, since_unix_ms: f64) -> Option<f64> {
         .find(|&t| t >= since_unix_ms)
 }
 
-async fn wait_until(
-    what: &str,
-    limit: Duration,
-    daemons: &mut [Kproxyd],
-    mut cond: impl FnMut() -> bool,
-) -> Result<(), LabError> {
-    let start = Instant::now();
-    while !cond() {
-        for d in daemons.iter_mut() {
-            d.check_alive()?;
-        }
-        if start.elapsed() > limit {
-            return Err(LabError::Invalid(format!(
-                "timed out after {limit:?} waiting for {what}"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
-}
-
 /// Runs the scenario with `cfg`'s cluster and load (its rollout settings unused),
 /// `hold` after each new process synced.
 pub fn run(
@@ -299,14 +279,14 @@ async fn run_async(
     ) + Duration::from_secs(20);
     let c2 = cluster.clone();
     let initial = tokio::spawn(async move { c2.rollout(1, limit).await });
-    wait_until("the pods to become ready", limit, &mut daemons, || {
+    wait_for("the pods to become ready", limit, &mut daemons, || {
         initial.is_finished()
     })
     .await?;
     initial
         .await
         .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
-    wait_until(
+    wait_for(
         "the load balancer to see every node healthy",
         limit,
         &mut daemons,
@@ -367,7 +347,7 @@ async fn run_async(
         } else {
             let log = daemons[0].event_log.clone();
             let mut synced = None;
-            wait_until(
+            wait_for(
                 &format!("node 1's new kproxy to sync ({})", dist.as_str()),
                 Duration::from_secs(30),
                 &mut daemons,

@@ -177,7 +177,7 @@ fn check_daemons(daemons: &mut [Kproxyd]) -> Result<(), LabError> {
 }
 
 /// Wait until `cond` holds, checking the daemons; fail after `limit`.
-async fn wait_for(
+pub(crate) async fn wait_for(
     what: &str,
     limit: Duration,
     daemons: &mut [Kproxyd],
