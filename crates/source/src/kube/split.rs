@@ -123,11 +123,7 @@ impl Splitter {
             return self.in_value(v, b, item);
         }
         if self.reading_key {
-            if self.escaped {
-                self.escaped = false;
-            } else if b == b'\\' {
-                self.escaped = true;
-            } else if b == b'"' {
+            if self.string_ends(b) {
                 self.reading_key = false;
                 self.at = At::RootColon;
                 return Ok(());
@@ -166,6 +162,18 @@ impl Splitter {
         Ok(())
     }
 
+    /// Inside a string: whether `b` is its closing quote (tracking escapes).
+    fn string_ends(&mut self, b: u8) -> bool {
+        if self.escaped {
+            self.escaped = false;
+        } else if b == b'\\' {
+            self.escaped = true;
+        } else {
+            return b == b'"';
+        }
+        false
+    }
+
     /// The first byte of a value.
     fn start_value(&mut self, b: u8, collect: Collect, in_items: bool) -> Result<(), SplitError> {
         let depth = match b {
@@ -195,11 +203,7 @@ impl Splitter {
         item: &mut impl FnMut(&[u8]),
     ) -> Result<(), SplitError> {
         if self.in_string {
-            if self.escaped {
-                self.escaped = false;
-            } else if b == b'\\' {
-                self.escaped = true;
-            } else if b == b'"' {
+            if self.string_ends(b) {
                 self.in_string = false;
             }
         } else if v.depth == 0 {
