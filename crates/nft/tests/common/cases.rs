@@ -345,21 +345,16 @@ pub fn probes(c: &Case) -> Vec<Probe> {
                     continue;
                 }
                 dsts.push((cip, port, proto));
-                if s.external_ip {
-                    let a = if v6 {
-                        format!("fd00:203::{}", 50 + i)
-                    } else {
-                        format!("203.0.113.{}", 50 + i)
-                    };
-                    dsts.push((ip(&a), port, proto));
-                }
-                if s.lb_ip {
-                    let a = if v6 {
-                        format!("fd00:203::{}", 10 + i)
-                    } else {
-                        format!("203.0.113.{}", 10 + i)
-                    };
-                    dsts.push((ip(&a), port, proto));
+                // External IPs are host 50 + i, LB IPs 10 + i (as `manifests` writes them).
+                for (on, host) in [(s.external_ip, 50 + i), (s.lb_ip, 10 + i)] {
+                    if on {
+                        let a = if v6 {
+                            format!("fd00:203::{host}")
+                        } else {
+                            format!("203.0.113.{host}")
+                        };
+                        dsts.push((ip(&a), port, proto));
+                    }
                 }
                 if s.kind != 0 {
                     let addrs: &[&str] = if v6 {
