@@ -6,7 +6,7 @@
 //! Two halves:
 //! - [`read_table`] (imperative): the dumps, decoded by hand into [`RawTable`] (attribute
 //!   walking over the received bytes; netlink-packet-netfilter's types cost microseconds
-//!   per element, and a 10k-Service table has ≈ 176k of them). A dump the kernel marks
+//!   per element, and a 10k-Service table has ≈ 106k of them). A dump the kernel marks
 //!   interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved while reading is
 //!   an error: the caller falls back to a full replacement.
 //! - [`adopt`] (pure): a [`RawTable`] and the desired model [`Table`] → the kernel as a

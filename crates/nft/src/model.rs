@@ -976,7 +976,7 @@ impl Transaction {
     }
 
     /// `diff(&Table::absent(..), &new)`, moving `new`'s rules and elements into the
-    /// operations instead of copying them: a full sync's table holds ≈ 176k elements,
+    /// operations instead of copying them: a full sync's table holds ≈ 106k elements,
     /// and holding them twice doubled its peak memory. (A test holds it equal to the
     /// diff.)
     pub fn create(new: Table) -> Transaction {
@@ -1552,7 +1552,7 @@ mod tests {
         t
     }
 
-    /// A full sync holds ≈ 176k elements (key in a `Set`'s map, and again in an `Elem`
+    /// A full sync holds ≈ 106k elements (key in a `Set`'s map, and again in an `Elem`
     /// of the transaction): their size is most of its transient memory. An upper bound,
     /// so that a change that grows them fails here.
     #[test]

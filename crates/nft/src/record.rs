@@ -8,7 +8,7 @@
 //! elements from the first Service in plan order, as in a full render), and how many
 //! Services use each dispatch group (its map and chain exist while one does).
 //!
-//! It is the dataplane's largest long-lived data (≈ 176k elements at 10k Services ×
+//! It is the dataplane's largest long-lived data (≈ 106k elements at 10k Services ×
 //! 10 endpoints), so elements are held once: a frontend's as one text shared by `Arc`
 //! between its fragment and its claim (its keys made from its name), shared ones as
 //! addresses, and typed elements are made when a transaction is built (the whole
@@ -157,7 +157,7 @@ impl FamilyRecord {
     /// The transaction that creates the whole table: `Transaction::create(self.assemble())`
     /// (a test holds them equal), with each set's Service elements moved from their
     /// sorted vectors into the operations instead of through the table's maps. A full
-    /// sync's largest transient is its ≈ 176k elements (10k × 10); this holds them once.
+    /// sync's largest transient is its ≈ 106k elements (10k × 10); this holds them once.
     pub fn create(&self) -> Transaction {
         let (rs, elements) = self.parts();
         Transaction::create_with(rs, elements)
@@ -207,7 +207,7 @@ impl FamilyRecord {
         };
         drop(fes);
         // Every vector is made at its final size: these are the largest allocations
-        // of a full sync (≈ 176 bytes an element; the hairpin set alone holds one per
+        // of a full sync (≈ 80 bytes an element; the hairpin set alone holds one per
         // endpoint), and a doubling vector's slack was a quarter of its transient.
         let mut out: BTreeMap<String, Vec<Elem>> = BTreeMap::new();
         let names: BTreeSet<SetRef> = parts.iter().flat_map(|p| p.keys().copied()).collect();
