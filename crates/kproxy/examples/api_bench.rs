@@ -12,7 +12,7 @@
 //!   --kubeconfig /tmp/k8s-lab-x/kubeconfig --proxy-kubeconfig /tmp/k8s-lab-x/kubeconfig-proxy \
 //!   10000x10 [--runs 3] [--skip-populate] [--churn SECONDS] [--rate PER_SECOND] \
 //!   [--kproxy-arg ARG]...   # e.g. --kproxy-arg --min-sync-period=0s
-//!   [--upstream /tmp/k8s-lab-x/bin/kube-proxy]
+//!   [--upstream /tmp/k8s-lab-x/bin/kube-proxy] [--restart]
 //! ```
 //!
 //! `--upstream BINARY` measures upstream kube-proxy (nftables mode, the k8s-lab's
@@ -26,6 +26,15 @@
 //! kproxy's `kproxy_change_stage_duration_seconds` (a change reaching the state →
 //! planned → kernel committed; p50/p99 from the histogram buckets, so bucket-bounded),
 //! the pending-change gauges after the churn, and kproxy's CPU time during it.
+//!
+//! `--restart` then restarts the last run's kproxy as a DaemonSet update or a crash
+//! would, into the tables it left: SIGTERM, then SIGKILL (each followed at once by a
+//! new process; the binary is the same file, so "upgrade" is the same measurement).
+//! A client in the namespace opens new connections through the probe's cluster IP
+//! all along (one every ~2 ms, 200 ms timeout); each restart reports the new
+//! process's start → first sync (adopting the kernel's tables: what it sent), its peak
+//! RSS, and the connections that succeeded and failed from the signal until 5 s after
+//! that sync.
 //!
 //! Objects already there (409) are kept, so a second call at the same scale only
 //! measures — slowly: the API server allocates and releases a cluster IP for each
@@ -662,12 +671,14 @@ fn main() {
     let mut extra = Vec::new();
     let mut upstream = None;
     let mut scale = None;
+    let mut restart = false;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--kubeconfig" => kubeconfig = args.next().map(PathBuf::from),
             "--proxy-kubeconfig" => proxy_kubeconfig = args.next().map(PathBuf::from),
             "--runs" => runs = args.next().and_then(|r| r.parse().ok()).expect("--runs N"),
             "--skip-populate" => skip_populate = true,
+            "--restart" => restart = true,
             "--churn" => {
                 churn_secs = args
                     .next()
@@ -689,7 +700,7 @@ fn main() {
         (kubeconfig, proxy_kubeconfig, scale)
     else {
         eprintln!(
-            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY]"
+            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY] [--restart]"
         );
         std::process::exit(2);
     };
@@ -796,7 +807,87 @@ fn main() {
                 rate,
             );
         }
+        let mut daemon = daemon;
+        if run + 1 == runs && restart && upstream.is_none() {
+            for (i, signal) in ["TERM", "KILL"].into_iter().enumerate() {
+                daemon = restart_once(
+                    &proxy_kubeconfig,
+                    &extra,
+                    &name,
+                    dir.path(),
+                    daemon,
+                    signal,
+                    runs + i,
+                );
+            }
+        }
         drop(daemon);
     }
     exec(&["nft", "flush", "ruleset"]);
+}
+
+/// New connections through the probe's cluster IP, opened one after another from
+/// inside the namespace until stopped: (succeeded, failed).
+struct Client {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(u64, u64)>,
+}
+
+impl Client {
+    fn start(ns: &str) -> Client {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let ns = ns.to_string();
+        let thread = std::thread::spawn(move || {
+            enter(&ns);
+            let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
+            let (mut ok, mut failed) = (0, 0);
+            while !flag.load(Ordering::Relaxed) {
+                match TcpStream::connect_timeout(&dst, Duration::from_millis(200)) {
+                    Ok(_) => ok += 1,
+                    Err(_) => failed += 1,
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (ok, failed)
+        });
+        Client { stop, thread }
+    }
+
+    fn finish(self) -> (u64, u64) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("client thread")
+    }
+}
+
+/// Stops `old` with `signal` and starts a new kproxy at once into the tables it left;
+/// prints what the client saw. Returns the new process.
+fn restart_once(
+    proxy_kubeconfig: &Path,
+    extra: &[String],
+    ns: &str,
+    dir: &Path,
+    mut old: Proc,
+    signal: &str,
+    run: usize,
+) -> Proc {
+    let client = Client::start(ns);
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    sh(&["kill", &format!("-{signal}"), &old.0.id().to_string()]);
+    let _ = old.0.wait();
+    let stopped = t.elapsed();
+    let (r, new) = measure(proxy_kubeconfig, extra, None, ns, dir, run);
+    let (ok, failed) = client.finish();
+    let detail = serde_json::from_str::<Value>(&r.sync_event)
+        .map(|e| e["detail"].to_string())
+        .unwrap_or_default();
+    println!(
+        "kproxy restart by SIG{signal}: old process gone in {:.0} ms; new process start → first sync {:.2} s ({detail}); peak (VmHWM) {:.1} MiB | new connections from the signal to 5 s after that sync: {ok} succeeded, {failed} failed",
+        stopped.as_secs_f64() * 1000.0,
+        r.first_sync.as_secs_f64(),
+        r.hwm as f64 / 1024.0,
+    );
+    new
 }
