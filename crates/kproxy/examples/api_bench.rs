@@ -21,11 +21,14 @@
 //! IP (it writes no event log), and it has no timeline and no churn figures.
 //!
 //! `--churn S` then keeps the last run's kproxy up and flips one endpoint's readiness
-//! in a different EndpointSlice `--rate` times a second (default 100) for S seconds,
-//! one merge PATCH each, and reports: writes acknowledged, the API's write latency,
-//! kproxy's `kproxy_change_stage_duration_seconds` (a change reaching the state →
-//! planned → kernel committed; p50/p99 from the histogram buckets, so bucket-bounded),
-//! the pending-change gauges after the churn, and kproxy's CPU time during it.
+//! (and adds a surge endpoint at an address of its own) in a different EndpointSlice
+//! `--rate` times a second (default 100) for S seconds, one merge PATCH each, and
+//! reports: writes acknowledged, the API's write latency, kproxy's
+//! `kproxy_change_stage_duration_seconds` (a change reaching the state → planned →
+//! kernel committed; p50/p99 from the histogram buckets, so bucket-bounded), the
+//! pending-change gauges after the churn, kproxy's CPU time during it, and each write's
+//! way end to end: acknowledged (and sent) → the kernel commit of the first sync whose
+//! `synced` event names the written Service (`changed`, `committed_unix_us`).
 //!
 //! Objects already there (409) are kept, so a second call at the same scale only
 //! measures — slowly: the API server allocates and releases a cluster IP for each
@@ -555,14 +558,69 @@ fn stage_buckets(text: &str, stage: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
-fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, secs: u64, rate: u64) {
+/// Microseconds since the epoch.
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// Each write's way as the bench sees it: for the first `synced` event in kproxy's event
+/// log that names the written Service and committed after the write was sent, the
+/// kernel commit minus the write's acknowledgement (negative when the watch event and
+/// the sync beat the API's answer to the client) and minus its sending; in ms. Writes
+/// no sync names are counted as missing.
+fn write_to_kernel(events: &Path, writes: &[(String, u64, u64)]) -> (Vec<f64>, Vec<f64>, usize) {
+    let text = std::fs::read_to_string(events).unwrap_or_default();
+    let mut commits: std::collections::HashMap<String, Vec<u64>> = Default::default();
+    for e in text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+    {
+        let (Some(at), Some(names)) = (e["committed_unix_us"].as_u64(), e["changed"].as_array())
+        else {
+            continue;
+        };
+        for n in names.iter().filter_map(Value::as_str) {
+            commits.entry(n.to_string()).or_default().push(at);
+        }
+    }
+    let (mut from_ack, mut from_sent, mut missing) = (Vec::new(), Vec::new(), 0);
+    for (svc, sent, acked) in writes {
+        match commits
+            .get(svc)
+            .and_then(|c| c.iter().copied().filter(|t| t >= sent).min())
+        {
+            Some(t) => {
+                from_ack.push((t as f64 - *acked as f64) / 1e3);
+                from_sent.push((t - sent) as f64 / 1e3);
+            }
+            None => missing += 1,
+        }
+    }
+    from_ack.sort_by(f64::total_cmp);
+    from_sent.sort_by(f64::total_cmp);
+    (from_ack, from_sent, missing)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn churn(
+    kubeconfig: &Path,
+    ns: &str,
+    pid: u32,
+    events: &Path,
+    services: usize,
+    eps: usize,
+    secs: u64,
+    rate: u64,
+) {
     let before = metrics_text(ns);
     let ticks0 = cpu_ticks(pid);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let run_salt = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos() as usize);
-    let (acked, mut write_ms) = rt.block_on(async {
+    let (writes, mut write_ms) = rt.block_on(async {
         let client = kproxy_source::kube::client(Some(kubeconfig))
             .await
             .expect("admin client");
@@ -603,20 +661,25 @@ fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, sec
                     &Patch::Merge(body),
                 )
                 .expect("patch request");
-                let t = Instant::now();
-                client.request_text(req).await.map(|_| t.elapsed())
+                let (t, sent) = (Instant::now(), unix_us());
+                let svc = format!("{ns}/svc-{i}");
+                client
+                    .request_text(req)
+                    .await
+                    .map(|_| (t.elapsed(), svc, sent, unix_us()))
             }));
         }
-        let mut acked = 0;
         let mut write_ms = Vec::new();
+        let mut writes = Vec::new();
         for t in tasks {
-            if let Ok(Ok(d)) = t.await {
-                acked += 1;
+            if let Ok(Ok((d, svc, sent, acked))) = t.await {
                 write_ms.push(d.as_secs_f64() * 1e3);
+                writes.push((svc, sent, acked));
             }
         }
-        (acked, write_ms)
+        (writes, write_ms)
     });
+    let acked = writes.len();
     std::thread::sleep(Duration::from_secs(2));
     let ticks = cpu_ticks(pid) - ticks0;
     let after = metrics_text(ns);
@@ -649,6 +712,17 @@ fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, sec
     for l in after.lines().filter(|l| l.contains("changes_pending")) {
         println!("  after: {l}");
     }
+    let (from_ack, from_sent, missing) = write_to_kernel(events, &writes);
+    let beat = from_ack.iter().filter(|x| **x < 0.0).count();
+    println!(
+        "  write → kernel (the first sync naming the written Service, from kproxy's event log; {} writes matched, {missing} not named by any sync): acknowledged → kernel p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({beat} committed before the client had the API's answer: counted as ≤ 0); sent → kernel p50 {:.2} ms, p99 {:.2} ms",
+        from_ack.len(),
+        pct(&from_ack, 0.5),
+        pct(&from_ack, 0.99),
+        from_ack.last().copied().unwrap_or(f64::NAN),
+        pct(&from_sent, 0.5),
+        pct(&from_sent, 0.99),
+    );
 }
 
 fn main() {
@@ -790,6 +864,7 @@ fn main() {
                 &kubeconfig,
                 &name,
                 daemon.0.id(),
+                &dir.path().join(format!("events-{run}.jsonl")),
                 services,
                 eps,
                 churn_secs,
