@@ -759,6 +759,8 @@ async fn reconcile_loop(
     // revisited; otherwise a pass visits the Services the sync loop reported changed and
     // those with a bind to retry, so a sync costs health the change, not every check.
     let mut seen: Option<(Vec<FamilyPlan>, Vec<LocalAddr>, bool)> = None;
+    // The servers with a bind to retry (visited by every pass, and timing the next one).
+    let mut retrying: BTreeSet<ServiceName> = BTreeSet::new();
     loop {
         let generation = ctl.requested.load(Ordering::SeqCst);
         let (changed, families) = {
@@ -819,12 +821,7 @@ async fn reconcile_loop(
                     .collect()
             } else {
                 let mut names = changed.services;
-                names.extend(
-                    running
-                        .iter()
-                        .filter(|(_, r)| !r.failing.is_empty())
-                        .map(|(n, _)| n.clone()),
-                );
+                names.extend(retrying.iter().cloned());
                 names
                     .into_iter()
                     .map(|n| {
@@ -846,6 +843,9 @@ async fn reconcile_loop(
                 r.close(&shared).await;
             }
         }
+        if whole {
+            retrying.clear();
+        }
 
         let missing = decide::missing_node_addrs(families, local);
         for (name, t) in &visit {
@@ -860,6 +860,13 @@ async fn reconcile_loop(
             r.converge(&want, &missing, &shared).await;
             let status = decide::service_status(t.local_endpoints, proxy_healthy);
             shared.note_status(&r.check, status);
+        }
+        for (name, _) in &visit {
+            if running.get(name).is_some_and(|r| !r.failing.is_empty()) {
+                retrying.insert(name.clone());
+            } else {
+                retrying.remove(name);
+            }
         }
         if let Some(h) = healthz.as_mut() {
             h.try_bind_due(&shared);
@@ -884,9 +891,9 @@ async fn reconcile_loop(
         }
         ctl.done.send_replace(generation);
 
-        let next_retry = running
-            .values()
-            .filter_map(Running::next_retry)
+        let next_retry = retrying
+            .iter()
+            .filter_map(|n| running.get(n)?.next_retry())
             .chain(healthz.as_ref().and_then(HealthzServer::next_retry))
             .min();
         let tick = tokio::time::Instant::now() + TICK;
