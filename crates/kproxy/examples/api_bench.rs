@@ -558,19 +558,9 @@ fn stage_buckets(text: &str, stage: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// Microseconds since the epoch.
-fn unix_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
-}
-
-/// Each write's way as the bench sees it: for the first `synced` event in kproxy's event
-/// log that names the written Service and committed after the write was sent, the
-/// kernel commit minus the write's acknowledgement (negative when the watch event and
-/// the sync beat the API's answer to the client) and minus its sending; in ms. Writes
-/// no sync names are counted as missing.
-fn write_to_kernel(events: &Path, writes: &[(String, u64, u64)]) -> (Vec<f64>, Vec<f64>, usize) {
+/// From kproxy's event log: each Service a delta sync named (`changed`) → the kernel
+/// commit times of those syncs (`committed_unix_us`).
+fn commits(events: &Path) -> std::collections::HashMap<String, Vec<u64>> {
     let text = std::fs::read_to_string(events).unwrap_or_default();
     let mut commits: std::collections::HashMap<String, Vec<u64>> = Default::default();
     for e in text
@@ -585,6 +575,23 @@ fn write_to_kernel(events: &Path, writes: &[(String, u64, u64)]) -> (Vec<f64>, V
             commits.entry(n.to_string()).or_default().push(at);
         }
     }
+    commits
+}
+
+/// Microseconds since the epoch.
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// Each write's way as the bench sees it: for the first `synced` event in kproxy's event
+/// log that names the written Service and committed after the write was sent, the
+/// kernel commit minus the write's acknowledgement (negative when the watch event and
+/// the sync beat the API's answer to the client) and minus its sending; in ms. Writes
+/// no sync names are counted as missing.
+fn write_to_kernel(events: &Path, writes: &[(String, u64, u64)]) -> (Vec<f64>, Vec<f64>, usize) {
+    let commits = commits(events);
     let (mut from_ack, mut from_sent, mut missing) = (Vec::new(), Vec::new(), 0);
     for (svc, sent, acked) in writes {
         match commits
@@ -620,10 +627,48 @@ fn churn(
     let run_salt = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos() as usize);
+    // When the API server delivers each change to a watcher of its own (the bench's, on
+    // the host, no socat in between): "Service" → arrival times, in µs since the epoch.
+    let delivered: std::sync::Arc<std::sync::Mutex<Vec<(String, u64)>>> = Default::default();
     let (writes, mut write_ms) = rt.block_on(async {
         let client = kproxy_source::kube::client(Some(kubeconfig))
             .await
             .expect("admin client");
+        let slices = "/apis/discovery.k8s.io/v1/endpointslices";
+        let list = Request::new(slices)
+            .list(&kube::core::params::ListParams::default().limit(1))
+            .expect("list request");
+        let rv = serde_json::from_str::<Value>(&client.request_text(list).await.expect("list"))
+            .ok()
+            .and_then(|v| {
+                v["metadata"]["resourceVersion"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .expect("the list's resourceVersion");
+        let watch = Request::new(slices)
+            .watch(
+                &kube::core::params::WatchParams::default().timeout(290),
+                &rv,
+            )
+            .expect("watch request");
+        let events = client
+            .request_events::<kube::core::DynamicObject>(watch)
+            .await
+            .expect("watch");
+        let sink = delivered.clone();
+        tokio::spawn(async move {
+            futures::pin_mut!(events);
+            while let Some(Ok(e)) = events.next().await {
+                let at = unix_us();
+                if let kube::core::WatchEvent::Modified(o) = e
+                    && let (Some(ns), Some(name)) = (o.metadata.namespace, o.metadata.name)
+                {
+                    let svc = name.strip_suffix("-x").unwrap_or(&name);
+                    sink.lock().unwrap().push((format!("{ns}/{svc}"), at));
+                }
+            }
+        });
         let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
         let mut tasks = Vec::new();
         for k in 0..(secs * rate) as usize {
@@ -713,6 +758,8 @@ fn churn(
         println!("  after: {l}");
     }
     let (from_ack, from_sent, missing) = write_to_kernel(events, &writes);
+    let delivered = std::mem::take(&mut *delivered.lock().unwrap());
+    let (ack_to_watch, watch_to_kernel) = api_delivery(events, &writes, &delivered);
     let beat = from_ack.iter().filter(|x| **x < 0.0).count();
     println!(
         "  write → kernel (the first sync naming the written Service, from kproxy's event log; {} writes matched, {missing} not named by any sync): acknowledged → kernel p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({beat} committed before the client had the API's answer: counted as ≤ 0); sent → kernel p50 {:.2} ms, p99 {:.2} ms",
@@ -723,6 +770,46 @@ fn churn(
         pct(&from_sent, 0.5),
         pct(&from_sent, 0.99),
     );
+    println!(
+        "  the API's own delivery ({} writes seen by the bench's watch): acknowledged → delivered to a watcher p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; that delivery → kproxy's kernel commit p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        ack_to_watch.len(),
+        pct(&ack_to_watch, 0.5),
+        pct(&ack_to_watch, 0.99),
+        ack_to_watch.last().copied().unwrap_or(f64::NAN),
+        pct(&watch_to_kernel, 0.5),
+        pct(&watch_to_kernel, 0.99),
+        watch_to_kernel.last().copied().unwrap_or(f64::NAN),
+    );
+}
+
+/// Per write, from the bench's own watch: acknowledged → delivered to that watcher, and
+/// that delivery → kproxy's kernel commit (the first sync naming the Service after the
+/// write was sent), in ms, sorted. kproxy's watch goes through socat into its
+/// namespace, so the second figure includes that hop.
+fn api_delivery(
+    events: &Path,
+    writes: &[(String, u64, u64)],
+    delivered: &[(String, u64)],
+) -> (Vec<f64>, Vec<f64>) {
+    let mut seen: std::collections::HashMap<&str, Vec<u64>> = Default::default();
+    for (svc, at) in delivered {
+        seen.entry(svc.as_str()).or_default().push(*at);
+    }
+    let commits = commits(events);
+    let first_after = |v: Option<&Vec<u64>>, t: u64| v?.iter().copied().filter(|x| *x >= t).min();
+    let (mut ack_to_watch, mut watch_to_kernel) = (Vec::new(), Vec::new());
+    for (svc, sent, acked) in writes {
+        let Some(w) = first_after(seen.get(svc.as_str()), *sent) else {
+            continue;
+        };
+        ack_to_watch.push((w as f64 - *acked as f64) / 1e3);
+        if let Some(k) = first_after(commits.get(svc), *sent) {
+            watch_to_kernel.push((k as f64 - w as f64) / 1e3);
+        }
+    }
+    ack_to_watch.sort_by(f64::total_cmp);
+    watch_to_kernel.sort_by(f64::total_cmp);
+    (ack_to_watch, watch_to_kernel)
 }
 
 fn main() {
