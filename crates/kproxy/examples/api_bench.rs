@@ -559,10 +559,13 @@ fn stage_buckets(text: &str, stage: &str) -> Vec<(f64, f64)> {
 }
 
 /// From kproxy's event log: each Service a delta sync named (`changed`) → the kernel
-/// commit times of those syncs (`committed_unix_us`).
-fn commits(events: &Path) -> std::collections::HashMap<String, Vec<u64>> {
+/// commit times of those syncs (`committed_unix_us`), each with the time its oldest
+/// change reached kproxy's state (`oldest_change_unix_us`) when the sync carried that
+/// Service alone (then the oldest change is this one).
+fn commits(events: &Path) -> std::collections::HashMap<String, Vec<(u64, Option<u64>)>> {
     let text = std::fs::read_to_string(events).unwrap_or_default();
-    let mut commits: std::collections::HashMap<String, Vec<u64>> = Default::default();
+    let mut commits: std::collections::HashMap<String, Vec<(u64, Option<u64>)>> =
+        Default::default();
     for e in text
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
@@ -571,11 +574,28 @@ fn commits(events: &Path) -> std::collections::HashMap<String, Vec<u64>> {
         else {
             continue;
         };
+        let state = e["oldest_change_unix_us"]
+            .as_u64()
+            .filter(|_| names.len() == 1);
         for n in names.iter().filter_map(Value::as_str) {
-            commits.entry(n.to_string()).or_default().push(at);
+            commits.entry(n.to_string()).or_default().push((at, state));
         }
     }
     commits
+}
+
+/// The first commit of `svc` at or after `t` (µs), with its state time (see [`commits`]).
+fn first_commit(
+    commits: &std::collections::HashMap<String, Vec<(u64, Option<u64>)>>,
+    svc: &str,
+    t: u64,
+) -> Option<(u64, Option<u64>)> {
+    commits
+        .get(svc)?
+        .iter()
+        .copied()
+        .filter(|c| c.0 >= t)
+        .min_by_key(|c| c.0)
 }
 
 /// Microseconds since the epoch.
@@ -594,11 +614,8 @@ fn write_to_kernel(events: &Path, writes: &[(String, u64, u64)]) -> (Vec<f64>, V
     let commits = commits(events);
     let (mut from_ack, mut from_sent, mut missing) = (Vec::new(), Vec::new(), 0);
     for (svc, sent, acked) in writes {
-        match commits
-            .get(svc)
-            .and_then(|c| c.iter().copied().filter(|t| t >= sent).min())
-        {
-            Some(t) => {
+        match first_commit(&commits, svc, *sent) {
+            Some((t, _)) => {
                 from_ack.push((t as f64 - *acked as f64) / 1e3);
                 from_sent.push((t - sent) as f64 / 1e3);
             }
@@ -759,7 +776,7 @@ fn churn(
     }
     let (from_ack, from_sent, missing) = write_to_kernel(events, &writes);
     let delivered = std::mem::take(&mut *delivered.lock().unwrap());
-    let (ack_to_watch, watch_to_kernel) = api_delivery(events, &writes, &delivered);
+    let d = api_delivery(events, &writes, &delivered);
     let beat = from_ack.iter().filter(|x| **x < 0.0).count();
     println!(
         "  write → kernel (the first sync naming the written Service, from kproxy's event log; {} writes matched, {missing} not named by any sync): acknowledged → kernel p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({beat} committed before the client had the API's answer: counted as ≤ 0); sent → kernel p50 {:.2} ms, p99 {:.2} ms",
@@ -770,46 +787,83 @@ fn churn(
         pct(&from_sent, 0.5),
         pct(&from_sent, 0.99),
     );
+    let line = |v: &[f64]| {
+        format!(
+            "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+            pct(v, 0.5),
+            pct(v, 0.99),
+            v.last().copied().unwrap_or(f64::NAN)
+        )
+    };
     println!(
-        "  the API's own delivery ({} writes seen by the bench's watch): acknowledged → delivered to a watcher p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; that delivery → kproxy's kernel commit p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
-        ack_to_watch.len(),
-        pct(&ack_to_watch, 0.5),
-        pct(&ack_to_watch, 0.99),
-        ack_to_watch.last().copied().unwrap_or(f64::NAN),
-        pct(&watch_to_kernel, 0.5),
-        pct(&watch_to_kernel, 0.99),
-        watch_to_kernel.last().copied().unwrap_or(f64::NAN),
+        "  the API's own delivery ({} writes seen by the bench's watch): acknowledged → delivered to a watcher {}; that delivery → kproxy's kernel commit {}",
+        d.ack_to_watch.len(),
+        line(&d.ack_to_watch),
+        line(&d.watch_to_kernel)
+    );
+    println!(
+        "  of which, for the {} writes whose sync carried that Service alone: delivery → in kproxy's state {}; state → kernel commit {}",
+        d.watch_to_state.len(),
+        line(&d.watch_to_state),
+        line(&d.state_to_kernel)
     );
 }
 
-/// Per write, from the bench's own watch: acknowledged → delivered to that watcher, and
-/// that delivery → kproxy's kernel commit (the first sync naming the Service after the
-/// write was sent), in ms, sorted. kproxy's watch goes through socat into its
-/// namespace, so the second figure includes that hop.
+/// Per write, from the bench's own watch, in ms, each sorted: acknowledged → delivered
+/// to that watcher; that delivery → kproxy's kernel commit (the first sync naming the
+/// Service after the write was sent); and, where that sync carried this Service alone,
+/// the delivery → the change in kproxy's state, and the state → the commit. kproxy's
+/// watch goes through socat into its namespace, so "delivery → state" includes that hop
+/// and kproxy's decoding.
+struct Delivery {
+    ack_to_watch: Vec<f64>,
+    watch_to_kernel: Vec<f64>,
+    watch_to_state: Vec<f64>,
+    state_to_kernel: Vec<f64>,
+}
+
 fn api_delivery(
     events: &Path,
     writes: &[(String, u64, u64)],
     delivered: &[(String, u64)],
-) -> (Vec<f64>, Vec<f64>) {
+) -> Delivery {
     let mut seen: std::collections::HashMap<&str, Vec<u64>> = Default::default();
     for (svc, at) in delivered {
         seen.entry(svc.as_str()).or_default().push(*at);
     }
     let commits = commits(events);
-    let first_after = |v: Option<&Vec<u64>>, t: u64| v?.iter().copied().filter(|x| *x >= t).min();
-    let (mut ack_to_watch, mut watch_to_kernel) = (Vec::new(), Vec::new());
+    let ms = |a: u64, b: u64| (b as f64 - a as f64) / 1e3;
+    let mut d = Delivery {
+        ack_to_watch: Vec::new(),
+        watch_to_kernel: Vec::new(),
+        watch_to_state: Vec::new(),
+        state_to_kernel: Vec::new(),
+    };
     for (svc, sent, acked) in writes {
-        let Some(w) = first_after(seen.get(svc.as_str()), *sent) else {
+        let Some(w) = seen
+            .get(svc.as_str())
+            .and_then(|v| v.iter().copied().filter(|x| x >= sent).min())
+        else {
             continue;
         };
-        ack_to_watch.push((w as f64 - *acked as f64) / 1e3);
-        if let Some(k) = first_after(commits.get(svc), *sent) {
-            watch_to_kernel.push((k as f64 - w as f64) / 1e3);
+        d.ack_to_watch.push(ms(*acked, w));
+        if let Some((k, state)) = first_commit(&commits, svc, *sent) {
+            d.watch_to_kernel.push(ms(w, k));
+            if let Some(st) = state {
+                d.watch_to_state.push(ms(w, st));
+                d.state_to_kernel.push(ms(st, k));
+            }
         }
     }
-    ack_to_watch.sort_by(f64::total_cmp);
-    watch_to_kernel.sort_by(f64::total_cmp);
-    (ack_to_watch, watch_to_kernel)
+    for v in [
+        &mut d.ack_to_watch,
+        &mut d.watch_to_kernel,
+        &mut d.watch_to_state,
+        &mut d.state_to_kernel,
+    ] {
+        v.sort_by(f64::total_cmp);
+    }
+    d
 }
 
 fn main() {

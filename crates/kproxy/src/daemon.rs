@@ -84,19 +84,22 @@ pub struct LoopConfig {
 /// every update (`StateHandle::on_update`); a sync takes the instant, so each sync
 /// reports the way of the oldest change it carried: queued (until planning starts,
 /// including minSyncPeriod batching), plan, commit (the kernel transaction).
+/// The wall-clock time is kept too, for the event log (`oldest_change_unix_us`), so a
+/// change's way can be lined up with timestamps taken outside kproxy.
 #[derive(Clone, Debug, Default)]
-pub struct ChangeClock(Arc<Mutex<Option<Instant>>>);
+pub struct ChangeClock(Arc<Mutex<Option<(Instant, SystemTime)>>>);
 
 impl ChangeClock {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Instant, SystemTime)>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn note(&self) {
-        self.lock().get_or_insert_with(Instant::now);
+        self.lock()
+            .get_or_insert_with(|| (Instant::now(), SystemTime::now()));
     }
 
-    pub fn take(&self) -> Option<Instant> {
+    pub fn take(&self) -> Option<(Instant, SystemTime)> {
         self.lock().take()
     }
 }
@@ -149,6 +152,12 @@ impl EventLog {
             tracing::warn!(error = %e, "cannot write the event log");
         }
     }
+}
+
+fn unix_us(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros() as u64
 }
 
 fn unix_now() -> f64 {
@@ -379,17 +388,14 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             })
             .await;
         let elapsed = start.elapsed();
-        let committed_unix_us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_micros() as u64;
+        let committed_unix_us = unix_us(SystemTime::now());
         self.last_sync = Some(Instant::now());
         let plan = self.engine.as_ref().expect(ENGINE_HOME).planner.plan();
         match res {
             Ok(outcome) => {
                 self.failures = 0;
                 let stages =
-                    oldest_change.map(|t| change_stages(t, start, planned, start + elapsed));
+                    oldest_change.map(|(t, _)| change_stages(t, start, planned, start + elapsed));
                 for (stage, secs) in stages.iter().flatten() {
                     metrics
                         .change_stages
@@ -450,6 +456,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                             .map(|n| n.to_string())
                             .collect::<Vec<_>>()),
                         "committed_unix_us": committed_unix_us,
+                        "oldest_change_unix_us": oldest_change.map(|(_, at)| unix_us(at)),
                         "elapsed_ms": elapsed.as_secs_f64() * 1e3,
                         "conntrack_deleted": outcome.conntrack_deleted,
                         "health_checks": checks.iter().map(|h| json!({
@@ -796,6 +803,9 @@ mod tests {
             event_log,
             changes: ChangeClock::default(),
         };
+        // As `kproxy run` wires it: the source's updates note the changes' time.
+        let clock = cfg.changes.clone();
+        handle.on_update(move || clock.note());
         let dataplane = FakeDataplane {
             log: log.clone(),
             fail: fail.iter().copied().collect(),
@@ -1075,7 +1085,9 @@ mod tests {
             services(&synced[1], "health_checks", "service"),
             [name(30).to_string()]
         );
-        assert!(synced[1]["committed_unix_us"].as_u64().unwrap() > 0);
+        let committed = synced[1]["committed_unix_us"].as_u64().unwrap();
+        let oldest = synced[1]["oldest_change_unix_us"].as_u64().unwrap();
+        assert!(0 < oldest && oldest <= committed, "{}", synced[1]);
     }
 
     /// The no-local-endpoints gauges, moved by each sync's changed Services, equal a

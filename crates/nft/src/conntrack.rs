@@ -384,17 +384,23 @@ mod tests {
         s
     }
 
-    #[test]
-    fn advanced_index_equals_the_index_of_the_new_plan() {
-        let spec = Spec::new(60, 4);
+    /// The cluster of `spec` with every third Service UDP, planned for node 0.
+    fn planned(spec: &Spec) -> (kproxy_core::ClusterState, Planner) {
         let mut state = kproxy_core::ClusterState::new();
         state.set_node(Some(synthetic::node(0)));
         for i in 0..spec.services {
-            state.upsert_service(udp_service(&spec, i));
-            state.upsert_slice(udp_slice(&spec, i, 0));
+            state.upsert_service(udp_service(spec, i));
+            state.upsert_slice(udp_slice(spec, i, 0));
         }
         let mut planner = Planner::new("node-0", PlanConfig::default());
         planner.update(&mut state);
+        (state, planner)
+    }
+
+    #[test]
+    fn advanced_index_equals_the_index_of_the_new_plan() {
+        let spec = Spec::new(60, 4);
+        let (mut state, mut planner) = planned(&spec);
         let mut ix = UdpFrontends::of(planner.plan());
         assert!(!ix.is_empty());
         for step in 1..=20 {
@@ -431,14 +437,7 @@ mod tests {
     #[test]
     fn only_udp_flows_to_a_frontend_not_answered_by_a_serving_endpoint_are_stale() {
         let spec = Spec::new(3, 2);
-        let mut state = kproxy_core::ClusterState::new();
-        state.set_node(Some(synthetic::node(0)));
-        for i in 0..spec.services {
-            state.upsert_service(udp_service(&spec, i));
-            state.upsert_slice(udp_slice(&spec, i, 0));
-        }
-        let mut planner = Planner::new("node-0", PlanConfig::default());
-        planner.update(&mut state);
+        let (_state, planner) = planned(&spec);
         let plan = planner.plan();
         let udp = plan
             .service_ports()
