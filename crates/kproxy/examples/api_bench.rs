@@ -957,7 +957,9 @@ fn main() {
     let _ns_side = Proc(
         Command::new("ip")
             .args(["netns", "exec", &name, "socat"])
-            .arg(format!("TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr,nodelay"))
+            .arg(format!(
+                "TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr,nodelay"
+            ))
             .arg(format!("UNIX-CONNECT:{}", sock.display()))
             .spawn()
             .expect("socat in the namespace"),
