@@ -24,8 +24,8 @@
 //! (and adds a surge endpoint at an address of its own) in a different EndpointSlice
 //! `--rate` times a second (default 100) for S seconds, one merge PATCH each, and
 //! reports: writes acknowledged, the API's write latency, kproxy's
-//! `kproxy_change_stage_duration_seconds` (a change reaching the state → planned →
-//! kernel committed; p50/p99 from the histogram buckets, so bucket-bounded), the
+//! `kproxy_change_stage_duration_seconds` (a watch event received → in the state →
+//! planned → kernel committed; p50/p99 from the histogram buckets, so bucket-bounded), the
 //! pending-change gauges after the churn, kproxy's CPU time during it, and each write's
 //! way end to end: acknowledged (and sent) → the kernel commit of the first sync whose
 //! `synced` event names the written Service (`changed`, `committed_unix_us`).
@@ -568,8 +568,8 @@ fn stage_buckets(text: &str, stage: &str) -> Vec<(f64, f64)> {
 }
 
 /// From kproxy's event log: each Service a delta sync named (`changed`) → the kernel
-/// commit times of those syncs (`committed_unix_us`), each with the time its oldest
-/// change reached kproxy's state (`oldest_change_unix_us`) when the sync carried that
+/// commit times of those syncs (`committed_unix_us`), each with the time kproxy's watch
+/// received its oldest change (`oldest_change_unix_us`) when the sync carried that
 /// Service alone (then the oldest change is this one).
 fn commits(events: &Path) -> std::collections::HashMap<String, Vec<(u64, Option<u64>)>> {
     let text = std::fs::read_to_string(events).unwrap_or_default();
@@ -767,7 +767,7 @@ fn churn(
         ticks as f64 / 100.0,
         ticks as f64 / secs as f64
     );
-    for stage in ["queued", "plan", "commit", "total"] {
+    for stage in ["received", "queued", "plan", "commit", "total"] {
         let (b, a) = (stage_buckets(&before, stage), stage_buckets(&after, stage));
         let diff: Vec<(f64, f64)> = a
             .iter()
@@ -811,24 +811,24 @@ fn churn(
         line(&d.watch_to_kernel)
     );
     println!(
-        "  of which, for the {} writes whose sync carried that Service alone: delivery → in kproxy's state {}; state → kernel commit {}",
-        d.watch_to_state.len(),
-        line(&d.watch_to_state),
-        line(&d.state_to_kernel)
+        "  of which, for the {} writes whose sync carried that Service alone: delivery → received by kproxy's watch {}; received → kernel commit {}",
+        d.watch_to_received.len(),
+        line(&d.watch_to_received),
+        line(&d.received_to_kernel)
     );
 }
 
 /// Per write, from the bench's own watch, in ms, each sorted: acknowledged → delivered
 /// to that watcher; that delivery → kproxy's kernel commit (the first sync naming the
 /// Service after the write was sent); and, where that sync carried this Service alone,
-/// the delivery → the change in kproxy's state, and the state → the commit. kproxy's
-/// watch goes through socat into its namespace, so "delivery → state" includes that hop
-/// and kproxy's decoding.
+/// the delivery → kproxy's watch receiving it, and that receipt → the commit. kproxy's
+/// watch goes through socat into its namespace, so "delivery → received" is mostly that
+/// hop.
 struct Delivery {
     ack_to_watch: Vec<f64>,
     watch_to_kernel: Vec<f64>,
-    watch_to_state: Vec<f64>,
-    state_to_kernel: Vec<f64>,
+    watch_to_received: Vec<f64>,
+    received_to_kernel: Vec<f64>,
 }
 
 fn api_delivery(
@@ -845,8 +845,8 @@ fn api_delivery(
     let mut d = Delivery {
         ack_to_watch: Vec::new(),
         watch_to_kernel: Vec::new(),
-        watch_to_state: Vec::new(),
-        state_to_kernel: Vec::new(),
+        watch_to_received: Vec::new(),
+        received_to_kernel: Vec::new(),
     };
     for (svc, sent, acked) in writes {
         let Some(w) = seen
@@ -859,16 +859,16 @@ fn api_delivery(
         if let Some((k, state)) = first_commit(&commits, svc, *sent) {
             d.watch_to_kernel.push(ms(w, k));
             if let Some(st) = state {
-                d.watch_to_state.push(ms(w, st));
-                d.state_to_kernel.push(ms(st, k));
+                d.watch_to_received.push(ms(w, st));
+                d.received_to_kernel.push(ms(st, k));
             }
         }
     }
     for v in [
         &mut d.ack_to_watch,
         &mut d.watch_to_kernel,
-        &mut d.watch_to_state,
-        &mut d.state_to_kernel,
+        &mut d.watch_to_received,
+        &mut d.received_to_kernel,
     ] {
         v.sort_by(f64::total_cmp);
     }

@@ -259,9 +259,9 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     let queued = health.clone();
     let changes = daemon::ChangeClock::default();
     let clock = changes.clone();
-    handle.on_update(move || {
+    handle.on_update(move |received| {
         queued.change_queued();
-        clock.note();
+        clock.note(received.elapsed());
     });
     let ownership = Ownership {
         service_proxy_name: args.service_proxy_name.clone(),

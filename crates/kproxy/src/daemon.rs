@@ -80,43 +80,64 @@ pub struct LoopConfig {
     pub changes: ChangeClock,
 }
 
-/// When the oldest change not yet taken by a sync reached the state. The source notes
-/// every update (`StateHandle::on_update`); a sync takes the instant, so each sync
-/// reports the way of the oldest change it carried: queued (until planning starts,
-/// including minSyncPeriod batching), plan, commit (the kernel transaction).
-/// The wall-clock time is kept too, for the event log (`oldest_change_unix_us`), so a
-/// change's way can be lined up with timestamps taken outside kproxy.
+/// The oldest change not yet taken by a sync: when the source received it (a watch
+/// event's arrival) and when it reached the state. The source notes every update that
+/// leaves changes pending (`StateHandle::on_update`); a sync takes the stamps, so each
+/// sync reports the way of the oldest change it carried: received (decode, ingest,
+/// into the state), queued (until planning starts, including minSyncPeriod batching),
+/// plan, commit (the kernel transaction). The wall-clock time of receipt is kept too,
+/// for the event log (`oldest_change_unix_us`), so a change's way can be lined up with
+/// timestamps taken outside kproxy.
 #[derive(Clone, Debug, Default)]
-pub struct ChangeClock(Arc<Mutex<Option<(Instant, SystemTime)>>>);
+pub struct ChangeClock(Arc<Mutex<Option<OldestChange>>>);
+
+/// See [`ChangeClock`].
+#[derive(Clone, Copy, Debug)]
+pub struct OldestChange {
+    pub received: Instant,
+    pub applied: Instant,
+    pub received_at: SystemTime,
+}
 
 impl ChangeClock {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Instant, SystemTime)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<OldestChange>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn note(&self) {
-        self.lock()
-            .get_or_insert_with(|| (Instant::now(), SystemTime::now()));
+    /// A change received `ago` (the source's clock) reached the state now.
+    pub fn note(&self, ago: Duration) {
+        let applied = Instant::now();
+        let received = applied.checked_sub(ago).unwrap_or(applied);
+        let mut oldest = self.lock();
+        if oldest.is_some_and(|o| o.received <= received) {
+            return;
+        }
+        *oldest = Some(OldestChange {
+            received,
+            applied,
+            received_at: SystemTime::now() - applied.saturating_duration_since(received),
+        });
     }
 
-    pub fn take(&self) -> Option<(Instant, SystemTime)> {
+    pub fn take(&self) -> Option<OldestChange> {
         self.lock().take()
     }
 }
 
 /// The way of the oldest change a sync carried, in seconds, per stage.
 fn change_stages(
-    oldest: Instant,
+    oldest: OldestChange,
     start: Instant,
     planned: Instant,
     committed: Instant,
-) -> [(&'static str, f64); 4] {
+) -> [(&'static str, f64); 5] {
     let s = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
     [
-        ("queued", s(oldest, start)),
+        ("received", s(oldest.received, oldest.applied)),
+        ("queued", s(oldest.applied, start)),
         ("plan", s(start, planned)),
         ("commit", s(planned, committed)),
-        ("total", s(oldest, committed)),
+        ("total", s(oldest.received, committed)),
     ]
 }
 
@@ -395,7 +416,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             Ok(outcome) => {
                 self.failures = 0;
                 let stages =
-                    oldest_change.map(|(t, _)| change_stages(t, start, planned, start + elapsed));
+                    oldest_change.map(|o| change_stages(o, start, planned, start + elapsed));
                 for (stage, secs) in stages.iter().flatten() {
                     metrics
                         .change_stages
@@ -456,7 +477,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                             .map(|n| n.to_string())
                             .collect::<Vec<_>>()),
                         "committed_unix_us": committed_unix_us,
-                        "oldest_change_unix_us": oldest_change.map(|(_, at)| unix_us(at)),
+                        "oldest_change_unix_us": oldest_change.map(|o| unix_us(o.received_at)),
                         "elapsed_ms": elapsed.as_secs_f64() * 1e3,
                         "conntrack_deleted": outcome.conntrack_deleted,
                         "health_checks": checks.iter().map(|h| json!({
@@ -805,7 +826,7 @@ mod tests {
         };
         // As `kproxy run` wires it: the source's updates note the changes' time.
         let clock = cfg.changes.clone();
-        handle.on_update(move || clock.note());
+        handle.on_update(move |received| clock.note(received.elapsed()));
         let dataplane = FakeDataplane {
             log: log.clone(),
             fail: fail.iter().copied().collect(),
@@ -1043,6 +1064,35 @@ mod tests {
 
     /// A delta sync's event names what it changed (Services, their health checks), not
     /// the whole cluster; a full sync lists every health check.
+    /// A change's way starts when the source received it (a watch event's arrival),
+    /// not when it reached the state: the `received` stage and the total include it.
+    #[tokio::test(start_paused = true)]
+    async fn a_changes_way_starts_when_the_source_received_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let h = start_logging(0, &[], None, Some(path.clone()));
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        let received = std::time::Instant::now()
+            .checked_sub(Duration::from_millis(40))
+            .unwrap();
+        h.handle
+            .update_received(received, |s| s.upsert_service(service(1)));
+        h.until_syncs(2).await;
+        h.stop().await;
+        let text = std::fs::read_to_string(&path).unwrap();
+        let synced: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|e| e["event"] == "synced")
+            .collect();
+        let way = &synced[1]["change_ms"];
+        let ms = |k: &str| way[k].as_f64().unwrap_or_else(|| panic!("{k} in {way}"));
+        assert!(ms("received") >= 40.0, "{way}");
+        assert!(ms("total") >= ms("received") + ms("queued"), "{way}");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_delta_sync_event_carries_the_change_not_the_cluster() {
         let dir = tempfile::tempdir().unwrap();

@@ -189,7 +189,7 @@ impl Metrics {
         );
         own.register(
             "change_stage_duration_seconds",
-            "A change's way to the kernel by stage, from the oldest change a sync carried: queued (reached the state -> planning starts), plan, commit (kernel transaction), total",
+            "A change's way to the kernel by stage, from the oldest change a sync carried: received (watch event received -> in the state), queued (in the state -> planning starts), plan, commit (kernel transaction), total (received -> committed)",
             m.change_stages.clone(),
         );
         own.register(

@@ -241,7 +241,7 @@ pub async fn run(
     let mut folder: Folder<Update> = Folder::new();
     let mut ready = false;
     tracing::info!(node = %cfg.node_name, label_selector = %label_selector(&cfg.ownership), "watching the Kubernetes API");
-    while let Some((kind, event)) = rx.recv().await {
+    while let Some((kind, event, received)) = rx.recv().await {
         if let Input::Returned(at) = event {
             handle.note_api_returned(at);
             continue;
@@ -252,8 +252,9 @@ pub async fn run(
             tracing::warn!("skipped {w}");
         }
         if let Some(change) = change {
-            let warnings = handle
-                .update(|state| fold::apply_change(state, change, &cfg.ownership, &cfg.node_name));
+            let warnings = handle.update_received(received, |state| {
+                fold::apply_change(state, change, &cfg.ownership, &cfg.node_name)
+            });
             for w in &warnings {
                 tracing::warn!("{w}");
             }

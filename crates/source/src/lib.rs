@@ -35,7 +35,7 @@ struct Inner {
     stalled: AtomicBool,
     /// Called after every `update` that leaves changes pending, in the source's task
     /// (see [`StateHandle::on_update`]).
-    on_update: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
+    on_update: std::sync::OnceLock<Box<dyn Fn(std::time::Instant) + Send + Sync>>,
     /// When the API answered again after failures, until the sync loop sees the state
     /// converged (see [`StateHandle::note_api_returned`]).
     api_returned: Mutex<Option<std::time::Instant>>,
@@ -54,27 +54,38 @@ impl StateHandle {
 
     /// Mutates the state and wakes the sync loop.
     pub fn update<R>(&self, f: impl FnOnce(&mut ClusterState) -> R) -> R {
+        self.update_received(std::time::Instant::now(), f)
+    }
+
+    /// [`StateHandle::update`] for input the source received at `received` (a watch
+    /// event's arrival), which the update hook is given.
+    pub fn update_received<R>(
+        &self,
+        received: std::time::Instant,
+        f: impl FnOnce(&mut ClusterState) -> R,
+    ) -> R {
         let (r, pending) = {
             let mut state = self.lock();
             let r = f(&mut state);
             (r, !state.changes().is_empty())
         };
         if pending && let Some(hook) = self.0.on_update.get() {
-            hook();
+            hook(received);
         }
         self.0.notify.notify_one();
         r
     }
 
-    /// Sets a function called after every `update` that leaves changes pending (once;
-    /// later calls are ignored and return false). The daemon uses it to note when a
+    /// Sets a function called after every `update` that leaves changes pending, with the
+    /// instant the update's input was received (once; later calls are ignored and
+    /// return false). The daemon uses it to note when a
     /// change was queued — upstream's `QueuedUpdate` — at the moment it arrives, not when
     /// the sync loop gets to it, so `/livez` sees a loop that stopped taking changes.
     /// An update that changed nothing (a relist finding what the state holds) is not a
     /// queued change, as upstream queues only when its change trackers hold one: noting
     /// it would stamp the next real change's way as starting then (a relist after an
     /// API outage showed `queued` 13.6 s).
-    pub fn on_update(&self, f: impl Fn() + Send + Sync + 'static) -> bool {
+    pub fn on_update(&self, f: impl Fn(std::time::Instant) + Send + Sync + 'static) -> bool {
         self.0.on_update.set(Box::new(f)).is_ok()
     }
 
@@ -144,10 +155,10 @@ mod tests {
         let h = StateHandle::new();
         let calls = Arc::new(AtomicUsize::new(0));
         let c = calls.clone();
-        assert!(h.on_update(move || {
+        assert!(h.on_update(move |_| {
             c.fetch_add(1, Ordering::SeqCst);
         }));
-        assert!(!h.on_update(|| {}), "a second hook is refused");
+        assert!(!h.on_update(|_| {}), "a second hook is refused");
         h.with(|_| ());
         assert_eq!(calls.load(Ordering::SeqCst), 0, "reads are not updates");
         h.update(|_| ());

@@ -74,7 +74,9 @@ impl Decoder {
     }
 }
 
-pub type Sender = mpsc::Sender<(Kind, Input<Update>)>;
+/// Each input with the instant its bytes were received (a watch event's line, or the
+/// end of a list), from which a change's way to the kernel is timed.
+pub type Sender = mpsc::Sender<(Kind, Input<Update>, Instant)>;
 
 /// Why a list or watch ended.
 #[derive(Debug)]
@@ -245,7 +247,18 @@ pub async fn run(client: kube::Client, target: Target, decoder: Decoder, tx: Sen
 }
 
 async fn send(tx: &Sender, kind: Kind, input: Input<Update>) -> Result<(), Stop> {
-    tx.send((kind, input)).await.map_err(|_| Stop::Closed)
+    send_received(tx, kind, input, Instant::now()).await
+}
+
+async fn send_received(
+    tx: &Sender,
+    kind: Kind,
+    input: Input<Update>,
+    received: Instant,
+) -> Result<(), Stop> {
+    tx.send((kind, input, received))
+        .await
+        .map_err(|_| Stop::Closed)
 }
 
 fn item(decoder: &Decoder, kind: Kind, json: &str) -> (Key, Result<Update, IngestError>) {
@@ -482,6 +495,7 @@ async fn watch(
         if line.trim().is_empty() {
             continue;
         }
+        let received = Instant::now();
         let event: Event<'_> = match serde_json::from_str(&line) {
             Ok(e) => e,
             Err(e) => {
@@ -532,7 +546,7 @@ async fn watch(
                 continue;
             }
         };
-        if let Err(stop) = send(tx, kind, input).await {
+        if let Err(stop) = send_received(tx, kind, input, received).await {
             return stop;
         }
         if let Err(stop) = backoff.settle_return(tx, kind).await {
