@@ -6,7 +6,8 @@
 //!
 //! Run: `cargo bench -p kproxy-nft --bench sync` (sizes: 1000x10 10000x10) or with
 //! explicit sizes: `cargo bench -p kproxy-nft --bench sync -- 5000x50 44000x1`.
-//! `KPROXY_BENCH_DUMP=DIR` also writes each full script to `DIR/SxE.nft`.
+//! `KPROXY_BENCH_DUMP=DIR` also writes each full script to `DIR/SxE.nft`;
+//! `KPROXY_BENCH_COLD_ONLY=1` stops after the cold full sync (for `perf record`).
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -74,8 +75,13 @@ fn run(services: usize, eps: usize) {
         ..DataplaneConfig::default()
     };
 
+    let cold_only = std::env::var_os("KPROXY_BENCH_COLD_ONLY").is_some();
     let t = Instant::now();
-    let script = kproxy_nft::render(&plan, &cfg);
+    let script = if cold_only {
+        String::new()
+    } else {
+        kproxy_nft::render(&plan, &cfg)
+    };
     let render = t.elapsed();
     if let Some(dir) = std::env::var_os("KPROXY_BENCH_DUMP") {
         let path = std::path::Path::new(&dir).join(format!("{services}x{eps}.nft"));
@@ -86,6 +92,17 @@ fn run(services: usize, eps: usize) {
     kproxy_nft::cleanup(&cfg).expect("remove the previous size's tables");
     let mut dp = Dataplane::new(cfg.clone()).expect("config");
     let cold = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
+    if cold_only {
+        println!(
+            "{services}x{eps}: full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms)",
+            ms(cold.wall),
+            ms(cold.nft_wall),
+            cold.netlink_bytes as f64 / 1e6,
+            ms(cold.user),
+            ms(cold.sys)
+        );
+        return;
+    }
     dp.force_full_sync();
     let replace = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
     println!(

@@ -252,6 +252,68 @@ impl FamilyRecord {
         (rs, out)
     }
 
+    /// The Services' elements of the table (the frontends' and the shared sets'; not
+    /// the structure's own, [`FamilyRecord::assemble_structure`]), typed, as
+    /// transactions of `AddElements` of about `per_piece` elements each, handed to
+    /// `piece` in turn until it fails. The elements of a first sync into absent tables,
+    /// without ever holding them all: a whole table's typed elements were most of a full
+    /// sync's transient memory (≈ 8 MiB at 10k × 10), and their nfnetlink batch as
+    /// much again. Every key occurs once (a frontend's keys start with its own key,
+    /// frontends are unique by name, shared elements are a map's keys), in no
+    /// particular order (the sets are hashes; the pieces of one set go in the order the
+    /// frontends are held). Returns the number of elements.
+    pub fn element_pieces<E>(
+        &self,
+        per_piece: usize,
+        piece: &mut dyn FnMut(Transaction) -> Result<(), E>,
+    ) -> Result<usize, E> {
+        let mut decls: BTreeMap<SetRef, SetDecl> = BTreeMap::new();
+        let fixed = [
+            SetRef::ServiceIps,
+            SetRef::ServiceNodeports,
+            SetRef::MasqIps,
+            SetRef::MasqIpsNonlocal,
+            SetRef::MasqNodeports,
+        ];
+        for set in fixed
+            .into_iter()
+            .chain(self.dispatch.keys().map(|d| SetRef::Map(*d)))
+        {
+            if let Some(d) = self.decl(set) {
+                decls.insert(set, d);
+            }
+        }
+        let mut pending = Pieces {
+            family: self.base.family,
+            table: &self.base.name,
+            sets: BTreeMap::new(),
+            len: 0,
+            total: 0,
+        };
+        for fe in self.frontends.values().filter_map(Claims::first) {
+            for (set, e) in fe.typed_elements(|set| decls.get(&set)) {
+                pending.push(PieceSet::Frontend(set), e);
+            }
+            if pending.len >= per_piece {
+                piece(pending.take())?;
+            }
+        }
+        for sh in self.shared.keys() {
+            let e = Elem {
+                key: sh.tuple(),
+                value: None,
+            };
+            pending.push(PieceSet::Shared(sh.set()), e);
+            if pending.len >= per_piece {
+                piece(pending.take())?;
+            }
+        }
+        if pending.len > 0 {
+            piece(pending.take())?;
+        }
+        Ok(pending.total)
+    }
+
     /// The whole table without the Services' elements of the shared sets and maps
     /// (the base sets' own elements included): everything a first sync's structure
     /// step needs, cheap.
@@ -525,6 +587,51 @@ impl FamilyRecord {
     }
 }
 
+/// The set of an element of [`FamilyRecord::element_pieces`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum PieceSet {
+    Frontend(SetRef),
+    Shared(&'static str),
+}
+
+/// The elements of the piece being filled, per set.
+struct Pieces<'a> {
+    family: Family,
+    table: &'a str,
+    sets: BTreeMap<PieceSet, Vec<Elem>>,
+    /// Elements held now, and handed out so far.
+    len: usize,
+    total: usize,
+}
+
+impl Pieces<'_> {
+    fn push(&mut self, set: PieceSet, e: Elem) {
+        self.sets.entry(set).or_default().push(e);
+        self.len += 1;
+    }
+
+    /// The piece so far, as one transaction; empties it.
+    fn take(&mut self) -> Transaction {
+        let mut tx = Transaction::default();
+        for (set, elems) in std::mem::take(&mut self.sets) {
+            let set = match set {
+                PieceSet::Frontend(s) => s.name().into_owned(),
+                PieceSet::Shared(s) => s.to_string(),
+            };
+            tx.counts.elements_added += elems.len();
+            tx.ops.push(Op::AddElements {
+                family: self.family,
+                table: self.table.to_string(),
+                set,
+                elems,
+            });
+        }
+        self.total += self.len;
+        self.len = 0;
+        tx
+    }
+}
+
 /// Runs of equal keys of a sorted iterator, with their values in order.
 fn group<K: PartialEq, V>(
     sorted: impl Iterator<Item = (K, V)>,
@@ -612,6 +719,52 @@ mod tests {
                 format!("{:?}", one.services)
             );
             assert!(family == IpFamily::IPv6 || !bulk.shared.is_empty());
+        }
+    }
+
+    /// The pieces of a first sync into absent tables hold, together, exactly the
+    /// Services' elements of the creating transaction, each once, in pieces of the
+    /// size asked for.
+    #[test]
+    fn element_pieces_are_the_created_elements() {
+        let state = synthetic::cluster(&Spec::new(200, 4));
+        let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
+        let cfg = DataplaneConfig::default();
+        for family in IpFamily::ALL {
+            let rec = FamilyRecord::full(&plan, &cfg, family);
+            let elements = |tx: Transaction| {
+                let mut out: Vec<(String, Elem)> = Vec::new();
+                for op in tx.ops {
+                    if let Op::AddElements { set, elems, .. } = op {
+                        out.extend(elems.into_iter().map(|e| (set.clone(), e)));
+                    }
+                }
+                out
+            };
+            let mut want = elements(rec.create());
+            // Less the structure's own (a first sync sends them with the structure).
+            let own = elements(Transaction::create(rec.assemble_structure()));
+            want.retain(|e| !own.contains(e));
+            let mut got = Vec::new();
+            let mut sizes = Vec::new();
+            let n = rec
+                .element_pieces(37, &mut |tx| {
+                    assert!(tx.elements_only());
+                    assert_eq!(tx.counts.elements_added, elements(tx.clone()).len());
+                    sizes.push(tx.counts.elements_added);
+                    got.extend(elements(tx));
+                    Ok::<(), ()>(())
+                })
+                .unwrap();
+            assert_eq!(n, got.len());
+            // A piece ends at a frontend's end: at least 37, fewer than 37 + a frontend's.
+            if let Some((_, full)) = sizes.split_last() {
+                assert!(full.iter().all(|n| (37..37 + 64).contains(n)), "{sizes:?}");
+            }
+            got.sort();
+            want.sort();
+            assert_eq!(got, want);
+            assert!(family == IpFamily::IPv6 || got.len() > 37 * 10);
         }
     }
 
