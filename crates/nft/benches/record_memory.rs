@@ -12,8 +12,10 @@
 //! does, and, in the same binary, through the typed tables with their element maps
 //! (`assemble`, then the transaction, then the whole script as one `String`: how it
 //! was done before issue 20's last step, with today's element vectors):
-//! - replacing existing tables: the transaction (`full_transaction_of`), its nft text
-//!   streamed into the pipe (here a sink) in 64 KiB pieces;
+//! - replacing existing tables: `kproxy_nft::write_full_replacement`, the nft text
+//!   written from the records' text into the pipe (here a sink) in 64 KiB pieces, and
+//!   for comparison the typed transaction (`full_transaction_of`) streamed the same way
+//!   (how it was done before);
 //! - into absent tables: `kproxy_nft::first_sync_into_absent_tables` with sinks (the
 //!   structure's nft text, the elements as nfnetlink transactions of a few thousand
 //!   elements each, typed and encoded piece by piece), and for comparison the creating
@@ -52,11 +54,17 @@ fn main() {
     let after = rss_kib();
     let (live, peak) = (live() - live_before, peak() - live_before);
 
-    // Replacing existing tables: what `sync` sends, streamed.
+    // Replacing existing tables: what `sync` sends, streamed from the records' text.
     let (replace, sent) = transient(|| {
+        let sink = kproxy_nft::write_full_replacement(&recs, &mut std::io::sink());
+        sink.expect("a sink").0
+    });
+    // The same through the record's typed transaction (how it was done before).
+    let (replace_tx, sent_tx) = transient(|| {
         let tx = kproxy_nft::full_transaction_of(&recs);
         tx.write_nft_to(&mut std::io::sink()).expect("a sink")
     });
+    assert_eq!(sent, sent_tx, "both paths write scripts of the same length");
     let (replace_old, script) = transient(|| {
         let tables = [recs[0].assemble(), recs[1].assemble()];
         let tx = kproxy_nft::full_transaction(tables);
@@ -98,7 +106,8 @@ fn main() {
     println!(
         "record_memory 10000x10: FamilyRecord (both families) live {:.1} MiB (peak while \
          building {:.1} MiB), RSS +{:.1} MiB; full sync transient peak: replacing \
-         {replace:.1} MiB (through tables and a script String: {replace_old:.1} MiB; \
+         {replace:.1} MiB (through the typed transaction: {replace_tx:.1} MiB, through \
+         tables and a script String: {replace_old:.1} MiB; \
          script {:.1} MB), into absent tables {cold:.1} MiB ({pieces} nfnetlink \
          transactions, {:.1} MB; as one batch: {cold_one:.1} MiB, through tables: \
          {cold_old:.1} MiB; batch {:.1} MB)",

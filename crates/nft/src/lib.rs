@@ -227,6 +227,18 @@ impl Dataplane {
                     report.netlink_bytes += batch.len();
                     self.writer().and_then(|w| w.send(batch))
                 }
+                Step::Replace => {
+                    let mut counts = model::Counts::default();
+                    let sent = nft::run(|w| {
+                        let (n, c) = write_full_replacement(&recs, w)?;
+                        counts = c;
+                        Ok(n)
+                    });
+                    sent.map(|n| {
+                        report.script_bytes += n;
+                        report.changes = counts;
+                    })
+                }
                 _ => Ok(()),
             };
             if let Err(e) = sent {
@@ -270,9 +282,7 @@ impl Dataplane {
         if self.tables_absent(&recs) && self.first_sync_phased(&recs, report)? {
             return Ok((recs, Vec::new()));
         }
-        let tx = full_transaction_of(&recs);
-        report.changes = tx.counts;
-        Ok((recs, vec![Step::Nft(tx)]))
+        Ok((recs, vec![Step::Replace]))
     }
 
     /// The kept netlink socket, (re)opened in the calling thread's network namespace
@@ -593,6 +603,8 @@ pub fn delta(
 enum Step {
     Nft(Transaction),
     Netlink(netlink::Batch),
+    /// The records' tables replacing whatever the kernel holds ([`write_full_replacement`]).
+    Replace,
 }
 
 impl Step {
@@ -653,6 +665,23 @@ pub fn full_transaction_of(recs: &[record::FamilyRecord; 2]) -> Transaction {
     let mut tx = recs[0].replace();
     tx.extend(recs[1].replace());
     tx
+}
+
+/// The nft text of [`full_transaction_of`], written to `w` as it is made, the
+/// Services' elements straight from the records' text
+/// ([`record::FamilyRecord::write_replacement`]; within a set in record order, not key
+/// order): what a full sync sends when the tables exist and cannot be adopted. Returns
+/// the bytes written and what the transaction counts.
+pub fn write_full_replacement(
+    recs: &[record::FamilyRecord; 2],
+    w: &mut dyn std::io::Write,
+) -> std::io::Result<(usize, model::Counts)> {
+    let mut out = model::TextStream::new(w);
+    let mut counts = model::Counts::default();
+    for rec in recs {
+        counts.add(&rec.write_replacement(&mut out)?);
+    }
+    Ok((out.finish()?, counts))
 }
 
 /// The full sync's transaction for a plan, as nft text (what `sync` sends when the

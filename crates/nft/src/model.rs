@@ -925,7 +925,7 @@ pub struct Transaction {
 
 /// Elements per `add element`/`delete element` command of the nft text, so no line
 /// grows without bound.
-const TEXT_ELEMENTS_PER_COMMAND: usize = 1000;
+pub(crate) const TEXT_ELEMENTS_PER_COMMAND: usize = 1000;
 
 impl Transaction {
     pub fn is_empty(&self) -> bool {
@@ -1115,17 +1115,12 @@ impl Transaction {
     }
 
     /// Writes the `nft -f` input of this transaction to `w` as it is rendered, in
-    /// pieces of about 64 KiB (a full sync's script is ≈ 8 MB: it is never
+    /// pieces of about 64 KiB (a full sync's script is ≈ 6 MB: it is never
     /// held whole). Returns the bytes written.
     pub fn write_nft_to(&self, w: &mut dyn std::io::Write) -> std::io::Result<usize> {
-        let mut text = Text {
-            buf: String::with_capacity(TEXT_PIECE + 4096),
-            sink: Some(w),
-            sent: 0,
-        };
-        self.write_text(&mut text)?;
-        text.flush()?;
-        Ok(text.sent)
+        let mut text = TextStream::new(w);
+        text.transaction(self)?;
+        text.finish()
     }
 
     /// The one renderer of nft text, command by command into `out`.
@@ -1285,6 +1280,50 @@ impl Text<'_> {
             self.buf.clear();
         }
         Ok(())
+    }
+}
+
+/// nft text written into a sink as it is rendered, in pieces of about 64 KiB: whole
+/// transactions, and element commands whose elements are already nft text (a full
+/// sync writes the record's elements without typing them,
+/// `crate::record::FamilyRecord::write_replacement`).
+pub struct TextStream<'a>(Text<'a>);
+
+impl<'a> TextStream<'a> {
+    pub fn new(w: &'a mut dyn std::io::Write) -> TextStream<'a> {
+        TextStream(Text {
+            buf: String::with_capacity(TEXT_PIECE + 4096),
+            sink: Some(w),
+            sent: 0,
+        })
+    }
+
+    /// Appends the transaction's commands.
+    pub fn transaction(&mut self, tx: &Transaction) -> std::io::Result<()> {
+        tx.write_text(&mut self.0)
+    }
+
+    /// Appends `add element FAMILY TABLE SET { ELEMENTS }`, `elements` being the
+    /// elements as nft text, separated by `, ` (at most [`TEXT_ELEMENTS_PER_COMMAND`]
+    /// of them, as [`Transaction`]'s text writes them).
+    pub fn add_elements(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+        elements: &str,
+    ) -> std::io::Result<()> {
+        let out = &mut self.0.buf;
+        let _ = write!(out, "add element {} {table} {set} {{ ", family.nft());
+        out.push_str(elements);
+        out.push_str(" }\n");
+        self.0.line_done()
+    }
+
+    /// Writes what is left; the bytes written in all.
+    pub fn finish(mut self) -> std::io::Result<usize> {
+        self.0.flush()?;
+        Ok(self.0.sent)
     }
 }
 

@@ -23,7 +23,7 @@ use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::ServicePlan;
 
 use crate::DataplaneConfig;
-use crate::model::{self, Elem, Family, Op, SetDecl, Table, Transaction, Tuple, Value};
+use crate::model::{self, Elem, Family, Op, SetDecl, Table, TextStream, Transaction, Tuple, Value};
 use crate::ruleset::{self, Dispatch, Fragment, Frontend, SetRef, Shared};
 
 /// The Services claiming one frontend, in plan order, each with the frontend's elements
@@ -267,22 +267,7 @@ impl FamilyRecord {
         per_piece: usize,
         piece: &mut dyn FnMut(Transaction) -> Result<(), E>,
     ) -> Result<usize, E> {
-        let mut decls: BTreeMap<SetRef, SetDecl> = BTreeMap::new();
-        let fixed = [
-            SetRef::ServiceIps,
-            SetRef::ServiceNodeports,
-            SetRef::MasqIps,
-            SetRef::MasqIpsNonlocal,
-            SetRef::MasqNodeports,
-        ];
-        for set in fixed
-            .into_iter()
-            .chain(self.dispatch.keys().map(|d| SetRef::Map(*d)))
-        {
-            if let Some(d) = self.decl(set) {
-                decls.insert(set, d);
-            }
-        }
+        let decls = self.service_decls();
         let mut pending = Pieces {
             family: self.base.family,
             table: &self.base.name,
@@ -312,6 +297,64 @@ impl FamilyRecord {
             piece(pending.take())?;
         }
         Ok(pending.total)
+    }
+
+    /// The declarations of the sets that hold frontends' elements and exist.
+    fn service_decls(&self) -> BTreeMap<SetRef, SetDecl> {
+        let fixed = [
+            SetRef::ServiceIps,
+            SetRef::ServiceNodeports,
+            SetRef::MasqIps,
+            SetRef::MasqIpsNonlocal,
+            SetRef::MasqNodeports,
+        ];
+        let dispatch = self.dispatch.keys().map(|d| SetRef::Map(*d));
+        fixed
+            .into_iter()
+            .chain(dispatch)
+            .filter_map(|set| Some((set, self.decl(set)?)))
+            .collect()
+    }
+
+    /// Writes the nft text of [`FamilyRecord::replace`]'s transaction to `out`, the
+    /// Services' elements straight from the record's text (never typed, never held
+    /// as a transaction: the typed elements were most of a replacing full sync's
+    /// transient memory, and typing them most of its own time). The same commands but
+    /// for the order of elements within a set (frontend order, not key order; a test
+    /// holds the two equal up to that order). Returns what the transaction counts.
+    pub fn write_replacement(&self, out: &mut TextStream<'_>) -> std::io::Result<model::Counts> {
+        let mut tx = Transaction::clearing(self.base.family, &self.base.name);
+        tx.extend(Transaction::create(self.assemble_structure()));
+        out.transaction(&tx)?;
+        let mut counts = tx.counts;
+        drop(tx);
+        let decls = self.service_decls();
+        let mut text = TextPieces {
+            family: self.base.family,
+            table: &self.base.name,
+            sets: BTreeMap::new(),
+            total: 0,
+        };
+        for fe in self.frontends.values().filter_map(Claims::first) {
+            for (set, key, value) in fe.elements() {
+                // A set that does not exist takes nothing, as in `typed_elements`.
+                let Some(decl) = decls.get(&set) else {
+                    continue;
+                };
+                text.push(out, PieceSet::Frontend(set), |buf| {
+                    key.write(buf);
+                    if decl.is_map() {
+                        buf.push_str(" : ");
+                        buf.push_str(value);
+                    }
+                })?;
+            }
+        }
+        for sh in self.shared.keys() {
+            text.push(out, PieceSet::Shared(sh.set()), |buf| sh.write_key(buf))?;
+        }
+        counts.elements_added += text.finish(out)?;
+        Ok(counts)
     }
 
     /// The whole table without the Services' elements of the shared sets and maps
@@ -632,6 +675,56 @@ impl Pieces<'_> {
     }
 }
 
+/// Element commands being written as text, one open command per set.
+struct TextPieces<'a> {
+    family: Family,
+    table: &'a str,
+    /// Per set: its elements so far as text, and how many.
+    sets: BTreeMap<PieceSet, (String, usize)>,
+    total: usize,
+}
+
+impl TextPieces<'_> {
+    fn set_name(set: PieceSet) -> std::borrow::Cow<'static, str> {
+        match set {
+            PieceSet::Frontend(s) => s.name(),
+            PieceSet::Shared(s) => s.into(),
+        }
+    }
+
+    /// Appends the element `write` writes to `set`'s command; a full command goes out.
+    fn push(
+        &mut self,
+        out: &mut TextStream<'_>,
+        set: PieceSet,
+        write: impl FnOnce(&mut String),
+    ) -> std::io::Result<()> {
+        let (buf, n) = self.sets.entry(set).or_default();
+        if *n > 0 {
+            buf.push_str(", ");
+        }
+        write(buf);
+        *n += 1;
+        self.total += 1;
+        if *n == model::TEXT_ELEMENTS_PER_COMMAND {
+            out.add_elements(self.family, self.table, &Self::set_name(set), buf)?;
+            buf.clear();
+            *n = 0;
+        }
+        Ok(())
+    }
+
+    /// Writes the open commands; the number of elements written in all.
+    fn finish(self, out: &mut TextStream<'_>) -> std::io::Result<usize> {
+        for (set, (buf, n)) in &self.sets {
+            if *n > 0 {
+                out.add_elements(self.family, self.table, &Self::set_name(*set), buf)?;
+            }
+        }
+        Ok(self.total)
+    }
+}
+
 /// Runs of equal keys of a sorted iterator, with their values in order.
 fn group<K: PartialEq, V>(
     sorted: impl Iterator<Item = (K, V)>,
@@ -785,6 +878,77 @@ mod tests {
         let mut piped = Vec::new();
         assert_eq!(tx.write_nft_to(&mut piped).unwrap(), whole.len());
         assert!(piped == whole.as_bytes());
+    }
+
+    /// What a replacing full sync writes from the records' text is the text of the
+    /// typed transaction ([`crate::full_transaction_of`]) but for the order of
+    /// elements within each set: the same commands in the same order, each set's
+    /// elements in the same number of commands, the same elements, the same length.
+    #[test]
+    fn replacement_from_the_record_text_is_the_typed_transaction() {
+        let cfgs = [
+            PlanConfig::default(),
+            PlanConfig {
+                local_detector: LocalDetectorConfig::ClusterCidr(vec![
+                    "10.0.0.0/8".parse().unwrap(),
+                ]),
+                ..PlanConfig::default()
+            },
+        ];
+        for pc in cfgs {
+            for spec in [Spec::new(1000, 4), Spec::new(60, 3)] {
+                let state = synthetic::cluster(&spec);
+                let plan = kproxy_core::plan(&state, "node-0", &pc);
+                let cfg = DataplaneConfig::default();
+                let recs = IpFamily::ALL.map(|f| FamilyRecord::full(&plan, &cfg, f));
+                let tx = crate::full_transaction_of(&recs);
+                let typed = tx.nft_text();
+                let mut piped = Vec::new();
+                let (n, counts) = crate::write_full_replacement(&recs, &mut piped).unwrap();
+                let piped = String::from_utf8(piped).unwrap();
+                assert_eq!(n, piped.len());
+                assert_eq!(counts, tx.counts);
+                assert_eq!(piped.len(), typed.len());
+                // Element commands replaced by their set, elements gathered per set.
+                let normal = |text: &str| {
+                    let mut lines = Vec::new();
+                    let mut elements: BTreeMap<String, Vec<String>> = BTreeMap::new();
+                    for l in text.lines() {
+                        match l.strip_prefix("add element ") {
+                            Some(rest) => {
+                                let (set, elems) = rest.split_once(" { ").unwrap();
+                                let elems = elems.strip_suffix(" }").unwrap();
+                                let e = elements.entry(set.to_string()).or_default();
+                                e.extend(elems.split(", ").map(String::from));
+                                lines.push(format!("add element {set}"));
+                            }
+                            None => lines.push(l.to_string()),
+                        }
+                    }
+                    for e in elements.values_mut() {
+                        e.sort();
+                    }
+                    (lines, elements)
+                };
+                let (typed_lines, typed_elements) = normal(&typed);
+                let (piped_lines, piped_elements) = normal(&piped);
+                let sorted = |mut v: Vec<String>| {
+                    v.sort();
+                    v
+                };
+                // The element commands may interleave differently between sets.
+                assert_eq!(sorted(typed_lines.clone()), sorted(piped_lines.clone()));
+                let structure = |l: &Vec<String>| -> Vec<String> {
+                    l.iter()
+                        .filter(|l| !l.starts_with("add element"))
+                        .cloned()
+                        .collect()
+                };
+                assert_eq!(structure(&typed_lines), structure(&piped_lines));
+                assert_eq!(typed_elements, piped_elements);
+                assert!(typed_elements.values().map(Vec::len).sum::<usize>() > 100);
+            }
+        }
     }
 
     /// The record's table is the pure build's, and the transaction that creates it
