@@ -25,8 +25,13 @@ impl Drop for Ns {
 }
 
 fn children_cpu() -> (Duration, Duration) {
-    use nix::sys::resource::{UsageWho, getrusage};
-    let Ok(ru) = getrusage(UsageWho::RUSAGE_CHILDREN) else {
+    cpu(nix::sys::resource::UsageWho::RUSAGE_CHILDREN)
+}
+
+/// User and system CPU of `who` so far.
+fn cpu(who: nix::sys::resource::UsageWho) -> (Duration, Duration) {
+    use nix::sys::resource::getrusage;
+    let Ok(ru) = getrusage(who) else {
         return (Duration::ZERO, Duration::ZERO);
     };
     let tv = |t: nix::sys::time::TimeVal| {
@@ -42,14 +47,20 @@ struct Sample {
     sys: Duration,
     bytes: usize,
     netlink_bytes: usize,
+    /// This process's own CPU (every thread; the kernel's work on its netlink batches
+    /// is its system time).
+    own_user: Duration,
+    own_sys: Duration,
 }
 
 fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan, update: &PlanUpdate) -> Sample {
     let (u0, s0) = children_cpu();
+    let (ou0, os0) = cpu(nix::sys::resource::UsageWho::RUSAGE_SELF);
     let t = Instant::now();
     let r = dp.sync(plan, update).expect("sync");
     let wall = t.elapsed();
     let (u1, s1) = children_cpu();
+    let (ou1, os1) = cpu(nix::sys::resource::UsageWho::RUSAGE_SELF);
     Sample {
         wall,
         nft_wall: r.transaction,
@@ -57,6 +68,8 @@ fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan, update: &PlanUpdate
         sys: s1 - s0,
         bytes: r.script_bytes,
         netlink_bytes: r.netlink_bytes,
+        own_user: ou1 - ou0,
+        own_sys: os1 - os0,
     }
 }
 
@@ -94,19 +107,21 @@ fn run(services: usize, eps: usize) {
     let cold = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
     if cold_only {
         println!(
-            "{services}x{eps}: full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms)",
+            "{services}x{eps}: full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms, own user {} ms, sys {} ms)",
             ms(cold.wall),
             ms(cold.nft_wall),
             cold.netlink_bytes as f64 / 1e6,
             ms(cold.user),
-            ms(cold.sys)
+            ms(cold.sys),
+            ms(cold.own_user),
+            ms(cold.own_sys)
         );
         return;
     }
     dp.force_full_sync();
     let replace = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
     println!(
-        "{services}x{eps}: script {:.2} MB, render {} ms | full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms) | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
+        "{services}x{eps}: script {:.2} MB, render {} ms | full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms, own user {} ms, sys {} ms) | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
         script.len() as f64 / 1e6,
         ms(render),
         ms(cold.wall),
@@ -114,6 +129,8 @@ fn run(services: usize, eps: usize) {
         cold.netlink_bytes as f64 / 1e6,
         ms(cold.user),
         ms(cold.sys),
+        ms(cold.own_user),
+        ms(cold.own_sys),
         ms(replace.wall),
         ms(replace.nft_wall),
         ms(replace.user),
