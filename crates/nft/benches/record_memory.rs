@@ -96,7 +96,7 @@ fn main() {
     let cold_batch = |create: &dyn Fn(&FamilyRecord) -> Transaction| {
         let mut tx = create(&recs[0]);
         tx.extend(create(&recs[1]));
-        let (_, elements, _) = tx.split_for_absent_tables();
+        let (_, elements) = tx.dormant_for_absent_tables();
         kproxy_nft::netlink::Batch::transaction(&elements).map_or(0, |b| b.len())
     };
     let (cold_one, batch_one) = transient(|| cold_batch(&|r| r.create()));

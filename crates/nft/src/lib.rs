@@ -318,8 +318,8 @@ impl Dataplane {
 
     /// The first sync into absent tables ([`first_sync_into_absent_tables`]) with `nft
     /// -f` and this dataplane's netlink socket. `Ok(false)` when an element does not
-    /// encode: the tables then exist without hooks and a one-transaction replacement
-    /// must follow.
+    /// encode: the tables then exist, dormant, and a one-transaction replacement must
+    /// follow.
     fn first_sync_phased(
         &mut self,
         recs: &[record::FamilyRecord; 2],
@@ -387,26 +387,27 @@ pub struct PhasedSync {
 }
 
 /// The first sync into absent tables, in the steps of the transaction that creates
-/// them ([`Transaction::split_for_absent_tables`]): `load` takes the tables, sets,
-/// regular chains and their rules (`nft -f`; from the tables without the Services'
+/// them ([`Transaction::dormant_for_absent_tables`]): `load` takes the tables (created
+/// dormant), sets, chains and rules (`nft -f`; from the tables without the Services'
 /// elements, [`record::FamilyRecord::assemble_structure`]), `send` the elements as
 /// nfnetlink transactions of [`ELEMENTS_PER_PIECE`] elements each, typed and encoded
 /// piece by piece from the records ([`record::FamilyRecord::element_pieces`]) by a
-/// thread that runs at most [`PIECES_AHEAD`] pieces ahead, then `load` takes the
-/// hooked base chains.
+/// thread that runs at most [`PIECES_AHEAD`] pieces ahead, and last the transaction
+/// that wakes both tables ([`netlink::Batch::wake_tables`]), hooking their base chains.
 ///
-/// Why several transactions are safe here: nothing is hooked before the last step, so
-/// no packet meets the tables while they fill, whatever order or grouping the
-/// elements arrive in; a failure at any step leaves unhooked tables, which the next
-/// (full, replacing, one-transaction) sync replaces. A batch must reach the kernel in
-/// one `sendmsg` (nfnetlink runs it from one skb), so one transaction of all elements
-/// had to be held whole (4.6 MB at 10k × 10, on top of their 8 MiB typed); in pieces
-/// neither is. It also lets the kernel grow each set's hash table between pieces: a
-/// set starts with 4 buckets and its resize runs in a worker that cannot run during
-/// one long `sendmsg` on a non-preemptible kernel, so one batch of 80k elements into
-/// one map spent most of its time in `rhashtable_insert_slow` (`perf`).
+/// Why several transactions are safe here: a dormant table's base chains are not
+/// hooked, so no packet meets the tables while they fill, whatever order or grouping
+/// the elements arrive in; a failure at any step leaves dormant tables, which the next
+/// (full, replacing, one-transaction) sync replaces (adoption refuses a table with
+/// flags, [`dump::adopt`]). A batch must reach the kernel in one `sendmsg` (nfnetlink
+/// runs it from one skb), so one transaction of all elements had to be held whole (4.6
+/// MB at 10k × 10, on top of their 8 MiB typed); in pieces neither is. It also lets the
+/// kernel grow each set's hash table between pieces: a set starts with 4 buckets and
+/// its resize runs in a worker that cannot run during one long `sendmsg` on a
+/// non-preemptible kernel, so one batch of 80k elements into one map spent most of
+/// its time in `rhashtable_insert_slow` (`perf`).
 ///
-/// `Ok(None)` when an element does not encode (the tables then exist without hooks).
+/// `Ok(None)` when an element does not encode (the tables then exist, dormant).
 /// Public so a bench can run it with sinks for `load` and `send`.
 pub fn first_sync_into_absent_tables(
     recs: &[record::FamilyRecord; 2],
@@ -418,7 +419,15 @@ pub fn first_sync_into_absent_tables(
         bare.extend(Transaction::create(rec.assemble_structure()));
     }
     // The structure's own elements (a NodePort address set's) go with the Services'.
-    let (structure, own_elements, hooks) = bare.split_for_absent_tables();
+    let (structure, own_elements) = bare.dormant_for_absent_tables();
+    let tables: Vec<(model::Family, &str)> = structure
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            model::Op::AddTable { family, table, .. } => Some((*family, table.as_str())),
+            _ => None,
+        })
+        .collect();
     let mut done = PhasedSync {
         counts: structure.counts,
         ..PhasedSync::default()
@@ -465,7 +474,9 @@ pub fn first_sync_into_absent_tables(
         return Ok(None);
     };
     done.counts.elements_added += n;
-    done.script_bytes += load(&hooks)?;
+    let wake = netlink::Batch::wake_tables(&tables);
+    done.netlink_bytes += wake.len();
+    send(wake)?;
     Ok(Some(done))
 }
 
@@ -634,6 +645,7 @@ pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
                 family,
                 table: table.clone(),
                 comment: None,
+                dormant: false,
             });
             tx.ops.push(model::Op::DeleteTable {
                 family,

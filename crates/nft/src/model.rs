@@ -795,6 +795,9 @@ pub enum Op {
         family: Family,
         table: String,
         comment: Option<String>,
+        /// Created dormant: its base chains are not hooked until the table is woken
+        /// (a first sync into absent tables, [`Transaction::dormant_for_absent_tables`]).
+        dormant: bool,
     },
     DeleteTable {
         family: Family,
@@ -877,11 +880,6 @@ impl Op {
             Op::DeleteElements { keys, .. } => keys.iter().any(prefix),
             _ => false,
         }
-    }
-
-    /// Whether it declares a base chain.
-    fn is_hook(&self) -> bool {
-        matches!(self, Op::AddChain { hook: Some(_), .. })
     }
 }
 
@@ -967,6 +965,7 @@ impl Transaction {
             family,
             table: table.to_string(),
             comment: None,
+            dormant: false,
         });
         t.ops.push(Op::DeleteTable {
             family,
@@ -998,6 +997,7 @@ impl Transaction {
             family,
             table: table.clone(),
             comment: new.comment,
+            dormant: false,
         });
         let mut elements = Vec::new();
         for (name, s) in new.sets {
@@ -1046,53 +1046,26 @@ impl Transaction {
         t
     }
 
-    /// Splits a transaction that creates tables into (everything but the hooked base
-    /// chains, their rules, and elements without prefixes), (elements without prefixes:
-    /// what netlink encodes), (the hooked base chains with
-    /// their rules): sent in that order, traffic meets the tables only once the last
-    /// part hooks them, so each part may be its own transaction. For a first sync
-    /// into absent tables.
-    pub fn split_for_absent_tables(self) -> (Transaction, Transaction, Transaction) {
-        let hooked: std::collections::BTreeSet<(Family, String, String)> = self
-            .ops
-            .iter()
-            .filter(|o| o.is_hook())
-            .filter_map(|o| match o {
-                Op::AddChain {
-                    family,
-                    table,
-                    name,
-                    ..
-                } => Some((*family, table.clone(), name.clone())),
-                _ => None,
-            })
-            .collect();
-        let (mut a, mut b, mut c) = (
-            Transaction::default(),
-            Transaction::default(),
-            Transaction::default(),
-        );
-        for op in self.ops {
-            let to_hooks = match &op {
-                Op::AddChain { hook: Some(_), .. } => true,
-                Op::AddRule {
-                    family,
-                    table,
-                    chain,
-                    ..
-                } => hooked.contains(&(*family, table.clone(), chain.clone())),
-                _ => false,
-            };
-            if to_hooks {
-                c.ops.push(op);
-            } else if op.is_element_op() && !op.has_prefix() {
+    /// Splits a transaction that creates tables into (everything but the elements
+    /// without prefixes, its tables created dormant), (those elements: what netlink
+    /// encodes). A dormant table's base chains are not hooked, so no packet meets the
+    /// tables while the parts load, each as its own transaction; waking the tables
+    /// (one transaction, [`crate::netlink::Batch::wake_tables`]) hooks them all at
+    /// once. For a first sync into absent tables.
+    pub fn dormant_for_absent_tables(self) -> (Transaction, Transaction) {
+        let (mut a, mut b) = (Transaction::default(), Transaction::default());
+        for mut op in self.ops {
+            if let Op::AddTable { dormant, .. } = &mut op {
+                *dormant = true;
+            }
+            if op.is_element_op() && !op.has_prefix() {
                 b.ops.push(op);
             } else {
                 a.ops.push(op);
             }
         }
         a.counts = self.counts;
-        (a, b, c)
+        (a, b)
     }
 
     /// The `nft -f` input of this transaction.
@@ -1132,10 +1105,18 @@ impl Transaction {
                     family,
                     table,
                     comment,
+                    dormant,
                 } => {
                     let _ = write!(out, "add table {} {table}", family.nft());
-                    if let Some(c) = comment {
-                        let _ = write!(out, " {{ comment \"{c}\"; }}");
+                    if comment.is_some() || *dormant {
+                        out.push_str(" { ");
+                        if let Some(c) = comment {
+                            let _ = write!(out, "comment \"{c}\"; ");
+                        }
+                        if *dormant {
+                            out.push_str("flags dormant; ");
+                        }
+                        out.push('}');
                     }
                     out.push('\n');
                 }
@@ -1384,6 +1365,7 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
             family,
             table: table.clone(),
             comment: new.comment.clone(),
+            dormant: false,
         });
     }
     if !new.exists {

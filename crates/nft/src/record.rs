@@ -952,8 +952,8 @@ mod tests {
     }
 
     /// The record's table is the pure build's, and the transaction that creates it
-    /// splits into structure, elements (all encodable but the interval set's) and the
-    /// hooked base chains last.
+    /// splits into the structure with its tables dormant and the elements (all
+    /// encodable but the interval set's).
     #[test]
     fn assembled_table_equals_the_pure_build_and_splits_for_absent_tables() {
         let cfgs = [
@@ -982,26 +982,30 @@ mod tests {
                 let absent = Table::absent(table.family, &table.name);
                 let create = model::diff(&absent, &table).unwrap();
                 assert_eq!(create.counts, table.counts());
-                let (structure, elements, hooks) = create.clone().split_for_absent_tables();
-                let (st, hk) = (structure.nft_text(), hooks.nft_text());
-                assert!(!st.contains(" hook "), "{st}");
-                let hooked = all.lines().filter(|l| l.contains(" hook ")).count();
-                assert_eq!(hk.lines().filter(|l| l.contains(" hook ")).count(), hooked);
-                assert!(
-                    hk.lines()
-                        .all(|l| l.starts_with("add chain") || l.starts_with("add rule"))
-                );
-                assert!(elements.elements_only());
-                // The structure and hooks do not depend on the Services' elements (a
-                // first sync loads them from the bare tables while it encodes those).
-                let bare = model::diff(&absent, &rec.assemble_structure()).unwrap();
-                let (bare_structure, _, bare_hooks) = bare.split_for_absent_tables();
-                assert_eq!(bare_structure.ops, structure.ops);
-                assert_eq!(bare_hooks.ops, hooks.ops);
+                let (structure, elements) = create.clone().dormant_for_absent_tables();
+                let st = structure.nft_text();
+                // Every table dormant, everything else as created: the hooked base
+                // chains with the rest, hooked only when the tables are woken.
+                let first = st.lines().next().unwrap();
                 assert_eq!(
-                    structure.ops.len() + elements.ops.len() + hooks.ops.len(),
-                    create.ops.len()
+                    first,
+                    format!(
+                        "add table {} kproxy {{ comment \"{}\"; flags dormant; }}",
+                        table.family.nft(),
+                        Table::COMMENT
+                    )
                 );
+                assert_eq!(st.lines().filter(|l| l.starts_with("add table")).count(), 1);
+                let hooked = |t: &str| t.lines().filter(|l| l.contains(" hook ")).count();
+                assert_eq!(hooked(&st), hooked(&all));
+                assert!(hooked(&st) > 0);
+                assert!(elements.elements_only());
+                // The structure does not depend on the Services' elements (a first
+                // sync loads it from the bare tables while it encodes those).
+                let bare = model::diff(&absent, &rec.assemble_structure()).unwrap();
+                let (bare_structure, _) = bare.dormant_for_absent_tables();
+                assert_eq!(bare_structure.ops, structure.ops);
+                assert_eq!(structure.ops.len() + elements.ops.len(), create.ops.len());
                 // `local-pods` (an interval set) stays with the structure.
                 assert!(crate::netlink::Batch::transaction(&elements).is_some());
                 let interval = table.sets.values().any(|s| s.decl.interval);
