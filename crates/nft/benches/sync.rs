@@ -77,6 +77,20 @@ fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1000.0)
 }
 
+/// The cold full sync's line.
+fn cold_text(cold: &Sample) -> String {
+    format!(
+        "full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms, own user {} ms, sys {} ms)",
+        ms(cold.wall),
+        ms(cold.nft_wall),
+        cold.netlink_bytes as f64 / 1e6,
+        ms(cold.user),
+        ms(cold.sys),
+        ms(cold.own_user),
+        ms(cold.own_sys)
+    )
+}
+
 fn run(services: usize, eps: usize) {
     let spec = Spec::new(services, eps);
     let mut state = synthetic::cluster(&spec);
@@ -106,31 +120,16 @@ fn run(services: usize, eps: usize) {
     let mut dp = Dataplane::new(cfg.clone()).expect("config");
     let cold = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
     if cold_only {
-        println!(
-            "{services}x{eps}: full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms, own user {} ms, sys {} ms)",
-            ms(cold.wall),
-            ms(cold.nft_wall),
-            cold.netlink_bytes as f64 / 1e6,
-            ms(cold.user),
-            ms(cold.sys),
-            ms(cold.own_user),
-            ms(cold.own_sys)
-        );
+        println!("{services}x{eps}: {}", cold_text(&cold));
         return;
     }
     dp.force_full_sync();
     let replace = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
     println!(
-        "{services}x{eps}: script {:.2} MB, render {} ms | full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms, own user {} ms, sys {} ms) | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
+        "{services}x{eps}: script {:.2} MB, render {} ms | {} | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
         script.len() as f64 / 1e6,
         ms(render),
-        ms(cold.wall),
-        ms(cold.nft_wall),
-        cold.netlink_bytes as f64 / 1e6,
-        ms(cold.user),
-        ms(cold.sys),
-        ms(cold.own_user),
-        ms(cold.own_sys),
+        cold_text(&cold),
         ms(replace.wall),
         ms(replace.nft_wall),
         ms(replace.user),

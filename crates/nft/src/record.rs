@@ -880,22 +880,25 @@ mod tests {
         assert!(piped == whole.as_bytes());
     }
 
+    /// The default config, and one whose local-pod detector makes an interval set.
+    fn plan_configs() -> [PlanConfig; 2] {
+        let cidr = LocalDetectorConfig::ClusterCidr(vec!["10.0.0.0/8".parse().unwrap()]);
+        [
+            PlanConfig::default(),
+            PlanConfig {
+                local_detector: cidr,
+                ..PlanConfig::default()
+            },
+        ]
+    }
+
     /// What a replacing full sync writes from the records' text is the text of the
     /// typed transaction ([`crate::full_transaction_of`]) but for the order of
     /// elements within each set: the same commands in the same order, each set's
     /// elements in the same number of commands, the same elements, the same length.
     #[test]
     fn replacement_from_the_record_text_is_the_typed_transaction() {
-        let cfgs = [
-            PlanConfig::default(),
-            PlanConfig {
-                local_detector: LocalDetectorConfig::ClusterCidr(vec![
-                    "10.0.0.0/8".parse().unwrap(),
-                ]),
-                ..PlanConfig::default()
-            },
-        ];
-        for pc in cfgs {
+        for pc in plan_configs() {
             for spec in [Spec::new(1000, 4), Spec::new(60, 3)] {
                 let state = synthetic::cluster(&spec);
                 let plan = kproxy_core::plan(&state, "node-0", &pc);
@@ -956,16 +959,7 @@ mod tests {
     /// encodable but the interval set's).
     #[test]
     fn assembled_table_equals_the_pure_build_and_splits_for_absent_tables() {
-        let cfgs = [
-            PlanConfig::default(),
-            PlanConfig {
-                local_detector: LocalDetectorConfig::ClusterCidr(vec![
-                    "10.0.0.0/8".parse().unwrap(),
-                ]),
-                ..PlanConfig::default()
-            },
-        ];
-        for pc in cfgs {
+        for pc in plan_configs() {
             let state = synthetic::cluster(&Spec::new(60, 4));
             let plan = kproxy_core::plan(&state, "node-0", &pc);
             for family in IpFamily::ALL {
