@@ -404,8 +404,8 @@ pub struct PhasedSync {
 /// MB at 10k × 10, on top of their 8 MiB typed); in pieces neither is. It also lets the
 /// kernel grow each set's hash table between pieces: a set starts with 4 buckets and
 /// its resize runs in a worker that cannot run during one long `sendmsg` on a
-/// non-preemptible kernel, so one batch of 80k elements into one map spent most of
-/// its time in `rhashtable_insert_slow` (`perf`).
+/// non-preemptible kernel, so one batch of 80k elements into one map spent a third of
+/// its time in `rhashtable_insert_slow` (`perf`; crates/nft/BENCHMARKS.md).
 ///
 /// `Ok(None)` when an element does not encode (the tables then exist, dormant).
 /// Public so a bench can run it with sinks for `load` and `send`.
@@ -672,7 +672,9 @@ pub fn full_transaction(tables: [Table; 2]) -> Transaction {
 }
 
 /// [`full_transaction`] of the records' tables, built from the records without the
-/// tables' element maps ([`record::FamilyRecord::create`]): what a full sync sends.
+/// tables' element maps ([`record::FamilyRecord::create`]): what a replacing full sync
+/// sends (which writes its text from the records, [`write_full_replacement`]), as a
+/// transaction, for `sync --dry-run` and tests.
 pub fn full_transaction_of(recs: &[record::FamilyRecord; 2]) -> Transaction {
     let mut tx = recs[0].replace();
     tx.extend(recs[1].replace());
