@@ -38,6 +38,7 @@ pub struct KubeProxyConfiguration {
 #[serde(rename_all = "camelCase")]
 pub struct ClientConnection {
     pub kubeconfig: Option<String>,
+    pub content_type: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -91,10 +92,7 @@ const TOP: &[(&str, Field)] = &[
         Section(&[
             ("kubeconfig", Honoured),
             ("acceptContentTypes", Inapplicable(NOT_SUPPORTED)),
-            (
-                "contentType",
-                Inapplicable("kproxy always talks JSON to the API server; ignored"),
-            ),
+            ("contentType", Honoured),
             ("qps", Inapplicable(NOT_SUPPORTED)),
             ("burst", Inapplicable(NOT_SUPPORTED)),
         ]),

@@ -124,6 +124,9 @@ impl Default for ConntrackConfig {
 pub struct ProxyConfig {
     pub hostname_override: Option<String>,
     pub kubeconfig: Option<PathBuf>,
+    /// `clientConnection.contentType`: the encoding asked for the Service and
+    /// EndpointSlice lists.
+    pub content_type: ContentType,
     pub bind_address: IpAddr,
     /// `None`: disabled.
     pub healthz_bind_address: Option<SocketAddr>,
@@ -144,6 +147,7 @@ impl Default for ProxyConfig {
         ProxyConfig {
             hostname_override: None,
             kubeconfig: None,
+            content_type: ContentType::Protobuf,
             bind_address: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             healthz_bind_address: Some(SocketAddr::from(([0, 0, 0, 0], DEFAULT_HEALTHZ_PORT))),
             metrics_bind_address: Some(SocketAddr::from(([127, 0, 0, 1], DEFAULT_METRICS_PORT))),
@@ -219,6 +223,18 @@ pub fn load_str(
     let (cfg, more) = resolve(Some((file, parsed)), flags)?;
     warnings.extend(more);
     Ok((cfg, warnings))
+}
+
+/// How kproxy asks the API server to encode the big lists (Services and
+/// EndpointSlices); watches are JSON either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ContentType {
+    /// `application/vnd.kubernetes.protobuf`, kube-proxy's default: several times
+    /// cheaper for the API server to encode and for kproxy to read.
+    #[default]
+    Protobuf,
+    /// `application/json`.
+    Json,
 }
 
 /// Where a value came from, for error messages.
@@ -369,6 +385,21 @@ fn resolve_addresses(
         .kubeconfig
         .clone()
         .or(kubeconfig_file.map(PathBuf::from));
+    let content_type = f
+        .client_connection
+        .as_ref()
+        .and_then(|c| c.content_type.as_deref());
+    cfg.content_type = match content_type.map(str::trim) {
+        None | Some("") | Some("application/vnd.kubernetes.protobuf") => ContentType::Protobuf,
+        Some("application/json") => ContentType::Json,
+        Some(other) => {
+            let origin = Origin::File(name.unwrap_or("config"), "clientConnection.contentType");
+            return Err(origin.err(format!(
+                "{:?} is neither application/vnd.kubernetes.protobuf nor application/json",
+                other.escape_debug().to_string()
+            )));
+        }
+    };
 
     let hostname_file = f.hostname_override.clone();
     cfg.hostname_override = flags

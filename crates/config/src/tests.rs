@@ -26,6 +26,9 @@ fn every_honoured_field_changes_the_config() {
         ("clientConnection: {kubeconfig: /etc/kp/kubeconfig}", |c| {
             c.kubeconfig == Some(PathBuf::from("/etc/kp/kubeconfig"))
         }),
+        ("clientConnection: {contentType: application/json}", |c| {
+            c.content_type == ContentType::Json
+        }),
         ("bindAddress: '::'", |c| {
             c.bind_address == IpAddr::V6(Ipv6Addr::UNSPECIFIED)
                 && c.healthz_bind_address == Some("[::]:10256".parse().unwrap())
@@ -283,6 +286,10 @@ fn bad_values_fail_with_the_file_and_the_field_path() {
         ("nodePortAddresses: [nope]", "nodePortAddresses"),
         ("featureGates: {A: yes please}", "featureGates.A"),
         ("nodePortAddresses: 10.0.0.0/8", "nodePortAddresses"),
+        (
+            "clientConnection: {contentType: application/yaml}",
+            "clientConnection.contentType",
+        ),
     ] {
         let e = file(body).expect_err(body);
         match &e {

@@ -9,7 +9,7 @@
 //! externally accessible ports (NodePort, external IP or load-balancer IP).
 
 use crate::model::{IpFamily, TrafficPolicy};
-use crate::plan::{NodePlan, ServicePortPlan};
+use crate::plan::{NodePlan, ServicePlan, ServicePortPlan};
 
 /// The gauge values of one family.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -27,7 +27,17 @@ fn no_local(p: &ServicePortPlan) -> bool {
 /// The counts for `family` (upstream runs one proxier, hence one gauge pair, per family).
 pub fn no_local_endpoints(plan: &NodePlan, family: IpFamily) -> NoLocalEndpoints {
     let mut out = NoLocalEndpoints::default();
-    for p in plan.service_ports().filter(|p| p.family == family) {
+    for svc in plan.services.values() {
+        out += service_no_local_endpoints(svc, family);
+    }
+    out
+}
+
+/// One Service's share of [`no_local_endpoints`]. The counts are sums over Services, so a
+/// caller following a plan's changes keeps them by the changed Services alone.
+pub fn service_no_local_endpoints(svc: &ServicePlan, family: IpFamily) -> NoLocalEndpoints {
+    let mut out = NoLocalEndpoints::default();
+    for p in svc.ports.iter().filter(|p| p.family == family) {
         if !no_local(p) {
             continue;
         }
@@ -39,4 +49,18 @@ pub fn no_local_endpoints(plan: &NodePlan, family: IpFamily) -> NoLocalEndpoints
         }
     }
     out
+}
+
+impl std::ops::AddAssign for NoLocalEndpoints {
+    fn add_assign(&mut self, o: NoLocalEndpoints) {
+        self.internal += o.internal;
+        self.external += o.external;
+    }
+}
+
+impl std::ops::SubAssign for NoLocalEndpoints {
+    fn sub_assign(&mut self, o: NoLocalEndpoints) {
+        self.internal = self.internal.saturating_sub(o.internal);
+        self.external = self.external.saturating_sub(o.external);
+    }
 }

@@ -245,11 +245,20 @@ pub fn proxy_answer(
     }
 }
 
+/// The status [`service_answer`] gives, without building its body.
+pub fn service_status(local_endpoints: u32, proxy_healthy: bool) -> u16 {
+    if local_endpoints > 0 && proxy_healthy {
+        200
+    } else {
+        503
+    }
+}
+
 /// The answer of a health-check node port (spec §d.1): 200 iff the Service has local
 /// ready endpoints and the proxy is healthy (`/livez` notion); the body is upstream's,
 /// byte for byte (tab-indented, no trailing newline).
 pub fn service_answer(service: &ServiceName, local_endpoints: u32, proxy_healthy: bool) -> Answer {
-    let ok = local_endpoints > 0 && proxy_healthy;
+    let ok = service_status(local_endpoints, proxy_healthy) == 200;
     // Names are validated DNS labels; JSON-encode anyway so the body is always JSON.
     let ns = serde_json::Value::from(&*service.namespace).to_string();
     let name = serde_json::Value::from(&*service.name).to_string();
@@ -326,36 +335,48 @@ pub fn health_check_targets(
     let Some(applied) = applied else {
         return BTreeMap::new();
     };
-    let mut out = BTreeMap::new();
-    for (name, svc) in &applied.services {
-        let Some(hc) = &svc.health_check else {
-            continue;
-        };
-        let local_endpoints = match (semantics, computed) {
-            (Semantics::Upstream, _) | (Semantics::Truthful, None) => hc.local_endpoints,
-            (Semantics::Truthful, Some(computed)) => match computed.services.get(name) {
-                Some(now) if std::sync::Arc::ptr_eq(now, svc) || **now == **svc => {
-                    hc.local_endpoints
-                }
-                Some(now) => match &now.health_check {
-                    Some(now_hc) => hc
-                        .local_endpoints
-                        .min(now_hc.local_endpoints)
-                        .min(programmed_and_ready(svc, now)),
-                    None => 0,
-                },
+    applied
+        .services
+        .iter()
+        .filter_map(|(name, svc)| Some((name.clone(), target_of(semantics, computed, svc)?)))
+        .collect()
+}
+
+/// One Service's entry of [`health_check_targets`] (`None`: no server), for a caller
+/// that follows changes Service by Service.
+pub fn health_check_target(
+    semantics: Semantics,
+    computed: Option<&NodePlan>,
+    applied: Option<&NodePlan>,
+    name: &ServiceName,
+) -> Option<Target> {
+    target_of(semantics, computed, applied?.services.get(name)?)
+}
+
+fn target_of(
+    semantics: Semantics,
+    computed: Option<&NodePlan>,
+    svc: &std::sync::Arc<ServicePlan>,
+) -> Option<Target> {
+    let hc = svc.health_check.as_ref()?;
+    let local_endpoints = match (semantics, computed) {
+        (Semantics::Upstream, _) | (Semantics::Truthful, None) => hc.local_endpoints,
+        (Semantics::Truthful, Some(computed)) => match computed.services.get(&svc.service) {
+            Some(now) if std::sync::Arc::ptr_eq(now, svc) || **now == **svc => hc.local_endpoints,
+            Some(now) => match &now.health_check {
+                Some(now_hc) => hc
+                    .local_endpoints
+                    .min(now_hc.local_endpoints)
+                    .min(programmed_and_ready(svc, now)),
                 None => 0,
             },
-        };
-        out.insert(
-            name.clone(),
-            Target {
-                port: hc.health_check_node_port,
-                local_endpoints,
-            },
-        );
-    }
-    out
+            None => 0,
+        },
+    };
+    Some(Target {
+        port: hc.health_check_node_port,
+        local_endpoints,
+    })
 }
 
 /// Local ready endpoint IPs present in both plans of a Service, counted as the planner
@@ -1098,6 +1119,10 @@ mod tests {
                 let got = health_check_targets(sem, computed.map(|p| &**p), applied.map(|p| &**p));
                 let got_n = got.get(&name).map(|t| t.local_endpoints);
                 assert_eq!(got_n, want, "{what} ({sem:?})");
+                // One Service's target, as the reconciler visits changed Services.
+                let one =
+                    health_check_target(sem, computed.map(|p| &**p), applied.map(|p| &**p), &name);
+                assert_eq!(one.as_ref(), got.get(&name), "{what} ({sem:?}): one by one");
                 if let (Some(t), Some(a)) = (got.get(&name), applied) {
                     assert_eq!(
                         t.port,

@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime};
 
 use kproxy_core::NodePlan;
 use kproxy_core::model::{IpFamily, ServiceName};
-use kproxy_core::plan::NodePortAddresses;
+use kproxy_core::plan::{FamilyPlan, NodePortAddresses};
 use kproxy_core::planner::PlanUpdate;
 use prometheus_client::registry::Registry;
 use tokio::sync::{Notify, watch};
@@ -121,6 +121,27 @@ struct Core {
     /// Views of the computed and applied plans ([`decide::follow`]).
     computed: Option<NodePlan>,
     applied: Option<NodePlan>,
+    /// Services whose views changed since the reconciler last looked; `all` when every
+    /// one may have (a node-level change, or before the first pass). The reconciler
+    /// revisits only these, so a sync costs health the change, not every health check.
+    changed: Changed,
+}
+
+#[derive(Debug)]
+struct Changed {
+    all: bool,
+    services: BTreeSet<ServiceName>,
+}
+
+impl Changed {
+    fn note(&mut self, update: &PlanUpdate) {
+        if update.node {
+            self.all = true;
+            self.services.clear();
+        } else if !self.all {
+            self.services.extend(update.services.iter().cloned());
+        }
+    }
 }
 
 /// What request handlers and the reconciler share.
@@ -255,6 +276,10 @@ impl Health {
                 health: ProxyHealth::new(now),
                 computed: None,
                 applied: None,
+                changed: Changed {
+                    all: true,
+                    services: BTreeSet::new(),
+                },
             }),
             metrics: Metrics::default(),
             limits,
@@ -292,6 +317,7 @@ impl Health {
             let mut c = lock(&self.shared.core);
             c.health.queued(now);
             decide::follow(&mut c.computed, plan, update);
+            c.changed.note(update);
         }
         self.kick();
     }
@@ -305,8 +331,10 @@ impl Health {
             let mut c = lock(&self.shared.core);
             c.health.updated(now);
             decide::follow(&mut c.applied, plan, update);
+            c.changed.note(update);
             if c.computed.is_none() {
                 decide::follow(&mut c.computed, plan, &PlanUpdate::WHOLE);
+                c.changed.note(&PlanUpdate::WHOLE);
             }
         }
         self.kick();
@@ -638,6 +666,17 @@ impl Running {
         self.failing.values().map(|(r, _)| r.next).min()
     }
 
+    /// Where this server listens, as [`Health::listening`] reports it.
+    fn listening(&self) -> Listening {
+        Listening {
+            port: self.check.port,
+            addrs: self.bound.keys().copied().collect(),
+            failing: self.failing.keys().copied().collect(),
+            unbound: self.unbound(),
+            local_endpoints: self.check.local_endpoints.load(Ordering::Relaxed),
+        }
+    }
+
     /// Addresses wanted but not served, with the reason (see [`Listening::unbound`]).
     fn unbound(&self) -> Vec<(SocketAddr, BindFailure)> {
         let missing = self.missing.iter().map(|ip| {
@@ -716,43 +755,38 @@ async fn reconcile_loop(
 ) {
     let mut running: BTreeMap<ServiceName, Running> = BTreeMap::new();
     let mut warned_addrs = false;
+    // What the last pass saw besides the plans: when any of it changes, every Service is
+    // revisited; otherwise a pass visits the Services the sync loop reported changed and
+    // those with a bind to retry, so a sync costs health the change, not every check.
+    let mut seen: Option<(Vec<FamilyPlan>, Vec<LocalAddr>, bool)> = None;
+    // The servers with a bind to retry (visited by every pass, and timing the next one).
+    let mut retrying: BTreeSet<ServiceName> = BTreeSet::new();
     loop {
         let generation = ctl.requested.load(Ordering::SeqCst);
-        let (targets, families) = {
-            let c = lock(&shared.core);
-            let targets = decide::health_check_targets(
-                shared.semantics,
-                c.computed.as_ref(),
-                c.applied.as_ref(),
+        let (changed, families) = {
+            let mut c = lock(&shared.core);
+            let changed = std::mem::replace(
+                &mut c.changed,
+                Changed {
+                    all: false,
+                    services: BTreeSet::new(),
+                },
             );
-            (
-                targets,
-                c.applied
-                    .as_ref()
-                    .map(|p| p.families.clone())
-                    .unwrap_or_default(),
-            )
+            let families = c
+                .applied
+                .as_ref()
+                .map(|p| p.families.clone())
+                .unwrap_or_default();
+            (changed, families)
         };
-
-        // Close what is gone or moved to another port first, so a port handed from
-        // one Service to another can be bound in the same pass.
-        let gone: Vec<ServiceName> = running
-            .iter()
-            .filter(|(name, r)| targets.get(*name).is_none_or(|t| t.port != r.check.port))
-            .map(|(name, _)| name.clone())
-            .collect();
-        for name in gone {
-            if let Some(r) = running.remove(&name) {
-                r.close(&shared).await;
-            }
-        }
 
         let needs_local = families.iter().any(|f| match &f.node_port_addresses {
             NodePortAddresses::Only(v) => !v.is_empty(),
             NodePortAddresses::Cidrs(_) => true,
             NodePortAddresses::AllLocal => false,
         });
-        let local = if needs_local && !targets.is_empty() {
+        let anything = !running.is_empty() || changed.all || !changed.services.is_empty();
+        let local = if needs_local && anything {
             match local_addresses() {
                 Ok(l) => l,
                 Err(e) => {
@@ -766,20 +800,73 @@ async fn reconcile_loop(
         } else {
             Vec::new()
         };
-
         let proxy_healthy = shared.proxy_healthy();
-        for (name, t) in &targets {
+        let now_seen = (families, local, proxy_healthy);
+        let whole = changed.all || seen.as_ref() != Some(&now_seen);
+        let (families, local, _) = seen.insert(now_seen);
+
+        // The Services this pass visits, each with its target (`None`: no server).
+        let visit: Vec<(ServiceName, Option<decide::Target>)> = {
+            let c = lock(&shared.core);
+            let (computed, applied) = (c.computed.as_ref(), c.applied.as_ref());
+            if whole {
+                let targets = decide::health_check_targets(shared.semantics, computed, applied);
+                let gone: Vec<(ServiceName, Option<decide::Target>)> = running
+                    .keys()
+                    .filter(|n| !targets.contains_key(*n))
+                    .map(|n| (n.clone(), None))
+                    .collect();
+                gone.into_iter()
+                    .chain(targets.into_iter().map(|(n, t)| (n, Some(t))))
+                    .collect()
+            } else {
+                let mut names = changed.services;
+                names.extend(retrying.iter().cloned());
+                names
+                    .into_iter()
+                    .map(|n| {
+                        let t =
+                            decide::health_check_target(shared.semantics, computed, applied, &n);
+                        (n, t)
+                    })
+                    .collect()
+            }
+        };
+
+        // Close what is gone or moved to another port first, so a port handed from
+        // one Service to another can be bound in the same pass.
+        for (name, t) in &visit {
+            let moved = |r: &Running| t.as_ref().is_none_or(|t| t.port != r.check.port);
+            if running.get(name).is_some_and(moved)
+                && let Some(r) = running.remove(name)
+            {
+                r.close(&shared).await;
+            }
+        }
+        if whole {
+            retrying.clear();
+        }
+
+        let missing = decide::missing_node_addrs(families, local);
+        for (name, t) in &visit {
+            let Some(t) = t else { continue };
             let r = running
                 .entry(name.clone())
                 .or_insert_with(|| Running::new(&shared, name.clone(), t.port));
             r.check
                 .local_endpoints
                 .store(t.local_endpoints, Ordering::Relaxed);
-            let want = decide::listen_addrs(&families, &local, t.port);
-            let missing = decide::missing_node_addrs(&families, &local);
+            let want = decide::listen_addrs(families, local, t.port);
             r.converge(&want, &missing, &shared).await;
-            let status = decide::service_answer(name, t.local_endpoints, proxy_healthy).status;
+            let status = decide::service_status(t.local_endpoints, proxy_healthy);
             shared.note_status(&r.check, status);
+        }
+        for (name, _) in &visit {
+            if running.get(name).is_some_and(|r| !r.failing.is_empty()) {
+                retrying.insert(name.clone());
+            } else {
+                retrying.remove(name);
+            }
         }
         if let Some(h) = healthz.as_mut() {
             h.try_bind_due(&shared);
@@ -787,21 +874,16 @@ async fn reconcile_loop(
 
         {
             let mut o = lock(&ctl.observed);
-            o.checks = running
-                .iter()
-                .map(|(name, r)| {
-                    (
-                        name.clone(),
-                        Listening {
-                            port: r.check.port,
-                            addrs: r.bound.keys().copied().collect(),
-                            failing: r.failing.keys().copied().collect(),
-                            unbound: r.unbound(),
-                            local_endpoints: r.check.local_endpoints.load(Ordering::Relaxed),
-                        },
-                    )
-                })
-                .collect();
+            for (name, _) in &visit {
+                match running.get(name) {
+                    Some(r) => {
+                        o.checks.insert(name.clone(), r.listening());
+                    }
+                    None => {
+                        o.checks.remove(name);
+                    }
+                }
+            }
             o.healthz = healthz
                 .as_ref()
                 .map(HealthzServer::bound_addrs)
@@ -809,9 +891,9 @@ async fn reconcile_loop(
         }
         ctl.done.send_replace(generation);
 
-        let next_retry = running
-            .values()
-            .filter_map(Running::next_retry)
+        let next_retry = retrying
+            .iter()
+            .filter_map(|n| running.get(n)?.next_retry())
             .chain(healthz.as_ref().and_then(HealthzServer::next_retry))
             .min();
         let tick = tokio::time::Instant::now() + TICK;

@@ -637,3 +637,44 @@ fn a_change_never_taken_by_the_sync_loop_turns_the_proxy_stale() {
         });
     }
 }
+
+/// The sync loop reports each sync's change (`PlanUpdate`), and a reconciler pass then
+/// visits only the Services it names: a Service losing its endpoints, one removed and
+/// one added in the same delta end where a whole pass would put them, and the one not
+/// named keeps serving.
+#[test]
+fn delta_updates_move_the_named_servers() {
+    use kproxy_core::planner::PlanUpdate;
+    in_netns(|| async {
+        let (h, _clock, _reg) = start(Semantics::Upstream, false).await;
+        let before = plan(&[
+            svc("a", "b", 31001, &["10.244.0.5"]),
+            svc("a", "c", 31002, &["10.244.0.6"]),
+            svc("a", "e", 31004, &["10.244.0.9"]),
+        ]);
+        h.plan_computed(&before);
+        h.plan_applied(&before);
+        h.reconciled().await;
+        assert_eq!(status(31001).await, (200, 1));
+        assert_eq!(status(31002).await, (200, 1));
+        let after = plan(&[
+            svc("a", "b", 31001, &[]),
+            svc("a", "d", 31003, &["10.244.0.7", "10.244.0.8"]),
+            svc("a", "e", 31004, &["10.244.0.9"]),
+        ]);
+        let up = PlanUpdate {
+            services: ["b", "c", "d"].map(|n| ServiceName::new("a", n)).into(),
+            node: false,
+        };
+        h.computed(&after, &up);
+        h.applied(&after, &up);
+        h.reconciled().await;
+        assert_eq!(status(31001).await, (503, 0));
+        assert!(refused(lo(31002)).await, "a removed Service still served");
+        assert_eq!(status(31003).await, (200, 2));
+        assert_eq!(status(31004).await, (200, 1));
+        let names: Vec<String> = h.listening().keys().map(|n| n.to_string()).collect();
+        assert_eq!(names, ["a/b", "a/d", "a/e"]);
+        h.shutdown().await;
+    });
+}

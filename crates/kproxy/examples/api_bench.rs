@@ -12,7 +12,7 @@
 //!   --kubeconfig /tmp/k8s-lab-x/kubeconfig --proxy-kubeconfig /tmp/k8s-lab-x/kubeconfig-proxy \
 //!   10000x10 [--runs 3] [--skip-populate] [--churn SECONDS] [--rate PER_SECOND] \
 //!   [--kproxy-arg ARG]...   # e.g. --kproxy-arg --min-sync-period=0s
-//!   [--upstream /tmp/k8s-lab-x/bin/kube-proxy]
+//!   [--upstream /tmp/k8s-lab-x/bin/kube-proxy] [--restart]
 //! ```
 //!
 //! `--upstream BINARY` measures upstream kube-proxy (nftables mode, the k8s-lab's
@@ -21,11 +21,23 @@
 //! IP (it writes no event log), and it has no timeline and no churn figures.
 //!
 //! `--churn S` then keeps the last run's kproxy up and flips one endpoint's readiness
-//! in a different EndpointSlice `--rate` times a second (default 100) for S seconds,
-//! one merge PATCH each, and reports: writes acknowledged, the API's write latency,
-//! kproxy's `kproxy_change_stage_duration_seconds` (a change reaching the state →
-//! planned → kernel committed; p50/p99 from the histogram buckets, so bucket-bounded),
-//! the pending-change gauges after the churn, and kproxy's CPU time during it.
+//! (and adds a surge endpoint at an address of its own) in a different EndpointSlice
+//! `--rate` times a second (default 100) for S seconds, one merge PATCH each, and
+//! reports: writes acknowledged, the API's write latency, kproxy's
+//! `kproxy_change_stage_duration_seconds` (a change reaching the state → planned →
+//! kernel committed; p50/p99 from the histogram buckets, so bucket-bounded), the
+//! pending-change gauges after the churn, kproxy's CPU time during it, and each write's
+//! way end to end: acknowledged (and sent) → the kernel commit of the first sync whose
+//! `synced` event names the written Service (`changed`, `committed_unix_us`).
+//!
+//! `--restart` then restarts the last run's kproxy as a DaemonSet update or a crash
+//! would, into the tables it left: SIGTERM, then SIGKILL (each followed at once by a
+//! new process; the binary is the same file, so "upgrade" is the same measurement).
+//! A client in the namespace opens new connections through the probe's cluster IP
+//! all along (one every ~2 ms, 200 ms timeout); each restart reports the new
+//! process's start → first sync (adopting the kernel's tables: what it sent), its peak
+//! RSS, and the connections that succeeded and failed from the signal until 5 s after
+//! that sync.
 //!
 //! Objects already there (409) are kept, so a second call at the same scale only
 //! measures — slowly: the API server allocates and releases a cluster IP for each
@@ -555,17 +567,134 @@ fn stage_buckets(text: &str, stage: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
-fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, secs: u64, rate: u64) {
+/// From kproxy's event log: each Service a delta sync named (`changed`) → the kernel
+/// commit times of those syncs (`committed_unix_us`), each with the time its oldest
+/// change reached kproxy's state (`oldest_change_unix_us`) when the sync carried that
+/// Service alone (then the oldest change is this one).
+fn commits(events: &Path) -> std::collections::HashMap<String, Vec<(u64, Option<u64>)>> {
+    let text = std::fs::read_to_string(events).unwrap_or_default();
+    let mut commits: std::collections::HashMap<String, Vec<(u64, Option<u64>)>> =
+        Default::default();
+    for e in text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+    {
+        let (Some(at), Some(names)) = (e["committed_unix_us"].as_u64(), e["changed"].as_array())
+        else {
+            continue;
+        };
+        let state = e["oldest_change_unix_us"]
+            .as_u64()
+            .filter(|_| names.len() == 1);
+        for n in names.iter().filter_map(Value::as_str) {
+            commits.entry(n.to_string()).or_default().push((at, state));
+        }
+    }
+    commits
+}
+
+/// The first commit of `svc` at or after `t` (µs), with its state time (see [`commits`]).
+fn first_commit(
+    commits: &std::collections::HashMap<String, Vec<(u64, Option<u64>)>>,
+    svc: &str,
+    t: u64,
+) -> Option<(u64, Option<u64>)> {
+    commits
+        .get(svc)?
+        .iter()
+        .copied()
+        .filter(|c| c.0 >= t)
+        .min_by_key(|c| c.0)
+}
+
+/// Microseconds since the epoch.
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// Each write's way as the bench sees it: for the first `synced` event in kproxy's event
+/// log that names the written Service and committed after the write was sent, the
+/// kernel commit minus the write's acknowledgement (negative when the watch event and
+/// the sync beat the API's answer to the client) and minus its sending; in ms. Writes
+/// no sync names are counted as missing.
+fn write_to_kernel(events: &Path, writes: &[(String, u64, u64)]) -> (Vec<f64>, Vec<f64>, usize) {
+    let commits = commits(events);
+    let (mut from_ack, mut from_sent, mut missing) = (Vec::new(), Vec::new(), 0);
+    for (svc, sent, acked) in writes {
+        match first_commit(&commits, svc, *sent) {
+            Some((t, _)) => {
+                from_ack.push((t as f64 - *acked as f64) / 1e3);
+                from_sent.push((t - sent) as f64 / 1e3);
+            }
+            None => missing += 1,
+        }
+    }
+    from_ack.sort_by(f64::total_cmp);
+    from_sent.sort_by(f64::total_cmp);
+    (from_ack, from_sent, missing)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn churn(
+    kubeconfig: &Path,
+    ns: &str,
+    pid: u32,
+    events: &Path,
+    services: usize,
+    eps: usize,
+    secs: u64,
+    rate: u64,
+) {
     let before = metrics_text(ns);
     let ticks0 = cpu_ticks(pid);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let run_salt = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos() as usize);
-    let (acked, mut write_ms) = rt.block_on(async {
+    // When the API server delivers each change to a watcher of its own (the bench's, on
+    // the host, no socat in between): "Service" → arrival times, in µs since the epoch.
+    let delivered: std::sync::Arc<std::sync::Mutex<Vec<(String, u64)>>> = Default::default();
+    let (writes, mut write_ms) = rt.block_on(async {
         let client = kproxy_source::kube::client(Some(kubeconfig))
             .await
             .expect("admin client");
+        let slices = "/apis/discovery.k8s.io/v1/endpointslices";
+        let list = Request::new(slices)
+            .list(&kube::core::params::ListParams::default().limit(1))
+            .expect("list request");
+        let rv = serde_json::from_str::<Value>(&client.request_text(list).await.expect("list"))
+            .ok()
+            .and_then(|v| {
+                v["metadata"]["resourceVersion"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .expect("the list's resourceVersion");
+        let watch = Request::new(slices)
+            .watch(
+                &kube::core::params::WatchParams::default().timeout(290),
+                &rv,
+            )
+            .expect("watch request");
+        let events = client
+            .request_events::<kube::core::DynamicObject>(watch)
+            .await
+            .expect("watch");
+        let sink = delivered.clone();
+        tokio::spawn(async move {
+            futures::pin_mut!(events);
+            while let Some(Ok(e)) = events.next().await {
+                let at = unix_us();
+                if let kube::core::WatchEvent::Modified(o) = e
+                    && let (Some(ns), Some(name)) = (o.metadata.namespace, o.metadata.name)
+                {
+                    let svc = name.strip_suffix("-x").unwrap_or(&name);
+                    sink.lock().unwrap().push((format!("{ns}/{svc}"), at));
+                }
+            }
+        });
         let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
         let mut tasks = Vec::new();
         for k in 0..(secs * rate) as usize {
@@ -603,20 +732,25 @@ fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, sec
                     &Patch::Merge(body),
                 )
                 .expect("patch request");
-                let t = Instant::now();
-                client.request_text(req).await.map(|_| t.elapsed())
+                let (t, sent) = (Instant::now(), unix_us());
+                let svc = format!("{ns}/svc-{i}");
+                client
+                    .request_text(req)
+                    .await
+                    .map(|_| (t.elapsed(), svc, sent, unix_us()))
             }));
         }
-        let mut acked = 0;
         let mut write_ms = Vec::new();
+        let mut writes = Vec::new();
         for t in tasks {
-            if let Ok(Ok(d)) = t.await {
-                acked += 1;
+            if let Ok(Ok((d, svc, sent, acked))) = t.await {
                 write_ms.push(d.as_secs_f64() * 1e3);
+                writes.push((svc, sent, acked));
             }
         }
-        (acked, write_ms)
+        (writes, write_ms)
     });
+    let acked = writes.len();
     std::thread::sleep(Duration::from_secs(2));
     let ticks = cpu_ticks(pid) - ticks0;
     let after = metrics_text(ns);
@@ -649,6 +783,96 @@ fn churn(kubeconfig: &Path, ns: &str, pid: u32, services: usize, eps: usize, sec
     for l in after.lines().filter(|l| l.contains("changes_pending")) {
         println!("  after: {l}");
     }
+    let (from_ack, from_sent, missing) = write_to_kernel(events, &writes);
+    let delivered = std::mem::take(&mut *delivered.lock().unwrap());
+    let d = api_delivery(events, &writes, &delivered);
+    let beat = from_ack.iter().filter(|x| **x < 0.0).count();
+    println!(
+        "  write → kernel (the first sync naming the written Service, from kproxy's event log; {} writes matched, {missing} not named by any sync): acknowledged → kernel p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({beat} committed before the client had the API's answer: counted as ≤ 0); sent → kernel p50 {:.2} ms, p99 {:.2} ms",
+        from_ack.len(),
+        pct(&from_ack, 0.5),
+        pct(&from_ack, 0.99),
+        from_ack.last().copied().unwrap_or(f64::NAN),
+        pct(&from_sent, 0.5),
+        pct(&from_sent, 0.99),
+    );
+    let line = |v: &[f64]| {
+        format!(
+            "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+            pct(v, 0.5),
+            pct(v, 0.99),
+            v.last().copied().unwrap_or(f64::NAN)
+        )
+    };
+    println!(
+        "  the API's own delivery ({} writes seen by the bench's watch): acknowledged → delivered to a watcher {}; that delivery → kproxy's kernel commit {}",
+        d.ack_to_watch.len(),
+        line(&d.ack_to_watch),
+        line(&d.watch_to_kernel)
+    );
+    println!(
+        "  of which, for the {} writes whose sync carried that Service alone: delivery → in kproxy's state {}; state → kernel commit {}",
+        d.watch_to_state.len(),
+        line(&d.watch_to_state),
+        line(&d.state_to_kernel)
+    );
+}
+
+/// Per write, from the bench's own watch, in ms, each sorted: acknowledged → delivered
+/// to that watcher; that delivery → kproxy's kernel commit (the first sync naming the
+/// Service after the write was sent); and, where that sync carried this Service alone,
+/// the delivery → the change in kproxy's state, and the state → the commit. kproxy's
+/// watch goes through socat into its namespace, so "delivery → state" includes that hop
+/// and kproxy's decoding.
+struct Delivery {
+    ack_to_watch: Vec<f64>,
+    watch_to_kernel: Vec<f64>,
+    watch_to_state: Vec<f64>,
+    state_to_kernel: Vec<f64>,
+}
+
+fn api_delivery(
+    events: &Path,
+    writes: &[(String, u64, u64)],
+    delivered: &[(String, u64)],
+) -> Delivery {
+    let mut seen: std::collections::HashMap<&str, Vec<u64>> = Default::default();
+    for (svc, at) in delivered {
+        seen.entry(svc.as_str()).or_default().push(*at);
+    }
+    let commits = commits(events);
+    let ms = |a: u64, b: u64| (b as f64 - a as f64) / 1e3;
+    let mut d = Delivery {
+        ack_to_watch: Vec::new(),
+        watch_to_kernel: Vec::new(),
+        watch_to_state: Vec::new(),
+        state_to_kernel: Vec::new(),
+    };
+    for (svc, sent, acked) in writes {
+        let Some(w) = seen
+            .get(svc.as_str())
+            .and_then(|v| v.iter().copied().filter(|x| x >= sent).min())
+        else {
+            continue;
+        };
+        d.ack_to_watch.push(ms(*acked, w));
+        if let Some((k, state)) = first_commit(&commits, svc, *sent) {
+            d.watch_to_kernel.push(ms(w, k));
+            if let Some(st) = state {
+                d.watch_to_state.push(ms(w, st));
+                d.state_to_kernel.push(ms(st, k));
+            }
+        }
+    }
+    for v in [
+        &mut d.ack_to_watch,
+        &mut d.watch_to_kernel,
+        &mut d.watch_to_state,
+        &mut d.state_to_kernel,
+    ] {
+        v.sort_by(f64::total_cmp);
+    }
+    d
 }
 
 fn main() {
@@ -662,12 +886,14 @@ fn main() {
     let mut extra = Vec::new();
     let mut upstream = None;
     let mut scale = None;
+    let mut restart = false;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--kubeconfig" => kubeconfig = args.next().map(PathBuf::from),
             "--proxy-kubeconfig" => proxy_kubeconfig = args.next().map(PathBuf::from),
             "--runs" => runs = args.next().and_then(|r| r.parse().ok()).expect("--runs N"),
             "--skip-populate" => skip_populate = true,
+            "--restart" => restart = true,
             "--churn" => {
                 churn_secs = args
                     .next()
@@ -689,7 +915,7 @@ fn main() {
         (kubeconfig, proxy_kubeconfig, scale)
     else {
         eprintln!(
-            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY]"
+            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY] [--restart]"
         );
         std::process::exit(2);
     };
@@ -729,17 +955,22 @@ fn main() {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = api_port(&proxy_kubeconfig);
     let sock = dir.path().join("api.sock");
+    // TCP_NODELAY on both TCP sides: with Nagle, socat's small writes of watch events
+    // waited for the peer's delayed ACK (40 ms on loopback), which showed as a p99 of
+    // ≈ 37 ms between the API's delivery and kproxy's state.
     let _host_side = Proc(
         Command::new("socat")
             .arg(format!("UNIX-LISTEN:{},fork,unlink-early", sock.display()))
-            .arg(format!("TCP:127.0.0.1:{port}"))
+            .arg(format!("TCP:127.0.0.1:{port},nodelay"))
             .spawn()
             .expect("socat (apt-get install socat)"),
     );
     let _ns_side = Proc(
         Command::new("ip")
             .args(["netns", "exec", &name, "socat"])
-            .arg(format!("TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr"))
+            .arg(format!(
+                "TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr,nodelay"
+            ))
             .arg(format!("UNIX-CONNECT:{}", sock.display()))
             .spawn()
             .expect("socat in the namespace"),
@@ -790,13 +1021,94 @@ fn main() {
                 &kubeconfig,
                 &name,
                 daemon.0.id(),
+                &dir.path().join(format!("events-{run}.jsonl")),
                 services,
                 eps,
                 churn_secs,
                 rate,
             );
         }
+        let mut daemon = daemon;
+        if run + 1 == runs && restart && upstream.is_none() {
+            for (i, signal) in ["TERM", "KILL"].into_iter().enumerate() {
+                daemon = restart_once(
+                    &proxy_kubeconfig,
+                    &extra,
+                    &name,
+                    dir.path(),
+                    daemon,
+                    signal,
+                    runs + i,
+                );
+            }
+        }
         drop(daemon);
     }
     exec(&["nft", "flush", "ruleset"]);
+}
+
+/// New connections through the probe's cluster IP, opened one after another from
+/// inside the namespace until stopped: (succeeded, failed).
+struct Client {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(u64, u64)>,
+}
+
+impl Client {
+    fn start(ns: &str) -> Client {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let ns = ns.to_string();
+        let thread = std::thread::spawn(move || {
+            enter(&ns);
+            let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
+            let (mut ok, mut failed) = (0, 0);
+            while !flag.load(Ordering::Relaxed) {
+                match TcpStream::connect_timeout(&dst, Duration::from_millis(200)) {
+                    Ok(_) => ok += 1,
+                    Err(_) => failed += 1,
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (ok, failed)
+        });
+        Client { stop, thread }
+    }
+
+    fn finish(self) -> (u64, u64) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().expect("client thread")
+    }
+}
+
+/// Stops `old` with `signal` and starts a new kproxy at once into the tables it left;
+/// prints what the client saw. Returns the new process.
+fn restart_once(
+    proxy_kubeconfig: &Path,
+    extra: &[String],
+    ns: &str,
+    dir: &Path,
+    mut old: Proc,
+    signal: &str,
+    run: usize,
+) -> Proc {
+    let client = Client::start(ns);
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    sh(&["kill", &format!("-{signal}"), &old.0.id().to_string()]);
+    let _ = old.0.wait();
+    let stopped = t.elapsed();
+    let (r, new) = measure(proxy_kubeconfig, extra, None, ns, dir, run);
+    let (ok, failed) = client.finish();
+    let detail = serde_json::from_str::<Value>(&r.sync_event)
+        .map(|e| e["detail"].to_string())
+        .unwrap_or_default();
+    println!(
+        "kproxy restart by SIG{signal}: old process gone in {:.0} ms; new process start → first sync {:.2} s ({detail}); peak (VmHWM) {:.1} MiB | new connections from the signal to 5 s after that sync: {ok} succeeded, {failed} failed",
+        stopped.as_secs_f64() * 1000.0,
+        r.first_sync.as_secs_f64(),
+        r.hwm as f64 / 1024.0,
+    );
+    new
 }

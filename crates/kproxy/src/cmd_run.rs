@@ -304,6 +304,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
                 node_name: node.clone(),
                 ownership,
                 page_size: None,
+                json_lists: cfg.content_type == kproxy_config::ContentType::Json,
             };
             let h = handle.clone();
             tasks.spawn_until_cancelled("the source", "the source stopped", async move {

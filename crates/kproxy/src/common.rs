@@ -18,12 +18,20 @@ pub enum LoggingFormat {
     Json,
 }
 
-/// Logs go to stderr, filtered by `KPROXY_LOG` (default `info`). Colour codes are
-/// written only to a terminal: in a file or a pipe they are noise a collector keeps.
+/// The log filter when `KPROXY_LOG` is unset. kube-client's HTTP trace layer logs every
+/// failed request at ERROR ("failed with error client error (Connect)"): while the API
+/// server is down that is one line per retry of every watched kind, each a duplicate of
+/// the reflector's own warning, which names the kind and the backoff and is logged only
+/// on the 1st, 2nd, 4th, 8th… failure in a row. `KPROXY_LOG` replaces the whole filter.
+pub const DEFAULT_LOG_FILTER: &str = "info,kube_client::client::builder=off";
+
+/// Logs go to stderr, filtered by `KPROXY_LOG` (default [`DEFAULT_LOG_FILTER`]). Colour
+/// codes are written only to a terminal: in a file or a pipe they are noise a collector
+/// keeps.
 pub fn init_logging(format: LoggingFormat) {
     use std::io::IsTerminal;
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_env("KPROXY_LOG").unwrap_or_else(|_| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KPROXY_LOG")
+        .unwrap_or_else(|_| DEFAULT_LOG_FILTER.into());
     let ansi = std::io::stderr().is_terminal();
     let _ =
         tracing::subscriber::set_global_default(subscriber(format, ansi, filter, std::io::stderr));
@@ -58,7 +66,7 @@ where
 mod logging_tests {
     use std::sync::{Arc, Mutex};
 
-    use super::{LoggingFormat, subscriber};
+    use super::{DEFAULT_LOG_FILTER, LoggingFormat, subscriber};
 
     /// A writer the test reads back.
     #[derive(Clone, Default)]
@@ -99,6 +107,29 @@ mod logging_tests {
             "colour codes in a non-terminal log: {plain:?}"
         );
         assert!(log_one(LoggingFormat::Text, true).contains('\x1b'));
+    }
+
+    /// The default filter drops kube-client's per-request ERROR lines (the reflector
+    /// logs each failure itself) and nothing else at info.
+    #[test]
+    fn the_default_filter_drops_kube_clients_duplicate_request_errors() {
+        let buf = Buf::default();
+        let out = buf.clone();
+        let sub = subscriber(
+            LoggingFormat::Text,
+            false,
+            DEFAULT_LOG_FILTER.into(),
+            move || out.clone(),
+        );
+        tracing::subscriber::with_default(sub, || {
+            tracing::error!(target: "kube_client::client::builder", "failed with error client error (Connect)");
+            tracing::warn!(target: "kproxy_source::kube::reflect", "watch failed; keeping the last state and retrying");
+            tracing::error!(target: "kube_client::client::auth", "token file unreadable");
+        });
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert!(!text.contains("client error (Connect)"), "{text}");
+        assert!(text.contains("watch failed"), "{text}");
+        assert!(text.contains("token file unreadable"), "{text}");
     }
 
     #[test]

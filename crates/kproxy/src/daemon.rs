@@ -19,6 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
+use kproxy_core::model::IpFamily;
+use kproxy_core::no_local::NoLocalEndpoints;
 use kproxy_core::planner::PlanUpdate;
 use kproxy_core::{NodePlan, PlanConfig, Planner};
 use kproxy_source::StateHandle;
@@ -82,19 +84,22 @@ pub struct LoopConfig {
 /// every update (`StateHandle::on_update`); a sync takes the instant, so each sync
 /// reports the way of the oldest change it carried: queued (until planning starts,
 /// including minSyncPeriod batching), plan, commit (the kernel transaction).
+/// The wall-clock time is kept too, for the event log (`oldest_change_unix_us`), so a
+/// change's way can be lined up with timestamps taken outside kproxy.
 #[derive(Clone, Debug, Default)]
-pub struct ChangeClock(Arc<Mutex<Option<Instant>>>);
+pub struct ChangeClock(Arc<Mutex<Option<(Instant, SystemTime)>>>);
 
 impl ChangeClock {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Instant, SystemTime)>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn note(&self) {
-        self.lock().get_or_insert_with(Instant::now);
+        self.lock()
+            .get_or_insert_with(|| (Instant::now(), SystemTime::now()));
     }
 
-    pub fn take(&self) -> Option<Instant> {
+    pub fn take(&self) -> Option<(Instant, SystemTime)> {
         self.lock().take()
     }
 }
@@ -149,6 +154,12 @@ impl EventLog {
     }
 }
 
+fn unix_us(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros() as u64
+}
+
 fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -175,6 +186,7 @@ pub struct SyncLoop<D, H> {
     metrics: Arc<Metrics>,
     events: EventLog,
     programming: ProgrammingLatency,
+    no_local: NoLocalCounts,
     last_conflicts: Vec<kproxy_core::conflicts::Conflict>,
     last_sync: Option<Instant>,
     failures: u32,
@@ -209,6 +221,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             metrics,
             events,
             programming: ProgrammingLatency::default(),
+            no_local: NoLocalCounts::default(),
             last_conflicts: Vec::new(),
             last_sync: None,
             failures: 0,
@@ -375,13 +388,14 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             })
             .await;
         let elapsed = start.elapsed();
+        let committed_unix_us = unix_us(SystemTime::now());
         self.last_sync = Some(Instant::now());
         let plan = self.engine.as_ref().expect(ENGINE_HOME).planner.plan();
         match res {
             Ok(outcome) => {
                 self.failures = 0;
                 let stages =
-                    oldest_change.map(|t| change_stages(t, start, planned, start + elapsed));
+                    oldest_change.map(|(t, _)| change_stages(t, start, planned, start + elapsed));
                 for (stage, secs) in stages.iter().flatten() {
                     metrics
                         .change_stages
@@ -398,7 +412,8 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 metrics
                     .conntrack_deleted
                     .inc_by(outcome.conntrack_deleted as u64);
-                set_no_local_endpoints(&metrics, plan);
+                self.no_local.follow(plan, &unapplied);
+                self.no_local.set(&metrics, plan);
                 self.health.applied(plan, &unapplied);
                 let programming = &mut self.programming;
                 self.handle
@@ -417,14 +432,34 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                         "periodic sync: nothing changed"
                     );
                 }
+                // What the sync changed, not the cluster: every health check and no
+                // names after a full sync or a node-level change, else the changed
+                // Services' names and health checks.
+                let whole = outcome.full || unapplied.node;
+                let checks: Vec<&kproxy_core::plan::HealthCheck> = if whole {
+                    plan.health_checks().collect()
+                } else {
+                    unapplied
+                        .services
+                        .iter()
+                        .filter_map(|n| plan.services.get(n)?.health_check.as_ref())
+                        .collect()
+                };
                 self.events.emit(
                     "synced",
                     json!({
                         "full": outcome.full,
                         "services_changed": unapplied.services.len(),
+                        "changed": (!whole).then(|| unapplied
+                            .services
+                            .iter()
+                            .map(|n| n.to_string())
+                            .collect::<Vec<_>>()),
+                        "committed_unix_us": committed_unix_us,
+                        "oldest_change_unix_us": oldest_change.map(|(_, at)| unix_us(at)),
                         "elapsed_ms": elapsed.as_secs_f64() * 1e3,
                         "conntrack_deleted": outcome.conntrack_deleted,
-                        "health_checks": plan.health_checks().map(|h| json!({
+                        "health_checks": checks.iter().map(|h| json!({
                             "service": h.service.to_string(),
                             "port": h.health_check_node_port,
                             "localEndpoints": h.local_endpoints,
@@ -499,19 +534,82 @@ async fn blocking<T: Send + 'static, R: Send + 'static>(
     }
 }
 
-/// Upstream's `sync_proxy_rules_no_local_endpoints_total{traffic_policy, ip_family}`:
-/// the decision is `kproxy_core::no_local`; one gauge pair per family of the plan.
-fn set_no_local_endpoints(metrics: &Metrics, plan: &NodePlan) {
-    for f in &plan.families {
-        let n = kproxy_core::no_local::no_local_endpoints(plan, f.family);
-        for (traffic_policy, v) in [("internal", n.internal), ("external", n.external)] {
-            metrics
-                .no_local_endpoints
-                .get_or_create(&NoLocalLabels {
-                    traffic_policy,
-                    ip_family: f.family.as_str(),
-                })
-                .set(i64::from(v));
+/// Upstream's `sync_proxy_rules_no_local_endpoints_total{traffic_policy, ip_family}`
+/// of the applied plan: the decision is `kproxy_core::no_local`; the counts are kept per
+/// Service and moved by each sync's changed Services, so a sync does not walk the
+/// cluster. Only Services that count are held.
+#[derive(Debug, Default)]
+struct NoLocalCounts {
+    /// IPv4, IPv6.
+    total: [NoLocalEndpoints; 2],
+    by_service: HashMap<kproxy_core::model::ServiceName, [NoLocalEndpoints; 2]>,
+    primed: bool,
+}
+
+impl NoLocalCounts {
+    fn of_service(svc: &kproxy_core::plan::ServicePlan) -> [NoLocalEndpoints; 2] {
+        IpFamily::ALL.map(|f| kproxy_core::no_local::service_no_local_endpoints(svc, f))
+    }
+
+    /// Moves the counts to `plan` by `update` (every change since the plan they
+    /// counted); the first call and node-level changes count the whole plan.
+    fn follow(&mut self, plan: &NodePlan, update: &PlanUpdate) {
+        let zero = [NoLocalEndpoints::default(); 2];
+        if !self.primed || update.node {
+            *self = NoLocalCounts {
+                primed: true,
+                ..NoLocalCounts::default()
+            };
+            for (name, svc) in &plan.services {
+                let n = Self::of_service(svc);
+                if n != zero {
+                    self.add(name.clone(), n);
+                }
+            }
+            return;
+        }
+        for name in &update.services {
+            if let Some(old) = self.by_service.remove(name) {
+                for (t, o) in self.total.iter_mut().zip(old) {
+                    *t -= o;
+                }
+            }
+            if let Some(svc) = plan.services.get(name) {
+                let n = Self::of_service(svc);
+                if n != zero {
+                    self.add(name.clone(), n);
+                }
+            }
+        }
+    }
+
+    fn add(&mut self, name: kproxy_core::model::ServiceName, n: [NoLocalEndpoints; 2]) {
+        for (t, x) in self.total.iter_mut().zip(n) {
+            *t += x;
+        }
+        self.by_service.insert(name, n);
+    }
+
+    fn get(&self, family: IpFamily) -> NoLocalEndpoints {
+        self.total[match family {
+            IpFamily::IPv4 => 0,
+            IpFamily::IPv6 => 1,
+        }]
+    }
+
+    /// One gauge pair per family of the plan.
+    fn set(&self, metrics: &Metrics, plan: &NodePlan) {
+        for f in &plan.families {
+            let n = self.get(f.family);
+            for (traffic_policy, v) in [("internal", n.internal), ("external", n.external)] {
+                metrics
+                    .no_local_endpoints
+                    .get_or_create(&NoLocalLabels {
+                        traffic_policy,
+                        ip_family: f.family.as_str(),
+                    })
+                    .set(i64::from(v));
+            }
         }
     }
 }
@@ -685,6 +783,15 @@ mod tests {
         fail: &[bool],
         gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
     ) -> Harness {
+        start_logging(min_sync, fail, gate, None)
+    }
+
+    fn start_logging(
+        min_sync: u64,
+        fail: &[bool],
+        gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
+        event_log: Option<PathBuf>,
+    ) -> Harness {
         let log = Log(Arc::default(), Instant::now());
         let handle = StateHandle::new();
         let cfg = LoopConfig {
@@ -693,9 +800,12 @@ mod tests {
             min_sync_period: Duration::from_millis(min_sync),
             sync_period: Duration::from_secs(3600),
             verify_period: Duration::from_secs(7200),
-            event_log: None,
+            event_log,
             changes: ChangeClock::default(),
         };
+        // As `kproxy run` wires it: the source's updates note the changes' time.
+        let clock = cfg.changes.clone();
+        handle.on_update(move || clock.note());
         let dataplane = FakeDataplane {
             log: log.clone(),
             fail: fail.iter().copied().collect(),
@@ -929,6 +1039,97 @@ mod tests {
         let log = h.log.clone();
         h.stop().await;
         assert_eq!(log.syncs(), 0);
+    }
+
+    /// A delta sync's event names what it changed (Services, their health checks), not
+    /// the whole cluster; a full sync lists every health check.
+    #[tokio::test(start_paused = true)]
+    async fn a_delta_sync_event_carries_the_change_not_the_cluster() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let h = start_logging(0, &[], None, Some(path.clone()));
+        // Services 0, 10, 20, 30 are eTP-Local LoadBalancers with a health check.
+        for i in [0, 5, 10, 20] {
+            h.add(i);
+        }
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        h.add(30);
+        h.until_syncs(2).await;
+        h.stop().await;
+        let synced: Vec<serde_json::Value> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|e| e["event"] == "synced")
+            .collect();
+        assert_eq!(synced.len(), 2, "{synced:?}");
+        let services = |e: &serde_json::Value, key: &str, field: &str| -> Vec<String> {
+            e[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x[field].as_str().map_or(x.to_string(), str::to_string))
+                .collect()
+        };
+        assert_eq!(synced[0]["full"], true);
+        assert_eq!(synced[0]["changed"], serde_json::Value::Null);
+        let all: Vec<String> = [0, 10, 20].map(|i| name(i).to_string()).into();
+        assert_eq!(services(&synced[0], "health_checks", "service"), all);
+        assert_eq!(synced[1]["full"], false);
+        assert_eq!(
+            synced[1]["changed"],
+            serde_json::json!([name(30).to_string()])
+        );
+        assert_eq!(
+            services(&synced[1], "health_checks", "service"),
+            [name(30).to_string()]
+        );
+        let committed = synced[1]["committed_unix_us"].as_u64().unwrap();
+        let oldest = synced[1]["oldest_change_unix_us"].as_u64().unwrap();
+        assert!(0 < oldest && oldest <= committed, "{}", synced[1]);
+    }
+
+    /// The no-local-endpoints gauges, moved by each sync's changed Services, equal a
+    /// count of the whole plan.
+    #[test]
+    fn no_local_counts_follow_changes_as_a_recount_would() {
+        let spec = Spec {
+            etp_local_every: 2,
+            ..Spec::new(40, 2)
+        };
+        let mut state = synthetic::cluster(&spec);
+        let mut planner = Planner::new(synthetic::node_name(0), PlanConfig::default());
+        let mut counts = NoLocalCounts::default();
+        let recount = |plan: &NodePlan| {
+            IpFamily::ALL.map(|f| kproxy_core::no_local::no_local_endpoints(plan, f))
+        };
+        let up = planner.update(&mut state);
+        counts.follow(planner.plan(), &up);
+        assert!(counts.total[0].external > 0, "{counts:?}");
+        assert_eq!(counts.total, recount(planner.plan()));
+        for step in 1..=30usize {
+            let i = (step * 7) % spec.services;
+            let svc = synthetic::service(&spec, i);
+            match step % 3 {
+                0 => {
+                    if state.service(&svc.name).is_some() {
+                        state.delete_service(&svc.name);
+                    } else {
+                        state.upsert_service(svc);
+                    }
+                }
+                1 => {
+                    state.delete_slice(&svc.name.namespace, &format!("svc-{i}-abcde"));
+                }
+                _ => {
+                    state.upsert_slice(synthetic::slice(&spec, i, step));
+                }
+            }
+            let up = planner.update(&mut state);
+            counts.follow(planner.plan(), &up);
+            assert_eq!(counts.total, recount(planner.plan()), "step {step}");
+        }
     }
 
     #[test]

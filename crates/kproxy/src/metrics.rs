@@ -20,9 +20,16 @@ pub struct StageLabel {
     pub stage: &'static str,
 }
 
+/// Fine between 0.5 and 25 ms, where a change's way to the kernel lies when syncs are not
+/// batched (`--min-sync-period=0s`), so a 10 ms objective can be read off the buckets;
+/// then coarser up to a minute (minSyncPeriod batching, failures and retries).
+pub const CHANGE_STAGE_BUCKETS: [f64; 24] = [
+    0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.010, 0.012, 0.015, 0.020, 0.025,
+    0.050, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0,
+];
+
 fn change_stage_histogram() -> Histogram {
-    // 0.1 ms .. ~52 s.
-    Histogram::new(exponential_buckets(0.0001, 2.0, 20))
+    Histogram::new(CHANGE_STAGE_BUCKETS)
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -295,5 +302,29 @@ mod tests {
             );
         }
         assert_eq!(network_programming_buckets().len(), 2 + 59 + 12 + 7);
+    }
+
+    /// A change's way can be told apart around a 10 ms objective: 9.5 ms falls under
+    /// 10 ms and above 8 ms, 11 ms under 12 ms.
+    #[test]
+    fn change_stage_buckets_resolve_milliseconds() {
+        let mut registry = Registry::default();
+        let m = Metrics::register(&mut registry);
+        let total = m
+            .change_stages
+            .get_or_create(&StageLabel { stage: "total" });
+        total.observe(0.0095);
+        total.observe(0.011);
+        let text = encode(&registry);
+        for (le, n) in [("0.008", 0), ("0.01", 1), ("0.012", 2), ("60.0", 2)] {
+            let line = format!(
+                "kproxy_change_stage_duration_seconds_bucket{{le=\"{le}\",stage=\"total\"}} {n}"
+            );
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(CHANGE_STAGE_BUCKETS.is_sorted());
     }
 }

@@ -7,6 +7,7 @@
 //! Run: `cargo bench -p kproxy-nft --bench sync` (sizes: 1000x10 10000x10) or with
 //! explicit sizes: `cargo bench -p kproxy-nft --bench sync -- 5000x50 44000x1`.
 //! `KPROXY_BENCH_DUMP=DIR` also writes each full script to `DIR/SxE.nft`;
+//! `KPROXY_BENCH_CHANGES=N` makes N one-endpoint-change attempts instead of 15;
 //! `KPROXY_BENCH_COLD_ONLY=1` stops after the cold full sync (for `perf record`).
 
 use std::process::Command;
@@ -137,7 +138,12 @@ fn run(services: usize, eps: usize) {
     );
 
     let mut samples = Vec::new();
-    for generation in 1..=15 {
+    // More changes for a profile of the delta path (`perf record` on this bench).
+    let changes: usize = std::env::var("KPROXY_BENCH_CHANGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(15);
+    for generation in 1..=changes {
         let i = (generation * 7919) % services;
         // Several generations are needed before a slice's conditions actually change.
         state.upsert_slice(synthetic::slice(&spec, i, generation));

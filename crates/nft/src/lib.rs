@@ -8,7 +8,8 @@
 //! (the typed nftables model, `diff(old, new) → Transaction`, the transaction's nft
 //! text), [`record`] (the record that moves by the changed Services and yields each
 //! sync's transaction, a full sync's straight from the record) and
-//! [`conntrack::stale_flows`]. Imperative shell:
+//! [`conntrack::UdpFrontends`] (the cleanup's decision, moved with the record).
+//! Imperative shell:
 //! [`Dataplane`], which sends each sync's one transaction as `nft -f` text or, when it
 //! only changes elements, as an nfnetlink batch ([`netlink`], the transaction's second
 //! renderer), and talks ctnetlink, always in the calling thread's network namespace.
@@ -147,6 +148,9 @@ pub struct Dataplane {
     /// The next full sync may adopt the tables in the kernel: only the first one of a
     /// process (later full syncs repair failures and drift, and replace).
     adopt_pending: bool,
+    /// The UDP frontends of what is programmed, for the conntrack cleanup; moved with
+    /// the record by the changed Services (empty when the cleanup is off).
+    udp: conntrack::UdpFrontends,
 }
 
 impl Dataplane {
@@ -158,6 +162,7 @@ impl Dataplane {
             programmed: None,
             writer: None,
             adopt_pending: true,
+            udp: conntrack::UdpFrontends::default(),
         })
     }
 
@@ -198,12 +203,15 @@ impl Dataplane {
         // failure makes the next sync a full one; and a record that cannot move (a
         // declaration changed) is gone before a full sync builds the next one.
         let moved = self.programmed.take().and_then(|mut recs| {
-            let tx = delta(&mut recs, plan, update, &self.cfg)?;
-            Some((recs, tx))
+            let changed = changed_services(&recs, plan, update);
+            let tx = delta_by(&mut recs, plan, &changed, &self.cfg)?;
+            Some((recs, tx, changed))
         });
+        let mut changed = None;
         let (recs, steps) = match moved {
-            Some((recs, tx)) => {
+            Some((recs, tx, names)) => {
                 report.changes = tx.counts;
+                changed = Some(names);
                 (recs, vec![Step::of(tx)])
             }
             None => {
@@ -249,7 +257,11 @@ impl Dataplane {
         }
         self.programmed = Some(recs);
         if self.cfg.conntrack_cleanup {
-            match conntrack::cleanup(plan) {
+            match &changed {
+                Some(names) => self.udp.advance(plan, names),
+                None => self.udp = conntrack::UdpFrontends::of(plan),
+            }
+            match conntrack::cleanup(&self.udp) {
                 Ok(n) => report.conntrack_deleted = n,
                 Err(e) => {
                     tracing::warn!(error = %e, "UDP conntrack cleanup failed; retried after the next sync");
@@ -590,7 +602,18 @@ pub fn delta(
     update: &PlanUpdate,
     cfg: &DataplaneConfig,
 ) -> Option<Transaction> {
-    let changed: Vec<ServiceName> = if update.node {
+    let changed = changed_services(recs, plan, update);
+    delta_by(recs, plan, &changed, cfg)
+}
+
+/// The Services a delta moves the records by: `update`'s, sorted and deduplicated, or,
+/// for a node-level change, every Service the plan or the records hold.
+fn changed_services(
+    recs: &[record::FamilyRecord; 2],
+    plan: &NodePlan,
+    update: &PlanUpdate,
+) -> Vec<ServiceName> {
+    if update.node {
         let mut all: BTreeSet<&ServiceName> = plan.services.keys().collect();
         for rec in recs.iter() {
             all.extend(rec.services());
@@ -601,10 +624,19 @@ pub fn delta(
         names.sort_unstable();
         names.dedup();
         names
-    };
+    }
+}
+
+/// [`delta`] by the Services already named.
+fn delta_by(
+    recs: &mut [record::FamilyRecord; 2],
+    plan: &NodePlan,
+    changed: &[ServiceName],
+    cfg: &DataplaneConfig,
+) -> Option<Transaction> {
     let mut tx = Transaction::default();
     for rec in recs.iter_mut() {
-        tx.extend(rec.advance(plan, &changed, cfg)?);
+        tx.extend(rec.advance(plan, changed, cfg)?);
     }
     tx.order();
     Some(tx)

@@ -17,7 +17,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 /// Re-exported so tests need no direct axum dependency.
 pub use axum::http::StatusCode;
-use axum::http::Uri;
+use axum::http::{HeaderMap, Uri};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
@@ -97,6 +97,10 @@ pub struct Resource {
     pub steps: Arc<Steps>,
     /// Decoded query of every request, in order.
     pub requests: Mutex<Vec<BTreeMap<String, String>>>,
+    /// Protobuf list pages (bodies captured from a real API server), served instead of
+    /// `list` to a list request that accepts protobuf: the first page without a
+    /// `continue` query, each next one for the token its predecessor carries.
+    pub protobuf_pages: Mutex<Vec<(Option<String>, Bytes)>>,
 }
 
 impl Resource {
@@ -112,7 +116,27 @@ impl Resource {
             watch_status: Mutex::new(StatusCode::OK),
             steps: Arc::new(Steps::default()),
             requests: Mutex::new(Vec::new()),
+            protobuf_pages: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Serves `pages` (one protobuf list response each, in order) to list requests
+    /// that accept protobuf.
+    pub fn set_protobuf_pages(&self, pages: &[&[u8]]) {
+        let mut token = None;
+        let mut served = Vec::new();
+        for page in pages {
+            served.push((token.take(), Bytes::copy_from_slice(page)));
+            let mut split = crate::kube::proto::ListSplitter::new();
+            split
+                .feed(page, |_| {})
+                .expect("a protobuf list page (test data)");
+            token = split
+                .finish()
+                .expect("a complete protobuf list page (test data)")
+                .continue_token;
+        }
+        *lock(&self.protobuf_pages) = served;
     }
 
     /// What the next lists answer (200).
@@ -265,7 +289,7 @@ fn query(uri: &Uri) -> BTreeMap<String, String> {
 }
 
 /// The request handler: lists and watches of the four cluster-wide collections.
-pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
+pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap) -> Response {
     let res = match uri.path() {
         "/api/v1/services" => &api.services,
         "/apis/discovery.k8s.io/v1/endpointslices" => &api.slices,
@@ -308,6 +332,24 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri) -> Response {
     }
     let mut open = res.open.subscribe();
     let _ = open.wait_for(|o| *o).await;
+    let accepts_protobuf = headers
+        .get("accept")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains(crate::kube::proto::MEDIA_TYPE));
+    if accepts_protobuf {
+        let pages = lock(&res.protobuf_pages);
+        if let Some((_, page)) = pages.iter().find(|(t, _)| t.as_ref() == q.get("continue")) {
+            // In 7-byte pieces, so the client meets keys, lengths and items cut apart.
+            let pieces: Vec<Result<Bytes, std::io::Error>> = page
+                .chunks(7)
+                .map(|c| Ok(Bytes::copy_from_slice(c)))
+                .collect();
+            return Response::builder()
+                .header("content-type", crate::kube::proto::MEDIA_TYPE)
+                .body(Body::from_stream(futures::stream::iter(pieces)))
+                .expect("static headers are valid");
+        }
+    }
     let list = lock(&res.list);
     if list.status != StatusCode::OK {
         return (

@@ -5,7 +5,8 @@
 //! listed), and how relists are applied (atomically per kind, see [`fold`]).
 //!
 //! Memory: objects are decoded one at a time as the bytes of a list page arrive
-//! ([`split`]), into slim types holding only what ingest reads ([`slim`]), and
+//! ([`split`] for JSON; Services and EndpointSlices are listed in protobuf, [`proto`]),
+//! into slim types holding only what ingest reads ([`slim`], [`proto`]), and
 //! ingested at once; a relist buffers the ingested updates, not objects ([`reflect`],
 //! [`fold`]).
 //!
@@ -15,6 +16,7 @@
 //! programmed keep serving.
 
 pub mod fold;
+pub mod proto;
 pub mod reflect;
 pub mod slim;
 pub mod split;
@@ -39,6 +41,9 @@ pub struct KubeSourceConfig {
     /// Objects per list page; `None`: [`PAGE_SIZE`]. Tests page through small clusters
     /// with small pages.
     pub page_size: Option<u32>,
+    /// List Services and EndpointSlices as JSON instead of protobuf (kube-proxy's
+    /// `clientConnection.contentType: application/json`).
+    pub json_lists: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -157,6 +162,7 @@ pub fn targets(cfg: &KubeSourceConfig, page_size: u32) -> [Target; 4] {
         label_selector: labels,
         field_selector: fields,
         page_size,
+        protobuf: !cfg.json_lists,
     };
     [
         target(
@@ -292,6 +298,7 @@ mod tests {
                 service_proxy_name: spn.map(str::to_string),
             },
             page_size: None,
+            json_lists: false,
         };
         for (node, spn, ok) in [
             ("node-a", None, true),

@@ -33,7 +33,8 @@ struct Inner {
     ready: AtomicBool,
     /// A source that stopped making progress (see [`StateHandle::set_source_stalled`]).
     stalled: AtomicBool,
-    /// Called after every `update`, in the source's task (see [`StateHandle::on_update`]).
+    /// Called after every `update` that leaves changes pending, in the source's task
+    /// (see [`StateHandle::on_update`]).
     on_update: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// When the API answered again after failures, until the sync loop sees the state
     /// converged (see [`StateHandle::note_api_returned`]).
@@ -53,18 +54,26 @@ impl StateHandle {
 
     /// Mutates the state and wakes the sync loop.
     pub fn update<R>(&self, f: impl FnOnce(&mut ClusterState) -> R) -> R {
-        let r = f(&mut self.lock());
-        if let Some(hook) = self.0.on_update.get() {
+        let (r, pending) = {
+            let mut state = self.lock();
+            let r = f(&mut state);
+            (r, !state.changes().is_empty())
+        };
+        if pending && let Some(hook) = self.0.on_update.get() {
             hook();
         }
         self.0.notify.notify_one();
         r
     }
 
-    /// Sets a function called after every `update` (once; later calls are ignored and
-    /// return false). The daemon uses it to note when a change was queued — upstream's
-    /// `QueuedUpdate` — at the moment it arrives, not when the sync loop gets to it, so
-    /// `/livez` sees a loop that stopped taking changes.
+    /// Sets a function called after every `update` that leaves changes pending (once;
+    /// later calls are ignored and return false). The daemon uses it to note when a
+    /// change was queued — upstream's `QueuedUpdate` — at the moment it arrives, not when
+    /// the sync loop gets to it, so `/livez` sees a loop that stopped taking changes.
+    /// An update that changed nothing (a relist finding what the state holds) is not a
+    /// queued change, as upstream queues only when its change trackers hold one: noting
+    /// it would stamp the next real change's way as starting then (a relist after an
+    /// API outage showed `queued` 13.6 s).
     pub fn on_update(&self, f: impl Fn() + Send + Sync + 'static) -> bool {
         self.0.on_update.set(Box::new(f)).is_ok()
     }
@@ -131,7 +140,7 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
 
     #[test]
-    fn the_update_hook_runs_after_every_update_and_is_set_once() {
+    fn the_update_hook_runs_after_updates_that_leave_changes_pending_and_is_set_once() {
         let h = StateHandle::new();
         let calls = Arc::new(AtomicUsize::new(0));
         let c = calls.clone();
@@ -142,7 +151,16 @@ mod tests {
         h.with(|_| ());
         assert_eq!(calls.load(Ordering::SeqCst), 0, "reads are not updates");
         h.update(|_| ());
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            0,
+            "an update that leaves nothing pending queues nothing"
+        );
+        h.update(|s| s.mark_all_changed());
         h.update(|_| ());
-        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "changes still pending");
+        h.with(|s| s.take_changes());
+        h.update(|_| ());
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "taken by a sync");
     }
 }

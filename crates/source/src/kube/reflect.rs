@@ -1,7 +1,7 @@
 //! One kind's list-then-watch loop against the API server (client-go's reflector, in
 //! kproxy's terms). Owns: paging through the list, decoding each object on its own as
-//! its bytes arrive (one object's JSON text in memory at a time, never a page or a
-//! list of objects), resuming a dropped watch from the last resourceVersion, relisting on
+//! its bytes arrive (one object's bytes in memory at a time, never a page or a list of
+//! objects; protobuf or JSON, as the server answers), resuming a dropped watch from the last resourceVersion, relisting on
 //! 410 Gone, and backing off on errors without flooding the log.
 //!
 //! Every object goes out as a [`fold::Input`] carrying the ingested [`Update`] (or why
@@ -19,6 +19,7 @@ use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 
 use super::fold::{self, Input, Key};
+use super::proto;
 use super::slim::{self, Coordinates};
 use super::split::Splitter;
 
@@ -33,6 +34,8 @@ pub struct Target {
     /// Objects per list page (0: no limit). Pages are decoded object by object as
     /// their bytes arrive, so this bounds the work of one request, not memory.
     pub page_size: u32,
+    /// Ask for protobuf lists (Services and EndpointSlices only; see [`proto`]).
+    pub protobuf: bool,
 }
 
 /// How objects become updates: what ingest needs besides the object.
@@ -51,9 +54,18 @@ impl Decoder {
         json: &str,
         coords: &Coordinates,
     ) -> Result<Update, IngestError> {
+        self.ingest(kind, slim::decode(kind, json), coords)
+    }
+
+    /// Ingests one decoded object (or reports why it could not be decoded).
+    pub fn ingest(
+        &self,
+        kind: Kind,
+        decoded: Result<kproxy_core::manifest::Object, slim::DecodeError>,
+        coords: &Coordinates,
+    ) -> Result<Update, IngestError> {
         let key = coords.key();
-        let object = slim::decode(kind, json)
-            .map_err(|e| fold::decode_warning(kind, &key, &e.field, &e.reason))?;
+        let object = decoded.map_err(|e| fold::decode_warning(kind, &key, &e.field, &e.reason))?;
         let (update, warnings) = Update::of(&object, &self.ownership, &self.node_name)?;
         for w in &warnings {
             tracing::warn!("{w}");
@@ -260,7 +272,8 @@ fn item_bytes(decoder: &Decoder, kind: Kind, json: &[u8]) -> (Key, Result<Update
 }
 
 /// One complete list, page by page, each page's items decoded as its bytes arrive
-/// ([`split`]): `Init`, one `Listed` per object, `InitDone`. Returns the list's
+/// ([`split`] for JSON, [`proto`] for protobuf, which the Service and EndpointSlice
+/// lists ask for): `Init`, one `Listed` per object, `InitDone`. Returns the list's
 /// resourceVersion, to watch from.
 async fn list(
     client: &kube::Client,
@@ -269,6 +282,7 @@ async fn list(
     decoder: &Decoder,
     tx: &Sender,
 ) -> Result<String, Stop> {
+    use http_body_util::BodyExt;
     let kind = target.kind;
     send(tx, kind, Input::Init).await?;
     let mut params = ListParams {
@@ -279,34 +293,35 @@ async fn list(
     };
     let mut decoded = Vec::new();
     loop {
-        let req = request
+        let mut req = request
             .list(&params)
             .map_err(|e| Stop::Failed(e.to_string()))?;
-        let mut body = client.request_stream(req).await.map_err(api_error)?;
-        let mut splitter = Splitter::new();
-        loop {
-            let chunk = body
-                .fill_buf()
-                .await
-                .map_err(|e| Stop::Failed(format!("reading the list response: {e}")))?;
-            if chunk.is_empty() {
-                break;
-            }
-            let n = chunk.len();
-            splitter
-                .feed(chunk, |json| decoded.push(item_bytes(decoder, kind, json)))
+        if target.protobuf && proto::lists_in_protobuf(kind) {
+            req.headers_mut().insert(
+                http::header::ACCEPT,
+                http::HeaderValue::from_static(ACCEPT_PROTOBUF),
+            );
+        }
+        let res = client
+            .send(req.map(kube::client::Body::from))
+            .await
+            .map_err(api_error)?;
+        let res = refused(res).await?;
+        let mut page = Page::for_content_type(res.headers().get(http::header::CONTENT_TYPE));
+        let mut body = res.into_body();
+        while let Some(frame) = body.frame().await {
+            let frame =
+                frame.map_err(|e| Stop::Failed(format!("reading the list response: {e}")))?;
+            let Some(chunk) = frame.data_ref() else {
+                continue;
+            };
+            page.feed(chunk, |item| decoded.push(page_item(decoder, kind, item)))
                 .map_err(|e| Stop::Failed(e.to_string()))?;
-            body.consume_unpin(n);
             for (key, update) in decoded.drain(..) {
                 send(tx, kind, Input::Listed(key, update)).await?;
             }
         }
-        let metadata: ListMeta = match splitter.finish() {
-            Ok(Some(text)) => serde_json::from_slice(&text)
-                .map_err(|e| Stop::Failed(format!("undecodable list metadata: {e}")))?,
-            Ok(None) => ListMeta::default(),
-            Err(e) => return Err(Stop::Failed(e.to_string())),
-        };
+        let metadata = page.finish()?;
         match metadata.continue_token.filter(|c| !c.is_empty()) {
             Some(token) => params.continue_token = Some(token),
             None => {
@@ -316,6 +331,114 @@ async fn list(
                     .ok_or_else(|| Stop::Failed("list without a resourceVersion".into()));
             }
         }
+    }
+}
+
+/// Protobuf first; JSON from a server that cannot (an aggregated API, a fake).
+const ACCEPT_PROTOBUF: &str = "application/vnd.kubernetes.protobuf, application/json";
+
+/// One list page being split, in the encoding the server answered with.
+enum Page {
+    Json(Splitter),
+    Protobuf(proto::ListSplitter),
+}
+
+/// An item of a page: its bytes and the encoding.
+enum PageItem<'a> {
+    Json(&'a [u8]),
+    Protobuf(&'a [u8]),
+}
+
+impl Page {
+    fn for_content_type(content_type: Option<&http::HeaderValue>) -> Page {
+        let protobuf = content_type
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with(proto::MEDIA_TYPE));
+        if protobuf {
+            Page::Protobuf(proto::ListSplitter::new())
+        } else {
+            Page::Json(Splitter::new())
+        }
+    }
+
+    fn feed(
+        &mut self,
+        chunk: &[u8],
+        mut item: impl FnMut(PageItem<'_>),
+    ) -> Result<(), super::split::SplitError> {
+        match self {
+            Page::Json(s) => s.feed(chunk, |b| item(PageItem::Json(b))),
+            Page::Protobuf(s) => s.feed(chunk, |b| item(PageItem::Protobuf(b))),
+        }
+    }
+
+    fn finish(self) -> Result<ListMeta, Stop> {
+        match self {
+            Page::Json(s) => match s.finish() {
+                Ok(Some(text)) => serde_json::from_slice(&text)
+                    .map_err(|e| Stop::Failed(format!("undecodable list metadata: {e}"))),
+                Ok(None) => Ok(ListMeta::default()),
+                Err(e) => Err(Stop::Failed(e.to_string())),
+            },
+            Page::Protobuf(s) => s
+                .finish()
+                .map(|m| ListMeta {
+                    resource_version: m.resource_version,
+                    continue_token: m.continue_token,
+                })
+                .map_err(|e| Stop::Failed(e.to_string())),
+        }
+    }
+}
+
+/// One page item's key and decoded update.
+fn page_item(
+    decoder: &Decoder,
+    kind: Kind,
+    item: PageItem<'_>,
+) -> (Key, Result<Update, IngestError>) {
+    match item {
+        PageItem::Json(json) => item_bytes(decoder, kind, json),
+        PageItem::Protobuf(bytes) => match proto::coordinates(bytes) {
+            Some(c) => (
+                c.key(),
+                decoder.ingest(kind, proto::decode(kind, bytes), &c),
+            ),
+            None => {
+                let key = Key::default();
+                let e = fold::decode_warning(kind, &key, ".", "undecodable protobuf metadata");
+                (key, Err(e))
+            }
+        },
+    }
+}
+
+/// The response, or why the server refused the request: a `Status` in JSON or
+/// protobuf (a 410 Gone relists), else the HTTP status alone.
+async fn refused(
+    res: http::Response<kube::client::Body>,
+) -> Result<http::Response<kube::client::Body>, Stop> {
+    use http_body_util::BodyExt;
+    let code = res.status();
+    if !(code.is_client_error() || code.is_server_error()) {
+        return Ok(res);
+    }
+    // An error body is a small Status; a larger one is not read past this.
+    let body = http_body_util::Limited::new(res.into_body(), 1 << 20)
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let message = match proto::status(&body) {
+        Some(s) => s.message.unwrap_or_default(),
+        None => serde_json::from_slice::<StatusCode>(&body)
+            .map(|s| s.message)
+            .unwrap_or_else(|_| String::from_utf8_lossy(&body).trim().to_string()),
+    };
+    if code == http::StatusCode::GONE {
+        Err(Stop::Relist(format!("410 Gone: {message}")))
+    } else {
+        Err(Stop::Failed(format!("list refused: {code}: {message}")))
     }
 }
 

@@ -111,7 +111,11 @@ struct EndpointSlice {
     #[serde(default)]
     metadata: Meta,
     address_type: String,
-    endpoints: Vec<discoveryv1::Endpoint>,
+    /// The API server writes a slice without endpoints (the placeholder the
+    /// EndpointSlice controller keeps for a Service with no pods) as `"endpoints": null`;
+    /// absent or null is no endpoints, as k8s-openapi reads it.
+    #[serde(default)]
+    endpoints: Option<Vec<discoveryv1::Endpoint>>,
     ports: Option<Vec<discoveryv1::EndpointPort>>,
 }
 
@@ -149,7 +153,7 @@ pub fn decode(kind: Kind, json: &str) -> Result<Object, DecodeError> {
                 Object::EndpointSlice(Box::new(discoveryv1::EndpointSlice {
                     metadata: s.metadata.into_object_meta(),
                     address_type: s.address_type,
-                    endpoints: s.endpoints,
+                    endpoints: s.endpoints.unwrap_or_default(),
                     ports: s.ports,
                 }))
             })
@@ -322,6 +326,25 @@ mod tests {
             kproxy_core::ingest::service(&slim, &own).unwrap(),
             kproxy_core::ingest::service(&full, &own).unwrap()
         );
+    }
+
+    /// How a real API server writes a slice with no endpoints (captured from
+    /// kube-apiserver 1.36: `"endpoints": null`) must read as no endpoints, not fail the
+    /// slice: failing it kept the slice's last endpoints when a Service lost its pods.
+    #[test]
+    fn a_slice_without_endpoints_is_empty_not_bad() {
+        for endpoints in [json!(null), json!([])] {
+            let v = json!({"metadata": {"name": "s", "namespace": "n",
+                                        "labels": {"kubernetes.io/service-name": "web"}},
+                           "addressType": "IPv4", "endpoints": endpoints});
+            let Object::EndpointSlice(s) = decode(Kind::EndpointSlice, &v.to_string()).unwrap()
+            else {
+                panic!("not a slice")
+            };
+            assert!(s.endpoints.is_empty());
+        }
+        let v = json!({"metadata": {"name": "s"}, "addressType": "IPv4"});
+        assert!(decode(Kind::EndpointSlice, &v.to_string()).is_ok());
     }
 
     #[test]
