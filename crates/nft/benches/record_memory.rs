@@ -12,10 +12,14 @@
 //! does, and, in the same binary, through the typed tables with their element maps
 //! (`assemble`, then the transaction, then the whole script as one `String`: how it
 //! was done before issue 20's last step, with today's element vectors):
-//! - replacing existing tables: the transaction (`full_transaction_of`), its nft text
-//!   streamed into the pipe (here a sink) in 64 KiB pieces;
-//! - into absent tables: the creating transaction split, its elements encoded as one
-//!   nfnetlink batch.
+//! - replacing existing tables: `kproxy_nft::write_full_replacement`, the nft text
+//!   written from the records' text into the pipe (here a sink) in 64 KiB pieces, and
+//!   for comparison the typed transaction (`full_transaction_of`) streamed the same way
+//!   (how it was done before);
+//! - into absent tables: `kproxy_nft::first_sync_into_absent_tables` with sinks (the
+//!   structure's nft text, the elements as nfnetlink transactions of a few thousand
+//!   elements each, typed and encoded piece by piece), and for comparison the creating
+//!   transaction split and its elements encoded as one batch (how it was done before).
 
 #[path = "../../core/benches/support/memory.rs"]
 mod memory;
@@ -50,11 +54,17 @@ fn main() {
     let after = rss_kib();
     let (live, peak) = (live() - live_before, peak() - live_before);
 
-    // Replacing existing tables: what `sync` sends, streamed.
+    // Replacing existing tables: what `sync` sends, streamed from the records' text.
     let (replace, sent) = transient(|| {
+        let sink = kproxy_nft::write_full_replacement(&recs, &mut std::io::sink());
+        sink.expect("a sink").0
+    });
+    // The same through the record's typed transaction (how it was done before).
+    let (replace_tx, sent_tx) = transient(|| {
         let tx = kproxy_nft::full_transaction_of(&recs);
         tx.write_nft_to(&mut std::io::sink()).expect("a sink")
     });
+    assert_eq!(sent, sent_tx, "both paths write scripts of the same length");
     let (replace_old, script) = transient(|| {
         let tables = [recs[0].assemble(), recs[1].assemble()];
         let tx = kproxy_nft::full_transaction(tables);
@@ -62,27 +72,50 @@ fn main() {
     });
     assert_eq!(sent, script, "both paths write the same script");
 
-    // Into absent tables: the elements as one nfnetlink batch.
+    // Into absent tables: what `sync` does (structure text, the elements in pieces,
+    // the hooks), with sinks for nft and the socket.
+    let (cold, (batch, pieces)) = transient(|| {
+        let mut sent = (0, 0);
+        let load = |tx: &Transaction| {
+            let sink = tx.write_nft_to(&mut std::io::sink());
+            Ok(sink.expect("a sink"))
+        };
+        let mut send = |b: kproxy_nft::netlink::Batch| {
+            sent.0 += b.len();
+            sent.1 += 1;
+            Ok(())
+        };
+        let done = kproxy_nft::first_sync_into_absent_tables(&recs, &load, &mut send)
+            .expect("sinks do not fail")
+            .expect("every element encodes");
+        assert_eq!(done.netlink_bytes, sent.0);
+        sent
+    });
+    // The same elements as one nfnetlink batch (how it was done before), through the
+    // record's transaction and through typed tables.
     let cold_batch = |create: &dyn Fn(&FamilyRecord) -> Transaction| {
         let mut tx = create(&recs[0]);
         tx.extend(create(&recs[1]));
-        let (_, elements, _) = tx.split_for_absent_tables();
+        let (_, elements) = tx.dormant_for_absent_tables();
         kproxy_nft::netlink::Batch::transaction(&elements).map_or(0, |b| b.len())
     };
-    let (cold, batch) = transient(|| cold_batch(&|r| r.create()));
+    let (cold_one, batch_one) = transient(|| cold_batch(&|r| r.create()));
     let (cold_old, batch_old) = transient(|| cold_batch(&|r| Transaction::create(r.assemble())));
-    assert_eq!(batch, batch_old, "both paths encode the same batch");
+    assert_eq!(batch_one, batch_old, "both paths encode the same batch");
 
     println!(
         "record_memory 10000x10: FamilyRecord (both families) live {:.1} MiB (peak while \
          building {:.1} MiB), RSS +{:.1} MiB; full sync transient peak: replacing \
-         {replace:.1} MiB (through tables and a script String: {replace_old:.1} MiB; \
-         script {:.1} MB), into absent tables {cold:.1} MiB (through tables: \
+         {replace:.1} MiB (through the typed transaction: {replace_tx:.1} MiB, through \
+         tables and a script String: {replace_old:.1} MiB; \
+         script {:.1} MB), into absent tables {cold:.1} MiB ({pieces} nfnetlink \
+         transactions, {:.1} MB; as one batch: {cold_one:.1} MiB, through tables: \
          {cold_old:.1} MiB; batch {:.1} MB)",
         mib(live),
         mib(peak),
         after.saturating_sub(before) as f64 / 1024.0,
         sent as f64 / 1e6,
         batch as f64 / 1e6,
+        batch_one as f64 / 1e6,
     );
 }

@@ -7,7 +7,8 @@
 //! Run: `cargo bench -p kproxy-nft --bench sync` (sizes: 1000x10 10000x10) or with
 //! explicit sizes: `cargo bench -p kproxy-nft --bench sync -- 5000x50 44000x1`.
 //! `KPROXY_BENCH_DUMP=DIR` also writes each full script to `DIR/SxE.nft`;
-//! `KPROXY_BENCH_CHANGES=N` makes N one-endpoint-change attempts instead of 15.
+//! `KPROXY_BENCH_CHANGES=N` makes N one-endpoint-change attempts instead of 15;
+//! `KPROXY_BENCH_COLD_ONLY=1` stops after the cold full sync (for `perf record`).
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -25,8 +26,13 @@ impl Drop for Ns {
 }
 
 fn children_cpu() -> (Duration, Duration) {
-    use nix::sys::resource::{UsageWho, getrusage};
-    let Ok(ru) = getrusage(UsageWho::RUSAGE_CHILDREN) else {
+    cpu(nix::sys::resource::UsageWho::RUSAGE_CHILDREN)
+}
+
+/// User and system CPU of `who` so far.
+fn cpu(who: nix::sys::resource::UsageWho) -> (Duration, Duration) {
+    use nix::sys::resource::getrusage;
+    let Ok(ru) = getrusage(who) else {
         return (Duration::ZERO, Duration::ZERO);
     };
     let tv = |t: nix::sys::time::TimeVal| {
@@ -42,14 +48,20 @@ struct Sample {
     sys: Duration,
     bytes: usize,
     netlink_bytes: usize,
+    /// This process's own CPU (every thread; the kernel's work on its netlink batches
+    /// is its system time).
+    own_user: Duration,
+    own_sys: Duration,
 }
 
 fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan, update: &PlanUpdate) -> Sample {
     let (u0, s0) = children_cpu();
+    let (ou0, os0) = cpu(nix::sys::resource::UsageWho::RUSAGE_SELF);
     let t = Instant::now();
     let r = dp.sync(plan, update).expect("sync");
     let wall = t.elapsed();
     let (u1, s1) = children_cpu();
+    let (ou1, os1) = cpu(nix::sys::resource::UsageWho::RUSAGE_SELF);
     Sample {
         wall,
         nft_wall: r.transaction,
@@ -57,11 +69,27 @@ fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan, update: &PlanUpdate
         sys: s1 - s0,
         bytes: r.script_bytes,
         netlink_bytes: r.netlink_bytes,
+        own_user: ou1 - ou0,
+        own_sys: os1 - os0,
     }
 }
 
 fn ms(d: Duration) -> String {
     format!("{:.1}", d.as_secs_f64() * 1000.0)
+}
+
+/// The cold full sync's line.
+fn cold_text(cold: &Sample) -> String {
+    format!(
+        "full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms, own user {} ms, sys {} ms)",
+        ms(cold.wall),
+        ms(cold.nft_wall),
+        cold.netlink_bytes as f64 / 1e6,
+        ms(cold.user),
+        ms(cold.sys),
+        ms(cold.own_user),
+        ms(cold.own_sys)
+    )
 }
 
 fn run(services: usize, eps: usize) {
@@ -75,8 +103,13 @@ fn run(services: usize, eps: usize) {
         ..DataplaneConfig::default()
     };
 
+    let cold_only = std::env::var_os("KPROXY_BENCH_COLD_ONLY").is_some();
     let t = Instant::now();
-    let script = kproxy_nft::render(&plan, &cfg);
+    let script = if cold_only {
+        String::new()
+    } else {
+        kproxy_nft::render(&plan, &cfg)
+    };
     let render = t.elapsed();
     if let Some(dir) = std::env::var_os("KPROXY_BENCH_DUMP") {
         let path = std::path::Path::new(&dir).join(format!("{services}x{eps}.nft"));
@@ -87,17 +120,17 @@ fn run(services: usize, eps: usize) {
     kproxy_nft::cleanup(&cfg).expect("remove the previous size's tables");
     let mut dp = Dataplane::new(cfg.clone()).expect("config");
     let cold = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
+    if cold_only {
+        println!("{services}x{eps}: {}", cold_text(&cold));
+        return;
+    }
     dp.force_full_sync();
     let replace = measure(&mut dp, &plan, &PlanUpdate::WHOLE);
     println!(
-        "{services}x{eps}: script {:.2} MB, render {} ms | full cold: wall {} ms (transactions {} ms, {:.2} MB netlink, nft user {} ms, sys {} ms) | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
+        "{services}x{eps}: script {:.2} MB, render {} ms | {} | full replacing: wall {} ms (nft {} ms, user {} ms, sys {} ms)",
         script.len() as f64 / 1e6,
         ms(render),
-        ms(cold.wall),
-        ms(cold.nft_wall),
-        cold.netlink_bytes as f64 / 1e6,
-        ms(cold.user),
-        ms(cold.sys),
+        cold_text(&cold),
         ms(replace.wall),
         ms(replace.nft_wall),
         ms(replace.user),

@@ -235,6 +235,18 @@ impl Dataplane {
                     report.netlink_bytes += batch.len();
                     self.writer().and_then(|w| w.send(batch))
                 }
+                Step::Replace => {
+                    let mut counts = model::Counts::default();
+                    let sent = nft::run(|w| {
+                        let (n, c) = write_full_replacement(&recs, w)?;
+                        counts = c;
+                        Ok(n)
+                    });
+                    sent.map(|n| {
+                        report.script_bytes += n;
+                        report.changes = counts;
+                    })
+                }
                 _ => Ok(()),
             };
             if let Err(e) = sent {
@@ -282,9 +294,7 @@ impl Dataplane {
         if self.tables_absent(&recs) && self.first_sync_phased(&recs, report)? {
             return Ok((recs, Vec::new()));
         }
-        let tx = full_transaction_of(&recs);
-        report.changes = tx.counts;
-        Ok((recs, vec![Step::Nft(tx)]))
+        Ok((recs, vec![Step::Replace]))
     }
 
     /// The kept netlink socket, (re)opened in the calling thread's network namespace
@@ -318,52 +328,26 @@ impl Dataplane {
         })
     }
 
-    /// The first sync into absent tables, in the steps of the transaction that creates
-    /// them ([`Transaction::split_for_absent_tables`]): tables, sets, regular chains
-    /// and their rules by `nft -f`, the elements as one nfnetlink batch, then the hooked
-    /// base chains by `nft -f`. Nothing sees traffic before the last step, so no packet
-    /// meets a half-written table, and the bulk of the work (the elements) skips nft's
-    /// parser. The structure does not depend on the Service elements, so it is diffed
-    /// from the tables without them and loaded while this thread assembles the whole
-    /// tables and encodes their elements. `Ok(false)` when an element does not encode:
-    /// the tables then exist without hooks and a one-transaction replacement must
+    /// The first sync into absent tables ([`first_sync_into_absent_tables`]) with `nft
+    /// -f` and this dataplane's netlink socket. `Ok(false)` when an element does not
+    /// encode: the tables then exist, dormant, and a one-transaction replacement must
     /// follow.
     fn first_sync_phased(
         &mut self,
         recs: &[record::FamilyRecord; 2],
         report: &mut SyncReport,
     ) -> Result<bool, NftError> {
-        let bare = || {
-            let mut tx = Transaction::default();
-            for rec in recs {
-                tx.extend(Transaction::create(rec.assemble_structure()));
-            }
-            tx
-        };
-        let (structure, _, hooks) = bare().split_for_absent_tables();
         let t = Instant::now();
-        let (loaded, encoded) = std::thread::scope(|s| {
-            // A thread starts in its creator's network namespace, so nft acts on ours.
-            let nft = s.spawn(|| nft::run_transaction(&structure));
-            let mut tx = recs[0].create();
-            tx.extend(recs[1].create());
-            let counts = tx.counts;
-            let (_, elements, _) = tx.split_for_absent_tables();
-            let encoded = (counts, netlink::Batch::transaction(&elements));
-            drop(elements);
-            let loaded = nft.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-            (loaded, encoded)
-        });
-        report.script_bytes += loaded?;
-        let (counts, batch) = encoded;
-        let Some(batch) = batch else {
+        let writer = self.writer()?;
+        let done =
+            first_sync_into_absent_tables(recs, &nft::run_transaction, &mut |b| writer.send(b))?;
+        let Some(done) = done else {
             return Ok(false);
         };
-        report.netlink_bytes += batch.len();
-        self.writer()?.send(batch)?;
-        report.script_bytes += nft::run_transaction(&hooks)?;
+        report.script_bytes += done.script_bytes;
+        report.netlink_bytes += done.netlink_bytes;
         report.transaction += t.elapsed();
-        report.changes = counts;
+        report.changes = done.counts;
         Ok(true)
     }
 
@@ -394,6 +378,118 @@ impl Dataplane {
         }
         Ok(VerifyReport { drift, differences })
     }
+}
+
+/// Elements per nfnetlink transaction of a first sync into absent tables (≈ 180 KB
+/// encoded, ≈ 330 KB typed): small against the ≈ 106k elements at 10k × 10, large
+/// enough that a transaction's own cost (a `sendmsg`, the commit) stays a few percent.
+const ELEMENTS_PER_PIECE: usize = 4096;
+
+/// Encoded pieces waiting for the socket: the encoder runs ahead of the kernel by this
+/// many (and no more, so memory stays bounded) while the structure loads.
+const PIECES_AHEAD: usize = 2;
+
+/// What a first sync into absent tables sent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PhasedSync {
+    /// What the one transaction creating both tables would count.
+    pub counts: model::Counts,
+    pub script_bytes: usize,
+    pub netlink_bytes: usize,
+}
+
+/// The first sync into absent tables, in the steps of the transaction that creates
+/// them ([`Transaction::dormant_for_absent_tables`]): `load` takes the tables (created
+/// dormant), sets, chains and rules (`nft -f`; from the tables without the Services'
+/// elements, [`record::FamilyRecord::assemble_structure`]), `send` the elements as
+/// nfnetlink transactions of [`ELEMENTS_PER_PIECE`] elements each, typed and encoded
+/// piece by piece from the records ([`record::FamilyRecord::element_pieces`]) by a
+/// thread that runs at most [`PIECES_AHEAD`] pieces ahead, and last the transaction
+/// that wakes both tables ([`netlink::Batch::wake_tables`]), hooking their base chains.
+///
+/// Why several transactions are safe here: a dormant table's base chains are not
+/// hooked, so no packet meets the tables while they fill, whatever order or grouping
+/// the elements arrive in; a failure at any step leaves dormant tables, which the next
+/// (full, replacing, one-transaction) sync replaces (adoption refuses a table with
+/// flags, [`dump::adopt`]). A batch must reach the kernel in one `sendmsg` (nfnetlink
+/// runs it from one skb), so one transaction of all elements had to be held whole (4.6
+/// MB at 10k × 10, on top of their 8 MiB typed); in pieces neither is. It also lets the
+/// kernel grow each set's hash table between pieces: a set starts with 4 buckets and
+/// its resize runs in a worker that cannot run during one long `sendmsg` on a
+/// non-preemptible kernel, so one batch of 80k elements into one map spent a third of
+/// its time in `rhashtable_insert_slow` (`perf`; crates/nft/BENCHMARKS.md).
+///
+/// `Ok(None)` when an element does not encode (the tables then exist, dormant).
+/// Public so a bench can run it with sinks for `load` and `send`.
+pub fn first_sync_into_absent_tables(
+    recs: &[record::FamilyRecord; 2],
+    load: &(dyn Fn(&Transaction) -> Result<usize, NftError> + Sync),
+    send: &mut dyn FnMut(netlink::Batch) -> Result<(), NftError>,
+) -> Result<Option<PhasedSync>, NftError> {
+    let mut bare = Transaction::default();
+    for rec in recs {
+        bare.extend(Transaction::create(rec.assemble_structure()));
+    }
+    // The structure's own elements (a NodePort address set's) go with the Services'.
+    let (structure, own_elements) = bare.dormant_for_absent_tables();
+    let tables: Vec<(model::Family, &str)> = structure
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            model::Op::AddTable { family, table, .. } => Some((*family, table.as_str())),
+            _ => None,
+        })
+        .collect();
+    let mut done = PhasedSync {
+        counts: structure.counts,
+        ..PhasedSync::default()
+    };
+    let Some(own_elements) = netlink::Batch::transaction(&own_elements) else {
+        return Ok(None);
+    };
+    let elements = std::thread::scope(|s| {
+        // A thread starts in its creator's network namespace, so nft acts on ours.
+        let loading = s.spawn(|| load(&structure));
+        let (pieces, encoded) = std::sync::mpsc::sync_channel(PIECES_AHEAD);
+        let encoder = s.spawn(move || {
+            let mut n = 0;
+            for rec in recs {
+                n += rec.element_pieces(ELEMENTS_PER_PIECE, &mut |tx| {
+                    // `None` (an element that does not encode) ends the pieces; a
+                    // closed channel (the sender failed) stops the encoder.
+                    let batch = netlink::Batch::transaction(&tx);
+                    let last = batch.is_none();
+                    pieces.send(batch).map_err(|_| ())?;
+                    if last { Err(()) } else { Ok(()) }
+                })?;
+            }
+            Ok::<usize, ()>(n)
+        });
+        done.script_bytes += loading
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        done.netlink_bytes += own_elements.len();
+        send(own_elements)?;
+        for batch in encoded {
+            let Some(batch) = batch else {
+                return Ok(None);
+            };
+            done.netlink_bytes += batch.len();
+            send(batch)?;
+        }
+        let n = encoder
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        Ok(n.ok())
+    });
+    let Some(n) = elements? else {
+        return Ok(None);
+    };
+    done.counts.elements_added += n;
+    let wake = netlink::Batch::wake_tables(&tables);
+    done.netlink_bytes += wake.len();
+    send(wake)?;
+    Ok(Some(done))
 }
 
 /// Both families' records of a full sync of `plan`.
@@ -550,6 +646,8 @@ fn delta_by(
 enum Step {
     Nft(Transaction),
     Netlink(netlink::Batch),
+    /// The records' tables replacing whatever the kernel holds ([`write_full_replacement`]).
+    Replace,
 }
 
 impl Step {
@@ -579,6 +677,7 @@ pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
                 family,
                 table: table.clone(),
                 comment: None,
+                dormant: false,
             });
             tx.ops.push(model::Op::DeleteTable {
                 family,
@@ -605,11 +704,30 @@ pub fn full_transaction(tables: [Table; 2]) -> Transaction {
 }
 
 /// [`full_transaction`] of the records' tables, built from the records without the
-/// tables' element maps ([`record::FamilyRecord::create`]): what a full sync sends.
+/// tables' element maps ([`record::FamilyRecord::create`]): what a replacing full sync
+/// sends (which writes its text from the records, [`write_full_replacement`]), as a
+/// transaction, for `sync --dry-run` and tests.
 pub fn full_transaction_of(recs: &[record::FamilyRecord; 2]) -> Transaction {
     let mut tx = recs[0].replace();
     tx.extend(recs[1].replace());
     tx
+}
+
+/// The nft text of [`full_transaction_of`], written to `w` as it is made, the
+/// Services' elements straight from the records' text
+/// ([`record::FamilyRecord::write_replacement`]; within a set in record order, not key
+/// order): what a full sync sends when the tables exist and cannot be adopted. Returns
+/// the bytes written and what the transaction counts.
+pub fn write_full_replacement(
+    recs: &[record::FamilyRecord; 2],
+    w: &mut dyn std::io::Write,
+) -> std::io::Result<(usize, model::Counts)> {
+    let mut out = model::TextStream::new(w);
+    let mut counts = model::Counts::default();
+    for rec in recs {
+        counts.add(&rec.write_replacement(&mut out)?);
+    }
+    Ok((out.finish()?, counts))
 }
 
 /// The full sync's transaction for a plan, as nft text (what `sync` sends when the

@@ -795,6 +795,9 @@ pub enum Op {
         family: Family,
         table: String,
         comment: Option<String>,
+        /// Created dormant: its base chains are not hooked until the table is woken
+        /// (a first sync into absent tables, [`Transaction::dormant_for_absent_tables`]).
+        dormant: bool,
     },
     DeleteTable {
         family: Family,
@@ -878,11 +881,6 @@ impl Op {
             _ => false,
         }
     }
-
-    /// Whether it declares a base chain.
-    fn is_hook(&self) -> bool {
-        matches!(self, Op::AddChain { hook: Some(_), .. })
-    }
 }
 
 /// Counts of what a transaction changes, for the sync report and metrics.
@@ -925,7 +923,7 @@ pub struct Transaction {
 
 /// Elements per `add element`/`delete element` command of the nft text, so no line
 /// grows without bound.
-const TEXT_ELEMENTS_PER_COMMAND: usize = 1000;
+pub(crate) const TEXT_ELEMENTS_PER_COMMAND: usize = 1000;
 
 impl Transaction {
     pub fn is_empty(&self) -> bool {
@@ -967,6 +965,7 @@ impl Transaction {
             family,
             table: table.to_string(),
             comment: None,
+            dormant: false,
         });
         t.ops.push(Op::DeleteTable {
             family,
@@ -998,6 +997,7 @@ impl Transaction {
             family,
             table: table.clone(),
             comment: new.comment,
+            dormant: false,
         });
         let mut elements = Vec::new();
         for (name, s) in new.sets {
@@ -1046,53 +1046,26 @@ impl Transaction {
         t
     }
 
-    /// Splits a transaction that creates tables into (everything but the hooked base
-    /// chains, their rules, and elements without prefixes), (elements without prefixes:
-    /// what netlink encodes), (the hooked base chains with
-    /// their rules): sent in that order, traffic meets the tables only once the last
-    /// part hooks them, so each part may be its own transaction. For a first sync
-    /// into absent tables.
-    pub fn split_for_absent_tables(self) -> (Transaction, Transaction, Transaction) {
-        let hooked: std::collections::BTreeSet<(Family, String, String)> = self
-            .ops
-            .iter()
-            .filter(|o| o.is_hook())
-            .filter_map(|o| match o {
-                Op::AddChain {
-                    family,
-                    table,
-                    name,
-                    ..
-                } => Some((*family, table.clone(), name.clone())),
-                _ => None,
-            })
-            .collect();
-        let (mut a, mut b, mut c) = (
-            Transaction::default(),
-            Transaction::default(),
-            Transaction::default(),
-        );
-        for op in self.ops {
-            let to_hooks = match &op {
-                Op::AddChain { hook: Some(_), .. } => true,
-                Op::AddRule {
-                    family,
-                    table,
-                    chain,
-                    ..
-                } => hooked.contains(&(*family, table.clone(), chain.clone())),
-                _ => false,
-            };
-            if to_hooks {
-                c.ops.push(op);
-            } else if op.is_element_op() && !op.has_prefix() {
+    /// Splits a transaction that creates tables into (everything but the elements
+    /// without prefixes, its tables created dormant), (those elements: what netlink
+    /// encodes). A dormant table's base chains are not hooked, so no packet meets the
+    /// tables while the parts load, each as its own transaction; waking the tables
+    /// (one transaction, [`crate::netlink::Batch::wake_tables`]) hooks them all at
+    /// once. For a first sync into absent tables.
+    pub fn dormant_for_absent_tables(self) -> (Transaction, Transaction) {
+        let (mut a, mut b) = (Transaction::default(), Transaction::default());
+        for mut op in self.ops {
+            if let Op::AddTable { dormant, .. } = &mut op {
+                *dormant = true;
+            }
+            if op.is_element_op() && !op.has_prefix() {
                 b.ops.push(op);
             } else {
                 a.ops.push(op);
             }
         }
         a.counts = self.counts;
-        (a, b, c)
+        (a, b)
     }
 
     /// The `nft -f` input of this transaction.
@@ -1115,17 +1088,12 @@ impl Transaction {
     }
 
     /// Writes the `nft -f` input of this transaction to `w` as it is rendered, in
-    /// pieces of about 64 KiB (a full sync's script is ≈ 8 MB: it is never
+    /// pieces of about 64 KiB (a full sync's script is ≈ 6 MB: it is never
     /// held whole). Returns the bytes written.
     pub fn write_nft_to(&self, w: &mut dyn std::io::Write) -> std::io::Result<usize> {
-        let mut text = Text {
-            buf: String::with_capacity(TEXT_PIECE + 4096),
-            sink: Some(w),
-            sent: 0,
-        };
-        self.write_text(&mut text)?;
-        text.flush()?;
-        Ok(text.sent)
+        let mut text = TextStream::new(w);
+        text.transaction(self)?;
+        text.finish()
     }
 
     /// The one renderer of nft text, command by command into `out`.
@@ -1137,10 +1105,18 @@ impl Transaction {
                     family,
                     table,
                     comment,
+                    dormant,
                 } => {
                     let _ = write!(out, "add table {} {table}", family.nft());
-                    if let Some(c) = comment {
-                        let _ = write!(out, " {{ comment \"{c}\"; }}");
+                    if comment.is_some() || *dormant {
+                        out.push_str(" { ");
+                        if let Some(c) = comment {
+                            let _ = write!(out, "comment \"{c}\"; ");
+                        }
+                        if *dormant {
+                            out.push_str("flags dormant; ");
+                        }
+                        out.push('}');
                     }
                     out.push('\n');
                 }
@@ -1288,6 +1264,50 @@ impl Text<'_> {
     }
 }
 
+/// nft text written into a sink as it is rendered, in pieces of about 64 KiB: whole
+/// transactions, and element commands whose elements are already nft text (a full
+/// sync writes the record's elements without typing them,
+/// `crate::record::FamilyRecord::write_replacement`).
+pub struct TextStream<'a>(Text<'a>);
+
+impl<'a> TextStream<'a> {
+    pub fn new(w: &'a mut dyn std::io::Write) -> TextStream<'a> {
+        TextStream(Text {
+            buf: String::with_capacity(TEXT_PIECE + 4096),
+            sink: Some(w),
+            sent: 0,
+        })
+    }
+
+    /// Appends the transaction's commands.
+    pub fn transaction(&mut self, tx: &Transaction) -> std::io::Result<()> {
+        tx.write_text(&mut self.0)
+    }
+
+    /// Appends `add element FAMILY TABLE SET { ELEMENTS }`, `elements` being the
+    /// elements as nft text, separated by `, ` (at most [`TEXT_ELEMENTS_PER_COMMAND`]
+    /// of them, as [`Transaction`]'s text writes them).
+    pub fn add_elements(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+        elements: &str,
+    ) -> std::io::Result<()> {
+        let out = &mut self.0.buf;
+        let _ = write!(out, "add element {} {table} {set} {{ ", family.nft());
+        out.push_str(elements);
+        out.push_str(" }\n");
+        self.0.line_done()
+    }
+
+    /// Writes what is left; the bytes written in all.
+    pub fn finish(mut self) -> std::io::Result<usize> {
+        self.0.flush()?;
+        Ok(self.0.sent)
+    }
+}
+
 /// The elements of a set's map followed by `more` (sorted by key, one per key), in key
 /// order; the map's value wins on a key both hold.
 fn merge_sorted(map: BTreeMap<Tuple, Option<Value>>, more: Vec<Elem>) -> Vec<Elem> {
@@ -1345,6 +1365,7 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
             family,
             table: table.clone(),
             comment: new.comment.clone(),
+            dormant: false,
         });
     }
     if !new.exists {

@@ -2,8 +2,9 @@
 //! as one nfnetlink batch (one transaction, all or nothing, like `nft -f`) on a socket
 //! kept open between syncs: the delta of a sync that only adds and deletes elements (an
 //! endpoint became ready, terminating or gone; a Service port gained or lost
-//! endpoints), and every element of a first sync into absent tables (between the `nft`
-//! steps that create the tables and hook them; see `Dataplane::sync`).
+//! endpoints), and every element of a first sync into absent tables (after the `nft`
+//! step that creates the tables dormant, in pieces, then the transaction that wakes
+//! them; see `crate::first_sync_into_absent_tables`).
 //!
 //! Why not `nft` for these: at 10k Services one `nft -f` costs ≈ 5 ms to start, a few
 //! ms to fetch its cache and parse, and 10–20 ms *closing its netlink socket* after a
@@ -97,6 +98,9 @@ fn verdict(v: &Verdict) -> (u32, Option<&str>) {
 const NLA_F_NESTED: u16 = 0x8000;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_TABLE_FLAGS: u16 = 2;
 const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_DELSETELEM: u16 = 14;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
@@ -297,6 +301,33 @@ impl Batch {
             self.end_message(msg);
         }
         Some(())
+    }
+
+    /// One transaction that wakes the dormant `tables` (`NEWTABLE` with no flags): each
+    /// table's base chains are hooked as it commits, all tables at once. The last step
+    /// of a first sync into absent tables
+    /// ([`crate::model::Transaction::dormant_for_absent_tables`]); without `nft`, whose
+    /// start and cache dump (every chain of the tables) cost more than the rest of the
+    /// step.
+    pub fn wake_tables(tables: &[(Family, &str)]) -> Batch {
+        let mut b = Batch::default();
+        let at = b.begin_message(NFNL_MSG_BATCH_BEGIN, 0, 0, NFNL_SUBSYS_NFTABLES);
+        b.end_message(at);
+        let kind = (u16::from(NFNL_SUBSYS_NFTABLES as u8) << 8) | NFT_MSG_NEWTABLE;
+        for (family, table) in tables {
+            let seq = b.count + 1;
+            let msg = b.begin_message(kind, 0, family.nfproto(), 0);
+            // A name longer than an attribute can say is refused by `DataplaneConfig`.
+            let named = nla_str(&mut b.bytes, NFTA_TABLE_NAME, table);
+            debug_assert!(named.is_some());
+            let flags = nla_begin(&mut b.bytes, NFTA_TABLE_FLAGS);
+            b.bytes.extend_from_slice(&0u32.to_be_bytes());
+            let _ = nla_end(&mut b.bytes, flags);
+            b.end_message(msg);
+            let what = format!("wake table {} {table}", family.nft());
+            b.messages.push((seq, msg, what));
+        }
+        b
     }
 
     /// Closes the batch (nothing can be added after). Only its last message asks for

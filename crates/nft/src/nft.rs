@@ -26,8 +26,9 @@ pub fn run_transaction(tx: &Transaction) -> Result<usize, NftError> {
     run(|w| tx.write_nft_to(w))
 }
 
-/// Runs `nft -f -` with `write` producing its input; the bytes written.
-fn run(
+/// Runs `nft -f -` with `write` producing its input (as one transaction); the bytes
+/// written.
+pub(crate) fn run(
     write: impl FnOnce(&mut dyn Write) -> std::io::Result<usize> + Send,
 ) -> Result<usize, NftError> {
     let mut child = Command::new(NFT)

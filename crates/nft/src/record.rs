@@ -23,7 +23,7 @@ use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::ServicePlan;
 
 use crate::DataplaneConfig;
-use crate::model::{self, Elem, Family, Op, SetDecl, Table, Transaction, Tuple, Value};
+use crate::model::{self, Elem, Family, Op, SetDecl, Table, TextStream, Transaction, Tuple, Value};
 use crate::ruleset::{self, Dispatch, Fragment, Frontend, SetRef, Shared};
 
 /// The Services claiming one frontend, in plan order, each with the frontend's elements
@@ -250,6 +250,111 @@ impl FamilyRecord {
             elems.dedup_by(|later, first| later.key == first.key);
         }
         (rs, out)
+    }
+
+    /// The Services' elements of the table (the frontends' and the shared sets'; not
+    /// the structure's own, [`FamilyRecord::assemble_structure`]), typed, as
+    /// transactions of `AddElements` of about `per_piece` elements each, handed to
+    /// `piece` in turn until it fails. The elements of a first sync into absent tables,
+    /// without ever holding them all: a whole table's typed elements were most of a full
+    /// sync's transient memory (≈ 8 MiB at 10k × 10), and their nfnetlink batch as
+    /// much again. Every key occurs once (a frontend's keys start with its own key,
+    /// frontends are unique by name, shared elements are a map's keys), in no
+    /// particular order (the sets are hashes; the pieces of one set go in the order the
+    /// frontends are held). Returns the number of elements.
+    pub fn element_pieces<E>(
+        &self,
+        per_piece: usize,
+        piece: &mut dyn FnMut(Transaction) -> Result<(), E>,
+    ) -> Result<usize, E> {
+        let decls = self.service_decls();
+        let mut pending = Pieces {
+            family: self.base.family,
+            table: &self.base.name,
+            sets: BTreeMap::new(),
+            len: 0,
+            total: 0,
+        };
+        for fe in self.frontends.values().filter_map(Claims::first) {
+            for (set, e) in fe.typed_elements(|set| decls.get(&set)) {
+                pending.push(PieceSet::Frontend(set), e);
+            }
+            if pending.len >= per_piece {
+                piece(pending.take())?;
+            }
+        }
+        for sh in self.shared.keys() {
+            let e = Elem {
+                key: sh.tuple(),
+                value: None,
+            };
+            pending.push(PieceSet::Shared(sh.set()), e);
+            if pending.len >= per_piece {
+                piece(pending.take())?;
+            }
+        }
+        if pending.len > 0 {
+            piece(pending.take())?;
+        }
+        Ok(pending.total)
+    }
+
+    /// The declarations of the sets that hold frontends' elements and exist.
+    fn service_decls(&self) -> BTreeMap<SetRef, SetDecl> {
+        let fixed = [
+            SetRef::ServiceIps,
+            SetRef::ServiceNodeports,
+            SetRef::MasqIps,
+            SetRef::MasqIpsNonlocal,
+            SetRef::MasqNodeports,
+        ];
+        let dispatch = self.dispatch.keys().map(|d| SetRef::Map(*d));
+        fixed
+            .into_iter()
+            .chain(dispatch)
+            .filter_map(|set| Some((set, self.decl(set)?)))
+            .collect()
+    }
+
+    /// Writes the nft text of [`FamilyRecord::replace`]'s transaction to `out`, the
+    /// Services' elements straight from the record's text (never typed, never held
+    /// as a transaction: the typed elements were most of a replacing full sync's
+    /// transient memory, and typing them most of its own time). The same commands but
+    /// for the order of elements within a set (frontend order, not key order; a test
+    /// holds the two equal up to that order). Returns what the transaction counts.
+    pub fn write_replacement(&self, out: &mut TextStream<'_>) -> std::io::Result<model::Counts> {
+        let mut tx = Transaction::clearing(self.base.family, &self.base.name);
+        tx.extend(Transaction::create(self.assemble_structure()));
+        out.transaction(&tx)?;
+        let mut counts = tx.counts;
+        drop(tx);
+        let decls = self.service_decls();
+        let mut text = TextPieces {
+            family: self.base.family,
+            table: &self.base.name,
+            sets: BTreeMap::new(),
+            total: 0,
+        };
+        for fe in self.frontends.values().filter_map(Claims::first) {
+            for (set, key, value) in fe.elements() {
+                // A set that does not exist takes nothing, as in `typed_elements`.
+                let Some(decl) = decls.get(&set) else {
+                    continue;
+                };
+                text.push(out, PieceSet::Frontend(set), |buf| {
+                    key.write(buf);
+                    if decl.is_map() {
+                        buf.push_str(" : ");
+                        buf.push_str(value);
+                    }
+                })?;
+            }
+        }
+        for sh in self.shared.keys() {
+            text.push(out, PieceSet::Shared(sh.set()), |buf| sh.write_key(buf))?;
+        }
+        counts.elements_added += text.finish(out)?;
+        Ok(counts)
     }
 
     /// The whole table without the Services' elements of the shared sets and maps
@@ -525,6 +630,101 @@ impl FamilyRecord {
     }
 }
 
+/// The set of an element of [`FamilyRecord::element_pieces`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum PieceSet {
+    Frontend(SetRef),
+    Shared(&'static str),
+}
+
+/// The elements of the piece being filled, per set.
+struct Pieces<'a> {
+    family: Family,
+    table: &'a str,
+    sets: BTreeMap<PieceSet, Vec<Elem>>,
+    /// Elements held now, and handed out so far.
+    len: usize,
+    total: usize,
+}
+
+impl Pieces<'_> {
+    fn push(&mut self, set: PieceSet, e: Elem) {
+        self.sets.entry(set).or_default().push(e);
+        self.len += 1;
+    }
+
+    /// The piece so far, as one transaction; empties it.
+    fn take(&mut self) -> Transaction {
+        let mut tx = Transaction::default();
+        for (set, elems) in std::mem::take(&mut self.sets) {
+            let set = match set {
+                PieceSet::Frontend(s) => s.name().into_owned(),
+                PieceSet::Shared(s) => s.to_string(),
+            };
+            tx.counts.elements_added += elems.len();
+            tx.ops.push(Op::AddElements {
+                family: self.family,
+                table: self.table.to_string(),
+                set,
+                elems,
+            });
+        }
+        self.total += self.len;
+        self.len = 0;
+        tx
+    }
+}
+
+/// Element commands being written as text, one open command per set.
+struct TextPieces<'a> {
+    family: Family,
+    table: &'a str,
+    /// Per set: its elements so far as text, and how many.
+    sets: BTreeMap<PieceSet, (String, usize)>,
+    total: usize,
+}
+
+impl TextPieces<'_> {
+    fn set_name(set: PieceSet) -> std::borrow::Cow<'static, str> {
+        match set {
+            PieceSet::Frontend(s) => s.name(),
+            PieceSet::Shared(s) => s.into(),
+        }
+    }
+
+    /// Appends the element `write` writes to `set`'s command; a full command goes out.
+    fn push(
+        &mut self,
+        out: &mut TextStream<'_>,
+        set: PieceSet,
+        write: impl FnOnce(&mut String),
+    ) -> std::io::Result<()> {
+        let (buf, n) = self.sets.entry(set).or_default();
+        if *n > 0 {
+            buf.push_str(", ");
+        }
+        write(buf);
+        *n += 1;
+        self.total += 1;
+        if *n == model::TEXT_ELEMENTS_PER_COMMAND {
+            out.add_elements(self.family, self.table, &Self::set_name(set), buf)?;
+            buf.clear();
+            *n = 0;
+        }
+        Ok(())
+    }
+
+    /// Writes the open commands; the number of elements written in all.
+    fn finish(self, out: &mut TextStream<'_>) -> std::io::Result<usize> {
+        for (set, (buf, n)) in &self.sets {
+            if *n > 0 {
+                out.add_elements(self.family, self.table, &Self::set_name(*set), buf)?;
+            }
+        }
+        Ok(self.total)
+    }
+}
+
 /// Runs of equal keys of a sorted iterator, with their values in order.
 fn group<K: PartialEq, V>(
     sorted: impl Iterator<Item = (K, V)>,
@@ -615,6 +815,52 @@ mod tests {
         }
     }
 
+    /// The pieces of a first sync into absent tables hold, together, exactly the
+    /// Services' elements of the creating transaction, each once, in pieces of the
+    /// size asked for.
+    #[test]
+    fn element_pieces_are_the_created_elements() {
+        let state = synthetic::cluster(&Spec::new(200, 4));
+        let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
+        let cfg = DataplaneConfig::default();
+        for family in IpFamily::ALL {
+            let rec = FamilyRecord::full(&plan, &cfg, family);
+            let elements = |tx: Transaction| {
+                let mut out: Vec<(String, Elem)> = Vec::new();
+                for op in tx.ops {
+                    if let Op::AddElements { set, elems, .. } = op {
+                        out.extend(elems.into_iter().map(|e| (set.clone(), e)));
+                    }
+                }
+                out
+            };
+            let mut want = elements(rec.create());
+            // Less the structure's own (a first sync sends them with the structure).
+            let own = elements(Transaction::create(rec.assemble_structure()));
+            want.retain(|e| !own.contains(e));
+            let mut got = Vec::new();
+            let mut sizes = Vec::new();
+            let n = rec
+                .element_pieces(37, &mut |tx| {
+                    assert!(tx.elements_only());
+                    assert_eq!(tx.counts.elements_added, elements(tx.clone()).len());
+                    sizes.push(tx.counts.elements_added);
+                    got.extend(elements(tx));
+                    Ok::<(), ()>(())
+                })
+                .unwrap();
+            assert_eq!(n, got.len());
+            // A piece ends at a frontend's end: at least 37, fewer than 37 + a frontend's.
+            if let Some((_, full)) = sizes.split_last() {
+                assert!(full.iter().all(|n| (37..37 + 64).contains(n)), "{sizes:?}");
+            }
+            got.sort();
+            want.sort();
+            assert_eq!(got, want);
+            assert!(family == IpFamily::IPv6 || got.len() > 37 * 10);
+        }
+    }
+
     /// The nft text written into a pipe piece by piece is the text rendered whole.
     #[test]
     fn streamed_text_is_the_whole_text() {
@@ -634,21 +880,86 @@ mod tests {
         assert!(piped == whole.as_bytes());
     }
 
-    /// The record's table is the pure build's, and the transaction that creates it
-    /// splits into structure, elements (all encodable but the interval set's) and the
-    /// hooked base chains last.
-    #[test]
-    fn assembled_table_equals_the_pure_build_and_splits_for_absent_tables() {
-        let cfgs = [
+    /// The default config, and one whose local-pod detector makes an interval set.
+    fn plan_configs() -> [PlanConfig; 2] {
+        let cidr = LocalDetectorConfig::ClusterCidr(vec!["10.0.0.0/8".parse().unwrap()]);
+        [
             PlanConfig::default(),
             PlanConfig {
-                local_detector: LocalDetectorConfig::ClusterCidr(vec![
-                    "10.0.0.0/8".parse().unwrap(),
-                ]),
+                local_detector: cidr,
                 ..PlanConfig::default()
             },
-        ];
-        for pc in cfgs {
+        ]
+    }
+
+    /// What a replacing full sync writes from the records' text is the text of the
+    /// typed transaction ([`crate::full_transaction_of`]) but for the order of
+    /// elements within each set: the same commands in the same order, each set's
+    /// elements in the same number of commands, the same elements, the same length.
+    #[test]
+    fn replacement_from_the_record_text_is_the_typed_transaction() {
+        for pc in plan_configs() {
+            for spec in [Spec::new(1000, 4), Spec::new(60, 3)] {
+                let state = synthetic::cluster(&spec);
+                let plan = kproxy_core::plan(&state, "node-0", &pc);
+                let cfg = DataplaneConfig::default();
+                let recs = IpFamily::ALL.map(|f| FamilyRecord::full(&plan, &cfg, f));
+                let tx = crate::full_transaction_of(&recs);
+                let typed = tx.nft_text();
+                let mut piped = Vec::new();
+                let (n, counts) = crate::write_full_replacement(&recs, &mut piped).unwrap();
+                let piped = String::from_utf8(piped).unwrap();
+                assert_eq!(n, piped.len());
+                assert_eq!(counts, tx.counts);
+                assert_eq!(piped.len(), typed.len());
+                // Element commands replaced by their set, elements gathered per set.
+                let normal = |text: &str| {
+                    let mut lines = Vec::new();
+                    let mut elements: BTreeMap<String, Vec<String>> = BTreeMap::new();
+                    for l in text.lines() {
+                        match l.strip_prefix("add element ") {
+                            Some(rest) => {
+                                let (set, elems) = rest.split_once(" { ").unwrap();
+                                let elems = elems.strip_suffix(" }").unwrap();
+                                let e = elements.entry(set.to_string()).or_default();
+                                e.extend(elems.split(", ").map(String::from));
+                                lines.push(format!("add element {set}"));
+                            }
+                            None => lines.push(l.to_string()),
+                        }
+                    }
+                    for e in elements.values_mut() {
+                        e.sort();
+                    }
+                    (lines, elements)
+                };
+                let (typed_lines, typed_elements) = normal(&typed);
+                let (piped_lines, piped_elements) = normal(&piped);
+                let sorted = |mut v: Vec<String>| {
+                    v.sort();
+                    v
+                };
+                // The element commands may interleave differently between sets.
+                assert_eq!(sorted(typed_lines.clone()), sorted(piped_lines.clone()));
+                let structure = |l: &Vec<String>| -> Vec<String> {
+                    l.iter()
+                        .filter(|l| !l.starts_with("add element"))
+                        .cloned()
+                        .collect()
+                };
+                assert_eq!(structure(&typed_lines), structure(&piped_lines));
+                assert_eq!(typed_elements, piped_elements);
+                assert!(typed_elements.values().map(Vec::len).sum::<usize>() > 100);
+            }
+        }
+    }
+
+    /// The record's table is the pure build's, and the transaction that creates it
+    /// splits into the structure with its tables dormant and the elements (all
+    /// encodable but the interval set's).
+    #[test]
+    fn assembled_table_equals_the_pure_build_and_splits_for_absent_tables() {
+        for pc in plan_configs() {
             let state = synthetic::cluster(&Spec::new(60, 4));
             let plan = kproxy_core::plan(&state, "node-0", &pc);
             for family in IpFamily::ALL {
@@ -665,26 +976,30 @@ mod tests {
                 let absent = Table::absent(table.family, &table.name);
                 let create = model::diff(&absent, &table).unwrap();
                 assert_eq!(create.counts, table.counts());
-                let (structure, elements, hooks) = create.clone().split_for_absent_tables();
-                let (st, hk) = (structure.nft_text(), hooks.nft_text());
-                assert!(!st.contains(" hook "), "{st}");
-                let hooked = all.lines().filter(|l| l.contains(" hook ")).count();
-                assert_eq!(hk.lines().filter(|l| l.contains(" hook ")).count(), hooked);
-                assert!(
-                    hk.lines()
-                        .all(|l| l.starts_with("add chain") || l.starts_with("add rule"))
-                );
-                assert!(elements.elements_only());
-                // The structure and hooks do not depend on the Services' elements (a
-                // first sync loads them from the bare tables while it encodes those).
-                let bare = model::diff(&absent, &rec.assemble_structure()).unwrap();
-                let (bare_structure, _, bare_hooks) = bare.split_for_absent_tables();
-                assert_eq!(bare_structure.ops, structure.ops);
-                assert_eq!(bare_hooks.ops, hooks.ops);
+                let (structure, elements) = create.clone().dormant_for_absent_tables();
+                let st = structure.nft_text();
+                // Every table dormant, everything else as created: the hooked base
+                // chains with the rest, hooked only when the tables are woken.
+                let first = st.lines().next().unwrap();
                 assert_eq!(
-                    structure.ops.len() + elements.ops.len() + hooks.ops.len(),
-                    create.ops.len()
+                    first,
+                    format!(
+                        "add table {} kproxy {{ comment \"{}\"; flags dormant; }}",
+                        table.family.nft(),
+                        Table::COMMENT
+                    )
                 );
+                assert_eq!(st.lines().filter(|l| l.starts_with("add table")).count(), 1);
+                let hooked = |t: &str| t.lines().filter(|l| l.contains(" hook ")).count();
+                assert_eq!(hooked(&st), hooked(&all));
+                assert!(hooked(&st) > 0);
+                assert!(elements.elements_only());
+                // The structure does not depend on the Services' elements (a first
+                // sync loads it from the bare tables while it encodes those).
+                let bare = model::diff(&absent, &rec.assemble_structure()).unwrap();
+                let (bare_structure, _) = bare.dormant_for_absent_tables();
+                assert_eq!(bare_structure.ops, structure.ops);
+                assert_eq!(structure.ops.len() + elements.ops.len(), create.ops.len());
                 // `local-pods` (an interval set) stays with the structure.
                 assert!(crate::netlink::Batch::transaction(&elements).is_some());
                 let interval = table.sets.values().any(|s| s.decl.interval);

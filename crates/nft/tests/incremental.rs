@@ -540,8 +540,14 @@ fn element_only_deltas_go_over_netlink() {
             let (plan, update) = cluster.step(&manifest(&specs));
             let r = dp.sync(plan, &update).unwrap();
             if n == 0 {
-                // No table yet: tables and chains by nft, elements by netlink, hooks last.
+                // No table yet: tables (dormant) and chains by nft, elements by netlink,
+                // then the tables woken: hooked, no flag left.
                 assert!(r.full && r.netlink_bytes > 0 && r.script_bytes > 0, "{r:?}");
+                for family in ["ip", "ip6"] {
+                    let listed = sh(&format!("nft list table {family} kproxy"));
+                    assert!(listed.contains(" hook prerouting "), "{listed}");
+                    assert!(!listed.contains("dormant"), "{listed}");
+                }
             } else {
                 assert!(
                     !r.full && r.netlink_bytes > 0 && r.script_bytes == 0,
