@@ -1063,11 +1063,20 @@ impl Client {
         let thread = std::thread::spawn(move || {
             enter(&ns);
             let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
+            let t0 = Instant::now();
             let (mut ok, mut failed) = (0, 0);
             while !flag.load(Ordering::Relaxed) {
                 match TcpStream::connect_timeout(&dst, Duration::from_millis(200)) {
                     Ok(_) => ok += 1,
-                    Err(_) => failed += 1,
+                    Err(e) => {
+                        failed += 1;
+                        if failed <= 5 {
+                            eprintln!(
+                                "    failed connection {:.3} s after the client started: {e}",
+                                t0.elapsed().as_secs_f64()
+                            );
+                        }
+                    }
                 }
                 std::thread::sleep(Duration::from_millis(2));
             }
@@ -1095,6 +1104,7 @@ fn restart_once(
 ) -> Proc {
     let client = Client::start(ns);
     std::thread::sleep(Duration::from_millis(500));
+    eprintln!("    SIG{signal} 0.5 s after the client started");
     let t = Instant::now();
     sh(&["kill", &format!("-{signal}"), &old.0.id().to_string()]);
     let _ = old.0.wait();
