@@ -328,8 +328,11 @@ async fn list(
             let Some(chunk) = frame.data_ref() else {
                 continue;
             };
-            page.feed(chunk, |item| decoded.push(page_item(decoder, kind, item)))
-                .map_err(|e| Stop::Failed(e.to_string()))?;
+            let protobuf = matches!(page, Page::Protobuf(_));
+            page.feed(chunk, |item| {
+                decoded.push(page_item(decoder, kind, protobuf, item))
+            })
+            .map_err(|e| Stop::Failed(e.to_string()))?;
             for (key, update) in decoded.drain(..) {
                 send(tx, kind, Input::Listed(key, update)).await?;
             }
@@ -356,12 +359,6 @@ enum Page {
     Protobuf(proto::ListSplitter),
 }
 
-/// An item of a page: its bytes and the encoding.
-enum PageItem<'a> {
-    Json(&'a [u8]),
-    Protobuf(&'a [u8]),
-}
-
 impl Page {
     fn for_content_type(content_type: Option<&http::HeaderValue>) -> Page {
         let protobuf = content_type
@@ -377,11 +374,11 @@ impl Page {
     fn feed(
         &mut self,
         chunk: &[u8],
-        mut item: impl FnMut(PageItem<'_>),
+        item: impl FnMut(&[u8]),
     ) -> Result<(), super::split::SplitError> {
         match self {
-            Page::Json(s) => s.feed(chunk, |b| item(PageItem::Json(b))),
-            Page::Protobuf(s) => s.feed(chunk, |b| item(PageItem::Protobuf(b))),
+            Page::Json(s) => s.feed(chunk, item),
+            Page::Protobuf(s) => s.feed(chunk, item),
         }
     }
 
@@ -404,25 +401,23 @@ impl Page {
     }
 }
 
-/// One page item's key and decoded update.
+/// One page item's key and decoded update, from its bytes in the page's encoding.
 fn page_item(
     decoder: &Decoder,
     kind: Kind,
-    item: PageItem<'_>,
+    protobuf: bool,
+    item: &[u8],
 ) -> (Key, Result<Update, IngestError>) {
-    match item {
-        PageItem::Json(json) => item_bytes(decoder, kind, json),
-        PageItem::Protobuf(bytes) => match proto::coordinates(bytes) {
-            Some(c) => (
-                c.key(),
-                decoder.ingest(kind, proto::decode(kind, bytes), &c),
-            ),
-            None => {
-                let key = Key::default();
-                let e = fold::decode_warning(kind, &key, ".", "undecodable protobuf metadata");
-                (key, Err(e))
-            }
-        },
+    if !protobuf {
+        return item_bytes(decoder, kind, item);
+    }
+    match proto::coordinates(item) {
+        Some(c) => (c.key(), decoder.ingest(kind, proto::decode(kind, item), &c)),
+        None => {
+            let key = Key::default();
+            let e = fold::decode_warning(kind, &key, ".", "undecodable protobuf metadata");
+            (key, Err(e))
+        }
     }
 }
 
