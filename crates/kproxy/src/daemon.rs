@@ -115,7 +115,11 @@ impl ChangeClock {
         *oldest = Some(OldestChange {
             received,
             applied,
-            received_at: SystemTime::now() - applied.saturating_duration_since(received),
+            received_at: {
+                let now = SystemTime::now();
+                now.checked_sub(applied.saturating_duration_since(received))
+                    .unwrap_or(now)
+            },
         });
     }
 
