@@ -1,8 +1,9 @@
 //! Manifest text into Kubernetes objects: multi-document YAML, JSON, and `kind: List`
 //! exactly as `kubectl get … -o yaml|json` prints. Pure: the caller reads the file and
 //! passes its name for reports. A broken document, or a broken item of a List, is
-//! reported and skipped; the rest of the file still loads. Unknown kinds are skipped
-//! quietly.
+//! reported and skipped; the rest of the file still loads. So is a document without a
+//! kind, or with a kind that is none of the Kubernetes kinds of the groups kproxy reads;
+//! other kinds (Deployments, CRDs) are skipped quietly.
 
 use std::fmt;
 
@@ -70,6 +71,11 @@ pub struct Parsed {
 /// proxy allocate without bound.
 pub const MAX_OBJECTS_PER_FILE: usize = 1_000_000;
 
+/// Upper bound on the values (mappings, sequences and scalars) of one JSON document or
+/// List item: the YAML parser's default budget of nodes per document, which applies to
+/// each YAML document and List item.
+pub const MAX_NODES_PER_OBJECT: usize = 250_000;
+
 /// Parses one file's text into the objects kproxy consumes.
 pub fn parse(file: &str, text: &str) -> Parsed {
     let mut out = Parsed::default();
@@ -89,14 +95,25 @@ pub fn for_each_object(
     bytes: &[u8],
     f: &mut dyn FnMut(Result<Located, ManifestError>),
 ) {
-    for_each_value(file, bytes, &mut |r| match r {
-        Ok((location, v)) => {
-            if let Some(r) = read_object(v, location) {
-                f(r)
+    let mut cap = ErrorCap::new();
+    for_each_value(file, bytes, &mut |r| {
+        let r = match r {
+            Ok((location, v)) => read_object(v, location),
+            Err(e) => Some(Err(e)),
+        };
+        match r {
+            Some(Ok(o)) => f(Ok(o)),
+            Some(Err(e)) => {
+                if let Some(e) = cap.pass(e) {
+                    f(Err(e))
+                }
             }
+            None => {}
         }
-        Err(e) => f(Err(e)),
     });
+    if let Some(e) = cap.finish() {
+        f(Err(e));
+    }
 }
 
 /// Splits one file's text into raw objects (documents, and the items of `kind: List`
@@ -114,23 +131,82 @@ pub fn documents(file: &str, text: &str) -> (Vec<(Location, Value)>, Vec<Manifes
 }
 
 /// The streaming form of [`documents`]: `f` gets each raw object or error in order. At
-/// most [`MAX_OBJECTS_PER_FILE`] are delivered.
+/// most [`MAX_OBJECTS_PER_FILE`] are delivered; what is beyond is reported once.
 pub fn for_each_value(
     file: &str,
     bytes: &[u8],
     f: &mut dyn FnMut(Result<(Location, Value), ManifestError>),
 ) {
     let mut delivered = 0usize;
+    let mut over: Option<(Location, usize)> = None;
     let mut capped = |r: Result<(Location, Value), ManifestError>| {
         if delivered < MAX_OBJECTS_PER_FILE {
             delivered += 1;
             f(r);
+        } else {
+            let location = match &r {
+                Ok((l, _)) => l,
+                Err(e) => &e.location,
+            };
+            over.get_or_insert_with(|| (location.clone(), 0)).1 += 1;
         }
     };
     if file.ends_with(".json") {
         json::stream(file, bytes, &mut capped);
     } else {
         yaml_stream(file, bytes, &mut capped);
+    }
+    if let Some((location, n)) = over {
+        f(Err(doc_error(
+            location,
+            "document",
+            ".",
+            format!(
+                "more than {MAX_OBJECTS_PER_FILE} documents and List items in one file: the last {n} are not read"
+            ),
+        )));
+    }
+}
+
+/// Upper bound on the errors of one file that are reported one by one; the rest are
+/// counted in one last error. A file of a million kind-less `{}` items is a million
+/// errors, and their reports must not cost more memory than the file.
+pub const MAX_ERRORS_PER_FILE: usize = 1_000;
+
+/// [`for_each_object`]'s errors after the first [`MAX_ERRORS_PER_FILE`], counted.
+struct ErrorCap {
+    reported: usize,
+    more: Option<(Location, usize)>,
+}
+
+impl ErrorCap {
+    fn new() -> Self {
+        ErrorCap {
+            reported: 0,
+            more: None,
+        }
+    }
+
+    /// The error to report now, if any.
+    fn pass(&mut self, e: ManifestError) -> Option<ManifestError> {
+        if self.reported < MAX_ERRORS_PER_FILE {
+            self.reported += 1;
+            return Some(e);
+        }
+        self.more.get_or_insert((e.location, 0)).1 += 1;
+        None
+    }
+
+    /// The count of the errors not reported, as one error.
+    fn finish(self) -> Option<ManifestError> {
+        self.more.map(|(location, n)| {
+            doc_error(
+                location,
+                "document",
+                ".",
+                format!("{n} more documents or List items not read (only the first {MAX_ERRORS_PER_FILE} problems of a file are listed)"),
+            )
+        })
     }
 }
 
@@ -159,19 +235,27 @@ fn yaml_stream(
             document,
             item: None,
         };
-        let text = match std::str::from_utf8(doc) {
-            Ok(t) => t,
+        // Invalid UTF-8 costs the document, or in a List only the items it is in: the
+        // text is cut into items with the bad bytes replaced, and an item holding a
+        // replacement character is reported instead of read.
+        let lossy;
+        let (text, bad_utf8) = match std::str::from_utf8(doc) {
+            Ok(t) => (t, None),
             Err(e) => {
-                f(Err(doc_error(
-                    location,
-                    "document",
-                    ".",
-                    format!("invalid UTF-8 at byte {} of the document", e.valid_up_to()),
-                )));
-                continue;
+                lossy = String::from_utf8_lossy(doc);
+                (&*lossy, Some(e.valid_up_to()))
             }
         };
+        let invalid_utf8 = |location, what: &str, at: usize| {
+            doc_error(
+                location,
+                what,
+                ".",
+                format!("invalid UTF-8 at byte {at} of the {what}"),
+            )
+        };
         if let Some(list) = yaml_list::split(text)
+            && !(bad_utf8.is_some() && list.skeleton.contains(char::REPLACEMENT_CHARACTER))
             && let Ok(skeleton) = serde_saphyr::from_str::<Value>(&list.skeleton)
             && let Some(kind) = list_kind(&skeleton)
         {
@@ -182,6 +266,12 @@ fn yaml_stream(
                     ..location.clone()
                 };
                 let item = yaml_list::dedent(&text[range.clone()], list.indent);
+                if bad_utf8.is_some()
+                    && let Some(at) = item.find(char::REPLACEMENT_CHARACTER)
+                {
+                    f(Err(invalid_utf8(location, "item", at)));
+                    continue;
+                }
                 match serde_saphyr::from_str::<Value>(&item) {
                     Ok(v) => f(Ok((location, with_kind(v, item_kind.as_deref())))),
                     Err(e) => f(Err(doc_error(
@@ -192,6 +282,10 @@ fn yaml_stream(
                     ))),
                 }
             }
+            continue;
+        }
+        if let Some(at) = bad_utf8 {
+            f(Err(invalid_utf8(location, "document", at)));
             continue;
         }
         match serde_saphyr::from_str::<Value>(text) {
@@ -430,11 +524,24 @@ fn flatten_lists(
 }
 
 /// The object kproxy consumes in `v`, the error that makes it unreadable, or `None` for
-/// kinds kproxy does not read (Deployments, Pods, …: skipped quietly).
+/// kinds kproxy does not read (Deployments, Pods, …: skipped quietly). A document with
+/// content but no kind, or with a kind that is no Kubernetes kind of the groups kproxy
+/// reads, is an error (issue 32): a `kubectl get -o yaml` dump cut short ends before its
+/// `kind: List` line, and a typo (`kind: Servic`) must not read as "no Services".
 fn read_object(v: Value, location: Location) -> Option<Result<Located, ManifestError>> {
-    let kind = v.get("kind").and_then(Value::as_str).unwrap_or("");
+    let Some(kind) = v.get("kind").and_then(Value::as_str) else {
+        return Some(Err(no_kind(&v, location)));
+    };
     let api_version = v.get("apiVersion").and_then(Value::as_str).unwrap_or("");
     let what = describe(&v);
+    if let Some(reason) = unknown_kind(kind, api_version) {
+        return Some(Err(ManifestError {
+            location,
+            what,
+            field: ".kind".into(),
+            reason,
+        }));
+    }
     let result = match (kind, api_version) {
         ("Service", "v1" | "") => typed::<corev1::Service>(v).map(|o| Object::Service(Box::new(o))),
         ("Node", "v1" | "") => typed::<corev1::Node>(v).map(|o| Object::Node(Box::new(o))),
@@ -444,7 +551,6 @@ fn read_object(v: Value, location: Location) -> Option<Result<Located, ManifestE
         ("ServiceCIDR", "networking.k8s.io/v1" | "") => {
             typed::<networkingv1::ServiceCIDR>(v).map(|o| Object::ServiceCidr(Box::new(o)))
         }
-        ("", _) if !v.is_object() => Err((".".to_string(), "not an object".to_string())),
         _ => return None,
     };
     Some(match result {
@@ -456,6 +562,153 @@ fn read_object(v: Value, location: Location) -> Option<Result<Located, ManifestE
             reason,
         }),
     })
+}
+
+/// The error for a document without a (string) `kind`, naming what it holds instead.
+fn no_kind(v: &Value, location: Location) -> ManifestError {
+    let reason = match v {
+        Value::Object(m) if m.is_empty() => "an empty object, no kind; not read".to_string(),
+        Value::Object(m) => {
+            const SHOWN: usize = 6;
+            let mut keys: Vec<&str> = m.keys().take(SHOWN).map(String::as_str).collect();
+            if m.len() > SHOWN {
+                keys.push("…");
+            }
+            let found = match m.get("kind") {
+                Some(k) => format!("kind is not a string ({k}); keys"),
+                None => "no kind; found keys".to_string(),
+            };
+            let hint = if m.contains_key("items") {
+                " (a `kind: List` cut short before its `kind` line?)"
+            } else {
+                ""
+            };
+            format!("{found}: {}{hint}; not read", keys.join(", "))
+        }
+        Value::Array(_) => "a sequence, not an object; not read".to_string(),
+        other => format!(
+            "a scalar ({}), not an object; not read",
+            scalar_preview(other)
+        ),
+    };
+    ManifestError {
+        location,
+        what: describe(v),
+        field: if v.is_object() { ".kind" } else { "." }.into(),
+        reason,
+    }
+}
+
+fn scalar_preview(v: &Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(40) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s,
+    }
+}
+
+/// The kinds kproxy reads, and their API groups.
+const READ_KINDS: [(&str, &str); 4] = [
+    ("Service", "v1"),
+    ("Node", "v1"),
+    ("EndpointSlice", "discovery.k8s.io/v1"),
+    ("ServiceCIDR", "networking.k8s.io/v1"),
+];
+
+/// Every kind of the API groups kproxy reads from (Kubernetes 1.33): a kind of these
+/// groups outside this list is a typo, not an object kproxy may ignore.
+const GROUP_KINDS: [(&str, &[&str]); 3] = [
+    (
+        "",
+        &[
+            "Binding",
+            "ComponentStatus",
+            "ConfigMap",
+            "Endpoints",
+            "Event",
+            "LimitRange",
+            "Namespace",
+            "Node",
+            "PersistentVolume",
+            "PersistentVolumeClaim",
+            "Pod",
+            "PodTemplate",
+            "ReplicationController",
+            "ResourceQuota",
+            "Secret",
+            "Service",
+            "ServiceAccount",
+        ],
+    ),
+    ("discovery.k8s.io", &["EndpointSlice"]),
+    (
+        "networking.k8s.io",
+        &[
+            "Ingress",
+            "IngressClass",
+            "IPAddress",
+            "NetworkPolicy",
+            "ServiceCIDR",
+        ],
+    ),
+];
+
+/// Why `kind` at `api_version` is neither an object kproxy reads nor one it may skip
+/// quietly: a kind of kproxy's API groups that the group does not have, a kind kproxy
+/// reads at another version, or a near miss of one (`Servic`, `service`,
+/// `EndpointSlices`) in any group. `None`: read it, or skip it quietly.
+fn unknown_kind(kind: &str, api_version: &str) -> Option<String> {
+    let read = READ_KINDS.iter().find(|(k, _)| *k == kind);
+    if kind.ends_with("List") || (read.is_some() && api_version.is_empty()) {
+        return None;
+    }
+    if let Some((k, want)) = read {
+        return (*want != api_version).then(|| {
+            format!("{k} of apiVersion {api_version:?} is not read (kproxy reads {want}); not read")
+        });
+    }
+    let (group, _version) = match api_version.rsplit_once('/') {
+        Some((g, v)) => (g, v),
+        None => ("", api_version),
+    };
+    let in_group = GROUP_KINDS
+        .iter()
+        .find(|(g, _)| *g == group)
+        .map(|(_, kinds)| kinds.contains(&kind));
+    if in_group != Some(true)
+        && let Some((near, _)) = READ_KINDS.iter().find(|(k, _)| near_miss(kind, k))
+    {
+        return Some(format!(
+            "unknown kind {kind:?} (did you mean {near}?); not read"
+        ));
+    }
+    (in_group == Some(false))
+        .then(|| format!("unknown kind {kind:?} for apiVersion {api_version:?}; not read"))
+}
+
+/// `a` differs from `b` only in case, or by at most two single-character edits (one
+/// for kinds of four letters or fewer: `Role` is not a misspelt `Node`).
+fn near_miss(a: &str, b: &str) -> bool {
+    let (a, b): (Vec<char>, Vec<char>) = (
+        a.to_lowercase().chars().collect(),
+        b.to_lowercase().chars().collect(),
+    );
+    let most = if b.len() <= 4 { 1 } else { 2 };
+    if a.len().abs_diff(b.len()) > most {
+        return false;
+    }
+    // Levenshtein distance, one row at a time.
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.iter().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()] <= most
 }
 
 fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
@@ -487,10 +740,14 @@ fn describe(v: &Value) -> String {
 }
 
 /// JSON manifests as a stream of documents, each read by a serde visitor that hands the
-/// elements of a top-level `items` array to the caller one by one instead of building
-/// the array: `kubectl get -o json` prints `items` before `kind`, so a List is known
-/// only by its shape. Duplicate keys in an object are an error, as the YAML reader
-/// treats them.
+/// elements of the `items` array of a `kind: …List` document to the caller one by one
+/// instead of building the array. `kubectl get -o json` prints `items` before `kind`, so
+/// a first pass over the stream reads each document's `kind` (allocating nothing else)
+/// and the second knows a List before its items: memory holds the text plus one item,
+/// whatever the items contain (issue 32: kind-less items used to wait for the List's
+/// kind, all of them). Each item, and each document read whole, has the YAML reader's
+/// per-document budget of nodes; duplicate keys and a budget overrun cost that item or
+/// document only, as in YAML.
 mod json {
     use std::fmt;
 
@@ -500,12 +757,14 @@ mod json {
     use serde_json::{Map, Value};
 
     use super::{
-        Location, ManifestError, doc_error, first_line, flatten_lists, item_kind, with_kind,
+        Location, MAX_NODES_PER_OBJECT, ManifestError, describe, doc_error, first_line, item_kind,
+        with_kind,
     };
 
     type Sink<'a> = dyn FnMut(Result<(Location, Value), ManifestError>) + 'a;
 
     pub fn stream(file: &str, bytes: &[u8], f: &mut Sink<'_>) {
+        let kinds = document_kinds(bytes);
         let mut de = serde_json::Deserializer::from_slice(bytes);
         for document in 0.. {
             if de.end().is_ok() {
@@ -516,12 +775,20 @@ mod json {
                 document,
                 item: None,
             };
+            let list_kind = kinds
+                .get(document)
+                .cloned()
+                .flatten()
+                .filter(|k| k.ends_with("List"));
+            let mut judge = Judge::default();
             let seed = Document {
                 location: location.clone(),
+                list_kind,
+                judge: &mut judge,
                 f: &mut *f,
             };
             match seed.deserialize(&mut de) {
-                Ok(Some(v)) => flatten_lists(v, location, f),
+                Ok(Some(v)) => f(judge.verdict(v, location)),
                 Ok(None) => {}
                 Err(e) => {
                     // The stream has no known position after a syntax error: stop.
@@ -537,10 +804,159 @@ mod json {
         }
     }
 
+    /// The `kind` of each top-level document (`None`: none, or not a string), up to the
+    /// first syntax error.
+    fn document_kinds(bytes: &[u8]) -> Vec<Option<String>> {
+        serde_json::Deserializer::from_slice(bytes)
+            .into_iter::<KindOnly>()
+            .map_while(Result::ok)
+            .map(|k| k.0)
+            .collect()
+    }
+
+    /// A document's `kind`, everything else skipped unbuilt.
+    struct KindOnly(Option<String>);
+
+    impl<'de> de::Deserialize<'de> for KindOnly {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(KindOnlyVisitor)
+        }
+    }
+
+    struct KindOnlyVisitor;
+
+    impl<'de> Visitor<'de> for KindOnlyVisitor {
+        type Value = KindOnly;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<KindOnly, A::Error> {
+            let mut kind = None;
+            while let Some(key) = map.next_key::<KeyIsKind>()? {
+                if key.0 && kind.is_none() {
+                    kind = map.next_value::<Value>()?.as_str().map(str::to_string);
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(KindOnly(kind))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<KindOnly, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(KindOnly(None))
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<KindOnly, E> {
+            Ok(KindOnly(None))
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<KindOnly, E> {
+            Ok(KindOnly(None))
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<KindOnly, E> {
+            Ok(KindOnly(None))
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<KindOnly, E> {
+            Ok(KindOnly(None))
+        }
+        fn visit_str<E>(self, _: &str) -> Result<KindOnly, E> {
+            Ok(KindOnly(None))
+        }
+        fn visit_unit<E>(self) -> Result<KindOnly, E> {
+            Ok(KindOnly(None))
+        }
+    }
+
+    /// Whether a key is `kind`, without allocating it.
+    struct KeyIsKind(bool);
+
+    impl<'de> de::Deserialize<'de> for KeyIsKind {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = KeyIsKind;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a key")
+                }
+                fn visit_str<E>(self, v: &str) -> Result<KeyIsKind, E> {
+                    Ok(KeyIsKind(v == "kind"))
+                }
+            }
+            d.deserialize_str(V)
+        }
+    }
+
+    /// What reading one object (a List item, or a document read whole) found: its nodes,
+    /// counted against [`MAX_NODES_PER_OBJECT`], where the reader is, and the first
+    /// problem. After a problem the rest of the object is read (the stream goes on) but
+    /// not kept.
+    #[derive(Default)]
+    struct Judge {
+        nodes: usize,
+        path: Vec<Segment>,
+        problem: Option<(String, String)>,
+    }
+
+    enum Segment {
+        Key(String),
+        Index(usize),
+    }
+
+    impl Judge {
+        fn field(&self) -> String {
+            if self.path.is_empty() {
+                return ".".into();
+            }
+            let mut out = String::new();
+            for s in &self.path {
+                match s {
+                    Segment::Key(k) => {
+                        out.push('.');
+                        out.push_str(k);
+                    }
+                    Segment::Index(i) => out.push_str(&format!("[{i}]")),
+                }
+            }
+            out
+        }
+
+        fn fail(&mut self, reason: String) {
+            if self.problem.is_none() {
+                self.problem = Some((self.field(), reason));
+            }
+        }
+
+        /// Counts one node; false once the object is over budget or has a problem (its
+        /// values are no longer kept).
+        fn count(&mut self) -> bool {
+            self.nodes += 1;
+            if self.nodes > MAX_NODES_PER_OBJECT {
+                self.fail(format!(
+                    "more than {MAX_NODES_PER_OBJECT} values in one object; not read"
+                ));
+            }
+            self.problem.is_none()
+        }
+
+        /// The object, or the error that costs it.
+        fn verdict(self, v: Value, location: Location) -> Result<(Location, Value), ManifestError> {
+            match self.problem {
+                None => Ok((location, v)),
+                Some((field, reason)) => Err(ManifestError {
+                    location,
+                    what: describe(&v),
+                    field,
+                    reason,
+                }),
+            }
+        }
+    }
+
     /// One top-level document: `Some(value)` for a document to read whole, `None` when
     /// its items were streamed to `f`.
     struct Document<'a, 'f> {
         location: Location,
+        /// The document's kind when it is a `…List`.
+        list_kind: Option<String>,
+        judge: &'a mut Judge,
         f: &'a mut Sink<'f>,
     }
 
@@ -559,40 +975,35 @@ mod json {
         fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
             let mut out = Map::new();
             let mut streamed = false;
-            // Kind-less items wait for the list's kind (a typed list names it once).
-            let mut waiting: Vec<(usize, Value)> = Vec::new();
             while let Some(key) = map.next_key::<String>()? {
                 if out.contains_key(&key) || (streamed && key == "items") {
-                    return Err(de::Error::custom(format!("duplicate key {key:?}")));
-                }
-                let kind_known = out.get("kind").and_then(Value::as_str);
-                let stream_items = key == "items" && kind_known.is_none_or(|k| k.ends_with("List"));
-                if stream_items {
-                    let item_kind = kind_known.and_then(item_kind);
-                    streamed = map.next_value_seed(Items {
+                    self.judge.path.push(Segment::Key(key));
+                    self.judge.fail("duplicate key".into());
+                    map.next_value::<IgnoredAny>()?;
+                    self.judge.path.pop();
+                } else if key == "items"
+                    && let Some(list_kind) = &self.list_kind
+                {
+                    let item_kind = item_kind(list_kind);
+                    map.next_value_seed(Items {
                         location: &self.location,
                         item_kind: item_kind.as_deref(),
-                        waiting: &mut waiting,
                         f: &mut *self.f,
                     })?;
-                    if !streamed {
-                        out.insert(key, Value::Null);
-                    }
+                    streamed = true;
                 } else {
-                    let v = map.next_value::<Strict>()?.0;
+                    self.judge.path.push(Segment::Key(key));
+                    let v = map.next_value_seed(Strict(&mut *self.judge))?;
+                    let Some(Segment::Key(key)) = self.judge.path.pop() else {
+                        unreachable!("the key pushed above")
+                    };
                     out.insert(key, v);
                 }
             }
-            if !streamed {
+            if !streamed || self.judge.problem.is_some() {
+                // A duplicate key or an overrun beside the items is reported with the
+                // document; its items were judged one by one.
                 return Ok(Some(Value::Object(out)));
-            }
-            let kind = out.get("kind").and_then(Value::as_str).and_then(item_kind);
-            for (i, item) in waiting {
-                let location = Location {
-                    item: Some(i),
-                    ..self.location.clone()
-                };
-                (self.f)(Ok((location, with_kind(item, kind.as_deref()))));
             }
             Ok(None)
         }
@@ -620,102 +1031,189 @@ mod json {
         }
     }
 
-    /// A `items` value: an array is streamed (true); `null` is no items (false).
+    /// The `items` of a List: each element read alone, with its own budget, and handed
+    /// to the caller.
     struct Items<'a, 'f> {
         location: &'a Location,
         item_kind: Option<&'a str>,
-        waiting: &'a mut Vec<(usize, Value)>,
         f: &'a mut Sink<'f>,
     }
 
     impl<'de> DeserializeSeed<'de> for Items<'_, '_> {
-        type Value = bool;
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
             d.deserialize_any(self)
         }
     }
 
     impl<'de> Visitor<'de> for Items<'_, '_> {
-        type Value = bool;
+        type Value = ();
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
             f.write_str("a list of items")
         }
-        fn visit_unit<E>(self) -> Result<bool, E> {
-            Ok(false)
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
         }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
-            let mut i = 0;
-            while let Some(Strict(item)) = seq.next_element::<Strict>()? {
-                let has_kind = item.get("kind").is_some() || !item.is_object();
-                if self.item_kind.is_none() && !has_kind {
-                    self.waiting.push((i, item));
-                } else {
-                    let location = Location {
-                        item: Some(i),
-                        ..self.location.clone()
-                    };
-                    (self.f)(Ok((location, with_kind(item, self.item_kind))));
-                }
-                i += 1;
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            for i in 0.. {
+                let mut judge = Judge::default();
+                let Some(item) = seq.next_element_seed(Strict(&mut judge))? else {
+                    break;
+                };
+                let location = Location {
+                    item: Some(i),
+                    ..self.location.clone()
+                };
+                (self.f)(judge.verdict(with_kind(item, self.item_kind), location));
             }
-            Ok(true)
+            Ok(())
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            (self.f)(Err(doc_error(
+                self.location.clone(),
+                "List",
+                ".items",
+                "not a list".into(),
+            )));
+            Ok(())
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            self.not_a_list()
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            self.not_a_list()
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            self.not_a_list()
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            self.not_a_list()
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            self.not_a_list()
         }
     }
 
-    /// A JSON value whose objects have no duplicate keys.
-    pub struct Strict(pub Value);
-
-    impl<'de> de::Deserialize<'de> for Strict {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_any(StrictVisitor).map(Strict)
+    impl Items<'_, '_> {
+        fn not_a_list<E>(self) -> Result<(), E> {
+            (self.f)(Err(doc_error(
+                self.location.clone(),
+                "List",
+                ".items",
+                "not a list".into(),
+            )));
+            Ok(())
         }
     }
 
-    struct StrictVisitor;
+    /// A JSON value read under a [`Judge`]: duplicate keys and a budget overrun are
+    /// recorded there, and what follows them is consumed but not kept.
+    struct Strict<'a>(&'a mut Judge);
 
-    impl<'de> Visitor<'de> for StrictVisitor {
+    impl<'de> DeserializeSeed<'de> for Strict<'_> {
+        type Value = Value;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Strict<'_> {
         type Value = Value;
         fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
             f.write_str("a JSON value")
         }
         fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
-            Ok(Value::Bool(v))
+            Ok(self.scalar(Value::Bool(v)))
         }
         fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
-            Ok(v.into())
+            Ok(self.scalar(v.into()))
         }
         fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
-            Ok(v.into())
+            Ok(self.scalar(v.into()))
         }
         fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
-            Ok(v.into())
+            Ok(self.scalar(v.into()))
         }
         fn visit_str<E>(self, v: &str) -> Result<Value, E> {
-            Ok(v.into())
+            Ok(if self.0.count() {
+                v.into()
+            } else {
+                Value::Null
+            })
         }
         fn visit_string<E>(self, v: String) -> Result<Value, E> {
-            Ok(v.into())
+            Ok(self.scalar(v.into()))
         }
         fn visit_unit<E>(self) -> Result<Value, E> {
-            Ok(Value::Null)
+            Ok(self.scalar(Value::Null))
         }
         fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            let judge = self.0;
             let mut out = Vec::new();
-            while let Some(Strict(v)) = seq.next_element()? {
-                out.push(v);
+            let mut keep = Keep::new(judge.count());
+            for i in 0.. {
+                judge.path.push(Segment::Index(i));
+                let v = seq.next_element_seed(Strict(&mut *judge))?;
+                judge.path.pop();
+                match v {
+                    Some(v) if keep.this(judge) => out.push(v),
+                    Some(_) => {}
+                    None => break,
+                }
             }
             Ok(Value::Array(out))
         }
         fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let judge = self.0;
             let mut out = Map::new();
+            let mut keep = Keep::new(judge.count());
             while let Some(key) = map.next_key::<String>()? {
-                if out.contains_key(&key) {
-                    return Err(de::Error::custom(format!("duplicate key {key:?}")));
+                let duplicate = out.contains_key(&key);
+                judge.path.push(Segment::Key(key));
+                if duplicate {
+                    judge.fail("duplicate key".into());
                 }
-                let Strict(v) = map.next_value()?;
-                out.insert(key, v);
+                let v = map.next_value_seed(Strict(&mut *judge))?;
+                let Some(Segment::Key(key)) = judge.path.pop() else {
+                    unreachable!("the key pushed above")
+                };
+                // A duplicate's value does not replace the first (that names the object).
+                if !duplicate && keep.this(judge) {
+                    out.insert(key, v);
+                }
             }
             Ok(Value::Object(out))
+        }
+    }
+
+    /// Which values a mapping or sequence keeps: all until a problem, then the one
+    /// that held it (so that the report can name the object), then none.
+    struct Keep {
+        open: bool,
+        after_problem: bool,
+    }
+
+    impl Keep {
+        fn new(open: bool) -> Keep {
+            Keep {
+                open,
+                after_problem: false,
+            }
+        }
+
+        fn this(&mut self, judge: &Judge) -> bool {
+            if !self.open || self.after_problem {
+                return false;
+            }
+            self.after_problem = judge.problem.is_some();
+            true
+        }
+    }
+
+    impl Strict<'_> {
+        fn scalar(self, v: Value) -> Value {
+            if self.0.count() { v } else { Value::Null }
         }
     }
 }
@@ -856,6 +1354,197 @@ ports: [{port: 8080, name: ""}]
         );
         let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: a, name: b, namespace: d}\n";
         assert_eq!(parse("x.yaml", yaml).errors.len(), 1);
+    }
+
+    /// Issue 32: `kubectl get -o yaml` prints `kind: List` after the items, so a dump
+    /// cut short has no kind; it, a typo of a kind and a kind-less object are reported
+    /// (file, document, what was found), never read as "no objects".
+    #[test]
+    fn documents_without_a_kind_or_with_an_unknown_one_are_reported() {
+        let cut = "apiVersion: v1\nitems:\n- apiVersion: v1\n  kind: Service\n  metadata: {name: a, namespace: b}\n  spec: {clusterIP: 10.96.99.1, ports: [{port: 80}]}\n";
+        let p = parse("c.yaml", cut);
+        assert_eq!(p.objects.len(), 0);
+        assert_eq!(p.errors.len(), 1, "{:?}", p.errors);
+        let e = p.errors[0].to_string();
+        assert!(
+            e.starts_with(
+                "c.yaml: document 0: document: .kind: no kind; found keys: apiVersion, items"
+            ) && e.contains("cut short"),
+            "{e}"
+        );
+        let doc = |k: &str, v: &str| {
+            format!(
+                "apiVersion: {v}\nkind: {k}\nmetadata: {{name: a, namespace: b}}\nspec: {{clusterIP: 10.96.99.1, ports: [{{port: 80}}]}}\n"
+            )
+        };
+        for (kind, version, want) in [
+            (
+                "Servic",
+                "v1",
+                "unknown kind \"Servic\" (did you mean Service?)",
+            ),
+            ("service", "v1", "did you mean Service?"),
+            (
+                "EndpointSlices",
+                "discovery.k8s.io/v1",
+                "did you mean EndpointSlice?",
+            ),
+            ("Nodes", "example.com/v1", "did you mean Node?"),
+            ("Sevrice", "apps/v1", "did you mean Service?"),
+            (
+                "Frobnicator",
+                "v1",
+                "unknown kind \"Frobnicator\" for apiVersion \"v1\"",
+            ),
+            ("Service", "v2", "Service of apiVersion \"v2\" is not read"),
+            (
+                "EndpointSlice",
+                "discovery.k8s.io/v1beta1",
+                "kproxy reads discovery.k8s.io/v1",
+            ),
+        ] {
+            let p = parse("k.yaml", &doc(kind, version));
+            assert_eq!(
+                (p.objects.len(), p.errors.len()),
+                (0, 1),
+                "{kind} {version}"
+            );
+            let e = p.errors[0].to_string();
+            assert!(
+                e.contains("k.yaml: document 0") && e.contains(".kind") && e.contains(want),
+                "{kind} {version}: {e}"
+            );
+        }
+        // Kinds kproxy does not read are still skipped without a word.
+        for (kind, version) in [
+            ("Deployment", "apps/v1"),
+            ("Role", "rbac.authorization.k8s.io/v1"),
+            ("ConfigMap", "v1"),
+            ("Ingress", "networking.k8s.io/v1"),
+            ("Certificate", "cert-manager.io/v1"),
+            ("ServiceList", "v1"),
+        ] {
+            let p = parse("k.yaml", &doc(kind, version));
+            assert_eq!(
+                (p.objects.len(), p.errors.len()),
+                (0, 0),
+                "{kind} {version}: {:?}",
+                p.errors
+            );
+        }
+        // A kind-less item of a List, an empty object, a scalar.
+        let text = r#"{"apiVersion":"v1","kind":"List","items":[{},{"metadata":{"name":"x"}},"svc",{"apiVersion":"v1","kind":"Node","metadata":{"name":"n"}}]}"#;
+        let p = parse("l.json", text);
+        assert_eq!(p.objects.len(), 1);
+        let items: Vec<_> = p
+            .errors
+            .iter()
+            .map(|e| (e.location.item, e.reason.clone()))
+            .collect();
+        assert_eq!(items.len(), 3, "{items:?}");
+        assert!(
+            items[0].1.contains("empty object")
+                && items[1].1.contains("found keys: metadata")
+                && items[2].1.contains("scalar"),
+            "{items:?}"
+        );
+        assert_eq!(
+            items.iter().map(|i| i.0).collect::<Vec<_>>(),
+            [Some(0), Some(1), Some(2)]
+        );
+    }
+
+    /// A million kind-less items must not become a million reports.
+    #[test]
+    fn the_errors_of_one_file_are_listed_up_to_a_bound_and_counted_beyond() {
+        let n = MAX_ERRORS_PER_FILE + 500;
+        let text = format!(
+            "{{\"apiVersion\":\"v1\",\"kind\":\"List\",\"items\":[{}]}}",
+            vec!["{}"; n].join(",")
+        );
+        let p = parse("l.json", &text);
+        assert_eq!(p.errors.len(), MAX_ERRORS_PER_FILE + 1);
+        let last = p.errors.last().unwrap();
+        assert!(last.reason.starts_with("500 more documents"), "{last}");
+        assert_eq!(last.location.item, Some(MAX_ERRORS_PER_FILE));
+    }
+
+    /// Issue 32: docs/input.md says a duplicate key costs the List item; in JSON it
+    /// stopped the stream and cost the whole List. An item over the node budget costs
+    /// only itself too.
+    #[test]
+    fn a_duplicate_key_or_an_overrun_in_a_json_list_item_costs_only_that_item() {
+        let item = |name: &str| {
+            format!(
+                r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"d"}},"spec":{{"clusterIP":"10.96.0.1"}}}}"#
+            )
+        };
+        let dup = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"b","namespace":"d","name":"c"}}"#;
+        let big = format!(
+            r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"big","namespace":"d","labels":{{"x":[{}]}}}}}}"#,
+            vec!["1"; MAX_NODES_PER_OBJECT].join(",")
+        );
+        let text = format!(
+            r#"{{"apiVersion":"v1","items":[{},{dup},{big},{}],"kind":"List"}}
+            {{"apiVersion":"v1","kind":"Node","metadata":{{"name":"n","name":"m"}}}}
+            {}"#,
+            item("a"),
+            item("d"),
+            item("e")
+        );
+        let p = parse("x.json", &text);
+        let names: Vec<_> = p
+            .objects
+            .iter()
+            .map(|o| match &o.object {
+                Object::Service(s) => s.metadata.name.clone().unwrap(),
+                o => panic!("{o:?}"),
+            })
+            .collect();
+        assert_eq!(names, ["a", "d", "e"], "{:?}", p.errors);
+        let errors: Vec<_> = p
+            .errors
+            .iter()
+            .map(|e| {
+                (
+                    e.location.document,
+                    e.location.item,
+                    e.what.as_str(),
+                    e.field.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            errors,
+            [
+                (0, Some(1), "Service d/b", ".metadata.name"),
+                (0, Some(2), "Service d/big", ".metadata.labels.x[249992]"),
+                (1, None, "Node n", ".metadata.name"),
+            ]
+        );
+        assert!(p.errors[0].reason.contains("duplicate key"));
+        assert!(p.errors[1].reason.contains("more than 250000 values"));
+    }
+
+    /// Issue 32: one bad byte cost a whole kubectl List (one YAML document).
+    #[test]
+    fn invalid_utf8_in_a_yaml_list_item_costs_only_that_item() {
+        let mut bytes = kubectl_yaml_list(3).into_bytes();
+        let at = String::from_utf8_lossy(&bytes)
+            .find("name: svc-1\n")
+            .unwrap()
+            + 6;
+        bytes[at] = 0xFF;
+        let mut objects = 0;
+        let mut errors = Vec::new();
+        for_each_object("all.yaml", &bytes, &mut |r| match r {
+            Ok(_) => objects += 1,
+            Err(e) => errors.push(e),
+        });
+        assert_eq!(objects, 5, "{errors:?}");
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].location.item, Some(2));
+        assert!(errors[0].reason.contains("invalid UTF-8"), "{errors:?}");
     }
 
     #[test]

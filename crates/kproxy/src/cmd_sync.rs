@@ -1,11 +1,15 @@
 //! `kproxy sync --once`: plan from manifests and program nftables once, for scripts
 //! and first-boot set-ups. Prints what it did; the rules stay.
 //!
-//! Exit status: 0 when every object was used; 1 when objects were skipped (the rest is
-//! programmed: each skipped object is named on stderr); 2, with nothing programmed,
+//! Exit status: 0 when every object was used; 1 when objects were skipped, or a
+//! frontend conflict dropped a frontend (the rest is programmed: each skipped object and
+//! each conflict's loser is named on stderr); 2, with nothing programmed,
 //! when a file or document could not be read or parsed, because the rules it would
 //! replace may hold objects that this state lost without a name (issue 17: a List that
-//! failed to parse wiped every Service). `--allow-partial` programs anyway.
+//! failed to parse wiped every Service). `--allow-partial` programs anyway. Also 2,
+//! with nothing programmed, when the input holds no Service while kproxy's tables in
+//! the kernel hold more than an empty input leaves (issue 32: an emptied directory or a
+//! 0-byte file wiped every rule); `--allow-empty` programs anyway.
 
 use std::process::ExitCode;
 
@@ -33,6 +37,31 @@ pub struct Args {
     /// Program the state even when a file or document could not be read or parsed.
     #[arg(long)]
     pub allow_partial: bool,
+    /// Program the state even when it has no Service and kproxy's tables in the kernel
+    /// hold Services (their rules are then removed).
+    #[arg(long)]
+    pub allow_empty: bool,
+}
+
+/// Rules and set elements of kproxy's tables in the kernel beyond what `plan` (which has
+/// no Service) would leave, when there are any; `None` when the tables are absent,
+/// unreadable or hold no more.
+fn kernel_holds_more(
+    plan: &kproxy_core::NodePlan,
+    cfg: &DataplaneConfig,
+) -> Option<(usize, usize)> {
+    let desired = kproxy_nft::desired(plan, cfg);
+    let mut more = (0, 0);
+    for (family, want) in ["ip", "ip6"].into_iter().zip(&desired) {
+        let Ok(Some(raw)) = kproxy_nft::dump::read_table(family, &cfg.table) else {
+            continue;
+        };
+        let rules: usize = want.chains.values().map(|c| c.rules.len()).sum();
+        let elements: usize = want.sets.values().map(|s| s.elements.len()).sum();
+        more.0 += raw.rule_count().saturating_sub(rules);
+        more.1 += raw.element_count().saturating_sub(elements);
+    }
+    (more != (0, 0)).then_some(more)
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -47,7 +76,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
         );
         return Ok(ExitCode::from(2));
     }
-    let failed = input.strict_failed || input.skipped;
+    // A frontend conflict dropped a frontend of the loser: as good as a skipped piece of
+    // it, and named, since manifests without creationTimestamp decide by name order.
+    for c in &plan.conflicts {
+        eprintln!("kproxy: conflict: {c}");
+    }
+    let failed = input.strict_failed || input.skipped || !plan.conflicts.is_empty();
     let dp_config = DataplaneConfig {
         table: args.nft_table.clone(),
         masquerade_bit: config.masquerade_bit,
@@ -71,6 +105,17 @@ pub fn run(args: Args) -> Result<ExitCode> {
         } else {
             ExitCode::SUCCESS
         });
+    }
+    if plan.services.is_empty()
+        && !args.allow_empty
+        && let Some((rules, elements)) = kernel_holds_more(&plan, &dp_config)
+    {
+        eprintln!(
+            "kproxy: not programming: the manifests in {} hold no Service, and kproxy's tables ({}) hold {rules} rules and {elements} set elements more than an empty input leaves; an empty or cut-short input must not wipe them (--allow-empty programs anyway)",
+            args.source.manifests.display(),
+            args.nft_table
+        );
+        return Ok(ExitCode::from(2));
     }
     let mut dp = Dataplane::new(dp_config).context("setting up the nftables dataplane")?;
     // One process, one sync: a full one (there is no record yet).

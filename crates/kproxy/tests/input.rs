@@ -4,6 +4,8 @@
 
 use std::process::Command;
 
+mod common;
+
 const SVC: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop, creationTimestamp: \"2020-01-01T00:00:00Z\"}\nspec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{name: http, port: 80, nodePort: 30080}]}\n";
 const THIEF: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: aaa, namespace: aaa, creationTimestamp: \"2024-01-01T00:00:00Z\"}\nspec: {type: NodePort, clusterIP: 10.96.0.11, externalIPs: [10.96.0.10], ports: [{name: http, port: 80, nodePort: 30080}]}\n";
 
@@ -37,11 +39,158 @@ fn sync_once_programs_nothing_when_a_file_does_not_parse() {
     );
 }
 
+/// Issue 32: a `kubectl get -o yaml` dump cut short before its `kind: List` line, and a
+/// misspelt kind, were read as "no objects": `sync --once --strict` exited 0, "synced 0".
+#[test]
+fn sync_once_programs_nothing_when_a_document_has_no_kind_or_an_unknown_one() {
+    let cut = "apiVersion: v1\nitems:\n- apiVersion: v1\n  kind: Service\n  metadata: {name: a, namespace: b}\n  spec: {clusterIP: 10.96.99.1, ports: [{port: 80}]}\n";
+    for (text, want) in [
+        (
+            cut.to_string(),
+            "c.yaml: document 0: document: .kind: no kind",
+        ),
+        (
+            SVC.replace("kind: Service", "kind: Servic"),
+            "did you mean Service?",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("c.yaml"), text).unwrap();
+        let out = kproxy(&[
+            "sync",
+            "--once",
+            "--strict",
+            "--manifests",
+            dir.path().to_str().unwrap(),
+            "--node",
+            "node-a",
+            "--nft-table",
+            "kproxy_input_never",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(want) && stderr.contains("not programming"),
+            "{stderr}"
+        );
+    }
+}
+
+/// Issue 32: `sync --once` on an empty directory or a 0-byte file removed every rule
+/// kproxy had programmed (exit 0). It refuses, exit 2, unless `--allow-empty`.
+#[test]
+fn sync_once_does_not_wipe_the_kernels_services_with_an_empty_input() {
+    if !common::can_run() {
+        return;
+    }
+    let ns = common::Netns::new("empty");
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("m");
+    std::fs::create_dir(&m).unwrap();
+    std::fs::write(m.join("svc.yaml"), SVC).unwrap();
+    let m = m.to_str().unwrap();
+    let sync = |extra: &[&str]| {
+        let mut args = vec![
+            "netns",
+            "exec",
+            &ns.0,
+            env!("CARGO_BIN_EXE_kproxy"),
+            "sync",
+            "--once",
+            "--manifests",
+            m,
+            "--node",
+            "n",
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new("ip").args(&args).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let has_service = || {
+        let out = Command::new("ip")
+            .args([
+                "netns", "exec", &ns.0, "nft", "list", "table", "ip", "kproxy",
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains("10.96.0.10")
+    };
+    assert_eq!(sync(&[]).0, Some(0));
+    assert!(has_service());
+    // A 0-byte file, then an empty directory.
+    std::fs::write(dir.path().join("m/svc.yaml"), "").unwrap();
+    let (code, stderr) = sync(&[]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("hold no Service") && stderr.contains("--allow-empty"),
+        "{stderr}"
+    );
+    assert!(has_service(), "the rules stay");
+    std::fs::remove_file(dir.path().join("m/svc.yaml")).unwrap();
+    assert_eq!(sync(&[]).0, Some(2));
+    assert!(has_service(), "the rules stay");
+    let (code, stderr) = sync(&["--allow-empty"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(!has_service());
+    // With nothing of kproxy's left to lose, an empty input is no longer refused.
+    assert_eq!(sync(&[]).0, Some(0));
+}
+
+/// Issue 32: a frontend conflict dropped the loser's frontend and `sync --once` said
+/// nothing (exit 0). It names the loser and exits 1; the rest is programmed.
+#[test]
+fn sync_once_exits_1_naming_the_loser_of_a_frontend_conflict() {
+    if !common::can_run() {
+        return;
+    }
+    let ns = common::Netns::new("conflict");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a.yaml"), format!("{SVC}---\n{THIEF}")).unwrap();
+    for mode in ["--once", "--dry-run"] {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &ns.0,
+                env!("CARGO_BIN_EXE_kproxy"),
+                "sync",
+                mode,
+                "--manifests",
+                dir.path().to_str().unwrap(),
+                "--node",
+                "n",
+            ])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{mode}: {stderr}");
+        assert!(
+            stderr.contains("kproxy: conflict: aaa/aaa: node port 30080/TCP")
+                && stderr.contains("belongs to shop/web"),
+            "{mode}: {stderr}"
+        );
+    }
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.0, "nft", "list", "table", "ip", "kproxy"])
+        .output()
+        .unwrap();
+    let rules = String::from_utf8_lossy(&out.stdout);
+    assert!(rules.contains("10.96.0.10") && rules.contains("10.96.0.11"), "{rules}");
+}
+
 #[test]
 fn nft_table_keywords_are_refused_at_the_flag() {
     let out = kproxy(&["cleanup", "--nft-table", "inet"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("nft keyword"));
+    // Issue 32: `NAME-verify` is another instance's scratch table, which its
+    // verification deletes.
+    let out = kproxy(&["cleanup", "--nft-table", "kproxy-verify"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("scratch table"));
 }
 
 #[test]

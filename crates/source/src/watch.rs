@@ -138,14 +138,24 @@ struct Cached {
 }
 
 impl Cached {
-    /// Takes a new read of the file (`None` stamp: it vanished) at `now`.
+    /// Objects the file holds now, read or kept.
+    fn holds(&self) -> usize {
+        self.read.updates.len() + self.kept.len()
+    }
+
+    /// Takes a new read of the file (`None` stamp: it vanished) at `now`. Returns how
+    /// many objects the file held before when it now holds none and parsed cleanly (it
+    /// was emptied or removed): they wait for `remove_after`.
     fn replace(
         &mut self,
         stamp: Option<Stamp>,
         read: FileRead,
         now: Instant,
         remove_after: Duration,
-    ) {
+    ) -> Option<usize> {
+        let held = self.holds();
+        let emptied =
+            (held > 0 && read.updates.is_empty() && read.errors.is_empty()).then_some(held);
         let present: BTreeSet<Key> = read.updates.iter().filter_map(key_of).collect();
         let failed: BTreeSet<Key> = read
             .invalid
@@ -172,14 +182,15 @@ impl Cached {
         }
         self.stamp = stamp;
         self.read = read;
+        emptied
     }
 
-    /// Drops kept objects whose time is up; true if any was dropped.
-    fn expire(&mut self, now: Instant) -> bool {
+    /// Drops kept objects whose time is up; returns how many.
+    fn expire(&mut self, now: Instant) -> usize {
         let before = self.kept.len();
         self.kept
             .retain(|(_, h)| !matches!(h, Hold::Until(t) if *t <= now));
-        self.kept.len() != before
+        before - self.kept.len()
     }
 
     fn next_deadline(&self) -> Option<Instant> {
@@ -217,6 +228,11 @@ pub struct Rescan {
     pub reread: Vec<PathBuf>,
     /// Files whose objects are all gone from the state in this rescan.
     pub removed: Vec<PathBuf>,
+    /// Files that held objects and now parse to none (emptied, or gone), with how many
+    /// they held: those objects are removed once the file stays so for `remove_after`.
+    pub emptied: Vec<(PathBuf, usize)>,
+    /// Files whose objects' time ran out in this rescan, with how many were removed.
+    pub expired: Vec<(PathBuf, usize)>,
     /// Whether the state may differ from the previous rescan's.
     pub changed: bool,
     /// When a kept object's time is up: rescan then.
@@ -243,10 +259,13 @@ impl ManifestCache {
             self.ingested_for = Some(key);
         }
         let mut changed = false;
+        let mut emptied = Vec::new();
         let listed: BTreeSet<&PathBuf> = files.iter().collect();
         for (file, cached) in &mut self.files {
             if !listed.contains(file) && cached.stamp.is_some() {
-                cached.replace(None, FileRead::default(), now, remove_after);
+                if let Some(n) = cached.replace(None, FileRead::default(), now, remove_after) {
+                    emptied.push((file.clone(), n));
+                }
                 changed = true;
             }
         }
@@ -289,7 +308,8 @@ impl ManifestCache {
                 }
             };
             changed = true;
-            self.files
+            let held = self
+                .files
                 .entry(file.clone())
                 .or_insert_with(|| Cached {
                     stamp: None,
@@ -297,10 +317,18 @@ impl ManifestCache {
                     kept: Vec::new(),
                 })
                 .replace(Some(stamp), read, now, remove_after);
+            if let Some(n) = held {
+                emptied.push((file.clone(), n));
+            }
         }
         let mut removed = Vec::new();
+        let mut expired = Vec::new();
         self.files.retain(|file, cached| {
-            changed |= cached.expire(now);
+            let n = cached.expire(now);
+            if n > 0 {
+                expired.push((file.clone(), n));
+                changed = true;
+            }
             let gone = cached.stamp.is_none() && cached.kept.is_empty();
             if gone {
                 removed.push(file.clone());
@@ -329,6 +357,8 @@ impl ManifestCache {
             problems,
             reread,
             removed,
+            emptied,
+            expired,
             changed,
             next_deadline,
         })
@@ -382,7 +412,7 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
         .await
         .map_err(WatchError::Initial)?;
     let mut deadline = first.next_deadline;
-    install(&handle, first, true);
+    install(&handle, first, true, cfg.remove_after);
     handle.mark_ready();
 
     let mut ticker = tokio::time::interval(cfg.rescan);
@@ -419,7 +449,7 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
             Ok(r) => {
                 deadline = r.next_deadline;
                 if r.changed {
-                    install(&handle, r, false);
+                    install(&handle, r, false, cfg.remove_after);
                 }
             }
             Err(e) => tracing::warn!(error = %e, "manifests unreadable; keeping the last state"),
@@ -464,11 +494,22 @@ async fn rescan_blocking(
     result
 }
 
-fn install(handle: &StateHandle, r: Rescan, first: bool) {
+fn install(handle: &StateHandle, r: Rescan, first: bool, remove_after: Duration) {
     for p in &r.problems {
         tracing::warn!(problem = %p, skipped = p.skipped_object(), "manifest problem");
     }
+    for (file, n) in &r.emptied {
+        tracing::warn!(file = %file.display(), objects = n, remove_after = ?remove_after, "manifest file emptied or removed: its objects are removed if it stays so");
+    }
+    for (file, n) in &r.expired {
+        tracing::warn!(file = %file.display(), objects = n, "objects removed: gone from their manifest file for --manifest-remove-after");
+    }
     tracing::info!(
+        documents_not_read = r
+            .problems
+            .iter()
+            .filter(|p| p.loses_unknown_objects())
+            .count(),
         files_read = r.reread.len(),
         files_removed = r.removed.len(),
         services = r.state.service_count(),
@@ -590,6 +631,62 @@ mod tests {
         let r = scan(&mut cache, dir.path(), t1 + SETTLE);
         assert_eq!(r.state.slice_count(), 0);
         assert!(r.changed);
+    }
+
+    /// Issue 32: a dump cut short before its `kind: List` line (or any document whose
+    /// kind went missing or wrong) is a parse failure: the file keeps every object it
+    /// held, for good. A file emptied is reported with what it held, and its objects go
+    /// only after `remove_after`, reported again.
+    #[test]
+    fn a_list_cut_short_keeps_its_objects_and_an_emptied_file_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.yaml");
+        let list = format!(
+            "apiVersion: v1\nitems:\n{}{}kind: List\n",
+            indent_item(SVC),
+            indent_item(SVC2)
+        );
+        std::fs::write(&a, &list).unwrap();
+        let mut cache = ManifestCache::default();
+        let t0 = Instant::now();
+        let r = scan(&mut cache, dir.path(), t0);
+        assert_eq!(
+            names(&r.state),
+            ["shop/api", "shop/web"],
+            "{:?}",
+            r.problems
+        );
+        let cut = &list[..list.find("kind: List").unwrap()];
+        for text in [cut, &list.replace("kind: List", "kind: Lisst")] {
+            std::fs::write(&a, text).unwrap();
+            for t in [t0, t0 + SETTLE * 10] {
+                let r = scan(&mut cache, dir.path(), t);
+                assert_eq!(names(&r.state), ["shop/api", "shop/web"]);
+                assert!(r.emptied.is_empty() && r.expired.is_empty());
+                assert!(
+                    r.problems.iter().any(|p| p.loses_unknown_objects()
+                        && p.to_string().contains("a.yaml: document 0")),
+                    "{:?}",
+                    r.problems
+                );
+            }
+        }
+        std::fs::write(&a, "").unwrap();
+        let t1 = t0 + SETTLE * 20;
+        let r = scan(&mut cache, dir.path(), t1);
+        assert_eq!(names(&r.state), ["shop/api", "shop/web"]);
+        assert_eq!(r.emptied, [(a.clone(), 2)]);
+        let r = scan(&mut cache, dir.path(), t1 + SETTLE);
+        assert_eq!(r.state.service_count(), 0);
+        assert_eq!(r.expired, [(a, 2)]);
+    }
+
+    /// `doc` as the item of a block-style List.
+    fn indent_item(doc: &str) -> String {
+        doc.lines()
+            .enumerate()
+            .map(|(i, l)| format!("{}{l}\n", if i == 0 { "- " } else { "  " }))
+            .collect()
     }
 
     /// An object that stops validating keeps its last good version (as the apiserver
