@@ -29,6 +29,12 @@ pub enum LoadProblem {
         size: u64,
         limit: u64,
     },
+    /// A directory reached a second time (a symlink loop, or a second link to it): its
+    /// files were read once, where it was first met.
+    #[error(
+        "{path}: directory already read as {first} (a symlink loop or a second link); not followed"
+    )]
+    DirectoryRepeat { path: PathBuf, first: PathBuf },
     #[error(transparent)]
     Manifest(#[from] ManifestError),
     /// An object that parsed but failed validation (or a dropped piece of one).
@@ -46,6 +52,7 @@ impl LoadProblem {
     pub fn skipped_object(&self) -> bool {
         match self {
             LoadProblem::Invalid { skipped, .. } => *skipped,
+            LoadProblem::DirectoryRepeat { .. } => false,
             _ => true,
         }
     }
@@ -54,7 +61,10 @@ impl LoadProblem {
     /// or parsed (as opposed to an object that parsed and was judged invalid, which is
     /// named in the report): a state built despite this may lack objects nobody named.
     pub fn loses_unknown_objects(&self) -> bool {
-        !matches!(self, LoadProblem::Invalid { .. })
+        !matches!(
+            self,
+            LoadProblem::Invalid { .. } | LoadProblem::DirectoryRepeat { .. }
+        )
     }
 }
 
@@ -112,8 +122,11 @@ fn kind_of(ft: std::fs::FileType) -> &'static str {
 
 /// The manifest files under `path`, sorted (a file is returned as itself), and the
 /// entries named like manifests that are not regular files (not read). Symlinks are
-/// followed to regular files and directories only.
+/// followed to regular files and directories only, and every directory (by device and
+/// inode) is read once: a symlink back to an ancestor is reported and not followed
+/// (issue 32: two links to `.` made the walk endless).
 pub fn files(path: &Path) -> Result<(Vec<PathBuf>, Vec<LoadProblem>), LoadProblem> {
+    use std::os::unix::fs::MetadataExt;
     let io = |source| LoadProblem::Io {
         path: path.to_path_buf(),
         source,
@@ -130,6 +143,8 @@ pub fn files(path: &Path) -> Result<(Vec<PathBuf>, Vec<LoadProblem>), LoadProble
     }
     let mut out = Vec::new();
     let mut skipped = Vec::new();
+    let mut visited =
+        std::collections::HashMap::from([((meta.dev(), meta.ino()), path.to_path_buf())]);
     let mut stack = vec![path.to_path_buf()];
     while let Some(dir) = stack.pop() {
         let rd = std::fs::read_dir(&dir).map_err(|source| LoadProblem::Io {
@@ -149,28 +164,42 @@ pub fn files(path: &Path) -> Result<(Vec<PathBuf>, Vec<LoadProblem>), LoadProble
             if hidden {
                 continue;
             }
-            let mut ft = match entry.file_type() {
+            let ft = match entry.file_type() {
                 Ok(ft) => ft,
                 Err(source) => {
                     skipped.push(LoadProblem::Io { path: p, source });
                     continue;
                 }
             };
-            if ft.is_symlink() {
-                match std::fs::metadata(&p) {
-                    Ok(m) => ft = m.file_type(),
-                    Err(source) => {
-                        skipped.push(LoadProblem::Io { path: p, source });
-                        continue;
-                    }
-                }
-            }
             let manifest = matches!(
                 p.extension().and_then(|e| e.to_str()),
                 Some("yaml" | "yml" | "json")
             );
+            // Only directories, and what could be a manifest, are looked at further.
+            if !(ft.is_dir() || ft.is_symlink() || manifest) {
+                continue;
+            }
+            let meta = match std::fs::metadata(&p) {
+                Ok(m) => m,
+                Err(source) => {
+                    skipped.push(LoadProblem::Io { path: p, source });
+                    continue;
+                }
+            };
+            let ft = meta.file_type();
             if ft.is_dir() {
-                stack.push(p);
+                match visited.entry((meta.dev(), meta.ino())) {
+                    std::collections::hash_map::Entry::Occupied(first) => {
+                        skipped.push(LoadProblem::DirectoryRepeat {
+                            path: p,
+                            first: first.get().clone(),
+                        });
+                    }
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        v.insert(p.clone());
+                        stack.push(p);
+                    }
+                }
             } else if !manifest {
             } else if ft.is_file() {
                 out.push(p);
@@ -479,6 +508,55 @@ mod tests {
                 ..
             }]
         ));
+    }
+
+    /// Issue 32: two symlinks to `.` made the walk endless (above a core, up to 1 GB)
+    /// and the directory unreadable. Each repeat is reported once; every file is read
+    /// once.
+    #[test]
+    fn symlink_loops_are_reported_once_and_the_rest_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let svc = |name: &str, ip: &str| {
+            format!(
+                "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: shop}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n"
+            )
+        };
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        std::fs::write(dir.path().join("a.yaml"), svc("a", "10.96.0.10")).unwrap();
+        std::fs::write(dir.path().join("sub/b.yaml"), svc("b", "10.96.0.11")).unwrap();
+        std::os::unix::fs::symlink(".", dir.path().join("loop1")).unwrap();
+        std::os::unix::fs::symlink("..", dir.path().join("sub/loop2")).unwrap();
+        let (files, problems) = files(dir.path()).unwrap();
+        let names: Vec<_> = files
+            .iter()
+            .map(|f| {
+                f.strip_prefix(dir.path())
+                    .unwrap()
+                    .to_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(names, ["a.yaml", "sub/b.yaml"]);
+        let msgs: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+        assert_eq!(msgs.len(), 2, "{msgs:?}");
+        assert!(
+            msgs.iter()
+                .any(|m| m.contains("loop1: directory already read")),
+            "{msgs:?}"
+        );
+        assert!(
+            msgs.iter()
+                .any(|m| m.contains("sub/loop2: directory already read")),
+            "{msgs:?}"
+        );
+        assert!(
+            problems
+                .iter()
+                .all(|p| !p.skipped_object() && !p.loses_unknown_objects())
+        );
+        let loaded = load(dir.path(), "n", &Ownership::default());
+        assert_eq!(loaded.state.service_count(), 2);
     }
 
     fn nix_mkfifo(p: &Path) {
