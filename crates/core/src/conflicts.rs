@@ -1,7 +1,8 @@
 //! Frontend conflicts: two Services that claim the same address, port and protocol on
 //! this node (a cluster IP, an external IP, a load-balancer IP, or a node port), and
 //! external or load-balancer IPs that would capture another Service's cluster IP or this
-//! node's own address (CVE-2020-8554). Pure: the planner calls [`resolve`] on the plans
+//! node's own address (CVE-2020-8554), and cluster IPs equal to a node address. A
+//! health-check node port claims its port like a TCP node port. Pure: the planner calls [`resolve`] on the plans
 //! it built and programs only what survives; `plan`, `explain`, the logs and the
 //! `kproxy_frontend_conflicts` metric show [`Conflict`]s.
 //!
@@ -31,6 +32,8 @@ pub enum FrontendKind {
     ExternalIp,
     LoadBalancerIp,
     NodePort,
+    /// A health-check node port (TCP, every node address): it collides with node ports.
+    HealthCheckNodePort,
 }
 
 /// One frontend: `ip` is `None` for a node port (every node address of the family).
@@ -55,6 +58,10 @@ pub enum ConflictReason {
     ClusterIpCapture { owner: ServiceName },
     /// An external or LB IP equal to one of this node's addresses.
     NodeIpCapture,
+    /// A cluster IP equal to one of this node's addresses: its rules would take the
+    /// node's own traffic (refused like the other reserved addresses, whatever
+    /// `allow_external_ip_overlap` says).
+    NodeAddress,
 }
 
 /// A frontend refused to a Service.
@@ -78,6 +85,7 @@ impl std::fmt::Display for Conflict {
             FrontendKind::ExternalIp => "external IP",
             FrontendKind::LoadBalancerIp => "load-balancer IP",
             FrontendKind::NodePort => "node port",
+            FrontendKind::HealthCheckNodePort => "health-check node port",
         };
         let at = match fe.ip {
             Some(IpAddr::V6(ip)) => format!("[{ip}]:{}/{:?}", fe.port, fe.protocol),
@@ -94,6 +102,10 @@ impl std::fmt::Display for Conflict {
             ConflictReason::NodeIpCapture => write!(
                 f,
                 "it is an address of this node (CVE-2020-8554; --allow-external-ip-overlap allows it)"
+            ),
+            ConflictReason::NodeAddress => write!(
+                f,
+                "it is an address of this node, whose own traffic its rules would take"
             ),
         }
     }
@@ -130,11 +142,36 @@ pub fn frontends(p: &ServicePortPlan) -> impl Iterator<Item = Frontend> + '_ {
         }))
 }
 
+/// The health-check node port's frontends: TCP on every node address of both families.
+fn health_check_frontends(plan: &ServicePlan) -> impl Iterator<Item = Frontend> + '_ {
+    plan.health_check.iter().flat_map(|h| {
+        IpFamily::ALL.map(|family| Frontend {
+            kind: FrontendKind::HealthCheckNodePort,
+            family,
+            ip: None,
+            port: h.health_check_node_port,
+            protocol: Protocol::TCP,
+        })
+    })
+}
+
+/// Every frontend a Service's plan claims: its ports' and its health-check node port's.
+pub fn service_frontends(plan: &ServicePlan) -> impl Iterator<Item = Frontend> + '_ {
+    plan.ports
+        .iter()
+        .flat_map(frontends)
+        .chain(health_check_frontends(plan))
+}
+
 /// The key two claims collide on: what the kernel would match. An external IP and a
-/// cluster IP at the same address and port collide; a node port collides with node ports.
+/// cluster IP at the same address and port collide; a node port collides with node ports
+/// and health-check node ports (the NodePort rule takes the health check's packets).
 fn collision_key(fe: &Frontend) -> (bool, IpFamily, Option<IpAddr>, u16, Protocol) {
     (
-        fe.kind == FrontendKind::NodePort,
+        matches!(
+            fe.kind,
+            FrontendKind::NodePort | FrontendKind::HealthCheckNodePort
+        ),
         fe.family,
         fe.ip,
         fe.port,
@@ -172,40 +209,66 @@ pub fn resolve(
     let mut owner: BTreeMap<_, &ServiceName> = BTreeMap::new();
     let mut conflicts = Vec::new();
     for (name, plan, _) in &order {
-        for p in &plan.ports {
-            for fe in frontends(p) {
-                let reason = match fe.kind {
-                    FrontendKind::ExternalIp | FrontendKind::LoadBalancerIp
-                        if !allow_external_ip_overlap =>
-                    {
-                        let ip = fe.ip.expect("external and LB frontends have an IP");
-                        match cluster_ips.get(&ip) {
-                            Some(o) if *o != *name => Some(ConflictReason::ClusterIpCapture {
-                                owner: (*o).clone(),
-                            }),
-                            _ if node_ips.contains(&ip) => Some(ConflictReason::NodeIpCapture),
-                            _ => None,
-                        }
+        let claims = plan
+            .ports
+            .iter()
+            .flat_map(|p| frontends(p).map(|fe| (p.service_port.port_name.as_str(), fe)));
+        for (port_name, fe) in claims {
+            let reason = match fe.kind {
+                FrontendKind::ClusterIp
+                    if node_ips.contains(&fe.ip.expect("cluster IP frontends have an IP")) =>
+                {
+                    Some(ConflictReason::NodeAddress)
+                }
+                FrontendKind::ExternalIp | FrontendKind::LoadBalancerIp
+                    if !allow_external_ip_overlap =>
+                {
+                    let ip = fe.ip.expect("external and LB frontends have an IP");
+                    match cluster_ips.get(&ip) {
+                        Some(o) if *o != *name => Some(ConflictReason::ClusterIpCapture {
+                            owner: (*o).clone(),
+                        }),
+                        _ if node_ips.contains(&ip) => Some(ConflictReason::NodeIpCapture),
+                        _ => None,
                     }
-                    _ => None,
-                };
-                let reason = reason.or_else(|| match owner.get(&collision_key(&fe)) {
-                    Some(o) if *o != *name => Some(ConflictReason::Claimed {
-                        owner: (*o).clone(),
-                    }),
-                    Some(_) => None,
-                    None => {
-                        owner.insert(collision_key(&fe), *name);
-                        None
-                    }
+                }
+                _ => None,
+            };
+            let reason = reason.or_else(|| match owner.get(&collision_key(&fe)) {
+                Some(o) if *o != *name => Some(ConflictReason::Claimed {
+                    owner: (*o).clone(),
+                }),
+                Some(_) => None,
+                None => {
+                    owner.insert(collision_key(&fe), *name);
+                    None
+                }
+            });
+            if let Some(reason) = reason {
+                conflicts.push(Conflict {
+                    service: (*name).clone(),
+                    port_name: port_name.to_string(),
+                    frontend: fe,
+                    reason,
                 });
-                if let Some(reason) = reason {
-                    conflicts.push(Conflict {
-                        service: (*name).clone(),
-                        port_name: p.service_port.port_name.clone(),
-                        frontend: fe,
-                        reason,
-                    });
+            }
+        }
+        // The health-check node port listens on every address of both families: it
+        // claims its port in both, after the Service's own ports, or in neither.
+        let taken = health_check_frontends(plan).find_map(|fe| {
+            let o = owner.get(&collision_key(&fe))?;
+            (*o != *name).then(|| (fe, (*o).clone()))
+        });
+        match taken {
+            Some((frontend, o)) => conflicts.push(Conflict {
+                service: (*name).clone(),
+                port_name: String::new(),
+                frontend,
+                reason: ConflictReason::Claimed { owner: o },
+            }),
+            None => {
+                for fe in health_check_frontends(plan) {
+                    owner.insert(collision_key(&fe), *name);
                 }
             }
         }
@@ -243,6 +306,7 @@ fn remove_frontend(plan: &mut ServicePlan, c: &Conflict) {
     };
     match fe.kind {
         FrontendKind::ClusterIp => plan.ports.retain(|p| !port_of(p)),
+        FrontendKind::HealthCheckNodePort => plan.health_check = None,
         _ => {
             for p in plan.ports.iter_mut().filter(|p| port_of(p)) {
                 match fe.kind {

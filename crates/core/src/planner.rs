@@ -178,7 +178,7 @@ impl Planner {
             });
             let claims = |p: Option<&Arc<ServicePlan>>| -> Vec<crate::conflicts::Frontend> {
                 p.into_iter()
-                    .flat_map(|p| p.ports.iter().flat_map(crate::conflicts::frontends))
+                    .flat_map(|p| crate::conflicts::service_frontends(p))
                     .collect()
             };
             frontends_changed |= claims(self.raw.get(&name)) != claims(new.as_ref());

@@ -101,7 +101,9 @@ fn the_older_service_keeps_a_shared_frontend_whatever_the_names() {
                 FrontendKind::ClusterIp => assert!(ports(loser).is_empty(), "{case}"),
                 FrontendKind::ExternalIp => assert!(ports(loser)[0].external_ips.is_empty()),
                 FrontendKind::NodePort => assert_eq!(ports(loser)[0].node_port, None),
-                FrontendKind::LoadBalancerIp => unreachable!(),
+                FrontendKind::LoadBalancerIp | FrontendKind::HealthCheckNodePort => {
+                    unreachable!()
+                }
             }
         }
     }
@@ -179,6 +181,95 @@ fn external_and_lb_ips_may_not_capture_cluster_ips_or_node_addresses() {
     assert!(
         matches!(&plan.conflicts[0].reason, ConflictReason::Claimed { owner } if &*owner.name == "victim")
     );
+}
+
+/// Issue 32: a cluster IP equal to this node's address took all TCP to the node. It is
+/// refused like the other reserved addresses, with or without the overlap setting.
+#[test]
+fn a_cluster_ip_equal_to_a_node_address_is_refused() {
+    let bad = svc("bad", OLD, "clusterIP: 10.200.0.1").replace(", nodePort: NP", "");
+    let good = svc("good", NEW, "clusterIP: 10.96.0.10").replace(", nodePort: NP", "");
+    for allow in [false, true] {
+        let cfg = PlanConfig {
+            allow_external_ip_overlap: allow,
+            ..PlanConfig::default()
+        };
+        let plan = plan_both_ways(&[bad.clone(), good.clone()], &cfg);
+        assert_eq!(plan.conflicts.len(), 1, "{:?}", plan.conflicts);
+        let c = &plan.conflicts[0];
+        assert_eq!(
+            (&*c.service.name, c.frontend.kind, &c.reason),
+            ("bad", FrontendKind::ClusterIp, &ConflictReason::NodeAddress)
+        );
+        assert!(
+            c.to_string()
+                .contains("10.200.0.1:80/TCP not programmed: it is an address of this node"),
+            "{c}"
+        );
+        let names: Vec<&str> = plan
+            .service_ports()
+            .map(|p| &*p.service_port.service.name)
+            .collect();
+        assert_eq!(names, ["good"]);
+    }
+}
+
+/// Issue 32: a `healthCheckNodePort` equal to another Service's node port was reported
+/// listening while the NodePort rule took its packets. It is a conflict like two equal
+/// node ports: the older Service keeps the port.
+#[test]
+fn a_health_check_node_port_collides_with_another_services_node_port() {
+    let lb = |age| {
+        svc(
+            "lb",
+            age,
+            "type: LoadBalancer, externalTrafficPolicy: Local, healthCheckNodePort: 30080, clusterIP: 10.96.0.10",
+        )
+        .replace("NP", "30090")
+    };
+    let np = |age| svc("np", age, "type: NodePort, clusterIP: 10.96.0.11").replace("NP", "30080");
+    // The node port is older: the health check loses.
+    let plan = plan_both_ways(&[lb(NEW), np(OLD)], &PlanConfig::default());
+    assert_eq!(plan.conflicts.len(), 1, "{:?}", plan.conflicts);
+    let c = &plan.conflicts[0];
+    assert_eq!(
+        (&*c.service.name, c.frontend.kind, c.frontend.port),
+        ("lb", FrontendKind::HealthCheckNodePort, 30080)
+    );
+    assert!(matches!(&c.reason, ConflictReason::Claimed { owner } if &*owner.name == "np"));
+    assert!(
+        c.to_string().contains("health-check node port 30080/TCP"),
+        "{c}"
+    );
+    let health = |plan: &NodePlan, n: &str| {
+        plan.services
+            .values()
+            .find(|s| &*s.service.name == n)
+            .unwrap()
+            .health_check
+            .is_some()
+    };
+    assert!(!health(&plan, "lb"));
+    // The health check is older: the node port loses.
+    let plan = plan_both_ways(&[lb(OLD), np(NEW)], &PlanConfig::default());
+    assert_eq!(plan.conflicts.len(), 1, "{:?}", plan.conflicts);
+    let c = &plan.conflicts[0];
+    assert_eq!(
+        (&*c.service.name, c.frontend.kind),
+        ("np", FrontendKind::NodePort)
+    );
+    assert!(health(&plan, "lb"));
+    let np_port = plan
+        .service_ports()
+        .find(|p| &*p.service_port.service.name == "np")
+        .unwrap();
+    assert_eq!(np_port.node_port, None);
+    // The JSON of the plan names it.
+    let json = serde_json::to_value(&plan.conflicts).unwrap();
+    assert_eq!(json[0]["frontend"]["kind"], "nodePort");
+    let plan = plan_both_ways(&[lb(NEW), np(OLD)], &PlanConfig::default());
+    let json = serde_json::to_value(&plan.conflicts).unwrap();
+    assert_eq!(json[0]["frontend"]["kind"], "healthCheckNodePort");
 }
 
 /// The incremental planner re-plans a Service whose conflict went away although the
