@@ -126,6 +126,7 @@ fn main() {
                 healthz_bind_address: None,
                 semantics: Semantics::Truthful,
                 sync_period: Duration::from_secs(30),
+                connection_budget: None,
             };
             let h = Health::start(cfg, &mut registry).await.expect("start");
             let p = plan(&[svc("default", "web", PORT, &["10.244.0.5", "10.244.0.6"])]);

@@ -50,6 +50,91 @@ impl Default for Limits {
     }
 }
 
+/// One connection budget shared by several servers (every health-check node port and
+/// `/healthz`): at most `max` connections open among them all, so a flood spread over
+/// many ports cannot take the process to its `nofile` limit (issue 32: 45 ports × 512
+/// idle connections reached 20,000 fds and every port stopped answering). At the bound
+/// the connection least recently active (accepted, or last sent a request) is closed:
+/// idle connections go first, and a new probe always gets in.
+#[derive(Debug)]
+pub struct ConnectionBudget {
+    max: usize,
+    inner: Mutex<BudgetInner>,
+}
+
+#[derive(Debug, Default)]
+struct BudgetInner {
+    /// The last activity's sequence number → the connection's eviction token.
+    by_activity: BTreeMap<u64, CancellationToken>,
+    next: u64,
+    evicted: u64,
+}
+
+impl ConnectionBudget {
+    pub fn new(max: usize) -> Arc<ConnectionBudget> {
+        Arc::new(ConnectionBudget {
+            max: max.max(1),
+            inner: Mutex::default(),
+        })
+    }
+
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// Connections open now.
+    pub fn open(&self) -> usize {
+        self.lock().by_activity.len()
+    }
+
+    /// Connections closed to make room since the start.
+    pub fn evicted(&self) -> u64 {
+        self.lock().evicted
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BudgetInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a place for a new connection, closing the least recently active ones
+    /// while the budget is full; returns its activity key.
+    fn admit(&self, token: CancellationToken) -> u64 {
+        let mut b = self.lock();
+        while b.by_activity.len() >= self.max {
+            match b.by_activity.pop_first() {
+                Some((_, oldest)) => {
+                    oldest.cancel();
+                    b.evicted += 1;
+                }
+                None => break,
+            }
+        }
+        b.next += 1;
+        let key = b.next;
+        b.by_activity.insert(key, token);
+        key
+    }
+
+    /// The connection at `key` sent a request: it becomes the most recently active.
+    fn touch(&self, key: &std::sync::atomic::AtomicU64) {
+        use std::sync::atomic::Ordering;
+        let mut b = self.lock();
+        let old = key.load(Ordering::Relaxed);
+        let Some(token) = b.by_activity.remove(&old) else {
+            return;
+        };
+        b.next += 1;
+        let new = b.next;
+        b.by_activity.insert(new, token);
+        key.store(new, Ordering::Relaxed);
+    }
+
+    fn release(&self, key: &std::sync::atomic::AtomicU64) {
+        let k = key.load(std::sync::atomic::Ordering::Relaxed);
+        self.lock().by_activity.remove(&k);
+    }
+}
+
 /// Answers one request; must not block.
 pub type Handler = Arc<dyn Fn(&http::request::Parts) -> Answer + Send + Sync>;
 
@@ -119,9 +204,16 @@ pub struct Server {
     handler: Responder,
     limits: Limits,
     name: &'static str,
+    budget: Option<Arc<ConnectionBudget>>,
 }
 
 impl Server {
+    /// This server's connections also count against `budget`, shared with others.
+    pub fn with_budget(mut self, budget: Option<Arc<ConnectionBudget>>) -> Server {
+        self.budget = budget;
+        self
+    }
+
     /// A health server: `handler`'s answers as JSON responses.
     pub fn new(handler: Handler, limits: Limits) -> Server {
         let responder: Responder = Arc::new(move |req| response(handler(req)));
@@ -138,6 +230,7 @@ impl Server {
             handler,
             limits,
             name,
+            budget: None,
         }
     }
 
@@ -153,6 +246,7 @@ impl Server {
             handler: self.handler.clone(),
             limits: self.limits,
             name: self.name,
+            budget: self.budget.clone(),
         };
         let task = self.tasks.spawn(accept_loop(listener, stop.clone(), ctx));
         Listener { stop, task }
@@ -204,6 +298,7 @@ struct ConnCtx {
     handler: Responder,
     limits: Limits,
     name: &'static str,
+    budget: Option<Arc<ConnectionBudget>>,
 }
 
 async fn accept_loop(listener: TcpListener, stop: CancellationToken, ctx: ConnCtx) {
@@ -230,7 +325,12 @@ async fn accept_loop(listener: TcpListener, stop: CancellationToken, ctx: ConnCt
                     c.open.insert(id, token.clone());
                     id
                 };
-                ctx.tasks.spawn(serve_conn(stream, id, token, ctx.clone()));
+                let activity = ctx
+                    .budget
+                    .as_ref()
+                    .map(|b| Arc::new(std::sync::atomic::AtomicU64::new(b.admit(token.clone()))));
+                ctx.tasks
+                    .spawn(serve_conn(stream, id, token, activity, ctx.clone()));
             }
             Err(e) => {
                 // Out of file descriptors (or a transient error): back off briefly
@@ -249,10 +349,15 @@ async fn serve_conn(
     stream: tokio::net::TcpStream,
     id: u64,
     evict: CancellationToken,
+    activity: Option<Arc<std::sync::atomic::AtomicU64>>,
     ctx: ConnCtx,
 ) {
     let handler = ctx.handler.clone();
+    let (budget, key) = (ctx.budget.clone(), activity.clone());
     let svc = service_fn(move |req: Request<Incoming>| {
+        if let (Some(b), Some(k)) = (&budget, &key) {
+            b.touch(k);
+        }
         let (parts, _body) = req.into_parts();
         let resp = handler(&parts);
         async move { Ok::<_, Infallible>(resp) }
@@ -284,4 +389,7 @@ async fn serve_conn(
         .unwrap_or_else(|e| e.into_inner())
         .open
         .remove(&id);
+    if let (Some(b), Some(k)) = (&ctx.budget, &activity) {
+        b.release(k);
+    }
 }

@@ -56,6 +56,9 @@ pub struct HealthConfig {
     pub semantics: Semantics,
     /// The proxy is unhealthy when a change stays unapplied for 2 × syncPeriod.
     pub sync_period: Duration,
+    /// Connections open at once across `/healthz` and every health-check node port
+    /// ([`http::ConnectionBudget`]); `None`: only each server's own bound.
+    pub connection_budget: Option<usize>,
 }
 
 impl Default for HealthConfig {
@@ -64,6 +67,7 @@ impl Default for HealthConfig {
             healthz_bind_address: Some(DEFAULT_HEALTHZ_BIND_ADDRESS),
             semantics: Semantics::Truthful,
             sync_period: Duration::from_secs(30),
+            connection_budget: None,
         }
     }
 }
@@ -152,6 +156,7 @@ struct Shared {
     core: Mutex<Core>,
     metrics: Metrics,
     limits: http::Limits,
+    budget: Option<Arc<http::ConnectionBudget>>,
 }
 
 impl Shared {
@@ -283,6 +288,7 @@ impl Health {
             }),
             metrics: Metrics::default(),
             limits,
+            budget: cfg.connection_budget.map(http::ConnectionBudget::new),
         });
         shared.metrics.register(registry);
         let ctl = Arc::new(Control {
@@ -386,6 +392,11 @@ impl Health {
     /// The proxy's health as `/livez` and `serviceProxyHealthy` report it now.
     pub fn proxy_healthy(&self) -> bool {
         self.shared.proxy_healthy()
+    }
+
+    /// The shared connection budget of the health servers, when configured.
+    pub fn connection_budget(&self) -> Option<Arc<http::ConnectionBudget>> {
+        self.shared.budget.clone()
     }
 
     /// Health-check servers as of the last reconcile.
@@ -502,7 +513,7 @@ impl HealthzServer {
             ));
         }
         HealthzServer {
-            server: http::Server::new(handler, shared.limits),
+            server: http::Server::new(handler, shared.limits).with_budget(shared.budget.clone()),
             slots,
         }
     }
@@ -578,7 +589,7 @@ impl Running {
         });
         Running {
             check,
-            server: http::Server::new(handler, shared.limits),
+            server: http::Server::new(handler, shared.limits).with_budget(shared.budget.clone()),
             bound: BTreeMap::new(),
             failing: BTreeMap::new(),
             missing: BTreeSet::new(),

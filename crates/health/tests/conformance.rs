@@ -112,6 +112,7 @@ async fn run_vector(v: Value, semantics: Semantics) -> Result<(), Failed> {
         healthz_bind_address: None,
         semantics,
         sync_period: Duration::from_secs(30),
+        connection_budget: None,
     };
     let health = Health::start_with_clock(cfg, &mut registry, clock.clone())
         .await
@@ -295,6 +296,7 @@ async fn run_timeline(t: Value) -> Result<(), Failed> {
         semantics: Semantics::Upstream,
         // healthTimeout = 2 × syncPeriod.
         sync_period: Duration::from_secs_f64(timeout / 2.0),
+        connection_budget: None,
     };
     let health = Health::start_with_clock(cfg, &mut registry, clock.clone())
         .await

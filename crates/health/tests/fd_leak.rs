@@ -24,6 +24,7 @@ fn no_fd_leak_over_1000_open_close_cycles() {
             healthz_bind_address: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10256)),
             semantics: Semantics::Truthful,
             sync_period: Duration::from_secs(30),
+            connection_budget: None,
         };
         let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0()))
             .await

@@ -26,6 +26,7 @@ async fn start() -> Health {
         healthz_bind_address: None,
         semantics: Semantics::Upstream,
         sync_period: Duration::from_secs(30),
+        connection_budget: None,
     };
     let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0()))
         .await
@@ -176,6 +177,7 @@ fn half_requests_are_disconnected_after_the_header_timeout() {
             healthz_bind_address: None,
             semantics: Semantics::Upstream,
             sync_period: Duration::from_secs(30),
+            connection_budget: None,
         };
         let limits = kproxy_health::http::Limits {
             header_read_timeout: Duration::from_millis(300),
@@ -209,6 +211,86 @@ fn half_requests_are_disconnected_after_the_header_timeout() {
                 "{what}: answered {text:?}"
             );
         }
+        h.shutdown().await;
+    });
+}
+
+/// Issue 32: 45 eTP=Local Services flooded with idle connections on their health-check
+/// node ports (512 accepted each) took kproxy to its 20,000-fd limit, and every port
+/// stopped answering. Here, at a reduced scale, a shared budget of 40 connections is
+/// exhausted several times over by idle connections spread over five ports and
+/// `/healthz`: the servers hold at most the budget, the least recently active go first,
+/// and every port and `/healthz` still answer a probe.
+#[test]
+fn a_flood_over_many_health_ports_stays_within_the_shared_budget() {
+    const BUDGET: usize = 40;
+    const PER_PORT: usize = 30;
+    in_netns(|| async {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let healthz = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10256);
+        let cfg = HealthConfig {
+            healthz_bind_address: Some(healthz),
+            semantics: Semantics::Upstream,
+            sync_period: Duration::from_secs(30),
+            connection_budget: Some(BUDGET),
+        };
+        let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0()))
+            .await
+            .unwrap();
+        let names = ["a", "b", "c", "d", "e"];
+        let ports: Vec<SocketAddr> = (0..names.len())
+            .map(|i| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), PORT + i as u16))
+            .collect();
+        let services: Vec<_> = names
+            .iter()
+            .zip(&ports)
+            .map(|(n, a)| svc("ns", n, a.port(), &["10.244.0.5"]))
+            .collect();
+        let p = plan(&services);
+        h.plan_computed(&p);
+        h.plan_applied(&p);
+        h.reconciled().await;
+        let budget = h.connection_budget().expect("configured");
+
+        let fds_before = std::fs::read_dir("/proc/self/fd").unwrap().count();
+        let mut idle = Vec::new();
+        for a in ports.iter().chain([&healthz]) {
+            for _ in 0..PER_PORT {
+                idle.push(TcpStream::connect(a).await.unwrap());
+            }
+        }
+        let clients = idle.len();
+        // Wait until the servers have accepted the flood (the kernel completes the
+        // handshakes before `accept`): the budget then has evicted the surplus.
+        for _ in 0..3000 {
+            if budget.evicted() as usize >= clients - BUDGET {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(budget.evicted() as usize, clients - BUDGET);
+        assert_eq!(budget.open(), BUDGET);
+        // The process holds the client ends plus at most the budget of server ends.
+        let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
+        assert!(
+            fds <= fds_before + clients + BUDGET,
+            "{fds} fds open: {fds_before} before, {clients} client ends, budget {BUDGET}"
+        );
+        // The first idle connection (least recently active) was closed by the server.
+        let mut out = Vec::new();
+        let closed =
+            tokio::time::timeout(Duration::from_secs(30), idle[0].read_to_end(&mut out)).await;
+        assert!(
+            matches!(closed, Ok(Ok(0))),
+            "the oldest idle connection is still open"
+        );
+        // Every port and /healthz answer a probe, the flood still holding its place.
+        for a in &ports {
+            assert_eq!(get(*a, "/").await.status, 200, "{a}");
+        }
+        assert_eq!(get(healthz, "/healthz").await.status, 200);
+        assert!(budget.open() <= BUDGET);
+        drop(idle);
         h.shutdown().await;
     });
 }

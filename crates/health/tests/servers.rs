@@ -31,6 +31,7 @@ async fn start(semantics: Semantics, healthz: bool) -> (Health, Arc<ManualClock>
             .then(|| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10256)),
         semantics,
         sync_period: SYNC,
+        connection_budget: None,
     };
     let h = Health::start_with_clock(cfg, &mut registry, clock.clone())
         .await
@@ -515,6 +516,7 @@ fn zero_sync_period_is_rejected() {
             healthz_bind_address: None,
             semantics: Semantics::Truthful,
             sync_period: Duration::ZERO,
+            connection_budget: None,
         };
         assert!(Health::start(cfg, &mut reg).await.is_err());
     });

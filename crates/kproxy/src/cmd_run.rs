@@ -218,17 +218,34 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
             .map(|_| health_limits.max_connections),
         health_limits.max_connections,
     );
-    crate::fdlimit::raise_and_check(wanted, &mut registry).context("reading RLIMIT_NOFILE")?;
+    let headroom =
+        crate::fdlimit::raise_and_check(wanted, &mut registry).context("reading RLIMIT_NOFILE")?;
+    let budget = crate::fdlimit::health_connection_budget(
+        headroom.soft,
+        cfg.metrics_bind_address
+            .map(|_| metrics::SERVER_LIMITS.max_connections),
+    );
+    tracing::info!(
+        nofile_before = headroom.before,
+        nofile = headroom.soft,
+        nofile_hard = headroom.hard,
+        health_connection_budget = budget,
+        "file descriptors: soft limit raised to the hard one; /healthz and the health-check node ports share a connection budget below it"
+    );
     let health = Health::start(
         HealthConfig {
             healthz_bind_address: cfg.healthz_bind_address,
             semantics: args.health_check_semantics,
             sync_period: cfg.sync_period,
+            connection_budget: Some(budget),
         },
         &mut registry,
     )
     .await
     .context("starting the health servers")?;
+    registry.register_collector(Box::new(crate::fdlimit::FdCollector {
+        budget: health.connection_budget(),
+    }));
     let registry = Arc::new(registry);
     let mut tasks = Tasks::new();
     if let Some(addr) = cfg.metrics_bind_address {

@@ -88,6 +88,74 @@ pub fn raise_and_check(wanted: u64, registry: &mut Registry) -> std::io::Result<
     Ok(h)
 }
 
+/// The connections `/healthz` and all health-check node ports may hold together: what
+/// the soft limit leaves after the base needs and the metrics server's bound, so that no
+/// flood, however spread over ports, takes the process to its limit (issue 32).
+pub fn health_connection_budget(soft: u64, metrics_conns: Option<usize>) -> usize {
+    let reserved = BASE_FDS + metrics_conns.map_or(0, |c| c as u64);
+    usize::try_from(soft.saturating_sub(reserved))
+        .unwrap_or(usize::MAX)
+        .max(1)
+}
+
+/// Scrape-time gauges of descriptors and health connections: `kproxy_process_open_fds`
+/// (entries of /proc/self/fd) and, when the health servers share a budget,
+/// `kproxy_health_connections`, `kproxy_health_connection_budget` and
+/// `kproxy_health_connections_evicted_total`.
+#[derive(Debug)]
+pub struct FdCollector {
+    pub budget: Option<std::sync::Arc<kproxy_health::http::ConnectionBudget>>,
+}
+
+/// Open descriptors of this process (`None` when /proc cannot be read).
+pub fn open_fds() -> Option<usize> {
+    std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count())
+}
+
+impl prometheus_client::collector::Collector for FdCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let mut gauge = |name: &str, help: &str, v: usize| {
+            let g = ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX));
+            let m = encoder.encode_descriptor(name, help, None, g.metric_type())?;
+            g.encode(m)
+        };
+        if let Some(n) = open_fds() {
+            gauge(
+                "kproxy_process_open_fds",
+                "File descriptors open in the kproxy process",
+                n,
+            )?;
+        }
+        if let Some(b) = &self.budget {
+            gauge(
+                "kproxy_health_connections",
+                "Connections open on /healthz and every health-check node port together",
+                b.open(),
+            )?;
+            gauge(
+                "kproxy_health_connection_budget",
+                "Connections /healthz and the health-check node ports may hold together (RLIMIT_NOFILE less the process's other needs); beyond it the least recently active is closed",
+                b.max(),
+            )?;
+            let c = ConstCounter::new(b.evicted());
+            let m = encoder.encode_descriptor(
+                "kproxy_health_connections_evicted",
+                "Health connections closed to keep within the shared budget",
+                None,
+                c.metric_type(),
+            )?;
+            c.encode(m)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,5 +182,15 @@ mod tests {
         };
         assert!(h.low());
         assert!(!Headroom { soft: 4096, ..h }.low());
+    }
+
+    #[test]
+    fn the_health_budget_is_what_the_soft_limit_leaves() {
+        assert_eq!(
+            health_connection_budget(20_000, Some(64)),
+            20_000 - 256 - 64
+        );
+        assert_eq!(health_connection_budget(1024, None), 1024 - 256);
+        assert_eq!(health_connection_budget(100, Some(64)), 1);
     }
 }
