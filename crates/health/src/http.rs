@@ -56,16 +56,25 @@ impl Default for Limits {
 /// idle connections reached 20,000 fds and every port stopped answering). At the bound
 /// the connection least recently active (accepted, or last sent a request) is closed:
 /// idle connections go first, and a new probe always gets in.
+///
+/// A connection told to close still holds its socket until its task runs. Under a fast
+/// flood those pile up, so when they reach a tenth of the budget the servers stop
+/// accepting until they are gone: the process holds at most 1.1 × the budget of
+/// connection sockets, however fast a flood connects (the caller leaves that room below
+/// `nofile`), without delaying a probe in the usual case.
 #[derive(Debug)]
 pub struct ConnectionBudget {
     max: usize,
     inner: Mutex<BudgetInner>,
+    closed: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
 struct BudgetInner {
     /// The last activity's sequence number → the connection's eviction token.
     by_activity: BTreeMap<u64, CancellationToken>,
+    /// Connections evicted whose sockets are not closed yet.
+    closing: usize,
     next: u64,
     evicted: u64,
 }
@@ -75,16 +84,34 @@ impl ConnectionBudget {
         Arc::new(ConnectionBudget {
             max: max.max(1),
             inner: Mutex::default(),
+            closed: tokio::sync::Notify::new(),
         })
+    }
+
+    /// Waits while a tenth of the budget is connections evicted and still closing.
+    async fn room(&self) {
+        let slack = (self.max / 10).max(1);
+        loop {
+            let closed = self.closed.notified();
+            if self.lock().closing < slack {
+                return;
+            }
+            closed.await;
+        }
     }
 
     pub fn max(&self) -> usize {
         self.max
     }
 
-    /// Connections open now.
+    /// Connections open now, not counting those being closed.
     pub fn open(&self) -> usize {
         self.lock().by_activity.len()
+    }
+
+    /// Connections evicted whose sockets are still being closed.
+    pub fn closing(&self) -> usize {
+        self.lock().closing
     }
 
     /// Connections closed to make room since the start.
@@ -105,6 +132,7 @@ impl ConnectionBudget {
                 Some((_, oldest)) => {
                     oldest.cancel();
                     b.evicted += 1;
+                    b.closing += 1;
                 }
                 None => break,
             }
@@ -129,9 +157,16 @@ impl ConnectionBudget {
         key.store(new, Ordering::Relaxed);
     }
 
+    /// The connection's socket is closed.
     fn release(&self, key: &std::sync::atomic::AtomicU64) {
         let k = key.load(std::sync::atomic::Ordering::Relaxed);
-        self.lock().by_activity.remove(&k);
+        let mut b = self.lock();
+        if b.by_activity.remove(&k).is_none() {
+            // Evicted: it was counted as closing.
+            b.closing = b.closing.saturating_sub(1);
+            drop(b);
+            self.closed.notify_waiters();
+        }
     }
 }
 
@@ -303,6 +338,13 @@ struct ConnCtx {
 
 async fn accept_loop(listener: TcpListener, stop: CancellationToken, ctx: ConnCtx) {
     loop {
+        if let Some(b) = &ctx.budget {
+            tokio::select! {
+                _ = b.room() => {}
+                _ = stop.cancelled() => return,
+                _ = ctx.drain.cancelled() => return,
+            }
+        }
         let accepted = tokio::select! {
             r = listener.accept() => r,
             _ = stop.cancelled() => return,

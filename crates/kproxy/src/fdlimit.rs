@@ -88,12 +88,15 @@ pub fn raise_and_check(wanted: u64, registry: &mut Registry) -> std::io::Result<
     Ok(h)
 }
 
-/// The connections `/healthz` and all health-check node ports may hold together: what
-/// the soft limit leaves after the base needs and the metrics server's bound, so that no
-/// flood, however spread over ports, takes the process to its limit (issue 32).
+/// The connections `/healthz` and all health-check node ports may hold together: nine
+/// tenths of what the soft limit leaves after the base needs and the metrics server's
+/// bound, so that no flood, however spread over ports, takes the process to its limit
+/// (issue 32). The tenth kept back is for evicted connections still closing, which the
+/// budget lets reach a tenth of itself ([`kproxy_health::http::ConnectionBudget`]).
 pub fn health_connection_budget(soft: u64, metrics_conns: Option<usize>) -> usize {
     let reserved = BASE_FDS + metrics_conns.map_or(0, |c| c as u64);
-    usize::try_from(soft.saturating_sub(reserved))
+    let left = soft.saturating_sub(reserved);
+    usize::try_from(left - left / 10)
         .unwrap_or(usize::MAX)
         .max(1)
 }
@@ -186,11 +189,8 @@ mod tests {
 
     #[test]
     fn the_health_budget_is_what_the_soft_limit_leaves() {
-        assert_eq!(
-            health_connection_budget(20_000, Some(64)),
-            20_000 - 256 - 64
-        );
-        assert_eq!(health_connection_budget(1024, None), 1024 - 256);
+        assert_eq!(health_connection_budget(20_000, Some(64)), 17_712);
+        assert_eq!(health_connection_budget(1024, None), 692);
         assert_eq!(health_connection_budget(100, Some(64)), 1);
     }
 }

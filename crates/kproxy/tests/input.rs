@@ -174,11 +174,16 @@ fn sync_once_exits_1_naming_the_loser_of_a_frontend_conflict() {
         );
     }
     let out = Command::new("ip")
-        .args(["netns", "exec", &ns.0, "nft", "list", "table", "ip", "kproxy"])
+        .args([
+            "netns", "exec", &ns.0, "nft", "list", "table", "ip", "kproxy",
+        ])
         .output()
         .unwrap();
     let rules = String::from_utf8_lossy(&out.stdout);
-    assert!(rules.contains("10.96.0.10") && rules.contains("10.96.0.11"), "{rules}");
+    assert!(
+        rules.contains("10.96.0.10") && rules.contains("10.96.0.11"),
+        "{rules}"
+    );
 }
 
 #[test]
