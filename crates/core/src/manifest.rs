@@ -1070,13 +1070,7 @@ mod json {
         }
         fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
             while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-            (self.f)(Err(doc_error(
-                self.location.clone(),
-                "List",
-                ".items",
-                "not a list".into(),
-            )));
-            Ok(())
+            self.not_a_list()
         }
         fn visit_bool<E>(self, _: bool) -> Result<(), E> {
             self.not_a_list()

@@ -16,21 +16,22 @@ fn kproxy(args: &[&str]) -> std::process::Output {
         .expect("running kproxy")
 }
 
+/// `sync --once` of the manifests in `dir`, into a table nothing else uses: for input it
+/// must refuse before any nftables call.
+fn sync_once_refused(dir: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    let m = dir.to_str().unwrap();
+    let mut args = vec!["sync", "--once", "--manifests", m, "--node", "n"];
+    args.extend_from_slice(&["--nft-table", "kproxy_input_never"]);
+    args.extend_from_slice(extra);
+    kproxy(&args)
+}
+
 #[test]
 fn sync_once_programs_nothing_when_a_file_does_not_parse() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("good.yaml"), SVC).unwrap();
     std::fs::write(dir.path().join("bad.yaml"), "kind: [unclosed\n").unwrap();
-    let out = kproxy(&[
-        "sync",
-        "--once",
-        "--manifests",
-        dir.path().to_str().unwrap(),
-        "--node",
-        "n",
-        "--nft-table",
-        "kproxy_input_never",
-    ]);
+    let out = sync_once_refused(dir.path(), &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
@@ -56,17 +57,7 @@ fn sync_once_programs_nothing_when_a_document_has_no_kind_or_an_unknown_one() {
     ] {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("c.yaml"), text).unwrap();
-        let out = kproxy(&[
-            "sync",
-            "--once",
-            "--strict",
-            "--manifests",
-            dir.path().to_str().unwrap(),
-            "--node",
-            "node-a",
-            "--nft-table",
-            "kproxy_input_never",
-        ]);
+        let out = sync_once_refused(dir.path(), &["--strict"]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{stderr}");
         assert!(
