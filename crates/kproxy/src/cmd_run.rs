@@ -246,6 +246,10 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     registry.register_collector(Box::new(crate::fdlimit::FdCollector {
         budget: health.connection_budget(),
     }));
+    let handle = StateHandle::new();
+    if args.manifests.is_some() {
+        registry.register_collector(Box::new(metrics::ManifestCollector(handle.clone())));
+    }
     let registry = Arc::new(registry);
     let mut tasks = Tasks::new();
     if let Some(addr) = cfg.metrics_bind_address {
@@ -272,7 +276,6 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         .context("setting up the nftables dataplane")?,
     );
 
-    let handle = StateHandle::new();
     let queued = health.clone();
     let changes = daemon::ChangeClock::default();
     let clock = changes.clone();

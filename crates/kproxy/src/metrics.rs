@@ -210,6 +210,36 @@ pub fn encode(registry: &Registry) -> String {
     out
 }
 
+/// Scrape-time gauge of the manifest source: `kproxy_manifest_unread_documents`, the
+/// documents or List items its last rescan could not read (issue 32: a document without
+/// a kind, or with an unknown one, is counted, not ignored).
+pub struct ManifestCollector(pub kproxy_source::StateHandle);
+
+impl std::fmt::Debug for ManifestCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ManifestCollector").finish_non_exhaustive()
+    }
+}
+
+impl prometheus_client::collector::Collector for ManifestCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        let g = prometheus_client::metrics::gauge::ConstGauge::new(
+            i64::try_from(self.0.unread_documents()).unwrap_or(i64::MAX),
+        );
+        let m = encoder.encode_descriptor(
+            "kproxy_manifest_unread_documents",
+            "Manifest documents or List items the last rescan could not read (did not parse, no kind, an unknown kind); each keeps its file's last good objects. Beyond 1,000 in a file, the rest counts as one",
+            None,
+            g.metric_type(),
+        )?;
+        g.encode(m)
+    }
+}
+
 /// Bounds of the metrics server: a scraper or two need few connections; a flood of
 /// idle ones is cut at this many (oldest closed first) instead of exhausting the
 /// process's file descriptors, and keep-alive idleness ends after the header timeout.

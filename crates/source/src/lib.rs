@@ -39,6 +39,8 @@ struct Inner {
     /// When the API answered again after failures, until the sync loop sees the state
     /// converged (see [`StateHandle::note_api_returned`]).
     api_returned: Mutex<Option<std::time::Instant>>,
+    /// Manifest documents (or List items) not read at the last rescan.
+    unread_documents: std::sync::atomic::AtomicUsize,
 }
 
 impl StateHandle {
@@ -95,6 +97,16 @@ impl StateHandle {
     }
 
     /// Marks the initial listing complete and wakes the sync loop.
+    /// How many manifest documents or List items could not be read (did not parse, no
+    /// kind, an unknown kind) at the manifest source's last rescan; 0 for the API source.
+    pub fn unread_documents(&self) -> usize {
+        self.0.unread_documents.load(Ordering::Relaxed)
+    }
+
+    pub fn set_unread_documents(&self, n: usize) {
+        self.0.unread_documents.store(n, Ordering::Relaxed);
+    }
+
     pub fn mark_ready(&self) {
         self.0.ready.store(true, Ordering::SeqCst);
         self.0.notify.notify_one();

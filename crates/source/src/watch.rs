@@ -504,12 +504,14 @@ fn install(handle: &StateHandle, r: Rescan, first: bool, remove_after: Duration)
     for (file, n) in &r.expired {
         tracing::warn!(file = %file.display(), objects = n, "objects removed: gone from their manifest file for --manifest-remove-after");
     }
+    let not_read = r
+        .problems
+        .iter()
+        .filter(|p| matches!(p, LoadProblem::Manifest(_)))
+        .count();
+    handle.set_unread_documents(not_read);
     tracing::info!(
-        documents_not_read = r
-            .problems
-            .iter()
-            .filter(|p| p.loses_unknown_objects())
-            .count(),
+        documents_not_read = not_read,
         files_read = r.reread.len(),
         files_removed = r.removed.len(),
         services = r.state.service_count(),
@@ -796,6 +798,30 @@ mod tests {
         wait_for(&handle, |s| s.node().is_some_and(|n| n.deleting)).await;
         let addrs = handle.with(|s| s.node().map(|n| n.addresses.len()));
         assert_eq!(addrs, Some(1), "the last known addresses stay");
+        task.abort();
+    }
+
+    /// Issue 32: documents not read are counted on the handle (the daemon's
+    /// `kproxy_manifest_unread_documents`), and the count follows the files.
+    #[tokio::test]
+    async fn unread_documents_are_counted_on_the_handle() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
+        let cut = format!("apiVersion: v1\nitems:\n{}", indent_item(SVC2));
+        std::fs::write(
+            dir.path().join("b.yaml"),
+            format!("{cut}---\nkind: Servic\n"),
+        )
+        .unwrap();
+        let handle = StateHandle::new();
+        let mut cfg = WatchConfig::new(dir.path().to_path_buf(), "n".into(), Ownership::default());
+        cfg.rescan = Duration::from_secs(3600);
+        let task = tokio::spawn(run(cfg, handle.clone()));
+        wait_for(&handle, |s| s.service_count() == 1).await;
+        assert_eq!(handle.unread_documents(), 2);
+        std::fs::write(dir.path().join("b.yaml"), SVC2).unwrap();
+        wait_for(&handle, |s| s.service_count() == 2).await;
+        assert_eq!(handle.unread_documents(), 0);
         task.abort();
     }
 
