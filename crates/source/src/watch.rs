@@ -154,8 +154,8 @@ impl Cached {
         remove_after: Duration,
     ) -> Option<usize> {
         let held = self.holds();
-        let emptied =
-            (held > 0 && read.updates.is_empty() && read.errors.is_empty()).then_some(held);
+        // No object parsed (valid or not) and nothing failed to parse: really empty.
+        let emptied = (held > 0 && read.objects == 0 && read.errors.is_empty()).then_some(held);
         let present: BTreeSet<Key> = read.updates.iter().filter_map(key_of).collect();
         let failed: BTreeSet<Key> = read
             .invalid
