@@ -177,6 +177,22 @@ impl daemon::Dataplane for NftDataplane {
     fn verify(&mut self) -> Result<bool> {
         Ok(self.0.verify().context("verifying nftables")?.drift)
     }
+
+    fn repair(&mut self, plan: &NodePlan) -> Result<SyncOutcome> {
+        let r = self.0.repair(plan).context("repairing nftables")?;
+        Ok(SyncOutcome {
+            full: r.full,
+            conntrack_deleted: r.conntrack_deleted,
+            detail: serde_json::json!({
+                "nft_ms": r.elapsed.as_secs_f64() * 1e3,
+                // Restored by a delta after reading the tables back (`delta`), the
+                // first sync's path into absent tables (`tables`), or a replacement.
+                "how": if r.adopted { "delta" } else if r.full { "replace" } else { "tables" },
+                "changes": format!("{:?}", r.changes),
+                "bytes": r.netlink_bytes + r.script_bytes,
+            }),
+        })
+    }
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -333,13 +349,25 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         event_log: args.event_log.clone(),
         changes,
     };
-    let sync_loop = SyncLoop::new(
+    // Subscribed before the first sync, so nothing another process does after it is
+    // missed; a node without the notification group still runs (the periodic
+    // verification remains).
+    let watch =
+        crate::kernel_watch::KernelWatch::start(&args.nft_table, health.clone(), metrics.clone());
+    let mut sync_loop = SyncLoop::new(
         loop_cfg,
         handle,
         dataplane,
         Arc::new(health.clone()),
         metrics,
     )?;
+    match watch {
+        Ok(w) => sync_loop = sync_loop.watch_kernel(w),
+        Err(e) => tracing::warn!(
+            error = format!("{e:#}"),
+            "cannot watch nftables: changes by other processes are repaired by the periodic verification only"
+        ),
+    }
     tasks.spawn("the sync loop", |stop| async move {
         // The dataplane is dropped: the rules stay in place.
         sync_loop.run(stop).await.map(drop)
