@@ -776,6 +776,10 @@ mod tests {
         },
         Applied(Vec<ServiceName>),
         HealthFailed,
+        Repaired {
+            services: usize,
+        },
+        KernelRepaired,
     }
 
     #[derive(Clone)]
@@ -837,7 +841,10 @@ mod tests {
         fn verify(&mut self) -> Result<bool> {
             Ok(false)
         }
-        fn repair(&mut self, _plan: &NodePlan) -> Result<SyncOutcome> {
+        fn repair(&mut self, plan: &NodePlan) -> Result<SyncOutcome> {
+            self.log.push(Seen::Repaired {
+                services: plan.services.len(),
+            });
             Ok(SyncOutcome::default())
         }
     }
@@ -854,7 +861,9 @@ mod tests {
         fn sync_failed(&self) {
             self.0.push(Seen::HealthFailed);
         }
-        fn kernel_repaired(&self) {}
+        fn kernel_repaired(&self) {
+            self.0.push(Seen::KernelRepaired);
+        }
     }
 
     fn service(i: usize) -> kproxy_core::model::Service {
@@ -942,6 +951,62 @@ mod tests {
             self.stop.cancel();
             self.task.await.unwrap().unwrap()
         }
+    }
+
+    /// Another process's change, as the kernel watch reports it, is repaired from the
+    /// programmed plan once the loop is between syncs (one reported before the first
+    /// sync waits for it), and health hears of the repair.
+    #[tokio::test(start_paused = true)]
+    async fn interference_is_repaired_between_syncs_and_health_hears_of_it() {
+        let log = Log(Arc::default(), Instant::now());
+        let handle = StateHandle::new();
+        let cfg = LoopConfig {
+            node_name: synthetic::node_name(0),
+            plan: PlanConfig::default(),
+            min_sync_period: Duration::ZERO,
+            sync_period: Duration::from_secs(3600),
+            verify_period: Duration::from_secs(7200),
+            event_log: None,
+            changes: ChangeClock::default(),
+        };
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let dataplane = FakeDataplane {
+            log: log.clone(),
+            fail: VecDeque::new(),
+            synced_once: false,
+            gate: None,
+        };
+        let health = Arc::new(FakeHealth(log.clone()));
+        let sync_loop = SyncLoop::new(cfg, handle.clone(), dataplane, health, metrics.clone())
+            .unwrap()
+            .watch_kernel(KernelWatch::of(rx, metrics));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(sync_loop.run(stop.clone()));
+        tx.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        handle.update(|s| s.upsert_service(service(0)));
+        handle.mark_ready();
+        while !log.0.lock().unwrap().contains(&Seen::KernelRepaired) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        let seen = log.take();
+        assert_eq!(
+            seen[2..],
+            [
+                Seen::Applied(vec![name(0)]),
+                Seen::Repaired { services: 1 },
+                Seen::KernelRepaired,
+            ],
+            "{seen:?}"
+        );
+        let text = crate::metrics::encode(&registry);
+        assert!(
+            text.contains("kproxy_kernel_interference_repairs_total 1"),
+            "{text}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

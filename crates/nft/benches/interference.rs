@@ -16,8 +16,8 @@
 //! from the `nft` child's exit (negative: read before `nft` had exited). "repair" is from
 //! that reading to the tables restored.
 
-use std::net::Ipv4Addr;
 use std::io::Write as _;
+use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
@@ -198,7 +198,10 @@ fn run(services: usize, eps: usize, rounds: usize) {
                 r.script_bytes as f64 / 1e6
             );
             let extra = drain(&rx, Duration::from_millis(300));
-            assert!(extra.is_empty(), "{name}: the repair was reported: {extra:?}");
+            assert!(
+                extra.is_empty(),
+                "{name}: the repair was reported: {extra:?}"
+            );
         }
         println!(
             "{services}x{eps}: {name} ({rounds} rounds): detected after the script was handed to nft {} ms, after nft exited {} ms | repair {} ms | script handed to nft to repaired {} ms | last repair: {how}",
