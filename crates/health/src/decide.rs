@@ -62,6 +62,8 @@ pub struct ProxyHealth {
     pub consecutive_failures: u32,
     /// kproxy's tables in the kernel as the kernel watch last saw them.
     pub kernel: KernelRules,
+    /// The conntrack table is full: the node cannot accept new Service connections.
+    pub conntrack_full: bool,
 }
 
 /// What the kernel holds of kproxy's tables, as the kernel watch (kproxy-nft's
@@ -102,6 +104,7 @@ impl ProxyHealth {
             applied_once: false,
             consecutive_failures: 0,
             kernel: KernelRules::Intact,
+            conntrack_full: false,
         }
     }
 
@@ -121,7 +124,8 @@ impl ProxyHealth {
 
     /// The `serviceProxyHealthy` of the health-check node ports. Truthful: also false
     /// from another process's change to kproxy's tables until the repair, since which
-    /// Services lost rules is not known before it (upstream: the `/livez` notion alone).
+    /// Services lost rules is not known before it, and while the conntrack table is full
+    /// (upstream: the `/livez` notion alone).
     pub fn service_proxy_healthy(
         &self,
         semantics: Semantics,
@@ -129,7 +133,8 @@ impl ProxyHealth {
         timeout: Duration,
     ) -> bool {
         self.healthy(now, timeout)
-            && (semantics == Semantics::Upstream || self.kernel == KernelRules::Intact)
+            && (semantics == Semantics::Upstream
+                || (self.kernel == KernelRules::Intact && !self.conntrack_full))
     }
 
     /// Upstream `QueuedUpdate(family)`: remembers the family's *oldest* pending change.
@@ -239,10 +244,11 @@ pub fn rfc3339(t: SystemTime) -> String {
 ///
 /// Truthful differs in three places: `/healthz` is 503 until a plan has been applied once
 /// (a node without rules must not receive eTP-Cluster traffic; upstream says 200 from
-/// start-up) and while one of kproxy's tables is missing from the kernel (deleted by
-/// another process, until kproxy restored it), and `lastUpdated` is always the real time
-/// of the last successful apply. It also adds `syncedOnce`, `oldestPendingChange`,
-/// `consecutiveSyncFailures` and `kernelRules`.
+/// start-up), while one of kproxy's tables is missing from the kernel (deleted by
+/// another process, until kproxy restored it) and while the conntrack table is full, and
+/// `lastUpdated` is always the real time of the last successful apply. It also adds
+/// `syncedOnce`, `oldestPendingChange`, `consecutiveSyncFailures`, `kernelRules` and
+/// `conntrackFull`.
 pub fn proxy_answer(
     semantics: Semantics,
     probe: Probe,
@@ -261,6 +267,7 @@ pub fn proxy_answer(
                 && node_eligible
                 && health.applied_once
                 && health.kernel != KernelRules::TablesMissing
+                && !health.conntrack_full
         }
     };
     let last = rfc3339(health.last_updated());
@@ -298,6 +305,7 @@ pub fn proxy_answer(
             health.consecutive_failures.into(),
         );
         body.insert("kernelRules".into(), health.kernel.as_str().into());
+        body.insert("conntrackFull".into(), health.conntrack_full.into());
     }
     Answer {
         status: if ok { 200 } else { 503 },
@@ -940,6 +948,9 @@ mod tests {
         assert_eq!(v["kernelRules"], "tablesMissing");
         h.kernel_repaired();
         assert_eq!(answers(&h), all_well);
+        // A full conntrack table: no new Service connection can be accepted.
+        h.conntrack_full = true;
+        assert_eq!(answers(&h), [(503, 200, false), (200, 200, true)]);
     }
 
     #[test]

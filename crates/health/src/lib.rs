@@ -401,6 +401,18 @@ impl Health {
         self.kick();
     }
 
+    /// Whether the conntrack table is full (truthful: node ports and `/healthz` 503
+    /// while it is; docs/health.md).
+    pub fn conntrack_full(&self, full: bool) {
+        let changed = {
+            let mut c = lock(&self.shared.core);
+            std::mem::replace(&mut c.health.conntrack_full, full) != full
+        };
+        if changed {
+            self.kick();
+        }
+    }
+
     /// kproxy restored its tables after [`Health::kernel_changed`].
     pub fn kernel_repaired(&self) {
         lock(&self.shared.core).health.kernel_repaired();

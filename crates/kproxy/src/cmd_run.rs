@@ -123,11 +123,14 @@ fn in_host_netns() -> bool {
     }
 }
 
-fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
+/// Sets the conntrack sysctls of the config; returns the ones kproxy owns (set now or
+/// found set), to be watched for changes by others.
+fn apply_conntrack_sysctls(cfg: &ProxyConfig) -> Vec<(String, u64)> {
     if !in_host_netns() {
         tracing::info!("not in the host network namespace: leaving conntrack sysctls alone");
-        return;
+        return Vec::new();
     }
+    let mut owned = Vec::new();
     let ncpu = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
@@ -136,13 +139,18 @@ fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
             .ok()
             .and_then(|s| s.trim().parse::<u64>().ok());
         if current == Some(value) {
+            owned.push((path, value));
             continue;
         }
         match std::fs::write(&path, value.to_string()) {
-            Ok(()) => tracing::info!(%path, value, "set conntrack sysctl"),
+            Ok(()) => {
+                tracing::info!(%path, value, "set conntrack sysctl");
+                owned.push((path, value));
+            }
             Err(e) => tracing::warn!(%path, value, error = %e, "cannot set conntrack sysctl"),
         }
     }
+    owned
 }
 
 struct NftDataplane(Nft);
@@ -222,7 +230,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     {
         plan_cfg.node_ips = local_addresses();
     }
-    apply_conntrack_sysctls(&cfg);
+    let sysctls = apply_conntrack_sysctls(&cfg);
 
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
@@ -258,6 +266,14 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
                 },
             }
             stop.cancelled().await;
+            Ok(())
+        });
+    }
+
+    {
+        let (health, metrics) = (health.clone(), metrics.clone());
+        tasks.spawn("the kernel limits watch", move |stop| async move {
+            crate::kernel_limits::watch(sysctls, health, metrics, stop).await;
             Ok(())
         });
     }

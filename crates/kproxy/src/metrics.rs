@@ -39,6 +39,12 @@ pub struct WhatLabel {
     pub what: &'static str,
 }
 
+/// A sysctl kproxy set (its `/proc/sys` path).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SysctlLabel {
+    pub sysctl: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NoLocalLabels {
     pub traffic_policy: &'static str,
@@ -74,6 +80,14 @@ pub struct Metrics {
     pub kernel_repair_backoff: Gauge<f64, AtomicU64>,
     /// Drift the periodic verification found while the kernel watch ran (it missed it).
     pub kernel_watch_missed: Counter,
+    pub conntrack_entries: Gauge,
+    pub conntrack_max: Gauge,
+    /// The kernel's counters since boot, mirrored.
+    pub conntrack_insert_failed: Counter,
+    pub conntrack_drop: Counter,
+    pub conntrack_early_drop: Counter,
+    /// 1 while a sysctl kproxy set holds another value.
+    pub sysctl_changed: Family<SysctlLabel, Gauge>,
 }
 
 /// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
@@ -115,6 +129,12 @@ impl Metrics {
             kernel_repairs: Counter::default(),
             kernel_repair_backoff: Gauge::default(),
             kernel_watch_missed: Counter::default(),
+            conntrack_entries: Gauge::default(),
+            conntrack_max: Gauge::default(),
+            conntrack_insert_failed: Counter::default(),
+            conntrack_drop: Counter::default(),
+            conntrack_early_drop: Counter::default(),
+            sysctl_changed: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kubeproxy");
         r.register(
@@ -228,6 +248,36 @@ impl Metrics {
             "kernel_interference_missed",
             "Times the periodic verification found kproxy's tables changed while the kernel watch ran and had not reported it",
             m.kernel_watch_missed.clone(),
+        );
+        own.register(
+            "conntrack_entries",
+            "Conntrack entries in the node's network namespace (nf_conntrack_count)",
+            m.conntrack_entries.clone(),
+        );
+        own.register(
+            "conntrack_max",
+            "The conntrack table's limit (nf_conntrack_max); at it, new connections are dropped",
+            m.conntrack_max.clone(),
+        );
+        own.register(
+            "conntrack_insert_failed",
+            "Conntrack entries the kernel could not insert, since boot (per-CPU statistics summed)",
+            m.conntrack_insert_failed.clone(),
+        );
+        own.register(
+            "conntrack_drop",
+            "Packets the kernel dropped because the conntrack table was full, since boot",
+            m.conntrack_drop.clone(),
+        );
+        own.register(
+            "conntrack_early_drop",
+            "Conntrack entries evicted early to make room, since boot",
+            m.conntrack_early_drop.clone(),
+        );
+        own.register(
+            "sysctl_changed",
+            "1 while a sysctl kproxy set at start holds another value (someone else changed it)",
+            m.sysctl_changed.clone(),
         );
         own.register(
             "api_return_to_converged_seconds",

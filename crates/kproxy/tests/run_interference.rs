@@ -195,12 +195,24 @@ fn a_deleted_element_and_a_flushed_chain_are_restored() {
         metric(node, "kproxy_kernel_interference_repairs_total"),
         Some(2.0)
     );
+    // The conntrack table as the kernel shows it (its limit is the host's).
+    let max: f64 = std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_max")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    poll("the conntrack metrics", || {
+        metric(node, "kproxy_conntrack_max") == Some(max)
+            && metric(node, "kproxy_conntrack_entries").is_some()
+            && metric(node, "kproxy_conntrack_insert_failed_total").is_some()
+    });
     // Repairs by delta never removed the tables: /healthz stayed truthful-200.
     let (code, body) = node
         .run(|| http_get("127.0.0.1:10256".parse().unwrap(), "/healthz"))
         .expect("/healthz");
     assert_eq!(code, 200, "{body}");
     assert!(body.contains(r#""kernelRules":"intact""#), "{body}");
+    assert!(body.contains(r#""conntrackFull":false"#), "{body}");
 }
 
 /// Polls `ok` every 50 ms for up to 20 s.

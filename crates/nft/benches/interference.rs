@@ -94,6 +94,9 @@ fn stats(mut v: Vec<f64>) -> String {
     )
 }
 
+/// The interfering script of a scenario's round.
+type Script = fn(usize) -> String;
+
 fn run(services: usize, eps: usize, rounds: usize) {
     let spec = Spec::new(services, eps);
     let mut state = synthetic::cluster(&spec);
@@ -135,19 +138,15 @@ fn run(services: usize, eps: usize, rounds: usize) {
     );
     let rx = &w.rx;
 
-    let scenarios: [(&str, Box<dyn Fn(usize) -> String>); 3] = [
-        ("flush ruleset", Box::new(|_| "flush ruleset".into())),
-        (
-            "delete one service-ips element",
-            Box::new(|r| {
-                let ip = Ipv4Addr::from(0x0a60_0000u32 + r as u32 + 1);
-                format!("delete element ip kproxy service-ips {{ {ip} . tcp . 80 }}")
-            }),
-        ),
-        (
-            "flush chain nat-output",
-            Box::new(|_| "flush chain ip kproxy nat-output".into()),
-        ),
+    let scenarios: [(&str, Script); 3] = [
+        ("flush ruleset", |_| "flush ruleset".into()),
+        ("delete one service-ips element", |r| {
+            let ip = Ipv4Addr::from(0x0a60_0000u32 + r as u32 + 1);
+            format!("delete element ip kproxy service-ips {{ {ip} . tcp . 80 }}")
+        }),
+        ("flush chain nat-output", |_| {
+            "flush chain ip kproxy nat-output".into()
+        }),
     ];
     for (name, command) in scenarios {
         let (mut after_start, mut after_exit, mut repair, mut total) =
@@ -197,7 +196,7 @@ fn run(services: usize, eps: usize, rounds: usize) {
                 r.netlink_bytes as f64 / 1e6,
                 r.script_bytes as f64 / 1e6
             );
-            let extra = drain(&rx, Duration::from_millis(300));
+            let extra = drain(rx, Duration::from_millis(300));
             assert!(
                 extra.is_empty(),
                 "{name}: the repair was reported: {extra:?}"

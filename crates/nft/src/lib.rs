@@ -18,6 +18,7 @@
 
 pub mod conntrack;
 pub mod dump;
+pub mod limits;
 pub mod model;
 pub mod monitor;
 pub mod netlink;
