@@ -6,13 +6,13 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{Daemon, Netns, can_run, eventually, fabric, http_get, manifests};
+use common::{Daemon, Fabric, Netns, can_run, eventually, fabric, http_get, manifests};
 
 const TABLE: &str = "kpi";
 
@@ -69,6 +69,29 @@ fn nft_list(node: &Netns, what: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// A node namespace with `kproxy run` up (dropped first: killed before the namespaces
+/// go), its log file.
+struct Up {
+    _daemon: Daemon,
+    fab: Fabric,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+fn up(tag: char) -> Up {
+    let fab = fabric(tag);
+    let dir = manifests();
+    let log = dir.path().join("kproxy.log");
+    let daemon = start_daemon(&fab.node, dir.path(), &log);
+    ready(&fab.node);
+    Up {
+        _daemon: daemon,
+        fab,
+        log,
+        _dir: dir,
+    }
+}
+
 /// The daemon up: the cluster IP answers, `/healthz` says 200.
 fn ready(node: &Netns) {
     eventually(node, "the cluster IP to answer", || {
@@ -117,12 +140,8 @@ fn a_flushed_ruleset_is_restored_and_the_log_names_the_process() {
     if !can_run() {
         return;
     }
-    let fab = fabric('f');
-    let node = &fab.node;
-    let dir = manifests();
-    let log = dir.path().join("kproxy.log");
-    let _daemon = start_daemon(node, dir.path(), &log);
-    ready(node);
+    let up = up('f');
+    let (node, log) = (&up.fab.node, &up.log);
     let prober = Prober::start(node);
     assert!(nft(node, "flush ruleset"));
     eventually(node, "the cluster IP to answer again", || {
@@ -139,7 +158,7 @@ fn a_flushed_ruleset_is_restored_and_the_log_names_the_process() {
         seen.len(),
         seen.iter().filter(|c| **c == 503).count()
     );
-    let text = std::fs::read_to_string(&log).unwrap();
+    let text = std::fs::read_to_string(log).unwrap();
     let line = text
         .lines()
         .find(|l| l.contains("another process changed kproxy's nftables tables"))
@@ -160,12 +179,8 @@ fn a_deleted_element_and_a_flushed_chain_are_restored() {
     if !can_run() {
         return;
     }
-    let fab = fabric('e');
-    let node = &fab.node;
-    let dir = manifests();
-    let log = dir.path().join("kproxy.log");
-    let _daemon = start_daemon(node, dir.path(), &log);
-    ready(node);
+    let up = up('e');
+    let node = &up.fab.node;
     // The cluster IP's dispatch element: without it the Service is unreachable.
     assert!(nft(
         node,
@@ -232,12 +247,8 @@ fn a_process_that_keeps_deleting_the_table_meets_a_backoff_not_a_spin() {
     if !can_run() {
         return;
     }
-    let fab = fabric('k');
-    let node = &fab.node;
-    let dir = manifests();
-    let log = dir.path().join("kproxy.log");
-    let _daemon = start_daemon(node, dir.path(), &log);
-    ready(node);
+    let up = up('k');
+    let (node, log) = (&up.fab.node, &up.log);
     let prober = Prober::start(node);
     // 40 attempts, 100 ms apart: without a backoff every one would find the table
     // repaired and delete it again.
@@ -257,7 +268,7 @@ fn a_process_that_keeps_deleting_the_table_meets_a_backoff_not_a_spin() {
     });
     let seen = prober.stop();
     let repairs = metric(node, "kproxy_kernel_interference_repairs_total").expect("metric");
-    let text = std::fs::read_to_string(&log).unwrap();
+    let text = std::fs::read_to_string(log).unwrap();
     assert!(
         deleted >= 3,
         "the loop deleted the table {deleted} times:\n{text}"

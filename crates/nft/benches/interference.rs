@@ -16,6 +16,8 @@
 //! from the `nft` child's exit (negative: read before `nft` had exited). "repair" is from
 //! that reading to the tables restored.
 
+mod common;
+
 use std::io::Write as _;
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
@@ -28,13 +30,6 @@ use kproxy_core::synthetic::{self, Spec};
 use kproxy_core::{PlanConfig, Planner};
 use kproxy_nft::monitor::{Event, Monitor};
 use kproxy_nft::{Dataplane, DataplaneConfig};
-
-struct Ns(String);
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -231,25 +226,9 @@ fn main() {
         .iter()
         .find_map(|a| a.strip_prefix("rounds=")?.parse().ok())
         .unwrap_or(5);
-    let name = format!("kpnintf{}", std::process::id());
-    let ok = Command::new("ip")
-        .args(["netns", "add", &name])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("cannot create a network namespace (needs root); skipping");
-        return;
-    }
-    let ns = Ns(name);
-    let path = format!("/run/netns/{}", ns.0);
-    std::thread::spawn(move || {
-        let f = std::fs::File::open(&path).expect("open netns");
-        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+    common::in_throwaway_netns("kpnintf", move || {
         for (s, e) in sizes {
             run(s, e, rounds);
         }
-    })
-    .join()
-    .expect("bench thread");
-    drop(ns);
+    });
 }
