@@ -375,7 +375,8 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 self.metrics.drift_repairs.inc();
                 tracing::warn!("kernel rules drifted from what kproxy programmed; repaired");
                 self.events.emit("drift_repaired", json!({}));
-                if self.kernel.is_some() {
+                // Not missed when the watch owes a repair of it (backing off).
+                if self.kernel.as_ref().is_some_and(|w| !w.owes()) {
                     self.metrics.kernel_watch_missed.inc();
                     tracing::warn!("the nftables watch had not reported that drift");
                 }

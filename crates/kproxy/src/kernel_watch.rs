@@ -161,6 +161,11 @@ impl KernelWatch {
         );
     }
 
+    /// Whether a repair is owed (waiting out the backoff).
+    pub fn owes(&self) -> bool {
+        self.owed.is_some()
+    }
+
     /// The repair ran (`ok`), or failed and is owed again, after the backoff.
     pub fn repaired(&mut self, repair: Repair, ok: bool) {
         self.backoff.repaired();
