@@ -269,6 +269,11 @@ fn a_process_that_keeps_deleting_the_table_meets_a_backoff_not_a_spin() {
     let seen = prober.stop();
     let repairs = metric(node, "kproxy_kernel_interference_repairs_total").expect("metric");
     let text = std::fs::read_to_string(log).unwrap();
+    eprintln!(
+        "{ATTEMPTS} attempts, {deleted} deletions, {repairs} repairs, {} of {} probes 503",
+        seen.iter().filter(|c| **c == 503).count(),
+        seen.len()
+    );
     assert!(
         deleted >= 3,
         "the loop deleted the table {deleted} times:\n{text}"
