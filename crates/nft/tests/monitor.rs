@@ -42,18 +42,6 @@ fn next_interference(mon: &mut Monitor) -> Interference {
     panic!("no interference reported");
 }
 
-fn nft(cmd: &str) {
-    let out = std::process::Command::new("nft")
-        .args(cmd.split(' '))
-        .output()
-        .expect("spawn nft");
-    assert!(
-        out.status.success(),
-        "nft {cmd}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 #[test]
 fn other_processes_changes_are_reported_and_repaired_from_the_record() {
     if !root() {
@@ -71,7 +59,7 @@ fn other_processes_changes_are_reported_and_repaired_from_the_record() {
         let first = dp.sync(&plan, &PlanUpdate::WHOLE).expect("first sync");
         assert!(first.full && first.netlink_bytes > 0, "{first:?}");
         // Another table, kproxy's scratch table: none of kproxy's business.
-        nft("add table ip other");
+        sh("nft add table ip other");
         assert!(!dp.verify().expect("verify").drift);
         let quiet = until_quiet(&mut mon);
         assert!(
@@ -80,7 +68,7 @@ fn other_processes_changes_are_reported_and_repaired_from_the_record() {
         );
 
         // Elements deleted by another process.
-        nft("flush set ip kproxy cluster-ips");
+        sh("nft flush set ip kproxy cluster-ips");
         let i = next_interference(&mut mon);
         assert_eq!(i.process, "nft");
         assert!(i.pid > 0);
@@ -91,7 +79,7 @@ fn other_processes_changes_are_reported_and_repaired_from_the_record() {
         assert!(r.netlink_bytes > 0 && r.script_bytes == 0, "{r:?}");
 
         // A chain's rules.
-        nft("flush chain ip6 kproxy nat-output");
+        sh("nft flush chain ip6 kproxy nat-output");
         let i = next_interference(&mut mon);
         assert_eq!(
             i.changes.counts.get(&Kind::Rule),
@@ -108,7 +96,7 @@ fn other_processes_changes_are_reported_and_repaired_from_the_record() {
         assert!(r.adopted && r.changes.chains_changed >= 1, "{r:?}");
 
         // The whole ruleset: both tables gone, restored the first sync's way.
-        nft("flush ruleset");
+        sh("nft flush ruleset");
         let i = next_interference(&mut mon);
         assert!(i.tables_missing());
         assert_eq!(i.changes.tables_deleted.len(), 2, "{:?}", i.changes);
