@@ -60,6 +60,33 @@ pub struct ProxyHealth {
     pub applied_once: bool,
     /// Failed syncs since the last success.
     pub consecutive_failures: u32,
+    /// kproxy's tables in the kernel as the kernel watch last saw them.
+    pub kernel: KernelRules,
+    /// The conntrack table is full: the node cannot accept new Service connections.
+    pub conntrack_full: bool,
+}
+
+/// What the kernel holds of kproxy's tables, as the kernel watch (kproxy-nft's
+/// `monitor`) last saw it: from another process's change until kproxy repaired it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KernelRules {
+    /// As programmed (or nothing seen).
+    #[default]
+    Intact,
+    /// Another process changed them; a repair is pending.
+    Altered,
+    /// One of kproxy's tables is gone; a repair is pending.
+    TablesMissing,
+}
+
+impl KernelRules {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KernelRules::Intact => "intact",
+            KernelRules::Altered => "altered",
+            KernelRules::TablesMissing => "tablesMissing",
+        }
+    }
 }
 
 fn slot(f: IpFamily) -> usize {
@@ -76,7 +103,38 @@ impl ProxyHealth {
             family_pending: [None; 2],
             applied_once: false,
             consecutive_failures: 0,
+            kernel: KernelRules::Intact,
+            conntrack_full: false,
         }
+    }
+
+    /// Another process changed kproxy's tables (`tables_missing`: deleted one); a
+    /// table found missing stays missing until the repair, whatever changes follow.
+    pub fn kernel_changed(&mut self, tables_missing: bool) {
+        self.kernel = match (self.kernel, tables_missing) {
+            (_, true) | (KernelRules::TablesMissing, _) => KernelRules::TablesMissing,
+            _ => KernelRules::Altered,
+        };
+    }
+
+    /// kproxy restored its tables.
+    pub fn kernel_repaired(&mut self) {
+        self.kernel = KernelRules::Intact;
+    }
+
+    /// The `serviceProxyHealthy` of the health-check node ports. Truthful: also false
+    /// from another process's change to kproxy's tables until the repair, since which
+    /// Services lost rules is not known before it, and while the conntrack table is full
+    /// (upstream: the `/livez` notion alone).
+    pub fn service_proxy_healthy(
+        &self,
+        semantics: Semantics,
+        now: SystemTime,
+        timeout: Duration,
+    ) -> bool {
+        self.healthy(now, timeout)
+            && (semantics == Semantics::Upstream
+                || (self.kernel == KernelRules::Intact && !self.conntrack_full))
     }
 
     /// Upstream `QueuedUpdate(family)`: remembers the family's *oldest* pending change.
@@ -184,10 +242,13 @@ pub fn rfc3339(t: SystemTime) -> String {
 /// top-level `lastUpdated` is reported as `currentTime` (upstream keeps that appearance
 /// for old clients); the per-family `status` keeps the real time.
 ///
-/// Truthful differs in two places: `/healthz` is 503 until a plan has been applied once
+/// Truthful differs in three places: `/healthz` is 503 until a plan has been applied once
 /// (a node without rules must not receive eTP-Cluster traffic; upstream says 200 from
-/// start-up), and `lastUpdated` is always the real time of the last successful apply.
-/// It also adds `syncedOnce`, `oldestPendingChange` and `consecutiveSyncFailures`.
+/// start-up), while one of kproxy's tables is missing from the kernel (deleted by
+/// another process, until kproxy restored it) and while the conntrack table is full, and
+/// `lastUpdated` is always the real time of the last successful apply. It also adds
+/// `syncedOnce`, `oldestPendingChange`, `consecutiveSyncFailures`, `kernelRules` and
+/// `conntrackFull`.
 pub fn proxy_answer(
     semantics: Semantics,
     probe: Probe,
@@ -201,7 +262,13 @@ pub fn proxy_answer(
     let ok = match (probe, semantics) {
         (Probe::Livez, _) => healthy,
         (Probe::Healthz, Semantics::Upstream) => healthy && node_eligible,
-        (Probe::Healthz, Semantics::Truthful) => healthy && node_eligible && health.applied_once,
+        (Probe::Healthz, Semantics::Truthful) => {
+            healthy
+                && node_eligible
+                && health.applied_once
+                && health.kernel != KernelRules::TablesMissing
+                && !health.conntrack_full
+        }
     };
     let last = rfc3339(health.last_updated());
     let top_last = if ok && semantics == Semantics::Upstream {
@@ -237,6 +304,8 @@ pub fn proxy_answer(
             "consecutiveSyncFailures".into(),
             health.consecutive_failures.into(),
         );
+        body.insert("kernelRules".into(), health.kernel.as_str().into());
+        body.insert("conntrackFull".into(), health.conntrack_full.into());
     }
     Answer {
         status: if ok { 200 } else { 503 },
@@ -842,6 +911,46 @@ mod tests {
         assert_eq!(v["lastUpdated"], rfc3339(at(5)));
         assert_eq!(v["oldestPendingChange"], rfc3339(at(8)));
         assert_eq!(v["syncedOnce"], true);
+    }
+
+    /// Truthful: from another process's change to kproxy's tables until the repair, the
+    /// node ports say unhealthy, and `/healthz` too while a table is missing; `/livez`
+    /// and upstream semantics do not look at the kernel.
+    #[test]
+    fn kernel_interference_until_repair() {
+        use KernelRules::*;
+        let now = at(10);
+        let mut h = ProxyHealth::new(at(0));
+        h.updated(at(5));
+        let answers = |h: &ProxyHealth| {
+            [Semantics::Truthful, Semantics::Upstream].map(|sem| {
+                (
+                    proxy_answer(sem, Probe::Healthz, h, true, &[IpFamily::IPv4], now, T).status,
+                    proxy_answer(sem, Probe::Livez, h, true, &[IpFamily::IPv4], now, T).status,
+                    h.service_proxy_healthy(sem, now, T),
+                )
+            })
+        };
+        let all_well = [(200, 200, true), (200, 200, true)];
+        assert_eq!(answers(&h), all_well);
+        h.kernel_changed(false);
+        assert_eq!(h.kernel, Altered);
+        assert_eq!(answers(&h), [(200, 200, false), (200, 200, true)]);
+        h.kernel_changed(true);
+        assert_eq!(answers(&h), [(503, 200, false), (200, 200, true)]);
+        // A later partial change does not hide the missing table.
+        h.kernel_changed(false);
+        assert_eq!(h.kernel, TablesMissing);
+        let v: serde_json::Value = serde_json::from_str(
+            &proxy_answer(Semantics::Truthful, Probe::Healthz, &h, true, &[], now, T).body,
+        )
+        .unwrap();
+        assert_eq!(v["kernelRules"], "tablesMissing");
+        h.kernel_repaired();
+        assert_eq!(answers(&h), all_well);
+        // A full conntrack table: no new Service connection can be accepted.
+        h.conntrack_full = true;
+        assert_eq!(answers(&h), [(503, 200, false), (200, 200, true)]);
     }
 
     #[test]

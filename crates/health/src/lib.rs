@@ -34,7 +34,7 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use decide::{Answer, BindFailure, LocalAddr, Probe, ProxyHealth, Semantics};
+pub use decide::{Answer, BindFailure, KernelRules, LocalAddr, Probe, ProxyHealth, Semantics};
 use metrics::{BindLabels, CodeLabel, Metrics, PortLabels, ServiceLabels};
 
 /// Upstream's default `healthzBindAddress`.
@@ -163,6 +163,14 @@ impl Shared {
     fn proxy_healthy(&self) -> bool {
         let now = self.clock.now();
         lock(&self.core).health.healthy(now, self.timeout)
+    }
+
+    /// What the health-check node ports say as `serviceProxyHealthy`.
+    fn service_proxy_healthy(&self) -> bool {
+        let now = self.clock.now();
+        lock(&self.core)
+            .health
+            .service_proxy_healthy(self.semantics, now, self.timeout)
     }
 
     fn proxy_answer(&self, probe: Probe) -> Answer {
@@ -389,7 +397,35 @@ impl Health {
         self.kick();
     }
 
-    /// The proxy's health as `/livez` and `serviceProxyHealthy` report it now.
+    /// Another process changed kproxy's tables in the kernel (`tables_missing`: deleted
+    /// one): truthful health-check node ports answer 503, and `/healthz` too while a
+    /// table is missing, until [`Health::kernel_repaired`] (docs/health.md).
+    pub fn kernel_changed(&self, tables_missing: bool) {
+        lock(&self.shared.core)
+            .health
+            .kernel_changed(tables_missing);
+        self.kick();
+    }
+
+    /// Whether the conntrack table is full (truthful: node ports and `/healthz` 503
+    /// while it is; docs/health.md).
+    pub fn conntrack_full(&self, full: bool) {
+        let changed = {
+            let mut c = lock(&self.shared.core);
+            std::mem::replace(&mut c.health.conntrack_full, full) != full
+        };
+        if changed {
+            self.kick();
+        }
+    }
+
+    /// kproxy restored its tables after [`Health::kernel_changed`].
+    pub fn kernel_repaired(&self) {
+        lock(&self.shared.core).health.kernel_repaired();
+        self.kick();
+    }
+
+    /// The proxy's health as `/livez` reports it now.
     pub fn proxy_healthy(&self) -> bool {
         self.shared.proxy_healthy()
     }
@@ -582,7 +618,7 @@ impl Running {
             let a = decide::service_answer(
                 &c.service,
                 c.local_endpoints.load(Ordering::Relaxed),
-                s.proxy_healthy(),
+                s.service_proxy_healthy(),
             );
             s.note_status(&c, a.status);
             a
@@ -811,7 +847,7 @@ async fn reconcile_loop(
         } else {
             Vec::new()
         };
-        let proxy_healthy = shared.proxy_healthy();
+        let proxy_healthy = shared.service_proxy_healthy();
         let now_seen = (families, local, proxy_healthy);
         let whole = changed.all || seen.as_ref() != Some(&now_seen);
         let (families, local, _) = seen.insert(now_seen);

@@ -53,6 +53,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if let Some(server) = &args.server {
         let state = fetch_json(server, crate::metrics::HEALTH_CHECK_PORTS_PATH)?;
         print!("{}", health_check_runtime(&state, &name, server)?);
+        print!("{}", kernel_runtime(&fetch(server, "/metrics")?, server));
     }
     crate::common::print_conflicts(&plan, Some(&name));
     Ok(if strict_failed {
@@ -64,6 +65,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 /// `GET path` from a daemon's metrics server; the body as JSON.
 fn fetch_json(server: &str, path: &str) -> Result<Value> {
+    let body = fetch(server, path)?;
+    serde_json::from_str(&body).with_context(|| format!("{server}{path}: the body is not JSON"))
+}
+
+/// `GET path` from a daemon's metrics server; the body.
+fn fetch(server: &str, path: &str) -> Result<String> {
     let authority = server
         .strip_prefix("http://")
         .unwrap_or(server)
@@ -97,7 +104,79 @@ fn fetch_json(server: &str, path: &str) -> Result<Value> {
     if status.split_whitespace().nth(1) != Some("200") {
         bail!("{addr}{path} answered {status:?} (is this a kproxy metrics address?)");
     }
-    serde_json::from_str(body).with_context(|| format!("{addr}{path}: the body is not JSON"))
+    Ok(body.to_string())
+}
+
+/// The kernel section, from the daemon's `/metrics`: what drops Service traffic without
+/// a rule changing (the conntrack table, sysctls changed by others) and other
+/// processes' changes to kproxy's tables (docs/health.md). A series the daemon does not
+/// export (yet) reads as "unknown".
+fn kernel_runtime(metrics: &str, server: &str) -> String {
+    use std::fmt::Write as _;
+    let value = |series: &str| {
+        metrics.lines().find_map(|l| {
+            let v = l.strip_prefix(series)?.strip_prefix(' ')?;
+            v.trim().parse::<f64>().ok()
+        })
+    };
+    let show = |v: Option<f64>| v.map_or_else(|| "unknown".to_string(), |v| format!("{v}"));
+    let mut out = format!("kernel at runtime ({server}):\n");
+    let (entries, max) = (
+        value("kproxy_conntrack_entries"),
+        value("kproxy_conntrack_max"),
+    );
+    let full = matches!((entries, max), (Some(e), Some(m)) if m > 0.0 && e >= m);
+    let _ = writeln!(
+        out,
+        "  conntrack: {} of {} entries{}; since boot {} insertion failures, {} drops, {} early drops",
+        show(entries),
+        show(max),
+        if full {
+            " (FULL: new connections are dropped)"
+        } else {
+            ""
+        },
+        show(value("kproxy_conntrack_insert_failed_total")),
+        show(value("kproxy_conntrack_drop_total")),
+        show(value("kproxy_conntrack_early_drop_total")),
+    );
+    let changed: Vec<&str> = metrics
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("kproxy_sysctl_changed{sysctl=\"")?;
+            let (name, v) = rest.split_once("\"} ")?;
+            (v.trim() == "1").then_some(name)
+        })
+        .collect();
+    if changed.is_empty() {
+        out.push_str("  sysctls kproxy set: unchanged\n");
+    }
+    for name in changed {
+        let _ = writeln!(
+            out,
+            "  sysctl {name}: CHANGED by someone else since kproxy set it"
+        );
+    }
+    let kinds: Vec<String> = metrics
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("kproxy_kernel_interference_total{what=\"")?;
+            let (what, v) = rest.split_once("\"} ")?;
+            Some(format!("{what} {}", v.trim()))
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "  kproxy's tables changed by other processes: {}; repaired {} times; repair backoff now {} s",
+        if kinds.is_empty() {
+            "never".to_string()
+        } else {
+            kinds.join(", ")
+        },
+        show(value("kproxy_kernel_interference_repairs_total")),
+        show(value("kproxy_kernel_interference_backoff_seconds")),
+    );
+    out
 }
 
 /// The runtime section for one Service, from the daemon's `/health-check-node-ports`.
@@ -159,6 +238,19 @@ fn health_check_runtime(state: &Value, service: &ServiceName, server: &str) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernel_section_reads_the_daemons_metrics() {
+        let metrics = "# HELP x\nkproxy_conntrack_entries 100\nkproxy_conntrack_max 100\nkproxy_conntrack_insert_failed_total 3\nkproxy_conntrack_drop_total 1\nkproxy_conntrack_early_drop_total 0\nkproxy_sysctl_changed{sysctl=\"/proc/sys/net/netfilter/nf_conntrack_max\"} 1\nkproxy_sysctl_changed{sysctl=\"/proc/sys/net/netfilter/nf_conntrack_udp_timeout\"} 0\nkproxy_kernel_interference_total{what=\"table\"} 2\nkproxy_kernel_interference_total{what=\"rule\"} 1\nkproxy_kernel_interference_repairs_total 2\nkproxy_kernel_interference_backoff_seconds 0.1\n";
+        assert_eq!(
+            kernel_runtime(metrics, "s"),
+            "kernel at runtime (s):\n  conntrack: 100 of 100 entries (FULL: new connections are dropped); since boot 3 insertion failures, 1 drops, 0 early drops\n  sysctl /proc/sys/net/netfilter/nf_conntrack_max: CHANGED by someone else since kproxy set it\n  kproxy's tables changed by other processes: table 2, rule 1; repaired 2 times; repair backoff now 0.1 s\n"
+        );
+        assert_eq!(
+            kernel_runtime("", "s"),
+            "kernel at runtime (s):\n  conntrack: unknown of unknown entries; since boot unknown insertion failures, unknown drops, unknown early drops\n  sysctls kproxy set: unchanged\n  kproxy's tables changed by other processes: never; repaired unknown times; repair backoff now unknown s\n"
+        );
+    }
 
     #[test]
     fn the_runtime_section_shows_where_the_port_cannot_bind_and_why() {

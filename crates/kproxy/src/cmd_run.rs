@@ -123,11 +123,14 @@ fn in_host_netns() -> bool {
     }
 }
 
-fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
+/// Sets the conntrack sysctls of the config; returns the ones kproxy owns (set now or
+/// found set), to be watched for changes by others.
+fn apply_conntrack_sysctls(cfg: &ProxyConfig) -> Vec<(String, u64)> {
     if !in_host_netns() {
         tracing::info!("not in the host network namespace: leaving conntrack sysctls alone");
-        return;
+        return Vec::new();
     }
+    let mut owned = Vec::new();
     let ncpu = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
@@ -136,13 +139,18 @@ fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
             .ok()
             .and_then(|s| s.trim().parse::<u64>().ok());
         if current == Some(value) {
+            owned.push((path, value));
             continue;
         }
         match std::fs::write(&path, value.to_string()) {
-            Ok(()) => tracing::info!(%path, value, "set conntrack sysctl"),
+            Ok(()) => {
+                tracing::info!(%path, value, "set conntrack sysctl");
+                owned.push((path, value));
+            }
             Err(e) => tracing::warn!(%path, value, error = %e, "cannot set conntrack sysctl"),
         }
     }
+    owned
 }
 
 struct NftDataplane(Nft);
@@ -177,6 +185,22 @@ impl daemon::Dataplane for NftDataplane {
     fn verify(&mut self) -> Result<bool> {
         Ok(self.0.verify().context("verifying nftables")?.drift)
     }
+
+    fn repair(&mut self, plan: &NodePlan) -> Result<SyncOutcome> {
+        let r = self.0.repair(plan).context("repairing nftables")?;
+        Ok(SyncOutcome {
+            full: r.full,
+            conntrack_deleted: r.conntrack_deleted,
+            detail: serde_json::json!({
+                "nft_ms": r.elapsed.as_secs_f64() * 1e3,
+                // Restored by a delta after reading the tables back (`delta`), the
+                // first sync's path into absent tables (`tables`), or a replacement.
+                "how": if r.adopted { "delta" } else if r.full { "replace" } else { "tables" },
+                "changes": format!("{:?}", r.changes),
+                "bytes": r.netlink_bytes + r.script_bytes,
+            }),
+        })
+    }
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -206,7 +230,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     {
         plan_cfg.node_ips = local_addresses();
     }
-    apply_conntrack_sysctls(&cfg);
+    let sysctls = apply_conntrack_sysctls(&cfg);
 
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
@@ -263,6 +287,14 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
                 },
             }
             stop.cancelled().await;
+            Ok(())
+        });
+    }
+
+    {
+        let (health, metrics) = (health.clone(), metrics.clone());
+        tasks.spawn("the kernel limits watch", move |stop| async move {
+            crate::kernel_limits::watch(sysctls, health, metrics, stop).await;
             Ok(())
         });
     }
@@ -353,13 +385,25 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         event_log: args.event_log.clone(),
         changes,
     };
-    let sync_loop = SyncLoop::new(
+    // Subscribed before the first sync, so nothing another process does after it is
+    // missed; a node without the notification group still runs (the periodic
+    // verification remains).
+    let watch =
+        crate::kernel_watch::KernelWatch::start(&args.nft_table, health.clone(), metrics.clone());
+    let mut sync_loop = SyncLoop::new(
         loop_cfg,
         handle,
         dataplane,
         Arc::new(health.clone()),
         metrics,
     )?;
+    match watch {
+        Ok(w) => sync_loop = sync_loop.watch_kernel(w),
+        Err(e) => tracing::warn!(
+            error = format!("{e:#}"),
+            "cannot watch nftables: changes by other processes are repaired by the periodic verification only"
+        ),
+    }
     tasks.spawn("the sync loop", |stop| async move {
         // The dataplane is dropped: the rules stay in place.
         sync_loop.run(stop).await.map(drop)

@@ -28,6 +28,7 @@ use serde_json::json;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::kernel_watch::{self, KernelWatch};
 use crate::metrics::{Metrics, NoLocalLabels, StageLabel};
 
 /// What the loop needs from a dataplane. Implemented by kproxy-nft's `Dataplane`.
@@ -37,6 +38,9 @@ pub trait Dataplane: Send + 'static {
     fn sync(&mut self, plan: &NodePlan, update: &PlanUpdate) -> Result<SyncOutcome>;
     /// Compares the kernel with what was programmed and repairs it; true when it drifted.
     fn verify(&mut self) -> Result<bool>;
+    /// Restores what another process changed, from what was programmed (`plan`, the
+    /// plan last programmed, when nothing is). Blocking.
+    fn repair(&mut self, plan: &NodePlan) -> Result<SyncOutcome>;
 }
 
 #[derive(Debug, Default, Clone)]
@@ -54,6 +58,8 @@ pub trait HealthSink: Send + Sync + 'static {
     /// A plan was programmed; `update` is what changed since the previous applied plan.
     fn applied(&self, plan: &NodePlan, update: &PlanUpdate);
     fn sync_failed(&self);
+    /// The dataplane restored what another process changed in the kernel.
+    fn kernel_repaired(&self);
 }
 
 impl HealthSink for kproxy_health::Health {
@@ -65,6 +71,9 @@ impl HealthSink for kproxy_health::Health {
     }
     fn sync_failed(&self) {
         kproxy_health::Health::sync_failed(self);
+    }
+    fn kernel_repaired(&self) {
+        kproxy_health::Health::kernel_repaired(self);
     }
 }
 
@@ -218,6 +227,8 @@ pub struct SyncLoop<D, H> {
     /// Every change planned since the last successful sync: what the dataplane and
     /// health's applied view have not seen yet.
     unapplied: PlanUpdate,
+    /// Other processes' changes to the tables, to repair ([`SyncLoop::watch_kernel`]).
+    kernel: Option<KernelWatch>,
 }
 
 const ENGINE_HOME: &str = "the engine is home between blocking calls";
@@ -251,7 +262,14 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             last_sync: None,
             failures: 0,
             unapplied: PlanUpdate::default(),
+            kernel: None,
         })
+    }
+
+    /// Repairs what other processes change in the kernel, as `watch` reports it.
+    pub fn watch_kernel(mut self, watch: KernelWatch) -> Self {
+        self.kernel = Some(watch);
+        self
     }
 
     /// Runs until `stop` is cancelled; a sync in flight finishes first. Returns the
@@ -288,6 +306,10 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                     _ = tokio::time::sleep_until(next_verify) => {
                         self.verify().await;
                         next_verify = Instant::now() + self.cfg.verify_period;
+                        continue;
+                    }
+                    repair = KernelWatch::next(&mut self.kernel) => {
+                        self.repair_kernel(repair).await;
                         continue;
                     }
                 }
@@ -353,9 +375,54 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 self.metrics.drift_repairs.inc();
                 tracing::warn!("kernel rules drifted from what kproxy programmed; repaired");
                 self.events.emit("drift_repaired", json!({}));
+                // Not missed when the watch owes a repair of it (backing off).
+                if self.kernel.as_ref().is_some_and(|w| !w.owes()) {
+                    self.metrics.kernel_watch_missed.inc();
+                    tracing::warn!("the nftables watch had not reported that drift");
+                }
             }
             Ok(false) => {}
             Err(e) => tracing::warn!(error = format!("{e:#}"), "verification failed"),
+        }
+    }
+
+    /// Restores kproxy's tables after other processes changed them, from the record;
+    /// health says so once done. Runs only between syncs, where the planner's plan is
+    /// the one programmed. A failed repair is owed again (after the backoff).
+    async fn repair_kernel(&mut self, repair: kernel_watch::Repair) {
+        let res = self
+            .on_engine(|e| e.dataplane.repair(e.planner.plan()))
+            .await;
+        let since_detected = repair.detected.elapsed().as_secs_f64() * 1e3;
+        let ok = res.is_ok();
+        match res {
+            Ok(outcome) => {
+                self.metrics.kernel_repairs.inc();
+                self.health.kernel_repaired();
+                tracing::info!(
+                    events = repair.events,
+                    ms_since_detected = since_detected,
+                    detail = %outcome.detail,
+                    "kproxy's nftables tables repaired"
+                );
+                self.events.emit(
+                    "kernel_repaired",
+                    json!({
+                        "events": repair.events,
+                        "ms_since_detected": since_detected,
+                        "process": repair.interference.as_ref().map(|i| &i.process),
+                        "pid": repair.interference.as_ref().map(|i| i.pid),
+                        "detail": outcome.detail,
+                    }),
+                );
+            }
+            Err(ref e) => tracing::error!(
+                error = format!("{e:#}"),
+                "repairing kproxy's nftables tables failed; retrying"
+            ),
+        }
+        if let Some(w) = self.kernel.as_mut() {
+            w.repaired(repair, ok);
         }
     }
 
@@ -710,6 +777,10 @@ mod tests {
         },
         Applied(Vec<ServiceName>),
         HealthFailed,
+        Repaired {
+            services: usize,
+        },
+        KernelRepaired,
     }
 
     #[derive(Clone)]
@@ -771,6 +842,12 @@ mod tests {
         fn verify(&mut self) -> Result<bool> {
             Ok(false)
         }
+        fn repair(&mut self, plan: &NodePlan) -> Result<SyncOutcome> {
+            self.log.push(Seen::Repaired {
+                services: plan.services.len(),
+            });
+            Ok(SyncOutcome::default())
+        }
     }
 
     struct FakeHealth(Log);
@@ -784,6 +861,9 @@ mod tests {
         }
         fn sync_failed(&self) {
             self.0.push(Seen::HealthFailed);
+        }
+        fn kernel_repaired(&self) {
+            self.0.push(Seen::KernelRepaired);
         }
     }
 
@@ -872,6 +952,62 @@ mod tests {
             self.stop.cancel();
             self.task.await.unwrap().unwrap()
         }
+    }
+
+    /// Another process's change, as the kernel watch reports it, is repaired from the
+    /// programmed plan once the loop is between syncs (one reported before the first
+    /// sync waits for it), and health hears of the repair.
+    #[tokio::test(start_paused = true)]
+    async fn interference_is_repaired_between_syncs_and_health_hears_of_it() {
+        let log = Log(Arc::default(), Instant::now());
+        let handle = StateHandle::new();
+        let cfg = LoopConfig {
+            node_name: synthetic::node_name(0),
+            plan: PlanConfig::default(),
+            min_sync_period: Duration::ZERO,
+            sync_period: Duration::from_secs(3600),
+            verify_period: Duration::from_secs(7200),
+            event_log: None,
+            changes: ChangeClock::default(),
+        };
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let dataplane = FakeDataplane {
+            log: log.clone(),
+            fail: VecDeque::new(),
+            synced_once: false,
+            gate: None,
+        };
+        let health = Arc::new(FakeHealth(log.clone()));
+        let sync_loop = SyncLoop::new(cfg, handle.clone(), dataplane, health, metrics.clone())
+            .unwrap()
+            .watch_kernel(KernelWatch::of(rx, metrics));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(sync_loop.run(stop.clone()));
+        tx.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        handle.update(|s| s.upsert_service(service(0)));
+        handle.mark_ready();
+        while !log.0.lock().unwrap().contains(&Seen::KernelRepaired) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        let seen = log.take();
+        assert_eq!(
+            seen[2..],
+            [
+                Seen::Applied(vec![name(0)]),
+                Seen::Repaired { services: 1 },
+                Seen::KernelRepaired,
+            ],
+            "{seen:?}"
+        );
+        let text = crate::metrics::encode(&registry);
+        assert!(
+            text.contains("kproxy_kernel_interference_repairs_total 1"),
+            "{text}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -11,6 +11,8 @@ mod cmd_trace;
 mod common;
 mod daemon;
 mod fdlimit;
+mod kernel_limits;
+mod kernel_watch;
 mod metrics;
 mod tasks;
 

@@ -32,6 +32,19 @@ fn change_stage_histogram() -> Histogram {
     Histogram::new(CHANGE_STAGE_BUCKETS)
 }
 
+/// What another process changed in kproxy's tables (`kproxy_nft::monitor::Kind`), or
+/// `unknown` when notifications were lost.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WhatLabel {
+    pub what: &'static str,
+}
+
+/// A sysctl kproxy set (its `/proc/sys` path).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SysctlLabel {
+    pub sysctl: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NoLocalLabels {
     pub traffic_policy: &'static str,
@@ -61,6 +74,20 @@ pub struct Metrics {
     pub change_stages: Family<StageLabel, Histogram, fn() -> Histogram>,
     /// From the API answering again after failures to the rules matching it.
     pub api_return_to_converged: Histogram,
+    /// Transactions of other processes that changed kproxy's tables, per kind of object.
+    pub kernel_interference: Family<WhatLabel, Counter>,
+    pub kernel_repairs: Counter,
+    pub kernel_repair_backoff: Gauge<f64, AtomicU64>,
+    /// Drift the periodic verification found while the kernel watch ran (it missed it).
+    pub kernel_watch_missed: Counter,
+    pub conntrack_entries: Gauge,
+    pub conntrack_max: Gauge,
+    /// The kernel's counters since boot, mirrored.
+    pub conntrack_insert_failed: Counter,
+    pub conntrack_drop: Counter,
+    pub conntrack_early_drop: Counter,
+    /// 1 while a sysctl kproxy set holds another value.
+    pub sysctl_changed: Family<SysctlLabel, Gauge>,
 }
 
 /// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
@@ -98,6 +125,16 @@ impl Metrics {
             frontend_conflicts: Gauge::default(),
             change_stages: Family::new_with_constructor(change_stage_histogram),
             api_return_to_converged: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            kernel_interference: Family::default(),
+            kernel_repairs: Counter::default(),
+            kernel_repair_backoff: Gauge::default(),
+            kernel_watch_missed: Counter::default(),
+            conntrack_entries: Gauge::default(),
+            conntrack_max: Gauge::default(),
+            conntrack_insert_failed: Counter::default(),
+            conntrack_drop: Counter::default(),
+            conntrack_early_drop: Counter::default(),
+            sysctl_changed: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kubeproxy");
         r.register(
@@ -191,6 +228,56 @@ impl Metrics {
             "change_stage_duration_seconds",
             "A change's way to the kernel by stage, from the oldest change a sync carried: received (watch event received -> in the state), queued (in the state -> planning starts), plan, commit (kernel transaction), total (received -> committed)",
             m.change_stages.clone(),
+        );
+        own.register(
+            "kernel_interference",
+            "Transactions of other processes that changed kproxy's nftables tables, by kind of object changed (table, chain, rule, set, element, other; unknown: notifications lost)",
+            m.kernel_interference.clone(),
+        );
+        own.register(
+            "kernel_interference_repairs",
+            "Repairs of kproxy's nftables tables after another process changed them",
+            m.kernel_repairs.clone(),
+        );
+        own.register(
+            "kernel_interference_backoff_seconds",
+            "The wait before the next repair of kproxy's tables (0 unless a process keeps changing them)",
+            m.kernel_repair_backoff.clone(),
+        );
+        own.register(
+            "kernel_interference_missed",
+            "Times the periodic verification found kproxy's tables changed while the kernel watch ran and had not reported it",
+            m.kernel_watch_missed.clone(),
+        );
+        own.register(
+            "conntrack_entries",
+            "Conntrack entries in the node's network namespace (nf_conntrack_count)",
+            m.conntrack_entries.clone(),
+        );
+        own.register(
+            "conntrack_max",
+            "The conntrack table's limit (nf_conntrack_max); at it, new connections are dropped",
+            m.conntrack_max.clone(),
+        );
+        own.register(
+            "conntrack_insert_failed",
+            "Conntrack entries the kernel could not insert, since boot (per-CPU statistics summed)",
+            m.conntrack_insert_failed.clone(),
+        );
+        own.register(
+            "conntrack_drop",
+            "Packets the kernel dropped because the conntrack table was full, since boot",
+            m.conntrack_drop.clone(),
+        );
+        own.register(
+            "conntrack_early_drop",
+            "Conntrack entries evicted early to make room, since boot",
+            m.conntrack_early_drop.clone(),
+        );
+        own.register(
+            "sysctl_changed",
+            "1 while a sysctl kproxy set at start holds another value (someone else changed it)",
+            m.sysctl_changed.clone(),
         );
         own.register(
             "api_return_to_converged_seconds",

@@ -14,52 +14,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Netns, can_run, eventually, fabric, http_get, sigterm};
-
-const NODE: &str = r#"
-apiVersion: v1
-kind: Node
-metadata: {name: node-a, labels: {topology.kubernetes.io/zone: zone-a}}
-status: {addresses: [{type: InternalIP, address: 10.200.0.11}]}
-"#;
-
-const SERVICE: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: shop}
-spec:
-  type: LoadBalancer
-  clusterIP: 10.96.0.10
-  clusterIPs: [10.96.0.10]
-  ipFamilies: [IPv4]
-  externalTrafficPolicy: Local
-  healthCheckNodePort: 32000
-  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}]
-status: {loadBalancer: {ingress: [{ip: 203.0.113.10}]}}
-"#;
-
-fn slice(ready: bool) -> String {
-    format!(
-        r#"
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: web-1, namespace: shop, labels: {{kubernetes.io/service-name: web}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080, protocol: TCP}}]
-endpoints:
-- addresses: [10.244.1.5]
-  nodeName: node-a
-  conditions: {{ready: {ready}, serving: true, terminating: {terminating}}}
-"#,
-        terminating = !ready
-    )
-}
-
-fn write_atomic(dir: &Path, name: &str, text: &str) {
-    let tmp = dir.join(format!(".{name}.tmp"));
-    std::fs::write(&tmp, text).unwrap();
-    std::fs::rename(&tmp, dir.join(name)).unwrap();
-}
+use common::{
+    Daemon, NODE, Netns, SERVICE, can_run, eventually, fabric, http_get, manifests, sigterm, slice,
+    write_atomic,
+};
 
 fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path) -> Daemon {
     Daemon(
@@ -140,14 +98,6 @@ impl Load {
         self.done.store(true, Ordering::SeqCst);
         self.thread.join().unwrap()
     }
-}
-
-fn manifests() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    write_atomic(dir.path(), "node.yaml", NODE);
-    write_atomic(dir.path(), "service.yaml", SERVICE);
-    write_atomic(dir.path(), "slice.yaml", &slice(true));
-    dir
 }
 
 #[test]

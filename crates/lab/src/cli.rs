@@ -526,12 +526,14 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
         print!("{}", crate::matrix::render_text(&results));
     }
     // The claims under test: kproxy loses nothing with the recommended settings,
-    // also across a restart of every node's kproxy.
+    // also across a restart of every node's kproxy and a flushed ruleset.
     let bad = results.iter().any(|c| {
         c.cell.behaviour == Behaviour::Kproxy
             && matches!(
                 c.cell.setting,
-                crate::matrix::Setting::Recommended | crate::matrix::Setting::KproxyRestart
+                crate::matrix::Setting::Recommended
+                    | crate::matrix::Setting::KproxyRestart
+                    | crate::matrix::Setting::NftFlush
             )
             && c.cell.profile != PodProfile::ExitOnTerm
             && c.lost > 0

@@ -297,6 +297,11 @@ pub fn timeline_svg(r: &RunResult) -> String {
                 restarts.push((t, e.node.clone().unwrap_or_default()))
             }
             (EventKind::LbDrained, _) => drained.push((t, e.node.clone().unwrap_or_default())),
+            (EventKind::RulesetFlushed, _) => node_marks.push((
+                t,
+                e.node.clone().unwrap_or_default(),
+                "nft flush ruleset by another process",
+            )),
             (EventKind::NodeTainted, _) => node_marks.push((
                 t,
                 e.node.clone().unwrap_or_default(),

@@ -44,6 +44,10 @@ pub enum Setting {
     /// The recommended settings, and every node's kproxy restarted when the rollout's
     /// second old pod turns terminating.
     KproxyRestart,
+    /// The recommended settings, and node 1's whole nftables ruleset flushed by another
+    /// process (`nft flush ruleset`) when the rollout's second old pod turns
+    /// terminating: kproxy must notice and restore its rules (issue 30).
+    NftFlush,
     /// No rollout: the cluster autoscaler drains a node of an `externalTrafficPolicy:
     /// Cluster` Service whose load balancer probes kproxy's `/healthz` (KEP-3836):
     /// taint `ToBeDeletedByClusterAutoscaler`, evict its pods, delete the node
@@ -60,6 +64,7 @@ impl Setting {
             Setting::GraceShorterThanDrain => "grace-shorter-than-drain",
             Setting::EarlyReady => "early-ready",
             Setting::KproxyRestart => "kproxy-restart",
+            Setting::NftFlush => "nft-flush",
             Setting::NodeDrain => "node-drain",
         }
     }
@@ -68,7 +73,10 @@ impl Setting {
     pub fn rule(self) -> Option<&'static str> {
         use kproxy_lint::rules as r;
         match self {
-            Setting::Recommended | Setting::KproxyRestart | Setting::NodeDrain => None,
+            Setting::Recommended
+            | Setting::KproxyRestart
+            | Setting::NftFlush
+            | Setting::NodeDrain => None,
             Setting::ShortPrestop => Some(r::PRESTOP_SHORTER_THAN_LB_DETECTION),
             Setting::ReadinessInequalityViolated => Some(r::READINESS_FAILS_BEFORE_KILL),
             Setting::GraceShorterThanDrain => Some(r::TERMINATION_GRACE_VS_LB_DRAIN),
@@ -79,7 +87,10 @@ impl Setting {
     /// Rows about the proxy rather than the pod: run with graceful pods only (when
     /// the selection has them).
     fn graceful_only(self) -> bool {
-        matches!(self, Setting::KproxyRestart | Setting::NodeDrain)
+        matches!(
+            self,
+            Setting::KproxyRestart | Setting::NftFlush | Setting::NodeDrain
+        )
     }
 
     /// The lab's Service for this setting: eTP Local, except for the node drain.
@@ -95,13 +106,14 @@ impl Setting {
     }
 }
 
-pub const ALL_SETTINGS: [Setting; 7] = [
+pub const ALL_SETTINGS: [Setting; 8] = [
     Setting::Recommended,
     Setting::ShortPrestop,
     Setting::ReadinessInequalityViolated,
     Setting::GraceShorterThanDrain,
     Setting::EarlyReady,
     Setting::KproxyRestart,
+    Setting::NftFlush,
     Setting::NodeDrain,
 ];
 pub const ALL_PROFILES: [PodProfile; 3] = [
@@ -247,7 +259,7 @@ pub fn config_for(cell: &Cell, base: &RolloutConfig) -> Result<RolloutConfig, La
     p.success_threshold = 1;
     p.initial_delay_seconds = (lb_registration_s(&hc).ceil() + 2.0).max(20.0);
     match cell.setting {
-        Setting::Recommended | Setting::KproxyRestart => {}
+        Setting::Recommended | Setting::KproxyRestart | Setting::NftFlush => {}
         // Replacement pods must fit on the remaining nodes.
         Setting::NodeDrain => c.deployment.one_pod_per_node = false,
         Setting::ShortPrestop => c.pod.pre_stop_sleep_seconds = 1.0,
@@ -643,6 +655,7 @@ pub fn run_matrix(
         progress(&format!("[matrix {}/{}] {}", i + 1, cells.len(), cell.id()));
         let opts = RunOptions {
             restart_kproxy_mid_rollout: cell.setting == Setting::KproxyRestart,
+            flush_ruleset_mid_rollout: cell.setting == Setting::NftFlush,
             drain: (cell.setting == Setting::NodeDrain).then(|| node_drain(&cfg)),
             control_plane,
         };
@@ -746,14 +759,16 @@ mod tests {
     #[test]
     fn cell_selection() {
         let full = Selection::full().cells();
-        // 4 settings × 3 profiles + readiness × 1 + restart and drain × 1 (graceful),
-        // × 3 presets × 2.
-        assert_eq!(full.len(), (4 * 3 + 1 + 2) * 3 * 2);
-        assert!(
-            full.iter()
-                .filter(|c| c.setting == Setting::NodeDrain)
-                .all(|c| c.profile == PodProfile::Graceful)
-        );
+        // 4 settings × 3 profiles + readiness × 1 + restart, flush and drain × 1
+        // (graceful), × 3 presets × 2.
+        assert_eq!(full.len(), (4 * 3 + 1 + 3) * 3 * 2);
+        for setting in [Setting::NodeDrain, Setting::NftFlush] {
+            assert!(
+                full.iter()
+                    .filter(|c| c.setting == setting)
+                    .all(|c| c.profile == PodProfile::Graceful)
+            );
+        }
         assert!(
             !full
                 .iter()

@@ -104,6 +104,9 @@ pub struct RunOptions {
     /// second old pod becomes terminating: the new processes start while a pod is
     /// serving-terminating and must pick up where the old ones left.
     pub restart_kproxy_mid_rollout: bool,
+    /// Flush node 1's whole nftables ruleset (`nft flush ruleset`, another process than
+    /// kproxy) at the same moment: kproxy must restore its rules before traffic notices.
+    pub flush_ruleset_mid_rollout: bool,
     /// The control plane the run uses.
     pub control_plane: ControlPlaneKind,
     /// Drain a node instead of rolling the Deployment.
@@ -394,7 +397,7 @@ async fn run_async(
             );
             progress(&format!("{tag} rolling update started"));
             let rollout = spawn_rollout(&cluster, real.as_ref(), 2, rollout_limit);
-            if opts.restart_kproxy_mid_rollout {
+            if opts.restart_kproxy_mid_rollout || opts.flush_ruleset_mid_rollout {
                 let step = 2.min(cfg.deployment.replicas as usize);
                 let terminating = || {
                     rec.events()
@@ -409,16 +412,30 @@ async fn run_async(
                     || terminating() >= step || rollout.is_finished(),
                 )
                 .await?;
-                for d in daemons.iter_mut() {
-                    d.restart()?;
+                if opts.flush_ruleset_mid_rollout
+                    && let Some(node) = fabric.nodes.first()
+                {
+                    node.ns.exec("nft", &["flush", "ruleset"])?;
                     rec.record(
-                        EventKind::KproxyRestarted,
-                        Some(&d.node),
+                        EventKind::RulesetFlushed,
+                        Some(&node.name),
                         None,
-                        "kproxy stopped (SIGTERM) and started again",
+                        "nft flush ruleset (another process)",
                     );
+                    progress(&format!("{tag} flushed {}'s nftables ruleset", node.name));
                 }
-                progress(&format!("{tag} restarted kproxy on every node"));
+                if opts.restart_kproxy_mid_rollout {
+                    for d in daemons.iter_mut() {
+                        d.restart()?;
+                        rec.record(
+                            EventKind::KproxyRestarted,
+                            Some(&d.node),
+                            None,
+                            "kproxy stopped (SIGTERM) and started again",
+                        );
+                    }
+                    progress(&format!("{tag} restarted kproxy on every node"));
+                }
             }
             let mut last_line = Instant::now();
             wait_for("the rolling update", rollout_limit, &mut daemons, || {

@@ -68,6 +68,8 @@ pub enum EventKind {
     KproxySyncFailed,
     /// The lab stopped a node's kproxy (SIGTERM) and started it again.
     KproxyRestarted,
+    /// Another process flushed a node's whole nftables ruleset (`nft flush ruleset`).
+    RulesetFlushed,
     /// The cluster autoscaler's `ToBeDeletedByClusterAutoscaler` taint was put on a
     /// node (node drain).
     NodeTainted,

@@ -10,20 +10,14 @@
 //! `KPROXY_BENCH_CHANGES=N` makes N one-endpoint-change attempts instead of 15;
 //! `KPROXY_BENCH_COLD_ONLY=1` stops after the cold full sync (for `perf record`).
 
-use std::process::Command;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use kproxy_core::planner::PlanUpdate;
 use kproxy_core::synthetic::{self, Spec};
 use kproxy_core::{PlanConfig, Planner};
 use kproxy_nft::{Dataplane, DataplaneConfig};
-
-struct Ns(String);
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
 
 fn children_cpu() -> (Duration, Duration) {
     cpu(nix::sys::resource::UsageWho::RUSAGE_CHILDREN)
@@ -232,25 +226,9 @@ fn main() {
             })
             .collect()
     };
-    let name = format!("kpnbench{}", std::process::id());
-    let ok = Command::new("ip")
-        .args(["netns", "add", &name])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("cannot create a network namespace (needs root); skipping");
-        return;
-    }
-    let ns = Ns(name);
-    let path = format!("/run/netns/{}", ns.0);
-    std::thread::spawn(move || {
-        let f = std::fs::File::open(&path).expect("open netns");
-        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+    common::in_throwaway_netns("kpnbench", move || {
         for (s, e) in sizes {
             run(s, e);
         }
-    })
-    .join()
-    .expect("bench thread");
-    drop(ns);
+    });
 }

@@ -18,7 +18,9 @@
 
 pub mod conntrack;
 pub mod dump;
+pub mod limits;
 pub mod model;
+pub mod monitor;
 pub mod netlink;
 pub mod nft;
 pub mod record;
@@ -226,34 +228,10 @@ impl Dataplane {
             }
         };
         for step in steps {
-            let t = Instant::now();
-            let sent = match step {
-                Step::Nft(tx) if !tx.is_empty() => {
-                    nft::run_transaction(&tx).map(|n| report.script_bytes += n)
-                }
-                Step::Netlink(batch) if !batch.is_empty() => {
-                    report.netlink_bytes += batch.len();
-                    self.writer().and_then(|w| w.send(batch))
-                }
-                Step::Replace => {
-                    let mut counts = model::Counts::default();
-                    let sent = nft::run(|w| {
-                        let (n, c) = write_full_replacement(&recs, w)?;
-                        counts = c;
-                        Ok(n)
-                    });
-                    sent.map(|n| {
-                        report.script_bytes += n;
-                        report.changes = counts;
-                    })
-                }
-                _ => Ok(()),
-            };
-            if let Err(e) = sent {
+            if let Err(e) = self.send(step, &recs, &mut report) {
                 self.writer = None;
                 return Err(e);
             }
-            report.transaction += t.elapsed();
         }
         self.programmed = Some(recs);
         if self.cfg.conntrack_cleanup {
@@ -269,6 +247,88 @@ impl Dataplane {
                 }
             }
         }
+        report.elapsed = start.elapsed();
+        Ok(report)
+    }
+
+    /// Sends one step of a sync or repair, adding what it sent to `report`.
+    fn send(
+        &mut self,
+        step: Step,
+        recs: &[record::FamilyRecord; 2],
+        report: &mut SyncReport,
+    ) -> Result<(), NftError> {
+        let t = Instant::now();
+        match step {
+            Step::Nft(tx) if !tx.is_empty() => {
+                report.script_bytes += nft::run_transaction(&tx)?;
+            }
+            Step::Netlink(batch) if !batch.is_empty() => {
+                report.netlink_bytes += batch.len();
+                self.writer()?.send(batch)?;
+            }
+            Step::Replace => {
+                let mut counts = model::Counts::default();
+                report.script_bytes += nft::run(|w| {
+                    let (n, c) = write_full_replacement(recs, w)?;
+                    counts = c;
+                    Ok(n)
+                })?;
+                report.changes = counts;
+            }
+            _ => {}
+        }
+        report.transaction += t.elapsed();
+        Ok(())
+    }
+
+    /// Restores kproxy's tables after another process changed them ([`monitor`]), from
+    /// the record, the way a first sync would: when both tables are gone, the first sync
+    /// into absent tables (dormant, filled, woken); when they are there, the tables are
+    /// read back and only the difference is sent, as an adoption at start does
+    /// ([`dump::adopt`]; `report.adopted`); when that cannot repair them in place, one
+    /// transaction replacing them (`report.full`). Without a record (a failed sync or
+    /// repair before), a full sync of `plan`, which must be the plan last programmed.
+    /// `report.changes` says what was restored (nothing: the kernel already matched).
+    pub fn repair(&mut self, plan: &NodePlan) -> Result<SyncReport, NftError> {
+        let start = Instant::now();
+        let Some(recs) = self.programmed.take() else {
+            return self.sync(plan, &PlanUpdate::WHOLE);
+        };
+        let mut report = SyncReport::default();
+        let table = self.cfg.table.as_str();
+        let raw = [
+            dump::read_table("ip", table),
+            dump::read_table("ip6", table),
+        ];
+        let restored = if raw.iter().all(|r| matches!(r, Ok(None))) {
+            match self.first_sync_phased(&recs, &mut report) {
+                Ok(true) => Ok(()),
+                Ok(false) => {
+                    report.full = true;
+                    self.send(Step::Replace, &recs, &mut report)
+                }
+                Err(e) => Err(e),
+            }
+        } else {
+            match adopt(&recs, raw) {
+                Some(tx) => {
+                    report.adopted = true;
+                    report.changes = tx.counts;
+                    self.send(Step::of(tx), &recs, &mut report)
+                }
+                None => {
+                    report.full = true;
+                    self.send(Step::Replace, &recs, &mut report)
+                }
+            }
+        };
+        if let Err(e) = restored {
+            // No record: the next repair or sync is a full one.
+            self.writer = None;
+            return Err(e);
+        }
+        self.programmed = Some(recs);
         report.elapsed = start.elapsed();
         Ok(report)
     }

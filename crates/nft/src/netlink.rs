@@ -407,6 +407,11 @@ impl Writer {
             move |source| NftError::Io { context, source }
         };
         let sock = open().map_err(io("opening a netfilter netlink socket"))?;
+        // What this socket commits is kproxy's own, not interference.
+        let mut addr = SocketAddr::new(0, 0);
+        sock.get_address(&mut addr)
+            .map_err(io("reading the netlink socket's port id"))?;
+        crate::monitor::note_own(addr.port_number());
         // Errors carry only the failing message's header, not the whole batch back.
         sock.set_cap_ack(true)
             .map_err(io("setting NETLINK_CAP_ACK"))?;

@@ -41,6 +41,8 @@ pub(crate) fn run(
             context: format!("starting `{NFT} -f -`"),
             source: e,
         })?;
+    // Its transaction is kproxy's own, not interference (its netlink port id is its pid).
+    crate::monitor::note_own(child.id());
     let mut stdin = child.stdin.take().expect("stdin is piped");
     // Written from a thread so a chatty nft can never deadlock us on a full stderr pipe;
     // stdin closes when the thread ends.

@@ -9,6 +9,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
+use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -207,4 +208,61 @@ fn serve_http(mut c: TcpStream) {
             return;
         }
     }
+}
+
+/// The manifests of the `--manifests` tests: node-a, a LoadBalancer Service `shop/web`
+/// (eTP Local, health-check node port 32000) and its EndpointSlice with pod-1 on node-a.
+pub const NODE: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: node-a, labels: {topology.kubernetes.io/zone: zone-a}}
+status: {addresses: [{type: InternalIP, address: 10.200.0.11}]}
+"#;
+
+pub const SERVICE: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10]
+  ipFamilies: [IPv4]
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32000
+  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}]
+status: {loadBalancer: {ingress: [{ip: 203.0.113.10}]}}
+"#;
+
+pub fn slice(ready: bool) -> String {
+    format!(
+        r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, namespace: shop, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080, protocol: TCP}}]
+endpoints:
+- addresses: [10.244.1.5]
+  nodeName: node-a
+  conditions: {{ready: {ready}, serving: true, terminating: {terminating}}}
+"#,
+        terminating = !ready
+    )
+}
+
+/// Writes `name` in `dir` as editors do: a temporary file renamed over it.
+pub fn write_atomic(dir: &Path, name: &str, text: &str) {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, dir.join(name)).unwrap();
+}
+
+/// A manifest directory with [`NODE`], [`SERVICE`] and a ready [`slice`].
+pub fn manifests() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_atomic(dir.path(), "node.yaml", NODE);
+    write_atomic(dir.path(), "service.yaml", SERVICE);
+    write_atomic(dir.path(), "slice.yaml", &slice(true));
+    dir
 }

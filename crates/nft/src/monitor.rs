@@ -1,0 +1,649 @@
+//! The kernel's word on kproxy's tables: a netfilter netlink socket subscribed to the
+//! nftables notification group (`NFNLGRP_NFTABLES`, what `nft monitor` reads) in the
+//! calling thread's network namespace. Every committed nftables transaction is announced
+//! there, object by object (table, chain, rule, set, element added or deleted), and
+//! closed by a `NEWGEN` message naming the process that committed it
+//! (`NFTA_GEN_PROC_PID`, `NFTA_GEN_PROC_NAME`). [`Monitor::next_event`] reports each
+//! transaction of another process that touched kproxy's tables (`ip NAME`, `ip6 NAME`;
+//! the neighbour contract in crates/nft/README.md), and the loss of notifications (a
+//! receive buffer overrun), when what changed is unknown. It decides nothing about the
+//! repair: the caller repairs from the record ([`crate::Dataplane::repair`]), paced by
+//! [`Backoff`] so a process that keeps fighting cannot make kproxy spin.
+//!
+//! Which transactions are kproxy's own: the kernel names the committing *thread*
+//! (`task_pid_nr`, in the initial pid namespace) and stamps every notification with the
+//! netlink port id of the committing socket. kproxy commits from its own threads
+//! (nfnetlink batches) and from `nft` children; both note themselves here
+//! ([`note_own`]: the sockets' port ids, the children's pids, which are also their
+//! sockets' port ids, as libmnl binds a new socket to its process id). A transaction is
+//! kproxy's when its port id or pid is one of those, or its pid is a thread of this
+//! process. The port id holds in a container with its own pid namespace too, where the
+//! kernel's pid is not the one kproxy sees.
+//!
+//! Written on `netlink-sys` (the socket, group membership) and `netlink-packet-core`'s
+//! attribute iterator; the messages are read by hand (header, family, the table name
+//! attribute, which is attribute 1 in every object message) rather than decoded whole by
+//! `netlink-packet-netfilter`: a full sync announces every element (≈ 106k at
+//! 10k Services × 10 endpoints) and rules with their expressions, and decoding each whole
+//! to read one name would cost the monitor more than the sync.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use netlink_packet_core::{NlaBuffer, NlasIterator};
+use netlink_sys::Socket;
+use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::time::TimeVal;
+
+use crate::NftError;
+use crate::model::Family;
+
+/// `enum nfnetlink_groups` (linux/netfilter/nfnetlink.h).
+const NFNLGRP_NFTABLES: u32 = 7;
+const NFNL_SUBSYS_NFTABLES: u8 = 10;
+/// `enum nf_tables_msg_types` (linux/netfilter/nf_tables.h).
+const NFT_MSG_NEWGEN: u8 = 15;
+/// `enum nft_gen_attributes`.
+const NFTA_GEN_ID: u16 = 1;
+const NFTA_GEN_PROC_PID: u16 = 2;
+const NFTA_GEN_PROC_NAME: u16 = 3;
+/// The table's name is attribute 1 of every object message (`NFTA_TABLE_NAME`,
+/// `NFTA_CHAIN_TABLE`, `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, `NFTA_SET_ELEM_LIST_TABLE`,
+/// `NFTA_OBJ_TABLE`, `NFTA_FLOWTABLE_TABLE`).
+const NFTA_TABLE: u16 = 1;
+/// The object's own name: `NFTA_CHAIN_NAME` (3), `NFTA_RULE_CHAIN` (2, the rule's
+/// chain), `NFTA_SET_NAME` and `NFTA_SET_ELEM_LIST_SET` (2).
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_SET_NAME: u16 = 2;
+const NFPROTO_IPV4: u8 = 2;
+const NFPROTO_IPV6: u8 = 10;
+const NETLINK_HEADER: usize = 16;
+const NFGENMSG: usize = 4;
+/// The receive buffer: a full sync at 10k × 10 announces ≈ 10 MB of notifications
+/// (coalesced by the kernel into page-sized messages) while the monitor reads them.
+const RCVBUF: usize = 64 << 20;
+/// How long [`Monitor::next_event`] blocks before answering `None`, so its thread can notice
+/// that nobody listens any more.
+const POLL: Duration = Duration::from_secs(1);
+/// Own port ids and pids remembered (the newest; a transaction is announced within
+/// milliseconds of the commit).
+const OWN_REMEMBERED: usize = 256;
+
+static OWN: Mutex<VecDeque<u32>> = Mutex::new(VecDeque::new());
+
+/// Notes a netlink port id or a child's pid as kproxy's own (see the module doc).
+pub fn note_own(id: u32) {
+    let mut own = OWN.lock().unwrap_or_else(|e| e.into_inner());
+    if own.len() >= OWN_REMEMBERED {
+        own.pop_front();
+    }
+    own.push_back(id);
+}
+
+fn noted_own(id: u32) -> bool {
+    OWN.lock().unwrap_or_else(|e| e.into_inner()).contains(&id)
+}
+
+/// Whether the transaction announced with `port_id` and `pid` was committed by kproxy.
+fn own_transaction(port_id: u32, pid: Option<u32>) -> bool {
+    if port_id != 0 && noted_own(port_id) {
+        return true;
+    }
+    pid.is_some_and(|pid| {
+        pid == std::process::id()
+            || noted_own(pid)
+            || std::path::Path::new(&format!("/proc/self/task/{pid}")).exists()
+    })
+}
+
+/// The kind of object a notification is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    Table,
+    Chain,
+    Rule,
+    Set,
+    Element,
+    /// Stateful objects, flowtables: kproxy has none, so any is someone else's.
+    Other,
+}
+
+impl Kind {
+    /// The metric label (`kproxy_kernel_interference_total{what}`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Table => "table",
+            Kind::Chain => "chain",
+            Kind::Rule => "rule",
+            Kind::Set => "set",
+            Kind::Element => "element",
+            Kind::Other => "other",
+        }
+    }
+
+    /// Every label value.
+    pub const ALL: [Kind; 6] = [
+        Kind::Table,
+        Kind::Chain,
+        Kind::Rule,
+        Kind::Set,
+        Kind::Element,
+        Kind::Other,
+    ];
+}
+
+/// The kind and verb (added: true) of an nf_tables message type; `None` for the
+/// generation message and anything that is not an object notification.
+fn object(msg: u8) -> Option<(Kind, bool)> {
+    // NEW*/DEL* from nf_tables.h, and DESTROY* (26..=32), announced as deletions.
+    Some(match msg {
+        0 => (Kind::Table, true),
+        2 | 26 => (Kind::Table, false),
+        3 => (Kind::Chain, true),
+        5 | 27 => (Kind::Chain, false),
+        6 => (Kind::Rule, true),
+        8 | 28 => (Kind::Rule, false),
+        9 => (Kind::Set, true),
+        11 | 29 => (Kind::Set, false),
+        12 => (Kind::Element, true),
+        14 | 30 => (Kind::Element, false),
+        18 | 22 => (Kind::Other, true),
+        20 | 24 | 31 | 32 => (Kind::Other, false),
+        _ => return None,
+    })
+}
+
+/// What one transaction changed in kproxy's tables.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Objects added and deleted per kind: (added, deleted).
+    pub counts: BTreeMap<Kind, (usize, usize)>,
+    /// kproxy's tables the transaction deleted (a flushed ruleset deletes them all).
+    pub tables_deleted: Vec<Family>,
+    /// A few of the changed objects by name, for the log (`delete chain ip kproxy svc-x`).
+    pub examples: Vec<String>,
+}
+
+/// Objects named in [`Changes::examples`].
+const EXAMPLES: usize = 3;
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+    }
+
+    fn note(&mut self, kind: Kind, added: bool, family: Family, table: &str, name: Option<&str>) {
+        let c = self.counts.entry(kind).or_default();
+        if added {
+            c.0 += 1
+        } else {
+            c.1 += 1
+        }
+        if kind == Kind::Table && !added && !self.tables_deleted.contains(&family) {
+            self.tables_deleted.push(family);
+        }
+        if self.examples.len() < EXAMPLES {
+            let verb = if added { "add" } else { "delete" };
+            let mut e = format!("{verb} {} {} {table}", kind.as_str(), family.nft());
+            if let Some(n) = name {
+                e.push(' ');
+                e.push_str(n);
+            }
+            self.examples.push(e);
+        }
+    }
+
+    /// One line for the log: `deleted: 1 table, 12 chains; added: 1 rule`.
+    pub fn summary(&self) -> String {
+        let part = |pick: fn(&(usize, usize)) -> usize| {
+            self.counts
+                .iter()
+                .filter(|(_, c)| pick(c) > 0)
+                .map(|(k, c)| format!("{} {}", pick(c), k.as_str()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let (deleted, added) = (part(|c| c.1), part(|c| c.0));
+        match (deleted.is_empty(), added.is_empty()) {
+            (false, false) => format!("deleted {deleted}; added {added}"),
+            (false, true) => format!("deleted {deleted}"),
+            _ => format!("added {added}"),
+        }
+    }
+}
+
+/// A transaction of another process that changed kproxy's tables.
+#[derive(Clone, Debug)]
+pub struct Interference {
+    /// The committing process as the kernel names it (its pid in the initial pid
+    /// namespace; 0 when the kernel did not say).
+    pub pid: u32,
+    /// Its command name (`comm`, e.g. `nft`).
+    pub process: String,
+    /// The ruleset generation the transaction made.
+    pub generation: u32,
+    pub changes: Changes,
+    /// When the monitor read the transaction's last message.
+    pub detected: Instant,
+}
+
+impl Interference {
+    /// Whether one of kproxy's tables is gone (the first sync's path repairs it).
+    pub fn tables_missing(&self) -> bool {
+        !self.changes.tables_deleted.is_empty()
+    }
+}
+
+/// What [`Monitor::next_event`] read.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// Another process changed kproxy's tables.
+    Interference(Interference),
+    /// Notifications were lost (the receive buffer overran): whatever happened meanwhile
+    /// is unknown; the caller compares the kernel with its record.
+    Lost,
+}
+
+/// The subscribed socket.
+pub struct Monitor {
+    sock: Socket,
+    table: String,
+    /// The open transaction's changes to kproxy's tables, until its `NEWGEN`.
+    pending: Changes,
+    buf: Vec<u8>,
+}
+
+impl Monitor {
+    /// Subscribes to nftables notifications in the calling thread's network namespace,
+    /// for kproxy's tables named `table`.
+    pub fn open(table: &str) -> Result<Monitor, NftError> {
+        let io = |context: &str| {
+            let context = context.to_string();
+            move |source| NftError::Io { context, source }
+        };
+        let mut sock = Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)
+            .map_err(io("opening a netfilter netlink socket"))?;
+        sock.bind_auto()
+            .map_err(io("binding the nftables monitor socket"))?;
+        sock.add_membership(NFNLGRP_NFTABLES)
+            .map_err(io("joining the nftables notification group"))?;
+        setsockopt(&sock, sockopt::RcvBufForce, &RCVBUF)
+            .or_else(|_| setsockopt(&sock, sockopt::RcvBuf, &RCVBUF))
+            .map_err(std::io::Error::from)
+            .map_err(io("raising the monitor's receive buffer"))?;
+        let poll = TimeVal::new(POLL.as_secs() as i64, 0);
+        setsockopt(&sock, sockopt::ReceiveTimeout, &poll)
+            .map_err(std::io::Error::from)
+            .map_err(io("setting the monitor's receive timeout"))?;
+        Ok(Monitor {
+            sock,
+            table: table.to_string(),
+            pending: Changes::default(),
+            buf: vec![0; 1 << 20],
+        })
+    }
+
+    /// Blocks until another process's transaction changed kproxy's tables, or
+    /// notifications were lost; `Ok(None)` after a second without either.
+    pub fn next_event(&mut self) -> Result<Option<Event>, NftError> {
+        loop {
+            let n = match self.sock.recv(&mut &mut self.buf[..], 0) {
+                Ok(n) => n,
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                    self.pending = Changes::default();
+                    return Ok(Some(Event::Lost));
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(None);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    return Err(NftError::Io {
+                        context: "reading nftables notifications".into(),
+                        source: e,
+                    });
+                }
+            };
+            let detected = Instant::now();
+            let mut found = None;
+            let (table, pending) = (&self.table, &mut self.pending);
+            read_datagram(&self.buf[..n], table, pending, &mut |i| found = Some(i));
+            if let Some(mut i) = found {
+                i.detected = detected;
+                return Ok(Some(Event::Interference(i)));
+            }
+        }
+    }
+}
+
+/// Reads one datagram's messages into `pending`; at each `NEWGEN` closing a transaction
+/// that changed kproxy's tables and is not kproxy's own, hands it to `found` (at most one
+/// per datagram can be reported before the caller reads on: the rest of the datagram is
+/// still read, and a second one in the same datagram is merged into the first).
+fn read_datagram(
+    buf: &[u8],
+    table: &str,
+    pending: &mut Changes,
+    found: &mut dyn FnMut(Interference),
+) {
+    let mut report: Option<Interference> = None;
+    let mut offset = 0;
+    while offset + NETLINK_HEADER <= buf.len() {
+        let word = |at: usize| u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
+        let len = word(offset) as usize;
+        if len < NETLINK_HEADER || offset + len > buf.len() {
+            break;
+        }
+        let kind = u16::from_ne_bytes([buf[offset + 4], buf[offset + 5]]);
+        let port_id = word(offset + 12);
+        let msg = &buf[offset..offset + len];
+        offset += len.next_multiple_of(4);
+        let [msg_type, subsys] = kind.to_le_bytes();
+        if subsys != NFNL_SUBSYS_NFTABLES || msg.len() < NETLINK_HEADER + NFGENMSG {
+            continue;
+        }
+        let family = msg[NETLINK_HEADER];
+        let attrs = &msg[NETLINK_HEADER + NFGENMSG..];
+        if msg_type == NFT_MSG_NEWGEN {
+            let changes = std::mem::take(pending);
+            let (generation, pid, process) = gen_info(attrs);
+            if changes.is_empty() || own_transaction(port_id, pid) {
+                continue;
+            }
+            let i = Interference {
+                pid: pid.unwrap_or(0),
+                process: process.unwrap_or_default(),
+                generation,
+                changes,
+                detected: Instant::now(),
+            };
+            match &mut report {
+                None => report = Some(i),
+                Some(r) => merge(r, i),
+            }
+            continue;
+        }
+        let Some((kind, added)) = object(msg_type) else {
+            continue;
+        };
+        let family = match family {
+            NFPROTO_IPV4 => Family::Ip,
+            NFPROTO_IPV6 => Family::Ip6,
+            _ => continue,
+        };
+        let name_attr = match kind {
+            Kind::Chain => Some(NFTA_CHAIN_NAME),
+            Kind::Rule => Some(NFTA_RULE_CHAIN),
+            Kind::Set | Kind::Element => Some(NFTA_SET_NAME),
+            Kind::Table | Kind::Other => None,
+        };
+        let (mut this_table, mut name) = (None, None);
+        for nla in NlasIterator::new(attrs).flatten() {
+            let k = nla.kind();
+            let value = nla_value(nla);
+            if k == NFTA_TABLE {
+                this_table = c_str(value);
+            } else if Some(k) == name_attr {
+                name = c_str(value);
+            }
+        }
+        if this_table == Some(table) {
+            pending.note(kind, added, family, table, name);
+        }
+    }
+    if let Some(r) = report {
+        found(r);
+    }
+}
+
+/// Adds a later transaction `i` to `into` (reported together).
+pub fn merge(into: &mut Interference, i: Interference) {
+    for (k, (a, d)) in i.changes.counts {
+        let c = into.changes.counts.entry(k).or_default();
+        c.0 += a;
+        c.1 += d;
+    }
+    for f in i.changes.tables_deleted {
+        if !into.changes.tables_deleted.contains(&f) {
+            into.changes.tables_deleted.push(f);
+        }
+    }
+    let room = EXAMPLES.saturating_sub(into.changes.examples.len());
+    into.changes
+        .examples
+        .extend(i.changes.examples.into_iter().take(room));
+    into.pid = i.pid;
+    into.process = i.process;
+    into.generation = i.generation;
+}
+
+/// An attribute's value, borrowed from the datagram (not from the attribute's buffer).
+fn nla_value(nla: NlaBuffer<&[u8]>) -> &[u8] {
+    let len = usize::from(nla.length());
+    let raw = nla.into_inner();
+    raw.get(4..len).unwrap_or_default()
+}
+
+/// A NUL-terminated string attribute.
+fn c_str(v: &[u8]) -> Option<&str> {
+    let end = v.iter().position(|b| *b == 0).unwrap_or(v.len());
+    std::str::from_utf8(&v[..end]).ok()
+}
+
+fn be32(v: &[u8]) -> Option<u32> {
+    Some(u32::from_be_bytes(v.get(..4)?.try_into().ok()?))
+}
+
+/// Generation id, committing pid and command name of a `NEWGEN` message.
+fn gen_info(attrs: &[u8]) -> (u32, Option<u32>, Option<String>) {
+    let (mut generation, mut pid, mut name) = (0, None, None);
+    for nla in NlasIterator::new(attrs).flatten() {
+        let kind = nla.kind();
+        let value = nla_value(nla);
+        match kind {
+            NFTA_GEN_ID => generation = be32(value).unwrap_or(0),
+            NFTA_GEN_PROC_PID => pid = be32(value),
+            NFTA_GEN_PROC_NAME => name = c_str(value).map(str::to_string),
+            _ => {}
+        }
+    }
+    (generation, pid, name)
+}
+
+/// How long to wait before repairing, so a process that keeps changing kproxy's tables
+/// (a firewall manager reapplying its ruleset, a script in a loop) meets repairs further
+/// and further apart instead of a kproxy that spins: the first repair of a quiet spell
+/// at once, then [`Backoff::FIRST`] doubling to [`Backoff::MAX`] while interference keeps
+/// coming back within [`Backoff::QUIET`] of the last repair. Pure (the caller gives the
+/// time since the last repair).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backoff {
+    /// Repairs since the last quiet spell.
+    pub streak: u32,
+}
+
+impl Backoff {
+    pub const FIRST: Duration = Duration::from_millis(100);
+    pub const MAX: Duration = Duration::from_secs(30);
+    /// Interference this long after the last repair starts a new spell.
+    pub const QUIET: Duration = Duration::from_secs(60);
+
+    /// The wait before repairing interference detected `since_repair` after the last
+    /// repair (`None`: never repaired).
+    pub fn delay(&mut self, since_repair: Option<Duration>) -> Duration {
+        if since_repair.is_none_or(|d| d >= Self::QUIET) {
+            self.streak = 0;
+        }
+        match self.streak {
+            0 => Duration::ZERO,
+            n => Self::FIRST
+                .saturating_mul(1 << (n - 1).min(16))
+                .min(Self::MAX),
+        }
+    }
+
+    /// A repair ran (successful or not).
+    pub fn repaired(&mut self) {
+        self.streak = self.streak.saturating_add(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One nf_tables message: header (type, port id), nfgenmsg (family), attributes.
+    fn message(msg_type: u8, family: u8, port_id: u32, attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
+        let mut b = vec![0; NETLINK_HEADER];
+        b[4..6].copy_from_slice(
+            &(u16::from(NFNL_SUBSYS_NFTABLES) << 8 | u16::from(msg_type)).to_ne_bytes(),
+        );
+        b[12..16].copy_from_slice(&port_id.to_ne_bytes());
+        b.extend_from_slice(&[family, 0, 0, 0]);
+        for (kind, value) in attrs {
+            let len = (4 + value.len()) as u16;
+            b.extend_from_slice(&len.to_ne_bytes());
+            b.extend_from_slice(&kind.to_ne_bytes());
+            b.extend_from_slice(value);
+            b.resize(b.len().next_multiple_of(4), 0);
+        }
+        let len = b.len() as u32;
+        b[0..4].copy_from_slice(&len.to_ne_bytes());
+        b
+    }
+
+    fn s(x: &str) -> Vec<u8> {
+        let mut v = x.as_bytes().to_vec();
+        v.push(0);
+        v
+    }
+
+    fn newgen(port_id: u32, pid: u32, name: &str) -> Vec<u8> {
+        message(
+            NFT_MSG_NEWGEN,
+            0,
+            port_id,
+            &[
+                (NFTA_GEN_ID, 7u32.to_be_bytes().to_vec()),
+                (NFTA_GEN_PROC_PID, pid.to_be_bytes().to_vec()),
+                (NFTA_GEN_PROC_NAME, s(name)),
+            ],
+        )
+    }
+
+    fn read(datagram: &[u8]) -> Option<Interference> {
+        let mut pending = Changes::default();
+        let mut got = None;
+        read_datagram(datagram, "kproxy", &mut pending, &mut |i| got = Some(i));
+        got
+    }
+
+    /// A pid no thread of this process has (pid_max is at most 2^22).
+    const STRANGER: u32 = 4_000_000_001;
+
+    #[test]
+    fn a_flush_by_another_process_is_reported_with_its_name() {
+        let mut d = Vec::new();
+        d.extend(message(
+            8,
+            NFPROTO_IPV4,
+            0,
+            &[(1, s("kproxy")), (2, s("services"))],
+        ));
+        d.extend(message(
+            5,
+            NFPROTO_IPV4,
+            0,
+            &[(1, s("kproxy")), (3, s("services"))],
+        ));
+        d.extend(message(2, NFPROTO_IPV4, 0, &[(1, s("kproxy"))]));
+        d.extend(message(2, NFPROTO_IPV6, 0, &[(1, s("kproxy"))]));
+        // Someone else's table goes too: not kproxy's business.
+        d.extend(message(2, NFPROTO_IPV4, 0, &[(1, s("filter"))]));
+        d.extend(newgen(STRANGER, STRANGER, "nft"));
+        let i = read(&d).expect("reported");
+        assert_eq!(
+            (i.pid, i.process.as_str(), i.generation),
+            (STRANGER, "nft", 7)
+        );
+        assert!(i.tables_missing());
+        assert_eq!(i.changes.tables_deleted, [Family::Ip, Family::Ip6]);
+        assert_eq!(i.changes.summary(), "deleted 2 table, 1 chain, 1 rule");
+        assert_eq!(i.changes.examples[0], "delete rule ip kproxy services");
+    }
+
+    #[test]
+    fn own_transactions_and_other_tables_are_not_reported() {
+        let elem = message(14, NFPROTO_IPV4, 0, &[(1, s("kproxy")), (2, s("dnat"))]);
+        // Another table only.
+        let mut d = message(14, NFPROTO_IPV4, 0, &[(1, s("kproxy2")), (2, s("dnat"))]);
+        d.extend(newgen(STRANGER, STRANGER, "nft"));
+        assert!(read(&d).is_none());
+        // This process's pid, or a noted port id.
+        let mut d = elem.clone();
+        d.extend(newgen(0, std::process::id(), "kproxy"));
+        assert!(read(&d).is_none());
+        note_own(STRANGER + 1);
+        let mut d = elem.clone();
+        d.extend(newgen(STRANGER + 1, STRANGER + 2, "nft"));
+        assert!(read(&d).is_none());
+        // An element deleted by a stranger is.
+        let mut d = elem;
+        d.extend(newgen(STRANGER + 3, STRANGER + 3, "iptables-nft"));
+        let i = read(&d).expect("reported");
+        assert!(!i.tables_missing());
+        assert_eq!(i.changes.summary(), "deleted 1 element");
+        assert_eq!(i.process, "iptables-nft");
+    }
+
+    #[test]
+    fn a_transaction_split_over_datagrams_is_reported_at_its_generation() {
+        let mut pending = Changes::default();
+        let mut got = Vec::new();
+        let add = message(
+            6,
+            NFPROTO_IPV6,
+            0,
+            &[(1, s("kproxy")), (2, s("nat-prerouting"))],
+        );
+        read_datagram(&add, "kproxy", &mut pending, &mut |i| got.push(i));
+        assert!(got.is_empty());
+        read_datagram(
+            &newgen(9, STRANGER, "sh"),
+            "kproxy",
+            &mut pending,
+            &mut |i| got.push(i),
+        );
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].changes.summary(), "added 1 rule");
+        assert!(pending.is_empty());
+    }
+
+    #[test]
+    fn backoff_doubles_while_fought_and_resets_after_a_quiet_spell() {
+        let ms = |d: Duration| d.as_millis() as u64;
+        let mut b = Backoff::default();
+        let mut got = Vec::new();
+        let mut since = None;
+        for _ in 0..12 {
+            got.push(ms(b.delay(since)));
+            b.repaired();
+            since = Some(Duration::from_millis(50));
+        }
+        assert_eq!(
+            got,
+            [
+                0, 100, 200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000
+            ]
+        );
+        // A minute without interference: the next repair is immediate again.
+        assert_eq!(b.delay(Some(Backoff::QUIET)), Duration::ZERO);
+    }
+}

@@ -1,0 +1,112 @@
+//! The kernel watch and the repair (issue 30), against the real kernel in a namespace of
+//! the test's own: kproxy's own transactions (a first sync in steps, a repair, a
+//! verification with its scratch table) are never reported; another process's (`nft`)
+//! are, with its name and what it changed, and only when they touch kproxy's tables;
+//! `Dataplane::repair` restores from the record what was deleted (elements, a chain's
+//! rules, the whole ruleset), after which a verification finds nothing. Root only.
+
+mod common;
+
+use common::*;
+use kproxy_core::PlanConfig;
+use kproxy_core::planner::PlanUpdate;
+use kproxy_nft::monitor::{Event, Interference, Kind, Monitor};
+use kproxy_nft::{Dataplane, DataplaneConfig};
+
+fn root() -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    eprintln!("skipped: monitor tests need root (network namespaces, nftables)");
+    false
+}
+
+/// Everything the monitor reports until it has been quiet for a second.
+fn until_quiet(mon: &mut Monitor) -> Vec<Event> {
+    let mut seen = Vec::new();
+    while let Some(e) = mon.next_event().expect("monitor") {
+        seen.push(e);
+    }
+    seen
+}
+
+/// The next interference (waiting up to 20 s).
+fn next_interference(mon: &mut Monitor) -> Interference {
+    for _ in 0..20 {
+        match mon.next_event().expect("monitor") {
+            Some(Event::Interference(i)) => return i,
+            Some(Event::Lost) => panic!("notifications lost"),
+            None => {}
+        }
+    }
+    panic!("no interference reported");
+}
+
+#[test]
+fn other_processes_changes_are_reported_and_repaired_from_the_record() {
+    if !root() {
+        return;
+    }
+    let ns = Netns::new("mon");
+    let plan = plan_from_yaml(&example_cluster(), "node-a", &PlanConfig::default());
+    ns.run(move || {
+        let mut mon = Monitor::open("kproxy").expect("subscribe");
+        let mut dp = Dataplane::new(DataplaneConfig {
+            conntrack_cleanup: false,
+            ..DataplaneConfig::default()
+        })
+        .expect("config");
+        let first = dp.sync(&plan, &PlanUpdate::WHOLE).expect("first sync");
+        assert!(first.full && first.netlink_bytes > 0, "{first:?}");
+        // Another table, kproxy's scratch table: none of kproxy's business.
+        sh("nft add table ip other");
+        assert!(!dp.verify().expect("verify").drift);
+        let quiet = until_quiet(&mut mon);
+        assert!(
+            quiet.is_empty(),
+            "kproxy's own transactions reported: {quiet:?}"
+        );
+
+        // Elements deleted by another process.
+        sh("nft flush set ip kproxy cluster-ips");
+        let i = next_interference(&mut mon);
+        assert_eq!(i.process, "nft");
+        assert!(i.pid > 0);
+        assert!(!i.tables_missing());
+        assert!(i.changes.counts[&Kind::Element].1 >= 1, "{:?}", i.changes);
+        let r = dp.repair(&plan).expect("repair");
+        assert!(r.adopted && r.changes.elements_added >= 1, "{r:?}");
+        assert!(r.netlink_bytes > 0 && r.script_bytes == 0, "{r:?}");
+
+        // A chain's rules.
+        sh("nft flush chain ip6 kproxy nat-output");
+        let i = next_interference(&mut mon);
+        assert_eq!(
+            i.changes.counts.get(&Kind::Rule),
+            Some(&(0, 1)),
+            "{:?}",
+            i.changes
+        );
+        assert!(
+            i.changes.examples[0].contains("nat-output"),
+            "{:?}",
+            i.changes
+        );
+        let r = dp.repair(&plan).expect("repair");
+        assert!(r.adopted && r.changes.chains_changed >= 1, "{r:?}");
+
+        // The whole ruleset: both tables gone, restored the first sync's way.
+        sh("nft flush ruleset");
+        let i = next_interference(&mut mon);
+        assert!(i.tables_missing());
+        assert_eq!(i.changes.tables_deleted.len(), 2, "{:?}", i.changes);
+        let r = dp.repair(&plan).expect("repair");
+        assert!(!r.adopted && !r.full && r.netlink_bytes > 0, "{r:?}");
+
+        // Restored to the record, and none of the repairs was reported.
+        let v = dp.verify().expect("verify");
+        assert!(!v.drift, "{:?}", v.differences);
+        let quiet = until_quiet(&mut mon);
+        assert!(quiet.is_empty(), "kproxy's repairs reported: {quiet:?}");
+    });
+}
