@@ -314,9 +314,10 @@ mod tests {
         let health = kproxy_health::metrics::Metrics::default();
         health.register(&mut registry);
         // A family is exported once it has a child: give each one.
-        m.change_stages
+        let _ = m
+            .change_stages
             .get_or_create(&StageLabel { stage: "total" });
-        m.no_local_endpoints.get_or_create(&NoLocalLabels {
+        let _ = m.no_local_endpoints.get_or_create(&NoLocalLabels {
             traffic_policy: "external",
             ip_family: "IPv4",
         });
@@ -326,15 +327,15 @@ mod tests {
             name: name.clone(),
             port: 32000,
         };
-        health.port_listening.get_or_create(&port);
-        health.port_healthy.get_or_create(&port);
-        health.healthz.get_or_create(&CodeLabel { code: "200" });
-        health.livez.get_or_create(&CodeLabel { code: "200" });
-        health.transitions.get_or_create(&ServiceLabels {
+        let _ = health.port_listening.get_or_create(&port);
+        let _ = health.port_healthy.get_or_create(&port);
+        let _ = health.healthz.get_or_create(&CodeLabel { code: "200" });
+        let _ = health.livez.get_or_create(&CodeLabel { code: "200" });
+        let _ = health.transitions.get_or_create(&ServiceLabels {
             namespace: namespace.clone(),
             name: name.clone(),
         });
-        health.bind_failures.get_or_create(&BindLabels {
+        let _ = health.bind_failures.get_or_create(&BindLabels {
             namespace,
             name,
             port: 32000,
