@@ -26,18 +26,8 @@ struct Api {
 impl Api {
     /// Serves every object of examples/cluster.
     fn with_examples() -> Api {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
         let api = Arc::new(FakeApi::new());
-        let listener = runtime
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap();
-        let addr = listener.local_addr().unwrap();
-        let _server = runtime.enter();
-        fake_api::spawn(listener, api.clone());
+        let (runtime, addr) = fake_api::serve_on_loopback(api.clone()).unwrap();
         let (mut services, mut slices, mut nodes) = (Vec::new(), Vec::new(), Vec::new());
         for object in example_objects() {
             match object["kind"].as_str() {
@@ -55,7 +45,6 @@ impl Api {
         api.nodes.set_list("10", nodes);
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("kubeconfig"), fake_api::kubeconfig(addr)).unwrap();
-        drop(_server);
         Api {
             api,
             addr,
@@ -258,14 +247,18 @@ fn a_failing_list_or_no_source_is_a_clear_error() {
     let api = Api::with_examples();
     // An API server without ServiceCIDRs: said, and the rest is still used (as `run`).
     api.api.service_cidrs.fail_lists(StatusCode::NOT_FOUND);
-    let (code, out, err) = kproxy(&[
-        "explain",
-        "--kubeconfig",
-        &api.kubeconfig(),
-        "--node",
-        "node-a",
-        "shop/web",
-    ]);
+    let kubeconfig = api.kubeconfig();
+    let explain = || {
+        kproxy(&[
+            "explain",
+            "--kubeconfig",
+            &kubeconfig,
+            "--node",
+            "node-a",
+            "shop/web",
+        ])
+    };
+    let (code, out, err) = explain();
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("Service shop/web on node node-a"), "{out}");
     assert!(
@@ -273,14 +266,7 @@ fn a_failing_list_or_no_source_is_a_clear_error() {
         "{err}"
     );
     api.api.slices.fail_lists(StatusCode::FORBIDDEN);
-    let (code, out, err) = kproxy(&[
-        "explain",
-        "--kubeconfig",
-        &api.kubeconfig(),
-        "--node",
-        "node-a",
-        "shop/web",
-    ]);
+    let (code, out, err) = explain();
     assert_eq!(code, 1, "{out}");
     assert!(
         err.contains("listing EndpointSlice from the API server failed: list refused: 403"),

@@ -429,3 +429,22 @@ pub fn spawn(
     let app = axum::Router::new().fallback(serve).with_state(api);
     tokio::spawn(async move { axum::serve(listener, app).await })
 }
+
+/// Serves `api` on a free port of 127.0.0.1, on a runtime of its own (one worker), for
+/// tests and benches that run kproxy as a process: the runtime, which serves until it
+/// is dropped, and the address.
+pub fn serve_on_loopback(
+    api: Arc<FakeApi>,
+) -> std::io::Result<(tokio::runtime::Runtime, SocketAddr)> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    {
+        let _entered = runtime.enter();
+        spawn(listener, api);
+    }
+    Ok((runtime, addr))
+}
