@@ -77,8 +77,22 @@ pub fn plan_table(plan: &NodePlan) -> String {
             );
         }
     }
+    out.push_str(PLAN_TABLE_LEGEND);
     out
 }
+
+/// What `plan_table`'s columns mean, printed under it.
+const PLAN_TABLE_LEGEND: &str = "
+NODEP       the NodePort (- none)
+CLUSTER     endpoints that traffic under Cluster policy reaches from this node (- no traffic of this port uses Cluster policy)
+LOCAL       endpoints on this node that traffic under Local policy reaches, serving-terminating ones included when no
+            ready one is left (- no traffic uses Local policy)
+ALL         every endpoint this node may forward to (CLUSTER and LOCAL together)
+POLICY i/e  internalTrafficPolicy / externalTrafficPolicy
+EXTERNAL    load-balancer (lb:) and external (ext:) IPs
+localEndpoints (health-check node ports) counts only READY endpoints on this node: terminating ones still serve
+            (LOCAL) but answer 503, so the load balancer stops sending new connections while they drain.
+";
 
 /// A full explanation of one Service on this node.
 pub fn explain_service(plan: &NodePlan, svc: &ServicePlan) -> String {
@@ -159,7 +173,7 @@ fn explain_port(out: &mut String, plan: &NodePlan, p: &ServicePortPlan) {
     )];
     let _ = writeln!(out, "  traffic to {}:", frontends.remove(0));
     for r in &p.internal {
-        explain_rule(out, plan, p, r.from, r.verdict);
+        explain_rule(out, plan, p, r.from, r.verdict, false);
     }
     let mut ext = Vec::new();
     if let Some(np) = p.node_port {
@@ -182,7 +196,7 @@ fn explain_port(out: &mut String, plan: &NodePlan, p: &ServicePortPlan) {
             );
         }
         for r in &p.external {
-            explain_rule(out, plan, p, r.from, r.verdict);
+            explain_rule(out, plan, p, r.from, r.verdict, true);
         }
     }
 }
@@ -193,6 +207,7 @@ fn explain_rule(
     p: &ServicePortPlan,
     from: SourceClass,
     verdict: Verdict,
+    external: bool,
 ) {
     let who = match from {
         SourceClass::LocalPod => "from pods on this node",
@@ -209,7 +224,12 @@ fn explain_rule(
         Verdict::Drop => {
             let _ = writeln!(
                 out,
-                "    {who}: DROP — endpoints exist elsewhere, but none on this node (policy Local); a load balancer retries another node"
+                "    {who}: DROP — endpoints exist elsewhere, but none on this node (policy Local): the connection times out{}",
+                if external {
+                    "; a load balancer keeps a retransmitted SYN on the node it chose, so it must stop choosing this node (what a 503 from the health-check node port tells it)"
+                } else {
+                    ""
+                }
             );
             for e in &p.endpoints {
                 let _ = writeln!(

@@ -50,6 +50,11 @@
 //! listener in the namespace. kproxy runs as system:kube-proxy (RBAC
 //! system:node-proxier), as upstream's does. Each run starts with no kproxy tables.
 
+#[path = "support/mod.rs"]
+mod support;
+
+use support::{ip4, kproxy_binary};
+
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
@@ -98,25 +103,6 @@ fn sh(args: &[&str]) {
 fn enter(ns: &str) {
     let f = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("open netns");
     nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-}
-
-fn kproxy_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .join("kproxy");
-    assert!(
-        bin.exists(),
-        "{} missing: run `cargo build --release -p kproxy` first",
-        bin.display()
-    );
-    bin
-}
-
-fn ip4(base: u32, n: usize) -> String {
-    std::net::Ipv4Addr::from(base + n as u32).to_string()
 }
 
 fn service(i: usize) -> (String, Value) {

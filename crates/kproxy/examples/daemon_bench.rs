@@ -16,11 +16,16 @@
 //! serving+terminating; plus one `bench/probe` Service whose endpoint is a listener in
 //! the namespace, the target of the latency samples.
 
+#[path = "support/mod.rs"]
+mod support;
+
+use support::{ip4, kproxy_binary};
+
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -60,26 +65,6 @@ fn sh(args: &[&str]) {
 fn enter(ns: &str) {
     let f = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("open netns");
     nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-}
-
-fn kproxy_binary() -> PathBuf {
-    // target/release/examples/daemon_bench → target/release/kproxy
-    let exe = std::env::current_exe().expect("current_exe");
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .join("kproxy");
-    assert!(
-        bin.exists(),
-        "{} missing: run `cargo build --release -p kproxy` first",
-        bin.display()
-    );
-    bin
-}
-
-fn ip4(base: u32, n: usize) -> String {
-    std::net::Ipv4Addr::from(base + n as u32).to_string()
 }
 
 /// YAML for Services `from..to` and their EndpointSlices.

@@ -1,6 +1,6 @@
 //! `kproxy explain`: for one Service, per port and per kind of traffic, which endpoints
-//! are used and why every other endpoint is not. The plan is computed offline from
-//! manifests; with `--server`, the runtime state of the Service's health-check node port
+//! are used and why every other endpoint is not. The plan is computed from manifests or
+//! from one read of the API server (`crate::cluster`); with `--server`, the runtime state of the Service's health-check node port
 //! (where it listens, where it cannot bind and why) is read from a running daemon's
 //! metrics server (`/health-check-node-ports`, JSON).
 
@@ -14,16 +14,23 @@ use anyhow::{Context, Result, bail};
 use kproxy_core::model::ServiceName;
 use serde_json::Value;
 
-use crate::common::ManifestArgs;
+use crate::cluster::ClusterArgs;
+use crate::common::{Output, print_structured};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    pub source: ManifestArgs,
+    pub source: ClusterArgs,
     /// The Service, as `namespace/name`, or `name` with `-n namespace`.
     pub service: String,
-    #[arg(short = 'n', long = "namespace", default_value = "default")]
-    pub namespace: String,
+    /// The Service's namespace. Default: the kubeconfig context's namespace, as
+    /// kubectl's; `default` with manifests or in a pod.
+    #[arg(short = 'n', long = "namespace", value_name = "NAMESPACE")]
+    pub namespace: Option<String>,
+    /// `table`: the explanation in sentences; `json`/`yaml`: the Service's entry of the
+    /// plan (docs/plan-json.md).
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: Output,
     /// A running `kproxy run`'s metrics address (`HOST:PORT` or `http://HOST:PORT`):
     /// also show where the Service's health-check node port listens and where it cannot
     /// bind, and why.
@@ -32,23 +39,39 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let name = match ServiceName::parse(&args.service) {
-        Some(n) => n,
-        None if !args.service.contains('/') => {
-            ServiceName::new(args.namespace.as_str(), args.service.as_str())
-        }
-        None => bail!(
+    if args.server.is_some() && args.output != Output::Table {
+        bail!("--server adds to the explanation: it needs -o table");
+    }
+    if ServiceName::parse(&args.service).is_none() && args.service.contains('/') {
+        bail!(
             "SERVICE must be namespace/name or name, got {:?}",
             args.service
-        ),
-    };
-    let (plan, strict_failed) = args.source.plan(&args.source.plan_config()?)?;
+        );
+    }
+    let cluster = args.source.read()?;
+    let name = ServiceName::parse(&args.service).unwrap_or_else(|| {
+        let namespace = args
+            .namespace
+            .as_deref()
+            .or(cluster.namespace.as_deref())
+            .unwrap_or("default");
+        ServiceName::new(namespace, args.service.as_str())
+    });
+    let plan = cluster.plan_with(&cluster.config.plan);
+    let strict_failed = cluster.report.strict_failed;
     let Some(svc) = plan.services.get(&name) else {
         bail!(
             "Service {name} is not proxied on node {} (unknown, headless, ExternalName, or another proxy's)",
             plan.node
         );
     };
+    if print_structured(svc, args.output)? {
+        return Ok(if strict_failed {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        });
+    }
     print!("{}", kproxy_core::explain::explain_service(&plan, svc));
     if let Some(server) = &args.server {
         let state = fetch_json(server, crate::metrics::HEALTH_CHECK_PORTS_PATH)?;

@@ -1,5 +1,5 @@
 //! `kproxy trace`: the fate of one new connection on this node, computed from the
-//! plan alone (`kproxy_core::trace`). The dataplane tests hold the kernel to exactly
+//! plan alone (of manifests or of one read of the API server, `crate::cluster`) (`kproxy_core::trace`). The dataplane tests hold the kernel to exactly
 //! this answer.
 
 use std::net::IpAddr;
@@ -10,13 +10,8 @@ use clap::ValueEnum;
 use kproxy_core::model::Protocol;
 use kproxy_core::trace::{Packet, TraceVerdict, trace};
 
-use crate::common::ManifestArgs;
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum Format {
-    Json,
-    Text,
-}
+use crate::cluster::ClusterArgs;
+use crate::common::{Output, print_structured};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 #[value(rename_all = "UPPER")]
@@ -29,7 +24,7 @@ pub enum Proto {
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
-    pub source: ManifestArgs,
+    pub source: ClusterArgs,
     /// This node's own addresses (for NodePorts and "from this node"); defaults to the
     /// Node object's addresses.
     #[arg(long, value_name = "IP,...", value_delimiter = ',')]
@@ -47,16 +42,18 @@ pub struct Args {
     /// Interface the packet arrives on (for interface-based local-traffic detectors).
     #[arg(long, value_name = "NAME")]
     pub in_interface: Option<String>,
-    #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
-    pub output: Format,
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: Output,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let mut config = args.source.plan_config()?;
+    let cluster = args.source.read()?;
+    let mut config = cluster.config.plan.clone();
     if !args.node_addresses.is_empty() {
         config.node_ips = args.node_addresses.clone();
     }
-    let (plan, strict_failed) = args.source.plan(&config)?;
+    let plan = cluster.plan_with(&config);
+    let strict_failed = cluster.report.strict_failed;
     let pkt = Packet {
         src: args.src,
         dst: args.dst,
@@ -69,33 +66,30 @@ pub fn run(args: Args) -> Result<ExitCode> {
         in_interface: args.in_interface.clone(),
     };
     let t = trace(&plan, &pkt, &args.node_addresses);
-    match args.output {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&t)?),
-        Format::Text => {
-            let verdict = match t.verdict {
-                TraceVerdict::Dnat => "DNAT",
-                TraceVerdict::Drop => "DROP",
-                TraceVerdict::Reject => "REJECT",
-                TraceVerdict::None => "NONE",
-            };
-            println!("verdict:    {verdict}");
-            if t.verdict == TraceVerdict::Dnat {
-                let eps: Vec<String> = t.endpoints.iter().map(ToString::to_string).collect();
-                println!(
-                    "endpoints:  {} (one chosen at random per connection)",
-                    eps.join(", ")
-                );
-                println!(
-                    "masquerade: {}",
-                    if t.masquerade {
-                        "yes (source NATed to the node)"
-                    } else {
-                        "no (client address kept)"
-                    }
-                );
-            }
-            println!("reason:     {}", t.reason);
+    if !print_structured(&t, args.output)? {
+        let verdict = match t.verdict {
+            TraceVerdict::Dnat => "DNAT",
+            TraceVerdict::Drop => "DROP",
+            TraceVerdict::Reject => "REJECT",
+            TraceVerdict::None => "NONE",
+        };
+        println!("verdict:    {verdict}");
+        if t.verdict == TraceVerdict::Dnat {
+            let eps: Vec<String> = t.endpoints.iter().map(ToString::to_string).collect();
+            println!(
+                "endpoints:  {} (one chosen at random per connection)",
+                eps.join(", ")
+            );
+            println!(
+                "masquerade: {}",
+                if t.masquerade {
+                    "yes (source NATed to the node)"
+                } else {
+                    "no (client address kept)"
+                }
+            );
         }
+        println!("reason:     {}", t.reason);
     }
     Ok(if strict_failed {
         ExitCode::from(1)

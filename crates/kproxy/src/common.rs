@@ -1,6 +1,7 @@
-//! What several subcommands share: logging set-up and loading manifests for one node.
+//! What several subcommands share: logging set-up, loading manifests for one node, the
+//! input settings and the output formats.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use clap::Args;
@@ -144,7 +145,7 @@ mod logging_tests {
     }
 }
 
-/// `--manifests PATH --node NAME [--strict]`, shared by the offline subcommands.
+/// `--manifests PATH --node NAME` and the input settings: `kproxy sync`'s source.
 #[derive(Args, Clone, Debug)]
 pub struct ManifestArgs {
     /// A manifest file or directory (recursive; .yaml, .yml, .json).
@@ -153,6 +154,14 @@ pub struct ManifestArgs {
     /// This node's name (its Node object supplies zone, addresses and pod CIDRs).
     #[arg(long, value_name = "NAME")]
     pub node: String,
+    #[command(flatten)]
+    pub input: InputArgs,
+}
+
+/// How objects become a plan, whatever source they come from: shared by `sync`,
+/// `plan`, `explain` and `trace`.
+#[derive(Args, Clone, Debug)]
+pub struct InputArgs {
     /// Exit with status 1 if any object or file had to be skipped or trimmed.
     #[arg(long)]
     pub strict: bool,
@@ -188,25 +197,32 @@ pub struct LoadReport {
     pub lost: bool,
 }
 
-impl ManifestArgs {
-    /// The planner settings: upstream defaults, or those of `--config`.
-    pub fn plan_config(&self) -> Result<PlanConfig> {
-        Ok(self.proxy_config()?.plan)
-    }
-
-    /// Every setting of `--config` (upstream defaults without it) with the flags of
-    /// this command line, warnings printed.
-    pub fn proxy_config(&self) -> Result<kproxy_config::ProxyConfig> {
+impl InputArgs {
+    /// Every setting of `--config` (upstream defaults without it) with `flags` and the
+    /// flags of this command line, warnings printed.
+    pub fn proxy_config(
+        &self,
+        flags: kproxy_config::ConfigFlags,
+    ) -> Result<kproxy_config::ProxyConfig> {
         let flags = kproxy_config::ConfigFlags {
             config: self.config.clone(),
-            ..Default::default()
+            ..flags
         };
-        let (mut cfg, warnings) = kproxy_config::load(&flags)?;
+        let (cfg, warnings) = kproxy_config::load(&flags)?;
+        Ok(self.with_flags(cfg, &warnings))
+    }
+
+    /// `cfg` with the flags of this command line; its load's warnings printed.
+    pub fn with_flags(
+        &self,
+        mut cfg: kproxy_config::ProxyConfig,
+        warnings: &[kproxy_config::ConfigWarning],
+    ) -> kproxy_config::ProxyConfig {
         for w in warnings {
             eprintln!("kproxy: warning: {}: {}", w.path, w.message);
         }
         cfg.plan.allow_external_ip_overlap = self.allow_external_ip_overlap;
-        Ok(cfg)
+        cfg
     }
 
     pub fn ownership(&self) -> Ownership {
@@ -222,15 +238,10 @@ impl ManifestArgs {
         }
     }
 
-    /// Loads the manifests, prints every problem to stderr, and returns the state and
-    /// what the problems amount to.
-    pub fn load(&self) -> Result<(ClusterState, LoadReport)> {
-        let loaded = manifests::load_with(
-            &self.manifests,
-            &self.node,
-            &self.ownership(),
-            &self.limits(),
-        );
+    /// Loads the manifests at `path` for `node`, prints every problem to stderr, and
+    /// returns the state and what the problems amount to.
+    pub fn load(&self, path: &Path, node: &str) -> Result<(ClusterState, LoadReport)> {
+        let loaded = manifests::load_with(path, node, &self.ownership(), &self.limits());
         for p in &loaded.problems {
             eprintln!(
                 "kproxy: {}: {p}",
@@ -242,10 +253,7 @@ impl ManifestArgs {
             );
         }
         if loaded.files.is_empty() && !loaded.problems.is_empty() {
-            anyhow::bail!(
-                "no manifests could be read from {}",
-                self.manifests.display()
-            );
+            anyhow::bail!("no manifests could be read from {}", path.display());
         }
         let report = LoadReport {
             strict_failed: self.strict && !loaded.problems.is_empty(),
@@ -254,22 +262,49 @@ impl ManifestArgs {
         };
         Ok((loaded.state, report))
     }
+}
 
-    pub fn plan(&self, config: &PlanConfig) -> Result<(NodePlan, bool)> {
-        let (plan, report) = self.plan_report(config)?;
-        Ok((plan, report.strict_failed))
+impl ManifestArgs {
+    /// Every setting of `--config` (upstream defaults without it) with the flags of
+    /// this command line, warnings printed.
+    pub fn proxy_config(&self) -> Result<kproxy_config::ProxyConfig> {
+        self.input.proxy_config(Default::default())
     }
 
     pub fn plan_report(&self, config: &PlanConfig) -> Result<(NodePlan, LoadReport)> {
-        let (state, report) = self.load()?;
-        if state.node().is_none() {
-            eprintln!(
-                "kproxy: warning: no Node object named {:?} in the manifests: no zone, no node addresses",
-                self.node
-            );
-        }
-        Ok((kproxy_core::plan(&state, &self.node, config), report))
+        let (state, report) = self.input.load(&self.manifests, &self.node)?;
+        Ok((plan_of(&state, &self.node, config), report))
     }
+}
+
+/// The node's plan from `state`, with a warning when the state lacks its Node.
+pub fn plan_of(state: &ClusterState, node: &str, config: &PlanConfig) -> NodePlan {
+    if state.node().is_none() {
+        eprintln!("kproxy: warning: no Node object named {node:?}: no zone, no node addresses");
+    }
+    kproxy_core::plan(state, node, config)
+}
+
+/// `-o` of `plan`, `explain` and `trace`: the answer for people, or as JSON or YAML
+/// (the same document; for `plan`, the contract in docs/plan-json.md).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Aligned columns (`plan`) or sentences (`explain`, `trace`).
+    #[value(alias = "text")]
+    Table,
+    Json,
+    Yaml,
+}
+
+/// Prints `value` as `-o json` or `-o yaml` asks; false for `-o table` (the caller
+/// prints its own).
+pub fn print_structured<T: serde::Serialize>(value: &T, output: Output) -> Result<bool> {
+    match output {
+        Output::Table => return Ok(false),
+        Output::Json => println!("{}", serde_json::to_string_pretty(value)?),
+        Output::Yaml => print!("{}", serde_saphyr::to_string(value)?),
+    }
+    Ok(true)
 }
 
 /// Prints the plan's frontend conflicts (all, or those of `service` as loser or owner)

@@ -2,6 +2,7 @@
 //! subcommand. Exit codes: 0 ok, 1 failure (or `--strict` problems), 2 usage.
 
 mod allocator;
+mod cluster;
 mod cmd_cleanup;
 mod cmd_explain;
 mod cmd_plan;
@@ -18,7 +19,7 @@ mod tasks;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -63,7 +64,12 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut command = Cli::command();
+    if cluster::invoked_as_kubectl_plugin() {
+        // As kubectl runs it: usage and errors name `kubectl kproxy`.
+        command = command.bin_name("kubectl kproxy");
+    }
+    let cli = Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
     common::init_logging(cli.logging_format);
     let result = match cli.command {
         Command::Plan(a) => cmd_plan::run(a),

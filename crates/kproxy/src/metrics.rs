@@ -421,6 +421,85 @@ mod tests {
         assert_eq!(network_programming_buckets().len(), 2 + 59 + 12 + 7);
     }
 
+    /// Every metric deploy/prometheus/kproxy-alerts.yaml names (in expressions and in
+    /// annotations) is one the daemon exports, under that exact sample name.
+    #[test]
+    fn the_alert_rules_name_exported_metrics() {
+        use kproxy_health::metrics::{BindLabels, CodeLabel, PortLabels, ServiceLabels};
+        let mut registry = Registry::default();
+        let m = Metrics::register(&mut registry);
+        let health = kproxy_health::metrics::Metrics::default();
+        health.register(&mut registry);
+        // A family is exported once it has a child: give each one.
+        let _ = m
+            .change_stages
+            .get_or_create(&StageLabel { stage: "total" });
+        let _ = m.no_local_endpoints.get_or_create(&NoLocalLabels {
+            traffic_policy: "external",
+            ip_family: "IPv4",
+        });
+        let (namespace, name) = ("shop".to_string(), "web".to_string());
+        let port = PortLabels {
+            namespace: namespace.clone(),
+            name: name.clone(),
+            port: 32000,
+        };
+        let _ = health.port_listening.get_or_create(&port);
+        let _ = health.port_healthy.get_or_create(&port);
+        let _ = health.healthz.get_or_create(&CodeLabel { code: "200" });
+        let _ = health.livez.get_or_create(&CodeLabel { code: "200" });
+        let _ = health.transitions.get_or_create(&ServiceLabels {
+            namespace: namespace.clone(),
+            name: name.clone(),
+        });
+        let _ = health.bind_failures.get_or_create(&BindLabels {
+            namespace,
+            name,
+            port: 32000,
+            reason: "port_in_use",
+        });
+        let text = encode(&registry);
+        let mut exported = std::collections::BTreeSet::new();
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix("# TYPE ") else {
+                continue;
+            };
+            let (name, kind) = rest.split_once(' ').unwrap();
+            match kind {
+                "counter" => {
+                    exported.insert(format!("{name}_total"));
+                }
+                "histogram" => {
+                    // The family's own name, as annotations speak of it.
+                    for suffix in ["", "_bucket", "_sum", "_count"] {
+                        exported.insert(format!("{name}{suffix}"));
+                    }
+                }
+                _ => {
+                    exported.insert(name.to_string());
+                }
+            }
+        }
+        let rules = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../deploy/prometheus/kproxy-alerts.yaml"
+        ))
+        .unwrap();
+        let named: std::collections::BTreeSet<&str> = rules
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("kproxy_") || w.starts_with("kubeproxy_"))
+            // The file's header speaks of the prefixes themselves.
+            .filter(|w| !w.ends_with('_'))
+            .collect();
+        assert!(named.len() >= 8, "{named:?}");
+        for name in named {
+            assert!(
+                exported.contains(name),
+                "deploy/prometheus/kproxy-alerts.yaml names {name}, which kproxy does not export; exported: {exported:?}"
+            );
+        }
+    }
+
     /// A change's way can be told apart around a 10 ms objective: 9.5 ms falls under
     /// 10 ms and above 8 ms, 11 ms under 12 ms.
     #[test]

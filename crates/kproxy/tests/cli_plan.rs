@@ -129,6 +129,70 @@ fn explain_says_why_each_endpoint_is_not_used() {
     assert!(err.contains("shop/nope"), "{err}");
 }
 
+/// README's example: node-a sends outside traffic to its terminating pod while its
+/// health check says 503; node-c, with no serving pod, drops it, and the reason matches
+/// the lab's load balancer (a retransmitted SYN stays on its node: no retry elsewhere).
+#[test]
+fn readmes_explain_example_shows_what_readme_says() {
+    let explain = |node: &str| {
+        let (code, out, err) = kproxy(&[
+            "explain",
+            "--manifests",
+            "examples/cluster",
+            "--node",
+            node,
+            "shop/web",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        out
+    };
+    let a = explain("node-a");
+    assert!(
+        a.contains("from anywhere else: 1 endpoint(s) by Local policy")
+            && a.contains("✓ 10.244.1.5:8080 — serving and terminating: failover")
+            && a.contains("health-check node port 32000: 503"),
+        "{a}"
+    );
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    assert!(
+        readme.contains("explain --manifests examples/cluster --node node-a shop/web"),
+        "README's example is node-a's"
+    );
+    let c = explain("node-c");
+    assert!(
+        c.contains("from anywhere else: DROP")
+            && c.contains("keeps a retransmitted SYN on the node it chose"),
+        "{c}"
+    );
+    assert!(!c.contains("retries another node"), "{c}");
+}
+
+#[test]
+fn the_plan_table_explains_its_columns() {
+    let (code, out, err) = kproxy(&[
+        "plan",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let header = out.lines().nth(1).unwrap();
+    for column in ["NODEP", "CLUSTER", "LOCAL", "ALL", "POLICY i/e", "EXTERNAL"] {
+        assert!(header.contains(column), "{header}");
+        assert!(
+            out.lines().any(|l| l.starts_with(&format!("{column} "))),
+            "{column} has a line in the legend:\n{out}"
+        );
+    }
+    assert!(out.contains("localEndpoints=0 → 503"), "{out}");
+    assert!(
+        out.contains("localEndpoints (health-check node ports) counts only READY endpoints"),
+        "{out}"
+    );
+}
+
 #[test]
 fn broken_objects_are_reported_and_skipped_and_strict_fails() {
     let dir = tempfile::tempdir().unwrap();

@@ -3,10 +3,13 @@
 //! EndpointSlice controllers) behind a real kube-apiserver; every node's kproxy
 //! watches that API. Opt-in: needs root and a running k8s-lab instance named by
 //! K8S_LAB (kube-apiserver + kube-controller-manager, see
-//! /work/shared/tools/k8s-lab/README.md); without K8S_LAB the tests say so and pass
-//! (CI cannot build the lab). With K8S_LAB set, anything missing fails.
+//! /work/shared/tools/k8s-lab/README.md). CI cannot build the lab, so the tests are
+//! `#[ignore]`d with that reason: `cargo test` lists them as ignored, visibly, instead
+//! of passing without running (a skip printed from inside a test is swallowed by the
+//! test runner's capture, and the summary would count it as passed). Run them with
+//! `--ignored`; then a missing K8S_LAB or root fails.
 //!
-//! K8S_LAB=/tmp/k8s-lab-NAME cargo test -p kproxy --test lab_k8s -- --test-threads 1
+//! K8S_LAB=/tmp/k8s-lab-NAME cargo test -p kproxy --test lab_k8s -- --ignored --test-threads 1
 
 use std::process::Command;
 use std::sync::Mutex;
@@ -15,23 +18,18 @@ use serde_json::Value;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn enabled() -> bool {
-    if std::env::var_os("K8S_LAB").is_none() {
-        eprintln!(
-            "skipped: set K8S_LAB to a running k8s-lab instance (start.sh start && start.sh kcm) to run the lab against the real control plane"
-        );
-        return false;
-    }
-    if !kproxy_lab::is_root() {
-        eprintln!("skipped: kproxy lab needs root");
-        return false;
-    }
-    true
+/// Asked for with `--ignored`: what the tests need must be there.
+fn require_lab() {
+    assert!(
+        std::env::var_os("K8S_LAB").is_some(),
+        "set K8S_LAB to a running k8s-lab instance (start.sh start && start.sh kcm) to run the lab against the real control plane"
+    );
+    assert!(kproxy_lab::is_root(), "kproxy lab needs root");
 }
 
 fn rollout(args: &[&str]) -> (i32, Value) {
     let out = Command::new(env!("CARGO_BIN_EXE_kproxy"))
-        .args(["lab", "rollout", "-o", "json", "--no-plot"])
+        .args(["lab", "rollout", "-o", "json", "--no-html"])
         .args(args)
         .output()
         .expect("run kproxy lab rollout");
@@ -84,11 +82,10 @@ fn check_real_controllers(r: &Value) {
 }
 
 #[test]
+#[ignore = "needs K8S_LAB (a k8s-lab instance: start.sh start && start.sh kcm) and root; run with --ignored"]
 fn real_control_plane_rollout_loses_nothing_with_kproxy_and_requests_before_1_26() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !enabled() {
-        return;
-    }
+    require_lab();
     let (code, v) = rollout(&["--control-plane", "k8s-lab", "--compare"]);
     let runs = v["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), 2);
@@ -105,11 +102,10 @@ fn real_control_plane_rollout_loses_nothing_with_kproxy_and_requests_before_1_26
 }
 
 #[test]
+#[ignore = "needs K8S_LAB (a k8s-lab instance: start.sh start && start.sh kcm) and root; run with --ignored"]
 fn both_control_planes_side_by_side() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    if !enabled() {
-        return;
-    }
+    require_lab();
     let (code, v) = rollout(&["--control-plane", "emulated,k8s-lab"]);
     let runs = v["runs"].as_array().expect("runs");
     let planes: Vec<&str> = runs

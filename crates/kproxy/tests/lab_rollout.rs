@@ -24,18 +24,18 @@ fn root() -> bool {
 }
 
 /// Run `kproxy lab rollout -o json` with `args`; returns (exit code, JSON).
-fn rollout(args: &[&str], plot_dir: Option<&Path>) -> (i32, Value) {
+fn rollout(args: &[&str], html: Option<&Path>) -> (i32, Value) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kproxy"));
     cmd.args(["lab", "rollout", "-o", "json"]);
     if !args.contains(&"--time-scale") {
         cmd.args(["--time-scale", SCALE]);
     }
-    match plot_dir {
-        Some(d) => {
-            cmd.arg("--plot-dir").arg(d);
+    match html {
+        Some(path) => {
+            cmd.arg("--html").arg(path);
         }
         None => {
-            cmd.arg("--no-plot");
+            cmd.arg("--no-html");
         }
     }
     cmd.args(args);
@@ -119,7 +119,7 @@ fn pre_126_behaviour_loses_requests_in_every_run_and_the_report_says_why() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (_, v) = rollout(
         &["--proxy-terminating-endpoints=false", "--runs", "2"],
-        Some(dir.path()),
+        Some(&dir.path().join("report/rollout.html")),
     );
     let rs = runs(&v);
     assert_eq!(rs.len(), 2);
@@ -144,27 +144,14 @@ fn pre_126_behaviour_loses_requests_in_every_run_and_the_report_says_why() {
             "a burst is explained by a node whose last pod was terminating: {causes:?}"
         );
     }
-    // The plots exist and are valid images.
-    let plots: Vec<&str> = v["plots"]
-        .as_array()
-        .expect("plots")
-        .iter()
-        .filter_map(|p| p.as_str())
-        .collect();
-    assert_eq!(plots.len(), 4, "{plots:?}");
-    for p in plots {
-        let bytes = std::fs::read(p).expect("plot file");
-        if p.ends_with(".png") {
-            assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{p} is a PNG");
-            assert!(bytes.len() > 1000);
-        } else {
-            let text = String::from_utf8_lossy(&bytes);
-            assert!(
-                text.contains("<svg") && text.trim_end().ends_with("</svg>"),
-                "{p} is an SVG"
-            );
-        }
-    }
+    // The HTML report exists where asked (its directory created), is named in the
+    // JSON, and shows both runs with the timeline's legend.
+    let html = dir.path().join("report/rollout.html");
+    assert_eq!(v["html"], html.display().to_string());
+    let page = std::fs::read_to_string(&html).expect("the HTML report");
+    assert!(page.starts_with("<!DOCTYPE html>") && page.trim_end().ends_with("</html>"));
+    assert!(page.contains("pre-1.26 run 1") && page.contains("pre-1.26 run 2"));
+    assert!(page.contains("<b>Timeline:</b>"), "the legend");
 }
 
 #[test]

@@ -12,11 +12,13 @@
 //!
 //! Opt-in: needs root, and a running k8s-lab instance (`start.sh start`; kcm is not
 //! needed) named by K8S_LAB, with upstream kube-proxy at `$K8S_LAB/bin/kube-proxy`.
-//! Without K8S_LAB the test says so and passes (CI cannot build the lab); with K8S_LAB
-//! set, anything missing fails.
+//! CI cannot build the lab, so the test is `#[ignore]`d with that reason: `cargo test`
+//! lists it as ignored, visibly, instead of passing without running (a skip printed
+//! from inside a test is swallowed by the test runner's capture). Run it with
+//! `--ignored`; then anything missing fails.
 //!
 //! K8S_LAB=/tmp/k8s-lab KPROXY_UPSTREAM_CASES=200 \
-//!   cargo test -p kproxy --test upstream_differential -- --nocapture
+//!   cargo test -p kproxy --test upstream_differential -- --ignored --nocapture
 //!
 //! Cases `KPROXY_UPSTREAM_CASES` (default 10), seed `KPROXY_UPSTREAM_SEED` (default 36;
 //! `random` for a fresh one); `KPROXY_UPSTREAM_REPORT=FILE` writes every difference.
@@ -44,13 +46,12 @@ use serde_json::json;
 const NAMESPACE: &str = "ns";
 const NODE: &str = "node-a";
 
-fn enabled() -> Option<K8sLab> {
-    if std::env::var_os("K8S_LAB").is_none() {
-        eprintln!(
-            "skipped: set K8S_LAB to a running k8s-lab instance (start.sh start) to compare kproxy with upstream kube-proxy"
-        );
-        return None;
-    }
+/// Asked for with `--ignored`: the lab must be there.
+fn require_lab() -> K8sLab {
+    assert!(
+        std::env::var_os("K8S_LAB").is_some(),
+        "set K8S_LAB to a running k8s-lab instance (start.sh start) to compare kproxy with upstream kube-proxy"
+    );
     assert!(
         kproxy_lab::is_root(),
         "K8S_LAB is set but the test is not root (network namespaces, nftables)"
@@ -61,7 +62,7 @@ fn enabled() -> Option<K8sLab> {
         "{}: no bin/kube-proxy (setup.sh builds it)",
         lab.dir.display()
     );
-    Some(lab)
+    lab
 }
 
 /// What the lab's API server can hold: both families only when its service CIDRs
@@ -361,8 +362,9 @@ fn work_dir() -> PathBuf {
 }
 
 #[test]
+#[ignore = "needs K8S_LAB (a k8s-lab instance: start.sh start) with bin/kube-proxy, and root; run with --ignored"]
 fn upstream_kube_proxy_meets_the_fate_kproxy_trace_predicts() {
-    let Some(lab) = enabled() else { return };
+    let lab = require_lab();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

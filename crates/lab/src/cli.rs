@@ -10,7 +10,7 @@ use crate::config::RolloutConfig;
 use crate::lb::{HealthCheck, LbMode, LbPreset};
 use crate::pod::PodProfile;
 use crate::scenario::{self, Behaviour, ControlPlaneKind, RunResult};
-use crate::{netns, plot, report};
+use crate::{netns, report};
 
 #[derive(clap::Args, Debug)]
 pub struct LabArgs {
@@ -77,7 +77,7 @@ pub struct MatrixArgs {
     #[arg(short = 'o', long, value_enum, default_value = "text")]
     pub output: Option<OutputFormat>,
     /// The HTML report (matrix table, every cell's timeline).
-    #[arg(long, default_value = "kproxy-lab-matrix.html")]
+    #[arg(long, default_value = "lab-out/kproxy-lab-matrix.html")]
     pub html: PathBuf,
     #[arg(long)]
     pub no_html: bool,
@@ -118,14 +118,13 @@ pub struct RolloutArgs {
     /// Print the full event timeline of every run in the text report.
     #[arg(long)]
     pub timeline: bool,
-    /// Also write a self-contained HTML report (timelines, bursts) to this file.
+    /// The self-contained HTML report (per run: the timeline of nodes, pods and the
+    /// LB pool with every failure, and each failure burst with its cause).
+    #[arg(long, default_value = "lab-out/kproxy-lab-rollout.html")]
+    pub html: PathBuf,
+    /// Write no HTML report.
     #[arg(long)]
-    pub html: Option<PathBuf>,
-    /// Directory for the plots (SVG + PNG per run).
-    #[arg(long, default_value = ".")]
-    pub plot_dir: PathBuf,
-    #[arg(long)]
-    pub no_plot: bool,
+    pub no_html: bool,
     /// The kproxy binary to run on each node (default: this executable).
     #[arg(long)]
     pub kproxy: Option<PathBuf>,
@@ -399,6 +398,15 @@ fn restart(a: &RestartArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// Writes a report to `path` (creating its directory); its absolute path, to print.
+fn write_report(path: &std::path::Path, page: &str) -> anyhow::Result<PathBuf> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
+    Ok(std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()))
+}
+
 fn fabric_max_nodes() -> usize {
     crate::fabric::MAX_NODES
 }
@@ -511,8 +519,8 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
             &runs,
             &results,
         );
-        std::fs::write(&a.html, page).with_context(|| format!("writing {}", a.html.display()))?;
-        eprintln!("kproxy lab: HTML report: {}", a.html.display());
+        let path = write_report(&a.html, &page)?;
+        eprintln!("kproxy lab: HTML report: {}", path.display());
     }
     if a.output == Some(OutputFormat::Json) {
         let doc = serde_json::json!({
@@ -588,48 +596,34 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    let mut plots = Vec::new();
-    if !a.no_plot {
-        std::fs::create_dir_all(&a.plot_dir)
-            .with_context(|| format!("creating {}", a.plot_dir.display()))?;
-        for r in &runs {
-            let plane = match r.control_plane {
-                ControlPlaneKind::Emulated => String::new(),
-                other => format!("-{}", other.as_str()),
-            };
-            let stem = a.plot_dir.join(format!(
-                "kproxy-lab-rollout-{}{plane}-run{}",
-                r.behaviour.as_str(),
-                r.run + 1
-            ));
-            match plot::write_plots(r, &stem) {
-                Ok(ps) => plots.extend(ps.into_iter().map(|p| p.display().to_string())),
-                Err(e) => eprintln!("kproxy lab: warning: {e}"),
-            }
-        }
-    }
-    if let Some(path) = &a.html {
+    let html = if a.no_html {
+        None
+    } else {
         let page = crate::html::render(
             "kproxy lab rollout",
             &format!(
-                "{} run(s), time scale {} (times nominal): a rolling update behind the emulated load balancer, the real kproxy daemon on every node.",
+                "{} run(s), time scale {} (times nominal). Each run is a rolling update behind the emulated load balancer, with the real kproxy daemon on every node; times count from the start of the run (cluster set-up), as in the text report.",
                 runs.len(),
                 cfg.time_scale
             ),
             &runs,
             &[],
         );
-        std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("kproxy lab: HTML report: {}", path.display());
-    }
+        Some(write_report(&a.html, &page)?)
+    };
     if json {
-        let doc = report::render_json(&runs, &cfg, &plots);
+        let doc = report::render_json(&runs, &cfg, html.as_deref());
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print!("{}", report::render_text(&runs, a.timeline));
         print!("{}", crate::compare::render_text(&runs));
-        if !plots.is_empty() {
-            println!("\nplots: {}", plots.join(", "));
+        // Last, so it is what a terminal shows at the end.
+        if let Some(path) = &html {
+            println!(
+                "
+HTML report (open it in a browser): {}",
+                path.display()
+            );
         }
     }
     // The claim under test: kproxy behaviour loses nothing.

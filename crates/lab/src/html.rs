@@ -43,6 +43,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .cause{font-size:.85em;color:#333}
 details{margin:.3em 0}summary{cursor:pointer}
 .legend span{display:inline-block;padding:1px 6px;margin-right:6px;border:1px solid #ccd;font-size:.8em}
+.legend i{display:inline-block;width:14px;height:10px;margin-right:4px;vertical-align:middle;border:1px solid #999}
 svg text{font-family:system-ui,sans-serif}
 "#;
 
@@ -62,6 +63,7 @@ pub fn render(title: &str, intro: &str, runs: &[RunResult], matrix: &[CellResult
     let sums: Vec<Summary> = runs.iter().map(report::summarize).collect();
     if !runs.is_empty() {
         s.push_str(&summary_table(&sums, runs));
+        s.push_str(&legend());
     }
     for (i, (r, m)) in runs.iter().zip(&sums).enumerate() {
         let label = match matrix.get(i) {
@@ -229,6 +231,58 @@ const LANE_H: f64 = 18.0;
 const LEFT: f64 = 150.0;
 const WIDTH: f64 = 1100.0;
 
+/// The timeline's colours, named once: the drawing and its legend use these.
+const ROLLOUT: &str = "#eef3ff";
+const REQUESTS: &str = "#9c9";
+const FAILED: &str = "#d22";
+const IN_POOL: &str = "#bfe5bf";
+const OUT_OF_POOL: &str = "#d9d9d9";
+const HEALTH_ANSWER: &str = "#246";
+const RESTART: &str = "#e80";
+const NODE_MARK: &str = "#000";
+const LB_DRAIN: &str = "#a0a";
+const POD: &str = "#e4e4ee";
+const READY: &str = "#5cb85c";
+const TERMINATING: &str = "#f0ad4e";
+const SIGTERM: &str = "#c60";
+const EXITED: &str = "#555";
+const KILLED: &str = "#b00";
+
+/// What each colour of the timeline means, in the order a reader meets the lanes.
+const LEGEND: [(&str, &str); 15] = [
+    (ROLLOUT, "the rollout (or node drain) window"),
+    (REQUESTS, "requests lane: the load generator's requests"),
+    (FAILED, "a failed request, at the time it started"),
+    (IN_POOL, "node lane: in the load balancer's pool"),
+    (OUT_OF_POOL, "node lane: out of the pool"),
+    (HEALTH_ANSWER, "a change of the node's health-check answer"),
+    (RESTART, "kproxy restarted on the node"),
+    (NODE_MARK, "node tainted for deletion, or deleted"),
+    (LB_DRAIN, "the LB's drain timeout cut the node's flows"),
+    (POD, "pod lane: the pod exists"),
+    (READY, "pod ready"),
+    (TERMINATING, "pod terminating (thin bar)"),
+    (SIGTERM, "SIGTERM sent to the pod"),
+    (EXITED, "■ pod exited"),
+    (KILLED, "✖ pod killed (SIGKILL)"),
+];
+
+/// The legend of every timeline's colours, shown once above the runs.
+fn legend() -> String {
+    let mut s = String::from("<p class=\"legend\"><b>Timeline:</b> ");
+    for (colour, meaning) in LEGEND {
+        let _ = write!(
+            s,
+            "<span><i style=\"background:{colour}\"></i>{}</span>",
+            esc(meaning)
+        );
+    }
+    s.push_str(
+        "<br>Times are nominal seconds since the run started (the cluster's set-up), as in the text report; hover over a mark for its time and detail.</p>\n",
+    );
+    s
+}
+
 /// The run's timeline as inline SVG.
 pub fn timeline_svg(r: &RunResult) -> String {
     let nominal = |ms: f64| ms / 1000.0 / r.time_scale;
@@ -333,7 +387,7 @@ pub fn timeline_svg(r: &RunResult) -> String {
     };
     let _ = writeln!(
         s,
-        "<rect x=\"{:.1}\" y=\"{}\" width=\"{:.1}\" height=\"{:.0}\" fill=\"#eef3ff\"><title>{phase} {rs:.1}–{re:.1} s</title></rect><text x=\"{:.1}\" y=\"14\" font-size=\"11\" fill=\"#335\">{phase}</text>",
+        "<rect x=\"{:.1}\" y=\"{}\" width=\"{:.1}\" height=\"{:.0}\" fill=\"{ROLLOUT}\"><title>{phase} {rs:.1}–{re:.1} s</title></rect><text x=\"{:.1}\" y=\"14\" font-size=\"11\" fill=\"#335\">{phase}</text>",
         x(rs),
         top - 4.0,
         (x(re) - x(rs)).max(1.0),
@@ -344,7 +398,7 @@ pub fn timeline_svg(r: &RunResult) -> String {
     let y0 = lane_y(0);
     let _ = writeln!(
         s,
-        "<text x=\"4\" y=\"{:.1}\" font-size=\"12\">requests</text><line x1=\"{LEFT}\" x2=\"{:.0}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#9c9\"/>",
+        "<text x=\"4\" y=\"{:.1}\" font-size=\"12\">requests</text><line x1=\"{LEFT}\" x2=\"{:.0}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"{REQUESTS}\"/>",
         y0 + 13.0,
         WIDTH - 10.0,
         y0 + LANE_H / 2.0,
@@ -354,7 +408,7 @@ pub fn timeline_svg(r: &RunResult) -> String {
         let t = nominal(rec.start_ms);
         let _ = writeln!(
             s,
-            "<line class=\"fail\" x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{y0:.1}\" y2=\"{:.1}\" stroke=\"#d22\" stroke-width=\"1.5\"><title>{} at {t:.2} s</title></line>",
+            "<line class=\"fail\" x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{y0:.1}\" y2=\"{:.1}\" stroke=\"{FAILED}\" stroke-width=\"1.5\"><title>{} at {t:.2} s</title></line>",
             x(t),
             x(t),
             y0 + LANE_H,
@@ -383,7 +437,7 @@ pub fn timeline_svg(r: &RunResult) -> String {
                 "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{LANE_H}\" fill=\"{}\"><title>{} {t:.1}–{end:.1} s</title></rect>",
                 x(*t),
                 (x(end) - x(*t)).max(0.0),
-                if *inside { "#bfe5bf" } else { "#d9d9d9" },
+                if *inside { IN_POOL } else { OUT_OF_POOL },
                 if *inside {
                     "in the LB pool"
                 } else {
@@ -394,7 +448,7 @@ pub fn timeline_svg(r: &RunResult) -> String {
         for (t, d) in health.get(node).into_iter().flatten() {
             let _ = writeln!(
                 s,
-                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"#246\"><title>health check {} at {t:.1} s</title></circle>",
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"{HEALTH_ANSWER}\"><title>health check {} at {t:.1} s</title></circle>",
                 x(*t),
                 y + LANE_H / 2.0,
                 esc(d)
@@ -403,21 +457,21 @@ pub fn timeline_svg(r: &RunResult) -> String {
         for (t, _) in restarts.iter().filter(|(_, n)| n == node) {
             let _ = writeln!(
                 s,
-                "<path d=\"M{:.1} {y:.1} l5 9 l-5 9 l-5 -9 z\" fill=\"#e80\"><title>kproxy restarted at {t:.1} s</title></path>",
+                "<path d=\"M{:.1} {y:.1} l5 9 l-5 9 l-5 -9 z\" fill=\"{RESTART}\"><title>kproxy restarted at {t:.1} s</title></path>",
                 x(*t)
             );
         }
         for (t, _, what) in node_marks.iter().filter(|(_, n, _)| n == node) {
             let _ = writeln!(
                 s,
-                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"4\" height=\"{LANE_H}\" fill=\"#000\"><title>{what} at {t:.1} s</title></rect>",
+                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"4\" height=\"{LANE_H}\" fill=\"{NODE_MARK}\"><title>{what} at {t:.1} s</title></rect>",
                 x(*t)
             );
         }
         for (t, _) in drained.iter().filter(|(_, n)| n == node) {
             let _ = writeln!(
                 s,
-                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"3\" height=\"{LANE_H}\" fill=\"#a0a\"><title>LB drain timeout cut flows at {t:.1} s</title></rect>",
+                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"3\" height=\"{LANE_H}\" fill=\"{LB_DRAIN}\"><title>LB drain timeout cut flows at {t:.1} s</title></rect>",
                 x(*t)
             );
         }
@@ -434,7 +488,7 @@ pub fn timeline_svg(r: &RunResult) -> String {
         let end = l.end.map_or(t1, |e| e.0);
         let _ = writeln!(
             s,
-            "<text x=\"4\" y=\"{:.1}\" font-size=\"11\">{} ({})</text><rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{LANE_H}\" fill=\"#e4e4ee\"><title>{} created at {:.1} s</title></rect>",
+            "<text x=\"4\" y=\"{:.1}\" font-size=\"11\">{} ({})</text><rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{LANE_H}\" fill=\"{POD}\"><title>{} created at {:.1} s</title></rect>",
             y + 13.0,
             esc(name),
             esc(&l.node),
@@ -447,7 +501,7 @@ pub fn timeline_svg(r: &RunResult) -> String {
             let b = if b.is_nan() { end } else { *b };
             let _ = writeln!(
                 s,
-                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.0}\" fill=\"#5cb85c\"><title>ready {a:.1}–{b:.1} s</title></rect>",
+                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.0}\" fill=\"{READY}\"><title>ready {a:.1}–{b:.1} s</title></rect>",
                 x(*a),
                 y + 3.0,
                 (x(b) - x(*a)).max(0.5),
@@ -457,7 +511,7 @@ pub fn timeline_svg(r: &RunResult) -> String {
         if let Some(t) = l.terminating {
             let _ = writeln!(
                 s,
-                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"4\" fill=\"#f0ad4e\"><title>terminating from {t:.1} s</title></rect>",
+                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"4\" fill=\"{TERMINATING}\"><title>terminating from {t:.1} s</title></rect>",
                 x(t),
                 (x(end) - x(t)).max(0.5)
             );
@@ -465,7 +519,7 @@ pub fn timeline_svg(r: &RunResult) -> String {
         if let Some(t) = l.sigterm {
             let _ = writeln!(
                 s,
-                "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{y:.1}\" y2=\"{:.1}\" stroke=\"#c60\" stroke-width=\"2\"><title>SIGTERM at {t:.1} s</title></line>",
+                "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{y:.1}\" y2=\"{:.1}\" stroke=\"{SIGTERM}\" stroke-width=\"2\"><title>SIGTERM at {t:.1} s</title></line>",
                 x(t),
                 x(t),
                 y + LANE_H
@@ -477,14 +531,19 @@ pub fn timeline_svg(r: &RunResult) -> String {
                 "<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"11\" fill=\"{}\">{}<title>{} at {t:.1} s</title></text>",
                 x(t) + 2.0,
                 y + 13.0,
-                if killed { "#b00" } else { "#555" },
+                if killed { KILLED } else { EXITED },
                 if killed { "✖" } else { "■" },
                 if killed { "SIGKILL" } else { "exited" }
             );
         }
     }
-    // Time axis.
+    // Time axis, from the same origin as the text report's times.
     let ya = h - 20.0;
+    let _ = writeln!(
+        s,
+        "<text x=\"4\" y=\"{:.1}\" font-size=\"10\">s since run start</text>",
+        ya + 15.0
+    );
     let step = nice_step(t1 - t0);
     let mut t = 0.0;
     while t <= t1 {
@@ -522,6 +581,85 @@ mod tests {
             esc("<a href=\"x\">&'"),
             "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
         );
+    }
+
+    /// Every colour a timeline draws has its line in the legend.
+    #[test]
+    fn the_legend_names_every_colour_of_the_timeline() {
+        use crate::timeline::Event;
+        let ev = |t_ms: f64, kind: EventKind, node: &str, pod: Option<&str>, detail: &str| Event {
+            t_ms,
+            kind,
+            node: Some(node.into()),
+            pod: pod.map(Into::into),
+            detail: detail.into(),
+        };
+        let failed = crate::loadgen::RequestRecord {
+            start_ms: 1500.0,
+            end_ms: 1600.0,
+            outcome: crate::loadgen::Outcome::Timeout,
+            conn: crate::loadgen::ConnKind::New,
+            pod: None,
+            reused: false,
+            conn_pod: None,
+        };
+        let pod = Some("web-1");
+        let r = RunResult {
+            control_plane: crate::scenario::ControlPlaneKind::Emulated,
+            behaviour: crate::scenario::Behaviour::Kproxy,
+            run: 0,
+            time_scale: 0.1,
+            nodes: vec!["node-1".into()],
+            health_check: crate::lb::LbPreset::Gke.health_check().unwrap(),
+            records: vec![failed],
+            events: vec![
+                ev(10.0, EventKind::PodCreated, "node-1", pod, ""),
+                ev(20.0, EventKind::PodReady, "node-1", pod, ""),
+                ev(30.0, EventKind::LbPool, "node-1", None, "no healthy node"),
+                ev(40.0, EventKind::HealthAnswer, "node-1", None, "503"),
+                ev(50.0, EventKind::KproxyRestarted, "node-1", None, ""),
+                ev(60.0, EventKind::NodeTainted, "node-1", None, ""),
+                ev(70.0, EventKind::LbDrained, "node-1", None, ""),
+                ev(80.0, EventKind::PodTerminating, "node-1", pod, ""),
+                ev(90.0, EventKind::PodSigterm, "node-1", pod, ""),
+                ev(100.0, EventKind::PodKilled, "node-1", pod, ""),
+                ev(10.0, EventKind::PodCreated, "node-1", Some("web-2"), ""),
+                ev(100.0, EventKind::PodExited, "node-1", Some("web-2"), ""),
+            ],
+            load_start_ms: 0.0,
+            rollout_start_ms: 0.0,
+            rollout_end_ms: 2000.0,
+            load_end_ms: 2000.0,
+            drain: None,
+        };
+        let svg = timeline_svg(&r);
+        let legend = legend();
+        let mut drawn = 0;
+        for attr in ["fill=\"", "stroke=\""] {
+            for piece in svg.split(attr).skip(1) {
+                let colour = &piece[..piece.find('"').unwrap()];
+                if ["#335", "#888"].contains(&colour) {
+                    continue; // the rollout's label and the axis: text, not marks
+                }
+                drawn += 1;
+                assert!(
+                    legend.contains(&format!("background:{colour}\"")),
+                    "{colour} is drawn but not in the legend"
+                );
+            }
+        }
+        assert!(
+            drawn >= LEGEND.len(),
+            "the fixture draws every mark: {drawn}"
+        );
+        for (colour, _) in LEGEND {
+            assert!(
+                svg.contains(colour),
+                "{colour} in the legend is never drawn"
+            );
+        }
+        let page = render("t", "i", std::slice::from_ref(&r), &[]);
+        assert!(page.contains(&legend), "the report shows the legend");
     }
 
     #[test]

@@ -23,7 +23,6 @@ pub mod lb;
 pub mod loadgen;
 pub mod matrix;
 pub mod netns;
-pub mod plot;
 pub mod pod;
 pub mod report;
 pub mod restart;

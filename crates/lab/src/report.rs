@@ -543,7 +543,7 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
         .max(9);
     let _ = writeln!(
         s,
-        "\nSummary (times are nominal: real time / time scale {})",
+        "\nSummary (times are nominal: real time / time scale {}; they count from the start of each run, the cluster's set-up, as the HTML report's axis does)",
         runs.first().map(|r| r.time_scale).unwrap_or(1.0)
     );
     let _ = writeln!(
@@ -625,10 +625,18 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
     for (r, m) in runs.iter().zip(&sums) {
         let _ = writeln!(
             s,
-            "\n== {} run {}: {} failure burst(s)",
+            "\n== {} run {}: {} failure burst(s); load from {:.2}s, {} {:.2}s..{:.2}s",
             label(m),
             m.run,
-            m.bursts.len()
+            m.bursts.len(),
+            nominal(r, r.load_start_ms),
+            if r.drain.is_some() {
+                "node drain"
+            } else {
+                "rollout"
+            },
+            nominal(r, r.rollout_start_ms),
+            nominal(r, r.rollout_end_ms)
         );
         for b in &m.bursts {
             let kinds: Vec<String> = b.kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
@@ -661,11 +669,12 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
     s
 }
 
-/// The JSON document: `{"runs": [{"behaviour", "sent", "ok", "failed", ...}]}`.
+/// The JSON document: `{"runs": [{"behaviour", "sent", "ok", "failed", ...}], "html"}`.
+/// Times (`*_s`) are nominal seconds since the run started, as in the text report.
 pub fn render_json(
     runs: &[RunResult],
     config: &crate::config::RolloutConfig,
-    plots: &[String],
+    html: Option<&std::path::Path>,
 ) -> Value {
     let rs: Vec<Value> = runs
         .iter()
@@ -674,6 +683,7 @@ pub fn render_json(
             let mut v = serde_json::to_value(&m).unwrap_or(Value::Null);
             if let Some(o) = v.as_object_mut() {
                 o.insert("time_scale".into(), json!(r.time_scale));
+                o.insert("load_start_s".into(), json!(nominal(r, r.load_start_ms)));
                 o.insert(
                     "rollout_start_s".into(),
                     json!(nominal(r, r.rollout_start_ms)),
@@ -712,7 +722,8 @@ pub fn render_json(
             })
         })
         .collect();
-    json!({"runs": rs, "config": config, "plots": plots, "comparison": comparison})
+    let html = html.map(|p| p.display().to_string());
+    json!({"runs": rs, "config": config, "html": html, "comparison": comparison})
 }
 
 #[cfg(test)]

@@ -204,12 +204,15 @@ impl Resource {
     }
 }
 
-/// The fake API server's state: one [`Resource`] per kind kproxy watches.
+/// The fake API server's state: one [`Resource`] per kind kproxy watches, and the
+/// ConfigMaps a GET can read (`kproxy plan` reads the node's configuration from one).
 pub struct FakeApi {
     pub services: Resource,
     pub slices: Resource,
     pub nodes: Resource,
     pub service_cidrs: Resource,
+    /// By (namespace, name): each a ConfigMap object as the API serves it.
+    pub config_maps: Mutex<BTreeMap<(String, String), Value>>,
 }
 
 impl Default for FakeApi {
@@ -225,8 +228,34 @@ impl FakeApi {
             slices: Resource::new("EndpointSliceList"),
             nodes: Resource::new("NodeList"),
             service_cidrs: Resource::new("ServiceCIDRList"),
+            config_maps: Mutex::new(BTreeMap::new()),
         }
     }
+
+    /// Serves ConfigMap `namespace/name` holding `data`.
+    pub fn set_config_map(&self, namespace: &str, name: &str, data: Value) {
+        let object = json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": namespace, "resourceVersion": "1"},
+            "data": data});
+        lock(&self.config_maps).insert((namespace.into(), name.into()), object);
+    }
+}
+
+/// A GET of one ConfigMap: `/api/v1/namespaces/NS/configmaps/NAME`.
+fn config_map(api: &FakeApi, path: &str) -> Option<Response> {
+    let rest = path.strip_prefix("/api/v1/namespaces/")?;
+    let (namespace, name) = rest.split_once("/configmaps/")?;
+    let found = lock(&api.config_maps)
+        .get(&(namespace.to_string(), name.to_string()))
+        .cloned();
+    Some(match found {
+        Some(object) => axum::Json(object).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            axum::Json(status(StatusCode::NOT_FOUND, "NotFound")),
+        )
+            .into_response(),
+    })
 }
 
 /// A `Status` object as the API server sends it with an error.
@@ -288,8 +317,12 @@ fn query(uri: &Uri) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The request handler: lists and watches of the four cluster-wide collections.
+/// The request handler: lists and watches of the four cluster-wide collections, GETs
+/// of ConfigMaps.
 pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap) -> Response {
+    if let Some(response) = config_map(&api, uri.path()) {
+        return response;
+    }
     let res = match uri.path() {
         "/api/v1/services" => &api.services,
         "/apis/discovery.k8s.io/v1/endpointslices" => &api.slices,
@@ -395,4 +428,23 @@ pub fn spawn(
 ) -> tokio::task::JoinHandle<std::io::Result<()>> {
     let app = axum::Router::new().fallback(serve).with_state(api);
     tokio::spawn(async move { axum::serve(listener, app).await })
+}
+
+/// Serves `api` on a free port of 127.0.0.1, on a runtime of its own (one worker), for
+/// tests and benches that run kproxy as a process: the runtime, which serves until it
+/// is dropped, and the address.
+pub fn serve_on_loopback(
+    api: Arc<FakeApi>,
+) -> std::io::Result<(tokio::runtime::Runtime, SocketAddr)> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    {
+        let _entered = runtime.enter();
+        spawn(listener, api);
+    }
+    Ok((runtime, addr))
 }

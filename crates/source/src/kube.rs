@@ -10,6 +10,9 @@
 //! ingested at once; a relist buffers the ingested updates, not objects ([`reflect`],
 //! [`fold`]).
 //!
+//! [`list_once`] is the one-shot read of `kproxy plan`, `explain` and `trace`: the same
+//! targets, lists, decoding and fold, each kind listed once, no watch.
+//!
 //! Failure model ([`reflect`]): a dropped watch resumes from the last resourceVersion,
 //! 410 Gone relists, errors are retried with client-go's backoff (0.8 s doubling to
 //! 30 s, jittered). Meanwhile the last state stays in place, so the rules already
@@ -23,7 +26,8 @@ pub mod split;
 
 use std::path::{Path, PathBuf};
 
-use kproxy_core::ingest::{self, Kind, Ownership};
+use kproxy_core::ClusterState;
+use kproxy_core::ingest::{self, IngestError, Kind, Ownership};
 use kproxy_core::state::Update;
 use tokio::sync::mpsc;
 
@@ -65,27 +69,69 @@ pub enum SourceError {
     InCluster(#[source] kube::config::InClusterError),
     #[error("cannot build the Kubernetes client: {0}")]
     Client(#[source] kube::Error),
+    #[error("cannot load kubectl's kubeconfig ($KUBECONFIG, else ~/.kube/config): {0}")]
+    KubectlKubeconfig(#[source] kube::config::KubeconfigError),
     #[error("the Kubernetes watches ended")]
     WatchEnded,
+    #[error("listing {kind} from the API server failed: {error}")]
+    ListFailed { kind: Kind, error: String },
+    #[error("reading ConfigMap {namespace}/{name}: {source}")]
+    ConfigMap {
+        namespace: String,
+        name: String,
+        source: kube::Error,
+    },
+}
+
+/// Where the client's configuration comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Credentials {
+    /// This kubeconfig file (`--kubeconfig`, or `clientConnection.kubeconfig`).
+    Kubeconfig(PathBuf),
+    /// kubectl's: `$KUBECONFIG` (files merged as kubectl does), else `~/.kube/config`.
+    Kubectl,
+    /// The pod's service account (`KUBERNETES_SERVICE_HOST`, its token and CA).
+    InCluster,
 }
 
 /// A client from a kubeconfig file, or the in-cluster configuration (service account
 /// token and `KUBERNETES_SERVICE_HOST`) when `kubeconfig` is `None`, as kube-proxy.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, SourceError> {
-    let config = match kubeconfig {
-        Some(path) => {
+    let credentials = match kubeconfig {
+        Some(path) => Credentials::Kubeconfig(path.to_path_buf()),
+        None => Credentials::InCluster,
+    };
+    let config = client_config(&credentials, None).await?;
+    kube::Client::try_from(config).map_err(SourceError::Client)
+}
+
+/// The client configuration `credentials` name, with `context` instead of the
+/// kubeconfig's current context. Its `default_namespace` is the context's namespace
+/// (kubectl's default namespace), or the pod's namespace in a cluster.
+pub async fn client_config(
+    credentials: &Credentials,
+    context: Option<&str>,
+) -> Result<kube::Config, SourceError> {
+    let options = kube::config::KubeConfigOptions {
+        context: context.map(str::to_string),
+        ..Default::default()
+    };
+    match credentials {
+        Credentials::Kubeconfig(path) => {
             let err = |source| SourceError::Kubeconfig {
                 path: path.to_path_buf(),
                 source,
             };
             let kc = kube::config::Kubeconfig::read_from(path).map_err(err)?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            kube::Config::from_custom_kubeconfig(kc, &options)
                 .await
-                .map_err(err)?
+                .map_err(err)
         }
-        None => kube::Config::incluster().map_err(SourceError::InCluster)?,
-    };
-    kube::Client::try_from(config).map_err(SourceError::Client)
+        Credentials::Kubectl => kube::Config::from_kubeconfig(&options)
+            .await
+            .map_err(SourceError::KubectlKubeconfig),
+        Credentials::InCluster => kube::Config::incluster().map_err(SourceError::InCluster),
+    }
 }
 
 /// Upstream's label selector for Services and EndpointSlices (spec §a.1): skip headless
@@ -202,9 +248,9 @@ pub fn targets(cfg: &KubeSourceConfig, page_size: u32) -> [Target; 4] {
 pub const PAGE_SIZE: u32 = 5000;
 
 /// Aborts the spawned reflectors when the source is dropped (cancelled).
-struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+struct AbortOnDrop<T = ()>(Vec<tokio::task::JoinHandle<T>>);
 
-impl Drop for AbortOnDrop {
+impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         for t in &self.0 {
             t.abort();
@@ -247,17 +293,12 @@ pub async fn run(
             continue;
         }
         let relist = matches!(event, Input::InitDone);
-        let (change, skipped) = folder.step(kind, event);
-        for w in &skipped {
+        let found = fold_into(&mut folder, &handle, &cfg, kind, event, received);
+        for w in &found.skipped {
             tracing::warn!("skipped {w}");
         }
-        if let Some(change) = change {
-            let warnings = handle.update_received(received, |state| {
-                fold::apply_change(state, change, &cfg.ownership, &cfg.node_name)
-            });
-            for w in &warnings {
-                tracing::warn!("{w}");
-            }
+        for w in &found.warnings {
+            tracing::warn!("{w}");
         }
         if relist {
             tracing::info!(%kind, "listed");
@@ -270,6 +311,119 @@ pub async fn run(
     }
     // The reflectors only end when this receiver is dropped.
     Err(SourceError::WatchEnded)
+}
+
+/// What folding input into the state reported.
+#[derive(Debug, Default)]
+pub struct Found {
+    /// Objects skipped: they could not be decoded or ingested.
+    pub skipped: Vec<IngestError>,
+    /// Pieces of kept objects dropped, objects refused when applied.
+    pub warnings: Vec<IngestError>,
+}
+
+/// Folds one reflector input into `handle`'s state: the one fold of [`run`] and
+/// [`list_once`].
+fn fold_into(
+    folder: &mut Folder<Update>,
+    handle: &StateHandle,
+    cfg: &KubeSourceConfig,
+    kind: Kind,
+    event: Input<Update>,
+    received: std::time::Instant,
+) -> Found {
+    let (change, skipped) = folder.step(kind, event);
+    let warnings = match change {
+        Some(change) => handle.update_received(received, |state| {
+            fold::apply_change(state, change, &cfg.ownership, &cfg.node_name)
+        }),
+        None => Vec::new(),
+    };
+    Found { skipped, warnings }
+}
+
+/// One read of the cluster: the state, what folding reported, and the kinds that
+/// could not be listed without that stopping the read.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub state: ClusterState,
+    pub found: Found,
+    /// ServiceCIDRs, when their list failed (an API server without the resource): as
+    /// in [`run`], they never keep the other kinds from being used.
+    pub unlisted: Vec<(Kind, String)>,
+}
+
+/// Lists Services, EndpointSlices, the Node and ServiceCIDRs once each, concurrently,
+/// with [`run`]'s targets, list and decoding ([`reflect::list_once`]) and its fold,
+/// and returns when all are listed: no watch, no retry. A Service, EndpointSlice or
+/// Node list that fails fails the read ([`SourceError::ListFailed`]); a ServiceCIDR
+/// list that fails is reported in [`Snapshot::unlisted`].
+pub async fn list_once(
+    client: kube::Client,
+    cfg: KubeSourceConfig,
+) -> Result<Snapshot, SourceError> {
+    cfg.validate()?;
+    let decoder = Decoder {
+        ownership: cfg.ownership.clone(),
+        node_name: cfg.node_name.clone(),
+    };
+    let (tx, mut rx) = mpsc::channel(1024);
+    let (kinds, tasks): (Vec<Kind>, Vec<_>) = targets(&cfg, cfg.page_size.unwrap_or(PAGE_SIZE))
+        .into_iter()
+        .map(|t| {
+            let kind = t.kind;
+            let task = reflect::list_once(client.clone(), t, decoder.clone(), tx.clone());
+            (kind, tokio::spawn(task))
+        })
+        .unzip();
+    let mut lists = AbortOnDrop(tasks);
+    drop(tx);
+    let handle = StateHandle::new();
+    let mut folder: Folder<Update> = Folder::new();
+    let mut snapshot = Snapshot::default();
+    while let Some((kind, event, received)) = rx.recv().await {
+        let found = fold_into(&mut folder, &handle, &cfg, kind, event, received);
+        snapshot.found.skipped.extend(found.skipped);
+        snapshot.found.warnings.extend(found.warnings);
+    }
+    for (kind, task) in kinds.into_iter().zip(lists.0.iter_mut()) {
+        let error = match task.await {
+            Ok(Ok(())) => continue,
+            Ok(Err(error)) => error,
+            Err(e) => format!("the list task ended: {e}"),
+        };
+        if kind == Kind::ServiceCidr {
+            snapshot.unlisted.push((kind, error));
+        } else {
+            return Err(SourceError::ListFailed { kind, error });
+        }
+    }
+    snapshot.state = handle.with(std::mem::take);
+    Ok(snapshot)
+}
+
+/// The value of the first of `keys` that ConfigMap `namespace/name` holds, with that
+/// key; `None` when the ConfigMap does not exist or holds none of them.
+pub async fn config_map_value(
+    client: kube::Client,
+    namespace: &str,
+    name: &str,
+    keys: &[&str],
+) -> Result<Option<(String, String)>, SourceError> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    let api: kube::Api<ConfigMap> = kube::Api::namespaced(client, namespace);
+    let cm = api
+        .get_opt(name)
+        .await
+        .map_err(|source| SourceError::ConfigMap {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            source,
+        })?;
+    let mut data = cm.and_then(|cm| cm.data).unwrap_or_default();
+    Ok(keys
+        .iter()
+        .find_map(|k| data.remove(*k).map(|v| (k.to_string(), v))))
 }
 
 #[cfg(test)]

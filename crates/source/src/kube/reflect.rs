@@ -246,6 +246,23 @@ pub async fn run(client: kube::Client, target: Target, decoder: Decoder, tx: Sen
     }
 }
 
+/// Lists `target` once, with no watch after it and no retry: the one-shot read of
+/// `kproxy plan`, `explain` and `trace` ([`super::list_once`]), through the same
+/// [`list`] as [`run`]. The error says why the list failed.
+pub async fn list_once(
+    client: kube::Client,
+    target: Target,
+    decoder: Decoder,
+    tx: Sender,
+) -> Result<(), String> {
+    let request = kube::core::Request::new(target.url.clone());
+    match list(&client, &request, &target, &decoder, &tx).await {
+        // The receiver is gone: nobody waits for this list any more.
+        Ok(_) | Err(Stop::Closed | Stop::Resume) => Ok(()),
+        Err(Stop::Relist(error) | Stop::Failed(error)) => Err(error),
+    }
+}
+
 async fn send(tx: &Sender, kind: Kind, input: Input<Update>) -> Result<(), Stop> {
     send_received(tx, kind, input, Instant::now()).await
 }
