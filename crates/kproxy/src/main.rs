@@ -12,6 +12,7 @@ mod common;
 mod daemon;
 mod fdlimit;
 mod metrics;
+mod pacing;
 mod tasks;
 
 use std::process::ExitCode;
