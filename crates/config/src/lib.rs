@@ -134,7 +134,10 @@ pub struct ProxyConfig {
     pub metrics_bind_address: Option<SocketAddr>,
     pub plan: PlanConfig,
     pub masquerade_bit: u8,
-    pub min_sync_period: Duration,
+    /// minSyncPeriod as the operator set it (flag, or a non-zero value in the file);
+    /// `None`: not set, and kproxy paces its syncs itself (docs/config.md, "Sync
+    /// pacing"): at once when idle, coalesced during a storm.
+    pub min_sync_period: Option<Duration>,
     pub sync_period: Duration,
     pub conntrack: ConntrackConfig,
     /// Every gate given (file, then flag), including those kproxy does not act on.
@@ -153,7 +156,7 @@ impl Default for ProxyConfig {
             metrics_bind_address: Some(SocketAddr::from(([127, 0, 0, 1], DEFAULT_METRICS_PORT))),
             plan: PlanConfig::default(),
             masquerade_bit: 14,
-            min_sync_period: Duration::from_secs(1),
+            min_sync_period: None,
             sync_period: Duration::from_secs(30),
             conntrack: ConntrackConfig::default(),
             feature_gates: BTreeMap::new(),
@@ -512,7 +515,7 @@ fn resolve_nftables(
     ) {
         let d = parse_go_duration(&s).map_err(|m| origin.err(m))?;
         if !d.is_zero() || matches!(origin, Origin::Flag(_)) {
-            cfg.min_sync_period = d;
+            cfg.min_sync_period = Some(d);
         }
     }
 

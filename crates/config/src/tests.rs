@@ -53,7 +53,7 @@ fn every_honoured_field_changes_the_config() {
             c.sync_period == Duration::from_secs(90)
         }),
         ("nftables: {minSyncPeriod: 250ms}", |c| {
-            c.min_sync_period == Duration::from_millis(250)
+            c.min_sync_period == Some(Duration::from_millis(250))
         }),
         ("clusterCIDR: 10.244.0.0/16", |c| {
             c.plan.local_detector == LocalDetectorConfig::ClusterCidr(cidrs(&["10.244.0.0/16"]))
@@ -145,7 +145,8 @@ fn defaults_are_kube_proxys() {
     );
     assert_eq!(
         (cfg.min_sync_period, cfg.sync_period, cfg.masquerade_bit),
-        (Duration::from_secs(1), Duration::from_secs(30), 14)
+        (None, Duration::from_secs(30), 14),
+        "minSyncPeriod unset: kproxy paces its syncs itself"
     );
     assert_eq!(
         (cfg.conntrack.max_per_core, cfg.conntrack.min),
@@ -203,7 +204,8 @@ winkernel: {enableDSR: false, forwardHealthCheckVip: false, networkName: "", roo
     );
     assert_eq!(
         (cfg.sync_period, cfg.min_sync_period),
-        (Duration::from_secs(30), Duration::from_secs(1))
+        (Duration::from_secs(30), None),
+        "the file's 0s means the default, as upstream's defaulting"
     );
 }
 
@@ -403,7 +405,7 @@ fn flags_override_the_file() {
     assert_eq!(c.masquerade_bit, 7);
     assert_eq!(
         c.min_sync_period,
-        Duration::ZERO,
+        Some(Duration::ZERO),
         "a flag's 0 is taken as given"
     );
     assert_eq!(c.sync_period, Duration::from_secs(60));

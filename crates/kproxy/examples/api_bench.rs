@@ -12,8 +12,17 @@
 //!   --kubeconfig /tmp/k8s-lab-x/kubeconfig --proxy-kubeconfig /tmp/k8s-lab-x/kubeconfig-proxy \
 //!   10000x10 [--runs 3] [--skip-populate] [--churn SECONDS] [--rate PER_SECOND] \
 //!   [--kproxy-arg ARG]...   # e.g. --kproxy-arg --min-sync-period=0s
-//!   [--upstream /tmp/k8s-lab-x/bin/kube-proxy] [--restart]
+//!   [--upstream /tmp/k8s-lab-x/bin/kube-proxy | --compare-upstream /tmp/k8s-lab-x/bin/kube-proxy]
+//!   [--restart] [--flips N [--flip-every-ms MS] [--flip-churn PER_SECOND]]
 //! ```
+//!
+//! `--flips N` then moves the probe Service's endpoint between two listeners that answer
+//! with their own byte, N times, the next flip `--flip-every-ms` (default 300) after the
+//! last was seen, optionally while `--flip-churn R` other slices are patched per second;
+//! it reports the API's acknowledgement of each flip → the first new connection through
+//! the cluster IP answered by the new endpoint (refused or timed-out connections prove
+//! nothing). `--compare-upstream BINARY` runs everything for kproxy, then for upstream
+//! kube-proxy on the same API, and prints the flip probe's two columns together.
 //!
 //! `--upstream BINARY` measures upstream kube-proxy (nftables mode, the k8s-lab's
 //! flags) instead, in the same namespace, as the same user, against the same API, with
@@ -68,6 +77,10 @@ use serde_json::{Value, json};
 
 const PROBE_CLUSTER_IP: &str = "10.96.255.250";
 const PROBE_POD_IP: &str = "10.250.0.2";
+/// The flip probe's second endpoint (`--flips`): each probe endpoint answers a new
+/// connection with its own byte, so a flip is seen only when the new one answers.
+const PROBE_POD_IP_B: &str = "10.250.0.3";
+const PROBE_ANSWERS: [(&str, u8); 2] = [(PROBE_POD_IP, b'A'), (PROBE_POD_IP_B, b'B')];
 const NAMESPACES: usize = 50;
 
 struct Netns(String);
@@ -687,39 +700,8 @@ fn churn(
             tick.tick().await;
             let client = client.clone();
             tasks.push(tokio::spawn(async move {
-                let i = (k * 7919) % services;
-                let ns = format!("ns-{}", i % NAMESPACES);
-                let mut endpoints = slice(i, eps).1["endpoints"].clone();
-                // One endpoint flips between its original readiness and the opposite
-                // on every pass over the slices. That alone can equal what an earlier
-                // run left (the flipped endpoint used to be picked by pid % eps: when two
-                // runs' picks met, every write was a no-op the API server does not
-                // even pass on, and the run recorded no syncs), so each write also adds
-                // one surge endpoint at an address of its own (10.245.x.y from the run's
-                // start time and the write's number): every write is a real change.
-                let e = k % eps;
-                let flip = (k / services).is_multiple_of(2);
-                let ready = endpoints[e]["conditions"]["ready"].as_bool() == Some(true);
-                endpoints[e]["conditions"]["ready"] = json!(ready != flip);
-                if let Some(list) = endpoints.as_array_mut() {
-                    list.push(json!({
-                        "addresses": [ip4(0x0af5_0000, (run_salt + k) % 65_000 + 1)],
-                        "nodeName": "node-1",
-                        "conditions": {"ready": true, "serving": true, "terminating": false}
-                    }));
-                }
-                let body = json!({"endpoints": endpoints});
-                let req = Request::new(format!(
-                    "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
-                ))
-                .patch(
-                    &format!("svc-{i}-x"),
-                    &PatchParams::default(),
-                    &Patch::Merge(body),
-                )
-                .expect("patch request");
+                let (svc, req) = churn_write(k, services, eps, run_salt);
                 let (t, sent) = (Instant::now(), unix_us());
-                let svc = format!("{ns}/svc-{i}");
                 client
                     .request_text(req)
                     .await
@@ -804,6 +786,159 @@ fn churn(
     );
 }
 
+/// The `k`-th churn write: one merge PATCH of a bench EndpointSlice, and its Service.
+fn churn_write(
+    k: usize,
+    services: usize,
+    eps: usize,
+    run_salt: usize,
+) -> (String, http::Request<Vec<u8>>) {
+    let i = (k * 7919) % services;
+    let ns = format!("ns-{}", i % NAMESPACES);
+    let mut endpoints = slice(i, eps).1["endpoints"].clone();
+    // One endpoint flips between its original readiness and the opposite on every pass
+    // over the slices. That alone can equal what an earlier run left (the flipped
+    // endpoint used to be picked by pid % eps: when two runs' picks met, every write was
+    // a no-op the API server does not even pass on, and the run recorded no syncs), so
+    // each write also adds one surge endpoint at an address of its own (10.245.x.y from
+    // the run's start time and the write's number): every write is a real change.
+    let e = k % eps;
+    let flip = (k / services).is_multiple_of(2);
+    let ready = endpoints[e]["conditions"]["ready"].as_bool() == Some(true);
+    endpoints[e]["conditions"]["ready"] = json!(ready != flip);
+    if let Some(list) = endpoints.as_array_mut() {
+        list.push(json!({
+            "addresses": [ip4(0x0af5_0000, (run_salt + k) % 65_000 + 1)],
+            "nodeName": "node-1",
+            "conditions": {"ready": true, "serving": true, "terminating": false}
+        }));
+    }
+    let body = json!({"endpoints": endpoints});
+    let req = Request::new(format!(
+        "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+    ))
+    .patch(
+        &format!("svc-{i}-x"),
+        &PatchParams::default(),
+        &Patch::Merge(body),
+    )
+    .expect("patch request");
+    (format!("{ns}/svc-{i}"), req)
+}
+
+/// `--flips N`: the probe Service's one endpoint is moved between the two probe
+/// listeners (which answer with their own byte) N times, `every` apart after each is
+/// seen; with `churn` > 0, other slices are patched that many times a second all along.
+/// A flip is seen when a new connection through the probe's cluster IP is answered by
+/// the new endpoint: a refused or timed-out connection proves nothing. Returns, per
+/// flip, the time from the API's acknowledgement of the write to that answer, in ms
+/// (`None`: not seen within a minute).
+fn flip_probe(
+    kubeconfig: &Path,
+    ns: &str,
+    n: usize,
+    every: Duration,
+    churn: u64,
+    services: usize,
+    eps: usize,
+) -> Vec<Option<f64>> {
+    use std::sync::mpsc;
+    const SEEN_WITHIN: Duration = Duration::from_secs(60);
+    // The prober, inside the namespace: for each target byte, connects until that
+    // byte answers and returns when (µs since the epoch).
+    let (want_tx, want_rx) = mpsc::channel::<u8>();
+    let (seen_tx, seen_rx) = mpsc::channel::<Option<u64>>();
+    let ns_name = ns.to_string();
+    std::thread::spawn(move || {
+        enter(&ns_name);
+        let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
+        for want in want_rx {
+            let t = Instant::now();
+            let seen = loop {
+                if t.elapsed() > SEEN_WITHIN {
+                    break None;
+                }
+                let Ok(mut c) = TcpStream::connect_timeout(&dst, Duration::from_millis(100)) else {
+                    continue;
+                };
+                let _ = c.set_read_timeout(Some(Duration::from_millis(100)));
+                let mut b = [0u8; 1];
+                if std::io::Read::read_exact(&mut c, &mut b).is_ok() && b[0] == want {
+                    break Some(unix_us());
+                }
+            };
+            if seen_tx.send(seen).is_err() {
+                return;
+            }
+        }
+    });
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let client = kproxy_source::kube::client(Some(kubeconfig))
+            .await
+            .expect("admin client");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let background = (churn > 0).then(|| {
+            let (client, stop) = (client.clone(), stop.clone());
+            let salt = unix_us() as usize;
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / churn));
+                let mut k = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    tick.tick().await;
+                    let (_, req) = churn_write(k, services, eps, salt);
+                    let client = client.clone();
+                    tokio::spawn(async move { client.request_text(req).await });
+                    k += 1;
+                }
+            })
+        });
+        let mut latencies = Vec::new();
+        // Flip 0 puts the probe on A, from whatever an earlier run left; not counted.
+        for k in 0..=n {
+            let (ip, byte) = PROBE_ANSWERS[k % 2];
+            let body = json!({"endpoints": [{"addresses": [ip], "nodeName": "node-0",
+                                              "conditions": {"ready": true}}]});
+            let req = Request::new("/apis/discovery.k8s.io/v1/namespaces/bench/endpointslices")
+                .patch("probe-x", &PatchParams::default(), &Patch::Merge(body))
+                .expect("patch request");
+            client.request_text(req).await.expect("flip the probe");
+            let acked = unix_us();
+            want_tx.send(byte).expect("prober");
+            let seen = tokio::task::block_in_place(|| seen_rx.recv().expect("prober"));
+            if k > 0 {
+                latencies.push(seen.map(|at| (at as f64 - acked as f64) / 1e3));
+            }
+            tokio::time::sleep(every).await;
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(b) = background {
+            let _ = b.await;
+        }
+        latencies
+    })
+}
+
+/// One column of the flip probe: count, then p50 / p90 / p99 / max in ms.
+fn flip_summary(latencies: &[Option<f64>]) -> String {
+    let mut seen: Vec<f64> = latencies.iter().flatten().copied().collect();
+    seen.sort_by(f64::total_cmp);
+    let missed = latencies.len() - seen.len();
+    let pct = |q: f64| {
+        seen.get(((seen.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    format!(
+        "{} flips, {missed} not seen within 60 s; acknowledged → new endpoint answers: p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        latencies.len(),
+        pct(0.5),
+        pct(0.9),
+        pct(0.99),
+        seen.last().copied().unwrap_or(f64::NAN)
+    )
+}
+
 /// Per write, from the bench's own watch, in ms, each sorted: acknowledged → delivered
 /// to that watcher; that delivery → kproxy's kernel commit (the first sync naming the
 /// Service after the write was sent); and, where that sync carried this Service alone,
@@ -873,6 +1008,10 @@ fn main() {
     let mut upstream = None;
     let mut scale = None;
     let mut restart = false;
+    let mut flips = 0;
+    let mut flip_every = Duration::from_millis(300);
+    let mut flip_churn = 0;
+    let mut compare_upstream = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--kubeconfig" => kubeconfig = args.next().map(PathBuf::from),
@@ -888,6 +1027,21 @@ fn main() {
             }
             "--kproxy-arg" => extra.extend(args.next()),
             "--upstream" => upstream = args.next().map(PathBuf::from),
+            "--compare-upstream" => compare_upstream = args.next().map(PathBuf::from),
+            "--flips" => flips = args.next().and_then(|r| r.parse().ok()).expect("--flips N"),
+            "--flip-every-ms" => {
+                flip_every = args
+                    .next()
+                    .and_then(|r| r.parse().ok())
+                    .map(Duration::from_millis)
+                    .expect("--flip-every-ms MS")
+            }
+            "--flip-churn" => {
+                flip_churn = args
+                    .next()
+                    .and_then(|r| r.parse().ok())
+                    .expect("--flip-churn PER_SECOND")
+            }
             "--rate" => {
                 rate = args
                     .next()
@@ -901,7 +1055,7 @@ fn main() {
         (kubeconfig, proxy_kubeconfig, scale)
     else {
         eprintln!(
-            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY] [--restart]"
+            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY | --compare-upstream KUBE_PROXY] [--restart] [--flips N [--flip-every-ms MS] [--flip-churn PER_SECOND]]"
         );
         std::process::exit(2);
     };
@@ -961,74 +1115,119 @@ fn main() {
             .spawn()
             .expect("socat in the namespace"),
     );
-    let ns_name = name.clone();
-    std::thread::spawn(move || {
-        enter(&ns_name);
-        let l = TcpListener::bind((PROBE_POD_IP, 8080)).expect("bind probe listener");
-        for c in l.incoming() {
-            drop(c);
-        }
-    });
+    exec(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{PROBE_POD_IP_B}/24"),
+        "dev",
+        "apb1",
+    ]);
+    for (ip, byte) in PROBE_ANSWERS {
+        let ns_name = name.clone();
+        std::thread::spawn(move || {
+            enter(&ns_name);
+            let l = TcpListener::bind((ip, 8080)).expect("bind probe listener");
+            for mut c in l.incoming().flatten() {
+                let _ = std::io::Write::write_all(&mut c, &[byte]);
+            }
+        });
+    }
     std::thread::sleep(Duration::from_millis(300));
 
-    for run in 0..runs {
-        exec(&["nft", "flush", "ruleset"]);
-        let (r, daemon) = measure(
-            &proxy_kubeconfig,
-            &extra,
-            upstream.as_deref(),
-            &name,
-            dir.path(),
-            run,
-        );
-        let mib = |k: u64| k as f64 / 1024.0;
-        let who = if upstream.is_some() {
-            "upstream kube-proxy"
-        } else {
-            "kproxy"
-        };
-        println!(
-            "{who} {services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB",
-            r.first_sync.as_secs_f64(),
-            r.first_connect.as_secs_f64(),
-            mib(r.rss_sync),
-            mib(r.rss_settled),
-            mib(r.hwm)
-        );
-        if upstream.is_none() {
-            println!("    {}", r.timeline);
-            let detail = serde_json::from_str::<Value>(&r.sync_event)
-                .map(|e| format!("{} ms, {}", e["elapsed_ms"], e["detail"]))
-                .unwrap_or_default();
-            println!("    the first sync (plan + nft): {detail}");
-        }
-        if run + 1 == runs && churn_secs > 0 && upstream.is_none() {
-            churn(
-                &kubeconfig,
+    let proxies: Vec<Option<PathBuf>> = match compare_upstream {
+        Some(b) => vec![None, Some(b)],
+        None => vec![upstream],
+    };
+    let mut flipped = Vec::new();
+    for upstream in &proxies {
+        let upstream = upstream.as_deref();
+        for run in 0..runs {
+            exec(&["nft", "flush", "ruleset"]);
+            let (r, daemon) = measure(
+                &proxy_kubeconfig,
+                &extra,
+                upstream.as_deref(),
                 &name,
-                daemon.0.id(),
-                &dir.path().join(format!("events-{run}.jsonl")),
-                services,
-                eps,
-                churn_secs,
-                rate,
+                dir.path(),
+                run,
             );
-        }
-        let mut daemon = daemon;
-        if run + 1 == runs && restart && upstream.is_none() {
-            for (i, signal) in ["TERM", "KILL"].into_iter().enumerate() {
-                daemon = restart_once(
-                    &proxy_kubeconfig,
-                    &extra,
+            let mib = |k: u64| k as f64 / 1024.0;
+            let who = if upstream.is_some() {
+                "upstream kube-proxy"
+            } else {
+                "kproxy"
+            };
+            println!(
+                "{who} {services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB",
+                r.first_sync.as_secs_f64(),
+                r.first_connect.as_secs_f64(),
+                mib(r.rss_sync),
+                mib(r.rss_settled),
+                mib(r.hwm)
+            );
+            if upstream.is_none() {
+                println!("    {}", r.timeline);
+                let detail = serde_json::from_str::<Value>(&r.sync_event)
+                    .map(|e| format!("{} ms, {}", e["elapsed_ms"], e["detail"]))
+                    .unwrap_or_default();
+                println!("    the first sync (plan + nft): {detail}");
+            }
+            if run + 1 == runs && churn_secs > 0 && upstream.is_none() {
+                churn(
+                    &kubeconfig,
                     &name,
-                    dir.path(),
-                    daemon,
-                    signal,
-                    runs + i,
+                    daemon.0.id(),
+                    &dir.path().join(format!("events-{run}.jsonl")),
+                    services,
+                    eps,
+                    churn_secs,
+                    rate,
                 );
             }
+            let mut daemon = daemon;
+            if run + 1 == runs && restart && upstream.is_none() {
+                for (i, signal) in ["TERM", "KILL"].into_iter().enumerate() {
+                    daemon = restart_once(
+                        &proxy_kubeconfig,
+                        &extra,
+                        &name,
+                        dir.path(),
+                        daemon,
+                        signal,
+                        runs + i,
+                    );
+                }
+            }
+            if run + 1 == runs && flips > 0 {
+                let who = if upstream.is_some() {
+                    "upstream kube-proxy"
+                } else {
+                    "kproxy"
+                };
+                let l = flip_probe(
+                    &kubeconfig,
+                    &name,
+                    flips,
+                    flip_every,
+                    flip_churn,
+                    services,
+                    eps,
+                );
+                println!("{who} flip probe: {}", flip_summary(&l));
+                flipped.push((who, l));
+            }
+            drop(daemon);
         }
-        drop(daemon);
+    }
+    if flipped.len() > 1 {
+        println!(
+            "flip probe, {services}x{eps}, a flip every {} ms after the last was seen, {flip_churn} other changes/s:",
+            flip_every.as_millis()
+        );
+        for (who, l) in &flipped {
+            println!("  {who:>20}: {}", flip_summary(l));
+        }
     }
     exec(&["nft", "flush", "ruleset"]);
 }

@@ -379,7 +379,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     let loop_cfg = LoopConfig {
         node_name: node,
         plan: plan_cfg,
-        min_sync_period: cfg.min_sync_period,
+        pacing: crate::pacing::Pacing::for_min_sync_period(cfg.min_sync_period),
         sync_period: cfg.sync_period,
         verify_period: args.verify_period,
         event_log: args.event_log.clone(),

@@ -1,5 +1,6 @@
 //! The sync loop of `kproxy run` as a library type, [`SyncLoop`]: waits until the
-//! source has listed everything, then for every batch of changes (at most one sync per
+//! source has listed everything, then for every batch of changes (paced by
+//! [`crate::pacing`]: at once when idle, coalesced during a storm or by an operator's
 //! minSyncPeriod) re-plans what changed, tells the health servers what is queued, applies
 //! the plan to the dataplane on a blocking thread, and tells the health servers what is
 //! now programmed. Failed syncs retry with backoff; syncPeriod forces a sync attempt; a
@@ -30,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::kernel_watch::{self, KernelWatch};
 use crate::metrics::{Metrics, NoLocalLabels, StageLabel};
+use crate::pacing::{Pacer, Pacing};
 
 /// What the loop needs from a dataplane. Implemented by kproxy-nft's `Dataplane`.
 pub trait Dataplane: Send + 'static {
@@ -81,7 +83,8 @@ impl HealthSink for kproxy_health::Health {
 pub struct LoopConfig {
     pub node_name: String,
     pub plan: PlanConfig,
-    pub min_sync_period: Duration,
+    /// When a sync may start after the last one (minSyncPeriod, or kproxy's pacing).
+    pub pacing: Pacing,
     pub sync_period: Duration,
     pub verify_period: Duration,
     pub event_log: Option<PathBuf>,
@@ -93,7 +96,7 @@ pub struct LoopConfig {
 /// event's arrival) and when it reached the state. The source notes every update that
 /// leaves changes pending (`StateHandle::on_update`); a sync takes the stamps, so each
 /// sync reports the way of the oldest change it carried: received (decode, ingest,
-/// into the state), queued (until planning starts, including minSyncPeriod batching),
+/// into the state), queued (until planning starts, including the pacing's batching),
 /// plan, commit (the kernel transaction). The wall-clock time of receipt is kept too,
 /// for the event log (`oldest_change_unix_us`), so a change's way can be lined up with
 /// timestamps taken outside kproxy.
@@ -223,6 +226,7 @@ pub struct SyncLoop<D, H> {
     no_local: NoLocalCounts,
     last_conflicts: Vec<kproxy_core::conflicts::Conflict>,
     last_sync: Option<Instant>,
+    pacer: Pacer,
     failures: u32,
     /// Every change planned since the last successful sync: what the dataplane and
     /// health's applied view have not seen yet.
@@ -249,6 +253,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     ) -> Result<Self> {
         let events = EventLog::open(cfg.event_log.as_ref())?;
         let planner = Planner::new(cfg.node_name.clone(), cfg.plan.clone());
+        let pacer = Pacer::new(cfg.pacing);
         Ok(SyncLoop {
             cfg,
             handle,
@@ -260,6 +265,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             no_local: NoLocalCounts::default(),
             last_conflicts: Vec::new(),
             last_sync: None,
+            pacer,
             failures: 0,
             unapplied: PlanUpdate::default(),
             kernel: None,
@@ -314,16 +320,14 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                     }
                 }
             }
-            // Batch: at most one sync per minSyncPeriod; changes arriving meanwhile join it.
-            if let Some(t) = self.last_sync {
-                let earliest = t + self.cfg.min_sync_period;
-                if Instant::now() < earliest {
-                    self.metrics.last_queued_timestamp.set(unix_now());
-                    tokio::select! {
-                        biased;
-                        _ = stop.cancelled() => break,
-                        _ = tokio::time::sleep_until(earliest) => {}
-                    }
+            // Batch as the pacing says; changes arriving meanwhile join this sync.
+            let earliest = self.pacer.earliest(Instant::now());
+            if Instant::now() < earliest {
+                self.metrics.last_queued_timestamp.set(unix_now());
+                tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep_until(earliest) => {}
                 }
             }
             if stop.is_cancelled() {
@@ -443,6 +447,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         metrics.last_queued_timestamp.set(unix_now());
         let oldest_change = self.cfg.changes.take();
         let start = Instant::now();
+        self.pacer.started(start);
         let planner = &mut self.engine.as_mut().expect(ENGINE_HOME).planner;
         let (update, service_events, slice_events) = self.handle.with(|state| {
             let c = state.changes();
@@ -482,6 +487,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         let elapsed = start.elapsed();
         let committed_unix_us = unix_us(SystemTime::now());
         self.last_sync = Some(Instant::now());
+        self.pacer.ended(Instant::now());
         let plan = self.engine.as_ref().expect(ENGINE_HOME).planner.plan();
         match res {
             Ok(outcome) => {
@@ -575,7 +581,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 merge(&mut self.unapplied, unapplied);
                 let retry_in = retry_after(
                     self.failures,
-                    self.cfg.min_sync_period,
+                    self.cfg.pacing.retry_base(),
                     self.cfg.sync_period,
                 );
                 tracing::error!(
@@ -603,9 +609,8 @@ fn merge(acc: &mut PlanUpdate, more: PlanUpdate) {
     acc.services.dedup();
 }
 
-/// Exponential backoff from max(minSyncPeriod, 100 ms), capped at syncPeriod.
-fn retry_after(failures: u32, min_sync: Duration, sync_period: Duration) -> Duration {
-    let base = min_sync.max(Duration::from_millis(100));
+/// Exponential backoff from `base` ([`Pacing::retry_base`]), capped at syncPeriod.
+fn retry_after(failures: u32, base: Duration, sync_period: Duration) -> Duration {
     let factor = 1u32 << failures.saturating_sub(1).min(10);
     (base * factor).min(sync_period.max(base))
 }
@@ -883,16 +888,18 @@ mod tests {
         task: tokio::task::JoinHandle<Result<FakeDataplane>>,
     }
 
+    /// A loop with an operator's minSyncPeriod of `min_sync` ms.
     fn start(
         min_sync: u64,
         fail: &[bool],
         gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
     ) -> Harness {
-        start_logging(min_sync, fail, gate, None)
+        let pacing = Pacing::MinSyncPeriod(Duration::from_millis(min_sync));
+        start_logging(pacing, fail, gate, None)
     }
 
     fn start_logging(
-        min_sync: u64,
+        pacing: Pacing,
         fail: &[bool],
         gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
         event_log: Option<PathBuf>,
@@ -902,7 +909,7 @@ mod tests {
         let cfg = LoopConfig {
             node_name: synthetic::node_name(0),
             plan: PlanConfig::default(),
-            min_sync_period: Duration::from_millis(min_sync),
+            pacing,
             sync_period: Duration::from_secs(3600),
             verify_period: Duration::from_secs(7200),
             event_log,
@@ -1087,6 +1094,77 @@ mod tests {
         );
     }
 
+    /// For each change added at `at_ms[i]` (Service `i + 1`), the time (paused ms) of
+    /// the sync that carried it.
+    fn carried_at(seen: &[Seen], n: usize) -> Vec<u64> {
+        (1..=n)
+            .map(|i| {
+                seen.iter()
+                    .find_map(|s| match s {
+                        Seen::Sync { ms, update, .. } if update.services.contains(&name(i)) => {
+                            Some(*ms)
+                        }
+                        _ => None,
+                    })
+                    .unwrap_or_else(|| panic!("change {i} was never synced"))
+            })
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_the_default_pacing_a_lone_change_is_synced_at_once() {
+        let h = start_logging(Pacing::DEFAULT, &[], None, None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        // Flips every 300 ms, as a rollout's readiness changes arrive.
+        let mut added = Vec::new();
+        for i in 1..=10 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            added.push(h.log.ms());
+            h.add(i);
+            h.until_syncs(i + 1).await;
+        }
+        let seen = h.log.take();
+        h.stop().await;
+        let carried = carried_at(&seen, added.len());
+        for (a, c) in added.iter().zip(&carried) {
+            // `until_syncs` polls in 1 ms steps.
+            assert!(c - a <= 1, "added at {a} ms, synced at {c} ms");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_the_default_pacing_a_storm_is_coalesced_within_its_bound() {
+        let h = start_logging(Pacing::DEFAULT, &[], None, None);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // 200 changes a second for one second.
+        let mut added = Vec::new();
+        for i in 1..=200 {
+            added.push(h.log.ms());
+            h.add(i);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let seen = h.log.take();
+        let syncs = h.log.syncs();
+        h.stop().await;
+        let carried = carried_at(&seen, added.len());
+        let Pacing::Bucket { burst, interval } = Pacing::DEFAULT else {
+            unreachable!("the default is a bucket")
+        };
+        let bound = interval.as_millis() as u64 + 1;
+        for (a, c) in added.iter().zip(&carried) {
+            assert!(c - a <= bound, "added at {a} ms, synced at {c} ms");
+        }
+        // One second of storm: the burst, then one sync per interval (and the first).
+        let most = 1 + burst as usize + (1000 / interval.as_millis() as usize) + 1;
+        assert!(syncs <= most, "{syncs} syncs, at most {most} expected");
+        assert!(syncs < 200 / 2, "a storm must be coalesced: {syncs} syncs");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_failed_sync_retries_with_backoff_and_owes_every_change_since_the_last_success() {
         // Fails the second and third syncs: retries after 200 ms, then 400 ms.
@@ -1210,7 +1288,12 @@ mod tests {
     async fn a_changes_way_starts_when_the_source_received_it() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("events.jsonl");
-        let h = start_logging(0, &[], None, Some(path.clone()));
+        let h = start_logging(
+            Pacing::MinSyncPeriod(Duration::ZERO),
+            &[],
+            None,
+            Some(path.clone()),
+        );
         h.add(0);
         h.handle.mark_ready();
         h.until_syncs(1).await;
@@ -1237,7 +1320,12 @@ mod tests {
     async fn a_delta_sync_event_carries_the_change_not_the_cluster() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("events.jsonl");
-        let h = start_logging(0, &[], None, Some(path.clone()));
+        let h = start_logging(
+            Pacing::MinSyncPeriod(Duration::ZERO),
+            &[],
+            None,
+            Some(path.clone()),
+        );
         // Services 0, 10, 20, 30 are eTP-Local LoadBalancers with a health check.
         for i in [0, 5, 10, 20] {
             h.add(i);
@@ -1330,7 +1418,7 @@ mod tests {
             .collect();
         assert_eq!(got, [200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
         assert_eq!(
-            retry_after(1, Duration::ZERO, period),
+            retry_after(1, Pacing::DEFAULT.retry_base(), period),
             Duration::from_millis(100)
         );
     }

@@ -15,6 +15,7 @@ mod fdlimit;
 mod kernel_limits;
 mod kernel_watch;
 mod metrics;
+mod pacing;
 mod tasks;
 
 use std::process::ExitCode;
