@@ -1144,14 +1144,7 @@ fn main() {
         let upstream = upstream.as_deref();
         for run in 0..runs {
             exec(&["nft", "flush", "ruleset"]);
-            let (r, daemon) = measure(
-                &proxy_kubeconfig,
-                &extra,
-                upstream.as_deref(),
-                &name,
-                dir.path(),
-                run,
-            );
+            let (r, daemon) = measure(&proxy_kubeconfig, &extra, upstream, &name, dir.path(), run);
             let mib = |k: u64| k as f64 / 1024.0;
             let who = if upstream.is_some() {
                 "upstream kube-proxy"

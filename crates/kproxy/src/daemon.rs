@@ -971,7 +971,7 @@ mod tests {
         let cfg = LoopConfig {
             node_name: synthetic::node_name(0),
             plan: PlanConfig::default(),
-            min_sync_period: Duration::ZERO,
+            pacing: Pacing::MinSyncPeriod(Duration::ZERO),
             sync_period: Duration::from_secs(3600),
             verify_period: Duration::from_secs(7200),
             event_log: None,
