@@ -847,27 +847,87 @@ fn flip_probe(
     // The prober, inside the namespace: for each target byte, connects until that
     // byte answers and returns when (µs since the epoch).
     let (want_tx, want_rx) = mpsc::channel::<u8>();
-    let (seen_tx, seen_rx) = mpsc::channel::<Option<u64>>();
+    let (seen_tx, seen_rx) = mpsc::channel::<(Option<u64>, String)>();
     let ns_name = ns.to_string();
     std::thread::spawn(move || {
         enter(&ns_name);
         let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
         for want in want_rx {
             let t = Instant::now();
+            // What the attempts before the answer met, for the slow flips' report.
+            let mut outcomes: std::collections::BTreeMap<String, usize> = Default::default();
             let seen = loop {
                 if t.elapsed() > SEEN_WITHIN {
                     break None;
                 }
-                let Ok(mut c) = TcpStream::connect_timeout(&dst, Duration::from_millis(100)) else {
-                    continue;
+                let mut c = match TcpStream::connect_timeout(&dst, Duration::from_millis(100)) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        *outcomes
+                            .entry(format!("connect: {:?}", e.kind()))
+                            .or_default() += 1;
+                        continue;
+                    }
                 };
                 let _ = c.set_read_timeout(Some(Duration::from_millis(100)));
                 let mut b = [0u8; 1];
-                if std::io::Read::read_exact(&mut c, &mut b).is_ok() && b[0] == want {
-                    break Some(unix_us());
+                match std::io::Read::read_exact(&mut c, &mut b) {
+                    Ok(()) if b[0] == want => break Some(unix_us()),
+                    Ok(()) => {
+                        let from = c.local_addr().map(|a| a.port()).unwrap_or(0);
+                        *outcomes
+                            .entry(format!("the old endpoint answered ({})", b[0] as char))
+                            .or_default() += 1;
+                        if outcomes.len() < 8 && t.elapsed() > Duration::from_secs(2) {
+                            *outcomes
+                                .entry(format!("late, from port {from}"))
+                                .or_default() += 1;
+                            // What the kernel holds while the old endpoint still answers.
+                            if let Some(dir) = std::env::var_os("API_BENCH_STALL_DIR") {
+                                let dir = PathBuf::from(dir);
+                                let out = |cmd: &[&str]| {
+                                    Command::new(cmd[0])
+                                        .args(&cmd[1..])
+                                        .output()
+                                        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                                        .unwrap_or_default()
+                                };
+                                let at = unix_us();
+                                let _ = std::fs::write(
+                                    dir.join(format!("stall-{at}-nft.txt")),
+                                    out(&["nft", "list", "map", "ip", "kproxy", "dnat-c-1"]),
+                                );
+                                let _ = std::fs::write(
+                                    dir.join(format!("stall-{at}-port.txt")),
+                                    out(&[
+                                        "conntrack",
+                                        "-L",
+                                        "-p",
+                                        "tcp",
+                                        "--orig-dst",
+                                        PROBE_CLUSTER_IP,
+                                        "--orig-port-src",
+                                        &from.to_string(),
+                                    ]),
+                                );
+                                let _ = std::fs::write(
+                                    dir.join(format!("stall-{at}-conntrack.txt")),
+                                    out(&[
+                                        "conntrack",
+                                        "-L",
+                                        "-p",
+                                        "tcp",
+                                        "--orig-dst",
+                                        PROBE_CLUSTER_IP,
+                                    ]),
+                                );
+                            }
+                        }
+                    }
+                    Err(e) => *outcomes.entry(format!("read: {:?}", e.kind())).or_default() += 1,
                 }
             };
-            if seen_tx.send(seen).is_err() {
+            if seen_tx.send((seen, format!("{outcomes:?}"))).is_err() {
                 return;
             }
         }
@@ -905,9 +965,15 @@ fn flip_probe(
             client.request_text(req).await.expect("flip the probe");
             let acked = unix_us();
             want_tx.send(byte).expect("prober");
-            let seen = tokio::task::block_in_place(|| seen_rx.recv().expect("prober"));
+            let (seen, outcomes) = tokio::task::block_in_place(|| seen_rx.recv().expect("prober"));
             if k > 0 {
-                latencies.push(seen.map(|at| (at as f64 - acked as f64) / 1e3));
+                let l = seen.map(|at| (at as f64 - acked as f64) / 1e3);
+                if l.is_none_or(|ms| ms > 1500.0) {
+                    eprintln!(
+                        "    flip {k}: acknowledged at {acked} µs (unix), seen after {l:?} ms; before: {outcomes}"
+                    );
+                }
+                latencies.push(l);
             }
             tokio::time::sleep(every).await;
         }
@@ -1092,9 +1158,17 @@ fn main() {
     exec(&["ip", "link", "set", "apb1", "up"]);
     exec(&["ip", "route", "add", "10.96.0.0/16", "dev", "apb0"]);
 
-    let dir = tempfile::tempdir().expect("tempdir");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path().to_path_buf();
+    // API_BENCH_KEEP=1 keeps the event logs and the proxies' logs for a closer look.
+    let _tmp = if std::env::var_os("API_BENCH_KEEP").is_some() {
+        eprintln!("keeping the logs in {}", tmp.keep().display());
+        None
+    } else {
+        Some(tmp)
+    };
     let port = api_port(&proxy_kubeconfig);
-    let sock = dir.path().join("api.sock");
+    let sock = dir.as_path().join("api.sock");
     // TCP_NODELAY on both TCP sides: with Nagle, socat's small writes of watch events
     // waited for the peer's delayed ACK (40 ms on loopback), which showed as a p99 of
     // ≈ 37 ms between the API's delivery and kproxy's state.
@@ -1144,7 +1218,14 @@ fn main() {
         let upstream = upstream.as_deref();
         for run in 0..runs {
             exec(&["nft", "flush", "ruleset"]);
-            let (r, daemon) = measure(&proxy_kubeconfig, &extra, upstream, &name, dir.path(), run);
+            let (r, daemon) = measure(
+                &proxy_kubeconfig,
+                &extra,
+                upstream,
+                &name,
+                dir.as_path(),
+                run,
+            );
             let mib = |k: u64| k as f64 / 1024.0;
             let who = if upstream.is_some() {
                 "upstream kube-proxy"
@@ -1171,7 +1252,7 @@ fn main() {
                     &kubeconfig,
                     &name,
                     daemon.0.id(),
-                    &dir.path().join(format!("events-{run}.jsonl")),
+                    &dir.as_path().join(format!("events-{run}.jsonl")),
                     services,
                     eps,
                     churn_secs,
@@ -1185,7 +1266,7 @@ fn main() {
                         &proxy_kubeconfig,
                         &extra,
                         &name,
-                        dir.path(),
+                        dir.as_path(),
                         daemon,
                         signal,
                         runs + i,
