@@ -893,34 +893,30 @@ fn flip_probe(
                                         .unwrap_or_default()
                                 };
                                 let at = unix_us();
-                                let _ = std::fs::write(
-                                    dir.join(format!("stall-{at}-nft.txt")),
-                                    out(&["nft", "list", "map", "ip", "kproxy", "dnat-c-1"]),
-                                );
-                                let _ = std::fs::write(
-                                    dir.join(format!("stall-{at}-port.txt")),
-                                    out(&[
-                                        "conntrack",
-                                        "-L",
-                                        "-p",
-                                        "tcp",
-                                        "--orig-dst",
-                                        PROBE_CLUSTER_IP,
-                                        "--orig-port-src",
-                                        &from.to_string(),
-                                    ]),
-                                );
-                                let _ = std::fs::write(
-                                    dir.join(format!("stall-{at}-conntrack.txt")),
-                                    out(&[
-                                        "conntrack",
-                                        "-L",
-                                        "-p",
-                                        "tcp",
-                                        "--orig-dst",
-                                        PROBE_CLUSTER_IP,
-                                    ]),
-                                );
+                                let port = from.to_string();
+                                let conntrack = [
+                                    "conntrack",
+                                    "-L",
+                                    "-p",
+                                    "tcp",
+                                    "--orig-dst",
+                                    PROBE_CLUSTER_IP,
+                                ];
+                                let port_only =
+                                    [&conntrack[..], &["--orig-port-src", &port]].concat();
+                                for (what, cmd) in [
+                                    (
+                                        "nft",
+                                        &["nft", "list", "map", "ip", "kproxy", "dnat-c-1"][..],
+                                    ),
+                                    ("port", &port_only[..]),
+                                    ("conntrack", &conntrack[..]),
+                                ] {
+                                    let _ = std::fs::write(
+                                        dir.join(format!("stall-{at}-{what}.txt")),
+                                        out(cmd),
+                                    );
+                                }
                             }
                         }
                     }
