@@ -33,6 +33,8 @@ pub(crate) fn run(
 ) -> Result<usize, NftError> {
     let mut child = Command::new(NFT)
         .args(["-f", "-"])
+        // Errors reach logs and reports in one language whatever the node's locale.
+        .env("LC_ALL", "C")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -76,6 +78,9 @@ pub(crate) fn run(
 pub fn list_table_json(family: &str, table: &str) -> Result<Option<Value>, NftError> {
     let out = Command::new(NFT)
         .args(["-j", "list", "table", family, table])
+        // nft prints the kernel's error as strerror(3) text, which a locale translates;
+        // "table absent" is recognised by the C locale's words below.
+        .env("LC_ALL", "C")
         .output()
         .map_err(|e| NftError::Io {
             context: format!("running `{NFT} -j list table {family} {table}`"),
