@@ -427,7 +427,7 @@ impl Dataplane {
                 dump::read_table("ip", table),
                 dump::read_table("ip6", table),
             ];
-            if read_back(recs, raw).is_ok_and(|r| r.tx.counts.is_empty()) {
+            if read_back(recs, raw).is_some_and(|r| r.tx.counts.is_empty()) {
                 return Ok(VerifyReport::default());
             }
         }
@@ -620,20 +620,15 @@ fn adopt(
     raw: [Result<Option<dump::RawTable>, NftError>; 2],
 ) -> Option<Transaction> {
     let t = Instant::now();
-    match read_back(recs, raw) {
-        Ok(r) => {
-            tracing::info!(
-                rules = r.rules,
-                elements = r.elements,
-                diff_ms = t.elapsed().as_secs_f64() * 1e3,
-                changes = ?r.tx.counts,
-                "adopted kproxy's tables from the kernel"
-            );
-            Some(r.tx)
-        }
-        // A first start (tables absent) or a read the warning explained.
-        Err(ReadBackFailed::Absent | ReadBackFailed::Logged) => None,
-    }
+    let r = read_back(recs, raw)?;
+    tracing::info!(
+        rules = r.rules,
+        elements = r.elements,
+        diff_ms = t.elapsed().as_secs_f64() * 1e3,
+        changes = ?r.tx.counts,
+        "adopted kproxy's tables from the kernel"
+    );
+    Some(r.tx)
 }
 
 /// The kernel's tables read back and diffed against the records: the delta that moves
@@ -644,28 +639,22 @@ struct ReadBack {
     elements: usize,
 }
 
-/// Why no delta can move the kernel's tables to the records.
-enum ReadBackFailed {
-    /// A table is absent.
-    Absent,
-    /// Unreadable, or holding what a delta cannot repair (logged as a warning).
-    Logged,
-}
-
 /// [`adopt`]'s reading and diffing, without its log: also what `verify` asks first.
+/// `None`: a table is absent, or unreadable, or holds what a delta cannot repair (the
+/// last two logged as warnings).
 fn read_back(
     recs: &[record::FamilyRecord; 2],
     raw: [Result<Option<dump::RawTable>, NftError>; 2],
-) -> Result<ReadBack, ReadBackFailed> {
+) -> Option<ReadBack> {
     let mut tx = Transaction::default();
     let (mut rules, mut elements) = (0, 0);
     for (rec, raw) in recs.iter().zip(raw) {
         let raw = match raw {
             Ok(Some(raw)) => raw,
-            Ok(None) => return Err(ReadBackFailed::Absent),
+            Ok(None) => return None,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read kproxy's tables back; replacing them");
-                return Err(ReadBackFailed::Logged);
+                return None;
             }
         };
         rules += raw.rule_count();
@@ -675,7 +664,7 @@ fn read_back(
             Ok(k) => k,
             Err(e) => {
                 tracing::warn!(error = %e, "kproxy's tables hold what a delta cannot repair; replacing them");
-                return Err(ReadBackFailed::Logged);
+                return None;
             }
         };
         match model::diff(&kernel, &desired) {
@@ -685,16 +674,16 @@ fn read_back(
                     family = desired.family.nft(),
                     "a declaration in the kernel differs; replacing the tables"
                 );
-                return Err(ReadBackFailed::Logged);
+                return None;
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot diff the kernel's tables; replacing them");
-                return Err(ReadBackFailed::Logged);
+                return None;
             }
         }
     }
     tx.order();
-    Ok(ReadBack {
+    Some(ReadBack {
         tx,
         rules,
         elements,
