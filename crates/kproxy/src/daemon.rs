@@ -321,8 +321,9 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 }
             }
             // Batch as the pacing says; changes arriving meanwhile join this sync.
-            let earliest = self.pacer.earliest(Instant::now());
-            if Instant::now() < earliest {
+            let now = Instant::now();
+            let earliest = self.pacer.earliest(now);
+            if now < earliest {
                 self.metrics.last_queued_timestamp.set(unix_now());
                 tokio::select! {
                     biased;
