@@ -133,7 +133,7 @@ pub struct SyncReport {
 /// What a verification found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct VerifyReport {
-    /// The kernel differed from the record (and a full sync repaired it).
+    /// The kernel differed from the record (and a repair restored it).
     pub drift: bool,
     /// Objects (`chain NAME`, `set NAME`, `table FAMILY`) that differed.
     pub differences: Vec<String>,
@@ -149,7 +149,7 @@ pub struct Dataplane {
     writer: Option<netlink::Writer>,
     /// The next full sync may adopt the tables in the kernel: only the first one of a
     /// process (later full syncs repair failures and drift, and replace).
-    adopt_pending: bool,
+    replace_forced: bool,
     /// The UDP frontends of what is programmed, for the conntrack cleanup; moved with
     /// the record by the changed Services (empty when the cleanup is off).
     udp: conntrack::UdpFrontends,
@@ -163,7 +163,7 @@ impl Dataplane {
             cfg,
             programmed: None,
             writer: None,
-            adopt_pending: true,
+            replace_forced: false,
             udp: conntrack::UdpFrontends::default(),
         })
     }
@@ -176,7 +176,7 @@ impl Dataplane {
     /// adoption of the tables in the kernel).
     pub fn force_full_sync(&mut self) {
         self.programmed = None;
-        self.adopt_pending = false;
+        self.replace_forced = true;
     }
 
     /// What is programmed, as whole tables (IPv4, IPv6); `None` before the first
@@ -193,9 +193,11 @@ impl Dataplane {
     /// one transaction; no other Service is looked at. A node-level change
     /// (`update.node`, or [`PlanUpdate::WHOLE`] from a caller without a delta) moves it
     /// by every Service, since a Service's rules also depend on node facts (the local-pod
-    /// detector). The first call, and any call after a failure or a verification
-    /// mismatch, is a full sync: one atomic transaction replacing kproxy's tables
-    /// (adopting tables left by a previous run without a gap). Then the UDP conntrack
+    /// detector). The first call, and any call after a failure, is a full sync: when
+    /// kproxy's tables are there (left by a previous run, or by the failed sync) they
+    /// are read back and only the difference is sent (adoption); when they are absent
+    /// they are built dormant and woken; else (forced, or tables adoption cannot
+    /// repair) one atomic transaction replaces them. Then the UDP conntrack
     /// cleanup of §e.6. Blocking; acts on the calling thread's network namespace.
     pub fn sync(&mut self, plan: &NodePlan, update: &PlanUpdate) -> Result<SyncReport, NftError> {
         let start = Instant::now();
@@ -291,10 +293,15 @@ impl Dataplane {
     /// repair before), a full sync of `plan`, which must be the plan last programmed.
     /// `report.changes` says what was restored (nothing: the kernel already matched).
     pub fn repair(&mut self, plan: &NodePlan) -> Result<SyncReport, NftError> {
-        let start = Instant::now();
         let Some(recs) = self.programmed.take() else {
             return self.sync(plan, &PlanUpdate::WHOLE);
         };
+        self.restore(recs)
+    }
+
+    /// [`Dataplane::repair`] with the record taken: the kernel's tables moved back to it.
+    fn restore(&mut self, recs: [record::FamilyRecord; 2]) -> Result<SyncReport, NftError> {
+        let start = Instant::now();
         let mut report = SyncReport::default();
         let table = self.cfg.table.as_str();
         let raw = [
@@ -340,10 +347,14 @@ impl Dataplane {
         plan: &NodePlan,
         report: &mut SyncReport,
     ) -> Result<([record::FamilyRecord; 2], Vec<Step>), NftError> {
-        let (recs, adopted) = if std::mem::take(&mut self.adopt_pending) {
-            records_and_adoption(plan, &self.cfg)
-        } else {
+        // Not only at start: after a failed sync the tables are there too, and a
+        // delta against what they hold is a small transaction where a replacement is
+        // one of every element, during which the kernel lets about one new connection
+        // in 5,000 through the node go unanswered (crates/nft/benches/forwarding.rs).
+        let (recs, adopted) = if std::mem::take(&mut self.replace_forced) {
             (records(plan, &self.cfg), None)
+        } else {
+            records_and_adoption(plan, &self.cfg)
         };
         if let Some(tx) = adopted {
             report.full = false;
@@ -411,8 +422,8 @@ impl Dataplane {
         Ok(true)
     }
 
-    /// Reads the kernel, compares with the record, repairs drift (replaces the tables
-    /// with the record's, one transaction); never on the normal path. Without a record (nothing synced yet) there is
+    /// Reads the kernel, compares with the record, repairs drift (as
+    /// [`Dataplane::repair`]: a delta when the tables are there); never on the normal path. Without a record (nothing synced yet) there is
     /// nothing to compare and no drift.
     ///
     /// The kernel is first read back over netlink, as adoption reads it (0.2–0.4 s at
@@ -440,16 +451,12 @@ impl Dataplane {
         }
         let drift = !differences.is_empty();
         if drift {
-            tracing::warn!(?differences, "nftables drift: repairing with a full sync");
-            // The record is what the kernel should hold: it replaces the tables.
-            let mut tx = Transaction::default();
-            for t in programmed {
-                tx.extend(Transaction::replace(t));
-            }
-            if let Err(e) = nft::run_transaction(&tx) {
-                self.programmed = None;
-                self.writer = None;
-                return Err(e);
+            tracing::warn!(?differences, "nftables drift: repairing from the record");
+            // The record is what the kernel should hold; repaired as the kernel watch
+            // repairs (a delta when the tables are there), not by one transaction of
+            // every element.
+            if let Some(recs) = self.programmed.take() {
+                self.restore(recs)?;
             }
         }
         Ok(VerifyReport { drift, differences })
