@@ -136,6 +136,10 @@ pub struct RolloutArgs {
     /// both runs every behaviour on each and the report compares them.
     #[arg(long, value_enum, value_delimiter = ',')]
     pub control_plane: Vec<ControlPlaneKind>,
+    /// Chaos during the rolling update (api-outage and watch-cut need `--control-plane
+    /// k8s-lab`).
+    #[arg(long, value_enum)]
+    pub chaos: Option<crate::scenario::Chaos>,
 
     #[arg(long)]
     pub nodes: Option<usize>,
@@ -534,7 +538,8 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
         print!("{}", crate::matrix::render_text(&results));
     }
     // The claims under test: kproxy loses nothing with the recommended settings,
-    // also across a restart of every node's kproxy and a flushed ruleset.
+    // also across a restart of every node's kproxy, a flushed ruleset, a SIGKILLed
+    // kproxy, an API outage and a cut watch.
     let bad = results.iter().any(|c| {
         c.cell.behaviour == Behaviour::Kproxy
             && matches!(
@@ -542,6 +547,9 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
                 crate::matrix::Setting::Recommended
                     | crate::matrix::Setting::KproxyRestart
                     | crate::matrix::Setting::NftFlush
+                    | crate::matrix::Setting::KproxyKill
+                    | crate::matrix::Setting::ApiOutage
+                    | crate::matrix::Setting::WatchCut
             )
             && c.cell.profile != PodProfile::ExitOnTerm
             && c.lost > 0
@@ -586,8 +594,17 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
     for run in 0..a.runs {
         for cp in &planes {
             for b in &behaviours {
+                if let Some(chaos) = a.chaos.filter(|c| c.needs_real_api())
+                    && *cp == ControlPlaneKind::Emulated
+                {
+                    anyhow::bail!(
+                        "--chaos {} needs --control-plane k8s-lab",
+                        scenario::chaos_str(chaos)
+                    );
+                }
                 let opts = scenario::RunOptions {
                     control_plane: *cp,
+                    chaos: a.chaos,
                     ..Default::default()
                 };
                 let r = scenario::run_with(&cfg, *b, run, &kproxy, opts, &progress)

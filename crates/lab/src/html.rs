@@ -356,6 +356,26 @@ pub fn timeline_svg(r: &RunResult) -> String {
                 e.node.clone().unwrap_or_default(),
                 "nft flush ruleset by another process",
             )),
+            (EventKind::KproxyKilled, _) => node_marks.push((
+                t,
+                e.node.clone().unwrap_or_default(),
+                "kproxy SIGKILLed and started again",
+            )),
+            (EventKind::ApiConnectionsCut, _) => node_marks.push((
+                t,
+                e.node.clone().unwrap_or_default(),
+                "kproxy's API connections reset",
+            )),
+            (EventKind::ApiServerDown | EventKind::ApiServerUp, _) => {
+                let what = if e.kind == EventKind::ApiServerDown {
+                    "API server killed"
+                } else {
+                    "API server started again"
+                };
+                for n in &r.nodes {
+                    node_marks.push((t, n.clone(), what));
+                }
+            }
             (EventKind::NodeTainted, _) => node_marks.push((
                 t,
                 e.node.clone().unwrap_or_default(),

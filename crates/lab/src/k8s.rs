@@ -741,6 +741,9 @@ pub async fn watch_slices(client: kube::Client, rec: Recorder) {
 /// host's 127.0.0.1:`port` from the host namespace (the lab's runtime threads).
 pub struct ApiBridge {
     task: tokio::task::JoinHandle<()>,
+    /// Bumped to reset every open connection (the watch-cut chaos).
+    cut: tokio::sync::watch::Sender<u64>,
+    open: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl ApiBridge {
@@ -767,22 +770,127 @@ impl ApiBridge {
             what: "API bridge listener".into(),
             source: e,
         })?;
+        let (cut, cuts) = tokio::sync::watch::channel(0u64);
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = open.clone();
         let task = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
+                let mut cuts = cuts.clone();
+                cuts.mark_unchanged();
+                let open = counter.clone();
                 tokio::spawn(async move {
                     if let Ok(mut out) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                        open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut out) => {}
+                            _ = cuts.changed() => {
+                                // A reset, not a close: what a broken path or a
+                                // restarted load balancer in front of the API does.
+                                let _ = inbound.set_zero_linger();
+                                let _ = out.set_zero_linger();
+                            }
+                        }
+                        open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                     }
                 });
             }
         });
-        Ok(ApiBridge { task })
+        Ok(ApiBridge { task, cut, open })
+    }
+
+    /// Resets every connection open through the bridge; how many there were.
+    pub fn cut(&self) -> usize {
+        let n = self.open.load(std::sync::atomic::Ordering::SeqCst);
+        self.cut.send_modify(|g| *g += 1);
+        n
     }
 }
 
 impl Drop for ApiBridge {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// The k8s-lab's running kube-apiserver, found by the pid file `start.sh` writes: what
+/// the API-outage chaos kills and starts again with the same command line.
+pub struct ApiServerProcess {
+    pid_file: PathBuf,
+    log: PathBuf,
+    argv: Vec<String>,
+    pid: i32,
+}
+
+impl ApiServerProcess {
+    pub fn find(lab: &K8sLab) -> Result<ApiServerProcess, LabError> {
+        let pid_file = lab.dir.join("run/kube-apiserver.pid");
+        let io = |what: String| move |e| LabError::Io { what, source: e };
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .map_err(io(format!("read {}", pid_file.display())))?
+            .trim()
+            .parse()
+            .map_err(|_| LabError::Invalid(format!("{}: not a pid", pid_file.display())))?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map_err(io(format!("read the command line of kube-apiserver (pid {pid})")))?;
+        let argv: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if !argv.first().is_some_and(|a| a.ends_with("kube-apiserver")) {
+            return Err(LabError::Invalid(format!(
+                "pid {pid} of {} is not kube-apiserver",
+                pid_file.display()
+            )));
+        }
+        Ok(ApiServerProcess {
+            pid_file,
+            log: lab.dir.join("logs/kube-apiserver.log"),
+            argv,
+            pid,
+        })
+    }
+
+    /// SIGKILL, and wait until it is gone.
+    pub fn kill(&self) -> Result<(), LabError> {
+        let pid = nix::unistd::Pid::from_raw(self.pid);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)
+            .map_err(|e| LabError::Invalid(format!("kill kube-apiserver (pid {pid}): {e}")))?;
+        while std::path::Path::new(&format!("/proc/{}", self.pid)).exists() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// The same command line again, in a session of its own, appending to its log as
+    /// `start.sh` does, and its pid where `start.sh` looks for it.
+    pub fn start_again(&self) -> Result<(), LabError> {
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&self.log)
+            .map_err(|e| LabError::Io {
+                what: format!("open {}", self.log.display()),
+                source: e,
+            })?;
+        let err = log.try_clone().map_err(|e| LabError::Io {
+            what: "clone the log file".into(),
+            source: e,
+        })?;
+        let child = std::process::Command::new("setsid")
+            .args(&self.argv)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| LabError::Io {
+                what: "start kube-apiserver again".into(),
+                source: e,
+            })?;
+        std::fs::write(&self.pid_file, format!("{}\n", child.id())).map_err(|e| LabError::Io {
+            what: format!("write {}", self.pid_file.display()),
+            source: e,
+        })
     }
 }
 
@@ -793,7 +901,7 @@ pub struct RealControlPlane {
     pub client: kube::Client,
     pub writer: Arc<PodStatusWriter>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
-    _bridges: Vec<ApiBridge>,
+    bridges: Vec<ApiBridge>,
     nodes: usize,
     since: String,
     node_changes: Arc<Mutex<NodeChanges>>,
@@ -839,11 +947,17 @@ impl RealControlPlane {
             client,
             writer,
             tasks: Mutex::new(tasks),
-            _bridges: bridges,
+            bridges: bridges,
             nodes: fabric.nodes.len(),
             since,
             node_changes,
         })
+    }
+
+    /// Resets every open connection of node `index`'s kproxy to the API server (through
+    /// its bridge); how many were open.
+    pub fn cut_api_connections(&self, index: usize) -> usize {
+        self.bridges.get(index).map_or(0, ApiBridge::cut)
     }
 
     /// The cluster autoscaler's scale-down taint on node `index`, written to the Node
@@ -916,8 +1030,17 @@ impl RealControlPlane {
     ) -> Result<(), LabError> {
         let d = cluster.deployment;
         let start = Instant::now();
+        let mut last_error = None;
         loop {
-            let dep = get_deployment(&self.client).await?;
+            // An API server that is down (the API-outage chaos) pauses the wait; only
+            // the limit ends it, naming the last error.
+            let dep = match get_deployment(&self.client).await {
+                Ok(dep) => dep,
+                Err(e) => {
+                    last_error = Some(e);
+                    None
+                }
+            };
             let pods = cluster.pods();
             let lab_done = pods.len() == d.replicas as usize
                 && pods.iter().all(|p| p.revision == revision && p.is_ready());
@@ -925,8 +1048,10 @@ impl RealControlPlane {
                 return Ok(());
             }
             if start.elapsed() > limit {
+                let cause = last_error.map(|e| format!(" (last API error: {e})"));
                 return Err(LabError::Invalid(format!(
-                    "k8s-lab: {what} did not finish within {limit:?}"
+                    "k8s-lab: {what} did not finish within {limit:?}{}",
+                    cause.unwrap_or_default()
                 )));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;

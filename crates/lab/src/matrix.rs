@@ -19,7 +19,7 @@ use crate::config::RolloutConfig;
 use crate::lb::{HealthCheck, LbPreset};
 use crate::pod::PodProfile;
 use crate::report::{self, Summary};
-use crate::scenario::{self, Behaviour, Progress, RunOptions, RunResult};
+use crate::scenario::{self, Behaviour, Chaos, Progress, RunOptions, RunResult};
 
 /// Seed 2's settings, each a deviation from the recommended one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, clap::ValueEnum)]
@@ -48,6 +48,15 @@ pub enum Setting {
     /// process (`nft flush ruleset`) when the rollout's second old pod turns
     /// terminating: kproxy must notice and restore its rules (issue 30).
     NftFlush,
+    /// The recommended settings, and node 1's kproxy SIGKILLed (and started again) when
+    /// node 1's last old pod turns terminating.
+    KproxyKill,
+    /// The recommended settings, and the API server (k8s-lab) killed for 30 s when the
+    /// rollout's second old pod turns terminating: the rollout pauses, nothing is lost.
+    ApiOutage,
+    /// The recommended settings, and every API connection of node 1's kproxy reset
+    /// (its EndpointSlice watch cut) at that moment.
+    WatchCut,
     /// No rollout: the cluster autoscaler drains a node of an `externalTrafficPolicy:
     /// Cluster` Service whose load balancer probes kproxy's `/healthz` (KEP-3836):
     /// taint `ToBeDeletedByClusterAutoscaler`, evict its pods, delete the node
@@ -65,6 +74,9 @@ impl Setting {
             Setting::EarlyReady => "early-ready",
             Setting::KproxyRestart => "kproxy-restart",
             Setting::NftFlush => "nft-flush",
+            Setting::KproxyKill => "kproxy-kill",
+            Setting::ApiOutage => "api-outage",
+            Setting::WatchCut => "watch-cut",
             Setting::NodeDrain => "node-drain",
         }
     }
@@ -76,6 +88,9 @@ impl Setting {
             Setting::Recommended
             | Setting::KproxyRestart
             | Setting::NftFlush
+            | Setting::KproxyKill
+            | Setting::ApiOutage
+            | Setting::WatchCut
             | Setting::NodeDrain => None,
             Setting::ShortPrestop => Some(r::PRESTOP_SHORTER_THAN_LB_DETECTION),
             Setting::ReadinessInequalityViolated => Some(r::READINESS_FAILS_BEFORE_KILL),
@@ -87,10 +102,19 @@ impl Setting {
     /// Rows about the proxy rather than the pod: run with graceful pods only (when
     /// the selection has them).
     fn graceful_only(self) -> bool {
-        matches!(
-            self,
-            Setting::KproxyRestart | Setting::NftFlush | Setting::NodeDrain
-        )
+        self.chaos().is_some() || self == Setting::NodeDrain
+    }
+
+    /// The chaos of the setting's rollout.
+    pub fn chaos(self) -> Option<Chaos> {
+        match self {
+            Setting::KproxyRestart => Some(Chaos::RestartKproxy),
+            Setting::NftFlush => Some(Chaos::FlushRuleset),
+            Setting::KproxyKill => Some(Chaos::KillKproxy),
+            Setting::ApiOutage => Some(Chaos::ApiOutage),
+            Setting::WatchCut => Some(Chaos::WatchCut),
+            _ => None,
+        }
     }
 
     /// The lab's Service for this setting: eTP Local, except for the node drain.
@@ -106,7 +130,7 @@ impl Setting {
     }
 }
 
-pub const ALL_SETTINGS: [Setting; 8] = [
+pub const ALL_SETTINGS: [Setting; 11] = [
     Setting::Recommended,
     Setting::ShortPrestop,
     Setting::ReadinessInequalityViolated,
@@ -114,6 +138,9 @@ pub const ALL_SETTINGS: [Setting; 8] = [
     Setting::EarlyReady,
     Setting::KproxyRestart,
     Setting::NftFlush,
+    Setting::KproxyKill,
+    Setting::ApiOutage,
+    Setting::WatchCut,
     Setting::NodeDrain,
 ];
 pub const ALL_PROFILES: [PodProfile; 3] = [
@@ -259,7 +286,12 @@ pub fn config_for(cell: &Cell, base: &RolloutConfig) -> Result<RolloutConfig, La
     p.success_threshold = 1;
     p.initial_delay_seconds = (lb_registration_s(&hc).ceil() + 2.0).max(20.0);
     match cell.setting {
-        Setting::Recommended | Setting::KproxyRestart | Setting::NftFlush => {}
+        Setting::Recommended
+        | Setting::KproxyRestart
+        | Setting::NftFlush
+        | Setting::KproxyKill
+        | Setting::ApiOutage
+        | Setting::WatchCut => {}
         // Replacement pods must fit on the remaining nodes.
         Setting::NodeDrain => c.deployment.one_pod_per_node = false,
         Setting::ShortPrestop => c.pod.pre_stop_sleep_seconds = 1.0,
@@ -650,12 +682,22 @@ pub fn run_matrix(
     let cells = sel.cells();
     let mut out = Vec::new();
     for (i, cell) in cells.iter().enumerate() {
+        if cell.setting.chaos().is_some_and(Chaos::needs_real_api)
+            && control_plane == scenario::ControlPlaneKind::Emulated
+        {
+            progress(&format!(
+                "[matrix {}/{}] {}: skipped, needs --control-plane k8s-lab",
+                i + 1,
+                cells.len(),
+                cell.id()
+            ));
+            continue;
+        }
         let cfg = config_for(cell, base)?;
         let lint = lint_cell(&cfg, cell.setting.etp_local())?;
         progress(&format!("[matrix {}/{}] {}", i + 1, cells.len(), cell.id()));
         let opts = RunOptions {
-            restart_kproxy_mid_rollout: cell.setting == Setting::KproxyRestart,
-            flush_ruleset_mid_rollout: cell.setting == Setting::NftFlush,
+            chaos: cell.setting.chaos(),
             drain: (cell.setting == Setting::NodeDrain).then(|| node_drain(&cfg)),
             control_plane,
         };
@@ -759,10 +801,10 @@ mod tests {
     #[test]
     fn cell_selection() {
         let full = Selection::full().cells();
-        // 4 settings × 3 profiles + readiness × 1 + restart, flush and drain × 1
-        // (graceful), × 3 presets × 2.
-        assert_eq!(full.len(), (4 * 3 + 1 + 3) * 3 * 2);
-        for setting in [Setting::NodeDrain, Setting::NftFlush] {
+        // 4 settings × 3 profiles + readiness × 1 + restart, flush, kill, API outage,
+        // watch cut and drain × 1 (graceful), × 3 presets × 2.
+        assert_eq!(full.len(), (4 * 3 + 1 + 6) * 3 * 2);
+        for setting in [Setting::NodeDrain, Setting::NftFlush, Setting::KproxyKill] {
             assert!(
                 full.iter()
                     .filter(|c| c.setting == setting)

@@ -97,20 +97,183 @@ pub struct NodeDrain {
     pub delete_after_s: f64,
 }
 
+/// Chaos during the rolling update (the scenario matrix's extra rows). Each happens
+/// once, when the rollout's second old pod becomes terminating (`KillKproxy`: when node
+/// 1's last old pod does), so a pod is serving-terminating while it happens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Chaos {
+    /// Every node's kproxy stopped (SIGTERM) and started again: the new processes must
+    /// pick up where the old ones left.
+    #[value(name = "kproxy-restart")]
+    #[serde(rename = "kproxy-restart")]
+    RestartKproxy,
+    /// Node 1's whole nftables ruleset flushed (`nft flush ruleset`, another process than
+    /// kproxy): kproxy must restore its rules before traffic notices.
+    #[value(name = "nft-flush")]
+    #[serde(rename = "nft-flush")]
+    FlushRuleset,
+    /// Node 1's kproxy SIGKILLed (no shutdown path runs) and started again.
+    #[value(name = "kproxy-kill")]
+    #[serde(rename = "kproxy-kill")]
+    KillKproxy,
+    /// The API server (k8s-lab) killed for [`API_OUTAGE_S`], then started again with the
+    /// same command line, once the terminating pod's EndpointSlice change is out (a
+    /// change the API never published no proxy can act on): the rollout pauses, nodes
+    /// keep their rules.
+    ApiOutage,
+    /// Every connection of node 1's kproxy to the API server reset (its API bridge):
+    /// its watches must resume without losing a change.
+    WatchCut,
+}
+
+/// Nominal seconds the API server stays down in [`Chaos::ApiOutage`] before it is
+/// started again (its own start then adds real seconds: the timeline shows when it
+/// answered again).
+pub const API_OUTAGE_S: f64 = 30.0;
+
+impl Chaos {
+    /// Only the real control plane has an API server to kill or connections to cut.
+    pub fn needs_real_api(self) -> bool {
+        matches!(self, Chaos::ApiOutage | Chaos::WatchCut)
+    }
+}
+
 /// Disturbances a run adds to the rolling update (the scenario matrix's extra rows).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct RunOptions {
-    /// Restart every node's kproxy (SIGTERM, then start again) when the rollout's
-    /// second old pod becomes terminating: the new processes start while a pod is
-    /// serving-terminating and must pick up where the old ones left.
-    pub restart_kproxy_mid_rollout: bool,
-    /// Flush node 1's whole nftables ruleset (`nft flush ruleset`, another process than
-    /// kproxy) at the same moment: kproxy must restore its rules before traffic notices.
-    pub flush_ruleset_mid_rollout: bool,
+    /// Chaos during the rolling update.
+    pub chaos: Option<Chaos>,
     /// The control plane the run uses.
     pub control_plane: ControlPlaneKind,
     /// Drain a node instead of rolling the Deployment.
     pub drain: Option<NodeDrain>,
+}
+
+/// Does `chaos` to the running lab, recording it on the timeline.
+async fn disturb(
+    chaos: Chaos,
+    fabric: &Fabric,
+    daemons: &mut [Kproxyd],
+    real: Option<&Arc<RealControlPlane>>,
+    rec: &Recorder,
+    tag: &str,
+    progress: Progress<'_>,
+) -> Result<(), LabError> {
+    let node1 = fabric.nodes.first().map(|n| n.name.clone());
+    match chaos {
+        Chaos::FlushRuleset => {
+            if let Some(node) = fabric.nodes.first() {
+                node.ns.exec("nft", &["flush", "ruleset"])?;
+                rec.record(
+                    EventKind::RulesetFlushed,
+                    Some(&node.name),
+                    None,
+                    "nft flush ruleset (another process)",
+                );
+                progress(&format!("{tag} flushed {}'s nftables ruleset", node.name));
+            }
+        }
+        Chaos::RestartKproxy => {
+            for d in daemons.iter_mut() {
+                d.restart()?;
+                rec.record(
+                    EventKind::KproxyRestarted,
+                    Some(&d.node),
+                    None,
+                    "kproxy stopped (SIGTERM) and started again",
+                );
+            }
+            progress(&format!("{tag} restarted kproxy on every node"));
+        }
+        Chaos::KillKproxy => {
+            if let Some(d) = daemons.first_mut() {
+                d.kill_and_start()?;
+                rec.record(
+                    EventKind::KproxyKilled,
+                    Some(&d.node),
+                    None,
+                    "kproxy SIGKILLed and started again",
+                );
+                progress(&format!("{tag} SIGKILLed {}'s kproxy and started it again", d.node));
+            }
+        }
+        Chaos::ApiOutage | Chaos::WatchCut => {
+            let real = real.ok_or_else(|| {
+                LabError::Invalid(format!(
+                    "{} needs --control-plane k8s-lab",
+                    chaos_str(chaos)
+                ))
+            })?;
+            if chaos == Chaos::WatchCut {
+                let n = real.cut_api_connections(0);
+                rec.record(
+                    EventKind::ApiConnectionsCut,
+                    node1.as_deref(),
+                    None,
+                    format!("{n} API connections of this node's kproxy reset"),
+                );
+                progress(&format!("{tag} reset {n} API connections of node 1's kproxy"));
+            } else {
+                // The terminating pod's change published first (bounded: a slice that
+                // never comes is the run's finding, not a reason to wait forever).
+                let terminating_at = rec
+                    .events()
+                    .iter()
+                    .filter(|e| e.kind == EventKind::PodTerminating)
+                    .map(|e| e.t_ms)
+                    .fold(0.0, f64::max);
+                let published = || {
+                    rec.events()
+                        .iter()
+                        .any(|e| e.kind == EventKind::SlicePublished && e.t_ms >= terminating_at)
+                };
+                let wait = Instant::now();
+                while !published() && wait.elapsed() < Duration::from_secs(10) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let server = crate::k8s::ApiServerProcess::find(&real.lab)?;
+                server.kill()?;
+                rec.record(
+                    EventKind::ApiServerDown,
+                    None,
+                    None,
+                    format!("kube-apiserver killed for {API_OUTAGE_S} s nominal"),
+                );
+                progress(&format!("{tag} killed the API server for {API_OUTAGE_S} s nominal"));
+                tokio::time::sleep(rec.clock().real(API_OUTAGE_S)).await;
+                server.start_again()?;
+                let down = Instant::now();
+                while crate::k8s::get_deployment(&real.client).await.is_err()
+                    && down.elapsed() < Duration::from_secs(120)
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                rec.record(
+                    EventKind::ApiServerUp,
+                    None,
+                    None,
+                    format!(
+                        "kube-apiserver answering again, {:.1} s after its start",
+                        down.elapsed().as_secs_f64()
+                    ),
+                );
+                progress(&format!("{tag} the API server answers again"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The chaos's name in the matrix and on the command line.
+pub fn chaos_str(chaos: Chaos) -> &'static str {
+    match chaos {
+        Chaos::RestartKproxy => "kproxy-restart",
+        Chaos::FlushRuleset => "nft-flush",
+        Chaos::KillKproxy => "kproxy-kill",
+        Chaos::ApiOutage => "api-outage",
+        Chaos::WatchCut => "watch-cut",
+    }
 }
 
 /// Start the rolling update to `revision` with the run's Deployment controller.
@@ -397,7 +560,7 @@ async fn run_async(
             );
             progress(&format!("{tag} rolling update started"));
             let rollout = spawn_rollout(&cluster, real.as_ref(), 2, rollout_limit);
-            if opts.restart_kproxy_mid_rollout || opts.flush_ruleset_mid_rollout {
+            if let Some(chaos) = opts.chaos {
                 let step = 2.min(cfg.deployment.replicas as usize);
                 let terminating = || {
                     rec.events()
@@ -405,37 +568,34 @@ async fn run_async(
                         .filter(|e| e.kind == EventKind::PodTerminating)
                         .count()
                 };
-                wait_for(
-                    "an old pod of the rollout's second step to become terminating",
-                    rollout_limit,
-                    &mut daemons,
-                    || terminating() >= step || rollout.is_finished(),
-                )
-                .await?;
-                if opts.flush_ruleset_mid_rollout
-                    && let Some(node) = fabric.nodes.first()
-                {
-                    node.ns.exec("nft", &["flush", "ruleset"])?;
-                    rec.record(
-                        EventKind::RulesetFlushed,
-                        Some(&node.name),
-                        None,
-                        "nft flush ruleset (another process)",
-                    );
-                    progress(&format!("{tag} flushed {}'s nftables ruleset", node.name));
+                // Node 1's last old pod: every pod of revision 1 there is deleting.
+                let node1_last_old_terminating = || {
+                    let old: Vec<_> = cluster
+                        .pods()
+                        .into_iter()
+                        .filter(|p| p.node_index == 0 && p.revision == 1)
+                        .collect();
+                    !old.is_empty() && old.iter().all(|p| p.is_deleting())
+                };
+                if chaos == Chaos::KillKproxy {
+                    wait_for(
+                        "node 1's last old pod to become terminating",
+                        rollout_limit,
+                        &mut daemons,
+                        || node1_last_old_terminating() || rollout.is_finished(),
+                    )
+                    .await?;
+                } else {
+                    wait_for(
+                        "an old pod of the rollout's second step to become terminating",
+                        rollout_limit,
+                        &mut daemons,
+                        || terminating() >= step || rollout.is_finished(),
+                    )
+                    .await?;
                 }
-                if opts.restart_kproxy_mid_rollout {
-                    for d in daemons.iter_mut() {
-                        d.restart()?;
-                        rec.record(
-                            EventKind::KproxyRestarted,
-                            Some(&d.node),
-                            None,
-                            "kproxy stopped (SIGTERM) and started again",
-                        );
-                    }
-                    progress(&format!("{tag} restarted kproxy on every node"));
-                }
+                disturb(chaos, &fabric, &mut daemons, real.as_ref(), &rec, &tag, progress)
+                    .await?;
             }
             let mut last_line = Instant::now();
             wait_for("the rolling update", rollout_limit, &mut daemons, || {

@@ -70,6 +70,14 @@ pub enum EventKind {
     KproxyRestarted,
     /// Another process flushed a node's whole nftables ruleset (`nft flush ruleset`).
     RulesetFlushed,
+    /// The lab SIGKILLed a node's kproxy and started it again.
+    KproxyKilled,
+    /// The lab killed the API server (k8s-lab).
+    ApiServerDown,
+    /// The lab started the API server again.
+    ApiServerUp,
+    /// The lab reset every connection of a node's kproxy to the API server.
+    ApiConnectionsCut,
     /// The cluster autoscaler's `ToBeDeletedByClusterAutoscaler` taint was put on a
     /// node (node drain).
     NodeTainted,
