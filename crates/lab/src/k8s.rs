@@ -830,8 +830,9 @@ impl ApiServerProcess {
             .trim()
             .parse()
             .map_err(|_| LabError::Invalid(format!("{}: not a pid", pid_file.display())))?;
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
-            .map_err(io(format!("read the command line of kube-apiserver (pid {pid})")))?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).map_err(io(format!(
+            "read the command line of kube-apiserver (pid {pid})"
+        )))?;
         let argv: Vec<String> = cmdline
             .split(|b| *b == 0)
             .filter(|a| !a.is_empty())

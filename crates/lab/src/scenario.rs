@@ -195,7 +195,10 @@ async fn disturb(
                     None,
                     "kproxy SIGKILLed and started again",
                 );
-                progress(&format!("{tag} SIGKILLed {}'s kproxy and started it again", d.node));
+                progress(&format!(
+                    "{tag} SIGKILLed {}'s kproxy and started it again",
+                    d.node
+                ));
             }
         }
         Chaos::ApiOutage | Chaos::WatchCut => {
@@ -213,7 +216,9 @@ async fn disturb(
                     None,
                     format!("{n} API connections of this node's kproxy reset"),
                 );
-                progress(&format!("{tag} reset {n} API connections of node 1's kproxy"));
+                progress(&format!(
+                    "{tag} reset {n} API connections of node 1's kproxy"
+                ));
             } else {
                 // The terminating pod's change published first (bounded: a slice that
                 // never comes is the run's finding, not a reason to wait forever).
@@ -240,7 +245,9 @@ async fn disturb(
                     None,
                     format!("kube-apiserver killed for {API_OUTAGE_S} s nominal"),
                 );
-                progress(&format!("{tag} killed the API server for {API_OUTAGE_S} s nominal"));
+                progress(&format!(
+                    "{tag} killed the API server for {API_OUTAGE_S} s nominal"
+                ));
                 tokio::time::sleep(rec.clock().real(API_OUTAGE_S)).await;
                 server.start_again()?;
                 let down = Instant::now();
@@ -594,8 +601,16 @@ async fn run_async(
                     )
                     .await?;
                 }
-                disturb(chaos, &fabric, &mut daemons, real.as_ref(), &rec, &tag, progress)
-                    .await?;
+                disturb(
+                    chaos,
+                    &fabric,
+                    &mut daemons,
+                    real.as_ref(),
+                    &rec,
+                    &tag,
+                    progress,
+                )
+                .await?;
             }
             let mut last_line = Instant::now();
             wait_for("the rolling update", rollout_limit, &mut daemons, || {

@@ -87,6 +87,10 @@ enum Stop {
     Failed(String),
     /// The server ended the watch (its timeout): watch again from the same version.
     Resume,
+    /// The connection of a watch that had been running broke (a reset, a restarted
+    /// load balancer or API server in between): watch again from the same version at
+    /// once, as after [`Stop::Resume`]; the backoff is for a watch that cannot start.
+    Broken(String),
     /// The receiver is gone: the source is shutting down.
     Closed,
 }
@@ -210,6 +214,20 @@ impl Default for Backoff {
     }
 }
 
+/// How long a watch must have run for a broken connection to be resumed at once: a
+/// path that accepts and resets every connection must not make the watch spin.
+const HEALTHY_WATCH: Duration = Duration::from_secs(1);
+
+/// Why a watch's stream ended with an error after `lasted`: a watch that had been
+/// running is resumed at once, one that broke at its start goes through the backoff.
+fn stream_broke(error: String, lasted: Duration) -> Stop {
+    if lasted >= HEALTHY_WATCH {
+        Stop::Broken(error)
+    } else {
+        Stop::Failed(error)
+    }
+}
+
 /// Lists and watches `target` until the receiver of `tx` is dropped.
 pub async fn run(client: kube::Client, target: Target, decoder: Decoder, tx: Sender) {
     let kind = target.kind;
@@ -234,6 +252,9 @@ pub async fn run(client: kube::Client, target: Target, decoder: Decoder, tx: Sen
         match stop {
             Stop::Closed => return,
             Stop::Resume => {}
+            Stop::Broken(error) => {
+                tracing::info!(%kind, error = %error.escape_debug(), "watch connection broke; resuming");
+            }
             Stop::Relist(why) => {
                 tracing::info!(%kind, why = %why.escape_debug(), "relisting");
                 version = None;
@@ -259,7 +280,7 @@ pub async fn list_once(
     match list(&client, &request, &target, &decoder, &tx).await {
         // The receiver is gone: nobody waits for this list any more.
         Ok(_) | Err(Stop::Closed | Stop::Resume) => Ok(()),
-        Err(Stop::Relist(error) | Stop::Failed(error)) => Err(error),
+        Err(Stop::Relist(error) | Stop::Failed(error) | Stop::Broken(error)) => Err(error),
     }
 }
 
@@ -496,13 +517,14 @@ async fn watch(
     // A resumed watch is back once it delivers (an event or a bookmark); a 410 instead
     // leaves the return to the relist that follows.
     backoff.succeeded(kind);
+    let started = Instant::now();
     let mut lines = body.lines();
     loop {
         let line = match lines.try_next().await {
             Ok(Some(l)) => l,
             // The server's timeout ended the watch: resume from `rv` at once.
             Ok(None) => return Stop::Resume,
-            Err(e) => return Stop::Failed(format!("watch stream: {e}")),
+            Err(e) => return stream_broke(format!("watch stream: {e}"), started.elapsed()),
         };
         if line.trim().is_empty() {
             continue;
@@ -563,6 +585,24 @@ async fn watch(
         }
         if let Err(stop) = backoff.settle_return(tx, kind).await {
             return stop;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_watch_resumes_at_once_only_when_it_had_been_running() {
+        for (lasted_ms, at_once) in [(0, false), (999, false), (1000, true), (600_000, true)] {
+            let stop = stream_broke("reset".into(), Duration::from_millis(lasted_ms));
+            assert_eq!(
+                matches!(stop, Stop::Broken(_)),
+                at_once,
+                "{lasted_ms} ms: {stop:?}"
+            );
+            assert_eq!(matches!(stop, Stop::Failed(_)), !at_once);
         }
     }
 }
