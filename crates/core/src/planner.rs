@@ -107,13 +107,6 @@ impl Planner {
         &self.config
     }
 
-    pub fn set_config(&mut self, config: PlanConfig) {
-        if config != self.config {
-            self.config = config;
-            self.config_changed = true;
-        }
-    }
-
     /// Applies the changes recorded in `state` since the last update.
     pub fn update(&mut self, state: &mut ClusterState) -> PlanUpdate {
         let changes = state.take_changes();

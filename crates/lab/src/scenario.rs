@@ -131,17 +131,6 @@ fn spawn_rollout(
     }
 }
 
-/// Run one rollout with `behaviour`, using the kproxy binary at `kproxy`.
-pub fn run_once(
-    cfg: &RolloutConfig,
-    behaviour: Behaviour,
-    run: usize,
-    kproxy: &Path,
-    progress: Progress,
-) -> Result<RunResult, LabError> {
-    run_with(cfg, behaviour, run, kproxy, RunOptions::default(), progress)
-}
-
 /// The lab's runtime: two workers, enough for the load, the kubelets and the LB.
 pub(crate) fn lab_runtime() -> Result<tokio::runtime::Runtime, LabError> {
     tokio::runtime::Builder::new_multi_thread()
@@ -154,7 +143,8 @@ pub(crate) fn lab_runtime() -> Result<tokio::runtime::Runtime, LabError> {
         })
 }
 
-/// `run_once` with disturbances.
+/// Run one rollout with `behaviour` and the disturbances of `opts`, using the kproxy
+/// binary at `kproxy`.
 pub fn run_with(
     cfg: &RolloutConfig,
     behaviour: Behaviour,
