@@ -33,7 +33,7 @@ pub struct NodePlan {
     /// Frontends refused to a Service because another claims them, or because they would
     /// capture a cluster IP or node address (`crate::conflicts`); sorted by Service. The
     /// plans in `services` already lack them. Empty: no conflict.
-    pub conflicts: Vec<crate::conflicts::Conflict>,
+    pub conflicts: Vec<crate::frontend::Conflict>,
 }
 
 impl NodePlan {
@@ -51,10 +51,7 @@ impl NodePlan {
 
     pub fn family(&self, family: IpFamily) -> &FamilyPlan {
         // Invariant: the planner always fills both families, IPv4 first.
-        &self.families[match family {
-            IpFamily::IPv4 => 0,
-            IpFamily::IPv6 => 1,
-        }]
+        &self.families[family.index()]
     }
 }
 
@@ -354,7 +351,7 @@ impl Serialize for NodePlan {
             families: &'a [FamilyPlan],
             service_ports: Vec<&'a ServicePortPlan>,
             health_checks: Vec<&'a HealthCheck>,
-            conflicts: &'a [crate::conflicts::Conflict],
+            conflicts: &'a [crate::frontend::Conflict],
         }
         View {
             node: &self.node,

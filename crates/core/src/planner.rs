@@ -169,7 +169,7 @@ impl Planner {
                     &self.config,
                 ))
             });
-            let claims = |p: Option<&Arc<ServicePlan>>| -> Vec<crate::conflicts::Frontend> {
+            let claims = |p: Option<&Arc<ServicePlan>>| -> Vec<crate::frontend::Frontend> {
                 p.into_iter()
                     .flat_map(|p| crate::conflicts::service_frontends(p))
                     .collect()

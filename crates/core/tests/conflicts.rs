@@ -3,7 +3,7 @@
 //! the older Service keeps it whatever the names, the newer is reported, and the planner
 //! (incremental or not) agrees.
 
-use kproxy_core::conflicts::{ConflictReason, FrontendKind};
+use kproxy_core::frontend::{ConflictReason, FrontendKind};
 use kproxy_core::ingest::Ownership;
 use kproxy_core::manifest;
 use kproxy_core::planner::Planner;

@@ -224,7 +224,7 @@ pub struct SyncLoop<D, H> {
     events: EventLog,
     programming: ProgrammingLatency,
     no_local: NoLocalCounts,
-    last_conflicts: Vec<kproxy_core::conflicts::Conflict>,
+    last_conflicts: Vec<kproxy_core::frontend::Conflict>,
     last_sync: Option<Instant>,
     pacer: Pacer,
     failures: u32,
@@ -689,10 +689,7 @@ impl NoLocalCounts {
     }
 
     fn get(&self, family: IpFamily) -> NoLocalEndpoints {
-        self.total[match family {
-            IpFamily::IPv4 => 0,
-            IpFamily::IPv6 => 1,
-        }]
+        self.total[family.index()]
     }
 
     /// One gauge pair per family of the plan.
