@@ -89,13 +89,6 @@ impl KernelRules {
     }
 }
 
-fn slot(f: IpFamily) -> usize {
-    match f {
-        IpFamily::IPv4 => 0,
-        IpFamily::IPv6 => 1,
-    }
-}
-
 impl ProxyHealth {
     pub fn new(now: SystemTime) -> ProxyHealth {
         ProxyHealth {
@@ -139,13 +132,13 @@ impl ProxyHealth {
 
     /// Upstream `QueuedUpdate(family)`: remembers the family's *oldest* pending change.
     pub fn queued_family(&mut self, family: IpFamily, now: SystemTime) {
-        self.family_pending[slot(family)].get_or_insert(now);
+        self.family_pending[family.index()].get_or_insert(now);
     }
 
     /// Upstream `Updated(family)`: nothing of that family pending any more.
     pub fn updated_family(&mut self, family: IpFamily, now: SystemTime) {
-        self.family_pending[slot(family)] = None;
-        self.family_updated[slot(family)] = now;
+        self.family_pending[family.index()] = None;
+        self.family_updated[family.index()] = now;
     }
 
     /// A change queued for both families (kproxy syncs them together).
@@ -190,7 +183,7 @@ impl ProxyHealth {
     /// `timeout` old. A clock that went backwards counts as "not late" (as Go's
     /// negative `Sub` does).
     pub fn family_healthy(&self, family: IpFamily, now: SystemTime, timeout: Duration) -> bool {
-        match self.family_pending[slot(family)] {
+        match self.family_pending[family.index()] {
             None => true,
             Some(q) => now
                 .duration_since(q)
@@ -288,7 +281,7 @@ pub fn proxy_answer(
         status.insert(
             f.as_str().into(),
             serde_json::json!({
-                "lastUpdated": rfc3339(health.family_updated[slot(*f)]),
+                "lastUpdated": rfc3339(health.family_updated[f.index()]),
                 "healthy": health.family_healthy(*f, now, timeout),
             }),
         );
