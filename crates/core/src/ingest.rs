@@ -16,8 +16,9 @@ use k8s_openapi::api::networking::v1 as networkingv1;
 use serde::Serialize;
 
 use crate::model::{
-    ClusterIps, Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service,
-    ServiceCidr, ServiceName, ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
+    ClusterIps, Conditions, EndpointSlice, IpFamily, Node, NotAServiceType, Placement, Protocol,
+    Service, ServiceCidr, ServiceName, ServicePort, ServiceType, SliceEndpoint, SlicePort,
+    TrafficPolicy,
 };
 
 /// Label that hands a Service to another proxy; upstream's watch excludes it.
@@ -372,14 +373,12 @@ pub fn service(
     let Some(spec) = &svc.spec else {
         return Err(ctx.err(".spec", "missing"));
     };
-    let service_type = match spec.type_.as_deref() {
-        None | Some("ClusterIP") => ServiceType::ClusterIP,
-        Some("NodePort") => ServiceType::NodePort,
-        Some("LoadBalancer") => ServiceType::LoadBalancer,
-        Some("ExternalName") => {
+    let service_type = match ServiceType::parse(spec.type_.as_deref()) {
+        Ok(t) => t,
+        Err(NotAServiceType::ExternalName) => {
             return Ok(ServiceOutcome::NotProxied(sname, NotProxied::ExternalName));
         }
-        Some(other) => {
+        Err(NotAServiceType::Unknown(other)) => {
             return Err(ctx.err(
                 ".spec.type",
                 format!("unknown type {:?}", other.escape_debug().to_string()),
@@ -642,14 +641,10 @@ fn service_source_ranges(spec: &corev1::ServiceSpec, ctx: &mut Ctx) -> Vec<IpNet
 
 /// An external or internal traffic policy; unknown values are Cluster, with a warning.
 fn traffic_policy(v: Option<&str>, field: &str, ctx: &mut Ctx) -> TrafficPolicy {
-    match v {
-        None | Some("") | Some("Cluster") => TrafficPolicy::Cluster,
-        Some("Local") => TrafficPolicy::Local,
-        Some(_) => {
-            ctx.warn(field, "unknown policy; treated as Cluster");
-            TrafficPolicy::Cluster
-        }
-    }
+    TrafficPolicy::parse(v).unwrap_or_else(|| {
+        ctx.warn(field, "unknown policy; treated as Cluster");
+        TrafficPolicy::Cluster
+    })
 }
 
 fn service_health_check_node_port(spec: &corev1::ServiceSpec, ctx: &mut Ctx) -> Option<u16> {

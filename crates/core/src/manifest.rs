@@ -533,7 +533,7 @@ fn read_object(v: Value, location: Location) -> Option<Result<Located, ManifestE
         return Some(Err(no_kind(&v, location)));
     };
     let api_version = v.get("apiVersion").and_then(Value::as_str).unwrap_or("");
-    let what = describe(&v);
+    let what = describe(&v, None);
     if let Some(reason) = unknown_kind(kind, api_version) {
         return Some(Err(ManifestError {
             location,
@@ -593,7 +593,7 @@ fn no_kind(v: &Value, location: Location) -> ManifestError {
     };
     ManifestError {
         location,
-        what: describe(v),
+        what: describe(v, None),
         field: if v.is_object() { ".kind" } else { "." }.into(),
         reason,
     }
@@ -711,7 +711,9 @@ fn near_miss(a: &str, b: &str) -> bool {
     row[b.len()] <= most
 }
 
-fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
+/// `v` as the Kubernetes type `T`, or the field (`.spec.ports[0].port`) and the reason it
+/// does not fit. Shared with the lint's reader.
+pub fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
     serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
         let path = e.path().to_string();
         let field = if path == "." {
@@ -723,19 +725,30 @@ fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
     })
 }
 
-/// `Kind namespace/name` from raw JSON, for reports on objects that failed to parse.
-fn describe(v: &Value) -> String {
-    let kind = v.get("kind").and_then(Value::as_str).unwrap_or("document");
+/// `Kind namespace/name` from raw JSON, for reports on objects that failed to parse;
+/// `default_namespace` stands in for a missing namespace (the lint's `default`, as
+/// `kubectl apply` would place the object; kproxy's reader names none, since it refuses
+/// a namespaced object without one). Shared with the lint's reader.
+pub fn describe(v: &Value, default_namespace: Option<&str>) -> String {
+    let kind = v
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or("document")
+        .escape_debug()
+        .to_string();
     let meta = v.get("metadata");
     let s = |k: &str| {
         meta.and_then(|m| m.get(k))
             .and_then(Value::as_str)
             .map(|s| s.escape_debug().to_string())
     };
-    match (s("namespace"), s("name")) {
+    match (
+        s("namespace").or(default_namespace.map(str::to_string)),
+        s("name"),
+    ) {
         (Some(ns), Some(n)) => format!("{kind} {ns}/{n}"),
         (None, Some(n)) => format!("{kind} {n}"),
-        _ => kind.escape_debug().to_string(),
+        _ => kind,
     }
 }
 
@@ -942,7 +955,7 @@ mod json {
                 None => Ok((location, v)),
                 Some((field, reason)) => Err(ManifestError {
                     location,
-                    what: describe(&v),
+                    what: describe(&v, None),
                     field,
                     reason,
                 }),
