@@ -28,8 +28,7 @@ fn describe(c: &Value) -> String {
 
 #[test]
 fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart_and_a_drain() {
-    if !kproxy_lab::is_root() {
-        eprintln!("skipped: kproxy lab needs root");
+    if !kproxy_test_support::root("kproxy lab: network namespaces, nftables") {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");

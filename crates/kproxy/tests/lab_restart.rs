@@ -10,8 +10,7 @@ use serde_json::Value;
 
 #[test]
 fn restart_kill_and_upgrade_under_load_lose_nothing() {
-    if !kproxy_lab::is_root() {
-        eprintln!("skipped: kproxy lab needs root");
+    if !kproxy_test_support::root("kproxy lab: network namespaces, nftables") {
         return;
     }
     let out = Command::new(env!("CARGO_BIN_EXE_kproxy"))

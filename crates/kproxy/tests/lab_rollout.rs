@@ -16,11 +16,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 const SCALE: &str = "0.15";
 
 fn root() -> bool {
-    if kproxy_lab::is_root() {
-        return true;
-    }
-    eprintln!("skipped: kproxy lab needs root");
-    false
+    kproxy_test_support::root("kproxy lab: network namespaces, nftables")
 }
 
 /// Run `kproxy lab rollout -o json` with `args`; returns (exit code, JSON).

@@ -13,11 +13,7 @@ use kproxy_nft::{Dataplane, DataplaneConfig, SyncReport};
 use serde_json::Value;
 
 fn root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("skipped: adoption tests need root (network namespaces, nftables)");
-    false
+    kproxy_test_support::root("network namespaces, nftables")
 }
 
 fn cfg() -> DataplaneConfig {

@@ -44,18 +44,7 @@ fn rng() -> TestRng {
 }
 
 fn require_root() -> bool {
-    // Effective UID from /proc (no unsafe call needed).
-    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
-    let euid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .expect("Uid line");
-    if euid == "0" {
-        return true;
-    }
-    eprintln!("skipping: the differential test needs root (network namespaces, nftables)");
-    false
+    kproxy_test_support::root("network namespaces, nftables")
 }
 
 #[test]

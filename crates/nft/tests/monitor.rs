@@ -14,11 +14,7 @@ use kproxy_nft::monitor::{Event, Interference, Kind, Monitor};
 use kproxy_nft::{Dataplane, DataplaneConfig};
 
 fn root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("skipped: monitor tests need root (network namespaces, nftables)");
-    false
+    kproxy_test_support::root("network namespaces, nftables")
 }
 
 /// Everything the monitor reports until it has been quiet for a second.

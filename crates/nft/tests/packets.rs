@@ -163,6 +163,9 @@ fn check(
 
 #[test]
 fn policy_matrix() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     type Situation<'a> = (&'a str, &'a [(&'a str, &'a str, Cond)]);
     let situations: [Situation; 5] = [
@@ -220,6 +223,9 @@ fn policy_matrix() {
 
 #[test]
 fn random_choice_covers_the_set_affinity_sticks_and_hairpin_masquerades() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let cfg = config();
     // Without affinity: both endpoints answer over enough new connections.
@@ -319,6 +325,9 @@ fn random_choice_covers_the_set_affinity_sticks_and_hairpin_masquerades() {
 /// frontend, UDP included, and nothing else does.
 #[test]
 fn endpoint_count_changes_move_dispatch_groups_and_every_endpoint_answers() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let cfg = config();
     let all = [
@@ -358,6 +367,9 @@ fn endpoint_count_changes_move_dispatch_groups_and_every_endpoint_answers() {
 
 #[test]
 fn load_balancer_source_ranges() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let eps = [("a", "node-a", READY), ("r", "node-b", READY)];
     for (ranges, label) in [
@@ -398,6 +410,9 @@ fn load_balancer_source_ranges() {
 
 #[test]
 fn udp_conntrack_cleanup_deletes_stale_flows_and_keeps_live_ones() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let cfg = config();
     let both = [("a", "node-a", READY), ("r", "node-b", READY)];
@@ -527,6 +542,9 @@ fn stale_flow_decisions() {
 
 #[test]
 fn ipv6_dual_stack() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let cfg = PlanConfig {
         local_detector: LocalDetectorConfig::InterfaceNamePrefix("kpv".into()),
@@ -568,6 +586,9 @@ fn ipv6_dual_stack() {
 /// new connections keep succeeding and an existing UDP flow keeps its endpoint.
 #[test]
 fn full_replacement_never_leaves_a_gap() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     let f = Arc::new(Fabric::new());
