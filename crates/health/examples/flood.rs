@@ -11,6 +11,8 @@
 //! process cannot hold more descriptors than its own limit: split the flood over
 //! several) and probes all PORTS.
 
+#![expect(clippy::disallowed_types, reason = "a measurement: wall time")]
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 

@@ -1028,14 +1028,14 @@ mod tests {
         h.handle.mark_ready();
         h.until_syncs(1).await;
         // A relist that changed nothing: converged at once, nothing programmed.
-        h.handle.note_api_returned(std::time::Instant::now());
+        h.handle.note_api_returned(Instant::now());
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(count(&h).as_deref(), Some("1"));
         assert_eq!(h.log.syncs(), 1);
         // A relist that brought a change: converged only after the sync that carries it,
         // which waits for minSyncPeriod.
         h.add(1);
-        h.handle.note_api_returned(std::time::Instant::now());
+        h.handle.note_api_returned(Instant::now());
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert_eq!(count(&h).as_deref(), Some("1"));
         h.until_syncs(2).await;
@@ -1295,7 +1295,7 @@ mod tests {
         h.add(0);
         h.handle.mark_ready();
         h.until_syncs(1).await;
-        let received = std::time::Instant::now()
+        let received = Instant::now()
             .checked_sub(Duration::from_millis(40))
             .unwrap();
         h.handle

@@ -3,6 +3,11 @@
 //! serves metrics, follows manifest changes (a pod becoming terminating), and leaves its
 //! rules in place on SIGTERM.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "times a real kproxy process: wall time"
+)]
+
 mod common;
 
 use std::io::{Read, Write};

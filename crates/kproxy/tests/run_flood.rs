@@ -6,6 +6,11 @@
 //! health-check node port keep answering during the flood. Own test binary: the test
 //! process itself holds thousands of sockets.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "times a real kproxy process: wall time"
+)]
+
 mod common;
 
 use std::net::{SocketAddr, TcpStream};

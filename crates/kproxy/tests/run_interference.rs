@@ -4,6 +4,11 @@
 //! counts it, restores its tables from its record, says 503 on `/healthz` while a table
 //! is missing, and backs off against the loop instead of spinning.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "times a real kproxy process: wall time"
+)]
+
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -20,6 +20,11 @@
 //! 5. `--service-proxy-name` reaches the selectors and only that proxy's Services are
 //!    programmed.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "times a real kproxy process: wall time"
+)]
+
 mod common;
 
 use std::io::ErrorKind;

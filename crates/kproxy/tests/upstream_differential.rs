@@ -23,6 +23,8 @@
 //! Cases `KPROXY_UPSTREAM_CASES` (default 10), seed `KPROXY_UPSTREAM_SEED` (default 36;
 //! `random` for a fresh one); `KPROXY_UPSTREAM_REPORT=FILE` writes every difference.
 
+#![expect(clippy::disallowed_types, reason = "waits on real clusters: wall time")]
+
 #[path = "../../nft/tests/common/mod.rs"]
 mod common;
 

@@ -330,7 +330,7 @@ fn fold_into(
     cfg: &KubeSourceConfig,
     kind: Kind,
     event: Input<Update>,
-    received: std::time::Instant,
+    received: tokio::time::Instant,
 ) -> Found {
     let (change, skipped) = folder.step(kind, event);
     let warnings = match change {

@@ -21,13 +21,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use kproxy_core::ClusterState;
 use kproxy_core::ingest::{Kind, ObjectRef, Ownership};
 use kproxy_core::state::Update;
 use notify::Watcher;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use crate::StateHandle;
 use crate::manifests::{self, FileRead, LoadProblem, ReadLimits};
@@ -419,7 +420,7 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticker.tick().await;
     loop {
-        let wake = deadline.map(tokio::time::Instant::from_std);
+        let wake = deadline;
         tokio::select! {
             ev = rx.recv() => {
                 if ev.is_none() {
@@ -429,7 +430,7 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
                 while rx.try_recv().is_ok() {}
             }
             _ = ticker.tick() => {}
-            _ = async { tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)).await }, if wake.is_some() => {}
+            _ = async { tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)).await }, if wake.is_some() => {}
         }
         let id = identity(&watched);
         if id != watched_id {

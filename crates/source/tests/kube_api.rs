@@ -5,6 +5,8 @@
 //! whole HTTP path is exercised. Assertions poll the ClusterState with a timeout; no
 //! test asserts a duration.
 
+#![expect(clippy::disallowed_types, reason = "times a real watch: wall time")]
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

@@ -3,6 +3,10 @@
 //! namespace with one pod behind a veth and the pod's tiny HTTP server, the daemon as a
 //! child process (killed on drop), a one-shot HTTP client and polling.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "waits on real processes: wall time"
+)]
 // Each test binary uses its own subset of these helpers.
 #![allow(dead_code)]
 

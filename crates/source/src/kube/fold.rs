@@ -74,7 +74,7 @@ pub enum Input<T = Object> {
     Delete(Key),
     /// The API answered again after failures (sent after the relist it brought), at
     /// this time. Changes nothing in the state; the source notes it for the sync loop.
-    Returned(std::time::Instant),
+    Returned(tokio::time::Instant),
 }
 
 /// What one event does to the state.
