@@ -1,9 +1,9 @@
 //! Ingestion: Kubernetes objects (k8s-openapi types) into the validated [`crate::model`],
-//! implementing spec §a. This is the one place that judges outside input: names that
-//! Kubernetes would reject are refused here, so no later stage (nftables scripts, logs)
-//! ever sees them. A problem confined to one field (one bad endpoint address, one bad
-//! source range) drops that piece with a warning; a problem that makes the whole object
-//! meaningless rejects the object. Neighbouring objects are never affected.
+//! implementing §a of ../shared/spec/upstream-semantics.md. This is the one place that judges
+//! outside input: names that Kubernetes would reject are refused here, so no later stage
+//! (nftables scripts, logs) ever sees them. A problem confined to one field (one bad endpoint
+//! address, one bad source range) drops that piece with a warning; a problem that makes the
+//! whole object meaningless rejects the object. Neighbouring objects are never affected.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -126,7 +126,7 @@ pub enum ServiceOutcome {
     NotProxied(ServiceName, NotProxied),
 }
 
-/// Which Services this proxy owns (spec §a.1): by default those *without* the
+/// Which Services this proxy owns (upstream-semantics.md §a.1): by default those *without* the
 /// `service-proxy-name` label; with `--service-proxy-name X`, those labelled X.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Ownership {
@@ -355,7 +355,7 @@ fn port_number(v: i32) -> Option<u16> {
     u16::try_from(v).ok().filter(|p| *p != 0)
 }
 
-/// Ingests a Service (spec §a.1, §a.2).
+/// Ingests a Service (upstream-semantics.md §a.1, §a.2).
 pub fn service(
     svc: &corev1::Service,
     ownership: &Ownership,
@@ -442,8 +442,9 @@ pub fn service(
     }))
 }
 
-/// Cluster IPs per family (spec §a.1): `.spec.ipFamilies` with `.spec.clusterIPs`, or
-/// the primary `.spec.clusterIP` alone. A Service without a usable one is an error.
+/// Cluster IPs per family (upstream-semantics.md §a.1): `.spec.ipFamilies` with
+/// `.spec.clusterIPs`, or the primary `.spec.clusterIP` alone. A Service without a usable one
+/// is an error.
 fn service_cluster_ips(
     spec: &corev1::ServiceSpec,
     primary: &str,
@@ -696,7 +697,7 @@ pub enum SliceOutcome {
     },
 }
 
-/// Ingests an EndpointSlice (spec §a.3).
+/// Ingests an EndpointSlice (upstream-semantics.md §a.3).
 pub fn endpoint_slice(
     slice: &discoveryv1::EndpointSlice,
     ownership: &Ownership,
@@ -1041,7 +1042,7 @@ mod tests {
         serde_saphyr::from_str(&text).unwrap()
     }
 
-    /// Issue 17: a cluster IP of 127.0.0.1 broke every new TCP connection to the node's
+    /// A cluster IP of 127.0.0.1 broke every new TCP connection to the node's
     /// loopback; 0.0.0.0, broadcast and multicast were accepted too.
     #[test]
     fn special_addresses_are_refused_as_service_ips() {

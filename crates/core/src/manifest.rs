@@ -526,7 +526,7 @@ fn flatten_lists(
 /// The object kproxy consumes in `v`, the error that makes it unreadable, or `None` for
 /// kinds kproxy does not read (Deployments, Pods, …: skipped quietly). A document with
 /// content but no kind, or with a kind that is no Kubernetes kind of the groups kproxy
-/// reads, is an error (issue 32): a `kubectl get -o yaml` dump cut short ends before its
+/// reads, is an error: a `kubectl get -o yaml` dump cut short ends before its
 /// `kind: List` line, and a typo (`kind: Servic`) must not read as "no Services".
 fn read_object(v: Value, location: Location) -> Option<Result<Located, ManifestError>> {
     let Some(kind) = v.get("kind").and_then(Value::as_str) else {
@@ -757,7 +757,7 @@ pub fn describe(v: &Value, default_namespace: Option<&str>) -> String {
 /// instead of building the array. `kubectl get -o json` prints `items` before `kind`, so
 /// a first pass over the stream reads each document's `kind` (allocating nothing else)
 /// and the second knows a List before its items: memory holds the text plus one item,
-/// whatever the items contain (issue 32: kind-less items used to wait for the List's
+/// whatever the items contain (kind-less items used to wait for the List's
 /// kind, all of them). Each item, and each document read whole, has the YAML reader's
 /// per-document budget of nodes; duplicate keys and a budget overrun cost that item or
 /// document only, as in YAML.
@@ -1317,7 +1317,7 @@ ports: [{port: 8080, name: ""}]
         s
     }
 
-    /// Issue 17: 3,000 Services in one `kind: List` exceeded the YAML parser's node
+    /// 3,000 Services in one `kind: List` exceeded the YAML parser's node
     /// budget for one document, and the whole file was skipped.
     #[test]
     fn a_3000_service_yaml_list_loads_every_item() {
@@ -1363,7 +1363,7 @@ ports: [{port: 8080, name: ""}]
         assert_eq!(parse("x.yaml", yaml).errors.len(), 1);
     }
 
-    /// Issue 32: `kubectl get -o yaml` prints `kind: List` after the items, so a dump
+    /// `kubectl get -o yaml` prints `kind: List` after the items, so a dump
     /// cut short has no kind; it, a typo of a kind and a kind-less object are reported
     /// (file, document, what was found), never read as "no objects".
     #[test]
@@ -1476,7 +1476,7 @@ ports: [{port: 8080, name: ""}]
         assert_eq!(last.location.item, Some(MAX_ERRORS_PER_FILE));
     }
 
-    /// Issue 32: docs/input.md says a duplicate key costs the List item; in JSON it
+    /// Docs/input.md says a duplicate key costs the List item; in JSON it
     /// stopped the stream and cost the whole List. An item over the node budget costs
     /// only itself too.
     #[test]
@@ -1533,7 +1533,7 @@ ports: [{port: 8080, name: ""}]
         assert!(p.errors[1].reason.contains("more than 250000 values"));
     }
 
-    /// Issue 32: one bad byte cost a whole kubectl List (one YAML document).
+    /// One bad byte cost a whole kubectl List (one YAML document).
     #[test]
     fn invalid_utf8_in_a_yaml_list_item_costs_only_that_item() {
         let mut bytes = kubectl_yaml_list(3).into_bytes();

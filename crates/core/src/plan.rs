@@ -248,7 +248,7 @@ impl ServicePortPlan {
     }
 
     /// Endpoints that conntrack cleanup keeps flows to: serving ones, whatever `ready`
-    /// says (upstream's reconciler keys on serving; issue 16 area 5).
+    /// says (upstream's reconciler keys on serving).
     pub fn serving_endpoints(&self) -> impl Iterator<Item = EndpointAddr> + '_ {
         self.endpoints
             .iter()
@@ -272,7 +272,7 @@ pub struct Firewall {
     pub allowed_sources: Vec<IpNet>,
 }
 
-/// The topology filter applied to the Cluster list (spec §b.4).
+/// The topology filter applied to the Cluster list (../shared/spec/upstream-semantics.md §b.4).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase", tag = "mode", content = "value")]
 pub enum TopologyMode {

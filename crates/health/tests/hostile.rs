@@ -224,7 +224,7 @@ fn half_requests_are_disconnected_after_the_header_timeout() {
     });
 }
 
-/// Issue 32: 45 eTP=Local Services flooded with idle connections on their health-check
+/// 45 eTP=Local Services flooded with idle connections on their health-check
 /// node ports (512 accepted each) took kproxy to its 20,000-fd limit, and every port
 /// stopped answering. Here, at a reduced scale, a shared budget of 40 connections is
 /// exhausted several times over by idle connections spread over five ports and

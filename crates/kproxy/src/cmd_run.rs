@@ -324,7 +324,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
             wc.limits.max_file_bytes = args.manifest_max_file_bytes;
             wc.limits.node_port_range = Some(args.node_port_range.clone());
             // A stalled reader keeps reporting a failed sync, so /livez turns unhealthy
-            // after 2 x syncPeriod as for a sync loop that stopped (issue 17).
+            // after 2 x syncPeriod as for a sync loop that stopped.
             let (h, stalled_health) = (handle.clone(), health.clone());
             tasks.spawn("the stall watch", move |stop| async move {
                 let mut tick = tokio::time::interval(Duration::from_secs(1));

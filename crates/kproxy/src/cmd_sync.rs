@@ -5,10 +5,10 @@
 //! frontend conflict dropped a frontend (the rest is programmed: each skipped object and
 //! each conflict's loser is named on stderr); 2, with nothing programmed,
 //! when a file or document could not be read or parsed, because the rules it would
-//! replace may hold objects that this state lost without a name (issue 17: a List that
+//! replace may hold objects that this state lost without a name (a List that
 //! failed to parse wiped every Service). `--allow-partial` programs anyway. Also 2,
 //! with nothing programmed, when the input holds no Service while kproxy's tables in
-//! the kernel hold more than an empty input leaves (issue 32: an emptied directory or a
+//! the kernel hold more than an empty input leaves (an emptied directory or a
 //! 0-byte file wiped every rule); `--allow-empty` programs anyway.
 
 use std::process::ExitCode;

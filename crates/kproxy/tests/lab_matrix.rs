@@ -1,4 +1,4 @@
-//! Acceptance test of `kproxy lab matrix` (issue 19): the reduced matrix CI runs, real
+//! Acceptance test of `kproxy lab matrix`: the reduced matrix CI runs, real
 //! rollouts with the real kproxy daemon on every node, and its HTML report rendered
 //! in a real headless browser. Needs root (network namespaces; nothing touches the
 //! host's network). The full matrix is `kproxy lab matrix` (docs/lab.md).

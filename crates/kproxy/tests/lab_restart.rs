@@ -1,4 +1,4 @@
-//! Acceptance test of `kproxy lab restart` (issue 18 item 4): node 1's kproxy is
+//! Acceptance test of `kproxy lab restart`: node 1's kproxy is
 //! restarted (SIGTERM), killed (SIGKILL) and replaced by another binary while load
 //! runs through an eTP=Local LB and a cluster IP; no new connection may fail and no
 //! established one break. Needs root (network namespaces; nothing touches the host's

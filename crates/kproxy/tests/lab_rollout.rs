@@ -1,4 +1,4 @@
-//! Acceptance tests of `kproxy lab rollout` (issue 7): real rolling updates behind
+//! Acceptance tests of `kproxy lab rollout`: real rolling updates behind
 //! the emulated load balancer, with the real kproxy daemon on every node, time
 //! scaled. Needs root (network namespaces; nothing touches the host's network).
 //! The runs are serialized: they share 2 cores with everything else.

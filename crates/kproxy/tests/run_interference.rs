@@ -1,4 +1,4 @@
-//! Issue 30: `kproxy run` under interference, as root, in network namespaces this test
+//! `kproxy run` under interference, as root, in network namespaces this test
 //! creates. Another process (`nft`) flushes the ruleset, deletes an element and a rule
 //! of kproxy's tables, or keeps deleting a table in a loop: kproxy logs the process,
 //! counts it, restores its tables from its record, says 503 on `/healthz` while a table

@@ -1,4 +1,4 @@
-//! kproxy against upstream kube-proxy v1.36, packet for packet (issue 16 item 3).
+//! kproxy against upstream kube-proxy v1.36, packet for packet.
 //!
 //! Random cluster states (the generator of `crates/nft/tests/differential.rs`, IPv4: the
 //! k8s-lab API server is single-stack) go through a real kube-apiserver; upstream

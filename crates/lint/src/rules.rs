@@ -175,7 +175,7 @@ pub const ANNOTATION_READINESS_FAILS_ON_SIGTERM: &str = "lint.kproxy.io/readines
 pub const ANNOTATION_PRESTOP_SECONDS: &str = "lint.kproxy.io/prestop-seconds";
 
 /// Images whose readiness probe fails as soon as the process gets SIGTERM (ingress-nginx
-/// issue #13689, cited by seed 2).
+/// issue #13689, cited by `../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`).
 const READINESS_FAILS_ON_SIGTERM_IMAGES: &[&str] =
     &["ingress-nginx/controller", "nginx-ingress-controller"];
 
@@ -576,7 +576,7 @@ impl Checker<'_> {
                         ("terminationGracePeriodSeconds", grace),
                     ],
                     format!(
-                        "container {}'s readiness fails at SIGTERM ({reason}); the pod can be marked not ready {} s after termination starts (preStop {} + period {} × (failureThreshold {} − 1)), {} s before it is killed at terminationGracePeriodSeconds {}: in that gap the load balancer still forwards established connections to the node, which has no serving endpoint; dataplanes that look every packet up (eBPF ones such as GKE Dataplane V2, seed 2's setting) drop them, conntrack-based proxies (kproxy, kube-proxy iptables/nftables) keep them",
+                        "container {}'s readiness fails at SIGTERM ({reason}); the pod can be marked not ready {} s after termination starts (preStop {} + period {} × (failureThreshold {} − 1)), {} s before it is killed at terminationGracePeriodSeconds {}: in that gap the load balancer still forwards established connections to the node, which has no serving endpoint; dataplanes that look every packet up (eBPF ones such as GKE Dataplane V2) drop them, conntrack-based proxies (kproxy, kube-proxy iptables/nftables) keep them",
                         c.name.escape_debug(),
                         num(not_ready_at),
                         num(pre_stop),
@@ -684,7 +684,7 @@ impl Checker<'_> {
             ("lbRegistrationSeconds", registration),
         ];
         let fix = format!(
-            "Delay readiness until the node can receive traffic: readinessProbe.initialDelaySeconds ≥ {} (seed 2 uses 20 on GKE), or a readiness gate that waits for the load balancer.",
+            "Delay readiness until the node can receive traffic: readinessProbe.initialDelaySeconds ≥ {} (GKE's zero-downtime rolling-update guide uses 20), or a readiness gate that waits for the load balancer.",
             num(registration.ceil())
         );
         if ready_at + min_ready >= registration {

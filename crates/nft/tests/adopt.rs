@@ -1,4 +1,4 @@
-//! Adoption at start (issue 18 item 3): a new `Dataplane` finding kproxy's tables in
+//! Adoption at start: a new `Dataplane` finding kproxy's tables in
 //! the kernel reads them back over netlink and sends only the difference. After it, the
 //! kernel must equal what a cold sync of the same plan produces in a namespace of its
 //! own (compared as normalized `nft -j` listings plus every rule's comment, in order).

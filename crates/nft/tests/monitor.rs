@@ -1,4 +1,4 @@
-//! The kernel watch and the repair (issue 30), against the real kernel in a namespace of
+//! The kernel watch and the repair, against the real kernel in a namespace of
 //! the test's own: kproxy's own transactions (a first sync in steps, a repair, a
 //! verification with its scratch table) are never reported; another process's (`nft`)
 //! are, with its name and what it changed, and only when they touch kproxy's tables;

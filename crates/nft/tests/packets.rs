@@ -136,7 +136,7 @@ fn check(
                 );
                 // Hairpin: trace marks masquerade only when *every* candidate is the
                 // source; when the random choice happens to pick the source itself the
-                // kernel masquerades too (spec §c.6).
+                // kernel masquerades too (../shared/spec/upstream-semantics.md §c.6).
                 let hairpin = f.pod_name(src) == Some(pod.as_str());
                 assert_eq!(
                     *seen != src,
@@ -512,9 +512,9 @@ fn stale_flow_decisions() {
         (flow(17, "10.96.0.10", 53, "10.244.1.2", 8080), false), // ready endpoint
         (flow(17, "10.96.0.10", 53, "10.244.2.2", 8080), false), // serving-terminating still serves
         (flow(17, "10.96.0.10", 53, "10.244.1.3", 8080), true),  // not serving
-        (flow(17, "10.96.0.10", 53, "10.244.1.4", 8080), true), // ready, not serving (issue 16 area 5)
-        (flow(17, "10.96.0.10", 53, "10.244.9.9", 8080), true), // gone
-        (flow(17, "10.96.0.10", 53, "10.244.1.2", 9999), true), // right IP, wrong port
+        (flow(17, "10.96.0.10", 53, "10.244.1.4", 8080), true),  // ready, not serving
+        (flow(17, "10.96.0.10", 53, "10.244.9.9", 8080), true),  // gone
+        (flow(17, "10.96.0.10", 53, "10.244.1.2", 9999), true),  // right IP, wrong port
         (flow(17, "10.96.0.10", 53, "10.96.0.10", 53), true), // never DNATed (cached before endpoints)
         (flow(17, "203.0.113.10", 53, "10.244.9.9", 8080), true), // LB IP
         (flow(17, "203.0.113.50", 53, "10.244.9.9", 8080), true), // external IP

@@ -1,5 +1,5 @@
 //! The periodic verification of intact tables reads the kernel back over netlink and
-//! never runs `nft` (issue 27): `nft -j` of kproxy's tables took ~10 s at 10k Services
+//! never runs `nft`: `nft -j` of kproxy's tables took ~10 s at 10k Services
 //! × 10 endpoints, and the sync loop waits for a verification, so every verifyPeriod a
 //! change waited that long. Drift is still named by `nft -j` and repaired.
 //!
