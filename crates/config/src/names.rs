@@ -102,7 +102,7 @@ const VERIFY_TABLE_SUFFIX: &str = "-verify";
 
 /// `--nft-table`: 1-32 characters of `[A-Za-z0-9_-]` starting with a letter, not an nft
 /// keyword, and not ending in [`VERIFY_TABLE_SUFFIX`]: that name is another instance's
-/// scratch table, which its verification deletes (issue 32).
+/// scratch table, which its verification deletes.
 pub fn parse_nft_table_name(s: &str) -> Result<String, String> {
     let ok = !s.is_empty()
         && s.len() <= 32

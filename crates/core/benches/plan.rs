@@ -1,5 +1,5 @@
 //! Planner benchmarks: a full plan at 1k and 10k Services × 10 endpoints, and an
-//! incremental re-plan after one EndpointSlice change at 10k (issue 2 targets: full
+//! incremental re-plan after one EndpointSlice change at 10k (targets: full
 //! ≤ 50 ms, one change ≤ 50 µs). Run: `cargo bench -p kproxy-core --bench plan`.
 
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};

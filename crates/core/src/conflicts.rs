@@ -4,7 +4,8 @@
 //! node's own address (CVE-2020-8554), and cluster IPs equal to a node address. A
 //! health-check node port claims its port like a TCP node port. Pure: the planner calls [`resolve`] on the plans
 //! it built and programs only what survives; `plan`, `explain`, the logs and the
-//! `kproxy_frontend_conflicts` metric show [`Conflict`]s.
+//! `kproxy_frontend_conflicts` metric show [`Conflict`]s (`crate::frontend` says what one
+//! is).
 //!
 //! The rule (docs/input.md): a frontend goes to the Service created first
 //! (`metadata.creationTimestamp`; a Service without one counts as newest), then to the
@@ -19,97 +20,9 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use serde::Serialize;
-
+use crate::frontend::{Conflict, ConflictReason, Frontend, FrontendKind};
 use crate::model::{IpFamily, Protocol, ServiceName};
 use crate::plan::{NodePlan, ServicePlan, ServicePortPlan};
-
-/// Which kind of frontend a claim is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub enum FrontendKind {
-    ClusterIp,
-    ExternalIp,
-    LoadBalancerIp,
-    NodePort,
-    /// A health-check node port (TCP, every node address): it collides with node ports.
-    HealthCheckNodePort,
-}
-
-/// One frontend: `ip` is `None` for a node port (every node address of the family).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Frontend {
-    pub kind: FrontendKind,
-    pub family: IpFamily,
-    pub ip: Option<IpAddr>,
-    pub port: u16,
-    pub protocol: Protocol,
-}
-
-/// Why a frontend was not given to a Service.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase", tag = "reason")]
-pub enum ConflictReason {
-    /// The same address, port and protocol belongs to `owner` (created earlier, or same
-    /// age and sorting first).
-    Claimed { owner: ServiceName },
-    /// An external or LB IP equal to `owner`'s cluster IP (refused on any port).
-    ClusterIpCapture { owner: ServiceName },
-    /// An external or LB IP equal to one of this node's addresses.
-    NodeIpCapture,
-    /// A cluster IP equal to one of this node's addresses: its rules would take the
-    /// node's own traffic (refused like the other reserved addresses, whatever
-    /// `allow_external_ip_overlap` says).
-    NodeAddress,
-}
-
-/// A frontend refused to a Service.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Conflict {
-    /// The Service that does not get the frontend.
-    pub service: ServiceName,
-    /// Its port (`spec.ports[].name`).
-    pub port_name: String,
-    pub frontend: Frontend,
-    #[serde(flatten)]
-    pub reason: ConflictReason,
-}
-
-impl std::fmt::Display for Conflict {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let fe = &self.frontend;
-        let what = match fe.kind {
-            FrontendKind::ClusterIp => "cluster IP",
-            FrontendKind::ExternalIp => "external IP",
-            FrontendKind::LoadBalancerIp => "load-balancer IP",
-            FrontendKind::NodePort => "node port",
-            FrontendKind::HealthCheckNodePort => "health-check node port",
-        };
-        let at = match fe.ip {
-            Some(IpAddr::V6(ip)) => format!("[{ip}]:{}/{:?}", fe.port, fe.protocol),
-            Some(ip) => format!("{ip}:{}/{:?}", fe.port, fe.protocol),
-            None => format!("{}/{:?} ({})", fe.port, fe.protocol, fe.family),
-        };
-        write!(f, "{}: {what} {at} not programmed: ", self.service)?;
-        match &self.reason {
-            ConflictReason::Claimed { owner } => write!(f, "it belongs to {owner}"),
-            ConflictReason::ClusterIpCapture { owner } => write!(
-                f,
-                "it is the cluster IP of {owner} (CVE-2020-8554; --allow-external-ip-overlap allows it)"
-            ),
-            ConflictReason::NodeIpCapture => write!(
-                f,
-                "it is an address of this node (CVE-2020-8554; --allow-external-ip-overlap allows it)"
-            ),
-            ConflictReason::NodeAddress => write!(
-                f,
-                "it is an address of this node, whose own traffic its rules would take"
-            ),
-        }
-    }
-}
 
 /// Who may claim first: created earlier (`None` last), then by name.
 pub type Age = Option<i64>;

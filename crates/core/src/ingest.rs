@@ -1,9 +1,9 @@
 //! Ingestion: Kubernetes objects (k8s-openapi types) into the validated [`crate::model`],
-//! implementing spec §a. This is the one place that judges outside input: names that
-//! Kubernetes would reject are refused here, so no later stage (nftables scripts, logs)
-//! ever sees them. A problem confined to one field (one bad endpoint address, one bad
-//! source range) drops that piece with a warning; a problem that makes the whole object
-//! meaningless rejects the object. Neighbouring objects are never affected.
+//! implementing §a of ../shared/spec/upstream-semantics.md. This is the one place that judges
+//! outside input: names that Kubernetes would reject are refused here, so no later stage
+//! (nftables scripts, logs) ever sees them. A problem confined to one field (one bad endpoint
+//! address, one bad source range) drops that piece with a warning; a problem that makes the
+//! whole object meaningless rejects the object. Neighbouring objects are never affected.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -16,8 +16,9 @@ use k8s_openapi::api::networking::v1 as networkingv1;
 use serde::Serialize;
 
 use crate::model::{
-    ClusterIps, Conditions, EndpointSlice, IpFamily, Node, Placement, Protocol, Service,
-    ServiceCidr, ServiceName, ServicePort, ServiceType, SliceEndpoint, SlicePort, TrafficPolicy,
+    ClusterIps, Conditions, EndpointSlice, IpFamily, Node, NotAServiceType, Placement, Protocol,
+    Service, ServiceCidr, ServiceName, ServicePort, ServiceType, SliceEndpoint, SlicePort,
+    TrafficPolicy,
 };
 
 /// Label that hands a Service to another proxy; upstream's watch excludes it.
@@ -125,7 +126,7 @@ pub enum ServiceOutcome {
     NotProxied(ServiceName, NotProxied),
 }
 
-/// Which Services this proxy owns (spec §a.1): by default those *without* the
+/// Which Services this proxy owns (upstream-semantics.md §a.1): by default those *without* the
 /// `service-proxy-name` label; with `--service-proxy-name X`, those labelled X.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Ownership {
@@ -354,7 +355,7 @@ fn port_number(v: i32) -> Option<u16> {
     u16::try_from(v).ok().filter(|p| *p != 0)
 }
 
-/// Ingests a Service (spec §a.1, §a.2).
+/// Ingests a Service (upstream-semantics.md §a.1, §a.2).
 pub fn service(
     svc: &corev1::Service,
     ownership: &Ownership,
@@ -372,14 +373,12 @@ pub fn service(
     let Some(spec) = &svc.spec else {
         return Err(ctx.err(".spec", "missing"));
     };
-    let service_type = match spec.type_.as_deref() {
-        None | Some("ClusterIP") => ServiceType::ClusterIP,
-        Some("NodePort") => ServiceType::NodePort,
-        Some("LoadBalancer") => ServiceType::LoadBalancer,
-        Some("ExternalName") => {
+    let service_type = match ServiceType::parse(spec.type_.as_deref()) {
+        Ok(t) => t,
+        Err(NotAServiceType::ExternalName) => {
             return Ok(ServiceOutcome::NotProxied(sname, NotProxied::ExternalName));
         }
-        Some(other) => {
+        Err(NotAServiceType::Unknown(other)) => {
             return Err(ctx.err(
                 ".spec.type",
                 format!("unknown type {:?}", other.escape_debug().to_string()),
@@ -443,8 +442,9 @@ pub fn service(
     }))
 }
 
-/// Cluster IPs per family (spec §a.1): `.spec.ipFamilies` with `.spec.clusterIPs`, or
-/// the primary `.spec.clusterIP` alone. A Service without a usable one is an error.
+/// Cluster IPs per family (upstream-semantics.md §a.1): `.spec.ipFamilies` with
+/// `.spec.clusterIPs`, or the primary `.spec.clusterIP` alone. A Service without a usable one
+/// is an error.
 fn service_cluster_ips(
     spec: &corev1::ServiceSpec,
     primary: &str,
@@ -642,14 +642,10 @@ fn service_source_ranges(spec: &corev1::ServiceSpec, ctx: &mut Ctx) -> Vec<IpNet
 
 /// An external or internal traffic policy; unknown values are Cluster, with a warning.
 fn traffic_policy(v: Option<&str>, field: &str, ctx: &mut Ctx) -> TrafficPolicy {
-    match v {
-        None | Some("") | Some("Cluster") => TrafficPolicy::Cluster,
-        Some("Local") => TrafficPolicy::Local,
-        Some(_) => {
-            ctx.warn(field, "unknown policy; treated as Cluster");
-            TrafficPolicy::Cluster
-        }
-    }
+    TrafficPolicy::parse(v).unwrap_or_else(|| {
+        ctx.warn(field, "unknown policy; treated as Cluster");
+        TrafficPolicy::Cluster
+    })
 }
 
 fn service_health_check_node_port(spec: &corev1::ServiceSpec, ctx: &mut Ctx) -> Option<u16> {
@@ -701,7 +697,7 @@ pub enum SliceOutcome {
     },
 }
 
-/// Ingests an EndpointSlice (spec §a.3).
+/// Ingests an EndpointSlice (upstream-semantics.md §a.3).
 pub fn endpoint_slice(
     slice: &discoveryv1::EndpointSlice,
     ownership: &Ownership,
@@ -1046,7 +1042,7 @@ mod tests {
         serde_saphyr::from_str(&text).unwrap()
     }
 
-    /// Issue 17: a cluster IP of 127.0.0.1 broke every new TCP connection to the node's
+    /// A cluster IP of 127.0.0.1 broke every new TCP connection to the node's
     /// loopback; 0.0.0.0, broadcast and multicast were accepted too.
     #[test]
     fn special_addresses_are_refused_as_service_ips() {

@@ -21,6 +21,7 @@ pub mod categorize;
 pub mod config;
 pub mod conflicts;
 pub mod explain;
+pub mod frontend;
 pub mod ingest;
 pub mod manifest;
 pub mod model;

@@ -526,14 +526,14 @@ fn flatten_lists(
 /// The object kproxy consumes in `v`, the error that makes it unreadable, or `None` for
 /// kinds kproxy does not read (Deployments, Pods, …: skipped quietly). A document with
 /// content but no kind, or with a kind that is no Kubernetes kind of the groups kproxy
-/// reads, is an error (issue 32): a `kubectl get -o yaml` dump cut short ends before its
+/// reads, is an error: a `kubectl get -o yaml` dump cut short ends before its
 /// `kind: List` line, and a typo (`kind: Servic`) must not read as "no Services".
 fn read_object(v: Value, location: Location) -> Option<Result<Located, ManifestError>> {
     let Some(kind) = v.get("kind").and_then(Value::as_str) else {
         return Some(Err(no_kind(&v, location)));
     };
     let api_version = v.get("apiVersion").and_then(Value::as_str).unwrap_or("");
-    let what = describe(&v);
+    let what = describe(&v, None);
     if let Some(reason) = unknown_kind(kind, api_version) {
         return Some(Err(ManifestError {
             location,
@@ -593,7 +593,7 @@ fn no_kind(v: &Value, location: Location) -> ManifestError {
     };
     ManifestError {
         location,
-        what: describe(v),
+        what: describe(v, None),
         field: if v.is_object() { ".kind" } else { "." }.into(),
         reason,
     }
@@ -711,7 +711,9 @@ fn near_miss(a: &str, b: &str) -> bool {
     row[b.len()] <= most
 }
 
-fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
+/// `v` as the Kubernetes type `T`, or the field (`.spec.ports[0].port`) and the reason it
+/// does not fit. Shared with the lint's reader.
+pub fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
     serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
         let path = e.path().to_string();
         let field = if path == "." {
@@ -723,19 +725,30 @@ fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
     })
 }
 
-/// `Kind namespace/name` from raw JSON, for reports on objects that failed to parse.
-fn describe(v: &Value) -> String {
-    let kind = v.get("kind").and_then(Value::as_str).unwrap_or("document");
+/// `Kind namespace/name` from raw JSON, for reports on objects that failed to parse;
+/// `default_namespace` stands in for a missing namespace (the lint's `default`, as
+/// `kubectl apply` would place the object; kproxy's reader names none, since it refuses
+/// a namespaced object without one). Shared with the lint's reader.
+pub fn describe(v: &Value, default_namespace: Option<&str>) -> String {
+    let kind = v
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or("document")
+        .escape_debug()
+        .to_string();
     let meta = v.get("metadata");
     let s = |k: &str| {
         meta.and_then(|m| m.get(k))
             .and_then(Value::as_str)
             .map(|s| s.escape_debug().to_string())
     };
-    match (s("namespace"), s("name")) {
+    match (
+        s("namespace").or(default_namespace.map(str::to_string)),
+        s("name"),
+    ) {
         (Some(ns), Some(n)) => format!("{kind} {ns}/{n}"),
         (None, Some(n)) => format!("{kind} {n}"),
-        _ => kind.escape_debug().to_string(),
+        _ => kind,
     }
 }
 
@@ -744,7 +757,7 @@ fn describe(v: &Value) -> String {
 /// instead of building the array. `kubectl get -o json` prints `items` before `kind`, so
 /// a first pass over the stream reads each document's `kind` (allocating nothing else)
 /// and the second knows a List before its items: memory holds the text plus one item,
-/// whatever the items contain (issue 32: kind-less items used to wait for the List's
+/// whatever the items contain (kind-less items used to wait for the List's
 /// kind, all of them). Each item, and each document read whole, has the YAML reader's
 /// per-document budget of nodes; duplicate keys and a budget overrun cost that item or
 /// document only, as in YAML.
@@ -942,7 +955,7 @@ mod json {
                 None => Ok((location, v)),
                 Some((field, reason)) => Err(ManifestError {
                     location,
-                    what: describe(&v),
+                    what: describe(&v, None),
                     field,
                     reason,
                 }),
@@ -1304,7 +1317,7 @@ ports: [{port: 8080, name: ""}]
         s
     }
 
-    /// Issue 17: 3,000 Services in one `kind: List` exceeded the YAML parser's node
+    /// 3,000 Services in one `kind: List` exceeded the YAML parser's node
     /// budget for one document, and the whole file was skipped.
     #[test]
     fn a_3000_service_yaml_list_loads_every_item() {
@@ -1350,7 +1363,7 @@ ports: [{port: 8080, name: ""}]
         assert_eq!(parse("x.yaml", yaml).errors.len(), 1);
     }
 
-    /// Issue 32: `kubectl get -o yaml` prints `kind: List` after the items, so a dump
+    /// `kubectl get -o yaml` prints `kind: List` after the items, so a dump
     /// cut short has no kind; it, a typo of a kind and a kind-less object are reported
     /// (file, document, what was found), never read as "no objects".
     #[test]
@@ -1463,7 +1476,7 @@ ports: [{port: 8080, name: ""}]
         assert_eq!(last.location.item, Some(MAX_ERRORS_PER_FILE));
     }
 
-    /// Issue 32: docs/input.md says a duplicate key costs the List item; in JSON it
+    /// Docs/input.md says a duplicate key costs the List item; in JSON it
     /// stopped the stream and cost the whole List. An item over the node budget costs
     /// only itself too.
     #[test]
@@ -1520,7 +1533,7 @@ ports: [{port: 8080, name: ""}]
         assert!(p.errors[1].reason.contains("more than 250000 values"));
     }
 
-    /// Issue 32: one bad byte cost a whole kubectl List (one YAML document).
+    /// One bad byte cost a whole kubectl List (one YAML document).
     #[test]
     fn invalid_utf8_in_a_yaml_list_item_costs_only_that_item() {
         let mut bytes = kubectl_yaml_list(3).into_bytes();

@@ -33,6 +33,15 @@ impl IpFamily {
         IpFamily::of(ip) == self
     }
 
+    /// The family's place in per-family arrays (`[T; 2]`, IPv4 first, as [`Self::ALL`]):
+    /// the one mapping from family to slot.
+    pub const fn index(self) -> usize {
+        match self {
+            IpFamily::IPv4 => 0,
+            IpFamily::IPv6 => 1,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             IpFamily::IPv4 => "IPv4",
@@ -223,6 +232,26 @@ pub enum TrafficPolicy {
     Local,
 }
 
+impl TrafficPolicy {
+    /// The field as Kubernetes writes it (absent or empty is Cluster); `None` for a value
+    /// Kubernetes does not have.
+    pub fn parse(v: Option<&str>) -> Option<TrafficPolicy> {
+        match v {
+            None | Some("") | Some("Cluster") => Some(TrafficPolicy::Cluster),
+            Some("Local") => Some(TrafficPolicy::Local),
+            Some(_) => None,
+        }
+    }
+
+    /// Kubernetes' word for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TrafficPolicy::Cluster => "Cluster",
+            TrafficPolicy::Local => "Local",
+        }
+    }
+}
+
 /// A Service's cluster IPs, at most one per family, iterated IPv4 first. Two slots
 /// rather than a map: a `BTreeMap` node is about 200 bytes, 2 MiB at 10k Services.
 /// Serialized as the map it stands for (`{"IPv4": "10.96.0.1"}`).
@@ -230,20 +259,13 @@ pub enum TrafficPolicy {
 pub struct ClusterIps([Option<IpAddr>; 2]);
 
 impl ClusterIps {
-    fn slot(family: IpFamily) -> usize {
-        match family {
-            IpFamily::IPv4 => 0,
-            IpFamily::IPv6 => 1,
-        }
-    }
-
     /// Sets the family's cluster IP (replacing an earlier one of that family).
     pub fn insert(&mut self, family: IpFamily, ip: IpAddr) {
-        self.0[Self::slot(family)] = Some(ip);
+        self.0[family.index()] = Some(ip);
     }
 
     pub fn get(&self, family: IpFamily) -> Option<IpAddr> {
-        self.0[Self::slot(family)]
+        self.0[family.index()]
     }
 
     /// `(family, cluster IP)` pairs, IPv4 first.
@@ -287,6 +309,28 @@ pub enum ServiceType {
     ClusterIP,
     NodePort,
     LoadBalancer,
+}
+
+/// A `spec.type` that names no proxied type: what [`ServiceType::parse`] found instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotAServiceType<'a> {
+    /// `ExternalName`: a DNS alias, nothing to proxy.
+    ExternalName,
+    /// A type Kubernetes does not have.
+    Unknown(&'a str),
+}
+
+impl ServiceType {
+    /// `spec.type` as Kubernetes writes it (absent is ClusterIP).
+    pub fn parse(v: Option<&str>) -> Result<ServiceType, NotAServiceType<'_>> {
+        match v {
+            None | Some("ClusterIP") => Ok(ServiceType::ClusterIP),
+            Some("NodePort") => Ok(ServiceType::NodePort),
+            Some("LoadBalancer") => Ok(ServiceType::LoadBalancer),
+            Some("ExternalName") => Err(NotAServiceType::ExternalName),
+            Some(other) => Err(NotAServiceType::Unknown(other)),
+        }
+    }
 }
 
 /// One entry of `spec.ports`.

@@ -33,7 +33,7 @@ pub struct NodePlan {
     /// Frontends refused to a Service because another claims them, or because they would
     /// capture a cluster IP or node address (`crate::conflicts`); sorted by Service. The
     /// plans in `services` already lack them. Empty: no conflict.
-    pub conflicts: Vec<crate::conflicts::Conflict>,
+    pub conflicts: Vec<crate::frontend::Conflict>,
 }
 
 impl NodePlan {
@@ -51,10 +51,7 @@ impl NodePlan {
 
     pub fn family(&self, family: IpFamily) -> &FamilyPlan {
         // Invariant: the planner always fills both families, IPv4 first.
-        &self.families[match family {
-            IpFamily::IPv4 => 0,
-            IpFamily::IPv6 => 1,
-        }]
+        &self.families[family.index()]
     }
 }
 
@@ -251,7 +248,7 @@ impl ServicePortPlan {
     }
 
     /// Endpoints that conntrack cleanup keeps flows to: serving ones, whatever `ready`
-    /// says (upstream's reconciler keys on serving; issue 16 area 5).
+    /// says (upstream's reconciler keys on serving).
     pub fn serving_endpoints(&self) -> impl Iterator<Item = EndpointAddr> + '_ {
         self.endpoints
             .iter()
@@ -275,7 +272,7 @@ pub struct Firewall {
     pub allowed_sources: Vec<IpNet>,
 }
 
-/// The topology filter applied to the Cluster list (spec §b.4).
+/// The topology filter applied to the Cluster list (../shared/spec/upstream-semantics.md §b.4).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase", tag = "mode", content = "value")]
 pub enum TopologyMode {
@@ -354,7 +351,7 @@ impl Serialize for NodePlan {
             families: &'a [FamilyPlan],
             service_ports: Vec<&'a ServicePortPlan>,
             health_checks: Vec<&'a HealthCheck>,
-            conflicts: &'a [crate::conflicts::Conflict],
+            conflicts: &'a [crate::frontend::Conflict],
         }
         View {
             node: &self.node,

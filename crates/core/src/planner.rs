@@ -1,7 +1,7 @@
-//! The planner: `ClusterState` + this node + `PlanConfig` → `NodePlan` (spec §a.4, §b,
-//! §c, §d.1). Pure and deterministic: the order in which objects arrived never changes
-//! the output. [`Planner`] keeps the last plan and re-plans only the Services that
-//! changed; [`plan`] is the same computation from scratch.
+//! The planner: `ClusterState` + this node + `PlanConfig` → `NodePlan`
+//! (../shared/spec/upstream-semantics.md §a.4, §b, §c, §d.1). Pure and deterministic: the order
+//! in which objects arrived never changes the output. [`Planner`] keeps the last plan and
+//! re-plans only the Services that changed; [`plan`] is the same computation from scratch.
 
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
@@ -107,13 +107,6 @@ impl Planner {
         &self.config
     }
 
-    pub fn set_config(&mut self, config: PlanConfig) {
-        if config != self.config {
-            self.config = config;
-            self.config_changed = true;
-        }
-    }
-
     /// Applies the changes recorded in `state` since the last update.
     pub fn update(&mut self, state: &mut ClusterState) -> PlanUpdate {
         let changes = state.take_changes();
@@ -176,7 +169,7 @@ impl Planner {
                     &self.config,
                 ))
             });
-            let claims = |p: Option<&Arc<ServicePlan>>| -> Vec<crate::conflicts::Frontend> {
+            let claims = |p: Option<&Arc<ServicePlan>>| -> Vec<crate::frontend::Frontend> {
                 p.into_iter()
                     .flat_map(|p| crate::conflicts::service_frontends(p))
                     .collect()
@@ -413,7 +406,7 @@ fn cidrs_or_none(c: Vec<IpNet>) -> LocalPods {
 }
 
 /// Merges a Service's slices of one family per (port name, protocol) into sorted
-/// endpoint lists (spec §a.4). When the same `ip:port` appears twice, a
+/// endpoint lists (upstream-semantics.md §a.4). When the same `ip:port` appears twice, a
 /// non-terminating copy beats a terminating one, then a ready copy beats a not-ready
 /// one, then a local copy beats a remote one; a full tie keeps the copy from the slice
 /// whose name sorts first (upstream leaves that case to map order).
@@ -571,7 +564,7 @@ fn plan_port(
     };
     let rule = |from, verdict| TrafficRule { from, verdict };
 
-    // Internal (cluster IP) traffic: spec §c.1.
+    // Internal (cluster IP) traffic: upstream-semantics.md §c.1.
     let internal_set = if itp == TrafficPolicy::Local {
         EndpointSet::Local
     } else {
@@ -590,7 +583,7 @@ fn plan_port(
         vec![rule(SourceClass::Any, forward(internal_set, false))]
     };
 
-    // External (NodePort, external IP, LB IP) traffic: spec §c.2, §c.3.
+    // External (NodePort, external IP, LB IP) traffic: upstream-semantics.md §c.2, §c.3.
     let external = if !ext_acc {
         Vec::new()
     } else if !cat.has_any {
@@ -600,7 +593,7 @@ fn plan_port(
     } else {
         let mut rules = Vec::new();
         // The local-pod short-circuit is never masqueraded, masqueradeAll or not:
-        // upstream's masqueradeAll rule matches the cluster IP only (issue 16 area 3).
+        // upstream's masqueradeAll rule matches the cluster IP only.
         if detector {
             rules.push(rule(
                 SourceClass::LocalPod,
@@ -615,7 +608,7 @@ fn plan_port(
         rules
     };
 
-    // Source ranges: LB IPs only (spec §c.5).
+    // Source ranges: LB IPs only (upstream-semantics.md §c.5).
     let ranges: Vec<IpNet> = svc
         .load_balancer_source_ranges
         .iter()

@@ -6,6 +6,7 @@ use std::net::IpAddr;
 
 use serde::Serialize;
 
+use crate::frontend::FrontendKind;
 use crate::model::{EndpointAddr, IpFamily, Protocol};
 use crate::plan::{LocalPods, NodePlan, ServicePortPlan, SourceClass, TrafficRule, Verdict};
 
@@ -41,26 +42,6 @@ pub struct Trace {
     pub reason: String,
 }
 
-/// Which kind of frontend a packet hit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Frontend {
-    ClusterIp,
-    ExternalIp,
-    LoadBalancerIp,
-    NodePort,
-}
-
-impl Frontend {
-    fn describe(self) -> &'static str {
-        match self {
-            Frontend::ClusterIp => "cluster IP",
-            Frontend::ExternalIp => "external IP",
-            Frontend::LoadBalancerIp => "load-balancer IP",
-            Frontend::NodePort => "NodePort",
-        }
-    }
-}
-
 /// Traces `pkt` through `plan`. `local_addresses` are this node's own addresses (for
 /// NodePorts on all local addresses and the "from this node" rule); when empty the
 /// plan's node IPs are used.
@@ -86,17 +67,17 @@ pub fn trace(plan: &NodePlan, pkt: &Packet, local_addresses: &[IpAddr]) -> Trace
             continue;
         }
         let frontend = if sp.cluster_ip == pkt.dst && sp.port == pkt.dport {
-            Frontend::ClusterIp
+            FrontendKind::ClusterIp
         } else if sp.port == pkt.dport && sp.load_balancer_ips.contains(&pkt.dst) {
-            Frontend::LoadBalancerIp
+            FrontendKind::LoadBalancerIp
         } else if sp.port == pkt.dport && sp.external_ips.contains(&pkt.dst) {
-            Frontend::ExternalIp
+            FrontendKind::ExternalIp
         } else if sp.node_port == Some(pkt.dport)
             && fam
                 .node_port_addresses
                 .selects(&pkt.dst, is_local_addr(&pkt.dst))
         {
-            Frontend::NodePort
+            FrontendKind::NodePort
         } else {
             continue;
         };
@@ -160,7 +141,7 @@ pub fn source_matches(
 
 fn trace_port(
     sp: &ServicePortPlan,
-    frontend: Frontend,
+    frontend: FrontendKind,
     pkt: &Packet,
     local_pods: &LocalPods,
     locals: &[IpAddr],
@@ -171,7 +152,7 @@ fn trace_port(
         frontend_addr(sp, frontend),
         sp.service_port
     );
-    if frontend == Frontend::LoadBalancerIp
+    if frontend == FrontendKind::LoadBalancerIp
         && let Some(fw) = &sp.firewall
         && !fw.allowed_sources.iter().any(|n| n.contains(&pkt.src))
     {
@@ -185,7 +166,7 @@ fn trace_port(
             ),
         };
     }
-    let rules: &[TrafficRule] = if frontend == Frontend::ClusterIp {
+    let rules: &[TrafficRule] = if frontend == FrontendKind::ClusterIp {
         &sp.internal
     } else {
         &sp.external
@@ -246,10 +227,10 @@ fn trace_port(
     }
 }
 
-fn frontend_addr(sp: &ServicePortPlan, frontend: Frontend) -> String {
+fn frontend_addr(sp: &ServicePortPlan, frontend: FrontendKind) -> String {
     match frontend {
-        Frontend::NodePort => format!("port {}", sp.node_port.unwrap_or(0)),
-        Frontend::ClusterIp => EndpointAddr::new(sp.cluster_ip, sp.port).to_string(),
+        FrontendKind::NodePort => format!("port {}", sp.node_port.unwrap_or(0)),
+        FrontendKind::ClusterIp => EndpointAddr::new(sp.cluster_ip, sp.port).to_string(),
         _ => format!("port {}", sp.port),
     }
 }

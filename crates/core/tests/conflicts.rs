@@ -1,9 +1,9 @@
-//! Issue 17: frontend takeover. Every combination of two Services claiming the same
+//! Frontend takeover. Every combination of two Services claiming the same
 //! frontend (cluster IP, external IP, LB IP, node port), each in both creation orders:
 //! the older Service keeps it whatever the names, the newer is reported, and the planner
 //! (incremental or not) agrees.
 
-use kproxy_core::conflicts::{ConflictReason, FrontendKind};
+use kproxy_core::frontend::{ConflictReason, FrontendKind};
 use kproxy_core::ingest::Ownership;
 use kproxy_core::manifest;
 use kproxy_core::planner::Planner;
@@ -183,7 +183,7 @@ fn external_and_lb_ips_may_not_capture_cluster_ips_or_node_addresses() {
     );
 }
 
-/// Issue 32: a cluster IP equal to this node's address took all TCP to the node. It is
+/// A cluster IP equal to this node's address took all TCP to the node. It is
 /// refused like the other reserved addresses, with or without the overlap setting.
 #[test]
 fn a_cluster_ip_equal_to_a_node_address_is_refused() {
@@ -214,7 +214,7 @@ fn a_cluster_ip_equal_to_a_node_address_is_refused() {
     }
 }
 
-/// Issue 32: a `healthCheckNodePort` equal to another Service's node port was reported
+/// A `healthCheckNodePort` equal to another Service's node port was reported
 /// listening while the NodePort rule took its packets. It is a conflict like two equal
 /// node ports: the older Service keeps the port.
 #[test]

@@ -2,7 +2,7 @@
 //! `cargo test` in CI: mutated bytes of a `kubectl -o yaml|json` List go through the
 //! streaming decoder and `Update::of`. Properties: no panic, every error names the file,
 //! and a mutation confined to one List item never costs another item. And, for every
-//! byte at which a `kubectl get -o yaml|json` List can be cut short (issue 32), a
+//! byte at which a `kubectl get -o yaml|json` List can be cut short, a
 //! Service of the whole List is either still read or the file is reported as damaged
 //! (which keeps the file's last good objects under `run` and makes `sync --once` program
 //! nothing): never silently gone.
@@ -81,7 +81,7 @@ fn every_cut_keeps_or_reports(file: &str, whole: &[u8]) -> usize {
     reported
 }
 
-/// Issue 32: `kubectl` prints `kind: List` after the items (its keys are sorted), so a
+/// `kubectl` prints `kind: List` after the items (its keys are sorted), so a
 /// dump cut short anywhere before that line parsed as valid YAML without a kind, and
 /// 272 of 392 cuts of a real List lost every Service without a word.
 #[test]

@@ -1,4 +1,4 @@
-//! Issue 32: a JSON List of items without `kind`, as `kubectl get -o json` prints a List
+//! A JSON List of items without `kind`, as `kubectl get -o json` prints a List
 //! (items before kind), was buffered whole waiting for the List's kind: 20 MB of items
 //! took 358 MB, 100 MB aborted on a failed allocation. The reader holds the text plus
 //! one item, whatever the items contain; this measures the heap while it reads 100 MB

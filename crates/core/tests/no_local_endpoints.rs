@@ -1,4 +1,4 @@
-//! `sync_proxy_rules_no_local_endpoints_total` (issue 16 area 6) as a table through the
+//! `sync_proxy_rules_no_local_endpoints_total` as a table through the
 //! real manifest → ingest → plan path: counted only when the service port has usable
 //! endpoints somewhere but none on this node, per traffic policy and family.
 

@@ -1,6 +1,6 @@
-//! Service-level rules of spec §a and §c that the shared conformance tables do not
-//! cover, one named test per rule, written as Kubernetes YAML through the real
-//! manifest → ingest → plan path.
+//! Service-level rules of ../shared/spec/upstream-semantics.md §a and §c that the shared
+//! conformance tables do not cover, one named test per rule, written as Kubernetes YAML through
+//! the real manifest → ingest → plan path.
 
 use kproxy_core::config::{LocalDetectorConfig, NodePortAddressesConfig};
 use kproxy_core::ingest::Ownership;
@@ -369,7 +369,7 @@ fn node_ports_are_served_only_on_node_port_addresses() {
     );
 }
 
-/// Issue 16 area 4: a nodePortAddresses CIDR selects every local address inside it,
+/// A nodePortAddresses CIDR selects every local address inside it,
 /// including secondary addresses the Node object does not list (what the kernel's
 /// `fib daddr type local` sees), never loopback; a list without a CIDR of a family
 /// selects every local address of that family (upstream `NewNodePortAddresses`).
@@ -426,7 +426,7 @@ fn node_port_cidrs_select_every_local_address_inside_them() {
     );
 }
 
-/// Issue 16 area 3: with masqueradeAll, a local pod's connection to an eTP:Local
+/// With masqueradeAll, a local pod's connection to an eTP:Local
 /// NodePort takes the short-circuit to the Cluster endpoints unmasqueraded (upstream's
 /// masqueradeAll rule matches the cluster IP only); the cluster IP itself and this
 /// node's own connections are still masqueraded.
@@ -489,7 +489,7 @@ fn a_cluster_ip_on_an_undefined_port_is_rejected() {
     );
 }
 
-/// Issue 16 area 1: with the service CIDRs known, a new connection to an address
+/// With the service CIDRs known, a new connection to an address
 /// inside them that no Service owns is dropped; a live cluster IP on an undefined port
 /// is still rejected; addresses outside the CIDRs are untouched.
 #[test]

@@ -1,5 +1,5 @@
 //! What the sync loop hands to health per sync at 10k Services × 10 endpoints after one
-//! EndpointSlice change: before issue 20, a clone of the whole plan (`Arc::new(plan
+//! EndpointSlice change: before `PlanUpdate`, a clone of the whole plan (`Arc::new(plan
 //! .clone())`, shared by health's computed and applied slots); now `decide::follow`
 //! moving health's two views by the planner's `PlanUpdate`. The re-plan itself is
 //! outside both measurements. Run: `cargo bench -p kproxy-health --bench follow`.

@@ -7,6 +7,8 @@
 //! `cargo bench -p kproxy-health --bench probes` (env KPROXY_BENCH_SECS, default 3;
 //! KPROXY_BENCH_CONNS, default 16).
 
+#![expect(clippy::disallowed_types, reason = "a bench: wall time")]
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};

@@ -6,10 +6,12 @@
 //! namespace, the server under the issue's `nofile` of 20,000 (crates/health/BENCHMARKS.md
 //! has the commands and the figures).
 //!
-//! `flood serve PORTS BUDGET` (BUDGET 0: none, as before issue 32) prints its pid;
-//! `flood flood PORTS CONNS SECS PID FIRST COUNT` floods ports FIRST..FIRST+COUNT (one
-//! process cannot hold more descriptors than its own limit: split the flood over
-//! several) and probes all PORTS.
+//! `flood serve PORTS BUDGET` (BUDGET 0: none, as before the shared connection budget) prints
+//! its pid; `flood flood PORTS CONNS SECS PID FIRST COUNT` floods ports FIRST..FIRST+COUNT (one
+//! process cannot hold more descriptors than its own limit: split the flood over several) and
+//! probes all PORTS.
+
+#![expect(clippy::disallowed_types, reason = "a measurement: wall time")]
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};

@@ -21,7 +21,7 @@ pub enum Semantics {
     /// the cluster has already taken away (docs/health.md).
     #[default]
     Truthful,
-    /// Exactly what upstream kube-proxy answers (spec §d).
+    /// Exactly what upstream kube-proxy answers (../shared/spec/upstream-semantics.md §d).
     Upstream,
 }
 
@@ -42,12 +42,12 @@ impl Semantics {
     }
 }
 
-/// The proxy's sync freshness, upstream's `ProxyHealthServer` bookkeeping (spec §d.2).
-/// Upstream keeps one `lastUpdated` and one oldest pending change *per family* (one
-/// proxier each) and is healthy only when every family is. kproxy programs both families
-/// in one transaction, so the daemon calls the all-family [`ProxyHealth::queued`] /
-/// [`ProxyHealth::updated`]; the per-family calls exist so upstream's timelines (one
-/// family late, the other fine) have the same answers.
+/// The proxy's sync freshness, upstream's `ProxyHealthServer` bookkeeping
+/// (upstream-semantics.md §d.2). Upstream keeps one `lastUpdated` and one oldest pending change
+/// *per family* (one proxier each) and is healthy only when every family is. kproxy programs
+/// both families in one transaction, so the daemon calls the all-family [`ProxyHealth::queued`]
+/// / [`ProxyHealth::updated`]; the per-family calls exist so upstream's timelines (one family
+/// late, the other fine) have the same answers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProxyHealth {
     /// Last successful apply per family (`IpFamily::ALL` order); at start-up the start
@@ -86,13 +86,6 @@ impl KernelRules {
             KernelRules::Altered => "altered",
             KernelRules::TablesMissing => "tablesMissing",
         }
-    }
-}
-
-fn slot(f: IpFamily) -> usize {
-    match f {
-        IpFamily::IPv4 => 0,
-        IpFamily::IPv6 => 1,
     }
 }
 
@@ -139,13 +132,13 @@ impl ProxyHealth {
 
     /// Upstream `QueuedUpdate(family)`: remembers the family's *oldest* pending change.
     pub fn queued_family(&mut self, family: IpFamily, now: SystemTime) {
-        self.family_pending[slot(family)].get_or_insert(now);
+        self.family_pending[family.index()].get_or_insert(now);
     }
 
     /// Upstream `Updated(family)`: nothing of that family pending any more.
     pub fn updated_family(&mut self, family: IpFamily, now: SystemTime) {
-        self.family_pending[slot(family)] = None;
-        self.family_updated[slot(family)] = now;
+        self.family_pending[family.index()] = None;
+        self.family_updated[family.index()] = now;
     }
 
     /// A change queued for both families (kproxy syncs them together).
@@ -190,7 +183,7 @@ impl ProxyHealth {
     /// `timeout` old. A clock that went backwards counts as "not late" (as Go's
     /// negative `Sub` does).
     pub fn family_healthy(&self, family: IpFamily, now: SystemTime, timeout: Duration) -> bool {
-        match self.family_pending[slot(family)] {
+        match self.family_pending[family.index()] {
             None => true,
             Some(q) => now
                 .duration_since(q)
@@ -235,7 +228,7 @@ pub fn rfc3339(t: SystemTime) -> String {
     }
 }
 
-/// The answer of `/healthz` or `/livez` (spec §d.2).
+/// The answer of `/healthz` or `/livez` (upstream-semantics.md §d.2).
 ///
 /// Upstream: `healthy` = no change pending for ≥ `timeout`; `/livez` is 200 iff healthy;
 /// `/healthz` is 200 iff healthy and the node is eligible. When the answer is 200 the
@@ -288,7 +281,7 @@ pub fn proxy_answer(
         status.insert(
             f.as_str().into(),
             serde_json::json!({
-                "lastUpdated": rfc3339(health.family_updated[slot(*f)]),
+                "lastUpdated": rfc3339(health.family_updated[f.index()]),
                 "healthy": health.family_healthy(*f, now, timeout),
             }),
         );
@@ -323,8 +316,8 @@ pub fn service_status(local_endpoints: u32, proxy_healthy: bool) -> u16 {
     }
 }
 
-/// The answer of a health-check node port (spec §d.1): 200 iff the Service has local
-/// ready endpoints and the proxy is healthy (`/livez` notion); the body is upstream's,
+/// The answer of a health-check node port (upstream-semantics.md §d.1): 200 iff the Service has
+/// local ready endpoints and the proxy is healthy (`/livez` notion); the body is upstream's,
 /// byte for byte (tab-indented, no trailing newline).
 pub fn service_answer(service: &ServiceName, local_endpoints: u32, proxy_healthy: bool) -> Answer {
     let ok = service_status(local_endpoints, proxy_healthy) == 200;
@@ -539,11 +532,11 @@ pub fn missing_node_addrs(families: &[FamilyPlan], local: &[LocalAddr]) -> Vec<I
         .collect()
 }
 
-/// Where a health-check node port listens (spec §d.1): the wildcard address of each
-/// family whose nodePortAddresses match everything, else each selected node address
-/// that is really local (binding another one would fail). A family without any node
-/// address is not in use and gets no listener, unless no family has one (nothing is
-/// known: listen everywhere, as upstream does).
+/// Where a health-check node port listens (upstream-semantics.md §d.1): the wildcard address of
+/// each family whose nodePortAddresses match everything, else each selected node address that
+/// is really local (binding another one would fail). A family without any node address is not
+/// in use and gets no listener, unless no family has one (nothing is known: listen everywhere,
+/// as upstream does).
 pub fn listen_addrs(families: &[FamilyPlan], local: &[LocalAddr], port: u16) -> Vec<SocketAddr> {
     let any_known = families.iter().any(|f| !f.node_ips.is_empty());
     let mut out = BTreeSet::new();

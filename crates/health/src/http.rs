@@ -52,7 +52,7 @@ impl Default for Limits {
 
 /// One connection budget shared by several servers (every health-check node port and
 /// `/healthz`): at most `max` connections open among them all, so a flood spread over
-/// many ports cannot take the process to its `nofile` limit (issue 32: 45 ports × 512
+/// many ports cannot take the process to its `nofile` limit (45 ports × 512
 /// idle connections reached 20,000 fds and every port stopped answering). At the bound
 /// the connection least recently active (accepted, or last sent a request) is closed:
 /// idle connections go first, and a new probe always gets in.

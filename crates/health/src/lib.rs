@@ -795,23 +795,58 @@ pub fn local_addresses() -> std::io::Result<Vec<LocalAddr>> {
     Ok(out)
 }
 
-async fn reconcile_loop(
+/// The reconciler task: each pass takes what changed, converges the servers of the
+/// Services it visits, and publishes what listens; then it waits for a change, a retry
+/// or the tick. On stop it closes every server.
+async fn reconcile_loop(shared: Arc<Shared>, ctl: Arc<Control>, healthz: Option<HealthzServer>) {
+    let mut r = Reconciler {
+        shared,
+        ctl,
+        healthz,
+        running: BTreeMap::new(),
+        warned_addrs: false,
+        seen: None,
+        retrying: BTreeSet::new(),
+    };
+    loop {
+        let generation = r.ctl.requested.load(Ordering::SeqCst);
+        let (visit, whole) = r.visits();
+        r.converge(&visit, whole).await;
+        r.publish(&visit, generation);
+        tokio::select! {
+            _ = r.ctl.wake.notified() => {}
+            _ = tokio::time::sleep_until(r.wake_at()) => {}
+            _ = r.ctl.stop.cancelled() => break,
+        }
+    }
+    r.shutdown().await;
+}
+
+/// A Service a pass visits, with its target (`None`: no server).
+type Visit = (ServiceName, Option<decide::Target>);
+
+/// What the reconciler task keeps between passes.
+struct Reconciler {
     shared: Arc<Shared>,
     ctl: Arc<Control>,
-    mut healthz: Option<HealthzServer>,
-) {
-    let mut running: BTreeMap<ServiceName, Running> = BTreeMap::new();
-    let mut warned_addrs = false;
-    // What the last pass saw besides the plans: when any of it changes, every Service is
-    // revisited; otherwise a pass visits the Services the sync loop reported changed and
-    // those with a bind to retry, so a sync costs health the change, not every check.
-    let mut seen: Option<(Vec<FamilyPlan>, Vec<LocalAddr>, bool)> = None;
-    // The servers with a bind to retry (visited by every pass, and timing the next one).
-    let mut retrying: BTreeSet<ServiceName> = BTreeSet::new();
-    loop {
-        let generation = ctl.requested.load(Ordering::SeqCst);
+    healthz: Option<HealthzServer>,
+    running: BTreeMap<ServiceName, Running>,
+    warned_addrs: bool,
+    /// What the last pass saw besides the plans: when any of it changes, every Service
+    /// is revisited; otherwise a pass visits the Services the sync loop reported changed
+    /// and those with a bind to retry, so a sync costs health the change, not every
+    /// check.
+    seen: Option<(Vec<FamilyPlan>, Vec<LocalAddr>, bool)>,
+    /// The servers with a bind to retry (visited by every pass, and timing the next one).
+    retrying: BTreeSet<ServiceName>,
+}
+
+impl Reconciler {
+    /// Takes the changes the sync loop reported and reads the node's facts; returns the
+    /// Services this pass visits and whether that is every one.
+    fn visits(&mut self) -> (Vec<Visit>, bool) {
         let (changed, families) = {
-            let mut c = lock(&shared.core);
+            let mut c = lock(&self.shared.core);
             let changed = std::mem::replace(
                 &mut c.changed,
                 Changed {
@@ -826,103 +861,114 @@ async fn reconcile_loop(
                 .unwrap_or_default();
             (changed, families)
         };
-
-        let needs_local = families.iter().any(|f| match &f.node_port_addresses {
-            NodePortAddresses::Only(v) => !v.is_empty(),
-            NodePortAddresses::Cidrs(_) => true,
-            NodePortAddresses::AllLocal => false,
-        });
-        let anything = !running.is_empty() || changed.all || !changed.services.is_empty();
-        let local = if needs_local && anything {
-            match local_addresses() {
-                Ok(l) => l,
-                Err(e) => {
-                    if !warned_addrs {
-                        tracing::warn!(error = %e, "cannot read local addresses; health-check ports wait for them");
-                        warned_addrs = true;
-                    }
-                    Vec::new()
-                }
-            }
+        let anything = !self.running.is_empty() || changed.all || !changed.services.is_empty();
+        let local = if anything && needs_local_addresses(&families) {
+            self.local_addresses()
         } else {
             Vec::new()
         };
-        let proxy_healthy = shared.service_proxy_healthy();
-        let now_seen = (families, local, proxy_healthy);
-        let whole = changed.all || seen.as_ref() != Some(&now_seen);
-        let (families, local, _) = seen.insert(now_seen);
+        let now_seen = (families, local, self.shared.service_proxy_healthy());
+        let whole = changed.all || self.seen.as_ref() != Some(&now_seen);
+        self.seen = Some(now_seen);
 
-        // The Services this pass visits, each with its target (`None`: no server).
-        let visit: Vec<(ServiceName, Option<decide::Target>)> = {
-            let c = lock(&shared.core);
-            let (computed, applied) = (c.computed.as_ref(), c.applied.as_ref());
-            if whole {
-                let targets = decide::health_check_targets(shared.semantics, computed, applied);
-                let gone: Vec<(ServiceName, Option<decide::Target>)> = running
-                    .keys()
-                    .filter(|n| !targets.contains_key(*n))
-                    .map(|n| (n.clone(), None))
-                    .collect();
-                gone.into_iter()
-                    .chain(targets.into_iter().map(|(n, t)| (n, Some(t))))
-                    .collect()
-            } else {
-                let mut names = changed.services;
-                names.extend(retrying.iter().cloned());
-                names
-                    .into_iter()
-                    .map(|n| {
-                        let t =
-                            decide::health_check_target(shared.semantics, computed, applied, &n);
-                        (n, t)
-                    })
-                    .collect()
-            }
+        let shared = &self.shared;
+        let c = lock(&shared.core);
+        let (computed, applied) = (c.computed.as_ref(), c.applied.as_ref());
+        let visit = if whole {
+            let targets = decide::health_check_targets(shared.semantics, computed, applied);
+            let gone: Vec<Visit> = self
+                .running
+                .keys()
+                .filter(|n| !targets.contains_key(*n))
+                .map(|n| (n.clone(), None))
+                .collect();
+            gone.into_iter()
+                .chain(targets.into_iter().map(|(n, t)| (n, Some(t))))
+                .collect()
+        } else {
+            let mut names = changed.services;
+            names.extend(self.retrying.iter().cloned());
+            names
+                .into_iter()
+                .map(|n| {
+                    let t = decide::health_check_target(shared.semantics, computed, applied, &n);
+                    (n, t)
+                })
+                .collect()
         };
+        (visit, whole)
+    }
 
+    /// This host's addresses; none (warned once) when they cannot be read.
+    fn local_addresses(&mut self) -> Vec<LocalAddr> {
+        match local_addresses() {
+            Ok(l) => l,
+            Err(e) => {
+                if !self.warned_addrs {
+                    tracing::warn!(error = %e, "cannot read local addresses; health-check ports wait for them");
+                    self.warned_addrs = true;
+                }
+                Vec::new()
+            }
+        }
+    }
+
+    /// Closes, opens and rebinds the servers of the visited Services, and notes which
+    /// still have a bind to retry.
+    async fn converge(&mut self, visit: &[Visit], whole: bool) {
+        let shared = &self.shared;
         // Close what is gone or moved to another port first, so a port handed from
         // one Service to another can be bound in the same pass.
-        for (name, t) in &visit {
+        for (name, t) in visit {
             let moved = |r: &Running| t.as_ref().is_none_or(|t| t.port != r.check.port);
-            if running.get(name).is_some_and(moved)
-                && let Some(r) = running.remove(name)
+            if self.running.get(name).is_some_and(moved)
+                && let Some(r) = self.running.remove(name)
             {
-                r.close(&shared).await;
+                r.close(shared).await;
             }
         }
         if whole {
-            retrying.clear();
+            self.retrying.clear();
         }
 
+        let (families, local, proxy_healthy) = self.seen.as_ref().expect("set by visits");
         let missing = decide::missing_node_addrs(families, local);
-        for (name, t) in &visit {
+        for (name, t) in visit {
             let Some(t) = t else { continue };
-            let r = running
+            let r = self
+                .running
                 .entry(name.clone())
-                .or_insert_with(|| Running::new(&shared, name.clone(), t.port));
+                .or_insert_with(|| Running::new(shared, name.clone(), t.port));
             r.check
                 .local_endpoints
                 .store(t.local_endpoints, Ordering::Relaxed);
             let want = decide::listen_addrs(families, local, t.port);
-            r.converge(&want, &missing, &shared).await;
-            let status = decide::service_status(t.local_endpoints, proxy_healthy);
+            r.converge(&want, &missing, shared).await;
+            let status = decide::service_status(t.local_endpoints, *proxy_healthy);
             shared.note_status(&r.check, status);
         }
-        for (name, _) in &visit {
-            if running.get(name).is_some_and(|r| !r.failing.is_empty()) {
-                retrying.insert(name.clone());
+        for (name, _) in visit {
+            if self
+                .running
+                .get(name)
+                .is_some_and(|r| !r.failing.is_empty())
+            {
+                self.retrying.insert(name.clone());
             } else {
-                retrying.remove(name);
+                self.retrying.remove(name);
             }
         }
-        if let Some(h) = healthz.as_mut() {
-            h.try_bind_due(&shared);
+        if let Some(h) = self.healthz.as_mut() {
+            h.try_bind_due(shared);
         }
+    }
 
+    /// Publishes what the visited servers listen on, and that pass `generation` is done.
+    fn publish(&self, visit: &[Visit], generation: u64) {
         {
-            let mut o = lock(&ctl.observed);
-            for (name, _) in &visit {
-                match running.get(name) {
+            let mut o = lock(&self.ctl.observed);
+            for (name, _) in visit {
+                match self.running.get(name) {
                     Some(r) => {
                         o.checks.insert(name.clone(), r.listening());
                     }
@@ -931,47 +977,60 @@ async fn reconcile_loop(
                     }
                 }
             }
-            o.healthz = healthz
+            o.healthz = self
+                .healthz
                 .as_ref()
                 .map(HealthzServer::bound_addrs)
                 .unwrap_or_default();
         }
-        ctl.done.send_replace(generation);
+        self.ctl.done.send_replace(generation);
+    }
 
-        let next_retry = retrying
+    /// The next pass: the earliest bind retry, at the latest one tick from now.
+    fn wake_at(&self) -> tokio::time::Instant {
+        let next_retry = self
+            .retrying
             .iter()
-            .filter_map(|n| running.get(n)?.next_retry())
-            .chain(healthz.as_ref().and_then(HealthzServer::next_retry))
+            .filter_map(|n| self.running.get(n)?.next_retry())
+            .chain(self.healthz.as_ref().and_then(HealthzServer::next_retry))
             .min();
         let tick = tokio::time::Instant::now() + TICK;
-        let wake_at = next_retry.map_or(tick, |r| r.min(tick));
-        tokio::select! {
-            _ = ctl.wake.notified() => {}
-            _ = tokio::time::sleep_until(wake_at) => {}
-            _ = ctl.stop.cancelled() => break,
-        }
+        next_retry.map_or(tick, |r| r.min(tick))
     }
 
-    // Shutdown: stop accepting everywhere at once, give in-flight requests a moment.
-    let mut closing: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> =
-        Vec::new();
-    for (_, r) in std::mem::take(&mut running) {
-        let labels = PortLabels::of(&r.check.service, r.check.port);
-        shared.metrics.port_listening.remove(&labels);
-        shared.metrics.port_healthy.remove(&labels);
-        closing.push(Box::pin(r.server.shutdown(SHUTDOWN_GRACE)));
+    /// Stops accepting everywhere at once and gives in-flight requests a moment.
+    async fn shutdown(mut self) {
+        let shared = &self.shared;
+        let mut closing: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> =
+            Vec::new();
+        for (_, r) in std::mem::take(&mut self.running) {
+            let labels = PortLabels::of(&r.check.service, r.check.port);
+            shared.metrics.port_listening.remove(&labels);
+            shared.metrics.port_healthy.remove(&labels);
+            closing.push(Box::pin(r.server.shutdown(SHUTDOWN_GRACE)));
+        }
+        if let Some(h) = self.healthz.take() {
+            closing.push(Box::pin(h.server.shutdown(SHUTDOWN_GRACE)));
+        }
+        futures_join_all(closing).await;
+        {
+            let mut o = lock(&self.ctl.observed);
+            o.checks.clear();
+            o.healthz.clear();
+        }
+        self.ctl.done.send_replace(u64::MAX);
+        tracing::info!("health servers stopped");
     }
-    if let Some(h) = healthz {
-        closing.push(Box::pin(h.server.shutdown(SHUTDOWN_GRACE)));
-    }
-    futures_join_all(closing).await;
-    {
-        let mut o = lock(&ctl.observed);
-        o.checks.clear();
-        o.healthz.clear();
-    }
-    ctl.done.send_replace(u64::MAX);
-    tracing::info!("health servers stopped");
+}
+
+/// Whether the node's plan listens on specific addresses (nodePortAddresses), which
+/// must then be read from the host.
+fn needs_local_addresses(families: &[FamilyPlan]) -> bool {
+    families.iter().any(|f| match &f.node_port_addresses {
+        NodePortAddresses::Only(v) => !v.is_empty(),
+        NodePortAddresses::Cidrs(_) => true,
+        NodePortAddresses::AllLocal => false,
+    })
 }
 
 /// Joins boxed futures concurrently without another dependency.

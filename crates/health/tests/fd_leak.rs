@@ -18,6 +18,9 @@ fn open_fds() -> usize {
 
 #[test]
 fn no_fd_leak_over_1000_open_close_cycles() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     in_netns(|| async {
         let mut registry = prometheus_client::registry::Registry::default();
         let cfg = HealthConfig {

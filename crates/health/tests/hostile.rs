@@ -50,6 +50,9 @@ async fn raw(bytes: &[u8]) -> String {
 
 #[test]
 fn oversized_and_malformed_requests_are_refused_and_the_probe_still_works() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     in_netns(|| async {
         let h = start().await;
         let big = format!(
@@ -79,6 +82,9 @@ fn oversized_and_malformed_requests_are_refused_and_the_probe_still_works() {
 
 #[test]
 fn slowloris_and_ten_thousand_idle_connections_do_not_starve_a_probe() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     // Room for the client sockets plus the server's own: raise the soft limit to the
     // hard one (and the hard one too where allowed).
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
@@ -171,6 +177,9 @@ where
 /// read timeout (shortened here); a well-behaved probe on the same server still works.
 #[test]
 fn half_requests_are_disconnected_after_the_header_timeout() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     in_netns(|| async {
         let mut registry = prometheus_client::registry::Registry::default();
         let cfg = HealthConfig {
@@ -215,7 +224,7 @@ fn half_requests_are_disconnected_after_the_header_timeout() {
     });
 }
 
-/// Issue 32: 45 eTP=Local Services flooded with idle connections on their health-check
+/// 45 eTP=Local Services flooded with idle connections on their health-check
 /// node ports (512 accepted each) took kproxy to its 20,000-fd limit, and every port
 /// stopped answering. Here, at a reduced scale, a shared budget of 40 connections is
 /// exhausted several times over by idle connections spread over five ports and
@@ -223,6 +232,9 @@ fn half_requests_are_disconnected_after_the_header_timeout() {
 /// and every port and `/healthz` still answer a probe.
 #[test]
 fn a_flood_over_many_health_ports_stays_within_the_shared_budget() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     const BUDGET: usize = 40;
     const PER_PORT: usize = 30;
     in_netns(|| async {

@@ -49,6 +49,9 @@ async fn status(port: u16) -> (u16, u64) {
 
 #[test]
 fn servers_open_and_close_with_the_applied_plan() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     for semantics in [Semantics::Upstream, Semantics::Truthful] {
         in_netns(move || async move {
             let (h, _clock, _reg) = start(semantics, false).await;
@@ -114,6 +117,9 @@ fn servers_open_and_close_with_the_applied_plan() {
 /// dataplane has not (or cannot) apply it. And both turn 503 when the proxy is stale.
 #[test]
 fn truthful_and_upstream_differ_exactly_on_unapplied_removals() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     // (step, upstream (status, count), truthful (status, count))
     in_netns(|| async {
         let (up, up_clock, _r1) = start(Semantics::Upstream, false).await;
@@ -190,6 +196,9 @@ async fn check(up: &Health, tr: &Health, want_up: (u16, u64), want_tr: (u16, u64
 
 #[test]
 fn healthz_and_livez_timeline_through_http() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     for semantics in [Semantics::Upstream, Semantics::Truthful] {
         in_netns(move || async move {
             let (h, clock, reg) = start(semantics, true).await;
@@ -289,6 +298,9 @@ fn healthz_and_livez_timeline_through_http() {
 
 #[test]
 fn busy_ports_are_retried_and_recover() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     in_netns(|| async {
         // Someone else holds the health-check port and the healthz port.
         let blocker = std::net::TcpListener::bind("0.0.0.0:31500").unwrap();
@@ -359,6 +371,9 @@ fn busy_ports_are_retried_and_recover() {
 
 #[test]
 fn node_port_addresses_select_listen_addresses_on_a_veth_pair() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     in_netns(|| async {
         ip(&["link", "add", "hc0", "type", "veth", "peer", "name", "hc1"]);
         ip(&["addr", "add", "10.200.0.2/24", "dev", "hc0"]);
@@ -447,6 +462,9 @@ fn node_port_addresses_select_listen_addresses_on_a_veth_pair() {
 
 #[test]
 fn any_path_and_method_same_answer_and_transition_metrics() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     in_netns(|| async {
         let (h, clock, reg) = start(Semantics::Upstream, false).await;
         let on = plan(&[svc("ns1", "svc1", 31700, &["10.244.0.5", "10.244.0.6"])]);
@@ -510,6 +528,9 @@ fn any_path_and_method_same_answer_and_transition_metrics() {
 
 #[test]
 fn zero_sync_period_is_rejected() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     in_netns(|| async {
         let mut reg = Registry::default();
         let cfg = HealthConfig {
@@ -526,6 +547,9 @@ fn zero_sync_period_is_rejected() {
 /// once although the old server's closed connections sit in TIME_WAIT.
 #[test]
 fn a_restarted_health_server_rebinds_at_once() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     in_netns(|| async {
         let p = plan(&[svc("a", "b", 31950, &["10.244.0.5"])]);
@@ -581,6 +605,9 @@ fn a_restarted_health_server_rebinds_at_once() {
 /// `healthzBindAddress: 0.0.0.0:P` serves IPv6 too, as upstream's Go wildcard listener.
 #[test]
 fn healthz_wildcard_serves_both_families() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     in_netns(|| async {
         let mut registry = Registry::default();
         let cfg = HealthConfig {
@@ -617,6 +644,9 @@ fn healthz_wildcard_serves_both_families() {
 /// not restart the clock, and a successful sync clears it.
 #[test]
 fn a_change_never_taken_by_the_sync_loop_turns_the_proxy_stale() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     for semantics in [Semantics::Upstream, Semantics::Truthful] {
         in_netns(move || async move {
             let (h, clock, _reg) = start(semantics, false).await;
@@ -646,6 +676,9 @@ fn a_change_never_taken_by_the_sync_loop_turns_the_proxy_stale() {
 /// named keeps serving.
 #[test]
 fn delta_updates_move_the_named_servers() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
     use kproxy_core::planner::PlanUpdate;
     in_netns(|| async {
         let (h, _clock, _reg) = start(Semantics::Upstream, false).await;

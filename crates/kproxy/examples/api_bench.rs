@@ -59,6 +59,11 @@
 //! listener in the namespace. kproxy runs as system:kube-proxy (RBAC
 //! system:node-proxier), as upstream's does. Each run starts with no kproxy tables.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "a bench of real processes: wall time"
+)]
+
 #[path = "support/mod.rs"]
 mod support;
 

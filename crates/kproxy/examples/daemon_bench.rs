@@ -16,6 +16,11 @@
 //! serving+terminating; plus one `bench/probe` Service whose endpoint is a listener in
 //! the namespace, the target of the latency samples.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "a bench of real processes: wall time"
+)]
+
 #[path = "support/mod.rs"]
 mod support;
 

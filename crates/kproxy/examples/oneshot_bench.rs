@@ -10,6 +10,11 @@
 //! cargo run [--release] -p kproxy --example oneshot_bench -- 10000x10 [--runs 5]
 //! ```
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "a bench of real processes: wall time"
+)]
+
 #[path = "support/mod.rs"]
 mod support;
 

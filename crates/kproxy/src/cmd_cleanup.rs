@@ -7,14 +7,13 @@ use kproxy_nft::DataplaneConfig;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
-    #[arg(long, value_name = "NAME", default_value = "kproxy", value_parser = kproxy_config::parse_nft_table_name)]
-    pub nft_table: String,
+    #[command(flatten)]
+    pub nft: crate::common::NftTableFlag,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
     let cfg = DataplaneConfig {
-        table: args.nft_table,
+        table: args.nft.nft_table,
         ..Default::default()
     };
     kproxy_nft::cleanup(&cfg).context("removing kproxy's nftables tables")?;

@@ -60,9 +60,8 @@ pub struct Args {
     /// Only proxy Services labelled service.kubernetes.io/service-proxy-name=NAME.
     #[arg(long, value_name = "NAME")]
     pub service_proxy_name: Option<String>,
-    /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
-    #[arg(long, value_name = "NAME", default_value = "kproxy", value_parser = kproxy_config::parse_nft_table_name)]
-    pub nft_table: String,
+    #[command(flatten)]
+    pub nft: crate::common::NftTableFlag,
     /// With --manifests: how long a file must stay empty, missing, or without an object
     /// before that object is removed (so a truncate-then-write never reaches the kernel).
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = kproxy_config::parse_go_duration)]
@@ -74,10 +73,8 @@ pub struct Args {
     /// are dropped from the manifests (with a warning).
     #[arg(long, value_name = "FIRST-LAST", default_value = "30000-32767", value_parser = kproxy_config::parse_port_range)]
     pub node_port_range: std::ops::RangeInclusive<u16>,
-    /// Program external and load-balancer IPs that equal a Service's cluster IP or a node
-    /// address (refused by default: CVE-2020-8554, docs/input.md).
-    #[arg(long)]
-    pub allow_external_ip_overlap: bool,
+    #[command(flatten)]
+    pub plan: crate::common::PlanFlags,
 }
 
 /// The node name as kube-proxy picks it: the override, else `NODE_NAME`, else the host
@@ -222,7 +219,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCode> {
     let mut plan_cfg = cfg.plan.clone();
-    plan_cfg.allow_external_ip_overlap = args.allow_external_ip_overlap;
+    args.plan.apply(&mut plan_cfg);
     if matches!(
         plan_cfg.node_port_addresses,
         NodePortAddressesConfig::Cidrs(_)
@@ -301,7 +298,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
 
     let dataplane = NftDataplane(
         Nft::new(DataplaneConfig {
-            table: args.nft_table.clone(),
+            table: args.nft.nft_table.clone(),
             masquerade_bit: cfg.masquerade_bit,
             ..Default::default()
         })
@@ -327,7 +324,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
             wc.limits.max_file_bytes = args.manifest_max_file_bytes;
             wc.limits.node_port_range = Some(args.node_port_range.clone());
             // A stalled reader keeps reporting a failed sync, so /livez turns unhealthy
-            // after 2 x syncPeriod as for a sync loop that stopped (issue 17).
+            // after 2 x syncPeriod as for a sync loop that stopped.
             let (h, stalled_health) = (handle.clone(), health.clone());
             tasks.spawn("the stall watch", move |stop| async move {
                 let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -388,8 +385,11 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     // Subscribed before the first sync, so nothing another process does after it is
     // missed; a node without the notification group still runs (the periodic
     // verification remains).
-    let watch =
-        crate::kernel_watch::KernelWatch::start(&args.nft_table, health.clone(), metrics.clone());
+    let watch = crate::kernel_watch::KernelWatch::start(
+        &args.nft.nft_table,
+        health.clone(),
+        metrics.clone(),
+    );
     let mut sync_loop = SyncLoop::new(
         loop_cfg,
         handle,

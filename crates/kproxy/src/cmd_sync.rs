@@ -5,10 +5,10 @@
 //! frontend conflict dropped a frontend (the rest is programmed: each skipped object and
 //! each conflict's loser is named on stderr); 2, with nothing programmed,
 //! when a file or document could not be read or parsed, because the rules it would
-//! replace may hold objects that this state lost without a name (issue 17: a List that
+//! replace may hold objects that this state lost without a name (a List that
 //! failed to parse wiped every Service). `--allow-partial` programs anyway. Also 2,
 //! with nothing programmed, when the input holds no Service while kproxy's tables in
-//! the kernel hold more than an empty input leaves (issue 32: an emptied directory or a
+//! the kernel hold more than an empty input leaves (an emptied directory or a
 //! 0-byte file wiped every rule); `--allow-empty` programs anyway.
 
 use std::process::ExitCode;
@@ -31,9 +31,8 @@ pub struct Args {
     /// needs root), else each family's table replaced in one transaction.
     #[arg(long)]
     pub dry_run: bool,
-    /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
-    #[arg(long, value_name = "NAME", default_value = "kproxy", value_parser = kproxy_config::parse_nft_table_name)]
-    pub nft_table: String,
+    #[command(flatten)]
+    pub nft: crate::common::NftTableFlag,
     /// Program the state even when a file or document could not be read or parsed.
     #[arg(long)]
     pub allow_partial: bool,
@@ -83,7 +82,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let failed = input.strict_failed || input.skipped || !plan.conflicts.is_empty();
     let dp_config = DataplaneConfig {
-        table: args.nft_table.clone(),
+        table: args.nft.nft_table.clone(),
         masquerade_bit: config.masquerade_bit,
         ..Default::default()
     };
@@ -113,7 +112,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         eprintln!(
             "kproxy: not programming: the manifests in {} hold no Service, and kproxy's tables ({}) hold {rules} rules and {elements} set elements more than an empty input leaves; an empty or cut-short input must not wipe them (--allow-empty programs anyway)",
             args.source.manifests.display(),
-            args.nft_table
+            args.nft.nft_table
         );
         return Ok(ExitCode::from(2));
     }

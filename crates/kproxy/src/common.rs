@@ -158,6 +158,31 @@ pub struct ManifestArgs {
     pub input: InputArgs,
 }
 
+/// `--nft-table`, as `run`, `sync` and `cleanup` take it.
+#[derive(Args, Clone, Debug)]
+pub struct NftTableFlag {
+    /// Name of kproxy's nftables tables (`ip NAME`, `ip6 NAME`).
+    #[arg(long, value_name = "NAME", default_value = "kproxy", value_parser = kproxy_config::parse_nft_table_name)]
+    pub nft_table: String,
+}
+
+/// Planner settings that are flags of kproxy's own, not fields of the
+/// KubeProxyConfiguration: shared by `run` and the commands that plan once.
+#[derive(Args, Clone, Copy, Debug)]
+pub struct PlanFlags {
+    /// Program external and load-balancer IPs that equal a Service's cluster IP or a node
+    /// address (refused by default: CVE-2020-8554, docs/input.md).
+    #[arg(long)]
+    pub allow_external_ip_overlap: bool,
+}
+
+impl PlanFlags {
+    /// The one place these flags enter the planner's configuration.
+    pub fn apply(self, plan: &mut PlanConfig) {
+        plan.allow_external_ip_overlap = self.allow_external_ip_overlap;
+    }
+}
+
 /// How objects become a plan, whatever source they come from: shared by `sync`,
 /// `plan`, `explain` and `trace`.
 #[derive(Args, Clone, Debug)]
@@ -176,10 +201,8 @@ pub struct InputArgs {
     /// from the manifests (with a warning).
     #[arg(long, value_name = "FIRST-LAST", default_value = "30000-32767", value_parser = kproxy_config::parse_port_range)]
     pub node_port_range: std::ops::RangeInclusive<u16>,
-    /// Plan external and load-balancer IPs that equal a Service's cluster IP or a node
-    /// address (refused by default: CVE-2020-8554, docs/input.md).
-    #[arg(long)]
-    pub allow_external_ip_overlap: bool,
+    #[command(flatten)]
+    pub plan: PlanFlags,
     /// Manifest files larger than this many bytes are not read.
     #[arg(long, value_name = "BYTES", default_value_t = manifests::DEFAULT_MAX_FILE_BYTES)]
     pub max_file_bytes: u64,
@@ -221,7 +244,7 @@ impl InputArgs {
         for w in warnings {
             eprintln!("kproxy: warning: {}: {}", w.path, w.message);
         }
-        cfg.plan.allow_external_ip_overlap = self.allow_external_ip_overlap;
+        self.plan.apply(&mut cfg.plan);
         cfg
     }
 
@@ -310,8 +333,8 @@ pub fn print_structured<T: serde::Serialize>(value: &T, output: Output) -> Resul
 /// Prints the plan's frontend conflicts (all, or those of `service` as loser or owner)
 /// under a heading; nothing when there are none.
 pub fn print_conflicts(plan: &NodePlan, service: Option<&kproxy_core::model::ServiceName>) {
-    use kproxy_core::conflicts::ConflictReason;
-    let involved = |c: &&kproxy_core::conflicts::Conflict| {
+    use kproxy_core::frontend::ConflictReason;
+    let involved = |c: &&kproxy_core::frontend::Conflict| {
         service.is_none_or(|s| {
             c.service == *s
                 || matches!(&c.reason, ConflictReason::Claimed { owner } | ConflictReason::ClusterIpCapture { owner } if owner == s)

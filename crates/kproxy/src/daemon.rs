@@ -140,6 +140,59 @@ impl ChangeClock {
     }
 }
 
+/// When a sync ran and how long it took, for its metrics and its event.
+struct SyncTiming {
+    oldest_change: Option<OldestChange>,
+    /// [`change_stages`] of the oldest change.
+    stages: Option<[(&'static str, f64); 5]>,
+    elapsed: Duration,
+    committed_unix_us: u64,
+}
+
+/// The event log's `synced` line: what the sync changed, not the cluster: every health
+/// check and no names after a full sync or a node-level change, else the changed
+/// Services' names and health checks.
+fn synced_event(
+    plan: &NodePlan,
+    outcome: &SyncOutcome,
+    unapplied: &PlanUpdate,
+    t: &SyncTiming,
+) -> serde_json::Value {
+    let whole = outcome.full || unapplied.node;
+    let checks: Vec<&kproxy_core::plan::HealthCheck> = if whole {
+        plan.health_checks().collect()
+    } else {
+        unapplied
+            .services
+            .iter()
+            .filter_map(|n| plan.services.get(n)?.health_check.as_ref())
+            .collect()
+    };
+    json!({
+        "full": outcome.full,
+        "services_changed": unapplied.services.len(),
+        "changed": (!whole).then(|| unapplied
+            .services
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()),
+        "committed_unix_us": t.committed_unix_us,
+        "oldest_change_unix_us": t.oldest_change.map(|o| unix_us(o.received_at)),
+        "elapsed_ms": t.elapsed.as_secs_f64() * 1e3,
+        "conntrack_deleted": outcome.conntrack_deleted,
+        "health_checks": checks.iter().map(|h| json!({
+            "service": h.service.to_string(),
+            "port": h.health_check_node_port,
+            "localEndpoints": h.local_endpoints,
+        })).collect::<Vec<_>>(),
+        "detail": outcome.detail,
+        "change_ms": t.stages.map(|st| st
+            .iter()
+            .map(|(k, v)| (k.to_string(), json!(v * 1e3)))
+            .collect::<serde_json::Map<_, _>>()),
+    })
+}
+
 /// The way of the oldest change a sync carried, in seconds, per stage.
 fn change_stages(
     oldest: OldestChange,
@@ -224,7 +277,7 @@ pub struct SyncLoop<D, H> {
     events: EventLog,
     programming: ProgrammingLatency,
     no_local: NoLocalCounts,
-    last_conflicts: Vec<kproxy_core::conflicts::Conflict>,
+    last_conflicts: Vec<kproxy_core::frontend::Conflict>,
     last_sync: Option<Instant>,
     pacer: Pacer,
     failures: u32,
@@ -444,11 +497,44 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
 
     /// One sync: re-plan what changed, apply, report.
     async fn sync(&mut self) -> Attempt {
-        let metrics = self.metrics.clone();
-        metrics.last_queued_timestamp.set(unix_now());
+        self.metrics.last_queued_timestamp.set(unix_now());
         let oldest_change = self.cfg.changes.take();
         let start = Instant::now();
         self.pacer.started(start);
+        self.plan_changes();
+        let planned = Instant::now();
+
+        let unapplied = std::mem::take(&mut self.unapplied);
+        let (unapplied, res) = self
+            .on_engine(move |e| {
+                let r = e.dataplane.sync(e.planner.plan(), &unapplied);
+                (unapplied, r)
+            })
+            .await;
+        let elapsed = start.elapsed();
+        let committed_unix_us = unix_us(SystemTime::now());
+        self.last_sync = Some(Instant::now());
+        self.pacer.ended(Instant::now());
+        match res {
+            Ok(outcome) => {
+                let timing = SyncTiming {
+                    stages: oldest_change
+                        .map(|o| change_stages(o, start, planned, start + elapsed)),
+                    oldest_change,
+                    elapsed,
+                    committed_unix_us,
+                };
+                self.synced(&outcome, &unapplied, &timing);
+                Attempt::Synced
+            }
+            Err(e) => self.sync_failed(&e, unapplied),
+        }
+    }
+
+    /// The planning phase of a sync: the planner takes the state's changes, health
+    /// hears of the computed plan, and the update joins what the dataplane owes.
+    fn plan_changes(&mut self) {
+        let metrics = &self.metrics;
         let planner = &mut self.engine.as_mut().expect(ENGINE_HOME).planner;
         let (update, service_events, slice_events) = self.handle.with(|state| {
             let c = state.changes();
@@ -461,7 +547,6 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         metrics.endpoint_changes_total.inc_by(slice_events);
         metrics.service_changes_pending.set(0);
         metrics.endpoint_changes_pending.set(0);
-        let planned = Instant::now();
         let plan = self.engine.as_ref().expect(ENGINE_HOME).planner.plan();
         self.health.computed(plan, &update);
         merge(&mut self.unapplied, update);
@@ -477,124 +562,74 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             metrics.frontend_conflicts.set(plan.conflicts.len() as i64);
             self.last_conflicts = plan.conflicts.clone();
         }
+    }
 
-        let unapplied = std::mem::take(&mut self.unapplied);
-        let (unapplied, res) = self
-            .on_engine(move |e| {
-                let r = e.dataplane.sync(e.planner.plan(), &unapplied);
-                (unapplied, r)
-            })
-            .await;
-        let elapsed = start.elapsed();
-        let committed_unix_us = unix_us(SystemTime::now());
-        self.last_sync = Some(Instant::now());
-        self.pacer.ended(Instant::now());
-        let plan = self.engine.as_ref().expect(ENGINE_HOME).planner.plan();
-        match res {
-            Ok(outcome) => {
-                self.failures = 0;
-                let stages =
-                    oldest_change.map(|o| change_stages(o, start, planned, start + elapsed));
-                for (stage, secs) in stages.iter().flatten() {
-                    metrics
-                        .change_stages
-                        .get_or_create(&StageLabel { stage })
-                        .observe(*secs);
-                }
-                metrics.sync_duration.observe(elapsed.as_secs_f64());
-                if outcome.full {
-                    metrics.sync_full_duration.observe(elapsed.as_secs_f64());
-                } else {
-                    metrics.sync_partial_duration.observe(elapsed.as_secs_f64());
-                }
-                metrics.last_sync_timestamp.set(unix_now());
-                metrics
-                    .conntrack_deleted
-                    .inc_by(outcome.conntrack_deleted as u64);
-                self.no_local.follow(plan, &unapplied);
-                self.no_local.set(&metrics, plan);
-                self.health.applied(plan, &unapplied);
-                let programming = &mut self.programming;
-                self.handle
-                    .with(|state| programming.observe(&metrics, state, &unapplied.services));
-                let level_info = outcome.full || !unapplied.is_empty();
-                if level_info {
-                    tracing::info!(
-                        full = outcome.full,
-                        services_changed = unapplied.services.len(),
-                        elapsed_ms = elapsed.as_secs_f64() * 1e3,
-                        "synced"
-                    );
-                } else {
-                    tracing::debug!(
-                        elapsed_ms = elapsed.as_secs_f64() * 1e3,
-                        "periodic sync: nothing changed"
-                    );
-                }
-                // What the sync changed, not the cluster: every health check and no
-                // names after a full sync or a node-level change, else the changed
-                // Services' names and health checks.
-                let whole = outcome.full || unapplied.node;
-                let checks: Vec<&kproxy_core::plan::HealthCheck> = if whole {
-                    plan.health_checks().collect()
-                } else {
-                    unapplied
-                        .services
-                        .iter()
-                        .filter_map(|n| plan.services.get(n)?.health_check.as_ref())
-                        .collect()
-                };
-                self.events.emit(
-                    "synced",
-                    json!({
-                        "full": outcome.full,
-                        "services_changed": unapplied.services.len(),
-                        "changed": (!whole).then(|| unapplied
-                            .services
-                            .iter()
-                            .map(|n| n.to_string())
-                            .collect::<Vec<_>>()),
-                        "committed_unix_us": committed_unix_us,
-                        "oldest_change_unix_us": oldest_change.map(|o| unix_us(o.received_at)),
-                        "elapsed_ms": elapsed.as_secs_f64() * 1e3,
-                        "conntrack_deleted": outcome.conntrack_deleted,
-                        "health_checks": checks.iter().map(|h| json!({
-                            "service": h.service.to_string(),
-                            "port": h.health_check_node_port,
-                            "localEndpoints": h.local_endpoints,
-                        })).collect::<Vec<_>>(),
-                        "detail": outcome.detail,
-                        "change_ms": stages.map(|st| st
-                            .iter()
-                            .map(|(k, v)| (k.to_string(), json!(v * 1e3)))
-                            .collect::<serde_json::Map<_, _>>()),
-                    }),
-                );
-                Attempt::Synced
-            }
-            Err(e) => {
-                self.failures += 1;
-                metrics.nftables_sync_failures.inc();
-                self.health.sync_failed();
-                // The planner has consumed the changes; they stay owed to the
-                // dataplane and health until a sync succeeds (the dataplane itself
-                // re-programs everything after a failure).
-                merge(&mut self.unapplied, unapplied);
-                let retry_in = retry_after(
-                    self.failures,
-                    self.cfg.pacing.retry_base(),
-                    self.cfg.sync_period,
-                );
-                tracing::error!(
-                    error = format!("{e:#}"),
-                    retry_in_ms = retry_in.as_millis() as u64,
-                    "sync failed"
-                );
-                self.events
-                    .emit("sync_failed", json!({ "error": format!("{e:#}") }));
-                Attempt::Failed { retry_in }
-            }
+    /// After a sync the dataplane took: metrics, health and the programming latency
+    /// follow the applied plan; the log and the event log say what changed.
+    fn synced(&mut self, outcome: &SyncOutcome, unapplied: &PlanUpdate, t: &SyncTiming) {
+        self.failures = 0;
+        let metrics = &self.metrics;
+        for (stage, secs) in t.stages.iter().flatten() {
+            metrics
+                .change_stages
+                .get_or_create(&StageLabel { stage })
+                .observe(*secs);
         }
+        let secs = t.elapsed.as_secs_f64();
+        metrics.sync_duration.observe(secs);
+        if outcome.full {
+            metrics.sync_full_duration.observe(secs);
+        } else {
+            metrics.sync_partial_duration.observe(secs);
+        }
+        metrics.last_sync_timestamp.set(unix_now());
+        metrics
+            .conntrack_deleted
+            .inc_by(outcome.conntrack_deleted as u64);
+        let plan = self.engine.as_ref().expect(ENGINE_HOME).planner.plan();
+        self.no_local.follow(plan, unapplied);
+        self.no_local.set(metrics, plan);
+        self.health.applied(plan, unapplied);
+        let programming = &mut self.programming;
+        self.handle
+            .with(|state| programming.observe(metrics, state, &unapplied.services));
+        if outcome.full || !unapplied.is_empty() {
+            tracing::info!(
+                full = outcome.full,
+                services_changed = unapplied.services.len(),
+                elapsed_ms = secs * 1e3,
+                "synced"
+            );
+        } else {
+            tracing::debug!(elapsed_ms = secs * 1e3, "periodic sync: nothing changed");
+        }
+        self.events
+            .emit("synced", synced_event(plan, outcome, unapplied, t));
+    }
+
+    /// After a sync the dataplane refused: the changes stay owed, retried after the
+    /// backoff.
+    fn sync_failed(&mut self, e: &anyhow::Error, unapplied: PlanUpdate) -> Attempt {
+        self.failures += 1;
+        self.metrics.nftables_sync_failures.inc();
+        self.health.sync_failed();
+        // The planner has consumed the changes; they stay owed to the dataplane and
+        // health until a sync succeeds (the dataplane itself re-programs everything
+        // after a failure).
+        merge(&mut self.unapplied, unapplied);
+        let retry_in = retry_after(
+            self.failures,
+            self.cfg.pacing.retry_base(),
+            self.cfg.sync_period,
+        );
+        tracing::error!(
+            error = format!("{e:#}"),
+            retry_in_ms = retry_in.as_millis() as u64,
+            "sync failed"
+        );
+        self.events
+            .emit("sync_failed", json!({ "error": format!("{e:#}") }));
+        Attempt::Failed { retry_in }
     }
 }
 
@@ -689,10 +724,7 @@ impl NoLocalCounts {
     }
 
     fn get(&self, family: IpFamily) -> NoLocalEndpoints {
-        self.total[match family {
-            IpFamily::IPv4 => 0,
-            IpFamily::IPv6 => 1,
-        }]
+        self.total[family.index()]
     }
 
     /// One gauge pair per family of the plan.
@@ -1031,14 +1063,14 @@ mod tests {
         h.handle.mark_ready();
         h.until_syncs(1).await;
         // A relist that changed nothing: converged at once, nothing programmed.
-        h.handle.note_api_returned(std::time::Instant::now());
+        h.handle.note_api_returned(Instant::now());
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(count(&h).as_deref(), Some("1"));
         assert_eq!(h.log.syncs(), 1);
         // A relist that brought a change: converged only after the sync that carries it,
         // which waits for minSyncPeriod.
         h.add(1);
-        h.handle.note_api_returned(std::time::Instant::now());
+        h.handle.note_api_returned(Instant::now());
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert_eq!(count(&h).as_deref(), Some("1"));
         h.until_syncs(2).await;
@@ -1298,7 +1330,7 @@ mod tests {
         h.add(0);
         h.handle.mark_ready();
         h.until_syncs(1).await;
-        let received = std::time::Instant::now()
+        let received = Instant::now()
             .checked_sub(Duration::from_millis(40))
             .unwrap();
         h.handle

@@ -91,7 +91,7 @@ pub fn raise_and_check(wanted: u64, registry: &mut Registry) -> std::io::Result<
 /// The connections `/healthz` and all health-check node ports may hold together: nine
 /// tenths of what the soft limit leaves after the base needs and the metrics server's
 /// bound, so that no flood, however spread over ports, takes the process to its limit
-/// (issue 32). The tenth kept back is for evicted connections still closing, which the
+///. The tenth kept back is for evicted connections still closing, which the
 /// budget lets reach a tenth of itself ([`kproxy_health::http::ConnectionBudget`]).
 pub fn health_connection_budget(soft: u64, metrics_conns: Option<usize>) -> usize {
     let reserved = BASE_FDS + metrics_conns.map_or(0, |c| c as u64);

@@ -181,7 +181,7 @@ impl KernelWatch {
 /// Logs at most one warning a second; the rest go to debug and are counted in the next.
 #[derive(Default)]
 struct LogPace {
-    last: Option<std::time::Instant>,
+    last: Option<Instant>,
     quiet: usize,
 }
 
@@ -232,7 +232,7 @@ fn detected(event: &Event, health: &Health, metrics: &Metrics, log: &mut LogPace
         }
     }
     if loud {
-        log.last = Some(std::time::Instant::now());
+        log.last = Some(Instant::now());
         log.quiet = 0;
     } else {
         log.quiet += 1;
@@ -245,6 +245,10 @@ mod tests {
     use kproxy_nft::monitor::Changes;
     use prometheus_client::registry::Registry;
 
+    #[expect(
+        clippy::disallowed_types,
+        reason = "kproxy_nft stamps an interference on its blocking monitor thread"
+    )]
     fn interference(pid: u32) -> Event {
         Event::Interference(Interference {
             pid,

@@ -298,7 +298,7 @@ pub fn encode(registry: &Registry) -> String {
 }
 
 /// Scrape-time gauge of the manifest source: `kproxy_manifest_unread_documents`, the
-/// documents or List items its last rescan could not read (issue 32: a document without
+/// documents or List items its last rescan could not read (a document without
 /// a kind, or with an unknown one, is counted, not ignored).
 pub struct ManifestCollector(pub kproxy_source::StateHandle);
 

@@ -1,4 +1,4 @@
-//! Issue 17 at the binary: `sync --once` never programs a state that lost objects to a
+//! `sync --once` never programs a state that lost objects to a
 //! parse failure, and conflicts reach `plan` and `explain`. These run before any
 //! nftables call, so they need no root.
 
@@ -40,7 +40,7 @@ fn sync_once_programs_nothing_when_a_file_does_not_parse() {
     );
 }
 
-/// Issue 32: a `kubectl get -o yaml` dump cut short before its `kind: List` line, and a
+/// A `kubectl get -o yaml` dump cut short before its `kind: List` line, and a
 /// misspelt kind, were read as "no objects": `sync --once --strict` exited 0, "synced 0".
 #[test]
 fn sync_once_programs_nothing_when_a_document_has_no_kind_or_an_unknown_one() {
@@ -67,7 +67,7 @@ fn sync_once_programs_nothing_when_a_document_has_no_kind_or_an_unknown_one() {
     }
 }
 
-/// Issue 32: `sync --once` on an empty directory or a 0-byte file removed every rule
+/// `sync --once` on an empty directory or a 0-byte file removed every rule
 /// kproxy had programmed (exit 0). It refuses, exit 2, unless `--allow-empty`.
 #[test]
 fn sync_once_does_not_wipe_the_kernels_services_with_an_empty_input() {
@@ -130,7 +130,7 @@ fn sync_once_does_not_wipe_the_kernels_services_with_an_empty_input() {
     assert_eq!(sync(&[]).0, Some(0));
 }
 
-/// Issue 32: a frontend conflict dropped the loser's frontend and `sync --once` said
+/// A frontend conflict dropped the loser's frontend and `sync --once` said
 /// nothing (exit 0). It names the loser and exits 1; the rest is programmed.
 #[test]
 fn sync_once_exits_1_naming_the_loser_of_a_frontend_conflict() {
@@ -182,7 +182,7 @@ fn nft_table_keywords_are_refused_at_the_flag() {
     let out = kproxy(&["cleanup", "--nft-table", "inet"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("nft keyword"));
-    // Issue 32: `NAME-verify` is another instance's scratch table, which its
+    // `NAME-verify` is another instance's scratch table, which its
     // verification deletes.
     let out = kproxy(&["cleanup", "--nft-table", "kproxy-verify"]);
     assert_eq!(out.status.code(), Some(2));

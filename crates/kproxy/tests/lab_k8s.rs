@@ -1,4 +1,4 @@
-//! `kproxy lab rollout --control-plane k8s-lab` (issue 19): the rolling update is
+//! `kproxy lab rollout --control-plane k8s-lab`: the rolling update is
 //! performed by a real kube-controller-manager (Deployment, ReplicaSet and
 //! EndpointSlice controllers) behind a real kube-apiserver; every node's kproxy
 //! watches that API. Opt-in: needs root and a running k8s-lab instance named by

@@ -1,4 +1,4 @@
-//! Acceptance test of `kproxy lab matrix` (issue 19): the reduced matrix CI runs, real
+//! Acceptance test of `kproxy lab matrix`: the reduced matrix CI runs, real
 //! rollouts with the real kproxy daemon on every node, and its HTML report rendered
 //! in a real headless browser. Needs root (network namespaces; nothing touches the
 //! host's network). The full matrix is `kproxy lab matrix` (docs/lab.md).
@@ -28,8 +28,7 @@ fn describe(c: &Value) -> String {
 
 #[test]
 fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart_and_a_drain() {
-    if !kproxy_lab::is_root() {
-        eprintln!("skipped: kproxy lab needs root");
+    if !kproxy_test_support::root("kproxy lab: network namespaces, nftables") {
         return;
     }
     let dir = tempfile::tempdir().expect("tempdir");

@@ -1,4 +1,4 @@
-//! Acceptance test of `kproxy lab restart` (issue 18 item 4): node 1's kproxy is
+//! Acceptance test of `kproxy lab restart`: node 1's kproxy is
 //! restarted (SIGTERM), killed (SIGKILL) and replaced by another binary while load
 //! runs through an eTP=Local LB and a cluster IP; no new connection may fail and no
 //! established one break. Needs root (network namespaces; nothing touches the host's
@@ -10,8 +10,7 @@ use serde_json::Value;
 
 #[test]
 fn restart_kill_and_upgrade_under_load_lose_nothing() {
-    if !kproxy_lab::is_root() {
-        eprintln!("skipped: kproxy lab needs root");
+    if !kproxy_test_support::root("kproxy lab: network namespaces, nftables") {
         return;
     }
     let out = Command::new(env!("CARGO_BIN_EXE_kproxy"))

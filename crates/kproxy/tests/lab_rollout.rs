@@ -1,4 +1,4 @@
-//! Acceptance tests of `kproxy lab rollout` (issue 7): real rolling updates behind
+//! Acceptance tests of `kproxy lab rollout`: real rolling updates behind
 //! the emulated load balancer, with the real kproxy daemon on every node, time
 //! scaled. Needs root (network namespaces; nothing touches the host's network).
 //! The runs are serialized: they share 2 cores with everything else.
@@ -16,11 +16,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 const SCALE: &str = "0.15";
 
 fn root() -> bool {
-    if kproxy_lab::is_root() {
-        return true;
-    }
-    eprintln!("skipped: kproxy lab needs root");
-    false
+    kproxy_test_support::root("kproxy lab: network namespaces, nftables")
 }
 
 /// Run `kproxy lab rollout -o json` with `args`; returns (exit code, JSON).

@@ -3,6 +3,11 @@
 //! serves metrics, follows manifest changes (a pod becoming terminating), and leaves its
 //! rules in place on SIGTERM.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "times a real kproxy process: wall time"
+)]
+
 mod common;
 
 use std::io::{Read, Write};
@@ -177,7 +182,7 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
     );
 }
 
-/// Issue 3: a client keeps requests flowing while `kproxy run` is stopped and started
+/// A client keeps requests flowing while `kproxy run` is stopped and started
 /// again; the restarted daemon adopts its tables in one transaction, so new connections
 /// succeed throughout and an established connection survives.
 #[test]
@@ -245,7 +250,7 @@ fn restart_under_load_loses_nothing() {
     );
 }
 
-/// Issue 17: the manifests rewritten the way editors and `>` redirections write them —
+/// The manifests rewritten the way editors and `>` redirections write them —
 /// truncated to 0 bytes first, then a partial write that keeps the first document and
 /// cuts the next one mid-line, then the whole text — never reach the kernel: new
 /// connections to the cluster IP and the health-check node port keep working throughout.
@@ -296,7 +301,7 @@ fn truncated_and_partial_manifest_writes_under_run_lose_no_connection() {
     assert!(sigterm(&mut daemon).success());
 }
 
-/// Issue 16 item 4: a health-check node port that cannot listen on the Node's primary
+/// A health-check node port that cannot listen on the Node's primary
 /// address (absent from the host) is reported with the Service and the reason: in the
 /// metric, on the daemon's `/health-check-node-ports`, and by `kproxy explain --server`.
 #[test]

@@ -1,10 +1,15 @@
-//! Issue 17 item 4, end to end as root in network namespaces this test creates: a flood
+//! end to end as root in network namespaces this test creates: a flood
 //! of idle connections to the metrics port of a real `kproxy run` started with a small
 //! RLIMIT_NOFILE (soft 512, hard 1024). The daemon raises its soft limit to the hard
 //! one and warns that it is low; the metrics server closes its oldest connections
 //! instead of exhausting descriptors, so `/metrics`, `/healthz`, `/livez` and the
 //! health-check node port keep answering during the flood. Own test binary: the test
 //! process itself holds thousands of sockets.
+
+#![expect(
+    clippy::disallowed_types,
+    reason = "times a real kproxy process: wall time"
+)]
 
 mod common;
 

@@ -1,8 +1,13 @@
-//! Issue 30: `kproxy run` under interference, as root, in network namespaces this test
+//! `kproxy run` under interference, as root, in network namespaces this test
 //! creates. Another process (`nft`) flushes the ruleset, deletes an element and a rule
 //! of kproxy's tables, or keeps deleting a table in a loop: kproxy logs the process,
 //! counts it, restores its tables from its record, says 503 on `/healthz` while a table
 //! is missing, and backs off against the loop instead of spinning.
+
+#![expect(
+    clippy::disallowed_types,
+    reason = "times a real kproxy process: wall time"
+)]
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! kproxy against upstream kube-proxy v1.36, packet for packet (issue 16 item 3).
+//! kproxy against upstream kube-proxy v1.36, packet for packet.
 //!
 //! Random cluster states (the generator of `crates/nft/tests/differential.rs`, IPv4: the
 //! k8s-lab API server is single-stack) go through a real kube-apiserver; upstream
@@ -22,6 +22,8 @@
 //!
 //! Cases `KPROXY_UPSTREAM_CASES` (default 10), seed `KPROXY_UPSTREAM_SEED` (default 36;
 //! `random` for a fresh one); `KPROXY_UPSTREAM_REPORT=FILE` writes every difference.
+
+#![expect(clippy::disallowed_types, reason = "waits on real clusters: wall time")]
 
 #[path = "../../nft/tests/common/mod.rs"]
 mod common;

@@ -1,4 +1,4 @@
-//! The `kproxy lab` command line: `kproxy lab rollout` (issue 7) and
+//! The `kproxy lab` command line: `kproxy lab rollout` and
 //! `kproxy lab sweep` (remove namespaces left by killed runs).
 
 use std::path::PathBuf;
@@ -20,13 +20,15 @@ pub struct LabArgs {
 
 #[derive(clap::Subcommand, Debug)]
 pub enum LabCommand {
-    /// A rolling update behind an emulated cloud load balancer, every failed request counted (root).
+    /// A rolling update behind an emulated cloud load balancer, every failed request counted
+    /// (root).
     Rollout(Box<RolloutArgs>),
-    /// The scenario matrix: pod profiles × seed 2's settings × LB presets × both proxy
-    /// behaviours, one real rollout per cell, each beside what `kproxy lint` says (root).
+    /// The scenario matrix: pod profiles × the rolling-update guide's settings × LB presets ×
+    /// both proxy behaviours, one real rollout per cell, each beside what `kproxy lint` says
+    /// (root).
     Matrix(Box<MatrixArgs>),
     /// Restart, kill and upgrade node 1's kproxy under load through an eTP=Local LB and
-    /// a cluster IP; failures counted per phase (issue 18; root).
+    /// a cluster IP; failures counted per phase (root).
     Restart(Box<RestartArgs>),
     /// Remove lab namespaces (and their processes) left behind by killed runs (root).
     Sweep,

@@ -1,4 +1,4 @@
-//! The same scenario on both control planes, side by side (issue 19 item 2): the
+//! The same scenario on both control planes, side by side: the
 //! emulated run and the k8s-lab run of one behaviour are reduced to the milestones of
 //! their rolling update (a node's old pod terminating, its endpoint conditions
 //! changing, its new pod ready, its health check answer, the rollout done), named by

@@ -1,4 +1,5 @@
-//! The rollout scenario's parameters: defaults from issue 7 / seed 2, a YAML file
+//! The rollout scenario's parameters: defaults from the rolling-update guide
+//! (`../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`), a YAML file
 //! (`--config FILE`, same field names as below, camelCase), and validation.
 
 use serde::{Deserialize, Serialize};

@@ -1,4 +1,4 @@
-//! The self-contained HTML report (issue 19): per run, a timeline with one lane per
+//! The self-contained HTML report: per run, a timeline with one lane per
 //! node and per pod (pod lifecycles as coloured bars, health answers, LB pool
 //! membership, kproxy restarts) and a request lane with every failure marked where it
 //! happened; the failure bursts with their causes; and, for a matrix, the cells as a

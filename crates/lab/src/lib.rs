@@ -1,12 +1,13 @@
 //! The lab: a Kubernetes-like cluster built from network namespaces, an emulated
 //! cloud load balancer, pods with lifecycles and a load generator, running the
-//! real kproxy daemon on every node (issues 6 and 7).
+//! real kproxy daemon on every node.
 //!
-//! Functional core: `controlplane::endpoint_conditions`, `lb::pool_for`,
-//! `lb::render_nft`, `config`, `matrix` (cells, their settings and lint verdicts), `compare` (one scenario on both control planes), `report` (pure functions over records and events).
-//! Imperative shell: `netns`, `fabric`, `pod`, `cluster`, `lb`, `loadgen`,
-//! `kproxyd`, `scenario`, `cli`, `k8s` (the real control plane: k8s-lab's
-//! kube-apiserver and kube-controller-manager, the lab as scheduler and kubelet).
+//! Functional core: `controlplane::endpoint_conditions`, `lb::pool_for`, `lb::render_nft`,
+//! `config`, `matrix` (cells, their settings and lint verdicts), `compare` (one scenario on
+//! both control planes), `report` (pure functions over records and events). Imperative shell:
+//! `netns`, `fabric`, `pod`, `cluster`, `lb`, `loadgen`, `kproxyd`, `scenario`, `cli`, `k8s`
+//! (the real control plane: k8s-lab's kube-apiserver and kube-controller-manager, the lab as
+//! scheduler and kubelet).
 
 #![forbid(unsafe_code)]
 

@@ -1,4 +1,5 @@
-//! The scenario matrix (issue 19): pod profiles × seed 2's settings × load-balancer
+//! The scenario matrix: pod profiles × the settings of the rolling-update guide
+//! (`../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`) × load-balancer
 //! presets × both proxy behaviours, plus a kproxy restart in the middle of a rollout
 //! and a node drain by the cluster autoscaler.
 //! Each cell is one real rollout; next to its packets stands what `kproxy lint` says
@@ -46,7 +47,7 @@ pub enum Setting {
     KproxyRestart,
     /// The recommended settings, and node 1's whole nftables ruleset flushed by another
     /// process (`nft flush ruleset`) when the rollout's second old pod turns
-    /// terminating: kproxy must notice and restore its rules (issue 30).
+    /// terminating: kproxy must notice and restore its rules.
     NftFlush,
     /// The recommended settings, and node 1's kproxy SIGKILLed (and started again) when
     /// node 1's last old pod turns terminating.
@@ -488,7 +489,7 @@ impl Verdict {
     }
 }
 
-/// The seed 2 rules the matrix is about (others, e.g. no surge, are shown but judge
+/// The rolling-update guide's rules the matrix is about (others, e.g. no surge, are shown but judge
 /// no cell).
 const SEED2_RULES: [&str; 4] = [
     kproxy_lint::rules::PRESTOP_SHORTER_THAN_LB_DETECTION,
@@ -619,7 +620,7 @@ pub fn render_text(cells: &[CellResult]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<30} {:<23} {:<8} {:<9} {:>6} {:>5} {:>4}  {:<18} lint (seed 2 rules; others)",
+        "{:<30} {:<23} {:<8} {:<9} {:>6} {:>5} {:>4}  {:<18} lint (the guide's rules; others)",
         "setting", "profile", "lb", "behaviour", "sent", "lost", "pool", "verdict"
     );
     for c in cells {
@@ -742,7 +743,7 @@ mod tests {
                 assert_eq!(rules_of(&c), Vec::<String>::new(), "{}", c.id());
             }
         }
-        // The gke cell is seed 2's configuration.
+        // The gke cell is the rolling-update guide's configuration.
         let cfg = config_for(
             &cell(PodProfile::Graceful, Setting::Recommended, LbPreset::Gke),
             &RolloutConfig::default(),

@@ -151,11 +151,6 @@ impl Netns {
         // namespace of the process that opens it.
         self.exec("sysctl", &["-q", "-w", &kv]).map(|_| ())
     }
-
-    /// Move the calling thread into this namespace. Only for dedicated threads.
-    pub fn enter_current_thread(&self) -> Result<(), LabError> {
-        enter_netns_by_name(&self.name)
-    }
 }
 
 /// Move the calling thread into the named namespace.

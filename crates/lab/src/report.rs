@@ -233,7 +233,7 @@ pub fn explain_burst(
             let none_serving = !v.live_pods.iter().any(|p| v.ready.contains(p));
             if none_serving {
                 causes.push(format!(
-                    "{node} kept receiving new connections {window} after its last pod became terminating, and that pod's readiness had already failed ({}): terminating and not serving, it was no endpoint while still alive, so {node} dropped new connections (seed 2: preStop + readiness period × (failureThreshold − 1) must cover terminationGracePeriodSeconds)",
+                    "{node} kept receiving new connections {window} after its last pod became terminating, and that pod's readiness had already failed ({}): terminating and not serving, it was no endpoint while still alive, so {node} dropped new connections (the rule: preStop + readiness period × (failureThreshold − 1) must cover terminationGracePeriodSeconds)",
                     v.live_pods.join(", ")
                 ));
             } else if all_sigtermed {

@@ -1,4 +1,4 @@
-//! `kproxy lab restart` (issue 18 item 4): is a restart or an upgrade of kproxy itself
+//! `kproxy lab restart`: is a restart or an upgrade of kproxy itself
 //! hitless? The lab cluster (fabric, control plane, a kproxy per node, the emulated
 //! load balancer in front of an eTP=Local LoadBalancer Service, a Deployment with one
 //! pod per node) carries two loads — one from the client through the LB's VIP, one from

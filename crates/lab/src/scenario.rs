@@ -301,17 +301,6 @@ fn spawn_rollout(
     }
 }
 
-/// Run one rollout with `behaviour`, using the kproxy binary at `kproxy`.
-pub fn run_once(
-    cfg: &RolloutConfig,
-    behaviour: Behaviour,
-    run: usize,
-    kproxy: &Path,
-    progress: Progress,
-) -> Result<RunResult, LabError> {
-    run_with(cfg, behaviour, run, kproxy, RunOptions::default(), progress)
-}
-
 /// The lab's runtime: two workers, enough for the load, the kubelets and the LB.
 pub(crate) fn lab_runtime() -> Result<tokio::runtime::Runtime, LabError> {
     tokio::runtime::Builder::new_multi_thread()
@@ -324,7 +313,8 @@ pub(crate) fn lab_runtime() -> Result<tokio::runtime::Runtime, LabError> {
         })
 }
 
-/// `run_once` with disturbances.
+/// Run one rollout with `behaviour` and the disturbances of `opts`, using the kproxy
+/// binary at `kproxy`.
 pub fn run_with(
     cfg: &RolloutConfig,
     behaviour: Behaviour,
@@ -396,36 +386,8 @@ async fn run_async(
         .iter()
         .map(|n| workdir.path.join(&n.name))
         .collect();
-    let mut emulated = None;
-    let (real, api): (Option<Arc<RealControlPlane>>, Arc<dyn PodApi>) = match opts.control_plane {
-        ControlPlaneKind::Emulated => {
-            let cp = ControlPlane::start(
-                controlplane::Objects::new(
-                    cfg.nodes,
-                    cfg.publish_not_ready_addresses,
-                    opts.drain.is_none(),
-                ),
-                dirs.clone(),
-                clock.real(cfg.propagation_delay_seconds),
-                rec.clone(),
-            )?;
-            emulated = Some(cp.clone());
-            (None, Arc::new(cp))
-        }
-        ControlPlaneKind::K8sLab => {
-            let lab = K8sLab::from_env()?;
-            let r = RealControlPlane::start(
-                lab,
-                &fabric,
-                cfg.publish_not_ready_addresses,
-                opts.drain.is_none(),
-                rec.clone(),
-            )
-            .await?;
-            let w = r.writer.clone();
-            (Some(Arc::new(r)), w)
-        }
-    };
+    let (emulated, real, api) =
+        start_control_plane(cfg, &opts, &fabric, &dirs, &clock, &rec).await?;
     progress(&format!(
         "{tag} control plane: {}",
         opts.control_plane.as_str()
@@ -446,235 +408,28 @@ async fn run_async(
             &[],
         )?);
     }
-    let result = async {
-        let mut lb = LoadBalancer::start(
-            &fabric,
-            cfg.load_balancer.mode,
-            hc,
-            // eTP Cluster has no health check node port: the LB probes kproxy's /healthz.
-            if opts.drain.is_some() {
-                controlplane::PROXY_HEALTHZ_PORT
-            } else {
-                controlplane::HEALTH_CHECK_NODE_PORT
-            },
-            controlplane::NODE_PORT,
-            controlplane::SERVICE_PORT,
-            rec.clone(),
-        )?;
-        let cluster = Cluster::new(fabric.clone(), api, rec.clone(), cfg.pod, cfg.deployment);
-        if let Some(r) = &real {
-            r.start_agent(cluster.clone(), rec.clone());
-        }
-        let p = &cfg.pod.readiness_probe;
-        let nominal_limit = p.initial_delay_seconds
-            + p.period_seconds * (p.success_threshold as f64 + 2.0)
-            + cfg.pod.termination_grace_period_seconds
-            + cfg.deployment.min_ready_seconds
-            + hc.interval_seconds * (hc.healthy_threshold as f64 + 2.0)
-            + 30.0;
-        let step_limit = clock.real(nominal_limit) + Duration::from_secs(20);
-
-        // Initial Deployment (revision 1), then wait for the LB to see every node
-        // that has a pod as healthy.
-        let initial = spawn_rollout(&cluster, real.as_ref(), 1, step_limit);
-        wait_for(
-            "the initial pods to become ready",
-            step_limit,
-            &mut daemons,
-            || initial.is_finished(),
-        )
-        .await?;
-        initial
-            .await
-            .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
-        let want_healthy = |cluster: &Cluster, lb: &LoadBalancer| {
-            let h = lb.healthy();
-            cluster
-                .pods()
-                .iter()
-                .filter(|p| p.is_ready() && !p.is_deleting())
-                .all(|p| h.get(p.node_index - 1).copied().unwrap_or(false))
-        };
-        wait_for(
-            "the load balancer to see the nodes healthy",
-            step_limit,
-            &mut daemons,
-            || want_healthy(&cluster, &lb),
-        )
-        .await?;
-        if opts.drain.is_some() {
-            // eTP Cluster: /healthz passes before the endpoints are programmed (the
-            // health check node port of eTP Local waits for them); wait until the
-            // EndpointSlice lists every replica ready and every node's kproxy synced
-            // after that change reached it.
-            let replicas = cfg.deployment.replicas as usize;
-            let logs: Vec<PathBuf> = daemons.iter().map(|d| d.event_log.clone()).collect();
-            wait_for(
-                "every kproxy to program the endpoints",
-                step_limit,
-                &mut daemons,
-                || {
-                    let last = rec
-                        .events()
-                        .into_iter()
-                        .rfind(|e| e.kind == EventKind::SlicePublished);
-                    last.is_some_and(|e| {
-                        let t = wall_start + Duration::from_secs_f64(e.t_ms / 1000.0);
-                        e.detail.matches(":R").count() == replicas
-                            && logs.iter().all(|l| kproxyd::synced_after(l, t))
-                    })
-                },
-            )
-            .await?;
-        }
-        progress(&format!(
-            "{tag} {} pods ready, load balancer pool complete; starting load",
-            cfg.deployment.replicas
-        ));
-
-        let load = LoadGenerator::start(
-            fabric.client.name(),
-            std::net::SocketAddr::from((fabric::VIP, controlplane::SERVICE_PORT)),
-            cfg.load.clone(),
-            clock.start(),
-        )?;
-        let load_start_ms = clock.now_ms();
-        rec.record(EventKind::LoadStarted, None, None, "load generator started");
-        tokio::time::sleep(clock.real(cfg.warmup_seconds)).await;
-
-        let rollout_limit = step_limit * (cfg.deployment.replicas + 1);
-        let (rollout_start_ms, rollout_end_ms) = if let Some(d) = opts.drain {
-            drain_node(
-                d,
-                &cluster,
-                emulated.as_ref(),
-                real.as_ref(),
-                &fabric,
-                &lb,
-                &mut daemons,
-                rollout_limit,
-                &tag,
-                progress,
-            )
-            .await?
-        } else {
-            let rollout_start_ms = clock.now_ms();
-            rec.record(
-                EventKind::RolloutStarted,
-                None,
-                None,
-                "rolling update to revision 2",
-            );
-            progress(&format!("{tag} rolling update started"));
-            let rollout = spawn_rollout(&cluster, real.as_ref(), 2, rollout_limit);
-            if let Some(chaos) = opts.chaos {
-                let step = 2.min(cfg.deployment.replicas as usize);
-                let terminating = || {
-                    rec.events()
-                        .iter()
-                        .filter(|e| e.kind == EventKind::PodTerminating)
-                        .count()
-                };
-                // Node 1's last old pod: every pod of revision 1 there is deleting.
-                let node1_last_old_terminating = || {
-                    let old: Vec<_> = cluster
-                        .pods()
-                        .into_iter()
-                        .filter(|p| p.node_index == 0 && p.revision == 1)
-                        .collect();
-                    !old.is_empty() && old.iter().all(|p| p.is_deleting())
-                };
-                if chaos == Chaos::KillKproxy {
-                    wait_for(
-                        "node 1's last old pod to become terminating",
-                        rollout_limit,
-                        &mut daemons,
-                        || node1_last_old_terminating() || rollout.is_finished(),
-                    )
-                    .await?;
-                } else {
-                    wait_for(
-                        "an old pod of the rollout's second step to become terminating",
-                        rollout_limit,
-                        &mut daemons,
-                        || terminating() >= step || rollout.is_finished(),
-                    )
-                    .await?;
-                }
-                disturb(
-                    chaos,
-                    &fabric,
-                    &mut daemons,
-                    real.as_ref(),
-                    &rec,
-                    &tag,
-                    progress,
-                )
-                .await?;
-            }
-            let mut last_line = Instant::now();
-            wait_for("the rolling update", rollout_limit, &mut daemons, || {
-                if last_line.elapsed() > Duration::from_secs(2) {
-                    last_line = Instant::now();
-                    let (sent, failed) = load.counts();
-                    let new = cluster
-                        .pods()
-                        .iter()
-                        .filter(|p| p.revision == 2 && p.is_ready())
-                        .count();
-                    progress(&format!(
-                        "{tag}   {new}/{} new pods ready; {sent} requests sent, {failed} failed",
-                        cfg.deployment.replicas
-                    ));
-                }
-                rollout.is_finished()
-            })
-            .await?;
-            rollout
-                .await
-                .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
-            let rollout_end_ms = clock.now_ms();
-            rec.record(
-                EventKind::RolloutDone,
-                None,
-                None,
-                "all replicas of revision 2 available",
-            );
-            (rollout_start_ms, rollout_end_ms)
-        };
-        wait_for(
-            "the load balancer pool to be complete again",
-            step_limit,
-            &mut daemons,
-            || want_healthy(&cluster, &lb),
-        )
-        .await?;
-        tokio::time::sleep(clock.real(cfg.settle_seconds)).await;
-        let records = load.stop();
-        let load_end_ms = clock.now_ms();
-        rec.record(
-            EventKind::LoadStopped,
-            None,
-            None,
-            "load generator stopped; in-flight requests finished",
-        );
-        check_daemons(&mut daemons)?;
-        let failed = records.iter().filter(|r| !r.outcome.is_ok()).count();
-        progress(&format!(
-            "{tag} done: {} requests, {failed} failed",
-            records.len()
-        ));
-        lb.stop();
-        cluster.shutdown().await;
-        Ok::<_, LabError>((
-            records,
-            load_start_ms,
-            rollout_start_ms,
-            rollout_end_ms,
-            load_end_ms,
-        ))
-    }
-    .await;
+    let p = &cfg.pod.readiness_probe;
+    let nominal_limit = p.initial_delay_seconds
+        + p.period_seconds * (p.success_threshold as f64 + 2.0)
+        + cfg.pod.termination_grace_period_seconds
+        + cfg.deployment.min_ready_seconds
+        + hc.interval_seconds * (hc.healthy_threshold as f64 + 2.0)
+        + 30.0;
+    let phase = Phase {
+        cfg,
+        opts,
+        clock: &clock,
+        rec: &rec,
+        tag: &tag,
+        progress,
+        fabric: &fabric,
+        real: real.as_ref(),
+        wall_start,
+        step_limit: clock.real(nominal_limit) + Duration::from_secs(20),
+    };
+    let result = phase
+        .under_load(hc, api, emulated.as_ref(), &mut daemons)
+        .await;
     for d in daemons.iter_mut() {
         d.stop();
         d.import_events(&rec, wall_start);
@@ -686,7 +441,7 @@ async fn run_async(
             "{tag} warning: cleaning the k8s-lab namespace: {e}"
         ));
     }
-    let (records, load_start_ms, rollout_start_ms, rollout_end_ms, load_end_ms) = match result {
+    let times = match result {
         Ok(v) => v,
         Err(e) => {
             let logs: Vec<String> = daemons
@@ -707,14 +462,366 @@ async fn run_async(
         time_scale: cfg.time_scale,
         nodes: fabric.nodes.iter().map(|n| n.name.clone()).collect(),
         health_check: hc,
-        records,
+        records: times.records,
         events: rec.events(),
-        load_start_ms,
-        rollout_start_ms,
-        rollout_end_ms,
-        load_end_ms,
+        load_start_ms: times.load_start_ms,
+        rollout_start_ms: times.rollout_start_ms,
+        rollout_end_ms: times.rollout_end_ms,
+        load_end_ms: times.load_end_ms,
         drain: opts.drain,
     })
+}
+
+/// The run's control plane: the lab's emulation (returned too, for a node drain's
+/// writes) or the k8s-lab instance's, and the API the kubelets write pods through.
+async fn start_control_plane(
+    cfg: &RolloutConfig,
+    opts: &RunOptions,
+    fabric: &Fabric,
+    dirs: &[PathBuf],
+    clock: &Clock,
+    rec: &Recorder,
+) -> Result<
+    (
+        Option<ControlPlane>,
+        Option<Arc<RealControlPlane>>,
+        Arc<dyn PodApi>,
+    ),
+    LabError,
+> {
+    match opts.control_plane {
+        ControlPlaneKind::Emulated => {
+            let cp = ControlPlane::start(
+                controlplane::Objects::new(
+                    cfg.nodes,
+                    cfg.publish_not_ready_addresses,
+                    opts.drain.is_none(),
+                ),
+                dirs.to_vec(),
+                clock.real(cfg.propagation_delay_seconds),
+                rec.clone(),
+            )?;
+            Ok((Some(cp.clone()), None, Arc::new(cp)))
+        }
+        ControlPlaneKind::K8sLab => {
+            let lab = K8sLab::from_env()?;
+            let r = RealControlPlane::start(
+                lab,
+                fabric,
+                cfg.publish_not_ready_addresses,
+                opts.drain.is_none(),
+                rec.clone(),
+            )
+            .await?;
+            let w = r.writer.clone();
+            Ok((None, Some(Arc::new(r)), w))
+        }
+    }
+}
+
+/// What the phases of one run share once the network, the control plane and the
+/// daemons are up.
+struct Phase<'a> {
+    cfg: &'a RolloutConfig,
+    opts: RunOptions,
+    clock: &'a Clock,
+    rec: &'a Recorder,
+    tag: &'a str,
+    progress: Progress<'a>,
+    fabric: &'a Arc<Fabric>,
+    real: Option<&'a Arc<RealControlPlane>>,
+    wall_start: SystemTime,
+    /// The longest one step (a pod's start or end, the LB's view of it) may take.
+    step_limit: Duration,
+}
+
+/// The load's records and when the load and the rollout (or drain) started and ended.
+struct Times {
+    records: Vec<RequestRecord>,
+    load_start_ms: f64,
+    rollout_start_ms: f64,
+    rollout_end_ms: f64,
+    load_end_ms: f64,
+}
+
+/// Whether the load balancer sees every node with a ready pod as healthy.
+fn pool_complete(cluster: &Cluster, lb: &LoadBalancer) -> bool {
+    let h = lb.healthy();
+    cluster
+        .pods()
+        .iter()
+        .filter(|p| p.is_ready() && !p.is_deleting())
+        .all(|p| h.get(p.node_index - 1).copied().unwrap_or(false))
+}
+
+impl Phase<'_> {
+    /// The load balancer and the cluster up, then the load through the rollout (or
+    /// the drain) until the pool is complete again and the run has settled.
+    async fn under_load(
+        &self,
+        hc: HealthCheck,
+        api: Arc<dyn PodApi>,
+        emulated: Option<&ControlPlane>,
+        daemons: &mut [Kproxyd],
+    ) -> Result<Times, LabError> {
+        let (cfg, rec, clock) = (self.cfg, self.rec, self.clock);
+        let mut lb = LoadBalancer::start(
+            self.fabric,
+            cfg.load_balancer.mode,
+            hc,
+            // eTP Cluster has no health check node port: the LB probes kproxy's /healthz.
+            if self.opts.drain.is_some() {
+                controlplane::PROXY_HEALTHZ_PORT
+            } else {
+                controlplane::HEALTH_CHECK_NODE_PORT
+            },
+            controlplane::NODE_PORT,
+            controlplane::SERVICE_PORT,
+            rec.clone(),
+        )?;
+        let cluster = Cluster::new(
+            self.fabric.clone(),
+            api,
+            rec.clone(),
+            cfg.pod,
+            cfg.deployment,
+        );
+        if let Some(r) = self.real {
+            r.start_agent(cluster.clone(), rec.clone());
+        }
+        self.bring_up(&cluster, &lb, daemons).await?;
+        (self.progress)(&format!(
+            "{} {} pods ready, load balancer pool complete; starting load",
+            self.tag, cfg.deployment.replicas
+        ));
+
+        let load = LoadGenerator::start(
+            self.fabric.client.name(),
+            std::net::SocketAddr::from((fabric::VIP, controlplane::SERVICE_PORT)),
+            cfg.load.clone(),
+            clock.start(),
+        )?;
+        let load_start_ms = clock.now_ms();
+        rec.record(EventKind::LoadStarted, None, None, "load generator started");
+        tokio::time::sleep(clock.real(cfg.warmup_seconds)).await;
+
+        let rollout_limit = self.step_limit * (cfg.deployment.replicas + 1);
+        let (rollout_start_ms, rollout_end_ms) = if let Some(d) = self.opts.drain {
+            drain_node(
+                d,
+                &cluster,
+                emulated,
+                self.real,
+                self.fabric,
+                &lb,
+                daemons,
+                rollout_limit,
+                self.tag,
+                self.progress,
+            )
+            .await?
+        } else {
+            self.rolling_update(&cluster, &load, daemons, rollout_limit)
+                .await?
+        };
+        wait_for(
+            "the load balancer pool to be complete again",
+            self.step_limit,
+            daemons,
+            || pool_complete(&cluster, &lb),
+        )
+        .await?;
+        tokio::time::sleep(clock.real(cfg.settle_seconds)).await;
+        let records = load.stop();
+        let load_end_ms = clock.now_ms();
+        rec.record(
+            EventKind::LoadStopped,
+            None,
+            None,
+            "load generator stopped; in-flight requests finished",
+        );
+        check_daemons(daemons)?;
+        let failed = records.iter().filter(|r| !r.outcome.is_ok()).count();
+        (self.progress)(&format!(
+            "{} done: {} requests, {failed} failed",
+            self.tag,
+            records.len()
+        ));
+        lb.stop();
+        cluster.shutdown().await;
+        Ok(Times {
+            records,
+            load_start_ms,
+            rollout_start_ms,
+            rollout_end_ms,
+            load_end_ms,
+        })
+    }
+
+    /// The initial Deployment (revision 1), then the load balancer seeing every node
+    /// that has a pod as healthy (and, for a drain's eTP Cluster Service, every kproxy
+    /// having programmed the endpoints).
+    async fn bring_up(
+        &self,
+        cluster: &Arc<Cluster>,
+        lb: &LoadBalancer,
+        daemons: &mut [Kproxyd],
+    ) -> Result<(), LabError> {
+        let initial = spawn_rollout(cluster, self.real, 1, self.step_limit);
+        wait_for(
+            "the initial pods to become ready",
+            self.step_limit,
+            daemons,
+            || initial.is_finished(),
+        )
+        .await?;
+        initial
+            .await
+            .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
+        wait_for(
+            "the load balancer to see the nodes healthy",
+            self.step_limit,
+            daemons,
+            || pool_complete(cluster, lb),
+        )
+        .await?;
+        if self.opts.drain.is_some() {
+            // eTP Cluster: /healthz passes before the endpoints are programmed (the
+            // health check node port of eTP Local waits for them); wait until the
+            // EndpointSlice lists every replica ready and every node's kproxy synced
+            // after that change reached it.
+            let replicas = self.cfg.deployment.replicas as usize;
+            let logs: Vec<PathBuf> = daemons.iter().map(|d| d.event_log.clone()).collect();
+            wait_for(
+                "every kproxy to program the endpoints",
+                self.step_limit,
+                daemons,
+                || {
+                    let last = self
+                        .rec
+                        .events()
+                        .into_iter()
+                        .rfind(|e| e.kind == EventKind::SlicePublished);
+                    last.is_some_and(|e| {
+                        let t = self.wall_start + Duration::from_secs_f64(e.t_ms / 1000.0);
+                        e.detail.matches(":R").count() == replicas
+                            && logs.iter().all(|l| kproxyd::synced_after(l, t))
+                    })
+                },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// The rolling update to revision 2, with the run's disturbances; returns when it
+    /// started and ended.
+    async fn rolling_update(
+        &self,
+        cluster: &Arc<Cluster>,
+        load: &LoadGenerator,
+        daemons: &mut [Kproxyd],
+        limit: Duration,
+    ) -> Result<(f64, f64), LabError> {
+        let (cfg, rec, tag) = (self.cfg, self.rec, self.tag);
+        let start_ms = self.clock.now_ms();
+        rec.record(
+            EventKind::RolloutStarted,
+            None,
+            None,
+            "rolling update to revision 2",
+        );
+        (self.progress)(&format!("{tag} rolling update started"));
+        let rollout = spawn_rollout(cluster, self.real, 2, limit);
+        if let Some(chaos) = self.opts.chaos {
+            self.wait_for_chaos(chaos, cluster, daemons, &rollout, limit)
+                .await?;
+            disturb(
+                chaos,
+                self.fabric,
+                daemons,
+                self.real,
+                rec,
+                tag,
+                self.progress,
+            )
+            .await?;
+        }
+        let mut last_line = Instant::now();
+        wait_for("the rolling update", limit, daemons, || {
+            if last_line.elapsed() > Duration::from_secs(2) {
+                last_line = Instant::now();
+                let (sent, failed) = load.counts();
+                let new = cluster
+                    .pods()
+                    .iter()
+                    .filter(|p| p.revision == 2 && p.is_ready())
+                    .count();
+                (self.progress)(&format!(
+                    "{tag}   {new}/{} new pods ready; {sent} requests sent, {failed} failed",
+                    cfg.deployment.replicas
+                ));
+            }
+            rollout.is_finished()
+        })
+        .await?;
+        rollout
+            .await
+            .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
+        let end_ms = self.clock.now_ms();
+        rec.record(
+            EventKind::RolloutDone,
+            None,
+            None,
+            "all replicas of revision 2 available",
+        );
+        Ok((start_ms, end_ms))
+    }
+
+    /// Waits for the moment `chaos` happens: the rollout's second old pod terminating,
+    /// or for [`Chaos::KillKproxy`] node 1's last old pod.
+    async fn wait_for_chaos(
+        &self,
+        chaos: Chaos,
+        cluster: &Arc<Cluster>,
+        daemons: &mut [Kproxyd],
+        rollout: &tokio::task::JoinHandle<Result<(), LabError>>,
+        limit: Duration,
+    ) -> Result<(), LabError> {
+        let rec = self.rec;
+        if chaos == Chaos::KillKproxy {
+            // Node 1's last old pod: every pod of revision 1 there is deleting.
+            let node1_last_old_terminating = || {
+                let old: Vec<_> = cluster
+                    .pods()
+                    .into_iter()
+                    .filter(|p| p.node_index == 0 && p.revision == 1)
+                    .collect();
+                !old.is_empty() && old.iter().all(|p| p.is_deleting())
+            };
+            return wait_for(
+                "node 1's last old pod to become terminating",
+                limit,
+                daemons,
+                || node1_last_old_terminating() || rollout.is_finished(),
+            )
+            .await;
+        }
+        let step = 2.min(self.cfg.deployment.replicas as usize);
+        let terminating = || {
+            rec.events()
+                .iter()
+                .filter(|e| e.kind == EventKind::PodTerminating)
+                .count()
+        };
+        wait_for(
+            "an old pod of the rollout's second step to become terminating",
+            limit,
+            daemons,
+            || terminating() >= step || rollout.is_finished(),
+        )
+        .await
+    }
 }
 
 /// Write a drained node's change to the run's control plane: its scale-down taint, or

@@ -35,9 +35,6 @@ impl Clock {
     pub fn now_ms(&self) -> f64 {
         self.start.elapsed().as_secs_f64() * 1000.0
     }
-    pub fn ms_of(&self, t: Instant) -> f64 {
-        t.saturating_duration_since(self.start).as_secs_f64() * 1000.0
-    }
     /// Nominal seconds of a real timestamp in ms.
     pub fn nominal_s(&self, real_ms: f64) -> f64 {
         real_ms / 1000.0 / self.scale

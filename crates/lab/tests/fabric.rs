@@ -19,11 +19,7 @@ use kproxy_lab::timeline::{Clock, Recorder};
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn root() -> bool {
-    if kproxy_lab::is_root() {
-        return true;
-    }
-    eprintln!("skipped: needs root (network namespaces)");
-    false
+    kproxy_test_support::root("network namespaces")
 }
 
 fn my_namespaces() -> usize {

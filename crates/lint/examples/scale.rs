@@ -3,6 +3,8 @@
 //! from one multi-document YAML text. Prints the time to type the objects and to run the
 //! rules. `cargo run -p kproxy-lint --example scale -- 2000`
 
+#![expect(clippy::disallowed_types, reason = "a measurement: wall time")]
+
 use std::time::Instant;
 
 use kproxy_lint::input::Inventory;

@@ -13,9 +13,8 @@ use k8s_openapi::api::apps::v1 as appsv1;
 use k8s_openapi::api::core::v1 as corev1;
 use k8s_openapi::api::policy::v1 as policyv1;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kproxy_core::manifest::{Location, ManifestError, documents};
+use kproxy_core::manifest::{Location, ManifestError, describe, documents, typed};
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 /// The workload kinds whose pods sit behind Services.
@@ -155,7 +154,7 @@ impl Inventory {
             .and_then(Value::as_str)
             .unwrap_or("")
             .to_string();
-        let what = describe(&v);
+        let what = describe(&v, Some("default"));
         let fail = |inv: &mut Self, (field, reason): (String, String)| {
             inv.errors.push(ManifestError {
                 location: location.clone(),
@@ -388,39 +387,6 @@ fn from_daemon_set(d: appsv1::DaemonSet, location: Location) -> Workload {
         strategy,
         annotations: annotations(&d.metadata, &spec.template),
         template: spec.template,
-    }
-}
-
-fn typed<T: DeserializeOwned>(v: Value) -> Result<T, (String, String)> {
-    serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
-        let path = e.path().to_string();
-        let field = if path == "." {
-            ".".to_string()
-        } else {
-            format!(".{path}")
-        };
-        (field, e.into_inner().to_string())
-    })
-}
-
-/// `Kind namespace/name` from raw JSON, for reports on objects that failed to parse.
-fn describe(v: &Value) -> String {
-    let kind = v
-        .get("kind")
-        .and_then(Value::as_str)
-        .unwrap_or("document")
-        .escape_debug()
-        .to_string();
-    let meta = v.get("metadata");
-    let s = |k: &str| {
-        meta.and_then(|m| m.get(k))
-            .and_then(Value::as_str)
-            .map(|s| s.escape_debug().to_string())
-    };
-    match (s("namespace"), s("name")) {
-        (Some(ns), Some(n)) => format!("{kind} {ns}/{n}"),
-        (None, Some(n)) => format!("{kind} default/{n}"),
-        _ => kind,
     }
 }
 

@@ -263,7 +263,8 @@ mod tests {
 
     #[test]
     fn detection_windows_of_the_presets() {
-        // gke: seed 2's "6 seconds" is interval × threshold; the check's own timeout adds 1 s.
+        // gke: the rolling-update guide's "6 seconds" is interval × threshold; the check's own
+        // timeout adds 1 s.
         for (lb, window) in [
             (LbProfile::gke(), 7.0),
             (LbProfile::aws_nlb(), 26.0),

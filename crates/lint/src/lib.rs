@@ -1,6 +1,6 @@
 //! `kproxy lint`: checks workloads' rollout settings (preStop, readiness, grace period,
 //! surge, PodDisruptionBudgets) against the load balancer in front of them, before the
-//! rollout rather than after the outage (issue 8; seed 2).
+//! rollout rather than after the outage.
 //!
 //! Functional core, imperative shell: [`input`] types the manifests, [`rules::lint`] is a
 //! pure function from them and an [`lb::LbProfile`] to findings, [`report`] renders them,

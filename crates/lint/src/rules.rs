@@ -17,7 +17,7 @@ use k8s_openapi::api::policy::v1 as policyv1;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kproxy_core::manifest::Location;
-use kproxy_core::model::TrafficPolicy;
+use kproxy_core::model::{ServiceType, TrafficPolicy};
 use serde::Serialize;
 
 use crate::input::{
@@ -175,7 +175,7 @@ pub const ANNOTATION_READINESS_FAILS_ON_SIGTERM: &str = "lint.kproxy.io/readines
 pub const ANNOTATION_PRESTOP_SECONDS: &str = "lint.kproxy.io/prestop-seconds";
 
 /// Images whose readiness probe fails as soon as the process gets SIGTERM (ingress-nginx
-/// issue #13689, cited by seed 2).
+/// issue #13689, cited by `../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`).
 const READINESS_FAILS_ON_SIGTERM_IMAGES: &[&str] =
     &["ingress-nginx/controller", "nginx-ingress-controller"];
 
@@ -185,12 +185,10 @@ const NO_SURGE_RISK: &str = "no request is lost only if the preStop delay outlas
 /// Kubernetes' default `terminationGracePeriodSeconds`.
 const DEFAULT_TERMINATION_GRACE: f64 = 30.0;
 
-/// The name Kubernetes writes for an externalTrafficPolicy.
-fn policy_name(p: TrafficPolicy) -> &'static str {
-    match p {
-        TrafficPolicy::Local => "Local",
-        TrafficPolicy::Cluster => "Cluster",
-    }
+/// Whether the Service's `spec.type` is LoadBalancer, read as kproxy reads it.
+fn is_load_balancer(s: &corev1::Service) -> bool {
+    let t = s.spec.as_ref().and_then(|s| s.type_.as_deref());
+    ServiceType::parse(t) == Ok(ServiceType::LoadBalancer)
 }
 
 /// Checks every workload behind a LoadBalancer Service, plus the unreadable objects.
@@ -215,7 +213,7 @@ pub fn lint(inv: &Inventory, opts: &Options) -> Vec<Finding> {
         })
         .collect();
     for s in &inv.services {
-        if s.object.spec.as_ref().and_then(|s| s.type_.as_deref()) != Some("LoadBalancer") {
+        if !is_load_balancer(&s.object) {
             continue;
         }
         for bad in service_lb(s, opts).1 {
@@ -274,7 +272,7 @@ impl<'a> Index<'a> {
     fn new(inv: &'a Inventory) -> Self {
         let mut services: BTreeMap<&str, Vec<_>> = BTreeMap::new();
         for s in &inv.services {
-            if s.object.spec.as_ref().and_then(|s| s.type_.as_deref()) == Some("LoadBalancer") {
+            if is_load_balancer(&s.object) {
                 services
                     .entry(namespace_str(&s.object.metadata))
                     .or_default()
@@ -325,9 +323,7 @@ fn selects(s: &At<corev1::Service>, w: &Workload) -> bool {
     let Some(spec) = &s.object.spec else {
         return false;
     };
-    if spec.type_.as_deref() != Some("LoadBalancer")
-        || namespace_str(&s.object.metadata) != w.id.namespace
-    {
+    if !is_load_balancer(&s.object) || namespace_str(&s.object.metadata) != w.id.namespace {
         return false;
     }
     // A Service without a selector has hand-managed endpoints: no workload is behind it.
@@ -378,7 +374,7 @@ impl Checker<'_> {
             object: self.w.id.to_string(),
             workload: Some(self.w.id.clone()),
             service: about.service.clone(),
-            external_traffic_policy: about.policy.map(policy_name),
+            external_traffic_policy: about.policy.map(TrafficPolicy::as_str),
             container: about.container.map(str::to_string),
             numbers: numbers.iter().copied().collect(),
             message,
@@ -400,10 +396,9 @@ impl Checker<'_> {
     fn service(&mut self, s: &At<corev1::Service>) {
         self.lb = service_lb(s, self.opts).0;
         let spec = s.object.spec.as_ref();
-        let policy = match spec.and_then(|s| s.external_traffic_policy.as_deref()) {
-            Some("Local") => TrafficPolicy::Local,
-            _ => TrafficPolicy::Cluster,
-        };
+        // An unknown policy counts as Cluster, as kproxy's planner counts it.
+        let policy = TrafficPolicy::parse(spec.and_then(|s| s.external_traffic_policy.as_deref()))
+            .unwrap_or_default();
         let service = format!(
             "{}/{}",
             namespace_of(&s.object.metadata).escape_debug(),
@@ -581,7 +576,7 @@ impl Checker<'_> {
                         ("terminationGracePeriodSeconds", grace),
                     ],
                     format!(
-                        "container {}'s readiness fails at SIGTERM ({reason}); the pod can be marked not ready {} s after termination starts (preStop {} + period {} × (failureThreshold {} − 1)), {} s before it is killed at terminationGracePeriodSeconds {}: in that gap the load balancer still forwards established connections to the node, which has no serving endpoint; dataplanes that look every packet up (eBPF ones such as GKE Dataplane V2, seed 2's setting) drop them, conntrack-based proxies (kproxy, kube-proxy iptables/nftables) keep them",
+                        "container {}'s readiness fails at SIGTERM ({reason}); the pod can be marked not ready {} s after termination starts (preStop {} + period {} × (failureThreshold {} − 1)), {} s before it is killed at terminationGracePeriodSeconds {}: in that gap the load balancer still forwards established connections to the node, which has no serving endpoint; dataplanes that look every packet up (eBPF ones such as GKE Dataplane V2) drop them, conntrack-based proxies (kproxy, kube-proxy iptables/nftables) keep them",
                         c.name.escape_debug(),
                         num(not_ready_at),
                         num(pre_stop),
@@ -689,7 +684,7 @@ impl Checker<'_> {
             ("lbRegistrationSeconds", registration),
         ];
         let fix = format!(
-            "Delay readiness until the node can receive traffic: readinessProbe.initialDelaySeconds ≥ {} (seed 2 uses 20 on GKE), or a readiness gate that waits for the load balancer.",
+            "Delay readiness until the node can receive traffic: readinessProbe.initialDelaySeconds ≥ {} (GKE's zero-downtime rolling-update guide uses 20), or a readiness gate that waits for the load balancer.",
             num(registration.ceil())
         );
         if ready_at + min_ready >= registration {

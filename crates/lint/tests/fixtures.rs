@@ -1,6 +1,7 @@
-//! Fixture tests: for every rule a failing and a passing manifest (tests/fixtures/rules),
-//! seed 2's configurations (tests/fixtures/seed2), and the command line end to end
-//! (exit statuses, formats, SARIF's required fields).
+//! Fixture tests: for every rule a failing and a passing manifest (tests/fixtures/rules), the
+//! configurations of `../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`
+//! (tests/fixtures/seed2), and the command line end to end (exit statuses, formats, SARIF's
+//! required fields).
 
 use std::path::{Path, PathBuf};
 
@@ -290,7 +291,7 @@ fn seed2_final_with_a_shorter_readiness_period_breaks_the_sigterm_inequality() {
 
 #[test]
 fn the_load_balancer_profile_changes_the_verdict() {
-    // aws-nlb: window 10 × 2 + 6 = 26 s, so seed 2's 10 s preStop is too short there.
+    // aws-nlb: window 10 × 2 + 6 = 26 s, so the guide's 10 s preStop is too short there.
     let f = lint_file("seed2/final.yaml", LbProfile::aws_nlb());
     let r = f
         .iter()

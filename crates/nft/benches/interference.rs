@@ -1,4 +1,4 @@
-//! Interference (issue 30) at scale, in a throwaway network namespace (root): how long
+//! Interference at scale, in a throwaway network namespace (root): how long
 //! after another process's `nft` transaction the kernel watch ([`kproxy_nft::monitor`])
 //! has read it, and how long the repair from the record ([`Dataplane::repair`]) takes,
 //! for a flushed ruleset (both tables gone: the first sync's path), one deleted

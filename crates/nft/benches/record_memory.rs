@@ -11,7 +11,7 @@
 //! A full sync's transient (peak heap above the records) is measured for what `sync`
 //! does, and, in the same binary, through the typed tables with their element maps
 //! (`assemble`, then the transaction, then the whole script as one `String`: how it
-//! was done before issue 20's last step, with today's element vectors):
+//! was done before the records kept element vectors, with today's vectors):
 //! - replacing existing tables: `kproxy_nft::write_full_replacement`, the nft text
 //!   written from the records' text into the pipe (here a sink) in 64 KiB pieces, and
 //!   for comparison the typed transaction (`full_transaction_of`) streamed the same way

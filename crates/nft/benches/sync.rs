@@ -171,7 +171,7 @@ fn run(services: usize, eps: usize) {
         p50.1.netlink_bytes,
         ms(max.1.wall)
     );
-    // Restart (issue 18 item 3): a new Dataplane reads the tables back and adopts them,
+    // Restart: a new Dataplane reads the tables back and adopts them,
     // with nothing changed, then after 100 Services' endpoints changed while it was down.
     let restart = measure(
         &mut Dataplane::new(cfg.clone()).expect("config"),
@@ -198,7 +198,7 @@ fn run(services: usize, eps: usize) {
         ms(r.transaction)
     );
     dp = dp2;
-    // Verification of intact tables reads them back over netlink (issue 27; the sync
+    // Verification of intact tables reads them back over netlink (the sync
     // loop waits for it every verifyPeriod); measured only on request.
     if std::env::var_os("KPROXY_BENCH_VERIFY").is_some() {
         let v = Instant::now();

@@ -1,4 +1,4 @@
-//! Adoption at start (issue 18 item 3): a new `Dataplane` finding kproxy's tables in
+//! Adoption at start: a new `Dataplane` finding kproxy's tables in
 //! the kernel reads them back over netlink and sends only the difference. After it, the
 //! kernel must equal what a cold sync of the same plan produces in a namespace of its
 //! own (compared as normalized `nft -j` listings plus every rule's comment, in order).
@@ -13,11 +13,7 @@ use kproxy_nft::{Dataplane, DataplaneConfig, SyncReport};
 use serde_json::Value;
 
 fn root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("skipped: adoption tests need root (network namespaces, nftables)");
-    false
+    kproxy_test_support::root("network namespaces, nftables")
 }
 
 fn cfg() -> DataplaneConfig {

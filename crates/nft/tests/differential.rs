@@ -44,18 +44,7 @@ fn rng() -> TestRng {
 }
 
 fn require_root() -> bool {
-    // Effective UID from /proc (no unsafe call needed).
-    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
-    let euid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .expect("Uid line");
-    if euid == "0" {
-        return true;
-    }
-    eprintln!("skipping: the differential test needs root (network namespaces, nftables)");
-    false
+    kproxy_test_support::root("network namespaces, nftables")
 }
 
 #[test]
@@ -151,7 +140,7 @@ fn plain(kind: u8) -> Svc {
 /// Seed 16, after the IPv6 reset fix: a NodePort without endpoints and
 /// nodePortAddresses [10.244.0.0/16]. 10.244.1.1 is a local address the Node object does
 /// not list: trace (told the host's addresses) rejected, the kernel programmed by
-/// `sync --once` left the packet to the host (issue 16 area 4).
+/// `sync --once` left the packet to the host.
 #[test]
 fn regression_node_port_on_a_secondary_address_inside_node_port_cidrs() {
     assert_case(&Case {

@@ -342,6 +342,9 @@ fn delta_from_the_update_equals_the_full_diff() {
 
 #[test]
 fn delta_sync_equals_full_sync() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let ns = Netns::new("inc");
     ns.run(|| {
         let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
@@ -402,6 +405,9 @@ fn delta_sync_equals_full_sync() {
 
 #[test]
 fn verify_detects_and_repairs_drift() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let ns = Netns::new("drift");
     ns.run(|| {
         let specs: Vec<SvcSpec> = (0..3)
@@ -453,6 +459,9 @@ fn verify_detects_and_repairs_drift() {
 /// re-adding either must leave exactly what a full sync would.
 #[test]
 fn shared_elements_follow_their_owners() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     // Same endpoint IP (one hairpin element), different target ports (tells the owner
     // of the external IP's dispatch rows).
     let svc = |name: &str, cip: &str| {
@@ -511,6 +520,9 @@ fn shared_elements_follow_their_owners() {
 /// fails the sync with the set named, and the next sync is a full one.
 #[test]
 fn element_only_deltas_go_over_netlink() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let spec = |endpoints: [u8; 4]| SvcSpec {
         present: true,
         kind: 1,

@@ -1,4 +1,4 @@
-//! The kernel watch and the repair (issue 30), against the real kernel in a namespace of
+//! The kernel watch and the repair, against the real kernel in a namespace of
 //! the test's own: kproxy's own transactions (a first sync in steps, a repair, a
 //! verification with its scratch table) are never reported; another process's (`nft`)
 //! are, with its name and what it changed, and only when they touch kproxy's tables;
@@ -14,11 +14,7 @@ use kproxy_nft::monitor::{Event, Interference, Kind, Monitor};
 use kproxy_nft::{Dataplane, DataplaneConfig};
 
 fn root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("skipped: monitor tests need root (network namespaces, nftables)");
-    false
+    kproxy_test_support::root("network namespaces, nftables")
 }
 
 /// Everything the monitor reports until it has been quiet for a second.

@@ -136,7 +136,7 @@ fn check(
                 );
                 // Hairpin: trace marks masquerade only when *every* candidate is the
                 // source; when the random choice happens to pick the source itself the
-                // kernel masquerades too (spec §c.6).
+                // kernel masquerades too (../shared/spec/upstream-semantics.md §c.6).
                 let hairpin = f.pod_name(src) == Some(pod.as_str());
                 assert_eq!(
                     *seen != src,
@@ -163,6 +163,9 @@ fn check(
 
 #[test]
 fn policy_matrix() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     type Situation<'a> = (&'a str, &'a [(&'a str, &'a str, Cond)]);
     let situations: [Situation; 5] = [
@@ -220,6 +223,9 @@ fn policy_matrix() {
 
 #[test]
 fn random_choice_covers_the_set_affinity_sticks_and_hairpin_masquerades() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let cfg = config();
     // Without affinity: both endpoints answer over enough new connections.
@@ -319,6 +325,9 @@ fn random_choice_covers_the_set_affinity_sticks_and_hairpin_masquerades() {
 /// frontend, UDP included, and nothing else does.
 #[test]
 fn endpoint_count_changes_move_dispatch_groups_and_every_endpoint_answers() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let cfg = config();
     let all = [
@@ -358,6 +367,9 @@ fn endpoint_count_changes_move_dispatch_groups_and_every_endpoint_answers() {
 
 #[test]
 fn load_balancer_source_ranges() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let eps = [("a", "node-a", READY), ("r", "node-b", READY)];
     for (ranges, label) in [
@@ -398,6 +410,9 @@ fn load_balancer_source_ranges() {
 
 #[test]
 fn udp_conntrack_cleanup_deletes_stale_flows_and_keeps_live_ones() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let cfg = config();
     let both = [("a", "node-a", READY), ("r", "node-b", READY)];
@@ -497,9 +512,9 @@ fn stale_flow_decisions() {
         (flow(17, "10.96.0.10", 53, "10.244.1.2", 8080), false), // ready endpoint
         (flow(17, "10.96.0.10", 53, "10.244.2.2", 8080), false), // serving-terminating still serves
         (flow(17, "10.96.0.10", 53, "10.244.1.3", 8080), true),  // not serving
-        (flow(17, "10.96.0.10", 53, "10.244.1.4", 8080), true), // ready, not serving (issue 16 area 5)
-        (flow(17, "10.96.0.10", 53, "10.244.9.9", 8080), true), // gone
-        (flow(17, "10.96.0.10", 53, "10.244.1.2", 9999), true), // right IP, wrong port
+        (flow(17, "10.96.0.10", 53, "10.244.1.4", 8080), true),  // ready, not serving
+        (flow(17, "10.96.0.10", 53, "10.244.9.9", 8080), true),  // gone
+        (flow(17, "10.96.0.10", 53, "10.244.1.2", 9999), true),  // right IP, wrong port
         (flow(17, "10.96.0.10", 53, "10.96.0.10", 53), true), // never DNATed (cached before endpoints)
         (flow(17, "203.0.113.10", 53, "10.244.9.9", 8080), true), // LB IP
         (flow(17, "203.0.113.50", 53, "10.244.9.9", 8080), true), // external IP
@@ -527,6 +542,9 @@ fn stale_flow_decisions() {
 
 #[test]
 fn ipv6_dual_stack() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let f = Fabric::new();
     let cfg = PlanConfig {
         local_detector: LocalDetectorConfig::InterfaceNamePrefix("kpv".into()),
@@ -568,6 +586,9 @@ fn ipv6_dual_stack() {
 /// new connections keep succeeding and an existing UDP flow keeps its endpoint.
 #[test]
 fn full_replacement_never_leaves_a_gap() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     let f = Arc::new(Fabric::new());

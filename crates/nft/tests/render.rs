@@ -99,6 +99,9 @@ fn golden_mixed() {
 
 #[test]
 fn rendered_scripts_load_into_the_kernel() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     let ns = Netns::new("load");
     let plans = [
         plan_from_yaml(&example_cluster(), "node-a", &example_config()),
@@ -156,6 +159,9 @@ fn hostile_names_are_rejected() {
 /// table flag left.
 #[test]
 fn a_first_sync_in_pieces_loads_the_whole_tables() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
     use kproxy_core::synthetic::{Spec, cluster};
     let state = cluster(&Spec::new(1500, 10));
     let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());

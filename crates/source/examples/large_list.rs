@@ -12,6 +12,8 @@
 //! minus the RSS before loading. Without a path, both in one process (the peak is then
 //! reset before loading, but memory the generator freed may still count).
 
+#![expect(clippy::disallowed_types, reason = "a measurement: wall time")]
+
 use std::io::Write;
 use std::time::Instant;
 

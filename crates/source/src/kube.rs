@@ -1,8 +1,8 @@
-//! The Kubernetes API source: four watchers (Services, EndpointSlices, this Node,
-//! ServiceCIDRs) folded into the one [`StateHandle`], the same ClusterState the manifest
-//! source fills. Owns: which objects are watched (upstream's label selectors, spec
-//! §a.1/§f), when the first sync may happen (Services, EndpointSlices and the Node
-//! listed), and how relists are applied (atomically per kind, see [`fold`]).
+//! The Kubernetes API source: four watchers (Services, EndpointSlices, this Node, ServiceCIDRs)
+//! folded into the one [`StateHandle`], the same ClusterState the manifest source fills. Owns:
+//! which objects are watched (upstream's label selectors, ../shared/spec/upstream-semantics.md
+//! §a.1/§f), when the first sync may happen (Services, EndpointSlices and the Node listed), and
+//! how relists are applied (atomically per kind, see [`fold`]).
 //!
 //! Memory: objects are decoded one at a time as the bytes of a list page arrive
 //! ([`split`] for JSON; Services and EndpointSlices are listed in protobuf, [`proto`]),
@@ -134,8 +134,9 @@ pub async fn client_config(
     }
 }
 
-/// Upstream's label selector for Services and EndpointSlices (spec §a.1): skip headless
-/// and other proxies' objects; with a service proxy name, take exactly that proxy's.
+/// Upstream's label selector for Services and EndpointSlices
+/// (../shared/spec/upstream-semantics.md §a.1): skip headless and other proxies' objects; with
+/// a service proxy name, take exactly that proxy's.
 pub fn label_selector(ownership: &Ownership) -> String {
     match &ownership.service_proxy_name {
         None => format!(
@@ -330,7 +331,7 @@ fn fold_into(
     cfg: &KubeSourceConfig,
     kind: Kind,
     event: Input<Update>,
-    received: std::time::Instant,
+    received: tokio::time::Instant,
 ) -> Found {
     let (change, skipped) = folder.step(kind, event);
     let warnings = match change {

@@ -35,10 +35,10 @@ struct Inner {
     stalled: AtomicBool,
     /// Called after every `update` that leaves changes pending, in the source's task
     /// (see [`StateHandle::on_update`]).
-    on_update: std::sync::OnceLock<Box<dyn Fn(std::time::Instant) + Send + Sync>>,
+    on_update: std::sync::OnceLock<Box<dyn Fn(tokio::time::Instant) + Send + Sync>>,
     /// When the API answered again after failures, until the sync loop sees the state
     /// converged (see [`StateHandle::note_api_returned`]).
-    api_returned: Mutex<Option<std::time::Instant>>,
+    api_returned: Mutex<Option<tokio::time::Instant>>,
     /// Manifest documents (or List items) not read at the last rescan.
     unread_documents: std::sync::atomic::AtomicUsize,
 }
@@ -56,14 +56,14 @@ impl StateHandle {
 
     /// Mutates the state and wakes the sync loop.
     pub fn update<R>(&self, f: impl FnOnce(&mut ClusterState) -> R) -> R {
-        self.update_received(std::time::Instant::now(), f)
+        self.update_received(tokio::time::Instant::now(), f)
     }
 
     /// [`StateHandle::update`] for input the source received at `received` (a watch
     /// event's arrival), which the update hook is given.
     pub fn update_received<R>(
         &self,
-        received: std::time::Instant,
+        received: tokio::time::Instant,
         f: impl FnOnce(&mut ClusterState) -> R,
     ) -> R {
         let (r, pending) = {
@@ -87,7 +87,7 @@ impl StateHandle {
     /// queued change, as upstream queues only when its change trackers hold one: noting
     /// it would stamp the next real change's way as starting then (a relist after an
     /// API outage showed `queued` 13.6 s).
-    pub fn on_update(&self, f: impl Fn(std::time::Instant) + Send + Sync + 'static) -> bool {
+    pub fn on_update(&self, f: impl Fn(tokio::time::Instant) + Send + Sync + 'static) -> bool {
         self.0.on_update.set(Box::new(f)).is_ok()
     }
 
@@ -126,7 +126,7 @@ impl StateHandle {
     /// The API answered again after failing, at `at`; called after what that answer
     /// brought (a relist) is applied, so the sync loop can time the way from the API's
     /// return to converged rules. The earliest unsettled return is kept.
-    pub fn note_api_returned(&self, at: std::time::Instant) {
+    pub fn note_api_returned(&self, at: tokio::time::Instant) {
         let mut r = self
             .0
             .api_returned
@@ -138,7 +138,7 @@ impl StateHandle {
     }
 
     /// Takes the unsettled API return, if any (the sync loop, once converged).
-    pub fn take_api_returned(&self) -> Option<std::time::Instant> {
+    pub fn take_api_returned(&self) -> Option<tokio::time::Instant> {
         self.0
             .api_returned
             .lock()

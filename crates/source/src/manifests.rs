@@ -124,7 +124,7 @@ fn kind_of(ft: std::fs::FileType) -> &'static str {
 /// entries named like manifests that are not regular files (not read). Symlinks are
 /// followed to regular files and directories only, and every directory (by device and
 /// inode) is read once: a symlink back to an ancestor is reported and not followed
-/// (issue 32: two links to `.` made the walk endless).
+/// (two links to `.` made the walk endless).
 pub fn files(path: &Path) -> Result<(Vec<PathBuf>, Vec<LoadProblem>), LoadProblem> {
     use std::os::unix::fs::MetadataExt;
     let io = |source| LoadProblem::Io {
@@ -456,7 +456,7 @@ mod tests {
         );
     }
 
-    /// Issue 17: a FIFO named `*.yaml` hung `plan`; a symlink to /dev/zero was read until
+    /// A FIFO named `*.yaml` hung `plan`; a symlink to /dev/zero was read until
     /// memory ran out. Both are reported and not read; the regular file beside them loads.
     #[test]
     fn fifos_and_devices_are_not_read_and_do_not_cost_their_neighbours() {
@@ -510,7 +510,7 @@ mod tests {
         ));
     }
 
-    /// Issue 32: two symlinks to `.` made the walk endless (above a core, up to 1 GB)
+    /// Two symlinks to `.` made the walk endless (above a core, up to 1 GB)
     /// and the directory unreadable. Each repeat is reported once; every file is read
     /// once.
     #[test]

@@ -4,7 +4,7 @@
 //! inode changed, and swaps the whole ClusterState in one `replace`, so the sync loop
 //! never sees half a directory.
 //!
-//! Bad input never costs good state (issue 17). Per file, objects are keyed by kind,
+//! Bad input never costs good state. Per file, objects are keyed by kind,
 //! namespace and name, and a re-read can only remove an object in one way:
 //! - an object whose document no longer parses, or that no longer passes validation,
 //!   keeps its last good version until it does (the problem is reported at every
@@ -21,13 +21,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use kproxy_core::ClusterState;
 use kproxy_core::ingest::{Kind, ObjectRef, Ownership};
 use kproxy_core::state::Update;
 use notify::Watcher;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use crate::StateHandle;
 use crate::manifests::{self, FileRead, LoadProblem, ReadLimits};
@@ -419,7 +420,7 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticker.tick().await;
     loop {
-        let wake = deadline.map(tokio::time::Instant::from_std);
+        let wake = deadline;
         tokio::select! {
             ev = rx.recv() => {
                 if ev.is_none() {
@@ -429,7 +430,7 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
                 while rx.try_recv().is_ok() {}
             }
             _ = ticker.tick() => {}
-            _ = async { tokio::time::sleep_until(wake.unwrap_or_else(tokio::time::Instant::now)).await }, if wake.is_some() => {}
+            _ = async { tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)).await }, if wake.is_some() => {}
         }
         let id = identity(&watched);
         if id != watched_id {
@@ -597,7 +598,7 @@ mod tests {
         assert_eq!(r.removed, [a]);
     }
 
-    /// Issue 17: a file truncated to 0 bytes (the first step of most writes) deleted its
+    /// A file truncated to 0 bytes (the first step of most writes) deleted its
     /// Services at once; a partial write that kept the first document sent a Service to
     /// REJECT.
     #[test]
@@ -635,7 +636,7 @@ mod tests {
         assert!(r.changed);
     }
 
-    /// Issue 32: a dump cut short before its `kind: List` line (or any document whose
+    /// A dump cut short before its `kind: List` line (or any document whose
     /// kind went missing or wrong) is a parse failure: the file keeps every object it
     /// held, for good. A file emptied is reported with what it held, and its objects go
     /// only after `remove_after`, reported again.
@@ -743,7 +744,7 @@ mod tests {
         task.abort();
     }
 
-    /// Issue 17: after the watched directory was replaced, changes took until the next
+    /// After the watched directory was replaced, changes took until the next
     /// periodic rescan. With an hour-long rescan period, only a new watch sees them.
     #[tokio::test]
     async fn a_replaced_directory_is_watched_again() {
@@ -801,7 +802,7 @@ mod tests {
         task.abort();
     }
 
-    /// Issue 32: documents not read are counted on the handle (the daemon's
+    /// Documents not read are counted on the handle (the daemon's
     /// `kproxy_manifest_unread_documents`), and the count follows the files.
     #[tokio::test]
     async fn unread_documents_are_counted_on_the_handle() {

@@ -1,9 +1,11 @@
-//! The Kubernetes API source against the in-process fake API server
-//! (`kproxy_source::fake_api`, feature `fake-api`) on 127.0.0.1 that speaks the real
-//! list/watch protocol (lists with resourceVersion, chunked watch streams of ADDED/MODIFIED/DELETED/BOOKMARK/ERROR lines) with real API JSON. The
-//! client is built by `kproxy_source::kube::client` from a kubeconfig file, so the
-//! whole HTTP path is exercised. Assertions poll the ClusterState with a timeout; no
+//! The Kubernetes API source against the in-process fake API server (`kproxy_source::fake_api`,
+//! feature `fake-api`) on 127.0.0.1 that speaks the real list/watch protocol (lists with
+//! resourceVersion, chunked watch streams of ADDED/MODIFIED/DELETED/BOOKMARK/ERROR lines) with
+//! real API JSON. The client is built by `kproxy_source::kube::client` from a kubeconfig file,
+//! so the whole HTTP path is exercised. Assertions poll the ClusterState with a timeout; no
 //! test asserts a duration.
+
+#![expect(clippy::disallowed_types, reason = "times a real watch: wall time")]
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -790,7 +792,7 @@ async fn a_large_cluster_lists_and_relists() {
     );
 }
 
-/// Issue 18 item 5 on the fake API: every kind's lists and watches fail for a while
+/// Every kind's lists and watches fail for a while
 /// (the API server down), the state stays as it was; when the API is back its watch
 /// history is gone (410), so each kind relists, and the relists, which find nothing
 /// changed, change nothing: the sync loop has nothing to program.

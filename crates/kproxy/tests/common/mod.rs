@@ -3,6 +3,10 @@
 //! namespace with one pod behind a veth and the pod's tiny HTTP server, the daemon as a
 //! child process (killed on drop), a one-shot HTTP client and polling.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "waits on real processes: wall time"
+)]
 // Each test binary uses its own subset of these helpers.
 #![allow(dead_code)]
 
@@ -91,12 +95,11 @@ pub fn sh(args: &[&str]) {
     );
 }
 
-/// Whether a root-only test can run: `false` (with a message) when not root. As root
-/// a missing `nft` fails the test: `.ci/run` installs it, so a green run means the
-/// test ran.
+/// Whether a root-only test can run (the policy of `kproxy_test_support::root`). As
+/// root a missing `nft` fails the test: `.ci/run` installs it, so a green run means
+/// the test ran.
 pub fn can_run() -> bool {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipping: needs root and nft (run .ci/run as root)");
+    if !kproxy_test_support::root("network namespaces, nftables") {
         return false;
     }
     let nft = Command::new("nft")

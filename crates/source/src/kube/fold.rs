@@ -74,7 +74,7 @@ pub enum Input<T = Object> {
     Delete(Key),
     /// The API answered again after failures (sent after the relist it brought), at
     /// this time. Changes nothing in the state; the source notes it for the sync loop.
-    Returned(std::time::Instant),
+    Returned(tokio::time::Instant),
 }
 
 /// What one event does to the state.
@@ -139,11 +139,11 @@ impl<T> Folder<T> {
         self.progress[index(kind)].listed
     }
 
-    /// Services, EndpointSlices and the Node have all been listed once (spec §f: nothing
-    /// is programmed before, so no Service is blackholed for lack of its endpoints).
-    /// ServiceCIDRs do not gate the first sync, as upstream's `isInitialized` waits only
-    /// for Services and EndpointSlices: an API server without the resource must not keep
-    /// a node from serving.
+    /// Services, EndpointSlices and the Node have all been listed once
+    /// (../shared/spec/upstream-semantics.md §f: nothing is programmed before, so no Service is
+    /// blackholed for lack of its endpoints). ServiceCIDRs do not gate the first sync, as
+    /// upstream's `isInitialized` waits only for Services and EndpointSlices: an API server
+    /// without the resource must not keep a node from serving.
     pub fn all_listed(&self) -> bool {
         [Kind::Service, Kind::EndpointSlice, Kind::Node]
             .into_iter()

@@ -8,7 +8,7 @@
 //! the object was skipped), over a bounded channel: a slow consumer slows the reader
 //! down instead of growing a queue.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::{AsyncBufReadExt, TryStreamExt};
 use kproxy_core::ingest::{IngestError, Kind, Ownership};
@@ -17,6 +17,7 @@ use kube::core::params::{ListParams, WatchParams};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use super::fold::{self, Input, Key};
 use super::proto;

@@ -1,0 +1,104 @@
+//! Frontends: the address, port and protocol a Service claims on this node, of which
+//! kind, and why one was refused to a Service (a [`Conflict`], part of the
+//! [`NodePlan`](crate::plan::NodePlan)). `crate::conflicts` decides the conflicts; `crate::trace`
+//! names the kind of frontend a packet hits.
+
+use std::net::IpAddr;
+
+use serde::Serialize;
+
+use crate::model::{IpFamily, Protocol, ServiceName};
+
+/// Which kind of frontend a claim is for (or a packet hits, in `crate::trace`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum FrontendKind {
+    ClusterIp,
+    ExternalIp,
+    LoadBalancerIp,
+    NodePort,
+    /// A health-check node port (TCP, every node address): it collides with node ports.
+    HealthCheckNodePort,
+}
+
+impl FrontendKind {
+    /// The kind in words, as `plan`, `explain`, `trace` and the logs print it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            FrontendKind::ClusterIp => "cluster IP",
+            FrontendKind::ExternalIp => "external IP",
+            FrontendKind::LoadBalancerIp => "load-balancer IP",
+            FrontendKind::NodePort => "node port",
+            FrontendKind::HealthCheckNodePort => "health-check node port",
+        }
+    }
+}
+
+/// One frontend: `ip` is `None` for a node port (every node address of the family).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Frontend {
+    pub kind: FrontendKind,
+    pub family: IpFamily,
+    pub ip: Option<IpAddr>,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+/// Why a frontend was not given to a Service.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase", tag = "reason")]
+pub enum ConflictReason {
+    /// The same address, port and protocol belongs to `owner` (created earlier, or same
+    /// age and sorting first).
+    Claimed { owner: ServiceName },
+    /// An external or LB IP equal to `owner`'s cluster IP (refused on any port).
+    ClusterIpCapture { owner: ServiceName },
+    /// An external or LB IP equal to one of this node's addresses.
+    NodeIpCapture,
+    /// A cluster IP equal to one of this node's addresses: its rules would take the
+    /// node's own traffic (refused like the other reserved addresses, whatever
+    /// `allow_external_ip_overlap` says).
+    NodeAddress,
+}
+
+/// A frontend refused to a Service.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Conflict {
+    /// The Service that does not get the frontend.
+    pub service: ServiceName,
+    /// Its port (`spec.ports[].name`).
+    pub port_name: String,
+    pub frontend: Frontend,
+    #[serde(flatten)]
+    pub reason: ConflictReason,
+}
+
+impl std::fmt::Display for Conflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let fe = &self.frontend;
+        let what = fe.kind.describe();
+        let at = match fe.ip {
+            Some(IpAddr::V6(ip)) => format!("[{ip}]:{}/{:?}", fe.port, fe.protocol),
+            Some(ip) => format!("{ip}:{}/{:?}", fe.port, fe.protocol),
+            None => format!("{}/{:?} ({})", fe.port, fe.protocol, fe.family),
+        };
+        write!(f, "{}: {what} {at} not programmed: ", self.service)?;
+        match &self.reason {
+            ConflictReason::Claimed { owner } => write!(f, "it belongs to {owner}"),
+            ConflictReason::ClusterIpCapture { owner } => write!(
+                f,
+                "it is the cluster IP of {owner} (CVE-2020-8554; --allow-external-ip-overlap allows it)"
+            ),
+            ConflictReason::NodeIpCapture => write!(
+                f,
+                "it is an address of this node (CVE-2020-8554; --allow-external-ip-overlap allows it)"
+            ),
+            ConflictReason::NodeAddress => write!(
+                f,
+                "it is an address of this node, whose own traffic its rules would take"
+            ),
+        }
+    }
+}

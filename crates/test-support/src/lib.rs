@@ -1,0 +1,79 @@
+//! What the test suites of every crate share: the one policy for root-only tests.
+//!
+//! Tests that build network namespaces or program nftables need root; CI (`.ci/run`)
+//! runs as root, so there every such test runs. A test that needs root and finds
+//! itself without it must not pass green in silence: it fails, saying why, unless
+//! `KPROXY_SKIP_ROOT_TESTS=1` asks to skip them. A skip is then written to the
+//! process's standard error directly, which the test harness does not capture (it
+//! captures only `print!`/`eprint!`), so every skipped test shows in the output.
+#![forbid(unsafe_code)]
+
+use std::io::Write;
+
+/// The variable that turns a root-only test run without root into a visible skip.
+pub const SKIP_VAR: &str = "KPROXY_SKIP_ROOT_TESTS";
+
+/// Whether the calling root-only test may run: `true` as root. Without root it panics
+/// naming `needs`, or, with `KPROXY_SKIP_ROOT_TESTS=1`, writes a skip line that the
+/// harness shows and returns `false` (the test then returns at once).
+pub fn root(needs: &str) -> bool {
+    // Straight to fd 2: `eprintln!` would be captured and shown only on failure.
+    decide(
+        nix::unistd::geteuid().is_root(),
+        skip_asked(),
+        needs,
+        &mut std::io::stderr(),
+    )
+}
+
+fn skip_asked() -> bool {
+    std::env::var(SKIP_VAR).is_ok_and(|v| v == "1")
+}
+
+fn decide(is_root: bool, skip: bool, needs: &str, out: &mut impl Write) -> bool {
+    if is_root {
+        return true;
+    }
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("a root-only test")
+        .to_string();
+    assert!(
+        skip,
+        "{test} needs root ({needs}); run as root (.ci/run does), or set {SKIP_VAR}=1 to skip it"
+    );
+    let _ = writeln!(
+        out,
+        "SKIPPED (not root, {SKIP_VAR}=1): {test}: needs {needs}"
+    );
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decide;
+
+    #[test]
+    fn root_runs_whatever_the_variable_says() {
+        let mut out = Vec::new();
+        assert!(decide(true, false, "x", &mut out));
+        assert!(decide(true, true, "x", &mut out));
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn without_root_a_skip_must_be_asked_for() {
+        let mut out = Vec::new();
+        assert!(!decide(false, true, "nftables", &mut out));
+        let said = String::from_utf8(out).unwrap();
+        assert!(said.starts_with("SKIPPED (not root"), "{said}");
+        assert!(said.contains("needs nftables"), "{said}");
+        let failed = std::panic::catch_unwind(|| {
+            decide(false, false, "network namespaces", &mut Vec::new())
+        });
+        let msg = failed.expect_err("not root and no skip asked: the test fails");
+        let msg = msg.downcast_ref::<String>().expect("a formatted message");
+        assert!(msg.contains("needs root (network namespaces)"), "{msg}");
+        assert!(msg.contains("KPROXY_SKIP_ROOT_TESTS=1"), "{msg}");
+    }
+}
