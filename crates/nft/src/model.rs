@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use kproxy_core::model::IpFamily;
 
-use crate::NftError;
+use crate::error::NftError;
 
 /// An nftables table family kproxy uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -865,6 +865,66 @@ impl Op {
             Op::DeleteChain { .. } => 6,
             Op::DeleteSet { .. } => 7,
         }
+    }
+
+    /// The operation in a few words (`add chain ip kproxy services`), for messages.
+    pub fn describe(&self) -> String {
+        let (verb, kind, family, table, name) = match self {
+            Op::AddTable { family, table, .. } => ("add", "table", family, table, None),
+            Op::DeleteTable { family, table } => ("delete", "table", family, table, None),
+            Op::AddSet {
+                family,
+                table,
+                name,
+                decl,
+            } => {
+                let kind = if decl.is_map() { "map" } else { "set" };
+                ("add", kind, family, table, Some(name))
+            }
+            Op::DeleteSet {
+                family,
+                table,
+                name,
+                map,
+            } => {
+                let kind = if *map { "map" } else { "set" };
+                ("delete", kind, family, table, Some(name))
+            }
+            Op::AddChain {
+                family,
+                table,
+                name,
+                ..
+            } => ("add", "chain", family, table, Some(name)),
+            Op::FlushChain {
+                family,
+                table,
+                name,
+            } => ("flush", "chain", family, table, Some(name)),
+            Op::DeleteChain {
+                family,
+                table,
+                name,
+            } => ("delete", "chain", family, table, Some(name)),
+            Op::AddRule {
+                family,
+                table,
+                chain,
+                ..
+            } => ("add", "rule", family, table, Some(chain)),
+            Op::AddElements {
+                family, table, set, ..
+            } => ("add", "element", family, table, Some(set)),
+            Op::DeleteElements {
+                family, table, set, ..
+            } => ("delete", "element", family, table, Some(set)),
+        };
+        let mut s = format!("{verb} {kind} {} {table}", family.nft());
+        if let Some(name) = name {
+            s.push(' ');
+            s.push_str(name);
+        }
+        s
     }
 
     /// Whether it changes elements only (what netlink sends without nft).

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
-use crate::NftError;
+use crate::error::{NftError, Via};
 use crate::model::{Table, Transaction};
 
 const NFT: &str = "nft";
@@ -62,10 +62,15 @@ pub(crate) fn run(
     })?;
     if !out.status.success() {
         let mut stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        stderr.truncate(4000);
-        return Err(NftError::Nft {
-            status: out.status.to_string(),
-            stderr,
+        // At a character's boundary: the text is nft's, and may be anything.
+        let cut = (0..=stderr.len().min(4000))
+            .rev()
+            .find(|&i| stderr.is_char_boundary(i))
+            .unwrap_or(0);
+        stderr.truncate(cut);
+        return Err(NftError::Refused {
+            via: Via::Nft,
+            message: format!("{} ({})", stderr.trim_end(), out.status),
         });
     }
     written.map_err(|e| NftError::Io {
@@ -91,14 +96,15 @@ pub fn list_table_json(family: &str, table: &str) -> Result<Option<Value>, NftEr
         if stderr.contains("No such file or directory") {
             return Ok(None);
         }
-        return Err(NftError::Nft {
-            status: out.status.to_string(),
-            stderr: stderr.into_owned(),
-        });
+        return Err(NftError::Read(format!(
+            "`{NFT} -j list table {family} {table}` ({}): {}",
+            out.status,
+            stderr.trim_end()
+        )));
     }
     serde_json::from_slice(&out.stdout)
         .map(Some)
-        .map_err(|e| NftError::Parse(e.to_string()))
+        .map_err(|e| NftError::Read(e.to_string()))
 }
 
 /// A table read back from the kernel, reduced to what kproxy decides: per object
@@ -174,7 +180,7 @@ pub fn compare_with_kernel(rs: &Table) -> Result<Vec<String>, NftError> {
     run_transaction(&Transaction::replace(scratch))?;
     let expected = list_table_json(family, &scratch_name);
     let removed = run_script(&format!("delete table {family} {scratch_name}\n"));
-    let expected = expected?.ok_or_else(|| NftError::Parse("scratch table vanished".into()))?;
+    let expected = expected?.ok_or_else(|| NftError::Read("scratch table vanished".into()))?;
     removed?;
     let (k, e) = (normalize(&kernel), normalize(&expected));
     let mut diff = Vec::new();

@@ -53,10 +53,10 @@ use kproxy_core::plan::{
 };
 use sha2::{Digest, Sha256};
 
-use crate::DataplaneConfig;
+use crate::config::DataplaneConfig;
 
 use crate::model::{Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple};
-pub use crate::model::{Chain, Set, Table};
+pub use crate::model::{Chain, Set, Table, Transaction};
 
 /// Counts of what a delta changes, for the sync report and metrics.
 pub type DeltaCounts = crate::model::Counts;
@@ -1327,7 +1327,7 @@ fn source_match(class: SourceClass, f: &Fam, local_pods: &LocalPods) -> Option<S
                     _ => Some(format!("{} saddr @local-pods ", f.p)),
                 }
             }
-            // Interface names are validated by `crate::validate_interface`; an invalid
+            // Interface names are validated by `crate::config::validate_interface`; an invalid
             // one was rejected before rendering (see `validate_plan`).
             LocalPods::InterfacePrefix(p) => Some(format!("iifname \"{p}*\" ")),
             LocalPods::Bridge(b) => Some(format!("iifname \"{b}\" ")),
@@ -1385,6 +1385,29 @@ fn sanitize(s: &str) -> String {
             }
         })
         .collect()
+}
+
+/// The desired state of kproxy's tables for a plan (IPv4, IPv6). Pure.
+pub fn desired(plan: &NodePlan, cfg: &DataplaneConfig) -> [Table; 2] {
+    IpFamily::ALL.map(|f| build(plan, cfg, f))
+}
+
+/// The one transaction a full sync sends when the tables may exist: each family's
+/// table replaced (created, deleted, created again with everything), no gap.
+pub fn full_transaction(tables: [Table; 2]) -> Transaction {
+    let mut tx = Transaction::default();
+    for t in tables {
+        tx.extend(Transaction::replace(t));
+    }
+    tx
+}
+
+/// The full sync's transaction for a plan, as nft text (what `sync` sends when the
+/// tables exist and cannot be adopted; into absent tables it sends the same objects in
+/// steps). For golden tests and benches; operators see [`first_sync_transaction`]
+/// (`kproxy sync --dry-run`).
+pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
+    full_transaction(desired(plan, cfg)).nft_text()
 }
 
 #[cfg(test)]

@@ -295,7 +295,7 @@ fn delta_from_the_update_equals_the_full_diff() {
                 let wanted = kproxy_nft::desired(plan, &dp_cfg);
                 let moved = match (recs.as_mut(), &previous) {
                     (Some(r), Some(old)) => {
-                        let tx = kproxy_nft::delta(r, plan, &update, &dp_cfg);
+                        let tx = kproxy_nft::delta(r, plan, &update, &dp_cfg).unwrap();
                         let mut full = Transaction::default();
                         for (o, w) in old.iter().zip(&wanted) {
                             full.extend(diff(o, w).unwrap());
