@@ -96,13 +96,8 @@ const NFT_KEYWORDS: &[&str] = &[
     "elements",
 ];
 
-/// The suffix of the scratch table in which `kproxy run` verifies its ruleset
-/// (`NAME-verify`, crates/nft), deleted and recreated at every verification.
-const VERIFY_TABLE_SUFFIX: &str = "-verify";
-
 /// `--nft-table`: 1-32 characters of `[A-Za-z0-9_-]` starting with a letter, not an nft
-/// keyword, and not ending in [`VERIFY_TABLE_SUFFIX`]: that name is another instance's
-/// scratch table, which its verification deletes (issue 32).
+/// keyword.
 pub fn parse_nft_table_name(s: &str) -> Result<String, String> {
     let ok = !s.is_empty()
         && s.len() <= 32
@@ -116,11 +111,6 @@ pub fn parse_nft_table_name(s: &str) -> Result<String, String> {
     }
     if NFT_KEYWORDS.contains(&s.to_ascii_lowercase().as_str()) {
         return Err(format!("table name {s:?} is an nft keyword"));
-    }
-    if s.to_ascii_lowercase().ends_with(VERIFY_TABLE_SUFFIX) {
-        return Err(format!(
-            "table name {s:?} ends in {VERIFY_TABLE_SUFFIX:?}: the name of the scratch table in which an instance verifies its rules, which it deletes"
-        ));
     }
     Ok(s.to_string())
 }
@@ -161,8 +151,6 @@ mod tests {
             "a b",
             "a;b",
             &"x".repeat(33),
-            "kproxy-verify",
-            "other-VERIFY",
         ] {
             assert!(parse_nft_table_name(bad).is_err(), "{bad:?}");
         }

@@ -15,7 +15,7 @@ use crate::config::{DataplaneConfig, validate_plan};
 use crate::error::NftError;
 use crate::first_sync::first_sync_into_absent_tables;
 use crate::model::{self, Table, Transaction};
-use crate::readback::{adopt, read_back, records_and_adoption};
+use crate::readback::{adopt, compare_named, records_and_adoption};
 use crate::record::{FamilyRecord, changed_services, delta_by, records, write_full_replacement};
 use crate::ruleset::DeltaCounts;
 use crate::{conntrack, dump, netlink, nft};
@@ -289,15 +289,10 @@ impl Dataplane {
 
     /// Whether neither of kproxy's tables exists (a node's first start, or after
     /// `kproxy cleanup`); false when that cannot be told.
-    fn tables_absent(&mut self, recs: &[FamilyRecord; 2]) -> bool {
-        let absent = self.writer().and_then(|w| {
-            for rec in recs {
-                let (family, name) = rec.table();
-                if w.table_exists(family, name)? {
-                    return Ok(false);
-                }
-            }
-            Ok(true)
+    fn tables_absent(&self, recs: &[FamilyRecord; 2]) -> bool {
+        let absent = recs.iter().try_fold(true, |absent, rec| {
+            let (family, name) = rec.table();
+            Ok::<_, NftError>(absent && !dump::table_exists(family.nft(), name)?)
         });
         absent.unwrap_or_else(|e| {
             tracing::warn!(error = %e, "cannot check for kproxy's tables over netlink; full sync by nft -f");
@@ -334,46 +329,50 @@ impl Dataplane {
     }
 
     /// Reads the kernel, compares with the record, repairs drift (replaces the tables
-    /// with the record's, one transaction); never on the normal path. Without a record (nothing synced yet) there is
-    /// nothing to compare and no drift.
+    /// with the record's, one transaction); never on the normal path. Without a record
+    /// (nothing synced yet) there is nothing to compare and no drift.
     ///
-    /// The kernel is first read back over netlink, as adoption reads it (0.2–0.4 s at
-    /// 10k Services × 10 endpoints); only when that finds a difference (or cannot tell)
-    /// is `nft -j` asked to name it, which takes ~10 s at that scale. The sync loop
-    /// waits for a verification: a 10 s one every verifyPeriod held a change back that
-    /// long (issue 27).
+    /// The kernel is read back over netlink as adoption reads it ([`readback`]; 0.2–0.4
+    /// s at 10k Services × 10 endpoints), and the differences are the objects that
+    /// the delta from the kernel to the record touches. `nft` is never run to list
+    /// the tables: `nft -j` took ~10 s at that scale, and the sync loop waits for a
+    /// verification.
     pub fn verify(&mut self) -> Result<VerifyReport, NftError> {
-        if let Some(recs) = self.programmed.as_ref() {
-            let table = self.cfg.table.as_str();
-            let raw = [
-                dump::read_table("ip", table),
-                dump::read_table("ip6", table),
-            ];
-            if read_back(recs, raw).is_some_and(|r| r.tx.counts.is_empty()) {
-                return Ok(VerifyReport::default());
-            }
-        }
-        let Some(programmed) = self.programmed() else {
+        let Some(recs) = self.programmed.take() else {
             return Ok(VerifyReport::default());
         };
         let mut differences = Vec::new();
-        for rs in &programmed {
-            differences.extend(nft::compare_with_kernel(rs)?);
+        for rec in &recs {
+            let (family, table) = rec.table();
+            let raw = match dump::read_table(family.nft(), table) {
+                Ok(raw) => raw,
+                Err(e) => {
+                    // Unread is not drift: the record stays, the next verification
+                    // reads again.
+                    self.programmed = Some(recs);
+                    return Err(e);
+                }
+            };
+            // Nothing named: the kernel holds the record's table.
+            match compare_named(rec, raw.as_ref()) {
+                Ok((_, named)) => differences.extend(named),
+                Err(e) => {
+                    self.programmed = Some(recs);
+                    return Err(e);
+                }
+            }
         }
         let drift = !differences.is_empty();
         if drift {
             tracing::warn!(?differences, "nftables drift: repairing with a full sync");
             // The record is what the kernel should hold: it replaces the tables.
-            let mut tx = Transaction::default();
-            for t in programmed {
-                tx.extend(Transaction::replace(t));
-            }
-            if let Err(e) = nft::run_transaction(&tx) {
-                self.programmed = None;
+            let mut report = SyncReport::default();
+            if let Err(e) = self.send(Step::Replace, &recs, &mut report) {
                 self.writer = None;
                 return Err(e);
             }
         }
+        self.programmed = Some(recs);
         Ok(VerifyReport { drift, differences })
     }
 }
@@ -404,25 +403,22 @@ impl Step {
     }
 }
 
-/// Removes everything kproxy made (both tables, and the `-verify` scratch tables a
-/// verification interrupted by a crash leaves behind); succeeds when they are absent.
+/// Removes everything kproxy made (both tables); succeeds when they are absent.
 pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
     cfg.validate()?;
     // `add` then `delete` in one transaction: deletes whether or not the table exists.
     let mut tx = Transaction::default();
-    for table in [cfg.table.clone(), format!("{}-verify", cfg.table)] {
-        for family in [model::Family::Ip, model::Family::Ip6] {
-            tx.ops.push(model::Op::AddTable {
-                family,
-                table: table.clone(),
-                comment: None,
-                dormant: false,
-            });
-            tx.ops.push(model::Op::DeleteTable {
-                family,
-                table: table.clone(),
-            });
-        }
+    for family in [model::Family::Ip, model::Family::Ip6] {
+        tx.ops.push(model::Op::AddTable {
+            family,
+            table: cfg.table.clone(),
+            comment: None,
+            dormant: false,
+        });
+        tx.ops.push(model::Op::DeleteTable {
+            family,
+            table: cfg.table.clone(),
+        });
     }
     nft::run_script(&tx.nft_text())
 }

@@ -350,6 +350,20 @@ impl Reader {
     }
 }
 
+/// Whether table `family table` exists: one GETTABLE request, absent when the kernel
+/// answers `ENOENT`.
+pub fn table_exists(family: &str, table: &str) -> Result<bool, NftError> {
+    let fam = family_code(family)?;
+    Reader::open()?.request(
+        &format!("table {family} {table}"),
+        NFT_MSG_GETTABLE,
+        NLM_F_ACK,
+        fam,
+        &[(NFTA_TABLE_NAME, table)],
+        |_| Ok(()),
+    )
+}
+
 /// Reads table `family table` (e.g. `ip kproxy`) with its chains, rules, named sets
 /// and their elements from the calling thread's network namespace; `None` when the
 /// table does not exist. Consistent: the reading is repeated (up to three times) when a

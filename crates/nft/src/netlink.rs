@@ -24,11 +24,8 @@
 use std::net::IpAddr;
 use std::os::unix::fs::MetadataExt;
 
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-};
-use netlink_packet_netfilter::nftables::{NfTablesMessage, TableAttribute, TableMessage};
-use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
+use netlink_packet_core::{NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
+use netlink_packet_netfilter::NetfilterMessage;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
@@ -410,13 +407,6 @@ fn messages(buf: &[u8]) -> impl Iterator<Item = NetlinkPayload<NetfilterMessage>
     })
 }
 
-fn proto_family(family: Family) -> NetfilterProtoFamily {
-    match family {
-        Family::Ip => NetfilterProtoFamily::IPv4,
-        Family::Ip6 => NetfilterProtoFamily::IPv6,
-    }
-}
-
 impl Writer {
     /// Opens the socket in the calling thread's network namespace.
     pub fn open() -> Result<Writer, NftError> {
@@ -449,57 +439,6 @@ impl Writer {
             netns: current_netns()?,
             sndbuf: INITIAL_SNDBUF,
         })
-    }
-
-    /// Whether table `family name` exists (one GETTABLE request).
-    pub fn table_exists(&self, family: Family, name: &str) -> Result<bool, NftError> {
-        let family_name = family.nft();
-        self.drain();
-        let mut hdr = NetlinkHeader::default();
-        hdr.flags = NLM_F_REQUEST | NLM_F_ACK;
-        let msg = NetfilterMessage::new(
-            NetfilterHeader::new(proto_family(family), 0, 0),
-            NfTablesMessage::GetTable(TableMessage {
-                attributes: vec![TableAttribute::Name(name.to_string())],
-            }),
-        );
-        let mut packet = NetlinkMessage::new(hdr, NetlinkPayload::from(msg));
-        packet.finalize();
-        let mut buf = vec![0; packet.buffer_len()];
-        packet.serialize(&mut buf);
-        self.sock.send(&buf, 0).map_err(|e| NftError::Io {
-            context: format!("asking the kernel for table {family_name} {name}"),
-            source: e,
-        })?;
-        let mut found = false;
-        let mut buf = vec![0u8; 1 << 16];
-        loop {
-            let size = self
-                .sock
-                .recv(&mut &mut buf[..], 0)
-                .map_err(|e| NftError::Io {
-                    context: format!(
-                        "waiting for the kernel's answer about table {family_name} {name}"
-                    ),
-                    source: e,
-                })?;
-            for m in messages(&buf[..size]) {
-                match m {
-                    NetlinkPayload::Error(e) => {
-                        return match e.code.map_or(0, |c| c.get()) {
-                            0 => Ok(found),
-                            c if c == -libc::ENOENT => Ok(false),
-                            c => Err(NftError::Read(format!(
-                                "get table {family_name} {name}: {}",
-                                std::io::Error::from_raw_os_error(-c)
-                            ))),
-                        };
-                    }
-                    NetlinkPayload::InnerMessage(_) => found = true,
-                    _ => {}
-                }
-            }
-        }
     }
 
     /// Drops replies left from an aborted batch, so they are not read as answers to the
@@ -605,7 +544,8 @@ impl Writer {
 mod tests {
     use super::*;
     use crate::model::Elem;
-    use netlink_packet_netfilter::NetfilterMessageInner;
+    use netlink_packet_netfilter::nftables::{NfTablesMessage, TableMessage};
+    use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessageInner, NetfilterProtoFamily};
 
     use crate::model::{Field, SetData, SetDecl};
 

@@ -15,9 +15,9 @@ use std::time::Instant;
 use kproxy_core::NodePlan;
 
 use crate::config::DataplaneConfig;
-use crate::dump;
+use crate::dump::{self, AdoptError, RawTable};
 use crate::error::NftError;
-use crate::model::{self, Transaction};
+use crate::model::{self, Op, Transaction};
 use crate::record::{FamilyRecord, full_transaction_of, records};
 
 /// A first sync's records and, when kproxy's tables exist and can be brought to them in
@@ -64,37 +64,10 @@ pub fn first_sync_transaction(plan: &NodePlan, cfg: &DataplaneConfig) -> (Transa
 /// repair in place (logged).
 pub(crate) fn adopt(
     recs: &[FamilyRecord; 2],
-    raw: [Result<Option<dump::RawTable>, NftError>; 2],
+    raw: [Result<Option<RawTable>, NftError>; 2],
 ) -> Option<Transaction> {
     let t = Instant::now();
-    let r = read_back(recs, raw)?;
-    tracing::info!(
-        rules = r.rules,
-        elements = r.elements,
-        diff_ms = t.elapsed().as_secs_f64() * 1e3,
-        changes = ?r.tx.counts,
-        "adopted kproxy's tables from the kernel"
-    );
-    Some(r.tx)
-}
-
-/// The kernel's tables read back and diffed against the records: the delta that moves
-/// them to the records, and what was read.
-pub(crate) struct ReadBack {
-    pub(crate) tx: Transaction,
-    rules: usize,
-    elements: usize,
-}
-
-/// [`adopt`]'s reading and diffing, without its log: also what `verify` asks first.
-/// `None`: a table is absent, or unreadable, or holds what a delta cannot repair (the
-/// last two logged as warnings).
-pub(crate) fn read_back(
-    recs: &[FamilyRecord; 2],
-    raw: [Result<Option<dump::RawTable>, NftError>; 2],
-) -> Option<ReadBack> {
-    let mut tx = Transaction::default();
-    let (mut rules, mut elements) = (0, 0);
+    let (mut tx, mut rules, mut elements) = (Transaction::default(), 0, 0);
     for (rec, raw) in recs.iter().zip(raw) {
         let raw = match raw {
             Ok(Some(raw)) => raw,
@@ -106,19 +79,16 @@ pub(crate) fn read_back(
         };
         rules += raw.rule_count();
         elements += raw.element_count();
-        let desired = rec.assemble();
-        let kernel = match dump::adopt(&raw, &desired) {
-            Ok(k) => k,
-            Err(e) => {
+        match compare(rec, Some(&raw)) {
+            Ok(Compared::Delta(d)) => tx.extend(d),
+            Ok(Compared::Absent) => return None,
+            Ok(Compared::Unadoptable(e)) => {
                 tracing::warn!(error = %e, "kproxy's tables hold what a delta cannot repair; replacing them");
                 return None;
             }
-        };
-        match model::diff(&kernel, &desired) {
-            Ok(d) if !d.replaces => tx.extend(d),
-            Ok(_) => {
+            Ok(Compared::Replaces) => {
                 tracing::warn!(
-                    family = desired.family.nft(),
+                    family = rec.table().0.nft(),
                     "a declaration in the kernel differs; replacing the tables"
                 );
                 return None;
@@ -130,9 +100,83 @@ pub(crate) fn read_back(
         }
     }
     tx.order();
-    Some(ReadBack {
-        tx,
+    tracing::info!(
         rules,
         elements,
-    })
+        diff_ms = t.elapsed().as_secs_f64() * 1e3,
+        changes = ?tx.counts,
+        "adopted kproxy's tables from the kernel"
+    );
+    Some(tx)
+}
+
+/// One family's table in the kernel against the record.
+#[derive(Debug)]
+pub(crate) enum Compared {
+    /// The table does not exist.
+    Absent,
+    /// The kernel holds what a delta cannot repair (a foreign comment or flags, a hook
+    /// or set type that differs, elements that do not decode): the object and why.
+    Unadoptable(AdoptError),
+    /// A declaration differs: `diff` replaces the table.
+    Replaces,
+    /// The delta that moves the kernel to the record; empty when they are equal.
+    Delta(Transaction),
+}
+
+/// Compares one family's table as read back (`None`: absent) with the record:
+/// [`dump::adopt`] turns the kernel's table into the model, and [`model::diff`] says
+/// what moves it to the record. Fails only when the diff does (a bug).
+pub(crate) fn compare(rec: &FamilyRecord, raw: Option<&RawTable>) -> Result<Compared, NftError> {
+    Ok(compare_named(rec, raw)?.0)
+}
+
+/// [`compare`] and the objects that differ, as verification names them (`table ip
+/// kproxy`, `chain services`, `map service-ips`, or what adoption could not account
+/// for), in the order the transaction touches them, each once.
+pub(crate) fn compare_named(
+    rec: &FamilyRecord,
+    raw: Option<&RawTable>,
+) -> Result<(Compared, Vec<String>), NftError> {
+    let (family, table) = rec.table();
+    let Some(raw) = raw else {
+        let named = vec![format!("table {} {table}", family.nft())];
+        return Ok((Compared::Absent, named));
+    };
+    let desired = rec.assemble();
+    let kernel = match dump::adopt(raw, &desired) {
+        Ok(k) => k,
+        Err(e) => {
+            let named = vec![e.what.clone()];
+            return Ok((Compared::Unadoptable(e), named));
+        }
+    };
+    let tx = model::diff(&kernel, &desired)?;
+    let kind = |set: &str, map: bool| format!("{} {set}", if map { "map" } else { "set" });
+    let is_map = |set: &str| desired.sets.get(set).is_some_and(|s| s.decl.is_map());
+    let mut named: Vec<String> = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for op in &tx.ops {
+        let name = match op {
+            Op::AddTable { .. } | Op::DeleteTable { .. } => {
+                format!("table {} {table}", family.nft())
+            }
+            Op::AddSet { name, decl, .. } => kind(name, decl.is_map()),
+            Op::DeleteSet { name, map, .. } => kind(name, *map),
+            Op::AddElements { set, .. } | Op::DeleteElements { set, .. } => kind(set, is_map(set)),
+            Op::AddChain { name, .. }
+            | Op::FlushChain { name, .. }
+            | Op::DeleteChain { name, .. }
+            | Op::AddRule { chain: name, .. } => format!("chain {name}"),
+        };
+        if seen.insert(name.clone()) {
+            named.push(name);
+        }
+    }
+    let compared = if tx.replaces {
+        Compared::Replaces
+    } else {
+        Compared::Delta(tx)
+    };
+    Ok((compared, named))
 }
