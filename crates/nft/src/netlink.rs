@@ -15,7 +15,7 @@
 //! rarely.
 //!
 //! Elements reach this module as the typed element operations of a
-//! [`crate::model::Transaction`] ([`Batch::transaction`], the model's second renderer
+//! [`crate::model::Transaction`] ([`Batch::transaction`], the rendering
 //! beside its nft text) and are encoded as nft encodes them: each field of a
 //! concatenation padded to 4 bytes, addresses and ports in network order, the `numgen`
 //! index in host order. An element it does not encode (a prefix of an interval set)
