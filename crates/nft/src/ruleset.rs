@@ -60,6 +60,25 @@ use crate::model::{
 };
 pub use crate::model::{Chain, Set, Table, Transaction};
 
+/// kproxy's base chains: (name, hook, priority, its one rule). The neighbour contract
+/// (crates/nft/README.md) promises these hooks and priorities, upstream's nat ones
+/// (`dstnat` -100 before routing and for local output, `srcnat` 100 after).
+pub const BASE_CHAINS: [(&str, HookPoint, i32, &str); 3] = [
+    (
+        "nat-prerouting",
+        HookPoint::Prerouting,
+        -100,
+        "jump services",
+    ),
+    ("nat-output", HookPoint::Output, -100, "jump services"),
+    (
+        "nat-postrouting",
+        HookPoint::Postrouting,
+        100,
+        "jump masquerading",
+    ),
+];
+
 /// Counts of what a delta changes, for the sync report and metrics.
 pub type DeltaCounts = crate::model::Counts;
 
@@ -624,29 +643,14 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
         set(vec![a, a], "endpoint IP . endpoint IP"),
     );
 
-    // Base chains, hooks and priorities as upstream's nat chains.
     let base = |hook: Option<Hook>, rules: Vec<String>| Chain { hook, rules };
-    rs.chains.insert(
-        "nat-prerouting".into(),
-        base(
-            Some(Hook::nat(HookPoint::Prerouting, -100)),
-            vec!["jump services".into()],
-        ),
-    );
-    rs.chains.insert(
-        "nat-output".into(),
-        base(
-            Some(Hook::nat(HookPoint::Output, -100)),
-            vec!["jump services".into()],
-        ),
-    );
-    rs.chains.insert(
-        "nat-postrouting".into(),
-        base(
-            Some(Hook::nat(HookPoint::Postrouting, 100)),
-            vec!["jump masquerading".into()],
-        ),
-    );
+    for (name, hook, priority, rule) in BASE_CHAINS {
+        let chain = Chain {
+            hook: Some(Hook::nat(hook, priority)),
+            rules: vec![rule.into()],
+        };
+        rs.chains.insert(name.into(), chain);
+    }
     rs.chains.insert(
         "masquerading".into(),
         base(
