@@ -36,17 +36,7 @@ impl DataplaneConfig {
 
     /// Rejects values that could not be rendered safely.
     pub fn validate(&self) -> Result<(), NftError> {
-        let t = &self.table;
-        let ok = !t.is_empty()
-            && t.len() <= 32
-            && t.starts_with(|c: char| c.is_ascii_alphabetic())
-            && t.chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        if !ok {
-            return Err(NftError::Invalid(format!(
-                "table name {t:?}: want [A-Za-z][A-Za-z0-9_-]{{0,31}}"
-            )));
-        }
+        kproxy_core::config::check_nft_table_name(&self.table).map_err(NftError::Invalid)?;
         if self.masquerade_bit > 31 {
             return Err(NftError::Invalid(format!(
                 "masquerade bit {} is not in 0..=31",

@@ -137,6 +137,9 @@ fn hostile_names_are_rejected() {
         "1abc",
         "a b",
         &"x".repeat(40),
+        // nft keywords: the flag's rule is the dataplane's too.
+        "inet",
+        "Table",
     ] {
         let cfg = DataplaneConfig {
             table: bad.to_string(),
