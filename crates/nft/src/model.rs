@@ -875,58 +875,45 @@ impl Op {
         }
     }
 
+    /// What the operation does to which kind of object, and the object's name (a set's
+    /// for element operations, a chain's for a rule; none for a table).
+    pub fn object(&self) -> (&'static str, &'static str, Option<&str>) {
+        match self {
+            Op::AddTable { .. } => ("add", "table", None),
+            Op::DeleteTable { .. } => ("delete", "table", None),
+            Op::AddSet { name, decl, .. } => ("add", decl.kind(), Some(name)),
+            Op::DeleteSet { name, map, .. } => {
+                ("delete", if *map { "map" } else { "set" }, Some(name))
+            }
+            Op::AddChain { name, .. } => ("add", "chain", Some(name)),
+            Op::FlushChain { name, .. } => ("flush", "chain", Some(name)),
+            Op::DeleteChain { name, .. } => ("delete", "chain", Some(name)),
+            Op::AddRule { chain, .. } => ("add", "rule", Some(chain)),
+            Op::AddElements { set, .. } => ("add", "element", Some(set)),
+            Op::DeleteElements { set, .. } => ("delete", "element", Some(set)),
+        }
+    }
+
+    /// The table the operation acts in.
+    pub fn table(&self) -> (Family, &str) {
+        match self {
+            Op::AddTable { family, table, .. }
+            | Op::DeleteTable { family, table }
+            | Op::AddSet { family, table, .. }
+            | Op::DeleteSet { family, table, .. }
+            | Op::AddChain { family, table, .. }
+            | Op::FlushChain { family, table, .. }
+            | Op::DeleteChain { family, table, .. }
+            | Op::AddRule { family, table, .. }
+            | Op::AddElements { family, table, .. }
+            | Op::DeleteElements { family, table, .. } => (*family, table),
+        }
+    }
+
     /// The operation in a few words (`add chain ip kproxy services`), for messages.
     pub fn describe(&self) -> String {
-        let (verb, kind, family, table, name) = match self {
-            Op::AddTable { family, table, .. } => ("add", "table", family, table, None),
-            Op::DeleteTable { family, table } => ("delete", "table", family, table, None),
-            Op::AddSet {
-                family,
-                table,
-                name,
-                decl,
-            } => {
-                let kind = if decl.is_map() { "map" } else { "set" };
-                ("add", kind, family, table, Some(name))
-            }
-            Op::DeleteSet {
-                family,
-                table,
-                name,
-                map,
-            } => {
-                let kind = if *map { "map" } else { "set" };
-                ("delete", kind, family, table, Some(name))
-            }
-            Op::AddChain {
-                family,
-                table,
-                name,
-                ..
-            } => ("add", "chain", family, table, Some(name)),
-            Op::FlushChain {
-                family,
-                table,
-                name,
-            } => ("flush", "chain", family, table, Some(name)),
-            Op::DeleteChain {
-                family,
-                table,
-                name,
-            } => ("delete", "chain", family, table, Some(name)),
-            Op::AddRule {
-                family,
-                table,
-                chain,
-                ..
-            } => ("add", "rule", family, table, Some(chain)),
-            Op::AddElements {
-                family, table, set, ..
-            } => ("add", "element", family, table, Some(set)),
-            Op::DeleteElements {
-                family, table, set, ..
-            } => ("delete", "element", family, table, Some(set)),
-        };
+        let (verb, kind, name) = self.object();
+        let (family, table) = self.table();
         let mut s = format!("{verb} {kind} {} {table}", family.nft());
         if let Some(name) = name {
             s.push(' ');

@@ -187,57 +187,37 @@ impl Batch {
     pub fn transaction(tx: &Transaction) -> Result<Batch, EncodeError> {
         let mut b = Batch::default();
         for op in &tx.ops {
-            match op {
+            let encoded = match op {
                 Op::AddElements {
                     family,
                     table,
                     set,
                     elems,
-                } => b.elements(
+                } => b.encode_elements(
                     true,
                     *family,
                     table,
                     set,
                     elems.iter().map(|e| (&e.key, e.value.as_ref())),
-                )?,
+                ),
                 Op::DeleteElements {
                     family,
                     table,
                     set,
                     keys,
-                } => b.elements(false, *family, table, set, keys.iter().map(|k| (k, None)))?,
-                op => {
-                    return Err(EncodeError {
-                        what: op.describe(),
-                        why: EncodeFailure::NotElements,
-                    });
-                }
-            }
+                } => b.encode_elements(false, *family, table, set, keys.iter().map(|k| (k, None))),
+                _ => Err(EncodeFailure::NotElements),
+            };
+            encoded.map_err(|why| EncodeError {
+                what: op.describe(),
+                why,
+            })?;
         }
         Ok(b)
     }
 
     /// Adds (`add`) or deletes the elements `items` (key, value) of `set` in `table`
     /// of `family`. Fails when an element does not encode.
-    fn elements<'a>(
-        &mut self,
-        add: bool,
-        family: Family,
-        table: &str,
-        set: &str,
-        items: impl Iterator<Item = (&'a Tuple, Option<&'a Value>)>,
-    ) -> Result<(), EncodeError> {
-        self.encode_elements(add, family, table, set, items)
-            .map_err(|why| EncodeError {
-                what: format!(
-                    "{} element {} {table} {set}",
-                    if add { "add" } else { "delete" },
-                    family.nft()
-                ),
-                why,
-            })
-    }
-
     fn encode_elements<'a>(
         &mut self,
         add: bool,

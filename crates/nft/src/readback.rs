@@ -17,7 +17,7 @@ use kproxy_core::NodePlan;
 use crate::config::DataplaneConfig;
 use crate::dump::{self, AdoptError, RawTable};
 use crate::error::NftError;
-use crate::model::{self, Op, Transaction};
+use crate::model::{self, Transaction};
 use crate::record::{FamilyRecord, full_transaction_of, records};
 
 /// A first sync's records and, when kproxy's tables exist and can be brought to them in
@@ -152,22 +152,18 @@ pub(crate) fn compare_named(
         }
     };
     let tx = model::diff(&kernel, &desired)?;
-    let kind = |set: &str, map: bool| format!("{} {set}", if map { "map" } else { "set" });
-    let is_map = |set: &str| desired.sets.get(set).is_some_and(|s| s.decl.is_map());
     let mut named: Vec<String> = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     for op in &tx.ops {
-        let name = match op {
-            Op::AddTable { .. } | Op::DeleteTable { .. } => {
-                format!("table {} {table}", family.nft())
+        // A rule is its chain's difference, an element its set's or map's.
+        let name = match op.object() {
+            (_, _, None) => format!("table {} {table}", family.nft()),
+            (_, "rule", Some(chain)) => format!("chain {chain}"),
+            (_, "element", Some(set)) => {
+                let map = desired.sets.get(set).is_some_and(|s| s.decl.is_map());
+                format!("{} {set}", if map { "map" } else { "set" })
             }
-            Op::AddSet { name, decl, .. } => kind(name, decl.is_map()),
-            Op::DeleteSet { name, map, .. } => kind(name, *map),
-            Op::AddElements { set, .. } | Op::DeleteElements { set, .. } => kind(set, is_map(set)),
-            Op::AddChain { name, .. }
-            | Op::FlushChain { name, .. }
-            | Op::DeleteChain { name, .. }
-            | Op::AddRule { chain: name, .. } => format!("chain {name}"),
+            (_, kind, Some(name)) => format!("{kind} {name}"),
         };
         if seen.insert(name.clone()) {
             named.push(name);

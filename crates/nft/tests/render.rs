@@ -85,6 +85,15 @@ fn example_config() -> PlanConfig {
     }
 }
 
+/// Every connection masqueraded, with `local_detector`.
+fn masquerade_all(local_detector: LocalDetectorConfig) -> PlanConfig {
+    PlanConfig {
+        masquerade_all: true,
+        local_detector,
+        ..PlanConfig::default()
+    }
+}
+
 #[test]
 fn golden_example_cluster() {
     let plan = plan_from_yaml(&example_cluster(), "node-a", &example_config());
@@ -104,14 +113,7 @@ fn rendered_scripts_load_into_the_kernel() {
         plan_from_yaml(&example_cluster(), "node-a", &example_config()),
         plan_from_yaml(&example_cluster(), "node-b", &PlanConfig::default()),
         plan_from_yaml(MIXED, "node-a", &mixed_config()),
-        plan_from_yaml(
-            MIXED,
-            "node-b",
-            &PlanConfig {
-                masquerade_all: true,
-                ..PlanConfig::default()
-            },
-        ),
+        plan_from_yaml(MIXED, "node-b", &masquerade_all(LocalDetectorConfig::None)),
     ];
     ns.run(move || {
         for plan in &plans {
@@ -232,11 +234,7 @@ fn the_hosts_nft_lists_kproxys_tables_and_reads_the_listing_back() {
         plan_from_yaml(
             MIXED,
             "node-b",
-            &PlanConfig {
-                masquerade_all: true,
-                local_detector: LocalDetectorConfig::InterfaceNamePrefix("veth".into()),
-                ..PlanConfig::default()
-            },
+            &masquerade_all(LocalDetectorConfig::InterfaceNamePrefix("veth".into())),
         ),
     ];
     for (n, plan) in plans.into_iter().enumerate() {
