@@ -1,128 +1,14 @@
 //! Values of kproxy's own flags that reach the kernel or ingestion: the nftables table
-//! name and the node-port range. Checked when the flag is parsed, so a bad value is a
-//! usage error naming the flag, never a half-applied nft script.
+//! name (its rule is core's, shared with the dataplane's own check) and the node-port
+//! range. Checked when the flag is parsed, so a bad value is a usage error naming the
+//! flag, never a half-applied nft script.
 
 use std::ops::RangeInclusive;
 
-/// Words nft reads as keywords where a table name stands (`add table ip inet` is a
-/// syntax error, or worse, another meaning): families, object types and verbs.
-const NFT_KEYWORDS: &[&str] = &[
-    "ip",
-    "ip6",
-    "inet",
-    "arp",
-    "bridge",
-    "netdev",
-    "table",
-    "tables",
-    "chain",
-    "chains",
-    "rule",
-    "rules",
-    "set",
-    "sets",
-    "map",
-    "maps",
-    "element",
-    "flowtable",
-    "flowtables",
-    "counter",
-    "counters",
-    "quota",
-    "quotas",
-    "limit",
-    "limits",
-    "ct",
-    "meter",
-    "meters",
-    "add",
-    "create",
-    "insert",
-    "replace",
-    "delete",
-    "destroy",
-    "list",
-    "flush",
-    "reset",
-    "rename",
-    "describe",
-    "import",
-    "export",
-    "monitor",
-    "handle",
-    "index",
-    "position",
-    "hook",
-    "type",
-    "priority",
-    "policy",
-    "device",
-    "devices",
-    "flags",
-    "accept",
-    "drop",
-    "reject",
-    "queue",
-    "continue",
-    "return",
-    "jump",
-    "goto",
-    "define",
-    "include",
-    "filter",
-    "nat",
-    "route",
-    "counter",
-    "log",
-    "dnat",
-    "snat",
-    "masquerade",
-    "redirect",
-    "meta",
-    "tcp",
-    "udp",
-    "sctp",
-    "icmp",
-    "icmpv6",
-    "ether",
-    "vlan",
-    "comment",
-    "synproxy",
-    "secmark",
-    "secmarks",
-    "ruleset",
-    "timeout",
-    "size",
-    "elements",
-];
-
-/// The suffix of the scratch table in which `kproxy run` verifies its ruleset
-/// (`NAME-verify`, crates/nft), deleted and recreated at every verification.
-const VERIFY_TABLE_SUFFIX: &str = "-verify";
-
-/// `--nft-table`: 1-32 characters of `[A-Za-z0-9_-]` starting with a letter, not an nft
-/// keyword, and not ending in [`VERIFY_TABLE_SUFFIX`]: that name is another instance's
-/// scratch table, which its verification deletes.
+/// `--nft-table`: the rule of [`kproxy_core::config::check_nft_table_name`], checked
+/// when the flag is parsed.
 pub fn parse_nft_table_name(s: &str) -> Result<String, String> {
-    let ok = !s.is_empty()
-        && s.len() <= 32
-        && s.starts_with(|c: char| c.is_ascii_alphabetic())
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-    if !ok {
-        return Err(format!(
-            "table name {s:?}: want 1-32 of [A-Za-z0-9_-], starting with a letter"
-        ));
-    }
-    if NFT_KEYWORDS.contains(&s.to_ascii_lowercase().as_str()) {
-        return Err(format!("table name {s:?} is an nft keyword"));
-    }
-    if s.to_ascii_lowercase().ends_with(VERIFY_TABLE_SUFFIX) {
-        return Err(format!(
-            "table name {s:?} ends in {VERIFY_TABLE_SUFFIX:?}: the name of the scratch table in which an instance verifies its rules, which it deletes"
-        ));
-    }
-    Ok(s.to_string())
+    kproxy_core::config::check_nft_table_name(s).map(|()| s.to_string())
 }
 
 /// A node-port range as the apiserver's `--service-node-port-range` spells it:
@@ -161,8 +47,6 @@ mod tests {
             "a b",
             "a;b",
             &"x".repeat(33),
-            "kproxy-verify",
-            "other-VERIFY",
         ] {
             assert!(parse_nft_table_name(bad).is_err(), "{bad:?}");
         }

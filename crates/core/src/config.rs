@@ -113,6 +113,119 @@ pub fn check_interface_name(s: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Words nft reads as keywords where a table name stands (`add table ip inet` is a
+/// syntax error, or worse, another meaning): families, object types and verbs.
+const NFT_KEYWORDS: &[&str] = &[
+    "ip",
+    "ip6",
+    "inet",
+    "arp",
+    "bridge",
+    "netdev",
+    "table",
+    "tables",
+    "chain",
+    "chains",
+    "rule",
+    "rules",
+    "set",
+    "sets",
+    "map",
+    "maps",
+    "element",
+    "flowtable",
+    "flowtables",
+    "counter",
+    "counters",
+    "quota",
+    "quotas",
+    "limit",
+    "limits",
+    "ct",
+    "meter",
+    "meters",
+    "add",
+    "create",
+    "insert",
+    "replace",
+    "delete",
+    "destroy",
+    "list",
+    "flush",
+    "reset",
+    "rename",
+    "describe",
+    "import",
+    "export",
+    "monitor",
+    "handle",
+    "index",
+    "position",
+    "hook",
+    "type",
+    "priority",
+    "policy",
+    "device",
+    "devices",
+    "flags",
+    "accept",
+    "drop",
+    "reject",
+    "queue",
+    "continue",
+    "return",
+    "jump",
+    "goto",
+    "define",
+    "include",
+    "filter",
+    "nat",
+    "route",
+    "counter",
+    "log",
+    "dnat",
+    "snat",
+    "masquerade",
+    "redirect",
+    "meta",
+    "tcp",
+    "udp",
+    "sctp",
+    "icmp",
+    "icmpv6",
+    "ether",
+    "vlan",
+    "comment",
+    "synproxy",
+    "secmark",
+    "secmarks",
+    "ruleset",
+    "timeout",
+    "size",
+    "elements",
+];
+
+/// An nftables table name kproxy may use (`--nft-table`, `DataplaneConfig::table`):
+/// 1-32 characters of `[A-Za-z0-9_-]` starting with a letter (it sits in a script
+/// unquoted, and in a netlink attribute), and not an nft keyword. The one rule, checked
+/// where the flag is parsed and again by the dataplane.
+pub fn check_nft_table_name(s: &str) -> Result<(), String> {
+    let ok = !s.is_empty()
+        && s.len() <= 32
+        && s.starts_with(|c: char| c.is_ascii_alphabetic())
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if !ok {
+        return Err(format!(
+            "table name {s:?}: want 1-32 of [A-Za-z0-9_-], starting with a letter"
+        ));
+    }
+    if NFT_KEYWORDS.contains(&s.to_ascii_lowercase().as_str()) {
+        return Err(format!("table name {s:?} is an nft keyword"));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -86,8 +86,7 @@ fn main() {
             Ok(())
         };
         let done = kproxy_nft::first_sync_into_absent_tables(&recs, &load, &mut send)
-            .expect("sinks do not fail")
-            .expect("every element encodes");
+            .expect("sinks do not fail, and every element encodes");
         assert_eq!(done.netlink_bytes, sent.0);
         sent
     });

@@ -30,7 +30,7 @@ use netlink_packet_netfilter::{
 };
 use netlink_sys::Socket;
 
-use crate::NftError;
+use crate::error::NftError;
 
 /// One conntrack entry, as far as cleanup cares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

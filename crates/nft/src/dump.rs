@@ -25,7 +25,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use netlink_sys::Socket;
 
-use crate::NftError;
+use crate::error::NftError;
 use crate::model::{
     Atom, Chain, ChainType, Family, Field, Hook, HookPoint, MAX_FIELDS, RULE_ID_PREFIX, Set,
     SetData, SetDecl, Table, Tuple, Value, Verdict, rule_id,
@@ -289,7 +289,7 @@ impl Reader {
                 let b = &self.buf[at..n];
                 let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
                 if len < 16 || len > b.len() {
-                    return Err(NftError::Netlink(format!(
+                    return Err(NftError::Read(format!(
                         "{what}: a malformed answer ({len}-byte message in {} bytes)",
                         b.len()
                     )));
@@ -303,7 +303,7 @@ impl Reader {
                     continue; // a late answer to an earlier request
                 }
                 if mflags & NLM_F_DUMP_INTR != 0 {
-                    return Err(NftError::Netlink(format!(
+                    return Err(NftError::Read(format!(
                         "{what}: the ruleset changed during the dump"
                     )));
                 }
@@ -316,7 +316,7 @@ impl Reader {
                         return match code {
                             0 => Ok(true),
                             c if c == -libc::ENOENT => Ok(false),
-                            c => Err(NftError::Netlink(format!(
+                            c => Err(NftError::Read(format!(
                                 "{what}: {}",
                                 std::io::Error::from_raw_os_error(-c)
                             ))),
@@ -346,8 +346,22 @@ impl Reader {
                 Ok(())
             },
         )?;
-        id.ok_or_else(|| NftError::Netlink("the kernel sent no ruleset generation".into()))
+        id.ok_or_else(|| NftError::Read("the kernel sent no ruleset generation".into()))
     }
+}
+
+/// Whether table `family table` exists: one GETTABLE request, absent when the kernel
+/// answers `ENOENT`.
+pub fn table_exists(family: &str, table: &str) -> Result<bool, NftError> {
+    let fam = family_code(family)?;
+    Reader::open()?.request(
+        &format!("table {family} {table}"),
+        NFT_MSG_GETTABLE,
+        NLM_F_ACK,
+        fam,
+        &[(NFTA_TABLE_NAME, table)],
+        |_| Ok(()),
+    )
 }
 
 /// Reads table `family table` (e.g. `ip kproxy`) with its chains, rules, named sets
@@ -367,7 +381,7 @@ pub fn read_table(family: &str, table: &str) -> Result<Option<RawTable>, NftErro
             _ => continue,
         }
     }
-    Err(NftError::Netlink(format!(
+    Err(NftError::Read(format!(
         "table {family} {table}: the ruleset kept changing while it was read"
     )))
 }
@@ -472,7 +486,7 @@ fn read_once(
     )?;
     if let Some(c) = orphans.first() {
         // A chain created between the two dumps; the generation check repeats the read.
-        return Err(NftError::Netlink(format!(
+        return Err(NftError::Read(format!(
             "table {family} {table}: a rule of chain {c} that the chain dump did not list"
         )));
     }

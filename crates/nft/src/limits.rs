@@ -5,7 +5,7 @@
 //! the pure reading of `/proc/net/stat/nf_conntrack`; [`conntrack_table`] and
 //! [`read_sysctl`] read the files.
 
-use crate::NftError;
+use crate::error::NftError;
 
 /// The conntrack table of this network namespace.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -60,7 +60,7 @@ pub fn read_sysctl(path: &str) -> Result<u64, NftError> {
     let text = read(path)?;
     text.trim()
         .parse()
-        .map_err(|_| NftError::Parse(format!("{path}: not a number: {:?}", text.trim())))
+        .map_err(|_| NftError::Read(format!("{path}: not a number: {:?}", text.trim())))
 }
 
 /// The conntrack table of the calling thread's network namespace; an error when
@@ -68,7 +68,7 @@ pub fn read_sysctl(path: &str) -> Result<u64, NftError> {
 pub fn conntrack_table() -> Result<ConntrackTable, NftError> {
     const STAT: &str = "/proc/thread-self/net/stat/nf_conntrack";
     let (insert_failed, drop, early_drop) = parse_stat(&read(STAT)?)
-        .ok_or_else(|| NftError::Parse(format!("{STAT}: unexpected columns")))?;
+        .ok_or_else(|| NftError::Read(format!("{STAT}: unexpected columns")))?;
     Ok(ConntrackTable {
         entries: read_sysctl("/proc/sys/net/netfilter/nf_conntrack_count")?,
         max: read_sysctl("/proc/sys/net/netfilter/nf_conntrack_max")?,

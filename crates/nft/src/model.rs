@@ -4,13 +4,21 @@
 //! - [`Table`] holds [`Chain`]s (an optional base-chain [`Hook`] and rules whose bodies
 //!   stay nft text, each identified by [`rule_id`]) and [`Set`]s (a typed [`SetDecl`]
 //!   and typed [`Elem`]ents).
-//! - [`diff`]`(old, new)` is the only place that decides what changed: it returns a
-//!   [`Transaction`], an ordered list of [`Op`]s that, applied to `old`, gives `new`.
-//!   A full sync is `diff(&Table::absent(..), &desired)` (plus the table-replacing
-//!   header of [`Transaction::replace`]), a delta `diff(&previous, &desired)`.
-//! - A transaction has exactly two renderers: [`Transaction::nft_text`] (`nft -f` input)
-//!   and [`crate::netlink::Batch::transaction`] (nfnetlink bytes, element operations
-//!   only, encoded from the typed elements).
+//! - [`diff`]`(old, new)` returns a [`Transaction`], an ordered list of [`Op`]s that,
+//!   applied to `old`, gives `new`. It decides what changed between the kernel's tables
+//!   as read back and the record (adoption, repair, verification: `crate::readback`),
+//!   and, in a delta, for the base objects, a changed Service's own chains and sets and
+//!   the dispatch groups that appear or go (`crate::record::FamilyRecord::advance`).
+//!   A delta's element changes are computed by `advance` itself from the frontends and
+//!   shared elements the changed Services touch, and a full sync's transaction is built
+//!   from the record (`FamilyRecord::create`, `write_replacement`, `element_pieces`);
+//!   tests hold each equal to `diff` of whole tables (crates/nft/tests/incremental.rs,
+//!   the tests of `record.rs`).
+//! - A transaction is rendered as `nft -f` input by [`Transaction::nft_text`] /
+//!   [`TextStream`] (through which the record also writes a replacing full sync's
+//!   text, its elements straight from the record's text) and as nfnetlink bytes by
+//!   `crate::netlink::Batch::transaction` (element operations only, encoded from the
+//!   typed elements).
 //!
 //! Element keys and values are typed ([`Atom`]: addresses, prefixes, protocols, ports,
 //! `numgen` indexes; [`Verdict`]), so the netlink writer never parses text, and two
@@ -24,7 +32,7 @@ use std::sync::Arc;
 
 use kproxy_core::model::IpFamily;
 
-use crate::NftError;
+use crate::error::NftError;
 
 /// An nftables table family kproxy uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -350,18 +358,18 @@ pub enum Atom {
 impl Atom {
     pub fn write(&self, out: &mut String) {
         match self {
-            Atom::Addr(ip) => crate::ruleset::write_ip(out, ip),
+            Atom::Addr(ip) => write_ip(out, ip),
             Atom::Prefix(ip, len) => {
-                crate::ruleset::write_ip(out, ip);
+                write_ip(out, ip);
                 let _ = write!(out, "/{len}");
             }
             Atom::Proto(6) => out.push_str("tcp"),
             Atom::Proto(17) => out.push_str("udp"),
             Atom::Proto(132) => out.push_str("sctp"),
             // Without the formatting machinery: a full sync writes ≈ 300k numbers.
-            Atom::Proto(p) => crate::ruleset::write_u32(out, u32::from(*p)),
-            Atom::Port(p) => crate::ruleset::write_u32(out, u32::from(*p)),
-            Atom::Index(i) => crate::ruleset::write_u32(out, *i),
+            Atom::Proto(p) => write_u32(out, u32::from(*p)),
+            Atom::Port(p) => write_u32(out, u32::from(*p)),
+            Atom::Index(i) => write_u32(out, *i),
         }
     }
 }
@@ -865,6 +873,53 @@ impl Op {
             Op::DeleteChain { .. } => 6,
             Op::DeleteSet { .. } => 7,
         }
+    }
+
+    /// What the operation does to which kind of object, and the object's name (a set's
+    /// for element operations, a chain's for a rule; none for a table).
+    pub fn object(&self) -> (&'static str, &'static str, Option<&str>) {
+        match self {
+            Op::AddTable { .. } => ("add", "table", None),
+            Op::DeleteTable { .. } => ("delete", "table", None),
+            Op::AddSet { name, decl, .. } => ("add", decl.kind(), Some(name)),
+            Op::DeleteSet { name, map, .. } => {
+                ("delete", if *map { "map" } else { "set" }, Some(name))
+            }
+            Op::AddChain { name, .. } => ("add", "chain", Some(name)),
+            Op::FlushChain { name, .. } => ("flush", "chain", Some(name)),
+            Op::DeleteChain { name, .. } => ("delete", "chain", Some(name)),
+            Op::AddRule { chain, .. } => ("add", "rule", Some(chain)),
+            Op::AddElements { set, .. } => ("add", "element", Some(set)),
+            Op::DeleteElements { set, .. } => ("delete", "element", Some(set)),
+        }
+    }
+
+    /// The table the operation acts in.
+    pub fn table(&self) -> (Family, &str) {
+        match self {
+            Op::AddTable { family, table, .. }
+            | Op::DeleteTable { family, table }
+            | Op::AddSet { family, table, .. }
+            | Op::DeleteSet { family, table, .. }
+            | Op::AddChain { family, table, .. }
+            | Op::FlushChain { family, table, .. }
+            | Op::DeleteChain { family, table, .. }
+            | Op::AddRule { family, table, .. }
+            | Op::AddElements { family, table, .. }
+            | Op::DeleteElements { family, table, .. } => (*family, table),
+        }
+    }
+
+    /// The operation in a few words (`add chain ip kproxy services`), for messages.
+    pub fn describe(&self) -> String {
+        let (verb, kind, name) = self.object();
+        let (family, table) = self.table();
+        let mut s = format!("{verb} {kind} {} {table}", family.nft());
+        if let Some(name) = name {
+            s.push(' ');
+            s.push_str(name);
+        }
+        s
     }
 
     /// Whether it changes elements only (what netlink sends without nft).
@@ -1515,6 +1570,64 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
     }
     t.ops = ops;
     t
+}
+
+// Numbers and addresses as nft text: the one place they are formatted (element keys
+// of the model and of the record's frontends alike).
+
+/// The ASCII digits of `o` into `buf`; returns how many.
+fn u8_digits(o: u8, buf: &mut [u8; 3]) -> usize {
+    if o >= 100 {
+        *buf = [b'0' + o / 100, b'0' + o / 10 % 10, b'0' + o % 10];
+        3
+    } else if o >= 10 {
+        buf[..2].copy_from_slice(&[b'0' + o / 10, b'0' + o % 10]);
+        2
+    } else {
+        buf[0] = b'0' + o;
+        1
+    }
+}
+
+/// `ip` as its `Display` writes it; IPv4 without the formatting machinery, as a full
+/// script writes some 100k of them.
+pub(crate) fn write_ip(out: &mut String, ip: &IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            let mut buf = [0; 15];
+            let mut n = 0;
+            for (i, o) in v4.octets().iter().enumerate() {
+                if i > 0 {
+                    buf[n] = b'.';
+                    n += 1;
+                }
+                let mut digits = [0; 3];
+                let d = u8_digits(*o, &mut digits);
+                buf[n..n + d].copy_from_slice(&digits[..d]);
+                n += d;
+            }
+            out.push_str(std::str::from_utf8(&buf[..n]).unwrap_or_default());
+        }
+        IpAddr::V6(_) => {
+            let _ = write!(out, "{ip}");
+        }
+    }
+}
+
+/// `n` in decimal, without the formatting machinery (a full script writes ≈ 100k row
+/// keys).
+pub(crate) fn write_u32(out: &mut String, mut n: u32) {
+    let mut buf = [0u8; 10];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.push_str(std::str::from_utf8(&buf[i..]).unwrap_or_default());
 }
 
 #[cfg(test)]

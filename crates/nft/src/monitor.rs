@@ -7,7 +7,7 @@
 //! transaction of another process that touched kproxy's tables (`ip NAME`, `ip6 NAME`;
 //! the neighbour contract in crates/nft/README.md), and the loss of notifications (a
 //! receive buffer overrun), when what changed is unknown. It decides nothing about the
-//! repair: the caller repairs from the record ([`crate::Dataplane::repair`]), paced by
+//! repair: the caller repairs from the record ([`crate::dataplane::Dataplane::repair`]), paced by
 //! [`Backoff`] so a process that keeps fighting cannot make kproxy spin.
 //!
 //! Which transactions are kproxy's own: the kernel names the committing *thread*
@@ -36,7 +36,7 @@ use netlink_sys::Socket;
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
-use crate::NftError;
+use crate::error::NftError;
 use crate::model::Family;
 
 /// `enum nfnetlink_groups` (linux/netfilter/nfnetlink.h).

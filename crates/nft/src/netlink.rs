@@ -4,7 +4,7 @@
 //! endpoint became ready, terminating or gone; a Service port gained or lost
 //! endpoints), and every element of a first sync into absent tables (after the `nft`
 //! step that creates the tables dormant, in pieces, then the transaction that wakes
-//! them; see `crate::first_sync_into_absent_tables`).
+//! them; see [`crate::first_sync`]).
 //!
 //! Why not `nft` for these: at 10k Services one `nft -f` costs ≈ 5 ms to start, a few
 //! ms to fetch its cache and parse, and 10–20 ms *closing its netlink socket* after a
@@ -15,7 +15,7 @@
 //! rarely.
 //!
 //! Elements reach this module as the typed element operations of a
-//! [`crate::model::Transaction`] ([`Batch::transaction`], the model's second renderer
+//! [`crate::model::Transaction`] ([`Batch::transaction`], the rendering
 //! beside its nft text) and are encoded as nft encodes them: each field of a
 //! concatenation padded to 4 bytes, addresses and ports in network order, the `numgen`
 //! index in host order. An element it does not encode (a prefix of an interval set)
@@ -24,16 +24,13 @@
 use std::net::IpAddr;
 use std::os::unix::fs::MetadataExt;
 
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-};
-use netlink_packet_netfilter::nftables::{NfTablesMessage, TableAttribute, TableMessage};
-use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
+use netlink_packet_core::{NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
+use netlink_packet_netfilter::NetfilterMessage;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
-use crate::NftError;
+use crate::error::{EncodeError, EncodeFailure, NftError, Via};
 use crate::model::{Atom, Family, Op, Transaction, Tuple, Value, Verdict};
 
 /// `NFNL_SUBSYS_NFTABLES`: the batch header's resource id names the subsystem.
@@ -55,15 +52,15 @@ pub(crate) fn open() -> Result<Socket, std::io::Error> {
 
 /// Appends a key or value: a single field as is, each field of a concatenation padded
 /// to 4 bytes (nft's register layout); addresses and ports in network order, the
-/// `numgen` index in host order. `None` for a prefix (interval sets need start and end
-/// elements; their few elements go by `nft`).
-fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Option<()> {
+/// `numgen` index in host order. A prefix does not encode (interval sets need start and
+/// end elements; their few elements go by `nft`).
+fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Result<(), EncodeFailure> {
     let concat = t.atoms().len() > 1;
     for a in t.atoms().iter() {
         match a {
             Atom::Addr(IpAddr::V4(v4)) => out.extend_from_slice(&v4.octets()),
             Atom::Addr(IpAddr::V6(v6)) => out.extend_from_slice(&v6.octets()),
-            Atom::Prefix(..) => return None,
+            Atom::Prefix(..) => return Err(EncodeFailure::Prefix),
             Atom::Proto(p) => out.push(*p),
             Atom::Port(p) => out.extend_from_slice(&p.to_be_bytes()),
             Atom::Index(i) => out.extend_from_slice(&i.to_ne_bytes()),
@@ -72,7 +69,7 @@ fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Option<()> {
             out.resize(out.len().next_multiple_of(4), 0);
         }
     }
-    Some(())
+    Ok(())
 }
 
 /// The verdict code (as the kernel's u32) and chain of a verdict.
@@ -139,15 +136,15 @@ fn nla_begin(buf: &mut Vec<u8>, kind: u16) -> usize {
 }
 
 /// Closes the attribute started at `at`: its length, then padding to 4 bytes.
-/// `None` when it does not fit the 16-bit length.
-fn nla_end(buf: &mut Vec<u8>, at: usize) -> Option<()> {
-    let len = u16::try_from(buf.len() - at).ok()?;
+/// Fails when it does not fit the 16-bit length.
+fn nla_end(buf: &mut Vec<u8>, at: usize) -> Result<(), EncodeFailure> {
+    let len = u16::try_from(buf.len() - at).map_err(|_| EncodeFailure::TooLong)?;
     buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
     buf.resize(buf.len().next_multiple_of(4), 0);
-    Some(())
+    Ok(())
 }
 
-fn nla_str(buf: &mut Vec<u8>, kind: u16, s: &str) -> Option<()> {
+fn nla_str(buf: &mut Vec<u8>, kind: u16, s: &str) -> Result<(), EncodeFailure> {
     let at = nla_begin(buf, kind);
     buf.extend_from_slice(s.as_bytes());
     buf.push(0);
@@ -185,52 +182,50 @@ impl Batch {
     }
 
     /// The nfnetlink rendering of a transaction of element operations (one batch, one
-    /// transaction). `None` when an operation is not an element one, or an element is
+    /// transaction). Fails when an operation is not an element one, or an element is
     /// one this writer does not encode (a prefix): the caller renders nft text then.
-    pub fn transaction(tx: &Transaction) -> Option<Batch> {
+    pub fn transaction(tx: &Transaction) -> Result<Batch, EncodeError> {
         let mut b = Batch::default();
-        b.add(tx)?;
-        Some(b)
-    }
-
-    /// Appends a transaction's element operations (see [`Batch::transaction`]).
-    pub fn add(&mut self, tx: &Transaction) -> Option<()> {
         for op in &tx.ops {
-            match op {
+            let encoded = match op {
                 Op::AddElements {
                     family,
                     table,
                     set,
                     elems,
-                } => self.elements(
+                } => b.encode_elements(
                     true,
                     *family,
                     table,
                     set,
                     elems.iter().map(|e| (&e.key, e.value.as_ref())),
-                )?,
+                ),
                 Op::DeleteElements {
                     family,
                     table,
                     set,
                     keys,
-                } => self.elements(false, *family, table, set, keys.iter().map(|k| (k, None)))?,
-                _ => return None,
-            }
+                } => b.encode_elements(false, *family, table, set, keys.iter().map(|k| (k, None))),
+                _ => Err(EncodeFailure::NotElements),
+            };
+            encoded.map_err(|why| EncodeError {
+                what: op.describe(),
+                why,
+            })?;
         }
-        Some(())
+        Ok(b)
     }
 
     /// Adds (`add`) or deletes the elements `items` (key, value) of `set` in `table`
-    /// of `family`. `None` when an element does not encode.
-    fn elements<'a>(
+    /// of `family`. Fails when an element does not encode.
+    fn encode_elements<'a>(
         &mut self,
         add: bool,
         family: Family,
         table: &str,
         set: &str,
         items: impl Iterator<Item = (&'a Tuple, Option<&'a Value>)>,
-    ) -> Option<()> {
+    ) -> Result<(), EncodeFailure> {
         if self.bytes.is_empty() {
             let at = self.begin_message(NFNL_MSG_BATCH_BEGIN, 0, 0, NFNL_SUBSYS_NFTABLES);
             self.end_message(at);
@@ -300,7 +295,7 @@ impl Batch {
             nla_end(&mut self.bytes, list)?;
             self.end_message(msg);
         }
-        Some(())
+        Ok(())
     }
 
     /// One transaction that wakes the dormant `tables` (`NEWTABLE` with no flags): each
@@ -319,7 +314,7 @@ impl Batch {
             let msg = b.begin_message(kind, 0, family.nfproto(), 0);
             // A name longer than an attribute can say is refused by `DataplaneConfig`.
             let named = nla_str(&mut b.bytes, NFTA_TABLE_NAME, table);
-            debug_assert!(named.is_some());
+            debug_assert!(named.is_ok());
             let flags = nla_begin(&mut b.bytes, NFTA_TABLE_FLAGS);
             b.bytes.extend_from_slice(&0u32.to_be_bytes());
             let _ = nla_end(&mut b.bytes, flags);
@@ -392,13 +387,6 @@ fn messages(buf: &[u8]) -> impl Iterator<Item = NetlinkPayload<NetfilterMessage>
     })
 }
 
-fn proto_family(family: Family) -> NetfilterProtoFamily {
-    match family {
-        Family::Ip => NetfilterProtoFamily::IPv4,
-        Family::Ip6 => NetfilterProtoFamily::IPv6,
-    }
-}
-
 impl Writer {
     /// Opens the socket in the calling thread's network namespace.
     pub fn open() -> Result<Writer, NftError> {
@@ -431,57 +419,6 @@ impl Writer {
             netns: current_netns()?,
             sndbuf: INITIAL_SNDBUF,
         })
-    }
-
-    /// Whether table `family name` exists (one GETTABLE request).
-    pub fn table_exists(&self, family: Family, name: &str) -> Result<bool, NftError> {
-        let family_name = family.nft();
-        self.drain();
-        let mut hdr = NetlinkHeader::default();
-        hdr.flags = NLM_F_REQUEST | NLM_F_ACK;
-        let msg = NetfilterMessage::new(
-            NetfilterHeader::new(proto_family(family), 0, 0),
-            NfTablesMessage::GetTable(TableMessage {
-                attributes: vec![TableAttribute::Name(name.to_string())],
-            }),
-        );
-        let mut packet = NetlinkMessage::new(hdr, NetlinkPayload::from(msg));
-        packet.finalize();
-        let mut buf = vec![0; packet.buffer_len()];
-        packet.serialize(&mut buf);
-        self.sock.send(&buf, 0).map_err(|e| NftError::Io {
-            context: format!("asking the kernel for table {family_name} {name}"),
-            source: e,
-        })?;
-        let mut found = false;
-        let mut buf = vec![0u8; 1 << 16];
-        loop {
-            let size = self
-                .sock
-                .recv(&mut &mut buf[..], 0)
-                .map_err(|e| NftError::Io {
-                    context: format!(
-                        "waiting for the kernel's answer about table {family_name} {name}"
-                    ),
-                    source: e,
-                })?;
-            for m in messages(&buf[..size]) {
-                match m {
-                    NetlinkPayload::Error(e) => {
-                        return match e.code.map_or(0, |c| c.get()) {
-                            0 => Ok(found),
-                            c if c == -libc::ENOENT => Ok(false),
-                            c => Err(NftError::Netlink(format!(
-                                "get table {family_name} {name}: {}",
-                                std::io::Error::from_raw_os_error(-c)
-                            ))),
-                        };
-                    }
-                    NetlinkPayload::InnerMessage(_) => found = true,
-                    _ => {}
-                }
-            }
-        }
     }
 
     /// Drops replies left from an aborted batch, so they are not read as answers to the
@@ -521,10 +458,10 @@ impl Writer {
             source: e,
         })?;
         if sent != batch.bytes.len() {
-            return Err(NftError::Netlink(format!(
-                "sent {sent} of {} bytes of the batch",
-                batch.bytes.len()
-            )));
+            return Err(NftError::Io {
+                context: format!("sending a {}-byte nfnetlink batch", batch.bytes.len()),
+                source: std::io::Error::other(format!("sent {sent} bytes")),
+            });
         }
         let last = batch.messages.last().map_or(0, |(seq, _, _)| *seq);
         let (mut acked, mut first_error) = (false, None::<(u32, i32)>);
@@ -574,10 +511,10 @@ impl Writer {
                     .iter()
                     .find(|(s, _, _)| *s == seq)
                     .map_or("the batch", |(_, _, w)| w.as_str());
-                Err(NftError::Netlink(format!(
-                    "{what}: {}",
-                    std::io::Error::from_raw_os_error(-code)
-                )))
+                Err(NftError::Refused {
+                    via: Via::Netlink,
+                    message: format!("{what}: {}", std::io::Error::from_raw_os_error(-code)),
+                })
             }
         }
     }
@@ -587,7 +524,8 @@ impl Writer {
 mod tests {
     use super::*;
     use crate::model::Elem;
-    use netlink_packet_netfilter::NetfilterMessageInner;
+    use netlink_packet_netfilter::nftables::{NfTablesMessage, TableMessage};
+    use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessageInner, NetfilterProtoFamily};
 
     use crate::model::{Field, SetData, SetDecl};
 
@@ -649,7 +587,40 @@ mod tests {
         let mut iv = decl(&[Ipv4Addr]);
         iv.interval = true;
         let p = iv.parse_elem("10.0.0.0/8", "").unwrap().key;
-        assert_eq!(encode_tuple(&p, &mut Vec::new()), None);
+        assert_eq!(
+            encode_tuple(&p, &mut Vec::new()),
+            Err(EncodeFailure::Prefix)
+        );
+        // The batch says which operation did not encode, and why.
+        let add = |key: Tuple| Op::AddElements {
+            family: Family::Ip,
+            table: "kproxy".into(),
+            set: "local-pods".into(),
+            elems: vec![crate::model::Elem { key, value: None }],
+        };
+        let tx = |ops| Transaction {
+            ops,
+            ..Transaction::default()
+        };
+        assert_eq!(
+            Batch::transaction(&tx(vec![add(p)])).err(),
+            Some(EncodeError {
+                what: "add element ip kproxy local-pods".into(),
+                why: EncodeFailure::Prefix,
+            })
+        );
+        let flush = Op::FlushChain {
+            family: Family::Ip6,
+            table: "kproxy".into(),
+            name: "services".into(),
+        };
+        assert_eq!(
+            Batch::transaction(&tx(vec![flush])).err(),
+            Some(EncodeError {
+                what: "flush chain ip6 kproxy services".into(),
+                why: EncodeFailure::NotElements,
+            })
+        );
     }
 
     #[test]

@@ -21,8 +21,10 @@ use std::sync::Arc;
 use kproxy_core::NodePlan;
 use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::ServicePlan;
+use kproxy_core::planner::PlanUpdate;
 
-use crate::DataplaneConfig;
+use crate::config::DataplaneConfig;
+use crate::error::NftError;
 use crate::model::{self, Elem, Family, Op, SetDecl, Table, TextStream, Transaction, Tuple, Value};
 use crate::ruleset::{self, Dispatch, Fragment, Frontend, SetRef, Shared};
 
@@ -451,19 +453,19 @@ impl FamilyRecord {
     /// other Service is looked at) differ from the record's, and returns the transaction
     /// that moves the kernel along: [`model::diff`] of the base objects, of each changed Service's own chains
     /// and sets, of the dispatch groups that appear or go, and the element changes of
-    /// the shared sets and frontends, ordered by [`Transaction::order`]. `None` when
+    /// the shared sets and frontends, ordered by [`Transaction::order`]. `Ok(None)` when
     /// only a full sync can apply the change (a declaration changed); the record is
-    /// then unusable.
+    /// then unusable (as it is after an error: a diff refused its tables).
     pub fn advance(
         &mut self,
         plan: &NodePlan,
         changed: &[ServiceName],
         cfg: &DataplaneConfig,
-    ) -> Option<Transaction> {
+    ) -> Result<Option<Transaction>, NftError> {
         let new_base = ruleset::build_base(plan, cfg, self.family);
-        let mut tx = model::diff(&self.base, &new_base).ok()?;
+        let mut tx = model::diff(&self.base, &new_base)?;
         if tx.replaces {
-            return None;
+            return Ok(None);
         }
         let empty = Fragment::default();
         let no_own = ruleset::Own::default();
@@ -491,9 +493,9 @@ impl FamilyRecord {
             // As tables for the diff (a changed Service's one or two chains).
             let old_own = old_frag.own.as_deref().unwrap_or(&no_own);
             let new_own = new_frag.own.as_deref().unwrap_or(&no_own);
-            let own = model::diff(&old_own.to_table(fam, &t), &new_own.to_table(fam, &t)).ok()?;
+            let own = model::diff(&old_own.to_table(fam, &t), &new_own.to_table(fam, &t))?;
             if own.replaces {
-                return None;
+                return Ok(None);
             }
             tx.extend(own);
             let old_shared = old
@@ -540,7 +542,7 @@ impl FamilyRecord {
                 }
                 tb
             };
-            tx.extend(model::diff(&with(before), &with(after)).ok()?);
+            tx.extend(model::diff(&with(before), &with(after))?);
         }
 
         // Elements whose effective value changed: deletes, then adds.
@@ -626,7 +628,7 @@ impl FamilyRecord {
             });
         }
         tx.order();
-        Some(tx)
+        Ok(Some(tx))
     }
 }
 
@@ -770,6 +772,93 @@ fn build_fragments(
     })
 }
 
+/// Both families' records of a full sync of `plan`.
+pub(crate) fn records(plan: &NodePlan, cfg: &DataplaneConfig) -> [FamilyRecord; 2] {
+    IpFamily::ALL.map(|f| FamilyRecord::full(plan, cfg, f))
+}
+
+/// A delta sync's transaction: moves both families' records to `plan` by the Services
+/// `update` names (every Service the plan or the records hold when `update.node`), by
+/// [`FamilyRecord::advance`]. `Ok(None)` when only a full sync can apply the change
+/// (a declaration changed); the records are then unusable, as after an error. Pure;
+/// public so a test can hold it equal to `model::diff` of the whole tables before and
+/// after.
+pub fn delta(
+    recs: &mut [FamilyRecord; 2],
+    plan: &NodePlan,
+    update: &PlanUpdate,
+    cfg: &DataplaneConfig,
+) -> Result<Option<Transaction>, NftError> {
+    let changed = changed_services(recs, plan, update);
+    delta_by(recs, plan, &changed, cfg)
+}
+
+/// The Services a delta moves the records by: `update`'s, sorted and deduplicated, or,
+/// for a node-level change, every Service the plan or the records hold.
+pub(crate) fn changed_services(
+    recs: &[FamilyRecord; 2],
+    plan: &NodePlan,
+    update: &PlanUpdate,
+) -> Vec<ServiceName> {
+    if update.node {
+        let mut all: BTreeSet<&ServiceName> = plan.services.keys().collect();
+        for rec in recs.iter() {
+            all.extend(rec.services());
+        }
+        all.into_iter().cloned().collect()
+    } else {
+        let mut names = update.services.clone();
+        names.sort_unstable();
+        names.dedup();
+        names
+    }
+}
+
+/// [`delta`] by the Services already named.
+pub(crate) fn delta_by(
+    recs: &mut [FamilyRecord; 2],
+    plan: &NodePlan,
+    changed: &[ServiceName],
+    cfg: &DataplaneConfig,
+) -> Result<Option<Transaction>, NftError> {
+    let mut tx = Transaction::default();
+    for rec in recs.iter_mut() {
+        match rec.advance(plan, changed, cfg)? {
+            Some(d) => tx.extend(d),
+            None => return Ok(None),
+        }
+    }
+    tx.order();
+    Ok(Some(tx))
+}
+
+/// [`full_transaction`] of the records' tables, built from the records without the
+/// tables' element maps ([`FamilyRecord::create`]): what a replacing full sync
+/// sends (which writes its text from the records, [`write_full_replacement`]), as a
+/// transaction, for `sync --dry-run` and tests.
+pub fn full_transaction_of(recs: &[FamilyRecord; 2]) -> Transaction {
+    let mut tx = recs[0].replace();
+    tx.extend(recs[1].replace());
+    tx
+}
+
+/// The nft text of [`full_transaction_of`], written to `w` as it is made, the
+/// Services' elements straight from the records' text
+/// ([`FamilyRecord::write_replacement`]; within a set in record order, not key
+/// order): what a full sync sends when the tables exist and cannot be adopted. Returns
+/// the bytes written and what the transaction counts.
+pub fn write_full_replacement(
+    recs: &[FamilyRecord; 2],
+    w: &mut dyn std::io::Write,
+) -> std::io::Result<(usize, model::Counts)> {
+    let mut out = model::TextStream::new(w);
+    let mut counts = model::Counts::default();
+    for rec in recs {
+        counts.add(&rec.write_replacement(&mut out)?);
+    }
+    Ok((out.finish()?, counts))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -868,7 +957,7 @@ mod tests {
         let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
         let cfg = DataplaneConfig::default();
         let recs = IpFamily::ALL.map(|f| FamilyRecord::full(&plan, &cfg, f));
-        let tx = crate::full_transaction_of(&recs);
+        let tx = super::full_transaction_of(&recs);
         let whole = tx.nft_text();
         assert!(
             whole.len() > 4 * 65536,
@@ -893,7 +982,7 @@ mod tests {
     }
 
     /// What a replacing full sync writes from the records' text is the text of the
-    /// typed transaction ([`crate::full_transaction_of`]) but for the order of
+    /// typed transaction ([`full_transaction_of`]) but for the order of
     /// elements within each set: the same commands in the same order, each set's
     /// elements in the same number of commands, the same elements, the same length.
     #[test]
@@ -904,10 +993,10 @@ mod tests {
                 let plan = kproxy_core::plan(&state, "node-0", &pc);
                 let cfg = DataplaneConfig::default();
                 let recs = IpFamily::ALL.map(|f| FamilyRecord::full(&plan, &cfg, f));
-                let tx = crate::full_transaction_of(&recs);
+                let tx = super::full_transaction_of(&recs);
                 let typed = tx.nft_text();
                 let mut piped = Vec::new();
-                let (n, counts) = crate::write_full_replacement(&recs, &mut piped).unwrap();
+                let (n, counts) = super::write_full_replacement(&recs, &mut piped).unwrap();
                 let piped = String::from_utf8(piped).unwrap();
                 assert_eq!(n, piped.len());
                 assert_eq!(counts, tx.counts);
@@ -1001,7 +1090,7 @@ mod tests {
                 assert_eq!(bare_structure.ops, structure.ops);
                 assert_eq!(structure.ops.len() + elements.ops.len(), create.ops.len());
                 // `local-pods` (an interval set) stays with the structure.
-                assert!(crate::netlink::Batch::transaction(&elements).is_some());
+                assert!(crate::netlink::Batch::transaction(&elements).is_ok());
                 let interval = table.sets.values().any(|s| s.decl.interval);
                 assert_eq!(
                     st.contains("add element ip kproxy local-pods"),

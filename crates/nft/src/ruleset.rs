@@ -53,10 +53,31 @@ use kproxy_core::plan::{
 };
 use sha2::{Digest, Sha256};
 
-use crate::DataplaneConfig;
+use crate::config::DataplaneConfig;
 
-use crate::model::{Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple};
-pub use crate::model::{Chain, Set, Table};
+use crate::model::{
+    Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple, write_ip, write_u32,
+};
+pub use crate::model::{Chain, Set, Table, Transaction};
+
+/// kproxy's base chains: (name, hook, priority, its one rule). The neighbour contract
+/// (crates/nft/README.md) promises these hooks and priorities, upstream's nat ones
+/// (`dstnat` -100 before routing and for local output, `srcnat` 100 after).
+pub const BASE_CHAINS: [(&str, HookPoint, i32, &str); 3] = [
+    (
+        "nat-prerouting",
+        HookPoint::Prerouting,
+        -100,
+        "jump services",
+    ),
+    ("nat-output", HookPoint::Output, -100, "jump services"),
+    (
+        "nat-postrouting",
+        HookPoint::Postrouting,
+        100,
+        "jump masquerading",
+    ),
+];
 
 /// Counts of what a delta changes, for the sync report and metrics.
 pub type DeltaCounts = crate::model::Counts;
@@ -224,74 +245,6 @@ impl Shared {
             Shared::ClusterIp(ip) => write_ip(out, ip),
         }
     }
-
-    pub fn key(&self) -> String {
-        let mut k = String::new();
-        self.write_key(&mut k);
-        k
-    }
-
-    /// A key whose order is that of [`Shared::key`]'s text for IPv4 addresses (each
-    /// octet's digits, padded with a byte below '0' as the '.' and ' ' after them
-    /// are), and the address order for IPv6, so that a full script can take IPv4 keys
-    /// in text order without sorting their text.
-    pub fn text_order(&self) -> (u8, u128) {
-        let (kind, ip) = match self {
-            Shared::Hairpin(ip) => (0, ip),
-            Shared::ClusterIp(ip) => (2, ip),
-        };
-        match ip {
-            IpAddr::V4(v4) => {
-                let mut k = [0; 16];
-                for (o, d) in v4.octets().iter().zip(k.chunks_mut(3)) {
-                    let mut digits = [0; 3];
-                    let n = u8_digits(*o, &mut digits);
-                    d[..n].copy_from_slice(&digits[..n]);
-                }
-                (kind, u128::from_be_bytes(k))
-            }
-            IpAddr::V6(v6) => (kind + 1, v6.to_bits()),
-        }
-    }
-}
-
-/// The ASCII digits of `o` into `buf`; returns how many.
-fn u8_digits(o: u8, buf: &mut [u8; 3]) -> usize {
-    if o >= 100 {
-        *buf = [b'0' + o / 100, b'0' + o / 10 % 10, b'0' + o % 10];
-        3
-    } else if o >= 10 {
-        buf[..2].copy_from_slice(&[b'0' + o / 10, b'0' + o % 10]);
-        2
-    } else {
-        buf[0] = b'0' + o;
-        1
-    }
-}
-
-/// `ip` as its `Display` writes it; IPv4 without the formatting machinery, as a full
-/// script writes some 100k of them.
-pub(crate) fn write_ip(out: &mut String, ip: &IpAddr) {
-    match ip {
-        IpAddr::V4(v4) => {
-            let mut buf = [0; 15];
-            let mut n = 0;
-            for (i, o) in v4.octets().iter().enumerate() {
-                if i > 0 {
-                    buf[n] = b'.';
-                    n += 1;
-                }
-                let mut digits = [0; 3];
-                let d = u8_digits(*o, &mut digits);
-                buf[n..n + d].copy_from_slice(&digits[..d]);
-                n += d;
-            }
-            out.push_str(std::str::from_utf8(&buf[..n]).unwrap_or_default());
-        }
-        IpAddr::V6(_) => {
-            let _ = write!(out, "{ip}");
-        }
-    }
 }
 
 /// A set or map that holds frontend elements, named without a `String` per element.
@@ -380,22 +333,6 @@ impl std::fmt::Debug for Key<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:?}", self.to_string())
     }
-}
-
-/// `n` in decimal, without the formatting machinery (a full script writes ≈ 100k row
-/// keys).
-pub(crate) fn write_u32(out: &mut String, mut n: u32) {
-    let mut buf = [0u8; 10];
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.push_str(std::str::from_utf8(&buf[i..]).unwrap_or_default());
 }
 
 impl Frontend {
@@ -706,29 +643,14 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
         set(vec![a, a], "endpoint IP . endpoint IP"),
     );
 
-    // Base chains, hooks and priorities as upstream's nat chains.
     let base = |hook: Option<Hook>, rules: Vec<String>| Chain { hook, rules };
-    rs.chains.insert(
-        "nat-prerouting".into(),
-        base(
-            Some(Hook::nat(HookPoint::Prerouting, -100)),
-            vec!["jump services".into()],
-        ),
-    );
-    rs.chains.insert(
-        "nat-output".into(),
-        base(
-            Some(Hook::nat(HookPoint::Output, -100)),
-            vec!["jump services".into()],
-        ),
-    );
-    rs.chains.insert(
-        "nat-postrouting".into(),
-        base(
-            Some(Hook::nat(HookPoint::Postrouting, 100)),
-            vec!["jump masquerading".into()],
-        ),
-    );
+    for (name, hook, priority, rule) in BASE_CHAINS {
+        let chain = Chain {
+            hook: Some(Hook::nat(hook, priority)),
+            rules: vec![rule.into()],
+        };
+        rs.chains.insert(name.into(), chain);
+    }
     rs.chains.insert(
         "masquerading".into(),
         base(
@@ -1327,7 +1249,7 @@ fn source_match(class: SourceClass, f: &Fam, local_pods: &LocalPods) -> Option<S
                     _ => Some(format!("{} saddr @local-pods ", f.p)),
                 }
             }
-            // Interface names are validated by `crate::validate_interface`; an invalid
+            // Interface names are validated by `crate::config::validate_interface`; an invalid
             // one was rejected before rendering (see `validate_plan`).
             LocalPods::InterfacePrefix(p) => Some(format!("iifname \"{p}*\" ")),
             LocalPods::Bridge(b) => Some(format!("iifname \"{b}\" ")),
@@ -1387,43 +1309,48 @@ fn sanitize(s: &str) -> String {
         .collect()
 }
 
+/// The desired state of kproxy's tables for a plan (IPv4, IPv6). Pure.
+pub fn desired(plan: &NodePlan, cfg: &DataplaneConfig) -> [Table; 2] {
+    IpFamily::ALL.map(|f| build(plan, cfg, f))
+}
+
+/// The one transaction a full sync sends when the tables may exist: each family's
+/// table replaced (created, deleted, created again with everything), no gap.
+pub fn full_transaction(tables: [Table; 2]) -> Transaction {
+    let mut tx = Transaction::default();
+    for t in tables {
+        tx.extend(Transaction::replace(t));
+    }
+    tx
+}
+
+/// The full sync's transaction for a plan, as nft text (what `sync` sends when the
+/// tables exist and cannot be adopted; into absent tables it sends the same objects in
+/// steps). For golden tests and benches; operators see [`first_sync_transaction`]
+/// (`kproxy sync --dry-run`).
+pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
+    full_transaction(desired(plan, cfg)).nft_text()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Shared keys are the text `Display` gives, and `text_order` sorts IPv4 keys as
-    /// their text sorts (what lets a full script skip sorting them).
+    /// Shared keys are the text `Display` gives (written without the formatting
+    /// machinery, as a full script writes some 100k of them).
     #[test]
-    fn shared_keys_are_display_text_in_text_order() {
-        let few = [0u8, 1, 2, 10, 100, 255];
-        let many = [
-            0u8, 1, 2, 9, 10, 11, 19, 20, 25, 99, 100, 101, 109, 110, 199, 200, 249, 250, 255,
-        ];
-        let mut ips = Vec::new();
-        for a in few {
-            for b in few {
-                for c in many {
-                    for d in many {
-                        ips.push(IpAddr::V4(std::net::Ipv4Addr::new(a, b, c, d)));
-                    }
-                }
+    fn shared_keys_are_display_text() {
+        let key = |sh: &Shared| {
+            let mut k = String::new();
+            sh.write_key(&mut k);
+            k
+        };
+        let octets = [0u8, 1, 2, 9, 10, 11, 99, 100, 101, 199, 200, 255];
+        let mut ips: Vec<IpAddr> = Vec::new();
+        for a in octets {
+            for d in octets {
+                ips.push(IpAddr::V4(std::net::Ipv4Addr::new(a, 10, 200, d)));
             }
-        }
-        for kind in [Shared::Hairpin, Shared::ClusterIp] {
-            let mut elems: Vec<Shared> = ips.iter().map(|ip| kind(*ip)).collect();
-            for e in &elems {
-                let (Shared::Hairpin(ip) | Shared::ClusterIp(ip)) = e;
-                let want = match e {
-                    Shared::Hairpin(_) => format!("{ip} . {ip}"),
-                    Shared::ClusterIp(_) => ip.to_string(),
-                };
-                assert_eq!(e.key(), want);
-            }
-            elems.sort_by_key(Shared::text_order);
-            let keys: Vec<String> = elems.iter().map(Shared::key).collect();
-            let mut sorted = keys.clone();
-            sorted.sort();
-            assert_eq!(keys, sorted);
         }
         for ip in [
             "::",
@@ -1432,8 +1359,11 @@ mod tests {
             "2001:db8::ff00:42:8329",
             "::ffff:10.0.0.1",
         ] {
-            let ip: IpAddr = ip.parse().unwrap();
-            assert_eq!(Shared::ClusterIp(ip).key(), ip.to_string());
+            ips.push(ip.parse().unwrap());
+        }
+        for ip in ips {
+            assert_eq!(key(&Shared::ClusterIp(ip)), ip.to_string());
+            assert_eq!(key(&Shared::Hairpin(ip)), format!("{ip} . {ip}"));
         }
     }
 }

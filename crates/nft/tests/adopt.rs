@@ -60,7 +60,7 @@ fn listing(ns: &Netns) -> Vec<String> {
     for fam in ["ip", "ip6"] {
         let text = ns.exec(&format!("nft -j list table {fam} kproxy"));
         let json: Value = serde_json::from_str(&text).expect("nft -j output");
-        for (k, v) in kproxy_nft::nft::normalize(&json) {
+        for (k, v) in normalize(&json) {
             out.push(format!("{fam} {k} {v}"));
         }
         for item in json["nftables"].as_array().expect("nftables array") {

@@ -2,8 +2,9 @@
 //! and applied through the delta path with the planner's update (as `kproxy run` does).
 //! Without the kernel: the update-driven delta equals `model::diff` of the whole tables
 //! before and after. In the kernel: after every step the tables must equal what a fresh
-//! full sync of the same plan produces (`Dataplane::verify` loads the full script into a
-//! scratch table and compares the normalized `nft -j list` output of both).
+//! full sync of the same plan produces (`Dataplane::verify` reads both tables back over
+//! netlink and diffs them against the record: rules by their `kp:` ids, sets by
+//! declaration and typed elements).
 
 mod common;
 
@@ -295,7 +296,7 @@ fn delta_from_the_update_equals_the_full_diff() {
                 let wanted = kproxy_nft::desired(plan, &dp_cfg);
                 let moved = match (recs.as_mut(), &previous) {
                     (Some(r), Some(old)) => {
-                        let tx = kproxy_nft::delta(r, plan, &update, &dp_cfg);
+                        let tx = kproxy_nft::delta(r, plan, &update, &dp_cfg).unwrap();
                         let mut full = Transaction::default();
                         for (o, w) in old.iter().zip(&wanted) {
                             full.extend(diff(o, w).unwrap());
@@ -443,9 +444,15 @@ fn verify_detects_and_repairs_drift() {
             v.differences
         );
         assert!(!dp.verify().unwrap().drift, "repaired");
+        // A chain kproxy did not make: named, removed.
+        sh("nft add chain ip kproxy foreign");
+        let v = dp.verify().unwrap();
+        assert_eq!(v.differences, ["chain foreign"]);
+        assert!(!dp.verify().unwrap().drift, "repaired");
         // The table deleted entirely: also drift, also repaired.
         sh("nft delete table ip kproxy");
-        assert!(dp.verify().unwrap().drift);
+        let v = dp.verify().unwrap();
+        assert_eq!(v.differences, ["table ip kproxy"]);
         assert!(!dp.verify().unwrap().drift);
         // Nothing changed: nothing sent.
         let r = dp.sync(&plan, &PlanUpdate::default()).unwrap();

@@ -1,6 +1,6 @@
 //! The kernel watch and the repair, against the real kernel in a namespace of
-//! the test's own: kproxy's own transactions (a first sync in steps, a repair, a
-//! verification with its scratch table) are never reported; another process's (`nft`)
+//! the test's own: kproxy's own transactions (a first sync in steps, a repair) and its
+//! reading (a verification) are never reported; another process's (`nft`)
 //! are, with its name and what it changed, and only when they touch kproxy's tables;
 //! `Dataplane::repair` restores from the record what was deleted (elements, a chain's
 //! rules, the whole ruleset), after which a verification finds nothing. Root only.
@@ -54,7 +54,7 @@ fn other_processes_changes_are_reported_and_repaired_from_the_record() {
         .expect("config");
         let first = dp.sync(&plan, &PlanUpdate::WHOLE).expect("first sync");
         assert!(first.full && first.netlink_bytes > 0, "{first:?}");
-        // Another table, kproxy's scratch table: none of kproxy's business.
+        // Another table: none of kproxy's business.
         sh("nft add table ip other");
         assert!(!dp.verify().expect("verify").drift);
         let quiet = until_quiet(&mut mon);

@@ -85,6 +85,15 @@ fn example_config() -> PlanConfig {
     }
 }
 
+/// Every connection masqueraded, with `local_detector`.
+fn masquerade_all(local_detector: LocalDetectorConfig) -> PlanConfig {
+    PlanConfig {
+        masquerade_all: true,
+        local_detector,
+        ..PlanConfig::default()
+    }
+}
+
 #[test]
 fn golden_example_cluster() {
     let plan = plan_from_yaml(&example_cluster(), "node-a", &example_config());
@@ -107,14 +116,7 @@ fn rendered_scripts_load_into_the_kernel() {
         plan_from_yaml(&example_cluster(), "node-a", &example_config()),
         plan_from_yaml(&example_cluster(), "node-b", &PlanConfig::default()),
         plan_from_yaml(MIXED, "node-a", &mixed_config()),
-        plan_from_yaml(
-            MIXED,
-            "node-b",
-            &PlanConfig {
-                masquerade_all: true,
-                ..PlanConfig::default()
-            },
-        ),
+        plan_from_yaml(MIXED, "node-b", &masquerade_all(LocalDetectorConfig::None)),
     ];
     ns.run(move || {
         for plan in &plans {
@@ -140,6 +142,9 @@ fn hostile_names_are_rejected() {
         "1abc",
         "a b",
         &"x".repeat(40),
+        // nft keywords: the flag's rule is the dataplane's too.
+        "inet",
+        "Table",
     ] {
         let cfg = DataplaneConfig {
             table: bad.to_string(),
@@ -180,4 +185,101 @@ fn a_first_sync_in_pieces_loads_the_whole_tables() {
         assert!(!listed.contains("dormant"));
         kproxy_nft::cleanup(&DataplaneConfig::default()).expect("cleanup");
     });
+}
+
+/// `ip netns exec NS nft ARGS` (with `input` as the file `-f` reads when given): its
+/// stdout, after checking it succeeded and wrote nothing to stderr.
+fn nft_in(ns: &Netns, args: &[&str], input: Option<&str>) -> String {
+    let mut cmd = std::process::Command::new("ip");
+    cmd.args(["netns", "exec", &ns.name, "nft"]).args(args);
+    cmd.env("LC_ALL", "C");
+    let out = match input {
+        Some(text) => {
+            use std::io::Write;
+            let mut child = cmd
+                .arg("-f")
+                .arg("-")
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("run nft");
+            child
+                .stdin
+                .take()
+                .expect("piped")
+                .write_all(text.as_bytes())
+                .expect("write to nft");
+            child.wait_with_output().expect("nft")
+        }
+        None => cmd.output().expect("run nft"),
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stderr.is_empty(),
+        "nft {args:?}: {}: {stderr}",
+        out.status
+    );
+    String::from_utf8(out.stdout).expect("nft writes UTF-8")
+}
+
+/// The host's own `nft` (Debian's 1.0.6 on the CI machine) decodes everything kproxy
+/// puts in its tables: `nft list ruleset` and `nft -j list ruleset` succeed without a
+/// word on stderr and without anything they could not decode, every rule kproxy wrote
+/// is listed with its `kp:` id, and the listing, loaded into an empty namespace, lists
+/// the same again (so each construct kproxy uses parses as nft prints it). Plans with
+/// affinity (dynamic sets), source ranges (anonymous sets), reject and drop verdicts,
+/// iTP/eTP Local, NodePorts, both families and each local-traffic detector (an interval
+/// set of CIDRs, an interface prefix).
+#[test]
+fn the_hosts_nft_lists_kproxys_tables_and_reads_the_listing_back() {
+    let version = sh("nft --version");
+    let plans = [
+        plan_from_yaml(&example_cluster(), "node-a", &example_config()),
+        plan_from_yaml(MIXED, "node-a", &mixed_config()),
+        plan_from_yaml(
+            MIXED,
+            "node-b",
+            &masquerade_all(LocalDetectorConfig::InterfaceNamePrefix("veth".into())),
+        ),
+    ];
+    for (n, plan) in plans.into_iter().enumerate() {
+        let ns = Netns::new("list");
+        let programmed = ns.run(move || {
+            let mut dp = kproxy_nft::Dataplane::new(DataplaneConfig::default()).unwrap();
+            dp.sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
+                .expect("sync");
+            dp.programmed().expect("synced")
+        });
+        let rules: usize = programmed
+            .iter()
+            .flat_map(|t| t.chains.values())
+            .map(|c| c.rules.len())
+            .sum();
+        let listed = nft_in(&ns, &["list", "ruleset"], None);
+        let json = nft_in(&ns, &["-j", "list", "ruleset"], None);
+        serde_json::from_str::<serde_json::Value>(&json).expect("nft -j lists JSON");
+        for (what, text) in [("text", &listed), ("json", &json)] {
+            for bad in ["unknown", "invalid", "??", "#0x"] {
+                assert!(
+                    !text.contains(bad),
+                    "plan {n}: {version}: the {what} listing holds {bad:?}:\n{text}"
+                );
+            }
+        }
+        assert!(rules > 10, "plan {n}: {rules} rules");
+        assert_eq!(
+            listed.matches("comment \"kp:").count(),
+            rules,
+            "plan {n}: {version}: every rule listed with its id:\n{listed}"
+        );
+        // What nft printed, loaded into an empty namespace, is listed the same again.
+        let empty = Netns::new("relist");
+        nft_in(&empty, &[], Some(&listed));
+        assert_eq!(
+            nft_in(&empty, &["list", "ruleset"], None),
+            listed,
+            "plan {n}: {version}"
+        );
+    }
 }

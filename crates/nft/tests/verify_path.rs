@@ -1,7 +1,8 @@
-//! The periodic verification of intact tables reads the kernel back over netlink and
-//! never runs `nft`: `nft -j` of kproxy's tables took ~10 s at 10k Services
-//! × 10 endpoints, and the sync loop waits for a verification, so every verifyPeriod a
-//! change waited that long. Drift is still named by `nft -j` and repaired.
+//! The periodic verification reads the kernel back over netlink and never asks `nft` to
+//! list anything: `nft -j` of kproxy's tables took ~10 s at 10k Services × 10
+//! endpoints, and the sync loop waits for a verification, so every verifyPeriod a
+//! change waited that long. Intact tables run no `nft` at all; drift is named from the
+//! read-back and repaired by the delta from it (never a listing).
 //!
 //! The test runs a child test process whose PATH starts with a directory holding an
 //! `nft` that logs each call and runs the real one (PATH is process-wide; changing it
@@ -106,14 +107,23 @@ fn child_verifies_with_logged_nft() {
             "verifying intact tables ran nft: {}",
             std::fs::read_to_string(&log).unwrap_or_default()
         );
-        // Someone else edits kproxy's table: named by nft, repaired.
+        // Someone else edits kproxy's table: named from the read-back and repaired as
+        // the kernel watch repairs, by the delta from what the kernel holds (element
+        // only here: over netlink, no `nft` at all; at most one `nft -f` otherwise).
         sh("nft flush map ip kproxy service-ips");
+        let before = calls(&log);
         let v = dp.verify().unwrap();
         assert!(v.drift);
         assert!(
             v.differences.contains(&"map service-ips".to_string()),
             "{:?}",
             v.differences
+        );
+        let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+        let repair: Vec<&str> = log_text.lines().skip(before).collect();
+        assert!(
+            repair.iter().all(|c| *c == "-f -") && repair.len() <= 1,
+            "the repair, and nothing listed: {repair:?}"
         );
         assert!(!dp.verify().unwrap().drift, "repaired");
     });

@@ -2,6 +2,7 @@
 //! network namespaces (created with `ip netns`, removed by a Drop guard even on panic).
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use kproxy_core::ingest::Ownership;
 use kproxy_core::planner::PlanUpdate;
 use kproxy_core::{ClusterState, NodePlan, PlanConfig, Planner, manifest};
+use serde_json::Value;
 
 pub mod cases;
 pub mod fabric;
@@ -140,4 +142,60 @@ pub fn sh(cmd: &str) -> String {
 
 pub fn ip(s: &str) -> IpAddr {
     s.parse().expect("ip")
+}
+
+/// A table read back from the kernel, reduced to what kproxy decides: per object
+/// (`chain NAME` / `set NAME` / `map NAME`) its content without handles, table names or
+/// hook parameters, with set elements sorted and the contents of dynamic sets left out
+/// (the kernel fills those from traffic).
+pub fn normalize(json: &Value) -> BTreeMap<String, Value> {
+    let mut out: BTreeMap<String, Value> = BTreeMap::new();
+    let Some(items) = json.get("nftables").and_then(|v| v.as_array()) else {
+        return out;
+    };
+    for item in items {
+        let Some(obj) = item.as_object() else {
+            continue;
+        };
+        for (kind, body) in obj {
+            match kind.as_str() {
+                "chain" => {
+                    let name = body["name"].as_str().unwrap_or_default().to_string();
+                    out.entry(format!("chain {name}"))
+                        .or_insert_with(|| Value::Array(Vec::new()));
+                }
+                "rule" => {
+                    let name = body["chain"].as_str().unwrap_or_default().to_string();
+                    let entry = out
+                        .entry(format!("chain {name}"))
+                        .or_insert_with(|| Value::Array(Vec::new()));
+                    if let Value::Array(rules) = entry {
+                        rules.push(body["expr"].clone());
+                    }
+                }
+                "set" | "map" => {
+                    let name = body["name"].as_str().unwrap_or_default().to_string();
+                    let mut b = body.clone();
+                    if let Some(m) = b.as_object_mut() {
+                        m.remove("handle");
+                        m.remove("table");
+                        m.remove("family");
+                        // nft 1.0.6 lists `flags dynamic,timeout` as just `timeout`.
+                        let dynamic = m.get("flags").and_then(|f| f.as_array()).is_some_and(|f| {
+                            f.iter()
+                                .any(|x| matches!(x.as_str(), Some("dynamic" | "timeout")))
+                        });
+                        if dynamic {
+                            m.remove("elem");
+                        } else if let Some(Value::Array(e)) = m.get_mut("elem") {
+                            e.sort_by_key(|v| v.to_string());
+                        }
+                    }
+                    out.insert(format!("{kind} {name}"), b);
+                }
+                _ => {}
+            }
+        }
+    }
+    out
 }

@@ -1,0 +1,79 @@
+//! The dataplane's error, one variant per meaning a caller can act on: the input was
+//! invalid, the kernel refused a transaction (nothing of it applied), a transaction
+//! could not be encoded for nfnetlink (the caller sends it as nft text instead), the
+//! kernel's answer could not be read, or a system call failed.
+//!
+//! A table that is absent is not an error here: reading it back answers `None`
+//! (recognised by the kernel's `ENOENT` over netlink, [`crate::dump::read_table`]),
+//! and every caller treats absence as a state (a cold start, drift to repair).
+
+/// Why an operation of the dataplane failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    /// The config or the plan holds a value that cannot be rendered safely.
+    #[error("invalid input: {0}")]
+    Invalid(String),
+    /// The kernel refused a transaction, through `nft -f` (its message is nft's
+    /// stderr) or an nfnetlink batch (the failing message and the kernel's errno); a
+    /// transaction is all or nothing, so nothing of it was applied.
+    #[error("the kernel refused the transaction ({via}): {message}")]
+    Refused { via: Via, message: String },
+    /// A transaction could not be encoded as an nfnetlink batch.
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
+    /// The kernel's answer could not be read: a malformed or interrupted dump, a
+    /// ruleset that kept changing while it was read, an error answer to a read.
+    #[error("reading the kernel: {0}")]
+    Read(String),
+    /// A system call, the `nft` process, or a file under /proc failed.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
+    /// The UDP conntrack cleanup failed (ctnetlink).
+    #[error("conntrack: {0}")]
+    Conntrack(String),
+}
+
+/// The way a refused transaction was sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// `nft -f -` (structure, and anything netlink does not encode).
+    Nft,
+    /// kproxy's own nfnetlink batch (elements, waking dormant tables).
+    Netlink,
+}
+
+impl std::fmt::Display for Via {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Via::Nft => "nft -f",
+            Via::Netlink => "nfnetlink",
+        })
+    }
+}
+
+/// Why a transaction does not encode as an nfnetlink batch, and what it was encoding.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+#[error("encoding {what} for nfnetlink: {why}")]
+pub struct EncodeError {
+    /// The operation (`add element ip kproxy service-ips`, or the operation's kind).
+    pub what: String,
+    pub why: EncodeFailure,
+}
+
+/// The reason an [`EncodeError`] gives.
+#[derive(Clone, Copy, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EncodeFailure {
+    /// Only element operations go by nfnetlink; chains, rules and sets go by `nft -f`.
+    #[error("not an element operation")]
+    NotElements,
+    /// An interval set's element (a prefix) needs start and end elements, which kproxy
+    /// leaves to `nft`.
+    #[error("a prefix (interval set element)")]
+    Prefix,
+    /// An attribute longer than the 16-bit length netlink can say.
+    #[error("an attribute longer than 65535 bytes")]
+    TooLong,
+}

@@ -1,0 +1,117 @@
+//! The first sync into absent tables (a node's first start, or after `kproxy
+//! cleanup`), in steps: the structure created dormant by `nft -f`, the Services'
+//! elements as nfnetlink pieces encoded while the structure loads, then one
+//! transaction that wakes the tables. Why this is safe and what it saves:
+//! [`first_sync_into_absent_tables`].
+
+use crate::error::NftError;
+use crate::model::{self, Transaction};
+use crate::netlink;
+use crate::record::FamilyRecord;
+
+/// Elements per nfnetlink transaction of a first sync into absent tables (≈ 180 KB
+/// encoded, ≈ 330 KB typed): small against the ≈ 106k elements at 10k × 10, large
+/// enough that a transaction's own cost (a `sendmsg`, the commit) stays a few percent.
+const ELEMENTS_PER_PIECE: usize = 4096;
+
+/// Encoded pieces waiting for the socket: the encoder runs ahead of the kernel by this
+/// many (and no more, so memory stays bounded) while the structure loads.
+const PIECES_AHEAD: usize = 2;
+
+/// What a first sync into absent tables sent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PhasedSync {
+    /// What the one transaction creating both tables would count.
+    pub counts: model::Counts,
+    pub script_bytes: usize,
+    pub netlink_bytes: usize,
+}
+
+/// The first sync into absent tables, in the steps of the transaction that creates
+/// them ([`Transaction::dormant_for_absent_tables`]): `load` takes the tables (created
+/// dormant), sets, chains and rules (`nft -f`; from the tables without the Services'
+/// elements, [`FamilyRecord::assemble_structure`]), `send` the elements as
+/// nfnetlink transactions of [`ELEMENTS_PER_PIECE`] elements each, typed and encoded
+/// piece by piece from the records ([`FamilyRecord::element_pieces`]) by a
+/// thread that runs at most [`PIECES_AHEAD`] pieces ahead, and last the transaction
+/// that wakes both tables ([`netlink::Batch::wake_tables`]), hooking their base chains.
+///
+/// Why several transactions are safe here: a dormant table's base chains are not
+/// hooked, so no packet meets the tables while they fill, whatever order or grouping
+/// the elements arrive in; a failure at any step leaves dormant tables, which the next
+/// (full, replacing, one-transaction) sync replaces (adoption refuses a table with
+/// flags, [`crate::dump::adopt`]). A batch must reach the kernel in one `sendmsg` (nfnetlink
+/// runs it from one skb), so one transaction of all elements had to be held whole (4.6
+/// MB at 10k × 10, on top of their 8 MiB typed); in pieces neither is. It also lets the
+/// kernel grow each set's hash table between pieces: a set starts with 4 buckets and
+/// its resize runs in a worker that cannot run during one long `sendmsg` on a
+/// non-preemptible kernel, so one batch of 80k elements into one map spent a third of
+/// its time in `rhashtable_insert_slow` (`perf`; crates/nft/BENCHMARKS.md).
+///
+/// [`NftError::Encode`] when an element does not encode (the tables may then exist,
+/// dormant: a one-transaction replacement must follow). Public so a bench can run it
+/// with sinks for `load` and `send`.
+pub fn first_sync_into_absent_tables(
+    recs: &[FamilyRecord; 2],
+    load: &(dyn Fn(&Transaction) -> Result<usize, NftError> + Sync),
+    send: &mut dyn FnMut(netlink::Batch) -> Result<(), NftError>,
+) -> Result<PhasedSync, NftError> {
+    let mut bare = Transaction::default();
+    for rec in recs {
+        bare.extend(Transaction::create(rec.assemble_structure()));
+    }
+    // The structure's own elements (a NodePort address set's) go with the Services'.
+    let (structure, own_elements) = bare.dormant_for_absent_tables();
+    let tables: Vec<(model::Family, &str)> = structure
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            model::Op::AddTable { family, table, .. } => Some((*family, table.as_str())),
+            _ => None,
+        })
+        .collect();
+    let mut done = PhasedSync {
+        counts: structure.counts,
+        ..PhasedSync::default()
+    };
+    let own_elements = netlink::Batch::transaction(&own_elements)?;
+    let n = std::thread::scope(|s| {
+        // A thread starts in its creator's network namespace, so nft acts on ours.
+        let loading = s.spawn(|| load(&structure));
+        let (pieces, encoded) = std::sync::mpsc::sync_channel(PIECES_AHEAD);
+        let encoder = s.spawn(move || {
+            let mut n = 0;
+            for rec in recs {
+                n += rec.element_pieces(ELEMENTS_PER_PIECE, &mut |tx| {
+                    // An element that does not encode ends the pieces; a closed channel
+                    // (the sender failed) stops the encoder.
+                    let batch = netlink::Batch::transaction(&tx);
+                    let last = batch.is_err();
+                    pieces.send(batch).map_err(|_| ())?;
+                    if last { Err(()) } else { Ok(()) }
+                })?;
+            }
+            Ok::<usize, ()>(n)
+        });
+        done.script_bytes += loading
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+        done.netlink_bytes += own_elements.len();
+        send(own_elements)?;
+        for batch in encoded {
+            let batch = batch?;
+            done.netlink_bytes += batch.len();
+            send(batch)?;
+        }
+        // Every piece was sent, so the encoder ended without a failure.
+        let n = encoder
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        Ok::<usize, NftError>(n.unwrap_or_default())
+    })?;
+    done.counts.elements_added += n;
+    let wake = netlink::Batch::wake_tables(&tables);
+    done.netlink_bytes += wake.len();
+    send(wake)?;
+    Ok(done)
+}
