@@ -948,7 +948,7 @@ impl RealControlPlane {
             client,
             writer,
             tasks: Mutex::new(tasks),
-            bridges: bridges,
+            bridges,
             nodes: fabric.nodes.len(),
             since,
             node_changes,
