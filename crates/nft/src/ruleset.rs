@@ -56,6 +56,18 @@ use sha2::{Digest, Sha256};
 use crate::DataplaneConfig;
 
 use crate::model::{Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple};
+
+/// Priority of kproxy's `nat-prerouting` and `nat-output` chains: `dstnat - 1`, one step
+/// before upstream kube-proxy's nat chains (`dstnat`, also iptables' nat table). The
+/// kernel runs every nat base chain of a hook inside one nat hook, in priority order,
+/// and stops at the first that binds a NAT mapping or drops: so while kube-proxy's rules
+/// are still on a node (the takeover, issue 28), kproxy's DNAT, reject or drop decides
+/// every connection to a frontend kproxy knows, and kube-proxy's nat rules never see it.
+/// The contract and its reasons: crates/nft/README.md, docs/migrate.md.
+pub const DSTNAT_PRIORITY: i32 = -101;
+/// Priority of kproxy's `nat-postrouting` chain: `srcnat - 1`, so kproxy's masquerade
+/// binds before kube-proxy's (`srcnat`) for the same reason.
+pub const SRCNAT_PRIORITY: i32 = 99;
 pub use crate::model::{Chain, Set, Table};
 
 /// Counts of what a delta changes, for the sync report and metrics.
@@ -706,26 +718,26 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
         set(vec![a, a], "endpoint IP . endpoint IP"),
     );
 
-    // Base chains, hooks and priorities as upstream's nat chains.
+    // Base chains: upstream's nat hooks, one priority step earlier (see the constants).
     let base = |hook: Option<Hook>, rules: Vec<String>| Chain { hook, rules };
     rs.chains.insert(
         "nat-prerouting".into(),
         base(
-            Some(Hook::nat(HookPoint::Prerouting, -100)),
+            Some(Hook::nat(HookPoint::Prerouting, DSTNAT_PRIORITY)),
             vec!["jump services".into()],
         ),
     );
     rs.chains.insert(
         "nat-output".into(),
         base(
-            Some(Hook::nat(HookPoint::Output, -100)),
+            Some(Hook::nat(HookPoint::Output, DSTNAT_PRIORITY)),
             vec!["jump services".into()],
         ),
     );
     rs.chains.insert(
         "nat-postrouting".into(),
         base(
-            Some(Hook::nat(HookPoint::Postrouting, 100)),
+            Some(Hook::nat(HookPoint::Postrouting, SRCNAT_PRIORITY)),
             vec!["jump masquerading".into()],
         ),
     );
