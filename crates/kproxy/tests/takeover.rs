@@ -873,3 +873,203 @@ fn kproxys_verdicts_win_over_kube_proxys_iptables_rules() {
     }
     kproxy_decides_over("iptables");
 }
+
+/// A process in the node namespace, stopped with SIGTERM (kube-proxy then leaves its
+/// rules, as on a node where its pod is deleted).
+fn sigterm_and_wait(d: &mut Daemon) {
+    common::sigterm(d);
+}
+
+/// Starts real kube-proxy of `$K8S_LAB/bin/kube-proxy` in `mode` in the node namespace.
+fn start_real_kube_proxy(
+    lab: &kproxy_lab::k8s::K8sLab,
+    c: &Cluster,
+    mode: &str,
+    dir: &Path,
+    n: usize,
+) -> Daemon {
+    let cfg = dir.join(format!("kube-proxy-{n}.yaml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: {mode}
+hostnameOverride: node-1
+clientConnection: {{kubeconfig: {}}}
+clusterCIDR: 10.244.0.0/16
+detectLocalMode: ClusterCIDR
+healthzBindAddress: 10.200.0.1:10256
+metricsBindAddress: 127.0.0.1:10249
+conntrack: {{maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}}
+",
+            lab.proxy_kubeconfig.display()
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.join(format!("kube-proxy-{n}.log"))).unwrap();
+    Daemon(
+        Command::new("ip")
+            .args(["netns", "exec", &c.node.0])
+            .arg(lab.dir.join("bin/kube-proxy"))
+            .arg("--config")
+            .arg(&cfg)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start kube-proxy"),
+    )
+}
+
+/// kube-proxy's rules for the web Service are in the kernel (it has synced).
+fn kube_proxy_programmed(node: &Netns, mode: &str) -> bool {
+    match mode {
+        "nftables" => out(node, &["nft", "list", "table", "ip", "kube-proxy"])
+            .contains("10.96.0.10 . tcp . 80"),
+        _ => {
+            out(node, &["iptables-save", "-t", "nat"]).contains("-A KUBE-SERVICES -d 10.96.0.10/32")
+        }
+    }
+}
+
+/// Against the real upstream kube-proxy v1.36.2 and a real API server: kube-proxy runs,
+/// is stopped, kproxy takes over (phase `takeover`), then the way back: kube-proxy
+/// starts beside kproxy, kproxy stops, `kproxy cleanup --after-kube-proxy-synced`
+/// removes kproxy's tables once kube-proxy is healthy (phase `back`). Prints failures
+/// per phase and asserts none. `KPROXY_TAKEOVER_MODES=nftables,iptables` (default both).
+///
+///   source /work/k8s-lab-NAME/env.sh; start.sh start; start.sh kcm
+///   sudo -E crates/kproxy/tests/fixtures/kube-proxy/capture.sh nftables   # the objects
+///   sudo -E cargo test -p kproxy --test takeover -- --ignored --nocapture
+#[test]
+#[ignore = "needs K8S_LAB (a k8s-lab instance with capture.sh's objects) with bin/kube-proxy, and root; run with --ignored"]
+fn real_kube_proxy_takeover_and_back() {
+    assert!(nix::unistd::geteuid().is_root(), "needs root");
+    let lab = kproxy_lab::k8s::K8sLab::from_env().expect("K8S_LAB names a k8s-lab instance");
+    let modes =
+        std::env::var("KPROXY_TAKEOVER_MODES").unwrap_or_else(|_| "nftables,iptables".into());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut table = vec![
+        "| from | phase | new connections | keep-alive requests | failed (new + keep-alive) |"
+            .to_string(),
+        "|---|---|---|---|---|".to_string(),
+    ];
+    let mut total_failed = Vec::new();
+    for mode in modes.split(',') {
+        let c = cluster(&format!("r{}", &mode[..1]));
+        let _bridge = {
+            let _g = rt.enter();
+            kproxy_lab::k8s::ApiBridge::start(&c.node.0, lab.api_port).expect("API bridge")
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("kproxy.log");
+        let mut kube_proxy = start_real_kube_proxy(&lab, &c, mode, dir.path(), 1);
+        wait_for(
+            "kube-proxy to program its rules",
+            &dir.path().join("kube-proxy-1.log"),
+            || kube_proxy_programmed(&c.node, mode),
+        );
+        let load = Load::start(&c);
+        let mut mark = |phase: &str, load: &Load, since: &mut (usize, usize, usize)| {
+            let sent = load.sent.load(Ordering::SeqCst);
+            let failed = load.failures.lock().unwrap().len();
+            let ka: usize = load.keepalive_counts().iter().sum();
+            table.push(format!(
+                "| {mode} | {phase} | {} | {} | {} |",
+                sent - since.0,
+                ka - since.2,
+                failed - since.1
+            ));
+            *since = (sent, failed, ka);
+        };
+        let mut since = (0, 0, 0);
+        std::thread::sleep(Duration::from_secs(1));
+        mark("kube-proxy alone", &load, &mut since);
+        // Takeover: kube-proxy's pod leaves the node, kproxy's arrives.
+        sigterm_and_wait(&mut kube_proxy);
+        let kproxy_log = std::fs::File::create(&log).unwrap();
+        let mut kproxy = Daemon(
+            Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &c.node.0,
+                    env!("CARGO_BIN_EXE_kproxy"),
+                    "run",
+                ])
+                .arg("--kubeconfig")
+                .arg(&lab.proxy_kubeconfig)
+                .args([
+                    "--hostname-override",
+                    "node-1",
+                    "--cluster-cidr",
+                    "10.244.0.0/16",
+                ])
+                .args(["--healthz-bind-address", "10.200.0.1:10256"])
+                .args(["--metrics-bind-address", "127.0.0.1:10259"])
+                .stdout(Stdio::null())
+                .stderr(kproxy_log)
+                .spawn()
+                .unwrap(),
+        );
+        wait_for("kube-proxy's rules to go", &log, || {
+            let now = [xt_chains(&c.node), nft_tables(&c.node)].concat();
+            !now.iter().any(|e| is_kube_proxys(e)) && now.iter().any(|e| e == "ip kproxy")
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        mark(
+            "takeover (kube-proxy stopped, kproxy started, kube-proxy's rules removed)",
+            &load,
+            &mut since,
+        );
+        std::thread::sleep(Duration::from_secs(1));
+        mark("kproxy alone", &load, &mut since);
+        // Back: kube-proxy starts beside kproxy, then kproxy goes.
+        let mut kube_proxy = start_real_kube_proxy(&lab, &c, mode, dir.path(), 2);
+        wait_for(
+            "kube-proxy to program its rules again",
+            &dir.path().join("kube-proxy-2.log"),
+            || kube_proxy_programmed(&c.node, mode),
+        );
+        sigterm_and_wait(&mut kproxy);
+        let cleanup = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &c.node.0,
+                env!("CARGO_BIN_EXE_kproxy"),
+                "cleanup",
+            ])
+            .arg("--after-kube-proxy-synced=10.200.0.1:10256")
+            .output()
+            .unwrap();
+        assert!(
+            cleanup.status.success(),
+            "{}",
+            String::from_utf8_lossy(&cleanup.stderr)
+        );
+        assert!(!nft_tables(&c.node).iter().any(|t| t.ends_with(" kproxy")));
+        std::thread::sleep(Duration::from_secs(1));
+        mark(
+            "back (kube-proxy started and synced, kproxy stopped, its tables removed)",
+            &load,
+            &mut since,
+        );
+        std::thread::sleep(Duration::from_secs(1));
+        mark("kube-proxy alone again", &load, &mut since);
+        let before_end = load.keepalive_counts();
+        std::thread::sleep(Duration::from_millis(300));
+        let after = load.keepalive_counts();
+        let (_, failures) = load.finish();
+        for (i, (a, b)) in before_end.iter().zip(&after).enumerate() {
+            assert!(b > a, "{mode}: keep-alive connection {i} stalled");
+        }
+        total_failed.extend(failures.into_iter().map(|f| format!("{mode}: {f}")));
+        sigterm_and_wait(&mut kube_proxy);
+        // Leave nothing behind in the namespace's kernel state that outlives it: the
+        // namespace goes with the cluster.
+    }
+    let text = table.join("\n");
+    eprintln!("{text}");
+    assert!(total_failed.is_empty(), "{total_failed:#?}\n{text}");
+}
