@@ -921,6 +921,41 @@ conntrack: {{maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeo
     )
 }
 
+/// Probes of a health-check node port: (when, answered 200).
+#[derive(Default)]
+struct HcProbe {
+    stop: AtomicBool,
+    results: Mutex<Vec<(Instant, bool)>>,
+}
+
+impl HcProbe {
+    fn run(&self, to: SocketAddr) {
+        while !self.stop.load(Ordering::SeqCst) {
+            let ok = matches!(http_get(to, "/"), Some((200, _)));
+            self.results.lock().unwrap().push((Instant::now(), ok));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// The longest stretch of consecutive failed probes, first to last failure plus one
+/// probe interval, in ms (0 when none failed).
+fn longest_bad_ms(probes: &[(Instant, bool)]) -> u128 {
+    let mut best = 0;
+    let mut run_start: Option<Instant> = None;
+    for (t, ok) in probes {
+        match (ok, run_start) {
+            (false, None) => run_start = Some(*t),
+            (false, Some(s)) => best = best.max((*t - s).as_millis() + 100),
+            (true, _) => run_start = None,
+        }
+        if !ok && run_start == Some(*t) {
+            best = best.max(100);
+        }
+    }
+    best
+}
+
 /// kube-proxy's rules for the web Service are in the kernel (it has synced).
 fn kube_proxy_programmed(node: &Netns, mode: &str) -> bool {
     match mode {
@@ -950,9 +985,9 @@ fn real_kube_proxy_takeover_and_back() {
         std::env::var("KPROXY_TAKEOVER_MODES").unwrap_or_else(|_| "nftables,iptables".into());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut table = vec![
-        "| from | phase | new connections | keep-alive requests | failed (new + keep-alive) |"
+        "| from | phase | new connections | keep-alive requests | failed (new + keep-alive) | health-check node port probes (not 200) | longest run not 200 |"
             .to_string(),
-        "|---|---|---|---|---|".to_string(),
+        "|---|---|---|---|---|---|---|".to_string(),
     ];
     let mut total_failed = Vec::new();
     for mode in modes.split(',') {
@@ -970,19 +1005,35 @@ fn real_kube_proxy_takeover_and_back() {
             || kube_proxy_programmed(&c.node, mode),
         );
         let load = Load::start(&c);
-        let mut mark = |phase: &str, load: &Load, since: &mut (usize, usize, usize)| {
+        // What a load balancer sees: the health-check node port probed from the client
+        // every 100 ms (measured, not asserted: how long a gap a load balancer forgives
+        // is its own setting).
+        let hc = Arc::new(HcProbe::default());
+        let hc_thread = {
+            let hc = hc.clone();
+            spawn_in(&c.client, move || {
+                hc.run("10.200.0.1:32000".parse().unwrap())
+            })
+        };
+        let mut mark = |phase: &str, load: &Load, since: &mut (usize, usize, usize, usize)| {
             let sent = load.sent.load(Ordering::SeqCst);
             let failed = load.failures.lock().unwrap().len();
             let ka: usize = load.keepalive_counts().iter().sum();
+            let probes = hc.results.lock().unwrap().clone();
+            let window = &probes[since.3..];
+            let bad = window.iter().filter(|(_, ok)| !ok).count();
             table.push(format!(
-                "| {mode} | {phase} | {} | {} | {} |",
+                "| {mode} | {phase} | {} | {} | {} | {} of {} | {} ms |",
                 sent - since.0,
                 ka - since.2,
-                failed - since.1
+                failed - since.1,
+                bad,
+                window.len(),
+                longest_bad_ms(window)
             ));
-            *since = (sent, failed, ka);
+            *since = (sent, failed, ka, probes.len());
         };
-        let mut since = (0, 0, 0);
+        let mut since = (0, 0, 0, 0);
         std::thread::sleep(Duration::from_secs(1));
         mark("kube-proxy alone", &load, &mut since);
         // Takeover: kube-proxy's pod leaves the node, kproxy's arrives.
@@ -1024,14 +1075,24 @@ fn real_kube_proxy_takeover_and_back() {
         );
         std::thread::sleep(Duration::from_secs(1));
         mark("kproxy alone", &load, &mut since);
-        // Back: kube-proxy starts beside kproxy, then kproxy goes.
+        // Back: kproxy stops (its rules stay and carry the traffic), kube-proxy starts
+        // and binds every port at its first sync. With KPROXY_TAKEOVER_BACK=overlap,
+        // kube-proxy starts beside the running kproxy instead: its health-check node
+        // ports then stay closed until its next periodic sync (upstream binds them
+        // only in a sync).
+        let overlap = std::env::var("KPROXY_TAKEOVER_BACK").is_ok_and(|v| v == "overlap");
+        if !overlap {
+            sigterm_and_wait(&mut kproxy);
+        }
         let mut kube_proxy = start_real_kube_proxy(&lab, &c, mode, dir.path(), 2);
         wait_for(
             "kube-proxy to program its rules again",
             &dir.path().join("kube-proxy-2.log"),
             || kube_proxy_programmed(&c.node, mode),
         );
-        sigterm_and_wait(&mut kproxy);
+        if overlap {
+            sigterm_and_wait(&mut kproxy);
+        }
         let cleanup = Command::new("ip")
             .args([
                 "netns",
@@ -1051,7 +1112,11 @@ fn real_kube_proxy_takeover_and_back() {
         assert!(!nft_tables(&c.node).iter().any(|t| t.ends_with(" kproxy")));
         std::thread::sleep(Duration::from_secs(1));
         mark(
-            "back (kube-proxy started and synced, kproxy stopped, its tables removed)",
+            if overlap {
+                "back (kube-proxy started beside kproxy and synced, kproxy stopped, its tables removed)"
+            } else {
+                "back (kproxy stopped, kube-proxy started and synced, kproxy's tables removed)"
+            },
             &load,
             &mut since,
         );
@@ -1061,6 +1126,8 @@ fn real_kube_proxy_takeover_and_back() {
         std::thread::sleep(Duration::from_millis(300));
         let after = load.keepalive_counts();
         let (_, failures) = load.finish();
+        hc.stop.store(true, Ordering::SeqCst);
+        hc_thread.join().unwrap();
         for (i, (a, b)) in before_end.iter().zip(&after).enumerate() {
             assert!(b > a, "{mode}: keep-alive connection {i} stalled");
         }
