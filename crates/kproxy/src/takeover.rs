@@ -119,6 +119,15 @@ pub async fn run(t: Takeover, stop: CancellationToken) {
             processes: kube_proxy_processes(),
             healthz_port_held: t.healthz_configured && t.health.healthz_addrs().is_empty(),
         };
+        // While a kube-proxy already reported still runs, only its liveness is looked
+        // at: reading a large node's iptables every round would cost more than the
+        // stale rules do.
+        if t.mode == TakeoverMode::Auto && live.live() && said_waiting == live.reason() {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(RECHECK) => continue,
+            }
+        }
         let inv = tokio::task::spawn_blocking(inventory)
             .await
             .unwrap_or_default();
