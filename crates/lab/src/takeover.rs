@@ -151,7 +151,7 @@ fn in_ns(node: &NodeNet, args: &[&str]) -> String {
 
 /// kube-proxy has programmed the lab Service on this node.
 fn kube_proxy_programmed(node: &NodeNet, mode: &str) -> bool {
-    let needle = format!("{}", controlplane::CLUSTER_IP);
+    let needle = controlplane::CLUSTER_IP;
     match mode {
         "nftables" => in_ns(node, &["nft", "list", "table", "ip", "kube-proxy"])
             .contains(&format!("{needle} . tcp . {}", controlplane::SERVICE_PORT)),
