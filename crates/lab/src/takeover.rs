@@ -242,6 +242,7 @@ async fn run_async(
         what: format!("mkdir {}", workdir.display()),
         source: e,
     })?;
+    let _cleanup = crate::restart::RemoveDir(workdir.clone());
     progress(&format!(
         "network up: {} nodes ({})",
         cfg.nodes, fabric.prefix
@@ -439,7 +440,6 @@ async fn run_async(
     if let Err(e) = real.stop().await {
         progress(&format!("cleaning the API server's objects: {e}"));
     }
-    let _ = std::fs::remove_dir_all(&workdir);
     result?;
     let phases: Vec<TakeoverPhase> = windows
         .into_iter()
