@@ -183,6 +183,8 @@ fn the_daemonset_runs_kproxy_like_kube_proxy() {
     );
     let pod = spec.template.spec.as_ref().unwrap();
     assert_eq!(pod.host_network, Some(true));
+    // The takeover sees a running kube-proxy process (docs/migrate.md).
+    assert_eq!(pod.host_pid, Some(true));
     assert_eq!(
         pod.priority_class_name.as_deref(),
         Some("system-node-critical")

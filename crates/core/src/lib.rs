@@ -14,6 +14,7 @@
 //! - [`planner`]: the plan, full and incremental; [`no_local`]: which of its ports upstream
 //!   counts in `sync_proxy_rules_no_local_endpoints_total`.
 //! - [`trace`]: the fate of one packet under a plan; [`explain`]: why, for people.
+//! - [`takeover`]: what of kube-proxy's is on a node and the plan that removes it.
 
 #![forbid(unsafe_code)]
 
@@ -30,6 +31,7 @@ pub mod plan;
 pub mod planner;
 pub mod state;
 pub mod synthetic;
+pub mod takeover;
 pub mod trace;
 
 pub use config::PlanConfig;

@@ -17,6 +17,7 @@ use kproxy_core::NodePlan;
 use kproxy_core::config::NodePortAddressesConfig;
 use kproxy_core::ingest::Ownership;
 use kproxy_core::planner::PlanUpdate;
+use kproxy_core::takeover::TakeoverMode;
 use kproxy_health::{Health, HealthConfig, Semantics};
 use kproxy_nft::{Dataplane as Nft, DataplaneConfig};
 use kproxy_source::StateHandle;
@@ -75,6 +76,20 @@ pub struct Args {
     pub node_port_range: std::ops::RangeInclusive<u16>,
     #[command(flatten)]
     pub plan: crate::common::PlanFlags,
+    /// Upstream kube-proxy's rules found on the node (docs/migrate.md): `auto` removes
+    /// exactly what `kube-proxy --cleanup` removes once kproxy's tables are up and no
+    /// kube-proxy runs; `off` leaves them (logged and counted); `force` removes them even
+    /// while a kube-proxy runs.
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = takeover_parser())]
+    pub kube_proxy_takeover: TakeoverMode,
+}
+
+/// `--kube-proxy-takeover`: the names are kproxy-core's ([`TakeoverMode::NAMES`]).
+fn takeover_parser() -> impl clap::builder::TypedValueParser<Value = TakeoverMode> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(TakeoverMode::NAMES)
+        // Only the possible values get here, and each parses.
+        .map(|s| TakeoverMode::parse(&s).expect("a possible value"))
 }
 
 /// The node name as kube-proxy picks it: the override, else `NODE_NAME`, else the host
@@ -267,6 +282,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     registry.register_collector(Box::new(crate::fdlimit::FdCollector {
         budget: health.connection_budget(),
     }));
+    let takeover_metrics = crate::takeover::TakeoverMetrics::register(&mut registry);
     let handle = StateHandle::new();
     if args.manifests.is_some() {
         registry.register_collector(Box::new(metrics::ManifestCollector(handle.clone())));
@@ -390,6 +406,14 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         health.clone(),
         metrics.clone(),
     );
+    let takeover = crate::takeover::Takeover {
+        mode: args.kube_proxy_takeover,
+        table: args.nft.nft_table.clone(),
+        healthz_configured: cfg.healthz_bind_address.is_some(),
+        health: health.clone(),
+        metrics: metrics.clone(),
+        own: takeover_metrics,
+    };
     let mut sync_loop = SyncLoop::new(
         loop_cfg,
         handle,
@@ -404,6 +428,12 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
             "cannot watch nftables: changes by other processes are repaired by the periodic verification only"
         ),
     }
+    tasks.spawn("the kube-proxy takeover", |stop| async move {
+        crate::takeover::run(takeover, stop.clone()).await;
+        // Done: stays out of the way until the others stop.
+        stop.cancelled().await;
+        Ok(())
+    });
     tasks.spawn("the sync loop", |stop| async move {
         // The dataplane is dropped: the rules stay in place.
         sync_loop.run(stop).await.map(drop)

@@ -16,6 +16,7 @@ mod kernel_limits;
 mod kernel_watch;
 mod metrics;
 mod pacing;
+mod takeover;
 mod tasks;
 
 use std::process::ExitCode;

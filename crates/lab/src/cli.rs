@@ -30,6 +30,10 @@ pub enum LabCommand {
     /// Restart, kill and upgrade node 1's kproxy under load through an eTP=Local LB and
     /// a cluster IP; failures counted per phase (root).
     Restart(Box<RestartArgs>),
+    /// Node by node, upstream kube-proxy stops and kproxy takes over under load through
+    /// an eTP=Local LB and a cluster IP, and with --back the reverse; real control plane
+    /// and kube-proxy from K8S_LAB (root; docs/migrate.md).
+    Takeover(Box<TakeoverArgs>),
     /// Remove lab namespaces (and their processes) left behind by killed runs (root).
     Sweep,
 }
@@ -49,6 +53,30 @@ pub struct RestartArgs {
     pub output: OutputFormat,
     /// The kproxy binary to run on each node (default: this executable); the upgrade
     /// phase runs a copy of it from another path.
+    #[arg(long)]
+    pub kproxy: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct TakeoverArgs {
+    /// kube-proxy's mode on the nodes before the takeover.
+    #[arg(long, value_parser = ["nftables", "iptables"])]
+    pub from: String,
+    /// After the takeover, go back to kube-proxy node by node.
+    #[arg(long)]
+    pub back: bool,
+    /// Nodes in the lab cluster (one pod each).
+    #[arg(long, default_value_t = 3)]
+    pub nodes: usize,
+    /// Real time = nominal time × this (pod readiness, LB health checks).
+    #[arg(long, default_value_t = 0.15)]
+    pub time_scale: f64,
+    /// Seconds of load after each node's change, before the next.
+    #[arg(long, default_value_t = 3.0)]
+    pub hold_seconds: f64,
+    #[arg(short = 'o', long, value_enum, default_value = "text")]
+    pub output: OutputFormat,
+    /// The kproxy binary to run on each node (default: this executable).
     #[arg(long)]
     pub kproxy: Option<PathBuf>,
 }
@@ -362,7 +390,49 @@ pub fn run(args: LabArgs) -> anyhow::Result<ExitCode> {
         LabCommand::Rollout(a) => rollout(&a),
         LabCommand::Matrix(a) => matrix(&a),
         LabCommand::Restart(a) => restart(&a),
+        LabCommand::Takeover(a) => takeover(&a),
     }
+}
+
+fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
+    need_root("takeover")?;
+    if !(1..=fabric_max_nodes()).contains(&a.nodes) {
+        bail!("--nodes must be 1..={}", fabric_max_nodes());
+    }
+    if !(a.hold_seconds.is_finite() && (0.5..=600.0).contains(&a.hold_seconds)) {
+        bail!("--hold-seconds must be 0.5..=600");
+    }
+    let cfg = RolloutConfig {
+        nodes: a.nodes,
+        time_scale: a.time_scale,
+        deployment: crate::cluster::DeploymentSpec {
+            replicas: a.nodes as u32,
+            ..RolloutConfig::default().deployment
+        },
+        ..RolloutConfig::default()
+    };
+    let kproxy = match &a.kproxy {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().context("finding the kproxy executable")?,
+    };
+    let progress = |line: &str| eprintln!("{line}");
+    let report = crate::takeover::run(
+        &cfg,
+        &kproxy,
+        &a.from,
+        a.back,
+        std::time::Duration::from_secs_f64(a.hold_seconds),
+        &progress,
+    )?;
+    match a.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        _ => print!("{}", crate::takeover::render_text(&report)),
+    }
+    Ok(if report.failures == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 fn restart(a: &RestartArgs) -> anyhow::Result<ExitCode> {

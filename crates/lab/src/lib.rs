@@ -28,6 +28,7 @@ pub mod pod;
 pub mod report;
 pub mod restart;
 pub mod scenario;
+pub mod takeover;
 pub mod timeline;
 
 #[derive(Debug, thiserror::Error)]

@@ -402,7 +402,7 @@ async fn run_async(
 }
 
 /// Removes the run's scratch directory when the run ends, however it ends.
-struct RemoveDir(PathBuf);
+pub(crate) struct RemoveDir(pub(crate) PathBuf);
 
 impl Drop for RemoveDir {
     fn drop(&mut self) {

@@ -60,21 +60,37 @@ use crate::model::{
 };
 pub use crate::model::{Chain, Set, Table, Transaction};
 
+/// Priority of kproxy's `nat-prerouting` and `nat-output` chains: `dstnat - 1`, one step
+/// before upstream kube-proxy's nat chains (`dstnat`, also iptables' nat table). The
+/// kernel runs every nat base chain of a hook inside one nat hook, in priority order,
+/// and stops at the first that binds a NAT mapping or drops: so while kube-proxy's rules
+/// are still on a node (a takeover), kproxy's DNAT, reject or drop decides every
+/// connection to a frontend kproxy knows, and kube-proxy's nat rules never see it.
+/// The contract and its reasons: crates/nft/README.md, docs/migrate.md.
+pub const DSTNAT_PRIORITY: i32 = -101;
+/// Priority of kproxy's `nat-postrouting` chain: `srcnat - 1`, so kproxy's masquerade
+/// binds before kube-proxy's (`srcnat`) for the same reason.
+pub const SRCNAT_PRIORITY: i32 = 99;
+
 /// kproxy's base chains: (name, hook, priority, its one rule). The neighbour contract
-/// (crates/nft/README.md) promises these hooks and priorities, upstream's nat ones
-/// (`dstnat` -100 before routing and for local output, `srcnat` 100 after).
+/// (crates/nft/README.md) promises these hooks and priorities.
 pub const BASE_CHAINS: [(&str, HookPoint, i32, &str); 3] = [
     (
         "nat-prerouting",
         HookPoint::Prerouting,
-        -100,
+        DSTNAT_PRIORITY,
         "jump services",
     ),
-    ("nat-output", HookPoint::Output, -100, "jump services"),
+    (
+        "nat-output",
+        HookPoint::Output,
+        DSTNAT_PRIORITY,
+        "jump services",
+    ),
     (
         "nat-postrouting",
         HookPoint::Postrouting,
-        100,
+        SRCNAT_PRIORITY,
         "jump masquerading",
     ),
 ];
