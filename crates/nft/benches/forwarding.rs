@@ -31,6 +31,8 @@ use kproxy_core::synthetic::{self, Spec};
 use kproxy_core::{PlanConfig, Planner};
 use kproxy_nft::{Dataplane, DataplaneConfig};
 
+mod common;
+
 const SERVER: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 2);
 const SERVER_PORT: u16 = 8080;
 /// Outside every synthetic cluster IP (10.96.0.0/14 from its first address upward).
@@ -486,20 +488,7 @@ fn run(lab: &Lab, services: usize, eps: usize) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a.contains('x') && !a.starts_with('-'))
-        .collect();
-    let sizes: Vec<(usize, usize)> = if args.is_empty() {
-        vec![(44000, 1), (5000, 50)]
-    } else {
-        args.iter()
-            .filter_map(|a| {
-                let (s, e) = a.split_once('x')?;
-                Some((s.parse().ok()?, e.parse().ok()?))
-            })
-            .collect()
-    };
+    let sizes = common::sizes(&[(44000, 1), (5000, 50)]);
     let Some(lab) = Lab::new() else { return };
     {
         let ns = lab.server.clone();

@@ -211,17 +211,7 @@ fn run(services: usize, eps: usize, rounds: usize) {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut sizes: Vec<(usize, usize)> = args
-        .iter()
-        .filter(|a| !a.starts_with('-'))
-        .filter_map(|a| {
-            let (s, e) = a.split_once('x')?;
-            Some((s.parse().ok()?, e.parse().ok()?))
-        })
-        .collect();
-    if sizes.is_empty() {
-        sizes.push((10000, 10));
-    }
+    let sizes = common::sizes(&[(10000, 10)]);
     let rounds = args
         .iter()
         .find_map(|a| a.strip_prefix("rounds=")?.parse().ok())

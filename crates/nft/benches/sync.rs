@@ -212,20 +212,7 @@ fn run(services: usize, eps: usize) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a.contains('x') && !a.starts_with('-'))
-        .collect();
-    let sizes: Vec<(usize, usize)> = if args.is_empty() {
-        vec![(1000, 10), (10000, 10)]
-    } else {
-        args.iter()
-            .filter_map(|a| {
-                let (s, e) = a.split_once('x')?;
-                Some((s.parse().ok()?, e.parse().ok()?))
-            })
-            .collect()
-    };
+    let sizes = common::sizes(&[(1000, 10), (10000, 10)]);
     common::in_throwaway_netns("kpnbench", move || {
         for (s, e) in sizes {
             run(s, e);
