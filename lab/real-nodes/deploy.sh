@@ -65,7 +65,7 @@ works() { # NODE: the probe answers through its cluster IP and through every nod
     ip netns exec "kpn-$n" curl -sf --max-time 1 "http://$ip:$np/hostname" >/dev/null || return 1
   done
 }
-declare -A done_at
+declare -A done_at=()
 deadline=$(( $(date +%s) + 300 ))
 while :; do
   for n in $nodes; do

@@ -14,7 +14,7 @@ proxy=${1:?PROXY: kube-proxy | kproxy} focus=${2:?FOCUS regexp}
 skip=${3:-'\[Disruptive\]|\[Serial\]|\[Feature:|\[Flaky\]|LoadBalancer|SCTP|IPv6|DualStack'}
 label=${4:-$proxy}
 out=$K8S_LAB/e2e/$label
-[ -x "$BIN/e2e.test" ] || { echo "e2e.sh: no $BIN/e2e.test (run build.sh)" >&2; exit 1; }
+ONLY=e2e.test "$HERE/build.sh"
 "$HERE/nodes.sh" proxy "$proxy"
 rm -rf "$out"; mkdir -p "$out"
 printf '%s\n' "proxy=$proxy" "focus=$focus" "skip=$skip" "e2e.test=$("$BIN/e2e.test" --version 2>/dev/null || true)" \

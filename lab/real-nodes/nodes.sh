@@ -82,7 +82,10 @@ launch() {
     for c in "${CONTROLLERS[@]}"; do
       [ "$c" = pids ] || echo "$BASHPID" >"/sys/fs/cgroup/$c/kpn-n$n-host/cgroup.procs" 2>/dev/null || true
     done
-    if [ -n "$ns" ]; then exec ip netns exec "$ns" "$@"; else exec "$@"; fi
+    # nsenter, not `ip netns exec`: that one also unshares the mount namespace and
+    # remounts /sys, hiding the cgroup mounts from the kubelet and the pods' mounts from
+    # everyone else.
+    if [ -n "$ns" ]; then exec nsenter --net="/run/netns/$ns" "$@"; else exec "$@"; fi
   ) >>"$LOGS/n$n-$name.log" 2>&1 &
   echo $! >"$STATE/n$n/$name.pid"
 }
@@ -124,6 +127,9 @@ net_up() {
     ip netns exec "kpn-n$i" sysctl -qw net.ipv4.ip_forward=1 net.bridge.bridge-nf-call-iptables=1 \
       net.bridge.bridge-nf-call-ip6tables=1
     ip route add "$(pod_cidr "$i")" via "$(node_ip "$i")"
+    # The API server reaches a kubelet (logs, exec) by the node's Hostname address first
+    # (--kubelet-preferred-address-types' default), and k8s-lab's flags are not ours.
+    echo "$(node_ip "$i") kpn-n$i $HOSTS_TAG" >>/etc/hosts
   done
   for i in $(seq 1 "$nodes"); do
     for j in $(seq 1 "$nodes"); do
@@ -271,10 +277,11 @@ up() {
   for tool in containerd ctr runc socat nft curl /usr/lib/cni/bridge /usr/lib/cni/host-local /usr/lib/cni/portmap; do
     command -v "$tool" >/dev/null || die "missing $tool (apt-get install containerd runc containernetworking-plugins socat nftables curl)"
   done
-  "$HERE/build.sh"
+  ONLY="kubelet kube-scheduler agnhost pause" "$HERE/build.sh"  # e2e.test: e2e.sh builds it
   [ -f "$IMAGES/agnhost.tar" ] && [ -f "$IMAGES/kproxy.tar" ] && [ -z "${REBUILD_IMAGES:-}" ] || "$HERE/images.sh"
   mkdir -p "$STATE/n0" "$LOGS"
-  trap 'log "up failed: cleaning"; down' ERR
+  # Any failure from here on (die, a failing command) leaves nothing behind.
+  trap 'rc=$?; if [ $rc != 0 ]; then log "up failed (exit $rc): cleaning"; down; fi' EXIT
   cg_make kpn-n0-host
   launch 0 api-socket socat "UNIX-LISTEN:$STATE/api.sock,fork,unlink-early" "TCP:127.0.0.1:$API_PORT"
   net_up "$nodes"
@@ -287,12 +294,12 @@ up() {
     k patch node "kpn-n$i" --type merge -p "{\"spec\":{\"podCIDR\":\"$(pod_cidr "$i")\",\"podCIDRs\":[\"$(pod_cidr "$i")\"]}}" >/dev/null || true
   done
   proxy_up "${PROXY:-none}"
-  trap - ERR
+  trap - EXIT
   log "up: $nodes nodes Ready ($(k get nodes -o name | tr '\n' ' ')), proxy $(proxy_mode); logs in $LOGS"
 }
 
 down() {
-  trap - ERR
+  trap - EXIT
   local i
   [ -d "$STATE" ] || { log "down: nothing started ($STATE absent)"; }
   if [ -d "$STATE" ] && [ "$(proxy_mode)" = kproxy ]; then
@@ -321,6 +328,12 @@ down() {
   fi
   for ns in $(ip netns list | awk '$1 ~ /^kpn-(n[0-9]+|sw)$/ {print $1}'); do ip netns del "$ns"; done
   ip link del kpn-host 2>/dev/null || true
+  if grep -qF "$HOSTS_TAG" /etc/hosts; then
+    # In place (not sed -i): /etc/hosts may be a bind mount that a rename cannot replace.
+    grep -vF "$HOSTS_TAG" /etc/hosts >"/etc/hosts.kpn.$$" || true
+    cat "/etc/hosts.kpn.$$" >/etc/hosts
+    rm -f "/etc/hosts.kpn.$$"
+  fi
   if [ -d "$STATE" ]; then
     for i in $(nodes_started); do
       k delete node "kpn-n$i" --ignore-not-found --wait=false >/dev/null 2>&1 || true
