@@ -6,8 +6,14 @@
 # pod CIDR). The image kproxy:0.1.0 is the one images.sh imported into every node.
 # Prints the time from `kubectl apply` to every node's Services working (kproxy Ready on
 # every node and a probe Service answering through its cluster IP and NodePort from every
-# node), the figure docs/e2e.md reports.
+# node), the figure docs/real-nodes.md reports.
+#
+#   deploy.sh               apply deploy/, time it
+#   deploy.sh --check-only  only check that the probe Service works on every node (with
+#                           whichever proxy runs)
 set -euo pipefail
+check_only=
+[ "${1:-}" = --check-only ] && check_only=1
 : "${K8S_LAB:?set K8S_LAB}" "${API_PORT:?set API_PORT}"
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 STATE=$K8S_LAB/nodes CLUSTER_CIDR=10.226.0.0/16
@@ -56,8 +62,8 @@ cip=$(kubectl get svc kpn-probe -o jsonpath='{.spec.clusterIP}')
 np=$(kubectl get svc kpn-probe -o jsonpath='{.spec.ports[0].nodePort}')
 
 t0=$(now)
-kubectl apply -f "$STATE/deploy.yaml" >/dev/null
-log "applied deploy/ (rbac, configmap with server 127.0.0.1:$API_PORT and clusterCIDR $CLUSTER_CIDR, daemonset)"
+[ -n "$check_only" ] || kubectl apply -f "$STATE/deploy.yaml" >/dev/null
+[ -n "$check_only" ] || log "applied deploy/ (rbac, configmap with server 127.0.0.1:$API_PORT and clusterCIDR $CLUSTER_CIDR, daemonset)"
 works() { # NODE: the probe answers through its cluster IP and through every node's NodePort
   local n=$1 ip
   ip netns exec "kpn-$n" curl -sf --max-time 1 "http://$cip/hostname" >/dev/null || return 1
@@ -76,6 +82,7 @@ while :; do
   [ "$(date +%s)" -lt "$deadline" ] || { log "Services did not work on every node within 300 s"; kubectl -n kube-system get pods -o wide >&2; exit 1; }
   sleep 0.2
 done
+[ -n "$check_only" ] && { log "the probe Service works on every node"; exit 0; }
 kubectl -n kube-system rollout status ds/kproxy --timeout=120s >/dev/null
 t_ready=$(now)
 log "every node: Services work $(echo "$(printf '%s\n' "${done_at[@]}" | sort -n | tail -1) - $t0" | bc) s after apply; DaemonSet rolled out $(echo "$t_ready - $t0" | bc) s after apply"
