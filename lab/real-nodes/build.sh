@@ -42,7 +42,7 @@ step kubelet go build -trimpath -ldflags "$LDF" -o "$OUT/kubelet" ./cmd/kubelet
 step kube-scheduler go build -trimpath -ldflags "$LDF" -o "$OUT/kube-scheduler" ./cmd/kube-scheduler
 step agnhost go build -trimpath -ldflags "-s -w" -o "$OUT/agnhost" ./test/images/agnhost
 # hack/lib/golang.sh builds test targets with `go test -c` and the tags selinux,notest.
-step e2e.test go test -c -trimpath -tags selinux,notest -ldflags "$LDF" -o "$OUT/e2e.test" ./test/e2e
+step e2e.test go test -c -vet=off -trimpath -tags selinux,notest -ldflags "$LDF" -o "$OUT/e2e.test" ./test/e2e
 # build/pause/Makefile: a static C binary stamped with VERSION.
 pause_version=$(sed -n 's/^TAG ?= //p' "$KUBE/build/pause/Makefile")
 step pause gcc -Os -Wall -Werror -static -DVERSION="v$pause_version-kproxy" -o "$OUT/pause" build/pause/linux/pause.c
