@@ -202,6 +202,8 @@ authorization: {mode: AlwaysAllow}
 podCIDR: $(pod_cidr "$i")
 podLogsDir: $d/pod-logs
 clusterDomain: cluster.local
+# dns.py on the host's end of the node network: the e2e tests reach Services by name.
+clusterDNS: [$HOST_IP]
 # The disk is shared and nothing can be pulled again: no eviction for disk, no image GC.
 evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
 imageGCHighThresholdPercent: 100
@@ -285,6 +287,7 @@ up() {
   cg_make kpn-n0-host
   launch 0 api-socket socat "UNIX-LISTEN:$STATE/api.sock,fork,unlink-early" "TCP:127.0.0.1:$API_PORT"
   net_up "$nodes"
+  launch 0 dns python3 "$HERE/dns.py" --listen "$HOST_IP" --kubeconfig "$KUBECONFIG_ADMIN"
   for i in $(seq 1 "$nodes"); do node_up "$i"; done
   launch 0 kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$KUBECONFIG_ADMIN" \
     --authentication-kubeconfig "$KUBECONFIG_ADMIN" --authorization-kubeconfig "$KUBECONFIG_ADMIN" \
