@@ -2,6 +2,8 @@
 """docs/e2e.md's side-by-side table from the junit reports of two e2e.sh runs.
 
   e2e-table.py DIR_KUBE_PROXY DIR_KPROXY > table.md
+  e2e-table.py DIR_A+DIR_B DIR_KPROXY      runs of one proxy merged, a later run's result
+                                           for a spec replacing an earlier one's
 
 Lists every spec the runs' --ginkgo.focus selects (from run.txt): passed, failed (with the
 first line of its failure), or skipped (with the reason: the spec's own e2eskipper message,
@@ -52,6 +54,15 @@ def results(d):
     return info, out
 
 
+def merged(dirs):
+    info, out = None, {}
+    for d in dirs.split("+"):
+        i, r = results(d)
+        info = info or i
+        out.update(r)
+    return info, out
+
+
 def cell(r):
     if r is None:
         return "not run"
@@ -59,7 +70,7 @@ def cell(r):
 
 
 def main():
-    (ia, a), (ib, b) = results(sys.argv[1]), results(sys.argv[2])
+    (ia, a), (ib, b) = merged(sys.argv[1]), merged(sys.argv[2])
     names = sorted(set(a) | set(b))
     count = lambda r, s: sum(1 for v in r.values() if v[0] == s)
     print(f"| | {ia['proxy']} | {ib['proxy']} |\n|---|---|---|")

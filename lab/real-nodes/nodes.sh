@@ -30,6 +30,7 @@ STATE=$K8S_LAB/nodes LOGS=$K8S_LAB/logs/nodes
 KUBECONFIG_ADMIN=$K8S_LAB/kubeconfig
 SCHED_PORT=${SCHED_PORT:-$((${KCM_PORT:-10257} + 2))}
 NET=192.168.226 HOST_IP=192.168.226.1 CLUSTER_CIDR=10.226.0.0/16
+HOSTS_TAG="# kproxy lab/real-nodes $K8S_LAB"
 export KUBECONFIG=$KUBECONFIG_ADMIN
 
 log() { echo "[nodes $(date -u +%H:%M:%S)] $*" >&2; }
