@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """A stand-in for cluster DNS on the real nodes: answers A queries for
 <service>.<namespace>.svc.cluster.local (the cluster IP; a headless Service's ready
-endpoint addresses) and <a-b-c-d>.<namespace>.pod.cluster.local, from the API server,
-polled every second. Everything else is NXDOMAIN.
+endpoint addresses; an ExternalName Service's CNAME, followed when the target is a
+Service) and <a-b-c-d>.<namespace>.pod.cluster.local, from the API server, polled every
+second. Everything else is NXDOMAIN.
 
 Why: many of upstream's Service e2e tests reach a Service by name (`affinity-nodeport:80`),
 and no CoreDNS image can be pulled here. Unlike CoreDNS it runs outside the cluster (on the
@@ -42,6 +43,7 @@ class Records:
         self.server, self.token = server, token
         self.ctx = ssl.create_default_context(cafile=ca)
         self.names = {}
+        self.cnames = {}
         self.lock = threading.Lock()
 
     def get(self, path):
@@ -51,11 +53,14 @@ class Records:
             return json.load(r)
 
     def refresh(self):
-        names = {}
+        names, cnames = {}, {}
         headless = {}
         for s in self.get("/api/v1/services")["items"]:
             m, spec = s["metadata"], s["spec"]
             name = f"{m['name']}.{m['namespace']}.svc.{DOMAIN}"
+            if spec.get("type") == "ExternalName" and spec.get("externalName"):
+                cnames[name] = spec["externalName"].rstrip(".").lower()
+                continue
             ips = [ip for ip in spec.get("clusterIPs", []) if ip != "None" and ":" not in ip]
             if ips:
                 names[name] = ips
@@ -71,7 +76,7 @@ class Records:
                 if ep.get("conditions", {}).get("ready", True):
                     names.setdefault(headless[key], []).extend(ep["addresses"])
         with self.lock:
-            self.names = names
+            self.names, self.cnames = names, cnames
 
     def lookup(self, qname):
         qname = qname.rstrip(".").lower()
@@ -79,6 +84,9 @@ class Records:
         if m:
             return [".".join(m.groups())]
         with self.lock:
+            if qname in self.cnames:
+                target = self.cnames[qname]
+                return ("cname", target, self.names.get(target, []))
             return self.names.get(qname)
 
 
@@ -102,6 +110,16 @@ def answer(query, records):
     if ips is None:
         return struct.pack("!HHHHHH", qid, 0x8183, 1, 0, 0, 0) + question  # NXDOMAIN
     answers = b""
+    if isinstance(ips, tuple):  # ExternalName: the CNAME, then the target's A records
+        _, target, ips = ips
+        rdata = b"".join(bytes([len(x)]) + x.encode() for x in target.split(".")) + b"\0"
+        answers += struct.pack("!HHHLH", 0xC00C, 5, 1, 5, len(rdata)) + rdata
+        if qtype in (1, 255):
+            for ip in ips:
+                # Owner name written out (no compression pointer to the CNAME target).
+                answers += rdata + struct.pack("!HHLH", 1, 1, 5, 4) + socket.inet_aton(ip)
+        count = 1 + (len(ips) if qtype in (1, 255) else 0)
+        return struct.pack("!HHHHHH", qid, 0x8180, 1, count, 0, 0) + question + answers
     if qtype in (1, 255):  # A, ANY
         for ip in ips:
             answers += struct.pack("!HHHLH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(ip)
