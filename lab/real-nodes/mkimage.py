@@ -63,35 +63,28 @@ class Layer:
         for i in range(1, len(parts) + 1):
             self.dir("/".join(parts[:i]))
 
-    def dir(self, path, mode=0o755):
+    def _add(self, path, content=None, **attrs):
+        """One entry (its parent directories first), once: the first writer of a path wins."""
         path = path.strip("/")
         if not path or path in self.seen:
             return
+        self.seen.add(path)
         self._parents(path)
         info = tarfile.TarInfo(path)
-        info.type, info.mode = tarfile.DIRTYPE, mode
-        self.tar.addfile(info)
-        self.seen.add(path)
+        for k, v in attrs.items():
+            setattr(info, k, v)
+        if content is not None:
+            info.size = len(content)
+        self.tar.addfile(info, io.BytesIO(content) if content is not None else None)
+
+    def dir(self, path, mode=0o755):
+        self._add(path, type=tarfile.DIRTYPE, mode=mode)
 
     def link(self, path, target):
-        path = path.strip("/")
-        if path in self.seen:
-            return
-        self._parents(path)
-        info = tarfile.TarInfo(path)
-        info.type, info.linkname = tarfile.SYMTYPE, target
-        self.tar.addfile(info)
-        self.seen.add(path)
+        self._add(path, type=tarfile.SYMTYPE, linkname=target)
 
     def data(self, path, content, mode=0o644):
-        path = path.strip("/")
-        if path in self.seen:
-            return
-        self._parents(path)
-        info = tarfile.TarInfo(path)
-        info.size, info.mode = len(content), mode
-        self.tar.addfile(info, io.BytesIO(content))
-        self.seen.add(path)
+        self._add(path, content, mode=mode)
 
     def file(self, src, dst):
         with open(src, "rb") as f:
