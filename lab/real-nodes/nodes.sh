@@ -7,7 +7,7 @@
 #   nodes.sh status          nodes, pods in kube-system, processes
 #   nodes.sh down            stop and clean everything `up` started (also after a failed `up`)
 #
-# Each node is its own network namespace (kpn-nI) holding a containerd (+ runc through a
+# Each node is its own network namespace (kpn-nI, and a UTS namespace: hostname kpn-nI) holding a containerd (+ runc through a
 # wrapper, see runc-wrapper) and a kubelet, pods on a CNI bridge (cni0) with the node's pod
 # CIDR 10.226.I.0/24. The nodes hang off a bridge in a switch namespace (kpn-sw) on
 # 192.168.226.0/24 (node I at .1I); a veth from the switch to this machine (kpn-host,
@@ -86,7 +86,7 @@ launch() {
     # nsenter, not `ip netns exec`: that one also unshares the mount namespace and
     # remounts /sys, hiding the cgroup mounts from the kubelet and the pods' mounts from
     # everyone else.
-    if [ -n "$ns" ]; then exec nsenter --net="/run/netns/$ns" "$@"; else exec "$@"; fi
+    if [ -n "$ns" ]; then exec nsenter --net="/run/netns/$ns" --uts="$STATE/n$n/uts" "$@"; else exec "$@"; fi
   ) >>"$LOGS/n$n-$name.log" 2>&1 &
   echo $! >"$STATE/n$n/$name.pid"
 }
@@ -119,6 +119,11 @@ net_up() {
   ip link set kpn-host up
   for i in $(seq 1 "$nodes"); do
     ip netns add "kpn-n$i"
+    # Its own hostname too: a hostNetwork pod answers with the node's name, as the e2e
+    # specs on hostNetwork backends expect ("the expected hostname is the node name").
+    mkdir -p "$STATE/n$i"
+    touch "$STATE/n$i/uts"
+    unshare --uts="$STATE/n$i/uts" hostname "kpn-n$i"
     ip -n kpn-sw link add "n$i" type veth peer name eth0 netns "kpn-n$i"
     ip -n kpn-sw link set "n$i" master br0 up
     ip -n "kpn-n$i" link set lo up
