@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Deploys kproxy on the real nodes as a user would: `kubectl apply` of deploy/rbac.yaml,
+# deploy/configmap.yaml and deploy/daemonset.yaml, with only the edits docs/deploy.md
+# ("Before you apply") asks of every user: the API server address in kubeconfig.conf
+# (here the node's 127.0.0.1:$API_PORT bridge, see nodes.sh) and clusterCIDR (the nodes'
+# pod CIDR). The image kproxy:0.1.0 is the one images.sh imported into every node.
+# Prints the time from `kubectl apply` to every node's Services working (kproxy Ready on
+# every node and a probe Service answering through its cluster IP and NodePort from every
+# node), the figure docs/real-nodes.md reports.
+#
+#   deploy.sh               apply deploy/, time it
+#   deploy.sh --check-only  only check that the probe Service works on every node (with
+#                           whichever proxy runs)
+set -euo pipefail
+check_only=
+[ "${1:-}" = --check-only ] && check_only=1
+: "${K8S_LAB:?set K8S_LAB}" "${API_PORT:?set API_PORT}"
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+STATE=$K8S_LAB/nodes CLUSTER_CIDR=10.226.0.0/16
+export KUBECONFIG=$K8S_LAB/kubeconfig
+log() { echo "[deploy $(date -u +%H:%M:%S)] $*" >&2; }
+now() { date +%s.%N; }
+nodes=$(kubectl get nodes -o name | sed 's|node/||' | grep '^kpn-n' || true)
+[ -n "$nodes" ] || { log "no kpn-n* nodes: lab/real-nodes/nodes.sh up first"; exit 1; }
+
+# The user's edits, nothing else.
+sed -e "s|server: https://control-plane.example.internal:6443|server: https://127.0.0.1:$API_PORT|" \
+    -e "s|clusterCIDR: 10.244.0.0/16|clusterCIDR: $CLUSTER_CIDR|" "$REPO/deploy/configmap.yaml" >"$STATE/configmap.yaml"
+grep -q "127.0.0.1:$API_PORT" "$STATE/configmap.yaml" || { log "deploy/configmap.yaml: server line not found"; exit 1; }
+{ cat "$REPO/deploy/rbac.yaml"; echo ---; cat "$STATE/configmap.yaml"; echo ---; cat "$REPO/deploy/daemonset.yaml"; } >"$STATE/deploy.yaml"
+
+# A probe Service: agnhost netexec on every node (a DaemonSet), a NodePort Service.
+cat >"$STATE/probe.yaml" <<YAML
+apiVersion: apps/v1
+kind: DaemonSet
+metadata: {name: kpn-probe, namespace: default}
+spec:
+  selector: {matchLabels: {app: kpn-probe}}
+  template:
+    metadata: {labels: {app: kpn-probe}}
+    spec:
+      containers:
+        - name: netexec
+          image: $(tar xOf "$K8S_LAB/images/agnhost.tar" manifest.json | python3 -c 'import json,sys;print(json.load(sys.stdin)[0]["RepoTags"][0])')
+          imagePullPolicy: Never
+          args: [netexec, --http-port=8080]
+          readinessProbe: {httpGet: {path: /healthz, port: 8080}, periodSeconds: 1}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: kpn-probe, namespace: default}
+spec:
+  type: NodePort
+  selector: {app: kpn-probe}
+  ports: [{port: 80, targetPort: 8080}]
+YAML
+if ! kubectl get svc kpn-probe >/dev/null 2>&1; then
+  kubectl apply -f "$STATE/probe.yaml" >/dev/null
+  kubectl rollout status ds/kpn-probe --timeout=180s >/dev/null
+fi
+cip=$(kubectl get svc kpn-probe -o jsonpath='{.spec.clusterIP}')
+np=$(kubectl get svc kpn-probe -o jsonpath='{.spec.ports[0].nodePort}')
+
+t0=$(now)
+[ -n "$check_only" ] || kubectl apply -f "$STATE/deploy.yaml" >/dev/null
+[ -n "$check_only" ] || log "applied deploy/ (rbac, configmap with server 127.0.0.1:$API_PORT and clusterCIDR $CLUSTER_CIDR, daemonset)"
+works() { # NODE: the probe answers through its cluster IP and through every node's NodePort
+  local n=$1 ip
+  ip netns exec "kpn-$n" curl -sf --max-time 1 "http://$cip/hostname" >/dev/null || return 1
+  for ip in $(kubectl get nodes -o jsonpath='{.items[*].status.addresses[?(@.type=="InternalIP")].address}'); do
+    ip netns exec "kpn-$n" curl -sf --max-time 1 "http://$ip:$np/hostname" >/dev/null || return 1
+  done
+}
+declare -A done_at=()
+deadline=$(( $(date +%s) + 300 ))
+while :; do
+  for n in $nodes; do
+    [ -n "${done_at[$n]:-}" ] && continue
+    works "${n#kpn-}" && done_at[$n]=$(now) && log "$n: Services work $(echo "${done_at[$n]} - $t0" | bc) s after apply"
+  done
+  [ "${#done_at[@]}" = "$(echo "$nodes" | wc -w)" ] && break
+  [ "$(date +%s)" -lt "$deadline" ] || { log "Services did not work on every node within 300 s"; kubectl -n kube-system get pods -o wide >&2; exit 1; }
+  sleep 0.2
+done
+[ -n "$check_only" ] && { log "the probe Service works on every node"; exit 0; }
+kubectl -n kube-system rollout status ds/kproxy --timeout=120s >/dev/null
+t_ready=$(now)
+log "every node: Services work $(echo "$(printf '%s\n' "${done_at[@]}" | sort -n | tail -1) - $t0" | bc) s after apply; DaemonSet rolled out $(echo "$t_ready - $t0" | bc) s after apply"

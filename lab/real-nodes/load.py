@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Traffic through Service addresses while something changes, every failure counted.
+
+  load.py --target 10.96.0.10:80 --target 192.168.226.12:30080 --stop-file F [--json]
+
+Per target, two kinds of traffic until the stop file exists:
+- new connections: one TCP connection per HTTP GET /hostname, back to back (a refused,
+  reset, timed-out or empty answer is a failed new connection);
+- established: KEEP connections opened at the start, each sending GET /hostname with
+  keep-alive every 100 ms (a connection that errors is broken, counted once, and replaced
+  so that later breaks are seen too).
+Run inside a node's network namespace (`ip netns exec kpn-n1 load.py ...`): the traffic
+stays in the lab's namespaces. Prints one JSON object with the counts per target.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import threading
+import time
+
+
+def new_connections(host, port, stop, out):
+    while not os.path.exists(stop):
+        try:
+            c = http.client.HTTPConnection(host, port, timeout=2)
+            c.request("GET", "/hostname", headers={"Connection": "close"})
+            r = c.getresponse()
+            body = r.read()
+            c.close()
+            ok = r.status == 200 and body
+        except OSError as e:
+            ok = False
+            out["errors"][type(e).__name__] = out["errors"].get(type(e).__name__, 0) + 1
+        except http.client.HTTPException as e:
+            ok = False
+            out["errors"][type(e).__name__] = out["errors"].get(type(e).__name__, 0) + 1
+        out["new_ok" if ok else "new_failed"] += 1
+        if not ok:
+            time.sleep(0.05)
+
+
+def established(host, port, stop, out):
+    c = None
+    while not os.path.exists(stop):
+        try:
+            if c is None:
+                c = http.client.HTTPConnection(host, port, timeout=2)
+                c.connect()
+            c.request("GET", "/hostname")
+            r = c.getresponse()
+            r.read()
+            if r.status != 200:
+                raise http.client.HTTPException(f"status {r.status}")
+            out["est_requests"] += 1
+        except (OSError, http.client.HTTPException) as e:
+            if c is not None and c.sock is not None:
+                out["est_broken"] += 1
+                out["errors"][type(e).__name__] = out["errors"].get(type(e).__name__, 0) + 1
+            elif c is not None:
+                out["est_broken"] += 1
+            c = None
+        time.sleep(0.1)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--target", action="append", required=True, help="HOST:PORT")
+    p.add_argument("--stop-file", required=True)
+    p.add_argument("--keep", type=int, default=4, help="established connections per target")
+    a = p.parse_args()
+    results, threads = {}, []
+    for t in a.target:
+        host, _, port = t.rpartition(":")
+        out = {"new_ok": 0, "new_failed": 0, "est_requests": 0, "est_broken": 0, "errors": {}}
+        results[t] = out
+        threads.append(threading.Thread(target=new_connections, args=(host, int(port), a.stop_file, out)))
+        for _ in range(a.keep):
+            threads.append(threading.Thread(target=established, args=(host, int(port), a.stop_file, out)))
+    t0 = time.time()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    print(json.dumps({"seconds": round(time.time() - t0, 1), "targets": results}, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The real-node checks, opt-in like the other real-control-plane tests: with a running
+# k8s-lab (K8S_LAB, API_PORT from its env.sh; start.sh start + kcm), root and the node
+# tools, it brings the nodes up if they are not (and down again at the end), then checks
+#   1. kproxy from deploy/ (kubectl apply) makes the probe Service work through its cluster
+#      IP and every node's NodePort, from every node (deploy.sh fails otherwise);
+#   2. the DaemonSet's rolling update to a new image under load breaks no established
+#      connection and fails at most 1 new connection in 2,000 (the background rate
+#      docs/real-nodes.md measured without any update);
+#   3. upstream kube-proxy (nftables) on the same nodes makes the same Service work.
+# Without them it prints "SKIP: <what is missing>" and exits 0; a failed check exits 1.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+skip() { echo "SKIP: $*"; exit 0; }
+[ -n "${K8S_LAB:-}" ] && [ -n "${API_PORT:-}" ] || skip "K8S_LAB/API_PORT unset (source a k8s-lab env.sh; ../shared/tools/k8s-lab/README.md)"
+[ "$(id -u)" = 0 ] || skip "needs root"
+for t in kubectl containerd ctr runc socat nft curl bc nsenter /usr/lib/cni/bridge; do
+  command -v "$t" >/dev/null || skip "missing $t (see docs/real-nodes.md for the Debian packages)"
+done
+[ -d "$K8S_LAB/src/deps/github.com/openshift/kubernetes/cmd/kubelet" ] || skip "no Kubernetes tree in $K8S_LAB/src (k8s-lab setup.sh)"
+kubectl --kubeconfig "$K8S_LAB/kubeconfig" get --raw /readyz >/dev/null 2>&1 || skip "no API server at $K8S_LAB/kubeconfig (start.sh start; start.sh kcm)"
+
+started=
+if [ ! -d "$K8S_LAB/nodes" ]; then
+  "$HERE/nodes.sh" up
+  started=1
+  trap '"$HERE/nodes.sh" down' EXIT
+fi
+fail() { echo "FAIL: $*"; exit 1; }
+echo "== 1. kproxy from deploy/"
+"$HERE/nodes.sh" proxy kproxy || fail "kproxy from deploy/ did not make Services work on every node"
+echo "== 2. DaemonSet self-update under load"
+out=$("$HERE/self-update.sh" | tail -1)
+echo "$out"
+python3 - "$out" <<'PY' || fail "self-update broke traffic"
+import json, sys
+t = json.loads(sys.argv[1])["targets"]
+new = sum(v["new_ok"] + v["new_failed"] for v in t.values())
+failed = sum(v["new_failed"] for v in t.values())
+broken = sum(v["est_broken"] for v in t.values())
+est = sum(v["est_requests"] for v in t.values())
+print(f"new connections {new}, failed {failed}; established requests {est}, broken {broken}")
+assert new > 0 and est > 0, "no traffic went through"
+assert broken == 0, f"{broken} established connections broken"
+assert failed * 2000 <= new, f"{failed} of {new} new connections failed"
+PY
+echo "== 3. upstream kube-proxy on the same nodes"
+"$HERE/nodes.sh" proxy kube-proxy
+"$HERE/deploy.sh" --check-only || fail "the probe Service does not work with kube-proxy"
+"$HERE/nodes.sh" proxy none
+echo "PASS${started:+ (nodes started and stopped by this test)}"
