@@ -5,7 +5,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use kproxy_nft::DataplaneConfig;
@@ -25,15 +25,19 @@ pub struct Args {
     pub wait_timeout: Duration,
 }
 
+#[expect(
+    clippy::disallowed_types,
+    reason = "a blocking wait for another process, no tokio runtime: wall time"
+)]
 pub fn run(args: Args) -> Result<ExitCode> {
     if let Some(addr) = args.after_kube_proxy_synced {
-        let deadline = Instant::now() + args.wait_timeout;
+        let deadline = std::time::Instant::now() + args.wait_timeout;
         loop {
             let last = match kube_proxy_healthz(addr) {
                 Ok(()) => break,
                 Err(e) => format!("{e:#}"),
             };
-            if Instant::now() >= deadline {
+            if std::time::Instant::now() >= deadline {
                 bail!(
                     "kube-proxy at {addr} did not report healthy within {:?} ({last}); kproxy's tables kept",
                     args.wait_timeout

@@ -12,6 +12,11 @@
 //!
 //! Needs `nft`, and `iptables` (iptables-nft) for the iptables-mode cases.
 
+#![expect(
+    clippy::disallowed_types,
+    reason = "waits on real processes and packets: wall time"
+)]
+
 mod common;
 
 use std::io::{ErrorKind, Read, Write};
