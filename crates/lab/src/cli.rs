@@ -394,27 +394,39 @@ pub fn run(args: LabArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
-    need_root("takeover")?;
-    if !(1..=fabric_max_nodes()).contains(&a.nodes) {
+/// What `lab restart` and `lab takeover` share: one pod per node, the hold between
+/// phases checked, and the kproxy binary to run.
+fn held_run(
+    nodes: usize,
+    time_scale: f64,
+    hold_seconds: f64,
+    kproxy: Option<&PathBuf>,
+) -> anyhow::Result<(RolloutConfig, PathBuf)> {
+    if !(1..=fabric_max_nodes()).contains(&nodes) {
         bail!("--nodes must be 1..={}", fabric_max_nodes());
     }
-    if !(a.hold_seconds.is_finite() && (0.5..=600.0).contains(&a.hold_seconds)) {
+    if !(hold_seconds.is_finite() && (0.5..=600.0).contains(&hold_seconds)) {
         bail!("--hold-seconds must be 0.5..=600");
     }
     let cfg = RolloutConfig {
-        nodes: a.nodes,
-        time_scale: a.time_scale,
+        nodes,
+        time_scale,
         deployment: crate::cluster::DeploymentSpec {
-            replicas: a.nodes as u32,
+            replicas: nodes as u32,
             ..RolloutConfig::default().deployment
         },
         ..RolloutConfig::default()
     };
-    let kproxy = match &a.kproxy {
+    let kproxy = match kproxy {
         Some(p) => p.clone(),
         None => std::env::current_exe().context("finding the kproxy executable")?,
     };
+    Ok((cfg, kproxy))
+}
+
+fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
+    need_root("takeover")?;
+    let (cfg, kproxy) = held_run(a.nodes, a.time_scale, a.hold_seconds, a.kproxy.as_ref())?;
     let progress = |line: &str| eprintln!("{line}");
     let report = crate::takeover::run(
         &cfg,
@@ -437,25 +449,7 @@ fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
 
 fn restart(a: &RestartArgs) -> anyhow::Result<ExitCode> {
     need_root("restart")?;
-    if !(1..=fabric_max_nodes()).contains(&a.nodes) {
-        bail!("--nodes must be 1..={}", fabric_max_nodes());
-    }
-    if !(a.hold_seconds.is_finite() && (0.5..=600.0).contains(&a.hold_seconds)) {
-        bail!("--hold-seconds must be 0.5..=600");
-    }
-    let cfg = RolloutConfig {
-        nodes: a.nodes,
-        time_scale: a.time_scale,
-        deployment: crate::cluster::DeploymentSpec {
-            replicas: a.nodes as u32,
-            ..RolloutConfig::default().deployment
-        },
-        ..RolloutConfig::default()
-    };
-    let kproxy = match &a.kproxy {
-        Some(p) => p.clone(),
-        None => std::env::current_exe().context("finding the kproxy executable")?,
-    };
+    let (cfg, kproxy) = held_run(a.nodes, a.time_scale, a.hold_seconds, a.kproxy.as_ref())?;
     let progress = |line: &str| eprintln!("{line}");
     let report = crate::restart::run(
         &cfg,

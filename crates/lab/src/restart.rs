@@ -61,6 +61,48 @@ impl Disturbance {
     }
 }
 
+/// The two loads of a takeover or restart run: new and keep-alive connections through
+/// the load balancer from the client, and through the cluster IP from node 1.
+pub(crate) fn start_both_loads(
+    fabric: &Fabric,
+    cfg: &RolloutConfig,
+    clock: &Clock,
+) -> Result<[(Via, LoadGenerator); 2], LabError> {
+    // A node reaches the Service range by its default route on a real cluster; the
+    // lab's nodes have none, so node 1 gets one for the range (DNAT in the output hook
+    // then re-routes to the chosen pod).
+    fabric.nodes[0].ns.ip(&[
+        "route",
+        "add",
+        "10.96.0.0/16",
+        "via",
+        &fabric::LB_FABRIC_IP.to_string(),
+    ])?;
+    let cip: std::net::IpAddr = controlplane::CLUSTER_IP
+        .parse()
+        .map_err(|e| LabError::Invalid(format!("cluster IP: {e}")))?;
+    Ok([
+        (
+            Via::Lb,
+            LoadGenerator::start(
+                fabric.client.name(),
+                SocketAddr::from((fabric::VIP, controlplane::SERVICE_PORT)),
+                cfg.load.clone(),
+                clock.start(),
+            )?,
+        ),
+        (
+            Via::ClusterIp,
+            LoadGenerator::start(
+                fabric.nodes[0].ns.name(),
+                SocketAddr::new(cip, controlplane::SERVICE_PORT),
+                cfg.load.clone(),
+                clock.start(),
+            )?,
+        ),
+    ])
+}
+
 /// Where a load enters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -295,39 +337,7 @@ async fn run_async(
     .await?;
     progress("pods ready, load balancer pool complete; starting both loads");
 
-    // A node reaches the Service range by its default route on a real cluster; the
-    // lab's nodes have none, so node 1 gets one for the range (DNAT in the output hook
-    // then re-routes to the chosen pod).
-    fabric.nodes[0].ns.ip(&[
-        "route",
-        "add",
-        "10.96.0.0/16",
-        "via",
-        &fabric::LB_FABRIC_IP.to_string(),
-    ])?;
-    let cip: std::net::IpAddr = controlplane::CLUSTER_IP
-        .parse()
-        .map_err(|e| LabError::Invalid(format!("cluster IP: {e}")))?;
-    let loads = [
-        (
-            Via::Lb,
-            LoadGenerator::start(
-                fabric.client.name(),
-                SocketAddr::from((fabric::VIP, controlplane::SERVICE_PORT)),
-                cfg.load.clone(),
-                clock.start(),
-            )?,
-        ),
-        (
-            Via::ClusterIp,
-            LoadGenerator::start(
-                fabric.nodes[0].ns.name(),
-                SocketAddr::new(cip, controlplane::SERVICE_PORT),
-                cfg.load.clone(),
-                clock.start(),
-            )?,
-        ),
-    ];
+    let loads = start_both_loads(&fabric, cfg, &clock)?;
     // Warm-up: keep-alive connections open, conntrack entries in place.
     tokio::time::sleep(Duration::from_millis(500)).await;
 

@@ -10,7 +10,6 @@
 //! started in), with the fewest nodes the load balancer had in its pool.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -22,11 +21,10 @@ use crate::LabError;
 use crate::cluster::Cluster;
 use crate::config::RolloutConfig;
 use crate::controlplane;
-use crate::fabric::{self, Fabric, NodeNet};
+use crate::fabric::{Fabric, NodeNet};
 use crate::k8s::{K8sLab, RealControlPlane};
 use crate::kproxyd::{KproxySource, Kproxyd};
 use crate::lb::LoadBalancer;
-use crate::loadgen::LoadGenerator;
 use crate::restart::{Counts, Disturbance, Phase, Via, tally};
 use crate::timeline::{Clock, Recorder};
 
@@ -290,36 +288,7 @@ async fn run_async(
     progress(&format!(
         "kube-proxy ({mode}) on every node, pods ready, pool complete; starting both loads"
     ));
-    fabric.nodes[0].ns.ip(&[
-        "route",
-        "add",
-        "10.96.0.0/16",
-        "via",
-        &fabric::LB_FABRIC_IP.to_string(),
-    ])?;
-    let cip: std::net::IpAddr = controlplane::CLUSTER_IP
-        .parse()
-        .map_err(|e| LabError::Invalid(format!("cluster IP: {e}")))?;
-    let loads = [
-        (
-            Via::Lb,
-            LoadGenerator::start(
-                fabric.client.name(),
-                SocketAddr::from((fabric::VIP, controlplane::SERVICE_PORT)),
-                cfg.load.clone(),
-                clock.start(),
-            )?,
-        ),
-        (
-            Via::ClusterIp,
-            LoadGenerator::start(
-                fabric.nodes[0].ns.name(),
-                SocketAddr::new(cip, controlplane::SERVICE_PORT),
-                cfg.load.clone(),
-                clock.start(),
-            )?,
-        ),
-    ];
+    let loads = crate::restart::start_both_loads(&fabric, cfg, &clock)?;
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let mut names = Vec::new();

@@ -14,6 +14,12 @@
 //!
 //! Run (root): `cargo bench -p kproxy-nft --bench forwarding` (sizes 44000x1 5000x50) or
 //! `cargo bench -p kproxy-nft --bench forwarding -- 10000x10`.
+//!
+//! `KPROXY_BENCH_ROUNDS=N`: N full replacing syncs (default 1); `KPROXY_BENCH_QUIET_MS`:
+//! the pause around each sync (default 500); `KPROXY_BENCH_CMD`: a shell command run in
+//! the node namespace as one more window (e.g. an unrelated big `nft -f`, to tell the
+//! kernel's part from kproxy's); `KPROXY_BENCH_UNREPLIED=1`: at the end, the node's
+//! unanswered conntrack entries and how many entries had the client's port remapped.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
@@ -69,136 +75,36 @@ impl Lab {
             client2: format!("kpfwd-cl2-{id}"),
             server: format!("kpfwd-srv-{id}"),
         };
-        let (n, c, c2, s) = (&lab.node, &lab.client, &lab.client2, &lab.server);
-        let steps: Vec<Vec<&str>> = vec![
-            vec!["ip", "netns", "add", n],
-            vec!["ip", "netns", "add", c],
-            vec!["ip", "netns", "add", c2],
-            vec!["ip", "netns", "add", s],
-            vec![
-                "ip", "-n", n, "link", "add", "to-cl2", "type", "veth", "peer", "name", "eth0",
-                "netns", c2,
-            ],
-            vec![
-                "ip",
-                "-n",
-                n,
-                "addr",
-                "add",
-                "192.168.78.1/24",
-                "dev",
-                "to-cl2",
-            ],
-            vec![
-                "ip",
-                "-n",
-                c2,
-                "addr",
-                "add",
-                "192.168.78.2/24",
-                "dev",
-                "eth0",
-            ],
-            vec!["ip", "-n", n, "link", "set", "to-cl2", "up"],
-            vec!["ip", "-n", c2, "link", "set", "eth0", "up"],
-            vec!["ip", "-n", c2, "link", "set", "lo", "up"],
-            vec![
-                "ip",
-                "-n",
-                c2,
-                "route",
-                "add",
-                "default",
-                "via",
-                "192.168.78.1",
-            ],
-            vec![
-                "ip", "-n", n, "link", "add", "to-cli", "type", "veth", "peer", "name", "eth0",
-                "netns", c,
-            ],
-            vec![
-                "ip", "-n", n, "link", "add", "to-srv", "type", "veth", "peer", "name", "eth0",
-                "netns", s,
-            ],
-            vec![
-                "ip",
-                "-n",
-                n,
-                "addr",
-                "add",
-                "192.168.76.1/24",
-                "dev",
-                "to-cli",
-            ],
-            vec![
-                "ip",
-                "-n",
-                n,
-                "addr",
-                "add",
-                "192.168.77.1/24",
-                "dev",
-                "to-srv",
-            ],
-            vec![
-                "ip",
-                "-n",
-                c,
-                "addr",
-                "add",
-                "192.168.76.2/24",
-                "dev",
-                "eth0",
-            ],
-            vec![
-                "ip",
-                "-n",
-                s,
-                "addr",
-                "add",
-                "192.168.77.2/24",
-                "dev",
-                "eth0",
-            ],
-            vec!["ip", "-n", n, "link", "set", "to-cli", "up"],
-            vec!["ip", "-n", n, "link", "set", "to-srv", "up"],
-            vec!["ip", "-n", n, "link", "set", "lo", "up"],
-            vec!["ip", "-n", c, "link", "set", "eth0", "up"],
-            vec!["ip", "-n", c, "link", "set", "lo", "up"],
-            vec!["ip", "-n", s, "link", "set", "eth0", "up"],
-            vec!["ip", "-n", s, "link", "set", "lo", "up"],
-            vec![
-                "ip",
-                "-n",
-                c,
-                "route",
-                "add",
-                "default",
-                "via",
-                "192.168.76.1",
-            ],
-            vec![
-                "ip",
-                "-n",
-                s,
-                "route",
-                "add",
-                "default",
-                "via",
-                "192.168.77.1",
-            ],
-            vec![
-                "ip",
-                "netns",
-                "exec",
-                n,
-                "sysctl",
-                "-qw",
-                "net.ipv4.ip_forward=1",
-            ],
-        ];
+        let n = lab.node.as_str();
+        let mut steps: Vec<Vec<String>> = Vec::new();
+        for ns in [n, &lab.client, &lab.client2, &lab.server] {
+            steps.push(words(&format!("ip netns add {ns}")));
+        }
+        // Each leaf on a veth pair of its own: `eth0` at 192.168.SUBNET.2, the node's end
+        // at .1, which is the leaf's default route.
+        for (leaf, node_if, subnet) in [
+            (&lab.client, "to-cli", 76),
+            (&lab.client2, "to-cl2", 78),
+            (&lab.server, "to-srv", 77),
+        ] {
+            for step in [
+                format!("ip -n {n} link add {node_if} type veth peer name eth0 netns {leaf}"),
+                format!("ip -n {n} addr add 192.168.{subnet}.1/24 dev {node_if}"),
+                format!("ip -n {leaf} addr add 192.168.{subnet}.2/24 dev eth0"),
+                format!("ip -n {n} link set {node_if} up"),
+                format!("ip -n {leaf} link set eth0 up"),
+                format!("ip -n {leaf} link set lo up"),
+                format!("ip -n {leaf} route add default via 192.168.{subnet}.1"),
+            ] {
+                steps.push(words(&step));
+            }
+        }
+        steps.push(words(&format!("ip -n {n} link set lo up")));
+        steps.push(words(&format!(
+            "ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"
+        )));
         for step in steps {
-            let ok = Command::new(step[0])
+            let ok = Command::new(&step[0])
                 .args(&step[1..])
                 .status()
                 .is_ok_and(|s| s.success());
@@ -212,6 +118,11 @@ impl Lab {
         }
         Some(lab)
     }
+}
+
+/// A command line split at spaces (the lab's own names and addresses have none).
+fn words(line: &str) -> Vec<String> {
+    line.split(' ').map(str::to_string).collect()
 }
 
 impl Drop for Lab {
