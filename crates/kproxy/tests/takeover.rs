@@ -176,32 +176,12 @@ fn cluster(tag: &str) -> Cluster {
 }
 
 /// HTTP/1.1 with keep-alive; the body is the pod address the connection reached.
-fn serve(mut c: TcpStream) {
+fn serve(c: TcpStream) {
     let me = c
         .local_addr()
         .map(|a| a.ip().to_string())
         .unwrap_or_default();
-    loop {
-        let mut req = Vec::new();
-        let mut buf = [0u8; 1024];
-        while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-            match c.read(&mut buf) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => req.extend_from_slice(&buf[..n]),
-            }
-        }
-        let close = String::from_utf8_lossy(&req)
-            .to_ascii_lowercase()
-            .contains("connection: close");
-        let resp = format!(
-            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: {}\r\n\r\n{me}",
-            me.len(),
-            if close { "close" } else { "keep-alive" }
-        );
-        if c.write_all(resp.as_bytes()).is_err() || close {
-            return;
-        }
-    }
+    common::serve_http(c, &me);
 }
 
 /// A request on a keep-alive connection; the body.

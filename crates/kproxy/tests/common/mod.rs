@@ -184,14 +184,14 @@ pub fn fabric(tag: char) -> Fabric {
                 break;
             }
             let Ok(c) = conn else { continue };
-            std::thread::spawn(move || serve_http(c));
+            std::thread::spawn(move || serve_http(c, "pod-1"));
         }
     });
     Fabric { node, pod, stop }
 }
 
-/// Answers requests on one connection until the client closes it or asks to.
-fn serve_http(mut c: TcpStream) {
+/// Answers requests on one connection with `body` until the client closes it or asks to.
+pub fn serve_http(mut c: TcpStream, body: &str) {
     loop {
         let mut req = Vec::new();
         let mut buf = [0u8; 1024];
@@ -205,8 +205,10 @@ fn serve_http(mut c: TcpStream) {
             .to_ascii_lowercase()
             .contains("connection: close");
         let header = if close { "close" } else { "keep-alive" };
-        let resp =
-            format!("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: {header}\r\n\r\npod-1");
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: {header}\r\n\r\n{body}",
+            body.len()
+        );
         if c.write_all(resp.as_bytes()).is_err() || close {
             return;
         }
