@@ -6,19 +6,23 @@
 //! Two halves:
 //! - [`read_table`] (imperative): the dumps, decoded by hand into [`RawTable`] (attribute
 //!   walking over the received bytes; netlink-packet-netfilter's types cost microseconds
-//!   per element, and a 10k-Service table has ≈ 106k of them). A dump the kernel marks
-//!   interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved while reading is
-//!   an error: the caller falls back to a full replacement.
-//! - [`adopt`] (pure): a [`RawTable`] and the desired model [`Table`] → the kernel as a
-//!   `Table`, so that adoption is `model::diff(kernel, desired)`. Rules cannot be turned
-//!   back into text, so a chain is taken as "holding the desired rules" when its rules'
-//!   comments are `kp:` + [`rule_id`] of the desired rules, in order; any other chain is
-//!   marked so that the diff flushes and refills it. Sets and maps compare by
-//!   declaration (key/data types, flags, timeout, comment, checked against the dump)
-//!   and by typed elements decoded with the desired declaration. Anything it cannot
-//!   account for — a foreign table comment, a base chain whose hook differs, a set
-//!   whose type differs or whose elements do not decode — is an [`AdoptError`], and the
-//!   caller replaces the table as a whole.
+//!   per element, and a 10k-Service table has ≈ 106k of them), each set's elements
+//!   packed as the kernel holds them ([`RawElements`], ≈ 25 bytes each). A dump the
+//!   kernel marks interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved
+//!   while reading is an error: the caller falls back to a full replacement.
+//! - [`adopt_structure`] (pure): a [`RawTable`] and the desired model [`Table`] → the
+//!   kernel's structure as a `Table` (every set empty), so that `model::diff(kernel,
+//!   desired)` moves the structure; [`crate::readback`] then compares the elements set
+//!   by set. [`adopt`] also decodes every element into the table (tests, and where a
+//!   typed copy of the kernel is wanted). Rules cannot be turned back into text, so a
+//!   chain is taken as "holding the desired rules" when its rules' comments are `kp:` +
+//!   [`rule_id`] of the desired rules, in order; any other chain is marked so that the
+//!   diff flushes and refills it. Sets and maps compare by declaration (key/data types,
+//!   flags, timeout, comment, checked against the dump) and by elements decoded with
+//!   the desired declaration. Anything it cannot account for — a foreign table
+//!   comment, a base chain whose hook differs, a set whose type differs or whose
+//!   elements do not decode — is an [`AdoptError`], and the caller replaces the table
+//!   as a whole.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -90,6 +94,10 @@ pub const SET_TIMEOUT: u32 = 0x10;
 pub const SET_EVAL: u32 = 0x20;
 pub const SET_CONCAT: u32 = 0x80;
 const ELEM_INTERVAL_END: u32 = 0x1;
+/// The most bytes of one block of [`RawElements`].
+const BLOCK_BYTES: usize = 64 * 1024;
+/// `NFT_DATA_VERDICT`: a map's data type when it maps to verdicts.
+const VERDICT_TYPE: u32 = 0xffff_ff00;
 
 /// A base chain's hook as the kernel reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -116,19 +124,166 @@ pub struct RawChain {
     pub rules: Vec<RawRule>,
 }
 
-/// What a map element points to.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RawData {
-    Value(Vec<u8>),
-    Verdict { code: u32, chain: Option<String> },
+/// What a map element points to, as read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawData<'a> {
+    Value(&'a [u8]),
+    Verdict { code: u32, chain: Option<&'a str> },
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RawElement {
-    pub key: Vec<u8>,
-    pub data: Option<RawData>,
-    /// `NFT_SET_ELEM_*` (bit 0: the end of an interval).
-    pub flags: u32,
+/// One element as read: its key, what it maps to, and whether it ends an interval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawElement<'a> {
+    pub key: &'a [u8],
+    pub data: Option<RawData<'a>>,
+    pub interval_end: bool,
+}
+
+/// What a set's elements carry besides their key, by the set's own declaration.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum DataKind {
+    #[default]
+    None,
+    /// Value bytes of this length.
+    Value(usize),
+    /// A verdict: its code and the index of its chain (`u32::MAX`: none), 4 bytes each.
+    Verdict,
+}
+
+impl DataKind {
+    fn len(self) -> usize {
+        match self {
+            DataKind::None => 0,
+            DataKind::Value(n) => n,
+            DataKind::Verdict => 8,
+        }
+    }
+}
+
+/// A set's elements packed as the kernel holds them: each is `stride` bytes, its key
+/// (the set's key length), its data (a map's value, or a verdict's code and chain
+/// index), and a flags byte. About 25 bytes an element at 10k Services × 10 endpoints,
+/// where a vector per key and per value took ≈ 100 and a restart held all of a
+/// table's ≈ 106k at once (its peak was 30 MiB above a cold start's).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RawElements {
+    key_len: usize,
+    data: DataKind,
+    /// Elements in blocks of [`BLOCK_BYTES`] at most, each block allocated at its full
+    /// size once: a vector grown by doubling held up to twice the elements' bytes, and
+    /// both copies while it moved.
+    blocks: Vec<Vec<u8>>,
+    len: usize,
+    /// The chains verdicts name, each once.
+    chains: Vec<String>,
+    /// Elements whose key or data did not have the set's declared shape (a kernel
+    /// keeps its own declaration; counted rather than trusted).
+    misfits: usize,
+}
+
+impl RawElements {
+    fn for_set(set: &RawSet) -> RawElements {
+        let data = match (set.flags & SET_MAP != 0, set.data_type, set.data_len) {
+            (false, ..) => DataKind::None,
+            (true, Some(VERDICT_TYPE), _) => DataKind::Verdict,
+            (true, _, Some(n)) => DataKind::Value(n as usize),
+            (true, _, None) => DataKind::Value(0),
+        };
+        RawElements {
+            key_len: set.key_len as usize,
+            data,
+            ..RawElements::default()
+        }
+    }
+
+    fn stride(&self) -> usize {
+        self.key_len + self.data.len() + 1
+    }
+
+    fn per_block(&self) -> usize {
+        (BLOCK_BYTES / self.stride()).max(1)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// How many elements read did not fit the set's declared key or data.
+    pub fn misfits(&self) -> usize {
+        self.misfits
+    }
+
+    /// The `i`th element as read (dump order).
+    pub fn get(&self, i: usize) -> RawElement<'_> {
+        let (stride, per) = (self.stride(), self.per_block());
+        let at = (i % per) * stride;
+        let b = &self.blocks[i / per][at..at + stride];
+        let (key, rest) = b.split_at(self.key_len);
+        let (data, flags) = rest.split_at(self.data.len());
+        let data = match self.data {
+            DataKind::None => None,
+            DataKind::Value(_) => Some(RawData::Value(data)),
+            DataKind::Verdict => {
+                let code = u32::from_ne_bytes(data[..4].try_into().expect("4 bytes"));
+                let idx = u32::from_ne_bytes(data[4..8].try_into().expect("4 bytes"));
+                let chain = self.chains.get(idx as usize).map(String::as_str);
+                Some(RawData::Verdict { code, chain })
+            }
+        };
+        RawElement {
+            key,
+            data,
+            interval_end: flags[0] & ELEM_INTERVAL_END as u8 != 0,
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = RawElement<'_>> {
+        (0..self.len()).map(|i| self.get(i))
+    }
+
+    /// Appends one element; one of another shape is counted in [`RawElements::misfits`].
+    pub fn push(&mut self, e: RawElement<'_>, chain_index: &mut BTreeMap<String, u32>) {
+        let fits = e.key.len() == self.key_len
+            && match (self.data, e.data) {
+                (DataKind::None, None) => true,
+                (DataKind::Value(n), Some(RawData::Value(v))) => v.len() == n,
+                (DataKind::Verdict, Some(RawData::Verdict { .. })) => true,
+                _ => false,
+            };
+        if !fits {
+            self.misfits += 1;
+            return;
+        }
+        let (stride, per) = (self.stride(), self.per_block());
+        if self.len % per == 0 {
+            self.blocks.push(Vec::with_capacity(per * stride));
+        }
+        self.len += 1;
+        let bytes = self.blocks.last_mut().expect("a block was pushed above");
+        bytes.extend_from_slice(e.key);
+        match e.data {
+            Some(RawData::Value(v)) => bytes.extend_from_slice(v),
+            Some(RawData::Verdict { code, chain }) => {
+                let idx = chain.map_or(u32::MAX, |c| match chain_index.get(c) {
+                    Some(&i) => i,
+                    None => {
+                        let i = self.chains.len() as u32;
+                        self.chains.push(c.to_string());
+                        chain_index.insert(c.to_string(), i);
+                        i
+                    }
+                });
+                bytes.extend_from_slice(&code.to_ne_bytes());
+                bytes.extend_from_slice(&idx.to_ne_bytes());
+            }
+            None => {}
+        }
+        bytes.push(u8::from(e.interval_end) * ELEM_INTERVAL_END as u8);
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -141,7 +296,7 @@ pub struct RawSet {
     /// Milliseconds.
     pub timeout: Option<u64>,
     pub comment: Option<String>,
-    pub elements: Vec<RawElement>,
+    pub elements: RawElements,
 }
 
 /// One table as the kernel holds it (anonymous sets, which belong to rules, left out).
@@ -519,6 +674,8 @@ fn read_once(
         },
     )?;
     for (name, set) in t.sets.iter_mut() {
+        let mut elements = RawElements::for_set(set);
+        let mut chain_index = BTreeMap::new();
         r.request(
             &format!("the elements of set {name} in table {family} {table}"),
             NFT_MSG_GETSETELEM,
@@ -534,39 +691,50 @@ fn read_once(
                         continue;
                     }
                     for (_, e) in Attrs(v) {
-                        set.elements.push(element(e));
+                        match element(e) {
+                            Some(e) => elements.push(e, &mut chain_index),
+                            None => elements.misfits += 1,
+                        }
                     }
                 }
                 Ok(())
             },
         )?;
+        set.elements = elements;
     }
     Ok(Some(t))
 }
 
-fn element(e: &[u8]) -> RawElement {
+/// A NUL-terminated string attribute, borrowed; `None` when it is not UTF-8.
+fn str_ref(b: &[u8]) -> Option<&str> {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    std::str::from_utf8(&b[..end]).ok()
+}
+
+/// One element's attributes; `None` when a verdict's chain is not UTF-8.
+fn element(e: &[u8]) -> Option<RawElement<'_>> {
     let mut el = RawElement {
-        key: Vec::new(),
+        key: &[],
         data: None,
-        flags: 0,
+        interval_end: false,
     };
     for (k, v) in Attrs(e) {
         match k {
             NFTA_SET_ELEM_KEY => {
                 if let Some((_, b)) = Attrs(v).find(|(t, _)| *t == NFTA_DATA_VALUE) {
-                    el.key = b.to_vec();
+                    el.key = b;
                 }
             }
             NFTA_SET_ELEM_DATA => {
                 for (dk, dv) in Attrs(v) {
                     match dk {
-                        NFTA_DATA_VALUE => el.data = Some(RawData::Value(dv.to_vec())),
+                        NFTA_DATA_VALUE => el.data = Some(RawData::Value(dv)),
                         NFTA_DATA_VERDICT => {
                             let (mut code, mut chain) = (0, None);
                             for (vk, vv) in Attrs(dv) {
                                 match vk {
                                     NFTA_VERDICT_CODE => code = be32(vv).unwrap_or(0),
-                                    NFTA_VERDICT_CHAIN => chain = Some(string(vv)),
+                                    NFTA_VERDICT_CHAIN => chain = Some(str_ref(vv)?),
                                     _ => {}
                                 }
                             }
@@ -576,11 +744,13 @@ fn element(e: &[u8]) -> RawElement {
                     }
                 }
             }
-            NFTA_SET_ELEM_FLAGS => el.flags = be32(v).unwrap_or(0),
+            NFTA_SET_ELEM_FLAGS => {
+                el.interval_end = be32(v).unwrap_or(0) & ELEM_INTERVAL_END != 0;
+            }
             _ => {}
         }
     }
-    el
+    Some(el)
 }
 
 // ---- Decoding elements back into the typed model (the inverse of netlink.rs's
@@ -632,7 +802,10 @@ pub fn decode_verdict(code: u32, chain: Option<&str>) -> Option<Verdict> {
 
 /// The elements of an interval set of addresses as prefixes. The kernel holds each
 /// interval as its start and an end element (flagged) one past its last address.
-fn decode_intervals(v6: bool, elements: &[RawElement]) -> Option<Vec<Tuple>> {
+fn decode_intervals<'a>(
+    v6: bool,
+    elements: impl IntoIterator<Item = RawElement<'a>>,
+) -> Option<Vec<Tuple>> {
     let num = |b: &[u8]| -> Option<u128> {
         Some(if v6 {
             u128::from_be_bytes(b.try_into().ok()?)
@@ -642,8 +815,8 @@ fn decode_intervals(v6: bool, elements: &[RawElement]) -> Option<Vec<Tuple>> {
     };
     let bits: u32 = if v6 { 128 } else { 32 };
     let mut points: Vec<(u128, bool)> = elements
-        .iter()
-        .map(|e| Some((num(&e.key)?, e.flags & ELEM_INTERVAL_END != 0)))
+        .into_iter()
+        .map(|e| Some((num(e.key)?, e.interval_end)))
         .collect::<Option<_>>()?;
     points.sort();
     let mut out = Vec::new();
@@ -783,7 +956,7 @@ fn set_matches(raw: &RawSet, decl: &SetDecl) -> Result<(), String> {
         None => Ok(()),
         Some(_) if !flag(SET_MAP) => Err("a set where a map is declared".into()),
         Some(SetData::Verdict) => match raw.data_type {
-            Some(0xffff_ff00) => Ok(()),
+            Some(VERDICT_TYPE) => Ok(()),
             t => Err(format!("data type {t:?} instead of verdict")),
         },
         Some(SetData::Fields(fields)) => match raw.data_len {
@@ -794,38 +967,51 @@ fn set_matches(raw: &RawSet, decl: &SetDecl) -> Result<(), String> {
 }
 
 /// The kernel's elements of a set declared `decl`, typed.
-fn decode_elements(
+pub(crate) fn decode_elements(
     raw: &RawSet,
     decl: &SetDecl,
     v6: bool,
 ) -> Result<BTreeMap<Tuple, Option<Value>>, String> {
+    if raw.elements.misfits() > 0 {
+        return Err(format!(
+            "{} elements that do not fit the set's own declaration",
+            raw.elements.misfits()
+        ));
+    }
     if decl.interval {
-        let prefixes = decode_intervals(v6, &raw.elements)
+        let prefixes = decode_intervals(v6, raw.elements.iter())
             .ok_or_else(|| "interval elements that are not prefixes".to_string())?;
         return Ok(prefixes.into_iter().map(|t| (t, None)).collect());
     }
     let mut out = BTreeMap::new();
-    for e in &raw.elements {
-        let key = decode_tuple(&decl.key, &e.key)
-            .ok_or_else(|| format!("element key {:02x?} does not fit the type", e.key))?;
-        let value = match (&decl.data, &e.data) {
-            (None, None) => None,
-            (Some(SetData::Verdict), Some(RawData::Verdict { code, chain })) => {
-                Some(Value::Verdict(
-                    decode_verdict(*code, chain.as_deref())
-                        .ok_or_else(|| format!("element {key}: verdict {code:#x} {chain:?}"))?,
-                ))
-            }
-            (Some(SetData::Fields(f)), Some(RawData::Value(b))) => {
-                Some(Value::Data(decode_tuple(f, b).ok_or_else(|| {
-                    format!("element {key}: value {b:02x?} does not fit")
-                })?))
-            }
-            _ => return Err(format!("element {key}: data does not fit the declaration")),
-        };
+    for e in raw.elements.iter() {
+        let (key, value) = decode_element(e, decl)?;
         out.insert(key, value);
     }
     Ok(out)
+}
+
+/// One element of a set declared `decl` (not an interval set), typed.
+pub(crate) fn decode_element(
+    e: RawElement<'_>,
+    decl: &SetDecl,
+) -> Result<(Tuple, Option<Value>), String> {
+    let key = decode_tuple(&decl.key, e.key)
+        .ok_or_else(|| format!("element key {:02x?} does not fit the type", e.key))?;
+    let value = match (&decl.data, e.data) {
+        (None, None) => None,
+        (Some(SetData::Verdict), Some(RawData::Verdict { code, chain })) => Some(Value::Verdict(
+            decode_verdict(code, chain)
+                .ok_or_else(|| format!("element {key}: verdict {code:#x} {chain:?}"))?,
+        )),
+        (Some(SetData::Fields(f)), Some(RawData::Value(b))) => {
+            Some(Value::Data(decode_tuple(f, b).ok_or_else(|| {
+                format!("element {key}: value {b:02x?} does not fit")
+            })?))
+        }
+        _ => return Err(format!("element {key}: data does not fit the declaration")),
+    };
+    Ok((key, value))
 }
 
 /// The kernel's table as a model [`Table`] in the desired one's terms: `diff(kernel,
@@ -835,18 +1021,43 @@ fn decode_elements(
 /// diff cannot repair in place (a foreign table comment, a base chain hooked otherwise,
 /// a set declared otherwise, elements that do not decode) are an error.
 pub fn adopt(raw: &RawTable, desired: &Table) -> Result<Table, AdoptError> {
-    let err = |what: String| AdoptError {
+    let mut kernel = adopt_structure(raw, desired)?;
+    let v6 = desired.family == Family::Ip6;
+    for (name, set) in kernel.sets.iter_mut() {
+        let Some(want) = desired.sets.get(name) else {
+            continue;
+        };
+        // A dynamic set is filled by the datapath (affinity), never by kproxy.
+        if want.decl.dynamic {
+            continue;
+        }
+        let rs = &raw.sets[name];
+        set.elements = decode_elements(rs, &want.decl, v6)
+            .map_err(|e| adopt_error(desired, format!("set {name}: {e}")))?;
+    }
+    Ok(kernel)
+}
+
+fn adopt_error(desired: &Table, what: String) -> AdoptError {
+    AdoptError {
         family: desired.family.nft(),
         table: desired.name.clone(),
         what,
-    };
+    }
+}
+
+/// [`adopt`] without the sets' elements: the kernel's table header, chains, rules and
+/// set declarations in the desired table's terms, every set empty. Adoption compares
+/// the elements set by set against the record ([`crate::readback`]) instead of holding
+/// them typed.
+pub fn adopt_structure(raw: &RawTable, desired: &Table) -> Result<Table, AdoptError> {
+    let err = |what: String| adopt_error(desired, what);
     if raw.comment != desired.comment || raw.flags != 0 {
         return Err(err(format!(
             "comment {:?} and flags {:#x}: not a table kproxy made",
             raw.comment, raw.flags
         )));
     }
-    let v6 = desired.family == Family::Ip6;
     let mut kernel = Table::new(desired.family, &desired.name);
     kernel.comment = raw.comment.clone();
     for (name, rc) in &raw.chains {
@@ -882,16 +1093,7 @@ pub fn adopt(raw: &RawTable, desired: &Table) -> Result<Table, AdoptError> {
         let set = match desired.sets.get(name) {
             Some(w) => {
                 set_matches(rs, &w.decl).map_err(|e| err(format!("set {name}: {e}")))?;
-                Set {
-                    decl: w.decl.clone(),
-                    // A dynamic set is filled by the datapath (affinity), never by kproxy.
-                    elements: if w.decl.dynamic {
-                        BTreeMap::new()
-                    } else {
-                        decode_elements(rs, &w.decl, v6)
-                            .map_err(|e| err(format!("set {name}: {e}")))?
-                    },
-                }
+                Set::new(w.decl.clone())
             }
             // Deleted whole by the diff: only whether it is a map matters (the delete
             // command says which).
@@ -993,11 +1195,11 @@ mod tests {
         ));
     }
 
-    fn el(key: &[u8], end: bool) -> RawElement {
+    fn el(key: &[u8], end: bool) -> RawElement<'_> {
         RawElement {
-            key: key.to_vec(),
+            key,
             data: None,
-            flags: u32::from(end),
+            interval_end: end,
         }
     }
 
@@ -1006,7 +1208,7 @@ mod tests {
         let texts = |v: Vec<Tuple>| v.into_iter().map(text).collect::<Vec<_>>();
         let got = decode_intervals(
             false,
-            &[
+            [
                 el(&[10, 245, 0, 0], true),
                 el(&[10, 244, 0, 0], false),
                 el(&[192, 168, 1, 8], true),
@@ -1017,10 +1219,10 @@ mod tests {
         assert_eq!(texts(got), ["10.244.0.0/16", "192.168.1.7/32"]);
         // An end element with no start is not an interval kproxy wrote (but one at the
         // bottom of the space is nft's marker).
-        assert_eq!(decode_intervals(false, &[el(&[10, 0, 0, 0], true)]), None);
+        assert_eq!(decode_intervals(false, [el(&[10, 0, 0, 0], true)]), None);
         let got = decode_intervals(
             false,
-            &[
+            [
                 el(&[0, 0, 0, 0], true),
                 el(&[10, 0, 0, 0], false),
                 el(&[11, 0, 0, 0], true),
@@ -1029,14 +1231,11 @@ mod tests {
         assert_eq!(texts(got.unwrap()), ["10.0.0.0/8"]);
         // A range that is not a prefix.
         assert_eq!(
-            decode_intervals(
-                false,
-                &[el(&[10, 0, 0, 1], false), el(&[10, 0, 0, 4], true)]
-            ),
+            decode_intervals(false, [el(&[10, 0, 0, 1], false), el(&[10, 0, 0, 4], true)]),
             None
         );
         // Up to the end of the space: no end element.
-        let got = decode_intervals(false, &[el(&[128, 0, 0, 0], false)]).unwrap();
+        let got = decode_intervals(false, [el(&[128, 0, 0, 0], false)]).unwrap();
         assert_eq!(texts(got), ["128.0.0.0/1"]);
     }
 }

@@ -12,7 +12,7 @@ use crate::record::FamilyRecord;
 /// Elements per nfnetlink transaction of a first sync into absent tables (≈ 180 KB
 /// encoded, ≈ 330 KB typed): small against the ≈ 106k elements at 10k × 10, large
 /// enough that a transaction's own cost (a `sendmsg`, the commit) stays a few percent.
-const ELEMENTS_PER_PIECE: usize = 4096;
+pub(crate) const ELEMENTS_PER_PIECE: usize = 4096;
 
 /// Encoded pieces waiting for the socket: the encoder runs ahead of the kernel by this
 /// many (and no more, so memory stays bounded) while the structure loads.

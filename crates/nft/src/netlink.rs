@@ -54,7 +54,7 @@ pub(crate) fn open() -> Result<Socket, std::io::Error> {
 /// to 4 bytes (nft's register layout); addresses and ports in network order, the
 /// `numgen` index in host order. A prefix does not encode (interval sets need start and
 /// end elements; their few elements go by `nft`).
-fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Result<(), EncodeFailure> {
+pub(crate) fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Result<(), EncodeFailure> {
     let concat = t.atoms().len() > 1;
     for a in t.atoms().iter() {
         match a {
@@ -73,7 +73,7 @@ fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Result<(), EncodeFailure> {
 }
 
 /// The verdict code (as the kernel's u32) and chain of a verdict.
-fn verdict(v: &Verdict) -> (u32, Option<&str>) {
+pub(crate) fn verdict(v: &Verdict) -> (u32, Option<&str>) {
     const NF_DROP: u32 = 0;
     const NF_ACCEPT: u32 = 1;
     const NFT_CONTINUE: u32 = -1i32 as u32;
