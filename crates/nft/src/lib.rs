@@ -22,6 +22,7 @@ pub mod conntrack;
 pub mod dataplane;
 pub mod dump;
 pub mod error;
+pub mod evaluate;
 pub mod first_sync;
 pub mod limits;
 pub mod model;
