@@ -478,3 +478,130 @@ fn sync_dry_run_shows_the_adoption_delta_when_the_tables_exist() {
     assert!(!out.contains("delete table"), "{out}");
     assert_eq!(ruleset(), before, "--dry-run changed the kernel");
 }
+
+/// `trace --kernel` on a node's namespace: agrees with the plan after `sync --once`;
+/// after `nft delete element` of the row the packet uses, the kernel's fate differs,
+/// the element is named and the exit code is 1. Without kproxy's tables, or without
+/// CAP_NET_ADMIN, a clear error. Root: a namespace of its own.
+#[test]
+fn trace_kernel_agrees_then_names_a_deleted_element() {
+    if !common::can_run() {
+        return;
+    }
+    let ns = common::Netns::new("ktrace");
+    let in_ns = |prefix: &[&str], args: &[&str]| {
+        let mut full = vec!["ip", "netns", "exec", &ns.0];
+        full.extend_from_slice(prefix);
+        full.push(env!("CARGO_BIN_EXE_kproxy"));
+        full.extend_from_slice(args);
+        kproxy_at(&full)
+    };
+    let trace = |extra: &[&str]| {
+        let mut args = vec![
+            "trace",
+            "--kernel",
+            "--manifests",
+            "examples/cluster",
+            "--node",
+            "node-a",
+            "--src",
+            "198.51.100.7",
+            "--dst",
+            "10.96.0.10",
+            "--dport",
+            "80",
+        ];
+        args.extend_from_slice(extra);
+        in_ns(&[], &args)
+    };
+    let (code, _, err) = trace(&[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("no kproxy tables (ip kproxy, ip6 kproxy) in this network namespace: is kproxy running here?"),
+        "{err}"
+    );
+    let (code, _, err) = in_ns(
+        &[],
+        &[
+            "sync",
+            "--once",
+            "--manifests",
+            "examples/cluster",
+            "--node",
+            "node-a",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = trace(&["-o", "json"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["agrees"], true, "{out}");
+    assert_eq!(v["kernel"]["outcomes"][0]["fate"], "DNAT", "{out}");
+    assert_eq!(
+        v["kernel"]["outcomes"][0]["endpoint"], v["plan"]["endpoints"][0],
+        "{out}"
+    );
+    let ep = v["plan"]["endpoints"][0]
+        .as_str()
+        .expect("an endpoint")
+        .to_string();
+    let (ip, port) = ep.rsplit_once(':').expect("ip:port");
+    // shop/web's one Cluster-policy endpoint: the dispatch map of one row.
+    ns.exec(&[
+        "nft",
+        "delete element ip kproxy dnat-c-1 { 10.96.0.10 . tcp . 80 . 0 }",
+    ]);
+    let (code, out, err) = trace(&[]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("NONE (kproxy leaves it untouched)"), "{out}");
+    assert!(
+        out.contains("NO: the kernel's fate differs from the plan's"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "map dnat-c-1: element 10.96.0.10 . tcp . 80 . 0 : {ip} . {port} is in the plan, not in the kernel"
+        )),
+        "{out}"
+    );
+    // Without CAP_NET_ADMIN.
+    let (code, _, err) = in_ns(
+        &["setpriv", "--bounding-set=-net_admin"],
+        &[
+            "trace",
+            "--kernel",
+            "--manifests",
+            "examples/cluster",
+            "--node",
+            "node-a",
+            "--src",
+            "198.51.100.7",
+            "--dst",
+            "10.96.0.10",
+            "--dport",
+            "80",
+        ],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("needs CAP_NET_ADMIN"), "{err}");
+    // A connection has one family.
+    let (code, _, err) = in_ns(
+        &[],
+        &[
+            "trace",
+            "--kernel",
+            "--manifests",
+            "examples/cluster",
+            "--node",
+            "node-a",
+            "--src",
+            "198.51.100.7",
+            "--dst",
+            "fd00::10",
+            "--dport",
+            "80",
+        ],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("different IP families"), "{err}");
+}
