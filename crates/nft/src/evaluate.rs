@@ -225,16 +225,7 @@ pub fn evaluate(table: &Table, pkt: &Packet, local_addresses: &[IpAddr]) -> Eval
         }
     }
     // Merge equal branches (a dispatch map's rows to one endpoint, say).
-    let mut merged: BTreeMap<
-        (
-            Fate,
-            Option<EndpointAddr>,
-            bool,
-            Vec<String>,
-            Option<String>,
-        ),
-        Share,
-    > = BTreeMap::new();
+    let mut merged: BTreeMap<Branch, Share> = BTreeMap::new();
     for o in outcomes {
         let s = merged
             .entry((o.fate, o.endpoint, o.masquerade, o.chains, o.note))
@@ -258,6 +249,15 @@ pub fn evaluate(table: &Table, pkt: &Packet, local_addresses: &[IpAddr]) -> Eval
         touched: ev.touched,
     }
 }
+
+/// What makes two branches one outcome: fate, endpoint, masquerade, chains, note.
+type Branch = (
+    Fate,
+    Option<EndpointAddr>,
+    bool,
+    Vec<String>,
+    Option<String>,
+);
 
 fn outcome(st: St, fate: Fate, masquerade: bool, note: Option<String>) -> Outcome {
     Outcome {
@@ -836,103 +836,123 @@ fn lit(s: &str) -> Option<Lit> {
     })
 }
 
+/// A rule's words, read left to right.
+struct Words<'a> {
+    t: Vec<&'a str>,
+    i: usize,
+}
+
+impl<'a> Words<'a> {
+    fn peek(&self, k: usize) -> Option<&'a str> {
+        self.t.get(self.i + k).copied()
+    }
+
+    fn next(&mut self) -> Option<&'a str> {
+        let w = self.peek(0)?;
+        self.i += 1;
+        Some(w)
+    }
+
+    /// Takes the next word if it is `w`.
+    fn take(&mut self, w: &str) -> bool {
+        let hit = self.peek(0) == Some(w);
+        if hit {
+            self.i += 1;
+        }
+        hit
+    }
+
+    /// The next word, which must be `w`.
+    fn expect(&mut self, w: &str) -> Option<()> {
+        self.take(w).then_some(())
+    }
+
+    /// `@name`.
+    fn set(&mut self) -> Option<String> {
+        Some(self.next()?.strip_prefix('@')?.to_string())
+    }
+}
+
 /// A rule of kproxy's vocabulary as expressions; `None` for anything else.
 fn parse(text: &str) -> Option<Vec<Expr>> {
     let toks = tokens(text)?;
-    let t: Vec<&str> = toks.iter().map(String::as_str).collect();
-    let mut i = 0;
+    let mut w = Words {
+        t: toks.iter().map(String::as_str).collect(),
+        i: 0,
+    };
     let mut out = Vec::new();
-    while i < t.len() {
-        match t[i] {
+    while let Some(word) = w.peek(0) {
+        match word {
             "drop" | "accept" | "return" | "continue" => {
-                out.push(Expr::Verdict(model::Verdict::parse(t[i])?));
-                i += 1;
+                w.next();
+                out.push(Expr::Verdict(model::Verdict::parse(word)?));
             }
             "goto" | "jump" => {
+                w.next();
+                let to = w.next()?;
                 out.push(Expr::Verdict(model::Verdict::parse(&format!(
-                    "{} {}",
-                    t[i],
-                    t.get(i + 1).copied()?
+                    "{word} {to}"
                 ))?));
-                i += 2;
             }
             "reject" => {
+                w.next();
+                if w.take("with") {
+                    w.expect("tcp")?;
+                    w.expect("reset")?;
+                }
                 out.push(Expr::Reject);
-                i += if t[i + 1..].starts_with(&["with", "tcp", "reset"]) {
-                    4
-                } else {
-                    1
-                };
             }
             "masquerade" => {
+                w.next();
+                w.take("fully-random");
                 out.push(Expr::Masquerade);
-                i += if t.get(i + 1).copied() == Some("fully-random") {
-                    2
-                } else {
-                    1
-                };
             }
             "update" => {
-                t.get(i + 1).copied()?.strip_prefix('@')?;
-                t.get(i + 2).copied()?.strip_prefix('{')?;
+                // `update @set { ip saddr }`
+                w.next();
+                w.set()?;
+                w.next()?.strip_prefix('{')?;
                 out.push(Expr::Update);
-                i += 3;
             }
             "dnat" => {
-                i += 1;
-                if matches!(t.get(i + 0).copied(), Some("ip" | "ip6")) {
-                    i += 1;
+                w.next();
+                if !w.take("ip") {
+                    w.take("ip6");
                 }
-                (t.get(i + 0).copied()? == "to").then_some(())?;
-                i += 1;
-                if let Ok(sa) = t.get(i + 0).copied()?.parse::<std::net::SocketAddr>() {
+                w.expect("to")?;
+                if let Ok(sa) = w.peek(0)?.parse::<std::net::SocketAddr>() {
+                    w.next();
                     out.push(Expr::DnatTo(EndpointAddr::new(sa.ip(), sa.port())));
-                    i += 1;
                 } else {
-                    let (sel, n) = selectors(&t[i..])?;
-                    i += n;
-                    (t.get(i + 0).copied()? == "map").then_some(())?;
-                    let set = t.get(i + 1).copied()?.strip_prefix('@')?.to_string();
-                    out.push(Expr::DnatMap { sel, set });
-                    i += 2;
+                    let sel = selectors(&mut w)?;
+                    w.expect("map")?;
+                    out.push(Expr::DnatMap { sel, set: w.set()? });
                 }
             }
-            "meta"
-                if t.get(i + 1).copied() == Some("mark")
-                    && t.get(i + 2).copied() == Some("set") =>
-            {
+            "meta" if w.peek(1) == Some("mark") && w.peek(2) == Some("set") => {
                 // `meta mark set meta mark | M` / `^ M`
-                (t.get(i + 3).copied()? == "meta" && t.get(i + 4).copied()? == "mark")
-                    .then_some(())?;
-                let m = number(t.get(i + 6).copied()?)?;
-                out.push(match t.get(i + 5).copied()? {
+                w.i += 3;
+                w.expect("meta")?;
+                w.expect("mark")?;
+                let op = w.next()?;
+                let m = number(w.next()?)?;
+                out.push(match op {
                     "|" => Expr::MarkOr(m),
                     "^" => Expr::MarkXor(m),
                     _ => return None,
                 });
-                i += 7;
             }
             _ => {
-                let (sel, n) = selectors(&t[i..])?;
-                i += n;
-                if t.get(i + 0).copied() == Some("vmap") {
-                    let set = t.get(i + 1).copied()?.strip_prefix('@')?.to_string();
-                    out.push(Expr::Vmap { sel, set });
-                    i += 2;
+                let sel = selectors(&mut w)?;
+                if w.take("vmap") {
+                    out.push(Expr::Vmap { sel, set: w.set()? });
                     continue;
                 }
-                let neg = match t.get(i + 0).copied()? {
-                    "!=" => {
-                        i += 1;
-                        true
-                    }
-                    "==" => {
-                        i += 1;
-                        false
-                    }
-                    _ => false,
-                };
-                let r = t.get(i + 0).copied()?;
+                let neg = w.take("!=");
+                if !neg {
+                    w.take("==");
+                }
+                let r = w.next()?;
                 let rhs = if let Some(set) = r.strip_prefix('@') {
                     Rhs::Set(set.to_string())
                 } else if let Some(inner) = r.strip_prefix('{') {
@@ -941,50 +961,58 @@ fn parse(text: &str) -> Option<Vec<Expr>> {
                     Rhs::Lits(vec![lit(r)?])
                 };
                 out.push(Expr::Match { sel, neg, rhs });
-                i += 1;
             }
         }
     }
     Some(out)
 }
 
-/// A concatenation `s . s . s` at the start of `t`: the selectors and the tokens used.
-fn selectors(t: &[&str]) -> Option<(Vec<Sel>, usize)> {
+/// A concatenation `s . s . s` of selectors.
+fn selectors(w: &mut Words) -> Option<Vec<Sel>> {
     let mut sel = Vec::new();
-    let mut i = 0;
     loop {
-        let (s, n) = match t.get(i + 0).copied()? {
-            "ip" | "ip6" => match t.get(i + 1).copied()? {
-                "saddr" => (Sel::Saddr, 2),
-                "daddr" => (Sel::Daddr, 2),
+        let s = match w.next()? {
+            "ip" | "ip6" => match w.next()? {
+                "saddr" => Sel::Saddr,
+                "daddr" => Sel::Daddr,
                 _ => return None,
             },
-            "meta" => match t.get(i + 1).copied()? {
-                "l4proto" => (Sel::L4proto, 2),
-                "mark" if t.get(i + 2).copied()? == "&" => {
-                    (Sel::MarkAnd(number(t.get(i + 3).copied()?)?), 4)
+            "meta" => match w.next()? {
+                "l4proto" => Sel::L4proto,
+                "mark" => {
+                    w.expect("&")?;
+                    Sel::MarkAnd(number(w.next()?)?)
                 }
                 _ => return None,
             },
-            "th" if t.get(i + 1).copied()? == "dport" => (Sel::Dport, 2),
-            "iifname" => (Sel::Iifname, 1),
-            "fib" if t.get(i + 2).copied()? == "type" => match t.get(i + 1).copied()? {
-                "saddr" => (Sel::FibLocal(Dir::Src), 3),
-                "daddr" => (Sel::FibLocal(Dir::Dst), 3),
-                _ => return None,
-            },
-            "ct" if t.get(i + 1).copied()? == "status" => (Sel::CtStatusDnat, 2),
-            "numgen" if t.get(i + 1).copied()? == "random" && t.get(i + 2).copied()? == "mod" => {
-                (Sel::Numgen(number(t.get(i + 3).copied()?)?), 4)
+            "th" => {
+                w.expect("dport")?;
+                Sel::Dport
+            }
+            "iifname" => Sel::Iifname,
+            "fib" => {
+                let dir = match w.next()? {
+                    "saddr" => Dir::Src,
+                    "daddr" => Dir::Dst,
+                    _ => return None,
+                };
+                w.expect("type")?;
+                Sel::FibLocal(dir)
+            }
+            "ct" => {
+                w.expect("status")?;
+                Sel::CtStatusDnat
+            }
+            "numgen" => {
+                w.expect("random")?;
+                w.expect("mod")?;
+                Sel::Numgen(number(w.next()?)?)
             }
             _ => return None,
         };
         sel.push(s);
-        i += n;
-        if t.get(i + 0).copied() == Some(".") {
-            i += 1;
-        } else {
-            return Some((sel, i));
+        if !w.take(".") {
+            return Some(sel);
         }
     }
 }
