@@ -7,7 +7,7 @@
 use std::net::IpAddr;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::ValueEnum;
 use kproxy_core::model::IpFamily;
 use kproxy_core::model::Protocol;
@@ -24,6 +24,16 @@ pub enum Proto {
     Tcp,
     Udp,
     Sctp,
+}
+
+impl Proto {
+    pub fn protocol(self) -> Protocol {
+        match self {
+            Proto::Tcp => Protocol::TCP,
+            Proto::Udp => Protocol::UDP,
+            Proto::Sctp => Protocol::SCTP,
+        }
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -60,6 +70,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    if args.kernel && crate::cluster::invoked_as_kubectl_plugin() {
+        bail!("{}", kernel_trace::from_kubectl(&args));
+    }
     let cluster = args.source.read()?;
     let mut config = cluster.config.plan.clone();
     if !args.node_addresses.is_empty() {
@@ -71,11 +84,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         src: args.src,
         dst: args.dst,
         dport: args.dport,
-        proto: match args.proto {
-            Proto::Tcp => Protocol::TCP,
-            Proto::Udp => Protocol::UDP,
-            Proto::Sctp => Protocol::SCTP,
-        },
+        proto: args.proto.protocol(),
         in_interface: args.in_interface.clone(),
     };
     let t = trace(&plan, &pkt, &args.node_addresses);

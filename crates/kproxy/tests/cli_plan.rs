@@ -605,3 +605,35 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("different IP families"), "{err}");
 }
+
+/// `kubectl kproxy trace --kernel` cannot read a node's kernel from a workstation: it
+/// refuses before reading anything, with the command that answers in kproxy's pod on
+/// that node.
+#[test]
+fn trace_kernel_as_the_kubectl_plugin_names_the_command_on_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = dir.path().join("kubectl-kproxy");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_kproxy"), &plugin).unwrap();
+    let plugin = plugin.to_str().unwrap();
+    let (code, out, err) = kproxy_at(&[
+        plugin,
+        "trace",
+        "--kernel",
+        "--node",
+        "node-b",
+        "--src",
+        "198.51.100.7",
+        "--dst",
+        "203.0.113.10",
+        "--dport",
+        "80",
+        "--proto",
+        "udp",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("cannot read node node-b's kernel"), "{err}");
+    assert!(
+        err.contains("--field-selector spec.nodeName=node-b -o name)\" -- kproxy trace --kernel --config /var/lib/kproxy/config.yaml --src 198.51.100.7 --dst 203.0.113.10 --dport 80 --proto UDP"),
+        "{err}"
+    );
+}
