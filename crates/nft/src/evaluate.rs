@@ -497,6 +497,9 @@ impl Eval<'_> {
         };
         match e {
             Expr::Match { sel, neg, rhs } => {
+                if let ([Sel::Numgen(n)], Rhs::Lits(lits)) = (sel.as_slice(), rhs) {
+                    return self.numgen_match(rule, i, st, *n, lits, *neg);
+                }
                 let mut out = Vec::new();
                 for (st, key) in self.keys(sel, st) {
                     let hit = match rhs {
@@ -563,6 +566,37 @@ impl Eval<'_> {
             Expr::Reject => vec![(st, RuleEnd::End(End::Reject))],
             Expr::Masquerade => vec![(st, RuleEnd::End(End::Masquerade))],
         }
+    }
+
+    /// `numgen random mod n` compared with literals: two branches, the indices that
+    /// match and those that do not, rather than one per index (an affinity port's
+    /// `numgen random mod n-i 0` rules follow one another: per-index branches would
+    /// multiply to n!).
+    fn numgen_match(
+        &mut self,
+        rule: &[Expr],
+        i: usize,
+        st: St,
+        n: u32,
+        lits: &[Lit],
+        neg: bool,
+    ) -> Vec<(St, RuleEnd)> {
+        let hits = (0..n)
+            .filter(|k| lits.iter().any(|l| l.matches(&Val::Atom(Atom::Index(*k)))) != neg)
+            .count() as u128;
+        let n = u128::from(n);
+        let mut out = Vec::new();
+        if hits > 0 {
+            let mut hit = st.clone();
+            hit.share = hit.share.times(Share::new(hits, n));
+            out.extend(self.exprs(rule, i + 1, hit));
+        }
+        if hits < n {
+            let mut miss = st;
+            miss.share = miss.share.times(Share::new(n - hits, n));
+            out.push((miss, RuleEnd::Next));
+        }
+        out
     }
 
     /// The values of a concatenation of selectors: one per branch (`numgen` branches).
@@ -1433,5 +1467,21 @@ mod tests {
                 "1/3 DNAT 10.244.1.3:8080"
             ]
         );
+        // Forty endpoints: each rule is one choice of two, not one per index.
+        let n = 40;
+        let mut rules: Vec<String> = (1..n)
+            .map(|i| format!("numgen random mod {} 0 goto aep-{i}", n - i + 1))
+            .collect();
+        rules.push(format!("goto aep-{n}"));
+        t.chains.insert("svc-b".into(), Chain { hook: None, rules });
+        for i in 1..=n {
+            t.chains.insert(
+                format!("aep-{i}"),
+                chain(None, &[&format!("dnat to 10.244.3.{i}:8080")]),
+            );
+        }
+        let got = fates(&t, &pkt("198.51.100.2", "10.96.0.2", 80));
+        assert_eq!(got.len(), n);
+        assert!(got.iter().all(|f| f.starts_with("1/40 DNAT")), "{got:?}");
     }
 }
