@@ -496,7 +496,9 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
         full.extend_from_slice(args);
         kproxy_at(&full)
     };
-    let trace = |extra: &[&str]| {
+    // `trace --kernel` of a packet to `dst` (an outside client to port 80), run behind
+    // `prefix` in the namespace.
+    let trace_to = |prefix: &[&str], dst: &str, extra: &[&str]| {
         let mut args = vec![
             "trace",
             "--kernel",
@@ -507,13 +509,14 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
             "--src",
             "198.51.100.7",
             "--dst",
-            "10.96.0.10",
+            dst,
             "--dport",
             "80",
         ];
         args.extend_from_slice(extra);
-        in_ns(&[], &args)
+        in_ns(prefix, &args)
     };
+    let trace = |extra: &[&str]| trace_to(&[], "10.96.0.10", extra);
     let (code, _, err) = trace(&[]);
     assert_eq!(code, 1, "{err}");
     assert!(
@@ -565,43 +568,11 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
         "{out}"
     );
     // Without CAP_NET_ADMIN.
-    let (code, _, err) = in_ns(
-        &["setpriv", "--bounding-set=-net_admin"],
-        &[
-            "trace",
-            "--kernel",
-            "--manifests",
-            "examples/cluster",
-            "--node",
-            "node-a",
-            "--src",
-            "198.51.100.7",
-            "--dst",
-            "10.96.0.10",
-            "--dport",
-            "80",
-        ],
-    );
+    let (code, _, err) = trace_to(&["setpriv", "--bounding-set=-net_admin"], "10.96.0.10", &[]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("needs CAP_NET_ADMIN"), "{err}");
     // A connection has one family.
-    let (code, _, err) = in_ns(
-        &[],
-        &[
-            "trace",
-            "--kernel",
-            "--manifests",
-            "examples/cluster",
-            "--node",
-            "node-a",
-            "--src",
-            "198.51.100.7",
-            "--dst",
-            "fd00::10",
-            "--dport",
-            "80",
-        ],
-    );
+    let (code, _, err) = trace_to(&[], "fd00::10", &[]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("different IP families"), "{err}");
 }

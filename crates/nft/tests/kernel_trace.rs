@@ -15,7 +15,8 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
 use common::cases::{
-    Case, case, config, env_count, host_addresses, manifests, probes, seeded_rng, state,
+    Case, Svc, case, config, env_count, failure, host_addresses, manifests, one_service, plain,
+    probes, seeded_rng, state,
 };
 use common::fabric::source;
 use common::{Netns, ip};
@@ -110,14 +111,7 @@ fn runner(cases: u32) -> TestRunner {
 fn run(runner: &mut TestRunner, check: impl Fn(&Case) -> Result<(), String>) {
     let result = runner.run(&case(), |c| check(&c).map_err(TestCaseError::fail));
     if let Err(e) = result {
-        let detail = match &e {
-            proptest::test_runner::TestError::Fail(why, c) => format!(
-                "{why}\nminimal state:\n{}\nconfig: {:?}",
-                manifests(c),
-                config(c)
-            ),
-            other => other.to_string(),
-        };
+        let detail = failure(&e);
         panic!("the evaluator and trace disagree:\n{detail}");
     }
 }
@@ -239,30 +233,11 @@ fn a_deleted_element_changes_the_kernel_fate_and_is_named() {
     }
     // One ClusterIP Service (10.96.0.10:80) with three ready endpoints.
     let c = Case {
-        masquerade_all: false,
-        detector: 0,
-        node_port_cidrs: None,
-        node_lists_secondary: false,
-        service_cidrs: false,
         ipv4_only: true,
-        services: vec![common::cases::Svc {
-            kind: 0,
-            v4: true,
-            v6: false,
-            http: true,
-            dns: false,
-            external_ip: false,
-            lb_ip: false,
-            source_ranges: Vec::new(),
-            etp_local: false,
-            itp_local: false,
-            affinity: false,
-            endpoints: vec![
-                (0, (Some(true), None, None)),
-                (1, (Some(true), None, None)),
-                (2, (Some(true), None, None)),
-            ],
-        }],
+        ..one_service(Svc {
+            endpoints: (0..3).map(|pod| (pod, (Some(true), None, None))).collect(),
+            ..plain(0)
+        })
     };
     let (kernel_plan, plan) = plans(&c).expect("valid case");
     let node = Node::new("kdel");
