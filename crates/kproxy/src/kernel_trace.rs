@@ -173,6 +173,8 @@ fn outcome_line(o: &Outcome, whole: bool) -> String {
         ),
         Fate::Drop => "DROP".into(),
         Fate::Reject => "REJECT".into(),
+        // The mark may be set before a dispatch that finds no row.
+        Fate::None if o.masquerade => "NONE (not translated to an endpoint)".into(),
         Fate::None => "NONE (kproxy leaves it untouched)".into(),
         Fate::Unknown => format!(
             "cannot tell: {}",

@@ -462,6 +462,8 @@ impl Eval<'_> {
             return vec![(st, End::Fall)];
         };
         let Some(rule) = parse(text) else {
+            // `crate::dump::adopt` stands a comment for rules that are not the plan's
+            // (kproxy never writes one as a rule).
             let why = if text.starts_with('#') {
                 format!(
                     "chain {name} holds rules that are not the plan's (kproxy cannot read rules back, only compare them)"
