@@ -9,8 +9,7 @@ use std::process::ExitCode;
 
 use anyhow::{Result, bail};
 use clap::ValueEnum;
-use kproxy_core::model::IpFamily;
-use kproxy_core::model::Protocol;
+use kproxy_core::model::{IpFamily, Protocol};
 use kproxy_core::trace::{Packet, Trace, TraceVerdict, trace};
 use kproxy_nft::DataplaneConfig;
 
