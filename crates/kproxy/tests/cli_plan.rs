@@ -496,9 +496,9 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
         full.extend_from_slice(args);
         kproxy_at(&full)
     };
-    // `trace --kernel` of a packet to `dst` (an outside client to port 80), run behind
-    // `prefix` in the namespace.
-    let trace_to = |prefix: &[&str], dst: &str, extra: &[&str]| {
+    // `trace --kernel` of a packet from `src` to `dst`, port 80, run behind `prefix` in
+    // the namespace.
+    let trace_to = |prefix: &[&str], src: &str, dst: &str, extra: &[&str]| {
         let mut args = vec![
             "trace",
             "--kernel",
@@ -507,7 +507,7 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
             "--node",
             "node-a",
             "--src",
-            "198.51.100.7",
+            src,
             "--dst",
             dst,
             "--dport",
@@ -516,7 +516,7 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
         args.extend_from_slice(extra);
         in_ns(prefix, &args)
     };
-    let trace = |extra: &[&str]| trace_to(&[], "10.96.0.10", extra);
+    let trace = |extra: &[&str]| trace_to(&[], "198.51.100.7", "10.96.0.10", extra);
     let (code, _, err) = trace(&[]);
     assert_eq!(code, 1, "{err}");
     assert!(
@@ -568,13 +568,26 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
         "{out}"
     );
     // Without CAP_NET_ADMIN.
-    let (code, _, err) = trace_to(&["setpriv", "--bounding-set=-net_admin"], "10.96.0.10", &[]);
+    let (code, _, err) = trace_to(
+        &["setpriv", "--bounding-set=-net_admin"],
+        "198.51.100.7",
+        "10.96.0.10",
+        &[],
+    );
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("needs CAP_NET_ADMIN"), "{err}");
     // A connection has one family.
-    let (code, _, err) = trace_to(&[], "fd00::10", &[]);
+    let (code, _, err) = trace_to(&[], "198.51.100.7", "fd00::10", &[]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("different IP families"), "{err}");
+    // A family whose table is absent.
+    ns.exec(&["nft", "delete table ip6 kproxy"]);
+    let (code, _, err) = trace_to(&[], "fd00:198::7", "fd00::10", &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("table ip6 kproxy is absent in this network namespace while kproxy's other table exists: fd00::10 is of no family kproxy programs here"),
+        "{err}"
+    );
 }
 
 /// `kubectl kproxy trace --kernel` cannot read a node's kernel from a workstation: it
