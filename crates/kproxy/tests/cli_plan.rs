@@ -523,6 +523,15 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
         err.contains("no kproxy tables (ip kproxy, ip6 kproxy) in this network namespace: is kproxy running here?"),
         "{err}"
     );
+    // Tables of that name that kproxy did not make: named, not evaluated.
+    ns.exec(&["nft", "add table ip kproxy { comment \"someone else's\"; }"]);
+    let (code, out, err) = trace(&[]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("kernel (ip kproxy): cannot be evaluated: table ip kproxy: comment Some(\"someone else's\")"),
+        "{out}{err}"
+    );
+    ns.exec(&["nft", "delete table ip kproxy"]);
     let (code, _, err) = in_ns(
         &[],
         &[
