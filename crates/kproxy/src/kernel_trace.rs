@@ -139,10 +139,10 @@ pub fn kernel_trace(
                 kernel: KernelSide {
                     table: name,
                     outcomes: Vec::new(),
-                    unreadable: Some(e.to_string()),
+                    unreadable: Some(e.what.clone()),
                 },
                 agrees: false,
-                differs: vec![e.what],
+                differs: vec![e.to_string()],
             });
         }
     };
@@ -208,7 +208,9 @@ pub fn print(k: &KernelTrace) {
     }
     println!(
         "agrees:     {}",
-        if k.agrees && k.differs.is_empty() {
+        if k.kernel.unreadable.is_some() {
+            "NO: the kernel's table holds what kproxy cannot evaluate"
+        } else if k.agrees && k.differs.is_empty() {
             "yes, the kernel does what the plan says"
         } else if k.agrees {
             "in fate, but the kernel's objects this packet touches differ from the plan's"

@@ -528,7 +528,8 @@ fn trace_kernel_agrees_then_names_a_deleted_element() {
     let (code, out, err) = trace(&[]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(
-        out.contains("kernel (ip kproxy): cannot be evaluated: table ip kproxy: comment Some(\"someone else's\")"),
+        out.contains("kernel (ip kproxy): cannot be evaluated: comment Some(\"someone else's\")")
+            && out.contains("differs:    table ip kproxy: comment Some(\"someone else's\")"),
         "{out}{err}"
     );
     ns.exec(&["nft", "delete table ip kproxy"]);
