@@ -1,17 +1,21 @@
 //! `kproxy trace`: the fate of one new connection on this node, computed from the
-//! plan alone (of manifests or of one read of the API server, `crate::cluster`) (`kproxy_core::trace`). The dataplane tests hold the kernel to exactly
-//! this answer.
+//! plan alone (of manifests or of one read of the API server, `crate::cluster`)
+//! (`kproxy_core::trace`). The dataplane tests hold the kernel to exactly this answer;
+//! `--kernel` sets the fate under the tables this kernel holds beside it
+//! (`crate::kernel_trace`).
 
 use std::net::IpAddr;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::ValueEnum;
-use kproxy_core::model::Protocol;
-use kproxy_core::trace::{Packet, TraceVerdict, trace};
+use kproxy_core::model::{IpFamily, Protocol};
+use kproxy_core::trace::{Packet, Trace, TraceVerdict, trace};
+use kproxy_nft::DataplaneConfig;
 
 use crate::cluster::ClusterArgs;
-use crate::common::{Output, print_structured};
+use crate::common::{NftTableFlag, Output, print_structured};
+use crate::kernel_trace;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 #[value(rename_all = "UPPER")]
@@ -19,6 +23,16 @@ pub enum Proto {
     Tcp,
     Udp,
     Sctp,
+}
+
+impl Proto {
+    pub fn protocol(self) -> Protocol {
+        match self {
+            Proto::Tcp => Protocol::TCP,
+            Proto::Udp => Protocol::UDP,
+            Proto::Sctp => Protocol::SCTP,
+        }
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -44,9 +58,20 @@ pub struct Args {
     pub in_interface: Option<String>,
     #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
     pub output: Output,
+    /// Also evaluate the packet against kproxy's tables as this machine's kernel holds
+    /// them (read back over netlink; needs CAP_NET_ADMIN, so run it on the node), and
+    /// name what differs from the plan. Exits 1 when the kernel's fate or the objects
+    /// the packet touches differ.
+    #[arg(long)]
+    pub kernel: bool,
+    #[command(flatten)]
+    pub nft: NftTableFlag,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    if args.kernel && crate::cluster::invoked_as_kubectl_plugin() {
+        bail!("{}", kernel_trace::from_kubectl(&args));
+    }
     let cluster = args.source.read()?;
     let mut config = cluster.config.plan.clone();
     if !args.node_addresses.is_empty() {
@@ -58,42 +83,70 @@ pub fn run(args: Args) -> Result<ExitCode> {
         src: args.src,
         dst: args.dst,
         dport: args.dport,
-        proto: match args.proto {
-            Proto::Tcp => Protocol::TCP,
-            Proto::Udp => Protocol::UDP,
-            Proto::Sctp => Protocol::SCTP,
-        },
+        proto: args.proto.protocol(),
         in_interface: args.in_interface.clone(),
     };
     let t = trace(&plan, &pkt, &args.node_addresses);
-    if !print_structured(&t, args.output)? {
-        let verdict = match t.verdict {
-            TraceVerdict::Dnat => "DNAT",
-            TraceVerdict::Drop => "DROP",
-            TraceVerdict::Reject => "REJECT",
-            TraceVerdict::None => "NONE",
+    if args.kernel {
+        // `fib … type local` sees the addresses trace takes as this node's.
+        let locals: Vec<IpAddr> = if args.node_addresses.is_empty() {
+            IpFamily::ALL
+                .iter()
+                .flat_map(|f| plan.family(*f).node_ips.iter().copied())
+                .collect()
+        } else {
+            args.node_addresses.clone()
         };
-        println!("verdict:    {verdict}");
-        if t.verdict == TraceVerdict::Dnat {
-            let eps: Vec<String> = t.endpoints.iter().map(ToString::to_string).collect();
-            println!(
-                "endpoints:  {} (one chosen at random per connection)",
-                eps.join(", ")
-            );
-            println!(
-                "masquerade: {}",
-                if t.masquerade {
-                    "yes (source NATed to the node)"
-                } else {
-                    "no (client address kept)"
-                }
-            );
+        let dp = DataplaneConfig {
+            table: args.nft.nft_table.clone(),
+            masquerade_bit: cluster.config.masquerade_bit,
+            ..Default::default()
+        };
+        let k = kernel_trace::kernel_trace(&plan, &dp, &pkt, &locals, t)?;
+        if !print_structured(&k, args.output)? {
+            print_plan(&k.plan);
+            kernel_trace::print(&k);
         }
-        println!("reason:     {}", t.reason);
+        let differs = !k.agrees || !k.differs.is_empty();
+        return Ok(if strict_failed || differs {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        });
+    }
+    if !print_structured(&t, args.output)? {
+        print_plan(&t);
     }
     Ok(if strict_failed {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The plan's fate as sentences (`-o table`).
+fn print_plan(t: &Trace) {
+    let verdict = match t.verdict {
+        TraceVerdict::Dnat => "DNAT",
+        TraceVerdict::Drop => "DROP",
+        TraceVerdict::Reject => "REJECT",
+        TraceVerdict::None => "NONE",
+    };
+    println!("verdict:    {verdict}");
+    if t.verdict == TraceVerdict::Dnat {
+        let eps: Vec<String> = t.endpoints.iter().map(ToString::to_string).collect();
+        println!(
+            "endpoints:  {} (one chosen at random per connection)",
+            eps.join(", ")
+        );
+        println!(
+            "masquerade: {}",
+            if t.masquerade {
+                "yes (source NATed to the node)"
+            } else {
+                "no (client address kept)"
+            }
+        );
+    }
+    println!("reason:     {}", t.reason);
 }

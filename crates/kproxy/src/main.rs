@@ -13,6 +13,7 @@ mod common;
 mod daemon;
 mod fdlimit;
 mod kernel_limits;
+mod kernel_trace;
 mod kernel_watch;
 mod metrics;
 mod pacing;

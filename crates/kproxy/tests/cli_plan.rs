@@ -478,3 +478,156 @@ fn sync_dry_run_shows_the_adoption_delta_when_the_tables_exist() {
     assert!(!out.contains("delete table"), "{out}");
     assert_eq!(ruleset(), before, "--dry-run changed the kernel");
 }
+
+/// `trace --kernel` on a node's namespace: agrees with the plan after `sync --once`;
+/// after `nft delete element` of the row the packet uses, the kernel's fate differs,
+/// the element is named and the exit code is 1. Without kproxy's tables, or without
+/// CAP_NET_ADMIN, a clear error. Root: a namespace of its own.
+#[test]
+fn trace_kernel_agrees_then_names_a_deleted_element() {
+    if !common::can_run() {
+        return;
+    }
+    let ns = common::Netns::new("ktrace");
+    let in_ns = |prefix: &[&str], args: &[&str]| {
+        let mut full = vec!["ip", "netns", "exec", &ns.0];
+        full.extend_from_slice(prefix);
+        full.push(env!("CARGO_BIN_EXE_kproxy"));
+        full.extend_from_slice(args);
+        kproxy_at(&full)
+    };
+    // `trace --kernel` of a packet from `src` to `dst`, port 80, run behind `prefix` in
+    // the namespace.
+    let trace_to = |prefix: &[&str], src: &str, dst: &str, extra: &[&str]| {
+        let mut args = vec![
+            "trace",
+            "--kernel",
+            "--manifests",
+            "examples/cluster",
+            "--node",
+            "node-a",
+            "--src",
+            src,
+            "--dst",
+            dst,
+            "--dport",
+            "80",
+        ];
+        args.extend_from_slice(extra);
+        in_ns(prefix, &args)
+    };
+    let trace = |extra: &[&str]| trace_to(&[], "198.51.100.7", "10.96.0.10", extra);
+    let (code, _, err) = trace(&[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("no kproxy tables (ip kproxy, ip6 kproxy) in this network namespace: is kproxy running here?"),
+        "{err}"
+    );
+    // Tables of that name that kproxy did not make: named, not evaluated.
+    ns.exec(&["nft", "add table ip kproxy { comment \"someone else's\"; }"]);
+    let (code, out, err) = trace(&[]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("kernel (ip kproxy): cannot be evaluated: comment Some(\"someone else's\")")
+            && out.contains("differs:    table ip kproxy: comment Some(\"someone else's\")"),
+        "{out}{err}"
+    );
+    ns.exec(&["nft", "delete table ip kproxy"]);
+    let (code, _, err) = in_ns(
+        &[],
+        &[
+            "sync",
+            "--once",
+            "--manifests",
+            "examples/cluster",
+            "--node",
+            "node-a",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = trace(&["-o", "json"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let v: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["agrees"], true, "{out}");
+    assert_eq!(v["kernel"]["outcomes"][0]["fate"], "DNAT", "{out}");
+    assert_eq!(
+        v["kernel"]["outcomes"][0]["endpoint"], v["plan"]["endpoints"][0],
+        "{out}"
+    );
+    let ep = v["plan"]["endpoints"][0]
+        .as_str()
+        .expect("an endpoint")
+        .to_string();
+    let (ip, port) = ep.rsplit_once(':').expect("ip:port");
+    // shop/web's one Cluster-policy endpoint: the dispatch map of one row.
+    ns.exec(&[
+        "nft",
+        "delete element ip kproxy dnat-c-1 { 10.96.0.10 . tcp . 80 . 0 }",
+    ]);
+    let (code, out, err) = trace(&[]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("NONE (kproxy leaves it untouched)"), "{out}");
+    assert!(
+        out.contains("NO: the kernel's fate differs from the plan's"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "map dnat-c-1: element 10.96.0.10 . tcp . 80 . 0 : {ip} . {port} is in the plan, not in the kernel"
+        )),
+        "{out}"
+    );
+    // Without CAP_NET_ADMIN.
+    let (code, _, err) = trace_to(
+        &["setpriv", "--bounding-set=-net_admin"],
+        "198.51.100.7",
+        "10.96.0.10",
+        &[],
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("needs CAP_NET_ADMIN"), "{err}");
+    // A connection has one family.
+    let (code, _, err) = trace_to(&[], "198.51.100.7", "fd00::10", &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("different IP families"), "{err}");
+    // A family whose table is absent.
+    ns.exec(&["nft", "delete table ip6 kproxy"]);
+    let (code, _, err) = trace_to(&[], "fd00:198::7", "fd00::10", &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("table ip6 kproxy is absent in this network namespace while kproxy's other table exists: fd00::10 is of no family kproxy programs here"),
+        "{err}"
+    );
+}
+
+/// `kubectl kproxy trace --kernel` cannot read a node's kernel from a workstation: it
+/// refuses before reading anything, with the command that answers in kproxy's pod on
+/// that node.
+#[test]
+fn trace_kernel_as_the_kubectl_plugin_names_the_command_on_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = dir.path().join("kubectl-kproxy");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_kproxy"), &plugin).unwrap();
+    let plugin = plugin.to_str().unwrap();
+    let (code, out, err) = kproxy_at(&[
+        plugin,
+        "trace",
+        "--kernel",
+        "--node",
+        "node-b",
+        "--src",
+        "198.51.100.7",
+        "--dst",
+        "203.0.113.10",
+        "--dport",
+        "80",
+        "--proto",
+        "udp",
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains("cannot read node node-b's kernel"), "{err}");
+    assert!(
+        err.contains("--field-selector spec.nodeName=node-b -o name)\" -- kproxy trace --kernel --config /var/lib/kproxy/config.yaml --src 198.51.100.7 --dst 203.0.113.10 --dport 80 --proto UDP"),
+        "{err}"
+    );
+}

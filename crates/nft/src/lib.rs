@@ -8,8 +8,9 @@
 //! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), [`model`]
 //! (the typed nftables model, `diff(old, new) → Transaction`, the transaction's nft
 //! text), [`record`] (the record that moves by the changed Services and yields each
-//! sync's transaction) and [`conntrack::UdpFrontends`] (the cleanup's decision, moved
-//! with the record). Imperative shell: [`Dataplane`] ([`dataplane`]), which sends each
+//! sync's transaction), [`conntrack::UdpFrontends`] (the cleanup's decision, moved
+//! with the record) and [`evaluate`] (a packet's fate under a table, for `kproxy trace
+//! --kernel`). Imperative shell: [`Dataplane`] ([`dataplane`]), which sends each
 //! sync's transaction as `nft -f` text ([`nft`]) or, when it only changes elements, as
 //! an nfnetlink batch ([`netlink`]); reads kproxy's tables back over nfnetlink
 //! ([`dump`], [`readback`]); and talks ctnetlink ([`conntrack`]), always in the calling
@@ -22,6 +23,7 @@ pub mod conntrack;
 pub mod dataplane;
 pub mod dump;
 pub mod error;
+pub mod evaluate;
 pub mod first_sync;
 pub mod limits;
 pub mod model;

@@ -212,6 +212,17 @@ pub(crate) fn compare_named(
     Ok((compared, named))
 }
 
+/// One family's kproxy table as the kernel holds it, in the terms of `desired` (the
+/// plan's table of that family): read and adopted exactly as adoption does
+/// (`kproxy trace --kernel`). `Ok(None)` when the table does not exist; the inner
+/// error when the kernel holds what adoption cannot account for.
+pub fn kernel_table(
+    desired: &model::Table,
+) -> Result<Option<Result<model::Table, AdoptError>>, NftError> {
+    let raw = dump::read_table(desired.family.nft(), &desired.name)?;
+    Ok(raw.map(|raw| dump::adopt(&raw, desired)))
+}
+
 // ---- Elements, set by set.
 
 /// The element operations that move the kernel's sets (`raw`) to the record's: per set

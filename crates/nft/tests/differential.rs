@@ -21,7 +21,8 @@ mod common;
 use std::sync::Arc;
 
 use common::cases::{
-    Case, Svc, case, config, env_count, manifests, probe_and_judge, seeded_rng, state,
+    Case, Svc, case, config, env_count, failure, manifests, one_service, plain, probe_and_judge,
+    seeded_rng, state,
 };
 use common::fabric::Fabric;
 use kproxy_core::NodePlan;
@@ -79,14 +80,7 @@ fn trace_equals_kernel_on_random_clusters() {
         packets.load(std::sync::atomic::Ordering::Relaxed)
     );
     if let Err(e) = result {
-        let detail = match &e {
-            proptest::test_runner::TestError::Fail(why, c) => format!(
-                "{why}\nminimal state:\n{}\nconfig: {:?}",
-                manifests(c),
-                config(c)
-            ),
-            other => other.to_string(),
-        };
+        let detail = failure(&e);
         panic!("trace and kernel disagree:\n{detail}");
     }
 }
@@ -106,35 +100,6 @@ fn assert_case(c: &Case) {
         fails.join("\n"),
         manifests(c)
     );
-}
-
-fn one_service(s: Svc) -> Case {
-    Case {
-        masquerade_all: false,
-        detector: 0,
-        node_port_cidrs: None,
-        node_lists_secondary: false,
-        service_cidrs: false,
-        ipv4_only: false,
-        services: vec![s],
-    }
-}
-
-fn plain(kind: u8) -> Svc {
-    Svc {
-        kind,
-        v4: true,
-        v6: false,
-        http: true,
-        dns: false,
-        external_ip: false,
-        lb_ip: false,
-        source_ranges: Vec::new(),
-        etp_local: false,
-        itp_local: false,
-        affinity: false,
-        endpoints: Vec::new(),
-    }
 }
 
 /// Seed 16, after the IPv6 reset fix: a NodePort without endpoints and

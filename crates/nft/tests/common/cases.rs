@@ -533,3 +533,47 @@ pub fn seeded_rng(var: &str, default: u64) -> proptest::test_runner::TestRng {
     bytes[..8].copy_from_slice(&seed.to_le_bytes());
     TestRng::from_seed(RngAlgorithm::ChaCha, &bytes)
 }
+
+/// A state of one Service `s`, every other setting off.
+pub fn one_service(s: Svc) -> Case {
+    Case {
+        masquerade_all: false,
+        detector: 0,
+        node_port_cidrs: None,
+        node_lists_secondary: false,
+        service_cidrs: false,
+        ipv4_only: false,
+        services: vec![s],
+    }
+}
+
+/// An IPv4 Service of `kind` with port 80 (TCP) and no endpoints.
+pub fn plain(kind: u8) -> Svc {
+    Svc {
+        kind,
+        v4: true,
+        v6: false,
+        http: true,
+        dns: false,
+        external_ip: false,
+        lb_ip: false,
+        source_ranges: Vec::new(),
+        etp_local: false,
+        itp_local: false,
+        affinity: false,
+        endpoints: Vec::new(),
+    }
+}
+
+/// A failed run of random states, for a panic message: why, and the minimal state as
+/// manifests plus config.
+pub fn failure(e: &proptest::test_runner::TestError<Case>) -> String {
+    match e {
+        proptest::test_runner::TestError::Fail(why, c) => format!(
+            "{why}\nminimal state:\n{}\nconfig: {:?}",
+            manifests(c),
+            config(c)
+        ),
+        other => other.to_string(),
+    }
+}

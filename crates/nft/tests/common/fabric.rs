@@ -199,31 +199,12 @@ impl Fabric {
 
     /// The probe's source address and input interface as `trace` sees them.
     pub fn source(&self, from: From) -> (IpAddr, Option<String>) {
-        match from {
-            From::Pod(i) => {
-                let (name, addr, _, _) = &self.pods[i];
-                let iface = if name == "r" {
-                    "rem0".to_string()
-                } else {
-                    format!("kpv{name}")
-                };
-                (*addr, Some(iface))
-            }
-            From::Node => (ip(NODE_IP), None),
-            From::Client => (ip(CLIENT_IP), Some("ext0".into())),
-        }
+        source(from, false)
     }
 
     /// As `source`, for IPv6 probes.
     pub fn source6(&self, from: From) -> (IpAddr, Option<String>) {
-        match from {
-            From::Pod(i) => {
-                let (_, _, _, addr6) = &self.pods[i];
-                (*addr6, self.source(from).1)
-            }
-            From::Node => (ip(NODE_IP6), None),
-            From::Client => (ip(CLIENT_IP6), Some("ext0".into())),
-        }
+        source(from, true)
     }
 
     fn ns(&self, from: From) -> &Netns {
@@ -393,4 +374,25 @@ fn serve_on(ns: &Netns, name: &str, addr: &'static str) {
             let _ = udp.send_to(format!("{n} {}\n", peer.ip()).as_bytes(), peer);
         }
     });
+}
+
+/// A probe's source address (of IPv6 when `v6`) and input interface as `trace` sees
+/// them: the fabric's pods, node and client, without a fabric.
+pub fn source(from: From, v6: bool) -> (IpAddr, Option<String>) {
+    match from {
+        From::Pod(i) => {
+            let (name, addr) = PODS[i];
+            let iface = if name == "r" {
+                "rem0".to_string()
+            } else {
+                format!("kpv{name}")
+            };
+            (ip(if v6 { PODS6[i].1 } else { addr }), Some(iface))
+        }
+        From::Node => (ip(if v6 { NODE_IP6 } else { NODE_IP }), None),
+        From::Client => (
+            ip(if v6 { CLIENT_IP6 } else { CLIENT_IP }),
+            Some("ext0".into()),
+        ),
+    }
 }

@@ -1,0 +1,287 @@
+//! `kproxy trace --kernel` held to `kproxy trace` on the differential test's random
+//! cluster states (crates/nft/tests/differential.rs, whose packets go through real
+//! rules): the evaluator (`kproxy_nft::evaluate`) run on the desired tables, and on
+//! the tables the real dataplane programmed into a network namespace, read back and
+//! adopted as `trace --kernel` reads them, gives `trace`'s fate for every probe of
+//! every state; and an element deleted from the kernel changes the kernel's fate and
+//! is named.
+//!
+//! Cases: `KPROXY_DIFF_CASES` (default 32), seed `KPROXY_DIFF_SEED`, as the
+//! differential test.
+
+mod common;
+
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+
+use common::cases::{
+    Case, Svc, case, config, env_count, failure, host_addresses, manifests, one_service, plain,
+    probes, seeded_rng, state,
+};
+use common::fabric::source;
+use common::{Netns, ip};
+use kproxy_core::model::IpFamily;
+use kproxy_core::trace::{Packet, trace};
+use kproxy_core::{NodePlan, PlanConfig};
+use kproxy_nft::evaluate::{Evaluation, divergence, evaluate};
+use kproxy_nft::readback::kernel_table;
+use kproxy_nft::{Dataplane, DataplaneConfig, Table, desired};
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+fn require_root() -> bool {
+    kproxy_test_support::root("network namespaces, nftables")
+}
+
+/// The plans of a case: the kernel's as `kproxy sync --once` makes it (node addresses
+/// from the Node object), trace's as `kproxy trace --node-addresses <every host
+/// address>` makes it (as the differential test).
+fn plans(c: &Case) -> Result<(NodePlan, NodePlan), String> {
+    let st = state(&manifests(c))?;
+    let kernel = kproxy_core::plan(&st, "node-a", &config(c));
+    let traced = kproxy_core::plan(
+        &st,
+        "node-a",
+        &PlanConfig {
+            node_ips: host_addresses(),
+            ..config(c)
+        },
+    );
+    Ok((kernel, traced))
+}
+
+/// Every probe of the differential test, as a packet.
+fn packets(c: &Case) -> Vec<Packet> {
+    probes(c)
+        .into_iter()
+        .map(|(from, dst, dport, proto)| {
+            let (src, in_interface) = source(from, dst.is_ipv6());
+            Packet {
+                src,
+                dst,
+                dport,
+                proto,
+                in_interface,
+            }
+        })
+        .collect()
+}
+
+fn family_index(ip: &IpAddr) -> usize {
+    usize::from(IpFamily::of(ip) == IpFamily::IPv6)
+}
+
+/// The probes whose evaluation under `tables` (IPv4, IPv6) is not trace's fate.
+fn disagreements(c: &Case, plan: &NodePlan, tables: &[Table; 2]) -> Vec<String> {
+    let locals = host_addresses();
+    let mut out = Vec::new();
+    for p in packets(c) {
+        let t = trace(plan, &p, &locals);
+        let ev = evaluate(&tables[family_index(&p.dst)], &p, &locals);
+        if !ev.agrees_with(&t) {
+            out.push(format!(
+                "{} -> {}:{}/{} via {:?}: trace {:?} {:?} masq={} ({}); table {:?}",
+                p.src,
+                p.dst,
+                p.dport,
+                p.proto,
+                p.in_interface,
+                t.verdict,
+                t.endpoints,
+                t.masquerade,
+                t.reason,
+                ev.outcomes
+            ));
+        }
+    }
+    out
+}
+
+fn runner(cases: u32) -> TestRunner {
+    TestRunner::new_with_rng(
+        Config {
+            cases,
+            max_shrink_iters: 100,
+            failure_persistence: None,
+            ..Config::default()
+        },
+        seeded_rng("KPROXY_DIFF_SEED", 16),
+    )
+}
+
+fn run(runner: &mut TestRunner, check: impl Fn(&Case) -> Result<(), String>) {
+    let result = runner.run(&case(), |c| check(&c).map_err(TestCaseError::fail));
+    if let Err(e) = result {
+        let detail = failure(&e);
+        panic!("the evaluator and trace disagree:\n{detail}");
+    }
+}
+
+/// Pure: the desired tables of each random state evaluate to trace's fate.
+#[test]
+fn desired_tables_evaluate_as_trace_on_random_clusters() {
+    let mut r = runner(env_count("KPROXY_DIFF_CASES", 32) * 4);
+    run(&mut r, |c| {
+        let (_, plan) = plans(c)?;
+        let tables = desired(&plan, &DataplaneConfig::default());
+        let bad = disagreements(c, &plan, &tables);
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(bad.join("\n"))
+        }
+    });
+}
+
+/// A namespace holding kproxy's tables, programmed by the real dataplane.
+struct Node {
+    ns: Netns,
+    dp: Arc<Mutex<Dataplane>>,
+}
+
+impl Node {
+    fn new(tag: &str) -> Node {
+        Node {
+            ns: Netns::new(tag),
+            dp: Arc::new(Mutex::new(
+                Dataplane::new(DataplaneConfig::default()).expect("config"),
+            )),
+        }
+    }
+
+    fn sync(&self, plan: &NodePlan) {
+        let (dp, plan) = (self.dp.clone(), plan.clone());
+        self.ns.run(move || {
+            dp.lock()
+                .expect("dp")
+                .sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
+                .expect("sync")
+        });
+    }
+
+    /// kproxy's tables as `trace --kernel` reads them for `plan`: read back and
+    /// adopted in the terms of `plan`'s tables; with those desired tables.
+    fn kernel(&self, plan: &NodePlan) -> Result<([Table; 2], [Table; 2]), String> {
+        let want = desired(plan, &DataplaneConfig::default());
+        let w = want.clone();
+        let got = self.ns.run(move || {
+            w.map(|d| match kernel_table(&d) {
+                Ok(Some(Ok(t))) => Ok(t),
+                Ok(Some(Err(e))) => Err(format!("not adoptable: {e}")),
+                Ok(None) => Err(format!("table {} absent", d.family.nft())),
+                Err(e) => Err(format!("reading: {e}")),
+            })
+        });
+        let [a, b] = got;
+        Ok(([a?, b?], want))
+    }
+}
+
+/// Root: the tables the dataplane programmed for each random state, read back, give
+/// trace's fate for every probe, and differ from the plan in nothing a probe touches.
+#[test]
+fn kernel_trace_equals_trace_on_random_clusters() {
+    if !require_root() {
+        return;
+    }
+    let node = Node::new("ktrace");
+    let mut r = runner(env_count("KPROXY_DIFF_CASES", 32));
+    run(&mut r, |c| {
+        let (kernel_plan, plan) = plans(c)?;
+        node.sync(&kernel_plan);
+        let (kernel, want) = node.kernel(&plan)?;
+        let mut bad = disagreements(c, &plan, &kernel);
+        let locals = host_addresses();
+        for p in packets(c) {
+            let i = family_index(&p.dst);
+            let ev = evaluate(&kernel[i], &p, &locals);
+            let named = divergence(&kernel[i], &want[i], &ev.touched).map_err(|e| e.to_string())?;
+            if !named.is_empty() {
+                bad.push(format!(
+                    "{} -> {}:{}: differs: {named:?}",
+                    p.src, p.dst, p.dport
+                ));
+            }
+        }
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(bad.join("\n"))
+        }
+    });
+}
+
+fn fates(ev: &Evaluation) -> Vec<String> {
+    ev.outcomes
+        .iter()
+        .map(|o| {
+            format!(
+                "{} {:?} {:?}",
+                o.share,
+                o.fate,
+                o.endpoint.map(|e| e.to_string())
+            )
+        })
+        .collect()
+}
+
+/// Root: an element deleted from the kernel (`nft delete element`) changes the
+/// kernel's fate of the packets that use it, and is what `divergence` names.
+#[test]
+fn a_deleted_element_changes_the_kernel_fate_and_is_named() {
+    if !require_root() {
+        return;
+    }
+    // One ClusterIP Service (10.96.0.10:80) with three ready endpoints.
+    let c = Case {
+        ipv4_only: true,
+        ..one_service(Svc {
+            endpoints: (0..3).map(|pod| (pod, (Some(true), None, None))).collect(),
+            ..plain(0)
+        })
+    };
+    let (kernel_plan, plan) = plans(&c).expect("valid case");
+    let node = Node::new("kdel");
+    node.sync(&kernel_plan);
+    let pkt = Packet {
+        src: ip("198.51.100.2"),
+        dst: ip(&common::cases::v4_cluster_ip(0)),
+        dport: 80,
+        proto: kproxy_core::model::Protocol::TCP,
+        in_interface: Some("ext0".into()),
+    };
+    let locals = host_addresses();
+    let t = trace(&plan, &pkt, &locals);
+    assert_eq!(t.endpoints.len(), 3, "{t:?}");
+    let (kernel, _) = node.kernel(&plan).expect("read back");
+    let before = evaluate(&kernel[0], &pkt, &locals);
+    assert!(before.agrees_with(&t), "{:?}", fates(&before));
+    // The row that picks the second endpoint.
+    let row = format!("{} . tcp . 80 . 1", pkt.dst);
+    node.ns.exec(&format!(
+        "nft delete element ip kproxy dnat-c-3 {{ {row} }}"
+    ));
+    let (kernel, want) = node.kernel(&plan).expect("read back");
+    let after = evaluate(&kernel[0], &pkt, &locals);
+    assert!(!after.agrees_with(&t), "{:?}", fates(&after));
+    let dropped = t.endpoints[1];
+    assert!(
+        after.outcomes.iter().all(|o| o.endpoint != Some(dropped)),
+        "{:?}",
+        fates(&after)
+    );
+    assert!(
+        fates(&after).iter().any(|f| f.starts_with("1/3 None")),
+        "a third of new connections find no row: {:?}",
+        fates(&after)
+    );
+    let mut touched = after.touched.clone();
+    touched.extend(evaluate(&want[0], &pkt, &locals).touched);
+    let named = divergence(&kernel[0], &want[0], &touched).expect("diff");
+    let ep = format!("{} . {}", dropped.ip, dropped.port);
+    assert_eq!(
+        named,
+        [format!(
+            "map dnat-c-3: element {row} : {ep} is in the plan, not in the kernel"
+        )]
+    );
+}
