@@ -406,20 +406,19 @@ async fn run_async(
                 rec.clone(),
             )
             .await?;
-            let source = Source::Real {
-                lab,
-                cp: Box::new(cp),
-            };
             for n in &fabric.nodes {
-                kube_proxies.push(Some(source.start_kube_proxy(n, mode, &workdir, 1)?));
+                kube_proxies.push(Some(OnNode::Real(KubeProxy::start(
+                    &lab, n, mode, &workdir, 1,
+                )?)));
             }
-            let Source::Real { cp, .. } = &source else {
-                unreachable!("just built")
-            };
             let api: Arc<dyn crate::cluster::PodApi> = cp.writer.clone();
             let cluster = Cluster::new(fabric.clone(), api, rec.clone(), cfg.pod, cfg.deployment);
             cp.start_agent(cluster.clone(), rec.clone());
             cp.rollout(&cluster, &clock, 1, limit).await?;
+            let source = Source::Real {
+                lab,
+                cp: Box::new(cp),
+            };
             (source, cluster)
         }
         None => {
