@@ -179,10 +179,11 @@ fn kube_proxy_programmed(node: &NodeNet, mode: &str) -> bool {
 
 /// What of kube-proxy's is on this node: its nftables tables (`ip`/`ip6 kube-proxy`)
 /// and the iptables chains upstream's cleanup removes (IPv4 and IPv6, iptables-nft,
-/// the lab's iptables), named `FAMILY TABLE/CHAIN`.
-fn kube_proxy_objects(node: &NodeNet) -> Vec<String> {
+/// the lab's iptables), named `FAMILY TABLE/CHAIN`. An error when a listing fails: an
+/// unreadable node is not a clean one.
+fn kube_proxy_objects(node: &NodeNet) -> Result<Vec<String>, LabError> {
     use kproxy_core::takeover::{XtBackend, is_kube_proxy_chain, parse_iptables_save};
-    let mut left: Vec<String> = nft_tables(node)
+    let mut left: Vec<String> = nft_tables(node)?
         .into_iter()
         .filter(|t| t == "ip kube-proxy" || t == "ip6 kube-proxy")
         .collect();
@@ -190,8 +191,10 @@ fn kube_proxy_objects(node: &NodeNet) -> Vec<String> {
         (kproxy_core::model::IpFamily::IPv4, "iptables-save"),
         (kproxy_core::model::IpFamily::IPv6, "ip6tables-save"),
     ] {
-        let text = in_ns(node, &[cmd]);
-        for t in parse_iptables_save(XtBackend::Nft, family, &text).unwrap_or_default() {
+        let text = node.ns.exec(cmd, &[])?;
+        let tables = parse_iptables_save(XtBackend::Nft, family, &text)
+            .map_err(|e| LabError::Invalid(format!("{cmd} in {}: {e}", node.name)))?;
+        for t in tables {
             left.extend(
                 t.chains
                     .iter()
@@ -200,25 +203,32 @@ fn kube_proxy_objects(node: &NodeNet) -> Vec<String> {
             );
         }
     }
-    left
+    Ok(left)
+}
+
+/// What a phase reports as left on its node: the objects, or why they are unknown.
+fn left_or_error(listed: Result<Vec<String>, LabError>) -> Vec<String> {
+    listed.unwrap_or_else(|e| vec![format!("(could not list: {e})")])
 }
 
 /// kproxy's nftables tables on this node (`FAMILY NAME`).
-fn kproxy_tables(node: &NodeNet) -> Vec<String> {
-    nft_tables(node)
+fn kproxy_tables(node: &NodeNet) -> Result<Vec<String>, LabError> {
+    Ok(nft_tables(node)?
         .into_iter()
         .filter(|t| {
             t.split_once(' ')
                 .is_some_and(|(_, n)| n.starts_with("kproxy"))
         })
-        .collect()
+        .collect())
 }
 
-fn nft_tables(node: &NodeNet) -> Vec<String> {
-    kproxy_core::takeover::parse_nft_tables(&in_ns(node, &["nft", "list", "tables"]))
-        .into_iter()
-        .map(|t| format!("{} {}", t.family, t.name))
-        .collect()
+fn nft_tables(node: &NodeNet) -> Result<Vec<String>, LabError> {
+    Ok(
+        kproxy_core::takeover::parse_nft_tables(&node.ns.exec("nft", &["list", "tables"])?)
+            .into_iter()
+            .map(|t| format!("{} {}", t.family, t.name))
+            .collect(),
+    )
 }
 
 /// What to run: kube-proxy's mode, where kube-proxy comes from, and whether to go back.
@@ -532,7 +542,10 @@ async fn run_async(
                 Duration::from_secs(60),
                 &lb,
                 &mut pool,
-                || crate::kproxyd::synced_after(&log, wall) && kube_proxy_objects(node).is_empty(),
+                || {
+                    crate::kproxyd::synced_after(&log, wall)
+                        && kube_proxy_objects(node).is_ok_and(|l| l.is_empty())
+                },
             )
             .await?;
             hold_for(hold, &lb, &mut pool).await;
@@ -542,7 +555,7 @@ async fn run_async(
                 start,
                 clock.now_ms(),
                 pool,
-                kube_proxy_objects(node),
+                left_or_error(kube_proxy_objects(node)),
             );
         }
         if back {
@@ -589,7 +602,7 @@ async fn run_async(
                     start,
                     clock.now_ms(),
                     pool,
-                    kproxy_tables(node),
+                    left_or_error(kproxy_tables(node)),
                 );
             }
         }
