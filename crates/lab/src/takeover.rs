@@ -261,9 +261,8 @@ pub fn run(
     }
     if opts.recorded && cfg.nodes != recorded::RECORDED_NODES {
         return Err(LabError::Invalid(format!(
-            "--recorded replays kube-proxy's rules of the {} -node lab cluster: --nodes must be {}",
-            recorded::RECORDED_NODES,
-            recorded::RECORDED_NODES
+            "--recorded replays kube-proxy's rules of the {n}-node lab cluster: --nodes must be {n}",
+            n = recorded::RECORDED_NODES
         )));
     }
     let rt = crate::scenario::lab_runtime()?;
@@ -379,7 +378,11 @@ async fn run_async(
     let lab = if opts.recorded {
         None
     } else {
-        let lab = K8sLab::from_env()?;
+        let lab = K8sLab::from_env().map_err(|e| {
+            LabError::Invalid(format!(
+                "{e}; or --recorded: kube-proxy's recorded rules, no K8S_LAB"
+            ))
+        })?;
         if !lab.dir.join("bin/kube-proxy").exists() {
             return Err(LabError::Invalid(format!(
                 "{}: no bin/kube-proxy",
