@@ -370,15 +370,8 @@ fn load_kube_proxy(node: &Netns, mode: &str) {
                 ("ip6tables-restore", "ip6tables.save"),
             ] {
                 let text = std::fs::read_to_string(format!("{FIXTURES}/{file}")).unwrap();
-                // kube-proxy's two `-m nfacct` matches count packets and always match;
-                // their accounting objects are made by kube-proxy over netlink, which no
-                // packaged tool here does: the matches are left out.
-                let text = text
-                    .replace(" -m nfacct --nfacct-name  localhost_nps_accepted_pkts", "")
-                    .replace(
-                        " -m nfacct --nfacct-name  ct_state_invalid_dropped_pkts",
-                        "",
-                    );
+                // Without kube-proxy's `-m nfacct` matches (the helper says why).
+                let text = kproxy_lab::takeover::recorded::without_nfacct(&text);
                 restore(node, cmd, &text);
             }
         }

@@ -32,7 +32,8 @@ pub enum LabCommand {
     Restart(Box<RestartArgs>),
     /// Node by node, upstream kube-proxy stops and kproxy takes over under load through
     /// an eTP=Local LB and a cluster IP, and with --back the reverse; real control plane
-    /// and kube-proxy from K8S_LAB (root; docs/migrate.md).
+    /// and kube-proxy from K8S_LAB, or with --recorded kube-proxy's recorded rules on the
+    /// emulated control plane (root; docs/migrate.md).
     Takeover(Box<TakeoverArgs>),
     /// Remove lab namespaces (and their processes) left behind by killed runs (root).
     Sweep,
@@ -65,6 +66,15 @@ pub struct TakeoverArgs {
     /// After the takeover, go back to kube-proxy node by node.
     #[arg(long)]
     pub back: bool,
+    /// kube-proxy as recorded from real kube-proxy v1.36.2 for this cluster
+    /// (crates/lab/fixtures/kube-proxy): its rules loaded into each node, its health
+    /// servers replayed; the emulated control plane, no K8S_LAB. 3 nodes.
+    #[arg(long)]
+    pub recorded: bool,
+    /// Real kube-proxy: write each node's rules and health answers into DIR/MODE/
+    /// once every node is healthy, before the first takeover (what --recorded loads).
+    #[arg(long, value_name = "DIR", conflicts_with = "recorded")]
+    pub record_rules: Option<PathBuf>,
     /// Nodes in the lab cluster (one pod each).
     #[arg(long, default_value_t = 3)]
     pub nodes: usize,
@@ -431,9 +441,13 @@ fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
     let report = crate::takeover::run(
         &cfg,
         &kproxy,
-        &a.from,
-        a.back,
-        std::time::Duration::from_secs_f64(a.hold_seconds),
+        &crate::takeover::TakeoverOptions {
+            mode: a.from.clone(),
+            back: a.back,
+            hold: std::time::Duration::from_secs_f64(a.hold_seconds),
+            recorded: a.recorded,
+            record_rules: a.record_rules.clone(),
+        },
         &progress,
     )?;
     match a.output {

@@ -8,9 +8,15 @@
 //! stops, kube-proxy starts, `kproxy cleanup --after-kube-proxy-synced` removes
 //! kproxy's tables. Failures are counted per phase (a request counts in the phase it
 //! started in), with the fewest nodes the load balancer had in its pool.
+//!
+//! With `--recorded` kube-proxy is not a process but its recording ([`recorded`]): the
+//! lab's emulated control plane (no K8S_LAB), each node's rules as real kube-proxy
+//! v1.36.2 wrote them for this cluster loaded before kproxy starts, its health servers
+//! replayed by a stand-in that "stops" when kube-proxy would. The same phases run;
+//! CI runs this mode (crates/kproxy/tests/lab_takeover.rs).
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -20,13 +26,15 @@ use serde::Serialize;
 use crate::LabError;
 use crate::cluster::Cluster;
 use crate::config::RolloutConfig;
-use crate::controlplane;
+use crate::controlplane::{self, ControlPlane, Objects};
 use crate::fabric::{Fabric, NodeNet};
 use crate::k8s::{K8sLab, RealControlPlane};
 use crate::kproxyd::{KproxySource, Kproxyd};
 use crate::lb::LoadBalancer;
 use crate::restart::{Counts, Disturbance, Phase, Via, tally};
 use crate::timeline::{Clock, Recorder};
+
+pub mod recorded;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct TakeoverPhase {
@@ -35,11 +43,17 @@ pub struct TakeoverPhase {
     pub min_pool: usize,
     pub by_path: BTreeMap<Via, Counts>,
     pub failed_by_kind: BTreeMap<String, usize>,
+    /// At the phase's end, on the phase's node: what of kube-proxy's is left after a
+    /// takeover (`ip kube-proxy`, `IPv4 nat/KUBE-SERVICES`, ...), what of kproxy's after
+    /// the way back (`ip kproxy`, ...). Empty when the handover is complete.
+    pub left: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct TakeoverReport {
     pub from: String,
+    /// `real` (the process, on k8s-lab) or `recorded`.
+    pub kube_proxy: String,
     pub nodes: usize,
     pub phases: Vec<TakeoverPhase>,
     pub failures: usize,
@@ -47,13 +61,13 @@ pub struct TakeoverReport {
 
 pub fn render_text(r: &TakeoverReport) -> String {
     let mut s = format!(
-        "takeover from kube-proxy ({} mode), {} nodes\n| phase | path | new conns | failed | keep-alive reqs | established broken | other failed | fewest nodes in LB pool |\n|---|---|---|---|---|---|---|---|\n",
-        r.from, r.nodes
+        "takeover from kube-proxy ({} mode, {}), {} nodes\n| phase | path | new conns | failed | keep-alive reqs | established broken | other failed | fewest nodes in LB pool | left on the node |\n|---|---|---|---|---|---|---|---|---|\n",
+        r.from, r.kube_proxy, r.nodes
     );
     for p in &r.phases {
         for (path, c) in &p.by_path {
             s.push_str(&format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 p.name,
                 path.as_str(),
                 c.new_sent,
@@ -61,7 +75,12 @@ pub fn render_text(r: &TakeoverReport) -> String {
                 c.keepalive_sent,
                 c.established_broken,
                 c.keepalive_other_failed,
-                p.min_pool
+                p.min_pool,
+                if p.left.is_empty() {
+                    "-".to_string()
+                } else {
+                    p.left.join(", ")
+                }
             ));
         }
     }
@@ -158,29 +177,96 @@ fn kube_proxy_programmed(node: &NodeNet, mode: &str) -> bool {
     }
 }
 
-/// Nothing of kube-proxy's on this node any more.
-fn kube_proxy_gone(node: &NodeNet) -> bool {
-    let tables = in_ns(node, &["nft", "list", "tables"]);
-    let nat = in_ns(node, &["iptables-save"]);
-    !tables
-        .lines()
-        .any(|l| l.trim() == "table ip kube-proxy" || l.trim() == "table ip6 kube-proxy")
-        && !nat
-            .lines()
-            .any(|l| l.starts_with(":KUBE-SERVICES") || l.starts_with(":KUBE-PROXY-CANARY"))
+/// What of kube-proxy's is on this node: its nftables tables (`ip`/`ip6 kube-proxy`)
+/// and the iptables chains upstream's cleanup removes (IPv4 and IPv6, iptables-nft,
+/// the lab's iptables), named `FAMILY TABLE/CHAIN`. An error when a listing fails: an
+/// unreadable node is not a clean one.
+fn kube_proxy_objects(node: &NodeNet) -> Result<Vec<String>, LabError> {
+    use kproxy_core::takeover::{XtBackend, is_kube_proxy_chain, parse_iptables_save};
+    let mut left: Vec<String> = nft_tables(node)?
+        .into_iter()
+        .filter(|t| t == "ip kube-proxy" || t == "ip6 kube-proxy")
+        .collect();
+    for (family, cmd) in [
+        (kproxy_core::model::IpFamily::IPv4, "iptables-save"),
+        (kproxy_core::model::IpFamily::IPv6, "ip6tables-save"),
+    ] {
+        let text = node.ns.exec(cmd, &[])?;
+        let tables = parse_iptables_save(XtBackend::Nft, family, &text)
+            .map_err(|e| LabError::Invalid(format!("{cmd} in {}: {e}", node.name)))?;
+        for t in tables {
+            left.extend(
+                t.chains
+                    .iter()
+                    .filter(|c| is_kube_proxy_chain(&t.name, c))
+                    .map(|c| format!("{} {}/{c}", family.as_str(), t.name)),
+            );
+        }
+    }
+    Ok(left)
+}
+
+/// What a phase reports as left on its node: the objects, or why they are unknown.
+fn left_or_error(listed: Result<Vec<String>, LabError>) -> Vec<String> {
+    listed.unwrap_or_else(|e| vec![format!("(could not list: {e})")])
+}
+
+/// kproxy's nftables tables on this node (`FAMILY NAME`).
+fn kproxy_tables(node: &NodeNet) -> Result<Vec<String>, LabError> {
+    Ok(nft_tables(node)?
+        .into_iter()
+        .filter(|t| {
+            t.split_once(' ')
+                .is_some_and(|(_, n)| n.starts_with("kproxy"))
+        })
+        .collect())
+}
+
+fn nft_tables(node: &NodeNet) -> Result<Vec<String>, LabError> {
+    Ok(
+        kproxy_core::takeover::parse_nft_tables(&node.ns.exec("nft", &["list", "tables"])?)
+            .into_iter()
+            .map(|t| format!("{} {}", t.family, t.name))
+            .collect(),
+    )
+}
+
+/// What to run: kube-proxy's mode, where kube-proxy comes from, and whether to go back.
+#[derive(Clone, Debug)]
+pub struct TakeoverOptions {
+    /// `nftables` or `iptables`.
+    pub mode: String,
+    pub back: bool,
+    /// Load after each node's change, before the next.
+    pub hold: Duration,
+    /// kube-proxy as recorded (the emulated control plane, no K8S_LAB) instead of real
+    /// kube-proxy on the k8s-lab control plane.
+    pub recorded: bool,
+    /// Real mode: write each node's rules and health answers here before the first
+    /// takeover (`DIR/MODE/NODE.*`, what the recorded mode loads).
+    pub record_rules: Option<PathBuf>,
 }
 
 pub fn run(
     cfg: &RolloutConfig,
     kproxy: &Path,
-    mode: &str,
-    back: bool,
-    hold: Duration,
+    opts: &TakeoverOptions,
     progress: crate::scenario::Progress,
 ) -> Result<TakeoverReport, LabError> {
     cfg.validate()?;
+    if opts.recorded && opts.record_rules.is_some() {
+        return Err(LabError::Invalid(
+            "--record-rules records real kube-proxy: not with --recorded".into(),
+        ));
+    }
+    if opts.recorded && cfg.nodes != recorded::RECORDED_NODES {
+        return Err(LabError::Invalid(format!(
+            "--recorded replays kube-proxy's rules of the {n}-node lab cluster: --nodes must be {n}",
+            n = recorded::RECORDED_NODES
+        )));
+    }
     let rt = crate::scenario::lab_runtime()?;
-    let result = rt.block_on(run_async(cfg, kproxy, mode, back, hold, progress));
+    let result = rt.block_on(run_async(cfg, kproxy, opts, progress));
     rt.shutdown_timeout(Duration::from_secs(5));
     result
 }
@@ -216,24 +302,95 @@ async fn hold_for(hold: Duration, lb: &LoadBalancer, min_pool: &mut usize) {
     .await;
 }
 
+/// Where the cluster and kube-proxy come from.
+enum Source {
+    /// k8s-lab's API server and kcm, upstream kube-proxy.
+    Real {
+        lab: K8sLab,
+        cp: Box<RealControlPlane>,
+    },
+    /// The lab's emulated control plane (each node's manifest directory) and kube-proxy
+    /// as recorded.
+    Recorded { dirs: Vec<PathBuf> },
+}
+
+/// kube-proxy on one node: the process, or its recorded health servers (its recorded
+/// rules are in the kernel, where they stay when it stops, as real kube-proxy's do).
+enum OnNode {
+    Real(KubeProxy),
+    Recorded(recorded::HealthStandIn),
+}
+
+impl OnNode {
+    /// SIGTERM, as a DaemonSet's pod deletion does.
+    fn stop(&mut self) {
+        match self {
+            OnNode::Real(k) => k.stop(),
+            OnNode::Recorded(h) => h.stop(),
+        }
+    }
+}
+
+impl Source {
+    /// kube-proxy starts on `node` (the `n`th time there).
+    fn start_kube_proxy(
+        &self,
+        node: &NodeNet,
+        mode: &str,
+        workdir: &Path,
+        n: usize,
+    ) -> Result<OnNode, LabError> {
+        match self {
+            Source::Real { lab, .. } => {
+                Ok(OnNode::Real(KubeProxy::start(lab, node, mode, workdir, n)?))
+            }
+            // Its sync writes its rules; its health servers then answer.
+            Source::Recorded { .. } => {
+                recorded::load(node, mode)?;
+                Ok(OnNode::Recorded(recorded::HealthStandIn::start(
+                    node,
+                    recorded::health_answers(node, mode)?,
+                )?))
+            }
+        }
+    }
+
+    fn kproxy_source<'a>(&'a self, i: usize) -> KproxySource<'a> {
+        match self {
+            Source::Real { lab, .. } => KproxySource::Kubeconfig(&lab.proxy_kubeconfig),
+            Source::Recorded { dirs } => KproxySource::Manifests(&dirs[i]),
+        }
+    }
+}
+
 async fn run_async(
     cfg: &RolloutConfig,
     kproxy: &Path,
-    mode: &str,
-    back: bool,
-    hold: Duration,
+    opts: &TakeoverOptions,
     progress: crate::scenario::Progress<'_>,
 ) -> Result<TakeoverReport, LabError> {
+    let mode = opts.mode.as_str();
+    let hold = opts.hold;
+    let back = opts.back;
     let clock = Clock::new(cfg.time_scale);
     let rec = Recorder::new(clock.clone());
     let hc = cfg.load_balancer.effective_health_check()?;
-    let lab = K8sLab::from_env()?;
-    if !lab.dir.join("bin/kube-proxy").exists() {
-        return Err(LabError::Invalid(format!(
-            "{}: no bin/kube-proxy",
-            lab.dir.display()
-        )));
-    }
+    let lab = if opts.recorded {
+        None
+    } else {
+        let lab = K8sLab::from_env().map_err(|e| {
+            LabError::Invalid(format!(
+                "{e}; or --recorded: kube-proxy's recorded rules, no K8S_LAB"
+            ))
+        })?;
+        if !lab.dir.join("bin/kube-proxy").exists() {
+            return Err(LabError::Invalid(format!(
+                "{}: no bin/kube-proxy",
+                lab.dir.display()
+            )));
+        }
+        Some(lab)
+    };
     let fabric = Arc::new(Fabric::build(cfg.nodes)?);
     let workdir = std::env::temp_dir().join(format!("kproxy-lab-{}", fabric.prefix));
     std::fs::create_dir_all(&workdir).map_err(|e| LabError::Io {
@@ -245,18 +402,62 @@ async fn run_async(
         "network up: {} nodes ({})",
         cfg.nodes, fabric.prefix
     ));
-    let real = RealControlPlane::start(
-        lab.clone(),
-        &fabric,
-        cfg.publish_not_ready_addresses,
-        true,
-        rec.clone(),
-    )
-    .await?;
-    let mut kube_proxies = Vec::new();
-    for n in &fabric.nodes {
-        kube_proxies.push(Some(KubeProxy::start(&lab, n, mode, &workdir, 1)?));
-    }
+    let limit = clock.real(
+        cfg.pod.readiness_probe.initial_delay_seconds
+            + cfg.pod.readiness_probe.period_seconds * 4.0
+            + hc.interval_seconds * (hc.healthy_threshold as f64 + 2.0)
+            + 30.0,
+    ) + Duration::from_secs(30);
+    let mut kube_proxies: Vec<Option<OnNode>> = Vec::new();
+    let (source, cluster) = match lab {
+        Some(lab) => {
+            let cp = RealControlPlane::start(
+                lab.clone(),
+                &fabric,
+                cfg.publish_not_ready_addresses,
+                true,
+                rec.clone(),
+            )
+            .await?;
+            for n in &fabric.nodes {
+                kube_proxies.push(Some(OnNode::Real(KubeProxy::start(
+                    &lab, n, mode, &workdir, 1,
+                )?)));
+            }
+            let api: Arc<dyn crate::cluster::PodApi> = cp.writer.clone();
+            let cluster = Cluster::new(fabric.clone(), api, rec.clone(), cfg.pod, cfg.deployment);
+            cp.start_agent(cluster.clone(), rec.clone());
+            cp.rollout(&cluster, &clock, 1, limit).await?;
+            let source = Source::Real {
+                lab,
+                cp: Box::new(cp),
+            };
+            (source, cluster)
+        }
+        None => {
+            let dirs: Vec<PathBuf> = fabric.nodes.iter().map(|n| workdir.join(&n.name)).collect();
+            let cp = ControlPlane::start(
+                Objects::new(cfg.nodes, cfg.publish_not_ready_addresses, true),
+                dirs.clone(),
+                clock.real(cfg.propagation_delay_seconds),
+                rec.clone(),
+            )?;
+            let cluster = Cluster::new(
+                fabric.clone(),
+                Arc::new(cp),
+                rec.clone(),
+                cfg.pod,
+                cfg.deployment,
+            );
+            cluster.rollout(1, limit).await?;
+            // The recorded rules are kube-proxy's for this state: every pod ready.
+            let source = Source::Recorded { dirs };
+            for n in &fabric.nodes {
+                kube_proxies.push(Some(source.start_kube_proxy(n, mode, &workdir, 1)?));
+            }
+            (source, cluster)
+        }
+    };
     let mut lb = LoadBalancer::start(
         &fabric,
         cfg.load_balancer.mode,
@@ -266,16 +467,6 @@ async fn run_async(
         controlplane::SERVICE_PORT,
         rec.clone(),
     )?;
-    let api: Arc<dyn crate::cluster::PodApi> = real.writer.clone();
-    let cluster = Cluster::new(fabric.clone(), api, rec.clone(), cfg.pod, cfg.deployment);
-    real.start_agent(cluster.clone(), rec.clone());
-    let limit = clock.real(
-        cfg.pod.readiness_probe.initial_delay_seconds
-            + cfg.pod.readiness_probe.period_seconds * 4.0
-            + hc.interval_seconds * (hc.healthy_threshold as f64 + 2.0)
-            + 30.0,
-    ) + Duration::from_secs(30);
-    real.rollout(&cluster, &clock, 1, limit).await?;
     let mut min_pool = usize::MAX;
     wait(
         "the load balancer to see every node healthy (kube-proxy's health-check node ports)",
@@ -285,8 +476,26 @@ async fn run_async(
         || lb.healthy().iter().all(|h| *h),
     )
     .await?;
+    if let (Some(dir), Source::Real { lab, .. }) = (&opts.record_rules, &source) {
+        let version = Command::new(lab.dir.join("bin/kube-proxy"))
+            .arg("--version")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .map_err(|e| LabError::Io {
+                what: "kube-proxy --version".into(),
+                source: e,
+            })?;
+        for n in &fabric.nodes {
+            recorded::capture(n, mode, &version, dir)?;
+        }
+        progress(&format!(
+            "recorded every node's kube-proxy rules and health answers into {}",
+            dir.join(mode).display()
+        ));
+    }
+    let from = if opts.recorded { "recorded" } else { "real" };
     progress(&format!(
-        "kube-proxy ({mode}) on every node, pods ready, pool complete; starting both loads"
+        "kube-proxy ({mode}, {from}) on every node, pods ready, pool complete; starting both loads"
     ));
     let loads = crate::restart::start_both_loads(&fabric, cfg, &clock)?;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -294,10 +503,12 @@ async fn run_async(
     let mut names = Vec::new();
     let mut windows: Vec<Phase> = Vec::new();
     let mut pools = Vec::new();
+    let mut lefts = Vec::new();
     let mut daemons: Vec<Option<Kproxyd>> = fabric.nodes.iter().map(|_| None).collect();
-    let mut phase = |name: String, start_ms: f64, end_ms: f64, pool: usize| {
+    let mut phase = |name: String, start_ms: f64, end_ms: f64, pool: usize, left: Vec<String>| {
         names.push(name);
         pools.push(pool);
+        lefts.push(left);
         windows.push(Phase {
             disturbance: Disturbance::None,
             start_ms,
@@ -316,6 +527,7 @@ async fn run_async(
             start,
             clock.now_ms(),
             pool,
+            Vec::new(),
         );
         for (i, node) in fabric.nodes.iter().enumerate() {
             let start = clock.now_ms();
@@ -324,14 +536,8 @@ async fn run_async(
                 k.stop();
             }
             let wall = SystemTime::now();
-            let d = Kproxyd::start_from(
-                kproxy,
-                node,
-                KproxySource::Kubeconfig(&lab.proxy_kubeconfig),
-                &workdir,
-                true,
-                &[],
-            )?;
+            let d =
+                Kproxyd::start_from(kproxy, node, source.kproxy_source(i), &workdir, true, &[])?;
             let log = d.event_log.clone();
             daemons[i] = Some(d);
             wait(
@@ -339,7 +545,10 @@ async fn run_async(
                 Duration::from_secs(60),
                 &lb,
                 &mut pool,
-                || crate::kproxyd::synced_after(&log, wall) && kube_proxy_gone(node),
+                || {
+                    crate::kproxyd::synced_after(&log, wall)
+                        && kube_proxy_objects(node).is_ok_and(|l| l.is_empty())
+                },
             )
             .await?;
             hold_for(hold, &lb, &mut pool).await;
@@ -349,6 +558,7 @@ async fn run_async(
                 start,
                 clock.now_ms(),
                 pool,
+                left_or_error(kube_proxy_objects(node)),
             );
         }
         if back {
@@ -358,7 +568,7 @@ async fn run_async(
                 if let Some(mut d) = daemons[i].take() {
                     d.stop();
                 }
-                kube_proxies[i] = Some(KubeProxy::start(&lab, node, mode, &workdir, 2)?);
+                kube_proxies[i] = Some(source.start_kube_proxy(node, mode, &workdir, 2)?);
                 wait(
                     &format!("{}: kube-proxy programmed", node.name),
                     Duration::from_secs(60),
@@ -390,7 +600,13 @@ async fn run_async(
                 }
                 hold_for(hold, &lb, &mut pool).await;
                 progress(&format!("{}: back to kube-proxy", node.name));
-                phase(format!("back {}", node.name), start, clock.now_ms(), pool);
+                phase(
+                    format!("back {}", node.name),
+                    start,
+                    clock.now_ms(),
+                    pool,
+                    left_or_error(kproxy_tables(node)),
+                );
             }
         }
         Ok(())
@@ -406,7 +622,9 @@ async fn run_async(
     drop(kube_proxies);
     lb.stop();
     cluster.shutdown().await;
-    if let Err(e) = real.stop().await {
+    if let Source::Real { cp, .. } = &source
+        && let Err(e) = cp.stop().await
+    {
         progress(&format!("cleaning the API server's objects: {e}"));
     }
     result?;
@@ -414,11 +632,13 @@ async fn run_async(
         .into_iter()
         .zip(names)
         .zip(pools)
-        .map(|((w, name), pool)| TakeoverPhase {
+        .zip(lefts)
+        .map(|(((w, name), pool), left)| TakeoverPhase {
             name,
             min_pool: pool,
             by_path: w.by_path,
             failed_by_kind: w.failed_by_kind,
+            left,
         })
         .collect();
     let failures = phases
@@ -428,6 +648,7 @@ async fn run_async(
         .sum();
     Ok(TakeoverReport {
         from: mode.to_string(),
+        kube_proxy: from.to_string(),
         nodes: cfg.nodes,
         phases,
         failures,
