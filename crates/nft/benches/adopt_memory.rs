@@ -8,6 +8,7 @@
 //! its records are part of it, as they are of the process.
 
 mod common;
+#[allow(dead_code, reason = "this bench reads the heap counters, not VmRSS")]
 #[path = "../../core/benches/support/memory.rs"]
 mod memory;
 

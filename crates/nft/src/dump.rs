@@ -259,7 +259,7 @@ impl RawElements {
             return;
         }
         let (stride, per) = (self.stride(), self.per_block());
-        if self.len % per == 0 {
+        if self.len.is_multiple_of(per) {
             self.blocks.push(Vec::with_capacity(per * stride));
         }
         self.len += 1;

@@ -6,8 +6,10 @@
 //!   and typed [`Elem`]ents).
 //! - [`diff`]`(old, new)` returns a [`Transaction`], an ordered list of [`Op`]s that,
 //!   applied to `old`, gives `new`. It decides what changed between the kernel's tables
-//!   as read back and the record (adoption, repair, verification: `crate::readback`),
-//!   and, in a delta, for the base objects, a changed Service's own chains and sets and
+//!   as read back and the record (adoption, repair, verification: `crate::readback`,
+//!   which diffs the structure and runs diff's element step, [`ElementDiff`], over the
+//!   kernel's elements packed as read and the record's offered in pieces), and, in a
+//!   delta, for the base objects, a changed Service's own chains and sets and
 //!   the dispatch groups that appear or go (`crate::record::FamilyRecord::advance`).
 //!   A delta's element changes are computed by `advance` itself from the frontends and
 //!   shared elements the changed Services touch, and a full sync's transaction is built
@@ -1521,20 +1523,13 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
             continue;
         }
         let olde = old.sets.get(name).map(|o| &o.elements).unwrap_or(&empty);
-        let del: Vec<Tuple> = olde
-            .iter()
-            .filter(|(k, v)| s.elements.get(*k) != Some(*v))
-            .map(|(k, _)| k.clone())
-            .collect();
-        let add: Vec<Elem> = s
-            .elements
-            .iter()
-            .filter(|(k, v)| olde.get(*k) != Some(*v))
-            .map(|(k, v)| Elem {
-                key: k.clone(),
-                value: v.clone(),
-            })
-            .collect();
+        let mut d = ElementDiff::new(TypedElements::new(olde));
+        for (key, value) in &s.elements {
+            d.offer_ref(key, value.as_ref());
+        }
+        let Ok((del, add)) = d.finish() else {
+            unreachable!("typed elements need no decoding")
+        };
         n.elements_deleted += del.len();
         n.elements_added += add.len();
         if !del.is_empty() {
@@ -1570,6 +1565,150 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
     }
     t.ops = ops;
     t
+}
+
+// ---- The element step of a diff: one comparison over two kinds of old state.
+
+/// How the old state of a set answers for one key of the new state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// The old state does not hold the key.
+    No,
+    /// It holds the key with the same value.
+    Same,
+    /// It holds the key with another value.
+    Differs,
+    /// The key was offered before (its first offer counts).
+    Again,
+}
+
+/// A set's old elements as [`ElementDiff`] consults them: typed ([`TypedElements`],
+/// the model's tables) or packed as the kernel returned them (`crate::readback`).
+pub(crate) trait OldElements {
+    /// Whether the old state holds `key` with `value`; marks the key as offered.
+    fn take(&mut self, key: &Tuple, value: Option<&Value>) -> Held;
+    /// The old keys never offered, typed, in any order; an error names an old element
+    /// that has no typed form.
+    fn rest(self, out: &mut Vec<Tuple>) -> Result<(), String>;
+    /// Checks, for a key held with another value, that the old value has a typed form.
+    fn check_differing(&self, _key: &Tuple) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// The element step of [`diff`] for one set, and of adoption's comparison of the
+/// kernel's set with the record's (`crate::readback`): the new state's elements are
+/// offered one at a time, in any order; a key the old state does not hold with the same
+/// value goes in (and, if held with another value, out first); old keys never offered
+/// go out. Both lists come sorted by key, one entry per key.
+pub(crate) struct ElementDiff<O> {
+    old: O,
+    adds: Vec<Elem>,
+    dels: Vec<Tuple>,
+    /// An old element held with another value that has no typed form.
+    broken: Option<String>,
+}
+
+impl<O: OldElements> ElementDiff<O> {
+    pub(crate) fn new(old: O) -> ElementDiff<O> {
+        ElementDiff {
+            old,
+            adds: Vec::new(),
+            dels: Vec::new(),
+            broken: None,
+        }
+    }
+
+    /// One element of the new state.
+    pub(crate) fn offer(&mut self, e: Elem) {
+        let held = self.old.take(&e.key, e.value.as_ref());
+        self.settle(held, e);
+    }
+
+    /// [`ElementDiff::offer`] of a borrowed element: cloned only when it goes in.
+    pub(crate) fn offer_ref(&mut self, key: &Tuple, value: Option<&Value>) {
+        let held = self.old.take(key, value);
+        if matches!(held, Held::No | Held::Differs) {
+            let e = Elem {
+                key: key.clone(),
+                value: value.cloned(),
+            };
+            self.settle(held, e);
+        }
+    }
+
+    fn settle(&mut self, held: Held, e: Elem) {
+        match held {
+            Held::Same | Held::Again => {}
+            Held::No => self.adds.push(e),
+            Held::Differs => {
+                if let Err(what) = self.old.check_differing(&e.key) {
+                    self.broken.get_or_insert(what);
+                }
+                self.dels.push(e.key.clone());
+                self.adds.push(e);
+            }
+        }
+    }
+
+    /// The keys that go out and the elements that go in, each sorted by key.
+    pub(crate) fn finish(self) -> Result<(Vec<Tuple>, Vec<Elem>), String> {
+        if let Some(what) = self.broken {
+            return Err(what);
+        }
+        let (mut dels, mut adds) = (self.dels, self.adds);
+        self.old.rest(&mut dels)?;
+        // Stable: of a key offered twice, the first offer stays.
+        adds.sort_by(|a, b| a.key.cmp(&b.key));
+        adds.dedup_by(|later, first| later.key == first.key);
+        dels.sort_unstable();
+        dels.dedup();
+        Ok((dels, adds))
+    }
+}
+
+/// A set's old elements as a typed map (borrowed from a table, or owned).
+pub(crate) struct TypedElements<'a> {
+    map: std::borrow::Cow<'a, BTreeMap<Tuple, Option<Value>>>,
+    offered: std::collections::BTreeSet<Tuple>,
+}
+
+impl<'a> TypedElements<'a> {
+    pub(crate) fn new(map: &'a BTreeMap<Tuple, Option<Value>>) -> TypedElements<'a> {
+        TypedElements {
+            map: std::borrow::Cow::Borrowed(map),
+            offered: std::collections::BTreeSet::new(),
+        }
+    }
+
+    pub(crate) fn owned(map: BTreeMap<Tuple, Option<Value>>) -> TypedElements<'static> {
+        TypedElements {
+            map: std::borrow::Cow::Owned(map),
+            offered: std::collections::BTreeSet::new(),
+        }
+    }
+}
+
+impl OldElements for TypedElements<'_> {
+    fn take(&mut self, key: &Tuple, value: Option<&Value>) -> Held {
+        let Some(held) = self.map.get(key) else {
+            return Held::No;
+        };
+        if !self.offered.insert(key.clone()) {
+            return Held::Again;
+        }
+        if held.as_ref() == value {
+            Held::Same
+        } else {
+            Held::Differs
+        }
+    }
+
+    fn rest(self, out: &mut Vec<Tuple>) -> Result<(), String> {
+        let offered = self.offered;
+        out.extend(self.map.keys().filter(|k| !offered.contains(*k)).cloned());
+        Ok(())
+    }
 }
 
 // Numbers and addresses as nft text: the one place they are formatted (element keys

@@ -22,7 +22,10 @@ use std::collections::BTreeMap;
 use crate::dump::{self, AdoptError, RawData, RawElements, RawSet, RawTable};
 use crate::error::NftError;
 use crate::first_sync::ELEMENTS_PER_PIECE;
-use crate::model::{self, Elem, Family, Op, SetDecl, Table, Transaction, Tuple, Value};
+use crate::model::{
+    self, Elem, ElementDiff, Family, Held, OldElements, Op, SetDecl, Table, Transaction, Tuple,
+    TypedElements, Value,
+};
 use crate::netlink::{self, encode_tuple};
 use crate::record::{FamilyRecord, full_transaction_of, records};
 
@@ -226,10 +229,9 @@ pub fn kernel_table(
 // ---- Elements, set by set.
 
 /// The element operations that move the kernel's sets (`raw`) to the record's: per set
-/// of `desired` (the record's structure, its elements taken out into `own`), the
-/// kernel's keys that the record does not hold with the same value out, and the
-/// record's elements that the kernel does not hold with the same value in, each sorted
-/// by key — what [`model::diff`]'s element step gives for the typed tables.
+/// of `desired` (the record's structure, its elements taken out into `own`),
+/// [`model::diff`]'s element step ([`ElementDiff`]) over the kernel's elements as read,
+/// the record's offered in the pieces a first sync sends.
 fn elements_delta(
     rec: &FamilyRecord,
     raw: &RawTable,
@@ -242,42 +244,35 @@ fn elements_delta(
         what,
     };
     let v6 = desired.family == Family::Ip6;
-    let mut sets: BTreeMap<&str, SetCheck<'_>> = BTreeMap::new();
+    let mut sets: BTreeMap<&str, ElementDiff<KernelElements<'_>>> = BTreeMap::new();
     for (name, s) in &desired.sets {
         if s.decl.dynamic {
             continue;
         }
-        let check = SetCheck::new(&s.decl, raw.sets.get(name), v6)
+        let kernel = KernelElements::new(&s.decl, raw.sets.get(name), v6)
             .map_err(|e| err(format!("set {name}: {e}")))?;
-        sets.insert(name, check);
+        sets.insert(name, ElementDiff::new(kernel));
     }
-    let mut key = Vec::new();
     for (name, elems) in own {
-        if let Some(check) = sets.get_mut(name.as_str()) {
-            for e in elems {
-                check.offer(e, &mut key);
-            }
+        if let Some(d) = sets.get_mut(name.as_str()) {
+            elems.into_iter().for_each(|e| d.offer(e));
         }
     }
     // Pieces never fail; the closure's error type only satisfies the signature.
     let _ = rec.element_pieces::<std::convert::Infallible>(ELEMENTS_PER_PIECE, &mut |piece| {
         for op in piece.ops {
             if let Op::AddElements { set, elems, .. } = op
-                && let Some(check) = sets.get_mut(set.as_str())
+                && let Some(d) = sets.get_mut(set.as_str())
             {
-                for e in elems {
-                    check.offer(e, &mut key);
-                }
+                elems.into_iter().for_each(|e| d.offer(e));
             }
         }
         Ok(())
     });
     let mut tx = Transaction::default();
     let mut adds = Vec::new();
-    for (name, check) in sets {
-        let (dels, add) = check
-            .finish()
-            .map_err(|e| err(format!("set {name}: {e}")))?;
+    for (name, d) in sets {
+        let (dels, add) = d.finish().map_err(|e| err(format!("set {name}: {e}")))?;
         tx.counts.elements_deleted += dels.len();
         tx.counts.elements_added += add.len();
         let (family, table) = (desired.family, desired.name.clone());
@@ -302,143 +297,129 @@ fn elements_delta(
     Ok(tx)
 }
 
-/// One set's comparison while the record's elements are offered: the kernel's
-/// elements packed as read, sorted by key bytes, each marked once the record offers
-/// its key. An interval set (a handful of prefixes; the kernel holds each as two
-/// bounds) is compared typed.
-struct SetCheck<'a> {
-    decl: &'a SetDecl,
-    kernel: Kernel<'a>,
-    adds: Vec<Elem>,
-    dels: Vec<Tuple>,
-    /// A kernel element whose value differs and does not decode.
-    undecodable: Option<String>,
-}
-
-enum Kernel<'a> {
+/// A set's elements in the kernel, as [`ElementDiff`] consults them: packed as read,
+/// sorted by key bytes, each marked once offered; an interval set (a handful of
+/// prefixes, each held by the kernel as two bounds) typed.
+enum KernelElements<'a> {
     /// The set is not in the kernel: every element is added.
     Absent,
     Packed {
+        decl: &'a SetDecl,
         raw: &'a RawElements,
         /// Indices into `raw`, sorted by key bytes.
         order: Vec<u32>,
-        seen: Vec<bool>,
+        offered: Vec<bool>,
+        /// Scratch for a key's encoding.
+        key: Vec<u8>,
     },
-    Intervals {
-        kernel: BTreeMap<Tuple, Option<Value>>,
-        desired: BTreeMap<Tuple, Option<Value>>,
-    },
+    Typed(TypedElements<'static>),
 }
 
-impl<'a> SetCheck<'a> {
-    fn new(decl: &'a SetDecl, raw: Option<&'a RawSet>, v6: bool) -> Result<SetCheck<'a>, String> {
-        let kernel = match raw {
-            None => Kernel::Absent,
-            Some(rs) if decl.interval => Kernel::Intervals {
-                kernel: dump::decode_elements(rs, decl, v6)?,
-                desired: BTreeMap::new(),
-            },
-            Some(rs) => {
-                if rs.elements.misfits() > 0 {
-                    return Err(format!(
-                        "{} elements that do not fit the set's own declaration",
-                        rs.elements.misfits()
-                    ));
-                }
-                let raw = &rs.elements;
-                let mut order: Vec<u32> = (0..raw.len() as u32).collect();
-                order.sort_unstable_by(|&a, &b| {
-                    raw.get(a as usize).key.cmp(raw.get(b as usize).key)
-                });
-                Kernel::Packed {
-                    raw,
-                    seen: vec![false; order.len()],
-                    order,
-                }
-            }
+impl<'a> KernelElements<'a> {
+    fn new(
+        decl: &'a SetDecl,
+        raw: Option<&'a RawSet>,
+        v6: bool,
+    ) -> Result<KernelElements<'a>, String> {
+        let Some(rs) = raw else {
+            return Ok(KernelElements::Absent);
         };
-        Ok(SetCheck {
+        if decl.interval {
+            return Ok(KernelElements::Typed(TypedElements::owned(
+                dump::decode_elements(rs, decl, v6)?,
+            )));
+        }
+        if rs.elements.misfits() > 0 {
+            return Err(format!(
+                "{} elements that do not fit the set's own declaration",
+                rs.elements.misfits()
+            ));
+        }
+        let raw = &rs.elements;
+        let mut order: Vec<u32> = (0..raw.len() as u32).collect();
+        order.sort_unstable_by(|&a, &b| raw.get(a as usize).key.cmp(raw.get(b as usize).key));
+        Ok(KernelElements::Packed {
             decl,
-            kernel,
-            adds: Vec::new(),
-            dels: Vec::new(),
-            undecodable: None,
+            raw,
+            offered: vec![false; order.len()],
+            order,
+            key: Vec::new(),
         })
     }
 
-    /// One element of the record's set (`key`: scratch for its encoding). A key offered
-    /// twice keeps its first value, as the typed table does.
-    fn offer(&mut self, e: Elem, key: &mut Vec<u8>) {
-        match &mut self.kernel {
-            Kernel::Absent => self.adds.push(e),
-            Kernel::Intervals { desired, .. } => {
-                desired.entry(e.key).or_insert(e.value);
-            }
-            Kernel::Packed { raw, order, seen } => {
-                key.clear();
-                if encode_tuple(&e.key, key).is_err() {
-                    self.adds.push(e); // no kernel key has that form
-                    return;
-                }
-                let at = order.binary_search_by(|&i| raw.get(i as usize).key.cmp(key.as_slice()));
-                let Ok(at) = at else {
-                    self.adds.push(e);
-                    return;
+    /// The position in `order` of the element whose key encodes as `key`.
+    fn find(raw: &RawElements, order: &[u32], scratch: &mut Vec<u8>, key: &Tuple) -> Option<usize> {
+        scratch.clear();
+        // A key that does not encode (a prefix) has no packed form to match.
+        encode_tuple(key, scratch).ok()?;
+        order
+            .binary_search_by(|&i| raw.get(i as usize).key.cmp(scratch.as_slice()))
+            .ok()
+    }
+}
+
+impl OldElements for KernelElements<'_> {
+    fn take(&mut self, key: &Tuple, value: Option<&Value>) -> Held {
+        match self {
+            KernelElements::Absent => Held::No,
+            KernelElements::Typed(t) => t.take(key, value),
+            KernelElements::Packed {
+                raw,
+                order,
+                offered,
+                key: scratch,
+                ..
+            } => {
+                let Some(at) = Self::find(raw, order, scratch, key) else {
+                    return Held::No;
                 };
-                if std::mem::replace(&mut seen[at], true) {
-                    return; // offered before
+                if std::mem::replace(&mut offered[at], true) {
+                    return Held::Again;
                 }
-                let k = raw.get(order[at] as usize);
-                if !same_data(k.data, e.value.as_ref()) {
-                    if let Err(what) = dump::decode_element(k, self.decl) {
-                        self.undecodable.get_or_insert(what);
-                    }
-                    self.dels.push(e.key.clone());
-                    self.adds.push(e);
+                if same_data(raw.get(order[at] as usize).data, value) {
+                    Held::Same
+                } else {
+                    Held::Differs
                 }
             }
         }
     }
 
-    /// The keys to delete and the elements to add, each sorted by key; the kernel's
-    /// elements the record did not offer are deleted, and must decode.
-    fn finish(self) -> Result<(Vec<Tuple>, Vec<Elem>), String> {
-        if let Some(what) = self.undecodable {
-            return Err(what);
+    fn check_differing(&self, key: &Tuple) -> Result<(), String> {
+        let KernelElements::Packed {
+            decl, raw, order, ..
+        } = self
+        else {
+            return Ok(());
+        };
+        let mut scratch = Vec::new();
+        match Self::find(raw, order, &mut scratch, key) {
+            Some(at) => dump::decode_element(raw.get(order[at] as usize), decl).map(|_| ()),
+            None => Ok(()),
         }
-        let (mut dels, mut adds) = (self.dels, self.adds);
-        match self.kernel {
-            Kernel::Absent => {}
-            Kernel::Intervals { kernel, desired } => {
-                dels.extend(
-                    kernel
-                        .iter()
-                        .filter(|(k, v)| desired.get(*k) != Some(*v))
-                        .map(|(k, _)| k.clone()),
-                );
-                adds.extend(
-                    desired
-                        .into_iter()
-                        .filter(|(k, v)| kernel.get(k) != Some(v))
-                        .map(|(key, value)| Elem { key, value }),
-                );
-            }
-            Kernel::Packed { raw, order, seen } => {
-                // Every kernel element must decode, as adoption of the typed table
-                // requires; those offered with the same value hold the record's bytes.
-                for (i, seen) in order.into_iter().zip(seen) {
-                    if !seen {
-                        dels.push(dump::decode_element(raw.get(i as usize), self.decl)?.0);
+    }
+
+    fn rest(self, out: &mut Vec<Tuple>) -> Result<(), String> {
+        match self {
+            KernelElements::Absent => Ok(()),
+            KernelElements::Typed(t) => t.rest(out),
+            // Every kernel element must decode, as adoption of the typed table requires;
+            // those offered with the same value hold the record's bytes.
+            KernelElements::Packed {
+                decl,
+                raw,
+                order,
+                offered,
+                ..
+            } => {
+                for (i, offered) in order.into_iter().zip(offered) {
+                    if !offered {
+                        out.push(dump::decode_element(raw.get(i as usize), decl)?.0);
                     }
                 }
+                Ok(())
             }
         }
-        // Stable: of a key offered twice, the first offer stays.
-        adds.sort_by(|a, b| a.key.cmp(&b.key));
-        adds.dedup_by(|later, first| later.key == first.key);
-        dels.sort_unstable();
-        dels.dedup();
-        Ok((dels, adds))
     }
 }
 
