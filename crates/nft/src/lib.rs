@@ -40,5 +40,7 @@ pub use error::{EncodeError, EncodeFailure, NftError, Via};
 pub use first_sync::{PhasedSync, first_sync_into_absent_tables};
 pub use model::{Table, Transaction};
 pub use readback::first_sync_transaction;
-pub use record::{delta, full_transaction_of, write_full_replacement};
-pub use ruleset::{DeltaCounts, desired, full_transaction, render};
+pub use record::{
+    delta, desired, full_transaction, full_transaction_of, render, write_full_replacement,
+};
+pub use ruleset::DeltaCounts;

@@ -174,80 +174,29 @@ impl FamilyRecord {
     }
 
     /// The table's structure ([`FamilyRecord::assemble_structure`]) and, per set name,
-    /// the Services' elements of that set, sorted by key, one per key.
+    /// the Services' elements of that set, sorted by key, one per key: every piece of
+    /// [`FamilyRecord::element_pieces`] collected (the walk a first sync and adoption
+    /// take, here into one typed collection).
     fn parts(&self) -> (Table, BTreeMap<String, Vec<Elem>>) {
         let rs = self.assemble_structure();
-        // Typing the frontends' elements is most of the work (≈ 250k rows at 5k × 50):
-        // on every core, as the fragments are built. Frontends never share a key, so
-        // the parts' order does not matter.
-        let sets = &rs.sets;
-        let type_all = |fes: &[&Arc<Frontend>]| {
-            let mut part: BTreeMap<SetRef, Vec<Elem>> = BTreeMap::new();
-            for fe in fes {
-                let typed = fe.typed_elements(|set| sets.get(set.name().as_ref()).map(|s| &s.decl));
-                for (set, e) in typed {
-                    part.entry(set).or_default().push(e);
-                }
-            }
-            part
-        };
-        let fes: Vec<&Arc<Frontend>> = self.frontends.values().filter_map(Claims::first).collect();
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-        let mut parts = if threads == 1 || fes.len() < 2048 {
-            vec![type_all(&fes)]
-        } else {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = fes
-                    .chunks(fes.len().div_ceil(threads))
-                    .map(|c| s.spawn(move || type_all(c)))
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                    .collect()
-            })
-        };
-        drop(fes);
-        // Every vector is made at its final size: these are the largest allocations
-        // of a full sync (≈ 80 bytes an element; the hairpin set alone holds one per
-        // endpoint), and a doubling vector's slack was a quarter of its transient.
         let mut out: BTreeMap<String, Vec<Elem>> = BTreeMap::new();
-        let names: BTreeSet<SetRef> = parts.iter().flat_map(|p| p.keys().copied()).collect();
-        for set in names {
-            // The first part's vector grown once to the set's size (in place where
-            // the allocator can), the others' moved in and freed one by one.
-            let len: usize = parts.iter().filter_map(|p| p.get(&set)).map(Vec::len).sum();
-            let mut elems: Vec<Elem> = Vec::new();
-            for p in &mut parts {
-                if let Some(mut v) = p.remove(&set) {
-                    if elems.capacity() == 0 {
-                        elems = v;
-                        elems.reserve_exact(len - elems.len());
-                    } else {
-                        elems.append(&mut v);
+        let collected = self.element_pieces::<std::convert::Infallible>(usize::MAX, &mut |tx| {
+            for op in tx.ops {
+                if let Op::AddElements { set, elems, .. } = op {
+                    match out.get_mut(&set) {
+                        Some(v) => v.extend(elems),
+                        None => {
+                            out.insert(set, elems);
+                        }
                     }
                 }
             }
-            out.insert(set.name().into_owned(), elems);
-        }
-        let mut shared_len: BTreeMap<&str, usize> = BTreeMap::new();
-        for sh in self.shared.keys() {
-            *shared_len.entry(sh.set()).or_default() += 1;
-        }
-        for (set, n) in shared_len {
-            out.entry(set.to_string()).or_default().reserve_exact(n);
-        }
-        for sh in self.shared.keys() {
-            let e = Elem {
-                key: sh.tuple(),
-                value: None,
-            };
-            out.get_mut(sh.set()).expect("reserved above").push(e);
-        }
+            Ok(())
+        });
+        let Ok(_) = collected;
         for elems in out.values_mut() {
-            // In place (a stable sort's scratch would be ≈ 8 MB at 10k × 10). Keys are
-            // unique (a frontend's own, a shared element once); were one not, ordering
-            // by value too keeps the choice deterministic.
+            // Keys are unique (a frontend's own, a shared element once); were one not,
+            // ordering by value too keeps the choice deterministic.
             elems.sort_unstable();
             elems.dedup_by(|later, first| later.key == first.key);
         }
@@ -777,6 +726,30 @@ pub(crate) fn records(plan: &NodePlan, cfg: &DataplaneConfig) -> [FamilyRecord; 
     IpFamily::ALL.map(|f| FamilyRecord::full(plan, cfg, f))
 }
 
+/// The desired state of kproxy's tables for a plan (IPv4, IPv6): the records of a full
+/// sync, assembled. Pure.
+pub fn desired(plan: &NodePlan, cfg: &DataplaneConfig) -> [Table; 2] {
+    records(plan, cfg).map(|r| r.assemble())
+}
+
+/// The one transaction a full sync sends when the tables may exist: each family's
+/// table replaced (created, deleted, created again with everything), no gap.
+pub fn full_transaction(tables: [Table; 2]) -> Transaction {
+    let mut tx = Transaction::default();
+    for t in tables {
+        tx.extend(Transaction::replace(t));
+    }
+    tx
+}
+
+/// The full sync's transaction for a plan, as nft text (what `sync` sends when the
+/// tables exist and cannot be adopted; into absent tables it sends the same objects in
+/// steps). For golden tests and benches; operators see
+/// [`crate::readback::first_sync_transaction`] (`kproxy sync --dry-run`).
+pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
+    full_transaction_of(&records(plan, cfg)).nft_text()
+}
+
 /// A delta sync's transaction: moves both families' records to `plan` by the Services
 /// `update` names (every Service the plan or the records hold when `update.node`), by
 /// [`FamilyRecord::advance`]. `Ok(None)` when only a full sync can apply the change
@@ -1043,11 +1016,11 @@ mod tests {
         }
     }
 
-    /// The record's table is the pure build's, and the transaction that creates it
-    /// splits into the structure with its tables dormant and the elements (all
-    /// encodable but the interval set's).
+    /// The transactions a record makes without its table's element maps are those of
+    /// the assembled table, and the one that creates it splits into the structure with
+    /// its tables dormant and the elements (all encodable but the interval set's).
     #[test]
-    fn assembled_table_equals_the_pure_build_and_splits_for_absent_tables() {
+    fn assembled_table_creates_as_made_and_splits_for_absent_tables() {
         for pc in plan_configs() {
             let state = synthetic::cluster(&Spec::new(60, 4));
             let plan = kproxy_core::plan(&state, "node-0", &pc);
@@ -1055,7 +1028,6 @@ mod tests {
                 let cfg = DataplaneConfig::default();
                 let rec = FamilyRecord::full(&plan, &cfg, family);
                 let table = rec.assemble();
-                assert_eq!(table, ruleset::build(&plan, &cfg, family));
                 // A full sync's transaction, made without the table's element maps.
                 assert_eq!(rec.create(), Transaction::create(table.clone()));
                 assert_eq!(rec.replace(), Transaction::replace(table.clone()));

@@ -1,8 +1,7 @@
-//! The desired state of one family's table for a `NodePlan`: a typed
-//! [`crate::model::Table`] built by pure code, whole ([`build`]) or as the base objects
-//! ([`build_base`]) plus one fragment per Service ([`build_service`]), so the in-memory
-//! record of what is programmed (`crate::record`) can move by the changed Services
-//! only. What changed and how it reaches the kernel is `crate::model`'s business
+//! The desired state of one family's table for a `NodePlan`, by pure code: the base
+//! objects ([`build_base`]) and one fragment per Service ([`build_service`]), from
+//! which the in-memory record of what is programmed (`crate::record`) assembles the
+//! whole table and moves by the changed Services only. What changed and how it reaches the kernel is `crate::model`'s business
 //! (`diff`, `Transaction`).
 //!
 //! Layout (chosen for kernel and nft cost, see BENCHMARKS.md: nft spends ~45 µs per
@@ -124,16 +123,6 @@ impl Fam {
             },
         }
     }
-}
-
-/// Builds the ruleset of one family. Pure.
-pub fn build(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Table {
-    let mut rs = build_base(plan, cfg, family);
-    let mut claimed = BTreeSet::new();
-    for svc in plan.services.values() {
-        rs.merge(svc, &build_service(svc, plan, cfg, family), &mut claimed);
-    }
-    rs
 }
 
 /// What one Service contributes to one family's table: its own chains and sets (a
@@ -532,33 +521,6 @@ impl Dispatch {
 }
 
 impl Table {
-    /// Adds a Service's fragment. A shared key already present keeps its first value; a
-    /// frontend already in `claimed` keeps the elements of its first Service (plan
-    /// order), which is what `trace` predicts for colliding frontends.
-    pub fn merge(
-        &mut self,
-        svc: &kproxy_core::plan::ServicePlan,
-        frag: &Fragment,
-        claimed: &mut BTreeSet<String>,
-    ) {
-        if let Some(own) = &frag.own {
-            self.add_own(own);
-        }
-        for d in &frag.dispatch {
-            self.add_dispatch(d);
-        }
-        for sh in shared(svc, self.family.ip_family()) {
-            if let Some(s) = self.sets.get_mut(sh.set()) {
-                s.elements.entry(sh.tuple()).or_default();
-            }
-        }
-        for fe in &frag.frontends {
-            if claimed.insert(fe.name().to_string()) {
-                self.add_elements(fe);
-            }
-        }
-    }
-
     /// Adds a fragment's own chains and sets.
     pub fn add_own(&mut self, own: &Own) {
         self.chains
@@ -576,16 +538,6 @@ impl Table {
         }
     }
 
-    /// Inserts a frontend's elements into sets that exist (first value of a key wins).
-    pub fn add_elements(&mut self, fe: &Frontend) {
-        let sets = &self.sets;
-        let elems = fe.typed_elements(|set| sets.get(set.name().as_ref()).map(|s| &s.decl));
-        for (set, e) in elems {
-            if let Some(s) = self.sets.get_mut(set.name().as_ref()) {
-                s.elements.entry(e.key).or_insert(e.value);
-            }
-        }
-    }
 }
 
 /// The Service's fragment for one family. Pure.
@@ -1323,29 +1275,6 @@ fn sanitize(s: &str) -> String {
             }
         })
         .collect()
-}
-
-/// The desired state of kproxy's tables for a plan (IPv4, IPv6). Pure.
-pub fn desired(plan: &NodePlan, cfg: &DataplaneConfig) -> [Table; 2] {
-    IpFamily::ALL.map(|f| build(plan, cfg, f))
-}
-
-/// The one transaction a full sync sends when the tables may exist: each family's
-/// table replaced (created, deleted, created again with everything), no gap.
-pub fn full_transaction(tables: [Table; 2]) -> Transaction {
-    let mut tx = Transaction::default();
-    for t in tables {
-        tx.extend(Transaction::replace(t));
-    }
-    tx
-}
-
-/// The full sync's transaction for a plan, as nft text (what `sync` sends when the
-/// tables exist and cannot be adopted; into absent tables it sends the same objects in
-/// steps). For golden tests and benches; operators see [`first_sync_transaction`]
-/// (`kproxy sync --dry-run`).
-pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
-    full_transaction(desired(plan, cfg)).nft_text()
 }
 
 #[cfg(test)]

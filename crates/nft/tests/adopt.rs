@@ -216,7 +216,7 @@ fn the_dump_reads_what_the_sync_wrote() {
     let ns = Netns::new("adopt4");
     let plan = plan_of(&example_cluster());
     sync_in(&ns, &plan);
-    let rs = kproxy_nft::ruleset::build(&plan, &cfg(), kproxy_core::model::IpFamily::IPv4);
+    let [rs, _] = kproxy_nft::desired(&plan, &cfg());
     let raw = ns
         .run(|| kproxy_nft::dump::read_table("ip", "kproxy"))
         .expect("dump")
