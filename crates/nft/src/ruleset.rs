@@ -537,7 +537,6 @@ impl Table {
             self.chains.insert(d.chain(), chain);
         }
     }
-
 }
 
 /// The Service's fragment for one family. Pure.
