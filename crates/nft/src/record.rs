@@ -218,36 +218,38 @@ impl FamilyRecord {
         per_piece: usize,
         piece: &mut dyn FnMut(Transaction) -> Result<(), E>,
     ) -> Result<usize, E> {
-        let decls = self.service_decls();
-        let mut pending = Pieces {
-            family: self.base.family,
-            table: &self.base.name,
-            sets: BTreeMap::new(),
-            len: 0,
-            total: 0,
+        let mut sink = PieceSink {
+            pending: Pieces {
+                family: self.base.family,
+                table: &self.base.name,
+                sets: BTreeMap::new(),
+                len: 0,
+                total: 0,
+            },
+            per_piece,
+            piece,
         };
+        self.walk_elements(&mut sink)?;
+        if sink.pending.len > 0 {
+            (sink.piece)(sink.pending.take())?;
+        }
+        Ok(sink.pending.total)
+    }
+
+    /// The one walk over the Services' elements of the table, behind every consumer of
+    /// a full table's elements: each programmed frontend (its first claimant's
+    /// elements), then each shared element, handed to `sink` — typed in pieces
+    /// ([`FamilyRecord::element_pieces`]: a first sync, adoption, [`FamilyRecord::assemble`])
+    /// or as text ([`FamilyRecord::write_replacement`]).
+    fn walk_elements<S: ElementSink>(&self, sink: &mut S) -> Result<(), S::Error> {
+        let decls = self.service_decls();
         for fe in self.frontends.values().filter_map(Claims::first) {
-            for (set, e) in fe.typed_elements(|set| decls.get(&set)) {
-                pending.push(PieceSet::Frontend(set), e);
-            }
-            if pending.len >= per_piece {
-                piece(pending.take())?;
-            }
+            sink.frontend(fe, &decls)?;
         }
         for sh in self.shared.keys() {
-            let e = Elem {
-                key: sh.tuple(),
-                value: None,
-            };
-            pending.push(PieceSet::Shared(sh.set()), e);
-            if pending.len >= per_piece {
-                piece(pending.take())?;
-            }
+            sink.shared(sh)?;
         }
-        if pending.len > 0 {
-            piece(pending.take())?;
-        }
-        Ok(pending.total)
+        Ok(())
     }
 
     /// The declarations of the sets that hold frontends' elements and exist.
@@ -279,32 +281,17 @@ impl FamilyRecord {
         out.transaction(&tx)?;
         let mut counts = tx.counts;
         drop(tx);
-        let decls = self.service_decls();
-        let mut text = TextPieces {
-            family: self.base.family,
-            table: &self.base.name,
-            sets: BTreeMap::new(),
-            total: 0,
+        let mut sink = TextSink {
+            text: TextPieces {
+                family: self.base.family,
+                table: &self.base.name,
+                sets: BTreeMap::new(),
+                total: 0,
+            },
+            out,
         };
-        for fe in self.frontends.values().filter_map(Claims::first) {
-            for (set, key, value) in fe.elements() {
-                // A set that does not exist takes nothing, as in `typed_elements`.
-                let Some(decl) = decls.get(&set) else {
-                    continue;
-                };
-                text.push(out, PieceSet::Frontend(set), |buf| {
-                    key.write(buf);
-                    if decl.is_map() {
-                        buf.push_str(" : ");
-                        buf.push_str(value);
-                    }
-                })?;
-            }
-        }
-        for sh in self.shared.keys() {
-            text.push(out, PieceSet::Shared(sh.set()), |buf| sh.write_key(buf))?;
-        }
-        counts.elements_added += text.finish(out)?;
+        self.walk_elements(&mut sink)?;
+        counts.elements_added += sink.text.finish(sink.out)?;
         Ok(counts)
     }
 
@@ -586,6 +573,93 @@ impl FamilyRecord {
 enum PieceSet {
     Frontend(SetRef),
     Shared(&'static str),
+}
+
+/// Where [`FamilyRecord::walk_elements`] hands the Services' elements.
+trait ElementSink {
+    type Error;
+    /// A programmed frontend; its elements of sets that do not exist (not in `decls`)
+    /// are nobody's.
+    fn frontend(
+        &mut self,
+        fe: &Frontend,
+        decls: &BTreeMap<SetRef, SetDecl>,
+    ) -> Result<(), Self::Error>;
+    /// An element of a shared set.
+    fn shared(&mut self, sh: &Shared) -> Result<(), Self::Error>;
+}
+
+/// The elements typed, in transactions of about `per_piece` elements.
+struct PieceSink<'a, 'p, E> {
+    pending: Pieces<'a>,
+    per_piece: usize,
+    piece: &'p mut dyn FnMut(Transaction) -> Result<(), E>,
+}
+
+impl<E> PieceSink<'_, '_, E> {
+    fn hand_out_if_full(&mut self) -> Result<(), E> {
+        if self.pending.len >= self.per_piece {
+            (self.piece)(self.pending.take())?;
+        }
+        Ok(())
+    }
+}
+
+impl<E> ElementSink for PieceSink<'_, '_, E> {
+    type Error = E;
+
+    fn frontend(&mut self, fe: &Frontend, decls: &BTreeMap<SetRef, SetDecl>) -> Result<(), E> {
+        for (set, e) in fe.typed_elements(|set| decls.get(&set)) {
+            self.pending.push(PieceSet::Frontend(set), e);
+        }
+        self.hand_out_if_full()
+    }
+
+    fn shared(&mut self, sh: &Shared) -> Result<(), E> {
+        let e = Elem {
+            key: sh.tuple(),
+            value: None,
+        };
+        self.pending.push(PieceSet::Shared(sh.set()), e);
+        self.hand_out_if_full()
+    }
+}
+
+/// The elements as nft text straight from the record's text, never typed.
+struct TextSink<'a, 'o, 's> {
+    text: TextPieces<'a>,
+    out: &'o mut TextStream<'s>,
+}
+
+impl ElementSink for TextSink<'_, '_, '_> {
+    type Error = std::io::Error;
+
+    fn frontend(
+        &mut self,
+        fe: &Frontend,
+        decls: &BTreeMap<SetRef, SetDecl>,
+    ) -> std::io::Result<()> {
+        for (set, key, value) in fe.elements() {
+            // A set that does not exist takes nothing, as in `typed_elements`.
+            let Some(decl) = decls.get(&set) else {
+                continue;
+            };
+            self.text.push(self.out, PieceSet::Frontend(set), |buf| {
+                key.write(buf);
+                if decl.is_map() {
+                    buf.push_str(" : ");
+                    buf.push_str(value);
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    fn shared(&mut self, sh: &Shared) -> std::io::Result<()> {
+        self.text.push(self.out, PieceSet::Shared(sh.set()), |buf| {
+            sh.write_key(buf)
+        })
+    }
 }
 
 /// The elements of the piece being filled, per set.
