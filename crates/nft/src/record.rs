@@ -11,9 +11,15 @@
 //! It is the dataplane's largest long-lived data (≈ 106k elements at 10k Services ×
 //! 10 endpoints), so elements are held once: a frontend's as one text shared by `Arc`
 //! between its fragment and its claim (its keys made from its name), shared ones as
-//! addresses, and typed elements are made when a transaction is built (the whole
-//! table's straight into its creating transaction by [`FamilyRecord::create`] for a full
-//! sync, the touched elements by [`FamilyRecord::advance`] for a delta).
+//! addresses, and typed elements are made when a transaction is built: for a delta the
+//! touched elements by [`FamilyRecord::advance`]; for a whole table by one walk over the
+//! Services' elements (`walk_elements`) into one of two sinks — typed, in pieces
+//! ([`FamilyRecord::element_pieces`]: the first sync into absent tables, adoption's and
+//! verification's comparison with the kernel, [`FamilyRecord::assemble`] and
+//! [`FamilyRecord::create`] for tools and tests, [`desired`] and [`render`]), or as nft
+//! text straight from the record's text ([`FamilyRecord::write_replacement`]: a
+//! replacing sync). The structure (base objects, Services' own chains and sets,
+//! dispatch groups) is [`FamilyRecord::assemble_structure`] for every one of them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -136,15 +142,15 @@ impl FamilyRecord {
         r
     }
 
-    /// The whole table, typed: the desired state of a full sync (and what verification
-    /// compares the kernel with).
+    /// The whole table, typed: the desired state of a full sync (tools and tests;
+    /// verification and adoption compare the kernel with the walk's pieces instead).
     pub fn assemble(&self) -> Table {
         let (mut rs, elements) = self.parts();
         for (name, elems) in elements {
             let Some(s) = rs.sets.get_mut(&name) else {
                 continue;
             };
-            // A key twice keeps its first value, as `Table::add_elements` does.
+            // A key twice keeps its first value.
             if s.elements.is_empty() {
                 s.elements = elems.into_iter().map(|e| (e.key, e.value)).collect();
             } else {
