@@ -11,11 +11,13 @@
 //!   kernel's elements packed as read and the record's offered in pieces), and, in a
 //!   delta, for the base objects, a changed Service's own chains and sets and
 //!   the dispatch groups that appear or go (`crate::record::FamilyRecord::advance`).
-//!   A delta's element changes are computed by `advance` itself from the frontends and
-//!   shared elements the changed Services touch, and a full sync's transaction is built
-//!   from the record (`FamilyRecord::create`, `write_replacement`, `element_pieces`);
-//!   tests hold each equal to `diff` of whole tables (crates/nft/tests/incremental.rs,
-//!   the tests of `record.rs`).
+//!   A delta's element changes are diff's element step too, over the touched part of
+//!   each set (the frontends and shared elements the changed Services touch, before
+//!   and after); a full sync's transaction is built from the record's one walk over its
+//!   elements (`FamilyRecord::walk_elements`: `create`, `write_replacement`,
+//!   `element_pieces`). Tests hold deltas equal to `diff` of whole tables
+//!   (crates/nft/tests/incremental.rs) and the full transactions to `diff` from an
+//!   absent table (the tests of `record.rs`).
 //! - A transaction is rendered as `nft -f` input by [`Transaction::nft_text`] /
 //!   [`TextStream`] (through which the record also writes a replacing full sync's
 //!   text, its elements straight from the record's text) and as nfnetlink bytes by

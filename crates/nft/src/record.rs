@@ -31,7 +31,10 @@ use kproxy_core::planner::PlanUpdate;
 
 use crate::config::DataplaneConfig;
 use crate::error::NftError;
-use crate::model::{self, Elem, Family, Op, SetDecl, Table, TextStream, Transaction, Tuple, Value};
+use crate::model::{
+    self, Elem, ElementDiff, Family, Op, SetDecl, Table, TextStream, Transaction, Tuple,
+    TypedElements, Value,
+};
 use crate::ruleset::{self, Dispatch, Fragment, Frontend, SetRef, Shared};
 
 /// The Services claiming one frontend, in plan order, each with the frontend's elements
@@ -487,9 +490,10 @@ impl FamilyRecord {
             tx.extend(model::diff(&with(before), &with(after))?);
         }
 
-        // Elements whose effective value changed: deletes, then adds.
-        let mut dels: BTreeMap<String, BTreeSet<Tuple>> = BTreeMap::new();
-        let mut adds: BTreeMap<String, BTreeMap<Tuple, Option<Value>>> = BTreeMap::new();
+        // Elements whose effective value changed: the touched part of each set before
+        // and after, through diff's element step.
+        let mut before_sets: BTreeMap<String, BTreeMap<Tuple, Option<Value>>> = BTreeMap::new();
+        let mut after_sets: BTreeMap<String, Vec<Elem>> = BTreeMap::new();
         for (sh, before) in touched {
             let after = self.shared.contains_key(&sh);
             if before == after {
@@ -497,9 +501,13 @@ impl FamilyRecord {
             }
             let set = sh.set().to_string();
             if before {
-                dels.entry(set).or_default().insert(sh.tuple());
+                before_sets.entry(set).or_default().insert(sh.tuple(), None);
             } else {
-                adds.entry(set).or_default().insert(sh.tuple(), None);
+                let e = Elem {
+                    key: sh.tuple(),
+                    value: None,
+                };
+                after_sets.entry(set).or_default().push(e);
             }
         }
         let mut decls: BTreeMap<SetRef, Option<SetDecl>> = BTreeMap::new();
@@ -510,32 +518,46 @@ impl FamilyRecord {
             {
                 continue;
             }
-            let mut elements = |fe: &Option<Arc<Frontend>>| {
-                let mut out: BTreeMap<(SetRef, Tuple), Option<Value>> = BTreeMap::new();
-                let Some(fe) = fe else { return out };
+            let mut typed = |fe: &Option<Arc<Frontend>>| {
+                let Some(fe) = fe else { return Vec::new() };
                 for (set, ..) in fe.elements() {
                     decls.entry(set).or_insert_with(|| self.decl(set));
                 }
                 // A set that does not exist takes no elements (as in `assemble`).
-                let typed = fe.typed_elements(|set| decls.get(&set).and_then(|d| d.as_ref()));
-                for (set, e) in typed {
-                    out.entry((set, e.key)).or_insert(e.value);
-                }
-                out
+                fe.typed_elements(|set| decls.get(&set).and_then(|d| d.as_ref()))
             };
-            let (b, a) = (elements(&before), elements(&after));
-            for ((set, k), v) in &b {
-                if a.get(&(*set, k.clone())) != Some(v) {
-                    let keys = dels.entry(set.name().into_owned()).or_default();
-                    keys.insert(k.clone());
-                }
+            for (set, e) in typed(&before) {
+                let old = before_sets.entry(set.name().into_owned()).or_default();
+                old.entry(e.key).or_insert(e.value);
             }
-            for ((set, k), v) in a {
-                if b.get(&(set, k.clone())) != Some(&v) {
-                    adds.entry(set.name().into_owned())
-                        .or_default()
-                        .insert(k, v);
-                }
+            for (set, e) in typed(&after) {
+                after_sets
+                    .entry(set.name().into_owned())
+                    .or_default()
+                    .push(e);
+            }
+        }
+        let mut dels: BTreeMap<String, Vec<Tuple>> = BTreeMap::new();
+        let mut adds: BTreeMap<String, Vec<Elem>> = BTreeMap::new();
+        let names: BTreeSet<String> = before_sets
+            .keys()
+            .chain(after_sets.keys())
+            .cloned()
+            .collect();
+        for set in names {
+            let old = before_sets.remove(&set).unwrap_or_default();
+            let mut d = ElementDiff::new(TypedElements::owned(old));
+            after_sets
+                .remove(&set)
+                .into_iter()
+                .flatten()
+                .for_each(|e| d.offer(e));
+            let (del, add) = d.finish().map_err(NftError::Invalid)?;
+            if !del.is_empty() {
+                dels.insert(set.clone(), del);
+            }
+            if !add.is_empty() {
+                adds.insert(set, add);
             }
         }
         // A set deleted by this transaction takes its elements with it (as `diff` has it).
@@ -554,19 +576,16 @@ impl FamilyRecord {
                 family: fam,
                 table: t.clone(),
                 set,
-                keys: keys.into_iter().collect(),
+                keys,
             });
         }
-        for (set, kv) in adds {
-            tx.counts.elements_added += kv.len();
+        for (set, elems) in adds {
+            tx.counts.elements_added += elems.len();
             tx.ops.push(Op::AddElements {
                 family: fam,
                 table: t.clone(),
                 set,
-                elems: kv
-                    .into_iter()
-                    .map(|(key, value)| Elem { key, value })
-                    .collect(),
+                elems,
             });
         }
         tx.order();
