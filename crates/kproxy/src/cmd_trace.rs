@@ -70,7 +70,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<ExitCode> {
     if args.kernel && crate::cluster::invoked_as_kubectl_plugin() {
-        bail!("{}", kernel_trace::from_kubectl(&args));
+        bail!("{}", from_kubectl(&args));
     }
     let cluster = args.source.read()?;
     let mut config = cluster.config.plan.clone();
@@ -149,4 +149,25 @@ fn print_plan(t: &Trace) {
         );
     }
     println!("reason:     {}", t.reason);
+}
+
+/// Why `kubectl kproxy trace --kernel` refuses, and the command that answers on the
+/// node (kproxy's pod there, which deploy/ labels and configures).
+fn from_kubectl(args: &Args) -> String {
+    let node = args.source.node.as_deref().unwrap_or("NODE");
+    let mut packet = format!(
+        "--src {} --dst {} --dport {}",
+        args.src, args.dst, args.dport
+    );
+    if let Some(i) = &args.in_interface {
+        packet += &format!(" --in-interface {i}");
+    }
+    format!(
+        "`kubectl kproxy trace --kernel` runs on this workstation and cannot read node {node}'s kernel; \
+         run it in kproxy's pod on that node:\n  \
+         kubectl -n kube-system exec \"$(kubectl -n kube-system get pod -l app.kubernetes.io/name=kproxy \
+         --field-selector spec.nodeName={node} -o name)\" -- kproxy trace --kernel --config /var/lib/kproxy/config.yaml \
+         {packet} --proto {}",
+        args.proto.protocol().as_str()
+    )
 }

@@ -47,27 +47,6 @@ pub struct KernelSide {
 /// How to run it where the kernel is.
 const ON_THE_NODE: &str = "--kernel reads the kernel of the machine it runs on: run it on the node, as root or in kproxy's pod (kubectl exec -n kube-system <kproxy pod on the node> -- kproxy trace --kernel …)";
 
-/// Why `kubectl kproxy trace --kernel` refuses, and the command that answers on the
-/// node (kproxy's pod there, which deploy/ labels and configures).
-pub fn from_kubectl(args: &crate::cmd_trace::Args) -> String {
-    let node = args.source.node.as_deref().unwrap_or("NODE");
-    let mut packet = format!(
-        "--src {} --dst {} --dport {}",
-        args.src, args.dst, args.dport
-    );
-    if let Some(i) = &args.in_interface {
-        packet += &format!(" --in-interface {i}");
-    }
-    format!(
-        "`kubectl kproxy trace --kernel` runs on this workstation and cannot read node {node}'s kernel; \
-         run it in kproxy's pod on that node:\n  \
-         kubectl -n kube-system exec \"$(kubectl -n kube-system get pod -l app.kubernetes.io/name=kproxy \
-         --field-selector spec.nodeName={node} -o name)\" -- kproxy trace --kernel --config /var/lib/kproxy/config.yaml \
-         {packet} --proto {}",
-        args.proto.protocol().as_str()
-    )
-}
-
 /// Whether `status` (the text of /proc/self/status) gives the effective capability
 /// `cap`; `None` when it does not say.
 fn has_capability(status: &str, cap: u32) -> Option<bool> {
