@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
-use kproxy_core::model::{EndpointAddr, Protocol};
+use kproxy_core::model::EndpointAddr;
 use kproxy_core::trace::{Packet, Trace, TraceVerdict};
 use serde::Serialize;
 
@@ -637,7 +637,7 @@ impl Eval<'_> {
         match s {
             Sel::Saddr => Val::Atom(Atom::Addr(pkt.src)),
             Sel::Daddr => Val::Atom(Atom::Addr(daddr)),
-            Sel::L4proto => Val::Atom(Atom::Proto(proto_number(pkt.proto))),
+            Sel::L4proto => Val::Atom(Atom::proto(pkt.proto)),
             Sel::Dport => Val::Atom(Atom::Port(st.dnat.map_or(pkt.dport, |e| e.port))),
             Sel::Iifname => Val::Str(pkt.in_interface.clone().unwrap_or_default()),
             Sel::FibLocal(Dir::Src) => Val::Word(word(self.locals.contains(&pkt.src), "local")),
@@ -722,14 +722,6 @@ fn verdict(v: &model::Verdict) -> RuleEnd {
         model::Verdict::Continue => RuleEnd::Next,
         model::Verdict::Jump(c) => RuleEnd::Jump(c.to_string()),
         model::Verdict::Goto(c) => RuleEnd::Goto(c.to_string()),
-    }
-}
-
-fn proto_number(p: Protocol) -> u8 {
-    match p {
-        Protocol::TCP => 6,
-        Protocol::UDP => 17,
-        Protocol::SCTP => 132,
     }
 }
 
@@ -870,7 +862,7 @@ mod tests {
             src: ip(src),
             dst: ip(dst),
             dport,
-            proto: Protocol::TCP,
+            proto: kproxy_core::model::Protocol::TCP,
             in_interface: None,
         }
     }

@@ -382,6 +382,18 @@ impl Atom {
 /// address, protocol, port, index).
 pub const MAX_FIELDS: usize = 4;
 
+impl Atom {
+    /// The IP protocol number of a Service port's protocol.
+    pub fn proto(p: kproxy_core::model::Protocol) -> Atom {
+        use kproxy_core::model::Protocol;
+        Atom::Proto(match p {
+            Protocol::TCP => 6,
+            Protocol::UDP => 17,
+            Protocol::SCTP => 132,
+        })
+    }
+}
+
 /// A concatenation of atoms (one atom for a single-field key).
 ///
 /// A full sync at 10k Services × 10 endpoints holds ≈ 106k elements, most with a tuple

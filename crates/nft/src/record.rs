@@ -673,7 +673,7 @@ impl ElementSink for TextSink<'_, '_, '_> {
                 key.write(buf);
                 if decl.is_map() {
                     buf.push_str(" : ");
-                    buf.push_str(value);
+                    value.write(buf);
                 }
             })?;
         }

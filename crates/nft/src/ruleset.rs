@@ -41,7 +41,6 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeSet;
-use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -55,7 +54,7 @@ use sha2::{Digest, Sha256};
 use crate::config::DataplaneConfig;
 
 use crate::model::{
-    Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple, write_ip, write_u32,
+    Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple, Value, write_ip,
 };
 pub use crate::model::{Chain, Set, Table, Transaction};
 
@@ -277,125 +276,182 @@ impl SetRef {
     }
 }
 
-/// The elements one frontend brings: its `service-ips`/`service-nodeports` verdict,
-/// its masquerade-set entry and its dispatch-map rows. They are the largest part of the
-/// record, so they are kept as one text (the frontend's name, then every value back to
-/// back) with offsets, not as three `String`s per element. Every key is the frontend's
-/// own key (its name without `ip `/`np `), a dispatch row's followed by ` . i`, so keys
-/// are not stored but made from the name when written (a third of the text at 10k
-/// Services × 10 endpoints).
+/// The elements one frontend brings, typed from the plan to the encoder: its
+/// `service-ips`/`service-nodeports` verdict, its masquerade-set entry and its
+/// dispatch-map rows. They are the largest part of the record, so each is held once:
+/// every key is the frontend's own key (a dispatch row's followed by its index), kept
+/// once, and a row is its endpoint's address and port (20 bytes; as text with offsets
+/// it took ≈ 29). Nothing is parsed to type them; their text is written through the
+/// model's one formatting of keys and values.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Frontend {
-    text: Box<str>,
-    name_end: u32,
-    /// Per element: its set, its row (`NO_ROW` for a key without one), and where its
-    /// value ends in `text`.
-    elems: Box<[(SetRef, u32, u32)]>,
+    /// `ip KEY` (address frontends) or `np KEY` (NodePorts), KEY as nft writes it: the
+    /// frontend's identity among a table's frontends.
+    name: Box<str>,
+    key: Tuple,
+    vmap: SetRef,
+    verdict: crate::model::Verdict,
+    masq: Option<SetRef>,
+    /// Each dispatch map and where its rows end in `rows`.
+    maps: Box<[(SetRef, u32)]>,
+    rows: Box<[(IpAddr, u16)]>,
 }
-
-/// The row of an element whose key is the frontend's key alone. (A row index is below
-/// a dispatch group's `n`, itself a `u32`, so it is never `u32::MAX`.)
-const NO_ROW: u32 = u32::MAX;
 
 /// The key of a frontend element: the frontend's key, and for a dispatch-map row its
 /// index (` . i`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Key<'a> {
-    pub base: &'a str,
+    pub base: &'a Tuple,
     pub row: Option<u32>,
 }
 
 impl Key<'_> {
     /// Appends the key as nft writes it.
     pub fn write(&self, out: &mut String) {
-        out.push_str(self.base);
+        self.base.write(out);
         if let Some(i) = self.row {
             out.push_str(" . ");
-            write_u32(out, i);
+            crate::model::write_u32(out, i);
         }
     }
 
-    /// The key as a `String` (without `Display`'s machinery, as a render makes ≈ 100k).
-    pub fn text(&self) -> String {
-        let mut s =
-            String::with_capacity(self.base.len() + if self.row.is_some() { 13 } else { 0 });
-        self.write(&mut s);
-        s
-    }
-}
-
-impl std::fmt::Display for Key<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.base)?;
+    /// The key as a typed tuple.
+    pub fn tuple(&self) -> Tuple {
         match self.row {
-            Some(i) => write!(f, " . {i}"),
-            None => Ok(()),
+            None => self.base.clone(),
+            Some(i) => {
+                let base = self.base.atoms();
+                let mut atoms = [Atom::Index(i); crate::model::MAX_FIELDS];
+                atoms[..base.len()].copy_from_slice(&base);
+                Tuple::new(&atoms[..=base.len()])
+            }
         }
     }
 }
 
 impl std::fmt::Debug for Key<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}", self.to_string())
+        let mut s = String::new();
+        self.write(&mut s);
+        write!(f, "{s:?}")
+    }
+}
+
+/// What a frontend element maps to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrontendValue<'a> {
+    /// A set element (the masquerade sets).
+    None,
+    Verdict(&'a crate::model::Verdict),
+    /// A dispatch row's endpoint.
+    Endpoint(IpAddr, u16),
+}
+
+impl FrontendValue<'_> {
+    /// The typed value (`None` for a set element).
+    pub fn typed(&self) -> Option<Value> {
+        match *self {
+            FrontendValue::None => None,
+            FrontendValue::Verdict(v) => Some(Value::Verdict(v.clone())),
+            FrontendValue::Endpoint(ip, port) => {
+                Some(Value::Data(Tuple::new(&[Atom::Addr(ip), Atom::Port(port)])))
+            }
+        }
+    }
+
+    /// Appends the value as nft writes it (nothing for a set element).
+    pub fn write(&self, out: &mut String) {
+        if let Some(v) = self.typed() {
+            v.write(out);
+        }
     }
 }
 
 impl Frontend {
-    /// `ip KEY` (address frontends) or `np KEY` (NodePorts).
-    pub fn name(&self) -> &str {
-        &self.text[..self.name_end as usize]
-    }
-
-    /// The frontend's key: its name without `ip `/`np `.
-    fn key(&self) -> &str {
-        self.name().get(3..).unwrap_or_default()
-    }
-
-    /// `(set, key, value)` of each element, in the order they were added.
-    pub fn elements(&self) -> impl Iterator<Item = (SetRef, Key<'_>, &str)> {
-        let mut start = self.name_end as usize;
-        let base = self.key();
-        self.elems.iter().map(move |&(set, row, v)| {
-            let v = v as usize;
-            let row = (row != NO_ROW).then_some(row);
-            let e = (set, Key { base, row }, &self.text[start..v]);
-            start = v;
-            e
+    /// A frontend keyed `key` (`nodeport`: a NodePort's `proto . port`, else an
+    /// address's `addr . proto . port`) whose verdict-map element `vmap` says
+    /// `verdict`, with a masquerade-set entry in `masq` and, per dispatch map, the
+    /// endpoints of its rows in order.
+    fn new(
+        nodeport: bool,
+        key: Tuple,
+        vmap: SetRef,
+        verdict: crate::model::Verdict,
+        masq: Option<SetRef>,
+        maps: Vec<(SetRef, &[EndpointAddr])>,
+    ) -> Arc<Frontend> {
+        let mut name = String::from(if nodeport { "np " } else { "ip " });
+        key.write(&mut name);
+        let total: usize = maps.iter().map(|(_, eps)| eps.len()).sum();
+        let mut rows = Vec::with_capacity(total);
+        let mut ends = Vec::with_capacity(maps.len());
+        for (map, eps) in maps {
+            rows.extend(eps.iter().map(|ep| (ep.ip, ep.port)));
+            ends.push((map, row_index(rows.len())));
+        }
+        Arc::new(Frontend {
+            name: name.into_boxed_str(),
+            key,
+            vmap,
+            verdict,
+            masq,
+            maps: ends.into_boxed_slice(),
+            rows: rows.into_boxed_slice(),
         })
     }
-}
 
-impl Frontend {
-    /// The frontend's elements, typed by their sets' declarations (`decl`; `None`
-    /// leaves a set's elements out): the one place its text becomes typed. The
-    /// frontend's key is parsed once per run of one set's elements (a dispatch map's
-    /// rows are the key and an index).
+    /// `ip KEY` (address frontends) or `np KEY` (NodePorts).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The frontend's key.
+    pub fn key(&self) -> &Tuple {
+        &self.key
+    }
+
+    /// `(set, key, value)` of each element: the verdict, the masquerade entry, the rows.
+    pub fn elements(&self) -> impl Iterator<Item = (SetRef, Key<'_>, FrontendValue<'_>)> {
+        let base = &self.key;
+        let key = move |row| Key { base, row };
+        let verdict =
+            std::iter::once((self.vmap, key(None), FrontendValue::Verdict(&self.verdict)));
+        let masq = self.masq.map(|m| (m, key(None), FrontendValue::None));
+        let mut start = 0usize;
+        let rows = self.maps.iter().flat_map(move |&(map, end)| {
+            let run = &self.rows[start..end as usize];
+            start = end as usize;
+            run.iter()
+                .zip(0u32..)
+                .map(move |(&(ip, port), i)| (map, key(Some(i)), FrontendValue::Endpoint(ip, port)))
+        });
+        verdict.chain(masq).chain(rows)
+    }
+
+    /// The frontend's elements of the sets that exist (`decl` says which; `None` leaves
+    /// a set's elements out), typed.
     pub fn typed_elements<'d>(
         &self,
         decl: impl Fn(SetRef) -> Option<&'d SetDecl>,
     ) -> Vec<(SetRef, crate::model::Elem)> {
-        let mut out = Vec::with_capacity(self.elems.len());
-        // The current run: its set, declaration, and parsed key (per row-ness).
-        type Run<'d> = (SetRef, Option<&'d SetDecl>, Option<(bool, Tuple)>);
-        let mut run: Option<Run> = None;
+        let mut out = Vec::with_capacity(self.rows.len() + 2);
+        let mut run: Option<(SetRef, bool)> = None;
         for (set, key, value) in self.elements() {
-            if run.as_ref().is_none_or(|(s, ..)| *s != set) {
-                run = Some((set, decl(set), None));
+            let exists = match run {
+                Some((s, e)) if s == set => e,
+                _ => {
+                    let e = decl(set).is_some();
+                    run = Some((set, e));
+                    e
+                }
+            };
+            if exists {
+                let e = crate::model::Elem {
+                    key: key.tuple(),
+                    value: value.typed(),
+                };
+                out.push((set, e));
             }
-            let Some((_, Some(d), base)) = &mut run else {
-                continue;
-            };
-            let row = key.row.is_some();
-            let parsed = match base {
-                Some((r, t)) if *r == row => Some(t.clone()),
-                _ => d.parse_key_prefix(key.base, row),
-            };
-            *base = parsed.as_ref().map(|t| (row, t.clone()));
-            // The frontend's text is written by this module from typed plan data.
-            let e = parsed
-                .and_then(|t| d.finish_elem(t, key.row, value))
-                .expect("a frontend's element fits its set's declaration");
-            out.push((set, e));
         }
         out
     }
@@ -410,50 +466,11 @@ impl std::fmt::Debug for Frontend {
     }
 }
 
-/// A [`Frontend`] while its elements are written.
-struct FrontendDraft {
-    text: String,
-    name_end: u32,
-    elems: Vec<(SetRef, u32, u32)>,
-}
-
-impl FrontendDraft {
-    /// `prefix` is `ip ` or `np `, `key` the frontend's key (every element's key
-    /// starts with it; see [`Frontend`]).
-    fn new(prefix: &str, key: &str, rows: usize) -> FrontendDraft {
-        debug_assert!(prefix.len() == 3);
-        // A row's value takes 15-50 bytes; `finish` trims the rest.
-        let mut text = String::with_capacity(prefix.len() + key.len() + 32 * rows);
-        text.push_str(prefix);
-        text.push_str(key);
-        FrontendDraft {
-            name_end: offset(&text),
-            text,
-            elems: Vec::with_capacity(rows),
-        }
-    }
-
-    /// An element keyed by the frontend's key, followed by ` . row` when `row` is given.
-    fn push(&mut self, set: SetRef, row: Option<u32>, value: std::fmt::Arguments) {
-        let _ = self.text.write_fmt(value);
-        let row = row.unwrap_or(NO_ROW);
-        self.elems.push((set, row, offset(&self.text)));
-    }
-
-    fn finish(self) -> Arc<Frontend> {
-        Arc::new(Frontend {
-            text: self.text.into_boxed_str(),
-            name_end: self.name_end,
-            elems: self.elems.into_boxed_slice(),
-        })
-    }
-}
-
-/// The length of a frontend's text so far, as an offset.
-fn offset(text: &str) -> u32 {
-    // One frontend's elements: a few bytes short of 4 GiB would take tens of millions
-    // of endpoints behind one Service port, far past what the plan could hold.
-    u32::try_from(text.len()).expect("a frontend's elements fit in 4 GiB of text")
+/// A row count as an offset into a frontend's rows.
+fn row_index(n: usize) -> u32 {
+    // One frontend's rows: 4 billion would take that many endpoints behind one
+    // Service port, far past what the plan could hold.
+    u32::try_from(n).expect("a frontend's rows fit in u32")
 }
 
 /// A dispatch group: the map `dnat-{c,l}-N` (address frontends) or `npdnat-{c,l}-N`
@@ -728,6 +745,20 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
     rs
 }
 
+/// An address frontend's key: `addr . proto . port`.
+fn address_key(ip: IpAddr, sp: &ServicePortPlan) -> Tuple {
+    Tuple::new(&[
+        Atom::Addr(ip),
+        Atom::proto(sp.protocol),
+        Atom::Port(sp.port),
+    ])
+}
+
+/// A NodePort frontend's key: `proto . port`.
+fn node_port_key(sp: &ServicePortPlan, node_port: u16) -> Tuple {
+    Tuple::new(&[Atom::proto(sp.protocol), Atom::Port(node_port)])
+}
+
 fn add_service_port(
     frag: &mut Draft,
     f: &Fam,
@@ -736,13 +767,12 @@ fn add_service_port(
     mark: u32,
 ) {
     let id = port_id(sp);
-    let proto = sp.protocol.nft_name();
     // Its shared elements are derived by `shared`.
     if sp.session_affinity_timeout.is_some() {
         add_affinity_port(frag, f, sp, &id, local_pods, mark);
         return;
     }
-    let addr_key = |ip: &IpAddr| format!("{ip} . {proto} . {}", sp.port);
+    let addr_key = |ip: &IpAddr| address_key(*ip, sp);
 
     // Internal traffic: the cluster IP.
     let ctx = PortCtx {
@@ -764,7 +794,7 @@ fn add_service_port(
     }
     // External traffic: external IPs and LB IPs (LB source ranges first), NodePort.
     let firewall = firewall_rule(f, sp);
-    let addrs: Vec<String> = sp
+    let addrs: Vec<Tuple> = sp
         .external_ips
         .iter()
         .chain(&sp.load_balancer_ips)
@@ -784,7 +814,7 @@ fn add_service_port(
         ctx.frontends(
             frag,
             &sp.external,
-            vec![format!("{proto} . {np}")],
+            vec![node_port_key(sp, np)],
             true,
             format!("np-{id}"),
             None,
@@ -926,7 +956,7 @@ impl PortCtx<'_> {
         &self,
         frag: &mut Draft,
         rules: &[TrafficRule],
-        keys: Vec<String>,
+        keys: Vec<Tuple>,
         nodeport: bool,
         chain: String,
         firewall: Option<String>,
@@ -939,12 +969,12 @@ impl PortCtx<'_> {
         let mut sets: Vec<EndpointSet> = Vec::new();
         let mut masq = Masq::Never;
         let value = match direct {
-            Some(Direct::Drop) => "drop".to_string(),
-            Some(Direct::Reject) => format!("goto {}", self.reject_target()),
+            Some(Direct::Drop) => crate::model::Verdict::Drop,
+            Some(Direct::Reject) => crate::model::Verdict::Goto(self.reject_target().into()),
             Some(Direct::Forward(set, m)) => {
                 sets.push(set);
                 masq = m;
-                format!("goto {}", self.dispatch(set, nodeport).chain())
+                crate::model::Verdict::Goto(self.dispatch(set, nodeport).chain().into())
             }
             None => {
                 let mut out: Vec<String> = firewall.into_iter().collect();
@@ -984,7 +1014,7 @@ impl PortCtx<'_> {
                         rules: out,
                     },
                 );
-                format!("goto {chain}")
+                crate::model::Verdict::Goto(chain.as_str().into())
             }
         };
         for d in sets.iter().map(|s| self.dispatch(*s, nodeport)) {
@@ -1003,31 +1033,20 @@ impl PortCtx<'_> {
             (false, Masq::Always) => (SetRef::ServiceIps, Some(SetRef::MasqIps)),
             (false, Masq::NonLocal) => (SetRef::ServiceIps, Some(SetRef::MasqIpsNonlocal)),
         };
-        let prefix = if nodeport { "np " } else { "ip " };
-        let rows: usize = sets.iter().map(|s| self.sp.endpoints_for(*s).len()).sum();
         for key in keys {
             // The same frontend twice in one Service: the first counts.
-            if frag
-                .frontends
-                .iter()
-                .any(|fe| fe.name().strip_prefix(prefix) == Some(key.as_str()))
-            {
+            if frag.frontends.iter().any(|fe| *fe.key() == key) {
                 continue;
             }
-            let mut fe = FrontendDraft::new(prefix, &key, rows + 2);
-            fe.push(vmap, None, format_args!("{value}"));
-            if let Some(ms) = masq_set {
-                fe.push(ms, None, format_args!(""));
-            }
-            for set in &sets {
-                let map = SetRef::Map(self.dispatch(*set, nodeport));
-                // Row indices are below the group's `n`, a `u32`.
-                let eps = self.sp.endpoints_for(*set).iter().zip(0..u32::MAX);
-                for (ep, i) in eps {
-                    fe.push(map, Some(i), format_args!("{} . {}", ep.ip, ep.port));
-                }
-            }
-            frag.frontends.push(fe.finish());
+            let maps = sets
+                .iter()
+                .map(|set| {
+                    let map = SetRef::Map(self.dispatch(*set, nodeport));
+                    (map, self.sp.endpoints_for(*set))
+                })
+                .collect();
+            let fe = Frontend::new(nodeport, key, vmap, value.clone(), masq_set, maps);
+            frag.frontends.push(fe);
         }
     }
 }
@@ -1095,13 +1114,17 @@ fn add_affinity_port(
         }
         out
     };
-    // `prefix` is `ip ` or `np `; the frontend's name is `prefix` then `key`.
-    let mut push = |prefix: &str, vmap: SetRef, key: String, value: String| {
-        let exists = |f: &&Arc<Frontend>| f.name().strip_prefix(prefix) == Some(key.as_str());
-        if !frontends.iter().any(|f| exists(&f)) {
-            let mut f = FrontendDraft::new(prefix, &key, 1);
-            f.push(vmap, None, format_args!("{value}"));
-            frontends.push(f.finish());
+    let mut push = |nodeport: bool, vmap: SetRef, key: Tuple, chain: &str| {
+        if !frontends.iter().any(|f| *f.key() == key) {
+            let verdict = crate::model::Verdict::Goto(chain.into());
+            frontends.push(Frontend::new(
+                nodeport,
+                key,
+                vmap,
+                verdict,
+                None,
+                Vec::new(),
+            ));
         }
     };
 
@@ -1112,8 +1135,12 @@ fn add_affinity_port(
             rules: rules(&sp.internal),
         },
     );
-    let key = format!("{} . {proto} . {}", sp.cluster_ip, sp.port);
-    push("ip ", SetRef::ServiceIps, key, format!("goto {svc_chain}"));
+    push(
+        false,
+        SetRef::ServiceIps,
+        address_key(sp.cluster_ip, sp),
+        &svc_chain,
+    );
 
     if !sp.external.is_empty() {
         let mut ext: Vec<String> = firewall_rule(f, sp).into_iter().collect();
@@ -1126,16 +1153,14 @@ fn add_affinity_port(
             },
         );
         for ip in sp.external_ips.iter().chain(&sp.load_balancer_ips) {
-            let key = format!("{ip} . {proto} . {}", sp.port);
-            push("ip ", SetRef::ServiceIps, key, format!("goto {ext_chain}"));
+            push(false, SetRef::ServiceIps, address_key(*ip, sp), &ext_chain);
         }
         if let Some(np) = sp.node_port {
-            let key = format!("{proto} . {np}");
             push(
-                "np ",
+                true,
                 SetRef::ServiceNodeports,
-                key,
-                format!("goto {ext_chain}"),
+                node_port_key(sp, np),
+                &ext_chain,
             );
         }
     }
