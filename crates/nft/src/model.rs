@@ -20,7 +20,7 @@
 //!   absent table (the tests of `record.rs`).
 //! - A transaction is rendered as `nft -f` input by [`Transaction::nft_text`] /
 //!   [`TextStream`] (through which the record also writes a replacing full sync's
-//!   text, its elements straight from the record's text) and as nfnetlink bytes by
+//!   text, its elements written from the record's frontends) and as nfnetlink bytes by
 //!   `crate::netlink::Batch::transaction` (element operations only, encoded from the
 //!   typed elements).
 //!

@@ -9,15 +9,16 @@
 //! Services use each dispatch group (its map and chain exist while one does).
 //!
 //! It is the dataplane's largest long-lived data (≈ 106k elements at 10k Services ×
-//! 10 endpoints), so elements are held once: a frontend's as one text shared by `Arc`
-//! between its fragment and its claim (its keys made from its name), shared ones as
-//! addresses, and typed elements are made when a transaction is built: for a delta the
+//! 10 endpoints), so elements are held once: a frontend's typed and compact (its key
+//! once, each dispatch row as its endpoint's address and port) and shared by `Arc`
+//! between its fragment and its claim, shared ones as addresses, and the elements
+//! themselves (a key with its row index, a value) are made when a transaction is built: for a delta the
 //! touched elements by [`FamilyRecord::advance`]; for a whole table by one walk over the
 //! Services' elements (`walk_elements`) into one of two sinks — typed, in pieces
 //! ([`FamilyRecord::element_pieces`]: the first sync into absent tables, adoption's and
 //! verification's comparison with the kernel, [`FamilyRecord::assemble`] and
 //! [`FamilyRecord::create`] for tools and tests, [`desired`] and [`render`]), or as nft
-//! text straight from the record's text ([`FamilyRecord::write_replacement`]: a
+//! text written from the record's elements, never collected ([`FamilyRecord::write_replacement`]: a
 //! replacing sync). The structure (base objects, Services' own chains and sets,
 //! dispatch groups) is [`FamilyRecord::assemble_structure`] for every one of them.
 
@@ -279,9 +280,9 @@ impl FamilyRecord {
     }
 
     /// Writes the nft text of [`FamilyRecord::replace`]'s transaction to `out`, the
-    /// Services' elements straight from the record's text (never typed, never held
-    /// as a transaction: the typed elements were most of a replacing full sync's
-    /// transient memory, and typing them most of its own time). The same commands but
+    /// Services' elements written from the record's frontends one by one (never
+    /// collected into typed elements or a transaction: those were most of a replacing
+    /// full sync's transient memory). The same commands but
     /// for the order of elements within a set (frontend order, not key order; a test
     /// holds the two equal up to that order). Returns what the transaction counts.
     pub fn write_replacement(&self, out: &mut TextStream<'_>) -> std::io::Result<model::Counts> {
@@ -650,7 +651,7 @@ impl<E> ElementSink for PieceSink<'_, '_, E> {
     }
 }
 
-/// The elements as nft text straight from the record's text, never typed.
+/// The elements as nft text, written from the frontends one by one, never collected.
 struct TextSink<'a, 'o, 's> {
     text: TextPieces<'a>,
     out: &'o mut TextStream<'s>,
