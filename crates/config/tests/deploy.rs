@@ -222,7 +222,7 @@ fn the_daemonset_runs_kproxy_like_kube_proxy() {
     assert_eq!(caps.drop.as_deref().unwrap(), ["ALL"]);
     let mounts = c.volume_mounts.as_ref().unwrap();
     // No hostPath: kproxy loads no module, and a node without /lib/modules (a kernel with
-    // everything built in) fails a hostPath volume of type Directory (issue 26, found on
+    // everything built in) fails a hostPath volume of type Directory (found on
     // a real kubelet).
     assert!(
         pod.volumes

@@ -1,4 +1,4 @@
-//! Taking a node over from kube-proxy (issue 28): what of upstream kube-proxy's is on a
+//! Taking a node over from kube-proxy (docs/migrate.md): what of upstream kube-proxy's is on a
 //! node, and the plan that removes exactly what `kube-proxy --cleanup` (v1.36,
 //! `cmd/kube-proxy/app/server_linux.go` `platformCleanup`) removes — its nftables tables,
 //! its iptables chains and the rules jumping to them, and in IPVS mode its virtual

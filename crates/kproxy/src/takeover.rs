@@ -1,4 +1,4 @@
-//! Taking a node over from kube-proxy (issue 28), the shell around
+//! Taking a node over from kube-proxy (docs/migrate.md), the shell around
 //! [`kproxy_core::takeover`]: reads what of kube-proxy's is on the node (`nft list
 //! tables`, `iptables-save` of both backends and families, `kube-ipvs0`, ipsets, IPVS),
 //! tells whether a kube-proxy still runs, and runs the removal plan — only after

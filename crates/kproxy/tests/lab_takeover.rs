@@ -1,5 +1,5 @@
-//! Acceptance test of `kproxy lab takeover --recorded --back` (issue 28, item 4's
-//! recorded source): the lab cluster (3 nodes, one pod each, the emulated GKE load
+//! Acceptance test of `kproxy lab takeover --recorded --back` (docs/migrate.md, the
+//! recorded rulesets): the lab cluster (3 nodes, one pod each, the emulated GKE load
 //! balancer probing the eTP=Local Service's health-check node port, new and keep-alive
 //! connections through the VIP and from node 1 to the cluster IP) with real kube-proxy
 //! v1.36.2's rules for this cluster loaded into every node (crates/lab/fixtures/kube-proxy),

@@ -1,4 +1,4 @@
-//! `kproxy lab takeover --from nftables|iptables [--back]` (issue 28): the lab cluster
+//! `kproxy lab takeover --from nftables|iptables [--back]` (docs/migrate.md): the lab cluster
 //! on the real control plane (k8s-lab: kube-apiserver and kube-controller-manager
 //! v1.36.2) with upstream kube-proxy v1.36.2 (`$K8S_LAB/bin/kube-proxy`) on every node,
 //! the emulated load balancer in front of the eTP=Local Service and the two loads of

@@ -1,4 +1,4 @@
-//! kube-proxy as recorded (issue 28, item 4's recorded source): what real kube-proxy
+//! kube-proxy as recorded (docs/migrate.md, "The lab from recorded rulesets"): what real kube-proxy
 //! v1.36.2 put on each node of the lab's cluster — its rules (`nft list ruleset`, or
 //! `iptables-save` and `ip6tables-save`) and the answers of its health servers (the
 //! health-check node port and `/healthz`) — captured by the real mode
