@@ -388,13 +388,28 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 break;
             }
             need_sync = false;
-            if let Attempt::Failed { retry_in } = self.sync().await {
+            let mut attempt = self.sync().await;
+            while let Attempt::Failed { retry_in } = attempt {
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(retry_in) => {}
+                    _ = tokio::time::sleep(retry_in) => {
+                        need_sync = true;
+                        break;
+                    }
+                    // Another process changed the tables (what the sync met: a flush
+                    // between its read and its commit): the full sync owed since the
+                    // failure is the repair, at once rather than after the retry's
+                    // backoff and the pacing, with the rules missing meanwhile. The
+                    // watch's own backoff paces it against a process that keeps at it.
+                    repair = KernelWatch::next(&mut self.kernel) => {
+                        attempt = self.sync().await;
+                        self.repaired_by_sync(repair, matches!(attempt, Attempt::Synced));
+                    }
                 }
-                need_sync = true;
+            }
+            if stop.is_cancelled() {
+                break;
             }
             if self.handle.with(|s| !s.changes().is_empty()) {
                 need_sync = true;
@@ -478,6 +493,34 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 error = format!("{e:#}"),
                 "repairing kproxy's nftables tables failed; retrying"
             ),
+        }
+        if let Some(w) = self.kernel.as_mut() {
+            w.repaired(repair, ok);
+        }
+    }
+
+    /// A full sync ran in place of the owed `repair` (after a sync that met another
+    /// process's change): health and the watch hear of it as of a repair.
+    fn repaired_by_sync(&mut self, repair: kernel_watch::Repair, ok: bool) {
+        if ok {
+            let since_detected = repair.detected.elapsed().as_secs_f64() * 1e3;
+            self.metrics.kernel_repairs.inc();
+            self.health.kernel_repaired();
+            tracing::info!(
+                events = repair.events,
+                ms_since_detected = since_detected,
+                "kproxy's nftables tables repaired by the full sync after the sync that met the change"
+            );
+            self.events.emit(
+                "kernel_repaired",
+                json!({
+                    "events": repair.events,
+                    "ms_since_detected": since_detected,
+                    "process": repair.interference.as_ref().map(|i| &i.process),
+                    "pid": repair.interference.as_ref().map(|i| i.pid),
+                    "detail": {"how": "sync"},
+                }),
+            );
         }
         if let Some(w) = self.kernel.as_mut() {
             w.repaired(repair, ok);
@@ -1039,6 +1082,82 @@ mod tests {
             [
                 Seen::Applied(vec![name(0)]),
                 Seen::Repaired { services: 1 },
+                Seen::KernelRepaired,
+            ],
+            "{seen:?}"
+        );
+        let text = crate::metrics::encode(&registry);
+        assert!(
+            text.contains("kproxy_kernel_interference_repairs_total 1"),
+            "{text}"
+        );
+    }
+
+    /// A sync that fails because another process changed the tables meanwhile (a
+    /// flush between its read and its commit) is retried at once as the repair the
+    /// kernel watch owes, not after the retry's backoff and the pacing (1 s each here,
+    /// as minSyncPeriod's default): the tables are missing until it runs.
+    #[tokio::test(start_paused = true)]
+    async fn a_sync_that_met_interference_is_retried_at_once_as_the_repair() {
+        let log = Log(Arc::default(), Instant::now());
+        let handle = StateHandle::new();
+        let cfg = LoopConfig {
+            node_name: synthetic::node_name(0),
+            plan: PlanConfig::default(),
+            pacing: Pacing::MinSyncPeriod(Duration::from_secs(1)),
+            sync_period: Duration::from_secs(3600),
+            verify_period: Duration::from_secs(7200),
+            event_log: None,
+            changes: ChangeClock::default(),
+        };
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let dataplane = FakeDataplane {
+            log: log.clone(),
+            fail: [false, true].into(),
+            synced_once: false,
+            gate: None,
+        };
+        let health = Arc::new(FakeHealth(log.clone()));
+        let sync_loop = SyncLoop::new(cfg, handle.clone(), dataplane, health, metrics.clone())
+            .unwrap()
+            .watch_kernel(KernelWatch::of(rx, metrics));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(sync_loop.run(stop.clone()));
+        handle.update(|s| s.upsert_service(service(0)));
+        handle.mark_ready();
+        while log.syncs() < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // A change and, with it, another process's flush: the sync of the change fails.
+        handle.update(|s| s.upsert_service(service(1)));
+        tx.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        while !log.0.lock().unwrap().contains(&Seen::KernelRepaired) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        let seen = log.take();
+        let owed = PlanUpdate {
+            services: vec![name(1)],
+            node: false,
+        };
+        assert_eq!(
+            seen[3..],
+            [
+                Seen::Computed(vec![name(1)]),
+                Seen::SyncFailed { ms: 1000 },
+                Seen::HealthFailed,
+                Seen::Computed(vec![]),
+                // Not at 2000 ms (the retry's backoff): at once, and full.
+                Seen::Sync {
+                    ms: 1000,
+                    full: true,
+                    update: owed,
+                    services: 2
+                },
+                Seen::Applied(vec![name(1)]),
                 Seen::KernelRepaired,
             ],
             "{seen:?}"

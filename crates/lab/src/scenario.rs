@@ -444,17 +444,40 @@ async fn run_async(
     let times = match result {
         Ok(v) => v,
         Err(e) => {
-            let logs: Vec<String> = daemons
+            let mut kept: Vec<String> = daemons
                 .iter()
                 .map(|d| d.log.display().to_string())
                 .collect();
+            if let Ok(path) = write_timeline(&workdir.path, &rec, &[], wall_start, cfg.time_scale) {
+                kept.push(path.display().to_string());
+            }
             workdir.keep();
             return Err(LabError::Invalid(format!(
-                "{e} (kproxy logs kept: {})",
-                logs.join(", ")
+                "{e} (kproxy logs and the timeline kept: {})",
+                kept.join(", ")
             )));
         }
     };
+    let failed: Vec<&RequestRecord> = times
+        .records
+        .iter()
+        .filter(|r| !r.outcome.is_ok())
+        .collect();
+    if !failed.is_empty() {
+        // A loss is diagnosed from kproxy's logs beside the lab's timeline: keep both.
+        match write_timeline(&workdir.path, &rec, &failed, wall_start, cfg.time_scale) {
+            Ok(path) => {
+                workdir.keep();
+                progress(&format!(
+                    "{tag} {} requests failed: kproxy logs and the timeline kept in {} ({})",
+                    failed.len(),
+                    workdir.path.display(),
+                    path.display()
+                ));
+            }
+            Err(e) => progress(&format!("{tag} warning: keeping the timeline: {e}")),
+        }
+    }
     Ok(RunResult {
         behaviour,
         control_plane: opts.control_plane,
@@ -939,6 +962,35 @@ async fn drain_node(
         format!("{name} out of the load balancer's pool; replacement pods available"),
     );
     Ok((start, end))
+}
+
+/// Writes the run's timeline and its failed requests to `timeline.json` in `dir`, next
+/// to kproxy's logs; `wall_start_unix_ms` turns its run-relative times (real ms) into
+/// the wall times the logs carry.
+fn write_timeline(
+    dir: &Path,
+    rec: &Recorder,
+    failed: &[&RequestRecord],
+    wall_start: SystemTime,
+    time_scale: f64,
+) -> Result<PathBuf, LabError> {
+    let wall_start_unix_ms = wall_start
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .unwrap_or(0.0);
+    let text = serde_json::to_string_pretty(&serde_json::json!({
+        "wall_start_unix_ms": wall_start_unix_ms,
+        "time_scale": time_scale,
+        "events": rec.events(),
+        "failed_requests": failed,
+    }))
+    .map_err(|e| LabError::Invalid(format!("encoding the timeline: {e}")))?;
+    let path = dir.join("timeline.json");
+    std::fs::write(&path, text).map_err(|e| LabError::Io {
+        what: format!("write {}", path.display()),
+        source: e,
+    })?;
+    Ok(path)
 }
 
 /// The run's scratch directory (manifests, kproxy logs); removed unless kept.
