@@ -348,6 +348,12 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => break,
+                    // Before a change: a delta sync into tables another process removed
+                    // fails, and only then would the repair run.
+                    repair = KernelWatch::next(&mut self.kernel) => {
+                        self.repair_kernel(repair).await;
+                        continue;
+                    }
                     _ = self.handle.changed() => {
                         // A wake left over from changes the last sync already took,
                         // or an API return whose relist changed nothing.
@@ -365,10 +371,6 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                     _ = tokio::time::sleep_until(next_verify) => {
                         self.verify().await;
                         next_verify = Instant::now() + self.cfg.verify_period;
-                        continue;
-                    }
-                    repair = KernelWatch::next(&mut self.kernel) => {
-                        self.repair_kernel(repair).await;
                         continue;
                     }
                 }
@@ -1130,8 +1132,10 @@ mod tests {
         while log.syncs() < 1 {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        // A change and, with it, another process's flush: the sync of the change fails.
+        // A change, then, while its sync waits out the pacing, another process's
+        // flush: the sync of the change fails.
         handle.update(|s| s.upsert_service(service(1)));
+        tokio::time::sleep(Duration::from_millis(10)).await;
         tx.send(kproxy_nft::monitor::Event::Lost).unwrap();
         while !log.0.lock().unwrap().contains(&Seen::KernelRepaired) {
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -1166,6 +1170,65 @@ mod tests {
         assert!(
             text.contains("kproxy_kernel_interference_repairs_total 1"),
             "{text}"
+        );
+    }
+
+    /// Another process's change read together with a change of the cluster: the
+    /// tables are repaired first, then the delta sync runs against them (a delta into
+    /// tables that were flushed fails, and the repair would wait for it).
+    #[tokio::test(start_paused = true)]
+    async fn a_repair_owed_goes_before_the_next_delta_sync() {
+        let log = Log(Arc::default(), Instant::now());
+        let handle = StateHandle::new();
+        let cfg = LoopConfig {
+            node_name: synthetic::node_name(0),
+            plan: PlanConfig::default(),
+            pacing: Pacing::MinSyncPeriod(Duration::ZERO),
+            sync_period: Duration::from_secs(3600),
+            verify_period: Duration::from_secs(7200),
+            event_log: None,
+            changes: ChangeClock::default(),
+        };
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let dataplane = FakeDataplane {
+            log: log.clone(),
+            fail: VecDeque::new(),
+            synced_once: false,
+            gate: None,
+        };
+        let health = Arc::new(FakeHealth(log.clone()));
+        let sync_loop = SyncLoop::new(cfg, handle.clone(), dataplane, health, metrics.clone())
+            .unwrap()
+            .watch_kernel(KernelWatch::of(rx, metrics));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(sync_loop.run(stop.clone()));
+        handle.update(|s| s.upsert_service(service(0)));
+        handle.mark_ready();
+        while log.syncs() < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        handle.update(|s| s.upsert_service(service(1)));
+        tx.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        while log.syncs() < 2 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        stop.cancel();
+        task.await.unwrap().unwrap();
+        let seen = log.take();
+        assert_eq!(
+            seen[3..6],
+            [
+                Seen::Repaired { services: 1 },
+                Seen::KernelRepaired,
+                Seen::Computed(vec![name(1)]),
+            ],
+            "{seen:?}"
+        );
+        assert!(
+            matches!(seen[6], Seen::Sync { full: false, .. }),
+            "{seen:?}"
         );
     }
 

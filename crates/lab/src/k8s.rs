@@ -858,6 +858,10 @@ impl ApiServerProcess {
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)
             .map_err(|e| LabError::Invalid(format!("kill kube-apiserver (pid {pid}): {e}")))?;
         while std::path::Path::new(&format!("/proc/{}", self.pid)).exists() {
+            // A server an earlier run of this process started again is its child: reap
+            // it, or it stays a zombie and this waits forever. Another parent's (start.sh's,
+            // then init's) is reaped there: ECHILD here.
+            let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(())

@@ -463,7 +463,7 @@ async fn run_async(
         .iter()
         .filter(|r| !r.outcome.is_ok())
         .collect();
-    if !failed.is_empty() {
+    if !failed.is_empty() || std::env::var_os(KEEP_ENV).is_some() {
         // A loss is diagnosed from kproxy's logs beside the lab's timeline: keep both.
         match write_timeline(&workdir.path, &rec, &failed, wall_start, cfg.time_scale) {
             Ok(path) => {
@@ -963,6 +963,10 @@ async fn drain_node(
     );
     Ok((start, end))
 }
+
+/// Set (to anything): every run keeps kproxy's logs and its timeline, not only a run
+/// that lost requests or failed.
+pub const KEEP_ENV: &str = "KPROXY_LAB_KEEP";
 
 /// Writes the run's timeline and its failed requests to `timeline.json` in `dir`, next
 /// to kproxy's logs; `wall_start_unix_ms` turns its run-relative times (real ms) into
