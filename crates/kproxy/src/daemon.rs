@@ -962,6 +962,8 @@ mod tests {
         log: Log,
         registry: Registry,
         handle: StateHandle,
+        /// Feeds the loop's kernel watch, as the nftables notifications would.
+        kernel: tokio::sync::mpsc::UnboundedSender<kproxy_nft::monitor::Event>,
         stop: CancellationToken,
         task: tokio::task::JoinHandle<Result<FakeDataplane>>,
     }
@@ -1004,20 +1006,23 @@ mod tests {
         };
         let mut registry = Registry::default();
         let metrics = Metrics::register(&mut registry);
+        let (kernel, events) = tokio::sync::mpsc::unbounded_channel();
         let sync_loop = SyncLoop::new(
             cfg,
             handle.clone(),
             dataplane,
             Arc::new(FakeHealth(log.clone())),
-            metrics,
+            metrics.clone(),
         )
-        .unwrap();
+        .unwrap()
+        .watch_kernel(KernelWatch::of(events, metrics));
         let stop = CancellationToken::new();
         let task = tokio::spawn(sync_loop.run(stop.clone()));
         Harness {
             log,
             registry,
             handle,
+            kernel,
             stop,
             task,
         }
@@ -1033,6 +1038,18 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
+        /// Lets paused time run until the fakes saw `what`.
+        async fn until_seen(&self, what: &Seen) {
+            while !self.log.0.lock().unwrap().contains(what) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        /// Stops the loop: what the fakes saw and the metrics' text.
+        async fn finish(self) -> (Vec<Seen>, String) {
+            let (log, text) = (self.log.clone(), crate::metrics::encode(&self.registry));
+            self.stop().await;
+            (log.take(), text)
+        }
         async fn stop(self) -> FakeDataplane {
             self.stop.cancel();
             self.task.await.unwrap().unwrap()
@@ -1044,41 +1061,12 @@ mod tests {
     /// sync waits for it), and health hears of the repair.
     #[tokio::test(start_paused = true)]
     async fn interference_is_repaired_between_syncs_and_health_hears_of_it() {
-        let log = Log(Arc::default(), Instant::now());
-        let handle = StateHandle::new();
-        let cfg = LoopConfig {
-            node_name: synthetic::node_name(0),
-            plan: PlanConfig::default(),
-            pacing: Pacing::MinSyncPeriod(Duration::ZERO),
-            sync_period: Duration::from_secs(3600),
-            verify_period: Duration::from_secs(7200),
-            event_log: None,
-            changes: ChangeClock::default(),
-        };
-        let mut registry = Registry::default();
-        let metrics = Metrics::register(&mut registry);
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let dataplane = FakeDataplane {
-            log: log.clone(),
-            fail: VecDeque::new(),
-            synced_once: false,
-            gate: None,
-        };
-        let health = Arc::new(FakeHealth(log.clone()));
-        let sync_loop = SyncLoop::new(cfg, handle.clone(), dataplane, health, metrics.clone())
-            .unwrap()
-            .watch_kernel(KernelWatch::of(rx, metrics));
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(sync_loop.run(stop.clone()));
-        tx.send(kproxy_nft::monitor::Event::Lost).unwrap();
-        handle.update(|s| s.upsert_service(service(0)));
-        handle.mark_ready();
-        while !log.0.lock().unwrap().contains(&Seen::KernelRepaired) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        stop.cancel();
-        task.await.unwrap().unwrap();
-        let seen = log.take();
+        let h = start(0, &[], None);
+        h.kernel.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_seen(&Seen::KernelRepaired).await;
+        let (seen, text) = h.finish().await;
         assert_eq!(
             seen[2..],
             [
@@ -1088,7 +1076,6 @@ mod tests {
             ],
             "{seen:?}"
         );
-        let text = crate::metrics::encode(&registry);
         assert!(
             text.contains("kproxy_kernel_interference_repairs_total 1"),
             "{text}"
@@ -1101,48 +1088,17 @@ mod tests {
     /// as minSyncPeriod's default): the tables are missing until it runs.
     #[tokio::test(start_paused = true)]
     async fn a_sync_that_met_interference_is_retried_at_once_as_the_repair() {
-        let log = Log(Arc::default(), Instant::now());
-        let handle = StateHandle::new();
-        let cfg = LoopConfig {
-            node_name: synthetic::node_name(0),
-            plan: PlanConfig::default(),
-            pacing: Pacing::MinSyncPeriod(Duration::from_secs(1)),
-            sync_period: Duration::from_secs(3600),
-            verify_period: Duration::from_secs(7200),
-            event_log: None,
-            changes: ChangeClock::default(),
-        };
-        let mut registry = Registry::default();
-        let metrics = Metrics::register(&mut registry);
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let dataplane = FakeDataplane {
-            log: log.clone(),
-            fail: [false, true].into(),
-            synced_once: false,
-            gate: None,
-        };
-        let health = Arc::new(FakeHealth(log.clone()));
-        let sync_loop = SyncLoop::new(cfg, handle.clone(), dataplane, health, metrics.clone())
-            .unwrap()
-            .watch_kernel(KernelWatch::of(rx, metrics));
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(sync_loop.run(stop.clone()));
-        handle.update(|s| s.upsert_service(service(0)));
-        handle.mark_ready();
-        while log.syncs() < 1 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        let h = start(1000, &[false, true], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
         // A change, then, while its sync waits out the pacing, another process's
         // flush: the sync of the change fails.
-        handle.update(|s| s.upsert_service(service(1)));
+        h.add(1);
         tokio::time::sleep(Duration::from_millis(10)).await;
-        tx.send(kproxy_nft::monitor::Event::Lost).unwrap();
-        while !log.0.lock().unwrap().contains(&Seen::KernelRepaired) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        stop.cancel();
-        task.await.unwrap().unwrap();
-        let seen = log.take();
+        h.kernel.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        h.until_seen(&Seen::KernelRepaired).await;
+        let (seen, text) = h.finish().await;
         let owed = PlanUpdate {
             services: vec![name(1)],
             node: false,
@@ -1166,7 +1122,6 @@ mod tests {
             ],
             "{seen:?}"
         );
-        let text = crate::metrics::encode(&registry);
         assert!(
             text.contains("kproxy_kernel_interference_repairs_total 1"),
             "{text}"
@@ -1178,44 +1133,15 @@ mod tests {
     /// tables that were flushed fails, and the repair would wait for it).
     #[tokio::test(start_paused = true)]
     async fn a_repair_owed_goes_before_the_next_delta_sync() {
-        let log = Log(Arc::default(), Instant::now());
-        let handle = StateHandle::new();
-        let cfg = LoopConfig {
-            node_name: synthetic::node_name(0),
-            plan: PlanConfig::default(),
-            pacing: Pacing::MinSyncPeriod(Duration::ZERO),
-            sync_period: Duration::from_secs(3600),
-            verify_period: Duration::from_secs(7200),
-            event_log: None,
-            changes: ChangeClock::default(),
-        };
-        let mut registry = Registry::default();
-        let metrics = Metrics::register(&mut registry);
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let dataplane = FakeDataplane {
-            log: log.clone(),
-            fail: VecDeque::new(),
-            synced_once: false,
-            gate: None,
-        };
-        let health = Arc::new(FakeHealth(log.clone()));
-        let sync_loop = SyncLoop::new(cfg, handle.clone(), dataplane, health, metrics.clone())
-            .unwrap()
-            .watch_kernel(KernelWatch::of(rx, metrics));
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(sync_loop.run(stop.clone()));
-        handle.update(|s| s.upsert_service(service(0)));
-        handle.mark_ready();
-        while log.syncs() < 1 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        handle.update(|s| s.upsert_service(service(1)));
-        tx.send(kproxy_nft::monitor::Event::Lost).unwrap();
-        while log.syncs() < 2 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        stop.cancel();
-        task.await.unwrap().unwrap();
+        let h = start(0, &[], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        h.add(1);
+        h.kernel.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        h.until_syncs(2).await;
+        let log = h.log.clone();
+        h.stop().await;
         let seen = log.take();
         assert_eq!(
             seen[3..6],
