@@ -396,7 +396,7 @@ fn flush_window(r: &RunResult, t_ms: f64) -> Option<(String, f64, Option<f64>)> 
             (node, at, repaired)
         })
         .filter(|(_, _, repaired)| repaired.is_none_or(|t| t_ms <= t + slack))
-        .last()
+        .next_back()
 }
 
 /// The first event of `kind` for `node`.
