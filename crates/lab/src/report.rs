@@ -395,8 +395,7 @@ fn flush_window(r: &RunResult, t_ms: f64) -> Option<(String, f64, Option<f64>)> 
                 .map(|e| e.t_ms);
             (node, at, repaired)
         })
-        .filter(|(_, _, repaired)| repaired.is_none_or(|t| t_ms <= t + slack))
-        .next_back()
+        .rfind(|(_, _, repaired)| repaired.is_none_or(|t| t_ms <= t + slack))
 }
 
 /// The first event of `kind` for `node`.
