@@ -208,7 +208,10 @@ pub fn explain_burst(
     let flushed = flush_window(r, start_ms);
     if let Some((node, flushed_at, repaired_at)) = &flushed {
         let repaired = match repaired_at {
-            Some(t) => format!("restored them {:.0} ms later", t - flushed_at),
+            Some(t) => format!(
+                "restored them {:.0} ms after the flush was recorded",
+                t - flushed_at
+            ),
             None => "had not restored them".to_string(),
         };
         causes.push(format!(
@@ -1056,7 +1059,7 @@ mod tests {
         let cause = explain_burst(&run(flushed.clone()), 1500.0, 1500.0, &[&new]);
         assert!(
             cause.contains(
-                "flushed node-2's nftables ruleset at 14.90 s and kproxy restored them 30 ms later"
+                "flushed node-2's nftables ruleset at 14.90 s and kproxy restored them 30 ms after"
             ),
             "{cause}"
         );
