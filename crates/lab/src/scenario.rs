@@ -463,7 +463,11 @@ async fn run_async(
         .iter()
         .filter(|r| !r.outcome.is_ok())
         .collect();
-    if !failed.is_empty() || std::env::var_os(KEEP_ENV).is_some() {
+    if keep_run(
+        behaviour,
+        failed.len(),
+        std::env::var(KEEP_ENV).ok().as_deref(),
+    ) {
         // A loss is diagnosed from kproxy's logs beside the lab's timeline: keep both.
         match write_timeline(&workdir.path, &rec, &failed, wall_start, cfg.time_scale) {
             Ok(path) => {
@@ -964,9 +968,21 @@ async fn drain_node(
     Ok((start, end))
 }
 
-/// Set (to anything): every run keeps kproxy's logs and its timeline, not only a run
-/// that lost requests or failed.
+/// `1`: every run keeps kproxy's logs and its timeline; `0`: no run that ended keeps
+/// them (tests that lose requests by design); unset: a run with kproxy behaviour that
+/// lost requests keeps them. A run that ends in error always does.
 pub const KEEP_ENV: &str = "KPROXY_LAB_KEEP";
+
+/// Whether a run that ended with `failed` failed requests keeps its logs and timeline,
+/// given [`KEEP_ENV`]. Pre-1.26 behaviour loses requests by design and its report says
+/// why: its losses are no reason to keep.
+fn keep_run(behaviour: Behaviour, failed: usize, keep: Option<&str>) -> bool {
+    match keep {
+        Some("0") => false,
+        Some("1") => true,
+        _ => behaviour == Behaviour::Kproxy && failed > 0,
+    }
+}
 
 /// Writes the run's timeline and its failed requests to `timeline.json` in `dir`, next
 /// to kproxy's logs; `wall_start_unix_ms` turns its run-relative times (real ms) into
@@ -1024,6 +1040,30 @@ impl Drop for Workdir {
     fn drop(&mut self) {
         if !self.keep.get() {
             let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_keeps_its_logs_when_kproxy_lost_requests_or_when_asked() {
+        use Behaviour::{Kproxy, Pre126};
+        for (behaviour, failed, keep, kept) in [
+            (Kproxy, 0, None, false),
+            (Kproxy, 3, None, true),
+            (Pre126, 40, None, false),
+            (Kproxy, 3, Some("0"), false),
+            (Pre126, 0, Some("1"), true),
+            (Kproxy, 3, Some("yes"), true),
+        ] {
+            assert_eq!(
+                keep_run(behaviour, failed, keep),
+                kept,
+                "{behaviour:?} {failed} {keep:?}"
+            );
         }
     }
 }
