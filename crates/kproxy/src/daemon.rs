@@ -348,6 +348,12 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => break,
+                    // Before a change: a delta sync into tables another process removed
+                    // fails, and only then would the repair run.
+                    repair = KernelWatch::next(&mut self.kernel) => {
+                        self.repair_kernel(repair).await;
+                        continue;
+                    }
                     _ = self.handle.changed() => {
                         // A wake left over from changes the last sync already took,
                         // or an API return whose relist changed nothing.
@@ -367,10 +373,6 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                         next_verify = Instant::now() + self.cfg.verify_period;
                         continue;
                     }
-                    repair = KernelWatch::next(&mut self.kernel) => {
-                        self.repair_kernel(repair).await;
-                        continue;
-                    }
                 }
             }
             // Batch as the pacing says; changes arriving meanwhile join this sync.
@@ -388,13 +390,28 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 break;
             }
             need_sync = false;
-            if let Attempt::Failed { retry_in } = self.sync().await {
+            let mut attempt = self.sync().await;
+            while let Attempt::Failed { retry_in } = attempt {
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(retry_in) => {}
+                    _ = tokio::time::sleep(retry_in) => {
+                        need_sync = true;
+                        break;
+                    }
+                    // Another process changed the tables (what the sync met: a flush
+                    // between its read and its commit): the full sync owed since the
+                    // failure is the repair, at once rather than after the retry's
+                    // backoff and the pacing, with the rules missing meanwhile. The
+                    // watch's own backoff paces it against a process that keeps at it.
+                    repair = KernelWatch::next(&mut self.kernel) => {
+                        attempt = self.sync().await;
+                        self.repaired_by_sync(repair, matches!(attempt, Attempt::Synced));
+                    }
                 }
-                need_sync = true;
+            }
+            if stop.is_cancelled() {
+                break;
             }
             if self.handle.with(|s| !s.changes().is_empty()) {
                 need_sync = true;
@@ -478,6 +495,34 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 error = format!("{e:#}"),
                 "repairing kproxy's nftables tables failed; retrying"
             ),
+        }
+        if let Some(w) = self.kernel.as_mut() {
+            w.repaired(repair, ok);
+        }
+    }
+
+    /// A full sync ran in place of the owed `repair` (after a sync that met another
+    /// process's change): health and the watch hear of it as of a repair.
+    fn repaired_by_sync(&mut self, repair: kernel_watch::Repair, ok: bool) {
+        if ok {
+            let since_detected = repair.detected.elapsed().as_secs_f64() * 1e3;
+            self.metrics.kernel_repairs.inc();
+            self.health.kernel_repaired();
+            tracing::info!(
+                events = repair.events,
+                ms_since_detected = since_detected,
+                "kproxy's nftables tables repaired by the full sync after the sync that met the change"
+            );
+            self.events.emit(
+                "kernel_repaired",
+                json!({
+                    "events": repair.events,
+                    "ms_since_detected": since_detected,
+                    "process": repair.interference.as_ref().map(|i| &i.process),
+                    "pid": repair.interference.as_ref().map(|i| i.pid),
+                    "detail": {"how": "sync"},
+                }),
+            );
         }
         if let Some(w) = self.kernel.as_mut() {
             w.repaired(repair, ok);
@@ -917,6 +962,8 @@ mod tests {
         log: Log,
         registry: Registry,
         handle: StateHandle,
+        /// Feeds the loop's kernel watch, as the nftables notifications would.
+        kernel: tokio::sync::mpsc::UnboundedSender<kproxy_nft::monitor::Event>,
         stop: CancellationToken,
         task: tokio::task::JoinHandle<Result<FakeDataplane>>,
     }
@@ -959,20 +1006,23 @@ mod tests {
         };
         let mut registry = Registry::default();
         let metrics = Metrics::register(&mut registry);
+        let (kernel, events) = tokio::sync::mpsc::unbounded_channel();
         let sync_loop = SyncLoop::new(
             cfg,
             handle.clone(),
             dataplane,
             Arc::new(FakeHealth(log.clone())),
-            metrics,
+            metrics.clone(),
         )
-        .unwrap();
+        .unwrap()
+        .watch_kernel(KernelWatch::of(events, metrics));
         let stop = CancellationToken::new();
         let task = tokio::spawn(sync_loop.run(stop.clone()));
         Harness {
             log,
             registry,
             handle,
+            kernel,
             stop,
             task,
         }
@@ -988,6 +1038,18 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
+        /// Lets paused time run until the fakes saw `what`.
+        async fn until_seen(&self, what: &Seen) {
+            while !self.log.0.lock().unwrap().contains(what) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        /// Stops the loop: what the fakes saw and the metrics' text.
+        async fn finish(self) -> (Vec<Seen>, String) {
+            let (log, text) = (self.log.clone(), crate::metrics::encode(&self.registry));
+            self.stop().await;
+            (log.take(), text)
+        }
         async fn stop(self) -> FakeDataplane {
             self.stop.cancel();
             self.task.await.unwrap().unwrap()
@@ -999,41 +1061,12 @@ mod tests {
     /// sync waits for it), and health hears of the repair.
     #[tokio::test(start_paused = true)]
     async fn interference_is_repaired_between_syncs_and_health_hears_of_it() {
-        let log = Log(Arc::default(), Instant::now());
-        let handle = StateHandle::new();
-        let cfg = LoopConfig {
-            node_name: synthetic::node_name(0),
-            plan: PlanConfig::default(),
-            pacing: Pacing::MinSyncPeriod(Duration::ZERO),
-            sync_period: Duration::from_secs(3600),
-            verify_period: Duration::from_secs(7200),
-            event_log: None,
-            changes: ChangeClock::default(),
-        };
-        let mut registry = Registry::default();
-        let metrics = Metrics::register(&mut registry);
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let dataplane = FakeDataplane {
-            log: log.clone(),
-            fail: VecDeque::new(),
-            synced_once: false,
-            gate: None,
-        };
-        let health = Arc::new(FakeHealth(log.clone()));
-        let sync_loop = SyncLoop::new(cfg, handle.clone(), dataplane, health, metrics.clone())
-            .unwrap()
-            .watch_kernel(KernelWatch::of(rx, metrics));
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(sync_loop.run(stop.clone()));
-        tx.send(kproxy_nft::monitor::Event::Lost).unwrap();
-        handle.update(|s| s.upsert_service(service(0)));
-        handle.mark_ready();
-        while !log.0.lock().unwrap().contains(&Seen::KernelRepaired) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        stop.cancel();
-        task.await.unwrap().unwrap();
-        let seen = log.take();
+        let h = start(0, &[], None);
+        h.kernel.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_seen(&Seen::KernelRepaired).await;
+        let (seen, text) = h.finish().await;
         assert_eq!(
             seen[2..],
             [
@@ -1043,10 +1076,87 @@ mod tests {
             ],
             "{seen:?}"
         );
-        let text = crate::metrics::encode(&registry);
+        assert_repaired_once(&text);
+    }
+
+    /// The metrics count one repair of another process's change.
+    fn assert_repaired_once(metrics: &str) {
         assert!(
-            text.contains("kproxy_kernel_interference_repairs_total 1"),
-            "{text}"
+            metrics.contains("kproxy_kernel_interference_repairs_total 1"),
+            "{metrics}"
+        );
+    }
+
+    /// A sync that fails because another process changed the tables meanwhile (a
+    /// flush between its read and its commit) is retried at once as the repair the
+    /// kernel watch owes, not after the retry's backoff and the pacing (1 s each here,
+    /// as minSyncPeriod's default): the tables are missing until it runs.
+    #[tokio::test(start_paused = true)]
+    async fn a_sync_that_met_interference_is_retried_at_once_as_the_repair() {
+        let h = start(1000, &[false, true], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        // A change, then, while its sync waits out the pacing, another process's
+        // flush: the sync of the change fails.
+        h.add(1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        h.kernel.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        h.until_seen(&Seen::KernelRepaired).await;
+        let (seen, text) = h.finish().await;
+        let owed = PlanUpdate {
+            services: vec![name(1)],
+            node: false,
+        };
+        assert_eq!(
+            seen[3..],
+            [
+                Seen::Computed(vec![name(1)]),
+                Seen::SyncFailed { ms: 1000 },
+                Seen::HealthFailed,
+                Seen::Computed(vec![]),
+                // Not at 2000 ms (the retry's backoff): at once, and full.
+                Seen::Sync {
+                    ms: 1000,
+                    full: true,
+                    update: owed,
+                    services: 2
+                },
+                Seen::Applied(vec![name(1)]),
+                Seen::KernelRepaired,
+            ],
+            "{seen:?}"
+        );
+        assert_repaired_once(&text);
+    }
+
+    /// Another process's change read together with a change of the cluster: the
+    /// tables are repaired first, then the delta sync runs against them (a delta into
+    /// tables that were flushed fails, and the repair would wait for it).
+    #[tokio::test(start_paused = true)]
+    async fn a_repair_owed_goes_before_the_next_delta_sync() {
+        let h = start(0, &[], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        h.add(1);
+        h.kernel.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        h.until_syncs(2).await;
+        let log = h.log.clone();
+        h.stop().await;
+        let seen = log.take();
+        assert_eq!(
+            seen[3..6],
+            [
+                Seen::Repaired { services: 1 },
+                Seen::KernelRepaired,
+                Seen::Computed(vec![name(1)]),
+            ],
+            "{seen:?}"
+        );
+        assert!(
+            matches!(seen[6], Seen::Sync { full: false, .. }),
+            "{seen:?}"
         );
     }
 

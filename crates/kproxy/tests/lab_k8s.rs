@@ -29,6 +29,8 @@ fn require_lab() {
 
 fn rollout(args: &[&str]) -> (i32, Value) {
     let out = Command::new(env!("CARGO_BIN_EXE_kproxy"))
+        // Runs here lose requests by design: keep no log directory behind.
+        .env("KPROXY_LAB_KEEP", "0")
         .args(["lab", "rollout", "-o", "json", "--no-html"])
         .args(args)
         .output()

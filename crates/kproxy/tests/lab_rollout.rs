@@ -22,6 +22,8 @@ fn root() -> bool {
 /// Run `kproxy lab rollout -o json` with `args`; returns (exit code, JSON).
 fn rollout(args: &[&str], html: Option<&Path>) -> (i32, Value) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kproxy"));
+    // Runs here lose requests by design: keep no log directory behind.
+    cmd.env("KPROXY_LAB_KEEP", "0");
     cmd.args(["lab", "rollout", "-o", "json"]);
     if !args.contains(&"--time-scale") {
         cmd.args(["--time-scale", SCALE]);

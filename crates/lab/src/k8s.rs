@@ -30,6 +30,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -591,7 +592,9 @@ pub struct Agent;
 impl Agent {
     pub async fn run(client: kube::Client, cluster: Arc<Cluster>, rec: Recorder) {
         let api: Api<Pod> = Api::namespaced(client.clone(), SERVICE_NAMESPACE);
-        let mut events = watcher::watcher(api.clone(), watcher::Config::default()).boxed();
+        let mut events = watcher::watcher(api.clone(), watcher::Config::default())
+            .backoff(Steady)
+            .boxed();
         // Pods waiting for a node, by name: their revision.
         let mut pending: BTreeMap<String, u32> = BTreeMap::new();
         let mut bound: HashSet<String> = HashSet::new();
@@ -698,13 +701,31 @@ impl Agent {
     }
 }
 
+/// The retry of the lab's own watches (its kubelet's Pods, its record of the
+/// EndpointSlices) while the API server is away: steady and short, so the lab sees the
+/// API's return at once (it observes; it is not the system under test), and not at
+/// once, which spun thousands of failed requests and timeline notes a second through an
+/// API outage.
+struct Steady;
+
+impl Iterator for Steady {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        Some(Duration::from_millis(100))
+    }
+}
+
+impl kube::runtime::utils::Backoff for Steady {
+    fn reset(&mut self) {}
+}
+
 /// Record every change of the Service's endpoints as the real EndpointSlice
 /// controller publishes them (same summary as the emulation's publisher).
 pub async fn watch_slices(client: kube::Client, rec: Recorder) {
     let api: Api<EndpointSlice> = Api::namespaced(client, SERVICE_NAMESPACE);
     let cfg =
         watcher::Config::default().labels(&format!("kubernetes.io/service-name={SERVICE_NAME}"));
-    let mut events = watcher::watcher(api, cfg).boxed();
+    let mut events = watcher::watcher(api, cfg).backoff(Steady).boxed();
     let mut slices: BTreeMap<String, Value> = BTreeMap::new();
     let mut last = None::<String>;
     while let Some(ev) = events.next().await {
@@ -858,6 +879,10 @@ impl ApiServerProcess {
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)
             .map_err(|e| LabError::Invalid(format!("kill kube-apiserver (pid {pid}): {e}")))?;
         while std::path::Path::new(&format!("/proc/{}", self.pid)).exists() {
+            // A server an earlier run of this process started again is its child: reap
+            // it, or it stays a zombie and this waits forever. Another parent's (start.sh's,
+            // then init's) is reaped there: ECHILD here.
+            let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(())

@@ -205,10 +205,24 @@ pub fn explain_burst(
 ) -> String {
     let views = node_views(r, start_ms);
     let mut causes = drain_causes(r, start_ms, end_ms, records);
+    let flushed = flush_window(r, start_ms);
+    if let Some((node, flushed_at, repaired_at)) = &flushed {
+        let repaired = match repaired_at {
+            Some(t) => format!(
+                "restored them {:.0} ms after the flush was recorded",
+                t - flushed_at
+            ),
+            None => "had not restored them".to_string(),
+        };
+        causes.push(format!(
+            "another process flushed {node}'s nftables ruleset at {:.2} s and kproxy {repaired}: new connections that reached {node} in between found no rule",
+            nominal(r, *flushed_at)
+        ));
+    }
     // Per-node pod checks are about eTP Local (a node without a serving local pod
     // drops); with a drain the Service is eTP Cluster and any node forwards.
     for (node, v) in views.iter().filter(|_| r.drain.is_none()) {
-        if !v.in_pool {
+        if !v.in_pool || flushed.as_ref().is_some_and(|(n, _, _)| n == node) {
             continue;
         }
         let all_terminating = !v.live_pods.is_empty()
@@ -231,7 +245,18 @@ pub fn explain_burst(
                 .iter()
                 .all(|p| v.sigtermed.iter().any(|(x, _)| x == p));
             let none_serving = !v.live_pods.iter().any(|p| v.ready.contains(p));
-            if none_serving {
+            let unpublished: Vec<&str> = v
+                .terminating
+                .iter()
+                .filter(|(p, t)| !termination_published(r, node, p, *t, start_ms))
+                .map(|(p, _)| p.as_str())
+                .collect();
+            if !unpublished.is_empty() {
+                causes.push(format!(
+                    "{node} kept receiving new connections {window} after its last pod became terminating, and no EndpointSlice change had shown {} terminating by then (the EndpointSlice controller had not published it): no proxy could turn {node}'s health check to 503",
+                    unpublished.join(", ")
+                ));
+            } else if none_serving {
                 causes.push(format!(
                     "{node} kept receiving new connections {window} after its last pod became terminating, and that pod's readiness had already failed ({}): terminating and not serving, it was no endpoint while still alive, so {node} dropped new connections (the rule: preStop + readiness period × (failureThreshold − 1) must cover terminationGracePeriodSeconds)",
                     v.live_pods.join(", ")
@@ -337,6 +362,43 @@ pub fn explain_burst(
         ));
     }
     causes.join("; ")
+}
+
+/// Whether an EndpointSlice change between `since` (the pod's termination) and `t_ms`
+/// showed `pod` of `node` no longer ready (terminating, or gone).
+fn termination_published(r: &RunResult, node: &str, pod: &str, since: f64, t_ms: f64) -> bool {
+    let ready = format!("{pod}@{node}:R");
+    r.events.iter().any(|e| {
+        e.kind == EventKind::SlicePublished
+            && e.t_ms >= since
+            && e.t_ms <= t_ms
+            && !e.detail.contains(&ready)
+    })
+}
+
+/// A ruleset flush a burst starting at `t_ms` falls into: the node, when it was
+/// recorded, and when that node's kproxy reported the repair (if it did). The flush is
+/// recorded once `nft` returned, so the window opens a little before it.
+fn flush_window(r: &RunResult, t_ms: f64) -> Option<(String, f64, Option<f64>)> {
+    let slack = 100.0;
+    r.events
+        .iter()
+        .filter(|e| e.kind == EventKind::RulesetFlushed && e.t_ms - slack <= t_ms)
+        .filter_map(|e| Some((e.node.clone()?, e.t_ms)))
+        .map(|(node, at)| {
+            let repaired = r
+                .events
+                .iter()
+                .find(|e| {
+                    e.kind == EventKind::Note
+                        && e.node.as_deref() == Some(node.as_str())
+                        && e.t_ms >= at - slack
+                        && e.detail.contains("kernel_repaired")
+                })
+                .map(|e| e.t_ms);
+            (node, at, repaired)
+        })
+        .rfind(|(_, _, repaired)| repaired.is_none_or(|t| t_ms <= t + slack))
 }
 
 /// The first event of `kind` for `node`.
@@ -906,6 +968,108 @@ mod tests {
         // A burst well before the deletion is not the deletion's.
         let cause = explain_burst(&r, 100.0, 120.0, &[&new]);
         assert!(!cause.contains("was deleted"), "{cause}");
+    }
+
+    /// A burst on a node whose last pod's termination the EndpointSlice controller never
+    /// published is the controller's; one in a flush's window is the flush's.
+    #[test]
+    fn unpublished_terminations_and_flushes_are_named() {
+        use crate::scenario::{Behaviour, RunResult};
+        let ev =
+            |t_ms: f64, kind: EventKind, node: Option<&str>, pod: Option<&str>, detail: &str| {
+                Event {
+                    t_ms,
+                    kind,
+                    node: node.map(Into::into),
+                    pod: pod.map(Into::into),
+                    detail: detail.into(),
+                }
+            };
+        let new = rec(1500.0, Outcome::Timeout);
+        let run = |events: Vec<Event>| RunResult {
+            control_plane: crate::scenario::ControlPlaneKind::K8sLab,
+            behaviour: Behaviour::Kproxy,
+            run: 0,
+            time_scale: 0.1,
+            nodes: vec!["node-1".into(), "node-2".into()],
+            health_check: crate::lb::LbPreset::Gke.health_check().unwrap(),
+            records: vec![new.clone()],
+            events,
+            load_start_ms: 0.0,
+            rollout_start_ms: 100.0,
+            rollout_end_ms: 3000.0,
+            load_end_ms: 3000.0,
+            drain: None,
+        };
+        let pod = |t: f64, kind: EventKind| ev(t, kind, Some("node-2"), Some("web-1"), "");
+        let pods = vec![
+            pod(10.0, EventKind::PodCreated),
+            pod(20.0, EventKind::PodReady),
+            ev(
+                30.0,
+                EventKind::SlicePublished,
+                None,
+                None,
+                "web-1@node-2:RS-",
+            ),
+            pod(1000.0, EventKind::PodTerminating),
+            pod(1400.0, EventKind::PodSigterm),
+        ];
+        let cause = explain_burst(&run(pods.clone()), 1500.0, 1500.0, &[&new]);
+        assert!(
+            cause.contains("no EndpointSlice change had shown web-1 terminating"),
+            "{cause}"
+        );
+        let mut published = pods.clone();
+        published.push(ev(
+            1010.0,
+            EventKind::SlicePublished,
+            None,
+            None,
+            "web-1@node-2:-ST",
+        ));
+        let cause = explain_burst(&run(published), 1500.0, 1500.0, &[&new]);
+        assert!(!cause.contains("no EndpointSlice change"), "{cause}");
+        assert!(cause.contains("preStop ended"), "{cause}");
+
+        let mut flushed = pods;
+        flushed.extend([
+            ev(
+                1010.0,
+                EventKind::SlicePublished,
+                None,
+                None,
+                "web-1@node-2:-ST",
+            ),
+            ev(
+                1490.0,
+                EventKind::RulesetFlushed,
+                Some("node-2"),
+                None,
+                "nft flush ruleset",
+            ),
+            ev(
+                1520.0,
+                EventKind::Note,
+                Some("node-2"),
+                None,
+                "kproxy kernel_repaired {}",
+            ),
+        ]);
+        let cause = explain_burst(&run(flushed.clone()), 1500.0, 1500.0, &[&new]);
+        assert!(
+            cause.contains(
+                "flushed node-2's nftables ruleset at 14.90 s and kproxy restored them 30 ms after"
+            ),
+            "{cause}"
+        );
+        assert!(
+            !cause.contains("preStop"),
+            "the flush's node is explained by it: {cause}"
+        );
+        // Long after the repair, the flush is no cause.
+        let cause = explain_burst(&run(flushed), 2500.0, 2500.0, &[&new]);
+        assert!(!cause.contains("flushed"), "{cause}");
     }
 
     #[test]

@@ -444,17 +444,44 @@ async fn run_async(
     let times = match result {
         Ok(v) => v,
         Err(e) => {
-            let logs: Vec<String> = daemons
+            let mut kept: Vec<String> = daemons
                 .iter()
                 .map(|d| d.log.display().to_string())
                 .collect();
+            if let Ok(path) = write_timeline(&workdir.path, &rec, &[], wall_start, cfg.time_scale) {
+                kept.push(path.display().to_string());
+            }
             workdir.keep();
             return Err(LabError::Invalid(format!(
-                "{e} (kproxy logs kept: {})",
-                logs.join(", ")
+                "{e} (kproxy logs and the timeline kept: {})",
+                kept.join(", ")
             )));
         }
     };
+    let failed: Vec<&RequestRecord> = times
+        .records
+        .iter()
+        .filter(|r| !r.outcome.is_ok())
+        .collect();
+    if keep_run(
+        behaviour,
+        failed.len(),
+        std::env::var(KEEP_ENV).ok().as_deref(),
+    ) {
+        // A loss is diagnosed from kproxy's logs beside the lab's timeline: keep both.
+        match write_timeline(&workdir.path, &rec, &failed, wall_start, cfg.time_scale) {
+            Ok(path) => {
+                workdir.keep();
+                progress(&format!(
+                    "{tag} {} requests failed: kproxy logs and the timeline kept in {} ({})",
+                    failed.len(),
+                    workdir.path.display(),
+                    path.display()
+                ));
+            }
+            Err(e) => progress(&format!("{tag} warning: keeping the timeline: {e}")),
+        }
+    }
     Ok(RunResult {
         behaviour,
         control_plane: opts.control_plane,
@@ -941,6 +968,51 @@ async fn drain_node(
     Ok((start, end))
 }
 
+/// `1`: every run keeps kproxy's logs and its timeline; `0`: no run that ended keeps
+/// them (tests that lose requests by design); unset: a run with kproxy behaviour that
+/// lost requests keeps them. A run that ends in error always does.
+pub const KEEP_ENV: &str = "KPROXY_LAB_KEEP";
+
+/// Whether a run that ended with `failed` failed requests keeps its logs and timeline,
+/// given [`KEEP_ENV`]. Pre-1.26 behaviour loses requests by design and its report says
+/// why: its losses are no reason to keep.
+fn keep_run(behaviour: Behaviour, failed: usize, keep: Option<&str>) -> bool {
+    match keep {
+        Some("0") => false,
+        Some("1") => true,
+        _ => behaviour == Behaviour::Kproxy && failed > 0,
+    }
+}
+
+/// Writes the run's timeline and its failed requests to `timeline.json` in `dir`, next
+/// to kproxy's logs; `wall_start_unix_ms` turns its run-relative times (real ms) into
+/// the wall times the logs carry.
+fn write_timeline(
+    dir: &Path,
+    rec: &Recorder,
+    failed: &[&RequestRecord],
+    wall_start: SystemTime,
+    time_scale: f64,
+) -> Result<PathBuf, LabError> {
+    let wall_start_unix_ms = wall_start
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .unwrap_or(0.0);
+    let text = serde_json::to_string_pretty(&serde_json::json!({
+        "wall_start_unix_ms": wall_start_unix_ms,
+        "time_scale": time_scale,
+        "events": rec.events(),
+        "failed_requests": failed,
+    }))
+    .map_err(|e| LabError::Invalid(format!("encoding the timeline: {e}")))?;
+    let path = dir.join("timeline.json");
+    std::fs::write(&path, text).map_err(|e| LabError::Io {
+        what: format!("write {}", path.display()),
+        source: e,
+    })?;
+    Ok(path)
+}
+
 /// The run's scratch directory (manifests, kproxy logs); removed unless kept.
 struct Workdir {
     path: PathBuf,
@@ -968,6 +1040,30 @@ impl Drop for Workdir {
     fn drop(&mut self) {
         if !self.keep.get() {
             let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_keeps_its_logs_when_kproxy_lost_requests_or_when_asked() {
+        use Behaviour::{Kproxy, Pre126};
+        for (behaviour, failed, keep, kept) in [
+            (Kproxy, 0, None, false),
+            (Kproxy, 3, None, true),
+            (Pre126, 40, None, false),
+            (Kproxy, 3, Some("0"), false),
+            (Pre126, 0, Some("1"), true),
+            (Kproxy, 3, Some("yes"), true),
+        ] {
+            assert_eq!(
+                keep_run(behaviour, failed, keep),
+                kept,
+                "{behaviour:?} {failed} {keep:?}"
+            );
         }
     }
 }

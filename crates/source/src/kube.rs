@@ -15,8 +15,9 @@
 //!
 //! Failure model ([`reflect`]): a dropped watch resumes from the last resourceVersion,
 //! 410 Gone relists, errors are retried with client-go's backoff (0.8 s doubling to
-//! 30 s, jittered). Meanwhile the last state stays in place, so the rules already
-//! programmed keep serving.
+//! 30 s, jittered), cut short for every kind once one of them hears from the API
+//! again ([`reflect::Siblings`]). Meanwhile the last state stays in place, so the rules
+//! already programmed keep serving.
 
 pub mod fold;
 pub mod proto;
@@ -278,10 +279,20 @@ pub async fn run(
     // Lists are paginated consistent reads (no resourceVersion), which API servers
     // since 1.31 serve from the watch cache.
     let (tx, mut rx) = mpsc::channel(1024);
+    let siblings = reflect::Siblings::new();
     let _reflectors = AbortOnDrop(
         targets(&cfg, cfg.page_size.unwrap_or(PAGE_SIZE))
             .into_iter()
-            .map(|t| tokio::spawn(reflect::run(client.clone(), t, decoder.clone(), tx.clone())))
+            .map(|t| {
+                let reflector = reflect::run(
+                    client.clone(),
+                    t,
+                    decoder.clone(),
+                    tx.clone(),
+                    siblings.clone(),
+                );
+                tokio::spawn(reflector)
+            })
             .collect(),
     );
     drop(tx);

@@ -16,7 +16,9 @@ use kproxy_core::state::Update;
 use kube::core::params::{ListParams, WatchParams};
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use tokio::sync::mpsc;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use super::fold::{self, Input, Key};
@@ -129,9 +131,31 @@ struct StatusCode {
     message: String,
 }
 
-/// Client-go's reflector backoff: 0.8 s doubling to 30 s, with up to 100% jitter. The
-/// first failure of a run is logged as a warning, then only every doubling of the
-/// count, so an API outage costs a handful of lines, not one per retry.
+/// The reflectors of one API server. When one of them hears from the server again
+/// after failing, the others waiting out a backoff retry at once: an API server back
+/// from an outage is back for every kind, and a view left stale for the rest of a
+/// sibling's backoff (up to 60 s at its cap) is a view that routes to pods that are
+/// gone. client-go's reflectors each wait out their own backoff; this costs a
+/// recovered server no more requests than the backoffs ending would, only sooner.
+#[derive(Clone, Debug)]
+pub struct Siblings(Arc<watch::Sender<u64>>);
+
+impl Siblings {
+    pub fn new() -> Self {
+        Siblings(Arc::new(watch::Sender::new(0)))
+    }
+}
+
+impl Default for Siblings {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Client-go's reflector backoff: 0.8 s doubling to 30 s, with up to 100% jitter, cut
+/// short when a sibling reflector hears from the API again ([`Siblings`]). The first
+/// failure of a run is logged as a warning, then only every doubling of the count, so
+/// an API outage costs a handful of lines, not one per retry.
 pub struct Backoff {
     failures: u32,
     since: Option<Instant>,
@@ -139,20 +163,37 @@ pub struct Backoff {
     /// answer brought (a completed list, or a watch's first event).
     returned: Option<Instant>,
     seed: u64,
+    siblings: Arc<watch::Sender<u64>>,
+    /// Marked seen at each attempt: a change means a sibling heard from the API since.
+    answered: watch::Receiver<u64>,
 }
 
 impl Backoff {
     const BASE: Duration = Duration::from_millis(800);
     const MAX: Duration = Duration::from_secs(30);
 
+    /// A backoff of its own, with no sibling.
     pub fn new() -> Self {
+        Self::among(&Siblings::new())
+    }
+
+    /// A backoff cut short when one of `siblings` hears from the API again.
+    pub fn among(siblings: &Siblings) -> Self {
         use std::hash::{BuildHasher, RandomState};
         Backoff {
             failures: 0,
             since: None,
             returned: None,
             seed: RandomState::new().hash_one(Instant::now()),
+            siblings: siblings.0.clone(),
+            answered: siblings.0.subscribe(),
         }
+    }
+
+    /// A list or watch request is about to go out: only a sibling's answer after this
+    /// cuts the backoff that may follow it short.
+    fn attempt(&mut self) {
+        self.answered.borrow_and_update();
     }
 
     /// The delay before the next attempt after a failure: base·2ⁿ capped at the max,
@@ -187,7 +228,22 @@ impl Backoff {
         } else {
             tracing::debug!(%kind, failures = self.failures, %error, "{what} failed again");
         }
-        tokio::time::sleep(delay).await;
+        if self.sibling_answered(delay).await {
+            tracing::info!(%kind, failures = self.failures,
+                "another watch of this API server is answered again; retrying at once");
+        }
+    }
+
+    /// Waits out `delay`, or less when a sibling hears from the API (true), including
+    /// since this reflector's last attempt went out.
+    async fn sibling_answered(&mut self, delay: Duration) -> bool {
+        if self.answered.has_changed().unwrap_or(false) {
+            return true;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => false,
+            changed = self.answered.changed() => changed.is_ok(),
+        }
     }
 
     fn succeeded(&mut self, kind: Kind) {
@@ -195,6 +251,9 @@ impl Backoff {
             tracing::info!(%kind, failures = self.failures, after_s = since.elapsed().as_secs_f64(),
                 "the API answers again");
             self.returned.get_or_insert_with(Instant::now);
+            self.siblings.send_modify(|n| *n = n.wrapping_add(1));
+            // Its own news cuts no backoff of its own.
+            self.answered.borrow_and_update();
         }
         self.failures = 0;
     }
@@ -229,13 +288,22 @@ fn stream_broke(error: String, lasted: Duration) -> Stop {
     }
 }
 
-/// Lists and watches `target` until the receiver of `tx` is dropped.
-pub async fn run(client: kube::Client, target: Target, decoder: Decoder, tx: Sender) {
+/// Lists and watches `target` until the receiver of `tx` is dropped; its backoff is
+/// cut short when one of `siblings` (the other reflectors of the same API server)
+/// hears from the server again.
+pub async fn run(
+    client: kube::Client,
+    target: Target,
+    decoder: Decoder,
+    tx: Sender,
+    siblings: Siblings,
+) {
     let kind = target.kind;
     let request = kube::core::Request::new(target.url.clone());
-    let mut backoff = Backoff::new();
+    let mut backoff = Backoff::among(&siblings);
     let mut version: Option<String> = None;
     loop {
+        backoff.attempt();
         let stop = match &mut version {
             None => match list(&client, &request, &target, &decoder, &tx).await {
                 Ok(rv) => {
@@ -593,6 +661,85 @@ async fn watch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fails `backoff` `n` times in a row without waiting (virtual time stands still
+    /// while it sleeps in a task of its own): its next delay is then base·2ⁿ or more.
+    fn failed_before(backoff: &mut Backoff, n: u32) {
+        backoff.failures = n;
+        backoff.since = Some(Instant::now());
+    }
+
+    /// After an outage every reflector of the API server is backing off; the first to
+    /// be answered again brings the others back at that moment, not at the end of their
+    /// own (longer) backoff. Virtual time: the instants are exact.
+    #[tokio::test(start_paused = true)]
+    async fn a_sibling_answered_again_cuts_the_backoff_short() {
+        let siblings = Siblings::new();
+        let mut services = Backoff::among(&siblings);
+        let mut slices = Backoff::among(&siblings);
+        failed_before(&mut services, 0);
+        failed_before(&mut slices, 4);
+        slices.attempt();
+        let start = Instant::now();
+        let waiting = tokio::spawn(async move {
+            slices
+                .failed(Kind::EndpointSlice, "watch", "connection refused")
+                .await;
+            Instant::now()
+        });
+        services.attempt();
+        services
+            .failed(Kind::Service, "watch", "connection refused")
+            .await;
+        services.attempt();
+        services.succeeded(Kind::Service);
+        let answered = Instant::now();
+        let woke = waiting.await.expect("the slices' backoff ends");
+        assert_eq!(
+            woke, answered,
+            "the slices retry when the services are answered"
+        );
+        assert!(
+            woke - start < Backoff::delay(5, 0.0),
+            "{:?} is the slices' own backoff",
+            woke - start
+        );
+        // Its own return cuts no backoff of its own.
+        services.attempt();
+        let before = Instant::now();
+        services.failed(Kind::Service, "watch", "refused").await;
+        assert!(Instant::now() - before >= Backoff::delay(1, 0.0));
+    }
+
+    /// A sibling answered while this reflector's request was out: its failure is not
+    /// waited out (the API is back); answers before the request went out do not count.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_during_a_failing_attempt_retries_at_once() {
+        let siblings = Siblings::new();
+        let mut node = Backoff::among(&siblings);
+        let mut services = Backoff::among(&siblings);
+        failed_before(&mut services, 2);
+        services.succeeded(Kind::Service);
+        // Before the node's attempt: waited out.
+        node.attempt();
+        let before = Instant::now();
+        node.failed(Kind::Node, "list", "refused").await;
+        assert!(Instant::now() - before >= Backoff::delay(1, 0.0));
+        // During it: not.
+        node.attempt();
+        failed_before(&mut services, 2);
+        services.succeeded(Kind::Service);
+        let before = Instant::now();
+        node.failed(Kind::Node, "list", "refused").await;
+        assert_eq!(Instant::now(), before);
+        // A reflector of its own waits its backoff out.
+        let mut alone = Backoff::new();
+        failed_before(&mut alone, 3);
+        alone.attempt();
+        let before = Instant::now();
+        alone.failed(Kind::Node, "list", "refused").await;
+        assert!(Instant::now() - before >= Backoff::delay(4, 0.0));
+    }
 
     #[test]
     fn a_broken_watch_resumes_at_once_only_when_it_had_been_running() {
