@@ -196,6 +196,20 @@ pub struct ControlPlane {
 impl ControlPlane {
     /// Start the publisher task (on the current tokio runtime) writing to `dirs`
     /// after `propagation` (real time).
+    /// [`ControlPlane::start`] for a lab whose nodes' kproxies read manifests: one
+    /// directory per node of `fabric`, `workdir/<node name>`, returned in node order.
+    pub fn start_for_nodes(
+        fabric: &fabric::Fabric,
+        workdir: &Path,
+        objects: Objects,
+        propagation: Duration,
+        recorder: Recorder,
+    ) -> Result<(ControlPlane, Vec<PathBuf>), LabError> {
+        let dirs: Vec<PathBuf> = fabric.nodes.iter().map(|n| workdir.join(&n.name)).collect();
+        let cp = ControlPlane::start(objects, dirs.clone(), propagation, recorder)?;
+        Ok((cp, dirs))
+    }
+
     pub fn start(
         objects: Objects,
         dirs: Vec<PathBuf>,

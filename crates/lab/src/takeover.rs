@@ -435,10 +435,10 @@ async fn run_async(
             (source, cluster)
         }
         None => {
-            let dirs: Vec<PathBuf> = fabric.nodes.iter().map(|n| workdir.join(&n.name)).collect();
-            let cp = ControlPlane::start(
+            let (cp, dirs) = ControlPlane::start_for_nodes(
+                &fabric,
+                &workdir,
                 Objects::new(cfg.nodes, cfg.publish_not_ready_addresses, true),
-                dirs.clone(),
                 clock.real(cfg.propagation_delay_seconds),
                 rec.clone(),
             )?;
