@@ -142,6 +142,7 @@ class LoadBalancer(threading.Thread):
         self.lock = threading.Lock()
         self.pool_now = list(nodes)
         self.fewest = len(nodes)
+        self.error = None
 
     def probe(self, ip, out):
         try:
@@ -163,13 +164,21 @@ class LoadBalancer(threading.Thread):
             return all(self.healthy.values())
 
     def run(self):
+        try:
+            self.loop()
+        except Exception as e:  # a dead LB would freeze the pool: the run must not count
+            self.error = f"{type(e).__name__}: {e}"
+            raise
+
+    def loop(self):
         ok_run = {n: 0 for n in self.nodes}
         fail_run = {n: 0 for n in self.nodes}
         last = {}
         nxt = time.monotonic()
         while not self.stop.is_set():
-            if time.monotonic() < nxt:
-                time.sleep(min(0.01, nxt - time.monotonic()))
+            left = nxt - time.monotonic()
+            if left > 0:
+                time.sleep(min(0.01, left))
                 continue
             nxt += GKE["interval"]
             res = {}
@@ -409,6 +418,8 @@ def one_run(api, nodes, node_port, hc_port, show_timeline):
     records = load.finish()
     stop.set()
     lb.join()
+    if lb.error:
+        raise SystemExit(f"rollout.py: the load balancer stopped during the run ({lb.error})")
     failed = [r for r in records if r["outcome"] != "ok"]
     by_kind = {}
     for r in failed:
