@@ -288,7 +288,7 @@ class Load:
         period, nxt = 1.0 / RATE, time.monotonic()
         while not self.stop.is_set():
             nxt += period
-            t = threading.Thread(target=self.one_shot)
+            t = threading.Thread(target=self.one_shot, daemon=True)
             t.start()
             self.threads.append(t)
             self.threads = [t for t in self.threads if t.is_alive()]
@@ -324,8 +324,9 @@ class Load:
             sock.close()
 
     def start(self):
-        self.loops = [threading.Thread(target=self.new_connections)]
-        self.loops += [threading.Thread(target=self.keepalive) for _ in range(KEEPALIVE)]
+        # Daemon threads: a run that fails (SystemExit) must not leave the load running.
+        self.loops = [threading.Thread(target=self.new_connections, daemon=True)]
+        self.loops += [threading.Thread(target=self.keepalive, daemon=True) for _ in range(KEEPALIVE)]
         for t in self.loops:
             t.start()
 
