@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Builds once, and caches, what the real nodes need from the Kubernetes tree that
 # ../shared/tools/k8s-lab/setup.sh extracted into $K8S_LAB/src: kubelet, kube-scheduler,
-# e2e.test, agnhost (Go, offline, vendor mode, version-stamped like setup.sh does) and the
-# pause container (C, static). A binary is rebuilt only when absent or older than the tree.
+# e2e.test, agnhost, regression-issue-74839 (Go, offline, vendor mode, version-stamped like
+# setup.sh does) and the pause container (C, static). A binary is rebuilt only when absent or older than the tree.
 #
 # Env:   K8S_LAB   the k8s-lab directory (required)
 #        NODES_BIN where the binaries go (default $K8S_LAB/bin-nodes)
 #        GOCACHE   Go build cache (default $K8S_LAB/gocache-nodes)
 #        ONLY      space-separated subset of: kubelet kube-scheduler e2e.test agnhost pause
+#                  regression-issue-74839
 set -euo pipefail
 : "${K8S_LAB:?set K8S_LAB (source the k8s-lab env.sh)}"
 SRC=$K8S_LAB/src KUBE=$K8S_LAB/src/deps/github.com/openshift/kubernetes
@@ -41,6 +42,9 @@ step() { # NAME COMMAND...
 step kubelet go build -trimpath -ldflags "$LDF" -o "$OUT/kubelet" ./cmd/kubelet
 step kube-scheduler go build -trimpath -ldflags "$LDF" -o "$OUT/kube-scheduler" ./cmd/kube-scheduler
 step agnhost go build -trimpath -ldflags "-s -w" -o "$OUT/agnhost" ./test/images/agnhost
+# The boom-server of "Conntrack proxy implementation should not be vulnerable to the invalid
+# conntrack state bug": standard library only.
+step regression-issue-74839 go build -trimpath -ldflags "-s -w" -o "$OUT/regression-issue-74839" ./test/images/regression-issue-74839
 # hack/lib/golang.sh builds test targets with `go test -c` and the tags selinux,notest.
 step e2e.test go test -c -vet=off -trimpath -tags selinux,notest -ldflags "$LDF" -o "$OUT/e2e.test" ./test/e2e
 # build/pause/Makefile: a static C binary stamped with VERSION.

@@ -11,6 +11,7 @@
 #   deploy.sh               apply deploy/, time it
 #   deploy.sh --check-only  only check that the probe Service works on every node (with
 #                           whichever proxy runs)
+#   KPROXY_PRIVILEGED=1     the DaemonSet's container privileged (see deploy/daemonset.yaml)
 set -euo pipefail
 check_only=
 [ "${1:-}" = --check-only ] && check_only=1
@@ -28,6 +29,14 @@ sed -e "s|server: https://control-plane.example.internal:6443|server: https://12
     -e "s|clusterCIDR: 10.244.0.0/16|clusterCIDR: $CLUSTER_CIDR|" "$REPO/deploy/configmap.yaml" >"$STATE/configmap.yaml"
 grep -q "127.0.0.1:$API_PORT" "$STATE/configmap.yaml" || { log "deploy/configmap.yaml: server line not found"; exit 1; }
 { cat "$REPO/deploy/rbac.yaml"; echo ---; cat "$STATE/configmap.yaml"; echo ---; cat "$REPO/deploy/daemonset.yaml"; } >"$STATE/deploy.yaml"
+# KPROXY_PRIVILEGED=1: the option deploy/daemonset.yaml's comment offers (privileged and
+# allowPrivilegeEscalation true, as kube-proxy runs), so that kproxy sets the conntrack
+# sysctls itself.
+if [ -n "${KPROXY_PRIVILEGED:-}" ]; then
+  grep -q 'privileged: false' "$STATE/deploy.yaml" && grep -q 'allowPrivilegeEscalation: false' "$STATE/deploy.yaml" ||
+    { log "deploy/daemonset.yaml: no 'privileged: false' / 'allowPrivilegeEscalation: false'"; exit 1; }
+  sed -i -e 's/privileged: false/privileged: true/' -e 's/allowPrivilegeEscalation: false/allowPrivilegeEscalation: true/' "$STATE/deploy.yaml"
+fi
 
 # A probe Service: agnhost netexec on every node (a DaemonSet), a NodePort Service.
 cat >"$STATE/probe.yaml" <<YAML

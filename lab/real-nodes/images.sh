@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the images the real nodes run, as `docker save` archives under $IMAGES, from this
 # machine's files (nothing is pulled): pause and agnhost under the exact names and tags the
-# e2e framework asks for (test/utils/image/manifest.go), busybox likewise, and kproxy's own
-# image following deploy/Dockerfile's steps (kproxy + nft + conntrack + CA certificates).
+# e2e framework asks for (test/utils/image/manifest.go), busybox, distroless-iptables and
+# regression-issue-74839 likewise, and kproxy's own image following deploy/Dockerfile's
+# steps (kproxy + nft + conntrack + CA certificates).
 #
 # Env: K8S_LAB (required), NODES_BIN (default $K8S_LAB/bin-nodes), IMAGES (default
 #      $K8S_LAB/images), KPROXY_BIN (default <repo>/target/release/kproxy),
@@ -57,6 +58,20 @@ for a in $("$bb" --list); do [ "$a" = busybox ] || links+=(--link "bin/$a:busybo
 mk --tag "$BUSYBOX" --out "$IMAGES/busybox.tar" --copy "$bb:/bin/busybox" "${links[@]}" "${ETC[@]}" \
    --cmd '["sh"]'
 
+# distroless-iptables: the hostNetwork, privileged pod of "KubeProxy should set TCP CLOSE_WAIT
+# timeout" runs `sleep`, `test -f /proc/net/nf_conntrack`, `which conntrack` and
+# `conntrack -L | grep` in it (the real image carries iptables, nft and conntrack).
+IPTABLES=$(e2e_ref DistrolessIptables)
+ipt=()
+for t in sh sleep test cat grep conntrack nft; do p=$(type -P "$t") && ipt+=(--bin "$p"); done
+mk --tag "$IPTABLES" --out "$IMAGES/distroless-iptables.tar" "${ipt[@]}" "${ETC[@]}" \
+   --bin "$(readlink -f "$(type -P which)"):/usr/bin/which" --cmd '["sh"]'
+
+# regression-issue-74839: its Dockerfile adds the one static binary as the entrypoint.
+BOOM=$(e2e_ref RegressionIssue74839)
+mk --tag "$BOOM" --out "$IMAGES/regression-issue-74839.tar" \
+   --copy "$BIN/regression-issue-74839:/regression-issue-74839" --entrypoint '["/regression-issue-74839"]'
+
 # kproxy: deploy/Dockerfile's runtime stage (nftables, conntrack, ca-certificates, the binary
 # at /usr/local/bin/kproxy) from this machine's Debian (bookworm, the Dockerfile's base too).
 [ -x "$KPROXY_BIN" ] || { echo "images.sh: no kproxy binary at $KPROXY_BIN (cargo build --release -p kproxy)" >&2; exit 1; }
@@ -68,4 +83,4 @@ mk --tag "$KPROXY_TAG" --out "$IMAGES/kproxy.tar" --bin "$(type -P nft)" --bin "
    --bin "$stripped:/usr/local/bin/kproxy" \
    --entrypoint '["/usr/local/bin/kproxy"]' --cmd '["run", "--config", "/var/lib/kproxy/config.yaml"]'
 rm -f "$stripped"
-echo "images: $PAUSE $AGNHOST $BUSYBOX $KPROXY_TAG in $IMAGES"
+echo "images: $PAUSE $AGNHOST $BUSYBOX $IPTABLES $BOOM $KPROXY_TAG in $IMAGES"

@@ -285,7 +285,7 @@ up() {
   for tool in containerd ctr runc socat nft curl /usr/lib/cni/bridge /usr/lib/cni/host-local /usr/lib/cni/portmap; do
     command -v "$tool" >/dev/null || die "missing $tool (apt-get install containerd runc containernetworking-plugins socat nftables curl)"
   done
-  ONLY="kubelet kube-scheduler agnhost pause" "$HERE/build.sh"  # e2e.test: e2e.sh builds it
+  ONLY="kubelet kube-scheduler agnhost pause regression-issue-74839" "$HERE/build.sh"  # e2e.test: e2e.sh builds it
   [ -f "$IMAGES/agnhost.tar" ] && [ -f "$IMAGES/kproxy.tar" ] && [ -z "${REBUILD_IMAGES:-}" ] || "$HERE/images.sh"
   mkdir -p "$STATE/n0" "$LOGS"
   # Any failure from here on (die, a failing command) leaves nothing behind.

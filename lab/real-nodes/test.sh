@@ -7,7 +7,9 @@
 #   2. the DaemonSet's rolling update to a new image under load breaks no established
 #      connection and fails at most 1 new connection in 2,000 (the background rate
 #      docs/real-nodes.md measured without any update);
-#   3. upstream kube-proxy (nftables) on the same nodes makes the same Service work.
+#   3. `kproxy lab rollout`'s default scenario on the real kubelets (rollout.py, one run):
+#      no new connection fails (keep-alive requests to a pod that exits at SIGTERM may);
+#   4. upstream kube-proxy (nftables) on the same nodes makes the same Service work.
 # Without them it prints "SKIP: <what is missing>" and exits 0; a failed check exits 1.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -44,7 +46,17 @@ assert new > 0 and est > 0, "no traffic went through"
 assert broken == 0, f"{broken} established connections broken"
 assert failed * 2000 <= new, f"{failed} of {new} new connections failed"
 PY
-echo "== 3. upstream kube-proxy on the same nodes"
+echo "== 3. the rollout scenario on real kubelets"
+"$HERE/rollout.py" --json "$K8S_LAB/nodes/rollout.json" || fail "rollout.py failed"
+python3 - "$K8S_LAB/nodes/rollout.json" <<'PY' || fail "the rollout lost new connections"
+import json, sys
+r = json.load(open(sys.argv[1]))["runs"][0]
+new_failed = sum(1 for f in r["failed_records"] if f["conn"] == "new")
+print(f"rollout: {r['sent']} requests, {r['failed']} failed, {new_failed} of {r['new']} new connections")
+assert r["new"] > 0 and r["keep_alive"] > 0, "no traffic went through"
+assert new_failed == 0, f"{new_failed} new connections failed"
+PY
+echo "== 4. upstream kube-proxy on the same nodes"
 "$HERE/nodes.sh" proxy kube-proxy
 "$HERE/deploy.sh" --check-only || fail "the probe Service does not work with kube-proxy"
 "$HERE/nodes.sh" proxy none

@@ -341,7 +341,16 @@ pub const SERVER_LIMITS: kproxy_health::http::Limits = kproxy_health::http::Limi
 /// `kproxy_health::listening_json`); `kproxy explain --server` reads it.
 pub const HEALTH_CHECK_PORTS_PATH: &str = "/health-check-node-ports";
 
-/// Serves `GET /metrics` and [`HEALTH_CHECK_PORTS_PATH`] on `addr` (other paths: 404)
+/// Where kube-proxy names its proxy mode on its metrics address (`GET /proxyMode`,
+/// `cmd/kube-proxy/app/server.go`); upstream's e2e spec "[sig-network] Networking should
+/// check kube-proxy urls" asks it for 200, and tooling reads it to tell the mode.
+pub const PROXY_MODE_PATH: &str = "/proxyMode";
+
+/// kproxy's only data path is nftables, so it answers as kube-proxy in that mode does.
+pub const PROXY_MODE: &str = "nftables";
+
+/// Serves `GET /metrics`, [`HEALTH_CHECK_PORTS_PATH`] and [`PROXY_MODE_PATH`] on `addr`
+/// (other paths: 404)
 /// with [`SERVER_LIMITS`], through the health crate's bounded HTTP shell; runs until the
 /// task is dropped.
 pub async fn serve(
@@ -361,10 +370,17 @@ pub async fn serve(
             "application/json",
             kproxy_health::listening_json(&health.listening()).to_string(),
         ),
+        PROXY_MODE_PATH => body_response(
+            http::StatusCode::OK,
+            "text/plain; charset=utf-8",
+            PROXY_MODE.to_string(),
+        ),
         _ => body_response(
             http::StatusCode::NOT_FOUND,
             "text/plain; charset=utf-8",
-            format!("not found: kproxy serves /metrics and {HEALTH_CHECK_PORTS_PATH} here\n"),
+            format!(
+                "not found: kproxy serves /metrics, {HEALTH_CHECK_PORTS_PATH} and {PROXY_MODE_PATH} here\n"
+            ),
         ),
     });
     let listener = bind(addr).with_context(|| format!("binding the metrics server to {addr}"))?;

@@ -158,6 +158,9 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
     ] {
         assert!(metrics.contains(name), "{name} missing from\n{metrics}");
     }
+    // kube-proxy's mode URL, which upstream's e2e "should check kube-proxy urls" reads.
+    let mode = node.run(|| http_get("127.0.0.1:10249".parse().unwrap(), "/proxyMode"));
+    assert_eq!(mode, Some((200, "nftables".to_string())));
 
     // The event log recorded the syncs.
     let log = std::fs::read_to_string(&events).unwrap();
