@@ -963,7 +963,7 @@ mod tests {
         registry: Registry,
         handle: StateHandle,
         /// Feeds the loop's kernel watch, as the nftables notifications would.
-        kernel: tokio::sync::mpsc::UnboundedSender<kproxy_nft::monitor::Event>,
+        kernel: tokio::sync::mpsc::UnboundedSender<crate::kernel_watch::Detected>,
         stop: CancellationToken,
         task: tokio::task::JoinHandle<Result<FakeDataplane>>,
     }
@@ -1062,7 +1062,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn interference_is_repaired_between_syncs_and_health_hears_of_it() {
         let h = start(0, &[], None);
-        h.kernel.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        h.kernel
+            .send(crate::kernel_watch::Detected::now(
+                kproxy_nft::monitor::Event::Lost,
+            ))
+            .unwrap();
         h.add(0);
         h.handle.mark_ready();
         h.until_seen(&Seen::KernelRepaired).await;
@@ -1101,7 +1105,11 @@ mod tests {
         // flush: the sync of the change fails.
         h.add(1);
         tokio::time::sleep(Duration::from_millis(10)).await;
-        h.kernel.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        h.kernel
+            .send(crate::kernel_watch::Detected::now(
+                kproxy_nft::monitor::Event::Lost,
+            ))
+            .unwrap();
         h.until_seen(&Seen::KernelRepaired).await;
         let (seen, text) = h.finish().await;
         let owed = PlanUpdate {
@@ -1140,7 +1148,11 @@ mod tests {
         h.handle.mark_ready();
         h.until_syncs(1).await;
         h.add(1);
-        h.kernel.send(kproxy_nft::monitor::Event::Lost).unwrap();
+        h.kernel
+            .send(crate::kernel_watch::Detected::now(
+                kproxy_nft::monitor::Event::Lost,
+            ))
+            .unwrap();
         h.until_syncs(2).await;
         let log = h.log.clone();
         h.stop().await;

@@ -18,6 +18,24 @@ use tokio::time::Instant;
 
 use crate::metrics::{Metrics, WhatLabel};
 
+/// An event as the reading thread read it, and when: a repair's `detected` is the
+/// moment the notification was read, not the moment the sync loop took it.
+#[derive(Debug)]
+pub struct Detected {
+    pub event: Event,
+    pub at: Instant,
+}
+
+impl Detected {
+    /// `event`, read now.
+    pub fn now(event: Event) -> Detected {
+        Detected {
+            event,
+            at: Instant::now(),
+        }
+    }
+}
+
 /// A repair owed: the interference seen since the last repair (merged), or only lost
 /// notifications (`interference: None`).
 #[derive(Debug)]
@@ -30,20 +48,20 @@ pub struct Repair {
 }
 
 impl Repair {
-    fn of(event: Event) -> Repair {
+    fn of(d: Detected) -> Repair {
         Repair {
-            interference: match event {
+            interference: match d.event {
                 Event::Interference(i) => Some(i),
                 Event::Lost => None,
             },
             events: 1,
-            detected: Instant::now(),
+            detected: d.at,
         }
     }
 
-    fn merge(&mut self, event: Event) {
+    fn merge(&mut self, d: Detected) {
         self.events += 1;
-        if let Event::Interference(i) = event {
+        if let Event::Interference(i) = d.event {
             match &mut self.interference {
                 Some(into) => monitor::merge(into, i),
                 None => self.interference = Some(i),
@@ -54,7 +72,7 @@ impl Repair {
 
 /// The sync loop's side of the watch: what is owed and when it is due.
 pub struct KernelWatch {
-    events: mpsc::UnboundedReceiver<Event>,
+    events: mpsc::UnboundedReceiver<Detected>,
     owed: Option<(Repair, Instant)>,
     backoff: Backoff,
     last_repair: Option<Instant>,
@@ -76,8 +94,9 @@ impl KernelWatch {
                 while !tx.is_closed() {
                     match monitor.next_event() {
                         Ok(Some(event)) => {
-                            detected(&event, &health, &m, &mut log);
-                            if tx.send(event).is_err() {
+                            let read = Detected::now(event);
+                            detected(&read.event, &health, &m, &mut log);
+                            if tx.send(read).is_err() {
                                 break;
                             }
                         }
@@ -94,7 +113,7 @@ impl KernelWatch {
     }
 
     /// A watch fed by `events` (tests feed it by hand).
-    pub fn of(events: mpsc::UnboundedReceiver<Event>, metrics: Arc<Metrics>) -> KernelWatch {
+    pub fn of(events: mpsc::UnboundedReceiver<Detected>, metrics: Arc<Metrics>) -> KernelWatch {
         KernelWatch {
             events,
             owed: None,
@@ -261,6 +280,22 @@ mod tests {
 
     /// A first interference is repaired at once; one that keeps coming back waits
     /// longer each time, and everything that arrives while waiting joins one repair.
+    /// A repair counts from when the notification was read, not from when the sync
+    /// loop took it (the repair's logged "ms since detected").
+    #[tokio::test(start_paused = true)]
+    async fn a_repair_is_detected_when_its_notification_was_read() {
+        let metrics = Metrics::register(&mut Registry::default());
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut watch = Some(KernelWatch::of(rx, metrics));
+        let read = Detected::now(interference(7));
+        let at = read.at;
+        tokio::time::advance(Duration::from_millis(40)).await;
+        tx.send(read).unwrap();
+        let r = KernelWatch::next(&mut watch).await;
+        assert_eq!(r.detected, at);
+        assert_eq!(r.detected.elapsed(), Duration::from_millis(40));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn repairs_back_off_while_fought_and_merge_what_waits() {
         let metrics = Metrics::register(&mut Registry::default());
@@ -270,7 +305,8 @@ mod tests {
         let mut at = Vec::new();
         for round in 0..5u32 {
             for k in 0..3 {
-                tx.send(interference(100 + round * 10 + k)).unwrap();
+                tx.send(Detected::now(interference(100 + round * 10 + k)))
+                    .unwrap();
             }
             let r = KernelWatch::next(&mut watch).await;
             at.push((start.elapsed().as_millis() as u64, r.events));
@@ -284,7 +320,7 @@ mod tests {
         }
         assert_eq!(at, [(0, 3), (100, 3), (300, 3), (700, 3), (1500, 3)]);
         // A failed repair is owed again.
-        tx.send(Event::Lost).unwrap();
+        tx.send(Detected::now(Event::Lost)).unwrap();
         let r = KernelWatch::next(&mut watch).await;
         watch.as_mut().unwrap().repaired(r, false);
         let again = KernelWatch::next(&mut watch).await;
