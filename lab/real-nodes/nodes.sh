@@ -110,6 +110,8 @@ wait_for() { # SECONDS WHAT CMD...
 # --- the network: switch namespace, host veth, node namespaces ---
 net_up() {
   local nodes=$1 i j
+  # What `down` compares the pods' network namespaces with (made after this: ours).
+  mkdir -p "$STATE" && touch "$STATE/.started"
   ip netns add kpn-sw
   ip -n kpn-sw link add br0 type bridge
   ip -n kpn-sw link set br0 up
@@ -336,6 +338,14 @@ down() {
     done
   fi
   for ns in $(ip netns list | awk '$1 ~ /^kpn-(n[0-9]+|sw)$/ {print $1}'); do ip netns del "$ns"; done
+  # The pods' own namespaces: containerd's CRI pins each sandbox's at /run/netns/cni-*
+  # and removes it only when the sandbox is removed, which a killed containerd never
+  # does. Those made since these nodes started and with no process left are ours.
+  if [ -e "$STATE/.started" ]; then
+    for ns in $(find /run/netns -maxdepth 1 -name 'cni-*' -newer "$STATE/.started" -printf '%f\n' 2>/dev/null); do
+      if [ -z "$(ip netns pids "$ns" 2>/dev/null)" ]; then ip netns del "$ns"; fi
+    done
+  fi
   ip link del kpn-host 2>/dev/null || true
   if grep -qF "$HOSTS_TAG" /etc/hosts; then
     # In place (not sed -i): /etc/hosts may be a bind mount that a rename cannot replace.
