@@ -4,6 +4,8 @@
 //! established one break. Needs root (network namespaces; nothing touches the host's
 //! network). Bounded: a time-scaled cluster and 2 s of load per phase.
 
+mod common;
+
 use std::process::Command;
 
 use serde_json::Value;
@@ -39,19 +41,7 @@ fn restart_kill_and_upgrade_under_load_lose_nothing() {
                 "{d}: the new process never synced"
             );
         }
-        for path in ["lb", "cluster-ip"] {
-            let c = &p["by_path"][path];
-            let n = |k: &str| {
-                c[k].as_u64()
-                    .unwrap_or_else(|| panic!("{d} {path} {k}: {c}"))
-            };
-            // Load really ran in every phase, on both paths, on new and held connections.
-            assert!(n("new_sent") >= 20, "{d} {path}: {c}");
-            assert!(n("keepalive_sent") >= 20, "{d} {path}: {c}");
-            assert_eq!(n("new_failed"), 0, "{d} {path}: {c}\n{stderr}");
-            assert_eq!(n("established_broken"), 0, "{d} {path}: {c}\n{stderr}");
-            assert_eq!(n("keepalive_other_failed"), 0, "{d} {path}: {c}\n{stderr}");
-        }
+        common::assert_phase_lost_nothing(p, d, &stderr);
     }
     assert_eq!(v["failures"], 0);
     assert!(out.status.success(), "exit {:?}\n{stderr}", out.status);

@@ -15,6 +15,8 @@
 //! scale (0.45 s between probes) a slow start on a busy CI machine can cost a probe
 //! pair without any connection failing; docs/migrate.md has both tables.
 
+mod common;
+
 use std::process::Command;
 use std::sync::Mutex;
 
@@ -75,23 +77,7 @@ fn recorded_takeover_and_back(mode: &str) {
     );
     for p in phases {
         let name = p["name"].as_str().unwrap_or("?");
-        for path in ["lb", "cluster-ip"] {
-            let c = &p["by_path"][path];
-            let n = |k: &str| {
-                c[k].as_u64()
-                    .unwrap_or_else(|| panic!("{name} {path} {k}: {c}"))
-            };
-            // Load really ran in every phase, on both paths, on new and held connections.
-            assert!(n("new_sent") >= 20, "{name} {path}: {c}");
-            assert!(n("keepalive_sent") >= 20, "{name} {path}: {c}");
-            assert_eq!(n("new_failed"), 0, "{name} {path}: {c}\n{stderr}");
-            assert_eq!(n("established_broken"), 0, "{name} {path}: {c}\n{stderr}");
-            assert_eq!(
-                n("keepalive_other_failed"),
-                0,
-                "{name} {path}: {c}\n{stderr}"
-            );
-        }
+        common::assert_phase_lost_nothing(p, name, &stderr);
         assert_eq!(
             p["min_pool"], 3,
             "{name}: a node left the LB pool\n{stderr}"

@@ -254,10 +254,7 @@ pub fn run(
     progress: crate::scenario::Progress,
 ) -> Result<RestartReport, LabError> {
     cfg.validate()?;
-    let rt = crate::scenario::lab_runtime()?;
-    let result = rt.block_on(run_async(cfg, kproxy, hold, progress));
-    rt.shutdown_timeout(Duration::from_secs(5));
-    result
+    crate::scenario::on_lab_runtime(run_async(cfg, kproxy, hold, progress))
 }
 
 async fn run_async(

@@ -301,16 +301,23 @@ fn spawn_rollout(
     }
 }
 
-/// The lab's runtime: two workers, enough for the load, the kubelets and the LB.
-pub(crate) fn lab_runtime() -> Result<tokio::runtime::Runtime, LabError> {
-    tokio::runtime::Builder::new_multi_thread()
+/// Runs `run` to its end on the lab's runtime (two workers, enough for the load, the
+/// kubelets and the LB), then shuts the runtime down: kubelet tasks hold pods, and
+/// dropping them (with their servers and namespaces) happens before this returns.
+pub(crate) fn on_lab_runtime<T>(
+    run: impl std::future::Future<Output = Result<T, LabError>>,
+) -> Result<T, LabError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| LabError::Io {
             what: "lab runtime".into(),
             source: e,
-        })
+        })?;
+    let result = rt.block_on(run);
+    rt.shutdown_timeout(Duration::from_secs(5));
+    result
 }
 
 /// Run one rollout with `behaviour` and the disturbances of `opts`, using the kproxy
@@ -324,12 +331,7 @@ pub fn run_with(
     progress: Progress,
 ) -> Result<RunResult, LabError> {
     cfg.validate()?;
-    let rt = lab_runtime()?;
-    let result = rt.block_on(run_async(cfg, behaviour, run, kproxy, opts, progress));
-    // Kubelet tasks hold pods; shutting the runtime down drops them (and their
-    // servers and namespaces) before we return.
-    rt.shutdown_timeout(Duration::from_secs(5));
-    result
+    on_lab_runtime(run_async(cfg, behaviour, run, kproxy, opts, progress))
 }
 
 fn check_daemons(daemons: &mut [Kproxyd]) -> Result<(), LabError> {

@@ -265,10 +265,7 @@ pub fn run(
             n = recorded::RECORDED_NODES
         )));
     }
-    let rt = crate::scenario::lab_runtime()?;
-    let result = rt.block_on(run_async(cfg, kproxy, opts, progress));
-    rt.shutdown_timeout(Duration::from_secs(5));
-    result
+    crate::scenario::on_lab_runtime(run_async(cfg, kproxy, opts, progress))
 }
 
 /// Polls `cond` every 50 ms up to `limit`, noting the LB pool's size.

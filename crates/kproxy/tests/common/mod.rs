@@ -271,3 +271,25 @@ pub fn manifests() -> tempfile::TempDir {
     write_atomic(dir.path(), "slice.yaml", &slice(true));
     dir
 }
+
+/// A lab phase's report (`kproxy lab restart|takeover -o json`), both paths (through
+/// the LB and through a cluster IP): load really ran, on new and held connections,
+/// and nothing failed or broke. `name` and `stderr` go into the messages.
+pub fn assert_phase_lost_nothing(phase: &serde_json::Value, name: &str, stderr: &str) {
+    for path in ["lb", "cluster-ip"] {
+        let c = &phase["by_path"][path];
+        let n = |k: &str| {
+            c[k].as_u64()
+                .unwrap_or_else(|| panic!("{name} {path} {k}: {c}"))
+        };
+        assert!(n("new_sent") >= 20, "{name} {path}: {c}");
+        assert!(n("keepalive_sent") >= 20, "{name} {path}: {c}");
+        assert_eq!(n("new_failed"), 0, "{name} {path}: {c}\n{stderr}");
+        assert_eq!(n("established_broken"), 0, "{name} {path}: {c}\n{stderr}");
+        assert_eq!(
+            n("keepalive_other_failed"),
+            0,
+            "{name} {path}: {c}\n{stderr}"
+        );
+    }
+}
