@@ -380,10 +380,18 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             let earliest = self.pacer.earliest(now);
             if now < earliest {
                 self.metrics.last_queued_timestamp.set(unix_now());
-                tokio::select! {
-                    biased;
-                    _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep_until(earliest) => {}
+                // A repair owed goes while the change waits its turn (up to
+                // minSyncPeriod): the delta would only fail into the removed tables,
+                // and the repair wait behind it.
+                while !stop.is_cancelled() && Instant::now() < earliest {
+                    tokio::select! {
+                        biased;
+                        _ = stop.cancelled() => {}
+                        repair = KernelWatch::next(&mut self.kernel) => {
+                            self.repair_kernel(repair).await;
+                        }
+                        _ = tokio::time::sleep_until(earliest) => {}
+                    }
                 }
             }
             if stop.is_cancelled() {
@@ -1091,41 +1099,60 @@ mod tests {
         );
     }
 
-    /// A sync that fails because another process changed the tables meanwhile (a
-    /// flush between its read and its commit) is retried at once as the repair the
-    /// kernel watch owes, not after the retry's backoff and the pacing (1 s each here,
-    /// as minSyncPeriod's default): the tables are missing until it runs.
+    /// A sync that fails because another process changed the tables while it was in
+    /// flight (a flush between its read and its commit) is retried at once as the
+    /// repair the kernel watch owes, not after the retry's backoff (100 ms here): the
+    /// tables are missing until it runs.
     #[tokio::test(start_paused = true)]
     async fn a_sync_that_met_interference_is_retried_at_once_as_the_repair() {
-        let h = start(1000, &[false, true], None);
+        // Each sync waits in the dataplane until the test lets it go.
+        async fn in_flight(rx: std::sync::mpsc::Receiver<()>) -> std::sync::mpsc::Receiver<()> {
+            tokio::task::spawn_blocking(move || {
+                rx.recv().unwrap();
+                rx
+            })
+            .await
+            .unwrap()
+        }
+        let (started, started_rx) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel();
+        let h = start(0, &[false, true], Some((started, release_rx)));
         h.add(0);
         h.handle.mark_ready();
+        let started_rx = in_flight(started_rx).await;
+        release.send(()).unwrap();
         h.until_syncs(1).await;
-        // A change, then, while its sync waits out the pacing, another process's
-        // flush: the sync of the change fails.
+        // A change, and while its sync is in flight another process's flush: that
+        // sync fails.
         h.add(1);
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        let started_rx = in_flight(started_rx).await;
         h.kernel
             .send(crate::kernel_watch::Detected::now(
                 kproxy_nft::monitor::Event::Lost,
             ))
             .unwrap();
+        release.send(()).unwrap();
+        let _started_rx = in_flight(started_rx).await;
+        release.send(()).unwrap();
         h.until_seen(&Seen::KernelRepaired).await;
         let (seen, text) = h.finish().await;
         let owed = PlanUpdate {
             services: vec![name(1)],
             node: false,
         };
+        let Seen::SyncFailed { ms } = seen[4] else {
+            panic!("{seen:?}");
+        };
         assert_eq!(
             seen[3..],
             [
                 Seen::Computed(vec![name(1)]),
-                Seen::SyncFailed { ms: 1000 },
+                Seen::SyncFailed { ms },
                 Seen::HealthFailed,
                 Seen::Computed(vec![]),
-                // Not at 2000 ms (the retry's backoff): at once, and full.
+                // Not 100 ms later (the retry's backoff): at once, and full.
                 Seen::Sync {
-                    ms: 1000,
+                    ms,
                     full: true,
                     update: owed,
                     services: 2
@@ -1136,6 +1163,48 @@ mod tests {
             "{seen:?}"
         );
         assert_repaired_once(&text);
+    }
+
+    /// Another process's change read while a change waits its turn (minSyncPeriod,
+    /// 1 s here): the tables are repaired at once, not after the wait and the delta
+    /// sync that would fail into them.
+    #[tokio::test(start_paused = true)]
+    async fn a_repair_owed_goes_while_a_change_waits_its_turn() {
+        let h = start(1000, &[], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        h.add(1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        h.kernel
+            .send(crate::kernel_watch::Detected::now(
+                kproxy_nft::monitor::Event::Lost,
+            ))
+            .unwrap();
+        h.until_seen(&Seen::KernelRepaired).await;
+        let repaired_ms = h.log.ms();
+        h.until_syncs(2).await;
+        let (seen, _) = h.finish().await;
+        assert!(repaired_ms < 1000, "repaired at {repaired_ms} ms");
+        assert_eq!(
+            seen[3..],
+            [
+                Seen::Repaired { services: 1 },
+                Seen::KernelRepaired,
+                Seen::Computed(vec![name(1)]),
+                Seen::Sync {
+                    ms: 1000,
+                    full: false,
+                    update: PlanUpdate {
+                        services: vec![name(1)],
+                        node: false,
+                    },
+                    services: 2
+                },
+                Seen::Applied(vec![name(1)]),
+            ],
+            "{seen:?}"
+        );
     }
 
     /// Another process's change read together with a change of the cluster: the

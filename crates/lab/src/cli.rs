@@ -41,19 +41,28 @@ pub enum LabCommand {
 
 #[derive(clap::Args, Debug)]
 pub struct RestartArgs {
+    #[command(flatten)]
+    pub run: HeldRunArgs,
+}
+
+/// What `lab restart` and `lab takeover` share: a cluster of one pod per node under
+/// load, changed phase by phase.
+#[derive(clap::Args, Debug)]
+pub struct HeldRunArgs {
     /// Nodes in the lab cluster (one pod each).
     #[arg(long, default_value_t = 3)]
     pub nodes: usize,
     /// Real time = nominal time × this (pod readiness, LB health checks).
     #[arg(long, default_value_t = 0.15)]
     pub time_scale: f64,
-    /// Seconds of load after each new process has synced, before the next phase.
+    /// Seconds of load after each phase's change (a new process synced, a node
+    /// taken over), before the next.
     #[arg(long, default_value_t = 3.0)]
     pub hold_seconds: f64,
     #[arg(short = 'o', long, value_enum, default_value = "text")]
     pub output: OutputFormat,
-    /// The kproxy binary to run on each node (default: this executable); the upgrade
-    /// phase runs a copy of it from another path.
+    /// The kproxy binary to run on each node (default: this executable); `lab
+    /// restart`'s upgrade phase runs a copy of it from another path.
     #[arg(long)]
     pub kproxy: Option<PathBuf>,
 }
@@ -75,20 +84,8 @@ pub struct TakeoverArgs {
     /// once every node is healthy, before the first takeover (what --recorded loads).
     #[arg(long, value_name = "DIR", conflicts_with = "recorded")]
     pub record_rules: Option<PathBuf>,
-    /// Nodes in the lab cluster (one pod each).
-    #[arg(long, default_value_t = 3)]
-    pub nodes: usize,
-    /// Real time = nominal time × this (pod readiness, LB health checks).
-    #[arg(long, default_value_t = 0.15)]
-    pub time_scale: f64,
-    /// Seconds of load after each node's change, before the next.
-    #[arg(long, default_value_t = 3.0)]
-    pub hold_seconds: f64,
-    #[arg(short = 'o', long, value_enum, default_value = "text")]
-    pub output: OutputFormat,
-    /// The kproxy binary to run on each node (default: this executable).
-    #[arg(long)]
-    pub kproxy: Option<PathBuf>,
+    #[command(flatten)]
+    pub run: HeldRunArgs,
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -404,14 +401,16 @@ pub fn run(args: LabArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// What `lab restart` and `lab takeover` share: one pod per node, the hold between
-/// phases checked, and the kproxy binary to run.
-fn held_run(
-    nodes: usize,
-    time_scale: f64,
-    hold_seconds: f64,
-    kproxy: Option<&PathBuf>,
-) -> anyhow::Result<(RolloutConfig, PathBuf)> {
+/// The checked arguments of a held run: its config (one pod per node) and the kproxy
+/// binary to run.
+fn held_run(a: &HeldRunArgs) -> anyhow::Result<(RolloutConfig, PathBuf)> {
+    let HeldRunArgs {
+        nodes,
+        time_scale,
+        hold_seconds,
+        ref kproxy,
+        ..
+    } = *a;
     if !(1..=fabric_max_nodes()).contains(&nodes) {
         bail!("--nodes must be 1..={}", fabric_max_nodes());
     }
@@ -436,7 +435,7 @@ fn held_run(
 
 fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
     need_root("takeover")?;
-    let (cfg, kproxy) = held_run(a.nodes, a.time_scale, a.hold_seconds, a.kproxy.as_ref())?;
+    let (cfg, kproxy) = held_run(&a.run)?;
     let progress = |line: &str| eprintln!("{line}");
     let report = crate::takeover::run(
         &cfg,
@@ -444,13 +443,13 @@ fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
         &crate::takeover::TakeoverOptions {
             mode: a.from.clone(),
             back: a.back,
-            hold: std::time::Duration::from_secs_f64(a.hold_seconds),
+            hold: std::time::Duration::from_secs_f64(a.run.hold_seconds),
             recorded: a.recorded,
             record_rules: a.record_rules.clone(),
         },
         &progress,
     )?;
-    match a.output {
+    match a.run.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
         _ => print!("{}", crate::takeover::render_text(&report)),
     }
@@ -463,15 +462,15 @@ fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
 
 fn restart(a: &RestartArgs) -> anyhow::Result<ExitCode> {
     need_root("restart")?;
-    let (cfg, kproxy) = held_run(a.nodes, a.time_scale, a.hold_seconds, a.kproxy.as_ref())?;
+    let (cfg, kproxy) = held_run(&a.run)?;
     let progress = |line: &str| eprintln!("{line}");
     let report = crate::restart::run(
         &cfg,
         &kproxy,
-        std::time::Duration::from_secs_f64(a.hold_seconds),
+        std::time::Duration::from_secs_f64(a.run.hold_seconds),
         &progress,
     )?;
-    match a.output {
+    match a.run.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
         _ => print!("{}", crate::restart::render_text(&report)),
     }

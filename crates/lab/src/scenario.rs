@@ -120,7 +120,9 @@ pub enum Chaos {
     /// The API server (k8s-lab) killed for [`API_OUTAGE_S`], then started again with the
     /// same command line, once the terminating pod's EndpointSlice change is out (a
     /// change the API never published no proxy can act on): the rollout pauses, nodes
-    /// keep their rules.
+    /// keep their rules. kube-controller-manager goes down and comes back with it, as a
+    /// production kcm (leader election on) does in an outage longer than its lease's
+    /// renew deadline.
     ApiOutage,
     /// Every connection of node 1's kproxy to the API server reset (its API bridge):
     /// its watches must resume without losing a change.
@@ -237,13 +239,24 @@ async fn disturb(
                 while !published() && wait.elapsed() < Duration::from_secs(10) {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-                let server = crate::k8s::ApiServerProcess::find(&real.lab)?;
+                let server = crate::k8s::LabProcess::find(&real.lab, "kube-apiserver")?;
+                // kcm goes down with it, as a production kcm does: it runs with leader
+                // election (the default; the k8s-lab's runs without), cannot renew its
+                // lease for renewDeadline (10 s) of a 30 s outage, exits, and its kubelet
+                // starts it again, to relist once the API answers. A kcm left running
+                // through the outage instead resumes from informer caches it thinks are
+                // stale and leaves terminations unpublished while its other controllers
+                // go on (docs/lab.md, "Chaos cells").
+                let kcm = crate::k8s::LabProcess::find(&real.lab, "kube-controller-manager")?;
                 server.kill()?;
+                kcm.kill()?;
                 rec.record(
                     EventKind::ApiServerDown,
                     None,
                     None,
-                    format!("kube-apiserver killed for {API_OUTAGE_S} s nominal"),
+                    format!(
+                        "kube-apiserver and kube-controller-manager killed for {API_OUTAGE_S} s nominal"
+                    ),
                 );
                 progress(&format!(
                     "{tag} killed the API server for {API_OUTAGE_S} s nominal"
@@ -266,10 +279,50 @@ async fn disturb(
                     ),
                 );
                 progress(&format!("{tag} the API server answers again"));
+                let starts = start_kcm_as_kubelet_would(&kcm, rec.clock()).await?;
+                progress(&format!(
+                    "{tag} kube-controller-manager running again ({starts} start(s))"
+                ));
             }
         }
     }
     Ok(())
+}
+
+/// kcm started again once the API answers, and again after a kubelet's restart
+/// backoff (10 s nominal) each time it exits within 5 s (real: its own start): a kcm
+/// started while the API server's authorizer still warms up exits ("configmaps
+/// extension-apiserver-authentication is forbidden"), and its kubelet restarts it.
+/// How many starts it took.
+async fn start_kcm_as_kubelet_would(
+    kcm: &crate::k8s::LabProcess,
+    clock: &crate::timeline::Clock,
+) -> Result<u32, LabError> {
+    const BACKOFF_S: f64 = 10.0;
+    for starts in 1..=10 {
+        let mut child = kcm.start_again()?;
+        let started = Instant::now();
+        let exited = loop {
+            match child.try_wait() {
+                Ok(Some(_)) => break true,
+                Ok(None) if started.elapsed() >= Duration::from_secs(5) => break false,
+                Ok(None) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(e) => {
+                    return Err(LabError::Io {
+                        what: "wait for kube-controller-manager".into(),
+                        source: e,
+                    });
+                }
+            }
+        };
+        if !exited {
+            return Ok(starts);
+        }
+        tokio::time::sleep(clock.real(BACKOFF_S)).await;
+    }
+    Err(LabError::Invalid(
+        "kube-controller-manager exited 10 times after the API outage; see its log in the k8s-lab's logs/".into(),
+    ))
 }
 
 /// The chaos's name in the matrix and on the command line.

@@ -6,7 +6,8 @@
 //! hairpin pair or a cluster IP may come from several Services; it is programmed while
 //! any does), the claimants of every frontend (a colliding frontend takes all its
 //! elements from the first Service in plan order, as in a full render), and how many
-//! Services use each dispatch group (its map and chain exist while one does).
+//! Services use each dispatch group (its map and chain exist while one does, and stay
+//! a while idle after: [`IDLE_DISPATCH_GROUPS`]).
 //!
 //! It is the dataplane's largest long-lived data (≈ 106k elements at 10k Services ×
 //! 10 endpoints), so elements are held once: a frontend's typed and compact (its key
@@ -22,7 +23,7 @@
 //! replacing sync). The structure (base objects, Services' own chains and sets,
 //! dispatch groups) is [`FamilyRecord::assemble_structure`] for every one of them.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use kproxy_core::NodePlan;
@@ -82,9 +83,24 @@ pub struct FamilyRecord {
     shared: BTreeMap<Shared, u32>,
     /// Frontend name → the Services claiming it, with its elements from each.
     frontends: BTreeMap<Box<str>, Claims>,
-    /// Dispatch group → number of Services using it.
+    /// Dispatch group → number of Services using it (0: idle, kept).
     dispatch: BTreeMap<Dispatch, usize>,
+    /// The idle dispatch groups, the longest idle first: at most
+    /// [`IDLE_DISPATCH_GROUPS`] after each `advance`.
+    idle: VecDeque<Dispatch>,
 }
+
+/// How many dispatch groups no Service uses any more stay in the tables, per family,
+/// for the next Service whose endpoint count takes them again. While a Deployment
+/// rolls, its Services' endpoint counts go N → N−1 → N → …: with the group of each
+/// count kept, every such step is an element-only delta (one nfnetlink batch, ≈ 1 ms)
+/// instead of a structural one through `nft` (a map, a chain and a rule created or
+/// deleted: 12–26 ms, BENCHMARKS.md), which is also the window in which a flush by
+/// another process meets a delta in flight. Each idle group costs one empty map, one
+/// chain and one rule, which every later `nft` run lists into its cache (≈ 45 µs a
+/// rule); past this many, the longest idle goes. A full sync (a start, an adoption, a
+/// replacement) builds the record afresh, without idle groups.
+pub const IDLE_DISPATCH_GROUPS: usize = 16;
 
 impl FamilyRecord {
     /// The record of a full sync of `plan`.
@@ -96,6 +112,7 @@ impl FamilyRecord {
             shared: BTreeMap::new(),
             frontends: BTreeMap::new(),
             dispatch: BTreeMap::new(),
+            idle: VecDeque::new(),
         };
         // A Service without a port of this family has nothing here (an IPv4-only
         // cluster's IPv6 record would otherwise hold 10k empty fragments); `advance`
@@ -338,7 +355,11 @@ impl FamilyRecord {
             }
         }
         for d in &frag.dispatch {
-            *self.dispatch.entry(*d).or_default() += 1;
+            let users = self.dispatch.entry(*d).or_default();
+            if *users == 0 {
+                self.idle.retain(|i| i != d);
+            }
+            *users += 1;
         }
         for sh in ruleset::shared(svc, self.family) {
             *self.shared.entry(sh).or_default() += 1;
@@ -358,7 +379,7 @@ impl FamilyRecord {
             if let Some(c) = self.dispatch.get_mut(d) {
                 *c -= 1;
                 if *c == 0 {
-                    self.dispatch.remove(d);
+                    self.idle.push_back(*d);
                 }
             }
         }
@@ -370,6 +391,11 @@ impl FamilyRecord {
                 }
             }
         }
+    }
+
+    /// Dispatch groups in the tables that no Service uses.
+    pub fn idle_dispatch_groups(&self) -> usize {
+        self.idle.len()
     }
 
     /// The Services this record holds (those with a port of its family).
@@ -474,6 +500,13 @@ impl FamilyRecord {
             }
         }
 
+        // Past the cap once every Service moved (a group one leaves and another takes
+        // is not idle), the longest idle groups leave the tables.
+        while self.idle.len() > IDLE_DISPATCH_GROUPS {
+            let longest = self.idle.pop_front().expect("over the cap");
+            self.dispatch.remove(&longest);
+            touched_disp.entry(longest).or_insert(true);
+        }
         // Dispatch groups that appear or go with these Services: the diff of a table
         // holding the group and one without it.
         for (d, before) in touched_disp {
@@ -939,6 +972,57 @@ mod tests {
     use kproxy_core::config::LocalDetectorConfig;
     use kproxy_core::synthetic::{self, Spec};
 
+    /// A dispatch group whose last Service left stays, idle, for the next change back
+    /// to its endpoint count (then elements only); past [`IDLE_DISPATCH_GROUPS`] the
+    /// longest idle goes, deleted by the delta that pushed it out, so the record and
+    /// the kernel stay one table.
+    #[test]
+    fn idle_dispatch_groups_stay_the_most_recent_up_to_their_cap() {
+        let cfg = DataplaneConfig::default();
+        let plan_with = |endpoints: usize| {
+            let spec = Spec {
+                etp_local_every: 0,
+                terminating_every: 0,
+                hinted_every: 0,
+                ..Spec::new(1, endpoints)
+            };
+            kproxy_core::plan(&synthetic::cluster(&spec), "node-0", &PlanConfig::default())
+        };
+        let first = plan_with(1);
+        let mut rec = FamilyRecord::full(&first, &cfg, IpFamily::IPv4);
+        let names: Vec<ServiceName> = first.services.keys().cloned().collect();
+        let structure = |tx: &Transaction| {
+            tx.ops
+                .iter()
+                .filter(|op| !matches!(op, Op::AddElements { .. } | Op::DeleteElements { .. }))
+                .count()
+        };
+        let mut table = rec.assemble();
+        for n in 2..=40 {
+            let plan = plan_with(n);
+            let tx = rec.advance(&plan, &names, &cfg).unwrap().unwrap();
+            assert!(structure(&tx) > 0, "{n}: a new group is created");
+            assert!(rec.idle_dispatch_groups() <= IDLE_DISPATCH_GROUPS);
+            // The delta moves the kernel's table to the record's, evicted groups too.
+            let after = rec.assemble();
+            let sorted = |tx: &Transaction| {
+                let mut ops: Vec<String> = tx.ops.iter().map(|op| format!("{op:?}")).collect();
+                ops.sort();
+                ops
+            };
+            let whole = model::diff(&table, &after).unwrap();
+            assert_eq!(sorted(&whole), sorted(&tx), "{n}");
+            table = after;
+        }
+        assert_eq!(rec.idle_dispatch_groups(), IDLE_DISPATCH_GROUPS);
+        // The most recent counts' groups are the idle ones: back to one, elements only.
+        let tx = rec.advance(&plan_with(38), &names, &cfg).unwrap().unwrap();
+        assert_eq!(structure(&tx), 0, "{:?}", tx.ops);
+        // The oldest went: back to two endpoints creates its group again.
+        let tx = rec.advance(&plan_with(2), &names, &cfg).unwrap().unwrap();
+        assert!(structure(&tx) > 0, "{:?}", tx.ops);
+    }
+
     /// The bulk-built maps of `full` are those `add_shared` builds Service by Service.
     #[test]
     fn full_builds_the_maps_add_shared_would() {
@@ -954,6 +1038,7 @@ mod tests {
                 shared: BTreeMap::new(),
                 frontends: BTreeMap::new(),
                 dispatch: BTreeMap::new(),
+                idle: VecDeque::new(),
             };
             for (name, svc) in &plan.services {
                 if !ruleset::has_family(svc, family) {

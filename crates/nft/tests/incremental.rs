@@ -253,10 +253,34 @@ fn effect(tx: &Transaction) -> Effect {
     e
 }
 
+/// `wanted` with the dispatch groups of `before` it lacks, empty: the record keeps a
+/// group whose last Service left, idle (`record::IDLE_DISPATCH_GROUPS`; these plans
+/// have too few endpoint counts to reach that cap).
+fn with_idle_groups(wanted: &Table, before: &Table) -> Table {
+    let group = |name: &str| {
+        ["disp-", "npdisp-", "dnat-", "npdnat-"]
+            .iter()
+            .any(|p| name.starts_with(p))
+    };
+    let mut t = wanted.clone();
+    for (name, chain) in &before.chains {
+        if group(name) && !t.chains.contains_key(name) {
+            t.chains.insert(name.clone(), chain.clone());
+        }
+    }
+    for (name, set) in &before.sets {
+        if group(name) && !t.sets.contains_key(name) {
+            t.sets
+                .insert(name.clone(), kproxy_nft::model::Set::new(set.decl.clone()));
+        }
+    }
+    t
+}
+
 /// One owner of change, checked without the kernel: the delta a sync sends, moved by
 /// the planner's update alone (`kproxy_nft::delta`), equals `model::diff` of the whole
-/// tables of the previous plan and of the new one, and leaves the record equal to a
-/// fresh build. Random steps add and remove Services, change their type, traffic
+/// tables of the previous plan and of the new one (each with the idle dispatch groups
+/// the record keeps), and leaves the record equal to a fresh build plus those groups. Random steps add and remove Services, change their type, traffic
 /// policies, affinity and its timeout, source ranges, families, a port's name and their
 /// endpoints (frontends moving between dispatch groups), and the Node's pod CIDRs (a
 /// node-level change under the NodeCIDR detector).
@@ -293,7 +317,13 @@ fn delta_from_the_update_equals_the_full_diff() {
                 }
                 node = new_node.unwrap_or(node);
                 let (plan, update) = cluster.step(&manifest_on_node(specs, node));
-                let wanted = kproxy_nft::desired(plan, &dp_cfg);
+                let fresh = kproxy_nft::desired(plan, &dp_cfg);
+                let wanted = match &previous {
+                    Some(old) if recs.is_some() => {
+                        [0, 1].map(|i| with_idle_groups(&fresh[i], &old[i]))
+                    }
+                    _ => fresh.clone(),
+                };
                 let moved = match (recs.as_mut(), &previous) {
                     (Some(r), Some(old)) => {
                         let tx = kproxy_nft::delta(r, plan, &update, &dp_cfg).unwrap();
@@ -328,9 +358,13 @@ fn delta_from_the_update_equals_the_full_diff() {
                     }
                     _ => false,
                 };
-                if !moved {
+                let wanted = if moved {
+                    wanted
+                } else {
+                    // A full sync: the record afresh, no idle group.
                     recs = Some(IpFamily::ALL.map(|f| FamilyRecord::full(plan, &dp_cfg, f)));
-                }
+                    fresh
+                };
                 let r = recs.as_ref().expect("set above");
                 prop_assert_eq!(&r[0].assemble(), &wanted[0], "step {}: IPv4 record", n);
                 prop_assert_eq!(&r[1].assemble(), &wanted[1], "step {}: IPv6 record", n);
@@ -600,5 +634,63 @@ fn element_only_deltas_go_over_netlink() {
         assert!(r.script_bytes == 0 && r.netlink_bytes > 0, "{r:?}");
         assert!(dp.verify().unwrap().differences.is_empty());
         kproxy_nft::cleanup(dp.config()).unwrap();
+    });
+}
+
+/// A rolling update moves a Service's endpoint count N → N−1 → N → …: only the first
+/// step to a count the tables never held creates its dispatch group (`nft`); the group
+/// left behind stays, idle, so every later step is element-only (netlink), and the
+/// kernel holds what the record says throughout. A full sync (a new process adopting
+/// the tables) drops the idle groups.
+#[test]
+fn a_rolling_update_moves_elements_only_after_its_first_step() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
+    let spec = |endpoints: [u8; 4]| SvcSpec {
+        present: true,
+        kind: 1,
+        etp_local: false,
+        itp_local: false,
+        affinity: None,
+        dual_stack: false,
+        ranges: false,
+        renamed: false,
+        endpoints,
+    };
+    let (three, two) = ([1, 1, 1, 0], [1, 3, 1, 0]);
+    let steps = [three, two, three, two, three, two];
+    let ns = Netns::new("idle");
+    ns.run(move || {
+        let mut dp = Dataplane::new(DataplaneConfig::default()).unwrap();
+        let mut cluster = Moving::new("node-a", &config());
+        for (n, endpoints) in steps.iter().enumerate() {
+            let (plan, update) = cluster.step(&manifest(&[spec(*endpoints)]));
+            let r = dp.sync(plan, &update).unwrap();
+            match n {
+                0 => assert!(r.full, "{r:?}"),
+                // The two-endpoint group is new: created by nft.
+                1 => assert!(!r.full && r.script_bytes > 0, "step 1: {r:?}"),
+                _ => assert!(
+                    !r.full && r.script_bytes == 0 && r.netlink_bytes > 0,
+                    "step {n}: a group the tables held idle, element-only: {r:?}"
+                ),
+            }
+            let v = dp.verify().unwrap();
+            assert!(v.differences.is_empty(), "step {n}: {:?}", v.differences);
+        }
+        let listed = sh("nft list table ip kproxy");
+        for group in ["dnat-c-2", "dnat-c-3", "disp-c-2", "disp-c-3"] {
+            assert!(listed.contains(group), "{group} kept:\n{listed}");
+        }
+        // A new process adopts the tables from a fresh record: the idle group goes.
+        let (plan, _) = cluster.step(&manifest(&[spec(two)]));
+        let mut next = Dataplane::new(DataplaneConfig::default()).unwrap();
+        let r = next.sync(plan, &PlanUpdate::WHOLE).unwrap();
+        assert!(r.adopted, "{r:?}");
+        let listed = sh("nft list table ip kproxy");
+        assert!(!listed.contains("dnat-c-3"), "idle group left:\n{listed}");
+        assert!(listed.contains("dnat-c-2"), "{listed}");
+        kproxy_nft::cleanup(next.config()).unwrap();
     });
 }
