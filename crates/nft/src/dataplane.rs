@@ -61,6 +61,8 @@ pub struct Dataplane {
     programmed: Option<[FamilyRecord; 2]>,
     /// The netlink socket for element-only deltas, opened at the first one.
     writer: Option<netlink::Writer>,
+    /// Runs `nft` for the rest, going on at the kernel's commit.
+    nft: nft::Runner,
     /// The next full sync replaces the tables instead of adopting them (forced).
     replace_forced: bool,
     /// The UDP frontends of what is programmed, for the conntrack cleanup; moved with
@@ -76,6 +78,7 @@ impl Dataplane {
             cfg,
             programmed: None,
             writer: None,
+            nft: nft::Runner::default(),
             replace_forced: false,
             udp: conntrack::UdpFrontends::default(),
         })
@@ -179,7 +182,7 @@ impl Dataplane {
         let t = Instant::now();
         match step {
             Step::Nft(tx) if !tx.is_empty() => {
-                report.script_bytes += nft::run_transaction(&tx)?;
+                report.script_bytes += self.nft.run_transaction(&tx)?;
             }
             Step::Netlink(batch) if !batch.is_empty() => {
                 report.netlink_bytes += batch.len();
@@ -187,7 +190,7 @@ impl Dataplane {
             }
             Step::Replace => {
                 let mut counts = model::Counts::default();
-                report.script_bytes += nft::run(|w| {
+                report.script_bytes += self.nft.run(|w| {
                     let (n, c) = write_full_replacement(recs, w)?;
                     counts = c;
                     Ok(n)
@@ -320,9 +323,17 @@ impl Dataplane {
         report: &mut SyncReport,
     ) -> Result<bool, NftError> {
         let t = Instant::now();
-        let writer = self.writer()?;
-        let done =
-            first_sync_into_absent_tables(recs, &nft::run_transaction, &mut |b| writer.send(b));
+        self.writer()?;
+        let writer = self.writer.as_mut().expect("opened above");
+        // The structure loads on a thread of its own, beside the elements' encoder.
+        let runner = std::sync::Mutex::new(&mut self.nft);
+        let load = |tx: &Transaction| {
+            runner
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .run_transaction(tx)
+        };
+        let done = first_sync_into_absent_tables(recs, &load, &mut |b| writer.send(b));
         let done = match done {
             Ok(done) => done,
             Err(NftError::Encode(e)) => {

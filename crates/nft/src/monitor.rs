@@ -323,6 +323,134 @@ impl Monitor {
     }
 }
 
+/// Hears when the kernel committed an `nft` child's transaction (the `NEWGEN` closing
+/// it, stamped with the child's port id and pid), so that a sync goes on then rather
+/// than when `nft` exits: an exiting `nft` closes its netfilter socket, and the kernel
+/// makes the close of every bound netfilter socket wait for the destruction of the last
+/// transaction's objects, which waits out an RCU grace period (`nft_rcv_nl_event` →
+/// `nf_tables_trans_destroy_flush_work`): 10–15 ms after a transaction that deleted a
+/// chain or a set (crates/nft/BENCHMARKS.md). The socket is kept (by
+/// [`crate::nft::Runner`]), as its own close would wait the same way, and it has to be
+/// bound: the kernel delivers the group to bound sockets only. Without a `NEWGEN` (a
+/// refused transaction, lost notifications) the caller waits for the exit as before.
+pub(crate) struct CommitWatch {
+    sock: Socket,
+    buf: Vec<u8>,
+    netns: u64,
+}
+
+/// How long [`CommitWatch::committed`] blocks before answering `Ok(false)`, so the
+/// caller can look at the child's exit in between.
+const COMMIT_POLL: Duration = Duration::from_millis(2);
+
+impl CommitWatch {
+    /// Subscribes in the calling thread's network namespace; before the child starts,
+    /// so its `NEWGEN` cannot come first.
+    pub(crate) fn open() -> Result<CommitWatch, NftError> {
+        let io = |context: &str| {
+            let context = context.to_string();
+            move |source| NftError::Io { context, source }
+        };
+        let mut sock = Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)
+            .map_err(io("opening a netfilter netlink socket"))?;
+        sock.bind_auto()
+            .map_err(io("binding the commit watch's socket"))?;
+        // A structural delta announces a few kB; a full sync's megabytes may overrun
+        // it (answered as unknown: the caller waits for the exit).
+        let _ = setsockopt(&sock, sockopt::RcvBuf, &(4usize << 20));
+        let poll = TimeVal::new(0, COMMIT_POLL.as_micros() as i64);
+        setsockopt(&sock, sockopt::ReceiveTimeout, &poll)
+            .map_err(std::io::Error::from)
+            .map_err(io("setting the commit watch's receive timeout"))?;
+        Ok(CommitWatch {
+            sock,
+            buf: vec![0; 64 << 10],
+            netns: crate::netlink::current_netns()?,
+        })
+    }
+
+    /// True when the calling thread is in the namespace the socket was opened in.
+    pub(crate) fn in_current_netns(&self) -> Result<bool, NftError> {
+        Ok(crate::netlink::current_netns()? == self.netns)
+    }
+
+    /// Joins the notification group for one child's transaction (before it starts),
+    /// with nothing older queued.
+    pub(crate) fn listen(&mut self) -> Result<(), NftError> {
+        loop {
+            match self.sock.recv(&mut &mut self.buf[..], libc::MSG_DONTWAIT) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
+                Err(_) => break,
+            }
+        }
+        self.sock
+            .add_membership(NFNLGRP_NFTABLES)
+            .map_err(|source| NftError::Io {
+                context: "joining the nftables notification group".into(),
+                source,
+            })
+    }
+
+    /// Leaves the group between children: nothing queues up, and the kernel need not
+    /// announce kproxy's own element batches to it.
+    pub(crate) fn stop_listening(&mut self) {
+        let _ = self.sock.drop_membership(NFNLGRP_NFTABLES);
+    }
+
+    /// Whether the transaction of the process `id` (its pid, which is also its
+    /// socket's port id) committed: `Ok(false)` after [`COMMIT_POLL`] without its
+    /// `NEWGEN`; `Err` when notifications were lost or the socket failed.
+    pub(crate) fn committed(&mut self, id: u32) -> std::io::Result<bool> {
+        loop {
+            let n = match self.sock.recv(&mut &mut self.buf[..], 0) {
+                Ok(n) => n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(false);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            if newgen_of(&self.buf[..n], id) {
+                return Ok(true);
+            }
+        }
+    }
+}
+
+/// Whether a datagram holds the `NEWGEN` of a transaction committed by `id` (port id
+/// or pid).
+fn newgen_of(buf: &[u8], id: u32) -> bool {
+    let mut offset = 0;
+    while offset + NETLINK_HEADER <= buf.len() {
+        let word = |at: usize| u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
+        let len = word(offset) as usize;
+        if len < NETLINK_HEADER || offset + len > buf.len() {
+            return false;
+        }
+        let [msg_type, subsys] =
+            u16::from_ne_bytes([buf[offset + 4], buf[offset + 5]]).to_le_bytes();
+        let port_id = word(offset + 12);
+        let msg = &buf[offset..offset + len];
+        offset += len.next_multiple_of(4);
+        if subsys == NFNL_SUBSYS_NFTABLES
+            && msg_type == NFT_MSG_NEWGEN
+            && msg.len() >= NETLINK_HEADER + NFGENMSG
+        {
+            let (_, pid, _) = gen_info(&msg[NETLINK_HEADER + NFGENMSG..]);
+            if port_id == id || pid == Some(id) {
+                return true;
+            }
+        }
+    }
+    false
+}
+
 /// Reads one datagram's messages into `pending`; at each `NEWGEN` closing a transaction
 /// that changed kproxy's tables and is not kproxy's own, hands it to `found` (at most one
 /// per datagram can be reported before the caller reads on: the rest of the datagram is

@@ -351,7 +351,7 @@ pub struct Writer {
     sndbuf: usize,
 }
 
-fn current_netns() -> Result<u64, NftError> {
+pub(crate) fn current_netns() -> Result<u64, NftError> {
     std::fs::metadata("/proc/thread-self/ns/net")
         .map(|m| m.ino())
         .map_err(|e| NftError::Io {
