@@ -1037,6 +1037,15 @@ mod tests {
     }
 
     impl Harness {
+        /// The kernel watch reports another process's change (as lost notifications:
+        /// what changed unknown).
+        fn kernel_changed(&self) {
+            self.kernel
+                .send(crate::kernel_watch::Detected::now(
+                    kproxy_nft::monitor::Event::Lost,
+                ))
+                .unwrap();
+        }
         fn add(&self, i: usize) {
             self.handle.update(|s| s.upsert_service(service(i)));
         }
@@ -1070,11 +1079,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn interference_is_repaired_between_syncs_and_health_hears_of_it() {
         let h = start(0, &[], None);
-        h.kernel
-            .send(crate::kernel_watch::Detected::now(
-                kproxy_nft::monitor::Event::Lost,
-            ))
-            .unwrap();
+        h.kernel_changed();
         h.add(0);
         h.handle.mark_ready();
         h.until_seen(&Seen::KernelRepaired).await;
@@ -1126,11 +1131,7 @@ mod tests {
         // sync fails.
         h.add(1);
         let started_rx = in_flight(started_rx).await;
-        h.kernel
-            .send(crate::kernel_watch::Detected::now(
-                kproxy_nft::monitor::Event::Lost,
-            ))
-            .unwrap();
+        h.kernel_changed();
         release.send(()).unwrap();
         let _started_rx = in_flight(started_rx).await;
         release.send(()).unwrap();
@@ -1176,11 +1177,7 @@ mod tests {
         h.until_syncs(1).await;
         h.add(1);
         tokio::time::sleep(Duration::from_millis(10)).await;
-        h.kernel
-            .send(crate::kernel_watch::Detected::now(
-                kproxy_nft::monitor::Event::Lost,
-            ))
-            .unwrap();
+        h.kernel_changed();
         h.until_seen(&Seen::KernelRepaired).await;
         let repaired_ms = h.log.ms();
         h.until_syncs(2).await;
@@ -1217,11 +1214,7 @@ mod tests {
         h.handle.mark_ready();
         h.until_syncs(1).await;
         h.add(1);
-        h.kernel
-            .send(crate::kernel_watch::Detected::now(
-                kproxy_nft::monitor::Event::Lost,
-            ))
-            .unwrap();
+        h.kernel_changed();
         h.until_syncs(2).await;
         let log = h.log.clone();
         h.stop().await;

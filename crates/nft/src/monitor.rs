@@ -259,24 +259,12 @@ impl Monitor {
     /// Subscribes to nftables notifications in the calling thread's network namespace,
     /// for kproxy's tables named `table`.
     pub fn open(table: &str) -> Result<Monitor, NftError> {
-        let io = |context: &str| {
-            let context = context.to_string();
-            move |source| NftError::Io { context, source }
-        };
-        let mut sock = Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)
-            .map_err(io("opening a netfilter netlink socket"))?;
-        sock.bind_auto()
-            .map_err(io("binding the nftables monitor socket"))?;
+        let sock = notification_socket(RCVBUF, POLL)?;
         sock.add_membership(NFNLGRP_NFTABLES)
-            .map_err(io("joining the nftables notification group"))?;
-        setsockopt(&sock, sockopt::RcvBufForce, &RCVBUF)
-            .or_else(|_| setsockopt(&sock, sockopt::RcvBuf, &RCVBUF))
-            .map_err(std::io::Error::from)
-            .map_err(io("raising the monitor's receive buffer"))?;
-        let poll = TimeVal::new(POLL.as_secs() as i64, 0);
-        setsockopt(&sock, sockopt::ReceiveTimeout, &poll)
-            .map_err(std::io::Error::from)
-            .map_err(io("setting the monitor's receive timeout"))?;
+            .map_err(|source| NftError::Io {
+                context: "joining the nftables notification group".into(),
+                source,
+            })?;
         Ok(Monitor {
             sock,
             table: table.to_string(),
@@ -289,21 +277,13 @@ impl Monitor {
     /// notifications were lost; `Ok(None)` after a second without either.
     pub fn next_event(&mut self) -> Result<Option<Event>, NftError> {
         loop {
-            let n = match self.sock.recv(&mut &mut self.buf[..], 0) {
-                Ok(n) => n,
+            let n = match recv(&self.sock, &mut self.buf) {
+                Ok(Some(n)) => n,
+                Ok(None) => return Ok(None),
                 Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
                     self.pending = Changes::default();
                     return Ok(Some(Event::Lost));
                 }
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Ok(None);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     return Err(NftError::Io {
                         context: "reading nftables notifications".into(),
@@ -321,6 +301,87 @@ impl Monitor {
             }
         }
     }
+}
+
+/// A bound netfilter netlink socket for notifications (the kernel delivers the group to
+/// bound sockets only), with a receive buffer of `rcvbuf` bytes (forced, else as large
+/// as allowed) and a receive timeout of `poll`; not yet in the group.
+fn notification_socket(rcvbuf: usize, poll: Duration) -> Result<Socket, NftError> {
+    let io = |context: &str| {
+        let context = context.to_string();
+        move |source| NftError::Io { context, source }
+    };
+    let mut sock = Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)
+        .map_err(io("opening a netfilter netlink socket"))?;
+    sock.bind_auto()
+        .map_err(io("binding a netfilter netlink socket"))?;
+    setsockopt(&sock, sockopt::RcvBufForce, &rcvbuf)
+        .or_else(|_| setsockopt(&sock, sockopt::RcvBuf, &rcvbuf))
+        .map_err(std::io::Error::from)
+        .map_err(io("raising a notification socket's receive buffer"))?;
+    let poll = TimeVal::new(poll.as_secs() as i64, i64::from(poll.subsec_micros()));
+    setsockopt(&sock, sockopt::ReceiveTimeout, &poll)
+        .map_err(std::io::Error::from)
+        .map_err(io("setting a notification socket's receive timeout"))?;
+    Ok(sock)
+}
+
+/// One datagram into `buf`: its length, `None` when the socket's receive timeout passed.
+fn recv(sock: &Socket, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
+    loop {
+        match sock.recv(&mut &mut buf[..], 0) {
+            Ok(n) => return Ok(Some(n)),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(None);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// An nftables message of a datagram: its type, family and attributes, and the port id
+/// it is stamped with.
+struct Message<'a> {
+    msg_type: u8,
+    family: u8,
+    port_id: u32,
+    attrs: &'a [u8],
+}
+
+/// The nftables messages of one datagram, in order (others skipped; a truncated one
+/// ends it).
+fn messages(buf: &[u8]) -> impl Iterator<Item = Message<'_>> {
+    let mut offset = 0;
+    std::iter::from_fn(move || {
+        while offset + NETLINK_HEADER <= buf.len() {
+            let word = |at: usize| u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
+            let len = word(offset) as usize;
+            if len < NETLINK_HEADER || offset + len > buf.len() {
+                return None;
+            }
+            let kind = u16::from_ne_bytes([buf[offset + 4], buf[offset + 5]]);
+            let port_id = word(offset + 12);
+            let msg = &buf[offset..offset + len];
+            offset += len.next_multiple_of(4);
+            let [msg_type, subsys] = kind.to_le_bytes();
+            if subsys != NFNL_SUBSYS_NFTABLES || msg.len() < NETLINK_HEADER + NFGENMSG {
+                continue;
+            }
+            return Some(Message {
+                msg_type,
+                family: msg[NETLINK_HEADER],
+                port_id,
+                attrs: &msg[NETLINK_HEADER + NFGENMSG..],
+            });
+        }
+        None
+    })
 }
 
 /// Hears when the kernel committed an `nft` child's transaction (the `NEWGEN` closing
@@ -347,21 +408,9 @@ impl CommitWatch {
     /// Subscribes in the calling thread's network namespace; before the child starts,
     /// so its `NEWGEN` cannot come first.
     pub(crate) fn open() -> Result<CommitWatch, NftError> {
-        let io = |context: &str| {
-            let context = context.to_string();
-            move |source| NftError::Io { context, source }
-        };
-        let mut sock = Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)
-            .map_err(io("opening a netfilter netlink socket"))?;
-        sock.bind_auto()
-            .map_err(io("binding the commit watch's socket"))?;
         // A structural delta announces a few kB; a full sync's megabytes may overrun
         // it (answered as unknown: the caller waits for the exit).
-        let _ = setsockopt(&sock, sockopt::RcvBuf, &(4usize << 20));
-        let poll = TimeVal::new(0, COMMIT_POLL.as_micros() as i64);
-        setsockopt(&sock, sockopt::ReceiveTimeout, &poll)
-            .map_err(std::io::Error::from)
-            .map_err(io("setting the commit watch's receive timeout"))?;
+        let sock = notification_socket(4 << 20, COMMIT_POLL)?;
         Ok(CommitWatch {
             sock,
             buf: vec![0; 64 << 10],
@@ -403,18 +452,8 @@ impl CommitWatch {
     /// `NEWGEN`; `Err` when notifications were lost or the socket failed.
     pub(crate) fn committed(&mut self, id: u32) -> std::io::Result<bool> {
         loop {
-            let n = match self.sock.recv(&mut &mut self.buf[..], 0) {
-                Ok(n) => n,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Ok(false);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
+            let Some(n) = recv(&self.sock, &mut self.buf)? else {
+                return Ok(false);
             };
             if newgen_of(&self.buf[..n], id) {
                 return Ok(true);
@@ -426,29 +465,9 @@ impl CommitWatch {
 /// Whether a datagram holds the `NEWGEN` of a transaction committed by `id` (port id
 /// or pid).
 fn newgen_of(buf: &[u8], id: u32) -> bool {
-    let mut offset = 0;
-    while offset + NETLINK_HEADER <= buf.len() {
-        let word = |at: usize| u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
-        let len = word(offset) as usize;
-        if len < NETLINK_HEADER || offset + len > buf.len() {
-            return false;
-        }
-        let [msg_type, subsys] =
-            u16::from_ne_bytes([buf[offset + 4], buf[offset + 5]]).to_le_bytes();
-        let port_id = word(offset + 12);
-        let msg = &buf[offset..offset + len];
-        offset += len.next_multiple_of(4);
-        if subsys == NFNL_SUBSYS_NFTABLES
-            && msg_type == NFT_MSG_NEWGEN
-            && msg.len() >= NETLINK_HEADER + NFGENMSG
-        {
-            let (_, pid, _) = gen_info(&msg[NETLINK_HEADER + NFGENMSG..]);
-            if port_id == id || pid == Some(id) {
-                return true;
-            }
-        }
-    }
-    false
+    messages(buf).any(|m| {
+        m.msg_type == NFT_MSG_NEWGEN && (m.port_id == id || gen_info(m.attrs).1 == Some(id))
+    })
 }
 
 /// Reads one datagram's messages into `pending`; at each `NEWGEN` closing a transaction
@@ -462,23 +481,13 @@ fn read_datagram(
     found: &mut dyn FnMut(Interference),
 ) {
     let mut report: Option<Interference> = None;
-    let mut offset = 0;
-    while offset + NETLINK_HEADER <= buf.len() {
-        let word = |at: usize| u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
-        let len = word(offset) as usize;
-        if len < NETLINK_HEADER || offset + len > buf.len() {
-            break;
-        }
-        let kind = u16::from_ne_bytes([buf[offset + 4], buf[offset + 5]]);
-        let port_id = word(offset + 12);
-        let msg = &buf[offset..offset + len];
-        offset += len.next_multiple_of(4);
-        let [msg_type, subsys] = kind.to_le_bytes();
-        if subsys != NFNL_SUBSYS_NFTABLES || msg.len() < NETLINK_HEADER + NFGENMSG {
-            continue;
-        }
-        let family = msg[NETLINK_HEADER];
-        let attrs = &msg[NETLINK_HEADER + NFGENMSG..];
+    for Message {
+        msg_type,
+        family,
+        port_id,
+        attrs,
+    } in messages(buf)
+    {
         if msg_type == NFT_MSG_NEWGEN {
             let changes = std::mem::take(pending);
             let (generation, pid, process) = gen_info(attrs);
@@ -675,6 +684,18 @@ mod tests {
 
     /// A pid no thread of this process has (pid_max is at most 2^22).
     const STRANGER: u32 = 4_000_000_001;
+
+    /// A child's commit is its `NEWGEN`, named by its socket's port id or by its pid
+    /// (after other messages in the datagram); another process's is not.
+    #[test]
+    fn a_commit_is_the_newgen_of_the_child() {
+        let elem = message(14, NFPROTO_IPV4, 7, &[(1, s("kproxy")), (2, s("dnat"))]);
+        let with = |closing: Vec<u8>| [elem.clone(), closing].concat();
+        assert!(newgen_of(&with(newgen(7, STRANGER, "nft")), 7));
+        assert!(newgen_of(&with(newgen(STRANGER, 7, "nft")), 7));
+        assert!(!newgen_of(&with(newgen(STRANGER, STRANGER, "nft")), 7));
+        assert!(!newgen_of(&elem, 7));
+    }
 
     #[test]
     fn a_flush_by_another_process_is_reported_with_its_name() {

@@ -37,7 +37,9 @@
 //!   verdict applies to new connections only, as upstream's do.
 //!
 //! So a one-endpoint change is a few element deletes and adds (a frontend moving to
-//! another N: its old rows out, new rows in, its verdict-map element re-pointed).
+//! another N: its old rows out, new rows in, its verdict-map element re-pointed), and
+//! a structural change only when the group of N does not exist (the record keeps idle
+//! groups a while, so a rollout's N → N−1 → N creates each once).
 
 use std::borrow::Cow;
 use std::collections::BTreeSet;
@@ -129,7 +131,8 @@ impl Fam {
 /// frontends
 /// (every element a frontend key brings; a frontend claimed by several Services takes
 /// all of them from the first in plan order, which is what `trace` predicts), and the
-/// dispatch groups it uses (sorted; created while any Service uses them).
+/// dispatch groups it uses (sorted; created while any Service uses them, and kept a
+/// while idle after: `crate::record::IDLE_DISPATCH_GROUPS`).
 ///
 /// Its elements of the shared sets (present while any Service has them) are not part
 /// of it: [`shared`] derives them from the Service's plan, which the record keeps

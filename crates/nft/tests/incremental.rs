@@ -554,6 +554,21 @@ fn shared_elements_follow_their_owners() {
     });
 }
 
+/// A NodePort Service with Cluster policies, no affinity or source ranges.
+fn plain(endpoints: [u8; 4], dual_stack: bool) -> SvcSpec {
+    SvcSpec {
+        present: true,
+        kind: 1,
+        etp_local: false,
+        itp_local: false,
+        affinity: None,
+        dual_stack,
+        ranges: false,
+        renamed: false,
+        endpoints,
+    }
+}
+
 /// Deltas that only add and delete elements (endpoints replaced, failing over to
 /// serving-terminating ones, a port losing all endpoints and getting them back) go out
 /// as nfnetlink batches, not `nft` scripts, and leave exactly what a full sync would —
@@ -564,17 +579,7 @@ fn element_only_deltas_go_over_netlink() {
     if !kproxy_test_support::root("network namespaces, nftables") {
         return;
     }
-    let spec = |endpoints: [u8; 4]| SvcSpec {
-        present: true,
-        kind: 1,
-        etp_local: false,
-        itp_local: false,
-        affinity: None,
-        dual_stack: true,
-        ranges: false,
-        renamed: false,
-        endpoints,
-    };
+    let spec = |endpoints: [u8; 4]| plain(endpoints, true);
     // s2 keeps one ready endpoint throughout, so the one-endpoint dispatch group exists
     // and s0 moving between 2, 1 and 0 endpoints changes elements only.
     let steps = [
@@ -647,17 +652,7 @@ fn a_rolling_update_moves_elements_only_after_its_first_step() {
     if !kproxy_test_support::root("network namespaces, nftables") {
         return;
     }
-    let spec = |endpoints: [u8; 4]| SvcSpec {
-        present: true,
-        kind: 1,
-        etp_local: false,
-        itp_local: false,
-        affinity: None,
-        dual_stack: false,
-        ranges: false,
-        renamed: false,
-        endpoints,
-    };
+    let spec = |endpoints: [u8; 4]| plain(endpoints, false);
     let (three, two) = ([1, 1, 1, 0], [1, 3, 1, 0]);
     let steps = [three, two, three, two, three, two];
     let ns = Netns::new("idle");
