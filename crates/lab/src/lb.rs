@@ -173,6 +173,27 @@ pub struct LoadBalancer {
 }
 
 impl LoadBalancer {
+    /// [`LoadBalancer::start`] in front of the lab's one Service (its health-check node
+    /// port, NodePort and port, `crate::controlplane`), as the held runs (`lab restart`,
+    /// `lab takeover`) put it.
+    pub fn for_lab_service(
+        fabric: &Fabric,
+        mode: LbMode,
+        hc: HealthCheck,
+        recorder: Recorder,
+    ) -> Result<LoadBalancer, LabError> {
+        use crate::controlplane::{HEALTH_CHECK_NODE_PORT, NODE_PORT, SERVICE_PORT};
+        LoadBalancer::start(
+            fabric,
+            mode,
+            hc,
+            HEALTH_CHECK_NODE_PORT,
+            NODE_PORT,
+            SERVICE_PORT,
+            recorder,
+        )
+    }
+
     /// Program the data path (all nodes in the pool until the first health checks)
     /// and start the health checker.
     pub fn start(

@@ -294,15 +294,7 @@ async fn run_async(
     for (n, dir) in fabric.nodes.iter().zip(&dirs) {
         daemons.push(Kproxyd::start(kproxy, n, dir, &workdir, true, &[])?);
     }
-    let mut lb = LoadBalancer::start(
-        &fabric,
-        cfg.load_balancer.mode,
-        hc,
-        controlplane::HEALTH_CHECK_NODE_PORT,
-        controlplane::NODE_PORT,
-        controlplane::SERVICE_PORT,
-        rec.clone(),
-    )?;
+    let mut lb = LoadBalancer::for_lab_service(&fabric, cfg.load_balancer.mode, hc, rec.clone())?;
     let cluster = Cluster::new(
         fabric.clone(),
         Arc::new(cp.clone()),

@@ -455,15 +455,7 @@ async fn run_async(
             (source, cluster)
         }
     };
-    let mut lb = LoadBalancer::start(
-        &fabric,
-        cfg.load_balancer.mode,
-        hc,
-        controlplane::HEALTH_CHECK_NODE_PORT,
-        controlplane::NODE_PORT,
-        controlplane::SERVICE_PORT,
-        rec.clone(),
-    )?;
+    let mut lb = LoadBalancer::for_lab_service(&fabric, cfg.load_balancer.mode, hc, rec.clone())?;
     let mut min_pool = usize::MAX;
     wait(
         "the load balancer to see every node healthy (kube-proxy's health-check node ports)",
