@@ -171,6 +171,38 @@ fn run(services: usize, eps: usize) {
         p50.1.netlink_bytes,
         ms(max.1.wall)
     );
+    // An eTP=Local Service losing its node's only endpoint, then getting it back (what
+    // a rollout does on a node that runs one of its pods): its own chains name its
+    // dispatch groups in their rules, so this is a structural delta through `nft`.
+    // Service 0 is one (`etp_local_every` divides 0) and its endpoint 0 is on node-0.
+    let mut structural = Vec::new();
+    for round in 0..6 {
+        let mut slice = synthetic::slice(&spec, 0, 0);
+        if round % 2 == 0 {
+            slice
+                .endpoints
+                .retain(|e| e.placement.node_name.as_deref() != Some("node-0"));
+        }
+        state.upsert_slice(slice);
+        let up = planner.update(&mut state);
+        if !up.services.is_empty() {
+            structural.push(measure(&mut dp, planner.plan(), &up));
+        }
+    }
+    if !structural.is_empty() {
+        structural.sort_by_key(|s| s.wall);
+        let p50 = &structural[structural.len() / 2];
+        println!(
+            "{services}x{eps}: an eTP=Local Service's local endpoint gone / back ({} samples, {} by nft): p50 wall {} ms (transaction {} ms, {} B script, {} B netlink), max {} ms",
+            structural.len(),
+            structural.iter().filter(|s| s.bytes > 0).count(),
+            ms(p50.wall),
+            ms(p50.nft_wall),
+            p50.bytes,
+            p50.netlink_bytes,
+            ms(structural.last().expect("non-empty").wall)
+        );
+    }
     // Restart: a new Dataplane reads the tables back and adopts them,
     // with nothing changed, then after 100 Services' endpoints changed while it was down.
     let restart = measure(
