@@ -496,6 +496,23 @@ fn wait_for(what: &str, log: &Path, f: impl Fn() -> bool) {
 }
 
 /// The value of the metric series `series` (name and labels, exactly as exposed).
+/// Waits (up to 10 s) until `series` reads `want`: the log line a test waits for and the
+/// metrics server are separate channels. Fails with kproxy's log.
+fn wait_metric(node: &Netns, series: &str, want: f64, log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut got = metric(node, series);
+    while got != Some(want) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        got = metric(node, series);
+    }
+    assert_eq!(
+        got,
+        Some(want),
+        "{series}; kproxy's log:\n{}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+}
+
 fn metric(node: &Netns, series: &str) -> Option<f64> {
     let series = format!("{series} ");
     let (_, text) = node.run(|| http_get("127.0.0.1:10249".parse().unwrap(), "/metrics"))?;
@@ -631,10 +648,7 @@ fn a_running_kube_proxy_keeps_its_rules_until_it_stops() {
     });
     assert!(nft_tables(&c.node).contains(&"ip kube-proxy".to_string()));
     assert!(nft_tables(&c.node).contains(&"ip kproxy".to_string()));
-    assert_eq!(
-        metric(&c.node, "kproxy_kube_proxy_takeover_waiting"),
-        Some(1.0)
-    );
+    wait_metric(&c.node, "kproxy_kube_proxy_takeover_waiting", 1.0, &log);
     // kproxy's rules decide meanwhile: the cluster IP works.
     let (to, expect) = ("10.96.0.10:80".parse().unwrap(), Expect::Pods(&PODS));
     assert_eq!(c.node.run(move || probe(to, expect)), None);
@@ -661,12 +675,11 @@ fn a_running_kube_proxy_keeps_its_rules_until_it_stops() {
             .is_ok_and(|l| l.contains("--kube-proxy-takeover=off leaves them"))
     });
     assert!(nft_tables(&c.node).contains(&"ip kube-proxy".to_string()));
-    assert_eq!(
-        metric(
-            &c.node,
-            "kproxy_kube_proxy_rules_present{mode=\"nftables\"}"
-        ),
-        Some(1.0)
+    wait_metric(
+        &c.node,
+        "kproxy_kube_proxy_rules_present{mode=\"nftables\"}",
+        1.0,
+        &log2,
     );
 }
 
