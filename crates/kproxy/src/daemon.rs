@@ -476,50 +476,48 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         let res = self
             .on_engine(|e| e.dataplane.repair(e.planner.plan()))
             .await;
-        let since_detected = repair.detected.elapsed().as_secs_f64() * 1e3;
-        let ok = res.is_ok();
-        match res {
-            Ok(outcome) => {
-                self.metrics.kernel_repairs.inc();
-                self.health.kernel_repaired();
-                tracing::info!(
-                    events = repair.events,
-                    ms_since_detected = since_detected,
-                    detail = %outcome.detail,
-                    "kproxy's nftables tables repaired"
+        let detail = match res {
+            Ok(outcome) => Some(outcome.detail),
+            Err(e) => {
+                tracing::error!(
+                    error = format!("{e:#}"),
+                    "repairing kproxy's nftables tables failed; retrying"
                 );
-                self.events.emit(
-                    "kernel_repaired",
-                    json!({
-                        "events": repair.events,
-                        "ms_since_detected": since_detected,
-                        "process": repair.interference.as_ref().map(|i| &i.process),
-                        "pid": repair.interference.as_ref().map(|i| i.pid),
-                        "detail": outcome.detail,
-                    }),
-                );
+                None
             }
-            Err(ref e) => tracing::error!(
-                error = format!("{e:#}"),
-                "repairing kproxy's nftables tables failed; retrying"
-            ),
-        }
-        if let Some(w) = self.kernel.as_mut() {
-            w.repaired(repair, ok);
-        }
+        };
+        self.repaired(repair, detail, "kproxy's nftables tables repaired");
     }
 
     /// A full sync ran in place of the owed `repair` (after a sync that met another
     /// process's change): health and the watch hear of it as of a repair.
     fn repaired_by_sync(&mut self, repair: kernel_watch::Repair, ok: bool) {
-        if ok {
+        self.repaired(
+            repair,
+            ok.then(|| json!({"how": "sync"})),
+            "kproxy's nftables tables repaired by the full sync after the sync that met the change",
+        );
+    }
+
+    /// A repair ran (`detail`: what it did) or failed (`None`, owed again after the
+    /// backoff): metrics, health, the log and the event log hear of a success, the
+    /// watch of either.
+    fn repaired(
+        &mut self,
+        repair: kernel_watch::Repair,
+        detail: Option<serde_json::Value>,
+        what: &str,
+    ) {
+        let ok = detail.is_some();
+        if let Some(detail) = detail {
             let since_detected = repair.detected.elapsed().as_secs_f64() * 1e3;
             self.metrics.kernel_repairs.inc();
             self.health.kernel_repaired();
             tracing::info!(
                 events = repair.events,
                 ms_since_detected = since_detected,
-                "kproxy's nftables tables repaired by the full sync after the sync that met the change"
+                %detail,
+                "{what}"
             );
             self.events.emit(
                 "kernel_repaired",
@@ -528,7 +526,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                     "ms_since_detected": since_detected,
                     "process": repair.interference.as_ref().map(|i| &i.process),
                     "pid": repair.interference.as_ref().map(|i| i.pid),
-                    "detail": {"how": "sync"},
+                    "detail": detail,
                 }),
             );
         }
