@@ -194,22 +194,29 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
-    /// Start the publisher task (on the current tokio runtime) writing to `dirs`
-    /// after `propagation` (real time).
-    /// [`ControlPlane::start`] for a lab whose nodes' kproxies read manifests: one
-    /// directory per node of `fabric`, `workdir/<node name>`, returned in node order.
+    /// [`ControlPlane::start`] for a held run (`lab restart`, `lab takeover`) whose
+    /// nodes' kproxies read manifests: `cfg`'s objects (the eTP=Local Service) and
+    /// propagation delay, one directory per node of `fabric`, `workdir/<node name>`,
+    /// returned in node order.
     pub fn start_for_nodes(
         fabric: &fabric::Fabric,
         workdir: &Path,
-        objects: Objects,
-        propagation: Duration,
+        cfg: &crate::config::RolloutConfig,
+        clock: &crate::timeline::Clock,
         recorder: Recorder,
     ) -> Result<(ControlPlane, Vec<PathBuf>), LabError> {
         let dirs: Vec<PathBuf> = fabric.nodes.iter().map(|n| workdir.join(&n.name)).collect();
-        let cp = ControlPlane::start(objects, dirs.clone(), propagation, recorder)?;
+        let cp = ControlPlane::start(
+            Objects::new(cfg.nodes, cfg.publish_not_ready_addresses, true),
+            dirs.clone(),
+            clock.real(cfg.propagation_delay_seconds),
+            recorder,
+        )?;
         Ok((cp, dirs))
     }
 
+    /// Start the publisher task (on the current tokio runtime) writing to `dirs`
+    /// after `propagation` (real time).
     pub fn start(
         objects: Objects,
         dirs: Vec<PathBuf>,

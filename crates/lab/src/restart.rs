@@ -23,7 +23,7 @@ use serde::Serialize;
 use crate::LabError;
 use crate::cluster::Cluster;
 use crate::config::RolloutConfig;
-use crate::controlplane::{self, ControlPlane, Objects};
+use crate::controlplane::{self, ControlPlane};
 use crate::fabric::{self, Fabric};
 use crate::kproxyd::Kproxyd;
 use crate::lb::LoadBalancer;
@@ -283,13 +283,7 @@ async fn run_async(
         "network up: {} nodes, LB and client ({})",
         cfg.nodes, fabric.prefix
     ));
-    let (cp, dirs) = ControlPlane::start_for_nodes(
-        &fabric,
-        &workdir,
-        Objects::new(cfg.nodes, cfg.publish_not_ready_addresses, true),
-        clock.real(cfg.propagation_delay_seconds),
-        rec.clone(),
-    )?;
+    let (cp, dirs) = ControlPlane::start_for_nodes(&fabric, &workdir, cfg, &clock, rec.clone())?;
     let mut daemons = Vec::new();
     for (n, dir) in fabric.nodes.iter().zip(&dirs) {
         daemons.push(Kproxyd::start(kproxy, n, dir, &workdir, true, &[])?);

@@ -26,7 +26,7 @@ use serde::Serialize;
 use crate::LabError;
 use crate::cluster::Cluster;
 use crate::config::RolloutConfig;
-use crate::controlplane::{self, ControlPlane, Objects};
+use crate::controlplane::{self, ControlPlane};
 use crate::fabric::{Fabric, NodeNet};
 use crate::k8s::{K8sLab, RealControlPlane};
 use crate::kproxyd::{KproxySource, Kproxyd};
@@ -432,13 +432,8 @@ async fn run_async(
             (source, cluster)
         }
         None => {
-            let (cp, dirs) = ControlPlane::start_for_nodes(
-                &fabric,
-                &workdir,
-                Objects::new(cfg.nodes, cfg.publish_not_ready_addresses, true),
-                clock.real(cfg.propagation_delay_seconds),
-                rec.clone(),
-            )?;
+            let (cp, dirs) =
+                ControlPlane::start_for_nodes(&fabric, &workdir, cfg, &clock, rec.clone())?;
             let cluster = Cluster::new(
                 fabric.clone(),
                 Arc::new(cp),
