@@ -447,18 +447,13 @@ impl CommitWatch {
         let _ = self.sock.drop_membership(NFNLGRP_NFTABLES);
     }
 
-    /// Whether the transaction of the process `id` (its pid, which is also its
-    /// socket's port id) committed: `Ok(false)` after [`COMMIT_POLL`] without its
-    /// `NEWGEN`; `Err` when notifications were lost or the socket failed.
+    /// Whether the next datagram holds the `NEWGEN` of the process `id` (its pid,
+    /// which is also its socket's port id): `Ok(false)` for another datagram, or after
+    /// [`COMMIT_POLL`] without one, so the caller looks at the child's exit in between
+    /// however busy the group is; `Err` when notifications were lost or the socket
+    /// failed.
     pub(crate) fn committed(&mut self, id: u32) -> std::io::Result<bool> {
-        loop {
-            let Some(n) = recv(&self.sock, &mut self.buf)? else {
-                return Ok(false);
-            };
-            if newgen_of(&self.buf[..n], id) {
-                return Ok(true);
-            }
-        }
+        Ok(recv(&self.sock, &mut self.buf)?.is_some_and(|n| newgen_of(&self.buf[..n], id)))
     }
 }
 
