@@ -11,6 +11,8 @@
 //!
 //! K8S_LAB=/tmp/k8s-lab-NAME cargo test -p kproxy --test lab_k8s -- --ignored --test-threads 1
 
+mod common;
+
 use std::process::Command;
 use std::sync::Mutex;
 
@@ -35,14 +37,7 @@ fn rollout(args: &[&str]) -> (i32, Value) {
         .args(args)
         .output()
         .expect("run kproxy lab rollout");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let json: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
-        panic!(
-            "no JSON report ({e}); exit {:?}\nstderr:\n{stderr}\nstdout:\n{stdout}",
-            out.status
-        )
-    });
+    let json = common::json_report(&out);
     (out.status.code().unwrap_or(-1), json)
 }
 

@@ -8,7 +8,6 @@ mod common;
 
 use std::process::Command;
 
-use serde_json::Value;
 
 #[test]
 fn restart_kill_and_upgrade_under_load_lose_nothing() {
@@ -19,14 +18,8 @@ fn restart_kill_and_upgrade_under_load_lose_nothing() {
         .args(["lab", "restart", "-o", "json", "--hold-seconds", "2"])
         .output()
         .expect("run kproxy lab restart");
-    let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
-        panic!(
-            "no JSON report ({e}); exit {:?}\nstderr:\n{stderr}\nstdout:\n{stdout}",
-            out.status
-        )
-    });
+    let v = common::json_report(&out);
     let phases = v["phases"].as_array().expect("phases");
     let names: Vec<&str> = phases
         .iter()

@@ -3,6 +3,8 @@
 //! scaled. Needs root (network namespaces; nothing touches the host's network).
 //! The runs are serialized: they share 2 cores with everything else.
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 use std::sync::Mutex;
@@ -38,14 +40,7 @@ fn rollout(args: &[&str], html: Option<&Path>) -> (i32, Value) {
     }
     cmd.args(args);
     let out = cmd.output().expect("run kproxy lab rollout");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let json: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
-        panic!(
-            "no JSON report ({e}); exit {:?}\nstderr:\n{stderr}\nstdout:\n{stdout}",
-            out.status
-        )
-    });
+    let json = common::json_report(&out);
     (out.status.code().unwrap_or(-1), json)
 }
 

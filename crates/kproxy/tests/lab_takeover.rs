@@ -20,7 +20,6 @@ mod common;
 use std::process::Command;
 use std::sync::Mutex;
 
-use serde_json::Value;
 
 /// One lab at a time: both runs load the machine's two cores.
 static ONE_LAB: Mutex<()> = Mutex::new(());
@@ -47,14 +46,8 @@ fn recorded_takeover_and_back(mode: &str) {
         ])
         .output()
         .expect("run kproxy lab takeover");
-    let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
-        panic!(
-            "no JSON report ({e}); exit {:?}\nstderr:\n{stderr}\nstdout:\n{stdout}",
-            out.status
-        )
-    });
+    let v = common::json_report(&out);
     assert_eq!(v["kube_proxy"], "recorded");
     assert_eq!(v["from"], mode);
     let phases = v["phases"].as_array().expect("phases");

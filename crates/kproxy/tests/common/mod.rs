@@ -272,6 +272,19 @@ pub fn manifests() -> tempfile::TempDir {
     dir
 }
 
+/// A `kproxy lab … -o json` run's report, or a failure showing its exit, stderr and
+/// stdout.
+pub fn json_report(out: &std::process::Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!(
+            "no JSON report ({e}); exit {:?}\nstderr:\n{}\nstdout:\n{stdout}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
 /// A lab phase's report (`kproxy lab restart|takeover -o json`), both paths (through
 /// the LB and through a cluster IP): load really ran, on new and held connections,
 /// and nothing failed or broke. `name` and `stderr` go into the messages.
