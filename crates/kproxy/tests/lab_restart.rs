@@ -8,7 +8,6 @@ mod common;
 
 use std::process::Command;
 
-
 #[test]
 fn restart_kill_and_upgrade_under_load_lose_nothing() {
     if !kproxy_test_support::root("kproxy lab: network namespaces, nftables") {

@@ -20,7 +20,6 @@ mod common;
 use std::process::Command;
 use std::sync::Mutex;
 
-
 /// One lab at a time: both runs load the machine's two cores.
 static ONE_LAB: Mutex<()> = Mutex::new(());
 
