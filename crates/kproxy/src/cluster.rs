@@ -2,16 +2,18 @@
 //! server once (`kproxy_source::kube::list_once`: the same lists, decoding and fold as
 //! `kproxy run`, no watch), with the node's KubeProxyConfiguration from `--config` or
 //! from the ConfigMap deploy/ installs. Owns which credentials are used (`--kubeconfig`,
-//! kubectl's when run as the kubectl plugin, the pod's service account) and the default
-//! namespace they bring.
+//! `$KUBECONFIG`, `~/.kube/config` as kubectl, the pod's service account), the default
+//! namespace they bring, and the flags that bound the calls to the API server.
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kproxy_config::{ConfigFlags, ProxyConfig};
 use kproxy_core::{ClusterState, NodePlan, PlanConfig};
+use kproxy_source::kube::bounded::{self, CallLimits};
 use kproxy_source::kube::{self as api, Credentials, KubeSourceConfig};
 
 use crate::common::{InputArgs, LoadReport, plan_of};
@@ -43,9 +45,10 @@ pub struct ClusterArgs {
     /// .json) instead of the API server.
     #[arg(long, value_name = "PATH", conflicts_with_all = ["kubeconfig", "context", "config_map"])]
     pub manifests: Option<PathBuf>,
-    /// Read the cluster from the API server of this kubeconfig. Default: kubectl's
-    /// ($KUBECONFIG, else ~/.kube/config) as `kubectl kproxy`, else the --config file's
-    /// clientConnection.kubeconfig, else the pod's service account.
+    /// Read the cluster from the API server of this kubeconfig. Default: as kubectl,
+    /// $KUBECONFIG (`:`-separated, the files that exist, merged), else the --config
+    /// file's clientConnection.kubeconfig, else ~/.kube/config (as `kubectl kproxy`:
+    /// ~/.kube/config first), else the pod's service account.
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
     /// The kubeconfig context to use instead of its current context.
@@ -66,6 +69,46 @@ pub struct ClusterArgs {
     pub config_map: String,
     #[command(flatten)]
     pub input: InputArgs,
+    #[command(flatten)]
+    pub calls: CallFlags,
+}
+
+/// The bounds on every call to the API server (`kproxy_source::kube::bounded`); 0: no
+/// bound. The defaults are `CallLimits::default()`'s (a test holds them equal).
+#[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "API server calls (without --manifests)")]
+pub struct CallFlags {
+    /// Connecting to the API server: DNS, TCP and the TLS handshake; also the wait for
+    /// a kubeconfig that is not a regular file (a FIFO).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = kproxy_config::parse_go_duration)]
+    pub connect_timeout: Duration,
+    /// One API call, from sending the request to the last byte of the answer
+    /// (kubectl's flag).
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = kproxy_config::parse_go_duration)]
+    pub request_timeout: Duration,
+    /// No byte from the API server for this long ends the call.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = kproxy_config::parse_go_duration)]
+    pub idle_timeout: Duration,
+    /// The kubeconfig's exec credential plugin must print its credential within this;
+    /// it is killed after.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = kproxy_config::parse_go_duration)]
+    pub exec_timeout: Duration,
+    /// The most bytes read from the API server, all answers together (1 GiB).
+    #[arg(long, value_name = "BYTES", default_value_t = bounded::DEFAULT_MAX_READ_BYTES)]
+    pub max_read_bytes: u64,
+}
+
+impl CallFlags {
+    pub fn limits(&self) -> CallLimits {
+        let bound = |d: Duration| (!d.is_zero()).then_some(d);
+        CallLimits {
+            connect: bound(self.connect_timeout),
+            request: bound(self.request_timeout),
+            idle: bound(self.idle_timeout),
+            exec: bound(self.exec_timeout),
+            max_read_bytes: self.max_read_bytes,
+        }
+    }
 }
 
 /// What was read: the state, the configuration and the node they are planned for.
@@ -86,20 +129,75 @@ impl Cluster {
     }
 }
 
-/// Which credentials reach the API server: the flag; kubectl's as the plugin; the
-/// configuration's clientConnection.kubeconfig (as `kproxy run`); the pod's service
-/// account.
+/// What [`credentials`] decides from: the flag, the environment and the files there.
+#[derive(Clone, Debug, Default)]
+pub struct CredentialSources<'a> {
+    pub flag: Option<&'a Path>,
+    /// `$KUBECONFIG`.
+    pub kubeconfig_env: Option<&'a OsStr>,
+    /// Run as `kubectl kproxy`: kubectl's ~/.kube/config before the configuration's.
+    pub plugin: bool,
+    /// The --config file's clientConnection.kubeconfig.
+    pub config_kubeconfig: Option<&'a Path>,
+    /// `~/.kube/config`, when it exists.
+    pub home_kubeconfig: Option<PathBuf>,
+    /// `KUBERNETES_SERVICE_HOST` is set: in a pod.
+    pub in_cluster: bool,
+}
+
+/// Which credentials reach the API server, as kubectl chooses: `--kubeconfig`; else
+/// `$KUBECONFIG`'s files that exist (`exists`), merged; else the --config file's
+/// clientConnection.kubeconfig (as `kproxy run`) and `~/.kube/config` (kubectl's
+/// default, first as the plugin); else the pod's service account. `Err`: what to give.
 pub fn credentials(
-    flag: Option<&Path>,
-    plugin: bool,
-    config_kubeconfig: Option<&Path>,
-) -> Credentials {
-    match (flag, plugin, config_kubeconfig) {
-        (Some(path), _, _) => Credentials::Kubeconfig(path.to_path_buf()),
-        (None, true, _) => Credentials::Kubectl,
-        (None, false, Some(path)) => Credentials::Kubeconfig(path.to_path_buf()),
-        (None, false, None) => Credentials::InCluster,
+    from: &CredentialSources<'_>,
+    exists: impl Fn(&Path) -> bool,
+) -> Result<Credentials, String> {
+    if let Some(path) = from.flag {
+        return Ok(Credentials::file(path, "--kubeconfig"));
     }
+    if let Some(value) = from.kubeconfig_env.filter(|v| !v.is_empty()) {
+        let listed: Vec<PathBuf> = std::env::split_paths(value)
+            .filter(|p| !p.as_os_str().is_empty())
+            .collect();
+        let files: Vec<PathBuf> = listed.iter().filter(|p| exists(p)).cloned().collect();
+        if files.is_empty() {
+            return Err(format!(
+                "$KUBECONFIG names no file that exists ({}): set it to your kubeconfig, give --kubeconfig FILE, or read manifests with --manifests PATH",
+                value.to_string_lossy()
+            ));
+        }
+        return Ok(Credentials::Kubeconfig {
+            files,
+            origin: "$KUBECONFIG".into(),
+        });
+    }
+    let config = from
+        .config_kubeconfig
+        .map(|p| Credentials::file(p, "--config's clientConnection.kubeconfig"));
+    let home = from
+        .home_kubeconfig
+        .as_deref()
+        .map(|p| Credentials::file(p, "~/.kube/config"));
+    let found = if from.plugin {
+        home.or(config)
+    } else {
+        config.or(home)
+    };
+    match found {
+        Some(c) => Ok(c),
+        None if from.in_cluster => Ok(Credentials::InCluster),
+        None => Err(
+            "no API server to read from: give --kubeconfig FILE or set KUBECONFIG (there is no ~/.kube/config, and this is not a pod: KUBERNETES_SERVICE_HOST is unset), or read manifests with --manifests PATH"
+                .into(),
+        ),
+    }
+}
+
+/// `~/.kube/config`, when it exists.
+fn home_kubeconfig() -> Option<PathBuf> {
+    let path = Path::new(&std::env::var_os("HOME")?).join(".kube/config");
+    path.exists().then_some(path)
 }
 
 /// The node's name: the flag, the configuration's hostnameOverride, else `NODE_NAME`.
@@ -160,18 +258,38 @@ impl ClusterArgs {
             Some(_) => Some(self.input.proxy_config(ConfigFlags::default())?),
             None => None,
         };
-        let credentials = credentials(
-            self.kubeconfig.as_deref(),
-            invoked_as_kubectl_plugin(),
-            file_config.as_ref().and_then(|c| c.kubeconfig.as_deref()),
-        );
-        let client_config = api::client_config(&credentials, self.context.as_deref())
-            .await
-            .context("no --manifests: reading the cluster from the API server")?;
+        let env = std::env::var_os("KUBECONFIG");
+        let sources = CredentialSources {
+            flag: self.kubeconfig.as_deref(),
+            kubeconfig_env: env.as_deref(),
+            plugin: invoked_as_kubectl_plugin(),
+            config_kubeconfig: file_config.as_ref().and_then(|c| c.kubeconfig.as_deref()),
+            home_kubeconfig: home_kubeconfig(),
+            in_cluster: std::env::var_os("KUBERNETES_SERVICE_HOST").is_some(),
+        };
+        let credentials = credentials(&sources, Path::exists).map_err(anyhow::Error::msg)?;
+        let limits = self.calls.limits();
+        let mut client_config =
+            api::client_config(&credentials, self.context.as_deref(), limits.connect)
+                .await
+                .context("no --manifests: reading the cluster from the API server")?;
         let namespace = (credentials != Credentials::InCluster)
             .then(|| client_config.default_namespace.clone());
+        api::kubeconfig::run_exec_plugin(&mut client_config, limits.exec).await?;
+        // Which server, and from where: what to change when it is the wrong one.
+        let server = format!(
+            "reading the cluster from {} (credentials: {credentials}{})",
+            client_config.cluster_url,
+            self.context
+                .as_deref()
+                .map(|c| format!(", context {c}"))
+                .unwrap_or_default()
+        );
         let client =
-            kube::Client::try_from(client_config).context("building the Kubernetes client")?;
+            bounded::client(client_config, &limits).context("building the Kubernetes client")?;
+        api::reach(&client).await.with_context(|| {
+            format!("{server}; another cluster: --kubeconfig FILE, $KUBECONFIG or --context NAME; no cluster: --manifests PATH")
+        })?;
         let mut problems = 0;
         let config = match file_config {
             Some(c) => c,
@@ -192,9 +310,7 @@ impl ClusterArgs {
             page_size: None,
             json_lists: config.content_type == kproxy_config::ContentType::Json,
         };
-        let snapshot = api::list_once(client, source)
-            .await
-            .context("reading the cluster from the API server")?;
+        let snapshot = api::list_once(client, source).await.context(server)?;
         for w in &snapshot.found.skipped {
             eprintln!("kproxy: skipped: {w}");
         }
@@ -268,14 +384,106 @@ mod tests {
     }
 
     #[test]
-    fn credentials_follow_the_flag_then_kubectl_then_the_configuration() {
-        let (flag, file) = (Path::new("/flag"), Path::new("/config"));
-        let k = |p: &Path| Credentials::Kubeconfig(p.to_path_buf());
-        assert_eq!(credentials(Some(flag), true, Some(file)), k(flag));
-        assert_eq!(credentials(Some(flag), false, None), k(flag));
-        assert_eq!(credentials(None, true, Some(file)), Credentials::Kubectl);
-        assert_eq!(credentials(None, false, Some(file)), k(file));
-        assert_eq!(credentials(None, false, None), Credentials::InCluster);
+    fn credentials_are_chosen_as_kubectl_chooses() {
+        let (flag, file, home) = (
+            Path::new("/flag"),
+            Path::new("/config"),
+            PathBuf::from("/home/.kube/config"),
+        );
+        let k = |p: &Path, origin: &str| Credentials::file(p, origin);
+        let exists = |p: &Path| !p.starts_with("/missing");
+        let env = OsStr::new("/missing/a:/b::/c:/missing/d");
+        let all = CredentialSources {
+            flag: Some(flag),
+            kubeconfig_env: Some(env),
+            plugin: true,
+            config_kubeconfig: Some(file),
+            home_kubeconfig: Some(home.clone()),
+            in_cluster: true,
+        };
+        let pick = |s: &CredentialSources<'_>| credentials(s, exists);
+        assert_eq!(pick(&all), Ok(k(flag, "--kubeconfig")));
+        let no_flag = CredentialSources {
+            flag: None,
+            ..all.clone()
+        };
+        assert_eq!(
+            pick(&no_flag),
+            Ok(Credentials::Kubeconfig {
+                files: vec!["/b".into(), "/c".into()],
+                origin: "$KUBECONFIG".into()
+            }),
+            "the files that exist, in order, empty entries ignored"
+        );
+        let none_exist = CredentialSources {
+            kubeconfig_env: Some(OsStr::new("/missing/a:/missing/b")),
+            ..no_flag.clone()
+        };
+        let err = pick(&none_exist).unwrap_err();
+        assert!(
+            err.contains("$KUBECONFIG names no file that exists (/missing/a:/missing/b)"),
+            "{err}"
+        );
+        assert!(err.contains("--kubeconfig FILE"), "{err}");
+        let empty_env = CredentialSources {
+            kubeconfig_env: Some(OsStr::new("")),
+            ..no_flag.clone()
+        };
+        assert_eq!(
+            pick(&empty_env),
+            Ok(k(&home, "~/.kube/config")),
+            "the plugin: kubectl's first"
+        );
+        let plain = CredentialSources {
+            plugin: false,
+            ..empty_env.clone()
+        };
+        assert_eq!(
+            pick(&plain),
+            Ok(k(file, "--config's clientConnection.kubeconfig"))
+        );
+        let no_config = CredentialSources {
+            config_kubeconfig: None,
+            ..plain.clone()
+        };
+        assert_eq!(pick(&no_config), Ok(k(&home, "~/.kube/config")));
+        let pod = CredentialSources {
+            home_kubeconfig: None,
+            ..no_config.clone()
+        };
+        assert_eq!(pick(&pod), Ok(Credentials::InCluster));
+        let nothing = CredentialSources {
+            in_cluster: false,
+            ..pod
+        };
+        let err = pick(&nothing).unwrap_err();
+        for hint in ["--kubeconfig FILE", "KUBECONFIG", "--manifests PATH"] {
+            assert!(err.contains(hint), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_call_flags_defaults_are_the_libraries() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            calls: CallFlags,
+        }
+        let cli = <Cli as clap::Parser>::parse_from(["kproxy"]);
+        assert_eq!(cli.calls.limits(), CallLimits::default());
+        let cli = <Cli as clap::Parser>::parse_from([
+            "kproxy",
+            "--request-timeout",
+            "0",
+            "--idle-timeout",
+            "1.5s",
+        ]);
+        assert_eq!(
+            cli.calls.limits().request,
+            None,
+            "0: no bound, as kubectl's"
+        );
+        assert_eq!(cli.calls.limits().idle, Some(Duration::from_millis(1500)));
     }
 
     #[test]

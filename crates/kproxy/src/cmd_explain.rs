@@ -61,8 +61,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let strict_failed = cluster.report.strict_failed;
     let Some(svc) = plan.services.get(&name) else {
         bail!(
-            "Service {name} is not proxied on node {} (unknown, headless, ExternalName, or another proxy's)",
-            plan.node
+            "Service {name} is not proxied on node {} (unknown, headless, ExternalName, or another proxy's){}",
+            plan.node,
+            elsewhere_hint(&name, &cluster.state)
         );
     };
     if print_structured(svc, args.output)? {
@@ -84,6 +85,30 @@ pub fn run(args: Args) -> Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The other namespaces that hold a Service named as `name`, said as what to type;
+/// empty when there is none.
+fn elsewhere_hint(name: &ServiceName, state: &kproxy_core::ClusterState) -> String {
+    let mut namespaces: Vec<&str> = state
+        .services()
+        .filter(|s| s.name.name == name.name && s.name.namespace != name.namespace)
+        .map(|s| &*s.name.namespace)
+        .collect();
+    namespaces.sort_unstable();
+    namespaces.dedup();
+    match namespaces.as_slice() {
+        [] => String::new(),
+        [one] => format!(
+            "; a Service {} exists in namespace {one}: give -n {one}",
+            name.name
+        ),
+        many => format!(
+            "; a Service {} exists in namespaces {}: give -n NAMESPACE",
+            name.name,
+            many.join(", ")
+        ),
+    }
 }
 
 /// `GET path` from a daemon's metrics server; the body as JSON.

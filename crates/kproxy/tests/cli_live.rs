@@ -272,14 +272,17 @@ fn a_failing_list_or_no_source_is_a_clear_error() {
         err.contains("listing EndpointSlice from the API server failed: list refused: 403"),
         "{err}"
     );
-    // Neither manifests nor a kubeconfig, outside a pod.
-    let (code, _, err) = kproxy(&["explain", "--node", "node-a", "shop/web"]);
+    // Neither manifests nor a kubeconfig (HOME has no .kube), outside a pod.
+    let (code, _, err) = run_at(
+        Path::new(env!("CARGO_BIN_EXE_kproxy")),
+        &["explain", "--node", "node-a", "shop/web"],
+        &[("HOME", api.dir.path().to_str().unwrap())],
+    );
     assert_eq!(code, 1);
     assert!(
-        err.contains("no --manifests: reading the cluster from the API server"),
+        err.contains("no API server to read from: give --kubeconfig FILE or set KUBECONFIG"),
         "{err}"
     );
-    assert!(err.contains("not running in a cluster"), "{err}");
     let _ = api.addr;
 }
 
@@ -385,4 +388,91 @@ fn the_binary_answers_as_the_kubectl_plugin() {
         &[("HOME", home.to_str().unwrap())],
     );
     assert_eq!((code, out.as_str()), (0, expected.as_str()), "{err}");
+}
+
+/// Plain `kproxy` chooses its kubeconfig as kubectl: `$KUBECONFIG`'s files that exist,
+/// merged in order; else ~/.kube/config; else an error that says what to give.
+#[test]
+fn kubeconfig_is_chosen_as_kubectl_chooses() {
+    let api = Api::with_examples();
+    let home = api.dir.path().join("empty-home");
+    std::fs::create_dir(&home).unwrap();
+    let (_, expected, _) = kproxy(&[
+        "explain",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "shop/web",
+    ]);
+    let explain = |env: &[(&str, &str)]| {
+        let mut env = env.to_vec();
+        env.push(("HOME", home.to_str().unwrap()));
+        run_at(
+            Path::new(env!("CARGO_BIN_EXE_kproxy")),
+            &["explain", "--node", "node-a", "shop/web"],
+            &env,
+        )
+    };
+    // The first file sets current-context; the second, whose own current context names
+    // nothing, holds the cluster, user and context: only the merge reaches the server.
+    let write = |name: &str, text: &str| {
+        let path = api.dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let first = write(
+        "first",
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n",
+    );
+    let second = write(
+        "second",
+        &fake_api::kubeconfig(api.addr).replace("current-context: c", "current-context: elsewhere"),
+    );
+    let missing = api.dir.path().join("missing").display().to_string();
+    let value = format!("{missing}:{first}:{second}");
+    let (code, out, err) = explain(&[("KUBECONFIG", &value)]);
+    assert_eq!((code, out.as_str()), (0, expected.as_str()), "{err}");
+    // None of them exists: said, with what to set.
+    let (code, _, err) = explain(&[("KUBECONFIG", &missing)]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains(&format!(
+            "$KUBECONFIG names no file that exists ({missing})"
+        )),
+        "{err}"
+    );
+    // Nothing at all: what to give, once; not in-cluster's "environment variable not
+    // found" three times.
+    let (code, _, err) = explain(&[]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("give --kubeconfig FILE or set KUBECONFIG"),
+        "{err}"
+    );
+    assert!(!err.contains("environment variable not found"), "{err}");
+    // ~/.kube/config, as kubectl.
+    std::fs::create_dir(home.join(".kube")).unwrap();
+    std::fs::write(home.join(".kube/config"), fake_api::kubeconfig(api.addr)).unwrap();
+    let (code, out, err) = explain(&[]);
+    assert_eq!((code, out.as_str()), (0, expected.as_str()), "{err}");
+}
+
+/// A Service not found in the namespace asked: the namespaces that hold one of that
+/// name, from the manifests and from the API.
+#[test]
+fn explain_names_the_namespaces_that_hold_a_service_of_that_name() {
+    let api = Api::with_examples();
+    let kubeconfig = api.kubeconfig();
+    let hint = "Service default/web is not proxied on node node-a (unknown, headless, ExternalName, or another proxy's); a Service web exists in namespace shop: give -n shop";
+    for source in [
+        ["--manifests", "examples/cluster"],
+        ["--kubeconfig", kubeconfig.as_str()],
+    ] {
+        let mut args = vec!["explain", "--node", "node-a", "-n", "default", "web"];
+        args.extend(source);
+        let (code, _, err) = kproxy(&args);
+        assert_eq!(code, 1, "{args:?}");
+        assert!(err.contains(hint), "{args:?}: {err}");
+    }
 }

@@ -19,7 +19,9 @@
 //! again ([`reflect::Siblings`]). Meanwhile the last state stays in place, so the rules
 //! already programmed keep serving.
 
+pub mod bounded;
 pub mod fold;
+pub mod kubeconfig;
 pub mod proto;
 pub mod reflect;
 pub mod slim;
@@ -61,78 +63,138 @@ pub enum SourceError {
         "service proxy name {0:?} is not a valid label value (1-63 letters, digits, '-', '_', '.', starting and ending alphanumeric)"
     )]
     InvalidServiceProxyName(String),
+    // The sources' texts are in the messages, not also their chains: `{:#}` would
+    // print each twice.
     #[error("cannot load kubeconfig {path}: {source}")]
     Kubeconfig {
         path: PathBuf,
         source: kube::config::KubeconfigError,
     },
-    #[error("no --kubeconfig given and not running in a cluster: {0}")]
-    InCluster(#[source] kube::config::InClusterError),
+    #[error("cannot read kubeconfig {path}: {why}")]
+    KubeconfigRead { path: PathBuf, why: String },
+    #[error("kubeconfig {origin}: {error}")]
+    KubeconfigIn {
+        origin: String,
+        error: kube::config::KubeconfigError,
+    },
+    #[error("the kubeconfig's exec credential plugin {command:?}: {why}")]
+    ExecPlugin { command: String, why: String },
+    #[error("not running in a cluster: {0}")]
+    InCluster(kube::config::InClusterError),
     #[error("cannot build the Kubernetes client: {0}")]
-    Client(#[source] kube::Error),
-    #[error("cannot load kubectl's kubeconfig ($KUBECONFIG, else ~/.kube/config): {0}")]
-    KubectlKubeconfig(#[source] kube::config::KubeconfigError),
+    Client(kube::Error),
+    #[error("{0}")]
+    Unreachable(String),
     #[error("the Kubernetes watches ended")]
     WatchEnded,
     #[error("listing {kind} from the API server failed: {error}")]
     ListFailed { kind: Kind, error: String },
-    #[error("reading ConfigMap {namespace}/{name}: {source}")]
+    #[error("reading ConfigMap {namespace}/{name}: {why}")]
     ConfigMap {
         namespace: String,
         name: String,
-        source: kube::Error,
+        why: String,
     },
 }
 
 /// Where the client's configuration comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Credentials {
-    /// This kubeconfig file (`--kubeconfig`, or `clientConnection.kubeconfig`).
-    Kubeconfig(PathBuf),
-    /// kubectl's: `$KUBECONFIG` (files merged as kubectl does), else `~/.kube/config`.
-    Kubectl,
+    /// These kubeconfig files, merged as kubectl merges `$KUBECONFIG`'s (the first to
+    /// set a value wins). `origin` names where the list came from (`--kubeconfig`,
+    /// `$KUBECONFIG`…), for errors.
+    Kubeconfig { files: Vec<PathBuf>, origin: String },
     /// The pod's service account (`KUBERNETES_SERVICE_HOST`, its token and CA).
     InCluster,
 }
 
+impl Credentials {
+    /// One file, named by `origin`.
+    pub fn file(path: &Path, origin: &str) -> Credentials {
+        Credentials::Kubeconfig {
+            files: vec![path.to_path_buf()],
+            origin: origin.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credentials::Kubeconfig { files, origin } => {
+                let files: Vec<_> = files.iter().map(|p| p.display().to_string()).collect();
+                write!(f, "{origin} ({})", files.join(":"))
+            }
+            Credentials::InCluster => f.write_str("the pod's service account"),
+        }
+    }
+}
+
 /// A client from a kubeconfig file, or the in-cluster configuration (service account
 /// token and `KUBERNETES_SERVICE_HOST`) when `kubeconfig` is `None`, as kube-proxy.
+/// `kproxy run`'s: unbounded calls, for its long-lived watches.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, SourceError> {
     let credentials = match kubeconfig {
-        Some(path) => Credentials::Kubeconfig(path.to_path_buf()),
+        Some(path) => Credentials::file(path, "--kubeconfig"),
         None => Credentials::InCluster,
     };
-    let config = client_config(&credentials, None).await?;
+    let config = client_config(&credentials, None, Some(bounded::DEFAULT_CONNECT_TIMEOUT)).await?;
     kube::Client::try_from(config).map_err(SourceError::Client)
 }
 
 /// The client configuration `credentials` name, with `context` instead of the
-/// kubeconfig's current context. Its `default_namespace` is the context's namespace
-/// (kubectl's default namespace), or the pod's namespace in a cluster.
+/// kubeconfig's current context; a kubeconfig that is not a regular file is waited for
+/// at most `wait` ([`kubeconfig::read`]). Its `default_namespace` is the context's
+/// namespace (kubectl's default namespace), or the pod's namespace in a cluster.
 pub async fn client_config(
     credentials: &Credentials,
     context: Option<&str>,
+    wait: Option<std::time::Duration>,
 ) -> Result<kube::Config, SourceError> {
     let options = kube::config::KubeConfigOptions {
         context: context.map(str::to_string),
         ..Default::default()
     };
     match credentials {
-        Credentials::Kubeconfig(path) => {
-            let err = |source| SourceError::Kubeconfig {
-                path: path.to_path_buf(),
-                source,
-            };
-            let kc = kube::config::Kubeconfig::read_from(path).map_err(err)?;
+        Credentials::Kubeconfig { files, .. } => {
+            let kc = kubeconfig::read_merged(files, wait)?;
             kube::Config::from_custom_kubeconfig(kc, &options)
                 .await
-                .map_err(err)
+                .map_err(|error| SourceError::KubeconfigIn {
+                    origin: credentials.to_string(),
+                    error,
+                })
         }
-        Credentials::Kubectl => kube::Config::from_kubeconfig(&options)
-            .await
-            .map_err(SourceError::KubectlKubeconfig),
         Credentials::InCluster => kube::Config::incluster().map_err(SourceError::InCluster),
     }
+}
+
+/// The text of a failed call: a bounded client's own error ([`bounded::CallError`])
+/// without kube's "ServiceError: " in front.
+pub fn call_error_text(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Service(inner) => inner.to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// One small request (`GET /version`) before the reads: a server that cannot be
+/// reached is said once, by its cause, not once per listed kind. Any HTTP answer
+/// counts as reached (the lists say what a refusal means).
+pub async fn reach(client: &kube::Client) -> Result<(), SourceError> {
+    use http_body_util::BodyExt;
+    let req = http::Request::get("/version")
+        .body(kube::client::Body::empty())
+        .map_err(|e| SourceError::Unreachable(e.to_string()))?;
+    let res = client
+        .send(req)
+        .await
+        .map_err(|e| SourceError::Unreachable(call_error_text(&e)))?;
+    http_body_util::Limited::new(res.into_body(), 1 << 20)
+        .collect()
+        .await
+        .map_err(|e| SourceError::Unreachable(format!("reading /version: {e}")))?;
+    Ok(())
 }
 
 /// Upstream's label selector for Services and EndpointSlices
@@ -404,6 +466,11 @@ pub async fn list_once(
             Ok(Err(error)) => error,
             Err(e) => format!("the list task ended: {e}"),
         };
+        // kube's "ServiceError: " adds nothing to the bounded client's own message.
+        let error = match error.strip_prefix("ServiceError: ") {
+            Some(e) => e.to_string(),
+            None => error,
+        };
         if kind == Kind::ServiceCidr {
             snapshot.unlisted.push((kind, error));
         } else {
@@ -414,25 +481,60 @@ pub async fn list_once(
     Ok(snapshot)
 }
 
+/// A ConfigMap holds at most 1 MiB (etcd's object limit); its JSON is read to
+/// this many bytes and no further.
+pub const MAX_CONFIG_MAP_BYTES: usize = 4 << 20;
+
 /// The value of the first of `keys` that ConfigMap `namespace/name` holds, with that
-/// key; `None` when the ConfigMap does not exist or holds none of them.
+/// key; `None` when the ConfigMap does not exist or holds none of them. The body is
+/// read to [`MAX_CONFIG_MAP_BYTES`] at most.
 pub async fn config_map_value(
     client: kube::Client,
     namespace: &str,
     name: &str,
     keys: &[&str],
 ) -> Result<Option<(String, String)>, SourceError> {
+    use http_body_util::BodyExt;
     use k8s_openapi::api::core::v1::ConfigMap;
-    let api: kube::Api<ConfigMap> = kube::Api::namespaced(client, namespace);
-    let cm = api
-        .get_opt(name)
+    let err = |why: String| SourceError::ConfigMap {
+        namespace: namespace.to_string(),
+        name: name.to_string(),
+        why,
+    };
+    let req = kube::core::Request::new(format!("/api/v1/namespaces/{namespace}/configmaps"))
+        .get(name, &kube::api::GetParams::default())
+        .map_err(|e| err(e.to_string()))?;
+    let res = client
+        .send(req.map(kube::client::Body::from))
         .await
-        .map_err(|source| SourceError::ConfigMap {
-            namespace: namespace.to_string(),
-            name: name.to_string(),
-            source,
-        })?;
-    let mut data = cm.and_then(|cm| cm.data).unwrap_or_default();
+        .map_err(|e| err(call_error_text(&e)))?;
+    let status = res.status();
+    if status == http::StatusCode::NOT_FOUND {
+        return Ok(None);
+    }
+    let body = http_body_util::Limited::new(res.into_body(), MAX_CONFIG_MAP_BYTES)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                err(format!(
+                    "the answer is larger than {MAX_CONFIG_MAP_BYTES} bytes (a ConfigMap holds at most 1 MiB)"
+                ))
+            } else {
+                err(format!("reading the answer: {e}"))
+            }
+        })?
+        .to_bytes();
+    if !status.is_success() {
+        let message = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["message"].as_str().map(str::to_string))
+            .unwrap_or_else(|| String::from_utf8_lossy(&body).trim().to_string());
+        return Err(err(format!("{status}: {message}")));
+    }
+    let cm: ConfigMap = serde_json::from_slice(&body)
+        .map_err(|e| err(format!("the answer is not a ConfigMap: {e}")))?;
+    let mut data = cm.data.unwrap_or_default();
     Ok(keys
         .iter()
         .find_map(|k| data.remove(*k).map(|v| (k.to_string(), v))))
