@@ -265,6 +265,7 @@ fn an_endless_list_stops_at_the_byte_cap() {
     let (code, _, err) = s.plan(&kc, &["--config", &config, "--max-read-bytes", "50000000"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("from the API server failed"), "{err}");
+    assert!(!err.contains("ServiceError"), "{err}");
     assert!(
         err.contains("the API server sent more than 50000000 bytes in all (--max-read-bytes)"),
         "{err}"

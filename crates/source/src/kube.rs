@@ -466,11 +466,9 @@ pub async fn list_once(
             Ok(Err(error)) => error,
             Err(e) => format!("the list task ended: {e}"),
         };
-        // kube's "ServiceError: " adds nothing to the bounded client's own message.
-        let error = match error.strip_prefix("ServiceError: ") {
-            Some(e) => e.to_string(),
-            None => error,
-        };
+        // kube's "ServiceError: " (before a request's error, and a body's) adds nothing
+        // to the bounded client's own message.
+        let error = error.replace("ServiceError: ", "");
         if kind == Kind::ServiceCidr {
             snapshot.unlisted.push((kind, error));
         } else {
