@@ -120,6 +120,21 @@ fn both(api: &Api, command: &[&str]) -> (String, String) {
     (files, live)
 }
 
+/// `explain shop/web` on node-a from examples/cluster: what the API must answer too.
+fn explain_web_from_the_manifests() -> String {
+    let args = [
+        "explain",
+        "--manifests",
+        "examples/cluster",
+        "--node",
+        "node-a",
+        "shop/web",
+    ];
+    let (code, out, err) = kproxy(&args);
+    assert_eq!(code, 0, "{err}");
+    out
+}
+
 /// The packets traced on every node: a client through the LB IP, a pod to the cluster
 /// IP, a NodePort on node-a's address, an address no Service holds.
 const PACKETS: [[&str; 3]; 4] = [
@@ -307,14 +322,7 @@ fn the_binary_answers_as_the_kubectl_plugin() {
         ("KUBECONFIG", kubeconfig.to_str().unwrap()),
         ("HOME", api.dir.path().to_str().unwrap()),
     ];
-    let (_, expected, _) = kproxy(&[
-        "explain",
-        "--manifests",
-        "examples/cluster",
-        "--node",
-        "node-a",
-        "shop/web",
-    ]);
+    let expected = explain_web_from_the_manifests();
     let (code, out, err) = run_at(&plugin, &["explain", "web", "--node", "node-a"], &env);
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, expected, "the context's namespace is the default");
@@ -397,14 +405,7 @@ fn kubeconfig_is_chosen_as_kubectl_chooses() {
     let api = Api::with_examples();
     let home = api.dir.path().join("empty-home");
     std::fs::create_dir(&home).unwrap();
-    let (_, expected, _) = kproxy(&[
-        "explain",
-        "--manifests",
-        "examples/cluster",
-        "--node",
-        "node-a",
-        "shop/web",
-    ]);
+    let expected = explain_web_from_the_manifests();
     let explain = |env: &[(&str, &str)]| {
         let mut env = env.to_vec();
         env.push(("HOME", home.to_str().unwrap()));
