@@ -374,7 +374,7 @@ impl Health {
     }
 
     /// Upstream `QueuedUpdate(family)` for one family only. The daemon syncs both
-    /// families together and uses [`Health::plan_computed`]; this exists for upstream's
+    /// families together and uses [`Health::computed`]; this exists for upstream's
     /// per-family timelines (`proxy_healthz.json`).
     pub fn family_queued(&self, family: IpFamily) {
         let now = self.shared.clock.now();

@@ -23,7 +23,8 @@ use crate::common::ManifestArgs;
 pub struct Args {
     #[command(flatten)]
     pub source: ManifestArgs,
-    /// Sync once and exit (the only mode: `kproxy run` is the daemon).
+    /// Program once and exit. `kproxy sync` needs this or `--dry-run`, so a script
+    /// says which it means (the daemon is `kproxy run`).
     #[arg(long)]
     pub once: bool,
     /// Print the transaction `--once` would apply now, as `nft -f` text, and change

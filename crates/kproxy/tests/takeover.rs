@@ -964,7 +964,7 @@ fn kube_proxy_programmed(node: &Netns, mode: &str) -> bool {
 /// removes kproxy's tables once kube-proxy is healthy (phase `back`). Prints failures
 /// per phase and asserts none. `KPROXY_TAKEOVER_MODES=nftables,iptables` (default both).
 ///
-///   source /work/k8s-lab-NAME/env.sh; start.sh start; start.sh kcm
+///   export K8S_LAB=/path/to/k8s-lab; ../shared/tools/k8s-lab/start.sh start && ../shared/tools/k8s-lab/start.sh kcm
 ///   sudo -E crates/kproxy/tests/fixtures/kube-proxy/capture.sh nftables   # the objects
 ///   sudo -E cargo test -p kproxy --test takeover -- --ignored --nocapture
 #[test]

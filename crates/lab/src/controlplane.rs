@@ -195,21 +195,23 @@ pub struct ControlPlane {
 
 impl ControlPlane {
     /// [`ControlPlane::start`] for a held run (`lab restart`, `lab takeover`) whose
-    /// nodes' kproxies read manifests: `cfg`'s objects (the eTP=Local Service) and
-    /// propagation delay, one directory per node of `fabric`, `workdir/<node name>`,
-    /// returned in node order.
+    /// nodes' kproxies read manifests: the eTP=Local Service over `fabric`'s nodes,
+    /// published after `propagation` (real time) into one directory per node,
+    /// `workdir/<node name>`, returned in node order. It takes the two settings, not
+    /// the run's `RolloutConfig`, because the config module names this one's types
+    /// (a config → controlplane → config circle otherwise).
     pub fn start_for_nodes(
         fabric: &fabric::Fabric,
         workdir: &Path,
-        cfg: &crate::config::RolloutConfig,
-        clock: &crate::timeline::Clock,
+        publish_not_ready_addresses: bool,
+        propagation: Duration,
         recorder: Recorder,
     ) -> Result<(ControlPlane, Vec<PathBuf>), LabError> {
         let dirs: Vec<PathBuf> = fabric.nodes.iter().map(|n| workdir.join(&n.name)).collect();
         let cp = ControlPlane::start(
-            Objects::new(cfg.nodes, cfg.publish_not_ready_addresses, true),
+            Objects::new(fabric.nodes.len(), publish_not_ready_addresses, true),
             dirs.clone(),
-            clock.real(cfg.propagation_delay_seconds),
+            propagation,
             recorder,
         )?;
         Ok((cp, dirs))

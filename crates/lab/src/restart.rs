@@ -283,7 +283,13 @@ async fn run_async(
         "network up: {} nodes, LB and client ({})",
         cfg.nodes, fabric.prefix
     ));
-    let (cp, dirs) = ControlPlane::start_for_nodes(&fabric, &workdir, cfg, &clock, rec.clone())?;
+    let (cp, dirs) = ControlPlane::start_for_nodes(
+        &fabric,
+        &workdir,
+        cfg.publish_not_ready_addresses,
+        clock.real(cfg.propagation_delay_seconds),
+        rec.clone(),
+    )?;
     let mut daemons = Vec::new();
     for (n, dir) in fabric.nodes.iter().zip(&dirs) {
         daemons.push(Kproxyd::start(kproxy, n, dir, &workdir, true, &[])?);

@@ -432,8 +432,13 @@ async fn run_async(
             (source, cluster)
         }
         None => {
-            let (cp, dirs) =
-                ControlPlane::start_for_nodes(&fabric, &workdir, cfg, &clock, rec.clone())?;
+            let (cp, dirs) = ControlPlane::start_for_nodes(
+                &fabric,
+                &workdir,
+                cfg.publish_not_ready_addresses,
+                clock.real(cfg.propagation_delay_seconds),
+                rec.clone(),
+            )?;
             let cluster = Cluster::new(
                 fabric.clone(),
                 Arc::new(cp),

@@ -213,7 +213,7 @@ impl Dataplane {
     /// the record, the way a first sync would: when both tables are gone, the first sync
     /// into absent tables (dormant, filled, woken); when they are there, the tables are
     /// read back and only the difference is sent, as an adoption at start does
-    /// ([`dump::adopt`]; `report.adopted`); when that cannot repair them in place, one
+    /// (`readback::adopt`; `report.adopted`); when that cannot repair them in place, one
     /// transaction replacing them (`report.full`). Without a record (a failed sync or
     /// repair before), a full sync of `plan`, which must be the plan last programmed.
     /// `report.changes` says what was restored (nothing: the kernel already matched).

@@ -29,6 +29,7 @@ pub mod limits;
 pub mod model;
 pub mod monitor;
 pub mod netlink;
+mod nfnl;
 pub mod nft;
 pub mod readback;
 pub mod record;

@@ -14,7 +14,7 @@
 //! (`task_pid_nr`, in the initial pid namespace) and stamps every notification with the
 //! netlink port id of the committing socket. kproxy commits from its own threads
 //! (nfnetlink batches) and from `nft` children; both note themselves here
-//! ([`note_own`]: the sockets' port ids, the children's pids, which are also their
+//! ([`nfnl::note_own`]: the sockets' port ids, the children's pids, which are also their
 //! sockets' port ids, as libmnl binds a new socket to its process id). A transaction is
 //! kproxy's when its port id or pid is one of those, or its pid is a thread of this
 //! process. The port id holds in a container with its own pid namespace too, where the
@@ -27,8 +27,7 @@
 //! 10k Services × 10 endpoints) and rules with their expressions, and decoding each whole
 //! to read one name would cost the monitor more than the sync.
 
-use std::collections::{BTreeMap, VecDeque};
-use std::sync::Mutex;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use netlink_packet_core::{NlaBuffer, NlasIterator};
@@ -38,6 +37,7 @@ use nix::sys::time::TimeVal;
 
 use crate::error::NftError;
 use crate::model::Family;
+use crate::nfnl;
 
 /// `enum nfnetlink_groups` (linux/netfilter/nfnetlink.h).
 const NFNLGRP_NFTABLES: u32 = 7;
@@ -67,33 +67,14 @@ const RCVBUF: usize = 64 << 20;
 /// How long [`Monitor::next_event`] blocks before answering `None`, so its thread can notice
 /// that nobody listens any more.
 const POLL: Duration = Duration::from_secs(1);
-/// Own port ids and pids remembered (the newest; a transaction is announced within
-/// milliseconds of the commit).
-const OWN_REMEMBERED: usize = 256;
-
-static OWN: Mutex<VecDeque<u32>> = Mutex::new(VecDeque::new());
-
-/// Notes a netlink port id or a child's pid as kproxy's own (see the module doc).
-pub fn note_own(id: u32) {
-    let mut own = OWN.lock().unwrap_or_else(|e| e.into_inner());
-    if own.len() >= OWN_REMEMBERED {
-        own.pop_front();
-    }
-    own.push_back(id);
-}
-
-fn noted_own(id: u32) -> bool {
-    OWN.lock().unwrap_or_else(|e| e.into_inner()).contains(&id)
-}
-
 /// Whether the transaction announced with `port_id` and `pid` was committed by kproxy.
 fn own_transaction(port_id: u32, pid: Option<u32>) -> bool {
-    if port_id != 0 && noted_own(port_id) {
+    if port_id != 0 && nfnl::noted_own(port_id) {
         return true;
     }
     pid.is_some_and(|pid| {
         pid == std::process::id()
-            || noted_own(pid)
+            || nfnl::noted_own(pid)
             || std::path::Path::new(&format!("/proc/self/task/{pid}")).exists()
     })
 }
@@ -414,13 +395,13 @@ impl CommitWatch {
         Ok(CommitWatch {
             sock,
             buf: vec![0; 64 << 10],
-            netns: crate::netlink::current_netns()?,
+            netns: nfnl::current_netns()?,
         })
     }
 
     /// True when the calling thread is in the namespace the socket was opened in.
     pub(crate) fn in_current_netns(&self) -> Result<bool, NftError> {
-        Ok(crate::netlink::current_netns()? == self.netns)
+        Ok(nfnl::current_netns()? == self.netns)
     }
 
     /// Joins the notification group for one child's transaction (before it starts),

@@ -22,7 +22,6 @@
 //! makes the caller render the transaction as nft text, never a guess.
 
 use std::net::IpAddr;
-use std::os::unix::fs::MetadataExt;
 
 use netlink_packet_core::{NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
 use netlink_packet_netfilter::NetfilterMessage;
@@ -351,15 +350,6 @@ pub struct Writer {
     sndbuf: usize,
 }
 
-pub(crate) fn current_netns() -> Result<u64, NftError> {
-    std::fs::metadata("/proc/thread-self/ns/net")
-        .map(|m| m.ino())
-        .map_err(|e| NftError::Io {
-            context: "reading /proc/thread-self/ns/net".into(),
-            source: e,
-        })
-}
-
 fn set_sndbuf(sock: &Socket, size: usize) -> std::io::Result<()> {
     // SO_SNDBUFFORCE needs CAP_NET_ADMIN, which kproxy has; fall back to the capped one.
     setsockopt(sock, sockopt::SndBufForce, &size)
@@ -399,7 +389,7 @@ impl Writer {
         let mut addr = SocketAddr::new(0, 0);
         sock.get_address(&mut addr)
             .map_err(io("reading the netlink socket's port id"))?;
-        crate::monitor::note_own(addr.port_number());
+        crate::nfnl::note_own(addr.port_number());
         // Errors carry only the failing message's header, not the whole batch back.
         sock.set_cap_ack(true)
             .map_err(io("setting NETLINK_CAP_ACK"))?;
@@ -416,7 +406,7 @@ impl Writer {
             .map_err(io("setting the netlink receive timeout"))?;
         Ok(Writer {
             sock,
-            netns: current_netns()?,
+            netns: crate::nfnl::current_netns()?,
             sndbuf: INITIAL_SNDBUF,
         })
     }
@@ -434,7 +424,7 @@ impl Writer {
 
     /// True when the calling thread is in the namespace the socket was opened in.
     pub fn in_current_netns(&self) -> Result<bool, NftError> {
-        Ok(current_netns()? == self.netns)
+        Ok(crate::nfnl::current_netns()? == self.netns)
     }
 
     /// Sends the batch as one transaction and waits for the kernel's answer to every

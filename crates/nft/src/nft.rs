@@ -106,7 +106,7 @@ pub(crate) fn run(
         })?;
     let id = child.id();
     // Its transaction is kproxy's own, not interference (its netlink port id is its pid).
-    crate::monitor::note_own(id);
+    crate::nfnl::note_own(id);
     let mut stdin = child.stdin.take().expect("stdin is piped");
     // Waited for (its output read) on a thread of its own, so a chatty nft can never
     // deadlock us on a full pipe, and so that the commit can be taken before the exit.

@@ -96,17 +96,19 @@ impl StateHandle {
         f(&mut self.lock())
     }
 
-    /// Marks the initial listing complete and wakes the sync loop.
     /// How many manifest documents or List items could not be read (did not parse, no
     /// kind, an unknown kind) at the manifest source's last rescan; 0 for the API source.
     pub fn unread_documents(&self) -> usize {
         self.0.unread_documents.load(Ordering::Relaxed)
     }
 
+    /// Records how many documents the manifest source's last rescan could not read
+    /// (read back by [`StateHandle::unread_documents`]).
     pub fn set_unread_documents(&self, n: usize) {
         self.0.unread_documents.store(n, Ordering::Relaxed);
     }
 
+    /// Marks the initial listing complete and wakes the sync loop.
     pub fn mark_ready(&self) {
         self.0.ready.store(true, Ordering::SeqCst);
         self.0.notify.notify_one();
