@@ -20,11 +20,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, NODE, Netns, SERVICE, can_run, eventually, fabric, http_get, manifests, sigterm, slice,
+    Daemon, DaemonLog, NODE, Netns, SERVICE, can_run, eventually, fabric, http_get, manifests, sigterm, slice,
     write_atomic,
 };
 
-fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path) -> Daemon {
+fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path, log: &DaemonLog) -> Daemon {
     Daemon(
         Command::new("ip")
             .args([
@@ -56,7 +56,7 @@ fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path) -> Daemon 
             ])
             .args(["--event-log", events.to_str().unwrap()])
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(log.stderr())
             .spawn()
             .expect("start kproxy run"),
     )
@@ -114,8 +114,9 @@ fn run_programs_follows_changes_serves_health_and_metrics_and_keeps_rules_on_sig
     let node = &fab.node;
     let dir = manifests();
     let events = dir.path().join("events.jsonl");
+    let log = DaemonLog::new();
     let table = "kpt";
-    let daemon = start_daemon(node, dir.path(), table, &events);
+    let daemon = start_daemon(node, dir.path(), table, &events, &log);
     // The cluster IP reaches the pod; the health-check node port says 200 with 1 endpoint.
     let body = eventually(node, "the cluster IP to answer", || {
         http_get("10.96.0.10:80".parse().unwrap(), "/")
@@ -196,8 +197,9 @@ fn restart_under_load_loses_nothing() {
     let fab = fabric('b');
     let dir = manifests();
     let events = dir.path().join("events.jsonl");
+    let log = DaemonLog::new();
     let table = "kpr";
-    let mut daemon = start_daemon(&fab.node, dir.path(), table, &events);
+    let mut daemon = start_daemon(&fab.node, dir.path(), table, &events, &log);
     eventually(&fab.node, "the cluster IP to answer", || {
         http_get("10.96.0.10:80".parse().unwrap(), "/")
     });
@@ -222,7 +224,7 @@ fn restart_under_load_loses_nothing() {
     std::thread::sleep(Duration::from_millis(300));
     assert!(sigterm(&mut daemon).success());
     std::thread::sleep(Duration::from_millis(300));
-    let _daemon = start_daemon(&fab.node, dir.path(), table, &events);
+    let _daemon = start_daemon(&fab.node, dir.path(), table, &events, &log);
     // Wait for the restarted daemon's first (full) sync.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -267,8 +269,9 @@ fn truncated_and_partial_manifest_writes_under_run_lose_no_connection() {
     let all = format!("{NODE}---{SERVICE}---{}", slice(true));
     write_atomic(dir.path(), "all.yaml", &all);
     let events = dir.path().join("events.jsonl");
+    let log = DaemonLog::new();
     let table = "kpw";
-    let mut daemon = start_daemon(&fab.node, dir.path(), table, &events);
+    let mut daemon = start_daemon(&fab.node, dir.path(), table, &events, &log);
     eventually(&fab.node, "the cluster IP to answer", || {
         http_get("10.96.0.10:80".parse().unwrap(), "/")
     });
@@ -322,7 +325,8 @@ fn a_health_check_port_on_an_absent_node_address_is_reported_in_metrics_and_expl
         &NODE.replace("10.200.0.11", "10.200.0.99"),
     );
     let events = dir.path().join("events.jsonl");
-    let mut daemon = start_daemon(node, dir.path(), "kph", &events);
+    let log = DaemonLog::new();
+    let mut daemon = start_daemon(node, dir.path(), "kph", &events, &log);
     let (code, state) = eventually(node, "the health-check port to be reported", || {
         http_get(
             "127.0.0.1:10249".parse().unwrap(),

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Netns, can_run, eventually, fabric, http_get};
+use common::{Daemon, DaemonLog, Netns, can_run, eventually, fabric, http_get};
 
 const MANIFESTS: &str = r#"
 apiVersion: v1
@@ -56,8 +56,8 @@ const METRICS: &str = "127.0.0.1:10249";
 const HEALTHZ: &str = "127.0.0.1:10256";
 const HC_PORT: &str = "10.200.0.11:32000";
 
-fn start_daemon(node: &Netns, dir: &Path, log: &Path) -> Daemon {
-    let stderr = std::fs::File::create(log).expect("daemon log");
+fn start_daemon(node: &Netns, dir: &Path, log: &DaemonLog) -> Daemon {
+    let stderr = log.stderr();
     Daemon(
         Command::new("ip")
             .args(["netns", "exec", &node.0, "sh", "-c"])
@@ -75,18 +75,6 @@ fn start_daemon(node: &Netns, dir: &Path, log: &Path) -> Daemon {
             .spawn()
             .expect("start kproxy run"),
     )
-}
-
-/// Prints the daemon's log when the test fails, so a failure explains itself.
-struct ShowLogOnPanic(std::path::PathBuf);
-
-impl Drop for ShowLogOnPanic {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let text = std::fs::read_to_string(&self.0).unwrap_or_default();
-            eprintln!("--- kproxy run log ---\n{text}");
-        }
-    }
 }
 
 fn addr(s: &str) -> SocketAddr {
@@ -130,10 +118,8 @@ fn idle_connection_flood_on_the_metrics_port_starves_nothing() {
     let node = &fab.node;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("all.yaml"), MANIFESTS).unwrap();
-    let log_dir = tempfile::tempdir().unwrap();
-    let log = log_dir.path().join("kproxy.log");
+    let log = DaemonLog::new();
     let daemon = start_daemon(node, dir.path(), &log);
-    let _show = ShowLogOnPanic(log.clone());
     let pid = daemon.0.id(); // `ip netns exec` and `sh` exec: this is kproxy's pid
 
     eventually(node, "the health-check node port", || {
@@ -149,7 +135,7 @@ fn idle_connection_flood_on_the_metrics_port_starves_nothing() {
             .any(|l| l == "kproxy_process_nofile_limit 1024"),
         "soft limit not raised to the hard one:\n{metrics}"
     );
-    let text = std::fs::read_to_string(&log).unwrap();
+    let text = std::fs::read_to_string(log.path()).unwrap();
     assert!(
         text.contains("RLIMIT_NOFILE is low"),
         "no low-limit warning in:\n{text}"
@@ -188,7 +174,7 @@ fn idle_connection_flood_on_the_metrics_port_starves_nothing() {
 
     drop(held);
     all_answer(node, "after the flood");
-    let text = std::fs::read_to_string(&log).unwrap();
+    let text = std::fs::read_to_string(log.path()).unwrap();
     assert!(
         !text.contains("Too many open files"),
         "descriptors ran out:\n{text}"

@@ -61,6 +61,48 @@ impl Drop for Netns {
 /// A child process, killed and reaped on drop.
 pub struct Daemon(pub Child);
 
+/// Where a test's daemon writes its log: a file in a directory of its own (not a
+/// watched manifest directory), printed when the test fails (dropped while
+/// panicking), so a failure explains itself while a passing test's output stays the
+/// harness's own.
+pub struct DaemonLog {
+    path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl DaemonLog {
+    pub fn new() -> DaemonLog {
+        let dir = tempfile::tempdir().expect("a directory for the daemon's log");
+        DaemonLog {
+            path: dir.path().join("kproxy.log"),
+            _dir: dir,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file to hand a child as its stderr; appended to, so a restarted daemon's
+    /// log follows the first one's.
+    pub fn stderr(&self) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+            .expect("daemon log")
+    }
+}
+
+impl Drop for DaemonLog {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&self.path).unwrap_or_default();
+            eprintln!("--- kproxy run log ---\n{text}");
+        }
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.0.kill();
