@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, NODE, Netns, SERVICE, can_run, eventually, fabric, http_get, manifests, sigterm, slice,
-    write_atomic,
+    Daemon, DaemonLog, NODE, Netns, SERVICE, can_run, eventually, fabric, http_get, manifests,
+    sigterm, slice, write_atomic,
 };
 
 fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path, log: &DaemonLog) -> Daemon {

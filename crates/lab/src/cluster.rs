@@ -330,7 +330,23 @@ impl Cluster {
         let node = crate::fabric::node_name(pod.node_index);
         let t0 = Instant::now();
         let grace_end = t0 + clock.real(self.template.termination_grace_period_seconds);
-        tokio::time::sleep(clock.real(self.template.pre_stop_sleep_seconds)).await;
+        let pre_stop = clock.real(self.template.pre_stop_sleep_seconds);
+        tokio::time::sleep(pre_stop).await;
+        let lasted = t0.elapsed();
+        if lasted >= pre_stop + crate::timeline::LATE {
+            let nominal = |d: Duration| clock.nominal_s(d.as_secs_f64() * 1000.0);
+            self.recorder.record(
+                EventKind::LabLate,
+                Some(&node),
+                Some(&pod.name),
+                format!(
+                    "preStop lasted {:.1} s, {:.1} s configured: the lab's timer fired {:.1} s late",
+                    nominal(lasted),
+                    self.template.pre_stop_sleep_seconds,
+                    nominal(lasted - pre_stop)
+                ),
+            );
+        }
         if let Some(s) = pod.server.lock().expect("server lock").as_ref() {
             s.signal(PodSignal::Term);
         }

@@ -1,9 +1,11 @@
 //! The self-contained HTML report: per run, a timeline with one lane per
 //! node and per pod (pod lifecycles as coloured bars, health answers, LB pool
 //! membership, kproxy restarts) and a request lane with every failure marked where it
-//! happened; the failure bursts with their causes; and, for a matrix, the cells as a
-//! coloured table with lint's findings beside the packets. Inline CSS and SVG only: no
-//! script, no external resource. Pure functions over finished runs.
+//! happened; the failure bursts with their causes; the run's anomalies; and, for a
+//! matrix, the cells as a coloured table with lint's findings beside the packets. Every
+//! table is followed by what its columns mean, and the time scale is stated where times
+//! are read. Inline CSS and SVG only: no script, no external resource. Pure functions
+//! over finished runs.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -45,7 +47,29 @@ details{margin:.3em 0}summary{cursor:pointer}
 .legend span{display:inline-block;padding:1px 6px;margin-right:6px;border:1px solid #ccd;font-size:.8em}
 .legend i{display:inline-block;width:14px;height:10px;margin-right:4px;vertical-align:middle;border:1px solid #999}
 svg text{font-family:system-ui,sans-serif}
+.defs{font-size:.8em;color:#333;max-width:75em}.defs dt{font-weight:600;display:inline}.defs dd{display:inline;margin:0 0 0 .3em}.defs dd:after{content:"";display:block;margin-bottom:.2em}
 "#;
+
+/// What each column of a table means, shown under it.
+fn definitions(defs: &[(&str, &str)]) -> String {
+    let mut s = String::from("<dl class=\"defs\">");
+    for (term, meaning) in defs {
+        let _ = write!(s, "<dt>{}</dt><dd>{}</dd>", esc(term), esc(meaning));
+    }
+    s.push_str("</dl>\n");
+    s
+}
+
+/// The failure kinds, as the "by kind" and "kinds" columns count them.
+const KINDS: &str = "how the requests failed: refused (RST or ICMP port unreachable to the SYN), reset (connection reset mid-request), timeout (no answer within the client's timeout: dropped packets), closed (closed without an answer), unreachable (ICMP host or network unreachable), http_5xx, http_error (another status or no HTTP)";
+
+/// The time scale, where times are read.
+fn time_scale_note(scale: f64) -> String {
+    format!(
+        "Times are nominal seconds since the run started (the cluster's set-up), as in the text report: the lab ran at time scale {scale} (real time = nominal × {scale}), so every nominal second took {:.0} ms.",
+        scale * 1000.0
+    )
+}
 
 /// A whole report: optional matrix table, then every run (summary, bursts, timeline).
 pub fn render(title: &str, intro: &str, runs: &[RunResult], matrix: &[CellResult]) -> String {
@@ -61,9 +85,9 @@ pub fn render(title: &str, intro: &str, runs: &[RunResult], matrix: &[CellResult
         s.push_str(&matrix_table(matrix));
     }
     let sums: Vec<Summary> = runs.iter().map(report::summarize).collect();
-    if !runs.is_empty() {
+    if let Some(first) = runs.first() {
         s.push_str(&summary_table(&sums, runs));
-        s.push_str(&legend());
+        s.push_str(&legend(first.time_scale));
     }
     for (i, (r, m)) in runs.iter().zip(&sums).enumerate() {
         let label = match matrix.get(i) {
@@ -77,14 +101,17 @@ pub fn render(title: &str, intro: &str, runs: &[RunResult], matrix: &[CellResult
         };
         let _ = writeln!(
             s,
-            "<details{open} id=\"run-{i}\"><summary><b>{}</b>: <span class=\"{}\">{} of {} requests failed</span>, {} burst(s)</summary>",
+            "<details{open} id=\"run-{i}\"><summary><b>{}</b>: <span class=\"{}\">{} of {} requests failed</span>, {} burst(s), {} anomaly(ies); times in nominal s, time scale {}</summary>",
             esc(&label),
             if m.failed > 0 { "lost" } else { "ok" },
             m.failed,
             m.sent,
-            m.bursts.len()
+            m.bursts.len(),
+            m.anomalies.len(),
+            r.time_scale
         );
         s.push_str(&bursts(m));
+        s.push_str(&anomalies(m));
         s.push_str(&timeline_svg(r));
         s.push_str("</details>\n");
     }
@@ -117,6 +144,16 @@ fn summary_table(sums: &[Summary], runs: &[RunResult]) -> String {
         );
     }
     s.push_str("</table>\n");
+    s.push_str(&definitions(&[
+        ("run", "the run's number; it links to the run's bursts and timeline."),
+        ("behaviour", "kproxy, or pre-1.26: kube-proxy's behaviour before 1.26, where a terminating pod is no endpoint."),
+        ("sent", "requests the load generator started through the load balancer during the run (each on a new connection or a kept-alive one)."),
+        ("ok", "requests answered with 200."),
+        ("failed", "sent − ok."),
+        ("by kind", KINDS),
+        ("longest outage (s)", "the longest stretch in which every request that started failed, from the first to the last failed start (nominal s). It stays short when requests through other nodes still succeed: a burst (below) can last seconds with successes in between."),
+        ("rollout (s)", "from the rolling update's start (revision 2 applied) to its end (every new pod available, no old pod left), or the node drain's span (nominal s)."),
+    ]));
     s
 }
 
@@ -190,6 +227,20 @@ pub fn matrix_table(cells: &[CellResult]) -> String {
         );
     }
     s.push_str("</table>\n");
+    s.push_str(&definitions(&[
+        ("setting", "the pod, rollout or disturbance the cell tries (docs/lab.md)."),
+        ("pod profile", "how the pod's process behaves at SIGTERM and after."),
+        ("LB", "the load balancer preset: its health check and drain."),
+        ("behaviour", "kproxy, or pre-1.26 (a terminating pod is no endpoint)."),
+        ("preStop / grace / period×failures / initialDelay (s)", "the pod's preStop sleep, terminationGracePeriodSeconds, readiness periodSeconds × failureThreshold, and initialDelaySeconds (nominal s)."),
+        ("LB detect / register / drain (s)", "the load balancer's detection window (interval × unhealthy threshold + timeout), its registration delay, and its drain timeout (nominal s)."),
+        ("sent", "requests started through the load balancer."),
+        ("lost", "requests that failed; it links to the cell's run."),
+        ("min LB pool", "the fewest healthy nodes in the load balancer's pool during the rollout (0: none healthy, the LB sent to all)."),
+        ("kproxy lint", "kproxy lint's findings on the cell's manifests (hover for the message)."),
+        ("verdict", "lint's findings on the cell's rule against its packets, coloured as the legend above the table says: confirmed (flagged, lost), clean, confirmed (clean, nothing lost), flagged, no extra loss (no more lost than the recommended cell), missed by lint (clean, lost), baseline (pre-1.26 cells: lint assumes terminating-endpoint failover)."),
+        ("cause of every burst", "each failure burst: its span (nominal s), its failed requests, and its cause."),
+    ]));
     s
 }
 
@@ -213,6 +264,26 @@ fn bursts(m: &Summary) -> String {
         );
     }
     s.push_str("</table>\n");
+    s.push_str(&definitions(&[
+        ("from (s), to (s)", "the start times of the burst's first and last failed request, nominal s since the run started; failures less than 1 nominal s apart form one burst."),
+        ("failed", "failed requests in the burst."),
+        ("kinds", KINDS),
+        ("cause", "what the run's timeline shows at that moment (pods, health answers, the LB's pool, EndpointSlice changes, disturbances, anomalies), in plain words."),
+    ]));
+    s
+}
+
+/// The run's anomalies: what no setting explains (the lab running late, every node
+/// failing a health check at once).
+fn anomalies(m: &Summary) -> String {
+    if m.anomalies.is_empty() {
+        return "<p>No anomaly: the lab kept time (no preStop longer than configured, no stall) and no probe round failed every node.</p>\n".into();
+    }
+    let mut s = String::from("<p><b>Anomalies</b> (nominal s):</p><ul>\n");
+    for a in &m.anomalies {
+        let _ = writeln!(s, "<li>{:.2} s: {}</li>", a.at_s, esc(&a.what));
+    }
+    s.push_str("</ul>\n");
     s
 }
 
@@ -236,7 +307,9 @@ const ROLLOUT: &str = "#eef3ff";
 const REQUESTS: &str = "#9c9";
 const FAILED: &str = "#d22";
 const IN_POOL: &str = "#bfe5bf";
+const ALL_NODES: &str = "#f3e7a1";
 const OUT_OF_POOL: &str = "#d9d9d9";
+const LAB_LATE: &str = "#06c";
 const HEALTH_ANSWER: &str = "#246";
 const RESTART: &str = "#e80";
 const NODE_MARK: &str = "#000";
@@ -249,11 +322,22 @@ const EXITED: &str = "#555";
 const KILLED: &str = "#b00";
 
 /// What each colour of the timeline means, in the order a reader meets the lanes.
-const LEGEND: [(&str, &str); 15] = [
+const LEGEND: [(&str, &str); 17] = [
     (ROLLOUT, "the rollout (or node drain) window"),
     (REQUESTS, "requests lane: the load generator's requests"),
     (FAILED, "a failed request, at the time it started"),
-    (IN_POOL, "node lane: in the load balancer's pool"),
+    (
+        LAB_LATE,
+        "the lab itself ran late (an anomaly, listed above the timeline)",
+    ),
+    (
+        IN_POOL,
+        "node lane: in the load balancer's pool (it passes the health check)",
+    ),
+    (
+        ALL_NODES,
+        "node lane: no node passes the health check (none has yet, at the start), so the LB sends new connections to every node",
+    ),
     (OUT_OF_POOL, "node lane: out of the pool"),
     (HEALTH_ANSWER, "a change of the node's health-check answer"),
     (RESTART, "kproxy restarted on the node"),
@@ -268,7 +352,7 @@ const LEGEND: [(&str, &str); 15] = [
 ];
 
 /// The legend of every timeline's colours, shown once above the runs.
-fn legend() -> String {
+fn legend(time_scale: f64) -> String {
     let mut s = String::from("<p class=\"legend\"><b>Timeline:</b> ");
     for (colour, meaning) in LEGEND {
         let _ = write!(
@@ -277,10 +361,21 @@ fn legend() -> String {
             esc(meaning)
         );
     }
-    s.push_str(
-        "<br>Times are nominal seconds since the run started (the cluster's set-up), as in the text report; hover over a mark for its time and detail.</p>\n",
+    let _ = writeln!(
+        s,
+        "<br>{} Hover over a mark for its time and detail.</p>",
+        esc(&time_scale_note(time_scale))
     );
     s
+}
+
+/// A node's place in the load balancer's pool.
+#[derive(Clone, Copy, PartialEq)]
+enum Pool {
+    In,
+    /// No node passes the health check: the LB sends new connections to all of them.
+    AllNodes,
+    Out,
 }
 
 /// The run's timeline as inline SVG.
@@ -435,7 +530,16 @@ pub fn timeline_svg(r: &RunResult) -> String {
             rec.outcome.as_str()
         );
     }
-    // Node lanes: in the LB pool (green) or out (grey), health answers, restarts.
+    for e in r.events.iter().filter(|e| e.kind == EventKind::LabLate) {
+        let t = nominal(e.t_ms);
+        let _ = writeln!(
+            s,
+            "<rect x=\"{:.1}\" y=\"{y0:.1}\" width=\"3\" height=\"{LANE_H}\" fill=\"{LAB_LATE}\"><title>{} at {t:.2} s</title></rect>",
+            x(t),
+            esc(&e.detail)
+        );
+    }
+    // Node lanes: in the LB pool, with every node, or out; health answers, restarts.
     for (i, node) in r.nodes.iter().enumerate() {
         let y = lane_y(1 + i);
         let _ = writeln!(
@@ -444,33 +548,49 @@ pub fn timeline_svg(r: &RunResult) -> String {
             y + 13.0,
             esc(node)
         );
-        let mut segs: Vec<(f64, bool)> = vec![(0.0, true)];
+        // The LB starts with every node (no health data yet) and moves as its pool
+        // events say; a failed pool update leaves the pool as it was.
+        let mut segs: Vec<(f64, Pool)> = vec![(0.0, Pool::AllNodes)];
         for (t, d) in &pool_changes {
-            let inside = d.split([' ', ',', '(', ')']).any(|w| w == node)
-                && !d.starts_with("no healthy node");
-            segs.push((*t, inside));
+            let state = if d.starts_with("no healthy node") {
+                Pool::AllNodes
+            } else if let Some(list) = d.strip_prefix("new connections to ") {
+                if list.split(", ").any(|w| w == node) {
+                    Pool::In
+                } else {
+                    Pool::Out
+                }
+            } else {
+                continue;
+            };
+            segs.push((*t, state));
         }
-        for (k, (t, inside)) in segs.iter().enumerate() {
+        for (k, (t, state)) in segs.iter().enumerate() {
             let end = segs.get(k + 1).map_or(t1, |s| s.0);
+            let (fill, what) = match state {
+                Pool::In => (IN_POOL, "in the LB pool (passes the health check)"),
+                Pool::AllNodes => (
+                    ALL_NODES,
+                    "no node passes the health check: the LB sends new connections to every node",
+                ),
+                Pool::Out => (OUT_OF_POOL, "out of the LB pool"),
+            };
             let _ = writeln!(
                 s,
-                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{LANE_H}\" fill=\"{}\"><title>{} {t:.1}–{end:.1} s</title></rect>",
+                "<rect x=\"{:.1}\" y=\"{y:.1}\" width=\"{:.1}\" height=\"{LANE_H}\" fill=\"{fill}\"><title>{} {what}, {t:.1}–{end:.1} s</title></rect>",
                 x(*t),
                 (x(end) - x(*t)).max(0.0),
-                if *inside { IN_POOL } else { OUT_OF_POOL },
-                if *inside {
-                    "in the LB pool"
-                } else {
-                    "out of the LB pool"
-                }
+                esc(node)
             );
         }
         for (t, d) in health.get(node).into_iter().flatten() {
+            // `d` is the LB's word: "health check passes" or "health check fails".
             let _ = writeln!(
                 s,
-                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"{HEALTH_ANSWER}\"><title>health check {} at {t:.1} s</title></circle>",
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"{HEALTH_ANSWER}\"><title>{}: {} from {t:.1} s</title></circle>",
                 x(*t),
                 y + LANE_H / 2.0,
+                esc(node),
                 esc(d)
             );
         }
@@ -561,8 +681,9 @@ pub fn timeline_svg(r: &RunResult) -> String {
     let ya = h - 20.0;
     let _ = writeln!(
         s,
-        "<text x=\"4\" y=\"{:.1}\" font-size=\"10\">s since run start</text>",
-        ya + 15.0
+        "<text x=\"4\" y=\"{:.1}\" font-size=\"10\">nominal s (real = × {})</text>",
+        ya + 15.0,
+        r.time_scale
     );
     let step = nice_step(t1 - t0);
     let mut t = 0.0;
@@ -635,7 +756,22 @@ mod tests {
             events: vec![
                 ev(10.0, EventKind::PodCreated, "node-1", pod, ""),
                 ev(20.0, EventKind::PodReady, "node-1", pod, ""),
+                ev(
+                    25.0,
+                    EventKind::LbPool,
+                    "node-1",
+                    None,
+                    "new connections to node-1",
+                ),
                 ev(30.0, EventKind::LbPool, "node-1", None, "no healthy node"),
+                ev(
+                    35.0,
+                    EventKind::LbPool,
+                    "node-1",
+                    None,
+                    "new connections to node-2",
+                ),
+                ev(36.0, EventKind::LabLate, "node-1", None, "late"),
                 ev(40.0, EventKind::HealthAnswer, "node-1", None, "503"),
                 ev(50.0, EventKind::KproxyRestarted, "node-1", None, ""),
                 ev(60.0, EventKind::NodeTainted, "node-1", None, ""),
@@ -653,7 +789,7 @@ mod tests {
             drain: None,
         };
         let svg = timeline_svg(&r);
-        let legend = legend();
+        let legend = legend(r.time_scale);
         let mut drawn = 0;
         for attr in ["fill=\"", "stroke=\""] {
             for piece in svg.split(attr).skip(1) {
@@ -680,6 +816,117 @@ mod tests {
         }
         let page = render("t", "i", std::slice::from_ref(&r), &[]);
         assert!(page.contains(&legend), "the report shows the legend");
+    }
+
+    fn one_node_run(events: Vec<crate::timeline::Event>) -> RunResult {
+        let failed = crate::loadgen::RequestRecord {
+            start_ms: 1500.0,
+            end_ms: 1600.0,
+            outcome: crate::loadgen::Outcome::Timeout,
+            conn: crate::loadgen::ConnKind::New,
+            pod: None,
+            reused: false,
+            conn_pod: None,
+        };
+        RunResult {
+            control_plane: crate::scenario::ControlPlaneKind::Emulated,
+            behaviour: crate::scenario::Behaviour::Kproxy,
+            run: 0,
+            time_scale: 0.1,
+            nodes: vec!["node-1".into(), "node-2".into()],
+            health_check: crate::lb::LbPreset::Gke.health_check().unwrap(),
+            records: vec![failed],
+            events,
+            load_start_ms: 0.0,
+            rollout_start_ms: 0.0,
+            rollout_end_ms: 2000.0,
+            load_end_ms: 2000.0,
+            drain: None,
+        }
+    }
+
+    /// The header cells of every table in `page`.
+    fn headers(page: &str) -> Vec<String> {
+        page.split("<th>")
+            .skip(1)
+            .map(|p| p[..p.find("</th>").unwrap()].to_string())
+            .collect()
+    }
+
+    /// Every column of the runs and bursts tables is defined on the page, as is the
+    /// time scale.
+    #[test]
+    fn the_page_defines_every_column_and_states_the_time_scale() {
+        let page = render("t", "i", &[one_node_run(vec![])], &[]);
+        let defined: Vec<&str> = page
+            .split("<dt>")
+            .skip(1)
+            .map(|p| &p[..p.find("</dt>").unwrap()])
+            .collect();
+        let hs = headers(&page);
+        assert!(hs.len() >= 13, "{hs:?}");
+        for h in hs {
+            assert!(
+                defined.iter().any(|d| d.split(", ").any(|x| x == h)),
+                "column {h:?} is not defined on the page: {defined:?}"
+            );
+        }
+        assert!(
+            page.contains("time scale 0.1 (real time = nominal × 0.1)"),
+            "{page}"
+        );
+        assert!(page.contains("nominal s (real = × 0.1)"), "{page}");
+    }
+
+    /// Before any pool change, and whenever no node passes, the LB sends to every node:
+    /// drawn as its own state, not as "in the pool"; then each node is in or out.
+    #[test]
+    fn the_lb_sending_to_every_node_is_its_own_state() {
+        use crate::timeline::Event;
+        let pool = |t_ms: f64, detail: &str| Event {
+            t_ms,
+            kind: EventKind::LbPool,
+            node: None,
+            pod: None,
+            detail: detail.into(),
+        };
+        let svg = timeline_svg(&one_node_run(vec![
+            pool(500.0, "new connections to node-2"),
+            pool(
+                900.0,
+                "no healthy node: new connections to all (node-1, node-2)",
+            ),
+        ]));
+        let node1: Vec<&str> = svg
+            .lines()
+            .filter(|l| l.contains("<title>node-1 "))
+            .collect();
+        assert_eq!(node1.len(), 3, "{svg}");
+        assert!(
+            node1[0].contains(ALL_NODES) && node1[0].contains("0.0–5.0 s"),
+            "{}",
+            node1[0]
+        );
+        assert!(node1[1].contains(OUT_OF_POOL), "{}", node1[1]);
+        assert!(node1[2].contains(ALL_NODES), "{}", node1[2]);
+        assert!(svg.contains("<title>node-2 in the LB pool"), "{svg}");
+    }
+
+    #[test]
+    fn a_health_answer_says_it_once() {
+        let answer = crate::timeline::Event {
+            t_ms: 100.0,
+            kind: EventKind::HealthAnswer,
+            node: Some("node-1".into()),
+            pod: None,
+            detail: "health check fails".into(),
+        };
+        let svg = timeline_svg(&one_node_run(vec![answer]));
+        assert!(
+            svg.contains("<title>node-1: health check fails from 1.0 s</title>"),
+            "{svg}"
+        );
+        assert!(!svg.contains("health check health check"), "{svg}");
     }
 
     #[test]

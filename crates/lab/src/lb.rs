@@ -103,6 +103,21 @@ impl HealthCheck {
     /// Longest time (nominal s) between a node starting to fail and the LB
     /// removing it: the failing answers needed, plus one interval of phase, plus a
     /// probe timeout.
+    /// The real time between two probe rounds at time scale `scale`.
+    pub fn real_interval(&self, scale: f64) -> Duration {
+        Duration::from_secs_f64((self.interval_seconds * scale).max(0.0))
+            .max(Duration::from_millis(10))
+    }
+
+    /// The real time a probe may take at time scale `scale`. A floor of 150 ms: at
+    /// small time scales a busy 2-core machine would otherwise turn scheduling delays
+    /// into failed probes.
+    pub fn real_probe_timeout(&self, scale: f64) -> Duration {
+        Duration::from_secs_f64((self.timeout_seconds.min(self.interval_seconds) * scale).max(0.0))
+            .max(Duration::from_millis(150))
+            .min(self.real_interval(scale))
+    }
+
     pub fn detection_window_s(&self) -> f64 {
         self.interval_seconds * self.unhealthy_threshold as f64
             + self.timeout_seconds.min(self.interval_seconds)
@@ -327,15 +342,8 @@ async fn health_loop(
     let mut last_answer: Vec<Option<bool>> = vec![None; n];
     let mut ok_run = vec![0u32; n];
     let mut fail_run = vec![0u32; n];
-    let interval = clock
-        .real(hc.interval_seconds)
-        .max(Duration::from_millis(10));
-    // A floor on the real timeout: at small time scales a busy 2-core machine would
-    // otherwise turn scheduling delays into failed probes.
-    let timeout = clock
-        .real(hc.timeout_seconds.min(hc.interval_seconds))
-        .max(Duration::from_millis(150))
-        .min(interval);
+    let interval = hc.real_interval(clock.scale());
+    let timeout = hc.real_probe_timeout(clock.scale());
     let reg = clock.real(hc.registration_delay_seconds);
     let mut next = tokio::time::Instant::now() + reg;
     let mut current_pool = (1..=n).collect::<Vec<_>>();

@@ -1,7 +1,8 @@
 //! Turning a run's raw records and events into what a person reads: the summary
 //! (counts by kind, longest outage, failures per phase), failure bursts with their
-//! cause in plain words, the event timeline, and the JSON document. Pure functions;
-//! all times shown are nominal (real time divided by the time scale).
+//! cause in plain words, the run's anomalies (the lab running late, every node failing
+//! a health check at once), the event timeline, and the JSON document. Pure
+//! functions; all times shown are nominal (real time divided by the time scale).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -22,6 +23,16 @@ pub struct Burst {
     pub cause: String,
 }
 
+/// Something a run shows that no setting explains: the lab itself ran late (a preStop
+/// longer than configured, a stalled runtime), or every node failed a health check in
+/// the same probe round after passing.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Anomaly {
+    /// Nominal seconds since the run started.
+    pub at_s: f64,
+    pub what: String,
+}
+
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Summary {
     pub behaviour: String,
@@ -39,6 +50,7 @@ pub struct Summary {
     pub failed_during_rollout: usize,
     pub failed_after_rollout: usize,
     pub bursts: Vec<Burst>,
+    pub anomalies: Vec<Anomaly>,
 }
 
 /// The behaviour, with the control plane when it is not the embedded emulation.
@@ -481,6 +493,68 @@ fn drain_causes(
     causes
 }
 
+/// The run's anomalies, in time order: every `LabLate` event, and every probe round in
+/// which all nodes (two or more) turned from passing to failing their health check.
+/// Probes of one round are sent together and answered within the probe timeout, so
+/// answers within one interval of each other belong to one round.
+pub fn anomalies(r: &RunResult) -> Vec<Anomaly> {
+    let mut out: Vec<Anomaly> = r
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::LabLate)
+        .map(|e| Anomaly {
+            at_s: nominal(r, e.t_ms),
+            what: match (&e.node, &e.pod) {
+                (Some(n), Some(p)) => format!("{p} on {n}: {}", e.detail),
+                _ => e.detail.clone(),
+            },
+        })
+        .collect();
+    let round_ms = r.health_check.interval_seconds * 1000.0 * r.time_scale;
+    let mut passing: BTreeMap<&str, bool> = BTreeMap::new();
+    // (time, node) of each passes → fails turn.
+    let mut turns: Vec<(f64, &str)> = Vec::new();
+    for e in r
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::HealthAnswer)
+    {
+        let Some(node) = e.node.as_deref() else {
+            continue;
+        };
+        let passes = e.detail.contains("passes");
+        if !passes && passing.get(node) == Some(&true) {
+            turns.push((e.t_ms, node));
+        }
+        passing.insert(node, passes);
+    }
+    let mut i = 0;
+    while i < turns.len() {
+        let start = turns[i].0;
+        let round: Vec<&(f64, &str)> = turns[i..]
+            .iter()
+            .take_while(|(t, _)| *t - start < round_ms)
+            .collect();
+        let mut nodes: Vec<&str> = round.iter().map(|(_, n)| *n).collect();
+        nodes.sort();
+        nodes.dedup();
+        if r.nodes.len() >= 2 && nodes.len() == r.nodes.len() {
+            let hc = &r.health_check;
+            out.push(Anomaly {
+                at_s: nominal(r, start),
+                what: format!(
+                    "all {} nodes failed the LB's health check in the same probe round, each after passing: a cause on one node does not hit every node at once; the probes timed out together (after {} ms real), so the lab machine (the LB's runtime or the CPU) was too busy to answer in time",
+                    nodes.len(),
+                    hc.real_probe_timeout(r.time_scale).as_millis()
+                ),
+            });
+        }
+        i += round.len();
+    }
+    out.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
+    out
+}
+
 /// Nodes in an `LbPool` event's pool that are healthy (0 when the LB fell back to
 /// all nodes because none was).
 fn healthy_in_pool(detail: &str) -> Option<usize> {
@@ -533,6 +607,7 @@ pub fn summarize(r: &RunResult) -> Summary {
             after += 1;
         }
     }
+    let anomalies = anomalies(r);
     let bursts = bursts_of(&r.records, r.time_scale, 1.0)
         .into_iter()
         .map(|(s, e, v)| {
@@ -540,12 +615,30 @@ pub fn summarize(r: &RunResult) -> Summary {
             for x in &v {
                 *kinds.entry(x.outcome.as_str().to_string()).or_insert(0) += 1;
             }
+            let (start_s, end_s) = (nominal(r, s), nominal(r, e));
+            let mut cause = explain_burst(r, s, e, &v);
+            // An anomaly up to one probe interval before the burst, or inside it, is
+            // named with it: a late lab stretches every timing the cause depends on.
+            let near: Vec<String> = anomalies
+                .iter()
+                .filter(|a| {
+                    a.at_s >= start_s - r.health_check.interval_seconds.max(1.0) && a.at_s <= end_s
+                })
+                .map(|a| format!("at {:.2} s {}", a.at_s, a.what))
+                .collect();
+            if !near.is_empty() {
+                let _ = write!(
+                    cause,
+                    "; the run shows an anomaly then: {}",
+                    near.join("; ")
+                );
+            }
             Burst {
-                start_s: nominal(r, s),
-                end_s: nominal(r, e),
+                start_s,
+                end_s,
                 failed: v.len(),
                 kinds,
-                cause: explain_burst(r, s, e, &v),
+                cause,
             }
         })
         .collect();
@@ -562,6 +655,7 @@ pub fn summarize(r: &RunResult) -> Summary {
         failed_during_rollout: during,
         failed_after_rollout: after,
         bursts,
+        anomalies,
     }
 }
 
@@ -712,6 +806,9 @@ pub fn render_text(runs: &[RunResult], timeline: bool) -> String {
                 b.cause
             );
         }
+        for a in &m.anomalies {
+            let _ = writeln!(s, "  anomaly at {:>7.2}s: {}", a.at_s, a.what);
+        }
         if timeline {
             let _ = writeln!(s, "  timeline:");
             for e in r.events.iter().filter(|e| shown_in_timeline(e)) {
@@ -818,6 +915,102 @@ mod tests {
         assert_eq!(b.len(), 2);
         assert_eq!(b[0].2.len(), 2);
         assert_eq!(b[1].2.len(), 1);
+    }
+
+    /// A three-node run at time scale 0.1 with the gke health check (3 s interval:
+    /// 300 ms real) and `events`.
+    fn three_nodes(events: Vec<Event>, records: Vec<RequestRecord>) -> RunResult {
+        RunResult {
+            control_plane: crate::scenario::ControlPlaneKind::Emulated,
+            behaviour: crate::scenario::Behaviour::Kproxy,
+            run: 0,
+            time_scale: 0.1,
+            nodes: vec!["node-1".into(), "node-2".into(), "node-3".into()],
+            health_check: crate::lb::LbPreset::Gke.health_check().unwrap(),
+            records,
+            events,
+            load_start_ms: 0.0,
+            rollout_start_ms: 0.0,
+            rollout_end_ms: 6000.0,
+            load_end_ms: 6000.0,
+            drain: None,
+        }
+    }
+
+    fn answer(t_ms: f64, node: &str, passes: bool) -> Event {
+        Event {
+            t_ms,
+            kind: EventKind::HealthAnswer,
+            node: Some(node.into()),
+            pod: None,
+            detail: if passes {
+                "health check passes"
+            } else {
+                "health check fails"
+            }
+            .into(),
+        }
+    }
+
+    /// Every node failing in one probe round after passing is an anomaly; every node
+    /// failing its first probes (nothing ready yet), or one node failing, is not.
+    #[test]
+    fn all_nodes_failing_one_round_after_passing_is_an_anomaly() {
+        let nodes = ["node-1", "node-2", "node-3"];
+        let mut events: Vec<Event> = nodes.iter().map(|n| answer(10.0, n, false)).collect();
+        events.extend(nodes.iter().map(|n| answer(400.0, n, true)));
+        // One node fails alone: a node's own story, not an anomaly.
+        events.push(answer(1000.0, "node-2", false));
+        events.push(answer(1300.0, "node-2", true));
+        // All three fail in the same round (answers recorded a few ms apart).
+        events.extend(
+            nodes
+                .iter()
+                .enumerate()
+                .map(|(i, n)| answer(2000.0 + i as f64 * 20.0, n, false)),
+        );
+        let got = anomalies(&three_nodes(events, vec![]));
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!((got[0].at_s - 20.0).abs() < 1e-9, "{got:?}");
+        assert!(got[0].what.contains("all 3 nodes"), "{got:?}");
+        assert!(got[0].what.contains("150 ms real"), "{got:?}");
+    }
+
+    /// The lab's own lateness (a preStop longer than configured) is an anomaly, and a
+    /// burst beside it names it in its cause.
+    #[test]
+    fn a_late_lab_is_an_anomaly_named_in_the_burst_beside_it() {
+        let late = Event {
+            t_ms: 3000.0,
+            kind: EventKind::LabLate,
+            node: Some("node-1".into()),
+            pod: Some("web-r1-1".into()),
+            detail: "preStop lasted 21.0 s, 10.0 s configured: the lab's timer fired 11.0 s late"
+                .into(),
+        };
+        let r = three_nodes(
+            vec![late],
+            vec![rec(0.0, Outcome::Ok), rec(3100.0, Outcome::Timeout)],
+        );
+        let m = summarize(&r);
+        assert_eq!(m.anomalies.len(), 1, "{:?}", m.anomalies);
+        assert!(
+            m.anomalies[0]
+                .what
+                .starts_with("web-r1-1 on node-1: preStop lasted 21.0 s"),
+            "{:?}",
+            m.anomalies
+        );
+        assert_eq!(m.bursts.len(), 1);
+        assert!(
+            m.bursts[0]
+                .cause
+                .contains("anomaly then: at 30.00 s web-r1-1"),
+            "{}",
+            m.bursts[0].cause
+        );
+        let text = render_text(std::slice::from_ref(&r), false);
+        assert!(text.contains("anomaly at   30.00s: web-r1-1"), "{text}");
     }
 
     #[test]

@@ -427,6 +427,7 @@ async fn run_async(
     let clock = Clock::new(cfg.time_scale);
     let wall_start = SystemTime::now();
     let rec = Recorder::new(clock.clone());
+    let _late = crate::timeline::LatenessWatch::start(rec.clone());
     let hc = cfg.load_balancer.effective_health_check()?;
     let tag = format!("[{} run {}]", behaviour.as_str(), run + 1);
 

@@ -85,7 +85,55 @@ pub enum EventKind {
     RolloutDone,
     LoadStarted,
     LoadStopped,
+    /// The lab itself ran late: a timer of its runtime fired well after it was due
+    /// (the machine or the runtime was busy), so every timing of the lab at that moment
+    /// (probes, preStop, load) was late by as much. With a pod: that pod's preStop
+    /// lasted longer than configured.
+    LabLate,
     Note,
+}
+
+/// Real lateness of a lab timer worth an event: well above a timer's ordinary jitter,
+/// and below the LB's 150 ms floor on a probe's timeout (lb.rs), so a stall that fails
+/// probes is on the timeline.
+pub const LATE: Duration = Duration::from_millis(100);
+
+/// Watches the lab's runtime for stalls while it lives: a task that wakes every 50 ms
+/// (real) and records [`EventKind::LabLate`] when it wakes [`LATE`] or more after it
+/// was due. Dropped (end of the run), it stops.
+pub struct LatenessWatch(tokio::task::JoinHandle<()>);
+
+impl LatenessWatch {
+    /// Starts the watch on the current tokio runtime.
+    pub fn start(recorder: Recorder) -> LatenessWatch {
+        LatenessWatch(tokio::spawn(async move {
+            let tick = Duration::from_millis(50);
+            loop {
+                let due = tokio::time::Instant::now() + tick;
+                tokio::time::sleep_until(due).await;
+                let late = due.elapsed();
+                if late >= LATE {
+                    let clock = recorder.clock();
+                    recorder.record(
+                        EventKind::LabLate,
+                        None,
+                        None,
+                        format!(
+                            "the lab's runtime woke {:.1} s late ({} ms real): every lab timer then (LB probes, preStop, load) was late as much; the machine was busy",
+                            clock.nominal_s(late.as_secs_f64() * 1000.0),
+                            late.as_millis()
+                        ),
+                    );
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for LatenessWatch {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -159,6 +207,30 @@ mod tests {
         let c = Clock::new(0.1);
         assert_eq!(c.real(10.0), Duration::from_secs(1));
         assert!((c.nominal_s(1000.0) - 10.0).abs() < 1e-9);
+    }
+
+    /// A runtime blocked past [`LATE`] leaves a `LabLate` event.
+    #[test]
+    fn a_stalled_runtime_is_on_the_timeline() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let r = Recorder::new(Clock::new(0.1));
+        rt.block_on(async {
+            let _watch = LatenessWatch::start(r.clone());
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            // Blocks the only worker: the watch's timer cannot fire on time.
+            std::thread::sleep(LATE * 3);
+            tokio::time::sleep(Duration::from_millis(60)).await;
+        });
+        let late: Vec<Event> = r
+            .events()
+            .into_iter()
+            .filter(|e| e.kind == EventKind::LabLate)
+            .collect();
+        assert!(!late.is_empty(), "{:?}", r.events());
+        assert!(late[0].detail.contains("late"), "{late:?}");
     }
 
     #[test]

@@ -715,7 +715,7 @@ mod tests {
         let mut d = elem.clone();
         d.extend(newgen(0, std::process::id(), "kproxy"));
         assert!(read(&d).is_none());
-        note_own(STRANGER + 1);
+        nfnl::note_own(STRANGER + 1);
         let mut d = elem.clone();
         d.extend(newgen(STRANGER + 1, STRANGER + 2, "nft"));
         assert!(read(&d).is_none());
