@@ -735,59 +735,36 @@ mod tests {
             pod: pod.map(Into::into),
             detail: detail.into(),
         };
-        let failed = crate::loadgen::RequestRecord {
-            start_ms: 1500.0,
-            end_ms: 1600.0,
-            outcome: crate::loadgen::Outcome::Timeout,
-            conn: crate::loadgen::ConnKind::New,
-            pod: None,
-            reused: false,
-            conn_pod: None,
-        };
         let pod = Some("web-1");
-        let r = RunResult {
-            control_plane: crate::scenario::ControlPlaneKind::Emulated,
-            behaviour: crate::scenario::Behaviour::Kproxy,
-            run: 0,
-            time_scale: 0.1,
-            nodes: vec!["node-1".into()],
-            health_check: crate::lb::LbPreset::Gke.health_check().unwrap(),
-            records: vec![failed],
-            events: vec![
-                ev(10.0, EventKind::PodCreated, "node-1", pod, ""),
-                ev(20.0, EventKind::PodReady, "node-1", pod, ""),
-                ev(
-                    25.0,
-                    EventKind::LbPool,
-                    "node-1",
-                    None,
-                    "new connections to node-1",
-                ),
-                ev(30.0, EventKind::LbPool, "node-1", None, "no healthy node"),
-                ev(
-                    35.0,
-                    EventKind::LbPool,
-                    "node-1",
-                    None,
-                    "new connections to node-2",
-                ),
-                ev(36.0, EventKind::LabLate, "node-1", None, "late"),
-                ev(40.0, EventKind::HealthAnswer, "node-1", None, "503"),
-                ev(50.0, EventKind::KproxyRestarted, "node-1", None, ""),
-                ev(60.0, EventKind::NodeTainted, "node-1", None, ""),
-                ev(70.0, EventKind::LbDrained, "node-1", None, ""),
-                ev(80.0, EventKind::PodTerminating, "node-1", pod, ""),
-                ev(90.0, EventKind::PodSigterm, "node-1", pod, ""),
-                ev(100.0, EventKind::PodKilled, "node-1", pod, ""),
-                ev(10.0, EventKind::PodCreated, "node-1", Some("web-2"), ""),
-                ev(100.0, EventKind::PodExited, "node-1", Some("web-2"), ""),
-            ],
-            load_start_ms: 0.0,
-            rollout_start_ms: 0.0,
-            rollout_end_ms: 2000.0,
-            load_end_ms: 2000.0,
-            drain: None,
-        };
+        let r = a_run(vec![
+            ev(10.0, EventKind::PodCreated, "node-1", pod, ""),
+            ev(20.0, EventKind::PodReady, "node-1", pod, ""),
+            ev(
+                25.0,
+                EventKind::LbPool,
+                "node-1",
+                None,
+                "new connections to node-1",
+            ),
+            ev(30.0, EventKind::LbPool, "node-1", None, "no healthy node"),
+            ev(
+                35.0,
+                EventKind::LbPool,
+                "node-1",
+                None,
+                "new connections to node-2",
+            ),
+            ev(36.0, EventKind::LabLate, "node-1", None, "late"),
+            ev(40.0, EventKind::HealthAnswer, "node-1", None, "503"),
+            ev(50.0, EventKind::KproxyRestarted, "node-1", None, ""),
+            ev(60.0, EventKind::NodeTainted, "node-1", None, ""),
+            ev(70.0, EventKind::LbDrained, "node-1", None, ""),
+            ev(80.0, EventKind::PodTerminating, "node-1", pod, ""),
+            ev(90.0, EventKind::PodSigterm, "node-1", pod, ""),
+            ev(100.0, EventKind::PodKilled, "node-1", pod, ""),
+            ev(10.0, EventKind::PodCreated, "node-1", Some("web-2"), ""),
+            ev(100.0, EventKind::PodExited, "node-1", Some("web-2"), ""),
+        ]);
         let svg = timeline_svg(&r);
         let legend = legend(r.time_scale);
         let mut drawn = 0;
@@ -818,7 +795,9 @@ mod tests {
         assert!(page.contains(&legend), "the report shows the legend");
     }
 
-    fn one_node_run(events: Vec<crate::timeline::Event>) -> RunResult {
+    /// A run over two nodes at time scale 0.1, with one failed request (1.5 s real)
+    /// and `events`.
+    fn a_run(events: Vec<crate::timeline::Event>) -> RunResult {
         let failed = crate::loadgen::RequestRecord {
             start_ms: 1500.0,
             end_ms: 1600.0,
@@ -857,7 +836,7 @@ mod tests {
     /// time scale.
     #[test]
     fn the_page_defines_every_column_and_states_the_time_scale() {
-        let page = render("t", "i", &[one_node_run(vec![])], &[]);
+        let page = render("t", "i", &[a_run(vec![])], &[]);
         let defined: Vec<&str> = page
             .split("<dt>")
             .skip(1)
@@ -890,7 +869,7 @@ mod tests {
             pod: None,
             detail: detail.into(),
         };
-        let svg = timeline_svg(&one_node_run(vec![
+        let svg = timeline_svg(&a_run(vec![
             pool(500.0, "new connections to node-2"),
             pool(
                 900.0,
@@ -921,7 +900,7 @@ mod tests {
             pod: None,
             detail: "health check fails".into(),
         };
-        let svg = timeline_svg(&one_node_run(vec![answer]));
+        let svg = timeline_svg(&a_run(vec![answer]));
         assert!(
             svg.contains("<title>node-1: health check fails from 1.0 s</title>"),
             "{svg}"

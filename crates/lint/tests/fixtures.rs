@@ -21,8 +21,13 @@ fn fixture(rel: &str) -> PathBuf {
 fn lint_file(rel: &str, lb: LbProfile) -> Vec<Finding> {
     let path = fixture(rel);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    lint_text(rel, &text, lb)
+}
+
+/// Lints one file's text, with the node count its Node objects give (none: unknown).
+fn lint_text(name: &str, text: &str, lb: LbProfile) -> Vec<Finding> {
     let mut inv = Inventory::default();
-    inv.add_file(rel, &text);
+    inv.add_file(name, text);
     let nodes = (inv.nodes > 0).then_some(inv.nodes);
     rules::lint(
         &inv,
@@ -234,17 +239,7 @@ fn the_lint_example_fires_every_rule_each_file_as_its_header_says() {
             .filter_map(|l| l.strip_prefix("#   "))
             .filter_map(|l| l.split_whitespace().next())
             .collect();
-        let mut inv = Inventory::default();
-        inv.add_file(&path.display().to_string(), &text);
-        let findings = rules::lint(
-            &inv,
-            &Options {
-                lb: LbProfile::gke(),
-                lb_flags: Default::default(),
-                proxy_programming_seconds: 1.0,
-                nodes: None,
-            },
-        );
+        let findings = lint_text(&path.display().to_string(), &text, LbProfile::gke());
         let got: std::collections::BTreeSet<&str> = findings.iter().map(|f| f.rule).collect();
         assert_eq!(got, listed, "{}: reported vs its header", path.display());
         fired.extend(got);
