@@ -12,13 +12,15 @@ status is cleared, the IP released and the finalizer removed. allocateLoadBalanc
 needs nothing: packets keep their destination (below), so no NodePort is used.
 
 Data path (a GCP network load balancer, the lab's `passthrough` mode, crates/lab/src/lb.rs):
-packets to ingress IP:port arrive from this machine on `up`; a new flow gets a conntrack
+packets to ingress IP:port arrive from this machine on `uplink`; a new flow gets a conntrack
 mark naming one healthy node of its Service (nftables `numgen random`), every packet of
 the flow copies the mark, and `ip rule fwmark N` routes it, destination and source
 unchanged, to node N, where the Service proxy handles the load-balancer IP. The nodes
 route the client side back through this namespace, so conntrack sees both directions and
 keeps a flow on its node while the pool changes. The client's address is never
-rewritten (the ESIPP specs check it). loadBalancerSourceRanges are left to the proxy, as
+rewritten (the ESIPP specs check it). A Service with sessionAffinity ClientIP has its
+flows picked by a hash of the client's address instead (GCP's CLIENT_IP affinity), since
+each node's proxy keeps its own affinity table. loadBalancerSourceRanges are left to the proxy, as
 upstream expects of a passthrough load balancer: its rules see the client's address.
 
 Health checks (the lab's gke preset: every 3 s, timeout 1 s, healthy after 1 success,
@@ -26,7 +28,7 @@ unhealthy after 2 failures; a node starts unhealthy; no healthy node: all nodes)
 GET to the Service's healthCheckNodePort for externalTrafficPolicy Local, to the proxy's
 /healthz on port 10256 for Cluster, 200 is healthy. One probe per (node, port) per round.
 
-  cloud.py --kubeconfig K --pool 192.168.229.0/24 --nodes kpn-n1=192.168.226.11,...
+  cloud.py --kubeconfig K --pool 172.31.229.0/24 --nodes 1:kpn-n1=192.168.226.11,...
 
 Python's standard library only; nft and ip are the system's.
 """
@@ -47,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 FINALIZER = "service.kubernetes.io/load-balancer-cleanup"
 TABLE = "kpn-cloud"
-UP_IF = "up"
+UP_IF = "uplink"
 
 
 class Gke:
@@ -83,10 +85,11 @@ class Api:
 class Lb:
     """What the data path and the health checker need of one Service."""
 
-    def __init__(self, uid, name, ip, ports, local, hc_port):
+    def __init__(self, uid, name, ip, ports, local, hc_port, client_ip_affinity):
         self.uid, self.name, self.ip = uid, name, ip
         self.ports = ports  # [(proto, port)]
         self.local, self.hc_port = local, hc_port
+        self.client_ip_affinity = client_ip_affinity
 
     def probe_port(self):
         return self.hc_port if self.local and self.hc_port else 10256
@@ -153,7 +156,8 @@ class Cloud:
                          if p.get("protocol", "TCP") in ("TCP", "UDP")]
                 lbs[m["uid"]] = Lb(m["uid"], f"{m['namespace']}/{m['name']}", ip, ports,
                                    spec.get("externalTrafficPolicy") == "Local",
-                                   spec.get("healthCheckNodePort"))
+                                   spec.get("healthCheckNodePort"),
+                                   spec.get("sessionAffinity") == "ClientIP")
             elif FINALIZER in fins:
                 # Deleted, or no longer a LoadBalancer: the load balancer goes, then the status,
                 # then the finalizer (as the cloud provider's service controller orders it).
@@ -244,7 +248,10 @@ class Cloud:
             chain = f"svc{n}"
             m = ", ".join(f"{k} : {node}" for k, node in enumerate(pool))
             s.append(f"  chain {chain} {{")
-            s.append(f"    ct mark 0 ct mark set numgen random mod {len(pool)} map {{ {m} }}")
+            # sessionAffinity ClientIP: one node per client address, as GCP's target pool
+            # with CLIENT_IP affinity (each node's proxy keeps its own affinity table).
+            pick = "jhash ip saddr mod" if lb.client_ip_affinity else "numgen random mod"
+            s.append(f"    ct mark 0 ct mark set {pick} {len(pool)} map {{ {m} }}")
             s.append("    meta mark set ct mark")
             s.append("  }")
             elems += [f"{lb.ip} . {proto} . {port} : jump {chain}" for proto, port in lb.ports]

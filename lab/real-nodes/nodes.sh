@@ -31,7 +31,9 @@ STATE=$K8S_LAB/nodes LOGS=$K8S_LAB/logs/nodes
 KUBECONFIG_ADMIN=$K8S_LAB/kubeconfig
 SCHED_PORT=${SCHED_PORT:-$((${KCM_PORT:-10257} + 2))}
 NET=192.168.226 HOST_IP=192.168.226.1 CLUSTER_CIDR=10.226.0.0/16
-CLOUD_NET=192.168.228 LB_SW_IP=192.168.226.2 LB_POOL=192.168.229.0/24
+# The client side of the cloud is outside the nodes' /16: the ESIPP spec takes a client
+# address inside it for a rewritten one ("Source IP was NOT preserved").
+CLOUD_NET=172.31.228 LB_SW_IP=192.168.226.2 LB_POOL=172.31.229.0/24
 HOSTS_TAG="# kproxy lab/real-nodes $K8S_LAB"
 export KUBECONFIG=$KUBECONFIG_ADMIN
 
@@ -154,26 +156,26 @@ net_up() {
 }
 
 # --- the cloud: a load balancer in its own namespace between this machine and the nodes ---
-# kpn-lb: `up` 192.168.228.2/30 ── veth ── kpn-cloud 192.168.228.1/30 on this machine, which
-# routes the ingress pool through it; `sw` 192.168.226.2/24 on the switch. Every node routes
-# 192.168.228.0/30 back through it (conntrack there sees both directions). cloud.py, inside,
+# kpn-lb: `uplink` 172.31.228.2/30 ── veth ── kpn-cloud 172.31.228.1/30 on this machine, which
+# routes the ingress pool (172.31.229.0/24) through it; `sw` 192.168.226.2/24 on the switch.
+# Every node routes 172.31.228.0/30 back through it (conntrack there sees both directions). cloud.py, inside,
 # assigns ingress IPs, health-checks the nodes and marks each new flow with one healthy
 # node: `ip rule fwmark I` sends it to node I unchanged. docs/real-nodes.md, "The cloud".
 cloud_up() {
   local nodes=$1 i spec=""
   ip netns add kpn-lb
   ip -n kpn-lb link set lo up
-  ip link add kpn-cloud type veth peer name up netns kpn-lb
+  ip link add kpn-cloud type veth peer name uplink netns kpn-lb
   ip addr add "$CLOUD_NET.1/30" dev kpn-cloud
   ip link set kpn-cloud up
-  ip -n kpn-lb addr add "$CLOUD_NET.2/30" dev up
-  ip -n kpn-lb link set up up
+  ip -n kpn-lb addr add "$CLOUD_NET.2/30" dev uplink
+  ip -n kpn-lb link set dev uplink up
   ip -n kpn-sw link add lb type veth peer name sw netns kpn-lb
   ip -n kpn-sw link set lb master br0 up
   ip -n kpn-lb addr add "$LB_SW_IP/24" dev sw
   ip -n kpn-lb link set sw up
   ip netns exec kpn-lb sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.rp_filter=0 \
-    net.ipv4.conf.default.rp_filter=0 net.ipv4.conf.sw.rp_filter=0 net.ipv4.conf.up.rp_filter=0
+    net.ipv4.conf.default.rp_filter=0 net.ipv4.conf.sw.rp_filter=0 net.ipv4.conf.uplink.rp_filter=0
   ip route add "$LB_POOL" via "$CLOUD_NET.2" dev kpn-cloud
   for i in $(seq 1 "$nodes"); do
     ip -n kpn-lb rule add fwmark "$i" lookup "$((100 + i))"
