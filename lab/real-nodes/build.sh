@@ -8,7 +8,7 @@
 #        NODES_BIN where the binaries go (default $K8S_LAB/bin-nodes)
 #        GOCACHE   Go build cache (default $K8S_LAB/gocache-nodes)
 #        ONLY      space-separated subset of: kubelet kube-scheduler e2e.test agnhost pause
-#                  regression-issue-74839
+#                  regression-issue-74839 ginkgo
 set -euo pipefail
 : "${K8S_LAB:?set K8S_LAB (source the k8s-lab env.sh)}"
 SRC=$K8S_LAB/src KUBE=$K8S_LAB/src/deps/github.com/openshift/kubernetes
@@ -47,6 +47,9 @@ step agnhost go build -trimpath -ldflags "-s -w" -o "$OUT/agnhost" ./test/images
 step regression-issue-74839 go build -trimpath -ldflags "-s -w" -o "$OUT/regression-issue-74839" ./test/images/regression-issue-74839
 # hack/lib/golang.sh builds test targets with `go test -c` and the tags selinux,notest.
 step e2e.test go test -c -vet=off -trimpath -tags selinux,notest -ldflags "$LDF" -o "$OUT/e2e.test" ./test/e2e
+# The ginkgo CLI of the same vendored version, to run e2e.test's specs in parallel
+# (hack/ginkgo-e2e.sh's way; e2e.sh PROCS=N).
+step ginkgo go build -trimpath -ldflags "-s -w" -o "$OUT/ginkgo" github.com/onsi/ginkgo/v2/ginkgo
 # build/pause/Makefile: a static C binary stamped with VERSION.
 pause_version=$(sed -n 's/^TAG ?= //p' "$KUBE/build/pause/Makefile")
 step pause gcc -Os -Wall -Werror -static -DVERSION="v$pause_version-kproxy" -o "$OUT/pause" build/pause/linux/pause.c

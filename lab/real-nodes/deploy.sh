@@ -11,7 +11,10 @@
 #   deploy.sh               apply deploy/, time it
 #   deploy.sh --check-only  only check that the probe Service works on every node (with
 #                           whichever proxy runs)
-#   KPROXY_PRIVILEGED=1     the DaemonSet's container privileged (see deploy/daemonset.yaml)
+#   KPROXY_PRIVILEGED=1     the kproxy container privileged too, as kube-proxy runs (deploy/
+#                           sets the conntrack sysctls with a privileged init container instead)
+#   KPROXY_ARGS="--flag …"  appended to `kproxy run` (e.g. --proxy-terminating-endpoints=false,
+#                           kube-proxy's behaviour before 1.26)
 set -euo pipefail
 check_only=
 [ "${1:-}" = --check-only ] && check_only=1
@@ -29,13 +32,18 @@ sed -e "s|server: https://control-plane.example.internal:6443|server: https://12
     -e "s|clusterCIDR: 10.244.0.0/16|clusterCIDR: $CLUSTER_CIDR|" "$REPO/deploy/configmap.yaml" >"$STATE/configmap.yaml"
 grep -q "127.0.0.1:$API_PORT" "$STATE/configmap.yaml" || { log "deploy/configmap.yaml: server line not found"; exit 1; }
 { cat "$REPO/deploy/rbac.yaml"; echo ---; cat "$STATE/configmap.yaml"; echo ---; cat "$REPO/deploy/daemonset.yaml"; } >"$STATE/deploy.yaml"
-# KPROXY_PRIVILEGED=1: the option deploy/daemonset.yaml's comment offers (privileged and
-# allowPrivilegeEscalation true, as kube-proxy runs), so that kproxy sets the conntrack
-# sysctls itself.
+# KPROXY_PRIVILEGED=1: the long-running container privileged as well (privileged and
+# allowPrivilegeEscalation true, as kube-proxy runs).
 if [ -n "${KPROXY_PRIVILEGED:-}" ]; then
   grep -q 'privileged: false' "$STATE/deploy.yaml" && grep -q 'allowPrivilegeEscalation: false' "$STATE/deploy.yaml" ||
     { log "deploy/daemonset.yaml: no 'privileged: false' / 'allowPrivilegeEscalation: false'"; exit 1; }
   sed -i -e 's/privileged: false/privileged: true/' -e 's/allowPrivilegeEscalation: false/allowPrivilegeEscalation: true/' "$STATE/deploy.yaml"
+fi
+if [ -n "${KPROXY_ARGS:-}" ]; then
+  run='command: \[kproxy, run, --config, /var/lib/kproxy/config.yaml'
+  grep -q "$run\]" "$STATE/deploy.yaml" || { log "deploy/daemonset.yaml: no '$run]'"; exit 1; }
+  extra=$(printf ', %s' $KPROXY_ARGS)
+  sed -i "s|$run\]|$run$extra]|" "$STATE/deploy.yaml"
 fi
 
 # A probe Service: agnhost netexec on every node (a DaemonSet), a NodePort Service.

@@ -3,6 +3,7 @@
 # (../shared/tools/k8s-lab: `start.sh start` and `start.sh kcm`, env sourced).
 #
 #   nodes.sh up [N]          build what is missing, start N (default 2) nodes + kube-scheduler
+#                            + the cloud (load balancers for type=LoadBalancer; CLOUD=0: none)
 #   nodes.sh proxy MODE      switch the Service proxy on every node: kube-proxy | kproxy | none
 #   nodes.sh status          nodes, pods in kube-system, processes
 #   nodes.sh down            stop and clean everything `up` started (also after a failed `up`)
@@ -30,6 +31,9 @@ STATE=$K8S_LAB/nodes LOGS=$K8S_LAB/logs/nodes
 KUBECONFIG_ADMIN=$K8S_LAB/kubeconfig
 SCHED_PORT=${SCHED_PORT:-$((${KCM_PORT:-10257} + 2))}
 NET=192.168.226 HOST_IP=192.168.226.1 CLUSTER_CIDR=10.226.0.0/16
+# The client side of the cloud is outside the nodes' /16: the ESIPP spec takes a client
+# address inside it for a rewritten one ("Source IP was NOT preserved").
+CLOUD_NET=172.31.228 LB_SW_IP=192.168.226.2 LB_POOL=172.31.229.0/24
 HOSTS_TAG="# kproxy lab/real-nodes $K8S_LAB"
 export KUBECONFIG=$KUBECONFIG_ADMIN
 
@@ -74,19 +78,24 @@ cg_kill() { # NAME: KILL every process in the subtree until none is left, then r
 }
 
 # launch NODE NAME CMD...: run in the node's namespace and host cgroup, log, remember the PID
+# (node 0: this machine's namespace, or the one named by NETNS, e.g. the cloud's kpn-lb)
 launch() {
   local n=$1 name=$2; shift 2
-  local ns=kpn-n$n
-  [ "$n" = 0 ] && ns=""
+  local enter=()
+  if [ "$n" != 0 ]; then
+    # nsenter, not `ip netns exec`: that one also unshares the mount namespace and
+    # remounts /sys, hiding the cgroup mounts from the kubelet and the pods' mounts from
+    # everyone else.
+    enter=(nsenter --net="/run/netns/kpn-n$n" --uts="$STATE/n$n/uts")
+  elif [ -n "${NETNS:-}" ]; then
+    enter=(nsenter --net="/run/netns/$NETNS")
+  fi
   (
     echo "$BASHPID" >"/sys/fs/cgroup/pids/kpn-n$n-host/cgroup.procs"
     for c in "${CONTROLLERS[@]}"; do
       [ "$c" = pids ] || echo "$BASHPID" >"/sys/fs/cgroup/$c/kpn-n$n-host/cgroup.procs" 2>/dev/null || true
     done
-    # nsenter, not `ip netns exec`: that one also unshares the mount namespace and
-    # remounts /sys, hiding the cgroup mounts from the kubelet and the pods' mounts from
-    # everyone else.
-    if [ -n "$ns" ]; then exec nsenter --net="/run/netns/$ns" --uts="$STATE/n$n/uts" "$@"; else exec "$@"; fi
+    exec "${enter[@]}" "$@"
   ) >>"$LOGS/n$n-$name.log" 2>&1 &
   echo $! >"$STATE/n$n/$name.pid"
 }
@@ -144,6 +153,40 @@ net_up() {
       [ "$i" = "$j" ] || ip -n "kpn-n$i" route add "$(pod_cidr "$j")" via "$(node_ip "$j")"
     done
   done
+}
+
+# --- the cloud: a load balancer in its own namespace between this machine and the nodes ---
+# kpn-lb: `uplink` 172.31.228.2/30 ── veth ── kpn-cloud 172.31.228.1/30 on this machine, which
+# routes the ingress pool (172.31.229.0/24) through it; `sw` 192.168.226.2/24 on the switch.
+# Every node routes 172.31.228.0/30 back through it (conntrack there sees both directions). cloud.py, inside,
+# assigns ingress IPs, health-checks the nodes and marks each new flow with one healthy
+# node: `ip rule fwmark I` sends it to node I unchanged. docs/real-nodes.md, "The cloud".
+cloud_up() {
+  local nodes=$1 i spec=""
+  ip netns add kpn-lb
+  ip -n kpn-lb link set lo up
+  ip link add kpn-cloud type veth peer name uplink netns kpn-lb
+  ip addr add "$CLOUD_NET.1/30" dev kpn-cloud
+  ip link set kpn-cloud up
+  ip -n kpn-lb addr add "$CLOUD_NET.2/30" dev uplink
+  ip -n kpn-lb link set dev uplink up
+  ip -n kpn-sw link add lb type veth peer name sw netns kpn-lb
+  ip -n kpn-sw link set lb master br0 up
+  ip -n kpn-lb addr add "$LB_SW_IP/24" dev sw
+  ip -n kpn-lb link set sw up
+  ip netns exec kpn-lb sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.rp_filter=0 \
+    net.ipv4.conf.default.rp_filter=0 net.ipv4.conf.sw.rp_filter=0 net.ipv4.conf.uplink.rp_filter=0
+  ip route add "$LB_POOL" via "$CLOUD_NET.2" dev kpn-cloud
+  for i in $(seq 1 "$nodes"); do
+    ip -n kpn-lb rule add fwmark "$i" lookup "$((100 + i))"
+    ip -n kpn-lb route add default via "$(node_ip "$i")" dev sw table "$((100 + i))"
+    ip -n "kpn-n$i" route add "$CLOUD_NET.0/30" via "$LB_SW_IP"
+    spec+="$i:kpn-n$i=$(node_ip "$i"),"
+  done
+  NETNS=kpn-lb launch 0 lb-api-bridge socat "TCP-LISTEN:$API_PORT,bind=127.0.0.1,fork,reuseaddr" "UNIX-CONNECT:$STATE/api.sock"
+  NETNS=kpn-lb launch 0 cloud python3 "$HERE/cloud.py" --kubeconfig "$KUBECONFIG_ADMIN" \
+    --pool "$LB_POOL" --nodes "${spec%,}"
+  wait_for 10 "the cloud's controller" grep -q "up: pool" "$LOGS/n0-cloud.log"
 }
 
 # --- one node: containerd, kubelet, API bridge ---
@@ -296,6 +339,7 @@ up() {
   launch 0 api-socket socat "UNIX-LISTEN:$STATE/api.sock,fork,unlink-early" "TCP:127.0.0.1:$API_PORT"
   net_up "$nodes"
   launch 0 dns python3 "$HERE/dns.py" --listen "$HOST_IP" --kubeconfig "$KUBECONFIG_ADMIN"
+  [ "${CLOUD:-1}" = 0 ] || cloud_up "$nodes"
   for i in $(seq 1 "$nodes"); do node_up "$i"; done
   launch 0 kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$KUBECONFIG_ADMIN" \
     --authentication-kubeconfig "$KUBECONFIG_ADMIN" --authorization-kubeconfig "$KUBECONFIG_ADMIN" \
@@ -337,7 +381,7 @@ down() {
       for mp in $m; do umount "$mp" 2>/dev/null || umount -l "$mp" 2>/dev/null || true; done
     done
   fi
-  for ns in $(ip netns list | awk '$1 ~ /^kpn-(n[0-9]+|sw)$/ {print $1}'); do ip netns del "$ns"; done
+  for ns in $(ip netns list | awk '$1 ~ /^kpn-(n[0-9]+|sw|lb)$/ {print $1}'); do ip netns del "$ns"; done
   # The pods' own namespaces: containerd's CRI pins each sandbox's at /run/netns/cni-*
   # and removes it only when the sandbox is removed, which a killed containerd never
   # does. Those made since these nodes started and with no process left are ours.
@@ -347,6 +391,7 @@ down() {
     done
   fi
   ip link del kpn-host 2>/dev/null || true
+  ip link del kpn-cloud 2>/dev/null || true
   if grep -qF "$HOSTS_TAG" /etc/hosts; then
     # In place (not sed -i): /etc/hosts may be a bind mount that a rename cannot replace.
     grep -vF "$HOSTS_TAG" /etc/hosts >"/etc/hosts.kpn.$$" || true
@@ -375,5 +420,5 @@ case ${1:-} in
   down) down ;;
   proxy) shift; [ -d "$STATE" ] || die "no nodes: $0 up first"; proxy_up "${1:?kube-proxy|kproxy|none}" ;;
   status) status ;;
-  *) sed -n '2,8p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,9p' "$0" >&2; exit 2 ;;
 esac

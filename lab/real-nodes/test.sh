@@ -9,7 +9,10 @@
 #      docs/real-nodes.md measured without any update);
 #   3. `kproxy lab rollout`'s default scenario on the real kubelets (rollout.py, one run):
 #      no new connection fails (keep-alive requests to a pod that exits at SIGTERM may);
-#   4. upstream kube-proxy (nftables) on the same nodes makes the same Service work.
+#   4. upstream's e2e spec "LoadBalancers ExternalTrafficPolicy: Local should work for
+#      type=LoadBalancer" passes with kproxy through the cloud nodes.sh starts (an ingress
+#      IP, the load balancer in kpn-lb, the client's address preserved);
+#   5. upstream kube-proxy (nftables) on the same nodes makes the same Service work.
 # Without them it prints "SKIP: <what is missing>" and exits 0; a failed check exits 1.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -56,7 +59,14 @@ print(f"rollout: {r['sent']} requests, {r['failed']} failed, {new_failed} of {r[
 assert r["new"] > 0 and r["keep_alive"] > 0, "no traffic went through"
 assert new_failed == 0, f"{new_failed} new connections failed"
 PY
-echo "== 4. upstream kube-proxy on the same nodes"
+echo "== 4. a LoadBalancer spec through the cloud"
+kill -0 "$(cat "$K8S_LAB/nodes/n0/cloud.pid" 2>/dev/null)" 2>/dev/null ||
+  fail "no cloud running (nodes.sh up with CLOUD=0?)"
+"$HERE/e2e.sh" kproxy 'LoadBalancers ExternalTrafficPolicy: Local .*should work for type=LoadBalancer' \
+  '\[Disruptive\]' test-lb
+grep -q '^Ran 1 of ' "$K8S_LAB/e2e/test-lb/e2e.log" && grep -q '^SUCCESS! -- 1 Passed' "$K8S_LAB/e2e/test-lb/e2e.log" ||
+  fail "the ESIPP LoadBalancer spec did not pass (see $K8S_LAB/e2e/test-lb/e2e.log)"
+echo "== 5. upstream kube-proxy on the same nodes"
 "$HERE/nodes.sh" proxy kube-proxy
 "$HERE/deploy.sh" --check-only || fail "the probe Service does not work with kube-proxy"
 "$HERE/nodes.sh" proxy none

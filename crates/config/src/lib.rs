@@ -819,17 +819,76 @@ fn parse_feature_gates(s: &str) -> Result<Vec<(String, bool)>, ConfigError> {
     Ok(out)
 }
 
-/// The sysctls upstream kube-proxy writes for the `conntrack` section, for `ncpu` CPUs:
-/// `nf_conntrack_max = max(maxPerCore × ncpu, min)` unless maxPerCore is 0, and each
-/// timeout that is non-zero (seconds). Pure: the daemon writes them (only where they
-/// differ, and only in the host's network namespace). Upstream also raises
-/// `/sys/module/nf_conntrack/parameters/hashsize` to max/4; that is left to the daemon.
-pub fn conntrack_sysctls(c: &ConntrackConfig, ncpu: usize) -> Vec<(String, u64)> {
+/// Where a conntrack sysctl takes effect, which decides who may write it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SysctlScope {
+    /// The network namespace of the writer (the TCP and UDP timeouts, `tcp_be_liberal`):
+    /// written wherever kproxy runs, since that namespace is the node's network.
+    NetworkNamespace,
+    /// One value for the whole machine (`nf_conntrack_max`, the hash table size): only
+    /// writable from the initial network namespace, and only written from there, so a
+    /// proxy in a lab namespace never changes the host.
+    Machine,
+}
+
+/// One conntrack setting kproxy wants: the file, the value and its scope.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConntrackSysctl {
+    pub path: String,
+    pub value: u64,
+    pub scope: SysctlScope,
+    /// Only raised, never lowered (upstream's hashsize: a larger table is kept).
+    pub raise_only: bool,
+}
+
+impl ConntrackSysctl {
+    /// Whether the kernel's `current` value already is what kproxy wants.
+    pub fn satisfied_by(&self, current: u64) -> bool {
+        if self.raise_only {
+            current >= self.value
+        } else {
+            current == self.value
+        }
+    }
+
+    /// Whether a writer in the initial network namespace (`in_host_netns`) or another
+    /// one may write this setting.
+    pub fn writable_from(&self, in_host_netns: bool) -> bool {
+        in_host_netns || self.scope == SysctlScope::NetworkNamespace
+    }
+}
+
+/// The machine-wide conntrack hash table size (a module parameter, not a sysctl).
+pub const CONNTRACK_HASHSIZE: &str = "/sys/module/nf_conntrack/parameters/hashsize";
+
+/// The conntrack settings upstream kube-proxy writes for the `conntrack` section, for
+/// `ncpu` CPUs: `nf_conntrack_max = max(maxPerCore × ncpu, min)` unless maxPerCore is 0,
+/// with the hash table raised to at least max/4; each timeout that is non-zero
+/// (seconds); `tcp_be_liberal` when set. Pure: `kproxy sysctl` and `kproxy run` write
+/// them (only where they differ, machine-wide ones only from the host's namespace).
+pub fn conntrack_sysctls(c: &ConntrackConfig, ncpu: usize) -> Vec<ConntrackSysctl> {
     const NF: &str = "/proc/sys/net/netfilter";
+    let netns = |name: &str, value| ConntrackSysctl {
+        path: format!("{NF}/{name}"),
+        value,
+        scope: SysctlScope::NetworkNamespace,
+        raise_only: false,
+    };
     let mut out = Vec::new();
     if c.max_per_core > 0 {
         let max = (u64::from(c.max_per_core) * ncpu.max(1) as u64).max(u64::from(c.min));
-        out.push((format!("{NF}/nf_conntrack_max"), max));
+        out.push(ConntrackSysctl {
+            path: format!("{NF}/nf_conntrack_max"),
+            value: max,
+            scope: SysctlScope::Machine,
+            raise_only: false,
+        });
+        out.push(ConntrackSysctl {
+            path: CONNTRACK_HASHSIZE.to_string(),
+            value: max / 4,
+            scope: SysctlScope::Machine,
+            raise_only: true,
+        });
     }
     for (name, d) in [
         (
@@ -845,11 +904,11 @@ pub fn conntrack_sysctls(c: &ConntrackConfig, ncpu: usize) -> Vec<(String, u64)>
     ] {
         // The kernel takes whole seconds; a sub-second value would round to "no timeout".
         if d.as_secs() > 0 {
-            out.push((format!("{NF}/{name}"), d.as_secs()));
+            out.push(netns(name, d.as_secs()));
         }
     }
     if c.tcp_be_liberal {
-        out.push((format!("{NF}/nf_conntrack_tcp_be_liberal"), 1));
+        out.push(netns("nf_conntrack_tcp_be_liberal", 1));
     }
     out
 }

@@ -582,17 +582,37 @@ fn clap_parses_kube_proxy_style_flags() {
 fn conntrack_sysctls_follow_upstream() {
     let d = ConntrackConfig::default();
     let nf = |n: &str| format!("/proc/sys/net/netfilter/{n}");
+    let brief = |v: Vec<ConntrackSysctl>| -> Vec<(String, u64, SysctlScope, bool)> {
+        v.into_iter()
+            .map(|s| (s.path, s.value, s.scope, s.raise_only))
+            .collect()
+    };
+    use SysctlScope::{Machine, NetworkNamespace};
     assert_eq!(
-        conntrack_sysctls(&d, 2),
+        brief(conntrack_sysctls(&d, 2)),
         vec![
-            (nf("nf_conntrack_max"), 131072), // 2 × 32768 < min
-            (nf("nf_conntrack_tcp_timeout_established"), 86400),
-            (nf("nf_conntrack_tcp_timeout_close_wait"), 3600),
+            (nf("nf_conntrack_max"), 131072, Machine, false), // 2 × 32768 < min
+            (CONNTRACK_HASHSIZE.to_string(), 32768, Machine, true),
+            (
+                nf("nf_conntrack_tcp_timeout_established"),
+                86400,
+                NetworkNamespace,
+                false
+            ),
+            (
+                nf("nf_conntrack_tcp_timeout_close_wait"),
+                3600,
+                NetworkNamespace,
+                false
+            ),
         ]
     );
     assert_eq!(
-        conntrack_sysctls(&d, 8)[0],
-        (nf("nf_conntrack_max"), 262144)
+        brief(conntrack_sysctls(&d, 8))[..2],
+        [
+            (nf("nf_conntrack_max"), 262144, Machine, false),
+            (CONNTRACK_HASHSIZE.to_string(), 65536, Machine, true)
+        ]
     );
     let c = ConntrackConfig {
         max_per_core: 0,
@@ -604,11 +624,59 @@ fn conntrack_sysctls_follow_upstream() {
         udp_stream_timeout: Duration::from_secs(120),
     };
     assert_eq!(
-        conntrack_sysctls(&c, 4),
+        brief(conntrack_sysctls(&c, 4)),
         vec![
-            (nf("nf_conntrack_udp_timeout"), 30),
-            (nf("nf_conntrack_udp_timeout_stream"), 120),
-            (nf("nf_conntrack_tcp_be_liberal"), 1)
+            (nf("nf_conntrack_udp_timeout"), 30, NetworkNamespace, false),
+            (
+                nf("nf_conntrack_udp_timeout_stream"),
+                120,
+                NetworkNamespace,
+                false
+            ),
+            (
+                nf("nf_conntrack_tcp_be_liberal"),
+                1,
+                NetworkNamespace,
+                false
+            )
         ]
     );
+}
+
+#[test]
+fn who_may_write_a_conntrack_sysctl_and_when_it_is_satisfied() {
+    let all = conntrack_sysctls(&ConntrackConfig::default(), 2);
+    let from = |host: bool| -> Vec<&str> {
+        all.iter()
+            .filter(|s| s.writable_from(host))
+            .map(|s| s.path.rsplit('/').next().unwrap())
+            .collect()
+    };
+    // A proxy in the node's own network namespace (a lab, a node in a namespace) sets
+    // the timeouts there; the machine-wide table size only from the host's namespace.
+    assert_eq!(
+        from(false),
+        [
+            "nf_conntrack_tcp_timeout_established",
+            "nf_conntrack_tcp_timeout_close_wait"
+        ]
+    );
+    assert_eq!(from(true).len(), 4);
+    // (setting, kernel's value, satisfied)
+    for (i, current, want) in [
+        (0, 131072, true),
+        (0, 262144, false), // exactly: a larger max is lowered, as upstream does
+        (1, 32768, true),
+        (1, 65536, true), // the hash table is only raised
+        (1, 16384, false),
+        (3, 60, false),
+        (3, 3600, true),
+    ] {
+        assert_eq!(
+            all[i].satisfied_by(current),
+            want,
+            "{:?} at {current}",
+            all[i]
+        );
+    }
 }

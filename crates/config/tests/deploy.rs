@@ -277,6 +277,77 @@ fn the_daemonset_runs_kproxy_like_kube_proxy() {
 }
 
 #[test]
+fn a_privileged_init_container_sets_the_conntrack_sysctls_kproxy_stays_unprivileged() {
+    let o = read_all();
+    let pod = o.daemon_sets[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
+    let kproxy = &pod.containers[0];
+    let init = pod
+        .init_containers
+        .as_ref()
+        .and_then(|c| c.iter().find(|c| c.name == "conntrack-sysctls"))
+        .expect("an init container conntrack-sysctls");
+    // The same binary and the same config file as the long-running container, so the
+    // ConfigMap's `conntrack` section is the one place the values live.
+    assert_eq!(init.image, kproxy.image);
+    let cmd = kproxy.command.as_deref().unwrap();
+    assert_eq!(
+        init.command.as_deref().unwrap(),
+        ["kproxy", "sysctl", &cmd[2], &cmd[3]]
+    );
+    let mount = |c: &k8s_openapi::api::core::v1::Container| {
+        let m = c
+            .volume_mounts
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|m| cmd[3].starts_with(&m.mount_path))
+            .expect("the config file's directory is mounted");
+        (m.name.clone(), m.mount_path.clone())
+    };
+    assert_eq!(mount(init), mount(kproxy));
+    // Privileged: container runtimes mount /proc/sys read-only otherwise.
+    assert_eq!(
+        init.security_context.as_ref().unwrap().privileged,
+        Some(true)
+    );
+    let sc = kproxy.security_context.as_ref().unwrap();
+    assert_eq!(
+        (sc.privileged, sc.allow_privilege_escalation),
+        (Some(false), Some(false))
+    );
+    // It writes what the shipped config asks for: upstream's defaults.
+    let data = o.config_maps[0].data.clone().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(&path, &data["config.yaml"]).unwrap();
+    let (cfg, _) = load(&ConfigFlags {
+        config: Some(path),
+        ..Default::default()
+    })
+    .unwrap();
+    let names: Vec<(String, u64)> = kproxy_config::conntrack_sysctls(&cfg.conntrack, 1)
+        .into_iter()
+        .map(|s| (s.path.rsplit('/').next().unwrap().to_string(), s.value))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("nf_conntrack_max".to_string(), 131072),
+            ("hashsize".to_string(), 32768),
+            ("nf_conntrack_tcp_timeout_established".to_string(), 86400),
+            ("nf_conntrack_tcp_timeout_close_wait".to_string(), 3600),
+        ]
+    );
+}
+
+#[test]
 fn the_configmaps_configuration_loads_cleanly() {
     let o = read_all();
     let data = o.config_maps[0].data.clone().unwrap();

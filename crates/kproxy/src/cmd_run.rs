@@ -123,48 +123,6 @@ fn local_addresses() -> Vec<IpAddr> {
     }
 }
 
-/// True when this process runs in the host's network namespace (the one of PID 1).
-/// Global sysctls are only written there; in a lab namespace they would change the host.
-fn in_host_netns() -> bool {
-    match (
-        std::fs::read_link("/proc/self/ns/net"),
-        std::fs::read_link("/proc/1/ns/net"),
-    ) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => false,
-    }
-}
-
-/// Sets the conntrack sysctls of the config; returns the ones kproxy owns (set now or
-/// found set), to be watched for changes by others.
-fn apply_conntrack_sysctls(cfg: &ProxyConfig) -> Vec<(String, u64)> {
-    if !in_host_netns() {
-        tracing::info!("not in the host network namespace: leaving conntrack sysctls alone");
-        return Vec::new();
-    }
-    let mut owned = Vec::new();
-    let ncpu = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    for (path, value) in kproxy_config::conntrack_sysctls(&cfg.conntrack, ncpu) {
-        let current = std::fs::read_to_string(&path)
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok());
-        if current == Some(value) {
-            owned.push((path, value));
-            continue;
-        }
-        match std::fs::write(&path, value.to_string()) {
-            Ok(()) => {
-                tracing::info!(%path, value, "set conntrack sysctl");
-                owned.push((path, value));
-            }
-            Err(e) => tracing::warn!(%path, value, error = %e, "cannot set conntrack sysctl"),
-        }
-    }
-    owned
-}
-
 struct NftDataplane(Nft);
 
 impl daemon::Dataplane for NftDataplane {
@@ -242,7 +200,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     {
         plan_cfg.node_ips = local_addresses();
     }
-    let sysctls = apply_conntrack_sysctls(&cfg);
+    let sysctls = crate::cmd_sysctl::apply_at_start(&cfg);
 
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);

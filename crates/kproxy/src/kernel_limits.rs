@@ -16,9 +16,9 @@ use crate::metrics::{Metrics, SysctlLabel};
 
 const PERIOD: Duration = Duration::from_secs(1);
 
-/// Samples until `stop`; `sysctls` are the (path, value) kproxy set or found set.
+/// Samples until `stop`; `sysctls` are the settings kproxy set or found set.
 pub async fn watch(
-    sysctls: Vec<(String, u64)>,
+    sysctls: Vec<kproxy_config::ConntrackSysctl>,
     health: Health,
     metrics: std::sync::Arc<Metrics>,
     stop: CancellationToken,
@@ -68,18 +68,18 @@ pub async fn watch(
                 }
             }
         }
-        for ((path, want), was) in sysctls.iter().zip(changed.iter_mut()) {
-            let differs = limits::read_sysctl(path).is_ok_and(|v| v != *want);
+        for (s, was) in sysctls.iter().zip(changed.iter_mut()) {
+            let differs = limits::read_sysctl(&s.path).is_ok_and(|v| !s.satisfied_by(v));
             if differs != *was {
                 *was = differs;
                 if differs {
-                    tracing::warn!(sysctl = %path, want, "a sysctl kproxy set was changed by someone else");
+                    tracing::warn!(sysctl = %s.path, want = s.value, "a sysctl kproxy set was changed by someone else");
                 }
             }
             metrics
                 .sysctl_changed
                 .get_or_create(&SysctlLabel {
-                    sysctl: path.clone(),
+                    sysctl: s.path.clone(),
                 })
                 .set(i64::from(differs));
         }

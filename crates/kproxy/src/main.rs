@@ -8,6 +8,7 @@ mod cmd_explain;
 mod cmd_plan;
 mod cmd_run;
 mod cmd_sync;
+mod cmd_sysctl;
 mod cmd_trace;
 mod common;
 mod daemon;
@@ -54,6 +55,8 @@ enum Command {
     Run(Box<cmd_run::Args>),
     /// Plan from manifests and program nftables once (`--once`), for scripts.
     Sync(cmd_sync::Args),
+    /// Write the conntrack sysctls of the config once and exit (a privileged init container's job).
+    Sysctl(cmd_sysctl::Args),
     /// Remove everything kproxy made in nftables (its own tables only).
     Cleanup(cmd_cleanup::Args),
     /// The fate of one new connection on this node: DNAT (to which endpoints), DROP, REJECT or NONE.
@@ -81,6 +84,7 @@ fn main() -> ExitCode {
         Command::Run(a) => cmd_run::run(*a),
         Command::Sync(a) => cmd_sync::run(a),
         Command::Cleanup(a) => cmd_cleanup::run(a),
+        Command::Sysctl(a) => cmd_sysctl::run(a),
         #[cfg(feature = "lint")]
         Command::Lint(a) => kproxy_lint::cli::run(a),
         #[cfg(feature = "lab")]

@@ -39,7 +39,7 @@ pub struct WhatLabel {
     pub what: &'static str,
 }
 
-/// A sysctl kproxy set (its `/proc/sys` path).
+/// A sysctl kproxy set (its `/proc/sys` path, or `/sys/module/…` for the hash table size).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SysctlLabel {
     pub sysctl: String,
