@@ -1,7 +1,9 @@
 //! A fake Kubernetes API server for tests (cargo feature `fake-api`): it speaks the real
 //! list/watch protocol with real API JSON for Services, EndpointSlices and Nodes — lists
 //! with a resourceVersion, chunked watch streams of ADDED/MODIFIED/DELETED/BOOKMARK/ERROR
-//! lines — and lets a test script each response (slow lists, failing lists or watches, a
+//! lines — and, for a resource given protobuf, list pages and watch frames captured from
+//! a real API server, served to a client that accepts protobuf (429 with `Retry-After`
+//! too) — and lets a test script each response (slow lists, failing lists or watches, a
 //! clean end of a watch, a dropped connection, garbage lines). It records the decoded
 //! query of every request so a test can check selectors and resourceVersions.
 //!
@@ -32,6 +34,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub enum Step {
     /// One line (an event, or garbage).
     Line(String),
+    /// One protobuf watch frame (a `WatchEvent`'s bytes; the length prefix is added
+    /// when served). Served only on a protobuf watch, as lines only on a JSON one.
+    Frame(Bytes),
     /// End the response cleanly (as the server does at timeoutSeconds).
     Close,
     /// Abort the connection mid-stream (no final chunk): a dropped connection.
@@ -101,6 +106,21 @@ pub struct Resource {
     /// `list` to a list request that accepts protobuf: the first page without a
     /// `continue` query, each next one for the token its predecessor carries.
     pub protobuf_pages: Mutex<Vec<(Option<String>, Bytes)>>,
+    /// Watch requests that accept protobuf are answered in protobuf (`Step::Frame`s).
+    pub protobuf_watches: std::sync::atomic::AtomicBool,
+    /// The `Accept` header of every request, in order.
+    pub accepts: Mutex<Vec<String>>,
+    /// The next requests (lists, pages and watches) answer 429 with this `Retry-After`
+    /// (seconds), each taking one.
+    pub throttle: Mutex<VecDeque<u64>>,
+    /// The same for requests of a list's next page (with a `continue` token) only.
+    pub throttle_pages: Mutex<VecDeque<u64>>,
+    /// Watches with `sendInitialEvents=true` are served (the list's items as ADDED
+    /// lines, then the bookmark that ends them, then the steps); otherwise refused with
+    /// 422 as by a server without the WatchList gate, and not recorded in `requests`.
+    pub watch_lists: std::sync::atomic::AtomicBool,
+    /// Watches with `sendInitialEvents=true` refused.
+    pub refused_watch_lists: AtomicU64,
 }
 
 impl Resource {
@@ -117,6 +137,12 @@ impl Resource {
             steps: Arc::new(Steps::default()),
             requests: Mutex::new(Vec::new()),
             protobuf_pages: Mutex::new(Vec::new()),
+            protobuf_watches: std::sync::atomic::AtomicBool::new(false),
+            accepts: Mutex::new(Vec::new()),
+            throttle: Mutex::new(VecDeque::new()),
+            throttle_pages: Mutex::new(VecDeque::new()),
+            watch_lists: std::sync::atomic::AtomicBool::new(false),
+            refused_watch_lists: AtomicU64::new(0),
         }
     }
 
@@ -171,6 +197,39 @@ impl Resource {
     /// Queues one raw line on the watch stream.
     pub fn line(&self, line: String) {
         self.steps.push(Step::Line(line));
+    }
+
+    /// Answers watch requests that accept protobuf in protobuf from now on.
+    pub fn serve_protobuf_watches(&self) {
+        self.protobuf_watches.store(true, Ordering::SeqCst);
+    }
+
+    /// Queues the frames of a protobuf watch body (as captured from a real API server:
+    /// each a 4-byte big-endian length and a `WatchEvent`), one step each.
+    pub fn frames(&self, body: &[u8]) {
+        let mut framer = crate::kube::proto::WatchFramer::new();
+        framer
+            .feed(body, |frame| {
+                self.steps.push(Step::Frame(Bytes::copy_from_slice(frame)));
+                true
+            })
+            .expect("a protobuf watch body (test data)");
+        assert!(framer.at_boundary(), "a whole protobuf watch body (test data)");
+    }
+
+    /// The next `n` requests answer 429 Too Many Requests with `Retry-After: seconds`.
+    pub fn throttle(&self, n: usize, seconds: u64) {
+        lock(&self.throttle).extend(std::iter::repeat_n(seconds, n));
+    }
+
+    /// The next `n` requests of a list's next page answer 429 with `Retry-After: seconds`.
+    pub fn throttle_pages(&self, n: usize, seconds: u64) {
+        lock(&self.throttle_pages).extend(std::iter::repeat_n(seconds, n));
+    }
+
+    /// Serves streamed lists (`sendInitialEvents=true`) from now on.
+    pub fn serve_watch_lists(&self) {
+        self.watch_lists.store(true, Ordering::SeqCst);
     }
 
     /// Queues a clean end of the current watch response.
@@ -337,38 +396,98 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap
         }
     };
     let q = query(&uri);
+    let watch_list = q.get("sendInitialEvents").map(String::as_str) == Some("true");
+    if watch_list && !res.watch_lists.load(Ordering::SeqCst) {
+        res.refused_watch_lists.fetch_add(1, Ordering::SeqCst);
+        let code = StatusCode::UNPROCESSABLE_ENTITY;
+        return (code, axum::Json(status(code, "Invalid"))).into_response();
+    }
     lock(&res.requests).push(q.clone());
+    let accept = headers
+        .get("accept")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    lock(&res.accepts).push(accept.clone());
+    let accepts_protobuf = accept.contains(crate::kube::proto::MEDIA_TYPE);
+    let throttled = match lock(&res.throttle).pop_front() {
+        Some(s) => Some(s),
+        None if q.contains_key("continue") => lock(&res.throttle_pages).pop_front(),
+        None => None,
+    };
+    if let Some(seconds) = throttled {
+        let code = StatusCode::TOO_MANY_REQUESTS;
+        return (
+            code,
+            [("retry-after", seconds.to_string())],
+            axum::Json(status(code, "TooManyRequests")),
+        )
+            .into_response();
+    }
     if q.get("watch").map(String::as_str) == Some("true") {
         let code = *lock(&res.watch_status);
         if code != StatusCode::OK {
             return (code, axum::Json(status(code, "InternalError"))).into_response();
         }
+        let protobuf =
+            accepts_protobuf && res.protobuf_watches.load(Ordering::SeqCst) && !watch_list;
         let steps = res.steps.clone();
         let generation = steps.connect();
+        // A streamed list: the items as ADDED events, then the bookmark that ends them.
+        let initial: Vec<Bytes> = if watch_list {
+            let list = lock(&res.list);
+            let mut lines: Vec<Bytes> = list
+                .items
+                .iter()
+                .map(|o| Bytes::from(json!({"type": "ADDED", "object": o}).to_string() + "\n"))
+                .collect();
+            let mut end = bookmark(&list.resource_version, "", "");
+            end["metadata"]["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+            lines.push(Bytes::from(
+                json!({"type": "BOOKMARK", "object": end}).to_string() + "\n",
+            ));
+            lines
+        } else {
+            Vec::new()
+        };
+        let initial = futures::stream::iter(initial.into_iter().map(Ok::<_, std::io::Error>));
         let body = futures::stream::unfold(Some(steps), move |steps| async move {
             let steps = steps?;
-            match steps.next(generation).await? {
-                Step::Line(l) => {
-                    Some((Ok::<_, std::io::Error>(Bytes::from(l + "\n")), Some(steps)))
-                }
-                Step::Close => None,
-                Step::Abort => Some((
-                    Err(std::io::Error::other("connection dropped by the test")),
-                    None,
-                )),
+            loop {
+                let chunk = match steps.next(generation).await? {
+                    Step::Line(l) if !protobuf => Bytes::from(l + "\n"),
+                    Step::Frame(f) if protobuf => {
+                        let len = u32::try_from(f.len()).expect("a frame under 4 GiB");
+                        let mut framed = len.to_be_bytes().to_vec();
+                        framed.extend_from_slice(&f);
+                        Bytes::from(framed)
+                    }
+                    // A step of the other encoding: not for this watch.
+                    Step::Line(_) | Step::Frame(_) => continue,
+                    Step::Close => return None,
+                    Step::Abort => {
+                        return Some((
+                            Err(std::io::Error::other("connection dropped by the test")),
+                            None,
+                        ));
+                    }
+                };
+                return Some((Ok::<_, std::io::Error>(chunk), Some(steps)));
             }
         });
+        let body = futures::StreamExt::chain(initial, body);
+        let content_type = if protobuf {
+            "application/vnd.kubernetes.protobuf;stream=watch"
+        } else {
+            "application/json"
+        };
         return Response::builder()
-            .header("content-type", "application/json")
+            .header("content-type", content_type)
             .body(Body::from_stream(body))
             .expect("static headers are valid");
     }
     let mut open = res.open.subscribe();
     let _ = open.wait_for(|o| *o).await;
-    let accepts_protobuf = headers
-        .get("accept")
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.contains(crate::kube::proto::MEDIA_TYPE));
     if accepts_protobuf {
         let pages = lock(&res.protobuf_pages);
         if let Some((_, page)) = pages.iter().find(|(t, _)| t.as_ref() == q.get("continue")) {

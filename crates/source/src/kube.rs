@@ -273,6 +273,7 @@ pub fn targets(cfg: &KubeSourceConfig, page_size: u32) -> [Target; 4] {
         field_selector: fields,
         page_size,
         protobuf: !cfg.json_lists,
+        stream_lists: true,
     };
     [
         target(

@@ -980,3 +980,162 @@ async fn protobuf_lists_from_a_real_api_server_read_as_their_json_does() {
     assert_eq!(lists.len(), 3, "one request per page: {lists:?}");
     assert!(lists[1].contains_key("continue") && lists[2].contains_key("continue"));
 }
+
+/// Watch events in protobuf — recorded from kube-apiserver 1.36 while Services changed
+/// (testdata README), served as frames — end in the same state as the same events as
+/// JSON lines. The protobuf server serves no JSON lines, so a client that did not ask
+/// for a protobuf watch would see none of the changes.
+#[tokio::test]
+async fn protobuf_watches_from_a_real_api_server_read_as_their_json_does() {
+    let pages: [&[u8]; 1] = [include_bytes!("../src/kube/testdata/watch-services-list.pb")];
+    let list: Value =
+        serde_json::from_slice(include_bytes!("../src/kube/testdata/watch-services-list.json"))
+            .unwrap();
+    let items = list["items"].as_array().expect("items").clone();
+    let setup = |api: &FakeApi, protobuf: bool| {
+        if protobuf {
+            api.services.set_protobuf_pages(&pages);
+            api.services.serve_protobuf_watches();
+        } else {
+            api.services.set_list("10", items.clone());
+        }
+        api.slices.set_list("10", vec![]);
+        api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
+    };
+    let pb = start(Ownership::default(), |api| setup(api, true)).await;
+    let js = start(Ownership::default(), |api| setup(api, false)).await;
+    wait_for(&pb, "the first sync (protobuf)", |_, ready| ready).await;
+    wait_for(&js, "the first sync (JSON)", |_, ready| ready).await;
+    let listed = pb.handle.with(|st| seen(st));
+    assert_eq!(listed, js.handle.with(|st| seen(st)));
+    pb.api
+        .services
+        .frames(include_bytes!("../src/kube/testdata/watch-services.pb"));
+    for line in std::str::from_utf8(include_bytes!("../src/kube/testdata/watch-services.json"))
+        .unwrap()
+        .lines()
+    {
+        js.api.services.line(line.to_string());
+    }
+    // The recording ends with np's deletion.
+    wait_for(&js, "the JSON events applied", |s, _| {
+        !s.services.iter().any(|s| s.starts_with("np:"))
+    })
+    .await;
+    let expect = js.handle.with(|st| seen(st));
+    assert_ne!(expect, listed, "the recorded events change the state");
+    wait_for(&pb, "the protobuf events applied", |s, _| *s == expect).await;
+    let accepts = pb.api.services.accepts.lock().unwrap().clone();
+    assert!(
+        accepts
+            .last()
+            .is_some_and(|a| a.contains("application/vnd.kubernetes.protobuf;stream=watch")),
+        "{accepts:?}"
+    );
+}
+
+/// A watch refused with 429 (API Priority and Fairness) is asked again from the same
+/// resourceVersion, with no relist; a list page refused with 429 is asked again with
+/// its continue token, the pages before it kept.
+#[tokio::test]
+async fn too_many_requests_retries_the_same_request_keeping_the_watch_state() {
+    let h = start_paged(Ownership::default(), Some(1), |api| {
+        standard(api);
+        api.services.throttle_pages(1, 1);
+    })
+    .await;
+    wait_for(&h, "the first sync", |_, ready| ready).await;
+    let lists: Vec<_> = h
+        .api
+        .services
+        .requests()
+        .into_iter()
+        .filter(|q| !q.contains_key("watch"))
+        .collect();
+    assert_eq!(h.api.services.lists(), 1, "the list started over: {lists:?}");
+    assert_eq!(lists.len(), 3, "page 1, page 2 refused, page 2: {lists:?}");
+    assert_eq!(lists[1].get("continue"), lists[2].get("continue"));
+
+    h.api
+        .services
+        .event("ADDED", service("later", "20", "10.96.0.20", 81));
+    wait_for(&h, "an event", |s, _| s.services.contains(&"later:81".into())).await;
+    let watches = h.api.services.watches().len();
+    h.api.services.throttle(2, 1);
+    h.api.services.close();
+    wait_server(&h, "the watch asked three times", |api| {
+        api.services.watches().len() >= watches + 3
+    })
+    .await;
+    h.api
+        .services
+        .event("ADDED", service("after", "21", "10.96.0.21", 82));
+    wait_for(&h, "an event after the 429s", |s, _| {
+        s.services.contains(&"after:82".into())
+    })
+    .await;
+    assert_eq!(h.api.services.lists(), 1, "a 429 relisted");
+    let versions: Vec<_> = h.api.services.watches()[watches..]
+        .iter()
+        .map(|q| q.get("resourceVersion").cloned())
+        .collect();
+    assert!(
+        versions.iter().all(|v| v.as_deref() == Some("20")),
+        "{versions:?}"
+    );
+}
+
+/// Where the server streams lists (`sendInitialEvents`), the initial state arrives on
+/// the watch and no list is made; where it refuses them (here EndpointSlices, as a
+/// server without the WatchList gate), the kind pages through lists, and asks only once.
+#[tokio::test]
+async fn streamed_lists_where_offered_paged_lists_where_refused() {
+    let h = start(Ownership::default(), |api| {
+        standard(api);
+        api.services.serve_watch_lists();
+        api.nodes.serve_watch_lists();
+    })
+    .await;
+    wait_for(&h, "the first sync", |s, ready| {
+        ready && s.services.len() == 2 && s.slices.len() == 2 && s.node.is_some()
+    })
+    .await;
+    assert_eq!(h.api.services.lists(), 0, "Services listed in pages");
+    let first = &h.api.services.watches()[0];
+    assert_eq!(first.get("sendInitialEvents").map(String::as_str), Some("true"));
+    assert_eq!(
+        first.get("resourceVersionMatch").map(String::as_str),
+        Some("NotOlderThan")
+    );
+    assert_eq!(first.get("resourceVersion").map(String::as_str), Some(""));
+    assert_eq!(h.api.slices.refused_watch_lists.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(h.api.slices.lists(), 1);
+
+    // The same watch goes on past the initial events.
+    h.api
+        .services
+        .event("ADDED", service("later", "20", "10.96.0.20", 81));
+    wait_for(&h, "an event on the streamed list's watch", |s, _| {
+        s.services.contains(&"later:81".into())
+    })
+    .await;
+    assert_eq!(h.api.services.watches().len(), 1);
+
+    // 410 Gone: streamed again, replacing the kind in one step.
+    h.api
+        .services
+        .set_list("30", vec![service("web", "30", "10.96.0.10", 8080)]);
+    h.api.services.event("ERROR", gone());
+    wait_for(&h, "the state of the second streamed list", |s, _| {
+        s.services == strs(&["web:8080"])
+    })
+    .await;
+    let again = &h.api.services.watches()[1];
+    assert_eq!(again.get("sendInitialEvents").map(String::as_str), Some("true"));
+    assert_eq!(h.api.services.lists(), 0);
+
+    // A relist of slices after 410 does not ask for a streamed list again.
+    h.api.slices.event("ERROR", gone());
+    wait_server(&h, "a second slice list", |api| api.slices.lists() == 2).await;
+    assert_eq!(h.api.slices.refused_watch_lists.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

@@ -10,7 +10,6 @@
 
 use std::time::Duration;
 
-use futures::{AsyncBufReadExt, TryStreamExt};
 use kproxy_core::ingest::{IngestError, Kind, Ownership};
 use kproxy_core::state::Update;
 use kube::core::params::{ListParams, WatchParams};
@@ -37,8 +36,13 @@ pub struct Target {
     /// Objects per list page (0: no limit). Pages are decoded object by object as
     /// their bytes arrive, so this bounds the work of one request, not memory.
     pub page_size: u32,
-    /// Ask for protobuf lists (Services and EndpointSlices only; see [`proto`]).
+    /// Ask for protobuf lists and watches (Services and EndpointSlices only; see
+    /// [`proto`]).
     pub protobuf: bool,
+    /// List by a watch that streams the initial state first (KEP-3157:
+    /// `sendInitialEvents=true`), falling back to paged lists for good when the server
+    /// refuses it. [`list_once`] always pages.
+    pub stream_lists: bool,
 }
 
 /// How objects become updates: what ingest needs besides the object.
@@ -94,6 +98,16 @@ enum Stop {
     /// load balancer or API server in between): watch again from the same version at
     /// once, as after [`Stop::Resume`]; the backoff is for a watch that cannot start.
     Broken(String),
+    /// The server refused the request for load (429, or a `Retry-After`): retry the same
+    /// request, the watch from the same version, not sooner than it asked
+    /// ([`Backoff::throttled`]).
+    Throttled {
+        retry_after: Option<Duration>,
+        error: String,
+    },
+    /// The server refused the request as invalid (400, 422): for a streamed list, a
+    /// server that does not offer it; otherwise as [`Stop::Failed`].
+    Invalid(String),
     /// The receiver is gone: the source is shutting down.
     Closed,
 }
@@ -246,6 +260,38 @@ impl Backoff {
         }
     }
 
+    /// The wait after a refusal for load: the larger of what the server asked for,
+    /// spread by the jitter over [1, 2)× so a fleet told the same second does not come
+    /// back in it, and the failure backoff. Not cut short by a sibling's answer: the
+    /// server said when.
+    fn throttled_delay(failures: u32, retry_after: Option<Duration>, jitter: f64) -> Duration {
+        let asked = retry_after
+            .unwrap_or_default()
+            .mul_f64(1.0 + jitter.clamp(0.0, 1.0));
+        asked.max(Self::delay(failures, jitter))
+    }
+
+    async fn throttled(
+        &mut self,
+        kind: Kind,
+        what: &str,
+        retry_after: Option<Duration>,
+        error: &str,
+    ) {
+        self.failures += 1;
+        let since = *self.since.get_or_insert_with(Instant::now);
+        let delay = Self::throttled_delay(self.failures, retry_after, self.jitter());
+        let error = error.escape_debug().to_string();
+        if Self::loud(self.failures) {
+            tracing::warn!(%kind, failures = self.failures, failing_for_s = since.elapsed().as_secs(),
+                retry_after_s = retry_after.map(|d| d.as_secs()), retry_in_ms = delay.as_millis() as u64,
+                %error, "{what} refused for load; keeping the last state and retrying the same request");
+        } else {
+            tracing::debug!(%kind, failures = self.failures, %error, "{what} refused for load again");
+        }
+        tokio::time::sleep(delay).await;
+    }
+
     fn succeeded(&mut self, kind: Kind) {
         if let Some(since) = self.since.take() {
             tracing::info!(%kind, failures = self.failures, after_s = since.elapsed().as_secs_f64(),
@@ -302,10 +348,27 @@ pub async fn run(
     let request = kube::core::Request::new(target.url.clone());
     let mut backoff = Backoff::among(&siblings);
     let mut version: Option<String> = None;
+    let mut stream_lists = target.stream_lists;
     loop {
         backoff.attempt();
         let stop = match &mut version {
-            None => match list(&client, &request, &target, &decoder, &tx).await {
+            None if stream_lists => {
+                let mut rv = String::new();
+                let start = Start::InitialEvents;
+                let stop = watch(&client, &request, &target, &decoder, &tx, start, &mut rv, &mut backoff).await;
+                // Past the initial events the watch went on as any other: resume it.
+                if !rv.is_empty() {
+                    version = Some(rv);
+                }
+                if let (None, Stop::Invalid(why)) = (&version, &stop) {
+                    tracing::info!(%kind, why = %why.escape_debug(),
+                        "the API server does not stream lists (sendInitialEvents); listing in pages");
+                    stream_lists = false;
+                    continue;
+                }
+                stop
+            }
+            None => match list(&client, &request, &target, &decoder, &tx, Some(&mut backoff)).await {
                 Ok(rv) => {
                     backoff.succeeded(kind);
                     if backoff.settle_return(&tx, kind).await.is_err() {
@@ -316,7 +379,10 @@ pub async fn run(
                 }
                 Err(stop) => stop,
             },
-            Some(rv) => watch(&client, &request, &target, &decoder, &tx, rv, &mut backoff).await,
+            Some(rv) => {
+                let start = Start::Version;
+                watch(&client, &request, &target, &decoder, &tx, start, rv, &mut backoff).await
+            }
         };
         match stop {
             Stop::Closed => return,
@@ -328,9 +394,12 @@ pub async fn run(
                 tracing::info!(%kind, why = %why.escape_debug(), "relisting");
                 version = None;
             }
-            Stop::Failed(error) => {
+            Stop::Failed(error) | Stop::Invalid(error) => {
                 let what = if version.is_none() { "list" } else { "watch" };
                 backoff.failed(kind, what, &error).await;
+            }
+            Stop::Throttled { retry_after, error } => {
+                backoff.throttled(kind, "watch", retry_after, &error).await;
             }
         }
     }
@@ -346,10 +415,16 @@ pub async fn list_once(
     tx: Sender,
 ) -> Result<(), String> {
     let request = kube::core::Request::new(target.url.clone());
-    match list(&client, &request, &target, &decoder, &tx).await {
+    match list(&client, &request, &target, &decoder, &tx, None).await {
         // The receiver is gone: nobody waits for this list any more.
         Ok(_) | Err(Stop::Closed | Stop::Resume) => Ok(()),
-        Err(Stop::Relist(error) | Stop::Failed(error) | Stop::Broken(error)) => Err(error),
+        Err(
+            Stop::Relist(error)
+            | Stop::Failed(error)
+            | Stop::Invalid(error)
+            | Stop::Broken(error)
+            | Stop::Throttled { error, .. },
+        ) => Err(error),
     }
 }
 
@@ -394,13 +469,15 @@ fn item_bytes(decoder: &Decoder, kind: Kind, json: &[u8]) -> (Key, Result<Update
 /// One complete list, page by page, each page's items decoded as its bytes arrive
 /// ([`split`] for JSON, [`proto`] for protobuf, which the Service and EndpointSlice
 /// lists ask for): `Init`, one `Listed` per object, `InitDone`. Returns the list's
-/// resourceVersion, to watch from.
+/// resourceVersion, to watch from. With a `backoff`, a page refused for load is asked
+/// again after the wait the server asked for, the pages before it kept.
 async fn list(
     client: &kube::Client,
     request: &kube::core::Request,
     target: &Target,
     decoder: &Decoder,
     tx: &Sender,
+    mut backoff: Option<&mut Backoff>,
 ) -> Result<String, Stop> {
     use http_body_util::BodyExt;
     let kind = target.kind;
@@ -426,7 +503,14 @@ async fn list(
             .send(req.map(kube::client::Body::from))
             .await
             .map_err(api_error)?;
-        let res = refused(res).await?;
+        let res = match (refused(res).await, backoff.as_deref_mut()) {
+            (Ok(res), _) => res,
+            (Err(Stop::Throttled { retry_after, error }), Some(backoff)) => {
+                backoff.throttled(kind, "list", retry_after, &error).await;
+                continue;
+            }
+            (Err(stop), _) => return Err(stop),
+        };
         let mut page = Page::for_content_type(res.headers().get(http::header::CONTENT_TYPE));
         let mut body = res.into_body();
         while let Some(frame) = body.frame().await {
@@ -529,7 +613,8 @@ fn page_item(
 }
 
 /// The response, or why the server refused the request: a `Status` in JSON or
-/// protobuf (a 410 Gone relists), else the HTTP status alone.
+/// protobuf (a 410 Gone relists; a 429, or any refusal with a `Retry-After`, is
+/// [`Stop::Throttled`]), else the HTTP status alone.
 async fn refused(
     res: http::Response<kube::client::Body>,
 ) -> Result<http::Response<kube::client::Body>, Stop> {
@@ -538,6 +623,10 @@ async fn refused(
     if !(code.is_client_error() || code.is_server_error()) {
         return Ok(res);
     }
+    let retry_after = res
+        .headers()
+        .get(http::header::RETRY_AFTER)
+        .and_then(|v| retry_after(v.to_str().ok()?));
     // An error body is a small Status; a larger one is not read past this.
     let body = http_body_util::Limited::new(res.into_body(), 1 << 20)
         .collect()
@@ -550,110 +639,338 @@ async fn refused(
             .map(|s| s.message)
             .unwrap_or_else(|_| String::from_utf8_lossy(&body).trim().to_string()),
     };
+    let error = format!("refused: {code}: {message}");
     if code == http::StatusCode::GONE {
         Err(Stop::Relist(format!("410 Gone: {message}")))
+    } else if code == http::StatusCode::TOO_MANY_REQUESTS || retry_after.is_some() {
+        Err(Stop::Throttled { retry_after, error })
+    } else if code == http::StatusCode::BAD_REQUEST || code == http::StatusCode::UNPROCESSABLE_ENTITY
+    {
+        Err(Stop::Invalid(error))
     } else {
-        Err(Stop::Failed(format!("list refused: {code}: {message}")))
+        Err(Stop::Failed(error))
     }
 }
 
-/// One watch request from `rv`, until the server or an error ends it. Updates `rv` as
-/// events arrive.
+/// The longest `Retry-After` honoured as given: a larger (or broken) value must not
+/// park a reflector for hours.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// A `Retry-After` header's wait: delay-seconds (what the API server sends) capped at
+/// [`MAX_RETRY_AFTER`]; `None` for an HTTP date or garbage (the backoff decides).
+fn retry_after(value: &str) -> Option<Duration> {
+    let seconds: u64 = value.trim().parse().ok()?;
+    Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER))
+}
+
+/// Protobuf watch events first (the server answers `;stream=watch` frames); JSON lines
+/// from a server that cannot.
+const ACCEPT_PROTOBUF_WATCH: &str =
+    "application/vnd.kubernetes.protobuf;stream=watch, application/json";
+
+/// One watch event as received, in the encoding the server answered with.
+enum RawEvent<'a> {
+    /// A JSON line; the object stays raw text borrowed from the line.
+    Json(Event<'a>),
+    /// A protobuf frame, decoded: the type and the object's message.
+    Protobuf(proto::WatchEvent),
+}
+
+/// Whether a JSON `BOOKMARK` event's object carries [`proto::INITIAL_EVENTS_END`] =
+/// "true" (the twin of [`proto::ends_initial_events`]).
+fn json_ends_initial_events(object: &str) -> bool {
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    struct Annotated {
+        metadata: Annotations,
+    }
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
+    struct Annotations {
+        annotations: Option<std::collections::BTreeMap<String, String>>,
+    }
+    serde_json::from_str::<Annotated>(object).is_ok_and(|a| {
+        a.metadata
+            .annotations
+            .and_then(|m| m.get(proto::INITIAL_EVENTS_END).cloned())
+            .as_deref()
+            == Some("true")
+    })
+}
+
+/// What one watch event asks of the watch loop.
+enum Next {
+    /// Send this input on.
+    Send(Input<Update>),
+    /// A bookmark: `rv` moved, nothing to send; true if it ends the initial events.
+    Bookmark(bool),
+    /// Nothing (an unknown or malformed event, logged).
+    Skip,
+    Stop(Stop),
+}
+
+/// What `event` means for the state and the watch: updates `rv` from its object.
+fn next(decoder: &Decoder, kind: Kind, event: RawEvent<'_>, rv: &mut String) -> Next {
+    let (type_, coords) = match &event {
+        RawEvent::Json(e) => (e.kind, Coordinates::of(e.object.get())),
+        RawEvent::Protobuf(e) => (e.type_.as_str(), proto::coordinates(&e.object)),
+    };
+    match type_ {
+        "ADDED" | "MODIFIED" | "DELETED" => {
+            let Some(c) = coords else {
+                return Next::Stop(Stop::Relist(format!("{type_} event without an object")));
+            };
+            match &c.resource_version {
+                Some(v) => v.clone_into(rv),
+                None => {
+                    return Next::Stop(Stop::Relist(format!(
+                        "{type_} event without a resourceVersion"
+                    )));
+                }
+            }
+            if type_ == "DELETED" {
+                return Next::Send(Input::Delete(c.key()));
+            }
+            let update = match &event {
+                RawEvent::Json(e) => decoder.decode(kind, e.object.get(), &c),
+                RawEvent::Protobuf(e) => decoder.ingest(kind, proto::decode(kind, &e.object), &c),
+            };
+            Next::Send(Input::Apply(c.key(), update))
+        }
+        "BOOKMARK" => {
+            if let Some(v) = coords.and_then(|c| c.resource_version) {
+                *rv = v;
+            }
+            Next::Bookmark(match &event {
+                RawEvent::Json(e) => json_ends_initial_events(e.object.get()),
+                RawEvent::Protobuf(e) => proto::ends_initial_events(&e.object),
+            })
+        }
+        "ERROR" => {
+            let status = match &event {
+                RawEvent::Json(e) => serde_json::from_str::<StatusCode>(e.object.get()).ok(),
+                RawEvent::Protobuf(e) => proto::status_of(&e.object).map(|s| StatusCode {
+                    code: s.code.unwrap_or(0).try_into().unwrap_or(0),
+                    message: s.message.unwrap_or_default(),
+                }),
+            };
+            Next::Stop(match status {
+                Some(s) if s.code == 410 => Stop::Relist(format!("410 Gone: {}", s.message)),
+                Some(s) => Stop::Failed(format!("watch error {}: {}", s.code, s.message)),
+                None => Stop::Failed("undecodable watch error".into()),
+            })
+        }
+        other => {
+            tracing::warn!(%kind, event = %other.escape_debug(), "unknown watch event type skipped");
+            Next::Skip
+        }
+    }
+}
+
+/// A watch response's body split into events as its bytes arrive: JSON lines, or
+/// protobuf frames ([`proto::WatchFramer`]) when the server answered in protobuf.
+enum Stream {
+    Json(Vec<u8>),
+    Protobuf(proto::WatchFramer),
+}
+
+impl Stream {
+    fn for_content_type(content_type: Option<&http::HeaderValue>) -> Stream {
+        let protobuf = content_type
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with(proto::MEDIA_TYPE));
+        if protobuf {
+            Stream::Protobuf(proto::WatchFramer::new())
+        } else {
+            Stream::Json(Vec::new())
+        }
+    }
+
+    /// Feeds `chunk`, calling `event` with each complete event until it returns false.
+    fn feed(
+        &mut self,
+        kind: Kind,
+        chunk: &[u8],
+        mut event: impl FnMut(RawEvent<'_>) -> bool,
+    ) -> Result<(), String> {
+        match self {
+            Stream::Json(pending) => {
+                pending.extend_from_slice(chunk);
+                if pending.len() > super::split::MAX_VALUE_BYTES {
+                    return Err(format!(
+                        "a watch event line over {} bytes",
+                        super::split::MAX_VALUE_BYTES
+                    ));
+                }
+                let mut at = 0;
+                while let Some(n) = pending[at..].iter().position(|&b| b == b'\n') {
+                    let line = &pending[at..at + n];
+                    at += n + 1;
+                    if line.iter().all(u8::is_ascii_whitespace) {
+                        continue;
+                    }
+                    match serde_json::from_slice::<Event<'_>>(line) {
+                        Ok(e) => {
+                            if !event(RawEvent::Json(e)) {
+                                break;
+                            }
+                        }
+                        Err(e) => tracing::warn!(%kind, error = %e, "malformed watch event skipped"),
+                    }
+                }
+                pending.drain(..at);
+                Ok(())
+            }
+            Stream::Protobuf(framer) => framer
+                .feed(chunk, |frame| match proto::watch_event(frame) {
+                    Ok(e) => event(RawEvent::Protobuf(e)),
+                    Err(e) => {
+                        tracing::warn!(%kind, error = %e.escape_debug(), "malformed watch event skipped");
+                        true
+                    }
+                })
+                .map_err(|e| e.0),
+        }
+    }
+}
+
+/// Where a watch starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Start {
+    /// From `rv`: changes after it.
+    Version,
+    /// With the current state first, as a list would bring it (`sendInitialEvents`,
+    /// `resourceVersionMatch=NotOlderThan`, no resourceVersion: a consistent read):
+    /// `Init`, a `Listed` per object, `InitDone` at the bookmark annotated
+    /// [`proto::INITIAL_EVENTS_END`], then changes as after [`Start::Version`].
+    InitialEvents,
+}
+
+/// One watch request, until the server or an error ends it. Updates `rv` as events
+/// arrive (from [`Start::InitialEvents`], only once they have all arrived: until then
+/// `rv` stays empty). Services and EndpointSlices are watched in protobuf when the
+/// target asks for protobuf ([`proto`]), the rest in JSON.
+#[expect(clippy::too_many_arguments, reason = "the watch loop's context, passed down once")]
 async fn watch(
     client: &kube::Client,
     request: &kube::core::Request,
     target: &Target,
     decoder: &Decoder,
     tx: &Sender,
+    start: Start,
     rv: &mut String,
     backoff: &mut Backoff,
 ) -> Stop {
+    use http_body_util::BodyExt;
     let kind = target.kind;
+    let mut initial = start == Start::InitialEvents;
     let params = WatchParams {
         label_selector: target.label_selector.clone(),
         field_selector: target.field_selector.clone(),
         bookmarks: true,
+        send_initial_events: initial,
         ..WatchParams::default()
     };
-    let req = match request.watch(&params, rv) {
+    let mut req = match request.watch(&params, rv) {
         Ok(r) => r,
         Err(e) => return Stop::Failed(e.to_string()),
     };
-    let body = match client.request_stream(req).await {
-        Ok(b) => b,
+    if target.protobuf && proto::lists_in_protobuf(kind) {
+        req.headers_mut().insert(
+            http::header::ACCEPT,
+            http::HeaderValue::from_static(ACCEPT_PROTOBUF_WATCH),
+        );
+    }
+    let res = match client.send(req.map(kube::client::Body::from)).await {
+        Ok(r) => r,
         Err(e) => return api_error(e),
     };
+    let res = match refused(res).await {
+        Ok(r) => r,
+        Err(stop) => return stop,
+    };
     // A resumed watch is back once it delivers (an event or a bookmark); a 410 instead
-    // leaves the return to the relist that follows.
-    backoff.succeeded(kind);
+    // leaves the return to the relist that follows. A streamed list is back once its
+    // initial events are all in.
+    if !initial {
+        backoff.succeeded(kind);
+    } else if let Err(stop) = send(tx, kind, Input::Init).await {
+        return stop;
+    }
+    // The version of the initial events, until they have all arrived.
+    let mut listing = String::new();
     let started = Instant::now();
-    let mut lines = body.lines();
+    let mut stream = Stream::for_content_type(res.headers().get(http::header::CONTENT_TYPE));
+    let mut body = res.into_body();
+    let mut events = Vec::new();
     loop {
-        let line = match lines.try_next().await {
-            Ok(Some(l)) => l,
+        let chunk = match body.frame().await {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(chunk) => chunk,
+                Err(_) => continue,
+            },
             // The server's timeout ended the watch: resume from `rv` at once.
-            Ok(None) => return Stop::Resume,
-            Err(e) => return stream_broke(format!("watch stream: {e}"), started.elapsed()),
+            None => return Stop::Resume,
+            Some(Err(e)) => {
+                return stream_broke(format!("watch stream: {e}"), started.elapsed());
+            }
         };
-        if line.trim().is_empty() {
-            continue;
-        }
         let received = Instant::now();
-        let event: Event<'_> = match serde_json::from_str(&line) {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::warn!(%kind, error = %e, "malformed watch event skipped");
-                continue;
-            }
-        };
-        let json = event.object.get();
-        let input = match event.kind {
-            "ADDED" | "MODIFIED" | "DELETED" => {
-                let Some(c) = Coordinates::of(json) else {
-                    return Stop::Relist(format!("{} event without an object", event.kind));
-                };
-                match &c.resource_version {
-                    Some(v) => v.clone_into(rv),
-                    None => {
-                        return Stop::Relist(format!(
-                            "{} event without a resourceVersion",
-                            event.kind
-                        ));
+        let mut stop = None;
+        let fed = stream.feed(kind, &chunk, |event| {
+            let at = if initial { &mut listing } else { &mut *rv };
+            match next(decoder, kind, event, at) {
+                Next::Send(Input::Apply(key, update)) if initial => {
+                    events.push(Some(Input::Listed(key, update)));
+                    true
+                }
+                Next::Send(Input::Delete(_)) if initial => {
+                    stop = Some(Stop::Relist("DELETED among the initial events".into()));
+                    false
+                }
+                Next::Send(input) => {
+                    events.push(Some(input));
+                    true
+                }
+                Next::Bookmark(end) => {
+                    if initial && end {
+                        initial = false;
+                        *rv = std::mem::take(&mut listing);
+                        events.push(Some(Input::InitDone));
+                    } else {
+                        events.push(None);
                     }
+                    true
                 }
-                if event.kind == "DELETED" {
-                    Input::Delete(c.key())
-                } else {
-                    Input::Apply(c.key(), decoder.decode(kind, json, &c))
+                Next::Skip => true,
+                Next::Stop(s) => {
+                    stop = Some(s);
+                    false
                 }
             }
-            "BOOKMARK" => {
-                if let Some(v) = Coordinates::of(json).and_then(|c| c.resource_version) {
-                    *rv = v;
-                }
-                if let Err(stop) = backoff.settle_return(tx, kind).await {
+        });
+        for input in events.drain(..) {
+            let done = matches!(input, Some(Input::InitDone));
+            if let Some(input) = input {
+                if let Err(stop) = send_received(tx, kind, input, received).await {
                     return stop;
                 }
+            }
+            if done {
+                backoff.succeeded(kind);
+            }
+            if initial {
                 continue;
             }
-            "ERROR" => {
-                let status: Option<StatusCode> = serde_json::from_str(json).ok();
-                return match status {
-                    Some(s) if s.code == 410 => Stop::Relist(format!("410 Gone: {}", s.message)),
-                    Some(s) => Stop::Failed(format!("watch error {}: {}", s.code, s.message)),
-                    None => Stop::Failed("undecodable watch error".into()),
-                };
+            if let Err(stop) = backoff.settle_return(tx, kind).await {
+                return stop;
             }
-            other => {
-                tracing::warn!(%kind, event = %other.escape_debug(), "unknown watch event type skipped");
-                continue;
-            }
-        };
-        if let Err(stop) = send_received(tx, kind, input, received).await {
+        }
+        if let Some(stop) = stop {
             return stop;
         }
-        if let Err(stop) = backoff.settle_return(tx, kind).await {
-            return stop;
+        if let Err(e) = fed {
+            return Stop::Failed(format!("watch stream: {e}"));
         }
     }
 }
@@ -739,6 +1056,78 @@ mod tests {
         let before = Instant::now();
         alone.failed(Kind::Node, "list", "refused").await;
         assert!(Instant::now() - before >= Backoff::delay(4, 0.0));
+    }
+
+    #[test]
+    fn retry_after_is_seconds_capped_and_garbage_is_none() {
+        for (value, expect) in [
+            ("1", Some(1)),
+            (" 7 ", Some(7)),
+            ("0", Some(0)),
+            ("3600", Some(60)),
+            ("Wed, 21 Oct 2026 07:28:00 GMT", None),
+            ("-1", None),
+            ("", None),
+        ] {
+            assert_eq!(
+                retry_after(value),
+                expect.map(Duration::from_secs),
+                "{value:?}"
+            );
+        }
+    }
+
+    /// A refusal for load waits at least what the server asked for, spread over up to
+    /// twice that by the jitter, and never less than the failure backoff.
+    #[test]
+    fn a_throttled_request_waits_what_the_server_asked_spread_by_the_jitter() {
+        let asked = Some(Duration::from_secs(5));
+        assert_eq!(
+            Backoff::throttled_delay(1, asked, 0.0),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            Backoff::throttled_delay(1, asked, 0.5),
+            Duration::from_millis(7500)
+        );
+        // A short Retry-After after many failures: the backoff is longer.
+        assert_eq!(
+            Backoff::throttled_delay(10, Some(Duration::from_secs(1)), 0.0),
+            Backoff::MAX
+        );
+        assert_eq!(
+            Backoff::throttled_delay(1, None, 0.0),
+            Backoff::delay(1, 0.0)
+        );
+    }
+
+    /// JSON watch lines cut anywhere by the chunks give the same events; blank lines
+    /// and malformed ones are skipped.
+    #[test]
+    fn json_watch_lines_cut_anywhere_give_the_same_events() {
+        let body = b"{\"type\":\"ADDED\",\"object\":{\"a\":1}}\n\n garbage\n{\"type\":\"BOOKMARK\",\"object\":{}}\n";
+        for cut in 0..body.len() {
+            let mut stream = Stream::Json(Vec::new());
+            let mut seen = Vec::new();
+            for chunk in [&body[..cut], &body[cut..]] {
+                stream
+                    .feed(Kind::Service, chunk, |e| {
+                        if let RawEvent::Json(e) = e {
+                            seen.push((e.kind.to_string(), e.object.get().to_string()));
+                        }
+                        true
+                    })
+                    .unwrap();
+            }
+            assert_eq!(
+                seen,
+                [
+                    ("ADDED".to_string(), "{\"a\":1}".to_string()),
+                    ("BOOKMARK".to_string(), "{}".to_string())
+                ],
+                "cut at {cut}"
+            );
+        }
     }
 
     #[test]
