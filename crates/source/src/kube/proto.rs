@@ -1067,6 +1067,23 @@ mod tests {
         assert!(watch_event(b"\x0a\xff").is_err());
     }
 
+    /// A streamed list (`sendInitialEvents`) from a real API server: ADDED events, then
+    /// the one bookmark annotated as the end of the initial events.
+    #[test]
+    fn the_bookmark_that_ends_the_initial_events() {
+        let (frames, whole) = frames(include_bytes!("testdata/watch-initial-services.pb"), &[]);
+        assert!(whole);
+        let events: Vec<WatchEvent> = frames.iter().map(|f| watch_event(f).unwrap()).collect();
+        let (last, initial) = events.split_last().unwrap();
+        assert_eq!(last.type_, "BOOKMARK");
+        assert!(ends_initial_events(&last.object));
+        assert!(!initial.is_empty());
+        for e in initial {
+            assert_eq!(e.type_, "ADDED");
+            assert!(!ends_initial_events(&e.object));
+        }
+    }
+
     #[test]
     fn a_page_carries_its_continue_token() {
         let (items, meta) = proto_items(include_bytes!("testdata/services-page-1.pb"), &[]);

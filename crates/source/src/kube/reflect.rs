@@ -1130,6 +1130,23 @@ mod tests {
         }
     }
 
+    /// The JSON twin of the recorded streamed list: only its last event, the bookmark,
+    /// ends the initial events.
+    #[test]
+    fn the_json_bookmark_that_ends_the_initial_events() {
+        let body = include_str!("testdata/watch-initial-services.json");
+        let ends: Vec<bool> = body
+            .lines()
+            .map(|l| {
+                let e: Event<'_> = serde_json::from_str(l).unwrap();
+                json_ends_initial_events(e.object.get())
+            })
+            .collect();
+        assert!(ends.len() > 1);
+        assert_eq!(ends.iter().filter(|e| **e).count(), 1);
+        assert_eq!(ends.last(), Some(&true));
+    }
+
     #[test]
     fn a_broken_watch_resumes_at_once_only_when_it_had_been_running() {
         for (lasted_ms, at_once) in [(0, false), (999, false), (1000, true), (600_000, true)] {
