@@ -420,6 +420,26 @@ struct Restart {
     plans_changed: u64,
 }
 
+fn slice_event_bytes(m: &str) -> f64 {
+    metric_sum(
+        m,
+        "apiserver_watch_events_sizes_sum",
+        &[r#"resource="endpointslices""#],
+    )
+}
+
+/// The watch event bytes per flip that go to the API server's own watchers (its
+/// informers watch EndpointSlices too), measured before the nodes start: subtracted
+/// from the fleet's.
+fn baseline_flip_bytes(lab: &Lab) -> f64 {
+    let m0 = lab.metrics();
+    for ready in [false, true] {
+        flip(lab, ready);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    (slice_event_bytes(&lab.metrics()) - slice_event_bytes(&m0)) / 2.0
+}
+
 /// Flips the probe `flips` times, each after every node saw the last (`seen(k)`: all
 /// nodes hold flip k), and measures the API server's side per change.
 fn measure_flips(
@@ -427,31 +447,37 @@ fn measure_flips(
     flips: usize,
     nodes: usize,
     owner: (&str, Option<u32>),
+    baseline: f64,
     poll: Duration,
     seen: impl Fn(u64) -> bool,
 ) -> (f64, f64, f64) {
-    let events = |m: &str| {
-        metric_sum(
-            m,
-            "apiserver_watch_events_sizes_sum",
-            &[r#"resource="endpointslices""#],
-        )
-    };
+    // The API server's CPU while the fleet watches and nothing changes: subtracted at
+    // its rate over the flips' wall time, which differs between the columns.
+    let idle0 = lab.apiserver_cpu();
+    std::thread::sleep(Duration::from_secs(10));
+    let idle_rate = (lab.apiserver_cpu() - idle0) / 10.0;
     let m0 = lab.metrics();
     let b0 = socket_bytes(lab.port, owner.0, owner.1);
     let c0 = lab.apiserver_cpu();
+    let t0 = Instant::now();
     for k in 1..=flips {
         flip(lab, k % 2 == 0);
         wait_every(Duration::from_secs(120), poll, "every node sees the flip", || {
             seen(k as u64)
         });
     }
-    let c1 = lab.apiserver_cpu();
+    let c1 = lab.apiserver_cpu() - idle_rate * t0.elapsed().as_secs_f64();
+    eprintln!(
+        "API server CPU: {:.1} ms/s idle, {:.2} s in {:.1} s of flips",
+        idle_rate * 1000.0,
+        c1 - c0,
+        t0.elapsed().as_secs_f64()
+    );
     let b1 = socket_bytes(lab.port, owner.0, owner.1);
     let m1 = lab.metrics();
     let per = (flips * nodes) as f64;
     (
-        (events(&m1) - events(&m0)) / per,
+        (slice_event_bytes(&m1) - slice_event_bytes(&m0) - baseline * flips as f64) / per,
         (b1 - b0) as f64 / per,
         (c1 - c0) / flips as f64,
     )
@@ -464,7 +490,7 @@ fn kproxy_column(lab: &Lab, a: &Args, runtime: &tokio::runtime::Runtime) -> Colu
         "kproxy"
     };
     let views: Vec<Arc<NodeView>> = (0..a.nodes).map(|_| Arc::default()).collect();
-    flip(lab, true);
+    let baseline = baseline_flip_bytes(lab);
     let tasks: Vec<_> = views
         .iter()
         .enumerate()
@@ -502,6 +528,7 @@ fn kproxy_column(lab: &Lab, a: &Args, runtime: &tokio::runtime::Runtime) -> Colu
         a.flips,
         a.nodes,
         ("fleet", Some(std::process::id())),
+        baseline,
         Duration::from_millis(10),
         seen,
     );
@@ -608,8 +635,22 @@ fn restart(lab: &Lab, views: &[Arc<NodeView>]) -> Restart {
             .and_then(|(_, v)| v.parse().ok())
             .unwrap_or(0.0);
         *requests
-            .entry(format!("{} {}", label("verb"), label("code")))
+            .entry(format!("{} {} {}", label("verb"), resource, label("code")))
             .or_insert(0.0) += v;
+    }
+    for line in m
+        .lines()
+        .filter(|l| l.starts_with("apiserver_longrunning_requests{") && l.contains("verb=\"WATCH\""))
+    {
+        let resource = line
+            .split_once("resource=\"")
+            .and_then(|(_, r)| r.split_once('"'))
+            .map(|(v, _)| v.to_string())
+            .unwrap_or_default();
+        if ["services", "endpointslices", "nodes", "servicecidrs"].contains(&resource.as_str()) {
+            let v: f64 = line.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()).unwrap_or(0.0);
+            *requests.entry(format!("open WATCH {resource}")).or_insert(0.0) += v;
+        }
     }
     Restart {
         ready_to_synced_s: synced,
@@ -623,7 +664,7 @@ fn restart(lab: &Lab, views: &[Arc<NodeView>]) -> Restart {
 fn kube_proxy_column(lab: &Lab, binary: &Path, nodes: usize, flips: usize) -> Column {
     let dir = tempfile::tempdir().expect("tempdir");
     let sock = dir.path().join("api.sock");
-    flip(lab, true);
+    let baseline = baseline_flip_bytes(lab);
     let mut procs = Vec::new();
     procs.push(
         Command::new("socat")
@@ -715,7 +756,13 @@ fn kube_proxy_column(lab: &Lab, binary: &Path, nodes: usize, flips: usize) -> Co
     let base = changes();
     std::thread::sleep(Duration::from_secs(2));
     let (event_bytes, socket_bytes, cpu) =
-        measure_flips(lab, flips, nodes, ("socat", None), Duration::from_millis(200), |k| {
+        // Polling 50 namespaces' metrics after every flip loads the machine: each flip
+        // gets 1 s, and every kube-proxy must have taken in all of them at the end.
+        measure_flips(lab, flips, nodes, ("socat", None), baseline, Duration::from_millis(500), |k| {
+            if (k as usize) < flips {
+                std::thread::sleep(Duration::from_secs(1));
+                return true;
+            }
             changes().iter().zip(&base).all(|(c, b)| *c >= b + k as f64)
         });
     let rss = lab.apiserver_rss().0;
@@ -791,9 +838,13 @@ fn print(columns: &[Column], a: &Args) {
     });
     for c in columns {
         if let Some(r) = &c.restart {
-            println!("\n{}: requests since the API server's restart (verb code: count)", c.name);
+            println!(
+                "\n{}: requests since the API server's restart (verb resource code: count; \
+                 a watch counts when it ends), and watches open",
+                c.name
+            );
             for (k, v) in &r.requests {
-                println!("  {k:<24}{v:>8.0}");
+                println!("  {k:<36}{v:>8.0}");
             }
         }
     }

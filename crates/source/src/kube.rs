@@ -4,19 +4,21 @@
 //! §a.1/§f), when the first sync may happen (Services, EndpointSlices and the Node listed), and
 //! how relists are applied (atomically per kind, see [`fold`]).
 //!
-//! Memory: objects are decoded one at a time as the bytes of a list page arrive
-//! ([`split`] for JSON; Services and EndpointSlices are listed in protobuf, [`proto`]),
-//! into slim types holding only what ingest reads ([`slim`], [`proto`]), and
-//! ingested at once; a relist buffers the ingested updates, not objects ([`reflect`],
-//! [`fold`]).
+//! Memory: objects are decoded one at a time as the bytes of a list page or a watch
+//! arrive ([`split`] for JSON; Services and EndpointSlices are listed and watched in
+//! protobuf, [`proto`]), into slim types holding only what ingest reads ([`slim`],
+//! [`proto`]), and ingested at once; a relist buffers the ingested updates, not objects
+//! ([`reflect`], [`fold`]). The initial list is streamed on a watch
+//! (`sendInitialEvents`) where the API server offers it, else paged (docs/scale.md).
 //!
 //! [`list_once`] is the one-shot read of `kproxy plan`, `explain` and `trace`: the same
 //! targets, lists, decoding and fold, each kind listed once, no watch.
 //!
 //! Failure model ([`reflect`]): a dropped watch resumes from the last resourceVersion,
-//! 410 Gone relists, errors are retried with client-go's backoff (0.8 s doubling to
-//! 30 s, jittered), cut short for every kind once one of them hears from the API
-//! again ([`reflect::Siblings`]). Meanwhile the last state stays in place, so the rules
+//! 410 Gone relists, a 429 is asked again (the same request, not before its
+//! `Retry-After`, jittered), errors are retried with client-go's backoff (0.8 s
+//! doubling to 30 s, jittered), cut short for every kind once one of them hears from
+//! the API again ([`reflect::Siblings`]). Meanwhile the last state stays in place, so the rules
 //! already programmed keep serving.
 
 pub mod bounded;

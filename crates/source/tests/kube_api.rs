@@ -1036,7 +1036,11 @@ async fn protobuf_watches_from_a_real_api_server_read_as_their_json_does() {
 
 /// A watch refused with 429 (API Priority and Fairness) is asked again from the same
 /// resourceVersion, with no relist; a list page refused with 429 is asked again with
-/// its continue token, the pages before it kept.
+/// its continue token, the pages before it kept. kube's client (RetryLayer,
+/// `RetryPolicy::server_retry`: up to 15 retries, `Retry-After` as given) retries these
+/// 429s before the reflector sees one; the reflector's own handling
+/// (`Stop::Throttled`: the same request again, `Retry-After` spread by the jitter, the
+/// state kept) is for the 429 that outlasts it. Either way, this is what must hold.
 #[tokio::test]
 async fn too_many_requests_retries_the_same_request_keeping_the_watch_state() {
     let h = start_paged(Ownership::default(), Some(1), |api| {

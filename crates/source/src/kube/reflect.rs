@@ -1,8 +1,11 @@
 //! One kind's list-then-watch loop against the API server (client-go's reflector, in
-//! kproxy's terms). Owns: paging through the list, decoding each object on its own as
-//! its bytes arrive (one object's bytes in memory at a time, never a page or a list of
-//! objects; protobuf or JSON, as the server answers), resuming a dropped watch from the last resourceVersion, relisting on
-//! 410 Gone, and backing off on errors without flooding the log.
+//! kproxy's terms). Owns: the initial list, streamed on a watch (`sendInitialEvents`)
+//! where the server offers it, else paged; decoding each object on its own as its
+//! bytes arrive (one object's bytes in memory at a time, never a page or a list of
+//! objects; protobuf or JSON, as the server answers, for lists and watch events alike);
+//! resuming a dropped watch from the last resourceVersion, relisting on 410 Gone,
+//! asking a request refused for load (429) again after its `Retry-After` without
+//! losing the watch's place, and backing off on errors without flooding the log.
 //!
 //! Every object goes out as a [`fold::Input`] carrying the ingested [`Update`] (or why
 //! the object was skipped), over a bounded channel: a slow consumer slows the reader
@@ -100,7 +103,9 @@ enum Stop {
     Broken(String),
     /// The server refused the request for load (429, or a `Retry-After`): retry the same
     /// request, the watch from the same version, not sooner than it asked
-    /// ([`Backoff::throttled`]).
+    /// ([`Backoff::throttled`]). kube's client retries a 429 or 503 up to 15 times
+    /// itself (RetryLayer, `RetryPolicy::server_retry`, sleeping exactly the
+    /// `Retry-After`); this is the refusal that outlasts those retries.
     Throttled {
         retry_after: Option<Duration>,
         error: String,
