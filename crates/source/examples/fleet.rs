@@ -245,7 +245,9 @@ fn slice(name: &str, endpoints: usize, base: u32, first_ready: bool) -> Value {
 /// Creates the namespace, `services` Services with one slice of `endpoints` each, and
 /// the probe; objects already there are kept.
 async fn populate(lab: &Lab, services: usize, endpoints: usize) {
-    let client = source::client(Some(&lab.admin())).await.expect("admin client");
+    let client = source::client(Some(&lab.admin()))
+        .await
+        .expect("admin client");
     let post = |url: String, body: Value| {
         let client = client.clone();
         async move {
@@ -279,21 +281,23 @@ async fn populate(lab: &Lab, services: usize, endpoints: usize) {
         .and_then(|v| v["metadata"]["remainingItemCount"].as_u64())
         .unwrap_or(0) as usize;
     let t0 = Instant::now();
-    let objects = (0..services).skip(existing.saturating_sub(1)).flat_map(|i| {
-        let name = format!("s-{i}");
-        // 10.128.0.0/9: room for 8M endpoint addresses.
-        let base = u32::from(std::net::Ipv4Addr::new(10, 128, 0, 1)) + (i * endpoints) as u32;
-        [
-            (
-                format!("/api/v1/namespaces/{NAMESPACE}/services"),
-                service(&name, 80),
-            ),
-            (
-                format!("/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"),
-                slice(&name, endpoints, base, true),
-            ),
-        ]
-    });
+    let objects = (0..services)
+        .skip(existing.saturating_sub(1))
+        .flat_map(|i| {
+            let name = format!("s-{i}");
+            // 10.128.0.0/9: room for 8M endpoint addresses.
+            let base = u32::from(std::net::Ipv4Addr::new(10, 128, 0, 1)) + (i * endpoints) as u32;
+            [
+                (
+                    format!("/api/v1/namespaces/{NAMESPACE}/services"),
+                    service(&name, 80),
+                ),
+                (
+                    format!("/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"),
+                    slice(&name, endpoints, base, true),
+                ),
+            ]
+        });
     futures::stream::iter(objects)
         .map(|(url, body)| post(url, body))
         .buffer_unordered(16)
@@ -462,9 +466,12 @@ fn measure_flips(
     let t0 = Instant::now();
     for k in 1..=flips {
         flip(lab, k % 2 == 0);
-        wait_every(Duration::from_secs(120), poll, "every node sees the flip", || {
-            seen(k as u64)
-        });
+        wait_every(
+            Duration::from_secs(120),
+            poll,
+            "every node sees the flip",
+            || seen(k as u64),
+        );
     }
     let c1 = lab.apiserver_cpu() - idle_rate * t0.elapsed().as_secs_f64();
     eprintln!(
@@ -619,7 +626,10 @@ fn restart(lab: &Lab, views: &[Arc<NodeView>]) -> Restart {
     std::thread::sleep(Duration::from_secs(3));
     let m = lab.metrics();
     let mut requests = BTreeMap::new();
-    for line in m.lines().filter(|l| l.starts_with("apiserver_request_total{")) {
+    for line in m
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+    {
         let label = |k: &str| {
             line.split_once(&format!("{k}=\""))
                 .and_then(|(_, r)| r.split_once('"'))
@@ -638,18 +648,22 @@ fn restart(lab: &Lab, views: &[Arc<NodeView>]) -> Restart {
             .entry(format!("{} {} {}", label("verb"), resource, label("code")))
             .or_insert(0.0) += v;
     }
-    for line in m
-        .lines()
-        .filter(|l| l.starts_with("apiserver_longrunning_requests{") && l.contains("verb=\"WATCH\""))
-    {
+    for line in m.lines().filter(|l| {
+        l.starts_with("apiserver_longrunning_requests{") && l.contains("verb=\"WATCH\"")
+    }) {
         let resource = line
             .split_once("resource=\"")
             .and_then(|(_, r)| r.split_once('"'))
             .map(|(v, _)| v.to_string())
             .unwrap_or_default();
         if ["services", "endpointslices", "nodes", "servicecidrs"].contains(&resource.as_str()) {
-            let v: f64 = line.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()).unwrap_or(0.0);
-            *requests.entry(format!("open WATCH {resource}")).or_insert(0.0) += v;
+            let v: f64 = line
+                .rsplit_once(' ')
+                .and_then(|(_, v)| v.parse().ok())
+                .unwrap_or(0.0);
+            *requests
+                .entry(format!("open WATCH {resource}"))
+                .or_insert(0.0) += v;
         }
     }
     Restart {
@@ -749,7 +763,9 @@ fn kube_proxy_column(lab: &Lab, binary: &Path, nodes: usize, flips: usize) -> Co
     let changes = || -> Vec<f64> {
         namespaces
             .iter()
-            .map(|ns| metric(ns, "kubeproxy_sync_proxy_rules_endpoint_changes_total").unwrap_or(0.0))
+            .map(|ns| {
+                metric(ns, "kubeproxy_sync_proxy_rules_endpoint_changes_total").unwrap_or(0.0)
+            })
             .collect()
     };
     std::thread::sleep(Duration::from_secs(2));

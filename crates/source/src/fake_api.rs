@@ -214,7 +214,10 @@ impl Resource {
                 true
             })
             .expect("a protobuf watch body (test data)");
-        assert!(framer.at_boundary(), "a whole protobuf watch body (test data)");
+        assert!(
+            framer.at_boundary(),
+            "a whole protobuf watch body (test data)"
+        );
     }
 
     /// The next `n` requests answer 429 Too Many Requests with `Retry-After: seconds`.

@@ -987,10 +987,13 @@ async fn protobuf_lists_from_a_real_api_server_read_as_their_json_does() {
 /// for a protobuf watch would see none of the changes.
 #[tokio::test]
 async fn protobuf_watches_from_a_real_api_server_read_as_their_json_does() {
-    let pages: [&[u8]; 1] = [include_bytes!("../src/kube/testdata/watch-services-list.pb")];
-    let list: Value =
-        serde_json::from_slice(include_bytes!("../src/kube/testdata/watch-services-list.json"))
-            .unwrap();
+    let pages: [&[u8]; 1] = [include_bytes!(
+        "../src/kube/testdata/watch-services-list.pb"
+    )];
+    let list: Value = serde_json::from_slice(include_bytes!(
+        "../src/kube/testdata/watch-services-list.json"
+    ))
+    .unwrap();
     let items = list["items"].as_array().expect("items").clone();
     let setup = |api: &FakeApi, protobuf: bool| {
         if protobuf {
@@ -1056,14 +1059,21 @@ async fn too_many_requests_retries_the_same_request_keeping_the_watch_state() {
         .into_iter()
         .filter(|q| !q.contains_key("watch"))
         .collect();
-    assert_eq!(h.api.services.lists(), 1, "the list started over: {lists:?}");
+    assert_eq!(
+        h.api.services.lists(),
+        1,
+        "the list started over: {lists:?}"
+    );
     assert_eq!(lists.len(), 3, "page 1, page 2 refused, page 2: {lists:?}");
     assert_eq!(lists[1].get("continue"), lists[2].get("continue"));
 
     h.api
         .services
         .event("ADDED", service("later", "20", "10.96.0.20", 81));
-    wait_for(&h, "an event", |s, _| s.services.contains(&"later:81".into())).await;
+    wait_for(&h, "an event", |s, _| {
+        s.services.contains(&"later:81".into())
+    })
+    .await;
     let watches = h.api.services.watches().len();
     h.api.services.throttle(2, 1);
     h.api.services.close();
@@ -1106,13 +1116,22 @@ async fn streamed_lists_where_offered_paged_lists_where_refused() {
     .await;
     assert_eq!(h.api.services.lists(), 0, "Services listed in pages");
     let first = &h.api.services.watches()[0];
-    assert_eq!(first.get("sendInitialEvents").map(String::as_str), Some("true"));
+    assert_eq!(
+        first.get("sendInitialEvents").map(String::as_str),
+        Some("true")
+    );
     assert_eq!(
         first.get("resourceVersionMatch").map(String::as_str),
         Some("NotOlderThan")
     );
     assert_eq!(first.get("resourceVersion").map(String::as_str), Some(""));
-    assert_eq!(h.api.slices.refused_watch_lists.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        h.api
+            .slices
+            .refused_watch_lists
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
     assert_eq!(h.api.slices.lists(), 1);
 
     // The same watch goes on past the initial events.
@@ -1135,11 +1154,20 @@ async fn streamed_lists_where_offered_paged_lists_where_refused() {
     })
     .await;
     let again = &h.api.services.watches()[1];
-    assert_eq!(again.get("sendInitialEvents").map(String::as_str), Some("true"));
+    assert_eq!(
+        again.get("sendInitialEvents").map(String::as_str),
+        Some("true")
+    );
     assert_eq!(h.api.services.lists(), 0);
 
     // A relist of slices after 410 does not ask for a streamed list again.
     h.api.slices.event("ERROR", gone());
     wait_server(&h, "a second slice list", |api| api.slices.lists() == 2).await;
-    assert_eq!(h.api.slices.refused_watch_lists.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        h.api
+            .slices
+            .refused_watch_lists
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
 }

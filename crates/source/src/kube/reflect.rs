@@ -360,7 +360,17 @@ pub async fn run(
             None if stream_lists => {
                 let mut rv = String::new();
                 let start = Start::InitialEvents;
-                let stop = watch(&client, &request, &target, &decoder, &tx, start, &mut rv, &mut backoff).await;
+                let stop = watch(
+                    &client,
+                    &request,
+                    &target,
+                    &decoder,
+                    &tx,
+                    start,
+                    &mut rv,
+                    &mut backoff,
+                )
+                .await;
                 // Past the initial events the watch went on as any other: resume it.
                 if !rv.is_empty() {
                     version = Some(rv);
@@ -373,7 +383,16 @@ pub async fn run(
                 }
                 stop
             }
-            None => match list(&client, &request, &target, &decoder, &tx, Some(&mut backoff)).await {
+            None => match list(
+                &client,
+                &request,
+                &target,
+                &decoder,
+                &tx,
+                Some(&mut backoff),
+            )
+            .await
+            {
                 Ok(rv) => {
                     backoff.succeeded(kind);
                     if backoff.settle_return(&tx, kind).await.is_err() {
@@ -386,7 +405,17 @@ pub async fn run(
             },
             Some(rv) => {
                 let start = Start::Version;
-                watch(&client, &request, &target, &decoder, &tx, start, rv, &mut backoff).await
+                watch(
+                    &client,
+                    &request,
+                    &target,
+                    &decoder,
+                    &tx,
+                    start,
+                    rv,
+                    &mut backoff,
+                )
+                .await
             }
         };
         match stop {
@@ -649,7 +678,8 @@ async fn refused(
         Err(Stop::Relist(format!("410 Gone: {message}")))
     } else if code == http::StatusCode::TOO_MANY_REQUESTS || retry_after.is_some() {
         Err(Stop::Throttled { retry_after, error })
-    } else if code == http::StatusCode::BAD_REQUEST || code == http::StatusCode::UNPROCESSABLE_ENTITY
+    } else if code == http::StatusCode::BAD_REQUEST
+        || code == http::StatusCode::UNPROCESSABLE_ENTITY
     {
         Err(Stop::Invalid(error))
     } else {
@@ -855,7 +885,10 @@ enum Start {
 /// arrive (from [`Start::InitialEvents`], only once they have all arrived: until then
 /// `rv` stays empty). Services and EndpointSlices are watched in protobuf when the
 /// target asks for protobuf ([`proto`]), the rest in JSON.
-#[expect(clippy::too_many_arguments, reason = "the watch loop's context, passed down once")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the watch loop's context, passed down once"
+)]
 async fn watch(
     client: &kube::Client,
     request: &kube::core::Request,
@@ -956,10 +989,10 @@ async fn watch(
         });
         for input in events.drain(..) {
             let done = matches!(input, Some(Input::InitDone));
-            if let Some(input) = input {
-                if let Err(stop) = send_received(tx, kind, input, received).await {
-                    return stop;
-                }
+            if let Some(input) = input
+                && let Err(stop) = send_received(tx, kind, input, received).await
+            {
+                return stop;
             }
             if done {
                 backoff.succeeded(kind);
