@@ -537,7 +537,7 @@ async fn list(
             .send(req.map(kube::client::Body::from))
             .await
             .map_err(api_error)?;
-        let res = match (refused(res).await, backoff.as_deref_mut()) {
+        let res = match (refused("list", res).await, backoff.as_deref_mut()) {
             (Ok(res), _) => res,
             (Err(Stop::Throttled { retry_after, error }), Some(backoff)) => {
                 backoff.throttled(kind, "list", retry_after, &error).await;
@@ -650,6 +650,7 @@ fn page_item(
 /// protobuf (a 410 Gone relists; a 429, or any refusal with a `Retry-After`, is
 /// [`Stop::Throttled`]), else the HTTP status alone.
 async fn refused(
+    what: &str,
     res: http::Response<kube::client::Body>,
 ) -> Result<http::Response<kube::client::Body>, Stop> {
     use http_body_util::BodyExt;
@@ -673,7 +674,7 @@ async fn refused(
             .map(|s| s.message)
             .unwrap_or_else(|_| String::from_utf8_lossy(&body).trim().to_string()),
     };
-    let error = format!("refused: {code}: {message}");
+    let error = format!("{what} refused: {code}: {message}");
     if code == http::StatusCode::GONE {
         Err(Stop::Relist(format!("410 Gone: {message}")))
     } else if code == http::StatusCode::TOO_MANY_REQUESTS || retry_after.is_some() {
@@ -923,7 +924,7 @@ async fn watch(
         Ok(r) => r,
         Err(e) => return api_error(e),
     };
-    let res = match refused(res).await {
+    let res = match refused("watch", res).await {
         Ok(r) => r,
         Err(stop) => return stop,
     };
