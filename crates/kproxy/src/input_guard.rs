@@ -129,7 +129,9 @@ mod tests {
             empty: true,
             partial: true,
         };
-        let rows: [(Input, Option<(usize, usize)>, Allow, bool, Option<Refusal>); 10] = [
+        /// input, what the kernel holds more, what is allowed, `lost_needs_kernel`, want.
+        type Row = (Input, Option<(usize, usize)>, Allow, bool, Option<Refusal>);
+        let rows: [Row; 10] = [
             (ok, more, none, true, None),
             (
                 empty,
