@@ -1275,7 +1275,13 @@ mod tests {
         let h = start(0, &[], None);
         *h.kernel_more.lock().unwrap() = Some((12, 3));
         h.handle.mark_ready();
-        h.until_seen(&Seen::InputHeld(true)).await;
+        // Bounded (paused time): without the guard the first sync programs instead.
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            h.until_seen(&Seen::InputHeld(true)),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("never held: {:?}", h.log.0.lock().unwrap()));
         h.kernel_changed();
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(h.log.syncs(), 0, "{:?}", h.log.0.lock().unwrap());
