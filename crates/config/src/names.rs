@@ -34,7 +34,13 @@ mod tests {
 
     #[test]
     fn table_names_are_identifiers_and_not_keywords() {
-        for ok in ["kproxy", "kproxy_test-1", "K"] {
+        for ok in [
+            "kproxy",
+            "kproxy_test-1",
+            "K",
+            "kube-proxyish",
+            "kube_proxy",
+        ] {
             assert_eq!(parse_nft_table_name(ok).as_deref(), Ok(ok));
         }
         for bad in [
@@ -47,6 +53,9 @@ mod tests {
             "a b",
             "a;b",
             &"x".repeat(33),
+            "kube-proxy",
+            "Kube-Proxy",
+            "kube-proxy-canary",
         ] {
             assert!(parse_nft_table_name(bad).is_err(), "{bad:?}");
         }

@@ -220,8 +220,21 @@ pub fn check_nft_table_name(s: &str) -> Result<(), String> {
             "table name {s:?}: want 1-32 of [A-Za-z0-9_-], starting with a letter"
         ));
     }
-    if NFT_KEYWORDS.contains(&s.to_ascii_lowercase().as_str()) {
+    let lower = s.to_ascii_lowercase();
+    if NFT_KEYWORDS.contains(&lower.as_str()) {
         return Err(format!("table name {s:?} is an nft keyword"));
+    }
+    // kube-proxy's own: the takeover removes them as kube-proxy's (kproxy then removed
+    // its freshly programmed tables 80 ms after writing them).
+    let kube_proxy = crate::takeover::NFT_TABLE;
+    if lower == kube_proxy
+        || lower
+            .strip_prefix(kube_proxy)
+            .is_some_and(|rest| rest.starts_with('-'))
+    {
+        return Err(format!(
+            "table name {s:?} is kube-proxy's ({kube_proxy}, {kube_proxy}-*): kproxy would remove it as kube-proxy's rules"
+        ));
     }
     Ok(())
 }

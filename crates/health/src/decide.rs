@@ -64,6 +64,10 @@ pub struct ProxyHealth {
     pub kernel: KernelRules,
     /// The conntrack table is full: the node cannot accept new Service connections.
     pub conntrack_full: bool,
+    /// kproxy holds its first sync back: the input is empty, or lost objects to a
+    /// file that could not be read or parsed, while its tables hold Services from an
+    /// earlier run (docs/input.md).
+    pub input_held: bool,
 }
 
 /// What the kernel holds of kproxy's tables, as the kernel watch (kproxy-nft's
@@ -98,6 +102,7 @@ impl ProxyHealth {
             consecutive_failures: 0,
             kernel: KernelRules::Intact,
             conntrack_full: false,
+            input_held: false,
         }
     }
 
@@ -261,6 +266,7 @@ pub fn proxy_answer(
                 && health.applied_once
                 && health.kernel != KernelRules::TablesMissing
                 && !health.conntrack_full
+                && !health.input_held
         }
     };
     let last = rfc3339(health.last_updated());
@@ -299,6 +305,7 @@ pub fn proxy_answer(
         );
         body.insert("kernelRules".into(), health.kernel.as_str().into());
         body.insert("conntrackFull".into(), health.conntrack_full.into());
+        body.insert("inputHeld".into(), health.input_held.into());
     }
     Answer {
         status: if ok { 200 } else { 503 },

@@ -234,6 +234,8 @@ pub struct Listening {
 struct Observed {
     checks: BTreeMap<ServiceName, Listening>,
     healthz: Vec<SocketAddr>,
+    /// A healthz address (or its `[::]` companion) is held by another process.
+    healthz_in_use: bool,
 }
 
 struct Control {
@@ -313,7 +315,9 @@ impl Health {
             h
         });
         if let Some(h) = &healthz {
-            lock(&ctl.observed).healthz = h.bound_addrs();
+            let mut o = lock(&ctl.observed);
+            o.healthz = h.bound_addrs();
+            o.healthz_in_use = h.in_use();
         }
         let task = tokio::spawn(reconcile_loop(shared.clone(), ctl.clone(), healthz));
         *lock(&ctl.task) = Some(task);
@@ -419,6 +423,14 @@ impl Health {
         }
     }
 
+    /// kproxy holds its first sync back (`true`): the input is empty or lost objects
+    /// while its tables hold Services; truthful `/healthz` answers 503 meanwhile
+    /// (docs/health.md).
+    pub fn input_held(&self, held: bool) {
+        lock(&self.shared.core).health.input_held = held;
+        self.kick();
+    }
+
     /// kproxy restored its tables after [`Health::kernel_changed`].
     pub fn kernel_repaired(&self) {
         lock(&self.shared.core).health.kernel_repaired();
@@ -444,6 +456,14 @@ impl Health {
     /// disabled or not bound (yet).
     pub fn healthz_addrs(&self) -> Vec<SocketAddr> {
         lock(&self.ctl.observed).healthz.clone()
+    }
+
+    /// Whether another process holds one of the `healthzBindAddress` sockets (the
+    /// address itself, or the `[::]` companion of `0.0.0.0`): its last bind failed
+    /// with "address in use". A kube-proxy holding only `0.0.0.0:10256` left kproxy
+    /// serving on `[::]:10256` alone, and the takeover took that for no kube-proxy.
+    pub fn healthz_in_use(&self) -> bool {
+        lock(&self.ctl.observed).healthz_in_use
     }
 
     /// Waits until the reconciler has acted on every call made before this one.
@@ -503,6 +523,8 @@ struct HealthzSlot {
     bound: Option<SocketAddr>,
     retry: Option<Retry>,
     unavailable: bool,
+    /// The last bind failed: the address is in use.
+    in_use: bool,
 }
 
 struct HealthzServer {
@@ -539,6 +561,7 @@ impl HealthzServer {
             bound: None,
             retry: None,
             unavailable: false,
+            in_use: false,
         };
         let mut slots = vec![slot(addr, false)];
         // Port 0 (tests) would give the two sockets different ports: IPv4 only then.
@@ -565,6 +588,7 @@ impl HealthzServer {
                     slot.bound = Some(l.local_addr().unwrap_or(slot.want));
                     self.server.serve(l);
                     slot.retry = None;
+                    slot.in_use = false;
                     tracing::info!(address = %slot.want, "serving /healthz and /livez");
                 }
                 Err(e) if slot.companion && e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
@@ -573,12 +597,17 @@ impl HealthzServer {
                 }
                 Err(e) => {
                     shared.metrics.healthz_bind_failures.inc();
+                    slot.in_use = e.kind() == std::io::ErrorKind::AddrInUse;
                     let r = Retry::after_failure(slot.retry);
                     tracing::warn!(address = %slot.want, error = %e, attempt = r.attempts + 1, "cannot bind healthzBindAddress; retrying");
                     slot.retry = Some(r);
                 }
             }
         }
+    }
+
+    fn in_use(&self) -> bool {
+        self.slots.iter().any(|s| s.bound.is_none() && s.in_use)
     }
 
     fn bound_addrs(&self) -> Vec<SocketAddr> {
@@ -982,6 +1011,7 @@ impl Reconciler {
                 .as_ref()
                 .map(HealthzServer::bound_addrs)
                 .unwrap_or_default();
+            o.healthz_in_use = self.healthz.as_ref().is_some_and(HealthzServer::in_use);
         }
         self.ctl.done.send_replace(generation);
     }

@@ -638,6 +638,30 @@ fn healthz_wildcard_serves_both_families() {
     });
 }
 
+/// Another process holding only `0.0.0.0:10256` (a kube-proxy) left kproxy serving
+/// `[::]:10256` alone, and the takeover, which asks whether the port is held, saw none.
+#[test]
+fn a_healthz_address_held_by_another_process_is_reported_even_when_the_companion_binds() {
+    if !kproxy_test_support::root("network namespaces") {
+        return;
+    }
+    in_netns(|| async {
+        let blocker = std::net::TcpListener::bind("0.0.0.0:10256").unwrap();
+        let mut registry = Registry::default();
+        let cfg = HealthConfig {
+            semantics: Semantics::Upstream,
+            ..HealthConfig::default()
+        };
+        let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0()))
+            .await
+            .unwrap();
+        assert_eq!(h.healthz_addrs(), vec!["[::]:10256".parse().unwrap()]);
+        assert!(h.healthz_in_use());
+        drop(blocker);
+        h.shutdown().await;
+    });
+}
+
 /// A change that reaches the cluster state but is never planned (a sync loop that
 /// stopped taking changes) turns the proxy unhealthy 2 × syncPeriod after it arrived,
 /// as upstream's `QueuedUpdate` from the informer handlers does; a later change does

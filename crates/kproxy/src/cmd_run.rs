@@ -82,6 +82,16 @@ pub struct Args {
     /// while a kube-proxy runs.
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = takeover_parser())]
     pub kube_proxy_takeover: TakeoverMode,
+    /// Program the first sync even when the input holds no Service while kproxy's
+    /// tables hold Services from an earlier run (their rules are then removed). Without
+    /// it, such a start keeps the tables, logs an error and answers 503 on `/healthz`
+    /// until the input holds a Service (docs/input.md).
+    #[arg(long)]
+    pub allow_empty: bool,
+    /// Program the first sync even when a manifest file or document could not be read
+    /// or parsed while kproxy's tables hold Services from an earlier run.
+    #[arg(long)]
+    pub allow_partial: bool,
 }
 
 /// `--kube-proxy-takeover`: the names are kproxy-core's ([`TakeoverMode::NAMES`]).
@@ -134,6 +144,7 @@ impl daemon::Dataplane for NftDataplane {
             // An adoption (a process's first sync into tables it found, sending only
             // the difference) reconciles the whole state, as a full sync does.
             full: r.full || r.adopted,
+            unchanged: false,
             conntrack_deleted: r.conntrack_deleted,
             detail: serde_json::json!({
                 "nft_ms": r.elapsed.as_secs_f64() * 1e3,
@@ -156,10 +167,15 @@ impl daemon::Dataplane for NftDataplane {
         Ok(self.0.verify().context("verifying nftables")?.drift)
     }
 
+    fn kernel_holds_more(&mut self, plan: &NodePlan) -> Option<(usize, usize)> {
+        crate::input_guard::kernel_holds_more(plan, self.0.config())
+    }
+
     fn repair(&mut self, plan: &NodePlan) -> Result<SyncOutcome> {
         let r = self.0.repair(plan).context("repairing nftables")?;
         Ok(SyncOutcome {
             full: r.full,
+            unchanged: r.adopted && r.changes.is_empty(),
             conntrack_deleted: r.conntrack_deleted,
             detail: serde_json::json!({
                 "nft_ms": r.elapsed.as_secs_f64() * 1e3,
@@ -355,6 +371,15 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         verify_period: args.verify_period,
         event_log: args.event_log.clone(),
         changes,
+        allow: crate::input_guard::Allow {
+            empty: args.allow_empty,
+            partial: args.allow_partial,
+        },
+        input_name: match &args.manifests {
+            Some(p) => format!("the manifests in {}", p.display()),
+            None => "the API server's lists".to_string(),
+        },
+        table: args.nft.nft_table.clone(),
     };
     // Subscribed before the first sync, so nothing another process does after it is
     // missed; a node without the notification group still runs (the periodic

@@ -43,38 +43,32 @@ pub struct Args {
     pub allow_empty: bool,
 }
 
-/// Rules and set elements of kproxy's tables in the kernel beyond what `plan` (which has
-/// no Service) would leave, when there are any; `None` when the tables are absent,
-/// unreadable or hold no more.
-fn kernel_holds_more(
-    plan: &kproxy_core::NodePlan,
-    cfg: &DataplaneConfig,
-) -> Option<(usize, usize)> {
-    let desired = kproxy_nft::desired(plan, cfg);
-    let mut more = (0, 0);
-    for (family, want) in ["ip", "ip6"].into_iter().zip(&desired) {
-        let Ok(Some(raw)) = kproxy_nft::dump::read_table(family, &cfg.table) else {
-            continue;
-        };
-        let rules: usize = want.chains.values().map(|c| c.rules.len()).sum();
-        let elements: usize = want.sets.values().map(|s| s.elements.len()).sum();
-        more.0 += raw.rule_count().saturating_sub(rules);
-        more.1 += raw.element_count().saturating_sub(elements);
-    }
-    (more != (0, 0)).then_some(more)
-}
-
 pub fn run(args: Args) -> Result<ExitCode> {
     if !args.once && !args.dry_run {
         bail!("`kproxy sync` needs --once or --dry-run (the daemon is `kproxy run`)");
     }
     let config = args.source.proxy_config()?;
     let (plan, input) = args.source.plan_report(&config.plan)?;
-    if input.lost && !args.allow_partial && !args.dry_run {
+    let allow = crate::input_guard::Allow {
+        empty: args.allow_empty,
+        partial: args.allow_partial,
+    };
+    let manifests = format!("the manifests in {}", args.source.manifests.display());
+    let refuse = |r: crate::input_guard::Refusal| {
         eprintln!(
-            "kproxy: not programming: some manifests could not be read or parsed, and the rules in place may hold their objects (--allow-partial programs anyway)"
+            "kproxy: not programming: {}",
+            r.message(&manifests, &args.nft.nft_table)
         );
-        return Ok(ExitCode::from(2));
+        Ok(ExitCode::from(2))
+    };
+    let lost = crate::input_guard::Input {
+        empty: false,
+        lost: input.lost,
+    };
+    if !args.dry_run
+        && let Some(r) = crate::input_guard::refusal(lost, None, allow, false)
+    {
+        return refuse(r);
     }
     // A frontend conflict dropped a frontend of the loser: as good as a skipped piece of
     // it, and named, since manifests without creationTimestamp decide by name order.
@@ -108,14 +102,17 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     if plan.services.is_empty()
         && !args.allow_empty
-        && let Some((rules, elements)) = kernel_holds_more(&plan, &dp_config)
+        && let Some(r) = crate::input_guard::refusal(
+            crate::input_guard::Input {
+                empty: true,
+                lost: false,
+            },
+            crate::input_guard::kernel_holds_more(&plan, &dp_config),
+            allow,
+            false,
+        )
     {
-        eprintln!(
-            "kproxy: not programming: the manifests in {} hold no Service, and kproxy's tables ({}) hold {rules} rules and {elements} set elements more than an empty input leaves; an empty or cut-short input must not wipe them (--allow-empty programs anyway)",
-            args.source.manifests.display(),
-            args.nft.nft_table
-        );
-        return Ok(ExitCode::from(2));
+        return refuse(r);
     }
     let mut dp = Dataplane::new(dp_config).context("setting up the nftables dataplane")?;
     // One process, one sync: a full one (there is no record yet).

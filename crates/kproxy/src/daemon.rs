@@ -43,11 +43,17 @@ pub trait Dataplane: Send + 'static {
     /// Restores what another process changed, from what was programmed (`plan`, the
     /// plan last programmed, when nothing is). Blocking.
     fn repair(&mut self, plan: &NodePlan) -> Result<SyncOutcome>;
+    /// Rules and set elements that kproxy's tables in the kernel hold beyond what `plan`
+    /// without its Services leaves ([`crate::input_guard::kernel_holds_more`]); `None`
+    /// when the tables are absent or hold no more. Blocking.
+    fn kernel_holds_more(&mut self, plan: &NodePlan) -> Option<(usize, usize)>;
 }
 
 #[derive(Debug, Default, Clone)]
 pub struct SyncOutcome {
     pub full: bool,
+    /// A repair that found kproxy's tables equal to its record: nothing was sent.
+    pub unchanged: bool,
     pub conntrack_deleted: usize,
     /// Free-form counts for the event log (chains, elements, ...).
     pub detail: serde_json::Value,
@@ -62,6 +68,9 @@ pub trait HealthSink: Send + Sync + 'static {
     fn sync_failed(&self);
     /// The dataplane restored what another process changed in the kernel.
     fn kernel_repaired(&self);
+    /// The first sync was held back (`true`): the input is empty or lost objects while
+    /// kproxy's tables hold Services ([`crate::input_guard`]); `false` once programmed.
+    fn input_held(&self, held: bool);
 }
 
 impl HealthSink for kproxy_health::Health {
@@ -77,6 +86,9 @@ impl HealthSink for kproxy_health::Health {
     fn kernel_repaired(&self) {
         kproxy_health::Health::kernel_repaired(self);
     }
+    fn input_held(&self, held: bool) {
+        kproxy_health::Health::input_held(self, held);
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -90,6 +102,12 @@ pub struct LoopConfig {
     pub event_log: Option<PathBuf>,
     /// Noted by the source's update hook; read by each sync.
     pub changes: ChangeClock,
+    /// What the first sync may program over kproxy's tables ([`crate::input_guard`]).
+    pub allow: crate::input_guard::Allow,
+    /// The input, for the guard's message: the manifests' path, or the API.
+    pub input_name: String,
+    /// kproxy's table name, for the guard's message.
+    pub table: String,
 }
 
 /// The oldest change not yet taken by a sync: when the source received it (a watch
@@ -286,6 +304,11 @@ pub struct SyncLoop<D, H> {
     unapplied: PlanUpdate,
     /// Other processes' changes to the tables, to repair ([`SyncLoop::watch_kernel`]).
     kernel: Option<KernelWatch>,
+    /// A sync has succeeded in this process: the guard ([`crate::input_guard`]) no
+    /// longer applies, the source's last-known-good keeps what it read.
+    programmed_once: bool,
+    /// Why the first sync is held back, while it is.
+    held: Option<crate::input_guard::Refusal>,
 }
 
 const ENGINE_HOME: &str = "the engine is home between blocking calls";
@@ -293,7 +316,11 @@ const ENGINE_HOME: &str = "the engine is home between blocking calls";
 /// How one sync attempt ended.
 enum Attempt {
     Synced,
-    Failed { retry_in: Duration },
+    Failed {
+        retry_in: Duration,
+    },
+    /// Not programmed: the input guard refused the state; the next change retries.
+    Held,
 }
 
 impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
@@ -322,6 +349,8 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             failures: 0,
             unapplied: PlanUpdate::default(),
             kernel: None,
+            programmed_once: false,
+            held: None,
         })
     }
 
@@ -351,7 +380,15 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                     // Before a change: a delta sync into tables another process removed
                     // fails, and only then would the repair run.
                     repair = KernelWatch::next(&mut self.kernel) => {
-                        self.repair_kernel(repair).await;
+                        if self.held.is_some() {
+                            // Nothing programmed yet: no record to repair from, and the
+                            // plan is the refused one. The guard decides again on what
+                            // the kernel now holds.
+                            let attempt = self.sync().await;
+                            self.repaired_by_sync(repair, matches!(attempt, Attempt::Synced));
+                        } else {
+                            self.repair_kernel(repair).await;
+                        }
                         continue;
                     }
                     _ = self.handle.changed() => {
@@ -477,6 +514,10 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             .on_engine(|e| e.dataplane.repair(e.planner.plan()))
             .await;
         let detail = match res {
+            Ok(outcome) if outcome.unchanged => {
+                self.found_unchanged(repair);
+                return;
+            }
             Ok(outcome) => Some(outcome.detail),
             Err(e) => {
                 tracing::error!(
@@ -487,6 +528,30 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             }
         };
         self.repaired(repair, detail, "kproxy's nftables tables repaired");
+    }
+
+    /// A repair's comparison found kproxy's tables equal to the record (notifications
+    /// lost to other tables' churn, or a change undone before the repair): no repair was
+    /// made, so none is counted or logged as one, and the watch takes no backoff step
+    /// (an overflow from foreign churn logged "Services on this node are broken" and
+    /// delayed the repair of a real flush after it by 25.6 s).
+    fn found_unchanged(&mut self, repair: kernel_watch::Repair) {
+        self.health.kernel_repaired();
+        tracing::info!(
+            events = repair.events,
+            process = repair.interference.as_ref().map(|i| i.process.as_str()),
+            "kproxy's nftables tables equal what it programmed: nothing to repair"
+        );
+        self.events.emit(
+            "kernel_unchanged",
+            json!({
+                "events": repair.events,
+                "process": repair.interference.as_ref().map(|i| &i.process),
+            }),
+        );
+        if let Some(w) = self.kernel.as_mut() {
+            w.found_unchanged();
+        }
     }
 
     /// A full sync ran in place of the owed `repair` (after a sync that met another
@@ -554,6 +619,9 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         self.pacer.started(start);
         self.plan_changes();
         let planned = Instant::now();
+        if !self.programmed_once && self.hold_input().await {
+            return Attempt::Held;
+        }
 
         let unapplied = std::mem::take(&mut self.unapplied);
         let (unapplied, res) = self
@@ -580,6 +648,52 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             }
             Err(e) => self.sync_failed(&e, unapplied),
         }
+    }
+
+    /// Before this process's first successful sync: whether the input guard refuses the
+    /// plan ([`crate::input_guard`]). A refusal keeps the tables as they are, is logged
+    /// (again only when its reason changes), and health hears of it; the changes stay
+    /// owed, so the next change (or syncPeriod) decides again.
+    async fn hold_input(&mut self) -> bool {
+        let lost = self.handle.input_lost();
+        let empty = self
+            .engine
+            .as_ref()
+            .expect(ENGINE_HOME)
+            .planner
+            .plan()
+            .services
+            .is_empty();
+        let allow = self.cfg.allow;
+        let input = crate::input_guard::Input { empty, lost };
+        let refusal = if (empty && !allow.empty) || (lost && !allow.partial) {
+            let kernel = self
+                .on_engine(|e| e.dataplane.kernel_holds_more(e.planner.plan()))
+                .await;
+            crate::input_guard::refusal(input, kernel, allow, true)
+        } else {
+            None
+        };
+        if refusal == self.held {
+            return refusal.is_some();
+        }
+        match refusal {
+            Some(r) => {
+                let message = r.message(&self.cfg.input_name, &self.cfg.table);
+                tracing::error!(
+                    "not programming; kproxy's tables stay as they are until the input is whole: {message}"
+                );
+                self.events
+                    .emit("input_held", json!({ "reason": message, "flag": r.flag() }));
+                self.health.input_held(true);
+            }
+            None => {
+                tracing::info!("the input is whole again: programming");
+                self.health.input_held(false);
+            }
+        }
+        self.held = refusal;
+        refusal.is_some()
     }
 
     /// The planning phase of a sync: the planner takes the state's changes, health
@@ -619,6 +733,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     /// follow the applied plan; the log and the event log say what changed.
     fn synced(&mut self, outcome: &SyncOutcome, unapplied: &PlanUpdate, t: &SyncTiming) {
         self.failures = 0;
+        self.programmed_once = true;
         let metrics = &self.metrics;
         for (stage, secs) in t.stages.iter().flatten() {
             metrics
@@ -870,6 +985,7 @@ mod tests {
             services: usize,
         },
         KernelRepaired,
+        InputHeld(bool),
     }
 
     #[derive(Clone)]
@@ -901,6 +1017,10 @@ mod tests {
         fail: VecDeque<bool>,
         synced_once: bool,
         gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
+        /// What the kernel's tables hold beyond an empty input (set by the test).
+        kernel_more: Arc<Mutex<Option<(usize, usize)>>>,
+        /// Repairs find the kernel equal to the record (set by the test).
+        repairs_unchanged: Arc<std::sync::atomic::AtomicBool>,
     }
 
     impl Dataplane for FakeDataplane {
@@ -935,7 +1055,15 @@ mod tests {
             self.log.push(Seen::Repaired {
                 services: plan.services.len(),
             });
-            Ok(SyncOutcome::default())
+            Ok(SyncOutcome {
+                unchanged: self
+                    .repairs_unchanged
+                    .load(std::sync::atomic::Ordering::SeqCst),
+                ..SyncOutcome::default()
+            })
+        }
+        fn kernel_holds_more(&mut self, _plan: &NodePlan) -> Option<(usize, usize)> {
+            *self.kernel_more.lock().unwrap()
         }
     }
 
@@ -954,6 +1082,9 @@ mod tests {
         fn kernel_repaired(&self) {
             self.0.push(Seen::KernelRepaired);
         }
+        fn input_held(&self, held: bool) {
+            self.0.push(Seen::InputHeld(held));
+        }
     }
 
     fn service(i: usize) -> kproxy_core::model::Service {
@@ -970,6 +1101,10 @@ mod tests {
         handle: StateHandle,
         /// Feeds the loop's kernel watch, as the nftables notifications would.
         kernel: tokio::sync::mpsc::UnboundedSender<crate::kernel_watch::Detected>,
+        /// What the fake kernel's tables hold beyond an empty input.
+        kernel_more: Arc<Mutex<Option<(usize, usize)>>>,
+        /// The fake's repairs find the kernel equal to the record.
+        repairs_unchanged: Arc<std::sync::atomic::AtomicBool>,
         stop: CancellationToken,
         task: tokio::task::JoinHandle<Result<FakeDataplane>>,
     }
@@ -992,6 +1127,8 @@ mod tests {
     ) -> Harness {
         let log = Log(Arc::default(), Instant::now());
         let handle = StateHandle::new();
+        let kernel_more = Arc::new(Mutex::new(None));
+        let repairs_unchanged = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let cfg = LoopConfig {
             node_name: synthetic::node_name(0),
             plan: PlanConfig::default(),
@@ -1000,6 +1137,9 @@ mod tests {
             verify_period: Duration::from_secs(7200),
             event_log,
             changes: ChangeClock::default(),
+            allow: crate::input_guard::Allow::default(),
+            input_name: "m".into(),
+            table: "kproxy".into(),
         };
         // As `kproxy run` wires it: the source's updates note the changes' time.
         let clock = cfg.changes.clone();
@@ -1009,6 +1149,8 @@ mod tests {
             fail: fail.iter().copied().collect(),
             synced_once: false,
             gate,
+            kernel_more: kernel_more.clone(),
+            repairs_unchanged: repairs_unchanged.clone(),
         };
         let mut registry = Registry::default();
         let metrics = Metrics::register(&mut registry);
@@ -1029,6 +1171,8 @@ mod tests {
             registry,
             handle,
             kernel,
+            kernel_more,
+            repairs_unchanged,
             stop,
             task,
         }
@@ -1069,6 +1213,128 @@ mod tests {
             self.stop.cancel();
             self.task.await.unwrap().unwrap()
         }
+    }
+
+    /// Notifications lost to other tables' churn, compared and found equal, took a
+    /// backoff step each: the next (real) change was repaired only after seconds, with
+    /// a false "Services on this node are broken" warning. Equal is no repair: no
+    /// step, no count; a real change after them is repaired at once.
+    #[tokio::test(start_paused = true)]
+    async fn lost_notifications_found_equal_take_no_backoff_step() {
+        let h = start(0, &[], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        h.repairs_unchanged
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let repairs = |h: &Harness| {
+            h.log
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|s| matches!(s, Seen::Repaired { .. }))
+                .count()
+        };
+        for round in 1..=5 {
+            h.kernel_changed();
+            while repairs(&h) < round {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let compared_at = h.log.ms();
+        h.repairs_unchanged
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        h.kernel_changed();
+        while repairs(&h) < 6 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let repaired_after = h.log.ms() - compared_at;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let (_, text) = h.finish().await;
+        // 1 ms: `until_seen` polls in 1 ms steps.
+        assert!(
+            repaired_after <= 1,
+            "repaired {repaired_after} ms after the change"
+        );
+        assert!(compared_at <= 10, "five comparisons took {compared_at} ms");
+        assert_repaired_once(&text);
+        assert!(
+            text.contains("kproxy_kernel_interference_backoff_seconds 0.0"),
+            "{text}"
+        );
+    }
+
+    /// A restart on an empty input (a 0-byte file, an emptied directory, a volume not
+    /// yet populated) wiped every Service 8 ms after start. While kproxy's tables hold
+    /// Services, the first sync of an empty input (or of one that lost objects to a
+    /// parse failure) is held: nothing programmed, health told; a kernel change meanwhile
+    /// is not "repaired" from the refused plan; the first Service programs.
+    #[tokio::test(start_paused = true)]
+    async fn a_start_on_empty_or_lost_input_keeps_the_tables_until_the_input_is_whole() {
+        let h = start(0, &[], None);
+        *h.kernel_more.lock().unwrap() = Some((12, 3));
+        h.handle.mark_ready();
+        // Bounded (paused time): without the guard the first sync programs instead.
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            h.until_seen(&Seen::InputHeld(true)),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("never held: {:?}", h.log.0.lock().unwrap()));
+        h.kernel_changed();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(h.log.syncs(), 0, "{:?}", h.log.0.lock().unwrap());
+        // A parse failure: a Service read, others maybe lost.
+        h.handle.set_input_lost(true);
+        h.add(0);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(h.log.syncs(), 0, "{:?}", h.log.0.lock().unwrap());
+        h.handle.set_input_lost(false);
+        h.add(1);
+        h.until_syncs(1).await;
+        let seen = h.log.take();
+        h.stop().await;
+        assert!(
+            !seen.iter().any(|s| matches!(s, Seen::Repaired { .. })),
+            "{seen:?}"
+        );
+        let held: Vec<&Seen> = seen
+            .iter()
+            .filter(|s| matches!(s, Seen::InputHeld(_)))
+            .collect();
+        // Held for the empty input, again (another reason) for the lost one, then not.
+        assert_eq!(
+            held,
+            [
+                &Seen::InputHeld(true),
+                &Seen::InputHeld(true),
+                &Seen::InputHeld(false)
+            ],
+            "{seen:?}"
+        );
+        assert!(matches!(seen.last(), Some(Seen::Applied(_))), "{seen:?}");
+        assert!(
+            seen.iter().any(|s| matches!(
+                s,
+                Seen::Sync {
+                    full: true,
+                    services: 2,
+                    ..
+                }
+            )),
+            "{seen:?}"
+        );
+    }
+
+    /// With kproxy's tables absent (or holding no Service) an empty start has nothing to
+    /// lose: it programs (`--allow-empty` is the pure guard's, `input_guard`'s tests).
+    #[tokio::test(start_paused = true)]
+    async fn an_empty_start_without_services_in_the_tables_programs() {
+        let h = start(0, &[], None);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        h.stop().await;
     }
 
     /// Another process's change, as the kernel watch reports it, is repaired from the

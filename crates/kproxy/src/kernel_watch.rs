@@ -185,6 +185,13 @@ impl KernelWatch {
         self.owed.is_some()
     }
 
+    /// The repair's comparison found the tables equal to the record: nothing was
+    /// repaired, so no backoff step (lost notifications from other tables' churn are
+    /// not a process fighting kproxy).
+    pub fn found_unchanged(&mut self) {
+        self.metrics.kernel_repair_backoff.set(0.0);
+    }
+
     /// The repair ran (`ok`), or failed and is owed again, after the backoff.
     pub fn repaired(&mut self, repair: Repair, ok: bool) {
         self.backoff.repaired();

@@ -13,6 +13,7 @@ mod cmd_trace;
 mod common;
 mod daemon;
 mod fdlimit;
+mod input_guard;
 mod kernel_limits;
 mod kernel_trace;
 mod kernel_watch;

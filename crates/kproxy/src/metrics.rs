@@ -323,7 +323,15 @@ impl prometheus_client::collector::Collector for ManifestCollector {
             None,
             g.metric_type(),
         )?;
-        g.encode(m)
+        g.encode(m)?;
+        let c = prometheus_client::metrics::counter::ConstCounter::new(self.0.rescans());
+        let m = encoder.encode_descriptor(
+            "kproxy_manifest_rescans",
+            "Times the manifest source looked at its files for changes (after a filesystem event, and every --sync-period up to 10 s); an idle directory adds one per period",
+            None,
+            c.metric_type(),
+        )?;
+        c.encode(m)
     }
 }
 

@@ -32,6 +32,10 @@ use crate::metrics::Metrics;
 /// How often kproxy looks again while kube-proxy's rules are on the node.
 const RECHECK: Duration = Duration::from_secs(2);
 
+/// How often kproxy looks again once none are (a kube-proxy started again, a
+/// configuration tool restoring its rules): `kproxy_kube_proxy_rules_present` stays true.
+const WATCH_AFTER: Duration = Duration::from_secs(10);
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModeLabel {
     pub mode: &'static str,
@@ -101,7 +105,10 @@ pub struct Takeover {
     pub own: TakeoverMetrics,
 }
 
-/// Runs until nothing of kube-proxy's is left (or, with `off`, after reporting once).
+/// Runs until stopped (with `off`, until it has reported once): removes kube-proxy's
+/// rules when the mode and liveness allow, then keeps looking every [`WATCH_AFTER`], so
+/// rules that come back are reported (the gauge, a warning) and removed again once no
+/// kube-proxy runs.
 pub async fn run(t: Takeover, stop: CancellationToken) {
     // kproxy's tables first: its first sync must have reached the kernel.
     loop {
@@ -114,10 +121,13 @@ pub async fn run(t: Takeover, stop: CancellationToken) {
         }
     }
     let mut said_waiting = String::new();
+    // Nothing of kube-proxy's was on the node at the last look.
+    let mut clear = false;
     loop {
         let live = Liveness {
             processes: kube_proxy_processes(),
-            healthz_port_held: t.healthz_configured && t.health.healthz_addrs().is_empty(),
+            healthz_port_held: t.healthz_configured
+                && (t.health.healthz_addrs().is_empty() || t.health.healthz_in_use()),
         };
         // While a kube-proxy already reported still runs, only its liveness is looked
         // at: reading a large node's iptables every round would cost more than the
@@ -133,11 +143,28 @@ pub async fn run(t: Takeover, stop: CancellationToken) {
             .unwrap_or_default();
         let plan = takeover::removal_plan(&inv);
         t.own.show(&plan);
-        match takeover::decide(t.mode, &plan, &live) {
+        let decision = takeover::decide(t.mode, &plan, &live);
+        if clear && decision != Decision::Nothing {
+            tracing::warn!(
+                modes = ?plan.found.modes(),
+                steps = ?plan.steps.iter().map(Step::describe).collect::<Vec<_>>(),
+                "kube-proxy's rules came back on this node after they were removed (a kube-proxy started again?)"
+            );
+        }
+        clear = decision == Decision::Nothing;
+        match decision {
             Decision::Nothing => {
                 t.own.waiting.set(0);
-                tracing::info!("no rules of kube-proxy on this node (any more)");
-                return;
+                if said_waiting != "clear" {
+                    tracing::info!(
+                        "no rules of kube-proxy on this node (any more); looking again every {WATCH_AFTER:?}"
+                    );
+                    said_waiting = "clear".into();
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(WATCH_AFTER) => continue,
+                }
             }
             Decision::LeaveToOperator => {
                 tracing::warn!(

@@ -221,3 +221,71 @@ fn plan_and_explain_show_who_lost_a_frontend() {
         "{text}"
     );
 }
+
+/// Runs kproxy without the capabilities that let root read any directory, so a
+/// directory of mode 000 cannot be listed, as for any other user.
+fn kproxy_without_dac(args: &[&str]) -> std::process::Output {
+    Command::new("setpriv")
+        .arg("--bounding-set=-dac_override,-dac_read_search")
+        .arg(env!("CARGO_BIN_EXE_kproxy"))
+        .args(args)
+        .output()
+        .expect("running kproxy under setpriv")
+}
+
+/// One unreadable subdirectory made `plan` exit 1 with every valid object lost. It
+/// costs only itself: named once, the rest of the tree is planned.
+#[test]
+fn an_unreadable_subdirectory_costs_only_itself() {
+    if !common::can_run() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("locked")).unwrap();
+    std::fs::write(dir.path().join("good.yaml"), SVC).unwrap();
+    std::fs::write(
+        dir.path().join("locked/other.yaml"),
+        SVC.replace("name: web", "name: other")
+            .replace("10.96.0.10", "10.96.0.12")
+            .replace("30080", "30081"),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    let locked = dir.path().join("locked");
+    std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o000)).unwrap();
+    let m = dir.path().to_str().unwrap();
+    let out = kproxy_without_dac(&["plan", "--manifests", m, "--node", "n", "-o", "json"]);
+    std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: exit {:?}\n{stderr}", out.status));
+    let mut services: Vec<String> = v["servicePorts"]
+        .as_array()
+        .expect("servicePorts")
+        .iter()
+        .map(|p| p["servicePort"].as_str().unwrap().to_string())
+        .collect();
+    services.dedup();
+    assert_eq!(services, ["shop/web:http/TCP"], "{stderr}");
+    assert_eq!(
+        stderr.matches("locked: cannot list this directory").count(),
+        1,
+        "{stderr}"
+    );
+}
+
+/// `--nft-table kube-proxy` was accepted: kproxy then removed its own tables as
+/// kube-proxy's 80 ms after programming them, and `/healthz` stayed 200.
+#[test]
+fn kube_proxys_table_names_are_refused_at_the_flag() {
+    for (cmd, name) in [
+        ("run", "kube-proxy"),
+        ("sync", "kube-proxy-x"),
+        ("cleanup", "kube-proxy"),
+    ] {
+        let out = kproxy(&[cmd, "--nft-table", name]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{cmd} {name}: {stderr}");
+        assert!(stderr.contains("is kube-proxy's"), "{cmd} {name}: {stderr}");
+    }
+}

@@ -617,6 +617,23 @@ fn takeover_from_iptables_mode_loses_nothing() {
     takeover_from("iptables");
 }
 
+/// A process named kube-proxy in `node`'s network namespace (a copy of `sleep`), and
+/// the directory holding its binary.
+fn fake_kube_proxy(node: &Netns) -> (tempfile::TempDir, Daemon) {
+    let bin = tempfile::tempdir().unwrap();
+    let fake = bin.path().join("kube-proxy");
+    std::fs::copy("/bin/sleep", &fake).unwrap();
+    let process = Daemon(
+        Command::new("ip")
+            .args(["netns", "exec", &node.0])
+            .arg(&fake)
+            .arg("600")
+            .spawn()
+            .unwrap(),
+    );
+    (bin, process)
+}
+
 /// A kube-proxy that still runs keeps its rules (kproxy says so and counts it) until it
 /// stops; then kproxy removes them. `--kube-proxy-takeover=off` never removes them.
 #[test]
@@ -626,18 +643,7 @@ fn a_running_kube_proxy_keeps_its_rules_until_it_stops() {
     }
     let c = cluster("l");
     load_kube_proxy(&c.node, "nftables");
-    // A process named kube-proxy in the node's network namespace.
-    let bin = tempfile::tempdir().unwrap();
-    let fake = bin.path().join("kube-proxy");
-    std::fs::copy("/bin/sleep", &fake).unwrap();
-    let mut kube_proxy = Daemon(
-        Command::new("ip")
-            .args(["netns", "exec", &c.node.0])
-            .arg(&fake)
-            .arg("600")
-            .spawn()
-            .unwrap(),
-    );
+    let (_bin, mut kube_proxy) = fake_kube_proxy(&c.node);
     let dir = manifests();
     let logdir = tempfile::tempdir().unwrap();
     let log = logdir.path().join("kproxy.log");
@@ -680,6 +686,62 @@ fn a_running_kube_proxy_keeps_its_rules_until_it_stops() {
         "kproxy_kube_proxy_rules_present{mode=\"nftables\"}",
         1.0,
         &log2,
+    );
+}
+
+/// kube-proxy's rules that came back after a completed takeover stayed, and
+/// `kproxy_kube_proxy_rules_present` read 0 (the gauge docs/migrate.md tells operators to
+/// check). They are reported (gauge 1, a warning), kept while a kube-proxy runs, and
+/// removed again once none does.
+#[test]
+fn kube_proxys_rules_back_after_the_takeover_are_reported_and_removed_once_none_runs() {
+    if !can_run() {
+        return;
+    }
+    let c = cluster("b");
+    load_kube_proxy(&c.node, "nftables");
+    let dir = manifests();
+    let logdir = tempfile::tempdir().unwrap();
+    let log = logdir.path().join("kproxy.log");
+    let _kproxy = start_kproxy(&c.node, dir.path(), &log, &[]);
+    let gone = || {
+        !nft_tables(&c.node)
+            .iter()
+            .any(|t| t.ends_with(" kube-proxy"))
+    };
+    wait_for("the takeover", &log, gone);
+    wait_metric(
+        &c.node,
+        "kproxy_kube_proxy_rules_present{mode=\"nftables\"}",
+        0.0,
+        &log,
+    );
+    // A kube-proxy starts again and writes its rules.
+    let (_bin, mut kube_proxy) = fake_kube_proxy(&c.node);
+    load_kube_proxy(&c.node, "nftables");
+    // kproxy looks every 10 s once the node is clear.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(
+        &c.node,
+        "kproxy_kube_proxy_rules_present{mode=\"nftables\"}",
+    ) != Some(1.0)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the rules that came back are never reported; kproxy's log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("kube-proxy's rules came back"), "{text}");
+    assert!(!gone(), "kept while a kube-proxy runs");
+    let _ = kube_proxy.0.kill();
+    let _ = kube_proxy.0.wait();
+    wait_for(
+        "kube-proxy's tables to go again once it stopped",
+        &log,
+        gone,
     );
 }
 

@@ -149,7 +149,13 @@ impl Dataplane {
             }
         };
         for step in steps {
-            if let Err(e) = self.send(step, &recs, &mut report) {
+            let mut sent = self.send(step, &recs, &mut report);
+            if report.adopted
+                && let Err(e) = &sent
+            {
+                sent = self.replace_refused_adoption(e, &recs, &mut report);
+            }
+            if let Err(e) = sent {
                 self.writer = None;
                 return Err(e);
             }
@@ -170,6 +176,25 @@ impl Dataplane {
         }
         report.elapsed = start.elapsed();
         Ok(report)
+    }
+
+    /// A delta read back from the kernel (an adoption, a repair) that the kernel refused:
+    /// the tables hold something the diff cannot move (a renamed chain still jumped to
+    /// from a rule the diff kept: EBUSY), so one transaction replaces them. Without this
+    /// the same delta was refused at every retry and every restart.
+    fn replace_refused_adoption(
+        &mut self,
+        refused: &NftError,
+        recs: &[FamilyRecord; 2],
+        report: &mut SyncReport,
+    ) -> Result<(), NftError> {
+        tracing::warn!(
+            error = %refused,
+            "the kernel refused the delta to kproxy's tables as read back; replacing them"
+        );
+        report.adopted = false;
+        report.full = true;
+        self.send(Step::Replace, recs, report)
     }
 
     /// Sends one step of a sync or repair, adding what it sent to `report`.
@@ -247,7 +272,10 @@ impl Dataplane {
                 Some(tx) => {
                     report.adopted = true;
                     report.changes = tx.counts;
-                    self.send(Step::of(tx), &recs, &mut report)
+                    match self.send(Step::of(tx), &recs, &mut report) {
+                        Err(e) => self.replace_refused_adoption(&e, &recs, &mut report),
+                        ok => ok,
+                    }
                 }
                 None => {
                     report.full = true;

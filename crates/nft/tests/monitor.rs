@@ -150,3 +150,54 @@ fn the_runner_returns_committed_work_and_refusals_with_nfts_words() {
         );
     });
 }
+
+/// `nft rename chain ip kproxy services services2` was never repaired: the repair's
+/// delta deleted a chain still jumped to (EBUSY) at every retry, and a restart's
+/// adoption failed the same way; only `kproxy cleanup` recovered. A delta the kernel
+/// refuses is followed by a replacement: repaired, and a restart programs.
+#[test]
+fn a_renamed_chain_is_repaired_and_a_restart_over_it_programs() {
+    if !root() {
+        return;
+    }
+    let ns = Netns::new("rename");
+    let plan = plan_from_yaml(&example_cluster(), "node-a", &PlanConfig::default());
+    ns.run(move || {
+        let cfg = DataplaneConfig {
+            conntrack_cleanup: false,
+            ..DataplaneConfig::default()
+        };
+        let mut dp = Dataplane::new(cfg.clone()).expect("config");
+        dp.sync(&plan, &PlanUpdate::WHOLE).expect("first sync");
+        sh("nft rename chain ip kproxy services services2");
+        dp.repair(&plan).expect("repair of a renamed chain");
+        let v = dp.verify().expect("verify");
+        assert!(!v.drift, "{:?}", v.differences);
+        let listed = |t: &str| {
+            let out = std::process::Command::new("nft")
+                .args(["list", "table", "ip", t])
+                .output()
+                .expect("nft list");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        assert!(
+            !listed("kproxy").contains("services2"),
+            "{}",
+            listed("kproxy")
+        );
+
+        // A restart over a renamed chain.
+        sh("nft rename chain ip kproxy services services2");
+        drop(dp);
+        let mut dp = Dataplane::new(cfg).expect("config");
+        dp.sync(&plan, &PlanUpdate::WHOLE)
+            .expect("a restart's first sync over a renamed chain");
+        let v = dp.verify().expect("verify");
+        assert!(!v.drift, "{:?}", v.differences);
+        assert!(
+            !listed("kproxy").contains("services2"),
+            "{}",
+            listed("kproxy")
+        );
+    });
+}

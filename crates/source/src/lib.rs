@@ -41,6 +41,11 @@ struct Inner {
     api_returned: Mutex<Option<tokio::time::Instant>>,
     /// Manifest documents (or List items) not read at the last rescan.
     unread_documents: std::sync::atomic::AtomicUsize,
+    /// A file or document could not be read or parsed at the last rescan, so the state
+    /// may lack objects nobody named (see [`StateHandle::input_lost`]).
+    input_lost: AtomicBool,
+    /// Rescans of the manifest source since start (`kproxy_manifest_rescans_total`).
+    rescans: std::sync::atomic::AtomicU64,
 }
 
 impl StateHandle {
@@ -106,6 +111,28 @@ impl StateHandle {
     /// (read back by [`StateHandle::unread_documents`]).
     pub fn set_unread_documents(&self, n: usize) {
         self.0.unread_documents.store(n, Ordering::Relaxed);
+    }
+
+    /// Whether the source's last read lost objects it cannot name: a file or document
+    /// that could not be read or parsed (`LoadProblem::loses_unknown_objects`). Before
+    /// its first sync, `kproxy run` does not program such a state over tables that hold
+    /// Services; false for the API source.
+    pub fn input_lost(&self) -> bool {
+        self.0.input_lost.load(Ordering::SeqCst)
+    }
+
+    pub fn set_input_lost(&self, lost: bool) {
+        self.0.input_lost.store(lost, Ordering::SeqCst);
+    }
+
+    /// How many times the manifest source has looked at its files since start: an idle
+    /// directory is rescanned only every `--sync-period` (at most 10 s).
+    pub fn rescans(&self) -> u64 {
+        self.0.rescans.load(Ordering::Relaxed)
+    }
+
+    pub fn note_rescan(&self) {
+        self.0.rescans.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Marks the initial listing complete and wakes the sync loop.

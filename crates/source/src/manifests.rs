@@ -35,6 +35,13 @@ pub enum LoadProblem {
         "{path}: directory already read as {first} (a symlink loop or a second link); not followed"
     )]
     DirectoryRepeat { path: PathBuf, first: PathBuf },
+    /// A directory below the manifest path that could not be listed: its files are not
+    /// known (the rest of the tree is read; `kproxy run` keeps what they held).
+    #[error("{path}: cannot list this directory: {source}; its files are not read")]
+    UnreadableDirectory {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Manifest(#[from] ManifestError),
     /// An object that parsed but failed validation (or a dropped piece of one).
@@ -124,7 +131,9 @@ fn kind_of(ft: std::fs::FileType) -> &'static str {
 /// entries named like manifests that are not regular files (not read). Symlinks are
 /// followed to regular files and directories only, and every directory (by device and
 /// inode) is read once: a symlink back to an ancestor is reported and not followed
-/// (two links to `.` made the walk endless).
+/// (two links to `.` made the walk endless). A directory below `path` that cannot be
+/// listed is reported ([`LoadProblem::UnreadableDirectory`]) and costs only itself: the
+/// walk goes on. Only `path` itself failing is an error.
 pub fn files(path: &Path) -> Result<(Vec<PathBuf>, Vec<LoadProblem>), LoadProblem> {
     use std::os::unix::fs::MetadataExt;
     let io = |source| LoadProblem::Io {
@@ -147,15 +156,27 @@ pub fn files(path: &Path) -> Result<(Vec<PathBuf>, Vec<LoadProblem>), LoadProble
         std::collections::HashMap::from([((meta.dev(), meta.ino()), path.to_path_buf())]);
     let mut stack = vec![path.to_path_buf()];
     while let Some(dir) = stack.pop() {
-        let rd = std::fs::read_dir(&dir).map_err(|source| LoadProblem::Io {
+        let unreadable = |source| LoadProblem::UnreadableDirectory {
             path: dir.clone(),
             source,
-        })?;
+        };
+        let rd = match std::fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            Err(source) if dir == path => return Err(io(source)),
+            Err(source) => {
+                skipped.push(unreadable(source));
+                continue;
+            }
+        };
         for entry in rd {
-            let entry = entry.map_err(|source| LoadProblem::Io {
-                path: dir.clone(),
-                source,
-            })?;
+            let entry = match entry {
+                Ok(e) => e,
+                Err(source) if dir == path => return Err(io(source)),
+                Err(source) => {
+                    skipped.push(unreadable(source));
+                    break;
+                }
+            };
             let p = entry.path();
             let hidden = p
                 .file_name()
