@@ -235,7 +235,7 @@ fn the_dump_reads_what_the_sync_wrote() {
         let want: Vec<Option<String>> = c
             .rules
             .iter()
-            .map(|r| Some(format!("kp:{}", kproxy_nft::model::rule_id(r))))
+            .map(|r| Some(format!("kp:{}", r.id())))
             .collect();
         assert_eq!(tags, want, "chain {name}");
         assert_eq!(raw.chains[name].hook.is_some(), c.hook.is_some());
