@@ -822,7 +822,7 @@ fn decode_intervals<'a>(
     for (start, last) in interval_ranges(v6, elements)? {
         let size = (last - start).wrapping_add(1);
         // `size` is 0 only for ::/0 (2^128 addresses).
-        if (size != 0 && !size.is_power_of_two()) || (size != 0 && start % size != 0) {
+        if size != 0 && (!size.is_power_of_two() || !start.is_multiple_of(size)) {
             return None; // not a prefix: kproxy never writes ranges in named sets
         }
         let len = if size == 0 {

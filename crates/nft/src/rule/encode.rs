@@ -84,7 +84,7 @@ pub fn encode(
 /// The netlink register that holds 4-byte slot `slot` (as the kernel reports it:
 /// `NFT_REG_1..4` for a slot on a 16-byte boundary, else `NFT_REG32_00 + slot`).
 fn reg(slot: usize) -> u32 {
-    if slot % 4 == 0 {
+    if slot.is_multiple_of(4) {
         (slot / 4 + 1) as u32
     } else {
         (8 + slot) as u32
@@ -388,7 +388,7 @@ impl Enc<'_> {
                 if len == full * 8 {
                     self.load(s, 0, full)?;
                     self.cmp(neg, &bytes);
-                } else if len % 8 == 0 {
+                } else if len.is_multiple_of(8) {
                     self.load(s, 0, len / 8)?;
                     self.cmp(neg, &bytes[..len / 8]);
                 } else {
