@@ -13,8 +13,8 @@
 //! sync's transaction), [`conntrack::UdpFrontends`] (the cleanup's decision, moved
 //! with the record) and [`evaluate`] (a packet's fate under a table, for `kproxy trace
 //! --kernel`). Imperative shell: [`Dataplane`] ([`dataplane`]), which sends each
-//! sync's transaction as `nft -f` text ([`nft`]) or, when it only changes elements, as
-//! an nfnetlink batch ([`netlink`]); reads kproxy's tables back over nfnetlink
+//! sync's transaction as `nft -f` text ([`nft`]) or, when it only changes elements,
+//! chains and rules, as an nfnetlink batch ([`netlink`]); reads kproxy's tables back over nfnetlink
 //! ([`dump`], [`readback`]); and talks ctnetlink ([`conntrack`]), always in the calling
 //! thread's network namespace.
 

@@ -10,9 +10,9 @@
 //! ms to fetch its cache and parse, and 10–20 ms *closing its netlink socket* after a
 //! transaction that deleted elements (the close waits for the kernel to release the
 //! deleted elements; measured with `strace -T`: `close(3)` 18.6 ms). A socket that
-//! stays open does not wait. Chains, rules and set declarations stay on `nft -f`: the
-//! netlink crates cannot express kproxy's rules (numgen maps, dynsets), and those change
-//! rarely.
+//! stays open does not wait. Chains and rules go this way too, their expressions encoded
+//! by [`crate::rule::encode`] (the anonymous sets a rule looks up created in its batch);
+//! tables and set declarations (a `typeof` map's user data) stay on `nft -f`.
 //!
 //! Elements reach this module as the typed element operations of a
 //! [`crate::model::Transaction`] ([`Batch::transaction`], the rendering

@@ -22,6 +22,24 @@ use kproxy_core::model::EndpointAddr;
 
 use crate::model::{Atom, Family, Verdict, rule_id, write_u32};
 
+/// Bytes of an address of `family`.
+pub(crate) fn addr_len(family: Family) -> usize {
+    match family {
+        Family::Ip => 4,
+        Family::Ip6 => 16,
+    }
+}
+
+/// The network-header offset of the source or destination address of `family`.
+pub(crate) fn addr_offset(family: Family, dir: Dir) -> u32 {
+    match (family, dir) {
+        (Family::Ip, Dir::Src) => 12,
+        (Family::Ip, Dir::Dst) => 16,
+        (Family::Ip6, Dir::Src) => 8,
+        (Family::Ip6, Dir::Dst) => 24,
+    }
+}
+
 /// Which address of the network header, or which side of a `fib` lookup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Dir {

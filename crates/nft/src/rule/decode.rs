@@ -201,20 +201,11 @@ struct Decoder<'t> {
 
 impl Decoder<'_> {
     fn addr_len(&self) -> usize {
-        match self.family {
-            Family::Ip => 4,
-            Family::Ip6 => 16,
-        }
+        super::addr_len(self.family)
     }
 
-    /// The header offset of the source or destination address.
     fn addr_offset(&self, dir: Dir) -> u32 {
-        match (self.family, dir) {
-            (Family::Ip, Dir::Src) => 12,
-            (Family::Ip, Dir::Dst) => 16,
-            (Family::Ip6, Dir::Src) => 8,
-            (Family::Ip6, Dir::Dst) => 24,
-        }
+        super::addr_offset(self.family, dir)
     }
 
     fn addr_dir(&self, offset: u32) -> Option<Dir> {

@@ -161,19 +161,11 @@ impl Enc<'_> {
     }
 
     fn addr_len(&self) -> usize {
-        match self.family {
-            Family::Ip => 4,
-            Family::Ip6 => 16,
-        }
+        super::addr_len(self.family)
     }
 
-    fn addr_offset(&self, d: Dir) -> u32 {
-        match (self.family, d) {
-            (Family::Ip, Dir::Src) => 12,
-            (Family::Ip, Dir::Dst) => 16,
-            (Family::Ip6, Dir::Src) => 8,
-            (Family::Ip6, Dir::Dst) => 24,
-        }
+    fn addr_offset(&self, dir: Dir) -> u32 {
+        super::addr_offset(self.family, dir)
     }
 
     /// Bytes a selector loads.
