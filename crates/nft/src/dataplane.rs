@@ -440,15 +440,14 @@ enum Step {
 }
 
 impl Step {
-    /// A delta as one step: only element changes go over netlink when every element
-    /// encodes; anything else is one `nft -f`.
+    /// A delta as one step: over netlink when it changes only elements, chains and
+    /// rules and all of them encode; else (a table or a set declared, an interval
+    /// set's prefix) one `nft -f`. A repair that refills a dispatch chain must not go
+    /// by nft 1.0.6, which refuses a rule on a `typeof` map it did not declare in the
+    /// same batch ("conflicting protocols specified: ip vs. th").
     fn of(tx: Transaction) -> Step {
-        if !tx.elements_only() {
-            return Step::Nft(tx);
-        }
         match netlink::Batch::transaction(&tx) {
             Ok(b) => Step::Netlink(b),
-            // An interval set's prefix (the local-pod CIDRs) only nft encodes.
             Err(e) => {
                 tracing::debug!(error = %e, "delta goes by nft -f");
                 Step::Nft(tx)

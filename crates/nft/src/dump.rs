@@ -14,10 +14,12 @@
 //!   kernel's structure as a `Table` (every set empty), so that `model::diff(kernel,
 //!   desired)` moves the structure; [`crate::readback`] then compares the elements set
 //!   by set. [`adopt`] also decodes every element into the table (tests, and where a
-//!   typed copy of the kernel is wanted). Rules cannot be turned back into text, so a
-//!   chain is taken as "holding the desired rules" when its rules' comments are `kp:` +
-//!   [`rule_id`] of the desired rules, in order; any other chain is marked so that the
-//!   diff flushes and refills it. Sets and maps compare by declaration (key/data types,
+//!   typed copy of the kernel is wanted). Each rule's expressions are decoded into a
+//!   typed [`Rule`] ([`crate::rule::decode`]), and a chain is taken as "holding the
+//!   desired rules" when its rules do what the desired rules do ([`Rule::same`]) and
+//!   carry their `kp:` ids, in order: a rule is checked by its content, not by its
+//!   name. Any other chain holds the rules as decoded, so that the diff flushes and
+//!   refills it and `trace --kernel` evaluates what the kernel really does. Sets and maps compare by declaration (key/data types,
 //!   flags, timeout, comment, checked against the dump) and by elements decoded with
 //!   the desired declaration. Anything it cannot account for — a foreign table
 //!   comment, a base chain whose hook differs, a set whose type differs or whose
@@ -32,8 +34,9 @@ use netlink_sys::Socket;
 use crate::error::NftError;
 use crate::model::{
     Atom, Chain, ChainType, Family, Field, Hook, HookPoint, MAX_FIELDS, RULE_ID_PREFIX, Set,
-    SetData, SetDecl, Table, Tuple, Value, Verdict, rule_id,
+    SetData, SetDecl, Table, Tuple, Value, Verdict,
 };
+use crate::rule::Rule;
 
 // linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h.
 const NLMSG_ERROR: u16 = 2;
@@ -63,6 +66,7 @@ const NFTA_CHAIN_TYPE: u16 = 7;
 const NFTA_RULE_TABLE: u16 = 1;
 const NFTA_RULE_CHAIN: u16 = 2;
 const NFTA_RULE_HANDLE: u16 = 3;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
 const NFTA_RULE_USERDATA: u16 = 7;
 const NFTA_SET_TABLE: u16 = 1;
 const NFTA_SET_NAME: u16 = 2;
@@ -111,11 +115,13 @@ pub struct RawHook {
     pub policy: u32,
 }
 
-/// One rule: its handle and its comment (kproxy's tag), if any.
+/// One rule: its handle, its comment (kproxy's tag), if any, and its expressions as the
+/// kernel sent them (`NFTA_RULE_EXPRESSIONS`, decoded by [`crate::rule::decode`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RawRule {
     pub handle: u64,
     pub comment: Option<String>,
+    pub exprs: Vec<u8>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -299,13 +305,15 @@ pub struct RawSet {
     pub elements: RawElements,
 }
 
-/// One table as the kernel holds it (anonymous sets, which belong to rules, left out).
+/// One table as the kernel holds it; the anonymous sets, which belong to rules (`ip
+/// daddr { … }`), apart from the named ones.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RawTable {
     pub flags: u32,
     pub comment: Option<String>,
     pub chains: BTreeMap<String, RawChain>,
     pub sets: BTreeMap<String, RawSet>,
+    pub anonymous: BTreeMap<String, RawSet>,
 }
 
 impl RawTable {
@@ -330,7 +338,7 @@ fn family_code(family: &str) -> Result<u8, NftError> {
 }
 
 /// Attributes of a netlink attribute stream: (type without flag bits, payload).
-struct Attrs<'a>(&'a [u8]);
+pub(crate) struct Attrs<'a>(pub(crate) &'a [u8]);
 
 impl<'a> Iterator for Attrs<'a> {
     type Item = (u16, &'a [u8]);
@@ -350,7 +358,7 @@ impl<'a> Iterator for Attrs<'a> {
     }
 }
 
-fn be32(b: &[u8]) -> Option<u32> {
+pub(crate) fn be32(b: &[u8]) -> Option<u32> {
     Some(u32::from_be_bytes(b.get(..4)?.try_into().ok()?))
 }
 
@@ -620,6 +628,7 @@ fn read_once(
             let mut rule = RawRule {
                 handle: 0,
                 comment: None,
+                exprs: Vec::new(),
             };
             for (k, v) in Attrs(p) {
                 match k {
@@ -627,6 +636,7 @@ fn read_once(
                     NFTA_RULE_CHAIN => chain = string(v),
                     NFTA_RULE_HANDLE => rule.handle = be64(v).unwrap_or(0),
                     NFTA_RULE_USERDATA => rule.comment = udata_string(v, UDATA_RULE_COMMENT),
+                    NFTA_RULE_EXPRESSIONS => rule.exprs = v.to_vec(),
                     _ => {}
                 }
             }
@@ -669,11 +679,13 @@ fn read_once(
             }
             if tbl == table && set.flags & SET_ANONYMOUS == 0 {
                 t.sets.insert(name, set);
+            } else if tbl == table {
+                t.anonymous.insert(name, set);
             }
             Ok(())
         },
     )?;
-    for (name, set) in t.sets.iter_mut() {
+    for (name, set) in t.sets.iter_mut().chain(t.anonymous.iter_mut()) {
         let mut elements = RawElements::for_set(set);
         let mut chain_index = BTreeMap::new();
         r.request(
@@ -800,12 +812,41 @@ pub fn decode_verdict(code: u32, chain: Option<&str>) -> Option<Verdict> {
     })
 }
 
-/// The elements of an interval set of addresses as prefixes. The kernel holds each
-/// interval as its start and an end element (flagged) one past its last address.
+/// The elements of an interval set of addresses as prefixes.
 fn decode_intervals<'a>(
     v6: bool,
     elements: impl IntoIterator<Item = RawElement<'a>>,
 ) -> Option<Vec<Tuple>> {
+    let bits: u32 = if v6 { 128 } else { 32 };
+    let mut out = Vec::new();
+    for (start, last) in interval_ranges(v6, elements)? {
+        let size = (last - start).wrapping_add(1);
+        // `size` is 0 only for ::/0 (2^128 addresses).
+        if size != 0 && (!size.is_power_of_two() || !start.is_multiple_of(size)) {
+            return None; // not a prefix: kproxy never writes ranges in named sets
+        }
+        let len = if size == 0 {
+            0
+        } else {
+            bits - size.trailing_zeros()
+        };
+        let addr = if v6 {
+            IpAddr::V6(Ipv6Addr::from(start))
+        } else {
+            IpAddr::V4(Ipv4Addr::from(start as u32))
+        };
+        out.push(Tuple::new(&[Atom::Prefix(addr, len as u8)]));
+    }
+    Some(out)
+}
+
+/// The intervals of an interval set of addresses, each as its first and last address.
+/// The kernel holds each interval as its start and an end element (flagged) one past
+/// its last address.
+pub(crate) fn interval_ranges<'a>(
+    v6: bool,
+    elements: impl IntoIterator<Item = RawElement<'a>>,
+) -> Option<Vec<(u128, u128)>> {
     let num = |b: &[u8]| -> Option<u128> {
         Some(if v6 {
             u128::from_be_bytes(b.try_into().ok()?)
@@ -813,7 +854,6 @@ fn decode_intervals<'a>(
             u128::from(u32::from_be_bytes(b.try_into().ok()?))
         })
     };
-    let bits: u32 = if v6 { 128 } else { 32 };
     let mut points: Vec<(u128, bool)> = elements
         .into_iter()
         .map(|e| Some((num(e.key)?, e.interval_end)))
@@ -841,21 +881,15 @@ fn decode_intervals<'a>(
                 None
             }
         };
-        let size = match end {
-            Some(e) => e.checked_sub(start)?,
-            None if v6 => u128::MAX - start + 1, // overflows only for ::/0
-            None => (1u128 << 32) - start,
+        let last = match end {
+            Some(e) => e.checked_sub(1)?,
+            None if v6 => u128::MAX,
+            None => u128::from(u32::MAX),
         };
-        if size == 0 || !size.is_power_of_two() || start % size != 0 {
-            return None; // not a prefix: kproxy never writes ranges
+        if last < start {
+            return None;
         }
-        let len = bits - size.trailing_zeros();
-        let addr = if v6 {
-            IpAddr::V6(Ipv6Addr::from(start))
-        } else {
-            IpAddr::V4(Ipv4Addr::from(start as u32))
-        };
-        out.push(Tuple::new(&[Atom::Prefix(addr, len as u8)]));
+        out.push((start, last));
     }
     Some(out)
 }
@@ -871,11 +905,11 @@ pub struct AdoptError {
     pub what: String,
 }
 
-/// Stands for rules that are not the desired ones: a chain holding it differs from
-/// every desired chain, so the diff flushes it and adds the desired rules.
-const UNKNOWN_RULES: &str = "# rules read from the kernel that kproxy did not write";
+/// Marks a chain whose rules do what the desired ones do but lack their `kp:` ids: it
+/// differs from every desired chain, so the diff flushes it and adds the desired rules.
+const UNTAGGED_RULES: &str = "rules whose comments are not kproxy's ids";
 
-fn hook_number(h: HookPoint) -> u32 {
+pub(crate) fn hook_number(h: HookPoint) -> u32 {
     match h {
         HookPoint::Prerouting => 0,
         HookPoint::Input => 1,
@@ -1073,19 +1107,35 @@ pub fn adopt_structure(raw: &RawTable, desired: &Table) -> Result<Table, AdoptEr
                 )));
             }
         };
+        let decoded: Vec<Rule> = rc
+            .rules
+            .iter()
+            .map(|k| crate::rule::decode::decode(&k.exprs, desired.family, raw))
+            .collect();
+        // A rule is kproxy's when it does what the wanted rule does and carries its id.
+        let tagged = |r: &Rule, k: &RawRule| {
+            k.comment
+                .as_deref()
+                .and_then(|c| c.strip_prefix(RULE_ID_PREFIX))
+                == Some(r.id().as_str())
+        };
         let same = want.is_some_and(|w| {
             w.rules.len() == rc.rules.len()
-                && w.rules.iter().zip(&rc.rules).all(|(r, k)| {
-                    k.comment
-                        .as_deref()
-                        .and_then(|c| c.strip_prefix(RULE_ID_PREFIX))
-                        == Some(rule_id(r).as_str())
-                })
+                && w.rules
+                    .iter()
+                    .zip(&rc.rules)
+                    .zip(&decoded)
+                    .all(|((r, k), d)| d.same(r) && tagged(r, k))
         });
         let rules = match want {
             Some(w) if same => w.rules.clone(),
-            _ if rc.rules.is_empty() => Vec::new(),
-            _ => vec![UNKNOWN_RULES.to_string()],
+            // The same rules under other comments: still not what kproxy wrote.
+            Some(w) if w.rules == decoded => {
+                let mut rules = decoded;
+                rules.push(Rule::unknown(UNTAGGED_RULES));
+                rules
+            }
+            _ => decoded,
         };
         kernel.chains.insert(name.clone(), Chain { hook, rules });
     }

@@ -66,13 +66,17 @@ pub struct EncodeError {
 /// The reason an [`EncodeError`] gives.
 #[derive(Clone, Copy, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum EncodeFailure {
-    /// Only element operations go by nfnetlink; chains, rules and sets go by `nft -f`.
-    #[error("not an element operation")]
+    /// Tables and set declarations go by `nft -f`; elements, chains and rules by
+    /// nfnetlink.
+    #[error("a table or set declaration (nft -f)")]
     NotElements,
     /// An interval set's element (a prefix) needs start and end elements, which kproxy
     /// leaves to `nft`.
     #[error("a prefix (interval set element)")]
     Prefix,
+    /// A rule holding what kproxy never writes (one read back from the kernel).
+    #[error("a rule outside kproxy's vocabulary")]
+    Rule,
     /// An attribute longer than the 16-bit length netlink can say.
     #[error("an attribute longer than 65535 bytes")]
     TooLong,

@@ -17,8 +17,8 @@
 //!
 //! [`divergence`] names what of the table a packet touched differs from the plan's:
 //! [`crate::model::diff`] of the two tables, restricted to the chains the packet
-//! entered and the set and map elements it looked up. The rules' vocabulary, parsed:
-//! [`rule`].
+//! entered and the set and map elements it looked up. The rules are the typed values
+//! of [`crate::rule`]: those `crate::ruleset` builds, or those decoded from the kernel.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -29,9 +29,35 @@ use serde::Serialize;
 
 use crate::error::NftError;
 
-mod rule;
 use crate::model::{self, Atom, Op, Table, Tuple, Value};
-use rule::{Dir, Expr, Lit, Rhs, Sel, Val, parse};
+use crate::rule::{Dir, Expr, Lit, Rhs, Rule, Sel};
+
+/// A selector's value for one packet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Val {
+    Atom(Atom),
+    Str(String),
+    /// `fib … type local`, `ct status dnat`: whether it holds.
+    Holds(bool),
+}
+
+/// Whether literal `l` matches value `v` (a prefix contains an address, an `iifname`
+/// pattern ending in `*` matches by prefix).
+fn matches(l: &Lit, v: &Val) -> bool {
+    match (l, v) {
+        (Lit::Atom(Atom::Prefix(net, len)), Val::Atom(Atom::Addr(ip))) => {
+            ipnet::IpNet::new(*net, *len).is_ok_and(|n| n.contains(ip))
+        }
+        (Lit::Atom(a), Val::Atom(b)) => a == b,
+        (Lit::Num(n), Val::Atom(Atom::Index(i))) => n == i,
+        (Lit::Iface(pat), Val::Str(s)) => match pat.strip_suffix('*') {
+            Some(prefix) => s.starts_with(prefix),
+            None => s == pat,
+        },
+        (Lit::Local | Lit::Dnat, Val::Holds(h)) => *h,
+        _ => false,
+    }
+}
 
 /// What kproxy's rules do to a new connection on one branch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -450,35 +476,23 @@ impl Eval<'_> {
         }
         self.touched.chains.insert(name.to_string());
         st.chains.push(name.to_string());
-        let rules: Vec<String> = chain.rules.clone();
+        let rules: Vec<Rule> = chain.rules.clone();
         self.rules(name, &rules, 0, st, depth)
     }
 
     fn rules(
         &mut self,
         name: &str,
-        rules: &[String],
+        rules: &[Rule],
         i: usize,
         st: St,
         depth: u32,
     ) -> Vec<(St, End)> {
-        let Some(text) = rules.get(i) else {
+        let Some(rule) = rules.get(i) else {
             return vec![(st, End::Fall)];
         };
-        let Some(rule) = parse(text) else {
-            // `crate::dump::adopt` stands a comment for rules that are not the plan's
-            // (kproxy never writes one as a rule).
-            let why = if text.starts_with('#') {
-                format!(
-                    "chain {name} holds rules that are not the plan's (kproxy cannot read rules back, only compare them)"
-                )
-            } else {
-                format!("chain {name}: rule `{text}` is not one the evaluator knows")
-            };
-            return vec![(st, End::Unknown(why))];
-        };
         let mut out = Vec::new();
-        for (st, end) in self.exprs(&rule, 0, st) {
+        for (st, end) in self.exprs(name, &rule.exprs, 0, st) {
             match end {
                 RuleEnd::Next => out.extend(self.rules(name, rules, i + 1, st, depth)),
                 RuleEnd::End(e) => out.push((st, e)),
@@ -497,25 +511,30 @@ impl Eval<'_> {
     }
 
     /// Runs the rule's expressions from `i` on: each branch and how the rule ends on it.
-    fn exprs(&mut self, rule: &[Expr], i: usize, mut st: St) -> Vec<(St, RuleEnd)> {
+    fn exprs(&mut self, chain: &str, rule: &[Expr], i: usize, mut st: St) -> Vec<(St, RuleEnd)> {
         let Some(e) = rule.get(i) else {
             return vec![(st, RuleEnd::Next)];
         };
         match e {
             Expr::Match { sel, neg, rhs } => {
-                if let ([Sel::Numgen(n)], Rhs::Lits(lits)) = (sel.as_slice(), rhs) {
-                    return self.numgen_match(rule, i, st, *n, lits, *neg);
+                let lits = match rhs {
+                    Rhs::Lit(l) => std::slice::from_ref(l),
+                    Rhs::AnonSet(ls) => ls.as_slice(),
+                    Rhs::Set(_) => &[],
+                };
+                if let ([Sel::Numgen(n)], false) = (sel.as_slice(), matches!(rhs, Rhs::Set(_))) {
+                    return self.numgen_match(chain, rule, i, st, *n, lits, *neg);
                 }
                 let mut out = Vec::new();
                 for (st, key) in self.keys(sel, st) {
                     let hit = match rhs {
                         Rhs::Set(name) => self.lookup(name, &key),
-                        Rhs::Lits(lits) => {
-                            key.len() == 1 && lits.iter().any(|l| l.matches(&key[0]))
+                        Rhs::Lit(_) | Rhs::AnonSet(_) => {
+                            key.len() == 1 && lits.iter().any(|l| matches(l, &key[0]))
                         }
                     };
                     if hit != *neg {
-                        out.extend(self.exprs(rule, i + 1, st));
+                        out.extend(self.exprs(chain, rule, i + 1, st));
                     } else {
                         out.push((st, RuleEnd::Next));
                     }
@@ -524,14 +543,15 @@ impl Eval<'_> {
             }
             Expr::MarkOr(m) => {
                 st.mark |= m;
-                self.exprs(rule, i + 1, st)
+                self.exprs(chain, rule, i + 1, st)
             }
             Expr::MarkXor(m) => {
                 st.mark ^= m;
-                self.exprs(rule, i + 1, st)
+                self.exprs(chain, rule, i + 1, st)
             }
-            Expr::Update => self.exprs(rule, i + 1, st),
-            Expr::Vmap { sel, set } => {
+            // Fills a dynamic set: no effect on this connection's fate.
+            Expr::Update { .. } => self.exprs(chain, rule, i + 1, st),
+            Expr::Vmap { sel, map: set } => {
                 let mut out = Vec::new();
                 for (st, key) in self.keys(sel, st) {
                     let end = match self.value(set, &key) {
@@ -545,7 +565,7 @@ impl Eval<'_> {
                 }
                 out
             }
-            Expr::DnatMap { sel, set } => {
+            Expr::DnatMap { sel, map: set, .. } => {
                 let mut out = Vec::new();
                 for (st, key) in self.keys(sel, st) {
                     let end = match self.value(set, &key) {
@@ -569,8 +589,15 @@ impl Eval<'_> {
             }
             Expr::DnatTo(e) => vec![(st, RuleEnd::End(End::Dnat(*e)))],
             Expr::Verdict(v) => vec![(st, verdict(v))],
-            Expr::Reject => vec![(st, RuleEnd::End(End::Reject))],
-            Expr::Masquerade => vec![(st, RuleEnd::End(End::Masquerade))],
+            Expr::Reject { .. } => vec![(st, RuleEnd::End(End::Reject))],
+            Expr::Masquerade { .. } => vec![(st, RuleEnd::End(End::Masquerade))],
+            // `crate::dump::adopt` decodes what kproxy does not write into these.
+            Expr::Unknown(why) => vec![(
+                st,
+                RuleEnd::End(End::Unknown(format!(
+                    "chain {chain} holds a rule the evaluator cannot read: {why}"
+                ))),
+            )],
         }
     }
 
@@ -578,8 +605,10 @@ impl Eval<'_> {
     /// match and those that do not, rather than one per index (an affinity port's
     /// `numgen random mod n-i 0` rules follow one another: per-index branches would
     /// multiply to n!).
+    #[allow(clippy::too_many_arguments)]
     fn numgen_match(
         &mut self,
+        chain: &str,
         rule: &[Expr],
         i: usize,
         st: St,
@@ -588,14 +617,14 @@ impl Eval<'_> {
         neg: bool,
     ) -> Vec<(St, RuleEnd)> {
         let hits = (0..n)
-            .filter(|k| lits.iter().any(|l| l.matches(&Val::Atom(Atom::Index(*k)))) != neg)
+            .filter(|k| lits.iter().any(|l| matches(l, &Val::Atom(Atom::Index(*k)))) != neg)
             .count() as u128;
         let n = u128::from(n);
         let mut out = Vec::new();
         if hits > 0 {
             let mut hit = st.clone();
             hit.share = hit.share.times(Share::new(hits, n));
-            out.extend(self.exprs(rule, i + 1, hit));
+            out.extend(self.exprs(chain, rule, i + 1, hit));
         }
         if hits < n {
             let mut miss = st;
@@ -635,14 +664,14 @@ impl Eval<'_> {
         let pkt = self.pkt;
         let daddr = st.dnat.map_or(pkt.dst, |e| e.ip);
         match s {
-            Sel::Saddr => Val::Atom(Atom::Addr(pkt.src)),
-            Sel::Daddr => Val::Atom(Atom::Addr(daddr)),
+            Sel::Addr(_, Dir::Src) => Val::Atom(Atom::Addr(pkt.src)),
+            Sel::Addr(_, Dir::Dst) => Val::Atom(Atom::Addr(daddr)),
             Sel::L4proto => Val::Atom(Atom::proto(pkt.proto)),
             Sel::Dport => Val::Atom(Atom::Port(st.dnat.map_or(pkt.dport, |e| e.port))),
             Sel::Iifname => Val::Str(pkt.in_interface.clone().unwrap_or_default()),
-            Sel::FibLocal(Dir::Src) => Val::Word(word(self.locals.contains(&pkt.src), "local")),
-            Sel::FibLocal(Dir::Dst) => Val::Word(word(self.locals.contains(&daddr), "local")),
-            Sel::CtStatusDnat => Val::Word(word(st.dnat.is_some(), "dnat")),
+            Sel::FibType(Dir::Src) => Val::Holds(self.locals.contains(&pkt.src)),
+            Sel::FibType(Dir::Dst) => Val::Holds(self.locals.contains(&daddr)),
+            Sel::CtStatus => Val::Holds(st.dnat.is_some()),
             Sel::MarkAnd(m) => Val::Atom(Atom::Index(st.mark & m)),
             // Branched on in `keys`.
             Sel::Numgen(_) => Val::Atom(Atom::Index(0)),
@@ -669,7 +698,7 @@ impl Eval<'_> {
                 [Val::Atom(a)] => s.elements.keys().any(|k| {
                     k.atoms()
                         .first()
-                        .is_some_and(|p| Lit::Atom(*p).matches(&Val::Atom(*a)))
+                        .is_some_and(|p| matches(&Lit::Atom(*p), &Val::Atom(*a)))
                 }),
                 _ => false,
             };
@@ -696,10 +725,6 @@ impl Eval<'_> {
             .cloned()
             .flatten()
     }
-}
-
-fn word(on: bool, w: &'static str) -> &'static str {
-    if on { w } else { "" }
 }
 
 fn tuple(key: &[Val]) -> Option<Tuple> {
@@ -734,11 +759,70 @@ mod tests {
         s.parse().unwrap()
     }
 
-    fn chain(hook: Option<Hook>, rules: &[&str]) -> Chain {
-        Chain {
-            hook,
-            rules: rules.iter().map(|r| r.to_string()).collect(),
-        }
+    fn chain(hook: Option<Hook>, rules: Vec<Rule>) -> Chain {
+        Chain { hook, rules }
+    }
+
+    // Typed rules, as `crate::ruleset` builds them.
+    const SADDR: Sel = Sel::Addr(Family::Ip, Dir::Src);
+    const DADDR: Sel = Sel::Addr(Family::Ip, Dir::Dst);
+
+    fn r(exprs: Vec<Expr>) -> Rule {
+        Rule::new(exprs)
+    }
+
+    fn v(x: model::Verdict) -> Expr {
+        Expr::Verdict(x)
+    }
+
+    fn to(c: &str) -> Expr {
+        v(model::Verdict::Goto(c.into()))
+    }
+
+    fn m(sel: Vec<Sel>, neg: bool, rhs: Rhs) -> Expr {
+        Expr::Match { sel, neg, rhs }
+    }
+
+    fn set(name: &str) -> Rhs {
+        Rhs::Set(name.into())
+    }
+
+    fn net(s: &str) -> Lit {
+        let n: ipnet::IpNet = s.parse().unwrap();
+        Lit::Atom(Atom::Prefix(n.addr(), n.prefix_len()))
+    }
+
+    fn frontend_key() -> Vec<Sel> {
+        vec![DADDR, Sel::L4proto, Sel::Dport]
+    }
+
+    /// `update @aff-I { ip saddr } meta l4proto tcp dnat to EP`.
+    fn affinity_dnat(i: u32, ep: &str) -> Vec<Expr> {
+        vec![
+            Expr::Update {
+                set: format!("aff-{i}"),
+                key: SADDR,
+            },
+            m(
+                vec![Sel::L4proto],
+                false,
+                Rhs::Lit(Lit::Atom(Atom::Proto(6))),
+            ),
+            dnat(ep),
+        ]
+    }
+
+    fn dnat(ep: &str) -> Expr {
+        let sa: std::net::SocketAddr = ep.parse().unwrap();
+        Expr::DnatTo(EndpointAddr::new(sa.ip(), sa.port()))
+    }
+
+    /// `numgen random mod N 0 goto C`.
+    fn pick(n: u32, c: &str) -> Rule {
+        r(vec![
+            m(vec![Sel::Numgen(n)], false, Rhs::Lit(Lit::Num(0))),
+            to(c),
+        ])
     }
 
     fn key(atoms: &[Atom]) -> Tuple {
@@ -757,27 +841,37 @@ mod tests {
     fn table() -> Table {
         let mut t = Table::new(Family::Ip, "kproxy");
         let nat = |h, p| Some(Hook::nat(h, p));
+        let jump = |c: &str| vec![r(vec![v(model::Verdict::Jump(c.into()))])];
         t.chains.insert(
             "nat-prerouting".into(),
-            chain(nat(HookPoint::Prerouting, -101), &["jump services"]),
+            chain(nat(HookPoint::Prerouting, -101), jump("services")),
         );
         t.chains.insert(
             "nat-output".into(),
-            chain(nat(HookPoint::Output, -101), &["jump services"]),
+            chain(nat(HookPoint::Output, -101), jump("services")),
         );
         t.chains.insert(
             "nat-postrouting".into(),
-            chain(nat(HookPoint::Postrouting, 99), &["jump masquerading"]),
+            chain(nat(HookPoint::Postrouting, 99), jump("masquerading")),
         );
+        let masquerade = Expr::Masquerade { fully_random: true };
+        let reject = Expr::Reject { tcp_reset: false };
         t.chains.insert(
             "masquerading".into(),
             chain(
                 None,
-                &[
-                    "ct status dnat ip saddr . ip daddr @hairpin masquerade fully-random",
-                    "meta mark & 0x4000 == 0 return",
-                    "meta mark set meta mark ^ 0x4000",
-                    "masquerade fully-random",
+                vec![
+                    r(vec![
+                        m(vec![Sel::CtStatus], false, Rhs::Lit(Lit::Dnat)),
+                        m(vec![SADDR, DADDR], false, set("hairpin")),
+                        masquerade.clone(),
+                    ]),
+                    r(vec![
+                        m(vec![Sel::MarkAnd(0x4000)], false, Rhs::Lit(Lit::Num(0))),
+                        v(model::Verdict::Return),
+                    ]),
+                    r(vec![Expr::MarkXor(0x4000)]),
+                    r(vec![masquerade]),
                 ],
             ),
         );
@@ -785,25 +879,53 @@ mod tests {
             "services".into(),
             chain(
                 None,
-                &[
-                    "ip saddr != 10.244.1.0/24 ip daddr . meta l4proto . th dport @masq-ips-nonlocal meta mark set meta mark | 0x4000",
-                    "ip daddr . meta l4proto . th dport vmap @service-ips",
-                    "ip daddr @cluster-ips reject",
-                    "ip daddr { 10.96.0.0/16 } drop",
+                vec![
+                    r(vec![
+                        m(vec![SADDR], true, Rhs::Lit(net("10.244.1.0/24"))),
+                        m(frontend_key(), false, set("masq-ips-nonlocal")),
+                        Expr::MarkOr(0x4000),
+                    ]),
+                    r(vec![Expr::Vmap {
+                        sel: frontend_key(),
+                        map: "service-ips".into(),
+                    }]),
+                    r(vec![
+                        m(vec![DADDR], false, set("cluster-ips")),
+                        reject.clone(),
+                    ]),
+                    r(vec![
+                        m(vec![DADDR], false, Rhs::AnonSet(vec![net("10.96.0.0/16")])),
+                        v(model::Verdict::Drop),
+                    ]),
                 ],
             ),
         );
         t.chains
-            .insert("no-endpoints".into(), chain(None, &["reject"]));
+            .insert("no-endpoints".into(), chain(None, vec![r(vec![reject])]));
         t.chains.insert(
             "svc-b".into(),
-            chain(None, &["fib saddr type local goto disp-c-2", "drop"]),
+            chain(
+                None,
+                vec![
+                    r(vec![
+                        m(vec![Sel::FibType(Dir::Src)], false, Rhs::Lit(Lit::Local)),
+                        to("disp-c-2"),
+                    ]),
+                    r(vec![v(model::Verdict::Drop)]),
+                ],
+            ),
         );
+        let mut dispatch = frontend_key();
+        dispatch.push(Sel::Numgen(2));
         t.chains.insert(
             "disp-c-2".into(),
             chain(
                 None,
-                &["dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @dnat-c-2"],
+                vec![r(vec![Expr::DnatMap {
+                    family: Family::Ip,
+                    sel: dispatch,
+                    map: "dnat-c-2".into(),
+                }])],
             ),
         );
         let a = Field::Ipv4Addr;
@@ -991,8 +1113,9 @@ mod tests {
             key(&frontend("10.96.0.9", 80)),
             Some(Value::Verdict(model::Verdict::Drop)),
         );
-        kernel.chains.get_mut("svc-b").unwrap().rules =
-            vec!["# rules read from the kernel that kproxy did not write".into()];
+        kernel.chains.get_mut("svc-b").unwrap().rules = vec![Rule::unknown(
+            "a `counter` expression kproxy does not write",
+        )];
         let ev = |p: &Packet| {
             let (k, d) = (
                 evaluate(&kernel, p, &[ip(NODE)]),
@@ -1076,11 +1199,14 @@ mod tests {
             "svc-b".into(),
             chain(
                 None,
-                &[
-                    "ip saddr @aff-1 update @aff-1 { ip saddr } meta l4proto tcp dnat to 10.244.1.3:8080",
-                    "numgen random mod 3 0 goto aep-1",
-                    "numgen random mod 2 0 goto aep-2",
-                    "goto aep-3",
+                vec![
+                    r([m(vec![SADDR], false, set("aff-1"))]
+                        .into_iter()
+                        .chain(affinity_dnat(1, "10.244.1.3:8080"))
+                        .collect()),
+                    pick(3, "aep-1"),
+                    pick(2, "aep-2"),
+                    r(vec![to("aep-3")]),
                 ],
             ),
         );
@@ -1089,9 +1215,7 @@ mod tests {
                 format!("aep-{i}"),
                 chain(
                     None,
-                    &[&format!(
-                        "update @aff-{i} {{ ip saddr }} meta l4proto tcp dnat to 10.244.1.{i}:8080"
-                    )],
+                    vec![r(affinity_dnat(i, &format!("10.244.1.{i}:8080")))],
                 ),
             );
             t.sets.insert(
@@ -1114,19 +1238,19 @@ mod tests {
         );
         // Forty endpoints: each rule is one choice of two, not one per index.
         let n = 40;
-        let mut rules: Vec<String> = (1..n)
-            .map(|i| format!("numgen random mod {} 0 goto aep-{i}", n - i + 1))
+        let mut rules: Vec<Rule> = (1..n)
+            .map(|i| pick(n - i + 1, &format!("aep-{i}")))
             .collect();
-        rules.push(format!("goto aep-{n}"));
+        rules.push(r(vec![to(&format!("aep-{n}"))]));
         t.chains.insert("svc-b".into(), Chain { hook: None, rules });
         for i in 1..=n {
             t.chains.insert(
                 format!("aep-{i}"),
-                chain(None, &[&format!("dnat to 10.244.3.{i}:8080")]),
+                chain(None, vec![r(vec![dnat(&format!("10.244.3.{i}:8080"))])]),
             );
         }
         let got = fates(&t, &pkt("198.51.100.2", "10.96.0.2", 80));
-        assert_eq!(got.len(), n);
+        assert_eq!(got.len(), n as usize);
         assert!(got.iter().all(|f| f.starts_with("1/40 DNAT")), "{got:?}");
     }
 }

@@ -5,14 +5,16 @@
 //! stale UDP conntrack entries.
 //!
 //! This file is the facade: it declares the modules and re-exports what callers use.
-//! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), [`model`]
+//! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), [`rule`] (the
+//! typed rule: its one renderer of nft text, and the decoder of the kernel's
+//! expressions back into it, so rules read back compare by what they do), [`model`]
 //! (the typed nftables model, `diff(old, new) → Transaction`, the transaction's nft
 //! text), [`record`] (the record that moves by the changed Services and yields each
 //! sync's transaction), [`conntrack::UdpFrontends`] (the cleanup's decision, moved
 //! with the record) and [`evaluate`] (a packet's fate under a table, for `kproxy trace
 //! --kernel`). Imperative shell: [`Dataplane`] ([`dataplane`]), which sends each
-//! sync's transaction as `nft -f` text ([`nft`]) or, when it only changes elements, as
-//! an nfnetlink batch ([`netlink`]); reads kproxy's tables back over nfnetlink
+//! sync's transaction as `nft -f` text ([`nft`]) or, when it only changes elements,
+//! chains and rules, as an nfnetlink batch ([`netlink`]); reads kproxy's tables back over nfnetlink
 //! ([`dump`], [`readback`]); and talks ctnetlink ([`conntrack`]), always in the calling
 //! thread's network namespace.
 
@@ -33,6 +35,7 @@ mod nfnl;
 pub mod nft;
 pub mod readback;
 pub mod record;
+pub mod rule;
 pub mod ruleset;
 
 pub use config::{DataplaneConfig, validate_interface, validate_plan};

@@ -1,8 +1,8 @@
 //! The typed nftables model: what kproxy wants in (or reads back from) the kernel, as
 //! values, and the one way to get from one state to another.
 //!
-//! - [`Table`] holds [`Chain`]s (an optional base-chain [`Hook`] and rules whose bodies
-//!   stay nft text, each identified by [`rule_id`]) and [`Set`]s (a typed [`SetDecl`]
+//! - [`Table`] holds [`Chain`]s (an optional base-chain [`Hook`] and typed rules,
+//!   [`crate::rule::Rule`], each identified by [`rule_id`] of its text) and [`Set`]s (a typed [`SetDecl`]
 //!   and typed [`Elem`]ents).
 //! - [`diff`]`(old, new)` returns a [`Transaction`], an ordered list of [`Op`]s that,
 //!   applied to `old`, gives `new`. It decides what changed between the kernel's tables
@@ -37,6 +37,7 @@ use std::sync::Arc;
 use kproxy_core::model::IpFamily;
 
 use crate::error::NftError;
+use crate::rule::Rule;
 
 /// An nftables table family kproxy uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -734,11 +735,11 @@ impl Hook {
     }
 }
 
-/// A chain: `None` hook for a regular chain; rules in order, as nft text.
+/// A chain: `None` hook for a regular chain; rules in order, typed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Chain {
     pub hook: Option<Hook>,
-    pub rules: Vec<String>,
+    pub rules: Vec<Rule>,
 }
 
 /// What the comment of every rule kproxy writes starts with; the rest is its
@@ -748,8 +749,9 @@ pub const RULE_ID_PREFIX: &str = "kp:";
 /// The identity of a rule's content: the FNV-1a 64 hash of its text body (without
 /// `add rule FAMILY TABLE CHAIN` and without the comment), 16 hex digits. Every rule is
 /// written with the comment `kp:<id>` (the kernel keeps it as the rule's userdata), so
-/// a reader of the kernel's tables compares a chain by its rules' ids, in order,
-/// without decoding expressions (agreed with the adoption reader, `crate::dump`).
+/// a reader of the kernel's tables finds which rule of the record a rule claims to be
+/// (whether it does what that rule does is decided on its expressions,
+/// [`crate::rule::Rule::same`]; agreed with the adoption reader, `crate::dump`).
 pub fn rule_id(rule: &str) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in rule.as_bytes() {
@@ -859,7 +861,7 @@ pub enum Op {
         family: Family,
         table: String,
         chain: String,
-        rule: String,
+        rule: Rule,
     },
     AddElements {
         family: Family,
@@ -1252,12 +1254,11 @@ impl Transaction {
                     chain,
                     rule,
                 } => {
-                    let _ = writeln!(
-                        out,
-                        "add rule {} {table} {chain} {rule} comment \"{RULE_ID_PREFIX}{}\"",
-                        family.nft(),
-                        rule_id(rule)
-                    );
+                    let _ = write!(out, "add rule {} {table} {chain} ", family.nft());
+                    let body = out.len();
+                    rule.write(out);
+                    let id = rule_id(&out[body..]);
+                    let _ = writeln!(out, " comment \"{RULE_ID_PREFIX}{id}\"");
                 }
                 Op::AddElements {
                     family,
@@ -1786,6 +1787,7 @@ pub(crate) fn write_u32(out: &mut String, mut n: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rule::{Dir, Expr, Sel};
 
     /// What applying `tx` to `t` gives (a model of the kernel's transaction, for
     /// checking that `diff` says everything and only what changed).
@@ -1924,21 +1926,24 @@ mod tests {
             "nat-prerouting".into(),
             Chain {
                 hook: Some(Hook::nat(HookPoint::Prerouting, -100)),
-                rules: vec!["jump services".into()],
+                rules: vec![Rule::verdict(Verdict::Jump("services".into()))],
             },
         );
         t.chains.insert(
             "services".into(),
             Chain {
                 hook: None,
-                rules: vec!["ip daddr . meta l4proto . th dport vmap @service-ips".into()],
+                rules: vec![Rule::new(vec![Expr::Vmap {
+                    sel: vec![Sel::Addr(Family::Ip, Dir::Dst), Sel::L4proto, Sel::Dport],
+                    map: "service-ips".into(),
+                }])],
             },
         );
         t.chains.insert(
             "svc-a".into(),
             Chain {
                 hook: None,
-                rules: vec!["drop".into()],
+                rules: vec![Rule::verdict(Verdict::Drop)],
             },
         );
         let mut s = Set::new(vmap());
@@ -1961,7 +1966,8 @@ mod tests {
         let key = |a: &str| Tuple::new(&[ip(a), Atom::Proto(6), Atom::Port(80)]);
         let mut v = Vec::new();
         let mut t = sample();
-        t.chains.get_mut("svc-a").unwrap().rules = vec!["accept".into(), "drop".into()];
+        t.chains.get_mut("svc-a").unwrap().rules =
+            vec![Rule::verdict(Verdict::Accept), Rule::verdict(Verdict::Drop)];
         v.push(("rules changed", t));
         let mut t = sample();
         t.chains.remove("svc-a");
@@ -1998,7 +2004,16 @@ mod tests {
             "disp-c-2".into(),
             Chain {
                 hook: None,
-                rules: vec!["dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 2 map @dnat-c-2".into()],
+                rules: vec![Rule::new(vec![Expr::DnatMap {
+                    family: Family::Ip,
+                    sel: vec![
+                        Sel::Addr(Family::Ip, Dir::Dst),
+                        Sel::L4proto,
+                        Sel::Dport,
+                        Sel::Numgen(2),
+                    ],
+                    map: "dnat-c-2".into(),
+                }])],
             },
         );
         v.push(("set removed, map and chain added", t));
@@ -2082,7 +2097,7 @@ mod tests {
     fn diff_counts_and_text() {
         let old = sample();
         let mut new = sample();
-        new.chains.get_mut("svc-a").unwrap().rules = vec!["accept".into()];
+        new.chains.get_mut("svc-a").unwrap().rules = vec![Rule::verdict(Verdict::Accept)];
         let key = Tuple::new(&[ip("10.96.0.2"), Atom::Proto(6), Atom::Port(80)]);
         new.sets
             .get_mut("service-ips")

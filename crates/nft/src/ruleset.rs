@@ -59,6 +59,7 @@ use crate::model::{
     Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple, Value, write_ip,
 };
 pub use crate::model::{Chain, Set, Table, Transaction};
+use crate::rule::{Dir, Expr, Lit, Rhs, Rule, Sel};
 
 /// Priority of kproxy's `nat-prerouting` and `nat-output` chains: `dstnat - 1`, one step
 /// before upstream kube-proxy's nat chains (`dstnat`, also iptables' nat table). The
@@ -72,26 +73,21 @@ pub const DSTNAT_PRIORITY: i32 = -101;
 /// binds before kube-proxy's (`srcnat`) for the same reason.
 pub const SRCNAT_PRIORITY: i32 = 99;
 
-/// kproxy's base chains: (name, hook, priority, its one rule). The neighbour contract
-/// (crates/nft/README.md) promises these hooks and priorities.
+/// kproxy's base chains: (name, hook, priority, the chain its one rule jumps to). The
+/// neighbour contract (crates/nft/README.md) promises these hooks and priorities.
 pub const BASE_CHAINS: [(&str, HookPoint, i32, &str); 3] = [
     (
         "nat-prerouting",
         HookPoint::Prerouting,
         DSTNAT_PRIORITY,
-        "jump services",
+        "services",
     ),
-    (
-        "nat-output",
-        HookPoint::Output,
-        DSTNAT_PRIORITY,
-        "jump services",
-    ),
+    ("nat-output", HookPoint::Output, DSTNAT_PRIORITY, "services"),
     (
         "nat-postrouting",
         HookPoint::Postrouting,
         SRCNAT_PRIORITY,
-        "jump masquerading",
+        "masquerading",
     ),
 ];
 
@@ -100,10 +96,10 @@ pub type DeltaCounts = crate::model::Counts;
 
 /// Family-specific vocabulary.
 struct Fam {
-    /// `ip` / `ip6` as a payload protocol.
-    p: &'static str,
+    /// `ip` / `ip6`: the table's family, and the payload protocol of its addresses.
+    p: Family,
     addr: Field,
-    loopback: &'static str,
+    loopback: Lit,
     family: IpFamily,
 }
 
@@ -111,19 +107,75 @@ impl Fam {
     fn of(family: IpFamily) -> Fam {
         match family {
             IpFamily::IPv4 => Fam {
-                p: "ip",
+                p: Family::Ip,
                 addr: Field::Ipv4Addr,
-                loopback: "127.0.0.0/8",
+                loopback: Lit::Atom(Atom::Prefix(IpAddr::V4([127, 0, 0, 0].into()), 8)),
                 family,
             },
             IpFamily::IPv6 => Fam {
-                p: "ip6",
+                p: Family::Ip6,
                 addr: Field::Ipv6Addr,
-                loopback: "::1",
+                loopback: Lit::Atom(Atom::Addr(IpAddr::V6(std::net::Ipv6Addr::LOCALHOST))),
                 family,
             },
         }
     }
+
+    fn saddr(&self) -> Sel {
+        Sel::Addr(self.p, Dir::Src)
+    }
+
+    fn daddr(&self) -> Sel {
+        Sel::Addr(self.p, Dir::Dst)
+    }
+
+    /// `daddr . meta l4proto . th dport`: an address frontend's key.
+    fn frontend_key(&self) -> Vec<Sel> {
+        vec![self.daddr(), Sel::L4proto, Sel::Dport]
+    }
+}
+
+/// `SEL… @set`.
+fn in_set(sel: Vec<Sel>, set: &str) -> Expr {
+    Expr::Match {
+        sel,
+        neg: false,
+        rhs: Rhs::Set(set.into()),
+    }
+}
+
+/// `SEL LIT` (`!=` when `neg`).
+fn is(sel: Sel, neg: bool, lit: Lit) -> Expr {
+    Expr::Match {
+        sel: vec![sel],
+        neg,
+        rhs: Rhs::Lit(lit),
+    }
+}
+
+/// `SEL { LITS }` (`!=` when `neg`).
+fn in_anon(sel: Sel, neg: bool, lits: Vec<Lit>) -> Expr {
+    Expr::Match {
+        sel: vec![sel],
+        neg,
+        rhs: Rhs::AnonSet(lits),
+    }
+}
+
+fn goto(chain: &str) -> Expr {
+    Expr::Verdict(crate::model::Verdict::Goto(chain.into()))
+}
+
+/// A rule of `prefix`'s expressions followed by `more`.
+fn rule(prefix: &[Expr], more: impl IntoIterator<Item = Expr>) -> Rule {
+    let mut exprs = prefix.to_vec();
+    exprs.extend(more);
+    Rule::new(exprs)
+}
+
+/// A network as a literal: `ADDR/LEN` as ipnet prints it.
+fn net_lit(n: &ipnet::IpNet) -> Lit {
+    Lit::Atom(Atom::Prefix(n.addr(), n.prefix_len()))
 }
 
 /// What one Service contributes to one family's table: its own chains and sets (a
@@ -506,12 +558,12 @@ impl Dispatch {
     /// The map and the chain of this group.
     pub fn objects(&self, family: IpFamily) -> (Set, Chain) {
         let f = Fam::of(family);
-        let key = if self.nodeport {
-            "meta l4proto . th dport".to_string()
+        let mut sel = if self.nodeport {
+            vec![Sel::L4proto, Sel::Dport]
         } else {
-            format!("{} daddr . meta l4proto . th dport", f.p)
+            f.frontend_key()
         };
-        let pick = format!("numgen random mod {}", self.n);
+        sel.push(Sel::Numgen(self.n));
         (
             Set::new(SetDecl {
                 by_expr: true,
@@ -530,11 +582,11 @@ impl Dispatch {
             }),
             Chain {
                 hook: None,
-                rules: vec![format!(
-                    "dnat {} to {key} . {pick} map @{}",
-                    f.p,
-                    self.map()
-                )],
+                rules: vec![Rule::new(vec![Expr::DnatMap {
+                    family: f.p,
+                    sel,
+                    map: self.map(),
+                }])],
             },
         )
     }
@@ -630,60 +682,67 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
         set(vec![a, a], "endpoint IP . endpoint IP"),
     );
 
-    let base = |hook: Option<Hook>, rules: Vec<String>| Chain { hook, rules };
-    for (name, hook, priority, rule) in BASE_CHAINS {
+    let base = |hook: Option<Hook>, rules: Vec<Rule>| Chain { hook, rules };
+    for (name, hook, priority, to) in BASE_CHAINS {
         let chain = Chain {
             hook: Some(Hook::nat(hook, priority)),
-            rules: vec![rule.into()],
+            rules: vec![Rule::verdict(crate::model::Verdict::Jump(to.into()))],
         };
         rs.chains.insert(name.into(), chain);
     }
+    let masquerade = Expr::Masquerade { fully_random: true };
     rs.chains.insert(
         "masquerading".into(),
         base(
             None,
             vec![
                 // Hairpin: a pod reaching itself through a Service (source == chosen endpoint).
-                format!(
-                    "ct status dnat {p} saddr . {p} daddr @hairpin masquerade fully-random",
-                    p = f.p
-                ),
-                format!("meta mark & {mark:#x} == 0 return"),
-                format!("meta mark set meta mark ^ {mark:#x}"),
-                "masquerade fully-random".into(),
+                Rule::new(vec![
+                    is(Sel::CtStatus, false, Lit::Dnat),
+                    in_set(vec![f.saddr(), f.daddr()], "hairpin"),
+                    masquerade.clone(),
+                ]),
+                Rule::new(vec![
+                    is(Sel::MarkAnd(mark), false, Lit::Num(0)),
+                    Expr::Verdict(crate::model::Verdict::Return),
+                ]),
+                Rule::new(vec![Expr::MarkXor(mark)]),
+                Rule::new(vec![masquerade]),
             ],
         ),
     );
     // Masquerade marks of the frontends whose plan is regular (see `classify`), then
     // the dispatch; irregular frontends set the mark in their own chain.
-    let masq = format!("meta mark set meta mark | {mark:#x}");
-    let key = format!("{} daddr . meta l4proto . th dport", f.p);
-    let mut services = vec![format!("{key} @masq-ips {masq}")];
+    let masq = Expr::MarkOr(mark);
+    let key = f.frontend_key();
+    let mut services = vec![Rule::new(vec![
+        in_set(key.clone(), "masq-ips"),
+        masq.clone(),
+    ])];
     if let Some(m) = &nonlocal {
-        services.push(format!("{m}{key} @masq-ips-nonlocal {masq}"));
+        services.push(Rule::new(vec![
+            m.clone(),
+            in_set(key.clone(), "masq-ips-nonlocal"),
+            masq.clone(),
+        ]));
     }
-    services.push(format!("{key} vmap @service-ips"));
-    let np_match = match &fp.node_port_addresses {
-        NodePortAddresses::AllLocal => Some(format!(
-            "fib daddr type local {} daddr != {} ",
-            f.p, f.loopback
-        )),
+    services.push(Rule::new(vec![Expr::Vmap {
+        sel: key,
+        map: "service-ips".into(),
+    }]));
+    let fib_local = is(Sel::FibType(Dir::Dst), false, Lit::Local);
+    let not_loopback = is(f.daddr(), true, f.loopback.clone());
+    let np_match: Option<Vec<Expr>> = match &fp.node_port_addresses {
+        NodePortAddresses::AllLocal => Some(vec![fib_local, not_loopback]),
         // Local addresses inside the CIDRs, decided per packet as `trace` decides it, so
         // a secondary address the Node object does not list still takes NodePorts.
         NodePortAddresses::Cidrs(cidrs) => {
-            let c: Vec<String> = cidrs
+            let c: Vec<Lit> = cidrs
                 .iter()
                 .filter(|n| family.contains(&n.addr()))
-                .map(|n| n.trunc().to_string())
+                .map(|n| net_lit(&n.trunc()))
                 .collect();
-            (!c.is_empty()).then(|| {
-                format!(
-                    "fib daddr type local {p} daddr != {} {p} daddr {{ {} }} ",
-                    f.loopback,
-                    c.join(", "),
-                    p = f.p
-                )
-            })
+            (!c.is_empty()).then(|| vec![fib_local, not_loopback, in_anon(f.daddr(), false, c)])
         }
         NodePortAddresses::Only(list) => {
             let ips: Vec<&IpAddr> = list.iter().filter(|ip| family.contains(ip)).collect();
@@ -694,40 +753,64 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
                 for ip in ips {
                     s.elements.insert(Tuple::new(&[Atom::Addr(*ip)]), None);
                 }
-                Some(format!("{} daddr @nodeport-ips ", f.p))
+                Some(vec![in_set(vec![f.daddr()], "nodeport-ips")])
             }
         }
     };
     if let Some(m) = np_match {
-        services.push(format!("{m}meta l4proto . th dport @masq-nodeports {masq}"));
-        services.push(format!(
-            "{m}meta l4proto . th dport vmap @service-nodeports"
+        let np_key = vec![Sel::L4proto, Sel::Dport];
+        services.push(rule(
+            &m,
+            [in_set(np_key.clone(), "masq-nodeports"), masq.clone()],
+        ));
+        services.push(rule(
+            &m,
+            [Expr::Vmap {
+                sel: np_key,
+                map: "service-nodeports".into(),
+            }],
         ));
     }
     // A live cluster IP on a port/protocol no Service defines is rejected (v1.30+).
     // IPv6 TCP gets a reset: the ICMPv6 error of a `reject` in these nat hooks never
     // reaches the client (as for `no-endpoints-tcp`).
+    let live_cluster_ip = in_set(vec![f.daddr()], "cluster-ips");
     if family == IpFamily::IPv6 {
-        services.push(format!(
-            "{} daddr @cluster-ips meta l4proto tcp reject with tcp reset",
-            f.p
-        ));
+        services.push(Rule::new(vec![
+            live_cluster_ip.clone(),
+            is(Sel::L4proto, false, Lit::Atom(Atom::Proto(6))),
+            Expr::Reject { tcp_reset: true },
+        ]));
     }
-    services.push(format!("{} daddr @cluster-ips reject", f.p));
+    services.push(Rule::new(vec![
+        live_cluster_ip,
+        Expr::Reject { tcp_reset: false },
+    ]));
     // An unallocated address inside a service CIDR is dropped (upstream
     // `cluster-ips-check`, needs the service CIDRs).
     if !fp.service_cidrs.is_empty() {
-        let c: Vec<String> = fp.service_cidrs.iter().map(|n| n.to_string()).collect();
-        services.push(format!("{} daddr {{ {} }} drop", f.p, c.join(", ")));
+        let c: Vec<Lit> = fp.service_cidrs.iter().map(net_lit).collect();
+        services.push(Rule::new(vec![
+            in_anon(f.daddr(), false, c),
+            Expr::Verdict(crate::model::Verdict::Drop),
+        ]));
     }
     rs.chains.insert("services".into(), base(None, services));
     // REJECT targets of frontends without endpoints (verdict maps cannot reject).
-    rs.chains
-        .insert("no-endpoints".into(), base(None, vec!["reject".into()]));
+    rs.chains.insert(
+        "no-endpoints".into(),
+        base(
+            None,
+            vec![Rule::new(vec![Expr::Reject { tcp_reset: false }])],
+        ),
+    );
     if family == IpFamily::IPv6 {
         rs.chains.insert(
             "no-endpoints-tcp".into(),
-            base(None, vec!["reject with tcp reset".into()]),
+            base(
+                None,
+                vec![Rule::new(vec![Expr::Reject { tcp_reset: true }])],
+            ),
         );
     }
 
@@ -826,33 +909,31 @@ fn add_service_port(
 }
 
 /// The LB source-range rule of a port's external chain, if it has one.
-fn firewall_rule(f: &Fam, sp: &ServicePortPlan) -> Option<String> {
+fn firewall_rule(f: &Fam, sp: &ServicePortPlan) -> Option<Rule> {
     let fw = sp.firewall.as_ref()?;
-    let lbs: Vec<String> = sp
+    let lbs: Vec<Lit> = sp
         .load_balancer_ips
         .iter()
-        .map(|ip| ip.to_string())
+        .map(|ip| Lit::Atom(Atom::Addr(*ip)))
         .collect();
     if lbs.is_empty() {
         return None;
     }
-    let allowed: Vec<String> = fw
+    let allowed: Vec<Lit> = fw
         .allowed_sources
         .iter()
         .filter(|n| f.family.contains(&n.addr()))
-        .map(|n| n.trunc().to_string())
+        .map(|n| net_lit(&n.trunc()))
         .collect();
-    let lb = format!(
-        "{} daddr {{ {} }} th dport {}",
-        f.p,
-        lbs.join(", "),
-        sp.port
-    );
-    Some(if allowed.is_empty() {
-        format!("{lb} drop")
-    } else {
-        format!("{lb} {} saddr != {{ {} }} drop", f.p, allowed.join(", "))
-    })
+    let mut exprs = vec![
+        in_anon(f.daddr(), false, lbs),
+        is(Sel::Dport, false, Lit::Atom(Atom::Port(sp.port))),
+    ];
+    if !allowed.is_empty() {
+        exprs.push(in_anon(f.saddr(), true, allowed));
+    }
+    exprs.push(Expr::Verdict(crate::model::Verdict::Drop));
+    Some(Rule::new(exprs))
 }
 
 /// How a frontend whose rules need no chain of its own is dispatched.
@@ -879,7 +960,7 @@ struct PortCtx<'a> {
 
 impl PortCtx<'_> {
     /// The rules that can match (a `LocalPod` rule without a detector never does).
-    fn live<'r>(&self, rules: &'r [TrafficRule]) -> Vec<(String, &'r TrafficRule)> {
+    fn live<'r>(&self, rules: &'r [TrafficRule]) -> Vec<(Vec<Expr>, &'r TrafficRule)> {
         rules
             .iter()
             .filter_map(|r| source_match(r.from, self.f, self.local_pods).map(|m| (m, r)))
@@ -962,7 +1043,7 @@ impl PortCtx<'_> {
         keys: Vec<Tuple>,
         nodeport: bool,
         chain: String,
-        firewall: Option<String>,
+        firewall: Option<Rule>,
     ) {
         let direct = if firewall.is_none() {
             self.classify(rules, nodeport)
@@ -980,11 +1061,12 @@ impl PortCtx<'_> {
                 crate::model::Verdict::Goto(self.dispatch(set, nodeport).chain().into())
             }
             None => {
-                let mut out: Vec<String> = firewall.into_iter().collect();
+                let mut out: Vec<Rule> = firewall.into_iter().collect();
+                let drop = Expr::Verdict(crate::model::Verdict::Drop);
                 for (m, r) in self.live(rules) {
                     match r.verdict {
-                        Verdict::Drop => out.push(format!("{m}drop")),
-                        Verdict::Reject => out.push(format!("{m}goto {}", self.reject_target())),
+                        Verdict::Drop => out.push(rule(&m, [drop.clone()])),
+                        Verdict::Reject => out.push(rule(&m, [goto(self.reject_target())])),
                         Verdict::Forward {
                             endpoints,
                             masquerade,
@@ -992,18 +1074,12 @@ impl PortCtx<'_> {
                             if self.sp.endpoints_for(endpoints).is_empty() {
                                 // Invariant of the planner (a Forward set is never
                                 // empty); be safe anyway.
-                                out.push(format!("{m}drop"));
+                                out.push(rule(&m, [drop.clone()]));
                                 continue;
                             }
-                            let mk = if masquerade {
-                                format!("meta mark set meta mark | {:#x} ", self.mark)
-                            } else {
-                                String::new()
-                            };
-                            out.push(format!(
-                                "{m}{mk}goto {}",
-                                self.dispatch(endpoints, nodeport).chain()
-                            ));
+                            let mk = masquerade.then_some(Expr::MarkOr(self.mark));
+                            let to = goto(&self.dispatch(endpoints, nodeport).chain());
+                            out.push(rule(&m, mk.into_iter().chain([to])));
                             if !sets.contains(&endpoints) {
                                 sets.push(endpoints);
                             }
@@ -1067,7 +1143,6 @@ fn add_affinity_port(
     let Draft {
         own: rs, frontends, ..
     } = frag;
-    let proto = sp.protocol.nft_name();
     let svc_chain = format!("svc-{id}");
     let ext_chain = format!("ext-{id}");
     let timeout = sp.session_affinity_timeout.unwrap_or_default();
@@ -1085,11 +1160,7 @@ fn add_affinity_port(
             chain,
             Chain {
                 hook: None,
-                rules: vec![format!(
-                    "update @{set} {{ {} saddr }} meta l4proto {proto} dnat to {}",
-                    f.p,
-                    dnat_target(ep)
-                )],
+                rules: vec![Rule::new(dnat_to(f, sp, &set, ep))],
             },
         );
     }
@@ -1100,12 +1171,12 @@ fn add_affinity_port(
         local_pods,
         mark,
     };
-    let rules = |list: &[TrafficRule]| -> Vec<String> {
+    let rules = |list: &[TrafficRule]| -> Vec<Rule> {
         let mut out = Vec::new();
         for (m, r) in ctx.live(list) {
             match r.verdict {
-                Verdict::Drop => out.push(format!("{m}drop")),
-                Verdict::Reject => out.push(format!("{m}goto {}", ctx.reject_target())),
+                Verdict::Drop => out.push(rule(&m, [Expr::Verdict(crate::model::Verdict::Drop)])),
+                Verdict::Reject => out.push(rule(&m, [goto(ctx.reject_target())])),
                 Verdict::Forward {
                     endpoints,
                     masquerade,
@@ -1146,7 +1217,7 @@ fn add_affinity_port(
     );
 
     if !sp.external.is_empty() {
-        let mut ext: Vec<String> = firewall_rule(f, sp).into_iter().collect();
+        let mut ext: Vec<Rule> = firewall_rule(f, sp).into_iter().collect();
         ext.extend(rules(&sp.external));
         rs.chains.insert(
             ext_chain.clone(),
@@ -1173,8 +1244,8 @@ fn add_affinity_port(
 /// used (in endpoint order), new ones pick uniformly.
 #[allow(clippy::too_many_arguments)]
 fn forward_rules(
-    out: &mut Vec<String>,
-    m: &str,
+    out: &mut Vec<Rule>,
+    m: &[Expr],
     f: &Fam,
     sp: &ServicePortPlan,
     id: &str,
@@ -1182,88 +1253,91 @@ fn forward_rules(
     masquerade: bool,
     mark: u32,
 ) {
-    let proto = sp.protocol.nft_name();
     if eps.is_empty() {
         // Invariant of the planner (a Forward set is never empty); be safe anyway.
-        out.push(format!("{m}drop"));
+        out.push(rule(m, [Expr::Verdict(crate::model::Verdict::Drop)]));
         return;
     }
-    let masq = if masquerade {
-        format!("meta mark set meta mark | {mark:#x} ")
-    } else {
-        String::new()
-    };
+    let masq = masquerade.then_some(Expr::MarkOr(mark));
     for ep in eps {
         let (set, _) = affinity_names(id, ep);
-        out.push(format!(
-            "{m}{p} saddr @{set} {masq}update @{set} {{ {p} saddr }} meta l4proto {proto} dnat to {}",
-            dnat_target(ep),
-            p = f.p
-        ));
+        let known = in_set(vec![f.saddr()], &set);
+        let then = masq.iter().cloned().chain(dnat_to(f, sp, &set, ep));
+        out.push(rule(m, std::iter::once(known).chain(then)));
     }
     for (i, ep) in eps.iter().enumerate() {
         let pick = pick(i, eps.len());
-        out.push(format!("{m}{masq}{pick}goto {}", affinity_names(id, ep).1));
+        let to = goto(&affinity_names(id, ep).1);
+        out.push(rule(m, masq.iter().cloned().chain(pick).chain([to])));
     }
+}
+
+/// `update @set { saddr } meta l4proto P dnat to EP`: an affinity endpoint's DNAT,
+/// remembering the client.
+fn dnat_to(f: &Fam, sp: &ServicePortPlan, set: &str, ep: &EndpointAddr) -> Vec<Expr> {
+    vec![
+        Expr::Update {
+            set: set.into(),
+            key: f.saddr(),
+        },
+        is(Sel::L4proto, false, Lit::Atom(Atom::proto(sp.protocol))),
+        Expr::DnatTo(*ep),
+    ]
 }
 
 /// The uniform random choice of an affinity port without a set: rule `i` of `n` takes
 /// the packet with probability 1/(n-i) (each `numgen` evaluation draws afresh), so every
 /// endpoint gets 1/n. (Affinity ports are rare; all others use the dispatch maps.)
-fn pick(i: usize, n: usize) -> String {
-    if i + 1 == n {
-        String::new()
-    } else {
-        format!("numgen random mod {} 0 ", n - i)
-    }
+fn pick(i: usize, n: usize) -> Option<Expr> {
+    (i + 1 != n).then(|| {
+        let n = u32::try_from(n - i).unwrap_or(u32::MAX);
+        is(Sel::Numgen(n), false, Lit::Num(0))
+    })
 }
 
-fn dnat_target(ep: &EndpointAddr) -> String {
-    // EndpointAddr's Display is `ip:port` / `[ip]:port`, which is nft's syntax too.
-    ep.to_string()
-}
-
-/// The match prefix (with a trailing space) of a source class; `None` when the class
-/// can never match (LocalPod without a detector), so the rule is left out.
-fn source_match(class: SourceClass, f: &Fam, local_pods: &LocalPods) -> Option<String> {
+/// The matches of a source class (none for any source); `None` when the class can
+/// never match (LocalPod without a detector), so the rule is left out.
+fn source_match(class: SourceClass, f: &Fam, local_pods: &LocalPods) -> Option<Vec<Expr>> {
     match class {
-        SourceClass::Any => Some(String::new()),
-        SourceClass::ThisNode => Some("fib saddr type local ".into()),
-        SourceClass::LocalPod => match local_pods {
-            LocalPods::None => None,
-            LocalPods::Cidrs(cidrs) => {
-                let c: Vec<String> = cidrs
-                    .iter()
-                    .filter(|n| f.family.contains(&n.addr()))
-                    .map(|n| n.trunc().to_string())
-                    .collect();
-                match c.len() {
-                    0 => None,
-                    1 => Some(format!("{} saddr {} ", f.p, c[0])),
-                    // A named set, filled in `build`: no anonymous set per rule.
-                    _ => Some(format!("{} saddr @local-pods ", f.p)),
-                }
-            }
-            // Interface names are validated by `crate::config::validate_interface`; an invalid
-            // one was rejected before rendering (see `validate_plan`).
-            LocalPods::InterfacePrefix(p) => Some(format!("iifname \"{p}*\" ")),
-            LocalPods::Bridge(b) => Some(format!("iifname \"{b}\" ")),
-        },
+        SourceClass::Any => Some(Vec::new()),
+        SourceClass::ThisNode => Some(vec![is(Sel::FibType(Dir::Src), false, Lit::Local)]),
+        SourceClass::LocalPod => local_pod_match(f, local_pods, false).map(|m| vec![m]),
     }
 }
 
-/// The negation of the `LocalPod` match (with a trailing space); `None` when there is
-/// no `LocalPod` match for this family.
-fn nonlocal_match(f: &Fam, local_pods: &LocalPods) -> Option<String> {
-    let m = source_match(SourceClass::LocalPod, f, local_pods)?;
-    // `ip saddr X `, `ip saddr @local-pods `, `iifname "…" ` → the same with `!=`.
-    let (lhs, rhs) = if let Some(rest) = m.strip_prefix("iifname ") {
-        ("iifname".to_string(), rest.to_string())
-    } else {
-        let rest = m.strip_prefix(&format!("{} saddr ", f.p))?;
-        (format!("{} saddr", f.p), rest.to_string())
-    };
-    Some(format!("{lhs} != {rhs}"))
+/// The match of a local pod's traffic (`neg`: of everything else); `None` when there
+/// is no detector for this family.
+fn local_pod_match(f: &Fam, local_pods: &LocalPods, neg: bool) -> Option<Expr> {
+    match local_pods {
+        LocalPods::None => None,
+        LocalPods::Cidrs(cidrs) => {
+            let c: Vec<Lit> = cidrs
+                .iter()
+                .filter(|n| f.family.contains(&n.addr()))
+                .map(|n| net_lit(&n.trunc()))
+                .collect();
+            match c.as_slice() {
+                [] => None,
+                [one] => Some(is(f.saddr(), neg, one.clone())),
+                // A named set, filled in `build`: no anonymous set per rule.
+                _ => Some(Expr::Match {
+                    sel: vec![f.saddr()],
+                    neg,
+                    rhs: Rhs::Set("local-pods".into()),
+                }),
+            }
+        }
+        // Interface names are validated by `crate::config::validate_interface`; an invalid
+        // one was rejected before rendering (see `validate_plan`).
+        LocalPods::InterfacePrefix(p) => Some(is(Sel::Iifname, neg, Lit::Iface(format!("{p}*")))),
+        LocalPods::Bridge(b) => Some(is(Sel::Iifname, neg, Lit::Iface(b.clone()))),
+    }
+}
+
+/// The negation of the `LocalPod` match; `None` when there is no `LocalPod` match for
+/// this family.
+fn nonlocal_match(f: &Fam, local_pods: &LocalPods) -> Option<Expr> {
+    local_pod_match(f, local_pods, true)
 }
 
 /// A short stable identifier of a service port: hash (uniqueness) + readable name.

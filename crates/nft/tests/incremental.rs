@@ -224,7 +224,7 @@ fn effect(tx: &Transaction) -> Effect {
                 .rules
                 .entry(at(family, chain))
                 .or_default()
-                .push(rule.clone()),
+                .push(rule.to_string()),
             Op::DeleteElements {
                 family, set, keys, ..
             } => {

@@ -285,3 +285,172 @@ fn a_deleted_element_changes_the_kernel_fate_and_is_named() {
         )]
     );
 }
+
+/// Root: a rule forged under kproxy's own `kp:` id (issue 42, item 2) is told by what
+/// it does, not by its name. For each forgery — the dispatch rule turned into a DNAT to
+/// an outside address, the `services` verdict-map rule turned into `drop`, the dispatch
+/// rule's `numgen` modulus changed from 3 to 7 — `trace --kernel` disagrees with the
+/// plan and names the chain; and the running dataplane's verification, its repair (the
+/// kernel watch's path) and a new dataplane's adoption (a restart, `sync --once`) each
+/// put the plan's rule back.
+#[test]
+fn a_rule_forged_under_kproxys_id_is_named_and_repaired() {
+    if !require_root() {
+        return;
+    }
+    let c = Case {
+        ipv4_only: true,
+        ..one_service(Svc {
+            endpoints: (0..3).map(|pod| (pod, (Some(true), None, None))).collect(),
+            ..plain(0)
+        })
+    };
+    let (kernel_plan, plan) = plans(&c).expect("valid case");
+    let pkt = Packet {
+        src: ip("198.51.100.2"),
+        dst: ip(&common::cases::v4_cluster_ip(0)),
+        dport: 80,
+        proto: kproxy_core::model::Protocol::TCP,
+        in_interface: Some("ext0".into()),
+    };
+    let locals = host_addresses();
+    let t = trace(&plan, &pkt, &locals);
+    assert_eq!(t.endpoints.len(), 3, "{t:?}");
+    let dispatch = "dnat ip to ip daddr . meta l4proto . th dport . numgen random mod";
+    // (chain, the text of the rule forged, its replacement)
+    let forgeries = [
+        (
+            "disp-c-3",
+            format!("{dispatch} 3 map @dnat-c-3"),
+            "meta l4proto tcp dnat to 6.6.6.6:6666".to_string(),
+        ),
+        (
+            "services",
+            "ip daddr . meta l4proto . th dport vmap @service-ips".to_string(),
+            "drop".to_string(),
+        ),
+        (
+            "disp-c-3",
+            format!("{dispatch} 3 map @dnat-c-3"),
+            format!("{dispatch} 7 map @dnat-c-3"),
+        ),
+    ];
+    for (chain, real, forged) in &forgeries {
+        let node = Node::new("kforge");
+        node.sync(&kernel_plan);
+        let forge = || {
+            let raw = node
+                .ns
+                .run(|| kproxy_nft::dump::read_table("ip", "kproxy"))
+                .expect("dump")
+                .expect("table");
+            let want = desired(&kernel_plan, &DataplaneConfig::default());
+            let rule = want[0].chains[*chain]
+                .rules
+                .iter()
+                .find(|r| r.to_string() == *real)
+                .unwrap_or_else(|| panic!("{chain} has no rule {real}"));
+            let id = format!("kp:{}", rule.id());
+            let handle = raw.chains[*chain]
+                .rules
+                .iter()
+                .find(|r| r.comment.as_deref() == Some(id.as_str()))
+                .expect("the rule in the kernel")
+                .handle;
+            if !forged.contains("mod 7") {
+                node.ns.exec(&format!(
+                    "nft replace rule ip kproxy {chain} handle {handle} {forged} comment \\\"{id}\\\""
+                ));
+                return;
+            }
+            // nft 1.0.6 refuses a rule on a `typeof` map it did not declare in the same
+            // batch ("conflicting protocols specified: ip vs. th"): this one goes over
+            // netlink, the chain's one rule replaced.
+            let mut rule = rule.clone();
+            let Some(kproxy_nft::rule::Expr::DnatMap { sel, .. }) = rule.exprs.first_mut() else {
+                panic!("{real} is not a dispatch rule");
+            };
+            *sel.last_mut().expect("numgen") = kproxy_nft::rule::Sel::Numgen(7);
+            assert_eq!(rule.to_string(), *forged);
+            let tx = kproxy_nft::Transaction {
+                ops: vec![kproxy_nft::model::Op::FlushChain {
+                    family: kproxy_nft::model::Family::Ip,
+                    table: "kproxy".into(),
+                    name: chain.to_string(),
+                }],
+                ..Default::default()
+            };
+            let mut batch = kproxy_nft::netlink::Batch::transaction(&tx).expect("flush");
+            batch
+                .add_rule_tagged(kproxy_nft::model::Family::Ip, "kproxy", chain, &rule, &id)
+                .expect("encodes");
+            node.ns.run(move || {
+                kproxy_nft::netlink::Writer::open()
+                    .expect("socket")
+                    .send(batch)
+                    .expect("forged")
+            });
+        };
+        let agrees = || {
+            let (kernel, want) = node.kernel(&plan).expect("read back");
+            let ev = evaluate(&kernel[0], &pkt, &locals);
+            let mut touched = ev.touched.clone();
+            touched.extend(evaluate(&want[0], &pkt, &locals).touched);
+            let named = divergence(&kernel[0], &want[0], &touched).expect("diff");
+            (ev.agrees_with(&t), fates(&ev), named)
+        };
+        let listing = || node.ns.exec("nft list table ip kproxy");
+        let listed = listing();
+        let named_chain = format!("chain {chain}: its rules in the kernel are not the plan's");
+        let before = agrees();
+        assert!(
+            before.0 && before.2.is_empty(),
+            "{forged}: before: {before:?}"
+        );
+
+        // trace --kernel, then the periodic verification.
+        forge();
+        let (ok, fates_seen, named) = agrees();
+        assert!(!ok, "{forged}: trace --kernel agrees: {fates_seen:?}");
+        assert!(named.contains(&named_chain), "{forged}: {named:?}");
+        let dp = node.dp.clone();
+        let report = node
+            .ns
+            .run(move || dp.lock().expect("dp").verify().expect("verify"));
+        assert!(report.drift, "{forged}: {report:?}");
+        assert!(
+            report.differences.contains(&format!("chain {chain}")),
+            "{forged}: {report:?}"
+        );
+        assert!(
+            agrees().0,
+            "{forged}: after the verification: {:?}",
+            agrees()
+        );
+        assert_eq!(listing(), listed, "{forged}: after the verification");
+
+        // The kernel watch's repair.
+        forge();
+        let (dp, p) = (node.dp.clone(), kernel_plan.clone());
+        let r = node
+            .ns
+            .run(move || dp.lock().expect("dp").repair(&p).expect("repair"));
+        assert_eq!(r.changes.chains_changed, 1, "{forged}: {r:?}");
+        assert!(agrees().0, "{forged}: after the repair: {:?}", agrees());
+        assert_eq!(listing(), listed, "{forged}: after the repair");
+
+        // A restart's adoption (and `sync --once`).
+        forge();
+        let p = kernel_plan.clone();
+        let r = node.ns.run(move || {
+            Dataplane::new(DataplaneConfig::default())
+                .expect("config")
+                .sync(&p, &kproxy_core::planner::PlanUpdate::WHOLE)
+                .expect("sync")
+        });
+        assert!(r.adopted, "{forged}: {r:?}");
+        assert_eq!(r.changes.chains_changed, 1, "{forged}: {r:?}");
+        assert!(agrees().0, "{forged}: after the adoption: {:?}", agrees());
+        assert_eq!(listing(), listed, "{forged}: after the adoption");
+    }
+}

@@ -134,6 +134,155 @@ fn rendered_scripts_load_into_the_kernel() {
     });
 }
 
+/// The kernel's expressions of every rule kproxy writes, read back over netlink, decode
+/// into the typed rule it was rendered from (`kproxy_nft::rule::decode`): no rule of
+/// kproxy's is "cannot tell", and none is taken for another. Both families, every
+/// local-traffic detector, node-port addresses by CIDR and by list, affinity, source
+/// ranges, service CIDRs.
+#[test]
+fn the_kernel_s_expressions_decode_into_the_rules_kproxy_wrote() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
+    let plans = [
+        plan_from_yaml(&example_cluster(), "node-a", &example_config()),
+        plan_from_yaml(&example_cluster(), "node-b", &PlanConfig::default()),
+        plan_from_yaml(MIXED, "node-a", &mixed_config()),
+        plan_from_yaml(MIXED, "node-b", &masquerade_all(LocalDetectorConfig::None)),
+        plan_from_yaml(
+            MIXED,
+            "node-a",
+            &masquerade_all(LocalDetectorConfig::InterfaceNamePrefix("kpv".into())),
+        ),
+        plan_from_yaml(
+            MIXED,
+            "node-a",
+            &masquerade_all(LocalDetectorConfig::BridgeInterface("cbr0".into())),
+        ),
+        // Two CIDRs a family (the `local-pods` set), node ports on every address.
+        plan_from_yaml(
+            MIXED,
+            "node-a",
+            &PlanConfig {
+                node_port_addresses: NodePortAddressesConfig::Cidrs(vec![
+                    "0.0.0.0/0".parse().unwrap(),
+                    "::/0".parse().unwrap(),
+                ]),
+                ..masquerade_all(LocalDetectorConfig::ClusterCidr(
+                    [
+                        "10.244.0.0/16",
+                        "10.250.0.0/16",
+                        "fd00:244::/48",
+                        "fd00:250::/48",
+                    ]
+                    .iter()
+                    .map(|c| c.parse().unwrap())
+                    .collect(),
+                ))
+            },
+        ),
+    ];
+    let mut bad = Vec::new();
+    let mut rules = 0;
+    for plan in plans {
+        let ns = Netns::new("decode");
+        let want = kproxy_nft::desired(&plan, &DataplaneConfig::default());
+        let raw = ns.run(move || {
+            let mut dp = kproxy_nft::Dataplane::new(DataplaneConfig::default()).unwrap();
+            dp.sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
+                .expect("sync");
+            ["ip", "ip6"].map(|f| {
+                kproxy_nft::dump::read_table(f, "kproxy")
+                    .expect("dump")
+                    .expect("table")
+            })
+        });
+        for (table, raw) in want.iter().zip(&raw) {
+            for (name, chain) in &table.chains {
+                let got = &raw.chains[name].rules;
+                assert_eq!(got.len(), chain.rules.len(), "chain {name}");
+                for (r, k) in chain.rules.iter().zip(got) {
+                    rules += 1;
+                    let d = kproxy_nft::rule::decode::decode(&k.exprs, table.family, raw);
+                    if !d.same(r) {
+                        bad.push(format!(
+                            "{} {name}: wrote `{r}`, read `{d}`",
+                            table.family.nft()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(rules > 100, "{rules} rules");
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// Every rule kproxy writes, encoded by kproxy (`kproxy_nft::rule::encode`) and sent
+/// over nfnetlink in place of the rules `nft -f` wrote, lists exactly as `nft -f`'s
+/// (`nft list ruleset`, comments included) and reads back as the same rules.
+#[test]
+fn rules_written_over_nfnetlink_list_as_nft_wrote_them() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
+    let plans = [
+        plan_from_yaml(&example_cluster(), "node-a", &example_config()),
+        plan_from_yaml(MIXED, "node-a", &mixed_config()),
+        plan_from_yaml(
+            MIXED,
+            "node-b",
+            &masquerade_all(LocalDetectorConfig::BridgeInterface("cbr0".into())),
+        ),
+    ];
+    for plan in plans {
+        let ns = Netns::new("encode");
+        let want = kproxy_nft::desired(&plan, &DataplaneConfig::default());
+        let p = plan.clone();
+        ns.run(move || {
+            let mut dp = kproxy_nft::Dataplane::new(DataplaneConfig::default()).unwrap();
+            dp.sync(&p, &kproxy_core::planner::PlanUpdate::WHOLE)
+                .expect("sync");
+        });
+        let by_nft = ns.exec("nft list ruleset");
+        // Every chain flushed and refilled over netlink, in one batch.
+        let mut tx = kproxy_nft::Transaction::default();
+        for table in &want {
+            for (name, chain) in &table.chains {
+                tx.ops.push(kproxy_nft::model::Op::FlushChain {
+                    family: table.family,
+                    table: table.name.clone(),
+                    name: name.clone(),
+                });
+                for rule in &chain.rules {
+                    tx.ops.push(kproxy_nft::model::Op::AddRule {
+                        family: table.family,
+                        table: table.name.clone(),
+                        chain: name.clone(),
+                        rule: rule.clone(),
+                    });
+                }
+            }
+        }
+        let batch = kproxy_nft::netlink::Batch::transaction(&tx).expect("every rule encodes");
+        ns.run(move || {
+            kproxy_nft::netlink::Writer::open()
+                .expect("socket")
+                .send(batch)
+                .expect("the kernel takes the batch")
+        });
+        let by_netlink = ns.exec("nft list ruleset");
+        assert_eq!(by_netlink, by_nft);
+        let p = plan.clone();
+        let report = ns.run(move || {
+            let mut dp = kproxy_nft::Dataplane::new(DataplaneConfig::default()).unwrap();
+            dp.sync(&p, &kproxy_core::planner::PlanUpdate::WHOLE)
+                .expect("adoption")
+        });
+        assert!(report.adopted && report.changes.is_empty(), "{report:?}");
+    }
+}
+
 #[test]
 fn hostile_names_are_rejected() {
     for bad in [
