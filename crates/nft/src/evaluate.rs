@@ -12,7 +12,7 @@
 //! the masquerade mark, `fib … type local` against the addresses it is given, and
 //! `iifname` patterns. Dynamic sets (ClientIP affinity) are taken as empty: the fate
 //! of a client without affinity yet, as `trace` answers. A rule it does not know — in
-//! the kernel, one kproxy did not write or not the plan's (`crate::dump::adopt` marks
+//! the kernel, one kproxy did not write or not the plan's (`crate::adopt::adopt` marks
 //! such chains) — ends the branch as [`Fate::Unknown`], never as a guess.
 //!
 //! [`divergence`] names what of the table a packet touched differs from the plan's:
@@ -300,7 +300,7 @@ fn outcome(st: St, fate: Fate, masquerade: bool, note: Option<String>) -> Outcom
     }
 }
 
-/// What of `kernel` (as `crate::dump::adopt` gives it) differs from `desired`, among
+/// What of `kernel` (as `crate::adopt::adopt` gives it) differs from `desired`, among
 /// the objects `touched` names: one line per chain, set or element, in the order of
 /// `model::diff`'s transaction. Empty when what the packet touched is the plan's.
 pub fn divergence(
@@ -591,7 +591,7 @@ impl Eval<'_> {
             Expr::Verdict(v) => vec![(st, verdict(v))],
             Expr::Reject { .. } => vec![(st, RuleEnd::End(End::Reject))],
             Expr::Masquerade { .. } => vec![(st, RuleEnd::End(End::Masquerade))],
-            // `crate::dump::adopt` decodes what kproxy does not write into these.
+            // `crate::adopt::adopt` decodes what kproxy does not write into these.
             Expr::Unknown(why) => vec![(
                 st,
                 RuleEnd::End(End::Unknown(format!(

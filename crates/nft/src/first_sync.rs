@@ -40,7 +40,7 @@ pub struct PhasedSync {
 /// hooked, so no packet meets the tables while they fill, whatever order or grouping
 /// the elements arrive in; a failure at any step leaves dormant tables, which the next
 /// (full, replacing, one-transaction) sync replaces (adoption refuses a table with
-/// flags, [`crate::dump::adopt`]). A batch must reach the kernel in one `sendmsg` (nfnetlink
+/// flags, [`crate::adopt::adopt`]). A batch must reach the kernel in one `sendmsg` (nfnetlink
 /// runs it from one skb), so one transaction of all elements had to be held whole (4.6
 /// MB at 10k × 10, on top of their 8 MiB typed); in pieces neither is. It also lets the
 /// kernel grow each set's hash table between pieces: a set starts with 4 buckets and

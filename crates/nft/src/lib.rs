@@ -5,7 +5,8 @@
 //! stale UDP conntrack entries.
 //!
 //! This file is the facade: it declares the modules and re-exports what callers use.
-//! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), [`rule`] (the
+//! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), `atom` (the
+//! values rules and elements share: family, field, atom, verdict, rule id), [`rule`] (the
 //! typed rule: its one renderer of nft text, and the decoder of the kernel's
 //! expressions back into it, so rules read back compare by what they do), [`model`]
 //! (the typed nftables model, `diff(old, new) → Transaction`, the transaction's nft
@@ -20,6 +21,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod adopt;
+mod atom;
 pub mod config;
 pub mod conntrack;
 pub mod dataplane;

@@ -30,7 +30,7 @@ use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
 use crate::error::{EncodeError, EncodeFailure, NftError, Via};
-use crate::model::{Atom, Family, Op, Transaction, Tuple, Value, Verdict};
+use crate::model::{Atom, Family, Op, Transaction, Tuple, Value};
 
 /// `NFNL_SUBSYS_NFTABLES`: the batch header's resource id names the subsystem.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -69,24 +69,6 @@ pub(crate) fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Result<(), EncodeFai
         }
     }
     Ok(())
-}
-
-/// The verdict code (as the kernel's u32) and chain of a verdict.
-pub(crate) fn verdict(v: &Verdict) -> (u32, Option<&str>) {
-    const NF_DROP: u32 = 0;
-    const NF_ACCEPT: u32 = 1;
-    const NFT_CONTINUE: u32 = -1i32 as u32;
-    const NFT_JUMP: u32 = -3i32 as u32;
-    const NFT_GOTO: u32 = -4i32 as u32;
-    const NFT_RETURN: u32 = -5i32 as u32;
-    match v {
-        Verdict::Drop => (NF_DROP, None),
-        Verdict::Accept => (NF_ACCEPT, None),
-        Verdict::Return => (NFT_RETURN, None),
-        Verdict::Continue => (NFT_CONTINUE, None),
-        Verdict::Goto(c) => (NFT_GOTO, Some(c)),
-        Verdict::Jump(c) => (NFT_JUMP, Some(c)),
-    }
 }
 
 // Netlink and nf_tables constants (linux/netlink.h, linux/netfilter/nfnetlink.h,
@@ -325,7 +307,7 @@ impl Batch {
             nla_end(b, key)?;
             match (v, add) {
                 (Some(Value::Verdict(v)), true) => {
-                    let (code, chain) = verdict(v);
+                    let (code, chain) = v.netlink();
                     let data = nla_begin(b, NFTA_SET_ELEM_DATA | NLA_F_NESTED);
                     let vd = nla_begin(b, NFTA_DATA_VERDICT | NLA_F_NESTED);
                     let c = nla_begin(b, NFTA_VERDICT_CODE);
@@ -406,7 +388,7 @@ impl Batch {
         nla_str(b, NFTA_CHAIN_NAME, name)?;
         if let Some(h) = hook {
             let nest = nla_begin(b, NFTA_CHAIN_HOOK | NLA_F_NESTED);
-            nla_u32(b, NFTA_HOOK_HOOKNUM, crate::dump::hook_number(h.hook))?;
+            nla_u32(b, NFTA_HOOK_HOOKNUM, h.hook.number())?;
             nla_u32(b, NFTA_HOOK_PRIORITY, h.priority as u32)?;
             nla_end(b, nest)?;
             nla_u32(b, NFTA_CHAIN_POLICY, 1)?;
@@ -855,8 +837,10 @@ mod tests {
 
     #[test]
     fn verdicts() {
-        let v =
-            |s: &str| Verdict::parse(s).map(|v| (verdict(&v).0, verdict(&v).1.map(String::from)));
+        let v = |s: &str| {
+            crate::model::Verdict::parse(s)
+                .map(|v| (v.netlink().0, v.netlink().1.map(String::from)))
+        };
         assert_eq!(v("goto svc-1"), Some((-4i32 as u32, Some("svc-1".into()))));
         assert_eq!(v("jump x"), Some((-3i32 as u32, Some("x".into()))));
         assert_eq!(v("drop"), Some((0, None)));

@@ -4,7 +4,7 @@
 //!
 //! The tables are read over nfnetlink ([`crate::dump::read_table`]; a table that does
 //! not exist is the kernel's `ENOENT`, never a tool's message); their structure is
-//! turned into the desired state's vocabulary ([`crate::dump::adopt_structure`]) and
+//! turned into the desired state's vocabulary ([`crate::adopt::adopt_structure`]) and
 //! diffed against the record's ([`crate::model::diff`]), and their elements, packed as
 //! read, are compared set by set with the record's, offered in pieces as a first sync
 //! sends them ([`compare_named`]). The transaction that gives is what adoption and
@@ -19,14 +19,15 @@ use kproxy_core::NodePlan;
 use crate::config::DataplaneConfig;
 use std::collections::BTreeMap;
 
-use crate::dump::{self, AdoptError, RawData, RawElements, RawSet, RawTable};
+use crate::adopt::{self, AdoptError};
+use crate::dump::{self, RawData, RawElements, RawSet, RawTable};
 use crate::error::NftError;
 use crate::first_sync::ELEMENTS_PER_PIECE;
 use crate::model::{
     self, Elem, ElementDiff, Family, Held, OldElements, Op, SetDecl, Table, Transaction, Tuple,
     TypedElements, Value,
 };
-use crate::netlink::{self, encode_tuple};
+use crate::netlink::encode_tuple;
 use crate::record::{FamilyRecord, full_transaction_of, records};
 
 /// A first sync's records and, when kproxy's tables exist and can be brought to them in
@@ -134,7 +135,7 @@ pub(crate) enum Compared {
 }
 
 /// Compares one family's table as read back (`None`: absent) with the record:
-/// [`dump::adopt_structure`] turns the kernel's structure into the model and
+/// [`adopt::adopt_structure`] turns the kernel's structure into the model and
 /// [`model::diff`] says what moves it to the record's structure; the elements are then
 /// compared set by set ([`elements_delta`]). Fails only when the diff does (a bug).
 pub(crate) fn compare(rec: &FamilyRecord, raw: Option<&RawTable>) -> Result<Compared, NftError> {
@@ -175,7 +176,7 @@ pub(crate) fn compare_named(
         let named = vec![e.what.clone()];
         Ok((Compared::Unadoptable(e), named))
     };
-    let kernel = match dump::adopt_structure(raw, &desired) {
+    let kernel = match adopt::adopt_structure(raw, &desired) {
         Ok(k) => k,
         Err(e) => return unadoptable(e),
     };
@@ -223,7 +224,7 @@ pub fn kernel_table(
     desired: &model::Table,
 ) -> Result<Option<Result<model::Table, AdoptError>>, NftError> {
     let raw = dump::read_table(desired.family.nft(), &desired.name)?;
-    Ok(raw.map(|raw| dump::adopt(&raw, desired)))
+    Ok(raw.map(|raw| adopt::adopt(&raw, desired)))
 }
 
 // ---- Elements, set by set.
@@ -326,7 +327,7 @@ impl<'a> KernelElements<'a> {
         };
         if decl.interval {
             return Ok(KernelElements::Typed(TypedElements::owned(
-                dump::decode_elements(rs, decl, v6)?,
+                adopt::decode_elements(rs, decl, v6)?,
             )));
         }
         if rs.elements.misfits() > 0 {
@@ -394,7 +395,7 @@ impl OldElements for KernelElements<'_> {
         };
         let mut scratch = Vec::new();
         match Self::find(raw, order, &mut scratch, key) {
-            Some(at) => dump::decode_element(raw.get(order[at] as usize), decl).map(|_| ()),
+            Some(at) => adopt::decode_element(raw.get(order[at] as usize), decl).map(|_| ()),
             None => Ok(()),
         }
     }
@@ -414,7 +415,7 @@ impl OldElements for KernelElements<'_> {
             } => {
                 for (i, offered) in order.into_iter().zip(offered) {
                     if !offered {
-                        out.push(dump::decode_element(raw.get(i as usize), decl)?.0);
+                        out.push(adopt::decode_element(raw.get(i as usize), decl)?.0);
                     }
                 }
                 Ok(())
@@ -428,7 +429,7 @@ fn same_data(kernel: Option<RawData<'_>>, value: Option<&Value>) -> bool {
     match (kernel, value) {
         (None, None) => true,
         (Some(RawData::Verdict { code, chain }), Some(Value::Verdict(v))) => {
-            netlink::verdict(v) == (code, chain)
+            v.netlink() == (code, chain)
         }
         (Some(RawData::Value(bytes)), Some(Value::Data(t))) => {
             let mut b = Vec::with_capacity(bytes.len());

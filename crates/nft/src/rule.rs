@@ -20,7 +20,7 @@ use std::net::IpAddr;
 
 use kproxy_core::model::EndpointAddr;
 
-use crate::model::{Atom, Family, Verdict, rule_id, write_u32};
+use crate::atom::{Atom, Family, Verdict, rule_id, write_u32};
 
 /// Bytes of an address of `family`.
 pub(crate) fn addr_len(family: Family) -> usize {

@@ -241,7 +241,7 @@ fn the_dump_reads_what_the_sync_wrote() {
         assert_eq!(raw.chains[name].hook.is_some(), c.hook.is_some());
     }
     // Read back into the model, the kernel equals the desired table, elements included.
-    let kernel = kproxy_nft::dump::adopt(&raw, &rs).expect("adoptable");
+    let kernel = kproxy_nft::adopt::adopt(&raw, &rs).expect("adoptable");
     assert_eq!(kernel, rs);
     assert!(rs.sets.values().any(|s| !s.elements.is_empty()));
     assert!(kproxy_nft::model::diff(&kernel, &rs).unwrap().is_empty());

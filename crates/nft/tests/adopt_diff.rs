@@ -45,7 +45,7 @@ fn both(ns: &Netns, plan: &NodePlan) -> ((Transaction, bool), Option<Transaction
             let raw = dump::read_table(family, &cfg.table)
                 .expect("readable")
                 .expect("programmed");
-            let Ok(kernel) = dump::adopt(&raw, &desired) else {
+            let Ok(kernel) = kproxy_nft::adopt::adopt(&raw, &desired) else {
                 return (adoption, None);
             };
             let tx = model::diff(&kernel, &desired).expect("same table");

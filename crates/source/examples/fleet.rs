@@ -5,10 +5,10 @@
 //! in a network namespace of its own (its own nftables rules) behind a socat bridge.
 //!
 //! ```text
-//! K8S_LAB=/work/k8s-lab-fleet API_PORT=6643 ETCD_PORT=2579 KCM_PORT=10357 start.sh start
-//! cargo run -p kproxy-source --example fleet -- --lab /work/k8s-lab-fleet \
+//! K8S_LAB=$FLEET_LAB API_PORT=6643 ETCD_PORT=2579 KCM_PORT=10357 start.sh start
+//! cargo run -p kproxy-source --example fleet -- --lab $FLEET_LAB \
 //!   --nodes 50 --services 1000 --endpoints 10 [--flips 20] [--restart] \
-//!   [--json-watches] [--compare /work/k8s-lab-fleet/bin/kube-proxy --compare-nodes 20]
+//!   [--json-watches] [--compare $FLEET_LAB/bin/kube-proxy --compare-nodes 20]
 //! ```
 //!
 //! Per column it prints: the time until every node's first sync; per change of the
@@ -570,7 +570,11 @@ fn restart(lab: &Lab, views: &[Arc<NodeView>]) -> Restart {
         .is_ok_and(|s| s.success());
     assert!(killed, "kill -KILL {pid} (the lab's API server)");
     std::thread::sleep(Duration::from_secs(5));
-    let started = Command::new("/work/shared/tools/k8s-lab/start.sh")
+    // The team's shared folder sits beside the repository (README, "The tests");
+    // `KPROXY_SHARED` names another, as for `.ci/run`.
+    let shared = std::env::var("KPROXY_SHARED")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared").to_string());
+    let started = Command::new(format!("{shared}/tools/k8s-lab/start.sh"))
         .arg("start")
         .env("K8S_LAB", &lab.dir)
         .env("API_PORT", lab.port.to_string())

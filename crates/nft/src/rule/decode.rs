@@ -8,8 +8,8 @@
 //! kproxy never uses, a register that holds nothing known) becomes an
 //! [`Expr::Unknown`] naming it; such a rule is never the same as a wanted one.
 
+use crate::atom::{Atom, Family};
 use crate::dump::{Attrs, RawSet, RawTable, SET_ANONYMOUS, SET_INTERVAL, SET_MAP, be32};
-use crate::model::{Atom, Family};
 use kproxy_core::model::EndpointAddr;
 
 use super::{Dir, Expr, Lit, Rhs, Rule, Sel, ip_lit, prefixes};
@@ -571,10 +571,10 @@ impl Decoder<'_> {
             return Some(out);
         }
         let field = match sel {
-            Sel::Addr(Family::Ip, _) => crate::model::Field::Ipv4Addr,
-            Sel::Addr(Family::Ip6, _) => crate::model::Field::Ipv6Addr,
-            Sel::Dport => crate::model::Field::InetService,
-            Sel::L4proto => crate::model::Field::InetProto,
+            Sel::Addr(Family::Ip, _) => crate::atom::Field::Ipv4Addr,
+            Sel::Addr(Family::Ip6, _) => crate::atom::Field::Ipv6Addr,
+            Sel::Dport => crate::atom::Field::InetService,
+            Sel::L4proto => crate::atom::Field::InetProto,
             _ => return None,
         };
         rs.elements

@@ -10,7 +10,7 @@
 
 use std::net::IpAddr;
 
-use crate::model::{Atom, Family};
+use crate::atom::{Atom, Family};
 
 use super::{Dir, Expr, Lit, Rhs, Rule, Sel};
 
@@ -132,8 +132,8 @@ impl Attrs {
         end(&mut self.0, at);
         self
     }
-    fn verdict(mut self, kind: u16, v: &crate::model::Verdict) -> Attrs {
-        let (code, chain) = crate::netlink::verdict(v);
+    fn verdict(mut self, kind: u16, v: &crate::atom::Verdict) -> Attrs {
+        let (code, chain) = v.netlink();
         let at = begin(&mut self.0, kind);
         let inner = begin(&mut self.0, NFTA_DATA_VERDICT);
         put_attr(&mut self.0, NFTA_VERDICT_CODE, &code.to_be_bytes());
