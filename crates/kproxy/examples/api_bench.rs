@@ -7,12 +7,12 @@
 //! Needs a running API server, e.g. the k8s-lab (../shared/tools/k8s-lab):
 //!
 //! ```text
-//! K8S_LAB=/tmp/k8s-lab-x API_PORT=6452 ETCD_PORT=2393 KCM_PORT=10262 start.sh start
+//! API_PORT=6452 ETCD_PORT=2393 KCM_PORT=10262 start.sh start
 //! cargo build --release -p kproxy && cargo run --release -p kproxy --example api_bench -- \
-//!   --kubeconfig /tmp/k8s-lab-x/kubeconfig --proxy-kubeconfig /tmp/k8s-lab-x/kubeconfig-proxy \
+//!   --kubeconfig $K8S_LAB/kubeconfig --proxy-kubeconfig $K8S_LAB/kubeconfig-proxy \
 //!   10000x10 [--runs 3] [--skip-populate] [--churn SECONDS] [--rate PER_SECOND] \
 //!   [--kproxy-arg ARG]...   # e.g. --kproxy-arg --min-sync-period=0s
-//!   [--upstream /tmp/k8s-lab-x/bin/kube-proxy | --compare-upstream /tmp/k8s-lab-x/bin/kube-proxy]
+//!   [--upstream $K8S_LAB/bin/kube-proxy | --compare-upstream $K8S_LAB/bin/kube-proxy]
 //!   [--restart] [--flips N [--flip-every-ms MS] [--flip-churn PER_SECOND]]
 //! ```
 //!
