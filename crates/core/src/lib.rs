@@ -15,6 +15,8 @@
 //!   counts in `sync_proxy_rules_no_local_endpoints_total`.
 //! - [`trace`]: the fate of one packet under a plan; [`explain`]: why, for people.
 //! - [`takeover`]: what of kube-proxy's is on a node and the plan that removes it.
+//! - [`input_guard`]: whether a state from broken or empty input may replace the rules in
+//!   place.
 
 #![forbid(unsafe_code)]
 
@@ -24,6 +26,7 @@ pub mod conflicts;
 pub mod explain;
 pub mod frontend;
 pub mod ingest;
+pub mod input_guard;
 pub mod manifest;
 pub mod model;
 pub mod no_local;

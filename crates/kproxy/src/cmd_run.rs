@@ -371,7 +371,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         verify_period: args.verify_period,
         event_log: args.event_log.clone(),
         changes,
-        allow: crate::input_guard::Allow {
+        allow: kproxy_core::input_guard::Allow {
             empty: args.allow_empty,
             partial: args.allow_partial,
         },

@@ -49,24 +49,24 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let config = args.source.proxy_config()?;
     let (plan, input) = args.source.plan_report(&config.plan)?;
-    let allow = crate::input_guard::Allow {
+    let allow = kproxy_core::input_guard::Allow {
         empty: args.allow_empty,
         partial: args.allow_partial,
     };
     let manifests = format!("the manifests in {}", args.source.manifests.display());
-    let refuse = |r: crate::input_guard::Refusal| {
+    let refuse = |r: kproxy_core::input_guard::Refusal| {
         eprintln!(
             "kproxy: not programming: {}",
             r.message(&manifests, &args.nft.nft_table)
         );
         Ok(ExitCode::from(2))
     };
-    let lost = crate::input_guard::Input {
+    let lost = kproxy_core::input_guard::Input {
         empty: false,
         lost: input.lost,
     };
     if !args.dry_run
-        && let Some(r) = crate::input_guard::refusal(lost, None, allow, false)
+        && let Some(r) = kproxy_core::input_guard::refusal(lost, None, allow, false)
     {
         return refuse(r);
     }
@@ -102,8 +102,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     if plan.services.is_empty()
         && !args.allow_empty
-        && let Some(r) = crate::input_guard::refusal(
-            crate::input_guard::Input {
+        && let Some(r) = kproxy_core::input_guard::refusal(
+            kproxy_core::input_guard::Input {
                 empty: true,
                 lost: false,
             },

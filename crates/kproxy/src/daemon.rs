@@ -69,7 +69,7 @@ pub trait HealthSink: Send + Sync + 'static {
     /// The dataplane restored what another process changed in the kernel.
     fn kernel_repaired(&self);
     /// The first sync was held back (`true`): the input is empty or lost objects while
-    /// kproxy's tables hold Services ([`crate::input_guard`]); `false` once programmed.
+    /// kproxy's tables hold Services ([`kproxy_core::input_guard`]); `false` once programmed.
     fn input_held(&self, held: bool);
 }
 
@@ -102,8 +102,8 @@ pub struct LoopConfig {
     pub event_log: Option<PathBuf>,
     /// Noted by the source's update hook; read by each sync.
     pub changes: ChangeClock,
-    /// What the first sync may program over kproxy's tables ([`crate::input_guard`]).
-    pub allow: crate::input_guard::Allow,
+    /// What the first sync may program over kproxy's tables ([`kproxy_core::input_guard`]).
+    pub allow: kproxy_core::input_guard::Allow,
     /// The input, for the guard's message: the manifests' path, or the API.
     pub input_name: String,
     /// kproxy's table name, for the guard's message.
@@ -304,11 +304,11 @@ pub struct SyncLoop<D, H> {
     unapplied: PlanUpdate,
     /// Other processes' changes to the tables, to repair ([`SyncLoop::watch_kernel`]).
     kernel: Option<KernelWatch>,
-    /// A sync has succeeded in this process: the guard ([`crate::input_guard`]) no
+    /// A sync has succeeded in this process: the guard ([`kproxy_core::input_guard`]) no
     /// longer applies, the source's last-known-good keeps what it read.
     programmed_once: bool,
     /// Why the first sync is held back, while it is.
-    held: Option<crate::input_guard::Refusal>,
+    held: Option<kproxy_core::input_guard::Refusal>,
 }
 
 const ENGINE_HOME: &str = "the engine is home between blocking calls";
@@ -651,7 +651,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     }
 
     /// Before this process's first successful sync: whether the input guard refuses the
-    /// plan ([`crate::input_guard`]). A refusal keeps the tables as they are, is logged
+    /// plan ([`kproxy_core::input_guard`]). A refusal keeps the tables as they are, is logged
     /// (again only when its reason changes), and health hears of it; the changes stay
     /// owed, so the next change (or syncPeriod) decides again.
     async fn hold_input(&mut self) -> bool {
@@ -665,12 +665,12 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             .services
             .is_empty();
         let allow = self.cfg.allow;
-        let input = crate::input_guard::Input { empty, lost };
+        let input = kproxy_core::input_guard::Input { empty, lost };
         let refusal = if (empty && !allow.empty) || (lost && !allow.partial) {
             let kernel = self
                 .on_engine(|e| e.dataplane.kernel_holds_more(e.planner.plan()))
                 .await;
-            crate::input_guard::refusal(input, kernel, allow, true)
+            kproxy_core::input_guard::refusal(input, kernel, allow, true)
         } else {
             None
         };
@@ -1137,7 +1137,7 @@ mod tests {
             verify_period: Duration::from_secs(7200),
             event_log,
             changes: ChangeClock::default(),
-            allow: crate::input_guard::Allow::default(),
+            allow: kproxy_core::input_guard::Allow::default(),
             input_name: "m".into(),
             table: "kproxy".into(),
         };

@@ -578,6 +578,13 @@ async fn list(
 /// Protobuf first; JSON from a server that cannot (an aggregated API, a fake).
 const ACCEPT_PROTOBUF: &str = "application/vnd.kubernetes.protobuf, application/json";
 
+/// Whether the server answered in protobuf (a list or a watch), by its Content-Type.
+fn answered_protobuf(content_type: Option<&http::HeaderValue>) -> bool {
+    content_type
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with(proto::MEDIA_TYPE))
+}
+
 /// One list page being split, in the encoding the server answered with.
 enum Page {
     Json(Splitter),
@@ -586,9 +593,7 @@ enum Page {
 
 impl Page {
     fn for_content_type(content_type: Option<&http::HeaderValue>) -> Page {
-        let protobuf = content_type
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with(proto::MEDIA_TYPE));
+        let protobuf = answered_protobuf(content_type);
         if protobuf {
             Page::Protobuf(proto::ListSplitter::new())
         } else {
@@ -812,9 +817,7 @@ enum Stream {
 
 impl Stream {
     fn for_content_type(content_type: Option<&http::HeaderValue>) -> Stream {
-        let protobuf = content_type
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with(proto::MEDIA_TYPE));
+        let protobuf = answered_protobuf(content_type);
         if protobuf {
             Stream::Protobuf(proto::WatchFramer::new())
         } else {
