@@ -101,6 +101,17 @@ fn read_all() -> Objects {
     out
 }
 
+impl Objects {
+    /// The one DaemonSet's pod template spec.
+    fn pod(&self) -> &k8s_openapi::api::core::v1::PodSpec {
+        self.daemon_sets[0]
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .expect("the DaemonSet has a pod template spec")
+    }
+}
+
 #[test]
 fn every_manifest_is_a_valid_kubernetes_object() {
     let o = read_all();
@@ -181,7 +192,7 @@ fn the_daemonset_runs_kproxy_like_kube_proxy() {
         update.rolling_update.as_ref().unwrap().max_unavailable,
         Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1))
     );
-    let pod = spec.template.spec.as_ref().unwrap();
+    let pod = o.pod();
     assert_eq!(pod.host_network, Some(true));
     // The takeover sees a running kube-proxy process (docs/migrate.md).
     assert_eq!(pod.host_pid, Some(true));
@@ -279,14 +290,7 @@ fn the_daemonset_runs_kproxy_like_kube_proxy() {
 #[test]
 fn a_privileged_init_container_sets_the_conntrack_sysctls_kproxy_stays_unprivileged() {
     let o = read_all();
-    let pod = o.daemon_sets[0]
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .as_ref()
-        .unwrap();
+    let pod = o.pod();
     let kproxy = &pod.containers[0];
     let init = pod
         .init_containers
