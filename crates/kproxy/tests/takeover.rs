@@ -371,7 +371,7 @@ fn load_kube_proxy(node: &Netns, mode: &str) {
             ] {
                 let text = std::fs::read_to_string(format!("{FIXTURES}/{file}")).unwrap();
                 // Without kube-proxy's `-m nfacct` matches (the helper says why).
-                let text = kproxy_lab::takeover::recorded::without_nfacct(&text);
+                let text = kproxy_lab::runs::takeover::recorded::without_nfacct(&text);
                 restore(node, cmd, &text);
             }
         }
@@ -935,7 +935,7 @@ fn sigterm_and_wait(d: &mut Daemon) {
 
 /// Starts real kube-proxy of `$K8S_LAB/bin/kube-proxy` in `mode` in the node namespace.
 fn start_real_kube_proxy(
-    lab: &kproxy_lab::k8s::K8sLab,
+    lab: &kproxy_lab::world::k8s::K8sLab,
     c: &Cluster,
     mode: &str,
     dir: &Path,
@@ -1033,7 +1033,7 @@ fn kube_proxy_programmed(node: &Netns, mode: &str) -> bool {
 #[ignore = "needs K8S_LAB (a k8s-lab instance with capture.sh's objects) with bin/kube-proxy, and root; run with --ignored"]
 fn real_kube_proxy_takeover_and_back() {
     assert!(nix::unistd::geteuid().is_root(), "needs root");
-    let lab = kproxy_lab::k8s::K8sLab::from_env().expect("K8S_LAB names a k8s-lab instance");
+    let lab = kproxy_lab::world::k8s::K8sLab::from_env().expect("K8S_LAB names a k8s-lab instance");
     let modes =
         std::env::var("KPROXY_TAKEOVER_MODES").unwrap_or_else(|_| "nftables,iptables".into());
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -1047,7 +1047,7 @@ fn real_kube_proxy_takeover_and_back() {
         let c = cluster(&format!("r{}", &mode[..1]));
         let _bridge = {
             let _g = rt.enter();
-            kproxy_lab::k8s::ApiBridge::start(&c.node.0, lab.api_port).expect("API bridge")
+            kproxy_lab::world::k8s::ApiBridge::start(&c.node.0, lab.api_port).expect("API bridge")
         };
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("kproxy.log");

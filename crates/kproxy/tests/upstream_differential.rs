@@ -39,7 +39,7 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kproxy_core::manifest::{self, Object};
-use kproxy_lab::k8s::{ApiBridge, K8sLab};
+use kproxy_lab::world::k8s::{ApiBridge, K8sLab};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, TestRunner};
@@ -373,7 +373,7 @@ fn upstream_kube_proxy_meets_the_fate_kproxy_trace_predicts() {
         .build()
         .expect("runtime");
     let client = rt
-        .block_on(kproxy_lab::k8s::client(&lab))
+        .block_on(kproxy_lab::world::k8s::client(&lab))
         .expect("lab client");
     let dual_stack = rt.block_on(prepare(&client)).expect("prepare");
     eprintln!(

@@ -5,11 +5,15 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kproxy_lab::fabric::{self, Fabric};
-use kproxy_lab::lb::{HealthCheck, LbMode, LoadBalancer};
-use kproxy_lab::loadgen::{LoadGenerator, LoadSpec};
-use kproxy_lab::pod::{PodProfile, PodServer};
-use kproxy_lab::timeline::{Clock, Recorder};
+use kproxy_lab::spec::balancer::{HealthCheck, LbMode};
+use kproxy_lab::spec::load::LoadSpec;
+use kproxy_lab::spec::service::VIP;
+use kproxy_lab::spec::workload::PodProfile;
+use kproxy_lab::world::fabric::Fabric;
+use kproxy_lab::world::lb::LoadBalancer;
+use kproxy_lab::world::loadgen::LoadGenerator;
+use kproxy_lab::world::pod::PodServer;
+use kproxy_lab::world::timeline::{Clock, Recorder};
 
 fn measure(f: &Fabric, target: SocketAddr, spec: LoadSpec, secs: f64) -> (f64, usize, usize) {
     let load = LoadGenerator::start(f.client.name(), target, spec, Instant::now()).expect("load");
@@ -41,7 +45,7 @@ fn main() {
         .ns
         .nft(&format!(
             "table ip standin {{\n chain pre {{\n  type nat hook prerouting priority dstnat;\n  ip daddr {} tcp dport 80 dnat to {}:8080\n }}\n}}\n",
-            fabric::VIP,
+            VIP,
             pod.ip
         ))
         .expect("stand-in rule");
@@ -65,7 +69,7 @@ fn main() {
         Recorder::new(Clock::new(1.0)),
     )
     .expect("lb");
-    let vip = SocketAddr::from((fabric::VIP, 80));
+    let vip = SocketAddr::from((VIP, 80));
     let direct = SocketAddr::from((pod.ip, 8080));
     let new_conns = LoadSpec {
         new_connection_rate: 5000.0,

@@ -6,11 +6,14 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 
-use crate::config::RolloutConfig;
-use crate::lb::{HealthCheck, LbMode, LbPreset};
-use crate::pod::PodProfile;
-use crate::scenario::{self, Behaviour, ControlPlaneKind, RunResult};
-use crate::{netns, report};
+use crate::report::{self, RunResult};
+use crate::runs::{matrix, restart, rollout, takeover};
+use crate::spec::balancer::{HealthCheck, LbMode, LbPreset};
+use crate::spec::matrix::{Selection, Setting};
+use crate::spec::rollout::RolloutConfig;
+use crate::spec::run::{Behaviour, Chaos, ControlPlaneKind, chaos_str};
+use crate::spec::workload::PodProfile;
+use crate::world::netns;
 
 #[derive(clap::Args, Debug)]
 pub struct LabArgs {
@@ -99,7 +102,7 @@ pub struct MatrixArgs {
     pub profiles: Vec<PodProfile>,
     /// Settings (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
-    pub settings: Vec<crate::matrix::Setting>,
+    pub settings: Vec<Setting>,
     /// Load-balancer presets (default: gke, aws-nlb, azure).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub lb_presets: Vec<LbPreset>,
@@ -176,7 +179,7 @@ pub struct RolloutArgs {
     /// Chaos during the rolling update (api-outage and watch-cut need `--control-plane
     /// k8s-lab`).
     #[arg(long, value_enum)]
-    pub chaos: Option<crate::scenario::Chaos>,
+    pub chaos: Option<Chaos>,
 
     #[arg(long)]
     pub nodes: Option<usize>,
@@ -420,7 +423,7 @@ fn held_run(a: &HeldRunArgs) -> anyhow::Result<(RolloutConfig, PathBuf)> {
     let cfg = RolloutConfig {
         nodes,
         time_scale,
-        deployment: crate::cluster::DeploymentSpec {
+        deployment: crate::spec::workload::DeploymentSpec {
             replicas: nodes as u32,
             ..RolloutConfig::default().deployment
         },
@@ -437,10 +440,10 @@ fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
     need_root("takeover")?;
     let (cfg, kproxy) = held_run(&a.run)?;
     let progress = |line: &str| eprintln!("{line}");
-    let report = crate::takeover::run(
+    let report = takeover::run(
         &cfg,
         &kproxy,
-        &crate::takeover::TakeoverOptions {
+        &takeover::TakeoverOptions {
             mode: a.from.clone(),
             back: a.back,
             hold: std::time::Duration::from_secs_f64(a.run.hold_seconds),
@@ -451,7 +454,7 @@ fn takeover(a: &TakeoverArgs) -> anyhow::Result<ExitCode> {
     )?;
     match a.run.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-        _ => print!("{}", crate::takeover::render_text(&report)),
+        _ => print!("{}", report::held::takeover_text(&report)),
     }
     Ok(if report.failures == 0 {
         ExitCode::SUCCESS
@@ -464,7 +467,7 @@ fn restart(a: &RestartArgs) -> anyhow::Result<ExitCode> {
     need_root("restart")?;
     let (cfg, kproxy) = held_run(&a.run)?;
     let progress = |line: &str| eprintln!("{line}");
-    let report = crate::restart::run(
+    let report = restart::run(
         &cfg,
         &kproxy,
         std::time::Duration::from_secs_f64(a.run.hold_seconds),
@@ -472,7 +475,7 @@ fn restart(a: &RestartArgs) -> anyhow::Result<ExitCode> {
     )?;
     match a.run.output {
         OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-        _ => print!("{}", crate::restart::render_text(&report)),
+        _ => print!("{}", report::held::restart_text(&report)),
     }
     Ok(if report.failures == 0 {
         ExitCode::SUCCESS
@@ -491,7 +494,7 @@ fn write_report(path: &std::path::Path, page: &str) -> anyhow::Result<PathBuf> {
 }
 
 fn fabric_max_nodes() -> usize {
-    crate::fabric::MAX_NODES
+    crate::spec::rollout::MAX_NODES
 }
 
 fn need_root(what: &str) -> anyhow::Result<()> {
@@ -506,8 +509,7 @@ fn need_root(what: &str) -> anyhow::Result<()> {
 }
 
 /// The cells `a` selects.
-pub fn selection(a: &MatrixArgs) -> crate::matrix::Selection {
-    use crate::matrix::Selection;
+pub fn selection(a: &MatrixArgs) -> Selection {
     let mut sel = if a.reduced {
         Selection::reduced()
     } else {
@@ -561,7 +563,7 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     ensure_tools(a.install_deps)?;
     if a.control_plane == ControlPlaneKind::K8sLab {
         // Fail before building anything when the instance is not there.
-        crate::k8s::K8sLab::from_env()?;
+        crate::world::k8s::K8sLab::from_env()?;
     }
     let kproxy = match &a.kproxy {
         Some(p) => p.clone(),
@@ -569,7 +571,7 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     };
     let progress = |line: &str| eprintln!("{line}");
     let mut runs = Vec::new();
-    let results = crate::matrix::run_matrix(
+    let results = matrix::run_matrix(
         &sel,
         &base,
         &kproxy,
@@ -592,7 +594,7 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
         },
     )?;
     if !a.no_html {
-        let page = crate::html::render(
+        let page = report::html::render(
             "kproxy lab matrix",
             &format!(
                 "{} cells, time scale {} (times nominal). Each cell is one real rolling update (the node-drain row: a node drained and deleted by the cluster autoscaler instead) behind the emulated load balancer with the real kproxy daemon on every node; kproxy lint ran on the same settings' manifests, told the emulated load balancer's numbers.",
@@ -614,7 +616,7 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        print!("{}", crate::matrix::render_text(&results));
+        print!("{}", report::matrix::render_text(&results));
     }
     // The claims under test: kproxy loses nothing with the recommended settings,
     // also across a restart of every node's kproxy, a flushed ruleset, a SIGKILLed
@@ -623,12 +625,12 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
         c.cell.behaviour == Behaviour::Kproxy
             && matches!(
                 c.cell.setting,
-                crate::matrix::Setting::Recommended
-                    | crate::matrix::Setting::KproxyRestart
-                    | crate::matrix::Setting::NftFlush
-                    | crate::matrix::Setting::KproxyKill
-                    | crate::matrix::Setting::ApiOutage
-                    | crate::matrix::Setting::WatchCut
+                Setting::Recommended
+                    | Setting::KproxyRestart
+                    | Setting::NftFlush
+                    | Setting::KproxyKill
+                    | Setting::ApiOutage
+                    | Setting::WatchCut
             )
             && c.cell.profile != PodProfile::ExitOnTerm
             && c.lost > 0
@@ -665,7 +667,7 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
     }
     if planes.contains(&ControlPlaneKind::K8sLab) {
         // Fail before building anything when the instance is not there.
-        crate::k8s::K8sLab::from_env()?;
+        crate::world::k8s::K8sLab::from_env()?;
     }
     let json = a.output == Some(OutputFormat::Json);
     let progress = |line: &str| eprintln!("{line}");
@@ -676,17 +678,14 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
                 if let Some(chaos) = a.chaos.filter(|c| c.needs_real_api())
                     && *cp == ControlPlaneKind::Emulated
                 {
-                    anyhow::bail!(
-                        "--chaos {} needs --control-plane k8s-lab",
-                        scenario::chaos_str(chaos)
-                    );
+                    anyhow::bail!("--chaos {} needs --control-plane k8s-lab", chaos_str(chaos));
                 }
-                let opts = scenario::RunOptions {
+                let opts = crate::spec::run::RunOptions {
                     control_plane: *cp,
                     chaos: a.chaos,
                     ..Default::default()
                 };
-                let r = scenario::run_with(&cfg, *b, run, &kproxy, opts, &progress)
+                let r = rollout::run_with(&cfg, *b, run, &kproxy, opts, &progress)
                     .with_context(|| format!("{} run {} ({})", b.as_str(), run + 1, cp.as_str()))?;
                 runs.push(r);
             }
@@ -695,7 +694,7 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
     let html = if a.no_html {
         None
     } else {
-        let page = crate::html::render(
+        let page = report::html::render(
             "kproxy lab rollout",
             &format!(
                 "{} run(s), time scale {} (times nominal). Each run is a rolling update behind the emulated load balancer, with the real kproxy daemon on every node; times count from the start of the run (cluster set-up), as in the text report.",
@@ -708,11 +707,11 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
         Some(write_report(&a.html, &page)?)
     };
     if json {
-        let doc = report::render_json(&runs, &cfg, html.as_deref());
+        let doc = report::json::render(&runs, &cfg, html.as_deref());
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        print!("{}", report::render_text(&runs, a.timeline));
-        print!("{}", crate::compare::render_text(&runs));
+        print!("{}", report::text::render(&runs, a.timeline));
+        print!("{}", report::compare::render_text(&runs));
         // Last, so it is what a terminal shows at the end.
         if let Some(path) = &html {
             println!(

@@ -2,34 +2,27 @@
 //! cloud load balancer, pods with lifecycles and a load generator, running the
 //! real kproxy daemon on every node.
 //!
-//! Functional core: `controlplane::endpoint_conditions`, `lb::pool_for`, `lb::render_nft`,
-//! `config`, `matrix` (cells, their settings and lint verdicts), `compare` (one scenario on
-//! both control planes), `report` (pure functions over records and events). Imperative shell:
-//! `netns`, `fabric`, `pod`, `cluster`, `lb`, `loadgen`, `kproxyd`, `scenario`, `cli`, `k8s`
-//! (the real control plane: k8s-lab's kube-apiserver and kube-controller-manager, the lab as
-//! scheduler and kubelet).
+//! Four rooms, imported in one direction only (a room imports the rooms above it in
+//! this list, never one below):
+//! - `spec`: the scenario's vocabulary (the lab Service, the Deployment, the load
+//!   balancer, the load, a rollout's configuration, the matrix's cells). Data and
+//!   pure functions.
+//! - `world`: what a run builds and drives (network, nodes, pods, control planes,
+//!   kproxy per node, load balancer, load, the timeline).
+//! - `report`: what a run recorded, turned into text, JSON and HTML. Pure functions.
+//! - `runs`: each scenario end to end (rollout, matrix, restart, takeover), driving the
+//!   world and handing its record to the report.
+//!
+//! `cli` is the command line over the runs. Start at `runs::rollout`; the README says
+//! how a new scenario is added.
 
 #![forbid(unsafe_code)]
 
 pub mod cli;
-pub mod cluster;
-pub mod compare;
-pub mod config;
-pub mod controlplane;
-pub mod fabric;
-pub mod html;
-pub mod k8s;
-pub mod kproxyd;
-pub mod lb;
-pub mod loadgen;
-pub mod matrix;
-pub mod netns;
-pub mod pod;
 pub mod report;
-pub mod restart;
-pub mod scenario;
-pub mod takeover;
-pub mod timeline;
+pub mod runs;
+pub mod spec;
+pub mod world;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LabError {

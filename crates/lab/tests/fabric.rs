@@ -8,12 +8,16 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kproxy_lab::fabric::{self, Fabric};
-use kproxy_lab::lb::{HealthCheck, LbMode, LoadBalancer};
-use kproxy_lab::loadgen::{LoadGenerator, LoadSpec, Outcome};
-use kproxy_lab::netns;
-use kproxy_lab::pod::{PodProfile, PodServer, PodSignal};
-use kproxy_lab::timeline::{Clock, Recorder};
+use kproxy_lab::spec::balancer::{HealthCheck, LbMode};
+use kproxy_lab::spec::load::LoadSpec;
+use kproxy_lab::spec::service::VIP;
+use kproxy_lab::spec::workload::PodProfile;
+use kproxy_lab::world::fabric::{self, Fabric};
+use kproxy_lab::world::lb::LoadBalancer;
+use kproxy_lab::world::loadgen::{LoadGenerator, Outcome};
+use kproxy_lab::world::netns;
+use kproxy_lab::world::pod::{PodServer, PodSignal};
+use kproxy_lab::world::timeline::{Clock, Recorder};
 
 /// Tests here count namespaces and fds of this process: run them one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -127,11 +131,7 @@ fn lb_reaches_pod(mode: LbMode) {
     .expect("server");
     // Stand-in for kproxy on the node: DNAT the VIP (passthrough) or the node port.
     let rule = match mode {
-        LbMode::Passthrough => format!(
-            "ip daddr {} tcp dport 80 dnat to {}:8080",
-            fabric::VIP,
-            pod.ip
-        ),
+        LbMode::Passthrough => format!("ip daddr {} tcp dport 80 dnat to {}:8080", VIP, pod.ip),
         LbMode::NodePort => format!("tcp dport 30080 dnat to {}:8080", pod.ip),
     };
     f.nodes[0]
@@ -148,7 +148,7 @@ fn lb_reaches_pod(mode: LbMode) {
         drain_timeout_seconds: 0.0,
     };
     let _lb = LoadBalancer::start(&f, mode, hc, 32000, 30080, 80, rec).expect("lb");
-    let head = get_from(f.client.name(), SocketAddr::from((fabric::VIP, 80)));
+    let head = get_from(f.client.name(), SocketAddr::from((VIP, 80)));
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.contains("x-pod: web-a"), "{head}");
     assert!(

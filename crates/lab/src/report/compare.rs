@@ -12,8 +12,9 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::scenario::{ControlPlaneKind, RunResult};
-use crate::timeline::EventKind;
+use crate::report::RunResult;
+use crate::spec::run::ControlPlaneKind;
+use crate::world::timeline::EventKind;
 
 /// One moment of a rollout, named so that both control planes produce the same
 /// name for the same step.
@@ -85,7 +86,8 @@ pub fn milestones(r: &RunResult) -> Vec<Milestone> {
             t_s: nominal(t_ms),
         });
     };
-    let in_rollout = |e: &&crate::timeline::Event| e.t_ms >= t0 && e.t_ms <= r.rollout_end_ms;
+    let in_rollout =
+        |e: &&crate::world::timeline::Event| e.t_ms >= t0 && e.t_ms <= r.rollout_end_ms;
     // Node -> step name, in the order the old pods began terminating.
     let mut step: BTreeMap<String, String> = BTreeMap::new();
     for e in r
@@ -256,21 +258,25 @@ mod tests {
     fn run(plane: ControlPlaneKind, events: Vec<(f64, EventKind, &str, &str, &str)>) -> RunResult {
         RunResult {
             control_plane: plane,
-            behaviour: crate::scenario::Behaviour::Kproxy,
+            behaviour: crate::spec::run::Behaviour::Kproxy,
             run: 0,
             time_scale: 0.1,
             nodes: vec!["node-1".into(), "node-2".into()],
-            health_check: crate::lb::LbPreset::Gke.health_check().expect("gke"),
+            health_check: crate::spec::balancer::LbPreset::Gke
+                .health_check()
+                .expect("gke"),
             records: vec![],
             events: events
                 .into_iter()
-                .map(|(t_ms, kind, node, pod, detail)| crate::timeline::Event {
-                    t_ms,
-                    kind,
-                    node: (!node.is_empty()).then(|| node.to_string()),
-                    pod: (!pod.is_empty()).then(|| pod.to_string()),
-                    detail: detail.into(),
-                })
+                .map(
+                    |(t_ms, kind, node, pod, detail)| crate::world::timeline::Event {
+                        t_ms,
+                        kind,
+                        node: (!node.is_empty()).then(|| node.to_string()),
+                        pod: (!pod.is_empty()).then(|| pod.to_string()),
+                        detail: detail.into(),
+                    },
+                )
                 .collect(),
             load_start_ms: 0.0,
             rollout_start_ms: 1000.0,

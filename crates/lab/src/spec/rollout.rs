@@ -5,10 +5,13 @@
 use serde::{Deserialize, Serialize};
 
 use crate::LabError;
-use crate::cluster::{DeploymentSpec, PodTemplate, ReadinessProbe};
-use crate::lb::{HealthCheck, LbMode, LbPreset};
-use crate::loadgen::LoadSpec;
-use crate::pod::PodProfile;
+use crate::spec::balancer::{HealthCheck, LbMode, LbPreset};
+use crate::spec::load::LoadSpec;
+use crate::spec::workload::{DeploymentSpec, PodProfile, PodTemplate, ReadinessProbe};
+
+/// The most nodes a lab cluster has: the address plan gives each node one address in
+/// 10.200.0.0/24 and a /24 of pod addresses (10.244.N.0/24).
+pub const MAX_NODES: usize = 200;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -100,8 +103,8 @@ impl RolloutConfig {
 
     pub fn validate(&self) -> Result<(), LabError> {
         let bad = |m: String| Err(LabError::Invalid(m));
-        if self.nodes == 0 || self.nodes > crate::fabric::MAX_NODES {
-            return bad(format!("nodes must be 1..={}", crate::fabric::MAX_NODES));
+        if self.nodes == 0 || self.nodes > MAX_NODES {
+            return bad(format!("nodes must be 1..={}", MAX_NODES));
         }
         let d = &self.deployment;
         if d.replicas == 0 || d.replicas > 200 {

@@ -15,46 +15,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
 use crate::LabError;
-use crate::controlplane::{ControlPlane, PodRecord};
-use crate::fabric::{Fabric, PodNet};
-use crate::pod::{PodProfile, PodServer, PodSignal};
-use crate::timeline::{EventKind, Recorder};
-
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ReadinessProbe {
-    pub initial_delay_seconds: f64,
-    pub period_seconds: f64,
-    pub timeout_seconds: f64,
-    pub success_threshold: u32,
-    pub failure_threshold: u32,
-}
-
-/// What every pod of the Deployment looks like.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct PodTemplate {
-    pub profile: PodProfile,
-    pub pre_stop_sleep_seconds: f64,
-    pub termination_grace_period_seconds: f64,
-    pub readiness_probe: ReadinessProbe,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct DeploymentSpec {
-    pub replicas: u32,
-    pub max_surge: u32,
-    pub max_unavailable: u32,
-    pub min_ready_seconds: f64,
-    /// At most one pod of the Deployment per node (terminating pods included, as
-    /// the scheduler sees them until they are gone).
-    pub one_pod_per_node: bool,
-}
+use crate::spec::workload::{DeploymentSpec, PodTemplate};
+use crate::world::controlplane::{ControlPlane, PodRecord};
+use crate::world::fabric::{Fabric, PodNet};
+use crate::world::pod::{PodServer, PodSignal};
+use crate::world::timeline::{EventKind, Recorder};
 
 /// Where the kubelet writes what it observes about its pods.
 pub trait PodApi: Send + Sync {
@@ -73,7 +41,7 @@ impl PodApi for ControlPlane {
     fn started(&self, pod: &PodRuntime) {
         self.upsert_pod(PodRecord {
             name: pod.name.clone(),
-            node: crate::fabric::node_name(pod.node_index),
+            node: crate::world::fabric::node_name(pod.node_index),
             ip: Some(pod.ip),
             ready: false,
             deleting: false,
@@ -225,7 +193,7 @@ impl Cluster {
         let net = self.fabric.add_pod(node_index, &name)?;
         let server =
             PodServer::start(&name, net.ns.name(), self.template.profile, self.idle_close)?;
-        let node = crate::fabric::node_name(node_index);
+        let node = crate::world::fabric::node_name(node_index);
         let pod = Arc::new(PodRuntime {
             name: name.clone(),
             node_index,
@@ -271,7 +239,7 @@ impl Cluster {
         pod.ready.store(ready, Ordering::SeqCst);
         *pod.ready_since.lock().expect("lock") = ready.then(Instant::now);
         self.api.ready_changed(pod, ready);
-        let node = crate::fabric::node_name(pod.node_index);
+        let node = crate::world::fabric::node_name(pod.node_index);
         self.recorder.record(
             if ready {
                 EventKind::PodReady
@@ -327,13 +295,13 @@ impl Cluster {
     async fn termination(self: Arc<Self>, pod: Arc<PodRuntime>) {
         pod.delete.notified().await;
         let clock = self.recorder.clock().clone();
-        let node = crate::fabric::node_name(pod.node_index);
+        let node = crate::world::fabric::node_name(pod.node_index);
         let t0 = Instant::now();
         let grace_end = t0 + clock.real(self.template.termination_grace_period_seconds);
         let pre_stop = clock.real(self.template.pre_stop_sleep_seconds);
         tokio::time::sleep(pre_stop).await;
         let lasted = t0.elapsed();
-        if lasted >= pre_stop + crate::timeline::LATE {
+        if lasted >= pre_stop + crate::world::timeline::LATE {
             let nominal = |d: Duration| clock.nominal_s(d.as_secs_f64() * 1000.0);
             self.recorder.record(
                 EventKind::LabLate,
@@ -436,7 +404,7 @@ impl Cluster {
     }
 
     fn begin_termination(&self, pod: &PodRuntime) {
-        let node = crate::fabric::node_name(pod.node_index);
+        let node = crate::world::fabric::node_name(pod.node_index);
         self.recorder.record(
             EventKind::PodTerminating,
             Some(&node),

@@ -13,18 +13,12 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::LabError;
-use crate::fabric;
-use crate::timeline::{EventKind, Recorder};
-
-pub const SERVICE_NAMESPACE: &str = "lab";
-pub const SERVICE_NAME: &str = "web";
-pub const CLUSTER_IP: &str = "10.96.0.10";
-pub const SERVICE_PORT: u16 = 80;
-pub const NODE_PORT: u16 = 30080;
-pub const HEALTH_CHECK_NODE_PORT: u16 = 32000;
-/// kproxy's `/healthz` on every node (`--healthz-bind-address nodeIP:10256`), which
-/// load balancers of eTP-Cluster Services probe (KEP-3836).
-pub const PROXY_HEALTHZ_PORT: u16 = 10256;
+use crate::spec::rollout::RolloutConfig;
+use crate::spec::service::{
+    SERVICE_NAME, SERVICE_NAMESPACE, TAINT_TO_BE_DELETED, lab_service, lab_service_status,
+};
+use crate::world::fabric;
+use crate::world::timeline::{EventKind, Recorder};
 
 /// A pod as the API server knows it (only what the EndpointSlice controller reads).
 #[derive(Clone, Debug, PartialEq)]
@@ -71,10 +65,6 @@ pub fn endpoint_conditions(
         terminating,
     })
 }
-
-/// The cluster autoscaler's scale-down taint (upstream `ToBeDeletedTaint`); kproxy reads
-/// it as `kproxy_core::ingest::TAINT_TO_BE_DELETED`.
-pub const TAINT_TO_BE_DELETED: &str = kproxy_core::ingest::TAINT_TO_BE_DELETED;
 
 /// What the emulated API server holds besides the Pods: the Nodes (some tainted for
 /// scale-down, some deleted) and the shape of the lab's Service.
@@ -158,7 +148,7 @@ pub fn render_manifests(
             "annotations": annotations
         },
         "addressType": "IPv4",
-        "ports": [{"name": "http", "protocol": "TCP", "port": crate::pod::POD_PORT}],
+        "ports": [{"name": "http", "protocol": "TCP", "port": crate::spec::service::POD_PORT}],
         "endpoints": endpoints
     }));
     json!({"apiVersion": "v1", "kind": "List", "items": items})
@@ -194,24 +184,26 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
-    /// [`ControlPlane::start`] for a held run (`lab restart`, `lab takeover`) whose
-    /// nodes' kproxies read manifests: the eTP=Local Service over `fabric`'s nodes,
-    /// published after `propagation` (real time) into one directory per node,
-    /// `workdir/<node name>`, returned in node order. It takes the two settings, not
-    /// the run's `RolloutConfig`, because the config module names this one's types
-    /// (a config → controlplane → config circle otherwise).
+    /// [`ControlPlane::start`] for a run whose nodes' kproxies read manifests: the lab
+    /// Service (eTP=Local, or Cluster for a node drain) over `fabric`'s nodes, published
+    /// after `cfg`'s propagation delay into one directory per node,
+    /// `workdir/<node name>`, returned in node order.
     pub fn start_for_nodes(
         fabric: &fabric::Fabric,
         workdir: &Path,
-        publish_not_ready_addresses: bool,
-        propagation: Duration,
+        cfg: &RolloutConfig,
+        etp_local: bool,
         recorder: Recorder,
     ) -> Result<(ControlPlane, Vec<PathBuf>), LabError> {
         let dirs: Vec<PathBuf> = fabric.nodes.iter().map(|n| workdir.join(&n.name)).collect();
         let cp = ControlPlane::start(
-            Objects::new(fabric.nodes.len(), publish_not_ready_addresses, true),
+            Objects::new(
+                fabric.nodes.len(),
+                cfg.publish_not_ready_addresses,
+                etp_local,
+            ),
             dirs.clone(),
-            propagation,
+            recorder.clock().real(cfg.propagation_delay_seconds),
             recorder,
         )?;
         Ok((cp, dirs))
@@ -347,41 +339,6 @@ pub(crate) fn summarize(content: &str) -> String {
         }
     }
     parts.join(" ")
-}
-
-/// The lab's Service, as both control planes create it (the real one applies it; its
-/// status goes through the status subresource, see [`lab_service_status`]).
-pub(crate) fn lab_service(publish_not_ready_addresses: bool, etp_local: bool) -> Value {
-    let mut svc = json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": SERVICE_NAME, "namespace": SERVICE_NAMESPACE},
-        "spec": {
-            "type": "LoadBalancer",
-            "clusterIP": CLUSTER_IP, "clusterIPs": [CLUSTER_IP], "ipFamilies": ["IPv4"],
-            "selector": {"app": SERVICE_NAME},
-            "ports": [{"name": "http", "protocol": "TCP", "port": SERVICE_PORT,
-                       "targetPort": crate::pod::POD_PORT, "nodePort": NODE_PORT}],
-            "externalTrafficPolicy": "Local",
-            "internalTrafficPolicy": "Cluster",
-            "healthCheckNodePort": HEALTH_CHECK_NODE_PORT,
-            "publishNotReadyAddresses": publish_not_ready_addresses,
-            "sessionAffinity": "None"
-        }
-    });
-    if !etp_local {
-        // eTP Cluster: no health check node port; load balancers probe each node's
-        // kproxy `/healthz` (10256) instead (KEP-3836).
-        svc["spec"]["externalTrafficPolicy"] = json!("Cluster");
-        if let Some(spec) = svc["spec"].as_object_mut() {
-            spec.remove("healthCheckNodePort");
-        }
-    }
-    svc
-}
-
-/// The lab Service's status: the emulated load balancer's VIP.
-pub(crate) fn lab_service_status() -> Value {
-    json!({"loadBalancer": {"ingress": [{"ip": fabric::VIP.to_string(), "ipMode": "VIP"}]}})
 }
 
 #[cfg(test)]

@@ -17,13 +17,12 @@ use std::net::Ipv4Addr;
 use std::sync::Mutex;
 
 use crate::LabError;
-use crate::netns::{self, Netns};
+use crate::spec::rollout::MAX_NODES;
+use crate::world::netns::{self, Netns};
 
 pub const LB_FABRIC_IP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 254);
 pub const LB_CLIENT_SIDE_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
-pub const VIP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
-pub const MAX_NODES: usize = 200;
 
 /// The address of node `index` (1-based) on the node network.
 pub fn node_ip(index: usize) -> Ipv4Addr {

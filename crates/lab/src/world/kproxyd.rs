@@ -8,8 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::LabError;
-use crate::fabric::NodeNet;
-use crate::timeline::{EventKind, Recorder};
+use crate::world::fabric::NodeNet;
+use crate::world::timeline::{EventKind, Recorder};
 
 /// Where a node's kproxy reads the cluster from.
 #[derive(Clone, Copy, Debug)]
@@ -81,7 +81,7 @@ impl Kproxyd {
         };
         argv.push(flag.into());
         argv.push(path.into());
-        let hz = format!("{}:{}", node.ip, crate::controlplane::PROXY_HEALTHZ_PORT);
+        let hz = format!("{}:{}", node.ip, crate::spec::service::PROXY_HEALTHZ_PORT);
         for a in [
             "--hostname-override",
             &node.name,
@@ -272,20 +272,37 @@ impl Drop for Kproxyd {
     }
 }
 
+/// The wall clock in ms since the epoch, as kproxy's event log writes it.
+pub fn unix_ms(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+        * 1000.0
+}
+
+/// The wall times (ms since the epoch) of the `synced` lines in `event_log`, in order.
+fn sync_times(event_log: &Path) -> Vec<f64> {
+    let Ok(text) = std::fs::read_to_string(event_log) else {
+        return Vec::new();
+    };
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "synced")
+        .filter_map(|v| v["t_unix_ms"].as_f64())
+        .collect()
+}
+
 /// Has the kproxy writing `event_log` logged a sync after wall time `t`? (Its
 /// `synced` lines carry the wall time they were written.)
 pub fn synced_after(event_log: &Path, t: SystemTime) -> bool {
-    let t_ms = t
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs_f64()
-        * 1000.0;
-    let Ok(text) = std::fs::read_to_string(event_log) else {
-        return false;
-    };
-    text.lines().rev().any(|line| {
-        serde_json::from_str::<serde_json::Value>(line).is_ok_and(|v| {
-            v["event"] == "synced" && v["t_unix_ms"].as_f64().is_some_and(|s| s > t_ms)
-        })
-    })
+    let t_ms = unix_ms(t);
+    sync_times(event_log).into_iter().any(|s| s > t_ms)
+}
+
+/// The wall time (ms since the epoch) of the first sync logged at or after
+/// `since_unix_ms`.
+pub fn first_sync_since(event_log: &Path, since_unix_ms: f64) -> Option<f64> {
+    sync_times(event_log)
+        .into_iter()
+        .find(|&t| t >= since_unix_ms)
 }

@@ -15,7 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::LabError;
-use crate::netns;
+use crate::spec::load::LoadSpec;
+use crate::world::netns;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -79,31 +80,6 @@ pub struct RequestRecord {
     /// connection's previous request (where the failed one was most likely sent).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conn_pod: Option<String>,
-}
-
-/// Load settings. Rates are real (not scaled): they are what the machine does.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct LoadSpec {
-    /// Requests per second, each on a new connection.
-    pub new_connection_rate: f64,
-    /// Number of keep-alive connections.
-    pub keepalive_connections: u32,
-    /// Requests per second on each keep-alive connection.
-    pub keepalive_rate: f64,
-    /// Real milliseconds before a request counts as timed out.
-    pub request_timeout_ms: u64,
-}
-
-impl Default for LoadSpec {
-    fn default() -> Self {
-        LoadSpec {
-            new_connection_rate: 100.0,
-            keepalive_connections: 4,
-            keepalive_rate: 20.0,
-            request_timeout_ms: 2000,
-        }
-    }
 }
 
 pub struct LoadGenerator {

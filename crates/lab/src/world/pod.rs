@@ -21,32 +21,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::LabError;
-
-pub const POD_PORT: u16 = 8080;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum PodProfile {
-    Graceful,
-    FailReadinessOnTerm,
-    ExitOnTerm,
-}
-
-impl std::fmt::Display for PodProfile {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            PodProfile::Graceful => "graceful",
-            PodProfile::FailReadinessOnTerm => "fail-readiness-on-term",
-            PodProfile::ExitOnTerm => "exit-on-term",
-        })
-    }
-}
+use crate::spec::service::POD_PORT;
+use crate::spec::workload::PodProfile;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PodSignal {
@@ -96,7 +77,7 @@ impl PodServer {
             .spawn(move || {
                 let setup =
                     (|| -> Result<(tokio::runtime::Runtime, std::net::TcpListener), LabError> {
-                        crate::netns::enter_netns_by_name(&ns)?;
+                        crate::world::netns::enter_netns_by_name(&ns)?;
                         let rt = tokio::runtime::Builder::new_current_thread()
                             .enable_all()
                             .build()

@@ -10,10 +10,9 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::matrix::CellResult;
-use crate::report::{self, Summary};
-use crate::scenario::RunResult;
-use crate::timeline::EventKind;
+use crate::report::matrix::CellResult;
+use crate::report::{self, RunResult, Summary};
+use crate::world::timeline::EventKind;
 
 /// Escape text for HTML element content and attribute values.
 pub fn esc(s: &str) -> String {
@@ -158,7 +157,7 @@ fn summary_table(sums: &[Summary], runs: &[RunResult]) -> String {
 }
 
 fn verdict_class(c: &CellResult) -> &'static str {
-    use crate::matrix::Verdict::*;
+    use crate::report::matrix::Verdict::*;
     match c.verdict {
         Confirmed => "v-confirmed",
         CleanConfirmed => "v-clean-confirmed",
@@ -206,8 +205,8 @@ pub fn matrix_table(cells: &[CellResult]) -> String {
             "<tr class=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} / {} / {}×{} / {}</td><td>{:.0} / {:.0} / {:.0}</td><td class=\"num\">{}</td><td class=\"num {}\"><a href=\"#run-{i}\">{}</a></td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td class=\"cause\">{}</td></tr>",
             verdict_class(c),
             esc(c.cell.setting.as_str()),
-            esc(crate::matrix::profile_str(c.cell.profile)),
-            esc(crate::matrix::preset_str(c.cell.preset)),
+            esc(crate::spec::matrix::profile_str(c.cell.profile)),
+            esc(crate::spec::matrix::preset_str(c.cell.preset)),
             esc(c.cell.behaviour.as_str()),
             st.pre_stop_s,
             st.grace_s,
@@ -727,7 +726,7 @@ mod tests {
     /// Every colour a timeline draws has its line in the legend.
     #[test]
     fn the_legend_names_every_colour_of_the_timeline() {
-        use crate::timeline::Event;
+        use crate::world::timeline::Event;
         let ev = |t_ms: f64, kind: EventKind, node: &str, pod: Option<&str>, detail: &str| Event {
             t_ms,
             kind,
@@ -797,23 +796,23 @@ mod tests {
 
     /// A run over two nodes at time scale 0.1, with one failed request (1.5 s real)
     /// and `events`.
-    fn a_run(events: Vec<crate::timeline::Event>) -> RunResult {
-        let failed = crate::loadgen::RequestRecord {
+    fn a_run(events: Vec<crate::world::timeline::Event>) -> RunResult {
+        let failed = crate::world::loadgen::RequestRecord {
             start_ms: 1500.0,
             end_ms: 1600.0,
-            outcome: crate::loadgen::Outcome::Timeout,
-            conn: crate::loadgen::ConnKind::New,
+            outcome: crate::world::loadgen::Outcome::Timeout,
+            conn: crate::world::loadgen::ConnKind::New,
             pod: None,
             reused: false,
             conn_pod: None,
         };
         RunResult {
-            control_plane: crate::scenario::ControlPlaneKind::Emulated,
-            behaviour: crate::scenario::Behaviour::Kproxy,
+            control_plane: crate::spec::run::ControlPlaneKind::Emulated,
+            behaviour: crate::spec::run::Behaviour::Kproxy,
             run: 0,
             time_scale: 0.1,
             nodes: vec!["node-1".into(), "node-2".into()],
-            health_check: crate::lb::LbPreset::Gke.health_check().unwrap(),
+            health_check: crate::spec::balancer::LbPreset::Gke.health_check().unwrap(),
             records: vec![failed],
             events,
             load_start_ms: 0.0,
@@ -861,7 +860,7 @@ mod tests {
     /// drawn as its own state, not as "in the pool"; then each node is in or out.
     #[test]
     fn the_lb_sending_to_every_node_is_its_own_state() {
-        use crate::timeline::Event;
+        use crate::world::timeline::Event;
         let pool = |t_ms: f64, detail: &str| Event {
             t_ms,
             kind: EventKind::LbPool,
@@ -893,7 +892,7 @@ mod tests {
 
     #[test]
     fn a_health_answer_says_it_once() {
-        let answer = crate::timeline::Event {
+        let answer = crate::world::timeline::Event {
             t_ms: 100.0,
             kind: EventKind::HealthAnswer,
             node: Some("node-1".into()),

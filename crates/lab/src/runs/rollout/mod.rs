@@ -7,334 +7,28 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use serde::Serialize;
-
 use crate::LabError;
-use crate::cluster::{Cluster, PodApi};
-use crate::config::RolloutConfig;
-use crate::controlplane::{self, ControlPlane};
-use crate::fabric::{self, Fabric};
-use crate::k8s::{K8sLab, RealControlPlane};
-use crate::kproxyd::{self, KproxySource, Kproxyd};
-use crate::lb::{HealthCheck, LoadBalancer};
-use crate::loadgen::{LoadGenerator, RequestRecord};
-use crate::timeline::{Clock, Event, EventKind, Recorder};
+use crate::report::RunResult;
+use crate::runs::{Progress, Workdir, check_daemons, on_lab_runtime, wait_for};
+use crate::spec::balancer::HealthCheck;
+use crate::spec::rollout::RolloutConfig;
+use crate::spec::run::{Behaviour, Chaos, ControlPlaneKind, RunOptions};
+use crate::spec::service::{
+    HEALTH_CHECK_NODE_PORT, NODE_PORT, PROXY_HEALTHZ_PORT, SERVICE_PORT, VIP,
+};
+use crate::world::cluster::{Cluster, PodApi};
+use crate::world::controlplane::ControlPlane;
+use crate::world::fabric::Fabric;
+use crate::world::k8s::{K8sLab, RealControlPlane};
+use crate::world::kproxyd::{self, KproxySource, Kproxyd};
+use crate::world::lb::LoadBalancer;
+use crate::world::loadgen::{LoadGenerator, RequestRecord};
+use crate::world::timeline::{Clock, EventKind, LatenessWatch, Recorder};
+use chaos::disturb;
+use drain::drain_node;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Behaviour {
-    /// kproxy as it ships: failover to serving-terminating endpoints.
-    #[serde(rename = "kproxy")]
-    Kproxy,
-    /// kube-proxy before 1.26: `--proxy-terminating-endpoints=false`, and `/healthz`
-    /// ignores the Node's scale-down taint (`kproxyd::PRE_126_FLAGS`).
-    #[serde(rename = "pre-1.26")]
-    Pre126,
-}
-
-impl Behaviour {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Behaviour::Kproxy => "kproxy",
-            Behaviour::Pre126 => "pre-1.26",
-        }
-    }
-}
-
-/// Everything one run produced. Times are real ms since the run's clock started.
-#[derive(Clone, Debug)]
-pub struct RunResult {
-    pub behaviour: Behaviour,
-    pub control_plane: ControlPlaneKind,
-    pub run: usize,
-    pub time_scale: f64,
-    pub nodes: Vec<String>,
-    pub health_check: HealthCheck,
-    pub records: Vec<RequestRecord>,
-    pub events: Vec<Event>,
-    pub load_start_ms: f64,
-    pub rollout_start_ms: f64,
-    pub rollout_end_ms: f64,
-    pub load_end_ms: f64,
-    /// The node drain the run performed instead of a rolling update (the Service was
-    /// `externalTrafficPolicy: Cluster`); None: a rolling update of an eTP-Local Service.
-    pub drain: Option<NodeDrain>,
-}
-
-pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
-
-/// Which control plane runs the Deployment and EndpointSlice controllers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum ControlPlaneKind {
-    /// The lab's own emulation (`controlplane`, `cluster`); kproxy reads manifests.
-    #[default]
-    Emulated,
-    /// kube-apiserver and kube-controller-manager of the k8s-lab instance named by
-    /// `K8S_LAB`; kproxy watches the API (`k8s`).
-    K8sLab,
-}
-
-impl ControlPlaneKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ControlPlaneKind::Emulated => "emulated",
-            ControlPlaneKind::K8sLab => "k8s-lab",
-        }
-    }
-}
-
-/// A node drain by the cluster autoscaler (the matrix's node-drain row), run instead
-/// of the rolling update, with an `externalTrafficPolicy: Cluster` Service whose load
-/// balancer probes every node's kproxy `/healthz` (KEP-3836): the node is tainted
-/// `ToBeDeletedByClusterAutoscaler`, its pods are evicted (the Deployment replaces
-/// them on other nodes), and once they are gone and `delete_after_s` more has passed,
-/// the node is deleted: its kproxy stops, its link is cut, its Node object goes.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct NodeDrain {
-    /// The drained node (1-based).
-    pub node: usize,
-    /// Nominal seconds from the drained node's last pod being gone to its deletion.
-    pub delete_after_s: f64,
-}
-
-/// Chaos during the rolling update (the scenario matrix's extra rows). Each happens
-/// once, when the rollout's second old pod becomes terminating (`KillKproxy`: when node
-/// 1's last old pod does), so a pod is serving-terminating while it happens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Chaos {
-    /// Every node's kproxy stopped (SIGTERM) and started again: the new processes must
-    /// pick up where the old ones left.
-    #[value(name = "kproxy-restart")]
-    #[serde(rename = "kproxy-restart")]
-    RestartKproxy,
-    /// Node 1's whole nftables ruleset flushed (`nft flush ruleset`, another process than
-    /// kproxy): kproxy must restore its rules before traffic notices.
-    #[value(name = "nft-flush")]
-    #[serde(rename = "nft-flush")]
-    FlushRuleset,
-    /// Node 1's kproxy SIGKILLed (no shutdown path runs) and started again.
-    #[value(name = "kproxy-kill")]
-    #[serde(rename = "kproxy-kill")]
-    KillKproxy,
-    /// The API server (k8s-lab) killed for [`API_OUTAGE_S`], then started again with the
-    /// same command line, once the terminating pod's EndpointSlice change is out (a
-    /// change the API never published no proxy can act on): the rollout pauses, nodes
-    /// keep their rules. kube-controller-manager goes down and comes back with it, as a
-    /// production kcm (leader election on) does in an outage longer than its lease's
-    /// renew deadline.
-    ApiOutage,
-    /// Every connection of node 1's kproxy to the API server reset (its API bridge):
-    /// its watches must resume without losing a change.
-    WatchCut,
-}
-
-/// Nominal seconds the API server stays down in [`Chaos::ApiOutage`] before it is
-/// started again (its own start then adds real seconds: the timeline shows when it
-/// answered again).
-pub const API_OUTAGE_S: f64 = 30.0;
-
-impl Chaos {
-    /// Only the real control plane has an API server to kill or connections to cut.
-    pub fn needs_real_api(self) -> bool {
-        matches!(self, Chaos::ApiOutage | Chaos::WatchCut)
-    }
-}
-
-/// Disturbances a run adds to the rolling update (the scenario matrix's extra rows).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct RunOptions {
-    /// Chaos during the rolling update.
-    pub chaos: Option<Chaos>,
-    /// The control plane the run uses.
-    pub control_plane: ControlPlaneKind,
-    /// Drain a node instead of rolling the Deployment.
-    pub drain: Option<NodeDrain>,
-}
-
-/// Does `chaos` to the running lab, recording it on the timeline.
-async fn disturb(
-    chaos: Chaos,
-    fabric: &Fabric,
-    daemons: &mut [Kproxyd],
-    real: Option<&Arc<RealControlPlane>>,
-    rec: &Recorder,
-    tag: &str,
-    progress: Progress<'_>,
-) -> Result<(), LabError> {
-    let node1 = fabric.nodes.first().map(|n| n.name.clone());
-    match chaos {
-        Chaos::FlushRuleset => {
-            if let Some(node) = fabric.nodes.first() {
-                node.ns.exec("nft", &["flush", "ruleset"])?;
-                rec.record(
-                    EventKind::RulesetFlushed,
-                    Some(&node.name),
-                    None,
-                    "nft flush ruleset (another process)",
-                );
-                progress(&format!("{tag} flushed {}'s nftables ruleset", node.name));
-            }
-        }
-        Chaos::RestartKproxy => {
-            for d in daemons.iter_mut() {
-                d.restart()?;
-                rec.record(
-                    EventKind::KproxyRestarted,
-                    Some(&d.node),
-                    None,
-                    "kproxy stopped (SIGTERM) and started again",
-                );
-            }
-            progress(&format!("{tag} restarted kproxy on every node"));
-        }
-        Chaos::KillKproxy => {
-            if let Some(d) = daemons.first_mut() {
-                d.kill_and_start()?;
-                rec.record(
-                    EventKind::KproxyKilled,
-                    Some(&d.node),
-                    None,
-                    "kproxy SIGKILLed and started again",
-                );
-                progress(&format!(
-                    "{tag} SIGKILLed {}'s kproxy and started it again",
-                    d.node
-                ));
-            }
-        }
-        Chaos::ApiOutage | Chaos::WatchCut => {
-            let real = real.ok_or_else(|| {
-                LabError::Invalid(format!(
-                    "{} needs --control-plane k8s-lab",
-                    chaos_str(chaos)
-                ))
-            })?;
-            if chaos == Chaos::WatchCut {
-                let n = real.cut_api_connections(0);
-                rec.record(
-                    EventKind::ApiConnectionsCut,
-                    node1.as_deref(),
-                    None,
-                    format!("{n} API connections of this node's kproxy reset"),
-                );
-                progress(&format!(
-                    "{tag} reset {n} API connections of node 1's kproxy"
-                ));
-            } else {
-                // The terminating pod's change published first (bounded: a slice that
-                // never comes is the run's finding, not a reason to wait forever).
-                let terminating_at = rec
-                    .events()
-                    .iter()
-                    .filter(|e| e.kind == EventKind::PodTerminating)
-                    .map(|e| e.t_ms)
-                    .fold(0.0, f64::max);
-                let published = || {
-                    rec.events()
-                        .iter()
-                        .any(|e| e.kind == EventKind::SlicePublished && e.t_ms >= terminating_at)
-                };
-                let wait = Instant::now();
-                while !published() && wait.elapsed() < Duration::from_secs(10) {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                let server = crate::k8s::LabProcess::find(&real.lab, "kube-apiserver")?;
-                // kcm goes down with it, as a production kcm does: it runs with leader
-                // election (the default; the k8s-lab's runs without), cannot renew its
-                // lease for renewDeadline (10 s) of a 30 s outage, exits, and its kubelet
-                // starts it again, to relist once the API answers. A kcm left running
-                // through the outage instead resumes from informer caches it thinks are
-                // stale and leaves terminations unpublished while its other controllers
-                // go on (docs/lab.md, "Chaos cells").
-                let kcm = crate::k8s::LabProcess::find(&real.lab, "kube-controller-manager")?;
-                server.kill()?;
-                kcm.kill()?;
-                rec.record(
-                    EventKind::ApiServerDown,
-                    None,
-                    None,
-                    format!(
-                        "kube-apiserver and kube-controller-manager killed for {API_OUTAGE_S} s nominal"
-                    ),
-                );
-                progress(&format!(
-                    "{tag} killed the API server for {API_OUTAGE_S} s nominal"
-                ));
-                tokio::time::sleep(rec.clock().real(API_OUTAGE_S)).await;
-                server.start_again()?;
-                let down = Instant::now();
-                while crate::k8s::get_deployment(&real.client).await.is_err()
-                    && down.elapsed() < Duration::from_secs(120)
-                {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                rec.record(
-                    EventKind::ApiServerUp,
-                    None,
-                    None,
-                    format!(
-                        "kube-apiserver answering again, {:.1} s after its start",
-                        down.elapsed().as_secs_f64()
-                    ),
-                );
-                progress(&format!("{tag} the API server answers again"));
-                let starts = start_kcm_as_kubelet_would(&kcm, rec.clock()).await?;
-                progress(&format!(
-                    "{tag} kube-controller-manager running again ({starts} start(s))"
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// kcm started again once the API answers, and again after a kubelet's restart
-/// backoff (10 s nominal) each time it exits within 5 s (real: its own start): a kcm
-/// started while the API server's authorizer still warms up exits ("configmaps
-/// extension-apiserver-authentication is forbidden"), and its kubelet restarts it.
-/// How many starts it took.
-async fn start_kcm_as_kubelet_would(
-    kcm: &crate::k8s::LabProcess,
-    clock: &crate::timeline::Clock,
-) -> Result<u32, LabError> {
-    const BACKOFF_S: f64 = 10.0;
-    for starts in 1..=10 {
-        let mut child = kcm.start_again()?;
-        let started = Instant::now();
-        let exited = loop {
-            match child.try_wait() {
-                Ok(Some(_)) => break true,
-                Ok(None) if started.elapsed() >= Duration::from_secs(5) => break false,
-                Ok(None) => tokio::time::sleep(Duration::from_millis(50)).await,
-                Err(e) => {
-                    return Err(LabError::Io {
-                        what: "wait for kube-controller-manager".into(),
-                        source: e,
-                    });
-                }
-            }
-        };
-        if !exited {
-            return Ok(starts);
-        }
-        tokio::time::sleep(clock.real(BACKOFF_S)).await;
-    }
-    Err(LabError::Invalid(
-        "kube-controller-manager exited 10 times after the API outage; see its log in the k8s-lab's logs/".into(),
-    ))
-}
-
-/// The chaos's name in the matrix and on the command line.
-pub fn chaos_str(chaos: Chaos) -> &'static str {
-    match chaos {
-        Chaos::RestartKproxy => "kproxy-restart",
-        Chaos::FlushRuleset => "nft-flush",
-        Chaos::KillKproxy => "kproxy-kill",
-        Chaos::ApiOutage => "api-outage",
-        Chaos::WatchCut => "watch-cut",
-    }
-}
+mod chaos;
+mod drain;
 
 /// Start the rolling update to `revision` with the run's Deployment controller.
 fn spawn_rollout(
@@ -354,25 +48,6 @@ fn spawn_rollout(
     }
 }
 
-/// Runs `run` to its end on the lab's runtime (two workers, enough for the load, the
-/// kubelets and the LB), then shuts the runtime down: kubelet tasks hold pods, and
-/// dropping them (with their servers and namespaces) happens before this returns.
-pub(crate) fn on_lab_runtime<T>(
-    run: impl std::future::Future<Output = Result<T, LabError>>,
-) -> Result<T, LabError> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| LabError::Io {
-            what: "lab runtime".into(),
-            source: e,
-        })?;
-    let result = rt.block_on(run);
-    rt.shutdown_timeout(Duration::from_secs(5));
-    result
-}
-
 /// Run one rollout with `behaviour` and the disturbances of `opts`, using the kproxy
 /// binary at `kproxy`.
 pub fn run_with(
@@ -387,35 +62,6 @@ pub fn run_with(
     on_lab_runtime(run_async(cfg, behaviour, run, kproxy, opts, progress))
 }
 
-fn check_daemons(daemons: &mut [Kproxyd]) -> Result<(), LabError> {
-    for d in daemons.iter_mut() {
-        d.check_alive()?;
-    }
-    Ok(())
-}
-
-/// Wait until `cond` holds, checking the daemons; fail after `limit`.
-pub(crate) async fn wait_for(
-    what: &str,
-    limit: Duration,
-    daemons: &mut [Kproxyd],
-    mut cond: impl FnMut() -> bool,
-) -> Result<(), LabError> {
-    let start = Instant::now();
-    loop {
-        if cond() {
-            return Ok(());
-        }
-        check_daemons(daemons)?;
-        if start.elapsed() > limit {
-            return Err(LabError::Invalid(format!(
-                "timed out after {limit:?} waiting for {what}"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn run_async(
     cfg: &RolloutConfig,
     behaviour: Behaviour,
@@ -427,7 +73,7 @@ async fn run_async(
     let clock = Clock::new(cfg.time_scale);
     let wall_start = SystemTime::now();
     let rec = Recorder::new(clock.clone());
-    let _late = crate::timeline::LatenessWatch::start(rec.clone());
+    let _late = LatenessWatch::start(rec.clone());
     let hc = cfg.load_balancer.effective_health_check()?;
     let tag = format!("[{} run {}]", behaviour.as_str(), run + 1);
 
@@ -437,23 +83,23 @@ async fn run_async(
         "{tag} network up: {} nodes, LB and client namespaces ({})",
         cfg.nodes, fabric.prefix
     ));
-    let dirs: Vec<PathBuf> = fabric
-        .nodes
-        .iter()
-        .map(|n| workdir.path.join(&n.name))
-        .collect();
-    let (emulated, real, api) =
-        start_control_plane(cfg, &opts, &fabric, &dirs, &clock, &rec).await?;
+    let planes = start_control_plane(cfg, &opts, &fabric, &workdir.path, &rec).await?;
     progress(&format!(
         "{tag} control plane: {}",
         opts.control_plane.as_str()
     ));
+    let ControlPlanes {
+        emulated,
+        real,
+        api,
+        dirs,
+    } = planes;
 
     let mut daemons = Vec::new();
-    for (n, dir) in fabric.nodes.iter().zip(&dirs) {
+    for (i, n) in fabric.nodes.iter().enumerate() {
         let source = match &real {
             Some(r) => KproxySource::Kubeconfig(&r.lab.proxy_kubeconfig),
-            None => KproxySource::Manifests(dir),
+            None => KproxySource::Manifests(&dirs[i]),
         };
         daemons.push(Kproxyd::start_from(
             kproxy,
@@ -555,36 +201,35 @@ async fn run_async(
     })
 }
 
-/// The run's control plane: the lab's emulation (returned too, for a node drain's
+/// The run's control plane: the lab's emulation (kept apart too, for a node drain's
 /// writes) or the k8s-lab instance's, and the API the kubelets write pods through.
+struct ControlPlanes {
+    emulated: Option<ControlPlane>,
+    real: Option<Arc<RealControlPlane>>,
+    api: Arc<dyn PodApi>,
+    /// The emulation's manifest directory of each node, in node order (none with the
+    /// real control plane: kproxy watches the API).
+    dirs: Vec<PathBuf>,
+}
+
 async fn start_control_plane(
     cfg: &RolloutConfig,
     opts: &RunOptions,
     fabric: &Fabric,
-    dirs: &[PathBuf],
-    clock: &Clock,
+    workdir: &Path,
     rec: &Recorder,
-) -> Result<
-    (
-        Option<ControlPlane>,
-        Option<Arc<RealControlPlane>>,
-        Arc<dyn PodApi>,
-    ),
-    LabError,
-> {
+) -> Result<ControlPlanes, LabError> {
+    let etp_local = opts.drain.is_none();
     match opts.control_plane {
         ControlPlaneKind::Emulated => {
-            let cp = ControlPlane::start(
-                controlplane::Objects::new(
-                    cfg.nodes,
-                    cfg.publish_not_ready_addresses,
-                    opts.drain.is_none(),
-                ),
-                dirs.to_vec(),
-                clock.real(cfg.propagation_delay_seconds),
-                rec.clone(),
-            )?;
-            Ok((Some(cp.clone()), None, Arc::new(cp)))
+            let (cp, dirs) =
+                ControlPlane::start_for_nodes(fabric, workdir, cfg, etp_local, rec.clone())?;
+            Ok(ControlPlanes {
+                emulated: Some(cp.clone()),
+                real: None,
+                api: Arc::new(cp),
+                dirs,
+            })
         }
         ControlPlaneKind::K8sLab => {
             let lab = K8sLab::from_env()?;
@@ -592,12 +237,17 @@ async fn start_control_plane(
                 lab,
                 fabric,
                 cfg.publish_not_ready_addresses,
-                opts.drain.is_none(),
+                etp_local,
                 rec.clone(),
             )
             .await?;
-            let w = r.writer.clone();
-            Ok((None, Some(Arc::new(r)), w))
+            let api = r.writer.clone();
+            Ok(ControlPlanes {
+                emulated: None,
+                real: Some(Arc::new(r)),
+                api,
+                dirs: Vec::new(),
+            })
         }
     }
 }
@@ -654,12 +304,12 @@ impl Phase<'_> {
             hc,
             // eTP Cluster has no health check node port: the LB probes kproxy's /healthz.
             if self.opts.drain.is_some() {
-                controlplane::PROXY_HEALTHZ_PORT
+                PROXY_HEALTHZ_PORT
             } else {
-                controlplane::HEALTH_CHECK_NODE_PORT
+                HEALTH_CHECK_NODE_PORT
             },
-            controlplane::NODE_PORT,
-            controlplane::SERVICE_PORT,
+            NODE_PORT,
+            SERVICE_PORT,
             rec.clone(),
         )?;
         let cluster = Cluster::new(
@@ -680,7 +330,7 @@ impl Phase<'_> {
 
         let load = LoadGenerator::start(
             self.fabric.client.name(),
-            std::net::SocketAddr::from((fabric::VIP, controlplane::SERVICE_PORT)),
+            std::net::SocketAddr::from((VIP, SERVICE_PORT)),
             cfg.load.clone(),
             clock.start(),
         )?;
@@ -907,123 +557,6 @@ impl Phase<'_> {
     }
 }
 
-/// Write a drained node's change to the run's control plane: its scale-down taint, or
-/// (`delete`) the deletion of its Node object.
-async fn write_node_change(
-    emulated: Option<&ControlPlane>,
-    real: Option<&Arc<RealControlPlane>>,
-    node: usize,
-    delete: bool,
-) -> Result<(), LabError> {
-    match (emulated, real, delete) {
-        (Some(cp), _, false) => cp.taint_node(node),
-        (Some(cp), _, true) => cp.delete_node(node),
-        (None, Some(r), false) => r.taint_node(node).await?,
-        (None, Some(r), true) => r.delete_node(node).await?,
-        (None, None, _) => {}
-    }
-    Ok(())
-}
-
-/// The node drain (see [`NodeDrain`]); returns when the drained node is deleted and
-/// out of the load balancer's pool and the replacement pods are available: the
-/// disturbance's start and end (real ms), reported as the "rollout" phase.
-#[allow(clippy::too_many_arguments)]
-async fn drain_node(
-    d: NodeDrain,
-    cluster: &Arc<Cluster>,
-    emulated: Option<&ControlPlane>,
-    real: Option<&Arc<RealControlPlane>>,
-    fabric: &Fabric,
-    lb: &LoadBalancer,
-    daemons: &mut [Kproxyd],
-    limit: Duration,
-    tag: &str,
-    progress: Progress<'_>,
-) -> Result<(f64, f64), LabError> {
-    let rec = &cluster.recorder;
-    let clock = rec.clock().clone();
-    let Some(net) = fabric.nodes.get(d.node.wrapping_sub(1)) else {
-        return Err(LabError::Invalid(format!("node drain: no node {}", d.node)));
-    };
-    let name = net.name.clone();
-    let start = clock.now_ms();
-    rec.record(
-        EventKind::RolloutStarted,
-        None,
-        None,
-        format!("node drain of {name} (cluster autoscaler scale-down)"),
-    );
-    write_node_change(emulated, real, d.node, false).await?;
-    rec.record(
-        EventKind::NodeTainted,
-        Some(&name),
-        None,
-        "tainted ToBeDeletedByClusterAutoscaler:NoSchedule",
-    );
-    // The lab's Deployment controller replaces evicted pods (a rollout to the same
-    // revision); with the real control plane kcm does, and the lab waits for it.
-    let (evicted, replace) = match real {
-        None => (
-            cluster.drain_node(d.node),
-            spawn_rollout(cluster, None, 1, limit),
-        ),
-        Some(r) => {
-            cluster.cordon(d.node);
-            let evicted = r.evict_node_pods(d.node).await?;
-            let (r, c) = (r.clone(), cluster.clone());
-            (
-                evicted,
-                tokio::spawn(async move { r.wait_replaced(&c, limit).await }),
-            )
-        }
-    };
-    progress(&format!(
-        "{tag} {name} tainted ToBeDeletedByClusterAutoscaler; evicted {}",
-        evicted.join(", ")
-    ));
-    wait_for("the drained node's pods to be gone", limit, daemons, || {
-        !cluster.pods().iter().any(|p| p.node_index == d.node)
-    })
-    .await?;
-    tokio::time::sleep(clock.real(d.delete_after_s)).await;
-    // The cloud instance goes: kube-proxy stops with it and nothing reaches the node.
-    if let Some(k) = daemons.iter_mut().find(|k| k.node == name) {
-        k.stop();
-    }
-    net.ns.ip(&["link", "set", "eth0", "down"])?;
-    write_node_change(emulated, real, d.node, true).await?;
-    rec.record(
-        EventKind::NodeDeleted,
-        Some(&name),
-        None,
-        "node deleted: kproxy stopped, link cut, Node object removed",
-    );
-    progress(&format!("{tag} {name} deleted"));
-    wait_for("the replacement pods", limit, daemons, || {
-        replace.is_finished()
-    })
-    .await?;
-    replace
-        .await
-        .map_err(|e| LabError::Invalid(format!("replacement task: {e}")))??;
-    wait_for(
-        "the load balancer to take the deleted node out",
-        limit,
-        daemons,
-        || !lb.pool().contains(&d.node),
-    )
-    .await?;
-    let end = clock.now_ms();
-    rec.record(
-        EventKind::RolloutDone,
-        None,
-        None,
-        format!("{name} out of the load balancer's pool; replacement pods available"),
-    );
-    Ok((start, end))
-}
-
 /// `1`: every run keeps kproxy's logs and its timeline; `0`: no run that ended keeps
 /// them (tests that lose requests by design); unset: a run with kproxy behaviour that
 /// lost requests keeps them. A run that ends in error always does.
@@ -1067,37 +600,6 @@ fn write_timeline(
         source: e,
     })?;
     Ok(path)
-}
-
-/// The run's scratch directory (manifests, kproxy logs); removed unless kept.
-struct Workdir {
-    path: PathBuf,
-    keep: std::cell::Cell<bool>,
-}
-
-impl Workdir {
-    fn create(prefix: &str) -> Result<Workdir, LabError> {
-        let path = std::env::temp_dir().join(format!("kproxy-lab-{prefix}"));
-        std::fs::create_dir_all(&path).map_err(|e| LabError::Io {
-            what: format!("mkdir {}", path.display()),
-            source: e,
-        })?;
-        Ok(Workdir {
-            path,
-            keep: std::cell::Cell::new(false),
-        })
-    }
-    fn keep(&self) {
-        self.keep.set(true);
-    }
-}
-
-impl Drop for Workdir {
-    fn drop(&mut self) {
-        if !self.keep.get() {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
 }
 
 #[cfg(test)]

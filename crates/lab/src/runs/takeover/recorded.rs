@@ -22,9 +22,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::LabError;
-use crate::controlplane::{HEALTH_CHECK_NODE_PORT, PROXY_HEALTHZ_PORT};
-use crate::fabric::NodeNet;
-use crate::netns::{enter_netns_by_name, run_cmd_input};
+use crate::spec::service::{HEALTH_CHECK_NODE_PORT, PROXY_HEALTHZ_PORT};
+use crate::world::fabric::NodeNet;
+use crate::world::netns::{enter_netns_by_name, run_cmd_input};
 
 /// The lab cluster the recordings are of: its node count (one pod per node).
 pub const RECORDED_NODES: usize = 3;
@@ -61,13 +61,13 @@ macro_rules! nft_node {
     ($n:literal) => {
         Recording {
             nft: Some(include_str!(concat!(
-                "../../fixtures/kube-proxy/nftables/node-",
+                "../../../fixtures/kube-proxy/nftables/node-",
                 $n,
                 ".nft"
             ))),
             iptables: None,
             health: include_str!(concat!(
-                "../../fixtures/kube-proxy/nftables/node-",
+                "../../../fixtures/kube-proxy/nftables/node-",
                 $n,
                 ".health.json"
             )),
@@ -81,18 +81,18 @@ macro_rules! xt_node {
             nft: None,
             iptables: Some((
                 include_str!(concat!(
-                    "../../fixtures/kube-proxy/iptables/node-",
+                    "../../../fixtures/kube-proxy/iptables/node-",
                     $n,
                     ".iptables.save"
                 )),
                 include_str!(concat!(
-                    "../../fixtures/kube-proxy/iptables/node-",
+                    "../../../fixtures/kube-proxy/iptables/node-",
                     $n,
                     ".ip6tables.save"
                 )),
             )),
             health: include_str!(concat!(
-                "../../fixtures/kube-proxy/iptables/node-",
+                "../../../fixtures/kube-proxy/iptables/node-",
                 $n,
                 ".health.json"
             )),

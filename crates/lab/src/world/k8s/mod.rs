@@ -36,10 +36,11 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::LabError;
-use crate::cluster::{Cluster, DeploymentSpec, PodApi, PodRuntime, PodTemplate};
-use crate::controlplane::{SERVICE_NAME, SERVICE_NAMESPACE};
-use crate::fabric;
-use crate::timeline::{Clock, EventKind, Recorder};
+use crate::spec::service::{SERVICE_NAME, SERVICE_NAMESPACE};
+use crate::spec::workload::{DeploymentSpec, PodTemplate};
+use crate::world::cluster::{Cluster, PodApi, PodRuntime};
+use crate::world::fabric;
+use crate::world::timeline::{Clock, EventKind, Recorder};
 
 /// The pod template annotation naming the lab revision (copied onto every pod).
 pub const REVISION_ANNOTATION: &str = "kproxy-lab/revision";
@@ -222,7 +223,7 @@ fn node_object(i: usize, changes: &NodeChanges) -> Value {
     let mut spec =
         json!({"podCIDR": format!("10.244.{i}.0/24"), "podCIDRs": [format!("10.244.{i}.0/24")]});
     if let Some(t) = changes.tainted.get(&i) {
-        spec["taints"] = json!([{"key": crate::controlplane::TAINT_TO_BE_DELETED,
+        spec["taints"] = json!([{"key": crate::spec::service::TAINT_TO_BE_DELETED,
             "value": t.to_string(), "effect": "NoSchedule"}]);
     }
     json!({
@@ -307,7 +308,7 @@ pub async fn prepare(
     let since = now_rfc3339();
     beat(client, nodes, &since, &Mutex::default()).await?;
     let svc: Api<Service> = Api::namespaced(client.clone(), SERVICE_NAMESPACE);
-    let spec = crate::controlplane::lab_service(publish_not_ready_addresses, etp_local);
+    let spec = crate::spec::service::lab_service(publish_not_ready_addresses, etp_local);
     svc.patch(
         SERVICE_NAME,
         &PatchParams::apply(FIELD_MANAGER).force(),
@@ -318,7 +319,7 @@ pub async fn prepare(
     svc.patch_status(
         SERVICE_NAME,
         &PatchParams::default(),
-        &Patch::Merge(json!({"status": crate::controlplane::lab_service_status()})),
+        &Patch::Merge(json!({"status": crate::spec::service::lab_service_status()})),
     )
     .await
     .map_err(api_err("service status"))?;
@@ -359,9 +360,9 @@ pub fn deployment_object(
     let p = &t.readiness_probe;
     let mut container = json!({
         "name": "web", "image": format!("kproxy-lab/web:{revision}"),
-        "ports": [{"containerPort": crate::pod::POD_PORT}],
+        "ports": [{"containerPort": crate::spec::service::POD_PORT}],
         "readinessProbe": {
-            "httpGet": {"path": "/", "port": crate::pod::POD_PORT},
+            "httpGet": {"path": "/", "port": crate::spec::service::POD_PORT},
             "initialDelaySeconds": secs(p.initial_delay_seconds),
             "periodSeconds": at_least_one(p.period_seconds),
             "timeoutSeconds": at_least_one(p.timeout_seconds),
@@ -749,7 +750,7 @@ pub async fn watch_slices(client: kube::Client, rec: Recorder) {
             }
         }
         let doc = json!({"items": slices.values().collect::<Vec<_>>()});
-        let summary = crate::controlplane::summarize(&doc.to_string());
+        let summary = crate::world::controlplane::summarize(&doc.to_string());
         if last.as_deref() != Some(summary.as_str()) {
             rec.record(EventKind::SlicePublished, None, None, summary.clone());
             last = Some(summary);
@@ -772,7 +773,7 @@ impl ApiBridge {
         let ns_name = ns.to_string();
         let listener = std::thread::scope(|s| {
             s.spawn(|| -> Result<std::net::TcpListener, LabError> {
-                crate::netns::enter_netns_by_name(&ns_name)?;
+                crate::world::netns::enter_netns_by_name(&ns_name)?;
                 let l =
                     std::net::TcpListener::bind(("127.0.0.1", port)).map_err(|e| LabError::Io {
                         what: format!("listen on 127.0.0.1:{port} in {ns_name} (API bridge)"),
@@ -1160,7 +1161,7 @@ mod tests {
             min_ready_seconds: 5.0,
             one_pod_per_node: true,
         };
-        let t = crate::config::RolloutConfig::default().pod;
+        let t = crate::spec::rollout::RolloutConfig::default().pod;
         let v = deployment_object(&d, &t, 2, 0.1);
         assert_eq!(v["spec"]["strategy"]["rollingUpdate"]["maxSurge"], 1);
         assert_eq!(v["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0);

@@ -1,0 +1,104 @@
+//! The runs: each drives the world through one scenario and hands back what it
+//! recorded. `rollout` is one rolling update (or node drain) under load, `matrix` many
+//! rollouts beside lint's verdicts, `restart` and `takeover` the held runs (one pod per
+//! node under two loads, changed phase by phase, on the skeleton in `held`).
+//!
+//! What every run shares is here: the lab's runtime, the scratch directory, the wait
+//! that watches the daemons, the progress callback.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::LabError;
+use crate::world::kproxyd::Kproxyd;
+
+pub mod held;
+pub mod matrix;
+pub mod restart;
+pub mod rollout;
+pub mod takeover;
+
+/// Where a run tells the person what it is doing (one line at a time).
+pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
+
+/// Runs `run` to its end on the lab's runtime (two workers, enough for the load, the
+/// kubelets and the LB), then shuts the runtime down: kubelet tasks hold pods, and
+/// dropping them (with their servers and namespaces) happens before this returns.
+pub(crate) fn on_lab_runtime<T>(
+    run: impl std::future::Future<Output = Result<T, LabError>>,
+) -> Result<T, LabError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| LabError::Io {
+            what: "lab runtime".into(),
+            source: e,
+        })?;
+    let result = rt.block_on(run);
+    rt.shutdown_timeout(Duration::from_secs(5));
+    result
+}
+
+pub(crate) fn check_daemons(daemons: &mut [Kproxyd]) -> Result<(), LabError> {
+    for d in daemons.iter_mut() {
+        d.check_alive()?;
+    }
+    Ok(())
+}
+
+/// Wait until `cond` holds, checking the daemons; fail after `limit`.
+pub(crate) async fn wait_for(
+    what: &str,
+    limit: Duration,
+    daemons: &mut [Kproxyd],
+    mut cond: impl FnMut() -> bool,
+) -> Result<(), LabError> {
+    let start = Instant::now();
+    loop {
+        if cond() {
+            return Ok(());
+        }
+        check_daemons(daemons)?;
+        if start.elapsed() > limit {
+            return Err(LabError::Invalid(format!(
+                "timed out after {limit:?} waiting for {what}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The run's scratch directory (manifests, kproxy logs, kube-proxy's configuration);
+/// removed when the run ends, however it ends, unless kept.
+pub(crate) struct Workdir {
+    pub(crate) path: PathBuf,
+    keep: std::cell::Cell<bool>,
+}
+
+impl Workdir {
+    /// `kproxy-lab-PREFIX` in the temporary directory, `PREFIX` the run's namespaces'.
+    pub(crate) fn create(prefix: &str) -> Result<Workdir, LabError> {
+        let path = std::env::temp_dir().join(format!("kproxy-lab-{prefix}"));
+        std::fs::create_dir_all(&path).map_err(|e| LabError::Io {
+            what: format!("mkdir {}", path.display()),
+            source: e,
+        })?;
+        Ok(Workdir {
+            path,
+            keep: std::cell::Cell::new(false),
+        })
+    }
+
+    pub(crate) fn keep(&self) {
+        self.keep.set(true);
+    }
+}
+
+impl Drop for Workdir {
+    fn drop(&mut self) {
+        if !self.keep.get() {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}

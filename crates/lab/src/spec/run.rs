@@ -1,0 +1,155 @@
+//! What a run is asked to be, besides its cluster: which proxy behaviour, which
+//! control plane, which chaos or node drain, and the disturbances of `lab restart`.
+
+use serde::Serialize;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Behaviour {
+    /// kproxy as it ships: failover to serving-terminating endpoints.
+    #[serde(rename = "kproxy")]
+    Kproxy,
+    /// kube-proxy before 1.26: `--proxy-terminating-endpoints=false`, and `/healthz`
+    /// ignores the Node's scale-down taint (`kproxyd::PRE_126_FLAGS`).
+    #[serde(rename = "pre-1.26")]
+    Pre126,
+}
+
+impl Behaviour {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Behaviour::Kproxy => "kproxy",
+            Behaviour::Pre126 => "pre-1.26",
+        }
+    }
+}
+
+/// Which control plane runs the Deployment and EndpointSlice controllers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ControlPlaneKind {
+    /// The lab's own emulation (`controlplane`, `cluster`); kproxy reads manifests.
+    #[default]
+    Emulated,
+    /// kube-apiserver and kube-controller-manager of the k8s-lab instance named by
+    /// `K8S_LAB`; kproxy watches the API (`k8s`).
+    K8sLab,
+}
+
+impl ControlPlaneKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ControlPlaneKind::Emulated => "emulated",
+            ControlPlaneKind::K8sLab => "k8s-lab",
+        }
+    }
+}
+
+/// A node drain by the cluster autoscaler (the matrix's node-drain row), run instead
+/// of the rolling update, with an `externalTrafficPolicy: Cluster` Service whose load
+/// balancer probes every node's kproxy `/healthz` (KEP-3836): the node is tainted
+/// `ToBeDeletedByClusterAutoscaler`, its pods are evicted (the Deployment replaces
+/// them on other nodes), and once they are gone and `delete_after_s` more has passed,
+/// the node is deleted: its kproxy stops, its link is cut, its Node object goes.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct NodeDrain {
+    /// The drained node (1-based).
+    pub node: usize,
+    /// Nominal seconds from the drained node's last pod being gone to its deletion.
+    pub delete_after_s: f64,
+}
+
+/// Chaos during the rolling update (the scenario matrix's extra rows). Each happens
+/// once, when the rollout's second old pod becomes terminating (`KillKproxy`: when node
+/// 1's last old pod does), so a pod is serving-terminating while it happens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Chaos {
+    /// Every node's kproxy stopped (SIGTERM) and started again: the new processes must
+    /// pick up where the old ones left.
+    #[value(name = "kproxy-restart")]
+    #[serde(rename = "kproxy-restart")]
+    RestartKproxy,
+    /// Node 1's whole nftables ruleset flushed (`nft flush ruleset`, another process than
+    /// kproxy): kproxy must restore its rules before traffic notices.
+    #[value(name = "nft-flush")]
+    #[serde(rename = "nft-flush")]
+    FlushRuleset,
+    /// Node 1's kproxy SIGKILLed (no shutdown path runs) and started again.
+    #[value(name = "kproxy-kill")]
+    #[serde(rename = "kproxy-kill")]
+    KillKproxy,
+    /// The API server (k8s-lab) killed for [`API_OUTAGE_S`], then started again with the
+    /// same command line, once the terminating pod's EndpointSlice change is out (a
+    /// change the API never published no proxy can act on): the rollout pauses, nodes
+    /// keep their rules. kube-controller-manager goes down and comes back with it, as a
+    /// production kcm (leader election on) does in an outage longer than its lease's
+    /// renew deadline.
+    ApiOutage,
+    /// Every connection of node 1's kproxy to the API server reset (its API bridge):
+    /// its watches must resume without losing a change.
+    WatchCut,
+}
+
+/// Nominal seconds the API server stays down in [`Chaos::ApiOutage`] before it is
+/// started again (its own start then adds real seconds: the timeline shows when it
+/// answered again).
+pub const API_OUTAGE_S: f64 = 30.0;
+
+impl Chaos {
+    /// Only the real control plane has an API server to kill or connections to cut.
+    pub fn needs_real_api(self) -> bool {
+        matches!(self, Chaos::ApiOutage | Chaos::WatchCut)
+    }
+}
+
+/// Disturbances a run adds to the rolling update (the scenario matrix's extra rows).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct RunOptions {
+    /// Chaos during the rolling update.
+    pub chaos: Option<Chaos>,
+    /// The control plane the run uses.
+    pub control_plane: ControlPlaneKind,
+    /// Drain a node instead of rolling the Deployment.
+    pub drain: Option<NodeDrain>,
+}
+
+/// The chaos's name in the matrix and on the command line.
+pub fn chaos_str(chaos: Chaos) -> &'static str {
+    match chaos {
+        Chaos::RestartKproxy => "kproxy-restart",
+        Chaos::FlushRuleset => "nft-flush",
+        Chaos::KillKproxy => "kproxy-kill",
+        Chaos::ApiOutage => "api-outage",
+        Chaos::WatchCut => "watch-cut",
+    }
+}
+
+/// What is done to node 1's kproxy at the start of a phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Disturbance {
+    /// Nothing: the reference the other phases compare with.
+    None,
+    Sigterm,
+    Sigkill,
+    /// SIGTERM, then a different binary (another path) with the same arguments.
+    Upgrade,
+}
+
+impl Disturbance {
+    pub const ALL: [Disturbance; 4] = [
+        Disturbance::None,
+        Disturbance::Sigterm,
+        Disturbance::Sigkill,
+        Disturbance::Upgrade,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Disturbance::None => "baseline",
+            Disturbance::Sigterm => "sigterm",
+            Disturbance::Sigkill => "sigkill",
+            Disturbance::Upgrade => "upgrade",
+        }
+    }
+}
