@@ -1047,7 +1047,8 @@ fn real_kube_proxy_takeover_and_back() {
         let c = cluster(&format!("r{}", &mode[..1]));
         let _bridge = {
             let _g = rt.enter();
-            kproxy_lab::world::k8s::ApiBridge::start(&c.node.0, lab.api_port).expect("API bridge")
+            kproxy_lab::world::k8s::bridge::ApiBridge::start(&c.node.0, lab.api_port)
+                .expect("API bridge")
         };
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("kproxy.log");

@@ -8,7 +8,9 @@ use crate::LabError;
 use crate::runs::Progress;
 use crate::spec::run::{API_OUTAGE_S, Chaos, chaos_str};
 use crate::world::fabric::Fabric;
-use crate::world::k8s::{LabProcess, RealControlPlane, get_deployment};
+use crate::world::k8s::RealControlPlane;
+use crate::world::k8s::deployment::get_deployment;
+use crate::world::k8s::process::LabProcess;
 use crate::world::kproxyd::Kproxyd;
 use crate::world::timeline::{Clock, EventKind, Recorder};
 
