@@ -110,18 +110,8 @@ pub fn explain_burst(
     let views = node_views(r, start_ms);
     let mut causes = drain_causes(r, start_ms, end_ms, records);
     let flushed = flush_window(r, start_ms);
-    if let Some((node, flushed_at, repaired_at)) = &flushed {
-        let repaired = match repaired_at {
-            Some(t) => format!(
-                "restored them {:.0} ms after the flush was recorded",
-                t - flushed_at
-            ),
-            None => "had not restored them".to_string(),
-        };
-        causes.push(format!(
-            "another process flushed {node}'s nftables ruleset at {:.2} s and kproxy {repaired}: new connections that reached {node} in between found no rule",
-            nominal(r, *flushed_at)
-        ));
+    if let Some(flush) = &flushed {
+        causes.push(flush_cause(r, flush));
     }
     // Per-node pod checks are about eTP Local (a node without a serving local pod
     // drops); with a drain the Service is eTP Cluster and any node forwards.
@@ -129,143 +119,170 @@ pub fn explain_burst(
         if !v.in_pool || flushed.as_ref().is_some_and(|(n, _, _)| n == node) {
             continue;
         }
-        let all_terminating = !v.live_pods.is_empty()
-            && v.live_pods
-                .iter()
-                .all(|p| v.terminating.iter().any(|(x, _)| x == p));
-        if all_terminating {
-            let since = v
-                .terminating
-                .iter()
-                .map(|(_, t)| *t)
-                .fold(f64::MIN, f64::max);
-            let removed = pool_removal_after(r, node, start_ms);
-            let window = match removed {
-                Some(t) => format!("for {:.1} s", nominal(r, t - since)),
-                None => "until the end of the run".to_string(),
-            };
-            let all_sigtermed = v
-                .live_pods
-                .iter()
-                .all(|p| v.sigtermed.iter().any(|(x, _)| x == p));
-            let none_serving = !v.live_pods.iter().any(|p| v.ready.contains(p));
-            let unpublished: Vec<&str> = v
-                .terminating
-                .iter()
-                .filter(|(p, t)| !termination_published(r, node, p, *t, start_ms))
-                .map(|(p, _)| p.as_str())
-                .collect();
-            if !unpublished.is_empty() {
-                causes.push(format!(
-                    "{node} kept receiving new connections {window} after its last pod became terminating, and no EndpointSlice change had shown {} terminating by then (the EndpointSlice controller had not published it): no proxy could turn {node}'s health check to 503",
-                    unpublished.join(", ")
-                ));
-            } else if none_serving {
-                causes.push(format!(
-                    "{node} kept receiving new connections {window} after its last pod became terminating, and that pod's readiness had already failed ({}): terminating and not serving, it was no endpoint while still alive, so {node} dropped new connections (the rule: preStop + readiness period × (failureThreshold − 1) must cover terminationGracePeriodSeconds)",
-                    v.live_pods.join(", ")
-                ));
-            } else if all_sigtermed {
-                causes.push(format!(
-                    "{node} kept receiving new connections {window} after its last pod became terminating, and its pods had already got SIGTERM (preStop ended) and stopped accepting: the preStop sleep is shorter than the time the load balancer needed to take {node} out"
-                ));
-            } else if r.behaviour == Behaviour::Pre126 {
-                causes.push(format!(
-                    "{node} kept receiving new connections {window} after its last pod became terminating; with pre-1.26 behaviour a terminating pod is no endpoint, so no serving endpoint remained on {node} and its rules dropped them while the load balancer still thought {node} healthy"
-                ));
-            } else {
-                causes.push(format!(
-                    "{node} kept receiving new connections {window} after its last pod became terminating (failover to the serving-terminating pod did not catch them)"
-                ));
-            }
-        } else if !v
-            .live_pods
-            .iter()
-            .any(|p| v.ready.contains(p) && !v.terminating.iter().any(|(x, _)| x == p))
-        {
-            let until = match pool_removal_after(r, node, start_ms) {
-                Some(t) => format!(
-                    "until the load balancer took it out at {:.1} s",
-                    nominal(r, t)
-                ),
-                None => "while the load balancer kept it in the pool".to_string(),
-            };
-            let pods = if v.live_pods.is_empty() {
-                "no pod at all (the old one had exited)".to_string()
-            } else {
-                format!("no ready pod ({} not ready yet)", v.live_pods.join(", "))
-            };
-            causes.push(format!(
-                "{node} had {pods} and still received new connections {until}"
-            ));
-        }
+        causes.extend(node_cause(r, node, v, start_ms));
     }
     if causes.is_empty() {
-        let drained: Vec<String> = r
-            .events
-            .iter()
-            // Cut flows fail on their next request: look back a few nominal seconds.
-            .filter(|e| {
-                e.kind == EventKind::LbDrained
-                    && e.t_ms >= start_ms - 3000.0 * r.time_scale
-                    && e.t_ms <= end_ms
-            })
-            .filter_map(|e| e.node.clone())
-            .collect();
-        if !drained.is_empty() {
-            causes.push(format!(
-                "the load balancer's drain timeout cut established connections to {} while their pods were still serving",
-                drained.join(", ")
-            ));
-        }
-    }
-    if causes.is_empty() {
-        // Kills and resets inside the burst.
-        let killed: Vec<String> = r
-            .events
-            .iter()
-            .filter(|e| {
-                e.kind == EventKind::PodKilled && e.t_ms >= start_ms - 50.0 && e.t_ms <= end_ms
-            })
-            .filter_map(|e| e.pod.clone())
-            .collect();
-        if !killed.is_empty() {
-            causes.push(format!("pod(s) {} were killed (SIGKILL at the end of the grace period) with connections open", killed.join(", ")));
-        }
-    }
-    if causes.is_empty() {
-        // Keep-alive requests on a connection whose pod had just exited (an
-        // `exit-on-term` pod ends at SIGTERM and its open connections die with it).
-        let mut exited: Vec<String> = records
-            .iter()
-            .filter_map(|x| x.conn_pod.as_ref())
-            .filter(|p| {
-                r.events.iter().any(|e| {
-                    matches!(e.kind, EventKind::PodExited | EventKind::PodKilled)
-                        && e.pod.as_ref() == Some(*p)
-                        && e.t_ms >= start_ms - 3000.0 * r.time_scale
-                        && e.t_ms <= end_ms + 1000.0 * r.time_scale
-                })
-            })
-            .cloned()
-            .collect();
-        exited.sort();
-        exited.dedup();
-        if !exited.is_empty() {
-            causes.push(format!(
-                "keep-alive connections to {} failed when that pod's process ended (at SIGTERM or SIGKILL) with the connections still open: the application closed no connection before exiting",
-                exited.join(", ")
-            ));
-        }
-    }
-    if causes.is_empty() {
-        let kinds: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
-        causes.push(format!(
-            "no cause found in the timeline ({}); possibly machine noise",
-            kinds.first().copied().unwrap_or("?")
-        ));
+        causes.push(other_cause(r, start_ms, end_ms, records));
     }
     causes.join("; ")
+}
+
+/// A flushed ruleset (`flush_window`'s node and times) in words.
+fn flush_cause(
+    r: &RunResult,
+    (node, flushed_at, repaired_at): &(String, f64, Option<f64>),
+) -> String {
+    let repaired = match repaired_at {
+        Some(t) => format!(
+            "restored them {:.0} ms after the flush was recorded",
+            t - flushed_at
+        ),
+        None => "had not restored them".to_string(),
+    };
+    format!(
+        "another process flushed {node}'s nftables ruleset at {:.2} s and kproxy {repaired}: new connections that reached {node} in between found no rule",
+        nominal(r, *flushed_at)
+    )
+}
+
+/// Why `node`, in the load balancer's pool at the burst, dropped new connections (none:
+/// it had a ready pod that was not terminating).
+fn node_cause(r: &RunResult, node: &str, v: &NodeView, start_ms: f64) -> Option<String> {
+    let all_terminating = !v.live_pods.is_empty()
+        && v.live_pods
+            .iter()
+            .all(|p| v.terminating.iter().any(|(x, _)| x == p));
+    if all_terminating {
+        let since = v
+            .terminating
+            .iter()
+            .map(|(_, t)| *t)
+            .fold(f64::MIN, f64::max);
+        let removed = pool_removal_after(r, node, start_ms);
+        let window = match removed {
+            Some(t) => format!("for {:.1} s", nominal(r, t - since)),
+            None => "until the end of the run".to_string(),
+        };
+        let all_sigtermed = v
+            .live_pods
+            .iter()
+            .all(|p| v.sigtermed.iter().any(|(x, _)| x == p));
+        let none_serving = !v.live_pods.iter().any(|p| v.ready.contains(p));
+        let unpublished: Vec<&str> = v
+            .terminating
+            .iter()
+            .filter(|(p, t)| !termination_published(r, node, p, *t, start_ms))
+            .map(|(p, _)| p.as_str())
+            .collect();
+        if !unpublished.is_empty() {
+            return Some(format!(
+                "{node} kept receiving new connections {window} after its last pod became terminating, and no EndpointSlice change had shown {} terminating by then (the EndpointSlice controller had not published it): no proxy could turn {node}'s health check to 503",
+                unpublished.join(", ")
+            ));
+        } else if none_serving {
+            return Some(format!(
+                "{node} kept receiving new connections {window} after its last pod became terminating, and that pod's readiness had already failed ({}): terminating and not serving, it was no endpoint while still alive, so {node} dropped new connections (the rule: preStop + readiness period × (failureThreshold − 1) must cover terminationGracePeriodSeconds)",
+                v.live_pods.join(", ")
+            ));
+        } else if all_sigtermed {
+            return Some(format!(
+                "{node} kept receiving new connections {window} after its last pod became terminating, and its pods had already got SIGTERM (preStop ended) and stopped accepting: the preStop sleep is shorter than the time the load balancer needed to take {node} out"
+            ));
+        } else if r.behaviour == Behaviour::Pre126 {
+            return Some(format!(
+                "{node} kept receiving new connections {window} after its last pod became terminating; with pre-1.26 behaviour a terminating pod is no endpoint, so no serving endpoint remained on {node} and its rules dropped them while the load balancer still thought {node} healthy"
+            ));
+        } else {
+            return Some(format!(
+                "{node} kept receiving new connections {window} after its last pod became terminating (failover to the serving-terminating pod did not catch them)"
+            ));
+        }
+    } else if !v
+        .live_pods
+        .iter()
+        .any(|p| v.ready.contains(p) && !v.terminating.iter().any(|(x, _)| x == p))
+    {
+        let until = match pool_removal_after(r, node, start_ms) {
+            Some(t) => format!(
+                "until the load balancer took it out at {:.1} s",
+                nominal(r, t)
+            ),
+            None => "while the load balancer kept it in the pool".to_string(),
+        };
+        let pods = if v.live_pods.is_empty() {
+            "no pod at all (the old one had exited)".to_string()
+        } else {
+            format!("no ready pod ({} not ready yet)", v.live_pods.join(", "))
+        };
+        return Some(format!(
+            "{node} had {pods} and still received new connections {until}"
+        ));
+    }
+    None
+}
+
+/// The cause of a burst that no node drain, flush or node explains: the load
+/// balancer's drain timeout, a SIGKILL, a pod's process ending under keep-alive
+/// connections, or none found.
+fn other_cause(r: &RunResult, start_ms: f64, end_ms: f64, records: &[&RequestRecord]) -> String {
+    let drained: Vec<String> = r
+        .events
+        .iter()
+        // Cut flows fail on their next request: look back a few nominal seconds.
+        .filter(|e| {
+            e.kind == EventKind::LbDrained
+                && e.t_ms >= start_ms - 3000.0 * r.time_scale
+                && e.t_ms <= end_ms
+        })
+        .filter_map(|e| e.node.clone())
+        .collect();
+    if !drained.is_empty() {
+        return format!(
+            "the load balancer's drain timeout cut established connections to {} while their pods were still serving",
+            drained.join(", ")
+        );
+    }
+    // Kills and resets inside the burst.
+    let killed: Vec<String> = r
+        .events
+        .iter()
+        .filter(|e| e.kind == EventKind::PodKilled && e.t_ms >= start_ms - 50.0 && e.t_ms <= end_ms)
+        .filter_map(|e| e.pod.clone())
+        .collect();
+    if !killed.is_empty() {
+        return format!(
+            "pod(s) {} were killed (SIGKILL at the end of the grace period) with connections open",
+            killed.join(", ")
+        );
+    }
+    // Keep-alive requests on a connection whose pod had just exited (an
+    // `exit-on-term` pod ends at SIGTERM and its open connections die with it).
+    let mut exited: Vec<String> = records
+        .iter()
+        .filter_map(|x| x.conn_pod.as_ref())
+        .filter(|p| {
+            r.events.iter().any(|e| {
+                matches!(e.kind, EventKind::PodExited | EventKind::PodKilled)
+                    && e.pod.as_ref() == Some(*p)
+                    && e.t_ms >= start_ms - 3000.0 * r.time_scale
+                    && e.t_ms <= end_ms + 1000.0 * r.time_scale
+            })
+        })
+        .cloned()
+        .collect();
+    exited.sort();
+    exited.dedup();
+    if !exited.is_empty() {
+        return format!(
+            "keep-alive connections to {} failed when that pod's process ended (at SIGTERM or SIGKILL) with the connections still open: the application closed no connection before exiting",
+            exited.join(", ")
+        );
+    }
+    let kinds: Vec<&str> = records.iter().map(|r| r.outcome.as_str()).collect();
+    format!(
+        "no cause found in the timeline ({}); possibly machine noise",
+        kinds.first().copied().unwrap_or("?")
+    )
 }
 
 /// Whether an EndpointSlice change between `since` (the pod's termination) and `t_ms`
