@@ -47,6 +47,28 @@ pub(crate) fn check_daemons(daemons: &mut [Kproxyd]) -> Result<(), LabError> {
     Ok(())
 }
 
+/// Polls `step` every `period` until it says done; fails on its error, or after
+/// `limit` naming `what`.
+pub(crate) async fn poll(
+    what: &str,
+    limit: Duration,
+    period: Duration,
+    mut step: impl FnMut() -> Result<bool, LabError>,
+) -> Result<(), LabError> {
+    let start = Instant::now();
+    loop {
+        if step()? {
+            return Ok(());
+        }
+        if start.elapsed() > limit {
+            return Err(LabError::Invalid(format!(
+                "timed out after {limit:?} waiting for {what}"
+            )));
+        }
+        tokio::time::sleep(period).await;
+    }
+}
+
 /// Wait until `cond` holds, checking the daemons; fail after `limit`.
 pub(crate) async fn wait_for(
     what: &str,
@@ -54,19 +76,33 @@ pub(crate) async fn wait_for(
     daemons: &mut [Kproxyd],
     mut cond: impl FnMut() -> bool,
 ) -> Result<(), LabError> {
-    let start = Instant::now();
-    loop {
+    poll(what, limit, Duration::from_millis(20), || {
         if cond() {
-            return Ok(());
+            return Ok(true);
         }
-        check_daemons(daemons)?;
-        if start.elapsed() > limit {
-            return Err(LabError::Invalid(format!(
-                "timed out after {limit:?} waiting for {what}"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        check_daemons(daemons).map(|()| false)
+    })
+    .await
+}
+
+/// Waits for `task` (a rollout, a drain's replacement pods) to end, checking the
+/// daemons meanwhile and calling `beside` at every look (a progress line); the
+/// task's result. `name` names the task if it panicked.
+pub(crate) async fn finish(
+    what: &str,
+    name: &str,
+    limit: Duration,
+    daemons: &mut [Kproxyd],
+    task: tokio::task::JoinHandle<Result<(), LabError>>,
+    mut beside: impl FnMut(),
+) -> Result<(), LabError> {
+    wait_for(what, limit, daemons, || {
+        beside();
+        task.is_finished()
+    })
+    .await?;
+    task.await
+        .map_err(|e| LabError::Invalid(format!("{name} task: {e}")))?
 }
 
 /// The run's scratch directory (manifests, kproxy logs, kube-proxy's configuration);

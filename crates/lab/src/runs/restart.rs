@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime};
 use crate::LabError;
 use crate::report::held::{Phase, RestartReport, failures};
 use crate::runs::held::HeldLab;
-use crate::runs::{Progress, on_lab_runtime, wait_for};
+use crate::runs::{Progress, finish, on_lab_runtime, wait_for};
 use crate::spec::rollout::RolloutConfig;
 use crate::spec::run::Disturbance;
 use crate::world::kproxyd::{self, Kproxyd};
@@ -70,13 +70,15 @@ async fn run_async(
     let c2 = cluster.clone();
     let limit = lab.limit;
     let initial = tokio::spawn(async move { c2.rollout(1, limit).await });
-    wait_for("the pods to become ready", limit, &mut daemons, || {
-        initial.is_finished()
-    })
+    finish(
+        "the pods to become ready",
+        "rollout",
+        limit,
+        &mut daemons,
+        initial,
+        || {},
+    )
     .await?;
-    initial
-        .await
-        .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
     wait_for(
         "the load balancer to see every node healthy",
         limit,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::spawn_rollout;
 use crate::LabError;
-use crate::runs::{Progress, wait_for};
+use crate::runs::{Progress, finish, wait_for};
 use crate::spec::run::NodeDrain;
 use crate::world::cluster::Cluster;
 use crate::world::controlplane::ControlPlane;
@@ -110,13 +110,15 @@ pub(super) async fn drain_node(
         "node deleted: kproxy stopped, link cut, Node object removed",
     );
     progress(&format!("{tag} {name} deleted"));
-    wait_for("the replacement pods", limit, daemons, || {
-        replace.is_finished()
-    })
+    finish(
+        "the replacement pods",
+        "replacement",
+        limit,
+        daemons,
+        replace,
+        || {},
+    )
     .await?;
-    replace
-        .await
-        .map_err(|e| LabError::Invalid(format!("replacement task: {e}")))??;
     wait_for(
         "the load balancer to take the deleted node out",
         limit,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::LabError;
 use crate::report::RunResult;
-use crate::runs::{Progress, Workdir, check_daemons, on_lab_runtime, wait_for};
+use crate::runs::{Progress, Workdir, check_daemons, finish, on_lab_runtime, wait_for};
 use crate::spec::balancer::HealthCheck;
 use crate::spec::rollout::RolloutConfig;
 use crate::spec::run::{Behaviour, Chaos, ControlPlaneKind, RunOptions};
@@ -401,16 +401,15 @@ impl Phase<'_> {
         daemons: &mut [Kproxyd],
     ) -> Result<(), LabError> {
         let initial = spawn_rollout(cluster, self.real, 1, self.step_limit);
-        wait_for(
+        finish(
             "the initial pods to become ready",
+            "rollout",
             self.step_limit,
             daemons,
-            || initial.is_finished(),
+            initial,
+            || {},
         )
         .await?;
-        initial
-            .await
-            .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
         wait_for(
             "the load balancer to see the nodes healthy",
             self.step_limit,
@@ -481,7 +480,7 @@ impl Phase<'_> {
             .await?;
         }
         let mut last_line = Instant::now();
-        wait_for("the rolling update", limit, daemons, || {
+        let progress_line = || {
             if last_line.elapsed() > Duration::from_secs(2) {
                 last_line = Instant::now();
                 let (sent, failed) = load.counts();
@@ -495,12 +494,16 @@ impl Phase<'_> {
                     cfg.deployment.replicas
                 ));
             }
-            rollout.is_finished()
-        })
+        };
+        finish(
+            "the rolling update",
+            "rollout",
+            limit,
+            daemons,
+            rollout,
+            progress_line,
+        )
         .await?;
-        rollout
-            .await
-            .map_err(|e| LabError::Invalid(format!("rollout task: {e}")))??;
         let end_ms = self.clock.now_ms();
         rec.record(
             EventKind::RolloutDone,

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::LabError;
 use crate::report::held::{Phase, TakeoverPhase, TakeoverReport, failures};
 use crate::runs::held::HeldLab;
-use crate::runs::{Progress, on_lab_runtime};
+use crate::runs::{Progress, on_lab_runtime, poll};
 use crate::spec::rollout::RolloutConfig;
 use crate::spec::run::Disturbance;
 use crate::spec::service::PROXY_HEALTHZ_PORT;
@@ -83,19 +83,11 @@ async fn wait(
     min_pool: &mut usize,
     mut cond: impl FnMut() -> bool,
 ) -> Result<(), LabError> {
-    let start = Instant::now();
-    loop {
+    poll(what, limit, Duration::from_millis(50), || {
         *min_pool = (*min_pool).min(lb.healthy().iter().filter(|h| **h).count());
-        if cond() {
-            return Ok(());
-        }
-        if start.elapsed() > limit {
-            return Err(LabError::Invalid(format!(
-                "timed out after {limit:?} waiting for {what}"
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        Ok(cond())
+    })
+    .await
 }
 
 async fn hold_for(hold: Duration, lb: &LoadBalancer, min_pool: &mut usize) {
