@@ -47,6 +47,14 @@ pub(crate) fn check_daemons(daemons: &mut [Kproxyd]) -> Result<(), LabError> {
     Ok(())
 }
 
+/// Runs `f`, a blocking call (a process signalled and waited for, `ip` or `nft` run),
+/// from a task of the lab's runtime without stalling its other tasks (the kubelets'
+/// probes, the control plane's publisher): the runtime hands them to another thread
+/// while `f` runs. Only on the lab's runtime (multi-thread, [`on_lab_runtime`]).
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
 /// Polls `step` every `period` until it says done; fails on its error, or after
 /// `limit` naming `what`.
 pub(crate) async fn poll(
@@ -136,5 +144,52 @@ impl Drop for Workdir {
         if !self.keep.get() {
             let _ = std::fs::remove_dir_all(&self.path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both of the lab runtime's workers inside blocking calls that wait for a task of
+    /// the same runtime: the task still runs (without `blocking` it would wait behind
+    /// them, and each call would give up empty-handed).
+    #[test]
+    fn blocking_calls_leave_the_runtime_running() {
+        let got = on_lab_runtime(async {
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
+            let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+            let waiters: Vec<_> = (0..2)
+                .map(|_| {
+                    let (rx, started_tx) = (rx.clone(), started_tx.clone());
+                    tokio::spawn(async move {
+                        let _ = started_tx.send(());
+                        blocking(|| {
+                            let rx = rx.lock().expect("receiver lock");
+                            // A bound so that a stalled runtime fails the test rather
+                            // than hanging it.
+                            rx.recv_timeout(Duration::from_secs(20)).is_ok()
+                        })
+                    })
+                })
+                .collect();
+            for _ in 0..2 {
+                started.recv().await;
+            }
+            let sender = tokio::spawn(async move {
+                for _ in 0..2 {
+                    let _ = tx.send(());
+                }
+            });
+            let mut got = Vec::new();
+            for w in waiters {
+                got.push(w.await.expect("waiter"));
+            }
+            sender.await.expect("sender");
+            Ok(got)
+        })
+        .unwrap();
+        assert_eq!(got, vec![true, true]);
     }
 }

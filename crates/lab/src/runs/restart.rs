@@ -19,7 +19,7 @@ use std::time::{Duration, SystemTime};
 use crate::LabError;
 use crate::report::held::{Phase, RestartReport, failures};
 use crate::runs::held::HeldLab;
-use crate::runs::{Progress, finish, on_lab_runtime, wait_for};
+use crate::runs::{Progress, blocking, finish, on_lab_runtime, wait_for};
 use crate::spec::rollout::RolloutConfig;
 use crate::spec::run::Disturbance;
 use crate::world::kproxyd::{self, Kproxyd};
@@ -110,7 +110,7 @@ async fn run_async(
     loads.stop_into(&mut phases);
     for d in daemons.iter_mut() {
         d.check_alive()?;
-        d.stop();
+        blocking(|| d.stop());
     }
     lb.stop();
     cluster.shutdown().await;
@@ -134,9 +134,9 @@ async fn disturb(
     let d = &mut daemons[0];
     match dist {
         Disturbance::None => return Ok(None),
-        Disturbance::Sigterm => d.restart()?,
-        Disturbance::Sigkill => d.kill_and_start()?,
-        Disturbance::Upgrade => d.replace(next)?,
+        Disturbance::Sigterm => blocking(|| d.restart())?,
+        Disturbance::Sigkill => blocking(|| d.kill_and_start())?,
+        Disturbance::Upgrade => blocking(|| d.replace(next))?,
     }
     let log = d.event_log.clone();
     let mut synced = None;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::LabError;
-use crate::runs::Progress;
+use crate::runs::{Progress, blocking};
 use crate::spec::run::{API_OUTAGE_S, Chaos, chaos_str};
 use crate::world::fabric::Fabric;
 use crate::world::k8s::RealControlPlane;
@@ -28,7 +28,7 @@ pub(super) async fn disturb(
     match chaos {
         Chaos::FlushRuleset => {
             if let Some(node) = fabric.nodes.first() {
-                node.ns.exec("nft", &["flush", "ruleset"])?;
+                blocking(|| node.ns.exec("nft", &["flush", "ruleset"]))?;
                 rec.record(
                     EventKind::RulesetFlushed,
                     Some(&node.name),
@@ -40,7 +40,7 @@ pub(super) async fn disturb(
         }
         Chaos::RestartKproxy => {
             for d in daemons.iter_mut() {
-                d.restart()?;
+                blocking(|| d.restart())?;
                 rec.record(
                     EventKind::KproxyRestarted,
                     Some(&d.node),
@@ -52,7 +52,7 @@ pub(super) async fn disturb(
         }
         Chaos::KillKproxy => {
             if let Some(d) = daemons.first_mut() {
-                d.kill_and_start()?;
+                blocking(|| d.kill_and_start())?;
                 rec.record(
                     EventKind::KproxyKilled,
                     Some(&d.node),
@@ -110,8 +110,7 @@ pub(super) async fn disturb(
                 // stale and leaves terminations unpublished while its other controllers
                 // go on (docs/lab.md, "Chaos cells").
                 let kcm = LabProcess::find(&real.lab, "kube-controller-manager")?;
-                server.kill()?;
-                kcm.kill()?;
+                blocking(|| server.kill().and_then(|()| kcm.kill()))?;
                 rec.record(
                     EventKind::ApiServerDown,
                     None,

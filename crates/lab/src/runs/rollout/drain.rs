@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::spawn_rollout;
 use crate::LabError;
-use crate::runs::{Progress, finish, wait_for};
+use crate::runs::{Progress, blocking, finish, wait_for};
 use crate::spec::run::NodeDrain;
 use crate::world::cluster::Cluster;
 use crate::world::controlplane::ControlPlane;
@@ -99,9 +99,9 @@ pub(super) async fn drain_node(
     tokio::time::sleep(clock.real(d.delete_after_s)).await;
     // The cloud instance goes: kube-proxy stops with it and nothing reaches the node.
     if let Some(k) = daemons.iter_mut().find(|k| k.node == name) {
-        k.stop();
+        blocking(|| k.stop());
     }
-    net.ns.ip(&["link", "set", "eth0", "down"])?;
+    blocking(|| net.ns.ip(&["link", "set", "eth0", "down"]))?;
     write_node_change(emulated, real, d.node, true).await?;
     rec.record(
         EventKind::NodeDeleted,

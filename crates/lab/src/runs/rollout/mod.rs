@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::LabError;
 use crate::report::RunResult;
-use crate::runs::{Progress, Workdir, check_daemons, finish, on_lab_runtime, wait_for};
+use crate::runs::{Progress, Workdir, blocking, check_daemons, finish, on_lab_runtime, wait_for};
 use crate::spec::balancer::HealthCheck;
 use crate::spec::rollout::RolloutConfig;
 use crate::spec::run::{Behaviour, Chaos, ControlPlaneKind, RunOptions};
@@ -133,7 +133,7 @@ async fn run_async(
         .under_load(hc, api, emulated.as_ref(), &mut daemons)
         .await;
     for d in daemons.iter_mut() {
-        d.stop();
+        blocking(|| d.stop());
         d.import_events(&rec, wall_start);
     }
     if let Some(r) = &real

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::LabError;
 use crate::report::held::{Phase, TakeoverPhase, TakeoverReport, failures};
 use crate::runs::held::HeldLab;
-use crate::runs::{Progress, on_lab_runtime, poll};
+use crate::runs::{Progress, blocking, on_lab_runtime, poll};
 use crate::spec::rollout::RolloutConfig;
 use crate::spec::run::Disturbance;
 use crate::spec::service::PROXY_HEALTHZ_PORT;
@@ -155,7 +155,7 @@ async fn run_async(
     } = handover;
     loads.stop_into(&mut phases.windows);
     for d in daemons.iter_mut().flatten() {
-        d.stop();
+        blocking(|| d.stop());
     }
     drop(kube_proxies);
     lb.stop();
@@ -347,7 +347,7 @@ impl Handover<'_> {
         let start = self.lab.clock.now_ms();
         let mut pool = usize::MAX;
         if let Some(mut k) = self.kube_proxies[i].take() {
-            tokio::task::block_in_place(|| k.stop());
+            blocking(|| k.stop());
         }
         let wall = SystemTime::now();
         let d = Kproxyd::start_from(
@@ -367,15 +367,13 @@ impl Handover<'_> {
             &mut pool,
             || {
                 kproxyd::synced_after(&log, wall)
-                    && tokio::task::block_in_place(|| {
-                        kube_proxy_objects(node).is_ok_and(|l| l.is_empty())
-                    })
+                    && blocking(|| kube_proxy_objects(node).is_ok_and(|l| l.is_empty()))
             },
         )
         .await?;
         hold_for(self.hold, self.lb, &mut pool).await;
         (self.progress)(&format!("{}: taken over", node.name));
-        let left = tokio::task::block_in_place(|| left_or_error(kube_proxy_objects(node)));
+        let left = blocking(|| left_or_error(kube_proxy_objects(node)));
         self.phases.push(
             format!("takeover {}", node.name),
             start,
@@ -393,7 +391,7 @@ impl Handover<'_> {
         let start = self.lab.clock.now_ms();
         let mut pool = usize::MAX;
         if let Some(mut d) = self.daemons[i].take() {
-            d.stop();
+            blocking(|| d.stop());
         }
         self.kube_proxies[i] =
             Some(
@@ -406,7 +404,7 @@ impl Handover<'_> {
             Duration::from_secs(60),
             self.lb,
             &mut pool,
-            || tokio::task::block_in_place(|| kube_proxy_programmed(node, mode)),
+            || blocking(|| kube_proxy_programmed(node, mode)),
         )
         .await?;
         let out = tokio::process::Command::new("ip")
@@ -432,7 +430,7 @@ impl Handover<'_> {
         }
         hold_for(self.hold, self.lb, &mut pool).await;
         (self.progress)(&format!("{}: back to kube-proxy", node.name));
-        let left = tokio::task::block_in_place(|| left_or_error(kproxy_tables(node)));
+        let left = blocking(|| left_or_error(kproxy_tables(node)));
         self.phases.push(
             format!("back {}", node.name),
             start,
