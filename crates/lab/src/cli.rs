@@ -8,11 +8,11 @@ use anyhow::{Context, bail};
 
 use crate::report::{self, RunResult};
 use crate::runs::{matrix, restart, rollout, takeover};
-use crate::spec::balancer::{HealthCheck, LbMode, LbPreset};
-use crate::spec::matrix::{Selection, Setting};
-use crate::spec::rollout::RolloutConfig;
-use crate::spec::run::{Behaviour, Chaos, ControlPlaneKind, chaos_str};
-use crate::spec::workload::PodProfile;
+use crate::scenario::balancer::{HealthCheck, LbMode, LbPreset};
+use crate::scenario::matrix::{Selection, Setting};
+use crate::scenario::rollout::RolloutConfig;
+use crate::scenario::run::{Behaviour, Chaos, ControlPlaneKind, chaos_str};
+use crate::scenario::workload::PodProfile;
 use crate::world::netns;
 
 #[derive(clap::Args, Debug)]
@@ -423,7 +423,7 @@ fn held_run(a: &HeldRunArgs) -> anyhow::Result<(RolloutConfig, PathBuf)> {
     let cfg = RolloutConfig {
         nodes,
         time_scale,
-        deployment: crate::spec::workload::DeploymentSpec {
+        deployment: crate::scenario::workload::DeploymentSpec {
             replicas: nodes as u32,
             ..RolloutConfig::default().deployment
         },
@@ -494,7 +494,7 @@ fn write_report(path: &std::path::Path, page: &str) -> anyhow::Result<PathBuf> {
 }
 
 fn fabric_max_nodes() -> usize {
-    crate::spec::rollout::MAX_NODES
+    crate::scenario::rollout::MAX_NODES
 }
 
 fn need_root(what: &str) -> anyhow::Result<()> {
@@ -680,7 +680,7 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
                 {
                     anyhow::bail!("--chaos {} needs --control-plane k8s-lab", chaos_str(chaos));
                 }
-                let opts = crate::spec::run::RunOptions {
+                let opts = crate::scenario::run::RunOptions {
                     control_plane: *cp,
                     chaos: a.chaos,
                     ..Default::default()

@@ -4,7 +4,7 @@
 //!
 //! Four rooms, imported in one direction only (a room imports the rooms above it in
 //! this list, never one below):
-//! - `spec`: the scenario's vocabulary (the lab Service, the Deployment, the load
+//! - `scenario`: the scenario's vocabulary (the lab Service, the Deployment, the load
 //!   balancer, the load, a rollout's configuration, the matrix's cells). Data and
 //!   pure functions.
 //! - `world`: what a run builds and drives (network, nodes, pods, control planes,
@@ -21,7 +21,7 @@
 pub mod cli;
 pub mod report;
 pub mod runs;
-pub mod spec;
+pub mod scenario;
 pub mod world;
 
 #[derive(Debug, thiserror::Error)]

@@ -8,10 +8,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kproxy_lab::spec::balancer::{HealthCheck, LbMode};
-use kproxy_lab::spec::load::LoadSpec;
-use kproxy_lab::spec::service::VIP;
-use kproxy_lab::spec::workload::PodProfile;
+use kproxy_lab::scenario::balancer::{HealthCheck, LbMode};
+use kproxy_lab::scenario::load::LoadSpec;
+use kproxy_lab::scenario::service::VIP;
+use kproxy_lab::scenario::workload::PodProfile;
 use kproxy_lab::world::fabric::{self, Fabric};
 use kproxy_lab::world::lb::LoadBalancer;
 use kproxy_lab::world::loadgen::{LoadGenerator, Outcome};

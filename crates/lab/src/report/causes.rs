@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use super::{RunResult, nominal};
-use crate::spec::run::Behaviour;
+use crate::scenario::run::Behaviour;
 use crate::world::loadgen::RequestRecord;
 use crate::world::timeline::EventKind;
 

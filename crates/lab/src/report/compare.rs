@@ -13,7 +13,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::report::RunResult;
-use crate::spec::run::ControlPlaneKind;
+use crate::scenario::run::ControlPlaneKind;
 use crate::world::timeline::EventKind;
 
 /// One moment of a rollout, named so that both control planes produce the same
@@ -258,11 +258,11 @@ mod tests {
     fn run(plane: ControlPlaneKind, events: Vec<(f64, EventKind, &str, &str, &str)>) -> RunResult {
         RunResult {
             control_plane: plane,
-            behaviour: crate::spec::run::Behaviour::Kproxy,
+            behaviour: crate::scenario::run::Behaviour::Kproxy,
             run: 0,
             time_scale: 0.1,
             nodes: vec!["node-1".into(), "node-2".into()],
-            health_check: crate::spec::balancer::LbPreset::Gke
+            health_check: crate::scenario::balancer::LbPreset::Gke
                 .health_check()
                 .expect("gke"),
             records: vec![],

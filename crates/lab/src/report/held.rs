@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::spec::run::Disturbance;
+use crate::scenario::run::Disturbance;
 use crate::world::loadgen::{ConnKind, RequestRecord};
 
 /// Where a load enters.

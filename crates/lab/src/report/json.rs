@@ -4,7 +4,7 @@ use serde_json::{Value, json};
 
 use super::{RunResult, nominal, summarize};
 use crate::report::compare;
-use crate::spec::rollout::RolloutConfig;
+use crate::scenario::rollout::RolloutConfig;
 
 /// The JSON document: `{"runs": [{"behaviour", "sent", "ok", "failed", ...}], "html"}`.
 /// Times (`*_s`) are nominal seconds since the run started, as in the text report.

@@ -9,11 +9,11 @@ use serde::Serialize;
 
 use super::{RunResult, Summary};
 use crate::LabError;
-use crate::spec::balancer::LbPreset;
-use crate::spec::matrix::{Cell, Setting, lb_registration_s, preset_str, profile_str};
-use crate::spec::rollout::RolloutConfig;
-use crate::spec::run::Behaviour;
-use crate::spec::workload::PodProfile;
+use crate::scenario::balancer::LbPreset;
+use crate::scenario::matrix::{Cell, Setting, lb_registration_s, preset_str, profile_str};
+use crate::scenario::rollout::RolloutConfig;
+use crate::scenario::run::Behaviour;
+use crate::scenario::workload::PodProfile;
 
 /// The Deployment, Service and PodDisruptionBudget a user would apply for `cfg`
 /// (one YAML stream); what `kproxy lint` reads for the cell. `etp_local`: the
@@ -358,7 +358,7 @@ pub fn render_text(cells: &[CellResult]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::matrix::{ALL_PRESETS, ALL_PROFILES, Selection, config_for, node_drain};
+    use crate::scenario::matrix::{ALL_PRESETS, ALL_PROFILES, Selection, config_for, node_drain};
 
     fn cell(profile: PodProfile, setting: Setting, preset: LbPreset) -> Cell {
         Cell {

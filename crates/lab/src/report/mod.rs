@@ -13,8 +13,8 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::spec::balancer::HealthCheck;
-use crate::spec::run::{Behaviour, ControlPlaneKind, NodeDrain};
+use crate::scenario::balancer::HealthCheck;
+use crate::scenario::run::{Behaviour, ControlPlaneKind, NodeDrain};
 use crate::world::loadgen::{Outcome, RequestRecord};
 use crate::world::timeline::{Event, EventKind};
 use causes::explain_burst;

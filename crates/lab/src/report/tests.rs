@@ -37,12 +37,14 @@ fn bursts_split_on_gaps() {
 /// 300 ms real) and `events`.
 fn three_nodes(events: Vec<Event>, records: Vec<RequestRecord>) -> RunResult {
     RunResult {
-        control_plane: crate::spec::run::ControlPlaneKind::Emulated,
-        behaviour: crate::spec::run::Behaviour::Kproxy,
+        control_plane: crate::scenario::run::ControlPlaneKind::Emulated,
+        behaviour: crate::scenario::run::Behaviour::Kproxy,
         run: 0,
         time_scale: 0.1,
         nodes: vec!["node-1".into(), "node-2".into(), "node-3".into()],
-        health_check: crate::spec::balancer::LbPreset::Gke.health_check().unwrap(),
+        health_check: crate::scenario::balancer::LbPreset::Gke
+            .health_check()
+            .unwrap(),
         records,
         events,
         load_start_ms: 0.0,
@@ -143,17 +145,19 @@ fn longest_outage_ends_at_a_success() {
 #[test]
 fn keep_alive_failures_after_a_pod_exit_are_explained() {
     use crate::report::RunResult;
-    use crate::spec::run::Behaviour;
+    use crate::scenario::run::Behaviour;
     let mut failed = rec(1000.0, Outcome::Reset);
     failed.conn = ConnKind::KeepAlive;
     failed.conn_pod = Some("web-r1-1".into());
     let r = RunResult {
-        control_plane: crate::spec::run::ControlPlaneKind::Emulated,
+        control_plane: crate::scenario::run::ControlPlaneKind::Emulated,
         behaviour: Behaviour::Kproxy,
         run: 0,
         time_scale: 0.1,
         nodes: vec!["node-1".into()],
-        health_check: crate::spec::balancer::LbPreset::Gke.health_check().unwrap(),
+        health_check: crate::scenario::balancer::LbPreset::Gke
+            .health_check()
+            .unwrap(),
         records: vec![rec(0.0, Outcome::Ok), failed.clone()],
         events: vec![
             Event {
@@ -197,7 +201,7 @@ fn keep_alive_failures_after_a_pod_exit_are_explained() {
 #[test]
 fn drain_bursts_name_the_deleted_node_and_the_health_story() {
     use crate::report::RunResult;
-    use crate::spec::run::{Behaviour, NodeDrain};
+    use crate::scenario::run::{Behaviour, NodeDrain};
     let ev = |t_ms: f64, kind: EventKind, node: Option<&str>, detail: &str| Event {
         t_ms,
         kind,
@@ -212,12 +216,14 @@ fn drain_bursts_name_the_deleted_node_and_the_health_story() {
     let all = "new connections to node-1, node-2, node-3";
     let without = "new connections to node-1, node-3";
     let run = |events: Vec<Event>| RunResult {
-        control_plane: crate::spec::run::ControlPlaneKind::Emulated,
+        control_plane: crate::scenario::run::ControlPlaneKind::Emulated,
         behaviour: Behaviour::Pre126,
         run: 0,
         time_scale: 0.1,
         nodes: vec!["node-1".into(), "node-2".into(), "node-3".into()],
-        health_check: crate::spec::balancer::LbPreset::Gke.health_check().unwrap(),
+        health_check: crate::scenario::balancer::LbPreset::Gke
+            .health_check()
+            .unwrap(),
         records: vec![kept.clone(), new.clone()],
         events,
         load_start_ms: 0.0,
@@ -286,7 +292,7 @@ fn drain_bursts_name_the_deleted_node_and_the_health_story() {
 #[test]
 fn unpublished_terminations_and_flushes_are_named() {
     use crate::report::RunResult;
-    use crate::spec::run::Behaviour;
+    use crate::scenario::run::Behaviour;
     let ev =
         |t_ms: f64, kind: EventKind, node: Option<&str>, pod: Option<&str>, detail: &str| Event {
             t_ms,
@@ -297,12 +303,14 @@ fn unpublished_terminations_and_flushes_are_named() {
         };
     let new = rec(1500.0, Outcome::Timeout);
     let run = |events: Vec<Event>| RunResult {
-        control_plane: crate::spec::run::ControlPlaneKind::K8sLab,
+        control_plane: crate::scenario::run::ControlPlaneKind::K8sLab,
         behaviour: Behaviour::Kproxy,
         run: 0,
         time_scale: 0.1,
         nodes: vec!["node-1".into(), "node-2".into()],
-        health_check: crate::spec::balancer::LbPreset::Gke.health_check().unwrap(),
+        health_check: crate::scenario::balancer::LbPreset::Gke
+            .health_check()
+            .unwrap(),
         records: vec![new.clone()],
         events,
         load_start_ms: 0.0,

@@ -1,4 +1,4 @@
-//! Running the scenario matrix: every selected cell (`spec::matrix`) one real rollout
+//! Running the scenario matrix: every selected cell (`scenario::matrix`) one real rollout
 //! after the other, each judged beside lint's verdict (`report::matrix`) as it ends.
 
 use std::path::Path;
@@ -7,9 +7,9 @@ use crate::LabError;
 use crate::report::RunResult;
 use crate::report::matrix::{CellResult, cell_result, judge_against_recommended, lint_cell};
 use crate::runs::{Progress, rollout};
-use crate::spec::matrix::{Selection, Setting, config_for, node_drain};
-use crate::spec::rollout::RolloutConfig;
-use crate::spec::run::{Chaos, ControlPlaneKind, RunOptions};
+use crate::scenario::matrix::{Selection, Setting, config_for, node_drain};
+use crate::scenario::rollout::RolloutConfig;
+use crate::scenario::run::{Chaos, ControlPlaneKind, RunOptions};
 
 /// Run every selected cell, one after the other. `on_cell` sees each result as it
 /// comes (progress lines, partial reports); the runs are returned for plots.

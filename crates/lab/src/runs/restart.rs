@@ -20,8 +20,8 @@ use crate::LabError;
 use crate::report::held::{Phase, RestartReport, failures};
 use crate::runs::held::HeldLab;
 use crate::runs::{Progress, blocking, finish, on_lab_runtime, wait_for};
-use crate::spec::rollout::RolloutConfig;
-use crate::spec::run::Disturbance;
+use crate::scenario::rollout::RolloutConfig;
+use crate::scenario::run::Disturbance;
 use crate::world::kproxyd::{self, Kproxyd};
 
 /// Runs the scenario with `cfg`'s cluster and load (its rollout settings unused),

@@ -8,10 +8,10 @@
 use serde::Serialize;
 
 use crate::LabError;
-use crate::spec::balancer::{HealthCheck, LbPreset};
-use crate::spec::rollout::RolloutConfig;
-use crate::spec::run::{Behaviour, Chaos, NodeDrain};
-use crate::spec::workload::PodProfile;
+use crate::scenario::balancer::{HealthCheck, LbPreset};
+use crate::scenario::rollout::RolloutConfig;
+use crate::scenario::run::{Behaviour, Chaos, NodeDrain};
+use crate::scenario::workload::PodProfile;
 
 /// Seed 2's settings, each a deviation from the recommended one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, clap::ValueEnum)]

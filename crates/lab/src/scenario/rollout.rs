@@ -5,9 +5,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::LabError;
-use crate::spec::balancer::{HealthCheck, LbMode, LbPreset};
-use crate::spec::load::LoadSpec;
-use crate::spec::workload::{DeploymentSpec, PodProfile, PodTemplate, ReadinessProbe};
+use crate::scenario::balancer::{HealthCheck, LbMode, LbPreset};
+use crate::scenario::load::LoadSpec;
+use crate::scenario::workload::{DeploymentSpec, PodProfile, PodTemplate, ReadinessProbe};
 
 /// The most nodes a lab cluster has: the address plan gives each node one address in
 /// 10.200.0.0/24 and a /24 of pod addresses (10.244.N.0/24).

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use crate::LabError;
-use crate::spec::workload::{DeploymentSpec, PodTemplate};
+use crate::scenario::workload::{DeploymentSpec, PodTemplate};
 use crate::world::controlplane::{ControlPlane, PodRecord};
 use crate::world::fabric::{Fabric, PodNet};
 use crate::world::pod::{PodServer, PodSignal};

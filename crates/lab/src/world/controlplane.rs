@@ -13,8 +13,8 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::LabError;
-use crate::spec::rollout::RolloutConfig;
-use crate::spec::service::{
+use crate::scenario::rollout::RolloutConfig;
+use crate::scenario::service::{
     SERVICE_NAME, SERVICE_NAMESPACE, TAINT_TO_BE_DELETED, lab_service, lab_service_status,
 };
 use crate::world::fabric;
@@ -148,7 +148,7 @@ pub fn render_manifests(
             "annotations": annotations
         },
         "addressType": "IPv4",
-        "ports": [{"name": "http", "protocol": "TCP", "port": crate::spec::service::POD_PORT}],
+        "ports": [{"name": "http", "protocol": "TCP", "port": crate::scenario::service::POD_PORT}],
         "endpoints": endpoints
     }));
     json!({"apiVersion": "v1", "kind": "List", "items": items})

@@ -17,7 +17,7 @@ use std::net::Ipv4Addr;
 use std::sync::Mutex;
 
 use crate::LabError;
-use crate::spec::rollout::MAX_NODES;
+use crate::scenario::rollout::MAX_NODES;
 use crate::world::netns::{self, Netns};
 
 pub const LB_FABRIC_IP: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 254);

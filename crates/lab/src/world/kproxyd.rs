@@ -81,7 +81,11 @@ impl Kproxyd {
         };
         argv.push(flag.into());
         argv.push(path.into());
-        let hz = format!("{}:{}", node.ip, crate::spec::service::PROXY_HEALTHZ_PORT);
+        let hz = format!(
+            "{}:{}",
+            node.ip,
+            crate::scenario::service::PROXY_HEALTHZ_PORT
+        );
         for a in [
             "--hostname-override",
             &node.name,

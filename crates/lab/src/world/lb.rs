@@ -24,8 +24,8 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::LabError;
-use crate::spec::balancer::{HealthCheck, LbMode};
-use crate::spec::service::VIP;
+use crate::scenario::balancer::{HealthCheck, LbMode};
+use crate::scenario::service::VIP;
 use crate::world::fabric::{self, Fabric};
 use crate::world::netns;
 use crate::world::timeline::{EventKind, Recorder};
@@ -103,7 +103,7 @@ impl LoadBalancer {
         hc: HealthCheck,
         recorder: Recorder,
     ) -> Result<LoadBalancer, LabError> {
-        use crate::spec::service::{HEALTH_CHECK_NODE_PORT, NODE_PORT, SERVICE_PORT};
+        use crate::scenario::service::{HEALTH_CHECK_NODE_PORT, NODE_PORT, SERVICE_PORT};
         LoadBalancer::start(
             fabric,
             mode,

@@ -6,7 +6,7 @@
 //! the load generator (`loadgen`), and the run's clock and event timeline
 //! (`timeline`).
 //!
-//! Each part takes its settings in the words of `spec` and records what happens on the
+//! Each part takes its settings in the words of `scenario` and records what happens on the
 //! timeline; none of them knows which run drives it.
 
 pub mod cluster;

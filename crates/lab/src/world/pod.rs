@@ -26,8 +26,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::LabError;
-use crate::spec::service::POD_PORT;
-use crate::spec::workload::PodProfile;
+use crate::scenario::service::POD_PORT;
+use crate::scenario::workload::PodProfile;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PodSignal {

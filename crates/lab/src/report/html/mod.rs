@@ -206,8 +206,8 @@ pub fn matrix_table(cells: &[CellResult]) -> String {
             "<tr class=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} / {} / {}×{} / {}</td><td>{:.0} / {:.0} / {:.0}</td><td class=\"num\">{}</td><td class=\"num {}\"><a href=\"#run-{i}\">{}</a></td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td class=\"cause\">{}</td></tr>",
             verdict_class(c),
             esc(c.cell.setting.as_str()),
-            esc(crate::spec::matrix::profile_str(c.cell.profile)),
-            esc(crate::spec::matrix::preset_str(c.cell.preset)),
+            esc(crate::scenario::matrix::profile_str(c.cell.profile)),
+            esc(crate::scenario::matrix::preset_str(c.cell.preset)),
             esc(c.cell.behaviour.as_str()),
             st.pre_stop_s,
             st.grace_s,
@@ -385,12 +385,14 @@ mod tests {
             conn_pod: None,
         };
         RunResult {
-            control_plane: crate::spec::run::ControlPlaneKind::Emulated,
-            behaviour: crate::spec::run::Behaviour::Kproxy,
+            control_plane: crate::scenario::run::ControlPlaneKind::Emulated,
+            behaviour: crate::scenario::run::Behaviour::Kproxy,
             run: 0,
             time_scale: 0.1,
             nodes: vec!["node-1".into(), "node-2".into()],
-            health_check: crate::spec::balancer::LbPreset::Gke.health_check().unwrap(),
+            health_check: crate::scenario::balancer::LbPreset::Gke
+                .health_check()
+                .unwrap(),
             records: vec![failed],
             events,
             load_start_ms: 0.0,

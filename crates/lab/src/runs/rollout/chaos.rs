@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::LabError;
 use crate::runs::{Progress, blocking};
-use crate::spec::run::{API_OUTAGE_S, Chaos, chaos_str};
+use crate::scenario::run::{API_OUTAGE_S, Chaos, chaos_str};
 use crate::world::fabric::Fabric;
 use crate::world::k8s::RealControlPlane;
 use crate::world::k8s::deployment::get_deployment;

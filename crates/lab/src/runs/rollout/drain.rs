@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::spawn_rollout;
 use crate::LabError;
 use crate::runs::{Progress, blocking, finish, wait_for};
-use crate::spec::run::NodeDrain;
+use crate::scenario::run::NodeDrain;
 use crate::world::cluster::Cluster;
 use crate::world::controlplane::ControlPlane;
 use crate::world::fabric::Fabric;

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::LabError;
 use crate::report::RunResult;
 use crate::runs::{Progress, Workdir, blocking, check_daemons, finish, on_lab_runtime, wait_for};
-use crate::spec::balancer::HealthCheck;
-use crate::spec::rollout::RolloutConfig;
-use crate::spec::run::{Behaviour, Chaos, ControlPlaneKind, RunOptions};
-use crate::spec::service::{
+use crate::scenario::balancer::HealthCheck;
+use crate::scenario::rollout::RolloutConfig;
+use crate::scenario::run::{Behaviour, Chaos, ControlPlaneKind, RunOptions};
+use crate::scenario::service::{
     HEALTH_CHECK_NODE_PORT, NODE_PORT, PROXY_HEALTHZ_PORT, SERVICE_PORT, VIP,
 };
 use crate::world::cluster::{Cluster, PodApi};

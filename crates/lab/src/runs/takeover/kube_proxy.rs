@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 
 use super::recorded;
 use crate::LabError;
-use crate::spec::service::{CLUSTER_IP, PROXY_HEALTHZ_PORT, SERVICE_PORT};
+use crate::scenario::service::{CLUSTER_IP, PROXY_HEALTHZ_PORT, SERVICE_PORT};
 use crate::world::fabric::NodeNet;
 use crate::world::k8s::{K8sLab, RealControlPlane};
 use crate::world::kproxyd::KproxySource;

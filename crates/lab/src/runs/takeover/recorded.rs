@@ -22,7 +22,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::LabError;
-use crate::spec::service::{HEALTH_CHECK_NODE_PORT, PROXY_HEALTHZ_PORT};
+use crate::scenario::service::{HEALTH_CHECK_NODE_PORT, PROXY_HEALTHZ_PORT};
 use crate::world::fabric::NodeNet;
 use crate::world::netns::{enter_netns_by_name, run_cmd_input};
 

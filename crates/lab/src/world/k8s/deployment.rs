@@ -9,8 +9,8 @@ use serde_json::{Value, json};
 
 use super::{FIELD_MANAGER, api_err};
 use crate::LabError;
-use crate::spec::service::{POD_PORT, SERVICE_NAME, SERVICE_NAMESPACE};
-use crate::spec::workload::{DeploymentSpec, PodTemplate};
+use crate::scenario::service::{POD_PORT, SERVICE_NAME, SERVICE_NAMESPACE};
+use crate::scenario::workload::{DeploymentSpec, PodTemplate};
 
 /// The pod template annotation naming the lab revision (copied onto every pod).
 pub const REVISION_ANNOTATION: &str = "kproxy-lab/revision";
@@ -128,7 +128,7 @@ mod tests {
             min_ready_seconds: 5.0,
             one_pod_per_node: true,
         };
-        let t = crate::spec::rollout::RolloutConfig::default().pod;
+        let t = crate::scenario::rollout::RolloutConfig::default().pod;
         let v = deployment_object(&d, &t, 2, 0.1);
         assert_eq!(v["spec"]["strategy"]["rollingUpdate"]["maxSurge"], 1);
         assert_eq!(v["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0);

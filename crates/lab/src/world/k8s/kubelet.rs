@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 
 use super::deployment::REVISION_ANNOTATION;
 use super::{Steady, now_rfc3339};
-use crate::spec::service::SERVICE_NAMESPACE;
+use crate::scenario::service::SERVICE_NAMESPACE;
 use crate::world::cluster::{Cluster, PodApi, PodRuntime};
 use crate::world::fabric;
 use crate::world::timeline::{EventKind, Recorder};

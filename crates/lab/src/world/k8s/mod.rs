@@ -39,7 +39,7 @@ use kube::runtime::watcher;
 use serde_json::{Value, json};
 
 use crate::LabError;
-use crate::spec::service::{SERVICE_NAME, SERVICE_NAMESPACE};
+use crate::scenario::service::{SERVICE_NAME, SERVICE_NAMESPACE};
 use crate::world::cluster::Cluster;
 use crate::world::fabric;
 use crate::world::timeline::{Clock, EventKind, Recorder};

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 
 use super::{FIELD_MANAGER, api_err, now_rfc3339};
 use crate::LabError;
-use crate::spec::service::{
+use crate::scenario::service::{
     SERVICE_NAME, SERVICE_NAMESPACE, TAINT_TO_BE_DELETED, lab_service, lab_service_status,
 };
 use crate::world::fabric;
