@@ -26,7 +26,7 @@ fn room_of(rel: &Path) -> Option<usize> {
     ROOMS.iter().position(|r| *r == name)
 }
 
-/// `text` without its comments (line and block), so a doc that names a room above
+/// `text` without its comments (line and block), so a doc that names a room after its own
 /// is no import.
 fn code_of(text: &str) -> String {
     let mut out = String::new();
