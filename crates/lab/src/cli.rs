@@ -10,9 +10,9 @@ use crate::report::{self, RunResult};
 use crate::runs::{matrix, restart, rollout, takeover};
 use crate::scenario::balancer::{HealthCheck, LbMode, LbPreset};
 use crate::scenario::matrix::{Selection, Setting};
-use crate::scenario::rollout::RolloutConfig;
+use crate::scenario::rollout::{MAX_NODES, RolloutConfig};
 use crate::scenario::run::{Behaviour, Chaos, ControlPlaneKind, chaos_str};
-use crate::scenario::workload::PodProfile;
+use crate::scenario::workload::{DeploymentSpec, PodProfile};
 use crate::world::netns;
 
 #[derive(clap::Args, Debug)]
@@ -414,8 +414,8 @@ fn held_run(a: &HeldRunArgs) -> anyhow::Result<(RolloutConfig, PathBuf)> {
         ref kproxy,
         ..
     } = *a;
-    if !(1..=fabric_max_nodes()).contains(&nodes) {
-        bail!("--nodes must be 1..={}", fabric_max_nodes());
+    if !(1..=MAX_NODES).contains(&nodes) {
+        bail!("--nodes must be 1..={MAX_NODES}");
     }
     if !(hold_seconds.is_finite() && (0.5..=600.0).contains(&hold_seconds)) {
         bail!("--hold-seconds must be 0.5..=600");
@@ -423,7 +423,7 @@ fn held_run(a: &HeldRunArgs) -> anyhow::Result<(RolloutConfig, PathBuf)> {
     let cfg = RolloutConfig {
         nodes,
         time_scale,
-        deployment: crate::scenario::workload::DeploymentSpec {
+        deployment: DeploymentSpec {
             replicas: nodes as u32,
             ..RolloutConfig::default().deployment
         },
@@ -491,10 +491,6 @@ fn write_report(path: &std::path::Path, page: &str) -> anyhow::Result<PathBuf> {
     }
     std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
     Ok(std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()))
-}
-
-fn fabric_max_nodes() -> usize {
-    crate::scenario::rollout::MAX_NODES
 }
 
 fn need_root(what: &str) -> anyhow::Result<()> {

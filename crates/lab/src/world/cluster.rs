@@ -6,9 +6,9 @@
 //! All periods are nominal seconds, turned into real time by the run's clock.
 //!
 //! What the kubelet reports goes through [`PodApi`]: the embedded control plane
-//! ([`ControlPlane`]) or the real API server (`k8s::PodStatusWriter`). With the real
+//! ([`ControlPlane`]) or the real API server (`k8s::kubelet::PodStatusWriter`). With the real
 //! control plane the Deployment controller is kube-controller-manager's and this
-//! module only schedules and runs the pods it creates (`k8s::Agent` drives
+//! module only schedules and runs the pods it creates (`k8s::kubelet::Agent` drives
 //! [`Cluster::start_pod`] and [`Cluster::kubelet_delete`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};

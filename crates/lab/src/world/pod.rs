@@ -2,7 +2,7 @@
 //! entered the pod's network namespace (so its sockets live there) with its own
 //! current-thread runtime, answering every request with the pod's name.
 //!
-//! The server obeys the signals the kubelet emulation sends (see `kubelet`):
+//! The server obeys the signals the kubelet emulation sends (see `cluster`):
 //! - SIGTERM, by profile:
 //!   - `graceful`: stops accepting new connections, finishes in-flight requests,
 //!     answers the next request on each keep-alive connection with

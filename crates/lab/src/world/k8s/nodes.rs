@@ -107,7 +107,7 @@ pub(super) async fn beat(
 }
 
 /// Create the lab's Nodes (Ready) and the Service (with the load balancer's
-/// address in its status), as `controlplane::render_manifests` describes them.
+/// address in its status), as `world::controlplane::render_manifests` describes them.
 pub async fn prepare(
     client: &kube::Client,
     nodes: usize,
