@@ -288,9 +288,16 @@ impl FamilyRecord {
             SetRef::MasqIpsNonlocal,
             SetRef::MasqNodeports,
         ];
+        let etp_local = ruleset::EtpLocal::KINDS.into_iter().flat_map(|k| {
+            [false, true].map(|local| SetRef::EtpLocal {
+                nodeport: k.nodeport,
+                local,
+            })
+        });
         let dispatch = self.dispatch.keys().map(|d| SetRef::Map(*d));
         fixed
             .into_iter()
+            .chain(etp_local)
             .chain(dispatch)
             .filter_map(|set| Some((set, self.decl(set)?)))
             .collect()
@@ -1111,7 +1118,7 @@ mod tests {
     /// The nft text written into a pipe piece by piece is the text rendered whole.
     #[test]
     fn streamed_text_is_the_whole_text() {
-        let state = synthetic::cluster(&Spec::new(1000, 4));
+        let state = synthetic::cluster(&Spec::new(1500, 4));
         let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
         let cfg = DataplaneConfig::default();
         let recs = IpFamily::ALL.map(|f| FamilyRecord::full(&plan, &cfg, f));

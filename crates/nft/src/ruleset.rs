@@ -314,6 +314,12 @@ pub enum SetRef {
     MasqIps,
     MasqIpsNonlocal,
     MasqNodeports,
+    /// A map of the shared eTP=Local dispatch ([`EtpLocal`]): `nodeport` for the
+    /// NodePort kind's, `local` for the Local endpoint set's (else the Cluster set's).
+    EtpLocal {
+        nodeport: bool,
+        local: bool,
+    },
     /// A dispatch group's map.
     Map(Dispatch),
 }
@@ -326,6 +332,10 @@ impl SetRef {
             SetRef::MasqIps => "masq-ips",
             SetRef::MasqIpsNonlocal => "masq-ips-nonlocal",
             SetRef::MasqNodeports => "masq-nodeports",
+            SetRef::EtpLocal { nodeport, local } => EtpLocal {
+                nodeport: *nodeport,
+            }
+            .map(*local),
             SetRef::Map(d) => return Cow::Owned(d.map()),
         })
     }
@@ -346,6 +356,9 @@ pub struct Frontend {
     key: Tuple,
     vmap: SetRef,
     verdict: crate::model::Verdict,
+    /// A frontend of the shared eTP=Local dispatch ([`EtpLocal`]): its elements of the
+    /// Cluster set's map and of the Local set's, in that order.
+    etp_local: Option<Box<[crate::model::Verdict; 2]>>,
     masq: Option<SetRef>,
     /// Each dispatch map and where its rows end in `rows`.
     maps: Box<[(SetRef, u32)]>,
@@ -425,13 +438,15 @@ impl FrontendValue<'_> {
 impl Frontend {
     /// A frontend keyed `key` (`nodeport`: a NodePort's `proto . port`, else an
     /// address's `addr . proto . port`) whose verdict-map element `vmap` says
-    /// `verdict`, with a masquerade-set entry in `masq` and, per dispatch map, the
-    /// endpoints of its rows in order.
+    /// `verdict`, with the elements of the shared eTP=Local maps `etp_local`, a
+    /// masquerade-set entry in `masq` and, per dispatch map, the endpoints of its rows
+    /// in order.
     fn new(
         nodeport: bool,
         key: Tuple,
         vmap: SetRef,
         verdict: crate::model::Verdict,
+        etp_local: Option<[crate::model::Verdict; 2]>,
         masq: Option<SetRef>,
         maps: Vec<(SetRef, &[EndpointAddr])>,
     ) -> Arc<Frontend> {
@@ -449,6 +464,7 @@ impl Frontend {
             key,
             vmap,
             verdict,
+            etp_local: etp_local.map(Box::new),
             masq,
             maps: ends.into_boxed_slice(),
             rows: rows.into_boxed_slice(),
@@ -465,12 +481,20 @@ impl Frontend {
         &self.key
     }
 
-    /// `(set, key, value)` of each element: the verdict, the masquerade entry, the rows.
+    /// `(set, key, value)` of each element: the verdict, the eTP=Local maps' (Cluster,
+    /// Local), the masquerade entry, the rows.
     pub fn elements(&self) -> impl Iterator<Item = (SetRef, Key<'_>, FrontendValue<'_>)> {
         let base = &self.key;
         let key = move |row| Key { base, row };
         let verdict =
             std::iter::once((self.vmap, key(None), FrontendValue::Verdict(&self.verdict)));
+        let nodeport = self.vmap == SetRef::ServiceNodeports;
+        let etp_local = self.etp_local.iter().flat_map(move |vs| {
+            vs.iter().zip([false, true]).map(move |(v, local)| {
+                let set = SetRef::EtpLocal { nodeport, local };
+                (set, key(None), FrontendValue::Verdict(v))
+            })
+        });
         let masq = self.masq.map(|m| (m, key(None), FrontendValue::None));
         let mut start = 0usize;
         let rows = self.maps.iter().flat_map(move |&(map, end)| {
@@ -480,7 +504,7 @@ impl Frontend {
                 .zip(0u32..)
                 .map(move |(&(ip, port), i)| (map, key(Some(i)), FrontendValue::Endpoint(ip, port)))
         });
-        verdict.chain(masq).chain(rows)
+        verdict.chain(etp_local).chain(masq).chain(rows)
     }
 
     /// The frontend's elements of the sets that exist (`decl` says which; `None` leaves
@@ -489,7 +513,7 @@ impl Frontend {
         &self,
         decl: impl Fn(SetRef) -> Option<&'d SetDecl>,
     ) -> Vec<(SetRef, crate::model::Elem)> {
-        let mut out = Vec::with_capacity(self.rows.len() + 2);
+        let mut out = Vec::with_capacity(self.rows.len() + 4);
         let mut run: Option<(SetRef, bool)> = None;
         for (set, key, value) in self.elements() {
             let exists = match run {
@@ -589,6 +613,103 @@ impl Dispatch {
                 }])],
             },
         )
+    }
+}
+
+/// The shared dispatch of the regular eTP=Local shape (upstream-semantics.md §c.2):
+/// local pods (as they are) and this node (masqueraded) go to the Cluster endpoint set,
+/// everyone else to the Local set, each side `drop` while its set is empty. One per
+/// family and kind (`nodeport`: NodePorts, keyed `l4proto . dport`; else external and
+/// LB IPs, keyed `daddr . l4proto . dport`), in the base table: the chain
+/// `etp-local[-np]` tells the sources apart, and looks the frontend up in two verdict
+/// maps, `etp-local[-np]-cluster` (frontend → `goto disp-c-N` | `drop`) and
+/// `etp-local[-np]-local` (frontend → `goto disp-l-M` | `drop`). The Cluster map is
+/// bound by the one rule of the chain `etp-local[-np]-short` (both the local-pod and
+/// the node rule go there), so each map has exactly one binding, as a dispatch map has.
+/// A frontend of this shape is its `service-ips`/`service-nodeports` element (`goto
+/// etp-local[-np]`) and one element in each map: a change of its local endpoint count
+/// re-points elements and moves dispatch rows, with no chain or rule of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EtpLocal {
+    pub nodeport: bool,
+}
+
+impl EtpLocal {
+    /// Both kinds.
+    pub const KINDS: [EtpLocal; 2] = [EtpLocal { nodeport: false }, EtpLocal { nodeport: true }];
+
+    /// The chain a frontend's verdict-map element goes to.
+    pub fn chain(self) -> &'static str {
+        if self.nodeport {
+            "etp-local-np"
+        } else {
+            "etp-local"
+        }
+    }
+
+    /// The chain of local pods' and this node's traffic: its one rule binds the
+    /// Cluster map.
+    pub fn short_circuit(self) -> &'static str {
+        if self.nodeport {
+            "etp-local-np-short"
+        } else {
+            "etp-local-short"
+        }
+    }
+
+    /// The verdict map of the Local endpoint set (`local`) or of the Cluster set.
+    pub fn map(self, local: bool) -> &'static str {
+        match (self.nodeport, local) {
+            (false, false) => "etp-local-cluster",
+            (false, true) => "etp-local-local",
+            (true, false) => "etp-local-np-cluster",
+            (true, true) => "etp-local-np-local",
+        }
+    }
+
+    /// Declares both maps and both chains in `rs`. The local-pod rule is there when
+    /// the family has a detector (a frontend takes this dispatch only when its rules
+    /// have the local-pod rule exactly then: `PortCtx::etp_local`).
+    fn declare(self, rs: &mut Table, f: &Fam, local_pods: &LocalPods, mark: u32) {
+        let (key, fields) = if self.nodeport {
+            (
+                vec![Sel::L4proto, Sel::Dport],
+                vec![Field::InetProto, Field::InetService],
+            )
+        } else {
+            (
+                f.frontend_key(),
+                vec![f.addr, Field::InetProto, Field::InetService],
+            )
+        };
+        for (local, comment) in [
+            (
+                false,
+                "eTP=Local frontends: local pods and this node to the Cluster set",
+            ),
+            (true, "eTP=Local frontends: everyone else to the Local set"),
+        ] {
+            let decl = SetDecl::map(fields.clone(), SetData::Verdict).with_comment(comment);
+            rs.sets.insert(self.map(local).into(), Set::new(decl));
+        }
+        let vmap = |local: bool| Expr::Vmap {
+            sel: key.clone(),
+            map: self.map(local).into(),
+        };
+        let short = goto(self.short_circuit());
+        let mut rules: Vec<Rule> = source_match(SourceClass::LocalPod, f, local_pods)
+            .map(|m| rule(&m, [short.clone()]))
+            .into_iter()
+            .collect();
+        let this_node = source_match(SourceClass::ThisNode, f, local_pods).unwrap_or_default();
+        rules.push(rule(&this_node, [Expr::MarkOr(mark), short]));
+        rules.push(Rule::new(vec![vmap(true)]));
+        let chain = |rules| Chain { hook: None, rules };
+        rs.chains.insert(self.chain().into(), chain(rules));
+        rs.chains.insert(
+            self.short_circuit().into(),
+            chain(vec![Rule::new(vec![vmap(false)])]),
+        );
     }
 }
 
@@ -814,6 +935,10 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
         );
     }
 
+    for kind in EtpLocal::KINDS {
+        kind.declare(&mut rs, &f, &fp.local_pods, mark);
+    }
+
     if let LocalPods::Cidrs(cidrs) = &fp.local_pods {
         let c: Vec<Atom> = cidrs
             .iter()
@@ -941,6 +1066,13 @@ enum Direct {
     Drop,
     Reject,
     Forward(EndpointSet, Masq),
+    /// Through the shared eTP=Local dispatch ([`EtpLocal`]): whether local pods and
+    /// the node go to the Cluster set (else `drop`), whether everyone else goes to the
+    /// Local set (else `drop`).
+    EtpLocal {
+        cluster: bool,
+        local: bool,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -968,9 +1100,13 @@ impl PortCtx<'_> {
     }
 
     /// The regular shapes the planner produces for most frontends, which need no
-    /// per-Service chain: one rule for every source, or "local pods as they are,
-    /// everyone else masqueraded" to one endpoint set. `None`: a chain of its own.
+    /// per-Service chain: one rule for every source, "local pods as they are,
+    /// everyone else masqueraded" to one endpoint set, or the eTP=Local shape
+    /// ([`PortCtx::etp_local`]). `None`: a chain of its own.
     fn classify(&self, rules: &[TrafficRule], nodeport: bool) -> Option<Direct> {
+        if let Some(d) = self.etp_local(rules) {
+            return Some(d);
+        }
         let live = self.live(rules);
         let nonempty = |s: EndpointSet| !self.sp.endpoints_for(s).is_empty();
         match live.as_slice() {
@@ -1009,6 +1145,43 @@ impl PortCtx<'_> {
             }
             _ => None,
         }
+    }
+
+    /// The eTP=Local shape of the shared dispatch ([`EtpLocal`]): `[local pods →
+    /// Cluster set as they are,] this node → Cluster set masqueraded, everyone else →
+    /// Local set as they are`, a side whose set is empty `drop` (the planner's
+    /// none-verdict while endpoints exist elsewhere). The local-pod rule must be there
+    /// exactly when the family's shared chain has one (a detector of this family);
+    /// anything else keeps a chain of its own.
+    fn etp_local(&self, rules: &[TrafficRule]) -> Option<Direct> {
+        let detector = source_match(SourceClass::LocalPod, self.f, self.local_pods).is_some();
+        let (pod, node, any) = match rules {
+            [p, n, a] if detector && p.from == SourceClass::LocalPod => (Some(p), n, a),
+            [n, a] if !detector => (None, n, a),
+            _ => return None,
+        };
+        if node.from != SourceClass::ThisNode || any.from != SourceClass::Any {
+            return None;
+        }
+        // Whether a rule forwards to `set` with `masquerade` (`Some(false)`: drops).
+        let forwards = |r: &TrafficRule, set: EndpointSet, masquerade: bool| match r.verdict {
+            Verdict::Drop => Some(false),
+            Verdict::Forward {
+                endpoints,
+                masquerade: m,
+            } if endpoints == set && m == masquerade && !self.sp.endpoints_for(set).is_empty() => {
+                Some(true)
+            }
+            _ => None,
+        };
+        let cluster = forwards(node, EndpointSet::Cluster, true)?;
+        if let Some(p) = pod
+            && forwards(p, EndpointSet::Cluster, false)? != cluster
+        {
+            return None;
+        }
+        let local = forwards(any, EndpointSet::Local, false)?;
+        Some(Direct::EtpLocal { cluster, local })
     }
 
     fn dispatch(&self, set: EndpointSet, nodeport: bool) -> Dispatch {
@@ -1052,7 +1225,23 @@ impl PortCtx<'_> {
         };
         let mut sets: Vec<EndpointSet> = Vec::new();
         let mut masq = Masq::Never;
+        let mut etp_local = None;
         let value = match direct {
+            Some(Direct::EtpLocal { cluster, local }) => {
+                let mut to = |forward: bool, set: EndpointSet| {
+                    if forward {
+                        sets.push(set);
+                        crate::model::Verdict::Goto(self.dispatch(set, nodeport).chain().into())
+                    } else {
+                        crate::model::Verdict::Drop
+                    }
+                };
+                etp_local = Some([
+                    to(cluster, EndpointSet::Cluster),
+                    to(local, EndpointSet::Local),
+                ]);
+                crate::model::Verdict::Goto(EtpLocal { nodeport }.chain().into())
+            }
             Some(Direct::Drop) => crate::model::Verdict::Drop,
             Some(Direct::Reject) => crate::model::Verdict::Goto(self.reject_target().into()),
             Some(Direct::Forward(set, m)) => {
@@ -1124,7 +1313,15 @@ impl PortCtx<'_> {
                     (map, self.sp.endpoints_for(*set))
                 })
                 .collect();
-            let fe = Frontend::new(nodeport, key, vmap, value.clone(), masq_set, maps);
+            let fe = Frontend::new(
+                nodeport,
+                key,
+                vmap,
+                value.clone(),
+                etp_local.clone(),
+                masq_set,
+                maps,
+            );
             frag.frontends.push(fe);
         }
     }
@@ -1196,6 +1393,7 @@ fn add_affinity_port(
                 key,
                 vmap,
                 verdict,
+                None,
                 None,
                 Vec::new(),
             ));

@@ -569,6 +569,61 @@ fn plain(endpoints: [u8; 4], dual_stack: bool) -> SvcSpec {
     }
 }
 
+/// An eTP=Local LoadBalancer Service (external IP, LB IP, NodePort; TCP and UDP) whose
+/// local endpoints on node-a go 1 → 2 → 0 → 1, beside Services that keep every
+/// dispatch group it moves between in use (so no group is created or deleted).
+fn etp_local_steps() -> Vec<Vec<SvcSpec>> {
+    let lb = |endpoints: [u8; 4]| SvcSpec {
+        kind: 2,
+        etp_local: true,
+        ..plain(endpoints, false)
+    };
+    // Local (node-a) endpoints are pods 0 and 1.
+    let holders = [lb([1, 1, 1, 1]), lb([1, 0, 1, 1]), lb([0, 0, 1, 1])];
+    [[1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1], [1, 0, 1, 1]]
+        .into_iter()
+        .map(|eps| std::iter::once(lb(eps)).chain(holders.clone()).collect())
+        .collect()
+}
+
+/// A change of an eTP=Local Service's local endpoint count is element-only: its
+/// frontends go through the shared eTP=Local dispatch (`ruleset::EtpLocal`), whose
+/// maps' elements are re-pointed, so no chain, rule or set of its own changes (before,
+/// its own `ext-…`/`np-…` chains named the dispatch groups in their rules). Without
+/// the kernel: the record's delta of each step.
+#[test]
+fn an_etp_local_service_s_local_endpoint_count_changes_are_element_only() {
+    let dp_cfg = DataplaneConfig::default();
+    let mut cluster = Moving::new("node-a", &config());
+    let steps = etp_local_steps();
+    let (plan, _) = cluster.step(&manifest(&steps[0]));
+    let mut recs = IpFamily::ALL.map(|f| FamilyRecord::full(plan, &dp_cfg, f));
+    for (n, specs) in steps.iter().enumerate().skip(1) {
+        let (plan, update) = cluster.step(&manifest(specs));
+        assert_eq!(update.services.len(), 1, "step {n}: {update:?}");
+        let tx = kproxy_nft::delta(&mut recs, plan, &update, &dp_cfg)
+            .unwrap()
+            .expect("a delta");
+        let structural: Vec<_> = tx
+            .ops
+            .iter()
+            .filter(|op| !matches!(op, Op::AddElements { .. } | Op::DeleteElements { .. }))
+            .map(Op::object)
+            .collect();
+        assert!(structural.is_empty(), "step {n}: {structural:?}");
+        // The re-pointed element of the Local set's map (its NodePort's too).
+        for map in ["etp-local-local", "etp-local-np-local"] {
+            assert!(
+                tx.ops.iter().any(|op| op.object().2 == Some(map)),
+                "step {n}: {map} untouched: {:?}",
+                tx.ops
+            );
+        }
+        let fresh = kproxy_nft::desired(plan, &dp_cfg);
+        assert_eq!(recs[0].assemble(), fresh[0], "step {n}: the record");
+    }
+}
+
 /// Deltas that only add and delete elements (endpoints replaced, failing over to
 /// serving-terminating ones, a port losing all endpoints and getting them back) go out
 /// as nfnetlink batches, not `nft` scripts, and leave exactly what a full sync would —

@@ -365,6 +365,96 @@ fn endpoint_count_changes_move_dispatch_groups_and_every_endpoint_answers() {
     assert_no_mismatches();
 }
 
+/// An eTP=Local Service's local endpoints on this node going 1 → 2 → 0 → 1, beside
+/// Services that hold every dispatch group it moves between: each step is one
+/// nfnetlink batch of elements (no chain, rule or set changes: its frontends go through
+/// the shared eTP=Local dispatch), and real packets meet each step's rules — outside
+/// clients reach the local endpoints only (dropped while there are none), this node
+/// and local pods reach every endpoint (the node masqueraded), as `trace` predicts.
+#[test]
+fn etp_local_endpoint_count_changes_are_element_only_and_packets_follow() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
+    let f = Fabric::new();
+    let cfg = config();
+    let (a, b, r) = (
+        ("a", "node-a", READY),
+        ("b", "node-a", READY),
+        ("r", "node-b", READY),
+    );
+    // Holders of the dispatch groups of every step: (Cluster, Local) counts (3, 2),
+    // (2, 1), (1, 0).
+    let mut holders = String::new();
+    for (i, eps) in [[a, b, r].as_slice(), &[a, r], &[r]].iter().enumerate() {
+        let svc = manifest(&Svc {
+            etp: "Local",
+            itp: "Cluster",
+            endpoints: eps,
+            extra: "",
+        });
+        let svc = svc.strip_prefix(NODE).expect("the node first");
+        holders += &svc
+            .replace("name: web", &format!("name: hold{i}"))
+            .replace("service-name: web", &format!("service-name: hold{i}"))
+            .replace("10.96.0.10", &format!("10.96.0.{}", 20 + i))
+            .replace("203.0.113.50", &format!("203.0.113.{}", 60 + i))
+            .replace("203.0.113.10", &format!("203.0.113.{}", 70 + i))
+            .replace("30080", &format!("{}", 31000 + i))
+            .replace("30053", &format!("{}", 31100 + i));
+    }
+    let steps: [&[(&str, &str, Cond)]; 4] = [&[a, r], &[a, b, r], &[r], &[a, r]];
+    for (n, eps) in steps.iter().enumerate() {
+        let svc = manifest(&Svc {
+            etp: "Local",
+            itp: "Cluster",
+            endpoints: eps,
+            extra: "",
+        });
+        let plan = plan_from_yaml(&(svc + &holders), "node-a", &cfg);
+        let rep = f.sync(&plan);
+        if n == 0 {
+            assert!(rep.full, "{rep:?}");
+        } else {
+            let c = &rep.changes;
+            assert!(
+                !rep.full
+                    && rep.script_bytes == 0
+                    && rep.netlink_bytes > 0
+                    && c.chains_added + c.chains_changed + c.chains_deleted == 0
+                    && c.sets_added + c.sets_deleted == 0,
+                "step {n}: not element-only: {rep:?}"
+            );
+        }
+        let dp = f.dp.clone();
+        let v = f
+            .node
+            .run(move || dp.lock().expect("dp").verify().expect("verify"));
+        assert!(v.differences.is_empty(), "step {n}: {:?}", v.differences);
+        let local: Vec<&str> = eps
+            .iter()
+            .filter(|e| e.1 == "node-a")
+            .map(|e| e.0)
+            .collect();
+        let all: Vec<&str> = eps.iter().map(|e| e.0).collect();
+        for (from, dst, port, proto, want) in [
+            (From::Client, "203.0.113.10", 80, Protocol::TCP, &local),
+            (From::Client, "203.0.113.50", 53, Protocol::UDP, &local),
+            (From::Client, NODE_ADDRS[0], 30080, Protocol::TCP, &local),
+            (From::Node, "203.0.113.10", 80, Protocol::TCP, &all),
+            (From::Pod(1), "203.0.113.50", 80, Protocol::TCP, &all),
+            (From::Pod(0), NODE_ADDRS[0], 30053, Protocol::UDP, &all),
+        ] {
+            let tries = 12 * want.len().max(1);
+            let mut seen = check(&f, &plan, from, dst, port, proto, tries, "etp-local");
+            seen.sort();
+            seen.dedup();
+            assert_eq!(&seen, want, "step {n}: {from:?} -> {dst}:{port}/{proto}");
+        }
+    }
+    assert_no_mismatches();
+}
+
 #[test]
 fn load_balancer_source_ranges() {
     if !kproxy_test_support::root("network namespaces, nftables") {
