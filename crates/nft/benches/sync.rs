@@ -46,6 +46,8 @@ struct Sample {
     /// is its system time).
     own_user: Duration,
     own_sys: Duration,
+    /// The sync added, changed or deleted a chain or a set.
+    structure: bool,
 }
 
 fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan, update: &PlanUpdate) -> Sample {
@@ -56,6 +58,9 @@ fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan, update: &PlanUpdate
     let wall = t.elapsed();
     let (u1, s1) = children_cpu();
     let (ou1, os1) = cpu(nix::sys::resource::UsageWho::RUSAGE_SELF);
+    let c = &r.changes;
+    let structure =
+        c.chains_added + c.chains_changed + c.chains_deleted + c.sets_added + c.sets_deleted > 0;
     Sample {
         wall,
         nft_wall: r.transaction,
@@ -65,6 +70,7 @@ fn measure(dp: &mut Dataplane, plan: &kproxy_core::NodePlan, update: &PlanUpdate
         netlink_bytes: r.netlink_bytes,
         own_user: ou1 - ou0,
         own_sys: os1 - os0,
+        structure,
     }
 }
 
@@ -171,36 +177,51 @@ fn run(services: usize, eps: usize) {
         p50.1.netlink_bytes,
         ms(max.1.wall)
     );
-    // An eTP=Local Service losing its node's only endpoint, then getting it back (what
-    // a rollout does on a node that runs one of its pods): its own chains name its
-    // dispatch groups in their rules, so this is a structural delta through `nft`.
-    // Service 0 is one (`etp_local_every` divides 0) and its endpoint 0 is on node-0.
-    let mut structural = Vec::new();
-    for round in 0..6 {
-        let mut slice = synthetic::slice(&spec, 0, 0);
-        if round % 2 == 0 {
-            slice
+    // An eTP=Local Service's local endpoint count on this node going 1 → 0 → 1 → 2 →
+    // 1 → … (what a rollout does on a node that runs its pods). Service 0 is one
+    // (`etp_local_every` divides 0); its endpoint 0 is on node-0, and "2" moves its
+    // endpoint 1 there too. Its frontends go through the shared eTP=Local dispatch, so
+    // a step re-points map elements; the first step to 2 creates the Local groups of 2
+    // (no Service has two endpoints on node-0), later ones find them idle. Samples with
+    // a chain or set change are counted as "with structure".
+    // `KPROXY_BENCH_LOCAL_ROUNDS=N` takes N steps instead of 12.
+    let rounds: usize = std::env::var("KPROXY_BENCH_LOCAL_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12);
+    let mut local_change = Vec::new();
+    for round in 0..rounds {
+        // Generation 1: endpoints 0 and 1 ready (at 0, endpoint 0 is terminating).
+        let mut slice = synthetic::slice(&spec, 0, 1);
+        let here = slice.endpoints[0].placement.clone();
+        match round % 4 {
+            0 => slice
                 .endpoints
-                .retain(|e| e.placement.node_name.as_deref() != Some("node-0"));
+                .retain(|e| e.placement.node_name.as_deref() != Some("node-0")),
+            2 if slice.endpoints.len() > 1 => slice.endpoints[1].placement = here,
+            _ => {}
         }
         state.upsert_slice(slice);
         let up = planner.update(&mut state);
         if !up.services.is_empty() {
-            structural.push(measure(&mut dp, planner.plan(), &up));
+            local_change.push(measure(&mut dp, planner.plan(), &up));
         }
     }
-    if !structural.is_empty() {
-        structural.sort_by_key(|s| s.wall);
-        let p50 = &structural[structural.len() / 2];
+    if !local_change.is_empty() {
+        local_change.sort_by_key(|s| s.wall);
+        let p50 = &local_change[local_change.len() / 2];
+        let p90 = &local_change[local_change.len() * 9 / 10];
         println!(
-            "{services}x{eps}: an eTP=Local Service's local endpoint gone / back ({} samples, {} by nft): p50 wall {} ms (transaction {} ms, {} B script, {} B netlink), max {} ms",
-            structural.len(),
-            structural.iter().filter(|s| s.bytes > 0).count(),
+            "{services}x{eps}: eTP=Local local endpoint count change 1 → 0 → 1 → 2 → … ({} samples, {} with structure, {} by nft): p50 wall {} ms (transaction {} ms, {} B script, {} B netlink), p90 {} ms, max {} ms",
+            local_change.len(),
+            local_change.iter().filter(|s| s.structure).count(),
+            local_change.iter().filter(|s| s.bytes > 0).count(),
             ms(p50.wall),
             ms(p50.nft_wall),
             p50.bytes,
             p50.netlink_bytes,
-            ms(structural.last().expect("non-empty").wall)
+            ms(p90.wall),
+            ms(local_change.last().expect("non-empty").wall)
         );
     }
     // Restart: a new Dataplane reads the tables back and adopts them,
