@@ -23,11 +23,24 @@
 //!   to `goto disp-…` from the verdict map: no chain or rule of its own. Its masquerade
 //!   is an element of `masq-ips` / `masq-ips-nonlocal` / `masq-nodeports`, which one
 //!   rule each in `services` turns into the masquerade mark before the dispatch;
-//! - an irregular frontend (eTP Local with its local-source short-circuit, LB source
-//!   ranges) gets a chain `svc-…` (cluster IP), `ext-…` (external/LB IPs, source-range
-//!   drop first) or `np-…` (NodePort) whose rules are `<source match> [mark] goto
-//!   disp-…`, `drop` or `goto no-endpoints`; ClientIP-affinity ports keep per-endpoint
-//!   chains with dynamic sets and a `numgen random mod n-i 0` rule per endpoint (rare);
+//! - a frontend whose rules are the eTP=Local shape (local pods as they are and this
+//!   node masqueraded to the Cluster set, everyone else to the Local set, a side `drop`
+//!   while its set is empty) maps to `goto etp-local` (`etp-local-np` for NodePorts):
+//!   one shared chain per family and kind that tells the sources apart and looks the
+//!   frontend up in two verdict maps, `etp-local[-np]-cluster` (→ `goto disp-c-N` |
+//!   `drop`, bound by the one rule of `etp-local[-np]-short`) and
+//!   `etp-local[-np]-local` (→ `goto disp-l-M` | `drop`), each bound by one rule
+//!   ([`EtpLocal`]). So a change of its local endpoint count re-points elements, as a
+//!   regular frontend's does. (iTP=Local shapes are regular already: one endpoint
+//!   set, the Local one, for every source.);
+//! - an irregular frontend (LB source ranges: a drop rule naming the Service's LB IPs
+//!   and allowed sources; a local-pod rule the family's detector cannot express; any
+//!   other shape) gets a chain `svc-…` (cluster IP), `ext-…` (external/LB IPs,
+//!   source-range drop first) or `np-…` (NodePort) whose rules are `<source match>
+//!   [mark] goto disp-…`, `drop` or `goto no-endpoints`, so its endpoint count changes
+//!   its rules; ClientIP-affinity ports keep per-endpoint chains with dynamic sets and a
+//!   `numgen random mod n-i 0` rule per endpoint (rare; the per-endpoint rules are what
+//!   remembers the client);
 //! - frontends with nothing to forward to map to `drop`, or to `goto no-endpoints`
 //!   (`reject`; IPv6 TCP: `no-endpoints-tcp`, a TCP reset);
 //! - hairpin masquerade is one set `hairpin` of `ip . ip` pairs of local endpoints, matched in postrouting
@@ -208,7 +221,7 @@ struct Draft {
 
 /// A Service's own chains and sets, each sorted by name: boxed slices rather than a
 /// `Ruleset`'s maps, as a map node costs several hundred bytes for the one or two
-/// chains most such Services (eTP Local ones) have.
+/// chains most such Services (those with LB source ranges) have.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Own {
     pub sets: Box<[(String, Set)]>,
