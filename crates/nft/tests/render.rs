@@ -106,6 +106,123 @@ fn golden_mixed() {
     insta::assert_snapshot!(render(&plan, &DataplaneConfig::default()));
 }
 
+/// Which eTP=Local frontends take the shared dispatch (`goto etp-local`, NodePorts `goto
+/// etp-local-np`, with their elements in the `etp-local…` maps) and which keep a chain
+/// of their own: LB source ranges keep the LB IP's `ext-…` chain (its drop rule names
+/// the Service's own LB IPs and sources; its NodePort takes the shared chain),
+/// ClientIP affinity keeps per-endpoint chains. No detector: the shared chain has no
+/// local-pod rule, and the frontends take it still. No local endpoint: the Local map
+/// says `drop`; no endpoint at all: `goto no-endpoints`, as any Service.
+#[test]
+fn which_etp_local_frontends_take_the_shared_dispatch() {
+    let service = |extra: &str, endpoints: &str| {
+        format!(
+            "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nspec: {{podCIDRs: [10.244.1.0/24]}}\nstatus: {{addresses: [{{type: InternalIP, address: 10.200.0.1}}]}}\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: ns}}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n{extra}  ports: [{{name: http, port: 80, protocol: TCP, nodePort: 30080}}]\nstatus: {{loadBalancer: {{ingress: [{{ip: 203.0.113.10}}]}}}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, namespace: ns, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\nendpoints: [{endpoints}]\n"
+        )
+    };
+    let (here, there) = (
+        "{addresses: [10.244.1.5], nodeName: node-a}",
+        "{addresses: [10.244.2.5], nodeName: node-b}",
+    );
+    let both = format!("{here}, {there}");
+    let ranges = "  loadBalancerSourceRanges: [198.51.100.0/24]\n";
+    let affinity = "  sessionAffinity: ClientIP\n";
+    let none = LocalDetectorConfig::None;
+    let cidr = LocalDetectorConfig::ClusterCidr(vec!["10.244.0.0/16".parse().unwrap()]);
+    // (case, Service, detector, the LB IP's and the NodePort's verdicts, elements of
+    // the shared maps)
+    let cases: [(&str, String, &LocalDetectorConfig, [&str; 2], &[&str]); 6] = [
+        (
+            "regular",
+            service("", &both),
+            &cidr,
+            ["goto etp-local", "goto etp-local-np"],
+            &[
+                "etp-local-cluster { 203.0.113.10 . tcp . 80 : goto disp-c-2 }",
+                "etp-local-local { 203.0.113.10 . tcp . 80 : goto disp-l-1 }",
+                "etp-local-np-cluster { tcp . 30080 : goto npdisp-c-2 }",
+                "etp-local-np-local { tcp . 30080 : goto npdisp-l-1 }",
+            ],
+        ),
+        (
+            "no detector",
+            service("", &both),
+            &none,
+            ["goto etp-local", "goto etp-local-np"],
+            &["etp-local-local { 203.0.113.10 . tcp . 80 : goto disp-l-1 }"],
+        ),
+        (
+            "no local endpoint",
+            service("", there),
+            &cidr,
+            ["goto etp-local", "goto etp-local-np"],
+            &[
+                "etp-local-cluster { 203.0.113.10 . tcp . 80 : goto disp-c-1 }",
+                "etp-local-local { 203.0.113.10 . tcp . 80 : drop }",
+            ],
+        ),
+        (
+            "no endpoint",
+            service("", ""),
+            &cidr,
+            ["goto no-endpoints", "goto no-endpoints"],
+            &[],
+        ),
+        (
+            "source ranges",
+            service(ranges, &both),
+            &cidr,
+            ["goto ext-", "goto etp-local-np"],
+            &["etp-local-np-local { tcp . 30080 : goto npdisp-l-1 }"],
+        ),
+        (
+            "affinity",
+            service(affinity, &both),
+            &cidr,
+            ["goto ext-", "goto ext-"],
+            &[],
+        ),
+    ];
+    for (case, text, detector, [lb, np], elements) in cases {
+        let cfg = PlanConfig {
+            local_detector: detector.clone(),
+            ..PlanConfig::default()
+        };
+        let plan = plan_from_yaml(&text, "node-a", &cfg);
+        let script = render(&plan, &DataplaneConfig::default());
+        let v4 = script
+            .split("add table ip6")
+            .next()
+            .expect("the ip table first");
+        let element = |set: &str| -> String {
+            let at = v4
+                .find(&format!("add element ip kproxy {set} {{"))
+                .unwrap_or_else(|| panic!("{case}: no {set} elements:\n{v4}"));
+            v4[at..].lines().next().expect("a line").to_string()
+        };
+        let lb_line = element("service-ips");
+        assert!(
+            lb_line.contains(&format!("203.0.113.10 . tcp . 80 : {lb}")),
+            "{case}: {lb_line}"
+        );
+        let np_line = element("service-nodeports");
+        assert!(
+            np_line.contains(&format!("tcp . 30080 : {np}")),
+            "{case}: {np_line}"
+        );
+        for e in elements {
+            assert!(
+                v4.contains(&format!("add element ip kproxy {e}")),
+                "{case}: {e}:\n{v4}"
+            );
+        }
+        let shared = v4.contains("add element ip kproxy etp-local");
+        assert_eq!(shared, !elements.is_empty(), "{case}:\n{v4}");
+        let own = v4.contains("add chain ip kproxy ext-") || v4.contains("add chain ip kproxy np-");
+        assert_eq!(own, lb == "goto ext-", "{case}:\n{v4}");
+    }
+}
+
 #[test]
 fn rendered_scripts_load_into_the_kernel() {
     if !kproxy_test_support::root("network namespaces, nftables") {
