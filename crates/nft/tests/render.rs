@@ -129,9 +129,16 @@ fn which_etp_local_frontends_take_the_shared_dispatch() {
     let affinity = "  sessionAffinity: ClientIP\n";
     let none = LocalDetectorConfig::None;
     let cidr = LocalDetectorConfig::ClusterCidr(vec!["10.244.0.0/16".parse().unwrap()]);
-    // (case, Service, detector, the LB IP's and the NodePort's verdicts, elements of
-    // the shared maps)
-    let cases: [(&str, String, &LocalDetectorConfig, [&str; 2], &[&str]); 6] = [
+    /// (case, Service, detector, the LB IP's and the NodePort's verdicts, elements of
+    /// the shared maps)
+    type Case<'a> = (
+        &'a str,
+        String,
+        &'a LocalDetectorConfig,
+        [&'a str; 2],
+        &'a [&'a str],
+    );
+    let cases: [Case; 6] = [
         (
             "regular",
             service("", &both),
