@@ -183,13 +183,12 @@ fn run(services: usize, eps: usize, rounds: usize) {
             repair.push(ms(repaired - detected));
             total.push(ms(repaired - t0));
             how = format!(
-                "adopted {}, full {}, {} elements added, {} chains changed, {:.2} MB netlink, {:.2} MB script",
+                "adopted {}, full {}, {} elements added, {} chains changed, {:.2} MB netlink",
                 r.adopted,
                 r.full,
                 r.changes.elements_added,
                 r.changes.chains_changed,
-                r.netlink_bytes as f64 / 1e6,
-                r.script_bytes as f64 / 1e6
+                r.netlink_bytes as f64 / 1e6
             );
             let extra = drain(rx, Duration::from_millis(300));
             assert!(

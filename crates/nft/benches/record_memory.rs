@@ -12,14 +12,17 @@
 //! does, and, in the same binary, through the typed tables with their element maps
 //! (`assemble`, then the transaction, then the whole script as one `String`: how it
 //! was done before the records kept element vectors, with today's vectors):
-//! - replacing existing tables: `kproxy_nft::write_full_replacement`, the nft text
-//!   written from the records' text into the pipe (here a sink) in 64 KiB pieces, and
-//!   for comparison the typed transaction (`full_transaction_of`) streamed the same way
-//!   (how it was done before);
-//! - into absent tables: `kproxy_nft::first_sync_into_absent_tables` with sinks (the
-//!   structure's nft text, the elements as nfnetlink transactions of a few thousand
-//!   elements each, typed and encoded piece by piece), and for comparison the creating
-//!   transaction split and its elements encoded as one batch (how it was done before).
+//! - replacing existing tables: `kproxy_nft::dataplane::replacement`, the one
+//!   nfnetlink batch `sync` sends (held whole: a batch goes in one `sendmsg`), its
+//!   elements typed and encoded piece by piece; for comparison the nft text of the same
+//!   transaction (`write_full_replacement`, written into a sink in 64 KiB pieces, how it
+//!   was sent through `nft -f` before) and the typed transaction (`full_transaction_of`)
+//!   streamed the same way;
+//! - into absent tables: `kproxy_nft::first_sync_into_absent_tables` with a sink (the
+//!   structure as one nfnetlink transaction, the elements as transactions of a few
+//!   thousand elements each, typed and encoded piece by piece), and for comparison the
+//!   creating transaction split and its elements encoded as one batch (how it was done
+//!   before).
 
 #[path = "../../core/benches/support/memory.rs"]
 mod memory;
@@ -54,7 +57,12 @@ fn main() {
     let after = rss_kib();
     let (live, peak) = (live() - live_before, peak() - live_before);
 
-    // Replacing existing tables: what `sync` sends, streamed from the records' text.
+    // Replacing existing tables: what `sync` sends, one nfnetlink batch.
+    let (replace_nl, batch_nl) = transient(|| {
+        let (batch, _) = kproxy_nft::dataplane::replacement(&recs).expect("every object encodes");
+        batch.len()
+    });
+    // The same as nft text, streamed from the records' text (how it was sent before).
     let (replace, sent) = transient(|| {
         let sink = kproxy_nft::write_full_replacement(&recs, &mut std::io::sink());
         sink.expect("a sink").0
@@ -76,16 +84,12 @@ fn main() {
     // the hooks), with sinks for nft and the socket.
     let (cold, (batch, pieces)) = transient(|| {
         let mut sent = (0, 0);
-        let load = |tx: &Transaction| {
-            let sink = tx.write_nft_to(&mut std::io::sink());
-            Ok(sink.expect("a sink"))
-        };
         let mut send = |b: kproxy_nft::netlink::Batch| {
             sent.0 += b.len();
             sent.1 += 1;
             Ok(())
         };
-        let done = kproxy_nft::first_sync_into_absent_tables(&recs, &load, &mut send)
+        let done = kproxy_nft::first_sync_into_absent_tables(&recs, &mut send)
             .expect("sinks do not fail, and every element encodes");
         assert_eq!(done.netlink_bytes, sent.0);
         sent
@@ -105,7 +109,8 @@ fn main() {
     println!(
         "record_memory 10000x10: FamilyRecord (both families) live {:.1} MiB (peak while \
          building {:.1} MiB), RSS +{:.1} MiB; full sync transient peak: replacing \
-         {replace:.1} MiB (through the typed transaction: {replace_tx:.1} MiB, through \
+         {replace_nl:.1} MiB (one nfnetlink batch, {:.1} MB; as nft text {replace:.1} MiB, \
+         through the typed transaction: {replace_tx:.1} MiB, through \
          tables and a script String: {replace_old:.1} MiB; \
          script {:.1} MB), into absent tables {cold:.1} MiB ({pieces} nfnetlink \
          transactions, {:.1} MB; as one batch: {cold_one:.1} MiB, through tables: \
@@ -113,6 +118,7 @@ fn main() {
         mib(live),
         mib(peak),
         after.saturating_sub(before) as f64 / 1024.0,
+        batch_nl as f64 / 1e6,
         sent as f64 / 1e6,
         batch as f64 / 1e6,
         batch_one as f64 / 1e6,

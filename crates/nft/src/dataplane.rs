@@ -1,10 +1,11 @@
 //! The imperative shell of the dataplane: [`Dataplane`] holds the record of what is
 //! programmed and runs each sync, repair and verification against the kernel of the
-//! calling thread's network namespace — a delta as one transaction (an nfnetlink batch
-//! when it only changes elements, else `nft -f`), a full sync as an adoption of the
-//! tables found ([`crate::readback`]), a first sync into absent tables
+//! calling thread's network namespace — a delta as one transaction, a full sync as an
+//! adoption of the tables found ([`crate::readback`]), a first sync into absent tables
 //! ([`crate::first_sync`]) or one replacing transaction — then the UDP conntrack
-//! cleanup. Every decision it sends is made by the pure modules below it.
+//! cleanup. Every transaction is an nfnetlink batch on one kept socket
+//! ([`netlink::Writer`]): no `nft` process. Every decision it sends is made by the pure
+//! modules below it.
 
 use std::time::{Duration, Instant};
 
@@ -16,9 +17,9 @@ use crate::error::NftError;
 use crate::first_sync::first_sync_into_absent_tables;
 use crate::model::{self, Table, Transaction};
 use crate::readback::{adopt, compare_named, records_and_adoption};
-use crate::record::{FamilyRecord, changed_services, delta_by, records, write_full_replacement};
+use crate::record::{FamilyRecord, changed_services, delta_by, records};
 use crate::ruleset::DeltaCounts;
-use crate::{conntrack, dump, netlink, nft};
+use crate::{conntrack, dump, netlink};
 
 /// What one sync did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -29,11 +30,7 @@ pub struct SyncReport {
     pub elapsed: Duration,
     /// Wall time of the transactions alone (zero when nothing changed).
     pub transaction: Duration,
-    /// Bytes of nft script sent (zero when nothing changed or the delta went over
-    /// netlink).
-    pub script_bytes: usize,
-    /// Bytes of nfnetlink batches sent: a delta of element changes only, or the
-    /// elements of a first sync into absent tables (zero otherwise).
+    /// Bytes of nfnetlink batches sent (zero when nothing changed).
     pub netlink_bytes: usize,
     pub changes: DeltaCounts,
     pub conntrack_deleted: usize,
@@ -59,10 +56,9 @@ pub struct Dataplane {
     /// What the kernel holds, per family (IPv4, IPv6); `None` until a full sync
     /// succeeded, and again after any failure (forces the next sync to be full).
     programmed: Option<[FamilyRecord; 2]>,
-    /// The netlink socket for element-only deltas, opened at the first one.
+    /// The netlink socket every transaction goes on, opened by [`Dataplane::prepare`]
+    /// or the first sync, and again after a failed one.
     writer: Option<netlink::Writer>,
-    /// Runs `nft` for the rest, going on at the kernel's commit.
-    nft: nft::Runner,
     /// The next full sync replaces the tables instead of adopting them (forced).
     replace_forced: bool,
     /// The UDP frontends of what is programmed, for the conntrack cleanup; moved with
@@ -78,7 +74,6 @@ impl Dataplane {
             cfg,
             programmed: None,
             writer: None,
-            nft: nft::Runner::default(),
             replace_forced: false,
             udp: conntrack::UdpFrontends::default(),
         })
@@ -135,7 +130,7 @@ impl Dataplane {
             Some((recs, tx, names)) => {
                 report.changes = tx.counts;
                 changed = Some(names);
-                (recs, vec![Step::of(tx)])
+                (recs, vec![Step::of(tx)?])
             }
             None => {
                 report.full = true;
@@ -206,26 +201,14 @@ impl Dataplane {
     ) -> Result<(), NftError> {
         let t = Instant::now();
         match step {
-            Step::Nft(tx) if !tx.is_empty() => {
-                report.script_bytes += self.nft.run_transaction(&tx)?;
-            }
             Step::Netlink(batch) if !batch.is_empty() => {
                 report.netlink_bytes += batch.len();
                 self.writer()?.send(batch)?;
             }
             Step::Replace => {
-                let mut counts = model::Counts::default();
-                // Waiting for the exit: a replacement announces megabytes, which the
-                // runner's watch would make the kernel build (with no other listener)
-                // and could not hold, for 10–15 ms of a 1–2 s transaction.
-                report.script_bytes += nft::run(
-                    |w| {
-                        let (n, c) = write_full_replacement(recs, w)?;
-                        counts = c;
-                        Ok(n)
-                    },
-                    None,
-                )?;
+                let (batch, counts) = replacement(recs)?;
+                report.netlink_bytes += batch.len();
+                self.writer()?.send(batch)?;
                 report.changes = counts;
             }
             _ => {}
@@ -272,7 +255,8 @@ impl Dataplane {
                 Some(tx) => {
                     report.adopted = true;
                     report.changes = tx.counts;
-                    match self.send(Step::of(tx), &recs, &mut report) {
+                    let step = Step::of(tx);
+                    match step.and_then(|step| self.send(step, &recs, &mut report)) {
                         Err(e) => self.replace_refused_adoption(&e, &recs, &mut report),
                         ok => ok,
                     }
@@ -313,7 +297,7 @@ impl Dataplane {
             report.full = false;
             report.adopted = true;
             report.changes = tx.counts;
-            return Ok((recs, vec![Step::of(tx)]));
+            return Ok((recs, vec![Step::of(tx)?]));
         }
         if self.tables_absent(&recs) && self.first_sync_phased(&recs, report)? {
             return Ok((recs, Vec::new()));
@@ -342,41 +326,30 @@ impl Dataplane {
             Ok::<_, NftError>(absent && !dump::table_exists(family.nft(), name)?)
         });
         absent.unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "cannot check for kproxy's tables over netlink; full sync by nft -f");
+            tracing::warn!(error = %e, "cannot check for kproxy's tables over netlink; full sync by one replacing transaction");
             false
         })
     }
 
-    /// The first sync into absent tables ([`first_sync_into_absent_tables`]) with `nft
-    /// -f` and this dataplane's netlink socket. `Ok(false)` when an element does not
-    /// encode: the tables then exist, dormant, and a one-transaction replacement must
-    /// follow.
+    /// The first sync into absent tables ([`first_sync_into_absent_tables`]) on this
+    /// dataplane's netlink socket. `Ok(false)` when something does not encode: the
+    /// tables then exist, dormant, and a one-transaction replacement must follow.
     fn first_sync_phased(
         &mut self,
         recs: &[FamilyRecord; 2],
         report: &mut SyncReport,
     ) -> Result<bool, NftError> {
         let t = Instant::now();
-        self.writer()?;
-        let writer = self.writer.as_mut().expect("opened above");
-        // The structure loads on a thread of its own, beside the elements' encoder.
-        let runner = std::sync::Mutex::new(&mut self.nft);
-        let load = |tx: &Transaction| {
-            runner
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .run_transaction(tx)
-        };
-        let done = first_sync_into_absent_tables(recs, &load, &mut |b| writer.send(b));
+        let writer = self.writer()?;
+        let done = first_sync_into_absent_tables(recs, &mut |b| writer.send(b));
         let done = match done {
             Ok(done) => done,
             Err(NftError::Encode(e)) => {
-                tracing::info!(error = %e, "first sync: an element goes by nft; replacing the dormant tables");
+                tracing::info!(error = %e, "first sync: something does not encode; replacing the dormant tables");
                 return Ok(false);
             }
             Err(e) => return Err(e),
         };
-        report.script_bytes += done.script_bytes;
         report.netlink_bytes += done.netlink_bytes;
         report.transaction += t.elapsed();
         report.changes = done.counts;
@@ -433,45 +406,65 @@ impl Dataplane {
 
 /// One transaction of a sync, in the order sent.
 enum Step {
-    Nft(Transaction),
     Netlink(netlink::Batch),
-    /// The records' tables replacing whatever the kernel holds ([`write_full_replacement`]).
+    /// The records' tables replacing whatever the kernel holds ([`replacement`]).
     Replace,
 }
 
 impl Step {
-    /// A delta as one step: over netlink when it changes only elements, chains and
-    /// rules and all of them encode; else (a table or a set declared, an interval
-    /// set's prefix) one `nft -f`. A repair that refills a dispatch chain must not go
-    /// by nft 1.0.6, which refuses a rule on a `typeof` map it did not declare in the
-    /// same batch ("conflicting protocols specified: ip vs. th").
-    fn of(tx: Transaction) -> Step {
-        match netlink::Batch::transaction(&tx) {
-            Ok(b) => Step::Netlink(b),
-            Err(e) => {
-                tracing::debug!(error = %e, "delta goes by nft -f");
-                Step::Nft(tx)
-            }
-        }
+    /// A delta (or an adoption's difference) as one nfnetlink transaction. It fails
+    /// only on what kproxy never writes: a transaction holds the record's objects, and
+    /// what it deletes is named. (Not `nft -f`: nft 1.0.6 refuses a rule on a `typeof`
+    /// map it did not declare in the same batch, "conflicting protocols specified: ip
+    /// vs. th", so a repair refilling a dispatch chain failed through it.)
+    fn of(tx: Transaction) -> Result<Step, NftError> {
+        Ok(Step::Netlink(netlink::Batch::transaction(&tx)?))
     }
 }
 
-/// Removes everything kproxy made (both tables); succeeds when they are absent.
+/// The one transaction that replaces both tables with the records' (each table created
+/// then deleted, so the delete succeeds whether or not it existed, then created with
+/// everything: [`crate::record::full_transaction_of`]), encoded as one nfnetlink batch,
+/// the Services' elements typed and encoded piece by piece
+/// ([`FamilyRecord::element_pieces`]) so they are never held typed all at once. What
+/// it counts beside it.
+pub fn replacement(
+    recs: &[FamilyRecord; 2],
+) -> Result<(netlink::Batch, model::Counts), NftError> {
+    let mut batch = netlink::Batch::default();
+    let mut counts = model::Counts::default();
+    for rec in recs {
+        let (family, name) = rec.table();
+        let mut tx = Transaction::clearing(family, name);
+        tx.extend(Transaction::create(rec.assemble_structure()));
+        counts.add(&tx.counts);
+        batch.extend(&tx)?;
+        counts.elements_added += rec.element_pieces(
+            crate::first_sync::ELEMENTS_PER_PIECE,
+            &mut |piece| batch.extend(&piece),
+        )?;
+    }
+    Ok((batch, counts))
+}
+
+/// Removes everything kproxy made (both tables); succeeds when they are absent. One
+/// nfnetlink transaction.
 pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
     cfg.validate()?;
-    // `add` then `delete` in one transaction: deletes whether or not the table exists.
+    delete_tables(&[
+        (model::Family::Ip, cfg.table.as_str()),
+        (model::Family::Ip6, cfg.table.as_str()),
+    ])
+}
+
+/// Deletes the tables `tables` (family, name) in one nfnetlink transaction, whether or
+/// not they exist (each is added, then deleted, as `nft` would be told `add table`,
+/// `delete table`): `kproxy cleanup`, and the takeover's removal of kube-proxy's
+/// tables. In the calling thread's network namespace.
+pub fn delete_tables(tables: &[(model::Family, &str)]) -> Result<(), NftError> {
     let mut tx = Transaction::default();
-    for family in [model::Family::Ip, model::Family::Ip6] {
-        tx.ops.push(model::Op::AddTable {
-            family,
-            table: cfg.table.clone(),
-            comment: None,
-            dormant: false,
-        });
-        tx.ops.push(model::Op::DeleteTable {
-            family,
-            table: cfg.table.clone(),
-        });
+    for (family, table) in tables {
+        tx.extend(Transaction::clearing(*family, table));
     }
-    nft::run_script(&tx.nft_text())
+    netlink::Writer::open()?.send(netlink::Batch::transaction(&tx)?)
 }

@@ -523,6 +523,30 @@ pub fn table_exists(family: &str, table: &str) -> Result<bool, NftError> {
     )
 }
 
+/// The names of the tables of family `family` (`ip`, `ip6`) in the calling thread's
+/// network namespace: one GETTABLE dump (what `nft list tables` prints, for one
+/// family). The takeover reads kube-proxy's and kproxy's tables with it.
+pub fn table_names(family: &str) -> Result<Vec<String>, NftError> {
+    let fam = family_code(family)?;
+    let mut names = Vec::new();
+    Reader::open()?.request(
+        &format!("the {family} tables"),
+        NFT_MSG_GETTABLE,
+        NLM_F_DUMP,
+        fam,
+        &[],
+        |p| {
+            for (k, v) in Attrs(p) {
+                if k == NFTA_TABLE_NAME {
+                    names.push(string(v));
+                }
+            }
+            Ok(())
+        },
+    )?;
+    Ok(names)
+}
+
 /// Reads table `family table` (e.g. `ip kproxy`) with its chains, rules, named sets
 /// and their elements from the calling thread's network namespace; `None` when the
 /// table does not exist. Consistent: the reading is repeated (up to three times) when a

@@ -66,13 +66,13 @@ pub struct EncodeError {
 /// The reason an [`EncodeError`] gives.
 #[derive(Clone, Copy, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum EncodeFailure {
-    /// Tables and set declarations go by `nft -f`; elements, chains and rules by
-    /// nfnetlink.
-    #[error("a table or set declaration (nft -f)")]
-    NotElements,
-    /// An interval set's element (a prefix) needs start and end elements, which kproxy
-    /// leaves to `nft`.
-    #[error("a prefix (interval set element)")]
+    /// A set declaration kproxy never writes (an interval concatenation, whose field
+    /// description nft adds): refused, not guessed.
+    #[error("a set declaration outside kproxy's vocabulary")]
+    Declaration,
+    /// An interval set's element that is not one address or prefix of the table's
+    /// family.
+    #[error("an interval element that is not a prefix of the family")]
     Prefix,
     /// A rule holding what kproxy never writes (one read back from the kernel).
     #[error("a rule outside kproxy's vocabulary")]

@@ -1,6 +1,6 @@
 //! The first sync into absent tables (a node's first start, or after `kproxy
-//! cleanup`), in steps: the structure created dormant by `nft -f`, the Services'
-//! elements as nfnetlink pieces encoded while the structure loads, then one
+//! cleanup`), in nfnetlink transactions: the structure created dormant, the Services'
+//! elements in pieces (encoded on a thread while the structure loads), then one
 //! transaction that wakes the tables. Why this is safe and what it saves:
 //! [`first_sync_into_absent_tables`].
 
@@ -23,18 +23,20 @@ const PIECES_AHEAD: usize = 2;
 pub struct PhasedSync {
     /// What the one transaction creating both tables would count.
     pub counts: model::Counts,
-    pub script_bytes: usize,
     pub netlink_bytes: usize,
+    /// The transactions sent (structure, elements, wake).
+    pub batches: usize,
 }
 
 /// The first sync into absent tables, in the steps of the transaction that creates
-/// them ([`Transaction::dormant_for_absent_tables`]): `load` takes the tables (created
-/// dormant), sets, chains and rules (`nft -f`; from the tables without the Services'
-/// elements, [`FamilyRecord::assemble_structure`]), `send` the elements as
-/// nfnetlink transactions of [`ELEMENTS_PER_PIECE`] elements each, typed and encoded
-/// piece by piece from the records ([`FamilyRecord::element_pieces`]) by a
-/// thread that runs at most [`PIECES_AHEAD`] pieces ahead, and last the transaction
-/// that wakes both tables ([`netlink::Batch::wake_tables`]), hooking their base chains.
+/// them ([`Transaction::dormant_for_absent_tables`]), each an nfnetlink transaction
+/// handed to `send`: the tables (created dormant), sets, chains and rules and the
+/// structure's own elements (from the tables without the Services' elements,
+/// [`FamilyRecord::assemble_structure`]), then the Services' elements in transactions
+/// of [`ELEMENTS_PER_PIECE`] elements each, typed and encoded piece by piece from the
+/// records ([`FamilyRecord::element_pieces`]) by a thread that runs at most
+/// [`PIECES_AHEAD`] pieces ahead, and last the transaction that wakes both tables
+/// ([`netlink::Batch::wake_tables`]), hooking their base chains.
 ///
 /// Why several transactions are safe here: a dormant table's base chains are not
 /// hooked, so no packet meets the tables while they fill, whatever order or grouping
@@ -48,19 +50,18 @@ pub struct PhasedSync {
 /// non-preemptible kernel, so one batch of 80k elements into one map spent a third of
 /// its time in `rhashtable_insert_slow` (`perf`; crates/nft/BENCHMARKS.md).
 ///
-/// [`NftError::Encode`] when an element does not encode (the tables may then exist,
-/// dormant: a one-transaction replacement must follow). Public so a bench can run it
-/// with sinks for `load` and `send`.
+/// [`NftError::Encode`] when something does not encode (nothing kproxy writes; the
+/// tables may then exist, dormant: a one-transaction replacement must follow). Public
+/// so a bench can run it with a sink for `send`.
 pub fn first_sync_into_absent_tables(
     recs: &[FamilyRecord; 2],
-    load: &(dyn Fn(&Transaction) -> Result<usize, NftError> + Sync),
     send: &mut dyn FnMut(netlink::Batch) -> Result<(), NftError>,
 ) -> Result<PhasedSync, NftError> {
     let mut bare = Transaction::default();
     for rec in recs {
         bare.extend(Transaction::create(rec.assemble_structure()));
     }
-    // The structure's own elements (a NodePort address set's) go with the Services'.
+    // The structure's own elements (a NodePort address set's) go with it.
     let (structure, own_elements) = bare.dormant_for_absent_tables();
     let tables: Vec<(model::Family, &str)> = structure
         .ops
@@ -74,10 +75,7 @@ pub fn first_sync_into_absent_tables(
         counts: structure.counts,
         ..PhasedSync::default()
     };
-    let own_elements = netlink::Batch::transaction(&own_elements)?;
     let n = std::thread::scope(|s| {
-        // A thread starts in its creator's network namespace, so nft acts on ours.
-        let loading = s.spawn(|| load(&structure));
         let (pieces, encoded) = std::sync::mpsc::sync_channel(PIECES_AHEAD);
         let encoder = s.spawn(move || {
             let mut n = 0;
@@ -93,14 +91,15 @@ pub fn first_sync_into_absent_tables(
             }
             Ok::<usize, ()>(n)
         });
-        done.script_bytes += loading
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
-        done.netlink_bytes += own_elements.len();
-        send(own_elements)?;
+        let mut first = netlink::Batch::transaction(&structure)?;
+        first.extend(&own_elements)?;
+        done.netlink_bytes += first.len();
+        done.batches += 1;
+        send(first)?;
         for batch in encoded {
             let batch = batch?;
             done.netlink_bytes += batch.len();
+            done.batches += 1;
             send(batch)?;
         }
         // Every piece was sent, so the encoder ended without a failure.
@@ -112,6 +111,7 @@ pub fn first_sync_into_absent_tables(
     done.counts.elements_added += n;
     let wake = netlink::Batch::wake_tables(&tables);
     done.netlink_bytes += wake.len();
+    done.batches += 1;
     send(wake)?;
     Ok(done)
 }

@@ -14,10 +14,10 @@
 //! sync's transaction), [`conntrack::UdpFrontends`] (the cleanup's decision, moved
 //! with the record) and [`evaluate`] (a packet's fate under a table, for `kproxy trace
 //! --kernel`). Imperative shell: [`Dataplane`] ([`dataplane`]), which sends each
-//! sync's transaction as `nft -f` text ([`nft`]) or, when it only changes elements,
-//! chains and rules, as an nfnetlink batch ([`netlink`]); reads kproxy's tables back over nfnetlink
-//! ([`dump`], [`readback`]); and talks ctnetlink ([`conntrack`]), always in the calling
-//! thread's network namespace.
+//! sync's transaction as nfnetlink batches ([`netlink`]; no `nft` process: the nft
+//! text is for `sync --dry-run`, docs and tests); reads kproxy's tables back over
+//! nfnetlink ([`dump`], [`readback`]); and talks ctnetlink ([`conntrack`]), always in
+//! the calling thread's network namespace.
 
 #![forbid(unsafe_code)]
 
@@ -35,14 +35,13 @@ pub mod model;
 pub mod monitor;
 pub mod netlink;
 mod nfnl;
-pub mod nft;
 pub mod readback;
 pub mod record;
 pub mod rule;
 pub mod ruleset;
 
 pub use config::{DataplaneConfig, validate_interface, validate_plan};
-pub use dataplane::{Dataplane, SyncReport, VerifyReport, cleanup};
+pub use dataplane::{Dataplane, SyncReport, VerifyReport, cleanup, delete_tables};
 pub use error::{EncodeError, EncodeFailure, NftError, Via};
 pub use first_sync::{PhasedSync, first_sync_into_absent_tables};
 pub use model::{Table, Transaction};

@@ -365,87 +365,6 @@ fn messages(buf: &[u8]) -> impl Iterator<Item = Message<'_>> {
     })
 }
 
-/// Hears when the kernel committed an `nft` child's transaction (the `NEWGEN` closing
-/// it, stamped with the child's port id and pid), so that a sync goes on then rather
-/// than when `nft` exits: an exiting `nft` closes its netfilter socket, and the kernel
-/// makes the close of every bound netfilter socket wait for the destruction of the last
-/// transaction's objects, which waits out an RCU grace period (`nft_rcv_nl_event` →
-/// `nf_tables_trans_destroy_flush_work`): 10–15 ms after a transaction that deleted a
-/// chain or a set (crates/nft/BENCHMARKS.md). The socket is kept (by
-/// [`crate::nft::Runner`]), as its own close would wait the same way, and it has to be
-/// bound: the kernel delivers the group to bound sockets only. Without a `NEWGEN` (a
-/// refused transaction, lost notifications) the caller waits for the exit as before.
-pub(crate) struct CommitWatch {
-    sock: Socket,
-    buf: Vec<u8>,
-    netns: u64,
-}
-
-/// How long [`CommitWatch::committed`] blocks before answering `Ok(false)`, so the
-/// caller can look at the child's exit in between.
-const COMMIT_POLL: Duration = Duration::from_millis(2);
-
-impl CommitWatch {
-    /// Subscribes in the calling thread's network namespace; before the child starts,
-    /// so its `NEWGEN` cannot come first.
-    pub(crate) fn open() -> Result<CommitWatch, NftError> {
-        // A structural delta announces a few kB; a full sync's megabytes may overrun
-        // it (answered as unknown: the caller waits for the exit).
-        let sock = notification_socket(4 << 20, COMMIT_POLL)?;
-        Ok(CommitWatch {
-            sock,
-            buf: vec![0; 64 << 10],
-            netns: nfnl::current_netns()?,
-        })
-    }
-
-    /// True when the calling thread is in the namespace the socket was opened in.
-    pub(crate) fn in_current_netns(&self) -> Result<bool, NftError> {
-        Ok(nfnl::current_netns()? == self.netns)
-    }
-
-    /// Joins the notification group for one child's transaction (before it starts),
-    /// with nothing older queued.
-    pub(crate) fn listen(&mut self) -> Result<(), NftError> {
-        loop {
-            match self.sock.recv(&mut &mut self.buf[..], libc::MSG_DONTWAIT) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {}
-                Err(_) => break,
-            }
-        }
-        self.sock
-            .add_membership(NFNLGRP_NFTABLES)
-            .map_err(|source| NftError::Io {
-                context: "joining the nftables notification group".into(),
-                source,
-            })
-    }
-
-    /// Leaves the group between children: nothing queues up, and the kernel need not
-    /// announce kproxy's own element batches to it.
-    pub(crate) fn stop_listening(&mut self) {
-        let _ = self.sock.drop_membership(NFNLGRP_NFTABLES);
-    }
-
-    /// Whether the next datagram holds the `NEWGEN` of the process `id` (its pid,
-    /// which is also its socket's port id): `Ok(false)` for another datagram, or after
-    /// [`COMMIT_POLL`] without one, so the caller looks at the child's exit in between
-    /// however busy the group is; `Err` when notifications were lost or the socket
-    /// failed.
-    pub(crate) fn committed(&mut self, id: u32) -> std::io::Result<bool> {
-        Ok(recv(&self.sock, &mut self.buf)?.is_some_and(|n| newgen_of(&self.buf[..n], id)))
-    }
-}
-
-/// Whether a datagram holds the `NEWGEN` of a transaction committed by `id` (port id
-/// or pid).
-fn newgen_of(buf: &[u8], id: u32) -> bool {
-    messages(buf).any(|m| {
-        m.msg_type == NFT_MSG_NEWGEN && (m.port_id == id || gen_info(m.attrs).1 == Some(id))
-    })
-}
-
 /// Reads one datagram's messages into `pending`; at each `NEWGEN` closing a transaction
 /// that changed kproxy's tables and is not kproxy's own, hands it to `found` (at most one
 /// per datagram can be reported before the caller reads on: the rest of the datagram is
@@ -663,16 +582,7 @@ mod tests {
 
     /// A child's commit is its `NEWGEN`, named by its socket's port id or by its pid
     /// (after other messages in the datagram); another process's is not.
-    #[test]
-    fn a_commit_is_the_newgen_of_the_child() {
-        let elem = message(14, NFPROTO_IPV4, 7, &[(1, s("kproxy")), (2, s("dnat"))]);
-        let with = |closing: Vec<u8>| [elem.clone(), closing].concat();
-        assert!(newgen_of(&with(newgen(7, STRANGER, "nft")), 7));
-        assert!(newgen_of(&with(newgen(STRANGER, 7, "nft")), 7));
-        assert!(!newgen_of(&with(newgen(STRANGER, STRANGER, "nft")), 7));
-        assert!(!newgen_of(&elem, 7));
-    }
-
+    
     #[test]
     fn a_flush_by_another_process_is_reported_with_its_name() {
         let mut d = Vec::new();

@@ -72,7 +72,7 @@ fn other_processes_changes_are_reported_and_repaired_from_the_record() {
         assert!(i.changes.counts[&Kind::Element].1 >= 1, "{:?}", i.changes);
         let r = dp.repair(&plan).expect("repair");
         assert!(r.adopted && r.changes.elements_added >= 1, "{r:?}");
-        assert!(r.netlink_bytes > 0 && r.script_bytes == 0, "{r:?}");
+        assert!(r.netlink_bytes > 0, "{r:?}");
 
         // A chain's rules.
         sh("nft flush chain ip6 kproxy nat-output");
@@ -104,50 +104,6 @@ fn other_processes_changes_are_reported_and_repaired_from_the_record() {
         assert!(!v.drift, "{:?}", v.differences);
         let quiet = until_quiet(&mut mon);
         assert!(quiet.is_empty(), "kproxy's repairs reported: {quiet:?}");
-    });
-}
-
-/// The dataplane's `nft` runner goes on at the kernel's commit: what it committed is
-/// there when it returns, for deletions too (whose `nft` exits an RCU grace period
-/// later), its transactions are kproxy's own (never reported), and a transaction the
-/// kernel refuses still fails with `nft`'s words, read at its exit.
-#[test]
-fn the_runner_returns_committed_work_and_refusals_with_nfts_words() {
-    if !root() {
-        return;
-    }
-    let ns = Netns::new("runner");
-    ns.run(|| {
-        let mut mon = Monitor::open("kpr").expect("subscribe");
-        let mut nft = kproxy_nft::nft::Runner::default();
-        for round in 0..5 {
-            nft.run_script(
-                "add table ip kpr\n\
-                 add map ip kpr m { type ipv4_addr : verdict; }\n\
-                 add chain ip kpr c\n\
-                 add rule ip kpr c ip daddr vmap @m\n",
-            )
-            .expect("create");
-            // Read over netlink at once (an `nft list` would give nft time to finish).
-            assert!(
-                kproxy_nft::dump::table_exists("ip", "kpr").expect("read"),
-                "round {round}: created when the runner returned"
-            );
-            nft.run_script("delete table ip kpr\n").expect("delete");
-            assert!(
-                !kproxy_nft::dump::table_exists("ip", "kpr").expect("read"),
-                "round {round}: deleted when the runner returned"
-            );
-        }
-        let e = nft
-            .run_script("add chain ip nosuchtable c\n")
-            .expect_err("refused")
-            .to_string();
-        assert!(e.contains("No such file or directory"), "{e}");
-        assert!(
-            until_quiet(&mut mon).is_empty(),
-            "own transactions reported"
-        );
     });
 }
 

@@ -384,7 +384,9 @@ impl Enc<'_> {
                     self.load(s, 0, len / 8)?;
                     self.cmp(neg, &bytes[..len / 8]);
                 } else {
-                    let n = len.div_ceil(8);
+                    // As nft does: the whole address loaded and masked (not the bytes
+                    // the prefix covers), so nft lists it as a prefix.
+                    let n = full;
                     let mut mask = vec![0u8; n];
                     for (i, m) in mask.iter_mut().enumerate() {
                         let bits = len.saturating_sub(i * 8).min(8);

@@ -199,3 +199,39 @@ pub fn normalize(json: &Value) -> BTreeMap<String, Value> {
     }
     out
 }
+
+/// `ip netns exec NS nft ARGS` (with `input` as the file `-f` reads when given): its
+/// stdout, after checking it succeeded and wrote nothing to stderr.
+pub fn nft_in(ns: &Netns, args: &[&str], input: Option<&str>) -> String {
+    let mut cmd = std::process::Command::new("ip");
+    cmd.args(["netns", "exec", &ns.name, "nft"]).args(args);
+    cmd.env("LC_ALL", "C");
+    let out = match input {
+        Some(text) => {
+            use std::io::Write;
+            let mut child = cmd
+                .arg("-f")
+                .arg("-")
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("run nft");
+            child
+                .stdin
+                .take()
+                .expect("piped")
+                .write_all(text.as_bytes())
+                .expect("write to nft");
+            child.wait_with_output().expect("nft")
+        }
+        None => cmd.output().expect("run nft"),
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stderr.is_empty(),
+        "nft {args:?}: {}: {stderr}",
+        out.status
+    );
+    String::from_utf8(out.stdout).expect("nft writes UTF-8")
+}
