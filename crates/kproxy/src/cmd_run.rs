@@ -149,16 +149,10 @@ impl daemon::Dataplane for NftDataplane {
             detail: serde_json::json!({
                 "nft_ms": r.elapsed.as_secs_f64() * 1e3,
                 "adopted": r.adopted,
-                // How the change reached the kernel: `nft -f` scripts, an nfnetlink
-                // batch (element-only deltas), both (a first sync into absent
-                // tables), or nothing to change.
-                "transport": match (r.script_bytes > 0, r.netlink_bytes > 0) {
-                    (true, true) => "nft+netlink",
-                    (false, true) => "netlink",
-                    (true, false) => "nft",
-                    (false, false) => "none",
-                },
-                "bytes": r.netlink_bytes + r.script_bytes,
+                // Every change goes as nfnetlink batches; `none` when there was
+                // nothing to change.
+                "transport": if r.netlink_bytes > 0 { "netlink" } else { "none" },
+                "bytes": r.netlink_bytes,
             }),
         })
     }
@@ -183,7 +177,7 @@ impl daemon::Dataplane for NftDataplane {
                 // first sync's path into absent tables (`tables`), or a replacement.
                 "how": if r.adopted { "delta" } else if r.full { "replace" } else { "tables" },
                 "changes": format!("{:?}", r.changes),
-                "bytes": r.netlink_bytes + r.script_bytes,
+                "bytes": r.netlink_bytes,
             }),
         })
     }

@@ -1,6 +1,6 @@
 //! Taking a node over from kube-proxy (docs/migrate.md), the shell around
-//! [`kproxy_core::takeover`]: reads what of kube-proxy's is on the node (`nft list
-//! tables`, `iptables-save` of both backends and families, `kube-ipvs0`, ipsets, IPVS),
+//! [`kproxy_core::takeover`]: reads what of kube-proxy's is on the node (its nftables
+//! tables over nfnetlink, `iptables-save` of both backends and families, `kube-ipvs0`, ipsets, IPVS),
 //! tells whether a kube-proxy still runs, and runs the removal plan — only after
 //! kproxy's own tables are up (its first sync succeeded and both tables are in the
 //! kernel), so no connection meets a node without Service rules.
@@ -236,8 +236,12 @@ fn execute(plan: &RemovalPlan, m: &TakeoverMetrics) -> bool {
 fn run_step(step: &Step) -> Result<()> {
     match step {
         Step::DeleteNftTable { family } => {
-            kproxy_nft::nft::run_script(&format!("delete table {family} {}\n", takeover::NFT_TABLE))
-                .map_err(anyhow::Error::from)
+            let family = match family.as_str() {
+                "ip" => kproxy_nft::model::Family::Ip,
+                "ip6" => kproxy_nft::model::Family::Ip6,
+                f => bail!("table family {f:?}: want ip or ip6"),
+            };
+            kproxy_nft::delete_tables(&[(family, takeover::NFT_TABLE)]).map_err(anyhow::Error::from)
         }
         Step::XtRestore {
             backend,
@@ -297,21 +301,34 @@ fn output(cmd: &str, args: &[&str]) -> Option<String> {
 }
 
 fn own_tables_present(table: &str) -> bool {
-    let tables = output("nft", &["list", "tables"])
-        .map(|t| takeover::parse_nft_tables(&t))
-        .unwrap_or_default();
+    let tables = nft_tables();
     ["ip", "ip6"]
         .iter()
         .all(|fam| tables.iter().any(|t| t.family == *fam && t.name == table))
+}
+
+/// The `ip` and `ip6` tables of this network namespace (kube-proxy's nftables mode
+/// uses no other family), read over nfnetlink; a family that cannot be read counts as
+/// holding none, as a missing tool does below.
+fn nft_tables() -> Vec<takeover::NftTableName> {
+    let mut out = Vec::new();
+    for family in ["ip", "ip6"] {
+        match kproxy_nft::dump::table_names(family) {
+            Ok(names) => out.extend(names.into_iter().map(|name| takeover::NftTableName {
+                family: family.to_string(),
+                name,
+            })),
+            Err(e) => tracing::warn!(family, error = %e, "cannot list the nftables tables"),
+        }
+    }
+    out
 }
 
 /// What of kube-proxy's this network namespace holds. A tool that is missing (no
 /// iptables, no ipset) means none of its objects can be there to remove.
 pub fn inventory() -> Inventory {
     let mut inv = Inventory {
-        nft_tables: output("nft", &["list", "tables"])
-            .map(|t| takeover::parse_nft_tables(&t))
-            .unwrap_or_default(),
+        nft_tables: nft_tables(),
         ..Default::default()
     };
     for backend in [XtBackend::Nft, XtBackend::Legacy] {

@@ -572,3 +572,76 @@ fn an_unreadable_subdirectory_under_run_costs_only_itself_and_is_logged_once() {
         "{stderr}"
     );
 }
+
+/// `kproxy run` and `kproxy cleanup` with no `nft` on `PATH` (issue 39): the first sync
+/// programs the tables (a real connection to the cluster IP through them), a flushed
+/// ruleset is repaired, and `cleanup` removes both tables, every write over nfnetlink.
+/// `PATH` holds only `ip`; the daemon's first sync forked `nft` before.
+#[test]
+fn run_programs_repairs_and_cleanup_removes_with_no_nft_on_path() {
+    if !can_run() {
+        return;
+    }
+    let bin = tempfile::tempdir().unwrap();
+    let ip = ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("the ip tool");
+    std::os::unix::fs::symlink(ip, bin.path().join("ip")).unwrap();
+    let path = format!("PATH={}", bin.path().display());
+    let no_nft = ["env", path.as_str()];
+    // The stripped PATH has no nft: what the daemon would have forked is not there.
+    let found = Command::new("env")
+        .args([path.as_str(), "sh", "-c", "command -v nft"])
+        .output()
+        .unwrap();
+    assert!(!found.status.success(), "nft is on the stripped PATH");
+
+    let fab = fabric('p');
+    let node = &fab.node;
+    let dir = manifests();
+    let events = dir.path().join("events.jsonl");
+    let log = DaemonLog::new();
+    let table = "kpn";
+    let mut daemon = start_daemon_to(node, dir.path(), table, &events, &log, &no_nft);
+    let body = eventually(node, "the cluster IP to answer", || {
+        http_get("10.96.0.10:80".parse().unwrap(), "/")
+    });
+    assert_eq!(body, (200, "pod-1".to_string()));
+
+    // Another process (the test's own nft) flushes the ruleset; kproxy restores it.
+    node.exec(&["nft", "flush", "ruleset"]);
+    let log_path = log.path().to_path_buf();
+    eventually(node, "the repair to be logged", move || {
+        std::fs::read_to_string(&log_path)
+            .ok()
+            .filter(|t| t.contains("kproxy's nftables tables repaired"))
+    });
+    let body = eventually(node, "the cluster IP to answer again", || {
+        http_get("10.96.0.10:80".parse().unwrap(), "/")
+    });
+    assert_eq!(body, (200, "pod-1".to_string()));
+    assert!(table_text(node, table).contains("nat-prerouting"));
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    assert!(!text.contains("nft -f"), "{text}");
+
+    let status = sigterm(&mut daemon);
+    assert!(status.success(), "{status:?}");
+    let out = Command::new("ip")
+        .args(["netns", "exec", &node.0])
+        .args(no_nft)
+        .args([env!("CARGO_BIN_EXE_kproxy"), "cleanup", "--nft-table", table])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cleanup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tables = Command::new("ip")
+        .args(["netns", "exec", &node.0, "nft", "list", "tables"])
+        .output()
+        .unwrap();
+    let tables = String::from_utf8_lossy(&tables.stdout);
+    assert!(!tables.contains(table), "{tables}");
+}
