@@ -630,7 +630,12 @@ fn run_programs_repairs_and_cleanup_removes_with_no_nft_on_path() {
     let out = Command::new("ip")
         .args(["netns", "exec", &node.0])
         .args(no_nft)
-        .args([env!("CARGO_BIN_EXE_kproxy"), "cleanup", "--nft-table", table])
+        .args([
+            env!("CARGO_BIN_EXE_kproxy"),
+            "cleanup",
+            "--nft-table",
+            table,
+        ])
         .output()
         .unwrap();
     assert!(

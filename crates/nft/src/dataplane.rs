@@ -56,8 +56,8 @@ pub struct Dataplane {
     /// What the kernel holds, per family (IPv4, IPv6); `None` until a full sync
     /// succeeded, and again after any failure (forces the next sync to be full).
     programmed: Option<[FamilyRecord; 2]>,
-    /// The netlink socket every transaction goes on, opened by [`Dataplane::prepare`]
-    /// or the first sync, and again after a failed one.
+    /// The netlink socket every transaction goes on, opened by every full sync (so
+    /// before the first delta) and again after a failed one.
     writer: Option<netlink::Writer>,
     /// The next full sync replaces the tables instead of adopting them (forced).
     replace_forced: bool,
@@ -156,6 +156,15 @@ impl Dataplane {
             }
         }
         self.programmed = Some(recs);
+        if report.full || report.adopted {
+            // The socket every delta goes on, open before the caller reports ready
+            // (an adoption that had nothing to send never opened it), so the first
+            // change after start costs what the rest do (issue 39.4). A socket that
+            // cannot be opened now fails the first delta, which says why.
+            if let Err(e) = self.writer() {
+                tracing::warn!(error = %e, "cannot open the nfnetlink socket for the next delta");
+            }
+        }
         if self.cfg.conntrack_cleanup {
             match &changed {
                 Some(names) => self.udp.advance(plan, names),
@@ -428,9 +437,7 @@ impl Step {
 /// the Services' elements typed and encoded piece by piece
 /// ([`FamilyRecord::element_pieces`]) so they are never held typed all at once. What
 /// it counts beside it.
-pub fn replacement(
-    recs: &[FamilyRecord; 2],
-) -> Result<(netlink::Batch, model::Counts), NftError> {
+pub fn replacement(recs: &[FamilyRecord; 2]) -> Result<(netlink::Batch, model::Counts), NftError> {
     let mut batch = netlink::Batch::default();
     let mut counts = model::Counts::default();
     for rec in recs {
@@ -439,10 +446,10 @@ pub fn replacement(
         tx.extend(Transaction::create(rec.assemble_structure()));
         counts.add(&tx.counts);
         batch.extend(&tx)?;
-        counts.elements_added += rec.element_pieces(
-            crate::first_sync::ELEMENTS_PER_PIECE,
-            &mut |piece| batch.extend(&piece),
-        )?;
+        counts.elements_added += rec
+            .element_pieces(crate::first_sync::ELEMENTS_PER_PIECE, &mut |piece| {
+                batch.extend(&piece)
+            })?;
     }
     Ok((batch, counts))
 }

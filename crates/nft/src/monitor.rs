@@ -582,7 +582,7 @@ mod tests {
 
     /// A child's commit is its `NEWGEN`, named by its socket's port id or by its pid
     /// (after other messages in the datagram); another process's is not.
-    
+
     #[test]
     fn a_flush_by_another_process_is_reported_with_its_name() {
         let mut d = Vec::new();

@@ -882,9 +882,10 @@ pub fn full_transaction(tables: [Table; 2]) -> Transaction {
     tx
 }
 
-/// The full sync's transaction for a plan, as nft text (what `sync` sends when the
-/// tables exist and cannot be adopted; into absent tables it sends the same objects in
-/// steps). For golden tests and benches; operators see
+/// The full sync's transaction for a plan, as nft text (what `sync` sends, as one
+/// nfnetlink batch, when the tables exist and cannot be adopted; into absent tables it
+/// sends the same objects in steps). For golden tests, the sameness test (`nft -f` of
+/// it lists as kproxy's own writes) and benches; operators see
 /// [`crate::readback::first_sync_transaction`] (`kproxy sync --dry-run`).
 pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
     full_transaction_of(&records(plan, cfg)).nft_text()

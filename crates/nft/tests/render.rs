@@ -416,10 +416,15 @@ fn every_object_written_over_nfnetlink_lists_as_nft_wrote_it() {
         return;
     }
     let two_cidrs = LocalDetectorConfig::ClusterCidr(
-        ["10.244.0.0/16", "10.250.0.0/16", "fd00:244::/32", "fd00:250::/32"]
-            .iter()
-            .map(|n| n.parse().unwrap())
-            .collect(),
+        [
+            "10.244.0.0/16",
+            "10.250.0.0/16",
+            "fd00:244::/32",
+            "fd00:250::/32",
+        ]
+        .iter()
+        .map(|n| n.parse().unwrap())
+        .collect(),
     );
     let plans = [
         plan_from_yaml(&example_cluster(), "node-a", &example_config()),
@@ -469,7 +474,10 @@ fn every_object_written_over_nfnetlink_lists_as_nft_wrote_it() {
             dp.sync(&p, &kproxy_core::planner::PlanUpdate::WHOLE)
                 .expect("first sync")
         });
-        assert!(first.full && !first.adopted && first.netlink_bytes > 0, "{first:?}");
+        assert!(
+            first.full && !first.adopted && first.netlink_bytes > 0,
+            "{first:?}"
+        );
         assert_eq!(
             nft_in(&ns, &["list", "ruleset"], None),
             by_nft,
@@ -492,7 +500,11 @@ fn every_object_written_over_nfnetlink_lists_as_nft_wrote_it() {
         ns.run(|| kproxy_nft::cleanup(&DataplaneConfig::default()).expect("cleanup"));
         assert_eq!(nft_in(&ns, &["list", "ruleset"], None), "");
     }
-    assert_eq!(kinds.len(), 7, "every kind of declaration covered: {kinds:?}");
+    assert_eq!(
+        kinds.len(),
+        7,
+        "every kind of declaration covered: {kinds:?}"
+    );
 }
 
 #[test]
