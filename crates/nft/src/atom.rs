@@ -333,3 +333,35 @@ pub(crate) fn write_u32(out: &mut String, mut n: u32) {
     }
     out.push_str(std::str::from_utf8(&buf[i..]).unwrap_or_default());
 }
+
+/// `NFT_DATA_VERDICT`: a map's data type when it maps to verdicts.
+pub(crate) const VERDICT_TYPE: u32 = 0xffff_ff00;
+
+/// nft's datatype ids (a `numgen` field is an integer).
+pub(crate) fn datatype(f: Field) -> u32 {
+    match f {
+        Field::Ipv4Addr => 7,
+        Field::Ipv6Addr => 8,
+        Field::InetProto => 12,
+        Field::InetService => 13,
+        Field::Numgen(_) => 4,
+    }
+}
+
+/// The type the kernel holds for a set's key or a map's data: nft's datatype ids,
+/// 6 bits each for a concatenation.
+pub(crate) fn concat_type(fields: &[Field]) -> u32 {
+    fields.iter().fold(0u32, |acc, &f| (acc << 6) | datatype(f))
+}
+
+/// The bytes of a key or data: a concatenation's fields padded to 4 bytes each.
+pub(crate) fn fields_len(fields: &[Field]) -> u32 {
+    if fields.len() == 1 {
+        fields[0].datum_len() as u32
+    } else {
+        fields
+            .iter()
+            .map(|&f| f.datum_len().next_multiple_of(4) as u32)
+            .sum()
+    }
+}

@@ -31,6 +31,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use netlink_sys::Socket;
 
+pub(crate) use crate::atom::{VERDICT_TYPE, concat_type, fields_len};
 use crate::error::NftError;
 use crate::model::{Atom, Field, MAX_FIELDS, Tuple, Verdict};
 
@@ -96,8 +97,6 @@ pub const SET_CONCAT: u32 = 0x80;
 const ELEM_INTERVAL_END: u32 = 0x1;
 /// The most bytes of one block of [`RawElements`].
 const BLOCK_BYTES: usize = 64 * 1024;
-/// `NFT_DATA_VERDICT`: a map's data type when it maps to verdicts.
-pub(crate) const VERDICT_TYPE: u32 = 0xffff_ff00;
 
 /// A base chain's hook as the kernel reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -912,34 +911,6 @@ pub(crate) fn interval_ranges<'a>(
         out.push((start, last));
     }
     Some(out)
-}
-
-// ---- Adoption: the kernel as a model Table.
-
-/// nft's datatype ids, and the key type it stores for a concatenation.
-pub(crate) fn datatype(f: Field) -> u32 {
-    match f {
-        Field::Ipv4Addr => 7,
-        Field::Ipv6Addr => 8,
-        Field::InetProto => 12,
-        Field::InetService => 13,
-        Field::Numgen(_) => 0,
-    }
-}
-
-pub(crate) fn concat_type(fields: &[Field]) -> u32 {
-    fields.iter().fold(0u32, |acc, &f| (acc << 6) | datatype(f))
-}
-
-pub(crate) fn fields_len(fields: &[Field]) -> u32 {
-    if fields.len() == 1 {
-        fields[0].datum_len() as u32
-    } else {
-        fields
-            .iter()
-            .map(|&f| f.datum_len().next_multiple_of(4) as u32)
-            .sum()
-    }
 }
 
 #[cfg(test)]

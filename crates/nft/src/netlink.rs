@@ -201,18 +201,6 @@ fn udata_str(out: &mut Vec<u8>, kind: u8, s: &str) -> Result<(), EncodeFailure> 
     udata(out, kind, &v)
 }
 
-/// The kernel's type of a set's key or a map's data: nft's datatype id, a
-/// concatenation's 6 bits per field (a `numgen` field is an integer, 4).
-fn set_type(fields: &[Field]) -> u32 {
-    fields.iter().fold(0u32, |acc, &f| {
-        let t = match f {
-            Field::Numgen(_) => 4,
-            f => crate::dump::datatype(f),
-        };
-        (acc << 6) | t
-    })
-}
-
 /// nft's byte order of a key or data (its `enum byteorder`): a concatenation's is
 /// unset (0), an address's or port's big endian (2), an integer's (`numgen`) host (1).
 fn byteorder(fields: &[Field]) -> u32 {
@@ -558,17 +546,17 @@ impl Batch {
             }
         }
         nla_u32(b, NFTA_SET_FLAGS, flags)?;
-        nla_u32(b, NFTA_SET_KEY_TYPE, set_type(&decl.key))?;
-        nla_u32(b, NFTA_SET_KEY_LEN, crate::dump::fields_len(&decl.key))?;
+        nla_u32(b, NFTA_SET_KEY_TYPE, crate::atom::concat_type(&decl.key))?;
+        nla_u32(b, NFTA_SET_KEY_LEN, crate::atom::fields_len(&decl.key))?;
         match &decl.data {
             None => {}
             Some(crate::model::SetData::Verdict) => {
-                nla_u32(b, NFTA_SET_DATA_TYPE, crate::dump::VERDICT_TYPE)?;
+                nla_u32(b, NFTA_SET_DATA_TYPE, crate::atom::VERDICT_TYPE)?;
                 nla_u32(b, NFTA_SET_DATA_LEN, 0)?;
             }
             Some(crate::model::SetData::Fields(f)) => {
-                nla_u32(b, NFTA_SET_DATA_TYPE, set_type(f))?;
-                nla_u32(b, NFTA_SET_DATA_LEN, crate::dump::fields_len(f))?;
+                nla_u32(b, NFTA_SET_DATA_TYPE, crate::atom::concat_type(f))?;
+                nla_u32(b, NFTA_SET_DATA_LEN, crate::atom::fields_len(f))?;
             }
         }
         nla_u32(b, NFTA_SET_ID, id)?;
@@ -1519,7 +1507,7 @@ mod tests {
                 SetDecl::map(vec![Ipv4Addr, InetProto, InetService], SetData::Verdict)
                     .with_comment("cluster IPs"),
                 0x730d,
-                Some(crate::dump::VERDICT_TYPE),
+                Some(crate::atom::VERDICT_TYPE),
                 "000400000000010400000000030800040d0000000100060400000000070c636c75737465722049507300",
             ),
             (
@@ -1558,10 +1546,10 @@ mod tests {
         for (decl, key_type, data_type, udata) in cases {
             let mut body = String::new();
             decl.write(&mut body);
-            assert_eq!(set_type(&decl.key), key_type, "{body}");
+            assert_eq!(crate::atom::concat_type(&decl.key), key_type, "{body}");
             let data = match &decl.data {
-                Some(SetData::Fields(f)) => Some(set_type(f)),
-                Some(SetData::Verdict) => Some(crate::dump::VERDICT_TYPE),
+                Some(SetData::Fields(f)) => Some(crate::atom::concat_type(f)),
+                Some(SetData::Verdict) => Some(crate::atom::VERDICT_TYPE),
                 None => None,
             };
             assert_eq!(data, data_type, "{body}");
