@@ -181,6 +181,25 @@ fn nla_bytes(buf: &mut Vec<u8>, kind: u16, v: &[u8]) -> Result<(), EncodeFailure
     nla_end(buf, at)
 }
 
+/// A set's element list of keys only (raw bytes), each flagged when it ends an
+/// interval: an interval set's prefixes, an anonymous set's literals.
+fn key_list(b: &mut Vec<u8>, elements: &[(Vec<u8>, bool)]) -> Result<(), EncodeFailure> {
+    let list = nla_begin(b, NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED);
+    for (key, end) in elements {
+        let elem = nla_begin(b, NFTA_LIST_ELEM | NLA_F_NESTED);
+        if *end {
+            nla_u32(b, NFTA_SET_ELEM_FLAGS, ELEM_INTERVAL_END)?;
+        }
+        let k = nla_begin(b, NFTA_SET_ELEM_KEY | NLA_F_NESTED);
+        let v = nla_begin(b, NFTA_DATA_VALUE);
+        b.extend_from_slice(key);
+        nla_end(b, v)?;
+        nla_end(b, k)?;
+        nla_end(b, elem)?;
+    }
+    nla_end(b, list)
+}
+
 /// libnftnl's user data: TLVs of a one-byte type, a one-byte length, the value.
 fn udata(out: &mut Vec<u8>, kind: u8, value: &[u8]) -> Result<(), EncodeFailure> {
     out.push(kind);
@@ -630,20 +649,7 @@ impl Batch {
         let b = &mut self.bytes;
         nla_str(b, NFTA_SET_ELEM_LIST_TABLE, table)?;
         nla_str(b, NFTA_SET_ELEM_LIST_SET, set)?;
-        let list = nla_begin(b, NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED);
-        for (key, end) in &elements {
-            let elem = nla_begin(b, NFTA_LIST_ELEM | NLA_F_NESTED);
-            if *end {
-                nla_u32(b, NFTA_SET_ELEM_FLAGS, ELEM_INTERVAL_END)?;
-            }
-            let k = nla_begin(b, NFTA_SET_ELEM_KEY | NLA_F_NESTED);
-            let v = nla_begin(b, NFTA_DATA_VALUE);
-            b.extend_from_slice(key);
-            nla_end(b, v)?;
-            nla_end(b, k)?;
-            nla_end(b, elem)?;
-        }
-        nla_end(b, list)?;
+        key_list(b, &elements)?;
         self.end_message(at);
         let what = format!("{verb} element {} {table} {set}", family.nft());
         self.messages.push((seq, at, what));
@@ -883,20 +889,7 @@ impl Batch {
         nla_str(b, NFTA_SET_ELEM_LIST_TABLE, table)?;
         nla_str(b, NFTA_SET_ELEM_LIST_SET, &set.name)?;
         nla_u32(b, NFTA_SET_ELEM_LIST_SET_ID, set.id)?;
-        let list = nla_begin(b, NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED);
-        for (key, end) in &set.elements {
-            let elem = nla_begin(b, NFTA_LIST_ELEM | NLA_F_NESTED);
-            if *end {
-                nla_u32(b, NFTA_SET_ELEM_FLAGS, ELEM_INTERVAL_END)?;
-            }
-            let k = nla_begin(b, NFTA_SET_ELEM_KEY | NLA_F_NESTED);
-            let v = nla_begin(b, NFTA_DATA_VALUE);
-            b.extend_from_slice(key);
-            nla_end(b, v)?;
-            nla_end(b, k)?;
-            nla_end(b, elem)?;
-        }
-        nla_end(b, list)?;
+        key_list(b, &set.elements)?;
         self.end_message(at);
         self.messages.push((
             seq,
