@@ -34,6 +34,7 @@ use netlink_sys::Socket;
 pub(crate) use crate::atom::{VERDICT_TYPE, concat_type, fields_len};
 use crate::error::NftError;
 use crate::model::{Atom, Field, MAX_FIELDS, Tuple, Verdict};
+pub(crate) use crate::nfnl::Attrs;
 
 // linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h.
 const NLMSG_ERROR: u16 = 2;
@@ -329,27 +330,6 @@ fn family_code(family: &str) -> Result<u8, NftError> {
         f => Err(NftError::Invalid(format!(
             "table family {f:?}: want ip or ip6"
         ))),
-    }
-}
-
-/// Attributes of a netlink attribute stream: (type without flag bits, payload).
-pub(crate) struct Attrs<'a>(pub(crate) &'a [u8]);
-
-impl<'a> Iterator for Attrs<'a> {
-    type Item = (u16, &'a [u8]);
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.0.len() < 4 {
-            return None;
-        }
-        let len = usize::from(u16::from_ne_bytes([self.0[0], self.0[1]]));
-        let kind = u16::from_ne_bytes([self.0[2], self.0[3]]) & 0x3fff;
-        if len < 4 || len > self.0.len() {
-            self.0 = &[];
-            return None;
-        }
-        let payload = &self.0[4..len];
-        self.0 = &self.0[len.next_multiple_of(4).min(self.0.len())..];
-        Some((kind, payload))
     }
 }
 

@@ -23,6 +23,7 @@
 //! outside its vocabulary, an interval concatenation) is refused, never guessed.
 
 use std::net::IpAddr;
+use std::os::fd::AsRawFd;
 
 use netlink_packet_core::{NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
 use netlink_packet_netfilter::NetfilterMessage;
@@ -38,6 +39,8 @@ const NFNL_SUBSYS_NFTABLES: u16 = 10;
 /// Elements per message are capped so the nested element list stays under the 64 KiB
 /// an attribute length can say.
 const MAX_ELEMENTS_BYTES: usize = 48 * 1024;
+/// A batch's chunk is sealed once it holds this many bytes (at a message's start).
+const CHUNK_BYTES: usize = 256 << 10;
 /// The send buffer a new socket starts with; raised to the size of a larger batch (a
 /// batch must reach the kernel in one `sendmsg`, as `nft` sends it too).
 const INITIAL_SNDBUF: usize = 1 << 20;
@@ -136,9 +139,18 @@ const NFTA_VERDICT_CHAIN: u16 = 2;
 /// encoding of the same elements.
 #[derive(Debug, Default)]
 pub struct Batch {
+    /// The chunk being written; earlier ones are `sealed`. A message never spans two
+    /// chunks, and the batch goes in one `sendmsg` of all of them (an iovec): a
+    /// replacement's ≈ 6 MB is never copied into one growing buffer (whose doubling
+    /// held twice its size at once).
     bytes: Vec<u8>,
-    /// Per element message: (sequence number, offset in `bytes`, what it does).
-    messages: Vec<(u32, usize, String)>,
+    sealed: Vec<Vec<u8>>,
+    sealed_len: usize,
+    /// Per message: (sequence number, offset in the whole batch). What a message does
+    /// is read back from its bytes when the kernel refuses it ([`Batch::describe`]):
+    /// a full sync holds ≈ 60k messages, whose descriptions written up front cost
+    /// megabytes and a rendering of every rule.
+    messages: Vec<(u32, usize)>,
     /// Messages so far, batch header included (the next sequence number).
     count: u32,
     /// The next anonymous set's id in this batch.
@@ -347,7 +359,94 @@ fn typeof_udata(fields: &[Field]) -> Result<Vec<u8>, EncodeFailure> {
 
 impl Batch {
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        self.sealed_len + self.bytes.len()
+    }
+
+    /// Notes the message `seq` begun at `at` in the chunk being written.
+    fn note(&mut self, seq: u32, at: usize) {
+        self.messages.push((seq, self.sealed_len + at));
+    }
+
+    /// What the message at `at` (in the whole batch) does, read from its bytes, in
+    /// nft's words: `add rule ip kproxy services`, `delete element ip kproxy hairpin`,
+    /// `flush chain ip6 kproxy nat-output` (a rule's comment, kproxy's id, follows).
+    fn describe(&self, at: usize) -> String {
+        let mut base = 0;
+        let mut msg: &[u8] = &[];
+        for chunk in self.sealed.iter().chain(std::iter::once(&self.bytes)) {
+            if at < base + chunk.len() {
+                let start = at - base;
+                let len = chunk.get(start..start + 4).map_or(0, |b| {
+                    u32::from_ne_bytes(b.try_into().expect("4 bytes")) as usize
+                });
+                msg = chunk.get(start..start + len).unwrap_or_default();
+                break;
+            }
+            base += chunk.len();
+        }
+        let Some(header) = msg.get(..20) else {
+            return "a message of the batch".into();
+        };
+        let kind = u16::from_ne_bytes([header[4], header[5]]) & 0xff;
+        let family = match header[16] {
+            2 => "ip",
+            10 => "ip6",
+            _ => "",
+        };
+        let attrs = crate::nfnl::Attrs(&msg[20..]);
+        let text = |want: u16| {
+            attrs.clone().find(|(k, _)| *k == want).map(|(_, v)| {
+                let end = v.iter().position(|&c| c == 0).unwrap_or(v.len());
+                String::from_utf8_lossy(&v[..end]).into_owned()
+            })
+        };
+        let table = text(1).unwrap_or_default();
+        let (what, name) = match kind {
+            NFT_MSG_NEWTABLE => ("add table", None),
+            NFT_MSG_DELTABLE => ("delete table", None),
+            NFT_MSG_NEWCHAIN => ("add chain", text(NFTA_CHAIN_NAME)),
+            NFT_MSG_DELCHAIN => ("delete chain", text(NFTA_CHAIN_NAME)),
+            NFT_MSG_NEWRULE => ("add rule", text(NFTA_RULE_CHAIN)),
+            NFT_MSG_DELRULE => ("flush chain", text(NFTA_RULE_CHAIN)),
+            NFT_MSG_NEWSET => ("add set", text(NFTA_SET_NAME)),
+            NFT_MSG_DELSET => ("delete set", text(NFTA_SET_NAME)),
+            NFT_MSG_NEWSETELEM => ("add element", text(NFTA_SET_ELEM_LIST_SET)),
+            NFT_MSG_DELSETELEM => ("delete element", text(NFTA_SET_ELEM_LIST_SET)),
+            _ => ("a message", None),
+        };
+        let mut out = format!("{what} {family} {table}");
+        if let Some(n) = name {
+            out.push(' ');
+            out.push_str(&n);
+        }
+        if kind == NFT_MSG_NEWRULE
+            && let Some((_, u)) = attrs.clone().find(|(k, _)| *k == NFTA_RULE_USERDATA)
+            && let Some(c) = u.get(2..)
+        {
+            let end = c.iter().position(|&b| b == 0).unwrap_or(c.len());
+            out.push_str(" comment ");
+            out.push_str(&String::from_utf8_lossy(&c[..end]));
+        }
+        out
+    }
+
+    /// The batch's bytes, chunk by chunk, for one `sendmsg`.
+    fn slices(&self) -> Vec<std::io::IoSlice<'_>> {
+        self.sealed
+            .iter()
+            .chain(std::iter::once(&self.bytes))
+            .map(|c| std::io::IoSlice::new(c))
+            .collect()
+    }
+
+    /// The batch's bytes in one buffer (tests).
+    #[cfg(test)]
+    fn to_vec(&self) -> Vec<u8> {
+        self.sealed
+            .concat()
+            .into_iter()
+            .chain(self.bytes.iter().copied())
+            .collect()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -357,6 +456,13 @@ impl Batch {
     /// Starts a message: netlink header (length filled by [`Batch::end_message`]) and
     /// nfgenmsg. Returns its offset.
     fn begin_message(&mut self, kind: u16, flags: u16, family: u8, res_id: u16) -> usize {
+        if self.bytes.len() >= CHUNK_BYTES {
+            self.sealed_len += self.bytes.len();
+            // Room for a chunk and its last message (under 64 KiB), so a chunk is not
+            // grown by doubling past it.
+            let next = Vec::with_capacity(CHUNK_BYTES + (64 << 10));
+            self.sealed.push(std::mem::replace(&mut self.bytes, next));
+        }
         self.count += 1;
         let at = self.bytes.len();
         let b = &mut self.bytes;
@@ -407,7 +513,7 @@ impl Batch {
                 dormant,
             } => self.add_table(*family, table, comment.as_deref(), *dormant),
             Op::DeleteTable { family, table } => {
-                self.object(*family, NFT_MSG_DELTABLE, table, None, op)
+                self.object(*family, NFT_MSG_DELTABLE, table, None)
             }
             Op::AddSet {
                 family,
@@ -462,7 +568,6 @@ impl Batch {
                 NFT_MSG_DELRULE,
                 table,
                 Some((NFTA_RULE_CHAIN, name)),
-                op,
             ),
             Op::DeleteChain {
                 family,
@@ -473,20 +578,13 @@ impl Batch {
                 NFT_MSG_DELCHAIN,
                 table,
                 Some((NFTA_CHAIN_NAME, name)),
-                op,
             ),
             Op::DeleteSet {
                 family,
                 table,
                 name,
                 ..
-            } => self.object(
-                *family,
-                NFT_MSG_DELSET,
-                table,
-                Some((NFTA_SET_NAME, name)),
-                op,
-            ),
+            } => self.object(*family, NFT_MSG_DELSET, table, Some((NFTA_SET_NAME, name))),
             Op::AddRule {
                 family,
                 table,
@@ -520,8 +618,7 @@ impl Batch {
             nla_bytes(b, NFTA_TABLE_USERDATA, &u)?;
         }
         self.end_message(at);
-        let what = format!("add table {} {table}", family.nft());
-        self.messages.push((seq, at, what));
+        self.note(seq, at);
         Ok(())
     }
 
@@ -586,8 +683,7 @@ impl Batch {
         }
         nla_bytes(b, NFTA_SET_USERDATA, &set_udata(decl)?)?;
         self.end_message(at);
-        let what = format!("add {} {} {table} {name}", decl.kind(), family.nft());
-        self.messages.push((seq, at, what));
+        self.note(seq, at);
         Ok(())
     }
 
@@ -639,10 +735,10 @@ impl Batch {
         }
         self.batch_begin();
         let seq = self.count + 1;
-        let (kind, flags, verb) = if add {
-            (NFT_MSG_NEWSETELEM, NLM_F_CREATE, "add")
+        let (kind, flags) = if add {
+            (NFT_MSG_NEWSETELEM, NLM_F_CREATE)
         } else {
-            (NFT_MSG_DELSETELEM, 0, "delete")
+            (NFT_MSG_DELSETELEM, 0)
         };
         let kind = (NFNL_SUBSYS_NFTABLES << 8) | kind;
         let at = self.begin_message(kind, flags, family.nfproto(), 0);
@@ -651,8 +747,7 @@ impl Batch {
         nla_str(b, NFTA_SET_ELEM_LIST_SET, set)?;
         key_list(b, &elements)?;
         self.end_message(at);
-        let what = format!("{verb} element {} {table} {set}", family.nft());
-        self.messages.push((seq, at, what));
+        self.note(seq, at);
         Ok(())
     }
 
@@ -666,15 +761,15 @@ impl Batch {
         set: &str,
         items: impl Iterator<Item = (&'a Tuple, Option<&'a Value>)>,
     ) -> Result<(), EncodeFailure> {
-        if self.bytes.is_empty() {
+        if self.count == 0 {
             let at = self.begin_message(NFNL_MSG_BATCH_BEGIN, 0, 0, NFNL_SUBSYS_NFTABLES);
             self.end_message(at);
         }
         let fam = family.nfproto();
-        let (kind, flags, verb) = if add {
-            (NFT_MSG_NEWSETELEM, NLM_F_CREATE, "add")
+        let (kind, flags) = if add {
+            (NFT_MSG_NEWSETELEM, NLM_F_CREATE)
         } else {
-            (NFT_MSG_DELSETELEM, 0, "delete")
+            (NFT_MSG_DELSETELEM, 0)
         };
         let kind = (u16::from(NFNL_SUBSYS_NFTABLES as u8) << 8) | kind;
         // (message offset, element list offset) of the open message.
@@ -689,8 +784,7 @@ impl Batch {
                     nla_str(&mut self.bytes, NFTA_SET_ELEM_LIST_SET, set)?;
                     let list =
                         nla_begin(&mut self.bytes, NFTA_SET_ELEM_LIST_ELEMENTS | NLA_F_NESTED);
-                    let what = format!("{verb} element {} {table} {set}", family.nft());
-                    self.messages.push((seq, msg, what));
+                    self.note(seq, msg);
                     *open.insert((msg, list))
                 }
             };
@@ -739,7 +833,7 @@ impl Batch {
     }
 
     fn batch_begin(&mut self) {
-        if self.bytes.is_empty() {
+        if self.count == 0 {
             let at = self.begin_message(NFNL_MSG_BATCH_BEGIN, 0, 0, NFNL_SUBSYS_NFTABLES);
             self.end_message(at);
         }
@@ -754,7 +848,6 @@ impl Batch {
         msg: u16,
         table: &str,
         named: Option<(u16, &str)>,
-        op: &Op,
     ) -> Result<(), EncodeFailure> {
         self.batch_begin();
         let seq = self.count + 1;
@@ -765,7 +858,7 @@ impl Batch {
             nla_str(&mut self.bytes, attr, name)?;
         }
         self.end_message(at);
-        self.messages.push((seq, at, op.describe()));
+        self.note(seq, at);
         Ok(())
     }
 
@@ -797,8 +890,7 @@ impl Batch {
             nla_str(b, NFTA_CHAIN_TYPE, ty)?;
         }
         self.end_message(at);
-        let what = format!("add chain {} {table} {name}", family.nft());
-        self.messages.push((seq, at, what));
+        self.note(seq, at);
         Ok(())
     }
 
@@ -850,8 +942,7 @@ impl Batch {
         b.extend_from_slice(comment.as_bytes());
         nla_end(b, u)?;
         self.end_message(at);
-        let what = format!("add rule {} {table} {chain} {rule}", family.nft());
-        self.messages.push((seq, at, what));
+        self.note(seq, at);
         Ok(())
     }
 
@@ -880,8 +971,7 @@ impl Batch {
         nla_u32(b, NFTA_SET_KEY_LEN, set.key_len)?;
         nla_u32(b, NFTA_SET_ID, set.id)?;
         self.end_message(at);
-        self.messages
-            .push((seq, at, format!("add anonymous set {} of a rule", set.name)));
+        self.note(seq, at);
         let seq = self.count + 1;
         let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM;
         let at = self.begin_message(kind, NLM_F_CREATE, fam, 0);
@@ -891,11 +981,7 @@ impl Batch {
         nla_u32(b, NFTA_SET_ELEM_LIST_SET_ID, set.id)?;
         key_list(b, &set.elements)?;
         self.end_message(at);
-        self.messages.push((
-            seq,
-            at,
-            format!("add the elements of anonymous set {}", set.name),
-        ));
+        self.note(seq, at);
         Ok(())
     }
 
@@ -920,8 +1006,7 @@ impl Batch {
             b.bytes.extend_from_slice(&0u32.to_be_bytes());
             let _ = nla_end(&mut b.bytes, flags);
             b.end_message(msg);
-            let what = format!("wake table {} {table}", family.nft());
-            b.messages.push((seq, msg, what));
+            b.note(seq, msg);
         }
         b
     }
@@ -931,12 +1016,13 @@ impl Batch {
     /// answer arrives after any error of an earlier message (a few hundred answers
     /// would overflow the socket's receive buffer on a full sync).
     fn finish(mut self) -> Batch {
-        if let Some((_, offset, _)) = self.messages.last() {
-            let at = offset + 6;
+        if let Some((_, offset)) = self.messages.last() {
+            // The last message is in the chunk being written.
+            let at = offset - self.sealed_len + 6;
             let flags = u16::from_ne_bytes([self.bytes[at], self.bytes[at + 1]]) | NLM_F_ACK;
             self.bytes[at..at + 2].copy_from_slice(&flags.to_ne_bytes());
         }
-        if !self.bytes.is_empty() {
+        if self.count > 0 {
             let at = self.begin_message(NFNL_MSG_BATCH_END, 0, 0, NFNL_SUBSYS_NFTABLES);
             self.end_message(at);
         }
@@ -1037,25 +1123,33 @@ impl Writer {
             return Ok(());
         }
         self.drain();
-        if batch.bytes.len() + (64 << 10) > self.sndbuf {
-            let size = batch.bytes.len() + (64 << 10);
+        if batch.len() + (64 << 10) > self.sndbuf {
+            let size = batch.len() + (64 << 10);
             set_sndbuf(&self.sock, size).map_err(|e| NftError::Io {
                 context: format!("raising the netlink send buffer to {size} bytes"),
                 source: e,
             })?;
             self.sndbuf = size;
         }
-        let sent = self.sock.send(&batch.bytes, 0).map_err(|e| NftError::Io {
-            context: format!("sending a {}-byte nfnetlink batch", batch.bytes.len()),
-            source: e,
+        // One `sendmsg`: the kernel copies the iovec into one skb and runs the batch.
+        let sent = nix::sys::socket::sendmsg::<nix::sys::socket::NetlinkAddr>(
+            self.sock.as_raw_fd(),
+            &batch.slices(),
+            &[],
+            nix::sys::socket::MsgFlags::empty(),
+            None,
+        )
+        .map_err(|e| NftError::Io {
+            context: format!("sending a {}-byte nfnetlink batch", batch.len()),
+            source: e.into(),
         })?;
-        if sent != batch.bytes.len() {
+        if sent != batch.len() {
             return Err(NftError::Io {
-                context: format!("sending a {}-byte nfnetlink batch", batch.bytes.len()),
+                context: format!("sending a {}-byte nfnetlink batch", batch.len()),
                 source: std::io::Error::other(format!("sent {sent} bytes")),
             });
         }
-        let last = batch.messages.last().map_or(0, |(seq, _, _)| *seq);
+        let last = batch.messages.last().map_or(0, |(seq, _)| *seq);
         let (mut acked, mut first_error) = (false, None::<(u32, i32)>);
         let mut buf = vec![0u8; 1 << 16];
         // Everything the kernel says about the batch is queued before `send` returns:
@@ -1101,8 +1195,8 @@ impl Writer {
                 let what = batch
                     .messages
                     .iter()
-                    .find(|(s, _, _)| *s == seq)
-                    .map_or("the batch", |(_, _, w)| w.as_str());
+                    .find(|(s, _)| *s == seq)
+                    .map_or_else(|| "the batch".to_string(), |(_, at)| batch.describe(*at));
                 Err(NftError::Refused {
                     via: Via::Netlink,
                     message: format!("{what}: {}", std::io::Error::from_raw_os_error(-code)),
@@ -1339,7 +1433,7 @@ mod tests {
             ..Transaction::default()
         };
         let b = Batch::transaction(&tx).unwrap();
-        let got = b.finish().bytes;
+        let got = b.finish().to_vec();
 
         let v4 = NetfilterProtoFamily::IPv4;
         let mut want = serialize(
@@ -1439,15 +1533,57 @@ mod tests {
         let b = Batch::transaction(&tx).unwrap();
         let b = b.finish();
         assert!(b.messages.len() > 5, "{}", b.messages.len());
+        // In chunks, each starting at a message (the walk below crosses them).
+        assert!(!b.sealed.is_empty(), "{}", b.sealed.len());
+        assert_eq!(b.len(), b.to_vec().len());
+        // A refused message is named from its bytes, in whichever chunk it is.
+        for (_, at) in [b.messages[0], b.messages[b.messages.len() - 1]] {
+            assert_eq!(b.describe(at), "add element ip kproxy hairpin");
+        }
+        let ops = vec![
+            Op::FlushChain {
+                family: Family::Ip6,
+                table: "kproxy".into(),
+                name: "nat-output".into(),
+            },
+            Op::AddRule {
+                family: Family::Ip6,
+                table: "kproxy".into(),
+                chain: "nat-output".into(),
+                rule: crate::rule::Rule::verdict(crate::model::Verdict::Jump("services".into())),
+            },
+            Op::DeleteTable {
+                family: Family::Ip,
+                table: "kproxy".into(),
+            },
+        ];
+        let small = Batch::transaction(&Transaction {
+            ops,
+            ..Transaction::default()
+        })
+        .unwrap();
+        let said: Vec<String> = small
+            .messages
+            .iter()
+            .map(|(_, at)| small.describe(*at))
+            .collect();
+        assert_eq!(said[0], "flush chain ip6 kproxy nat-output");
+        assert!(
+            said[1].starts_with("add rule ip6 kproxy nat-output comment kp:"),
+            "{}",
+            said[1]
+        );
+        assert_eq!(said[2], "delete table ip kproxy");
         let mut offset = 0;
         let mut n = 0;
-        while offset < b.bytes.len() {
-            let len = u32::from_ne_bytes(b.bytes[offset..offset + 4].try_into().unwrap()) as usize;
+        let bytes = b.to_vec();
+        while offset < bytes.len() {
+            let len = u32::from_ne_bytes(bytes[offset..offset + 4].try_into().unwrap()) as usize;
             assert!((20..65536).contains(&len));
             offset += len;
             n += 1;
         }
-        assert_eq!(offset, b.bytes.len());
+        assert_eq!(offset, bytes.len());
         assert_eq!(n, b.messages.len() + 2);
     }
 

@@ -1,8 +1,8 @@
-//! Who is who on netfilter netlink, below both its writer (`netlink`) and its reader
-//! (`monitor`): the calling thread's network namespace, and the registry of kproxy's
-//! own netlink port ids and `nft` children's pids, noted by those that commit
-//! (`netlink`, `nft`) and read by the monitor to tell kproxy's transactions from
-//! another process's (its module doc says how).
+//! Who is who on netfilter netlink, below both its writer (`netlink`) and its readers
+//! (`dump`, `monitor`): the calling thread's network namespace, the registry of
+//! kproxy's own netlink port ids, noted by the writer and read by the monitor to tell
+//! kproxy's transactions from another process's (its module doc says how), and the
+//! walk over a message's attributes ([`Attrs`]).
 
 use std::collections::VecDeque;
 use std::os::unix::fs::MetadataExt;
@@ -38,4 +38,26 @@ pub(crate) fn current_netns() -> Result<u64, NftError> {
             context: "reading /proc/thread-self/ns/net".into(),
             source: e,
         })
+}
+
+/// Attributes of a netlink attribute stream: (type without flag bits, payload).
+#[derive(Clone)]
+pub(crate) struct Attrs<'a>(pub(crate) &'a [u8]);
+
+impl<'a> Iterator for Attrs<'a> {
+    type Item = (u16, &'a [u8]);
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.0.len() < 4 {
+            return None;
+        }
+        let len = usize::from(u16::from_ne_bytes([self.0[0], self.0[1]]));
+        let kind = u16::from_ne_bytes([self.0[2], self.0[3]]) & 0x3fff;
+        if len < 4 || len > self.0.len() {
+            self.0 = &[];
+            return None;
+        }
+        let payload = &self.0[4..len];
+        self.0 = &self.0[len.next_multiple_of(4).min(self.0.len())..];
+        Some((kind, payload))
+    }
 }
