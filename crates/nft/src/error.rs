@@ -13,11 +13,11 @@ pub enum NftError {
     /// The config or the plan holds a value that cannot be rendered safely.
     #[error("invalid input: {0}")]
     Invalid(String),
-    /// The kernel refused a transaction, through `nft -f` (its message is nft's
-    /// stderr) or an nfnetlink batch (the failing message and the kernel's errno); a
-    /// transaction is all or nothing, so nothing of it was applied.
-    #[error("the kernel refused the transaction ({via}): {message}")]
-    Refused { via: Via, message: String },
+    /// The kernel refused a transaction (an nfnetlink batch): the failing message, read
+    /// back from the batch, and the kernel's errno; a transaction is all or nothing, so
+    /// nothing of it was applied.
+    #[error("the kernel refused the transaction: {message}")]
+    Refused { message: String },
     /// A transaction could not be encoded as an nfnetlink batch.
     #[error(transparent)]
     Encode(#[from] EncodeError),
@@ -25,7 +25,7 @@ pub enum NftError {
     /// ruleset that kept changing while it was read, an error answer to a read.
     #[error("reading the kernel: {0}")]
     Read(String),
-    /// A system call, the `nft` process, or a file under /proc failed.
+    /// A system call or a file under /proc failed.
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -34,24 +34,6 @@ pub enum NftError {
     /// The UDP conntrack cleanup failed (ctnetlink).
     #[error("conntrack: {0}")]
     Conntrack(String),
-}
-
-/// The way a refused transaction was sent.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Via {
-    /// `nft -f -` (structure, and anything netlink does not encode).
-    Nft,
-    /// kproxy's own nfnetlink batch (elements, waking dormant tables).
-    Netlink,
-}
-
-impl std::fmt::Display for Via {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Via::Nft => "nft -f",
-            Via::Netlink => "nfnetlink",
-        })
-    }
 }
 
 /// Why a transaction does not encode as an nfnetlink batch, and what it was encoding.

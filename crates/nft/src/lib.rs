@@ -42,7 +42,7 @@ pub mod ruleset;
 
 pub use config::{DataplaneConfig, validate_interface, validate_plan};
 pub use dataplane::{Dataplane, SyncReport, VerifyReport, cleanup, delete_tables};
-pub use error::{EncodeError, EncodeFailure, NftError, Via};
+pub use error::{EncodeError, EncodeFailure, NftError};
 pub use first_sync::{PhasedSync, first_sync_into_absent_tables};
 pub use model::{Table, Transaction};
 pub use readback::first_sync_transaction;

@@ -20,9 +20,10 @@
 //!   absent table (the tests of `record.rs`).
 //! - A transaction is rendered as `nft -f` input by [`Transaction::nft_text`] /
 //!   [`TextStream`] (through which the record also writes a replacing full sync's
-//!   text, its elements written from the record's frontends) and as nfnetlink bytes by
-//!   `crate::netlink::Batch::transaction` (element operations only, encoded from the
-//!   typed elements).
+//!   text, its elements written from the record's frontends: `sync --dry-run`, golden
+//!   tests, the sameness test) and as nfnetlink bytes by
+//!   `crate::netlink::Batch::transaction` (what is sent: every operation, elements
+//!   encoded from the typed elements).
 //!
 //! Element keys and values are typed ([`Atom`]: addresses, prefixes, protocols, ports,
 //! `numgen` indexes; [`Verdict`]), so the netlink writer never parses text, and two

@@ -12,10 +12,9 @@
 //!
 //! Which transactions are kproxy's own: the kernel names the committing *thread*
 //! (`task_pid_nr`, in the initial pid namespace) and stamps every notification with the
-//! netlink port id of the committing socket. kproxy commits from its own threads
-//! (nfnetlink batches) and from `nft` children; both note themselves here
-//! ([`nfnl::note_own`]: the sockets' port ids, the children's pids, which are also their
-//! sockets' port ids, as libmnl binds a new socket to its process id). A transaction is
+//! netlink port id of the committing socket. kproxy commits only from its own threads
+//! (nfnetlink batches), whose sockets note their port ids here ([`nfnl::note_own`]). A
+//! transaction is
 //! kproxy's when its port id or pid is one of those, or its pid is a thread of this
 //! process. The port id holds in a container with its own pid namespace too, where the
 //! kernel's pid is not the one kproxy sees.

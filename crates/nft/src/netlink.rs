@@ -31,7 +31,7 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
-use crate::error::{EncodeError, EncodeFailure, NftError, Via};
+use crate::error::{EncodeError, EncodeFailure, NftError};
 use crate::model::{Atom, Family, Field, Op, Transaction, Tuple, Value};
 
 /// `NFNL_SUBSYS_NFTABLES`: the batch header's resource id names the subsystem.
@@ -1198,7 +1198,6 @@ impl Writer {
                     .find(|(s, _)| *s == seq)
                     .map_or_else(|| "the batch".to_string(), |(_, at)| batch.describe(*at));
                 Err(NftError::Refused {
-                    via: Via::Netlink,
                     message: format!("{what}: {}", std::io::Error::from_raw_os_error(-code)),
                 })
             }

@@ -94,11 +94,11 @@ pub struct FamilyRecord {
 /// for the next Service whose endpoint count takes them again. While a Deployment
 /// rolls, its Services' endpoint counts go N → N−1 → N → …: with the group of each
 /// count kept, every such step is an element-only delta (one nfnetlink batch, ≈ 1 ms)
-/// instead of a structural one through `nft` (a map, a chain and a rule created or
-/// deleted: 12–26 ms, BENCHMARKS.md), which is also the window in which a flush by
-/// another process meets a delta in flight. Each idle group costs one empty map, one
-/// chain and one rule, which every later `nft` run lists into its cache (≈ 45 µs a
-/// rule); past this many, the longest idle goes. A full sync (a start, an adoption, a
+/// instead of a structural one (a map, a chain and a rule created or deleted: 12–26
+/// ms when it went through `nft`, 0.3–6 ms over nfnetlink, crates/nft/BENCHMARKS.md),
+/// which is also the window in which a flush by another process meets a delta in
+/// flight. Each idle group costs one empty map, one chain and one rule, which every
+/// read-back of the tables reads; past this many, the longest idle goes. A full sync (a start, an adoption, a
 /// replacement) builds the record afresh, without idle groups.
 pub const IDLE_DISPATCH_GROUPS: usize = 16;
 
