@@ -419,7 +419,6 @@ fn etp_local_endpoint_count_changes_are_element_only_and_packets_follow() {
             let c = &rep.changes;
             assert!(
                 !rep.full
-                    && rep.script_bytes == 0
                     && rep.netlink_bytes > 0
                     && c.chains_added + c.chains_changed + c.chains_deleted == 0
                     && c.sets_added + c.sets_deleted == 0,
