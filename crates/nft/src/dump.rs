@@ -1,5 +1,5 @@
 //! Reads kproxy's own tables back from the kernel over nfnetlink (NFT_MSG_GETTABLE,
-//! GETCHAIN, GETSET, GETSETELEM, GETRULE dumps; no `nft list`), and turns what it read
+//! GETCHAIN, GETSET, GETSETELEM, GETRULE, GETOBJ dumps; no `nft list`), and turns what it read
 //! into the desired state's vocabulary so that a restart can apply only the difference
 //! ("adoption", see `Dataplane::sync`).
 //!
@@ -48,6 +48,7 @@ const NFT_MSG_GETRULE: u16 = 7;
 const NFT_MSG_GETSET: u16 = 10;
 const NFT_MSG_GETSETELEM: u16 = 13;
 const NFT_MSG_GETGEN: u16 = 16;
+const NFT_MSG_GETOBJ: u16 = 19;
 const NFTA_GEN_ID: u16 = 1;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_TABLE_FLAGS: u16 = 2;
@@ -73,6 +74,9 @@ const NFTA_SET_DATA_TYPE: u16 = 6;
 const NFTA_SET_DATA_LEN: u16 = 7;
 const NFTA_SET_TIMEOUT: u16 = 11;
 const NFTA_SET_USERDATA: u16 = 13;
+const NFTA_OBJ_TABLE: u16 = 1;
+const NFTA_OBJ_NAME: u16 = 2;
+const NFTA_OBJ_TYPE: u16 = 3;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
@@ -310,6 +314,27 @@ pub struct RawTable {
     pub chains: BTreeMap<String, RawChain>,
     pub sets: BTreeMap<String, RawSet>,
     pub anonymous: BTreeMap<String, RawSet>,
+    /// Named stateful objects (counters, quotas, limits, ct helpers…: `NFT_OBJECT_*`
+    /// type, name). kproxy declares none: each is another program's.
+    pub objects: std::collections::BTreeSet<(u32, String)>,
+}
+
+/// The nft keyword of a named object's type (`NFT_OBJECT_*`, linux/netfilter/nf_tables.h),
+/// as `nft delete KIND …` and the reports name it.
+pub fn object_kind(kind: u32) -> &'static str {
+    match kind {
+        1 => "counter",
+        2 => "quota",
+        3 => "ct helper",
+        4 => "limit",
+        5 => "connlimit",
+        6 => "tunnel",
+        7 => "ct timeout",
+        8 => "secmark",
+        9 => "ct expectation",
+        10 => "synproxy",
+        _ => "object",
+    }
 }
 
 impl RawTable {
@@ -677,6 +702,28 @@ fn read_once(
                 t.sets.insert(name, set);
             } else if tbl == table {
                 t.anonymous.insert(name, set);
+            }
+            Ok(())
+        },
+    )?;
+    r.request(
+        &format!("the named objects of table {family} {table}"),
+        NFT_MSG_GETOBJ,
+        NLM_F_DUMP,
+        fam,
+        &[(NFTA_OBJ_TABLE, table)],
+        |p| {
+            let (mut tbl, mut name, mut kind) = (String::new(), String::new(), 0);
+            for (k, v) in Attrs(p) {
+                match k {
+                    NFTA_OBJ_TABLE => tbl = string(v),
+                    NFTA_OBJ_NAME => name = string(v),
+                    NFTA_OBJ_TYPE => kind = be32(v).unwrap_or(0),
+                    _ => {}
+                }
+            }
+            if tbl == table {
+                t.objects.insert((kind, name));
             }
             Ok(())
         },

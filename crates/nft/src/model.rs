@@ -641,6 +641,14 @@ pub enum Op {
         set: String,
         keys: Vec<Tuple>,
     },
+    /// Deletes a named stateful object (`NFT_OBJECT_*` type `kind`): kproxy declares
+    /// none, so one in its table is another program's.
+    DeleteObject {
+        family: Family,
+        table: String,
+        kind: u32,
+        name: String,
+    },
 }
 
 impl Op {
@@ -656,6 +664,8 @@ impl Op {
             Op::AddElements { .. } => 5,
             Op::DeleteChain { .. } => 6,
             Op::DeleteSet { .. } => 7,
+            // After the rules that may refer to it (a foreign `counter name …`) are gone.
+            Op::DeleteObject { .. } => 8,
         }
     }
 
@@ -675,6 +685,9 @@ impl Op {
             Op::AddRule { chain, .. } => ("add", "rule", Some(chain)),
             Op::AddElements { set, .. } => ("add", "element", Some(set)),
             Op::DeleteElements { set, .. } => ("delete", "element", Some(set)),
+            Op::DeleteObject { kind, name, .. } => {
+                ("delete", crate::dump::object_kind(*kind), Some(name))
+            }
         }
     }
 
@@ -690,7 +703,8 @@ impl Op {
             | Op::DeleteChain { family, table, .. }
             | Op::AddRule { family, table, .. }
             | Op::AddElements { family, table, .. }
-            | Op::DeleteElements { family, table, .. } => (*family, table),
+            | Op::DeleteElements { family, table, .. }
+            | Op::DeleteObject { family, table, .. } => (*family, table),
         }
     }
 
@@ -732,6 +746,8 @@ pub struct Counts {
     pub elements_deleted: usize,
     pub sets_added: usize,
     pub sets_deleted: usize,
+    /// Named objects (another program's) deleted.
+    pub objects_deleted: usize,
 }
 
 impl Counts {
@@ -747,6 +763,7 @@ impl Counts {
         self.elements_deleted += o.elements_deleted;
         self.sets_added += o.sets_added;
         self.sets_deleted += o.sets_deleted;
+        self.objects_deleted += o.objects_deleted;
     }
 }
 
@@ -1065,6 +1082,15 @@ impl Transaction {
                         text.line_done()?;
                     }
                     continue;
+                }
+                Op::DeleteObject {
+                    family,
+                    table,
+                    kind,
+                    name,
+                } => {
+                    let kind = crate::dump::object_kind(*kind);
+                    let _ = writeln!(out, "delete {kind} {} {table} {name}", family.nft());
                 }
             }
             text.line_done()?;
@@ -1544,6 +1570,8 @@ mod tests {
                         assert!(s.elements.remove(k).is_some(), "deleted element exists");
                     }
                 }
+                // The model holds no named objects.
+                Op::DeleteObject { .. } => {}
             }
         }
         t
