@@ -295,8 +295,7 @@ fn kube_proxys_table_names_are_refused_at_the_flag() {
 /// the ServiceCIDRs. Both are refused, naming the file, the object and the field, and
 /// cost only their own port: `plan`, `explain` and `sync --dry-run` say so.
 #[test]
-fn a_cluster_ip_on_another_node_or_outside_the_service_cidrs_is_refused_by_file_object_and_field()
-{
+fn a_cluster_ip_on_another_node_or_outside_the_service_cidrs_is_refused_by_file_object_and_field() {
     let dir = tempfile::tempdir().unwrap();
     let nodes = "apiVersion: v1\nkind: Node\nmetadata: {name: n}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.1}]}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: n2}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.2}]}\n---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n";
     std::fs::write(dir.path().join("nodes.yaml"), nodes).unwrap();
@@ -322,7 +321,11 @@ fn a_cluster_ip_on_another_node_or_outside_the_service_cidrs_is_refused_by_file_
 
     let out = kproxy(&["plan", "--manifests", m, "--node", "n"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(
         stdout.contains(&format!("{file}: document 1: shop/hijack: cluster IP 10.200.0.2:80/TCP (.spec.clusterIP) not programmed: it is an address of Node n2")),
         "{stdout}"
@@ -349,8 +352,16 @@ fn a_cluster_ip_on_another_node_or_outside_the_service_cidrs_is_refused_by_file_
     assert_eq!(
         reasons,
         [
-            ("shop/hijack".into(), ".spec.clusterIP".into(), "otherNodeAddress".into()),
-            ("shop/stray".into(), ".spec.clusterIP".into(), "outsideServiceCidrs".into()),
+            (
+                "shop/hijack".into(),
+                ".spec.clusterIP".into(),
+                "otherNodeAddress".into()
+            ),
+            (
+                "shop/stray".into(),
+                ".spec.clusterIP".into(),
+                "outsideServiceCidrs".into()
+            ),
         ]
     );
     // Only the refused ports are gone: web keeps its cluster IP and node port.

@@ -230,7 +230,10 @@ fn a_foreign_named_object_in_kproxys_table_is_named_and_removed() {
         assert!(ruleset().contains("counter evil"), "{}", ruleset());
         let r = dp.repair(&plan).expect("repair");
         assert_eq!(r.changes.objects_deleted, 2, "{:?}", r.changes);
-        assert!(!r.changes.is_empty(), "a repair that deleted objects changed something");
+        assert!(
+            !r.changes.is_empty(),
+            "a repair that deleted objects changed something"
+        );
         let after = ruleset();
         assert!(
             !after.contains("evil") && !after.contains("counter name"),
