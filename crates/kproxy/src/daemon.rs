@@ -1189,6 +1189,24 @@ mod tests {
                 ))
                 .unwrap();
         }
+        /// The kernel watch reads another process's change to kproxy's tables.
+        fn interference(&self) {
+            self.kernel
+                .send(crate::kernel_watch::Detected::now(
+                    kproxy_nft::monitor::Event::Interference(interference()),
+                ))
+                .unwrap();
+        }
+        /// Repairs (and comparisons) the dataplane ran.
+        fn repairs(&self) -> usize {
+            self.log
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|s| matches!(s, Seen::Repaired { .. }))
+                .count()
+        }
         fn add(&self, i: usize) {
             self.handle.update(|s| s.upsert_service(service(i)));
         }
@@ -1224,36 +1242,18 @@ mod tests {
     /// `pacing::lost_comparison_pause`, not by a backoff.
     #[tokio::test(start_paused = true)]
     async fn lost_notifications_found_equal_take_no_backoff_step() {
-        let h = start(0, &[], None);
-        h.add(0);
-        h.handle.mark_ready();
-        h.until_syncs(1).await;
-        h.repairs_unchanged
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        let repairs = |h: &Harness| {
-            h.log
-                .0
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|s| matches!(s, Seen::Repaired { .. }))
-                .count()
-        };
+        let h = synced_with_repairs_unchanged().await;
         for round in 1..=5 {
             h.kernel_changed();
-            while repairs(&h) < round {
+            while h.repairs() < round {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
         let compared_at = h.log.ms();
         h.repairs_unchanged
             .store(false, std::sync::atomic::Ordering::SeqCst);
-        h.kernel
-            .send(crate::kernel_watch::Detected::now(
-                kproxy_nft::monitor::Event::Interference(interference()),
-            ))
-            .unwrap();
-        while repairs(&h) < 6 {
+        h.interference();
+        while h.repairs() < 6 {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let repaired_after = h.log.ms() - compared_at;
@@ -1284,38 +1284,20 @@ mod tests {
     /// same.
     #[tokio::test(start_paused = true)]
     async fn comparisons_after_endless_lost_notifications_are_spaced() {
-        let h = start(0, &[], None);
-        h.add(0);
-        h.handle.mark_ready();
-        h.until_syncs(1).await;
-        h.repairs_unchanged
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        let repairs = |h: &Harness| {
-            h.log
-                .0
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|s| matches!(s, Seen::Repaired { .. }))
-                .count()
-        };
+        let h = synced_with_repairs_unchanged().await;
         // A loss every millisecond for 10.05 s (the last one's comparison is owed,
         // waiting out the pause, when the change below comes).
         for _ in 0..10_050 {
             h.kernel_changed();
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let compared = repairs(&h);
+        let compared = h.repairs();
         // Another process's change, read as such, amid the losses.
         h.repairs_unchanged
             .store(false, std::sync::atomic::Ordering::SeqCst);
         let before = h.log.ms();
-        h.kernel
-            .send(crate::kernel_watch::Detected::now(
-                kproxy_nft::monitor::Event::Interference(interference()),
-            ))
-            .unwrap();
-        while repairs(&h) == compared {
+        h.interference();
+        while h.repairs() == compared {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let repaired_after = h.log.ms() - before;
@@ -1327,6 +1309,18 @@ mod tests {
             "{compared} comparisons in 10.05 s"
         );
         assert!(repaired_after <= 1, "repaired {repaired_after} ms after");
+    }
+
+    /// A loop that synced one Service, whose repairs find the kernel equal to the
+    /// record until the test says otherwise.
+    async fn synced_with_repairs_unchanged() -> Harness {
+        let h = start(0, &[], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        h.repairs_unchanged
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        h
     }
 
     #[expect(

@@ -315,26 +315,9 @@ pub struct RawTable {
     pub sets: BTreeMap<String, RawSet>,
     pub anonymous: BTreeMap<String, RawSet>,
     /// Named stateful objects (counters, quotas, limits, ct helpers…: `NFT_OBJECT_*`
-    /// type, name). kproxy declares none: each is another program's.
+    /// type, name; `model::object_kind` names the type). kproxy declares none: each is
+    /// another program's.
     pub objects: std::collections::BTreeSet<(u32, String)>,
-}
-
-/// The nft keyword of a named object's type (`NFT_OBJECT_*`, linux/netfilter/nf_tables.h),
-/// as `nft delete KIND …` and the reports name it.
-pub fn object_kind(kind: u32) -> &'static str {
-    match kind {
-        1 => "counter",
-        2 => "quota",
-        3 => "ct helper",
-        4 => "limit",
-        5 => "connlimit",
-        6 => "tunnel",
-        7 => "ct timeout",
-        8 => "secmark",
-        9 => "ct expectation",
-        10 => "synproxy",
-        _ => "object",
-    }
 }
 
 impl RawTable {

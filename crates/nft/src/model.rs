@@ -651,6 +651,24 @@ pub enum Op {
     },
 }
 
+/// The nft keyword of a named object's type (`NFT_OBJECT_*`, linux/netfilter/nf_tables.h),
+/// as `nft delete KIND …` and the reports name it.
+pub fn object_kind(kind: u32) -> &'static str {
+    match kind {
+        1 => "counter",
+        2 => "quota",
+        3 => "ct helper",
+        4 => "limit",
+        5 => "connlimit",
+        6 => "tunnel",
+        7 => "ct timeout",
+        8 => "secmark",
+        9 => "ct expectation",
+        10 => "synproxy",
+        _ => "object",
+    }
+}
+
 impl Op {
     /// Where the operation goes in a transaction that merges several diffs: every
     /// object is declared before anything refers to it, and deleted after nothing does.
@@ -685,9 +703,7 @@ impl Op {
             Op::AddRule { chain, .. } => ("add", "rule", Some(chain)),
             Op::AddElements { set, .. } => ("add", "element", Some(set)),
             Op::DeleteElements { set, .. } => ("delete", "element", Some(set)),
-            Op::DeleteObject { kind, name, .. } => {
-                ("delete", crate::dump::object_kind(*kind), Some(name))
-            }
+            Op::DeleteObject { kind, name, .. } => ("delete", object_kind(*kind), Some(name)),
         }
     }
 
@@ -1089,7 +1105,7 @@ impl Transaction {
                     kind,
                     name,
                 } => {
-                    let kind = crate::dump::object_kind(*kind);
+                    let kind = object_kind(*kind);
                     let _ = writeln!(out, "delete {kind} {} {table} {name}", family.nft());
                 }
             }

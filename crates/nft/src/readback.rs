@@ -241,7 +241,7 @@ fn foreign_objects(raw: &RawTable, family: Family, table: &str) -> Result<Vec<Op
                     table: table.to_string(),
                     what: format!(
                         "a {} named {:?}, another program's",
-                        dump::object_kind(*kind),
+                        model::object_kind(*kind),
                         name.escape_debug().to_string()
                     ),
                 });
