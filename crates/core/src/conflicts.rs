@@ -1,8 +1,10 @@
 //! Frontend conflicts: two Services that claim the same address, port and protocol on
 //! this node (a cluster IP, an external IP, a load-balancer IP, or a node port), and
 //! external or load-balancer IPs that would capture another Service's cluster IP or this
-//! node's own address (CVE-2020-8554), and cluster IPs equal to a node address. A
-//! health-check node port claims its port like a TCP node port. Pure: the planner calls [`resolve`] on the plans
+//! node's own address (CVE-2020-8554), and cluster IPs that no API server would have
+//! allocated ([`cluster_ip_refusal`]: this node's or another Node's address, or outside
+//! the known service CIDRs). A health-check node port claims its port like a TCP node
+//! port. Pure: the planner calls [`resolve`] on the plans
 //! it built and programs only what survives; `plan`, `explain`, the logs and the
 //! `kproxy_frontend_conflicts` metric show [`Conflict`]s (`crate::frontend` says what one
 //! is).
@@ -20,12 +22,75 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use ipnet::IpNet;
+
 use crate::frontend::{Conflict, ConflictReason, Frontend, FrontendKind};
 use crate::model::{IpFamily, Protocol, ServiceName};
 use crate::plan::{NodePlan, ServicePlan, ServicePortPlan};
 
 /// Who may claim first: created earlier (`None` last), then by name.
 pub type Age = Option<i64>;
+
+/// The addresses no cluster IP may take on this node.
+///
+/// An API server allocates cluster IPs inside its service CIDRs only, and node networks
+/// lie outside them; manifests reach kproxy with no API server between, so kproxy checks
+/// again what it can see (docs/input.md, "Cluster IPs").
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reserved {
+    /// This node's addresses.
+    pub node_ips: Vec<IpAddr>,
+    /// Other Nodes' addresses, with the Node each belongs to.
+    pub other_nodes: BTreeMap<IpAddr, String>,
+    /// The service CIDRs of both families; a family without any is not checked.
+    pub service_cidrs: Vec<IpNet>,
+}
+
+impl Reserved {
+    /// This node's addresses and service CIDRs as `plan`'s families hold them, and
+    /// `other_nodes`.
+    pub fn of(plan: &NodePlan, other_nodes: BTreeMap<IpAddr, String>) -> Reserved {
+        Reserved {
+            node_ips: plan
+                .families
+                .iter()
+                .flat_map(|f| f.node_ips.iter().copied())
+                .collect(),
+            other_nodes,
+            service_cidrs: plan
+                .families
+                .iter()
+                .flat_map(|f| f.service_cidrs.iter().copied())
+                .collect(),
+        }
+    }
+}
+
+/// Why `ip` may not be a cluster IP on this node, or `None` when it may: one of this
+/// node's addresses (its rules would take the node's own traffic), another Node's (they
+/// would take this node's traffic to it), or outside the service CIDRs of its family when
+/// any are known.
+pub fn cluster_ip_refusal(ip: IpAddr, reserved: &Reserved) -> Option<ConflictReason> {
+    if reserved.node_ips.contains(&ip) {
+        return Some(ConflictReason::NodeAddress);
+    }
+    if let Some(node) = reserved.other_nodes.get(&ip) {
+        return Some(ConflictReason::OtherNodeAddress { node: node.clone() });
+    }
+    let family = IpFamily::of(&ip);
+    let cidrs: Vec<IpNet> = reserved
+        .service_cidrs
+        .iter()
+        .filter(|c| family.contains(&c.addr()))
+        .copied()
+        .collect();
+    if !cidrs.is_empty() && !cidrs.iter().any(|c| c.contains(&ip)) {
+        return Some(ConflictReason::OutsideServiceCidrs {
+            service_cidrs: cidrs,
+        });
+    }
+    None
+}
 
 /// The frontends one port plan claims.
 pub fn frontends(p: &ServicePortPlan) -> impl Iterator<Item = Frontend> + '_ {
@@ -94,13 +159,16 @@ fn collision_key(fe: &Frontend) -> (bool, IpFamily, Option<IpAddr>, u16, Protoco
 
 /// Decides every conflict among `services` and returns the conflicts and, for each
 /// Service that lost something, its plan without the lost frontends. `age` gives a
-/// Service's creation time; `node_ips` are this node's addresses.
+/// Service's creation time and `field` the field a family's cluster IP was read from;
+/// `reserved` what no cluster IP may be.
 pub fn resolve(
     services: &BTreeMap<ServiceName, Arc<ServicePlan>>,
     age: impl Fn(&ServiceName) -> Age,
-    node_ips: &[IpAddr],
+    field: impl Fn(&ServiceName, IpFamily) -> Option<String>,
+    reserved: &Reserved,
     allow_external_ip_overlap: bool,
 ) -> (Vec<Conflict>, BTreeMap<ServiceName, Arc<ServicePlan>>) {
+    let node_ips = &reserved.node_ips;
     // Claim order: oldest first, then by name (the map is sorted by name; a stable sort
     // by age keeps that order among equals).
     let mut order: Vec<(&ServiceName, &Arc<ServicePlan>, Age)> =
@@ -128,10 +196,8 @@ pub fn resolve(
             .flat_map(|p| frontends(p).map(|fe| (p.service_port.port_name.as_str(), fe)));
         for (port_name, fe) in claims {
             let reason = match fe.kind {
-                FrontendKind::ClusterIp
-                    if node_ips.contains(&fe.ip.expect("cluster IP frontends have an IP")) =>
-                {
-                    Some(ConflictReason::NodeAddress)
+                FrontendKind::ClusterIp => {
+                    cluster_ip_refusal(fe.ip.expect("cluster IP frontends have an IP"), reserved)
                 }
                 FrontendKind::ExternalIp | FrontendKind::LoadBalancerIp
                     if !allow_external_ip_overlap =>
@@ -162,6 +228,9 @@ pub fn resolve(
                     service: (*name).clone(),
                     port_name: port_name.to_string(),
                     frontend: fe,
+                    field: (fe.kind == FrontendKind::ClusterIp)
+                        .then(|| field(name, fe.family))
+                        .flatten(),
                     reason,
                 });
             }
@@ -177,6 +246,7 @@ pub fn resolve(
                 service: (*name).clone(),
                 port_name: String::new(),
                 frontend,
+                field: None,
                 reason: ConflictReason::Claimed { owner: o },
             }),
             None => {
@@ -238,18 +308,64 @@ fn remove_frontend(plan: &mut ServicePlan, c: &Conflict) {
 }
 
 /// [`resolve`] applied to a whole plan: replaces the losers' plans and records the
-/// conflicts in `plan.conflicts`.
+/// conflicts in `plan.conflicts`. `other_nodes`: other Nodes' addresses.
 pub fn apply(
     plan: &mut NodePlan,
     age: impl Fn(&ServiceName) -> Age,
+    field: impl Fn(&ServiceName, IpFamily) -> Option<String>,
+    other_nodes: BTreeMap<IpAddr, String>,
     allow_external_ip_overlap: bool,
 ) {
-    let node_ips: Vec<IpAddr> = plan
-        .families
-        .iter()
-        .flat_map(|f| f.node_ips.iter().copied())
-        .collect();
-    let (conflicts, patched) = resolve(&plan.services, age, &node_ips, allow_external_ip_overlap);
+    let reserved = Reserved::of(plan, other_nodes);
+    let (conflicts, patched) = resolve(
+        &plan.services,
+        age,
+        field,
+        &reserved,
+        allow_external_ip_overlap,
+    );
     plan.services.extend(patched);
     plan.conflicts = conflicts;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn which_addresses_no_cluster_ip_may_take() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let net = |s: &str| s.parse::<IpNet>().unwrap();
+        let reserved = Reserved {
+            node_ips: vec![ip("10.200.0.1"), ip("fd00::1")],
+            other_nodes: BTreeMap::from([
+                (ip("10.200.0.2"), "node-b".to_string()),
+                (ip("10.96.0.7"), "node-c".to_string()),
+            ]),
+            service_cidrs: vec![net("10.96.0.0/16")],
+        };
+        let outside = || ConflictReason::OutsideServiceCidrs {
+            service_cidrs: vec![net("10.96.0.0/16")],
+        };
+        let other = |n: &str| ConflictReason::OtherNodeAddress { node: n.into() };
+        let rows: &[(&str, Option<ConflictReason>)] = &[
+            ("10.96.0.10", None),
+            ("10.200.0.1", Some(ConflictReason::NodeAddress)),
+            ("fd00::1", Some(ConflictReason::NodeAddress)),
+            ("10.200.0.2", Some(other("node-b"))),
+            // A Node's address inside the service CIDR is still that Node's.
+            ("10.96.0.7", Some(other("node-c"))),
+            ("192.0.2.1", Some(outside())),
+            // No IPv6 service CIDR is known: IPv6 is not range-checked.
+            ("fd00:96::1", None),
+        ];
+        for (addr, want) in rows {
+            assert_eq!(&cluster_ip_refusal(ip(addr), &reserved), want, "{addr}");
+        }
+        // Nothing known, nothing refused.
+        assert_eq!(
+            cluster_ip_refusal(ip("192.0.2.1"), &Reserved::default()),
+            None
+        );
+    }
 }

@@ -60,6 +60,12 @@ pub enum ConflictReason {
     /// node's own traffic (refused like the other reserved addresses, whatever
     /// `allow_external_ip_overlap` says).
     NodeAddress,
+    /// A cluster IP equal to an address of another Node: its rules would take this
+    /// node's traffic to that node.
+    OtherNodeAddress { node: String },
+    /// A cluster IP outside every service CIDR of its family (ServiceCIDR objects and
+    /// the configured ones): an API server would not have allocated it.
+    OutsideServiceCidrs { service_cidrs: Vec<ipnet::IpNet> },
 }
 
 /// A frontend refused to a Service.
@@ -71,6 +77,10 @@ pub struct Conflict {
     /// Its port (`spec.ports[].name`).
     pub port_name: String,
     pub frontend: Frontend,
+    /// The Service's field the refused address was read from, for a cluster IP
+    /// (`.spec.clusterIP`, `.spec.clusterIPs[1]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
     #[serde(flatten)]
     pub reason: ConflictReason,
 }
@@ -84,7 +94,11 @@ impl std::fmt::Display for Conflict {
             Some(ip) => format!("{ip}:{}/{:?}", fe.port, fe.protocol),
             None => format!("{}/{:?} ({})", fe.port, fe.protocol, fe.family),
         };
-        write!(f, "{}: {what} {at} not programmed: ", self.service)?;
+        write!(f, "{}: {what} {at}", self.service)?;
+        if let Some(field) = &self.field {
+            write!(f, " ({field})")?;
+        }
+        write!(f, " not programmed: ")?;
         match &self.reason {
             ConflictReason::Claimed { owner } => write!(f, "it belongs to {owner}"),
             ConflictReason::ClusterIpCapture { owner } => write!(
@@ -99,6 +113,19 @@ impl std::fmt::Display for Conflict {
                 f,
                 "it is an address of this node, whose own traffic its rules would take"
             ),
+            ConflictReason::OtherNodeAddress { node } => write!(
+                f,
+                "it is an address of Node {}, whose traffic from this node its rules would take",
+                node.escape_debug()
+            ),
+            ConflictReason::OutsideServiceCidrs { service_cidrs } => {
+                let cidrs: Vec<String> = service_cidrs.iter().map(|c| c.to_string()).collect();
+                write!(
+                    f,
+                    "it is outside the service CIDRs ({}), where no API server allocates a cluster IP",
+                    cidrs.join(", ")
+                )
+            }
         }
     }
 }

@@ -489,7 +489,7 @@ fn service_cluster_ips(
                         ctx.warn(format!(".spec.clusterIPs[{i}]"), format!("{why}; ignored"))
                     }
                     None => {
-                        cluster_ips.insert(family, ip);
+                        cluster_ips.insert_at(family, ip, i);
                     }
                 },
                 Some(_) => ctx.warn(

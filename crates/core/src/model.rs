@@ -254,18 +254,44 @@ impl TrafficPolicy {
 
 /// A Service's cluster IPs, at most one per family, iterated IPv4 first. Two slots
 /// rather than a map: a `BTreeMap` node is about 200 bytes, 2 MiB at 10k Services.
-/// Serialized as the map it stands for (`{"IPv4": "10.96.0.1"}`).
+/// Each remembers its place in `.spec.clusterIPs`, so a report names the field the
+/// operator wrote. Serialized as the map it stands for (`{"IPv4": "10.96.0.1"}`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct ClusterIps([Option<IpAddr>; 2]);
+pub struct ClusterIps {
+    ips: [Option<IpAddr>; 2],
+    /// The index in `.spec.clusterIPs` of each family's address.
+    index: [u8; 2],
+}
 
 impl ClusterIps {
-    /// Sets the family's cluster IP (replacing an earlier one of that family).
+    /// Sets the family's cluster IP (replacing an earlier one of that family), as the
+    /// next entry of `.spec.clusterIPs`.
     pub fn insert(&mut self, family: IpFamily, ip: IpAddr) {
-        self.0[family.index()] = Some(ip);
+        let index = match self.get(family) {
+            Some(_) => usize::from(self.index[family.index()]),
+            None => self.len(),
+        };
+        self.insert_at(family, ip, index);
+    }
+
+    /// Sets the family's cluster IP, read from `.spec.clusterIPs[index]`.
+    pub fn insert_at(&mut self, family: IpFamily, ip: IpAddr, index: usize) {
+        self.ips[family.index()] = Some(ip);
+        self.index[family.index()] = u8::try_from(index).unwrap_or(u8::MAX);
     }
 
     pub fn get(&self, family: IpFamily) -> Option<IpAddr> {
-        self.0[family.index()]
+        self.ips[family.index()]
+    }
+
+    /// The field the family's cluster IP was read from: `.spec.clusterIP` for the first
+    /// (`.spec.clusterIPs[0]` is the same address by the API's contract), else
+    /// `.spec.clusterIPs[i]`.
+    pub fn field(&self, family: IpFamily) -> String {
+        match self.index[family.index()] {
+            0 => ".spec.clusterIP".to_string(),
+            i => format!(".spec.clusterIPs[{i}]"),
+        }
     }
 
     /// `(family, cluster IP)` pairs, IPv4 first.
@@ -276,7 +302,7 @@ impl ClusterIps {
     }
 
     pub fn len(&self) -> usize {
-        self.0.iter().flatten().count()
+        self.ips.iter().flatten().count()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -44,6 +44,8 @@ pub fn plan(state: &ClusterState, node_name: &str, config: &PlanConfig) -> NodeP
     crate::conflicts::apply(
         &mut plan,
         |n| state.service(n).and_then(|s| s.created),
+        |n, family| state.service(n).map(|s| s.cluster_ips.field(family)),
+        state.other_node_addresses(),
         config.allow_external_ip_overlap,
     );
     plan
@@ -110,8 +112,10 @@ impl Planner {
     /// Applies the changes recorded in `state` since the last update.
     pub fn update(&mut self, state: &mut ClusterState) -> PlanUpdate {
         let changes = state.take_changes();
-        let full =
-            changes.node || changes.service_cidrs || std::mem::take(&mut self.config_changed);
+        let full = changes.node
+            || changes.service_cidrs
+            || changes.other_nodes
+            || std::mem::take(&mut self.config_changed);
         let facts = NodeFacts::new(
             &self.node_name,
             state.node(),
@@ -235,16 +239,12 @@ impl Planner {
     /// every Service whose resolved plan changed (a conflict won or lost elsewhere
     /// changes a Service that did not change itself).
     fn resolve_conflicts(&mut self, state: &ClusterState, update: &mut PlanUpdate) {
-        let node_ips: Vec<IpAddr> = self
-            .plan
-            .families
-            .iter()
-            .flat_map(|f| f.node_ips.iter().copied())
-            .collect();
+        let reserved = crate::conflicts::Reserved::of(&self.plan, state.other_node_addresses());
         let (conflicts, patched) = crate::conflicts::resolve(
             &self.raw,
             |n| state.service(n).and_then(|s| s.created),
-            &node_ips,
+            |n, family| state.service(n).map(|s| s.cluster_ips.field(family)),
+            &reserved,
             self.config.allow_external_ip_overlap,
         );
         let mut touched: BTreeSet<ServiceName> = update.services.drain(..).collect();

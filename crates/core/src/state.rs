@@ -4,6 +4,7 @@
 //! re-plans only what it touched.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
@@ -22,6 +23,8 @@ pub struct Changes {
     /// The set of ServiceCIDR objects changed (every family's `service_cidrs` may differ:
     /// a full re-plan, like a Node change).
     pub service_cidrs: bool,
+    /// Another node's addresses changed (no cluster IP may take them: a full re-plan).
+    pub other_nodes: bool,
     /// Service objects added, changed or removed (upstream counts these for
     /// `sync_proxy_rules_service_changes_total`).
     pub service_events: u64,
@@ -31,7 +34,7 @@ pub struct Changes {
 
 impl Changes {
     pub fn is_empty(&self) -> bool {
-        self.services.is_empty() && !self.node && !self.service_cidrs
+        self.services.is_empty() && !self.node && !self.service_cidrs && !self.other_nodes
     }
 }
 
@@ -54,8 +57,12 @@ pub enum Update {
     Node(Box<Node>),
     /// A ServiceCIDR object.
     ServiceCidr(ServiceCidr),
-    /// Another node's Node.
-    Nothing,
+    /// Another node's Node: only its addresses matter here (no cluster IP may be one,
+    /// `crate::conflicts`).
+    OtherNode {
+        name: String,
+        addresses: Vec<IpAddr>,
+    },
 }
 
 impl Update {
@@ -78,10 +85,13 @@ impl Update {
                 } => (Update::DeleteSlice { namespace, name }, Vec::new()),
             },
             Object::Node(n) => {
-                if n.metadata.name.as_deref() != Some(node_name) {
-                    return Ok((Update::Nothing, Vec::new()));
-                }
                 let i = ingest::node(n)?;
+                if i.value.name != node_name {
+                    let Node {
+                        name, addresses, ..
+                    } = i.value;
+                    return Ok((Update::OtherNode { name, addresses }, i.warnings));
+                }
                 (Update::Node(Box::new(i.value)), i.warnings)
             }
             Object::ServiceCidr(c) => {
@@ -136,6 +146,9 @@ pub struct ClusterState {
     node: Option<Node>,
     /// ServiceCIDR objects by name (cluster-scoped).
     service_cidrs: BTreeMap<String, ServiceCidr>,
+    /// Other nodes' addresses, by Node name (what the input holds: manifests list
+    /// every Node; the API source watches this node's alone).
+    other_nodes: BTreeMap<String, Vec<IpAddr>>,
     changes: Changes,
 }
 
@@ -190,6 +203,29 @@ impl ClusterState {
             .flat_map(|c| c.cidrs.iter().map(|n| n.trunc()))
             .collect();
         set.into_iter().collect()
+    }
+
+    /// Every other node's address, with the Node it belongs to (the first by name when
+    /// two list the same).
+    pub fn other_node_addresses(&self) -> BTreeMap<IpAddr, String> {
+        let mut out = BTreeMap::new();
+        for (name, addresses) in &self.other_nodes {
+            for ip in addresses {
+                out.entry(*ip).or_insert_with(|| name.clone());
+            }
+        }
+        out
+    }
+
+    /// Sets another node's addresses. Returns whether anything changed.
+    pub fn upsert_other_node(&mut self, name: &str, addresses: &[IpAddr]) -> bool {
+        if self.other_nodes.get(name).map(Vec::as_slice) == Some(addresses) {
+            return false;
+        }
+        self.other_nodes
+            .insert(name.to_string(), addresses.to_vec());
+        self.changes.other_nodes = true;
+        true
     }
 
     /// Inserts or replaces a ServiceCIDR object. Returns whether anything changed.
@@ -329,6 +365,7 @@ impl ClusterState {
         self.changes.services.extend(all);
         self.changes.node = true;
         self.changes.service_cidrs = true;
+        self.changes.other_nodes = true;
     }
 
     /// Replaces the whole content with `other` (an atomic relist), recording as changed
@@ -362,13 +399,16 @@ impl ClusterState {
         }
         let node_changed = self.node != other.node;
         let cidrs_changed = self.service_cidrs != other.service_cidrs;
+        let other_nodes_changed = self.other_nodes != other.other_nodes;
         let mut pending = std::mem::take(&mut self.changes);
         self.services = other.services;
         self.slices = other.slices;
         self.slice_owner = other.slice_owner;
         self.node = other.node;
         self.service_cidrs = other.service_cidrs;
+        self.other_nodes = other.other_nodes;
         pending.service_cidrs |= cidrs_changed;
+        pending.other_nodes |= other_nodes_changed;
         pending.services.extend(changed);
         pending.node |= node_changed;
         pending.service_events += service_events;
@@ -402,7 +442,7 @@ impl ClusterState {
             Update::DeleteSlice { namespace, name } => self.delete_slice(namespace, name),
             Update::Node(node) => self.set_node(Some((**node).clone())),
             Update::ServiceCidr(c) => self.upsert_service_cidr(c.clone()),
-            Update::Nothing => false,
+            Update::OtherNode { name, addresses } => self.upsert_other_node(name, addresses),
         }
     }
 
@@ -412,7 +452,11 @@ impl ClusterState {
             Kind::Service => self.delete_service(&ServiceName::new(namespace, name)),
             Kind::EndpointSlice => self.delete_slice(namespace, name),
             Kind::Node if name == node_name => self.set_node(None),
-            Kind::Node => false,
+            Kind::Node => {
+                let gone = self.other_nodes.remove(name).is_some();
+                self.changes.other_nodes |= gone;
+                gone
+            }
             Kind::ServiceCidr => self.delete_service_cidr(name),
         }
     }

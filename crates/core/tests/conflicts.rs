@@ -202,8 +202,9 @@ fn a_cluster_ip_equal_to_a_node_address_is_refused() {
             ("bad", FrontendKind::ClusterIp, &ConflictReason::NodeAddress)
         );
         assert!(
-            c.to_string()
-                .contains("10.200.0.1:80/TCP not programmed: it is an address of this node"),
+            c.to_string().contains(
+                "10.200.0.1:80/TCP (.spec.clusterIP) not programmed: it is an address of this node"
+            ),
             "{c}"
         );
         let names: Vec<&str> = plan
@@ -319,4 +320,105 @@ fn an_endpoint_change_of_a_loser_keeps_its_conflict() {
         .unwrap();
     assert_eq!(b_port.node_port, None);
     assert_eq!(b_port.all_reachable_endpoints.len(), 1);
+}
+
+/// Another Node's address as a cluster IP (issue 42, 10b): its rules took this node's
+/// traffic to that node. A cluster IP outside the ServiceCIDRs no API server would have
+/// allocated either. Each refusal names the object and the field and costs only that
+/// Service's port of that family; every other Service programs.
+#[test]
+fn another_nodes_address_or_a_cluster_ip_outside_the_service_cidrs_is_refused() {
+    let node_b = "apiVersion: v1\nkind: Node\nmetadata: {name: node-b}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.2}, {type: InternalIP, address: fd00::2}]}\n".to_string();
+    let cidr = "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16, fd00:96::/112]}\n".to_string();
+    let np = |s: String| s.replace(", nodePort: NP", "");
+    let other_node = np(svc("other-node", OLD, "clusterIP: 10.200.0.2"));
+    let dual = np(svc(
+        "dual",
+        OLD,
+        "clusterIP: 10.96.0.20, clusterIPs: [10.96.0.20, fd00::2], ipFamilies: [IPv4, IPv6], ipFamilyPolicy: RequireDualStack",
+    ));
+    let outside = np(svc("outside", OLD, "clusterIP: 192.0.2.10"));
+    let good = np(svc("good", NEW, "clusterIP: 10.96.0.10"));
+    let docs = [node_b.clone(), other_node, dual, outside, good];
+
+    // Without ServiceCIDRs, only the node addresses are refused.
+    let plan = plan_both_ways(&docs, &PlanConfig::default());
+    let got: Vec<(String, String, Option<String>)> = plan
+        .conflicts
+        .iter()
+        .map(|c| {
+            (
+                c.service.name.to_string(),
+                c.frontend.ip.unwrap().to_string(),
+                c.field.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (
+                "dual".into(),
+                "fd00::2".into(),
+                Some(".spec.clusterIPs[1]".into())
+            ),
+            (
+                "other-node".into(),
+                "10.200.0.2".into(),
+                Some(".spec.clusterIP".into())
+            ),
+        ]
+    );
+    for c in &plan.conflicts {
+        assert_eq!(
+            c.reason,
+            ConflictReason::OtherNodeAddress {
+                node: "node-b".into()
+            }
+        );
+    }
+    let text = plan.conflicts[1].to_string();
+    assert_eq!(
+        text,
+        "ns/other-node: cluster IP 10.200.0.2:80/TCP (.spec.clusterIP) not programmed: it is an address of Node node-b, whose traffic from this node its rules would take"
+    );
+    let ports = |plan: &NodePlan| -> Vec<String> {
+        plan.service_ports()
+            .map(|p| format!("{} {}", p.service_port.service.name, p.cluster_ip))
+            .collect()
+    };
+    assert_eq!(
+        ports(&plan),
+        ["dual 10.96.0.20", "good 10.96.0.10", "outside 192.0.2.10"]
+    );
+
+    // With a ServiceCIDR, an address outside it is refused too.
+    let mut with_cidr = docs.to_vec();
+    with_cidr.push(cidr);
+    let plan = plan_both_ways(&with_cidr, &PlanConfig::default());
+    let outside: Vec<_> = plan
+        .conflicts
+        .iter()
+        .filter(|c| &*c.service.name == "outside")
+        .collect();
+    assert_eq!(outside.len(), 1, "{:?}", plan.conflicts);
+    assert_eq!(
+        outside[0].to_string(),
+        "ns/outside: cluster IP 192.0.2.10:80/TCP (.spec.clusterIP) not programmed: it is outside the service CIDRs (10.96.0.0/16), where no API server allocates a cluster IP"
+    );
+    assert_eq!(ports(&plan), ["dual 10.96.0.20", "good 10.96.0.10"]);
+
+    // The incremental planner follows the other Node: once it is gone, its address is free.
+    let mut st = state(&docs);
+    let mut planner = Planner::new("node-a", PlanConfig::default());
+    planner.update(&mut st);
+    assert_eq!(planner.plan().conflicts.len(), 2);
+    st.delete(kproxy_core::ingest::Kind::Node, "", "node-b", "node-a");
+    planner.update(&mut st);
+    assert!(
+        planner.plan().conflicts.is_empty(),
+        "{:?}",
+        planner.plan().conflicts
+    );
+    assert_eq!(planner.plan().service_ports().count(), 5);
 }

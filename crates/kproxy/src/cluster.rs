@@ -328,6 +328,7 @@ impl ClusterArgs {
             strict_failed: self.input.strict && problems > 0,
             skipped: !snapshot.found.skipped.is_empty(),
             lost: false,
+            files: Vec::new(),
         };
         Ok(Cluster {
             state: snapshot.state,

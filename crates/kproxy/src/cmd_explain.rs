@@ -79,7 +79,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         print!("{}", health_check_runtime(&state, &name, server)?);
         print!("{}", kernel_runtime(&fetch(server, "/metrics")?, server));
     }
-    crate::common::print_conflicts(&plan, Some(&name));
+    crate::common::print_conflicts(&plan, Some(&name), &cluster.report.files);
     Ok(if strict_failed {
         ExitCode::from(1)
     } else {

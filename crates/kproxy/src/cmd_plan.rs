@@ -21,7 +21,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let plan = cluster.plan_with(&cluster.config.plan);
     if !print_structured(&plan, args.output)? {
         print!("{}", kproxy_core::explain::plan_table(&plan));
-        crate::common::print_conflicts(&plan, None);
+        crate::common::print_conflicts(&plan, None, &cluster.report.files);
     }
     Ok(if cluster.report.strict_failed {
         ExitCode::from(1)

@@ -72,8 +72,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     // A frontend conflict dropped a frontend of the loser: as good as a skipped piece of
     // it, and named, since manifests without creationTimestamp decide by name order.
+    let locations = crate::common::conflict_locations(&plan.conflicts, &input.files);
     for c in &plan.conflicts {
-        eprintln!("kproxy: conflict: {c}");
+        eprintln!(
+            "kproxy: conflict: {}",
+            crate::common::conflict_line(c, &locations)
+        );
     }
     let failed = input.strict_failed || input.skipped || !plan.conflicts.is_empty();
     let dp_config = DataplaneConfig {

@@ -1,11 +1,13 @@
 //! What several subcommands share: logging set-up, loading manifests for one node, the
 //! input settings and the output formats.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use clap::Args;
 use kproxy_core::ingest::Ownership;
+use kproxy_core::model::ServiceName;
 use kproxy_core::{ClusterState, NodePlan, PlanConfig};
 use kproxy_source::manifests;
 
@@ -209,7 +211,7 @@ pub struct InputArgs {
 }
 
 /// What loading the manifests ran into, beyond the state itself.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct LoadReport {
     /// `--strict` and something was reported.
     pub strict_failed: bool,
@@ -218,6 +220,9 @@ pub struct LoadReport {
     /// A file or document could not be read or parsed: objects may be missing that no
     /// report names, so the state must not replace a programmed one.
     pub lost: bool,
+    /// The manifest files read (none from the API): where [`print_conflicts`] looks up
+    /// the file of a refused cluster IP.
+    pub files: Vec<PathBuf>,
 }
 
 impl InputArgs {
@@ -282,6 +287,7 @@ impl InputArgs {
             strict_failed: self.strict && !loaded.problems.is_empty(),
             skipped: loaded.problems.iter().any(|p| p.skipped_object()),
             lost: loaded.problems.iter().any(|p| p.loses_unknown_objects()),
+            files: loaded.files,
         };
         Ok((loaded.state, report))
     }
@@ -330,9 +336,65 @@ pub fn print_structured<T: serde::Serialize>(value: &T, output: Output) -> Resul
     Ok(true)
 }
 
+/// Where the Services whose cluster IP a conflict refuses are written, by Service, as
+/// `file: document N` (manifest mode: the API server checked the API's objects). The
+/// files are read again only when there is such a conflict, so the good path pays
+/// nothing; a file unreadable by now is passed over (it was reported when loaded).
+pub fn conflict_locations(
+    conflicts: &[kproxy_core::frontend::Conflict],
+    files: &[PathBuf],
+) -> BTreeMap<ServiceName, String> {
+    use kproxy_core::manifest::Object;
+    let wanted: BTreeSet<&ServiceName> = conflicts
+        .iter()
+        .filter(|c| c.field.is_some())
+        .map(|c| &c.service)
+        .collect();
+    let mut found = BTreeMap::new();
+    if wanted.is_empty() {
+        return found;
+    }
+    for file in files {
+        let Ok(bytes) = manifests::read_regular(file, manifests::DEFAULT_MAX_FILE_BYTES) else {
+            continue;
+        };
+        kproxy_core::manifest::for_each_object(&file.display().to_string(), &bytes, &mut |r| {
+            let Ok(located) = r else { return };
+            let Object::Service(svc) = &located.object else {
+                return;
+            };
+            let (Some(ns), Some(name)) = (&svc.metadata.namespace, &svc.metadata.name) else {
+                return;
+            };
+            let key = ServiceName::new(ns.as_str(), name.as_str());
+            if wanted.contains(&key) {
+                found.insert(key, located.location.to_string());
+            }
+        });
+    }
+    found
+}
+
+/// One conflict as the tools print it: after its Service's file and document when
+/// `locations` knows them.
+pub fn conflict_line(
+    c: &kproxy_core::frontend::Conflict,
+    locations: &BTreeMap<ServiceName, String>,
+) -> String {
+    match locations.get(&c.service) {
+        Some(at) => format!("{at}: {c}"),
+        None => c.to_string(),
+    }
+}
+
 /// Prints the plan's frontend conflicts (all, or those of `service` as loser or owner)
-/// under a heading; nothing when there are none.
-pub fn print_conflicts(plan: &NodePlan, service: Option<&kproxy_core::model::ServiceName>) {
+/// under a heading; nothing when there are none. `files`: the manifest files read, to
+/// name where a refused cluster IP is written.
+pub fn print_conflicts(
+    plan: &NodePlan,
+    service: Option<&kproxy_core::model::ServiceName>,
+    files: &[PathBuf],
+) {
     use kproxy_core::frontend::ConflictReason;
     let involved = |c: &&kproxy_core::frontend::Conflict| {
         service.is_none_or(|s| {
@@ -340,11 +402,12 @@ pub fn print_conflicts(plan: &NodePlan, service: Option<&kproxy_core::model::Ser
                 || matches!(&c.reason, ConflictReason::Claimed { owner } | ConflictReason::ClusterIpCapture { owner } if owner == s)
         })
     };
-    let lines: Vec<String> = plan
-        .conflicts
+    let shown: Vec<kproxy_core::frontend::Conflict> =
+        plan.conflicts.iter().filter(involved).cloned().collect();
+    let locations = conflict_locations(&shown, files);
+    let lines: Vec<String> = shown
         .iter()
-        .filter(involved)
-        .map(|c| format!("  {c}"))
+        .map(|c| format!("  {}", conflict_line(c, &locations)))
         .collect();
     if !lines.is_empty() {
         println!(

@@ -510,12 +510,13 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     /// health says so once done. Runs only between syncs, where the planner's plan is
     /// the one programmed. A failed repair is owed again (after the backoff).
     async fn repair_kernel(&mut self, repair: kernel_watch::Repair) {
+        let started = tokio::time::Instant::now();
         let res = self
             .on_engine(|e| e.dataplane.repair(e.planner.plan()))
             .await;
         let detail = match res {
             Ok(outcome) if outcome.unchanged => {
-                self.found_unchanged(repair);
+                self.found_unchanged(repair, started.elapsed());
                 return;
             }
             Ok(outcome) => Some(outcome.detail),
@@ -535,7 +536,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     /// made, so none is counted or logged as one, and the watch takes no backoff step
     /// (an overflow from foreign churn logged "Services on this node are broken" and
     /// delayed the repair of a real flush after it by 25.6 s).
-    fn found_unchanged(&mut self, repair: kernel_watch::Repair) {
+    fn found_unchanged(&mut self, repair: kernel_watch::Repair, took: Duration) {
         self.health.kernel_repaired();
         tracing::info!(
             events = repair.events,
@@ -550,7 +551,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             }),
         );
         if let Some(w) = self.kernel.as_mut() {
-            w.found_unchanged();
+            w.found_unchanged(took);
         }
     }
 
@@ -1188,6 +1189,24 @@ mod tests {
                 ))
                 .unwrap();
         }
+        /// The kernel watch reads another process's change to kproxy's tables.
+        fn interference(&self) {
+            self.kernel
+                .send(crate::kernel_watch::Detected::now(
+                    kproxy_nft::monitor::Event::Interference(interference()),
+                ))
+                .unwrap();
+        }
+        /// Repairs (and comparisons) the dataplane ran.
+        fn repairs(&self) -> usize {
+            self.log
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|s| matches!(s, Seen::Repaired { .. }))
+                .count()
+        }
         fn add(&self, i: usize) {
             self.handle.update(|s| s.upsert_service(service(i)));
         }
@@ -1218,35 +1237,23 @@ mod tests {
     /// Notifications lost to other tables' churn, compared and found equal, took a
     /// backoff step each: the next (real) change was repaired only after seconds, with
     /// a false "Services on this node are broken" warning. Equal is no repair: no
-    /// step, no count; a real change after them is repaired at once.
+    /// step, no count; a real change after them (read as another process's) is
+    /// repaired at once. The comparisons themselves are spaced by the floor of
+    /// `pacing::lost_comparison_pause`, not by a backoff.
     #[tokio::test(start_paused = true)]
     async fn lost_notifications_found_equal_take_no_backoff_step() {
-        let h = start(0, &[], None);
-        h.add(0);
-        h.handle.mark_ready();
-        h.until_syncs(1).await;
-        h.repairs_unchanged
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        let repairs = |h: &Harness| {
-            h.log
-                .0
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|s| matches!(s, Seen::Repaired { .. }))
-                .count()
-        };
+        let h = synced_with_repairs_unchanged().await;
         for round in 1..=5 {
             h.kernel_changed();
-            while repairs(&h) < round {
+            while h.repairs() < round {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
         let compared_at = h.log.ms();
         h.repairs_unchanged
             .store(false, std::sync::atomic::Ordering::SeqCst);
-        h.kernel_changed();
-        while repairs(&h) < 6 {
+        h.interference();
+        while h.repairs() < 6 {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let repaired_after = h.log.ms() - compared_at;
@@ -1257,12 +1264,77 @@ mod tests {
             repaired_after <= 1,
             "repaired {repaired_after} ms after the change"
         );
-        assert!(compared_at <= 10, "five comparisons took {compared_at} ms");
+        let floor = crate::pacing::LOST_COMPARISON_FLOOR.as_millis() as u64;
+        assert!(
+            compared_at <= 4 * floor + 10,
+            "five comparisons took {compared_at} ms"
+        );
         assert_repaired_once(&text);
         assert!(
             text.contains("kproxy_kernel_interference_backoff_seconds 0.0"),
             "{text}"
         );
+    }
+
+    /// Notifications lost without end (other tables' churn overrunning the receive
+    /// buffer) ran a comparison after each loss, back to back: each is a full read-back
+    /// of kproxy's tables (0.2–0.4 s at 10k Services × 10 endpoints), so up to a core.
+    /// Comparisons that find the tables equal are spaced (`pacing::lost_comparison_pause`);
+    /// a change that the watch reads as another process's is repaired at once all the
+    /// same.
+    #[tokio::test(start_paused = true)]
+    async fn comparisons_after_endless_lost_notifications_are_spaced() {
+        let h = synced_with_repairs_unchanged().await;
+        // A loss every millisecond for 10.05 s (the last one's comparison is owed,
+        // waiting out the pause, when the change below comes).
+        for _ in 0..10_050 {
+            h.kernel_changed();
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let compared = h.repairs();
+        // Another process's change, read as such, amid the losses.
+        h.repairs_unchanged
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        let before = h.log.ms();
+        h.interference();
+        while h.repairs() == compared {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let repaired_after = h.log.ms() - before;
+        h.stop().await;
+        eprintln!("{compared} comparisons in 10.05 s of endless lost notifications");
+        let floor = crate::pacing::LOST_COMPARISON_FLOOR.as_millis() as usize;
+        assert!(
+            compared <= 10_050 / floor + 1,
+            "{compared} comparisons in 10.05 s"
+        );
+        assert!(repaired_after <= 1, "repaired {repaired_after} ms after");
+    }
+
+    /// A loop that synced one Service, whose repairs find the kernel equal to the
+    /// record until the test says otherwise.
+    async fn synced_with_repairs_unchanged() -> Harness {
+        let h = start(0, &[], None);
+        h.add(0);
+        h.handle.mark_ready();
+        h.until_syncs(1).await;
+        h.repairs_unchanged
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        h
+    }
+
+    #[expect(
+        clippy::disallowed_types,
+        reason = "kproxy_nft stamps an interference on its blocking monitor thread"
+    )]
+    fn interference() -> kproxy_nft::monitor::Interference {
+        kproxy_nft::monitor::Interference {
+            pid: 42,
+            process: "nft".into(),
+            generation: 1,
+            changes: kproxy_nft::monitor::Changes::default(),
+            detected: std::time::Instant::now(),
+        }
     }
 
     /// A restart on an empty input (a 0-byte file, an emptied directory, a volume not

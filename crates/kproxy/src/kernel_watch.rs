@@ -76,6 +76,9 @@ pub struct KernelWatch {
     owed: Option<(Repair, Instant)>,
     backoff: Backoff,
     last_repair: Option<Instant>,
+    /// Until when a repair owed for lost notifications alone waits, after a comparison
+    /// found nothing to repair ([`crate::pacing::lost_comparison_pause`]).
+    lost_paused_until: Option<Instant>,
     metrics: Arc<Metrics>,
 }
 
@@ -119,6 +122,7 @@ impl KernelWatch {
             owed: None,
             backoff: Backoff::default(),
             last_repair: None,
+            lost_paused_until: None,
             metrics,
         }
     }
@@ -140,7 +144,13 @@ impl KernelWatch {
                     return std::future::pending().await;
                 };
                 let delay = self.backoff.delay(self.last_repair.map(|t| t.elapsed()));
-                self.owed = Some((Repair::of(event), Instant::now() + delay));
+                let mut due = Instant::now() + delay;
+                if matches!(event.event, Event::Lost)
+                    && let Some(until) = self.lost_paused_until
+                {
+                    due = due.max(until);
+                }
+                self.owed = Some((Repair::of(event), due));
                 self.announce(delay);
                 continue;
             };
@@ -149,7 +159,18 @@ impl KernelWatch {
                 // What is already queued joins the repair before it starts.
                 biased;
                 event = self.events.recv() => match (event, &mut self.owed) {
-                    (Some(event), Some((owed, _))) => owed.merge(event),
+                    (Some(event), Some((owed, due))) => {
+                        // Another process's change does not wait out a pause that
+                        // lost notifications alone took.
+                        if owed.interference.is_none()
+                            && matches!(event.event, Event::Interference(_))
+                        {
+                            let delay =
+                                self.backoff.delay(self.last_repair.map(|t| t.elapsed()));
+                            *due = (*due).min(Instant::now() + delay);
+                        }
+                        owed.merge(event);
+                    }
                     _ => return std::future::pending().await,
                 },
                 _ = tokio::time::sleep_until(due) => {
@@ -185,17 +206,21 @@ impl KernelWatch {
         self.owed.is_some()
     }
 
-    /// The repair's comparison found the tables equal to the record: nothing was
-    /// repaired, so no backoff step (lost notifications from other tables' churn are
-    /// not a process fighting kproxy).
-    pub fn found_unchanged(&mut self) {
+    /// The repair's comparison, which took `took`, found the tables equal to the
+    /// record: nothing was repaired, so no backoff step (lost notifications from other
+    /// tables' churn are not a process fighting kproxy); but the next comparison for
+    /// lost notifications alone waits ([`crate::pacing::lost_comparison_pause`]), so
+    /// endless losses do not read the tables back to back.
+    pub fn found_unchanged(&mut self, took: Duration) {
         self.metrics.kernel_repair_backoff.set(0.0);
+        self.lost_paused_until = Some(Instant::now() + crate::pacing::lost_comparison_pause(took));
     }
 
     /// The repair ran (`ok`), or failed and is owed again, after the backoff.
     pub fn repaired(&mut self, repair: Repair, ok: bool) {
         self.backoff.repaired();
         self.last_repair = Some(Instant::now());
+        self.lost_paused_until = None;
         if !ok {
             let delay = self.backoff.delay(Some(Duration::ZERO)).max(Backoff::FIRST);
             self.owed = Some((repair, Instant::now() + delay));

@@ -289,3 +289,95 @@ fn kube_proxys_table_names_are_refused_at_the_flag() {
         assert!(stderr.contains("is kube-proxy's"), "{cmd} {name}: {stderr}");
     }
 }
+
+/// Another Node's address as a cluster IP was accepted, and traffic from this node to
+/// that node's port was taken by the rules (issue 42, 10b); so was a cluster IP outside
+/// the ServiceCIDRs. Both are refused, naming the file, the object and the field, and
+/// cost only their own port: `plan`, `explain` and `sync --dry-run` say so.
+#[test]
+fn a_cluster_ip_on_another_node_or_outside_the_service_cidrs_is_refused_by_file_object_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = "apiVersion: v1\nkind: Node\nmetadata: {name: n}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.1}]}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: n2}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.2}]}\n---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n";
+    std::fs::write(dir.path().join("nodes.yaml"), nodes).unwrap();
+    let bad = |name: &str, ip: &str| {
+        SVC.replace("name: web", &format!("name: {name}"))
+            .replace("10.96.0.10", ip)
+            .replace("nodePort: 30080", "nodePort: 30099")
+            .replace("type: NodePort, ", "")
+            .replace(", nodePort: 30099", "")
+    };
+    std::fs::write(
+        dir.path().join("svc.yaml"),
+        format!(
+            "{SVC}---\n{}---\n{}",
+            bad("hijack", "10.200.0.2"),
+            bad("stray", "192.0.2.10")
+        ),
+    )
+    .unwrap();
+    let m = dir.path().to_str().unwrap();
+    let file = dir.path().join("svc.yaml");
+    let file = file.display();
+
+    let out = kproxy(&["plan", "--manifests", m, "--node", "n"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("{file}: document 1: shop/hijack: cluster IP 10.200.0.2:80/TCP (.spec.clusterIP) not programmed: it is an address of Node n2")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("{file}: document 2: shop/stray: cluster IP 192.0.2.10:80/TCP (.spec.clusterIP) not programmed: it is outside the service CIDRs (10.96.0.0/16)")),
+        "{stdout}"
+    );
+
+    let out = kproxy(&["plan", "--manifests", m, "--node", "n", "-o", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let reasons: Vec<(String, String, String)> = v["conflicts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["service"].as_str().unwrap().to_string(),
+                c["field"].as_str().unwrap().to_string(),
+                c["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            (
+                "shop/hijack".into(),
+                ".spec.clusterIP".into(),
+                "otherNodeAddress".into()
+            ),
+            (
+                "shop/stray".into(),
+                ".spec.clusterIP".into(),
+                "outsideServiceCidrs".into()
+            ),
+        ]
+    );
+    // Only the refused ports are gone: web keeps its cluster IP and node port.
+    let ports: Vec<&str> = v["servicePorts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["clusterIp"].as_str().unwrap())
+        .collect();
+    assert_eq!(ports, ["10.96.0.10"]);
+
+    let out = kproxy(&["explain", "--manifests", m, "--node", "n", "shop/hijack"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("{file}: document 1: shop/hijack: cluster IP 10.200.0.2:80/TCP (.spec.clusterIP) not programmed")),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,5 +1,5 @@
 //! Reads kproxy's own tables back from the kernel over nfnetlink (NFT_MSG_GETTABLE,
-//! GETCHAIN, GETSET, GETSETELEM, GETRULE dumps; no `nft list`), and turns what it read
+//! GETCHAIN, GETSET, GETSETELEM, GETRULE, GETOBJ dumps; no `nft list`), and turns what it read
 //! into the desired state's vocabulary so that a restart can apply only the difference
 //! ("adoption", see `Dataplane::sync`).
 //!
@@ -50,6 +50,7 @@ const NFT_MSG_GETRULE: u16 = 7;
 const NFT_MSG_GETSET: u16 = 10;
 const NFT_MSG_GETSETELEM: u16 = 13;
 const NFT_MSG_GETGEN: u16 = 16;
+const NFT_MSG_GETOBJ: u16 = 19;
 const NFTA_GEN_ID: u16 = 1;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_TABLE_FLAGS: u16 = 2;
@@ -75,6 +76,9 @@ const NFTA_SET_DATA_TYPE: u16 = 6;
 const NFTA_SET_DATA_LEN: u16 = 7;
 const NFTA_SET_TIMEOUT: u16 = 11;
 const NFTA_SET_USERDATA: u16 = 13;
+const NFTA_OBJ_TABLE: u16 = 1;
+const NFTA_OBJ_NAME: u16 = 2;
+const NFTA_OBJ_TYPE: u16 = 3;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
@@ -310,6 +314,10 @@ pub struct RawTable {
     pub chains: BTreeMap<String, RawChain>,
     pub sets: BTreeMap<String, RawSet>,
     pub anonymous: BTreeMap<String, RawSet>,
+    /// Named stateful objects (counters, quotas, limits, ct helpers…: `NFT_OBJECT_*`
+    /// type, name; `model::object_kind` names the type). kproxy declares none: each is
+    /// another program's.
+    pub objects: std::collections::BTreeSet<(u32, String)>,
 }
 
 impl RawTable {
@@ -680,6 +688,28 @@ fn read_once(
                 t.sets.insert(name, set);
             } else if tbl == table {
                 t.anonymous.insert(name, set);
+            }
+            Ok(())
+        },
+    )?;
+    r.request(
+        &format!("the named objects of table {family} {table}"),
+        NFT_MSG_GETOBJ,
+        NLM_F_DUMP,
+        fam,
+        &[(NFTA_OBJ_TABLE, table)],
+        |p| {
+            let (mut tbl, mut name, mut kind) = (String::new(), String::new(), 0);
+            for (k, v) in Attrs(p) {
+                match k {
+                    NFTA_OBJ_TABLE => tbl = string(v),
+                    NFTA_OBJ_NAME => name = string(v),
+                    NFTA_OBJ_TYPE => kind = be32(v).unwrap_or(0),
+                    _ => {}
+                }
+            }
+            if tbl == table {
+                t.objects.insert((kind, name));
             }
             Ok(())
         },

@@ -642,6 +642,32 @@ pub enum Op {
         set: String,
         keys: Vec<Tuple>,
     },
+    /// Deletes a named stateful object (`NFT_OBJECT_*` type `kind`): kproxy declares
+    /// none, so one in its table is another program's.
+    DeleteObject {
+        family: Family,
+        table: String,
+        kind: u32,
+        name: String,
+    },
+}
+
+/// The nft keyword of a named object's type (`NFT_OBJECT_*`, linux/netfilter/nf_tables.h),
+/// as `nft delete KIND …` and the reports name it.
+pub fn object_kind(kind: u32) -> &'static str {
+    match kind {
+        1 => "counter",
+        2 => "quota",
+        3 => "ct helper",
+        4 => "limit",
+        5 => "connlimit",
+        6 => "tunnel",
+        7 => "ct timeout",
+        8 => "secmark",
+        9 => "ct expectation",
+        10 => "synproxy",
+        _ => "object",
+    }
 }
 
 impl Op {
@@ -657,6 +683,8 @@ impl Op {
             Op::AddElements { .. } => 5,
             Op::DeleteChain { .. } => 6,
             Op::DeleteSet { .. } => 7,
+            // After the rules that may refer to it (a foreign `counter name …`) are gone.
+            Op::DeleteObject { .. } => 8,
         }
     }
 
@@ -676,6 +704,7 @@ impl Op {
             Op::AddRule { chain, .. } => ("add", "rule", Some(chain)),
             Op::AddElements { set, .. } => ("add", "element", Some(set)),
             Op::DeleteElements { set, .. } => ("delete", "element", Some(set)),
+            Op::DeleteObject { kind, name, .. } => ("delete", object_kind(*kind), Some(name)),
         }
     }
 
@@ -691,7 +720,8 @@ impl Op {
             | Op::DeleteChain { family, table, .. }
             | Op::AddRule { family, table, .. }
             | Op::AddElements { family, table, .. }
-            | Op::DeleteElements { family, table, .. } => (*family, table),
+            | Op::DeleteElements { family, table, .. }
+            | Op::DeleteObject { family, table, .. } => (*family, table),
         }
     }
 
@@ -733,6 +763,8 @@ pub struct Counts {
     pub elements_deleted: usize,
     pub sets_added: usize,
     pub sets_deleted: usize,
+    /// Named objects (another program's) deleted.
+    pub objects_deleted: usize,
 }
 
 impl Counts {
@@ -748,6 +780,7 @@ impl Counts {
         self.elements_deleted += o.elements_deleted;
         self.sets_added += o.sets_added;
         self.sets_deleted += o.sets_deleted;
+        self.objects_deleted += o.objects_deleted;
     }
 }
 
@@ -1066,6 +1099,15 @@ impl Transaction {
                         text.line_done()?;
                     }
                     continue;
+                }
+                Op::DeleteObject {
+                    family,
+                    table,
+                    kind,
+                    name,
+                } => {
+                    let kind = object_kind(*kind);
+                    let _ = writeln!(out, "delete {kind} {} {table} {name}", family.nft());
                 }
             }
             text.line_done()?;
@@ -1545,6 +1587,8 @@ mod tests {
                         assert!(s.elements.remove(k).is_some(), "deleted element exists");
                     }
                 }
+                // The model holds no named objects.
+                Op::DeleteObject { .. } => {}
             }
         }
         t

@@ -92,6 +92,10 @@ const NFT_MSG_NEWRULE: u16 = 6;
 const NFT_MSG_DELRULE: u16 = 8;
 const NFT_MSG_NEWSET: u16 = 9;
 const NFT_MSG_DELSET: u16 = 11;
+const NFT_MSG_DELOBJ: u16 = 20;
+const NFTA_OBJ_TABLE: u16 = 1;
+const NFTA_OBJ_NAME: u16 = 2;
+const NFTA_OBJ_TYPE: u16 = 3;
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;
 const NFTA_CHAIN_HOOK: u16 = 4;
@@ -412,6 +416,7 @@ impl Batch {
             NFT_MSG_DELSET => ("delete set", text(NFTA_SET_NAME)),
             NFT_MSG_NEWSETELEM => ("add element", text(NFTA_SET_ELEM_LIST_SET)),
             NFT_MSG_DELSETELEM => ("delete element", text(NFTA_SET_ELEM_LIST_SET)),
+            NFT_MSG_DELOBJ => ("delete object", text(NFTA_OBJ_NAME)),
             _ => ("a message", None),
         };
         let mut out = format!("{what} {family} {table}");
@@ -591,6 +596,12 @@ impl Batch {
                 chain,
                 rule,
             } => self.add_rule(*family, table, chain, rule),
+            Op::DeleteObject {
+                family,
+                table,
+                kind,
+                name,
+            } => self.delete_object(*family, table, *kind, name),
         }
     }
 
@@ -857,6 +868,27 @@ impl Batch {
         if let Some((attr, name)) = named {
             nla_str(&mut self.bytes, attr, name)?;
         }
+        self.end_message(at);
+        self.note(seq, at);
+        Ok(())
+    }
+
+    /// `delete KIND`: a named object of `NFT_OBJECT_*` type `kind` (the kernel finds it
+    /// by table, name and type).
+    fn delete_object(
+        &mut self,
+        family: Family,
+        table: &str,
+        kind: u32,
+        name: &str,
+    ) -> Result<(), EncodeFailure> {
+        self.batch_begin();
+        let seq = self.count + 1;
+        let msg = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELOBJ;
+        let at = self.begin_message(msg, 0, family.nfproto(), 0);
+        nla_str(&mut self.bytes, NFTA_OBJ_TABLE, table)?;
+        nla_str(&mut self.bytes, NFTA_OBJ_NAME, name)?;
+        nla_u32(&mut self.bytes, NFTA_OBJ_TYPE, kind)?;
         self.end_message(at);
         self.note(seq, at);
         Ok(())

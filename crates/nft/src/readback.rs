@@ -186,10 +186,17 @@ pub(crate) fn compare_named(
             Ok(elements) => {
                 tx.counts.add(&elements.counts);
                 tx.ops.extend(elements.ops);
-                tx.order();
             }
             Err(e) => return unadoptable(e),
         }
+        match foreign_objects(raw, family, table) {
+            Ok(objects) => {
+                tx.counts.objects_deleted += objects.len();
+                tx.ops.extend(objects);
+            }
+            Err(e) => return unadoptable(e),
+        }
+        tx.order();
     }
     let mut named: Vec<String> = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
@@ -214,6 +221,39 @@ pub(crate) fn compare_named(
         Compared::Delta(tx)
     };
     Ok((compared, named))
+}
+
+/// The deletions of the named objects in kproxy's table (it declares none: each is
+/// another program's counter, quota, limit…). A name nft could not be given back (not
+/// `[A-Za-z0-9_.-]`) is an [`AdoptError`]: the table is replaced instead, which needs
+/// no name.
+fn foreign_objects(raw: &RawTable, family: Family, table: &str) -> Result<Vec<Op>, AdoptError> {
+    raw.objects
+        .iter()
+        .map(|(kind, name)| {
+            let plain = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+            if !plain {
+                return Err(AdoptError {
+                    family: family.nft(),
+                    table: table.to_string(),
+                    what: format!(
+                        "a {} named {:?}, another program's",
+                        model::object_kind(*kind),
+                        name.escape_debug().to_string()
+                    ),
+                });
+            }
+            Ok(Op::DeleteObject {
+                family,
+                table: table.to_string(),
+                kind: *kind,
+                name: name.clone(),
+            })
+        })
+        .collect()
 }
 
 /// One family's kproxy table as the kernel holds it, in the terms of `desired` (the

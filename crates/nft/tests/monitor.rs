@@ -157,3 +157,62 @@ fn a_renamed_chain_is_repaired_and_a_restart_over_it_programs() {
         );
     });
 }
+
+/// A foreign named counter in kproxy's table was "repaired" with 0 bytes and left in
+/// place (issue 42, 10c): the kernel read listed no named objects. The read now
+/// dumps them (NFT_MSG_GETOBJ), so verification names one as a difference, and the
+/// repair, a verification's repair and a restart's adoption each delete it over
+/// nfnetlink, also when a foreign rule in kproxy's chain still uses it.
+#[test]
+fn a_foreign_named_object_in_kproxys_table_is_named_and_removed() {
+    if !root() {
+        return;
+    }
+    let ns = Netns::new("objects");
+    let plan = plan_from_yaml(&example_cluster(), "node-a", &PlanConfig::default());
+    ns.run(move || {
+        let cfg = DataplaneConfig {
+            conntrack_cleanup: false,
+            ..DataplaneConfig::default()
+        };
+        let ruleset = || sh("nft list ruleset");
+        let mut dp = Dataplane::new(cfg.clone()).expect("config");
+        dp.sync(&plan, &PlanUpdate::WHOLE).expect("first sync");
+
+        // The repair the kernel watch runs.
+        sh("nft add counter ip kproxy evil");
+        sh("nft add quota ip6 kproxy evil-quota '{ over 1 mbytes }'");
+        sh("nft add rule ip kproxy services counter name evil");
+        assert!(ruleset().contains("counter evil"), "{}", ruleset());
+        let r = dp.repair(&plan).expect("repair");
+        assert_eq!(r.changes.objects_deleted, 2, "{:?}", r.changes);
+        assert!(
+            !r.changes.is_empty(),
+            "a repair that deleted objects changed something"
+        );
+        let after = ruleset();
+        assert!(
+            !after.contains("evil") && !after.contains("counter name"),
+            "{after}"
+        );
+        let v = dp.verify().expect("verify");
+        assert!(!v.drift, "{:?}", v.differences);
+
+        // Verification names it, and its repair removes it.
+        sh("nft add counter ip kproxy evil");
+        let v = dp.verify().expect("verify");
+        assert!(v.drift);
+        assert_eq!(v.differences, ["counter evil"]);
+        assert!(!ruleset().contains("evil"), "{}", ruleset());
+
+        // A restart's adoption (what `sync --once` does too).
+        sh("nft add counter ip kproxy evil");
+        drop(dp);
+        let mut dp = Dataplane::new(cfg).expect("config");
+        let r = dp.sync(&plan, &PlanUpdate::WHOLE).expect("restart");
+        assert!(r.adopted, "adopted in place, not replaced");
+        assert_eq!(r.changes.objects_deleted, 1, "{:?}", r.changes);
+        assert!(!ruleset().contains("evil"), "{}", ruleset());
+        assert!(!dp.verify().expect("verify").drift);
+    });
+}

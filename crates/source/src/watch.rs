@@ -107,7 +107,7 @@ fn key_of(u: &Update) -> Option<Key> {
         }
         Update::Node(n) => (Kind::Node, String::new(), n.name.clone()),
         Update::ServiceCidr(c) => (Kind::ServiceCidr, String::new(), c.name.clone()),
-        Update::Nothing => return None,
+        Update::OtherNode { name, .. } => (Kind::Node, String::new(), name.clone()),
     })
 }
 
