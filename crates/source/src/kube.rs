@@ -370,6 +370,7 @@ pub async fn run(
             continue;
         }
         let relist = matches!(event, Input::InitDone);
+        let folding = tokio::time::Instant::now();
         let found = fold_into(&mut folder, &handle, &cfg, kind, event, received);
         for w in &found.skipped {
             tracing::warn!("skipped {w}");
@@ -378,7 +379,10 @@ pub async fn run(
             tracing::warn!("{w}");
         }
         if relist {
-            tracing::info!(%kind, "listed");
+            // What the list's end cost before anything may be planned (a first list is
+            // already in the state: only what a broken attempt left is removed).
+            let fold_ms = folding.elapsed().as_secs_f64() * 1e3;
+            tracing::info!(%kind, fold_ms, "listed");
         }
         if !ready && folder.all_listed() {
             ready = true;

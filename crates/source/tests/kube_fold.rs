@@ -108,10 +108,48 @@ fn initial() -> (Folder, ClusterState) {
     events.extend(listed(Kind::Node, vec![(NODE, ok(node(NODE)))]));
     assert_eq!(
         feed(&mut folder, &mut state, events),
-        3,
-        "one change per listed kind"
+        5 + 3,
+        "a first list: one change per object as it arrives, and one per kind at its end"
     );
     (folder, state)
+}
+
+/// A kind's first list is applied object by object as it arrives (nothing is planned
+/// before every kind is listed, so the state is built while the list streams in); a
+/// first list that broke off and started again drops, at its end, what only the broken
+/// attempt held. A relist is still buffered (`a_relist_replaces_one_kind_in_one_change`).
+#[test]
+fn a_first_list_is_applied_as_it_arrives_and_a_restarted_one_drops_what_it_lost() {
+    let mut folder = Folder::new();
+    let mut state = ClusterState::new();
+    // The first attempt breaks off after a and b.
+    let mut first = listed(
+        Kind::Service,
+        vec![("a", ok(svc("a", 80))), ("b", ok(svc("b", 81)))],
+    );
+    first.pop();
+    assert_eq!(feed(&mut folder, &mut state, first), 2);
+    assert_eq!(services(&state), ["a:80", "b:81"], "applied as they arrived");
+    assert!(!folder.listed(Kind::Service) && !folder.all_listed());
+    // It starts again; b is gone meanwhile, c and a bad d came.
+    let mut again = listed(
+        Kind::Service,
+        vec![
+            ("a", ok(svc("a", 8080))),
+            ("c", ok(svc("c", 82))),
+            ("d", bad(Kind::Service, "d")),
+        ],
+    );
+    let done = again.pop().unwrap();
+    assert_eq!(feed(&mut folder, &mut state, again), 2);
+    assert_eq!(services(&state), ["a:8080", "b:81", "c:82"]);
+    assert_eq!(feed(&mut folder, &mut state, vec![done]), 1);
+    assert_eq!(
+        services(&state),
+        ["a:8080", "c:82"],
+        "b, held only by the broken attempt, is dropped at the end"
+    );
+    assert!(folder.listed(Kind::Service));
 }
 
 #[test]

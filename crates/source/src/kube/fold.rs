@@ -2,10 +2,15 @@
 //! drive it. [`Folder::step`] turns one watcher event of one kind into at most one
 //! [`Change`]; [`apply_change`] applies it to the state inside one `StateHandle::update`.
 //!
-//! A (re)list arrives as `Init`, `InitApply`…, `InitDone`. It is buffered and applied as
-//! ONE change, which also deletes the objects of that kind that the list no longer
-//! holds, so the sync loop never plans a half-listed kind (a 410 Gone relist of 10k
-//! Services must not look like 10k deletions followed by 10k additions).
+//! A (re)list arrives as `Init`, `Listed`…, `InitDone`. A relist (the kind was listed
+//! before) is buffered and applied as ONE change, which also deletes the objects of that
+//! kind that the list no longer holds, so the sync loop never plans a half-listed kind
+//! (a 410 Gone relist of 10k Services must not look like 10k deletions followed by 10k
+//! additions). A kind's first list is applied object by object as it arrives: nothing
+//! is planned before every kind has been listed once ([`Folder::all_listed`], the
+//! source's readiness), so the state is built while the list streams in instead of
+//! after its last object, and `InitDone` only removes what an earlier, broken attempt
+//! of that first list left behind.
 //!
 //! An object that cannot be decoded or ingested is skipped with a warning naming kind,
 //! namespace, name and field; its previous good version (if any) stays, exactly as
@@ -95,6 +100,8 @@ pub enum Change<T = Object> {
 struct Progress<T> {
     listed: bool,
     relist: Option<(Vec<T>, BTreeSet<Key>)>,
+    /// The keys of the first list so far (applied as they arrive, not buffered).
+    first: BTreeSet<Key>,
 }
 
 impl<T> Default for Progress<T> {
@@ -102,6 +109,7 @@ impl<T> Default for Progress<T> {
         Progress {
             listed: false,
             relist: None,
+            first: BTreeSet::new(),
         }
     }
 }
@@ -156,9 +164,25 @@ impl<T> Folder<T> {
         let p = &mut self.progress[index(kind)];
         let mut warnings = Vec::new();
         let change = match input {
+            Input::Init if !p.listed => {
+                // A first list that broke off and starts again keeps what it applied:
+                // its `InitDone` removes what this attempt no longer holds.
+                p.first.clear();
+                None
+            }
             Input::Init => {
                 p.relist = Some((Vec::new(), BTreeSet::new()));
                 None
+            }
+            Input::Listed(key, decoded) if !p.listed => {
+                p.first.insert(key);
+                match decoded {
+                    Ok(o) => Some(Change::Apply(o)),
+                    Err(e) => {
+                        warnings.push(e);
+                        None
+                    }
+                }
             }
             Input::Listed(key, decoded) => {
                 let (objects, seen) = p.relist.get_or_insert_with(Default::default);
@@ -168,6 +192,14 @@ impl<T> Folder<T> {
                     Err(e) => warnings.push(e),
                 }
                 None
+            }
+            Input::InitDone if !p.listed => {
+                p.listed = true;
+                Some(Change::Relisted {
+                    kind,
+                    objects: Vec::new(),
+                    seen: std::mem::take(&mut p.first),
+                })
             }
             Input::InitDone => {
                 let (objects, seen) = p.relist.take().unwrap_or_default();
