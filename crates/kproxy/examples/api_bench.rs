@@ -368,6 +368,11 @@ fn timeline(log: &Path, start_of_day: f64, samples: &[(Duration, u64)]) -> Strin
 
 struct Run {
     first_sync: Duration,
+    /// CPU seconds (user + system) of the proxy from its start to its first sync, and
+    /// of the API server meanwhile (when its pid file is found beside the kubeconfig):
+    /// the work, which on a loaded machine says more than the wall time.
+    cpu_s: f64,
+    api_cpu_s: Option<f64>,
     first_connect: Duration,
     rss_sync: u64,
     rss_settled: u64,
@@ -450,6 +455,11 @@ fn measure(
             .expect("spawn the proxy"),
     );
     let pid = daemon.0.id();
+    let api_pid: Option<u32> = proxy_kubeconfig
+        .parent()
+        .and_then(|d| std::fs::read_to_string(d.join("run/kube-apiserver.pid")).ok())
+        .and_then(|p| p.trim().parse().ok());
+    let api_cpu0 = api_pid.map(cpu_ticks);
     let sampler = Sampler::start(pid, t0);
     // The probe connects from the start: the first success is when the rules serve.
     let ns_name = ns.to_string();
@@ -490,6 +500,10 @@ fn measure(
         std::thread::sleep(Duration::from_millis(10));
     };
     let rss_sync = status_kib(pid, "VmRSS:");
+    let cpu_s = cpu_ticks(pid) as f64 / 100.0;
+    let api_cpu_s = api_pid
+        .zip(api_cpu0)
+        .map(|(p, c0)| cpu_ticks(p).saturating_sub(c0) as f64 / 100.0);
     let samples = sampler.finish();
     let timeline = timeline(
         &dir.join(format!("kproxy-{run}.log")),
@@ -507,6 +521,8 @@ fn measure(
     (
         Run {
             first_sync,
+            cpu_s,
+            api_cpu_s,
             first_connect,
             rss_sync,
             rss_settled,
@@ -1247,6 +1263,11 @@ fn main() {
                     .map(|e| format!("{} ms, {}", e["elapsed_ms"], e["detail"]))
                     .unwrap_or_default();
                 println!("    the first sync (plan + nft): {detail}");
+                println!(
+                    "    CPU from start to the first sync: kproxy {:.2} s, API server {}",
+                    r.cpu_s,
+                    r.api_cpu_s.map_or("–".into(), |c| format!("{c:.2} s"))
+                );
             }
             if run + 1 == runs && churn_secs > 0 && upstream.is_none() {
                 churn(

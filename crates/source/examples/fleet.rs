@@ -8,8 +8,14 @@
 //! K8S_LAB=$FLEET_LAB API_PORT=6643 ETCD_PORT=2579 KCM_PORT=10357 start.sh start
 //! cargo run -p kproxy-source --example fleet -- --lab $FLEET_LAB \
 //!   --nodes 50 --services 1000 --endpoints 10 [--flips 20] [--restart] \
-//!   [--json-watches] [--compare $FLEET_LAB/bin/kube-proxy --compare-nodes 20]
+//!   [--json-watches] [--no-client-retry] \
+//!   [--compare $FLEET_LAB/bin/kube-proxy --compare-nodes 20]
 //! ```
+//!
+//! `--no-client-retry` builds the nodes' clients without kube's retry layer (which
+//! sleeps exactly the `Retry-After` of a 429, up to 15 times): the refusal then reaches
+//! the reflector, which waits `Retry-After` × [1, 2) (docs/scale.md, "429s after a
+//! restart").
 //!
 //! Per column it prints: the time until every node's first sync; per change of the
 //! probe EndpointSlice (100 endpoints, one endpoint's readiness flipped, `--flips`
@@ -58,6 +64,9 @@ struct Args {
     flips: usize,
     restart: bool,
     json_watches: bool,
+    /// Build each node's client without kube's retry layer (`Config::default_retry`):
+    /// a 429 then reaches the reflector, which waits `Retry-After` × [1, 2).
+    no_client_retry: bool,
     compare: Option<PathBuf>,
     compare_nodes: Option<usize>,
 }
@@ -71,6 +80,7 @@ fn args() -> Args {
         flips: 20,
         restart: false,
         json_watches: false,
+        no_client_retry: false,
         compare: None,
         compare_nodes: None,
     };
@@ -88,10 +98,11 @@ fn args() -> Args {
             "--flips" => a.flips = num(it.next(), "--flips"),
             "--restart" => a.restart = true,
             "--json-watches" => a.json_watches = true,
+            "--no-client-retry" => a.no_client_retry = true,
             "--compare" => a.compare = it.next().map(PathBuf::from),
             "--compare-nodes" => a.compare_nodes = Some(num(it.next(), "--compare-nodes")),
             other => panic!(
-                "unknown argument {other:?}; usage: fleet --lab K8S_LAB [--nodes N] [--services S] [--endpoints E] [--flips F] [--restart] [--json-watches] [--compare KUBE_PROXY [--compare-nodes N]]"
+                "unknown argument {other:?}; usage: fleet --lab K8S_LAB [--nodes N] [--services S] [--endpoints E] [--flips F] [--restart] [--json-watches] [--no-client-retry] [--compare KUBE_PROXY [--compare-nodes N]]"
             ),
         }
     }
@@ -351,11 +362,19 @@ async fn node(
     lab_proxy: PathBuf,
     name: String,
     json_watches: bool,
+    no_client_retry: bool,
     view: Arc<NodeView>,
 ) -> anyhow_free::Result {
-    let client = source::client(Some(&lab_proxy))
+    let credentials = source::Credentials::file(&lab_proxy, "--lab");
+    let mut config = source::client_config(
+        &credentials,
+        None,
+        Some(source::bounded::DEFAULT_CONNECT_TIMEOUT),
+    )
         .await
         .map_err(|e| e.to_string())?;
+    config.default_retry = !no_client_retry;
+    let client = kube::Client::try_from(config).map_err(|e| e.to_string())?;
     let handle = StateHandle::new();
     let cfg = KubeSourceConfig {
         node_name: name.clone(),
@@ -506,6 +525,7 @@ fn kproxy_column(lab: &Lab, a: &Args, runtime: &tokio::runtime::Runtime) -> Colu
                 lab.proxy(),
                 format!("fleet-node-{i}"),
                 a.json_watches,
+                a.no_client_retry,
                 v.clone(),
             ))
         })
