@@ -2,7 +2,8 @@
 //! API with N Services × E endpoints, then starts kproxy in a throwaway network
 //! namespace (the API bridged in through a unix socket) and reports the time from
 //! process start to the first sync and to the first connection through a cluster IP,
-//! the RSS after the first sync and settled, and the peak RSS (VmHWM).
+//! the RSS after the first sync and settled, the peak RSS (VmHWM), and the CPU seconds
+//! of kproxy and of the API server (its pid file beside the kubeconfig) until that sync.
 //!
 //! Needs a running API server, e.g. the k8s-lab (../shared/tools/k8s-lab):
 //!
