@@ -371,8 +371,8 @@ async fn node(
         None,
         Some(source::bounded::DEFAULT_CONNECT_TIMEOUT),
     )
-        .await
-        .map_err(|e| e.to_string())?;
+    .await
+    .map_err(|e| e.to_string())?;
     config.default_retry = !no_client_retry;
     let client = kube::Client::try_from(config).map_err(|e| e.to_string())?;
     let handle = StateHandle::new();

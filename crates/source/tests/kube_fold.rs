@@ -130,7 +130,11 @@ fn a_first_list_is_applied_as_it_arrives_and_a_restarted_one_drops_what_it_lost(
     );
     first.pop();
     assert_eq!(feed(&mut folder, &mut state, first), 2);
-    assert_eq!(services(&state), ["a:80", "b:81"], "applied as they arrived");
+    assert_eq!(
+        services(&state),
+        ["a:80", "b:81"],
+        "applied as they arrived"
+    );
     assert!(!folder.listed(Kind::Service) && !folder.all_listed());
     // It starts again; b is gone meanwhile, c and a bad d came: buffered now.
     let mut again = listed(
@@ -154,7 +158,10 @@ fn a_first_list_is_applied_as_it_arrives_and_a_restarted_one_drops_what_it_lost(
     // A first list that broke off before any object stays unbuffered.
     let mut slices_first = listed(Kind::EndpointSlice, vec![]);
     slices_first.pop();
-    slices_first.extend(listed(Kind::EndpointSlice, vec![("a-1", ok(slice("a-1", "a")))]));
+    slices_first.extend(listed(
+        Kind::EndpointSlice,
+        vec![("a-1", ok(slice("a-1", "a")))],
+    ));
     assert_eq!(
         feed(&mut folder, &mut state, slices_first),
         1,
