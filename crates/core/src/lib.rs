@@ -11,7 +11,8 @@
 //! - [`state`]: the one store, keyed like the API, tracking which Services changed.
 //! - [`categorize`]: upstream's CategorizeEndpoints (ready first, terminating fallback,
 //!   topology), per service port.
-//! - [`planner`]: the plan, full and incremental; [`no_local`]: which of its ports upstream
+//! - [`planner`]: the plan, full and incremental; [`update`]: what a re-plan changed and
+//!   how each consumer follows it; [`no_local`]: which of its ports upstream
 //!   counts in `sync_proxy_rules_no_local_endpoints_total`.
 //! - [`trace`]: the fate of one packet under a plan; [`explain`]: why, for people.
 //! - [`takeover`]: what of kube-proxy's is on a node and the plan that removes it.
@@ -36,6 +37,7 @@ pub mod state;
 pub mod synthetic;
 pub mod takeover;
 pub mod trace;
+pub mod update;
 
 pub use config::PlanConfig;
 pub use plan::NodePlan;

@@ -20,7 +20,8 @@ use crate::plan::{
     EndpointSet, EndpointState, FamilyPlan, Firewall, HealthCheck, LocalPods, NodePlan,
     NodePortAddresses, ServicePlan, ServicePortPlan, SourceClass, TrafficRule, Verdict,
 };
-use crate::state::ClusterState;
+use crate::state::{ClusterState, Changes};
+pub use crate::update::PlanUpdate;
 
 /// Plans the whole node from scratch. This node's Node object is read from `state`
 /// (it may be absent: no zone, no addresses, eligible).
@@ -65,29 +66,6 @@ pub struct Planner {
     config_changed: bool,
 }
 
-/// What one [`Planner::update`] changed.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PlanUpdate {
-    /// Services whose plan differs (added, changed or removed).
-    pub services: Vec<ServiceName>,
-    /// Node-level facts (families, zone, eligibility) changed: consumers should treat
-    /// this as a full re-plan.
-    pub node: bool,
-}
-
-impl PlanUpdate {
-    /// "Everything may have changed": for callers that hold a whole plan and no delta
-    /// (tools, tests, a consumer rebuilding its view).
-    pub const WHOLE: PlanUpdate = PlanUpdate {
-        services: Vec::new(),
-        node: true,
-    };
-
-    pub fn is_empty(&self) -> bool {
-        self.services.is_empty() && !self.node
-    }
-}
-
 impl Planner {
     pub fn new(node_name: impl Into<String>, config: PlanConfig) -> Planner {
         let node_name = node_name.into();
@@ -112,6 +90,12 @@ impl Planner {
     /// Applies the changes recorded in `state` since the last update.
     pub fn update(&mut self, state: &mut ClusterState) -> PlanUpdate {
         let changes = state.take_changes();
+        self.apply(state, changes)
+    }
+
+    /// Applies `changes`, taken from `state` (the sync loop takes them through its
+    /// read-only view of the store, `kproxy_source::Reader::take`).
+    pub fn apply(&mut self, state: &ClusterState, changes: Changes) -> PlanUpdate {
         let full = changes.node
             || changes.service_cidrs
             || changes.other_nodes

@@ -13,6 +13,7 @@ use kproxy_core::plan::{
     FamilyPlan, NodePortAddresses, ServicePlan, local_ready_count, local_ready_ips,
 };
 use kproxy_core::planner::PlanUpdate;
+use kproxy_core::update::Revisit;
 
 /// Which answers the health servers give (`--health-check-semantics`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -341,14 +342,14 @@ pub fn service_answer(service: &ServiceName, local_endpoints: u32, proxy_healthy
 }
 
 /// What the health servers keep of a plan: its node facts and its health-checked
-/// Services only, moved by the planner's [`PlanUpdate`] (work ∝ the changed Services; the
-/// sync loop never clones a whole plan for health). A node-level change, or no view yet,
-/// rebuilds it from `plan`.
+/// Services only, moved by the planner's [`PlanUpdate`] as
+/// [`PlanUpdate::revisit`] says (the sync loop never clones a whole plan for health).
 pub fn follow(view: &mut Option<NodePlan>, plan: &NodePlan, update: &PlanUpdate) {
     let checked = |svc: &&std::sync::Arc<ServicePlan>| svc.health_check.is_some();
-    match view {
-        Some(v) if !update.node => {
-            for name in &update.services {
+    let revisit = update.revisit(view.is_some());
+    match (view.as_mut(), revisit) {
+        (Some(v), Revisit::Services(names)) => {
+            for name in names.iter() {
                 match plan.services.get(name).filter(checked) {
                     Some(svc) => {
                         v.services.insert(name.clone(), svc.clone());

@@ -7,7 +7,8 @@
 //! reconciler task that opens, retargets and closes listeners as plans change; [`http`]
 //! is the hyper shell with bounded per-connection resources. The sync loop reports to a
 //! cheap [`Health`] handle: [`Health::computed`], [`Health::applied`] (each with the
-//! planner's `PlanUpdate`, so health keeps its own small view of the plans), and
+//! planner's `PlanUpdate`, so health keeps its own small view of the plans, moved as
+//! `kproxy_core::update` says), and
 //! [`Health::sync_failed`]. Semantics (truthful vs upstream) are documented in
 //! `docs/health.md`.
 
@@ -29,6 +30,7 @@ use kproxy_core::NodePlan;
 use kproxy_core::model::{IpFamily, ServiceName};
 use kproxy_core::plan::{FamilyPlan, NodePortAddresses};
 use kproxy_core::planner::PlanUpdate;
+use kproxy_core::update::Revisit;
 use prometheus_client::registry::Registry;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
@@ -125,27 +127,11 @@ struct Core {
     /// Views of the computed and applied plans ([`decide::follow`]).
     computed: Option<NodePlan>,
     applied: Option<NodePlan>,
-    /// Services whose views changed since the reconciler last looked; `all` when every
-    /// one may have (a node-level change, or before the first pass). The reconciler
-    /// revisits only these, so a sync costs health the change, not every health check.
-    changed: Changed,
-}
-
-#[derive(Debug)]
-struct Changed {
-    all: bool,
-    services: BTreeSet<ServiceName>,
-}
-
-impl Changed {
-    fn note(&mut self, update: &PlanUpdate) {
-        if update.node {
-            self.all = true;
-            self.services.clear();
-        } else if !self.all {
-            self.services.extend(update.services.iter().cloned());
-        }
-    }
+    /// What changed in the views since the reconciler last looked, merged
+    /// ([`PlanUpdate::merge`]); [`PlanUpdate::WHOLE`] before the first pass. The
+    /// reconciler revisits what this says ([`PlanUpdate::revisit`]), so a sync costs
+    /// health the change, not every health check.
+    changed: PlanUpdate,
 }
 
 /// What request handlers and the reconciler share.
@@ -291,10 +277,7 @@ impl Health {
                 health: ProxyHealth::new(now),
                 computed: None,
                 applied: None,
-                changed: Changed {
-                    all: true,
-                    services: BTreeSet::new(),
-                },
+                changed: PlanUpdate::WHOLE,
             }),
             metrics: Metrics::default(),
             limits,
@@ -335,7 +318,7 @@ impl Health {
             let mut c = lock(&self.shared.core);
             c.health.queued(now);
             decide::follow(&mut c.computed, plan, update);
-            c.changed.note(update);
+            c.changed.merge(update.clone());
         }
         self.kick();
     }
@@ -349,10 +332,10 @@ impl Health {
             let mut c = lock(&self.shared.core);
             c.health.updated(now);
             decide::follow(&mut c.applied, plan, update);
-            c.changed.note(update);
+            c.changed.merge(update.clone());
             if c.computed.is_none() {
                 decide::follow(&mut c.computed, plan, &PlanUpdate::WHOLE);
-                c.changed.note(&PlanUpdate::WHOLE);
+                c.changed.merge(PlanUpdate::WHOLE);
             }
         }
         self.kick();
@@ -876,13 +859,7 @@ impl Reconciler {
     fn visits(&mut self) -> (Vec<Visit>, bool) {
         let (changed, families) = {
             let mut c = lock(&self.shared.core);
-            let changed = std::mem::replace(
-                &mut c.changed,
-                Changed {
-                    all: false,
-                    services: BTreeSet::new(),
-                },
-            );
+            let changed = std::mem::take(&mut c.changed);
             let families = c
                 .applied
                 .as_ref()
@@ -890,20 +867,37 @@ impl Reconciler {
                 .unwrap_or_default();
             (changed, families)
         };
-        let anything = !self.running.is_empty() || changed.all || !changed.services.is_empty();
+        let revisit = changed.revisit(true);
+        let anything = !self.running.is_empty() || !changed.is_empty();
         let local = if anything && needs_local_addresses(&families) {
             self.local_addresses()
         } else {
             Vec::new()
         };
         let now_seen = (families, local, self.shared.service_proxy_healthy());
-        let whole = changed.all || self.seen.as_ref() != Some(&now_seen);
+        let seen_changed = self.seen.as_ref() != Some(&now_seen);
         self.seen = Some(now_seen);
+        // What the node's facts or the views say to revisit: everything, or these.
+        let only = match revisit {
+            Revisit::Services(names) if !seen_changed => Some(names),
+            _ => None,
+        };
+        let whole = only.is_none();
 
         let shared = &self.shared;
         let c = lock(&shared.core);
         let (computed, applied) = (c.computed.as_ref(), c.applied.as_ref());
-        let visit = if whole {
+        let visit = if let Some(only) = only {
+            let mut names: BTreeSet<ServiceName> = only.iter().cloned().collect();
+            names.extend(self.retrying.iter().cloned());
+            names
+                .into_iter()
+                .map(|n| {
+                    let t = decide::health_check_target(shared.semantics, computed, applied, &n);
+                    (n, t)
+                })
+                .collect()
+        } else {
             let targets = decide::health_check_targets(shared.semantics, computed, applied);
             let gone: Vec<Visit> = self
                 .running
@@ -913,16 +907,6 @@ impl Reconciler {
                 .collect();
             gone.into_iter()
                 .chain(targets.into_iter().map(|(n, t)| (n, Some(t))))
-                .collect()
-        } else {
-            let mut names = changed.services;
-            names.extend(self.retrying.iter().cloned());
-            names
-                .into_iter()
-                .map(|n| {
-                    let t = decide::health_check_target(shared.semantics, computed, applied, &n);
-                    (n, t)
-                })
                 .collect()
         };
         (visit, whole)

@@ -20,7 +20,6 @@ use kproxy_core::planner::PlanUpdate;
 use kproxy_core::takeover::TakeoverMode;
 use kproxy_health::{Health, HealthConfig, Semantics};
 use kproxy_nft::{Dataplane as Nft, DataplaneConfig};
-use kproxy_source::StateHandle;
 use prometheus_client::registry::Registry;
 
 use crate::daemon::{self, LoopConfig, SyncLoop, SyncOutcome};
@@ -251,9 +250,10 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         budget: health.connection_budget(),
     }));
     let takeover_metrics = crate::takeover::TakeoverMetrics::register(&mut registry);
-    let handle = StateHandle::new();
+    // The source writes, the sync loop reads and hears the source's status.
+    let (writer, reader) = kproxy_source::store();
     if args.manifests.is_some() {
-        registry.register_collector(Box::new(metrics::ManifestCollector(handle.clone())));
+        registry.register_collector(Box::new(metrics::ManifestCollector(reader.clone())));
     }
     let registry = Arc::new(registry);
     let mut tasks = Tasks::new();
@@ -289,13 +289,6 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         .context("setting up the nftables dataplane")?,
     );
 
-    let queued = health.clone();
-    let changes = daemon::ChangeClock::default();
-    let clock = changes.clone();
-    handle.on_update(move |received| {
-        queued.change_queued();
-        clock.note(received.elapsed());
-    });
     let ownership = Ownership {
         service_proxy_name: args.service_proxy_name.clone(),
     };
@@ -307,24 +300,8 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
             wc.remove_after = args.manifest_remove_after;
             wc.limits.max_file_bytes = args.manifest_max_file_bytes;
             wc.limits.node_port_range = Some(args.node_port_range.clone());
-            // A stalled reader keeps reporting a failed sync, so /livez turns unhealthy
-            // after 2 x syncPeriod as for a sync loop that stopped.
-            let (h, stalled_health) = (handle.clone(), health.clone());
-            tasks.spawn("the stall watch", move |stop| async move {
-                let mut tick = tokio::time::interval(Duration::from_secs(1));
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => return Ok(()),
-                        _ = tick.tick() => {}
-                    }
-                    if h.is_source_stalled() {
-                        stalled_health.sync_failed();
-                    }
-                }
-            });
-            let h = handle.clone();
             tasks.spawn_until_cancelled("the source", "the source stopped", async move {
-                kproxy_source::watch::run(wc, h)
+                kproxy_source::watch::run(wc, writer)
                     .await
                     .map_err(anyhow::Error::from)
             });
@@ -339,9 +316,8 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
                 page_size: None,
                 json_lists: cfg.content_type == kproxy_config::ContentType::Json,
             };
-            let h = handle.clone();
             tasks.spawn_until_cancelled("the source", "the source stopped", async move {
-                kproxy_source::kube::run(client, kc, h)
+                kproxy_source::kube::run(client, kc, writer)
                     .await
                     .map_err(anyhow::Error::from)
             });
@@ -364,7 +340,6 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         sync_period: cfg.sync_period,
         verify_period: args.verify_period,
         event_log: args.event_log.clone(),
-        changes,
         allow: kproxy_core::input_guard::Allow {
             empty: args.allow_empty,
             partial: args.allow_partial,
@@ -393,7 +368,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     };
     let mut sync_loop = SyncLoop::new(
         loop_cfg,
-        handle,
+        reader,
         dataplane,
         Arc::new(health.clone()),
         metrics,

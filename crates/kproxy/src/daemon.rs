@@ -8,23 +8,28 @@
 //! cancellation token fires (after finishing a sync in flight); the rules stay in place,
 //! as kube-proxy leaves them, so traffic keeps flowing across a restart.
 //!
-//! One owner of change: the planner's [`PlanUpdate`] is the delta handed to the dataplane
-//! and to health; the loop never clones a plan. The dataplane and health are traits, so
+//! The loop reads the source through the store's [`Reader`] only: it waits on the
+//! source's [`Status`] (changes pending, ready, stalled, the API returned), hears it in
+//! one place ([`SyncLoop::hear`], also while a blocking call runs), and takes the
+//! changes with the stamp of the oldest. One owner of change: the planner's
+//! [`PlanUpdate`] is the delta handed to the dataplane and to health, added up and
+//! followed as `kproxy_core::update` says; the loop never clones a plan. The dataplane and health are traits, so
 //! the loop is tested with fakes under paused time (tests below). Time is
 //! `tokio::time::Instant` throughout for that reason.
 
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use kproxy_core::model::IpFamily;
 use kproxy_core::no_local::NoLocalEndpoints;
 use kproxy_core::planner::PlanUpdate;
+use kproxy_core::update::Revisit;
 use kproxy_core::{NodePlan, PlanConfig, Planner};
-use kproxy_source::StateHandle;
+use kproxy_source::{Pending, Reader, Status};
 use serde_json::json;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -61,6 +66,9 @@ pub struct SyncOutcome {
 
 /// What the loop tells the health servers. Implemented by kproxy-health's `Health`.
 pub trait HealthSink: Send + Sync + 'static {
+    /// A change reached the cluster state (upstream `QueuedUpdate`, as it arrives): a
+    /// loop that stops taking changes turns `/livez` unhealthy after 2 × syncPeriod.
+    fn change_queued(&self);
     /// A plan was computed; `update` is what changed since the previous computed plan.
     fn computed(&self, plan: &NodePlan, update: &PlanUpdate);
     /// A plan was programmed; `update` is what changed since the previous applied plan.
@@ -74,6 +82,9 @@ pub trait HealthSink: Send + Sync + 'static {
 }
 
 impl HealthSink for kproxy_health::Health {
+    fn change_queued(&self) {
+        kproxy_health::Health::change_queued(self);
+    }
     fn computed(&self, plan: &NodePlan, update: &PlanUpdate) {
         kproxy_health::Health::computed(self, plan, update);
     }
@@ -100,8 +111,6 @@ pub struct LoopConfig {
     pub sync_period: Duration,
     pub verify_period: Duration,
     pub event_log: Option<PathBuf>,
-    /// Noted by the source's update hook; read by each sync.
-    pub changes: ChangeClock,
     /// What the first sync may program over kproxy's tables ([`kproxy_core::input_guard`]).
     pub allow: kproxy_core::input_guard::Allow,
     /// The input, for the guard's message: the manifests' path, or the API.
@@ -110,57 +119,12 @@ pub struct LoopConfig {
     pub table: String,
 }
 
-/// The oldest change not yet taken by a sync: when the source received it (a watch
-/// event's arrival) and when it reached the state. The source notes every update that
-/// leaves changes pending (`StateHandle::on_update`); a sync takes the stamps, so each
-/// sync reports the way of the oldest change it carried: received (decode, ingest,
-/// into the state), queued (until planning starts, including the pacing's batching),
-/// plan, commit (the kernel transaction). The wall-clock time of receipt is kept too,
-/// for the event log (`oldest_change_unix_us`), so a change's way can be lined up with
-/// timestamps taken outside kproxy.
-#[derive(Clone, Debug, Default)]
-pub struct ChangeClock(Arc<Mutex<Option<OldestChange>>>);
-
-/// See [`ChangeClock`].
-#[derive(Clone, Copy, Debug)]
-pub struct OldestChange {
-    pub received: Instant,
-    pub applied: Instant,
-    pub received_at: SystemTime,
-}
-
-impl ChangeClock {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<OldestChange>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A change received `ago` (the source's clock) reached the state now.
-    pub fn note(&self, ago: Duration) {
-        let applied = Instant::now();
-        let received = applied.checked_sub(ago).unwrap_or(applied);
-        let mut oldest = self.lock();
-        if oldest.is_some_and(|o| o.received <= received) {
-            return;
-        }
-        *oldest = Some(OldestChange {
-            received,
-            applied,
-            received_at: {
-                let now = SystemTime::now();
-                now.checked_sub(applied.saturating_duration_since(received))
-                    .unwrap_or(now)
-            },
-        });
-    }
-
-    pub fn take(&self) -> Option<OldestChange> {
-        self.lock().take()
-    }
-}
-
 /// When a sync ran and how long it took, for its metrics and its event.
+/// The way of the oldest change a sync carried ([`Pending`], taken with the changes):
+/// received (decode, ingest, into the state), queued (until planning starts, including
+/// the pacing's batching), plan, commit (the kernel transaction).
 struct SyncTiming {
-    oldest_change: Option<OldestChange>,
+    oldest_change: Option<Pending>,
     /// [`change_stages`] of the oldest change.
     stages: Option<[(&'static str, f64); 5]>,
     elapsed: Duration,
@@ -213,7 +177,7 @@ fn synced_event(
 
 /// The way of the oldest change a sync carried, in seconds, per stage.
 fn change_stages(
-    oldest: OldestChange,
+    oldest: Pending,
     start: Instant,
     planned: Instant,
     committed: Instant,
@@ -286,7 +250,12 @@ struct Engine<D> {
 /// is cancelled.
 pub struct SyncLoop<D, H> {
     cfg: LoopConfig,
-    handle: StateHandle,
+    /// The store's read side: the state, its changes, and the source's status.
+    source: Reader,
+    /// The status as the loop last acted on it ([`SyncLoop::hear`]).
+    heard: Status,
+    /// The earliest return of the API not yet converged ([`SyncLoop::settle_api_return`]).
+    api_returned: Option<Instant>,
     /// `None` only while a blocking call holds it (inside `on_engine`, which holds
     /// `&mut self` and is never dropped half-way).
     engine: Option<Engine<D>>,
@@ -326,7 +295,7 @@ enum Attempt {
 impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     pub fn new(
         cfg: LoopConfig,
-        handle: StateHandle,
+        source: Reader,
         dataplane: D,
         health: Arc<H>,
         metrics: Arc<Metrics>,
@@ -336,7 +305,9 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         let pacer = Pacer::new(cfg.pacing);
         Ok(SyncLoop {
             cfg,
-            handle,
+            source,
+            heard: Status::default(),
+            api_returned: None,
             engine: Some(Engine { planner, dataplane }),
             health,
             metrics,
@@ -363,9 +334,9 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     /// Runs until `stop` is cancelled; a sync in flight finishes first. Returns the
     /// dataplane so the caller can decide what to do with it (nothing: the rules stay).
     pub async fn run(mut self, stop: CancellationToken) -> Result<D> {
-        while !self.handle.is_ready() {
+        while !self.source.status().ready {
             tokio::select! {
-                _ = self.handle.changed() => {}
+                status = self.source.changed() => self.hear(status),
                 _ = stop.cancelled() => return Ok(self.into_dataplane()),
             }
         }
@@ -391,10 +362,11 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                         }
                         continue;
                     }
-                    _ = self.handle.changed() => {
-                        // A wake left over from changes the last sync already took,
-                        // or an API return whose relist changed nothing.
-                        if self.handle.with(|s| s.changes().is_empty()) {
+                    status = self.source.changed() => {
+                        self.hear(status);
+                        // Not a change: an API return whose relist changed nothing, the
+                        // source stalling, or a wake for changes a sync already took.
+                        if status.pending.is_none() {
                             self.settle_api_return();
                             continue;
                         }
@@ -458,7 +430,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             if stop.is_cancelled() {
                 break;
             }
-            if self.handle.with(|s| !s.changes().is_empty()) {
+            if self.source.status().pending.is_some() {
                 need_sync = true;
             } else if !need_sync {
                 self.settle_api_return();
@@ -475,7 +447,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         if self.failures > 0 || !self.unapplied.is_empty() {
             return;
         }
-        if let Some(at) = self.handle.take_api_returned() {
+        if let Some(at) = self.api_returned.take() {
             let secs = at.elapsed().as_secs_f64();
             self.metrics.api_return_to_converged.observe(secs);
             tracing::info!(seconds = secs, "converged after the API answered again");
@@ -601,24 +573,51 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         }
     }
 
-    /// Runs `f` on the engine on a blocking thread.
+    /// Runs `f` on the engine on a blocking thread, hearing the source meanwhile (a
+    /// change queued during a long commit or repair reaches health as it arrives).
     async fn on_engine<R: Send + 'static>(
         &mut self,
         f: impl FnOnce(&mut Engine<D>) -> R + Send + 'static,
     ) -> R {
         let engine = self.engine.take().expect(ENGINE_HOME);
-        let (engine, r) = blocking(engine, f).await;
+        let job = blocking(engine, f);
+        tokio::pin!(job);
+        let (engine, r) = loop {
+            tokio::select! {
+                done = &mut job => break done,
+                status = self.source.changed() => self.hear(status),
+            }
+        };
         self.engine = Some(engine);
         r
+    }
+
+    /// Acts on what the source's status says now that the loop had not heard: a change
+    /// newly pending is queued with health (upstream's `QueuedUpdate`); a stalled
+    /// source is a failing sync to health (its oldest change waits unapplied, so
+    /// `/livez` turns unhealthy after 2 × syncPeriod); an API return is kept, earliest
+    /// first, until the rules converge ([`SyncLoop::settle_api_return`]).
+    fn hear(&mut self, now: Status) {
+        let before = std::mem::replace(&mut self.heard, now);
+        if now.pending.is_some() && now.pending != before.pending {
+            self.health.change_queued();
+        }
+        if now.stalled && !before.stalled {
+            self.health.sync_failed();
+        }
+        if let Some(at) = now.api_returned
+            && before.api_returned != Some(at)
+        {
+            self.api_returned.get_or_insert(at);
+        }
     }
 
     /// One sync: re-plan what changed, apply, report.
     async fn sync(&mut self) -> Attempt {
         self.metrics.last_queued_timestamp.set(unix_now());
-        let oldest_change = self.cfg.changes.take();
         let start = Instant::now();
         self.pacer.started(start);
-        self.plan_changes();
+        let oldest_change = self.plan_changes();
         let planned = Instant::now();
         if !self.programmed_once && self.hold_input().await {
             return Attempt::Held;
@@ -656,7 +655,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     /// (again only when its reason changes), and health hears of it; the changes stay
     /// owed, so the next change (or syncPeriod) decides again.
     async fn hold_input(&mut self) -> bool {
-        let lost = self.handle.input_lost();
+        let lost = self.source.status().input_lost;
         let empty = self
             .engine
             .as_ref()
@@ -699,23 +698,24 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
 
     /// The planning phase of a sync: the planner takes the state's changes, health
     /// hears of the computed plan, and the update joins what the dataplane owes.
-    fn plan_changes(&mut self) {
+    /// Returns the stamp of the oldest change taken.
+    fn plan_changes(&mut self) -> Option<Pending> {
         let metrics = &self.metrics;
         let planner = &mut self.engine.as_mut().expect(ENGINE_HOME).planner;
-        let (update, service_events, slice_events) = self.handle.with(|state| {
-            let c = state.changes();
-            let counts = (c.service_events, c.slice_events);
-            metrics.service_changes_pending.set(counts.0 as i64);
-            metrics.endpoint_changes_pending.set(counts.1 as i64);
-            (planner.update(state), counts.0, counts.1)
-        });
+        let (update, oldest, service_events, slice_events) =
+            self.source.take(|state, changes, oldest| {
+                let counts = (changes.service_events, changes.slice_events);
+                metrics.service_changes_pending.set(counts.0 as i64);
+                metrics.endpoint_changes_pending.set(counts.1 as i64);
+                (planner.apply(state, changes), oldest, counts.0, counts.1)
+            });
         metrics.service_changes_total.inc_by(service_events);
         metrics.endpoint_changes_total.inc_by(slice_events);
         metrics.service_changes_pending.set(0);
         metrics.endpoint_changes_pending.set(0);
         let plan = self.engine.as_ref().expect(ENGINE_HOME).planner.plan();
         self.health.computed(plan, &update);
-        merge(&mut self.unapplied, update);
+        self.unapplied.merge(update);
         if plan.conflicts != self.last_conflicts {
             // Each conflict once when it appears, not at every sync.
             for c in plan
@@ -728,6 +728,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             metrics.frontend_conflicts.set(plan.conflicts.len() as i64);
             self.last_conflicts = plan.conflicts.clone();
         }
+        oldest
     }
 
     /// After a sync the dataplane took: metrics, health and the programming latency
@@ -757,9 +758,13 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         self.no_local.follow(plan, unapplied);
         self.no_local.set(metrics, plan);
         self.health.applied(plan, unapplied);
+        if self.heard.stalled {
+            // Applied is not caught up: the source's state stopped following it.
+            self.health.sync_failed();
+        }
         let programming = &mut self.programming;
-        self.handle
-            .with(|state| programming.observe(metrics, state, &unapplied.services));
+        self.source
+            .read(|state| programming.observe(metrics, state, &unapplied.services));
         if outcome.full || !unapplied.is_empty() {
             tracing::info!(
                 full = outcome.full,
@@ -783,7 +788,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         // The planner has consumed the changes; they stay owed to the dataplane and
         // health until a sync succeeds (the dataplane itself re-programs everything
         // after a failure).
-        merge(&mut self.unapplied, unapplied);
+        self.unapplied.merge(unapplied);
         let retry_in = retry_after(
             self.failures,
             self.cfg.pacing.retry_base(),
@@ -798,18 +803,6 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             .emit("sync_failed", json!({ "error": format!("{e:#}") }));
         Attempt::Failed { retry_in }
     }
-}
-
-/// Adds `more` to `acc`: the union of the changed Services, a node change if either had one.
-fn merge(acc: &mut PlanUpdate, more: PlanUpdate) {
-    if acc.is_empty() {
-        *acc = more;
-        return;
-    }
-    acc.node |= more.node;
-    acc.services.extend(more.services);
-    acc.services.sort();
-    acc.services.dedup();
 }
 
 /// Exponential backoff from `base` ([`Pacing::retry_base`]), capped at syncPeriod.
@@ -852,10 +845,10 @@ impl NoLocalCounts {
     }
 
     /// Moves the counts to `plan` by `update` (every change since the plan they
-    /// counted); the first call and node-level changes count the whole plan.
+    /// counted), as [`PlanUpdate::revisit`] says.
     fn follow(&mut self, plan: &NodePlan, update: &PlanUpdate) {
         let zero = [NoLocalEndpoints::default(); 2];
-        if !self.primed || update.node {
+        let Revisit::Services(names) = update.revisit(self.primed) else {
             *self = NoLocalCounts {
                 primed: true,
                 ..NoLocalCounts::default()
@@ -867,8 +860,8 @@ impl NoLocalCounts {
                 }
             }
             return;
-        }
-        for name in &update.services {
+        };
+        for name in names.iter() {
             if let Some(old) = self.by_service.remove(name) {
                 for (t, o) in self.total.iter_mut().zip(old) {
                     *t -= o;
@@ -962,6 +955,7 @@ impl ProgrammingLatency {
 mod tests {
     use super::*;
     use std::collections::VecDeque;
+    use std::sync::Mutex;
 
     use kproxy_core::model::ServiceName;
     use kproxy_core::synthetic::{self, Spec};
@@ -989,8 +983,14 @@ mod tests {
         InputHeld(bool),
     }
 
+    /// What the fakes saw, the start, and how many changes health heard queued (apart
+    /// from the log: they arrive as the source writes, not in the loop's order).
     #[derive(Clone)]
-    struct Log(Arc<Mutex<Vec<Seen>>>, Instant);
+    struct Log(
+        Arc<Mutex<Vec<Seen>>>,
+        Instant,
+        Arc<std::sync::atomic::AtomicUsize>,
+    );
 
     impl Log {
         fn push(&self, s: Seen) {
@@ -1022,6 +1022,8 @@ mod tests {
         kernel_more: Arc<Mutex<Option<(usize, usize)>>>,
         /// Repairs find the kernel equal to the record (set by the test).
         repairs_unchanged: Arc<std::sync::atomic::AtomicBool>,
+        /// The plan of the last successful sync.
+        programmed: Option<NodePlan>,
     }
 
     impl Dataplane for FakeDataplane {
@@ -1038,6 +1040,7 @@ mod tests {
             }
             let full = !self.synced_once;
             self.synced_once = true;
+            self.programmed = Some(plan.clone());
             self.log.push(Seen::Sync {
                 ms,
                 full,
@@ -1071,6 +1074,9 @@ mod tests {
     struct FakeHealth(Log);
 
     impl HealthSink for FakeHealth {
+        fn change_queued(&self) {
+            self.0.2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
         fn computed(&self, _plan: &NodePlan, update: &PlanUpdate) {
             self.0.push(Seen::Computed(update.services.clone()));
         }
@@ -1099,7 +1105,8 @@ mod tests {
     struct Harness {
         log: Log,
         registry: Registry,
-        handle: StateHandle,
+        /// The source's side of the loop's store.
+        writer: kproxy_source::Writer,
         /// Feeds the loop's kernel watch, as the nftables notifications would.
         kernel: tokio::sync::mpsc::UnboundedSender<crate::kernel_watch::Detected>,
         /// What the fake kernel's tables hold beyond an empty input.
@@ -1126,8 +1133,8 @@ mod tests {
         gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
         event_log: Option<PathBuf>,
     ) -> Harness {
-        let log = Log(Arc::default(), Instant::now());
-        let handle = StateHandle::new();
+        let log = Log(Arc::default(), Instant::now(), Arc::default());
+        let (writer, reader) = kproxy_source::store();
         let kernel_more = Arc::new(Mutex::new(None));
         let repairs_unchanged = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let cfg = LoopConfig {
@@ -1137,14 +1144,10 @@ mod tests {
             sync_period: Duration::from_secs(3600),
             verify_period: Duration::from_secs(7200),
             event_log,
-            changes: ChangeClock::default(),
             allow: kproxy_core::input_guard::Allow::default(),
             input_name: "m".into(),
             table: "kproxy".into(),
         };
-        // As `kproxy run` wires it: the source's updates note the changes' time.
-        let clock = cfg.changes.clone();
-        handle.on_update(move |received| clock.note(received.elapsed()));
         let dataplane = FakeDataplane {
             log: log.clone(),
             fail: fail.iter().copied().collect(),
@@ -1152,13 +1155,14 @@ mod tests {
             gate,
             kernel_more: kernel_more.clone(),
             repairs_unchanged: repairs_unchanged.clone(),
+            programmed: None,
         };
         let mut registry = Registry::default();
         let metrics = Metrics::register(&mut registry);
         let (kernel, events) = tokio::sync::mpsc::unbounded_channel();
         let sync_loop = SyncLoop::new(
             cfg,
-            handle.clone(),
+            reader,
             dataplane,
             Arc::new(FakeHealth(log.clone())),
             metrics.clone(),
@@ -1170,7 +1174,7 @@ mod tests {
         Harness {
             log,
             registry,
-            handle,
+            writer,
             kernel,
             kernel_more,
             repairs_unchanged,
@@ -1208,7 +1212,7 @@ mod tests {
                 .count()
         }
         fn add(&self, i: usize) {
-            self.handle.update(|s| s.upsert_service(service(i)));
+            self.writer.update(|s| s.upsert_service(service(i)));
         }
         /// Lets paused time run until `n` sync attempts happened.
         async fn until_syncs(&self, n: usize) {
@@ -1316,7 +1320,7 @@ mod tests {
     async fn synced_with_repairs_unchanged() -> Harness {
         let h = start(0, &[], None);
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         h.repairs_unchanged
             .store(true, std::sync::atomic::Ordering::SeqCst);
@@ -1346,7 +1350,7 @@ mod tests {
     async fn a_start_on_empty_or_lost_input_keeps_the_tables_until_the_input_is_whole() {
         let h = start(0, &[], None);
         *h.kernel_more.lock().unwrap() = Some((12, 3));
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         // Bounded (paused time): without the guard the first sync programs instead.
         tokio::time::timeout(
             Duration::from_secs(60),
@@ -1358,11 +1362,11 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(h.log.syncs(), 0, "{:?}", h.log.0.lock().unwrap());
         // A parse failure: a Service read, others maybe lost.
-        h.handle.set_input_lost(true);
+        h.writer.set_input_lost(true);
         h.add(0);
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(h.log.syncs(), 0, "{:?}", h.log.0.lock().unwrap());
-        h.handle.set_input_lost(false);
+        h.writer.set_input_lost(false);
         h.add(1);
         h.until_syncs(1).await;
         let seen = h.log.take();
@@ -1404,7 +1408,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_empty_start_without_services_in_the_tables_programs() {
         let h = start(0, &[], None);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         h.stop().await;
     }
@@ -1417,7 +1421,7 @@ mod tests {
         let h = start(0, &[], None);
         h.kernel_changed();
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_seen(&Seen::KernelRepaired).await;
         let (seen, text) = h.finish().await;
         assert_eq!(
@@ -1459,7 +1463,7 @@ mod tests {
         let (release, release_rx) = std::sync::mpsc::channel();
         let h = start(0, &[false, true], Some((started, release_rx)));
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         let started_rx = in_flight(started_rx).await;
         release.send(()).unwrap();
         h.until_syncs(1).await;
@@ -1509,7 +1513,7 @@ mod tests {
     async fn a_repair_owed_goes_while_a_change_waits_its_turn() {
         let h = start(1000, &[], None);
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         h.add(1);
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -1547,7 +1551,7 @@ mod tests {
     async fn a_repair_owed_goes_before_the_next_delta_sync() {
         let h = start(0, &[], None);
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         h.add(1);
         h.kernel_changed();
@@ -1580,17 +1584,17 @@ mod tests {
         };
         let h = start(1000, &[], None);
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         // A relist that changed nothing: converged at once, nothing programmed.
-        h.handle.note_api_returned(Instant::now());
+        h.writer.api_returned(Instant::now());
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(count(&h).as_deref(), Some("1"));
         assert_eq!(h.log.syncs(), 1);
         // A relist that brought a change: converged only after the sync that carries it,
         // which waits for minSyncPeriod.
         h.add(1);
-        h.handle.note_api_returned(Instant::now());
+        h.writer.api_returned(Instant::now());
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert_eq!(count(&h).as_deref(), Some("1"));
         h.until_syncs(2).await;
@@ -1599,11 +1603,89 @@ mod tests {
         h.stop().await;
     }
 
+    /// Bursts of changes written while the loop is busy (each sync held in the
+    /// dataplane while the next burst is written), then a few while it is idle: the
+    /// loop ends with the plan of the state, long before syncPeriod (an hour) would
+    /// have forced a sync. A change lost between the writer and the loop (a wake
+    /// consumed during a sync and not looked for after it, a take that clears a later
+    /// change's notice) leaves the programmed plan behind the state.
+    #[tokio::test(start_paused = true)]
+    async fn bursts_written_while_the_loop_is_busy_end_with_the_plan_of_the_state() {
+        let (started, started_rx) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel();
+        // No pacing: a wait for the pacing's turn could not pass (paused time does not
+        // advance while the test waits for a sync on a blocking thread).
+        let h = start(0, &[], Some((started, release_rx)));
+        let spec = Spec::new(100, 1);
+        h.add(0);
+        h.writer.mark_ready();
+        let mut started_rx = Some(started_rx);
+        for round in 0..5usize {
+            // A sync is in flight: the burst arrives while the loop is busy.
+            let rx = started_rx.take().unwrap();
+            let rx = tokio::task::spawn_blocking(move || {
+                rx.recv().unwrap();
+                rx
+            })
+            .await
+            .unwrap();
+            started_rx = Some(rx);
+            for k in 0..40 {
+                let i = 1 + (round * 37 + k * 11) % 90;
+                h.writer.update(|s| match k % 4 {
+                    0 => {
+                        s.delete_service(&name(i));
+                    }
+                    1 => {
+                        s.upsert_slice(synthetic::slice(&spec, i, round * 100 + k));
+                    }
+                    _ => {
+                        s.upsert_service(service(i));
+                    }
+                });
+            }
+            release.send(()).unwrap();
+        }
+        // From now on every sync goes through at once.
+        let rx = started_rx.take().unwrap();
+        let releaser = std::thread::spawn(move || {
+            while rx.recv().is_ok() {
+                if release.send(()).is_err() {
+                    break;
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // The first sync, then one per burst.
+        let after_bursts = h.log.syncs();
+        // A few while the loop is idle.
+        for i in 91..95 {
+            h.add(i);
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let state_plan = h.writer.update(|s| {
+            assert!(s.changes().is_empty(), "changes left untaken");
+            kproxy_core::plan(s, &synthetic::node_name(0), &PlanConfig::default())
+        });
+        let syncs = h.log.syncs();
+        let programmed = h.stop().await.programmed;
+        // The dataplane (and its gate) dropped: the releaser ends.
+        releaser.join().unwrap();
+        assert_eq!(after_bursts, 1 + 5, "each burst is one sync");
+        assert!(syncs <= after_bursts + 4, "{syncs} syncs");
+        assert_eq!(
+            programmed.as_ref().map(|p| &p.services),
+            Some(&state_plan.services),
+            "the programmed plan is behind the state"
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn changes_within_min_sync_period_coalesce_into_one_delta() {
         let h = start(1000, &[], None);
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         for i in 1..=3 {
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1668,7 +1750,7 @@ mod tests {
     async fn with_the_default_pacing_a_lone_change_is_synced_at_once() {
         let h = start_logging(Pacing::DEFAULT, &[], None, None);
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         // Flips every 300 ms, as a rollout's readiness changes arrive.
         let mut added = Vec::new();
@@ -1690,7 +1772,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn with_the_default_pacing_a_storm_is_coalesced_within_its_bound() {
         let h = start_logging(Pacing::DEFAULT, &[], None, None);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
         // 200 changes a second for one second.
@@ -1722,7 +1804,7 @@ mod tests {
     async fn a_failed_sync_retries_with_backoff_and_owes_every_change_since_the_last_success() {
         // Fails the second and third syncs: retries after 200 ms, then 400 ms.
         let h = start(200, &[false, true, true], None);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         tokio::time::sleep(Duration::from_secs(1)).await;
         h.add(0);
@@ -1765,7 +1847,7 @@ mod tests {
     async fn sync_period_forces_a_sync_even_while_updates_change_nothing() {
         let h = start(0, &[], None);
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         // A source re-listing the same object every 10 s: updates, no change.
         for _ in 0..40 {
@@ -1797,7 +1879,7 @@ mod tests {
         let (release_tx, release_rx) = std::sync::mpsc::channel();
         let h = start(0, &[], Some((started_tx, release_rx)));
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         tokio::task::spawn_blocking(move || started_rx.recv())
             .await
             .unwrap()
@@ -1818,7 +1900,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn shutdown_while_batching_does_not_sync_and_before_ready_returns_at_once() {
         let h = start(1000, &[], None);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         h.add(0);
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1848,12 +1930,12 @@ mod tests {
             Some(path.clone()),
         );
         h.add(0);
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         let received = Instant::now()
             .checked_sub(Duration::from_millis(40))
             .unwrap();
-        h.handle
+        h.writer
             .update_received(received, |s| s.upsert_service(service(1)));
         h.until_syncs(2).await;
         h.stop().await;
@@ -1883,7 +1965,7 @@ mod tests {
         for i in [0, 5, 10, 20] {
             h.add(i);
         }
-        h.handle.mark_ready();
+        h.writer.mark_ready();
         h.until_syncs(1).await;
         h.add(30);
         h.until_syncs(2).await;

@@ -14,7 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-/// A stage of a change's way to the kernel (see [`crate::daemon::ChangeClock`]).
+/// A stage of a change's way to the kernel (see [`kproxy_source::Pending`]).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StageLabel {
     pub stage: &'static str,
@@ -300,7 +300,7 @@ pub fn encode(registry: &Registry) -> String {
 /// Scrape-time gauge of the manifest source: `kproxy_manifest_unread_documents`, the
 /// documents or List items its last rescan could not read (a document without
 /// a kind, or with an unknown one, is counted, not ignored).
-pub struct ManifestCollector(pub kproxy_source::StateHandle);
+pub struct ManifestCollector(pub kproxy_source::Reader);
 
 impl std::fmt::Debug for ManifestCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -315,7 +315,7 @@ impl prometheus_client::collector::Collector for ManifestCollector {
     ) -> Result<(), std::fmt::Error> {
         use prometheus_client::encoding::EncodeMetric;
         let g = prometheus_client::metrics::gauge::ConstGauge::new(
-            i64::try_from(self.0.unread_documents()).unwrap_or(i64::MAX),
+            i64::try_from(self.0.status().unread_documents).unwrap_or(i64::MAX),
         );
         let m = encoder.encode_descriptor(
             "kproxy_manifest_unread_documents",
@@ -324,7 +324,7 @@ impl prometheus_client::collector::Collector for ManifestCollector {
             g.metric_type(),
         )?;
         g.encode(m)?;
-        let c = prometheus_client::metrics::counter::ConstCounter::new(self.0.rescans());
+        let c = prometheus_client::metrics::counter::ConstCounter::new(self.0.status().rescans);
         let m = encoder.encode_descriptor(
             "kproxy_manifest_rescans",
             "Times the manifest source looked at its files for changes (after a filesystem event, and every --sync-period up to 10 s); an idle directory adds one per period",

@@ -1,5 +1,5 @@
 //! The one task lifecycle of `kproxy run`: every long-running task (signal handler,
-//! source, stall watch, metrics server, sync loop) runs in one `JoinSet` under a child of
+//! source, metrics server, sync loop) runs in one `JoinSet` under a child of
 //! one cancellation token. The first task to end — a signal, a failed source, a loop
 //! error — cancels the tree, and [`Tasks::run`] returns only once every task has returned,
 //! with the first error. Tasks that own state to finish (the sync loop completes a sync

@@ -907,25 +907,17 @@ pub fn delta(
     delta_by(recs, plan, &changed, cfg)
 }
 
-/// The Services a delta moves the records by: `update`'s, sorted and deduplicated, or,
-/// for a node-level change, every Service the plan or the records hold.
+/// The Services a delta moves the records by: what `update` says to revisit
+/// ([`PlanUpdate::revisit`]), every Service the plan or the records hold when that is
+/// the whole plan.
 pub(crate) fn changed_services(
     recs: &[FamilyRecord; 2],
     plan: &NodePlan,
     update: &PlanUpdate,
 ) -> Vec<ServiceName> {
-    if update.node {
-        let mut all: BTreeSet<&ServiceName> = plan.services.keys().collect();
-        for rec in recs.iter() {
-            all.extend(rec.services());
-        }
-        all.into_iter().cloned().collect()
-    } else {
-        let mut names = update.services.clone();
-        names.sort_unstable();
-        names.dedup();
-        names
-    }
+    update
+        .revisit(true)
+        .names(plan, recs.iter().flat_map(|rec| rec.services()))
 }
 
 /// [`delta`] by the Services already named.

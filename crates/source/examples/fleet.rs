@@ -48,7 +48,6 @@ use futures::StreamExt;
 use kproxy_core::PlanConfig;
 use kproxy_core::ingest::Ownership;
 use kproxy_core::planner::Planner;
-use kproxy_source::StateHandle;
 use kproxy_source::kube::{self as source, KubeSourceConfig};
 use serde_json::{Value, json};
 
@@ -375,25 +374,25 @@ async fn node(
     .map_err(|e| e.to_string())?;
     config.default_retry = !no_client_retry;
     let client = kube::Client::try_from(config).map_err(|e| e.to_string())?;
-    let handle = StateHandle::new();
+    let (writer, mut reader) = kproxy_source::store();
     let cfg = KubeSourceConfig {
         node_name: name.clone(),
         ownership: Ownership::default(),
         page_size: None,
         json_lists: json_watches,
     };
-    let source = tokio::spawn(source::run(client, cfg, handle.clone()));
+    let source = tokio::spawn(source::run(client, cfg, writer));
     let mut planner = Planner::new(name, PlanConfig::default());
     let probe = kproxy_core::model::ServiceName::new(NAMESPACE, PROBE);
     loop {
-        handle.changed().await;
+        let status = reader.changed().await;
         if source.is_finished() {
             return Err("the source ended".into());
         }
-        if !handle.is_ready() {
+        if !status.ready {
             continue;
         }
-        let update = handle.with(|st| planner.update(st));
+        let update = reader.take(|st, changes, _| planner.apply(st, changes));
         if !update.is_empty() {
             view.plan_changes.fetch_add(1, Ordering::SeqCst);
         }

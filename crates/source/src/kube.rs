@@ -1,5 +1,5 @@
 //! The Kubernetes API source: four watchers (Services, EndpointSlices, this Node, ServiceCIDRs)
-//! folded into the one [`StateHandle`], the same ClusterState the manifest source fills. Owns:
+//! folded into the one store ([`crate::store`]), the same ClusterState the manifest source fills. Owns:
 //! which objects are watched (upstream's label selectors, ../shared/spec/upstream-semantics.md
 //! §a.1/§f), when the first sync may happen (Services, EndpointSlices and the Node listed), and
 //! how relists are applied (atomically per kind, see [`fold`]).
@@ -36,7 +36,7 @@ use kproxy_core::ingest::{self, IngestError, Kind, Ownership};
 use kproxy_core::state::Update;
 use tokio::sync::mpsc;
 
-use crate::StateHandle;
+use crate::Writer;
 use fold::{Folder, Input};
 use reflect::{Decoder, Target};
 
@@ -328,13 +328,13 @@ impl<T> Drop for AbortOnDrop<T> {
 /// Runs until cancelled (drop the future): reflectors for Services and EndpointSlices
 /// (label selector as upstream, §f; with a service proxy name, the Services carrying
 /// it) and this Node (field selector `metadata.name`), each decoding its objects on its
-/// own task. Marks `handle` ready once all three have been listed. Relists on 410
+/// own task. Marks the store ready once all three have been listed. Relists on 410
 /// Gone, resumes dropped watches, retries errors with backoff; the last state stays in
 /// place meanwhile.
 pub async fn run(
     client: kube::Client,
     cfg: KubeSourceConfig,
-    handle: StateHandle,
+    handle: Writer,
 ) -> Result<(), SourceError> {
     cfg.validate()?;
     let decoder = Decoder {
@@ -366,7 +366,7 @@ pub async fn run(
     tracing::info!(node = %cfg.node_name, label_selector = %label_selector(&cfg.ownership), "watching the Kubernetes API");
     while let Some((kind, event, received)) = rx.recv().await {
         if let Input::Returned(at) = event {
-            handle.note_api_returned(at);
+            handle.api_returned(at);
             continue;
         }
         let relist = matches!(event, Input::InitDone);
@@ -403,11 +403,11 @@ pub struct Found {
     pub warnings: Vec<IngestError>,
 }
 
-/// Folds one reflector input into `handle`'s state: the one fold of [`run`] and
+/// Folds one reflector input into the state `handle` writes: the one fold of [`run`] and
 /// [`list_once`].
 fn fold_into(
     folder: &mut Folder<Update>,
-    handle: &StateHandle,
+    handle: &Writer,
     cfg: &KubeSourceConfig,
     kind: Kind,
     event: Input<Update>,
@@ -459,7 +459,7 @@ pub async fn list_once(
         .unzip();
     let mut lists = AbortOnDrop(tasks);
     drop(tx);
-    let handle = StateHandle::new();
+    let (handle, _) = crate::store();
     let mut folder: Folder<Update> = Folder::new();
     let mut snapshot = Snapshot::default();
     while let Some((kind, event, received)) = rx.recv().await {
@@ -482,7 +482,7 @@ pub async fn list_once(
             return Err(SourceError::ListFailed { kind, error });
         }
     }
-    snapshot.state = handle.with(std::mem::take);
+    snapshot.state = handle.update(std::mem::take);
     Ok(snapshot)
 }
 

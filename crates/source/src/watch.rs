@@ -1,4 +1,4 @@
-//! The manifest source as a live source: keeps a [`StateHandle`] in step with a
+//! The manifest source as a live source: keeps the store ([`crate::store`]) in step with a
 //! manifest file or directory. Each change (inotify through `notify`, plus a periodic
 //! rescan in case an event is missed) re-reads only the files whose size, mtime or
 //! inode changed, and swaps the whole ClusterState in one `replace`, so the sync loop
@@ -16,7 +16,7 @@
 //!
 //! Reading runs on the blocking pool and never opens anything but regular files (see
 //! [`manifests::read_regular`]); a rescan that takes longer than
-//! [`WatchConfig::stall_after`] marks the source stalled on the handle, which `kproxy run`
+//! [`WatchConfig::stall_after`] marks the source stalled in its status, which `kproxy run`
 //! turns into an unhealthy `/livez`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -30,7 +30,7 @@ use notify::Watcher;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::StateHandle;
+use crate::Writer;
 use crate::manifests::{self, FileRead, LoadProblem, ReadLimits};
 
 /// What to watch and for which node.
@@ -399,9 +399,9 @@ fn changes_content(kind: &notify::EventKind) -> bool {
     }
 }
 
-/// Loads the manifests, marks the handle ready, then follows changes until the task is
+/// Loads the manifests, marks the store ready, then follows changes until the task is
 /// dropped. Fails only when the first load cannot list the path at all.
-pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError> {
+pub async fn run(cfg: WatchConfig, handle: Writer) -> Result<(), WatchError> {
     let (tx, mut rx) = mpsc::unbounded_channel::<()>();
     let make_watcher = || {
         let tx = tx.clone();
@@ -498,7 +498,7 @@ pub async fn run(cfg: WatchConfig, handle: StateHandle) -> Result<(), WatchError
 async fn rescan_blocking(
     cache: &mut ManifestCache,
     cfg: &WatchConfig,
-    handle: &StateHandle,
+    handle: &Writer,
 ) -> Result<Rescan, LoadProblem> {
     handle.note_rescan();
     let mut owned = std::mem::take(cache);
@@ -518,9 +518,9 @@ async fn rescan_blocking(
         Ok(j) => j,
         Err(_) => {
             tracing::error!(path = %cfg.path.display(), after = ?cfg.stall_after, "reading the manifests makes no progress; the source is stalled");
-            handle.set_source_stalled(true);
+            handle.set_stalled(true);
             let j = task.await;
-            handle.set_source_stalled(false);
+            handle.set_stalled(false);
             handle.update(ClusterState::mark_all_changed);
             j
         }
@@ -544,7 +544,7 @@ fn report_problems(reported: &mut BTreeSet<String>, problems: &[LoadProblem]) {
     *reported = now;
 }
 
-fn install(handle: &StateHandle, r: Rescan, first: bool, remove_after: Duration) {
+fn install(handle: &Writer, r: Rescan, first: bool, remove_after: Duration) {
     for (file, n) in &r.emptied {
         tracing::warn!(file = %file.display(), objects = n, remove_after = ?remove_after, "manifest file emptied or removed: its objects are removed if it stays so");
     }
@@ -775,13 +775,13 @@ mod tests {
     async fn run_follows_atomic_renames() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
-        let handle = StateHandle::new();
+        let (writer, handle) = crate::store();
         let mut cfg = WatchConfig::new(dir.path().to_path_buf(), "n".into(), Ownership::default());
         cfg.rescan = Duration::from_secs(3600);
         cfg.remove_after = Duration::from_millis(50);
-        let task = tokio::spawn(run(cfg, handle.clone()));
+        let task = tokio::spawn(run(cfg, writer));
         wait_for(&handle, |s| s.service_count() == 1).await;
-        assert!(handle.is_ready());
+        assert!(handle.status().ready);
         let tmp = dir.path().join(".b.tmp");
         std::fs::write(&tmp, SVC2).unwrap();
         std::fs::rename(&tmp, dir.path().join("b.yaml")).unwrap();
@@ -799,10 +799,10 @@ mod tests {
         let dir = top.path().join("m");
         std::fs::create_dir(&dir).unwrap();
         std::fs::write(dir.join("a.yaml"), SVC).unwrap();
-        let handle = StateHandle::new();
+        let (writer, handle) = crate::store();
         let mut cfg = WatchConfig::new(dir.clone(), "n".into(), Ownership::default());
         cfg.rescan = Duration::from_secs(3600);
-        let task = tokio::spawn(run(cfg, handle.clone()));
+        let task = tokio::spawn(run(cfg, writer));
         wait_for(&handle, |s| s.service_count() == 1).await;
         let new = top.path().join("m.new");
         std::fs::create_dir(&new).unwrap();
@@ -813,7 +813,7 @@ mod tests {
         // the new directory: poke the new directory until the new watch is in place.
         for i in 0..200 {
             std::fs::write(dir.join("b.yaml"), SVC2).unwrap();
-            if handle.with(|s| s.service_count() == 2) {
+            if handle.read(|s| s.service_count() == 2) {
                 break;
             }
             if i == 199 {
@@ -832,7 +832,7 @@ mod tests {
         let node = dir.path().join("node.yaml");
         std::fs::write(&node, "apiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 10.0.0.1}]}\n").unwrap();
         std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
-        let handle = StateHandle::new();
+        let (writer, handle) = crate::store();
         let mut cfg = WatchConfig::new(
             dir.path().to_path_buf(),
             "node-1".into(),
@@ -840,19 +840,19 @@ mod tests {
         );
         cfg.rescan = Duration::from_secs(3600);
         cfg.remove_after = Duration::from_millis(50);
-        let task = tokio::spawn(run(cfg, handle.clone()));
+        let task = tokio::spawn(run(cfg, writer));
         wait_for(&handle, |s| s.node().is_some_and(|n| !n.deleting)).await;
         std::fs::remove_file(&node).unwrap();
         wait_for(&handle, |s| s.node().is_some_and(|n| n.deleting)).await;
-        let addrs = handle.with(|s| s.node().map(|n| n.addresses.len()));
+        let addrs = handle.read(|s| s.node().map(|n| n.addresses.len()));
         assert_eq!(addrs, Some(1), "the last known addresses stay");
         task.abort();
     }
 
-    /// Documents not read are counted on the handle (the daemon's
+    /// Documents not read are counted in the status (the daemon's
     /// `kproxy_manifest_unread_documents`), and the count follows the files.
     #[tokio::test]
-    async fn unread_documents_are_counted_on_the_handle() {
+    async fn unread_documents_are_counted_in_the_status() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
         let cut = format!("apiVersion: v1\nitems:\n{}", indent_item(SVC2));
@@ -861,15 +861,15 @@ mod tests {
             format!("{cut}---\nkind: Servic\n"),
         )
         .unwrap();
-        let handle = StateHandle::new();
+        let (writer, handle) = crate::store();
         let mut cfg = WatchConfig::new(dir.path().to_path_buf(), "n".into(), Ownership::default());
         cfg.rescan = Duration::from_secs(3600);
-        let task = tokio::spawn(run(cfg, handle.clone()));
+        let task = tokio::spawn(run(cfg, writer));
         wait_for(&handle, |s| s.service_count() == 1).await;
-        assert_eq!(handle.unread_documents(), 2);
+        assert_eq!(handle.status().unread_documents, 2);
         std::fs::write(dir.path().join("b.yaml"), SVC2).unwrap();
         wait_for(&handle, |s| s.service_count() == 2).await;
-        assert_eq!(handle.unread_documents(), 0);
+        assert_eq!(handle.status().unread_documents, 0);
         task.abort();
     }
 
@@ -882,16 +882,16 @@ mod tests {
         std::fs::create_dir(dir.path().join("sub")).unwrap();
         std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
         std::fs::write(dir.path().join("sub/b.yaml"), SVC2).unwrap();
-        let handle = StateHandle::new();
+        let (writer, handle) = crate::store();
         let mut cfg = WatchConfig::new(dir.path().to_path_buf(), "n".into(), Ownership::default());
         cfg.rescan = Duration::from_secs(3600);
-        let task = tokio::spawn(run(cfg, handle.clone()));
+        let task = tokio::spawn(run(cfg, writer));
         wait_for(&handle, |s| s.service_count() == 2).await;
         // Events of the set-up itself may still arrive: let them settle.
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let before = handle.rescans();
+        let before = handle.status().rescans;
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let idle = handle.rescans() - before;
+        let idle = handle.status().rescans - before;
         assert_eq!(idle, 0, "{idle} rescans of an idle directory in a second");
         std::fs::write(
             dir.path().join("a.yaml"),
@@ -909,9 +909,9 @@ mod tests {
         task.abort();
     }
 
-    async fn wait_for(handle: &StateHandle, f: impl Fn(&ClusterState) -> bool) {
+    async fn wait_for(handle: &crate::Reader, f: impl Fn(&ClusterState) -> bool) {
         for _ in 0..500 {
-            if handle.with(|s| f(s)) {
+            if handle.read(|s| f(s)) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use kproxy_core::ClusterState;
 use kproxy_core::ingest::Ownership;
-use kproxy_source::StateHandle;
 use kproxy_source::fake_api::{self, FakeApi, StatusCode, bookmark, gone};
 use kproxy_source::kube::{self as source, KubeSourceConfig};
 use serde_json::{Value, json};
@@ -22,7 +21,7 @@ const NODE: &str = "node-a";
 
 struct Harness {
     api: Arc<FakeApi>,
-    handle: StateHandle,
+    handle: kproxy_source::Reader,
     source: tokio::task::JoinHandle<Result<(), source::SourceError>>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     _dir: tempfile::TempDir,
@@ -62,14 +61,14 @@ async fn start_paged(
     let client = source::client(Some(&kubeconfig))
         .await
         .expect("client from kubeconfig");
-    let handle = StateHandle::new();
+    let (writer, handle) = kproxy_source::store();
     let cfg = KubeSourceConfig {
         node_name: NODE.into(),
         ownership,
         page_size,
         json_lists: false,
     };
-    let source = tokio::spawn(source::run(client, cfg, handle.clone()));
+    let source = tokio::spawn(source::run(client, cfg, writer));
     Harness {
         api,
         handle,
@@ -188,8 +187,8 @@ fn strs(v: &[&str]) -> Vec<String> {
 /// Polls until `cond` holds on the state; panics with the last state after 30 s.
 async fn wait_for(h: &Harness, what: &str, cond: impl Fn(&Seen, bool) -> bool) {
     for _ in 0..1500 {
-        let s = h.handle.with(|st| seen(st));
-        if cond(&s, h.handle.is_ready()) {
+        let s = h.handle.read(|st| seen(st));
+        if cond(&s, h.handle.status().ready) {
             return;
         }
         if h.source.is_finished() {
@@ -199,15 +198,15 @@ async fn wait_for(h: &Harness, what: &str, cond: impl Fn(&Seen, bool) -> bool) {
     }
     panic!(
         "timed out waiting for {what}; state: {:?}, ready: {}",
-        h.handle.with(|st| seen(st)),
-        h.handle.is_ready()
+        h.handle.read(|st| seen(st)),
+        h.handle.status().ready
     );
 }
 
 /// Polls until `cond` holds on the raw state and the source is ready.
 async fn wait_cheap(h: &Harness, what: &str, cond: impl Fn(&ClusterState) -> bool) {
     for _ in 0..6000 {
-        if h.handle.is_ready() && h.handle.with(|st| cond(st)) {
+        if h.handle.status().ready && h.handle.read(|st| cond(st)) {
             return;
         }
         assert!(
@@ -271,17 +270,17 @@ async fn first_sync_waits_until_services_slices_and_the_node_are_listed() {
     // The slice list has been requested and is still pending.
     wait_server(&h, "the slice list request", |api| api.slices.lists() == 1).await;
     assert!(
-        !h.handle.is_ready(),
+        !h.handle.status().ready,
         "ready before the EndpointSlices were listed"
     );
-    assert!(h.handle.with(|s| s.slice_count()) == 0);
+    assert!(h.handle.read(|s| s.slice_count()) == 0);
 
     h.api.slices.open.send_replace(true);
     wait_for(&h, "ready with the slices", |s, ready| {
         ready && s.slices.len() == 2
     })
     .await;
-    let s = h.handle.with(|st| seen(st));
+    let s = h.handle.read(|st| seen(st));
     assert_eq!(s.services, strs(&["db:5432", "web:80"]));
     assert_eq!(
         s.slices,
@@ -348,7 +347,7 @@ async fn watch_events_added_modified_deleted_and_bookmarks_update_the_state() {
     .await;
     assert!(
         !h.handle
-            .with(|st| seen(st))
+            .read(|st| seen(st))
             .services
             .contains(&"web:80".to_string())
     );
@@ -432,7 +431,7 @@ async fn gone_mid_stream_relists_and_replaces_that_kind_in_one_step() {
             service("api", "45", "10.96.0.20", 443),
         ],
     );
-    h.handle.with(|st| st.take_changes());
+    h.handle.take(|_, c, _| c);
     h.api.services.event("ERROR", gone());
     h.api.services.close();
     wait_for(&h, "the relisted services", |s, _| {
@@ -442,11 +441,11 @@ async fn gone_mid_stream_relists_and_replaces_that_kind_in_one_step() {
     assert_eq!(h.api.services.lists(), 2, "410 Gone relists");
     // The relist reached the state as one change set: web changed, api added, db and
     // cache removed; the other kinds untouched.
-    let c = h.handle.with(|st| st.take_changes());
+    let c = h.handle.take(|_, c, _| c);
     assert_eq!(c.service_events, 4, "{c:?}");
     assert_eq!(c.slice_events, 0);
     assert!(!c.node);
-    let s = h.handle.with(|st| seen(st));
+    let s = h.handle.read(|st| seen(st));
     assert_eq!(s.slices.len(), 2, "slices untouched by the service relist");
     // The new watch starts from the new list's resourceVersion.
     wait_server(&h, "the watch after the relist", |api| {
@@ -494,7 +493,7 @@ async fn a_dropped_connection_resumes_from_the_last_resource_version() {
         1,
         "a dropped connection resumes the watch without a relist"
     );
-    let s = h.handle.with(|st| seen(st));
+    let s = h.handle.read(|st| seen(st));
     assert_eq!(s.services.len(), 2);
     assert!(s.slices.contains(&"web-def=10.244.0.7".to_string()));
 }
@@ -517,7 +516,7 @@ async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept(
     .await;
     wait_for(&h, "the first sync despite bad objects", |_, ready| ready).await;
     assert_eq!(
-        h.handle.with(|st| seen(st)).services,
+        h.handle.read(|st| seen(st)).services,
         strs(&["db:5432", "web:80"])
     );
 
@@ -546,7 +545,7 @@ async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept(
             && s.slices.iter().any(|x| x.starts_with("db-good="))
     })
     .await;
-    let s = h.handle.with(|st| seen(st));
+    let s = h.handle.read(|st| seen(st));
     assert_eq!(
         s.services,
         strs(&["after:82", "db:5432", "web:80"]),
@@ -580,7 +579,7 @@ async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept(
     })
     .await;
     assert_eq!(
-        h.handle.with(|st| seen(st)).services,
+        h.handle.read(|st| seen(st)).services,
         strs(&["db:5432", "web:80"])
     );
     assert_eq!(h.api.services.lists(), 2);
@@ -599,10 +598,10 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
     })
     .await;
     assert!(
-        !h.handle.is_ready(),
+        !h.handle.status().ready,
         "ready although the Node list keeps failing"
     );
-    assert_eq!(h.handle.with(|st| seen(st)).node, None);
+    assert_eq!(h.handle.read(|st| seen(st)).node, None);
 
     h.api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
     wait_for(&h, "ready once the Node lists", |s, ready| {
@@ -611,7 +610,7 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
     .await;
 
     // The API becomes unreachable for Services: watches fail, the state stays.
-    let before = h.handle.with(|st| seen(st));
+    let before = h.handle.read(|st| seen(st));
     h.api
         .services
         .set_watch_status(StatusCode::SERVICE_UNAVAILABLE);
@@ -622,8 +621,8 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
         api.services.watches().len() >= watches + 2
     })
     .await;
-    assert_eq!(h.handle.with(|st| seen(st)), before);
-    assert!(h.handle.is_ready());
+    assert_eq!(h.handle.read(|st| seen(st)), before);
+    assert!(h.handle.status().ready);
 
     // Back again: events flow.
     h.api.services.set_watch_status(StatusCode::OK);
@@ -656,7 +655,7 @@ async fn a_service_proxy_name_selects_that_proxys_services() {
     )
     .await;
     wait_for(&h, "ready", |_, ready| ready).await;
-    let s = h.handle.with(|st| seen(st));
+    let s = h.handle.read(|st| seen(st));
     assert_eq!(
         (s.services, s.slices),
         (strs(&["mine:80"]), strs(&["mine-1=10.244.0.50"]))
@@ -689,7 +688,7 @@ async fn an_invalid_node_name_is_refused_before_any_request() {
         page_size: None,
         json_lists: false,
     };
-    let err = source::run(client, cfg, StateHandle::new())
+    let err = source::run(client, cfg, kproxy_source::store().0)
         .await
         .expect_err("invalid node name");
     assert!(
@@ -763,7 +762,7 @@ async fn a_large_cluster_lists_and_relists() {
     }
     assert_eq!(h.api.slices.lists(), 1);
 
-    h.handle.with(|st| st.take_changes());
+    h.handle.take(|_, c, _| c);
     h.api.services.set_list(
         "20",
         (0..n)
@@ -776,11 +775,11 @@ async fn a_large_cluster_lists_and_relists() {
     // The relist is one update: all n service events appear at once.
     wait_cheap(&h, "the large relist", |st| st.changes().service_events > 0).await;
     let relisted = t1.elapsed();
-    let c = h.handle.with(|st| st.take_changes());
+    let c = h.handle.take(|_, c, _| c);
     assert_eq!((c.service_events, c.slice_events), (n as u64, 0));
     assert!(
         h.handle
-            .with(|st| seen(st))
+            .read(|st| seen(st))
             .services
             .iter()
             .all(|x| x.ends_with(":81"))
@@ -799,8 +798,8 @@ async fn a_large_cluster_lists_and_relists() {
 #[tokio::test]
 async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
     let h = started().await;
-    h.handle.with(|st| st.take_changes());
-    let before = h.handle.with(|st| seen(st));
+    h.handle.take(|_, c, _| c);
+    let before = h.handle.read(|st| seen(st));
     fn kinds(api: &FakeApi) -> [&fake_api::Resource; 3] {
         [&api.services, &api.slices, &api.nodes]
     }
@@ -825,11 +824,11 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
     })
     .await;
     assert_eq!(
-        h.handle.with(|st| seen(st)),
+        h.handle.read(|st| seen(st)),
         before,
         "the outage kept the state"
     );
-    assert!(h.handle.with(|st| st.take_changes()).is_empty());
+    assert!(h.handle.take(|_, c, _| c).is_empty());
 
     // Back, with the same objects at a newer resourceVersion and no watch history.
     let lists: Vec<Vec<Value>> = kinds(&h.api).iter().map(|r| r.list_items()).collect();
@@ -852,15 +851,15 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
         },
     )
     .await;
-    let c = h.handle.with(|st| st.take_changes());
+    let c = h.handle.take(|_, c, _| c);
     assert!(c.is_empty(), "{c:?}");
     assert_eq!((c.service_events, c.slice_events), (0, 0));
-    assert_eq!(h.handle.with(|st| seen(st)), before);
+    assert_eq!(h.handle.read(|st| seen(st)), before);
     // The source tells the sync loop that the API is back (it times the way to
     // converged rules: kproxy_api_return_to_converged_seconds).
     let mut returned = None;
     for _ in 0..500 {
-        returned = h.handle.take_api_returned();
+        returned = h.handle.status().api_returned;
         if returned.is_some() {
             break;
         }
@@ -901,7 +900,7 @@ async fn service_cidr_objects_are_watched_without_gating_the_first_sync() {
     })
     .await;
     wait_for(&h, "the first sync", |_, ready| ready).await;
-    assert!(h.handle.with(|st| cidrs_of(st)).is_empty());
+    assert!(h.handle.read(|st| cidrs_of(st)).is_empty());
     h.api.service_cidrs.open.send_replace(true);
     wait_cheap(&h, "the kubernetes ServiceCIDR", |st| {
         cidrs_of(st) == strs(&["10.96.0.0/16", "fd00:10:96::/112"])
@@ -963,8 +962,8 @@ async fn protobuf_lists_from_a_real_api_server_read_as_their_json_does() {
     let js = start_paged(Ownership::default(), Some(2), |api| setup(api, false)).await;
     wait_for(&pb, "the first sync (protobuf)", |_, ready| ready).await;
     wait_for(&js, "the first sync (JSON)", |_, ready| ready).await;
-    let from_pb = pb.handle.with(|st| seen(st));
-    assert_eq!(from_pb, js.handle.with(|st| seen(st)));
+    let from_pb = pb.handle.read(|st| seen(st));
+    assert_eq!(from_pb, js.handle.read(|st| seen(st)));
     // Headless and ExternalName Services are not proxied.
     assert_eq!(
         from_pb.services,
@@ -1009,8 +1008,8 @@ async fn protobuf_watches_from_a_real_api_server_read_as_their_json_does() {
     let js = start(Ownership::default(), |api| setup(api, false)).await;
     wait_for(&pb, "the first sync (protobuf)", |_, ready| ready).await;
     wait_for(&js, "the first sync (JSON)", |_, ready| ready).await;
-    let listed = pb.handle.with(|st| seen(st));
-    assert_eq!(listed, js.handle.with(|st| seen(st)));
+    let listed = pb.handle.read(|st| seen(st));
+    assert_eq!(listed, js.handle.read(|st| seen(st)));
     pb.api
         .services
         .frames(include_bytes!("../src/kube/testdata/watch-services.pb"));
@@ -1025,7 +1024,7 @@ async fn protobuf_watches_from_a_real_api_server_read_as_their_json_does() {
         !s.services.iter().any(|s| s.starts_with("np:"))
     })
     .await;
-    let expect = js.handle.with(|st| seen(st));
+    let expect = js.handle.read(|st| seen(st));
     assert_ne!(expect, listed, "the recorded events change the state");
     wait_for(&pb, "the protobuf events applied", |s, _| *s == expect).await;
     let accepts = pb.api.services.accepts.lock().unwrap().clone();

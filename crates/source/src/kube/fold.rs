@@ -1,6 +1,6 @@
 //! Folding watch events into the ClusterState: pure, no I/O, so tables of events can
 //! drive it. [`Folder::step`] turns one watcher event of one kind into at most one
-//! [`Change`]; [`apply_change`] applies it to the state inside one `StateHandle::update`.
+//! [`Change`]; [`apply_change`] applies it to the state inside one `Writer::update`.
 //!
 //! A (re)list arrives as `Init`, `Listed`…, `InitDone`. A relist (the kind was listed
 //! before) is buffered and applied as ONE change, which also deletes the objects of that
