@@ -20,7 +20,7 @@ use crate::plan::{
     EndpointSet, EndpointState, FamilyPlan, Firewall, HealthCheck, LocalPods, NodePlan,
     NodePortAddresses, ServicePlan, ServicePortPlan, SourceClass, TrafficRule, Verdict,
 };
-use crate::state::{ClusterState, Changes};
+use crate::state::{Changes, ClusterState};
 pub use crate::update::PlanUpdate;
 
 /// Plans the whole node from scratch. This node's Node object is read from `state`

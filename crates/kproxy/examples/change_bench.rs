@@ -45,7 +45,9 @@ impl Netns {
         let name = format!("kp-cb-{}", std::process::id());
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
         run(&["ip", "netns", "add", &name]);
-        run(&["ip", "netns", "exec", &name, "ip", "link", "set", "lo", "up"]);
+        run(&[
+            "ip", "netns", "exec", &name, "ip", "link", "set", "lo", "up",
+        ]);
         Netns(name)
     }
 
@@ -162,16 +164,26 @@ impl Events {
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut carried = Vec::new();
         while !want.is_empty() {
-            assert!(Instant::now() < deadline, "{} changes never synced", want.len());
+            assert!(
+                Instant::now() < deadline,
+                "{} changes never synced",
+                want.len()
+            );
             for e in self.synced() {
                 let names: Vec<String> = match e["changed"].as_array() {
-                    Some(a) => a.iter().filter_map(|n| n.as_str().map(String::from)).collect(),
+                    Some(a) => a
+                        .iter()
+                        .filter_map(|n| n.as_str().map(String::from))
+                        .collect(),
                     // A full sync carries everything.
                     None => want.iter().cloned().collect(),
                 };
                 let n = names.iter().filter(|n| want.remove(*n)).count();
                 if n > 0 {
-                    carried.push((e["committed_unix_us"].as_u64().expect("committed_unix_us"), n));
+                    carried.push((
+                        e["committed_unix_us"].as_u64().expect("committed_unix_us"),
+                        n,
+                    ));
                 }
             }
             std::thread::sleep(Duration::from_micros(200));
@@ -205,19 +217,28 @@ fn main() {
             "--changes" => changes = num("--changes"),
             "--burst" => burst = num("--burst"),
             size => {
-                let (s, e) = size.split_once('x').expect("usage: change_bench [NxE] [--changes N] [--burst N]");
+                let (s, e) = size
+                    .split_once('x')
+                    .expect("usage: change_bench [NxE] [--changes N] [--burst N]");
                 services = s.parse().expect("N");
                 eps = e.parse().expect("E");
             }
         }
     }
-    assert!(burst <= services && changes > 0, "the burst touches distinct Services");
+    assert!(
+        burst <= services && changes > 0,
+        "the burst touches distinct Services"
+    );
     let kproxy = support::kproxy_binary();
 
     let ns = Netns::new();
     let api = Arc::new(FakeApi::new());
-    api.services.set_list("10", (0..services).map(service).collect());
-    api.slices.set_list("10", (0..services).map(|i| slice(i, eps, 6, true)).collect());
+    api.services
+        .set_list("10", (0..services).map(service).collect());
+    api.slices.set_list(
+        "10",
+        (0..services).map(|i| slice(i, eps, 6, true)).collect(),
+    );
     api.nodes.set_list("10", vec![node()]);
     let listener = ns.enter(|| std::net::TcpListener::bind("127.0.0.1:0").expect("bind"));
     listener.set_nonblocking(true).unwrap();
@@ -229,7 +250,10 @@ fn main() {
         .unwrap();
     {
         let _entered = rt.enter();
-        fake_api::spawn(tokio::net::TcpListener::from_std(listener).unwrap(), api.clone());
+        fake_api::spawn(
+            tokio::net::TcpListener::from_std(listener).unwrap(),
+            api.clone(),
+        );
     }
 
     let dir = tempfile::tempdir().unwrap();
@@ -313,4 +337,3 @@ fn main() {
             .join(" + ")
     );
 }
-

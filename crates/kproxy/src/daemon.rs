@@ -1624,7 +1624,9 @@ mod tests {
             // A sync is in flight: the burst arrives while the loop is busy.
             let rx = started_rx.take().unwrap();
             let rx = tokio::task::spawn_blocking(move || {
-                rx.recv().unwrap();
+                // Real time (paused time stands still here): fails rather than hangs.
+                rx.recv_timeout(Duration::from_secs(20))
+                    .expect("no sync started for the changes written: a change was lost");
                 rx
             })
             .await
@@ -1643,6 +1645,12 @@ mod tests {
                         s.upsert_service(service(i));
                     }
                 });
+            }
+            // The loop hears the burst while its sync is in flight (health is told a
+            // change is queued): the wake is spent before the sync ends.
+            let queued = h.log.2.load(std::sync::atomic::Ordering::SeqCst);
+            while h.log.2.load(std::sync::atomic::Ordering::SeqCst) == queued {
+                tokio::task::yield_now().await;
             }
             release.send(()).unwrap();
         }

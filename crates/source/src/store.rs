@@ -161,7 +161,8 @@ impl Writer {
 
     /// Marks the initial listing complete and wakes the reader.
     pub fn mark_ready(&self) {
-        self.shared.status(|s| !std::mem::replace(&mut s.ready, true));
+        self.shared
+            .status(|s| !std::mem::replace(&mut s.ready, true));
     }
 
     /// Marks the source stalled (a read runs far longer than it should) or recovered.
