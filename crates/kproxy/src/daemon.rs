@@ -1649,9 +1649,16 @@ mod tests {
             // The loop hears the burst while its sync is in flight (health is told a
             // change is queued): the wake is spent before the sync ends.
             let queued = h.log.2.load(std::sync::atomic::Ordering::SeqCst);
-            while h.log.2.load(std::sync::atomic::Ordering::SeqCst) == queued {
+            for _ in 0..1000 {
+                if h.log.2.load(std::sync::atomic::Ordering::SeqCst) > queued {
+                    break;
+                }
                 tokio::task::yield_now().await;
             }
+            assert!(
+                h.log.2.load(std::sync::atomic::Ordering::SeqCst) > queued,
+                "the loop did not hear the burst during its sync"
+            );
             release.send(()).unwrap();
         }
         // From now on every sync goes through at once.
@@ -1686,6 +1693,45 @@ mod tests {
             programmed.as_ref().map(|p| &p.services),
             Some(&state_plan.services),
             "the programmed plan is behind the state"
+        );
+    }
+
+    /// A stalled source (a read far longer than it should take) is a failing sync to
+    /// health when it stalls, and again after each sync that succeeds meanwhile (the
+    /// rules are not caught up with a source that stopped), so `/livez` turns
+    /// unhealthy after 2 × syncPeriod; once it recovers, no more.
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_source_is_a_failing_sync_to_health_until_it_recovers() {
+        let h = start(0, &[], None);
+        h.add(0);
+        h.writer.mark_ready();
+        h.until_syncs(1).await;
+        h.writer.set_stalled(true);
+        h.until_seen(&Seen::HealthFailed).await;
+        // A sync meanwhile (of a change the source wrote as it stalled).
+        h.add(1);
+        h.until_syncs(2).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        h.writer.set_stalled(false);
+        h.add(2);
+        h.until_syncs(3).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let seen = h.log.take();
+        h.stop().await;
+        let told: Vec<&Seen> = seen
+            .iter()
+            .filter(|s| matches!(s, Seen::Applied(_) | Seen::HealthFailed))
+            .collect();
+        assert_eq!(
+            told,
+            [
+                &Seen::Applied(vec![name(0)]),
+                &Seen::HealthFailed,
+                &Seen::Applied(vec![name(1)]),
+                &Seen::HealthFailed,
+                &Seen::Applied(vec![name(2)]),
+            ],
+            "{seen:?}"
         );
     }
 

@@ -260,6 +260,11 @@ mod tests {
         synthetic::service(&Spec::new(10, 1), i)
     }
 
+    /// A row: the step, what it does, (pending after it, the reader woken).
+    type ChangeRow<'a> = (&'a str, &'a dyn Fn(&Writer, &Reader), (bool, bool));
+    /// A row: the step, what it does, the reader woken.
+    type StatusRow<'a> = (&'a str, &'a dyn Fn(&Writer), bool);
+
     /// Whether the reader has a wake waiting.
     fn woken(r: &mut Reader) -> bool {
         let woken = r.status.has_changed().unwrap();
@@ -270,19 +275,19 @@ mod tests {
     #[test]
     fn pending_follows_the_changes_not_taken_and_wakes_only_when_they_appear() {
         let (w, mut r) = store();
-        // (step, what it does, pending after it, reader woken)
+        // (step, what it does, (pending after it, reader woken))
         #[rustfmt::skip]
-        let steps: &[(&str, &dyn Fn(&Writer, &Reader), bool, bool)] = &[
-            ("an update that changes nothing", &|w, _| w.update(|_| ()), false, false),
-            ("a change", &|w, _| { w.update(|s| s.upsert_service(service(0))); }, true, true),
-            ("another change while one is pending", &|w, _| { w.update(|s| s.upsert_service(service(1))); }, true, false),
-            ("the same object again: still pending", &|w, _| { w.update(|s| s.upsert_service(service(1))); }, true, false),
-            ("a read", &|_, r| r.read(|_| ()), true, false),
-            ("the take", &|_, r| r.take(|_, c, _| assert_eq!(c.services.len(), 2)), false, false),
-            ("a change after the take wakes again", &|w, _| { w.update(|s| s.upsert_service(service(2))); }, true, true),
-            ("a writer that empties the state", &|w, _| { w.update(std::mem::take); }, false, false),
+        let steps: &[ChangeRow] = &[
+            ("an update that changes nothing", &|w, _| w.update(|_| ()), (false, false)),
+            ("a change", &|w, _| { w.update(|s| s.upsert_service(service(0))); }, (true, true)),
+            ("another change while one is pending", &|w, _| { w.update(|s| s.upsert_service(service(1))); }, (true, false)),
+            ("the same object again: still pending", &|w, _| { w.update(|s| s.upsert_service(service(1))); }, (true, false)),
+            ("a read", &|_, r| r.read(|_| ()), (true, false)),
+            ("the take", &|_, r| r.take(|_, c, _| assert_eq!(c.services.len(), 2)), (false, false)),
+            ("a change after the take wakes again", &|w, _| { w.update(|s| s.upsert_service(service(2))); }, (true, true)),
+            ("a writer that empties the state", &|w, _| { w.update(std::mem::take); }, (false, false)),
         ];
-        for (step, f, pending, wake) in steps {
+        for (step, f, (pending, wake)) in steps {
             f(&w, &r);
             assert_eq!(r.status().pending.is_some(), *pending, "{step}: pending");
             assert_eq!(
@@ -319,7 +324,7 @@ mod tests {
         let at = Instant::now();
         // (step, what it does, reader woken)
         #[rustfmt::skip]
-        let steps: &[(&str, &dyn Fn(&Writer), bool)] = &[
+        let steps: &[StatusRow] = &[
             ("ready", &|w| w.mark_ready(), true),
             ("ready again", &|w| w.mark_ready(), false),
             ("stalled", &|w| w.set_stalled(true), true),

@@ -911,7 +911,7 @@ mod tests {
 
     async fn wait_for(handle: &crate::Reader, f: impl Fn(&ClusterState) -> bool) {
         for _ in 0..500 {
-            if handle.read(|s| f(s)) {
+            if handle.read(&f) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

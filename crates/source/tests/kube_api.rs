@@ -187,7 +187,7 @@ fn strs(v: &[&str]) -> Vec<String> {
 /// Polls until `cond` holds on the state; panics with the last state after 30 s.
 async fn wait_for(h: &Harness, what: &str, cond: impl Fn(&Seen, bool) -> bool) {
     for _ in 0..1500 {
-        let s = h.handle.read(|st| seen(st));
+        let s = h.handle.read(seen);
         if cond(&s, h.handle.status().ready) {
             return;
         }
@@ -198,7 +198,7 @@ async fn wait_for(h: &Harness, what: &str, cond: impl Fn(&Seen, bool) -> bool) {
     }
     panic!(
         "timed out waiting for {what}; state: {:?}, ready: {}",
-        h.handle.read(|st| seen(st)),
+        h.handle.read(seen),
         h.handle.status().ready
     );
 }
@@ -206,7 +206,7 @@ async fn wait_for(h: &Harness, what: &str, cond: impl Fn(&Seen, bool) -> bool) {
 /// Polls until `cond` holds on the raw state and the source is ready.
 async fn wait_cheap(h: &Harness, what: &str, cond: impl Fn(&ClusterState) -> bool) {
     for _ in 0..6000 {
-        if h.handle.status().ready && h.handle.read(|st| cond(st)) {
+        if h.handle.status().ready && h.handle.read(&cond) {
             return;
         }
         assert!(
@@ -280,7 +280,7 @@ async fn first_sync_waits_until_services_slices_and_the_node_are_listed() {
         ready && s.slices.len() == 2
     })
     .await;
-    let s = h.handle.read(|st| seen(st));
+    let s = h.handle.read(seen);
     assert_eq!(s.services, strs(&["db:5432", "web:80"]));
     assert_eq!(
         s.slices,
@@ -345,12 +345,7 @@ async fn watch_events_added_modified_deleted_and_bookmarks_update_the_state() {
         s.services.contains(&"web:8443".to_string())
     })
     .await;
-    assert!(
-        !h.handle
-            .read(|st| seen(st))
-            .services
-            .contains(&"web:80".to_string())
-    );
+    assert!(!h.handle.read(seen).services.contains(&"web:80".to_string()));
 
     h.api
         .services
@@ -445,7 +440,7 @@ async fn gone_mid_stream_relists_and_replaces_that_kind_in_one_step() {
     assert_eq!(c.service_events, 4, "{c:?}");
     assert_eq!(c.slice_events, 0);
     assert!(!c.node);
-    let s = h.handle.read(|st| seen(st));
+    let s = h.handle.read(seen);
     assert_eq!(s.slices.len(), 2, "slices untouched by the service relist");
     // The new watch starts from the new list's resourceVersion.
     wait_server(&h, "the watch after the relist", |api| {
@@ -493,7 +488,7 @@ async fn a_dropped_connection_resumes_from_the_last_resource_version() {
         1,
         "a dropped connection resumes the watch without a relist"
     );
-    let s = h.handle.read(|st| seen(st));
+    let s = h.handle.read(seen);
     assert_eq!(s.services.len(), 2);
     assert!(s.slices.contains(&"web-def=10.244.0.7".to_string()));
 }
@@ -515,10 +510,7 @@ async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept(
     })
     .await;
     wait_for(&h, "the first sync despite bad objects", |_, ready| ready).await;
-    assert_eq!(
-        h.handle.read(|st| seen(st)).services,
-        strs(&["db:5432", "web:80"])
-    );
+    assert_eq!(h.handle.read(seen).services, strs(&["db:5432", "web:80"]));
 
     // Malformed lines on the watch stream: the stream goes on.
     h.api
@@ -545,7 +537,7 @@ async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept(
             && s.slices.iter().any(|x| x.starts_with("db-good="))
     })
     .await;
-    let s = h.handle.read(|st| seen(st));
+    let s = h.handle.read(seen);
     assert_eq!(
         s.services,
         strs(&["after:82", "db:5432", "web:80"]),
@@ -578,10 +570,7 @@ async fn bad_objects_and_malformed_events_are_skipped_and_their_neighbours_kept(
         !s.services.contains(&"after:82".to_string())
     })
     .await;
-    assert_eq!(
-        h.handle.read(|st| seen(st)).services,
-        strs(&["db:5432", "web:80"])
-    );
+    assert_eq!(h.handle.read(seen).services, strs(&["db:5432", "web:80"]));
     assert_eq!(h.api.services.lists(), 2);
 }
 
@@ -601,7 +590,7 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
         !h.handle.status().ready,
         "ready although the Node list keeps failing"
     );
-    assert_eq!(h.handle.read(|st| seen(st)).node, None);
+    assert_eq!(h.handle.read(seen).node, None);
 
     h.api.nodes.set_list("10", vec![node("9", "10.200.0.1")]);
     wait_for(&h, "ready once the Node lists", |s, ready| {
@@ -610,7 +599,7 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
     .await;
 
     // The API becomes unreachable for Services: watches fail, the state stays.
-    let before = h.handle.read(|st| seen(st));
+    let before = h.handle.read(seen);
     h.api
         .services
         .set_watch_status(StatusCode::SERVICE_UNAVAILABLE);
@@ -621,7 +610,7 @@ async fn api_errors_delay_the_first_sync_and_keep_the_last_state() {
         api.services.watches().len() >= watches + 2
     })
     .await;
-    assert_eq!(h.handle.read(|st| seen(st)), before);
+    assert_eq!(h.handle.read(seen), before);
     assert!(h.handle.status().ready);
 
     // Back again: events flow.
@@ -655,7 +644,7 @@ async fn a_service_proxy_name_selects_that_proxys_services() {
     )
     .await;
     wait_for(&h, "ready", |_, ready| ready).await;
-    let s = h.handle.read(|st| seen(st));
+    let s = h.handle.read(seen);
     assert_eq!(
         (s.services, s.slices),
         (strs(&["mine:80"]), strs(&["mine-1=10.244.0.50"]))
@@ -779,7 +768,7 @@ async fn a_large_cluster_lists_and_relists() {
     assert_eq!((c.service_events, c.slice_events), (n as u64, 0));
     assert!(
         h.handle
-            .read(|st| seen(st))
+            .read(seen)
             .services
             .iter()
             .all(|x| x.ends_with(":81"))
@@ -799,7 +788,7 @@ async fn a_large_cluster_lists_and_relists() {
 async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
     let h = started().await;
     h.handle.take(|_, c, _| c);
-    let before = h.handle.read(|st| seen(st));
+    let before = h.handle.read(seen);
     fn kinds(api: &FakeApi) -> [&fake_api::Resource; 3] {
         [&api.services, &api.slices, &api.nodes]
     }
@@ -823,11 +812,7 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
             .all(|(r, n)| r.watches().len() >= n + 2)
     })
     .await;
-    assert_eq!(
-        h.handle.read(|st| seen(st)),
-        before,
-        "the outage kept the state"
-    );
+    assert_eq!(h.handle.read(seen), before, "the outage kept the state");
     assert!(h.handle.take(|_, c, _| c).is_empty());
 
     // Back, with the same objects at a newer resourceVersion and no watch history.
@@ -854,7 +839,7 @@ async fn an_outage_then_relists_that_find_nothing_changed_change_nothing() {
     let c = h.handle.take(|_, c, _| c);
     assert!(c.is_empty(), "{c:?}");
     assert_eq!((c.service_events, c.slice_events), (0, 0));
-    assert_eq!(h.handle.read(|st| seen(st)), before);
+    assert_eq!(h.handle.read(seen), before);
     // The source tells the sync loop that the API is back (it times the way to
     // converged rules: kproxy_api_return_to_converged_seconds).
     let mut returned = None;
@@ -900,7 +885,7 @@ async fn service_cidr_objects_are_watched_without_gating_the_first_sync() {
     })
     .await;
     wait_for(&h, "the first sync", |_, ready| ready).await;
-    assert!(h.handle.read(|st| cidrs_of(st)).is_empty());
+    assert!(h.handle.read(cidrs_of).is_empty());
     h.api.service_cidrs.open.send_replace(true);
     wait_cheap(&h, "the kubernetes ServiceCIDR", |st| {
         cidrs_of(st) == strs(&["10.96.0.0/16", "fd00:10:96::/112"])
@@ -962,8 +947,8 @@ async fn protobuf_lists_from_a_real_api_server_read_as_their_json_does() {
     let js = start_paged(Ownership::default(), Some(2), |api| setup(api, false)).await;
     wait_for(&pb, "the first sync (protobuf)", |_, ready| ready).await;
     wait_for(&js, "the first sync (JSON)", |_, ready| ready).await;
-    let from_pb = pb.handle.read(|st| seen(st));
-    assert_eq!(from_pb, js.handle.read(|st| seen(st)));
+    let from_pb = pb.handle.read(seen);
+    assert_eq!(from_pb, js.handle.read(seen));
     // Headless and ExternalName Services are not proxied.
     assert_eq!(
         from_pb.services,
@@ -1008,8 +993,8 @@ async fn protobuf_watches_from_a_real_api_server_read_as_their_json_does() {
     let js = start(Ownership::default(), |api| setup(api, false)).await;
     wait_for(&pb, "the first sync (protobuf)", |_, ready| ready).await;
     wait_for(&js, "the first sync (JSON)", |_, ready| ready).await;
-    let listed = pb.handle.read(|st| seen(st));
-    assert_eq!(listed, js.handle.read(|st| seen(st)));
+    let listed = pb.handle.read(seen);
+    assert_eq!(listed, js.handle.read(seen));
     pb.api
         .services
         .frames(include_bytes!("../src/kube/testdata/watch-services.pb"));
@@ -1024,7 +1009,7 @@ async fn protobuf_watches_from_a_real_api_server_read_as_their_json_does() {
         !s.services.iter().any(|s| s.starts_with("np:"))
     })
     .await;
-    let expect = js.handle.read(|st| seen(st));
+    let expect = js.handle.read(seen);
     assert_ne!(expect, listed, "the recorded events change the state");
     wait_for(&pb, "the protobuf events applied", |s, _| *s == expect).await;
     let accepts = pb.api.services.accepts.lock().unwrap().clone();
