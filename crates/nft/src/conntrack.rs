@@ -193,6 +193,7 @@ pub fn cleanup(frontends: &UdpFrontends) -> Result<usize, NftError> {
 }
 
 /// Every flow of one family (for tests and tools).
+#[cfg(feature = "internals")]
 pub fn list(family_v6: bool) -> Result<Vec<Flow>, NftError> {
     let sock = open()?;
     dump(

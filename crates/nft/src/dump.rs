@@ -97,8 +97,6 @@ pub const SET_ANONYMOUS: u32 = 0x1;
 pub const SET_INTERVAL: u32 = 0x4;
 pub const SET_MAP: u32 = 0x8;
 pub const SET_TIMEOUT: u32 = 0x10;
-pub const SET_EVAL: u32 = 0x20;
-pub const SET_CONCAT: u32 = 0x80;
 const ELEM_INTERVAL_END: u32 = 0x1;
 /// The most bytes of one block of [`RawElements`].
 const BLOCK_BYTES: usize = 64 * 1024;
@@ -210,12 +208,8 @@ impl RawElements {
         (BLOCK_BYTES / self.stride()).max(1)
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// How many elements read did not fit the set's declared key or data.

@@ -21,32 +21,72 @@
 
 #![forbid(unsafe_code)]
 
-pub mod adopt;
+mod adopt;
 mod atom;
-pub mod config;
-pub mod conntrack;
-pub mod dataplane;
-pub mod dump;
-pub mod error;
-pub mod evaluate;
-pub mod first_sync;
-pub mod limits;
-pub mod model;
-pub mod monitor;
-pub mod netlink;
+mod config;
+mod conntrack;
+mod dataplane;
+mod dump;
+mod error;
+mod evaluate;
+mod first_sync;
+mod limits;
+mod model;
+mod monitor;
+mod netlink;
 mod nfnl;
-pub mod readback;
-pub mod record;
-pub mod rule;
-pub mod ruleset;
+mod readback;
+mod record;
+mod rule;
+mod ruleset;
 
+// The node agent's dataplane: build, sync, verify, repair; remove.
 pub use config::{DataplaneConfig, validate_interface, validate_plan};
 pub use dataplane::{Dataplane, SyncReport, VerifyReport, cleanup, delete_tables};
 pub use error::{EncodeError, EncodeFailure, NftError};
-pub use first_sync::{PhasedSync, first_sync_into_absent_tables};
-pub use model::{Table, Transaction};
-pub use readback::first_sync_transaction;
-pub use record::{
-    delta, desired, full_transaction, full_transaction_of, render, write_full_replacement,
-};
 pub use ruleset::DeltaCounts;
+// The desired tables, and what the first sync would send (`sync --dry-run`).
+pub use model::{Family, Table, Transaction};
+pub use readback::first_sync_transaction;
+pub use record::desired;
+// The kernel's tables, read: kproxy's own (`trace --kernel`, the input guard), and the
+// names of a family's tables (the takeover's inventory).
+pub use adopt::AdoptError;
+pub use dump::table_names;
+pub use readback::KernelTable;
+// The kernel watch.
+pub use monitor::{Backoff, ChangeKind, Changes, Event, Interference, Monitor};
+// A packet's fate under a table (`kproxy trace`).
+pub use evaluate::{Evaluation, Fate, Outcome, Share, Touched, divergence, evaluate};
+// The stale-UDP conntrack decision, and the kernel's conntrack limits.
+pub use conntrack::{Flow, stale_flows};
+pub use limits::{ConntrackTable, conntrack_table, read_sysctl};
+
+/// What benches and tests reach below the facade (the `internals` feature, which the
+/// crate's own dev-dependency turns on): the record, the typed model, the readers and
+/// writers of nfnetlink. Not for other crates.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::dataplane::replacement;
+    pub use crate::first_sync::{PhasedSync, first_sync_into_absent_tables};
+    pub use crate::record::{FamilyRecord, delta, full_transaction_of, render};
+    pub mod model {
+        pub use crate::model::*;
+    }
+    pub mod dump {
+        pub use crate::dump::*;
+    }
+    pub mod netlink {
+        pub use crate::netlink::*;
+    }
+    pub mod rule {
+        pub use crate::rule::*;
+    }
+    pub mod adopt {
+        pub use crate::adopt::*;
+    }
+    pub mod conntrack {
+        pub use crate::conntrack::*;
+    }
+}

@@ -37,8 +37,8 @@ use std::net::IpAddr;
 use crate::error::NftError;
 use crate::rule::Rule;
 
+pub(crate) use crate::atom::write_u32;
 pub use crate::atom::{Atom, Family, Field, MAX_FIELDS, RULE_ID_PREFIX, Verdict, rule_id};
-pub(crate) use crate::atom::{write_ip, write_u32};
 
 /// What a map's elements point to.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -1163,23 +1163,6 @@ impl<'a> TextStream<'a> {
     /// Appends the transaction's commands.
     pub fn transaction(&mut self, tx: &Transaction) -> std::io::Result<()> {
         tx.write_text(&mut self.0)
-    }
-
-    /// Appends `add element FAMILY TABLE SET { ELEMENTS }`, `elements` being the
-    /// elements as nft text, separated by `, ` (at most [`TEXT_ELEMENTS_PER_COMMAND`]
-    /// of them, as [`Transaction`]'s text writes them).
-    pub fn add_elements(
-        &mut self,
-        family: Family,
-        table: &str,
-        set: &str,
-        elements: &str,
-    ) -> std::io::Result<()> {
-        let out = &mut self.0.buf;
-        let _ = write!(out, "add element {} {table} {set} {{ ", family.nft());
-        out.push_str(elements);
-        out.push_str(" }\n");
-        self.0.line_done()
     }
 
     /// Writes what is left; the bytes written in all.

@@ -80,7 +80,7 @@ fn own_transaction(port_id: u32, pid: Option<u32>) -> bool {
 
 /// The kind of object a notification is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Kind {
+pub enum ChangeKind {
     Table,
     Chain,
     Rule,
@@ -90,47 +90,47 @@ pub enum Kind {
     Other,
 }
 
-impl Kind {
+impl ChangeKind {
     /// The metric label (`kproxy_kernel_interference_total{what}`).
     pub fn as_str(self) -> &'static str {
         match self {
-            Kind::Table => "table",
-            Kind::Chain => "chain",
-            Kind::Rule => "rule",
-            Kind::Set => "set",
-            Kind::Element => "element",
-            Kind::Other => "other",
+            ChangeKind::Table => "table",
+            ChangeKind::Chain => "chain",
+            ChangeKind::Rule => "rule",
+            ChangeKind::Set => "set",
+            ChangeKind::Element => "element",
+            ChangeKind::Other => "other",
         }
     }
 
     /// Every label value.
-    pub const ALL: [Kind; 6] = [
-        Kind::Table,
-        Kind::Chain,
-        Kind::Rule,
-        Kind::Set,
-        Kind::Element,
-        Kind::Other,
+    pub const ALL: [ChangeKind; 6] = [
+        ChangeKind::Table,
+        ChangeKind::Chain,
+        ChangeKind::Rule,
+        ChangeKind::Set,
+        ChangeKind::Element,
+        ChangeKind::Other,
     ];
 }
 
 /// The kind and verb (added: true) of an nf_tables message type; `None` for the
 /// generation message and anything that is not an object notification.
-fn object(msg: u8) -> Option<(Kind, bool)> {
+fn object(msg: u8) -> Option<(ChangeKind, bool)> {
     // NEW*/DEL* from nf_tables.h, and DESTROY* (26..=32), announced as deletions.
     Some(match msg {
-        0 => (Kind::Table, true),
-        2 | 26 => (Kind::Table, false),
-        3 => (Kind::Chain, true),
-        5 | 27 => (Kind::Chain, false),
-        6 => (Kind::Rule, true),
-        8 | 28 => (Kind::Rule, false),
-        9 => (Kind::Set, true),
-        11 | 29 => (Kind::Set, false),
-        12 => (Kind::Element, true),
-        14 | 30 => (Kind::Element, false),
-        18 | 22 => (Kind::Other, true),
-        20 | 24 | 31 | 32 => (Kind::Other, false),
+        0 => (ChangeKind::Table, true),
+        2 | 26 => (ChangeKind::Table, false),
+        3 => (ChangeKind::Chain, true),
+        5 | 27 => (ChangeKind::Chain, false),
+        6 => (ChangeKind::Rule, true),
+        8 | 28 => (ChangeKind::Rule, false),
+        9 => (ChangeKind::Set, true),
+        11 | 29 => (ChangeKind::Set, false),
+        12 => (ChangeKind::Element, true),
+        14 | 30 => (ChangeKind::Element, false),
+        18 | 22 => (ChangeKind::Other, true),
+        20 | 24 | 31 | 32 => (ChangeKind::Other, false),
         _ => return None,
     })
 }
@@ -139,7 +139,7 @@ fn object(msg: u8) -> Option<(Kind, bool)> {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Changes {
     /// Objects added and deleted per kind: (added, deleted).
-    pub counts: BTreeMap<Kind, (usize, usize)>,
+    pub counts: BTreeMap<ChangeKind, (usize, usize)>,
     /// kproxy's tables the transaction deleted (a flushed ruleset deletes them all).
     pub tables_deleted: Vec<Family>,
     /// A few of the changed objects by name, for the log (`delete chain ip kproxy svc-x`).
@@ -154,14 +154,21 @@ impl Changes {
         self.counts.is_empty()
     }
 
-    fn note(&mut self, kind: Kind, added: bool, family: Family, table: &str, name: Option<&str>) {
+    fn note(
+        &mut self,
+        kind: ChangeKind,
+        added: bool,
+        family: Family,
+        table: &str,
+        name: Option<&str>,
+    ) {
         let c = self.counts.entry(kind).or_default();
         if added {
             c.0 += 1
         } else {
             c.1 += 1
         }
-        if kind == Kind::Table && !added && !self.tables_deleted.contains(&family) {
+        if kind == ChangeKind::Table && !added && !self.tables_deleted.contains(&family) {
             self.tables_deleted.push(family);
         }
         if self.examples.len() < EXAMPLES {
@@ -213,6 +220,27 @@ impl Interference {
     /// Whether one of kproxy's tables is gone (the first sync's path repairs it).
     pub fn tables_missing(&self) -> bool {
         !self.changes.tables_deleted.is_empty()
+    }
+
+    /// Adds a later transaction `i` to this one (reported together).
+    pub fn merge(&mut self, i: Interference) {
+        for (k, (a, d)) in i.changes.counts {
+            let c = self.changes.counts.entry(k).or_default();
+            c.0 += a;
+            c.1 += d;
+        }
+        for f in i.changes.tables_deleted {
+            if !self.changes.tables_deleted.contains(&f) {
+                self.changes.tables_deleted.push(f);
+            }
+        }
+        let room = EXAMPLES.saturating_sub(self.changes.examples.len());
+        self.changes
+            .examples
+            .extend(i.changes.examples.into_iter().take(room));
+        self.pid = i.pid;
+        self.process = i.process;
+        self.generation = i.generation;
     }
 }
 
@@ -397,7 +425,7 @@ fn read_datagram(
             };
             match &mut report {
                 None => report = Some(i),
-                Some(r) => merge(r, i),
+                Some(r) => r.merge(i),
             }
             continue;
         }
@@ -410,10 +438,10 @@ fn read_datagram(
             _ => continue,
         };
         let name_attr = match kind {
-            Kind::Chain => Some(NFTA_CHAIN_NAME),
-            Kind::Rule => Some(NFTA_RULE_CHAIN),
-            Kind::Set | Kind::Element => Some(NFTA_SET_NAME),
-            Kind::Table | Kind::Other => None,
+            ChangeKind::Chain => Some(NFTA_CHAIN_NAME),
+            ChangeKind::Rule => Some(NFTA_RULE_CHAIN),
+            ChangeKind::Set | ChangeKind::Element => Some(NFTA_SET_NAME),
+            ChangeKind::Table | ChangeKind::Other => None,
         };
         let (mut this_table, mut name) = (None, None);
         for nla in NlasIterator::new(attrs).flatten() {
@@ -432,27 +460,6 @@ fn read_datagram(
     if let Some(r) = report {
         found(r);
     }
-}
-
-/// Adds a later transaction `i` to `into` (reported together).
-pub fn merge(into: &mut Interference, i: Interference) {
-    for (k, (a, d)) in i.changes.counts {
-        let c = into.changes.counts.entry(k).or_default();
-        c.0 += a;
-        c.1 += d;
-    }
-    for f in i.changes.tables_deleted {
-        if !into.changes.tables_deleted.contains(&f) {
-            into.changes.tables_deleted.push(f);
-        }
-    }
-    let room = EXAMPLES.saturating_sub(into.changes.examples.len());
-    into.changes
-        .examples
-        .extend(i.changes.examples.into_iter().take(room));
-    into.pid = i.pid;
-    into.process = i.process;
-    into.generation = i.generation;
 }
 
 /// An attribute's value, borrowed from the datagram (not from the attribute's buffer).
