@@ -167,7 +167,9 @@ impl UdpFrontends {
     }
 }
 
-/// The flows of `flows` that are stale under `plan`. Pure.
+/// The flows of `flows` that are stale under `plan`. Pure; the tests' door to the
+/// decision `cleanup` takes from the record's [`UdpFrontends`].
+#[cfg(any(test, feature = "internals"))]
 pub fn stale_flows(plan: &NodePlan, flows: &[Flow]) -> Vec<Flow> {
     UdpFrontends::of(plan).stale(flows)
 }

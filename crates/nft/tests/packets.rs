@@ -569,7 +569,7 @@ fn udp_conntrack_cleanup_deletes_stale_flows_and_keeps_live_ones() {
 
 #[test]
 fn stale_flow_decisions() {
-    use kproxy_nft::{Flow, stale_flows};
+    use kproxy_nft::internals::conntrack::{Flow, stale_flows};
     let eps = [
         ("a", "node-a", READY),
         ("b", "node-a", TERMINATING),

@@ -529,9 +529,12 @@ fn hostile_names_are_rejected() {
         assert!(kproxy_nft::Dataplane::new(cfg).is_err(), "{bad:?}");
     }
     for bad in ["eth0\" accept", "veth*", "", "abcdefghijklmnop", "a\nb"] {
-        assert!(kproxy_nft::validate_interface(bad).is_err(), "{bad:?}");
+        assert!(
+            kproxy_nft::internals::validate_interface(bad).is_err(),
+            "{bad:?}"
+        );
     }
-    assert!(kproxy_nft::validate_interface("cbr0").is_ok());
+    assert!(kproxy_nft::internals::validate_interface("cbr0").is_ok());
 }
 
 /// A first sync into absent tables large enough to send its elements in several
