@@ -14,14 +14,12 @@
 //!   A delta's element changes are diff's element step too, over the touched part of
 //!   each set (the frontends and shared elements the changed Services touch, before
 //!   and after); a full sync's transaction is built from the record's one walk over its
-//!   elements (`FamilyRecord::walk_elements`: `create`, `write_replacement`,
-//!   `element_pieces`). Tests hold deltas equal to `diff` of whole tables
+//!   elements (`FamilyRecord::walk_elements`: `create`, `element_pieces`). Tests hold deltas equal to `diff` of whole tables
 //!   (crates/nft/tests/incremental.rs) and the full transactions to `diff` from an
 //!   absent table (the tests of `record.rs`).
 //! - A transaction is rendered as `nft -f` input by [`Transaction::nft_text`] /
-//!   [`TextStream`] (through which the record also writes a replacing full sync's
-//!   text, its elements written from the record's frontends: `sync --dry-run`, golden
-//!   tests, the sameness test) and as nfnetlink bytes by
+//!   [`Transaction::write_nft_to`] (`sync --dry-run`, golden tests, the sameness
+//!   test) and as nfnetlink bytes by
 //!   `crate::netlink::Batch::transaction` (what is sent: every operation, elements
 //!   encoded from the typed elements).
 //!
@@ -1145,10 +1143,8 @@ impl Text<'_> {
     }
 }
 
-/// nft text written into a sink as it is rendered, in pieces of about 64 KiB: whole
-/// transactions, and element commands whose elements are already nft text (a full
-/// sync writes the record's elements without typing them,
-/// `crate::record::FamilyRecord::write_replacement`).
+/// nft text written into a sink as it is rendered, in pieces of about 64 KiB
+/// ([`Transaction::write_nft_to`]).
 pub struct TextStream<'a>(Text<'a>);
 
 impl<'a> TextStream<'a> {
