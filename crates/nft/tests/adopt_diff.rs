@@ -2,7 +2,7 @@
 //! record's offered in pieces (`crates/nft/src/readback.rs`), never holding either
 //! side typed. Its transaction must be exactly the diff of the typed tables:
 //! `diff(adopt(read_table(), desired), desired)`, which says everything and only what
-//! changed (model.rs's tests). Random cluster states (the differential test's
+//! changed (the tests of model/). Random cluster states (the differential test's
 //! generator) are programmed into a namespace, then compared with other random states,
 //! with elements added, removed and re-valued behind kproxy's back, both ways.
 //! Root only (network namespaces). Cases: `KPROXY_ADOPT_CASES` (default 12), seed
