@@ -1188,16 +1188,14 @@ mod tests {
         /// what changed unknown).
         fn kernel_changed(&self) {
             self.kernel
-                .send(crate::kernel_watch::Detected::now(
-                    kproxy_nft::monitor::Event::Lost,
-                ))
+                .send(crate::kernel_watch::Detected::now(kproxy_nft::Event::Lost))
                 .unwrap();
         }
         /// The kernel watch reads another process's change to kproxy's tables.
         fn interference(&self) {
             self.kernel
                 .send(crate::kernel_watch::Detected::now(
-                    kproxy_nft::monitor::Event::Interference(interference()),
+                    kproxy_nft::Event::Interference(interference()),
                 ))
                 .unwrap();
         }
@@ -1331,12 +1329,12 @@ mod tests {
         clippy::disallowed_types,
         reason = "kproxy_nft stamps an interference on its blocking monitor thread"
     )]
-    fn interference() -> kproxy_nft::monitor::Interference {
-        kproxy_nft::monitor::Interference {
+    fn interference() -> kproxy_nft::Interference {
+        kproxy_nft::Interference {
             pid: 42,
             process: "nft".into(),
             generation: 1,
-            changes: kproxy_nft::monitor::Changes::default(),
+            changes: kproxy_nft::Changes::default(),
             detected: std::time::Instant::now(),
         }
     }

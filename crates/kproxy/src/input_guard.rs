@@ -15,14 +15,14 @@ pub fn kernel_holds_more(plan: &NodePlan, cfg: &DataplaneConfig) -> Option<(usiz
     };
     let desired = kproxy_nft::desired(&empty, cfg);
     let mut more = (0, 0);
-    for (family, want) in ["ip", "ip6"].into_iter().zip(&desired) {
-        let Ok(Some(raw)) = kproxy_nft::dump::read_table(family, &cfg.table) else {
+    for want in &desired {
+        let Ok(Some(kernel)) = kproxy_nft::KernelTable::read(want.family, &want.name) else {
             continue;
         };
         let rules: usize = want.chains.values().map(|c| c.rules.len()).sum();
         let elements: usize = want.sets.values().map(|s| s.elements.len()).sum();
-        more.0 += raw.rule_count().saturating_sub(rules);
-        more.1 += raw.element_count().saturating_sub(elements);
+        more.0 += kernel.rule_count().saturating_sub(rules);
+        more.1 += kernel.element_count().saturating_sub(elements);
     }
     (more != (0, 0)).then_some(more)
 }

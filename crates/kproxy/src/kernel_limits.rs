@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use kproxy_health::Health;
-use kproxy_nft::limits::{self, ConntrackTable};
+use kproxy_nft::ConntrackTable;
 use prometheus_client::metrics::counter::Counter;
 use tokio_util::sync::CancellationToken;
 
@@ -32,7 +32,7 @@ pub async fn watch(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        match limits::conntrack_table() {
+        match kproxy_nft::conntrack_table() {
             Ok(now) => {
                 observe(last.as_ref(), &now, &metrics);
                 if last.is_none_or(|l| l.full() != now.full()) {
@@ -69,7 +69,7 @@ pub async fn watch(
             }
         }
         for (s, was) in sysctls.iter().zip(changed.iter_mut()) {
-            let differs = limits::read_sysctl(&s.path).is_ok_and(|v| !s.satisfied_by(v));
+            let differs = kproxy_nft::read_sysctl(&s.path).is_ok_and(|v| !s.satisfied_by(v));
             if differs != *was {
                 *was = differs;
                 if differs {

@@ -1,9 +1,9 @@
 //! `kproxy trace --kernel`: the fate of one new connection under the tables this
 //! network namespace's kernel holds, beside the plan's. kproxy's tables are read back
 //! over nfnetlink and adopted in the plan's terms exactly as adoption reads them
-//! (`kproxy_nft::readback::kernel_table`), evaluated by `kproxy_nft::evaluate`, and
+//! (`kproxy_nft::KernelTable`), evaluated by `kproxy_nft::evaluate`, and
 //! where the two fates or the objects the packet touched differ, the differing chains,
-//! sets and elements are named (`kproxy_nft::evaluate::divergence`).
+//! sets and elements are named (`kproxy_nft::divergence`).
 //!
 //! It reads the kernel of the machine it runs on: on a node, as root or in kproxy's
 //! pod (`kubectl exec`); the kubectl plugin on a workstation cannot reach a node's
@@ -16,7 +16,7 @@ use kproxy_core::NodePlan;
 use kproxy_core::model::IpFamily;
 use kproxy_core::trace::{Packet, Trace};
 use kproxy_nft::DataplaneConfig;
-use kproxy_nft::evaluate::{Fate, Outcome, divergence, evaluate};
+use kproxy_nft::{Fate, Outcome, divergence, evaluate};
 use serde::Serialize;
 
 /// The answer (`-o json|yaml` prints it as is).
@@ -87,14 +87,14 @@ pub fn kernel_trace(
     let desired = kproxy_nft::desired(plan, cfg);
     let mut kernel = Vec::with_capacity(2);
     for d in &desired {
-        let t = kproxy_nft::readback::kernel_table(d).with_context(|| {
+        let t = kproxy_nft::KernelTable::read(d.family, &d.name).with_context(|| {
             format!(
                 "reading table {} {} back from the kernel",
                 d.family.nft(),
                 d.name
             )
         })?;
-        kernel.push(t);
+        kernel.push(t.map(|t| t.adopt(d)));
     }
     let i = usize::from(family == IpFamily::IPv6);
     let name = format!("{} {}", desired[i].family.nft(), desired[i].name);

@@ -5,14 +5,14 @@
 //! it is read ([`detected`]); then [`KernelWatch`] hands it to the sync loop, which
 //! repairs the tables from its record (`crate::daemon::SyncLoop`), immediately after a
 //! quiet spell and, while a process keeps changing them, backing off
-//! ([`kproxy_nft::monitor::Backoff`]) so kproxy never spins against it.
+//! ([`kproxy_nft::Backoff`]) so kproxy never spins against it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use kproxy_health::Health;
-use kproxy_nft::monitor::{self, Backoff, Event, Interference, Monitor};
+use kproxy_nft::{Backoff, Event, Interference, Monitor};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -63,7 +63,7 @@ impl Repair {
         self.events += 1;
         if let Event::Interference(i) = d.event {
             match &mut self.interference {
-                Some(into) => monitor::merge(into, i),
+                Some(into) => into.merge(i),
                 None => self.interference = Some(i),
             }
         }
@@ -293,7 +293,7 @@ fn detected(event: &Event, health: &Health, metrics: &Metrics, log: &mut LogPace
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kproxy_nft::monitor::Changes;
+    use kproxy_nft::Changes;
     use prometheus_client::registry::Registry;
 
     #[expect(

@@ -32,7 +32,7 @@ fn change_stage_histogram() -> Histogram {
     Histogram::new(CHANGE_STAGE_BUCKETS)
 }
 
-/// What another process changed in kproxy's tables (`kproxy_nft::monitor::Kind`), or
+/// What another process changed in kproxy's tables (`kproxy_nft::ChangeKind`), or
 /// `unknown` when notifications were lost.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WhatLabel {

@@ -237,8 +237,8 @@ fn run_step(step: &Step) -> Result<()> {
     match step {
         Step::DeleteNftTable { family } => {
             let family = match family.as_str() {
-                "ip" => kproxy_nft::model::Family::Ip,
-                "ip6" => kproxy_nft::model::Family::Ip6,
+                "ip" => kproxy_nft::Family::Ip,
+                "ip6" => kproxy_nft::Family::Ip6,
                 f => bail!("table family {f:?}: want ip or ip6"),
             };
             kproxy_nft::delete_tables(&[(family, takeover::NFT_TABLE)]).map_err(anyhow::Error::from)
@@ -313,7 +313,7 @@ fn own_tables_present(table: &str) -> bool {
 fn nft_tables() -> Vec<takeover::NftTableName> {
     let mut out = Vec::new();
     for family in ["ip", "ip6"] {
-        match kproxy_nft::dump::table_names(family) {
+        match kproxy_nft::table_names(family) {
             Ok(names) => out.extend(names.into_iter().map(|name| takeover::NftTableName {
                 family: family.to_string(),
                 name,

@@ -1,5 +1,5 @@
 //! Interference at scale, in a throwaway network namespace (root): how long
-//! after another process's `nft` transaction the kernel watch ([`kproxy_nft::monitor`])
+//! after another process's `nft` transaction the kernel watch ([`kproxy_nft::Monitor`])
 //! has read it, and how long the repair from the record ([`Dataplane::repair`]) takes,
 //! for a flushed ruleset (both tables gone: the first sync's path), one deleted
 //! verdict-map element and one flushed base chain (both: read back, delta). Also what
@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 use kproxy_core::planner::PlanUpdate;
 use kproxy_core::synthetic::{self, Spec};
 use kproxy_core::{PlanConfig, Planner};
-use kproxy_nft::monitor::{Event, Monitor};
 use kproxy_nft::{Dataplane, DataplaneConfig};
+use kproxy_nft::{Event, Monitor};
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3

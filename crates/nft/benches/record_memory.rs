@@ -9,16 +9,13 @@
 //! counts allocator slack that a daemon keeps.
 //!
 //! A full sync's transient (peak heap above the records) is measured for what `sync`
-//! does, and, in the same binary, through the typed tables with their element maps
-//! (`assemble`, then the transaction, then the whole script as one `String`: how it
-//! was done before the records kept element vectors, with today's vectors):
-//! - replacing existing tables: `kproxy_nft::dataplane::replacement`, the one
+//! does, and, in the same binary, as it was done before:
+//! - replacing existing tables: `kproxy_nft::internals::replacement`, the one
 //!   nfnetlink batch `sync` sends (held whole: a batch goes in one `sendmsg`), its
-//!   elements typed and encoded piece by piece; for comparison the nft text of the same
-//!   transaction (`write_full_replacement`, written into a sink in 64 KiB pieces, how it
-//!   was sent through `nft -f` before) and the typed transaction (`full_transaction_of`)
-//!   streamed the same way;
-//! - into absent tables: `kproxy_nft::first_sync_into_absent_tables` with a sink (the
+//!   elements typed and encoded piece by piece; for comparison the nft text of the
+//!   typed transaction (`full_transaction_of`, written into a sink in 64 KiB pieces, how
+//!   it was sent through `nft -f` before);
+//! - into absent tables: `kproxy_nft::internals::first_sync_into_absent_tables` with a sink (the
 //!   structure as one nfnetlink transaction, the elements as transactions of a few
 //!   thousand elements each, typed and encoded piece by piece), and for comparison the
 //!   creating transaction split and its elements encoded as one batch (how it was done
@@ -30,7 +27,7 @@ mod memory;
 use kproxy_core::PlanConfig;
 use kproxy_core::model::IpFamily;
 use kproxy_core::synthetic::{self, Spec};
-use kproxy_nft::record::FamilyRecord;
+use kproxy_nft::internals::FamilyRecord;
 use kproxy_nft::{DataplaneConfig, Transaction};
 
 use memory::{live, mib, peak, reset_peak, rss_kib};
@@ -59,37 +56,26 @@ fn main() {
 
     // Replacing existing tables: what `sync` sends, one nfnetlink batch.
     let (replace_nl, batch_nl) = transient(|| {
-        let (batch, _) = kproxy_nft::dataplane::replacement(&recs).expect("every object encodes");
+        let (batch, _) = kproxy_nft::internals::replacement(&recs).expect("every object encodes");
         batch.len()
     });
-    // The same as nft text, streamed from the records' text (how it was sent before).
-    let (replace, sent) = transient(|| {
-        let sink = kproxy_nft::write_full_replacement(&recs, &mut std::io::sink());
-        sink.expect("a sink").0
-    });
-    // The same through the record's typed transaction (how it was done before).
-    let (replace_tx, sent_tx) = transient(|| {
-        let tx = kproxy_nft::full_transaction_of(&recs);
+    // The same through the record's typed transaction as nft text (how it was done
+    // before).
+    let (replace_tx, sent) = transient(|| {
+        let tx = kproxy_nft::internals::full_transaction_of(&recs);
         tx.write_nft_to(&mut std::io::sink()).expect("a sink")
     });
-    assert_eq!(sent, sent_tx, "both paths write scripts of the same length");
-    let (replace_old, script) = transient(|| {
-        let tables = [recs[0].assemble(), recs[1].assemble()];
-        let tx = kproxy_nft::full_transaction(tables);
-        tx.nft_text().len()
-    });
-    assert_eq!(sent, script, "both paths write the same script");
 
     // Into absent tables: what `sync` does (structure text, the elements in pieces,
     // the hooks), with sinks for nft and the socket.
     let (cold, (batch, pieces)) = transient(|| {
         let mut sent = (0, 0);
-        let mut send = |b: kproxy_nft::netlink::Batch| {
+        let mut send = |b: kproxy_nft::internals::netlink::Batch| {
             sent.0 += b.len();
             sent.1 += 1;
             Ok(())
         };
-        let done = kproxy_nft::first_sync_into_absent_tables(&recs, &mut send)
+        let done = kproxy_nft::internals::first_sync_into_absent_tables(&recs, &mut send)
             .expect("sinks do not fail, and every element encodes");
         assert_eq!(done.netlink_bytes, sent.0);
         sent
@@ -100,7 +86,7 @@ fn main() {
         let mut tx = create(&recs[0]);
         tx.extend(create(&recs[1]));
         let (_, elements) = tx.dormant_for_absent_tables();
-        kproxy_nft::netlink::Batch::transaction(&elements).map_or(0, |b| b.len())
+        kproxy_nft::internals::netlink::Batch::transaction(&elements).map_or(0, |b| b.len())
     };
     let (cold_one, batch_one) = transient(|| cold_batch(&|r| r.create()));
     let (cold_old, batch_old) = transient(|| cold_batch(&|r| Transaction::create(r.assemble())));
@@ -109,10 +95,8 @@ fn main() {
     println!(
         "record_memory 10000x10: FamilyRecord (both families) live {:.1} MiB (peak while \
          building {:.1} MiB), RSS +{:.1} MiB; full sync transient peak: replacing \
-         {replace_nl:.1} MiB (one nfnetlink batch, {:.1} MB; as nft text {replace:.1} MiB, \
-         through the typed transaction: {replace_tx:.1} MiB, through \
-         tables and a script String: {replace_old:.1} MiB; \
-         script {:.1} MB), into absent tables {cold:.1} MiB ({pieces} nfnetlink \
+         {replace_nl:.1} MiB (one nfnetlink batch, {:.1} MB; as nft text through the \
+         typed transaction: {replace_tx:.1} MiB, script {:.1} MB), into absent tables {cold:.1} MiB ({pieces} nfnetlink \
          transactions, {:.1} MB; as one batch: {cold_one:.1} MiB, through tables: \
          {cold_old:.1} MiB; batch {:.1} MB)",
         mib(live),

@@ -95,7 +95,7 @@ fn run(services: usize, eps: usize) {
     let script = if cold_only {
         String::new()
     } else {
-        kproxy_nft::render(&plan, &cfg)
+        kproxy_nft::internals::render(&plan, &cfg)
     };
     let render = t.elapsed();
     if let Some(dir) = std::env::var_os("KPROXY_BENCH_DUMP") {

@@ -167,7 +167,9 @@ impl UdpFrontends {
     }
 }
 
-/// The flows of `flows` that are stale under `plan`. Pure.
+/// The flows of `flows` that are stale under `plan`. Pure; the tests' door to the
+/// decision `cleanup` takes from the record's [`UdpFrontends`].
+#[cfg(any(test, feature = "internals"))]
 pub fn stale_flows(plan: &NodePlan, flows: &[Flow]) -> Vec<Flow> {
     UdpFrontends::of(plan).stale(flows)
 }
@@ -193,6 +195,7 @@ pub fn cleanup(frontends: &UdpFrontends) -> Result<usize, NftError> {
 }
 
 /// Every flow of one family (for tests and tools).
+#[cfg(feature = "internals")]
 pub fn list(family_v6: bool) -> Result<Vec<Flow>, NftError> {
     let sock = open()?;
     dump(

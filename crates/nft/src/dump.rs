@@ -34,7 +34,19 @@ use netlink_sys::Socket;
 pub(crate) use crate::atom::{VERDICT_TYPE, concat_type, fields_len};
 use crate::error::NftError;
 use crate::model::{Atom, Field, MAX_FIELDS, Tuple, Verdict};
-pub(crate) use crate::nfnl::Attrs;
+use crate::nfnl::{Attrs, be32};
+use crate::nfnl::{
+    NFNL_SUBSYS_NFTABLES, NFT_MSG_GETCHAIN, NFT_MSG_GETGEN, NFT_MSG_GETOBJ, NFT_MSG_GETRULE,
+    NFT_MSG_GETSET, NFT_MSG_GETSETELEM, NFT_MSG_GETTABLE, NFTA_CHAIN_HOOK, NFTA_CHAIN_NAME,
+    NFTA_CHAIN_POLICY, NFTA_CHAIN_TABLE, NFTA_CHAIN_TYPE, NFTA_DATA_VALUE, NFTA_DATA_VERDICT,
+    NFTA_GEN_ID, NFTA_HOOK_HOOKNUM, NFTA_HOOK_PRIORITY, NFTA_OBJ_NAME, NFTA_OBJ_TABLE,
+    NFTA_OBJ_TYPE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS, NFTA_RULE_HANDLE, NFTA_RULE_TABLE,
+    NFTA_RULE_USERDATA, NFTA_SET_DATA_LEN, NFTA_SET_DATA_TYPE, NFTA_SET_ELEM_DATA,
+    NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_LIST_ELEMENTS, NFTA_SET_ELEM_LIST_SET,
+    NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_FLAGS, NFTA_SET_KEY_LEN, NFTA_SET_KEY_TYPE, NFTA_SET_NAME,
+    NFTA_SET_TABLE, NFTA_SET_TIMEOUT, NFTA_SET_USERDATA, NFTA_TABLE_FLAGS, NFTA_TABLE_NAME,
+    NFTA_TABLE_USERDATA, NFTA_VERDICT_CHAIN, NFTA_VERDICT_CODE,
+};
 
 // linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h.
 const NLMSG_ERROR: u16 = 2;
@@ -43,52 +55,6 @@ const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_DUMP_INTR: u16 = 0x10;
 const NLM_F_ACK: u16 = 0x4;
 const NLM_F_DUMP: u16 = 0x300;
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
-const NFT_MSG_GETTABLE: u16 = 1;
-const NFT_MSG_GETCHAIN: u16 = 4;
-const NFT_MSG_GETRULE: u16 = 7;
-const NFT_MSG_GETSET: u16 = 10;
-const NFT_MSG_GETSETELEM: u16 = 13;
-const NFT_MSG_GETGEN: u16 = 16;
-const NFT_MSG_GETOBJ: u16 = 19;
-const NFTA_GEN_ID: u16 = 1;
-const NFTA_TABLE_NAME: u16 = 1;
-const NFTA_TABLE_FLAGS: u16 = 2;
-const NFTA_TABLE_USERDATA: u16 = 6;
-const NFTA_CHAIN_TABLE: u16 = 1;
-const NFTA_CHAIN_NAME: u16 = 3;
-const NFTA_CHAIN_HOOK: u16 = 4;
-const NFTA_HOOK_HOOKNUM: u16 = 1;
-const NFTA_HOOK_PRIORITY: u16 = 2;
-const NFTA_CHAIN_POLICY: u16 = 5;
-const NFTA_CHAIN_TYPE: u16 = 7;
-const NFTA_RULE_TABLE: u16 = 1;
-const NFTA_RULE_CHAIN: u16 = 2;
-const NFTA_RULE_HANDLE: u16 = 3;
-const NFTA_RULE_EXPRESSIONS: u16 = 4;
-const NFTA_RULE_USERDATA: u16 = 7;
-const NFTA_SET_TABLE: u16 = 1;
-const NFTA_SET_NAME: u16 = 2;
-const NFTA_SET_FLAGS: u16 = 3;
-const NFTA_SET_KEY_TYPE: u16 = 4;
-const NFTA_SET_KEY_LEN: u16 = 5;
-const NFTA_SET_DATA_TYPE: u16 = 6;
-const NFTA_SET_DATA_LEN: u16 = 7;
-const NFTA_SET_TIMEOUT: u16 = 11;
-const NFTA_SET_USERDATA: u16 = 13;
-const NFTA_OBJ_TABLE: u16 = 1;
-const NFTA_OBJ_NAME: u16 = 2;
-const NFTA_OBJ_TYPE: u16 = 3;
-const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
-const NFTA_SET_ELEM_LIST_SET: u16 = 2;
-const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
-const NFTA_SET_ELEM_KEY: u16 = 1;
-const NFTA_SET_ELEM_DATA: u16 = 2;
-const NFTA_SET_ELEM_FLAGS: u16 = 3;
-const NFTA_DATA_VALUE: u16 = 1;
-const NFTA_DATA_VERDICT: u16 = 2;
-const NFTA_VERDICT_CODE: u16 = 1;
-const NFTA_VERDICT_CHAIN: u16 = 2;
 /// libnftnl's udata TLV types: a rule's comment, a set's comment.
 const UDATA_RULE_COMMENT: u8 = 0;
 const UDATA_SET_COMMENT: u8 = 7;
@@ -97,8 +63,6 @@ pub const SET_ANONYMOUS: u32 = 0x1;
 pub const SET_INTERVAL: u32 = 0x4;
 pub const SET_MAP: u32 = 0x8;
 pub const SET_TIMEOUT: u32 = 0x10;
-pub const SET_EVAL: u32 = 0x20;
-pub const SET_CONCAT: u32 = 0x80;
 const ELEM_INTERVAL_END: u32 = 0x1;
 /// The most bytes of one block of [`RawElements`].
 const BLOCK_BYTES: usize = 64 * 1024;
@@ -210,12 +174,8 @@ impl RawElements {
         (BLOCK_BYTES / self.stride()).max(1)
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// How many elements read did not fit the set's declared key or data.
@@ -339,10 +299,6 @@ fn family_code(family: &str) -> Result<u8, NftError> {
             "table family {f:?}: want ip or ip6"
         ))),
     }
-}
-
-pub(crate) fn be32(b: &[u8]) -> Option<u32> {
-    Some(u32::from_be_bytes(b.get(..4)?.try_into().ok()?))
 }
 
 fn be64(b: &[u8]) -> Option<u64> {

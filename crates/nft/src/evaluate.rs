@@ -1,7 +1,7 @@
 //! The fate of one new connection under a kproxy table, computed from the table's
 //! chains, rules, sets and maps: an interpreter of the rules kproxy writes
 //! (`crate::ruleset`) over the typed [`Table`]. `kproxy trace --kernel` runs it on the
-//! tables read back from the kernel (`crate::readback::kernel_table`) and sets the
+//! tables read back from the kernel (`crate::readback::KernelTable`) and sets the
 //! result beside `kproxy_core::trace`'s answer from the plan; run on the desired tables
 //! it gives `trace`'s answer (crates/nft/tests/kernel_trace.rs holds both). Pure.
 //!

@@ -4,49 +4,93 @@
 //! planner's `PlanUpdate` names), verifies the kernel against that record, and deletes
 //! stale UDP conntrack entries.
 //!
-//! This file is the facade: it declares the modules and re-exports what callers use.
-//! Functional core: [`ruleset`] (plan → desired typed [`model::Table`]s), `atom` (the
-//! values rules and elements share: family, field, atom, verdict, rule id), [`rule`] (the
+//! This file is the facade: every module is private, and what the node agent and the
+//! tools use is re-exported here (crates/nft/README.md, "The Rust facade", says why each
+//! item); benches and tests reach below it through `internals` (the `internals`
+//! feature). Functional core: `ruleset` (plan → desired typed [`Table`]s), `atom` (the
+//! values rules and elements share: family, field, atom, verdict, rule id), `rule` (the
 //! typed rule: its one renderer of nft text, and the decoder of the kernel's
-//! expressions back into it, so rules read back compare by what they do), [`model`]
-//! (the typed nftables model, `diff(old, new) → Transaction`, the transaction's nft
-//! text), [`record`] (the record that moves by the changed Services and yields each
-//! sync's transaction), [`conntrack::UdpFrontends`] (the cleanup's decision, moved
-//! with the record) and [`evaluate`] (a packet's fate under a table, for `kproxy trace
-//! --kernel`). Imperative shell: [`Dataplane`] ([`dataplane`]), which sends each
-//! sync's transaction as nfnetlink batches ([`netlink`]; no `nft` process: the nft
-//! text is for `sync --dry-run`, docs and tests); reads kproxy's tables back over
-//! nfnetlink ([`dump`], [`readback`]); and talks ctnetlink ([`conntrack`]), always in
-//! the calling thread's network namespace.
+//! expressions back into it, so rules read back compare by what they do), `model` (the
+//! typed nftables model, `diff(old, new) → Transaction`, the transaction's nft text),
+//! `record` (the record that moves by the changed Services and yields each sync's
+//! transaction), `conntrack` (the cleanup's decision, moved with the record) and
+//! `evaluate` (a packet's fate under a table, for `kproxy trace --kernel`). Imperative
+//! shell: [`Dataplane`] (`dataplane`), which sends each sync's transaction as
+//! nfnetlink batches (`netlink`; no `nft` process: the nft text is for `sync
+//! --dry-run`, docs and tests); reads kproxy's tables back over nfnetlink (`dump`,
+//! `readback`); watches them (`monitor`); and talks ctnetlink (`conntrack`), always in
+//! the calling thread's network namespace (`nfnl`: who is who on netfilter netlink).
 
 #![forbid(unsafe_code)]
 
-pub mod adopt;
+mod adopt;
 mod atom;
-pub mod config;
-pub mod conntrack;
-pub mod dataplane;
-pub mod dump;
-pub mod error;
-pub mod evaluate;
-pub mod first_sync;
-pub mod limits;
-pub mod model;
-pub mod monitor;
-pub mod netlink;
+mod config;
+mod conntrack;
+mod dataplane;
+mod dump;
+mod error;
+mod evaluate;
+mod first_sync;
+mod limits;
+mod model;
+mod monitor;
+mod netlink;
 mod nfnl;
-pub mod readback;
-pub mod record;
-pub mod rule;
-pub mod ruleset;
+mod readback;
+mod record;
+mod rule;
+mod ruleset;
 
-pub use config::{DataplaneConfig, validate_interface, validate_plan};
+// The node agent's dataplane: build, sync, verify, repair; remove.
+pub use config::{DataplaneConfig, validate_plan};
 pub use dataplane::{Dataplane, SyncReport, VerifyReport, cleanup, delete_tables};
 pub use error::{EncodeError, EncodeFailure, NftError};
-pub use first_sync::{PhasedSync, first_sync_into_absent_tables};
-pub use model::{Table, Transaction};
-pub use readback::first_sync_transaction;
-pub use record::{
-    delta, desired, full_transaction, full_transaction_of, render, write_full_replacement,
-};
 pub use ruleset::DeltaCounts;
+// The desired tables, and what the first sync would send (`sync --dry-run`).
+pub use model::{Family, Table, Transaction};
+pub use readback::first_sync_transaction;
+pub use record::desired;
+// The kernel's tables, read: kproxy's own (`trace --kernel`, the input guard), and the
+// names of a family's tables (the takeover's inventory).
+pub use adopt::AdoptError;
+pub use dump::table_names;
+pub use readback::KernelTable;
+// The kernel watch.
+pub use monitor::{Backoff, ChangeKind, Changes, Event, Interference, Monitor};
+// A packet's fate under a table (`kproxy trace`).
+pub use evaluate::{Evaluation, Fate, Outcome, Share, Touched, divergence, evaluate};
+// The kernel's conntrack limits (`kproxy_conntrack_*` metrics; the stale-UDP cleanup
+// runs inside each sync).
+pub use limits::{ConntrackTable, conntrack_table, read_sysctl};
+
+/// What benches and tests reach below the facade (the `internals` feature, which the
+/// crate's own dev-dependency turns on): the record and its transactions, the typed
+/// model, the kernel's raw tables, the nfnetlink writer, the typed rule, adoption, the
+/// ctnetlink listing. Not for other crates: nothing here is the node agent's contract.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::config::validate_interface;
+    pub use crate::dataplane::replacement;
+    pub use crate::first_sync::{PhasedSync, first_sync_into_absent_tables};
+    pub use crate::record::{FamilyRecord, delta, full_transaction_of, render};
+    pub mod model {
+        pub use crate::model::*;
+    }
+    pub mod dump {
+        pub use crate::dump::*;
+    }
+    pub mod netlink {
+        pub use crate::netlink::*;
+    }
+    pub mod rule {
+        pub use crate::rule::*;
+    }
+    pub mod adopt {
+        pub use crate::adopt::*;
+    }
+    pub mod conntrack {
+        pub use crate::conntrack::*;
+    }
+}

@@ -29,33 +29,22 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use netlink_packet_core::{NlaBuffer, NlasIterator};
 use netlink_sys::Socket;
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
 use crate::error::NftError;
 use crate::model::Family;
-use crate::nfnl;
+use crate::nfnl::{self, Attrs, be32, c_str};
+use crate::nfnl::{
+    NFNL_SUBSYS_NFTABLES, NFNLGRP_NFTABLES, NFT_MSG_NEWGEN, NFTA_CHAIN_NAME, NFTA_GEN_ID,
+    NFTA_GEN_PROC_NAME, NFTA_GEN_PROC_PID, NFTA_RULE_CHAIN, NFTA_SET_NAME,
+};
 
-/// `enum nfnetlink_groups` (linux/netfilter/nfnetlink.h).
-const NFNLGRP_NFTABLES: u32 = 7;
-const NFNL_SUBSYS_NFTABLES: u8 = 10;
-/// `enum nf_tables_msg_types` (linux/netfilter/nf_tables.h).
-const NFT_MSG_NEWGEN: u8 = 15;
-/// `enum nft_gen_attributes`.
-const NFTA_GEN_ID: u16 = 1;
-const NFTA_GEN_PROC_PID: u16 = 2;
-const NFTA_GEN_PROC_NAME: u16 = 3;
 /// The table's name is attribute 1 of every object message (`NFTA_TABLE_NAME`,
 /// `NFTA_CHAIN_TABLE`, `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, `NFTA_SET_ELEM_LIST_TABLE`,
 /// `NFTA_OBJ_TABLE`, `NFTA_FLOWTABLE_TABLE`).
 const NFTA_TABLE: u16 = 1;
-/// The object's own name: `NFTA_CHAIN_NAME` (3), `NFTA_RULE_CHAIN` (2, the rule's
-/// chain), `NFTA_SET_NAME` and `NFTA_SET_ELEM_LIST_SET` (2).
-const NFTA_CHAIN_NAME: u16 = 3;
-const NFTA_RULE_CHAIN: u16 = 2;
-const NFTA_SET_NAME: u16 = 2;
 const NFPROTO_IPV4: u8 = 2;
 const NFPROTO_IPV6: u8 = 10;
 const NETLINK_HEADER: usize = 16;
@@ -80,7 +69,7 @@ fn own_transaction(port_id: u32, pid: Option<u32>) -> bool {
 
 /// The kind of object a notification is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Kind {
+pub enum ChangeKind {
     Table,
     Chain,
     Rule,
@@ -90,47 +79,47 @@ pub enum Kind {
     Other,
 }
 
-impl Kind {
+impl ChangeKind {
     /// The metric label (`kproxy_kernel_interference_total{what}`).
     pub fn as_str(self) -> &'static str {
         match self {
-            Kind::Table => "table",
-            Kind::Chain => "chain",
-            Kind::Rule => "rule",
-            Kind::Set => "set",
-            Kind::Element => "element",
-            Kind::Other => "other",
+            ChangeKind::Table => "table",
+            ChangeKind::Chain => "chain",
+            ChangeKind::Rule => "rule",
+            ChangeKind::Set => "set",
+            ChangeKind::Element => "element",
+            ChangeKind::Other => "other",
         }
     }
 
     /// Every label value.
-    pub const ALL: [Kind; 6] = [
-        Kind::Table,
-        Kind::Chain,
-        Kind::Rule,
-        Kind::Set,
-        Kind::Element,
-        Kind::Other,
+    pub const ALL: [ChangeKind; 6] = [
+        ChangeKind::Table,
+        ChangeKind::Chain,
+        ChangeKind::Rule,
+        ChangeKind::Set,
+        ChangeKind::Element,
+        ChangeKind::Other,
     ];
 }
 
 /// The kind and verb (added: true) of an nf_tables message type; `None` for the
 /// generation message and anything that is not an object notification.
-fn object(msg: u8) -> Option<(Kind, bool)> {
+fn object(msg: u16) -> Option<(ChangeKind, bool)> {
     // NEW*/DEL* from nf_tables.h, and DESTROY* (26..=32), announced as deletions.
     Some(match msg {
-        0 => (Kind::Table, true),
-        2 | 26 => (Kind::Table, false),
-        3 => (Kind::Chain, true),
-        5 | 27 => (Kind::Chain, false),
-        6 => (Kind::Rule, true),
-        8 | 28 => (Kind::Rule, false),
-        9 => (Kind::Set, true),
-        11 | 29 => (Kind::Set, false),
-        12 => (Kind::Element, true),
-        14 | 30 => (Kind::Element, false),
-        18 | 22 => (Kind::Other, true),
-        20 | 24 | 31 | 32 => (Kind::Other, false),
+        0 => (ChangeKind::Table, true),
+        2 | 26 => (ChangeKind::Table, false),
+        3 => (ChangeKind::Chain, true),
+        5 | 27 => (ChangeKind::Chain, false),
+        6 => (ChangeKind::Rule, true),
+        8 | 28 => (ChangeKind::Rule, false),
+        9 => (ChangeKind::Set, true),
+        11 | 29 => (ChangeKind::Set, false),
+        12 => (ChangeKind::Element, true),
+        14 | 30 => (ChangeKind::Element, false),
+        18 | 22 => (ChangeKind::Other, true),
+        20 | 24 | 31 | 32 => (ChangeKind::Other, false),
         _ => return None,
     })
 }
@@ -139,7 +128,7 @@ fn object(msg: u8) -> Option<(Kind, bool)> {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Changes {
     /// Objects added and deleted per kind: (added, deleted).
-    pub counts: BTreeMap<Kind, (usize, usize)>,
+    pub counts: BTreeMap<ChangeKind, (usize, usize)>,
     /// kproxy's tables the transaction deleted (a flushed ruleset deletes them all).
     pub tables_deleted: Vec<Family>,
     /// A few of the changed objects by name, for the log (`delete chain ip kproxy svc-x`).
@@ -154,14 +143,21 @@ impl Changes {
         self.counts.is_empty()
     }
 
-    fn note(&mut self, kind: Kind, added: bool, family: Family, table: &str, name: Option<&str>) {
+    fn note(
+        &mut self,
+        kind: ChangeKind,
+        added: bool,
+        family: Family,
+        table: &str,
+        name: Option<&str>,
+    ) {
         let c = self.counts.entry(kind).or_default();
         if added {
             c.0 += 1
         } else {
             c.1 += 1
         }
-        if kind == Kind::Table && !added && !self.tables_deleted.contains(&family) {
+        if kind == ChangeKind::Table && !added && !self.tables_deleted.contains(&family) {
             self.tables_deleted.push(family);
         }
         if self.examples.len() < EXAMPLES {
@@ -213,6 +209,27 @@ impl Interference {
     /// Whether one of kproxy's tables is gone (the first sync's path repairs it).
     pub fn tables_missing(&self) -> bool {
         !self.changes.tables_deleted.is_empty()
+    }
+
+    /// Adds a later transaction `i` to this one (reported together).
+    pub fn merge(&mut self, i: Interference) {
+        for (k, (a, d)) in i.changes.counts {
+            let c = self.changes.counts.entry(k).or_default();
+            c.0 += a;
+            c.1 += d;
+        }
+        for f in i.changes.tables_deleted {
+            if !self.changes.tables_deleted.contains(&f) {
+                self.changes.tables_deleted.push(f);
+            }
+        }
+        let room = EXAMPLES.saturating_sub(self.changes.examples.len());
+        self.changes
+            .examples
+            .extend(i.changes.examples.into_iter().take(room));
+        self.pid = i.pid;
+        self.process = i.process;
+        self.generation = i.generation;
     }
 }
 
@@ -328,7 +345,7 @@ fn recv(sock: &Socket, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
 /// An nftables message of a datagram: its type, family and attributes, and the port id
 /// it is stamped with.
 struct Message<'a> {
-    msg_type: u8,
+    msg_type: u16,
     family: u8,
     port_id: u32,
     attrs: &'a [u8],
@@ -349,7 +366,7 @@ fn messages(buf: &[u8]) -> impl Iterator<Item = Message<'_>> {
             let port_id = word(offset + 12);
             let msg = &buf[offset..offset + len];
             offset += len.next_multiple_of(4);
-            let [msg_type, subsys] = kind.to_le_bytes();
+            let (subsys, msg_type) = (kind >> 8, kind & 0xff);
             if subsys != NFNL_SUBSYS_NFTABLES || msg.len() < NETLINK_HEADER + NFGENMSG {
                 continue;
             }
@@ -397,7 +414,7 @@ fn read_datagram(
             };
             match &mut report {
                 None => report = Some(i),
-                Some(r) => merge(r, i),
+                Some(r) => r.merge(i),
             }
             continue;
         }
@@ -409,16 +426,16 @@ fn read_datagram(
             NFPROTO_IPV6 => Family::Ip6,
             _ => continue,
         };
+        // The object's own name: `NFTA_CHAIN_NAME` (3), `NFTA_RULE_CHAIN` (2, the
+        // rule's chain), `NFTA_SET_NAME` and `NFTA_SET_ELEM_LIST_SET` (2).
         let name_attr = match kind {
-            Kind::Chain => Some(NFTA_CHAIN_NAME),
-            Kind::Rule => Some(NFTA_RULE_CHAIN),
-            Kind::Set | Kind::Element => Some(NFTA_SET_NAME),
-            Kind::Table | Kind::Other => None,
+            ChangeKind::Chain => Some(NFTA_CHAIN_NAME),
+            ChangeKind::Rule => Some(NFTA_RULE_CHAIN),
+            ChangeKind::Set | ChangeKind::Element => Some(NFTA_SET_NAME),
+            ChangeKind::Table | ChangeKind::Other => None,
         };
         let (mut this_table, mut name) = (None, None);
-        for nla in NlasIterator::new(attrs).flatten() {
-            let k = nla.kind();
-            let value = nla_value(nla);
+        for (k, value) in Attrs(attrs) {
             if k == NFTA_TABLE {
                 this_table = c_str(value);
             } else if Some(k) == name_attr {
@@ -434,50 +451,10 @@ fn read_datagram(
     }
 }
 
-/// Adds a later transaction `i` to `into` (reported together).
-pub fn merge(into: &mut Interference, i: Interference) {
-    for (k, (a, d)) in i.changes.counts {
-        let c = into.changes.counts.entry(k).or_default();
-        c.0 += a;
-        c.1 += d;
-    }
-    for f in i.changes.tables_deleted {
-        if !into.changes.tables_deleted.contains(&f) {
-            into.changes.tables_deleted.push(f);
-        }
-    }
-    let room = EXAMPLES.saturating_sub(into.changes.examples.len());
-    into.changes
-        .examples
-        .extend(i.changes.examples.into_iter().take(room));
-    into.pid = i.pid;
-    into.process = i.process;
-    into.generation = i.generation;
-}
-
-/// An attribute's value, borrowed from the datagram (not from the attribute's buffer).
-fn nla_value(nla: NlaBuffer<&[u8]>) -> &[u8] {
-    let len = usize::from(nla.length());
-    let raw = nla.into_inner();
-    raw.get(4..len).unwrap_or_default()
-}
-
-/// A NUL-terminated string attribute.
-fn c_str(v: &[u8]) -> Option<&str> {
-    let end = v.iter().position(|b| *b == 0).unwrap_or(v.len());
-    std::str::from_utf8(&v[..end]).ok()
-}
-
-fn be32(v: &[u8]) -> Option<u32> {
-    Some(u32::from_be_bytes(v.get(..4)?.try_into().ok()?))
-}
-
 /// Generation id, committing pid and command name of a `NEWGEN` message.
 fn gen_info(attrs: &[u8]) -> (u32, Option<u32>, Option<String>) {
     let (mut generation, mut pid, mut name) = (0, None, None);
-    for nla in NlasIterator::new(attrs).flatten() {
-        let kind = nla.kind();
-        let value = nla_value(nla);
+    for (kind, value) in Attrs(attrs) {
         match kind {
             NFTA_GEN_ID => generation = be32(value).unwrap_or(0),
             NFTA_GEN_PROC_PID => pid = be32(value),
@@ -531,11 +508,9 @@ mod tests {
     use super::*;
 
     /// One nf_tables message: header (type, port id), nfgenmsg (family), attributes.
-    fn message(msg_type: u8, family: u8, port_id: u32, attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
+    fn message(msg_type: u16, family: u8, port_id: u32, attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
         let mut b = vec![0; NETLINK_HEADER];
-        b[4..6].copy_from_slice(
-            &(u16::from(NFNL_SUBSYS_NFTABLES) << 8 | u16::from(msg_type)).to_ne_bytes(),
-        );
+        b[4..6].copy_from_slice(&(NFNL_SUBSYS_NFTABLES << 8 | msg_type).to_ne_bytes());
         b[12..16].copy_from_slice(&port_id.to_ne_bytes());
         b.extend_from_slice(&[family, 0, 0, 0]);
         for (kind, value) in attrs {

@@ -33,9 +33,21 @@ use nix::sys::time::TimeVal;
 
 use crate::error::{EncodeError, EncodeFailure, NftError};
 use crate::model::{Atom, Family, Field, Op, Transaction, Tuple, Value};
+use crate::nfnl::{
+    NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NFNL_SUBSYS_NFTABLES, NFT_MSG_DELCHAIN,
+    NFT_MSG_DELOBJ, NFT_MSG_DELRULE, NFT_MSG_DELSET, NFT_MSG_DELSETELEM, NFT_MSG_DELTABLE,
+    NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE, NFT_MSG_NEWSET, NFT_MSG_NEWSETELEM, NFT_MSG_NEWTABLE,
+    NFTA_CHAIN_HOOK, NFTA_CHAIN_NAME, NFTA_CHAIN_POLICY, NFTA_CHAIN_TABLE, NFTA_CHAIN_TYPE,
+    NFTA_DATA_VALUE, NFTA_DATA_VERDICT, NFTA_HOOK_HOOKNUM, NFTA_HOOK_PRIORITY, NFTA_LIST_ELEM,
+    NFTA_OBJ_NAME, NFTA_OBJ_TABLE, NFTA_OBJ_TYPE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS,
+    NFTA_RULE_TABLE, NFTA_RULE_USERDATA, NFTA_SET_DATA_LEN, NFTA_SET_DATA_TYPE, NFTA_SET_ELEM_DATA,
+    NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_LIST_ELEMENTS, NFTA_SET_ELEM_LIST_SET,
+    NFTA_SET_ELEM_LIST_SET_ID, NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_FLAGS, NFTA_SET_ID,
+    NFTA_SET_KEY_LEN, NFTA_SET_KEY_TYPE, NFTA_SET_NAME, NFTA_SET_TABLE, NFTA_SET_TIMEOUT,
+    NFTA_SET_USERDATA, NFTA_TABLE_FLAGS, NFTA_TABLE_NAME, NFTA_TABLE_USERDATA, NFTA_VERDICT_CHAIN,
+    NFTA_VERDICT_CODE, NLA_F_NESTED,
+};
 
-/// `NFNL_SUBSYS_NFTABLES`: the batch header's resource id names the subsystem.
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
 /// Elements per message are capped so the nested element list stays under the 64 KiB
 /// an attribute length can say.
 const MAX_ELEMENTS_BYTES: usize = 48 * 1024;
@@ -75,64 +87,11 @@ pub(crate) fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Result<(), EncodeFai
     Ok(())
 }
 
-// Netlink and nf_tables constants (linux/netlink.h, linux/netfilter/nfnetlink.h,
-// linux/netfilter/nf_tables.h).
-const NLA_F_NESTED: u16 = 0x8000;
-const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
-const NFNL_MSG_BATCH_END: u16 = 0x11;
-const NFT_MSG_NEWTABLE: u16 = 0;
-const NFT_MSG_DELTABLE: u16 = 2;
-const NFTA_TABLE_NAME: u16 = 1;
-const NFTA_TABLE_FLAGS: u16 = 2;
-const NFTA_TABLE_USERDATA: u16 = 6;
+// The writer's own flags (linux/netlink.h, linux/netfilter/nf_tables.h); the shared
+// vocabulary is `nfnl`'s.
 const NFT_TABLE_F_DORMANT: u32 = 0x1;
-const NFT_MSG_NEWCHAIN: u16 = 3;
-const NFT_MSG_DELCHAIN: u16 = 5;
-const NFT_MSG_NEWRULE: u16 = 6;
-const NFT_MSG_DELRULE: u16 = 8;
-const NFT_MSG_NEWSET: u16 = 9;
-const NFT_MSG_DELSET: u16 = 11;
-const NFT_MSG_DELOBJ: u16 = 20;
-const NFTA_OBJ_TABLE: u16 = 1;
-const NFTA_OBJ_NAME: u16 = 2;
-const NFTA_OBJ_TYPE: u16 = 3;
-const NFTA_CHAIN_TABLE: u16 = 1;
-const NFTA_CHAIN_NAME: u16 = 3;
-const NFTA_CHAIN_HOOK: u16 = 4;
-const NFTA_HOOK_HOOKNUM: u16 = 1;
-const NFTA_HOOK_PRIORITY: u16 = 2;
-const NFTA_CHAIN_POLICY: u16 = 5;
-const NFTA_CHAIN_TYPE: u16 = 7;
-const NFTA_RULE_TABLE: u16 = 1;
-const NFTA_RULE_CHAIN: u16 = 2;
-const NFTA_RULE_EXPRESSIONS: u16 = 4;
-const NFTA_RULE_USERDATA: u16 = 7;
-const NFTA_SET_TABLE: u16 = 1;
-const NFTA_SET_NAME: u16 = 2;
-const NFTA_SET_FLAGS: u16 = 3;
-const NFTA_SET_KEY_TYPE: u16 = 4;
-const NFTA_SET_KEY_LEN: u16 = 5;
-const NFTA_SET_DATA_TYPE: u16 = 6;
-const NFTA_SET_DATA_LEN: u16 = 7;
-const NFTA_SET_ID: u16 = 10;
-const NFTA_SET_TIMEOUT: u16 = 11;
-const NFTA_SET_USERDATA: u16 = 13;
-const NFTA_SET_ELEM_LIST_SET_ID: u16 = 4;
-const NFTA_SET_ELEM_FLAGS: u16 = 3;
 const ELEM_INTERVAL_END: u32 = 0x1;
 const NLM_F_APPEND: u16 = 0x800;
-const NFT_MSG_NEWSETELEM: u16 = 12;
-const NFT_MSG_DELSETELEM: u16 = 14;
-const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
-const NFTA_SET_ELEM_LIST_SET: u16 = 2;
-const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
-const NFTA_LIST_ELEM: u16 = 1;
-const NFTA_SET_ELEM_KEY: u16 = 1;
-const NFTA_SET_ELEM_DATA: u16 = 2;
-const NFTA_DATA_VALUE: u16 = 1;
-const NFTA_DATA_VERDICT: u16 = 2;
-const NFTA_VERDICT_CODE: u16 = 1;
-const NFTA_VERDICT_CHAIN: u16 = 2;
 
 /// One transaction of element changes, encoded and ready to send.
 ///

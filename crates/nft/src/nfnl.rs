@@ -1,14 +1,105 @@
 //! Who is who on netfilter netlink, below both its writer (`netlink`) and its readers
 //! (`dump`, `monitor`): the calling thread's network namespace, the registry of
 //! kproxy's own netlink port ids, noted by the writer and read by the monitor to tell
-//! kproxy's transactions from another process's (its module doc says how), and the
-//! walk over a message's attributes ([`Attrs`]).
+//! kproxy's transactions from another process's (its module doc says how), the
+//! netfilter netlink constants (declared here once, one type each), and the reading of
+//! a message's attributes ([`Attrs`], [`be32`], [`c_str`]).
 
 use std::collections::VecDeque;
 use std::os::unix::fs::MetadataExt;
 use std::sync::Mutex;
 
 use crate::error::NftError;
+
+// The netfilter netlink vocabulary kproxy speaks, declared once (linux/netlink.h,
+// linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h): the writer (`netlink`), the
+// readers (`dump`, `monitor`) and their tests name these.
+/// `enum nfnetlink_groups`: nf_tables' notifications.
+pub(crate) const NFNLGRP_NFTABLES: u32 = 7;
+/// The nf_tables subsystem (a message type's high byte; a batch header's resource id).
+pub(crate) const NFNL_SUBSYS_NFTABLES: u16 = 10;
+/// The batch delimiters (`enum nfnl_batch_attributes` messages).
+pub(crate) const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+pub(crate) const NFNL_MSG_BATCH_END: u16 = 0x11;
+/// An attribute that nests attributes.
+pub(crate) const NLA_F_NESTED: u16 = 0x8000;
+/// `enum nf_tables_msg_types` (a message type's low byte).
+pub(crate) const NFT_MSG_NEWTABLE: u16 = 0;
+pub(crate) const NFT_MSG_GETTABLE: u16 = 1;
+pub(crate) const NFT_MSG_DELTABLE: u16 = 2;
+pub(crate) const NFT_MSG_NEWCHAIN: u16 = 3;
+pub(crate) const NFT_MSG_GETCHAIN: u16 = 4;
+pub(crate) const NFT_MSG_DELCHAIN: u16 = 5;
+pub(crate) const NFT_MSG_NEWRULE: u16 = 6;
+pub(crate) const NFT_MSG_GETRULE: u16 = 7;
+pub(crate) const NFT_MSG_DELRULE: u16 = 8;
+pub(crate) const NFT_MSG_NEWSET: u16 = 9;
+pub(crate) const NFT_MSG_GETSET: u16 = 10;
+pub(crate) const NFT_MSG_DELSET: u16 = 11;
+pub(crate) const NFT_MSG_NEWSETELEM: u16 = 12;
+pub(crate) const NFT_MSG_GETSETELEM: u16 = 13;
+pub(crate) const NFT_MSG_DELSETELEM: u16 = 14;
+pub(crate) const NFT_MSG_NEWGEN: u16 = 15;
+pub(crate) const NFT_MSG_GETGEN: u16 = 16;
+pub(crate) const NFT_MSG_GETOBJ: u16 = 19;
+pub(crate) const NFT_MSG_DELOBJ: u16 = 20;
+/// `enum nft_*_attributes`: the attributes of each object's messages.
+pub(crate) const NFTA_TABLE_NAME: u16 = 1;
+pub(crate) const NFTA_TABLE_FLAGS: u16 = 2;
+pub(crate) const NFTA_TABLE_USERDATA: u16 = 6;
+pub(crate) const NFTA_CHAIN_TABLE: u16 = 1;
+pub(crate) const NFTA_CHAIN_NAME: u16 = 3;
+pub(crate) const NFTA_CHAIN_HOOK: u16 = 4;
+pub(crate) const NFTA_CHAIN_POLICY: u16 = 5;
+pub(crate) const NFTA_CHAIN_TYPE: u16 = 7;
+pub(crate) const NFTA_HOOK_HOOKNUM: u16 = 1;
+pub(crate) const NFTA_HOOK_PRIORITY: u16 = 2;
+pub(crate) const NFTA_RULE_TABLE: u16 = 1;
+pub(crate) const NFTA_RULE_CHAIN: u16 = 2;
+pub(crate) const NFTA_RULE_HANDLE: u16 = 3;
+pub(crate) const NFTA_RULE_EXPRESSIONS: u16 = 4;
+pub(crate) const NFTA_RULE_USERDATA: u16 = 7;
+pub(crate) const NFTA_SET_TABLE: u16 = 1;
+pub(crate) const NFTA_SET_NAME: u16 = 2;
+pub(crate) const NFTA_SET_FLAGS: u16 = 3;
+pub(crate) const NFTA_SET_KEY_TYPE: u16 = 4;
+pub(crate) const NFTA_SET_KEY_LEN: u16 = 5;
+pub(crate) const NFTA_SET_DATA_TYPE: u16 = 6;
+pub(crate) const NFTA_SET_DATA_LEN: u16 = 7;
+pub(crate) const NFTA_SET_ID: u16 = 10;
+pub(crate) const NFTA_SET_TIMEOUT: u16 = 11;
+pub(crate) const NFTA_SET_USERDATA: u16 = 13;
+pub(crate) const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
+pub(crate) const NFTA_SET_ELEM_LIST_SET: u16 = 2;
+pub(crate) const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
+pub(crate) const NFTA_SET_ELEM_LIST_SET_ID: u16 = 4;
+pub(crate) const NFTA_LIST_ELEM: u16 = 1;
+pub(crate) const NFTA_SET_ELEM_KEY: u16 = 1;
+pub(crate) const NFTA_SET_ELEM_DATA: u16 = 2;
+pub(crate) const NFTA_SET_ELEM_FLAGS: u16 = 3;
+pub(crate) const NFTA_DATA_VALUE: u16 = 1;
+pub(crate) const NFTA_DATA_VERDICT: u16 = 2;
+pub(crate) const NFTA_VERDICT_CODE: u16 = 1;
+pub(crate) const NFTA_VERDICT_CHAIN: u16 = 2;
+pub(crate) const NFTA_OBJ_TABLE: u16 = 1;
+pub(crate) const NFTA_OBJ_NAME: u16 = 2;
+pub(crate) const NFTA_OBJ_TYPE: u16 = 3;
+pub(crate) const NFTA_EXPR_NAME: u16 = 1;
+pub(crate) const NFTA_EXPR_DATA: u16 = 2;
+pub(crate) const NFTA_GEN_ID: u16 = 1;
+pub(crate) const NFTA_GEN_PROC_PID: u16 = 2;
+pub(crate) const NFTA_GEN_PROC_NAME: u16 = 3;
+
+/// A big-endian `u32` attribute.
+pub(crate) fn be32(b: &[u8]) -> Option<u32> {
+    Some(u32::from_be_bytes(b.get(..4)?.try_into().ok()?))
+}
+
+/// A NUL-terminated string attribute, borrowed.
+pub(crate) fn c_str(b: &[u8]) -> Option<&str> {
+    let end = b.iter().position(|c| *c == 0).unwrap_or(b.len());
+    std::str::from_utf8(&b[..end]).ok()
+}
 
 /// Own port ids and pids remembered (the newest; a transaction is announced within
 /// milliseconds of the commit).

@@ -256,15 +256,32 @@ fn foreign_objects(raw: &RawTable, family: Family, table: &str) -> Result<Vec<Op
         .collect()
 }
 
-/// One family's kproxy table as the kernel holds it, in the terms of `desired` (the
-/// plan's table of that family): read and adopted exactly as adoption does
-/// (`kproxy trace --kernel`). `Ok(None)` when the table does not exist; the inner
-/// error when the kernel holds what adoption cannot account for.
-pub fn kernel_table(
-    desired: &model::Table,
-) -> Result<Option<Result<model::Table, AdoptError>>, NftError> {
-    let raw = dump::read_table(desired.family.nft(), &desired.name)?;
-    Ok(raw.map(|raw| adopt::adopt(&raw, desired)))
+/// One of kproxy's tables as the kernel holds it, read over nfnetlink: the one read of
+/// the kernel's tables other crates get (`kproxy trace --kernel`, the input guard).
+pub struct KernelTable(RawTable);
+
+impl KernelTable {
+    /// Reads table `name` of `family`; `Ok(None)` when it does not exist.
+    pub fn read(family: Family, name: &str) -> Result<Option<KernelTable>, NftError> {
+        Ok(dump::read_table(family.nft(), name)?.map(KernelTable))
+    }
+
+    /// The rules of all its chains.
+    pub fn rule_count(&self) -> usize {
+        self.0.rule_count()
+    }
+
+    /// The elements of all its sets and maps.
+    pub fn element_count(&self) -> usize {
+        self.0.element_count()
+    }
+
+    /// The table in the terms of `desired` (the plan's table of its family), adopted
+    /// exactly as adoption does; the error when it holds what adoption cannot account
+    /// for.
+    pub fn adopt(&self, desired: &model::Table) -> Result<model::Table, AdoptError> {
+        adopt::adopt(&self.0, desired)
+    }
 }
 
 // ---- Elements, set by set.

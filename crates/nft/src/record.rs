@@ -18,9 +18,8 @@
 //! Services' elements (`walk_elements`) into one of two sinks — typed, in pieces
 //! ([`FamilyRecord::element_pieces`]: the first sync into absent tables, adoption's and
 //! verification's comparison with the kernel, [`FamilyRecord::assemble`] and
-//! [`FamilyRecord::create`] for tools and tests, [`desired`] and [`render`]), or as nft
-//! text written from the record's elements, never collected ([`FamilyRecord::write_replacement`]: a
-//! replacing sync). The structure (base objects, Services' own chains and sets,
+//! [`FamilyRecord::create`] for tools and tests, [`desired`], and a replacing sync's
+//! batch). The structure (base objects, Services' own chains and sets,
 //! dispatch groups) is [`FamilyRecord::assemble_structure`] for every one of them.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -34,8 +33,7 @@ use kproxy_core::planner::PlanUpdate;
 use crate::config::DataplaneConfig;
 use crate::error::NftError;
 use crate::model::{
-    self, Elem, ElementDiff, Family, Op, SetDecl, Table, TextStream, Transaction, Tuple,
-    TypedElements, Value,
+    self, Elem, ElementDiff, Family, Op, SetDecl, Table, Transaction, Tuple, TypedElements, Value,
 };
 use crate::ruleset::{self, Dispatch, Fragment, Frontend, SetRef, Shared};
 
@@ -266,8 +264,7 @@ impl FamilyRecord {
     /// The one walk over the Services' elements of the table, behind every consumer of
     /// a full table's elements: each programmed frontend (its first claimant's
     /// elements), then each shared element, handed to `sink` — typed in pieces
-    /// ([`FamilyRecord::element_pieces`]: a first sync, adoption, [`FamilyRecord::assemble`])
-    /// or as text ([`FamilyRecord::write_replacement`]).
+    /// ([`FamilyRecord::element_pieces`]: a first sync, adoption, [`FamilyRecord::assemble`]).
     fn walk_elements<S: ElementSink>(&self, sink: &mut S) -> Result<(), S::Error> {
         let decls = self.service_decls();
         for fe in self.frontends.values().filter_map(Claims::first) {
@@ -301,32 +298,6 @@ impl FamilyRecord {
             .chain(dispatch)
             .filter_map(|set| Some((set, self.decl(set)?)))
             .collect()
-    }
-
-    /// Writes the nft text of [`FamilyRecord::replace`]'s transaction to `out`, the
-    /// Services' elements written from the record's frontends one by one (never
-    /// collected into typed elements or a transaction: those were most of a replacing
-    /// full sync's transient memory). The same commands but
-    /// for the order of elements within a set (frontend order, not key order; a test
-    /// holds the two equal up to that order). Returns what the transaction counts.
-    pub fn write_replacement(&self, out: &mut TextStream<'_>) -> std::io::Result<model::Counts> {
-        let mut tx = Transaction::clearing(self.base.family, &self.base.name);
-        tx.extend(Transaction::create(self.assemble_structure()));
-        out.transaction(&tx)?;
-        let mut counts = tx.counts;
-        drop(tx);
-        let mut sink = TextSink {
-            text: TextPieces {
-                family: self.base.family,
-                table: &self.base.name,
-                sets: BTreeMap::new(),
-                total: 0,
-            },
-            out,
-        };
-        self.walk_elements(&mut sink)?;
-        counts.elements_added += sink.text.finish(sink.out)?;
-        Ok(counts)
     }
 
     /// The whole table without the Services' elements of the shared sets and maps
@@ -401,6 +372,7 @@ impl FamilyRecord {
     }
 
     /// Dispatch groups in the tables that no Service uses.
+    #[cfg(test)]
     pub fn idle_dispatch_groups(&self) -> usize {
         self.idle.len()
     }
@@ -691,43 +663,6 @@ impl<E> ElementSink for PieceSink<'_, '_, E> {
     }
 }
 
-/// The elements as nft text, written from the frontends one by one, never collected.
-struct TextSink<'a, 'o, 's> {
-    text: TextPieces<'a>,
-    out: &'o mut TextStream<'s>,
-}
-
-impl ElementSink for TextSink<'_, '_, '_> {
-    type Error = std::io::Error;
-
-    fn frontend(
-        &mut self,
-        fe: &Frontend,
-        decls: &BTreeMap<SetRef, SetDecl>,
-    ) -> std::io::Result<()> {
-        for (set, key, value) in fe.elements() {
-            // A set that does not exist takes nothing, as in `typed_elements`.
-            let Some(decl) = decls.get(&set) else {
-                continue;
-            };
-            self.text.push(self.out, PieceSet::Frontend(set), |buf| {
-                key.write(buf);
-                if decl.is_map() {
-                    buf.push_str(" : ");
-                    value.write(buf);
-                }
-            })?;
-        }
-        Ok(())
-    }
-
-    fn shared(&mut self, sh: &Shared) -> std::io::Result<()> {
-        self.text.push(self.out, PieceSet::Shared(sh.set()), |buf| {
-            sh.write_key(buf)
-        })
-    }
-}
-
 /// The elements of the piece being filled, per set.
 struct Pieces<'a> {
     family: Family,
@@ -763,56 +698,6 @@ impl Pieces<'_> {
         self.total += self.len;
         self.len = 0;
         tx
-    }
-}
-
-/// Element commands being written as text, one open command per set.
-struct TextPieces<'a> {
-    family: Family,
-    table: &'a str,
-    /// Per set: its elements so far as text, and how many.
-    sets: BTreeMap<PieceSet, (String, usize)>,
-    total: usize,
-}
-
-impl TextPieces<'_> {
-    fn set_name(set: PieceSet) -> std::borrow::Cow<'static, str> {
-        match set {
-            PieceSet::Frontend(s) => s.name(),
-            PieceSet::Shared(s) => s.into(),
-        }
-    }
-
-    /// Appends the element `write` writes to `set`'s command; a full command goes out.
-    fn push(
-        &mut self,
-        out: &mut TextStream<'_>,
-        set: PieceSet,
-        write: impl FnOnce(&mut String),
-    ) -> std::io::Result<()> {
-        let (buf, n) = self.sets.entry(set).or_default();
-        if *n > 0 {
-            buf.push_str(", ");
-        }
-        write(buf);
-        *n += 1;
-        self.total += 1;
-        if *n == model::TEXT_ELEMENTS_PER_COMMAND {
-            out.add_elements(self.family, self.table, &Self::set_name(set), buf)?;
-            buf.clear();
-            *n = 0;
-        }
-        Ok(())
-    }
-
-    /// Writes the open commands; the number of elements written in all.
-    fn finish(self, out: &mut TextStream<'_>) -> std::io::Result<usize> {
-        for (set, (buf, n)) in &self.sets {
-            if *n > 0 {
-                out.add_elements(self.family, self.table, &Self::set_name(*set), buf)?;
-            }
-        }
-        Ok(self.total)
     }
 }
 
@@ -872,21 +757,12 @@ pub fn desired(plan: &NodePlan, cfg: &DataplaneConfig) -> [Table; 2] {
     records(plan, cfg).map(|r| r.assemble())
 }
 
-/// The one transaction a full sync sends when the tables may exist: each family's
-/// table replaced (created, deleted, created again with everything), no gap.
-pub fn full_transaction(tables: [Table; 2]) -> Transaction {
-    let mut tx = Transaction::default();
-    for t in tables {
-        tx.extend(Transaction::replace(t));
-    }
-    tx
-}
-
 /// The full sync's transaction for a plan, as nft text (what `sync` sends, as one
 /// nfnetlink batch, when the tables exist and cannot be adopted; into absent tables it
 /// sends the same objects in steps). For golden tests, the sameness test (`nft -f` of
 /// it lists as kproxy's own writes) and benches; operators see
 /// [`crate::readback::first_sync_transaction`] (`kproxy sync --dry-run`).
+#[cfg(feature = "internals")]
 pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
     full_transaction_of(&records(plan, cfg)).nft_text()
 }
@@ -895,8 +771,9 @@ pub fn render(plan: &NodePlan, cfg: &DataplaneConfig) -> String {
 /// `update` names (every Service the plan or the records hold when `update.node`), by
 /// [`FamilyRecord::advance`]. `Ok(None)` when only a full sync can apply the change
 /// (a declaration changed); the records are then unusable, as after an error. Pure;
-/// public so a test can hold it equal to `model::diff` of the whole tables before and
-/// after.
+/// a test holds it equal to `model::diff` of the whole tables before and after (the
+/// dataplane names the Services once, [`delta_by`]).
+#[cfg(feature = "internals")]
 pub fn delta(
     recs: &mut [FamilyRecord; 2],
     plan: &NodePlan,
@@ -938,31 +815,15 @@ pub(crate) fn delta_by(
     Ok(Some(tx))
 }
 
-/// [`full_transaction`] of the records' tables, built from the records without the
-/// tables' element maps ([`FamilyRecord::create`]): what a replacing full sync
-/// sends (which writes its text from the records, [`write_full_replacement`]), as a
-/// transaction, for `sync --dry-run` and tests.
+/// The one transaction a full sync sends when the tables may exist: each family's
+/// table replaced (created, deleted, created again with everything), no gap; built
+/// from the records without the tables' element maps ([`FamilyRecord::create`]). What
+/// a replacing full sync sends (encoded from the records, `dataplane::replacement`), as
+/// a transaction, for `sync --dry-run` and tests.
 pub fn full_transaction_of(recs: &[FamilyRecord; 2]) -> Transaction {
     let mut tx = recs[0].replace();
     tx.extend(recs[1].replace());
     tx
-}
-
-/// The nft text of [`full_transaction_of`], written to `w` as it is made, the
-/// Services' elements straight from the records' text
-/// ([`FamilyRecord::write_replacement`]; within a set in record order, not key
-/// order): what a full sync sends when the tables exist and cannot be adopted. Returns
-/// the bytes written and what the transaction counts.
-pub fn write_full_replacement(
-    recs: &[FamilyRecord; 2],
-    w: &mut dyn std::io::Write,
-) -> std::io::Result<(usize, model::Counts)> {
-    let mut out = model::TextStream::new(w);
-    let mut counts = model::Counts::default();
-    for rec in recs {
-        counts.add(&rec.write_replacement(&mut out)?);
-    }
-    Ok((out.finish()?, counts))
 }
 
 #[cfg(test)]
@@ -1137,68 +998,6 @@ mod tests {
                 ..PlanConfig::default()
             },
         ]
-    }
-
-    /// What a replacing full sync writes from the records' text is the text of the
-    /// typed transaction ([`full_transaction_of`]) but for the order of
-    /// elements within each set: the same commands in the same order, each set's
-    /// elements in the same number of commands, the same elements, the same length.
-    #[test]
-    fn replacement_from_the_record_text_is_the_typed_transaction() {
-        for pc in plan_configs() {
-            for spec in [Spec::new(1000, 4), Spec::new(60, 3)] {
-                let state = synthetic::cluster(&spec);
-                let plan = kproxy_core::plan(&state, "node-0", &pc);
-                let cfg = DataplaneConfig::default();
-                let recs = IpFamily::ALL.map(|f| FamilyRecord::full(&plan, &cfg, f));
-                let tx = super::full_transaction_of(&recs);
-                let typed = tx.nft_text();
-                let mut piped = Vec::new();
-                let (n, counts) = super::write_full_replacement(&recs, &mut piped).unwrap();
-                let piped = String::from_utf8(piped).unwrap();
-                assert_eq!(n, piped.len());
-                assert_eq!(counts, tx.counts);
-                assert_eq!(piped.len(), typed.len());
-                // Element commands replaced by their set, elements gathered per set.
-                let normal = |text: &str| {
-                    let mut lines = Vec::new();
-                    let mut elements: BTreeMap<String, Vec<String>> = BTreeMap::new();
-                    for l in text.lines() {
-                        match l.strip_prefix("add element ") {
-                            Some(rest) => {
-                                let (set, elems) = rest.split_once(" { ").unwrap();
-                                let elems = elems.strip_suffix(" }").unwrap();
-                                let e = elements.entry(set.to_string()).or_default();
-                                e.extend(elems.split(", ").map(String::from));
-                                lines.push(format!("add element {set}"));
-                            }
-                            None => lines.push(l.to_string()),
-                        }
-                    }
-                    for e in elements.values_mut() {
-                        e.sort();
-                    }
-                    (lines, elements)
-                };
-                let (typed_lines, typed_elements) = normal(&typed);
-                let (piped_lines, piped_elements) = normal(&piped);
-                let sorted = |mut v: Vec<String>| {
-                    v.sort();
-                    v
-                };
-                // The element commands may interleave differently between sets.
-                assert_eq!(sorted(typed_lines.clone()), sorted(piped_lines.clone()));
-                let structure = |l: &Vec<String>| -> Vec<String> {
-                    l.iter()
-                        .filter(|l| !l.starts_with("add element"))
-                        .cloned()
-                        .collect()
-                };
-                assert_eq!(structure(&typed_lines), structure(&piped_lines));
-                assert_eq!(typed_elements, piped_elements);
-                assert!(typed_elements.values().map(Vec::len).sum::<usize>() > 100);
-            }
-        }
     }
 
     /// The transactions a record makes without its table's element maps are those of

@@ -68,10 +68,8 @@ use sha2::{Digest, Sha256};
 
 use crate::config::DataplaneConfig;
 
-use crate::model::{
-    Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple, Value, write_ip,
-};
-pub use crate::model::{Chain, Set, Table, Transaction};
+use crate::model::{Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple, Value};
+pub use crate::model::{Chain, Set, Table};
 use crate::rule::{Dir, Expr, Lit, Rhs, Rule, Sel};
 
 /// Priority of kproxy's `nat-prerouting` and `nat-output` chains: `dstnat - 1`, one step
@@ -305,18 +303,6 @@ impl Shared {
             Shared::ClusterIp(_) => "cluster-ips",
         }
     }
-
-    /// Appends the element's key as nft writes it.
-    pub fn write_key(&self, out: &mut String) {
-        match self {
-            Shared::Hairpin(ip) => {
-                write_ip(out, ip);
-                out.push_str(" . ");
-                write_ip(out, ip);
-            }
-            Shared::ClusterIp(ip) => write_ip(out, ip),
-        }
-    }
 }
 
 /// A set or map that holds frontend elements, named without a `String` per element.
@@ -437,13 +423,6 @@ impl FrontendValue<'_> {
             FrontendValue::Endpoint(ip, port) => {
                 Some(Value::Data(Tuple::new(&[Atom::Addr(ip), Atom::Port(port)])))
             }
-        }
-    }
-
-    /// Appends the value as nft writes it (nothing for a set element).
-    pub fn write(&self, out: &mut String) {
-        if let Some(v) = self.typed() {
-            v.write(out);
         }
     }
 }
@@ -1587,40 +1566,4 @@ fn sanitize(s: &str) -> String {
             }
         })
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Shared keys are the text `Display` gives (written without the formatting
-    /// machinery, as a full script writes some 100k of them).
-    #[test]
-    fn shared_keys_are_display_text() {
-        let key = |sh: &Shared| {
-            let mut k = String::new();
-            sh.write_key(&mut k);
-            k
-        };
-        let octets = [0u8, 1, 2, 9, 10, 11, 99, 100, 101, 199, 200, 255];
-        let mut ips: Vec<IpAddr> = Vec::new();
-        for a in octets {
-            for d in octets {
-                ips.push(IpAddr::V4(std::net::Ipv4Addr::new(a, 10, 200, d)));
-            }
-        }
-        for ip in [
-            "::",
-            "::1",
-            "fd00::a",
-            "2001:db8::ff00:42:8329",
-            "::ffff:10.0.0.1",
-        ] {
-            ips.push(ip.parse().unwrap());
-        }
-        for ip in ips {
-            assert_eq!(key(&Shared::ClusterIp(ip)), ip.to_string());
-            assert_eq!(key(&Shared::Hairpin(ip)), format!("{ip} . {ip}"));
-        }
-    }
 }

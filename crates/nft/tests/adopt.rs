@@ -218,7 +218,7 @@ fn the_dump_reads_what_the_sync_wrote() {
     sync_in(&ns, &plan);
     let [rs, _] = kproxy_nft::desired(&plan, &cfg());
     let raw = ns
-        .run(|| kproxy_nft::dump::read_table("ip", "kproxy"))
+        .run(|| kproxy_nft::internals::dump::read_table("ip", "kproxy"))
         .expect("dump")
         .expect("table present");
     assert_eq!(raw.comment.as_deref(), Some("rules for kproxy"));
@@ -241,12 +241,16 @@ fn the_dump_reads_what_the_sync_wrote() {
         assert_eq!(raw.chains[name].hook.is_some(), c.hook.is_some());
     }
     // Read back into the model, the kernel equals the desired table, elements included.
-    let kernel = kproxy_nft::adopt::adopt(&raw, &rs).expect("adoptable");
+    let kernel = kproxy_nft::internals::adopt::adopt(&raw, &rs).expect("adoptable");
     assert_eq!(kernel, rs);
     assert!(rs.sets.values().any(|s| !s.elements.is_empty()));
-    assert!(kproxy_nft::model::diff(&kernel, &rs).unwrap().is_empty());
+    assert!(
+        kproxy_nft::internals::model::diff(&kernel, &rs)
+            .unwrap()
+            .is_empty()
+    );
     let absent = ns
-        .run(|| kproxy_nft::dump::read_table("ip", "nosuch"))
+        .run(|| kproxy_nft::internals::dump::read_table("ip", "nosuch"))
         .expect("dump");
     assert_eq!(absent, None);
 }

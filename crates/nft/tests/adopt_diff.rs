@@ -2,7 +2,7 @@
 //! record's offered in pieces (`crates/nft/src/readback.rs`), never holding either
 //! side typed. Its transaction must be exactly the diff of the typed tables:
 //! `diff(adopt(read_table(), desired), desired)`, which says everything and only what
-//! changed (model.rs's tests). Random cluster states (the differential test's
+//! changed (the tests of model/). Random cluster states (the differential test's
 //! generator) are programmed into a namespace, then compared with other random states,
 //! with elements added, removed and re-valued behind kproxy's back, both ways.
 //! Root only (network namespaces). Cases: `KPROXY_ADOPT_CASES` (default 12), seed
@@ -13,7 +13,8 @@ mod common;
 use common::Netns;
 use common::cases::{Case, case, config, env_count, manifests, seeded_rng, state};
 use kproxy_core::NodePlan;
-use kproxy_nft::{Dataplane, DataplaneConfig, Transaction, dump, model};
+use kproxy_nft::internals::{dump, model};
+use kproxy_nft::{Dataplane, DataplaneConfig, Transaction};
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, TestRunner};
 
@@ -45,7 +46,7 @@ fn both(ns: &Netns, plan: &NodePlan) -> ((Transaction, bool), Option<Transaction
             let raw = dump::read_table(family, &cfg.table)
                 .expect("readable")
                 .expect("programmed");
-            let Ok(kernel) = kproxy_nft::adopt::adopt(&raw, &desired) else {
+            let Ok(kernel) = kproxy_nft::internals::adopt::adopt(&raw, &desired) else {
                 return (adoption, None);
             };
             let tx = model::diff(&kernel, &desired).expect("same table");

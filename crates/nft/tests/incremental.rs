@@ -15,8 +15,8 @@ use kproxy_core::PlanConfig;
 use kproxy_core::config::LocalDetectorConfig;
 use kproxy_core::model::IpFamily;
 use kproxy_core::planner::PlanUpdate;
-use kproxy_nft::model::{Counts, Family, Op, Tuple, Value, diff};
-use kproxy_nft::record::FamilyRecord;
+use kproxy_nft::internals::FamilyRecord;
+use kproxy_nft::internals::model::{Counts, Family, Op, Tuple, Value, diff};
 use kproxy_nft::{Dataplane, DataplaneConfig, Table, Transaction};
 use proptest::prelude::*;
 
@@ -270,15 +270,17 @@ fn with_idle_groups(wanted: &Table, before: &Table) -> Table {
     }
     for (name, set) in &before.sets {
         if group(name) && !t.sets.contains_key(name) {
-            t.sets
-                .insert(name.clone(), kproxy_nft::model::Set::new(set.decl.clone()));
+            t.sets.insert(
+                name.clone(),
+                kproxy_nft::internals::model::Set::new(set.decl.clone()),
+            );
         }
     }
     t
 }
 
 /// One owner of change, checked without the kernel: the delta a sync sends, moved by
-/// the planner's update alone (`kproxy_nft::delta`), equals `model::diff` of the whole
+/// the planner's update alone (`kproxy_nft::internals::delta`), equals `model::diff` of the whole
 /// tables of the previous plan and of the new one (each with the idle dispatch groups
 /// the record keeps), and leaves the record equal to a fresh build plus those groups. Random steps add and remove Services, change their type, traffic
 /// policies, affinity and its timeout, source ranges, families, a port's name and their
@@ -326,7 +328,7 @@ fn delta_from_the_update_equals_the_full_diff() {
                 };
                 let moved = match (recs.as_mut(), &previous) {
                     (Some(r), Some(old)) => {
-                        let tx = kproxy_nft::delta(r, plan, &update, &dp_cfg).unwrap();
+                        let tx = kproxy_nft::internals::delta(r, plan, &update, &dp_cfg).unwrap();
                         let mut full = Transaction::default();
                         for (o, w) in old.iter().zip(&wanted) {
                             full.extend(diff(o, w).unwrap());
@@ -601,7 +603,7 @@ fn an_etp_local_service_s_local_endpoint_count_changes_are_element_only() {
     for (n, specs) in steps.iter().enumerate().skip(1) {
         let (plan, update) = cluster.step(&manifest(specs));
         assert_eq!(update.services.len(), 1, "step {n}: {update:?}");
-        let tx = kproxy_nft::delta(&mut recs, plan, &update, &dp_cfg)
+        let tx = kproxy_nft::internals::delta(&mut recs, plan, &update, &dp_cfg)
             .unwrap()
             .expect("a delta");
         let structural: Vec<_> = tx

@@ -23,9 +23,8 @@ use common::{Netns, ip};
 use kproxy_core::model::IpFamily;
 use kproxy_core::trace::{Packet, trace};
 use kproxy_core::{NodePlan, PlanConfig};
-use kproxy_nft::evaluate::{Evaluation, divergence, evaluate};
-use kproxy_nft::readback::kernel_table;
-use kproxy_nft::{Dataplane, DataplaneConfig, Table, desired};
+use kproxy_nft::{Dataplane, DataplaneConfig, KernelTable, Table, desired};
+use kproxy_nft::{Evaluation, divergence, evaluate};
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 fn require_root() -> bool {
@@ -164,12 +163,14 @@ impl Node {
         let want = desired(plan, &DataplaneConfig::default());
         let w = want.clone();
         let got = self.ns.run(move || {
-            w.map(|d| match kernel_table(&d) {
-                Ok(Some(Ok(t))) => Ok(t),
-                Ok(Some(Err(e))) => Err(format!("not adoptable: {e}")),
-                Ok(None) => Err(format!("table {} absent", d.family.nft())),
-                Err(e) => Err(format!("reading: {e}")),
-            })
+            w.map(
+                |d| match KernelTable::read(d.family, &d.name).map(|t| t.map(|t| t.adopt(&d))) {
+                    Ok(Some(Ok(t))) => Ok(t),
+                    Ok(Some(Err(e))) => Err(format!("not adoptable: {e}")),
+                    Ok(None) => Err(format!("table {} absent", d.family.nft())),
+                    Err(e) => Err(format!("reading: {e}")),
+                },
+            )
         });
         let [a, b] = got;
         Ok(([a?, b?], want))
@@ -341,7 +342,7 @@ fn a_rule_forged_under_kproxys_id_is_named_and_repaired() {
         let forge = || {
             let raw = node
                 .ns
-                .run(|| kproxy_nft::dump::read_table("ip", "kproxy"))
+                .run(|| kproxy_nft::internals::dump::read_table("ip", "kproxy"))
                 .expect("dump")
                 .expect("table");
             let want = desired(&kernel_plan, &DataplaneConfig::default());
@@ -367,25 +368,33 @@ fn a_rule_forged_under_kproxys_id_is_named_and_repaired() {
             // batch ("conflicting protocols specified: ip vs. th"): this one goes over
             // netlink, the chain's one rule replaced.
             let mut rule = rule.clone();
-            let Some(kproxy_nft::rule::Expr::DnatMap { sel, .. }) = rule.exprs.first_mut() else {
+            let Some(kproxy_nft::internals::rule::Expr::DnatMap { sel, .. }) =
+                rule.exprs.first_mut()
+            else {
                 panic!("{real} is not a dispatch rule");
             };
-            *sel.last_mut().expect("numgen") = kproxy_nft::rule::Sel::Numgen(7);
+            *sel.last_mut().expect("numgen") = kproxy_nft::internals::rule::Sel::Numgen(7);
             assert_eq!(rule.to_string(), *forged);
             let tx = kproxy_nft::Transaction {
-                ops: vec![kproxy_nft::model::Op::FlushChain {
-                    family: kproxy_nft::model::Family::Ip,
+                ops: vec![kproxy_nft::internals::model::Op::FlushChain {
+                    family: kproxy_nft::internals::model::Family::Ip,
                     table: "kproxy".into(),
                     name: chain.to_string(),
                 }],
                 ..Default::default()
             };
-            let mut batch = kproxy_nft::netlink::Batch::transaction(&tx).expect("flush");
+            let mut batch = kproxy_nft::internals::netlink::Batch::transaction(&tx).expect("flush");
             batch
-                .add_rule_tagged(kproxy_nft::model::Family::Ip, "kproxy", chain, &rule, &id)
+                .add_rule_tagged(
+                    kproxy_nft::internals::model::Family::Ip,
+                    "kproxy",
+                    chain,
+                    &rule,
+                    &id,
+                )
                 .expect("encodes");
             node.ns.run(move || {
-                kproxy_nft::netlink::Writer::open()
+                kproxy_nft::internals::netlink::Writer::open()
                     .expect("socket")
                     .send(batch)
                     .expect("forged")

@@ -10,7 +10,7 @@ mod common;
 use common::*;
 use kproxy_core::PlanConfig;
 use kproxy_core::planner::PlanUpdate;
-use kproxy_nft::monitor::{Event, Interference, Kind, Monitor};
+use kproxy_nft::{ChangeKind, Event, Interference, Monitor};
 use kproxy_nft::{Dataplane, DataplaneConfig};
 
 fn root() -> bool {
@@ -69,7 +69,11 @@ fn other_processes_changes_are_reported_and_repaired_from_the_record() {
         assert_eq!(i.process, "nft");
         assert!(i.pid > 0);
         assert!(!i.tables_missing());
-        assert!(i.changes.counts[&Kind::Element].1 >= 1, "{:?}", i.changes);
+        assert!(
+            i.changes.counts[&ChangeKind::Element].1 >= 1,
+            "{:?}",
+            i.changes
+        );
         let r = dp.repair(&plan).expect("repair");
         assert!(r.adopted && r.changes.elements_added >= 1, "{r:?}");
         assert!(r.netlink_bytes > 0, "{r:?}");
@@ -78,7 +82,7 @@ fn other_processes_changes_are_reported_and_repaired_from_the_record() {
         sh("nft flush chain ip6 kproxy nat-output");
         let i = next_interference(&mut mon);
         assert_eq!(
-            i.changes.counts.get(&Kind::Rule),
+            i.changes.counts.get(&ChangeKind::Rule),
             Some(&(0, 1)),
             "{:?}",
             i.changes

@@ -531,7 +531,7 @@ fn udp_conntrack_cleanup_deletes_stale_flows_and_keeps_live_ones() {
     let (to_a, to_r) = (to_a.expect("a flow to a"), to_r.expect("a flow to r"));
     let flows = || {
         f.node
-            .run(|| kproxy_nft::conntrack::list(false).expect("conntrack dump"))
+            .run(|| kproxy_nft::internals::conntrack::list(false).expect("conntrack dump"))
             .into_iter()
             .filter(|fl| fl.orig_dst == ip("10.96.0.10") && fl.orig_dport == 53)
             .map(|fl| fl.orig_sport)
@@ -569,7 +569,7 @@ fn udp_conntrack_cleanup_deletes_stale_flows_and_keeps_live_ones() {
 
 #[test]
 fn stale_flow_decisions() {
-    use kproxy_nft::conntrack::{Flow, stale_flows};
+    use kproxy_nft::internals::conntrack::{Flow, stale_flows};
     let eps = [
         ("a", "node-a", READY),
         ("b", "node-a", TERMINATING),

@@ -7,7 +7,8 @@ mod common;
 use common::*;
 use kproxy_core::PlanConfig;
 use kproxy_core::config::{LocalDetectorConfig, NodePortAddressesConfig};
-use kproxy_nft::{DataplaneConfig, render};
+use kproxy_nft::DataplaneConfig;
+use kproxy_nft::internals::render;
 
 /// Affinity, source ranges, UDP, iTP Local, externalIPs, a Service without endpoints.
 pub const MIXED: &str = r#"
@@ -259,7 +260,7 @@ fn rendered_scripts_load_into_the_kernel() {
 }
 
 /// The kernel's expressions of every rule kproxy writes, read back over netlink, decode
-/// into the typed rule it was rendered from (`kproxy_nft::rule::decode`): no rule of
+/// into the typed rule it was rendered from (`kproxy_nft::internals::rule::decode`): no rule of
 /// kproxy's is "cannot tell", and none is taken for another. Both families, every
 /// local-traffic detector, node-port addresses by CIDR and by list, affinity, source
 /// ranges, service CIDRs.
@@ -316,7 +317,7 @@ fn the_kernel_s_expressions_decode_into_the_rules_kproxy_wrote() {
             dp.sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
                 .expect("sync");
             ["ip", "ip6"].map(|f| {
-                kproxy_nft::dump::read_table(f, "kproxy")
+                kproxy_nft::internals::dump::read_table(f, "kproxy")
                     .expect("dump")
                     .expect("table")
             })
@@ -327,7 +328,8 @@ fn the_kernel_s_expressions_decode_into_the_rules_kproxy_wrote() {
                 assert_eq!(got.len(), chain.rules.len(), "chain {name}");
                 for (r, k) in chain.rules.iter().zip(got) {
                     rules += 1;
-                    let d = kproxy_nft::rule::decode::decode(&k.exprs, table.family, raw);
+                    let d =
+                        kproxy_nft::internals::rule::decode::decode(&k.exprs, table.family, raw);
                     if !d.same(r) {
                         bad.push(format!(
                             "{} {name}: wrote `{r}`, read `{d}`",
@@ -342,7 +344,7 @@ fn the_kernel_s_expressions_decode_into_the_rules_kproxy_wrote() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
-/// Every rule kproxy writes, encoded by kproxy (`kproxy_nft::rule::encode`) and sent
+/// Every rule kproxy writes, encoded by kproxy (`kproxy_nft::internals::rule::encode`) and sent
 /// over nfnetlink in place of the rules `nft -f` wrote, lists exactly as `nft -f`'s
 /// (`nft list ruleset`, comments included) and reads back as the same rules.
 #[test]
@@ -368,13 +370,13 @@ fn rules_written_over_nfnetlink_list_as_nft_wrote_them() {
         let mut tx = kproxy_nft::Transaction::default();
         for table in &want {
             for (name, chain) in &table.chains {
-                tx.ops.push(kproxy_nft::model::Op::FlushChain {
+                tx.ops.push(kproxy_nft::internals::model::Op::FlushChain {
                     family: table.family,
                     table: table.name.clone(),
                     name: name.clone(),
                 });
                 for rule in &chain.rules {
-                    tx.ops.push(kproxy_nft::model::Op::AddRule {
+                    tx.ops.push(kproxy_nft::internals::model::Op::AddRule {
                         family: table.family,
                         table: table.name.clone(),
                         chain: name.clone(),
@@ -383,9 +385,10 @@ fn rules_written_over_nfnetlink_list_as_nft_wrote_them() {
                 }
             }
         }
-        let batch = kproxy_nft::netlink::Batch::transaction(&tx).expect("every rule encodes");
+        let batch =
+            kproxy_nft::internals::netlink::Batch::transaction(&tx).expect("every rule encodes");
         ns.run(move || {
-            kproxy_nft::netlink::Writer::open()
+            kproxy_nft::internals::netlink::Writer::open()
                 .expect("socket")
                 .send(batch)
                 .expect("the kernel takes the batch")
@@ -526,9 +529,12 @@ fn hostile_names_are_rejected() {
         assert!(kproxy_nft::Dataplane::new(cfg).is_err(), "{bad:?}");
     }
     for bad in ["eth0\" accept", "veth*", "", "abcdefghijklmnop", "a\nb"] {
-        assert!(kproxy_nft::validate_interface(bad).is_err(), "{bad:?}");
+        assert!(
+            kproxy_nft::internals::validate_interface(bad).is_err(),
+            "{bad:?}"
+        );
     }
-    assert!(kproxy_nft::validate_interface("cbr0").is_ok());
+    assert!(kproxy_nft::internals::validate_interface("cbr0").is_ok());
 }
 
 /// A first sync into absent tables large enough to send its elements in several

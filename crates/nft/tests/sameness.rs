@@ -4,7 +4,7 @@
 //! ranges, affinity, node-port CIDRs, every local-traffic detector). Both directions,
 //! in a network namespace of its own:
 //!
-//! - nft first: `nft -f` of [`kproxy_nft::render`], listed (`nft list ruleset`); a new
+//! - nft first: `nft -f` of [`kproxy_nft::internals::render`], listed (`nft list ruleset`); a new
 //!   dataplane reads those tables back over nfnetlink and finds its record in them (an
 //!   adoption that sends nothing);
 //! - nfnetlink first: the dataplane's first sync into absent tables, then its
@@ -19,7 +19,8 @@ mod common;
 use common::cases::{case, config, env_count, manifests, seeded_rng, state};
 use common::{Netns, nft_in};
 use kproxy_core::planner::PlanUpdate;
-use kproxy_nft::{Dataplane, DataplaneConfig, render};
+use kproxy_nft::internals::render;
+use kproxy_nft::{Dataplane, DataplaneConfig};
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 /// `nft list ruleset`, with the elements of each set in one order: a hash set lists

@@ -9,19 +9,16 @@
 //! [`Expr::Unknown`] naming it; such a rule is never the same as a wanted one.
 
 use crate::atom::{Atom, Family};
-use crate::dump::{Attrs, RawSet, RawTable, SET_ANONYMOUS, SET_INTERVAL, SET_MAP, be32};
+use crate::dump::{RawSet, RawTable, SET_ANONYMOUS, SET_INTERVAL, SET_MAP};
+use crate::nfnl::{
+    Attrs, NFTA_DATA_VALUE, NFTA_DATA_VERDICT, NFTA_EXPR_DATA, NFTA_EXPR_NAME, NFTA_LIST_ELEM,
+    NFTA_VERDICT_CHAIN, NFTA_VERDICT_CODE, be32,
+};
 use kproxy_core::model::EndpointAddr;
 
 use super::{Dir, Expr, Lit, Rhs, Rule, Sel, ip_lit, prefixes};
 
 // linux/netfilter/nf_tables.h.
-const NFTA_LIST_ELEM: u16 = 1;
-const NFTA_EXPR_NAME: u16 = 1;
-const NFTA_EXPR_DATA: u16 = 2;
-const NFTA_DATA_VALUE: u16 = 1;
-const NFTA_DATA_VERDICT: u16 = 2;
-const NFTA_VERDICT_CODE: u16 = 1;
-const NFTA_VERDICT_CHAIN: u16 = 2;
 const PAYLOAD_NETWORK: u32 = 1;
 const PAYLOAD_TRANSPORT: u32 = 2;
 const META_MARK: u32 = 3;

@@ -11,18 +11,12 @@
 use std::net::IpAddr;
 
 use crate::atom::{Atom, Family};
+use crate::nfnl::{
+    NFTA_DATA_VALUE, NFTA_DATA_VERDICT, NFTA_EXPR_DATA, NFTA_EXPR_NAME, NFTA_LIST_ELEM,
+    NFTA_VERDICT_CHAIN, NFTA_VERDICT_CODE, NLA_F_NESTED,
+};
 
 use super::{Dir, Expr, Lit, Rhs, Rule, Sel};
-
-// linux/netfilter/nf_tables.h.
-const NLA_F_NESTED: u16 = 0x8000;
-const NFTA_LIST_ELEM: u16 = 1;
-const NFTA_EXPR_NAME: u16 = 1;
-const NFTA_EXPR_DATA: u16 = 2;
-const NFTA_DATA_VALUE: u16 = 1;
-const NFTA_DATA_VERDICT: u16 = 2;
-const NFTA_VERDICT_CODE: u16 = 1;
-const NFTA_VERDICT_CHAIN: u16 = 2;
 
 /// An anonymous set a rule looks up: created (constant) in the rule's batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
