@@ -15,6 +15,7 @@
 //!   [--kproxy-arg ARG]...   # e.g. --kproxy-arg --min-sync-period=0s
 //!   [--upstream $K8S_LAB/bin/kube-proxy | --compare-upstream $K8S_LAB/bin/kube-proxy]
 //!   [--restart] [--flips N [--flip-every-ms MS] [--flip-churn PER_SECOND]]
+//!   [--flip-local-count N]
 //! ```
 //!
 //! `--flips N` then moves the probe Service's endpoint between two listeners that answer
@@ -24,6 +25,14 @@
 //! the cluster IP answered by the new endpoint (refused or timed-out connections prove
 //! nothing). `--compare-upstream BINARY` runs everything for kproxy, then for upstream
 //! kube-proxy on the same API, and prints the flip probe's two columns together.
+//!
+//! `--flip-local-count N` measures the change of a Service with internalTrafficPolicy
+//! Local whose node-local endpoint count alternates 1 ↔ 2 (`bench/probe-local`, set
+//! to one local endpoint before each kproxy starts, so that its first write is the
+//! first change after start), N writes in every run, the next `--flip-every-ms` after
+//! the kernel held the last: the API's acknowledgement of each write → the kernel commit
+//! of the first sync naming the Service (kproxy's event log); the first change after
+//! start on its own line, and with `--runs` > 1 all runs pooled.
 //!
 //! `--upstream BINARY` measures upstream kube-proxy (nftables mode, the k8s-lab's
 //! flags) instead, in the same namespace, as the same user, against the same API, with
@@ -1003,8 +1012,151 @@ fn flip_probe(
     })
 }
 
+fn local_count_summary(latencies: &[Option<f64>]) -> String {
+    latency_summary(
+        latencies,
+        "local endpoint count changes (1 ↔ 2), {missed} not held within 10 s; acknowledged → kernel (event log)",
+    )
+}
+
+/// `--flip-local-count`'s Service, `bench/probe-local`: internalTrafficPolicy Local,
+/// its node-local endpoints (on `node-0`, kproxy's node) the two probe listeners, one or
+/// both, beside one endpoint on another node that stays.
+const LOCAL_PROBE: &str = "bench/probe-local";
+const LOCAL_PROBE_CLUSTER_IP: &str = "10.96.255.249";
+const LOCAL_PROBE_REMOTE_IP: &str = "10.250.1.9";
+
+/// The local probe's endpoints with `local` (1 or 2) of them on kproxy's node.
+fn local_probe_endpoints(local: usize) -> Value {
+    let mut endpoints: Vec<Value> = PROBE_ANSWERS[..local]
+        .iter()
+        .map(|(ip, _)| json!({"addresses": [ip], "nodeName": "node-0", "conditions": {"ready": true}}))
+        .collect();
+    endpoints.push(
+        json!({"addresses": [LOCAL_PROBE_REMOTE_IP], "nodeName": "node-1",
+                          "conditions": {"ready": true}}),
+    );
+    Value::Array(endpoints)
+}
+
+fn local_probe_patch(local: usize) -> http::Request<Vec<u8>> {
+    Request::new("/apis/discovery.k8s.io/v1/namespaces/bench/endpointslices")
+        .patch(
+            "probe-local-x",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"endpoints": local_probe_endpoints(local)})),
+        )
+        .expect("patch request")
+}
+
+/// Before kproxy starts: the local probe's Service and slice exist (created if absent)
+/// with one local endpoint, so that the probe's first write is kproxy's first change.
+fn local_probe_reset(kubeconfig: &Path) {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let client = kproxy_source::kube::client(Some(kubeconfig))
+            .await
+            .expect("admin client");
+        let service = json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "probe-local", "namespace": "bench"},
+            "spec": {"clusterIP": LOCAL_PROBE_CLUSTER_IP, "internalTrafficPolicy": "Local",
+                     "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]}});
+        let slice = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "probe-local-x", "namespace": "bench",
+                         "labels": {"kubernetes.io/service-name": "probe-local"}},
+            "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": local_probe_endpoints(1)});
+        create(
+            &client,
+            vec![
+                ("/api/v1/namespaces/bench/services".into(), service),
+                (
+                    "/apis/discovery.k8s.io/v1/namespaces/bench/endpointslices".into(),
+                    slice,
+                ),
+            ],
+        )
+        .await;
+        client
+            .request_text(local_probe_patch(1))
+            .await
+            .expect("reset the iTP=Local probe to one local endpoint");
+    });
+}
+
+/// `--flip-local-count N`: the local probe's node-local endpoint count goes 1 → 2 → 1 …
+/// N times, the next write `every` after the kernel held the last. A write counts when
+/// kproxy's event log has a sync naming `bench/probe-local`, committed after the write
+/// was sent (its `committed_unix_us` is taken when the kernel acknowledged the batch).
+/// Returns, per write, that commit minus the API's acknowledgement, in ms (negative when
+/// the commit beat the API's answer to the client; `None`: no such sync within 10 s),
+/// and the first write's `synced` event.
+fn local_count_probe(
+    kubeconfig: &Path,
+    events: &Path,
+    n: usize,
+    every: Duration,
+) -> (Vec<Option<f64>>, Option<String>) {
+    const HELD_WITHIN: Duration = Duration::from_secs(10);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let client = kproxy_source::kube::client(Some(kubeconfig))
+            .await
+            .expect("admin client");
+        let mut latencies = Vec::new();
+        let mut first = None;
+        for k in 1..=n {
+            let local = if k % 2 == 1 { 2 } else { 1 };
+            let sent = unix_us();
+            client
+                .request_text(local_probe_patch(local))
+                .await
+                .expect("flip the iTP=Local probe's local endpoint count");
+            let acked = unix_us();
+            let t = Instant::now();
+            let committed = loop {
+                if let Some((at, _)) = first_commit(&commits(events), LOCAL_PROBE, sent) {
+                    break Some(at);
+                }
+                if t.elapsed() > HELD_WITHIN {
+                    break None;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            };
+            if k == 1 {
+                first = committed.and_then(|at| {
+                    std::fs::read_to_string(events)
+                        .unwrap_or_default()
+                        .lines()
+                        .find(|l| {
+                            serde_json::from_str::<Value>(l)
+                                .is_ok_and(|e| e["committed_unix_us"].as_u64() == Some(at))
+                        })
+                        .map(str::to_string)
+                });
+            }
+            let l = committed.map(|at| (at as f64 - acked as f64) / 1e3);
+            if l.is_none_or(|ms| ms > 5.0) {
+                eprintln!("    local count write {k} (→ {local}): acknowledged → kernel {l:?} ms");
+            }
+            latencies.push(l);
+            tokio::time::sleep(every).await;
+        }
+        (latencies, first)
+    })
+}
+
 /// One column of the flip probe: count, then p50 / p90 / p99 / max in ms.
 fn flip_summary(latencies: &[Option<f64>]) -> String {
+    latency_summary(
+        latencies,
+        "flips, {missed} not seen within 60 s; acknowledged → new endpoint answers",
+    )
+}
+
+/// Count, then p50 / p90 / p99 / max in ms; `what` names the unit and the way
+/// measured, `{missed}` in it standing for the `None`s.
+fn latency_summary(latencies: &[Option<f64>], what: &str) -> String {
     let mut seen: Vec<f64> = latencies.iter().flatten().copied().collect();
     seen.sort_by(f64::total_cmp);
     let missed = latencies.len() - seen.len();
@@ -1014,8 +1166,9 @@ fn flip_summary(latencies: &[Option<f64>]) -> String {
             .unwrap_or(f64::NAN)
     };
     format!(
-        "{} flips, {missed} not seen within 60 s; acknowledged → new endpoint answers: p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        "{} {}: p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
         latencies.len(),
+        what.replace("{missed}", &missed.to_string()),
         pct(0.5),
         pct(0.9),
         pct(0.99),
@@ -1095,6 +1248,7 @@ fn main() {
     let mut flips = 0;
     let mut flip_every = Duration::from_millis(300);
     let mut flip_churn = 0;
+    let mut flip_local = 0;
     let mut compare_upstream = None;
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -1120,6 +1274,12 @@ fn main() {
                     .map(Duration::from_millis)
                     .expect("--flip-every-ms MS")
             }
+            "--flip-local-count" => {
+                flip_local = args
+                    .next()
+                    .and_then(|r| r.parse().ok())
+                    .expect("--flip-local-count N")
+            }
             "--flip-churn" => {
                 flip_churn = args
                     .next()
@@ -1139,7 +1299,7 @@ fn main() {
         (kubeconfig, proxy_kubeconfig, scale)
     else {
         eprintln!(
-            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY | --compare-upstream KUBE_PROXY] [--restart] [--flips N [--flip-every-ms MS] [--flip-churn PER_SECOND]]"
+            "usage: api_bench --kubeconfig ADMIN --proxy-kubeconfig PROXY NxE [--runs R] [--skip-populate] [--churn S] [--rate R] [--kproxy-arg ARG]... [--upstream KUBE_PROXY | --compare-upstream KUBE_PROXY] [--restart] [--flips N [--flip-every-ms MS] [--flip-churn PER_SECOND]] [--flip-local-count N [--flip-every-ms MS]]"
         );
         std::process::exit(2);
     };
@@ -1232,10 +1392,14 @@ fn main() {
         None => vec![upstream],
     };
     let mut flipped = Vec::new();
+    let (mut local_all, mut local_first) = (Vec::new(), Vec::new());
     for upstream in &proxies {
         let upstream = upstream.as_deref();
         for run in 0..runs {
             exec(&["nft", "flush", "ruleset"]);
+            if flip_local > 0 && upstream.is_none() {
+                local_probe_reset(&kubeconfig);
+            }
             let (r, daemon) = measure(
                 &proxy_kubeconfig,
                 &extra,
@@ -1269,6 +1433,22 @@ fn main() {
                     r.cpu_s,
                     r.api_cpu_s.map_or("–".into(), |c| format!("{c:.2} s"))
                 );
+            }
+            if flip_local > 0 && upstream.is_none() {
+                let (l, first) = local_count_probe(
+                    &kubeconfig,
+                    &dir.as_path().join(format!("events-{run}.jsonl")),
+                    flip_local,
+                    flip_every,
+                );
+                println!(
+                    "kproxy iTP=Local probe run {run}: first change after start: acknowledged → kernel {:?} ms; its sync: {}",
+                    l.first().copied().flatten(),
+                    first.as_deref().unwrap_or("none")
+                );
+                println!("    {}", local_count_summary(&l));
+                local_first.push(l.first().copied().flatten());
+                local_all.extend(l);
             }
             if run + 1 == runs && churn_secs > 0 && upstream.is_none() {
                 churn(
@@ -1316,6 +1496,19 @@ fn main() {
             }
             drop(daemon);
         }
+    }
+    if runs > 1 && flip_local > 0 {
+        println!(
+            "iTP=Local probe, {services}x{eps}, {runs} runs of a fresh kproxy, pooled: {}",
+            local_count_summary(&local_all)
+        );
+        println!(
+            "    of which the first change after start: {}",
+            latency_summary(
+                &local_first,
+                "first changes, {missed} not held within 10 s; acknowledged → kernel"
+            )
+        );
     }
     if flipped.len() > 1 {
         println!(
