@@ -1,6 +1,8 @@
 //! The planner's first endpoint change after its first plan, beside the next ones, at
 //! 10k Services × 10 endpoints: the first once re-planned every Service (a config flag
 //! outlived the first plan). `cargo run --release -p kproxy-core --example first_change`
+#![expect(clippy::disallowed_types, reason = "a measurement: wall time")]
+
 use std::time::Instant;
 
 fn main() {
