@@ -40,8 +40,9 @@ fn only_the_first_plan_and_node_changes_re_plan_every_service() {
     let spec = Spec::new(20, 2);
     let mut state = synthetic::cluster(&spec);
     let mut planner = Planner::new("node-0", kproxy_core::PlanConfig::default());
+    type Change<'a> = &'a dyn Fn(&mut kproxy_core::state::ClusterState);
     // (step, what it changes, whole re-plans after it)
-    let steps: [(&str, &dyn Fn(&mut kproxy_core::state::ClusterState), u64); 4] = [
+    let steps: [(&str, Change, u64); 4] = [
         ("the first plan", &|_| {}, 1),
         (
             "an endpoint change",
