@@ -9,7 +9,7 @@
 //! test runner's capture, and the summary would count it as passed). Run them with
 //! `--ignored`; then a missing K8S_LAB or root fails.
 //!
-//! K8S_LAB=/tmp/k8s-lab-NAME cargo test -p kproxy --test lab_k8s -- --ignored --test-threads 1
+//! K8S_LAB=../k8s-lab-NAME cargo test -p kproxy --test lab_k8s -- --ignored --test-threads 1
 
 mod common;
 

@@ -17,7 +17,7 @@
 //! from inside a test is swallowed by the test runner's capture). Run it with
 //! `--ignored`; then anything missing fails.
 //!
-//! K8S_LAB=/tmp/k8s-lab KPROXY_UPSTREAM_CASES=200 \
+//! K8S_LAB=../k8s-lab KPROXY_UPSTREAM_CASES=200 \
 //!   cargo test -p kproxy --test upstream_differential -- --ignored --nocapture
 //!
 //! Cases `KPROXY_UPSTREAM_CASES` (default 10), seed `KPROXY_UPSTREAM_SEED` (default 36;
