@@ -1,13 +1,18 @@
 //! Frontend conflicts: two Services that claim the same address, port and protocol on
 //! this node (a cluster IP, an external IP, a load-balancer IP, or a node port), and
 //! external or load-balancer IPs that would capture another Service's cluster IP or this
-//! node's own address (CVE-2020-8554), and cluster IPs that no API server would have
-//! allocated ([`cluster_ip_refusal`]: this node's or another Node's address, or outside
-//! the known service CIDRs). A health-check node port claims its port like a TCP node
-//! port. Pure: the planner calls [`resolve`] on the plans
+//! node's own address (CVE-2020-8554), and a cluster IP equal to one of this node's
+//! addresses ([`cluster_ip_refusal`]). A health-check node port claims its port like a TCP
+//! node port. Pure: the planner calls [`resolve`] on the plans
 //! it built and programs only what survives; `plan`, `explain`, the logs and the
 //! `kproxy_frontend_conflicts` metric show [`Conflict`]s (`crate::frontend` says what one
 //! is).
+//!
+//! Cluster IPs that no API server would allocate now but upstream kube-proxy programs
+//! (another Node's address, outside the known service CIDRs) are programmed too, with a
+//! [`ClusterIpWarning`] ([`cluster_ip_warnings`]): a Service blackholed on every node is
+//! worse than one programmed with a warning, and a cluster whose ServiceCIDRs changed
+//! keeps Services allocated under the old ones (docs/input.md, "Cluster IPs").
 //!
 //! The rule (docs/input.md): a frontend goes to the Service created first
 //! (`metadata.creationTimestamp`; a Service without one counts as newest), then to the
@@ -18,13 +23,15 @@
 //! `allow_external_ip_overlap` setting, an external or LB IP equal to any Service's cluster
 //! IP or to one of this node's addresses is refused whatever the port.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
 
-use crate::frontend::{Conflict, ConflictReason, Frontend, FrontendKind};
+use crate::frontend::{
+    ClusterIpWarning, ClusterIpWarningReason, Conflict, ConflictReason, Frontend, FrontendKind,
+};
 use crate::model::{IpFamily, Protocol, ServiceName};
 use crate::plan::{NodePlan, ServicePlan, ServicePortPlan};
 
@@ -67,15 +74,20 @@ impl Reserved {
 }
 
 /// Why `ip` may not be a cluster IP on this node, or `None` when it may: one of this
-/// node's addresses (its rules would take the node's own traffic), another Node's (they
-/// would take this node's traffic to it), or outside the service CIDRs of its family when
-/// any are known.
+/// node's addresses (its rules would take the node's own traffic to that address; upstream
+/// programs it, kproxy does not).
 pub fn cluster_ip_refusal(ip: IpAddr, reserved: &Reserved) -> Option<ConflictReason> {
-    if reserved.node_ips.contains(&ip) {
-        return Some(ConflictReason::NodeAddress);
-    }
+    reserved
+        .node_ips
+        .contains(&ip)
+        .then_some(ConflictReason::NodeAddress)
+}
+
+/// Why a cluster IP kproxy programs (as upstream does) deserves a warning, or `None`:
+/// another Node's address, or outside the service CIDRs of its family when any are known.
+pub fn cluster_ip_warning(ip: IpAddr, reserved: &Reserved) -> Option<ClusterIpWarningReason> {
     if let Some(node) = reserved.other_nodes.get(&ip) {
-        return Some(ConflictReason::OtherNodeAddress { node: node.clone() });
+        return Some(ClusterIpWarningReason::OtherNodeAddress { node: node.clone() });
     }
     let family = IpFamily::of(&ip);
     let cidrs: Vec<IpNet> = reserved
@@ -85,11 +97,41 @@ pub fn cluster_ip_refusal(ip: IpAddr, reserved: &Reserved) -> Option<ConflictRea
         .copied()
         .collect();
     if !cidrs.is_empty() && !cidrs.iter().any(|c| c.contains(&ip)) {
-        return Some(ConflictReason::OutsideServiceCidrs {
+        return Some(ClusterIpWarningReason::OutsideServiceCidrs {
             service_cidrs: cidrs,
         });
     }
     None
+}
+
+/// The warnings for the cluster IPs `services` program (after [`resolve`]): one per
+/// Service and family, sorted. `field` gives the field a family's cluster IP was read
+/// from.
+pub fn cluster_ip_warnings(
+    services: &BTreeMap<ServiceName, Arc<ServicePlan>>,
+    field: impl Fn(&ServiceName, IpFamily) -> Option<String>,
+    reserved: &Reserved,
+) -> Vec<ClusterIpWarning> {
+    let mut out = Vec::new();
+    for (name, plan) in services {
+        let mut seen = BTreeSet::new();
+        for p in &plan.ports {
+            if !seen.insert(p.cluster_ip) {
+                continue;
+            }
+            if let Some(reason) = cluster_ip_warning(p.cluster_ip, reserved) {
+                out.push(ClusterIpWarning {
+                    service: name.clone(),
+                    family: p.family,
+                    cluster_ip: p.cluster_ip,
+                    field: field(name, p.family),
+                    reason,
+                });
+            }
+        }
+    }
+    out.sort();
+    out
 }
 
 /// The frontends one port plan claims.
@@ -308,7 +350,7 @@ fn remove_frontend(plan: &mut ServicePlan, c: &Conflict) {
 }
 
 /// [`resolve`] applied to a whole plan: replaces the losers' plans and records the
-/// conflicts in `plan.conflicts`. `other_nodes`: other Nodes' addresses.
+/// conflicts in `plan.conflicts` and the warnings in `plan.cluster_ip_warnings`. `other_nodes`: other Nodes' addresses.
 pub fn apply(
     plan: &mut NodePlan,
     age: impl Fn(&ServiceName) -> Age,
@@ -320,12 +362,13 @@ pub fn apply(
     let (conflicts, patched) = resolve(
         &plan.services,
         age,
-        field,
+        &field,
         &reserved,
         allow_external_ip_overlap,
     );
     plan.services.extend(patched);
     plan.conflicts = conflicts;
+    plan.cluster_ip_warnings = cluster_ip_warnings(&plan.services, field, &reserved);
 }
 
 #[cfg(test)]
@@ -344,27 +387,35 @@ mod tests {
             ]),
             service_cidrs: vec![net("10.96.0.0/16")],
         };
-        let outside = || ConflictReason::OutsideServiceCidrs {
-            service_cidrs: vec![net("10.96.0.0/16")],
+        let outside = || {
+            Some(ClusterIpWarningReason::OutsideServiceCidrs {
+                service_cidrs: vec![net("10.96.0.0/16")],
+            })
         };
-        let other = |n: &str| ConflictReason::OtherNodeAddress { node: n.into() };
-        let rows: &[(&str, Option<ConflictReason>)] = &[
-            ("10.96.0.10", None),
-            ("10.200.0.1", Some(ConflictReason::NodeAddress)),
-            ("fd00::1", Some(ConflictReason::NodeAddress)),
-            ("10.200.0.2", Some(other("node-b"))),
+        let other = |n: &str| Some(ClusterIpWarningReason::OtherNodeAddress { node: n.into() });
+        // (address, refused, programmed with a warning); a refused address is never
+        // programmed, so its warning is not asked.
+        let rows: &[(&str, Option<ConflictReason>, Option<ClusterIpWarningReason>)] = &[
+            ("10.96.0.10", None, None),
+            ("10.200.0.1", Some(ConflictReason::NodeAddress), None),
+            ("fd00::1", Some(ConflictReason::NodeAddress), None),
+            // Upstream programs these: kproxy does too, with a warning.
+            ("10.200.0.2", None, other("node-b")),
             // A Node's address inside the service CIDR is still that Node's.
-            ("10.96.0.7", Some(other("node-c"))),
-            ("192.0.2.1", Some(outside())),
+            ("10.96.0.7", None, other("node-c")),
+            ("192.0.2.1", None, outside()),
             // No IPv6 service CIDR is known: IPv6 is not range-checked.
-            ("fd00:96::1", None),
+            ("fd00:96::1", None, None),
         ];
-        for (addr, want) in rows {
-            assert_eq!(&cluster_ip_refusal(ip(addr), &reserved), want, "{addr}");
+        for (addr, refused, warned) in rows {
+            assert_eq!(&cluster_ip_refusal(ip(addr), &reserved), refused, "{addr}");
+            if refused.is_none() {
+                assert_eq!(&cluster_ip_warning(ip(addr), &reserved), warned, "{addr}");
+            }
         }
-        // Nothing known, nothing refused.
+        // Nothing known, nothing refused or warned of.
         assert_eq!(
-            cluster_ip_refusal(ip("192.0.2.1"), &Reserved::default()),
+            cluster_ip_warning(ip("192.0.2.1"), &Reserved::default()),
             None
         );
     }

@@ -60,12 +60,6 @@ pub enum ConflictReason {
     /// node's own traffic (refused like the other reserved addresses, whatever
     /// `allow_external_ip_overlap` says).
     NodeAddress,
-    /// A cluster IP equal to an address of another Node: its rules would take this
-    /// node's traffic to that node.
-    OtherNodeAddress { node: String },
-    /// A cluster IP outside every service CIDR of its family (ServiceCIDR objects and
-    /// the configured ones): an API server would not have allocated it.
-    OutsideServiceCidrs { service_cidrs: Vec<ipnet::IpNet> },
 }
 
 /// A frontend refused to a Service.
@@ -113,16 +107,63 @@ impl std::fmt::Display for Conflict {
                 f,
                 "it is an address of this node, whose own traffic its rules would take"
             ),
-            ConflictReason::OtherNodeAddress { node } => write!(
+        }
+    }
+}
+
+/// Why a cluster IP that upstream kube-proxy programs is suspicious: kproxy programs it
+/// too (a Service blackholed on every node is worse than one programmed with a warning)
+/// and says so ([`ClusterIpWarning`]).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "camelCase", tag = "reason")]
+pub enum ClusterIpWarningReason {
+    /// A cluster IP equal to an address of another Node: on the Service's ports, its
+    /// rules take this node's traffic to that node.
+    OtherNodeAddress { node: String },
+    /// A cluster IP outside every service CIDR of its family (ServiceCIDR objects and
+    /// the configured ones): no API server allocates it there today (the ServiceCIDRs
+    /// may have changed since, or a manifest set lists them loosely).
+    OutsideServiceCidrs { service_cidrs: Vec<ipnet::IpNet> },
+}
+
+/// A cluster IP programmed although no API server would allocate it now: one per Service
+/// and family, sorted by Service. `plan`, `explain`, `sync`, the logs and the
+/// `kproxy_cluster_ip_warnings` metric show them (docs/input.md, "Cluster IPs").
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterIpWarning {
+    pub service: ServiceName,
+    pub family: IpFamily,
+    pub cluster_ip: IpAddr,
+    /// The Service's field the address was read from (`.spec.clusterIP`,
+    /// `.spec.clusterIPs[1]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    #[serde(flatten)]
+    pub reason: ClusterIpWarningReason,
+}
+
+impl std::fmt::Display for ClusterIpWarning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: cluster IP {}", self.service, self.cluster_ip)?;
+        if let Some(field) = &self.field {
+            write!(f, " ({field})")?;
+        }
+        write!(
+            f,
+            " programmed, as upstream kube-proxy programs it, although "
+        )?;
+        match &self.reason {
+            ClusterIpWarningReason::OtherNodeAddress { node } => write!(
                 f,
-                "it is an address of Node {}, whose traffic from this node its rules would take",
+                "it is an address of Node {}: on the Service's ports, this node's traffic to that Node goes to the Service",
                 node.escape_debug()
             ),
-            ConflictReason::OutsideServiceCidrs { service_cidrs } => {
+            ClusterIpWarningReason::OutsideServiceCidrs { service_cidrs } => {
                 let cidrs: Vec<String> = service_cidrs.iter().map(|c| c.to_string()).collect();
                 write!(
                     f,
-                    "it is outside the service CIDRs ({}), where no API server allocates a cluster IP",
+                    "it is outside the service CIDRs ({}), where no API server allocates a cluster IP now",
                     cidrs.join(", ")
                 )
             }

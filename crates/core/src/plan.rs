@@ -34,6 +34,10 @@ pub struct NodePlan {
     /// capture a cluster IP or node address (`crate::conflicts`); sorted by Service. The
     /// plans in `services` already lack them. Empty: no conflict.
     pub conflicts: Vec<crate::frontend::Conflict>,
+    /// Cluster IPs programmed although no API server would allocate them now (another
+    /// Node's address, outside the service CIDRs), as upstream programs them
+    /// (`crate::conflicts::cluster_ip_warnings`); sorted by Service.
+    pub cluster_ip_warnings: Vec<crate::frontend::ClusterIpWarning>,
 }
 
 impl NodePlan {
@@ -352,6 +356,7 @@ impl Serialize for NodePlan {
             service_ports: Vec<&'a ServicePortPlan>,
             health_checks: Vec<&'a HealthCheck>,
             conflicts: &'a [crate::frontend::Conflict],
+            cluster_ip_warnings: &'a [crate::frontend::ClusterIpWarning],
         }
         View {
             node: &self.node,
@@ -361,6 +366,7 @@ impl Serialize for NodePlan {
             service_ports: self.service_ports().collect(),
             health_checks: self.health_checks().collect(),
             conflicts: &self.conflicts,
+            cluster_ip_warnings: &self.cluster_ip_warnings,
         }
         .serialize(s)
     }

@@ -236,10 +236,11 @@ impl Planner {
     /// changes a Service that did not change itself).
     fn resolve_conflicts(&mut self, state: &ClusterState, update: &mut PlanUpdate) {
         let reserved = crate::conflicts::Reserved::of(&self.plan, state.other_node_addresses());
+        let field = |n: &ServiceName, family| state.service(n).map(|s| s.cluster_ips.field(family));
         let (conflicts, patched) = crate::conflicts::resolve(
             &self.raw,
             |n| state.service(n).and_then(|s| s.created),
-            |n, family| state.service(n).map(|s| s.cluster_ips.field(family)),
+            field,
             &reserved,
             self.config.allow_external_ip_overlap,
         );
@@ -267,6 +268,8 @@ impl Planner {
             }
         }
         self.plan.conflicts = conflicts;
+        self.plan.cluster_ip_warnings =
+            crate::conflicts::cluster_ip_warnings(&self.plan.services, field, &reserved);
     }
 }
 
@@ -389,6 +392,7 @@ impl<'a> NodeFacts<'a> {
             families: self.families,
             services,
             conflicts: Vec::new(),
+            cluster_ip_warnings: Vec::new(),
         }
     }
 }

@@ -322,12 +322,12 @@ fn an_endpoint_change_of_a_loser_keeps_its_conflict() {
     assert_eq!(b_port.all_reachable_endpoints.len(), 1);
 }
 
-/// Another Node's address as a cluster IP (issue 42, 10b): its rules took this node's
-/// traffic to that node. A cluster IP outside the ServiceCIDRs no API server would have
-/// allocated either. Each refusal names the object and the field and costs only that
-/// Service's port of that family; every other Service programs.
+/// Another Node's address as a cluster IP, or one outside the ServiceCIDRs: upstream
+/// kube-proxy programs both, and so does kproxy (issue 52; issue 42's refusal blackholed
+/// them on every node). Each is a warning naming the object and the field; the Services
+/// keep every port.
 #[test]
-fn another_nodes_address_or_a_cluster_ip_outside_the_service_cidrs_is_refused() {
+fn another_nodes_address_or_a_cluster_ip_outside_the_service_cidrs_is_programmed_with_a_warning() {
     let node_b = "apiVersion: v1\nkind: Node\nmetadata: {name: node-b}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.2}, {type: InternalIP, address: fd00::2}]}\n".to_string();
     let cidr = "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16, fd00:96::/112]}\n".to_string();
     let np = |s: String| s.replace(", nodePort: NP", "");
@@ -340,85 +340,91 @@ fn another_nodes_address_or_a_cluster_ip_outside_the_service_cidrs_is_refused() 
     let outside = np(svc("outside", OLD, "clusterIP: 192.0.2.10"));
     let good = np(svc("good", NEW, "clusterIP: 10.96.0.10"));
     let docs = [node_b.clone(), other_node, dual, outside, good];
-
-    // Without ServiceCIDRs, only the node addresses are refused.
-    let plan = plan_both_ways(&docs, &PlanConfig::default());
-    let got: Vec<(String, String, Option<String>)> = plan
-        .conflicts
-        .iter()
-        .map(|c| {
-            (
-                c.service.name.to_string(),
-                c.frontend.ip.unwrap().to_string(),
-                c.field.clone(),
-            )
-        })
-        .collect();
-    assert_eq!(
-        got,
-        [
-            (
-                "dual".into(),
-                "fd00::2".into(),
-                Some(".spec.clusterIPs[1]".into())
-            ),
-            (
-                "other-node".into(),
-                "10.200.0.2".into(),
-                Some(".spec.clusterIP".into())
-            ),
-        ]
-    );
-    for c in &plan.conflicts {
-        assert_eq!(
-            c.reason,
-            ConflictReason::OtherNodeAddress {
-                node: "node-b".into()
-            }
-        );
-    }
-    let text = plan.conflicts[1].to_string();
-    assert_eq!(
-        text,
-        "ns/other-node: cluster IP 10.200.0.2:80/TCP (.spec.clusterIP) not programmed: it is an address of Node node-b, whose traffic from this node its rules would take"
-    );
+    let warned = |plan: &NodePlan| -> Vec<(String, String, Option<String>, String)> {
+        plan.cluster_ip_warnings
+            .iter()
+            .map(|w| {
+                let reason = serde_json::to_value(w).unwrap()["reason"]
+                    .as_str()
+                    .unwrap()
+                    .to_string();
+                (
+                    w.service.name.to_string(),
+                    w.cluster_ip.to_string(),
+                    w.field.clone(),
+                    reason,
+                )
+            })
+            .collect()
+    };
     let ports = |plan: &NodePlan| -> Vec<String> {
         plan.service_ports()
             .map(|p| format!("{} {}", p.service_port.service.name, p.cluster_ip))
             .collect()
     };
-    assert_eq!(
-        ports(&plan),
-        ["dual 10.96.0.20", "good 10.96.0.10", "outside 192.0.2.10"]
-    );
+    let every_port = [
+        "dual 10.96.0.20",
+        "dual fd00::2",
+        "good 10.96.0.10",
+        "other-node 10.200.0.2",
+        "outside 192.0.2.10",
+    ];
 
-    // With a ServiceCIDR, an address outside it is refused too.
+    // Without ServiceCIDRs, only the other Node's addresses are warned of.
+    let plan = plan_both_ways(&docs, &PlanConfig::default());
+    assert!(plan.conflicts.is_empty(), "{:?}", plan.conflicts);
+    let other = || "otherNodeAddress".to_string();
+    assert_eq!(
+        warned(&plan),
+        [
+            (
+                "dual".into(),
+                "fd00::2".into(),
+                Some(".spec.clusterIPs[1]".into()),
+                other()
+            ),
+            (
+                "other-node".into(),
+                "10.200.0.2".into(),
+                Some(".spec.clusterIP".into()),
+                other()
+            ),
+        ]
+    );
+    assert_eq!(
+        plan.cluster_ip_warnings[1].to_string(),
+        "ns/other-node: cluster IP 10.200.0.2 (.spec.clusterIP) programmed, as upstream kube-proxy programs it, although it is an address of Node node-b: on the Service's ports, this node's traffic to that Node goes to the Service"
+    );
+    assert_eq!(ports(&plan), every_port);
+
+    // With a ServiceCIDR, an address outside it is warned of too, and still programmed.
     let mut with_cidr = docs.to_vec();
     with_cidr.push(cidr);
     let plan = plan_both_ways(&with_cidr, &PlanConfig::default());
+    assert!(plan.conflicts.is_empty(), "{:?}", plan.conflicts);
     let outside: Vec<_> = plan
-        .conflicts
+        .cluster_ip_warnings
         .iter()
-        .filter(|c| &*c.service.name == "outside")
+        .filter(|w| &*w.service.name == "outside")
         .collect();
-    assert_eq!(outside.len(), 1, "{:?}", plan.conflicts);
+    assert_eq!(outside.len(), 1, "{:?}", plan.cluster_ip_warnings);
     assert_eq!(
         outside[0].to_string(),
-        "ns/outside: cluster IP 192.0.2.10:80/TCP (.spec.clusterIP) not programmed: it is outside the service CIDRs (10.96.0.0/16), where no API server allocates a cluster IP"
+        "ns/outside: cluster IP 192.0.2.10 (.spec.clusterIP) programmed, as upstream kube-proxy programs it, although it is outside the service CIDRs (10.96.0.0/16), where no API server allocates a cluster IP now"
     );
-    assert_eq!(ports(&plan), ["dual 10.96.0.20", "good 10.96.0.10"]);
+    assert_eq!(ports(&plan), every_port);
 
-    // The incremental planner follows the other Node: once it is gone, its address is free.
+    // The incremental planner follows the other Node: once it is gone, so is its warning.
     let mut st = state(&docs);
     let mut planner = Planner::new("node-a", PlanConfig::default());
     planner.update(&mut st);
-    assert_eq!(planner.plan().conflicts.len(), 2);
+    assert_eq!(planner.plan().cluster_ip_warnings.len(), 2);
     st.delete(kproxy_core::ingest::Kind::Node, "", "node-b", "node-a");
     planner.update(&mut st);
     assert!(
-        planner.plan().conflicts.is_empty(),
+        planner.plan().cluster_ip_warnings.is_empty(),
         "{:?}",
-        planner.plan().conflicts
+        planner.plan().cluster_ip_warnings
     );
     assert_eq!(planner.plan().service_ports().count(), 5);
 }

@@ -373,6 +373,7 @@ pub fn follow(view: &mut Option<NodePlan>, plan: &NodePlan, update: &PlanUpdate)
                     .map(|(n, s)| (n.clone(), s.clone()))
                     .collect(),
                 conflicts: Vec::new(),
+                cluster_ip_warnings: Vec::new(),
             })
         }
     }

@@ -72,11 +72,24 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     // A frontend conflict dropped a frontend of the loser: as good as a skipped piece of
     // it, and named, since manifests without creationTimestamp decide by name order.
-    let locations = crate::common::conflict_locations(&plan.conflicts, &input.files);
+    let locations = crate::common::conflict_locations(&plan, &input.files);
     for c in &plan.conflicts {
         eprintln!(
             "kproxy: conflict: {}",
-            crate::common::conflict_line(c, &locations)
+            crate::common::conflict_line(&c.service, c, &locations)
+        );
+    }
+    // Programmed as upstream programs them: named, but no reason to fail.
+    for w in &plan.cluster_ip_warnings {
+        eprintln!(
+            "kproxy: warning: {}",
+            crate::common::conflict_line(&w.service, w, &locations)
+        );
+    }
+    if !plan.cluster_ip_warnings.is_empty() && plan.conflicts.is_empty() {
+        eprintln!(
+            "kproxy: {} cluster IP warning(s), each programmed: they do not change the exit status",
+            plan.cluster_ip_warnings.len()
         );
     }
     let failed = input.strict_failed || input.skipped || !plan.conflicts.is_empty();

@@ -336,19 +336,19 @@ pub fn print_structured<T: serde::Serialize>(value: &T, output: Output) -> Resul
     Ok(true)
 }
 
-/// Where the Services whose cluster IP a conflict refuses are written, by Service, as
-/// `file: document N` (manifest mode: the API server checked the API's objects). The
-/// files are read again only when there is such a conflict, so the good path pays
-/// nothing; a file unreadable by now is passed over (it was reported when loaded).
-pub fn conflict_locations(
-    conflicts: &[kproxy_core::frontend::Conflict],
-    files: &[PathBuf],
-) -> BTreeMap<ServiceName, String> {
+/// Where the Services whose cluster IP a conflict refuses or a warning names are written,
+/// by Service, as `file: document N` (manifest mode: the API server checked the API's
+/// objects). The files are read again only when there is such a conflict or warning, so
+/// the good path pays nothing; a file unreadable by now is passed over (it was reported
+/// when loaded).
+pub fn conflict_locations(plan: &NodePlan, files: &[PathBuf]) -> BTreeMap<ServiceName, String> {
     use kproxy_core::manifest::Object;
-    let wanted: BTreeSet<&ServiceName> = conflicts
+    let wanted: BTreeSet<&ServiceName> = plan
+        .conflicts
         .iter()
         .filter(|c| c.field.is_some())
         .map(|c| &c.service)
+        .chain(plan.cluster_ip_warnings.iter().map(|w| &w.service))
         .collect();
     let mut found = BTreeMap::new();
     if wanted.is_empty() {
@@ -375,13 +375,14 @@ pub fn conflict_locations(
     found
 }
 
-/// One conflict as the tools print it: after its Service's file and document when
-/// `locations` knows them.
+/// One conflict or cluster IP warning of `service` as the tools print it: after its
+/// Service's file and document when `locations` knows them.
 pub fn conflict_line(
-    c: &kproxy_core::frontend::Conflict,
+    service: &ServiceName,
+    c: &impl std::fmt::Display,
     locations: &BTreeMap<ServiceName, String>,
 ) -> String {
-    match locations.get(&c.service) {
+    match locations.get(service) {
         Some(at) => format!("{at}: {c}"),
         None => c.to_string(),
     }
@@ -402,16 +403,34 @@ pub fn print_conflicts(
                 || matches!(&c.reason, ConflictReason::Claimed { owner } | ConflictReason::ClusterIpCapture { owner } if owner == s)
         })
     };
-    let shown: Vec<kproxy_core::frontend::Conflict> =
-        plan.conflicts.iter().filter(involved).cloned().collect();
-    let locations = conflict_locations(&shown, files);
+    let shown: Vec<&kproxy_core::frontend::Conflict> =
+        plan.conflicts.iter().filter(involved).collect();
+    let warned: Vec<&kproxy_core::frontend::ClusterIpWarning> = plan
+        .cluster_ip_warnings
+        .iter()
+        .filter(|w| service.is_none_or(|s| w.service == *s))
+        .collect();
+    if shown.is_empty() && warned.is_empty() {
+        return;
+    }
+    let locations = conflict_locations(plan, files);
     let lines: Vec<String> = shown
         .iter()
-        .map(|c| format!("  {}", conflict_line(c, &locations)))
+        .map(|c| format!("  {}", conflict_line(&c.service, c, &locations)))
         .collect();
     if !lines.is_empty() {
         println!(
             "\nfrontend conflicts (docs/input.md):\n{}",
+            lines.join("\n")
+        );
+    }
+    let lines: Vec<String> = warned
+        .iter()
+        .map(|w| format!("  {}", conflict_line(&w.service, w, &locations)))
+        .collect();
+    if !lines.is_empty() {
+        println!(
+            "\ncluster IP warnings (programmed; docs/input.md):\n{}",
             lines.join("\n")
         );
     }

@@ -265,6 +265,7 @@ pub struct SyncLoop<D, H> {
     programming: ProgrammingLatency,
     no_local: NoLocalCounts,
     last_conflicts: Vec<kproxy_core::frontend::Conflict>,
+    last_cluster_ip_warnings: Vec<kproxy_core::frontend::ClusterIpWarning>,
     last_sync: Option<Instant>,
     pacer: Pacer,
     failures: u32,
@@ -315,6 +316,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             programming: ProgrammingLatency::default(),
             no_local: NoLocalCounts::default(),
             last_conflicts: Vec::new(),
+            last_cluster_ip_warnings: Vec::new(),
             last_sync: None,
             pacer,
             failures: 0,
@@ -727,6 +729,19 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             }
             metrics.frontend_conflicts.set(plan.conflicts.len() as i64);
             self.last_conflicts = plan.conflicts.clone();
+        }
+        if plan.cluster_ip_warnings != self.last_cluster_ip_warnings {
+            for w in plan
+                .cluster_ip_warnings
+                .iter()
+                .filter(|w| !self.last_cluster_ip_warnings.contains(w))
+            {
+                tracing::warn!(warning = %w, "cluster IP programmed with a warning");
+            }
+            metrics
+                .cluster_ip_warnings
+                .set(plan.cluster_ip_warnings.len() as i64);
+            self.last_cluster_ip_warnings = plan.cluster_ip_warnings.clone();
         }
         oldest
     }

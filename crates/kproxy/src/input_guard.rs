@@ -11,6 +11,7 @@ pub fn kernel_holds_more(plan: &NodePlan, cfg: &DataplaneConfig) -> Option<(usiz
     let empty = NodePlan {
         services: Default::default(),
         conflicts: Vec::new(),
+        cluster_ip_warnings: Vec::new(),
         ..plan.clone()
     };
     let desired = kproxy_nft::desired(&empty, cfg);

@@ -71,6 +71,7 @@ pub struct Metrics {
     pub conntrack_deleted: Counter,
     pub skipped_objects: Gauge,
     pub frontend_conflicts: Gauge,
+    pub cluster_ip_warnings: Gauge,
     pub change_stages: Family<StageLabel, Histogram, fn() -> Histogram>,
     /// From the API answering again after failures to the rules matching it.
     pub api_return_to_converged: Histogram,
@@ -123,6 +124,7 @@ impl Metrics {
             conntrack_deleted: Counter::default(),
             skipped_objects: Gauge::default(),
             frontend_conflicts: Gauge::default(),
+            cluster_ip_warnings: Gauge::default(),
             change_stages: Family::new_with_constructor(change_stage_histogram),
             api_return_to_converged: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
             kernel_interference: Family::default(),
@@ -223,6 +225,11 @@ impl Metrics {
             "frontend_conflicts",
             "Frontends (address, port, protocol) refused to a Service in the current plan because another Service holds them or they would capture a cluster IP or node address (docs/input.md)",
             m.frontend_conflicts.clone(),
+        );
+        own.register(
+            "cluster_ip_warnings",
+            "Cluster IPs in the current plan programmed, as upstream kube-proxy programs them, although no API server would allocate them now: another Node's address or outside the service CIDRs (docs/input.md)",
+            m.cluster_ip_warnings.clone(),
         );
         own.register(
             "change_stage_duration_seconds",

@@ -431,6 +431,54 @@ fn a_service_cidr_manifest_reaches_each_familys_plan() {
     );
 }
 
+/// A cluster IP outside the ServiceCIDRs (upstream's `TestNodePorts/ipv6` Service) made
+/// `sync --once` refuse the Service and exit 1 (issue 52). Upstream programs it: so does
+/// kproxy, with a warning naming the object and field, and it exits 0. Root: a namespace
+/// of its own.
+#[test]
+fn sync_once_programs_a_cluster_ip_outside_the_service_cidrs_and_exits_0() {
+    if !common::can_run() {
+        return;
+    }
+    let ns = common::Netns::new("cidr");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("svc.yaml"),
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [172.30.0.0/16, \"fd00:10:96::/112\"]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: svc1, namespace: ns1}\nspec:\n  type: NodePort\n  ipFamilies: [IPv6]\n  clusterIP: \"fd00:172:30::41\"\n  ports:\n  - {name: p80, port: 80, protocol: TCP, nodePort: 3001}\n",
+    )
+    .unwrap();
+    let m = dir.path().to_str().unwrap();
+    let (code, _, err) = kproxy_at(&[
+        "ip",
+        "netns",
+        "exec",
+        &ns.0,
+        env!("CARGO_BIN_EXE_kproxy"),
+        "sync",
+        "--once",
+        "--manifests",
+        m,
+        "--node",
+        "test-node",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("kproxy: warning: ")
+            && err.contains("ns1/svc1: cluster IP fd00:172:30::41 (.spec.clusterIP) programmed")
+            && err.contains("outside the service CIDRs (fd00:10:96::/112)")
+            && err.contains("do not change the exit status"),
+        "{err}"
+    );
+    let out = Command::new("ip")
+        .args([
+            "netns", "exec", &ns.0, "nft", "list", "table", "ip6", "kproxy",
+        ])
+        .output()
+        .expect("nft list table");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("fd00:172:30::41"), "{table}");
+}
+
 /// With kproxy's tables in the kernel, `sync --dry-run` prints the delta `sync --once`
 /// would adopt them with (empty when nothing changed), and changes nothing. Root: a
 /// namespace of its own.

@@ -290,12 +290,13 @@ fn kube_proxys_table_names_are_refused_at_the_flag() {
     }
 }
 
-/// Another Node's address as a cluster IP was accepted, and traffic from this node to
-/// that node's port was taken by the rules (issue 42, 10b); so was a cluster IP outside
-/// the ServiceCIDRs. Both are refused, naming the file, the object and the field, and
-/// cost only their own port: `plan`, `explain` and `sync --dry-run` say so.
+/// Another Node's address as a cluster IP, and a cluster IP outside the ServiceCIDRs,
+/// were refused (issue 42, 10b), which blackholed Services upstream kube-proxy programs
+/// (issue 52). Both are programmed, with a warning naming the file, the object and the
+/// field: `plan` and `explain` say so.
 #[test]
-fn a_cluster_ip_on_another_node_or_outside_the_service_cidrs_is_refused_by_file_object_and_field() {
+fn a_cluster_ip_on_another_node_or_outside_the_service_cidrs_is_programmed_with_a_warning_by_file_object_and_field()
+ {
     let dir = tempfile::tempdir().unwrap();
     let nodes = "apiVersion: v1\nkind: Node\nmetadata: {name: n}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.1}]}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: n2}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.2}]}\n---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n";
     std::fs::write(dir.path().join("nodes.yaml"), nodes).unwrap();
@@ -327,17 +328,18 @@ fn a_cluster_ip_on_another_node_or_outside_the_service_cidrs_is_refused_by_file_
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains(&format!("{file}: document 1: shop/hijack: cluster IP 10.200.0.2:80/TCP (.spec.clusterIP) not programmed: it is an address of Node n2")),
+        stdout.contains(&format!("{file}: document 1: shop/hijack: cluster IP 10.200.0.2 (.spec.clusterIP) programmed, as upstream kube-proxy programs it, although it is an address of Node n2")),
         "{stdout}"
     );
     assert!(
-        stdout.contains(&format!("{file}: document 2: shop/stray: cluster IP 192.0.2.10:80/TCP (.spec.clusterIP) not programmed: it is outside the service CIDRs (10.96.0.0/16)")),
+        stdout.contains(&format!("{file}: document 2: shop/stray: cluster IP 192.0.2.10 (.spec.clusterIP) programmed, as upstream kube-proxy programs it, although it is outside the service CIDRs (10.96.0.0/16)")),
         "{stdout}"
     );
 
     let out = kproxy(&["plan", "--manifests", m, "--node", "n", "-o", "json"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let reasons: Vec<(String, String, String)> = v["conflicts"]
+    assert_eq!(v["conflicts"], serde_json::json!([]));
+    let reasons: Vec<(String, String, String)> = v["clusterIpWarnings"]
         .as_array()
         .unwrap()
         .iter()
@@ -364,19 +366,19 @@ fn a_cluster_ip_on_another_node_or_outside_the_service_cidrs_is_refused_by_file_
             ),
         ]
     );
-    // Only the refused ports are gone: web keeps its cluster IP and node port.
+    // Every port is programmed.
     let ports: Vec<&str> = v["servicePorts"]
         .as_array()
         .unwrap()
         .iter()
         .map(|p| p["clusterIp"].as_str().unwrap())
         .collect();
-    assert_eq!(ports, ["10.96.0.10"]);
+    assert_eq!(ports, ["10.200.0.2", "192.0.2.10", "10.96.0.10"]);
 
     let out = kproxy(&["explain", "--manifests", m, "--node", "n", "shop/hijack"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        stdout.contains(&format!("{file}: document 1: shop/hijack: cluster IP 10.200.0.2:80/TCP (.spec.clusterIP) not programmed")),
+        stdout.contains(&format!("cluster IP warnings (programmed; docs/input.md):\n  {file}: document 1: shop/hijack: cluster IP 10.200.0.2 (.spec.clusterIP) programmed")),
         "{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
     );

@@ -670,6 +670,65 @@ fn ipv6_dual_stack() {
     assert_no_mismatches();
 }
 
+/// Upstream's nftables proxier test `TestNodePorts`, case "ipv6", in this fabric's
+/// addresses: the Service's cluster IP (`fd00:172:30::41`) lies outside the IPv6
+/// ServiceCIDR (`fd00:10:96::/112`). Upstream programs it: a pod reaches the cluster IP
+/// unmasqueraded, an outside client and the node itself reach the NodePort masqueraded,
+/// each on both endpoints (one local, one remote). kproxy refused the whole Service (issue
+/// 52); it now programs it with a warning, and trace and the kernel both say DNAT.
+#[test]
+fn upstream_node_ports_ipv6_cluster_ip_outside_the_service_cidrs() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
+    let f = Fabric::new();
+    let cfg = config();
+    let yaml = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.1}, {type: InternalIP, address: \"fd00:200::1\"}]}\n---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [172.30.0.0/16, \"fd00:10:96::/112\"]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: svc1, namespace: ns1}\nspec:\n  type: NodePort\n  ipFamilies: [IPv6]\n  clusterIP: \"fd00:172:30::41\"\n  clusterIPs: [\"fd00:172:30::41\"]\n  ports:\n  - {name: p80, port: 80, protocol: TCP, nodePort: 3001}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: svc1-1, namespace: ns1, labels: {kubernetes.io/service-name: svc1}}\naddressType: IPv6\nports: [{name: p80, port: 8081, protocol: TCP}]\nendpoints:\n- {addresses: [\"fd00:244:2::2\"]}\n- {addresses: [\"fd00:244:1::2\"], nodeName: node-a}\n";
+    let plan = plan_from_yaml(yaml, "node-a", &cfg);
+    assert!(plan.conflicts.is_empty(), "{:?}", plan.conflicts);
+    assert_eq!(plan.cluster_ip_warnings.len(), 1, "{plan:?}");
+    f.sync(&plan);
+    let locals: Vec<IpAddr> = NODE_ADDRS
+        .iter()
+        .chain(&common::fabric::NODE_ADDRS6)
+        .map(|a| ip(a))
+        .collect();
+    // (source, destination, port, masqueraded) as upstream's table has them.
+    for (from, dst, port, masq) in [
+        (From::Pod(0), "fd00:172:30::41", 80, false),
+        (From::Client, "fd00:200::1", 3001, true),
+        (From::Node, "fd00:200::1", 3001, true),
+    ] {
+        let (src, iface) = f.source6(from);
+        let pkt = Packet {
+            src,
+            dst: ip(dst),
+            dport: port,
+            proto: Protocol::TCP,
+            in_interface: iface,
+        };
+        let t = trace(&plan, &pkt, &locals);
+        assert_eq!(t.verdict, TraceVerdict::Dnat, "{from:?} -> {dst}: {t:?}");
+        let mut eps: Vec<String> = t.endpoints.iter().map(|e| e.ip.to_string()).collect();
+        eps.sort();
+        assert_eq!(eps, ["fd00:244:1::2", "fd00:244:2::2"], "{from:?} -> {dst}");
+        // The pod's own address is a candidate: a hairpin masquerades that one only.
+        assert_eq!(t.masquerade, masq, "{from:?} -> {dst}: {t:?}");
+        let answered = check(
+            &f,
+            &plan,
+            from,
+            dst,
+            port,
+            Protocol::TCP,
+            12,
+            "TestNodePorts/ipv6",
+        );
+        assert!(!answered.is_empty(), "{from:?} -> {dst}: no answer");
+    }
+    assert_no_mismatches();
+}
+
 /// A restart adopts the tables left by the previous run with one atomic replacement:
 /// while fresh `Dataplane`s (and forced full syncs) replace the tables again and again,
 /// new connections keep succeeding and an existing UDP flow keeps its endpoint.
