@@ -170,6 +170,20 @@ impl Transaction {
                     }
                     continue;
                 }
+                Op::AddCounter {
+                    family,
+                    table,
+                    name,
+                    packets,
+                    bytes,
+                    ..
+                } => {
+                    let _ = writeln!(
+                        out,
+                        "add counter {} {table} \"{name}\" {{ packets {packets} bytes {bytes} }}",
+                        family.nft()
+                    );
+                }
                 Op::DeleteObject {
                     family,
                     table,
@@ -177,7 +191,7 @@ impl Transaction {
                     name,
                 } => {
                     let kind = object_kind(*kind);
-                    let _ = writeln!(out, "delete {kind} {} {table} {name}", family.nft());
+                    let _ = writeln!(out, "delete {kind} {} {table} \"{name}\"", family.nft());
                 }
             }
             text.line_done()?;
