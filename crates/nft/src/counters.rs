@@ -161,11 +161,14 @@ fn now() -> u64 {
 /// is forgotten.
 #[derive(Clone, Debug, Default)]
 pub struct CounterMemory {
-    seen: BTreeMap<(Family, String), RawCounter>,
+    /// The last reading of each counter, and which reading it was.
+    seen: BTreeMap<(Family, String), (RawCounter, u64)>,
+    /// Readings so far, per family.
+    readings: BTreeMap<Family, u64>,
 }
 
 impl CounterMemory {
-    /// Notes a reading of `family`'s counters (the kernel's values replace the
+    /// Notes a reading of `family`'s counters (one call per reading) (the kernel's values replace the
     /// remembered ones; counters absent from the reading are kept: the kernel may have
     /// lost them).
     pub fn observe<'a>(
@@ -173,16 +176,20 @@ impl CounterMemory {
         family: Family,
         read: impl IntoIterator<Item = (&'a String, &'a RawCounter)>,
     ) {
+        let n = self.readings.entry(family).or_default();
+        *n += 1;
         for (name, c) in read {
-            self.seen.insert((family, name.clone()), *c);
+            self.seen.insert((family, name.clone()), (*c, *n));
         }
     }
 
     /// Stamps the transaction's new counters before it is sent: each starts from its
-    /// remembered values (counting since now: the count between the reading and the
-    /// loss is gone) or from 0, since now; a counter the transaction deletes is
-    /// forgotten. Returns the counters restored with remembered values, by name.
-    pub fn fill(&mut self, tx: &mut Transaction) -> Vec<String> {
+    /// remembered values or from 0, since now (a restored counter lost what it counted
+    /// between the reading and the loss; `fresh`: the reading was made for this very
+    /// transaction, a replacement that deletes and creates the tables at once, so it
+    /// keeps its `since`); a counter the transaction deletes is forgotten. Returns the
+    /// counters restored with remembered values (not `fresh`), by name.
+    pub fn fill(&mut self, tx: &mut Transaction, fresh: bool) -> Vec<String> {
         let now = now();
         let mut restored = Vec::new();
         for op in &mut tx.ops {
@@ -195,14 +202,18 @@ impl CounterMemory {
                     since,
                     ..
                 } => {
-                    if let Some(c) = self.seen.get_mut(&(*family, name.clone())) {
-                        (*packets, *bytes) = (c.packets, c.bytes);
-                        if c.packets > 0 || c.bytes > 0 {
-                            restored.push(name.clone());
-                        }
-                        c.since = Some(now);
-                    }
                     *since = now;
+                    let latest = self.readings.get(family).copied().unwrap_or_default();
+                    if let Some((c, reading)) = self.seen.get_mut(&(*family, name.clone())) {
+                        (*packets, *bytes) = (c.packets, c.bytes);
+                        // Fresh only when the last reading found it.
+                        match (fresh && *reading == latest, c.since) {
+                            (true, Some(s)) => *since = s,
+                            _ if c.packets > 0 || c.bytes > 0 => restored.push(name.clone()),
+                            _ => {}
+                        }
+                        c.since = Some(*since);
+                    }
                 }
                 Op::DeleteObject {
                     family, kind, name, ..

@@ -228,7 +228,7 @@ impl Dataplane {
                 let counters = &mut self.counters;
                 let mut restored = Vec::new();
                 let (batch, counts) = replacement_with(recs, &mut |tx| {
-                    restored.extend(counters.fill(tx));
+                    restored.extend(counters.fill(tx, true));
                 })?;
                 note_restored(&restored, report);
                 report.netlink_bytes += batch.len();
@@ -375,7 +375,7 @@ impl Dataplane {
         let mut restored = Vec::new();
         let done = first_sync_into_absent_tables_with(
             recs,
-            &mut |tx| restored.extend(counters.fill(tx)),
+            &mut |tx| restored.extend(counters.fill(tx, false)),
             &mut |b| writer.send(b),
         );
         note_restored(&restored, report);
@@ -447,7 +447,7 @@ impl Dataplane {
 impl Dataplane {
     /// A transaction as a step, its new counters stamped ([`CounterMemory::fill`]).
     fn step(&mut self, mut tx: Transaction, report: &mut SyncReport) -> Result<Step, NftError> {
-        let restored = self.counters.fill(&mut tx);
+        let restored = self.counters.fill(&mut tx, false);
         note_restored(&restored, report);
         Step::of(tx)
     }
