@@ -24,6 +24,8 @@ use crate::model::{Family, Op, Transaction};
 /// What one counter counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum CounterKind {
+    /// New connections DNATed to one of the Service port's endpoints.
+    New,
     /// New connections rejected: the Service port has no endpoint at all.
     Rejected,
     /// New connections dropped: endpoints exist, none this traffic may use here (a
@@ -42,6 +44,7 @@ impl CounterKind {
     /// The prefix of its name.
     fn prefix(&self) -> &'static str {
         match self {
+            CounterKind::New => "new-",
             CounterKind::Rejected => "rejected-",
             CounterKind::NoLocal => "no-local-",
             CounterKind::SourceRange => "source-range-",
@@ -90,6 +93,7 @@ pub struct ServiceCounter {
 /// write (the node's own counters, another program's).
 pub fn parse_counter_name(name: &str) -> Option<ServiceCounter> {
     let kinds = [
+        CounterKind::New,
         CounterKind::Rejected,
         CounterKind::NoLocal,
         CounterKind::SourceRange,
@@ -264,6 +268,7 @@ mod tests {
     fn names_parse_back() {
         let id = "0a1b2c3d-shop/web/tcp/http";
         for kind in [
+            CounterKind::New,
             CounterKind::Rejected,
             CounterKind::NoLocal,
             CounterKind::SourceRange,

@@ -7,6 +7,7 @@
 //! ([`netlink::Writer`]): no `nft` process. Every decision it sends is made by the pure
 //! modules below it.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kproxy_core::NodePlan;
@@ -68,8 +69,42 @@ pub struct Dataplane {
     /// The UDP frontends of what is programmed, for the conntrack cleanup; moved with
     /// the record by the changed Services (empty when the cleanup is off).
     udp: conntrack::UdpFrontends,
-    /// The traffic counters as last read, to restore those the kernel loses.
-    counters: CounterMemory,
+    /// The traffic counters as last read (by the dataplane, or through a
+    /// [`CounterReader`]), to restore those the kernel loses.
+    counters: Arc<Mutex<CounterMemory>>,
+}
+
+/// Reads kproxy's traffic counters from the kernel on any thread of the dataplane's
+/// network namespace, and remembers each reading for the dataplane that made it
+/// ([`Dataplane::counter_reader`]): what a repair restores is the last reading, whoever
+/// made it.
+#[derive(Clone, Debug)]
+pub struct CounterReader {
+    table: String,
+    memory: Arc<Mutex<CounterMemory>>,
+}
+
+impl CounterReader {
+    /// Both families' counters (one dump of each table's objects).
+    pub fn read(&self) -> Result<Vec<KernelCounter>, NftError> {
+        let mut out = Vec::new();
+        for family in [model::Family::Ip, model::Family::Ip6] {
+            let read = crate::counters::read_family(family, &self.table)?;
+            lock(&self.memory).observe(family, &read);
+            out.extend(read.into_iter().map(|(name, c)| KernelCounter {
+                family,
+                name,
+                packets: c.packets,
+                bytes: c.bytes,
+                since: c.since,
+            }));
+        }
+        Ok(out)
+    }
+}
+
+fn lock(m: &Mutex<CounterMemory>) -> std::sync::MutexGuard<'_, CounterMemory> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Dataplane {
@@ -82,7 +117,7 @@ impl Dataplane {
             writer: None,
             replace_forced: false,
             udp: conntrack::UdpFrontends::default(),
-            counters: CounterMemory::default(),
+            counters: Arc::default(),
         })
     }
 
@@ -225,11 +260,12 @@ impl Dataplane {
                 // The counters go with the tables and come back in the same
                 // transaction: from what they hold now.
                 self.observe_counters(recs);
-                let counters = &mut self.counters;
+                let mut counters = lock(&self.counters);
                 let mut restored = Vec::new();
                 let (batch, counts) = replacement_with(recs, &mut |tx| {
                     restored.extend(counters.fill(tx, true));
                 })?;
+                drop(counters);
                 note_restored(&restored, report);
                 report.netlink_bytes += batch.len();
                 self.writer()?.send(batch)?;
@@ -267,7 +303,7 @@ impl Dataplane {
         ];
         for (rec, raw) in recs.iter().zip(&raw) {
             if let Ok(Some(raw)) = raw {
-                self.counters.observe(rec.table().0, &raw.counters);
+                lock(&self.counters).observe(rec.table().0, &raw.counters);
             }
         }
         let restored = if raw.iter().all(|r| matches!(r, Ok(None))) {
@@ -371,13 +407,14 @@ impl Dataplane {
         let t = Instant::now();
         self.writer()?;
         let writer = self.writer.as_mut().expect("opened above");
-        let counters = &mut self.counters;
+        let mut counters = lock(&self.counters);
         let mut restored = Vec::new();
         let done = first_sync_into_absent_tables_with(
             recs,
             &mut |tx| restored.extend(counters.fill(tx, false)),
             &mut |b| writer.send(b),
         );
+        drop(counters);
         note_restored(&restored, report);
         let done = match done {
             Ok(done) => done,
@@ -420,7 +457,7 @@ impl Dataplane {
                 }
             };
             if let Some(raw) = &raw {
-                self.counters.observe(family, &raw.counters);
+                lock(&self.counters).observe(family, &raw.counters);
             }
             // Nothing named: the kernel holds the record's table.
             match compare_named(rec, raw.as_ref()) {
@@ -447,7 +484,7 @@ impl Dataplane {
 impl Dataplane {
     /// A transaction as a step, its new counters stamped ([`CounterMemory::fill`]).
     fn step(&mut self, mut tx: Transaction, report: &mut SyncReport) -> Result<Step, NftError> {
-        let restored = self.counters.fill(&mut tx, false);
+        let restored = lock(&self.counters).fill(&mut tx, false);
         note_restored(&restored, report);
         Step::of(tx)
     }
@@ -461,7 +498,7 @@ impl Dataplane {
         for rec in recs {
             let (family, table) = rec.table();
             match crate::counters::read_family(family, table) {
-                Ok(read) => self.counters.observe(family, &read),
+                Ok(read) => lock(&self.counters).observe(family, &read),
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the traffic counters before replacing the tables; restoring the last values read");
                 }
@@ -473,19 +510,16 @@ impl Dataplane {
     /// each table's objects) and remembers them, so that a counter the kernel loses is
     /// restored from this reading. The metrics' and `explain --server`'s reading.
     pub fn read_counters(&mut self) -> Result<Vec<KernelCounter>, NftError> {
-        let mut out = Vec::new();
-        for family in [model::Family::Ip, model::Family::Ip6] {
-            let read = crate::counters::read_family(family, &self.cfg.table)?;
-            self.counters.observe(family, &read);
-            out.extend(read.into_iter().map(|(name, c)| KernelCounter {
-                family,
-                name,
-                packets: c.packets,
-                bytes: c.bytes,
-                since: c.since,
-            }));
+        self.counter_reader().read()
+    }
+
+    /// A reader of the traffic counters for another thread (the metrics), whose
+    /// readings this dataplane restores from.
+    pub fn counter_reader(&self) -> CounterReader {
+        CounterReader {
+            table: self.cfg.table.clone(),
+            memory: self.counters.clone(),
         }
-        Ok(out)
     }
 }
 

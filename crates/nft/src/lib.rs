@@ -45,7 +45,7 @@ mod ruleset;
 
 // The node agent's dataplane: build, sync, verify, repair; remove.
 pub use config::{DataplaneConfig, validate_plan};
-pub use dataplane::{Dataplane, SyncReport, VerifyReport, cleanup, delete_tables};
+pub use dataplane::{CounterReader, Dataplane, SyncReport, VerifyReport, cleanup, delete_tables};
 pub use error::{EncodeError, EncodeFailure, NftError};
 // The traffic counters: their names, and one reading of them (`kproxy top`, metrics).
 pub use counters::{

@@ -284,7 +284,7 @@ pub fn shared(
 }
 
 /// The traffic counters a Service holds in `family`'s table (none unless `on`): per
-/// port, its rejected, no-local and fallback counters, its source-range counter when it
+/// port, its new-connection, rejected, no-local and fallback counters, its source-range counter when it
 /// has the rule, and one per endpoint the port knows, whatever its state (so a rollout's
 /// endpoint keeps its count while it goes from ready to terminating and back to the
 /// fallback). A pure function of the plan, like [`shared`]: the record derives them.
@@ -299,6 +299,7 @@ pub fn counters(
         .flat_map(|sp| {
             let id = port_id(sp);
             let mut kinds = vec![
+                CounterKind::New,
                 CounterKind::Rejected,
                 CounterKind::NoLocal,
                 CounterKind::Fallback,
@@ -385,14 +386,18 @@ pub enum SetRef {
 pub enum CountMap {
     Rejected,
     NoLocal,
+    /// New connections DNATed to the frontend's Service port (any endpoint), looked up
+    /// after DNAT as the endpoints' are.
+    New,
     Endpoints,
     Fallback,
 }
 
 impl CountMap {
-    pub const ALL: [CountMap; 4] = [
+    pub const ALL: [CountMap; 5] = [
         CountMap::Rejected,
         CountMap::NoLocal,
+        CountMap::New,
         CountMap::Endpoints,
         CountMap::Fallback,
     ];
@@ -403,6 +408,8 @@ impl CountMap {
             (CountMap::Rejected, true) => "count-rejected-np",
             (CountMap::NoLocal, false) => "count-no-local",
             (CountMap::NoLocal, true) => "count-no-local-np",
+            (CountMap::New, false) => "count-new",
+            (CountMap::New, true) => "count-new-np",
             (CountMap::Endpoints, false) => "count-endpoints",
             (CountMap::Endpoints, true) => "count-endpoints-np",
             (CountMap::Fallback, false) => "count-fallback",
@@ -415,10 +422,15 @@ impl CountMap {
         matches!(self, CountMap::Endpoints | CountMap::Fallback)
     }
 
+    /// Looked up after DNAT (postrouting), by `ct original` destination.
+    fn post_dnat(self) -> bool {
+        matches!(self, CountMap::New | CountMap::Endpoints | CountMap::Fallback)
+    }
+
     /// The map's key: the frontend's (pre-DNAT `daddr . l4proto . dport`, or after DNAT
     /// its `ct original` twin) and, per endpoint, the DNATed address.
     fn key(self, f: &Fam, nodeport: bool) -> (Vec<Sel>, Vec<Field>) {
-        let (mut sel, mut fields) = match (nodeport, self.per_endpoint()) {
+        let (mut sel, mut fields) = match (nodeport, self.post_dnat()) {
             (false, false) => (f.frontend_key(), vec![f.addr]),
             (true, false) => (vec![Sel::L4proto, Sel::Dport], vec![]),
             (false, true) => (
@@ -630,6 +642,15 @@ impl Frontend {
                     endpoint: None,
                 },
                 FrontendValue::Counter(id, CounterKind::NoLocal),
+            ),
+            (
+                set(CountMap::New),
+                Key {
+                    base,
+                    row: None,
+                    endpoint: None,
+                },
+                FrontendValue::Counter(id, CounterKind::New),
             ),
         ];
         // (address, port, in a fallback set), sorted by address, the first of each.
@@ -1054,6 +1075,8 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
                 vec![
                     count(CountMap::Fallback, false, vec![]),
                     count(CountMap::Fallback, true, vec![]),
+                    count(CountMap::New, false, vec![]),
+                    count(CountMap::New, true, vec![]),
                     count(CountMap::Endpoints, false, vec![ret]),
                     count(CountMap::Endpoints, true, vec![]),
                 ],

@@ -156,6 +156,7 @@ fn new_connections_are_counted_per_endpoint_through_every_frontend_kind() {
             "{proto}: endpoint counters against the answers ({sent} sent)"
         );
         assert_eq!(a + r, sent, "{proto}");
+        assert_eq!(count(&all, port, CounterKind::New), sent, "{proto}: the port's");
         for kind in [CounterKind::Rejected, CounterKind::NoLocal, CounterKind::Fallback] {
             assert_eq!(count(&all, port, kind), 0, "{proto} {kind:?}");
         }
