@@ -265,7 +265,8 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         registry.register_collector(Box::new(metrics::ManifestCollector(reader.clone())));
     }
     let registry = Arc::new(registry);
-    let traffic = crate::traffic::Traffic::new(args.traffic_metrics, args.traffic_metrics_max_series);
+    let traffic =
+        crate::traffic::Traffic::new(args.traffic_metrics, args.traffic_metrics_max_series);
     let mut tasks = Tasks::new();
     if let Some(addr) = cfg.metrics_bind_address {
         let (registry, health, traffic) = (registry.clone(), health.clone(), traffic.clone());

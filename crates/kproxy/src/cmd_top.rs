@@ -150,6 +150,12 @@ fn read(table: &str) -> Result<BTreeMap<PortKey, PortCounts>> {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    if crate::cluster::invoked_as_kubectl_plugin() {
+        // The workstation's kernel holds no node's counters: say how to reach one.
+        anyhow::bail!(
+            "kproxy top reads the counters of the kernel it runs on: run it in kproxy's pod on the node, e.g. kubectl -n kube-system exec -it \"$(kubectl -n kube-system get pod -l app.kubernetes.io/name=kproxy --field-selector spec.nodeName=NODE -o name)\" -- kproxy top"
+        );
+    }
     anyhow::ensure!(
         args.interval.is_finite() && args.interval > 0.0,
         "--interval must be a positive number of seconds, got {}",
@@ -238,7 +244,12 @@ mod tests {
         // A counter restored lower than before counts from 0, never negative.
         let r = rates(&after, &before, 2.0, SortBy::Name);
         assert!(r.iter().all(|r| r.new_per_second >= 0.0));
-        let s = screen(&rates(&before, &after, 2.0, SortBy::New), 2, 2.0, SortBy::New);
+        let s = screen(
+            &rates(&before, &after, 2.0, SortBy::New),
+            2,
+            2.0,
+            SortBy::New,
+        );
         assert!(s.starts_with("kproxy top - 3 Service ports, window 2.0s, sorted by New: 15.0 new/s, 20.0 rejects/s, 2.0 drops/s, 0.0 fallback/s\n"), "{s}");
         assert!(s.contains("shop/a"), "{s}");
         assert!(s.ends_with("… 1 more (--limit)\n"), "{s}");

@@ -85,9 +85,16 @@ impl Traffic {
         })
     }
 
-    /// Renders a reading of the counters for the next scrapes.
-    pub fn update(&self, counters: &[KernelCounter]) {
-        let (text, capped) = render(counters, self.level, self.max_series);
+    /// Renders a reading of the counters for the next scrapes (`read`: how long the
+    /// reading took, exported beside them).
+    pub fn update(&self, counters: &[KernelCounter], read: Duration) {
+        let (mut text, capped) = render(counters, self.level, self.max_series);
+        let name = "kproxy_traffic_counters_read_seconds";
+        let _ = writeln!(
+            text,
+            "# HELP {name} How long the last reading of the kernel's traffic counters took (a netlink dump of kproxy's tables' objects, every 10 s).\n# TYPE {name} gauge\n{name} {}",
+            read.as_secs_f64()
+        );
         let before = self.capped.swap(capped as u64, Ordering::Relaxed);
         if capped > 0 && capped as u64 != before {
             tracing::warn!(
@@ -391,7 +398,11 @@ pub fn explain_lines(samples: &[Sample], namespace: &str, service: &str) -> Stri
         .iter()
         .filter(|(k, _)| k.namespace == namespace && k.service == service)
     {
-        let port = if k.port.is_empty() { "(unnamed)" } else { &k.port };
+        let port = if k.port.is_empty() {
+            "(unnamed)"
+        } else {
+            &k.port
+        };
         let _ = writeln!(
             out,
             "  port {port}/{}: {} new connections DNATed (since {}); {} rejected (no endpoints), {} dropped (no local endpoint), {} dropped (source ranges), {} sent to terminating endpoints (fallback)",
@@ -410,6 +421,18 @@ pub fn explain_lines(samples: &[Sample], namespace: &str, service: &str) -> Stri
     out
 }
 
+/// One reading of the counters, and how long it took.
+#[expect(
+    clippy::disallowed_types,
+    reason = "a blocking thread's netlink dump, timed by the wall clock"
+)]
+fn timed_read(
+    r: &kproxy_nft::CounterReader,
+) -> Result<(Vec<KernelCounter>, Duration), kproxy_nft::NftError> {
+    let t = std::time::Instant::now();
+    r.read().map(|c| (c, t.elapsed()))
+}
+
 /// Reads the counters every [`REFRESH`] (on a blocking thread: a netlink dump) into
 /// `traffic`, until `stop`.
 pub async fn run(
@@ -419,8 +442,9 @@ pub async fn run(
 ) {
     loop {
         let r = reader.clone();
-        match tokio::task::spawn_blocking(move || r.read()).await {
-            Ok(Ok(counters)) => traffic.update(&counters),
+        let read = tokio::task::spawn_blocking(move || timed_read(&r));
+        match read.await {
+            Ok(Ok((counters, took))) => traffic.update(&counters, took),
             Ok(Err(e)) => tracing::warn!(error = %e, "cannot read the traffic counters"),
             Err(e) => tracing::warn!(error = %e, "the traffic counters' reading failed"),
         }
@@ -476,13 +500,17 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
-        assert!(!text.contains("no_local_endpoint_drops_total"), "zeros left out:\n{text}");
+        assert!(
+            !text.contains("no_local_endpoint_drops_total"),
+            "zeros left out:\n{text}"
+        );
         assert!(!text.contains("endpoint=\""), "{text}");
 
         let (text, _) = render(&counters, Level::Endpoint, 100);
         let ep = r#"{namespace="shop",service="web",port="http",protocol="TCP",endpoint="10.244.1.6:8080"}"#;
         assert!(
-            text.lines().any(|l| l == format!("kproxy_service_new_connections_total{ep} 3")),
+            text.lines()
+                .any(|l| l == format!("kproxy_service_new_connections_total{ep} 3")),
             "{text}"
         );
         assert!(!text.contains(&format!("kproxy_service_new_connections_total{labels}")));
@@ -516,13 +544,18 @@ mod tests {
         // Through a daemon's /metrics (endpoint level): the same explanation.
         let (text, _) = render(&counters, Level::Endpoint, 100);
         let from_metrics = samples_from_metrics(&text);
-        assert_eq!(explain_lines(&from_metrics, "shop", "web"), explained.replace(
-            "8 new connections DNATed (since 1970-01-02T00:00:00Z)",
-            "7 new connections DNATed (since 1970-01-01T00:00:00Z)"
-        ));
+        assert_eq!(
+            explain_lines(&from_metrics, "shop", "web"),
+            explained.replace(
+                "8 new connections DNATed (since 1970-01-02T00:00:00Z)",
+                "7 new connections DNATed (since 1970-01-01T00:00:00Z)"
+            )
+        );
         let (text, _) = render(&counters, Level::Service, 100);
-        assert!(explain_lines(&samples_from_metrics(&text), "shop", "web").starts_with(
-            "  port http/TCP: 8 new connections DNATed (since 1970-01-02T00:00:00Z); 2 rejected"
-        ));
+        assert!(
+            explain_lines(&samples_from_metrics(&text), "shop", "web").starts_with(
+                "  port http/TCP: 8 new connections DNATed (since 1970-01-02T00:00:00Z); 2 rejected"
+            )
+        );
     }
 }

@@ -98,7 +98,10 @@ pub struct RawChain {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RawData<'a> {
     Value(&'a [u8]),
-    Verdict { code: u32, chain: Option<&'a str> },
+    Verdict {
+        code: u32,
+        chain: Option<&'a str>,
+    },
     /// An object map's element: the object's name.
     Object(&'a str),
 }

@@ -559,11 +559,9 @@ impl Eval<'_> {
                 for (st, key) in self.keys(sel, st) {
                     let end = match self.value(set, &key) {
                         Some(Value::Verdict(v)) => verdict(&v),
-                        Some(Value::Data(_) | Value::Counter(_)) => {
-                            RuleEnd::End(End::Unknown(format!(
-                                "map {set} holds data where a verdict is looked up"
-                            )))
-                        }
+                        Some(Value::Data(_) | Value::Counter(_)) => RuleEnd::End(End::Unknown(
+                            format!("map {set} holds data where a verdict is looked up"),
+                        )),
                         None => RuleEnd::Next,
                     };
                     out.push((st, end));
@@ -582,11 +580,9 @@ impl Eval<'_> {
                                 "map {set}: value {t} is not an address and port"
                             ))),
                         },
-                        Some(Value::Verdict(_) | Value::Counter(_)) => {
-                            RuleEnd::End(End::Unknown(format!(
-                                "map {set} holds no endpoint where one is looked up"
-                            )))
-                        }
+                        Some(Value::Verdict(_) | Value::Counter(_)) => RuleEnd::End(End::Unknown(
+                            format!("map {set} holds no endpoint where one is looked up"),
+                        )),
                         // No element: the expression breaks, the rule does not apply.
                         None => RuleEnd::Next,
                     };

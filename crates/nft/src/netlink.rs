@@ -583,7 +583,9 @@ impl Batch {
         name: &str,
         [packets, bytes, since]: [u64; 3],
     ) -> Result<(), EncodeFailure> {
-        use crate::nfnl::{NFT_MSG_NEWOBJ, NFTA_COUNTER_BYTES, NFTA_COUNTER_PACKETS, NFTA_OBJ_DATA};
+        use crate::nfnl::{
+            NFT_MSG_NEWOBJ, NFTA_COUNTER_BYTES, NFTA_COUNTER_PACKETS, NFTA_OBJ_DATA,
+        };
         self.batch_begin();
         let seq = self.count + 1;
         let msg = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ;
@@ -663,7 +665,10 @@ impl Batch {
         let mut flags = 0;
         for (on, f) in [
             (decl.interval, SET_INTERVAL),
-            (decl.is_map() && decl.data != Some(crate::model::SetData::Counter), SET_MAP),
+            (
+                decl.is_map() && decl.data != Some(crate::model::SetData::Counter),
+                SET_MAP,
+            ),
             (decl.timeout_secs.is_some(), SET_TIMEOUT),
             (decl.dynamic, SET_EVAL),
             (
@@ -689,7 +694,11 @@ impl Batch {
                 nla_u32(b, NFTA_SET_DATA_LEN, crate::atom::fields_len(f))?;
             }
             Some(crate::model::SetData::Counter) => {
-                nla_u32(b, crate::nfnl::NFTA_SET_OBJ_TYPE, crate::model::COUNTER_OBJECT)?;
+                nla_u32(
+                    b,
+                    crate::nfnl::NFTA_SET_OBJ_TYPE,
+                    crate::model::COUNTER_OBJECT,
+                )?;
             }
         }
         nla_u32(b, NFTA_SET_ID, id)?;

@@ -368,7 +368,10 @@ pub enum SetRef {
         local: bool,
     },
     /// A counter map of frontends ([`CountMap`]).
-    Count { map: CountMap, nodeport: bool },
+    Count {
+        map: CountMap,
+        nodeport: bool,
+    },
     /// A dispatch group's map.
     Map(Dispatch),
 }
@@ -424,7 +427,10 @@ impl CountMap {
 
     /// Looked up after DNAT (postrouting), by `ct original` destination.
     fn post_dnat(self) -> bool {
-        matches!(self, CountMap::New | CountMap::Endpoints | CountMap::Fallback)
+        matches!(
+            self,
+            CountMap::New | CountMap::Endpoints | CountMap::Fallback
+        )
     }
 
     /// The map's key: the frontend's (pre-DNAT `daddr . l4proto . dport`, or after DNAT
@@ -1084,18 +1090,18 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
         );
     }
     masquerading.extend([
-                // Hairpin: a pod reaching itself through a Service (source == chosen endpoint).
-                Rule::new(vec![
-                    is(Sel::CtStatus, false, Lit::Dnat),
-                    in_set(vec![f.saddr(), f.daddr()], "hairpin"),
-                    masquerade.clone(),
-                ]),
-                Rule::new(vec![
-                    is(Sel::MarkAnd(mark), false, Lit::Num(0)),
-                    Expr::Verdict(crate::model::Verdict::Return),
-                ]),
-                Rule::new(vec![Expr::MarkXor(mark)]),
-                Rule::new(vec![masquerade]),
+        // Hairpin: a pod reaching itself through a Service (source == chosen endpoint).
+        Rule::new(vec![
+            is(Sel::CtStatus, false, Lit::Dnat),
+            in_set(vec![f.saddr(), f.daddr()], "hairpin"),
+            masquerade.clone(),
+        ]),
+        Rule::new(vec![
+            is(Sel::MarkAnd(mark), false, Lit::Num(0)),
+            Expr::Verdict(crate::model::Verdict::Return),
+        ]),
+        Rule::new(vec![Expr::MarkXor(mark)]),
+        Rule::new(vec![masquerade]),
     ]);
     rs.chains
         .insert("masquerading".into(), base(None, masquerading));
@@ -1217,8 +1223,10 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
     }
     if cfg.counters {
         let drop = Expr::Verdict(crate::model::Verdict::Drop);
-        rs.chains
-            .insert(NO_LOCAL.into(), base(None, counted(CountMap::NoLocal, drop)));
+        rs.chains.insert(
+            NO_LOCAL.into(),
+            base(None, counted(CountMap::NoLocal, drop)),
+        );
     }
 
     for kind in EtpLocal::KINDS {

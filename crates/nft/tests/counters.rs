@@ -152,12 +152,23 @@ fn new_connections_are_counted_per_endpoint_through_every_frontend_kind() {
         let r = count(&all, port, endpoint("r"));
         assert_eq!(
             (a, r),
-            (answered.get("a").copied().unwrap_or(0), answered.get("r").copied().unwrap_or(0)),
+            (
+                answered.get("a").copied().unwrap_or(0),
+                answered.get("r").copied().unwrap_or(0)
+            ),
             "{proto}: endpoint counters against the answers ({sent} sent)"
         );
         assert_eq!(a + r, sent, "{proto}");
-        assert_eq!(count(&all, port, CounterKind::New), sent, "{proto}: the port's");
-        for kind in [CounterKind::Rejected, CounterKind::NoLocal, CounterKind::Fallback] {
+        assert_eq!(
+            count(&all, port, CounterKind::New),
+            sent,
+            "{proto}: the port's"
+        );
+        for kind in [
+            CounterKind::Rejected,
+            CounterKind::NoLocal,
+            CounterKind::Fallback,
+        ] {
             assert_eq!(count(&all, port, kind), 0, "{proto} {kind:?}");
         }
     }
@@ -224,14 +235,21 @@ fn rejects_source_range_drops_no_local_drops_and_the_fallback_are_counted() {
 
     // Only a serving, terminating endpoint: the fallback sends every new connection to
     // it, and counts each.
-    f.sync(&plan("Cluster", &[("a", "node-a", SERVING_TERMINATING)], ""));
+    f.sync(&plan(
+        "Cluster",
+        &[("a", "node-a", SERVING_TERMINATING)],
+        "",
+    ));
     let before = counters(&f);
     let mut sent = 0;
     for (dst, dport) in frontends(Protocol::TCP) {
         for _ in 0..3 {
             sent += 1;
             let got = f.probe(From::Client, ip(dst), dport, Protocol::TCP);
-            assert!(matches!(&got, Outcome::Answer { pod, .. } if pod == "a"), "{got:?}");
+            assert!(
+                matches!(&got, Outcome::Answer { pod, .. } if pod == "a"),
+                "{got:?}"
+            );
         }
     }
     let all = counters(&f);
@@ -253,15 +271,20 @@ fn counters_survive_deltas_rewrites_replacements_restarts_and_a_flush() {
     let f = fabric();
     let one = [("a", "node-a", READY)];
     let two = [("a", "node-a", READY), ("b", "node-a", READY)];
-    let ranges = |n: usize| format!("  loadBalancerSourceRanges: [198.51.100.0/24, 192.0.2.{n}/32]\n");
-    let mut moving = Moving::new("node-a", &PlanConfig {
-        local_detector: LocalDetectorConfig::InterfaceNamePrefix("kpv".into()),
-        ..PlanConfig::default()
-    });
+    let ranges =
+        |n: usize| format!("  loadBalancerSourceRanges: [198.51.100.0/24, 192.0.2.{n}/32]\n");
+    let mut moving = Moving::new(
+        "node-a",
+        &PlanConfig {
+            local_detector: LocalDetectorConfig::InterfaceNamePrefix("kpv".into()),
+            ..PlanConfig::default()
+        },
+    );
     let sync = |moving: &mut Moving, text: String| {
         let (plan, update) = moving.step(&text);
         let (plan, dp) = (plan.clone(), f.dp.clone());
-        f.node.run(move || dp.lock().unwrap().sync(&plan, &update).expect("sync"))
+        f.node
+            .run(move || dp.lock().unwrap().sync(&plan, &update).expect("sync"))
     };
     sync(&mut moving, manifest("Cluster", &one, ""));
     for _ in 0..7 {
@@ -283,7 +306,11 @@ fn counters_survive_deltas_rewrites_replacements_restarts_and_a_flush() {
     assert!(first.since.is_some(), "{first:?}");
     let unchanged = |what: &str| {
         let now = name(&counters(&f));
-        assert_eq!((now.packets, now.since), (first.packets, first.since), "{what}");
+        assert_eq!(
+            (now.packets, now.since),
+            (first.packets, first.since),
+            "{what}"
+        );
     };
 
     // 100 element-only changes: endpoint b in and out (the first creates the
@@ -293,7 +320,10 @@ fn counters_survive_deltas_rewrites_replacements_restarts_and_a_flush() {
         let r = sync(&mut moving, manifest("Cluster", eps, ""));
         let c = r.changes;
         assert!(!r.full && c.chains_changed == 0, "{i}: {r:?}");
-        assert!(i == 0 || (c.chains_added == 0 && c.elements_added > 0), "{i}: {r:?}");
+        assert!(
+            i == 0 || (c.chains_added == 0 && c.elements_added > 0),
+            "{i}: {r:?}"
+        );
     }
     unchanged("100 element-only changes");
     // 10 chain rewrites: the LB source ranges (the external chain, created by the
@@ -335,7 +365,8 @@ fn counters_survive_deltas_rewrites_replacements_restarts_and_a_flush() {
     // kproxy last read (the traffic since that reading is lost), and says so.
     {
         let dp = f.dp.clone();
-        f.node.run(move || dp.lock().unwrap().read_counters().expect("read"));
+        f.node
+            .run(move || dp.lock().unwrap().read_counters().expect("read"));
     }
     for _ in 0..3 {
         assert!(matches!(
@@ -348,12 +379,16 @@ fn counters_survive_deltas_rewrites_replacements_restarts_and_a_flush() {
     assert!(counters(&f).is_empty());
     let r = {
         let (p, dp) = (p.clone(), f.dp.clone());
-        f.node.run(move || dp.lock().unwrap().repair(&p).expect("repair"))
+        f.node
+            .run(move || dp.lock().unwrap().repair(&p).expect("repair"))
     };
     assert!(r.counters_restored.contains(&first.name), "{r:?}");
     let after = name(&counters(&f));
     assert_eq!(after.packets, 7, "the last reading: {after:?}");
-    assert!(after.since >= first.since && after.since.is_some(), "{after:?}");
+    assert!(
+        after.since >= first.since && after.since.is_some(),
+        "{after:?}"
+    );
     // And it counts on from there.
     assert!(matches!(
         f.probe(From::Client, ip("10.96.0.10"), 80, Protocol::TCP),

@@ -49,12 +49,18 @@ const DYNSET_UPDATE: u32 = 1;
 /// What a loading expression put in a register.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Load {
-    Payload { base: u32, offset: u32 },
+    Payload {
+        base: u32,
+        offset: u32,
+    },
     Meta(u32),
     Ct(u32),
     /// `ct original KEY`.
     CtOrig(u32),
-    Fib { flags: u32, result: u32 },
+    Fib {
+        flags: u32,
+        result: u32,
+    },
     Numgen(u32),
 }
 
