@@ -475,8 +475,8 @@ mod tests {
         let id = "0a1b2c3d-shop/web/tcp/http";
         let mut counters = vec![
             c(&format!("new-{id}"), 7, 100),
-            c(&format!("endpoint-{id}@10.244.1.5:8080"), 4, 100),
-            c(&format!("endpoint-{id}@10.244.1.6:8080"), 3, 120),
+            c(&format!("endpoint-{id}/10.244.1.5/8080"), 4, 100),
+            c(&format!("endpoint-{id}/10.244.1.6/8080"), 3, 120),
             c(&format!("rejected-{id}"), 2, 100),
             c(&format!("no-local-{id}"), 0, 100),
             c(UNALLOCATED_CLUSTER_IPS, 5, 90),
@@ -530,7 +530,7 @@ mod tests {
                 ..c(&format!("new-{id}"), 1, 86_400)
             },
             c(&format!("rejected-{id}"), 2, 0),
-            c(&format!("endpoint-{id}@10.244.1.5:8080"), 7, 0),
+            c(&format!("endpoint-{id}/10.244.1.5/8080"), 7, 0),
             c("new-0a1b2c3d-shop/other/tcp/http", 1, 0),
         ];
         let samples = samples(&counters);

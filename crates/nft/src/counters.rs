@@ -64,15 +64,17 @@ impl CounterKind {
 pub const UNALLOCATED_CLUSTER_IPS: &str = "unallocated-cluster-ips";
 
 /// The name of the counter of `kind` of the Service port whose id is `port_id`
-/// (`crate::ruleset::port_id`: `HASH-NAMESPACE/NAME/PROTO/PORTNAME`).
+/// (`crate::ruleset::port_id`: `HASH-NAMESPACE/NAME/PROTO/PORTNAME`). Names are nft
+/// identifiers (`nft -f` takes no quoted object name): an endpoint's adds
+/// `/IP/PORT`, an IPv6 address's colons written as dashes (no address has a dash).
 pub fn counter_name(port_id: &str, kind: &CounterKind) -> String {
     let mut s = String::with_capacity(port_id.len() + 32);
     s.push_str(kind.prefix());
     s.push_str(port_id);
     if let CounterKind::Endpoint(ep) = kind {
-        // `@ip:port` / `@[ip]:port`: '@' is in no Kubernetes name.
         use std::fmt::Write as _;
-        let _ = write!(s, "@{ep}");
+        let ip = ep.ip.to_string().replace(':', "-");
+        let _ = write!(s, "/{ip}/{}", ep.port);
     }
     s
 }
@@ -101,9 +103,10 @@ pub fn parse_counter_name(name: &str) -> Option<ServiceCounter> {
     ];
     let (kind, rest) = match name.strip_prefix("endpoint-") {
         Some(rest) => {
-            let (id, ep) = rest.rsplit_once('@')?;
-            let sa: std::net::SocketAddr = ep.parse().ok()?;
-            let ep = EndpointAddr::new(sa.ip(), sa.port());
+            let (rest, port) = rest.rsplit_once('/')?;
+            let (id, ip) = rest.rsplit_once('/')?;
+            let ip: std::net::IpAddr = ip.replace('-', ":").parse().ok()?;
+            let ep = EndpointAddr::new(ip, port.parse().ok()?);
             (CounterKind::Endpoint(ep), id)
         }
         None => kinds

@@ -198,7 +198,7 @@ pub enum Expr {
         sel: Vec<Sel>,
         map: String,
     },
-    /// `counter name "NAME"`: counts the packet in the named counter object.
+    /// `counter name NAME`: counts the packet in the named counter object.
     CounterRef(String),
     /// `dnat FAMILY to SEL… map @map`.
     DnatMap {
@@ -262,9 +262,8 @@ impl Expr {
                 out.push_str(map);
             }
             Expr::CounterRef(name) => {
-                out.push_str("counter name \"");
+                out.push_str("counter name ");
                 out.push_str(name);
-                out.push('"');
             }
             Expr::MarkOr(m) => {
                 let _ = write!(out, "meta mark set meta mark | {m:#x}");

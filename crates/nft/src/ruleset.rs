@@ -1071,23 +1071,28 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
             is(Sel::CtStatus, false, Lit::Dnat),
             Expr::Verdict(crate::model::Verdict::Jump(COUNT_ENDPOINTS.into())),
         ]));
-        // The fallback first (it does not end the chain), then the endpoint: an
-        // address frontend's element ends it, so a NodePort's never counts it twice.
+        // The fallback and the port first (they do not end the chain), then the
+        // endpoint: an address frontend's element ends it, so a NodePort's never
+        // counts it twice. Per protocol: nft types `ct original proto-dst` (in a
+        // concatenation) only after a `meta l4proto` match, so each rule has one.
         let ret = Expr::Verdict(crate::model::Verdict::Return);
-        rs.chains.insert(
-            COUNT_ENDPOINTS.into(),
-            base(
-                None,
-                vec![
-                    count(CountMap::Fallback, false, vec![]),
-                    count(CountMap::Fallback, true, vec![]),
-                    count(CountMap::New, false, vec![]),
-                    count(CountMap::New, true, vec![]),
-                    count(CountMap::Endpoints, false, vec![ret]),
-                    count(CountMap::Endpoints, true, vec![]),
-                ],
-            ),
-        );
+        let mut rules = Vec::new();
+        for (map, nodeport, end) in [
+            (CountMap::Fallback, false, None),
+            (CountMap::Fallback, true, None),
+            (CountMap::New, false, None),
+            (CountMap::New, true, None),
+            (CountMap::Endpoints, false, Some(ret)),
+            (CountMap::Endpoints, true, None),
+        ] {
+            for proto in [6, 17, 132] {
+                let mut r = count(map, nodeport, end.clone().into_iter().collect());
+                let l4 = is(Sel::L4proto, false, Lit::Atom(Atom::Proto(proto)));
+                r.exprs.insert(0, l4);
+                rules.push(r);
+            }
+        }
+        rs.chains.insert(COUNT_ENDPOINTS.into(), base(None, rules));
     }
     masquerading.extend([
         // Hairpin: a pod reaching itself through a Service (source == chosen endpoint).
@@ -1199,8 +1204,15 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
     let counted = |map: CountMap, last: Expr| {
         let mut rules = Vec::new();
         if cfg.counters {
-            rules.push(count(map, false, vec![last.clone()]));
-            rules.push(count(map, true, vec![last.clone()]));
+            for nodeport in [false, true] {
+                let mut r = count(map, nodeport, vec![last.clone()]);
+                if last == (Expr::Reject { tcp_reset: true }) {
+                    // The reset's `meta l4proto tcp` first, where nft puts it.
+                    let tcp = is(Sel::L4proto, false, Lit::Atom(Atom::Proto(6)));
+                    r.exprs.insert(0, tcp);
+                }
+                rules.push(r);
+            }
         }
         rules.push(Rule::new(vec![last]));
         rules

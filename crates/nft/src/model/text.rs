@@ -180,7 +180,7 @@ impl Transaction {
                 } => {
                     let _ = writeln!(
                         out,
-                        "add counter {} {table} \"{name}\" {{ packets {packets} bytes {bytes} }}",
+                        "add counter {} {table} {name} {{ packets {packets} bytes {bytes} }}",
                         family.nft()
                     );
                 }
@@ -191,7 +191,7 @@ impl Transaction {
                     name,
                 } => {
                     let kind = object_kind(*kind);
-                    let _ = writeln!(out, "delete {kind} {} {table} \"{name}\"", family.nft());
+                    let _ = writeln!(out, "delete {kind} {} {table} {name}", family.nft());
                 }
             }
             text.line_done()?;

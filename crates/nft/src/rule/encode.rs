@@ -63,14 +63,12 @@ pub fn encode(
         neg: false,
         rhs: Rhs::Lit(Lit::Atom(Atom::Proto(6))),
     };
-    let mut last = None;
-    for x in &rule.exprs {
-        // nft's dependency of a TCP reset, unless the rule has it just before.
-        if *x == (Expr::Reject { tcp_reset: true }) && last != Some(&tcp) {
+    for (i, x) in rule.exprs.iter().enumerate() {
+        // nft's dependency of a TCP reset, unless the rule matches TCP before it.
+        if *x == (Expr::Reject { tcp_reset: true }) && !rule.exprs[..i].contains(&tcp) {
             e.expr(&tcp)?;
         }
         e.expr(x)?;
-        last = Some(x);
     }
     Some((e.buf, e.sets))
 }
