@@ -3,6 +3,10 @@
 //! new connections/s, rejects/s, drops/s, terminating-fallback/s per Service port,
 //! refreshed like `top`, sorted by a column; `-o json` prints one measurement for
 //! scripts. The rates are the difference of two readings `--interval` apart.
+#![expect(
+    clippy::disallowed_types,
+    reason = "a blocking command timing its own readings by the wall clock (no tokio)"
+)]
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -242,17 +242,23 @@ impl CounterMemory {
 pub fn read_counters(table: &str) -> Result<Vec<KernelCounter>, NftError> {
     let mut out = Vec::new();
     for family in [Family::Ip, Family::Ip6] {
-        for (name, c) in read_family(family, table)? {
-            out.push(KernelCounter {
-                family,
-                name,
-                packets: c.packets,
-                bytes: c.bytes,
-                since: c.since,
-            });
-        }
+        out.extend(kernel_counters(family, read_family(family, table)?));
     }
     Ok(out)
+}
+
+/// A family's reading as [`KernelCounter`]s.
+pub(crate) fn kernel_counters(
+    family: Family,
+    read: BTreeMap<String, RawCounter>,
+) -> impl Iterator<Item = KernelCounter> {
+    read.into_iter().map(move |(name, c)| KernelCounter {
+        family,
+        name,
+        packets: c.packets,
+        bytes: c.bytes,
+        since: c.since,
+    })
 }
 
 /// The counters of one family's table, by name.

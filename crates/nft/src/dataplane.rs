@@ -91,13 +91,7 @@ impl CounterReader {
         for family in [model::Family::Ip, model::Family::Ip6] {
             let read = crate::counters::read_family(family, &self.table)?;
             lock(&self.memory).observe(family, &read);
-            out.extend(read.into_iter().map(|(name, c)| KernelCounter {
-                family,
-                name,
-                packets: c.packets,
-                bytes: c.bytes,
-                since: c.since,
-            }));
+            out.extend(crate::counters::kernel_counters(family, read));
         }
         Ok(out)
     }
