@@ -14,7 +14,9 @@
 //! 50 namespaces, one in ten a LoadBalancer with externalTrafficPolicy Local (so it has
 //! a health-check node port), endpoints spread over 100 nodes, one in seven
 //! serving+terminating; plus one `bench/probe` Service whose endpoint is a listener in
-//! the namespace, the target of the latency samples.
+//! the namespace, the target of the latency samples. Last, `/metrics` is scraped 5 times
+//! after the traffic counters' first reading (its time and size);
+//! `DAEMON_BENCH_TRAFFIC=off|service|endpoint` sets `--traffic-metrics`.
 
 #![expect(
     clippy::disallowed_types,
@@ -245,6 +247,10 @@ fn run(services: usize, eps: usize) {
             .arg(&events)
             .args(["--healthz-bind-address", "127.0.0.1:10256"])
             .args(["--metrics-bind-address", "127.0.0.1:10249"])
+            .args([
+                "--traffic-metrics",
+                &std::env::var("DAEMON_BENCH_TRAFFIC").unwrap_or_else(|_| "service".into()),
+            ])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -292,6 +298,7 @@ fn run(services: usize, eps: usize) {
         percentile(&samples, 0.99).as_micros(),
     );
     let _ = std::io::stdout().flush();
+    scrape(&name, services, eps);
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
         nix::sys::signal::Signal::SIGTERM,
@@ -300,6 +307,46 @@ fn run(services: usize, eps: usize) {
     if std::env::var_os("DAEMON_BENCH_KEEP").is_some() {
         println!("  kept {}", dir.keep().display());
     }
+}
+
+/// `/metrics` once the traffic counters were read (they are read every 10 s): 5 scrapes,
+/// their wall time and size, and the daemon's own time to read the counters.
+fn scrape(ns: &str, services: usize, eps: usize) {
+    std::thread::sleep(Duration::from_secs(11));
+    let ns = ns.to_string();
+    let (times, body) = std::thread::spawn(move || {
+        enter(&ns);
+        let mut times = Vec::new();
+        let mut body = String::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            let mut c = TcpStream::connect("127.0.0.1:10249").expect("metrics address");
+            c.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+                .expect("request");
+            body.clear();
+            std::io::Read::read_to_string(&mut c, &mut body).expect("answer");
+            times.push(t.elapsed());
+        }
+        (times, body)
+    })
+    .join()
+    .expect("scrape thread");
+    let mut times = times;
+    times.sort();
+    let series = body
+        .lines()
+        .filter(|l| l.starts_with("kproxy_service_") && l.contains("_total{"))
+        .count();
+    let read = body
+        .lines()
+        .find_map(|l| l.strip_prefix("kproxy_traffic_counters_read_seconds "))
+        .unwrap_or("absent");
+    println!(
+        "{services}x{eps}: /metrics p50 {} ms, max {} ms, {:.2} MB, {series} kproxy_service_*_total series; the daemon's counter reading took {read} s",
+        percentile(&times, 0.5).as_millis(),
+        times.last().map_or(0, |t| t.as_millis()),
+        body.len() as f64 / 1e6,
+    );
 }
 
 fn main() {

@@ -36,6 +36,8 @@ pub struct Args {
     /// bind, and why.
     #[arg(long, value_name = "URL")]
     pub server: Option<String>,
+    #[command(flatten)]
+    pub nft: crate::common::NftTableFlag,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -77,7 +79,17 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if let Some(server) = &args.server {
         let state = fetch_json(server, crate::metrics::HEALTH_CHECK_PORTS_PATH)?;
         print!("{}", health_check_runtime(&state, &name, server)?);
-        print!("{}", kernel_runtime(&fetch(server, "/metrics")?, server));
+        let metrics = fetch(server, "/metrics")?;
+        print!("{}", kernel_runtime(&metrics, server));
+        let samples = crate::traffic::samples_from_metrics(&metrics);
+        print!("{}", traffic_section(&samples, &name, server));
+    } else if let Ok(counters) = kproxy_nft::read_counters(&args.nft.nft_table) {
+        // On a node running kproxy (else there is nothing to show, and nothing is said).
+        let samples = crate::traffic::samples(&counters);
+        if !samples.is_empty() {
+            let from = format!("this kernel's {} tables", args.nft.nft_table);
+            print!("{}", traffic_section(&samples, &name, &from));
+        }
     }
     crate::common::print_conflicts(&plan, Some(&name), &cluster.report.files);
     Ok(if strict_failed {
@@ -225,6 +237,17 @@ fn kernel_runtime(metrics: &str, server: &str) -> String {
         show(value("kproxy_kernel_interference_backoff_seconds")),
     );
     out
+}
+
+/// The Service's traffic counters on this node, beside the plan (`from`: where they
+/// were read).
+fn traffic_section(samples: &[crate::traffic::Sample], name: &ServiceName, from: &str) -> String {
+    let lines = crate::traffic::explain_lines(samples, &name.namespace, &name.name);
+    let mut out = format!("traffic on this node (kernel counters, new connections; {from}):\n");
+    if lines.is_empty() {
+        out.push_str("  none for this Service (not programmed here, or --traffic-metrics=off)\n");
+    }
+    out + &lines
 }
 
 /// The runtime section for one Service, from the daemon's `/health-check-node-ports`.

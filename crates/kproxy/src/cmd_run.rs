@@ -91,6 +91,15 @@ pub struct Args {
     /// or parsed while kproxy's tables hold Services from an earlier run.
     #[arg(long)]
     pub allow_partial: bool,
+    /// Traffic counters in the kernel, exported as `kproxy_service_*_total`
+    /// (docs/metrics.md): `service` per Service port (the default), `endpoint` also per
+    /// endpoint, `off` none (and no counters in the kernel).
+    #[arg(long, value_name = "LEVEL", default_value = "service")]
+    pub traffic_metrics: crate::traffic::Level,
+    /// At most this many traffic series; the rest are left out, logged and counted in
+    /// `kproxy_traffic_metrics_capped_series`.
+    #[arg(long, value_name = "N", default_value_t = 100_000)]
+    pub traffic_metrics_max_series: usize,
 }
 
 /// `--kube-proxy-takeover`: the names are kproxy-core's ([`TakeoverMode::NAMES`]).
@@ -256,14 +265,16 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         registry.register_collector(Box::new(metrics::ManifestCollector(reader.clone())));
     }
     let registry = Arc::new(registry);
+    let traffic =
+        crate::traffic::Traffic::new(args.traffic_metrics, args.traffic_metrics_max_series);
     let mut tasks = Tasks::new();
     if let Some(addr) = cfg.metrics_bind_address {
-        let (registry, health) = (registry.clone(), health.clone());
+        let (registry, health, traffic) = (registry.clone(), health.clone(), traffic.clone());
         // A metrics server that cannot start is logged, never fatal.
         tasks.spawn("the metrics server", move |stop| async move {
             tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
-                r = metrics::serve(addr, registry, health) => if let Err(e) = r {
+                r = metrics::serve(addr, registry, health, traffic) => if let Err(e) = r {
                     tracing::error!(error = format!("{e:#}"), "metrics server stopped");
                 },
             }
@@ -284,10 +295,18 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         Nft::new(DataplaneConfig {
             table: args.nft.nft_table.clone(),
             masquerade_bit: cfg.masquerade_bit,
+            counters: args.traffic_metrics != crate::traffic::Level::Off,
             ..Default::default()
         })
         .context("setting up the nftables dataplane")?,
     );
+    if args.traffic_metrics != crate::traffic::Level::Off {
+        let reader = dataplane.0.counter_reader();
+        tasks.spawn("the traffic counters", move |stop| async move {
+            crate::traffic::run(reader, traffic, stop).await;
+            Ok(())
+        });
+    }
 
     let ownership = Ownership {
         service_proxy_name: args.service_proxy_name.clone(),

@@ -41,6 +41,11 @@ pub struct Args {
     /// hold Services (their rules are then removed).
     #[arg(long)]
     pub allow_empty: bool,
+    /// The traffic counters, as `kproxy run --traffic-metrics` (only `off` differs: no
+    /// counters in the tables). The same value as the daemon's, or a sync removes the
+    /// daemon's counters (or adds them).
+    #[arg(long, value_name = "LEVEL", default_value = "service")]
+    pub traffic_metrics: crate::traffic::Level,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -96,6 +101,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let dp_config = DataplaneConfig {
         table: args.nft.nft_table.clone(),
         masquerade_bit: config.masquerade_bit,
+        counters: args.traffic_metrics != crate::traffic::Level::Off,
         ..Default::default()
     };
     if args.dry_run {

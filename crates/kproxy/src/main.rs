@@ -9,6 +9,7 @@ mod cmd_plan;
 mod cmd_run;
 mod cmd_sync;
 mod cmd_sysctl;
+mod cmd_top;
 mod cmd_trace;
 mod common;
 mod daemon;
@@ -21,6 +22,7 @@ mod metrics;
 mod pacing;
 mod takeover;
 mod tasks;
+mod traffic;
 
 use std::process::ExitCode;
 
@@ -62,6 +64,8 @@ enum Command {
     Cleanup(cmd_cleanup::Args),
     /// The fate of one new connection on this node: DNAT (to which endpoints), DROP, REJECT or NONE.
     Trace(cmd_trace::Args),
+    /// Per-Service rates on this node (new connections, rejects, drops, fallback), from the kernel's counters, refreshed like top.
+    Top(cmd_top::Args),
     /// Check workloads' rollout settings against the load balancer in front of them.
     #[cfg(feature = "lint")]
     Lint(kproxy_lint::cli::LintArgs),
@@ -82,6 +86,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => cmd_plan::run(a),
         Command::Explain(a) => cmd_explain::run(a),
         Command::Trace(a) => cmd_trace::run(a),
+        Command::Top(a) => cmd_top::run(a),
         Command::Run(a) => cmd_run::run(*a),
         Command::Sync(a) => cmd_sync::run(a),
         Command::Cleanup(a) => cmd_cleanup::run(a),

@@ -304,6 +304,18 @@ pub fn encode(registry: &Registry) -> String {
     out
 }
 
+/// [`encode`] with `more` families (already OpenMetrics text: the traffic counters,
+/// rendered when they are read, `crate::traffic`) before the closing `# EOF`.
+pub fn encode_with(registry: &Registry, more: &str) -> String {
+    let mut out = encode(registry);
+    if !more.is_empty()
+        && let Some(at) = out.rfind("# EOF")
+    {
+        out.insert_str(at, more);
+    }
+    out
+}
+
 /// Scrape-time gauge of the manifest source: `kproxy_manifest_unread_documents`, the
 /// documents or List items its last rescan could not read (a document without
 /// a kind, or with an unknown one, is counted, not ignored).
@@ -372,13 +384,14 @@ pub async fn serve(
     addr: SocketAddr,
     registry: Arc<Registry>,
     health: kproxy_health::Health,
+    traffic: Arc<crate::traffic::Traffic>,
 ) -> Result<()> {
     use kproxy_health::http::{Responder, Server, bind, body_response};
     let responder: Responder = Arc::new(move |req: &http::request::Parts| match req.uri.path() {
         "/metrics" => body_response(
             http::StatusCode::OK,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            encode(&registry),
+            encode_with(&registry, &traffic.text()),
         ),
         HEALTH_CHECK_PORTS_PATH => body_response(
             http::StatusCode::OK,
@@ -489,7 +502,21 @@ mod tests {
             port: 32000,
             reason: "port_in_use",
         });
-        let text = encode(&registry);
+        // The traffic families (rendered from the kernel's counters), each with a series.
+        let id = "0a1b2c3d-shop/web/tcp/http";
+        let counters: Vec<kproxy_nft::KernelCounter> =
+            ["new", "rejected", "no-local", "source-range", "fallback"]
+                .iter()
+                .map(|kind| kproxy_nft::KernelCounter {
+                    family: kproxy_nft::Family::Ip,
+                    name: format!("{kind}-{id}"),
+                    packets: 1,
+                    bytes: 60,
+                    since: Some(1),
+                })
+                .collect();
+        let traffic = crate::traffic::render(&counters, crate::traffic::Level::Service, 100).0;
+        let text = encode_with(&registry, &traffic);
         let mut exported = std::collections::BTreeSet::new();
         for line in text.lines() {
             let Some(rest) = line.strip_prefix("# TYPE ") else {

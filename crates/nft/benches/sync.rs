@@ -8,7 +8,8 @@
 //! explicit sizes: `cargo bench -p kproxy-nft --bench sync -- 5000x50 44000x1`.
 //! `KPROXY_BENCH_DUMP=DIR` also writes each full script to `DIR/SxE.nft`;
 //! `KPROXY_BENCH_CHANGES=N` makes N one-endpoint-change attempts instead of 15;
-//! `KPROXY_BENCH_COLD_ONLY=1` stops after the cold full sync (for `perf record`).
+//! `KPROXY_BENCH_COLD_ONLY=1` stops after the cold full sync (for `perf record`);
+//! `KPROXY_BENCH_COUNTERS=1` runs with the traffic counters (`DataplaneConfig::counters`).
 
 mod common;
 
@@ -87,6 +88,7 @@ fn run(services: usize, eps: usize) {
     let plan = planner.plan().clone();
     let cfg = DataplaneConfig {
         conntrack_cleanup: false,
+        counters: std::env::var_os("KPROXY_BENCH_COUNTERS").is_some(),
         ..DataplaneConfig::default()
     };
 
@@ -154,6 +156,7 @@ fn run(services: usize, eps: usize) {
         return;
     }
     let p50 = &samples[samples.len() / 2];
+    let p99 = &samples[(samples.len() * 99).div_ceil(100) - 1];
     let max = samples.last().expect("non-empty");
     let over_netlink = samples.iter().filter(|(_, s)| s.netlink_bytes > 0).count();
     println!(
@@ -164,6 +167,13 @@ fn run(services: usize, eps: usize) {
         ms(p50.1.nft_wall),
         p50.1.netlink_bytes,
         ms(max.1.wall)
+    );
+    println!(
+        "{services}x{eps}: one endpoint change, counters {}: p50 {} ms, p99 {} ms ({} samples)",
+        if cfg.counters { "on" } else { "off" },
+        ms(p50.1.wall),
+        ms(p99.1.wall),
+        samples.len()
     );
     if let Some(first) = first_delta {
         println!(

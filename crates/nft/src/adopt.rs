@@ -70,8 +70,12 @@ fn set_matches(raw: &RawSet, decl: &SetDecl) -> Result<(), String> {
         return Err(format!("key type {:#x}", raw.key_type));
     }
     match &decl.data {
+        _ if flag(crate::nfnl::SET_OBJECT) != (decl.data == Some(SetData::Counter)) => {
+            Err("object map flag differs".into())
+        }
         None if flag(SET_MAP) => Err("a map where a set is declared".into()),
         None => Ok(()),
+        Some(SetData::Counter) => Ok(()),
         Some(_) if !flag(SET_MAP) => Err("a set where a map is declared".into()),
         Some(SetData::Verdict) => match raw.data_type {
             Some(VERDICT_TYPE) => Ok(()),
@@ -122,6 +126,7 @@ pub(crate) fn decode_element(
             decode_verdict(code, chain)
                 .ok_or_else(|| format!("element {key}: verdict {code:#x} {chain:?}"))?,
         )),
+        (Some(SetData::Counter), Some(RawData::Object(name))) => Some(Value::Counter(name.into())),
         (Some(SetData::Fields(f)), Some(RawData::Value(b))) => {
             Some(Value::Data(decode_tuple(f, b).ok_or_else(|| {
                 format!("element {key}: value {b:02x?} does not fit")
@@ -178,6 +183,7 @@ pub fn adopt_structure(raw: &RawTable, desired: &Table) -> Result<Table, AdoptEr
     }
     let mut kernel = Table::new(desired.family, &desired.name);
     kernel.comment = raw.comment.clone();
+    kernel.counters = raw.counters.keys().cloned().collect();
     for (name, rc) in &raw.chains {
         let want = desired.chains.get(name);
         let hook = match (&rc.hook, want) {
@@ -231,7 +237,9 @@ pub fn adopt_structure(raw: &RawTable, desired: &Table) -> Result<Table, AdoptEr
             }
             // Deleted whole by the diff: only whether it is a map matters (the delete
             // command says which).
-            None => Set::new(if rs.flags & SET_MAP != 0 {
+            None => Set::new(if rs.flags & crate::nfnl::SET_OBJECT != 0 {
+                SetDecl::map(vec![Field::Ipv4Addr], SetData::Counter)
+            } else if rs.flags & SET_MAP != 0 {
                 SetDecl::map(vec![Field::Ipv4Addr], SetData::Verdict)
             } else {
                 SetDecl::set(vec![Field::Ipv4Addr])

@@ -16,6 +16,10 @@ pub struct DataplaneConfig {
     pub masquerade_bit: u8,
     /// Delete stale UDP conntrack entries after each sync (default true).
     pub conntrack_cleanup: bool,
+    /// Count new connections per Service port and endpoint, and the rejects and drops,
+    /// in named counter objects (`crate::ruleset`, "Counters"; default false here, on in
+    /// `kproxy run` unless `--traffic-metrics=off`).
+    pub counters: bool,
 }
 
 impl Default for DataplaneConfig {
@@ -24,6 +28,7 @@ impl Default for DataplaneConfig {
             table: "kproxy".into(),
             masquerade_bit: 14,
             conntrack_cleanup: true,
+            counters: false,
         }
     }
 }

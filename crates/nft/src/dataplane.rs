@@ -7,14 +7,16 @@
 //! ([`netlink::Writer`]): no `nft` process. Every decision it sends is made by the pure
 //! modules below it.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kproxy_core::NodePlan;
 use kproxy_core::planner::PlanUpdate;
 
 use crate::config::{DataplaneConfig, validate_plan};
+use crate::counters::{CounterMemory, KernelCounter};
 use crate::error::NftError;
-use crate::first_sync::first_sync_into_absent_tables;
+use crate::first_sync::first_sync_into_absent_tables_with;
 use crate::model::{self, Table, Transaction};
 use crate::readback::{adopt, compare_named, records_and_adoption};
 use crate::record::{FamilyRecord, changed_services, delta_by, records};
@@ -39,6 +41,9 @@ pub struct SyncReport {
     pub adopted: bool,
     /// Conntrack cleanup failed (the rules were applied; the next sync retries).
     pub conntrack_error: Option<String>,
+    /// Traffic counters the kernel had lost, created again from the values kproxy last
+    /// read (`crate::counters::CounterMemory`), by name.
+    pub counters_restored: Vec<String>,
 }
 
 /// What a verification found.
@@ -64,6 +69,36 @@ pub struct Dataplane {
     /// The UDP frontends of what is programmed, for the conntrack cleanup; moved with
     /// the record by the changed Services (empty when the cleanup is off).
     udp: conntrack::UdpFrontends,
+    /// The traffic counters as last read (by the dataplane, or through a
+    /// [`CounterReader`]), to restore those the kernel loses.
+    counters: Arc<Mutex<CounterMemory>>,
+}
+
+/// Reads kproxy's traffic counters from the kernel on any thread of the dataplane's
+/// network namespace, and remembers each reading for the dataplane that made it
+/// ([`Dataplane::counter_reader`]): what a repair restores is the last reading, whoever
+/// made it.
+#[derive(Clone, Debug)]
+pub struct CounterReader {
+    table: String,
+    memory: Arc<Mutex<CounterMemory>>,
+}
+
+impl CounterReader {
+    /// Both families' counters (one dump of each table's objects).
+    pub fn read(&self) -> Result<Vec<KernelCounter>, NftError> {
+        let mut out = Vec::new();
+        for family in [model::Family::Ip, model::Family::Ip6] {
+            let read = crate::counters::read_family(family, &self.table)?;
+            lock(&self.memory).observe(family, &read);
+            out.extend(crate::counters::kernel_counters(family, read));
+        }
+        Ok(out)
+    }
+}
+
+fn lock(m: &Mutex<CounterMemory>) -> std::sync::MutexGuard<'_, CounterMemory> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Dataplane {
@@ -76,6 +111,7 @@ impl Dataplane {
             writer: None,
             replace_forced: false,
             udp: conntrack::UdpFrontends::default(),
+            counters: Arc::default(),
         })
     }
 
@@ -130,7 +166,7 @@ impl Dataplane {
             Some((recs, tx, names)) => {
                 report.changes = tx.counts;
                 changed = Some(names);
-                (recs, vec![Step::of(tx)?])
+                (recs, vec![self.step(tx, &mut report)?])
             }
             None => {
                 report.full = true;
@@ -215,7 +251,16 @@ impl Dataplane {
                 self.writer()?.send(batch)?;
             }
             Step::Replace => {
-                let (batch, counts) = replacement(recs)?;
+                // The counters go with the tables and come back in the same
+                // transaction: from what they hold now.
+                self.observe_counters(recs);
+                let mut counters = lock(&self.counters);
+                let mut restored = Vec::new();
+                let (batch, counts) = replacement_with(recs, &mut |tx| {
+                    restored.extend(counters.fill(tx, true));
+                })?;
+                drop(counters);
+                note_restored(&restored, report);
                 report.netlink_bytes += batch.len();
                 self.writer()?.send(batch)?;
                 report.changes = counts;
@@ -250,6 +295,11 @@ impl Dataplane {
             dump::read_table("ip", table),
             dump::read_table("ip6", table),
         ];
+        for (rec, raw) in recs.iter().zip(&raw) {
+            if let Ok(Some(raw)) = raw {
+                lock(&self.counters).observe(rec.table().0, &raw.counters);
+            }
+        }
         let restored = if raw.iter().all(|r| matches!(r, Ok(None))) {
             match self.first_sync_phased(&recs, &mut report) {
                 Ok(true) => Ok(()),
@@ -264,7 +314,7 @@ impl Dataplane {
                 Some(tx) => {
                     report.adopted = true;
                     report.changes = tx.counts;
-                    let step = Step::of(tx);
+                    let step = self.step(tx, &mut report);
                     match step.and_then(|step| self.send(step, &recs, &mut report)) {
                         Err(e) => self.replace_refused_adoption(&e, &recs, &mut report),
                         ok => ok,
@@ -306,7 +356,7 @@ impl Dataplane {
             report.full = false;
             report.adopted = true;
             report.changes = tx.counts;
-            return Ok((recs, vec![Step::of(tx)?]));
+            return Ok((recs, vec![self.step(tx, report)?]));
         }
         if self.tables_absent(&recs) && self.first_sync_phased(&recs, report)? {
             return Ok((recs, Vec::new()));
@@ -349,8 +399,17 @@ impl Dataplane {
         report: &mut SyncReport,
     ) -> Result<bool, NftError> {
         let t = Instant::now();
-        let writer = self.writer()?;
-        let done = first_sync_into_absent_tables(recs, &mut |b| writer.send(b));
+        self.writer()?;
+        let writer = self.writer.as_mut().expect("opened above");
+        let mut counters = lock(&self.counters);
+        let mut restored = Vec::new();
+        let done = first_sync_into_absent_tables_with(
+            recs,
+            &mut |tx| restored.extend(counters.fill(tx, false)),
+            &mut |b| writer.send(b),
+        );
+        drop(counters);
+        note_restored(&restored, report);
         let done = match done {
             Ok(done) => done,
             Err(NftError::Encode(e)) => {
@@ -391,6 +450,9 @@ impl Dataplane {
                     return Err(e);
                 }
             };
+            if let Some(raw) = &raw {
+                lock(&self.counters).observe(family, &raw.counters);
+            }
             // Nothing named: the kernel holds the record's table.
             match compare_named(rec, raw.as_ref()) {
                 Ok((_, named)) => differences.extend(named),
@@ -411,6 +473,60 @@ impl Dataplane {
         self.programmed = Some(recs);
         Ok(VerifyReport { drift, differences })
     }
+}
+
+impl Dataplane {
+    /// A transaction as a step, its new counters stamped ([`CounterMemory::fill`]).
+    fn step(&mut self, mut tx: Transaction, report: &mut SyncReport) -> Result<Step, NftError> {
+        let restored = lock(&self.counters).fill(&mut tx, false);
+        note_restored(&restored, report);
+        Step::of(tx)
+    }
+
+    /// Reads the counters of the records' tables into the memory (best effort: a
+    /// replacement proceeds without them, from the last reading).
+    fn observe_counters(&mut self, recs: &[FamilyRecord; 2]) {
+        if !self.cfg.counters {
+            return;
+        }
+        for rec in recs {
+            let (family, table) = rec.table();
+            match crate::counters::read_family(family, table) {
+                Ok(read) => lock(&self.counters).observe(family, &read),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the traffic counters before replacing the tables; restoring the last values read");
+                }
+            }
+        }
+    }
+
+    /// Reads kproxy's traffic counters from the kernel (both families; one dump of
+    /// each table's objects) and remembers them, so that a counter the kernel loses is
+    /// restored from this reading. The metrics' and `explain --server`'s reading.
+    pub fn read_counters(&mut self) -> Result<Vec<KernelCounter>, NftError> {
+        self.counter_reader().read()
+    }
+
+    /// A reader of the traffic counters for another thread (the metrics), whose
+    /// readings this dataplane restores from.
+    pub fn counter_reader(&self) -> CounterReader {
+        CounterReader {
+            table: self.cfg.table.clone(),
+            memory: self.counters.clone(),
+        }
+    }
+}
+
+/// Logs and reports the counters a transaction restored from the last reading.
+fn note_restored(restored: &[String], report: &mut SyncReport) {
+    if restored.is_empty() {
+        return;
+    }
+    tracing::warn!(
+        counters = restored.len(),
+        "the kernel had lost kproxy's traffic counters: restored from the values last read (what they counted since is lost; their `since` is now)"
+    );
+    report.counters_restored.extend_from_slice(restored);
 }
 
 /// One transaction of a sync, in the order sent.
@@ -437,13 +553,24 @@ impl Step {
 /// the Services' elements typed and encoded piece by piece
 /// ([`FamilyRecord::element_pieces`]) so they are never held typed all at once. What
 /// it counts beside it.
+#[cfg(any(test, feature = "internals"))]
 pub fn replacement(recs: &[FamilyRecord; 2]) -> Result<(netlink::Batch, model::Counts), NftError> {
+    replacement_with(recs, &mut |_| {})
+}
+
+/// [`replacement`], each table's structure handed to `fill` before it is encoded (the
+/// counters stamped).
+pub(crate) fn replacement_with(
+    recs: &[FamilyRecord; 2],
+    fill: &mut dyn FnMut(&mut Transaction),
+) -> Result<(netlink::Batch, model::Counts), NftError> {
     let mut batch = netlink::Batch::default();
     let mut counts = model::Counts::default();
     for rec in recs {
         let (family, name) = rec.table();
         let mut tx = Transaction::clearing(family, name);
         tx.extend(Transaction::create(rec.assemble_structure()));
+        fill(&mut tx);
         counts.add(&tx.counts);
         batch.extend(&tx)?;
         counts.elements_added += rec

@@ -98,7 +98,12 @@ pub struct RawChain {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RawData<'a> {
     Value(&'a [u8]),
-    Verdict { code: u32, chain: Option<&'a str> },
+    Verdict {
+        code: u32,
+        chain: Option<&'a str>,
+    },
+    /// An object map's element: the object's name.
+    Object(&'a str),
 }
 
 /// One element as read: its key, what it maps to, and whether it ends an interval.
@@ -118,6 +123,8 @@ enum DataKind {
     Value(usize),
     /// A verdict: its code and the index of its chain (`u32::MAX`: none), 4 bytes each.
     Verdict,
+    /// An object's name: its index among the names (4 bytes).
+    Object,
 }
 
 impl DataKind {
@@ -126,6 +133,7 @@ impl DataKind {
             DataKind::None => 0,
             DataKind::Value(n) => n,
             DataKind::Verdict => 8,
+            DataKind::Object => 4,
         }
     }
 }
@@ -154,6 +162,7 @@ pub struct RawElements {
 impl RawElements {
     fn for_set(set: &RawSet) -> RawElements {
         let data = match (set.flags & SET_MAP != 0, set.data_type, set.data_len) {
+            _ if set.flags & crate::nfnl::SET_OBJECT != 0 => DataKind::Object,
             (false, ..) => DataKind::None,
             (true, Some(VERDICT_TYPE), _) => DataKind::Verdict,
             (true, _, Some(n)) => DataKind::Value(n as usize),
@@ -199,6 +208,11 @@ impl RawElements {
                 let chain = self.chains.get(idx as usize).map(String::as_str);
                 Some(RawData::Verdict { code, chain })
             }
+            DataKind::Object => {
+                let idx = u32::from_ne_bytes(data[..4].try_into().expect("4 bytes"));
+                let name = self.chains.get(idx as usize).map_or("", String::as_str);
+                Some(RawData::Object(name))
+            }
         };
         RawElement {
             key,
@@ -218,6 +232,7 @@ impl RawElements {
                 (DataKind::None, None) => true,
                 (DataKind::Value(n), Some(RawData::Value(v))) => v.len() == n,
                 (DataKind::Verdict, Some(RawData::Verdict { .. })) => true,
+                (DataKind::Object, Some(RawData::Object(_))) => true,
                 _ => false,
             };
         if !fits {
@@ -244,6 +259,19 @@ impl RawElements {
                     }
                 });
                 bytes.extend_from_slice(&code.to_ne_bytes());
+                bytes.extend_from_slice(&idx.to_ne_bytes());
+            }
+            // Object names share the chain names' table (an index each).
+            Some(RawData::Object(name)) => {
+                let idx = match chain_index.get(name) {
+                    Some(&i) => i,
+                    None => {
+                        let i = self.chains.len() as u32;
+                        self.chains.push(name.to_string());
+                        chain_index.insert(name.to_string(), i);
+                        i
+                    }
+                };
                 bytes.extend_from_slice(&idx.to_ne_bytes());
             }
             None => {}
@@ -278,6 +306,17 @@ pub struct RawTable {
     /// type, name; `model::object_kind` names the type). kproxy declares none: each is
     /// another program's.
     pub objects: std::collections::BTreeSet<(u32, String)>,
+    /// The counter objects among them, by name.
+    pub counters: BTreeMap<String, RawCounter>,
+}
+
+/// A counter object as read: its values and, from its comment, since when it counts
+/// (Unix seconds; `None` for a counter kproxy did not stamp).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RawCounter {
+    pub packets: u64,
+    pub bytes: u64,
+    pub since: Option<u64>,
 }
 
 impl RawTable {
@@ -512,6 +551,36 @@ pub fn read_table(family: &str, table: &str) -> Result<Option<RawTable>, NftErro
     )))
 }
 
+/// The counter objects of table `family table` (e.g. `ip kproxy`) with their values
+/// (packets, bytes), by name: one dump of the table's objects, nothing else read. An
+/// absent table has none.
+pub fn read_counter_objects(
+    family: &str,
+    table: &str,
+) -> Result<BTreeMap<String, RawCounter>, NftError> {
+    let fam = family_code(family)?;
+    let mut r = Reader::open()?;
+    let mut out = BTreeMap::new();
+    r.request(
+        &format!("the counters of table {family} {table}"),
+        NFT_MSG_GETOBJ,
+        NLM_F_DUMP,
+        fam,
+        &[(NFTA_OBJ_TABLE, table)],
+        |p| {
+            let (tbl, name, kind, counter) = object(p);
+            if tbl == table
+                && kind == crate::model::COUNTER_OBJECT
+                && let Some(c) = counter
+            {
+                out.insert(name, c);
+            }
+            Ok(())
+        },
+    )?;
+    Ok(out)
+}
+
 fn read_once(
     r: &mut Reader,
     family: &str,
@@ -655,16 +724,13 @@ fn read_once(
         fam,
         &[(NFTA_OBJ_TABLE, table)],
         |p| {
-            let (mut tbl, mut name, mut kind) = (String::new(), String::new(), 0);
-            for (k, v) in Attrs(p) {
-                match k {
-                    NFTA_OBJ_TABLE => tbl = string(v),
-                    NFTA_OBJ_NAME => name = string(v),
-                    NFTA_OBJ_TYPE => kind = be32(v).unwrap_or(0),
-                    _ => {}
-                }
-            }
+            let (tbl, name, kind, counter) = object(p);
             if tbl == table {
+                if kind == crate::model::COUNTER_OBJECT
+                    && let Some(c) = counter
+                {
+                    t.counters.insert(name.clone(), c);
+                }
                 t.objects.insert((kind, name));
             }
             Ok(())
@@ -708,6 +774,41 @@ fn str_ref(b: &[u8]) -> Option<&str> {
     std::str::from_utf8(&b[..end]).ok()
 }
 
+/// One object of a GETOBJ answer: its table, name, type, and for a counter its values
+/// and since when it counts.
+fn object(p: &[u8]) -> (String, String, u32, Option<RawCounter>) {
+    let (mut tbl, mut name, mut kind) = (String::new(), String::new(), 0);
+    let (mut values, mut since) = (None, None);
+    for (k, v) in Attrs(p) {
+        match k {
+            NFTA_OBJ_TABLE => tbl = string(v),
+            NFTA_OBJ_NAME => name = string(v),
+            NFTA_OBJ_TYPE => kind = be32(v).unwrap_or(0),
+            crate::nfnl::NFTA_OBJ_DATA => {
+                let (mut packets, mut bytes) = (0, 0);
+                for (k, v) in Attrs(v) {
+                    match k {
+                        crate::nfnl::NFTA_COUNTER_PACKETS => packets = be64(v).unwrap_or(0),
+                        crate::nfnl::NFTA_COUNTER_BYTES => bytes = be64(v).unwrap_or(0),
+                        _ => {}
+                    }
+                }
+                values = Some((packets, bytes));
+            }
+            crate::nfnl::NFTA_OBJ_USERDATA => {
+                since = udata_string(v, 0).and_then(|c| crate::counters::parse_since(&c));
+            }
+            _ => {}
+        }
+    }
+    let counter = values.map(|(packets, bytes)| RawCounter {
+        packets,
+        bytes,
+        since,
+    });
+    (tbl, name, kind, counter)
+}
+
 /// One element's attributes; `None` when a verdict's chain is not UTF-8.
 fn element(e: &[u8]) -> Option<RawElement<'_>> {
     let mut el = RawElement {
@@ -744,6 +845,7 @@ fn element(e: &[u8]) -> Option<RawElement<'_>> {
             NFTA_SET_ELEM_FLAGS => {
                 el.interval_end = be32(v).unwrap_or(0) & ELEM_INTERVAL_END != 0;
             }
+            crate::nfnl::NFTA_SET_ELEM_OBJREF => el.data = Some(RawData::Object(str_ref(v)?)),
             _ => {}
         }
     }

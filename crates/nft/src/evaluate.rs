@@ -551,14 +551,17 @@ impl Eval<'_> {
             }
             // Fills a dynamic set: no effect on this connection's fate.
             Expr::Update { .. } => self.exprs(chain, rule, i + 1, st),
+            // Counts: no effect on the connection's fate (a key the map lacks ends the
+            // rule, and kproxy's counting rules end their chain either way).
+            Expr::CounterMap { .. } | Expr::CounterRef(_) => self.exprs(chain, rule, i + 1, st),
             Expr::Vmap { sel, map: set } => {
                 let mut out = Vec::new();
                 for (st, key) in self.keys(sel, st) {
                     let end = match self.value(set, &key) {
                         Some(Value::Verdict(v)) => verdict(&v),
-                        Some(Value::Data(_)) => RuleEnd::End(End::Unknown(format!(
-                            "map {set} holds data where a verdict is looked up"
-                        ))),
+                        Some(Value::Data(_) | Value::Counter(_)) => RuleEnd::End(End::Unknown(
+                            format!("map {set} holds data where a verdict is looked up"),
+                        )),
                         None => RuleEnd::Next,
                     };
                     out.push((st, end));
@@ -577,9 +580,9 @@ impl Eval<'_> {
                                 "map {set}: value {t} is not an address and port"
                             ))),
                         },
-                        Some(Value::Verdict(_)) => RuleEnd::End(End::Unknown(format!(
-                            "map {set} holds a verdict where an endpoint is looked up"
-                        ))),
+                        Some(Value::Verdict(_) | Value::Counter(_)) => RuleEnd::End(End::Unknown(
+                            format!("map {set} holds no endpoint where one is looked up"),
+                        )),
                         // No element: the expression breaks, the rule does not apply.
                         None => RuleEnd::Next,
                     };
@@ -675,6 +678,8 @@ impl Eval<'_> {
             Sel::MarkAnd(m) => Val::Atom(Atom::Index(st.mark & m)),
             // Branched on in `keys`.
             Sel::Numgen(_) => Val::Atom(Atom::Index(0)),
+            Sel::CtOrigDaddr(_) => Val::Atom(Atom::Addr(pkt.dst)),
+            Sel::CtOrigDport => Val::Atom(Atom::Port(pkt.dport)),
         }
     }
 

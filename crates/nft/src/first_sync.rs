@@ -53,14 +53,26 @@ pub struct PhasedSync {
 /// [`NftError::Encode`] when something does not encode (nothing kproxy writes; the
 /// tables may then exist, dormant: a one-transaction replacement must follow). Public
 /// so a bench can run it with a sink for `send`.
+#[cfg(any(test, feature = "internals"))]
 pub fn first_sync_into_absent_tables(
     recs: &[FamilyRecord; 2],
+    send: &mut dyn FnMut(netlink::Batch) -> Result<(), NftError>,
+) -> Result<PhasedSync, NftError> {
+    first_sync_into_absent_tables_with(recs, &mut |_| {}, send)
+}
+
+/// [`first_sync_into_absent_tables`], the structure handed to `fill` before it is
+/// encoded (its counters stamped, `crate::counters::CounterMemory::fill`).
+pub(crate) fn first_sync_into_absent_tables_with(
+    recs: &[FamilyRecord; 2],
+    fill: &mut dyn FnMut(&mut Transaction),
     send: &mut dyn FnMut(netlink::Batch) -> Result<(), NftError>,
 ) -> Result<PhasedSync, NftError> {
     let mut bare = Transaction::default();
     for rec in recs {
         bare.extend(Transaction::create(rec.assemble_structure()));
     }
+    fill(&mut bare);
     // The structure's own elements (a NodePort address set's) go with it.
     let (structure, own_elements) = bare.dormant_for_absent_tables();
     let tables: Vec<(model::Family, &str)> = structure

@@ -27,6 +27,7 @@ mod adopt;
 mod atom;
 mod config;
 mod conntrack;
+mod counters;
 mod dataplane;
 mod dump;
 mod error;
@@ -44,8 +45,13 @@ mod ruleset;
 
 // The node agent's dataplane: build, sync, verify, repair; remove.
 pub use config::{DataplaneConfig, validate_plan};
-pub use dataplane::{Dataplane, SyncReport, VerifyReport, cleanup, delete_tables};
+pub use dataplane::{CounterReader, Dataplane, SyncReport, VerifyReport, cleanup, delete_tables};
 pub use error::{EncodeError, EncodeFailure, NftError};
+// The traffic counters: their names, and one reading of them (`kproxy top`, metrics).
+pub use counters::{
+    CounterKind, KernelCounter, ServiceCounter, UNALLOCATED_CLUSTER_IPS, parse_counter_name,
+    read_counters,
+};
 pub use ruleset::DeltaCounts;
 // The desired tables, and what the first sync would send (`sync --dry-run`).
 pub use model::{Family, Table, Transaction};

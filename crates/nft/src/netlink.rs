@@ -231,7 +231,8 @@ fn set_udata(decl: &crate::model::SetDecl) -> Result<Vec<u8>, EncodeFailure> {
     match &decl.data {
         Some(SetData::Verdict) => udata_u32(&mut u, UDATA_SET_DATABYTEORDER, 0)?,
         Some(SetData::Fields(f)) => udata_u32(&mut u, UDATA_SET_DATABYTEORDER, byteorder(f))?,
-        None => {}
+        // An object map holds no data, only the object's name.
+        Some(SetData::Counter) | None => {}
     }
     if decl.auto_merge {
         udata_u32(&mut u, UDATA_SET_MERGE_ELEMENTS, 1)?;
@@ -257,7 +258,7 @@ fn set_udata(decl: &crate::model::SetDecl) -> Result<Vec<u8>, EncodeFailure> {
     {
         udata(&mut u, UDATA_SET_DATA_TYPEOF, &d)?;
     }
-    if decl.is_map() {
+    if decl.is_map() && decl.data != Some(SetData::Counter) {
         udata_u32(&mut u, UDATA_SET_DATA_INTERVAL, 0)?;
     }
     if let Some(c) = &decl.comment {
@@ -555,6 +556,14 @@ impl Batch {
                 chain,
                 rule,
             } => self.add_rule(*family, table, chain, rule),
+            Op::AddCounter {
+                family,
+                table,
+                name,
+                packets,
+                bytes,
+                since,
+            } => self.add_counter(*family, table, name, [*packets, *bytes, *since]),
             Op::DeleteObject {
                 family,
                 table,
@@ -562,6 +571,39 @@ impl Batch {
                 name,
             } => self.delete_object(*family, table, *kind, name),
         }
+    }
+
+    /// `add counter`: a named counter object starting at `packets` and `bytes`, its
+    /// comment (libnftnl's object comment, user data type 0) saying since when it
+    /// counts (`crate::counters::since_comment`).
+    fn add_counter(
+        &mut self,
+        family: Family,
+        table: &str,
+        name: &str,
+        [packets, bytes, since]: [u64; 3],
+    ) -> Result<(), EncodeFailure> {
+        use crate::nfnl::{
+            NFT_MSG_NEWOBJ, NFTA_COUNTER_BYTES, NFTA_COUNTER_PACKETS, NFTA_OBJ_DATA,
+        };
+        self.batch_begin();
+        let seq = self.count + 1;
+        let msg = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ;
+        let at = self.begin_message(msg, NLM_F_CREATE, family.nfproto(), 0);
+        let b = &mut self.bytes;
+        nla_str(b, NFTA_OBJ_TABLE, table)?;
+        nla_str(b, NFTA_OBJ_NAME, name)?;
+        nla_u32(b, NFTA_OBJ_TYPE, crate::model::COUNTER_OBJECT)?;
+        let data = nla_begin(b, NFTA_OBJ_DATA | NLA_F_NESTED);
+        nla_bytes(b, NFTA_COUNTER_BYTES, &bytes.to_be_bytes())?;
+        nla_bytes(b, NFTA_COUNTER_PACKETS, &packets.to_be_bytes())?;
+        nla_end(b, data)?;
+        let mut u = Vec::new();
+        udata_str(&mut u, 0, &crate::counters::since_comment(since))?;
+        nla_bytes(b, crate::nfnl::NFTA_OBJ_USERDATA, &u)?;
+        self.end_message(at);
+        self.note(seq, at);
+        Ok(())
     }
 
     /// `add table`, with its comment as nft stores it (libnftnl's table user data: the
@@ -623,9 +665,16 @@ impl Batch {
         let mut flags = 0;
         for (on, f) in [
             (decl.interval, SET_INTERVAL),
-            (decl.is_map(), SET_MAP),
+            (
+                decl.is_map() && decl.data != Some(crate::model::SetData::Counter),
+                SET_MAP,
+            ),
             (decl.timeout_secs.is_some(), SET_TIMEOUT),
             (decl.dynamic, SET_EVAL),
+            (
+                decl.data == Some(crate::model::SetData::Counter),
+                crate::nfnl::SET_OBJECT,
+            ),
         ] {
             if on {
                 flags |= f;
@@ -643,6 +692,13 @@ impl Batch {
             Some(crate::model::SetData::Fields(f)) => {
                 nla_u32(b, NFTA_SET_DATA_TYPE, crate::atom::concat_type(f))?;
                 nla_u32(b, NFTA_SET_DATA_LEN, crate::atom::fields_len(f))?;
+            }
+            Some(crate::model::SetData::Counter) => {
+                nla_u32(
+                    b,
+                    crate::nfnl::NFTA_SET_OBJ_TYPE,
+                    crate::model::COUNTER_OBJECT,
+                )?;
             }
         }
         nla_u32(b, NFTA_SET_ID, id)?;
@@ -785,6 +841,9 @@ impl Batch {
                     encode_tuple(t, b)?;
                     nla_end(b, value)?;
                     nla_end(b, data)?;
+                }
+                (Some(Value::Counter(name)), true) => {
+                    nla_str(b, crate::nfnl::NFTA_SET_ELEM_OBJREF, name)?;
                 }
                 _ => {}
             }
@@ -1669,7 +1728,7 @@ mod tests {
             let data = match &decl.data {
                 Some(SetData::Fields(f)) => Some(crate::atom::concat_type(f)),
                 Some(SetData::Verdict) => Some(crate::atom::VERDICT_TYPE),
-                None => None,
+                Some(SetData::Counter) | None => None,
             };
             assert_eq!(data, data_type, "{body}");
             assert_eq!(set_udata(&decl).unwrap(), hex(udata), "{body}");

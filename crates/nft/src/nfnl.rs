@@ -41,6 +41,7 @@ pub(crate) const NFT_MSG_GETSETELEM: u16 = 13;
 pub(crate) const NFT_MSG_DELSETELEM: u16 = 14;
 pub(crate) const NFT_MSG_NEWGEN: u16 = 15;
 pub(crate) const NFT_MSG_GETGEN: u16 = 16;
+pub(crate) const NFT_MSG_NEWOBJ: u16 = 18;
 pub(crate) const NFT_MSG_GETOBJ: u16 = 19;
 pub(crate) const NFT_MSG_DELOBJ: u16 = 20;
 /// `enum nft_*_attributes`: the attributes of each object's messages.
@@ -84,6 +85,16 @@ pub(crate) const NFTA_VERDICT_CHAIN: u16 = 2;
 pub(crate) const NFTA_OBJ_TABLE: u16 = 1;
 pub(crate) const NFTA_OBJ_NAME: u16 = 2;
 pub(crate) const NFTA_OBJ_TYPE: u16 = 3;
+pub(crate) const NFTA_OBJ_DATA: u16 = 4;
+pub(crate) const NFTA_OBJ_USERDATA: u16 = 8;
+pub(crate) const NFTA_COUNTER_BYTES: u16 = 1;
+pub(crate) const NFTA_COUNTER_PACKETS: u16 = 2;
+/// A set's object type (`NFT_OBJECT_*`) when it is an object map (`NFT_SET_OBJECT`).
+pub(crate) const NFTA_SET_OBJ_TYPE: u16 = 15;
+/// An object map element's object name.
+pub(crate) const NFTA_SET_ELEM_OBJREF: u16 = 9;
+/// `NFT_SET_OBJECT`: the set maps keys to named objects.
+pub(crate) const SET_OBJECT: u32 = 0x40;
 pub(crate) const NFTA_EXPR_NAME: u16 = 1;
 pub(crate) const NFTA_EXPR_DATA: u16 = 2;
 pub(crate) const NFTA_GEN_ID: u16 = 1;

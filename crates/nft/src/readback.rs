@@ -230,6 +230,8 @@ pub(crate) fn compare_named(
 fn foreign_objects(raw: &RawTable, family: Family, table: &str) -> Result<Vec<Op>, AdoptError> {
     raw.objects
         .iter()
+        // Counters are the model's: the diff keeps kproxy's and deletes the others.
+        .filter(|(kind, _)| *kind != model::COUNTER_OBJECT)
         .map(|(kind, name)| {
             let plain = !name.is_empty()
                 && name
@@ -492,6 +494,7 @@ fn same_data(kernel: Option<RawData<'_>>, value: Option<&Value>) -> bool {
             let mut b = Vec::with_capacity(bytes.len());
             encode_tuple(t, &mut b).is_ok() && b == bytes
         }
+        (Some(RawData::Object(name)), Some(Value::Counter(want))) => name == &**want,
         _ => false,
     }
 }

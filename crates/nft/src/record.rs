@@ -86,6 +86,9 @@ pub struct FamilyRecord {
     /// The idle dispatch groups, the longest idle first: at most
     /// [`IDLE_DISPATCH_GROUPS`] after each `advance`.
     idle: VecDeque<Dispatch>,
+    /// The traffic counters are on (`DataplaneConfig::counters`): each Service's
+    /// counters ([`ruleset::counters`], derived from its plan) are in the table.
+    counters: bool,
 }
 
 /// How many dispatch groups no Service uses any more stay in the tables, per family,
@@ -111,6 +114,7 @@ impl FamilyRecord {
             frontends: BTreeMap::new(),
             dispatch: BTreeMap::new(),
             idle: VecDeque::new(),
+            counters: cfg.counters,
         };
         // A Service without a port of this family has nothing here (an IPv4-only
         // cluster's IPv6 record would otherwise hold 10k empty fragments); `advance`
@@ -292,9 +296,13 @@ impl FamilyRecord {
             })
         });
         let dispatch = self.dispatch.keys().map(|d| SetRef::Map(*d));
+        let count = ruleset::CountMap::ALL
+            .into_iter()
+            .flat_map(|map| [false, true].map(|nodeport| SetRef::Count { map, nodeport }));
         fixed
             .into_iter()
             .chain(etp_local)
+            .chain(count)
             .chain(dispatch)
             .filter_map(|set| Some((set, self.decl(set)?)))
             .collect()
@@ -305,10 +313,12 @@ impl FamilyRecord {
     /// step needs, cheap.
     pub fn assemble_structure(&self) -> Table {
         let mut rs = self.base.clone();
-        for (_, frag) in self.services.values() {
+        for (svc, frag) in self.services.values() {
             if let Some(own) = &frag.own {
                 rs.add_own(own);
             }
+            rs.counters
+                .extend(ruleset::counters(svc, self.family, self.counters));
         }
         for d in self.dispatch.keys() {
             rs.add_dispatch(d);
@@ -449,6 +459,18 @@ impl FamilyRecord {
                 return Ok(None);
             }
             tx.extend(own);
+            // Its counters: created with it, deleted with it, never rewritten between.
+            let counters_of = |svc: Option<&Arc<ServicePlan>>| {
+                let mut tb = Table::new(fam, &t);
+                if let Some(svc) = svc {
+                    tb.counters
+                        .extend(ruleset::counters(svc, self.family, self.counters));
+                }
+                tb
+            };
+            let old_counters = counters_of(old.as_ref().map(|(svc, _)| svc));
+            let new_counters = counters_of(new.as_ref().map(|(svc, _)| svc));
+            tx.extend(model::diff(&old_counters, &new_counters)?);
             let old_shared = old
                 .iter()
                 .flat_map(|(svc, _)| ruleset::shared(svc, self.family));
@@ -900,6 +922,7 @@ mod tests {
                 frontends: BTreeMap::new(),
                 dispatch: BTreeMap::new(),
                 idle: VecDeque::new(),
+                counters: cfg.counters,
             };
             for (name, svc) in &plan.services {
                 if !ruleset::has_family(svc, family) {

@@ -8,7 +8,8 @@
 //! The vocabulary is exactly what kproxy writes: matches of selectors (addresses,
 //! `meta l4proto`, `th dport`, `iifname`, `fib … type`, `ct status`, `numgen`, the
 //! mark) against literals, anonymous sets or named sets; statements (mark, `update
-//! @set`); verdict maps, dispatch maps, DNAT, masquerade, reject and verdicts. A kernel
+//! @set`, `counter name … map @m`, keyed also by `ct original` destinations); verdict
+//! maps, dispatch maps, DNAT, masquerade, reject and verdicts. A kernel
 //! rule holding anything else decodes to a rule with an [`Expr::Unknown`]: it is never
 //! the same as a rule kproxy wants, and the evaluator says it cannot tell.
 
@@ -76,6 +77,11 @@ pub enum Sel {
     Numgen(u32),
     /// `meta mark & M`.
     MarkAnd(u32),
+    /// `ct original ip daddr` / `ct original ip6 daddr`: a connection's destination
+    /// before DNAT (the Service frontend), read after it (postrouting).
+    CtOrigDaddr(Family),
+    /// `ct original proto-dst`: the connection's destination port before DNAT.
+    CtOrigDport,
 }
 
 impl Sel {
@@ -102,6 +108,12 @@ impl Sel {
             Sel::MarkAnd(m) => {
                 let _ = write!(out, "meta mark & {m:#x}");
             }
+            Sel::CtOrigDaddr(f) => {
+                out.push_str("ct original ");
+                out.push_str(f.nft());
+                out.push_str(" daddr");
+            }
+            Sel::CtOrigDport => out.push_str("ct original proto-dst"),
         }
     }
 }
@@ -180,6 +192,14 @@ pub enum Expr {
         set: String,
         key: Sel,
     },
+    /// `counter name SEL… map @map`: counts the packet in the counter object the map
+    /// names for its key (no element: nothing counted, the rule ends there).
+    CounterMap {
+        sel: Vec<Sel>,
+        map: String,
+    },
+    /// `counter name NAME`: counts the packet in the named counter object.
+    CounterRef(String),
     /// `dnat FAMILY to SEL… map @map`.
     DnatMap {
         family: Family,
@@ -234,6 +254,16 @@ impl Expr {
                 write_sels(sel, out);
                 out.push_str(" vmap @");
                 out.push_str(map);
+            }
+            Expr::CounterMap { sel, map } => {
+                out.push_str("counter name ");
+                write_sels(sel, out);
+                out.push_str(" map @");
+                out.push_str(map);
+            }
+            Expr::CounterRef(name) => {
+                out.push_str("counter name ");
+                out.push_str(name);
             }
             Expr::MarkOr(m) => {
                 let _ = write!(out, "meta mark set meta mark | {m:#x}");

@@ -67,6 +67,7 @@ use kproxy_core::plan::{
 use sha2::{Digest, Sha256};
 
 use crate::config::DataplaneConfig;
+use crate::counters::{CounterKind, UNALLOCATED_CLUSTER_IPS, counter_name};
 
 use crate::model::{Atom, Family, Field, Hook, HookPoint, SetData, SetDecl, Tuple, Value};
 pub use crate::model::{Chain, Set, Table};
@@ -101,6 +102,17 @@ pub const BASE_CHAINS: [(&str, HookPoint, i32, &str); 3] = [
         "masquerading",
     ),
 ];
+
+/// The chain of new connections dropped because endpoints exist but none this traffic
+/// may use is here (Local policy), when the traffic counters are on: it counts them per
+/// Service port (`count-no-local[-np]`), then drops. Without counters such frontends
+/// map to `drop` directly.
+pub const NO_LOCAL: &str = "no-local";
+
+/// The chain, jumped to from `masquerading` for DNATed connections when the traffic
+/// counters are on, that counts a new connection per Service port and endpoint
+/// (`count-endpoints[-np]`) and per fallback (`count-fallback[-np]`).
+pub const COUNT_ENDPOINTS: &str = "count-endpoints";
 
 /// Counts of what a delta changes, for the sync report and metrics.
 pub type DeltaCounts = crate::model::Counts;
@@ -271,6 +283,42 @@ pub fn shared(
         })
 }
 
+/// The traffic counters a Service holds in `family`'s table (none unless `on`): per
+/// port, its new-connection, rejected, no-local and fallback counters, its source-range counter when it
+/// has the rule, and one per endpoint the port knows, whatever its state (so a rollout's
+/// endpoint keeps its count while it goes from ready to terminating and back to the
+/// fallback). A pure function of the plan, like [`shared`]: the record derives them.
+pub fn counters(
+    svc: &kproxy_core::plan::ServicePlan,
+    family: IpFamily,
+    on: bool,
+) -> impl Iterator<Item = String> + '_ {
+    svc.ports
+        .iter()
+        .filter(move |sp| on && sp.family == family)
+        .flat_map(|sp| {
+            let id = port_id(sp);
+            let mut kinds = vec![
+                CounterKind::New,
+                CounterKind::Rejected,
+                CounterKind::NoLocal,
+                CounterKind::Fallback,
+            ];
+            if sp.firewall.is_some() && !sp.load_balancer_ips.is_empty() {
+                kinds.push(CounterKind::SourceRange);
+            }
+            let mut eps: Vec<EndpointAddr> = sp.endpoints.iter().map(|e| e.addr).collect();
+            eps.extend(sp.all_reachable_endpoints.iter().copied());
+            eps.sort();
+            eps.dedup();
+            kinds.extend(eps.into_iter().map(CounterKind::Endpoint));
+            kinds
+                .into_iter()
+                .map(move |k| counter_name(&id, &k))
+                .collect::<Vec<_>>()
+        })
+}
+
 /// Whether `svc` has a port of `family`: without one its fragment and its shared
 /// elements there are empty.
 pub fn has_family(svc: &kproxy_core::plan::ServicePlan, family: IpFamily) -> bool {
@@ -319,8 +367,91 @@ pub enum SetRef {
         nodeport: bool,
         local: bool,
     },
+    /// A counter map of frontends ([`CountMap`]).
+    Count {
+        map: CountMap,
+        nodeport: bool,
+    },
     /// A dispatch group's map.
     Map(Dispatch),
+}
+
+/// The counter maps (`SetData::Counter`) keyed by frontends (the traffic counters,
+/// [`crate::counters`]): `count-rejected` and `count-no-local` (frontend → its Service
+/// port's counter, looked up where a new connection is rejected or dropped),
+/// `count-endpoints` and `count-fallback` (frontend . endpoint address → the endpoint's
+/// counter, or the port's fallback counter for an endpoint of a fallback set, looked
+/// up after DNAT, in postrouting, by `ct original` destination). Each has a NodePort
+/// twin (`-np`) keyed `l4proto . port` instead of `addr . l4proto . port`. A frontend's
+/// elements there depend on its endpoints only (not on how they are dispatched), so a
+/// dispatch change never touches them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CountMap {
+    Rejected,
+    NoLocal,
+    /// New connections DNATed to the frontend's Service port (any endpoint), looked up
+    /// after DNAT as the endpoints' are.
+    New,
+    Endpoints,
+    Fallback,
+}
+
+impl CountMap {
+    pub const ALL: [CountMap; 5] = [
+        CountMap::Rejected,
+        CountMap::NoLocal,
+        CountMap::New,
+        CountMap::Endpoints,
+        CountMap::Fallback,
+    ];
+
+    pub fn name(self, nodeport: bool) -> &'static str {
+        match (self, nodeport) {
+            (CountMap::Rejected, false) => "count-rejected",
+            (CountMap::Rejected, true) => "count-rejected-np",
+            (CountMap::NoLocal, false) => "count-no-local",
+            (CountMap::NoLocal, true) => "count-no-local-np",
+            (CountMap::New, false) => "count-new",
+            (CountMap::New, true) => "count-new-np",
+            (CountMap::Endpoints, false) => "count-endpoints",
+            (CountMap::Endpoints, true) => "count-endpoints-np",
+            (CountMap::Fallback, false) => "count-fallback",
+            (CountMap::Fallback, true) => "count-fallback-np",
+        }
+    }
+
+    /// Keyed by frontend and endpoint address (else by frontend).
+    fn per_endpoint(self) -> bool {
+        matches!(self, CountMap::Endpoints | CountMap::Fallback)
+    }
+
+    /// Looked up after DNAT (postrouting), by `ct original` destination.
+    fn post_dnat(self) -> bool {
+        matches!(
+            self,
+            CountMap::New | CountMap::Endpoints | CountMap::Fallback
+        )
+    }
+
+    /// The map's key: the frontend's (pre-DNAT `daddr . l4proto . dport`, or after DNAT
+    /// its `ct original` twin) and, per endpoint, the DNATed address.
+    fn key(self, f: &Fam, nodeport: bool) -> (Vec<Sel>, Vec<Field>) {
+        let (mut sel, mut fields) = match (nodeport, self.post_dnat()) {
+            (false, false) => (f.frontend_key(), vec![f.addr]),
+            (true, false) => (vec![Sel::L4proto, Sel::Dport], vec![]),
+            (false, true) => (
+                vec![Sel::CtOrigDaddr(f.p), Sel::L4proto, Sel::CtOrigDport],
+                vec![f.addr],
+            ),
+            (true, true) => (vec![Sel::L4proto, Sel::CtOrigDport], vec![]),
+        };
+        fields.extend([Field::InetProto, Field::InetService]);
+        if self.per_endpoint() {
+            sel.push(f.daddr());
+            fields.push(f.addr);
+        }
+        (sel, fields)
+    }
 }
 
 impl SetRef {
@@ -335,6 +466,7 @@ impl SetRef {
                 nodeport: *nodeport,
             }
             .map(*local),
+            SetRef::Count { map, nodeport } => map.name(*nodeport),
             SetRef::Map(d) => return Cow::Owned(d.map()),
         })
     }
@@ -362,14 +494,20 @@ pub struct Frontend {
     /// Each dispatch map and where its rows end in `rows`.
     maps: Box<[(SetRef, u32)]>,
     rows: Box<[(IpAddr, u16)]>,
+    /// The Service port's id ([`port_id`]) when the traffic counters are on: the
+    /// frontend's elements of the counter maps ([`CountMap`]) name its counters.
+    counters: Option<Arc<str>>,
+    /// Bit `i`: `maps[i]`'s endpoint set is the serving+terminating fallback.
+    fallback: u8,
 }
 
 /// The key of a frontend element: the frontend's key, and for a dispatch-map row its
-/// index (` . i`).
+/// index (` . i`), for a per-endpoint counter map's element the endpoint's address.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Key<'a> {
     pub base: &'a Tuple,
     pub row: Option<u32>,
+    pub endpoint: Option<IpAddr>,
 }
 
 impl Key<'_> {
@@ -380,19 +518,23 @@ impl Key<'_> {
             out.push_str(" . ");
             crate::model::write_u32(out, i);
         }
+        if let Some(ip) = self.endpoint {
+            out.push_str(" . ");
+            Atom::Addr(ip).write(out);
+        }
     }
 
     /// The key as a typed tuple.
     pub fn tuple(&self) -> Tuple {
-        match self.row {
-            None => self.base.clone(),
-            Some(i) => {
-                let base = self.base.atoms();
-                let mut atoms = [Atom::Index(i); crate::model::MAX_FIELDS];
-                atoms[..base.len()].copy_from_slice(&base);
-                Tuple::new(&atoms[..=base.len()])
-            }
-        }
+        let last = match (self.row, self.endpoint) {
+            (None, None) => return self.base.clone(),
+            (Some(i), _) => Atom::Index(i),
+            (None, Some(ip)) => Atom::Addr(ip),
+        };
+        let base = self.base.atoms();
+        let mut atoms = [last; crate::model::MAX_FIELDS];
+        atoms[..base.len()].copy_from_slice(&base);
+        Tuple::new(&atoms[..=base.len()])
     }
 }
 
@@ -412,6 +554,8 @@ pub enum FrontendValue<'a> {
     Verdict(&'a crate::model::Verdict),
     /// A dispatch row's endpoint.
     Endpoint(IpAddr, u16),
+    /// A counter map's element: the counter of `kind` of the Service port `id`.
+    Counter(&'a str, crate::counters::CounterKind),
 }
 
 impl FrontendValue<'_> {
@@ -423,6 +567,9 @@ impl FrontendValue<'_> {
             FrontendValue::Endpoint(ip, port) => {
                 Some(Value::Data(Tuple::new(&[Atom::Addr(ip), Atom::Port(port)])))
             }
+            FrontendValue::Counter(id, kind) => Some(Value::Counter(
+                crate::counters::counter_name(id, &kind).into_boxed_str(),
+            )),
         }
     }
 }
@@ -433,6 +580,9 @@ impl Frontend {
     /// `verdict`, with the elements of the shared eTP=Local maps `etp_local`, a
     /// masquerade-set entry in `masq` and, per dispatch map, the endpoints of its rows
     /// in order.
+    /// `counters`: the Service port's id when the traffic counters are on; a map
+    /// flagged in `maps` is a fallback set's.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         nodeport: bool,
         key: Tuple,
@@ -440,16 +590,21 @@ impl Frontend {
         verdict: crate::model::Verdict,
         etp_local: Option<[crate::model::Verdict; 2]>,
         masq: Option<SetRef>,
-        maps: Vec<(SetRef, &[EndpointAddr])>,
+        maps: Vec<(SetRef, &[EndpointAddr], bool)>,
+        counters: Option<Arc<str>>,
     ) -> Arc<Frontend> {
         let mut name = String::from(if nodeport { "np " } else { "ip " });
         key.write(&mut name);
-        let total: usize = maps.iter().map(|(_, eps)| eps.len()).sum();
+        let total: usize = maps.iter().map(|(_, eps, _)| eps.len()).sum();
         let mut rows = Vec::with_capacity(total);
         let mut ends = Vec::with_capacity(maps.len());
-        for (map, eps) in maps {
+        let mut fallback = 0u8;
+        for (i, (map, eps, terminating)) in maps.into_iter().enumerate() {
             rows.extend(eps.iter().map(|ep| (ep.ip, ep.port)));
             ends.push((map, row_index(rows.len())));
+            if terminating && i < 8 {
+                fallback |= 1 << i;
+            }
         }
         Arc::new(Frontend {
             name: name.into_boxed_str(),
@@ -460,7 +615,85 @@ impl Frontend {
             masq,
             maps: ends.into_boxed_slice(),
             rows: rows.into_boxed_slice(),
+            counters,
+            fallback,
         })
+    }
+
+    /// Its elements of the counter maps: per Service port verdict, and per endpoint
+    /// address of its rows (the first row of an address counts: one element per key).
+    fn count_elements(&self) -> Vec<(SetRef, Key<'_>, FrontendValue<'_>)> {
+        use crate::counters::CounterKind;
+        let Some(id) = self.counters.as_deref() else {
+            return Vec::new();
+        };
+        let nodeport = self.vmap == SetRef::ServiceNodeports;
+        let base = &self.key;
+        let set = |map| SetRef::Count { map, nodeport };
+        let mut out = vec![
+            (
+                set(CountMap::Rejected),
+                Key {
+                    base,
+                    row: None,
+                    endpoint: None,
+                },
+                FrontendValue::Counter(id, CounterKind::Rejected),
+            ),
+            (
+                set(CountMap::NoLocal),
+                Key {
+                    base,
+                    row: None,
+                    endpoint: None,
+                },
+                FrontendValue::Counter(id, CounterKind::NoLocal),
+            ),
+            (
+                set(CountMap::New),
+                Key {
+                    base,
+                    row: None,
+                    endpoint: None,
+                },
+                FrontendValue::Counter(id, CounterKind::New),
+            ),
+        ];
+        // (address, port, in a fallback set), sorted by address, the first of each.
+        let mut eps: Vec<(IpAddr, u16, bool)> = Vec::with_capacity(self.rows.len());
+        let mut start = 0usize;
+        for (i, &(_, end)) in self.maps.iter().enumerate() {
+            let fb = i < 8 && self.fallback & (1 << i) != 0;
+            eps.extend(
+                self.rows[start..end as usize]
+                    .iter()
+                    .map(|&(ip, port)| (ip, port, fb)),
+            );
+            start = end as usize;
+        }
+        eps.sort_by_key(|e| e.0);
+        eps.dedup_by_key(|e| e.0);
+        for (ip, port, fb) in eps {
+            let key = Key {
+                base,
+                row: None,
+                endpoint: Some(ip),
+            };
+            let ep = kproxy_core::model::EndpointAddr::new(ip, port);
+            out.push((
+                set(CountMap::Endpoints),
+                key,
+                FrontendValue::Counter(id, CounterKind::Endpoint(ep)),
+            ));
+            if fb {
+                out.push((
+                    set(CountMap::Fallback),
+                    key,
+                    FrontendValue::Counter(id, CounterKind::Fallback),
+                ));
+            }
+        }
+        out
     }
 
     /// `ip KEY` (address frontends) or `np KEY` (NodePorts).
@@ -477,7 +710,11 @@ impl Frontend {
     /// Local), the masquerade entry, the rows.
     pub fn elements(&self) -> impl Iterator<Item = (SetRef, Key<'_>, FrontendValue<'_>)> {
         let base = &self.key;
-        let key = move |row| Key { base, row };
+        let key = move |row| Key {
+            base,
+            row,
+            endpoint: None,
+        };
         let verdict =
             std::iter::once((self.vmap, key(None), FrontendValue::Verdict(&self.verdict)));
         let nodeport = self.vmap == SetRef::ServiceNodeports;
@@ -496,7 +733,11 @@ impl Frontend {
                 .zip(0u32..)
                 .map(move |(&(ip, port), i)| (map, key(Some(i)), FrontendValue::Endpoint(ip, port)))
         });
-        verdict.chain(etp_local).chain(masq).chain(rows)
+        verdict
+            .chain(etp_local)
+            .chain(masq)
+            .chain(rows)
+            .chain(self.count_elements())
     }
 
     /// The frontend's elements of the sets that exist (`decl` says which; `None` leaves
@@ -739,7 +980,7 @@ pub fn build_service(
     };
     let local_pods = &plan.family(family).local_pods;
     for sp in svc.ports.iter().filter(|sp| sp.family == family) {
-        add_service_port(&mut frag, &f, sp, local_pods, cfg.mark());
+        add_service_port(&mut frag, &f, sp, local_pods, cfg.mark(), cfg.counters);
     }
     frag.finish()
 }
@@ -795,6 +1036,26 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
         set(vec![a, a], "endpoint IP . endpoint IP"),
     );
 
+    if cfg.counters {
+        for map in CountMap::ALL {
+            for nodeport in [false, true] {
+                let (_, key) = map.key(&f, nodeport);
+                let decl = SetDecl::map(key, SetData::Counter)
+                    .with_comment("traffic counters (crates/nft/src/counters.rs)");
+                rs.sets.insert(map.name(nodeport).into(), Set::new(decl));
+            }
+        }
+    }
+    // `counter name SEL… map @m` of a counter map, then `more`.
+    let count = |map: CountMap, nodeport: bool, more: Vec<Expr>| {
+        let (sel, _) = map.key(&f, nodeport);
+        let mut exprs = vec![Expr::CounterMap {
+            sel,
+            map: map.name(nodeport).into(),
+        }];
+        exprs.extend(more);
+        Rule::new(exprs)
+    };
     let base = |hook: Option<Hook>, rules: Vec<Rule>| Chain { hook, rules };
     for (name, hook, priority, to) in BASE_CHAINS {
         let chain = Chain {
@@ -804,26 +1065,51 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
         rs.chains.insert(name.into(), chain);
     }
     let masquerade = Expr::Masquerade { fully_random: true };
-    rs.chains.insert(
-        "masquerading".into(),
-        base(
-            None,
-            vec![
-                // Hairpin: a pod reaching itself through a Service (source == chosen endpoint).
-                Rule::new(vec![
-                    is(Sel::CtStatus, false, Lit::Dnat),
-                    in_set(vec![f.saddr(), f.daddr()], "hairpin"),
-                    masquerade.clone(),
-                ]),
-                Rule::new(vec![
-                    is(Sel::MarkAnd(mark), false, Lit::Num(0)),
-                    Expr::Verdict(crate::model::Verdict::Return),
-                ]),
-                Rule::new(vec![Expr::MarkXor(mark)]),
-                Rule::new(vec![masquerade]),
-            ],
-        ),
-    );
+    let mut masquerading = Vec::new();
+    if cfg.counters {
+        masquerading.push(Rule::new(vec![
+            is(Sel::CtStatus, false, Lit::Dnat),
+            Expr::Verdict(crate::model::Verdict::Jump(COUNT_ENDPOINTS.into())),
+        ]));
+        // The fallback and the port first (they do not end the chain), then the
+        // endpoint: an address frontend's element ends it, so a NodePort's never
+        // counts it twice. Per protocol: nft types `ct original proto-dst` (in a
+        // concatenation) only after a `meta l4proto` match, so each rule has one.
+        let ret = Expr::Verdict(crate::model::Verdict::Return);
+        let mut rules = Vec::new();
+        for (map, nodeport, end) in [
+            (CountMap::Fallback, false, None),
+            (CountMap::Fallback, true, None),
+            (CountMap::New, false, None),
+            (CountMap::New, true, None),
+            (CountMap::Endpoints, false, Some(ret)),
+            (CountMap::Endpoints, true, None),
+        ] {
+            for proto in [6, 17, 132] {
+                let mut r = count(map, nodeport, end.clone().into_iter().collect());
+                let l4 = is(Sel::L4proto, false, Lit::Atom(Atom::Proto(proto)));
+                r.exprs.insert(0, l4);
+                rules.push(r);
+            }
+        }
+        rs.chains.insert(COUNT_ENDPOINTS.into(), base(None, rules));
+    }
+    masquerading.extend([
+        // Hairpin: a pod reaching itself through a Service (source == chosen endpoint).
+        Rule::new(vec![
+            is(Sel::CtStatus, false, Lit::Dnat),
+            in_set(vec![f.saddr(), f.daddr()], "hairpin"),
+            masquerade.clone(),
+        ]),
+        Rule::new(vec![
+            is(Sel::MarkAnd(mark), false, Lit::Num(0)),
+            Expr::Verdict(crate::model::Verdict::Return),
+        ]),
+        Rule::new(vec![Expr::MarkXor(mark)]),
+        Rule::new(vec![masquerade]),
+    ]);
+    rs.chains
+        .insert("masquerading".into(), base(None, masquerading));
     // Masquerade marks of the frontends whose plan is regular (see `classify`), then
     // the dispatch; irregular frontends set the mark in their own chain.
     let masq = Expr::MarkOr(mark);
@@ -903,18 +1189,39 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
     // `cluster-ips-check`, needs the service CIDRs).
     if !fp.service_cidrs.is_empty() {
         let c: Vec<Lit> = fp.service_cidrs.iter().map(net_lit).collect();
-        services.push(Rule::new(vec![
-            in_anon(f.daddr(), false, c),
-            Expr::Verdict(crate::model::Verdict::Drop),
-        ]));
+        let mut exprs = vec![in_anon(f.daddr(), false, c)];
+        if cfg.counters {
+            rs.counters.insert(UNALLOCATED_CLUSTER_IPS.into());
+            exprs.push(Expr::CounterRef(UNALLOCATED_CLUSTER_IPS.into()));
+        }
+        exprs.push(Expr::Verdict(crate::model::Verdict::Drop));
+        services.push(Rule::new(exprs));
     }
     rs.chains.insert("services".into(), base(None, services));
-    // REJECT targets of frontends without endpoints (verdict maps cannot reject).
+    // REJECT targets of frontends without endpoints (verdict maps cannot reject),
+    // counted per Service port first when the counters are on (an address frontend's
+    // element, else a NodePort's; a packet to neither is rejected uncounted).
+    let counted = |map: CountMap, last: Expr| {
+        let mut rules = Vec::new();
+        if cfg.counters {
+            for nodeport in [false, true] {
+                let mut r = count(map, nodeport, vec![last.clone()]);
+                if last == (Expr::Reject { tcp_reset: true }) {
+                    // The reset's `meta l4proto tcp` first, where nft puts it.
+                    let tcp = is(Sel::L4proto, false, Lit::Atom(Atom::Proto(6)));
+                    r.exprs.insert(0, tcp);
+                }
+                rules.push(r);
+            }
+        }
+        rules.push(Rule::new(vec![last]));
+        rules
+    };
     rs.chains.insert(
         "no-endpoints".into(),
         base(
             None,
-            vec![Rule::new(vec![Expr::Reject { tcp_reset: false }])],
+            counted(CountMap::Rejected, Expr::Reject { tcp_reset: false }),
         ),
     );
     if family == IpFamily::IPv6 {
@@ -922,8 +1229,15 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
             "no-endpoints-tcp".into(),
             base(
                 None,
-                vec![Rule::new(vec![Expr::Reject { tcp_reset: true }])],
+                counted(CountMap::Rejected, Expr::Reject { tcp_reset: true }),
             ),
+        );
+    }
+    if cfg.counters {
+        let drop = Expr::Verdict(crate::model::Verdict::Drop);
+        rs.chains.insert(
+            NO_LOCAL.into(),
+            base(None, counted(CountMap::NoLocal, drop)),
         );
     }
 
@@ -968,22 +1282,24 @@ fn add_service_port(
     sp: &ServicePortPlan,
     local_pods: &LocalPods,
     mark: u32,
+    counters: bool,
 ) {
     let id = port_id(sp);
-    // Its shared elements are derived by `shared`.
-    if sp.session_affinity_timeout.is_some() {
-        add_affinity_port(frag, f, sp, &id, local_pods, mark);
-        return;
-    }
-    let addr_key = |ip: &IpAddr| address_key(*ip, sp);
-
-    // Internal traffic: the cluster IP.
     let ctx = PortCtx {
         f,
         sp,
         local_pods,
         mark,
+        counters: counters.then(|| Arc::from(id.as_str())),
     };
+    // Its shared elements are derived by `shared`.
+    if sp.session_affinity_timeout.is_some() {
+        add_affinity_port(frag, &ctx, &id);
+        return;
+    }
+    let addr_key = |ip: &IpAddr| address_key(*ip, sp);
+
+    // Internal traffic: the cluster IP.
     ctx.frontends(
         frag,
         &sp.internal,
@@ -996,7 +1312,7 @@ fn add_service_port(
         return;
     }
     // External traffic: external IPs and LB IPs (LB source ranges first), NodePort.
-    let firewall = firewall_rule(f, sp);
+    let firewall = firewall_rule(f, sp, counters);
     let addrs: Vec<Tuple> = sp
         .external_ips
         .iter()
@@ -1025,8 +1341,9 @@ fn add_service_port(
     }
 }
 
-/// The LB source-range rule of a port's external chain, if it has one.
-fn firewall_rule(f: &Fam, sp: &ServicePortPlan) -> Option<Rule> {
+/// The LB source-range rule of a port's external chain, if it has one (counting its
+/// drops in the port's `source-range-…` counter when `counters`).
+fn firewall_rule(f: &Fam, sp: &ServicePortPlan, counters: bool) -> Option<Rule> {
     let fw = sp.firewall.as_ref()?;
     let lbs: Vec<Lit> = sp
         .load_balancer_ips
@@ -1048,6 +1365,10 @@ fn firewall_rule(f: &Fam, sp: &ServicePortPlan) -> Option<Rule> {
     ];
     if !allowed.is_empty() {
         exprs.push(in_anon(f.saddr(), true, allowed));
+    }
+    if counters {
+        let name = counter_name(&port_id(sp), &CounterKind::SourceRange);
+        exprs.push(Expr::CounterRef(name));
     }
     exprs.push(Expr::Verdict(crate::model::Verdict::Drop));
     Some(Rule::new(exprs))
@@ -1080,9 +1401,21 @@ struct PortCtx<'a> {
     sp: &'a ServicePortPlan,
     local_pods: &'a LocalPods,
     mark: u32,
+    /// The port's id when the traffic counters are on.
+    counters: Option<Arc<str>>,
 }
 
 impl PortCtx<'_> {
+    /// The verdict of traffic dropped because no endpoint this traffic may use is here:
+    /// through `no-local`, which counts it, when the counters are on.
+    fn drop_verdict(&self) -> crate::model::Verdict {
+        if self.counters.is_some() {
+            crate::model::Verdict::Goto(NO_LOCAL.into())
+        } else {
+            crate::model::Verdict::Drop
+        }
+    }
+
     /// The rules that can match (a `LocalPod` rule without a detector never does).
     fn live<'r>(&self, rules: &'r [TrafficRule]) -> Vec<(Vec<Expr>, &'r TrafficRule)> {
         rules
@@ -1225,7 +1558,7 @@ impl PortCtx<'_> {
                         sets.push(set);
                         crate::model::Verdict::Goto(self.dispatch(set, nodeport).chain().into())
                     } else {
-                        crate::model::Verdict::Drop
+                        self.drop_verdict()
                     }
                 };
                 etp_local = Some([
@@ -1234,7 +1567,7 @@ impl PortCtx<'_> {
                 ]);
                 crate::model::Verdict::Goto(EtpLocal { nodeport }.chain().into())
             }
-            Some(Direct::Drop) => crate::model::Verdict::Drop,
+            Some(Direct::Drop) => self.drop_verdict(),
             Some(Direct::Reject) => crate::model::Verdict::Goto(self.reject_target().into()),
             Some(Direct::Forward(set, m)) => {
                 sets.push(set);
@@ -1246,7 +1579,7 @@ impl PortCtx<'_> {
                 let drop = Expr::Verdict(crate::model::Verdict::Drop);
                 for (m, r) in self.live(rules) {
                     match r.verdict {
-                        Verdict::Drop => out.push(rule(&m, [drop.clone()])),
+                        Verdict::Drop => out.push(rule(&m, [Expr::Verdict(self.drop_verdict())])),
                         Verdict::Reject => out.push(rule(&m, [goto(self.reject_target())])),
                         Verdict::Forward {
                             endpoints,
@@ -1302,7 +1635,8 @@ impl PortCtx<'_> {
                 .iter()
                 .map(|set| {
                     let map = SetRef::Map(self.dispatch(*set, nodeport));
-                    (map, self.sp.endpoints_for(*set))
+                    let terminating = self.sp.uses_terminating(*set);
+                    (map, self.sp.endpoints_for(*set), terminating)
                 })
                 .collect();
             let fe = Frontend::new(
@@ -1313,6 +1647,7 @@ impl PortCtx<'_> {
                 etp_local.clone(),
                 masq_set,
                 maps,
+                self.counters.clone(),
             );
             frag.frontends.push(fe);
         }
@@ -1321,14 +1656,8 @@ impl PortCtx<'_> {
 
 /// A ClientIP-affinity port: per-endpoint chains and dynamic sets as before the
 /// dispatch maps (rare; the per-endpoint rules are what remembers the client).
-fn add_affinity_port(
-    frag: &mut Draft,
-    f: &Fam,
-    sp: &ServicePortPlan,
-    id: &str,
-    local_pods: &LocalPods,
-    mark: u32,
-) {
+fn add_affinity_port(frag: &mut Draft, ctx: &PortCtx<'_>, id: &str) {
+    let (f, sp, mark) = (ctx.f, ctx.sp, ctx.mark);
     let Draft {
         own: rs, frontends, ..
     } = frag;
@@ -1354,17 +1683,11 @@ fn add_affinity_port(
         );
     }
 
-    let ctx = PortCtx {
-        f,
-        sp,
-        local_pods,
-        mark,
-    };
     let rules = |list: &[TrafficRule]| -> Vec<Rule> {
         let mut out = Vec::new();
         for (m, r) in ctx.live(list) {
             match r.verdict {
-                Verdict::Drop => out.push(rule(&m, [Expr::Verdict(crate::model::Verdict::Drop)])),
+                Verdict::Drop => out.push(rule(&m, [Expr::Verdict(ctx.drop_verdict())])),
                 Verdict::Reject => out.push(rule(&m, [goto(ctx.reject_target())])),
                 Verdict::Forward {
                     endpoints,
@@ -1388,6 +1711,7 @@ fn add_affinity_port(
                 None,
                 None,
                 Vec::new(),
+                ctx.counters.clone(),
             ));
         }
     };
@@ -1407,7 +1731,9 @@ fn add_affinity_port(
     );
 
     if !sp.external.is_empty() {
-        let mut ext: Vec<Rule> = firewall_rule(f, sp).into_iter().collect();
+        let mut ext: Vec<Rule> = firewall_rule(f, sp, ctx.counters.is_some())
+            .into_iter()
+            .collect();
         ext.extend(rules(&sp.external));
         rs.chains.insert(
             ext_chain.clone(),

@@ -34,6 +34,14 @@ fn normalize(text: &str) -> String {
     let mut out = String::new();
     let mut lines = text.lines();
     while let Some(line) = lines.next() {
+        // A counter's comment is since when it counts (set by the dataplane when it
+        // sends, not by the script).
+        if line
+            .trim_start()
+            .starts_with("comment \"kproxy counts since ")
+        {
+            continue;
+        }
         let Some((head, rest)) = line.split_once("elements = { ") else {
             out.push_str(line);
             out.push('\n');
@@ -60,10 +68,15 @@ fn normalize(text: &str) -> String {
     out
 }
 
-fn sync(ns: &Netns, plan: &kproxy_core::NodePlan, replace: bool) -> kproxy_nft::SyncReport {
-    let plan = plan.clone();
+fn sync(
+    ns: &Netns,
+    plan: &kproxy_core::NodePlan,
+    replace: bool,
+    cfg: &DataplaneConfig,
+) -> kproxy_nft::SyncReport {
+    let (plan, cfg) = (plan.clone(), cfg.clone());
     ns.run(move || {
-        let mut dp = Dataplane::new(DataplaneConfig::default()).expect("config");
+        let mut dp = Dataplane::new(cfg).expect("config");
         if replace {
             dp.force_full_sync();
         }
@@ -82,11 +95,28 @@ fn normalized_listings_sort_elements_only() {
 
 #[test]
 fn the_ruleset_written_over_nfnetlink_is_the_one_nft_writes() {
+    same(DataplaneConfig::default(), 64);
+}
+
+/// The same with the traffic counters (counter objects, objref maps, `ct original`
+/// keys, `counter name` rules).
+#[test]
+fn with_traffic_counters_the_ruleset_written_over_nfnetlink_is_the_one_nft_writes() {
+    same(
+        DataplaneConfig {
+            counters: true,
+            ..DataplaneConfig::default()
+        },
+        16,
+    );
+}
+
+fn same(dp_cfg: DataplaneConfig, default_cases: u32) {
     if !kproxy_test_support::root("network namespaces, nftables") {
         return;
     }
     let ns = Netns::new("same");
-    let cases = env_count("KPROXY_SAME_CASES", 64);
+    let cases = env_count("KPROXY_SAME_CASES", default_cases);
     let mut runner = TestRunner::new_with_rng(
         Config {
             cases,
@@ -99,7 +129,7 @@ fn the_ruleset_written_over_nfnetlink_is_the_one_nft_writes() {
     let result = runner.run(&case(), |c| {
         let st = state(&manifests(&c)).map_err(TestCaseError::fail)?;
         let plan = kproxy_core::plan(&st, "node-a", &config(&c));
-        let script = render(&plan, &DataplaneConfig::default());
+        let script = render(&plan, &dp_cfg);
         let fail = |what: &str, a: &str, b: &str| {
             Err(TestCaseError::fail(format!(
                 "{what}:\n--- nft -f ---\n{a}\n--- nfnetlink ---\n{b}"
@@ -110,7 +140,7 @@ fn the_ruleset_written_over_nfnetlink_is_the_one_nft_writes() {
         ns.run(|| kproxy_nft::cleanup(&DataplaneConfig::default()).expect("cleanup"));
         nft_in(&ns, &[], Some(&script));
         let by_nft = listing(&ns);
-        let adopted = sync(&ns, &plan, false);
+        let adopted = sync(&ns, &plan, false, &dp_cfg);
         if !(adopted.adopted && adopted.changes.is_empty()) {
             return Err(TestCaseError::fail(format!(
                 "nft's tables do not read back as the record: {adopted:?}"
@@ -119,7 +149,7 @@ fn the_ruleset_written_over_nfnetlink_is_the_one_nft_writes() {
 
         // nfnetlink first: the first sync into absent tables, then the replacement.
         ns.run(|| kproxy_nft::cleanup(&DataplaneConfig::default()).expect("cleanup"));
-        let first = sync(&ns, &plan, false);
+        let first = sync(&ns, &plan, false, &dp_cfg);
         if !first.full || first.adopted {
             return Err(TestCaseError::fail(format!("not a first sync: {first:?}")));
         }
@@ -127,7 +157,7 @@ fn the_ruleset_written_over_nfnetlink_is_the_one_nft_writes() {
         if by_netlink != by_nft {
             return fail("first sync", &by_nft, &by_netlink);
         }
-        sync(&ns, &plan, true);
+        sync(&ns, &plan, true, &dp_cfg);
         let replaced = listing(&ns);
         if replaced != by_nft {
             return fail("replacement", &by_nft, &replaced);

@@ -99,6 +99,18 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
             });
         }
     }
+    // Counters: only whether one exists is state (its values are the kernel's).
+    for name in new.counters.difference(&old.counters) {
+        n.counters_added += 1;
+        ops.push(Op::AddCounter {
+            family,
+            table: table.clone(),
+            name: name.clone(),
+            packets: 0,
+            bytes: 0,
+            since: 0,
+        });
+    }
     // 2. Flush changed and removed chains.
     for (name, c) in &old.chains {
         match new.chains.get(name) {
@@ -187,6 +199,16 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
                 map: s.decl.is_map(),
             });
         }
+    }
+    // After the sets whose elements named them.
+    for name in old.counters.difference(&new.counters) {
+        n.objects_deleted += 1;
+        ops.push(Op::DeleteObject {
+            family,
+            table: table.clone(),
+            kind: COUNTER_OBJECT,
+            name: name.clone(),
+        });
     }
     t.ops = ops;
     t

@@ -105,8 +105,12 @@ mod tests {
                         assert!(s.elements.remove(k).is_some(), "deleted element exists");
                     }
                 }
-                // The model holds no named objects.
-                Op::DeleteObject { .. } => {}
+                Op::AddCounter { name, .. } => {
+                    t.counters.insert(name.clone());
+                }
+                Op::DeleteObject { name, .. } => {
+                    t.counters.remove(name);
+                }
             }
         }
         t

@@ -14,6 +14,9 @@ use super::tuple::*;
 pub enum SetData {
     Verdict,
     Fields(Vec<Field>),
+    /// `: counter`: each element names a counter object of the table (an objref map,
+    /// looked up by `counter name SEL map @m`).
+    Counter,
 }
 
 /// A set's or map's declaration.
@@ -84,6 +87,7 @@ impl SetDecl {
                 out.push_str(" : ");
                 self.write_fields(f, out);
             }
+            Some(SetData::Counter) => out.push_str(" : counter"),
         }
         out.push(';');
         let flags: Vec<&str> = [
@@ -129,6 +133,7 @@ impl SetDecl {
             None => None,
             Some(SetData::Verdict) => Some(Value::Verdict(Verdict::parse(value)?)),
             Some(SetData::Fields(f)) => Some(Value::Data(parse_tuple(f, value, false)?)),
+            Some(SetData::Counter) => Some(Value::Counter(value.trim().trim_matches('"').into())),
         };
         Some(Elem { key, value })
     }
@@ -165,6 +170,7 @@ impl SetDecl {
             None => None,
             Some(SetData::Verdict) => Some(Value::Verdict(Verdict::parse(value)?)),
             Some(SetData::Fields(f)) => Some(Value::Data(parse_tuple(f, value, false)?)),
+            Some(SetData::Counter) => Some(Value::Counter(value.trim().trim_matches('"').into())),
         };
         Some(Elem { key, value })
     }
@@ -190,6 +196,8 @@ fn parse_tuple(fields: &[Field], s: &str, interval: bool) -> Option<Tuple> {
 pub enum Value {
     Verdict(Verdict),
     Data(Tuple),
+    /// The name of a counter object (an element of a [`SetData::Counter`] map).
+    Counter(Box<str>),
 }
 
 impl Value {
@@ -197,6 +205,11 @@ impl Value {
         match self {
             Value::Verdict(v) => v.write(out),
             Value::Data(t) => t.write(out),
+            Value::Counter(name) => {
+                out.push('"');
+                out.push_str(name);
+                out.push('"');
+            }
         }
     }
 }
@@ -329,6 +342,10 @@ pub struct Table {
     pub exists: bool,
     pub sets: BTreeMap<String, Set>,
     pub chains: BTreeMap<String, Chain>,
+    /// Named counter objects (`NFT_OBJECT_COUNTER`), by name. Only their existence is
+    /// state: their values are the kernel's, never compared, never rewritten
+    /// (crates/nft/README.md, "Counters").
+    pub counters: std::collections::BTreeSet<String>,
 }
 
 impl Table {
@@ -344,6 +361,7 @@ impl Table {
             exists: true,
             sets: BTreeMap::new(),
             chains: BTreeMap::new(),
+            counters: std::collections::BTreeSet::new(),
         }
     }
 

@@ -170,6 +170,20 @@ impl Transaction {
                     }
                     continue;
                 }
+                Op::AddCounter {
+                    family,
+                    table,
+                    name,
+                    packets,
+                    bytes,
+                    ..
+                } => {
+                    let _ = writeln!(
+                        out,
+                        "add counter {} {table} {name} {{ packets {packets} bytes {bytes} }}",
+                        family.nft()
+                    );
+                }
                 Op::DeleteObject {
                     family,
                     table,

@@ -69,8 +69,21 @@ pub enum Op {
         set: String,
         keys: Vec<Tuple>,
     },
-    /// Deletes a named stateful object (`NFT_OBJECT_*` type `kind`): kproxy declares
-    /// none, so one in its table is another program's.
+    /// Adds a named counter object holding `packets` and `bytes` (0 for a new one; the
+    /// last values kproxy read when it restores one the kernel lost), counting since
+    /// `since` (Unix seconds, kept in the object's comment; 0: not yet stamped, the
+    /// dataplane stamps it when it sends, `crate::counters::CounterMemory::fill`).
+    AddCounter {
+        family: Family,
+        table: String,
+        name: String,
+        packets: u64,
+        bytes: u64,
+        since: u64,
+    },
+    /// Deletes a named stateful object (`NFT_OBJECT_*` type `kind`): a counter kproxy no
+    /// longer wants, or any other object (kproxy declares none but counters, so one in
+    /// its table is another program's).
     DeleteObject {
         family: Family,
         table: String,
@@ -78,6 +91,9 @@ pub enum Op {
         name: String,
     },
 }
+
+/// `NFT_OBJECT_COUNTER`: the one type of named object kproxy declares.
+pub const COUNTER_OBJECT: u32 = 1;
 
 /// The nft keyword of a named object's type (`NFT_OBJECT_*`, linux/netfilter/nf_tables.h),
 /// as `nft delete KIND …` and the reports name it.
@@ -103,7 +119,7 @@ impl Op {
     pub fn phase(&self) -> u8 {
         match self {
             Op::AddTable { .. } | Op::DeleteTable { .. } => 0,
-            Op::AddSet { .. } | Op::AddChain { .. } => 1,
+            Op::AddSet { .. } | Op::AddChain { .. } | Op::AddCounter { .. } => 1,
             Op::FlushChain { .. } => 2,
             Op::AddRule { .. } => 3,
             Op::DeleteElements { .. } => 4,
@@ -131,6 +147,7 @@ impl Op {
             Op::AddRule { chain, .. } => ("add", "rule", Some(chain)),
             Op::AddElements { set, .. } => ("add", "element", Some(set)),
             Op::DeleteElements { set, .. } => ("delete", "element", Some(set)),
+            Op::AddCounter { name, .. } => ("add", "counter", Some(name)),
             Op::DeleteObject { kind, name, .. } => ("delete", object_kind(*kind), Some(name)),
         }
     }
@@ -148,6 +165,7 @@ impl Op {
             | Op::AddRule { family, table, .. }
             | Op::AddElements { family, table, .. }
             | Op::DeleteElements { family, table, .. }
+            | Op::AddCounter { family, table, .. }
             | Op::DeleteObject { family, table, .. } => (*family, table),
         }
     }
@@ -190,8 +208,10 @@ pub struct Counts {
     pub elements_deleted: usize,
     pub sets_added: usize,
     pub sets_deleted: usize,
-    /// Named objects (another program's) deleted.
+    /// Named objects (another program's, or counters kproxy no longer wants) deleted.
     pub objects_deleted: usize,
+    /// Counter objects added.
+    pub counters_added: usize,
 }
 
 impl Counts {
@@ -208,6 +228,7 @@ impl Counts {
         self.sets_added += o.sets_added;
         self.sets_deleted += o.sets_deleted;
         self.objects_deleted += o.objects_deleted;
+        self.counters_added += o.counters_added;
     }
 }
 
@@ -295,6 +316,17 @@ impl Transaction {
             comment: new.comment,
             dormant: false,
         });
+        for name in new.counters {
+            t.counts.counters_added += 1;
+            t.ops.push(Op::AddCounter {
+                family,
+                table: table.clone(),
+                name,
+                packets: 0,
+                bytes: 0,
+                since: 0,
+            });
+        }
         let mut elements = Vec::new();
         for (name, s) in new.sets {
             t.counts.sets_added += 1;

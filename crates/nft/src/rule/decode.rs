@@ -25,6 +25,9 @@ const META_MARK: u32 = 3;
 const META_IIFNAME: u32 = 6;
 const META_L4PROTO: u32 = 16;
 const CT_STATUS: u32 = 2;
+pub(crate) const CT_PROTO_DST: u32 = 12;
+pub(crate) const CT_DST_IP: u32 = 20;
+pub(crate) const CT_DST_IP6: u32 = 22;
 const FIB_SADDR: u32 = 1;
 const FIB_DADDR: u32 = 2;
 const FIB_RESULT_ADDRTYPE: u32 = 3;
@@ -46,10 +49,18 @@ const DYNSET_UPDATE: u32 = 1;
 /// What a loading expression put in a register.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Load {
-    Payload { base: u32, offset: u32 },
+    Payload {
+        base: u32,
+        offset: u32,
+    },
     Meta(u32),
     Ct(u32),
-    Fib { flags: u32, result: u32 },
+    /// `ct original KEY`.
+    CtOrig(u32),
+    Fib {
+        flags: u32,
+        result: u32,
+    },
     Numgen(u32),
 }
 
@@ -236,10 +247,21 @@ impl Decoder<'_> {
                 self.regs.put(a.u32(1)?, value(Load::Meta(key), len), len)
             }
             "ct" => {
-                if a.has(4) || a.has(3) {
-                    return None; // a ct write, or a direction
+                if a.has(4) {
+                    return None; // a ct write
                 }
                 let key = a.u32(2)?;
+                if let Some(dir) = a.raw(3) {
+                    // The original direction's destination address or port.
+                    let len = match key {
+                        CT_DST_IP => 4,
+                        CT_DST_IP6 => 16,
+                        CT_PROTO_DST => 2,
+                        _ => return None,
+                    };
+                    (dir.first() == Some(&0)).then_some(())?;
+                    return self.regs.put(a.u32(1)?, value(Load::CtOrig(key), len), len);
+                }
                 (key == CT_STATUS).then_some(())?;
                 self.regs.put(a.u32(1)?, value(Load::Ct(key), 4), 4)
             }
@@ -297,6 +319,25 @@ impl Decoder<'_> {
                 Some(())
             }
             "lookup" => self.lookup(a),
+            "objref" => {
+                // A named counter (NFTA_OBJREF_IMM_TYPE 1, NFTA_OBJREF_IMM_NAME 2), or
+                // the map form (NFTA_OBJREF_SET_SREG 3, NFTA_OBJREF_SET_NAME 4).
+                if a.has(1) || a.has(2) {
+                    (a.u32(1)? == crate::model::COUNTER_OBJECT && !a.has(3)).then_some(())?;
+                    self.out.push(Expr::CounterRef(a.string(2)?));
+                    return Some(());
+                }
+                let map = a.string(4)?;
+                let rs = self.table.sets.get(&map)?;
+                let sel: Vec<Sel> = self
+                    .regs
+                    .concat(a.u32(3)?, rs.key_len as usize)?
+                    .iter()
+                    .map(|(load, len)| self.selector(load, *len))
+                    .collect::<Option<_>>()?;
+                self.out.push(Expr::CounterMap { sel, map });
+                Some(())
+            }
             "immediate" => {
                 let dreg = a.u32(1)?;
                 let data = a.raw(2)?;
@@ -410,6 +451,13 @@ impl Decoder<'_> {
             (Load::Meta(META_L4PROTO), 1) => Sel::L4proto,
             (Load::Meta(META_IIFNAME), 16) => Sel::Iifname,
             (Load::Numgen(n), 4) => Sel::Numgen(*n),
+            (Load::CtOrig(CT_DST_IP), 4) if self.family == Family::Ip => {
+                Sel::CtOrigDaddr(Family::Ip)
+            }
+            (Load::CtOrig(CT_DST_IP6), 16) if self.family == Family::Ip6 => {
+                Sel::CtOrigDaddr(Family::Ip6)
+            }
+            (Load::CtOrig(CT_PROTO_DST), 2) => Sel::CtOrigDport,
             _ => return None,
         })
     }

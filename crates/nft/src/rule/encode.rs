@@ -63,14 +63,12 @@ pub fn encode(
         neg: false,
         rhs: Rhs::Lit(Lit::Atom(Atom::Proto(6))),
     };
-    let mut last = None;
-    for x in &rule.exprs {
-        // nft's dependency of a TCP reset, unless the rule has it just before.
-        if *x == (Expr::Reject { tcp_reset: true }) && last != Some(&tcp) {
+    for (i, x) in rule.exprs.iter().enumerate() {
+        // nft's dependency of a TCP reset, unless the rule matches TCP before it.
+        if *x == (Expr::Reject { tcp_reset: true }) && !rule.exprs[..i].contains(&tcp) {
             e.expr(&tcp)?;
         }
         e.expr(x)?;
-        last = Some(x);
     }
     Some((e.buf, e.sets))
 }
@@ -170,6 +168,8 @@ impl Enc<'_> {
             Sel::Dport => 2,
             Sel::Iifname => 16,
             Sel::FibType(_) | Sel::CtStatus | Sel::Numgen(_) | Sel::MarkAnd(_) => 4,
+            Sel::CtOrigDaddr(f) => super::addr_len(*f),
+            Sel::CtOrigDport => 2,
         }
     }
 
@@ -211,8 +211,24 @@ impl Enc<'_> {
                 self.push("meta", Attrs::default().u32(1, r).u32(2, 3));
                 self.bitwise(r, &m.to_ne_bytes(), &[0; 4]);
             }
+            Sel::CtOrigDaddr(f) => {
+                (*f == self.family).then_some(())?;
+                let key = match f {
+                    Family::Ip => super::decode::CT_DST_IP,
+                    Family::Ip6 => super::decode::CT_DST_IP6,
+                };
+                self.ct_original(r, key);
+            }
+            Sel::CtOrigDport => self.ct_original(r, super::decode::CT_PROTO_DST),
         }
         Some(())
+    }
+
+    /// `ct original KEY` into `r`: the direction is one byte (`IP_CT_DIR_ORIGINAL`).
+    fn ct_original(&mut self, r: u32, key: u32) {
+        let mut a = Attrs::default().u32(1, r).u32(2, key);
+        put_attr(&mut a.0, 3, &[0]);
+        self.push("ct", a);
     }
 
     fn bitwise(&mut self, r: u32, mask: &[u8], xor: &[u8]) {
@@ -257,6 +273,19 @@ impl Enc<'_> {
                 self.load_concat(sel)?;
                 let a = Attrs::default().str(1, map).u32(2, reg(0)).u32(3, 0);
                 self.push("lookup", a);
+            }
+            Expr::CounterMap { sel, map } => {
+                self.load_concat(sel)?;
+                // NFTA_OBJREF_SET_SREG, NFTA_OBJREF_SET_NAME.
+                let a = Attrs::default().u32(3, reg(0)).str(4, map);
+                self.push("objref", a);
+            }
+            Expr::CounterRef(name) => {
+                // NFTA_OBJREF_IMM_TYPE (a counter), NFTA_OBJREF_IMM_NAME.
+                let a = Attrs::default()
+                    .u32(1, crate::model::COUNTER_OBJECT)
+                    .str(2, name);
+                self.push("objref", a);
             }
             Expr::MarkOr(m) | Expr::MarkXor(m) => {
                 let mask = if matches!(x, Expr::MarkOr(_)) {

@@ -77,6 +77,11 @@ pub enum From {
 
 impl Fabric {
     pub fn new() -> Fabric {
+        Fabric::with_config(DataplaneConfig::default())
+    }
+
+    /// A fabric whose dataplane runs with `cfg`.
+    pub fn with_config(cfg: DataplaneConfig) -> Fabric {
         let node = Netns::new("n");
         let client = Netns::new("c");
         node.exec("sysctl -qw net.ipv4.ip_forward=1");
@@ -167,9 +172,7 @@ impl Fabric {
         for port in HOST_PORTS {
             serve_any(&node, "host", port, &node_addrs);
         }
-        let dp = Arc::new(Mutex::new(
-            Dataplane::new(DataplaneConfig::default()).expect("config"),
-        ));
+        let dp = Arc::new(Mutex::new(Dataplane::new(cfg).expect("config")));
         Fabric {
             node,
             sink,
