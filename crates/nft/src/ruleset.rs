@@ -17,7 +17,11 @@
 //!   use `npdnat-…`/`npdisp-…`, keyed `l4proto . dport . numgen …` (daddr is any node
 //!   address). Each map is referenced by exactly one rule: the kernel walks every
 //!   binding of a map on each element insert, and names each anonymous set by scanning
-//!   every set of the table, both of which made per-Service maps quadratic;
+//!   every set of the table, both of which made per-Service maps quadratic. A group
+//!   of more rows than [`Shards::ROWS`] is split into a power of two of maps
+//!   (`dnat-c-N-sK`, `disp-c-N-sK` for K ≥ 1; the first keeps the group's name), each
+//!   port's frontends in the one its name's hash picks: reading a set back costs the
+//!   kernel the square of its size ([`Shards`]);
 //! - a frontend whose rules are *regular* (one rule for every source, or "local pods
 //!   as they are, everyone else masqueraded", both to one endpoint set) maps straight
 //!   to `goto disp-…` from the verdict map: no chain or rule of its own. Its masquerade
