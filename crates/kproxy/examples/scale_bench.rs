@@ -106,7 +106,10 @@ fn status_kib(pid: u32, field: &str) -> u64 {
 
 /// Kernel log lines that say the kernel stalled.
 fn stall_lines() -> Vec<String> {
-    let out = Command::new("dmesg").output().map(|o| o.stdout).unwrap_or_default();
+    let out = Command::new("dmesg")
+        .output()
+        .map(|o| o.stdout)
+        .unwrap_or_default();
     String::from_utf8_lossy(&out)
         .lines()
         .filter(|l| {
@@ -120,8 +123,16 @@ fn stall_lines() -> Vec<String> {
         .collect()
 }
 
-/// A Service and its slice as JSON list items; `gen` moves its first endpoint.
-fn service_items(out: &mut String, ns: &str, name: &str, cip: &str, eps: usize, first_ep: usize, gen: usize) {
+/// A Service and its slice as JSON list items; `step` moves its first endpoint.
+fn service_items(
+    out: &mut String,
+    ns: &str,
+    name: &str,
+    cip: &str,
+    eps: usize,
+    first_ep: usize,
+    step: usize,
+) {
     let _ = write!(
         out,
         r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","namespace":"{ns}"}},"spec":{{"type":"ClusterIP","clusterIP":"{cip}","clusterIPs":["{cip}"],"ipFamilies":["IPv4"],"ports":[{{"name":"http","port":80,"targetPort":8080,"protocol":"TCP"}}]}}}},"#
@@ -138,8 +149,11 @@ fn service_items(out: &mut String, ns: &str, name: &str, cip: &str, eps: usize, 
         let _ = write!(
             out,
             r#"{{"addresses":["{}"],"nodeName":"node-{}","conditions":{{"ready":true}}}}"#,
-            // The first endpoint's address moves with `gen`: one endpoint changed.
-            ip4(0x0a00_0000 + u32::from(e == 0 && gen % 2 == 1) * 0x0040_0000, n + 1),
+            // The first endpoint's address moves with `step`: one endpoint changed.
+            ip4(
+                0x0a00_0000 + u32::from(e == 0 && step % 2 == 1) * 0x0040_0000,
+                n + 1
+            ),
             n % 100
         );
     }
@@ -160,18 +174,26 @@ fn write(path: &Path, text: &str) {
     std::fs::rename(&tmp, path).expect("rename");
 }
 
-/// The probe Service's file: one Service whose endpoints move with `gen`.
-fn probe(eps: usize, gen: usize) -> String {
+/// The probe Service's file: one Service whose endpoints move with `step`.
+fn probe(eps: usize, step: usize) -> String {
     let mut s = String::new();
-    service_items(&mut s, "bench", "probe", "10.95.255.1", eps, 0, gen);
+    service_items(&mut s, "bench", "probe", "10.95.255.1", eps, 0, step);
     list(s)
 }
 
-/// The burst file: 1,000 Services whose endpoints move with `gen`.
-fn burst(n: usize, eps: usize, gen: usize) -> String {
+/// The burst file: 1,000 Services whose endpoints move with `step`.
+fn burst(n: usize, eps: usize, step: usize) -> String {
     let mut s = String::new();
     for i in 0..n {
-        service_items(&mut s, "burst", &format!("b-{i}"), &ip4(0x0a5f_0000, i + 10), eps, i * eps, gen);
+        service_items(
+            &mut s,
+            "burst",
+            &format!("b-{i}"),
+            &ip4(0x0a5f_0000, i + 10),
+            eps,
+            i * eps,
+            step,
+        );
     }
     list(s)
 }
@@ -214,8 +236,8 @@ impl Neighbour {
 /// The neighbour's nfnetlink: batches of one message, framed by hand.
 mod neighbour {
     use nix::sys::socket::{
-        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv,
-        send, socket,
+        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv, send,
+        socket,
     };
     use std::os::fd::{AsRawFd, OwnedFd};
 
@@ -260,7 +282,14 @@ mod neighbour {
             Socket { fd, seq: 1 }
         }
 
-        fn msg(&mut self, out: &mut Vec<u8>, kind: u16, flags: u16, res: u16, attrs: &[(u16, &str)]) {
+        fn msg(
+            &mut self,
+            out: &mut Vec<u8>,
+            kind: u16,
+            flags: u16,
+            res: u16,
+            attrs: &[(u16, &str)],
+        ) {
             let start = out.len();
             out.extend_from_slice(&[0; 4]);
             out.extend_from_slice(&kind.to_ne_bytes());
@@ -281,7 +310,13 @@ mod neighbour {
         fn transaction(&mut self, kind: u16, flags: u16, attrs: &[(u16, &str)]) {
             let mut b = Vec::new();
             self.msg(&mut b, BEGIN, 0, NFNL_SUBSYS_NFTABLES, &[]);
-            self.msg(&mut b, (NFNL_SUBSYS_NFTABLES << 8) | kind, flags | F_ACK, 0, attrs);
+            self.msg(
+                &mut b,
+                (NFNL_SUBSYS_NFTABLES << 8) | kind,
+                flags | F_ACK,
+                0,
+                attrs,
+            );
             let seq = self.seq;
             self.msg(&mut b, END, 0, NFNL_SUBSYS_NFTABLES, &[]);
             send(self.fd.as_raw_fd(), &b, MsgFlags::empty()).expect("send");
@@ -374,12 +409,20 @@ fn events(path: &Path, from: usize) -> Vec<serde_json::Value> {
 }
 
 fn event_lines(path: &Path) -> usize {
-    std::fs::read_to_string(path).unwrap_or_default().lines().count()
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .count()
 }
 
 /// Waits for an event after line `from` that `done` accepts; its `committed_unix_us`
 /// (or the time it was seen), and the line count after it.
-fn wait_event(path: &Path, from: usize, limit: Duration, mut done: impl FnMut(&serde_json::Value) -> bool) -> (u64, usize) {
+fn wait_event(
+    path: &Path,
+    from: usize,
+    limit: Duration,
+    mut done: impl FnMut(&serde_json::Value) -> bool,
+) -> (u64, usize) {
     let t = Instant::now();
     loop {
         let evs = events(path, from);
@@ -429,7 +472,15 @@ fn run(services: usize, eps: usize, changes: usize, burst_n: usize, keep: bool) 
         let mut s = String::new();
         for i in from..(from + PER_FILE).min(services) {
             let ns = format!("ns-{}", i % 50);
-            service_items(&mut s, &ns, &format!("svc-{i}"), &ip4(0x0a60_0000, i + 1), eps, i * eps, 0);
+            service_items(
+                &mut s,
+                &ns,
+                &format!("svc-{i}"),
+                &ip4(0x0a60_0000, i + 1),
+                eps,
+                i * eps,
+                0,
+            );
         }
         let text = list(s);
         bytes += text.len();
@@ -514,10 +565,12 @@ fn run(services: usize, eps: usize, changes: usize, burst_n: usize, keep: bool) 
 
     // One endpoint change at a time.
     let mut lat = Vec::new();
-    for gen in 1..=changes {
+    for step in 1..=changes {
         let t0 = unix_us();
-        write(&probe_file, &probe(eps, gen));
-        let (c, next) = wait_event(&ev, at, Duration::from_secs(60), |e| names(e, "bench/probe"));
+        write(&probe_file, &probe(eps, step));
+        let (c, next) = wait_event(&ev, at, Duration::from_secs(60), |e| {
+            names(e, "bench/probe")
+        });
         at = next;
         lat.push(c.saturating_sub(t0) as f64 / 1e3);
         std::thread::sleep(Duration::from_millis(30));
@@ -573,10 +626,15 @@ fn run(services: usize, eps: usize, changes: usize, burst_n: usize, keep: bool) 
     let t0 = unix_us();
     let (_, out, _) = once(&name, &["cleanup"]);
     let deleted = unix_us();
-    let (c, _) = wait_event(&ev, at, Duration::from_secs(900), |e| e["event"] == "kernel_repaired");
+    let (c, _) = wait_event(&ev, at, Duration::from_secs(900), |e| {
+        e["event"] == "kernel_repaired"
+    });
     std::thread::sleep(Duration::from_millis(100));
     let (repair_stall, _) = neighbour.stop();
-    assert!(out.is_empty() || !out.contains("error"), "kproxy cleanup: {out}");
+    assert!(
+        out.is_empty() || !out.contains("error"),
+        "kproxy cleanup: {out}"
+    );
     println!(
         "{services}x{eps}: tables deleted behind its back (kproxy cleanup) → repaired: {:.1} ms after the delete returned ({:.1} ms after it started); neighbour's slowest add {:.1} ms (load {load2})",
         c.saturating_sub(deleted) as f64 / 1e3,

@@ -932,7 +932,9 @@ mod tests {
                 let frontend = Tuple::new(&key.atoms()[..3]);
                 assert_eq!(
                     service_ips.get(&frontend),
-                    Some(&Some(Value::Verdict(model::Verdict::Goto(chain.as_str().into())))),
+                    Some(&Some(Value::Verdict(model::Verdict::Goto(
+                        chain.as_str().into()
+                    )))),
                     "{key}"
                 );
             }

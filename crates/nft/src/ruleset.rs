@@ -589,7 +589,10 @@ impl Shards {
                 for set in [EndpointSet::Cluster, EndpointSet::Local] {
                     let n = sp.endpoints_for(set).len();
                     if n > 0 {
-                        let group = (set == EndpointSet::Local, u32::try_from(n).unwrap_or(u32::MAX));
+                        let group = (
+                            set == EndpointSet::Local,
+                            u32::try_from(n).unwrap_or(u32::MAX),
+                        );
                         *rows.entry(group).or_default() += n * frontends;
                     }
                 }
