@@ -1631,8 +1631,8 @@ fn port_hash(sp: &ServicePortPlan) -> u32 {
 }
 
 /// A short stable identifier of a service port: its [`port_hash`] `hash` (uniqueness)
-/// + readable name. Every part is a validated Kubernetes name; `sanitize` keeps it an
-/// nft identifier even if that ever changes.
+/// and a readable name. Every part is a validated Kubernetes name; `sanitize` keeps it
+/// an nft identifier even if that ever changes.
 fn port_id(hash: u32, sp: &ServicePortPlan) -> String {
     let spn = &sp.service_port;
     let hash = format!("{hash:08x}");
