@@ -84,8 +84,9 @@ fn load() -> String {
         .join(" ")
 }
 
-fn meminfo_kib(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
+/// A `Name: N kB` field of a /proc file, in KiB (0 when absent).
+fn kib(path: &str, field: &str) -> u64 {
+    std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
         .find(|l| l.starts_with(field))
@@ -94,14 +95,12 @@ fn meminfo_kib(field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+fn meminfo_kib(field: &str) -> u64 {
+    kib("/proc/meminfo", field)
+}
+
 fn status_kib(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    kib(&format!("/proc/{pid}/status"), field)
 }
 
 /// Kernel log lines that say the kernel stalled.
