@@ -291,6 +291,14 @@ pub struct RawSet {
     pub timeout: Option<u64>,
     pub comment: Option<String>,
     pub elements: RawElements,
+    /// The element dump's cost in the kernel: its messages (≈ 32 KiB each, the most a
+    /// netlink dump sends per round), and the elements its walk visited. Each round
+    /// walks the set from its start and skips what earlier rounds sent
+    /// (`nf_tables_dump_set`), so the visits are Σ (elements before a message + in it):
+    /// quadratic in one set's size, which is why no dispatch map grows past
+    /// [`crate::ruleset::Shards::ROWS`] rows.
+    pub dump_messages: usize,
+    pub dump_visits: u64,
 }
 
 /// One table as the kernel holds it; the anonymous sets, which belong to rules (`ip
@@ -739,6 +747,7 @@ fn read_once(
     for (name, set) in t.sets.iter_mut().chain(t.anonymous.iter_mut()) {
         let mut elements = RawElements::for_set(set);
         let mut chain_index = BTreeMap::new();
+        let (mut messages, mut visits) = (0usize, 0u64);
         r.request(
             &format!("the elements of set {name} in table {family} {table}"),
             NFT_MSG_GETSETELEM,
@@ -760,9 +769,15 @@ fn read_once(
                         }
                     }
                 }
+                // This round walked what earlier rounds sent, then this message's.
+                messages += 1;
+                visits += (elements.len() + elements.misfits) as u64;
                 Ok(())
             },
         )?;
+        // The last round walks the whole set to find nothing left to send.
+        set.dump_messages = messages;
+        set.dump_visits = visits + (elements.len() + elements.misfits) as u64;
         set.elements = elements;
     }
     Ok(Some(t))

@@ -81,6 +81,7 @@ pub mod internals {
     pub use crate::dataplane::replacement;
     pub use crate::first_sync::{PhasedSync, first_sync_into_absent_tables};
     pub use crate::record::{FamilyRecord, delta, full_transaction_of, render};
+    pub use crate::ruleset::Shards;
     pub mod model {
         pub use crate::model::*;
     }

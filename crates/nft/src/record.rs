@@ -89,6 +89,9 @@ pub struct FamilyRecord {
     /// The traffic counters are on (`DataplaneConfig::counters`): each Service's
     /// counters ([`ruleset::counters`], derived from its plan) are in the table.
     counters: bool,
+    /// How many maps each dispatch group is split into: the full sync's plan's, kept
+    /// while the record moves ([`ruleset::Shards`]).
+    shards: ruleset::Shards,
 }
 
 /// How many dispatch groups no Service uses any more stay in the tables, per family,
@@ -115,6 +118,7 @@ impl FamilyRecord {
             dispatch: BTreeMap::new(),
             idle: VecDeque::new(),
             counters: cfg.counters,
+            shards: ruleset::Shards::of(plan, family),
         };
         // A Service without a port of this family has nothing here (an IPv4-only
         // cluster's IPv6 record would otherwise hold 10k empty fragments); `advance`
@@ -124,7 +128,7 @@ impl FamilyRecord {
             .iter()
             .filter(|(_, svc)| ruleset::has_family(svc, family))
             .collect();
-        let frags = build_fragments(&services, plan, cfg, family);
+        let frags = build_fragments(&services, plan, cfg, family, &r.shards);
         // The same maps `add_shared` would build Service by Service, built in bulk from
         // sorted vectors (a third of the time at 10k Services).
         let mut shared = Vec::new();
@@ -446,7 +450,7 @@ impl FamilyRecord {
                 .map(|svc| {
                     (
                         svc.clone(),
-                        ruleset::build_service(svc, plan, cfg, self.family),
+                        ruleset::build_service(svc, plan, cfg, self.family, &self.shards),
                     )
                 });
             let old_frag = old.as_ref().map(|(_, f)| f).unwrap_or(&empty);
@@ -746,10 +750,11 @@ fn build_fragments(
     plan: &NodePlan,
     cfg: &DataplaneConfig,
     family: IpFamily,
+    shards: &ruleset::Shards,
 ) -> Vec<Fragment> {
     let build = |c: &[(&ServiceName, &Arc<ServicePlan>)]| -> Vec<Fragment> {
         c.iter()
-            .map(|(_, svc)| ruleset::build_service(svc, plan, cfg, family))
+            .map(|(_, svc)| ruleset::build_service(svc, plan, cfg, family, shards))
             .collect()
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
@@ -906,6 +911,89 @@ mod tests {
         assert!(structure(&tx) > 0, "{:?}", tx.ops);
     }
 
+    /// A dispatch group of more rows than one map is sized for is split into maps of
+    /// about [`ruleset::Shards::ROWS`] rows each (a read of one set back costs the
+    /// kernel the square of its size), each frontend's verdict going to the chain of
+    /// the map that holds its rows; a delta keeps a Service in its shard; a group that
+    /// fits one map keeps its one name.
+    #[test]
+    fn a_big_dispatch_group_is_split_into_bounded_maps() {
+        let cfg = DataplaneConfig::default();
+        let spec = Spec {
+            etp_local_every: 0,
+            terminating_every: 0,
+            hinted_every: 0,
+            ..Spec::new(3000, 10)
+        };
+        let mut state = synthetic::cluster(&spec);
+        let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
+        let mut rec = FamilyRecord::full(&plan, &cfg, IpFamily::IPv4);
+        let table = rec.assemble();
+        let maps: Vec<(&String, usize)> = table
+            .sets
+            .iter()
+            .filter(|(name, _)| name.starts_with("dnat-c-10"))
+            .map(|(name, s)| (name, s.elements.len()))
+            .collect();
+        // 30,000 rows: four maps of ≈ 7,500.
+        assert_eq!(maps.len(), 4, "{maps:?}");
+        assert_eq!(maps.iter().map(|(_, n)| n).sum::<usize>(), 30_000);
+        assert!(
+            maps.iter().all(|(_, n)| *n <= 2 * ruleset::Shards::ROWS),
+            "{maps:?}"
+        );
+        assert!(maps.iter().any(|(name, _)| *name == "dnat-c-10"));
+        // Each frontend's verdict is the chain whose one rule reads the map holding its
+        // rows.
+        let service_ips = &table.sets["service-ips"].elements;
+        for (map, _) in &maps {
+            let chain = map.replace("dnat-", "disp-");
+            let rule = format!("{:?}", table.chains[&chain].rules);
+            assert!(rule.contains(&format!("map: \"{map}\"")), "{chain}: {rule}");
+            for key in table.sets[*map].elements.keys() {
+                let frontend = Tuple::new(&key.atoms()[..3]);
+                assert_eq!(
+                    service_ips.get(&frontend),
+                    Some(&Some(Value::Verdict(model::Verdict::Goto(
+                        chain.as_str().into()
+                    )))),
+                    "{key}"
+                );
+            }
+        }
+        // A Service whose endpoints change stays in its map: elements only.
+        let names: Vec<ServiceName> = (0..50)
+            .map(|i| ServiceName::new(format!("ns-{}", i % 50), format!("svc-{i}")))
+            .collect();
+        for i in 0..50u8 {
+            let mut slice = synthetic::slice(&spec, usize::from(i), 0);
+            slice.endpoints[0].ip = std::net::Ipv4Addr::new(10, 250, 0, i).into();
+            state.upsert_slice(slice);
+        }
+        let moved = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
+        let tx = rec.advance(&moved, &names, &cfg).unwrap().unwrap();
+        assert!(
+            tx.ops
+                .iter()
+                .all(|op| matches!(op, Op::AddElements { .. } | Op::DeleteElements { .. })),
+            "{:?}",
+            tx.ops
+        );
+        // A small group keeps its one map, named as before sharding.
+        let small = kproxy_core::plan(
+            &synthetic::cluster(&Spec::new(100, 10)),
+            "node-0",
+            &PlanConfig::default(),
+        );
+        let names: Vec<String> = FamilyRecord::full(&small, &cfg, IpFamily::IPv4)
+            .assemble()
+            .sets
+            .into_keys()
+            .filter(|n| n.contains("dnat-"))
+            .collect();
+        assert!(names.iter().all(|n| !n.contains("-s")), "{names:?}");
+    }
+
     /// The bulk-built maps of `full` are those `add_shared` builds Service by Service.
     #[test]
     fn full_builds_the_maps_add_shared_would() {
@@ -923,12 +1011,13 @@ mod tests {
                 dispatch: BTreeMap::new(),
                 idle: VecDeque::new(),
                 counters: cfg.counters,
+                shards: ruleset::Shards::of(&plan, family),
             };
             for (name, svc) in &plan.services {
                 if !ruleset::has_family(svc, family) {
                     continue;
                 }
-                let frag = ruleset::build_service(svc, &plan, &cfg, family);
+                let frag = ruleset::build_service(svc, &plan, &cfg, family, &one.shards);
                 one.add_shared(name, svc, &frag);
                 one.services.insert(name.clone(), (svc.clone(), frag));
             }

@@ -17,7 +17,11 @@
 //!   use `npdnat-…`/`npdisp-…`, keyed `l4proto . dport . numgen …` (daddr is any node
 //!   address). Each map is referenced by exactly one rule: the kernel walks every
 //!   binding of a map on each element insert, and names each anonymous set by scanning
-//!   every set of the table, both of which made per-Service maps quadratic;
+//!   every set of the table, both of which made per-Service maps quadratic. A group
+//!   of more rows than [`Shards::ROWS`] is split into a power of two of maps
+//!   (`dnat-c-N-sK`, `disp-c-N-sK` for K ≥ 1; the first keeps the group's name), each
+//!   port's frontends in the one its name's hash picks: reading a set back costs the
+//!   kernel the square of its size ([`Shards`]);
 //! - a frontend whose rules are *regular* (one rule for every source, or "local pods
 //!   as they are, everyone else masqueraded", both to one endpoint set) maps straight
 //!   to `goto disp-…` from the verdict map: no chain or rule of its own. Its masquerade
@@ -297,7 +301,7 @@ pub fn counters(
         .iter()
         .filter(move |sp| on && sp.family == family)
         .flat_map(|sp| {
-            let id = port_id(sp);
+            let id = port_id(port_hash(sp), sp);
             let mut kinds = vec![
                 CounterKind::New,
                 CounterKind::Rejected,
@@ -785,6 +789,72 @@ fn row_index(n: usize) -> u32 {
     u32::try_from(n).expect("a frontend's rows fit in u32")
 }
 
+/// How many maps each dispatch group is split into, so that no map holds more than
+/// about [`Shards::ROWS`] rows: a power of two per (endpoint set, N), 1 when absent. A
+/// Service port's frontends go to the shard its port id's hash picks
+/// ([`port_hash`]), so a shard is a pure function of the port and the count.
+///
+/// Why: reading a set back (a restart's adoption, a repair, a verification) costs the
+/// kernel the square of the set's size. Its element dump sends one ≈ 32 KiB message
+/// per round (the most a netlink dump round holds) and each round walks the set from
+/// its start, skipping what earlier rounds sent (`nf_tables_dump_set`), so a map of n
+/// rows costs ≈ n² / 1,400 element visits: at 100k Services × 10 endpoints the one map
+/// `dnat-c-10` (1M rows) took 87–105 s to read, against a cold sync of 16–19 s
+/// (BENCHMARKS.md, "One node, one million endpoints"). Maps of at most ≈ `ROWS` rows
+/// make a read linear in the table's elements.
+///
+/// The counts are computed from the plan at each full sync ([`Shards::of`]) and kept by
+/// the record while it moves by deltas (a group new since then has one map), so a
+/// delta never moves a Service between shards; a restart computes them afresh, and its
+/// adoption moves what a changed count moves.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Shards(std::collections::BTreeMap<(bool, u32), u32>);
+
+impl Shards {
+    /// The rows a dispatch map is sized for: a read of one costs the kernel about
+    /// `ROWS / 1,400` element visits per row (≈ 6 here), while each map also costs a
+    /// chain and a rule.
+    pub const ROWS: usize = 8192;
+
+    /// The shard counts of `plan`'s dispatch groups in `family`: the rows each (endpoint
+    /// set, N) would hold (an upper bound: both endpoint sets of a port, all its
+    /// frontends), divided by [`Shards::ROWS`], to the next power of two.
+    pub fn of(plan: &NodePlan, family: IpFamily) -> Shards {
+        let mut rows: std::collections::BTreeMap<(bool, u32), usize> = Default::default();
+        for svc in plan.services.values() {
+            for sp in svc.ports.iter().filter(|sp| sp.family == family) {
+                let frontends = 1
+                    + sp.external_ips.len()
+                    + sp.load_balancer_ips.len()
+                    + usize::from(sp.node_port.is_some());
+                for set in [EndpointSet::Cluster, EndpointSet::Local] {
+                    let n = sp.endpoints_for(set).len();
+                    if n > 0 {
+                        let group = (
+                            set == EndpointSet::Local,
+                            u32::try_from(n).unwrap_or(u32::MAX),
+                        );
+                        *rows.entry(group).or_default() += n * frontends;
+                    }
+                }
+            }
+        }
+        Shards(
+            rows.into_iter()
+                .filter_map(|(group, rows)| {
+                    let count = rows.div_ceil(Shards::ROWS).next_power_of_two();
+                    (count > 1).then(|| (group, u32::try_from(count).unwrap_or(1 << 31)))
+                })
+                .collect(),
+        )
+    }
+
+    /// How many maps the group (endpoint set, `n`) has.
+    pub fn count(&self, local: bool, n: u32) -> u32 {
+        self.0.get(&(local, n)).copied().unwrap_or(1)
+    }
+}
+
 /// A dispatch group: the map `dnat-{c,l}-N` (address frontends) or `npdnat-{c,l}-N`
 /// (NodePorts) holding, for every frontend whose endpoint set (Cluster or Local) has N
 /// endpoints, the rows `frontend . i : endpoint` (i in 0..N), and the chain
@@ -797,6 +867,9 @@ pub struct Dispatch {
     pub local: bool,
     /// `numgen random mod N`: nft's modulus is 32 bits.
     pub n: u32,
+    /// Which of the group's maps ([`Shards`]): 0 is `dnat-c-N` as in a table whose group
+    /// fits one map, `k` > 0 is `dnat-c-N-sK` (and `disp-c-N-sK`).
+    pub shard: u32,
 }
 
 impl Dispatch {
@@ -804,7 +877,11 @@ impl Dispatch {
         if self.nodeport { "np" } else { "" }
     }
     fn tag(&self) -> String {
-        format!("{}-{}", if self.local { "l" } else { "c" }, self.n)
+        let set = if self.local { "l" } else { "c" };
+        match self.shard {
+            0 => format!("{set}-{}", self.n),
+            k => format!("{set}-{}-s{k}", self.n),
+        }
     }
     pub fn chain(&self) -> String {
         format!("{}disp-{}", self.prefix(), self.tag())
@@ -971,6 +1048,7 @@ pub fn build_service(
     plan: &NodePlan,
     cfg: &DataplaneConfig,
     family: IpFamily,
+    shards: &Shards,
 ) -> Fragment {
     let f = Fam::of(family);
     let mut frag = Draft {
@@ -980,7 +1058,7 @@ pub fn build_service(
     };
     let local_pods = &plan.family(family).local_pods;
     for sp in svc.ports.iter().filter(|sp| sp.family == family) {
-        add_service_port(&mut frag, &f, sp, local_pods, cfg.mark(), cfg.counters);
+        add_service_port(&mut frag, &f, sp, local_pods, cfg.mark(), cfg.counters, shards);
     }
     frag.finish()
 }
@@ -1283,17 +1361,25 @@ fn add_service_port(
     local_pods: &LocalPods,
     mark: u32,
     counters: bool,
+    shards: &Shards,
 ) {
-    let id = port_id(sp);
+    let hash = port_hash(sp);
+    let id = port_id(hash, sp);
+    // An affinity port's rules go to its own per-endpoint chains, never to a dispatch
+    // group: no shards for it.
+    let affinity = sp.session_affinity_timeout.is_some();
+    let no_groups = Shards::default();
     let ctx = PortCtx {
         f,
         sp,
         local_pods,
         mark,
         counters: counters.then(|| Arc::from(id.as_str())),
+        shards: if affinity { &no_groups } else { shards },
+        hash: if affinity { 0 } else { hash },
     };
     // Its shared elements are derived by `shared`.
-    if sp.session_affinity_timeout.is_some() {
+    if affinity {
         add_affinity_port(frag, &ctx, &id);
         return;
     }
@@ -1367,7 +1453,7 @@ fn firewall_rule(f: &Fam, sp: &ServicePortPlan, counters: bool) -> Option<Rule> 
         exprs.push(in_anon(f.saddr(), true, allowed));
     }
     if counters {
-        let name = counter_name(&port_id(sp), &CounterKind::SourceRange);
+        let name = counter_name(&port_id(port_hash(sp), sp), &CounterKind::SourceRange);
         exprs.push(Expr::CounterRef(name));
     }
     exprs.push(Expr::Verdict(crate::model::Verdict::Drop));
@@ -1403,6 +1489,9 @@ struct PortCtx<'a> {
     mark: u32,
     /// The port's id when the traffic counters are on.
     counters: Option<Arc<str>>,
+    shards: &'a Shards,
+    /// [`port_hash`] of the port: which shard of a group its frontends take.
+    hash: u32,
 }
 
 impl PortCtx<'_> {
@@ -1511,11 +1600,15 @@ impl PortCtx<'_> {
 
     fn dispatch(&self, set: EndpointSet, nodeport: bool) -> Dispatch {
         let n = self.sp.endpoints_for(set).len();
+        let local = set == EndpointSet::Local;
+        // Beyond nft's 32-bit modulus there is no map to write either.
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
         Dispatch {
             nodeport,
-            local: set == EndpointSet::Local,
-            // Beyond nft's 32-bit modulus there is no map to write either.
-            n: u32::try_from(n).unwrap_or(u32::MAX),
+            local,
+            n,
+            // A power of two: the hash's low bits.
+            shard: self.hash & (self.shards.count(local, n) - 1),
         }
     }
 
@@ -1856,14 +1949,19 @@ fn nonlocal_match(f: &Fam, local_pods: &LocalPods) -> Option<Expr> {
     local_pod_match(f, local_pods, true)
 }
 
-/// A short stable identifier of a service port: hash (uniqueness) + readable name.
-/// Every part is a validated Kubernetes name; `sanitize` keeps it an nft identifier
-/// even if that ever changes.
-pub fn port_id(sp: &ServicePortPlan) -> String {
+/// The first 32 bits of the SHA-256 of the port's name (`namespace/name:port`): the
+/// head of its [`port_id`], and the shard of a dispatch group it takes ([`Shards`]).
+fn port_hash(sp: &ServicePortPlan) -> u32 {
+    let h = Sha256::digest(sp.service_port.to_string().as_bytes());
+    u32::from_be_bytes([h[0], h[1], h[2], h[3]])
+}
+
+/// A short stable identifier of a service port: its [`port_hash`] `hash` (uniqueness)
+/// and a readable name. Every part is a validated Kubernetes name; `sanitize` keeps it
+/// an nft identifier even if that ever changes.
+fn port_id(hash: u32, sp: &ServicePortPlan) -> String {
     let spn = &sp.service_port;
-    let key = spn.to_string();
-    let h = Sha256::digest(key.as_bytes());
-    let hash: String = h.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    let hash = format!("{hash:08x}");
     let readable = format!(
         "{}/{}/{}/{}",
         spn.service.namespace,
