@@ -175,7 +175,7 @@ pub const ANNOTATION_READINESS_FAILS_ON_SIGTERM: &str = "lint.kproxy.io/readines
 pub const ANNOTATION_PRESTOP_SECONDS: &str = "lint.kproxy.io/prestop-seconds";
 
 /// Images whose readiness probe fails as soon as the process gets SIGTERM (ingress-nginx
-/// issue #13689, cited by `../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`).
+/// issue #13689, cited by seed 2, summed up in docs/lint-rules.md).
 const READINESS_FAILS_ON_SIGTERM_IMAGES: &[&str] =
     &["ingress-nginx/controller", "nginx-ingress-controller"];
 

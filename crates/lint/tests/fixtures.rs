@@ -1,5 +1,5 @@
 //! Fixture tests: for every rule a failing and a passing manifest (tests/fixtures/rules), the
-//! configurations of `../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`
+//! configurations of seed 2 (summed up in docs/lint-rules.md)
 //! (tests/fixtures/seed2), and the command line end to end (exit statuses, formats, SARIF's
 //! required fields).
 
