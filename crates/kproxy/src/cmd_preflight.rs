@@ -234,16 +234,22 @@ pub fn kube_proxy_check(plan: &RemovalPlan, live: &Liveness, mode: TakeoverMode)
     Check::new(name, status, format!("{found}; {what}"))
 }
 
-/// One nftables feature kproxy's rules use, as a plan kproxy's dataplane programs.
+/// One nftables feature kproxy's rules use, as a plan kproxy's dataplane programs: the
+/// scratch node and, but for the first (the empty table), one Service of the kind that
+/// needs the feature.
 pub struct Feature {
     pub name: &'static str,
     /// What kproxy needs it for, and the kernel pieces it loads.
     pub what: &'static str,
-    /// The Services (YAML documents) beside the scratch node: the plan that uses it.
-    pub services: &'static str,
-    /// The plan must have a UDP port with a serving endpoint: its sync dumps the
-    /// conntrack table over ctnetlink.
-    pub conntrack: bool,
+    /// The Service's spec fields besides its cluster IP and port (YAML flow mapping
+    /// entries); None: no Service.
+    pub spec: Option<&'static str>,
+    /// Its port's protocol, and its node port (0: none).
+    pub protocol: &'static str,
+    pub node_port: u16,
+    /// Its `status` (YAML), and how many ready endpoints on the scratch node it has.
+    pub status: &'static str,
+    pub endpoints: usize,
 }
 
 /// The scratch node every feature's plan is made for.
@@ -255,118 +261,123 @@ spec: {podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24]}
 status: {addresses: [{type: InternalIP, address: 10.0.0.1}]}
 ";
 
+/// A feature with a Service of `spec`, TCP, no node port, no status, two endpoints.
+const fn service(name: &'static str, what: &'static str, spec: &'static str) -> Feature {
+    Feature {
+        name,
+        what,
+        spec: Some(spec),
+        protocol: "TCP",
+        node_port: 0,
+        status: "{}",
+        endpoints: 2,
+    }
+}
+
 /// The features, in the order a table needs them.
 pub const FEATURES: [Feature; 7] = [
     Feature {
-        name: "nf_tables",
-        what: "tables in both families, nat chains at kproxy's hooks, masquerade (nf_tables, nft_chain_nat, nft_masq)",
-        services: "",
-        conntrack: false,
+        spec: None,
+        ..service(
+            "nf_tables",
+            "tables in both families, nat chains at kproxy's hooks, masquerade (nf_tables, nft_chain_nat, nft_masq)",
+            "",
+        )
+    },
+    service(
+        "nftables maps",
+        "a ClusterIP Service: concatenated verdict maps, numgen dispatch, DNAT (nft_numgen, nft_nat)",
+        "",
+    ),
+    Feature {
+        node_port: 30001,
+        ..service(
+            "nftables fib",
+            "a NodePort Service: `fib daddr type local` for the node's addresses (nft_fib)",
+            "type: NodePort, externalTrafficPolicy: Cluster",
+        )
     },
     Feature {
-        name: "nftables maps",
-        what: "a ClusterIP Service: concatenated verdict maps, numgen dispatch, DNAT (nft_numgen, nft_nat)",
-        services: "apiVersion: v1
-kind: Service
-metadata: {name: a, namespace: preflight}
-spec: {clusterIP: 10.96.0.1, clusterIPs: [10.96.0.1], ipFamilies: [IPv4], ports: [{name: p, protocol: TCP, port: 80, targetPort: 8080}]}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: a-1, namespace: preflight, labels: {kubernetes.io/service-name: a}}
-addressType: IPv4
-ports: [{name: p, protocol: TCP, port: 8080}]
-endpoints:
-- {addresses: [10.244.0.5], conditions: {ready: true, serving: true, terminating: false}, nodeName: preflight}
-- {addresses: [10.244.0.6], conditions: {ready: true, serving: true, terminating: false}, nodeName: preflight}
-",
-        conntrack: false,
+        node_port: 30002,
+        status: "{loadBalancer: {ingress: [{ip: 203.0.113.10}]}}",
+        ..service(
+            "nftables interval sets",
+            "loadBalancerSourceRanges: interval sets of prefixes",
+            "type: LoadBalancer, externalTrafficPolicy: Cluster, loadBalancerSourceRanges: [198.51.100.0/24, 192.0.2.0/25]",
+        )
+    },
+    service(
+        "nftables dynamic sets",
+        "sessionAffinity ClientIP: sets with timeouts updated from the packet path (nft_dynset)",
+        "sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}",
+    ),
+    Feature {
+        endpoints: 0,
+        ..service(
+            "nftables reject",
+            "a Service without endpoints: reject (nft_reject_inet)",
+            "",
+        )
     },
     Feature {
-        name: "nftables fib",
-        what: "a NodePort Service: `fib daddr type local` for the node's addresses (nft_fib)",
-        services: "apiVersion: v1
-kind: Service
-metadata: {name: np, namespace: preflight}
-spec: {type: NodePort, clusterIP: 10.96.0.2, clusterIPs: [10.96.0.2], ipFamilies: [IPv4], externalTrafficPolicy: Cluster, ports: [{name: p, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30001}]}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: np-1, namespace: preflight, labels: {kubernetes.io/service-name: np}}
-addressType: IPv4
-ports: [{name: p, protocol: TCP, port: 8080}]
-endpoints:
-- {addresses: [10.244.0.5], conditions: {ready: true, serving: true, terminating: false}, nodeName: preflight}
-",
-        conntrack: false,
-    },
-    Feature {
-        name: "nftables interval sets",
-        what: "loadBalancerSourceRanges: interval sets of prefixes",
-        services: "apiVersion: v1
-kind: Service
-metadata: {name: lb, namespace: preflight}
-spec: {type: LoadBalancer, clusterIP: 10.96.0.3, clusterIPs: [10.96.0.3], ipFamilies: [IPv4], externalTrafficPolicy: Cluster, loadBalancerSourceRanges: [198.51.100.0/24, 192.0.2.0/25], ports: [{name: p, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30002}]}
-status: {loadBalancer: {ingress: [{ip: 203.0.113.10}]}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: lb-1, namespace: preflight, labels: {kubernetes.io/service-name: lb}}
-addressType: IPv4
-ports: [{name: p, protocol: TCP, port: 8080}]
-endpoints:
-- {addresses: [10.244.0.5], conditions: {ready: true, serving: true, terminating: false}, nodeName: preflight}
-",
-        conntrack: false,
-    },
-    Feature {
-        name: "nftables dynamic sets",
-        what: "sessionAffinity ClientIP: sets with timeouts updated from the packet path (nft_dynset)",
-        services: "apiVersion: v1
-kind: Service
-metadata: {name: aff, namespace: preflight}
-spec: {clusterIP: 10.96.0.4, clusterIPs: [10.96.0.4], ipFamilies: [IPv4], sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}, ports: [{name: p, protocol: TCP, port: 80, targetPort: 8080}]}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: aff-1, namespace: preflight, labels: {kubernetes.io/service-name: aff}}
-addressType: IPv4
-ports: [{name: p, protocol: TCP, port: 8080}]
-endpoints:
-- {addresses: [10.244.0.5], conditions: {ready: true, serving: true, terminating: false}, nodeName: preflight}
-- {addresses: [10.244.0.6], conditions: {ready: true, serving: true, terminating: false}, nodeName: preflight}
-",
-        conntrack: false,
-    },
-    Feature {
-        name: "nftables reject",
-        what: "a Service without endpoints: reject (nft_reject_inet)",
-        services: "apiVersion: v1
-kind: Service
-metadata: {name: none, namespace: preflight}
-spec: {clusterIP: 10.96.0.5, clusterIPs: [10.96.0.5], ipFamilies: [IPv4], ports: [{name: p, protocol: TCP, port: 80, targetPort: 8080}]}
-",
-        conntrack: false,
-    },
-    Feature {
-        name: "conntrack netlink",
-        what: "a UDP Service: the stale-flow cleanup dumps and deletes conntrack entries over ctnetlink (nf_conntrack_netlink)",
-        services: "apiVersion: v1
-kind: Service
-metadata: {name: dns, namespace: preflight}
-spec: {clusterIP: 10.96.0.6, clusterIPs: [10.96.0.6], ipFamilies: [IPv4], ports: [{name: p, protocol: UDP, port: 53, targetPort: 5353}]}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: dns-1, namespace: preflight, labels: {kubernetes.io/service-name: dns}}
-addressType: IPv4
-ports: [{name: p, protocol: UDP, port: 5353}]
-endpoints:
-- {addresses: [10.244.0.5], conditions: {ready: true, serving: true, terminating: false}, nodeName: preflight}
-",
-        conntrack: true,
+        protocol: "UDP",
+        endpoints: 1,
+        ..service(
+            "conntrack netlink",
+            "a UDP Service: the stale-flow cleanup dumps and deletes conntrack entries over ctnetlink (nf_conntrack_netlink)",
+            "",
+        )
     },
 ];
+
+impl Feature {
+    /// The scratch node and this feature's Service (the `i`-th feature's cluster IP
+    /// 10.96.0.i) with its EndpointSlice, as manifests.
+    pub fn manifests(&self, i: usize) -> String {
+        let Some(spec) = self.spec else {
+            return NODE_YAML.to_string();
+        };
+        let (proto, ip) = (self.protocol, format!("10.96.0.{}", i + 1));
+        let node_port = match self.node_port {
+            0 => String::new(),
+            p => format!(", nodePort: {p}"),
+        };
+        let extra = if spec.is_empty() {
+            String::new()
+        } else {
+            format!(", {spec}")
+        };
+        let mut y = format!(
+            "{NODE_YAML}---
+apiVersion: v1
+kind: Service
+metadata: {{name: f{i}, namespace: preflight}}
+spec: {{clusterIP: {ip}, clusterIPs: [{ip}], ipFamilies: [IPv4], ports: [{{name: p, protocol: {proto}, port: 80, targetPort: 8080{node_port}}}]{extra}}}
+status: {}
+",
+            self.status
+        );
+        if self.endpoints > 0 {
+            y += &format!(
+                "---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: f{i}-1, namespace: preflight, labels: {{kubernetes.io/service-name: f{i}}}}}
+addressType: IPv4
+ports: [{{name: p, protocol: {proto}, port: 8080}}]
+endpoints:
+"
+            );
+            for e in 0..self.endpoints {
+                y += &format!(
+                    "- {{addresses: [10.244.0.{}], conditions: {{ready: true, serving: true, terminating: false}}, nodeName: preflight}}\n",
+                    e + 5
+                );
+            }
+        }
+        y
+    }
+}
 
 /// A feature's line from what its sync answered (`Ok`: the rules the kernel holds
 /// afterwards, per family).
@@ -479,12 +490,8 @@ fn feature_plans(dir: &Path) -> Result<Vec<kproxy_core::NodePlan>> {
         .enumerate()
         .map(|(i, f)| {
             let file = dir.join(format!("feature-{i}.yaml"));
-            let text = if f.services.is_empty() {
-                NODE_YAML.to_string()
-            } else {
-                format!("{NODE_YAML}---\n{}", f.services)
-            };
-            std::fs::write(&file, text).with_context(|| format!("writing {}", file.display()))?;
+            std::fs::write(&file, f.manifests(i))
+                .with_context(|| format!("writing {}", file.display()))?;
             let loaded = kproxy_source::manifests::load(&file, NODE, &Default::default());
             if let Some(p) = loaded.problems.first() {
                 anyhow::bail!("preflight's own manifest for {}: {p}", f.name);
@@ -723,10 +730,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
         eprintln!("kproxy: warning: {}: {}", w.path, w.message);
     }
     let mut checks = Vec::new();
-    let release = nix::sys::utsname::uname()
-        .map(|u| u.release().to_string_lossy().into_owned())
-        .unwrap_or_default();
-    checks.push(kernel_check(&release));
+    // The kernel's release, as `uname -r` prints it.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let release = release.trim();
+    checks.push(kernel_check(release));
     let dir = ScratchDir::new()?;
     checks.extend(feature_checks(&dir.0));
     let (soft, hard) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
@@ -771,7 +778,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kproxy_core::model::IpFamily;
     use kproxy_core::takeover::{Inventory, NftTableName};
 
     #[test]
@@ -888,7 +894,6 @@ mod tests {
             "{}",
             none.detail
         );
-        let _ = IpFamily::IPv4;
     }
 
     #[test]
@@ -953,6 +958,8 @@ mod tests {
         assert!(plans[0].services.is_empty());
         for (f, p) in FEATURES.iter().zip(&plans).skip(1) {
             assert_eq!(p.services.len(), 1, "{}", f.name);
+            let ports: Vec<_> = p.service_ports().collect();
+            assert_eq!(ports.len(), 1, "{}", f.name);
         }
     }
 }
