@@ -29,7 +29,7 @@ use support::{Netns, Proc};
 use std::collections::BTreeSet;
 use std::io::{Read, Seek};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

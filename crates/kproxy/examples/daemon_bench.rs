@@ -24,13 +24,13 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use support::{Netns, Proc, ip4, kproxy_binary, sh};
+use support::{Netns, Proc, ip4, kproxy_binary};
 
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const PROBE_CLUSTER_IP: &str = "10.95.255.1";

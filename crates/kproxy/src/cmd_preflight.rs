@@ -392,9 +392,11 @@ pub fn feature_check(f: &Feature, result: &Result<usize, String>) -> Check {
     }
 }
 
-/// The API access kproxy needs (deploy/rbac.yaml's ClusterRole): (group, resource,
-/// verb).
-pub const ACCESS: [(&str, &str, &str); 10] = [
+/// One access kproxy needs: (API group, resource, verb).
+pub type Access = (&'static str, &'static str, &'static str);
+
+/// The API access kproxy needs (deploy/rbac.yaml's ClusterRole).
+pub const ACCESS: [Access; 10] = [
     ("", "services", "list"),
     ("", "services", "watch"),
     ("", "nodes", "list"),
@@ -409,9 +411,9 @@ pub const ACCESS: [(&str, &str, &str); 10] = [
 
 /// The RBAC line from the SelfSubjectAccessReviews' answers (`Ok(allowed)` per
 /// [`ACCESS`] entry, or why the review failed).
-pub fn rbac_check(answers: &[((&str, &str, &str), Result<bool, String>)]) -> Check {
+pub fn rbac_check(answers: &[(Access, Result<bool, String>)]) -> Check {
     let name = "RBAC";
-    let word = |(g, r, v): &(&str, &str, &str)| {
+    let word = |(g, r, v): &Access| {
         if g.is_empty() {
             format!("{v} {r}")
         } else {

@@ -2,6 +2,9 @@
 //! addresses, their network namespaces and child processes (removed and killed on
 //! drop), and running a set-up command.
 
+// Each bench uses its own subset of these helpers.
+#![allow(dead_code)]
+
 use std::path::{Path, PathBuf};
 
 /// The kproxy binary of the bench's own profile: target/PROFILE/examples/BENCH →
