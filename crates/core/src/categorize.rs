@@ -1,4 +1,4 @@
-//! Endpoint categorisation for one service port (../shared/spec/upstream-semantics.md §b, upstream
+//! Endpoint categorisation for one service port (docs/upstream-semantics.md §b, upstream
 //! `CategorizeEndpoints`): which endpoints Cluster-policy and Local-policy traffic may
 //! use, with topology and the serving+terminating fallback.
 //!
@@ -45,7 +45,7 @@ fn fallback_candidate(e: &EndpointState, ctx: &Context) -> bool {
         && e.conditions.terminating
 }
 
-/// Picks the topology mode from the hints of the *ready* endpoints (upstream-semantics.md §b.4).
+/// Picks the topology mode from the hints of the *ready* endpoints (docs/upstream-semantics.md §b.4).
 pub fn topology_mode(endpoints: &[EndpointState], ctx: &Context) -> TopologyMode {
     let mut any_ready = false;
     let (mut all_node_hints, mut for_node) = (true, false);

@@ -1,5 +1,5 @@
 //! Ingestion: Kubernetes objects (k8s-openapi types) into the validated [`crate::model`],
-//! implementing §a of ../shared/spec/upstream-semantics.md. This is the one place that judges
+//! implementing §a of docs/upstream-semantics.md. This is the one place that judges
 //! outside input: names that Kubernetes would reject are refused here, so no later stage
 //! (nftables scripts, logs) ever sees them. A problem confined to one field (one bad endpoint
 //! address, one bad source range) drops that piece with a warning; a problem that makes the
@@ -126,7 +126,7 @@ pub enum ServiceOutcome {
     NotProxied(ServiceName, NotProxied),
 }
 
-/// Which Services this proxy owns (upstream-semantics.md §a.1): by default those *without* the
+/// Which Services this proxy owns (docs/upstream-semantics.md §a.1): by default those *without* the
 /// `service-proxy-name` label; with `--service-proxy-name X`, those labelled X.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Ownership {
@@ -355,7 +355,7 @@ fn port_number(v: i32) -> Option<u16> {
     u16::try_from(v).ok().filter(|p| *p != 0)
 }
 
-/// Ingests a Service (upstream-semantics.md §a.1, §a.2).
+/// Ingests a Service (docs/upstream-semantics.md §a.1, §a.2).
 pub fn service(
     svc: &corev1::Service,
     ownership: &Ownership,
@@ -442,7 +442,7 @@ pub fn service(
     }))
 }
 
-/// Cluster IPs per family (upstream-semantics.md §a.1): `.spec.ipFamilies` with
+/// Cluster IPs per family (docs/upstream-semantics.md §a.1): `.spec.ipFamilies` with
 /// `.spec.clusterIPs`, or the primary `.spec.clusterIP` alone. A Service without a usable one
 /// is an error.
 fn service_cluster_ips(
@@ -697,7 +697,7 @@ pub enum SliceOutcome {
     },
 }
 
-/// Ingests an EndpointSlice (upstream-semantics.md §a.3).
+/// Ingests an EndpointSlice (docs/upstream-semantics.md §a.3).
 pub fn endpoint_slice(
     slice: &discoveryv1::EndpointSlice,
     ownership: &Ownership,

@@ -276,7 +276,7 @@ pub struct Firewall {
     pub allowed_sources: Vec<IpNet>,
 }
 
-/// The topology filter applied to the Cluster list (../shared/spec/upstream-semantics.md §b.4).
+/// The topology filter applied to the Cluster list (docs/upstream-semantics.md §b.4).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase", tag = "mode", content = "value")]
 pub enum TopologyMode {

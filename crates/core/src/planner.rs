@@ -1,5 +1,5 @@
 //! The planner: `ClusterState` + this node + `PlanConfig` → `NodePlan`
-//! (../shared/spec/upstream-semantics.md §a.4, §b, §c, §d.1). Pure and deterministic: the order
+//! (docs/upstream-semantics.md §a.4, §b, §c, §d.1). Pure and deterministic: the order
 //! in which objects arrived never changes the output. [`Planner`] keeps the last plan and
 //! re-plans only the Services that changed; [`plan`] is the same computation from scratch.
 
@@ -406,7 +406,7 @@ fn cidrs_or_none(c: Vec<IpNet>) -> LocalPods {
 }
 
 /// Merges a Service's slices of one family per (port name, protocol) into sorted
-/// endpoint lists (upstream-semantics.md §a.4). When the same `ip:port` appears twice, a
+/// endpoint lists (docs/upstream-semantics.md §a.4). When the same `ip:port` appears twice, a
 /// non-terminating copy beats a terminating one, then a ready copy beats a not-ready
 /// one, then a local copy beats a remote one; a full tie keeps the copy from the slice
 /// whose name sorts first (upstream leaves that case to map order).
@@ -564,7 +564,7 @@ fn plan_port(
     };
     let rule = |from, verdict| TrafficRule { from, verdict };
 
-    // Internal (cluster IP) traffic: upstream-semantics.md §c.1.
+    // Internal (cluster IP) traffic: docs/upstream-semantics.md §c.1.
     let internal_set = if itp == TrafficPolicy::Local {
         EndpointSet::Local
     } else {
@@ -583,7 +583,7 @@ fn plan_port(
         vec![rule(SourceClass::Any, forward(internal_set, false))]
     };
 
-    // External (NodePort, external IP, LB IP) traffic: upstream-semantics.md §c.2, §c.3.
+    // External (NodePort, external IP, LB IP) traffic: docs/upstream-semantics.md §c.2, §c.3.
     let external = if !ext_acc {
         Vec::new()
     } else if !cat.has_any {
@@ -608,7 +608,7 @@ fn plan_port(
         rules
     };
 
-    // Source ranges: LB IPs only (upstream-semantics.md §c.5).
+    // Source ranges: LB IPs only (docs/upstream-semantics.md §c.5).
     let ranges: Vec<IpNet> = svc
         .load_balancer_source_ranges
         .iter()

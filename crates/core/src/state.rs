@@ -323,7 +323,7 @@ impl ClusterState {
     /// node is not eligible for load balancers (`/healthz` 503, nodeEligible false) and keeps
     /// its addresses, as kube-proxy keeps the node IPs it started with. Upstream never turns a
     /// deleted Node eligible again: v1.28-v1.32 sync the deleted object, later releases exit
-    /// and wait for the Node at restart (../shared/spec/upstream-semantics.md §d.2). A Node
+    /// and wait for the Node at restart (docs/upstream-semantics.md §d.2). A Node
     /// that reappears is applied as any other. Returns whether anything changed.
     pub fn node_gone(&mut self, last: Option<Node>) -> bool {
         match last {

@@ -1,4 +1,4 @@
-//! Service-level rules of ../shared/spec/upstream-semantics.md §a and §c that the shared
+//! Service-level rules of docs/upstream-semantics.md §a and §c that the shared
 //! conformance tables do not cover, one named test per rule, written as Kubernetes YAML through
 //! the real manifest → ingest → plan path.
 

@@ -22,7 +22,7 @@ pub enum Semantics {
     /// the cluster has already taken away (docs/health.md).
     #[default]
     Truthful,
-    /// Exactly what upstream kube-proxy answers (../shared/spec/upstream-semantics.md §d).
+    /// Exactly what upstream kube-proxy answers (docs/upstream-semantics.md §d).
     Upstream,
 }
 
@@ -44,7 +44,7 @@ impl Semantics {
 }
 
 /// The proxy's sync freshness, upstream's `ProxyHealthServer` bookkeeping
-/// (upstream-semantics.md §d.2). Upstream keeps one `lastUpdated` and one oldest pending change
+/// (docs/upstream-semantics.md §d.2). Upstream keeps one `lastUpdated` and one oldest pending change
 /// *per family* (one proxier each) and is healthy only when every family is. kproxy programs
 /// both families in one transaction, so the daemon calls the all-family [`ProxyHealth::queued`]
 /// / [`ProxyHealth::updated`]; the per-family calls exist so upstream's timelines (one family
@@ -234,7 +234,7 @@ pub fn rfc3339(t: SystemTime) -> String {
     }
 }
 
-/// The answer of `/healthz` or `/livez` (upstream-semantics.md §d.2).
+/// The answer of `/healthz` or `/livez` (docs/upstream-semantics.md §d.2).
 ///
 /// Upstream: `healthy` = no change pending for ≥ `timeout`; `/livez` is 200 iff healthy;
 /// `/healthz` is 200 iff healthy and the node is eligible. When the answer is 200 the
@@ -324,7 +324,7 @@ pub fn service_status(local_endpoints: u32, proxy_healthy: bool) -> u16 {
     }
 }
 
-/// The answer of a health-check node port (upstream-semantics.md §d.1): 200 iff the Service has
+/// The answer of a health-check node port (docs/upstream-semantics.md §d.1): 200 iff the Service has
 /// local ready endpoints and the proxy is healthy (`/livez` notion); the body is upstream's,
 /// byte for byte (tab-indented, no trailing newline).
 pub fn service_answer(service: &ServiceName, local_endpoints: u32, proxy_healthy: bool) -> Answer {
@@ -541,7 +541,7 @@ pub fn missing_node_addrs(families: &[FamilyPlan], local: &[LocalAddr]) -> Vec<I
         .collect()
 }
 
-/// Where a health-check node port listens (upstream-semantics.md §d.1): the wildcard address of
+/// Where a health-check node port listens (docs/upstream-semantics.md §d.1): the wildcard address of
 /// each family whose nodePortAddresses match everything, else each selected node address that
 /// is really local (binding another one would fail). A family without any node address is not
 /// in use and gets no listener, unless no family has one (nothing is known: listen everywhere,

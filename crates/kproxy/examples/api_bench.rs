@@ -77,12 +77,11 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use support::{ip4, kproxy_binary};
+use support::{Netns, Proc, ip4, kproxy_binary, sh};
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -97,41 +96,6 @@ const PROBE_POD_IP: &str = "10.250.0.2";
 const PROBE_POD_IP_B: &str = "10.250.0.3";
 const PROBE_ANSWERS: [(&str, u8); 2] = [(PROBE_POD_IP, b'A'), (PROBE_POD_IP_B, b'B')];
 const NAMESPACES: usize = 50;
-
-struct Netns(String);
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-/// A child process killed (and reaped) when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn sh(args: &[&str]) {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .unwrap_or_else(|e| panic!("spawn {args:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn enter(ns: &str) {
-    let f = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("open netns");
-    nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-}
 
 fn service(i: usize) -> (String, Value) {
     let ns = format!("ns-{}", i % NAMESPACES);
@@ -474,7 +438,7 @@ fn measure(
     // The probe connects from the start: the first success is when the rules serve.
     let ns_name = ns.to_string();
     let prober = std::thread::spawn(move || {
-        enter(&ns_name);
+        Netns::enter(&ns_name);
         let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
         loop {
             if TcpStream::connect_timeout(&dst, Duration::from_millis(200)).is_ok() {
@@ -881,7 +845,7 @@ fn flip_probe(
     let (seen_tx, seen_rx) = mpsc::channel::<(Option<u64>, String)>();
     let ns_name = ns.to_string();
     std::thread::spawn(move || {
-        enter(&ns_name);
+        Netns::enter(&ns_name);
         let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
         for want in want_rx {
             let t = Instant::now();
@@ -1312,14 +1276,8 @@ fn main() {
     }
 
     let name = format!("apb-{}", std::process::id());
-    sh(&["ip", "netns", "add", &name]);
-    let ns = Netns(name.clone());
-    let exec = |args: &[&str]| {
-        let mut full = vec!["ip", "netns", "exec", &ns.0];
-        full.extend_from_slice(args);
-        sh(&full);
-    };
-    exec(&["ip", "link", "set", "lo", "up"]);
+    let ns = Netns::new(name.clone());
+    let exec = |args: &[&str]| ns.exec(args);
     exec(&[
         "ip", "link", "add", "apb0", "type", "veth", "peer", "name", "apb1",
     ]);
@@ -1378,7 +1336,7 @@ fn main() {
     for (ip, byte) in PROBE_ANSWERS {
         let ns_name = name.clone();
         std::thread::spawn(move || {
-            enter(&ns_name);
+            Netns::enter(&ns_name);
             let l = TcpListener::bind((ip, 8080)).expect("bind probe listener");
             for mut c in l.incoming().flatten() {
                 let _ = std::io::Write::write_all(&mut c, &[byte]);
@@ -1536,7 +1494,7 @@ impl Client {
         let flag = stop.clone();
         let ns = ns.to_string();
         let thread = std::thread::spawn(move || {
-            enter(&ns);
+            Netns::enter(&ns);
             let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
             let t0 = Instant::now();
             let (mut ok, mut failed) = (0, 0);

@@ -24,11 +24,12 @@
 
 mod support;
 
+use support::{Netns, Proc};
+
 use std::collections::BTreeSet;
 use std::io::{Read, Seek};
-use std::os::fd::AsFd;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -37,55 +38,6 @@ use serde_json::{Value, json};
 
 const NODE: &str = "node-0";
 const TABLE: &str = "kpcb";
-
-struct Netns(String);
-
-impl Netns {
-    fn new() -> Netns {
-        let name = format!("kp-cb-{}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        run(&["ip", "netns", "add", &name]);
-        run(&[
-            "ip", "netns", "exec", &name, "ip", "link", "set", "lo", "up",
-        ]);
-        Netns(name)
-    }
-
-    /// Runs `f` on a thread that entered the namespace (sockets made there stay in it).
-    fn enter<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/var/run/netns/{}", self.0);
-        std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            f()
-        })
-        .join()
-        .expect("netns thread")
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-struct Kproxy(Child);
-
-impl Drop for Kproxy {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn run(args: &[&str]) {
-    let st = Command::new(args[0])
-        .args(&args[1..])
-        .status()
-        .expect("spawn");
-    assert!(st.success(), "{args:?} failed");
-}
 
 fn unix_us(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or_default().as_micros() as u64
@@ -231,7 +183,7 @@ fn main() {
     );
     let kproxy = support::kproxy_binary();
 
-    let ns = Netns::new();
+    let ns = Netns::new(format!("kp-cb-{}", std::process::id()));
     let api = Arc::new(FakeApi::new());
     api.services
         .set_list("10", (0..services).map(service).collect());
@@ -240,7 +192,7 @@ fn main() {
         (0..services).map(|i| slice(i, eps, 6, true)).collect(),
     );
     api.nodes.set_list("10", vec![node()]);
-    let listener = ns.enter(|| std::net::TcpListener::bind("127.0.0.1:0").expect("bind"));
+    let listener = ns.run(|| std::net::TcpListener::bind("127.0.0.1:0").expect("bind"));
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -262,7 +214,7 @@ fn main() {
     let events_path = dir.path().join("events.jsonl");
     let log = dir.path().join("kproxy.log");
     let started = Instant::now();
-    let _kproxy = Kproxy(
+    let _kproxy = Proc(
         Command::new("ip")
             .args(["netns", "exec", &ns.0])
             .arg(&kproxy)

@@ -26,53 +26,18 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use support::{ip4, kproxy_binary};
+use support::{Netns, Proc, ip4, kproxy_binary};
 
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const PROBE_CLUSTER_IP: &str = "10.95.255.1";
 const PROBE_POD_IP: &str = "10.250.0.2";
 const SAMPLES: usize = 2000;
-
-struct Netns(String);
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn sh(args: &[&str]) {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .expect("spawn");
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn enter(ns: &str) {
-    let f = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("open netns");
-    nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-}
 
 /// YAML for Services `from..to` and their EndpointSlices.
 fn manifests(from: usize, to: usize, eps: usize) -> String {
@@ -155,7 +120,7 @@ fn status_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn wait_for_sync(events: &Path, daemon: &mut Daemon, limit: Duration) -> Duration {
+fn wait_for_sync(events: &Path, daemon: &mut Proc, limit: Duration) -> Duration {
     let t = Instant::now();
     loop {
         let log = std::fs::read_to_string(events).unwrap_or_default();
@@ -180,15 +145,8 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 fn run(services: usize, eps: usize) {
     let name = format!("kpb-{}-{services}x{eps}", std::process::id());
-    let _ = Command::new("ip").args(["netns", "del", &name]).output();
-    sh(&["ip", "netns", "add", &name]);
-    let ns = Netns(name.clone());
-    let exec = |args: &[&str]| {
-        let mut full = vec!["ip", "netns", "exec", &ns.0];
-        full.extend_from_slice(args);
-        sh(&full);
-    };
-    exec(&["ip", "link", "set", "lo", "up"]);
+    let ns = Netns::new(name.clone());
+    let exec = |args: &[&str]| ns.exec(args);
     exec(&[
         "ip", "link", "add", "kpb0", "type", "veth", "peer", "name", "kpb1",
     ]);
@@ -222,7 +180,7 @@ fn run(services: usize, eps: usize) {
     // The probe endpoint: a listener in the namespace that accepts and closes.
     let ns_name = name.clone();
     std::thread::spawn(move || {
-        enter(&ns_name);
+        Netns::enter(&ns_name);
         let l = TcpListener::bind((PROBE_POD_IP, 8080)).expect("bind probe listener");
         for c in l.incoming() {
             drop(c);
@@ -237,7 +195,7 @@ fn run(services: usize, eps: usize) {
         }
     }
     let stderr = std::fs::File::create(dir.path().join("kproxy.log")).expect("create kproxy.log");
-    let mut daemon = Daemon(
+    let mut daemon = Proc(
         Command::new("ip")
             .args(["netns", "exec", &ns.0])
             .arg(kproxy_binary())
@@ -265,7 +223,7 @@ fn run(services: usize, eps: usize) {
     // First-packet latency: new TCP connections to the probe cluster IP, sequentially.
     let ns_name = name.clone();
     let mut samples = std::thread::spawn(move || {
-        enter(&ns_name);
+        Netns::enter(&ns_name);
         let dst: SocketAddr = format!("{PROBE_CLUSTER_IP}:80").parse().expect("addr");
         let mut out = Vec::with_capacity(SAMPLES);
         for _ in 0..SAMPLES {

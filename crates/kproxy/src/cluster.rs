@@ -111,6 +111,46 @@ impl CallFlags {
     }
 }
 
+/// A bounded client for the API server the credentials name (chosen as [`credentials`]
+/// says: `kubeconfig`, `$KUBECONFIG`, the configuration's `config_kubeconfig`, …),
+/// with the words that name the server and where its address came from, and the
+/// kubeconfig context's namespace (`None` in a pod).
+pub async fn connect(
+    kubeconfig: Option<&Path>,
+    context: Option<&str>,
+    config_kubeconfig: Option<&Path>,
+    calls: &CallFlags,
+) -> Result<(kube::Client, String, Option<String>)> {
+    let env = std::env::var_os("KUBECONFIG");
+    let sources = CredentialSources {
+        flag: kubeconfig,
+        kubeconfig_env: env.as_deref(),
+        plugin: invoked_as_kubectl_plugin(),
+        config_kubeconfig,
+        home_kubeconfig: home_kubeconfig(),
+        in_cluster: std::env::var_os("KUBERNETES_SERVICE_HOST").is_some(),
+    };
+    let credentials = credentials(&sources, Path::exists).map_err(anyhow::Error::msg)?;
+    let limits = calls.limits();
+    let mut client_config = api::client_config(&credentials, context, limits.connect)
+        .await
+        .context("no --manifests: reading the cluster from the API server")?;
+    let namespace =
+        (credentials != Credentials::InCluster).then(|| client_config.default_namespace.clone());
+    api::kubeconfig::run_exec_plugin(&mut client_config, limits.exec).await?;
+    // Which server, and from where: what to change when it is the wrong one.
+    let server = format!(
+        "reading the cluster from {} (credentials: {credentials}{})",
+        client_config.cluster_url,
+        context
+            .map(|c| format!(", context {c}"))
+            .unwrap_or_default()
+    );
+    let client =
+        bounded::client(client_config, &limits).context("building the Kubernetes client")?;
+    Ok((client, server, namespace))
+}
+
 /// What was read: the state, the configuration and the node they are planned for.
 pub struct Cluster {
     pub state: ClusterState,
@@ -258,35 +298,13 @@ impl ClusterArgs {
             Some(_) => Some(self.input.proxy_config(ConfigFlags::default())?),
             None => None,
         };
-        let env = std::env::var_os("KUBECONFIG");
-        let sources = CredentialSources {
-            flag: self.kubeconfig.as_deref(),
-            kubeconfig_env: env.as_deref(),
-            plugin: invoked_as_kubectl_plugin(),
-            config_kubeconfig: file_config.as_ref().and_then(|c| c.kubeconfig.as_deref()),
-            home_kubeconfig: home_kubeconfig(),
-            in_cluster: std::env::var_os("KUBERNETES_SERVICE_HOST").is_some(),
-        };
-        let credentials = credentials(&sources, Path::exists).map_err(anyhow::Error::msg)?;
-        let limits = self.calls.limits();
-        let mut client_config =
-            api::client_config(&credentials, self.context.as_deref(), limits.connect)
-                .await
-                .context("no --manifests: reading the cluster from the API server")?;
-        let namespace = (credentials != Credentials::InCluster)
-            .then(|| client_config.default_namespace.clone());
-        api::kubeconfig::run_exec_plugin(&mut client_config, limits.exec).await?;
-        // Which server, and from where: what to change when it is the wrong one.
-        let server = format!(
-            "reading the cluster from {} (credentials: {credentials}{})",
-            client_config.cluster_url,
-            self.context
-                .as_deref()
-                .map(|c| format!(", context {c}"))
-                .unwrap_or_default()
-        );
-        let client =
-            bounded::client(client_config, &limits).context("building the Kubernetes client")?;
+        let (client, server, namespace) = connect(
+            self.kubeconfig.as_deref(),
+            self.context.as_deref(),
+            file_config.as_ref().and_then(|c| c.kubeconfig.as_deref()),
+            &self.calls,
+        )
+        .await?;
         api::reach(&client).await.with_context(|| {
             format!("{server}; another cluster: --kubeconfig FILE, $KUBECONFIG or --context NAME; no cluster: --manifests PATH")
         })?;

@@ -103,7 +103,7 @@ pub struct Args {
 }
 
 /// `--kube-proxy-takeover`: the names are kproxy-core's ([`TakeoverMode::NAMES`]).
-fn takeover_parser() -> impl clap::builder::TypedValueParser<Value = TakeoverMode> {
+pub(crate) fn takeover_parser() -> impl clap::builder::TypedValueParser<Value = TakeoverMode> {
     use clap::builder::TypedValueParser;
     clap::builder::PossibleValuesParser::new(TakeoverMode::NAMES)
         // Only the possible values get here, and each parses.
@@ -222,14 +222,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
 
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
-    let health_limits = kproxy_health::http::Limits::default();
-    let wanted = crate::fdlimit::wanted(
-        cfg.metrics_bind_address
-            .map(|_| metrics::SERVER_LIMITS.max_connections),
-        cfg.healthz_bind_address
-            .map(|_| health_limits.max_connections),
-        health_limits.max_connections,
-    );
+    let wanted = crate::fdlimit::wanted_for(&cfg);
     let headroom =
         crate::fdlimit::raise_and_check(wanted, &mut registry).context("reading RLIMIT_NOFILE")?;
     let budget = crate::fdlimit::health_connection_budget(

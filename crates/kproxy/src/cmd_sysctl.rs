@@ -37,7 +37,7 @@ pub enum Outcome {
 }
 
 /// True when this process runs in the host's network namespace (the one of PID 1).
-fn in_host_netns() -> bool {
+pub(crate) fn in_host_netns() -> bool {
     match (
         std::fs::read_link("/proc/self/ns/net"),
         std::fs::read_link("/proc/1/ns/net"),

@@ -32,6 +32,19 @@ pub fn wanted(
         + FLOODED_HEALTH_PORTS * health_port_conns as u64
 }
 
+/// [`wanted`] for `kproxy run` with `cfg`: its metrics and healthz servers when
+/// configured, and the health-check node ports, at their connection limits.
+pub fn wanted_for(cfg: &kproxy_config::ProxyConfig) -> u64 {
+    let health_limits = kproxy_health::http::Limits::default();
+    wanted(
+        cfg.metrics_bind_address
+            .map(|_| crate::metrics::SERVER_LIMITS.max_connections),
+        cfg.healthz_bind_address
+            .map(|_| health_limits.max_connections),
+        health_limits.max_connections,
+    )
+}
+
 /// What start-up did about the limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Headroom {

@@ -6,6 +6,7 @@ mod cluster;
 mod cmd_cleanup;
 mod cmd_explain;
 mod cmd_plan;
+mod cmd_preflight;
 mod cmd_run;
 mod cmd_sync;
 mod cmd_sysctl;
@@ -60,6 +61,8 @@ enum Command {
     Sync(cmd_sync::Args),
     /// Write the conntrack sysctls of the config once and exit (a privileged init container's job).
     Sysctl(cmd_sysctl::Args),
+    /// Check this node (and, with --kubeconfig, the API server) for what kproxy needs: one line per check, exit 1 on a failure.
+    Preflight(cmd_preflight::Args),
     /// Remove everything kproxy made in nftables (its own tables only).
     Cleanup(cmd_cleanup::Args),
     /// The fate of one new connection on this node: DNAT (to which endpoints), DROP, REJECT or NONE.
@@ -91,6 +94,7 @@ fn main() -> ExitCode {
         Command::Sync(a) => cmd_sync::run(a),
         Command::Cleanup(a) => cmd_cleanup::run(a),
         Command::Sysctl(a) => cmd_sysctl::run(a),
+        Command::Preflight(a) => cmd_preflight::run(a),
         #[cfg(feature = "lint")]
         Command::Lint(a) => kproxy_lint::cli::run(a),
         #[cfg(feature = "lab")]

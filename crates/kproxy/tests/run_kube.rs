@@ -493,7 +493,7 @@ fn an_api_outage_keeps_rules_and_health_and_the_daemon_relists_when_the_api_retu
     assert_eq!(hc["serviceProxyHealthy"], true, "{hc}");
     // Periodic syncs go on. After more than 2 × syncPeriod of outage the proxy is still
     // healthy: an unreachable API queues no change, so nothing turns stale (upstream's rule,
-    // ../shared/spec/upstream-semantics.md §d.2; staleness itself is covered by crates/health
+    // docs/upstream-semantics.md §d.2; staleness itself is covered by crates/health
     // with a clock).
     wait("three periodic syncs during the outage", 30, || {
         synced(&run.events).len() >= before + 3

@@ -45,6 +45,47 @@ fn code_of(text: &str) -> String {
     out
 }
 
+/// The first segment of every `crate::` path in `code`, grouped imports expanded:
+/// `use crate::{world::lb, report::{self, text}}` names `world` and `report`.
+fn crate_roots(code: &str) -> Vec<String> {
+    let ident = |s: &str| -> String {
+        s.trim_start()
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("crate::") {
+        rest = &rest[i + "crate::".len()..];
+        let Some(group) = rest.trim_start().strip_prefix('{') else {
+            out.push(ident(rest));
+            continue;
+        };
+        // The group's top-level items, up to its closing brace.
+        let (mut depth, mut item) = (0usize, String::new());
+        for c in group.chars() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => break,
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.push(ident(&item));
+                    item.clear();
+                    continue;
+                }
+                _ => {}
+            }
+            if depth == 0 {
+                item.push(c);
+            }
+        }
+        out.push(ident(&item));
+    }
+    out.retain(|r| !r.is_empty());
+    out
+}
+
 #[test]
 fn no_room_imports_a_room_after_it() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
@@ -57,8 +98,9 @@ fn no_room_imports_a_room_after_it() {
             continue; // lib.rs: the crate's door and the rooms' list
         };
         let code = code_of(&std::fs::read_to_string(file).expect("read source"));
+        let roots = crate_roots(&code);
         for after in &ROOMS[room + 1..] {
-            if code.contains(&format!("crate::{after}")) {
+            if roots.iter().any(|r| r == after) {
                 wrong.push(format!("{} names crate::{after}", rel.display()));
             }
         }
@@ -76,4 +118,19 @@ fn comments_are_not_imports() {
         code_of("a // crate::runs\nb /* crate::cli */ c"),
         "a \nb  c"
     );
+}
+
+/// A grouped import names every room in its group, nested groups too; a room's name
+/// inside a deeper path (`crate::world::report`) is not that room.
+#[test]
+fn grouped_imports_are_expanded() {
+    assert_eq!(
+        crate_roots("use crate::{world::lb, report::{self, text}};\nuse crate::runs::held;"),
+        ["world", "report", "runs"]
+    );
+    assert_eq!(
+        crate_roots("use crate::{\n    scenario::{a, b},\n    cli,\n};"),
+        ["scenario", "cli"]
+    );
+    assert_eq!(crate_roots("crate::world::report::x"), ["world"]);
 }

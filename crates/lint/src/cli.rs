@@ -137,6 +137,10 @@ pub fn execute(
         f.line = inv.line_of(&f.location);
     }
     let checked = rules::workloads_behind_load_balancers(&inv);
+    if let Some(hint) = rules::nothing_checked_hint(&inv) {
+        // On stderr: the report on stdout stays one format (JSON, SARIF) for scripts.
+        writeln!(err, "kproxy lint: {hint}").context("writing to stderr")?;
+    }
     let written = match args.output {
         Format::Text => out.write_all(report::text(&findings, &opts, checked).as_bytes()),
         Format::Json => writeln!(out, "{:#}", report::json(&findings, &opts, checked)),

@@ -175,7 +175,7 @@ pub const ANNOTATION_READINESS_FAILS_ON_SIGTERM: &str = "lint.kproxy.io/readines
 pub const ANNOTATION_PRESTOP_SECONDS: &str = "lint.kproxy.io/prestop-seconds";
 
 /// Images whose readiness probe fails as soon as the process gets SIGTERM (ingress-nginx
-/// issue #13689, cited by `../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`).
+/// issue #13689, cited by seed 2, summed up in docs/lint-rules.md).
 const READINESS_FAILS_ON_SIGTERM_IMAGES: &[&str] =
     &["ingress-nginx/controller", "nginx-ingress-controller"];
 
@@ -307,6 +307,33 @@ pub fn workloads_behind_load_balancers(inv: &Inventory) -> usize {
         .iter()
         .filter(|w| !index.services_for(w).is_empty())
         .count()
+}
+
+/// When no workload sits behind a LoadBalancer Service, what lint reads and what the
+/// input held instead: a report of "0 workload(s) checked" alone reads as a pass.
+pub fn nothing_checked_hint(inv: &Inventory) -> Option<String> {
+    if workloads_behind_load_balancers(inv) > 0 {
+        return None;
+    }
+    let lbs = inv
+        .services
+        .iter()
+        .filter(|s| is_load_balancer(&s.object))
+        .count();
+    let held = format!(
+        "the input held {} workload(s), {} Service(s) ({lbs} of type LoadBalancer) and {} PodDisruptionBudget(s)",
+        inv.workloads.len(),
+        inv.services.len(),
+        inv.pdbs.len()
+    );
+    let why = match (inv.workloads.len(), lbs) {
+        (0, _) => "no workload at all",
+        (_, 0) => "no LoadBalancer Service",
+        _ => "no LoadBalancer Service selects a workload's pods in its namespace",
+    };
+    Some(format!(
+        "hint: nothing was checked ({why}): kproxy lint reads the Deployments, StatefulSets and DaemonSets (apps/v1) that a LoadBalancer Service (v1) selects, with their PodDisruptionBudgets (policy/v1); {held}. Give it the manifests you apply for those workloads (as in examples/lint); Services and EndpointSlices alone, as `kproxy plan` reads, hold no workload"
+    ))
 }
 
 /// The load balancer in front of one Service, and its unusable annotations.

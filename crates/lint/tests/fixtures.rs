@@ -1,5 +1,5 @@
 //! Fixture tests: for every rule a failing and a passing manifest (tests/fixtures/rules), the
-//! configurations of `../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`
+//! configurations of seed 2 (summed up in docs/lint-rules.md)
 //! (tests/fixtures/seed2), and the command line end to end (exit statuses, formats, SARIF's
 //! required fields).
 
@@ -626,4 +626,25 @@ fn service_annotations_refine_the_preset() {
         "{}",
         bad.message
     );
+}
+
+/// `kproxy lint examples/cluster` (Services and EndpointSlices, no workload): the
+/// report says 0 checked, and stderr says why and what lint reads; a checked input
+/// gets no hint.
+#[test]
+fn nothing_checked_says_what_lint_reads() {
+    let cluster = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/cluster");
+    let (code, out, err) = cli(&[cluster]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("\n0 workload(s) behind a LoadBalancer Service checked"),
+        "{out}"
+    );
+    assert!(
+        err.contains("kproxy lint: hint: nothing was checked (no workload at all): kproxy lint reads the Deployments, StatefulSets and DaemonSets (apps/v1) that a LoadBalancer Service (v1) selects"),
+        "{err}"
+    );
+    assert!(err.contains("the input held 0 workload(s), "), "{err}");
+    let (_, _, err) = cli(&[&path("seed2")]);
+    assert!(!err.contains("hint:"), "{err}");
 }

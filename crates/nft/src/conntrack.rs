@@ -1,4 +1,4 @@
-//! UDP conntrack cleanup after a sync (spec §e.6, the current reconciler): a UDP flow
+//! UDP conntrack cleanup after a sync (docs/upstream-semantics.md §e.6, the current reconciler): a UDP flow
 //! whose original destination is a UDP frontend of a service port (cluster IP, external
 //! IP or LB IP with the port, or the NodePort) and whose reply source is not one of that
 //! port's serving endpoints is stale and deleted. Ports without any serving endpoint are

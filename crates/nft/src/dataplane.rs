@@ -145,7 +145,7 @@ impl Dataplane {
     /// are read back and only the difference is sent (adoption); when they are absent
     /// they are built dormant and woken; else (forced, or tables adoption cannot
     /// repair) one atomic transaction replaces them. Then the UDP conntrack cleanup
-    /// (../shared/spec/upstream-semantics.md §e.6). Blocking; acts on the calling thread's network namespace.
+    /// (docs/upstream-semantics.md §e.6). Blocking; acts on the calling thread's network namespace.
     pub fn sync(&mut self, plan: &NodePlan, update: &PlanUpdate) -> Result<SyncReport, NftError> {
         let start = Instant::now();
         validate_plan(plan)?;

@@ -1,7 +1,8 @@
 //! The dataplane's error, one variant per meaning a caller can act on: the input was
 //! invalid, the kernel refused a transaction (nothing of it applied), a transaction
-//! could not be encoded for nfnetlink (the caller sends it as nft text instead), the
-//! kernel's answer could not be read, or a system call failed.
+//! could not be encoded for nfnetlink (nothing of it is sent; there is no nft text path:
+//! the phased first sync falls back to the one-transaction replacement, anything else
+//! fails), the kernel's answer could not be read, or a system call failed.
 //!
 //! A table that is absent is not an error here: reading it back answers `None`
 //! (recognised by the kernel's `ENOENT` over netlink, [`crate::dump::read_table`]),

@@ -67,8 +67,8 @@ pub(crate) fn open() -> Result<Socket, std::io::Error> {
 
 /// Appends a key or value: a single field as is, each field of a concatenation padded
 /// to 4 bytes (nft's register layout); addresses and ports in network order, the
-/// `numgen` index in host order. A prefix does not encode (interval sets need start and
-/// end elements; their few elements go by `nft`).
+/// `numgen` index in host order. A prefix does not encode as one key: an interval set's
+/// prefixes are sent as start and end elements (`interval_elements`).
 pub(crate) fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Result<(), EncodeFailure> {
     let concat = t.atoms().len() > 1;
     for a in t.atoms().iter() {

@@ -926,7 +926,7 @@ impl Dispatch {
     }
 }
 
-/// The shared dispatch of the regular eTP=Local shape (upstream-semantics.md §c.2):
+/// The shared dispatch of the regular eTP=Local shape (docs/upstream-semantics.md §c.2):
 /// local pods (as they are) and this node (masqueraded) go to the Cluster endpoint set,
 /// everyone else to the Local set, each side `drop` while its set is empty. One per
 /// family and kind (`nodeport`: NodePorts, keyed `l4proto . dport`; else external and

@@ -136,7 +136,7 @@ fn check(
                 );
                 // Hairpin: trace marks masquerade only when *every* candidate is the
                 // source; when the random choice happens to pick the source itself the
-                // kernel masquerades too (../shared/spec/upstream-semantics.md §c.6).
+                // kernel masquerades too (docs/upstream-semantics.md §c.6).
                 let hairpin = f.pod_name(src) == Some(pod.as_str());
                 assert_eq!(
                     *seen != src,

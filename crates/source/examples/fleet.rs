@@ -70,7 +70,11 @@ struct Args {
     compare_nodes: Option<usize>,
 }
 
-fn args() -> Args {
+const USAGE: &str = "usage: fleet --lab K8S_LAB [--nodes N] [--services S] [--endpoints E] [--flips F] [--restart] [--json-watches] [--no-client-retry] [--compare KUBE_PROXY [--compare-nodes N]]
+  (a running k8s-lab instance: --lab DIR, or K8S_LAB; docs/scale.md says how to start one)";
+
+/// The command line, or what is wrong with it. `--help` is `Ok(None)`.
+fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Option<Args>, String> {
     let mut a = Args {
         lab: PathBuf::from(std::env::var("K8S_LAB").unwrap_or_default()),
         nodes: 10,
@@ -83,33 +87,53 @@ fn args() -> Args {
         compare: None,
         compare_nodes: None,
     };
-    let mut it = std::env::args().skip(1);
-    let num = |v: Option<String>, what: &str| -> usize {
+    let mut it = argv.into_iter();
+    let num = |v: Option<String>, what: &str| -> Result<usize, String> {
         v.and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{what} takes a number"))
+            .ok_or_else(|| format!("{what} takes a number"))
     };
     while let Some(arg) = it.next() {
         match arg.as_str() {
-            "--lab" => a.lab = PathBuf::from(it.next().expect("--lab DIR")),
-            "--nodes" => a.nodes = num(it.next(), "--nodes"),
-            "--services" => a.services = num(it.next(), "--services"),
-            "--endpoints" => a.endpoints = num(it.next(), "--endpoints"),
-            "--flips" => a.flips = num(it.next(), "--flips"),
+            "-h" | "--help" => return Ok(None),
+            "--lab" => a.lab = PathBuf::from(it.next().ok_or("--lab takes a directory")?),
+            "--nodes" => a.nodes = num(it.next(), "--nodes")?,
+            "--services" => a.services = num(it.next(), "--services")?,
+            "--endpoints" => a.endpoints = num(it.next(), "--endpoints")?,
+            "--flips" => a.flips = num(it.next(), "--flips")?,
             "--restart" => a.restart = true,
             "--json-watches" => a.json_watches = true,
             "--no-client-retry" => a.no_client_retry = true,
-            "--compare" => a.compare = it.next().map(PathBuf::from),
-            "--compare-nodes" => a.compare_nodes = Some(num(it.next(), "--compare-nodes")),
-            other => panic!(
-                "unknown argument {other:?}; usage: fleet --lab K8S_LAB [--nodes N] [--services S] [--endpoints E] [--flips F] [--restart] [--json-watches] [--no-client-retry] [--compare KUBE_PROXY [--compare-nodes N]]"
-            ),
+            "--compare" => {
+                a.compare = Some(PathBuf::from(
+                    it.next().ok_or("--compare takes kube-proxy's path")?,
+                ))
+            }
+            "--compare-nodes" => a.compare_nodes = Some(num(it.next(), "--compare-nodes")?),
+            other => return Err(format!("unknown argument {other:?}")),
         }
     }
-    assert!(
-        a.lab.join("kubeconfig").exists(),
-        "--lab (or K8S_LAB) must name a k8s-lab directory"
-    );
-    a
+    if !a.lab.join("kubeconfig").exists() {
+        return Err(format!(
+            "--lab (or K8S_LAB) must name a k8s-lab directory holding a kubeconfig; {:?} does not",
+            a.lab
+        ));
+    }
+    Ok(Some(a))
+}
+
+/// The command line: usage on `--help` (exit 0) or on a mistake (exit 2), never a panic.
+fn args() -> Args {
+    match parse_args(std::env::args().skip(1)) {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            println!("{USAGE}");
+            std::process::exit(0)
+        }
+        Err(e) => {
+            eprintln!("fleet: {e}\n{USAGE}");
+            std::process::exit(2)
+        }
+    }
 }
 
 /// The k8s-lab instance: its kubeconfigs, port and API server process.

@@ -1,6 +1,6 @@
 //! The Kubernetes API source: four watchers (Services, EndpointSlices, this Node, ServiceCIDRs)
 //! folded into the one store ([`crate::store`]), the same ClusterState the manifest source fills. Owns:
-//! which objects are watched (upstream's label selectors, ../shared/spec/upstream-semantics.md
+//! which objects are watched (upstream's label selectors, docs/upstream-semantics.md
 //! §a.1/§f), when the first sync may happen (Services, EndpointSlices and the Node listed), and
 //! how relists are applied (atomically per kind, see [`fold`]).
 //!
@@ -200,7 +200,7 @@ pub async fn reach(client: &kube::Client) -> Result<(), SourceError> {
 }
 
 /// Upstream's label selector for Services and EndpointSlices
-/// (../shared/spec/upstream-semantics.md §a.1): skip headless and other proxies' objects; with
+/// (docs/upstream-semantics.md §a.1): skip headless and other proxies' objects; with
 /// a service proxy name, take exactly that proxy's.
 pub fn label_selector(ownership: &Ownership) -> String {
     match &ownership.service_proxy_name {

@@ -1,5 +1,9 @@
-//! What the benches share: finding the kproxy binary built beside them, and numbering
-//! addresses.
+//! What the benches share: finding the kproxy binary built beside them, numbering
+//! addresses, their network namespaces and child processes (removed and killed on
+//! drop), and running a set-up command.
+
+// Each bench uses its own subset of these helpers.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
@@ -23,4 +27,77 @@ pub fn kproxy_binary() -> PathBuf {
 /// The `n`-th IPv4 address after `base`.
 pub fn ip4(base: u32, n: usize) -> String {
     std::net::Ipv4Addr::from(base + n as u32).to_string()
+}
+
+/// Runs a command, panicking with its stderr when it fails (a bench's set-up step).
+pub fn sh(args: &[&str]) {
+    let out = std::process::Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("spawn {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A network namespace the bench creates (its loopback up), deleted on drop.
+pub struct Netns(pub String);
+
+impl Netns {
+    /// `name`, created afresh (one left by a killed run is deleted first).
+    pub fn new(name: String) -> Netns {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &name])
+            .output();
+        sh(&["ip", "netns", "add", &name]);
+        let ns = Netns(name);
+        ns.exec(&["ip", "link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// Runs a command inside the namespace (`ip netns exec`).
+    pub fn exec(&self, args: &[&str]) {
+        let mut full = vec!["ip", "netns", "exec", &self.0];
+        full.extend_from_slice(args);
+        sh(&full);
+    }
+
+    /// Moves the calling thread into the namespace named `name` (sockets it makes
+    /// afterwards stay there, whichever thread uses them).
+    pub fn enter(name: &str) {
+        use std::os::fd::AsFd;
+        let f = std::fs::File::open(format!("/var/run/netns/{name}")).expect("open netns");
+        nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+    }
+
+    /// Runs `f` on a thread of its own inside the namespace and waits for it.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let name = self.0.clone();
+        std::thread::spawn(move || {
+            Netns::enter(&name);
+            f()
+        })
+        .join()
+        .expect("netns thread")
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.0])
+            .status();
+    }
+}
+
+/// A child process, killed and reaped on drop.
+pub struct Proc(pub std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -248,6 +248,32 @@ pub fn min_pool_during_rollout(r: &RunResult) -> Option<usize> {
     min.or(current)
 }
 
+/// Bursts whose causes read alike, told apart: a burst whose cause is word for word
+/// an earlier burst's says so, and how many requests succeeded between the two (the
+/// same state of the cluster, failing again after a pause, is not a second cause).
+fn tell_apart(r: &RunResult, mut bursts: Vec<Burst>) -> Vec<Burst> {
+    for i in 1..bursts.len() {
+        let Some(j) = (0..i).rev().find(|&j| bursts[j].cause == bursts[i].cause) else {
+            continue;
+        };
+        let (from_ms, to_ms) = (
+            bursts[j].end_s * 1000.0 * r.time_scale,
+            bursts[i].start_s * 1000.0 * r.time_scale,
+        );
+        let ok_between = r
+            .records
+            .iter()
+            .filter(|x| x.outcome.is_ok() && x.start_ms > from_ms && x.start_ms < to_ms)
+            .count();
+        let earlier = format!("{:.2}–{:.2} s", bursts[j].start_s, bursts[j].end_s);
+        let _ = write!(
+            bursts[i].cause,
+            " (the same cause as the burst at {earlier}, still holding: {ok_between} request(s) succeeded between the two)"
+        );
+    }
+    bursts
+}
+
 pub fn summarize(r: &RunResult) -> Summary {
     let sent = r.records.len();
     let ok = r
@@ -302,6 +328,7 @@ pub fn summarize(r: &RunResult) -> Summary {
             }
         })
         .collect();
+    let bursts = tell_apart(r, bursts);
     Summary {
         behaviour: r.behaviour.as_str().to_string(),
         control_plane: r.control_plane.as_str().to_string(),

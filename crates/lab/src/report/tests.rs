@@ -412,3 +412,33 @@ fn pool_detail_parsing() {
     ));
     assert!(!pool_contains("new connections to node-10", "node-1"));
 }
+
+/// Two bursts in the same state of the cluster get the same words; the second says it
+/// is the first's cause again, and how many requests succeeded between them.
+#[test]
+fn bursts_with_one_cause_are_told_apart() {
+    let r = three_nodes(
+        vec![],
+        vec![
+            rec(1000.0, Outcome::Timeout),
+            rec(1200.0, Outcome::Ok),
+            rec(1300.0, Outcome::Ok),
+            rec(2000.0, Outcome::Timeout),
+        ],
+    );
+    let m = summarize(&r);
+    assert_eq!(m.bursts.len(), 2, "{:?}", m.bursts);
+    assert!(
+        !m.bursts[0].cause.contains("the same cause as"),
+        "{}",
+        m.bursts[0].cause
+    );
+    assert_ne!(m.bursts[0].cause, m.bursts[1].cause);
+    assert!(
+        m.bursts[1].cause.ends_with(
+            " (the same cause as the burst at 10.00–10.00 s, still holding: 2 request(s) succeeded between the two)"
+        ),
+        "{}",
+        m.bursts[1].cause
+    );
+}

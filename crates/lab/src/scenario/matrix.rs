@@ -1,5 +1,5 @@
 //! The scenario matrix's cells: pod profiles × the settings of the rolling-update
-//! guide (`../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`) ×
+//! guide (seed 2, summed up in docs/lint-rules.md) ×
 //! load-balancer presets × both proxy behaviours, plus a kproxy restart in the middle
 //! of a rollout and a node drain by the cluster autoscaler; which cells a selection
 //! holds, and each cell's `RolloutConfig`. Running them is `runs::matrix`, judging them

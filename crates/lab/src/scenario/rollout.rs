@@ -1,5 +1,5 @@
 //! The rollout scenario's parameters: defaults from the rolling-update guide
-//! (`../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`), a YAML file
+//! (seed 2, summed up in docs/lint-rules.md), a YAML file
 //! (`--config FILE`, same field names as below, camelCase), and validation.
 
 use serde::{Deserialize, Serialize};

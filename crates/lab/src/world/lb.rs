@@ -30,18 +30,127 @@ use crate::world::fabric::{self, Fabric};
 use crate::world::netns;
 use crate::world::timeline::{EventKind, Recorder};
 
-/// The set of nodes (1-based indexes) new flows may go to.
-pub fn pool_for(healthy: &[bool]) -> Vec<usize> {
-    let h: Vec<usize> = healthy
-        .iter()
-        .enumerate()
-        .filter(|(_, h)| **h)
-        .map(|(i, _)| i + 1)
-        .collect();
-    if h.is_empty() {
-        (1..=healthy.len()).collect()
-    } else {
-        h
+/// Where the LB sends new flows. Two states can hold the same set of nodes — every
+/// node passing, and none passing (then the LB sends to every node, as GCP does) — so
+/// the pool is this state, not only its set: the timeline must tell them apart.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Pool {
+    /// The nodes (1-based indexes) that pass the health check.
+    Healthy(Vec<usize>),
+    /// No node passes: new flows go to all of these many nodes.
+    AllNodes(usize),
+}
+
+impl Pool {
+    /// The pool for the LB's per-node verdicts (index − 1: is node healthy?).
+    pub fn for_health(healthy: &[bool]) -> Pool {
+        let h: Vec<usize> = healthy
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| **h)
+            .map(|(i, _)| i + 1)
+            .collect();
+        if h.is_empty() {
+            Pool::AllNodes(healthy.len())
+        } else {
+            Pool::Healthy(h)
+        }
+    }
+
+    /// The nodes (1-based indexes) new flows may go to.
+    pub fn nodes(&self) -> Vec<usize> {
+        match self {
+            Pool::Healthy(h) => h.clone(),
+            Pool::AllNodes(n) => (1..=*n).collect(),
+        }
+    }
+
+    /// The `LbPool` event's detail for this pool (`names[i − 1]` names node i); the
+    /// reports read it back (`report::healthy_in_pool`, the timeline's node lanes).
+    pub fn detail(&self, names: &[String]) -> String {
+        let names_in: Vec<&str> = self
+            .nodes()
+            .iter()
+            .filter_map(|i| names.get(i - 1).map(String::as_str))
+            .collect();
+        match self {
+            Pool::AllNodes(_) => format!(
+                "no healthy node: new connections to all ({})",
+                names_in.join(", ")
+            ),
+            Pool::Healthy(_) => format!("new connections to {}", names_in.join(", ")),
+        }
+    }
+}
+
+/// What one probe round changed.
+#[derive(Debug, Default, PartialEq)]
+pub struct Round {
+    /// Nodes (index − 1) whose answer differs from their last one, with the new answer.
+    pub answers: Vec<(usize, bool)>,
+    /// The new pool, when the round changed it (its set or its state).
+    pub pool: Option<Pool>,
+}
+
+/// The health checker's bookkeeping, without the network: each node's last answer,
+/// its runs of passes and failures against the thresholds, its verdict, and the pool.
+/// A node starts unhealthy; the pool starts as every node (no node passes yet).
+#[derive(Clone, Debug)]
+pub struct HealthBook {
+    healthy_threshold: u32,
+    unhealthy_threshold: u32,
+    last_answer: Vec<Option<bool>>,
+    ok_run: Vec<u32>,
+    fail_run: Vec<u32>,
+    healthy: Vec<bool>,
+    pool: Pool,
+}
+
+impl HealthBook {
+    pub fn new(nodes: usize, hc: &HealthCheck) -> HealthBook {
+        HealthBook {
+            healthy_threshold: hc.healthy_threshold,
+            unhealthy_threshold: hc.unhealthy_threshold,
+            last_answer: vec![None; nodes],
+            ok_run: vec![0; nodes],
+            fail_run: vec![0; nodes],
+            healthy: vec![false; nodes],
+            pool: Pool::AllNodes(nodes),
+        }
+    }
+
+    /// One probe round's answers (index − 1: did node pass?).
+    pub fn round(&mut self, results: &[bool]) -> Round {
+        let mut out = Round::default();
+        for (i, &ok) in results.iter().enumerate().take(self.healthy.len()) {
+            if self.last_answer[i] != Some(ok) {
+                self.last_answer[i] = Some(ok);
+                out.answers.push((i, ok));
+            }
+            if ok {
+                self.ok_run[i] += 1;
+                self.fail_run[i] = 0;
+                if !self.healthy[i] && self.ok_run[i] >= self.healthy_threshold {
+                    self.healthy[i] = true;
+                }
+            } else {
+                self.fail_run[i] += 1;
+                self.ok_run[i] = 0;
+                if self.healthy[i] && self.fail_run[i] >= self.unhealthy_threshold {
+                    self.healthy[i] = false;
+                }
+            }
+        }
+        let pool = Pool::for_health(&self.healthy);
+        if pool != self.pool {
+            self.pool = pool.clone();
+            out.pool = Some(pool);
+        }
+        out
+    }
+
+    pub fn healthy(&self) -> &[bool] {
+        &self.healthy
     }
 }
 
@@ -244,15 +353,13 @@ async fn health_loop(
 ) {
     let clock = recorder.clock().clone();
     let n = ips.len();
-    let mut healthy = vec![false; n];
-    let mut last_answer: Vec<Option<bool>> = vec![None; n];
-    let mut ok_run = vec![0u32; n];
-    let mut fail_run = vec![0u32; n];
+    let mut book = HealthBook::new(n, &hc);
     let interval = hc.real_interval(clock.scale());
     let timeout = hc.real_probe_timeout(clock.scale());
     let reg = clock.real(hc.registration_delay_seconds);
     let mut next = tokio::time::Instant::now() + reg;
-    let mut current_pool = (1..=n).collect::<Vec<_>>();
+    // The nodes the data path sends new flows to (all, until the first verdicts).
+    let mut current_nodes = (1..=n).collect::<Vec<_>>();
     let drain = (hc.drain_timeout_seconds > 0.0).then(|| clock.real(hc.drain_timeout_seconds));
     // When each node left the pool (None: in the pool, or already drained).
     let mut left_at: Vec<Option<tokio::time::Instant>> = vec![None; n];
@@ -267,66 +374,51 @@ async fn health_loop(
             .iter()
             .map(|ip| probe(SocketAddr::from((*ip, health_port)), timeout));
         let results = futures::future::join_all(probes).await;
-        for (i, ok) in results.into_iter().enumerate() {
-            if last_answer[i] != Some(ok) {
-                last_answer[i] = Some(ok);
-                recorder.record(
-                    EventKind::HealthAnswer,
-                    Some(&names[i]),
-                    None,
-                    if ok {
-                        "health check passes"
-                    } else {
-                        "health check fails"
-                    },
-                );
-            }
-            if ok {
-                ok_run[i] += 1;
-                fail_run[i] = 0;
-                if !healthy[i] && ok_run[i] >= hc.healthy_threshold {
-                    healthy[i] = true;
-                }
-            } else {
-                fail_run[i] += 1;
-                ok_run[i] = 0;
-                if healthy[i] && fail_run[i] >= hc.unhealthy_threshold {
-                    healthy[i] = false;
-                }
-            }
+        let round = book.round(&results);
+        for (i, ok) in round.answers {
+            recorder.record(
+                EventKind::HealthAnswer,
+                Some(&names[i]),
+                None,
+                if ok {
+                    "health check passes"
+                } else {
+                    "health check fails"
+                },
+            );
         }
-        *healthy_out.lock().expect("healthy lock") = healthy.clone();
-        let new_pool = pool_for(&healthy);
-        if new_pool != current_pool {
-            let script = render_nft(mode, &new_pool, node_port, service_port);
-            let res =
-                netns::run_cmd_input("ip", &["netns", "exec", &ns, "nft", "-f", "-"], &script);
-            let names_in: Vec<&str> = new_pool.iter().map(|i| names[i - 1].as_str()).collect();
-            let all_down = healthy.iter().all(|h| !h);
+        *healthy_out.lock().expect("healthy lock") = book.healthy().to_vec();
+        if let Some(new_pool) = round.pool {
+            let new_nodes = new_pool.nodes();
+            // Every node passing and none passing hold the same set: the data path
+            // stays, the timeline still learns which state the pool is in.
+            let res = if new_nodes == current_nodes {
+                Ok(())
+            } else {
+                let script = render_nft(mode, &new_nodes, node_port, service_port);
+                netns::run_cmd_input("ip", &["netns", "exec", &ns, "nft", "-f", "-"], &script)
+                    .map(|_| ())
+            };
             recorder.record(
                 EventKind::LbPool,
                 None,
                 None,
                 match res {
-                    Ok(_) if all_down => format!(
-                        "no healthy node: new connections to all ({})",
-                        names_in.join(", ")
-                    ),
-                    Ok(_) => format!("new connections to {}", names_in.join(", ")),
+                    Ok(()) => new_pool.detail(&names),
                     Err(e) => format!("pool update failed: {e}"),
                 },
             );
             for i in 1..=n {
-                let was_in = current_pool.contains(&i);
-                let now_in = new_pool.contains(&i);
+                let was_in = current_nodes.contains(&i);
+                let now_in = new_nodes.contains(&i);
                 if was_in && !now_in {
                     left_at[i - 1] = Some(tokio::time::Instant::now());
                 } else if now_in {
                     left_at[i - 1] = None;
                 }
             }
-            current_pool = new_pool.clone();
-            *pool.lock().expect("pool lock") = new_pool;
+            current_nodes = new_nodes.clone();
+            *pool.lock().expect("pool lock") = new_nodes;
         }
         if let Some(d) = drain {
             for i in 0..n {
@@ -356,8 +448,55 @@ mod tests {
 
     #[test]
     fn pool_is_healthy_nodes_or_all() {
-        assert_eq!(pool_for(&[true, false, true]), vec![1, 3]);
-        assert_eq!(pool_for(&[false, false, false]), vec![1, 2, 3]);
+        assert_eq!(Pool::for_health(&[true, false, true]).nodes(), vec![1, 3]);
+        assert_eq!(Pool::for_health(&[false, false, false]), Pool::AllNodes(3));
+        assert_eq!(
+            Pool::for_health(&[false, false, false]).nodes(),
+            vec![1, 2, 3]
+        );
+        assert_eq!(
+            Pool::for_health(&[true, true, true]),
+            Pool::Healthy(vec![1, 2, 3])
+        );
+    }
+
+    /// Every node starting to pass in the same round leaves the set of nodes as it was
+    /// (all of them), and still changes the pool: from "none passes, send to all" to
+    /// "all pass". The LB must log it, or the timeline keeps drawing the fallback.
+    #[test]
+    fn all_nodes_passing_together_is_a_pool_change() {
+        let hc = crate::scenario::balancer::LbPreset::Gke
+            .health_check()
+            .unwrap();
+        let mut book = HealthBook::new(3, &hc);
+        let first = book.round(&[false, false, false]);
+        assert_eq!(first.answers, vec![(0, false), (1, false), (2, false)]);
+        assert_eq!(
+            first.pool, None,
+            "the pool starts as every node, none passing"
+        );
+        let joined = book.round(&[true, true, true]);
+        assert_eq!(joined.pool, Some(Pool::Healthy(vec![1, 2, 3])));
+        let names: Vec<String> = (1..=3).map(|i| format!("node-{i}")).collect();
+        assert_eq!(
+            joined.pool.unwrap().detail(&names),
+            "new connections to node-1, node-2, node-3"
+        );
+        assert_eq!(book.round(&[true, true, true]), Round::default());
+        // Unhealthy threshold 2: one failure keeps node-2, the second takes it out.
+        assert_eq!(book.round(&[true, false, true]).pool, None);
+        assert_eq!(
+            book.round(&[true, false, true]).pool,
+            Some(Pool::Healthy(vec![1, 3]))
+        );
+        // Every node failing: back to all, now as the fallback.
+        book.round(&[false, false, false]);
+        let down = book.round(&[false, false, false]);
+        assert_eq!(down.pool, Some(Pool::AllNodes(3)));
+        assert_eq!(
+            down.pool.unwrap().detail(&names),
+            "no healthy node: new connections to all (node-1, node-2, node-3)"
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //!     and exits once no connection is left.
 //!   - `fail-readiness-on-term`: the readiness check fails at once (the
 //!     ingress-nginx `wait-shutdown` behaviour in
-//!     `../shared/seeds/zero-downtime-etp-local-rolling-updates.txt`); otherwise keeps
+//!     seed 2, summed up in docs/lint-rules.md); otherwise keeps
 //!     accepting and serving (with `Connection: close`) until killed.
 //!   - `exit-on-term`: the process ends at once, resetting open connections.
 //! - SIGKILL: every open connection is reset (SO_LINGER 0, as the kernel does for a

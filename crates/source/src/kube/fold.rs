@@ -150,7 +150,7 @@ impl<T> Folder<T> {
     }
 
     /// Services, EndpointSlices and the Node have all been listed once
-    /// (../shared/spec/upstream-semantics.md §f: nothing is programmed before, so no Service is
+    /// (docs/upstream-semantics.md §f: nothing is programmed before, so no Service is
     /// blackholed for lack of its endpoints). ServiceCIDRs do not gate the first sync, as
     /// upstream's `isInitialized` waits only for Services and EndpointSlices: an API server
     /// without the resource must not keep a node from serving.

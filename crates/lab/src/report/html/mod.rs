@@ -332,7 +332,20 @@ mod tests {
                 "new connections to node-2",
             ),
             ev(36.0, EventKind::LabLate, "node-1", None, "late"),
-            ev(40.0, EventKind::HealthAnswer, "node-1", None, "503"),
+            ev(
+                40.0,
+                EventKind::HealthAnswer,
+                "node-1",
+                None,
+                "health check fails",
+            ),
+            ev(
+                45.0,
+                EventKind::HealthAnswer,
+                "node-1",
+                None,
+                "health check passes",
+            ),
             ev(50.0, EventKind::KproxyRestarted, "node-1", None, ""),
             ev(60.0, EventKind::NodeTainted, "node-1", None, ""),
             ev(70.0, EventKind::LbDrained, "node-1", None, ""),
@@ -468,6 +481,89 @@ mod tests {
         assert!(node1[1].contains(OUT_OF_POOL), "{}", node1[1]);
         assert!(node1[2].contains(ALL_NODES), "{}", node1[2]);
         assert!(svg.contains("<title>node-2 in the LB pool"), "{svg}");
+    }
+
+    /// The main run of issue 50 as its timeline recorded it: three nodes failing their
+    /// health check from the first probe (no pod ready yet), all three passing from
+    /// 27.0 s, node-1 failing from 33.0 s (its pod terminating). Replayed through the
+    /// LB's own bookkeeping (`HealthBook`, gke: a round every 3 s, in after one pass,
+    /// out after two failures), the pool events it logs draw the fallback band ("no
+    /// node passes, send to every node") up to 27.0 s only; logged by the set of nodes
+    /// alone, "all pass" looked like "none passes" and the band ran to 36.0 s.
+    #[test]
+    fn the_fallback_band_ends_when_every_node_passes() {
+        use crate::world::lb::HealthBook;
+        use crate::world::timeline::Event;
+        let mut r = a_run(vec![]);
+        r.nodes = vec!["node-1".into(), "node-2".into(), "node-3".into()];
+        r.rollout_start_ms = 3000.0;
+        r.rollout_end_ms = 4000.0;
+        r.load_end_ms = 4500.0;
+        let scale = r.time_scale;
+        // (nominal s, node, passes): the answers as recorded.
+        let recorded = [
+            (0.0, 0, false),
+            (0.0, 1, false),
+            (0.0, 2, false),
+            (27.0, 0, true),
+            (27.0, 1, true),
+            (27.0, 2, true),
+            (33.0, 0, false),
+        ];
+        let mut book = HealthBook::new(3, &r.health_check);
+        let mut events = Vec::new();
+        let mut t = 0.0;
+        while t <= 45.0 {
+            let answers: Vec<bool> = (0..3)
+                .map(|n| {
+                    recorded
+                        .iter()
+                        .rfind(|(at, node, _)| *node == n && *at <= t)
+                        .is_some_and(|(_, _, passes)| *passes)
+                })
+                .collect();
+            let round = book.round(&answers);
+            let at_ms = t * 1000.0 * scale;
+            for (i, ok) in round.answers {
+                let detail = if ok {
+                    "health check passes"
+                } else {
+                    "health check fails"
+                };
+                events.push(Event {
+                    t_ms: at_ms,
+                    kind: EventKind::HealthAnswer,
+                    node: Some(r.nodes[i].clone()),
+                    pod: None,
+                    detail: detail.into(),
+                });
+            }
+            if let Some(pool) = round.pool {
+                events.push(Event {
+                    t_ms: at_ms,
+                    kind: EventKind::LbPool,
+                    node: None,
+                    pod: None,
+                    detail: pool.detail(&r.nodes),
+                });
+            }
+            t += r.health_check.interval_seconds;
+        }
+        r.events = events;
+        let svg = timeline_svg(&r);
+        for node in &r.nodes {
+            let bands: Vec<&str> = svg
+                .lines()
+                .filter(|l| l.contains(&format!("<title>{node} ")) && l.contains(ALL_NODES))
+                .collect();
+            assert_eq!(bands.len(), 1, "{node}: {bands:?}");
+            assert!(bands[0].contains("0.0–27.0 s"), "{node}: {}", bands[0]);
+        }
+        assert!(
+            svg.contains("<title>node-1 out of the LB pool, 36.0–"),
+            "{svg}"
+        );
+        assert!(svg.contains("<title>node-2 in the LB pool (passes the health check), 27.0–"));
     }
 
     #[test]

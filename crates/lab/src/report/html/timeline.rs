@@ -33,7 +33,8 @@ const IN_POOL: &str = "#bfe5bf";
 pub(super) const ALL_NODES: &str = "#f3e7a1";
 pub(super) const OUT_OF_POOL: &str = "#d9d9d9";
 const LAB_LATE: &str = "#06c";
-const HEALTH_ANSWER: &str = "#246";
+const HEALTH_PASSES: &str = "#0a6";
+const HEALTH_FAILS: &str = "#803";
 const RESTART: &str = "#e80";
 const NODE_MARK: &str = "#000";
 const LB_DRAIN: &str = "#a0a";
@@ -45,7 +46,7 @@ const EXITED: &str = "#555";
 const KILLED: &str = "#b00";
 
 /// What each colour of the timeline means, in the order a reader meets the lanes.
-pub(super) const LEGEND: [(&str, &str); 17] = [
+pub(super) const LEGEND: [(&str, &str); 18] = [
     (ROLLOUT, "the rollout (or node drain) window"),
     (REQUESTS, "requests lane: the load generator's requests"),
     (FAILED, "a failed request, at the time it started"),
@@ -62,7 +63,14 @@ pub(super) const LEGEND: [(&str, &str); 17] = [
         "node lane: no node passes the health check (none has yet, at the start), so the LB sends new connections to every node",
     ),
     (OUT_OF_POOL, "node lane: out of the pool"),
-    (HEALTH_ANSWER, "a change of the node's health-check answer"),
+    (
+        HEALTH_PASSES,
+        "the node's health-check answer turns to passing (200)",
+    ),
+    (
+        HEALTH_FAILS,
+        "the node's health-check answer turns to failing (not 200, or no answer in time)",
+    ),
     (RESTART, "kproxy restarted on the node"),
     (NODE_MARK, "node tainted for deletion, or deleted"),
     (LB_DRAIN, "the LB's drain timeout cut the node's flows"),
@@ -347,9 +355,14 @@ fn node_lane(s: &mut String, node: &str, y: f64, m: &Marks, ax: &Axis) {
     }
     for (t, d) in m.health.get(node).into_iter().flatten() {
         // `d` is the LB's word: "health check passes" or "health check fails".
+        let fill = if d.contains("passes") {
+            HEALTH_PASSES
+        } else {
+            HEALTH_FAILS
+        };
         let _ = writeln!(
             s,
-            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"{HEALTH_ANSWER}\"><title>{}: {} from {t:.1} s</title></circle>",
+            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"{fill}\"><title>{}: {} from {t:.1} s</title></circle>",
             ax.x(*t),
             y + LANE_H / 2.0,
             esc(node),
