@@ -278,6 +278,8 @@ pub struct SyncLoop<D, H> {
     programmed_once: bool,
     /// Why the first sync is held back, while it is.
     held: Option<kproxy_core::input_guard::Refusal>,
+    /// The planner's clock for endpoint warm-up holds.
+    warmup_clock: crate::warmup::WarmupClock,
 }
 
 const ENGINE_HOME: &str = "the engine is home between blocking calls";
@@ -322,6 +324,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             kernel: None,
             programmed_once: false,
             held: None,
+            warmup_clock: crate::warmup::WarmupClock::start(),
         })
     }
 
@@ -345,6 +348,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         let mut next_verify = Instant::now() + self.cfg.verify_period;
         loop {
             if !need_sync {
+                let release = self.next_release();
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => break,
@@ -381,6 +385,10 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                         self.verify().await;
                         next_verify = Instant::now() + self.cfg.verify_period;
                         continue;
+                    }
+                    // An endpoint's warm-up hold ends: the planner re-plans its Service.
+                    _ = tokio::time::sleep_until(release.unwrap_or(next_verify)), if release.is_some() => {
+                        tracing::debug!("an endpoint's warm-up ends");
                     }
                 }
             }
@@ -439,6 +447,14 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         tracing::info!("shutting down; nftables rules stay in place");
         self.events.emit("stopped", json!({}));
         Ok(self.into_dataplane())
+    }
+
+    /// When the planner's next warm-up hold ends (`kproxy_core::warmup`).
+    fn next_release(&self) -> Option<Instant> {
+        let planner = &self.engine.as_ref().expect(ENGINE_HOME).planner;
+        planner
+            .next_release()
+            .map(|m| self.warmup_clock.instant(m))
     }
 
     /// Once the rules match the state (nothing pending, nothing owed to the dataplane),
@@ -702,13 +718,15 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     fn plan_changes(&mut self) -> Option<Pending> {
         let metrics = &self.metrics;
         let planner = &mut self.engine.as_mut().expect(ENGINE_HOME).planner;
+        let now = self.warmup_clock.moment(Instant::now());
         let (update, oldest, service_events, slice_events) =
             self.source.take(|state, changes, oldest| {
                 let counts = (changes.service_events, changes.slice_events);
                 metrics.service_changes_pending.set(counts.0 as i64);
                 metrics.endpoint_changes_pending.set(counts.1 as i64);
-                (planner.apply(state, changes), oldest, counts.0, counts.1)
+                (planner.apply_at(state, changes, now), oldest, counts.0, counts.1)
             });
+        crate::warmup::record(planner.take_warmup_events(), &mut self.events, metrics, now);
         metrics.service_changes_total.inc_by(service_events);
         metrics.endpoint_changes_total.inc_by(slice_events);
         metrics.service_changes_pending.set(0);

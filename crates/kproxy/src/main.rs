@@ -21,6 +21,7 @@ mod metrics;
 mod pacing;
 mod takeover;
 mod tasks;
+mod warmup;
 
 use std::process::ExitCode;
 

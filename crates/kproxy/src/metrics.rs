@@ -45,6 +45,12 @@ pub struct SysctlLabel {
     pub sysctl: String,
 }
 
+/// Why an endpoint's warm-up hold ended (`kproxy_core::warmup::ReleaseReason`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NoLocalLabels {
     pub traffic_policy: &'static str,
@@ -88,6 +94,9 @@ pub struct Metrics {
     pub conntrack_early_drop: Counter,
     /// 1 while a sysctl kproxy set holds another value.
     pub sysctl_changed: Family<SysctlLabel, Gauge>,
+    /// Endpoints held for warm-up ([`crate::warmup`]), and their releases by reason.
+    pub endpoint_warmup_holds: Counter,
+    pub endpoint_warmup_releases: Family<ReasonLabel, Counter>,
 }
 
 /// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
@@ -135,6 +144,8 @@ impl Metrics {
             conntrack_drop: Counter::default(),
             conntrack_early_drop: Counter::default(),
             sysctl_changed: Family::default(),
+            endpoint_warmup_holds: Counter::default(),
+            endpoint_warmup_releases: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kubeproxy");
         r.register(
@@ -218,6 +229,16 @@ impl Metrics {
             "skipped_objects",
             "Objects skipped or trimmed at the last load because they failed validation",
             m.skipped_objects.clone(),
+        );
+        own.register(
+            "endpoint_warmup_holds",
+            "Endpoints that became ready while kproxy ran and were held back from new connections for --endpoint-warmup (docs/warmup.md)",
+            m.endpoint_warmup_holds.clone(),
+        );
+        own.register(
+            "endpoint_warmup_releases",
+            "Warm-up holds ended, by reason: elapsed (the warm-up passed), needed (the other endpoints went, so the held one takes the traffic at once), gone (it stopped being ready or was removed)",
+            m.endpoint_warmup_releases.clone(),
         );
         own.register(
             "frontend_conflicts",

@@ -191,8 +191,13 @@ impl Cluster {
     ) -> Result<Arc<PodRuntime>, LabError> {
         let name = name.to_string();
         let net = self.fabric.add_pod(node_index, &name)?;
-        let server =
-            PodServer::start(&name, net.ns.name(), self.template.profile, self.idle_close)?;
+        let server = PodServer::start_listening_after(
+            &name,
+            net.ns.name(),
+            self.template.profile,
+            self.idle_close,
+            Duration::from_millis(self.template.listen_delay_ms),
+        )?;
         let node = crate::world::fabric::node_name(node_index);
         let pod = Arc::new(PodRuntime {
             name: name.clone(),
