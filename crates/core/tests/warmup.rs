@@ -215,7 +215,9 @@ const CASES: &[Case] = &[
         spec: "",
         warmup_ms: 1000,
         steps: &[
-            Step { at: 5000, eps: Some(&[(A, true, Cond::Ready), (B, false, Cond::Ready)]), held: &[], cluster: Some(&[A, B]), local: None },
+            // A terminating pod that still serves: a hold would not empty the list.
+            Step { at: 5000, eps: Some(&[(A, true, Cond::Ready), (B, false, Cond::Ready), (C, false, Cond::TermServing)]), held: &[], cluster: Some(&[A, B]), local: None },
+            Step { at: 9000, eps: None, held: &[], cluster: Some(&[A, B]), local: None },
         ],
     },
     Case {
