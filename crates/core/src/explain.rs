@@ -82,7 +82,7 @@ pub fn plan_table(plan: &NodePlan) -> String {
         .flat_map(|p| {
             p.endpoints
                 .iter()
-                .filter_map(move |e| e.warmup.map(|h| (p, e, h)))
+                .filter_map(move |e| e.warmup.as_deref().map(|h| (p, e, *h)))
         })
         .collect();
     if !held.is_empty() {
@@ -325,7 +325,7 @@ pub fn why_not(
     e: &EndpointState,
 ) -> String {
     let c = e.conditions;
-    if let Some(h) = e.warmup {
+    if let Some(h) = e.warmup.as_deref() {
         return format!(
             "ready since {}, held for warm-up until {} (its server may not listen yet; --endpoint-warmup), {}",
             h.ready_since,

@@ -124,14 +124,14 @@ pub(crate) fn hold_and_categorize(
     }
     let mut any = false;
     for e in endpoints.iter_mut() {
-        e.warmup = candidate(e, before, clock);
+        e.warmup = candidate(e, before, clock).map(Box::new);
         any |= e.warmup.is_some();
     }
     if !any {
         return categorize(endpoints, ctx);
     }
     let held = categorize(endpoints, ctx);
-    let holds: Vec<Option<Hold>> = endpoints.iter_mut().map(|e| e.warmup.take()).collect();
+    let holds: Vec<Option<Box<Hold>>> = endpoints.iter_mut().map(|e| e.warmup.take()).collect();
     let unheld = categorize(endpoints, ctx);
     if empties(&held.cluster, &unheld.cluster) || empties(&held.local, &unheld.local) {
         // The held endpoints are the only ones this traffic has: they take it now.
@@ -150,7 +150,11 @@ fn candidate(e: &EndpointState, before: Option<&ServicePortPlan>, clock: &Clock)
         return None;
     }
     match before.and_then(|p| p.endpoint(e.addr)) {
-        Some(was) if was.conditions.ready => was.warmup.filter(|h| h.release > clock.now),
+        Some(was) if was.conditions.ready => was
+            .warmup
+            .as_deref()
+            .copied()
+            .filter(|h| h.release > clock.now),
         _ => Some(Hold {
             ready_since: clock.now,
             release: clock.now.after(clock.period),
@@ -168,8 +172,8 @@ fn empties<T>(held: &Option<Vec<T>>, unheld: &Option<Vec<T>>) -> bool {
 pub fn holds(plan: &ServicePlan) -> BTreeMap<IpAddr, Hold> {
     let mut out = BTreeMap::new();
     for e in plan.ports.iter().flat_map(|p| &p.endpoints) {
-        if let Some(h) = e.warmup {
-            out.entry(e.addr.ip).or_insert(h);
+        if let Some(h) = e.warmup.as_deref() {
+            out.entry(e.addr.ip).or_insert(*h);
         }
     }
     out
@@ -180,7 +184,7 @@ pub fn next_release(plan: &ServicePlan) -> Option<Moment> {
     plan.ports
         .iter()
         .flat_map(|p| &p.endpoints)
-        .filter_map(|e| e.warmup.map(|h| h.release))
+        .filter_map(|e| e.warmup.as_ref().map(|h| h.release))
         .min()
 }
 

@@ -129,7 +129,7 @@ fn run(case: &Case) -> Planner {
         assert_eq!(held(p), step.held, "{at}: held");
         assert_eq!(ips(&p.cluster_endpoints), want(step.cluster), "{at}: Cluster");
         assert_eq!(ips(&p.local_endpoints), want(step.local), "{at}: Local");
-        for e in p.endpoints.iter().filter_map(|e| e.warmup) {
+        for e in p.endpoints.iter().filter_map(|e| e.warmup.as_deref()) {
             assert_eq!(e.release, e.ready_since.after(Duration::from_millis(case.warmup_ms)), "{at}");
         }
     }
