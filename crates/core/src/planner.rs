@@ -116,6 +116,11 @@ impl Planner {
         self.releases.values().min().copied()
     }
 
+    /// The Services whose plan holds an endpoint for warm-up now.
+    pub fn held_services(&self) -> impl Iterator<Item = &ServiceName> {
+        self.releases.keys()
+    }
+
     /// The holds begun and ended since the last call, in the order the re-plans made
     /// them.
     pub fn take_warmup_events(&mut self) -> Vec<warmup::Event> {

@@ -266,11 +266,12 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     let mut tasks = Tasks::new();
     if let Some(addr) = cfg.metrics_bind_address {
         let (registry, health) = (registry.clone(), health.clone());
+        let held = metrics.endpoint_warmup_held.clone();
         // A metrics server that cannot start is logged, never fatal.
         tasks.spawn("the metrics server", move |stop| async move {
             tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
-                r = metrics::serve(addr, registry, health) => if let Err(e) = r {
+                r = metrics::serve(addr, registry, health, held) => if let Err(e) = r {
                     tracing::error!(error = format!("{e:#}"), "metrics server stopped");
                 },
             }

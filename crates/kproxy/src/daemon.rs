@@ -726,7 +726,13 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 metrics.endpoint_changes_pending.set(counts.1 as i64);
                 (planner.apply_at(state, changes, now), oldest, counts.0, counts.1)
             });
-        crate::warmup::record(planner.take_warmup_events(), &mut self.events, metrics, now);
+        let warmup_events = planner.take_warmup_events();
+        if !warmup_events.is_empty() {
+            crate::warmup::record(warmup_events, &mut self.events, metrics, now);
+            metrics
+                .endpoint_warmup_held
+                .set(planner.plan(), planner.held_services());
+        }
         metrics.service_changes_total.inc_by(service_events);
         metrics.endpoint_changes_total.inc_by(slice_events);
         metrics.service_changes_pending.set(0);
@@ -1151,13 +1157,24 @@ mod tests {
         gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
         event_log: Option<PathBuf>,
     ) -> Harness {
+        start_planning(pacing, fail, gate, event_log, PlanConfig::default())
+    }
+
+    /// [`start_logging`] with the planner's settings `plan`.
+    fn start_planning(
+        pacing: Pacing,
+        fail: &[bool],
+        gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
+        event_log: Option<PathBuf>,
+        plan: PlanConfig,
+    ) -> Harness {
         let log = Log(Arc::default(), Instant::now(), Arc::default());
         let (writer, reader) = kproxy_source::store();
         let kernel_more = Arc::new(Mutex::new(None));
         let repairs_unchanged = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let cfg = LoopConfig {
             node_name: synthetic::node_name(0),
-            plan: PlanConfig::default(),
+            plan,
             pacing,
             sync_period: Duration::from_secs(3600),
             verify_period: Duration::from_secs(7200),
@@ -1617,6 +1634,62 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(count(&h).as_deref(), Some("2"));
         h.stop().await;
+    }
+
+    /// An endpoint that becomes ready (not ready -> ready) is held for the warm-up, and
+    /// the loop re-plans when the hold ends though the source brings nothing new: its
+    /// Service is synced again at the release (paused time: not a millisecond before),
+    /// and the event log says when the hold began and why it ended.
+    #[tokio::test(start_paused = true)]
+    async fn a_warm_up_hold_ends_in_a_sync_at_its_release() {
+        let dir = tempfile::tempdir().unwrap();
+        let events = dir.path().join("events.jsonl");
+        let plan = PlanConfig {
+            endpoint_warmup: Duration::from_secs(1),
+            ..PlanConfig::default()
+        };
+        let h = start_planning(Pacing::MinSyncPeriod(Duration::ZERO), &[], None, Some(events.clone()), plan);
+        let spec = Spec {
+            etp_local_every: 0,
+            hinted_every: 0,
+            terminating_every: 7,
+            ..Spec::new(100, 3)
+        };
+        // Service 1's third endpoint is terminating at generation 2, ready at 0.
+        h.writer.update(|s| {
+            s.upsert_service(synthetic::service(&spec, 1));
+            s.upsert_slice(synthetic::slice(&spec, 1, 2));
+        });
+        h.writer.mark_ready();
+        h.until_syncs(1).await;
+        h.writer
+            .update(|s| s.upsert_slice(synthetic::slice(&spec, 1, 0)));
+        h.until_syncs(2).await;
+        tokio::time::sleep(Duration::from_millis(990)).await;
+        assert_eq!(h.log.syncs(), 2, "the hold is not released early");
+        h.until_syncs(3).await;
+        let seen = h.log.take();
+        let svc = synthetic::service(&spec, 1).name;
+        match &seen[..] {
+            [.., Seen::Sync { update, .. }] => assert_eq!(update.services, [svc.clone()]),
+            other => panic!("{other:?}"),
+        }
+        h.stop().await;
+        let log = std::fs::read_to_string(&events).unwrap();
+        let lines: Vec<serde_json::Value> = log
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|v: &serde_json::Value| v["event"].as_str().is_some_and(|e| e.starts_with("endpoint_")))
+            .collect();
+        assert_eq!(lines.len(), 2, "{log}");
+        assert_eq!(lines[0]["event"], "endpoint_held");
+        assert_eq!(lines[0]["service"], svc.to_string());
+        assert_eq!(lines[1]["event"], "endpoint_released");
+        assert_eq!(lines[1]["reason"], "elapsed");
+        assert_eq!(
+            lines[1]["release_unix_ms"].as_u64().unwrap() - lines[1]["ready_since_unix_ms"].as_u64().unwrap(),
+            1000
+        );
     }
 
     /// Bursts of changes written while the loop is busy (each sync held in the

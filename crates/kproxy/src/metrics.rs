@@ -97,6 +97,8 @@ pub struct Metrics {
     /// Endpoints held for warm-up ([`crate::warmup`]), and their releases by reason.
     pub endpoint_warmup_holds: Counter,
     pub endpoint_warmup_releases: Family<ReasonLabel, Counter>,
+    /// The endpoints held now, served at [`crate::warmup::ENDPOINT_WARMUP_PATH`].
+    pub endpoint_warmup_held: crate::warmup::HeldView,
 }
 
 /// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
@@ -146,6 +148,7 @@ impl Metrics {
             sysctl_changed: Family::default(),
             endpoint_warmup_holds: Counter::default(),
             endpoint_warmup_releases: Family::default(),
+            endpoint_warmup_held: Default::default(),
         };
         let r = registry.sub_registry_with_prefix("kubeproxy");
         r.register(
@@ -378,7 +381,8 @@ pub const PROXY_MODE_PATH: &str = "/proxyMode";
 /// kproxy's only data path is nftables, so it answers as kube-proxy in that mode does.
 pub const PROXY_MODE: &str = "nftables";
 
-/// Serves `GET /metrics`, [`HEALTH_CHECK_PORTS_PATH`] and [`PROXY_MODE_PATH`] on `addr`
+/// Serves `GET /metrics`, [`HEALTH_CHECK_PORTS_PATH`], the endpoints held for warm-up
+/// ([`crate::warmup::ENDPOINT_WARMUP_PATH`]) and [`PROXY_MODE_PATH`] on `addr`
 /// (other paths: 404)
 /// with [`SERVER_LIMITS`], through the health crate's bounded HTTP shell; runs until the
 /// task is dropped.
@@ -386,6 +390,7 @@ pub async fn serve(
     addr: SocketAddr,
     registry: Arc<Registry>,
     health: kproxy_health::Health,
+    held: crate::warmup::HeldView,
 ) -> Result<()> {
     use kproxy_health::http::{Responder, Server, bind, body_response};
     let responder: Responder = Arc::new(move |req: &http::request::Parts| match req.uri.path() {
@@ -404,11 +409,15 @@ pub async fn serve(
             "text/plain; charset=utf-8",
             PROXY_MODE.to_string(),
         ),
+        crate::warmup::ENDPOINT_WARMUP_PATH => {
+            body_response(http::StatusCode::OK, "application/json", held.json())
+        }
         _ => body_response(
             http::StatusCode::NOT_FOUND,
             "text/plain; charset=utf-8",
             format!(
-                "not found: kproxy serves /metrics, {HEALTH_CHECK_PORTS_PATH} and {PROXY_MODE_PATH} here\n"
+                "not found: kproxy serves /metrics, {HEALTH_CHECK_PORTS_PATH}, {} and {PROXY_MODE_PATH} here\n",
+                crate::warmup::ENDPOINT_WARMUP_PATH
             ),
         ),
     });

@@ -23,7 +23,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, NODE, Netns, can_run, eventually, fabric, serve_http, sh, write_atomic,
+    Daemon, DaemonLog, NODE, Netns, can_run, eventually, fabric, pod_behind_veth, serve_forever,
+    slice_of, write_atomic,
 };
 
 const SERVICE: &str = r#"
@@ -41,41 +42,12 @@ spec:
 /// The old pod (10.244.1.5, terminating or not) and, when `new`, the new one
 /// (10.244.2.5), ready.
 fn slice(old_terminating: bool, new: bool) -> String {
-    let mut s = format!(
-        r#"
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: web-1, namespace: shop, labels: {{kubernetes.io/service-name: web}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080, protocol: TCP}}]
-endpoints:
-- addresses: [10.244.1.5]
-  nodeName: node-a
-  conditions: {{ready: {ready}, serving: true, terminating: {old_terminating}}}
-"#,
-        ready = !old_terminating
-    );
+    let old = ("10.244.1.5", !old_terminating, old_terminating);
     if new {
-        s += "- addresses: [10.244.2.5]\n  nodeName: node-a\n  conditions: {ready: true, serving: true, terminating: false}\n";
+        slice_of(&[old, ("10.244.2.5", true, false)])
+    } else {
+        slice_of(&[old])
     }
-    s
-}
-
-/// A second pod namespace on the node, 10.244.2.5 behind its own veth, with no
-/// server yet.
-fn second_pod(node: &Netns) -> Netns {
-    let pod = Netns::new("wpod2");
-    let veth = format!("kw{}", std::process::id() % 100_000);
-    sh(&[
-        "ip", "link", "add", &veth, "netns", &node.0, "type", "veth", "peer", "name", "eth0",
-        "netns", &pod.0,
-    ]);
-    node.exec(&["ip", "addr", "add", "10.244.2.1/24", "dev", &veth]);
-    node.exec(&["ip", "link", "set", &veth, "up"]);
-    pod.exec(&["ip", "addr", "add", "10.244.2.5/24", "dev", "eth0"]);
-    pod.exec(&["ip", "link", "set", "eth0", "up"]);
-    pod.exec(&["ip", "route", "add", "default", "via", "10.244.2.1"]);
-    pod
 }
 
 fn start_daemon(node: &Netns, dir: &Path, events: &Path, log: &DaemonLog, warmup: &str) -> Daemon {
@@ -180,11 +152,14 @@ fn synced_count(path: &Path) -> usize {
 
 /// One run: the old pod serving, the new one added, programmed, and listening 400 ms
 /// after kproxy's sync that programmed it; the load throughout. Returns what the client
-/// saw, the event log and the daemon's metrics.
+/// saw, the event log, and the daemon's metrics followed by what `kproxy explain
+/// --server` said before the new pod listened.
 fn run(old_terminating: bool, warmup: &str) -> (Seen, Vec<serde_json::Value>, String) {
     let fab = fabric('w');
     let node = &fab.node;
-    let pod2 = second_pod(node);
+    // A second pod on the node, 10.244.2.5 behind its own veth, no server yet.
+    let veth = format!("kw{}", std::process::id() % 100_000);
+    let pod2 = pod_behind_veth(node, "wpod2", &veth, "10.244.2.1", "10.244.2.5");
     let dir = tempfile::tempdir().unwrap();
     let log_dir = tempfile::tempdir().unwrap();
     let events_path = log_dir.path().join("events.jsonl");
@@ -206,20 +181,23 @@ fn run(old_terminating: bool, warmup: &str) -> (Seen, Vec<serde_json::Value>, St
         assert!(Instant::now() < deadline, "kproxy never synced the new pod");
         std::thread::sleep(Duration::from_millis(2));
     }
-    // The new pod is programmed (held or not): its server binds 400 ms later.
-    std::thread::sleep(Duration::from_millis(400));
+    // The new pod is programmed (held or not): its server binds 400 ms later. Meanwhile
+    // `kproxy explain --server` asks the daemon what it holds.
+    let bind_at = Instant::now() + Duration::from_millis(400);
+    let explained = Command::new("ip")
+        .args(["netns", "exec", &node.0, env!("CARGO_BIN_EXE_kproxy"), "explain"])
+        .args(["--manifests", dir.path().to_str().unwrap(), "--node", "node-a"])
+        .args(["--server", "127.0.0.1:10249", "shop/web"])
+        .output()
+        .expect("kproxy explain");
+    let explained = format!(
+        "{}{}",
+        String::from_utf8_lossy(&explained.stdout),
+        String::from_utf8_lossy(&explained.stderr)
+    );
+    std::thread::sleep(bind_at.saturating_duration_since(Instant::now()));
     let listener = pod2.run(|| TcpListener::bind("10.244.2.5:8080").expect("new pod listener"));
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = stop.clone();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            if stop2.load(Ordering::SeqCst) {
-                break;
-            }
-            let Ok(c) = conn else { continue };
-            std::thread::spawn(move || serve_http(c, "pod-2"));
-        }
-    });
+    let stop = serve_forever(listener, "pod-2");
     // Until the new pod takes connections (the hold released, or never held).
     let deadline = Instant::now() + Duration::from_secs(20);
     while !load.seen_new() {
@@ -232,7 +210,7 @@ fn run(old_terminating: bool, warmup: &str) -> (Seen, Vec<serde_json::Value>, St
         .run(|| common::http_get("127.0.0.1:10249".parse().unwrap(), "/metrics"))
         .map(|(_, body)| body)
         .unwrap_or_default();
-    (seen, events(&events_path), metrics)
+    (seen, events(&events_path), metrics + &explained)
 }
 
 #[test]
@@ -269,6 +247,10 @@ fn a_new_endpoint_that_listens_late_refuses_no_connection_while_held() {
         assert!(
             metrics.contains("kproxy_endpoint_warmup_releases_total{reason=\"elapsed\"} 1\n"),
             "{case}: {metrics}"
+        );
+        assert!(
+            metrics.contains("shop/web:http/TCP IPv4 10.244.2.5:8080: no new connection until"),
+            "{case}: explain --server names the hold: {metrics}"
         );
 
         // Without the hold, the same pod is sent connections before it listens.
