@@ -227,6 +227,7 @@ fn a_new_endpoint_that_listens_late_refuses_no_connection_while_held() {
         // Held for 3 s: longer than the 400 ms the server takes, with room for a slow
         // machine between the sync and the bind.
         let (seen, log, metrics) = run(old_terminating, "3s");
+        eprintln!("{case}, --endpoint-warmup 3s: {seen:?}");
         assert!(seen.sent >= 20, "{case}: {seen:?}");
         assert_eq!((seen.refused, seen.other), (0, 0), "{case}, held: {seen:?}");
         let held: Vec<&serde_json::Value> =
@@ -255,6 +256,7 @@ fn a_new_endpoint_that_listens_late_refuses_no_connection_while_held() {
 
         // Without the hold, the same pod is sent connections before it listens.
         let (seen, log, _) = run(old_terminating, "0s");
+        eprintln!("{case}, --endpoint-warmup 0s: {seen:?}");
         assert!(seen.refused > 0, "{case}, no warm-up: {seen:?}");
         assert!(
             !log.iter().any(|e| e["event"] == "endpoint_held"),
