@@ -132,9 +132,8 @@ impl ServicePlan {
     ) -> Option<&ServicePortPlan> {
         self.ports
             .binary_search_by(|p| {
-                (p.service_port.port_name.as_str(), p.protocol, p.family).cmp(&(
-                    port_name, protocol, family,
-                ))
+                (p.service_port.port_name.as_str(), p.protocol, p.family)
+                    .cmp(&(port_name, protocol, family))
             })
             .ok()
             .map(|i| &self.ports[i])

@@ -21,8 +21,8 @@ use crate::plan::{
     NodePortAddresses, ServicePlan, ServicePortPlan, SourceClass, TrafficRule, Verdict,
 };
 use crate::state::{Changes, ClusterState};
-use crate::warmup::{self, Clock, Moment};
 pub use crate::update::PlanUpdate;
+use crate::warmup::{self, Clock, Moment};
 
 /// Plans the whole node from scratch. This node's Node object is read from `state`
 /// (it may be absent: no zone, no addresses, eligible).

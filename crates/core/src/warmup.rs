@@ -289,7 +289,10 @@ mod tests {
             Moment(1_795_892_645_123).to_string(),
             "2026-11-28T19:04:05.123Z"
         );
-        assert_eq!(Moment(951_782_400_000).to_string(), "2000-02-29T00:00:00.000Z");
+        assert_eq!(
+            Moment(951_782_400_000).to_string(),
+            "2000-02-29T00:00:00.000Z"
+        );
         assert_eq!(Moment(5).after(Duration::from_secs(1)), Moment(1005));
         assert_eq!(Moment(5).since(Moment(9)), Duration::ZERO);
     }

@@ -9,8 +9,8 @@ use kproxy_core::ingest::Ownership;
 use kproxy_core::manifest;
 use kproxy_core::plan::{NodePlan, ServicePortPlan};
 use kproxy_core::planner::Planner;
-use kproxy_core::warmup::{Event, Hold, Moment, ReleaseReason};
 use kproxy_core::state::Changes;
+use kproxy_core::warmup::{Event, Hold, Moment, ReleaseReason};
 use kproxy_core::{ClusterState, PlanConfig};
 
 const NODE: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.11}]}\n";
@@ -127,10 +127,18 @@ fn run(case: &Case) -> Planner {
         let p = port(planner.plan());
         let at = format!("{}: step {i} (t={})", case.name, step.at);
         assert_eq!(held(p), step.held, "{at}: held");
-        assert_eq!(ips(&p.cluster_endpoints), want(step.cluster), "{at}: Cluster");
+        assert_eq!(
+            ips(&p.cluster_endpoints),
+            want(step.cluster),
+            "{at}: Cluster"
+        );
         assert_eq!(ips(&p.local_endpoints), want(step.local), "{at}: Local");
         for e in p.endpoints.iter().filter_map(|e| e.warmup.as_deref()) {
-            assert_eq!(e.release, e.ready_since.after(Duration::from_millis(case.warmup_ms)), "{at}");
+            assert_eq!(
+                e.release,
+                e.ready_since.after(Duration::from_millis(case.warmup_ms)),
+                "{at}"
+            );
         }
     }
     planner
@@ -147,10 +155,34 @@ const CASES: &[Case] = &[
         spec: "",
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, true, Cond::Ready)]), held: &[], cluster: Some(&[A]), local: None },
-            Step { at: 500, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]), held: &[B], cluster: Some(&[A]), local: None },
-            Step { at: 1499, eps: None, held: &[B], cluster: Some(&[A]), local: None },
-            Step { at: 1500, eps: None, held: &[], cluster: Some(&[A, B]), local: None },
+            Step {
+                at: 0,
+                eps: Some(&[(A, true, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 500,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]),
+                held: &[B],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 1499,
+                eps: None,
+                held: &[B],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 1500,
+                eps: None,
+                held: &[],
+                cluster: Some(&[A, B]),
+                local: None,
+            },
         ],
     },
     Case {
@@ -158,9 +190,27 @@ const CASES: &[Case] = &[
         spec: "",
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, false, Cond::Ready)]), held: &[], cluster: Some(&[A]), local: None },
-            Step { at: 100, eps: Some(&[(A, false, Cond::TermServing), (B, true, Cond::Ready)]), held: &[B], cluster: Some(&[A]), local: None },
-            Step { at: 1100, eps: None, held: &[], cluster: Some(&[B]), local: None },
+            Step {
+                at: 0,
+                eps: Some(&[(A, false, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 100,
+                eps: Some(&[(A, false, Cond::TermServing), (B, true, Cond::Ready)]),
+                held: &[B],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 1100,
+                eps: None,
+                held: &[],
+                cluster: Some(&[B]),
+                local: None,
+            },
         ],
     },
     Case {
@@ -168,8 +218,20 @@ const CASES: &[Case] = &[
         spec: "",
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, false, Cond::Ready)]), held: &[], cluster: Some(&[A]), local: None },
-            Step { at: 100, eps: Some(&[(A, false, Cond::TermGone), (B, true, Cond::Ready)]), held: &[], cluster: Some(&[B]), local: None },
+            Step {
+                at: 0,
+                eps: Some(&[(A, false, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 100,
+                eps: Some(&[(A, false, Cond::TermGone), (B, true, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[B]),
+                local: None,
+            },
         ],
     },
     Case {
@@ -177,8 +239,20 @@ const CASES: &[Case] = &[
         spec: "",
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[]), held: &[], cluster: Some(&[]), local: None },
-            Step { at: 100, eps: Some(&[(A, true, Cond::Ready), (B, false, Cond::Ready)]), held: &[], cluster: Some(&[A, B]), local: None },
+            Step {
+                at: 0,
+                eps: Some(&[]),
+                held: &[],
+                cluster: Some(&[]),
+                local: None,
+            },
+            Step {
+                at: 100,
+                eps: Some(&[(A, true, Cond::Ready), (B, false, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A, B]),
+                local: None,
+            },
         ],
     },
     Case {
@@ -186,8 +260,20 @@ const CASES: &[Case] = &[
         spec: LB_LOCAL,
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, false, Cond::Ready)]), held: &[], cluster: Some(&[A]), local: Some(&[]) },
-            Step { at: 100, eps: Some(&[(A, false, Cond::Ready), (B, true, Cond::Ready)]), held: &[], cluster: Some(&[A, B]), local: Some(&[B]) },
+            Step {
+                at: 0,
+                eps: Some(&[(A, false, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: Some(&[]),
+            },
+            Step {
+                at: 100,
+                eps: Some(&[(A, false, Cond::Ready), (B, true, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A, B]),
+                local: Some(&[B]),
+            },
         ],
     },
     Case {
@@ -195,9 +281,27 @@ const CASES: &[Case] = &[
         spec: LB_LOCAL,
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, true, Cond::Ready)]), held: &[], cluster: Some(&[A]), local: Some(&[A]) },
-            Step { at: 100, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]), held: &[B], cluster: Some(&[A]), local: Some(&[A]) },
-            Step { at: 1100, eps: None, held: &[], cluster: Some(&[A, B]), local: Some(&[A, B]) },
+            Step {
+                at: 0,
+                eps: Some(&[(A, true, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: Some(&[A]),
+            },
+            Step {
+                at: 100,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]),
+                held: &[B],
+                cluster: Some(&[A]),
+                local: Some(&[A]),
+            },
+            Step {
+                at: 1100,
+                eps: None,
+                held: &[],
+                cluster: Some(&[A, B]),
+                local: Some(&[A, B]),
+            },
         ],
     },
     Case {
@@ -205,9 +309,31 @@ const CASES: &[Case] = &[
         spec: LB_LOCAL,
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, true, Cond::Ready), (C, false, Cond::Ready)]), held: &[], cluster: Some(&[A, C]), local: Some(&[A]) },
-            Step { at: 100, eps: Some(&[(A, true, Cond::TermServing), (B, true, Cond::Ready), (C, false, Cond::Ready)]), held: &[B], cluster: Some(&[C]), local: Some(&[A]) },
-            Step { at: 1100, eps: None, held: &[], cluster: Some(&[B, C]), local: Some(&[B]) },
+            Step {
+                at: 0,
+                eps: Some(&[(A, true, Cond::Ready), (C, false, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A, C]),
+                local: Some(&[A]),
+            },
+            Step {
+                at: 100,
+                eps: Some(&[
+                    (A, true, Cond::TermServing),
+                    (B, true, Cond::Ready),
+                    (C, false, Cond::Ready),
+                ]),
+                held: &[B],
+                cluster: Some(&[C]),
+                local: Some(&[A]),
+            },
+            Step {
+                at: 1100,
+                eps: None,
+                held: &[],
+                cluster: Some(&[B, C]),
+                local: Some(&[B]),
+            },
         ],
     },
     Case {
@@ -216,8 +342,24 @@ const CASES: &[Case] = &[
         warmup_ms: 1000,
         steps: &[
             // A terminating pod that still serves: a hold would not empty the list.
-            Step { at: 5000, eps: Some(&[(A, true, Cond::Ready), (B, false, Cond::Ready), (C, false, Cond::TermServing)]), held: &[], cluster: Some(&[A, B]), local: None },
-            Step { at: 9000, eps: None, held: &[], cluster: Some(&[A, B]), local: None },
+            Step {
+                at: 5000,
+                eps: Some(&[
+                    (A, true, Cond::Ready),
+                    (B, false, Cond::Ready),
+                    (C, false, Cond::TermServing),
+                ]),
+                held: &[],
+                cluster: Some(&[A, B]),
+                local: None,
+            },
+            Step {
+                at: 9000,
+                eps: None,
+                held: &[],
+                cluster: Some(&[A, B]),
+                local: None,
+            },
         ],
     },
     Case {
@@ -225,9 +367,27 @@ const CASES: &[Case] = &[
         spec: "",
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::NotReady)]), held: &[], cluster: Some(&[A]), local: None },
-            Step { at: 200, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]), held: &[B], cluster: Some(&[A]), local: None },
-            Step { at: 1200, eps: None, held: &[], cluster: Some(&[A, B]), local: None },
+            Step {
+                at: 0,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::NotReady)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 200,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]),
+                held: &[B],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 1200,
+                eps: None,
+                held: &[],
+                cluster: Some(&[A, B]),
+                local: None,
+            },
         ],
     },
     Case {
@@ -235,11 +395,45 @@ const CASES: &[Case] = &[
         spec: "",
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]), held: &[], cluster: Some(&[A, B]), local: None },
-            Step { at: 10, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::NotReady)]), held: &[], cluster: Some(&[A]), local: None },
-            Step { at: 20, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready), (C, true, Cond::Ready)]), held: &[B, C], cluster: Some(&[A]), local: None },
-            Step { at: 30, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]), held: &[B], cluster: Some(&[A]), local: None },
-            Step { at: 40, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::NotReady)]), held: &[], cluster: Some(&[A]), local: None },
+            Step {
+                at: 0,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A, B]),
+                local: None,
+            },
+            Step {
+                at: 10,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::NotReady)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 20,
+                eps: Some(&[
+                    (A, true, Cond::Ready),
+                    (B, true, Cond::Ready),
+                    (C, true, Cond::Ready),
+                ]),
+                held: &[B, C],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 30,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]),
+                held: &[B],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 40,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::NotReady)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: None,
+            },
         ],
     },
     Case {
@@ -247,10 +441,34 @@ const CASES: &[Case] = &[
         spec: "",
         warmup_ms: 1000,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, true, Cond::Ready)]), held: &[], cluster: Some(&[A]), local: None },
-            Step { at: 100, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]), held: &[B], cluster: Some(&[A]), local: None },
-            Step { at: 200, eps: Some(&[(B, true, Cond::Ready)]), held: &[], cluster: Some(&[B]), local: None },
-            Step { at: 300, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]), held: &[A], cluster: Some(&[B]), local: None },
+            Step {
+                at: 0,
+                eps: Some(&[(A, true, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 100,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]),
+                held: &[B],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 200,
+                eps: Some(&[(B, true, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[B]),
+                local: None,
+            },
+            Step {
+                at: 300,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]),
+                held: &[A],
+                cluster: Some(&[B]),
+                local: None,
+            },
         ],
     },
     Case {
@@ -258,8 +476,20 @@ const CASES: &[Case] = &[
         spec: "",
         warmup_ms: 0,
         steps: &[
-            Step { at: 0, eps: Some(&[(A, true, Cond::Ready)]), held: &[], cluster: Some(&[A]), local: None },
-            Step { at: 100, eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]), held: &[], cluster: Some(&[A, B]), local: None },
+            Step {
+                at: 0,
+                eps: Some(&[(A, true, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A]),
+                local: None,
+            },
+            Step {
+                at: 100,
+                eps: Some(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]),
+                held: &[],
+                cluster: Some(&[A, B]),
+                local: None,
+            },
         ],
     },
 ];
@@ -302,7 +532,10 @@ fn holds_are_reported_with_their_release_and_events() {
     );
 
     // Stopped before the release: the planner names it.
-    let mut steps_case = Case { steps: &CASES[0].steps[..2], ..clone_case(&CASES[0]) };
+    let mut steps_case = Case {
+        steps: &CASES[0].steps[..2],
+        ..clone_case(&CASES[0])
+    };
     steps_case.name = "until the hold";
     let mut planner = run(&steps_case);
     assert_eq!(planner.next_release(), Some(Moment(1500)));
@@ -372,7 +605,10 @@ fn a_held_endpoint_is_not_counted_by_the_health_check_and_is_shown() {
     let changes = st.take_changes();
     planner.apply_at(&st, changes, Moment(0));
     assert_eq!(count(&planner), 1);
-    apply(&mut st, &slice(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]));
+    apply(
+        &mut st,
+        &slice(&[(A, true, Cond::Ready), (B, true, Cond::Ready)]),
+    );
     let changes = st.take_changes();
     planner.apply_at(&st, changes, Moment(1_795_892_645_000));
     assert_eq!(count(&planner), 1, "B is held");

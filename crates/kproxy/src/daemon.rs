@@ -452,9 +452,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     /// When the planner's next warm-up hold ends (`kproxy_core::warmup`).
     fn next_release(&self) -> Option<Instant> {
         let planner = &self.engine.as_ref().expect(ENGINE_HOME).planner;
-        planner
-            .next_release()
-            .map(|m| self.warmup_clock.instant(m))
+        planner.next_release().map(|m| self.warmup_clock.instant(m))
     }
 
     /// Once the rules match the state (nothing pending, nothing owed to the dataplane),
@@ -724,7 +722,12 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                 let counts = (changes.service_events, changes.slice_events);
                 metrics.service_changes_pending.set(counts.0 as i64);
                 metrics.endpoint_changes_pending.set(counts.1 as i64);
-                (planner.apply_at(state, changes, now), oldest, counts.0, counts.1)
+                (
+                    planner.apply_at(state, changes, now),
+                    oldest,
+                    counts.0,
+                    counts.1,
+                )
             });
         let warmup_events = planner.take_warmup_events();
         if !warmup_events.is_empty() {
@@ -1648,7 +1651,13 @@ mod tests {
             endpoint_warmup: Duration::from_secs(1),
             ..PlanConfig::default()
         };
-        let h = start_planning(Pacing::MinSyncPeriod(Duration::ZERO), &[], None, Some(events.clone()), plan);
+        let h = start_planning(
+            Pacing::MinSyncPeriod(Duration::ZERO),
+            &[],
+            None,
+            Some(events.clone()),
+            plan,
+        );
         let spec = Spec {
             etp_local_every: 0,
             hinted_every: 0,
@@ -1683,7 +1692,11 @@ mod tests {
         let lines: Vec<serde_json::Value> = log
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
-            .filter(|v: &serde_json::Value| v["event"].as_str().is_some_and(|e| e.starts_with("endpoint_")))
+            .filter(|v: &serde_json::Value| {
+                v["event"]
+                    .as_str()
+                    .is_some_and(|e| e.starts_with("endpoint_"))
+            })
             .collect();
         assert_eq!(lines.len(), 2, "{log}");
         assert_eq!(lines[0]["event"], "endpoint_held");
@@ -1691,7 +1704,8 @@ mod tests {
         assert_eq!(lines[1]["event"], "endpoint_released");
         assert_eq!(lines[1]["reason"], "elapsed");
         assert_eq!(
-            lines[1]["release_unix_ms"].as_u64().unwrap() - lines[1]["ready_since_unix_ms"].as_u64().unwrap(),
+            lines[1]["release_unix_ms"].as_u64().unwrap()
+                - lines[1]["ready_since_unix_ms"].as_u64().unwrap(),
             1000
         );
     }

@@ -198,7 +198,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_release_is_due_at_its_instant_not_a_millisecond_before() {
         let clock = WarmupClock::start();
-        let release = clock.moment(Instant::now()).after(std::time::Duration::from_millis(1000));
+        let release = clock
+            .moment(Instant::now())
+            .after(std::time::Duration::from_millis(1000));
         let at = clock.instant(release);
         assert_eq!(clock.moment(at), release);
         assert!(clock.moment(at - std::time::Duration::from_micros(1)) < release);

@@ -53,7 +53,13 @@ fn slice(old_terminating: bool, new: bool) -> String {
 fn start_daemon(node: &Netns, dir: &Path, events: &Path, log: &DaemonLog, warmup: &str) -> Daemon {
     Daemon(
         Command::new("ip")
-            .args(["netns", "exec", &node.0, env!("CARGO_BIN_EXE_kproxy"), "run"])
+            .args([
+                "netns",
+                "exec",
+                &node.0,
+                env!("CARGO_BIN_EXE_kproxy"),
+                "run",
+            ])
             .args(["--manifests", dir.to_str().unwrap()])
             .args(["--hostname-override", "node-a"])
             .args(["--healthz-bind-address", "127.0.0.1:10256"])
@@ -185,8 +191,19 @@ fn run(old_terminating: bool, warmup: &str) -> (Seen, Vec<serde_json::Value>, St
     // `kproxy explain --server` asks the daemon what it holds.
     let bind_at = Instant::now() + Duration::from_millis(400);
     let explained = Command::new("ip")
-        .args(["netns", "exec", &node.0, env!("CARGO_BIN_EXE_kproxy"), "explain"])
-        .args(["--manifests", dir.path().to_str().unwrap(), "--node", "node-a"])
+        .args([
+            "netns",
+            "exec",
+            &node.0,
+            env!("CARGO_BIN_EXE_kproxy"),
+            "explain",
+        ])
+        .args([
+            "--manifests",
+            dir.path().to_str().unwrap(),
+            "--node",
+            "node-a",
+        ])
         .args(["--server", "127.0.0.1:10249", "shop/web"])
         .output()
         .expect("kproxy explain");
@@ -201,7 +218,10 @@ fn run(old_terminating: bool, warmup: &str) -> (Seen, Vec<serde_json::Value>, St
     // Until the new pod takes connections (the hold released, or never held).
     let deadline = Instant::now() + Duration::from_secs(20);
     while !load.seen_new() {
-        assert!(Instant::now() < deadline, "the new pod never got a connection");
+        assert!(
+            Instant::now() < deadline,
+            "the new pod never got a connection"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     let seen = load.stop();
@@ -230,8 +250,10 @@ fn a_new_endpoint_that_listens_late_refuses_no_connection_while_held() {
         eprintln!("{case}, --endpoint-warmup 3s: {seen:?}");
         assert!(seen.sent >= 20, "{case}: {seen:?}");
         assert_eq!((seen.refused, seen.other), (0, 0), "{case}, held: {seen:?}");
-        let held: Vec<&serde_json::Value> =
-            log.iter().filter(|e| e["event"] == "endpoint_held").collect();
+        let held: Vec<&serde_json::Value> = log
+            .iter()
+            .filter(|e| e["event"] == "endpoint_held")
+            .collect();
         assert_eq!(held.len(), 1, "{case}: {log:?}");
         assert_eq!(held[0]["ip"], "10.244.2.5");
         assert_eq!(held[0]["service"], "shop/web");

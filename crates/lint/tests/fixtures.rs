@@ -648,6 +648,11 @@ fn a_missing_readiness_probe_is_named_as_the_cause_of_refused_connections() {
         .iter()
         .find(|f| f.rule == "readiness-probe-missing")
         .expect("the rule fires");
-    assert!(f.message.contains("new connections race the server's bind and are refused"), "{}", f.message);
+    assert!(
+        f.message
+            .contains("new connections race the server's bind and are refused"),
+        "{}",
+        f.message
+    );
     assert!(f.fix.contains("--endpoint-warmup"), "{}", f.fix);
 }

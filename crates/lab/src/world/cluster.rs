@@ -83,6 +83,13 @@ impl PodRuntime {
     pub fn is_gone(&self) -> bool {
         self.gone.load(Ordering::SeqCst)
     }
+    /// The pod's server has bound its port (`PodTemplate::listen_delay_ms` after its
+    /// start).
+    pub fn is_listening(&self) -> bool {
+        let g = self.server.lock().expect("server lock");
+        g.as_ref()
+            .is_some_and(|s| s.shared.listening.load(Ordering::SeqCst))
+    }
     /// When the pod last became ready (None while not ready).
     pub fn ready_since(&self) -> Option<Instant> {
         *self.ready_since.lock().expect("lock")

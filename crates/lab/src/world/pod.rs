@@ -43,6 +43,8 @@ pub struct PodShared {
     pub probe_ok: AtomicBool,
     /// The server has ended (exited by itself or killed).
     pub exited: AtomicBool,
+    /// The server has bound its port (at once, or after its listen delay).
+    pub listening: AtomicBool,
     pub open_conns: AtomicUsize,
     pub served: AtomicUsize,
 }
@@ -120,6 +122,7 @@ impl PodServer {
                         let _ = bound_tx.send(Err(e));
                     }
                     Ok((rt, l)) => {
+                        sh.listening.store(true, Ordering::SeqCst);
                         let _ = bound_tx.send(Ok(()));
                         rt.block_on(async move {
                             match TcpListener::from_std(l) {

@@ -410,6 +410,16 @@ impl Phase<'_> {
             || {},
         )
         .await?;
+        // Pods that are Ready before they listen (`listenDelayMs`): the cluster the
+        // rollout starts from has been serving for long, so the load starts once they
+        // listen.
+        wait_for(
+            "the initial pods to listen",
+            self.step_limit,
+            daemons,
+            || cluster.pods().iter().all(|p| p.is_listening()),
+        )
+        .await?;
         wait_for(
             "the load balancer to see the nodes healthy",
             self.step_limit,
