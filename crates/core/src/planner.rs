@@ -213,7 +213,9 @@ impl Planner {
                     before.keys().chain(self.raw.keys()).cloned().collect();
                 for name in &names {
                     follow_holds(
-                        (&self.raw, &mut self.releases, &mut self.warmup_events),
+                        &self.raw,
+                        &mut self.releases,
+                        &mut self.warmup_events,
                         name,
                         before.get(name).map(|p| &**p),
                         clock.now,
@@ -282,7 +284,9 @@ impl Planner {
             }
             if clock.holds() || self.releases.contains_key(&name) {
                 follow_holds(
-                    (&self.raw, &mut self.releases, &mut self.warmup_events),
+                    &self.raw,
+                    &mut self.releases,
+                    &mut self.warmup_events,
                     &name,
                     before.as_deref(),
                     clock.now,
@@ -369,11 +373,9 @@ impl Planner {
 /// Records what changed in `name`'s holds since `before` (its previous raw plan, `raw`
 /// holding the new one): the events, and when its next hold ends.
 fn follow_holds(
-    (raw, releases, events): (
-        &BTreeMap<ServiceName, Arc<ServicePlan>>,
-        &mut BTreeMap<ServiceName, Moment>,
-        &mut Vec<warmup::Event>,
-    ),
+    raw: &BTreeMap<ServiceName, Arc<ServicePlan>>,
+    releases: &mut BTreeMap<ServiceName, Moment>,
+    events: &mut Vec<warmup::Event>,
     name: &ServiceName,
     before: Option<&ServicePlan>,
     now: Moment,

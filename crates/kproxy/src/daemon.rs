@@ -1684,7 +1684,7 @@ mod tests {
             _ => None,
         });
         let (update, ms) = last.expect("a sync");
-        assert_eq!(update.services, [svc.clone()], "{seen:?}");
+        assert_eq!(update.services, std::slice::from_ref(&svc), "{seen:?}");
         // The release made it, not syncPeriod (an hour), the loop's only other timer.
         assert!(ms < 3_600_000, "{seen:?}");
         h.stop().await;
