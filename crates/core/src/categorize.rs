@@ -4,6 +4,8 @@
 //!
 //! "Usable" means: ready; or, only when no ready endpoint qualifies for that policy,
 //! serving and terminating. The fallback is decided separately for Cluster and Local.
+//! "Ready" is [`EndpointState::is_ready`]: an endpoint held for warm-up
+//! (`crate::warmup`) counts as not ready.
 
 use crate::model::EndpointAddr;
 use crate::plan::{EndpointState, TopologyMode};
@@ -50,7 +52,7 @@ pub fn topology_mode(endpoints: &[EndpointState], ctx: &Context) -> TopologyMode
     let mut any_ready = false;
     let (mut all_node_hints, mut for_node) = (true, false);
     let (mut all_zone_hints, mut for_zone) = (true, false);
-    for e in endpoints.iter().filter(|e| e.conditions.ready) {
+    for e in endpoints.iter().filter(|e| e.is_ready()) {
         any_ready = true;
         match &e.placement.node_hints {
             Some(h) if !h.is_empty() => for_node |= h.iter().any(|n| n == ctx.node_name),
@@ -102,7 +104,7 @@ pub fn categorize(endpoints: &[EndpointState], ctx: &Context) -> Categorized {
         topology = topology_mode(endpoints, ctx);
         let mut list: Vec<EndpointAddr> = endpoints
             .iter()
-            .filter(|e| e.conditions.ready && passes_topology(e, &topology, ctx.node_name))
+            .filter(|e| e.is_ready() && passes_topology(e, &topology, ctx.node_name))
             .map(|e| e.addr)
             .collect();
         if list.is_empty() {
@@ -123,7 +125,7 @@ pub fn categorize(endpoints: &[EndpointState], ctx: &Context) -> Categorized {
     let local = if ctx.uses_local {
         let (mut local_ready, mut local_fallback) = (false, false);
         for e in endpoints {
-            if e.conditions.ready {
+            if e.is_ready() {
                 has_any = true;
                 local_ready |= e.is_local;
             } else if fallback_candidate(e, ctx) {
@@ -134,7 +136,7 @@ pub fn categorize(endpoints: &[EndpointState], ctx: &Context) -> Categorized {
         let list: Vec<EndpointAddr> = if local_ready {
             endpoints
                 .iter()
-                .filter(|e| e.is_local && e.conditions.ready)
+                .filter(|e| e.is_local && e.is_ready())
                 .map(|e| e.addr)
                 .collect()
         } else if local_fallback {

@@ -68,6 +68,11 @@ pub struct PlanConfig {
     /// `cluster-ips-check`); empty: nothing is dropped.
     #[serde(default)]
     pub service_cidrs: Vec<IpNet>,
+    /// How long an endpoint that becomes ready while kproxy runs is held back from new
+    /// connections (`crate::warmup`; `kproxy run --endpoint-warmup`). Zero, upstream's
+    /// behaviour and this default: no hold.
+    #[serde(default)]
+    pub endpoint_warmup: std::time::Duration,
 }
 
 fn yes() -> bool {
@@ -86,6 +91,7 @@ impl Default for PlanConfig {
             drain_terminating_nodes: true,
             allow_external_ip_overlap: false,
             service_cidrs: Vec::new(),
+            endpoint_warmup: std::time::Duration::ZERO,
         }
     }
 }

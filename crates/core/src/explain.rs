@@ -77,6 +77,28 @@ pub fn plan_table(plan: &NodePlan) -> String {
             );
         }
     }
+    let held: Vec<(&ServicePortPlan, &EndpointState, crate::warmup::Hold)> = plan
+        .service_ports()
+        .flat_map(|p| {
+            p.endpoints
+                .iter()
+                .filter_map(move |e| e.warmup.as_deref().map(|h| (p, e, *h)))
+        })
+        .collect();
+    if !held.is_empty() {
+        let _ = writeln!(out, "\nHELD FOR WARM-UP (ready, no new connection yet)");
+        for (p, e, h) in held {
+            let _ = writeln!(
+                out,
+                "{:<40} {:<5} {:<26} until {} (ready since {})",
+                p.service_port.to_string(),
+                p.family.as_str(),
+                e.addr.to_string(),
+                h.release,
+                h.ready_since
+            );
+        }
+    }
     out.push_str(PLAN_TABLE_LEGEND);
     out
 }
@@ -90,6 +112,8 @@ LOCAL       endpoints on this node that traffic under Local policy reaches, serv
 ALL         every endpoint this node may forward to (CLUSTER and LOCAL together)
 POLICY i/e  internalTrafficPolicy / externalTrafficPolicy
 EXTERNAL    load-balancer (lb:) and external (ext:) IPs
+HELD FOR WARM-UP  endpoints ready in their slice that kproxy run holds back from new connections until the time shown
+            (--endpoint-warmup): they count as not ready; a plan from scratch (plan, explain) holds none
 localEndpoints (health-check node ports) counts only READY endpoints on this node: terminating ones still serve
             (LOCAL) but answer 503, so the load balancer stops sending new connections while they drain.
 ";
@@ -301,6 +325,14 @@ pub fn why_not(
     e: &EndpointState,
 ) -> String {
     let c = e.conditions;
+    if let Some(h) = e.warmup.as_deref() {
+        return format!(
+            "ready since {}, held for warm-up until {} (its server may not listen yet; --endpoint-warmup), {}",
+            h.ready_since,
+            h.release,
+            location(e)
+        );
+    }
     if !c.ready && !c.serving {
         return format!(
             "not serving{}, {}",

@@ -16,6 +16,8 @@
 //!   counts in `sync_proxy_rules_no_local_endpoints_total`.
 //! - [`trace`]: the fate of one packet under a plan; [`explain`]: why, for people.
 //! - [`takeover`]: what of kube-proxy's is on a node and the plan that removes it.
+//! - [`warmup`]: the hold of an endpoint that has just become ready, until its server
+//!   had time to listen.
 //! - [`input_guard`]: whether a state from broken or empty input may replace the rules in
 //!   place.
 
@@ -38,6 +40,7 @@ pub mod synthetic;
 pub mod takeover;
 pub mod trace;
 pub mod update;
+pub mod warmup;
 
 pub use config::PlanConfig;
 pub use plan::NodePlan;

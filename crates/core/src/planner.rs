@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use ipnet::IpNet;
 
-use crate::categorize::{self, Context};
+use crate::categorize::Context;
 use crate::config::{LocalDetectorConfig, NodePortAddressesConfig, PlanConfig};
 use crate::model::{
     EndpointAddr, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName, ServicePortName,
@@ -22,10 +22,23 @@ use crate::plan::{
 };
 use crate::state::{Changes, ClusterState};
 pub use crate::update::PlanUpdate;
+use crate::warmup::{self, Clock, Moment};
 
 /// Plans the whole node from scratch. This node's Node object is read from `state`
 /// (it may be absent: no zone, no addresses, eligible).
+/// A plan from scratch is a first view of the cluster: it holds no endpoint for warm-up.
 pub fn plan(state: &ClusterState, node_name: &str, config: &PlanConfig) -> NodePlan {
+    plan_at(state, node_name, config, &Clock::OFF, &BTreeMap::new())
+}
+
+/// [`plan`] at `clock`, each Service's holds continued from its plan in `before`.
+fn plan_at(
+    state: &ClusterState,
+    node_name: &str,
+    config: &PlanConfig,
+    clock: &Clock,
+    before: &BTreeMap<ServiceName, Arc<ServicePlan>>,
+) -> NodePlan {
     let facts = NodeFacts::new(node_name, state.node(), &state.service_cidrs(), config);
     let services = state
         .services()
@@ -37,6 +50,8 @@ pub fn plan(state: &ClusterState, node_name: &str, config: &PlanConfig) -> NodeP
                     state.slices_of(&svc.name),
                     &facts,
                     config,
+                    clock,
+                    before.get(&svc.name).map(|p| &**p),
                 )),
             )
         })
@@ -66,6 +81,15 @@ pub struct Planner {
     config_changed: bool,
     /// How many whole re-plans [`Planner::apply`] made ([`Planner::whole_plans`]).
     whole_plans: u64,
+    /// The first plan was made: an endpoint seen ready from now on is new
+    /// (`crate::warmup`).
+    primed: bool,
+    /// The clock of the last [`Planner::apply_at`].
+    now: Moment,
+    /// The earliest warm-up release of every Service whose plan holds an endpoint.
+    releases: BTreeMap<ServiceName, Moment>,
+    /// Holds begun and ended since [`Planner::take_warmup_events`].
+    warmup_events: Vec<warmup::Event>,
 }
 
 impl Planner {
@@ -79,7 +103,28 @@ impl Planner {
             config,
             config_changed: true,
             whole_plans: 0,
+            primed: false,
+            now: Moment::default(),
+            releases: BTreeMap::new(),
+            warmup_events: Vec::new(),
         }
+    }
+
+    /// When the next warm-up hold ends: the caller re-plans then ([`Planner::apply_at`]
+    /// re-plans the Services whose holds are due).
+    pub fn next_release(&self) -> Option<Moment> {
+        self.releases.values().min().copied()
+    }
+
+    /// The Services whose plan holds an endpoint for warm-up now.
+    pub fn held_services(&self) -> impl Iterator<Item = &ServiceName> {
+        self.releases.keys()
+    }
+
+    /// The holds begun and ended since the last call, in the order the re-plans made
+    /// them.
+    pub fn take_warmup_events(&mut self) -> Vec<warmup::Event> {
+        std::mem::take(&mut self.warmup_events)
     }
 
     /// How many times a change re-planned every Service (the first plan, a Node,
@@ -103,8 +148,33 @@ impl Planner {
     }
 
     /// Applies `changes`, taken from `state` (the sync loop takes them through its
-    /// read-only view of the store, `kproxy_source::Reader::take`).
+    /// read-only view of the store, `kproxy_source::Reader::take`), at the time of the
+    /// last [`Planner::apply_at`].
     pub fn apply(&mut self, state: &ClusterState, changes: Changes) -> PlanUpdate {
+        self.apply_at(state, changes, self.now)
+    }
+
+    /// Applies `changes` at `now` (a clock that never goes back: an earlier `now` counts
+    /// as the last one): endpoints that became ready are held for warm-up
+    /// (`crate::warmup`), and the Services whose holds are due are re-planned too.
+    pub fn apply_at(
+        &mut self,
+        state: &ClusterState,
+        mut changes: Changes,
+        now: Moment,
+    ) -> PlanUpdate {
+        self.now = self.now.max(now);
+        let clock = Clock {
+            now: self.now,
+            period: self.config.endpoint_warmup,
+            primed: std::mem::replace(&mut self.primed, true),
+        };
+        changes.services.extend(
+            self.releases
+                .iter()
+                .filter(|(_, at)| **at <= clock.now)
+                .map(|(name, _)| name.clone()),
+        );
         // The flag is taken whatever else changed: behind a short-circuiting `||` it
         // outlived the first plan (made for the Node's arrival), and the first endpoint
         // change after it re-planned all Services (60 ms at 10k × 10, on the real API
@@ -120,7 +190,8 @@ impl Planner {
         let mut update = PlanUpdate::default();
         if full {
             self.whole_plans += 1;
-            let new = plan(state, &self.node_name, &self.config);
+            let before = std::mem::take(&mut self.raw);
+            let new = plan_at(state, &self.node_name, &self.config, &clock, &before);
             self.raw = new.services.clone();
             for c in &new.conflicts {
                 if let Some(svc) = state.service(&c.service) {
@@ -131,7 +202,23 @@ impl Planner {
                             state.slices_of(&c.service),
                             &facts,
                             &self.config,
+                            &clock,
+                            before.get(&c.service).map(|p| &**p),
                         )),
+                    );
+                }
+            }
+            if clock.holds() || !self.releases.is_empty() {
+                let names: BTreeSet<ServiceName> =
+                    before.keys().chain(self.raw.keys()).cloned().collect();
+                for name in &names {
+                    follow_holds(
+                        &self.raw,
+                        &mut self.releases,
+                        &mut self.warmup_events,
+                        name,
+                        before.get(name).map(|p| &**p),
+                        clock.now,
                     );
                 }
             }
@@ -167,8 +254,11 @@ impl Planner {
                     state.slices_of(&name),
                     &facts,
                     &self.config,
+                    &clock,
+                    self.raw.get(&name).map(|p| &**p),
                 ))
             });
+            let before = self.raw.get(&name).cloned();
             let claims = |p: Option<&Arc<ServicePlan>>| -> Vec<crate::frontend::Frontend> {
                 p.into_iter()
                     .flat_map(|p| crate::conflicts::service_frontends(p))
@@ -179,18 +269,28 @@ impl Planner {
                 (Entry::Occupied(mut o), Some(new)) => {
                     if **o.get() != *new {
                         o.insert(new);
-                        update.services.push(name);
+                        update.services.push(name.clone());
                     }
                 }
                 (Entry::Occupied(o), None) => {
                     o.remove();
-                    update.services.push(name);
+                    update.services.push(name.clone());
                 }
                 (Entry::Vacant(v), Some(new)) => {
                     v.insert(new);
-                    update.services.push(name);
+                    update.services.push(name.clone());
                 }
                 (Entry::Vacant(_), None) => {}
+            }
+            if clock.holds() || self.releases.contains_key(&name) {
+                follow_holds(
+                    &self.raw,
+                    &mut self.releases,
+                    &mut self.warmup_events,
+                    &name,
+                    before.as_deref(),
+                    clock.now,
+                );
             }
         }
         if frontends_changed {
@@ -270,6 +370,28 @@ impl Planner {
         self.plan.conflicts = conflicts;
         self.plan.cluster_ip_warnings =
             crate::conflicts::cluster_ip_warnings(&self.plan.services, field, &reserved);
+    }
+}
+
+/// Records what changed in `name`'s holds since `before` (its previous raw plan, `raw`
+/// holding the new one): the events, and when its next hold ends.
+fn follow_holds(
+    raw: &BTreeMap<ServiceName, Arc<ServicePlan>>,
+    releases: &mut BTreeMap<ServiceName, Moment>,
+    events: &mut Vec<warmup::Event>,
+    name: &ServiceName,
+    before: Option<&ServicePlan>,
+    now: Moment,
+) {
+    let after = raw.get(name).map(|p| &**p);
+    warmup::events(name, before, after, now, events);
+    match after.and_then(warmup::next_release) {
+        Some(at) => {
+            releases.insert(name.clone(), at);
+        }
+        None => {
+            releases.remove(name);
+        }
     }
 }
 
@@ -430,6 +552,7 @@ pub fn merge_endpoints<'a>(
                     is_local,
                     conditions: e.conditions,
                     placement: e.placement.clone(),
+                    warmup: None,
                 });
             }
         }
@@ -453,6 +576,8 @@ fn plan_service<'a>(
     slices: impl Iterator<Item = &'a Arc<EndpointSlice>> + Clone,
     facts: &NodeFacts,
     config: &PlanConfig,
+    clock: &Clock,
+    before: Option<&ServicePlan>,
 ) -> ServicePlan {
     // Exact capacity: a pushed Vec would keep room for 4 ports of 344 bytes each, 10 MiB
     // of a 10k-Service plan.
@@ -469,16 +594,32 @@ fn plan_service<'a>(
     };
     for (family, cluster_ip) in svc.cluster_ips.iter() {
         let mut merged = merge_endpoints(slices.clone(), family, facts.name);
-        local_ready.push(crate::plan::local_ready_ips(merged.values().flatten()));
+        let first = ports.len();
         for sp in &svc.ports {
             // Service ports are unique per (name, protocol), so each list is taken once.
             let endpoints = merged
                 .remove(&(sp.name.as_str(), sp.protocol))
                 .unwrap_or_default();
+            let before = before.and_then(|b| b.port(&sp.name, sp.protocol, family));
             ports.push(plan_port(
-                svc, sp, family, cluster_ip, etp, endpoints, facts, config,
+                svc,
+                sp,
+                (family, cluster_ip),
+                etp,
+                (endpoints, before),
+                facts,
+                config,
+                clock,
             ));
         }
+        // Every port's endpoints as planned (held ones not ready), and those of the
+        // slices' ports the Service does not name.
+        local_ready.push(crate::plan::local_ready_ips(
+            ports[first..]
+                .iter()
+                .flat_map(|p: &ServicePortPlan| &p.endpoints)
+                .chain(merged.values().flatten()),
+        ));
     }
     ports.sort_by(|a, b| {
         (&a.service_port.port_name, a.protocol, a.family).cmp(&(
@@ -510,12 +651,12 @@ fn plan_service<'a>(
 fn plan_port(
     svc: &Service,
     sp: &crate::model::ServicePort,
-    family: IpFamily,
-    cluster_ip: IpAddr,
+    (family, cluster_ip): (IpFamily, IpAddr),
     etp: TrafficPolicy,
-    endpoints: Vec<EndpointState>,
+    (mut endpoints, before): (Vec<EndpointState>, Option<&ServicePortPlan>),
     facts: &NodeFacts,
     config: &PlanConfig,
+    clock: &Clock,
 ) -> ServicePortPlan {
     let external_ips: Vec<IpAddr> = svc
         .external_ips
@@ -540,7 +681,7 @@ fn plan_port(
         prefer_same_node_hints: config.prefer_same_node_hints,
         proxy_terminating_endpoints: config.proxy_terminating_endpoints,
     };
-    let cat = categorize::categorize(&endpoints, &ctx);
+    let cat = warmup::hold_and_categorize(&mut endpoints, before, clock, &ctx);
     let detector = facts.has_local_pod_detector(family);
 
     let nonempty = |set: EndpointSet| match set {

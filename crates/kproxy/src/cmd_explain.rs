@@ -33,7 +33,8 @@ pub struct Args {
     pub output: Output,
     /// A running `kproxy run`'s metrics address (`HOST:PORT` or `http://HOST:PORT`):
     /// also show where the Service's health-check node port listens and where it cannot
-    /// bind, and why.
+    /// bind, and why, and which of its endpoints the daemon holds for warm-up and until
+    /// when.
     #[arg(long, value_name = "URL")]
     pub server: Option<String>,
     #[command(flatten)]
@@ -79,6 +80,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if let Some(server) = &args.server {
         let state = fetch_json(server, crate::metrics::HEALTH_CHECK_PORTS_PATH)?;
         print!("{}", health_check_runtime(&state, &name, server)?);
+        let held = fetch_json(server, crate::warmup::ENDPOINT_WARMUP_PATH)?;
+        print!("{}", crate::warmup::held_lines(&held, Some(&name), server));
         let metrics = fetch(server, "/metrics")?;
         print!("{}", kernel_runtime(&metrics, server));
         let samples = crate::traffic::samples_from_metrics(&metrics);
@@ -124,7 +127,7 @@ fn elsewhere_hint(name: &ServiceName, state: &kproxy_core::ClusterState) -> Stri
 }
 
 /// `GET path` from a daemon's metrics server; the body as JSON.
-fn fetch_json(server: &str, path: &str) -> Result<Value> {
+pub(crate) fn fetch_json(server: &str, path: &str) -> Result<Value> {
     let body = fetch(server, path)?;
     serde_json::from_str(&body).with_context(|| format!("{server}{path}: the body is not JSON"))
 }

@@ -75,6 +75,12 @@ pub struct Args {
     pub node_port_range: std::ops::RangeInclusive<u16>,
     #[command(flatten)]
     pub plan: crate::common::PlanFlags,
+    /// Hold an endpoint that becomes ready while kproxy runs (a new pod, or not ready ->
+    /// ready) this long before new connections go to it, as not ready, unless its
+    /// traffic has no other endpoint: a pod without a readiness probe is Ready before its
+    /// server listens. `0s` disables (docs/warmup.md).
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = kproxy_config::parse_go_duration)]
+    pub endpoint_warmup: Duration,
     /// Upstream kube-proxy's rules found on the node (docs/migrate.md): `auto` removes
     /// exactly what `kube-proxy --cleanup` removes once kproxy's tables are up and no
     /// kube-proxy runs; `off` leaves them (logged and counted); `force` removes them even
@@ -211,6 +217,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
 async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCode> {
     let mut plan_cfg = cfg.plan.clone();
     args.plan.apply(&mut plan_cfg);
+    plan_cfg.endpoint_warmup = args.endpoint_warmup;
     if matches!(
         plan_cfg.node_port_addresses,
         NodePortAddressesConfig::Cidrs(_)
@@ -263,11 +270,12 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     let mut tasks = Tasks::new();
     if let Some(addr) = cfg.metrics_bind_address {
         let (registry, health, traffic) = (registry.clone(), health.clone(), traffic.clone());
+        let held = metrics.endpoint_warmup_held.clone();
         // A metrics server that cannot start is logged, never fatal.
         tasks.spawn("the metrics server", move |stop| async move {
             tokio::select! {
                 _ = stop.cancelled() => return Ok(()),
-                r = metrics::serve(addr, registry, health, traffic) => if let Err(e) = r {
+                r = metrics::serve(addr, registry, health, traffic, held) => if let Err(e) = r {
                     tracing::error!(error = format!("{e:#}"), "metrics server stopped");
                 },
             }

@@ -279,6 +279,8 @@ pub struct SyncLoop<D, H> {
     programmed_once: bool,
     /// Why the first sync is held back, while it is.
     held: Option<kproxy_core::input_guard::Refusal>,
+    /// The planner's clock for endpoint warm-up holds.
+    warmup_clock: crate::warmup::WarmupClock,
 }
 
 const ENGINE_HOME: &str = "the engine is home between blocking calls";
@@ -324,6 +326,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
             kernel: None,
             programmed_once: false,
             held: None,
+            warmup_clock: crate::warmup::WarmupClock::start(),
         })
     }
 
@@ -347,6 +350,7 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         let mut next_verify = Instant::now() + self.cfg.verify_period;
         loop {
             if !need_sync {
+                let release = self.next_release();
                 tokio::select! {
                     biased;
                     _ = stop.cancelled() => break,
@@ -383,6 +387,10 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
                         self.verify().await;
                         next_verify = Instant::now() + self.cfg.verify_period;
                         continue;
+                    }
+                    // An endpoint's warm-up hold ends: the planner re-plans its Service.
+                    _ = tokio::time::sleep_until(release.unwrap_or(next_verify)), if release.is_some() => {
+                        tracing::debug!("an endpoint's warm-up ends");
                     }
                 }
             }
@@ -441,6 +449,12 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         tracing::info!("shutting down; nftables rules stay in place");
         self.events.emit("stopped", json!({}));
         Ok(self.into_dataplane())
+    }
+
+    /// When the planner's next warm-up hold ends (`kproxy_core::warmup`).
+    fn next_release(&self) -> Option<Instant> {
+        let planner = &self.engine.as_ref().expect(ENGINE_HOME).planner;
+        planner.next_release().map(|m| self.warmup_clock.instant(m))
     }
 
     /// Once the rules match the state (nothing pending, nothing owed to the dataplane),
@@ -704,13 +718,26 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
     fn plan_changes(&mut self) -> Option<Pending> {
         let metrics = &self.metrics;
         let planner = &mut self.engine.as_mut().expect(ENGINE_HOME).planner;
+        let now = self.warmup_clock.moment(Instant::now());
         let (update, oldest, service_events, slice_events) =
             self.source.take(|state, changes, oldest| {
                 let counts = (changes.service_events, changes.slice_events);
                 metrics.service_changes_pending.set(counts.0 as i64);
                 metrics.endpoint_changes_pending.set(counts.1 as i64);
-                (planner.apply(state, changes), oldest, counts.0, counts.1)
+                (
+                    planner.apply_at(state, changes, now),
+                    oldest,
+                    counts.0,
+                    counts.1,
+                )
             });
+        let warmup_events = planner.take_warmup_events();
+        if !warmup_events.is_empty() {
+            crate::warmup::record(warmup_events, &mut self.events, metrics, now);
+            metrics
+                .endpoint_warmup_held
+                .set(planner.plan(), planner.held_services());
+        }
         metrics.service_changes_total.inc_by(service_events);
         metrics.endpoint_changes_total.inc_by(slice_events);
         metrics.service_changes_pending.set(0);
@@ -1148,13 +1175,24 @@ mod tests {
         gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
         event_log: Option<PathBuf>,
     ) -> Harness {
+        start_planning(pacing, fail, gate, event_log, PlanConfig::default())
+    }
+
+    /// [`start_logging`] with the planner's settings `plan`.
+    fn start_planning(
+        pacing: Pacing,
+        fail: &[bool],
+        gate: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
+        event_log: Option<PathBuf>,
+        plan: PlanConfig,
+    ) -> Harness {
         let log = Log(Arc::default(), Instant::now(), Arc::default());
         let (writer, reader) = kproxy_source::store();
         let kernel_more = Arc::new(Mutex::new(None));
         let repairs_unchanged = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let cfg = LoopConfig {
             node_name: synthetic::node_name(0),
-            plan: PlanConfig::default(),
+            plan,
             pacing,
             sync_period: Duration::from_secs(3600),
             verify_period: Duration::from_secs(7200),
@@ -1614,6 +1652,77 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(count(&h).as_deref(), Some("2"));
         h.stop().await;
+    }
+
+    /// An endpoint that becomes ready (not ready -> ready) is held for the warm-up, and
+    /// the loop re-plans when the hold ends though the source brings nothing new: its
+    /// Service is synced again at the release (paused time: not a millisecond before),
+    /// and the event log says when the hold began and why it ended.
+    #[tokio::test(start_paused = true)]
+    async fn a_warm_up_hold_ends_in_a_sync_at_its_release() {
+        let dir = tempfile::tempdir().unwrap();
+        let events = dir.path().join("events.jsonl");
+        let plan = PlanConfig {
+            endpoint_warmup: Duration::from_secs(1),
+            ..PlanConfig::default()
+        };
+        let h = start_planning(
+            Pacing::MinSyncPeriod(Duration::ZERO),
+            &[],
+            None,
+            Some(events.clone()),
+            plan,
+        );
+        let spec = Spec {
+            etp_local_every: 0,
+            hinted_every: 0,
+            terminating_every: 7,
+            ..Spec::new(100, 3)
+        };
+        // Service 1's third endpoint is terminating at generation 2, ready at 0.
+        h.writer.update(|s| {
+            s.upsert_service(synthetic::service(&spec, 1));
+            s.upsert_slice(synthetic::slice(&spec, 1, 2));
+        });
+        h.writer.mark_ready();
+        h.until_syncs(1).await;
+        h.writer
+            .update(|s| s.upsert_slice(synthetic::slice(&spec, 1, 0)));
+        h.until_syncs(2).await;
+        tokio::time::sleep(Duration::from_millis(990)).await;
+        assert_eq!(h.log.syncs(), 2, "the hold is not released early");
+        h.until_syncs(3).await;
+        let seen = h.log.take();
+        let svc = synthetic::service(&spec, 1).name;
+        let last = seen.iter().rev().find_map(|s| match s {
+            Seen::Sync { update, ms, .. } => Some((update, *ms)),
+            _ => None,
+        });
+        let (update, ms) = last.expect("a sync");
+        assert_eq!(update.services, std::slice::from_ref(&svc), "{seen:?}");
+        // The release made it, not syncPeriod (an hour), the loop's only other timer.
+        assert!(ms < 3_600_000, "{seen:?}");
+        h.stop().await;
+        let log = std::fs::read_to_string(&events).unwrap();
+        let lines: Vec<serde_json::Value> = log
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|v: &serde_json::Value| {
+                v["event"]
+                    .as_str()
+                    .is_some_and(|e| e.starts_with("endpoint_"))
+            })
+            .collect();
+        assert_eq!(lines.len(), 2, "{log}");
+        assert_eq!(lines[0]["event"], "endpoint_held");
+        assert_eq!(lines[0]["service"], svc.to_string());
+        assert_eq!(lines[1]["event"], "endpoint_released");
+        assert_eq!(lines[1]["reason"], "elapsed");
+        assert_eq!(
+            lines[1]["release_unix_ms"].as_u64().unwrap()
+                - lines[1]["ready_since_unix_ms"].as_u64().unwrap(),
+            1000
+        );
     }
 
     /// Bursts of changes written while the loop is busy (each sync held in the

@@ -24,6 +24,7 @@ mod pacing;
 mod takeover;
 mod tasks;
 mod traffic;
+mod warmup;
 
 use std::process::ExitCode;
 

@@ -45,6 +45,12 @@ pub struct SysctlLabel {
     pub sysctl: String,
 }
 
+/// Why an endpoint's warm-up hold ended (`kproxy_core::warmup::ReleaseReason`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NoLocalLabels {
     pub traffic_policy: &'static str,
@@ -89,6 +95,11 @@ pub struct Metrics {
     pub conntrack_early_drop: Counter,
     /// 1 while a sysctl kproxy set holds another value.
     pub sysctl_changed: Family<SysctlLabel, Gauge>,
+    /// Endpoints held for warm-up ([`crate::warmup`]), and their releases by reason.
+    pub endpoint_warmup_holds: Counter,
+    pub endpoint_warmup_releases: Family<ReasonLabel, Counter>,
+    /// The endpoints held now, served at [`crate::warmup::ENDPOINT_WARMUP_PATH`].
+    pub endpoint_warmup_held: crate::warmup::HeldView,
 }
 
 /// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
@@ -137,6 +148,9 @@ impl Metrics {
             conntrack_drop: Counter::default(),
             conntrack_early_drop: Counter::default(),
             sysctl_changed: Family::default(),
+            endpoint_warmup_holds: Counter::default(),
+            endpoint_warmup_releases: Family::default(),
+            endpoint_warmup_held: Default::default(),
         };
         let r = registry.sub_registry_with_prefix("kubeproxy");
         r.register(
@@ -220,6 +234,16 @@ impl Metrics {
             "skipped_objects",
             "Objects skipped or trimmed at the last load because they failed validation",
             m.skipped_objects.clone(),
+        );
+        own.register(
+            "endpoint_warmup_holds",
+            "Endpoints that became ready while kproxy ran and were held back from new connections for --endpoint-warmup (docs/warmup.md)",
+            m.endpoint_warmup_holds.clone(),
+        );
+        own.register(
+            "endpoint_warmup_releases",
+            "Warm-up holds ended, by reason: elapsed (the warm-up passed), needed (the other endpoints went, so the held one takes the traffic at once), gone (it stopped being ready or was removed)",
+            m.endpoint_warmup_releases.clone(),
         );
         own.register(
             "frontend_conflicts",
@@ -376,7 +400,8 @@ pub const PROXY_MODE_PATH: &str = "/proxyMode";
 /// kproxy's only data path is nftables, so it answers as kube-proxy in that mode does.
 pub const PROXY_MODE: &str = "nftables";
 
-/// Serves `GET /metrics`, [`HEALTH_CHECK_PORTS_PATH`] and [`PROXY_MODE_PATH`] on `addr`
+/// Serves `GET /metrics`, [`HEALTH_CHECK_PORTS_PATH`], the endpoints held for warm-up
+/// ([`crate::warmup::ENDPOINT_WARMUP_PATH`]) and [`PROXY_MODE_PATH`] on `addr`
 /// (other paths: 404)
 /// with [`SERVER_LIMITS`], through the health crate's bounded HTTP shell; runs until the
 /// task is dropped.
@@ -385,6 +410,7 @@ pub async fn serve(
     registry: Arc<Registry>,
     health: kproxy_health::Health,
     traffic: Arc<crate::traffic::Traffic>,
+    held: crate::warmup::HeldView,
 ) -> Result<()> {
     use kproxy_health::http::{Responder, Server, bind, body_response};
     let responder: Responder = Arc::new(move |req: &http::request::Parts| match req.uri.path() {
@@ -403,11 +429,15 @@ pub async fn serve(
             "text/plain; charset=utf-8",
             PROXY_MODE.to_string(),
         ),
+        crate::warmup::ENDPOINT_WARMUP_PATH => {
+            body_response(http::StatusCode::OK, "application/json", held.json())
+        }
         _ => body_response(
             http::StatusCode::NOT_FOUND,
             "text/plain; charset=utf-8",
             format!(
-                "not found: kproxy serves /metrics, {HEALTH_CHECK_PORTS_PATH} and {PROXY_MODE_PATH} here\n"
+                "not found: kproxy serves /metrics, {HEALTH_CHECK_PORTS_PATH}, {} and {PROXY_MODE_PATH} here\n",
+                crate::warmup::ENDPOINT_WARMUP_PATH
             ),
         ),
     });

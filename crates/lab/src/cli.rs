@@ -209,6 +209,15 @@ pub struct RolloutArgs {
     pub readiness_success_threshold: Option<u32>,
     #[arg(long)]
     pub readiness_failure_threshold: Option<u32>,
+    /// Real milliseconds from a pod's start to its server listening; the pod is Ready
+    /// before (it models a pod without a readiness probe: docs/lab.md, "Ready before
+    /// listening").
+    #[arg(long, value_name = "MS")]
+    pub listen_delay_ms: Option<u64>,
+    /// The lab Service is externalTrafficPolicy Cluster, the load balancer probing each
+    /// node's kproxy /healthz (default: Local, the health-check node port).
+    #[arg(long)]
+    pub etp_cluster: bool,
     #[arg(long, value_enum)]
     pub lb_preset: Option<LbPreset>,
     #[arg(long, value_enum)]
@@ -294,6 +303,7 @@ pub fn build_config(a: &RolloutArgs) -> anyhow::Result<RolloutConfig> {
         a.readiness_failure_threshold,
         c.pod.readiness_probe.failure_threshold
     );
+    set!(a.listen_delay_ms, c.pod.listen_delay_ms);
     set!(a.lb_preset, c.load_balancer.preset);
     set!(a.lb_mode, c.load_balancer.mode);
     let custom = [
@@ -616,7 +626,8 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     }
     // The claims under test: kproxy loses nothing with the recommended settings,
     // also across a restart of every node's kproxy, a flushed ruleset, a SIGKILLed
-    // kproxy, an API outage and a cut watch.
+    // kproxy, an API outage and a cut watch, and with pods Ready before they listen
+    // (its endpoint warm-up).
     let bad = results.iter().any(|c| {
         c.cell.behaviour == Behaviour::Kproxy
             && matches!(
@@ -627,6 +638,7 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
                     | Setting::KproxyKill
                     | Setting::ApiOutage
                     | Setting::WatchCut
+                    | Setting::ReadyBeforeListen
             )
             && c.cell.profile != PodProfile::ExitOnTerm
             && c.lost > 0
@@ -679,6 +691,7 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
                 let opts = crate::scenario::run::RunOptions {
                     control_plane: *cp,
                     chaos: a.chaos,
+                    etp_cluster: a.etp_cluster,
                     ..Default::default()
                 };
                 let r = rollout::run_with(&cfg, *b, run, &kproxy, opts, &progress)

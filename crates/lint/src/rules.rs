@@ -472,7 +472,9 @@ impl Checker<'_> {
         self.grace_covers_drain(c, policy, about, pre_stop, grace);
     }
 
-    /// A container without a readinessProbe is Ready before it listens.
+    /// A container without a readinessProbe is Ready before it listens: the cause of the
+    /// refused new connections of a rolling update on real nodes (issue 49), which the
+    /// message names so an operator reading a refused connection finds it.
     fn readiness_probe_present(&mut self, c: &corev1::Container, about: &About) {
         if c.readiness_probe.is_none() {
             self.push(
@@ -481,10 +483,10 @@ impl Checker<'_> {
                 about,
                 &[],
                 format!(
-                    "container {} has no readinessProbe: the pod is Ready, and receives load-balanced traffic, as soon as the container starts, before the application listens",
+                    "container {} has no readinessProbe: the pod is Ready, and receives load-balanced traffic, as soon as the container starts, before the application listens; every proxy programs a new endpoint within milliseconds to a second of the EndpointSlice change, so during a rollout new connections race the server's bind and are refused (measured: servers listening 68-463 ms after Ready on loaded nodes)",
                     c.name.escape_debug()
                 ),
-                "Add a readinessProbe that passes only when the application serves (e.g. an HTTP GET on its health path).".into(),
+                "Add a readinessProbe that passes only when the application serves (e.g. an HTTP GET on its health path). kproxy run's --endpoint-warmup (default 1s) hides the race while other endpoints serve; a probe closes it, including a scale from zero.".into(),
             );
         }
     }

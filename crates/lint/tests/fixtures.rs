@@ -648,3 +648,32 @@ fn nothing_checked_says_what_lint_reads() {
     let (_, _, err) = cli(&[&path("seed2")]);
     assert!(!err.contains("hint:"), "{err}");
 }
+
+/// The missing readiness probe is named as the cause of refused new connections in a
+/// rollout (the race of issue 49), with kproxy's warm-up as the mitigation, not the fix.
+#[test]
+fn a_missing_readiness_probe_is_named_as_the_cause_of_refused_connections() {
+    let text = std::fs::read_to_string(fixture("rules/readiness-probe-missing/fail.yaml")).unwrap();
+    let mut inv = Inventory::default();
+    inv.add_file("x.yaml", &text);
+    let findings = rules::lint(
+        &inv,
+        &Options {
+            lb: LbProfile::gke(),
+            lb_flags: Default::default(),
+            proxy_programming_seconds: 1.0,
+            nodes: None,
+        },
+    );
+    let f = findings
+        .iter()
+        .find(|f| f.rule == "readiness-probe-missing")
+        .expect("the rule fires");
+    assert!(
+        f.message
+            .contains("new connections race the server's bind and are refused"),
+        "{}",
+        f.message
+    );
+    assert!(f.fix.contains("--endpoint-warmup"), "{}", f.fix);
+}

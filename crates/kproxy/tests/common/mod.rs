@@ -202,23 +202,42 @@ impl Drop for Fabric {
 
 pub fn fabric(tag: char) -> Fabric {
     let node = Netns::new(&format!("{tag}node"));
-    let pod = Netns::new(&format!("{tag}pod"));
     let veth_node = format!("kv{}{tag}", std::process::id() % 100_000);
-    sh(&[
-        "ip", "link", "add", &veth_node, "netns", &node.0, "type", "veth", "peer", "name", "eth0",
-        "netns", &pod.0,
-    ]);
     node.exec(&["ip", "addr", "add", "10.200.0.11/32", "dev", "lo"]);
-    node.exec(&["ip", "addr", "add", "10.244.1.1/24", "dev", &veth_node]);
-    node.exec(&["ip", "link", "set", &veth_node, "up"]);
+    let pod = pod_behind_veth(
+        &node,
+        &format!("{tag}pod"),
+        &veth_node,
+        "10.244.1.1",
+        "10.244.1.5",
+    );
     // Like a real node's default route: the cluster IP must be routable before DNAT.
     node.exec(&["ip", "route", "add", "10.96.0.0/16", "dev", &veth_node]);
-    pod.exec(&["ip", "addr", "add", "10.244.1.5/24", "dev", "eth0"]);
-    pod.exec(&["ip", "link", "set", "eth0", "up"]);
-    pod.exec(&["ip", "route", "add", "default", "via", "10.244.1.1"]);
-
-    let stop = Arc::new(AtomicBool::new(false));
     let listener = pod.run(|| TcpListener::bind("10.244.1.5:8080").expect("pod listener"));
+    let stop = serve_forever(listener, "pod-1");
+    Fabric { node, pod, stop }
+}
+
+/// A pod namespace (`tag`) joined to `node` by the veth `veth`: the node's side has
+/// `gateway`/24, the pod's `eth0` has `ip`/24 and its default route through `gateway`.
+pub fn pod_behind_veth(node: &Netns, tag: &str, veth: &str, gateway: &str, ip: &str) -> Netns {
+    let pod = Netns::new(tag);
+    sh(&[
+        "ip", "link", "add", veth, "netns", &node.0, "type", "veth", "peer", "name", "eth0",
+        "netns", &pod.0,
+    ]);
+    node.exec(&["ip", "addr", "add", &format!("{gateway}/24"), "dev", veth]);
+    node.exec(&["ip", "link", "set", veth, "up"]);
+    pod.exec(&["ip", "addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+    pod.exec(&["ip", "link", "set", "eth0", "up"]);
+    pod.exec(&["ip", "route", "add", "default", "via", gateway]);
+    pod
+}
+
+/// Answers every connection `listener` accepts with [`serve_http`] and `body`, on
+/// threads of their own, until the returned flag is set (looked at on each accept).
+pub fn serve_forever(listener: TcpListener, body: &'static str) -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     std::thread::spawn(move || {
         for conn in listener.incoming() {
@@ -226,10 +245,10 @@ pub fn fabric(tag: char) -> Fabric {
                 break;
             }
             let Ok(c) = conn else { continue };
-            std::thread::spawn(move || serve_http(c, "pod-1"));
+            std::thread::spawn(move || serve_http(c, body));
         }
     });
-    Fabric { node, pod, stop }
+    stop
 }
 
 /// Answers requests on one connection with `body` until the client closes it or asks to.
@@ -282,20 +301,27 @@ status: {loadBalancer: {ingress: [{ip: 203.0.113.10}]}}
 "#;
 
 pub fn slice(ready: bool) -> String {
-    format!(
-        r#"
+    slice_of(&[("10.244.1.5", ready, !ready)])
+}
+
+/// The EndpointSlice `shop/web-1` with these endpoints on node-a, each (IP, ready,
+/// terminating) and serving.
+pub fn slice_of(endpoints: &[(&str, bool, bool)]) -> String {
+    let mut s = r#"
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
-metadata: {{name: web-1, namespace: shop, labels: {{kubernetes.io/service-name: web}}}}
+metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
 addressType: IPv4
-ports: [{{name: http, port: 8080, protocol: TCP}}]
+ports: [{name: http, port: 8080, protocol: TCP}]
 endpoints:
-- addresses: [10.244.1.5]
-  nodeName: node-a
-  conditions: {{ready: {ready}, serving: true, terminating: {terminating}}}
-"#,
-        terminating = !ready
-    )
+"#
+    .to_string();
+    for (ip, ready, terminating) in endpoints {
+        s += &format!(
+            "- addresses: [{ip}]\n  nodeName: node-a\n  conditions: {{ready: {ready}, serving: true, terminating: {terminating}}}\n"
+        );
+    }
+    s
 }
 
 /// Writes `name` in `dir` as editors do: a temporary file renamed over it.

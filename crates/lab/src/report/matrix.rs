@@ -24,6 +24,20 @@ pub fn manifests_for(cfg: &RolloutConfig, etp_local: bool) -> String {
     let d = &cfg.deployment;
     let fails_on_term = p.profile == PodProfile::FailReadinessOnTerm;
     let secs = |v: f64| v.round() as i64;
+    // A pod that listens late is the lab's model of a pod without a readiness probe
+    // (its probe never looks at the port): lint reads it as one.
+    let probe = if p.listen_delay_ms > 0 {
+        String::new()
+    } else {
+        format!(
+            "        readinessProbe:\n          httpGet: {{path: /ready, port: 8080}}\n          initialDelaySeconds: {}\n          periodSeconds: {}\n          timeoutSeconds: {}\n          successThreshold: {}\n          failureThreshold: {}\n",
+            secs(r.initial_delay_seconds),
+            secs(r.period_seconds).max(1),
+            secs(r.timeout_seconds).max(1),
+            r.success_threshold,
+            r.failure_threshold,
+        )
+    };
     format!(
         r#"apiVersion: apps/v1
 kind: Deployment
@@ -48,14 +62,7 @@ spec:
       - name: web
         image: lab/web:{profile}
         ports: [{{name: http, containerPort: 8080}}]
-        readinessProbe:
-          httpGet: {{path: /ready, port: 8080}}
-          initialDelaySeconds: {initial}
-          periodSeconds: {period}
-          timeoutSeconds: {timeout}
-          successThreshold: {success}
-          failureThreshold: {failure}
-        lifecycle:
+{probe}        lifecycle:
           preStop:
             sleep: {{seconds: {pre_stop}}}
 ---
@@ -85,11 +92,7 @@ spec:
         unavail = d.max_unavailable,
         grace = secs(p.termination_grace_period_seconds),
         profile = profile_str(p.profile),
-        initial = secs(r.initial_delay_seconds),
-        period = secs(r.period_seconds).max(1),
-        timeout = secs(r.timeout_seconds).max(1),
-        success = r.success_threshold,
-        failure = r.failure_threshold,
+        probe = probe,
         pre_stop = secs(p.pre_stop_sleep_seconds),
         etp = if etp_local { "Local" } else { "Cluster" },
     )
@@ -447,8 +450,8 @@ mod tests {
     fn cell_selection() {
         let full = Selection::full().cells();
         // 4 settings × 3 profiles + readiness × 1 + restart, flush, kill, API outage,
-        // watch cut and drain × 1 (graceful), × 3 presets × 2.
-        assert_eq!(full.len(), (4 * 3 + 1 + 6) * 3 * 2);
+        // watch cut, drain and ready-before-listen × 1 (graceful), × 3 presets × 2.
+        assert_eq!(full.len(), (4 * 3 + 1 + 7) * 3 * 2);
         for setting in [Setting::NodeDrain, Setting::NftFlush, Setting::KproxyKill] {
             assert!(
                 full.iter()
@@ -463,10 +466,35 @@ mod tests {
                     && c.profile != PodProfile::FailReadinessOnTerm)
         );
         let reduced = Selection::reduced().cells();
-        assert_eq!(reduced.len(), 8);
+        assert_eq!(reduced.len(), 10);
         let ids: Vec<String> = reduced.iter().map(Cell::id).collect();
         assert!(ids.contains(&"graceful/kproxy-restart/gke/kproxy".to_string()));
         assert!(ids.contains(&"graceful/node-drain/gke/pre-1.26".to_string()));
+        assert!(ids.contains(&"graceful/ready-before-listen/gke/kproxy".to_string()));
+    }
+
+    /// Pods Ready before they listen: no readiness probe in the manifests lint reads
+    /// (lint names the missing probe), a server 400 ms late, eTP Cluster.
+    #[test]
+    fn ready_before_listen_cell_is_a_pod_without_a_probe_that_listens_late() {
+        for preset in ALL_PRESETS {
+            let c = cell(PodProfile::Graceful, Setting::ReadyBeforeListen, preset);
+            let cfg = config_for(&c, &RolloutConfig::default()).unwrap();
+            assert_eq!(cfg.pod.listen_delay_ms, 400);
+            assert_eq!(cfg.pod.readiness_probe.initial_delay_seconds, 0.0);
+            let m = manifests_for(&cfg, c.setting.etp_local());
+            assert!(!m.contains("readinessProbe"), "{m}");
+            assert!(m.contains("externalTrafficPolicy: Cluster"), "{m}");
+            let findings = lint_cell(&cfg, c.setting.etp_local()).unwrap();
+            assert!(
+                findings
+                    .iter()
+                    .any(|f| f.rule == kproxy_lint::rules::READINESS_PROBE_MISSING),
+                "{findings:?}"
+            );
+            assert_eq!(verdict(&c, 0, &findings), Verdict::NoLossObserved);
+            assert_eq!(verdict(&c, 3, &findings), Verdict::Confirmed);
+        }
     }
 
     #[test]

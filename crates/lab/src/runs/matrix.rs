@@ -41,6 +41,7 @@ pub fn run_matrix(
         let opts = RunOptions {
             chaos: cell.setting.chaos(),
             drain: (cell.setting == Setting::NodeDrain).then(|| node_drain(&cfg)),
+            etp_cluster: !cell.setting.etp_local(),
             control_plane,
         };
         let run = rollout::run_with(&cfg, cell.behaviour, 0, kproxy, opts, progress)

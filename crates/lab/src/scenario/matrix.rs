@@ -49,6 +49,12 @@ pub enum Setting {
     /// The recommended settings, and every API connection of node 1's kproxy reset
     /// (its EndpointSlice watch cut) at that moment.
     WatchCut,
+    /// Pods without a readiness probe whose server listens 400 ms after it starts
+    /// (Ready before it listens, issue 49), behind an `externalTrafficPolicy: Cluster`
+    /// Service as in upstream's rolling-update spec: every proxy programs the new pod
+    /// before it can answer; kproxy's endpoint warm-up holds it while the other pods
+    /// serve.
+    ReadyBeforeListen,
     /// No rollout: the cluster autoscaler drains a node of an `externalTrafficPolicy:
     /// Cluster` Service whose load balancer probes kproxy's `/healthz` (KEP-3836):
     /// taint `ToBeDeletedByClusterAutoscaler`, evict its pods, delete the node
@@ -70,6 +76,7 @@ impl Setting {
             Setting::ApiOutage => "api-outage",
             Setting::WatchCut => "watch-cut",
             Setting::NodeDrain => "node-drain",
+            Setting::ReadyBeforeListen => "ready-before-listen",
         }
     }
 
@@ -88,13 +95,14 @@ impl Setting {
             Setting::ReadinessInequalityViolated => Some(r::READINESS_FAILS_BEFORE_KILL),
             Setting::GraceShorterThanDrain => Some(r::TERMINATION_GRACE_VS_LB_DRAIN),
             Setting::EarlyReady => Some(r::READY_BEFORE_LB_REGISTRATION),
+            Setting::ReadyBeforeListen => Some(r::READINESS_PROBE_MISSING),
         }
     }
 
     /// Rows about the proxy rather than the pod: run with graceful pods only (when
     /// the selection has them).
     fn graceful_only(self) -> bool {
-        self.chaos().is_some() || self == Setting::NodeDrain
+        self.chaos().is_some() || matches!(self, Setting::NodeDrain | Setting::ReadyBeforeListen)
     }
 
     /// The chaos of the setting's rollout.
@@ -109,9 +117,10 @@ impl Setting {
         }
     }
 
-    /// The lab's Service for this setting: eTP Local, except for the node drain.
+    /// The lab's Service for this setting: eTP Local, except for the node drain and
+    /// the pods Ready before they listen.
     pub fn etp_local(self) -> bool {
-        self != Setting::NodeDrain
+        !matches!(self, Setting::NodeDrain | Setting::ReadyBeforeListen)
     }
 
     fn applies_to(self, profile: PodProfile) -> bool {
@@ -122,7 +131,7 @@ impl Setting {
     }
 }
 
-pub const ALL_SETTINGS: [Setting; 11] = [
+pub const ALL_SETTINGS: [Setting; 12] = [
     Setting::Recommended,
     Setting::ShortPrestop,
     Setting::ReadinessInequalityViolated,
@@ -134,6 +143,7 @@ pub const ALL_SETTINGS: [Setting; 11] = [
     Setting::ApiOutage,
     Setting::WatchCut,
     Setting::NodeDrain,
+    Setting::ReadyBeforeListen,
 ];
 pub const ALL_PROFILES: [PodProfile; 3] = [
     PodProfile::Graceful,
@@ -209,6 +219,7 @@ impl Selection {
                 Setting::ShortPrestop,
                 Setting::KproxyRestart,
                 Setting::NodeDrain,
+                Setting::ReadyBeforeListen,
             ],
             presets: vec![LbPreset::Gke],
             behaviours: vec![Behaviour::Pre126, Behaviour::Kproxy],
@@ -250,6 +261,11 @@ impl Selection {
 pub fn lb_registration_s(hc: &HealthCheck) -> f64 {
     hc.registration_delay_seconds + hc.interval_seconds * f64::from(hc.healthy_threshold)
 }
+
+/// Real milliseconds from a pod's start to its server listening in the
+/// `ready-before-listen` cells: inside the 68-463 ms measured on loaded real nodes
+/// (issue 49), and longer than kproxy takes to program a new endpoint.
+pub const READY_BEFORE_LISTEN_MS: u64 = 400;
 
 /// The LB's connection draining in every cell (nominal s): a removed node's
 /// established flows are cut this long after it left the pool. The lab LB and lint
@@ -298,6 +314,13 @@ pub fn config_for(cell: &Cell, base: &RolloutConfig) -> Result<RolloutConfig, La
         Setting::EarlyReady => {
             p.initial_delay_seconds = 0.0;
             p.period_seconds = 1.0;
+        }
+        // No readiness probe: Ready as soon as the container runs, which is
+        // READY_BEFORE_LISTEN_MS before its server binds.
+        Setting::ReadyBeforeListen => {
+            p.initial_delay_seconds = 0.0;
+            p.period_seconds = 1.0;
+            c.pod.listen_delay_ms = READY_BEFORE_LISTEN_MS;
         }
     }
     c.load_balancer.health_check = Some(hc);

@@ -79,6 +79,7 @@ impl Default for RolloutConfig {
                     success_threshold: 1,
                     failure_threshold: 3,
                 },
+                listen_delay_ms: 0,
             },
             load_balancer: LoadBalancerSpec {
                 preset: LbPreset::Gke,
@@ -139,6 +140,9 @@ impl RolloutConfig {
             .any(|v| !v.is_finite() || *v < 0.0 || *v > 3600.0)
         {
             return bad("durations must be between 0 and 3600 seconds".into());
+        }
+        if self.pod.listen_delay_ms > 60_000 {
+            return bad("pod.listenDelayMs must be at most 60000".into());
         }
         if self.pod.readiness_probe.period_seconds.is_nan()
             || self.pod.readiness_probe.period_seconds <= 0.0

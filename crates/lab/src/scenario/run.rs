@@ -111,6 +111,18 @@ pub struct RunOptions {
     pub control_plane: ControlPlaneKind,
     /// Drain a node instead of rolling the Deployment.
     pub drain: Option<NodeDrain>,
+    /// The lab Service is externalTrafficPolicy Cluster, its load balancer probing
+    /// kproxy's `/healthz` (the `ready-before-listen` row, like upstream's rolling-update
+    /// spec); a node drain's always is.
+    pub etp_cluster: bool,
+}
+
+impl RunOptions {
+    /// The lab Service's externalTrafficPolicy is Local (its load balancer probes the
+    /// health-check node port), else Cluster.
+    pub fn etp_local(&self) -> bool {
+        self.drain.is_none() && !self.etp_cluster
+    }
 }
 
 /// The chaos's name in the matrix and on the command line.

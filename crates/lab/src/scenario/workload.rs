@@ -22,6 +22,13 @@ pub struct PodTemplate {
     pub pre_stop_sleep_seconds: f64,
     pub termination_grace_period_seconds: f64,
     pub readiness_probe: ReadinessProbe,
+    /// Real milliseconds (not scaled: the race is with the proxies, which run in real
+    /// time) from the container's start to its server listening. The lab's readiness
+    /// probe never looks at the port, so with a delay the pod models one without a
+    /// readiness probe whose application is slow to bind: Ready before it listens
+    /// (issue 49; the `ready-before-listen` matrix row). 0: it listens at once.
+    #[serde(default)]
+    pub listen_delay_ms: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]

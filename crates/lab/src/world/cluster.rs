@@ -83,6 +83,13 @@ impl PodRuntime {
     pub fn is_gone(&self) -> bool {
         self.gone.load(Ordering::SeqCst)
     }
+    /// The pod's server has bound its port (`PodTemplate::listen_delay_ms` after its
+    /// start).
+    pub fn is_listening(&self) -> bool {
+        let g = self.server.lock().expect("server lock");
+        g.as_ref()
+            .is_some_and(|s| s.shared.listening.load(Ordering::SeqCst))
+    }
     /// When the pod last became ready (None while not ready).
     pub fn ready_since(&self) -> Option<Instant> {
         *self.ready_since.lock().expect("lock")
@@ -191,8 +198,13 @@ impl Cluster {
     ) -> Result<Arc<PodRuntime>, LabError> {
         let name = name.to_string();
         let net = self.fabric.add_pod(node_index, &name)?;
-        let server =
-            PodServer::start(&name, net.ns.name(), self.template.profile, self.idle_close)?;
+        let server = PodServer::start_listening_after(
+            &name,
+            net.ns.name(),
+            self.template.profile,
+            self.idle_close,
+            Duration::from_millis(self.template.listen_delay_ms),
+        )?;
         let node = crate::world::fabric::node_name(node_index);
         let pod = Arc::new(PodRuntime {
             name: name.clone(),

@@ -23,11 +23,14 @@ pub enum KproxySource<'a> {
 /// The flags that give kproxy the behaviour of kube-proxy before 1.26 (the lab's
 /// `pre-1.26` behaviour): no failover to serving-terminating endpoints (KEP-1669,
 /// on by default from 1.26) and a `/healthz` that ignores the Node's scale-down taint
-/// and deletion (KEP-3836, from 1.28, on by default from 1.30).
-pub const PRE_126_FLAGS: [&str; 3] = [
+/// and deletion (KEP-3836, from 1.28, on by default from 1.30); and no endpoint warm-up
+/// (kproxy's own, docs/warmup.md: kube-proxy sends a new endpoint connections as soon as
+/// it syncs).
+pub const PRE_126_FLAGS: [&str; 4] = [
     "--proxy-terminating-endpoints=false",
     "--feature-gates",
     "KubeProxyDrainingTerminatingNodes=false",
+    "--endpoint-warmup=0s",
 ];
 
 pub struct Kproxyd {

@@ -43,6 +43,8 @@ pub struct PodShared {
     pub probe_ok: AtomicBool,
     /// The server has ended (exited by itself or killed).
     pub exited: AtomicBool,
+    /// The server has bound its port (at once, or after its listen delay).
+    pub listening: AtomicBool,
     pub open_conns: AtomicUsize,
     pub served: AtomicUsize,
 }
@@ -65,6 +67,20 @@ impl PodServer {
         profile: PodProfile,
         idle_close: Duration,
     ) -> Result<PodServer, LabError> {
+        PodServer::start_listening_after(name, netns_name, profile, idle_close, Duration::ZERO)
+    }
+
+    /// [`PodServer::start`], the server binding its port `listen_delay` after the start
+    /// (an application that needs time before it listens; connections meanwhile are
+    /// refused). With a delay it returns at once; a bind that fails later ends the
+    /// server (`exited`), as a container that crashes.
+    pub fn start_listening_after(
+        name: &str,
+        netns_name: &str,
+        profile: PodProfile,
+        idle_close: Duration,
+        listen_delay: Duration,
+    ) -> Result<PodServer, LabError> {
         let shared = Arc::new(PodShared::default());
         shared.probe_ok.store(true, Ordering::SeqCst);
         let (ctl, ctl_rx) = watch::channel(PodSignal::Run);
@@ -78,6 +94,7 @@ impl PodServer {
                 let setup =
                     (|| -> Result<(tokio::runtime::Runtime, std::net::TcpListener), LabError> {
                         crate::world::netns::enter_netns_by_name(&ns)?;
+                        std::thread::sleep(listen_delay);
                         let rt = tokio::runtime::Builder::new_current_thread()
                             .enable_all()
                             .build()
@@ -105,6 +122,7 @@ impl PodServer {
                         let _ = bound_tx.send(Err(e));
                     }
                     Ok((rt, l)) => {
+                        sh.listening.store(true, Ordering::SeqCst);
                         let _ = bound_tx.send(Ok(()));
                         rt.block_on(async move {
                             match TcpListener::from_std(l) {
@@ -130,16 +148,17 @@ impl PodServer {
                 what: "spawn pod thread".into(),
                 source: e,
             })?;
-        let bound = bound_rx.recv().map_err(|_| {
-            LabError::Invalid(format!("pod {name}: server thread ended before binding"))
-        })?;
         let server = PodServer {
             name: name.to_string(),
             shared,
             ctl,
             thread: Some(thread),
         };
-        bound?;
+        if listen_delay.is_zero() {
+            bound_rx.recv().map_err(|_| {
+                LabError::Invalid(format!("pod {name}: server thread ended before binding"))
+            })??;
+        }
         Ok(server)
     }
 

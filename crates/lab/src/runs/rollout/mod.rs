@@ -219,7 +219,7 @@ async fn start_control_plane(
     workdir: &Path,
     rec: &Recorder,
 ) -> Result<ControlPlanes, LabError> {
-    let etp_local = opts.drain.is_none();
+    let etp_local = opts.etp_local();
     match opts.control_plane {
         ControlPlaneKind::Emulated => {
             let (cp, dirs) =
@@ -303,7 +303,7 @@ impl Phase<'_> {
             cfg.load_balancer.mode,
             hc,
             // eTP Cluster has no health check node port: the LB probes kproxy's /healthz.
-            if self.opts.drain.is_some() {
+            if !self.opts.etp_local() {
                 PROXY_HEALTHZ_PORT
             } else {
                 HEALTH_CHECK_NODE_PORT
@@ -410,6 +410,16 @@ impl Phase<'_> {
             || {},
         )
         .await?;
+        // Pods that are Ready before they listen (`listenDelayMs`): the cluster the
+        // rollout starts from has been serving for long, so the load starts once they
+        // listen.
+        wait_for(
+            "the initial pods to listen",
+            self.step_limit,
+            daemons,
+            || cluster.pods().iter().all(|p| p.is_listening()),
+        )
+        .await?;
         wait_for(
             "the load balancer to see the nodes healthy",
             self.step_limit,
@@ -417,7 +427,7 @@ impl Phase<'_> {
             || pool_complete(cluster, lb),
         )
         .await?;
-        if self.opts.drain.is_some() {
+        if !self.opts.etp_local() {
             // eTP Cluster: /healthz passes before the endpoints are programmed (the
             // health check node port of eTP Local waits for them); wait until the
             // EndpointSlice lists every replica ready and every node's kproxy synced
