@@ -616,20 +616,23 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     }
     // The claims under test: kproxy loses nothing with the recommended settings,
     // also across a restart of every node's kproxy, a flushed ruleset, a SIGKILLed
-    // kproxy, an API outage and a cut watch.
+    // kproxy, an API outage and a cut watch; and no new connection when a node drains
+    // (taint or condition) or shuts down (keep-alive connections through a node that
+    // vanishes break whatever the proxy does).
     let bad = results.iter().any(|c| {
-        c.cell.behaviour == Behaviour::Kproxy
-            && matches!(
-                c.cell.setting,
-                Setting::Recommended
-                    | Setting::KproxyRestart
-                    | Setting::NftFlush
-                    | Setting::KproxyKill
-                    | Setting::ApiOutage
-                    | Setting::WatchCut
-            )
-            && c.cell.profile != PodProfile::ExitOnTerm
-            && c.lost > 0
+        let lost = match c.cell.setting {
+            Setting::Recommended
+            | Setting::KproxyRestart
+            | Setting::NftFlush
+            | Setting::KproxyKill
+            | Setting::ApiOutage
+            | Setting::WatchCut => c.lost,
+            Setting::NodeDrain | Setting::NodeDrainCondition | Setting::NodeShutdown => {
+                c.lost - c.lost_kept_alive
+            }
+            _ => 0,
+        };
+        c.cell.behaviour == Behaviour::Kproxy && c.cell.profile != PodProfile::ExitOnTerm && lost > 0
     });
     Ok(if bad {
         ExitCode::from(1)

@@ -40,7 +40,7 @@ pub fn run_matrix(
         progress(&format!("[matrix {}/{}] {}", i + 1, cells.len(), cell.id()));
         let opts = RunOptions {
             chaos: cell.setting.chaos(),
-            drain: (cell.setting == Setting::NodeDrain).then(|| node_drain(&cfg)),
+            drain: cell.setting.drain_by().map(|by| node_drain(&cfg, by)),
             control_plane,
         };
         let run = rollout::run_with(&cfg, cell.behaviour, 0, kproxy, opts, progress)

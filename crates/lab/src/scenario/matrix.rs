@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::LabError;
 use crate::scenario::balancer::{HealthCheck, LbPreset};
 use crate::scenario::rollout::RolloutConfig;
-use crate::scenario::run::{Behaviour, Chaos, NodeDrain};
+use crate::scenario::run::{Behaviour, Chaos, DrainBy, NodeDrain};
 use crate::scenario::workload::PodProfile;
 
 /// Seed 2's settings, each a deviation from the recommended one.
@@ -54,6 +54,13 @@ pub enum Setting {
     /// taint `ToBeDeletedByClusterAutoscaler`, evict its pods, delete the node
     /// ([`NodeDrain`]).
     NodeDrain,
+    /// The node drain with the Node condition `DrainInProgress` (KEP-5683) in place of
+    /// the taint ([`DrainBy::Condition`]).
+    NodeDrainCondition,
+    /// A graceful node shutdown: the condition `GracefulNodeShutdownInProgress`, the
+    /// node's pods and kproxy stopped at once while the load balancer still sends it
+    /// new connections, the node gone once kproxy has exited ([`DrainBy::Shutdown`]).
+    NodeShutdown,
 }
 
 impl Setting {
@@ -70,6 +77,8 @@ impl Setting {
             Setting::ApiOutage => "api-outage",
             Setting::WatchCut => "watch-cut",
             Setting::NodeDrain => "node-drain",
+            Setting::NodeDrainCondition => "node-drain-condition",
+            Setting::NodeShutdown => "node-shutdown",
         }
     }
 
@@ -83,7 +92,9 @@ impl Setting {
             | Setting::KproxyKill
             | Setting::ApiOutage
             | Setting::WatchCut
-            | Setting::NodeDrain => None,
+            | Setting::NodeDrain
+            | Setting::NodeDrainCondition
+            | Setting::NodeShutdown => None,
             Setting::ShortPrestop => Some(r::PRESTOP_SHORTER_THAN_LB_DETECTION),
             Setting::ReadinessInequalityViolated => Some(r::READINESS_FAILS_BEFORE_KILL),
             Setting::GraceShorterThanDrain => Some(r::TERMINATION_GRACE_VS_LB_DRAIN),
@@ -94,7 +105,17 @@ impl Setting {
     /// Rows about the proxy rather than the pod: run with graceful pods only (when
     /// the selection has them).
     fn graceful_only(self) -> bool {
-        self.chaos().is_some() || self == Setting::NodeDrain
+        self.chaos().is_some() || self.drain_by().is_some()
+    }
+
+    /// How the setting drains a node instead of rolling the Deployment.
+    pub fn drain_by(self) -> Option<DrainBy> {
+        match self {
+            Setting::NodeDrain => Some(DrainBy::AutoscalerTaint),
+            Setting::NodeDrainCondition => Some(DrainBy::Condition),
+            Setting::NodeShutdown => Some(DrainBy::Shutdown),
+            _ => None,
+        }
     }
 
     /// The chaos of the setting's rollout.
@@ -109,9 +130,9 @@ impl Setting {
         }
     }
 
-    /// The lab's Service for this setting: eTP Local, except for the node drain.
+    /// The lab's Service for this setting: eTP Local, except for the node drains.
     pub fn etp_local(self) -> bool {
-        self != Setting::NodeDrain
+        self.drain_by().is_none()
     }
 
     fn applies_to(self, profile: PodProfile) -> bool {
@@ -122,7 +143,7 @@ impl Setting {
     }
 }
 
-pub const ALL_SETTINGS: [Setting; 11] = [
+pub const ALL_SETTINGS: [Setting; 13] = [
     Setting::Recommended,
     Setting::ShortPrestop,
     Setting::ReadinessInequalityViolated,
@@ -134,6 +155,8 @@ pub const ALL_SETTINGS: [Setting; 11] = [
     Setting::ApiOutage,
     Setting::WatchCut,
     Setting::NodeDrain,
+    Setting::NodeDrainCondition,
+    Setting::NodeShutdown,
 ];
 pub const ALL_PROFILES: [PodProfile; 3] = [
     PodProfile::Graceful,
@@ -200,7 +223,8 @@ impl Selection {
     }
 
     /// The matrix CI runs: graceful pods behind `gke`, the recommended settings, the
-    /// short preStop, the kproxy restart and the node drain, under both behaviours.
+    /// short preStop, the kproxy restart and the node drains (taint, condition,
+    /// shutdown), under both behaviours.
     pub fn reduced() -> Selection {
         Selection {
             profiles: vec![PodProfile::Graceful],
@@ -209,6 +233,8 @@ impl Selection {
                 Setting::ShortPrestop,
                 Setting::KproxyRestart,
                 Setting::NodeDrain,
+                Setting::NodeDrainCondition,
+                Setting::NodeShutdown,
             ],
             presets: vec![LbPreset::Gke],
             behaviours: vec![Behaviour::Pre126, Behaviour::Kproxy],
@@ -285,7 +311,9 @@ pub fn config_for(cell: &Cell, base: &RolloutConfig) -> Result<RolloutConfig, La
         | Setting::ApiOutage
         | Setting::WatchCut => {}
         // Replacement pods must fit on the remaining nodes.
-        Setting::NodeDrain => c.deployment.one_pod_per_node = false,
+        Setting::NodeDrain | Setting::NodeDrainCondition | Setting::NodeShutdown => {
+            c.deployment.one_pod_per_node = false
+        }
         Setting::ShortPrestop => c.pod.pre_stop_sleep_seconds = 1.0,
         Setting::ReadinessInequalityViolated => {
             p.period_seconds = 5.0;
@@ -310,7 +338,7 @@ pub fn config_for(cell: &Cell, base: &RolloutConfig) -> Result<RolloutConfig, La
 /// preStop (longer than the LB's detection window in every cell) plus an interval:
 /// the autoscaler waits for the evicted pods (`--max-graceful-termination-sec`)
 /// before it deletes the node.
-pub fn node_drain(cfg: &RolloutConfig) -> NodeDrain {
+pub fn node_drain(cfg: &RolloutConfig, by: DrainBy) -> NodeDrain {
     let interval = cfg
         .load_balancer
         .effective_health_check()
@@ -318,5 +346,6 @@ pub fn node_drain(cfg: &RolloutConfig) -> NodeDrain {
     NodeDrain {
         node: 2.min(cfg.nodes),
         delete_after_s: interval,
+        by,
     }
 }
