@@ -591,7 +591,9 @@ impl DrainSignal {
     pub fn kep_3836(self) -> bool {
         matches!(
             self,
-            DrainSignal::AutoscalerTaint | DrainSignal::DeletionTimestamp | DrainSignal::NodeDeleted
+            DrainSignal::AutoscalerTaint
+                | DrainSignal::DeletionTimestamp
+                | DrainSignal::NodeDeleted
         )
     }
 }

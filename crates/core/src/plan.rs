@@ -10,8 +10,8 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::model::{
-    Conditions, DrainSignal, EndpointAddr, IpFamily, Placement, Protocol, ServiceName, ServicePortName,
-    TrafficPolicy,
+    Conditions, DrainSignal, EndpointAddr, IpFamily, Placement, Protocol, ServiceName,
+    ServicePortName, TrafficPolicy,
 };
 
 /// The desired state of one node.

@@ -13,8 +13,8 @@ use ipnet::IpNet;
 use crate::categorize::{self, Context};
 use crate::config::{LocalDetectorConfig, NodePortAddressesConfig, PlanConfig};
 use crate::model::{
-    DrainSignal, EndpointAddr, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName, ServicePortName,
-    ServiceType, TrafficPolicy,
+    DrainSignal, EndpointAddr, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName,
+    ServicePortName, ServiceType, TrafficPolicy,
 };
 use crate::plan::{
     EndpointSet, EndpointState, FamilyPlan, Firewall, HealthCheck, LocalPods, NodePlan,

@@ -729,7 +729,11 @@ fn drain_conditions_make_the_node_ineligible_unless_ignored() {
         [GracefulNodeShutdownInProgress]
     );
     assert_eq!(
-        signals(&both, &[DrainInProgress, GracefulNodeShutdownInProgress], true),
+        signals(
+            &both,
+            &[DrainInProgress, GracefulNodeShutdownInProgress],
+            true
+        ),
         []
     );
     let not_true = with(
@@ -747,9 +751,17 @@ fn the_plan_json_names_the_drain_signals() {
         "status: {addresses:",
         "status: {conditions: [{type: DrainInProgress, status: \"True\"}], addresses:",
     );
-    let v = serde_json::to_value(kproxy_core::plan(&state_of(&[node]), "node-a", &PlanConfig::default())).unwrap();
+    let v = serde_json::to_value(kproxy_core::plan(
+        &state_of(&[node]),
+        "node-a",
+        &PlanConfig::default(),
+    ))
+    .unwrap();
     assert_eq!(v["nodeEligible"], false);
-    assert_eq!(v["nodeDrainSignals"], serde_json::json!(["drainInProgress"]));
+    assert_eq!(
+        v["nodeDrainSignals"],
+        serde_json::json!(["drainInProgress"])
+    );
     let v = serde_json::to_value(plan(&[])).unwrap();
     assert_eq!(v["nodeEligible"], true);
     assert!(v.get("nodeDrainSignals").is_none());

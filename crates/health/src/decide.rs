@@ -1015,10 +1015,10 @@ mod tests {
     /// `drainSignals`. Fails if a signal is not read, not planned, or not answered.
     #[test]
     fn drain_signals_table() {
+        use DrainSignal::*;
         use kproxy_core::config::PlanConfig;
         use kproxy_core::model::Node;
         use kproxy_core::state::ClusterState;
-        use DrainSignal::*;
         struct Case {
             name: &'static str,
             node: fn(&mut Node),
@@ -1046,25 +1046,109 @@ mod tests {
         };
         let cases = [
             c("no signal", none, &[], true, false, &[]),
-            c("autoscaler taint", taint, &[], true, false, &[AutoscalerTaint]),
+            c(
+                "autoscaler taint",
+                taint,
+                &[],
+                true,
+                false,
+                &[AutoscalerTaint],
+            ),
             c("taint ignored", taint, &[AutoscalerTaint], true, false, &[]),
             c("taint, gate off", taint, &[], false, false, &[]),
-            c("deletionTimestamp", deleting, &[], true, false, &[DeletionTimestamp]),
-            c("deletionTimestamp ignored", deleting, &[DeletionTimestamp], true, false, &[]),
-            c("deletionTimestamp, gate off", deleting, &[], false, false, &[]),
+            c(
+                "deletionTimestamp",
+                deleting,
+                &[],
+                true,
+                false,
+                &[DeletionTimestamp],
+            ),
+            c(
+                "deletionTimestamp ignored",
+                deleting,
+                &[DeletionTimestamp],
+                true,
+                false,
+                &[],
+            ),
+            c(
+                "deletionTimestamp, gate off",
+                deleting,
+                &[],
+                false,
+                false,
+                &[],
+            ),
             c("Node deleted", deleted, &[], true, false, &[NodeDeleted]),
-            c("Node deleted ignored", deleted, &[NodeDeleted], true, false, &[]),
+            c(
+                "Node deleted ignored",
+                deleted,
+                &[NodeDeleted],
+                true,
+                false,
+                &[],
+            ),
             c("Node deleted, gate off", deleted, &[], false, false, &[]),
-            c("DrainInProgress", draining, &[], true, false, &[DrainInProgress]),
-            c("DrainInProgress ignored", draining, &[DrainInProgress], true, false, &[]),
+            c(
+                "DrainInProgress",
+                draining,
+                &[],
+                true,
+                false,
+                &[DrainInProgress],
+            ),
+            c(
+                "DrainInProgress ignored",
+                draining,
+                &[DrainInProgress],
+                true,
+                false,
+                &[],
+            ),
             // The gate is KEP-3836's: KEP-5683's conditions have their own opt-outs.
-            c("DrainInProgress, gate off", draining, &[], false, false, &[DrainInProgress]),
-            c("GracefulNodeShutdownInProgress", stopping, &[], true, false, &[GracefulNodeShutdownInProgress]),
-            c("GracefulNodeShutdownInProgress ignored", stopping, &[GracefulNodeShutdownInProgress], true, false, &[]),
-            c("GracefulNodeShutdownInProgress, gate off", stopping, &[], false, false, &[GracefulNodeShutdownInProgress]),
+            c(
+                "DrainInProgress, gate off",
+                draining,
+                &[],
+                false,
+                false,
+                &[DrainInProgress],
+            ),
+            c(
+                "GracefulNodeShutdownInProgress",
+                stopping,
+                &[],
+                true,
+                false,
+                &[GracefulNodeShutdownInProgress],
+            ),
+            c(
+                "GracefulNodeShutdownInProgress ignored",
+                stopping,
+                &[GracefulNodeShutdownInProgress],
+                true,
+                false,
+                &[],
+            ),
+            c(
+                "GracefulNodeShutdownInProgress, gate off",
+                stopping,
+                &[],
+                false,
+                false,
+                &[GracefulNodeShutdownInProgress],
+            ),
             c("shutdown drain", none, &[], true, true, &[Shutdown]),
             // An ignored Node signal does not hide the shutdown drain, nor another signal.
-            c("shutdown, taint ignored", taint, &[AutoscalerTaint], true, true, &[Shutdown]),
+            c(
+                "shutdown, taint ignored",
+                taint,
+                &[AutoscalerTaint],
+                true,
+                true,
+                &[Shutdown],
+            ),
             c(
                 "two signals, one ignored",
                 |n| {
@@ -1088,7 +1172,14 @@ mod tests {
                 &[],
                 true,
                 true,
-                &[AutoscalerTaint, DeletionTimestamp, NodeDeleted, DrainInProgress, GracefulNodeShutdownInProgress, Shutdown],
+                &[
+                    AutoscalerTaint,
+                    DeletionTimestamp,
+                    NodeDeleted,
+                    DrainInProgress,
+                    GracefulNodeShutdownInProgress,
+                    Shutdown,
+                ],
             ),
         ];
         for c in cases {
@@ -1121,7 +1212,15 @@ mod tests {
                 let l = proxy_answer(sem, Probe::Livez, &h, &drain, &[], at(3), T);
                 assert_eq!(l.status, 200, "{}: /livez ignores drains", c.name);
             }
-            let a = proxy_answer(Semantics::Truthful, Probe::Healthz, &h, &drain, &[], at(3), T);
+            let a = proxy_answer(
+                Semantics::Truthful,
+                Probe::Healthz,
+                &h,
+                &drain,
+                &[],
+                at(3),
+                T,
+            );
             let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
             let names: Vec<&str> = c.want.iter().map(|d| d.as_str()).collect();
             assert_eq!(v["drainSignals"], serde_json::json!(names), "{}", c.name);
@@ -1149,7 +1248,11 @@ mod tests {
             ("clock went backwards", Signalled, p, Some(200), 100, Some(p)),
         ];
         for (name, mode, period, since, now, want) in cases {
-            assert_eq!(shutdown_drain(mode, period, since.map(at), at(now)), want, "{name}");
+            assert_eq!(
+                shutdown_drain(mode, period, since.map(at), at(now)),
+                want,
+                "{name}"
+            );
         }
     }
 
@@ -1161,15 +1264,26 @@ mod tests {
         h.node_drain(&[], at(1));
         assert_eq!(h.draining_since, None);
         h.node_drain(&[DrainSignal::DrainInProgress], at(2));
-        h.node_drain(&[DrainSignal::DrainInProgress, DrainSignal::NodeDeleted], at(3));
+        h.node_drain(
+            &[DrainSignal::DrainInProgress, DrainSignal::NodeDeleted],
+            at(3),
+        );
         assert_eq!(h.draining_since, Some(at(2)));
         h.node_drain(&[], at(4));
         assert_eq!(h.draining_since, None, "an uncordoned node is not draining");
         h.node_drain(&[DrainSignal::AutoscalerTaint], at(5));
         h.shut_down(at(6));
-        assert_eq!(h.draining_since, Some(at(5)), "SIGTERM keeps the drain's start");
+        assert_eq!(
+            h.draining_since,
+            Some(at(5)),
+            "SIGTERM keeps the drain's start"
+        );
         h.node_drain(&[], at(7));
-        assert_eq!(h.draining_since, Some(at(5)), "shutting down drains to the end");
+        assert_eq!(
+            h.draining_since,
+            Some(at(5)),
+            "shutting down drains to the end"
+        );
         let mut h = ProxyHealth::new(at(0));
         h.shut_down(at(8));
         assert_eq!(h.draining_since, Some(at(8)));

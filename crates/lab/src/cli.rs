@@ -632,7 +632,9 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
             }
             _ => 0,
         };
-        c.cell.behaviour == Behaviour::Kproxy && c.cell.profile != PodProfile::ExitOnTerm && lost > 0
+        c.cell.behaviour == Behaviour::Kproxy
+            && c.cell.profile != PodProfile::ExitOnTerm
+            && lost > 0
     });
     Ok(if bad {
         ExitCode::from(1)

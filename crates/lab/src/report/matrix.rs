@@ -439,10 +439,7 @@ mod tests {
             Setting::NodeDrainCondition,
             Setting::NodeShutdown,
         ];
-        for (preset, setting) in ALL_PRESETS
-            .into_iter()
-            .flat_map(|p| drains.map(|s| (p, s)))
-        {
+        for (preset, setting) in ALL_PRESETS.into_iter().flat_map(|p| drains.map(|s| (p, s))) {
             let c = cell(PodProfile::Graceful, setting, preset);
             assert_eq!(rules_of(&c), Vec::<String>::new(), "{}", c.id());
             let cfg = config_for(&c, &RolloutConfig::default()).unwrap();

@@ -279,9 +279,7 @@ fn drain_bursts_name_the_deleted_node_and_the_health_story() {
     ]);
     let cause = explain_burst(&r, 1510.0, 1550.0, &[&new]);
     assert!(
-        cause.contains(
-            "answered 503 (the ToBeDeletedByClusterAutoscaler taint) from 13.0 s"
-        ),
+        cause.contains("answered 503 (the ToBeDeletedByClusterAutoscaler taint) from 13.0 s"),
         "{cause}"
     );
     assert!(cause.contains("deleted 5.0 s after it"), "{cause}");

@@ -113,7 +113,10 @@ pub(super) async fn drain_node(
             )
         }
     };
-    progress(&format!("{tag} {name} {told}; evicted {}", evicted.join(", ")));
+    progress(&format!(
+        "{tag} {name} {told}; evicted {}",
+        evicted.join(", ")
+    ));
     if d.by == DrainBy::Shutdown {
         // The kubelet's shutdown gives the node's pods `delete_after_s` (its
         // shutdownGracePeriod less shutdownGracePeriodCriticalPods: one LB interval, less
@@ -128,12 +131,7 @@ pub(super) async fn drain_node(
                 "kproxy SIGTERMed (node shutdown)",
             );
             blocking(|| k.stop_within(limit));
-            rec.record(
-                EventKind::KproxyStopped,
-                Some(&name),
-                None,
-                "kproxy exited",
-            );
+            rec.record(EventKind::KproxyStopped, Some(&name), None, "kproxy exited");
         }
     } else {
         wait_for("the drained node's pods to be gone", limit, daemons, || {

@@ -101,13 +101,9 @@ pub(super) async fn beat(
         napi.patch(&name, &pp, &Patch::Apply(object))
             .await
             .map_err(api_err(format!("apply node {name}")))?;
-        napi.patch_status(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(status),
-        )
-        .await
-        .map_err(api_err(format!("node {name} status")))?;
+        napi.patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
+            .await
+            .map_err(api_err(format!("node {name} status")))?;
         lapi.patch(&name, &pp, &Patch::Apply(lease_object(i)))
             .await
             .map_err(api_err(format!("lease {name}")))?;
