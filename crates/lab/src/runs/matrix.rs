@@ -7,7 +7,7 @@ use crate::LabError;
 use crate::report::RunResult;
 use crate::report::matrix::{CellResult, cell_result, judge_against_recommended, lint_cell};
 use crate::runs::{Progress, rollout};
-use crate::scenario::matrix::{Selection, Setting, config_for, node_drain};
+use crate::scenario::matrix::{Selection, config_for, node_drain};
 use crate::scenario::rollout::RolloutConfig;
 use crate::scenario::run::{Chaos, ControlPlaneKind, RunOptions};
 
