@@ -1235,17 +1235,68 @@ mod tests {
         let p = Duration::from_secs(26);
         let s = Duration::from_secs;
         #[rustfmt::skip]
-        let cases: [(&str, ShutdownDrain, Duration, Option<u64>, u64, Option<Duration>); 10] = [
-            ("signalled, no signal: kproxy's own restart", Signalled, p, None, 100, None),
-            ("signalled, signal just seen", Signalled, p, Some(100), 100, Some(p)),
-            ("signalled, signal 20 s ago", Signalled, p, Some(80), 100, Some(s(6))),
-            ("signalled, drained longer than the period", Signalled, p, Some(10), 100, None),
-            ("signalled, drained exactly the period", Signalled, p, Some(74), 100, None),
+        /// (case, mode, period, draining since, now, drain for)
+        type Row = (&'static str, ShutdownDrain, Duration, Option<u64>, u64, Option<Duration>);
+        let cases: [Row; 10] = [
+            (
+                "signalled, no signal: kproxy's own restart",
+                Signalled,
+                p,
+                None,
+                100,
+                None,
+            ),
+            (
+                "signalled, signal just seen",
+                Signalled,
+                p,
+                Some(100),
+                100,
+                Some(p),
+            ),
+            (
+                "signalled, signal 20 s ago",
+                Signalled,
+                p,
+                Some(80),
+                100,
+                Some(s(6)),
+            ),
+            (
+                "signalled, drained longer than the period",
+                Signalled,
+                p,
+                Some(10),
+                100,
+                None,
+            ),
+            (
+                "signalled, drained exactly the period",
+                Signalled,
+                p,
+                Some(74),
+                100,
+                None,
+            ),
             ("always, no signal", Always, p, None, 100, Some(p)),
-            ("always, signal 20 s ago", Always, p, Some(80), 100, Some(s(6))),
+            (
+                "always, signal 20 s ago",
+                Always,
+                p,
+                Some(80),
+                100,
+                Some(s(6)),
+            ),
             ("never, signal just seen", Never, p, Some(100), 100, None),
             ("period 0", Always, Duration::ZERO, None, 100, None),
-            ("clock went backwards", Signalled, p, Some(200), 100, Some(p)),
+            (
+                "clock went backwards",
+                Signalled,
+                p,
+                Some(200),
+                100,
+                Some(p),
+            ),
         ];
         for (name, mode, period, since, now, want) in cases {
             assert_eq!(
