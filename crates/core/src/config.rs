@@ -2,10 +2,13 @@
 //! not, which addresses take NodePorts). Settings that only change *how* a decision
 //! reaches the kernel (mark bits, sync periods) live with the dataplane.
 
+use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
+
+use crate::model::DrainSignal;
 
 /// How kproxy tells traffic from this node's pods apart (upstream `detectLocalMode`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,6 +63,10 @@ pub struct PlanConfig {
     /// Node never affects `/healthz`.
     #[serde(default = "yes")]
     pub drain_terminating_nodes: bool,
+    /// Drain signals of the Node that do not turn `/healthz` to 503
+    /// (`--ignore-drain-signal`; docs/health.md, "Drain signals").
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub ignored_drain_signals: BTreeSet<DrainSignal>,
     /// Allow an external or load-balancer IP equal to a Service's cluster IP or to a
     /// node address (CVE-2020-8554; refused by default, see `crate::conflicts`).
     pub allow_external_ip_overlap: bool,
@@ -79,6 +86,16 @@ fn yes() -> bool {
     true
 }
 
+impl PlanConfig {
+    /// Whether a drain signal the Node shows makes this node not eligible for
+    /// eTP-Cluster load balancers: not when ignored, nor, for KEP-3836's signals, with
+    /// the `KubeProxyDrainingTerminatingNodes` gate off.
+    pub fn counts(&self, signal: DrainSignal) -> bool {
+        !self.ignored_drain_signals.contains(&signal)
+            && (self.drain_terminating_nodes || !signal.kep_3836())
+    }
+}
+
 impl Default for PlanConfig {
     fn default() -> Self {
         PlanConfig {
@@ -89,6 +106,7 @@ impl Default for PlanConfig {
             proxy_terminating_endpoints: true,
             prefer_same_node_hints: true,
             drain_terminating_nodes: true,
+            ignored_drain_signals: BTreeSet::new(),
             allow_external_ip_overlap: false,
             service_cidrs: Vec::new(),
             endpoint_warmup: std::time::Duration::ZERO,

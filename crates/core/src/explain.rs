@@ -23,9 +23,10 @@ pub fn plan_table(plan: &NodePlan) -> String {
             .map(|z| format!(" (zone {z})"))
             .unwrap_or_default(),
         if plan.node_eligible {
-            ""
+            String::new()
         } else {
-            " [not eligible: being deleted or drained]"
+            let signals: Vec<&str> = plan.node_drain_signals.iter().map(|d| d.as_str()).collect();
+            format!(" [not eligible, draining: {}]", signals.join(", "))
         }
     );
     let _ = writeln!(

@@ -31,6 +31,10 @@ pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 pub const ANNOTATION_LAST_CHANGE_TRIGGER_TIME: &str =
     "endpoints.kubernetes.io/last-change-trigger-time";
 pub const TAINT_TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
+/// KEP-5683's Node conditions: a drain (`kubectl drain` or a controller) and the
+/// kubelet's graceful node shutdown are under way.
+pub const CONDITION_DRAIN_IN_PROGRESS: &str = "DrainInProgress";
+pub const CONDITION_GRACEFUL_NODE_SHUTDOWN_IN_PROGRESS: &str = "GracefulNodeShutdownInProgress";
 
 /// Which kind of object a report is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -958,6 +962,14 @@ pub fn node(n: &corev1::Node) -> Result<Ingested<Node>, IngestError> {
     let to_be_deleted_by_autoscaler = spec
         .and_then(|s| s.taints.as_ref())
         .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
+    // KEP-5683: a condition counts only with status "True" ("False" and "Unknown" say
+    // nothing is under way).
+    let condition = |kind: &str| {
+        n.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == kind && c.status == "True"))
+    };
     Ok(Ingested {
         value: Node {
             name,
@@ -967,6 +979,11 @@ pub fn node(n: &corev1::Node) -> Result<Ingested<Node>, IngestError> {
             pod_cidrs,
             deleting,
             to_be_deleted_by_autoscaler,
+            deleted: false,
+            drain_in_progress: condition(CONDITION_DRAIN_IN_PROGRESS),
+            graceful_node_shutdown_in_progress: condition(
+                CONDITION_GRACEFUL_NODE_SHUTDOWN_IN_PROGRESS,
+            ),
         },
         warnings: ctx.warnings,
     })

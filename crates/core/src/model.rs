@@ -525,6 +525,83 @@ pub struct Node {
     pub deleting: bool,
     /// A taint with key `ToBeDeletedByClusterAutoscaler` is present.
     pub to_be_deleted_by_autoscaler: bool,
+    /// The Node object is gone from the API or the manifests (this is the last version
+    /// known before; see `ClusterState::node_gone`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub deleted: bool,
+    /// The condition `DrainInProgress` has status `True` (KEP-5683).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub drain_in_progress: bool,
+    /// The condition `GracefulNodeShutdownInProgress` has status `True` (KEP-5683).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub graceful_node_shutdown_in_progress: bool,
+}
+
+/// A sign that this node is about to leave the cluster, on which `/healthz` answers 503
+/// so that load balancers of eTP-Cluster Services stop sending it new connections
+/// before it goes (docs/health.md, "Drain signals"). Named as the JSON and the
+/// `--ignore-drain-signal` flag name them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum DrainSignal {
+    /// The taint `ToBeDeletedByClusterAutoscaler` (KEP-3836).
+    AutoscalerTaint,
+    /// `metadata.deletionTimestamp` set (KEP-3836).
+    DeletionTimestamp,
+    /// The Node object deleted.
+    NodeDeleted,
+    /// The condition `DrainInProgress` (KEP-5683).
+    DrainInProgress,
+    /// The condition `GracefulNodeShutdownInProgress` (KEP-5683).
+    GracefulNodeShutdownInProgress,
+    /// kproxy got SIGTERM and drains before it exits (`--shutdown-drain`).
+    Shutdown,
+}
+
+impl DrainSignal {
+    /// The signals a Node object shows (every one but [`DrainSignal::Shutdown`]).
+    pub const OF_NODE: [DrainSignal; 5] = [
+        DrainSignal::AutoscalerTaint,
+        DrainSignal::DeletionTimestamp,
+        DrainSignal::NodeDeleted,
+        DrainSignal::DrainInProgress,
+        DrainSignal::GracefulNodeShutdownInProgress,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DrainSignal::AutoscalerTaint => "autoscalerTaint",
+            DrainSignal::DeletionTimestamp => "deletionTimestamp",
+            DrainSignal::NodeDeleted => "nodeDeleted",
+            DrainSignal::DrainInProgress => "drainInProgress",
+            DrainSignal::GracefulNodeShutdownInProgress => "gracefulNodeShutdownInProgress",
+            DrainSignal::Shutdown => "shutdown",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<DrainSignal> {
+        DrainSignal::OF_NODE
+            .into_iter()
+            .chain([DrainSignal::Shutdown])
+            .find(|d| d.as_str() == s)
+    }
+
+    /// One of KEP-3836's signals, which kube-proxy also reads (the
+    /// `KubeProxyDrainingTerminatingNodes` gate turns them off together).
+    pub fn kep_3836(self) -> bool {
+        matches!(
+            self,
+            DrainSignal::AutoscalerTaint
+                | DrainSignal::DeletionTimestamp
+                | DrainSignal::NodeDeleted
+        )
+    }
+}
+
+impl fmt::Display for DrainSignal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl Node {
@@ -536,10 +613,23 @@ impl Node {
             .find(|ip| family.contains(ip))
     }
 
-    /// A node that a load balancer for eTP-Cluster Services may use (upstream
-    /// "nodeEligible"): not being deleted, not tainted for scale-down.
+    /// The drain signals this Node shows, in [`DrainSignal::OF_NODE`] order (whether
+    /// each counts is the planner's configuration: `PlanConfig::counts`).
+    pub fn drain_signals(&self) -> impl Iterator<Item = DrainSignal> + '_ {
+        DrainSignal::OF_NODE.into_iter().filter(|s| match s {
+            DrainSignal::AutoscalerTaint => self.to_be_deleted_by_autoscaler,
+            DrainSignal::DeletionTimestamp => self.deleting,
+            DrainSignal::NodeDeleted => self.deleted,
+            DrainSignal::DrainInProgress => self.drain_in_progress,
+            DrainSignal::GracefulNodeShutdownInProgress => self.graceful_node_shutdown_in_progress,
+            DrainSignal::Shutdown => false,
+        })
+    }
+
+    /// A node that shows no drain signal (upstream "nodeEligible" with every signal
+    /// counted).
     pub fn eligible(&self) -> bool {
-        !self.deleting && !self.to_be_deleted_by_autoscaler
+        self.drain_signals().next().is_none()
     }
 }
 

@@ -10,8 +10,8 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::model::{
-    Conditions, EndpointAddr, IpFamily, Placement, Protocol, ServiceName, ServicePortName,
-    TrafficPolicy,
+    Conditions, DrainSignal, EndpointAddr, IpFamily, Placement, Protocol, ServiceName,
+    ServicePortName, TrafficPolicy,
 };
 
 /// The desired state of one node.
@@ -22,9 +22,14 @@ pub struct NodePlan {
     /// The node's `topology.kubernetes.io/zone`, `None` when unknown.
     pub zone: Option<String>,
     /// Whether an eTP-Cluster load balancer may use this node (`/healthz` nodeEligible):
-    /// false while the Node is being deleted or tainted `ToBeDeletedByClusterAutoscaler`.
-    /// `true` when the Node object is unknown (nothing says otherwise).
+    /// false while the Node shows a drain signal that counts (`node_drain_signals` is
+    /// not empty). `true` when the Node object is unknown (nothing says otherwise).
     pub node_eligible: bool,
+    /// The Node's drain signals that count (`PlanConfig::counts`), in
+    /// [`DrainSignal::OF_NODE`] order: tainted `ToBeDeletedByClusterAutoscaler`, being
+    /// deleted (`deletionTimestamp`), deleted, `DrainInProgress`,
+    /// `GracefulNodeShutdownInProgress` (docs/health.md, "Drain signals").
+    pub node_drain_signals: Vec<DrainSignal>,
     /// Per-family node facts the dataplane needs; always both families, IPv4 first.
     pub families: Vec<FamilyPlan>,
     /// Every proxied Service, keyed by `ns/name`. An unchanged Service keeps the same
@@ -392,6 +397,8 @@ impl Serialize for NodePlan {
             node: &'a str,
             zone: &'a Option<String>,
             node_eligible: bool,
+            #[serde(skip_serializing_if = "<[_]>::is_empty")]
+            node_drain_signals: &'a [DrainSignal],
             families: &'a [FamilyPlan],
             service_ports: Vec<&'a ServicePortPlan>,
             health_checks: Vec<&'a HealthCheck>,
@@ -402,6 +409,7 @@ impl Serialize for NodePlan {
             node: &self.node,
             zone: &self.zone,
             node_eligible: self.node_eligible,
+            node_drain_signals: &self.node_drain_signals,
             families: &self.families,
             service_ports: self.service_ports().collect(),
             health_checks: self.health_checks().collect(),

@@ -13,8 +13,8 @@ use ipnet::IpNet;
 use crate::categorize::Context;
 use crate::config::{LocalDetectorConfig, NodePortAddressesConfig, PlanConfig};
 use crate::model::{
-    EndpointAddr, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName, ServicePortName,
-    ServiceType, TrafficPolicy,
+    DrainSignal, EndpointAddr, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName,
+    ServicePortName, ServiceType, TrafficPolicy,
 };
 use crate::plan::{
     EndpointSet, EndpointState, FamilyPlan, Firewall, HealthCheck, LocalPods, NodePlan,
@@ -223,7 +223,7 @@ impl Planner {
                 }
             }
             update.node = new.zone != self.plan.zone
-                || new.node_eligible != self.plan.node_eligible
+                || new.node_drain_signals != self.plan.node_drain_signals
                 || new.families != self.plan.families;
             // A set, not `Vec::contains`: that was quadratic (30k Services: seconds).
             let changed: BTreeSet<&ServiceName> = self
@@ -399,7 +399,7 @@ fn follow_holds(
 struct NodeFacts<'a> {
     name: &'a str,
     zone: Option<String>,
-    eligible: bool,
+    drain_signals: Vec<DrainSignal>,
     families: Vec<FamilyPlan>,
     primary: BTreeMap<IpFamily, IpAddr>,
 }
@@ -494,7 +494,9 @@ impl<'a> NodeFacts<'a> {
         NodeFacts {
             name,
             zone: node.and_then(|n| n.zone.clone()),
-            eligible: !config.drain_terminating_nodes || node.is_none_or(|n| n.eligible()),
+            drain_signals: node
+                .map(|n| n.drain_signals().filter(|s| config.counts(*s)).collect())
+                .unwrap_or_default(),
             families,
             primary,
         }
@@ -510,7 +512,8 @@ impl<'a> NodeFacts<'a> {
         NodePlan {
             node: self.name.to_string(),
             zone: self.zone,
-            node_eligible: self.eligible,
+            node_eligible: self.drain_signals.is_empty(),
+            node_drain_signals: self.drain_signals,
             families: self.families,
             services,
             conflicts: Vec::new(),

@@ -319,8 +319,8 @@ impl ClusterState {
     }
 
     /// This node's Node object is gone (deleted, or absent from a relist or from the
-    /// manifests): `last` (the version known before) stays, marked as being deleted, so the
-    /// node is not eligible for load balancers (`/healthz` 503, nodeEligible false) and keeps
+    /// manifests): `last` (the version known before) stays, marked deleted
+    /// ([`crate::model::DrainSignal::NodeDeleted`]), so the node is not eligible for load balancers (`/healthz` 503, nodeEligible false) and keeps
     /// its addresses, as kube-proxy keeps the node IPs it started with. Upstream never turns a
     /// deleted Node eligible again: v1.28-v1.32 sync the deleted object, later releases exit
     /// and wait for the Node at restart (docs/upstream-semantics.md §d.2). A Node
@@ -328,7 +328,7 @@ impl ClusterState {
     pub fn node_gone(&mut self, last: Option<Node>) -> bool {
         match last {
             Some(mut node) => {
-                node.deleting = true;
+                node.deleted = true;
                 self.set_node(Some(node))
             }
             None => self.set_node(None),

@@ -57,6 +57,7 @@ pub fn node(i: usize) -> Node {
         pod_cidrs: Vec::new(),
         deleting: false,
         to_be_deleted_by_autoscaler: false,
+        ..Node::default()
     }
 }
 

@@ -686,3 +686,83 @@ fn autoscaler_taint_makes_the_node_ineligible_unless_the_draining_gate_is_off() 
     assert!(kproxy_core::plan(&st, "node-a", &off).node_eligible);
     assert!(plan(&[]).node_eligible, "an untainted node is eligible");
 }
+
+/// KEP-5683: the Node conditions `DrainInProgress` and `GracefulNodeShutdownInProgress`
+/// with status "True", read from a manifest, make the node not eligible and are named in
+/// the plan; "False" and "Unknown" say nothing; `--ignore-drain-signal` opts out, and the
+/// KEP-3836 gate does not. Fails if the manifest path drops the conditions.
+#[test]
+fn drain_conditions_make_the_node_ineligible_unless_ignored() {
+    use kproxy_core::model::DrainSignal::{self, DrainInProgress, GracefulNodeShutdownInProgress};
+    let with = |conditions: &str| {
+        let node = NODE.replace(
+            "status: {addresses:",
+            &format!("status: {{conditions: [{conditions}], addresses:"),
+        );
+        assert_ne!(node, NODE);
+        state_of(&[node])
+    };
+    let signals = |st: &ClusterState, ignored: &[DrainSignal], gate: bool| {
+        let cfg = PlanConfig {
+            ignored_drain_signals: ignored.iter().copied().collect(),
+            drain_terminating_nodes: gate,
+            ..PlanConfig::default()
+        };
+        let p = kproxy_core::plan(st, "node-a", &cfg);
+        assert_eq!(p.node_eligible, p.node_drain_signals.is_empty());
+        p.node_drain_signals
+    };
+    let both = with(
+        "{type: Ready, status: \"True\"}, {type: DrainInProgress, status: \"True\", reason: Drain}, {type: GracefulNodeShutdownInProgress, status: \"True\"}",
+    );
+    assert_eq!(
+        signals(&both, &[], true),
+        [DrainInProgress, GracefulNodeShutdownInProgress]
+    );
+    assert_eq!(
+        signals(&both, &[], false),
+        [DrainInProgress, GracefulNodeShutdownInProgress],
+        "the KEP-3836 gate is not these signals' opt-out"
+    );
+    assert_eq!(
+        signals(&both, &[DrainInProgress], true),
+        [GracefulNodeShutdownInProgress]
+    );
+    assert_eq!(
+        signals(
+            &both,
+            &[DrainInProgress, GracefulNodeShutdownInProgress],
+            true
+        ),
+        []
+    );
+    let not_true = with(
+        "{type: DrainInProgress, status: \"False\"}, {type: GracefulNodeShutdownInProgress, status: Unknown}",
+    );
+    assert_eq!(signals(&not_true, &[], true), []);
+    assert!(signals(&state_of(&[]), &[], true).is_empty());
+}
+
+/// The plan JSON names the drain signals that count (`nodeDrainSignals`, absent when
+/// none does).
+#[test]
+fn the_plan_json_names_the_drain_signals() {
+    let node = NODE.replace(
+        "status: {addresses:",
+        "status: {conditions: [{type: DrainInProgress, status: \"True\"}], addresses:",
+    );
+    let v = serde_json::to_value(kproxy_core::plan(
+        &state_of(&[node]),
+        "node-a",
+        &PlanConfig::default(),
+    ))
+    .unwrap();
+    assert_eq!(v["nodeEligible"], false);
+    assert_eq!(
+        v["nodeDrainSignals"],
+        serde_json::json!(["drainInProgress"])
+    );
+    let v = serde_json::to_value(plan(&[])).unwrap();
+    assert_eq!(v["nodeEligible"], true);
+    assert!(v.get("nodeDrainSignals").is_none());
+}

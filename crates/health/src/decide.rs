@@ -8,7 +8,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 use std::time::{Duration, SystemTime};
 
 use kproxy_core::NodePlan;
-use kproxy_core::model::{IpFamily, ServiceName};
+use kproxy_core::model::{DrainSignal, IpFamily, ServiceName};
 use kproxy_core::plan::{
     FamilyPlan, NodePortAddresses, ServicePlan, local_ready_count, local_ready_ips,
 };
@@ -69,6 +69,12 @@ pub struct ProxyHealth {
     /// file that could not be read or parsed, while its tables hold Services from an
     /// earlier run (docs/input.md).
     pub input_held: bool,
+    /// Since when a drain signal has turned `/healthz` to 503 (the first computed plan
+    /// with a Node signal that counts, or the start of the shutdown drain); `None`
+    /// while none does. The shutdown drain counts its period from here.
+    pub draining_since: Option<SystemTime>,
+    /// kproxy got SIGTERM and drains before it exits ([`DrainSignal::Shutdown`]).
+    pub shutting_down: bool,
 }
 
 /// What the kernel holds of kproxy's tables, as the kernel watch (kproxy-nft's
@@ -104,7 +110,26 @@ impl ProxyHealth {
             kernel: KernelRules::Intact,
             conntrack_full: false,
             input_held: false,
+            draining_since: None,
+            shutting_down: false,
         }
+    }
+
+    /// The computed plan's Node drain signals moved to `node_signals`: the drain
+    /// starts with the first signal and ends when none is left (the shutdown drain,
+    /// once begun, never ends).
+    pub fn node_drain(&mut self, node_signals: &[DrainSignal], now: SystemTime) {
+        if node_signals.is_empty() && !self.shutting_down {
+            self.draining_since = None;
+        } else {
+            self.draining_since.get_or_insert(now);
+        }
+    }
+
+    /// SIGTERM: the shutdown drain begins (a drain already under way keeps its start).
+    pub fn shut_down(&mut self, now: SystemTime) {
+        self.shutting_down = true;
+        self.draining_since.get_or_insert(now);
     }
 
     /// Another process changed kproxy's tables (`tables_missing`: deleted one); a
@@ -246,17 +271,22 @@ pub fn rfc3339(t: SystemTime) -> String {
 /// start-up), while one of kproxy's tables is missing from the kernel (deleted by
 /// another process, until kproxy restored it) and while the conntrack table is full, and
 /// `lastUpdated` is always the real time of the last successful apply. It also adds
-/// `syncedOnce`, `oldestPendingChange`, `consecutiveSyncFailures`, `kernelRules` and
-/// `conntrackFull`.
+/// `syncedOnce`, `oldestPendingChange`, `consecutiveSyncFailures`, `kernelRules`,
+/// `conntrackFull`, `inputHeld` and `drainSignals`.
+///
+/// `drain` is [`drain_signals`]: under both semantics the node is eligible only
+/// while it is empty (the opt-outs are applied before: the planner's
+/// `PlanConfig::counts` for the Node's signals, `--shutdown-drain never` for SIGTERM).
 pub fn proxy_answer(
     semantics: Semantics,
     probe: Probe,
     health: &ProxyHealth,
-    node_eligible: bool,
+    drain: &[DrainSignal],
     families: &[IpFamily],
     now: SystemTime,
     timeout: Duration,
 ) -> Answer {
+    let node_eligible = drain.is_empty();
     let healthy = health.healthy(now, timeout);
     let ok = match (probe, semantics) {
         (Probe::Livez, _) => healthy,
@@ -307,6 +337,12 @@ pub fn proxy_answer(
         body.insert("kernelRules".into(), health.kernel.as_str().into());
         body.insert("conntrackFull".into(), health.conntrack_full.into());
         body.insert("inputHeld".into(), health.input_held.into());
+        if probe == Probe::Healthz {
+            body.insert(
+                "drainSignals".into(),
+                drain.iter().map(|d| d.as_str()).collect::<Vec<_>>().into(),
+            );
+        }
     }
     Answer {
         status: if ok { 200 } else { 503 },
@@ -365,6 +401,7 @@ pub fn follow(view: &mut Option<NodePlan>, plan: &NodePlan, update: &PlanUpdate)
                 node: plan.node.clone(),
                 zone: plan.zone.clone(),
                 node_eligible: plan.node_eligible,
+                node_drain_signals: plan.node_drain_signals.clone(),
                 families: plan.families.clone(),
                 services: plan
                     .services
@@ -594,10 +631,65 @@ pub fn listen_addrs(families: &[FamilyPlan], local: &[LocalAddr], port: u16) -> 
     out.into_iter().collect()
 }
 
-/// Node eligibility for `/healthz`: from the newest computed plan (Node changes need no
-/// dataplane work); eligible until a plan says otherwise (upstream v1.28–v1.32).
-pub fn node_eligible(computed: Option<&NodePlan>) -> bool {
-    computed.is_none_or(|p| p.node_eligible)
+/// The drain signals that turn `/healthz` to 503 now: the Node's, from the newest
+/// computed plan (Node changes need no dataplane work; none until a plan says otherwise,
+/// as upstream v1.28–v1.32), then [`DrainSignal::Shutdown`] during the shutdown drain.
+pub fn drain_signals(computed: Option<&NodePlan>, health: &ProxyHealth) -> Vec<DrainSignal> {
+    let mut out: Vec<DrainSignal> = computed
+        .map(|p| p.node_drain_signals.clone())
+        .unwrap_or_default();
+    if health.shutting_down {
+        out.push(DrainSignal::Shutdown);
+    }
+    out
+}
+
+/// When SIGTERM means the node is going away (`--shutdown-drain`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ShutdownDrain {
+    /// Only when a drain signal of the Node is already counted: a SIGTERM without one is
+    /// taken for a restart of kproxy (its DaemonSet's rollout), which must not take a
+    /// healthy node out of the load balancers.
+    #[default]
+    Signalled,
+    /// Every SIGTERM (kproxy as a host service whose SIGTERM comes at host shutdown).
+    Always,
+    /// Never: exit at once, as kube-proxy does.
+    Never,
+}
+
+impl ShutdownDrain {
+    pub const NAMES: [&'static str; 3] = ["signalled", "always", "never"];
+
+    pub fn parse(s: &str) -> Option<ShutdownDrain> {
+        match s {
+            "signalled" => Some(ShutdownDrain::Signalled),
+            "always" => Some(ShutdownDrain::Always),
+            "never" => Some(ShutdownDrain::Never),
+            _ => None,
+        }
+    }
+}
+
+/// How long kproxy keeps forwarding, answering 503 on `/healthz`, after SIGTERM before it
+/// exits (its rules stay either way): `None` to exit at once. The period counts from the
+/// start of the drain (`draining_since`, when a Node signal first turned `/healthz` to
+/// 503), since the load balancers have been seeing 503 since then: a node drained for
+/// longer than `period` exits at once.
+pub fn shutdown_drain(
+    mode: ShutdownDrain,
+    period: Duration,
+    draining_since: Option<SystemTime>,
+    now: SystemTime,
+) -> Option<Duration> {
+    let since = match (mode, draining_since) {
+        (ShutdownDrain::Never, _) | (ShutdownDrain::Signalled, None) => return None,
+        (_, Some(t)) => t,
+        (ShutdownDrain::Always, None) => now,
+    };
+    // A clock that went backwards counts as a drain just begun.
+    let drained = now.duration_since(since).unwrap_or_default();
+    Some(period.saturating_sub(drained)).filter(|d| !d.is_zero())
 }
 
 /// Families to report in the proxy body: those with node addresses, else both.
@@ -828,7 +920,11 @@ mod tests {
                     sem,
                     probe,
                     &h,
-                    c.eligible,
+                    if c.eligible {
+                        &[]
+                    } else {
+                        &[DrainSignal::DeletionTimestamp]
+                    },
                     &IpFamily::ALL,
                     at(c.probe_at),
                     T,
@@ -848,7 +944,7 @@ mod tests {
             Semantics::Upstream,
             Probe::Healthz,
             &h,
-            true,
+            &[],
             &[IpFamily::IPv4],
             now,
             T,
@@ -870,7 +966,7 @@ mod tests {
             Semantics::Upstream,
             Probe::Livez,
             &h,
-            true,
+            &[],
             &IpFamily::ALL,
             now,
             T,
@@ -885,7 +981,7 @@ mod tests {
             Semantics::Upstream,
             Probe::Healthz,
             &h,
-            true,
+            &[],
             &[IpFamily::IPv4],
             at(100),
             T,
@@ -903,7 +999,7 @@ mod tests {
             Semantics::Truthful,
             Probe::Healthz,
             &h,
-            true,
+            &[],
             &[IpFamily::IPv4],
             now,
             T,
@@ -913,6 +1009,336 @@ mod tests {
         assert_eq!(v["lastUpdated"], rfc3339(at(5)));
         assert_eq!(v["oldestPendingChange"], rfc3339(at(8)));
         assert_eq!(v["syncedOnce"], true);
+    }
+
+    /// Every drain signal and its opt-out, from the Node object through the planner to
+    /// the answer: `/healthz` under both semantics, `/livez`, and truthful's
+    /// `drainSignals`. Fails if a signal is not read, not planned, or not answered.
+    #[test]
+    fn drain_signals_table() {
+        use DrainSignal::*;
+        use kproxy_core::config::PlanConfig;
+        use kproxy_core::model::Node;
+        use kproxy_core::state::ClusterState;
+        struct Case {
+            name: &'static str,
+            node: fn(&mut Node),
+            /// `--ignore-drain-signal`.
+            ignore: &'static [DrainSignal],
+            /// The `KubeProxyDrainingTerminatingNodes` gate.
+            gate: bool,
+            /// SIGTERM with a drain period.
+            shutdown: bool,
+            want: &'static [DrainSignal],
+        }
+        let none: fn(&mut Node) = |_| {};
+        let taint: fn(&mut Node) = |n| n.to_be_deleted_by_autoscaler = true;
+        let deleting: fn(&mut Node) = |n| n.deleting = true;
+        let deleted: fn(&mut Node) = |n| n.deleted = true;
+        let draining: fn(&mut Node) = |n| n.drain_in_progress = true;
+        let stopping: fn(&mut Node) = |n| n.graceful_node_shutdown_in_progress = true;
+        let c = |name, node, ignore, gate, shutdown, want| Case {
+            name,
+            node,
+            ignore,
+            gate,
+            shutdown,
+            want,
+        };
+        let cases = [
+            c("no signal", none, &[], true, false, &[]),
+            c(
+                "autoscaler taint",
+                taint,
+                &[],
+                true,
+                false,
+                &[AutoscalerTaint],
+            ),
+            c("taint ignored", taint, &[AutoscalerTaint], true, false, &[]),
+            c("taint, gate off", taint, &[], false, false, &[]),
+            c(
+                "deletionTimestamp",
+                deleting,
+                &[],
+                true,
+                false,
+                &[DeletionTimestamp],
+            ),
+            c(
+                "deletionTimestamp ignored",
+                deleting,
+                &[DeletionTimestamp],
+                true,
+                false,
+                &[],
+            ),
+            c(
+                "deletionTimestamp, gate off",
+                deleting,
+                &[],
+                false,
+                false,
+                &[],
+            ),
+            c("Node deleted", deleted, &[], true, false, &[NodeDeleted]),
+            c(
+                "Node deleted ignored",
+                deleted,
+                &[NodeDeleted],
+                true,
+                false,
+                &[],
+            ),
+            c("Node deleted, gate off", deleted, &[], false, false, &[]),
+            c(
+                "DrainInProgress",
+                draining,
+                &[],
+                true,
+                false,
+                &[DrainInProgress],
+            ),
+            c(
+                "DrainInProgress ignored",
+                draining,
+                &[DrainInProgress],
+                true,
+                false,
+                &[],
+            ),
+            // The gate is KEP-3836's: KEP-5683's conditions have their own opt-outs.
+            c(
+                "DrainInProgress, gate off",
+                draining,
+                &[],
+                false,
+                false,
+                &[DrainInProgress],
+            ),
+            c(
+                "GracefulNodeShutdownInProgress",
+                stopping,
+                &[],
+                true,
+                false,
+                &[GracefulNodeShutdownInProgress],
+            ),
+            c(
+                "GracefulNodeShutdownInProgress ignored",
+                stopping,
+                &[GracefulNodeShutdownInProgress],
+                true,
+                false,
+                &[],
+            ),
+            c(
+                "GracefulNodeShutdownInProgress, gate off",
+                stopping,
+                &[],
+                false,
+                false,
+                &[GracefulNodeShutdownInProgress],
+            ),
+            c("shutdown drain", none, &[], true, true, &[Shutdown]),
+            // An ignored Node signal does not hide the shutdown drain, nor another signal.
+            c(
+                "shutdown, taint ignored",
+                taint,
+                &[AutoscalerTaint],
+                true,
+                true,
+                &[Shutdown],
+            ),
+            c(
+                "two signals, one ignored",
+                |n| {
+                    n.to_be_deleted_by_autoscaler = true;
+                    n.drain_in_progress = true;
+                },
+                &[AutoscalerTaint],
+                true,
+                false,
+                &[DrainInProgress],
+            ),
+            c(
+                "every signal",
+                |n| {
+                    n.to_be_deleted_by_autoscaler = true;
+                    n.deleting = true;
+                    n.deleted = true;
+                    n.drain_in_progress = true;
+                    n.graceful_node_shutdown_in_progress = true;
+                },
+                &[],
+                true,
+                true,
+                &[
+                    AutoscalerTaint,
+                    DeletionTimestamp,
+                    NodeDeleted,
+                    DrainInProgress,
+                    GracefulNodeShutdownInProgress,
+                    Shutdown,
+                ],
+            ),
+        ];
+        for c in cases {
+            let mut node = Node {
+                name: "node-a".into(),
+                ..Node::default()
+            };
+            (c.node)(&mut node);
+            let mut state = ClusterState::new();
+            state.set_node(Some(node));
+            let config = PlanConfig {
+                ignored_drain_signals: c.ignore.iter().copied().collect(),
+                drain_terminating_nodes: c.gate,
+                ..PlanConfig::default()
+            };
+            let plan = kproxy_core::plan(&state, "node-a", &config);
+            let mut h = ProxyHealth::new(at(0));
+            h.updated(at(1));
+            if c.shutdown {
+                h.shut_down(at(2));
+            }
+            let drain = drain_signals(Some(&plan), &h);
+            assert_eq!(drain, c.want, "{}", c.name);
+            let healthz = if c.want.is_empty() { 200 } else { 503 };
+            for sem in [Semantics::Truthful, Semantics::Upstream] {
+                let a = proxy_answer(sem, Probe::Healthz, &h, &drain, &[], at(3), T);
+                assert_eq!(a.status, healthz, "{} {sem:?}", c.name);
+                let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+                assert_eq!(v["nodeEligible"], c.want.is_empty(), "{}", c.name);
+                let l = proxy_answer(sem, Probe::Livez, &h, &drain, &[], at(3), T);
+                assert_eq!(l.status, 200, "{}: /livez ignores drains", c.name);
+            }
+            let a = proxy_answer(
+                Semantics::Truthful,
+                Probe::Healthz,
+                &h,
+                &drain,
+                &[],
+                at(3),
+                T,
+            );
+            let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+            let names: Vec<&str> = c.want.iter().map(|d| d.as_str()).collect();
+            assert_eq!(v["drainSignals"], serde_json::json!(names), "{}", c.name);
+        }
+    }
+
+    /// The shutdown drain: when SIGTERM drains and for how long, counted from the start
+    /// of the drain.
+    #[test]
+    fn shutdown_drain_table() {
+        use ShutdownDrain::*;
+        let p = Duration::from_secs(26);
+        let s = Duration::from_secs;
+        #[rustfmt::skip]
+        /// (case, mode, period, draining since, now, drain for)
+        type Row = (&'static str, ShutdownDrain, Duration, Option<u64>, u64, Option<Duration>);
+        let cases: [Row; 10] = [
+            (
+                "signalled, no signal: kproxy's own restart",
+                Signalled,
+                p,
+                None,
+                100,
+                None,
+            ),
+            (
+                "signalled, signal just seen",
+                Signalled,
+                p,
+                Some(100),
+                100,
+                Some(p),
+            ),
+            (
+                "signalled, signal 20 s ago",
+                Signalled,
+                p,
+                Some(80),
+                100,
+                Some(s(6)),
+            ),
+            (
+                "signalled, drained longer than the period",
+                Signalled,
+                p,
+                Some(10),
+                100,
+                None,
+            ),
+            (
+                "signalled, drained exactly the period",
+                Signalled,
+                p,
+                Some(74),
+                100,
+                None,
+            ),
+            ("always, no signal", Always, p, None, 100, Some(p)),
+            (
+                "always, signal 20 s ago",
+                Always,
+                p,
+                Some(80),
+                100,
+                Some(s(6)),
+            ),
+            ("never, signal just seen", Never, p, Some(100), 100, None),
+            ("period 0", Always, Duration::ZERO, None, 100, None),
+            (
+                "clock went backwards",
+                Signalled,
+                p,
+                Some(200),
+                100,
+                Some(p),
+            ),
+        ];
+        for (name, mode, period, since, now, want) in cases {
+            assert_eq!(
+                shutdown_drain(mode, period, since.map(at), at(now)),
+                want,
+                "{name}"
+            );
+        }
+    }
+
+    /// The drain's start: the first Node signal (or SIGTERM), kept while signals
+    /// change, cleared when none is left, never cleared once shutting down.
+    #[test]
+    fn draining_since_follows_the_signals() {
+        let mut h = ProxyHealth::new(at(0));
+        h.node_drain(&[], at(1));
+        assert_eq!(h.draining_since, None);
+        h.node_drain(&[DrainSignal::DrainInProgress], at(2));
+        h.node_drain(
+            &[DrainSignal::DrainInProgress, DrainSignal::NodeDeleted],
+            at(3),
+        );
+        assert_eq!(h.draining_since, Some(at(2)));
+        h.node_drain(&[], at(4));
+        assert_eq!(h.draining_since, None, "an uncordoned node is not draining");
+        h.node_drain(&[DrainSignal::AutoscalerTaint], at(5));
+        h.shut_down(at(6));
+        assert_eq!(
+            h.draining_since,
+            Some(at(5)),
+            "SIGTERM keeps the drain's start"
+        );
+        h.node_drain(&[], at(7));
+        assert_eq!(
+            h.draining_since,
+            Some(at(5)),
+            "shutting down drains to the end"
+        );
+        let mut h = ProxyHealth::new(at(0));
+        h.shut_down(at(8));
+        assert_eq!(h.draining_since, Some(at(8)));
     }
 
     /// Truthful: from another process's change to kproxy's tables until the repair, the
@@ -927,8 +1353,8 @@ mod tests {
         let answers = |h: &ProxyHealth| {
             [Semantics::Truthful, Semantics::Upstream].map(|sem| {
                 (
-                    proxy_answer(sem, Probe::Healthz, h, true, &[IpFamily::IPv4], now, T).status,
-                    proxy_answer(sem, Probe::Livez, h, true, &[IpFamily::IPv4], now, T).status,
+                    proxy_answer(sem, Probe::Healthz, h, &[], &[IpFamily::IPv4], now, T).status,
+                    proxy_answer(sem, Probe::Livez, h, &[], &[IpFamily::IPv4], now, T).status,
                     h.service_proxy_healthy(sem, now, T),
                 )
             })
@@ -944,7 +1370,7 @@ mod tests {
         h.kernel_changed(false);
         assert_eq!(h.kernel, TablesMissing);
         let v: serde_json::Value = serde_json::from_str(
-            &proxy_answer(Semantics::Truthful, Probe::Healthz, &h, true, &[], now, T).body,
+            &proxy_answer(Semantics::Truthful, Probe::Healthz, &h, &[], &[], now, T).body,
         )
         .unwrap();
         assert_eq!(v["kernelRules"], "tablesMissing");

@@ -68,6 +68,7 @@ pub fn plan_with(
         pod_cidrs: Vec::new(),
         deleting: !node_eligible,
         to_be_deleted_by_autoscaler: false,
+        ..Node::default()
     }));
     for (i, s) in services.iter().enumerate() {
         let name = ServiceName::new(s.namespace, s.name);

@@ -36,7 +36,9 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use decide::{Answer, BindFailure, KernelRules, LocalAddr, Probe, ProxyHealth, Semantics};
+pub use decide::{
+    Answer, BindFailure, KernelRules, LocalAddr, Probe, ProxyHealth, Semantics, ShutdownDrain,
+};
 use metrics::{BindLabels, CodeLabel, Metrics, PortLabels, ServiceLabels};
 
 /// Upstream's default `healthzBindAddress`.
@@ -167,7 +169,7 @@ impl Shared {
             self.semantics,
             probe,
             &c.health,
-            decide::node_eligible(computed),
+            &decide::drain_signals(computed, &c.health),
             &decide::families(computed),
             now,
             self.timeout,
@@ -318,6 +320,7 @@ impl Health {
             let mut c = lock(&self.shared.core);
             c.health.queued(now);
             decide::follow(&mut c.computed, plan, update);
+            c.health.node_drain(&plan.node_drain_signals, now);
             c.changed.merge(update.clone());
         }
         self.kick();
@@ -335,6 +338,7 @@ impl Health {
             c.changed.merge(update.clone());
             if c.computed.is_none() {
                 decide::follow(&mut c.computed, plan, &PlanUpdate::WHOLE);
+                c.health.node_drain(&plan.node_drain_signals, now);
                 c.changed.merge(PlanUpdate::WHOLE);
             }
         }
@@ -411,6 +415,22 @@ impl Health {
     /// (docs/health.md).
     pub fn input_held(&self, held: bool) {
         lock(&self.shared.core).health.input_held = held;
+        self.kick();
+    }
+
+    /// Since when a drain signal has turned `/healthz` to 503, if one does
+    /// ([`ProxyHealth::draining_since`]).
+    pub fn draining_since(&self) -> Option<SystemTime> {
+        lock(&self.shared.core).health.draining_since
+    }
+
+    /// SIGTERM with a drain period: `/healthz` answers 503
+    /// ([`kproxy_core::model::DrainSignal::Shutdown`])
+    /// until the process exits; the health-check node ports keep their answers (their
+    /// rules stay and forward).
+    pub fn shut_down(&self) {
+        let now = self.shared.clock.now();
+        lock(&self.shared.core).health.shut_down(now);
         self.kick();
     }
 

@@ -1,6 +1,7 @@
 //! `kproxy run`: the node agent. Wires a source (manifest files, or the Kubernetes API)
 //! into the sync loop ([`crate::daemon`]), the nftables dataplane, the health servers
-//! and the metrics server, and stops on SIGTERM / SIGINT leaving the rules in place.
+//! and the metrics server, and stops on SIGTERM / SIGINT leaving the rules in place
+//! (SIGTERM after a drain period when the node is going away: [`crate::shutdown`]).
 //! Every long-running task runs under one cancellation tree ([`crate::tasks`]): the
 //! first to end stops the rest, the sync loop finishing a sync in flight, and the
 //! health servers close last.
@@ -18,7 +19,7 @@ use kproxy_core::config::NodePortAddressesConfig;
 use kproxy_core::ingest::Ownership;
 use kproxy_core::planner::PlanUpdate;
 use kproxy_core::takeover::TakeoverMode;
-use kproxy_health::{Health, HealthConfig, Semantics};
+use kproxy_health::{Health, HealthConfig, Semantics, ShutdownDrain};
 use kproxy_nft::{Dataplane as Nft, DataplaneConfig};
 use prometheus_client::registry::Registry;
 
@@ -106,6 +107,25 @@ pub struct Args {
     /// `kproxy_traffic_metrics_capped_series`.
     #[arg(long, value_name = "N", default_value_t = 100_000)]
     pub traffic_metrics_max_series: usize,
+    /// Whether SIGTERM drains before kproxy exits: `signalled` only when a drain signal
+    /// of the Node already turns `/healthz` to 503 (a plain SIGTERM is kproxy's own
+    /// rollout), `always`, or `never` (kube-proxy). During the drain kproxy keeps
+    /// forwarding and `/healthz` answers 503; the rules stay either way (docs/health.md).
+    #[arg(long, value_name = "WHEN", default_value = "signalled", value_parser = shutdown_drain_parser())]
+    pub shutdown_drain: ShutdownDrain,
+    /// How long load balancers get to see `/healthz` answer 503 before kproxy exits on
+    /// SIGTERM, counted from the first drain signal (the largest detection window of
+    /// `kproxy lint`'s presets, AWS NLB: 10 s x 2 + 6 s).
+    #[arg(long, value_name = "DURATION", default_value = "26s", value_parser = kproxy_config::parse_go_duration)]
+    pub shutdown_drain_period: Duration,
+}
+
+/// `--shutdown-drain`: the names are kproxy-health's ([`ShutdownDrain::NAMES`]).
+fn shutdown_drain_parser() -> impl clap::builder::TypedValueParser<Value = ShutdownDrain> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(ShutdownDrain::NAMES)
+        // Only the possible values get here, and each parses.
+        .map(|s| ShutdownDrain::parse(&s).expect("a possible value"))
 }
 
 /// `--kube-proxy-takeover`: the names are kproxy-core's ([`TakeoverMode::NAMES`]).
@@ -344,13 +364,17 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
         }
     };
 
-    tasks.spawn("the signal handler", |stop| async move {
-        tokio::select! {
-            _ = stop.cancelled() => {}
-            _ = wait_for_signal() => {}
-        }
-        Ok(())
-    });
+    {
+        let health = health.clone();
+        let drain = crate::shutdown::DrainConfig {
+            mode: args.shutdown_drain,
+            period: args.shutdown_drain_period,
+        };
+        tasks.spawn("the signal handler", move |stop| async move {
+            crate::shutdown::handle_signals(health, drain, stop).await;
+            Ok(())
+        });
+    }
 
     tracing::info!(%node, source = if args.manifests.is_some() { "manifests" } else { "kubernetes" }, "kproxy starting");
     let loop_cfg = LoopConfig {
@@ -415,20 +439,4 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     let result = tasks.run().await;
     health.shutdown().await;
     result.map(|()| ExitCode::SUCCESS)
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM"),
-                _ = int.recv() => tracing::info!("SIGINT"),
-            }
-        }
-        _ => std::future::pending().await,
-    }
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use clap::Args;
 use kproxy_core::ingest::Ownership;
-use kproxy_core::model::ServiceName;
+use kproxy_core::model::{DrainSignal, ServiceName};
 use kproxy_core::{ClusterState, NodePlan, PlanConfig};
 use kproxy_source::manifests;
 
@@ -170,18 +170,33 @@ pub struct NftTableFlag {
 
 /// Planner settings that are flags of kproxy's own, not fields of the
 /// KubeProxyConfiguration: shared by `run` and the commands that plan once.
-#[derive(Args, Clone, Copy, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct PlanFlags {
     /// Program external and load-balancer IPs that equal a Service's cluster IP or a node
     /// address (refused by default: CVE-2020-8554, docs/input.md).
     #[arg(long)]
     pub allow_external_ip_overlap: bool,
+    /// A drain signal of the Node that does not turn `/healthz` to 503 (repeatable, or
+    /// comma-separated): autoscalerTaint, deletionTimestamp, nodeDeleted,
+    /// drainInProgress, gracefulNodeShutdownInProgress (docs/health.md).
+    #[arg(long, value_name = "SIGNAL", value_delimiter = ',', value_parser = drain_signal_parser())]
+    pub ignore_drain_signal: Vec<DrainSignal>,
+}
+
+/// `--ignore-drain-signal`: the names are kproxy-core's ([`DrainSignal::as_str`]).
+fn drain_signal_parser() -> impl clap::builder::TypedValueParser<Value = DrainSignal> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(DrainSignal::OF_NODE.map(DrainSignal::as_str))
+        // Only the possible values get here, and each parses.
+        .map(|s| DrainSignal::parse(&s).expect("a possible value"))
 }
 
 impl PlanFlags {
     /// The one place these flags enter the planner's configuration.
-    pub fn apply(self, plan: &mut PlanConfig) {
+    pub fn apply(&self, plan: &mut PlanConfig) {
         plan.allow_external_ip_overlap = self.allow_external_ip_overlap;
+        plan.ignored_drain_signals
+            .extend(self.ignore_drain_signal.iter().copied());
     }
 }
 

@@ -21,6 +21,7 @@ mod kernel_trace;
 mod kernel_watch;
 mod metrics;
 mod pacing;
+mod shutdown;
 mod takeover;
 mod tasks;
 mod traffic;

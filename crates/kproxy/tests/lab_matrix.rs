@@ -27,7 +27,7 @@ fn describe(c: &Value) -> String {
 }
 
 #[test]
-fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart_and_a_drain() {
+fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart_drains_and_a_shutdown() {
     if !kproxy_test_support::root("kproxy lab: network namespaces, nftables") {
         return;
     }
@@ -58,7 +58,7 @@ fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart_and_a_dr
         )
     });
     let cells = v["cells"].as_array().expect("cells");
-    assert_eq!(cells.len(), 10, "{stdout}");
+    assert_eq!(cells.len(), 14, "{stdout}");
     for c in cells {
         assert!(c["sent"].as_u64().unwrap_or(0) > 100, "{}", describe(c));
     }
@@ -119,6 +119,30 @@ fn reduced_matrix_proves_the_prestop_rule_and_kproxy_survives_a_restart_and_a_dr
     assert_eq!(lost(late), 0, "{}", describe(late));
     let pre = cell(cells, "graceful/ready-before-listen/gke/pre-1.26");
     assert!(lost(pre) > 0, "{}", describe(pre));
+
+    // The same drain told by the Node condition DrainInProgress (KEP-5683), and a
+    // graceful node shutdown whose kproxy is SIGTERMed one LB interval after the
+    // condition GracefulNodeShutdownInProgress, the node gone once kproxy exits: kproxy
+    // loses no new connection (its shutdown drain holds the node until the LB has
+    // taken it out); kube-proxy's behaviour (neither condition read, no drain period)
+    // loses new connections to the node that vanished.
+    for setting in ["node-drain-condition", "node-shutdown"] {
+        let pre = cell(cells, &format!("graceful/{setting}/gke/pre-1.26"));
+        assert!(lost(pre) > 0, "{}", describe(pre));
+        assert!(
+            pre["bursts"].to_string().contains(new_conn_cause),
+            "{}",
+            describe(pre)
+        );
+        let drain = cell(cells, &format!("graceful/{setting}/gke/kproxy"));
+        let kept = drain["lost_kept_alive"].as_u64().expect("lost_kept_alive");
+        assert_eq!(lost(drain), kept, "only keep-alive: {}", describe(drain));
+        assert!(
+            !drain["bursts"].to_string().contains(new_conn_cause),
+            "{}",
+            describe(drain)
+        );
+    }
     assert_eq!(out.status.code(), Some(0));
 
     check_in_browser(&html, cells);

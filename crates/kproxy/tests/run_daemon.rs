@@ -12,16 +12,13 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::os::fd::AsFd;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, NODE, Netns, SERVICE, can_run, eventually, fabric, http_get, manifests,
-    sigterm, slice, write_atomic,
+    Daemon, DaemonLog, Load, NODE, Netns, SERVICE, can_run, eventually, fabric, http_get,
+    manifests, sigterm, slice, write_atomic,
 };
 
 fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path, log: &DaemonLog) -> Daemon {
@@ -69,49 +66,6 @@ fn start_daemon_to(
             .spawn()
             .expect("start kproxy run"),
     )
-}
-
-/// A client in the node namespace opening a new connection to the cluster IP every
-/// 20 ms (and probing the health-check node port with it, when asked), counting failures.
-struct Load {
-    done: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<(u32, u32, u32)>,
-}
-
-impl Load {
-    fn start(node: &Netns, probe_health: bool) -> Load {
-        let done = Arc::new(AtomicBool::new(false));
-        let done2 = done.clone();
-        let path = format!("/var/run/netns/{}", node.0);
-        let thread = std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            let (mut sent, mut failed, mut unhealthy) = (0u32, 0u32, 0u32);
-            while !done2.load(Ordering::SeqCst) {
-                sent += 1;
-                if http_get("10.96.0.10:80".parse().unwrap(), "/")
-                    != Some((200, "pod-1".to_string()))
-                {
-                    failed += 1;
-                }
-                if probe_health
-                    && http_get("10.200.0.11:32000".parse().unwrap(), "/").map(|(c, _)| c)
-                        != Some(200)
-                {
-                    unhealthy += 1;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            (sent, failed, unhealthy)
-        });
-        Load { done, thread }
-    }
-
-    /// (sent, failed connections, health probes not 200)
-    fn stop(self) -> (u32, u32, u32) {
-        self.done.store(true, Ordering::SeqCst);
-        self.thread.join().unwrap()
-    }
 }
 
 #[test]

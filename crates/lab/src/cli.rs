@@ -627,21 +627,26 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     // The claims under test: kproxy loses nothing with the recommended settings,
     // also across a restart of every node's kproxy, a flushed ruleset, a SIGKILLed
     // kproxy, an API outage and a cut watch, and with pods Ready before they listen
-    // (its endpoint warm-up).
+    // (its endpoint warm-up); and no new connection when a node drains (taint or
+    // condition) or shuts down (keep-alive connections through a node that vanishes
+    // break whatever the proxy does).
     let bad = results.iter().any(|c| {
+        let lost = match c.cell.setting {
+            Setting::Recommended
+            | Setting::KproxyRestart
+            | Setting::NftFlush
+            | Setting::KproxyKill
+            | Setting::ApiOutage
+            | Setting::WatchCut
+            | Setting::ReadyBeforeListen => c.lost,
+            Setting::NodeDrain | Setting::NodeDrainCondition | Setting::NodeShutdown => {
+                c.lost - c.lost_kept_alive
+            }
+            _ => 0,
+        };
         c.cell.behaviour == Behaviour::Kproxy
-            && matches!(
-                c.cell.setting,
-                Setting::Recommended
-                    | Setting::KproxyRestart
-                    | Setting::NftFlush
-                    | Setting::KproxyKill
-                    | Setting::ApiOutage
-                    | Setting::WatchCut
-                    | Setting::ReadyBeforeListen
-            )
             && c.cell.profile != PodProfile::ExitOnTerm
-            && c.lost > 0
+            && lost > 0
     });
     Ok(if bad {
         ExitCode::from(1)

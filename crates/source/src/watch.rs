@@ -827,7 +827,7 @@ mod tests {
     /// This node's Node leaving the manifests makes it "being deleted" (not eligible),
     /// as the API source does on a DELETED event; it is not forgotten.
     #[tokio::test]
-    async fn a_node_removed_from_the_manifests_stays_known_as_deleting() {
+    async fn a_node_removed_from_the_manifests_stays_known_as_deleted() {
         let dir = tempfile::tempdir().unwrap();
         let node = dir.path().join("node.yaml");
         std::fs::write(&node, "apiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 10.0.0.1}]}\n").unwrap();
@@ -841,9 +841,9 @@ mod tests {
         cfg.rescan = Duration::from_secs(3600);
         cfg.remove_after = Duration::from_millis(50);
         let task = tokio::spawn(run(cfg, writer));
-        wait_for(&handle, |s| s.node().is_some_and(|n| !n.deleting)).await;
+        wait_for(&handle, |s| s.node().is_some_and(|n| !n.deleted)).await;
         std::fs::remove_file(&node).unwrap();
-        wait_for(&handle, |s| s.node().is_some_and(|n| n.deleting)).await;
+        wait_for(&handle, |s| s.node().is_some_and(|n| n.deleted)).await;
         let addrs = handle.read(|s| s.node().map(|n| n.addresses.len()));
         assert_eq!(addrs, Some(1), "the last known addresses stay");
         task.abort();

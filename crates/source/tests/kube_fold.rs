@@ -249,10 +249,10 @@ fn deletes_and_the_node() {
     assert_eq!(slices(&state), ["b-1"]);
     assert_eq!(services(&state).len(), 2);
     assert!(state.node().is_some(), "another node's delete is ignored");
-    // A Node relist without this node: the node is gone, so it stays known but being
+    // A Node relist without this node: the node is gone, so it stays known but
     // deleted (not eligible), as upstream never turns a deleted Node eligible again.
     feed(&mut folder, &mut state, listed(Kind::Node, vec![]));
-    assert!(state.node().is_some_and(|n| n.deleting && !n.eligible()));
+    assert!(state.node().is_some_and(|n| n.deleted && !n.eligible()));
     feed(
         &mut folder,
         &mut state,
@@ -266,7 +266,7 @@ fn deletes_and_the_node() {
     state.take_changes();
     let deleted = || vec![(Kind::Node, Input::Delete(key("", NODE)))];
     feed(&mut folder, &mut state, deleted());
-    assert!(state.node().is_some_and(|n| n.deleting && n.name == NODE));
+    assert!(state.node().is_some_and(|n| n.deleted && n.name == NODE));
     assert!(state.take_changes().node, "the deletion is a Node change");
     feed(&mut folder, &mut state, deleted());
     assert!(!state.take_changes().node, "deleted twice: nothing changes");

@@ -374,3 +374,46 @@ pub fn assert_phase_lost_nothing(phase: &serde_json::Value, name: &str, stderr: 
         );
     }
 }
+
+/// A client in the node namespace opening a new connection to the cluster IP every
+/// 20 ms (and probing the health-check node port with it, when asked), counting failures.
+pub struct Load {
+    done: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<(u32, u32, u32)>,
+}
+
+impl Load {
+    pub fn start(node: &Netns, probe_health: bool) -> Load {
+        let done = Arc::new(AtomicBool::new(false));
+        let done2 = done.clone();
+        let path = format!("/var/run/netns/{}", node.0);
+        let thread = std::thread::spawn(move || {
+            let file = std::fs::File::open(&path).expect("open netns");
+            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            let (mut sent, mut failed, mut unhealthy) = (0u32, 0u32, 0u32);
+            while !done2.load(Ordering::SeqCst) {
+                sent += 1;
+                if http_get("10.96.0.10:80".parse().unwrap(), "/")
+                    != Some((200, "pod-1".to_string()))
+                {
+                    failed += 1;
+                }
+                if probe_health
+                    && http_get("10.200.0.11:32000".parse().unwrap(), "/").map(|(c, _)| c)
+                        != Some(200)
+                {
+                    unhealthy += 1;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (sent, failed, unhealthy)
+        });
+        Load { done, thread }
+    }
+
+    /// (sent, failed connections, health probes not 200)
+    pub fn stop(self) -> (u32, u32, u32) {
+        self.done.store(true, Ordering::SeqCst);
+        self.thread.join().unwrap()
+    }
+}

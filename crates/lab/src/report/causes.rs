@@ -340,7 +340,10 @@ fn drain_causes(
     end_ms: f64,
     records: &[&RequestRecord],
 ) -> Vec<String> {
-    let Some(node) = r.drain.and_then(|d| r.nodes.get(d.node.wrapping_sub(1))) else {
+    let Some((by, node)) = r
+        .drain
+        .and_then(|d| Some((d.by, r.nodes.get(d.node.wrapping_sub(1))?)))
+    else {
         return Vec::new();
     };
     let (Some(tainted), Some(deleted)) = (
@@ -378,11 +381,13 @@ fn drain_causes(
             .map(|e| e.t_ms);
         let why = match failing_since {
             None => format!(
-                "its /healthz (10256) kept answering 200 for the {:.1} s from the ToBeDeletedByClusterAutoscaler taint to the deletion: with pre-KEP-3836 behaviour the taint does not affect /healthz, so the load balancer learned of the node only when it stopped answering",
-                nominal(r, deleted - tainted)
+                "its /healthz (10256) kept answering 200 for the {:.1} s from {} to the deletion: with pre-1.26 behaviour it does not affect /healthz, so the load balancer learned of the node only when it stopped answering",
+                nominal(r, deleted - tainted),
+                by.words()
             ),
             Some(t) => format!(
-                "its /healthz had answered 503 (the taint) from {:.1} s, but the node was deleted {:.1} s after the taint, before the load balancer's detection window ({:.1} s) ran out",
+                "its /healthz had answered 503 ({}) from {:.1} s, but the node was deleted {:.1} s after it, before the load balancer's detection window ({:.1} s) ran out",
+                by.words(),
                 nominal(r, t),
                 nominal(r, deleted - tainted),
                 r.health_check.detection_window_s()

@@ -239,6 +239,10 @@ pub struct CellResult {
     pub settings: CellSettings,
     pub sent: usize,
     pub lost: usize,
+    /// Of `lost`, requests on keep-alive connections established before (a drained
+    /// node that vanishes breaks them, whatever the proxy does); the rest were new
+    /// connections.
+    pub lost_kept_alive: usize,
     pub lost_by_kind: BTreeMap<String, usize>,
     /// Fewest nodes the LB sent new connections to while the rollout ran.
     pub min_lb_pool: Option<usize>,
@@ -293,6 +297,11 @@ pub fn cell_result(
         settings: settings_of(cfg),
         sent: s.sent,
         lost: s.failed,
+        lost_kept_alive: run
+            .records
+            .iter()
+            .filter(|x| x.reused && !x.outcome.is_ok())
+            .count(),
         lost_by_kind: s.failed_by_kind.clone(),
         min_lb_pool: super::min_pool_during_rollout(run),
         rollout_s: (run.rollout_end_ms - run.rollout_start_ms) / 1000.0 / run.time_scale,
@@ -428,15 +437,21 @@ mod tests {
 
     #[test]
     fn node_drain_cell_is_a_lint_clean_cluster_policy_service_on_room_for_replacements() {
-        for preset in ALL_PRESETS {
-            let c = cell(PodProfile::Graceful, Setting::NodeDrain, preset);
+        let drains = [
+            Setting::NodeDrain,
+            Setting::NodeDrainCondition,
+            Setting::NodeShutdown,
+        ];
+        for (preset, setting) in ALL_PRESETS.into_iter().flat_map(|p| drains.map(|s| (p, s))) {
+            let c = cell(PodProfile::Graceful, setting, preset);
             assert_eq!(rules_of(&c), Vec::<String>::new(), "{}", c.id());
             let cfg = config_for(&c, &RolloutConfig::default()).unwrap();
             assert!(!cfg.deployment.one_pod_per_node, "replacements need room");
             let m = manifests_for(&cfg, c.setting.etp_local());
             assert!(m.contains("externalTrafficPolicy: Cluster"), "{m}");
-            let d = node_drain(&cfg);
-            assert_eq!(d.node, 2);
+            let by = setting.drain_by().expect("a drain setting");
+            let d = node_drain(&cfg, by);
+            assert_eq!((d.node, d.by), (2, by));
             let hc = cfg.load_balancer.effective_health_check().unwrap();
             // The evicted pods' preStop alone outlasts the LB's detection window.
             assert!(cfg.pod.pre_stop_sleep_seconds > hc.detection_window_s());
@@ -450,9 +465,15 @@ mod tests {
     fn cell_selection() {
         let full = Selection::full().cells();
         // 4 settings × 3 profiles + readiness × 1 + restart, flush, kill, API outage,
-        // watch cut, drain and ready-before-listen × 1 (graceful), × 3 presets × 2.
-        assert_eq!(full.len(), (4 * 3 + 1 + 7) * 3 * 2);
-        for setting in [Setting::NodeDrain, Setting::NftFlush, Setting::KproxyKill] {
+        // watch cut, the three drains and ready-before-listen × 1 (graceful), × 3 presets × 2.
+        assert_eq!(full.len(), (4 * 3 + 1 + 9) * 3 * 2);
+        for setting in [
+            Setting::NodeDrain,
+            Setting::NodeDrainCondition,
+            Setting::NodeShutdown,
+            Setting::NftFlush,
+            Setting::KproxyKill,
+        ] {
             assert!(
                 full.iter()
                     .filter(|c| c.setting == setting)
@@ -466,11 +487,13 @@ mod tests {
                     && c.profile != PodProfile::FailReadinessOnTerm)
         );
         let reduced = Selection::reduced().cells();
-        assert_eq!(reduced.len(), 10);
+        assert_eq!(reduced.len(), 14);
         let ids: Vec<String> = reduced.iter().map(Cell::id).collect();
         assert!(ids.contains(&"graceful/kproxy-restart/gke/kproxy".to_string()));
         assert!(ids.contains(&"graceful/node-drain/gke/pre-1.26".to_string()));
         assert!(ids.contains(&"graceful/ready-before-listen/gke/kproxy".to_string()));
+        assert!(ids.contains(&"graceful/node-drain-condition/gke/kproxy".to_string()));
+        assert!(ids.contains(&"graceful/node-shutdown/gke/kproxy".to_string()));
     }
 
     /// Pods Ready before they listen: no readiness probe in the manifests lint reads
@@ -508,6 +531,7 @@ mod tests {
                 settings: settings_of(&cfg),
                 sent: 1000,
                 lost,
+                lost_kept_alive: 0,
                 lost_by_kind: BTreeMap::new(),
                 min_lb_pool: None,
                 rollout_s: 0.0,

@@ -201,7 +201,7 @@ fn keep_alive_failures_after_a_pod_exit_are_explained() {
 #[test]
 fn drain_bursts_name_the_deleted_node_and_the_health_story() {
     use crate::report::RunResult;
-    use crate::scenario::run::{Behaviour, NodeDrain};
+    use crate::scenario::run::{Behaviour, DrainBy, NodeDrain};
     let ev = |t_ms: f64, kind: EventKind, node: Option<&str>, detail: &str| Event {
         t_ms,
         kind,
@@ -233,9 +233,10 @@ fn drain_bursts_name_the_deleted_node_and_the_health_story() {
         drain: Some(NodeDrain {
             node: 2,
             delete_after_s: 3.0,
+            by: DrainBy::AutoscalerTaint,
         }),
     };
-    // pre-KEP-3836: /healthz kept passing until the node vanished.
+    // pre-1.26 (no KEP-3836): /healthz kept passing until the node vanished.
     let r = run(vec![
         ev(10.0, EventKind::LbPool, None, all),
         ev(1000.0, EventKind::NodeTainted, Some("node-2"), ""),
@@ -278,10 +279,10 @@ fn drain_bursts_name_the_deleted_node_and_the_health_story() {
     ]);
     let cause = explain_burst(&r, 1510.0, 1550.0, &[&new]);
     assert!(
-        cause.contains("answered 503 (the taint) from 13.0 s"),
+        cause.contains("answered 503 (the ToBeDeletedByClusterAutoscaler taint) from 13.0 s"),
         "{cause}"
     );
-    assert!(cause.contains("deleted 5.0 s after the taint"), "{cause}");
+    assert!(cause.contains("deleted 5.0 s after it"), "{cause}");
     // A burst well before the deletion is not the deletion's.
     let cause = explain_burst(&r, 100.0, 120.0, &[&new]);
     assert!(!cause.contains("was deleted"), "{cause}");

@@ -7,7 +7,7 @@ use crate::LabError;
 use crate::report::RunResult;
 use crate::report::matrix::{CellResult, cell_result, judge_against_recommended, lint_cell};
 use crate::runs::{Progress, rollout};
-use crate::scenario::matrix::{Selection, Setting, config_for, node_drain};
+use crate::scenario::matrix::{Selection, config_for, node_drain};
 use crate::scenario::rollout::RolloutConfig;
 use crate::scenario::run::{Chaos, ControlPlaneKind, RunOptions};
 
@@ -40,7 +40,7 @@ pub fn run_matrix(
         progress(&format!("[matrix {}/{}] {}", i + 1, cells.len(), cell.id()));
         let opts = RunOptions {
             chaos: cell.setting.chaos(),
-            drain: (cell.setting == Setting::NodeDrain).then(|| node_drain(&cfg)),
+            drain: cell.setting.drain_by().map(|by| node_drain(&cfg, by)),
             etp_cluster: !cell.setting.etp_local(),
             control_plane,
         };

@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::LabError;
 use crate::scenario::balancer::{HealthCheck, LbPreset};
 use crate::scenario::rollout::RolloutConfig;
-use crate::scenario::run::{Behaviour, Chaos, NodeDrain};
+use crate::scenario::run::{Behaviour, Chaos, DrainBy, NodeDrain};
 use crate::scenario::workload::PodProfile;
 
 /// Seed 2's settings, each a deviation from the recommended one.
@@ -60,6 +60,13 @@ pub enum Setting {
     /// taint `ToBeDeletedByClusterAutoscaler`, evict its pods, delete the node
     /// ([`NodeDrain`]).
     NodeDrain,
+    /// The node drain with the Node condition `DrainInProgress` (KEP-5683) in place of
+    /// the taint ([`DrainBy::Condition`]).
+    NodeDrainCondition,
+    /// A graceful node shutdown: the condition `GracefulNodeShutdownInProgress`, the
+    /// node's pods and kproxy stopped at once while the load balancer still sends it
+    /// new connections, the node gone once kproxy has exited ([`DrainBy::Shutdown`]).
+    NodeShutdown,
 }
 
 impl Setting {
@@ -77,6 +84,8 @@ impl Setting {
             Setting::WatchCut => "watch-cut",
             Setting::NodeDrain => "node-drain",
             Setting::ReadyBeforeListen => "ready-before-listen",
+            Setting::NodeDrainCondition => "node-drain-condition",
+            Setting::NodeShutdown => "node-shutdown",
         }
     }
 
@@ -90,7 +99,9 @@ impl Setting {
             | Setting::KproxyKill
             | Setting::ApiOutage
             | Setting::WatchCut
-            | Setting::NodeDrain => None,
+            | Setting::NodeDrain
+            | Setting::NodeDrainCondition
+            | Setting::NodeShutdown => None,
             Setting::ShortPrestop => Some(r::PRESTOP_SHORTER_THAN_LB_DETECTION),
             Setting::ReadinessInequalityViolated => Some(r::READINESS_FAILS_BEFORE_KILL),
             Setting::GraceShorterThanDrain => Some(r::TERMINATION_GRACE_VS_LB_DRAIN),
@@ -102,7 +113,19 @@ impl Setting {
     /// Rows about the proxy rather than the pod: run with graceful pods only (when
     /// the selection has them).
     fn graceful_only(self) -> bool {
-        self.chaos().is_some() || matches!(self, Setting::NodeDrain | Setting::ReadyBeforeListen)
+        self.chaos().is_some()
+            || self.drain_by().is_some()
+            || matches!(self, Setting::ReadyBeforeListen)
+    }
+
+    /// How the setting drains a node instead of rolling the Deployment.
+    pub fn drain_by(self) -> Option<DrainBy> {
+        match self {
+            Setting::NodeDrain => Some(DrainBy::AutoscalerTaint),
+            Setting::NodeDrainCondition => Some(DrainBy::Condition),
+            Setting::NodeShutdown => Some(DrainBy::Shutdown),
+            _ => None,
+        }
     }
 
     /// The chaos of the setting's rollout.
@@ -117,10 +140,10 @@ impl Setting {
         }
     }
 
-    /// The lab's Service for this setting: eTP Local, except for the node drain and
+    /// The lab's Service for this setting: eTP Local, except for the node drains and
     /// the pods Ready before they listen.
     pub fn etp_local(self) -> bool {
-        !matches!(self, Setting::NodeDrain | Setting::ReadyBeforeListen)
+        self.drain_by().is_none() && self != Setting::ReadyBeforeListen
     }
 
     fn applies_to(self, profile: PodProfile) -> bool {
@@ -131,7 +154,7 @@ impl Setting {
     }
 }
 
-pub const ALL_SETTINGS: [Setting; 12] = [
+pub const ALL_SETTINGS: [Setting; 14] = [
     Setting::Recommended,
     Setting::ShortPrestop,
     Setting::ReadinessInequalityViolated,
@@ -144,6 +167,8 @@ pub const ALL_SETTINGS: [Setting; 12] = [
     Setting::WatchCut,
     Setting::NodeDrain,
     Setting::ReadyBeforeListen,
+    Setting::NodeDrainCondition,
+    Setting::NodeShutdown,
 ];
 pub const ALL_PROFILES: [PodProfile; 3] = [
     PodProfile::Graceful,
@@ -210,7 +235,8 @@ impl Selection {
     }
 
     /// The matrix CI runs: graceful pods behind `gke`, the recommended settings, the
-    /// short preStop, the kproxy restart and the node drain, under both behaviours.
+    /// short preStop, the kproxy restart and the node drains (taint, condition,
+    /// shutdown), under both behaviours.
     pub fn reduced() -> Selection {
         Selection {
             profiles: vec![PodProfile::Graceful],
@@ -220,6 +246,8 @@ impl Selection {
                 Setting::KproxyRestart,
                 Setting::NodeDrain,
                 Setting::ReadyBeforeListen,
+                Setting::NodeDrainCondition,
+                Setting::NodeShutdown,
             ],
             presets: vec![LbPreset::Gke],
             behaviours: vec![Behaviour::Pre126, Behaviour::Kproxy],
@@ -301,7 +329,9 @@ pub fn config_for(cell: &Cell, base: &RolloutConfig) -> Result<RolloutConfig, La
         | Setting::ApiOutage
         | Setting::WatchCut => {}
         // Replacement pods must fit on the remaining nodes.
-        Setting::NodeDrain => c.deployment.one_pod_per_node = false,
+        Setting::NodeDrain | Setting::NodeDrainCondition | Setting::NodeShutdown => {
+            c.deployment.one_pod_per_node = false
+        }
         Setting::ShortPrestop => c.pod.pre_stop_sleep_seconds = 1.0,
         Setting::ReadinessInequalityViolated => {
             p.period_seconds = 5.0;
@@ -333,7 +363,7 @@ pub fn config_for(cell: &Cell, base: &RolloutConfig) -> Result<RolloutConfig, La
 /// preStop (longer than the LB's detection window in every cell) plus an interval:
 /// the autoscaler waits for the evicted pods (`--max-graceful-termination-sec`)
 /// before it deletes the node.
-pub fn node_drain(cfg: &RolloutConfig) -> NodeDrain {
+pub fn node_drain(cfg: &RolloutConfig, by: DrainBy) -> NodeDrain {
     let interval = cfg
         .load_balancer
         .effective_health_check()
@@ -341,5 +371,6 @@ pub fn node_drain(cfg: &RolloutConfig) -> NodeDrain {
     NodeDrain {
         node: 2.min(cfg.nodes),
         delete_after_s: interval,
+        by,
     }
 }

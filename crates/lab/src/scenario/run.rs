@@ -44,18 +44,59 @@ impl ControlPlaneKind {
     }
 }
 
-/// A node drain by the cluster autoscaler (the matrix's node-drain row), run instead
-/// of the rolling update, with an `externalTrafficPolicy: Cluster` Service whose load
-/// balancer probes every node's kproxy `/healthz` (KEP-3836): the node is tainted
-/// `ToBeDeletedByClusterAutoscaler`, its pods are evicted (the Deployment replaces
-/// them on other nodes), and once they are gone and `delete_after_s` more has passed,
-/// the node is deleted: its kproxy stops, its link is cut, its Node object goes.
+/// A node drain (the matrix's node-drain rows), run instead of the rolling update,
+/// with an `externalTrafficPolicy: Cluster` Service whose load balancer probes every
+/// node's kproxy `/healthz`: the node is told it is going ([`DrainBy`]), its pods are
+/// evicted (the Deployment replaces them on other nodes), and once they are gone and
+/// `delete_after_s` more has passed, the node is deleted: its kproxy stops, its link is
+/// cut, its Node object goes. A shutdown does not wait for the pods: see
+/// [`DrainBy::Shutdown`].
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct NodeDrain {
     /// The drained node (1-based).
     pub node: usize,
     /// Nominal seconds from the drained node's last pod being gone to its deletion.
     pub delete_after_s: f64,
+    /// What tells the node's kproxy.
+    pub by: DrainBy,
+}
+
+/// What tells a drained node's kproxy that the node is going (docs/health.md, "Drain
+/// signals").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DrainBy {
+    /// The cluster autoscaler's taint `ToBeDeletedByClusterAutoscaler` (KEP-3836).
+    #[default]
+    AutoscalerTaint,
+    /// The Node condition `DrainInProgress` (KEP-5683), as a drain writes it.
+    Condition,
+    /// A graceful node shutdown (KEP-2000) on a cluster with KEP-5683: the condition
+    /// `GracefulNodeShutdownInProgress` and the node's pods stopped, then, `delete_after_s`
+    /// later (one LB interval: less than its detection window), its kproxy (SIGTERM)
+    /// while the load balancer still sends it new connections; the node goes (link cut,
+    /// Node deleted) as soon as kproxy has exited.
+    Shutdown,
+}
+
+impl DrainBy {
+    /// The Node condition the drain sets (status "True"), if any.
+    pub fn condition(self) -> Option<&'static str> {
+        match self {
+            DrainBy::AutoscalerTaint => None,
+            DrainBy::Condition => Some("DrainInProgress"),
+            DrainBy::Shutdown => Some("GracefulNodeShutdownInProgress"),
+        }
+    }
+
+    /// The signal, in the words of the reports.
+    pub fn words(self) -> &'static str {
+        match self {
+            DrainBy::AutoscalerTaint => "the ToBeDeletedByClusterAutoscaler taint",
+            DrainBy::Condition => "the DrainInProgress condition",
+            DrainBy::Shutdown => "the GracefulNodeShutdownInProgress condition and SIGTERM",
+        }
+    }
 }
 
 /// Chaos during the rolling update (the scenario matrix's extra rows). Each happens

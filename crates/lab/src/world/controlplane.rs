@@ -76,6 +76,8 @@ pub struct Objects {
     pub tainted: BTreeMap<usize, i64>,
     /// Nodes (1-based) whose Node object is gone.
     pub deleted: BTreeSet<usize>,
+    /// Nodes (1-based) with a drain condition of KEP-5683 (its type) set "True".
+    pub conditions: BTreeMap<usize, &'static str>,
     pub publish_not_ready_addresses: bool,
     /// `externalTrafficPolicy: Local` (with a healthCheckNodePort); else `Cluster`.
     pub etp_local: bool,
@@ -87,6 +89,7 @@ impl Objects {
             nodes,
             tainted: BTreeMap::new(),
             deleted: BTreeSet::new(),
+            conditions: BTreeMap::new(),
             publish_not_ready_addresses,
             etp_local,
         }
@@ -107,7 +110,7 @@ pub fn render_manifests(
         if let Some(t) = objects.tainted.get(&i) {
             spec["taints"] = json!([{"key": TAINT_TO_BE_DELETED, "value": t.to_string(), "effect": "NoSchedule"}]);
         }
-        items.push(json!({
+        let mut node = json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
             "spec": spec,
@@ -115,7 +118,11 @@ pub fn render_manifests(
                 {"type": "InternalIP", "address": fabric::node_ip(i).to_string()},
                 {"type": "Hostname", "address": name}
             ]}
-        }));
+        });
+        if let Some(kind) = objects.conditions.get(&i) {
+            node["status"]["conditions"] = json!([{"type": kind, "status": "True"}]);
+        }
+        items.push(node);
     }
     let mut service = lab_service(publish_not_ready_addresses, objects.etp_local);
     service["status"] = lab_service_status();
@@ -280,6 +287,13 @@ impl ControlPlane {
         s.objects
             .tainted
             .insert(index, jiff::Timestamp::now().as_second());
+        self.publish_locked(&mut s);
+    }
+
+    /// A drain condition of KEP-5683 (`kind`) turns "True" on node `index`.
+    pub fn set_node_condition(&self, index: usize, kind: &'static str) {
+        let mut s = self.store.lock().expect("store lock");
+        s.objects.conditions.insert(index, kind);
         self.publish_locked(&mut s);
     }
 

@@ -22,14 +22,19 @@ pub enum KproxySource<'a> {
 
 /// The flags that give kproxy the behaviour of kube-proxy before 1.26 (the lab's
 /// `pre-1.26` behaviour): no failover to serving-terminating endpoints (KEP-1669,
-/// on by default from 1.26) and a `/healthz` that ignores the Node's scale-down taint
-/// and deletion (KEP-3836, from 1.28, on by default from 1.30); and no endpoint warm-up
-/// (kproxy's own, docs/warmup.md: kube-proxy sends a new endpoint connections as soon as
-/// it syncs).
-pub const PRE_126_FLAGS: [&str; 4] = [
+/// on by default from 1.26), a `/healthz` that ignores the Node's scale-down taint
+/// and deletion (KEP-3836, from 1.28, on by default from 1.30) and the drain
+/// conditions of KEP-5683 (no kube-proxy reads them), no drain on SIGTERM (none has
+/// one), and no endpoint warm-up (kproxy's own, docs/warmup.md: kube-proxy sends a new
+/// endpoint connections as soon as it syncs).
+pub const PRE_126_FLAGS: [&str; 8] = [
     "--proxy-terminating-endpoints=false",
     "--feature-gates",
     "KubeProxyDrainingTerminatingNodes=false",
+    "--ignore-drain-signal",
+    "drainInProgress,gracefulNodeShutdownInProgress",
+    "--shutdown-drain",
+    "never",
     "--endpoint-warmup=0s",
 ];
 
@@ -211,13 +216,19 @@ impl Kproxyd {
     }
 
     pub fn stop(&mut self) {
+        self.stop_within(Duration::from_secs(3));
+    }
+
+    /// SIGTERM, then SIGKILL if the process has not exited within `limit` (a node
+    /// shutdown waits out kproxy's drain period).
+    pub fn stop_within(&mut self, limit: Duration) {
         let Some(mut c) = self.child.take() else {
             return;
         };
         // `ip netns exec` execs kproxy, so the child pid is kproxy itself.
         let pid = nix::unistd::Pid::from_raw(c.id() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(3);
+        let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
             if let Ok(Some(_)) = c.try_wait() {
                 return;

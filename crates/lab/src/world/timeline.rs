@@ -75,9 +75,11 @@ pub enum EventKind {
     ApiServerUp,
     /// The lab reset every connection of a node's kproxy to the API server.
     ApiConnectionsCut,
-    /// The cluster autoscaler's `ToBeDeletedByClusterAutoscaler` taint was put on a
-    /// node (node drain).
+    /// A node was told it is going (node drain): the cluster autoscaler's
+    /// `ToBeDeletedByClusterAutoscaler` taint, or a KEP-5683 condition set "True".
     NodeTainted,
+    /// A node's kproxy was stopped (SIGTERM) for a node shutdown, or exited after it.
+    KproxyStopped,
     /// A drained node was deleted: its kproxy stopped, its link cut, its Node object
     /// removed.
     NodeDeleted,

@@ -1,6 +1,6 @@
 //! Slim decoding of one API object: only the fields `kproxy_core::ingest` reads are
 //! decoded; everything else (`managedFields`, annotations other than the endpoint
-//! trigger time, owner references, a Node's images and conditions…) is skipped by serde
+//! trigger time, owner references, a Node's images and its conditions' messages…) is skipped by serde
 //! without allocating. The result is turned at once into the k8s-openapi object ingest
 //! takes (one object at a time, never a list of them), so ingest's validation is shared
 //! with the manifest source and nothing here re-implements it.
@@ -127,10 +127,21 @@ struct Node {
     status: Option<NodeStatus>,
 }
 
-/// Only the addresses: a Node's status also lists every image on the node.
+/// Only the addresses and the conditions' type and status: a Node's status also lists
+/// every image on the node, and each condition carries messages and times.
 #[derive(Deserialize)]
 struct NodeStatus {
     addresses: Option<Vec<corev1::NodeAddress>>,
+    conditions: Option<Vec<NodeCondition>>,
+}
+
+/// What ingest reads of a condition (KEP-5683's `DrainInProgress`,
+/// `GracefulNodeShutdownInProgress`).
+#[derive(Deserialize)]
+struct NodeCondition {
+    #[serde(rename = "type")]
+    type_: String,
+    status: String,
 }
 
 /// Decodes `json` (one object of `kind`) into the object ingest takes, naming the
@@ -169,6 +180,15 @@ pub fn decode(kind: Kind, json: &str) -> Result<Object, DecodeError> {
                 spec: n.spec,
                 status: n.status.map(|st| corev1::NodeStatus {
                     addresses: st.addresses,
+                    conditions: st.conditions.map(|cs| {
+                        cs.into_iter()
+                            .map(|c| corev1::NodeCondition {
+                                type_: c.type_,
+                                status: c.status,
+                                ..Default::default()
+                            })
+                            .collect()
+                    }),
                     ..Default::default()
                 }),
             }))
@@ -300,7 +320,7 @@ mod tests {
         let n = json!({"metadata": {"name": "n", "labels": {"topology.kubernetes.io/zone": "z"},
                                     "deletionTimestamp": "2024-01-01T00:00:00Z"},
                        "spec": {"podCIDRs": ["10.244.0.0/24"], "taints": [{"key": "k", "effect": "NoSchedule"}]},
-                       "status": {"images": [{"names": ["x"]}], "conditions": 3,
+                       "status": {"images": [{"names": ["x"]}], "nodeInfo": 3,
                                   "addresses": [{"type": "InternalIP", "address": "10.0.0.1"}]}});
         let Object::Node(n) = decode(Kind::Node, &n.to_string()).unwrap() else {
             panic!("not a node")
@@ -308,6 +328,27 @@ mod tests {
         assert!(n.metadata.deletion_timestamp.is_some());
         assert_eq!(n.status.unwrap().addresses.unwrap()[0].address, "10.0.0.1");
         assert_eq!(n.spec.unwrap().taints.unwrap()[0].key, "k");
+    }
+
+    /// KEP-5683's conditions reach ingest through the watch's slim decode: a decode that
+    /// drops them (as it once dropped every condition) fails here.
+    #[test]
+    fn a_nodes_drain_conditions_survive_the_slim_decode() {
+        let v = json!({"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n"},
+            "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.1"}],
+                       "conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ok",
+                 "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"},
+                {"type": "DrainInProgress", "status": "True", "reason": "Drain"},
+                {"type": "GracefulNodeShutdownInProgress", "status": "True"}]}});
+        let full: corev1::Node = serde_json::from_value(v.clone()).unwrap();
+        let Object::Node(slim) = decode(Kind::Node, &v.to_string()).unwrap() else {
+            panic!("not a node")
+        };
+        let slim = kproxy_core::ingest::node(&slim).unwrap().value;
+        assert!(slim.drain_in_progress && slim.graceful_node_shutdown_in_progress);
+        assert_eq!(slim, kproxy_core::ingest::node(&full).unwrap().value);
     }
 
     #[test]

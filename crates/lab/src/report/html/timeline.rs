@@ -72,7 +72,10 @@ pub(super) const LEGEND: [(&str, &str); 18] = [
         "the node's health-check answer turns to failing (not 200, or no answer in time)",
     ),
     (RESTART, "kproxy restarted on the node"),
-    (NODE_MARK, "node tainted for deletion, or deleted"),
+    (
+        NODE_MARK,
+        "node tainted or conditioned for deletion, its kproxy stopped, or deleted",
+    ),
     (LB_DRAIN, "the LB's drain timeout cut the node's flows"),
     (POD, "pod lane: the pod exists"),
     (READY, "pod ready"),
@@ -204,7 +207,8 @@ fn node_mark(kind: &EventKind) -> Option<&'static str> {
         EventKind::RulesetFlushed => "nft flush ruleset by another process",
         EventKind::KproxyKilled => "kproxy SIGKILLed and started again",
         EventKind::ApiConnectionsCut => "kproxy's API connections reset",
-        EventKind::NodeTainted => "tainted ToBeDeletedByClusterAutoscaler",
+        EventKind::NodeTainted => "told it is going (taint or drain condition)",
+        EventKind::KproxyStopped => "kproxy SIGTERMed for the node's shutdown, or exited",
         EventKind::NodeDeleted => "deleted (kproxy stopped, link cut)",
         _ => return None,
     })

@@ -1,6 +1,7 @@
 //! The node drain a run can do instead of a rolling update (the matrix's node-drain
-//! row): the cluster autoscaler's taint, the eviction, the replacement pods, then
-//! the node's deletion, on either control plane.
+//! rows): the cluster autoscaler's taint or a drain condition, the eviction, the
+//! replacement pods, then the node's deletion, on either control plane; or a graceful
+//! node shutdown, whose kproxy is stopped at once and drains before it exits.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use std::time::Duration;
 use super::spawn_rollout;
 use crate::LabError;
 use crate::runs::{Progress, blocking, finish, wait_for};
-use crate::scenario::run::NodeDrain;
+use crate::scenario::run::{DrainBy, NodeDrain};
 use crate::world::cluster::Cluster;
 use crate::world::controlplane::ControlPlane;
 use crate::world::fabric::Fabric;
@@ -17,19 +18,31 @@ use crate::world::kproxyd::Kproxyd;
 use crate::world::lb::LoadBalancer;
 use crate::world::timeline::EventKind;
 
-/// Write a drained node's change to the run's control plane: its scale-down taint, or
-/// (`delete`) the deletion of its Node object.
+/// What the lab writes of a drained node to the control plane.
+#[derive(Clone, Copy)]
+enum NodeChange {
+    /// The cluster autoscaler's scale-down taint.
+    Taint,
+    /// A KEP-5683 condition set "True".
+    Condition(&'static str),
+    /// The deletion of the Node object.
+    Delete,
+}
+
+/// Write a drained node's change to the run's control plane.
 async fn write_node_change(
     emulated: Option<&ControlPlane>,
     real: Option<&Arc<RealControlPlane>>,
     node: usize,
-    delete: bool,
+    change: NodeChange,
 ) -> Result<(), LabError> {
-    match (emulated, real, delete) {
-        (Some(cp), _, false) => cp.taint_node(node),
-        (Some(cp), _, true) => cp.delete_node(node),
-        (None, Some(r), false) => r.taint_node(node).await?,
-        (None, Some(r), true) => r.delete_node(node).await?,
+    match (emulated, real, change) {
+        (Some(cp), _, NodeChange::Taint) => cp.taint_node(node),
+        (Some(cp), _, NodeChange::Condition(kind)) => cp.set_node_condition(node, kind),
+        (Some(cp), _, NodeChange::Delete) => cp.delete_node(node),
+        (None, Some(r), NodeChange::Taint) => r.taint_node(node).await?,
+        (None, Some(r), NodeChange::Condition(kind)) => r.set_node_condition(node, kind).await?,
+        (None, Some(r), NodeChange::Delete) => r.delete_node(node).await?,
         (None, None, _) => {}
     }
     Ok(())
@@ -58,19 +71,31 @@ pub(super) async fn drain_node(
     };
     let name = net.name.clone();
     let start = clock.now_ms();
+    let (what, change, told) = match (d.by, d.by.condition()) {
+        (DrainBy::AutoscalerTaint, _) | (_, None) => (
+            "cluster autoscaler scale-down",
+            NodeChange::Taint,
+            "tainted ToBeDeletedByClusterAutoscaler:NoSchedule".to_string(),
+        ),
+        (DrainBy::Condition, Some(kind)) => (
+            "drain",
+            NodeChange::Condition(kind),
+            format!("condition {kind}=True"),
+        ),
+        (DrainBy::Shutdown, Some(kind)) => (
+            "graceful node shutdown",
+            NodeChange::Condition(kind),
+            format!("condition {kind}=True"),
+        ),
+    };
     rec.record(
         EventKind::RolloutStarted,
         None,
         None,
-        format!("node drain of {name} (cluster autoscaler scale-down)"),
+        format!("node drain of {name} ({what})"),
     );
-    write_node_change(emulated, real, d.node, false).await?;
-    rec.record(
-        EventKind::NodeTainted,
-        Some(&name),
-        None,
-        "tainted ToBeDeletedByClusterAutoscaler:NoSchedule",
-    );
+    write_node_change(emulated, real, d.node, change).await?;
+    rec.record(EventKind::NodeTainted, Some(&name), None, told.clone());
     // The lab's Deployment controller replaces evicted pods (a rollout to the same
     // revision); with the real control plane kcm does, and the lab waits for it.
     let (evicted, replace) = match real {
@@ -89,20 +114,38 @@ pub(super) async fn drain_node(
         }
     };
     progress(&format!(
-        "{tag} {name} tainted ToBeDeletedByClusterAutoscaler; evicted {}",
+        "{tag} {name} {told}; evicted {}",
         evicted.join(", ")
     ));
-    wait_for("the drained node's pods to be gone", limit, daemons, || {
-        !cluster.pods().iter().any(|p| p.node_index == d.node)
-    })
-    .await?;
-    tokio::time::sleep(clock.real(d.delete_after_s)).await;
-    // The cloud instance goes: kube-proxy stops with it and nothing reaches the node.
-    if let Some(k) = daemons.iter_mut().find(|k| k.node == name) {
-        blocking(|| k.stop());
+    if d.by == DrainBy::Shutdown {
+        // The kubelet's shutdown gives the node's pods `delete_after_s` (its
+        // shutdownGracePeriod less shutdownGracePeriodCriticalPods: one LB interval, less
+        // than the detection window), then stops kproxy (a critical pod), whose drain
+        // period is all the rest the load balancer gets: the node goes when it exits.
+        tokio::time::sleep(clock.real(d.delete_after_s)).await;
+        if let Some(k) = daemons.iter_mut().find(|k| k.node == name) {
+            rec.record(
+                EventKind::KproxyStopped,
+                Some(&name),
+                None,
+                "kproxy SIGTERMed (node shutdown)",
+            );
+            blocking(|| k.stop_within(limit));
+            rec.record(EventKind::KproxyStopped, Some(&name), None, "kproxy exited");
+        }
+    } else {
+        wait_for("the drained node's pods to be gone", limit, daemons, || {
+            !cluster.pods().iter().any(|p| p.node_index == d.node)
+        })
+        .await?;
+        tokio::time::sleep(clock.real(d.delete_after_s)).await;
+        // The cloud instance goes: kube-proxy stops with it and nothing reaches the node.
+        if let Some(k) = daemons.iter_mut().find(|k| k.node == name) {
+            blocking(|| k.stop());
+        }
     }
     blocking(|| net.ns.ip(&["link", "set", "eth0", "down"]))?;
-    write_node_change(emulated, real, d.node, true).await?;
+    write_node_change(emulated, real, d.node, NodeChange::Delete).await?;
     rec.record(
         EventKind::NodeDeleted,
         Some(&name),

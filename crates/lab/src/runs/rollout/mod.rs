@@ -95,6 +95,16 @@ async fn run_async(
         dirs,
     } = planes;
 
+    // kproxy's shutdown drain period, `--shutdown-drain-period`, on the lab's clock:
+    // the load balancer's detection window and a second, as its 26 s default is for
+    // the clouds' (a node shutdown's only time to leave the pool).
+    let shutdown_drain = [
+        "--shutdown-drain-period".to_string(),
+        format!(
+            "{}ms",
+            clock.real(hc.detection_window_s() + 1.0).as_millis()
+        ),
+    ];
     let mut daemons = Vec::new();
     for (i, n) in fabric.nodes.iter().enumerate() {
         let source = match &real {
@@ -107,7 +117,7 @@ async fn run_async(
             source,
             &workdir.path,
             behaviour == Behaviour::Kproxy,
-            &[],
+            &shutdown_drain,
         )?);
     }
     let p = &cfg.pod.readiness_probe;

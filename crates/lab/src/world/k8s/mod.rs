@@ -352,6 +352,21 @@ impl RealControlPlane {
         beat(&self.client, self.nodes, &self.since, &self.node_changes).await
     }
 
+    /// A drain condition of KEP-5683 (`kind`) set "True" on node `index`'s status at
+    /// once (the heartbeat keeps it there).
+    pub async fn set_node_condition(
+        &self,
+        index: usize,
+        kind: &'static str,
+    ) -> Result<(), LabError> {
+        self.node_changes
+            .lock()
+            .expect("node changes lock")
+            .conditions
+            .insert(index, kind);
+        beat(&self.client, self.nodes, &self.since, &self.node_changes).await
+    }
+
     /// Evict every pod bound to node `index` through the Eviction API, as the
     /// autoscaler's drain does; returns their names.
     pub async fn evict_node_pods(&self, index: usize) -> Result<Vec<String>, LabError> {

@@ -26,6 +26,8 @@ pub struct NodeChanges {
     pub tainted: BTreeMap<usize, i64>,
     /// Nodes whose object the lab deleted (no heartbeat recreates them).
     pub deleted: std::collections::BTreeSet<usize>,
+    /// Node (1-based) → a drain condition of KEP-5683 (its type) set "True".
+    pub conditions: BTreeMap<usize, &'static str>,
 }
 
 fn node_object(i: usize, changes: &NodeChanges) -> Value {
@@ -43,19 +45,26 @@ fn node_object(i: usize, changes: &NodeChanges) -> Value {
     })
 }
 
-fn node_status(i: usize, since: &str) -> Value {
+fn node_status(i: usize, since: &str, changes: &NodeChanges) -> Value {
     let name = fabric::node_name(i);
     let now = now_rfc3339();
+    let mut conditions = vec![json!({
+        "type": "Ready", "status": "True", "reason": "KubeletReady",
+        "message": "kproxy lab kubelet is posting ready status",
+        "lastHeartbeatTime": now, "lastTransitionTime": since
+    })];
+    if let Some(kind) = changes.conditions.get(&i) {
+        conditions.push(json!({
+            "type": kind, "status": "True", "reason": "KproxyLab",
+            "lastHeartbeatTime": now, "lastTransitionTime": now
+        }));
+    }
     json!({"status": {
         "addresses": [
             {"type": "InternalIP", "address": fabric::node_ip(i).to_string()},
             {"type": "Hostname", "address": name}
         ],
-        "conditions": [{
-            "type": "Ready", "status": "True", "reason": "KubeletReady",
-            "message": "kproxy lab kubelet is posting ready status",
-            "lastHeartbeatTime": now, "lastTransitionTime": since
-        }]
+        "conditions": conditions
     }})
 }
 
@@ -83,23 +92,19 @@ pub(super) async fn beat(
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     for i in 1..=nodes {
         let name = fabric::node_name(i);
-        let object = {
+        let (object, status) = {
             let c = changes.lock().expect("node changes lock");
             if c.deleted.contains(&i) {
                 continue;
             }
-            node_object(i, &c)
+            (node_object(i, &c), node_status(i, since, &c))
         };
         napi.patch(&name, &pp, &Patch::Apply(object))
             .await
             .map_err(api_err(format!("apply node {name}")))?;
-        napi.patch_status(
-            &name,
-            &PatchParams::default(),
-            &Patch::Merge(node_status(i, since)),
-        )
-        .await
-        .map_err(api_err(format!("node {name} status")))?;
+        napi.patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
+            .await
+            .map_err(api_err(format!("node {name} status")))?;
         lapi.patch(&name, &pp, &Patch::Apply(lease_object(i)))
             .await
             .map_err(api_err(format!("lease {name}")))?;
