@@ -69,6 +69,13 @@ pub struct ProxyHealth {
     /// file that could not be read or parsed, while its tables hold Services from an
     /// earlier run (docs/input.md).
     pub input_held: bool,
+    /// Since when the API source has heard nothing usable from the API server for one
+    /// of the kinds it watches (errors, refusals, throttling); `None` while it follows.
+    /// Said in the body, not in the status code: a node cannot tell its own stall from
+    /// the API server's outage, and failing every node's `/healthz` in an outage would
+    /// take every node out of every load balancer while the rules in place still
+    /// serve (docs/health.md).
+    pub source_stalled_since: Option<SystemTime>,
 }
 
 /// What the kernel holds of kproxy's tables, as the kernel watch (kproxy-nft's
@@ -104,6 +111,7 @@ impl ProxyHealth {
             kernel: KernelRules::Intact,
             conntrack_full: false,
             input_held: false,
+            source_stalled_since: None,
         }
     }
 
@@ -246,8 +254,8 @@ pub fn rfc3339(t: SystemTime) -> String {
 /// start-up), while one of kproxy's tables is missing from the kernel (deleted by
 /// another process, until kproxy restored it) and while the conntrack table is full, and
 /// `lastUpdated` is always the real time of the last successful apply. It also adds
-/// `syncedOnce`, `oldestPendingChange`, `consecutiveSyncFailures`, `kernelRules` and
-/// `conntrackFull`.
+/// `syncedOnce`, `oldestPendingChange`, `consecutiveSyncFailures`, `kernelRules`,
+/// `conntrackFull`, `inputHeld` and `sourceStalledSince`.
 pub fn proxy_answer(
     semantics: Semantics,
     probe: Probe,
@@ -307,6 +315,10 @@ pub fn proxy_answer(
         body.insert("kernelRules".into(), health.kernel.as_str().into());
         body.insert("conntrackFull".into(), health.conntrack_full.into());
         body.insert("inputHeld".into(), health.input_held.into());
+        body.insert(
+            "sourceStalledSince".into(),
+            health.source_stalled_since.map(rfc3339).into(),
+        );
     }
     Answer {
         status: if ok { 200 } else { 503 },

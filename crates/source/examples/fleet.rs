@@ -380,6 +380,7 @@ async fn node(
         ownership: Ownership::default(),
         page_size: None,
         json_lists: json_watches,
+        watch_idle: None,
     };
     let source = tokio::spawn(source::run(client, cfg, writer));
     let mut planner = Planner::new(name, PlanConfig::default());
