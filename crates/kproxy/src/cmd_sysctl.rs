@@ -232,7 +232,7 @@ mod tests {
             out.iter().all(|(_, o)| matches!(o, Outcome::Set { .. })),
             "{out:?}"
         );
-        assert_eq!(std::fs::read_to_string(&a).unwrap(), "30");
-        assert_eq!(std::fs::read_to_string(&b).unwrap(), "40");
+        assert_eq!(std::fs::read_to_string(&a).unwrap().trim(), "30");
+        assert_eq!(std::fs::read_to_string(&b).unwrap().trim(), "40");
     }
 }
