@@ -634,13 +634,13 @@ pub async fn run(
             continue;
         }
         let lasted = began.elapsed() >= HEALTHY_WATCH && (!listing || listed);
-        if failing(&stop) && backoff.failing_from_now() {
-            if send(&tx, kind, Input::Failing(Instant::now()))
+        if failing(&stop)
+            && backoff.failing_from_now()
+            && send(&tx, kind, Input::Failing(Instant::now()))
                 .await
                 .is_err()
-            {
-                return;
-            }
+        {
+            return;
         }
         match stop {
             Stop::Closed => return,
