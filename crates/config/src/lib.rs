@@ -185,6 +185,10 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// Not a regular file (a FIFO would hang the read, `/dev/zero` never end), or
+    /// larger than a configuration is ([`MAX_CONFIG_BYTES`]).
+    #[error("config file {path}: {why}")]
+    Refused { path: PathBuf, why: String },
     /// A bad value in the file: the file and the field's path.
     #[error("{file}: {path}: {message}")]
     Field {
@@ -206,13 +210,73 @@ const GATE_DRAINING_NODES: &str = "KubeProxyDrainingTerminatingNodes";
 pub fn load(flags: &ConfigFlags) -> Result<(ProxyConfig, Vec<ConfigWarning>), ConfigError> {
     match &flags.config {
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                path: path.clone(),
-                source,
-            })?;
+            let text = read_config(path)?;
             load_str(&path.display().to_string(), &text, flags)
         }
         None => resolve(None, flags),
+    }
+}
+
+/// The largest `--config` file read: a KubeProxyConfiguration is a few KB, and one
+/// mounted from a ConfigMap at most 1 MiB (etcd's object limit).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The text of config file `path`: a regular file (symlinks followed, as a ConfigMap
+/// volume's are) of at most [`MAX_CONFIG_BYTES`], checked on the open file. A FIFO
+/// hung the loader, `/dev/zero` grew it to 1 GB, a 2 GB sparse file to 2.1 GB.
+fn read_config(path: &std::path::Path) -> Result<String, ConfigError> {
+    use std::io::Read;
+    let read = |source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let refused = |why: String| ConfigError::Refused {
+        path: path.to_path_buf(),
+        why,
+    };
+    // The kind before opening: opening a FIFO for reading blocks until a writer comes.
+    let kind = std::fs::metadata(path).map_err(read)?.file_type();
+    if !kind.is_file() {
+        return Err(refused(format!(
+            "not a regular file ({}); kproxy reads its configuration only from regular files",
+            file_kind(&kind)
+        )));
+    }
+    let file = std::fs::File::open(path).map_err(read)?;
+    let meta = file.metadata().map_err(read)?;
+    if !meta.is_file() || meta.len() > MAX_CONFIG_BYTES {
+        return Err(refused(format!(
+            "{} bytes, more than a configuration holds (at most {MAX_CONFIG_BYTES})",
+            meta.len()
+        )));
+    }
+    let mut text = String::new();
+    file.take(MAX_CONFIG_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(read)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(refused(format!(
+            "it grew past {MAX_CONFIG_BYTES} bytes while read"
+        )));
+    }
+    Ok(text)
+}
+
+/// What a file that is not a regular one is, for the error.
+fn file_kind(kind: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "not a file"
     }
 }
 
@@ -313,7 +377,11 @@ fn resolve(
     if let Some(npa) = resolve_node_port_addresses(&f, flags, name, &mut warnings)? {
         cfg.plan.node_port_addresses = npa;
     }
-    cfg.conntrack = resolve_conntrack(&f.conntrack.clone().unwrap_or_default(), name)?;
+    cfg.conntrack = resolve_conntrack(
+        &f.conntrack.clone().unwrap_or_default(),
+        name,
+        &mut warnings,
+    )?;
     Ok((cfg, warnings))
 }
 
@@ -647,7 +715,11 @@ fn resolve_node_port_addresses(
 }
 
 /// The `conntrack` section (file only, as upstream's flags are deprecated).
-fn resolve_conntrack(ct: &Conntrack, name: Option<&str>) -> Result<ConntrackConfig, ConfigError> {
+fn resolve_conntrack(
+    ct: &Conntrack,
+    name: Option<&str>,
+    warnings: &mut Vec<ConfigWarning>,
+) -> Result<ConntrackConfig, ConfigError> {
     let ct_origin = |path: &'static str| Origin::File(name.unwrap_or(""), path);
     let non_negative =
         |v: Option<i64>, path: &'static str, default: u32| -> Result<u32, ConfigError> {
@@ -659,14 +731,26 @@ fn resolve_conntrack(ct: &Conntrack, name: Option<&str>) -> Result<ConntrackConf
             }
         };
     let d = ConntrackConfig::default();
-    let duration = |v: &Option<String>,
-                    path: &'static str,
-                    default: Duration|
+    // The kernel takes whole seconds: a timeout is written truncated to them, as
+    // upstream does, and one under a second (truncated to 0, "leave it") is not
+    // written at all; both are said, not done silently.
+    let mut duration = |v: &Option<String>,
+                        path: &'static str,
+                        default: Duration|
      -> Result<Duration, ConfigError> {
-        match v {
-            None => Ok(default),
-            Some(s) => parse_go_duration(s).map_err(|m| ct_origin(path).err(m)),
+        let Some(s) = v else { return Ok(default) };
+        let d = parse_go_duration(s).map_err(|m| ct_origin(path).err(m))?;
+        if d > Duration::ZERO && d.as_secs() == 0 {
+            warnings.push(ct_origin(path).warn(format!(
+                "{s} is under a second: the kernel takes whole seconds, so it is not written (the node's value stays)"
+            )));
+        } else if d.subsec_nanos() != 0 {
+            warnings.push(ct_origin(path).warn(format!(
+                "{s} is written as {} s: the kernel takes whole seconds",
+                d.as_secs()
+            )));
         }
+        Ok(d)
     };
     Ok(ConntrackConfig {
         max_per_core: non_negative(ct.max_per_core, "conntrack.maxPerCore", d.max_per_core)?,

@@ -680,3 +680,73 @@ fn who_may_write_a_conntrack_sysctl_and_when_it_is_satisfied() {
         );
     }
 }
+
+/// `--config` had no bounds: a FIFO hung the loader, `/dev/zero` grew it to 1 GB
+/// before "out of memory", a 2 GB sparse file to 2.1 GB. Now anything but a regular
+/// file, and a file over `MAX_CONFIG_BYTES`, is refused with an error naming it; a
+/// regular file (through a symlink, as a ConfigMap volume mounts it) still loads.
+#[test]
+fn the_config_file_must_be_a_regular_file_of_bounded_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let load_path = |path: &std::path::Path| {
+        load(&ConfigFlags {
+            config: Some(path.to_path_buf()),
+            ..ConfigFlags::default()
+        })
+    };
+    let fifo = dir.path().join("fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let sparse = dir.path().join("sparse.yaml");
+    std::fs::File::create(&sparse)
+        .unwrap()
+        .set_len(2 << 30)
+        .unwrap();
+    for (path, why) in [
+        (fifo.as_path(), "a FIFO"),
+        (std::path::Path::new("/dev/zero"), "a character device"),
+        (dir.path(), "a directory"),
+        (sparse.as_path(), "more than a configuration holds"),
+    ] {
+        let e = load_path(path).expect_err("refused").to_string();
+        assert!(
+            e.contains(&path.display().to_string()) && e.contains(why),
+            "{e}"
+        );
+    }
+    let real = dir.path().join("kp.yaml");
+    std::fs::write(&real, format!("{HEAD}mode: nftables\n")).unwrap();
+    let link = dir.path().join("config.yaml");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    load_path(&link).expect("a regular file through a symlink");
+}
+
+/// A sub-second conntrack timeout was skipped silently (the kernel takes whole
+/// seconds): now it warns, naming the field, as does one that is truncated.
+#[test]
+fn conntrack_timeouts_the_kernel_cannot_take_as_given_warn() {
+    let (c, warnings) = file("conntrack: {udpTimeout: 500ms, udpStreamTimeout: 90500ms}").unwrap();
+    let said: Vec<String> = warnings.iter().map(ToString::to_string).collect();
+    assert!(
+        said.iter()
+            .any(|w| w.starts_with("conntrack.udpTimeout") && w.contains("under a second")),
+        "{said:?}"
+    );
+    assert!(
+        said.iter()
+            .any(|w| w.starts_with("conntrack.udpStreamTimeout") && w.contains("90 s")),
+        "{said:?}"
+    );
+    // Not written, as upstream: no sysctl for the sub-second one.
+    let sysctls = conntrack_sysctls(&c.conntrack, 1);
+    assert!(
+        !sysctls
+            .iter()
+            .any(|s| s.path.ends_with("nf_conntrack_udp_timeout"))
+    );
+    let (_, quiet) = file("conntrack: {udpTimeout: 30s}").unwrap();
+    assert!(quiet.is_empty(), "{quiet:?}");
+}

@@ -4,6 +4,13 @@
 //! (nftables scripts, logs) ever sees them. A problem confined to one field (one bad endpoint
 //! address, one bad source range) drops that piece with a warning; a problem that makes the
 //! whole object meaningless rejects the object. Neighbouring objects are never affected.
+//!
+//! A field read here reaches ingest from a real API server only if the API source's
+//! decoders carry it: Services and EndpointSlices arrive in protobuf, decoded by
+//! hand-written messages that hold only the fields listed there
+//! (`kproxy-source`'s `kube/proto.rs`; JSON: `kube/slim.rs`). A new field read here goes
+//! there too; `kube/proto/fields.rs` fails until it does (the manifest path, `plan` and
+//! `trace` would all pass without it).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -359,7 +366,8 @@ fn port_number(v: i32) -> Option<u16> {
     u16::try_from(v).ok().filter(|p| *p != 0)
 }
 
-/// Ingests a Service (docs/upstream-semantics.md §a.1, §a.2).
+/// Ingests a Service (docs/upstream-semantics.md §a.1, §a.2). Every field read here must be
+/// carried by the API decoders (module doc).
 pub fn service(
     svc: &corev1::Service,
     ownership: &Ownership,
@@ -701,7 +709,8 @@ pub enum SliceOutcome {
     },
 }
 
-/// Ingests an EndpointSlice (docs/upstream-semantics.md §a.3).
+/// Ingests an EndpointSlice (docs/upstream-semantics.md §a.3). Every field read here must be
+/// carried by the API decoders (module doc).
 pub fn endpoint_slice(
     slice: &discoveryv1::EndpointSlice,
     ownership: &Ownership,

@@ -1,10 +1,13 @@
 //! The one rule that keeps broken input from wiping a node, for `sync --once` and for
 //! the first sync of `kproxy run`: a state built from input that holds no Service, or
-//! that lost objects to a file or document that could not be read or parsed, is not
-//! programmed over kproxy's tables when those hold Services (the rules in place are
-//! then the last known good state). `--allow-empty` and `--allow-partial` opt in.
-//! [`refusal`] decides; the node agent reads what the kernel holds
-//! (`kproxy::input_guard::kernel_holds_more`).
+//! that lost objects to a file or document that could not be read or parsed (or, from
+//! the API, an object that could not be decoded), is not programmed over kproxy's
+//! tables when those hold Services (the rules in place are then the last known good
+//! state). `--allow-empty` and `--allow-partial` opt in. Partial input whose plan the
+//! tables already hold exactly is not refused: programming it changes nothing, and
+//! holding it would keep every later change out for as long as the input stays
+//! partial (one unrelated broken file, for good). [`refusal`] decides; the node agent
+//! reads what the kernel holds (`kproxy::input_guard`).
 
 /// What the input gave, as the guard needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,18 +61,29 @@ impl Refusal {
     }
 }
 
-/// Whether to refuse programming a state. `kernel_more` is what kproxy's tables hold
-/// beyond an empty input (`None`: absent, unreadable or nothing more); `lost_needs_kernel`
-/// says whether lost input is refused only when the kernel holds more (`run`: a fresh
-/// node has nothing to lose) or always (`sync --once`, which refuses before touching the
-/// kernel).
+/// What kproxy's tables in the kernel hold, as the guard needs it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Kernel {
+    /// Rules and set elements beyond what an empty input leaves (`None`: absent,
+    /// unreadable or nothing more).
+    pub more: Option<(usize, usize)>,
+    /// The tables hold exactly what the input plans: programming it changes nothing.
+    pub same: bool,
+}
+
+/// Whether to refuse programming a state. `lost_needs_kernel` says whether lost input
+/// is refused only when the kernel holds more (`run`: a fresh node has nothing to
+/// lose) or always (`sync --once`, which refuses before touching the kernel). Lost
+/// input whose plan the kernel holds exactly is never refused.
 pub fn refusal(
     input: Input,
-    kernel_more: Option<(usize, usize)>,
+    kernel: Kernel,
     allow: Allow,
     lost_needs_kernel: bool,
 ) -> Option<Refusal> {
-    if input.lost && !allow.partial && (!lost_needs_kernel || kernel_more.is_some()) {
+    let kernel_more = kernel.more;
+    if input.lost && !allow.partial && !kernel.same && (!lost_needs_kernel || kernel_more.is_some())
+    {
         return Some(Refusal::Lost);
     }
     match kernel_more {
@@ -153,8 +167,40 @@ mod tests {
                 Some(Refusal::Lost),
             ),
         ];
-        for (i, (input, kernel, allow, needs, want)) in rows.into_iter().enumerate() {
+        for (i, (input, more, allow, needs, want)) in rows.into_iter().enumerate() {
+            let kernel = Kernel { more, same: false };
             assert_eq!(refusal(input, kernel, allow, needs), want, "row {i}");
         }
+    }
+
+    /// One unrelated broken file made the restart guard hold for good, although the
+    /// kernel held exactly what the partial input plans: endpoint changes never
+    /// applied, `/healthz` and then `/livez` 503, a restart loop. Partial input whose
+    /// plan the kernel holds exactly is programmed; partial input that would remove
+    /// what the kernel holds is still held.
+    #[test]
+    fn partial_input_the_kernel_already_holds_exactly_is_not_held() {
+        let lost = Input {
+            empty: false,
+            lost: true,
+        };
+        let none = Allow::default();
+        let same = Kernel {
+            more: Some((12, 3)),
+            same: true,
+        };
+        let differs = Kernel {
+            more: Some((12, 3)),
+            same: false,
+        };
+        assert_eq!(refusal(lost, same, none, true), None);
+        assert_eq!(refusal(lost, differs, none, true), Some(Refusal::Lost));
+        // An empty input is refused over tables that hold Services whatever `same`
+        // says (the tables then hold more than an empty plan).
+        let empty = Input {
+            empty: true,
+            lost: true,
+        };
+        assert!(refusal(empty, same, none, true).is_some());
     }
 }

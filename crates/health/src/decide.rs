@@ -75,6 +75,13 @@ pub struct ProxyHealth {
     pub draining_since: Option<SystemTime>,
     /// kproxy got SIGTERM and drains before it exits ([`DrainSignal::Shutdown`]).
     pub shutting_down: bool,
+    /// Since when the API source has heard nothing usable from the API server for one
+    /// of the kinds it watches (errors, refusals, throttling); `None` while it follows.
+    /// Said in the body, not in the status code: a node cannot tell its own stall from
+    /// the API server's outage, and failing every node's `/healthz` in an outage would
+    /// take every node out of every load balancer while the rules in place still
+    /// serve (docs/health.md).
+    pub source_stalled_since: Option<SystemTime>,
 }
 
 /// What the kernel holds of kproxy's tables, as the kernel watch (kproxy-nft's
@@ -112,6 +119,7 @@ impl ProxyHealth {
             input_held: false,
             draining_since: None,
             shutting_down: false,
+            source_stalled_since: None,
         }
     }
 
@@ -272,7 +280,7 @@ pub fn rfc3339(t: SystemTime) -> String {
 /// another process, until kproxy restored it) and while the conntrack table is full, and
 /// `lastUpdated` is always the real time of the last successful apply. It also adds
 /// `syncedOnce`, `oldestPendingChange`, `consecutiveSyncFailures`, `kernelRules`,
-/// `conntrackFull`, `inputHeld` and `drainSignals`.
+/// `conntrackFull`, `inputHeld`, `sourceStalledSince` and `drainSignals`.
 ///
 /// `drain` is [`drain_signals`]: under both semantics the node is eligible only
 /// while it is empty (the opt-outs are applied before: the planner's
@@ -343,6 +351,10 @@ pub fn proxy_answer(
                 drain.iter().map(|d| d.as_str()).collect::<Vec<_>>().into(),
             );
         }
+        body.insert(
+            "sourceStalledSince".into(),
+            health.source_stalled_since.map(rfc3339).into(),
+        );
     }
     Answer {
         status: if ok { 200 } else { 503 },

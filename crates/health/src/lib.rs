@@ -434,6 +434,13 @@ impl Health {
         self.kick();
     }
 
+    /// Since when the API source has heard nothing usable from the API server (`None`:
+    /// it follows again); truthful `/healthz` says it in its body
+    /// (`sourceStalledSince`), leaving the status code to the rules (docs/health.md).
+    pub fn source_stalled(&self, since: Option<SystemTime>) {
+        lock(&self.shared.core).health.source_stalled_since = since;
+    }
+
     /// kproxy restored its tables after [`Health::kernel_changed`].
     pub fn kernel_repaired(&self) {
         lock(&self.shared.core).health.kernel_repaired();

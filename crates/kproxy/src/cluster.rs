@@ -93,7 +93,8 @@ pub struct CallFlags {
     /// it is killed after.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = kproxy_config::parse_go_duration)]
     pub exec_timeout: Duration,
-    /// The most bytes read from the API server, all answers together (1 GiB).
+    /// The most bytes read from the API server, all answers together (256 MiB). It
+    /// bounds bytes, not memory: the state built from them takes several times more.
     #[arg(long, value_name = "BYTES", default_value_t = bounded::DEFAULT_MAX_READ_BYTES)]
     pub max_read_bytes: u64,
 }
@@ -327,6 +328,7 @@ impl ClusterArgs {
             ownership: self.input.ownership(),
             page_size: None,
             json_lists: config.content_type == kproxy_config::ContentType::Json,
+            watch_idle: None,
         };
         let snapshot = api::list_once(client, source).await.context(server)?;
         for w in &snapshot.found.skipped {

@@ -198,6 +198,9 @@ impl daemon::Dataplane for NftDataplane {
     fn kernel_holds_more(&mut self, plan: &NodePlan) -> Option<(usize, usize)> {
         crate::input_guard::kernel_holds_more(plan, self.0.config())
     }
+    fn kernel_holds_exactly(&mut self, plan: &NodePlan) -> bool {
+        crate::input_guard::kernel_holds_exactly(plan, self.0.config())
+    }
 
     fn repair(&mut self, plan: &NodePlan) -> Result<SyncOutcome> {
         let r = self.0.repair(plan).context("repairing nftables")?;
@@ -283,6 +286,8 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     let (writer, reader) = kproxy_source::store();
     if args.manifests.is_some() {
         registry.register_collector(Box::new(metrics::ManifestCollector(reader.clone())));
+    } else {
+        registry.register_collector(Box::new(metrics::ApiCollector(reader.clone())));
     }
     let registry = Arc::new(registry);
     let traffic =
@@ -355,6 +360,7 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
                 ownership,
                 page_size: None,
                 json_lists: cfg.content_type == kproxy_config::ContentType::Json,
+                watch_idle: None,
             };
             tasks.spawn_until_cancelled("the source", "the source stopped", async move {
                 kproxy_source::kube::run(client, kc, writer)

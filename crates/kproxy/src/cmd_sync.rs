@@ -71,7 +71,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         lost: input.lost,
     };
     if !args.dry_run
-        && let Some(r) = kproxy_core::input_guard::refusal(lost, None, allow, false)
+        && let Some(r) = kproxy_core::input_guard::refusal(lost, Default::default(), allow, false)
     {
         return refuse(r);
     }
@@ -130,7 +130,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 empty: true,
                 lost: false,
             },
-            crate::input_guard::kernel_holds_more(&plan, &dp_config),
+            kproxy_core::input_guard::Kernel {
+                more: crate::input_guard::kernel_holds_more(&plan, &dp_config),
+                same: false,
+            },
             allow,
             false,
         )

@@ -60,25 +60,73 @@ pub fn apply(cfg: &ProxyConfig) -> Vec<(ConntrackSysctl, Outcome)> {
     let ncpu = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    kproxy_config::conntrack_sysctls(&cfg.conntrack, ncpu)
-        .into_iter()
-        .map(|s| {
-            let outcome = if !s.writable_from(host) {
-                Outcome::NotHostNetns
-            } else {
-                let was = read_value(&s.path);
-                if was.is_some_and(|v| s.satisfied_by(v)) {
-                    Outcome::Found
-                } else {
-                    match std::fs::write(&s.path, s.value.to_string()) {
-                        Ok(()) => Outcome::Set { was },
-                        Err(e) => Outcome::Failed(e.to_string()),
-                    }
-                }
+    write_all(kproxy_config::conntrack_sysctls(&cfg.conntrack, ncpu), host)
+}
+
+/// Writes `settings` all or none: every file to write is opened first (a read-only
+/// `/proc/sys`, a missing module parameter fail there), and a value the kernel refuses
+/// when written puts back the ones written before it. A failing value left earlier
+/// ones written, a node half-configured.
+fn write_all(settings: Vec<ConntrackSysctl>, host: bool) -> Vec<(ConntrackSysctl, Outcome)> {
+    use std::io::Write;
+    let mut out: Vec<(ConntrackSysctl, Outcome)> = Vec::new();
+    let mut to_write = Vec::new();
+    for s in settings {
+        if !s.writable_from(host) {
+            out.push((s, Outcome::NotHostNetns));
+            continue;
+        }
+        let was = read_value(&s.path);
+        if was.is_some_and(|v| s.satisfied_by(v)) {
+            out.push((s, Outcome::Found));
+            continue;
+        }
+        to_write.push((s, was));
+    }
+    // Opened, not yet written: a failure here writes nothing.
+    let opened: Vec<std::io::Result<std::fs::File>> = to_write
+        .iter()
+        .map(|(s, _)| std::fs::OpenOptions::new().write(true).open(&s.path))
+        .collect();
+    if let Some(first) = opened.iter().position(Result::is_err) {
+        let why = format!("not written: {} cannot be", to_write[first].0.path);
+        for ((s, _), f) in to_write.into_iter().zip(opened) {
+            let e = match f {
+                Err(e) => e.to_string(),
+                Ok(_) => why.clone(),
             };
-            (s, outcome)
-        })
-        .collect()
+            out.push((s, Outcome::Failed(e)));
+        }
+        return out;
+    }
+    let mut written: Vec<(ConntrackSysctl, Option<u64>)> = Vec::new();
+    for ((s, was), f) in to_write.into_iter().zip(opened) {
+        let mut f = f.expect("every file opened");
+        match f.write_all(s.value.to_string().as_bytes()) {
+            Ok(()) => written.push((s, was)),
+            Err(e) => {
+                // Put back what was written before this one.
+                let path = s.path.clone();
+                for (w, was) in written.drain(..) {
+                    if let Some(v) = was {
+                        let _ = std::fs::write(&w.path, v.to_string());
+                    }
+                    out.push((
+                        w,
+                        Outcome::Failed(format!("put back: {path} could not be written")),
+                    ));
+                }
+                out.push((s, Outcome::Failed(e.to_string())));
+                return out;
+            }
+        }
+    }
+    out.extend(
+        written
+            .into_iter()
+            .map(|(s, was)| (s, Outcome::Set { was })),
+    );
+    out
 }
 
 /// `kproxy run`'s start: writes what it can, logs the rest; returns the settings kproxy
@@ -145,5 +193,46 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 .join(", ")
         );
         Ok(ExitCode::from(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kproxy_config::SysctlScope;
+
+    fn setting(path: &std::path::Path, value: u64) -> ConntrackSysctl {
+        ConntrackSysctl {
+            path: path.display().to_string(),
+            value,
+            scope: SysctlScope::NetworkNamespace,
+            raise_only: false,
+        }
+    }
+
+    /// A setting that could not be written left the ones before it written: now
+    /// either every setting is written or none is.
+    #[test]
+    fn settings_are_written_all_or_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a");
+        std::fs::write(&a, "10\n").unwrap();
+        let missing = dir.path().join("no/such/b");
+        let out = write_all(vec![setting(&a, 30), setting(&missing, 40)], true);
+        assert_eq!(std::fs::read_to_string(&a).unwrap(), "10\n", "{out:?}");
+        assert!(
+            out.iter().all(|(_, o)| matches!(o, Outcome::Failed(_))),
+            "{out:?}"
+        );
+        // All writable: all written.
+        let b = dir.path().join("b");
+        std::fs::write(&b, "1\n").unwrap();
+        let out = write_all(vec![setting(&a, 30), setting(&b, 40)], true);
+        assert!(
+            out.iter().all(|(_, o)| matches!(o, Outcome::Set { .. })),
+            "{out:?}"
+        );
+        assert_eq!(std::fs::read_to_string(&a).unwrap().trim(), "30");
+        assert_eq!(std::fs::read_to_string(&b).unwrap().trim(), "40");
     }
 }

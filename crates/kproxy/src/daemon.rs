@@ -52,6 +52,9 @@ pub trait Dataplane: Send + 'static {
     /// without its Services leaves ([`crate::input_guard::kernel_holds_more`]); `None`
     /// when the tables are absent or hold no more. Blocking.
     fn kernel_holds_more(&mut self, plan: &NodePlan) -> Option<(usize, usize)>;
+    /// Whether kproxy's tables in the kernel hold exactly what `plan` programs
+    /// ([`crate::input_guard::kernel_holds_exactly`]). Blocking.
+    fn kernel_holds_exactly(&mut self, plan: &NodePlan) -> bool;
 }
 
 #[derive(Debug, Default, Clone)]
@@ -79,6 +82,9 @@ pub trait HealthSink: Send + Sync + 'static {
     /// The first sync was held back (`true`): the input is empty or lost objects while
     /// kproxy's tables hold Services ([`kproxy_core::input_guard`]); `false` once programmed.
     fn input_held(&self, held: bool);
+    /// Since when the source has heard nothing usable from the API server (`None`: it
+    /// follows again): `/healthz`'s `sourceStalledSince`.
+    fn source_stalled(&self, since: Option<SystemTime>);
 }
 
 impl HealthSink for kproxy_health::Health {
@@ -99,6 +105,9 @@ impl HealthSink for kproxy_health::Health {
     }
     fn input_held(&self, held: bool) {
         kproxy_health::Health::input_held(self, held);
+    }
+    fn source_stalled(&self, since: Option<SystemTime>) {
+        kproxy_health::Health::source_stalled(self, since);
     }
 }
 
@@ -621,6 +630,14 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         if now.stalled && !before.stalled {
             self.health.sync_failed();
         }
+        if now.api_failing_since != before.api_failing_since {
+            // The instant as wall-clock time, for the `/healthz` body.
+            let since = now.api_failing_since.map(|at| {
+                let now = SystemTime::now();
+                now.checked_sub(at.elapsed()).unwrap_or(now)
+            });
+            self.health.source_stalled(since);
+        }
         if let Some(at) = now.api_returned
             && before.api_returned != Some(at)
         {
@@ -684,7 +701,14 @@ impl<D: Dataplane, H: HealthSink> SyncLoop<D, H> {
         let input = kproxy_core::input_guard::Input { empty, lost };
         let refusal = if (empty && !allow.empty) || (lost && !allow.partial) {
             let kernel = self
-                .on_engine(|e| e.dataplane.kernel_holds_more(e.planner.plan()))
+                .on_engine(move |e| {
+                    let plan = e.planner.plan();
+                    let more = e.dataplane.kernel_holds_more(plan);
+                    // Only partial input over tables that hold more needs the
+                    // comparison: the kernel may already hold exactly its plan.
+                    let same = lost && more.is_some() && e.dataplane.kernel_holds_exactly(plan);
+                    kproxy_core::input_guard::Kernel { more, same }
+                })
                 .await;
             kproxy_core::input_guard::refusal(input, kernel, allow, true)
         } else {
@@ -1023,6 +1047,7 @@ mod tests {
         },
         KernelRepaired,
         InputHeld(bool),
+        SourceStalled(bool),
     }
 
     /// What the fakes saw, the start, and how many changes health heard queued (apart
@@ -1111,6 +1136,9 @@ mod tests {
         fn kernel_holds_more(&mut self, _plan: &NodePlan) -> Option<(usize, usize)> {
             *self.kernel_more.lock().unwrap()
         }
+        fn kernel_holds_exactly(&mut self, _plan: &NodePlan) -> bool {
+            false
+        }
     }
 
     struct FakeHealth(Log);
@@ -1133,6 +1161,9 @@ mod tests {
         }
         fn input_held(&self, held: bool) {
             self.0.push(Seen::InputHeld(held));
+        }
+        fn source_stalled(&self, since: Option<SystemTime>) {
+            self.0.push(Seen::SourceStalled(since.is_some()));
         }
     }
 
@@ -1816,6 +1847,23 @@ mod tests {
             Some(&state_plan.services),
             "the programmed plan is behind the state"
         );
+    }
+
+    /// The API source's "heard nothing since" reaches health when it starts and when
+    /// it ends (a throttled or failing watch was silent: `/healthz` said 200 and nothing
+    /// else).
+    #[tokio::test(start_paused = true)]
+    async fn an_api_source_that_hears_nothing_is_told_to_health() {
+        let h = start(0, &[], None);
+        h.add(0);
+        h.writer.mark_ready();
+        h.until_syncs(1).await;
+        h.writer
+            .set_api_failing_since(Some(tokio::time::Instant::now()));
+        h.until_seen(&Seen::SourceStalled(true)).await;
+        h.writer.set_api_failing_since(None);
+        h.until_seen(&Seen::SourceStalled(false)).await;
+        h.stop().await;
     }
 
     /// A stalled source (a read far longer than it should take) is a failing sync to

@@ -1,5 +1,6 @@
 //! What the kernel holds, for the rule that keeps broken input from wiping a node
-//! ([`kproxy_core::input_guard`] decides): [`kernel_holds_more`] reads kproxy's tables.
+//! ([`kproxy_core::input_guard`] decides): [`kernel_holds_more`] and
+//! [`kernel_holds_exactly`] read kproxy's tables.
 
 use kproxy_core::NodePlan;
 use kproxy_nft::DataplaneConfig;
@@ -26,4 +27,12 @@ pub fn kernel_holds_more(plan: &NodePlan, cfg: &DataplaneConfig) -> Option<(usiz
         more.1 += kernel.element_count().saturating_sub(elements);
     }
     (more != (0, 0)).then_some(more)
+}
+
+/// Whether kproxy's tables in the kernel hold exactly what `plan` programs: they can be
+/// adopted and the adoption delta is empty (what a first sync of `plan` would send
+/// here, `kproxy sync --dry-run`'s). Reads the kernel (root); false when it cannot.
+pub fn kernel_holds_exactly(plan: &NodePlan, cfg: &DataplaneConfig) -> bool {
+    let (tx, adopted) = kproxy_nft::first_sync_transaction(plan, cfg);
+    adopted && tx.is_empty()
 }

@@ -378,6 +378,34 @@ impl prometheus_client::collector::Collector for ManifestCollector {
     }
 }
 
+/// Scrape-time counter of the API source: `kproxy_api_skipped_total`, the watch events
+/// and objects it skipped. Their warnings are rate-limited (one line per 10 s, saying
+/// how many it stands for); this counts every one.
+pub struct ApiCollector(pub kproxy_source::Reader);
+
+impl std::fmt::Debug for ApiCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiCollector").finish_non_exhaustive()
+    }
+}
+
+impl prometheus_client::collector::Collector for ApiCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        let c = prometheus_client::metrics::counter::ConstCounter::new(self.0.skipped());
+        let m = encoder.encode_descriptor(
+            "kproxy_api_skipped",
+            "Watch events and listed objects the API source skipped: malformed, of an unknown type, undecodable (the object keeps its last good version and its kind is listed again) or refused by ingest",
+            None,
+            c.metric_type(),
+        )?;
+        c.encode(m)
+    }
+}
+
 /// Bounds of the metrics server: a scraper or two need few connections; a flood of
 /// idle ones is cut at this many (oldest closed first) instead of exhausting the
 /// process's file descriptors, and keep-alive idleness ends after the header timeout.

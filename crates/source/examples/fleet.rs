@@ -12,10 +12,11 @@
 //!   [--compare $FLEET_LAB/bin/kube-proxy --compare-nodes 20]
 //! ```
 //!
-//! `--no-client-retry` builds the nodes' clients without kube's retry layer (which
-//! sleeps exactly the `Retry-After` of a 429, up to 15 times): the refusal then reaches
-//! the reflector, which waits `Retry-After` × [1, 2) (docs/scale.md, "429s after a
-//! restart").
+//! `--no-client-retry` builds the nodes' clients as `kproxy run` builds its own
+//! (`kube::client_from`: no kube retry layer, TCP keepalive): the refusal reaches the
+//! reflector, which waits `Retry-After` × [1, 2) capped at 60 s. Without it the nodes
+//! keep kube's retry layer (which sleeps exactly the `Retry-After` of a 429, up to 15
+//! times), as kproxy did before (docs/scale.md, "429s after a restart").
 //!
 //! Per column it prints: the time until every node's first sync; per change of the
 //! probe EndpointSlice (100 endpoints, one endpoint's readiness flipped, `--flips`
@@ -396,14 +397,21 @@ async fn node(
     )
     .await
     .map_err(|e| e.to_string())?;
-    config.default_retry = !no_client_retry;
-    let client = kube::Client::try_from(config).map_err(|e| e.to_string())?;
+    // kproxy's own client (`kube::client_from`: no retry layer, TCP keepalive); with
+    // kube's retry layer only for the comparison runs of docs/scale.md that had it.
+    let client = if no_client_retry {
+        source::client_from(config).map_err(|e| e.to_string())?
+    } else {
+        config.default_retry = true;
+        kube::Client::try_from(config).map_err(|e| e.to_string())?
+    };
     let (writer, mut reader) = kproxy_source::store();
     let cfg = KubeSourceConfig {
         node_name: name.clone(),
         ownership: Ownership::default(),
         page_size: None,
         json_lists: json_watches,
+        watch_idle: None,
     };
     let source = tokio::spawn(source::run(client, cfg, writer));
     let mut planner = Planner::new(name, PlanConfig::default());

@@ -4,7 +4,8 @@
 //! lines — and, for a resource given protobuf, list pages and watch frames captured from
 //! a real API server, served to a client that accepts protobuf (429 with `Retry-After`
 //! too) — and lets a test script each response (slow lists, failing lists or watches, a
-//! clean end of a watch, a dropped connection, garbage lines). It records the decoded
+//! clean end of a watch, a dropped connection, a connection that goes silent, watches
+//! that end as they open, garbage lines). It records the decoded
 //! query of every request so a test can check selectors and resourceVersions.
 //!
 //! It owns no network set-up: the caller binds the listener (so it can bind inside a
@@ -41,6 +42,10 @@ pub enum Step {
     Close,
     /// Abort the connection mid-stream (no final chunk): a dropped connection.
     Abort,
+    /// Send nothing more and never end: the connection stays open and silent, as a
+    /// half-open TCP connection (its server gone without a FIN or RST) looks to the
+    /// client. Later steps go to the next watch connection.
+    Stall,
 }
 
 /// The scripted steps of one resource's watch responses.
@@ -121,6 +126,8 @@ pub struct Resource {
     pub watch_lists: std::sync::atomic::AtomicBool,
     /// Watches with `sendInitialEvents=true` refused.
     pub refused_watch_lists: AtomicU64,
+    /// Every watch (not a streamed list) ends as it opens: an empty 200 body.
+    pub end_watches: std::sync::atomic::AtomicBool,
 }
 
 impl Resource {
@@ -143,6 +150,7 @@ impl Resource {
             throttle_pages: Mutex::new(VecDeque::new()),
             watch_lists: std::sync::atomic::AtomicBool::new(false),
             refused_watch_lists: AtomicU64::new(0),
+            end_watches: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -243,6 +251,16 @@ impl Resource {
     /// Queues a dropped connection.
     pub fn abort(&self) {
         self.steps.push(Step::Abort);
+    }
+
+    /// Queues a stall: the current watch connection goes silent for good.
+    pub fn stall(&self) {
+        self.steps.push(Step::Stall);
+    }
+
+    /// Ends every watch as it opens (`true`), or serves them again (`false`).
+    pub fn end_watches(&self, end: bool) {
+        self.end_watches.store(end, Ordering::SeqCst);
     }
 
     pub fn requests(&self) -> Vec<BTreeMap<String, String>> {
@@ -432,6 +450,12 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap
         if code != StatusCode::OK {
             return (code, axum::Json(status(code, "InternalError"))).into_response();
         }
+        if res.end_watches.load(Ordering::SeqCst) && !watch_list {
+            return Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::empty())
+                .expect("static headers are valid");
+        }
         let protobuf =
             accepts_protobuf && res.protobuf_watches.load(Ordering::SeqCst) && !watch_list;
         let steps = res.steps.clone();
@@ -468,6 +492,10 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap
                     // A step of the other encoding: not for this watch.
                     Step::Line(_) | Step::Frame(_) => continue,
                     Step::Close => return None,
+                    Step::Stall => {
+                        std::future::pending::<()>().await;
+                        return None;
+                    }
                     Step::Abort => {
                         return Some((
                             Err(std::io::Error::other("connection dropped by the test")),

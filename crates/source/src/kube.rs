@@ -29,6 +29,7 @@ pub mod reflect;
 pub mod slim;
 pub mod split;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use kproxy_core::ClusterState;
@@ -53,6 +54,10 @@ pub struct KubeSourceConfig {
     /// List Services and EndpointSlices as JSON instead of protobuf (kube-proxy's
     /// `clientConnection.contentType: application/json`).
     pub json_lists: bool,
+    /// How long a list or watch connection may stay silent before it is presumed dead
+    /// ([`reflect::Target::idle`]); `None`: [`reflect::WATCH_IDLE`]. Tests that stop a
+    /// server mid-watch use a short one.
+    pub watch_idle: Option<std::time::Duration>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -134,14 +139,112 @@ impl std::fmt::Display for Credentials {
 
 /// A client from a kubeconfig file, or the in-cluster configuration (service account
 /// token and `KUBERNETES_SERVICE_HOST`) when `kubeconfig` is `None`, as kube-proxy.
-/// `kproxy run`'s: unbounded calls, for its long-lived watches.
+/// `kproxy run`'s: unbounded calls, for its long-lived watches (the reflector bounds
+/// their silence, [`reflect::WATCH_IDLE`]); TCP keepalive on its connections; no
+/// retry layer of its own ([`client_from`]). The kubeconfig's exec credential plugin,
+/// if any, must finish within [`bounded::DEFAULT_EXEC_TIMEOUT`] ([`build_within`]).
 pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, SourceError> {
     let credentials = match kubeconfig {
         Some(path) => Credentials::file(path, "--kubeconfig"),
         None => Credentials::InCluster,
     };
     let config = client_config(&credentials, None, Some(bounded::DEFAULT_CONNECT_TIMEOUT)).await?;
-    kube::Client::try_from(config).map_err(SourceError::Client)
+    build_within(config, bounded::DEFAULT_EXEC_TIMEOUT).await
+}
+
+/// TCP keepalive on the API server connections: the first probe after this much
+/// silence (client-go's dialer's 30 s), then one every [`TCP_KEEPALIVE_INTERVAL`], the
+/// connection dropped after [`TCP_KEEPALIVE_PROBES`] unanswered. A server host that
+/// vanished, or a load balancer that forgot the connection, is known about a minute
+/// later instead of never (a half-open connection sends no FIN or RST).
+pub const TCP_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(30);
+pub const TCP_KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+pub const TCP_KEEPALIVE_PROBES: u32 = 3;
+
+/// The TCP connector of kproxy's API clients: keepalive as above.
+pub fn tcp_connector() -> hyper_util::client::legacy::connect::HttpConnector {
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    http.set_keepalive(Some(TCP_KEEPALIVE));
+    http.set_keepalive_interval(Some(TCP_KEEPALIVE_INTERVAL));
+    http.set_keepalive_retries(Some(TCP_KEEPALIVE_PROBES));
+    http
+}
+
+/// The client of `config`, built as kube builds its default one (base URI, TLS,
+/// authentication, extra headers, connect/read/write timeouts) with two differences:
+/// TCP keepalive ([`tcp_connector`]), and no retry layer. kube's (`RetryPolicy::
+/// server_retry`) retried a 429 or 503 up to 15 times inside the request, sleeping
+/// whatever `Retry-After` said with no cap and no log: one `Retry-After: 1000000000`
+/// parked a watch for good. Every refusal now reaches the reflector, which caps and
+/// jitters the server's delay in one place ([`reflect::server_delay`]). Runs the
+/// kubeconfig's exec credential plugin, if any, as kube does (blocking; see
+/// [`build_within`]). A proxy in the kubeconfig goes to kube's own builder (which
+/// refuses it: kproxy builds kube without proxy support).
+pub fn client_from(mut config: kube::Config) -> Result<kube::Client, SourceError> {
+    use kube::client::ConfigExt;
+    config.default_retry = false;
+    if config.proxy_url.is_some() {
+        return kube::Client::try_from(config).map_err(SourceError::Client);
+    }
+    let https = config
+        .rustls_https_connector_with_connector(tcp_connector())
+        .map_err(SourceError::Client)?;
+    let mut connector = hyper_timeout::TimeoutConnector::new(https);
+    connector.set_connect_timeout(config.connect_timeout);
+    connector.set_read_timeout(config.read_timeout);
+    connector.set_write_timeout(config.write_timeout);
+    connector.set_reset_reader_on_write(config.reset_reader_on_write);
+    let client = hyper_util::client::legacy::Builder::new(hyper_util::rt::TokioExecutor::new())
+        .build(connector);
+    let service = tower::ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer().map_err(SourceError::Client)?)
+        .layer(config.extra_headers_layer().map_err(SourceError::Client)?)
+        .map_err(tower::BoxError::from)
+        .service(client);
+    Ok(kube::Client::new(service, config.default_namespace))
+}
+
+/// [`client_from`] on a blocking thread, waiting at most `wait`: building a client
+/// runs the kubeconfig's exec credential plugin (`aws eks get-token`, kubelogin…)
+/// synchronously, and a plugin that hangs hung `kproxy run` silently (330 s seen).
+/// After `wait` the error names the plugin; the plugin itself is left to end.
+pub async fn build_within(
+    config: kube::Config,
+    wait: std::time::Duration,
+) -> Result<kube::Client, SourceError> {
+    let command = config
+        .auth_info
+        .exec
+        .as_ref()
+        .and_then(|e| e.command.clone());
+    // A thread of its own, not the blocking pool: the runtime waits for the pool's
+    // threads when it shuts down, and a plugin that hangs must not keep kproxy from
+    // exiting with the error.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let runtime = tokio::runtime::Handle::current();
+    std::thread::spawn(move || {
+        let _entered = runtime.enter();
+        let _ = tx.send(client_from(config));
+    });
+    match tokio::time::timeout(wait, rx).await {
+        Ok(Ok(built)) => built,
+        Ok(Err(_)) => Err(SourceError::Unreachable(
+            "building the Kubernetes client: its thread ended".into(),
+        )),
+        Err(_) => Err(match command {
+            Some(command) => SourceError::ExecPlugin {
+                command,
+                why: format!(
+                    "did not finish within {wait:?}; it still runs, kproxy does not wait for it"
+                ),
+            },
+            None => SourceError::Unreachable(format!(
+                "building the Kubernetes client did not finish within {wait:?}"
+            )),
+        }),
+    }
 }
 
 /// The client configuration `credentials` name, with `context` instead of the
@@ -276,6 +379,7 @@ pub fn targets(cfg: &KubeSourceConfig, page_size: u32) -> [Target; 4] {
         page_size,
         protobuf: !cfg.json_lists,
         stream_lists: true,
+        idle: cfg.watch_idle.unwrap_or(reflect::WATCH_IDLE),
     };
     [
         target(
@@ -337,10 +441,8 @@ pub async fn run(
     handle: Writer,
 ) -> Result<(), SourceError> {
     cfg.validate()?;
-    let decoder = Decoder {
-        ownership: cfg.ownership.clone(),
-        node_name: cfg.node_name.clone(),
-    };
+    let decoder = Decoder::new(cfg.ownership.clone(), cfg.node_name.clone())
+        .counting_into(handle.skipped_counter());
     // Lists are paginated consistent reads (no resourceVersion), which API servers
     // since 1.31 serve from the watch cache.
     let (tx, mut rx) = mpsc::channel(1024);
@@ -363,17 +465,48 @@ pub async fn run(
     drop(tx);
     let mut folder: Folder<Update> = Folder::new();
     let mut ready = false;
+    // Per kind: since when it has heard nothing from the API; whether it lost objects
+    // it could not decode.
+    let mut failing: BTreeMap<Kind, tokio::time::Instant> = BTreeMap::new();
+    let mut lost: BTreeSet<Kind> = BTreeSet::new();
+    let mut quiet = reflect::Quiet::default();
     tracing::info!(node = %cfg.node_name, label_selector = %label_selector(&cfg.ownership), "watching the Kubernetes API");
     while let Some((kind, event, received)) = rx.recv().await {
-        if let Input::Returned(at) = event {
-            handle.api_returned(at);
-            continue;
+        match event {
+            Input::Returned(at) => {
+                handle.api_returned(at);
+                failing.remove(&kind);
+                handle.set_api_failing_since(failing.values().min().copied());
+                continue;
+            }
+            Input::Failing(since) => {
+                failing.insert(kind, since);
+                handle.set_api_failing_since(failing.values().min().copied());
+                continue;
+            }
+            Input::Lost(true) => {
+                lost.insert(kind);
+                handle.set_input_lost(true);
+                continue;
+            }
+            Input::Lost(false) => {
+                lost.remove(&kind);
+                handle.set_input_lost(!lost.is_empty());
+                continue;
+            }
+            _ => {}
         }
         let relist = matches!(event, Input::InitDone);
         let folding = tokio::time::Instant::now();
         let found = fold_into(&mut folder, &handle, &cfg, kind, event, received);
+        // Skipped objects name kind, object and field; a flood of them (a server
+        // sending garbage) is one line per interval, counted in full.
         for w in &found.skipped {
-            tracing::warn!("skipped {w}");
+            handle.count_skipped(1);
+            match quiet.note(tokio::time::Instant::now()) {
+                Some(more) => tracing::warn!(more_since_last_line = more, "skipped {w}"),
+                None => tracing::debug!("skipped {w}"),
+            }
         }
         for w in &found.warnings {
             tracing::warn!("{w}");
@@ -444,10 +577,7 @@ pub async fn list_once(
     cfg: KubeSourceConfig,
 ) -> Result<Snapshot, SourceError> {
     cfg.validate()?;
-    let decoder = Decoder {
-        ownership: cfg.ownership.clone(),
-        node_name: cfg.node_name.clone(),
-    };
+    let decoder = Decoder::new(cfg.ownership.clone(), cfg.node_name.clone());
     let (tx, mut rx) = mpsc::channel(1024);
     let (kinds, tasks): (Vec<Kind>, Vec<_>) = targets(&cfg, cfg.page_size.unwrap_or(PAGE_SIZE))
         .into_iter()
@@ -549,6 +679,59 @@ pub async fn config_map_value(
 mod tests {
     use super::*;
 
+    /// The API connections had no TCP keepalive: a server host gone without a FIN or
+    /// RST left them ESTABLISHED for good (423 s seen). Every connection kproxy's
+    /// clients open now probes after 30 s of silence.
+    #[tokio::test]
+    async fn api_connections_have_tcp_keepalive() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let uri: http::Uri = format!("http://{}", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let mut connector = tcp_connector();
+        let io = tower::Service::call(&mut connector, uri).await.unwrap();
+        let sock = socket2::SockRef::from(io.inner());
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.tcp_keepalive_time().unwrap(), TCP_KEEPALIVE);
+        assert_eq!(
+            sock.tcp_keepalive_interval().unwrap(),
+            TCP_KEEPALIVE_INTERVAL
+        );
+        assert_eq!(sock.tcp_keepalive_retries().unwrap(), TCP_KEEPALIVE_PROBES);
+    }
+
+    /// An exec credential plugin that hangs hung `kproxy run` silently (330 s seen):
+    /// building the client now ends after the bound with an error naming the plugin.
+    #[tokio::test]
+    async fn an_exec_plugin_that_hangs_ends_with_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: \"http://127.0.0.1:9\"}\n\
+             users:\n- name: u\n  user:\n    exec: {apiVersion: client.authentication.k8s.io/v1, command: sleep, args: [\"5\"], interactiveMode: Never}\n\
+             contexts:\n- name: c\n  context: {cluster: c, user: u}\ncurrent-context: c\n",
+        )
+        .unwrap();
+        let config = client_config(&Credentials::file(&kubeconfig, "--kubeconfig"), None, None)
+            .await
+            .unwrap();
+        let built = tokio::time::timeout(
+            std::time::Duration::from_secs(20),
+            build_within(config, std::time::Duration::from_millis(300)),
+        )
+        .await
+        .expect("the bound ends the wait, not the plugin");
+        let Err(e) = built else {
+            panic!("a plugin that hangs built a client")
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains("\"sleep\"") && e.contains("did not finish"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn selectors_are_upstreams() {
         assert_eq!(
@@ -573,6 +756,7 @@ mod tests {
             },
             page_size: None,
             json_lists: false,
+            watch_idle: None,
         };
         for (node, spn, ok) in [
             ("node-a", None, true),

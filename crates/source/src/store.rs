@@ -16,6 +16,7 @@
 //! after [`Reader::take`] finds nothing pending, so it sets `pending` and wakes the
 //! reader again; one written before is taken.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
@@ -31,6 +32,7 @@ pub fn store() -> (Writer, Reader) {
     let shared = Arc::new(Shared {
         state: Mutex::new(ClusterState::default()),
         status,
+        skipped: Arc::new(AtomicU64::new(0)),
     });
     (
         Writer {
@@ -56,10 +58,15 @@ pub struct Status {
     /// once what that answer brought (a relist) is in the state.
     pub api_returned: Option<Instant>,
     /// The source's last read lost objects it cannot name: a file or document that
-    /// could not be read or parsed (`LoadProblem::loses_unknown_objects`). Before its
-    /// first sync, `kproxy run` does not program such a state over tables that hold
-    /// Services; false for the API source.
+    /// could not be read or parsed (`LoadProblem::loses_unknown_objects`), or for the
+    /// API source an object that could not be decoded, until a list of its kind decodes
+    /// whole. Before its first sync, `kproxy run` does not program such a state over
+    /// tables that hold more than it plans (docs/input.md).
     pub input_lost: bool,
+    /// The API source: since when one of its kinds has heard nothing usable from the
+    /// API server (errors, refusals, throttling), the earliest of them; `None` while
+    /// every kind follows. `/healthz` says it (`sourceStalledSince`).
+    pub api_failing_since: Option<Instant>,
     /// Manifest documents or List items that could not be read (did not parse, no
     /// kind, an unknown kind) at the manifest source's last rescan; 0 for the API.
     pub unread_documents: usize,
@@ -95,6 +102,9 @@ impl Pending {
 struct Shared {
     state: Mutex<ClusterState>,
     status: watch::Sender<Status>,
+    /// Watch events and objects the source skipped (malformed, of an unknown type,
+    /// undecodable, refused by ingest): `kproxy_api_skipped_total`.
+    skipped: Arc<AtomicU64>,
 }
 
 impl Shared {
@@ -197,6 +207,24 @@ impl Writer {
         });
     }
 
+    /// Since when the API source has heard nothing usable from the API server
+    /// ([`Status::api_failing_since`]); wakes the reader when it changes.
+    pub fn set_api_failing_since(&self, since: Option<Instant>) {
+        self.shared
+            .status(|s| std::mem::replace(&mut s.api_failing_since, since) != since);
+    }
+
+    /// `n` more events or objects skipped.
+    pub fn count_skipped(&self, n: u64) {
+        self.shared.skipped.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// The skipped count, for the decoders that skip events before they reach the
+    /// writer.
+    pub fn skipped_counter(&self) -> Arc<AtomicU64> {
+        self.shared.skipped.clone()
+    }
+
     /// The manifest source looked at its files once more.
     pub fn note_rescan(&self) {
         self.shared.status(|s| {
@@ -218,6 +246,11 @@ impl Reader {
     /// The status as of now (does not count as seen for [`Reader::changed`]).
     pub fn status(&self) -> Status {
         *self.status.borrow()
+    }
+
+    /// Watch events and objects the source skipped since it started.
+    pub fn skipped(&self) -> u64 {
+        self.shared.skipped.load(Ordering::Relaxed)
     }
 
     /// Waits until the status changed since this reader last looked (at once if it

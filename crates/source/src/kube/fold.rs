@@ -82,6 +82,15 @@ pub enum Input<T = Object> {
     /// The API answered again after failures (sent after the relist it brought), at
     /// this time. Changes nothing in the state; the source notes it for the sync loop.
     Returned(tokio::time::Instant),
+    /// The kind has heard nothing usable from the API since this time (errors,
+    /// refusals, throttling), until [`Input::Returned`]. Changes nothing in the state;
+    /// the source's status says it (`/healthz`'s `sourceStalledSince`).
+    Failing(tokio::time::Instant),
+    /// Objects of the kind could not be decoded (`true`), or a list decoded whole
+    /// again (`false`). Changes nothing in the state (what could not be decoded keeps
+    /// its last good version); the source's status says the input is partial, which
+    /// the restart guard reads.
+    Lost(bool),
 }
 
 /// What one event does to the state.
@@ -212,7 +221,7 @@ impl<T> Folder<T> {
                 None
             }
             Input::Delete(key) => Some(Change::Delete(kind, key)),
-            Input::Returned(_) => None,
+            Input::Returned(_) | Input::Failing(_) | Input::Lost(_) => None,
         };
         (change, warnings)
     }

@@ -23,7 +23,12 @@
 //! both encodings and require the same updates from each.
 //!
 //! The messages below are hand-written prost types holding only the fields kept; prost
-//! skips every other field (`managedFields`, owner references, …) unread.
+//! skips every other field (`managedFields`, owner references, …) unread. A field
+//! ingest reads that they do not hold is lost on a real cluster only: `proto/fields.rs`
+//! fails when that happens (every field of a Service and an EndpointSlice, changed one
+//! at a time, must ingest the same through this decoder, the JSON one and the whole
+//! object). A field ingest starts reading goes here (its tag from upstream's
+//! `generated.proto`), in [`super::slim`], and in that test's encoder.
 
 use std::collections::BTreeMap;
 
@@ -277,6 +282,9 @@ struct Meta {
     name: Option<String>,
     #[prost(string, optional, tag = "3")]
     namespace: Option<String>,
+    /// Ingest reads it: the older of two Services claiming one frontend keeps it.
+    #[prost(message, optional, tag = "8")]
+    creation_timestamp: Option<Timestamp>,
     #[prost(message, optional, tag = "9")]
     deletion_timestamp: Option<Timestamp>,
     #[prost(btree_map = "string, string", tag = "11")]
@@ -293,18 +301,27 @@ struct Timestamp {
     nanos: Option<i32>,
 }
 
+impl Timestamp {
+    fn into_time(self, field: &str) -> Result<Time, DecodeError> {
+        k8s_openapi::jiff::Timestamp::new(self.seconds.unwrap_or(0), self.nanos.unwrap_or(0))
+            .map(Time)
+            .map_err(|e| DecodeError {
+                field: field.into(),
+                reason: e.to_string(),
+            })
+    }
+}
+
 impl Meta {
     fn into_object_meta(self) -> Result<ObjectMeta, DecodeError> {
-        let deletion_timestamp = match self.deletion_timestamp {
-            None => None,
-            Some(t) => Some(Time(
-                k8s_openapi::jiff::Timestamp::new(t.seconds.unwrap_or(0), t.nanos.unwrap_or(0))
-                    .map_err(|e| DecodeError {
-                        field: ".metadata.deletionTimestamp".into(),
-                        reason: e.to_string(),
-                    })?,
-            )),
-        };
+        let deletion_timestamp = self
+            .deletion_timestamp
+            .map(|t| t.into_time(".metadata.deletionTimestamp"))
+            .transpose()?;
+        let creation_timestamp = self
+            .creation_timestamp
+            .map(|t| t.into_time(".metadata.creationTimestamp"))
+            .transpose()?;
         let mut annotations = self.annotations;
         // Only the one annotation ingest reads is kept, as the JSON path keeps it.
         annotations.retain(|k, _| k == ANNOTATION_LAST_CHANGE_TRIGGER_TIME);
@@ -313,6 +330,7 @@ impl Meta {
             namespace: self.namespace,
             labels: Some(self.labels).filter(|l| !l.is_empty()),
             annotations: Some(annotations).filter(|a| !a.is_empty()),
+            creation_timestamp,
             deletion_timestamp,
             ..ObjectMeta::default()
         })
@@ -826,6 +844,9 @@ pub fn decode(kind: Kind, item: &[u8]) -> Result<Object, DecodeError> {
         }),
     }
 }
+
+#[cfg(test)]
+mod fields;
 
 #[cfg(test)]
 mod tests {

@@ -39,6 +39,8 @@ struct Meta {
     labels: Option<BTreeMap<String, String>>,
     #[serde(deserialize_with = "trigger_time_only")]
     annotations: Option<BTreeMap<String, String>>,
+    /// The older of two Services claiming one frontend keeps it.
+    creation_timestamp: Option<Time>,
     deletion_timestamp: Option<Time>,
 }
 
@@ -49,6 +51,7 @@ impl Meta {
             namespace: self.namespace,
             labels: self.labels,
             annotations: self.annotations,
+            creation_timestamp: self.creation_timestamp,
             deletion_timestamp: self.deletion_timestamp,
             ..ObjectMeta::default()
         }
