@@ -273,7 +273,7 @@ fn scrape(ns: &str, services: usize, eps: usize) {
     std::thread::sleep(Duration::from_secs(11));
     let ns = ns.to_string();
     let (times, body) = std::thread::spawn(move || {
-        enter(&ns);
+        Netns::enter(&ns);
         let mut times = Vec::new();
         let mut body = String::new();
         for _ in 0..5 {

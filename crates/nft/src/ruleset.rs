@@ -1058,7 +1058,15 @@ pub fn build_service(
     };
     let local_pods = &plan.family(family).local_pods;
     for sp in svc.ports.iter().filter(|sp| sp.family == family) {
-        add_service_port(&mut frag, &f, sp, local_pods, cfg.mark(), cfg.counters, shards);
+        add_service_port(
+            &mut frag,
+            &f,
+            sp,
+            local_pods,
+            cfg.mark(),
+            cfg.counters,
+            shards,
+        );
     }
     frag.finish()
 }
