@@ -97,9 +97,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
         } else {
             args.node_addresses.clone()
         };
+        // The tables hold traffic counters when the daemon (or `sync`) runs with
+        // `--traffic-metrics` other than `off`: compare the kernel with the plan rendered
+        // the same way (the node-level counter exists whenever they are on).
+        let counters = kproxy_nft::read_counters(&args.nft.nft_table).is_ok_and(|c| !c.is_empty());
         let dp = DataplaneConfig {
             table: args.nft.nft_table.clone(),
             masquerade_bit: cluster.config.masquerade_bit,
+            counters,
             ..Default::default()
         };
         let k = kernel_trace::kernel_trace(&plan, &dp, &pkt, &locals, t)?;
