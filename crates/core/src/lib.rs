@@ -28,6 +28,7 @@ pub mod config;
 pub mod conflicts;
 pub mod explain;
 pub mod frontend;
+pub mod hold;
 pub mod ingest;
 pub mod input_guard;
 pub mod manifest;

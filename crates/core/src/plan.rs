@@ -375,7 +375,7 @@ pub struct EndpointState {
     /// (`crate::warmup`): every list of the plan counts it as not ready. `None`: not held.
     /// Boxed: rare, and 8 bytes per endpoint of every plan instead of 24.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub warmup: Option<Box<crate::warmup::Hold>>,
+    pub warmup: Option<Box<crate::hold::Hold>>,
 }
 
 impl EndpointState {

@@ -18,12 +18,11 @@
 //! `tokio::time::Instant` throughout for that reason.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use kproxy_core::model::IpFamily;
 use kproxy_core::no_local::NoLocalEndpoints;
 use kproxy_core::planner::PlanUpdate;
@@ -201,39 +200,7 @@ fn change_stages(
     ]
 }
 
-/// Appends one JSON object per line; a write failure is logged, never fatal.
-pub struct EventLog(Option<std::fs::File>);
-
-impl EventLog {
-    pub fn open(path: Option<&PathBuf>) -> Result<EventLog> {
-        let file = path
-            .map(|p| {
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(p)
-                    .with_context(|| format!("opening the event log {}", p.display()))
-            })
-            .transpose()?;
-        Ok(EventLog(file))
-    }
-
-    pub fn emit(&mut self, event: &str, mut fields: serde_json::Value) {
-        let Some(f) = self.0.as_mut() else { return };
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        if let Some(obj) = fields.as_object_mut() {
-            obj.insert("t_unix_ms".into(), json!(now.as_millis() as u64));
-            obj.insert("event".into(), json!(event));
-        }
-        let mut line = fields.to_string();
-        line.push('\n');
-        if let Err(e) = f.write_all(line.as_bytes()) {
-            tracing::warn!(error = %e, "cannot write the event log");
-        }
-    }
-}
+use crate::event_log::EventLog;
 
 fn unix_us(at: SystemTime) -> u64 {
     at.duration_since(UNIX_EPOCH)

@@ -14,6 +14,7 @@ mod cmd_top;
 mod cmd_trace;
 mod common;
 mod daemon;
+mod event_log;
 mod fdlimit;
 mod input_guard;
 mod kernel_limits;

@@ -98,8 +98,8 @@ pub struct Metrics {
     /// Endpoints held for warm-up ([`crate::warmup`]), and their releases by reason.
     pub endpoint_warmup_holds: Counter,
     pub endpoint_warmup_releases: Family<ReasonLabel, Counter>,
-    /// The endpoints held now, served at [`crate::warmup::ENDPOINT_WARMUP_PATH`].
-    pub endpoint_warmup_held: crate::warmup::HeldView,
+    /// The endpoints held now, served at [`ENDPOINT_WARMUP_PATH`].
+    pub endpoint_warmup_held: HeldView,
 }
 
 /// Upstream's NetworkProgrammingLatency buckets: 0.25 s, 0.5 s, 1..59 s, 60..115 s by
@@ -429,7 +429,7 @@ pub const PROXY_MODE_PATH: &str = "/proxyMode";
 pub const PROXY_MODE: &str = "nftables";
 
 /// Serves `GET /metrics`, [`HEALTH_CHECK_PORTS_PATH`], the endpoints held for warm-up
-/// ([`crate::warmup::ENDPOINT_WARMUP_PATH`]) and [`PROXY_MODE_PATH`] on `addr`
+/// ([`ENDPOINT_WARMUP_PATH`]) and [`PROXY_MODE_PATH`] on `addr`
 /// (other paths: 404)
 /// with [`SERVER_LIMITS`], through the health crate's bounded HTTP shell; runs until the
 /// task is dropped.
@@ -438,7 +438,7 @@ pub async fn serve(
     registry: Arc<Registry>,
     health: kproxy_health::Health,
     traffic: Arc<crate::traffic::Traffic>,
-    held: crate::warmup::HeldView,
+    held: HeldView,
 ) -> Result<()> {
     use kproxy_health::http::{Responder, Server, bind, body_response};
     let responder: Responder = Arc::new(move |req: &http::request::Parts| match req.uri.path() {
@@ -457,7 +457,7 @@ pub async fn serve(
             "text/plain; charset=utf-8",
             PROXY_MODE.to_string(),
         ),
-        crate::warmup::ENDPOINT_WARMUP_PATH => {
+        ENDPOINT_WARMUP_PATH => {
             body_response(http::StatusCode::OK, "application/json", held.json())
         }
         _ => body_response(
@@ -465,7 +465,7 @@ pub async fn serve(
             "text/plain; charset=utf-8",
             format!(
                 "not found: kproxy serves /metrics, {HEALTH_CHECK_PORTS_PATH}, {} and {PROXY_MODE_PATH} here\n",
-                crate::warmup::ENDPOINT_WARMUP_PATH
+                ENDPOINT_WARMUP_PATH
             ),
         ),
     });
@@ -476,6 +476,55 @@ pub async fn serve(
     std::future::pending::<()>().await;
     drop(server);
     Ok(())
+}
+
+/// Where the daemon serves the endpoints it holds now (JSON, [`HeldView`]).
+pub const ENDPOINT_WARMUP_PATH: &str = "/endpoint-warmup";
+
+/// The endpoints the daemon's plan holds now, as served at [`ENDPOINT_WARMUP_PATH`]:
+/// `{"held": [{"service", "servicePort", "family", "endpoint", "readySince",
+/// "releaseAt"}]}` (moments in Unix milliseconds), rebuilt when a hold begins or ends.
+#[derive(Clone, Debug, Default)]
+pub struct HeldView(Arc<std::sync::Mutex<serde_json::Value>>);
+
+impl HeldView {
+    /// The answer's body.
+    pub fn json(&self) -> String {
+        let v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if v.is_null() {
+            serde_json::json!({ "held": [] }).to_string()
+        } else {
+            v.to_string()
+        }
+    }
+
+    /// Rebuilds the view from `plan`'s Services that hold endpoints (`held`, the
+    /// planner's [`kproxy_core::Planner::held_services`]).
+    pub fn set<'a>(
+        &self,
+        plan: &kproxy_core::NodePlan,
+        held: impl Iterator<Item = &'a kproxy_core::model::ServiceName>,
+    ) {
+        let mut list = Vec::new();
+        for p in held
+            .filter_map(|n| plan.services.get(n))
+            .flat_map(|s| &s.ports)
+        {
+            for e in &p.endpoints {
+                if let Some(h) = e.warmup.as_deref() {
+                    list.push(serde_json::json!({
+                        "service": p.service_port.service.to_string(),
+                        "servicePort": p.service_port.to_string(),
+                        "family": p.family.as_str(),
+                        "endpoint": e.addr.to_string(),
+                        "readySince": h.ready_since,
+                        "releaseAt": h.release,
+                    }));
+                }
+            }
+        }
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = serde_json::json!({ "held": list });
+    }
 }
 
 #[cfg(test)]

@@ -5,15 +5,12 @@
 //! the endpoints held now, served as JSON at [`ENDPOINT_WARMUP_PATH`] on the metrics
 //! address for `kproxy plan|explain --server`.
 
-use std::sync::{Arc, Mutex};
-
-use kproxy_core::NodePlan;
 use kproxy_core::model::ServiceName;
 use kproxy_core::warmup::{Event, Moment};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use crate::daemon::EventLog;
+use crate::event_log::EventLog;
 use crate::metrics::{Metrics, ReasonLabel};
 
 /// The planner's clock: tokio's monotonic clock, anchored to the wall clock once, so a
@@ -52,50 +49,7 @@ impl WarmupClock {
     }
 }
 
-/// Where the daemon serves the endpoints it holds now (JSON, [`HeldView`]).
-pub const ENDPOINT_WARMUP_PATH: &str = "/endpoint-warmup";
-
-/// The endpoints the daemon's plan holds now, as served at [`ENDPOINT_WARMUP_PATH`]:
-/// `{"held": [{"service", "servicePort", "family", "endpoint", "readySince",
-/// "releaseAt"}]}` (moments in Unix milliseconds), rebuilt when a hold begins or ends.
-#[derive(Clone, Debug, Default)]
-pub struct HeldView(Arc<Mutex<Value>>);
-
-impl HeldView {
-    /// The answer's body.
-    pub fn json(&self) -> String {
-        let v = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if v.is_null() {
-            json!({ "held": [] }).to_string()
-        } else {
-            v.to_string()
-        }
-    }
-
-    /// Rebuilds the view from `plan`'s Services that hold endpoints (`held`, the
-    /// planner's [`kproxy_core::Planner::held_services`]).
-    pub fn set<'a>(&self, plan: &NodePlan, held: impl Iterator<Item = &'a ServiceName>) {
-        let mut list = Vec::new();
-        for p in held
-            .filter_map(|n| plan.services.get(n))
-            .flat_map(|s| &s.ports)
-        {
-            for e in &p.endpoints {
-                if let Some(h) = e.warmup.as_deref() {
-                    list.push(json!({
-                        "service": p.service_port.service.to_string(),
-                        "servicePort": p.service_port.to_string(),
-                        "family": p.family.as_str(),
-                        "endpoint": e.addr.to_string(),
-                        "readySince": h.ready_since,
-                        "releaseAt": h.release,
-                    }));
-                }
-            }
-        }
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = json!({ "held": list });
-    }
-}
+pub use crate::metrics::ENDPOINT_WARMUP_PATH;
 
 /// Lines saying which endpoints of `service` (every Service: `None`) a daemon holds,
 /// from its [`ENDPOINT_WARMUP_PATH`] answer; `kproxy plan|explain --server` print them.

@@ -142,16 +142,6 @@ pub struct KernelCounter {
     pub since: Option<u64>,
 }
 
-/// A counter object's comment: since when it counts.
-pub(crate) fn since_comment(since: u64) -> String {
-    format!("kproxy counts since {since}")
-}
-
-/// The Unix seconds of a comment written by [`since_comment`].
-pub(crate) fn parse_since(comment: &str) -> Option<u64> {
-    comment.strip_prefix("kproxy counts since ")?.parse().ok()
-}
-
 /// Unix seconds now.
 fn now() -> u64 {
     std::time::SystemTime::now()

@@ -811,7 +811,7 @@ fn object(p: &[u8]) -> (String, String, u32, Option<RawCounter>) {
                 values = Some((packets, bytes));
             }
             crate::nfnl::NFTA_OBJ_USERDATA => {
-                since = udata_string(v, 0).and_then(|c| crate::counters::parse_since(&c));
+                since = udata_string(v, 0).and_then(|c| crate::nfnl::parse_since(&c));
             }
             _ => {}
         }

@@ -575,7 +575,7 @@ impl Batch {
 
     /// `add counter`: a named counter object starting at `packets` and `bytes`, its
     /// comment (libnftnl's object comment, user data type 0) saying since when it
-    /// counts (`crate::counters::since_comment`).
+    /// counts (`crate::nfnl::since_comment`).
     fn add_counter(
         &mut self,
         family: Family,
@@ -599,7 +599,7 @@ impl Batch {
         nla_bytes(b, NFTA_COUNTER_PACKETS, &packets.to_be_bytes())?;
         nla_end(b, data)?;
         let mut u = Vec::new();
-        udata_str(&mut u, 0, &crate::counters::since_comment(since))?;
+        udata_str(&mut u, 0, &crate::nfnl::since_comment(since))?;
         nla_bytes(b, crate::nfnl::NFTA_OBJ_USERDATA, &u)?;
         self.end_message(at);
         self.note(seq, at);

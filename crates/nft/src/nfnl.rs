@@ -163,3 +163,21 @@ impl<'a> Iterator for Attrs<'a> {
         Some((kind, payload))
     }
 }
+
+/// `NFT_CT_*` keys of a `ct original` load (the traffic counters' lookup after DNAT),
+/// written by `rule::encode` and read by `rule::decode`.
+pub(crate) const CT_PROTO_DST: u32 = 12;
+pub(crate) const CT_DST_IP: u32 = 20;
+pub(crate) const CT_DST_IP6: u32 = 22;
+
+/// A traffic counter object's comment: since when it counts (Unix seconds). Here, on the
+/// floor, because the writer (`netlink`) writes it and the reader (`dump`) reads it back
+/// for `crate::counters`.
+pub(crate) fn since_comment(since: u64) -> String {
+    format!("kproxy counts since {since}")
+}
+
+/// The Unix seconds of a comment [`since_comment`] wrote.
+pub(crate) fn parse_since(comment: &str) -> Option<u64> {
+    comment.strip_prefix("kproxy counts since ")?.parse().ok()
+}

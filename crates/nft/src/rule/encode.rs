@@ -214,12 +214,12 @@ impl Enc<'_> {
             Sel::CtOrigDaddr(f) => {
                 (*f == self.family).then_some(())?;
                 let key = match f {
-                    Family::Ip => super::decode::CT_DST_IP,
-                    Family::Ip6 => super::decode::CT_DST_IP6,
+                    Family::Ip => crate::nfnl::CT_DST_IP,
+                    Family::Ip6 => crate::nfnl::CT_DST_IP6,
                 };
                 self.ct_original(r, key);
             }
-            Sel::CtOrigDport => self.ct_original(r, super::decode::CT_PROTO_DST),
+            Sel::CtOrigDport => self.ct_original(r, crate::nfnl::CT_PROTO_DST),
         }
         Some(())
     }
