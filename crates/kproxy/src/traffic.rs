@@ -368,26 +368,10 @@ pub fn per_port(samples: &[Sample]) -> BTreeMap<PortKey, PortCounts> {
     out
 }
 
-/// A Unix time as RFC 3339 UTC (`2026-11-28T18:00:00Z`).
+/// A Unix time as RFC 3339 UTC (`2026-11-28T18:00:00Z`), by the health crate's one
+/// formatter.
 pub fn rfc3339(secs: u64) -> String {
-    let days = secs / 86_400;
-    let rem = secs % 86_400;
-    // Civil from days (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    kproxy_health::decide::rfc3339(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs))
 }
 
 /// The Service's counters on this node, as `kproxy explain` prints them beside the plan.
