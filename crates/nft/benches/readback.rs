@@ -11,7 +11,9 @@
 //! ```
 //!
 //! Reading at N and 4N rows says whether the read grows linearly (≈ 4×) or with the
-//! square of the largest set (≈ 16×).
+//! square of the largest set (≈ 16×). `KPROXY_BENCH_COUNTERS=1` runs with the traffic
+//! counters (`DataplaneConfig::counters`, `kproxy run`'s default): their objects and
+//! objref maps are read back too.
 
 mod common;
 
@@ -34,6 +36,7 @@ fn run(services: usize, eps: usize) {
     let plan = kproxy_core::plan(&state, "node-0", &PlanConfig::default());
     let cfg = DataplaneConfig {
         conntrack_cleanup: false,
+        counters: std::env::var_os("KPROXY_BENCH_COUNTERS").is_some(),
         ..DataplaneConfig::default()
     };
     kproxy_nft::cleanup(&cfg).expect("cleanup");
@@ -76,9 +79,10 @@ fn run(services: usize, eps: usize) {
         );
     }
     println!(
-        "readback {services}x{eps}:   largest set: {} elements; sets: {}",
+        "readback {services}x{eps}:   largest set: {} elements; sets: {}; named objects: {}",
         sets.first().map_or(0, |(_, s)| s.elements.iter().count()),
-        table.sets.len()
+        table.sets.len(),
+        table.objects.len()
     );
     drop(dp);
     kproxy_nft::cleanup(&cfg).expect("cleanup");

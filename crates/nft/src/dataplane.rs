@@ -581,8 +581,8 @@ pub(crate) fn replacement_with(
     Ok((batch, counts))
 }
 
-/// Removes everything kproxy made (both tables); succeeds when they are absent. One
-/// nfnetlink transaction.
+/// Removes everything kproxy made (both tables); succeeds when they are absent. Two
+/// nfnetlink transactions ([`delete_tables`]).
 pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
     cfg.validate()?;
     delete_tables(&[
@@ -591,14 +591,40 @@ pub fn cleanup(cfg: &DataplaneConfig) -> Result<(), NftError> {
     ])
 }
 
-/// Deletes the tables `tables` (family, name) in one nfnetlink transaction, whether or
-/// not they exist (each is added, then deleted, as `nft` would be told `add table`,
-/// `delete table`): `kproxy cleanup`, and the takeover's removal of kube-proxy's
-/// tables. In the calling thread's network namespace.
+/// Deletes the tables `tables` (family, name), whether or not they exist (each is
+/// added, then deleted, as `nft` would be told `add table`, `delete table`): `kproxy
+/// cleanup`, and the takeover's removal of kube-proxy's tables. In the calling thread's
+/// network namespace.
+///
+/// Two transactions: the tables turn dormant (their hooks go), then they are deleted.
+/// Deleted in one step, a table is not gone at once for a packet already inside its
+/// chains: the kernel can show that packet the chains' rules with the verdict maps'
+/// elements already deactivated, so a `service-ips` lookup misses and the cluster-IP
+/// reject below it refuses a connection the other proxy, whose rules are in place,
+/// would have served (`tests/packets.rs`,
+/// `cleanup_with_another_proxy_in_place_refuses_nothing`). A dormant table keeps every
+/// rule and element for the packets still in it, and no new packet enters it.
 pub fn delete_tables(tables: &[(model::Family, &str)]) -> Result<(), NftError> {
-    let mut tx = Transaction::default();
+    // `add table` with the dormant flag in both: it creates an absent table, and it
+    // does not wake the table in the deleting transaction (an `add table` without the
+    // flag would, and packets would enter it again while it is deleted).
+    let mut dormant = Transaction::default();
     for (family, table) in tables {
-        tx.extend(Transaction::clearing(*family, table));
+        dormant.ops.push(model::Op::AddTable {
+            family: *family,
+            table: table.to_string(),
+            comment: None,
+            dormant: true,
+        });
     }
-    netlink::Writer::open()?.send(netlink::Batch::transaction(&tx)?)
+    let mut delete = dormant.clone();
+    for (family, table) in tables {
+        delete.ops.push(model::Op::DeleteTable {
+            family: *family,
+            table: table.to_string(),
+        });
+    }
+    let mut w = netlink::Writer::open()?;
+    w.send(netlink::Batch::transaction(&dormant)?)?;
+    w.send(netlink::Batch::transaction(&delete)?)
 }

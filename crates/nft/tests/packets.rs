@@ -815,3 +815,120 @@ fn full_replacement_never_leaves_a_gap() {
         outcomes.len()
     );
 }
+
+/// The way back to another proxy (`kproxy cleanup` once kube-proxy has synced,
+/// docs/migrate.md): with the other proxy's rules in place, removing kproxy's tables
+/// refuses no new connection. Deleting a table in one transaction is not seen at once by
+/// a packet already inside its chains: the kernel can show it the table's rules with the
+/// verdict maps' elements already gone, so the `service-ips` lookup misses and the
+/// cluster-IP reject below it answers (the 1-in-7 refusal of `kproxy lab takeover
+/// --from iptables --back` on a loaded machine). Cleanup therefore makes the tables
+/// dormant first (their hooks go, the rules a packet in flight sees stay whole) and
+/// deletes them after. The chains are padded by another process with rules that match
+/// nothing, so that a packet spends long enough in them for the race to show in a few
+/// dozen rounds (deleted in one transaction: 7–10 of ≈ 6,000 connections refused). The
+/// probes run only between the padding and the end of the cleanup: while `nft` inserts
+/// the 4,000 padding rules a SYN is now and then lost (and retransmitted), which is
+/// that insert's doing, not kproxy's.
+#[test]
+fn cleanup_with_another_proxy_in_place_refuses_nothing() {
+    if !kproxy_test_support::root("network namespaces, nftables") {
+        return;
+    }
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let f = Arc::new(Fabric::new());
+    let eps = [("a", "node-a", READY)];
+    let plan = plan_from_yaml(
+        &manifest(&Svc {
+            etp: "Cluster",
+            itp: "Cluster",
+            endpoints: &eps,
+            extra: "",
+        }),
+        "node-a",
+        &config(),
+    );
+    // The other proxy (kube-proxy's place): its own DNAT of the Service, after kproxy's
+    // (kproxy's nat chains run at dstnat - 1).
+    f.node.exec(
+        "printf \"table ip standin {\\n chain pre {\\n  type nat hook prerouting priority dstnat;\\n  ip daddr 10.96.0.10 tcp dport 80 dnat to 10.244.1.2:8080\\n }\\n}\\n\" | nft -f -",
+    );
+    struct Removed(std::path::PathBuf);
+    impl Drop for Removed {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let pad = Removed(std::env::temp_dir().join(format!(
+        "kproxy-test-padding-{}.nft",
+        std::process::id()
+    )));
+    let text: String = (0..4000)
+        .map(|i| {
+            format!(
+                "insert rule ip kproxy nat-prerouting ip daddr 192.0.2.{} tcp dport {} accept\n",
+                i % 250 + 1,
+                i + 1000
+            )
+        })
+        .collect();
+    std::fs::write(&pad.0, text).expect("write padding");
+    let pad_cmd = format!("nft -f {}", pad.0.display());
+
+    let stop = Arc::new(AtomicBool::new(false));
+    // Probing while `open`; `busy` while a probe runs (set, then `open` checked again,
+    // so closing and then waiting for `busy` to clear leaves no probe running).
+    let open = Arc::new(AtomicBool::new(false));
+    let busy = Arc::new(AtomicBool::new(false));
+    let prober = {
+        let (f, stop, open, busy) = (f.clone(), stop.clone(), open.clone(), busy.clone());
+        std::thread::spawn(move || {
+            let mut outcomes = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                busy.store(true, Ordering::SeqCst);
+                if open.load(Ordering::SeqCst) {
+                    outcomes.push(f.probe(From::Client, ip("10.96.0.10"), 80, Protocol::TCP));
+                    busy.store(false, Ordering::SeqCst);
+                } else {
+                    busy.store(false, Ordering::SeqCst);
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+            outcomes
+        })
+    };
+    for _ in 0..40 {
+        let plan = plan.clone();
+        f.node.run(move || {
+            kproxy_nft::Dataplane::new(kproxy_nft::DataplaneConfig::default())
+                .expect("config")
+                .sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
+                .expect("sync")
+        });
+        f.node.exec(&pad_cmd);
+        open.store(true, Ordering::SeqCst);
+        // Long enough for a few probes through kproxy's chains before the cleanup.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        f.node.run(|| {
+            kproxy_nft::cleanup(&kproxy_nft::DataplaneConfig::default()).expect("cleanup")
+        });
+        open.store(false, Ordering::SeqCst);
+        while busy.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let outcomes = prober.join().expect("prober");
+    assert!(outcomes.len() >= 20, "only {} probes", outcomes.len());
+    let bad: Vec<_> = outcomes
+        .iter()
+        .filter(|o| !matches!(o, Outcome::Answer { .. }))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} new connections failed: {bad:?}",
+        bad.len(),
+        outcomes.len()
+    );
+}
