@@ -15,7 +15,8 @@
 //! a health-check node port), endpoints spread over 100 nodes, one in seven
 //! serving+terminating; plus one `bench/probe` Service whose endpoint is a listener in
 //! the namespace, the target of the latency samples. Last, `/metrics` is scraped 5 times
-//! after the traffic counters' first reading (its time and size);
+//! after the traffic counters' first reading (its time and size), after the idle
+//! daemon's CPU over the 11 s before them;
 //! `DAEMON_BENCH_TRAFFIC=off|service|endpoint` sets `--traffic-metrics`.
 
 #![expect(
@@ -256,7 +257,7 @@ fn run(services: usize, eps: usize) {
         percentile(&samples, 0.99).as_micros(),
     );
     let _ = std::io::stdout().flush();
-    scrape(&name, services, eps);
+    scrape(&name, pid, services, eps);
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
         nix::sys::signal::Signal::SIGTERM,
@@ -268,9 +269,17 @@ fn run(services: usize, eps: usize) {
 }
 
 /// `/metrics` once the traffic counters were read (they are read every 10 s): 5 scrapes,
-/// their wall time and size, and the daemon's own time to read the counters.
-fn scrape(ns: &str, services: usize, eps: usize) {
+/// their wall time and size, and the daemon's own time to read the counters; before
+/// them, the idle daemon's CPU over those 11 s (one reading of the counters in them).
+fn scrape(ns: &str, pid: u32, services: usize, eps: usize) {
+    let before = cpu_ticks(pid);
     std::thread::sleep(Duration::from_secs(11));
+    let idle_ticks = cpu_ticks(pid).saturating_sub(before);
+    // USER_HZ is 100 on every Linux the bench runs on.
+    println!(
+        "{services}x{eps}: idle CPU over 11 s {} ms (user + system)",
+        idle_ticks * 10
+    );
     let ns = ns.to_string();
     let (times, body) = std::thread::spawn(move || {
         Netns::enter(&ns);
@@ -305,6 +314,17 @@ fn scrape(ns: &str, services: usize, eps: usize) {
         times.last().map_or(0, |t| t.as_millis()),
         body.len() as f64 / 1e6,
     );
+}
+
+/// utime + stime of `pid` in clock ticks (`/proc/PID/stat` fields 14 and 15).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name (field 2) may hold spaces: count from the `)` that ends it.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After `)`: field 3 is f[0], so fields 14 and 15 are f[11] and f[12].
+    let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    n(11) + n(12)
 }
 
 fn main() {

@@ -19,7 +19,10 @@
 //! the pause around each sync (default 500); `KPROXY_BENCH_CMD`: a shell command run in
 //! the node namespace as one more window (e.g. an unrelated big `nft -f`, to tell the
 //! kernel's part from kproxy's); `KPROXY_BENCH_UNREPLIED=1`: at the end, the node's
-//! unanswered conntrack entries and how many entries had the client's port remapped.
+//! unanswered conntrack entries and how many entries had the client's port remapped;
+//! `KPROXY_BENCH_COUNTERS=1`: with the traffic counters (`DataplaneConfig::counters`,
+//! `kproxy run`'s default), so the quiet windows' handshake times compare counters off
+//! and on.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
@@ -295,6 +298,7 @@ fn run(lab: &Lab, services: usize, eps: usize) {
     let plan = planner.plan();
     let cfg = DataplaneConfig {
         conntrack_cleanup: false,
+        counters: std::env::var_os("KPROXY_BENCH_COUNTERS").is_some(),
         ..DataplaneConfig::default()
     };
     kproxy_nft::cleanup(&cfg).expect("remove an earlier size's tables");
