@@ -39,7 +39,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, NODE, Netns, SERVICE, can_run, fabric, http_get, sh, sigterm, slice,
+    Daemon, DaemonLog, NODE, Netns, SERVICE, can_run, fabric, http_get, sigterm, slice,
     write_atomic,
 };
 
@@ -312,40 +312,34 @@ fn counters_survive_restarts_upgrade_and_takeover_and_a_flush_restores_the_last_
     };
 
     let mut daemon = node.start(&first);
-    let mut sent = (0u64, 0u64);
-    let mut round = |node: &Node, new: u64, rejects: u64| {
+    let mut sent = (7u64, 3u64);
+    node.send(sent.0, sent.1);
+    assert_eq!(node.kernel(), sent, "the first process's counts");
+    let created = node.metrics_at(sent);
+    // More connections after `what`: the kernel and `/metrics` count on from the sum
+    // of all sent, and `_created` stays.
+    let mut counts_on = |new: u64, rejects: u64, what: &str| {
         node.send(new, rejects);
         sent = (sent.0 + new, sent.1 + rejects);
+        assert_eq!(node.kernel(), sent, "after {what}");
+        assert_eq!(node.metrics_at(sent), created, "_created after {what}");
         sent
     };
-    let want = round(&node, 7, 3);
-    assert_eq!(node.kernel(), want, "the first process's counts");
-    let created = node.metrics_at(want);
 
     // 1. Another binary: the first process stops, this build adopts its tables.
     assert!(sigterm(&mut daemon).success());
     daemon = node.start(&this);
-    let want = round(&node, 5, 2);
-    assert_eq!(node.kernel(), want, "after another binary took over");
-    assert_eq!(
-        node.metrics_at(want),
-        created,
-        "_created after another binary"
-    );
+    counts_on(5, 2, "another binary took over");
 
     // 2. SIGTERM, the same binary again.
     assert!(sigterm(&mut daemon).success());
     daemon = node.start(&this);
-    let want = round(&node, 4, 1);
-    assert_eq!(node.kernel(), want, "after SIGTERM and a restart");
-    assert_eq!(node.metrics_at(want), created, "_created after SIGTERM");
+    counts_on(4, 1, "SIGTERM and a restart");
 
     // 3. SIGKILL: no shutdown path at all.
     sigkill(&mut daemon);
     daemon = node.start(&this);
-    let want = round(&node, 6, 2);
-    assert_eq!(node.kernel(), want, "after SIGKILL and a restart");
-    assert_eq!(node.metrics_at(want), created, "_created after SIGKILL");
+    counts_on(6, 2, "SIGKILL and a restart");
 
     // 4. A takeover from kube-proxy: its tables appear while kproxy is stopped (no
     // traffic then: its pre-DNAT filter chains would reject the cluster IPs it knows).
@@ -361,31 +355,20 @@ fn counters_survive_restarts_upgrade_and_takeover_and_a_flush_restores_the_last_
         let t = node.tables();
         !t.contains("kube-proxy") && t.contains(&format!("table ip {TABLE}"))
     });
-    let want = round(&node, 3, 2);
-    assert_eq!(node.kernel(), want, "after the takeover from kube-proxy");
-    assert_eq!(
-        node.metrics_at(want),
-        created,
-        "_created after the takeover"
-    );
+    let read = counts_on(3, 2, "the takeover from kube-proxy");
 
     // 5. Another process flushes the ruleset. Right after a reading (the last one kproxy
     // makes before the flush), more connections are sent: the kernel counts them, then
     // loses everything; kproxy restores what it had read.
     node.after_next_reading();
-    let read = want;
-    let lost = round(&node, 4, 1);
-    assert_eq!(node.kernel(), lost, "counted before the flush");
+    node.send(4, 1);
+    assert_eq!(
+        node.kernel(),
+        (read.0 + 4, read.1 + 1),
+        "counted before the flush"
+    );
     let repairs = node.repairs();
-    sh(&[
-        "ip",
-        "netns",
-        "exec",
-        &node.ns().0,
-        "nft",
-        "flush",
-        "ruleset",
-    ]);
+    node.ns().exec(&["nft", "flush", "ruleset"]);
     node.wait("the repair of the flushed tables", || {
         node.repairs() > repairs
     });
