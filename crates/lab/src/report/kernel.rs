@@ -138,7 +138,7 @@ fn notes(c: &KernelCheck) -> Vec<String> {
         )
     } else {
         format!(
-            "DNATed: {}, the load generator's connections that reached an endpoint: {reached}: {} not counted: not DNATed by kproxy on these nodes (the counters leave out a DNAT to an endpoint on the node itself from outside, and ClientIP-affinity endpoints), or a node's counters not read",
+            "DNATed: {}, the load generator's connections that reached an endpoint: {reached}: {} not counted: not DNATed by kproxy on these nodes (the counters leave out a DNAT to an endpoint on the node itself from outside, and ClientIP-affinity endpoints), counts lost to a flush of the ruleset (kproxy restores its last reading, not what the kernel counted after it), or a node's counters not read",
             c.kernel_new,
             reached - c.kernel_new
         )
