@@ -74,6 +74,20 @@ fn check_counts_match_records(run: &Value) {
     );
 }
 
+/// The report's kernel counters (issue 47 item 4): every node read, and the sums the
+/// nodes' counts make.
+fn kernel_counters(run: &Value) -> &Value {
+    let k = &run["kernel_counters"];
+    let nodes = k["nodes"]
+        .as_array()
+        .expect("the run read the nodes' kernel counters");
+    assert_eq!(nodes.len(), 3, "{k}");
+    assert!(nodes.iter().all(|n| n.get("error").is_none()), "{k}");
+    let sum: u64 = nodes.iter().map(|x| n(x, "dropped")).sum();
+    assert_eq!(sum, n(k, "kernel_dropped"), "{k}");
+    k
+}
+
 fn failures_summary(run: &Value) -> String {
     format!(
         "{} run {}: {} of {} failed {}; bursts: {}",
@@ -99,6 +113,17 @@ fn defaults_kproxy_behaviour_loses_nothing_over_five_rollouts() {
         assert_eq!(r["behaviour"], "kproxy");
         check_counts_match_records(r);
         assert_eq!(n(r, "failed"), 0, "{}", failures_summary(r));
+        // The kernel saw every connection the load generator opened DNATed, none
+        // rejected or dropped, and the terminating fallback carried some (the LB
+        // sends to a node after its last pod became terminating).
+        let k = kernel_counters(r);
+        assert_eq!(n(k, "kernel_new"), n(k, "loadgen_connections"), "{k}");
+        assert_eq!(
+            (n(k, "kernel_rejected"), n(k, "kernel_dropped")),
+            (0, 0),
+            "{k}"
+        );
+        assert!(n(k, "kernel_fallback") > 0, "{k}");
     }
     assert_eq!(code, 0);
 }
@@ -136,6 +161,14 @@ fn pre_126_behaviour_loses_requests_in_every_run_and_the_report_says_why() {
                 .any(|c| c.contains("after its last pod became terminating")),
             "a burst is explained by a node whose last pod was terminating: {causes:?}"
         );
+        // The time-outs were the kernel's no-local drops: at least one dropped SYN
+        // each (the retransmissions count again), and no fallback (pre-1.26 has none).
+        let k = kernel_counters(r);
+        assert!(
+            n(k, "kernel_dropped") >= n(k, "loadgen_timed_out") && n(k, "loadgen_timed_out") > 0,
+            "{k}"
+        );
+        assert_eq!(n(k, "kernel_fallback"), 0, "{k}");
     }
     // The HTML report exists where asked (its directory created), is named in the
     // JSON, and shows both runs with the timeline's legend.

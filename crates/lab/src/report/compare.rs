@@ -283,6 +283,7 @@ mod tests {
             rollout_end_ms: 2100.0,
             load_end_ms: 3000.0,
             drain: None,
+            kernel: Vec::new(),
         }
     }
 

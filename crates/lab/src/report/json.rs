@@ -3,10 +3,12 @@
 use serde_json::{Value, json};
 
 use super::{RunResult, nominal, summarize};
-use crate::report::compare;
+use crate::report::{compare, kernel};
 use crate::scenario::rollout::RolloutConfig;
 
-/// The JSON document: `{"runs": [{"behaviour", "sent", "ok", "failed", ...}], "html"}`.
+/// The JSON document: `{"runs": [{"behaviour", "sent", "ok", "failed", ...}], "html"}`;
+/// a run that read kproxy's kernel counters also has `kernel_counters`
+/// ([`kernel::KernelCheck`]).
 /// Times (`*_s`) are nominal seconds since the run started, as in the text report.
 pub fn render(runs: &[RunResult], config: &RolloutConfig, html: Option<&std::path::Path>) -> Value {
     let rs: Vec<Value> = runs
@@ -37,6 +39,13 @@ pub fn render(runs: &[RunResult], config: &RolloutConfig, html: Option<&std::pat
                             .collect(),
                     ),
                 );
+                if !r.kernel.is_empty() {
+                    o.insert(
+                        "kernel_counters".into(),
+                        serde_json::to_value(kernel::check(r.kernel.clone(), &r.records))
+                            .unwrap_or(Value::Null),
+                    );
+                }
                 o.insert(
                     "records".into(),
                     serde_json::to_value(&r.records).unwrap_or(Value::Null),

@@ -5,7 +5,8 @@
 //! late, every node failing a health check at once), and renders it as text (`text`),
 //! JSON (`json`) and a self-contained HTML page (`html`). `compare` lines up one
 //! scenario on both control planes; `matrix` judges the matrix's cells against lint;
-//! `held` counts the held runs' phases. Pure functions; all times shown are nominal
+//! `held` counts the held runs' phases; `kernel` sets kproxy's kernel counters beside
+//! the load generator's failures. Pure functions; all times shown are nominal
 //! (real time divided by the time scale).
 
 use std::collections::BTreeMap;
@@ -24,6 +25,7 @@ pub mod compare;
 pub mod held;
 pub mod html;
 pub mod json;
+pub mod kernel;
 pub mod matrix;
 #[cfg(test)]
 mod tests;
@@ -47,6 +49,9 @@ pub struct RunResult {
     /// The node drain the run performed instead of a rolling update (the Service was
     /// `externalTrafficPolicy: Cluster`); None: a rolling update of an eTP-Local Service.
     pub drain: Option<NodeDrain>,
+    /// Each node's kernel traffic counters over the load (`kernel`): empty when the
+    /// run did not read them.
+    pub kernel: Vec<kernel::NodeCounts>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]

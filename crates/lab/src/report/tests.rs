@@ -52,6 +52,7 @@ fn three_nodes(events: Vec<Event>, records: Vec<RequestRecord>) -> RunResult {
         rollout_end_ms: 6000.0,
         load_end_ms: 6000.0,
         drain: None,
+        kernel: Vec::new(),
     }
 }
 
@@ -187,6 +188,7 @@ fn keep_alive_failures_after_a_pod_exit_are_explained() {
         rollout_end_ms: 2000.0,
         load_end_ms: 2000.0,
         drain: None,
+        kernel: Vec::new(),
     };
     let cause = explain_burst(&r, 1000.0, 1000.0, &[&failed]);
     assert!(
@@ -235,6 +237,7 @@ fn drain_bursts_name_the_deleted_node_and_the_health_story() {
             delete_after_s: 3.0,
             by: DrainBy::AutoscalerTaint,
         }),
+        kernel: Vec::new(),
     };
     // pre-1.26 (no KEP-3836): /healthz kept passing until the node vanished.
     let r = run(vec![
@@ -319,6 +322,7 @@ fn unpublished_terminations_and_flushes_are_named() {
         rollout_end_ms: 3000.0,
         load_end_ms: 3000.0,
         drain: None,
+        kernel: Vec::new(),
     };
     let pod = |t: f64, kind: EventKind| ev(t, kind, Some("node-2"), Some("web-1"), "");
     let pods = vec![
@@ -442,4 +446,47 @@ fn bursts_with_one_cause_are_told_apart() {
         "{}",
         m.bursts[1].cause
     );
+}
+
+/// The rollout's JSON keeps its keys and adds `kernel_counters` when the run read the
+/// nodes' counters; the text and HTML reports show the same section.
+#[test]
+fn the_kernel_counters_are_in_every_report_only_when_read() {
+    let records = vec![rec(0.0, Outcome::Ok), rec(10.0, Outcome::Timeout)];
+    let mut r = three_nodes(vec![], records);
+    let cfg = crate::scenario::rollout::RolloutConfig::default();
+    let without = json::render(std::slice::from_ref(&r), &cfg, None);
+    assert!(without["runs"][0].get("kernel_counters").is_none());
+    assert!(!render_text(std::slice::from_ref(&r), false).contains("kernel counters"));
+    r.kernel = vec![kernel::NodeCounts {
+        node: "node-1".into(),
+        new: 1,
+        dropped: 2,
+        ..kernel::NodeCounts::default()
+    }];
+    let with = json::render(std::slice::from_ref(&r), &cfg, None);
+    let run = &with["runs"][0];
+    for key in [
+        "sent",
+        "failed_by_kind",
+        "bursts",
+        "records",
+        "rollout_end_s",
+    ] {
+        assert!(run.get(key).is_some(), "{key} kept: {run}");
+    }
+    let k = &run["kernel_counters"];
+    assert_eq!(k["nodes"][0]["dropped"], 2, "{k}");
+    assert_eq!(k["loadgen_timed_out"], 1, "{k}");
+    assert!(
+        k["notes"][1].as_str().unwrap().contains("retransmissions"),
+        "{k}"
+    );
+    let text = render_text(std::slice::from_ref(&r), false);
+    assert!(
+        text.contains("kernel counters beside the load generator"),
+        "{text}"
+    );
+    let page = html::render("t", "i", std::slice::from_ref(&r), &[]);
+    assert!(page.contains("Kernel counters beside the load generator"));
 }

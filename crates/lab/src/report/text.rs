@@ -1,5 +1,6 @@
 //! The rollout's text report: per run, the summary, the failures by phase, the bursts
-//! with their causes and the anomalies; with `--timeline`, every event.
+//! with their causes and the anomalies, kproxy's kernel counters beside the load
+//! generator's failures; with `--timeline`, every event.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -156,6 +157,12 @@ pub fn render(runs: &[RunResult], timeline: bool) -> String {
         }
         for a in &m.anomalies {
             let _ = writeln!(s, "  anomaly at {:>7.2}s: {}", a.at_s, a.what);
+        }
+        if !r.kernel.is_empty() {
+            s.push_str(&super::kernel::text(&super::kernel::check(
+                r.kernel.clone(),
+                &r.records,
+            )));
         }
         if timeline {
             let _ = writeln!(s, "  timeline:");

@@ -239,6 +239,42 @@ impl Kproxyd {
         let _ = c.wait();
     }
 
+    /// This node's traffic counters now, summed over its Service ports: (DNATed,
+    /// rejected, dropped, fallback), read from the node's kernel by the same binary's
+    /// `kproxy top -o json` (the rules stay when the daemon stops, so this works after
+    /// `stop` too). Err: why not, in words.
+    pub fn traffic_totals(&self) -> Result<[u64; 4], String> {
+        // argv: netns exec NS KPROXY run ...
+        let out = Command::new("ip")
+            .args(&self.argv[..4])
+            .args(["top", "-o", "json", "--interval", "0.05"])
+            .output()
+            .map_err(|e| format!("kproxy top: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "kproxy top: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).map_err(|e| format!("kproxy top's JSON: {e}"))?;
+        let mut sum = [0u64; 4];
+        for p in v["servicePorts"].as_array().into_iter().flatten() {
+            for (i, k) in [
+                "new_total",
+                "rejects_total",
+                "drops_total",
+                "fallback_total",
+            ]
+            .iter()
+            .enumerate()
+            {
+                sum[i] += p[k].as_u64().unwrap_or(0);
+            }
+        }
+        Ok(sum)
+    }
+
     /// Copy this daemon's event log into the timeline. `wall_start` is the wall
     /// clock when the run's clock started.
     pub fn import_events(&self, recorder: &Recorder, wall_start: SystemTime) {

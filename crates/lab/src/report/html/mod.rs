@@ -112,6 +112,7 @@ pub fn render(title: &str, intro: &str, runs: &[RunResult], matrix: &[CellResult
         );
         s.push_str(&bursts(m));
         s.push_str(&anomalies(m));
+        s.push_str(&kernel_counters(r));
         s.push_str(&timeline_svg(r));
         s.push_str("</details>\n");
     }
@@ -275,6 +276,57 @@ fn bursts(m: &Summary) -> String {
 
 /// The run's anomalies: what no setting explains (the lab running late, every node
 /// failing a health check at once).
+/// kproxy's kernel counters per node beside the load generator's failures
+/// (`report::kernel`), when the run read them.
+fn kernel_counters(r: &RunResult) -> String {
+    if r.kernel.is_empty() {
+        return String::new();
+    }
+    let c = report::kernel::check(r.kernel.clone(), &r.records);
+    let mut s = String::from(
+        "<h3>Kernel counters beside the load generator</h3>\n<p>New connections during the load, per node, as kproxy's nftables counters counted them; the load generator cannot tell which node a failed connection went through, so it is compared with the sum.</p>\n<table><tr><th>node</th><th>DNATed</th><th>rejected</th><th>dropped</th><th>fallback</th></tr>\n",
+    );
+    for n in &c.nodes {
+        match &n.error {
+            Some(e) => {
+                let _ = writeln!(
+                    s,
+                    "<tr><td>{}</td><td colspan=\"4\">not read: {}</td></tr>",
+                    esc(&n.node),
+                    esc(e)
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    s,
+                    "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                    esc(&n.node),
+                    n.new,
+                    n.rejected,
+                    n.dropped,
+                    n.fallback
+                );
+            }
+        }
+    }
+    let _ = writeln!(
+        s,
+        "<tr><td><b>all nodes</b></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr></table>\n<p>Load generator: {} connections opened, {} refused, {} timed out.</p>\n<ul>",
+        c.kernel_new,
+        c.kernel_rejected,
+        c.kernel_dropped,
+        c.kernel_fallback,
+        c.loadgen_connections,
+        c.loadgen_refused,
+        c.loadgen_timed_out
+    );
+    for n in &c.notes {
+        let _ = writeln!(s, "<li>{}</li>", esc(n));
+    }
+    s.push_str("</ul>\n");
+    s
+}
+
 fn anomalies(m: &Summary) -> String {
     if m.anomalies.is_empty() {
         return "<p>No anomaly: the lab kept time (no preStop longer than configured, no stall) and no probe round failed every node.</p>\n".into();
@@ -413,6 +465,7 @@ mod tests {
             rollout_end_ms: 2000.0,
             load_end_ms: 2000.0,
             drain: None,
+            kernel: Vec::new(),
         }
     }
 

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::LabError;
 use crate::report::RunResult;
+use crate::report::kernel::NodeCounts;
 use crate::runs::{Progress, Workdir, blocking, check_daemons, finish, on_lab_runtime, wait_for};
 use crate::scenario::balancer::HealthCheck;
 use crate::scenario::rollout::RolloutConfig;
@@ -208,6 +209,7 @@ async fn run_async(
         rollout_end_ms: times.rollout_end_ms,
         load_end_ms: times.load_end_ms,
         drain: opts.drain,
+        kernel: times.kernel,
     })
 }
 
@@ -285,6 +287,45 @@ struct Times {
     rollout_start_ms: f64,
     rollout_end_ms: f64,
     load_end_ms: f64,
+    /// Each node's kernel counters over the load.
+    kernel: Vec<NodeCounts>,
+}
+
+/// Every node's counters now ([`Kproxyd::traffic_totals`]).
+fn read_counters(daemons: &[Kproxyd]) -> Vec<(String, Result<[u64; 4], String>)> {
+    daemons
+        .iter()
+        .map(|d| (d.node.clone(), blocking(|| d.traffic_totals())))
+        .collect()
+}
+
+/// What each node counted between two readings.
+fn counted_between(
+    before: Vec<(String, Result<[u64; 4], String>)>,
+    after: Vec<(String, Result<[u64; 4], String>)>,
+) -> Vec<NodeCounts> {
+    before
+        .into_iter()
+        .zip(after)
+        .map(|((node, b), (_, a))| match (b, a) {
+            (Ok(b), Ok(a)) => {
+                let d = |i: usize| a[i].saturating_sub(b[i]);
+                NodeCounts {
+                    node,
+                    new: d(0),
+                    rejected: d(1),
+                    dropped: d(2),
+                    fallback: d(3),
+                    error: None,
+                }
+            }
+            (Err(e), _) | (_, Err(e)) => NodeCounts {
+                node,
+                error: Some(e),
+                ..NodeCounts::default()
+            },
+        })
+        .collect()
 }
 
 /// Whether the load balancer sees every node with a ready pod as healthy.
@@ -338,6 +379,9 @@ impl Phase<'_> {
             self.tag, cfg.deployment.replicas
         ));
 
+        // kproxy's kernel counters, read again when the load stops: what the nodes
+        // counted of it, for the report to set beside the load generator's failures.
+        let counters_before = read_counters(daemons);
         let load = LoadGenerator::start(
             self.fabric.client.name(),
             std::net::SocketAddr::from((VIP, SERVICE_PORT)),
@@ -377,6 +421,7 @@ impl Phase<'_> {
         tokio::time::sleep(clock.real(cfg.settle_seconds)).await;
         let records = load.stop();
         let load_end_ms = clock.now_ms();
+        let kernel = counted_between(counters_before, read_counters(daemons));
         rec.record(
             EventKind::LoadStopped,
             None,
@@ -398,6 +443,7 @@ impl Phase<'_> {
             rollout_start_ms,
             rollout_end_ms,
             load_end_ms,
+            kernel,
         })
     }
 
