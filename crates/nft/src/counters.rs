@@ -214,7 +214,7 @@ impl CounterMemory {
                 }
                 Op::DeleteObject {
                     family, kind, name, ..
-                } if *kind == crate::model::COUNTER_OBJECT => {
+                } if *kind == crate::nfnl::NFT_OBJECT_COUNTER => {
                     self.seen.remove(&(*family, name.clone()));
                 }
                 // A table deleted (a replacement, `kproxy cleanup`): its counters are
@@ -256,7 +256,7 @@ pub(crate) fn read_family(
     family: Family,
     table: &str,
 ) -> Result<BTreeMap<String, RawCounter>, NftError> {
-    crate::dump::read_counter_objects(family.nft(), table)
+    crate::dump::read_counter_objects(family, table)
 }
 
 #[cfg(test)]

@@ -33,20 +33,18 @@ use netlink_sys::Socket;
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
+use crate::atom::Family;
 use crate::error::NftError;
-use crate::model::Family;
 use crate::nfnl::{self, Attrs, be32, c_str};
 use crate::nfnl::{
-    NFNL_SUBSYS_NFTABLES, NFNLGRP_NFTABLES, NFT_MSG_NEWGEN, NFTA_CHAIN_NAME, NFTA_GEN_ID,
-    NFTA_GEN_PROC_NAME, NFTA_GEN_PROC_PID, NFTA_RULE_CHAIN, NFTA_SET_NAME,
+    NFNL_SUBSYS_NFTABLES, NFNLGRP_NFTABLES, NFT_MSG_DELCHAIN, NFT_MSG_DELFLOWTABLE, NFT_MSG_DELOBJ,
+    NFT_MSG_DELRULE, NFT_MSG_DELSET, NFT_MSG_DELSETELEM, NFT_MSG_DELTABLE, NFT_MSG_DESTROYCHAIN,
+    NFT_MSG_DESTROYFLOWTABLE, NFT_MSG_DESTROYOBJ, NFT_MSG_DESTROYRULE, NFT_MSG_DESTROYSET,
+    NFT_MSG_DESTROYSETELEM, NFT_MSG_DESTROYTABLE, NFT_MSG_NEWCHAIN, NFT_MSG_NEWFLOWTABLE,
+    NFT_MSG_NEWGEN, NFT_MSG_NEWOBJ, NFT_MSG_NEWRULE, NFT_MSG_NEWSET, NFT_MSG_NEWSETELEM,
+    NFT_MSG_NEWTABLE, NFTA_ANY_TABLE, NFTA_CHAIN_NAME, NFTA_GEN_ID, NFTA_GEN_PROC_NAME,
+    NFTA_GEN_PROC_PID, NFTA_RULE_CHAIN, NFTA_SET_NAME,
 };
-
-/// The table's name is attribute 1 of every object message (`NFTA_TABLE_NAME`,
-/// `NFTA_CHAIN_TABLE`, `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, `NFTA_SET_ELEM_LIST_TABLE`,
-/// `NFTA_OBJ_TABLE`, `NFTA_FLOWTABLE_TABLE`).
-const NFTA_TABLE: u16 = 1;
-const NFPROTO_IPV4: u8 = 2;
-const NFPROTO_IPV6: u8 = 10;
 const NETLINK_HEADER: usize = 16;
 const NFGENMSG: usize = 4;
 /// The receive buffer: a full sync at 10k × 10 announces ≈ 10 MB of notifications
@@ -106,20 +104,21 @@ impl ChangeKind {
 /// The kind and verb (added: true) of an nf_tables message type; `None` for the
 /// generation message and anything that is not an object notification.
 fn object(msg: u16) -> Option<(ChangeKind, bool)> {
-    // NEW*/DEL* from nf_tables.h, and DESTROY* (26..=32), announced as deletions.
     Some(match msg {
-        0 => (ChangeKind::Table, true),
-        2 | 26 => (ChangeKind::Table, false),
-        3 => (ChangeKind::Chain, true),
-        5 | 27 => (ChangeKind::Chain, false),
-        6 => (ChangeKind::Rule, true),
-        8 | 28 => (ChangeKind::Rule, false),
-        9 => (ChangeKind::Set, true),
-        11 | 29 => (ChangeKind::Set, false),
-        12 => (ChangeKind::Element, true),
-        14 | 30 => (ChangeKind::Element, false),
-        18 | 22 => (ChangeKind::Other, true),
-        20 | 24 | 31 | 32 => (ChangeKind::Other, false),
+        NFT_MSG_NEWTABLE => (ChangeKind::Table, true),
+        NFT_MSG_DELTABLE | NFT_MSG_DESTROYTABLE => (ChangeKind::Table, false),
+        NFT_MSG_NEWCHAIN => (ChangeKind::Chain, true),
+        NFT_MSG_DELCHAIN | NFT_MSG_DESTROYCHAIN => (ChangeKind::Chain, false),
+        NFT_MSG_NEWRULE => (ChangeKind::Rule, true),
+        NFT_MSG_DELRULE | NFT_MSG_DESTROYRULE => (ChangeKind::Rule, false),
+        NFT_MSG_NEWSET => (ChangeKind::Set, true),
+        NFT_MSG_DELSET | NFT_MSG_DESTROYSET => (ChangeKind::Set, false),
+        NFT_MSG_NEWSETELEM => (ChangeKind::Element, true),
+        NFT_MSG_DELSETELEM | NFT_MSG_DESTROYSETELEM => (ChangeKind::Element, false),
+        NFT_MSG_NEWOBJ | NFT_MSG_NEWFLOWTABLE => (ChangeKind::Other, true),
+        NFT_MSG_DELOBJ | NFT_MSG_DELFLOWTABLE | NFT_MSG_DESTROYOBJ | NFT_MSG_DESTROYFLOWTABLE => {
+            (ChangeKind::Other, false)
+        }
         _ => return None,
     })
 }
@@ -308,10 +307,7 @@ fn notification_socket(rcvbuf: usize, poll: Duration) -> Result<Socket, NftError
         let context = context.to_string();
         move |source| NftError::Io { context, source }
     };
-    let mut sock = Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)
-        .map_err(io("opening a netfilter netlink socket"))?;
-    sock.bind_auto()
-        .map_err(io("binding a netfilter netlink socket"))?;
+    let sock = nfnl::bound().map_err(io("opening a netfilter netlink socket"))?;
     setsockopt(&sock, sockopt::RcvBufForce, &rcvbuf)
         .or_else(|_| setsockopt(&sock, sockopt::RcvBuf, &rcvbuf))
         .map_err(std::io::Error::from)
@@ -421,10 +417,8 @@ fn read_datagram(
         let Some((kind, added)) = object(msg_type) else {
             continue;
         };
-        let family = match family {
-            NFPROTO_IPV4 => Family::Ip,
-            NFPROTO_IPV6 => Family::Ip6,
-            _ => continue,
+        let Some(family) = Family::of_nfproto(family) else {
+            continue;
         };
         // The object's own name: `NFTA_CHAIN_NAME` (3), `NFTA_RULE_CHAIN` (2, the
         // rule's chain), `NFTA_SET_NAME` and `NFTA_SET_ELEM_LIST_SET` (2).
@@ -436,7 +430,7 @@ fn read_datagram(
         };
         let (mut this_table, mut name) = (None, None);
         for (k, value) in Attrs(attrs) {
-            if k == NFTA_TABLE {
+            if k == NFTA_ANY_TABLE {
                 this_table = c_str(value);
             } else if Some(k) == name_attr {
                 name = c_str(value);
@@ -506,6 +500,7 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nfnl::{NFPROTO_IPV4, NFPROTO_IPV6};
 
     /// One nf_tables message: header (type, port id), nfgenmsg (family), attributes.
     fn message(msg_type: u16, family: u8, port_id: u32, attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {

@@ -25,14 +25,23 @@
 use std::net::IpAddr;
 use std::os::fd::AsRawFd;
 
-use netlink_packet_core::{NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
 use netlink_packet_netfilter::NetfilterMessage;
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+use netlink_sys::{Socket, SocketAddr};
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
+use crate::atom::{concat_type, fields_len};
 use crate::error::{EncodeError, EncodeFailure, NftError};
-use crate::model::{Atom, Family, Field, Op, Transaction, Tuple, Value};
+use crate::model::{Atom, Family, Field, Op, SetData, SetDecl, Transaction, Tuple, Value};
+use crate::nfnl::{
+    NF_ACCEPT, NFT_DATA_VERDICT, NFT_OBJECT_COUNTER, NFT_SET_ANONYMOUS, NFT_SET_CONSTANT,
+    NFT_SET_ELEM_INTERVAL_END, NFT_SET_EVAL, NFT_SET_INTERVAL, NFT_SET_MAP, NFT_SET_OBJECT,
+    NFT_SET_TIMEOUT, NFT_TABLE_F_DORMANT, NFTA_ANY_TABLE, NFTA_SET_ELEM_OBJREF, NFTA_SET_OBJ_TYPE,
+    NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_REQUEST, UDATA_COMMENT, UDATA_SET_COMMENT,
+    UDATA_SET_DATA_INTERVAL, UDATA_SET_DATA_TYPEOF, UDATA_SET_DATABYTEORDER, UDATA_SET_KEY_TYPEOF,
+    UDATA_SET_KEYBYTEORDER, UDATA_SET_MERGE_ELEMENTS,
+};
 use crate::nfnl::{
     NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NFNL_SUBSYS_NFTABLES, NFT_MSG_DELCHAIN,
     NFT_MSG_DELOBJ, NFT_MSG_DELRULE, NFT_MSG_DELSET, NFT_MSG_DELSETELEM, NFT_MSG_DELTABLE,
@@ -57,14 +66,6 @@ const CHUNK_BYTES: usize = 256 << 10;
 /// batch must reach the kernel in one `sendmsg`, as `nft` sends it too).
 const INITIAL_SNDBUF: usize = 1 << 20;
 
-/// Opens a netfilter netlink socket in the calling thread's network namespace.
-pub(crate) fn open() -> Result<Socket, std::io::Error> {
-    let mut sock = Socket::new(NETLINK_NETFILTER)?;
-    sock.bind_auto()?;
-    sock.connect(&SocketAddr::new(0, 0))?;
-    Ok(sock)
-}
-
 /// Appends a key or value: a single field as is, each field of a concatenation padded
 /// to 4 bytes (nft's register layout); addresses and ports in network order, the
 /// `numgen` index in host order. A prefix does not encode as one key: an interval set's
@@ -86,12 +87,6 @@ pub(crate) fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Result<(), EncodeFai
     }
     Ok(())
 }
-
-// The writer's own flags (linux/netlink.h, linux/netfilter/nf_tables.h); the shared
-// vocabulary is `nfnl`'s.
-const NFT_TABLE_F_DORMANT: u32 = 0x1;
-const ELEM_INTERVAL_END: u32 = 0x1;
-const NLM_F_APPEND: u16 = 0x800;
 
 /// One transaction of element changes, encoded and ready to send.
 ///
@@ -163,7 +158,7 @@ fn key_list(b: &mut Vec<u8>, elements: &[(Vec<u8>, bool)]) -> Result<(), EncodeF
     for (key, end) in elements {
         let elem = nla_begin(b, NFTA_LIST_ELEM | NLA_F_NESTED);
         if *end {
-            nla_u32(b, NFTA_SET_ELEM_FLAGS, ELEM_INTERVAL_END)?;
+            nla_u32(b, NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END)?;
         }
         let k = nla_begin(b, NFTA_SET_ELEM_KEY | NLA_F_NESTED);
         let v = nla_begin(b, NFTA_DATA_VALUE);
@@ -205,15 +200,8 @@ fn byteorder(fields: &[Field]) -> u32 {
     }
 }
 
-// libnftnl's set user data types (`enum nftnl_udata_set_types`) and nft's ids of the
-// expressions and protocol fields a `typeof` declaration names.
-const UDATA_SET_KEYBYTEORDER: u8 = 0;
-const UDATA_SET_DATABYTEORDER: u8 = 1;
-const UDATA_SET_MERGE_ELEMENTS: u8 = 2;
-const UDATA_SET_KEY_TYPEOF: u8 = 3;
-const UDATA_SET_DATA_TYPEOF: u8 = 4;
-const UDATA_SET_DATA_INTERVAL: u8 = 6;
-const UDATA_SET_COMMENT: u8 = 7;
+// nft's ids of the expressions and protocol fields a `typeof` declaration names (nft's
+// own, in its user data; libnftnl's user data types are `nfnl`'s).
 const EXPR_PAYLOAD: u32 = 7;
 const EXPR_META: u32 = 9;
 const EXPR_CONCAT: u32 = 13;
@@ -224,8 +212,7 @@ const EXPR_NUMGEN: u32 = 23;
 /// key byte order; a map's data byte order; auto-merge; the key's (and a map's data)
 /// `typeof` expressions, or for a `type` concatenation an empty concatenation; a map's
 /// data-interval flag; the comment.
-fn set_udata(decl: &crate::model::SetDecl) -> Result<Vec<u8>, EncodeFailure> {
-    use crate::model::SetData;
+fn set_udata(decl: &SetDecl) -> Result<Vec<u8>, EncodeFailure> {
     let mut u = Vec::new();
     udata_u32(&mut u, UDATA_SET_KEYBYTEORDER, byteorder(&decl.key))?;
     match &decl.data {
@@ -352,11 +339,7 @@ impl Batch {
             return "a message of the batch".into();
         };
         let kind = u16::from_ne_bytes([header[4], header[5]]) & 0xff;
-        let family = match header[16] {
-            2 => "ip",
-            10 => "ip6",
-            _ => "",
-        };
+        let family = Family::of_nfproto(header[16]).map_or("", Family::nft);
         let attrs = crate::nfnl::Attrs(&msg[20..]);
         let text = |want: u16| {
             attrs.clone().find(|(k, _)| *k == want).map(|(_, v)| {
@@ -364,7 +347,7 @@ impl Batch {
                 String::from_utf8_lossy(&v[..end]).into_owned()
             })
         };
-        let table = text(1).unwrap_or_default();
+        let table = text(NFTA_ANY_TABLE).unwrap_or_default();
         let (what, name) = match kind {
             NFT_MSG_NEWTABLE => ("add table", None),
             NFT_MSG_DELTABLE => ("delete table", None),
@@ -593,13 +576,13 @@ impl Batch {
         let b = &mut self.bytes;
         nla_str(b, NFTA_OBJ_TABLE, table)?;
         nla_str(b, NFTA_OBJ_NAME, name)?;
-        nla_u32(b, NFTA_OBJ_TYPE, crate::model::COUNTER_OBJECT)?;
+        nla_u32(b, NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER)?;
         let data = nla_begin(b, NFTA_OBJ_DATA | NLA_F_NESTED);
         nla_bytes(b, NFTA_COUNTER_BYTES, &bytes.to_be_bytes())?;
         nla_bytes(b, NFTA_COUNTER_PACKETS, &packets.to_be_bytes())?;
         nla_end(b, data)?;
         let mut u = Vec::new();
-        udata_str(&mut u, 0, &crate::nfnl::since_comment(since))?;
+        udata_str(&mut u, UDATA_COMMENT, &crate::nfnl::since_comment(since))?;
         nla_bytes(b, crate::nfnl::NFTA_OBJ_USERDATA, &u)?;
         self.end_message(at);
         self.note(seq, at);
@@ -626,7 +609,7 @@ impl Batch {
         nla_u32(b, NFTA_TABLE_FLAGS, flags)?;
         if let Some(c) = comment {
             let mut u = Vec::new();
-            udata_str(&mut u, 0, c)?;
+            udata_str(&mut u, UDATA_COMMENT, c)?;
             nla_bytes(b, NFTA_TABLE_USERDATA, &u)?;
         }
         self.end_message(at);
@@ -643,12 +626,8 @@ impl Batch {
         family: Family,
         table: &str,
         name: &str,
-        decl: &crate::model::SetDecl,
+        decl: &SetDecl,
     ) -> Result<(), EncodeFailure> {
-        const SET_INTERVAL: u32 = 0x4;
-        const SET_MAP: u32 = 0x8;
-        const SET_TIMEOUT: u32 = 0x10;
-        const SET_EVAL: u32 = 0x20;
         if decl.interval && decl.key.len() > 1 {
             // nft adds a field-length description kproxy never needs; not guessed.
             return Err(EncodeFailure::Declaration);
@@ -664,41 +643,34 @@ impl Batch {
         nla_str(b, NFTA_SET_NAME, name)?;
         let mut flags = 0;
         for (on, f) in [
-            (decl.interval, SET_INTERVAL),
+            (decl.interval, NFT_SET_INTERVAL),
             (
-                decl.is_map() && decl.data != Some(crate::model::SetData::Counter),
-                SET_MAP,
+                decl.is_map() && decl.data != Some(SetData::Counter),
+                NFT_SET_MAP,
             ),
-            (decl.timeout_secs.is_some(), SET_TIMEOUT),
-            (decl.dynamic, SET_EVAL),
-            (
-                decl.data == Some(crate::model::SetData::Counter),
-                crate::nfnl::SET_OBJECT,
-            ),
+            (decl.timeout_secs.is_some(), NFT_SET_TIMEOUT),
+            (decl.dynamic, NFT_SET_EVAL),
+            (decl.data == Some(SetData::Counter), NFT_SET_OBJECT),
         ] {
             if on {
                 flags |= f;
             }
         }
         nla_u32(b, NFTA_SET_FLAGS, flags)?;
-        nla_u32(b, NFTA_SET_KEY_TYPE, crate::atom::concat_type(&decl.key))?;
-        nla_u32(b, NFTA_SET_KEY_LEN, crate::atom::fields_len(&decl.key))?;
+        nla_u32(b, NFTA_SET_KEY_TYPE, concat_type(&decl.key))?;
+        nla_u32(b, NFTA_SET_KEY_LEN, fields_len(&decl.key))?;
         match &decl.data {
             None => {}
-            Some(crate::model::SetData::Verdict) => {
-                nla_u32(b, NFTA_SET_DATA_TYPE, crate::atom::VERDICT_TYPE)?;
+            Some(SetData::Verdict) => {
+                nla_u32(b, NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT)?;
                 nla_u32(b, NFTA_SET_DATA_LEN, 0)?;
             }
-            Some(crate::model::SetData::Fields(f)) => {
-                nla_u32(b, NFTA_SET_DATA_TYPE, crate::atom::concat_type(f))?;
-                nla_u32(b, NFTA_SET_DATA_LEN, crate::atom::fields_len(f))?;
+            Some(SetData::Fields(f)) => {
+                nla_u32(b, NFTA_SET_DATA_TYPE, concat_type(f))?;
+                nla_u32(b, NFTA_SET_DATA_LEN, fields_len(f))?;
             }
-            Some(crate::model::SetData::Counter) => {
-                nla_u32(
-                    b,
-                    crate::nfnl::NFTA_SET_OBJ_TYPE,
-                    crate::model::COUNTER_OBJECT,
-                )?;
+            Some(SetData::Counter) => {
+                nla_u32(b, NFTA_SET_OBJ_TYPE, NFT_OBJECT_COUNTER)?;
             }
         }
         nla_u32(b, NFTA_SET_ID, id)?;
@@ -843,7 +815,7 @@ impl Batch {
                     nla_end(b, data)?;
                 }
                 (Some(Value::Counter(name)), true) => {
-                    nla_str(b, crate::nfnl::NFTA_SET_ELEM_OBJREF, name)?;
+                    nla_str(b, NFTA_SET_ELEM_OBJREF, name)?;
                 }
                 _ => {}
             }
@@ -882,7 +854,7 @@ impl Batch {
         let seq = self.count + 1;
         let kind = (NFNL_SUBSYS_NFTABLES << 8) | msg;
         let at = self.begin_message(kind, 0, family.nfproto(), 0);
-        nla_str(&mut self.bytes, 1, table)?;
+        nla_str(&mut self.bytes, NFTA_ANY_TABLE, table)?;
         if let Some((attr, name)) = named {
             nla_str(&mut self.bytes, attr, name)?;
         }
@@ -932,7 +904,7 @@ impl Batch {
             nla_u32(b, NFTA_HOOK_HOOKNUM, h.hook.number())?;
             nla_u32(b, NFTA_HOOK_PRIORITY, h.priority as u32)?;
             nla_end(b, nest)?;
-            nla_u32(b, NFTA_CHAIN_POLICY, 1)?;
+            nla_u32(b, NFTA_CHAIN_POLICY, NF_ACCEPT)?;
             let ty = match h.ty {
                 crate::model::ChainType::Filter => "filter",
                 crate::model::ChainType::Nat => "nat",
@@ -1003,18 +975,15 @@ impl Batch {
         table: &str,
         set: &crate::rule::encode::AnonymousSet,
     ) -> Result<(), EncodeFailure> {
-        const SET_ANONYMOUS: u32 = 0x1;
-        const SET_CONSTANT: u32 = 0x2;
-        const SET_INTERVAL: u32 = 0x4;
         let seq = self.count + 1;
         let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSET;
         let at = self.begin_message(kind, NLM_F_CREATE, fam, 0);
         let b = &mut self.bytes;
         nla_str(b, NFTA_SET_TABLE, table)?;
         nla_str(b, NFTA_SET_NAME, &set.name)?;
-        let mut flags = SET_ANONYMOUS | SET_CONSTANT;
+        let mut flags = NFT_SET_ANONYMOUS | NFT_SET_CONSTANT;
         if set.interval {
-            flags |= SET_INTERVAL;
+            flags |= NFT_SET_INTERVAL;
         }
         nla_u32(b, NFTA_SET_FLAGS, flags)?;
         nla_u32(b, NFTA_SET_KEY_TYPE, set.key_type)?;
@@ -1122,7 +1091,7 @@ impl Writer {
             let context = context.to_string();
             move |source| NftError::Io { context, source }
         };
-        let sock = open().map_err(io("opening a netfilter netlink socket"))?;
+        let sock = crate::nfnl::open().map_err(io("opening a netfilter netlink socket"))?;
         // What this socket commits is kproxy's own, not interference.
         let mut addr = SocketAddr::new(0, 0);
         sock.get_address(&mut addr)
@@ -1360,19 +1329,6 @@ mod tests {
             name: "services".into(),
         };
         assert!(Batch::transaction(&tx(vec![flush])).is_ok());
-    }
-
-    #[test]
-    fn verdicts() {
-        let v = |s: &str| {
-            crate::model::Verdict::parse(s)
-                .map(|v| (v.netlink().0, v.netlink().1.map(String::from)))
-        };
-        assert_eq!(v("goto svc-1"), Some((-4i32 as u32, Some("svc-1".into()))));
-        assert_eq!(v("jump x"), Some((-3i32 as u32, Some("x".into()))));
-        assert_eq!(v("drop"), Some((0, None)));
-        assert_eq!(v("reject"), None);
-        assert_eq!(v("dnat to 1.2.3.4"), None);
     }
 
     /// The hand-written bytes equal netlink-packet-netfilter's encoding of the same
@@ -1685,7 +1641,7 @@ mod tests {
                 SetDecl::map(vec![Ipv4Addr, InetProto, InetService], SetData::Verdict)
                     .with_comment("cluster IPs"),
                 0x730d,
-                Some(crate::atom::VERDICT_TYPE),
+                Some(NFT_DATA_VERDICT),
                 "000400000000010400000000030800040d0000000100060400000000070c636c75737465722049507300",
             ),
             (
@@ -1724,10 +1680,10 @@ mod tests {
         for (decl, key_type, data_type, udata) in cases {
             let mut body = String::new();
             decl.write(&mut body);
-            assert_eq!(crate::atom::concat_type(&decl.key), key_type, "{body}");
+            assert_eq!(concat_type(&decl.key), key_type, "{body}");
             let data = match &decl.data {
-                Some(SetData::Fields(f)) => Some(crate::atom::concat_type(f)),
-                Some(SetData::Verdict) => Some(crate::atom::VERDICT_TYPE),
+                Some(SetData::Fields(f)) => Some(concat_type(f)),
+                Some(SetData::Verdict) => Some(NFT_DATA_VERDICT),
                 Some(SetData::Counter) | None => None,
             };
             assert_eq!(data, data_type, "{body}");

@@ -31,39 +31,30 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use netlink_sys::Socket;
 
-pub(crate) use crate::atom::{VERDICT_TYPE, concat_type, fields_len};
+use crate::atom::{Atom, Family, Field, MAX_FIELDS};
 use crate::error::NftError;
-use crate::model::{Atom, Field, MAX_FIELDS, Tuple, Verdict};
+use crate::model::Tuple;
 use crate::nfnl::{Attrs, be32};
 use crate::nfnl::{
-    NFNL_SUBSYS_NFTABLES, NFT_MSG_GETCHAIN, NFT_MSG_GETGEN, NFT_MSG_GETOBJ, NFT_MSG_GETRULE,
-    NFT_MSG_GETSET, NFT_MSG_GETSETELEM, NFT_MSG_GETTABLE, NFTA_CHAIN_HOOK, NFTA_CHAIN_NAME,
-    NFTA_CHAIN_POLICY, NFTA_CHAIN_TABLE, NFTA_CHAIN_TYPE, NFTA_DATA_VALUE, NFTA_DATA_VERDICT,
-    NFTA_GEN_ID, NFTA_HOOK_HOOKNUM, NFTA_HOOK_PRIORITY, NFTA_OBJ_NAME, NFTA_OBJ_TABLE,
-    NFTA_OBJ_TYPE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS, NFTA_RULE_HANDLE, NFTA_RULE_TABLE,
+    NFNL_SUBSYS_NFTABLES, NFT_DATA_VERDICT, NFT_MSG_GETCHAIN, NFT_MSG_GETGEN, NFT_MSG_GETOBJ,
+    NFT_MSG_GETRULE, NFT_MSG_GETSET, NFT_MSG_GETSETELEM, NFT_MSG_GETTABLE, NFT_OBJECT_COUNTER,
+    NFT_SET_ANONYMOUS, NFT_SET_ELEM_INTERVAL_END, NFT_SET_MAP, NFT_SET_OBJECT, NFTA_CHAIN_HOOK,
+    NFTA_CHAIN_NAME, NFTA_CHAIN_POLICY, NFTA_CHAIN_TABLE, NFTA_CHAIN_TYPE, NFTA_COUNTER_BYTES,
+    NFTA_COUNTER_PACKETS, NFTA_DATA_VALUE, NFTA_DATA_VERDICT, NFTA_GEN_ID, NFTA_HOOK_HOOKNUM,
+    NFTA_HOOK_PRIORITY, NFTA_OBJ_DATA, NFTA_OBJ_NAME, NFTA_OBJ_TABLE, NFTA_OBJ_TYPE,
+    NFTA_OBJ_USERDATA, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS, NFTA_RULE_HANDLE, NFTA_RULE_TABLE,
     NFTA_RULE_USERDATA, NFTA_SET_DATA_LEN, NFTA_SET_DATA_TYPE, NFTA_SET_ELEM_DATA,
     NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_LIST_ELEMENTS, NFTA_SET_ELEM_LIST_SET,
-    NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_FLAGS, NFTA_SET_KEY_LEN, NFTA_SET_KEY_TYPE, NFTA_SET_NAME,
-    NFTA_SET_TABLE, NFTA_SET_TIMEOUT, NFTA_SET_USERDATA, NFTA_TABLE_FLAGS, NFTA_TABLE_NAME,
-    NFTA_TABLE_USERDATA, NFTA_VERDICT_CHAIN, NFTA_VERDICT_CODE,
+    NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_OBJREF, NFTA_SET_FLAGS, NFTA_SET_KEY_LEN,
+    NFTA_SET_KEY_TYPE, NFTA_SET_NAME, NFTA_SET_TABLE, NFTA_SET_TIMEOUT, NFTA_SET_USERDATA,
+    NFTA_TABLE_FLAGS, NFTA_TABLE_NAME, NFTA_TABLE_USERDATA, NFTA_VERDICT_CHAIN, NFTA_VERDICT_CODE,
+    NLM_F_ACK, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR, UDATA_COMMENT,
+    UDATA_SET_COMMENT,
 };
 
-// linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h.
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_DUMP_INTR: u16 = 0x10;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
-/// libnftnl's udata TLV types: a rule's comment, a set's comment.
-const UDATA_RULE_COMMENT: u8 = 0;
-const UDATA_SET_COMMENT: u8 = 7;
+pub mod rule;
 
-pub const SET_ANONYMOUS: u32 = 0x1;
-pub const SET_INTERVAL: u32 = 0x4;
-pub const SET_MAP: u32 = 0x8;
-pub const SET_TIMEOUT: u32 = 0x10;
-const ELEM_INTERVAL_END: u32 = 0x1;
+const ELEM_INTERVAL_END: u8 = NFT_SET_ELEM_INTERVAL_END as u8;
 /// The most bytes of one block of [`RawElements`].
 const BLOCK_BYTES: usize = 64 * 1024;
 
@@ -161,10 +152,10 @@ pub struct RawElements {
 
 impl RawElements {
     fn for_set(set: &RawSet) -> RawElements {
-        let data = match (set.flags & SET_MAP != 0, set.data_type, set.data_len) {
-            _ if set.flags & crate::nfnl::SET_OBJECT != 0 => DataKind::Object,
+        let data = match (set.flags & NFT_SET_MAP != 0, set.data_type, set.data_len) {
+            _ if set.flags & NFT_SET_OBJECT != 0 => DataKind::Object,
             (false, ..) => DataKind::None,
-            (true, Some(VERDICT_TYPE), _) => DataKind::Verdict,
+            (true, Some(NFT_DATA_VERDICT), _) => DataKind::Verdict,
             (true, _, Some(n)) => DataKind::Value(n as usize),
             (true, _, None) => DataKind::Value(0),
         };
@@ -217,7 +208,7 @@ impl RawElements {
         RawElement {
             key,
             data,
-            interval_end: flags[0] & ELEM_INTERVAL_END as u8 != 0,
+            interval_end: flags[0] & ELEM_INTERVAL_END != 0,
         }
     }
 
@@ -249,34 +240,32 @@ impl RawElements {
         match e.data {
             Some(RawData::Value(v)) => bytes.extend_from_slice(v),
             Some(RawData::Verdict { code, chain }) => {
-                let idx = chain.map_or(u32::MAX, |c| match chain_index.get(c) {
-                    Some(&i) => i,
-                    None => {
-                        let i = self.chains.len() as u32;
-                        self.chains.push(c.to_string());
-                        chain_index.insert(c.to_string(), i);
-                        i
-                    }
-                });
+                let idx = chain.map_or(u32::MAX, |c| self.name_index(c, chain_index));
+                let bytes = self.blocks.last_mut().expect("a block was pushed above");
                 bytes.extend_from_slice(&code.to_ne_bytes());
                 bytes.extend_from_slice(&idx.to_ne_bytes());
             }
             // Object names share the chain names' table (an index each).
             Some(RawData::Object(name)) => {
-                let idx = match chain_index.get(name) {
-                    Some(&i) => i,
-                    None => {
-                        let i = self.chains.len() as u32;
-                        self.chains.push(name.to_string());
-                        chain_index.insert(name.to_string(), i);
-                        i
-                    }
-                };
+                let idx = self.name_index(name, chain_index);
+                let bytes = self.blocks.last_mut().expect("a block was pushed above");
                 bytes.extend_from_slice(&idx.to_ne_bytes());
             }
             None => {}
         }
-        bytes.push(u8::from(e.interval_end) * ELEM_INTERVAL_END as u8);
+        let bytes = self.blocks.last_mut().expect("a block was pushed above");
+        bytes.push(u8::from(e.interval_end) * ELEM_INTERVAL_END);
+    }
+
+    /// The index of chain or object name `name` in this set's names, added when new.
+    fn name_index(&mut self, name: &str, index: &mut BTreeMap<String, u32>) -> u32 {
+        if let Some(&i) = index.get(name) {
+            return i;
+        }
+        let i = self.chains.len() as u32;
+        self.chains.push(name.to_string());
+        index.insert(name.to_string(), i);
+        i
     }
 }
 
@@ -337,17 +326,6 @@ impl RawTable {
     }
 }
 
-/// `ip` / `ip6` → NFPROTO_IPV4 / NFPROTO_IPV6.
-fn family_code(family: &str) -> Result<u8, NftError> {
-    match family {
-        "ip" => Ok(2),
-        "ip6" => Ok(10),
-        f => Err(NftError::Invalid(format!(
-            "table family {f:?}: want ip or ip6"
-        ))),
-    }
-}
-
 fn be64(b: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(b.get(..8)?.try_into().ok()?))
 }
@@ -379,7 +357,7 @@ struct Reader {
 
 impl Reader {
     fn open() -> Result<Reader, NftError> {
-        let sock = crate::netlink::open().map_err(|e| NftError::Io {
+        let sock = crate::nfnl::open().map_err(|e| NftError::Io {
             context: "opening a netfilter netlink socket to read kproxy's tables".into(),
             source: e,
         })?;
@@ -501,8 +479,8 @@ impl Reader {
 
 /// Whether table `family table` exists: one GETTABLE request, absent when the kernel
 /// answers `ENOENT`.
-pub fn table_exists(family: &str, table: &str) -> Result<bool, NftError> {
-    let fam = family_code(family)?;
+pub fn table_exists(family: Family, table: &str) -> Result<bool, NftError> {
+    let fam = family.nfproto();
     Reader::open()?.request(
         &format!("table {family} {table}"),
         NFT_MSG_GETTABLE,
@@ -516,8 +494,8 @@ pub fn table_exists(family: &str, table: &str) -> Result<bool, NftError> {
 /// The names of the tables of family `family` (`ip`, `ip6`) in the calling thread's
 /// network namespace: one GETTABLE dump (what `nft list tables` prints, for one
 /// family). The takeover reads kube-proxy's and kproxy's tables with it.
-pub fn table_names(family: &str) -> Result<Vec<String>, NftError> {
-    let fam = family_code(family)?;
+pub fn table_names(family: Family) -> Result<Vec<String>, NftError> {
+    let fam = family.nfproto();
     let mut names = Vec::new();
     Reader::open()?.request(
         &format!("the {family} tables"),
@@ -541,12 +519,11 @@ pub fn table_names(family: &str) -> Result<Vec<String>, NftError> {
 /// and their elements from the calling thread's network namespace; `None` when the
 /// table does not exist. Consistent: the reading is repeated (up to three times) when a
 /// transaction committed meanwhile, then an error.
-pub fn read_table(family: &str, table: &str) -> Result<Option<RawTable>, NftError> {
-    let fam = family_code(family)?;
+pub fn read_table(family: Family, table: &str) -> Result<Option<RawTable>, NftError> {
     let mut r = Reader::open()?;
     for _ in 0..3 {
         let before = r.generation()?;
-        let got = read_once(&mut r, family, fam, table);
+        let got = read_once(&mut r, family, table);
         let after = r.generation()?;
         match got {
             Ok(t) if before == after => return Ok(t),
@@ -563,10 +540,10 @@ pub fn read_table(family: &str, table: &str) -> Result<Option<RawTable>, NftErro
 /// (packets, bytes), by name: one dump of the table's objects, nothing else read. An
 /// absent table has none.
 pub fn read_counter_objects(
-    family: &str,
+    family: Family,
     table: &str,
 ) -> Result<BTreeMap<String, RawCounter>, NftError> {
-    let fam = family_code(family)?;
+    let fam = family.nfproto();
     let mut r = Reader::open()?;
     let mut out = BTreeMap::new();
     r.request(
@@ -578,7 +555,7 @@ pub fn read_counter_objects(
         |p| {
             let (tbl, name, kind, counter) = object(p);
             if tbl == table
-                && kind == crate::model::COUNTER_OBJECT
+                && kind == NFT_OBJECT_COUNTER
                 && let Some(c) = counter
             {
                 out.insert(name, c);
@@ -589,12 +566,8 @@ pub fn read_counter_objects(
     Ok(out)
 }
 
-fn read_once(
-    r: &mut Reader,
-    family: &str,
-    fam: u8,
-    table: &str,
-) -> Result<Option<RawTable>, NftError> {
+fn read_once(r: &mut Reader, family: Family, table: &str) -> Result<Option<RawTable>, NftError> {
+    let fam = family.nfproto();
     let mut t = RawTable::default();
     let found = r.request(
         &format!("table {family} {table}"),
@@ -606,7 +579,7 @@ fn read_once(
             for (k, v) in Attrs(p) {
                 match k {
                     NFTA_TABLE_FLAGS => t.flags = be32(v).unwrap_or(0),
-                    NFTA_TABLE_USERDATA => t.comment = udata_string(v, 0),
+                    NFTA_TABLE_USERDATA => t.comment = udata_string(v, UDATA_COMMENT),
                     _ => {}
                 }
             }
@@ -675,7 +648,7 @@ fn read_once(
                     NFTA_RULE_TABLE => tbl = string(v),
                     NFTA_RULE_CHAIN => chain = string(v),
                     NFTA_RULE_HANDLE => rule.handle = be64(v).unwrap_or(0),
-                    NFTA_RULE_USERDATA => rule.comment = udata_string(v, UDATA_RULE_COMMENT),
+                    NFTA_RULE_USERDATA => rule.comment = udata_string(v, UDATA_COMMENT),
                     NFTA_RULE_EXPRESSIONS => rule.exprs = v.to_vec(),
                     _ => {}
                 }
@@ -717,7 +690,7 @@ fn read_once(
                     _ => {}
                 }
             }
-            if tbl == table && set.flags & SET_ANONYMOUS == 0 {
+            if tbl == table && set.flags & NFT_SET_ANONYMOUS == 0 {
                 t.sets.insert(name, set);
             } else if tbl == table {
                 t.anonymous.insert(name, set);
@@ -734,7 +707,7 @@ fn read_once(
         |p| {
             let (tbl, name, kind, counter) = object(p);
             if tbl == table {
-                if kind == crate::model::COUNTER_OBJECT
+                if kind == NFT_OBJECT_COUNTER
                     && let Some(c) = counter
                 {
                     t.counters.insert(name.clone(), c);
@@ -799,19 +772,19 @@ fn object(p: &[u8]) -> (String, String, u32, Option<RawCounter>) {
             NFTA_OBJ_TABLE => tbl = string(v),
             NFTA_OBJ_NAME => name = string(v),
             NFTA_OBJ_TYPE => kind = be32(v).unwrap_or(0),
-            crate::nfnl::NFTA_OBJ_DATA => {
+            NFTA_OBJ_DATA => {
                 let (mut packets, mut bytes) = (0, 0);
                 for (k, v) in Attrs(v) {
                     match k {
-                        crate::nfnl::NFTA_COUNTER_PACKETS => packets = be64(v).unwrap_or(0),
-                        crate::nfnl::NFTA_COUNTER_BYTES => bytes = be64(v).unwrap_or(0),
+                        NFTA_COUNTER_PACKETS => packets = be64(v).unwrap_or(0),
+                        NFTA_COUNTER_BYTES => bytes = be64(v).unwrap_or(0),
                         _ => {}
                     }
                 }
                 values = Some((packets, bytes));
             }
-            crate::nfnl::NFTA_OBJ_USERDATA => {
-                since = udata_string(v, 0).and_then(|c| crate::nfnl::parse_since(&c));
+            NFTA_OBJ_USERDATA => {
+                since = udata_string(v, UDATA_COMMENT).and_then(|c| crate::nfnl::parse_since(&c));
             }
             _ => {}
         }
@@ -858,9 +831,9 @@ fn element(e: &[u8]) -> Option<RawElement<'_>> {
                 }
             }
             NFTA_SET_ELEM_FLAGS => {
-                el.interval_end = be32(v).unwrap_or(0) & ELEM_INTERVAL_END != 0;
+                el.interval_end = be32(v).unwrap_or(0) & NFT_SET_ELEM_INTERVAL_END != 0;
             }
-            crate::nfnl::NFTA_SET_ELEM_OBJREF => el.data = Some(RawData::Object(str_ref(v)?)),
+            NFTA_SET_ELEM_OBJREF => el.data = Some(RawData::Object(str_ref(v)?)),
             _ => {}
         }
     }
@@ -899,19 +872,6 @@ pub fn decode_tuple(fields: &[Field], mut b: &[u8]) -> Option<Tuple> {
         b = b.get(step..)?;
     }
     b.is_empty().then(|| Tuple::new(&atoms[..fields.len()]))
-}
-
-/// A verdict as the kernel reports it.
-pub fn decode_verdict(code: u32, chain: Option<&str>) -> Option<Verdict> {
-    Some(match (code as i32, chain) {
-        (0, None) => Verdict::Drop,
-        (1, None) => Verdict::Accept,
-        (-1, None) => Verdict::Continue,
-        (-5, None) => Verdict::Return,
-        (-3, Some(c)) => Verdict::Jump(c.into()),
-        (-4, Some(c)) => Verdict::Goto(c.into()),
-        _ => return None,
-    })
 }
 
 /// The elements of an interval set of addresses as prefixes.
@@ -999,6 +959,7 @@ pub(crate) fn interval_ranges<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::atom::fields_len;
 
     fn text(t: Tuple) -> String {
         t.to_string()
@@ -1045,21 +1006,6 @@ mod tests {
             decode_tuple(&[Ipv4Addr, InetService], &[1, 2, 3, 4, 0, 80]),
             None
         );
-    }
-
-    #[test]
-    fn verdicts_decode() {
-        assert_eq!(
-            decode_verdict(-4i32 as u32, Some("svc-a")),
-            Some(Verdict::Goto("svc-a".into()))
-        );
-        assert_eq!(
-            decode_verdict(-3i32 as u32, Some("x")),
-            Some(Verdict::Jump("x".into()))
-        );
-        assert_eq!(decode_verdict(0, None), Some(Verdict::Drop));
-        assert_eq!(decode_verdict(-4i32 as u32, None), None);
-        assert_eq!(decode_verdict(7, None), None);
     }
 
     fn el(key: &[u8], end: bool) -> RawElement<'_> {
