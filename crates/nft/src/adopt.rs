@@ -2,7 +2,7 @@
 //! [`crate::dump`] read from the kernel) and the desired model [`Table`] → the kernel's
 //! structure in the model's vocabulary, so that `model::diff(kernel, desired)` moves
 //! the structure and [`crate::readback`] then compares the elements set by set. Rules
-//! count as the desired ones only when they do what those do ([`crate::rule::decode`]),
+//! count as the desired ones only when they do what those do ([`crate::dump::rule`]),
 //! not by their `kp:` ids alone; anything it cannot account for is an [`AdoptError`] and
 //! the caller replaces the table as a whole. Apart from [`crate::dump`], above it: the
 //! reading and its rule decoder (`crate::dump::rule`) know the kernel's bytes, this

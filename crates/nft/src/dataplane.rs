@@ -89,7 +89,7 @@ impl CounterReader {
     pub fn read(&self) -> Result<Vec<KernelCounter>, NftError> {
         let mut out = Vec::new();
         for family in [model::Family::Ip, model::Family::Ip6] {
-            let read = crate::counters::read_family(family, &self.table)?;
+            let read = dump::read_counter_objects(family, &self.table)?;
             lock(&self.memory).observe(family, &read);
             out.extend(crate::counters::kernel_counters(family, read));
         }
@@ -491,7 +491,7 @@ impl Dataplane {
         }
         for rec in recs {
             let (family, table) = rec.table();
-            match crate::counters::read_family(family, table) {
+            match dump::read_counter_objects(family, table) {
                 Ok(read) => lock(&self.counters).observe(family, &read),
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the traffic counters before replacing the tables; restoring the last values read");

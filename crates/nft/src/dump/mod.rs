@@ -1,30 +1,19 @@
 //! Reads kproxy's own tables back from the kernel over nfnetlink (NFT_MSG_GETTABLE,
-//! GETCHAIN, GETSET, GETSETELEM, GETRULE, GETOBJ dumps; no `nft list`), and turns what it read
-//! into the desired state's vocabulary so that a restart can apply only the difference
-//! ("adoption", see `Dataplane::sync`).
+//! GETCHAIN, GETSET, GETSETELEM, GETRULE, GETOBJ dumps; no `nft list`), as they are:
+//! [`read_table`] decodes the dumps by hand into a [`RawTable`] (attribute walking over
+//! the received bytes; netlink-packet-netfilter's types cost microseconds per element,
+//! and a 10k-Service table has ≈ 106k of them), each set's elements packed as the
+//! kernel holds them ([`RawElements`], ≈ 25 bytes each). A dump the kernel marks
+//! interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved while reading is
+//! an error: the caller falls back to a full replacement. Also the names of a family's
+//! tables ([`table_names`]) and the traffic counters alone ([`read_counters`]).
 //!
-//! Two halves:
-//! - [`read_table`] (imperative): the dumps, decoded by hand into [`RawTable`] (attribute
-//!   walking over the received bytes; netlink-packet-netfilter's types cost microseconds
-//!   per element, and a 10k-Service table has ≈ 106k of them), each set's elements
-//!   packed as the kernel holds them ([`RawElements`], ≈ 25 bytes each). A dump the
-//!   kernel marks interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved
-//!   while reading is an error: the caller falls back to a full replacement.
-//! - [`adopt_structure`] (pure): a [`RawTable`] and the desired model [`Table`] → the
-//!   kernel's structure as a `Table` (every set empty), so that `model::diff(kernel,
-//!   desired)` moves the structure; [`crate::readback`] then compares the elements set
-//!   by set. [`adopt`] also decodes every element into the table (tests, and where a
-//!   typed copy of the kernel is wanted). Each rule's expressions are decoded into a
-//!   typed [`Rule`] ([`crate::rule::decode`]), and a chain is taken as "holding the
-//!   desired rules" when its rules do what the desired rules do ([`Rule::same`]) and
-//!   carry their `kp:` ids, in order: a rule is checked by its content, not by its
-//!   name. Any other chain holds the rules as decoded, so that the diff flushes and
-//!   refills it and `trace --kernel` evaluates what the kernel really does. Sets and maps compare by declaration (key/data types,
-//!   flags, timeout, comment, checked against the dump) and by elements decoded with
-//!   the desired declaration. Anything it cannot account for — a foreign table
-//!   comment, a base chain whose hook differs, a set whose type differs or whose
-//!   elements do not decode — is an [`AdoptError`], and the caller replaces the table
-//!   as a whole.
+//! The readers' decoding of the kernel's bytes into the typed vocabulary sits here too:
+//! a key or value into a tuple ([`decode_tuple`]), an interval set's elements into
+//! prefixes ([`decode_intervals`]), and a rule's expressions into the typed rule
+//! ([`rule`], which looks up the raw tables' sets). Turning a raw table into the desired
+//! model's terms ("adoption", see `Dataplane::sync`) is `crate::adopt`'s, above.
+//! The socket comes from the netlink floor (`crate::nfnl::open`), as the writer's does.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -32,6 +21,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use netlink_sys::Socket;
 
 use crate::atom::{Atom, Family, Field, MAX_FIELDS};
+use crate::counters::RawCounter;
+use crate::counters::{KernelCounter, kernel_counters};
 use crate::error::NftError;
 use crate::model::Tuple;
 use crate::nfnl::{Attrs, be32};
@@ -71,7 +62,7 @@ pub struct RawHook {
 }
 
 /// One rule: its handle, its comment (kproxy's tag), if any, and its expressions as the
-/// kernel sent them (`NFTA_RULE_EXPRESSIONS`, decoded by [`crate::rule::decode`]).
+/// kernel sent them (`NFTA_RULE_EXPRESSIONS`, decoded by [`rule::decode`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RawRule {
     pub handle: u64,
@@ -307,15 +298,6 @@ pub struct RawTable {
     pub counters: BTreeMap<String, RawCounter>,
 }
 
-/// A counter object as read: its values and, from its comment, since when it counts
-/// (Unix seconds; `None` for a counter kproxy did not stamp).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RawCounter {
-    pub packets: u64,
-    pub bytes: u64,
-    pub since: Option<u64>,
-}
-
 impl RawTable {
     pub fn rule_count(&self) -> usize {
         self.chains.values().map(|c| c.rules.len()).sum()
@@ -534,6 +516,20 @@ pub fn read_table(family: Family, table: &str) -> Result<Option<RawTable>, NftEr
     Err(NftError::Read(format!(
         "table {family} {table}: the ruleset kept changing while it was read"
     )))
+}
+
+/// The counter objects of kproxy's tables `ip TABLE` and `ip6 TABLE` (absent tables
+/// have none), in this thread's network namespace: one netlink dump per family of the
+/// objects alone (no rule or element is read). Needs CAP_NET_ADMIN.
+pub fn read_counters(table: &str) -> Result<Vec<KernelCounter>, NftError> {
+    let mut out = Vec::new();
+    for family in [Family::Ip, Family::Ip6] {
+        out.extend(kernel_counters(
+            family,
+            read_counter_objects(family, table)?,
+        ));
+    }
+    Ok(out)
 }
 
 /// The counter objects of table `family table` (e.g. `ip kproxy`) with their values
