@@ -13,7 +13,7 @@
 //! Which transactions are kproxy's own: the kernel names the committing *thread*
 //! (`task_pid_nr`, in the initial pid namespace) and stamps every notification with the
 //! netlink port id of the committing socket. kproxy commits only from its own threads
-//! (nfnetlink batches), whose sockets note their port ids here ([`nfnl::note_own`]). A
+//! (nfnetlink batches), whose sockets note their port ids here ([`crate::nfnl::note_own`]). A
 //! transaction is
 //! kproxy's when its port id or pid is one of those, or its pid is a thread of this
 //! process. The port id holds in a container with its own pid namespace too, where the
@@ -35,16 +35,8 @@ use nix::sys::time::TimeVal;
 
 use crate::atom::Family;
 use crate::error::NftError;
-use crate::nfnl::{self, Attrs, be32, c_str};
-use crate::nfnl::{
-    NFNL_SUBSYS_NFTABLES, NFNLGRP_NFTABLES, NFT_MSG_DELCHAIN, NFT_MSG_DELFLOWTABLE, NFT_MSG_DELOBJ,
-    NFT_MSG_DELRULE, NFT_MSG_DELSET, NFT_MSG_DELSETELEM, NFT_MSG_DELTABLE, NFT_MSG_DESTROYCHAIN,
-    NFT_MSG_DESTROYFLOWTABLE, NFT_MSG_DESTROYOBJ, NFT_MSG_DESTROYRULE, NFT_MSG_DESTROYSET,
-    NFT_MSG_DESTROYSETELEM, NFT_MSG_DESTROYTABLE, NFT_MSG_NEWCHAIN, NFT_MSG_NEWFLOWTABLE,
-    NFT_MSG_NEWGEN, NFT_MSG_NEWOBJ, NFT_MSG_NEWRULE, NFT_MSG_NEWSET, NFT_MSG_NEWSETELEM,
-    NFT_MSG_NEWTABLE, NFTA_ANY_TABLE, NFTA_CHAIN_NAME, NFTA_GEN_ID, NFTA_GEN_PROC_NAME,
-    NFTA_GEN_PROC_PID, NFTA_RULE_CHAIN, NFTA_SET_NAME,
-};
+// The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
+use crate::nfnl::*;
 const NETLINK_HEADER: usize = 16;
 const NFGENMSG: usize = 4;
 /// The receive buffer: a full sync at 10k × 10 announces ≈ 10 MB of notifications
@@ -55,12 +47,12 @@ const RCVBUF: usize = 64 << 20;
 const POLL: Duration = Duration::from_secs(1);
 /// Whether the transaction announced with `port_id` and `pid` was committed by kproxy.
 fn own_transaction(port_id: u32, pid: Option<u32>) -> bool {
-    if port_id != 0 && nfnl::noted_own(port_id) {
+    if port_id != 0 && noted_own(port_id) {
         return true;
     }
     pid.is_some_and(|pid| {
         pid == std::process::id()
-            || nfnl::noted_own(pid)
+            || noted_own(pid)
             || std::path::Path::new(&format!("/proc/self/task/{pid}")).exists()
     })
 }
@@ -307,7 +299,7 @@ fn notification_socket(rcvbuf: usize, poll: Duration) -> Result<Socket, NftError
         let context = context.to_string();
         move |source| NftError::Io { context, source }
     };
-    let sock = nfnl::bound().map_err(io("opening a netfilter netlink socket"))?;
+    let sock = bound().map_err(io("opening a netfilter netlink socket"))?;
     setsockopt(&sock, sockopt::RcvBufForce, &rcvbuf)
         .or_else(|_| setsockopt(&sock, sockopt::RcvBuf, &rcvbuf))
         .map_err(std::io::Error::from)
@@ -500,7 +492,6 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nfnl::{NFPROTO_IPV4, NFPROTO_IPV6};
 
     /// One nf_tables message: header (type, port id), nfgenmsg (family), attributes.
     fn message(msg_type: u16, family: u8, port_id: u32, attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
@@ -594,7 +585,7 @@ mod tests {
         let mut d = elem.clone();
         d.extend(newgen(0, std::process::id(), "kproxy"));
         assert!(read(&d).is_none());
-        nfnl::note_own(STRANGER + 1);
+        note_own(STRANGER + 1);
         let mut d = elem.clone();
         d.extend(newgen(STRANGER + 1, STRANGER + 2, "nft"));
         assert!(read(&d).is_none());

@@ -25,23 +25,8 @@ use crate::counters::RawCounter;
 use crate::counters::{KernelCounter, kernel_counters};
 use crate::error::NftError;
 use crate::model::Tuple;
-use crate::nfnl::{Attrs, be32};
-use crate::nfnl::{
-    NFNL_SUBSYS_NFTABLES, NFT_DATA_VERDICT, NFT_MSG_GETCHAIN, NFT_MSG_GETGEN, NFT_MSG_GETOBJ,
-    NFT_MSG_GETRULE, NFT_MSG_GETSET, NFT_MSG_GETSETELEM, NFT_MSG_GETTABLE, NFT_OBJECT_COUNTER,
-    NFT_SET_ANONYMOUS, NFT_SET_ELEM_INTERVAL_END, NFT_SET_MAP, NFT_SET_OBJECT, NFTA_CHAIN_HOOK,
-    NFTA_CHAIN_NAME, NFTA_CHAIN_POLICY, NFTA_CHAIN_TABLE, NFTA_CHAIN_TYPE, NFTA_COUNTER_BYTES,
-    NFTA_COUNTER_PACKETS, NFTA_DATA_VALUE, NFTA_DATA_VERDICT, NFTA_GEN_ID, NFTA_HOOK_HOOKNUM,
-    NFTA_HOOK_PRIORITY, NFTA_OBJ_DATA, NFTA_OBJ_NAME, NFTA_OBJ_TABLE, NFTA_OBJ_TYPE,
-    NFTA_OBJ_USERDATA, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS, NFTA_RULE_HANDLE, NFTA_RULE_TABLE,
-    NFTA_RULE_USERDATA, NFTA_SET_DATA_LEN, NFTA_SET_DATA_TYPE, NFTA_SET_ELEM_DATA,
-    NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_LIST_ELEMENTS, NFTA_SET_ELEM_LIST_SET,
-    NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_OBJREF, NFTA_SET_FLAGS, NFTA_SET_KEY_LEN,
-    NFTA_SET_KEY_TYPE, NFTA_SET_NAME, NFTA_SET_TABLE, NFTA_SET_TIMEOUT, NFTA_SET_USERDATA,
-    NFTA_TABLE_FLAGS, NFTA_TABLE_NAME, NFTA_TABLE_USERDATA, NFTA_VERDICT_CHAIN, NFTA_VERDICT_CODE,
-    NLM_F_ACK, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR, UDATA_COMMENT,
-    UDATA_SET_COMMENT,
-};
+// The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
+use crate::nfnl::*;
 
 pub mod rule;
 
@@ -437,24 +422,27 @@ impl Reader {
         }
     }
 
+    /// [`Reader::request`] handing `each` the value of attribute `want` of every answer.
+    fn request_attr(
+        &mut self,
+        what: &str,
+        (msg, flags, family): (u16, u16, u8),
+        want: u16,
+        mut each: impl FnMut(&[u8]),
+    ) -> Result<bool, NftError> {
+        self.request(what, msg, flags, family, &[], |p| {
+            Attrs(p)
+                .filter(|(k, _)| *k == want)
+                .for_each(|(_, v)| each(v));
+            Ok(())
+        })
+    }
+
     /// The ruleset generation (bumped by every committed transaction).
     fn generation(&mut self) -> Result<u32, NftError> {
         let mut id = None;
-        self.request(
-            "the ruleset generation",
-            NFT_MSG_GETGEN,
-            NLM_F_ACK,
-            0,
-            &[],
-            |p| {
-                for (k, v) in Attrs(p) {
-                    if k == NFTA_GEN_ID {
-                        id = be32(v);
-                    }
-                }
-                Ok(())
-            },
-        )?;
+        let ask = (NFT_MSG_GETGEN, NLM_F_ACK, 0);
+        self.request_attr("the ruleset generation", ask, NFTA_GEN_ID, |v| id = be32(v))?;
         id.ok_or_else(|| NftError::Read("the kernel sent no ruleset generation".into()))
     }
 }
@@ -477,23 +465,11 @@ pub fn table_exists(family: Family, table: &str) -> Result<bool, NftError> {
 /// network namespace: one GETTABLE dump (what `nft list tables` prints, for one
 /// family). The takeover reads kube-proxy's and kproxy's tables with it.
 pub fn table_names(family: Family) -> Result<Vec<String>, NftError> {
-    let fam = family.nfproto();
     let mut names = Vec::new();
-    Reader::open()?.request(
-        &format!("the {family} tables"),
-        NFT_MSG_GETTABLE,
-        NLM_F_DUMP,
-        fam,
-        &[],
-        |p| {
-            for (k, v) in Attrs(p) {
-                if k == NFTA_TABLE_NAME {
-                    names.push(string(v));
-                }
-            }
-            Ok(())
-        },
-    )?;
+    let ask = (NFT_MSG_GETTABLE, NLM_F_DUMP, family.nfproto());
+    Reader::open()?.request_attr(&format!("the {family} tables"), ask, NFTA_TABLE_NAME, |v| {
+        names.push(string(v))
+    })?;
     Ok(names)
 }
 
@@ -539,24 +515,17 @@ pub fn read_counter_objects(
     family: Family,
     table: &str,
 ) -> Result<BTreeMap<String, RawCounter>, NftError> {
-    let fam = family.nfproto();
-    let mut r = Reader::open()?;
     let mut out = BTreeMap::new();
-    r.request(
-        &format!("the counters of table {family} {table}"),
-        NFT_MSG_GETOBJ,
-        NLM_F_DUMP,
-        fam,
-        &[(NFTA_OBJ_TABLE, table)],
-        |p| {
-            let (tbl, name, kind, counter) = object(p);
-            if tbl == table
-                && kind == NFT_OBJECT_COUNTER
-                && let Some(c) = counter
-            {
+    let mut r = Reader::open()?;
+    each_object(
+        &mut r,
+        family,
+        table,
+        "the counters",
+        |kind, name, counter| {
+            if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
                 out.insert(name, c);
             }
-            Ok(())
         },
     )?;
     Ok(out)
@@ -694,23 +663,16 @@ fn read_once(r: &mut Reader, family: Family, table: &str) -> Result<Option<RawTa
             Ok(())
         },
     )?;
-    r.request(
-        &format!("the named objects of table {family} {table}"),
-        NFT_MSG_GETOBJ,
-        NLM_F_DUMP,
-        fam,
-        &[(NFTA_OBJ_TABLE, table)],
-        |p| {
-            let (tbl, name, kind, counter) = object(p);
-            if tbl == table {
-                if kind == NFT_OBJECT_COUNTER
-                    && let Some(c) = counter
-                {
-                    t.counters.insert(name.clone(), c);
-                }
-                t.objects.insert((kind, name));
+    each_object(
+        r,
+        family,
+        table,
+        "the named objects",
+        |kind, name, counter| {
+            if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
+                t.counters.insert(name.clone(), c);
             }
-            Ok(())
+            t.objects.insert((kind, name));
         },
     )?;
     for (name, set) in t.sets.iter_mut().chain(t.anonymous.iter_mut()) {
@@ -750,6 +712,31 @@ fn read_once(r: &mut Reader, family: Family, table: &str) -> Result<Option<RawTa
         set.elements = elements;
     }
     Ok(Some(t))
+}
+
+/// The named objects of table `family table` (one GETOBJ dump), each handed to `each`
+/// as its type, name and, for a counter, its values.
+fn each_object(
+    r: &mut Reader,
+    family: Family,
+    table: &str,
+    what: &str,
+    mut each: impl FnMut(u32, String, Option<RawCounter>),
+) -> Result<bool, NftError> {
+    r.request(
+        &format!("{what} of table {family} {table}"),
+        NFT_MSG_GETOBJ,
+        NLM_F_DUMP,
+        family.nfproto(),
+        &[(NFTA_OBJ_TABLE, table)],
+        |p| {
+            let (tbl, name, kind, counter) = object(p);
+            if tbl == table {
+                each(kind, name, counter);
+            }
+            Ok(())
+        },
+    )
 }
 
 /// A NUL-terminated string attribute, borrowed; `None` when it is not UTF-8.

@@ -14,17 +14,8 @@
 //! name the kernel's constants from `crate::nfnl`.
 
 use crate::atom::{Atom, Family, Field, Verdict};
-use crate::nfnl::{
-    Attrs, ICMP_PORT_UNREACH, ICMPV6_PORT_UNREACH, IPS_DST_NAT, NF_NAT_RANGE_MAP_IPS,
-    NF_NAT_RANGE_PROTO_RANDOM_FULLY, NF_NAT_RANGE_PROTO_SPECIFIED, NFT_CMP_EQ, NFT_CMP_NEQ,
-    NFT_CT_DST_IP, NFT_CT_DST_IP6, NFT_CT_PROTO_DST, NFT_CT_STATUS, NFT_DYNSET_OP_UPDATE,
-    NFT_FIB_RESULT_ADDRTYPE, NFT_LOOKUP_F_INV, NFT_META_IIFNAME, NFT_META_L4PROTO, NFT_META_MARK,
-    NFT_NAT_DNAT, NFT_NG_RANDOM, NFT_OBJECT_COUNTER, NFT_PAYLOAD_NETWORK_HEADER,
-    NFT_PAYLOAD_TRANSPORT_HEADER, NFT_REJECT_ICMP_UNREACH, NFT_REJECT_TCP_RST, NFT_SET_ANONYMOUS,
-    NFT_SET_INTERVAL, NFT_SET_MAP, NFTA_DATA_VALUE, NFTA_DATA_VERDICT, NFTA_EXPR_DATA,
-    NFTA_EXPR_NAME, NFTA_FIB_F_DADDR, NFTA_FIB_F_SADDR, NFTA_LIST_ELEM, NFTA_VERDICT_CHAIN,
-    NFTA_VERDICT_CODE, RTN_LOCAL, be32,
-};
+// The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
+use crate::nfnl::*;
 use crate::rule::{Dir, Expr, Lit, Rhs, Rule, Sel, addr_len, addr_offset, ip_lit, prefixes};
 use kproxy_core::model::EndpointAddr;
 
