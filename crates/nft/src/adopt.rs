@@ -28,7 +28,7 @@ use crate::rule::Rule;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("table {family} {table}: {what}")]
 pub struct AdoptError {
-    pub family: &'static str,
+    pub family: Family,
     pub table: String,
     pub what: String,
 }
@@ -171,7 +171,7 @@ pub fn adopt(raw: &RawTable, desired: &Table) -> Result<Table, AdoptError> {
 
 fn adopt_error(desired: &Table, what: String) -> AdoptError {
     AdoptError {
-        family: desired.family.nft(),
+        family: desired.family,
         table: desired.name.clone(),
         what,
     }

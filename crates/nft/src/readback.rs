@@ -239,7 +239,7 @@ fn foreign_objects(raw: &RawTable, family: Family, table: &str) -> Result<Vec<Op
                     .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
             if !plain {
                 return Err(AdoptError {
-                    family: family.nft(),
+                    family,
                     table: table.to_string(),
                     what: format!(
                         "a {} named {:?}, another program's",
@@ -299,7 +299,7 @@ fn elements_delta(
     own: BTreeMap<String, Vec<Elem>>,
 ) -> Result<Transaction, AdoptError> {
     let err = |what: String| AdoptError {
-        family: desired.family.nft(),
+        family: desired.family,
         table: desired.name.clone(),
         what,
     };
