@@ -18,13 +18,11 @@ pub fn kernel_holds_more(plan: &NodePlan, cfg: &DataplaneConfig) -> Option<(usiz
     let desired = kproxy_nft::desired(&empty, cfg);
     let mut more = (0, 0);
     for want in &desired {
-        let Ok(Some(kernel)) = kproxy_nft::KernelTable::read(want.family, &want.name) else {
+        let Ok(Some(kernel)) = kproxy_nft::KernelTable::read(want.family(), want.name()) else {
             continue;
         };
-        let rules: usize = want.chains.values().map(|c| c.rules.len()).sum();
-        let elements: usize = want.sets.values().map(|s| s.elements.len()).sum();
-        more.0 += kernel.rule_count().saturating_sub(rules);
-        more.1 += kernel.element_count().saturating_sub(elements);
+        more.0 += kernel.rule_count().saturating_sub(want.rule_count());
+        more.1 += kernel.element_count().saturating_sub(want.element_count());
     }
     (more != (0, 0)).then_some(more)
 }

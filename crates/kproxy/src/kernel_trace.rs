@@ -87,17 +87,17 @@ pub fn kernel_trace(
     let desired = kproxy_nft::desired(plan, cfg);
     let mut kernel = Vec::with_capacity(2);
     for d in &desired {
-        let t = kproxy_nft::KernelTable::read(d.family, &d.name).with_context(|| {
+        let t = kproxy_nft::KernelTable::read(d.family(), d.name()).with_context(|| {
             format!(
                 "reading table {} {} back from the kernel",
-                d.family.nft(),
-                d.name
+                d.family(),
+                d.name()
             )
         })?;
         kernel.push(t.map(|t| t.adopt(d)));
     }
     let i = usize::from(family == IpFamily::IPv6);
-    let name = format!("{} {}", desired[i].family.nft(), desired[i].name);
+    let name = format!("{} {}", desired[i].family(), desired[i].name());
     if kernel.iter().all(Option::is_none) {
         bail!(
             "no kproxy tables (ip {t}, ip6 {t}) in this network namespace: is kproxy running here? {ON_THE_NODE}",

@@ -236,10 +236,8 @@ fn execute(plan: &RemovalPlan, m: &TakeoverMetrics) -> bool {
 fn run_step(step: &Step) -> Result<()> {
     match step {
         Step::DeleteNftTable { family } => {
-            let family = match family.as_str() {
-                "ip" => kproxy_nft::Family::Ip,
-                "ip6" => kproxy_nft::Family::Ip6,
-                f => bail!("table family {f:?}: want ip or ip6"),
+            let Some(family) = NFT_FAMILIES.into_iter().find(|f| f.nft() == family) else {
+                bail!("table family {family:?}: want ip or ip6");
             };
             kproxy_nft::delete_tables(&[(family, takeover::NFT_TABLE)]).map_err(anyhow::Error::from)
         }
@@ -300,11 +298,16 @@ fn output(cmd: &str, args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// The families of the nftables tables kproxy and kube-proxy's nftables mode use.
+const NFT_FAMILIES: [kproxy_nft::Family; 2] = [kproxy_nft::Family::Ip, kproxy_nft::Family::Ip6];
+
 fn own_tables_present(table: &str) -> bool {
     let tables = nft_tables();
-    ["ip", "ip6"]
-        .iter()
-        .all(|fam| tables.iter().any(|t| t.family == *fam && t.name == table))
+    NFT_FAMILIES.iter().all(|fam| {
+        tables
+            .iter()
+            .any(|t| t.family == fam.nft() && t.name == table)
+    })
 }
 
 /// The `ip` and `ip6` tables of this network namespace (kube-proxy's nftables mode
@@ -312,13 +315,13 @@ fn own_tables_present(table: &str) -> bool {
 /// holding none, as a missing tool does below.
 fn nft_tables() -> Vec<takeover::NftTableName> {
     let mut out = Vec::new();
-    for family in ["ip", "ip6"] {
+    for family in NFT_FAMILIES {
         match kproxy_nft::table_names(family) {
             Ok(names) => out.extend(names.into_iter().map(|name| takeover::NftTableName {
-                family: family.to_string(),
+                family: family.nft().to_string(),
                 name,
             })),
-            Err(e) => tracing::warn!(family, error = %e, "cannot list the nftables tables"),
+            Err(e) => tracing::warn!(%family, error = %e, "cannot list the nftables tables"),
         }
     }
     out

@@ -48,7 +48,7 @@ fn run(services: usize, eps: usize) {
     let mut table = None;
     for _ in 0..3 {
         let t = Instant::now();
-        table = dump::read_table("ip", &cfg.table).expect("read");
+        table = dump::read_table(kproxy_nft::Family::Ip, &cfg.table).expect("read");
         reads.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let table = table.expect("the table exists");

@@ -2,17 +2,25 @@
 //! [`crate::dump`] read from the kernel) and the desired model [`Table`] → the kernel's
 //! structure in the model's vocabulary, so that `model::diff(kernel, desired)` moves
 //! the structure and [`crate::readback`] then compares the elements set by set. Rules
-//! count as the desired ones only when they do what those do ([`crate::rule::decode`]),
+//! count as the desired ones only when they do what those do ([`crate::dump::rule`]),
 //! not by their `kp:` ids alone; anything it cannot account for is an [`AdoptError`] and
-//! the caller replaces the table as a whole. Apart from [`crate::dump`] so that the
-//! reader sits below the typed rule's decoder, which reads its raw attributes.
+//! the caller replaces the table as a whole. Apart from [`crate::dump`], above it: the
+//! reading and its rule decoder (`crate::dump::rule`) know the kernel's bytes, this
+//! module the desired model's terms.
 
 use std::collections::BTreeMap;
 
-use crate::dump::*;
+use crate::atom::{concat_type, fields_len};
+use crate::dump::rule::decode;
+use crate::dump::{
+    RawData, RawElement, RawHook, RawRule, RawSet, RawTable, decode_intervals, decode_tuple,
+};
 use crate::model::{
     Chain, ChainType, Family, Field, Hook, RULE_ID_PREFIX, Set, SetData, SetDecl, Table, Tuple,
-    Value,
+    Value, Verdict,
+};
+use crate::nfnl::{
+    NF_ACCEPT, NFT_DATA_VERDICT, NFT_SET_INTERVAL, NFT_SET_MAP, NFT_SET_OBJECT, NFT_SET_TIMEOUT,
 };
 use crate::rule::Rule;
 
@@ -20,7 +28,7 @@ use crate::rule::Rule;
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("table {family} {table}: {what}")]
 pub struct AdoptError {
-    pub family: &'static str,
+    pub family: Family,
     pub table: String,
     pub what: String,
 }
@@ -38,17 +46,17 @@ fn hook_matches(raw: &RawHook, h: &Hook) -> bool {
     raw.kind == ty
         && raw.hooknum == h.hook.number()
         && raw.priority == h.priority
-        && raw.policy == 1
+        && raw.policy == NF_ACCEPT
 }
 
 /// Does the kernel's set have the declaration `decl`? Checks what the dump shows: key
 /// and data types and lengths, interval/timeout flags, timeout, comment.
 fn set_matches(raw: &RawSet, decl: &SetDecl) -> Result<(), String> {
     let flag = |f: u32| raw.flags & f != 0;
-    if flag(SET_INTERVAL) != decl.interval {
+    if flag(NFT_SET_INTERVAL) != decl.interval {
         return Err("interval flag differs".into());
     }
-    if flag(SET_TIMEOUT) != decl.timeout_secs.is_some() {
+    if flag(NFT_SET_TIMEOUT) != decl.timeout_secs.is_some() {
         return Err("timeout flag differs".into());
     }
     if let Some(t) = decl.timeout_secs
@@ -70,15 +78,15 @@ fn set_matches(raw: &RawSet, decl: &SetDecl) -> Result<(), String> {
         return Err(format!("key type {:#x}", raw.key_type));
     }
     match &decl.data {
-        _ if flag(crate::nfnl::SET_OBJECT) != (decl.data == Some(SetData::Counter)) => {
+        _ if flag(NFT_SET_OBJECT) != (decl.data == Some(SetData::Counter)) => {
             Err("object map flag differs".into())
         }
-        None if flag(SET_MAP) => Err("a map where a set is declared".into()),
+        None if flag(NFT_SET_MAP) => Err("a map where a set is declared".into()),
         None => Ok(()),
         Some(SetData::Counter) => Ok(()),
-        Some(_) if !flag(SET_MAP) => Err("a set where a map is declared".into()),
+        Some(_) if !flag(NFT_SET_MAP) => Err("a set where a map is declared".into()),
         Some(SetData::Verdict) => match raw.data_type {
-            Some(VERDICT_TYPE) => Ok(()),
+            Some(NFT_DATA_VERDICT) => Ok(()),
             t => Err(format!("data type {t:?} instead of verdict")),
         },
         Some(SetData::Fields(fields)) => match raw.data_len {
@@ -123,7 +131,7 @@ pub(crate) fn decode_element(
     let value = match (&decl.data, e.data) {
         (None, None) => None,
         (Some(SetData::Verdict), Some(RawData::Verdict { code, chain })) => Some(Value::Verdict(
-            decode_verdict(code, chain)
+            Verdict::from_netlink(code, chain)
                 .ok_or_else(|| format!("element {key}: verdict {code:#x} {chain:?}"))?,
         )),
         (Some(SetData::Counter), Some(RawData::Object(name))) => Some(Value::Counter(name.into())),
@@ -163,7 +171,7 @@ pub fn adopt(raw: &RawTable, desired: &Table) -> Result<Table, AdoptError> {
 
 fn adopt_error(desired: &Table, what: String) -> AdoptError {
     AdoptError {
-        family: desired.family.nft(),
+        family: desired.family,
         table: desired.name.clone(),
         what,
     }
@@ -200,7 +208,7 @@ pub fn adopt_structure(raw: &RawTable, desired: &Table) -> Result<Table, AdoptEr
         let decoded: Vec<Rule> = rc
             .rules
             .iter()
-            .map(|k| crate::rule::decode::decode(&k.exprs, desired.family, raw))
+            .map(|k| decode(&k.exprs, desired.family, raw))
             .collect();
         // A rule is kproxy's when it does what the wanted rule does and carries its id.
         let tagged = |r: &Rule, k: &RawRule| {
@@ -237,9 +245,9 @@ pub fn adopt_structure(raw: &RawTable, desired: &Table) -> Result<Table, AdoptEr
             }
             // Deleted whole by the diff: only whether it is a map matters (the delete
             // command says which).
-            None => Set::new(if rs.flags & crate::nfnl::SET_OBJECT != 0 {
+            None => Set::new(if rs.flags & NFT_SET_OBJECT != 0 {
                 SetDecl::map(vec![Field::Ipv4Addr], SetData::Counter)
-            } else if rs.flags & SET_MAP != 0 {
+            } else if rs.flags & NFT_SET_MAP != 0 {
                 SetDecl::map(vec![Field::Ipv4Addr], SetData::Verdict)
             } else {
                 SetDecl::set(vec![Field::Ipv4Addr])

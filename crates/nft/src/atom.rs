@@ -3,13 +3,19 @@
 //!
 //! A floor below both the table model (`crate::model`, whose chains hold rules and whose
 //! sets hold atoms) and the typed rule (`crate::rule`), so that neither reaches into the
-//! other for them; `crate::model` re-exports them under their old paths.
+//! other for them; `crate::model` re-exports them under their old paths. Above the
+//! netlink floor (`crate::nfnl`) only: each value's kernel encoding is here beside it
+//! (a family's `NFPROTO`, a verdict's code both ways, a field's datatype and length).
 
 use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::sync::Arc;
 
 use kproxy_core::model::IpFamily;
+
+use crate::nfnl::{
+    NF_ACCEPT, NF_DROP, NFPROTO_IPV4, NFPROTO_IPV6, NFT_CONTINUE, NFT_GOTO, NFT_JUMP, NFT_RETURN,
+};
 
 /// An nftables table family kproxy uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -44,9 +50,25 @@ impl Family {
     /// `NFPROTO_IPV4` / `NFPROTO_IPV6` (nfgenmsg's family byte).
     pub fn nfproto(self) -> u8 {
         match self {
-            Family::Ip => 2,
-            Family::Ip6 => 10,
+            Family::Ip => NFPROTO_IPV4,
+            Family::Ip6 => NFPROTO_IPV6,
         }
+    }
+
+    /// The family of nfgenmsg's family byte; `None` for any but `ip` and `ip6`.
+    pub(crate) fn of_nfproto(code: u8) -> Option<Family> {
+        match code {
+            NFPROTO_IPV4 => Some(Family::Ip),
+            NFPROTO_IPV6 => Some(Family::Ip6),
+            _ => None,
+        }
+    }
+}
+
+/// As nft writes it (`ip`, `ip6`): in messages and errors that name a table.
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.nft())
     }
 }
 
@@ -237,15 +259,11 @@ impl Verdict {
     }
 }
 
+// The kernel's encoding of a verdict, both ways (the writer encodes, the readers and
+// the rule's decoder decode).
 impl Verdict {
     /// The verdict code (as the kernel's u32) and chain of a verdict.
     pub(crate) fn netlink(&self) -> (u32, Option<&str>) {
-        const NF_DROP: u32 = 0;
-        const NF_ACCEPT: u32 = 1;
-        const NFT_CONTINUE: u32 = -1i32 as u32;
-        const NFT_JUMP: u32 = -3i32 as u32;
-        const NFT_GOTO: u32 = -4i32 as u32;
-        const NFT_RETURN: u32 = -5i32 as u32;
         match self {
             Verdict::Drop => (NF_DROP, None),
             Verdict::Accept => (NF_ACCEPT, None),
@@ -254,6 +272,21 @@ impl Verdict {
             Verdict::Goto(c) => (NFT_GOTO, Some(c)),
             Verdict::Jump(c) => (NFT_JUMP, Some(c)),
         }
+    }
+
+    /// The verdict of a code and chain as the kernel reports them: the inverse of
+    /// [`Verdict::netlink`]; `None` for a code kproxy never writes, or a chain where
+    /// the code takes none (or none where it takes one).
+    pub fn from_netlink(code: u32, chain: Option<&str>) -> Option<Verdict> {
+        Some(match (code, chain) {
+            (NF_DROP, None) => Verdict::Drop,
+            (NF_ACCEPT, None) => Verdict::Accept,
+            (NFT_CONTINUE, None) => Verdict::Continue,
+            (NFT_RETURN, None) => Verdict::Return,
+            (NFT_JUMP, Some(c)) => Verdict::Jump(c.into()),
+            (NFT_GOTO, Some(c)) => Verdict::Goto(c.into()),
+            _ => return None,
+        })
     }
 }
 
@@ -334,9 +367,6 @@ pub(crate) fn write_u32(out: &mut String, mut n: u32) {
     out.push_str(std::str::from_utf8(&buf[i..]).unwrap_or_default());
 }
 
-/// `NFT_DATA_VERDICT`: a map's data type when it maps to verdicts.
-pub(crate) const VERDICT_TYPE: u32 = 0xffff_ff00;
-
 /// nft's datatype ids (a `numgen` field is an integer).
 pub(crate) fn datatype(f: Field) -> u32 {
     match f {
@@ -363,5 +393,44 @@ pub(crate) fn fields_len(fields: &[Field]) -> u32 {
             .iter()
             .map(|&f| f.datum_len().next_multiple_of(4) as u32)
             .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A verdict decodes from the kernel's code and chain as it encodes, and a code or
+    /// chain kproxy never writes is refused.
+    #[test]
+    fn verdicts_decode_as_they_encode() {
+        for s in [
+            "drop",
+            "accept",
+            "return",
+            "continue",
+            "goto svc-a",
+            "jump x",
+        ] {
+            let v = Verdict::parse(s).unwrap();
+            let (code, chain) = v.netlink();
+            assert_eq!(Verdict::from_netlink(code, chain), Some(v.clone()), "{s}");
+        }
+        assert_eq!(
+            Verdict::parse("goto svc-1").map(|v| (v.netlink().0, v.netlink().1.map(String::from))),
+            Some((-4i32 as u32, Some("svc-1".into())))
+        );
+        assert_eq!(Verdict::parse("jump x").unwrap().netlink().0, -3i32 as u32);
+        assert_eq!(Verdict::parse("drop").unwrap().netlink(), (0, None));
+        assert_eq!(Verdict::parse("reject"), None);
+        assert_eq!(Verdict::parse("dnat to 1.2.3.4"), None);
+        assert_eq!(
+            Verdict::from_netlink(-4i32 as u32, Some("svc-a")),
+            Some(Verdict::Goto("svc-a".into()))
+        );
+        assert_eq!(Verdict::from_netlink(0, None), Some(Verdict::Drop));
+        assert_eq!(Verdict::from_netlink(-4i32 as u32, None), None);
+        assert_eq!(Verdict::from_netlink(0, Some("x")), None);
+        assert_eq!(Verdict::from_netlink(7, None), None);
     }
 }

@@ -209,7 +209,7 @@ pub fn list(family_v6: bool) -> Result<Vec<Flow>, NftError> {
 }
 
 fn open() -> Result<Socket, NftError> {
-    crate::netlink::open()
+    crate::nfnl::open()
         .map_err(|e| NftError::Conntrack(format!("opening a netfilter netlink socket: {e}")))
 }
 

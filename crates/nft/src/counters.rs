@@ -2,8 +2,10 @@
 //! port and verdict and one per Service port and endpoint, each counting new
 //! connections only (they are hit from nat chains, which see a connection's first
 //! packet). This module owns their names (written by `crate::ruleset`, parsed back here
-//! for `kproxy top` and the metrics, which need no plan to label them) and their one
-//! reading from the kernel ([`read_counters`]).
+//! for `kproxy top` and the metrics, which need no plan to label them), their values as
+//! read ([`RawCounter`], [`KernelCounter`]) and what kproxy remembers of them
+//! ([`CounterMemory`]). Pure: their one reading from the kernel is the readers'
+//! (`crate::dump::read_counters`), above it.
 //!
 //! Why named objects (crates/nft/README.md, "Counters"): a counter object lives apart
 //! from the rules and elements that hit it, so a chain rewrite, an element change or a
@@ -17,8 +19,6 @@ use std::collections::BTreeMap;
 
 use kproxy_core::model::EndpointAddr;
 
-use crate::dump::RawCounter;
-use crate::error::NftError;
 use crate::model::{Family, Op, Transaction};
 
 /// What one counter counts.
@@ -130,6 +130,15 @@ pub fn parse_counter_name(name: &str) -> Option<ServiceCounter> {
     })
 }
 
+/// A counter object's values as the kernel holds them and, from its comment, since when
+/// it counts (Unix seconds; `None` for a counter kproxy did not stamp).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RawCounter {
+    pub packets: u64,
+    pub bytes: u64,
+    pub since: Option<u64>,
+}
+
 /// One counter as read from the kernel.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelCounter {
@@ -214,7 +223,7 @@ impl CounterMemory {
                 }
                 Op::DeleteObject {
                     family, kind, name, ..
-                } if *kind == crate::model::COUNTER_OBJECT => {
+                } if *kind == crate::nfnl::NFT_OBJECT_COUNTER => {
                     self.seen.remove(&(*family, name.clone()));
                 }
                 // A table deleted (a replacement, `kproxy cleanup`): its counters are
@@ -224,17 +233,6 @@ impl CounterMemory {
         }
         restored
     }
-}
-
-/// The counter objects of kproxy's tables `ip TABLE` and `ip6 TABLE` (absent tables
-/// have none), in this thread's network namespace: one netlink dump per family of the
-/// objects alone (no rule or element is read). Needs CAP_NET_ADMIN.
-pub fn read_counters(table: &str) -> Result<Vec<KernelCounter>, NftError> {
-    let mut out = Vec::new();
-    for family in [Family::Ip, Family::Ip6] {
-        out.extend(kernel_counters(family, read_family(family, table)?));
-    }
-    Ok(out)
 }
 
 /// A family's reading as [`KernelCounter`]s.
@@ -249,14 +247,6 @@ pub(crate) fn kernel_counters(
         bytes: c.bytes,
         since: c.since,
     })
-}
-
-/// The counters of one family's table, by name.
-pub(crate) fn read_family(
-    family: Family,
-    table: &str,
-) -> Result<BTreeMap<String, RawCounter>, NftError> {
-    crate::dump::read_counter_objects(family.nft(), table)
 }
 
 #[cfg(test)]

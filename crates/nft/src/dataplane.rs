@@ -89,7 +89,7 @@ impl CounterReader {
     pub fn read(&self) -> Result<Vec<KernelCounter>, NftError> {
         let mut out = Vec::new();
         for family in [model::Family::Ip, model::Family::Ip6] {
-            let read = crate::counters::read_family(family, &self.table)?;
+            let read = dump::read_counter_objects(family, &self.table)?;
             lock(&self.memory).observe(family, &read);
             out.extend(crate::counters::kernel_counters(family, read));
         }
@@ -292,8 +292,8 @@ impl Dataplane {
         let mut report = SyncReport::default();
         let table = self.cfg.table.as_str();
         let raw = [
-            dump::read_table("ip", table),
-            dump::read_table("ip6", table),
+            dump::read_table(model::Family::Ip, table),
+            dump::read_table(model::Family::Ip6, table),
         ];
         for (rec, raw) in recs.iter().zip(&raw) {
             if let Ok(Some(raw)) = raw {
@@ -382,7 +382,7 @@ impl Dataplane {
     fn tables_absent(&self, recs: &[FamilyRecord; 2]) -> bool {
         let absent = recs.iter().try_fold(true, |absent, rec| {
             let (family, name) = rec.table();
-            Ok::<_, NftError>(absent && !dump::table_exists(family.nft(), name)?)
+            Ok::<_, NftError>(absent && !dump::table_exists(family, name)?)
         });
         absent.unwrap_or_else(|e| {
             tracing::warn!(error = %e, "cannot check for kproxy's tables over netlink; full sync by one replacing transaction");
@@ -441,7 +441,7 @@ impl Dataplane {
         let mut differences = Vec::new();
         for rec in &recs {
             let (family, table) = rec.table();
-            let raw = match dump::read_table(family.nft(), table) {
+            let raw = match dump::read_table(family, table) {
                 Ok(raw) => raw,
                 Err(e) => {
                     // Unread is not drift: the record stays, the next verification
@@ -491,7 +491,7 @@ impl Dataplane {
         }
         for rec in recs {
             let (family, table) = rec.table();
-            match crate::counters::read_family(family, table) {
+            match dump::read_counter_objects(family, table) {
                 Ok(read) => lock(&self.counters).observe(family, &read),
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the traffic counters before replacing the tables; restoring the last values read");

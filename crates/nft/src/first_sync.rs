@@ -127,3 +127,32 @@ pub(crate) fn first_sync_into_absent_tables_with(
     send(wake)?;
     Ok(done)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DataplaneConfig;
+    use crate::model::Table;
+    use kproxy_core::model::IpFamily;
+    use kproxy_core::synthetic::{self, Spec};
+
+    /// The elements a first sync sends in pieces, split from the transaction that creates
+    /// the tables, all encode as nfnetlink messages: the interval set `local-pods` (whose
+    /// prefixes are start and end elements) stays with the structure.
+    #[test]
+    fn the_elements_split_from_the_structure_encode() {
+        for pc in crate::record::tests::plan_configs() {
+            let plan = kproxy_core::plan(&synthetic::cluster(&Spec::new(60, 4)), "node-0", &pc);
+            for family in IpFamily::ALL {
+                let rec = FamilyRecord::full(&plan, &DataplaneConfig::default(), family);
+                let table = rec.assemble();
+                let absent = Table::absent(table.family, &table.name);
+                let (_, elements) = model::diff(&absent, &table)
+                    .unwrap()
+                    .dormant_for_absent_tables();
+                assert!(elements.elements_only());
+                assert!(netlink::Batch::transaction(&elements).is_ok());
+            }
+        }
+    }
+}

@@ -7,19 +7,23 @@
 //! This file is the facade: every module is private, and what the node agent and the
 //! tools use is re-exported here (crates/nft/README.md, "The Rust facade", says why each
 //! item); benches and tests reach below it through `internals` (the `internals`
-//! feature). Functional core: `ruleset` (plan → desired typed [`Table`]s), `atom` (the
-//! values rules and elements share: family, field, atom, verdict, rule id), `rule` (the
-//! typed rule: its one renderer of nft text, and the decoder of the kernel's
-//! expressions back into it, so rules read back compare by what they do), `model` (the
-//! typed nftables model, `diff(old, new) → Transaction`, the transaction's nft text),
+//! feature). The modules stand in layers (README, "Layers"; `tests/layers.rs` holds the
+//! imports to them), bottom first. The floor: `error`, and `nfnl` (the netlink floor:
+//! the socket, the namespace, kproxy's own port ids, every kernel constant). The
+//! vocabulary: `atom` (the values rules and elements share, each with its kernel
+//! encoding), `rule` (the typed rule: its one renderer of nft text and its encoder into
+//! the kernel's expressions) and `model` (the typed nftables model, `diff(old, new) →
+//! Transaction`, the transaction's nft text). The functional core: `config`,
+//! `counters` (their names and values), `ruleset` (plan → desired typed [`Table`]s),
 //! `record` (the record that moves by the changed Services and yields each sync's
-//! transaction), `conntrack` (the cleanup's decision, moved with the record) and
-//! `evaluate` (a packet's fate under a table, for `kproxy trace --kernel`). Imperative
-//! shell: [`Dataplane`] (`dataplane`), which sends each sync's transaction as
-//! nfnetlink batches (`netlink`; no `nft` process: the nft text is for `sync
-//! --dry-run`, docs and tests); reads kproxy's tables back over nfnetlink (`dump`,
-//! `readback`); watches them (`monitor`); and talks ctnetlink (`conntrack`), always in
-//! the calling thread's network namespace (`nfnl`: who is who on netfilter netlink).
+//! transaction) and `evaluate` (a packet's fate under a table, for `kproxy trace
+//! --kernel`). The kernel, written and read, always in the calling thread's network
+//! namespace: `conntrack` (ctnetlink's cleanup, its decision moved with the record),
+//! `limits`, `netlink` (each sync's transaction as nfnetlink batches; no `nft` process:
+//! the nft text is for `sync --dry-run`, docs and tests), `dump` (kproxy's tables read
+//! back, and the decoder of the kernel's rule expressions into the typed rule, so rules
+//! read back compare by what they do) and `monitor` (the watch). The syncs: `adopt`,
+//! `first_sync`, `readback` and [`Dataplane`] (`dataplane`).
 
 #![forbid(unsafe_code)]
 
@@ -50,8 +54,8 @@ pub use error::{EncodeError, EncodeFailure, NftError};
 // The traffic counters: their names, and one reading of them (`kproxy top`, metrics).
 pub use counters::{
     CounterKind, KernelCounter, ServiceCounter, UNALLOCATED_CLUSTER_IPS, parse_counter_name,
-    read_counters,
 };
+pub use dump::read_counters;
 pub use ruleset::DeltaCounts;
 // The desired tables, and what the first sync would send (`sync --dry-run`).
 pub use model::{Family, Table, Transaction};

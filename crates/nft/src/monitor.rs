@@ -13,7 +13,7 @@
 //! Which transactions are kproxy's own: the kernel names the committing *thread*
 //! (`task_pid_nr`, in the initial pid namespace) and stamps every notification with the
 //! netlink port id of the committing socket. kproxy commits only from its own threads
-//! (nfnetlink batches), whose sockets note their port ids here ([`nfnl::note_own`]). A
+//! (nfnetlink batches), whose sockets note their port ids here ([`crate::nfnl::note_own`]). A
 //! transaction is
 //! kproxy's when its port id or pid is one of those, or its pid is a thread of this
 //! process. The port id holds in a container with its own pid namespace too, where the
@@ -33,20 +33,10 @@ use netlink_sys::Socket;
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
+use crate::atom::Family;
 use crate::error::NftError;
-use crate::model::Family;
-use crate::nfnl::{self, Attrs, be32, c_str};
-use crate::nfnl::{
-    NFNL_SUBSYS_NFTABLES, NFNLGRP_NFTABLES, NFT_MSG_NEWGEN, NFTA_CHAIN_NAME, NFTA_GEN_ID,
-    NFTA_GEN_PROC_NAME, NFTA_GEN_PROC_PID, NFTA_RULE_CHAIN, NFTA_SET_NAME,
-};
-
-/// The table's name is attribute 1 of every object message (`NFTA_TABLE_NAME`,
-/// `NFTA_CHAIN_TABLE`, `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, `NFTA_SET_ELEM_LIST_TABLE`,
-/// `NFTA_OBJ_TABLE`, `NFTA_FLOWTABLE_TABLE`).
-const NFTA_TABLE: u16 = 1;
-const NFPROTO_IPV4: u8 = 2;
-const NFPROTO_IPV6: u8 = 10;
+// The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
+use crate::nfnl::*;
 const NETLINK_HEADER: usize = 16;
 const NFGENMSG: usize = 4;
 /// The receive buffer: a full sync at 10k × 10 announces ≈ 10 MB of notifications
@@ -57,12 +47,12 @@ const RCVBUF: usize = 64 << 20;
 const POLL: Duration = Duration::from_secs(1);
 /// Whether the transaction announced with `port_id` and `pid` was committed by kproxy.
 fn own_transaction(port_id: u32, pid: Option<u32>) -> bool {
-    if port_id != 0 && nfnl::noted_own(port_id) {
+    if port_id != 0 && noted_own(port_id) {
         return true;
     }
     pid.is_some_and(|pid| {
         pid == std::process::id()
-            || nfnl::noted_own(pid)
+            || noted_own(pid)
             || std::path::Path::new(&format!("/proc/self/task/{pid}")).exists()
     })
 }
@@ -106,20 +96,21 @@ impl ChangeKind {
 /// The kind and verb (added: true) of an nf_tables message type; `None` for the
 /// generation message and anything that is not an object notification.
 fn object(msg: u16) -> Option<(ChangeKind, bool)> {
-    // NEW*/DEL* from nf_tables.h, and DESTROY* (26..=32), announced as deletions.
     Some(match msg {
-        0 => (ChangeKind::Table, true),
-        2 | 26 => (ChangeKind::Table, false),
-        3 => (ChangeKind::Chain, true),
-        5 | 27 => (ChangeKind::Chain, false),
-        6 => (ChangeKind::Rule, true),
-        8 | 28 => (ChangeKind::Rule, false),
-        9 => (ChangeKind::Set, true),
-        11 | 29 => (ChangeKind::Set, false),
-        12 => (ChangeKind::Element, true),
-        14 | 30 => (ChangeKind::Element, false),
-        18 | 22 => (ChangeKind::Other, true),
-        20 | 24 | 31 | 32 => (ChangeKind::Other, false),
+        NFT_MSG_NEWTABLE => (ChangeKind::Table, true),
+        NFT_MSG_DELTABLE | NFT_MSG_DESTROYTABLE => (ChangeKind::Table, false),
+        NFT_MSG_NEWCHAIN => (ChangeKind::Chain, true),
+        NFT_MSG_DELCHAIN | NFT_MSG_DESTROYCHAIN => (ChangeKind::Chain, false),
+        NFT_MSG_NEWRULE => (ChangeKind::Rule, true),
+        NFT_MSG_DELRULE | NFT_MSG_DESTROYRULE => (ChangeKind::Rule, false),
+        NFT_MSG_NEWSET => (ChangeKind::Set, true),
+        NFT_MSG_DELSET | NFT_MSG_DESTROYSET => (ChangeKind::Set, false),
+        NFT_MSG_NEWSETELEM => (ChangeKind::Element, true),
+        NFT_MSG_DELSETELEM | NFT_MSG_DESTROYSETELEM => (ChangeKind::Element, false),
+        NFT_MSG_NEWOBJ | NFT_MSG_NEWFLOWTABLE => (ChangeKind::Other, true),
+        NFT_MSG_DELOBJ | NFT_MSG_DELFLOWTABLE | NFT_MSG_DESTROYOBJ | NFT_MSG_DESTROYFLOWTABLE => {
+            (ChangeKind::Other, false)
+        }
         _ => return None,
     })
 }
@@ -308,10 +299,7 @@ fn notification_socket(rcvbuf: usize, poll: Duration) -> Result<Socket, NftError
         let context = context.to_string();
         move |source| NftError::Io { context, source }
     };
-    let mut sock = Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)
-        .map_err(io("opening a netfilter netlink socket"))?;
-    sock.bind_auto()
-        .map_err(io("binding a netfilter netlink socket"))?;
+    let sock = bound().map_err(io("opening a netfilter netlink socket"))?;
     setsockopt(&sock, sockopt::RcvBufForce, &rcvbuf)
         .or_else(|_| setsockopt(&sock, sockopt::RcvBuf, &rcvbuf))
         .map_err(std::io::Error::from)
@@ -421,10 +409,8 @@ fn read_datagram(
         let Some((kind, added)) = object(msg_type) else {
             continue;
         };
-        let family = match family {
-            NFPROTO_IPV4 => Family::Ip,
-            NFPROTO_IPV6 => Family::Ip6,
-            _ => continue,
+        let Some(family) = Family::of_nfproto(family) else {
+            continue;
         };
         // The object's own name: `NFTA_CHAIN_NAME` (3), `NFTA_RULE_CHAIN` (2, the
         // rule's chain), `NFTA_SET_NAME` and `NFTA_SET_ELEM_LIST_SET` (2).
@@ -436,7 +422,7 @@ fn read_datagram(
         };
         let (mut this_table, mut name) = (None, None);
         for (k, value) in Attrs(attrs) {
-            if k == NFTA_TABLE {
+            if k == NFTA_ANY_TABLE {
                 this_table = c_str(value);
             } else if Some(k) == name_attr {
                 name = c_str(value);
@@ -599,7 +585,7 @@ mod tests {
         let mut d = elem.clone();
         d.extend(newgen(0, std::process::id(), "kproxy"));
         assert!(read(&d).is_none());
-        nfnl::note_own(STRANGER + 1);
+        note_own(STRANGER + 1);
         let mut d = elem.clone();
         d.extend(newgen(STRANGER + 1, STRANGER + 2, "nft"));
         assert!(read(&d).is_none());

@@ -25,28 +25,17 @@
 use std::net::IpAddr;
 use std::os::fd::AsRawFd;
 
-use netlink_packet_core::{NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
 use netlink_packet_netfilter::NetfilterMessage;
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+use netlink_sys::{Socket, SocketAddr};
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
+use crate::atom::{concat_type, fields_len};
 use crate::error::{EncodeError, EncodeFailure, NftError};
-use crate::model::{Atom, Family, Field, Op, Transaction, Tuple, Value};
-use crate::nfnl::{
-    NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NFNL_SUBSYS_NFTABLES, NFT_MSG_DELCHAIN,
-    NFT_MSG_DELOBJ, NFT_MSG_DELRULE, NFT_MSG_DELSET, NFT_MSG_DELSETELEM, NFT_MSG_DELTABLE,
-    NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE, NFT_MSG_NEWSET, NFT_MSG_NEWSETELEM, NFT_MSG_NEWTABLE,
-    NFTA_CHAIN_HOOK, NFTA_CHAIN_NAME, NFTA_CHAIN_POLICY, NFTA_CHAIN_TABLE, NFTA_CHAIN_TYPE,
-    NFTA_DATA_VALUE, NFTA_DATA_VERDICT, NFTA_HOOK_HOOKNUM, NFTA_HOOK_PRIORITY, NFTA_LIST_ELEM,
-    NFTA_OBJ_NAME, NFTA_OBJ_TABLE, NFTA_OBJ_TYPE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS,
-    NFTA_RULE_TABLE, NFTA_RULE_USERDATA, NFTA_SET_DATA_LEN, NFTA_SET_DATA_TYPE, NFTA_SET_ELEM_DATA,
-    NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_LIST_ELEMENTS, NFTA_SET_ELEM_LIST_SET,
-    NFTA_SET_ELEM_LIST_SET_ID, NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_FLAGS, NFTA_SET_ID,
-    NFTA_SET_KEY_LEN, NFTA_SET_KEY_TYPE, NFTA_SET_NAME, NFTA_SET_TABLE, NFTA_SET_TIMEOUT,
-    NFTA_SET_USERDATA, NFTA_TABLE_FLAGS, NFTA_TABLE_NAME, NFTA_TABLE_USERDATA, NFTA_VERDICT_CHAIN,
-    NFTA_VERDICT_CODE, NLA_F_NESTED,
-};
+use crate::model::{Atom, Family, Field, Op, SetData, SetDecl, Transaction, Tuple, Value};
+// The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
+use crate::nfnl::*;
 
 /// Elements per message are capped so the nested element list stays under the 64 KiB
 /// an attribute length can say.
@@ -56,14 +45,6 @@ const CHUNK_BYTES: usize = 256 << 10;
 /// The send buffer a new socket starts with; raised to the size of a larger batch (a
 /// batch must reach the kernel in one `sendmsg`, as `nft` sends it too).
 const INITIAL_SNDBUF: usize = 1 << 20;
-
-/// Opens a netfilter netlink socket in the calling thread's network namespace.
-pub(crate) fn open() -> Result<Socket, std::io::Error> {
-    let mut sock = Socket::new(NETLINK_NETFILTER)?;
-    sock.bind_auto()?;
-    sock.connect(&SocketAddr::new(0, 0))?;
-    Ok(sock)
-}
 
 /// Appends a key or value: a single field as is, each field of a concatenation padded
 /// to 4 bytes (nft's register layout); addresses and ports in network order, the
@@ -86,12 +67,6 @@ pub(crate) fn encode_tuple(t: &Tuple, out: &mut Vec<u8>) -> Result<(), EncodeFai
     }
     Ok(())
 }
-
-// The writer's own flags (linux/netlink.h, linux/netfilter/nf_tables.h); the shared
-// vocabulary is `nfnl`'s.
-const NFT_TABLE_F_DORMANT: u32 = 0x1;
-const ELEM_INTERVAL_END: u32 = 0x1;
-const NLM_F_APPEND: u16 = 0x800;
 
 /// One transaction of element changes, encoded and ready to send.
 ///
@@ -156,6 +131,15 @@ fn nla_bytes(buf: &mut Vec<u8>, kind: u16, v: &[u8]) -> Result<(), EncodeFailure
     nla_end(buf, at)
 }
 
+/// The message type and flags that add (`add`) or delete elements.
+fn element_message(add: bool) -> (u16, u16) {
+    if add {
+        (NFT_MSG_NEWSETELEM, NLM_F_CREATE)
+    } else {
+        (NFT_MSG_DELSETELEM, 0)
+    }
+}
+
 /// A set's element list of keys only (raw bytes), each flagged when it ends an
 /// interval: an interval set's prefixes, an anonymous set's literals.
 fn key_list(b: &mut Vec<u8>, elements: &[(Vec<u8>, bool)]) -> Result<(), EncodeFailure> {
@@ -163,7 +147,7 @@ fn key_list(b: &mut Vec<u8>, elements: &[(Vec<u8>, bool)]) -> Result<(), EncodeF
     for (key, end) in elements {
         let elem = nla_begin(b, NFTA_LIST_ELEM | NLA_F_NESTED);
         if *end {
-            nla_u32(b, NFTA_SET_ELEM_FLAGS, ELEM_INTERVAL_END)?;
+            nla_u32(b, NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END)?;
         }
         let k = nla_begin(b, NFTA_SET_ELEM_KEY | NLA_F_NESTED);
         let v = nla_begin(b, NFTA_DATA_VALUE);
@@ -205,15 +189,8 @@ fn byteorder(fields: &[Field]) -> u32 {
     }
 }
 
-// libnftnl's set user data types (`enum nftnl_udata_set_types`) and nft's ids of the
-// expressions and protocol fields a `typeof` declaration names.
-const UDATA_SET_KEYBYTEORDER: u8 = 0;
-const UDATA_SET_DATABYTEORDER: u8 = 1;
-const UDATA_SET_MERGE_ELEMENTS: u8 = 2;
-const UDATA_SET_KEY_TYPEOF: u8 = 3;
-const UDATA_SET_DATA_TYPEOF: u8 = 4;
-const UDATA_SET_DATA_INTERVAL: u8 = 6;
-const UDATA_SET_COMMENT: u8 = 7;
+// nft's ids of the expressions and protocol fields a `typeof` declaration names (nft's
+// own, in its user data; libnftnl's user data types are `nfnl`'s).
 const EXPR_PAYLOAD: u32 = 7;
 const EXPR_META: u32 = 9;
 const EXPR_CONCAT: u32 = 13;
@@ -224,8 +201,7 @@ const EXPR_NUMGEN: u32 = 23;
 /// key byte order; a map's data byte order; auto-merge; the key's (and a map's data)
 /// `typeof` expressions, or for a `type` concatenation an empty concatenation; a map's
 /// data-interval flag; the comment.
-fn set_udata(decl: &crate::model::SetDecl) -> Result<Vec<u8>, EncodeFailure> {
-    use crate::model::SetData;
+fn set_udata(decl: &SetDecl) -> Result<Vec<u8>, EncodeFailure> {
     let mut u = Vec::new();
     udata_u32(&mut u, UDATA_SET_KEYBYTEORDER, byteorder(&decl.key))?;
     match &decl.data {
@@ -352,19 +328,15 @@ impl Batch {
             return "a message of the batch".into();
         };
         let kind = u16::from_ne_bytes([header[4], header[5]]) & 0xff;
-        let family = match header[16] {
-            2 => "ip",
-            10 => "ip6",
-            _ => "",
-        };
-        let attrs = crate::nfnl::Attrs(&msg[20..]);
+        let family = Family::of_nfproto(header[16]).map_or("", Family::nft);
+        let attrs = Attrs(&msg[20..]);
         let text = |want: u16| {
             attrs.clone().find(|(k, _)| *k == want).map(|(_, v)| {
                 let end = v.iter().position(|&c| c == 0).unwrap_or(v.len());
                 String::from_utf8_lossy(&v[..end]).into_owned()
             })
         };
-        let table = text(1).unwrap_or_default();
+        let table = text(NFTA_ANY_TABLE).unwrap_or_default();
         let (what, name) = match kind {
             NFT_MSG_NEWTABLE => ("add table", None),
             NFT_MSG_DELTABLE => ("delete table", None),
@@ -575,7 +547,7 @@ impl Batch {
 
     /// `add counter`: a named counter object starting at `packets` and `bytes`, its
     /// comment (libnftnl's object comment, user data type 0) saying since when it
-    /// counts (`crate::nfnl::since_comment`).
+    /// counts (`since_comment`).
     fn add_counter(
         &mut self,
         family: Family,
@@ -583,27 +555,19 @@ impl Batch {
         name: &str,
         [packets, bytes, since]: [u64; 3],
     ) -> Result<(), EncodeFailure> {
-        use crate::nfnl::{
-            NFT_MSG_NEWOBJ, NFTA_COUNTER_BYTES, NFTA_COUNTER_PACKETS, NFTA_OBJ_DATA,
-        };
-        self.batch_begin();
-        let seq = self.count + 1;
-        let msg = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ;
-        let at = self.begin_message(msg, NLM_F_CREATE, family.nfproto(), 0);
-        let b = &mut self.bytes;
-        nla_str(b, NFTA_OBJ_TABLE, table)?;
-        nla_str(b, NFTA_OBJ_NAME, name)?;
-        nla_u32(b, NFTA_OBJ_TYPE, crate::model::COUNTER_OBJECT)?;
-        let data = nla_begin(b, NFTA_OBJ_DATA | NLA_F_NESTED);
-        nla_bytes(b, NFTA_COUNTER_BYTES, &bytes.to_be_bytes())?;
-        nla_bytes(b, NFTA_COUNTER_PACKETS, &packets.to_be_bytes())?;
-        nla_end(b, data)?;
-        let mut u = Vec::new();
-        udata_str(&mut u, 0, &crate::nfnl::since_comment(since))?;
-        nla_bytes(b, crate::nfnl::NFTA_OBJ_USERDATA, &u)?;
-        self.end_message(at);
-        self.note(seq, at);
-        Ok(())
+        self.message(NFT_MSG_NEWOBJ, NLM_F_CREATE, family.nfproto(), |b| {
+            nla_str(b, NFTA_OBJ_TABLE, table)?;
+            nla_str(b, NFTA_OBJ_NAME, name)?;
+            nla_u32(b, NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER)?;
+            let data = nla_begin(b, NFTA_OBJ_DATA | NLA_F_NESTED);
+            nla_bytes(b, NFTA_COUNTER_BYTES, &bytes.to_be_bytes())?;
+            nla_bytes(b, NFTA_COUNTER_PACKETS, &packets.to_be_bytes())?;
+            nla_end(b, data)?;
+            let mut u = Vec::new();
+            udata_str(&mut u, UDATA_COMMENT, &since_comment(since))?;
+            nla_bytes(b, NFTA_OBJ_USERDATA, &u)?;
+            Ok(())
+        })
     }
 
     /// `add table`, with its comment as nft stores it (libnftnl's table user data: the
@@ -616,22 +580,17 @@ impl Batch {
         comment: Option<&str>,
         dormant: bool,
     ) -> Result<(), EncodeFailure> {
-        self.batch_begin();
-        let seq = self.count + 1;
-        let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE;
-        let at = self.begin_message(kind, NLM_F_CREATE, family.nfproto(), 0);
-        let b = &mut self.bytes;
-        nla_str(b, NFTA_TABLE_NAME, table)?;
-        let flags = if dormant { NFT_TABLE_F_DORMANT } else { 0 };
-        nla_u32(b, NFTA_TABLE_FLAGS, flags)?;
-        if let Some(c) = comment {
-            let mut u = Vec::new();
-            udata_str(&mut u, 0, c)?;
-            nla_bytes(b, NFTA_TABLE_USERDATA, &u)?;
-        }
-        self.end_message(at);
-        self.note(seq, at);
-        Ok(())
+        self.message(NFT_MSG_NEWTABLE, NLM_F_CREATE, family.nfproto(), |b| {
+            nla_str(b, NFTA_TABLE_NAME, table)?;
+            let flags = if dormant { NFT_TABLE_F_DORMANT } else { 0 };
+            nla_u32(b, NFTA_TABLE_FLAGS, flags)?;
+            if let Some(c) = comment {
+                let mut u = Vec::new();
+                udata_str(&mut u, UDATA_COMMENT, c)?;
+                nla_bytes(b, NFTA_TABLE_USERDATA, &u)?;
+            }
+            Ok(())
+        })
     }
 
     /// `add set` / `add map` as nft 1.0.6 sends its declaration: the kernel's key and
@@ -643,74 +602,58 @@ impl Batch {
         family: Family,
         table: &str,
         name: &str,
-        decl: &crate::model::SetDecl,
+        decl: &SetDecl,
     ) -> Result<(), EncodeFailure> {
-        const SET_INTERVAL: u32 = 0x4;
-        const SET_MAP: u32 = 0x8;
-        const SET_TIMEOUT: u32 = 0x10;
-        const SET_EVAL: u32 = 0x20;
         if decl.interval && decl.key.len() > 1 {
             // nft adds a field-length description kproxy never needs; not guessed.
             return Err(EncodeFailure::Declaration);
         }
-        self.batch_begin();
         self.set_ids += 1;
         let id = self.set_ids;
-        let seq = self.count + 1;
-        let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSET;
-        let at = self.begin_message(kind, NLM_F_CREATE, family.nfproto(), 0);
-        let b = &mut self.bytes;
-        nla_str(b, NFTA_SET_TABLE, table)?;
-        nla_str(b, NFTA_SET_NAME, name)?;
-        let mut flags = 0;
-        for (on, f) in [
-            (decl.interval, SET_INTERVAL),
-            (
-                decl.is_map() && decl.data != Some(crate::model::SetData::Counter),
-                SET_MAP,
-            ),
-            (decl.timeout_secs.is_some(), SET_TIMEOUT),
-            (decl.dynamic, SET_EVAL),
-            (
-                decl.data == Some(crate::model::SetData::Counter),
-                crate::nfnl::SET_OBJECT,
-            ),
-        ] {
-            if on {
-                flags |= f;
+        self.message(NFT_MSG_NEWSET, NLM_F_CREATE, family.nfproto(), |b| {
+            nla_str(b, NFTA_SET_TABLE, table)?;
+            nla_str(b, NFTA_SET_NAME, name)?;
+            let mut flags = 0;
+            for (on, f) in [
+                (decl.interval, NFT_SET_INTERVAL),
+                (
+                    decl.is_map() && decl.data != Some(SetData::Counter),
+                    NFT_SET_MAP,
+                ),
+                (decl.timeout_secs.is_some(), NFT_SET_TIMEOUT),
+                (decl.dynamic, NFT_SET_EVAL),
+                (decl.data == Some(SetData::Counter), NFT_SET_OBJECT),
+            ] {
+                if on {
+                    flags |= f;
+                }
             }
-        }
-        nla_u32(b, NFTA_SET_FLAGS, flags)?;
-        nla_u32(b, NFTA_SET_KEY_TYPE, crate::atom::concat_type(&decl.key))?;
-        nla_u32(b, NFTA_SET_KEY_LEN, crate::atom::fields_len(&decl.key))?;
-        match &decl.data {
-            None => {}
-            Some(crate::model::SetData::Verdict) => {
-                nla_u32(b, NFTA_SET_DATA_TYPE, crate::atom::VERDICT_TYPE)?;
-                nla_u32(b, NFTA_SET_DATA_LEN, 0)?;
+            nla_u32(b, NFTA_SET_FLAGS, flags)?;
+            nla_u32(b, NFTA_SET_KEY_TYPE, concat_type(&decl.key))?;
+            nla_u32(b, NFTA_SET_KEY_LEN, fields_len(&decl.key))?;
+            match &decl.data {
+                None => {}
+                Some(SetData::Verdict) => {
+                    nla_u32(b, NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT)?;
+                    nla_u32(b, NFTA_SET_DATA_LEN, 0)?;
+                }
+                Some(SetData::Fields(f)) => {
+                    nla_u32(b, NFTA_SET_DATA_TYPE, concat_type(f))?;
+                    nla_u32(b, NFTA_SET_DATA_LEN, fields_len(f))?;
+                }
+                Some(SetData::Counter) => {
+                    nla_u32(b, NFTA_SET_OBJ_TYPE, NFT_OBJECT_COUNTER)?;
+                }
             }
-            Some(crate::model::SetData::Fields(f)) => {
-                nla_u32(b, NFTA_SET_DATA_TYPE, crate::atom::concat_type(f))?;
-                nla_u32(b, NFTA_SET_DATA_LEN, crate::atom::fields_len(f))?;
+            nla_u32(b, NFTA_SET_ID, id)?;
+            if let Some(secs) = decl.timeout_secs {
+                let at = nla_begin(b, NFTA_SET_TIMEOUT);
+                b.extend_from_slice(&(u64::from(secs) * 1000).to_be_bytes());
+                nla_end(b, at)?;
             }
-            Some(crate::model::SetData::Counter) => {
-                nla_u32(
-                    b,
-                    crate::nfnl::NFTA_SET_OBJ_TYPE,
-                    crate::model::COUNTER_OBJECT,
-                )?;
-            }
-        }
-        nla_u32(b, NFTA_SET_ID, id)?;
-        if let Some(secs) = decl.timeout_secs {
-            let at = nla_begin(b, NFTA_SET_TIMEOUT);
-            b.extend_from_slice(&(u64::from(secs) * 1000).to_be_bytes());
-            nla_end(b, at)?;
-        }
-        nla_bytes(b, NFTA_SET_USERDATA, &set_udata(decl)?)?;
-        self.end_message(at);
-        self.note(seq, at);
-        Ok(())
+            nla_bytes(b, NFTA_SET_USERDATA, &set_udata(decl)?)?;
+            Ok(())
+        })
     }
 
     /// Adds or deletes prefixes of an interval set of addresses as the kernel holds
@@ -759,22 +702,12 @@ impl Batch {
                 elements.push((bytes(last + 1), true));
             }
         }
-        self.batch_begin();
-        let seq = self.count + 1;
-        let (kind, flags) = if add {
-            (NFT_MSG_NEWSETELEM, NLM_F_CREATE)
-        } else {
-            (NFT_MSG_DELSETELEM, 0)
-        };
-        let kind = (NFNL_SUBSYS_NFTABLES << 8) | kind;
-        let at = self.begin_message(kind, flags, family.nfproto(), 0);
-        let b = &mut self.bytes;
-        nla_str(b, NFTA_SET_ELEM_LIST_TABLE, table)?;
-        nla_str(b, NFTA_SET_ELEM_LIST_SET, set)?;
-        key_list(b, &elements)?;
-        self.end_message(at);
-        self.note(seq, at);
-        Ok(())
+        let (kind, flags) = element_message(add);
+        self.message(kind, flags, family.nfproto(), |b| {
+            nla_str(b, NFTA_SET_ELEM_LIST_TABLE, table)?;
+            nla_str(b, NFTA_SET_ELEM_LIST_SET, set)?;
+            key_list(b, &elements)
+        })
     }
 
     /// Adds (`add`) or deletes the elements `items` (key, value) of `set` in `table`
@@ -787,17 +720,10 @@ impl Batch {
         set: &str,
         items: impl Iterator<Item = (&'a Tuple, Option<&'a Value>)>,
     ) -> Result<(), EncodeFailure> {
-        if self.count == 0 {
-            let at = self.begin_message(NFNL_MSG_BATCH_BEGIN, 0, 0, NFNL_SUBSYS_NFTABLES);
-            self.end_message(at);
-        }
+        self.batch_begin();
         let fam = family.nfproto();
-        let (kind, flags) = if add {
-            (NFT_MSG_NEWSETELEM, NLM_F_CREATE)
-        } else {
-            (NFT_MSG_DELSETELEM, 0)
-        };
-        let kind = (u16::from(NFNL_SUBSYS_NFTABLES as u8) << 8) | kind;
+        let (kind, flags) = element_message(add);
+        let kind = (NFNL_SUBSYS_NFTABLES << 8) | kind;
         // (message offset, element list offset) of the open message.
         let mut open: Option<(usize, usize)> = None;
         for (k, v) in items {
@@ -843,7 +769,7 @@ impl Batch {
                     nla_end(b, data)?;
                 }
                 (Some(Value::Counter(name)), true) => {
-                    nla_str(b, crate::nfnl::NFTA_SET_ELEM_OBJREF, name)?;
+                    nla_str(b, NFTA_SET_ELEM_OBJREF, name)?;
                 }
                 _ => {}
             }
@@ -858,6 +784,25 @@ impl Batch {
             nla_end(&mut self.bytes, list)?;
             self.end_message(msg);
         }
+        Ok(())
+    }
+
+    /// One nf_tables message `msg` of the batch (begun first when it is the first):
+    /// header and nfgenmsg, then the attributes `body` writes; noted for
+    /// [`Batch::describe`].
+    fn message(
+        &mut self,
+        msg: u16,
+        flags: u16,
+        family: u8,
+        body: impl FnOnce(&mut Vec<u8>) -> Result<(), EncodeFailure>,
+    ) -> Result<(), EncodeFailure> {
+        self.batch_begin();
+        let seq = self.count + 1;
+        let at = self.begin_message((NFNL_SUBSYS_NFTABLES << 8) | msg, flags, family, 0);
+        body(&mut self.bytes)?;
+        self.end_message(at);
+        self.note(seq, at);
         Ok(())
     }
 
@@ -878,17 +823,13 @@ impl Batch {
         table: &str,
         named: Option<(u16, &str)>,
     ) -> Result<(), EncodeFailure> {
-        self.batch_begin();
-        let seq = self.count + 1;
-        let kind = (NFNL_SUBSYS_NFTABLES << 8) | msg;
-        let at = self.begin_message(kind, 0, family.nfproto(), 0);
-        nla_str(&mut self.bytes, 1, table)?;
-        if let Some((attr, name)) = named {
-            nla_str(&mut self.bytes, attr, name)?;
-        }
-        self.end_message(at);
-        self.note(seq, at);
-        Ok(())
+        self.message(msg, 0, family.nfproto(), |b| {
+            nla_str(b, NFTA_ANY_TABLE, table)?;
+            if let Some((attr, name)) = named {
+                nla_str(b, attr, name)?;
+            }
+            Ok(())
+        })
     }
 
     /// `delete KIND`: a named object of `NFT_OBJECT_*` type `kind` (the kernel finds it
@@ -900,16 +841,12 @@ impl Batch {
         kind: u32,
         name: &str,
     ) -> Result<(), EncodeFailure> {
-        self.batch_begin();
-        let seq = self.count + 1;
-        let msg = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELOBJ;
-        let at = self.begin_message(msg, 0, family.nfproto(), 0);
-        nla_str(&mut self.bytes, NFTA_OBJ_TABLE, table)?;
-        nla_str(&mut self.bytes, NFTA_OBJ_NAME, name)?;
-        nla_u32(&mut self.bytes, NFTA_OBJ_TYPE, kind)?;
-        self.end_message(at);
-        self.note(seq, at);
-        Ok(())
+        self.message(NFT_MSG_DELOBJ, 0, family.nfproto(), |b| {
+            nla_str(b, NFTA_OBJ_TABLE, table)?;
+            nla_str(b, NFTA_OBJ_NAME, name)?;
+            nla_u32(b, NFTA_OBJ_TYPE, kind)?;
+            Ok(())
+        })
     }
 
     /// `add chain`: a regular chain, or a base chain with its hook (policy accept).
@@ -920,28 +857,23 @@ impl Batch {
         name: &str,
         hook: Option<&crate::model::Hook>,
     ) -> Result<(), EncodeFailure> {
-        self.batch_begin();
-        let seq = self.count + 1;
-        let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWCHAIN;
-        let at = self.begin_message(kind, NLM_F_CREATE, family.nfproto(), 0);
-        let b = &mut self.bytes;
-        nla_str(b, NFTA_CHAIN_TABLE, table)?;
-        nla_str(b, NFTA_CHAIN_NAME, name)?;
-        if let Some(h) = hook {
-            let nest = nla_begin(b, NFTA_CHAIN_HOOK | NLA_F_NESTED);
-            nla_u32(b, NFTA_HOOK_HOOKNUM, h.hook.number())?;
-            nla_u32(b, NFTA_HOOK_PRIORITY, h.priority as u32)?;
-            nla_end(b, nest)?;
-            nla_u32(b, NFTA_CHAIN_POLICY, 1)?;
-            let ty = match h.ty {
-                crate::model::ChainType::Filter => "filter",
-                crate::model::ChainType::Nat => "nat",
-            };
-            nla_str(b, NFTA_CHAIN_TYPE, ty)?;
-        }
-        self.end_message(at);
-        self.note(seq, at);
-        Ok(())
+        self.message(NFT_MSG_NEWCHAIN, NLM_F_CREATE, family.nfproto(), |b| {
+            nla_str(b, NFTA_CHAIN_TABLE, table)?;
+            nla_str(b, NFTA_CHAIN_NAME, name)?;
+            if let Some(h) = hook {
+                let nest = nla_begin(b, NFTA_CHAIN_HOOK | NLA_F_NESTED);
+                nla_u32(b, NFTA_HOOK_HOOKNUM, h.hook.number())?;
+                nla_u32(b, NFTA_HOOK_PRIORITY, h.priority as u32)?;
+                nla_end(b, nest)?;
+                nla_u32(b, NFTA_CHAIN_POLICY, NF_ACCEPT)?;
+                let ty = match h.ty {
+                    crate::model::ChainType::Filter => "filter",
+                    crate::model::ChainType::Nat => "nat",
+                };
+                nla_str(b, NFTA_CHAIN_TYPE, ty)?;
+            }
+            Ok(())
+        })
     }
 
     /// `add rule` with its `kp:` id as the comment: the anonymous sets it looks up
@@ -970,30 +902,21 @@ impl Batch {
     ) -> Result<(), EncodeFailure> {
         let (exprs, sets) = crate::rule::encode::encode(rule, family, &mut self.set_ids)
             .ok_or(EncodeFailure::Rule)?;
-        self.batch_begin();
         let fam = family.nfproto();
         for set in &sets {
             self.anonymous_set(fam, table, set)?;
         }
-        let seq = self.count + 1;
-        let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE;
-        let at = self.begin_message(kind, NLM_F_CREATE | NLM_F_APPEND, fam, 0);
-        let b = &mut self.bytes;
-        nla_str(b, NFTA_RULE_TABLE, table)?;
-        nla_str(b, NFTA_RULE_CHAIN, chain)?;
-        let e = nla_begin(b, NFTA_RULE_EXPRESSIONS | NLA_F_NESTED);
-        b.extend_from_slice(&exprs);
-        nla_end(b, e)?;
-        // libnftnl's user data: the comment TLV (type 0), NUL-terminated.
-        let comment = format!("{tag}\0");
-        let u = nla_begin(b, NFTA_RULE_USERDATA);
-        b.push(0);
-        b.push(u8::try_from(comment.len()).map_err(|_| EncodeFailure::TooLong)?);
-        b.extend_from_slice(comment.as_bytes());
-        nla_end(b, u)?;
-        self.end_message(at);
-        self.note(seq, at);
-        Ok(())
+        self.message(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, fam, |b| {
+            nla_str(b, NFTA_RULE_TABLE, table)?;
+            nla_str(b, NFTA_RULE_CHAIN, chain)?;
+            let e = nla_begin(b, NFTA_RULE_EXPRESSIONS | NLA_F_NESTED);
+            b.extend_from_slice(&exprs);
+            nla_end(b, e)?;
+            // libnftnl's user data: the comment TLV, NUL-terminated.
+            let mut u = Vec::new();
+            udata_str(&mut u, UDATA_COMMENT, tag)?;
+            nla_bytes(b, NFTA_RULE_USERDATA, &u)
+        })
     }
 
     /// A rule's anonymous set and its elements, in the rule's batch.
@@ -1003,36 +926,26 @@ impl Batch {
         table: &str,
         set: &crate::rule::encode::AnonymousSet,
     ) -> Result<(), EncodeFailure> {
-        const SET_ANONYMOUS: u32 = 0x1;
-        const SET_CONSTANT: u32 = 0x2;
-        const SET_INTERVAL: u32 = 0x4;
-        let seq = self.count + 1;
-        let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSET;
-        let at = self.begin_message(kind, NLM_F_CREATE, fam, 0);
-        let b = &mut self.bytes;
-        nla_str(b, NFTA_SET_TABLE, table)?;
-        nla_str(b, NFTA_SET_NAME, &set.name)?;
-        let mut flags = SET_ANONYMOUS | SET_CONSTANT;
-        if set.interval {
-            flags |= SET_INTERVAL;
-        }
-        nla_u32(b, NFTA_SET_FLAGS, flags)?;
-        nla_u32(b, NFTA_SET_KEY_TYPE, set.key_type)?;
-        nla_u32(b, NFTA_SET_KEY_LEN, set.key_len)?;
-        nla_u32(b, NFTA_SET_ID, set.id)?;
-        self.end_message(at);
-        self.note(seq, at);
-        let seq = self.count + 1;
-        let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM;
-        let at = self.begin_message(kind, NLM_F_CREATE, fam, 0);
-        let b = &mut self.bytes;
-        nla_str(b, NFTA_SET_ELEM_LIST_TABLE, table)?;
-        nla_str(b, NFTA_SET_ELEM_LIST_SET, &set.name)?;
-        nla_u32(b, NFTA_SET_ELEM_LIST_SET_ID, set.id)?;
-        key_list(b, &set.elements)?;
-        self.end_message(at);
-        self.note(seq, at);
-        Ok(())
+        self.message(NFT_MSG_NEWSET, NLM_F_CREATE, fam, |b| {
+            nla_str(b, NFTA_SET_TABLE, table)?;
+            nla_str(b, NFTA_SET_NAME, &set.name)?;
+            let mut flags = NFT_SET_ANONYMOUS | NFT_SET_CONSTANT;
+            if set.interval {
+                flags |= NFT_SET_INTERVAL;
+            }
+            nla_u32(b, NFTA_SET_FLAGS, flags)?;
+            nla_u32(b, NFTA_SET_KEY_TYPE, set.key_type)?;
+            nla_u32(b, NFTA_SET_KEY_LEN, set.key_len)?;
+            nla_u32(b, NFTA_SET_ID, set.id)?;
+            Ok(())
+        })?;
+        self.message(NFT_MSG_NEWSETELEM, NLM_F_CREATE, fam, |b| {
+            nla_str(b, NFTA_SET_ELEM_LIST_TABLE, table)?;
+            nla_str(b, NFTA_SET_ELEM_LIST_SET, &set.name)?;
+            nla_u32(b, NFTA_SET_ELEM_LIST_SET_ID, set.id)?;
+            key_list(b, &set.elements)?;
+            Ok(())
+        })
     }
 
     /// One transaction that wakes the dormant `tables` (`NEWTABLE` with no flags): each
@@ -1127,7 +1040,7 @@ impl Writer {
         let mut addr = SocketAddr::new(0, 0);
         sock.get_address(&mut addr)
             .map_err(io("reading the netlink socket's port id"))?;
-        crate::nfnl::note_own(addr.port_number());
+        note_own(addr.port_number());
         // Errors carry only the failing message's header, not the whole batch back.
         sock.set_cap_ack(true)
             .map_err(io("setting NETLINK_CAP_ACK"))?;
@@ -1144,7 +1057,7 @@ impl Writer {
             .map_err(io("setting the netlink receive timeout"))?;
         Ok(Writer {
             sock,
-            netns: crate::nfnl::current_netns()?,
+            netns: current_netns()?,
             sndbuf: INITIAL_SNDBUF,
         })
     }
@@ -1162,7 +1075,7 @@ impl Writer {
 
     /// True when the calling thread is in the namespace the socket was opened in.
     pub fn in_current_netns(&self) -> Result<bool, NftError> {
-        Ok(crate::nfnl::current_netns()? == self.netns)
+        Ok(current_netns()? == self.netns)
     }
 
     /// Sends the batch as one transaction and waits for the kernel's answer to every
@@ -1360,19 +1273,6 @@ mod tests {
             name: "services".into(),
         };
         assert!(Batch::transaction(&tx(vec![flush])).is_ok());
-    }
-
-    #[test]
-    fn verdicts() {
-        let v = |s: &str| {
-            crate::model::Verdict::parse(s)
-                .map(|v| (v.netlink().0, v.netlink().1.map(String::from)))
-        };
-        assert_eq!(v("goto svc-1"), Some((-4i32 as u32, Some("svc-1".into()))));
-        assert_eq!(v("jump x"), Some((-3i32 as u32, Some("x".into()))));
-        assert_eq!(v("drop"), Some((0, None)));
-        assert_eq!(v("reject"), None);
-        assert_eq!(v("dnat to 1.2.3.4"), None);
     }
 
     /// The hand-written bytes equal netlink-packet-netfilter's encoding of the same
@@ -1685,7 +1585,7 @@ mod tests {
                 SetDecl::map(vec![Ipv4Addr, InetProto, InetService], SetData::Verdict)
                     .with_comment("cluster IPs"),
                 0x730d,
-                Some(crate::atom::VERDICT_TYPE),
+                Some(NFT_DATA_VERDICT),
                 "000400000000010400000000030800040d0000000100060400000000070c636c75737465722049507300",
             ),
             (
@@ -1724,10 +1624,10 @@ mod tests {
         for (decl, key_type, data_type, udata) in cases {
             let mut body = String::new();
             decl.write(&mut body);
-            assert_eq!(crate::atom::concat_type(&decl.key), key_type, "{body}");
+            assert_eq!(concat_type(&decl.key), key_type, "{body}");
             let data = match &decl.data {
-                Some(SetData::Fields(f)) => Some(crate::atom::concat_type(f)),
-                Some(SetData::Verdict) => Some(crate::atom::VERDICT_TYPE),
+                Some(SetData::Fields(f)) => Some(concat_type(f)),
+                Some(SetData::Verdict) => Some(NFT_DATA_VERDICT),
                 Some(SetData::Counter) | None => None,
             };
             assert_eq!(data, data_type, "{body}");

@@ -1,19 +1,55 @@
-//! Who is who on netfilter netlink, below both its writer (`netlink`) and its readers
-//! (`dump`, `monitor`): the calling thread's network namespace, the registry of
-//! kproxy's own netlink port ids, noted by the writer and read by the monitor to tell
-//! kproxy's transactions from another process's (its module doc says how), the
-//! netfilter netlink constants (declared here once, one type each), and the reading of
-//! a message's attributes ([`Attrs`], [`be32`], [`c_str`]).
+//! The netlink floor, below both the writer (`netlink`) and the readers (`dump`,
+//! `monitor`, `conntrack`): the opening of a netfilter netlink socket ([`open`],
+//! [`bound`]) in the calling thread's network namespace (its identity,
+//! [`current_netns`]); the registry of kproxy's own netlink port ids, noted by the
+//! writer and read by the monitor to tell kproxy's transactions from another process's
+//! (its module doc says how); every kernel constant kproxy speaks (declared here once,
+//! one type each: netlink's flags and message types, nf_tables' messages, attributes,
+//! set and element flags, verdict codes, object types and expression keys, and
+//! libnftnl's user data types); and the reading of a message's attributes ([`Attrs`],
+//! [`be32`], [`c_str`]). It imports nothing of the crate but its error.
 
 use std::collections::VecDeque;
 use std::os::unix::fs::MetadataExt;
 use std::sync::Mutex;
 
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+
 use crate::error::NftError;
 
+/// A netfilter netlink socket bound in the calling thread's network namespace, talking
+/// to the kernel: the writer's, each reading's, ctnetlink's.
+pub(crate) fn open() -> std::io::Result<Socket> {
+    let sock = bound()?;
+    sock.connect(&SocketAddr::new(0, 0))?;
+    Ok(sock)
+}
+
+/// A netfilter netlink socket bound in the calling thread's network namespace and not
+/// connected: the notification socket's (the kernel delivers a group to bound sockets
+/// only).
+pub(crate) fn bound() -> std::io::Result<Socket> {
+    let mut sock = Socket::new(NETLINK_NETFILTER)?;
+    sock.bind_auto()?;
+    Ok(sock)
+}
+
 // The netfilter netlink vocabulary kproxy speaks, declared once (linux/netlink.h,
-// linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h): the writer (`netlink`), the
-// readers (`dump`, `monitor`) and their tests name these.
+// linux/netfilter.h, linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h): the
+// writer (`netlink`), the readers (`dump`, `monitor`), the rule's encoder and decoder,
+// and their tests name these.
+/// `struct nlmsghdr`'s types and flags.
+pub(crate) const NLMSG_ERROR: u16 = 2;
+pub(crate) const NLMSG_DONE: u16 = 3;
+pub(crate) const NLM_F_REQUEST: u16 = 0x1;
+pub(crate) const NLM_F_ACK: u16 = 0x4;
+pub(crate) const NLM_F_DUMP_INTR: u16 = 0x10;
+pub(crate) const NLM_F_DUMP: u16 = 0x300;
+pub(crate) const NLM_F_CREATE: u16 = 0x400;
+pub(crate) const NLM_F_APPEND: u16 = 0x800;
+/// `NFPROTO_*`: nfgenmsg's family byte of an `ip` / `ip6` table.
+pub(crate) const NFPROTO_IPV4: u8 = 2;
+pub(crate) const NFPROTO_IPV6: u8 = 10;
 /// `enum nfnetlink_groups`: nf_tables' notifications.
 pub(crate) const NFNLGRP_NFTABLES: u32 = 7;
 /// The nf_tables subsystem (a message type's high byte; a batch header's resource id).
@@ -44,7 +80,22 @@ pub(crate) const NFT_MSG_GETGEN: u16 = 16;
 pub(crate) const NFT_MSG_NEWOBJ: u16 = 18;
 pub(crate) const NFT_MSG_GETOBJ: u16 = 19;
 pub(crate) const NFT_MSG_DELOBJ: u16 = 20;
+pub(crate) const NFT_MSG_NEWFLOWTABLE: u16 = 22;
+pub(crate) const NFT_MSG_DELFLOWTABLE: u16 = 24;
+/// `NFT_MSG_DESTROY*` (announced as deletions): table, chain, rule, set, element,
+/// object, flowtable.
+pub(crate) const NFT_MSG_DESTROYTABLE: u16 = 26;
+pub(crate) const NFT_MSG_DESTROYCHAIN: u16 = 27;
+pub(crate) const NFT_MSG_DESTROYRULE: u16 = 28;
+pub(crate) const NFT_MSG_DESTROYSET: u16 = 29;
+pub(crate) const NFT_MSG_DESTROYSETELEM: u16 = 30;
+pub(crate) const NFT_MSG_DESTROYOBJ: u16 = 31;
+pub(crate) const NFT_MSG_DESTROYFLOWTABLE: u16 = 32;
 /// `enum nft_*_attributes`: the attributes of each object's messages.
+/// The table's name is attribute 1 of every object message (`NFTA_TABLE_NAME`,
+/// `NFTA_CHAIN_TABLE`, `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, `NFTA_SET_ELEM_LIST_TABLE`,
+/// `NFTA_OBJ_TABLE`, `NFTA_FLOWTABLE_TABLE`).
+pub(crate) const NFTA_ANY_TABLE: u16 = 1;
 pub(crate) const NFTA_TABLE_NAME: u16 = 1;
 pub(crate) const NFTA_TABLE_FLAGS: u16 = 2;
 pub(crate) const NFTA_TABLE_USERDATA: u16 = 6;
@@ -93,8 +144,33 @@ pub(crate) const NFTA_COUNTER_PACKETS: u16 = 2;
 pub(crate) const NFTA_SET_OBJ_TYPE: u16 = 15;
 /// An object map element's object name.
 pub(crate) const NFTA_SET_ELEM_OBJREF: u16 = 9;
-/// `NFT_SET_OBJECT`: the set maps keys to named objects.
-pub(crate) const SET_OBJECT: u32 = 0x40;
+/// `enum nft_set_flags`: anonymous, constant, interval, map, timeout, eval (updated
+/// from the packet path), object (maps keys to named objects).
+pub(crate) const NFT_SET_ANONYMOUS: u32 = 0x1;
+pub(crate) const NFT_SET_CONSTANT: u32 = 0x2;
+pub(crate) const NFT_SET_INTERVAL: u32 = 0x4;
+pub(crate) const NFT_SET_MAP: u32 = 0x8;
+pub(crate) const NFT_SET_TIMEOUT: u32 = 0x10;
+pub(crate) const NFT_SET_EVAL: u32 = 0x20;
+pub(crate) const NFT_SET_OBJECT: u32 = 0x40;
+/// `NFT_SET_ELEM_INTERVAL_END`: the element ends an interval.
+pub(crate) const NFT_SET_ELEM_INTERVAL_END: u32 = 0x1;
+/// `NFT_TABLE_F_DORMANT`: the table's base chains are not hooked.
+pub(crate) const NFT_TABLE_F_DORMANT: u32 = 0x1;
+/// `NFT_DATA_VERDICT`: a map's data type when it maps to verdicts.
+pub(crate) const NFT_DATA_VERDICT: u32 = 0xffff_ff00;
+/// Verdict codes (`NF_DROP`, `NF_ACCEPT`, `enum nft_verdicts`), as the kernel's `u32`;
+/// `crate::atom::Verdict` encodes and decodes them. `NF_ACCEPT` is also a base chain's
+/// policy.
+pub(crate) const NF_DROP: u32 = 0;
+pub(crate) const NF_ACCEPT: u32 = 1;
+pub(crate) const NFT_CONTINUE: u32 = -1i32 as u32;
+pub(crate) const NFT_JUMP: u32 = -3i32 as u32;
+pub(crate) const NFT_GOTO: u32 = -4i32 as u32;
+pub(crate) const NFT_RETURN: u32 = -5i32 as u32;
+/// `NFT_OBJECT_COUNTER`: the one type of named object kproxy declares (the others are
+/// named by `crate::model::object_kind`).
+pub(crate) const NFT_OBJECT_COUNTER: u32 = 1;
 pub(crate) const NFTA_EXPR_NAME: u16 = 1;
 pub(crate) const NFTA_EXPR_DATA: u16 = 2;
 pub(crate) const NFTA_GEN_ID: u16 = 1;
@@ -164,11 +240,66 @@ impl<'a> Iterator for Attrs<'a> {
     }
 }
 
-/// `NFT_CT_*` keys of a `ct original` load (the traffic counters' lookup after DNAT),
-/// written by `rule::encode` and read by `rule::decode`.
-pub(crate) const CT_PROTO_DST: u32 = 12;
-pub(crate) const CT_DST_IP: u32 = 20;
-pub(crate) const CT_DST_IP6: u32 = 22;
+// The keys and values of the expressions kproxy's rules hold (linux/netfilter/
+// nf_tables.h, linux/netfilter/nf_nat.h, linux/netfilter/nf_conntrack_common.h,
+// linux/rtnetlink.h), written by `rule::encode` and read by `dump::rule`.
+/// `enum nft_payload_bases`.
+pub(crate) const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
+pub(crate) const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
+/// `enum nft_meta_keys`.
+pub(crate) const NFT_META_MARK: u32 = 3;
+pub(crate) const NFT_META_IIFNAME: u32 = 6;
+pub(crate) const NFT_META_L4PROTO: u32 = 16;
+/// `enum nft_ct_keys`: `ct status`, and the keys of a `ct original` load (the traffic
+/// counters' lookup after DNAT).
+pub(crate) const NFT_CT_STATUS: u32 = 2;
+pub(crate) const NFT_CT_PROTO_DST: u32 = 12;
+pub(crate) const NFT_CT_DST_IP: u32 = 20;
+pub(crate) const NFT_CT_DST_IP6: u32 = 22;
+/// `IPS_DST_NAT`: the `dnat` bit of `ct status`.
+pub(crate) const IPS_DST_NAT: u32 = 0x20;
+/// `enum nft_fib_flags` (which address is looked up) and `NFT_FIB_RESULT_ADDRTYPE`.
+pub(crate) const NFTA_FIB_F_SADDR: u32 = 1;
+pub(crate) const NFTA_FIB_F_DADDR: u32 = 2;
+pub(crate) const NFT_FIB_RESULT_ADDRTYPE: u32 = 3;
+/// `RTN_LOCAL`: the address type `fib … type local` compares with.
+pub(crate) const RTN_LOCAL: u32 = 2;
+/// `NFT_NG_RANDOM`: `numgen random`.
+pub(crate) const NFT_NG_RANDOM: u32 = 1;
+/// `enum nft_cmp_ops`: `==`, `!=`.
+pub(crate) const NFT_CMP_EQ: u32 = 0;
+pub(crate) const NFT_CMP_NEQ: u32 = 1;
+/// `NFT_LOOKUP_F_INV`: a lookup that matches when the key is absent.
+pub(crate) const NFT_LOOKUP_F_INV: u32 = 1;
+/// `NFT_NAT_DNAT`.
+pub(crate) const NFT_NAT_DNAT: u32 = 1;
+/// `NF_NAT_RANGE_PROTO_SPECIFIED`, `NF_NAT_RANGE_MAP_IPS` (what the kernel sets itself
+/// for a DNAT to an address and a port) and `NF_NAT_RANGE_PROTO_RANDOM_FULLY`.
+pub(crate) const NF_NAT_RANGE_MAP_IPS: u32 = 0x1;
+pub(crate) const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 0x2;
+pub(crate) const NF_NAT_RANGE_PROTO_RANDOM_FULLY: u32 = 0x10;
+/// `enum nft_reject_types`, and the ICMP / ICMPv6 port-unreachable codes kproxy
+/// rejects with.
+pub(crate) const NFT_REJECT_ICMP_UNREACH: u32 = 0;
+pub(crate) const NFT_REJECT_TCP_RST: u32 = 1;
+pub(crate) const ICMP_PORT_UNREACH: u8 = 3;
+pub(crate) const ICMPV6_PORT_UNREACH: u8 = 4;
+/// `NFT_DYNSET_OP_UPDATE`.
+pub(crate) const NFT_DYNSET_OP_UPDATE: u32 = 1;
+
+// libnftnl's user data (`enum nftnl_udata_*_types`): TLVs a table, chain, rule, set or
+// object carries for nft to print; the kernel stores them unread.
+/// A table's, rule's or object's comment.
+pub(crate) const UDATA_COMMENT: u8 = 0;
+/// A set's: key and data byte order, auto-merge, `typeof` key and data, data interval,
+/// comment.
+pub(crate) const UDATA_SET_KEYBYTEORDER: u8 = 0;
+pub(crate) const UDATA_SET_DATABYTEORDER: u8 = 1;
+pub(crate) const UDATA_SET_MERGE_ELEMENTS: u8 = 2;
+pub(crate) const UDATA_SET_KEY_TYPEOF: u8 = 3;
+pub(crate) const UDATA_SET_DATA_TYPEOF: u8 = 4;
+pub(crate) const UDATA_SET_DATA_INTERVAL: u8 = 6;
+pub(crate) const UDATA_SET_COMMENT: u8 = 7;
 
 /// A traffic counter object's comment: since when it counts (Unix seconds). Here, on the
 /// floor, because the writer (`netlink`) writes it and the reader (`dump`) reads it back

@@ -42,8 +42,8 @@ pub(crate) fn records_and_adoption(
     let (recs, raw) = std::thread::scope(|s| {
         let reader = s.spawn(|| {
             [
-                dump::read_table("ip", table),
-                dump::read_table("ip6", table),
+                dump::read_table(Family::Ip, table),
+                dump::read_table(Family::Ip6, table),
             ]
         });
         let recs = records(plan, cfg);
@@ -231,7 +231,7 @@ fn foreign_objects(raw: &RawTable, family: Family, table: &str) -> Result<Vec<Op
     raw.objects
         .iter()
         // Counters are the model's: the diff keeps kproxy's and deletes the others.
-        .filter(|(kind, _)| *kind != model::COUNTER_OBJECT)
+        .filter(|(kind, _)| *kind != crate::nfnl::NFT_OBJECT_COUNTER)
         .map(|(kind, name)| {
             let plain = !name.is_empty()
                 && name
@@ -239,7 +239,7 @@ fn foreign_objects(raw: &RawTable, family: Family, table: &str) -> Result<Vec<Op
                     .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
             if !plain {
                 return Err(AdoptError {
-                    family: family.nft(),
+                    family,
                     table: table.to_string(),
                     what: format!(
                         "a {} named {:?}, another program's",
@@ -265,7 +265,7 @@ pub struct KernelTable(RawTable);
 impl KernelTable {
     /// Reads table `name` of `family`; `Ok(None)` when it does not exist.
     pub fn read(family: Family, name: &str) -> Result<Option<KernelTable>, NftError> {
-        Ok(dump::read_table(family.nft(), name)?.map(KernelTable))
+        Ok(dump::read_table(family, name)?.map(KernelTable))
     }
 
     /// The rules of all its chains.
@@ -299,7 +299,7 @@ fn elements_delta(
     own: BTreeMap<String, Vec<Elem>>,
 ) -> Result<Transaction, AdoptError> {
     let err = |what: String| AdoptError {
-        family: desired.family.nft(),
+        family: desired.family,
         table: desired.name.clone(),
         what,
     };

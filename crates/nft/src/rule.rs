@@ -1,9 +1,14 @@
 //! The typed rule: what one rule of kproxy's tables does, as a value. `crate::ruleset`
 //! builds these values; [`Rule::write`] is the one renderer of their nft text (the
-//! `kp:` id of a rule is [`crate::model::rule_id`] of that text, kept as the rule's
-//! user data); [`decode`] turns the kernel's expressions of a rule back into the same
-//! values, so that a rule read back is compared by what it does ([`Rule::same`]), not
-//! by its comment; `crate::evaluate` interprets them.
+//! `kp:` id of a rule is [`crate::atom::rule_id`] of that text, kept as the rule's
+//! user data); [`encode`] writes them as the kernel's expressions, and the readers'
+//! decoder (`crate::dump::rule`) turns those back into the same values, so that a rule
+//! read back is compared by what it does ([`Rule::same`]), not by its comment;
+//! `crate::evaluate` interprets them.
+//!
+//! Below the table model (`crate::model`, whose chains hold these rules) and above the
+//! values it shares with it (`crate::atom`) and the netlink floor (`crate::nfnl`) only;
+//! the decoder reads the readers' raw tables, so it stands with them, not here.
 //!
 //! The vocabulary is exactly what kproxy writes: matches of selectors (addresses,
 //! `meta l4proto`, `th dport`, `iifname`, `fib … type`, `ct status`, `numgen`, the
@@ -13,7 +18,6 @@
 //! rule holding anything else decodes to a rule with an [`Expr::Unknown`]: it is never
 //! the same as a rule kproxy wants, and the evaluator says it cannot tell.
 
-pub mod decode;
 pub mod encode;
 
 use std::fmt::Write as _;

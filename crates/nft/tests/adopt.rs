@@ -218,15 +218,15 @@ fn the_dump_reads_what_the_sync_wrote() {
     sync_in(&ns, &plan);
     let [rs, _] = kproxy_nft::desired(&plan, &cfg());
     let raw = ns
-        .run(|| kproxy_nft::internals::dump::read_table("ip", "kproxy"))
+        .run(|| kproxy_nft::internals::dump::read_table(kproxy_nft::Family::Ip, "kproxy"))
         .expect("dump")
         .expect("table present");
     assert_eq!(raw.comment.as_deref(), Some("rules for kproxy"));
     let chains: Vec<&String> = raw.chains.keys().collect();
-    assert_eq!(chains, rs.chains.keys().collect::<Vec<_>>());
+    assert_eq!(chains, rs.chains().keys().collect::<Vec<_>>());
     let sets: Vec<&String> = raw.sets.keys().collect();
-    assert_eq!(sets, rs.sets.keys().collect::<Vec<_>>());
-    for (name, c) in &rs.chains {
+    assert_eq!(sets, rs.sets().keys().collect::<Vec<_>>());
+    for (name, c) in rs.chains() {
         let tags: Vec<Option<String>> = raw.chains[name]
             .rules
             .iter()
@@ -243,14 +243,14 @@ fn the_dump_reads_what_the_sync_wrote() {
     // Read back into the model, the kernel equals the desired table, elements included.
     let kernel = kproxy_nft::internals::adopt::adopt(&raw, &rs).expect("adoptable");
     assert_eq!(kernel, rs);
-    assert!(rs.sets.values().any(|s| !s.elements.is_empty()));
+    assert!(rs.sets().values().any(|s| !s.elements.is_empty()));
     assert!(
         kproxy_nft::internals::model::diff(&kernel, &rs)
             .unwrap()
             .is_empty()
     );
     let absent = ns
-        .run(|| kproxy_nft::internals::dump::read_table("ip", "nosuch"))
+        .run(|| kproxy_nft::internals::dump::read_table(kproxy_nft::Family::Ip, "nosuch"))
         .expect("dump");
     assert_eq!(absent, None);
 }

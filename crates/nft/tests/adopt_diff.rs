@@ -39,11 +39,8 @@ fn both(ns: &Netns, plan: &NodePlan) -> ((Transaction, bool), Option<Transaction
         let cfg = cfg();
         let adoption = kproxy_nft::first_sync_transaction(&plan, &cfg);
         let mut typed = Transaction::default();
-        for (family, desired) in ["ip", "ip6"]
-            .into_iter()
-            .zip(kproxy_nft::desired(&plan, &cfg))
-        {
-            let raw = dump::read_table(family, &cfg.table)
+        for desired in kproxy_nft::desired(&plan, &cfg) {
+            let raw = dump::read_table(desired.family(), &cfg.table)
                 .expect("readable")
                 .expect("programmed");
             let Ok(kernel) = kproxy_nft::internals::adopt::adopt(&raw, &desired) else {

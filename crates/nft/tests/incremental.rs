@@ -263,14 +263,14 @@ fn with_idle_groups(wanted: &Table, before: &Table) -> Table {
             .any(|p| name.starts_with(p))
     };
     let mut t = wanted.clone();
-    for (name, chain) in &before.chains {
-        if group(name) && !t.chains.contains_key(name) {
-            t.chains.insert(name.clone(), chain.clone());
+    for (name, chain) in before.chains() {
+        if group(name) && !t.chains().contains_key(name) {
+            t.chains_mut().insert(name.clone(), chain.clone());
         }
     }
-    for (name, set) in &before.sets {
-        if group(name) && !t.sets.contains_key(name) {
-            t.sets.insert(
+    for (name, set) in before.sets() {
+        if group(name) && !t.sets().contains_key(name) {
+            t.sets_mut().insert(
                 name.clone(),
                 kproxy_nft::internals::model::Set::new(set.decl.clone()),
             );

@@ -163,14 +163,14 @@ impl Node {
         let want = desired(plan, &DataplaneConfig::default());
         let w = want.clone();
         let got = self.ns.run(move || {
-            w.map(
-                |d| match KernelTable::read(d.family, &d.name).map(|t| t.map(|t| t.adopt(&d))) {
+            w.map(|d| {
+                match KernelTable::read(d.family(), d.name()).map(|t| t.map(|t| t.adopt(&d))) {
                     Ok(Some(Ok(t))) => Ok(t),
                     Ok(Some(Err(e))) => Err(format!("not adoptable: {e}")),
-                    Ok(None) => Err(format!("table {} absent", d.family.nft())),
+                    Ok(None) => Err(format!("table {} absent", d.family())),
                     Err(e) => Err(format!("reading: {e}")),
-                },
-            )
+                }
+            })
         });
         let [a, b] = got;
         Ok(([a?, b?], want))
@@ -342,11 +342,11 @@ fn a_rule_forged_under_kproxys_id_is_named_and_repaired() {
         let forge = || {
             let raw = node
                 .ns
-                .run(|| kproxy_nft::internals::dump::read_table("ip", "kproxy"))
+                .run(|| kproxy_nft::internals::dump::read_table(kproxy_nft::Family::Ip, "kproxy"))
                 .expect("dump")
                 .expect("table");
             let want = desired(&kernel_plan, &DataplaneConfig::default());
-            let rule = want[0].chains[*chain]
+            let rule = want[0].chains()[*chain]
                 .rules
                 .iter()
                 .find(|r| r.to_string() == *real)

@@ -260,7 +260,7 @@ fn rendered_scripts_load_into_the_kernel() {
 }
 
 /// The kernel's expressions of every rule kproxy writes, read back over netlink, decode
-/// into the typed rule it was rendered from (`kproxy_nft::internals::rule::decode`): no rule of
+/// into the typed rule it was rendered from (`kproxy_nft::internals::dump::rule`): no rule of
 /// kproxy's is "cannot tell", and none is taken for another. Both families, every
 /// local-traffic detector, node-port addresses by CIDR and by list, affinity, source
 /// ranges, service CIDRs.
@@ -316,24 +316,24 @@ fn the_kernel_s_expressions_decode_into_the_rules_kproxy_wrote() {
             let mut dp = kproxy_nft::Dataplane::new(DataplaneConfig::default()).unwrap();
             dp.sync(&plan, &kproxy_core::planner::PlanUpdate::WHOLE)
                 .expect("sync");
-            ["ip", "ip6"].map(|f| {
+            [kproxy_nft::Family::Ip, kproxy_nft::Family::Ip6].map(|f| {
                 kproxy_nft::internals::dump::read_table(f, "kproxy")
                     .expect("dump")
                     .expect("table")
             })
         });
         for (table, raw) in want.iter().zip(&raw) {
-            for (name, chain) in &table.chains {
+            for (name, chain) in table.chains() {
                 let got = &raw.chains[name].rules;
                 assert_eq!(got.len(), chain.rules.len(), "chain {name}");
                 for (r, k) in chain.rules.iter().zip(got) {
                     rules += 1;
                     let d =
-                        kproxy_nft::internals::rule::decode::decode(&k.exprs, table.family, raw);
+                        kproxy_nft::internals::dump::rule::decode(&k.exprs, table.family(), raw);
                     if !d.same(r) {
                         bad.push(format!(
                             "{} {name}: wrote `{r}`, read `{d}`",
-                            table.family.nft()
+                            table.family()
                         ));
                     }
                 }
@@ -369,16 +369,16 @@ fn rules_written_over_nfnetlink_list_as_nft_wrote_them() {
         // Every chain flushed and refilled over netlink, in one batch.
         let mut tx = kproxy_nft::Transaction::default();
         for table in &want {
-            for (name, chain) in &table.chains {
+            for (name, chain) in table.chains() {
                 tx.ops.push(kproxy_nft::internals::model::Op::FlushChain {
-                    family: table.family,
-                    table: table.name.clone(),
+                    family: table.family(),
+                    table: table.name().to_string(),
                     name: name.clone(),
                 });
                 for rule in &chain.rules {
                     tx.ops.push(kproxy_nft::internals::model::Op::AddRule {
-                        family: table.family,
-                        table: table.name.clone(),
+                        family: table.family(),
+                        table: table.name().to_string(),
                         chain: name.clone(),
                         rule: rule.clone(),
                     });
@@ -594,11 +594,7 @@ fn the_hosts_nft_lists_kproxys_tables_and_reads_the_listing_back() {
                 .expect("sync");
             dp.programmed().expect("synced")
         });
-        let rules: usize = programmed
-            .iter()
-            .flat_map(|t| t.chains.values())
-            .map(|c| c.rules.len())
-            .sum();
+        let rules: usize = programmed.iter().map(|t| t.rule_count()).sum();
         let listed = nft_in(&ns, &["list", "ruleset"], None);
         let json = nft_in(&ns, &["-j", "list", "ruleset"], None);
         serde_json::from_str::<serde_json::Value>(&json).expect("nft -j lists JSON");

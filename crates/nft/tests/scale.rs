@@ -68,7 +68,7 @@ fn cold_then_read(services: usize) -> RawTable {
             .sync(&plan, &PlanUpdate::WHOLE)
             .expect("cold sync");
         assert!(r.full && !r.adopted, "{r:?}");
-        let table = dump::read_table("ip", "kproxy")
+        let table = dump::read_table(kproxy_nft::Family::Ip, "kproxy")
             .expect("read")
             .expect("the table exists");
         // A restart with nothing changed adopts the sharded tables: nothing sent.
@@ -143,7 +143,7 @@ fn packets_flow_through_every_map_of_a_split_dispatch_group() {
         .programmed()
         .expect("programmed");
     let maps: Vec<&String> = table
-        .sets
+        .sets()
         .keys()
         .filter(|n| n.starts_with("dnat-c-1"))
         .collect();
@@ -156,7 +156,7 @@ fn packets_flow_through_every_map_of_a_split_dispatch_group() {
             .expect("an IPv4 cluster IP")
     };
     let chain_of = |table: &kproxy_nft::Table, i: usize| -> String {
-        let (key, value) = table.sets["service-ips"]
+        let (key, value) = table.sets()["service-ips"]
             .elements
             .iter()
             .find(|(k, _)| k.to_string().starts_with(&format!("{} ", cluster_ip(i))))

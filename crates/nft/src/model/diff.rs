@@ -206,7 +206,7 @@ fn diff_tables(old: &Table, new: &Table) -> Transaction {
         ops.push(Op::DeleteObject {
             family,
             table: table.clone(),
-            kind: COUNTER_OBJECT,
+            kind: crate::nfnl::NFT_OBJECT_COUNTER,
             name: name.clone(),
         });
     }

@@ -333,19 +333,24 @@ pub struct Chain {
 }
 
 /// One family's table: what kproxy programs into it.
+///
+/// Its fields are the crate's: other crates see a table's family, name and counts
+/// ([`Table::family`], [`Table::name`], [`Table::rule_count`], [`Table::element_count`]),
+/// never its chains and sets, whose types the facade does not export. Benches and tests
+/// reach them through the `internals` feature ([`Table::chains`], [`Table::sets`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Table {
-    pub family: Family,
-    pub name: String,
+    pub(crate) family: Family,
+    pub(crate) name: String,
     /// `None` when the table does not exist (the `old` of a first sync).
-    pub comment: Option<String>,
-    pub exists: bool,
-    pub sets: BTreeMap<String, Set>,
-    pub chains: BTreeMap<String, Chain>,
+    pub(crate) comment: Option<String>,
+    pub(crate) exists: bool,
+    pub(crate) sets: BTreeMap<String, Set>,
+    pub(crate) chains: BTreeMap<String, Chain>,
     /// Named counter objects (`NFT_OBJECT_COUNTER`), by name. Only their existence is
     /// state: their values are the kernel's, never compared, never rewritten
     /// (crates/nft/README.md, "Counters").
-    pub counters: std::collections::BTreeSet<String>,
+    pub(crate) counters: std::collections::BTreeSet<String>,
 }
 
 impl Table {
@@ -374,8 +379,51 @@ impl Table {
         }
     }
 
+    pub fn family(&self) -> Family {
+        self.family
+    }
+
+    /// The table's name (`--nft-table`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Number of rules of all chains.
+    pub fn rule_count(&self) -> usize {
+        self.chains.values().map(|c| c.rules.len()).sum()
+    }
+
     /// Number of elements of all sets.
     pub fn element_count(&self) -> usize {
         self.sets.values().map(|s| s.elements.len()).sum()
+    }
+}
+
+/// The fields, for benches and tests (the `internals` feature): not for other crates.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+impl Table {
+    pub fn chains(&self) -> &BTreeMap<String, Chain> {
+        &self.chains
+    }
+
+    pub fn chains_mut(&mut self) -> &mut BTreeMap<String, Chain> {
+        &mut self.chains
+    }
+
+    pub fn sets(&self) -> &BTreeMap<String, Set> {
+        &self.sets
+    }
+
+    pub fn sets_mut(&mut self) -> &mut BTreeMap<String, Set> {
+        &mut self.sets
+    }
+
+    pub fn counters(&self) -> &std::collections::BTreeSet<String> {
+        &self.counters
+    }
+
+    pub fn exists(&self) -> bool {
+        self.exists
     }
 }

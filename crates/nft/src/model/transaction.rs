@@ -92,9 +92,6 @@ pub enum Op {
     },
 }
 
-/// `NFT_OBJECT_COUNTER`: the one type of named object kproxy declares.
-pub const COUNTER_OBJECT: u32 = 1;
-
 /// The nft keyword of a named object's type (`NFT_OBJECT_*`, linux/netfilter/nf_tables.h),
 /// as `nft delete KIND …` and the reports name it.
 pub fn object_kind(kind: u32) -> &'static str {

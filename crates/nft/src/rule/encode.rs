@@ -1,6 +1,6 @@
 //! A typed [`Rule`] encoded as the kernel's expressions (`NFTA_RULE_EXPRESSIONS`), as
 //! `nft` encodes the same rule: the same expressions, registers and data, so that
-//! [`super::decode`] reads either back into the same value. The one encoder of rules;
+//! the readers' decoder (`crate::dump::rule`) reads either back into the same value. The one encoder of rules;
 //! its inverse is the decoder, and a test holds both to the kernel's own dump of what
 //! `nft -f` wrote.
 //!
@@ -10,13 +10,11 @@
 
 use std::net::IpAddr;
 
-use crate::atom::{Atom, Family};
-use crate::nfnl::{
-    NFTA_DATA_VALUE, NFTA_DATA_VERDICT, NFTA_EXPR_DATA, NFTA_EXPR_NAME, NFTA_LIST_ELEM,
-    NFTA_VERDICT_CHAIN, NFTA_VERDICT_CODE, NLA_F_NESTED,
-};
+use crate::atom::{Atom, Family, Field, datatype};
+// The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
+use crate::nfnl::*;
 
-use super::{Dir, Expr, Lit, Rhs, Rule, Sel};
+use super::{Dir, Expr, Lit, Rhs, Rule, Sel, addr_len, addr_offset};
 
 /// An anonymous set a rule looks up: created (constant) in the rule's batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -153,11 +151,11 @@ impl Enc<'_> {
     }
 
     fn addr_len(&self) -> usize {
-        super::addr_len(self.family)
+        addr_len(self.family)
     }
 
     fn addr_offset(&self, dir: Dir) -> u32 {
-        super::addr_offset(self.family, dir)
+        addr_offset(self.family, dir)
     }
 
     /// Bytes a selector loads.
@@ -168,7 +166,7 @@ impl Enc<'_> {
             Sel::Dport => 2,
             Sel::Iifname => 16,
             Sel::FibType(_) | Sel::CtStatus | Sel::Numgen(_) | Sel::MarkAnd(_) => 4,
-            Sel::CtOrigDaddr(f) => super::addr_len(*f),
+            Sel::CtOrigDaddr(f) => addr_len(*f),
             Sel::CtOrigDport => 2,
         }
     }
@@ -181,45 +179,64 @@ impl Enc<'_> {
                 (*f == self.family).then_some(())?;
                 let a = Attrs::default()
                     .u32(1, r)
-                    .u32(2, 1)
+                    .u32(2, NFT_PAYLOAD_NETWORK_HEADER)
                     .u32(3, self.addr_offset(*d))
                     .u32(4, len as u32);
                 self.push("payload", a);
             }
             Sel::Dport => {
-                let a = Attrs::default().u32(1, r).u32(2, 2).u32(3, 2).u32(4, 2);
+                // The destination port: 2 bytes at offset 2 of the transport header.
+                let a = Attrs::default()
+                    .u32(1, r)
+                    .u32(2, NFT_PAYLOAD_TRANSPORT_HEADER)
+                    .u32(3, 2)
+                    .u32(4, 2);
                 self.push("payload", a);
             }
-            Sel::L4proto => self.push("meta", Attrs::default().u32(1, r).u32(2, 16)),
-            Sel::Iifname => self.push("meta", Attrs::default().u32(1, r).u32(2, 6)),
+            Sel::L4proto => {
+                let a = Attrs::default().u32(1, r).u32(2, NFT_META_L4PROTO);
+                self.push("meta", a);
+            }
+            Sel::Iifname => {
+                let a = Attrs::default().u32(1, r).u32(2, NFT_META_IIFNAME);
+                self.push("meta", a);
+            }
             Sel::FibType(d) => {
                 let flags = match d {
-                    Dir::Src => 1,
-                    Dir::Dst => 2,
+                    Dir::Src => NFTA_FIB_F_SADDR,
+                    Dir::Dst => NFTA_FIB_F_DADDR,
                 };
-                self.push("fib", Attrs::default().u32(1, r).u32(2, 3).u32(3, flags));
+                let a = Attrs::default()
+                    .u32(1, r)
+                    .u32(2, NFT_FIB_RESULT_ADDRTYPE)
+                    .u32(3, flags);
+                self.push("fib", a);
             }
             Sel::CtStatus => {
-                self.push("ct", Attrs::default().u32(1, r).u32(2, 2));
-                self.bitwise(r, &0x20u32.to_ne_bytes(), &[0; 4]);
+                self.push("ct", Attrs::default().u32(1, r).u32(2, NFT_CT_STATUS));
+                self.bitwise(r, &IPS_DST_NAT.to_ne_bytes(), &[0; 4]);
             }
             Sel::Numgen(n) => {
-                let a = Attrs::default().u32(1, r).u32(2, *n).u32(3, 1).u32(4, 0);
+                let a = Attrs::default()
+                    .u32(1, r)
+                    .u32(2, *n)
+                    .u32(3, NFT_NG_RANDOM)
+                    .u32(4, 0);
                 self.push("numgen", a);
             }
             Sel::MarkAnd(m) => {
-                self.push("meta", Attrs::default().u32(1, r).u32(2, 3));
+                self.push("meta", Attrs::default().u32(1, r).u32(2, NFT_META_MARK));
                 self.bitwise(r, &m.to_ne_bytes(), &[0; 4]);
             }
             Sel::CtOrigDaddr(f) => {
                 (*f == self.family).then_some(())?;
                 let key = match f {
-                    Family::Ip => crate::nfnl::CT_DST_IP,
-                    Family::Ip6 => crate::nfnl::CT_DST_IP6,
+                    Family::Ip => NFT_CT_DST_IP,
+                    Family::Ip6 => NFT_CT_DST_IP6,
                 };
                 self.ct_original(r, key);
             }
-            Sel::CtOrigDport => self.ct_original(r, crate::nfnl::CT_PROTO_DST),
+            Sel::CtOrigDport => self.ct_original(r, NFT_CT_PROTO_DST),
         }
         Some(())
     }
@@ -259,10 +276,8 @@ impl Enc<'_> {
     }
 
     fn cmp(&mut self, neg: bool, data: &[u8]) {
-        let a = Attrs::default()
-            .u32(1, reg(0))
-            .u32(2, u32::from(neg))
-            .data(3, data);
+        let op = if neg { NFT_CMP_NEQ } else { NFT_CMP_EQ };
+        let a = Attrs::default().u32(1, reg(0)).u32(2, op).data(3, data);
         self.push("cmp", a);
     }
 
@@ -282,9 +297,7 @@ impl Enc<'_> {
             }
             Expr::CounterRef(name) => {
                 // NFTA_OBJREF_IMM_TYPE (a counter), NFTA_OBJREF_IMM_NAME.
-                let a = Attrs::default()
-                    .u32(1, crate::model::COUNTER_OBJECT)
-                    .str(2, name);
+                let a = Attrs::default().u32(1, NFT_OBJECT_COUNTER).str(2, name);
                 self.push("objref", a);
             }
             Expr::MarkOr(m) | Expr::MarkXor(m) => {
@@ -293,14 +306,19 @@ impl Enc<'_> {
                 } else {
                     u32::MAX
                 };
-                self.push("meta", Attrs::default().u32(1, reg(0)).u32(2, 3));
+                let load = Attrs::default().u32(1, reg(0)).u32(2, NFT_META_MARK);
+                self.push("meta", load);
                 self.bitwise(reg(0), &mask.to_ne_bytes(), &m.to_ne_bytes());
-                self.push("meta", Attrs::default().u32(2, 3).u32(3, reg(0)));
+                let set = Attrs::default().u32(2, NFT_META_MARK).u32(3, reg(0));
+                self.push("meta", set);
             }
             Expr::Update { set, key } => {
                 let len = self.sel_len(key);
                 self.load(key, 0, len)?;
-                let a = Attrs::default().str(1, set).u32(3, 1).u32(4, reg(0));
+                let a = Attrs::default()
+                    .str(1, set)
+                    .u32(3, NFT_DYNSET_OP_UPDATE)
+                    .u32(4, reg(0));
                 self.push("dynset", a);
             }
             Expr::DnatMap { family, sel, map } => {
@@ -324,11 +342,11 @@ impl Enc<'_> {
                         .u32(1, reg(4))
                         .data(2, &ep.port.to_be_bytes()),
                 );
-                self.nat(reg(0), reg(4), Some(0x2));
+                self.nat(reg(0), reg(4), Some(NF_NAT_RANGE_PROTO_SPECIFIED));
             }
             Expr::Masquerade { fully_random } => {
                 let a = if *fully_random {
-                    Attrs::default().u32(1, 0x10)
+                    Attrs::default().u32(1, NF_NAT_RANGE_PROTO_RANDOM_FULLY)
                 } else {
                     Attrs::default()
                 };
@@ -336,9 +354,9 @@ impl Enc<'_> {
             }
             Expr::Reject { tcp_reset } => {
                 let (ty, code) = match (tcp_reset, self.family) {
-                    (true, _) => (1, 0),
-                    (false, Family::Ip) => (0, 3),
-                    (false, Family::Ip6) => (0, 4),
+                    (true, _) => (NFT_REJECT_TCP_RST, 0),
+                    (false, Family::Ip) => (NFT_REJECT_ICMP_UNREACH, ICMP_PORT_UNREACH),
+                    (false, Family::Ip6) => (NFT_REJECT_ICMP_UNREACH, ICMPV6_PORT_UNREACH),
                 };
                 let mut a = Attrs::default().u32(1, ty);
                 put_attr(&mut a.0, 2, &[code]);
@@ -356,7 +374,7 @@ impl Enc<'_> {
     fn nat(&mut self, addr: u32, port: u32, flags: Option<u32>) {
         let family = u32::from(self.family.nfproto());
         let mut a = Attrs::default()
-            .u32(1, 1)
+            .u32(1, NFT_NAT_DNAT)
             .u32(2, family)
             .u32(3, addr)
             .u32(5, port);
@@ -372,7 +390,7 @@ impl Enc<'_> {
                 self.load_concat(sel)?;
                 let mut a = Attrs::default().str(1, set).u32(2, reg(0));
                 if neg {
-                    a = a.u32(5, 1);
+                    a = a.u32(5, NFT_LOOKUP_F_INV);
                 }
                 self.push("lookup", a);
                 return Some(());
@@ -443,7 +461,7 @@ impl Enc<'_> {
             }
             (Sel::FibType(_), Lit::Local) => {
                 self.load(s, 0, 4)?;
-                self.cmp(neg, &2u32.to_ne_bytes());
+                self.cmp(neg, &RTN_LOCAL.to_ne_bytes());
             }
             (Sel::CtStatus, Lit::Dnat) => {
                 self.load(s, 0, 4)?;
@@ -499,7 +517,8 @@ impl Enc<'_> {
                         els.push((ip_bytes(ip), false));
                     }
                 }
-                (if v6 { 8 } else { 7 }, interval, els)
+                let field = if v6 { Field::Ipv6Addr } else { Field::Ipv4Addr };
+                (datatype(field), interval, els)
             }
             _ => return None,
         };
@@ -514,7 +533,7 @@ impl Enc<'_> {
         self.load(s, 0, key_len)?;
         let mut a = Attrs::default().str(1, &name).u32(2, reg(0)).u32(4, id);
         if neg {
-            a = a.u32(5, 1);
+            a = a.u32(5, NFT_LOOKUP_F_INV);
         }
         self.push("lookup", a);
         Some(())

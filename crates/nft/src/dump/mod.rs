@@ -1,69 +1,36 @@
 //! Reads kproxy's own tables back from the kernel over nfnetlink (NFT_MSG_GETTABLE,
-//! GETCHAIN, GETSET, GETSETELEM, GETRULE, GETOBJ dumps; no `nft list`), and turns what it read
-//! into the desired state's vocabulary so that a restart can apply only the difference
-//! ("adoption", see `Dataplane::sync`).
+//! GETCHAIN, GETSET, GETSETELEM, GETRULE, GETOBJ dumps; no `nft list`), as they are:
+//! [`read_table`] decodes the dumps by hand into a [`RawTable`] (attribute walking over
+//! the received bytes; netlink-packet-netfilter's types cost microseconds per element,
+//! and a 10k-Service table has ≈ 106k of them), each set's elements packed as the
+//! kernel holds them ([`RawElements`], ≈ 25 bytes each). A dump the kernel marks
+//! interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved while reading is
+//! an error: the caller falls back to a full replacement. Also the names of a family's
+//! tables ([`table_names`]) and the traffic counters alone ([`read_counters`]).
 //!
-//! Two halves:
-//! - [`read_table`] (imperative): the dumps, decoded by hand into [`RawTable`] (attribute
-//!   walking over the received bytes; netlink-packet-netfilter's types cost microseconds
-//!   per element, and a 10k-Service table has ≈ 106k of them), each set's elements
-//!   packed as the kernel holds them ([`RawElements`], ≈ 25 bytes each). A dump the
-//!   kernel marks interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved
-//!   while reading is an error: the caller falls back to a full replacement.
-//! - [`adopt_structure`] (pure): a [`RawTable`] and the desired model [`Table`] → the
-//!   kernel's structure as a `Table` (every set empty), so that `model::diff(kernel,
-//!   desired)` moves the structure; [`crate::readback`] then compares the elements set
-//!   by set. [`adopt`] also decodes every element into the table (tests, and where a
-//!   typed copy of the kernel is wanted). Each rule's expressions are decoded into a
-//!   typed [`Rule`] ([`crate::rule::decode`]), and a chain is taken as "holding the
-//!   desired rules" when its rules do what the desired rules do ([`Rule::same`]) and
-//!   carry their `kp:` ids, in order: a rule is checked by its content, not by its
-//!   name. Any other chain holds the rules as decoded, so that the diff flushes and
-//!   refills it and `trace --kernel` evaluates what the kernel really does. Sets and maps compare by declaration (key/data types,
-//!   flags, timeout, comment, checked against the dump) and by elements decoded with
-//!   the desired declaration. Anything it cannot account for — a foreign table
-//!   comment, a base chain whose hook differs, a set whose type differs or whose
-//!   elements do not decode — is an [`AdoptError`], and the caller replaces the table
-//!   as a whole.
+//! The readers' decoding of the kernel's bytes into the typed vocabulary sits here too:
+//! a key or value into a tuple ([`decode_tuple`]), an interval set's elements into
+//! prefixes ([`decode_intervals`]), and a rule's expressions into the typed rule
+//! ([`rule`], which looks up the raw tables' sets). Turning a raw table into the desired
+//! model's terms ("adoption", see `Dataplane::sync`) is `crate::adopt`'s, above.
+//! The socket comes from the netlink floor (`crate::nfnl::open`), as the writer's does.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use netlink_sys::Socket;
 
-pub(crate) use crate::atom::{VERDICT_TYPE, concat_type, fields_len};
+use crate::atom::{Atom, Family, Field, MAX_FIELDS};
+use crate::counters::RawCounter;
+use crate::counters::{KernelCounter, kernel_counters};
 use crate::error::NftError;
-use crate::model::{Atom, Field, MAX_FIELDS, Tuple, Verdict};
-use crate::nfnl::{Attrs, be32};
-use crate::nfnl::{
-    NFNL_SUBSYS_NFTABLES, NFT_MSG_GETCHAIN, NFT_MSG_GETGEN, NFT_MSG_GETOBJ, NFT_MSG_GETRULE,
-    NFT_MSG_GETSET, NFT_MSG_GETSETELEM, NFT_MSG_GETTABLE, NFTA_CHAIN_HOOK, NFTA_CHAIN_NAME,
-    NFTA_CHAIN_POLICY, NFTA_CHAIN_TABLE, NFTA_CHAIN_TYPE, NFTA_DATA_VALUE, NFTA_DATA_VERDICT,
-    NFTA_GEN_ID, NFTA_HOOK_HOOKNUM, NFTA_HOOK_PRIORITY, NFTA_OBJ_NAME, NFTA_OBJ_TABLE,
-    NFTA_OBJ_TYPE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS, NFTA_RULE_HANDLE, NFTA_RULE_TABLE,
-    NFTA_RULE_USERDATA, NFTA_SET_DATA_LEN, NFTA_SET_DATA_TYPE, NFTA_SET_ELEM_DATA,
-    NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_LIST_ELEMENTS, NFTA_SET_ELEM_LIST_SET,
-    NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_FLAGS, NFTA_SET_KEY_LEN, NFTA_SET_KEY_TYPE, NFTA_SET_NAME,
-    NFTA_SET_TABLE, NFTA_SET_TIMEOUT, NFTA_SET_USERDATA, NFTA_TABLE_FLAGS, NFTA_TABLE_NAME,
-    NFTA_TABLE_USERDATA, NFTA_VERDICT_CHAIN, NFTA_VERDICT_CODE,
-};
+use crate::model::Tuple;
+// The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
+use crate::nfnl::*;
 
-// linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nf_tables.h.
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_DUMP_INTR: u16 = 0x10;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
-/// libnftnl's udata TLV types: a rule's comment, a set's comment.
-const UDATA_RULE_COMMENT: u8 = 0;
-const UDATA_SET_COMMENT: u8 = 7;
+pub mod rule;
 
-pub const SET_ANONYMOUS: u32 = 0x1;
-pub const SET_INTERVAL: u32 = 0x4;
-pub const SET_MAP: u32 = 0x8;
-pub const SET_TIMEOUT: u32 = 0x10;
-const ELEM_INTERVAL_END: u32 = 0x1;
+const ELEM_INTERVAL_END: u8 = NFT_SET_ELEM_INTERVAL_END as u8;
 /// The most bytes of one block of [`RawElements`].
 const BLOCK_BYTES: usize = 64 * 1024;
 
@@ -80,7 +47,7 @@ pub struct RawHook {
 }
 
 /// One rule: its handle, its comment (kproxy's tag), if any, and its expressions as the
-/// kernel sent them (`NFTA_RULE_EXPRESSIONS`, decoded by [`crate::rule::decode`]).
+/// kernel sent them (`NFTA_RULE_EXPRESSIONS`, decoded by [`rule::decode`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RawRule {
     pub handle: u64,
@@ -161,10 +128,10 @@ pub struct RawElements {
 
 impl RawElements {
     fn for_set(set: &RawSet) -> RawElements {
-        let data = match (set.flags & SET_MAP != 0, set.data_type, set.data_len) {
-            _ if set.flags & crate::nfnl::SET_OBJECT != 0 => DataKind::Object,
+        let data = match (set.flags & NFT_SET_MAP != 0, set.data_type, set.data_len) {
+            _ if set.flags & NFT_SET_OBJECT != 0 => DataKind::Object,
             (false, ..) => DataKind::None,
-            (true, Some(VERDICT_TYPE), _) => DataKind::Verdict,
+            (true, Some(NFT_DATA_VERDICT), _) => DataKind::Verdict,
             (true, _, Some(n)) => DataKind::Value(n as usize),
             (true, _, None) => DataKind::Value(0),
         };
@@ -217,7 +184,7 @@ impl RawElements {
         RawElement {
             key,
             data,
-            interval_end: flags[0] & ELEM_INTERVAL_END as u8 != 0,
+            interval_end: flags[0] & ELEM_INTERVAL_END != 0,
         }
     }
 
@@ -249,34 +216,32 @@ impl RawElements {
         match e.data {
             Some(RawData::Value(v)) => bytes.extend_from_slice(v),
             Some(RawData::Verdict { code, chain }) => {
-                let idx = chain.map_or(u32::MAX, |c| match chain_index.get(c) {
-                    Some(&i) => i,
-                    None => {
-                        let i = self.chains.len() as u32;
-                        self.chains.push(c.to_string());
-                        chain_index.insert(c.to_string(), i);
-                        i
-                    }
-                });
+                let idx = chain.map_or(u32::MAX, |c| self.name_index(c, chain_index));
+                let bytes = self.blocks.last_mut().expect("a block was pushed above");
                 bytes.extend_from_slice(&code.to_ne_bytes());
                 bytes.extend_from_slice(&idx.to_ne_bytes());
             }
             // Object names share the chain names' table (an index each).
             Some(RawData::Object(name)) => {
-                let idx = match chain_index.get(name) {
-                    Some(&i) => i,
-                    None => {
-                        let i = self.chains.len() as u32;
-                        self.chains.push(name.to_string());
-                        chain_index.insert(name.to_string(), i);
-                        i
-                    }
-                };
+                let idx = self.name_index(name, chain_index);
+                let bytes = self.blocks.last_mut().expect("a block was pushed above");
                 bytes.extend_from_slice(&idx.to_ne_bytes());
             }
             None => {}
         }
-        bytes.push(u8::from(e.interval_end) * ELEM_INTERVAL_END as u8);
+        let bytes = self.blocks.last_mut().expect("a block was pushed above");
+        bytes.push(u8::from(e.interval_end) * ELEM_INTERVAL_END);
+    }
+
+    /// The index of chain or object name `name` in this set's names, added when new.
+    fn name_index(&mut self, name: &str, index: &mut BTreeMap<String, u32>) -> u32 {
+        if let Some(&i) = index.get(name) {
+            return i;
+        }
+        let i = self.chains.len() as u32;
+        self.chains.push(name.to_string());
+        index.insert(name.to_string(), i);
+        i
     }
 }
 
@@ -318,15 +283,6 @@ pub struct RawTable {
     pub counters: BTreeMap<String, RawCounter>,
 }
 
-/// A counter object as read: its values and, from its comment, since when it counts
-/// (Unix seconds; `None` for a counter kproxy did not stamp).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RawCounter {
-    pub packets: u64,
-    pub bytes: u64,
-    pub since: Option<u64>,
-}
-
 impl RawTable {
     pub fn rule_count(&self) -> usize {
         self.chains.values().map(|c| c.rules.len()).sum()
@@ -334,17 +290,6 @@ impl RawTable {
 
     pub fn element_count(&self) -> usize {
         self.sets.values().map(|s| s.elements.len()).sum()
-    }
-}
-
-/// `ip` / `ip6` → NFPROTO_IPV4 / NFPROTO_IPV6.
-fn family_code(family: &str) -> Result<u8, NftError> {
-    match family {
-        "ip" => Ok(2),
-        "ip6" => Ok(10),
-        f => Err(NftError::Invalid(format!(
-            "table family {f:?}: want ip or ip6"
-        ))),
     }
 }
 
@@ -379,7 +324,7 @@ struct Reader {
 
 impl Reader {
     fn open() -> Result<Reader, NftError> {
-        let sock = crate::netlink::open().map_err(|e| NftError::Io {
+        let sock = crate::nfnl::open().map_err(|e| NftError::Io {
             context: "opening a netfilter netlink socket to read kproxy's tables".into(),
             source: e,
         })?;
@@ -477,32 +422,35 @@ impl Reader {
         }
     }
 
+    /// [`Reader::request`] handing `each` the value of attribute `want` of every answer.
+    fn request_attr(
+        &mut self,
+        what: &str,
+        (msg, flags, family): (u16, u16, u8),
+        want: u16,
+        mut each: impl FnMut(&[u8]),
+    ) -> Result<bool, NftError> {
+        self.request(what, msg, flags, family, &[], |p| {
+            Attrs(p)
+                .filter(|(k, _)| *k == want)
+                .for_each(|(_, v)| each(v));
+            Ok(())
+        })
+    }
+
     /// The ruleset generation (bumped by every committed transaction).
     fn generation(&mut self) -> Result<u32, NftError> {
         let mut id = None;
-        self.request(
-            "the ruleset generation",
-            NFT_MSG_GETGEN,
-            NLM_F_ACK,
-            0,
-            &[],
-            |p| {
-                for (k, v) in Attrs(p) {
-                    if k == NFTA_GEN_ID {
-                        id = be32(v);
-                    }
-                }
-                Ok(())
-            },
-        )?;
+        let ask = (NFT_MSG_GETGEN, NLM_F_ACK, 0);
+        self.request_attr("the ruleset generation", ask, NFTA_GEN_ID, |v| id = be32(v))?;
         id.ok_or_else(|| NftError::Read("the kernel sent no ruleset generation".into()))
     }
 }
 
 /// Whether table `family table` exists: one GETTABLE request, absent when the kernel
 /// answers `ENOENT`.
-pub fn table_exists(family: &str, table: &str) -> Result<bool, NftError> {
-    let fam = family_code(family)?;
+pub fn table_exists(family: Family, table: &str) -> Result<bool, NftError> {
+    let fam = family.nfproto();
     Reader::open()?.request(
         &format!("table {family} {table}"),
         NFT_MSG_GETTABLE,
@@ -516,24 +464,12 @@ pub fn table_exists(family: &str, table: &str) -> Result<bool, NftError> {
 /// The names of the tables of family `family` (`ip`, `ip6`) in the calling thread's
 /// network namespace: one GETTABLE dump (what `nft list tables` prints, for one
 /// family). The takeover reads kube-proxy's and kproxy's tables with it.
-pub fn table_names(family: &str) -> Result<Vec<String>, NftError> {
-    let fam = family_code(family)?;
+pub fn table_names(family: Family) -> Result<Vec<String>, NftError> {
     let mut names = Vec::new();
-    Reader::open()?.request(
-        &format!("the {family} tables"),
-        NFT_MSG_GETTABLE,
-        NLM_F_DUMP,
-        fam,
-        &[],
-        |p| {
-            for (k, v) in Attrs(p) {
-                if k == NFTA_TABLE_NAME {
-                    names.push(string(v));
-                }
-            }
-            Ok(())
-        },
-    )?;
+    let ask = (NFT_MSG_GETTABLE, NLM_F_DUMP, family.nfproto());
+    Reader::open()?.request_attr(&format!("the {family} tables"), ask, NFTA_TABLE_NAME, |v| {
+        names.push(string(v))
+    })?;
     Ok(names)
 }
 
@@ -541,12 +477,11 @@ pub fn table_names(family: &str) -> Result<Vec<String>, NftError> {
 /// and their elements from the calling thread's network namespace; `None` when the
 /// table does not exist. Consistent: the reading is repeated (up to three times) when a
 /// transaction committed meanwhile, then an error.
-pub fn read_table(family: &str, table: &str) -> Result<Option<RawTable>, NftError> {
-    let fam = family_code(family)?;
+pub fn read_table(family: Family, table: &str) -> Result<Option<RawTable>, NftError> {
     let mut r = Reader::open()?;
     for _ in 0..3 {
         let before = r.generation()?;
-        let got = read_once(&mut r, family, fam, table);
+        let got = read_once(&mut r, family, table);
         let after = r.generation()?;
         match got {
             Ok(t) if before == after => return Ok(t),
@@ -559,42 +494,45 @@ pub fn read_table(family: &str, table: &str) -> Result<Option<RawTable>, NftErro
     )))
 }
 
+/// The counter objects of kproxy's tables `ip TABLE` and `ip6 TABLE` (absent tables
+/// have none), in this thread's network namespace: one netlink dump per family of the
+/// objects alone (no rule or element is read). Needs CAP_NET_ADMIN.
+pub fn read_counters(table: &str) -> Result<Vec<KernelCounter>, NftError> {
+    let mut out = Vec::new();
+    for family in [Family::Ip, Family::Ip6] {
+        out.extend(kernel_counters(
+            family,
+            read_counter_objects(family, table)?,
+        ));
+    }
+    Ok(out)
+}
+
 /// The counter objects of table `family table` (e.g. `ip kproxy`) with their values
 /// (packets, bytes), by name: one dump of the table's objects, nothing else read. An
 /// absent table has none.
 pub fn read_counter_objects(
-    family: &str,
+    family: Family,
     table: &str,
 ) -> Result<BTreeMap<String, RawCounter>, NftError> {
-    let fam = family_code(family)?;
-    let mut r = Reader::open()?;
     let mut out = BTreeMap::new();
-    r.request(
-        &format!("the counters of table {family} {table}"),
-        NFT_MSG_GETOBJ,
-        NLM_F_DUMP,
-        fam,
-        &[(NFTA_OBJ_TABLE, table)],
-        |p| {
-            let (tbl, name, kind, counter) = object(p);
-            if tbl == table
-                && kind == crate::model::COUNTER_OBJECT
-                && let Some(c) = counter
-            {
+    let mut r = Reader::open()?;
+    each_object(
+        &mut r,
+        family,
+        table,
+        "the counters",
+        |kind, name, counter| {
+            if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
                 out.insert(name, c);
             }
-            Ok(())
         },
     )?;
     Ok(out)
 }
 
-fn read_once(
-    r: &mut Reader,
-    family: &str,
-    fam: u8,
-    table: &str,
-) -> Result<Option<RawTable>, NftError> {
+fn read_once(r: &mut Reader, family: Family, table: &str) -> Result<Option<RawTable>, NftError> {
+    let fam = family.nfproto();
     let mut t = RawTable::default();
     let found = r.request(
         &format!("table {family} {table}"),
@@ -606,7 +544,7 @@ fn read_once(
             for (k, v) in Attrs(p) {
                 match k {
                     NFTA_TABLE_FLAGS => t.flags = be32(v).unwrap_or(0),
-                    NFTA_TABLE_USERDATA => t.comment = udata_string(v, 0),
+                    NFTA_TABLE_USERDATA => t.comment = udata_string(v, UDATA_COMMENT),
                     _ => {}
                 }
             }
@@ -675,7 +613,7 @@ fn read_once(
                     NFTA_RULE_TABLE => tbl = string(v),
                     NFTA_RULE_CHAIN => chain = string(v),
                     NFTA_RULE_HANDLE => rule.handle = be64(v).unwrap_or(0),
-                    NFTA_RULE_USERDATA => rule.comment = udata_string(v, UDATA_RULE_COMMENT),
+                    NFTA_RULE_USERDATA => rule.comment = udata_string(v, UDATA_COMMENT),
                     NFTA_RULE_EXPRESSIONS => rule.exprs = v.to_vec(),
                     _ => {}
                 }
@@ -717,7 +655,7 @@ fn read_once(
                     _ => {}
                 }
             }
-            if tbl == table && set.flags & SET_ANONYMOUS == 0 {
+            if tbl == table && set.flags & NFT_SET_ANONYMOUS == 0 {
                 t.sets.insert(name, set);
             } else if tbl == table {
                 t.anonymous.insert(name, set);
@@ -725,23 +663,16 @@ fn read_once(
             Ok(())
         },
     )?;
-    r.request(
-        &format!("the named objects of table {family} {table}"),
-        NFT_MSG_GETOBJ,
-        NLM_F_DUMP,
-        fam,
-        &[(NFTA_OBJ_TABLE, table)],
-        |p| {
-            let (tbl, name, kind, counter) = object(p);
-            if tbl == table {
-                if kind == crate::model::COUNTER_OBJECT
-                    && let Some(c) = counter
-                {
-                    t.counters.insert(name.clone(), c);
-                }
-                t.objects.insert((kind, name));
+    each_object(
+        r,
+        family,
+        table,
+        "the named objects",
+        |kind, name, counter| {
+            if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
+                t.counters.insert(name.clone(), c);
             }
-            Ok(())
+            t.objects.insert((kind, name));
         },
     )?;
     for (name, set) in t.sets.iter_mut().chain(t.anonymous.iter_mut()) {
@@ -783,6 +714,31 @@ fn read_once(
     Ok(Some(t))
 }
 
+/// The named objects of table `family table` (one GETOBJ dump), each handed to `each`
+/// as its type, name and, for a counter, its values.
+fn each_object(
+    r: &mut Reader,
+    family: Family,
+    table: &str,
+    what: &str,
+    mut each: impl FnMut(u32, String, Option<RawCounter>),
+) -> Result<bool, NftError> {
+    r.request(
+        &format!("{what} of table {family} {table}"),
+        NFT_MSG_GETOBJ,
+        NLM_F_DUMP,
+        family.nfproto(),
+        &[(NFTA_OBJ_TABLE, table)],
+        |p| {
+            let (tbl, name, kind, counter) = object(p);
+            if tbl == table {
+                each(kind, name, counter);
+            }
+            Ok(())
+        },
+    )
+}
+
 /// A NUL-terminated string attribute, borrowed; `None` when it is not UTF-8.
 fn str_ref(b: &[u8]) -> Option<&str> {
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
@@ -799,19 +755,19 @@ fn object(p: &[u8]) -> (String, String, u32, Option<RawCounter>) {
             NFTA_OBJ_TABLE => tbl = string(v),
             NFTA_OBJ_NAME => name = string(v),
             NFTA_OBJ_TYPE => kind = be32(v).unwrap_or(0),
-            crate::nfnl::NFTA_OBJ_DATA => {
+            NFTA_OBJ_DATA => {
                 let (mut packets, mut bytes) = (0, 0);
                 for (k, v) in Attrs(v) {
                     match k {
-                        crate::nfnl::NFTA_COUNTER_PACKETS => packets = be64(v).unwrap_or(0),
-                        crate::nfnl::NFTA_COUNTER_BYTES => bytes = be64(v).unwrap_or(0),
+                        NFTA_COUNTER_PACKETS => packets = be64(v).unwrap_or(0),
+                        NFTA_COUNTER_BYTES => bytes = be64(v).unwrap_or(0),
                         _ => {}
                     }
                 }
                 values = Some((packets, bytes));
             }
-            crate::nfnl::NFTA_OBJ_USERDATA => {
-                since = udata_string(v, 0).and_then(|c| crate::nfnl::parse_since(&c));
+            NFTA_OBJ_USERDATA => {
+                since = udata_string(v, UDATA_COMMENT).and_then(|c| crate::nfnl::parse_since(&c));
             }
             _ => {}
         }
@@ -858,9 +814,9 @@ fn element(e: &[u8]) -> Option<RawElement<'_>> {
                 }
             }
             NFTA_SET_ELEM_FLAGS => {
-                el.interval_end = be32(v).unwrap_or(0) & ELEM_INTERVAL_END != 0;
+                el.interval_end = be32(v).unwrap_or(0) & NFT_SET_ELEM_INTERVAL_END != 0;
             }
-            crate::nfnl::NFTA_SET_ELEM_OBJREF => el.data = Some(RawData::Object(str_ref(v)?)),
+            NFTA_SET_ELEM_OBJREF => el.data = Some(RawData::Object(str_ref(v)?)),
             _ => {}
         }
     }
@@ -899,19 +855,6 @@ pub fn decode_tuple(fields: &[Field], mut b: &[u8]) -> Option<Tuple> {
         b = b.get(step..)?;
     }
     b.is_empty().then(|| Tuple::new(&atoms[..fields.len()]))
-}
-
-/// A verdict as the kernel reports it.
-pub fn decode_verdict(code: u32, chain: Option<&str>) -> Option<Verdict> {
-    Some(match (code as i32, chain) {
-        (0, None) => Verdict::Drop,
-        (1, None) => Verdict::Accept,
-        (-1, None) => Verdict::Continue,
-        (-5, None) => Verdict::Return,
-        (-3, Some(c)) => Verdict::Jump(c.into()),
-        (-4, Some(c)) => Verdict::Goto(c.into()),
-        _ => return None,
-    })
 }
 
 /// The elements of an interval set of addresses as prefixes.
@@ -999,6 +942,7 @@ pub(crate) fn interval_ranges<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::atom::fields_len;
 
     fn text(t: Tuple) -> String {
         t.to_string()
@@ -1045,21 +989,6 @@ mod tests {
             decode_tuple(&[Ipv4Addr, InetService], &[1, 2, 3, 4, 0, 80]),
             None
         );
-    }
-
-    #[test]
-    fn verdicts_decode() {
-        assert_eq!(
-            decode_verdict(-4i32 as u32, Some("svc-a")),
-            Some(Verdict::Goto("svc-a".into()))
-        );
-        assert_eq!(
-            decode_verdict(-3i32 as u32, Some("x")),
-            Some(Verdict::Jump("x".into()))
-        );
-        assert_eq!(decode_verdict(0, None), Some(Verdict::Drop));
-        assert_eq!(decode_verdict(-4i32 as u32, None), None);
-        assert_eq!(decode_verdict(7, None), None);
     }
 
     fn el(key: &[u8], end: bool) -> RawElement<'_> {

@@ -1,5 +1,5 @@
 //! The kernel's expressions of a rule (`NFTA_RULE_EXPRESSIONS` of a GETRULE dump,
-//! `crate::dump`) back into a typed [`Rule`]: the inverse of what `nft` (or kproxy's
+//! [`super::read_table`]) back into a typed [`Rule`]: the inverse of what `nft` (or kproxy's
 //! encoder) makes of the rules kproxy writes. It runs the expressions over a model of
 //! the registers, so a match reads what its source register really holds: a rule that
 //! loads one field and compares another is not mistaken for kproxy's.
@@ -7,42 +7,22 @@
 //! Anything outside kproxy's vocabulary (another expression, a flag or an operation
 //! kproxy never uses, a register that holds nothing known) becomes an
 //! [`Expr::Unknown`] naming it; such a rule is never the same as a wanted one.
+//!
+//! With the readers, not with the typed rule: it reads the dump's raw tables (the sets a
+//! lookup names), so it stands above them, and the rule (`crate::rule`) stays below the
+//! table model that holds it. Its inverse, the encoder, is `crate::rule::encode`; both
+//! name the kernel's constants from `crate::nfnl`.
 
-use crate::atom::{Atom, Family};
-use crate::dump::{RawSet, RawTable, SET_ANONYMOUS, SET_INTERVAL, SET_MAP};
-use crate::nfnl::{
-    Attrs, NFTA_DATA_VALUE, NFTA_DATA_VERDICT, NFTA_EXPR_DATA, NFTA_EXPR_NAME, NFTA_LIST_ELEM,
-    NFTA_VERDICT_CHAIN, NFTA_VERDICT_CODE, be32,
-};
+use crate::atom::{Atom, Family, Field, Verdict};
+// The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
+use crate::nfnl::*;
+use crate::rule::{Dir, Expr, Lit, Rhs, Rule, Sel, addr_len, addr_offset, ip_lit, prefixes};
 use kproxy_core::model::EndpointAddr;
 
-use super::{Dir, Expr, Lit, Rhs, Rule, Sel, ip_lit, prefixes};
+use super::{RawSet, RawTable, decode_tuple, interval_ranges};
 
-// linux/netfilter/nf_tables.h.
-const PAYLOAD_NETWORK: u32 = 1;
-const PAYLOAD_TRANSPORT: u32 = 2;
-const META_MARK: u32 = 3;
-const META_IIFNAME: u32 = 6;
-const META_L4PROTO: u32 = 16;
-const CT_STATUS: u32 = 2;
-use crate::nfnl::{CT_DST_IP, CT_DST_IP6, CT_PROTO_DST};
-const FIB_SADDR: u32 = 1;
-const FIB_DADDR: u32 = 2;
-const FIB_RESULT_ADDRTYPE: u32 = 3;
-const RTN_LOCAL: u32 = 2;
-const IPS_DST_NAT: u32 = 0x20;
-const NG_RANDOM: u32 = 1;
-const CMP_EQ: u32 = 0;
-const CMP_NEQ: u32 = 1;
-const LOOKUP_INV: u32 = 1;
-const NAT_DNAT: u32 = 1;
-/// `NF_NAT_RANGE_MAP_IPS | NF_NAT_RANGE_PROTO_SPECIFIED`: what the kernel sets itself
-/// for a DNAT to an address and a port.
-const NAT_PLAIN_FLAGS: u32 = 0x1 | 0x2;
-const NAT_RANDOM_FULLY: u32 = 0x10;
-const REJECT_ICMP: u32 = 0;
-const REJECT_TCP_RST: u32 = 1;
-const DYNSET_UPDATE: u32 = 1;
+/// What the kernel sets itself for a DNAT to an address and a port.
+const NAT_PLAIN_FLAGS: u32 = NF_NAT_RANGE_MAP_IPS | NF_NAT_RANGE_PROTO_SPECIFIED;
 
 /// What a loading expression put in a register.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -207,11 +187,11 @@ struct Decoder<'t> {
 
 impl Decoder<'_> {
     fn addr_len(&self) -> usize {
-        super::addr_len(self.family)
+        addr_len(self.family)
     }
 
     fn addr_offset(&self, dir: Dir) -> u32 {
-        super::addr_offset(self.family, dir)
+        addr_offset(self.family, dir)
     }
 
     fn addr_dir(&self, offset: u32) -> Option<Dir> {
@@ -237,9 +217,9 @@ impl Decoder<'_> {
                     return self.mark_set(key, sreg);
                 }
                 let len = match key {
-                    META_MARK => 4,
-                    META_IIFNAME => 16,
-                    META_L4PROTO => 1,
+                    NFT_META_MARK => 4,
+                    NFT_META_IIFNAME => 16,
+                    NFT_META_L4PROTO => 1,
                     _ => return None,
                 };
                 self.regs.put(a.u32(1)?, value(Load::Meta(key), len), len)
@@ -252,15 +232,15 @@ impl Decoder<'_> {
                 if let Some(dir) = a.raw(3) {
                     // The original direction's destination address or port.
                     let len = match key {
-                        CT_DST_IP => 4,
-                        CT_DST_IP6 => 16,
-                        CT_PROTO_DST => 2,
+                        NFT_CT_DST_IP => 4,
+                        NFT_CT_DST_IP6 => 16,
+                        NFT_CT_PROTO_DST => 2,
                         _ => return None,
                     };
                     (dir.first() == Some(&0)).then_some(())?;
                     return self.regs.put(a.u32(1)?, value(Load::CtOrig(key), len), len);
                 }
-                (key == CT_STATUS).then_some(())?;
+                (key == NFT_CT_STATUS).then_some(())?;
                 self.regs.put(a.u32(1)?, value(Load::Ct(key), 4), 4)
             }
             "fib" => {
@@ -271,7 +251,7 @@ impl Decoder<'_> {
                 self.regs.put(a.u32(1)?, value(load, 4), 4)
             }
             "numgen" => {
-                if a.u32(3)? != NG_RANDOM || a.u32(4).unwrap_or(0) != 0 {
+                if a.u32(3)? != NFT_NG_RANDOM || a.u32(4).unwrap_or(0) != 0 {
                     return None;
                 }
                 let load = Load::Numgen(a.u32(2)?);
@@ -302,8 +282,8 @@ impl Decoder<'_> {
             "cmp" => {
                 let op = a.u32(2)?;
                 let neg = match op {
-                    CMP_EQ => false,
-                    CMP_NEQ => true,
+                    NFT_CMP_EQ => false,
+                    NFT_CMP_NEQ => true,
                     _ => return None,
                 };
                 let data = a.value(3)?;
@@ -321,7 +301,7 @@ impl Decoder<'_> {
                 // A named counter (NFTA_OBJREF_IMM_TYPE 1, NFTA_OBJREF_IMM_NAME 2), or
                 // the map form (NFTA_OBJREF_SET_SREG 3, NFTA_OBJREF_SET_NAME 4).
                 if a.has(1) || a.has(2) {
-                    (a.u32(1)? == crate::model::COUNTER_OBJECT && !a.has(3)).then_some(())?;
+                    (a.u32(1)? == NFT_OBJECT_COUNTER && !a.has(3)).then_some(())?;
                     self.out.push(Expr::CounterRef(a.string(2)?));
                     return Some(());
                 }
@@ -344,7 +324,7 @@ impl Decoder<'_> {
                     let v = Data::new(v);
                     let chain = v.string(NFTA_VERDICT_CHAIN);
                     let verdict =
-                        crate::dump::decode_verdict(v.u32(NFTA_VERDICT_CODE)?, chain.as_deref())?;
+                        Verdict::from_netlink(v.u32(NFTA_VERDICT_CODE)?, chain.as_deref())?;
                     self.out.push(Expr::Verdict(verdict));
                     return Some(());
                 }
@@ -358,7 +338,7 @@ impl Decoder<'_> {
                     return None;
                 }
                 let flags = a.u32(1).unwrap_or(0);
-                if flags & !NAT_RANDOM_FULLY != 0 {
+                if flags & !NF_NAT_RANGE_PROTO_RANDOM_FULLY != 0 {
                     return None;
                 }
                 self.out.push(Expr::Masquerade {
@@ -369,12 +349,12 @@ impl Decoder<'_> {
             "reject" => {
                 let (ty, code) = (a.u32(1)?, a.raw(2).and_then(|c| c.first().copied()));
                 let port_unreachable = match self.family {
-                    Family::Ip => 3,
-                    Family::Ip6 => 4,
+                    Family::Ip => ICMP_PORT_UNREACH,
+                    Family::Ip6 => ICMPV6_PORT_UNREACH,
                 };
                 let tcp_reset = match (ty, code) {
-                    (REJECT_ICMP, Some(c)) if c == port_unreachable => false,
-                    (REJECT_TCP_RST, _) => true,
+                    (NFT_REJECT_ICMP_UNREACH, Some(c)) if c == port_unreachable => false,
+                    (NFT_REJECT_TCP_RST, _) => true,
                     _ => return None,
                 };
                 self.out.push(Expr::Reject { tcp_reset });
@@ -385,7 +365,7 @@ impl Decoder<'_> {
                 // a zero one), flags or expressions (NFTA_DYNSET_SREG_DATA 5, TIMEOUT
                 // 6, EXPR 7, FLAGS 9, EXPRESSIONS 10).
                 let timeout = a.raw(6).map(|t| t.iter().any(|&b| b != 0));
-                if a.u32(3)? != DYNSET_UPDATE
+                if a.u32(3)? != NFT_DYNSET_OP_UPDATE
                     || a.has(5)
                     || timeout == Some(true)
                     || a.has(7)
@@ -409,11 +389,11 @@ impl Decoder<'_> {
 
     /// `meta mark set` from a register holding the mark, or'd or xor'd.
     fn mark_set(&mut self, key: u32, sreg: u32) -> Option<()> {
-        if key != META_MARK {
+        if key != NFT_META_MARK {
             return None;
         }
         let Reg::Value {
-            load: Load::Meta(META_MARK),
+            load: Load::Meta(NFT_META_MARK),
             len: 4,
             bitwise: Some((mask, xor)),
         } = self.regs.get(sreg)?
@@ -435,27 +415,27 @@ impl Decoder<'_> {
     /// The selector a register of `len` bytes loaded by `load` holds, unmasked.
     fn selector(&self, load: &Load, len: usize) -> Option<Sel> {
         Some(match (load, len) {
-            (Load::Payload { base, offset }, l) if *base == PAYLOAD_NETWORK => {
+            (Load::Payload { base, offset }, l) if *base == NFT_PAYLOAD_NETWORK_HEADER => {
                 (l == self.addr_len()).then_some(())?;
                 Sel::Addr(self.family, self.addr_dir(*offset)?)
             }
             (
                 Load::Payload {
-                    base: PAYLOAD_TRANSPORT,
+                    base: NFT_PAYLOAD_TRANSPORT_HEADER,
                     offset: 2,
                 },
                 2,
             ) => Sel::Dport,
-            (Load::Meta(META_L4PROTO), 1) => Sel::L4proto,
-            (Load::Meta(META_IIFNAME), 16) => Sel::Iifname,
+            (Load::Meta(NFT_META_L4PROTO), 1) => Sel::L4proto,
+            (Load::Meta(NFT_META_IIFNAME), 16) => Sel::Iifname,
             (Load::Numgen(n), 4) => Sel::Numgen(*n),
-            (Load::CtOrig(CT_DST_IP), 4) if self.family == Family::Ip => {
+            (Load::CtOrig(NFT_CT_DST_IP), 4) if self.family == Family::Ip => {
                 Sel::CtOrigDaddr(Family::Ip)
             }
-            (Load::CtOrig(CT_DST_IP6), 16) if self.family == Family::Ip6 => {
+            (Load::CtOrig(NFT_CT_DST_IP6), 16) if self.family == Family::Ip6 => {
                 Sel::CtOrigDaddr(Family::Ip6)
             }
-            (Load::CtOrig(CT_PROTO_DST), 2) => Sel::CtOrigDport,
+            (Load::CtOrig(NFT_CT_PROTO_DST), 2) => Sel::CtOrigDport,
             _ => return None,
         })
     }
@@ -470,7 +450,7 @@ impl Decoder<'_> {
         let plain = bitwise.is_none();
         Some(match load {
             Load::Payload {
-                base: PAYLOAD_NETWORK,
+                base: NFT_PAYLOAD_NETWORK_HEADER,
                 offset,
             } => {
                 let dir = self.addr_dir(*offset)?;
@@ -505,17 +485,17 @@ impl Decoder<'_> {
                 )
             }
             Load::Payload {
-                base: PAYLOAD_TRANSPORT,
+                base: NFT_PAYLOAD_TRANSPORT_HEADER,
                 offset: 2,
             } if plain && len == 2 && data.len() == 2 => (
                 Sel::Dport,
                 Lit::Atom(Atom::Port(u16::from_be_bytes(data.try_into().ok()?))),
                 false,
             ),
-            Load::Meta(META_L4PROTO) if plain && len == 1 && data.len() == 1 => {
+            Load::Meta(NFT_META_L4PROTO) if plain && len == 1 && data.len() == 1 => {
                 (Sel::L4proto, Lit::Atom(Atom::Proto(data[0])), false)
             }
-            Load::Meta(META_IIFNAME) if plain && data.len() <= len => {
+            Load::Meta(NFT_META_IIFNAME) if plain && data.len() <= len => {
                 let name = match data.iter().position(|&c| c == 0) {
                     // Padded with NULs to IFNAMSIZ: the name exactly.
                     Some(end) if data.len() == len && data[end..].iter().all(|&c| c == 0) => {
@@ -527,23 +507,23 @@ impl Decoder<'_> {
                 };
                 (Sel::Iifname, Lit::Iface(name), false)
             }
-            Load::Meta(META_MARK) => {
+            Load::Meta(NFT_META_MARK) => {
                 let (mask, xor) = bitwise.as_ref()?;
                 if ne32(xor)? != 0 {
                     return None;
                 }
                 (Sel::MarkAnd(ne32(mask)?), Lit::Num(ne32(data)?), false)
             }
-            Load::Fib { flags, result } if plain && *result == FIB_RESULT_ADDRTYPE => {
+            Load::Fib { flags, result } if plain && *result == NFT_FIB_RESULT_ADDRTYPE => {
                 let dir = match *flags {
-                    FIB_SADDR => Dir::Src,
-                    FIB_DADDR => Dir::Dst,
+                    NFTA_FIB_F_SADDR => Dir::Src,
+                    NFTA_FIB_F_DADDR => Dir::Dst,
                     _ => return None,
                 };
                 (ne32(data)? == RTN_LOCAL).then_some(())?;
                 (Sel::FibType(dir), Lit::Local, false)
             }
-            Load::Ct(CT_STATUS) => {
+            Load::Ct(NFT_CT_STATUS) => {
                 let (mask, xor) = bitwise.as_ref()?;
                 if ne32(mask)? != IPS_DST_NAT || ne32(xor)? != 0 || ne32(data)? != 0 {
                     return None;
@@ -560,7 +540,7 @@ impl Decoder<'_> {
 
     fn lookup(&mut self, a: &Data) -> Option<()> {
         let set = a.string(1)?;
-        let neg = a.u32(5).unwrap_or(0) & LOOKUP_INV != 0;
+        let neg = a.u32(5).unwrap_or(0) & NFT_LOOKUP_F_INV != 0;
         let (anonymous, rs) = match self.table.sets.get(&set) {
             Some(rs) => (false, rs),
             None => (true, self.table.anonymous.get(&set)?),
@@ -601,29 +581,29 @@ impl Decoder<'_> {
     /// The literals of an anonymous set keyed by one selector.
     fn anonymous_elements(&self, rs: &RawSet, sel: &[Sel]) -> Option<Vec<Lit>> {
         let [sel] = sel else { return None };
-        if rs.flags & SET_MAP != 0 || rs.flags & SET_ANONYMOUS == 0 {
+        if rs.flags & NFT_SET_MAP != 0 || rs.flags & NFT_SET_ANONYMOUS == 0 {
             return None;
         }
-        if rs.flags & SET_INTERVAL != 0 {
+        if rs.flags & NFT_SET_INTERVAL != 0 {
             let Sel::Addr(f, _) = sel else { return None };
             let v6 = *f == Family::Ip6;
             let mut out = Vec::new();
-            for (a, b) in crate::dump::interval_ranges(v6, rs.elements.iter())? {
+            for (a, b) in interval_ranges(v6, rs.elements.iter())? {
                 prefixes(v6, a, b, &mut out);
             }
             return Some(out);
         }
         let field = match sel {
-            Sel::Addr(Family::Ip, _) => crate::atom::Field::Ipv4Addr,
-            Sel::Addr(Family::Ip6, _) => crate::atom::Field::Ipv6Addr,
-            Sel::Dport => crate::atom::Field::InetService,
-            Sel::L4proto => crate::atom::Field::InetProto,
+            Sel::Addr(Family::Ip, _) => Field::Ipv4Addr,
+            Sel::Addr(Family::Ip6, _) => Field::Ipv6Addr,
+            Sel::Dport => Field::InetService,
+            Sel::L4proto => Field::InetProto,
             _ => return None,
         };
         rs.elements
             .iter()
             .map(|e| {
-                let t = crate::dump::decode_tuple(&[field], e.key)?;
+                let t = decode_tuple(&[field], e.key)?;
                 (e.data.is_none() && !e.interval_end).then_some(())?;
                 Some(Lit::Atom(t.atoms()[0]))
             })
@@ -631,7 +611,7 @@ impl Decoder<'_> {
     }
 
     fn nat(&mut self, a: &Data) -> Option<()> {
-        if a.u32(1)? != NAT_DNAT || u32::from(self.family.nfproto()) != a.u32(2)? {
+        if a.u32(1)? != NFT_NAT_DNAT || u32::from(self.family.nfproto()) != a.u32(2)? {
             return None;
         }
         let (addr, proto) = (a.u32(3)?, a.u32(5)?);
