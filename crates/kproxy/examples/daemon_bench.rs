@@ -17,7 +17,8 @@
 //! the namespace, the target of the latency samples. Last, `/metrics` is scraped 5 times
 //! after the traffic counters' first reading (its time and size), after the idle
 //! daemon's CPU over the 11 s before them;
-//! `DAEMON_BENCH_TRAFFIC=off|service|endpoint` sets `--traffic-metrics`.
+//! `DAEMON_BENCH_TRAFFIC=off|service|endpoint` sets `--traffic-metrics` (default `off`, as
+//! `kproxy run`).
 
 #![expect(
     clippy::disallowed_types,
@@ -208,7 +209,7 @@ fn run(services: usize, eps: usize) {
             .args(["--metrics-bind-address", "127.0.0.1:10249"])
             .args([
                 "--traffic-metrics",
-                &std::env::var("DAEMON_BENCH_TRAFFIC").unwrap_or_else(|_| "service".into()),
+                &std::env::var("DAEMON_BENCH_TRAFFIC").unwrap_or_else(|_| "off".into()),
             ])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())

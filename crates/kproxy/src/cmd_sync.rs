@@ -41,10 +41,10 @@ pub struct Args {
     /// hold Services (their rules are then removed).
     #[arg(long)]
     pub allow_empty: bool,
-    /// The traffic counters, as `kproxy run --traffic-metrics` (only `off` differs: no
-    /// counters in the tables). The same value as the daemon's, or a sync removes the
+    /// The traffic counters, as `kproxy run --traffic-metrics` (only `off`, the default,
+    /// differs: no counters in the tables). The same value as the daemon's, or a sync removes the
     /// daemon's counters (or adds them).
-    #[arg(long, value_name = "LEVEL", default_value = "service")]
+    #[arg(long, value_name = "LEVEL", default_value = "off")]
     pub traffic_metrics: crate::traffic::Level,
 }
 

@@ -111,6 +111,7 @@ impl Node {
                 .args(["--metrics-bind-address", METRICS])
                 .args(["--min-sync-period", "50ms", "--sync-period", "5s"])
                 .args(["--verify-period", "1h", "--nft-table", TABLE])
+                .args(["--traffic-metrics", "service"])
                 .args(["--event-log", self.events.to_str().unwrap()])
                 .stdout(Stdio::null())
                 .stderr(self.log.stderr())

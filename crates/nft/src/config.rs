@@ -17,8 +17,8 @@ pub struct DataplaneConfig {
     /// Delete stale UDP conntrack entries after each sync (default true).
     pub conntrack_cleanup: bool,
     /// Count new connections per Service port and endpoint, and the rejects and drops,
-    /// in named counter objects (`crate::ruleset`, "Counters"; default false here, on in
-    /// `kproxy run` unless `--traffic-metrics=off`).
+    /// in named counter objects (`crate::ruleset`, "Counters"; default false, as
+    /// `kproxy run`'s `--traffic-metrics off`).
     pub counters: bool,
 }
 

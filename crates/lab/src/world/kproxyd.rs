@@ -107,6 +107,10 @@ impl Kproxyd {
             "10s",
             "--cluster-cidr",
             "10.244.0.0/16",
+            // The rollout report sets the kernel's counts beside the load generator's
+            // (report::kernel); the lab's few Services cost nothing to count.
+            "--traffic-metrics",
+            "service",
             "--event-log",
         ] {
             argv.push(a.into());
