@@ -88,7 +88,14 @@ impl ValueEnum for Setting {
     fn to_possible_value(&self) -> Option<PossibleValue> {
         match self {
             Setting::Plain(p) => p.to_possible_value(),
-            Setting::Chaos(c) => c.to_possible_value(),
+            Setting::Chaos(c) => c.to_possible_value().map(|v| {
+                // The chaos's own words, as a sentence on from "The recommended settings, and".
+                let help = v.get_help().map(ToString::to_string).unwrap_or_default();
+                let mut words = help.chars();
+                let first = words.next().map(|c| c.to_lowercase().to_string());
+                let help = first.unwrap_or_default() + words.as_str();
+                v.help(format!("The recommended settings, and {help}"))
+            }),
         }
     }
 }

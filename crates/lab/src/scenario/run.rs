@@ -114,12 +114,12 @@ pub enum Chaos {
     NftFlush,
     /// Node 1's kproxy SIGKILLed (no shutdown path runs) and started again.
     KproxyKill,
-    /// The API server (k8s-lab) killed for [`API_OUTAGE_S`], then started again with the
-    /// same command line, once the terminating pod's EndpointSlice change is out (a
-    /// change the API never published no proxy can act on): the rollout pauses, nodes
-    /// keep their rules. kube-controller-manager goes down and comes back with it, as a
-    /// production kcm (leader election on) does in an outage longer than its lease's
-    /// renew deadline.
+    /// The API server (k8s-lab) killed for 30 s nominal (`API_OUTAGE_S`), then started
+    /// again with the same command line, once the terminating pod's EndpointSlice change
+    /// is out (a change the API never published no proxy can act on): the rollout
+    /// pauses, nodes keep their rules. kube-controller-manager goes down and comes back
+    /// with it, as a production kcm (leader election on) does in an outage longer than
+    /// its lease's renew deadline.
     ApiOutage,
     /// Every connection of node 1's kproxy to the API server reset (its API bridge):
     /// its watches must resume without losing a change.
