@@ -3,7 +3,14 @@
 //! again ([`Siblings`]); also the waits of lists and watches that end at once, and of
 //! lists that held objects that could not be decoded, and the log lines that say so.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kproxy_core::ingest::Kind;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{Input, MAX_SERVER_DELAY, Sender, Stop, send, server_delay};
 
 /// The reflectors of one API server. When one of them hears from the server again
 /// after failing, the others waiting out a backoff retry at once: an API server back
@@ -141,7 +148,11 @@ impl Backoff {
     /// fleet of restarted nodes refused by max-in-flight (`Retry-After: 1`) took 45 s to
     /// be back where asking again after the server's second took 17 s (docs/scale.md).
     /// Not cut short by a sibling's answer: the server said when.
-    pub(super) fn throttled_delay(failures: u32, retry_after: Option<Duration>, jitter: f64) -> Duration {
+    pub(super) fn throttled_delay(
+        failures: u32,
+        retry_after: Option<Duration>,
+        jitter: f64,
+    ) -> Duration {
         match retry_after {
             Some(asked) => server_delay(asked, jitter),
             None => Self::delay(failures, jitter),
@@ -199,7 +210,12 @@ impl Backoff {
     /// failure backoff of the count of such lists in a row, until one decodes whole
     /// ([`Backoff::decoded_whole`]). An object garbled for good costs one list a minute
     /// at most, never the kind's changes.
-    pub(super) async fn undecodable(&mut self, tx: &Sender, kind: Kind, n: u32) -> Result<(), Stop> {
+    pub(super) async fn undecodable(
+        &mut self,
+        tx: &Sender,
+        kind: Kind,
+        n: u32,
+    ) -> Result<(), Stop> {
         if self.relist_at.is_none() {
             self.undecodable_lists += 1;
             let delay = Self::delay(self.undecodable_lists, self.jitter());
