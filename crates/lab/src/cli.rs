@@ -11,7 +11,7 @@ use crate::runs::{matrix, restart, rollout, takeover};
 use crate::scenario::balancer::{HealthCheck, LbMode, LbPreset};
 use crate::scenario::matrix::{Selection, Setting};
 use crate::scenario::rollout::{MAX_NODES, RolloutConfig};
-use crate::scenario::run::{Behaviour, Chaos, ControlPlaneKind, chaos_str};
+use crate::scenario::run::{Behaviour, Chaos, ControlPlaneKind};
 use crate::scenario::workload::{DeploymentSpec, PodProfile};
 use crate::world::netns;
 
@@ -624,29 +624,12 @@ fn matrix(a: &MatrixArgs) -> anyhow::Result<ExitCode> {
     } else {
         print!("{}", report::matrix::render_text(&results));
     }
-    // The claims under test: kproxy loses nothing with the recommended settings,
-    // also across a restart of every node's kproxy, a flushed ruleset, a SIGKILLed
-    // kproxy, an API outage and a cut watch, and with pods Ready before they listen
-    // (its endpoint warm-up); and no new connection when a node drains (taint or
-    // condition) or shuts down (keep-alive connections through a node that vanishes
-    // break whatever the proxy does).
+    // A kproxy cell (exit-on-term pods aside: they reset their own connections)
+    // whose losses break its row's claim fails the matrix.
     let bad = results.iter().any(|c| {
-        let lost = match c.cell.setting {
-            Setting::Recommended
-            | Setting::KproxyRestart
-            | Setting::NftFlush
-            | Setting::KproxyKill
-            | Setting::ApiOutage
-            | Setting::WatchCut
-            | Setting::ReadyBeforeListen => c.lost,
-            Setting::NodeDrain | Setting::NodeDrainCondition | Setting::NodeShutdown => {
-                c.lost - c.lost_kept_alive
-            }
-            _ => 0,
-        };
         c.cell.behaviour == Behaviour::Kproxy
             && c.cell.profile != PodProfile::ExitOnTerm
-            && lost > 0
+            && c.cell.setting.claim().broken_by(c.lost, c.lost_kept_alive)
     });
     Ok(if bad {
         ExitCode::from(1)
@@ -691,7 +674,7 @@ fn rollout(a: &RolloutArgs) -> anyhow::Result<ExitCode> {
                 if let Some(chaos) = a.chaos.filter(|c| c.needs_real_api())
                     && *cp == ControlPlaneKind::Emulated
                 {
-                    anyhow::bail!("--chaos {} needs --control-plane k8s-lab", chaos_str(chaos));
+                    anyhow::bail!("--chaos {chaos} needs --control-plane k8s-lab");
                 }
                 let opts = crate::scenario::run::RunOptions {
                     control_plane: *cp,

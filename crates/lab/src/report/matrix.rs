@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::{RunResult, Summary};
 use crate::LabError;
 use crate::scenario::balancer::LbPreset;
-use crate::scenario::matrix::{Cell, Setting, lb_registration_s, preset_str, profile_str};
+use crate::scenario::matrix::{Cell, Plain, lb_registration_s, preset_str, profile_str};
 use crate::scenario::rollout::RolloutConfig;
 use crate::scenario::run::Behaviour;
 use crate::scenario::workload::PodProfile;
@@ -211,7 +211,7 @@ pub fn verdict(cell: &Cell, lost: usize, findings: &[LintFinding]) -> Verdict {
 pub fn judge_against_recommended(cells: &mut [CellResult]) {
     let base: Vec<(PodProfile, LbPreset, Behaviour, usize)> = cells
         .iter()
-        .filter(|c| c.cell.setting == Setting::Recommended)
+        .filter(|c| c.cell.setting == Plain::Recommended.into())
         .map(|c| (c.cell.profile, c.cell.preset, c.cell.behaviour, c.lost))
         .collect();
     for c in cells.iter_mut() {
@@ -334,7 +334,7 @@ pub fn render_text(cells: &[CellResult]) -> String {
         let _ = writeln!(
             s,
             "{:<30} {:<23} {:<8} {:<9} {:>6} {:>5} {:>4}  {:<18} {}; {}",
-            c.cell.setting.as_str(),
+            c.cell.setting,
             profile_str(c.cell.profile),
             preset_str(c.cell.preset),
             c.cell.behaviour.as_str(),
@@ -370,12 +370,15 @@ pub fn render_text(cells: &[CellResult]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scenario::matrix::{ALL_PRESETS, ALL_PROFILES, Selection, config_for, node_drain};
+    use crate::scenario::matrix::{
+        ALL_PRESETS, ALL_PROFILES, Selection, Setting, config_for, node_drain,
+    };
+    use crate::scenario::run::Chaos;
 
-    fn cell(profile: PodProfile, setting: Setting, preset: LbPreset) -> Cell {
+    fn cell(profile: PodProfile, setting: impl Into<Setting>, preset: LbPreset) -> Cell {
         Cell {
             profile,
-            setting,
+            setting: setting.into(),
             preset,
             behaviour: Behaviour::Kproxy,
         }
@@ -395,13 +398,13 @@ mod tests {
     fn recommended_is_lint_clean_on_seed_2_rules_for_every_preset_and_profile() {
         for preset in ALL_PRESETS {
             for profile in ALL_PROFILES {
-                let c = cell(profile, Setting::Recommended, preset);
+                let c = cell(profile, Plain::Recommended, preset);
                 assert_eq!(rules_of(&c), Vec::<String>::new(), "{}", c.id());
             }
         }
         // The gke cell is the rolling-update guide's configuration.
         let cfg = config_for(
-            &cell(PodProfile::Graceful, Setting::Recommended, LbPreset::Gke),
+            &cell(PodProfile::Graceful, Plain::Recommended, LbPreset::Gke),
             &RolloutConfig::default(),
         )
         .unwrap();
@@ -414,17 +417,17 @@ mod tests {
     fn each_bad_setting_trips_exactly_its_rule() {
         for preset in ALL_PRESETS {
             for (profile, setting) in [
-                (PodProfile::Graceful, Setting::ShortPrestop),
+                (PodProfile::Graceful, Plain::ShortPrestop),
                 (
                     PodProfile::FailReadinessOnTerm,
-                    Setting::ReadinessInequalityViolated,
+                    Plain::ReadinessInequalityViolated,
                 ),
-                (PodProfile::Graceful, Setting::GraceShorterThanDrain),
-                (PodProfile::Graceful, Setting::EarlyReady),
+                (PodProfile::Graceful, Plain::GraceShorterThanDrain),
+                (PodProfile::Graceful, Plain::EarlyReady),
             ] {
                 let c = cell(profile, setting, preset);
                 let rules = rules_of(&c);
-                let want = setting.rule().unwrap();
+                let want = Setting::from(setting).rule().unwrap();
                 assert!(rules.iter().any(|r| r == want), "{}: {rules:?}", c.id());
                 assert!(
                     rules.iter().all(|r| r == want),
@@ -438,9 +441,9 @@ mod tests {
     #[test]
     fn node_drain_cell_is_a_lint_clean_cluster_policy_service_on_room_for_replacements() {
         let drains = [
-            Setting::NodeDrain,
-            Setting::NodeDrainCondition,
-            Setting::NodeShutdown,
+            Plain::NodeDrain,
+            Plain::NodeDrainCondition,
+            Plain::NodeShutdown,
         ];
         for (preset, setting) in ALL_PRESETS.into_iter().flat_map(|p| drains.map(|s| (p, s))) {
             let c = cell(PodProfile::Graceful, setting, preset);
@@ -449,14 +452,14 @@ mod tests {
             assert!(!cfg.deployment.one_pod_per_node, "replacements need room");
             let m = manifests_for(&cfg, c.setting.etp_local());
             assert!(m.contains("externalTrafficPolicy: Cluster"), "{m}");
-            let by = setting.drain_by().expect("a drain setting");
+            let by = c.setting.drain_by().expect("a drain setting");
             let d = node_drain(&cfg, by);
             assert_eq!((d.node, d.by), (2, by));
             let hc = cfg.load_balancer.effective_health_check().unwrap();
             // The evicted pods' preStop alone outlasts the LB's detection window.
             assert!(cfg.pod.pre_stop_sleep_seconds > hc.detection_window_s());
         }
-        let rec = cell(PodProfile::Graceful, Setting::Recommended, LbPreset::Gke);
+        let rec = cell(PodProfile::Graceful, Plain::Recommended, LbPreset::Gke);
         let cfg = config_for(&rec, &RolloutConfig::default()).unwrap();
         assert!(manifests_for(&cfg, true).contains("externalTrafficPolicy: Local"));
     }
@@ -468,11 +471,11 @@ mod tests {
         // watch cut, the three drains and ready-before-listen × 1 (graceful), × 3 presets × 2.
         assert_eq!(full.len(), (4 * 3 + 1 + 9) * 3 * 2);
         for setting in [
-            Setting::NodeDrain,
-            Setting::NodeDrainCondition,
-            Setting::NodeShutdown,
-            Setting::NftFlush,
-            Setting::KproxyKill,
+            Plain::NodeDrain.into(),
+            Plain::NodeDrainCondition.into(),
+            Plain::NodeShutdown.into(),
+            Chaos::NftFlush.into(),
+            Chaos::KproxyKill.into(),
         ] {
             assert!(
                 full.iter()
@@ -483,7 +486,7 @@ mod tests {
         assert!(
             !full
                 .iter()
-                .any(|c| c.setting == Setting::ReadinessInequalityViolated
+                .any(|c| c.setting == Plain::ReadinessInequalityViolated.into()
                     && c.profile != PodProfile::FailReadinessOnTerm)
         );
         let reduced = Selection::reduced().cells();
@@ -501,7 +504,7 @@ mod tests {
     #[test]
     fn ready_before_listen_cell_is_a_pod_without_a_probe_that_listens_late() {
         for preset in ALL_PRESETS {
-            let c = cell(PodProfile::Graceful, Setting::ReadyBeforeListen, preset);
+            let c = cell(PodProfile::Graceful, Plain::ReadyBeforeListen, preset);
             let cfg = config_for(&c, &RolloutConfig::default()).unwrap();
             assert_eq!(cfg.pod.listen_delay_ms, 400);
             assert_eq!(cfg.pod.readiness_probe.initial_delay_seconds, 0.0);
@@ -522,7 +525,7 @@ mod tests {
 
     #[test]
     fn flagged_loss_no_larger_than_the_recommended_cells_is_not_the_rules() {
-        let mk = |setting: Setting, lost: usize, verdict: Verdict| {
+        let mk = |setting: Plain, lost: usize, verdict: Verdict| {
             let c = cell(PodProfile::ExitOnTerm, setting, LbPreset::Gke);
             let cfg = config_for(&c, &RolloutConfig::default()).unwrap();
             CellResult {
@@ -541,9 +544,9 @@ mod tests {
             }
         };
         let mut v = vec![
-            mk(Setting::Recommended, 5, Verdict::MissedByLint),
-            mk(Setting::GraceShorterThanDrain, 8, Verdict::Confirmed),
-            mk(Setting::ShortPrestop, 54, Verdict::Confirmed),
+            mk(Plain::Recommended, 5, Verdict::MissedByLint),
+            mk(Plain::GraceShorterThanDrain, 8, Verdict::Confirmed),
+            mk(Plain::ShortPrestop, 54, Verdict::Confirmed),
         ];
         judge_against_recommended(&mut v);
         assert_eq!(v[0].verdict, Verdict::MissedByLint);
@@ -558,12 +561,12 @@ mod tests {
             severity: "error".into(),
             message: String::new(),
         };
-        let short = cell(PodProfile::Graceful, Setting::ShortPrestop, LbPreset::Gke);
+        let short = cell(PodProfile::Graceful, Plain::ShortPrestop, LbPreset::Gke);
         let flagged = [f(kproxy_lint::rules::PRESTOP_SHORTER_THAN_LB_DETECTION)];
         assert_eq!(verdict(&short, 3, &flagged), Verdict::Confirmed);
         assert_eq!(verdict(&short, 0, &flagged), Verdict::NoLossObserved);
         assert_eq!(verdict(&short, 3, &[]), Verdict::MissedByLint);
-        let rec = cell(PodProfile::Graceful, Setting::Recommended, LbPreset::Gke);
+        let rec = cell(PodProfile::Graceful, Plain::Recommended, LbPreset::Gke);
         let other = [f(kproxy_lint::rules::ETP_LOCAL_NO_SURGE)];
         assert_eq!(verdict(&rec, 0, &other), Verdict::CleanConfirmed);
         assert_eq!(verdict(&rec, 1, &other), Verdict::MissedByLint);

@@ -99,47 +99,67 @@ impl DrainBy {
     }
 }
 
-/// Chaos during the rolling update (the scenario matrix's extra rows). Each happens
-/// once, when the rollout's second old pod becomes terminating (`KillKproxy`: when node
-/// 1's last old pod does), so a pod is serving-terminating while it happens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
+/// Chaos during the rolling update (`lab rollout --chaos`, and one row of the matrix
+/// each: `matrix::Setting::Chaos`). Each happens once, at its [`ChaosMoment`], so a pod
+/// is serving-terminating while it happens. A variant's one name (command line, cell
+/// id, JSON) is clap's kebab-case of it (`ValueEnum`); `Display` and `Serialize` write
+/// that name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Chaos {
     /// Every node's kproxy stopped (SIGTERM) and started again: the new processes must
     /// pick up where the old ones left.
-    #[value(name = "kproxy-restart")]
-    #[serde(rename = "kproxy-restart")]
-    RestartKproxy,
+    KproxyRestart,
     /// Node 1's whole nftables ruleset flushed (`nft flush ruleset`, another process than
     /// kproxy): kproxy must restore its rules before traffic notices.
-    #[value(name = "nft-flush")]
-    #[serde(rename = "nft-flush")]
-    FlushRuleset,
+    NftFlush,
     /// Node 1's kproxy SIGKILLed (no shutdown path runs) and started again.
-    #[value(name = "kproxy-kill")]
-    #[serde(rename = "kproxy-kill")]
-    KillKproxy,
-    /// The API server (k8s-lab) killed for [`API_OUTAGE_S`], then started again with the
-    /// same command line, once the terminating pod's EndpointSlice change is out (a
-    /// change the API never published no proxy can act on): the rollout pauses, nodes
-    /// keep their rules. kube-controller-manager goes down and comes back with it, as a
-    /// production kcm (leader election on) does in an outage longer than its lease's
-    /// renew deadline.
+    KproxyKill,
+    /// The API server (k8s-lab) killed for 30 s nominal (`API_OUTAGE_S`), then started
+    /// again with the same command line, once the terminating pod's EndpointSlice change
+    /// is out (a change the API never published no proxy can act on): the rollout
+    /// pauses, nodes keep their rules. kube-controller-manager goes down and comes back
+    /// with it, as a production kcm (leader election on) does in an outage longer than
+    /// its lease's renew deadline.
     ApiOutage,
     /// Every connection of node 1's kproxy to the API server reset (its API bridge):
     /// its watches must resume without losing a change.
     WatchCut,
 }
 
+crate::scenario::named_by_value_enum!(Chaos);
+
 /// Nominal seconds the API server stays down in [`Chaos::ApiOutage`] before it is
 /// started again (its own start then adds real seconds: the timeline shows when it
 /// answered again).
 pub const API_OUTAGE_S: f64 = 30.0;
 
+/// When during the rollout a chaos happens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChaosMoment {
+    /// The rollout's second old pod becomes terminating.
+    SecondOldPodTerminating,
+    /// Node 1's last old pod becomes terminating.
+    Node1LastOldPodTerminating,
+}
+
 impl Chaos {
     /// Only the real control plane has an API server to kill or connections to cut.
     pub fn needs_real_api(self) -> bool {
-        matches!(self, Chaos::ApiOutage | Chaos::WatchCut)
+        match self {
+            Chaos::KproxyRestart | Chaos::NftFlush | Chaos::KproxyKill => false,
+            Chaos::ApiOutage | Chaos::WatchCut => true,
+        }
+    }
+
+    /// When it happens.
+    pub fn moment(self) -> ChaosMoment {
+        match self {
+            Chaos::KproxyRestart | Chaos::NftFlush | Chaos::ApiOutage | Chaos::WatchCut => {
+                ChaosMoment::SecondOldPodTerminating
+            }
+            // Node 1's kproxy dies while node 1 still has a pod going away.
+            Chaos::KproxyKill => ChaosMoment::Node1LastOldPodTerminating,
+        }
     }
 }
 
@@ -163,17 +183,6 @@ impl RunOptions {
     /// health-check node port), else Cluster.
     pub fn etp_local(&self) -> bool {
         self.drain.is_none() && !self.etp_cluster
-    }
-}
-
-/// The chaos's name in the matrix and on the command line.
-pub fn chaos_str(chaos: Chaos) -> &'static str {
-    match chaos {
-        Chaos::RestartKproxy => "kproxy-restart",
-        Chaos::FlushRuleset => "nft-flush",
-        Chaos::KillKproxy => "kproxy-kill",
-        Chaos::ApiOutage => "api-outage",
-        Chaos::WatchCut => "watch-cut",
     }
 }
 

@@ -206,7 +206,7 @@ pub fn matrix_table(cells: &[CellResult]) -> String {
             s,
             "<tr class=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} / {} / {}×{} / {}</td><td>{:.0} / {:.0} / {:.0}</td><td class=\"num\">{}</td><td class=\"num {}\"><a href=\"#run-{i}\">{}</a></td><td class=\"num\">{}</td><td>{}</td><td>{}</td><td class=\"cause\">{}</td></tr>",
             verdict_class(c),
-            esc(c.cell.setting.as_str()),
+            esc(&c.cell.setting.to_string()),
             esc(crate::scenario::matrix::profile_str(c.cell.profile)),
             esc(crate::scenario::matrix::preset_str(c.cell.preset)),
             esc(c.cell.behaviour.as_str()),

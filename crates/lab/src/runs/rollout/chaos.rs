@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::LabError;
 use crate::runs::{Progress, blocking};
-use crate::scenario::run::{API_OUTAGE_S, Chaos, chaos_str};
+use crate::scenario::run::{API_OUTAGE_S, Chaos};
 use crate::world::fabric::Fabric;
 use crate::world::k8s::RealControlPlane;
 use crate::world::k8s::deployment::get_deployment;
@@ -26,7 +26,7 @@ pub(super) async fn disturb(
 ) -> Result<(), LabError> {
     let node1 = fabric.nodes.first().map(|n| n.name.clone());
     match chaos {
-        Chaos::FlushRuleset => {
+        Chaos::NftFlush => {
             if let Some(node) = fabric.nodes.first() {
                 blocking(|| node.ns.exec("nft", &["flush", "ruleset"]))?;
                 rec.record(
@@ -38,7 +38,7 @@ pub(super) async fn disturb(
                 progress(&format!("{tag} flushed {}'s nftables ruleset", node.name));
             }
         }
-        Chaos::RestartKproxy => {
+        Chaos::KproxyRestart => {
             for d in daemons.iter_mut() {
                 blocking(|| d.restart())?;
                 rec.record(
@@ -50,7 +50,7 @@ pub(super) async fn disturb(
             }
             progress(&format!("{tag} restarted kproxy on every node"));
         }
-        Chaos::KillKproxy => {
+        Chaos::KproxyKill => {
             if let Some(d) = daemons.first_mut() {
                 blocking(|| d.kill_and_start())?;
                 rec.record(
@@ -67,10 +67,7 @@ pub(super) async fn disturb(
         }
         Chaos::ApiOutage | Chaos::WatchCut => {
             let real = real.ok_or_else(|| {
-                LabError::Invalid(format!(
-                    "{} needs --control-plane k8s-lab",
-                    chaos_str(chaos)
-                ))
+                LabError::Invalid(format!("{chaos} needs --control-plane k8s-lab"))
             })?;
             if chaos == Chaos::WatchCut {
                 let n = real.cut_api_connections(0);

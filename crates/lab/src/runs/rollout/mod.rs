@@ -13,7 +13,7 @@ use crate::report::kernel::NodeCounts;
 use crate::runs::{Progress, Workdir, blocking, check_daemons, finish, on_lab_runtime, wait_for};
 use crate::scenario::balancer::HealthCheck;
 use crate::scenario::rollout::RolloutConfig;
-use crate::scenario::run::{Behaviour, Chaos, ControlPlaneKind, RunOptions};
+use crate::scenario::run::{Behaviour, Chaos, ChaosMoment, ControlPlaneKind, RunOptions};
 use crate::scenario::service::{
     HEALTH_CHECK_NODE_PORT, NODE_PORT, PROXY_HEALTHZ_PORT, SERVICE_PORT, VIP,
 };
@@ -580,8 +580,7 @@ impl Phase<'_> {
         Ok((start_ms, end_ms))
     }
 
-    /// Waits for the moment `chaos` happens: the rollout's second old pod terminating,
-    /// or for [`Chaos::KillKproxy`] node 1's last old pod.
+    /// Waits for the moment `chaos` happens ([`Chaos::moment`]).
     async fn wait_for_chaos(
         &self,
         chaos: Chaos,
@@ -591,38 +590,42 @@ impl Phase<'_> {
         limit: Duration,
     ) -> Result<(), LabError> {
         let rec = self.rec;
-        if chaos == Chaos::KillKproxy {
-            // Node 1's last old pod: every pod of revision 1 there is deleting.
-            let node1_last_old_terminating = || {
-                let old: Vec<_> = cluster
-                    .pods()
-                    .into_iter()
-                    .filter(|p| p.node_index == 0 && p.revision == 1)
-                    .collect();
-                !old.is_empty() && old.iter().all(|p| p.is_deleting())
-            };
-            return wait_for(
-                "node 1's last old pod to become terminating",
-                limit,
-                daemons,
-                || node1_last_old_terminating() || rollout.is_finished(),
-            )
-            .await;
+        match chaos.moment() {
+            ChaosMoment::Node1LastOldPodTerminating => {
+                // Node 1's last old pod: every pod of revision 1 there is deleting.
+                let node1_last_old_terminating = || {
+                    let old: Vec<_> = cluster
+                        .pods()
+                        .into_iter()
+                        .filter(|p| p.node_index == 0 && p.revision == 1)
+                        .collect();
+                    !old.is_empty() && old.iter().all(|p| p.is_deleting())
+                };
+                wait_for(
+                    "node 1's last old pod to become terminating",
+                    limit,
+                    daemons,
+                    || node1_last_old_terminating() || rollout.is_finished(),
+                )
+                .await
+            }
+            ChaosMoment::SecondOldPodTerminating => {
+                let step = 2.min(self.cfg.deployment.replicas as usize);
+                let terminating = || {
+                    rec.events()
+                        .iter()
+                        .filter(|e| e.kind == EventKind::PodTerminating)
+                        .count()
+                };
+                wait_for(
+                    "an old pod of the rollout's second step to become terminating",
+                    limit,
+                    daemons,
+                    || terminating() >= step || rollout.is_finished(),
+                )
+                .await
+            }
         }
-        let step = 2.min(self.cfg.deployment.replicas as usize);
-        let terminating = || {
-            rec.events()
-                .iter()
-                .filter(|e| e.kind == EventKind::PodTerminating)
-                .count()
-        };
-        wait_for(
-            "an old pod of the rollout's second step to become terminating",
-            limit,
-            daemons,
-            || terminating() >= step || rollout.is_finished(),
-        )
-        .await
     }
 }
 
