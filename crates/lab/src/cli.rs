@@ -46,6 +46,11 @@ pub enum LabCommand {
 pub struct RestartArgs {
     #[command(flatten)]
     pub run: HeldRunArgs,
+    /// The upgrade phase runs this build (e.g. this release, with `--kproxy` an older
+    /// one whose tables are laid out differently) instead of a copy of `--kproxy`, and a
+    /// rollback phase then runs `--kproxy` again.
+    #[arg(long, value_name = "PATH")]
+    pub upgrade_to: Option<PathBuf>,
 }
 
 /// What `lab restart` and `lab takeover` share: a cluster of one pod per node under
@@ -480,6 +485,7 @@ fn restart(a: &RestartArgs) -> anyhow::Result<ExitCode> {
     let report = restart::run(
         &cfg,
         &kproxy,
+        a.upgrade_to.as_deref(),
         std::time::Duration::from_secs_f64(a.run.hold_seconds),
         &progress,
     )?;

@@ -6,7 +6,8 @@
 //! holding keep-alive ones. Then, one after another, node 1's kproxy is
 //! (a) stopped with SIGTERM and started again, (b) killed with SIGKILL and started
 //! again, (c) replaced by a different build (a copy of the binary at another path, as a
-//! DaemonSet update does). Each phase lasts from the disturbance until the new process
+//! DaemonSet update does; or, with `--upgrade-to`, another release, and then (d) rolled
+//! back to the first binary). Each phase lasts from the disturbance until the new process
 //! has synced, then `hold` more. Every request is counted in the phase it started in.
 //!
 //! The counting and the table are `report::held`'s; the cluster, the loads and the
@@ -29,24 +30,27 @@ use crate::world::kproxyd::{self, Kproxyd};
 pub fn run(
     cfg: &RolloutConfig,
     kproxy: &Path,
+    upgrade_to: Option<&Path>,
     hold: Duration,
     progress: Progress,
 ) -> Result<RestartReport, LabError> {
     cfg.validate()?;
-    on_lab_runtime(run_async(cfg, kproxy, hold, progress))
+    on_lab_runtime(run_async(cfg, kproxy, upgrade_to, hold, progress))
 }
 
 async fn run_async(
     cfg: &RolloutConfig,
     kproxy: &Path,
+    upgrade_to: Option<&Path>,
     hold: Duration,
     progress: Progress<'_>,
 ) -> Result<RestartReport, LabError> {
     let lab = HeldLab::build(cfg, Duration::from_secs(20))?;
-    // The "different build": the binary copied to another path.
+    // The "different build": `upgrade_to`, or the binary copied to another path.
     let next = lab.workdir.path.join("kproxy-next");
-    std::fs::copy(kproxy, &next).map_err(|e| LabError::Io {
-        what: format!("copy {} to {}", kproxy.display(), next.display()),
+    let from = upgrade_to.unwrap_or(kproxy);
+    std::fs::copy(from, &next).map_err(|e| LabError::Io {
+        what: format!("copy {} to {}", from.display(), next.display()),
         source: e,
     })?;
     progress(&format!(
@@ -90,9 +94,10 @@ async fn run_async(
 
     let loads = lab.start_loads(cfg).await?;
     let mut phases = Vec::new();
-    for dist in Disturbance::ALL {
+    let rollback = upgrade_to.map(|_| Disturbance::Rollback);
+    for dist in Disturbance::ALL.into_iter().chain(rollback) {
         let start_ms = lab.clock.now_ms();
-        let converged_ms = disturb(dist, &mut daemons, &next).await?;
+        let converged_ms = disturb(dist, &mut daemons, &next, kproxy).await?;
         tokio::time::sleep(hold).await;
         let (sent, failed) = loads.counts();
         progress(&format!(
@@ -123,12 +128,14 @@ async fn run_async(
     })
 }
 
-/// Does `dist` to node 1's kproxy (`next`: the other build) and waits for the new
-/// process's first sync; the time that took (ms), none for the baseline.
+/// Does `dist` to node 1's kproxy (`next`: the other build, `first`: the one every
+/// node started with) and waits for the new process's first sync; the time that took
+/// (ms), none for the baseline.
 async fn disturb(
     dist: Disturbance,
     daemons: &mut [Kproxyd],
     next: &Path,
+    first: &Path,
 ) -> Result<Option<f64>, LabError> {
     let wall = kproxyd::unix_ms(SystemTime::now());
     let d = &mut daemons[0];
@@ -137,6 +144,7 @@ async fn disturb(
         Disturbance::Sigterm => blocking(|| d.restart())?,
         Disturbance::Sigkill => blocking(|| d.kill_and_start())?,
         Disturbance::Upgrade => blocking(|| d.replace(next))?,
+        Disturbance::Rollback => blocking(|| d.replace(first))?,
     }
     let log = d.event_log.clone();
     let mut synced = None;

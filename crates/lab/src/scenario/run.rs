@@ -194,8 +194,12 @@ pub enum Disturbance {
     None,
     Sigterm,
     Sigkill,
-    /// SIGTERM, then a different binary (another path) with the same arguments.
+    /// SIGTERM, then a different binary (another path, or `--upgrade-to`'s build) with
+    /// the same arguments.
     Upgrade,
+    /// After an upgrade to `--upgrade-to`'s build: SIGTERM, then the first binary again
+    /// (a rollback across versions).
+    Rollback,
 }
 
 impl Disturbance {
@@ -212,6 +216,7 @@ impl Disturbance {
             Disturbance::Sigterm => "sigterm",
             Disturbance::Sigkill => "sigkill",
             Disturbance::Upgrade => "upgrade",
+            Disturbance::Rollback => "rollback",
         }
     }
 }

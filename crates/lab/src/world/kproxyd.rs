@@ -38,6 +38,14 @@ pub const PRE_126_FLAGS: [&str; 8] = [
     "--endpoint-warmup=0s",
 ];
 
+/// Whether `kproxy run --help` lists `flag` (a release older than this one may not).
+fn knows_flag(kproxy: &Path, flag: &str) -> bool {
+    Command::new(kproxy)
+        .args(["run", "--help"])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(flag))
+}
+
 pub struct Kproxyd {
     pub node: String,
     pub event_log: PathBuf,
@@ -107,15 +115,17 @@ impl Kproxyd {
             "10s",
             "--cluster-cidr",
             "10.244.0.0/16",
-            // The rollout report sets the kernel's counts beside the load generator's
-            // (report::kernel); the lab's few Services cost nothing to count.
-            "--traffic-metrics",
-            "service",
             "--event-log",
         ] {
             argv.push(a.into());
         }
         argv.push(event_log.clone().into());
+        // The rollout report sets the kernel's counts beside the load generator's
+        // (report::kernel); the lab's few Services cost nothing to count. An older
+        // release (`lab restart --kproxy OLD --upgrade-to NEW`) has no such flag.
+        if knows_flag(kproxy, "--traffic-metrics") {
+            argv.extend(["--traffic-metrics".into(), "service".into()]);
+        }
         if !proxy_terminating_endpoints {
             argv.extend(PRE_126_FLAGS.iter().map(Into::into));
         }
