@@ -142,9 +142,10 @@ impl Node {
             .count()
     }
 
-    /// Polls `f` for up to 25 s (a counter reading for `/metrics` is every 10 s).
+    /// Polls `f` for up to 90 s (a counter reading for `/metrics` is every 10 s; a
+    /// loaded CI machine once took longer than 25 s for one of these).
     fn wait(&self, what: &str, f: impl Fn() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(25);
+        let deadline = Instant::now() + Duration::from_secs(90);
         while !f() {
             assert!(
                 Instant::now() < deadline,
