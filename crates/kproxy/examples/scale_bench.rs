@@ -360,13 +360,6 @@ fn events(path: &Path, from: usize) -> Vec<serde_json::Value> {
         .collect()
 }
 
-fn event_lines(path: &Path) -> usize {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .count()
-}
-
 /// Waits for an event after line `from` that `done` accepts; its `committed_unix_us`
 /// (or the time it was seen), and the line count after it.
 fn wait_event(
