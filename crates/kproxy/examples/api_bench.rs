@@ -77,7 +77,7 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use support::{Netns, Proc, ip4, kproxy_binary, sh};
+use support::{Netns, Proc, ip4, kproxy_binary, sh, status_kib, unix_us};
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -216,15 +216,6 @@ fn populate(kubeconfig: &Path, services: usize, eps: usize) {
             e1 + e2
         );
     });
-}
-
-fn status_kib(pid: u32, field: &str) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 fn api_port(kubeconfig: &Path) -> u16 {
@@ -599,13 +590,6 @@ fn first_commit(
         .copied()
         .filter(|c| c.0 >= t)
         .min_by_key(|c| c.0)
-}
-
-/// Microseconds since the epoch.
-fn unix_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// Each write's way as the bench sees it: for the first `synced` event in kproxy's event

@@ -28,7 +28,7 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use support::{Netns, Proc, ip4, kproxy_binary};
+use support::{Netns, Proc, ip4, kproxy_binary, status_kib};
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -112,15 +112,6 @@ endpoints:
   nodeName: node-0
   conditions: {ready: true}
 "#;
-
-fn status_kib(pid: u32, field: &str) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 fn wait_for_sync(events: &Path, daemon: &mut Proc, limit: Duration) -> Duration {
     let t = Instant::now();

@@ -1,6 +1,6 @@
 //! What the benches share: finding the kproxy binary built beside them, numbering
 //! addresses, their network namespaces and child processes (removed and killed on
-//! drop), and running a set-up command.
+//! drop), running a set-up command, and reading the clock, the load and /proc.
 
 // Each bench uses its own subset of these helpers.
 #![allow(dead_code)]
@@ -100,4 +100,39 @@ impl Drop for Proc {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Microseconds since the epoch (the event log's `committed_unix_us` clock).
+pub fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// The machine's load averages over 1, 5 and 15 minutes (what `uptime` prints), to
+/// stand beside every figure.
+pub fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A `Name: N kB` field of a /proc file (`VmHWM:` of /proc/PID/status, `SUnreclaim:` of
+/// /proc/meminfo), in KiB; 0 when absent.
+pub fn proc_kib(path: &str, field: &str) -> u64 {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A field of /proc/PID/status in KiB (`VmHWM:`, the peak RSS).
+pub fn status_kib(pid: u32, field: &str) -> u64 {
+    proc_kib(&format!("/proc/{pid}/status"), field)
 }
