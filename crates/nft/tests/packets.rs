@@ -860,10 +860,9 @@ fn cleanup_with_another_proxy_in_place_refuses_nothing() {
             let _ = std::fs::remove_file(&self.0);
         }
     }
-    let pad = Removed(std::env::temp_dir().join(format!(
-        "kproxy-test-padding-{}.nft",
-        std::process::id()
-    )));
+    let pad = Removed(
+        std::env::temp_dir().join(format!("kproxy-test-padding-{}.nft", std::process::id())),
+    );
     let text: String = (0..4000)
         .map(|i| {
             format!(
@@ -910,9 +909,8 @@ fn cleanup_with_another_proxy_in_place_refuses_nothing() {
         open.store(true, Ordering::SeqCst);
         // Long enough for a few probes through kproxy's chains before the cleanup.
         std::thread::sleep(std::time::Duration::from_millis(50));
-        f.node.run(|| {
-            kproxy_nft::cleanup(&kproxy_nft::DataplaneConfig::default()).expect("cleanup")
-        });
+        f.node
+            .run(|| kproxy_nft::cleanup(&kproxy_nft::DataplaneConfig::default()).expect("cleanup"));
         open.store(false, Ordering::SeqCst);
         while busy.load(Ordering::SeqCst) {
             std::thread::yield_now();
