@@ -77,7 +77,7 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use support::{Netns, Proc, ip4, kproxy_binary, sh, status_kib, unix_us};
+use support::{Netns, Proc, cpu_ticks, ip4, kproxy_binary, sh, status_kib, unix_us};
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -497,18 +497,6 @@ fn measure(
         },
         daemon,
     )
-}
-
-/// utime + stime of `pid`, in clock ticks.
-fn cpu_ticks(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the parenthesised command name; utime and stime are 14 and 15.
-    let rest = s.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .map(|x| x.parse().unwrap_or(0))
-        .collect();
-    f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)
 }
 
 /// Quantile `q` of a Prometheus histogram (`le` bounds and cumulative counts): the

@@ -28,7 +28,7 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use support::{Netns, Proc, ip4, kproxy_binary, status_kib};
+use support::{Netns, Proc, cpu_ticks, ip4, kproxy_binary, status_kib};
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -306,17 +306,6 @@ fn scrape(ns: &str, pid: u32, services: usize, eps: usize) {
         times.last().map_or(0, |t| t.as_millis()),
         body.len() as f64 / 1e6,
     );
-}
-
-/// utime + stime of `pid` in clock ticks (`/proc/PID/stat` fields 14 and 15).
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The command name (field 2) may hold spaces: count from the `)` that ends it.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // After `)`: field 3 is f[0], so fields 14 and 15 are f[11] and f[12].
-    let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    n(11) + n(12)
 }
 
 fn main() {

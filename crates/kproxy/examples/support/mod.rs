@@ -136,3 +136,16 @@ pub fn proc_kib(path: &str, field: &str) -> u64 {
 pub fn status_kib(pid: u32, field: &str) -> u64 {
     proc_kib(&format!("/proc/{pid}/status"), field)
 }
+
+/// utime + stime of `pid` in clock ticks (`/proc/PID/stat` fields 14 and 15; USER_HZ is
+/// 100 on every Linux the benches run on); 0 when unreadable.
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name (field 2) may hold spaces: count from the `)` that ends it.
+    let rest = s.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)
+}

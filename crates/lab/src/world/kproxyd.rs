@@ -196,6 +196,12 @@ impl Kproxyd {
         self.stop();
         // argv: netns exec NS KPROXY run ...
         self.argv[3] = kproxy.into();
+        // A rollback to an older release: the flag it does not know goes, with its value.
+        if !knows_flag(kproxy, "--traffic-metrics")
+            && let Some(i) = self.argv.iter().position(|a| a == "--traffic-metrics")
+        {
+            self.argv.drain(i..(i + 2).min(self.argv.len()));
+        }
         self.spawn(true)
     }
 
@@ -283,7 +289,7 @@ impl Kproxyd {
             .iter()
             .enumerate()
             {
-                sum[i] += p[k].as_u64().unwrap_or(0);
+                sum[i] = sum[i].saturating_add(p[k].as_u64().unwrap_or(0));
             }
         }
         Ok(sum)
