@@ -7,7 +7,9 @@
 #
 # Env: K8S_LAB (required), NODES_BIN (default $K8S_LAB/bin-nodes), IMAGES (default
 #      $K8S_LAB/images), KPROXY_BIN (default <repo>/target/release/kproxy),
-#      KPROXY_TAG (default kproxy:0.1.0, deploy/daemonset.yaml's image).
+#      KPROXY_TAG (default kproxy:0.1.0, deploy/daemonset.yaml's image),
+#      KPROXY_OUT (default $IMAGES/kproxy.tar), KPROXY_ONLY=1 (only kproxy's image: another
+#      build's, e.g. an older release for the upgrade in upgrade.sh).
 set -euo pipefail
 : "${K8S_LAB:?set K8S_LAB (source the k8s-lab env.sh)}"
 HERE=$(cd "$(dirname "$0")" && pwd) REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -34,6 +36,7 @@ NSS=(/lib/x86_64-linux-gnu/libnss_files.so.2 /lib/x86_64-linux-gnu/libnss_dns.so
 nss_copies() { local l; for l in "${NSS[@]}"; do [ -e "$l" ] && printf -- '--copy\0%s:usr%s\0' "$(readlink -f "$l")" "$l"; done; }
 mapfile -d '' NSSC < <(nss_copies)
 
+if [ -z "${KPROXY_ONLY:-}" ]; then
 mk --tag "$PAUSE" --out "$IMAGES/pause.tar" --copy "$BIN/pause:/pause" --entrypoint '["/pause"]'
 
 # agnhost's Dockerfile: alpine + bind-tools curl netcat-openbsd iproute2 bash util-linux,
@@ -71,16 +74,17 @@ mk --tag "$IPTABLES" --out "$IMAGES/distroless-iptables.tar" "${ipt[@]}" "${ETC[
 BOOM=$(e2e_ref RegressionIssue74839)
 mk --tag "$BOOM" --out "$IMAGES/regression-issue-74839.tar" \
    --copy "$BIN/regression-issue-74839:/regression-issue-74839" --entrypoint '["/regression-issue-74839"]'
+fi
 
 # kproxy: deploy/Dockerfile's runtime stage (nftables, conntrack, ca-certificates, the binary
 # at /usr/local/bin/kproxy) from this machine's Debian (bookworm, the Dockerfile's base too).
 [ -x "$KPROXY_BIN" ] || { echo "images.sh: no kproxy binary at $KPROXY_BIN (cargo build --release -p kproxy)" >&2; exit 1; }
-stripped=$IMAGES/kproxy.stripped
+stripped=$IMAGES/kproxy.stripped.$$
 objcopy --strip-debug "$KPROXY_BIN" "$stripped"
-mk --tag "$KPROXY_TAG" --out "$IMAGES/kproxy.tar" --bin "$(type -P nft)" --bin "$(type -P conntrack)" \
+mk --tag "$KPROXY_TAG" --out "${KPROXY_OUT:-$IMAGES/kproxy.tar}" --bin "$(type -P nft)" --bin "$(type -P conntrack)" \
    --bin "$(type -P sh)" "${ETC[@]}" "${NSSC[@]}" \
    --copy /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt \
    --bin "$stripped:/usr/local/bin/kproxy" \
    --entrypoint '["/usr/local/bin/kproxy"]' --cmd '["run", "--config", "/var/lib/kproxy/config.yaml"]'
 rm -f "$stripped"
-echo "images: $PAUSE $AGNHOST $BUSYBOX $IPTABLES $BOOM $KPROXY_TAG in $IMAGES"
+echo "images: ${KPROXY_ONLY:+(kproxy only) }$PAUSE $AGNHOST $BUSYBOX ${IPTABLES:-} ${BOOM:-} $KPROXY_TAG in $IMAGES"

@@ -6,6 +6,10 @@
 #                            + the cloud (load balancers for type=LoadBalancer; CLOUD=0: none)
 #   nodes.sh proxy MODE      switch the Service proxy on every node: kube-proxy | kproxy | none
 #   nodes.sh status          nodes, pods in kube-system, processes
+#   nodes.sh node-stop I     node I's machine goes away: kubelet, containers, containerd and
+#                            the node's proxy killed, its switch port down (nothing answers)
+#   nodes.sh node-start I    node I's machine back: port up, containerd, kubelet (and
+#                            kube-proxy in that mode) started again; waits until Ready
 #   nodes.sh down            stop and clean everything `up` started (also after a failed `up`)
 #
 # Each node is its own network namespace (kpn-nI, and a UTS namespace: hostname kpn-nI) holding a containerd (+ runc through a
@@ -282,6 +286,42 @@ node_up() { # I
     --node-ip "$(node_ip "$i")" --v=1
 }
 
+# A machine that powers off: nothing of the node runs and nothing answers at its address
+# (its switch port is down, so probes and packets to it time out, as to a gone VM). The
+# node's network namespace, its rules and its pods' state on disk stay, as a disk does.
+node_stop() { # I
+  local i=$1
+  [ -d "$STATE/n$i" ] || die "node-stop: no node $i"
+  ip -n kpn-sw link set "n$i" down
+  stop_pid "$i" kube-proxy
+  stop_pid "$i" kubelet
+  cg_kill "kpn-n$i"
+  cg_kill "kpn-n$i-host"
+  # A killed containerd leaves its sockets: node-start must wait for the new ones.
+  rm -f "$STATE/n$i"/*.pid "$STATE/n$i"/containerd*.sock*
+  log "node-stop: kpn-n$i off"
+}
+node_start() { # I
+  local i=$1
+  [ -d "$STATE/n$i" ] || die "node-start: no node $i"
+  ip -n kpn-sw link set "n$i" up
+  node_up "$i"
+  wait_for 120 "node kpn-n$i Ready" sh -c "kubectl get node kpn-n$i -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
+  k patch node "kpn-n$i" --type merge -p "{\"spec\":{\"podCIDR\":\"$(pod_cidr "$i")\",\"podCIDRs\":[\"$(pod_cidr "$i")\"]}}" >/dev/null 2>&1 || true
+  if [ "$(proxy_mode)" = kube-proxy ]; then
+    kube_proxy_up "$i"
+    wait_for 60 "kube-proxy healthz on n$i" ip netns exec "kpn-n$i" curl -sf "http://$(node_ip "$i"):10256/healthz"
+  fi
+  log "node-start: kpn-n$i Ready"
+}
+
+kube_proxy_up() { # I
+  launch "$1" kube-proxy "$K8S_LAB/bin/kube-proxy" --kubeconfig "$K8S_LAB/kubeconfig-proxy" \
+    --proxy-mode=nftables --hostname-override="kpn-n$1" --cluster-cidr="$CLUSTER_CIDR" \
+    --nodeport-addresses=primary --healthz-bind-address=0.0.0.0:10256 \
+    --metrics-bind-address=127.0.0.1:10249 --conntrack-max-per-core=0 --v=1
+}
+
 proxy_mode() { cat "$STATE/proxy" 2>/dev/null || echo none; }
 proxy_off() {
   local i mode
@@ -306,12 +346,7 @@ proxy_up() { # MODE
   case $1 in
     none) ;;
     kube-proxy)
-      for i in $(nodes_started); do
-        launch "$i" kube-proxy "$K8S_LAB/bin/kube-proxy" --kubeconfig "$K8S_LAB/kubeconfig-proxy" \
-          --proxy-mode=nftables --hostname-override="kpn-n$i" --cluster-cidr="$CLUSTER_CIDR" \
-          --nodeport-addresses=primary --healthz-bind-address=0.0.0.0:10256 \
-          --metrics-bind-address=127.0.0.1:10249 --conntrack-max-per-core=0 --v=1
-      done
+      for i in $(nodes_started); do kube_proxy_up "$i"; done
       for i in $(nodes_started); do
         wait_for 60 "kube-proxy healthz on n$i" ip netns exec "kpn-n$i" curl -sf "http://$(node_ip "$i"):10256/healthz"
       done ;;
@@ -420,5 +455,7 @@ case ${1:-} in
   down) down ;;
   proxy) shift; [ -d "$STATE" ] || die "no nodes: $0 up first"; proxy_up "${1:?kube-proxy|kproxy|none}" ;;
   status) status ;;
-  *) sed -n '2,9p' "$0" >&2; exit 2 ;;
+  node-stop) shift; node_stop "${1:?node number}" ;;
+  node-start) shift; node_start "${1:?node number}" ;;
+  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
 esac

@@ -4,6 +4,7 @@ controllers and kubelets while an emulated load balancer sends traffic to every 
 NodePort, choosing nodes by their health-check node port; every failed request counted.
 
   rollout.py [--cell default|short-prestop] [--runs N] [--delay-shutdown S] [--timeline]
+             [--disruption rollout|drain|shutdown] [--etp Local|Cluster]
              [--json FILE]          (after nodes.sh up && nodes.sh proxy kproxy|kube-proxy)
 
 The cluster side is real: namespace kpn-rollout, a `type: LoadBalancer` Service `web`
@@ -30,6 +31,29 @@ node, as a DNAT load balancer's connection table keeps a flow. The client addres
 (no SNAT). Outcomes are classified as crates/lab/src/loadgen.rs does: ok, refused, reset,
 timeout, closed (the connection ended before a complete answer), unreachable, http_5xx,
 http_error.
+
+Other disruptions of the same Deployment under the same load (`--disruption`; the last
+node, kpn-nN, is the one that goes; pods then spread by a preferred anti-affinity, so
+the evicted pods can land on the nodes that stay):
+
+- `drain`: `kubectl drain` of the node (cordon, every pod but DaemonSets' evicted), then
+  its removal as an operator or a cloud's node pool does it: the Node object deleted,
+  and REMOVAL_DELAY_S later the machine off (`nodes.sh node-stop`). Afterwards the
+  machine comes back and registers again (`nodes.sh node-start`), outside the count.
+- `shutdown`: a graceful node shutdown (KEP-2000) as a v1.37 kubelet runs it: the Node's
+  condition `GracefulNodeShutdownInProgress` set True (KEP-5683; the v1.36 kubelet here
+  has no systemd inhibitor to start a graceful shutdown, so the script does the kubelet's
+  part), the node's workload pods deleted with their grace period (what the kubelet's
+  shutdown manager does to non-critical pods; the kubelet still runs them down), after
+  SHUTDOWN_GRACE_S - SHUTDOWN_CRITICAL_S the kubelet stopped and the node's Service proxy
+  sent SIGTERM (kproxy's container, or the kube-proxy process: critical pods last), and
+  SHUTDOWN_GRACE_S after the start the machine off. Then it comes back as above, condition cleared.
+
+`--etp Cluster` makes the Service `externalTrafficPolicy: Cluster`; the load balancer then
+health-checks the proxy's own `/healthz` on port 10256, as GCP's and AWS's do for
+Cluster Services (`Local`: the health-check node port). A keep-alive connection that a
+node's going away breaks is counted apart from failed new connections (`new_failed`,
+`keep_alive_failed`).
 
 agnhost netexec exits at SIGTERM (the lab's `exit-on-term` profile); with
 `--delay-shutdown S` it fails `/readyz` at SIGTERM and keeps serving S seconds
@@ -61,6 +85,13 @@ READINESS = {"initialDelaySeconds": 20, "periodSeconds": 10, "timeoutSeconds": 1
 GKE = {"interval": 3.0, "timeout": 1.0, "healthy": 1, "unhealthy": 2}
 RATE, KEEPALIVE, KEEPALIVE_RATE, REQUEST_TIMEOUT = 100.0, 4, 20.0, 2.0
 WARMUP_S, SETTLE_S = 3.0, 8.0
+PROXY_HEALTHZ_PORT = 10256
+# drain: the Node deleted, the machine off this much later (a cloud's instance deletion
+# after the API call; the autoscaler's own wait is longer).
+REMOVAL_DELAY_S = 10.0
+# shutdown: the kubelet's shutdownGracePeriod and shutdownGracePeriodCriticalPods.
+SHUTDOWN_GRACE_S, SHUTDOWN_CRITICAL_S = 30.0, 10.0
+DISRUPTIONS = ("rollout", "drain", "shutdown")
 REQUEST = b"GET /hostname HTTP/1.1\r\nHost: web.lab\r\nUser-Agent: kproxy-real-nodes\r\n"
 
 
@@ -81,7 +112,7 @@ def agnhost_image(lab):
         return json.load(t.extractfile("manifest.json"))[0]["RepoTags"][0]
 
 
-def manifests(image, replicas, pre_stop, delay_shutdown):
+def manifests(image, replicas, pre_stop, delay_shutdown, etp="Local", spread="required"):
     # netexec's /readyz and /healthz answer 200 only once its UDP server (8081) runs.
     args = ["netexec", f"--http-port={HTTP_PORT}"]
     if delay_shutdown:
@@ -90,7 +121,7 @@ def manifests(image, replicas, pre_stop, delay_shutdown):
     return {"apiVersion": "v1", "kind": "List", "items": [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": APP, "namespace": NS},
-         "spec": {"type": "LoadBalancer", "externalTrafficPolicy": "Local", "selector": labels,
+         "spec": {"type": "LoadBalancer", "externalTrafficPolicy": etp, "selector": labels,
                   "ports": [{"name": "http", "port": 80, "targetPort": HTTP_PORT}]}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": APP, "namespace": NS},
          "spec": {
@@ -99,9 +130,7 @@ def manifests(image, replicas, pre_stop, delay_shutdown):
                           "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
              "template": {"metadata": {"labels": labels}, "spec": {
                  "terminationGracePeriodSeconds": GRACE_S,
-                 "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                     {"labelSelector": {"matchLabels": labels},
-                      "topologyKey": "kubernetes.io/hostname"}]}},
+                 "affinity": {"podAntiAffinity": anti_affinity(spread, labels)},
                  "containers": [{
                      "name": "netexec", "image": image, "args": args,
                      "ports": [{"containerPort": HTTP_PORT}],
@@ -110,6 +139,13 @@ def manifests(image, replicas, pre_stop, delay_shutdown):
                      "lifecycle": {"preStop": {"sleep": {"seconds": int(pre_stop)}}},
                  }]}}}},
     ]}
+
+
+def anti_affinity(spread, labels):
+    term = {"labelSelector": {"matchLabels": labels}, "topologyKey": "kubernetes.io/hostname"}
+    if spread == "required":
+        return {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+    return {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]}
 
 
 class Clock:
@@ -395,7 +431,117 @@ def wait(what, cond, timeout):
         time.sleep(0.2)
 
 
-def one_run(api, nodes, node_port, hc_port, show_timeline):
+def nodes_script(*args):
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([os.path.join(here, "nodes.sh"), *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"rollout.py: nodes.sh {' '.join(args)}: {r.stderr.strip()[-2000:]}")
+
+
+def set_condition(api_node, status, timeline):
+    """The Node's GracefulNodeShutdownInProgress condition, as a v1.37 kubelet writes it."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    cond = {"type": "GracefulNodeShutdownInProgress", "status": status, "reason": "KpnShutdown",
+            "message": "rollout.py: the kubelet's graceful node shutdown",
+            "lastHeartbeatTime": now, "lastTransitionTime": now}
+    kubectl("patch", "node", api_node, "--subresource=status", "--type=strategic",
+            "-p", json.dumps({"status": {"conditions": [cond]}}))
+    timeline.add("node", f"GracefulNodeShutdownInProgress={status}", api_node)
+
+
+def sigterm_proxy(proxy, node, lab):
+    """SIGTERM to the node's Service proxy: kproxy's container (through the node's
+    containerd) or the kube-proxy process nodes.sh started."""
+    state = os.path.join(lab, "nodes", "n" + node.removeprefix("kpn-n"))
+    if proxy == "kube-proxy":
+        with open(os.path.join(state, "kube-proxy.pid")) as f:
+            os.kill(int(f.read()), 15)
+        return
+    sock = os.path.join(state, "containerd.sock")
+    ids = subprocess.run(["ctr", "-a", sock, "-n", "k8s.io", "containers", "ls", "-q",
+                          'labels."io.kubernetes.container.name"==kproxy'],
+                         capture_output=True, text=True, check=True).stdout.split()
+    for cid in ids:
+        subprocess.run(["ctr", "-a", sock, "-n", "k8s.io", "tasks", "kill", "-s", "SIGTERM", cid],
+                       capture_output=True, text=True)
+
+
+def disrupt(kind, node, proxy, lab, timeline):
+    """The disruption itself (module doc); returns when the node is gone."""
+    if kind == "rollout":
+        timeline.add("rollout", "kubectl rollout restart")
+        kubectl("-n", NS, "rollout", "restart", f"deployment/{APP}")
+        kubectl("-n", NS, "rollout", "status", f"deployment/{APP}", "--timeout=600s")
+        timeline.add("rollout", "complete (rollout status)")
+        return
+    if kind == "drain":
+        timeline.add("node", "kubectl drain", node)
+        kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s")
+        timeline.add("node", "drained", node)
+        kubectl("-n", NS, "rollout", "status", f"deployment/{APP}", "--timeout=300s")
+        kubectl("delete", "node", node, "--wait=false")
+        timeline.add("node", "Node deleted", node)
+        time.sleep(REMOVAL_DELAY_S)
+    else:
+        t0 = time.monotonic()
+        set_condition(node, "True", timeline)
+        # A shutting-down kubelet admits no new pod (and reports NotReady, whose taint keeps
+        # the scheduler away): cordon stands in for both.
+        kubectl("cordon", node)
+        pods = kubectl("-n", NS, "get", "pods", "--field-selector", f"spec.nodeName={node}",
+                       "-o", "name").split()
+        for p in pods:
+            kubectl("-n", NS, "delete", p, "--wait=false")
+        timeline.add("node", f"workload pods deleted ({len(pods)})", node)
+        time.sleep(max(0.0, SHUTDOWN_GRACE_S - SHUTDOWN_CRITICAL_S - (time.monotonic() - t0)))
+        # The critical pods' turn. The kubelet is stopped first so that nothing restarts
+        # the proxy's container, as the kubelet's shutdown manager would not.
+        state = os.path.join(lab, "nodes", "n" + node.removeprefix("kpn-n"))
+        with open(os.path.join(state, "kubelet.pid")) as f:
+            os.kill(int(f.read()), 15)
+        timeline.add("node", "kubelet stopped", node)
+        sigterm_proxy(proxy, node, lab)
+        timeline.add("node", f"{proxy} SIGTERM", node)
+        time.sleep(max(0.0, SHUTDOWN_GRACE_S - (time.monotonic() - t0)))
+    nodes_script("node-stop", node.removeprefix("kpn-n"))
+    timeline.add("node", "machine off", node)
+
+
+def restore(kind, node, api, nodes_count):
+    """The node back (outside the count) and the Deployment spread over every node again."""
+    if kind == "rollout":
+        return
+    nodes_script("node-start", node.removeprefix("kpn-n"))
+    kubectl("uncordon", node)
+    if kind == "shutdown":
+        set_condition(node, "False", Timeline(Clock()))
+    wait(f"{node}'s Service proxy healthy", lambda: proxy_healthy(node), 180)
+    kubectl("-n", NS, "rollout", "restart", f"deployment/{APP}")
+    kubectl("-n", NS, "rollout", "status", f"deployment/{APP}", "--timeout=600s")
+    wait("one pod per node", lambda: pods_spread(api) == nodes_count, 120)
+
+
+def proxy_healthy(node):
+    ip = node_ip(node)
+    try:
+        with socket.create_connection((ip, PROXY_HEALTHZ_PORT), timeout=1) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")
+            return s.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+def node_ip(node):
+    return "192.168.226.1" + node.removeprefix("kpn-n")
+
+
+def pods_spread(api):
+    pods = api.get(f"/api/v1/namespaces/{NS}/pods")["items"]
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return len({p["spec"].get("nodeName") for p in live})
+
+
+def one_run(api, nodes, node_port, hc_port, show_timeline, kind="rollout", proxy="", lab=""):
     clock = Clock()
     timeline, stop = Timeline(clock), threading.Event()
     lb = LoadBalancer(nodes, hc_port, timeline, stop)
@@ -409,12 +555,11 @@ def one_run(api, nodes, node_port, hc_port, show_timeline):
     load_start = clock.now()
     time.sleep(WARMUP_S)
     rollout_start = clock.now()
-    timeline.add("rollout", "kubectl rollout restart")
-    kubectl("-n", NS, "rollout", "restart", f"deployment/{APP}")
-    kubectl("-n", NS, "rollout", "status", f"deployment/{APP}", "--timeout=600s")
+    gone = list(nodes)[-1]
+    disrupt(kind, gone, proxy, lab, timeline)
     rollout_end = clock.now()
-    timeline.add("rollout", "complete (rollout status)")
-    wait("the load balancer's pool full again", lb.all_healthy, 120)
+    if kind == "rollout":
+        wait("the load balancer's pool full again", lb.all_healthy, 120)
     time.sleep(SETTLE_S)
     records = load.finish()
     stop.set()
@@ -428,6 +573,8 @@ def one_run(api, nodes, node_port, hc_port, show_timeline):
     run = {
         "sent": len(records), "ok": len(records) - len(failed), "failed": len(failed),
         "failed_by_kind": by_kind,
+        "new_failed": sum(r["conn"] == "new" for r in failed),
+        "keep_alive_failed": sum(r["conn"] == "keep_alive" for r in failed),
         "new": sum(r["conn"] == "new" for r in records),
         "keep_alive": sum(r["conn"] == "keep_alive" for r in records),
         "failed_before_rollout": sum(r["start"] < rollout_start for r in failed),
@@ -450,6 +597,9 @@ def main():
     p.add_argument("--delay-shutdown", type=int, default=0,
                    help="netexec --delay-shutdown: fail /readyz at SIGTERM, serve S s more")
     p.add_argument("--timeline", action="store_true")
+    p.add_argument("--disruption", choices=DISRUPTIONS, default="rollout")
+    p.add_argument("--etp", choices=("Local", "Cluster"), default="Local",
+                   help="the Service's externalTrafficPolicy (Cluster: the LB checks port 10256)")
     p.add_argument("--json", help="write every run (records' summary, bursts, events) here")
     p.add_argument("--keep", action="store_true", help="leave namespace kpn-rollout behind")
     a = p.parse_args()
@@ -473,25 +623,32 @@ def main():
     # A fresh Deployment per invocation: its pods carry this cell's preStop from the start.
     kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=true", "--timeout=120s")
     kubectl("apply", "-f", "-", stdin=json.dumps(
-        manifests(agnhost_image(lab), len(nodes), pre_stop, a.delay_shutdown)))
+        manifests(agnhost_image(lab), len(nodes), pre_stop, a.delay_shutdown, a.etp,
+                  "required" if a.disruption == "rollout" else "preferred")))
     kubectl("-n", NS, "rollout", "status", f"deployment/{APP}", "--timeout=300s")
     svc = api.get(f"/api/v1/namespaces/{NS}/services/{APP}")["spec"]
-    node_port, hc_port = svc["ports"][0]["nodePort"], svc["healthCheckNodePort"]
+    node_port = svc["ports"][0]["nodePort"]
+    hc_port = svc["healthCheckNodePort"] if a.etp == "Local" else PROXY_HEALTHZ_PORT
+    if a.disruption != "rollout":
+        wait("one pod per node", lambda: pods_spread(api) == len(nodes), 120)
     runs = []
     try:
         for i in range(1, a.runs + 1):
             log(f"run {i}/{a.runs}: NodePort {node_port}, health-check node port {hc_port}")
-            r = one_run(api, nodes, node_port, hc_port, a.timeline)
-            r.update(run=i, proxy=proxy, cell=a.cell, pre_stop_s=pre_stop, profile=profile)
+            r = one_run(api, nodes, node_port, hc_port, a.timeline, a.disruption, proxy, lab)
+            r.update(run=i, proxy=proxy, cell=a.cell, pre_stop_s=pre_stop, profile=profile,
+                     disruption=a.disruption, etp=a.etp)
             runs.append(r)
             kinds = ", ".join(f"{v} {k}" for k, v in sorted(r["failed_by_kind"].items()))
-            print(f"run {i}: proxy {proxy}, {a.cell}, {profile}: sent {r['sent']} "
-                  f"({r['new']} new, {r['keep_alive']} keep-alive), failed {r['failed']}"
+            print(f"run {i}: proxy {proxy}, {a.disruption}, eTP={a.etp}, {a.cell}, {profile}: sent {r['sent']} "
+                  f"({r['new']} new, {r['keep_alive']} keep-alive), failed {r['failed']} "
+                  f"({r['new_failed']} new, {r['keep_alive_failed']} keep-alive)"
                   f"{' (' + kinds + ')' if kinds else ''}; rollout {r['rollout_end_s'] - r['rollout_start_s']:.1f} s, "
                   f"fewest nodes in the pool {r['fewest_nodes_in_pool']}", flush=True)
             for b in r["bursts"]:
                 print(f"  burst {b['first']:.2f}-{b['last']:.2f} s: {b['failed']} failed {b['kinds']} "
                       f"via {b['nodes']}", flush=True)
+            restore(a.disruption, list(nodes)[-1], api, len(nodes))
     finally:
         if a.json:
             with open(a.json, "w") as f:

@@ -5,6 +5,8 @@
 # every node. Prints load.py's counts: failed new connections and broken established ones.
 #
 #   self-update.sh [TAG]      (after nodes.sh up && nodes.sh proxy kproxy)
+#   IMPORT=TAR self-update.sh TAG   TAG is another build's image, imported from TAR into
+#                                   every node (upgrade.sh: across versions)
 set -euo pipefail
 : "${K8S_LAB:?set K8S_LAB}"
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -16,7 +18,11 @@ current=$(kubectl -n kube-system get ds kproxy -o jsonpath='{.spec.template.spec
 tag=${1:-}
 if [ -z "$tag" ]; then [ "$current" = kproxy:0.1.1 ] && tag=kproxy:0.1.0 || tag=kproxy:0.1.1; fi
 for d in "$STATE"/n[1-9]*/; do
-  ctr -a "$d/containerd.sock" -n k8s.io images tag --force docker.io/library/kproxy:0.1.0 "docker.io/library/$tag" >/dev/null
+  if [ -n "${IMPORT:-}" ]; then
+    ctr -a "$d/containerd.sock" -n k8s.io images import "$IMPORT" >/dev/null
+  else
+    ctr -a "$d/containerd.sock" -n k8s.io images tag --force docker.io/library/kproxy:0.1.0 "docker.io/library/$tag" >/dev/null
+  fi
 done
 cip=$(kubectl get svc kpn-probe -o jsonpath='{.spec.clusterIP}')
 np=$(kubectl get svc kpn-probe -o jsonpath='{.spec.ports[0].nodePort}')
