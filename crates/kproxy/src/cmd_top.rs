@@ -114,8 +114,10 @@ pub fn rates(
 /// The screen: a header with the node's totals, then one line per Service port.
 pub fn screen(rates: &[Rates], limit: usize, window: f64, by: SortBy) -> String {
     let sum = |f: fn(&Rates) -> f64| rates.iter().map(f).sum::<f64>();
+    // The flag's own spelling (`--sort drops`), not the Rust variant's.
+    let by = clap::ValueEnum::to_possible_value(&by).map_or_else(String::new, |v| v.get_name().to_owned());
     let mut out = format!(
-        "kproxy top - {} Service ports, window {window:.1}s, sorted by {by:?}: {:.1} new/s, {:.1} rejects/s, {:.1} drops/s, {:.1} fallback/s\n\n",
+        "kproxy top - {} Service ports, window {window:.1}s, sorted by {by}: {:.1} new/s, {:.1} rejects/s, {:.1} drops/s, {:.1} fallback/s\n\n",
         rates.len(),
         sum(|r| r.new_per_second),
         sum(|r| r.rejects_per_second),
@@ -254,7 +256,7 @@ mod tests {
             2.0,
             SortBy::New,
         );
-        assert!(s.starts_with("kproxy top - 3 Service ports, window 2.0s, sorted by New: 15.0 new/s, 20.0 rejects/s, 2.0 drops/s, 0.0 fallback/s\n"), "{s}");
+        assert!(s.starts_with("kproxy top - 3 Service ports, window 2.0s, sorted by new: 15.0 new/s, 20.0 rejects/s, 2.0 drops/s, 0.0 fallback/s\n"), "{s}");
         assert!(s.contains("shop/a"), "{s}");
         assert!(s.ends_with("… 1 more (--limit)\n"), "{s}");
     }
