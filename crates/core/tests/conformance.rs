@@ -1,4 +1,5 @@
-//! Upstream kube-proxy's test tables (../shared/conformance, re-encoded as JSON) run
+//! Upstream kube-proxy's test tables (re-encoded as JSON in the `conformance` folder of
+//! the shared folder beside the repository, or of `KPROXY_SHARED`; docs/conformance.md) run
 //! through the real path: Kubernetes objects → ingestion → ClusterState → planner.
 //! One named test per vector, so a failure names the upstream case.
 

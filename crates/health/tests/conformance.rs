@@ -1,4 +1,6 @@
-//! Upstream's health-check node port table (../shared/conformance/service_health.json)
+//! Upstream's health-check node port table (`service_health.json` in the `conformance`
+//! folder of the shared folder beside the repository, or of `KPROXY_SHARED`;
+//! docs/conformance.md)
 //! through the real path: Kubernetes objects → ingestion → planner → `Health` → real
 //! listeners in a private network namespace → real HTTP requests. Each vector runs under
 //! both semantics: in a steady state (the plan applied) they must answer identically.

@@ -5,7 +5,8 @@
 //! the RSS after the first sync and settled, the peak RSS (VmHWM), and the CPU seconds
 //! of kproxy and of the API server (its pid file beside the kubeconfig) until that sync.
 //!
-//! Needs a running API server, e.g. the k8s-lab (../shared/tools/k8s-lab):
+//! Needs a running API server, e.g. a k8s-lab instance (docs/lab.md, "The real control
+//! plane", says how to start one; `start.sh` is its start script):
 //!
 //! ```text
 //! API_PORT=6452 ETCD_PORT=2393 KCM_PORT=10262 start.sh start

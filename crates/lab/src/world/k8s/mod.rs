@@ -1,6 +1,6 @@
 //! The real control plane (`--control-plane k8s-lab`): kube-apiserver and
-//! kube-controller-manager of a k8s-lab instance (found through `K8S_LAB`, see
-//! ../shared/tools/k8s-lab/README.md). kcm's Deployment controller performs the
+//! kube-controller-manager of a k8s-lab instance (found through `K8S_LAB`; how to
+//! start one: docs/lab.md, "The real control plane"). kcm's Deployment controller performs the
 //! rolling update and its EndpointSlice controller derives the endpoint conditions;
 //! the lab plays only scheduler and kubelet:
 //! - `kubelet`: [`Agent`](kubelet::Agent) watches the Pods, binds new ones to a lab node
@@ -73,7 +73,7 @@ impl K8sLab {
         let dir = std::env::var_os("K8S_LAB").ok_or_else(|| {
             LabError::Invalid(
                 "--control-plane k8s-lab needs K8S_LAB naming a running k8s-lab instance \
-                 (kube-apiserver and kube-controller-manager; see ../shared/tools/k8s-lab/README.md)"
+                 (kube-apiserver and kube-controller-manager; docs/lab.md says how to start one)"
                     .into(),
             )
         })?;
