@@ -11,7 +11,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::{
@@ -21,9 +21,7 @@ use common::{
 
 fn start(node: &Netns, dir: &Path, table: &str, log: &DaemonLog, extra: &[&str]) -> Daemon {
     Daemon(
-        Command::new("ip")
-            .args(["netns", "exec", &node.0])
-            .args([env!("CARGO_BIN_EXE_kproxy"), "run"])
+        node.kproxy("run")
             .args(["--manifests", dir.to_str().unwrap()])
             .args(["--hostname-override", "node-a"])
             .args(["--healthz-bind-address", "127.0.0.1:10256"])

@@ -24,14 +24,7 @@ const TABLE: &str = "kpi";
 fn start_daemon(node: &Netns, dir: &Path, log: &Path) -> Daemon {
     let log = std::fs::File::create(log).expect("log file");
     Daemon(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &node.0,
-                env!("CARGO_BIN_EXE_kproxy"),
-                "run",
-            ])
+        node.kproxy("run")
             .args(["--manifests", dir.to_str().unwrap()])
             .args(["--hostname-override", "node-a", "--nft-table", TABLE])
             .args(["--healthz-bind-address", "127.0.0.1:10256"])

@@ -212,14 +212,8 @@ fn start_daemon(
     std::fs::write(&kubeconfig, fake_api::kubeconfig(api.addr)).unwrap();
     let events = dir.path().join("events.jsonl");
     let log = dir.path().join("kproxy.log");
-    let child = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &node.0,
-            env!("CARGO_BIN_EXE_kproxy"),
-            "run",
-        ])
+    let child = node
+        .kproxy("run")
         .args([
             "--kubeconfig",
             kubeconfig.to_str().unwrap(),

@@ -17,14 +17,14 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, NODE, Netns, can_run, eventually, fabric, pod_behind_veth, serve_forever,
-    slice_of, write_atomic,
+    Daemon, DaemonLog, NODE, Netns, can_run, eventually, explain_web, fabric, pod_behind_veth,
+    serve_forever, slice_of, write_atomic,
 };
 
 const SERVICE: &str = r#"
@@ -52,14 +52,7 @@ fn slice(old_terminating: bool, new: bool) -> String {
 
 fn start_daemon(node: &Netns, dir: &Path, events: &Path, log: &DaemonLog, warmup: &str) -> Daemon {
     Daemon(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &node.0,
-                env!("CARGO_BIN_EXE_kproxy"),
-                "run",
-            ])
+        node.kproxy("run")
             .args(["--manifests", dir.to_str().unwrap()])
             .args(["--hostname-override", "node-a"])
             .args(["--healthz-bind-address", "127.0.0.1:10256"])
@@ -190,23 +183,7 @@ fn run(old_terminating: bool, warmup: &str) -> (Seen, Vec<serde_json::Value>, St
     // The new pod is programmed (held or not): its server binds 400 ms later. Meanwhile
     // `kproxy explain --server` asks the daemon what it holds.
     let bind_at = Instant::now() + Duration::from_millis(400);
-    let explained = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &node.0,
-            env!("CARGO_BIN_EXE_kproxy"),
-            "explain",
-        ])
-        .args([
-            "--manifests",
-            dir.path().to_str().unwrap(),
-            "--node",
-            "node-a",
-        ])
-        .args(["--server", "127.0.0.1:10249", "shop/web"])
-        .output()
-        .expect("kproxy explain");
+    let explained = explain_web(node, dir.path(), "127.0.0.1:10249");
     let explained = format!(
         "{}{}",
         String::from_utf8_lossy(&explained.stdout),

@@ -436,28 +436,14 @@ fn nft_tables(node: &Netns) -> Vec<String> {
 }
 
 fn has_iptables() -> bool {
-    let ok = Command::new("iptables-restore")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        ok,
-        "running as root but `iptables` is missing (install the iptables package)"
-    );
-    ok
+    common::require_tool("iptables-restore", "the iptables package");
+    true
 }
 
 fn start_kproxy(node: &Netns, dir: &Path, log: &Path, extra: &[&str]) -> Daemon {
     let log = std::fs::File::create(log).expect("log file");
     Daemon(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &node.0,
-                env!("CARGO_BIN_EXE_kproxy"),
-                "run",
-            ])
+        node.kproxy("run")
             .args(["--manifests", dir.to_str().unwrap()])
             .args([
                 "--hostname-override",
@@ -1026,7 +1012,7 @@ fn kube_proxy_programmed(node: &Netns, mode: &str) -> bool {
 /// removes kproxy's tables once kube-proxy is healthy (phase `back`). Prints failures
 /// per phase and asserts none. `KPROXY_TAKEOVER_MODES=nftables,iptables` (default both).
 ///
-///   export K8S_LAB=/path/to/k8s-lab; ../shared/tools/k8s-lab/start.sh start && ../shared/tools/k8s-lab/start.sh kcm
+///   export K8S_LAB=/path/to/k8s-lab   # started with its `start.sh start` and `start.sh kcm` (docs/lab.md)
 ///   sudo -E crates/kproxy/tests/fixtures/kube-proxy/capture.sh nftables   # the objects
 ///   sudo -E cargo test -p kproxy --test takeover -- --ignored --nocapture
 #[test]
@@ -1094,14 +1080,8 @@ fn real_kube_proxy_takeover_and_back() {
         sigterm_and_wait(&mut kube_proxy);
         let kproxy_log = std::fs::File::create(&log).unwrap();
         let mut kproxy = Daemon(
-            Command::new("ip")
-                .args([
-                    "netns",
-                    "exec",
-                    &c.node.0,
-                    env!("CARGO_BIN_EXE_kproxy"),
-                    "run",
-                ])
+            c.node
+                .kproxy("run")
                 .arg("--kubeconfig")
                 .arg(&lab.proxy_kubeconfig)
                 .args([
@@ -1147,21 +1127,10 @@ fn real_kube_proxy_takeover_and_back() {
         if overlap {
             sigterm_and_wait(&mut kproxy);
         }
-        let cleanup = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &c.node.0,
-                env!("CARGO_BIN_EXE_kproxy"),
-                "cleanup",
-            ])
-            .arg("--after-kube-proxy-synced=10.200.0.1:10256")
-            .output()
-            .unwrap();
-        assert!(
-            cleanup.status.success(),
-            "{}",
-            String::from_utf8_lossy(&cleanup.stderr)
+        kproxy_test_support::run(
+            c.node
+                .kproxy("cleanup")
+                .arg("--after-kube-proxy-synced=10.200.0.1:10256"),
         );
         assert!(!nft_tables(&c.node).iter().any(|t| t.ends_with(" kproxy")));
         std::thread::sleep(Duration::from_secs(1));

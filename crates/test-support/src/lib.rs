@@ -1,4 +1,5 @@
-//! What the test suites of every crate share: the one policy for root-only tests.
+//! What the test suites of every crate share: the one policy for root-only tests, and
+//! [`run`], a command a test needs to succeed.
 //!
 //! Tests that build network namespaces or program nftables need root; CI (`.ci/run`)
 //! runs as root, so there every such test runs. A test that needs root and finds
@@ -9,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 use std::io::Write;
+use std::process::Command;
 
 /// The variable that turns a root-only test run without root into a visible skip.
 pub const SKIP_VAR: &str = "KPROXY_SKIP_ROOT_TESTS";
@@ -24,6 +26,23 @@ pub fn root(needs: &str) -> bool {
         needs,
         &mut std::io::stderr(),
     )
+}
+
+/// Runs `cmd` to its end and answers its standard output. Panics, naming the command
+/// and showing its exit and standard error, when it cannot start or does not succeed:
+/// a test's setup step (`ip`, `nft`, `kubectl`) or a command under test whose failure
+/// fails the test.
+pub fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn skip_asked() -> bool {
@@ -51,7 +70,22 @@ fn decide(is_root: bool, skip: bool, needs: &str, out: &mut impl Write) -> bool 
 
 #[cfg(test)]
 mod tests {
-    use super::decide;
+    use super::{decide, run};
+    use std::process::Command;
+
+    #[test]
+    fn run_answers_stdout_and_fails_with_stderr() {
+        assert_eq!(run(Command::new("sh").args(["-c", "echo out"])), "out\n");
+        let failed = std::panic::catch_unwind(|| {
+            run(Command::new("sh").args(["-c", "echo why >&2; exit 3"]))
+        });
+        let msg = failed.expect_err("a failing command fails the test");
+        let msg = msg.downcast_ref::<String>().expect("a formatted message");
+        assert!(
+            msg.contains("exit status: 3") && msg.contains("why"),
+            "{msg}"
+        );
+    }
 
     #[test]
     fn root_runs_whatever_the_variable_says() {

@@ -41,15 +41,7 @@ where
 
 /// Runs `ip ARGS` in the calling thread's network namespace; panics on failure.
 pub fn ip(args: &[&str]) {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .expect("run ip (iproute2)");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kproxy_test_support::run(Command::new("ip").args(args));
 }
 
 #[derive(Debug)]

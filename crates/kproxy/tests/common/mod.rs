@@ -38,6 +38,19 @@ impl Netns {
         sh(&full);
     }
 
+    /// `kproxy SUBCOMMAND` in this namespace (`ip netns exec`), its arguments to follow.
+    pub fn kproxy(&self, subcommand: &str) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args([
+            "netns",
+            "exec",
+            &self.0,
+            env!("CARGO_BIN_EXE_kproxy"),
+            subcommand,
+        ]);
+        cmd
+    }
+
     /// Runs `f` on a thread that has entered this namespace. Sockets made there stay in
     /// the namespace, whichever thread uses them later.
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
@@ -126,15 +139,7 @@ pub fn sigterm(daemon: &mut Daemon) -> std::process::ExitStatus {
 }
 
 pub fn sh(args: &[&str]) {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .expect("spawn");
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kproxy_test_support::run(Command::new(args[0]).args(&args[1..]));
 }
 
 /// Whether a root-only test can run (the policy of `kproxy_test_support::root`). As
@@ -144,15 +149,31 @@ pub fn can_run() -> bool {
     if !kproxy_test_support::root("network namespaces, nftables") {
         return false;
     }
-    let nft = Command::new("nft")
+    require_tool("nft", "nftables");
+    true
+}
+
+/// `kproxy explain shop/web` for node-a with the manifests of `dir`, asking the
+/// daemon's metrics server at `server` what it holds.
+pub fn explain_web(node: &Netns, dir: &Path, server: &str) -> std::process::Output {
+    node.kproxy("explain")
+        .args(["--manifests", dir.to_str().unwrap(), "--node", "node-a"])
+        .args(["--server", server, "shop/web"])
+        .output()
+        .expect("kproxy explain")
+}
+
+/// Fails the test when `tool --version` does not run: as root, a missing tool is a
+/// broken setup (`.ci/run` installs `package`), never a silent skip.
+pub fn require_tool(tool: &str, package: &str) {
+    let ok = Command::new(tool)
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
     assert!(
-        nft,
-        "running as root but `nft` is missing (install nftables)"
+        ok,
+        "running as root but `{tool}` is missing (install {package})"
     );
-    true
 }
 
 pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {

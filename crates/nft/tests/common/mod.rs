@@ -127,17 +127,7 @@ impl Drop for Netns {
 }
 
 pub fn sh(cmd: &str) -> String {
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(cmd)
-        .output()
-        .expect("spawn sh");
-    assert!(
-        out.status.success(),
-        "`{cmd}` failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    kproxy_test_support::run(Command::new("sh").arg("-c").arg(cmd))
 }
 
 pub fn ip(s: &str) -> IpAddr {
