@@ -11,26 +11,20 @@
 mod common;
 
 use std::path::Path;
-use std::process::Stdio;
+
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, Load, NODE, Netns, can_run, eventually, fabric, http_get, manifests,
-    send_sigterm, write_atomic,
+    Daemon, DaemonLog, Load, NODE, Netns, can_run, eventually, fabric, http_get, kproxy_run,
+    manifests, send_sigterm, write_atomic,
 };
 
 fn start(node: &Netns, dir: &Path, table: &str, log: &DaemonLog, extra: &[&str]) -> Daemon {
     Daemon(
-        node.kproxy("run")
-            .args(["--manifests", dir.to_str().unwrap()])
-            .args(["--hostname-override", "node-a"])
-            .args(["--healthz-bind-address", "127.0.0.1:10256"])
-            .args(["--metrics-bind-address", "127.0.0.1:10249"])
+        kproxy_run(node, &["--manifests", dir.to_str().unwrap()])
             .args(["--min-sync-period", "50ms", "--sync-period", "5s"])
-            .args(["--manifest-remove-after", "200ms"])
-            .args(["--nft-table", table])
+            .args(["--manifest-remove-after", "200ms", "--nft-table", table])
             .args(extra)
-            .stdout(Stdio::null())
             .stderr(log.stderr())
             .spawn()
             .expect("start kproxy run"),

@@ -30,17 +30,16 @@ mod common;
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Fabric, Netns, can_run, eventually, fabric, http_get};
+use common::{Daemon, Fabric, HEALTHZ, Netns, can_run, eventually, fabric, http_get, kproxy_run};
 use kproxy_source::fake_api::{self, FakeApi, gone};
 use serde_json::{Value, json};
 
 const CLUSTER_IP: &str = "10.96.0.10:80";
 const HEALTH_CHECK: &str = "10.200.0.11:32000";
-const HEALTHZ: &str = "127.0.0.1:10256";
 
 fn addr(s: &str) -> SocketAddr {
     s.parse().unwrap()
@@ -212,32 +211,16 @@ fn start_daemon(
     std::fs::write(&kubeconfig, fake_api::kubeconfig(api.addr)).unwrap();
     let events = dir.path().join("events.jsonl");
     let log = dir.path().join("kproxy.log");
-    let child = node
-        .kproxy("run")
+    let child = kproxy_run(node, &["--kubeconfig", kubeconfig.to_str().unwrap()])
+        .args(["--min-sync-period", "50ms", "--sync-period", sync_period])
         .args([
-            "--kubeconfig",
-            kubeconfig.to_str().unwrap(),
-            "--hostname-override",
-            "node-a",
-        ])
-        .args([
-            "--healthz-bind-address",
-            HEALTHZ,
-            "--metrics-bind-address",
-            "127.0.0.1:10249",
-        ])
-        .args([
-            "--min-sync-period",
-            "50ms",
-            "--sync-period",
-            sync_period,
             "--nft-table",
             table,
+            "--event-log",
+            events.to_str().unwrap(),
         ])
-        .args(["--event-log", events.to_str().unwrap()])
         .args(extra)
         .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("start kproxy run");

@@ -17,14 +17,13 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::path::Path;
-use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, NODE, Netns, can_run, eventually, explain_web, fabric, pod_behind_veth,
-    serve_forever, slice_of, write_atomic,
+    Daemon, DaemonLog, NODE, Netns, can_run, eventually, explain_web, fabric, kproxy_run,
+    pod_behind_veth, serve_forever, slice_of, write_atomic,
 };
 
 const SERVICE: &str = r#"
@@ -52,16 +51,17 @@ fn slice(old_terminating: bool, new: bool) -> String {
 
 fn start_daemon(node: &Netns, dir: &Path, events: &Path, log: &DaemonLog, warmup: &str) -> Daemon {
     Daemon(
-        node.kproxy("run")
-            .args(["--manifests", dir.to_str().unwrap()])
-            .args(["--hostname-override", "node-a"])
-            .args(["--healthz-bind-address", "127.0.0.1:10256"])
-            .args(["--metrics-bind-address", "127.0.0.1:10249"])
-            .args(["--min-sync-period", "0s", "--sync-period", "30s"])
-            .args(["--nft-table", "kpw"])
+        kproxy_run(node, &["--manifests", dir.to_str().unwrap()])
+            .args([
+                "--min-sync-period",
+                "0s",
+                "--sync-period",
+                "30s",
+                "--nft-table",
+                "kpw",
+            ])
             .args(["--endpoint-warmup", warmup])
             .args(["--event-log", events.to_str().unwrap()])
-            .stdout(Stdio::null())
             .stderr(log.stderr())
             .spawn()
             .expect("start kproxy run"),

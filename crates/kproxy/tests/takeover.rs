@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Netns, can_run, http_get, sh, write_atomic};
+use common::{Daemon, Netns, can_run, http_get, metric, sh, write_atomic};
 use kproxy_core::model::IpFamily;
 use kproxy_core::takeover::{self, XtBackend};
 
@@ -155,18 +155,8 @@ fn cluster(tag: &str) -> Cluster {
     client.exec(&["ip", "link", "set", "eth0", "up"]);
     client.exec(&["ip", "route", "add", &format!("{VIP}/32"), "via", NODE_IP]);
 
-    let stop = Arc::new(AtomicBool::new(false));
     let listener = pods.run(|| TcpListener::bind("0.0.0.0:8080").expect("pod listener"));
-    let stop2 = stop.clone();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            if stop2.load(Ordering::SeqCst) {
-                break;
-            }
-            let Ok(c) = conn else { continue };
-            std::thread::spawn(move || serve(c));
-        }
-    });
+    let stop = common::accept_forever(listener, serve);
     Cluster {
         node,
         _pods: pods,
@@ -497,14 +487,6 @@ fn wait_metric(node: &Netns, series: &str, want: f64, log: &Path) {
         "{series}; kproxy's log:\n{}",
         std::fs::read_to_string(log).unwrap_or_default()
     );
-}
-
-fn metric(node: &Netns, series: &str) -> Option<f64> {
-    let series = format!("{series} ");
-    let (_, text) = node.run(|| http_get("127.0.0.1:10249".parse().unwrap(), "/metrics"))?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(series.as_str()))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 fn is_kube_proxys(entry: &str) -> bool {

@@ -40,14 +40,16 @@ impl Netns {
 
     /// `kproxy SUBCOMMAND` in this namespace (`ip netns exec`), its arguments to follow.
     pub fn kproxy(&self, subcommand: &str) -> Command {
+        self.kproxy_through(&[], subcommand)
+    }
+
+    /// [`Self::kproxy`] started through `prefix`, a command that execs the rest
+    /// (`setpriv …`, `sh -c '…; exec "$@"' sh`).
+    pub fn kproxy_through(&self, prefix: &[&str], subcommand: &str) -> Command {
         let mut cmd = Command::new("ip");
-        cmd.args([
-            "netns",
-            "exec",
-            &self.0,
-            env!("CARGO_BIN_EXE_kproxy"),
-            subcommand,
-        ]);
+        cmd.args(["netns", "exec", &self.0])
+            .args(prefix)
+            .args([env!("CARGO_BIN_EXE_kproxy"), subcommand]);
         cmd
     }
 
@@ -153,6 +155,29 @@ pub fn can_run() -> bool {
     true
 }
 
+/// Where the `kproxy run` of these tests answers: `/healthz` and `/livez`, and
+/// `/metrics` (the addresses [`metric`] and the probes ask).
+pub const HEALTHZ: &str = "127.0.0.1:10256";
+pub const METRICS: &str = "127.0.0.1:10249";
+
+/// `kproxy run` in `node` as node-a reading `input` (`--manifests DIR` or
+/// `--kubeconfig FILE`), serving on [`HEALTHZ`] and [`METRICS`], its stdout dropped;
+/// the test's own flags and stderr to follow.
+pub fn kproxy_run(node: &Netns, input: &[&str]) -> Command {
+    kproxy_run_through(node, &[], input)
+}
+
+/// [`kproxy_run`] started through `prefix` ([`Netns::kproxy_through`]).
+pub fn kproxy_run_through(node: &Netns, prefix: &[&str], input: &[&str]) -> Command {
+    let mut cmd = node.kproxy_through(prefix, "run");
+    cmd.args(input)
+        .args(["--hostname-override", "node-a"])
+        .args(["--healthz-bind-address", HEALTHZ])
+        .args(["--metrics-bind-address", METRICS])
+        .stdout(std::process::Stdio::null());
+    cmd
+}
+
 /// `kproxy explain shop/web` for node-a with the manifests of `dir`, asking the
 /// daemon's metrics server at `server` what it holds.
 pub fn explain_web(node: &Netns, dir: &Path, server: &str) -> std::process::Output {
@@ -188,6 +213,17 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     let code = buf.split_whitespace().nth(1)?.parse().ok()?;
     let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
     Some((code, body))
+}
+
+/// The value of the metric series `series` (name and labels, exactly as exposed) on
+/// the daemon's metrics server in `node` (127.0.0.1:10249); `None` until it answers
+/// and shows the series.
+pub fn metric(node: &Netns, series: &str) -> Option<f64> {
+    let series = format!("{series} ");
+    let (_, text) = node.run(|| http_get("127.0.0.1:10249".parse().unwrap(), "/metrics"))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// Polls `f` in the namespace until it returns Some, for up to 20 s.
@@ -258,6 +294,15 @@ pub fn pod_behind_veth(node: &Netns, tag: &str, veth: &str, gateway: &str, ip: &
 /// Answers every connection `listener` accepts with [`serve_http`] and `body`, on
 /// threads of their own, until the returned flag is set (looked at on each accept).
 pub fn serve_forever(listener: TcpListener, body: &'static str) -> Arc<AtomicBool> {
+    accept_forever(listener, move |c| serve_http(c, body))
+}
+
+/// Hands every connection `listener` accepts to `serve` on a thread of its own, until
+/// the returned flag is set (looked at on each accept).
+pub fn accept_forever(
+    listener: TcpListener,
+    serve: impl Fn(TcpStream) + Send + Copy + 'static,
+) -> Arc<AtomicBool> {
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     std::thread::spawn(move || {
@@ -266,7 +311,7 @@ pub fn serve_forever(listener: TcpListener, body: &'static str) -> Arc<AtomicBoo
                 break;
             }
             let Ok(c) = conn else { continue };
-            std::thread::spawn(move || serve_http(c, body));
+            std::thread::spawn(move || serve(c));
         }
     });
     stop
