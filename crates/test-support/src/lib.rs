@@ -1,5 +1,6 @@
-//! What the test suites of every crate share: the one policy for root-only tests, and
-//! [`run`], a command a test needs to succeed.
+//! What the test suites of every crate share: the one policy for root-only tests,
+//! [`run`], a command a test needs to succeed, and [`conformance`], upstream's test
+//! tables.
 //!
 //! Tests that build network namespaces or program nftables need root; CI (`.ci/run`)
 //! runs as root, so there every such test runs. A test that needs root and finds
@@ -43,6 +44,52 @@ pub fn run(cmd: &mut Command) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Upstream kube-proxy's test tables, re-encoded as JSON in the `conformance` folder of
+/// the shared folder beside the repository, or of `KPROXY_SHARED` (docs/conformance.md).
+pub mod conformance {
+    use std::path::PathBuf;
+
+    use serde_json::Value;
+
+    fn dir() -> PathBuf {
+        if let Ok(d) = std::env::var("KPROXY_SHARED") {
+            return PathBuf::from(d).join("conformance");
+        }
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/conformance")
+    }
+
+    /// The array `key` of the table `file` (`service_health.json`, `vectors`); panics
+    /// naming the file when it cannot be read or parsed.
+    pub fn load(file: &str, key: &str) -> Vec<Value> {
+        let path = dir().join(file);
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (set KPROXY_SHARED to the shared/ folder)",
+                path.display()
+            )
+        });
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        v[key].as_array().cloned().unwrap_or_default()
+    }
+
+    /// A vector's `name` as a test name: lower case, every other character `_`.
+    pub fn slug(v: &Value) -> String {
+        let name = v["name"].as_str().unwrap_or("unnamed");
+        let s: String = name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        s.trim_matches('_').to_string()
+    }
 }
 
 fn skip_asked() -> bool {
