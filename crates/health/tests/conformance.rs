@@ -18,7 +18,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{closed_soon, in_netns, request, t0};
+use common::{closed_soon, health_config, in_netns, request, t0};
 use kproxy_core::config::NodePortAddressesConfig;
 use kproxy_core::ingest::Ownership;
 use kproxy_core::manifest::Object;
@@ -79,12 +79,7 @@ async fn run_vector(v: Value, semantics: Semantics) -> Result<(), Failed> {
     let plan = Arc::new(plan_of(&v)?);
     let clock = ManualClock::new(t0());
     let mut registry = prometheus_client::registry::Registry::default();
-    let cfg = HealthConfig {
-        healthz_bind_address: None,
-        semantics,
-        sync_period: Duration::from_secs(30),
-        connection_budget: None,
-    };
+    let cfg = health_config(None, semantics);
     let health = Health::start_with_clock(cfg, &mut registry, clock.clone())
         .await
         .map_err(|e| e.to_string())?;

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, SystemTime};
 
+use kproxy_health::{HealthConfig, Semantics};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -36,6 +37,17 @@ where
     match h.join() {
         Ok(v) => v,
         Err(e) => std::panic::resume_unwind(e),
+    }
+}
+
+/// The settings of a test's `Health`: `/healthz` on `healthz` (none: no server),
+/// `semantics`, a 30 s sync period and no connection budget.
+pub fn health_config(healthz: Option<SocketAddr>, semantics: Semantics) -> HealthConfig {
+    HealthConfig {
+        healthz_bind_address: healthz,
+        semantics,
+        sync_period: Duration::from_secs(30),
+        connection_budget: None,
     }
 }
 
