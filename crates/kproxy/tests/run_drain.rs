@@ -12,11 +12,10 @@ mod common;
 
 use std::path::Path;
 
-use std::time::{Duration, Instant};
 
 use common::{
     Daemon, DaemonLog, Load, NODE, Netns, can_run, eventually, fabric, http_get, kproxy_run,
-    manifests, send_sigterm, write_atomic,
+    manifests, send_sigterm, wait_exit, write_atomic,
 };
 
 fn start(node: &Netns, dir: &Path, table: &str, log: &DaemonLog, extra: &[&str]) -> Daemon {
@@ -44,17 +43,7 @@ fn healthz_says(node: &Netns, code: u16, signals: &[&str], what: &str) {
 /// Waits for the daemon to exit by itself (the drain period is not timed: the bound
 /// only keeps a broken build from hanging the suite).
 fn exit_of(daemon: &mut Daemon) -> std::process::ExitStatus {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        if let Some(status) = daemon.0.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kproxy never exited after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_exit(daemon, 300)
 }
 
 /// SIGTERM with `--shutdown-drain always`: `/healthz` answers 503 (`shutdown`) while the

@@ -34,7 +34,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Fabric, HEALTHZ, Netns, can_run, eventually, fabric, http_get, kproxy_run};
+use common::{
+    Daemon, Fabric, HEALTHZ, Netns, can_run, eventually, fabric, http_get, kproxy_run, wait_exit,
+};
 use kproxy_source::fake_api::{self, FakeApi, gone};
 use serde_json::{Value, json};
 
@@ -540,21 +542,6 @@ fn an_api_outage_keeps_rules_and_health_and_the_daemon_relists_when_the_api_retu
         pod_answer(),
         "traffic flows with kproxy stopped"
     );
-}
-
-/// Waits up to `secs` for the daemon to exit.
-fn wait_exit(daemon: &mut Daemon, secs: u64) -> std::process::ExitStatus {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(status) = daemon.0.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kproxy run did not exit after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]

@@ -912,20 +912,7 @@ fn start_real_kube_proxy(
     let cfg = dir.join(format!("kube-proxy-{n}.yaml"));
     std::fs::write(
         &cfg,
-        format!(
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: node-1
-clientConnection: {{kubeconfig: {}}}
-clusterCIDR: 10.244.0.0/16
-detectLocalMode: ClusterCIDR
-healthzBindAddress: 10.200.0.1:10256
-metricsBindAddress: 127.0.0.1:10249
-conntrack: {{maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}}
-",
-            lab.proxy_kubeconfig.display()
-        ),
+        lab.kube_proxy_config(mode, "node-1", "10.200.0.1:10256"),
     )
     .unwrap();
     let log = std::fs::File::create(dir.join(format!("kube-proxy-{n}.log"))).unwrap();

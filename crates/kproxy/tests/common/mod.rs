@@ -134,6 +134,21 @@ pub fn send_sigterm(daemon: &Daemon) {
     .unwrap();
 }
 
+/// Waits up to `secs` for the daemon to exit (after a SIGTERM), polling every 50 ms.
+pub fn wait_exit(daemon: &mut Daemon, secs: u64) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(status) = daemon.0.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kproxy run did not exit within {secs} s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Sends SIGTERM and waits for the exit.
 pub fn sigterm(daemon: &mut Daemon) -> std::process::ExitStatus {
     send_sigterm(daemon);
