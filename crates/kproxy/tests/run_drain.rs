@@ -3,15 +3,9 @@
 //! drain conditions and its deletion, and on SIGTERM drains (503, the rules still
 //! forwarding) before it exits, leaving its rules (docs/health.md, "Drain signals").
 
-#![expect(
-    clippy::disallowed_types,
-    reason = "waits for a real kproxy process to exit: wall time"
-)]
-
 mod common;
 
 use std::path::Path;
-
 
 use common::{
     Daemon, DaemonLog, Load, NODE, Netns, can_run, eventually, fabric, http_get, kproxy_run,
