@@ -100,10 +100,7 @@ impl Prober {
     fn start(node: &Netns) -> Prober {
         let done = Arc::new(AtomicBool::new(false));
         let d = done.clone();
-        let path = format!("/var/run/netns/{}", node.0);
-        let thread = std::thread::spawn(move || {
-            let f = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let thread = node.spawn(move || {
             let mut seen = Vec::new();
             while !d.load(Ordering::SeqCst) {
                 if let Some((c, _)) = http_get("127.0.0.1:10256".parse().unwrap(), "/healthz") {

@@ -15,7 +15,6 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -90,10 +89,7 @@ impl Load {
     fn start(node: &Netns) -> Load {
         let (done, seen) = (Arc::new(AtomicBool::new(false)), Arc::default());
         let (done2, seen2): (_, Arc<Mutex<Seen>>) = (done.clone(), Arc::clone(&seen));
-        let path = format!("/var/run/netns/{}", node.0);
-        let thread = std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let thread = node.spawn(move || {
             let addr: SocketAddr = "10.96.0.10:80".parse().unwrap();
             while !done2.load(Ordering::SeqCst) {
                 let outcome = request(addr);

@@ -21,7 +21,6 @@ mod common;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -86,12 +85,7 @@ fn spawn_in<T: Send + 'static>(
     ns: &Netns,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> JoinHandle<T> {
-    let path = format!("/var/run/netns/{}", ns.0);
-    std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).expect("open netns");
-        nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        f()
-    })
+    ns.spawn(f)
 }
 
 /// node-1 (eth0 10.200.0.1, pods behind a veth), one namespace holding the three pods'

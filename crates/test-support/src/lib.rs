@@ -1,6 +1,6 @@
 //! What the test suites of every crate share: the one policy for root-only tests,
-//! [`run`], a command a test needs to succeed, and [`conformance`], upstream's test
-//! tables.
+//! [`run`], a command a test needs to succeed, [`netns`], named network namespaces,
+//! and [`conformance`], upstream's test tables.
 //!
 //! Tests that build network namespaces or program nftables need root; CI (`.ci/run`)
 //! runs as root, so there every such test runs. A test that needs root and finds
@@ -44,6 +44,39 @@ pub fn run(cmd: &mut Command) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Named network namespaces (`ip netns`) of a test or a bench: made afresh, used,
+/// entered and deleted. The owner's type deletes its namespace on drop ([`del`]).
+pub mod netns {
+    use std::process::Command;
+
+    /// Creates the namespace `name` afresh (one a killed run left behind is deleted
+    /// first), its loopback up.
+    pub fn add(name: &str) {
+        del(name);
+        crate::run(Command::new("ip").args(["netns", "add", name]));
+        exec(name, &["ip", "link", "set", "lo", "up"]);
+    }
+
+    /// Runs `args` inside the namespace `name` (`ip netns exec`) and answers its
+    /// standard output; a failure fails the caller ([`crate::run`]).
+    pub fn exec(name: &str, args: &[&str]) -> String {
+        crate::run(Command::new("ip").args(["netns", "exec", name]).args(args))
+    }
+
+    /// Moves the calling thread into the namespace `name`: the sockets it makes
+    /// afterwards stay there, whichever thread uses them.
+    pub fn enter(name: &str) {
+        use std::os::fd::AsFd;
+        let f = std::fs::File::open(format!("/var/run/netns/{name}")).expect("open netns");
+        nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+    }
+
+    /// Deletes the namespace `name` when it exists; never fails (for a `Drop`).
+    pub fn del(name: &str) {
+        let _ = Command::new("ip").args(["netns", "del", name]).output();
+    }
 }
 
 /// Upstream kube-proxy's test tables, re-encoded as JSON in the `conformance` folder of

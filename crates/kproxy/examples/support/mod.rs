@@ -54,20 +54,13 @@ pub struct Netns(pub String);
 impl Netns {
     /// `name`, created afresh (one left by a killed run is deleted first).
     pub fn new(name: String) -> Netns {
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "del", &name])
-            .output();
-        sh(&["ip", "netns", "add", &name]);
-        let ns = Netns(name);
-        ns.exec(&["ip", "link", "set", "lo", "up"]);
-        ns
+        kproxy_test_support::netns::add(&name);
+        Netns(name)
     }
 
     /// Runs a command inside the namespace (`ip netns exec`).
     pub fn exec(&self, args: &[&str]) {
-        let mut full = vec!["ip", "netns", "exec", &self.0];
-        full.extend_from_slice(args);
-        sh(&full);
+        kproxy_test_support::netns::exec(&self.0, args);
     }
 
     /// The probe's path inside the namespace: a veth pair, `{name}0` with 10.200.0.1/24
@@ -87,9 +80,7 @@ impl Netns {
     /// Moves the calling thread into the namespace named `name` (sockets it makes
     /// afterwards stay there, whichever thread uses them).
     pub fn enter(name: &str) {
-        use std::os::fd::AsFd;
-        let f = std::fs::File::open(format!("/var/run/netns/{name}")).expect("open netns");
-        nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        kproxy_test_support::netns::enter(name);
     }
 
     /// Runs `f` on a thread of its own inside the namespace and waits for it.
@@ -106,9 +97,7 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "del", &self.0])
-            .status();
+        kproxy_test_support::netns::del(&self.0);
     }
 }
 

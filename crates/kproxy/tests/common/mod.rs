@@ -12,9 +12,10 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::path::Path;
 use std::process::{Child, Command};
+
+use kproxy_test_support::netns;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -25,17 +26,12 @@ pub struct Netns(pub String);
 impl Netns {
     pub fn new(tag: &str) -> Netns {
         let name = format!("kpt-run-{}-{tag}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        sh(&["ip", "netns", "add", &name]);
-        let ns = Netns(name);
-        ns.exec(&["ip", "link", "set", "lo", "up"]);
-        ns
+        netns::add(&name);
+        Netns(name)
     }
 
     pub fn exec(&self, args: &[&str]) {
-        let mut full = vec!["ip", "netns", "exec", &self.0];
-        full.extend_from_slice(args);
-        sh(&full);
+        netns::exec(&self.0, args);
     }
 
     /// `kproxy SUBCOMMAND` in this namespace (`ip netns exec`), its arguments to follow.
@@ -53,23 +49,28 @@ impl Netns {
         cmd
     }
 
-    /// Runs `f` on a thread that has entered this namespace. Sockets made there stay in
-    /// the namespace, whichever thread uses them later.
+    /// Runs `f` on a thread that has entered this namespace and waits for it. Sockets
+    /// made there stay in the namespace, whichever thread uses them later.
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/var/run/netns/{}", self.0);
+        self.spawn(f).join().expect("netns thread")
+    }
+
+    /// Runs `f` on a new thread that has entered this namespace.
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<T> {
+        let name = self.0.clone();
         std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            netns::enter(&name);
             f()
         })
-        .join()
-        .expect("netns thread")
     }
 }
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        netns::del(&self.0);
     }
 }
 
@@ -467,10 +468,7 @@ impl Load {
     pub fn start(node: &Netns, probe_health: bool) -> Load {
         let done = Arc::new(AtomicBool::new(false));
         let done2 = done.clone();
-        let path = format!("/var/run/netns/{}", node.0);
-        let thread = std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let thread = node.spawn(move || {
             let (mut sent, mut failed, mut unhealthy) = (0u32, 0u32, 0u32);
             while !done2.load(Ordering::SeqCst) {
                 sent += 1;
