@@ -147,9 +147,9 @@ impl Netns {
     /// Runs `f` on a fresh thread that has entered this namespace. Sockets created there
     /// stay in this namespace.
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.name);
+        let name = self.name.clone();
         std::thread::spawn(move || {
-            enter(&path);
+            kproxy_test_support::netns::enter(&name);
             f()
         })
         .join()
@@ -157,17 +157,9 @@ impl Netns {
     }
 }
 
-/// Moves the calling thread into the namespace at `path` (a thread of its own only!).
-pub fn enter(path: &str) {
-    let f = std::fs::File::open(path).expect("open netns");
-    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-}
-
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
+        kproxy_test_support::netns::del(&self.name);
     }
 }
 
