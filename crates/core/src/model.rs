@@ -48,6 +48,20 @@ impl IpFamily {
             IpFamily::IPv6 => "IPv6",
         }
     }
+
+    /// The nftables table family of this IP family, as nft writes it: `ip` / `ip6`.
+    pub fn nft_family(self) -> &'static str {
+        match self {
+            IpFamily::IPv4 => "ip",
+            IpFamily::IPv6 => "ip6",
+        }
+    }
+
+    /// The IP family of an nftables table family word; `None` for the families that
+    /// are not one IP family (`inet`, `arp`, `bridge`, `netdev`).
+    pub fn of_nft_family(word: &str) -> Option<IpFamily> {
+        IpFamily::ALL.into_iter().find(|f| f.nft_family() == word)
+    }
 }
 
 impl fmt::Display for IpFamily {

@@ -198,7 +198,7 @@ pub struct Inventory {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
     /// `nft delete table FAMILY kube-proxy`: everything of the nftables mode.
-    DeleteNftTable { family: String },
+    DeleteNftTable { family: IpFamily },
     /// One `*-restore --noflush` transaction on one table: the chain declarations flush
     /// the chains, `-D` deletes the rules of other chains that jump to them, `-X`
     /// deletes them.
@@ -222,7 +222,9 @@ impl Step {
     /// One line for logs and reports.
     pub fn describe(&self) -> String {
         match self {
-            Step::DeleteNftTable { family } => format!("nft table {family} {NFT_TABLE}"),
+            Step::DeleteNftTable { family } => {
+                format!("nft table {} {NFT_TABLE}", family.nft_family())
+            }
             Step::XtRestore {
                 backend,
                 family,
@@ -331,11 +333,12 @@ fn ipvs_only_chain(chain: &str) -> bool {
 pub fn removal_plan(inv: &Inventory) -> RemovalPlan {
     let mut plan = RemovalPlan::default();
     for t in &inv.nft_tables {
-        if t.name == NFT_TABLE && (t.family == "ip" || t.family == "ip6") {
+        if t.name != NFT_TABLE {
+            continue;
+        }
+        if let Some(family) = IpFamily::of_nft_family(&t.family) {
             plan.found.nftables = true;
-            plan.steps.push(Step::DeleteNftTable {
-                family: t.family.clone(),
-            });
+            plan.steps.push(Step::DeleteNftTable { family });
         }
     }
     for t in &inv.xt_tables {
@@ -646,10 +649,10 @@ COMMIT
             plan.steps,
             vec![
                 Step::DeleteNftTable {
-                    family: "ip".into()
+                    family: IpFamily::IPv4
                 },
                 Step::DeleteNftTable {
-                    family: "ip6".into()
+                    family: IpFamily::IPv6
                 },
             ]
         );

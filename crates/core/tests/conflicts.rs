@@ -3,6 +3,8 @@
 //! the older Service keeps it whatever the names, the newer is reported, and the planner
 //! (incremental or not) agrees.
 
+mod common;
+
 use kproxy_core::frontend::{ConflictReason, FrontendKind};
 use kproxy_core::ingest::Ownership;
 use kproxy_core::manifest;
@@ -19,15 +21,7 @@ fn svc(name: &str, created: &str, spec: &str) -> String {
 }
 
 fn state(docs: &[String]) -> ClusterState {
-    let text = format!("{NODE}---\n{}", docs.join("---\n"));
-    let parsed = manifest::parse("t.yaml", &text);
-    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-    let mut st = ClusterState::new();
-    for o in &parsed.objects {
-        st.apply(&o.object, &Ownership::default(), "node-a")
-            .expect("valid object");
-    }
-    st
+    common::state_of_yaml(&format!("{NODE}---\n{}", docs.join("---\n")))
 }
 
 fn plan_both_ways(docs: &[String], cfg: &PlanConfig) -> NodePlan {

@@ -1,9 +1,10 @@
-//! Upstream kube-proxy's test tables (../shared/conformance, re-encoded as JSON) run
+//! Upstream kube-proxy's test tables (re-encoded as JSON in the `conformance` folder of
+//! the shared folder beside the repository, or of `KPROXY_SHARED`; docs/conformance.md) run
 //! through the real path: Kubernetes objects → ingestion → ClusterState → planner.
 //! One named test per vector, so a failure names the upstream case.
 
+use kproxy_test_support::conformance;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 
 use k8s_openapi::api::core::v1 as corev1;
 use k8s_openapi::api::discovery::v1 as discoveryv1;
@@ -15,39 +16,12 @@ use kproxy_core::{ClusterState, PlanConfig};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::Value;
 
-fn conformance_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("KPROXY_SHARED") {
-        return PathBuf::from(d).join("conformance");
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/conformance")
-}
-
 fn load(file: &str) -> Vec<Value> {
-    let path = conformance_dir().join(file);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (set KPROXY_SHARED to the shared/ folder)",
-            path.display()
-        )
-    });
-    let v: Value =
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    v["vectors"].as_array().cloned().unwrap_or_default()
+    conformance::load(file, "vectors")
 }
 
 fn test_name(prefix: &str, v: &Value) -> String {
-    let name = v["name"].as_str().unwrap_or("unnamed");
-    let slug: String = name
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_lowercase()
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    format!("{prefix}::{}", slug.trim_matches('_'))
+    format!("{prefix}::{}", conformance::slug(v))
 }
 
 fn obj<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, Failed> {

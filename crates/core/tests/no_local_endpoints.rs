@@ -2,11 +2,11 @@
 //! real manifest → ingest → plan path: counted only when the service port has usable
 //! endpoints somewhere but none on this node, per traffic policy and family.
 
-use kproxy_core::ingest::Ownership;
-use kproxy_core::manifest;
+mod common;
+
+use kproxy_core::PlanConfig;
 use kproxy_core::model::IpFamily;
 use kproxy_core::no_local::{NoLocalEndpoints, no_local_endpoints};
-use kproxy_core::{ClusterState, PlanConfig};
 
 const NODE: &str = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nspec: {podCIDRs: [10.244.1.0/24]}\nstatus: {addresses: [{type: InternalIP, address: 10.200.0.11}]}\n";
 
@@ -34,13 +34,7 @@ fn counts(spec: &str, eps: &[(&str, &str, bool, bool, bool)]) -> NoLocalEndpoint
         text += "---\n";
         text += &slice(eps);
     }
-    let parsed = manifest::parse("t.yaml", &text);
-    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-    let mut st = ClusterState::new();
-    for o in &parsed.objects {
-        st.apply(&o.object, &Ownership::default(), "node-a")
-            .expect("valid object");
-    }
+    let st = common::state_of_yaml(&text);
     let plan = kproxy_core::plan(&st, "node-a", &PlanConfig::default());
     assert_eq!(
         no_local_endpoints(&plan, IpFamily::IPv6),

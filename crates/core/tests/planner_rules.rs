@@ -2,9 +2,9 @@
 //! conformance tables do not cover, one named test per rule, written as Kubernetes YAML through
 //! the real manifest → ingest → plan path.
 
+mod common;
+
 use kproxy_core::config::{LocalDetectorConfig, NodePortAddressesConfig};
-use kproxy_core::ingest::Ownership;
-use kproxy_core::manifest;
 use kproxy_core::plan::{EndpointSet, NodePlan, ServicePortPlan, SourceClass, Verdict};
 use kproxy_core::trace::{Packet, TraceVerdict, trace};
 use kproxy_core::{ClusterState, PlanConfig};
@@ -24,19 +24,7 @@ fn slice(svc: &str, eps: &[(&str, &str, bool, bool, bool)]) -> String {
 }
 
 fn plan_with(docs: &[String], cfg: &PlanConfig) -> NodePlan {
-    let mut text = NODE.to_string();
-    for d in docs {
-        text += "---\n";
-        text += d;
-    }
-    let parsed = manifest::parse("t.yaml", &text);
-    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-    let mut st = ClusterState::new();
-    for o in &parsed.objects {
-        st.apply(&o.object, &Ownership::default(), "node-a")
-            .expect("valid object");
-    }
-    kproxy_core::plan(&st, "node-a", cfg)
+    kproxy_core::plan(&state_of(docs), "node-a", cfg)
 }
 
 fn plan(docs: &[String]) -> NodePlan {
@@ -574,20 +562,14 @@ fn duplicate_endpoint_across_slices_prefers_the_non_terminating_copy() {
     assert!(sp.endpoints[0].conditions.ready);
 }
 
+/// The state of [`NODE`] and `docs`.
 fn state_of(docs: &[String]) -> ClusterState {
     let mut text = NODE.to_string();
     for d in docs {
         text += "---\n";
         text += d;
     }
-    let parsed = manifest::parse("t.yaml", &text);
-    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-    let mut st = ClusterState::new();
-    for o in &parsed.objects {
-        st.apply(&o.object, &Ownership::default(), "node-a")
-            .expect("valid object");
-    }
-    st
+    common::state_of_yaml(&text)
 }
 
 #[test]

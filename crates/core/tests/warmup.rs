@@ -3,10 +3,10 @@
 //! planner, `Planner::apply_at` at each step's time), and each step says which endpoints
 //! are held and what the Cluster and Local lists hold.
 
+mod common;
+
 use std::time::Duration;
 
-use kproxy_core::ingest::Ownership;
-use kproxy_core::manifest;
 use kproxy_core::plan::{NodePlan, ServicePortPlan};
 use kproxy_core::planner::Planner;
 use kproxy_core::state::Changes;
@@ -68,12 +68,7 @@ fn slice(eps: &[Ep]) -> String {
 }
 
 fn apply(st: &mut ClusterState, text: &str) {
-    let parsed = manifest::parse("t.yaml", text);
-    assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-    for o in &parsed.objects {
-        st.apply(&o.object, &Ownership::default(), "node-a")
-            .expect("valid object");
-    }
+    common::apply_yaml(st, text);
 }
 
 fn service(spec: &str) -> String {

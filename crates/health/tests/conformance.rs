@@ -1,4 +1,6 @@
-//! Upstream's health-check node port table (../shared/conformance/service_health.json)
+//! Upstream's health-check node port table (`service_health.json` in the `conformance`
+//! folder of the shared folder beside the repository, or of `KPROXY_SHARED`;
+//! docs/conformance.md)
 //! through the real path: Kubernetes objects → ingestion → planner → `Health` → real
 //! listeners in a private network namespace → real HTTP requests. Each vector runs under
 //! both semantics: in a steady state (the plan applied) they must answer identically.
@@ -10,13 +12,13 @@
 
 mod common;
 
+use kproxy_test_support::conformance;
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{closed_soon, in_netns, request, t0};
+use common::{closed_soon, health_config, in_netns, request, t0};
 use kproxy_core::config::NodePortAddressesConfig;
 use kproxy_core::ingest::Ownership;
 use kproxy_core::manifest::Object;
@@ -26,43 +28,12 @@ use kproxy_health::{Health, HealthConfig, ManualClock, Semantics};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::Value;
 
-fn conformance_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("KPROXY_SHARED") {
-        return PathBuf::from(d).join("conformance");
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/conformance")
-}
-
 fn load() -> Vec<Value> {
     load_file("service_health.json", "vectors")
 }
 
 fn load_file(file: &str, key: &str) -> Vec<Value> {
-    let path = conformance_dir().join(file);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (set KPROXY_SHARED to the shared/ folder)",
-            path.display()
-        )
-    });
-    let v: Value =
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    v[key].as_array().cloned().unwrap_or_default()
-}
-
-fn slug(v: &Value) -> String {
-    let name = v["name"].as_str().unwrap_or("unnamed");
-    let s: String = name
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_lowercase()
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    s.trim_matches('_').to_string()
+    conformance::load(file, key)
 }
 
 /// The vector's objects through manifest reading and ingestion, planned for its node.
@@ -108,12 +79,7 @@ async fn run_vector(v: Value, semantics: Semantics) -> Result<(), Failed> {
     let plan = Arc::new(plan_of(&v)?);
     let clock = ManualClock::new(t0());
     let mut registry = prometheus_client::registry::Registry::default();
-    let cfg = HealthConfig {
-        healthz_bind_address: None,
-        semantics,
-        sync_period: Duration::from_secs(30),
-        connection_budget: None,
-    };
+    let cfg = health_config(None, semantics);
     let health = Health::start_with_clock(cfg, &mut registry, clock.clone())
         .await
         .map_err(|e| e.to_string())?;
@@ -355,7 +321,11 @@ fn main() {
     let mut trials = Vec::new();
     for v in load() {
         for semantics in [Semantics::Upstream, Semantics::Truthful] {
-            let name = format!("service_health::{}::{}", semantics.as_str(), slug(&v));
+            let name = format!(
+                "service_health::{}::{}",
+                semantics.as_str(),
+                conformance::slug(&v)
+            );
             let uncertain = v["uncertain"].as_bool().unwrap_or(false);
             let v = v.clone();
             let trial = Trial::test(name, move || in_netns(move || run_vector(v, semantics)));
@@ -367,7 +337,7 @@ fn main() {
         }
     }
     for t in load_file("proxy_healthz.json", "timelines") {
-        let name = format!("proxy_healthz::upstream::{}", slug(&t));
+        let name = format!("proxy_healthz::upstream::{}", conformance::slug(&t));
         trials.push(Trial::test(name, move || in_netns(move || run_timeline(t))));
     }
     let trials = trials

@@ -4,11 +4,10 @@
 mod common;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::time::Duration;
 
-use common::{get, in_netns, t0};
+use common::{get, health_config, in_netns, t0};
 use kproxy_health::fixtures::{plan, svc};
-use kproxy_health::{Health, HealthConfig, ManualClock, Semantics};
+use kproxy_health::{Health, ManualClock, Semantics};
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd")
@@ -23,12 +22,10 @@ fn no_fd_leak_over_1000_open_close_cycles() {
     }
     in_netns(|| async {
         let mut registry = prometheus_client::registry::Registry::default();
-        let cfg = HealthConfig {
-            healthz_bind_address: Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10256)),
-            semantics: Semantics::Truthful,
-            sync_period: Duration::from_secs(30),
-            connection_budget: None,
-        };
+        let cfg = health_config(
+            Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10256)),
+            Semantics::Truthful,
+        );
         let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0()))
             .await
             .unwrap();

@@ -8,7 +8,7 @@ mod common;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use common::{get, in_netns, t0};
+use common::{get, health_config, in_netns, t0};
 use kproxy_health::fixtures::{plan, svc};
 use kproxy_health::{Health, HealthConfig, ManualClock, Semantics};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -21,14 +21,14 @@ fn addr() -> SocketAddr {
 }
 
 async fn start() -> Health {
+    start_with(kproxy_health::http::Limits::default()).await
+}
+
+/// A health server (no `/healthz`) with `limits`, serving Service `a/b` on [`PORT`].
+async fn start_with(limits: kproxy_health::http::Limits) -> Health {
     let mut registry = prometheus_client::registry::Registry::default();
-    let cfg = HealthConfig {
-        healthz_bind_address: None,
-        semantics: Semantics::Upstream,
-        sync_period: Duration::from_secs(30),
-        connection_budget: None,
-    };
-    let h = Health::start_with_clock(cfg, &mut registry, ManualClock::new(t0()))
+    let cfg = health_config(None, Semantics::Upstream);
+    let h = Health::start_with(cfg, &mut registry, ManualClock::new(t0()), limits)
         .await
         .unwrap();
     let p = plan(&[svc("a", "b", PORT, &["10.244.0.5"])]);
@@ -181,24 +181,11 @@ fn half_requests_are_disconnected_after_the_header_timeout() {
         return;
     }
     in_netns(|| async {
-        let mut registry = prometheus_client::registry::Registry::default();
-        let cfg = HealthConfig {
-            healthz_bind_address: None,
-            semantics: Semantics::Upstream,
-            sync_period: Duration::from_secs(30),
-            connection_budget: None,
-        };
-        let limits = kproxy_health::http::Limits {
+        let h = start_with(kproxy_health::http::Limits {
             header_read_timeout: Duration::from_millis(300),
             ..Default::default()
-        };
-        let h = Health::start_with(cfg, &mut registry, ManualClock::new(t0()), limits)
-            .await
-            .unwrap();
-        let p = plan(&[svc("a", "b", PORT, &["10.244.0.5"])]);
-        h.plan_computed(&p);
-        h.plan_applied(&p);
-        h.reconciled().await;
+        })
+        .await;
         let mut half = TcpStream::connect(addr()).await.unwrap();
         half.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
             .await

@@ -5,7 +5,8 @@
 //! the RSS after the first sync and settled, the peak RSS (VmHWM), and the CPU seconds
 //! of kproxy and of the API server (its pid file beside the kubeconfig) until that sync.
 //!
-//! Needs a running API server, e.g. the k8s-lab (../shared/tools/k8s-lab):
+//! Needs a running API server, e.g. a k8s-lab instance (docs/lab.md, "The real control
+//! plane", says how to start one; `start.sh` is its start script):
 //!
 //! ```text
 //! API_PORT=6452 ETCD_PORT=2393 KCM_PORT=10262 start.sh start
@@ -77,7 +78,9 @@
 #[path = "support/mod.rs"]
 mod support;
 
-use support::{Netns, Proc, cpu_ticks, ip4, kproxy_binary, sh, status_kib, unix_us};
+use support::{
+    Netns, Proc, cpu_ticks, ip4, kproxy_binary, sh, slice_endpoints, status_kib, unix_us,
+};
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -113,14 +116,7 @@ fn service(i: usize) -> (String, Value) {
 
 fn slice(i: usize, eps: usize) -> (String, Value) {
     let ns = format!("ns-{}", i % NAMESPACES);
-    let endpoints: Vec<Value> = (0..eps)
-        .map(|e| {
-            let n = i * eps + e;
-            let terminating = n % 7 == 6;
-            json!({"addresses": [ip4(0x0af4_0000, n + 1)], "nodeName": format!("node-{}", n % 100),
-                   "conditions": {"ready": !terminating, "serving": true, "terminating": terminating}})
-        })
-        .collect();
+    let endpoints = slice_endpoints(i, eps);
     let body = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": format!("svc-{i}-x"), "namespace": ns,
                      "labels": {"kubernetes.io/service-name": format!("svc-{i}")}},
@@ -1250,21 +1246,7 @@ fn main() {
     let name = format!("apb-{}", std::process::id());
     let ns = Netns::new(name.clone());
     let exec = |args: &[&str]| ns.exec(args);
-    exec(&[
-        "ip", "link", "add", "apb0", "type", "veth", "peer", "name", "apb1",
-    ]);
-    exec(&["ip", "addr", "add", "10.200.0.1/24", "dev", "apb0"]);
-    exec(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{PROBE_POD_IP}/24"),
-        "dev",
-        "apb1",
-    ]);
-    exec(&["ip", "link", "set", "apb0", "up"]);
-    exec(&["ip", "link", "set", "apb1", "up"]);
-    exec(&["ip", "route", "add", "10.96.0.0/16", "dev", "apb0"]);
+    ns.probe_veth("apb", PROBE_POD_IP, "10.96.0.0/16");
 
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path().to_path_buf();

@@ -139,24 +139,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 fn run(services: usize, eps: usize) {
     let name = format!("kpb-{}-{services}x{eps}", std::process::id());
     let ns = Netns::new(name.clone());
-    let exec = |args: &[&str]| ns.exec(args);
-    exec(&[
-        "ip", "link", "add", "kpb0", "type", "veth", "peer", "name", "kpb1",
-    ]);
-    exec(&["ip", "addr", "add", "10.200.0.1/24", "dev", "kpb0"]);
-    exec(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{PROBE_POD_IP}/24"),
-        "dev",
-        "kpb1",
-    ]);
-    exec(&["ip", "link", "set", "kpb0", "up"]);
-    exec(&["ip", "link", "set", "kpb1", "up"]);
-    // A route for cluster IPs (as a node has, via its default route): the routing
-    // decision comes before the DNAT in the output hook. It stays inside the namespace.
-    exec(&["ip", "route", "add", "10.95.0.0/16", "dev", "kpb0"]);
+    ns.probe_veth("kpb", PROBE_POD_IP, "10.95.0.0/16");
 
     let dir = tempfile::tempdir().expect("tempdir");
     let t = Instant::now();

@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use kproxy_source::fake_api::{self, FakeApi};
 use serde_json::{Value, json};
-use support::{ip4, kproxy_binary};
+use support::{ip4, kproxy_binary, slice_endpoints};
 
 /// Service `i` in one of 50 namespaces; one in ten a LoadBalancer with
 /// externalTrafficPolicy Local among the first 2,000 (the node-port range).
@@ -46,14 +46,7 @@ fn service(i: usize) -> Value {
 }
 
 fn slice(i: usize, eps: usize) -> Value {
-    let endpoints: Vec<Value> = (0..eps)
-        .map(|e| {
-            let n = i * eps + e;
-            let terminating = n % 7 == 6;
-            json!({"addresses": [ip4(0x0af4_0000, n + 1)], "nodeName": format!("node-{}", n % 100),
-                   "conditions": {"ready": !terminating, "serving": true, "terminating": terminating}})
-        })
-        .collect();
+    let endpoints = slice_endpoints(i, eps);
     json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": format!("svc-{i}-x"), "namespace": format!("ns-{}", i % 50), "resourceVersion": "1",
                      "labels": {"kubernetes.io/service-name": format!("svc-{i}")}},

@@ -20,7 +20,7 @@ use kproxy_core::ingest::Ownership;
 use kproxy_core::planner::PlanUpdate;
 use kproxy_core::takeover::TakeoverMode;
 use kproxy_health::{Health, HealthConfig, Semantics, ShutdownDrain};
-use kproxy_nft::{Dataplane as Nft, DataplaneConfig};
+use kproxy_nft::Dataplane as Nft;
 use prometheus_client::registry::Registry;
 
 use crate::daemon::{self, LoopConfig, SyncLoop, SyncOutcome};
@@ -320,12 +320,10 @@ async fn run_async(args: Args, cfg: ProxyConfig, node: String) -> Result<ExitCod
     }
 
     let dataplane = NftDataplane(
-        Nft::new(DataplaneConfig {
-            table: args.nft.nft_table.clone(),
-            masquerade_bit: cfg.masquerade_bit,
-            counters: args.traffic_metrics != crate::traffic::Level::Off,
-            ..Default::default()
-        })
+        Nft::new(args.nft.dataplane(
+            cfg.masquerade_bit,
+            args.traffic_metrics != crate::traffic::Level::Off,
+        ))
         .context("setting up the nftables dataplane")?,
     );
     if args.traffic_metrics != crate::traffic::Level::Off {

@@ -15,7 +15,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use kproxy_core::planner::PlanUpdate;
-use kproxy_nft::{Dataplane, DataplaneConfig};
+use kproxy_nft::Dataplane;
 
 use crate::common::ManifestArgs;
 
@@ -98,12 +98,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
         );
     }
     let failed = input.strict_failed || input.skipped || !plan.conflicts.is_empty();
-    let dp_config = DataplaneConfig {
-        table: args.nft.nft_table.clone(),
-        masquerade_bit: config.masquerade_bit,
-        counters: args.traffic_metrics != crate::traffic::Level::Off,
-        ..Default::default()
-    };
+    let dp_config = args.nft.dataplane(
+        config.masquerade_bit,
+        args.traffic_metrics != crate::traffic::Level::Off,
+    );
     if args.dry_run {
         kproxy_nft::validate_plan(&plan).context("checking the plan")?;
         let (tx, adopted) = kproxy_nft::first_sync_transaction(&plan, &dp_config);

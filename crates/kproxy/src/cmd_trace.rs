@@ -11,7 +11,6 @@ use anyhow::{Result, bail};
 use clap::ValueEnum;
 use kproxy_core::model::{IpFamily, Protocol};
 use kproxy_core::trace::{Packet, Trace, TraceVerdict, trace};
-use kproxy_nft::DataplaneConfig;
 
 use crate::cluster::ClusterArgs;
 use crate::common::{NftTableFlag, Output, print_structured};
@@ -101,12 +100,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         // `--traffic-metrics` other than `off`: compare the kernel with the plan rendered
         // the same way (the node-level counter exists whenever they are on).
         let counters = kproxy_nft::read_counters(&args.nft.nft_table).is_ok_and(|c| !c.is_empty());
-        let dp = DataplaneConfig {
-            table: args.nft.nft_table.clone(),
-            masquerade_bit: cluster.config.masquerade_bit,
-            counters,
-            ..Default::default()
-        };
+        let dp = args.nft.dataplane(cluster.config.masquerade_bit, counters);
         let k = kernel_trace::kernel_trace(&plan, &dp, &pkt, &locals, t)?;
         if !print_structured(&k, args.output)? {
             print_plan(&k.plan);

@@ -168,6 +168,21 @@ pub struct NftTableFlag {
     pub nft_table: String,
 }
 
+impl NftTableFlag {
+    /// The dataplane settings of a command that programs this table or compares the
+    /// kernel with it (`run`, `sync`, `trace`): the KubeProxyConfiguration's masquerade
+    /// bit, and whether the tables hold traffic counters (`--traffic-metrics` other
+    /// than `off`).
+    pub fn dataplane(&self, masquerade_bit: u8, counters: bool) -> kproxy_nft::DataplaneConfig {
+        kproxy_nft::DataplaneConfig {
+            table: self.nft_table.clone(),
+            masquerade_bit,
+            counters,
+            ..Default::default()
+        }
+    }
+}
+
 /// Planner settings that are flags of kproxy's own, not fields of the
 /// KubeProxyConfiguration: shared by `run` and the commands that plan once.
 #[derive(Args, Clone, Debug)]

@@ -236,10 +236,8 @@ fn execute(plan: &RemovalPlan, m: &TakeoverMetrics) -> bool {
 fn run_step(step: &Step) -> Result<()> {
     match step {
         Step::DeleteNftTable { family } => {
-            let Some(family) = NFT_FAMILIES.into_iter().find(|f| f.nft() == family) else {
-                bail!("table family {family:?}: want ip or ip6");
-            };
-            kproxy_nft::delete_tables(&[(family, takeover::NFT_TABLE)]).map_err(anyhow::Error::from)
+            kproxy_nft::delete_tables(&[(kproxy_nft::Family::of(*family), takeover::NFT_TABLE)])
+                .map_err(anyhow::Error::from)
         }
         Step::XtRestore {
             backend,

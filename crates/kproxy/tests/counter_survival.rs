@@ -186,25 +186,13 @@ impl Node {
     /// The kernel's totals (new connections of `shop/web`, rejects of `shop/empty`),
     /// read by `kproxy top -o json`.
     fn kernel(&self) -> (u64, u64) {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns().0, env!("CARGO_BIN_EXE_kproxy")])
-            .args([
-                "top",
-                "-o",
-                "json",
-                "--interval",
-                "0.05",
-                "--nft-table",
-                TABLE,
-            ])
-            .output()
-            .expect("kproxy top");
-        assert!(
-            out.status.success(),
-            "kproxy top: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = kproxy_test_support::run(
+            self.ns()
+                .kproxy("top")
+                .args(["-o", "json", "--interval", "0.05"])
+                .args(["--nft-table", TABLE]),
         );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("top's JSON");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("top's JSON");
         let port = |svc: &str| {
             v["servicePorts"]
                 .as_array()

@@ -81,20 +81,12 @@ fn sync_once_does_not_wipe_the_kernels_services_with_an_empty_input() {
     std::fs::write(m.join("svc.yaml"), SVC).unwrap();
     let m = m.to_str().unwrap();
     let sync = |extra: &[&str]| {
-        let mut args = vec![
-            "netns",
-            "exec",
-            &ns.0,
-            env!("CARGO_BIN_EXE_kproxy"),
-            "sync",
-            "--once",
-            "--manifests",
-            m,
-            "--node",
-            "n",
-        ];
-        args.extend_from_slice(extra);
-        let out = Command::new("ip").args(&args).output().unwrap();
+        let out = ns
+            .kproxy("sync")
+            .args(["--once", "--manifests", m, "--node", "n"])
+            .args(extra)
+            .output()
+            .unwrap();
         (
             out.status.code(),
             String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -141,19 +133,10 @@ fn sync_once_exits_1_naming_the_loser_of_a_frontend_conflict() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("a.yaml"), format!("{SVC}---\n{THIEF}")).unwrap();
     for mode in ["--once", "--dry-run"] {
-        let out = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &ns.0,
-                env!("CARGO_BIN_EXE_kproxy"),
-                "sync",
-                mode,
-                "--manifests",
-                dir.path().to_str().unwrap(),
-                "--node",
-                "n",
-            ])
+        let out = ns
+            .kproxy("sync")
+            .args([mode, "--manifests", dir.path().to_str().unwrap()])
+            .args(["--node", "n"])
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -2,8 +2,8 @@
 //! performed by a real kube-controller-manager (Deployment, ReplicaSet and
 //! EndpointSlice controllers) behind a real kube-apiserver; every node's kproxy
 //! watches that API. Opt-in: needs root and a running k8s-lab instance named by
-//! K8S_LAB (kube-apiserver + kube-controller-manager, see
-//! ../shared/tools/k8s-lab/README.md). CI cannot build the lab, so the tests are
+//! K8S_LAB (kube-apiserver + kube-controller-manager; docs/lab.md, "The real control
+//! plane", says how to start one). CI cannot build the lab, so the tests are
 //! `#[ignore]`d with that reason: `cargo test` lists them as ignored, visibly, instead
 //! of passing without running (a skip printed from inside a test is swallowed by the
 //! test runner's capture, and the summary would count it as passed). Run them with

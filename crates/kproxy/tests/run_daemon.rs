@@ -13,12 +13,12 @@ mod common;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, Load, NODE, Netns, SERVICE, can_run, eventually, fabric, http_get,
-    manifests, sigterm, slice, write_atomic,
+    Daemon, DaemonLog, Load, NODE, Netns, SERVICE, can_run, eventually, explain_web, fabric,
+    http_get, kproxy_run_through, manifests, sigterm, slice, write_atomic,
 };
 
 fn start_daemon(node: &Netns, dir: &Path, table: &str, events: &Path, log: &DaemonLog) -> Daemon {
@@ -36,32 +36,14 @@ fn start_daemon_to(
     prefix: &[&str],
 ) -> Daemon {
     Daemon(
-        Command::new("ip")
-            .args(["netns", "exec", &node.0])
-            .args(prefix)
-            .args([env!("CARGO_BIN_EXE_kproxy"), "run"])
+        kproxy_run_through(node, prefix, &["--manifests", dir.to_str().unwrap()])
+            .args(["--min-sync-period", "50ms", "--sync-period", "5s"])
             .args([
-                "--manifests",
-                dir.to_str().unwrap(),
-                "--hostname-override",
-                "node-a",
-            ])
-            .args([
-                "--healthz-bind-address",
-                "127.0.0.1:10256",
-                "--metrics-bind-address",
-                "127.0.0.1:10249",
-            ])
-            .args([
-                "--min-sync-period",
-                "50ms",
-                "--sync-period",
-                "5s",
                 "--nft-table",
                 table,
+                "--event-log",
+                events.to_str().unwrap(),
             ])
-            .args(["--event-log", events.to_str().unwrap()])
-            .stdout(Stdio::null())
             .stderr(log.stderr())
             .spawn()
             .expect("start kproxy run"),
@@ -312,23 +294,7 @@ fn a_health_check_port_on_an_absent_node_address_is_reported_in_metrics_and_expl
     let counted = r#"kproxy_health_check_node_port_bind_failures_total{namespace="shop",name="web",port="32000",reason="address_absent"} 1"#;
     assert!(metrics.lines().any(|l| l == counted), "{metrics}");
 
-    let explain = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &node.0,
-            env!("CARGO_BIN_EXE_kproxy"),
-            "explain",
-        ])
-        .args([
-            "--manifests",
-            dir.path().to_str().unwrap(),
-            "--node",
-            "node-a",
-        ])
-        .args(["shop/web", "--server", "http://127.0.0.1:10249"])
-        .output()
-        .expect("kproxy explain");
+    let explain = explain_web(node, dir.path(), "http://127.0.0.1:10249");
     let out = String::from_utf8_lossy(&explain.stdout);
     assert!(
         explain.status.success(),
@@ -624,21 +590,9 @@ fn run_programs_repairs_and_cleanup_removes_with_no_nft_on_path() {
 
     let status = sigterm(&mut daemon);
     assert!(status.success(), "{status:?}");
-    let out = Command::new("ip")
-        .args(["netns", "exec", &node.0])
-        .args(no_nft)
-        .args([
-            env!("CARGO_BIN_EXE_kproxy"),
-            "cleanup",
-            "--nft-table",
-            table,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "cleanup: {}",
-        String::from_utf8_lossy(&out.stderr)
+    kproxy_test_support::run(
+        node.kproxy_through(&no_nft, "cleanup")
+            .args(["--nft-table", table]),
     );
     let tables = Command::new("ip")
         .args(["netns", "exec", &node.0, "nft", "list", "tables"])

@@ -3,36 +3,21 @@
 //! drain conditions and its deletion, and on SIGTERM drains (503, the rules still
 //! forwarding) before it exits, leaving its rules (docs/health.md, "Drain signals").
 
-#![expect(
-    clippy::disallowed_types,
-    reason = "waits for a real kproxy process to exit: wall time"
-)]
-
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, Load, NODE, Netns, can_run, eventually, fabric, http_get, manifests,
-    send_sigterm, write_atomic,
+    Daemon, DaemonLog, Load, NODE, Netns, can_run, eventually, fabric, http_get, kproxy_run,
+    manifests, send_sigterm, wait_exit, write_atomic,
 };
 
 fn start(node: &Netns, dir: &Path, table: &str, log: &DaemonLog, extra: &[&str]) -> Daemon {
     Daemon(
-        Command::new("ip")
-            .args(["netns", "exec", &node.0])
-            .args([env!("CARGO_BIN_EXE_kproxy"), "run"])
-            .args(["--manifests", dir.to_str().unwrap()])
-            .args(["--hostname-override", "node-a"])
-            .args(["--healthz-bind-address", "127.0.0.1:10256"])
-            .args(["--metrics-bind-address", "127.0.0.1:10249"])
+        kproxy_run(node, &["--manifests", dir.to_str().unwrap()])
             .args(["--min-sync-period", "50ms", "--sync-period", "5s"])
-            .args(["--manifest-remove-after", "200ms"])
-            .args(["--nft-table", table])
+            .args(["--manifest-remove-after", "200ms", "--nft-table", table])
             .args(extra)
-            .stdout(Stdio::null())
             .stderr(log.stderr())
             .spawn()
             .expect("start kproxy run"),
@@ -52,17 +37,7 @@ fn healthz_says(node: &Netns, code: u16, signals: &[&str], what: &str) {
 /// Waits for the daemon to exit by itself (the drain period is not timed: the bound
 /// only keeps a broken build from hanging the suite).
 fn exit_of(daemon: &mut Daemon) -> std::process::ExitStatus {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        if let Some(status) = daemon.0.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kproxy never exited after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_exit(daemon, 300)
 }
 
 /// SIGTERM with `--shutdown-drain always`: `/healthz` answers 503 (`shutdown`) while the

@@ -15,63 +15,30 @@ mod common;
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, DaemonLog, Netns, can_run, eventually, fabric, http_get};
-
-const MANIFESTS: &str = r#"
-apiVersion: v1
-kind: Node
-metadata: {name: node-a}
-status: {addresses: [{type: InternalIP, address: 10.200.0.11}]}
----
-apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: shop}
-spec:
-  type: LoadBalancer
-  clusterIP: 10.96.0.10
-  clusterIPs: [10.96.0.10]
-  ipFamilies: [IPv4]
-  externalTrafficPolicy: Local
-  healthCheckNodePort: 32000
-  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}]
-status: {loadBalancer: {ingress: [{ip: 203.0.113.10}]}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
-addressType: IPv4
-ports: [{name: http, port: 8080, protocol: TCP}]
-endpoints:
-- addresses: [10.244.1.5]
-  nodeName: node-a
-  conditions: {ready: true}
-"#;
+use common::{
+    Daemon, DaemonLog, HEALTHZ, METRICS, Netns, can_run, eventually, fabric, http_get,
+    kproxy_run_through, manifests,
+};
 
 /// More idle connections than the daemon has descriptors (hard limit 1024).
 const FLOOD: usize = 3_000;
-const METRICS: &str = "127.0.0.1:10249";
-const HEALTHZ: &str = "127.0.0.1:10256";
 const HC_PORT: &str = "10.200.0.11:32000";
 
 fn start_daemon(node: &Netns, dir: &Path, log: &DaemonLog) -> Daemon {
-    let stderr = log.stderr();
+    // Soft limit first: the hard one may not go below it.
+    let ulimit = [
+        "sh",
+        "-c",
+        r#"ulimit -Sn 512 && ulimit -Hn 1024 && exec "$@""#,
+        "sh",
+    ];
     Daemon(
-        Command::new("ip")
-            .args(["netns", "exec", &node.0, "sh", "-c"])
-            // Soft limit first: the hard one may not go below it.
-            .arg(r#"ulimit -Sn 512 && ulimit -Hn 1024 && exec "$@""#)
-            .args(["sh", env!("CARGO_BIN_EXE_kproxy"), "run"])
-            .args(["--manifests", dir.to_str().unwrap()])
-            .args(["--hostname-override", "node-a"])
-            .args(["--healthz-bind-address", HEALTHZ])
-            .args(["--metrics-bind-address", METRICS])
+        kproxy_run_through(node, &ulimit, &["--manifests", dir.to_str().unwrap()])
             .args(["--min-sync-period", "50ms", "--sync-period", "5s"])
             .args(["--nft-table", "kptflood"])
-            .stdout(Stdio::null())
-            .stderr(stderr)
+            .stderr(log.stderr())
             .spawn()
             .expect("start kproxy run"),
     )
@@ -116,8 +83,7 @@ fn idle_connection_flood_on_the_metrics_port_starves_nothing() {
 
     let fab = fabric('f');
     let node = &fab.node;
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("all.yaml"), MANIFESTS).unwrap();
+    let dir = manifests();
     let log = DaemonLog::new();
     let daemon = start_daemon(node, dir.path(), &log);
     let pid = daemon.0.id(); // `ip netns exec` and `sh` exec: this is kproxy's pid

@@ -17,40 +17,22 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{Daemon, Fabric, Netns, can_run, eventually, fabric, http_get, manifests};
+use common::{
+    Daemon, Fabric, Netns, can_run, eventually, fabric, http_get, kproxy_run, manifests, metric,
+};
 
 const TABLE: &str = "kpi";
 
 fn start_daemon(node: &Netns, dir: &Path, log: &Path) -> Daemon {
     let log = std::fs::File::create(log).expect("log file");
     Daemon(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &node.0,
-                env!("CARGO_BIN_EXE_kproxy"),
-                "run",
-            ])
-            .args(["--manifests", dir.to_str().unwrap()])
-            .args(["--hostname-override", "node-a", "--nft-table", TABLE])
-            .args(["--healthz-bind-address", "127.0.0.1:10256"])
-            .args(["--metrics-bind-address", "127.0.0.1:10249"])
+        kproxy_run(node, &["--manifests", dir.to_str().unwrap()])
+            .args(["--nft-table", TABLE])
             .args(["--min-sync-period", "50ms", "--sync-period", "30s"])
-            .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("start kproxy run"),
     )
-}
-
-/// The value of the metric series `series` (name and labels, exactly as exposed).
-fn metric(node: &Netns, series: &str) -> Option<f64> {
-    let series = format!("{series} ");
-    let (_, text) = node.run(|| http_get("127.0.0.1:10249".parse().unwrap(), "/metrics"))?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(series.as_str()))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 /// `nft ARGS` in the node namespace; whether it succeeded.
@@ -118,10 +100,7 @@ impl Prober {
     fn start(node: &Netns) -> Prober {
         let done = Arc::new(AtomicBool::new(false));
         let d = done.clone();
-        let path = format!("/var/run/netns/{}", node.0);
-        let thread = std::thread::spawn(move || {
-            let f = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let thread = node.spawn(move || {
             let mut seen = Vec::new();
             while !d.load(Ordering::SeqCst) {
                 if let Some((c, _)) = http_get("127.0.0.1:10256".parse().unwrap(), "/healthz") {

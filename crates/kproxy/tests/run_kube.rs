@@ -30,17 +30,18 @@ mod common;
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Fabric, Netns, can_run, eventually, fabric, http_get};
+use common::{
+    Daemon, Fabric, HEALTHZ, Netns, can_run, eventually, fabric, http_get, kproxy_run, wait_exit,
+};
 use kproxy_source::fake_api::{self, FakeApi, gone};
 use serde_json::{Value, json};
 
 const CLUSTER_IP: &str = "10.96.0.10:80";
 const HEALTH_CHECK: &str = "10.200.0.11:32000";
-const HEALTHZ: &str = "127.0.0.1:10256";
 
 fn addr(s: &str) -> SocketAddr {
     s.parse().unwrap()
@@ -212,38 +213,16 @@ fn start_daemon(
     std::fs::write(&kubeconfig, fake_api::kubeconfig(api.addr)).unwrap();
     let events = dir.path().join("events.jsonl");
     let log = dir.path().join("kproxy.log");
-    let child = Command::new("ip")
+    let child = kproxy_run(node, &["--kubeconfig", kubeconfig.to_str().unwrap()])
+        .args(["--min-sync-period", "50ms", "--sync-period", sync_period])
         .args([
-            "netns",
-            "exec",
-            &node.0,
-            env!("CARGO_BIN_EXE_kproxy"),
-            "run",
-        ])
-        .args([
-            "--kubeconfig",
-            kubeconfig.to_str().unwrap(),
-            "--hostname-override",
-            "node-a",
-        ])
-        .args([
-            "--healthz-bind-address",
-            HEALTHZ,
-            "--metrics-bind-address",
-            "127.0.0.1:10249",
-        ])
-        .args([
-            "--min-sync-period",
-            "50ms",
-            "--sync-period",
-            sync_period,
             "--nft-table",
             table,
+            "--event-log",
+            events.to_str().unwrap(),
         ])
-        .args(["--event-log", events.to_str().unwrap()])
         .args(extra)
         .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("start kproxy run");
@@ -563,21 +542,6 @@ fn an_api_outage_keeps_rules_and_health_and_the_daemon_relists_when_the_api_retu
         pod_answer(),
         "traffic flows with kproxy stopped"
     );
-}
-
-/// Waits up to `secs` for the daemon to exit.
-fn wait_exit(daemon: &mut Daemon, secs: u64) -> std::process::ExitStatus {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(status) = daemon.0.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kproxy run did not exit after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]

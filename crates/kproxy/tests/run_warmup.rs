@@ -15,16 +15,14 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{
-    Daemon, DaemonLog, NODE, Netns, can_run, eventually, fabric, pod_behind_veth, serve_forever,
-    slice_of, write_atomic,
+    Daemon, DaemonLog, NODE, Netns, can_run, eventually, explain_web, fabric, kproxy_run,
+    pod_behind_veth, serve_forever, slice_of, write_atomic,
 };
 
 const SERVICE: &str = r#"
@@ -52,23 +50,17 @@ fn slice(old_terminating: bool, new: bool) -> String {
 
 fn start_daemon(node: &Netns, dir: &Path, events: &Path, log: &DaemonLog, warmup: &str) -> Daemon {
     Daemon(
-        Command::new("ip")
+        kproxy_run(node, &["--manifests", dir.to_str().unwrap()])
             .args([
-                "netns",
-                "exec",
-                &node.0,
-                env!("CARGO_BIN_EXE_kproxy"),
-                "run",
+                "--min-sync-period",
+                "0s",
+                "--sync-period",
+                "30s",
+                "--nft-table",
+                "kpw",
             ])
-            .args(["--manifests", dir.to_str().unwrap()])
-            .args(["--hostname-override", "node-a"])
-            .args(["--healthz-bind-address", "127.0.0.1:10256"])
-            .args(["--metrics-bind-address", "127.0.0.1:10249"])
-            .args(["--min-sync-period", "0s", "--sync-period", "30s"])
-            .args(["--nft-table", "kpw"])
             .args(["--endpoint-warmup", warmup])
             .args(["--event-log", events.to_str().unwrap()])
-            .stdout(Stdio::null())
             .stderr(log.stderr())
             .spawn()
             .expect("start kproxy run"),
@@ -97,10 +89,7 @@ impl Load {
     fn start(node: &Netns) -> Load {
         let (done, seen) = (Arc::new(AtomicBool::new(false)), Arc::default());
         let (done2, seen2): (_, Arc<Mutex<Seen>>) = (done.clone(), Arc::clone(&seen));
-        let path = format!("/var/run/netns/{}", node.0);
-        let thread = std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let thread = node.spawn(move || {
             let addr: SocketAddr = "10.96.0.10:80".parse().unwrap();
             while !done2.load(Ordering::SeqCst) {
                 let outcome = request(addr);
@@ -190,23 +179,7 @@ fn run(old_terminating: bool, warmup: &str) -> (Seen, Vec<serde_json::Value>, St
     // The new pod is programmed (held or not): its server binds 400 ms later. Meanwhile
     // `kproxy explain --server` asks the daemon what it holds.
     let bind_at = Instant::now() + Duration::from_millis(400);
-    let explained = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &node.0,
-            env!("CARGO_BIN_EXE_kproxy"),
-            "explain",
-        ])
-        .args([
-            "--manifests",
-            dir.path().to_str().unwrap(),
-            "--node",
-            "node-a",
-        ])
-        .args(["--server", "127.0.0.1:10249", "shop/web"])
-        .output()
-        .expect("kproxy explain");
+    let explained = explain_web(node, dir.path(), "127.0.0.1:10249");
     let explained = format!(
         "{}{}",
         String::from_utf8_lossy(&explained.stdout),

@@ -136,8 +136,7 @@ fn kproxy_run_sets_the_timeouts_in_its_own_network_namespace() {
     let ns = Netns::new("sysctlrun");
     let table = format!("kpt_sysctl_{}", std::process::id());
     let _daemon = Daemon(
-        Command::new("ip")
-            .args(["netns", "exec", &ns.0, env!("CARGO_BIN_EXE_kproxy"), "run"])
+        ns.kproxy("run")
             .args(["--config", cfg.to_str().unwrap()])
             .args(["--manifests", manifests.to_str().unwrap()])
             .args(["--hostname-override", "node-a", "--nft-table", &table])

@@ -21,7 +21,6 @@ mod common;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -29,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Netns, can_run, http_get, sh, write_atomic};
+use common::{Daemon, Netns, can_run, http_get, metric, sh, write_atomic};
 use kproxy_core::model::IpFamily;
 use kproxy_core::takeover::{self, XtBackend};
 
@@ -86,12 +85,7 @@ fn spawn_in<T: Send + 'static>(
     ns: &Netns,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> JoinHandle<T> {
-    let path = format!("/var/run/netns/{}", ns.0);
-    std::thread::spawn(move || {
-        let file = std::fs::File::open(&path).expect("open netns");
-        nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        f()
-    })
+    ns.spawn(f)
 }
 
 /// node-1 (eth0 10.200.0.1, pods behind a veth), one namespace holding the three pods'
@@ -155,18 +149,8 @@ fn cluster(tag: &str) -> Cluster {
     client.exec(&["ip", "link", "set", "eth0", "up"]);
     client.exec(&["ip", "route", "add", &format!("{VIP}/32"), "via", NODE_IP]);
 
-    let stop = Arc::new(AtomicBool::new(false));
     let listener = pods.run(|| TcpListener::bind("0.0.0.0:8080").expect("pod listener"));
-    let stop2 = stop.clone();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            if stop2.load(Ordering::SeqCst) {
-                break;
-            }
-            let Ok(c) = conn else { continue };
-            std::thread::spawn(move || serve(c));
-        }
-    });
+    let stop = common::accept_forever(listener, serve);
     Cluster {
         node,
         _pods: pods,
@@ -436,28 +420,14 @@ fn nft_tables(node: &Netns) -> Vec<String> {
 }
 
 fn has_iptables() -> bool {
-    let ok = Command::new("iptables-restore")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        ok,
-        "running as root but `iptables` is missing (install the iptables package)"
-    );
-    ok
+    common::require_tool("iptables-restore", "the iptables package");
+    true
 }
 
 fn start_kproxy(node: &Netns, dir: &Path, log: &Path, extra: &[&str]) -> Daemon {
     let log = std::fs::File::create(log).expect("log file");
     Daemon(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &node.0,
-                env!("CARGO_BIN_EXE_kproxy"),
-                "run",
-            ])
+        node.kproxy("run")
             .args(["--manifests", dir.to_str().unwrap()])
             .args([
                 "--hostname-override",
@@ -511,14 +481,6 @@ fn wait_metric(node: &Netns, series: &str, want: f64, log: &Path) {
         "{series}; kproxy's log:\n{}",
         std::fs::read_to_string(log).unwrap_or_default()
     );
-}
-
-fn metric(node: &Netns, series: &str) -> Option<f64> {
-    let series = format!("{series} ");
-    let (_, text) = node.run(|| http_get("127.0.0.1:10249".parse().unwrap(), "/metrics"))?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(series.as_str()))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 fn is_kube_proxys(entry: &str) -> bool {
@@ -944,20 +906,7 @@ fn start_real_kube_proxy(
     let cfg = dir.join(format!("kube-proxy-{n}.yaml"));
     std::fs::write(
         &cfg,
-        format!(
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: node-1
-clientConnection: {{kubeconfig: {}}}
-clusterCIDR: 10.244.0.0/16
-detectLocalMode: ClusterCIDR
-healthzBindAddress: 10.200.0.1:10256
-metricsBindAddress: 127.0.0.1:10249
-conntrack: {{maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}}
-",
-            lab.proxy_kubeconfig.display()
-        ),
+        lab.kube_proxy_config(mode, "node-1", "10.200.0.1:10256"),
     )
     .unwrap();
     let log = std::fs::File::create(dir.join(format!("kube-proxy-{n}.log"))).unwrap();
@@ -1026,7 +975,7 @@ fn kube_proxy_programmed(node: &Netns, mode: &str) -> bool {
 /// removes kproxy's tables once kube-proxy is healthy (phase `back`). Prints failures
 /// per phase and asserts none. `KPROXY_TAKEOVER_MODES=nftables,iptables` (default both).
 ///
-///   export K8S_LAB=/path/to/k8s-lab; ../shared/tools/k8s-lab/start.sh start && ../shared/tools/k8s-lab/start.sh kcm
+///   export K8S_LAB=/path/to/k8s-lab   # started with its `start.sh start` and `start.sh kcm` (docs/lab.md)
 ///   sudo -E crates/kproxy/tests/fixtures/kube-proxy/capture.sh nftables   # the objects
 ///   sudo -E cargo test -p kproxy --test takeover -- --ignored --nocapture
 #[test]
@@ -1094,14 +1043,8 @@ fn real_kube_proxy_takeover_and_back() {
         sigterm_and_wait(&mut kube_proxy);
         let kproxy_log = std::fs::File::create(&log).unwrap();
         let mut kproxy = Daemon(
-            Command::new("ip")
-                .args([
-                    "netns",
-                    "exec",
-                    &c.node.0,
-                    env!("CARGO_BIN_EXE_kproxy"),
-                    "run",
-                ])
+            c.node
+                .kproxy("run")
                 .arg("--kubeconfig")
                 .arg(&lab.proxy_kubeconfig)
                 .args([
@@ -1147,21 +1090,10 @@ fn real_kube_proxy_takeover_and_back() {
         if overlap {
             sigterm_and_wait(&mut kproxy);
         }
-        let cleanup = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &c.node.0,
-                env!("CARGO_BIN_EXE_kproxy"),
-                "cleanup",
-            ])
-            .arg("--after-kube-proxy-synced=10.200.0.1:10256")
-            .output()
-            .unwrap();
-        assert!(
-            cleanup.status.success(),
-            "{}",
-            String::from_utf8_lossy(&cleanup.stderr)
+        kproxy_test_support::run(
+            c.node
+                .kproxy("cleanup")
+                .arg("--after-kube-proxy-synced=10.200.0.1:10256"),
         );
         assert!(!nft_tables(&c.node).iter().any(|t| t.ends_with(" kproxy")));
         std::thread::sleep(Duration::from_secs(1));

@@ -39,12 +39,9 @@ impl Family {
         }
     }
 
-    /// As nft writes it: `ip` / `ip6`.
+    /// As nft writes it: `ip` / `ip6` (the word is the IP family's).
     pub fn nft(self) -> &'static str {
-        match self {
-            Family::Ip => "ip",
-            Family::Ip6 => "ip6",
-        }
+        self.ip_family().nft_family()
     }
 
     /// `NFPROTO_IPV4` / `NFPROTO_IPV6` (nfgenmsg's family byte).

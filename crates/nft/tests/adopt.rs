@@ -7,38 +7,19 @@
 mod common;
 
 use common::*;
-use kproxy_core::config::LocalDetectorConfig;
 use kproxy_core::{NodePlan, PlanConfig};
 use kproxy_nft::{Dataplane, DataplaneConfig, SyncReport};
 use serde_json::Value;
 
-fn root() -> bool {
-    kproxy_test_support::root("network namespaces, nftables")
-}
-
 fn cfg() -> DataplaneConfig {
-    DataplaneConfig {
-        conntrack_cleanup: false,
-        ..DataplaneConfig::default()
-    }
+    no_conntrack_cleanup()
 }
 
 /// Plans with CIDR-based local traffic detection (an interval set), affinity (dynamic
 /// sets), LB source ranges (anonymous sets in rules) and both families.
 fn plan_of(text: &str) -> NodePlan {
     let pc = PlanConfig {
-        // Two per family and not adjacent (auto-merge would join adjacent ones).
-        local_detector: LocalDetectorConfig::ClusterCidr(
-            [
-                "10.244.0.0/16",
-                "10.250.0.0/16",
-                "fd00:244::/48",
-                "fd00:250::/48",
-            ]
-            .iter()
-            .map(|c| c.parse().unwrap())
-            .collect(),
-        ),
+        local_detector: two_cluster_cidrs_a_family(),
         ..PlanConfig::default()
     };
     plan_from_yaml(text, "node-a", &pc)

@@ -25,10 +25,7 @@ fn plan(c: &Case) -> NodePlan {
 }
 
 fn cfg() -> DataplaneConfig {
-    DataplaneConfig {
-        conntrack_cleanup: false,
-        ..DataplaneConfig::default()
-    }
+    common::no_conntrack_cleanup()
 }
 
 /// Both ways of saying what moves this namespace's tables to `plan`: adoption's

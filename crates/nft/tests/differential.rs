@@ -44,13 +44,9 @@ fn rng() -> TestRng {
     seeded_rng("KPROXY_DIFF_SEED", 16)
 }
 
-fn require_root() -> bool {
-    kproxy_test_support::root("network namespaces, nftables")
-}
-
 #[test]
 fn trace_equals_kernel_on_random_clusters() {
-    if !require_root() {
+    if !common::root() {
         return;
     }
     let f = Arc::new(Fabric::new());
@@ -87,7 +83,7 @@ fn trace_equals_kernel_on_random_clusters() {
 
 /// Regression cases: minimal states the random test found, kept fixed.
 fn assert_case(c: &Case) {
-    if !require_root() {
+    if !common::root() {
         return;
     }
     let f = Arc::new(Fabric::new());

@@ -27,10 +27,6 @@ use kproxy_nft::{Dataplane, DataplaneConfig, KernelTable, Table, desired};
 use kproxy_nft::{Evaluation, divergence, evaluate};
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-fn require_root() -> bool {
-    kproxy_test_support::root("network namespaces, nftables")
-}
-
 /// The plans of a case: the kernel's as `kproxy sync --once` makes it (node addresses
 /// from the Node object), trace's as `kproxy trace --node-addresses <every host
 /// address>` makes it (as the differential test).
@@ -181,7 +177,7 @@ impl Node {
 /// trace's fate for every probe, and differ from the plan in nothing a probe touches.
 #[test]
 fn kernel_trace_equals_trace_on_random_clusters() {
-    if !require_root() {
+    if !common::root() {
         return;
     }
     let node = Node::new("ktrace");
@@ -227,22 +223,16 @@ fn fates(ev: &Evaluation) -> Vec<String> {
 
 /// Root: an element deleted from the kernel (`nft delete element`) changes the
 /// kernel's fate of the packets that use it, and is what `divergence` names.
-#[test]
-fn a_deleted_element_changes_the_kernel_fate_and_is_named() {
-    if !require_root() {
-        return;
-    }
-    // One ClusterIP Service (10.96.0.10:80) with three ready endpoints.
-    let c = Case {
+/// One ClusterIP Service (10.96.0.10:80) with three ready endpoints, IPv4 only: its
+/// plans ([`plans`]), and a new TCP connection to it from outside (in on `ext0`).
+fn three_ready_endpoints() -> (NodePlan, NodePlan, Packet) {
+    let case = Case {
         ipv4_only: true,
         ..one_service(Svc {
             endpoints: (0..3).map(|pod| (pod, (Some(true), None, None))).collect(),
             ..plain(0)
         })
     };
-    let (kernel_plan, plan) = plans(&c).expect("valid case");
-    let node = Node::new("kdel");
-    node.sync(&kernel_plan);
     let pkt = Packet {
         src: ip("198.51.100.2"),
         dst: ip(&common::cases::v4_cluster_ip(0)),
@@ -250,6 +240,18 @@ fn a_deleted_element_changes_the_kernel_fate_and_is_named() {
         proto: kproxy_core::model::Protocol::TCP,
         in_interface: Some("ext0".into()),
     };
+    let (kernel_plan, plan) = plans(&case).expect("valid case");
+    (kernel_plan, plan, pkt)
+}
+
+#[test]
+fn a_deleted_element_changes_the_kernel_fate_and_is_named() {
+    if !common::root() {
+        return;
+    }
+    let (kernel_plan, plan, pkt) = three_ready_endpoints();
+    let node = Node::new("kdel");
+    node.sync(&kernel_plan);
     let locals = host_addresses();
     let t = trace(&plan, &pkt, &locals);
     assert_eq!(t.endpoints.len(), 3, "{t:?}");
@@ -296,24 +298,10 @@ fn a_deleted_element_changes_the_kernel_fate_and_is_named() {
 /// put the plan's rule back.
 #[test]
 fn a_rule_forged_under_kproxys_id_is_named_and_repaired() {
-    if !require_root() {
+    if !common::root() {
         return;
     }
-    let c = Case {
-        ipv4_only: true,
-        ..one_service(Svc {
-            endpoints: (0..3).map(|pod| (pod, (Some(true), None, None))).collect(),
-            ..plain(0)
-        })
-    };
-    let (kernel_plan, plan) = plans(&c).expect("valid case");
-    let pkt = Packet {
-        src: ip("198.51.100.2"),
-        dst: ip(&common::cases::v4_cluster_ip(0)),
-        dport: 80,
-        proto: kproxy_core::model::Protocol::TCP,
-        in_interface: Some("ext0".into()),
-    };
+    let (kernel_plan, plan, pkt) = three_ready_endpoints();
     let locals = host_addresses();
     let t = trace(&plan, &pkt, &locals);
     assert_eq!(t.endpoints.len(), 3, "{t:?}");

@@ -13,10 +13,6 @@ use kproxy_core::planner::PlanUpdate;
 use kproxy_nft::{ChangeKind, Event, Interference, Monitor};
 use kproxy_nft::{Dataplane, DataplaneConfig};
 
-fn root() -> bool {
-    kproxy_test_support::root("network namespaces, nftables")
-}
-
 /// Everything the monitor reports until it has been quiet for a second.
 fn until_quiet(mon: &mut Monitor) -> Vec<Event> {
     let mut seen = Vec::new();

@@ -293,17 +293,7 @@ fn the_kernel_s_expressions_decode_into_the_rules_kproxy_wrote() {
                     "0.0.0.0/0".parse().unwrap(),
                     "::/0".parse().unwrap(),
                 ]),
-                ..masquerade_all(LocalDetectorConfig::ClusterCidr(
-                    [
-                        "10.244.0.0/16",
-                        "10.250.0.0/16",
-                        "fd00:244::/48",
-                        "fd00:250::/48",
-                    ]
-                    .iter()
-                    .map(|c| c.parse().unwrap())
-                    .collect(),
-                ))
+                ..masquerade_all(two_cluster_cidrs_a_family())
             },
         ),
     ];

@@ -23,15 +23,8 @@ use kproxy_nft::internals::Shards;
 use kproxy_nft::internals::dump::{self, RawTable};
 use kproxy_nft::{Dataplane, DataplaneConfig};
 
-fn root() -> bool {
-    kproxy_test_support::root("network namespaces, nftables")
-}
-
 fn cfg() -> DataplaneConfig {
-    DataplaneConfig {
-        conntrack_cleanup: false,
-        ..DataplaneConfig::default()
-    }
+    no_conntrack_cleanup()
 }
 
 /// Plain ClusterIP Services, every endpoint ready: one dispatch group of `eps` rows

@@ -112,13 +112,7 @@ fn child_verifies_with_logged_nft() {
         // only here: over netlink, no `nft` at all; at most one `nft -f` otherwise).
         sh("nft flush map ip kproxy service-ips");
         let before = calls(&log);
-        let v = dp.verify().unwrap();
-        assert!(v.drift);
-        assert!(
-            v.differences.contains(&"map service-ips".to_string()),
-            "{:?}",
-            v.differences
-        );
+        assert_drift(&mut dp, &["map service-ips"]);
         let log_text = std::fs::read_to_string(&log).unwrap_or_default();
         let repair: Vec<&str> = log_text.lines().skip(before).collect();
         assert!(

@@ -184,17 +184,11 @@ impl Lab {
         (kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
     }
     fn kubectl(&self, args: &[&str]) -> String {
-        let out = Command::new("kubectl")
-            .arg(format!("--kubeconfig={}", self.admin().display()))
-            .args(args)
-            .output()
-            .expect("kubectl on the PATH");
-        assert!(
-            out.status.success(),
-            "kubectl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        kproxy_test_support::run(
+            Command::new("kubectl")
+                .arg(format!("--kubeconfig={}", self.admin().display()))
+                .args(args),
+        )
     }
     /// The API server's /metrics, as admin.
     fn metrics(&self) -> String {

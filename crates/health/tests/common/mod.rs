@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, SystemTime};
 
+use kproxy_health::{HealthConfig, Semantics};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -39,17 +40,20 @@ where
     }
 }
 
+/// The settings of a test's `Health`: `/healthz` on `healthz` (none: no server),
+/// `semantics`, a 30 s sync period and no connection budget.
+pub fn health_config(healthz: Option<SocketAddr>, semantics: Semantics) -> HealthConfig {
+    HealthConfig {
+        healthz_bind_address: healthz,
+        semantics,
+        sync_period: Duration::from_secs(30),
+        connection_budget: None,
+    }
+}
+
 /// Runs `ip ARGS` in the calling thread's network namespace; panics on failure.
 pub fn ip(args: &[&str]) {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .expect("run ip (iproute2)");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kproxy_test_support::run(Command::new("ip").args(args));
 }
 
 #[derive(Debug)]

@@ -29,17 +29,23 @@ pub fn ip4(base: u32, n: usize) -> String {
     std::net::Ipv4Addr::from(base + n as u32).to_string()
 }
 
+/// The endpoints of the `i`-th Service's EndpointSlice at `eps` a Service (JSON, as
+/// the API takes them): pod IPs from 10.244.0.1 on, over node-0 … node-99, every
+/// seventh terminating.
+pub fn slice_endpoints(i: usize, eps: usize) -> Vec<serde_json::Value> {
+    (0..eps)
+        .map(|e| {
+            let n = i * eps + e;
+            let terminating = n % 7 == 6;
+            serde_json::json!({"addresses": [ip4(0x0af4_0000, n + 1)], "nodeName": format!("node-{}", n % 100),
+                   "conditions": {"ready": !terminating, "serving": true, "terminating": terminating}})
+        })
+        .collect()
+}
+
 /// Runs a command, panicking with its stderr when it fails (a bench's set-up step).
 pub fn sh(args: &[&str]) {
-    let out = std::process::Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .unwrap_or_else(|e| panic!("spawn {args:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kproxy_test_support::run(std::process::Command::new(args[0]).args(&args[1..]));
 }
 
 /// A network namespace the bench creates (its loopback up), deleted on drop.
@@ -48,28 +54,33 @@ pub struct Netns(pub String);
 impl Netns {
     /// `name`, created afresh (one left by a killed run is deleted first).
     pub fn new(name: String) -> Netns {
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "del", &name])
-            .output();
-        sh(&["ip", "netns", "add", &name]);
-        let ns = Netns(name);
-        ns.exec(&["ip", "link", "set", "lo", "up"]);
-        ns
+        kproxy_test_support::netns::add(&name);
+        Netns(name)
     }
 
     /// Runs a command inside the namespace (`ip netns exec`).
     pub fn exec(&self, args: &[&str]) {
-        let mut full = vec!["ip", "netns", "exec", &self.0];
-        full.extend_from_slice(args);
-        sh(&full);
+        kproxy_test_support::netns::exec(&self.0, args);
+    }
+
+    /// The probe's path inside the namespace: a veth pair, `{name}0` with 10.200.0.1/24
+    /// and `{name}1` with `probe_ip`/24 (the probe pod's address), both up, and
+    /// `cluster_cidr` routed through `{name}0`, as a node routes cluster IPs by its
+    /// default route (the routing decision comes before the DNAT in the output hook).
+    pub fn probe_veth(&self, name: &str, probe_ip: &str, cluster_cidr: &str) {
+        let (a, b) = (format!("{name}0"), format!("{name}1"));
+        self.exec(&["ip", "link", "add", &a, "type", "veth", "peer", "name", &b]);
+        self.exec(&["ip", "addr", "add", "10.200.0.1/24", "dev", &a]);
+        self.exec(&["ip", "addr", "add", &format!("{probe_ip}/24"), "dev", &b]);
+        self.exec(&["ip", "link", "set", &a, "up"]);
+        self.exec(&["ip", "link", "set", &b, "up"]);
+        self.exec(&["ip", "route", "add", cluster_cidr, "dev", &a]);
     }
 
     /// Moves the calling thread into the namespace named `name` (sockets it makes
     /// afterwards stay there, whichever thread uses them).
     pub fn enter(name: &str) {
-        use std::os::fd::AsFd;
-        let f = std::fs::File::open(format!("/var/run/netns/{name}")).expect("open netns");
-        nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        kproxy_test_support::netns::enter(name);
     }
 
     /// Runs `f` on a thread of its own inside the namespace and waits for it.
@@ -86,9 +97,7 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "del", &self.0])
-            .status();
+        kproxy_test_support::netns::del(&self.0);
     }
 }
 

@@ -157,6 +157,25 @@ fn name(i: usize) -> ServiceName {
     service(i).name.clone()
 }
 
+/// The update of Services `ids` (no node-level change).
+fn of_services(ids: &[usize]) -> PlanUpdate {
+    PlanUpdate {
+        services: ids.iter().map(|&i| name(i)).collect(),
+        node: false,
+    }
+}
+
+/// A sync the fake dataplane saw: at `ms` (paused time), `full` or a delta, carrying
+/// `update`, of a plan of `services` Services.
+fn synced(ms: u64, full: bool, update: PlanUpdate, services: usize) -> Seen {
+    Seen::Sync {
+        ms,
+        full,
+        update,
+        services,
+    }
+}
+
 struct Harness {
     log: Log,
     registry: Registry,
@@ -180,6 +199,35 @@ fn start(
 ) -> Harness {
     let pacing = Pacing::MinSyncPeriod(Duration::from_millis(min_sync));
     start_logging(pacing, fail, gate, None)
+}
+
+/// The loop with minSyncPeriod `min_sync` ms and the fakes never failing, Service 0
+/// in the state and its first sync done: where most tests begin.
+async fn synced_with_service_0(min_sync: u64) -> Harness {
+    let h = start(min_sync, &[], None);
+    h.add(0);
+    h.first_sync().await;
+    h
+}
+
+/// The loop with no minSyncPeriod, writing its event log to `path`.
+fn start_with_event_log(path: &std::path::Path) -> Harness {
+    start_logging(
+        Pacing::MinSyncPeriod(Duration::ZERO),
+        &[],
+        None,
+        Some(path.to_path_buf()),
+    )
+}
+
+/// The lines of the event log at `path` whose `event` is one `keep` takes.
+fn events_where(path: &std::path::Path, keep: impl Fn(&str) -> bool) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|e| e["event"].as_str().is_some_and(&keep))
+        .collect()
 }
 
 fn start_logging(
@@ -277,6 +325,12 @@ impl Harness {
     }
     fn add(&self, i: usize) {
         self.writer.update(|s| s.upsert_service(service(i)));
+    }
+    /// The source ready (its initial list read), and paused time run until the first
+    /// sync attempt happened.
+    async fn first_sync(&self) {
+        self.writer.mark_ready();
+        self.until_syncs(1).await;
     }
     /// Lets paused time run until `n` sync attempts happened.
     async fn until_syncs(&self, n: usize) {
@@ -382,10 +436,7 @@ async fn comparisons_after_endless_lost_notifications_are_spaced() {
 /// A loop that synced one Service, whose repairs find the kernel equal to the
 /// record until the test says otherwise.
 async fn synced_with_repairs_unchanged() -> Harness {
-    let h = start(0, &[], None);
-    h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    let h = synced_with_service_0(0).await;
     h.repairs_unchanged
         .store(true, std::sync::atomic::Ordering::SeqCst);
     h
@@ -472,8 +523,7 @@ async fn a_start_on_empty_or_lost_input_keeps_the_tables_until_the_input_is_whol
 #[tokio::test(start_paused = true)]
 async fn an_empty_start_without_services_in_the_tables_programs() {
     let h = start(0, &[], None);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    h.first_sync().await;
     h.stop().await;
 }
 
@@ -541,10 +591,7 @@ async fn a_sync_that_met_interference_is_retried_at_once_as_the_repair() {
     release.send(()).unwrap();
     h.until_seen(&Seen::KernelRepaired).await;
     let (seen, text) = h.finish().await;
-    let owed = PlanUpdate {
-        services: vec![name(1)],
-        node: false,
-    };
+    let owed = of_services(&[1]);
     let Seen::SyncFailed { ms } = seen[4] else {
         panic!("{seen:?}");
     };
@@ -556,12 +603,7 @@ async fn a_sync_that_met_interference_is_retried_at_once_as_the_repair() {
             Seen::HealthFailed,
             Seen::Computed(vec![]),
             // Not 100 ms later (the retry's backoff): at once, and full.
-            Seen::Sync {
-                ms,
-                full: true,
-                update: owed,
-                services: 2
-            },
+            synced(ms, true, owed, 2),
             Seen::Applied(vec![name(1)]),
             Seen::KernelRepaired,
         ],
@@ -575,10 +617,7 @@ async fn a_sync_that_met_interference_is_retried_at_once_as_the_repair() {
 /// sync that would fail into them.
 #[tokio::test(start_paused = true)]
 async fn a_repair_owed_goes_while_a_change_waits_its_turn() {
-    let h = start(1000, &[], None);
-    h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    let h = synced_with_service_0(1000).await;
     h.add(1);
     tokio::time::sleep(Duration::from_millis(10)).await;
     h.kernel_changed();
@@ -593,15 +632,7 @@ async fn a_repair_owed_goes_while_a_change_waits_its_turn() {
             Seen::Repaired { services: 1 },
             Seen::KernelRepaired,
             Seen::Computed(vec![name(1)]),
-            Seen::Sync {
-                ms: 1000,
-                full: false,
-                update: PlanUpdate {
-                    services: vec![name(1)],
-                    node: false,
-                },
-                services: 2
-            },
+            synced(1000, false, of_services(&[1]), 2),
             Seen::Applied(vec![name(1)]),
         ],
         "{seen:?}"
@@ -613,10 +644,7 @@ async fn a_repair_owed_goes_while_a_change_waits_its_turn() {
 /// tables that were flushed fails, and the repair would wait for it).
 #[tokio::test(start_paused = true)]
 async fn a_repair_owed_goes_before_the_next_delta_sync() {
-    let h = start(0, &[], None);
-    h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    let h = synced_with_service_0(0).await;
     h.add(1);
     h.kernel_changed();
     h.until_syncs(2).await;
@@ -646,10 +674,7 @@ async fn an_api_return_is_timed_once_the_rules_match_the_state() {
             .find_map(|l| l.strip_prefix("kproxy_api_return_to_converged_seconds_count "))
             .map(str::to_string)
     };
-    let h = start(1000, &[], None);
-    h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    let h = synced_with_service_0(1000).await;
     // A relist that changed nothing: converged at once, nothing programmed.
     h.writer.api_returned(Instant::now());
     tokio::time::sleep(Duration::from_millis(10)).await;
@@ -697,8 +722,7 @@ async fn a_warm_up_hold_ends_in_a_sync_at_its_release() {
         s.upsert_service(synthetic::service(&spec, 1));
         s.upsert_slice(synthetic::slice(&spec, 1, 2));
     });
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    h.first_sync().await;
     h.writer
         .update(|s| s.upsert_slice(synthetic::slice(&spec, 1, 0)));
     h.until_syncs(2).await;
@@ -716,17 +740,8 @@ async fn a_warm_up_hold_ends_in_a_sync_at_its_release() {
     // The release made it, not syncPeriod (an hour), the loop's only other timer.
     assert!(ms < 3_600_000, "{seen:?}");
     h.stop().await;
-    let log = std::fs::read_to_string(&events).unwrap();
-    let lines: Vec<serde_json::Value> = log
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|v: &serde_json::Value| {
-            v["event"]
-                .as_str()
-                .is_some_and(|e| e.starts_with("endpoint_"))
-        })
-        .collect();
-    assert_eq!(lines.len(), 2, "{log}");
+    let lines = events_where(&events, |e| e.starts_with("endpoint_"));
+    assert_eq!(lines.len(), 2, "{lines:?}");
     assert_eq!(lines[0]["event"], "endpoint_held");
     assert_eq!(lines[0]["service"], svc.to_string());
     assert_eq!(lines[1]["event"], "endpoint_released");
@@ -836,10 +851,7 @@ async fn bursts_written_while_the_loop_is_busy_end_with_the_plan_of_the_state() 
 /// else).
 #[tokio::test(start_paused = true)]
 async fn an_api_source_that_hears_nothing_is_told_to_health() {
-    let h = start(0, &[], None);
-    h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    let h = synced_with_service_0(0).await;
     h.writer
         .set_api_failing_since(Some(tokio::time::Instant::now()));
     h.until_seen(&Seen::SourceStalled(true)).await;
@@ -854,10 +866,7 @@ async fn an_api_source_that_hears_nothing_is_told_to_health() {
 /// unhealthy after 2 × syncPeriod; once it recovers, no more.
 #[tokio::test(start_paused = true)]
 async fn a_stalled_source_is_a_failing_sync_to_health_until_it_recovers() {
-    let h = start(0, &[], None);
-    h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    let h = synced_with_service_0(0).await;
     h.writer.set_stalled(true);
     h.until_seen(&Seen::HealthFailed).await;
     // A sync meanwhile (of a change the source wrote as it stalled).
@@ -889,10 +898,7 @@ async fn a_stalled_source_is_a_failing_sync_to_health_until_it_recovers() {
 
 #[tokio::test(start_paused = true)]
 async fn changes_within_min_sync_period_coalesce_into_one_delta() {
-    let h = start(1000, &[], None);
-    h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    let h = synced_with_service_0(1000).await;
     for i in 1..=3 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         h.add(i);
@@ -903,33 +909,17 @@ async fn changes_within_min_sync_period_coalesce_into_one_delta() {
     assert_eq!(h.log.syncs(), 2);
     let seen = h.log.take();
     h.stop().await;
-    let all = PlanUpdate {
-        services: vec![name(0)],
-        node: false,
-    };
-    let three = PlanUpdate {
-        services: vec![name(1), name(2), name(3)],
-        node: false,
-    };
+    let all = of_services(&[0]);
+    let three = of_services(&[1, 2, 3]);
     assert_eq!(
         seen,
         [
             Seen::Computed(all.services.clone()),
-            Seen::Sync {
-                ms: 0,
-                full: true,
-                update: all.clone(),
-                services: 1
-            },
+            synced(0, true, all.clone(), 1),
             Seen::Applied(all.services.clone()),
             Seen::Computed(three.services.clone()),
             // The first sync ended at 0 ms: the batch waits for 1000 ms.
-            Seen::Sync {
-                ms: 1000,
-                full: false,
-                update: three.clone(),
-                services: 4
-            },
+            synced(1000, false, three.clone(), 4),
             Seen::Applied(three.services.clone()),
         ]
     );
@@ -956,8 +946,7 @@ fn carried_at(seen: &[Seen], n: usize) -> Vec<u64> {
 async fn with_the_default_pacing_a_lone_change_is_synced_at_once() {
     let h = start_logging(Pacing::DEFAULT, &[], None, None);
     h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    h.first_sync().await;
     // Flips every 300 ms, as a rollout's readiness changes arrive.
     let mut added = Vec::new();
     for i in 1..=10 {
@@ -978,8 +967,7 @@ async fn with_the_default_pacing_a_lone_change_is_synced_at_once() {
 #[tokio::test(start_paused = true)]
 async fn with_the_default_pacing_a_storm_is_coalesced_within_its_bound() {
     let h = start_logging(Pacing::DEFAULT, &[], None, None);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    h.first_sync().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     // 200 changes a second for one second.
     let mut added = Vec::new();
@@ -1010,8 +998,7 @@ async fn with_the_default_pacing_a_storm_is_coalesced_within_its_bound() {
 async fn a_failed_sync_retries_with_backoff_and_owes_every_change_since_the_last_success() {
     // Fails the second and third syncs: retries after 200 ms, then 400 ms.
     let h = start(200, &[false, true, true], None);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    h.first_sync().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     h.add(0);
     h.until_syncs(2).await;
@@ -1021,10 +1008,7 @@ async fn a_failed_sync_retries_with_backoff_and_owes_every_change_since_the_last
     h.until_syncs(4).await;
     let seen = h.log.take();
     h.stop().await;
-    let both = PlanUpdate {
-        services: vec![name(0), name(1)],
-        node: false,
-    };
+    let both = of_services(&[0, 1]);
     assert_eq!(
         seen[3..],
         [
@@ -1038,12 +1022,7 @@ async fn a_failed_sync_retries_with_backoff_and_owes_every_change_since_the_last
             Seen::Computed(vec![]),
             // The dataplane re-programs everything after a failure; the loop hands
             // it and health every change since the last success.
-            Seen::Sync {
-                ms: 1601,
-                full: true,
-                update: both.clone(),
-                services: 2
-            },
+            synced(1601, true, both.clone(), 2),
             Seen::Applied(both.services.clone()),
         ]
     );
@@ -1051,10 +1030,7 @@ async fn a_failed_sync_retries_with_backoff_and_owes_every_change_since_the_last
 
 #[tokio::test(start_paused = true)]
 async fn sync_period_forces_a_sync_even_while_updates_change_nothing() {
-    let h = start(0, &[], None);
-    h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    let h = synced_with_service_0(0).await;
     // A source re-listing the same object every 10 s: updates, no change.
     for _ in 0..40 {
         tokio::time::sleep(Duration::from_secs(10)).await;
@@ -1106,8 +1082,7 @@ async fn shutdown_finishes_the_sync_in_flight_reports_it_and_syncs_no_more() {
 #[tokio::test(start_paused = true)]
 async fn shutdown_while_batching_does_not_sync_and_before_ready_returns_at_once() {
     let h = start(1000, &[], None);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    h.first_sync().await;
     h.add(0);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let log = h.log.clone();
@@ -1121,23 +1096,15 @@ async fn shutdown_while_batching_does_not_sync_and_before_ready_returns_at_once(
     assert_eq!(log.syncs(), 0);
 }
 
-/// A delta sync's event names what it changed (Services, their health checks), not
-/// the whole cluster; a full sync lists every health check.
 /// A change's way starts when the source received it (a watch event's arrival),
 /// not when it reached the state: the `received` stage and the total include it.
 #[tokio::test(start_paused = true)]
 async fn a_changes_way_starts_when_the_source_received_it() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("events.jsonl");
-    let h = start_logging(
-        Pacing::MinSyncPeriod(Duration::ZERO),
-        &[],
-        None,
-        Some(path.clone()),
-    );
+    let h = start_with_event_log(&path);
     h.add(0);
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    h.first_sync().await;
     let received = Instant::now()
         .checked_sub(Duration::from_millis(40))
         .unwrap();
@@ -1145,43 +1112,29 @@ async fn a_changes_way_starts_when_the_source_received_it() {
         .update_received(received, |s| s.upsert_service(service(1)));
     h.until_syncs(2).await;
     h.stop().await;
-    let text = std::fs::read_to_string(&path).unwrap();
-    let synced: Vec<serde_json::Value> = text
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|e| e["event"] == "synced")
-        .collect();
+    let synced = events_where(&path, |e| e == "synced");
     let way = &synced[1]["change_ms"];
     let ms = |k: &str| way[k].as_f64().unwrap_or_else(|| panic!("{k} in {way}"));
     assert!(ms("received") >= 40.0, "{way}");
     assert!(ms("total") >= ms("received") + ms("queued"), "{way}");
 }
 
+/// A delta sync's event names what it changed (Services, their health checks), not
+/// the whole cluster; a full sync lists every health check.
 #[tokio::test(start_paused = true)]
 async fn a_delta_sync_event_carries_the_change_not_the_cluster() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("events.jsonl");
-    let h = start_logging(
-        Pacing::MinSyncPeriod(Duration::ZERO),
-        &[],
-        None,
-        Some(path.clone()),
-    );
+    let h = start_with_event_log(&path);
     // Services 0, 10, 20, 30 are eTP-Local LoadBalancers with a health check.
     for i in [0, 5, 10, 20] {
         h.add(i);
     }
-    h.writer.mark_ready();
-    h.until_syncs(1).await;
+    h.first_sync().await;
     h.add(30);
     h.until_syncs(2).await;
     h.stop().await;
-    let synced: Vec<serde_json::Value> = std::fs::read_to_string(&path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|e| e["event"] == "synced")
-        .collect();
+    let synced = events_where(&path, |e| e == "synced");
     assert_eq!(synced.len(), 2, "{synced:?}");
     let services = |e: &serde_json::Value, key: &str, field: &str| -> Vec<String> {
         e[key]

@@ -12,9 +12,10 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::path::Path;
 use std::process::{Child, Command};
+
+use kproxy_test_support::netns;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -25,36 +26,51 @@ pub struct Netns(pub String);
 impl Netns {
     pub fn new(tag: &str) -> Netns {
         let name = format!("kpt-run-{}-{tag}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        sh(&["ip", "netns", "add", &name]);
-        let ns = Netns(name);
-        ns.exec(&["ip", "link", "set", "lo", "up"]);
-        ns
+        netns::add(&name);
+        Netns(name)
     }
 
     pub fn exec(&self, args: &[&str]) {
-        let mut full = vec!["ip", "netns", "exec", &self.0];
-        full.extend_from_slice(args);
-        sh(&full);
+        netns::exec(&self.0, args);
     }
 
-    /// Runs `f` on a thread that has entered this namespace. Sockets made there stay in
-    /// the namespace, whichever thread uses them later.
+    /// `kproxy SUBCOMMAND` in this namespace (`ip netns exec`), its arguments to follow.
+    pub fn kproxy(&self, subcommand: &str) -> Command {
+        self.kproxy_through(&[], subcommand)
+    }
+
+    /// [`Self::kproxy`] started through `prefix`, a command that execs the rest
+    /// (`setpriv …`, `sh -c '…; exec "$@"' sh`).
+    pub fn kproxy_through(&self, prefix: &[&str], subcommand: &str) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.0])
+            .args(prefix)
+            .args([env!("CARGO_BIN_EXE_kproxy"), subcommand]);
+        cmd
+    }
+
+    /// Runs `f` on a thread that has entered this namespace and waits for it. Sockets
+    /// made there stay in the namespace, whichever thread uses them later.
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/var/run/netns/{}", self.0);
+        self.spawn(f).join().expect("netns thread")
+    }
+
+    /// Runs `f` on a new thread that has entered this namespace.
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<T> {
+        let name = self.0.clone();
         std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            netns::enter(&name);
             f()
         })
-        .join()
-        .expect("netns thread")
     }
 }
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        netns::del(&self.0);
     }
 }
 
@@ -119,6 +135,21 @@ pub fn send_sigterm(daemon: &Daemon) {
     .unwrap();
 }
 
+/// Waits up to `secs` for the daemon to exit (after a SIGTERM), polling every 50 ms.
+pub fn wait_exit(daemon: &mut Daemon, secs: u64) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(status) = daemon.0.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kproxy run did not exit within {secs} s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Sends SIGTERM and waits for the exit.
 pub fn sigterm(daemon: &mut Daemon) -> std::process::ExitStatus {
     send_sigterm(daemon);
@@ -126,15 +157,7 @@ pub fn sigterm(daemon: &mut Daemon) -> std::process::ExitStatus {
 }
 
 pub fn sh(args: &[&str]) {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .expect("spawn");
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kproxy_test_support::run(Command::new(args[0]).args(&args[1..]));
 }
 
 /// Whether a root-only test can run (the policy of `kproxy_test_support::root`). As
@@ -144,15 +167,54 @@ pub fn can_run() -> bool {
     if !kproxy_test_support::root("network namespaces, nftables") {
         return false;
     }
-    let nft = Command::new("nft")
+    require_tool("nft", "nftables");
+    true
+}
+
+/// Where the `kproxy run` of these tests answers: `/healthz` and `/livez`, and
+/// `/metrics` (the addresses [`metric`] and the probes ask).
+pub const HEALTHZ: &str = "127.0.0.1:10256";
+pub const METRICS: &str = "127.0.0.1:10249";
+
+/// `kproxy run` in `node` as node-a reading `input` (`--manifests DIR` or
+/// `--kubeconfig FILE`), serving on [`HEALTHZ`] and [`METRICS`], its stdout dropped;
+/// the test's own flags and stderr to follow.
+pub fn kproxy_run(node: &Netns, input: &[&str]) -> Command {
+    kproxy_run_through(node, &[], input)
+}
+
+/// [`kproxy_run`] started through `prefix` ([`Netns::kproxy_through`]).
+pub fn kproxy_run_through(node: &Netns, prefix: &[&str], input: &[&str]) -> Command {
+    let mut cmd = node.kproxy_through(prefix, "run");
+    cmd.args(input)
+        .args(["--hostname-override", "node-a"])
+        .args(["--healthz-bind-address", HEALTHZ])
+        .args(["--metrics-bind-address", METRICS])
+        .stdout(std::process::Stdio::null());
+    cmd
+}
+
+/// `kproxy explain shop/web` for node-a with the manifests of `dir`, asking the
+/// daemon's metrics server at `server` what it holds.
+pub fn explain_web(node: &Netns, dir: &Path, server: &str) -> std::process::Output {
+    node.kproxy("explain")
+        .args(["--manifests", dir.to_str().unwrap(), "--node", "node-a"])
+        .args(["--server", server, "shop/web"])
+        .output()
+        .expect("kproxy explain")
+}
+
+/// Fails the test when `tool --version` does not run: as root, a missing tool is a
+/// broken setup (`.ci/run` installs `package`), never a silent skip.
+pub fn require_tool(tool: &str, package: &str) {
+    let ok = Command::new(tool)
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
     assert!(
-        nft,
-        "running as root but `nft` is missing (install nftables)"
+        ok,
+        "running as root but `{tool}` is missing (install {package})"
     );
-    true
 }
 
 pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
@@ -167,6 +229,17 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     let code = buf.split_whitespace().nth(1)?.parse().ok()?;
     let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
     Some((code, body))
+}
+
+/// The value of the metric series `series` (name and labels, exactly as exposed) on
+/// the daemon's metrics server in `node` (127.0.0.1:10249); `None` until it answers
+/// and shows the series.
+pub fn metric(node: &Netns, series: &str) -> Option<f64> {
+    let series = format!("{series} ");
+    let (_, text) = node.run(|| http_get("127.0.0.1:10249".parse().unwrap(), "/metrics"))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// Polls `f` in the namespace until it returns Some, for up to 20 s.
@@ -237,6 +310,15 @@ pub fn pod_behind_veth(node: &Netns, tag: &str, veth: &str, gateway: &str, ip: &
 /// Answers every connection `listener` accepts with [`serve_http`] and `body`, on
 /// threads of their own, until the returned flag is set (looked at on each accept).
 pub fn serve_forever(listener: TcpListener, body: &'static str) -> Arc<AtomicBool> {
+    accept_forever(listener, move |c| serve_http(c, body))
+}
+
+/// Hands every connection `listener` accepts to `serve` on a thread of its own, until
+/// the returned flag is set (looked at on each accept).
+pub fn accept_forever(
+    listener: TcpListener,
+    serve: impl Fn(TcpStream) + Send + Copy + 'static,
+) -> Arc<AtomicBool> {
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     std::thread::spawn(move || {
@@ -245,7 +327,7 @@ pub fn serve_forever(listener: TcpListener, body: &'static str) -> Arc<AtomicBoo
                 break;
             }
             let Ok(c) = conn else { continue };
-            std::thread::spawn(move || serve_http(c, body));
+            std::thread::spawn(move || serve(c));
         }
     });
     stop
@@ -386,10 +468,7 @@ impl Load {
     pub fn start(node: &Netns, probe_health: bool) -> Load {
         let done = Arc::new(AtomicBool::new(false));
         let done2 = done.clone();
-        let path = format!("/var/run/netns/{}", node.0);
-        let thread = std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).expect("open netns");
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let thread = node.spawn(move || {
             let (mut sent, mut failed, mut unhealthy) = (0u32, 0u32, 0u32);
             while !done2.load(Ordering::SeqCst) {
                 sent += 1;

@@ -15,6 +15,51 @@ use serde_json::Value;
 pub mod cases;
 pub mod fabric;
 
+/// Whether a root-only test can run (the policy of `kproxy_test_support::root`).
+pub fn root() -> bool {
+    kproxy_test_support::root("network namespaces, nftables")
+}
+
+/// The dataplane settings of the tests that program tables of their own: the defaults,
+/// without the stale-UDP conntrack cleanup after each sync.
+pub fn no_conntrack_cleanup() -> kproxy_nft::DataplaneConfig {
+    kproxy_nft::DataplaneConfig {
+        conntrack_cleanup: false,
+        ..kproxy_nft::DataplaneConfig::default()
+    }
+}
+
+/// Cluster-CIDR local traffic detection with two CIDRs a family, not adjacent (nft's
+/// auto-merge would join adjacent ones): the `local-pods` interval set.
+pub fn two_cluster_cidrs_a_family() -> kproxy_core::config::LocalDetectorConfig {
+    kproxy_core::config::LocalDetectorConfig::ClusterCidr(
+        [
+            "10.244.0.0/16",
+            "10.250.0.0/16",
+            "fd00:244::/48",
+            "fd00:250::/48",
+        ]
+        .iter()
+        .map(|c| c.parse().unwrap())
+        .collect(),
+    )
+}
+
+/// Verifies `dp` and asserts that it found drift naming each of `named` (`map
+/// service-ips`, `chain services`); answers the report for further checks.
+pub fn assert_drift(dp: &mut kproxy_nft::Dataplane, named: &[&str]) -> kproxy_nft::VerifyReport {
+    let v = dp.verify().unwrap();
+    assert!(v.drift, "{v:?}");
+    for name in named {
+        assert!(
+            v.differences.iter().any(|d| d == name),
+            "{name} not in {:?}",
+            v.differences
+        );
+    }
+    v
+}
+
 pub fn state_from_yaml(text: &str, node: &str) -> ClusterState {
     let parsed = manifest::parse("test.yaml", text);
     assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
@@ -102,9 +147,9 @@ impl Netns {
     /// Runs `f` on a fresh thread that has entered this namespace. Sockets created there
     /// stay in this namespace.
     pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.name);
+        let name = self.name.clone();
         std::thread::spawn(move || {
-            enter(&path);
+            kproxy_test_support::netns::enter(&name);
             f()
         })
         .join()
@@ -112,32 +157,14 @@ impl Netns {
     }
 }
 
-/// Moves the calling thread into the namespace at `path` (a thread of its own only!).
-pub fn enter(path: &str) {
-    let f = std::fs::File::open(path).expect("open netns");
-    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-}
-
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
+        kproxy_test_support::netns::del(&self.name);
     }
 }
 
 pub fn sh(cmd: &str) -> String {
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(cmd)
-        .output()
-        .expect("spawn sh");
-    assert!(
-        out.status.success(),
-        "`{cmd}` failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    kproxy_test_support::run(Command::new("sh").arg("-c").arg(cmd))
 }
 
 pub fn ip(s: &str) -> IpAddr {

@@ -28,27 +28,9 @@ impl KubeProxy {
     ) -> Result<KubeProxy, LabError> {
         let io = |what: String| move |e| LabError::Io { what, source: e };
         let cfg = workdir.join(format!("{}-kube-proxy-{n}.yaml", node.name));
-        std::fs::write(
-            &cfg,
-            format!(
-                "apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: {mode}
-hostnameOverride: {}
-clientConnection: {{kubeconfig: {}}}
-clusterCIDR: 10.244.0.0/16
-detectLocalMode: ClusterCIDR
-healthzBindAddress: {}:{}
-metricsBindAddress: 127.0.0.1:10249
-conntrack: {{maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}}
-",
-                node.name,
-                lab.proxy_kubeconfig.display(),
-                node.ip,
-                PROXY_HEALTHZ_PORT
-            ),
-        )
-        .map_err(io(format!("write {}", cfg.display())))?;
+        let healthz = format!("{}:{PROXY_HEALTHZ_PORT}", node.ip);
+        std::fs::write(&cfg, lab.kube_proxy_config(mode, &node.name, &healthz))
+            .map_err(io(format!("write {}", cfg.display())))?;
         let log_path = workdir.join(format!("{}-kube-proxy-{n}.log", node.name));
         let log = std::fs::File::create(&log_path)
             .map_err(io(format!("create {}", log_path.display())))?;

@@ -1,6 +1,6 @@
 //! The real control plane (`--control-plane k8s-lab`): kube-apiserver and
-//! kube-controller-manager of a k8s-lab instance (found through `K8S_LAB`, see
-//! ../shared/tools/k8s-lab/README.md). kcm's Deployment controller performs the
+//! kube-controller-manager of a k8s-lab instance (found through `K8S_LAB`; how to
+//! start one: docs/lab.md, "The real control plane"). kcm's Deployment controller performs the
 //! rolling update and its EndpointSlice controller derives the endpoint conditions;
 //! the lab plays only scheduler and kubelet:
 //! - `kubelet`: [`Agent`](kubelet::Agent) watches the Pods, binds new ones to a lab node
@@ -68,12 +68,33 @@ pub struct K8sLab {
 }
 
 impl K8sLab {
+    /// The KubeProxyConfiguration of an upstream kube-proxy on a lab node: `mode`
+    /// (`nftables`, `iptables`), as node `node` through the proxy kubeconfig, the lab's
+    /// cluster CIDR for local traffic, `/healthz` on `healthz`, and the conntrack
+    /// settings as the kernel has them (0: kube-proxy sets none).
+    pub fn kube_proxy_config(&self, mode: &str, node: &str, healthz: &str) -> String {
+        format!(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: {mode}
+hostnameOverride: {node}
+clientConnection: {{kubeconfig: {}}}
+clusterCIDR: 10.244.0.0/16
+detectLocalMode: ClusterCIDR
+healthzBindAddress: {healthz}
+metricsBindAddress: 127.0.0.1:10249
+conntrack: {{maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}}
+",
+            self.proxy_kubeconfig.display()
+        )
+    }
+
     /// The instance named by `K8S_LAB`; a clear error when unset or incomplete.
     pub fn from_env() -> Result<K8sLab, LabError> {
         let dir = std::env::var_os("K8S_LAB").ok_or_else(|| {
             LabError::Invalid(
                 "--control-plane k8s-lab needs K8S_LAB naming a running k8s-lab instance \
-                 (kube-apiserver and kube-controller-manager; see ../shared/tools/k8s-lab/README.md)"
+                 (kube-apiserver and kube-controller-manager; docs/lab.md says how to start one)"
                     .into(),
             )
         })?;
