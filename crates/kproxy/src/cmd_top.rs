@@ -115,7 +115,8 @@ pub fn rates(
 pub fn screen(rates: &[Rates], limit: usize, window: f64, by: SortBy) -> String {
     let sum = |f: fn(&Rates) -> f64| rates.iter().map(f).sum::<f64>();
     // The flag's own spelling (`--sort drops`), not the Rust variant's.
-    let by = clap::ValueEnum::to_possible_value(&by).map_or_else(String::new, |v| v.get_name().to_owned());
+    let by = clap::ValueEnum::to_possible_value(&by)
+        .map_or_else(String::new, |v| v.get_name().to_owned());
     let mut out = format!(
         "kproxy top - {} Service ports, window {window:.1}s, sorted by {by}: {:.1} new/s, {:.1} rejects/s, {:.1} drops/s, {:.1} fallback/s\n\n",
         rates.len(),

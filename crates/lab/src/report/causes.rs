@@ -376,7 +376,9 @@ fn drain_causes(
                     && e.node.as_deref() == Some(node.as_str())
                     && e.t_ms >= tainted
                     && e.t_ms <= deleted
-                    && e.detail.contains("fails")
+                    // An answer (503): a probe that got none in time under load is
+                    // no sign of the drain.
+                    && e.detail.contains("fails (answered")
             })
             .map(|e| e.t_ms);
         let why = match failing_since {

@@ -315,7 +315,34 @@ impl Drop for LoadBalancer {
 }
 
 /// One HTTP health probe: 200 within `timeout` is a success.
-pub async fn probe(addr: SocketAddr, timeout: Duration) -> bool {
+/// What one health probe saw. The load balancer acts only on pass or fail; the timeline
+/// keeps why a probe failed, because an answer of 503 is the node's proxy draining and
+/// a probe with no answer in time is the node (or the machine's load) not answering.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeAnswer {
+    Passes,
+    /// An HTTP answer other than 200 (the status, 0 when it was not HTTP).
+    Answered(u16),
+    /// Refused, reset or closed before an answer, or nothing within the timeout.
+    NoAnswer,
+}
+
+impl ProbeAnswer {
+    pub fn passes(self) -> bool {
+        self == ProbeAnswer::Passes
+    }
+
+    /// The timeline's words: "passes" and "fails" are what every reader matches.
+    pub fn detail(self) -> String {
+        match self {
+            ProbeAnswer::Passes => "health check passes".into(),
+            ProbeAnswer::Answered(status) => format!("health check fails (answered {status})"),
+            ProbeAnswer::NoAnswer => "health check fails (no answer)".into(),
+        }
+    }
+}
+
+pub async fn probe(addr: SocketAddr, timeout: Duration) -> ProbeAnswer {
     let attempt = async {
         let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
         s.write_all(b"GET /healthz HTTP/1.1\r\nHost: lb\r\nUser-Agent: kproxy-lab-lb\r\nConnection: close\r\n\r\n")
@@ -330,10 +357,23 @@ pub async fn probe(addr: SocketAddr, timeout: Duration) -> bool {
             }
             got += n;
         }
+        // "HTTP/1.1 503": the status is the second word.
         let head = std::str::from_utf8(&buf[..got]).ok()?;
-        Some(head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200"))
+        let status = head
+            .strip_prefix("HTTP/1.")
+            .and_then(|rest| rest.get(2..5))
+            .and_then(|code| code.parse::<u16>().ok());
+        Some(match status {
+            Some(200) => ProbeAnswer::Passes,
+            Some(code) => ProbeAnswer::Answered(code),
+            None if got == 0 => ProbeAnswer::NoAnswer,
+            None => ProbeAnswer::Answered(0),
+        })
     };
-    matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(Some(answer)) => answer,
+        Ok(None) | Err(_) => ProbeAnswer::NoAnswer,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -363,6 +403,7 @@ async fn health_loop(
     let drain = (hc.drain_timeout_seconds > 0.0).then(|| clock.real(hc.drain_timeout_seconds));
     // When each node left the pool (None: in the pool, or already drained).
     let mut left_at: Vec<Option<tokio::time::Instant>> = vec![None; n];
+    let mut last_answer: Vec<Option<ProbeAnswer>> = vec![None; n];
     while !stop.load(Ordering::SeqCst) {
         let now = tokio::time::Instant::now();
         if now < next {
@@ -373,19 +414,19 @@ async fn health_loop(
         let probes = ips
             .iter()
             .map(|ip| probe(SocketAddr::from((*ip, health_port)), timeout));
-        let results = futures::future::join_all(probes).await;
-        let round = book.round(&results);
-        for (i, ok) in round.answers {
-            recorder.record(
-                EventKind::HealthAnswer,
-                Some(&names[i]),
-                None,
-                if ok {
-                    "health check passes"
-                } else {
-                    "health check fails"
-                },
-            );
+        let answers = futures::future::join_all(probes).await;
+        let round = book.round(&answers.iter().map(|a| a.passes()).collect::<Vec<_>>());
+        // Every change of answer, also from one kind of failure to another.
+        for (i, answer) in answers.iter().enumerate() {
+            if last_answer[i] != Some(*answer) {
+                last_answer[i] = Some(*answer);
+                recorder.record(
+                    EventKind::HealthAnswer,
+                    Some(&names[i]),
+                    None,
+                    &answer.detail(),
+                );
+            }
         }
         *healthy_out.lock().expect("healthy lock") = book.healthy().to_vec();
         if let Some(new_pool) = round.pool {
