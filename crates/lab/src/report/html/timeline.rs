@@ -358,7 +358,7 @@ fn node_lane(s: &mut String, node: &str, y: f64, m: &Marks, ax: &Axis) {
         );
     }
     for (t, d) in m.health.get(node).into_iter().flatten() {
-        // `d` is the LB's word: "health check passes" or "health check fails".
+        // `d` is the LB's word: "health check passes", or "health check fails" with why.
         let fill = if d.contains("passes") {
             HEALTH_PASSES
         } else {
