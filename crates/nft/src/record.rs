@@ -312,6 +312,17 @@ impl FamilyRecord {
             .collect()
     }
 
+    /// The names of the traffic counters the table holds (none when they are off): what
+    /// a reading asks the kernel for by name (`crate::dump::objects`).
+    pub fn counter_names(&self) -> std::collections::BTreeSet<String> {
+        let mut names: std::collections::BTreeSet<String> =
+            self.base.counters.iter().cloned().collect();
+        for svc in self.services.values().map(|(svc, _)| svc) {
+            names.extend(ruleset::counters(svc, self.family, self.counters));
+        }
+        names
+    }
+
     /// The whole table without the Services' elements of the shared sets and maps
     /// (the base sets' own elements included): everything a first sync's structure
     /// step needs, cheap.

@@ -28,7 +28,10 @@ use crate::model::Tuple;
 // The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
 use crate::nfnl::*;
 
+pub mod objects;
 pub mod rule;
+
+pub use objects::ObjectRead;
 
 const ELEM_INTERVAL_END: u8 = NFT_SET_ELEM_INTERVAL_END as u8;
 /// The most bytes of one block of [`RawElements`].
@@ -281,6 +284,10 @@ pub struct RawTable {
     pub objects: std::collections::BTreeSet<(u32, String)>,
     /// The counter objects among them, by name.
     pub counters: BTreeMap<String, RawCounter>,
+    /// How the objects were read and what it cost the kernel ([`objects`]).
+    pub object_read: ObjectRead,
+    /// The table's use count (`NFTA_TABLE_USE`): chains, sets, objects, flowtables.
+    pub use_count: Option<u32>,
 }
 
 impl RawTable {
@@ -478,10 +485,40 @@ pub fn table_names(family: Family) -> Result<Vec<String>, NftError> {
 /// table does not exist. Consistent: the reading is repeated (up to three times) when a
 /// transaction committed meanwhile, then an error.
 pub fn read_table(family: Family, table: &str) -> Result<Option<RawTable>, NftError> {
+    read_consistent(family, table, Elements::All, &Default::default())
+}
+
+/// [`read_table`] with the names of objects the caller knows the table may hold (its
+/// record's counters): asked for by name with those the table's elements and rules
+/// name ([`objects`]), so that a counter nothing names (an endpoint's that is not
+/// ready) is not what sends the reading to the object dump.
+pub(crate) fn read_table_knowing(
+    family: Family,
+    table: &str,
+    known: &std::collections::BTreeSet<String>,
+) -> Result<Option<RawTable>, NftError> {
+    read_consistent(family, table, Elements::All, known)
+}
+
+/// Which sets' elements a reading takes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Elements {
+    All,
+    /// The object maps' alone: what names the table's objects (a counters' reading).
+    ObjectMaps,
+}
+
+/// [`read_table`], the elements of `which` sets read.
+fn read_consistent(
+    family: Family,
+    table: &str,
+    which: Elements,
+    known: &std::collections::BTreeSet<String>,
+) -> Result<Option<RawTable>, NftError> {
     let mut r = Reader::open()?;
     for _ in 0..3 {
         let before = r.generation()?;
-        let got = read_once(&mut r, family, table);
+        let got = read_once(&mut r, family, table, which, known);
         let after = r.generation()?;
         match got {
             Ok(t) if before == after => return Ok(t),
@@ -495,8 +532,8 @@ pub fn read_table(family: Family, table: &str) -> Result<Option<RawTable>, NftEr
 }
 
 /// The counter objects of kproxy's tables `ip TABLE` and `ip6 TABLE` (absent tables
-/// have none), in this thread's network namespace: one netlink dump per family of the
-/// objects alone (no rule or element is read). Needs CAP_NET_ADMIN.
+/// have none), in this thread's network namespace ([`read_counter_objects`] of each).
+/// Needs CAP_NET_ADMIN.
 pub fn read_counters(table: &str) -> Result<Vec<KernelCounter>, NftError> {
     let mut out = Vec::new();
     for family in [Family::Ip, Family::Ip6] {
@@ -509,29 +546,36 @@ pub fn read_counters(table: &str) -> Result<Vec<KernelCounter>, NftError> {
 }
 
 /// The counter objects of table `family table` (e.g. `ip kproxy`) with their values
-/// (packets, bytes), by name: one dump of the table's objects, nothing else read. An
-/// absent table has none.
+/// (packets, bytes), by name. An absent table has none. The table's structure and its
+/// object maps' elements are read (what names its objects), then each object by name
+/// ([`objects`]): linear in the objects, where their dump was quadratic. Consistent as
+/// [`read_table`] is.
 pub fn read_counter_objects(
     family: Family,
     table: &str,
 ) -> Result<BTreeMap<String, RawCounter>, NftError> {
-    let mut out = BTreeMap::new();
-    let mut r = Reader::open()?;
-    each_object(
-        &mut r,
-        family,
-        table,
-        "the counters",
-        |kind, name, counter| {
-            if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
-                out.insert(name, c);
-            }
-        },
-    )?;
-    Ok(out)
+    read_counter_objects_knowing(family, table, &Default::default())
 }
 
-fn read_once(r: &mut Reader, family: Family, table: &str) -> Result<Option<RawTable>, NftError> {
+/// [`read_counter_objects`] with the counters the caller knows the table may hold
+/// ([`read_table_knowing`]).
+pub(crate) fn read_counter_objects_knowing(
+    family: Family,
+    table: &str,
+    known: &std::collections::BTreeSet<String>,
+) -> Result<BTreeMap<String, RawCounter>, NftError> {
+    Ok(read_consistent(family, table, Elements::ObjectMaps, known)?
+        .map(|t| t.counters)
+        .unwrap_or_default())
+}
+
+fn read_once(
+    r: &mut Reader,
+    family: Family,
+    table: &str,
+    which: Elements,
+    known: &std::collections::BTreeSet<String>,
+) -> Result<Option<RawTable>, NftError> {
     let fam = family.nfproto();
     let mut t = RawTable::default();
     let found = r.request(
@@ -544,6 +588,7 @@ fn read_once(r: &mut Reader, family: Family, table: &str) -> Result<Option<RawTa
             for (k, v) in Attrs(p) {
                 match k {
                     NFTA_TABLE_FLAGS => t.flags = be32(v).unwrap_or(0),
+                    NFTA_TABLE_USE => t.use_count = be32(v),
                     NFTA_TABLE_USERDATA => t.comment = udata_string(v, UDATA_COMMENT),
                     _ => {}
                 }
@@ -663,19 +708,10 @@ fn read_once(r: &mut Reader, family: Family, table: &str) -> Result<Option<RawTa
             Ok(())
         },
     )?;
-    each_object(
-        r,
-        family,
-        table,
-        "the named objects",
-        |kind, name, counter| {
-            if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
-                t.counters.insert(name.clone(), c);
-            }
-            t.objects.insert((kind, name));
-        },
-    )?;
     for (name, set) in t.sets.iter_mut().chain(t.anonymous.iter_mut()) {
+        if which == Elements::ObjectMaps && set.flags & NFT_SET_OBJECT == 0 {
+            continue;
+        }
         let mut elements = RawElements::for_set(set);
         let mut chain_index = BTreeMap::new();
         let (mut messages, mut visits) = (0usize, 0u64);
@@ -711,32 +747,63 @@ fn read_once(r: &mut Reader, family: Family, table: &str) -> Result<Option<RawTa
         set.dump_visits = visits + (elements.len() + elements.misfits) as u64;
         set.elements = elements;
     }
+    // The objects the table's elements and rules name, and how many it holds: its use
+    // count less its chains and sets ([`objects`]).
+    let mut referenced = std::collections::BTreeSet::new();
+    for set in t.sets.values().chain(t.anonymous.values()) {
+        for e in set.elements.iter() {
+            if let Some(RawData::Object(name)) = e.data {
+                referenced.insert(name.to_string());
+            }
+        }
+    }
+    for rule in t.chains.values().flat_map(|c| &c.rules) {
+        rule_object_names(&rule.exprs, &mut referenced);
+    }
+    // A port's fallback counter is named by an element only while it has a fallback
+    // set; its name is its new-connection counter's, another prefix.
+    let fallbacks: Vec<String> = referenced
+        .iter()
+        .filter_map(|n| Some(format!("fallback-{}", n.strip_prefix("new-")?)))
+        .collect();
+    referenced.extend(fallbacks);
+    referenced.extend(known.iter().cloned());
+    let structure = t.chains.len() + t.sets.len() + t.anonymous.len();
+    let expected = t
+        .use_count
+        .and_then(|u| (u as usize).checked_sub(structure));
+    let (mut objects, mut counters) = (std::collections::BTreeSet::new(), BTreeMap::new());
+    t.object_read = objects::read_objects(r, family, table, &referenced, expected, |kind, name, counter| {
+        if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
+            counters.insert(name.clone(), c);
+        }
+        objects.insert((kind, name));
+    })?;
+    (t.objects, t.counters) = (objects, counters);
     Ok(Some(t))
 }
 
-/// The named objects of table `family table` (one GETOBJ dump), each handed to `each`
-/// as its type, name and, for a counter, its values.
-fn each_object(
-    r: &mut Reader,
-    family: Family,
-    table: &str,
-    what: &str,
-    mut each: impl FnMut(u32, String, Option<RawCounter>),
-) -> Result<bool, NftError> {
-    r.request(
-        &format!("{what} of table {family} {table}"),
-        NFT_MSG_GETOBJ,
-        NLM_F_DUMP,
-        family.nfproto(),
-        &[(NFTA_OBJ_TABLE, table)],
-        |p| {
-            let (tbl, name, kind, counter) = object(p);
-            if tbl == table {
-                each(kind, name, counter);
+/// Adds the object names a rule's expressions name (`objref`'s `NFTA_OBJREF_IMM_NAME`:
+/// `counter name "x"`) to `out`.
+fn rule_object_names(exprs: &[u8], out: &mut std::collections::BTreeSet<String>) {
+    for (k, e) in Attrs(exprs) {
+        if k != NFTA_LIST_ELEM {
+            continue;
+        }
+        let mut objref = false;
+        for (ek, ev) in Attrs(e) {
+            match ek {
+                NFTA_EXPR_NAME => objref = str_ref(ev) == Some("objref"),
+                NFTA_EXPR_DATA if objref => {
+                    // NFTA_OBJREF_IMM_NAME.
+                    if let Some((_, name)) = Attrs(ev).find(|(a, _)| *a == 2) {
+                        out.insert(string(name));
+                    }
+                }
+                _ => {}
             }
-            Ok(())
-        },
-    )
+        }
+    }
 }
 
 /// A NUL-terminated string attribute, borrowed; `None` when it is not UTF-8.
