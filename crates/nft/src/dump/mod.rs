@@ -708,6 +708,35 @@ fn read_once(
             Ok(())
         },
     )?;
+    let structure = t.chains.len() + t.sets.len() + t.anonymous.len();
+    let expected = t
+        .use_count
+        .and_then(|u| (u as usize).checked_sub(structure));
+    let mut referenced = std::collections::BTreeSet::new();
+    for rule in t.chains.values().flat_map(|c| &c.rules) {
+        rule_object_names(&rule.exprs, &mut referenced);
+    }
+    if which == Elements::ObjectMaps && !known.is_empty() {
+        // The counters alone, their names known (the daemon's reading): when those and
+        // the rules' account for every object, the object maps need not be read.
+        let names = known.union(&referenced).cloned().collect();
+        if let Some((found, messages)) =
+            objects::complete_by_name(r, family, table, &names, expected)?
+        {
+            t.object_read = ObjectRead {
+                by_name: true,
+                messages,
+                visits: messages as u64,
+            };
+            for (kind, name, counter) in found {
+                if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
+                    t.counters.insert(name.clone(), c);
+                }
+                t.objects.insert((kind, name));
+            }
+            return Ok(Some(t));
+        }
+    }
     for (name, set) in t.sets.iter_mut().chain(t.anonymous.iter_mut()) {
         if which == Elements::ObjectMaps && set.flags & NFT_SET_OBJECT == 0 {
             continue;
@@ -749,16 +778,12 @@ fn read_once(
     }
     // The objects the table's elements and rules name, and how many it holds: its use
     // count less its chains and sets ([`objects`]).
-    let mut referenced = std::collections::BTreeSet::new();
     for set in t.sets.values().chain(t.anonymous.values()) {
         for e in set.elements.iter() {
             if let Some(RawData::Object(name)) = e.data {
                 referenced.insert(name.to_string());
             }
         }
-    }
-    for rule in t.chains.values().flat_map(|c| &c.rules) {
-        rule_object_names(&rule.exprs, &mut referenced);
     }
     // A port's fallback counter is named by an element only while it has a fallback
     // set; its name is its new-connection counter's, another prefix.
@@ -768,10 +793,6 @@ fn read_once(
         .collect();
     referenced.extend(fallbacks);
     referenced.extend(known.iter().cloned());
-    let structure = t.chains.len() + t.sets.len() + t.anonymous.len();
-    let expected = t
-        .use_count
-        .and_then(|u| (u as usize).checked_sub(structure));
     let (mut objects, mut counters) = (std::collections::BTreeSet::new(), BTreeMap::new());
     t.object_read = objects::read_objects(r, family, table, &referenced, expected, |kind, name, counter| {
         if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {

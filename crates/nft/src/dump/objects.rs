@@ -66,29 +66,15 @@ pub(super) fn read_objects(
     expected: Option<usize>,
     mut each: impl FnMut(u32, String, Option<RawCounter>),
 ) -> Result<ObjectRead, NftError> {
-    if let Some(expected) = expected
-        && names.len() >= expected
-    {
-        let mut found = Vec::with_capacity(expected);
-        let messages = by_name(r, family, table, names, |kind, name, c| {
-            found.push((kind, name, c))
-        })?;
-        if found.len() == expected {
-            found
-                .into_iter()
-                .for_each(|(kind, name, c)| each(kind, name, c));
-            return Ok(ObjectRead {
-                by_name: true,
-                messages,
-                visits: messages as u64,
-            });
-        }
-        tracing::debug!(
-            table,
-            expected,
-            found = found.len(),
-            "the names known do not account for all the table's objects; dumping them"
-        );
+    if let Some((found, messages)) = complete_by_name(r, family, table, names, expected)? {
+        found
+            .into_iter()
+            .for_each(|(kind, name, c)| each(kind, name, c));
+        return Ok(ObjectRead {
+            by_name: true,
+            messages,
+            visits: messages as u64,
+        });
     }
     let (mut messages, mut sent) = (0usize, 0u64);
     let mut visits = 0u64;
@@ -126,6 +112,38 @@ pub(super) fn read_objects(
         messages,
         visits,
     })
+}
+
+/// An object as read: its type, name and, for a counter, its values.
+pub(super) type Object = (u32, String, Option<RawCounter>);
+
+/// The counters of `names` read by name, and the answers it took, when they are all
+/// `expected` objects of the table; `None` when they cannot be or are not (the
+/// caller dumps the objects, or reads more names first).
+pub(super) fn complete_by_name(
+    r: &mut Reader,
+    family: Family,
+    table: &str,
+    names: &BTreeSet<String>,
+    expected: Option<usize>,
+) -> Result<Option<(Vec<Object>, usize)>, NftError> {
+    let Some(expected) = expected.filter(|&e| names.len() >= e) else {
+        return Ok(None);
+    };
+    let mut found = Vec::with_capacity(expected);
+    let messages = by_name(r, family, table, names, |kind, name, c| {
+        found.push((kind, name, c))
+    })?;
+    if found.len() == expected {
+        return Ok(Some((found, messages)));
+    }
+    tracing::debug!(
+        table,
+        expected,
+        found = found.len(),
+        "the names known do not account for all the table's objects"
+    );
+    Ok(None)
 }
 
 /// The most one dump round holds (`netlink_dump`'s buffer, at most 32 KiB).
