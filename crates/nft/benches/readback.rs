@@ -84,7 +84,11 @@ fn run(services: usize, eps: usize) {
         sets.first().map_or(0, |(_, s)| s.elements.iter().count()),
         table.sets.len(),
         table.objects.len(),
-        if table.object_read.by_name { "by name" } else { "dumped" },
+        if table.object_read.by_name {
+            "by name"
+        } else {
+            "dumped"
+        },
         table.object_read.messages,
         table.object_read.visits,
     );
@@ -94,7 +98,9 @@ fn run(services: usize, eps: usize) {
         let mut n = 0;
         for _ in 0..3 {
             let t = Instant::now();
-            n = kproxy_nft::read_counters(&cfg.table).expect("counters").len();
+            n = kproxy_nft::read_counters(&cfg.table)
+                .expect("counters")
+                .len();
             reads.push(t.elapsed().as_secs_f64() * 1e3);
         }
         reads.sort_by(f64::total_cmp);

@@ -85,7 +85,8 @@ pub struct CounterReader {
 }
 
 impl CounterReader {
-    /// Both families' counters (one dump of each table's objects).
+    /// Both families' counters, each asked for by name (`crate::dump::objects`): the
+    /// names this dataplane created or read first.
     pub fn read(&self) -> Result<Vec<KernelCounter>, NftError> {
         let mut out = Vec::new();
         for family in [model::Family::Ip, model::Family::Ip6] {
@@ -501,8 +502,8 @@ impl Dataplane {
         }
     }
 
-    /// Reads kproxy's traffic counters from the kernel (both families; one dump of
-    /// each table's objects) and remembers them, so that a counter the kernel loses is
+    /// Reads kproxy's traffic counters from the kernel (both families; each asked for
+    /// by name) and remembers them, so that a counter the kernel loses is
     /// restored from this reading. The metrics' and `explain --server`'s reading.
     pub fn read_counters(&mut self) -> Result<Vec<KernelCounter>, NftError> {
         self.counter_reader().read()

@@ -1207,9 +1207,8 @@ pub fn build_base(
         exprs.extend(more);
         Rule::new(exprs)
     };
-    let count = |map: CountMap, nodeport: bool, more: Vec<Expr>| {
-        count_shard(map, nodeport, 0, more)
-    };
+    let count =
+        |map: CountMap, nodeport: bool, more: Vec<Expr>| count_shard(map, nodeport, 0, more);
     let base = |hook: Option<Hook>, rules: Vec<Rule>| Chain { hook, rules };
     for (name, hook, priority, to) in BASE_CHAINS {
         let chain = Chain {

@@ -176,9 +176,7 @@ fn another_programs_objects_are_read_by_the_dump_and_removed() {
     assert!(ours.counters.len() > 20, "{}", ours.counters.len());
     nft_in(
         &ns,
-        &[
-            "add counter ip kproxy foreign; add quota ip kproxy foreign-quota 100 bytes",
-        ],
+        &["add counter ip kproxy foreign; add quota ip kproxy foreign-quota 100 bytes"],
         None,
     );
     let p = plan.clone();

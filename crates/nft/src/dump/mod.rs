@@ -794,12 +794,19 @@ fn read_once(
     referenced.extend(fallbacks);
     referenced.extend(known.iter().cloned());
     let (mut objects, mut counters) = (std::collections::BTreeSet::new(), BTreeMap::new());
-    t.object_read = objects::read_objects(r, family, table, &referenced, expected, |kind, name, counter| {
-        if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
-            counters.insert(name.clone(), c);
-        }
-        objects.insert((kind, name));
-    })?;
+    t.object_read = objects::read_objects(
+        r,
+        family,
+        table,
+        &referenced,
+        expected,
+        |kind, name, counter| {
+            if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
+                counters.insert(name.clone(), c);
+            }
+            objects.insert((kind, name));
+        },
+    )?;
     (t.objects, t.counters) = (objects, counters);
     Ok(Some(t))
 }
