@@ -291,6 +291,14 @@ pub struct RawTable {
 }
 
 impl RawTable {
+    /// Notes one named object as read (a counter's values too).
+    fn add_object(&mut self, (kind, name, counter): objects::Object) {
+        if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
+            self.counters.insert(name.clone(), c);
+        }
+        self.objects.insert((kind, name));
+    }
+
     pub fn rule_count(&self) -> usize {
         self.chains.values().map(|c| c.rules.len()).sum()
     }
@@ -708,6 +716,8 @@ fn read_once(
             Ok(())
         },
     )?;
+    // How many objects the table holds: its use count less its chains and sets
+    // ([`objects`]); and those its rules name.
     let structure = t.chains.len() + t.sets.len() + t.anonymous.len();
     let expected = t
         .use_count
@@ -728,12 +738,7 @@ fn read_once(
                 messages,
                 visits: messages as u64,
             };
-            for (kind, name, counter) in found {
-                if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
-                    t.counters.insert(name.clone(), c);
-                }
-                t.objects.insert((kind, name));
-            }
+            found.into_iter().for_each(|o| t.add_object(o));
             return Ok(Some(t));
         }
     }
@@ -776,8 +781,7 @@ fn read_once(
         set.dump_visits = visits + (elements.len() + elements.misfits) as u64;
         set.elements = elements;
     }
-    // The objects the table's elements and rules name, and how many it holds: its use
-    // count less its chains and sets ([`objects`]).
+    // The objects the table's elements name.
     for set in t.sets.values().chain(t.anonymous.values()) {
         for e in set.elements.iter() {
             if let Some(RawData::Object(name)) = e.data {
@@ -793,21 +797,11 @@ fn read_once(
         .collect();
     referenced.extend(fallbacks);
     referenced.extend(known.iter().cloned());
-    let (mut objects, mut counters) = (std::collections::BTreeSet::new(), BTreeMap::new());
-    t.object_read = objects::read_objects(
-        r,
-        family,
-        table,
-        &referenced,
-        expected,
-        |kind, name, counter| {
-            if let (NFT_OBJECT_COUNTER, Some(c)) = (kind, counter) {
-                counters.insert(name.clone(), c);
-            }
-            objects.insert((kind, name));
-        },
-    )?;
-    (t.objects, t.counters) = (objects, counters);
+    let mut read = RawTable::default();
+    let how = objects::read_objects(r, family, table, &referenced, expected, |o| {
+        read.add_object(o)
+    })?;
+    (t.objects, t.counters, t.object_read) = (read.objects, read.counters, how);
     Ok(Some(t))
 }
 

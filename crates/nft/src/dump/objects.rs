@@ -64,12 +64,10 @@ pub(super) fn read_objects(
     table: &str,
     names: &BTreeSet<String>,
     expected: Option<usize>,
-    mut each: impl FnMut(u32, String, Option<RawCounter>),
+    mut each: impl FnMut(Object),
 ) -> Result<ObjectRead, NftError> {
     if let Some((found, messages)) = complete_by_name(r, family, table, names, expected)? {
-        found
-            .into_iter()
-            .for_each(|(kind, name, c)| each(kind, name, c));
+        found.into_iter().for_each(&mut each);
         return Ok(ObjectRead {
             by_name: true,
             messages,
@@ -87,7 +85,7 @@ pub(super) fn read_objects(
         |p| {
             let (tbl, name, kind, counter) = object(p);
             if tbl == table {
-                each(kind, name, counter);
+                each((kind, name, counter));
             }
             sent += 1;
             Ok(())
@@ -131,9 +129,7 @@ pub(super) fn complete_by_name(
         return Ok(None);
     };
     let mut found = Vec::with_capacity(expected);
-    let messages = by_name(r, family, table, names, |kind, name, c| {
-        found.push((kind, name, c))
-    })?;
+    let messages = by_name(r, family, table, names, |o| found.push(o))?;
     if found.len() == expected {
         return Ok(Some((found, messages)));
     }
@@ -159,7 +155,7 @@ fn by_name(
     family: Family,
     table: &str,
     names: &BTreeSet<String>,
-    mut each: impl FnMut(u32, String, Option<RawCounter>),
+    mut each: impl FnMut(Object),
 ) -> Result<usize, NftError> {
     use nix::sys::socket::{setsockopt, sockopt};
     let what = || format!("the counters of table {family} {table}");
@@ -232,7 +228,7 @@ fn by_name(
                 }
                 let (tbl, name, kind, counter) = object(payload.get(4..).unwrap_or_default());
                 if tbl == table {
-                    each(kind, name, counter);
+                    each((kind, name, counter));
                 }
             }
         }
