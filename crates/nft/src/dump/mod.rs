@@ -330,6 +330,45 @@ fn udata_string(mut b: &[u8], kind: u8) -> Option<String> {
     None
 }
 
+/// One netlink message of an answer.
+struct Message<'a> {
+    kind: u16,
+    flags: u16,
+    seq: u32,
+    /// After the 16-byte header.
+    payload: &'a [u8],
+}
+
+/// The messages of one datagram received (`b`), in order; a malformed one is an error
+/// about `what`.
+fn messages<'a>(mut b: &'a [u8], what: &str) -> Result<Vec<Message<'a>>, NftError> {
+    let mut out = Vec::new();
+    while b.len() >= 16 {
+        let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
+        if len < 16 || len > b.len() {
+            return Err(NftError::Read(format!(
+                "{what}: a malformed answer ({len}-byte message in {} bytes)",
+                b.len()
+            )));
+        }
+        out.push(Message {
+            kind: u16::from_ne_bytes([b[4], b[5]]),
+            flags: u16::from_ne_bytes([b[6], b[7]]),
+            seq: u32::from_ne_bytes(b[8..12].try_into().expect("4 bytes")),
+            payload: &b[16..len],
+        });
+        b = b.get(len.next_multiple_of(4)..).unwrap_or_default();
+    }
+    Ok(out)
+}
+
+/// An `NLMSG_ERROR` answer's code (0: an acknowledgement; else minus an errno).
+fn error_code(payload: &[u8]) -> i32 {
+    payload
+        .get(..4)
+        .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")))
+}
+
 /// A netfilter socket for one reading, with a sequence counter.
 struct Reader {
     sock: Socket,
@@ -393,21 +432,13 @@ impl Reader {
                     context: format!("reading the kernel's answer about {what}"),
                     source: e,
                 })?;
-            let mut at = 0;
-            while at + 16 <= n {
-                let b = &self.buf[at..n];
-                let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
-                if len < 16 || len > b.len() {
-                    return Err(NftError::Read(format!(
-                        "{what}: a malformed answer ({len}-byte message in {} bytes)",
-                        b.len()
-                    )));
-                }
-                let kind = u16::from_ne_bytes([b[4], b[5]]);
-                let mflags = u16::from_ne_bytes([b[6], b[7]]);
-                let mseq = u32::from_ne_bytes(b[8..12].try_into().expect("4 bytes"));
-                let payload = &b[16..len];
-                at += len.next_multiple_of(4);
+            for m in messages(&self.buf[..n], what)? {
+                let Message {
+                    kind,
+                    flags: mflags,
+                    seq: mseq,
+                    payload,
+                } = m;
                 if mseq != seq {
                     continue; // a late answer to an earlier request
                 }
@@ -419,10 +450,7 @@ impl Reader {
                 match kind {
                     NLMSG_DONE => return Ok(true),
                     NLMSG_ERROR => {
-                        let code = payload
-                            .get(..4)
-                            .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")));
-                        return match code {
+                        return match error_code(payload) {
                             0 => Ok(true),
                             c if c == -libc::ENOENT => Ok(false),
                             c => Err(NftError::Read(format!(
@@ -716,9 +744,11 @@ fn read_once(
             Ok(())
         },
     )?;
-    // How many objects the table holds: its use count less its chains and sets
-    // ([`objects`]); and those its rules name.
-    let structure = t.chains.len() + t.sets.len() + t.anonymous.len();
+    // How many objects the table holds: its use count less its chains and named sets
+    // ([`objects`]; an anonymous set, bound to its rule, is not in the count: measured
+    // on Linux 6.18, a table of 18 chains, 16 named sets and one anonymous set counts
+    // 34, and 35 with one counter); and those its rules name.
+    let structure = t.chains.len() + t.sets.len();
     let expected = t
         .use_count
         .and_then(|u| (u as usize).checked_sub(structure));

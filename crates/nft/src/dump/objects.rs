@@ -16,15 +16,18 @@
 //! rules name (the kernel refuses a reference to an object that does not exist), each
 //! port's fallback counter (named like its new-connection counter), and those the
 //! caller knows (its record's counters, the counters it read before), which cover the
-//! counters nothing names (an endpoint's while it is not ready). The table's use count (`NFTA_TABLE_USE`: its chains,
-//! sets, anonymous sets included, objects and flowtables) minus the chains and sets
-//! read says how many objects it holds; when the objects found by name are that many,
-//! they are all of them. Anything else (another program's counter or quota, a
+//! counters nothing names (an endpoint's while it is not ready). The table's use count
+//! (`NFTA_TABLE_USE`: its chains, named sets, objects and flowtables; not its
+//! anonymous sets, measured) minus the chains and named sets read says how many
+//! objects it holds; when the objects found by name are that many, they are all of
+//! them. A count too high (a flowtable) only sends the reading to the dump; one too
+//! low would let an object go unseen, which `tests/monitor.rs` and `tests/scale.rs`
+//! (another program's counter beside an anonymous set) hold against. Anything else (another program's counter or quota, a
 //! flowtable, a transaction in flight) falls back to the dump: slower, never wrong.
 
 use std::collections::BTreeSet;
 
-use super::{Reader, object};
+use super::{Reader, error_code, messages, object};
 use crate::atom::Family;
 use crate::counters::RawCounter;
 use crate::error::NftError;
@@ -56,7 +59,7 @@ pub struct ObjectRead {
 /// The objects of table `family table` as `(type, name, counter values)`, and how they
 /// were read: by name when the counters of `names` (those the table's elements and
 /// rules name, and those the caller knows of) found are all `expected` objects (the
-/// table's use count less its chains and sets), else by one dump of the table's
+/// table's use count less its chains and named sets), else by one dump of the table's
 /// objects.
 pub(super) fn read_objects(
     r: &mut Reader,
@@ -188,33 +191,16 @@ fn by_name(
                     context: format!("reading the kernel's answers about {}", what()),
                     source: e,
                 })?;
-            let mut at = 0;
-            while at + 16 <= n {
-                let b = &r.buf[at..n];
-                let len = u32::from_ne_bytes(b[..4].try_into().expect("4 bytes")) as usize;
-                if len < 16 || len > b.len() {
-                    return Err(NftError::Read(format!(
-                        "{}: a malformed answer ({len}-byte message in {} bytes)",
-                        what(),
-                        b.len()
-                    )));
-                }
-                let kind = u16::from_ne_bytes([b[4], b[5]]);
-                let mseq = u32::from_ne_bytes(b[8..12].try_into().expect("4 bytes"));
-                let payload = &b[16..len];
-                at += len.next_multiple_of(4);
-                if mseq.wrapping_sub(first) >= batch.len() as u32 {
+            for m in messages(&r.buf[..n], &what())? {
+                if m.seq.wrapping_sub(first) >= batch.len() as u32 {
                     continue; // a late answer to an earlier request
                 }
                 pending -= 1;
                 answers += 1;
-                if kind == NLMSG_ERROR {
-                    let code = payload
-                        .get(..4)
-                        .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")));
-                    match code {
+                if m.kind == NLMSG_ERROR {
+                    match error_code(m.payload) {
                         0 => {}
-                        // Gone since the references were read: not there.
+                        // Gone since the names were read: not there.
                         c if c == -libc::ENOENT => {}
                         c => {
                             return Err(NftError::Read(format!(
@@ -226,7 +212,7 @@ fn by_name(
                     }
                     continue;
                 }
-                let (tbl, name, kind, counter) = object(payload.get(4..).unwrap_or_default());
+                let (tbl, name, kind, counter) = object(m.payload.get(4..).unwrap_or_default());
                 if tbl == table {
                     each((kind, name, counter));
                 }
