@@ -198,14 +198,15 @@ fn another_programs_objects_are_read_by_the_dump_and_removed() {
 
 /// Real packets through a dispatch group split into two maps: 9,000 one-endpoint
 /// Services (9,000 rows in group 1: two maps), some in each map, answer from the pod
-/// they name; a delta that moves a Service of the second map to another pod keeps it
-/// there and the packets follow.
+/// they name, and are counted by their endpoint's counter through `count-endpoints`,
+/// split into two maps the same way (the traffic counters are on); a delta that moves
+/// a Service of the second map to another pod keeps it there and the packets follow.
 #[test]
 fn packets_flow_through_every_map_of_a_split_dispatch_group() {
     if !root() {
         return;
     }
-    let fabric = Fabric::new();
+    let fabric = Fabric::with_config(counting());
     let spec = plain(9_000, 1);
     let mut state = synthetic::cluster(&spec);
     let pod = |name: &str| -> IpAddr {
@@ -263,12 +264,54 @@ fn packets_flow_through_every_map_of_a_split_dispatch_group() {
         !in_second.is_empty() && !in_first.is_empty(),
         "first {in_first:?}, second {in_second:?}"
     );
-    for &i in in_first.iter().take(3).chain(in_second.iter().take(3)) {
+    let counts: Vec<&String> = table
+        .sets()
+        .keys()
+        .filter(|n| n.starts_with("count-endpoints"))
+        .collect();
+    assert_eq!(
+        counts,
+        [
+            "count-endpoints",
+            "count-endpoints-np",
+            "count-endpoints-np-s1",
+            "count-endpoints-s1"
+        ]
+    );
+    let probed: Vec<usize> = in_first
+        .iter()
+        .take(3)
+        .chain(in_second.iter().take(3))
+        .copied()
+        .collect();
+    for &i in &probed {
         let got = fabric.probe(From::Client, cluster_ip(i), 80, Protocol::TCP);
         assert!(
             matches!(&got, Outcome::Answer { pod, .. } if pod == "a"),
             "Service {i} ({}): {got:?}",
             chain_of(&table, i)
+        );
+    }
+    // Each probed Service's endpoint counted its connection, whichever map holds it.
+    let counters = fabric
+        .node
+        .run(|| kproxy_nft::read_counters("kproxy").expect("read counters"));
+    for &i in &probed {
+        let name = synthetic::service(&spec, i).name;
+        let counted: u64 = counters
+            .iter()
+            .filter(|c| {
+                kproxy_nft::parse_counter_name(&c.name).is_some_and(|p| {
+                    p.namespace == *name.namespace
+                        && p.service == *name.name
+                        && matches!(p.kind, kproxy_nft::CounterKind::Endpoint(_))
+                })
+            })
+            .map(|c| c.packets)
+            .sum();
+        assert!(
+            counted >= 1,
+            "Service {i}: {counted} new connections counted"
         );
     }
     // A delta: a Service of the second map now points to pod b.
