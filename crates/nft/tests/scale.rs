@@ -147,7 +147,8 @@ fn reading_the_counters_back_stays_linear_in_their_objects() {
 /// Another program's objects in kproxy's table are not named by its elements or
 /// rules: the reading sees the table hold more objects than those, reads them all by
 /// the dump, and the adoption deletes the foreign ones; once they are gone the
-/// counters are read by name again.
+/// counters are read by name again, and a counter deleted behind kproxy's back is
+/// missing from the daemon's reading (its lookup answers ENOENT), not an error.
 #[test]
 fn another_programs_objects_are_read_by_the_dump_and_removed() {
     if !root() {
@@ -180,15 +181,34 @@ fn another_programs_objects_are_read_by_the_dump_and_removed() {
         None,
     );
     let p = plan.clone();
-    let (theirs, adopted) = ns.run(move || {
+    let (theirs, adopted, gone) = ns.run(move || {
         let theirs = read();
-        let r = Dataplane::new(counting())
-            .expect("config")
-            .sync(&p, &PlanUpdate::WHOLE)
-            .expect("restart");
+        let mut dp = Dataplane::new(counting()).expect("config");
+        let r = dp.sync(&p, &PlanUpdate::WHOLE).expect("restart");
         assert!(r.adopted, "{r:?}");
-        (theirs, read())
+        let adopted = read();
+        // A counter the dataplane knows, deleted behind its back (no element names a
+        // port's fallback counter without a fallback set): its lookup by name answers
+        // ENOENT, and the reading is still whole and by name.
+        let fallback = adopted
+            .counters
+            .keys()
+            .find(|n| n.starts_with("fallback-"))
+            .expect("a fallback counter")
+            .clone();
+        sh(&format!("nft delete counter ip kproxy {fallback}"));
+        let read: Vec<String> = dp
+            .read_counters()
+            .expect("the daemon's reading")
+            .into_iter()
+            .filter(|c| c.family == kproxy_nft::Family::Ip)
+            .map(|c| c.name)
+            .collect();
+        assert!(!read.contains(&fallback));
+        assert_eq!(read.len(), adopted.counters.len() - 1);
+        (theirs, adopted, fallback)
     });
+    assert!(gone.starts_with("fallback-"));
     assert!(!theirs.object_read.by_name, "{:?}", theirs.object_read);
     assert_eq!(theirs.objects.len(), ours.objects.len() + 2);
     assert!(theirs.counters.contains_key("foreign"));
