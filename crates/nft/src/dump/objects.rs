@@ -20,10 +20,11 @@
 //! (`NFTA_TABLE_USE`: its chains, named sets, objects and flowtables; not its
 //! anonymous sets, measured) minus the chains and named sets read says how many
 //! objects it holds; when the objects found by name are that many, they are all of
-//! them. A count too high (a flowtable) only sends the reading to the dump; one too
-//! low would let an object go unseen, which `tests/monitor.rs` and `tests/scale.rs`
-//! (another program's counter beside an anonymous set) hold against. Anything else (another program's counter or quota, a
-//! flowtable, a transaction in flight) falls back to the dump: slower, never wrong.
+//! them. A count too high only sends the reading to the dump; one too low would let
+//! an object go unseen, which `tests/monitor.rs` holds against (another program's
+//! counter in a table with an anonymous set). So another program's counter or quota,
+//! a flowtable or a transaction in flight sends the reading to the dump: slower,
+//! never wrong.
 
 use std::collections::BTreeSet;
 
