@@ -100,9 +100,10 @@ pub struct Args {
     pub allow_partial: bool,
     /// Traffic counters in the kernel, exported as `kproxy_service_*_total`
     /// (docs/traffic.md): `service` per Service port, `endpoint` also per endpoint,
-    /// `off` none and no counters in the kernel (the default: reading the counter
-    /// objects back grows with their square, 4.4 s at 3,000 Services × 10 endpoints,
-    /// docs/traffic.md "Cost").
+    /// `off` none and no counters in the kernel (the default: at 10,000 Services × 10
+    /// endpoints the 140,000 counters make the cold sync and a restart ≈ 10× and the
+    /// 10 s reading ≈ 2 s, docs/traffic.md "Cost"; `service` suits a few thousand
+    /// Service ports).
     #[arg(long, value_name = "LEVEL", default_value = "off")]
     pub traffic_metrics: crate::traffic::Level,
     /// At most this many traffic series; the rest are left out, logged and counted in

@@ -92,7 +92,7 @@ impl Traffic {
         let name = "kproxy_traffic_counters_read_seconds";
         let _ = writeln!(
             text,
-            "# HELP {name} How long the last reading of the kernel's traffic counters took (a netlink dump of kproxy's tables' objects, every 10 s).\n# TYPE {name} gauge\n{name} {}",
+            "# HELP {name} How long the last reading of the kernel's traffic counters took (each counter object asked for by name over netlink, every 10 s).\n# TYPE {name} gauge\n{name} {}",
             read.as_secs_f64()
         );
         let before = self.capped.swap(capped as u64, Ordering::Relaxed);

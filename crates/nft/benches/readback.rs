@@ -12,8 +12,9 @@
 //!
 //! Reading at N and 4N rows says whether the read grows linearly (≈ 4×) or with the
 //! square of the largest set (≈ 16×). `KPROXY_BENCH_COUNTERS=1` runs with the traffic
-//! counters (`DataplaneConfig::counters`, `kproxy run`'s default): their objects and
-//! objref maps are read back too.
+//! counters (`DataplaneConfig::counters`): their objects (each asked for by name,
+//! `dump::ObjectRead`) and objref maps are read back too, and the counters alone are
+//! read as `kproxy top` and the daemon's metrics read them (`read_counters`).
 
 mod common;
 
@@ -79,11 +80,47 @@ fn run(services: usize, eps: usize) {
         );
     }
     println!(
-        "readback {services}x{eps}:   largest set: {} elements; sets: {}; named objects: {}",
+        "readback {services}x{eps}:   largest set: {} elements; sets: {}; named objects: {} ({}: {} messages, {} objects visited)",
         sets.first().map_or(0, |(_, s)| s.elements.iter().count()),
         table.sets.len(),
-        table.objects.len()
+        table.objects.len(),
+        if table.object_read.by_name {
+            "by name"
+        } else {
+            "dumped"
+        },
+        table.object_read.messages,
+        table.object_read.visits,
     );
+    if cfg.counters {
+        // The daemon's and `kproxy top`'s reading: the counters alone.
+        let mut reads = Vec::new();
+        let mut n = 0;
+        for _ in 0..3 {
+            let t = Instant::now();
+            n = kproxy_nft::read_counters(&cfg.table)
+                .expect("counters")
+                .len();
+            reads.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        reads.sort_by(f64::total_cmp);
+        println!(
+            "readback {services}x{eps}:   read_counters (both families): {n} counters, min {:.1} ms, median {:.1} ms",
+            reads[0], reads[1]
+        );
+        // The daemon's reading (`CounterReader`): the names it created or read known.
+        let mut reads = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            n = dp.read_counters().expect("counters").len();
+            reads.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        reads.sort_by(f64::total_cmp);
+        println!(
+            "readback {services}x{eps}:   Dataplane::read_counters (names known): {n} counters, min {:.1} ms, median {:.1} ms",
+            reads[0], reads[1]
+        );
+    }
     drop(dp);
     kproxy_nft::cleanup(&cfg).expect("cleanup");
 }

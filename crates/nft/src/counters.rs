@@ -171,6 +171,9 @@ pub struct CounterMemory {
     seen: BTreeMap<(Family, String), (RawCounter, u64)>,
     /// Readings so far, per family.
     readings: BTreeMap<Family, u64>,
+    /// The counters kproxy created and has not deleted since, per family: with those
+    /// read, the names a reading asks the kernel for ([`CounterMemory::names`]).
+    created: std::collections::BTreeSet<(Family, String)>,
 }
 
 impl CounterMemory {
@@ -187,6 +190,14 @@ impl CounterMemory {
         for (name, c) in read {
             self.seen.insert((family, name.clone()), (*c, *n));
         }
+    }
+
+    /// The names of `family`'s counters kproxy read or created (and did not delete):
+    /// what a reading asks the kernel for by name (`crate::dump::objects`).
+    pub fn names(&self, family: Family) -> std::collections::BTreeSet<String> {
+        let of = |(f, n): &(Family, String)| (*f == family).then(|| n.clone());
+        let seen = self.seen.keys().filter_map(of);
+        seen.chain(self.created.iter().filter_map(of)).collect()
     }
 
     /// Stamps the transaction's new counters before it is sent: each starts from its
@@ -209,6 +220,7 @@ impl CounterMemory {
                     ..
                 } => {
                     *since = now;
+                    self.created.insert((*family, name.clone()));
                     let latest = self.readings.get(family).copied().unwrap_or_default();
                     if let Some((c, reading)) = self.seen.get_mut(&(*family, name.clone())) {
                         (*packets, *bytes) = (c.packets, c.bytes);
@@ -225,6 +237,7 @@ impl CounterMemory {
                     family, kind, name, ..
                 } if *kind == crate::nfnl::NFT_OBJECT_COUNTER => {
                     self.seen.remove(&(*family, name.clone()));
+                    self.created.remove(&(*family, name.clone()));
                 }
                 // A table deleted (a replacement, `kproxy cleanup`): its counters are
                 // created again in the same transaction, or gone with it.

@@ -85,11 +85,13 @@ pub struct CounterReader {
 }
 
 impl CounterReader {
-    /// Both families' counters (one dump of each table's objects).
+    /// Both families' counters, each asked for by name (`crate::dump::objects`): the
+    /// names this dataplane created or read first.
     pub fn read(&self) -> Result<Vec<KernelCounter>, NftError> {
         let mut out = Vec::new();
         for family in [model::Family::Ip, model::Family::Ip6] {
-            let read = dump::read_counter_objects(family, &self.table)?;
+            let known = lock(&self.memory).names(family);
+            let read = dump::read_counter_objects_knowing(family, &self.table, &known)?;
             lock(&self.memory).observe(family, &read);
             out.extend(crate::counters::kernel_counters(family, read));
         }
@@ -292,8 +294,8 @@ impl Dataplane {
         let mut report = SyncReport::default();
         let table = self.cfg.table.as_str();
         let raw = [
-            dump::read_table(model::Family::Ip, table),
-            dump::read_table(model::Family::Ip6, table),
+            dump::read_table_knowing(model::Family::Ip, table, &recs[0].counter_names()),
+            dump::read_table_knowing(model::Family::Ip6, table, &recs[1].counter_names()),
         ];
         for (rec, raw) in recs.iter().zip(&raw) {
             if let Ok(Some(raw)) = raw {
@@ -441,7 +443,7 @@ impl Dataplane {
         let mut differences = Vec::new();
         for rec in &recs {
             let (family, table) = rec.table();
-            let raw = match dump::read_table(family, table) {
+            let raw = match dump::read_table_knowing(family, table, &rec.counter_names()) {
                 Ok(raw) => raw,
                 Err(e) => {
                     // Unread is not drift: the record stays, the next verification
@@ -491,7 +493,7 @@ impl Dataplane {
         }
         for rec in recs {
             let (family, table) = rec.table();
-            match dump::read_counter_objects(family, table) {
+            match dump::read_counter_objects_knowing(family, table, &rec.counter_names()) {
                 Ok(read) => lock(&self.counters).observe(family, &read),
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the traffic counters before replacing the tables; restoring the last values read");
@@ -500,8 +502,8 @@ impl Dataplane {
         }
     }
 
-    /// Reads kproxy's traffic counters from the kernel (both families; one dump of
-    /// each table's objects) and remembers them, so that a counter the kernel loses is
+    /// Reads kproxy's traffic counters from the kernel (both families; each asked for
+    /// by name) and remembers them, so that a counter the kernel loses is
     /// restored from this reading. The metrics' and `explain --server`'s reading.
     pub fn read_counters(&mut self) -> Result<Vec<KernelCounter>, NftError> {
         self.counter_reader().read()

@@ -98,6 +98,8 @@ pub(crate) const NFT_MSG_DESTROYFLOWTABLE: u16 = 32;
 pub(crate) const NFTA_ANY_TABLE: u16 = 1;
 pub(crate) const NFTA_TABLE_NAME: u16 = 1;
 pub(crate) const NFTA_TABLE_FLAGS: u16 = 2;
+/// The table's use count: its chains, sets (anonymous ones too), objects and flowtables.
+pub(crate) const NFTA_TABLE_USE: u16 = 3;
 pub(crate) const NFTA_TABLE_USERDATA: u16 = 6;
 pub(crate) const NFTA_CHAIN_TABLE: u16 = 1;
 pub(crate) const NFTA_CHAIN_NAME: u16 = 3;

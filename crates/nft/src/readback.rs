@@ -40,10 +40,22 @@ pub(crate) fn records_and_adoption(
 ) -> ([FamilyRecord; 2], Option<Transaction>) {
     let table = cfg.table.as_str();
     let (recs, raw) = std::thread::scope(|s| {
-        let reader = s.spawn(|| {
+        // The counters' names are the plan's (`ruleset::counters`), known before the
+        // records are built.
+        let known = |family| {
+            let rec_family = match family {
+                Family::Ip => kproxy_core::model::IpFamily::IPv4,
+                Family::Ip6 => kproxy_core::model::IpFamily::IPv6,
+            };
+            plan.services
+                .values()
+                .flat_map(|svc| crate::ruleset::counters(svc, rec_family, cfg.counters))
+                .collect::<std::collections::BTreeSet<String>>()
+        };
+        let reader = s.spawn(move || {
             [
-                dump::read_table(Family::Ip, table),
-                dump::read_table(Family::Ip6, table),
+                dump::read_table_knowing(Family::Ip, table, &known(Family::Ip)),
+                dump::read_table_knowing(Family::Ip6, table, &known(Family::Ip6)),
             ]
         });
         let recs = records(plan, cfg);

@@ -109,16 +109,17 @@ pub const IDLE_DISPATCH_GROUPS: usize = 16;
 impl FamilyRecord {
     /// The record of a full sync of `plan`.
     pub fn full(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> FamilyRecord {
+        let shards = ruleset::Shards::of(plan, family);
         let mut r = FamilyRecord {
             family,
-            base: ruleset::build_base(plan, cfg, family),
+            base: ruleset::build_base(plan, cfg, family, &shards),
             services: BTreeMap::new(),
             shared: BTreeMap::new(),
             frontends: BTreeMap::new(),
             dispatch: BTreeMap::new(),
             idle: VecDeque::new(),
             counters: cfg.counters,
-            shards: ruleset::Shards::of(plan, family),
+            shards,
         };
         // A Service without a port of this family has nothing here (an IPv4-only
         // cluster's IPv6 record would otherwise hold 10k empty fragments); `advance`
@@ -300,9 +301,15 @@ impl FamilyRecord {
             })
         });
         let dispatch = self.dispatch.keys().map(|d| SetRef::Map(*d));
-        let count = ruleset::CountMap::ALL
-            .into_iter()
-            .flat_map(|map| [false, true].map(|nodeport| SetRef::Count { map, nodeport }));
+        let count = ruleset::CountMap::ALL.into_iter().flat_map(|map| {
+            [false, true].into_iter().flat_map(move |nodeport| {
+                (0..map.shards(&self.shards)).map(move |shard| SetRef::Count {
+                    map,
+                    nodeport,
+                    shard,
+                })
+            })
+        });
         fixed
             .into_iter()
             .chain(etp_local)
@@ -310,6 +317,17 @@ impl FamilyRecord {
             .chain(dispatch)
             .filter_map(|set| Some((set, self.decl(set)?)))
             .collect()
+    }
+
+    /// The names of the traffic counters the table holds (none when they are off): what
+    /// a reading asks the kernel for by name (`crate::dump::objects`).
+    pub fn counter_names(&self) -> std::collections::BTreeSet<String> {
+        let mut names: std::collections::BTreeSet<String> =
+            self.base.counters.iter().cloned().collect();
+        for svc in self.services.values().map(|(svc, _)| svc) {
+            names.extend(ruleset::counters(svc, self.family, self.counters));
+        }
+        names
     }
 
     /// The whole table without the Services' elements of the shared sets and maps
@@ -427,7 +445,7 @@ impl FamilyRecord {
         changed: &[ServiceName],
         cfg: &DataplaneConfig,
     ) -> Result<Option<Transaction>, NftError> {
-        let new_base = ruleset::build_base(plan, cfg, self.family);
+        let new_base = ruleset::build_base(plan, cfg, self.family, &self.shards);
         let mut tx = model::diff(&self.base, &new_base)?;
         if tx.replaces {
             return Ok(None);
@@ -1002,16 +1020,17 @@ pub(crate) mod tests {
         let cfg = DataplaneConfig::default();
         for family in IpFamily::ALL {
             let bulk = FamilyRecord::full(&plan, &cfg, family);
+            let shards = ruleset::Shards::of(&plan, family);
             let mut one = FamilyRecord {
                 family,
-                base: ruleset::build_base(&plan, &cfg, family),
+                base: ruleset::build_base(&plan, &cfg, family, &shards),
                 services: BTreeMap::new(),
                 shared: BTreeMap::new(),
                 frontends: BTreeMap::new(),
                 dispatch: BTreeMap::new(),
                 idle: VecDeque::new(),
                 counters: cfg.counters,
-                shards: ruleset::Shards::of(&plan, family),
+                shards,
             };
             for (name, svc) in &plan.services {
                 if !ruleset::has_family(svc, family) {

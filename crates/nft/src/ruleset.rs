@@ -371,10 +371,12 @@ pub enum SetRef {
         nodeport: bool,
         local: bool,
     },
-    /// A counter map of frontends ([`CountMap`]).
+    /// A counter map of frontends ([`CountMap`]); `shard` > 0 only for
+    /// `count-endpoints`, split as the dispatch maps are ([`Shards::count_endpoints`]).
     Count {
         map: CountMap,
         nodeport: bool,
+        shard: u32,
     },
     /// A dispatch group's map.
     Map(Dispatch),
@@ -424,6 +426,24 @@ impl CountMap {
         }
     }
 
+    /// The name of its map `shard` (0: [`CountMap::name`]; `NAME-sK` for K > 0).
+    pub fn shard_name(self, nodeport: bool, shard: u32) -> Cow<'static, str> {
+        match shard {
+            0 => Cow::Borrowed(self.name(nodeport)),
+            k => Cow::Owned(format!("{}-s{k}", self.name(nodeport))),
+        }
+    }
+
+    /// How many maps it is split into in a table of `shards`: `count-endpoints` holds a
+    /// frontend's every endpoint (a row per endpoint, as the dispatch maps do), so it is
+    /// split like them; the others hold one element per frontend, as `service-ips` does.
+    pub fn shards(self, shards: &Shards) -> u32 {
+        match self {
+            CountMap::Endpoints => shards.count_endpoints(),
+            _ => 1,
+        }
+    }
+
     /// Keyed by frontend and endpoint address (else by frontend).
     fn per_endpoint(self) -> bool {
         matches!(self, CountMap::Endpoints | CountMap::Fallback)
@@ -470,7 +490,11 @@ impl SetRef {
                 nodeport: *nodeport,
             }
             .map(*local),
-            SetRef::Count { map, nodeport } => map.name(*nodeport),
+            SetRef::Count {
+                map,
+                nodeport,
+                shard,
+            } => return map.shard_name(*nodeport, *shard),
             SetRef::Map(d) => return Cow::Owned(d.map()),
         })
     }
@@ -501,6 +525,9 @@ pub struct Frontend {
     /// The Service port's id ([`port_id`]) when the traffic counters are on: the
     /// frontend's elements of the counter maps ([`CountMap`]) name its counters.
     counters: Option<Arc<str>>,
+    /// Which `count-endpoints` map its endpoints' elements are in
+    /// ([`Shards::count_endpoints`]).
+    count_shard: u32,
     /// Bit `i`: `maps[i]`'s endpoint set is the serving+terminating fallback.
     fallback: u8,
 }
@@ -595,7 +622,7 @@ impl Frontend {
         etp_local: Option<[crate::model::Verdict; 2]>,
         masq: Option<SetRef>,
         maps: Vec<(SetRef, &[EndpointAddr], bool)>,
-        counters: Option<Arc<str>>,
+        (counters, count_shard): (Option<Arc<str>>, u32),
     ) -> Arc<Frontend> {
         let mut name = String::from(if nodeport { "np " } else { "ip " });
         key.write(&mut name);
@@ -620,6 +647,7 @@ impl Frontend {
             maps: ends.into_boxed_slice(),
             rows: rows.into_boxed_slice(),
             counters,
+            count_shard,
             fallback,
         })
     }
@@ -633,7 +661,11 @@ impl Frontend {
         };
         let nodeport = self.vmap == SetRef::ServiceNodeports;
         let base = &self.key;
-        let set = |map| SetRef::Count { map, nodeport };
+        let set = |map| SetRef::Count {
+            map,
+            nodeport,
+            shard: 0,
+        };
         let mut out = vec![
             (
                 set(CountMap::Rejected),
@@ -684,8 +716,13 @@ impl Frontend {
                 endpoint: Some(ip),
             };
             let ep = kproxy_core::model::EndpointAddr::new(ip, port);
+            let shard = self.count_shard;
             out.push((
-                set(CountMap::Endpoints),
+                SetRef::Count {
+                    map: CountMap::Endpoints,
+                    nodeport,
+                    shard,
+                },
                 key,
                 FrontendValue::Counter(id, CounterKind::Endpoint(ep)),
             ));
@@ -808,7 +845,13 @@ fn row_index(n: usize) -> u32 {
 /// delta never moves a Service between shards; a restart computes them afresh, and its
 /// adoption moves what a changed count moves.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Shards(std::collections::BTreeMap<(bool, u32), u32>);
+pub struct Shards {
+    groups: std::collections::BTreeMap<(bool, u32), u32>,
+    /// How many maps `count-endpoints` (and `count-endpoints-np`) is split into (0 as
+    /// 1): the traffic counters' per-endpoint elements are as many as the dispatch
+    /// rows, and reading a map back costs the same square.
+    endpoints: u32,
+}
 
 impl Shards {
     /// The rows a dispatch map is sized for: a read of one costs the kernel about
@@ -821,12 +864,14 @@ impl Shards {
     /// frontends), divided by [`Shards::ROWS`], to the next power of two.
     pub fn of(plan: &NodePlan, family: IpFamily) -> Shards {
         let mut rows: std::collections::BTreeMap<(bool, u32), usize> = Default::default();
+        let mut counted = [0usize; 2];
         for svc in plan.services.values() {
             for sp in svc.ports.iter().filter(|sp| sp.family == family) {
-                let frontends = 1
-                    + sp.external_ips.len()
-                    + sp.load_balancer_ips.len()
-                    + usize::from(sp.node_port.is_some());
+                let addresses = 1 + sp.external_ips.len() + sp.load_balancer_ips.len();
+                let frontends = addresses + usize::from(sp.node_port.is_some());
+                // Its elements of count-endpoints and count-endpoints-np (at most).
+                counted[0] += addresses * sp.endpoints.len();
+                counted[1] += usize::from(sp.node_port.is_some()) * sp.endpoints.len();
                 for set in [EndpointSet::Cluster, EndpointSet::Local] {
                     let n = sp.endpoints_for(set).len();
                     if n > 0 {
@@ -839,19 +884,30 @@ impl Shards {
                 }
             }
         }
-        Shards(
-            rows.into_iter()
+        let count = |rows: usize| {
+            let count = rows.div_ceil(Shards::ROWS).next_power_of_two();
+            u32::try_from(count).unwrap_or(1 << 31)
+        };
+        Shards {
+            groups: rows
+                .into_iter()
                 .filter_map(|(group, rows)| {
-                    let count = rows.div_ceil(Shards::ROWS).next_power_of_two();
-                    (count > 1).then(|| (group, u32::try_from(count).unwrap_or(1 << 31)))
+                    let count = count(rows);
+                    (count > 1).then_some((group, count))
                 })
                 .collect(),
-        )
+            endpoints: count(counted[0].max(counted[1])),
+        }
     }
 
     /// How many maps the group (endpoint set, `n`) has.
     pub fn count(&self, local: bool, n: u32) -> u32 {
-        self.0.get(&(local, n)).copied().unwrap_or(1)
+        self.groups.get(&(local, n)).copied().unwrap_or(1)
+    }
+
+    /// How many maps `count-endpoints` (and its NodePort twin) is split into.
+    pub fn count_endpoints(&self) -> u32 {
+        self.endpoints.max(1)
     }
 }
 
@@ -1073,7 +1129,12 @@ pub fn build_service(
 
 /// The table without any Service: base chains, the shared sets (empty of Service
 /// elements) and the node-level sets. Pure and cheap (no per-Service work).
-pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> Table {
+pub fn build_base(
+    plan: &NodePlan,
+    cfg: &DataplaneConfig,
+    family: IpFamily,
+    shards: &Shards,
+) -> Table {
     let f = Fam::of(family);
     let mark = cfg.mark();
     let mut rs = Table::new(Family::of(family), &cfg.table);
@@ -1125,23 +1186,29 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
     if cfg.counters {
         for map in CountMap::ALL {
             for nodeport in [false, true] {
-                let (_, key) = map.key(&f, nodeport);
-                let decl = SetDecl::map(key, SetData::Counter)
-                    .with_comment("traffic counters (crates/nft/src/counters.rs)");
-                rs.sets.insert(map.name(nodeport).into(), Set::new(decl));
+                for shard in 0..map.shards(shards) {
+                    let (_, key) = map.key(&f, nodeport);
+                    let decl = SetDecl::map(key, SetData::Counter)
+                        .with_comment("traffic counters (crates/nft/src/counters.rs)");
+                    let name = map.shard_name(nodeport, shard).into_owned();
+                    rs.sets.insert(name, Set::new(decl));
+                }
             }
         }
     }
     // `counter name SEL… map @m` of a counter map, then `more`.
-    let count = |map: CountMap, nodeport: bool, more: Vec<Expr>| {
+    // The same in map `shard` of the counter map.
+    let count_shard = |map: CountMap, nodeport: bool, shard: u32, more: Vec<Expr>| {
         let (sel, _) = map.key(&f, nodeport);
         let mut exprs = vec![Expr::CounterMap {
             sel,
-            map: map.name(nodeport).into(),
+            map: map.shard_name(nodeport, shard).into_owned(),
         }];
         exprs.extend(more);
         Rule::new(exprs)
     };
+    let count =
+        |map: CountMap, nodeport: bool, more: Vec<Expr>| count_shard(map, nodeport, 0, more);
     let base = |hook: Option<Hook>, rules: Vec<Rule>| Chain { hook, rules };
     for (name, hook, priority, to) in BASE_CHAINS {
         let chain = Chain {
@@ -1171,11 +1238,15 @@ pub fn build_base(plan: &NodePlan, cfg: &DataplaneConfig, family: IpFamily) -> T
             (CountMap::Endpoints, false, Some(ret)),
             (CountMap::Endpoints, true, None),
         ] {
+            // A split map is looked up map by map: a miss ends that rule only.
             for proto in [6, 17, 132] {
-                let mut r = count(map, nodeport, end.clone().into_iter().collect());
-                let l4 = is(Sel::L4proto, false, Lit::Atom(Atom::Proto(proto)));
-                r.exprs.insert(0, l4);
-                rules.push(r);
+                for shard in 0..map.shards(shards) {
+                    let more = end.clone().into_iter().collect();
+                    let mut r = count_shard(map, nodeport, shard, more);
+                    let l4 = is(Sel::L4proto, false, Lit::Atom(Atom::Proto(proto)));
+                    r.exprs.insert(0, l4);
+                    rules.push(r);
+                }
             }
         }
         rs.chains.insert(COUNT_ENDPOINTS.into(), base(None, rules));
@@ -1606,6 +1677,13 @@ impl PortCtx<'_> {
         Some(Direct::EtpLocal { cluster, local })
     }
 
+    /// Its frontends' counters: the port's id (when on) and their `count-endpoints`
+    /// map, picked by the port's hash as a dispatch group's shard is.
+    fn counted(&self) -> (Option<Arc<str>>, u32) {
+        let shard = self.hash & (self.shards.count_endpoints() - 1);
+        (self.counters.clone(), shard)
+    }
+
     fn dispatch(&self, set: EndpointSet, nodeport: bool) -> Dispatch {
         let n = self.sp.endpoints_for(set).len();
         let local = set == EndpointSet::Local;
@@ -1748,7 +1826,7 @@ impl PortCtx<'_> {
                 etp_local.clone(),
                 masq_set,
                 maps,
-                self.counters.clone(),
+                self.counted(),
             );
             frag.frontends.push(fe);
         }
@@ -1812,7 +1890,7 @@ fn add_affinity_port(frag: &mut Draft, ctx: &PortCtx<'_>, id: &str) {
                 None,
                 None,
                 Vec::new(),
-                ctx.counters.clone(),
+                ctx.counted(),
             ));
         }
     };
