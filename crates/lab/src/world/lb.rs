@@ -424,7 +424,7 @@ async fn health_loop(
                     EventKind::HealthAnswer,
                     Some(&names[i]),
                     None,
-                    &answer.detail(),
+                    answer.detail(),
                 );
             }
         }
