@@ -403,23 +403,17 @@ impl Reader {
     ) -> Result<bool, NftError> {
         self.seq += 1;
         let seq = self.seq;
+        let values: Vec<Vec<u8>> = attrs
+            .iter()
+            .map(|(_, s)| [s.as_bytes(), b"\0"].concat())
+            .collect();
+        let attrs: Vec<(u16, &[u8])> = attrs
+            .iter()
+            .zip(&values)
+            .map(|((k, _), v)| (*k, &v[..]))
+            .collect();
         let mut req = Vec::with_capacity(64);
-        req.extend_from_slice(&[0; 4]);
-        req.extend_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | msg).to_ne_bytes());
-        req.extend_from_slice(&(NLM_F_REQUEST | flags).to_ne_bytes());
-        req.extend_from_slice(&seq.to_ne_bytes());
-        req.extend_from_slice(&0u32.to_ne_bytes());
-        req.extend_from_slice(&[family, 0, 0, 0]);
-        for (kind, s) in attrs {
-            let len = 4 + s.len() + 1;
-            req.extend_from_slice(&(len as u16).to_ne_bytes());
-            req.extend_from_slice(&kind.to_ne_bytes());
-            req.extend_from_slice(s.as_bytes());
-            req.push(0);
-            req.resize(req.len().next_multiple_of(4), 0);
-        }
-        let total = req.len() as u32;
-        req[..4].copy_from_slice(&total.to_ne_bytes());
+        append_request(&mut req, msg, flags, seq, family, &attrs);
         self.sock.send(&req, 0).map_err(|e| NftError::Io {
             context: format!("asking the kernel for {what}"),
             source: e,
@@ -488,6 +482,34 @@ impl Reader {
         self.request_attr("the ruleset generation", ask, NFTA_GEN_ID, |v| id = be32(v))?;
         id.ok_or_else(|| NftError::Read("the kernel sent no ruleset generation".into()))
     }
+}
+
+/// Appends one nf_tables request to `req`: the netlink and nfgenmsg headers, then
+/// `attrs` as given (a string's value carries its own NUL). Every read request, the
+/// dumps' and the by-name lookups', is written here.
+pub(super) fn append_request(
+    req: &mut Vec<u8>,
+    msg: u16,
+    flags: u16,
+    seq: u32,
+    family: u8,
+    attrs: &[(u16, &[u8])],
+) {
+    let start = req.len();
+    req.extend_from_slice(&[0; 4]);
+    req.extend_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | msg).to_ne_bytes());
+    req.extend_from_slice(&(NLM_F_REQUEST | flags).to_ne_bytes());
+    req.extend_from_slice(&seq.to_ne_bytes());
+    req.extend_from_slice(&0u32.to_ne_bytes());
+    req.extend_from_slice(&[family, 0, 0, 0]);
+    for (kind, v) in attrs {
+        req.extend_from_slice(&((4 + v.len()) as u16).to_ne_bytes());
+        req.extend_from_slice(&kind.to_ne_bytes());
+        req.extend_from_slice(v);
+        req.resize(req.len().next_multiple_of(4), 0);
+    }
+    let total = (req.len() - start) as u32;
+    req[start..start + 4].copy_from_slice(&total.to_ne_bytes());
 }
 
 /// Whether table `family table` exists: one GETTABLE request, absent when the kernel

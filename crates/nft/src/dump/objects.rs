@@ -196,7 +196,7 @@ fn by_name(
                 if m.seq.wrapping_sub(first) >= batch.len() as u32 {
                     continue; // a late answer to an earlier request
                 }
-                pending -= 1;
+                pending = pending.saturating_sub(1);
                 answers += 1;
                 if m.kind == NLMSG_ERROR {
                     match error_code(m.payload) {
@@ -227,22 +227,12 @@ fn by_name(
 /// `NLM_F_DUMP` (a lookup by name) and no `NLM_F_ACK` (the answer is the object, or an
 /// error), so one answer per request.
 fn getobj(req: &mut Vec<u8>, seq: u32, family: Family, table: &str, name: &str) {
-    let start = req.len();
-    req.extend_from_slice(&[0; 4]);
-    req.extend_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETOBJ).to_ne_bytes());
-    req.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
-    req.extend_from_slice(&seq.to_ne_bytes());
-    req.extend_from_slice(&0u32.to_ne_bytes());
-    req.extend_from_slice(&[family.nfproto(), 0, 0, 0]);
-    let mut attr = |kind: u16, v: &[u8]| {
-        req.extend_from_slice(&((4 + v.len()) as u16).to_ne_bytes());
-        req.extend_from_slice(&kind.to_ne_bytes());
-        req.extend_from_slice(v);
-        req.resize(req.len().next_multiple_of(4), 0);
-    };
-    attr(NFTA_OBJ_TABLE, format!("{table}\0").as_bytes());
-    attr(NFTA_OBJ_NAME, format!("{name}\0").as_bytes());
-    attr(NFTA_OBJ_TYPE, &NFT_OBJECT_COUNTER.to_be_bytes());
-    let total = (req.len() - start) as u32;
-    req[start..start + 4].copy_from_slice(&total.to_ne_bytes());
+    let (table, name) = (format!("{table}\0"), format!("{name}\0"));
+    let kind = NFT_OBJECT_COUNTER.to_be_bytes();
+    let attrs: [(u16, &[u8]); 3] = [
+        (NFTA_OBJ_TABLE, table.as_bytes()),
+        (NFTA_OBJ_NAME, name.as_bytes()),
+        (NFTA_OBJ_TYPE, &kind),
+    ];
+    super::append_request(req, NFT_MSG_GETOBJ, 0, seq, family.nfproto(), &attrs);
 }
