@@ -167,6 +167,19 @@ class Timeline:
             self.events.append({"t": self.clock.now(), "kind": kind, "subject": subject, "what": what})
 
 
+def healthz_passes(ip, port):
+    """One health check as the load balancer sends it: GET /healthz answered 200."""
+    try:
+        with socket.create_connection((ip, port), timeout=GKE["timeout"]) as s:
+            s.settimeout(GKE["timeout"])
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: lb\r\nUser-Agent: kproxy-lab-lb\r\n"
+                      b"Connection: close\r\n\r\n")
+            head = s.recv(64)
+        return head.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200"))
+    except OSError:
+        return False
+
+
 class LoadBalancer(threading.Thread):
     """crates/lab/src/lb.rs's health loop: probe every node's health-check node port every
     interval (in parallel, each with the timeout), thresholds, pool = healthy or all."""
@@ -181,15 +194,7 @@ class LoadBalancer(threading.Thread):
         self.error = None
 
     def probe(self, ip, out):
-        try:
-            with socket.create_connection((ip, self.hc_port), timeout=GKE["timeout"]) as s:
-                s.settimeout(GKE["timeout"])
-                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: lb\r\nUser-Agent: kproxy-lab-lb\r\n"
-                          b"Connection: close\r\n\r\n")
-                head = s.recv(64)
-            out[ip] = head.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200"))
-        except OSError:
-            out[ip] = False
+        out[ip] = healthz_passes(ip, self.hc_port)
 
     def pool(self):
         with self.lock:
@@ -507,7 +512,7 @@ def disrupt(kind, node, proxy, lab, timeline):
     timeline.add("node", "machine off", node)
 
 
-def restore(kind, node, api, nodes_count):
+def restore(kind, node, api, nodes):
     """The node back (outside the count) and the Deployment spread over every node again."""
     if kind == "rollout":
         return
@@ -515,24 +520,10 @@ def restore(kind, node, api, nodes_count):
     kubectl("uncordon", node)
     if kind == "shutdown":
         set_condition(node, "False", Timeline(Clock()))
-    wait(f"{node}'s Service proxy healthy", lambda: proxy_healthy(node), 180)
+    wait(f"{node}'s Service proxy healthy", lambda: healthz_passes(nodes[node], PROXY_HEALTHZ_PORT), 180)
     kubectl("-n", NS, "rollout", "restart", f"deployment/{APP}")
     kubectl("-n", NS, "rollout", "status", f"deployment/{APP}", "--timeout=600s")
-    wait("one pod per node", lambda: pods_spread(api) == nodes_count, 120)
-
-
-def proxy_healthy(node):
-    ip = node_ip(node)
-    try:
-        with socket.create_connection((ip, PROXY_HEALTHZ_PORT), timeout=1) as s:
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")
-            return s.recv(64).startswith(b"HTTP/1.1 200")
-    except OSError:
-        return False
-
-
-def node_ip(node):
-    return "192.168.226.1" + node.removeprefix("kpn-n")
+    wait("one pod per node", lambda: pods_spread(api) == len(nodes), 120)
 
 
 def pods_spread(api):
@@ -648,7 +639,7 @@ def main():
             for b in r["bursts"]:
                 print(f"  burst {b['first']:.2f}-{b['last']:.2f} s: {b['failed']} failed {b['kinds']} "
                       f"via {b['nodes']}", flush=True)
-            restore(a.disruption, list(nodes)[-1], api, len(nodes))
+            restore(a.disruption, list(nodes)[-1], api, nodes)
     finally:
         if a.json:
             with open(a.json, "w") as f:
