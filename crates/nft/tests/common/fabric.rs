@@ -219,8 +219,17 @@ impl Fabric {
     }
 
     /// One new connection (TCP) or one datagram exchange (UDP).
+    ///
+    /// A UDP probe is a new flow only if its 5-tuple is: the kernel's ephemeral port can
+    /// repeat one an earlier case used, and conntrack then keeps answering from that
+    /// case's endpoint (as upstream's cleanup does while the endpoint still serves). So
+    /// every UDP probe gets a source port no other probe of this process used.
     pub fn probe(&self, from: From, dst: IpAddr, port: u16, proto: Protocol) -> Outcome {
-        self.probe_from_port(from, dst, port, proto, 0)
+        let sport = match proto {
+            Protocol::UDP => fresh_udp_port(),
+            _ => 0,
+        };
+        self.probe_from_port(from, dst, port, proto, sport)
     }
 
     pub fn probe_from_port(
@@ -278,6 +287,16 @@ fn tcp_probe(to: SocketAddr) -> Outcome {
         Ok(_) => parse_answer(&buf),
         Err(e) => classify(e),
     }
+}
+
+/// Source ports for `probe`'s UDP flows: below the kernel's ephemeral range (32768+) and
+/// below the ports tests pick themselves (40000+), so no probe reuses another's flow.
+fn fresh_udp_port() -> u16 {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    const FIRST: u16 = 10_000;
+    const SPAN: u16 = 20_000;
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN
 }
 
 fn udp_probe(to: SocketAddr, sport: u16) -> Outcome {
