@@ -9,6 +9,8 @@ Per target, two kinds of traffic until the stop file exists:
 - established: KEEP connections opened at the start, each sending GET /hostname with
   keep-alive every 100 ms (a connection that errors is broken, counted once, and replaced
   so that later breaks are seen too).
+Each failure is also listed (up to 100 per target: when it started, UTC with ms, how long
+it took, what failed) so that it can be matched to the proxy's log and the kernel's events.
 Run inside a node's network namespace (`ip netns exec kpn-n1 load.py ...`): the traffic
 stays in the lab's namespaces. Prints one JSON object with the counts per target.
 """
@@ -21,8 +23,23 @@ import threading
 import time
 
 
+def record(out, kind, started, err):
+    """One failure, kept with its time (the first 100 per target)."""
+    name = type(err).__name__
+    out["errors"][name] = out["errors"].get(name, 0) + 1
+    if len(out["failures"]) < 100:
+        ms = int(started * 1000) % 1000
+        out["failures"].append({
+            "at": time.strftime("%H:%M:%S", time.gmtime(started)) + f".{ms:03d}",
+            "took_s": round(time.time() - started, 3),
+            "kind": kind,
+            "error": f"{name}: {err}",
+        })
+
+
 def new_connections(host, port, stop, out):
     while not os.path.exists(stop):
+        started = time.time()
         try:
             c = http.client.HTTPConnection(host, port, timeout=2)
             c.request("GET", "/hostname", headers={"Connection": "close"})
@@ -30,12 +47,11 @@ def new_connections(host, port, stop, out):
             body = r.read()
             c.close()
             ok = r.status == 200 and body
-        except OSError as e:
+            if not ok:
+                record(out, "new", started, http.client.HTTPException(f"status {r.status}, {len(body)} bytes"))
+        except (OSError, http.client.HTTPException) as e:
             ok = False
-            out["errors"][type(e).__name__] = out["errors"].get(type(e).__name__, 0) + 1
-        except http.client.HTTPException as e:
-            ok = False
-            out["errors"][type(e).__name__] = out["errors"].get(type(e).__name__, 0) + 1
+            record(out, "new", started, e)
         out["new_ok" if ok else "new_failed"] += 1
         if not ok:
             time.sleep(0.05)
@@ -44,6 +60,7 @@ def new_connections(host, port, stop, out):
 def established(host, port, stop, out):
     c = None
     while not os.path.exists(stop):
+        started = time.time()
         try:
             if c is None:
                 c = http.client.HTTPConnection(host, port, timeout=2)
@@ -57,7 +74,7 @@ def established(host, port, stop, out):
         except (OSError, http.client.HTTPException) as e:
             if c is not None and c.sock is not None:
                 out["est_broken"] += 1
-                out["errors"][type(e).__name__] = out["errors"].get(type(e).__name__, 0) + 1
+                record(out, "established", started, e)
             elif c is not None:
                 out["est_broken"] += 1
             c = None
@@ -73,7 +90,8 @@ def main():
     results, threads = {}, []
     for t in a.target:
         host, _, port = t.rpartition(":")
-        out = {"new_ok": 0, "new_failed": 0, "est_requests": 0, "est_broken": 0, "errors": {}}
+        out = {"new_ok": 0, "new_failed": 0, "est_requests": 0, "est_broken": 0, "errors": {},
+               "failures": []}
         results[t] = out
         threads.append(threading.Thread(target=new_connections, args=(host, int(port), a.stop_file, out)))
         for _ in range(a.keep):
