@@ -26,8 +26,8 @@
 //! ```
 //!
 //! `--traffic-metrics` is passed to every `kproxy sync --once` and `kproxy run` (default
-//! `service`, the daemon's: named counter objects per port and their objref maps in the
-//! tables; `off`: none), so a pair of runs shows what the counters cost at scale.
+//! `off`, the daemon's: no counters in the tables; `service`: named counter objects per
+//! port and their objref maps), so a pair of runs shows what the counters cost at scale.
 //!
 //! The machine's load goes beside every figure (`uptime`); the namespace and the
 //! manifests are removed at the end (`--keep` keeps the manifests).
@@ -659,7 +659,7 @@ fn main() {
             .position(|a| a == "--traffic-metrics")
             .and_then(|i| args.get(i + 1))
             .cloned()
-            .unwrap_or_else(|| "service".to_string()),
+            .unwrap_or_else(|| "off".to_string()),
         keep: args.iter().any(|a| a == "--keep"),
     };
     let mut sizes: Vec<(usize, usize)> = args
