@@ -19,12 +19,14 @@ import argparse
 import http.client
 import json
 import os
+import socket
 import threading
 import time
 
 
-def record(out, kind, started, err):
-    """One failure, kept with its time (the first 100 per target)."""
+def record(out, kind, started, err, sport=None):
+    """One failure, kept with its time and client port (the first 100 per target), so
+    that it can be found in the nodes' conntrack events."""
     name = type(err).__name__
     out["errors"][name] = out["errors"].get(name, 0) + 1
     if len(out["failures"]) < 100:
@@ -33,25 +35,45 @@ def record(out, kind, started, err):
             "at": time.strftime("%H:%M:%S", time.gmtime(started)) + f".{ms:03d}",
             "took_s": round(time.time() - started, 3),
             "kind": kind,
+            "sport": sport,
             "error": f"{name}: {err}",
         })
+
+
+def connected(host, port):
+    """An HTTPConnection on a socket bound first, so its client port is known even when
+    the connect fails: (connection, client port)."""
+    c = http.client.HTTPConnection(host, port, timeout=2)
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(2)
+    s.bind(("", 0))
+    sport = s.getsockname()[1]
+    try:
+        s.connect((host, port))
+    except OSError as e:
+        s.close()
+        e.sport = sport
+        raise
+    c.sock = s
+    return c, sport
 
 
 def new_connections(host, port, stop, out):
     while not os.path.exists(stop):
         started = time.time()
+        sport = None
         try:
-            c = http.client.HTTPConnection(host, port, timeout=2)
+            c, sport = connected(host, port)
             c.request("GET", "/hostname", headers={"Connection": "close"})
             r = c.getresponse()
             body = r.read()
             c.close()
             ok = r.status == 200 and body
             if not ok:
-                record(out, "new", started, http.client.HTTPException(f"status {r.status}, {len(body)} bytes"))
+                record(out, "new", started, http.client.HTTPException(f"status {r.status}, {len(body)} bytes"), sport)
         except (OSError, http.client.HTTPException) as e:
             ok = False
-            record(out, "new", started, e)
+            record(out, "new", started, e, getattr(e, "sport", sport))
         out["new_ok" if ok else "new_failed"] += 1
         if not ok:
             time.sleep(0.05)

@@ -7,6 +7,8 @@
 #   self-update.sh [TAG]      (after nodes.sh up && nodes.sh proxy kproxy)
 #   IMPORT=TAR self-update.sh TAG   TAG is another build's image, imported from TAR into
 #                                   every node (upgrade.sh: across versions)
+#   COMMAND='["kproxy","run",…]' self-update.sh TAG   the container's command changes in the
+#                                   same rollout (upgrade.sh NEW_ARGS: tables that differ)
 set -euo pipefail
 : "${K8S_LAB:?set K8S_LAB}"
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -37,7 +39,12 @@ load=$!
 sleep 3
 t0=$(date +%s.%N)
 log "kubectl set image ds/kproxy kproxy=$tag (from $current) under load"
-kubectl -n kube-system set image ds/kproxy "kproxy=$tag" >/dev/null
+if [ -n "${COMMAND:-}" ]; then
+  log "and its command $COMMAND"
+  kubectl -n kube-system patch ds kproxy --type=json -p "[{\"op\":\"replace\",\"path\":\"/spec/template/spec/containers/0/image\",\"value\":\"$tag\"},{\"op\":\"replace\",\"path\":\"/spec/template/spec/containers/0/command\",\"value\":$COMMAND}]" >/dev/null
+else
+  kubectl -n kube-system set image ds/kproxy "kproxy=$tag" >/dev/null
+fi
 kubectl -n kube-system rollout status ds/kproxy --timeout=300s >/dev/null
 log "rolled out in $(echo "$(date +%s.%N) - $t0" | bc) s"
 sleep 3
