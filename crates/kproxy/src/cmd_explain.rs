@@ -175,8 +175,8 @@ fn fetch(server: &str, path: &str) -> Result<String> {
 /// processes' changes to kproxy's tables (docs/health.md). A series the daemon does not
 /// export (yet) reads as "unknown".
 fn kernel_runtime(metrics: &str, server: &str) -> String {
-    use std::fmt::Write as _;
     use crate::exposition::{label, samples};
+    use std::fmt::Write as _;
     let value = |series: &str| crate::exposition::value(metrics, series);
     let show = |v: Option<f64>| v.map_or_else(|| "unknown".to_string(), |v| format!("{v}"));
     let mut out = format!("kernel at runtime ({server}):\n");

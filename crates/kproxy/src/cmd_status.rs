@@ -40,7 +40,12 @@ pub struct Args {
     #[arg(long, value_name = "NAME")]
     pub context: Option<String>,
     /// The namespace of kproxy's DaemonSet (deploy/'s).
-    #[arg(short = 'n', long, value_name = "NAMESPACE", default_value = "kube-system")]
+    #[arg(
+        short = 'n',
+        long,
+        value_name = "NAMESPACE",
+        default_value = "kube-system"
+    )]
     pub namespace: String,
     /// kproxy's DaemonSet (deploy/'s); its selector finds the Pods.
     #[arg(long, value_name = "NAME", default_value = "kproxy")]
@@ -98,7 +103,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 /// `GET path`: the answer's JSON when 200, `None` on 404, else an error naming what
 /// was read.
-async fn get_json(client: &kube::Client, path: &str, max: usize, what: &str) -> Result<Option<Value>> {
+async fn get_json(
+    client: &kube::Client,
+    path: &str,
+    max: usize,
+    what: &str,
+) -> Result<Option<Value>> {
     let (code, body) = api::get(client, path, max)
         .await
         .map_err(anyhow::Error::msg)
@@ -119,7 +129,11 @@ async fn get_json(client: &kube::Client, path: &str, max: usize, what: &str) -> 
 }
 
 /// Every item of a collection, page by page.
-async fn list_all(client: &kube::Client, collection: &str, labels: Option<&str>) -> Result<Vec<Value>> {
+async fn list_all(
+    client: &kube::Client,
+    collection: &str,
+    labels: Option<&str>,
+) -> Result<Vec<Value>> {
     let mut items = Vec::new();
     let mut token: Option<String> = None;
     loop {
@@ -178,17 +192,21 @@ async fn ask_pod(
         ))
     };
     let deadline = tokio::time::Instant::now() + args.timeout;
-    let healthz = tokio::time::timeout_at(deadline, proxied(&client, &healthz_path, MAX_HEALTHZ_BYTES))
-        .await
-        .unwrap_or_else(|_| late());
+    let healthz =
+        tokio::time::timeout_at(deadline, proxied(&client, &healthz_path, MAX_HEALTHZ_BYTES))
+            .await
+            .unwrap_or_else(|_| late());
     let answered = matches!(healthz, Fetched::Answer { .. });
     if args.metrics_port == 0 || !answered {
         return (healthz, None);
     }
     let metrics_path = format!("{base}:{}/proxy/metrics", args.metrics_port);
-    let metrics = tokio::time::timeout_at(deadline, proxied(&client, &metrics_path, args.max_metrics_bytes))
-        .await
-        .unwrap_or_else(|_| late());
+    let metrics = tokio::time::timeout_at(
+        deadline,
+        proxied(&client, &metrics_path, args.max_metrics_bytes),
+    )
+    .await
+    .unwrap_or_else(|_| late());
     (healthz, Some(metrics))
 }
 
@@ -265,7 +283,12 @@ async fn gather(args: &Args) -> Result<Report> {
     }
     let picked: Vec<(&NodeState, Option<&PodState>)> = all_nodes
         .values()
-        .map(|n| (n, status::pick_pod(on_node.get(&n.name).map_or(&[][..], Vec::as_slice))))
+        .map(|n| {
+            (
+                n,
+                status::pick_pod(on_node.get(&n.name).map_or(&[][..], Vec::as_slice)),
+            )
+        })
         .collect();
 
     // Ask the running pods, --concurrency at a time.
@@ -282,7 +305,8 @@ async fn gather(args: &Args) -> Result<Report> {
             continue;
         };
         let permit = permits.clone().acquire_owned().await?;
-        let (client, ns, pod, calls) = (client.clone(), ns.clone(), pod.name.clone(), calls.clone());
+        let (client, ns, pod, calls) =
+            (client.clone(), ns.clone(), pod.name.clone(), calls.clone());
         tasks.spawn(async move {
             let answers = ask_pod(client, ns, pod, calls).await;
             drop(permit);

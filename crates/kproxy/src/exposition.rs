@@ -85,7 +85,11 @@ kubeproxy_sync_proxy_rules_last_timestamp_seconds 1.7e9\n\
             value(TEXT, "kproxy_kube_proxy_rules_present{mode=\"iptables\"}"),
             Some(0.0)
         );
-        assert_eq!(value(TEXT, "kproxy_conntrack"), None, "a prefix is not a name");
+        assert_eq!(
+            value(TEXT, "kproxy_conntrack"),
+            None,
+            "a prefix is not a name"
+        );
         assert_eq!(
             value(TEXT, "kubeproxy_sync_proxy_rules_last_timestamp_seconds"),
             Some(1.7e9)
@@ -99,6 +103,6 @@ kubeproxy_sync_proxy_rules_last_timestamp_seconds 1.7e9\n\
         assert_eq!(label(labels, "namespace"), Some("a b"));
         assert_eq!(label(labels, "service"), Some("s"));
         assert_eq!(label(labels, "port"), None);
-        assert_eq!(samples(TEXT).count(), 8, "comments are not samples");
+        assert_eq!(samples(TEXT).count(), 7, "comments are not samples");
     }
 }

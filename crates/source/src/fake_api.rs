@@ -337,8 +337,14 @@ impl FakeApi {
     /// Serves `object` (a DaemonSet as the API serves it) by its namespace and name.
     pub fn set_daemon_set(&self, object: Value) {
         let key = (
-            object["metadata"]["namespace"].as_str().unwrap_or("").to_string(),
-            object["metadata"]["name"].as_str().unwrap_or("").to_string(),
+            object["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("")
+                .to_string(),
+            object["metadata"]["name"]
+                .as_str()
+                .unwrap_or("")
+                .to_string(),
         );
         lock(&self.daemon_sets).insert(key, object);
     }
@@ -397,9 +403,11 @@ async fn pod_proxy(api: &FakeApi, uri: &Uri) -> Option<Response> {
         Some(q) => format!("{path}?{q}"),
         None => path.to_string(),
     };
-    let pod = lock(&api.pods.list).items.iter().find(|p| {
-        p["metadata"]["namespace"] == namespace && p["metadata"]["name"] == name
-    }).cloned();
+    let pod = lock(&api.pods.list)
+        .items
+        .iter()
+        .find(|p| p["metadata"]["namespace"] == namespace && p["metadata"]["name"] == name)
+        .cloned();
     let Some(pod) = pod else {
         let code = StatusCode::NOT_FOUND;
         return Some((code, axum::Json(status(code, "NotFound"))).into_response());
@@ -414,7 +422,9 @@ async fn pod_proxy(api: &FakeApi, uri: &Uri) -> Option<Response> {
         Err(e) => {
             let code = StatusCode::SERVICE_UNAVAILABLE;
             let mut s = status(code, "ServiceUnavailable");
-            s["message"] = json!(format!("error trying to reach service: dial tcp {ip}:{port}: {e}"));
+            s["message"] = json!(format!(
+                "error trying to reach service: dial tcp {ip}:{port}: {e}"
+            ));
             (code, axum::Json(s)).into_response()
         }
     })
