@@ -196,8 +196,7 @@ async fn ask_pod(
         tokio::time::timeout_at(deadline, proxied(&client, &healthz_path, MAX_HEALTHZ_BYTES))
             .await
             .unwrap_or_else(|_| late());
-    let answered = matches!(healthz, Fetched::Answer { .. });
-    if args.metrics_port == 0 || !answered {
+    if args.metrics_port == 0 || !status::reached(&healthz) {
         return (healthz, None);
     }
     let metrics_path = format!("{base}:{}/proxy/metrics", args.metrics_port);

@@ -260,6 +260,12 @@ fn api_error(code: u16, body: &str) -> Option<String> {
     })
 }
 
+/// Whether the pod itself answered (not the API server for it, nor a failed call):
+/// only then is its `/metrics` worth asking.
+pub fn reached(fetched: &Fetched) -> bool {
+    matches!(fetched, Fetched::Answer { code, body } if api_error(*code, body).is_none())
+}
+
 /// The fields of kproxy's `/healthz` body status reads (docs/health.md; the
 /// `truthful` semantics' fields are absent under `upstream`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -1041,6 +1047,8 @@ kproxy_kernel_interference_repairs_total 0\nkproxy_endpoint_warmup_holds_total 0
         );
         assert!(r.metrics.is_none());
         assert!(r.metrics_error.unwrap().contains("connection refused"));
+        assert!(reached(&healthy) && reached(&held));
+        assert!(!reached(&unreachable_pod) && !reached(&Fetched::Failed("x".into())));
 
         let r = row(&node("a"), true, Some(&p), Some(&held), None, now());
         assert_eq!(r.last_sync, None, "never synced");
