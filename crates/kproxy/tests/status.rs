@@ -11,7 +11,9 @@
 //!    programmed): `status -o json` exits 1 and says so per node.
 //! 2. Once it has synced, node-a is healthy with its last sync and metrics; node-b and
 //!    node-c still fail the run (the table's summary says which).
-//! 3. With node-a alone and the rollout complete, `status` exits 0.
+//! 3. With node-a alone and the rollout complete, `status` exits 0, also as `kubectl
+//!    kproxy status` (the binary as `kubectl-kproxy`, kubectl's $KUBECONFIG); a rollout
+//!    in progress alone makes it exit 1.
 
 #![expect(
     clippy::disallowed_types,
@@ -270,6 +272,25 @@ fn status_shows_every_node_healthy_unhealthy_unreachable_and_podless() {
         "1/1 nodes healthy, rollout complete"
     );
     assert_eq!(report["summary"]["ok"], true);
+    // As kubectl runs it: `kubectl-kproxy status`, kubectl's $KUBECONFIG.
+    let plugin = dir.path().join("kubectl-kproxy");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_kproxy"), &plugin).unwrap();
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns.0])
+        .arg(&plugin)
+        .args(["status", "-o", "json"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("HOME", dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["summary"]["line"], "1/1 nodes healthy, rollout complete");
     // A rollout in progress alone fails it.
     let mut moving = daemon_set(1);
     moving["status"]["updatedNumberScheduled"] = json!(0);
