@@ -147,23 +147,13 @@ fn status_shows_every_node_healthy_unhealthy_unreachable_and_podless() {
     api.services.open.send_replace(false);
 
     let listener = ns.run(|| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
-    listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
     // Its threads in the namespace too: the pods proxy connects from them.
     let name = ns.0.clone();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .on_thread_start(move || kproxy_test_support::netns::enter(&name))
-        .enable_all()
-        .build()
-        .unwrap();
-    {
-        let _guard = rt.enter();
-        fake_api::spawn(
-            tokio::net::TcpListener::from_std(listener).unwrap(),
-            api.clone(),
-        );
-    }
+    let rt = fake_api::serve_on_runtime(listener, api.clone(), move || {
+        kproxy_test_support::netns::enter(&name)
+    })
+    .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::write(&kubeconfig, fake_api::kubeconfig(addr)).unwrap();

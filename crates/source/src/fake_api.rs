@@ -736,15 +736,29 @@ pub fn spawn(
 pub fn serve_on_loopback(
     api: Arc<FakeApi>,
 ) -> std::io::Result<(tokio::runtime::Runtime, SocketAddr)> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    Ok((serve_on_runtime(listener, api, || {})?, addr))
+}
+
+/// Serves `api` on `listener` (bound by the caller, e.g. from a thread inside a network
+/// namespace) on a runtime of its own (one worker) whose threads first run
+/// `on_thread_start` (e.g. enter that namespace, so that the pods proxy connects to
+/// pods from it): the runtime, which serves until it is dropped.
+pub fn serve_on_runtime(
+    listener: std::net::TcpListener,
+    api: Arc<FakeApi>,
+    on_thread_start: impl Fn() + Send + Sync + 'static,
+) -> std::io::Result<tokio::runtime::Runtime> {
+    listener.set_nonblocking(true)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
+        .on_thread_start(on_thread_start)
         .enable_all()
         .build()?;
-    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-    let addr = listener.local_addr()?;
     {
         let _entered = runtime.enter();
-        spawn(listener, api);
+        spawn(tokio::net::TcpListener::from_std(listener)?, api);
     }
-    Ok((runtime, addr))
+    Ok(runtime)
 }
