@@ -1290,3 +1290,65 @@ kproxy_kernel_interference_repairs_total 0\nkproxy_endpoint_warmup_holds_total 0
         assert_eq!(age(356_400.0), "4d3h");
     }
 }
+
+#[cfg(test)]
+mod doc_tests {
+    use super::*;
+
+    /// The keys of every object in `v`, by path (arrays by their first element).
+    fn keys(v: &Value, path: &str, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, v) in m {
+                    let p = format!("{path}.{k}");
+                    out.push(p.clone());
+                    // runningImages is keyed by image, not by field name.
+                    if k != "runningImages" {
+                        keys(v, &p, out);
+                    }
+                }
+            }
+            Value::Array(a) => {
+                if let Some(first) = a.first() {
+                    keys(first, &format!("{path}[]"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    #[test]
+    fn the_json_fields_are_the_ones_docs_status_md_names() {
+        let doc = include_str!("../../../docs/status.md");
+        let block = doc
+            .split("```json\n")
+            .nth(1)
+            .and_then(|b| b.split("```").next())
+            .expect("a json block in docs/status.md");
+        let documented: Value = serde_json::from_str(block).expect("docs/status.md's JSON");
+        let metrics = metrics_of("kproxy_kube_proxy_rules_present{mode=\"nftables\"} 0\n");
+        let done = rollout(
+            "kube-system",
+            "kproxy",
+            Some(&DaemonSetState::default()),
+            BTreeMap::from([("kproxy:0.1.0".to_string(), 1)]),
+        );
+        let node = NodeState {
+            name: "node-a".into(),
+            labels: BTreeMap::new(),
+        };
+        let mut r = row(&node, true, None, None, None, jiff::Timestamp::UNIX_EPOCH);
+        r.metrics = Some(metrics);
+        let report = Report {
+            summary: summary(std::slice::from_ref(&r), &done),
+            daemon_set: done,
+            nodes: vec![r],
+        };
+        let (mut want, mut got) = (Vec::new(), Vec::new());
+        keys(&documented, "", &mut want);
+        keys(&serde_json::to_value(&report).unwrap(), "", &mut got);
+        want.sort();
+        got.sort();
+        assert_eq!(got, want);
+    }
+}
