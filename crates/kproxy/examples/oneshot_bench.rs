@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use kproxy_source::fake_api::{self, FakeApi};
 use serde_json::{Value, json};
-use support::{ip4, kproxy_binary, slice_endpoints};
+use support::{children_cpu, ip4, kproxy_binary, slice_endpoints};
 
 /// Service `i` in one of 50 namespaces; one in ten a LoadBalancer with
 /// externalTrafficPolicy Local among the first 2,000 (the node-port range).
@@ -52,14 +52,6 @@ fn slice(i: usize, eps: usize) -> Value {
                      "labels": {"kubernetes.io/service-name": format!("svc-{i}")}},
         "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
         "endpoints": endpoints})
-}
-
-/// CPU seconds (user + system) of every child waited for so far.
-fn children_cpu() -> f64 {
-    use nix::sys::resource::{UsageWho, getrusage};
-    let u = getrusage(UsageWho::RUSAGE_CHILDREN).expect("getrusage");
-    let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
-    secs(u.user_time()) + secs(u.system_time())
 }
 
 /// One run: wall seconds from spawn to exit, and the process's CPU seconds.

@@ -175,13 +175,9 @@ fn fetch(server: &str, path: &str) -> Result<String> {
 /// processes' changes to kproxy's tables (docs/health.md). A series the daemon does not
 /// export (yet) reads as "unknown".
 fn kernel_runtime(metrics: &str, server: &str) -> String {
+    use crate::exposition::{label, samples};
     use std::fmt::Write as _;
-    let value = |series: &str| {
-        metrics.lines().find_map(|l| {
-            let v = l.strip_prefix(series)?.strip_prefix(' ')?;
-            v.trim().parse::<f64>().ok()
-        })
-    };
+    let value = |series: &str| crate::exposition::value(metrics, series);
     let show = |v: Option<f64>| v.map_or_else(|| "unknown".to_string(), |v| format!("{v}"));
     let mut out = format!("kernel at runtime ({server}):\n");
     let (entries, max) = (
@@ -203,13 +199,9 @@ fn kernel_runtime(metrics: &str, server: &str) -> String {
         show(value("kproxy_conntrack_drop_total")),
         show(value("kproxy_conntrack_early_drop_total")),
     );
-    let changed: Vec<&str> = metrics
-        .lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix("kproxy_sysctl_changed{sysctl=\"")?;
-            let (name, v) = rest.split_once("\"} ")?;
-            (v.trim() == "1").then_some(name)
-        })
+    let changed: Vec<&str> = samples(metrics)
+        .filter(|(n, _, v)| *n == "kproxy_sysctl_changed" && *v == 1.0)
+        .filter_map(|(_, labels, _)| label(labels, "sysctl"))
         .collect();
     if changed.is_empty() {
         out.push_str("  sysctls kproxy set: unchanged\n");
@@ -220,13 +212,9 @@ fn kernel_runtime(metrics: &str, server: &str) -> String {
             "  sysctl {name}: CHANGED by someone else since kproxy set it"
         );
     }
-    let kinds: Vec<String> = metrics
-        .lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix("kproxy_kernel_interference_total{what=\"")?;
-            let (what, v) = rest.split_once("\"} ")?;
-            Some(format!("{what} {}", v.trim()))
-        })
+    let kinds: Vec<String> = samples(metrics)
+        .filter(|(n, _, _)| *n == "kproxy_kernel_interference_total")
+        .filter_map(|(_, labels, v)| Some(format!("{} {v}", label(labels, "what")?)))
         .collect();
     let _ = writeln!(
         out,

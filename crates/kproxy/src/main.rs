@@ -8,6 +8,7 @@ mod cmd_explain;
 mod cmd_plan;
 mod cmd_preflight;
 mod cmd_run;
+mod cmd_status;
 mod cmd_sync;
 mod cmd_sysctl;
 mod cmd_top;
@@ -15,6 +16,7 @@ mod cmd_trace;
 mod common;
 mod daemon;
 mod event_log;
+mod exposition;
 mod fdlimit;
 mod input_guard;
 mod kernel_limits;
@@ -23,6 +25,7 @@ mod kernel_watch;
 mod metrics;
 mod pacing;
 mod shutdown;
+mod status;
 mod takeover;
 mod tasks;
 mod traffic;
@@ -72,6 +75,8 @@ enum Command {
     Trace(cmd_trace::Args),
     /// Per-Service rates on this node (new connections, rejects, drops, fallback), from the kernel's counters, refreshed like top.
     Top(cmd_top::Args),
+    /// The whole cluster from the API server: kproxy's rollout and, per node, its pod's health, last sync and counters (exit 1 unless every node is healthy and the rollout complete).
+    Status(Box<cmd_status::Args>),
     /// Check workloads' rollout settings against the load balancer in front of them.
     #[cfg(feature = "lint")]
     Lint(kproxy_lint::cli::LintArgs),
@@ -93,6 +98,7 @@ fn main() -> ExitCode {
         Command::Explain(a) => cmd_explain::run(a),
         Command::Trace(a) => cmd_trace::run(a),
         Command::Top(a) => cmd_top::run(a),
+        Command::Status(a) => cmd_status::run(*a),
         Command::Run(a) => cmd_run::run(*a),
         Command::Sync(a) => cmd_sync::run(a),
         Command::Cleanup(a) => cmd_cleanup::run(a),

@@ -1,7 +1,9 @@
 //! A fake Kubernetes API server for tests (cargo feature `fake-api`): it speaks the real
 //! list/watch protocol with real API JSON for Services, EndpointSlices and Nodes — lists
 //! with a resourceVersion, chunked watch streams of ADDED/MODIFIED/DELETED/BOOKMARK/ERROR
-//! lines — and, for a resource given protobuf, list pages and watch frames captured from
+//! lines — plus what `kproxy status` reads: a namespace's Pods (by label selector), one
+//! DaemonSet or ConfigMap by name, and the pods' proxy subresource (`pods/NAME:PORT/proxy/PATH`,
+//! forwarded to the pod's IP as the API server does, or answered by a test's hook) — and, for a resource given protobuf, list pages and watch frames captured from
 //! a real API server, served to a client that accepts protobuf (429 with `Retry-After`
 //! too) — and lets a test script each response (slow lists, failing lists or watches, a
 //! clean end of a watch, a dropped connection, a connection that goes silent, watches
@@ -284,15 +286,31 @@ impl Resource {
     }
 }
 
-/// The fake API server's state: one [`Resource`] per kind kproxy watches, and the
-/// ConfigMaps a GET can read (`kproxy plan` reads the node's configuration from one).
+/// A test's answer to a GET through the pods' proxy subresource: given the Pod object,
+/// the port and the path (with its query), `Some((status, body))`, or `None` to
+/// forward the request to the pod's IP as the API server does.
+pub type PodProxy = dyn Fn(&Value, u16, &str) -> Option<(StatusCode, String)> + Send + Sync;
+
+/// The fake API server's state: one [`Resource`] per kind kproxy watches, the Pods
+/// `kproxy status` lists, and the objects a GET by name can read (ConfigMaps: `kproxy
+/// plan` reads the node's configuration from one; DaemonSets: `kproxy status`).
 pub struct FakeApi {
     pub services: Resource,
     pub slices: Resource,
     pub nodes: Resource,
     pub service_cidrs: Resource,
+    /// Every namespace's Pods; a namespaced list answers that namespace's, filtered by
+    /// the equality terms of its `labelSelector`.
+    pub pods: Resource,
     /// By (namespace, name): each a ConfigMap object as the API serves it.
     pub config_maps: Mutex<BTreeMap<(String, String), Value>>,
+    /// By (namespace, name): each a DaemonSet object as the API serves it.
+    pub daemon_sets: Mutex<BTreeMap<(String, String), Value>>,
+    /// Answers GETs through the pods' proxy subresource instead of the pods (see
+    /// [`PodProxy`]).
+    pub pod_proxy: Mutex<Option<Arc<PodProxy>>>,
+    /// Every request served, of any path.
+    pub requests_served: AtomicU64,
 }
 
 impl Default for FakeApi {
@@ -308,8 +326,32 @@ impl FakeApi {
             slices: Resource::new("EndpointSliceList"),
             nodes: Resource::new("NodeList"),
             service_cidrs: Resource::new("ServiceCIDRList"),
+            pods: Resource::new("PodList"),
             config_maps: Mutex::new(BTreeMap::new()),
+            daemon_sets: Mutex::new(BTreeMap::new()),
+            pod_proxy: Mutex::new(None),
+            requests_served: AtomicU64::new(0),
         }
+    }
+
+    /// Serves `object` (a DaemonSet as the API serves it) by its namespace and name.
+    pub fn set_daemon_set(&self, object: Value) {
+        let key = (
+            object["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("")
+                .to_string(),
+            object["metadata"]["name"]
+                .as_str()
+                .unwrap_or("")
+                .to_string(),
+        );
+        lock(&self.daemon_sets).insert(key, object);
+    }
+
+    /// Answers proxied pod requests with `hook` (see [`PodProxy`]).
+    pub fn set_pod_proxy(&self, hook: Arc<PodProxy>) {
+        *lock(&self.pod_proxy) = Some(hook);
     }
 
     /// Serves ConfigMap `namespace/name` holding `data`.
@@ -321,11 +363,20 @@ impl FakeApi {
     }
 }
 
-/// A GET of one ConfigMap: `/api/v1/namespaces/NS/configmaps/NAME`.
-fn config_map(api: &FakeApi, path: &str) -> Option<Response> {
-    let rest = path.strip_prefix("/api/v1/namespaces/")?;
-    let (namespace, name) = rest.split_once("/configmaps/")?;
-    let found = lock(&api.config_maps)
+/// A GET of one object by name: `/api/v1/namespaces/NS/configmaps/NAME` or
+/// `/apis/apps/v1/namespaces/NS/daemonsets/NAME`.
+fn named_object(api: &FakeApi, path: &str) -> Option<Response> {
+    let (store, rest) = if let Some(rest) = path.strip_prefix("/api/v1/namespaces/") {
+        (&api.config_maps, rest.split_once("/configmaps/")?)
+    } else {
+        let rest = path.strip_prefix("/apis/apps/v1/namespaces/")?;
+        (&api.daemon_sets, rest.split_once("/daemonsets/")?)
+    };
+    let (namespace, name) = rest;
+    if name.contains('/') {
+        return None;
+    }
+    let found = lock(store)
         .get(&(namespace.to_string(), name.to_string()))
         .cloned();
     Some(match found {
@@ -335,6 +386,86 @@ fn config_map(api: &FakeApi, path: &str) -> Option<Response> {
             axum::Json(status(StatusCode::NOT_FOUND, "NotFound")),
         )
             .into_response(),
+    })
+}
+
+/// A GET through the pods' proxy subresource,
+/// `/api/v1/namespaces/NS/pods/NAME:PORT/proxy/PATH`: the test's hook's answer, else the
+/// pod's own (an HTTP/1.0 GET to its `status.podIP`), else a 503 Status saying why the
+/// pod could not be reached, as the API server words it.
+async fn pod_proxy(api: &FakeApi, uri: &Uri) -> Option<Response> {
+    let rest = uri.path().strip_prefix("/api/v1/namespaces/")?;
+    let (namespace, rest) = rest.split_once("/pods/")?;
+    let (pod_port, path) = rest.split_once("/proxy")?;
+    let (name, port) = pod_port.split_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    let path = match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_string(),
+    };
+    let pod = lock(&api.pods.list)
+        .items
+        .iter()
+        .find(|p| p["metadata"]["namespace"] == namespace && p["metadata"]["name"] == name)
+        .cloned();
+    let Some(pod) = pod else {
+        let code = StatusCode::NOT_FOUND;
+        return Some((code, axum::Json(status(code, "NotFound"))).into_response());
+    };
+    let hook = lock(&api.pod_proxy).clone();
+    if let Some(answer) = hook.and_then(|h| h(&pod, port, &path)) {
+        return Some(answer.into_response());
+    }
+    let ip = pod["status"]["podIP"].as_str().unwrap_or("");
+    Some(match forward(ip, port, &path).await {
+        Ok((code, body)) => (code, body).into_response(),
+        Err(e) => {
+            let code = StatusCode::SERVICE_UNAVAILABLE;
+            let mut s = status(code, "ServiceUnavailable");
+            s["message"] = json!(format!(
+                "error trying to reach service: dial tcp {ip}:{port}: {e}"
+            ));
+            (code, axum::Json(s)).into_response()
+        }
+    })
+}
+
+/// `GET path` from `ip:port` over HTTP/1.0 (the server answers and closes): its status
+/// and body.
+async fn forward(ip: &str, port: u16, path: &str) -> std::io::Result<(StatusCode, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let ip: std::net::IpAddr = ip
+        .parse()
+        .map_err(|_| std::io::Error::other(format!("no pod IP ({ip:?})")))?;
+    let mut stream = tokio::net::TcpStream::connect((ip, port)).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {ip}:{port}\r\n\r\n").as_bytes())
+        .await?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await?;
+    let answer = String::from_utf8_lossy(&answer);
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse::<u16>().ok())
+        .and_then(|c| StatusCode::from_u16(c).ok())
+        .ok_or_else(|| std::io::Error::other("not an HTTP answer"))?;
+    Ok((code, body.to_string()))
+}
+
+/// Whether `object`'s labels hold every `key=value` (or `key==value`) term of
+/// `selector`; other terms are not served by this fake and match nothing.
+fn selected(object: &Value, selector: Option<&String>) -> bool {
+    let Some(selector) = selector else {
+        return true;
+    };
+    selector.split(',').filter(|t| !t.is_empty()).all(|term| {
+        let (key, value) = match term.split_once("==").or_else(|| term.split_once('=')) {
+            Some(kv) => kv,
+            None => return false,
+        };
+        object["metadata"]["labels"][key.trim()] == value.trim()
     })
 }
 
@@ -397,13 +528,24 @@ fn query(uri: &Uri) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The request handler: lists and watches of the four cluster-wide collections, GETs
-/// of ConfigMaps.
+/// The request handler: lists and watches of the four cluster-wide collections, lists
+/// of a namespace's Pods, GETs of ConfigMaps and DaemonSets, the pods' proxy.
 pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap) -> Response {
-    if let Some(response) = config_map(&api, uri.path()) {
+    api.requests_served.fetch_add(1, Ordering::SeqCst);
+    if let Some(response) = named_object(&api, uri.path()) {
         return response;
     }
+    if let Some(response) = pod_proxy(&api, &uri).await {
+        return response;
+    }
+    // A namespaced list of Pods: that namespace's only.
+    let pods_of = uri
+        .path()
+        .strip_prefix("/api/v1/namespaces/")
+        .and_then(|r| r.strip_suffix("/pods"))
+        .filter(|ns| !ns.contains('/'));
     let res = match uri.path() {
+        _ if pods_of.is_some() => &api.pods,
         "/api/v1/services" => &api.services,
         "/apis/discovery.k8s.io/v1/endpointslices" => &api.slices,
         "/api/v1/nodes" => &api.nodes,
@@ -546,26 +688,34 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap
     } else {
         "v1"
     };
+    let items: Vec<&Value> = match pods_of {
+        Some(ns) => list
+            .items
+            .iter()
+            .filter(|o| o["metadata"]["namespace"] == ns && selected(o, q.get("labelSelector")))
+            .collect(),
+        None => list.items.iter().collect(),
+    };
     // Pages as the API server does: `limit` objects, and a `continue` token (here the
     // offset of the next page) while more remain.
     let offset: usize = q
         .get("continue")
         .and_then(|c| c.parse().ok())
         .unwrap_or(0)
-        .min(list.items.len());
+        .min(items.len());
     let end = q
         .get("limit")
         .and_then(|l| l.parse::<usize>().ok())
         .filter(|l| *l > 0)
-        .map_or(list.items.len(), |l| (offset + l).min(list.items.len()));
+        .map_or(items.len(), |l| (offset + l).min(items.len()));
     let mut metadata = json!({"resourceVersion": list.resource_version});
-    if end < list.items.len() {
+    if end < items.len() {
         metadata["continue"] = json!(end.to_string());
     }
     let body = json!({
         "kind": res.list_kind, "apiVersion": api_version,
         "metadata": metadata,
-        "items": &list.items[offset..end],
+        "items": &items[offset..end],
     });
     axum::Json(body).into_response()
 }
@@ -586,15 +736,29 @@ pub fn spawn(
 pub fn serve_on_loopback(
     api: Arc<FakeApi>,
 ) -> std::io::Result<(tokio::runtime::Runtime, SocketAddr)> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    Ok((serve_on_runtime(listener, api, || {})?, addr))
+}
+
+/// Serves `api` on `listener` (bound by the caller, e.g. from a thread inside a network
+/// namespace) on a runtime of its own (one worker) whose threads first run
+/// `on_thread_start` (e.g. enter that namespace, so that the pods proxy connects to
+/// pods from it): the runtime, which serves until it is dropped.
+pub fn serve_on_runtime(
+    listener: std::net::TcpListener,
+    api: Arc<FakeApi>,
+    on_thread_start: impl Fn() + Send + Sync + 'static,
+) -> std::io::Result<tokio::runtime::Runtime> {
+    listener.set_nonblocking(true)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
+        .on_thread_start(on_thread_start)
         .enable_all()
         .build()?;
-    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-    let addr = listener.local_addr()?;
     {
         let _entered = runtime.enter();
-        spawn(listener, api);
+        spawn(tokio::net::TcpListener::from_std(listener)?, api);
     }
-    Ok((runtime, addr))
+    Ok(runtime)
 }

@@ -302,6 +302,35 @@ pub async fn reach(client: &kube::Client) -> Result<(), SourceError> {
     Ok(())
 }
 
+/// `GET path` (with its query) from the API server: the status and the body, whatever
+/// the status (a proxied pod's 503 is an answer, not a failure), the body cut off with
+/// an error beyond `max_bytes`. `Err`: the call failed (its cause, as
+/// [`call_error_text`] says it) or the body was too large.
+pub async fn get(
+    client: &kube::Client,
+    path: &str,
+    max_bytes: usize,
+) -> Result<(http::StatusCode, bytes::Bytes), String> {
+    use http_body_util::BodyExt;
+    let req = http::Request::get(path)
+        .body(kube::client::Body::empty())
+        .map_err(|e| format!("GET {path}: {e}"))?;
+    let res = client.send(req).await.map_err(|e| call_error_text(&e))?;
+    let status = res.status();
+    let body = http_body_util::Limited::new(res.into_body(), max_bytes)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                format!("the answer is larger than {max_bytes} bytes")
+            } else {
+                format!("reading the answer: {e}")
+            }
+        })?
+        .to_bytes();
+    Ok((status, body))
+}
+
 /// Upstream's label selector for Services and EndpointSlices
 /// (docs/upstream-semantics.md §a.1): skip headless and other proxies' objects; with
 /// a service proxy name, take exactly that proxy's.

@@ -158,3 +158,11 @@ pub fn cpu_ticks(pid: u32) -> u64 {
         .collect();
     f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)
 }
+
+/// CPU seconds (user + system) of every child waited for so far.
+pub fn children_cpu() -> f64 {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let u = getrusage(UsageWho::RUSAGE_CHILDREN).expect("getrusage");
+    let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+    secs(u.user_time()) + secs(u.system_time())
+}
