@@ -4,6 +4,7 @@
 mod allocator;
 mod cluster;
 mod cmd_cleanup;
+mod cmd_connectivity;
 mod cmd_explain;
 mod cmd_plan;
 mod cmd_preflight;
@@ -13,6 +14,7 @@ mod cmd_sysctl;
 mod cmd_top;
 mod cmd_trace;
 mod common;
+mod connectivity;
 mod daemon;
 mod event_log;
 mod fdlimit;
@@ -70,6 +72,8 @@ enum Command {
     Cleanup(cmd_cleanup::Args),
     /// The fate of one new connection on this node: DNAT (to which endpoints), DROP, REJECT or NONE.
     Trace(cmd_trace::Args),
+    /// Deploy test workloads in a scratch namespace and check every Service path from every node and a pod on it: a table (node × check), exit 1 on a failure.
+    ConnectivityTest(cmd_connectivity::Args),
     /// Per-Service rates on this node (new connections, rejects, drops, fallback), from the kernel's counters, refreshed like top.
     Top(cmd_top::Args),
     /// Check workloads' rollout settings against the load balancer in front of them.
@@ -93,6 +97,7 @@ fn main() -> ExitCode {
         Command::Explain(a) => cmd_explain::run(a),
         Command::Trace(a) => cmd_trace::run(a),
         Command::Top(a) => cmd_top::run(a),
+        Command::ConnectivityTest(a) => cmd_connectivity::run(a),
         Command::Run(a) => cmd_run::run(*a),
         Command::Sync(a) => cmd_sync::run(a),
         Command::Cleanup(a) => cmd_cleanup::run(a),
