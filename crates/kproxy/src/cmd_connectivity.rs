@@ -203,9 +203,10 @@ pub fn test_nodes(nodes: &[Value], named: &[String]) -> Result<Vec<(String, IpAd
     };
     let name_of = |n: &Value| n["metadata"]["name"].as_str().unwrap_or("").to_string();
     let ready = |n: &Value| {
-        n["status"]["conditions"]
-            .as_array()
-            .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+        n["status"]["conditions"].as_array().is_some_and(|c| {
+            c.iter()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True")
+        })
     };
     if !named.is_empty() {
         return named
@@ -232,7 +233,9 @@ pub fn test_nodes(nodes: &[Value], named: &[String]) -> Result<Vec<(String, IpAd
         .collect();
     out.sort();
     if out.is_empty() {
-        bail!("no Ready, schedulable Linux node with an InternalIP to test (name some with --node)");
+        bail!(
+            "no Ready, schedulable Linux node with an InternalIP to test (name some with --node)"
+        );
     }
     Ok(out)
 }
@@ -242,12 +245,23 @@ pub fn test_nodes(nodes: &[Value], named: &[String]) -> Result<Vec<(String, IpAd
 pub fn pod_state(pod: &Value) -> String {
     let phase = pod["status"]["phase"].as_str().unwrap_or("no status yet");
     let mut why = Vec::new();
-    for c in pod["status"]["containerStatuses"].as_array().into_iter().flatten() {
+    for c in pod["status"]["containerStatuses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
         for state in ["waiting", "terminated"] {
             let s = &c["state"][state];
             if let Some(reason) = s["reason"].as_str() {
                 let msg = s["message"].as_str().unwrap_or("");
-                why.push(format!("{reason}{}", if msg.is_empty() { String::new() } else { format!(": {msg}") }));
+                why.push(format!(
+                    "{reason}{}",
+                    if msg.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {msg}")
+                    }
+                ));
             }
         }
     }
@@ -266,13 +280,17 @@ pub fn pod_state(pod: &Value) -> String {
 }
 
 fn is_ready(pod: &Value) -> bool {
-    pod["status"]["conditions"]
-        .as_array()
-        .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+    pod["status"]["conditions"].as_array().is_some_and(|c| {
+        c.iter()
+            .any(|c| c["type"] == "Ready" && c["status"] == "True")
+    })
 }
 
 fn is_done(pod: &Value) -> bool {
-    matches!(pod["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+    matches!(
+        pod["status"]["phase"].as_str(),
+        Some("Succeeded" | "Failed")
+    )
 }
 
 fn ip_of(v: &Value, what: &str) -> Result<IpAddr> {
@@ -319,7 +337,10 @@ async fn test(
     let external = args.external_ip.map(|ip| ip.to_string());
     let mut services = BTreeMap::new();
     for s in objects::services(external.as_deref()) {
-        let name = s["metadata"]["name"].as_str().unwrap_or_default().to_string();
+        let name = s["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         let created = api
             .create(&format!("{base}/services"), &s)
             .await
@@ -338,7 +359,9 @@ async fn test(
     let mut load_balancer: Option<Result<IpAddr, String>> = None;
     loop {
         if load_balancer.is_none() {
-            let main = api.get(&format!("{base}/services/{}", objects::MAIN)).await?;
+            let main = api
+                .get(&format!("{base}/services/{}", objects::MAIN))
+                .await?;
             let ingress = &main["status"]["loadBalancer"]["ingress"][0];
             if let Some(ip) = ingress["ip"].as_str().and_then(|s| s.parse().ok()) {
                 load_balancer = Some(Ok(ip));
@@ -354,7 +377,10 @@ async fn test(
             }
         }
         let pods = api
-            .list(&format!("{base}/pods"), Some(&objects::role_selector("server")))
+            .list(
+                &format!("{base}/pods"),
+                Some(&objects::role_selector("server")),
+            )
             .await?;
         let not_ready: Vec<String> = servers
             .iter()
@@ -395,10 +421,16 @@ async fn test(
         cluster_ip: ip_of(&main["spec"]["clusterIP"], "Service main")?,
         tcp_port: objects::TCP_PORT,
         udp_port: objects::UDP_PORT,
-        node_port: port_of(&main["spec"]["ports"][0]["nodePort"], "Service main's NodePort")?,
+        node_port: port_of(
+            &main["spec"]["ports"][0]["nodePort"],
+            "Service main's NodePort",
+        )?,
         load_balancer: load_balancer.unwrap_or_else(|| Err("not waited for".into())),
         external_ip: args.external_ip,
-        affinity_ip: ip_of(&svc(objects::AFFINITY)["spec"]["clusterIP"], "Service affinity")?,
+        affinity_ip: ip_of(
+            &svc(objects::AFFINITY)["spec"]["clusterIP"],
+            "Service affinity",
+        )?,
         health_check_node_port: port_of(
             &svc(objects::LOCAL)["spec"]["healthCheckNodePort"],
             "Service etp-local's healthCheckNodePort",
@@ -437,7 +469,10 @@ async fn test(
     let probe_deadline = deadline.checked_sub(LOG_RESERVE).unwrap_or(deadline);
     let pods = loop {
         let pods = api
-            .list(&format!("{base}/pods"), Some(&objects::role_selector("client")))
+            .list(
+                &format!("{base}/pods"),
+                Some(&objects::role_selector("client")),
+            )
             .await?;
         let done = clients.iter().all(|(_, _, name, _)| {
             pods.iter()
@@ -493,7 +528,10 @@ async fn test(
 /// The first of SIGINT and SIGTERM, by name (never, if they cannot be caught).
 async fn signalled() -> &'static str {
     use tokio::signal::unix::{SignalKind, signal};
-    match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
         (Ok(mut int), Ok(mut term)) => tokio::select! {
             _ = int.recv() => "SIGINT",
             _ = term.recv() => "SIGTERM",
@@ -536,7 +574,9 @@ async fn run_async(args: Args) -> Result<ExitCode> {
         }
     }
     let nodes = test_nodes(
-        &api.list("/api/v1/nodes", None).await.context("listing Nodes")?,
+        &api.list("/api/v1/nodes", None)
+            .await
+            .context("listing Nodes")?,
         &args.nodes,
     )?;
     let slot = Arc::new(Mutex::new(None));
@@ -577,10 +617,7 @@ async fn run_async(args: Args) -> Result<ExitCode> {
             })
         }
         Outcome::Done(Err(e)) => Err(e.context(cleanup)),
-        Outcome::TimedOut => bail!(
-            "the run took over --timeout {:?}; {cleanup}",
-            args.timeout
-        ),
+        Outcome::TimedOut => bail!("the run took over --timeout {:?}; {cleanup}", args.timeout),
         Outcome::Signalled(name) => {
             eprintln!("kproxy: {name}: connectivity-test stopped; {cleanup}");
             Ok(ExitCode::from(if name == "SIGINT" { 130 } else { 143 }))

@@ -8,8 +8,13 @@
 //! that end as they open, garbage lines). It records the decoded
 //! query of every request so a test can check selectors and resourceVersions.
 //!
+//! Other objects (namespaces, Services, pods a tool creates) are kept in a generic
+//! store ([`objects::Objects`]: create, get, list, delete, pod logs).
+//!
 //! It owns no network set-up: the caller binds the listener (so it can bind inside a
 //! network namespace) and hands it to [`spawn`]. Not for production use.
+
+pub mod objects;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
@@ -20,7 +25,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 /// Re-exported so tests need no direct axum dependency.
 pub use axum::http::StatusCode;
-use axum::http::{HeaderMap, Uri};
+use axum::http::{HeaderMap, Method, Uri};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
@@ -293,6 +298,8 @@ pub struct FakeApi {
     pub service_cidrs: Resource,
     /// By (namespace, name): each a ConfigMap object as the API serves it.
     pub config_maps: Mutex<BTreeMap<(String, String), Value>>,
+    /// Every other object: what a tool creates, reads and deletes.
+    pub objects: objects::Objects,
 }
 
 impl Default for FakeApi {
@@ -309,6 +316,7 @@ impl FakeApi {
             nodes: Resource::new("NodeList"),
             service_cidrs: Resource::new("ServiceCIDRList"),
             config_maps: Mutex::new(BTreeMap::new()),
+            objects: objects::Objects::default(),
         }
     }
 
@@ -398,9 +406,17 @@ fn query(uri: &Uri) -> BTreeMap<String, String> {
 }
 
 /// The request handler: lists and watches of the four cluster-wide collections, GETs
-/// of ConfigMaps.
-pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap) -> Response {
-    if let Some(response) = config_map(&api, uri.path()) {
+/// of ConfigMaps, and the other objects' store.
+pub async fn serve(
+    State(api): State<Arc<FakeApi>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if method == Method::GET
+        && let Some(response) = config_map(&api, uri.path())
+    {
         return response;
     }
     let res = match uri.path() {
@@ -408,7 +424,10 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap
         "/apis/discovery.k8s.io/v1/endpointslices" => &api.slices,
         "/api/v1/nodes" => &api.nodes,
         "/apis/networking.k8s.io/v1/servicecidrs" => &api.service_cidrs,
-        _ => {
+        path => {
+            if let Some(response) = api.objects.serve(&method, path, &query(&uri), &body) {
+                return response;
+            }
             return (
                 StatusCode::NOT_FOUND,
                 axum::Json(status(StatusCode::NOT_FOUND, "NotFound")),

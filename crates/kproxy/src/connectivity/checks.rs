@@ -382,7 +382,11 @@ pub(crate) mod tests {
         ];
         for (check, on_local, elsewhere) in table {
             assert_eq!(expectation(check, true, "server-0"), on_local, "{check:?}");
-            assert_eq!(expectation(check, false, "server-0"), elsewhere, "{check:?}");
+            assert_eq!(
+                expectation(check, false, "server-0"),
+                elsewhere,
+                "{check:?}"
+            );
         }
     }
 
@@ -444,14 +448,18 @@ pub(crate) mod tests {
             skipped.iter().map(|(c, _)| *c).collect::<Vec<_>>(),
             [Check::LoadBalancer, Check::ExternalIp]
         );
-        assert!(probes(&s, 0, Source::Pod)
-            .iter()
-            .all(|p| p.check != Check::LoadBalancer));
+        assert!(
+            probes(&s, 0, Source::Pod)
+                .iter()
+                .all(|p| p.check != Check::LoadBalancer)
+        );
         s.external_ip = Some("198.51.100.7".parse().unwrap());
         s.load_balancer = Ok("172.31.229.10".parse().unwrap());
         assert!(skips(&s).is_empty());
-        assert!(probes(&s, 0, Source::Node)
-            .iter()
-            .any(|p| p.check == Check::ExternalIp));
+        assert!(
+            probes(&s, 0, Source::Node)
+                .iter()
+                .any(|p| p.check == Check::ExternalIp)
+        );
     }
 }

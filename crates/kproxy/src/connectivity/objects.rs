@@ -203,7 +203,10 @@ mod tests {
         assert_eq!(by(LOCAL)["spec"]["type"], "LoadBalancer");
         assert_eq!(by(LOCAL)["spec"]["selector"][LOCAL_ENDPOINT], "true");
         assert_eq!(by(INTERNAL_LOCAL)["spec"]["internalTrafficPolicy"], "Local");
-        assert_eq!(by(INTERNAL_LOCAL)["spec"]["selector"][LOCAL_ENDPOINT], "true");
+        assert_eq!(
+            by(INTERNAL_LOCAL)["spec"]["selector"][LOCAL_ENDPOINT],
+            "true"
+        );
         assert_eq!(by(NO_ENDPOINTS)["spec"]["selector"][ROLE], "none");
         assert_eq!(by(NO_ENDPOINTS)["spec"]["ports"][0]["port"], 80);
         assert!(services(None)[0]["spec"].get("externalIPs").is_none());

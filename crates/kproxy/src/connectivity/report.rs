@@ -58,9 +58,9 @@ pub fn verdict(expect: &Expect, seen: &Observed) -> bool {
         (Expect::AnswerFrom(want), Observed::Answer(names)) => {
             !names.is_empty() && names.iter().all(|n| n == want)
         }
-        (Expect::OneServer, Observed::Answer(names)) => {
-            names.first().is_some_and(|first| names.iter().all(|n| n == first))
-        }
+        (Expect::OneServer, Observed::Answer(names)) => names
+            .first()
+            .is_some_and(|first| names.iter().all(|n| n == first)),
         (Expect::Status(want), Observed::Status(got)) => want == got,
         // A 200 with a body is read as an answer by the hostname probes only; the
         // health check reads the status alone.
@@ -279,8 +279,16 @@ mod tests {
             (E::Answer, answer(&[]), true),
             (E::Answer, O::Timeout, false),
             (E::Answer, O::Status(503), false),
-            (E::AnswerFrom("server-0".into()), answer(&["server-0"]), true),
-            (E::AnswerFrom("server-0".into()), answer(&["server-1"]), false),
+            (
+                E::AnswerFrom("server-0".into()),
+                answer(&["server-0"]),
+                true,
+            ),
+            (
+                E::AnswerFrom("server-0".into()),
+                answer(&["server-1"]),
+                false,
+            ),
             (E::AnswerFrom("server-0".into()), answer(&[]), false),
             (E::OneServer, answer(&["server-1", "server-1"]), true),
             (E::OneServer, answer(&["server-1", "server-0"]), false),

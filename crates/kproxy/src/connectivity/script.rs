@@ -209,16 +209,32 @@ mod tests {
         let lines: Vec<&str> = script.lines().filter(|l| l.starts_with("p ")).collect();
         assert_eq!(lines.len(), p.len());
         assert_eq!(lines[0], "p 0 'answer*' hostname 10.96.0.10:80");
-        assert!(lines.contains(&"p 1 'answer*' connect udp 10.96.0.10:81"), "{lines:?}");
-        assert!(lines.iter().any(|l| l.ends_with("'status 503' healthz 192.168.0.11:30999")));
-        assert!(lines.iter().any(|l| l.ends_with("'answer *' hostnames 10.96.0.11:80 10")));
-        assert!(lines.iter().any(|l| l.ends_with("'timeout' hostname 10.96.0.12:80")));
-        assert!(lines.iter().any(|l| l.ends_with("'refused' connect tcp 10.96.0.13:80")));
-        assert!(script.ends_with(&format!("echo {DONE}\n")));
-        assert_eq!(
-            host_port("fd00::1".parse().unwrap(), 80),
-            "[fd00::1]:80"
+        assert!(
+            lines.contains(&"p 1 'answer*' connect udp 10.96.0.10:81"),
+            "{lines:?}"
         );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.ends_with("'status 503' healthz 192.168.0.11:30999"))
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.ends_with("'answer *' hostnames 10.96.0.11:80 10"))
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.ends_with("'timeout' hostname 10.96.0.12:80"))
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.ends_with("'refused' connect tcp 10.96.0.13:80"))
+        );
+        assert!(script.ends_with(&format!("echo {DONE}\n")));
+        assert_eq!(host_port("fd00::1".parse().unwrap(), 80), "[fd00::1]:80");
     }
 
     /// The script is valid POSIX shell, and its functions classify what curl and
