@@ -146,11 +146,16 @@ impl Api {
 
     /// Deletes namespace `name` (its objects go with it); Ok(false): it was gone.
     async fn delete_namespace(&self, name: &str) -> Result<bool> {
-        let path = format!("/api/v1/namespaces/{name}");
         let body = serde_json::json!({"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"});
+        self.delete(&format!("/api/v1/namespaces/{name}"), &body)
+            .await
+    }
+
+    /// Deletes the object at `path` with these DeleteOptions; Ok(false): it was gone.
+    async fn delete(&self, path: &str, body: &Value) -> Result<bool> {
         match self
             .client
-            .request::<Value>(request(http::Method::DELETE, &path, Some(&body))?)
+            .request::<Value>(request(http::Method::DELETE, path, Some(body))?)
             .await
         {
             Ok(_) => Ok(true),
@@ -279,6 +284,19 @@ pub fn pod_state(pod: &Value) -> String {
     }
 }
 
+/// Whether the EndpointSlices hold `pod` as an endpoint that is terminating and still
+/// serving (what the terminating checks need).
+pub fn terminating_and_serving(slices: &[Value], pod: &str) -> bool {
+    slices
+        .iter()
+        .flat_map(|s| s["endpoints"].as_array().into_iter().flatten())
+        .any(|e| {
+            e["targetRef"]["name"] == pod
+                && e["conditions"]["terminating"] == true
+                && e["conditions"]["serving"] == true
+        })
+}
+
 fn is_ready(pod: &Value) -> bool {
     pod["status"]["conditions"].as_array().is_some_and(|c| {
         c.iter()
@@ -354,6 +372,17 @@ async fn test(
             .await
             .with_context(|| format!("creating the server pod on {node}"))?;
     }
+    let grace = deadline.saturating_duration_since(Instant::now()).as_secs();
+    let pod = objects::terminating_server(&nodes[0].0, &args.image, grace);
+    api.create(&format!("{base}/pods"), &pod)
+        .await
+        .with_context(|| format!("creating the terminating server on {}", nodes[0].0))?;
+    let mut waited: Vec<(String, &str)> = servers
+        .iter()
+        .zip(nodes)
+        .map(|(s, (n, _))| (s.clone(), n.as_str()))
+        .collect();
+    waited.push((objects::TERMINATING_POD.to_string(), nodes[0].0.as_str()));
     // The servers ready, and the load balancer's address (or its wait over).
     let lb_deadline = Instant::now() + args.load_balancer_timeout;
     let mut load_balancer: Option<Result<IpAddr, String>> = None;
@@ -405,6 +434,7 @@ async fn test(
         }
         tokio::time::sleep(POLL).await;
     }
+    let terminating = terminate(api, &base, deadline).await?;
     let svc = |name: &str| &services[name];
     let main = svc(objects::MAIN);
     let setup = Setup {
@@ -443,6 +473,20 @@ async fn test(
             &svc(objects::NO_ENDPOINTS)["spec"]["clusterIP"],
             "Service no-endpoints",
         )?,
+        terminating: match terminating {
+            Ok(()) => {
+                let t = svc(objects::TERMINATING);
+                Ok(checks::TerminatingService {
+                    cluster_ip: ip_of(&t["spec"]["clusterIP"], "Service terminating")?,
+                    health_check_node_port: port_of(
+                        &t["spec"]["healthCheckNodePort"],
+                        "Service terminating's healthCheckNodePort",
+                    )?,
+                    server: objects::TERMINATING_POD.to_string(),
+                })
+            }
+            Err(why) => Err(why),
+        },
     };
     // The clients.
     let left = deadline.saturating_duration_since(Instant::now());
@@ -525,6 +569,43 @@ async fn test(
     })
 }
 
+/// How long the terminating pod's endpoint may take to show as terminating and
+/// serving before the terminating checks are skipped.
+const TERMINATING_BOUND: Duration = Duration::from_secs(30);
+
+/// Deletes the terminating server (its preStop hook keeps it serving) and waits until
+/// its Service's EndpointSlice shows it terminating and serving. `Err`: why the
+/// terminating checks are skipped.
+async fn terminate(api: &Api, base: &str, deadline: Instant) -> Result<Result<(), String>> {
+    let pod = format!("{base}/pods/{}", objects::TERMINATING_POD);
+    api.delete(
+        &pod,
+        &serde_json::json!({"kind": "DeleteOptions", "apiVersion": "v1"}),
+    )
+    .await?;
+    let until = deadline.min(Instant::now() + TERMINATING_BOUND);
+    let selector = format!("kubernetes.io/service-name={}", objects::TERMINATING);
+    let slices = format!(
+        "/apis/discovery.k8s.io/v1/{}/endpointslices",
+        base.trim_start_matches("/api/v1/")
+    );
+    loop {
+        if terminating_and_serving(
+            &api.list(&slices, Some(&selector)).await?,
+            objects::TERMINATING_POD,
+        ) {
+            return Ok(Ok(()));
+        }
+        if Instant::now() + POLL >= until {
+            return Ok(Err(format!(
+                "the deleted pod {} did not show as terminating and serving in its EndpointSlice within {TERMINATING_BOUND:?}",
+                objects::TERMINATING_POD
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
 /// The first of SIGINT and SIGTERM, by name (never, if they cannot be caught).
 async fn signalled() -> &'static str {
     use tokio::signal::unix::{SignalKind, signal};
@@ -592,7 +673,17 @@ async fn run_async(args: Args) -> Result<ExitCode> {
     let cleanup = match namespace {
         None => "no namespace was created".to_string(),
         Some(ns) if args.keep => format!("namespace {ns} kept (--keep)"),
-        Some(ns) => match tokio::time::timeout(CLEANUP_BOUND, api.delete_namespace(&ns)).await {
+        Some(ns) => match tokio::time::timeout(CLEANUP_BOUND, async {
+            // The terminating pod would sleep out its preStop hook: ended at once.
+            let pod = format!("/api/v1/namespaces/{ns}/pods/{}", objects::TERMINATING_POD);
+            let now = serde_json::json!({"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0});
+            if let Err(e) = api.delete(&pod, &now).await {
+                eprintln!("kproxy: warning: {e:#}");
+            }
+            api.delete_namespace(&ns).await
+        })
+        .await
+        {
             Ok(Ok(_)) => format!("namespace {ns} deleted"),
             Ok(Err(e)) => format!(
                 "the namespace {ns} could not be deleted ({e:#}): kubectl delete namespace {ns}"
@@ -698,6 +789,29 @@ mod tests {
         let err = test_nodes(&list, &["zz".into()]).unwrap_err();
         assert_eq!(err.to_string(), "--node zz: no such Node");
         assert!(test_nodes(&[], &[]).is_err());
+    }
+
+    #[test]
+    fn the_terminating_endpoint_must_serve() {
+        let slice = |terminating: bool, serving: bool| {
+            json!({"endpoints": [
+                {"targetRef": {"name": "server-0"}, "conditions": {"terminating": true, "serving": true}},
+                {"targetRef": {"name": "terminating-0"},
+                 "conditions": {"ready": false, "terminating": terminating, "serving": serving}}]})
+        };
+        assert!(terminating_and_serving(
+            &[slice(true, true)],
+            "terminating-0"
+        ));
+        assert!(!terminating_and_serving(
+            &[slice(false, true)],
+            "terminating-0"
+        ));
+        assert!(!terminating_and_serving(
+            &[slice(true, false)],
+            "terminating-0"
+        ));
+        assert!(!terminating_and_serving(&[json!({})], "terminating-0"));
     }
 
     #[test]

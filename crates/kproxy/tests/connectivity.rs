@@ -75,6 +75,11 @@ fn allocate(api: &FakeApi, lb: bool) {
     });
 }
 
+/// A pod that is not being deleted.
+fn is_ready(pod: &Value) -> bool {
+    pod["metadata"]["deletionTimestamp"].is_null()
+}
+
 /// What a correct proxy answers to one try of a client's script on `node`.
 fn answer(services: &[Value], pods: &[Value], node: &str, line: &[&str]) -> String {
     let (cmd, addr) = match line {
@@ -97,7 +102,7 @@ fn answer(services: &[Value], pods: &[Value], node: &str, line: &[&str]) -> Stri
         let probed = ip_node.expect("a node's address");
         let local = pods
             .iter()
-            .filter(|p| selects(svc, p) && p["spec"]["nodeName"] == probed)
+            .filter(|p| selects(svc, p) && is_ready(p) && p["spec"]["nodeName"] == probed)
             .count();
         return format!("status {}", if local > 0 { 200 } else { 503 });
     }
@@ -115,10 +120,13 @@ fn answer(services: &[Value], pods: &[Value], node: &str, line: &[&str]) -> Stri
     let Some(svc) = services.iter().find(|s| frontend(s)) else {
         return "timeout".into();
     };
-    let mut endpoints: Vec<&Value> = pods.iter().filter(|p| selects(svc, p)).collect();
-    if endpoints.is_empty() {
+    let selected: Vec<&Value> = pods.iter().filter(|p| selects(svc, p)).collect();
+    if selected.is_empty() {
         return "refused".into();
     }
+    // Ready endpoints, else the terminating ones (all serving here).
+    let ready: Vec<&Value> = selected.iter().copied().filter(|p| is_ready(p)).collect();
+    let mut endpoints = if ready.is_empty() { selected } else { ready };
     if svc["spec"]["internalTrafficPolicy"] == "Local" {
         endpoints.retain(|p| p["spec"]["nodeName"] == node);
         if endpoints.is_empty() {
@@ -237,6 +245,20 @@ impl Cluster {
 fn kubelet_pass(api: &FakeApi, seen: &Mutex<BTreeMap<String, Value>>, fault: Option<(&str, &str)>) {
     let all = api.objects.under("/api/v1/namespaces/");
     for (path, pod) in all.iter().filter(|(p, _)| p.contains("/pods/")) {
+        // The EndpointSlice controller: a deleted pod behind a Service, its preStop
+        // hook running, is a terminating, serving endpoint.
+        if !is_ready(pod) && pod["metadata"]["labels"]["kproxy.io/connectivity"] == "terminating" {
+            let ns = pod["metadata"]["namespace"].as_str().unwrap();
+            let name = pod["metadata"]["name"].as_str().unwrap();
+            api.objects.insert(
+                &format!("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/terminating-x"),
+                json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                    "metadata": {"name": "terminating-x", "namespace": ns,
+                                 "labels": {"kubernetes.io/service-name": "terminating"}},
+                    "endpoints": [{"addresses": ["10.244.0.9"], "targetRef": {"kind": "Pod", "name": name},
+                        "conditions": {"ready": false, "serving": true, "terminating": true}}]}),
+            );
+        }
         if !pod["status"].is_null() {
             continue;
         }
@@ -254,7 +276,7 @@ fn kubelet_pass(api: &FakeApi, seen: &Mutex<BTreeMap<String, Value>>, fault: Opt
             let script = pod["spec"]["containers"][0]["command"][2].as_str().unwrap();
             let servers: Vec<Value> = in_ns("pods")
                 .into_iter()
-                .filter(|p| p["metadata"]["labels"]["kproxy.io/connectivity"] == "server")
+                .filter(|p| p["metadata"]["labels"]["kproxy.io/connectivity"] != "client")
                 .collect();
             let log = run_script(script, &in_ns("services"), &servers, pod, fault);
             api.objects.set_log(path, &log);
@@ -313,11 +335,11 @@ fn a_run_creates_its_workloads_reports_a_fault_and_cleans_up() {
         "{err}"
     );
     let expected_rows = "\
-NODE    FROM  clusterip-tcp  clusterip-udp  nodeport  loadbalancer  external-ip  affinity  etp-local-hc  itp-local  no-endpoints
-node-a  node  ok             ok             ok        ok            skip         ok        ok            ok         ok
-node-a  pod   ok             ok             ok        ok            skip         ok        ok            ok         ok
-node-b  node  ok             ok             ok        ok            skip         ok        ok            ok         ok
-node-b  pod   ok             FAIL           ok        ok            skip         ok        ok            ok         ok
+NODE    FROM  clusterip-tcp  clusterip-udp  nodeport  loadbalancer  external-ip  affinity  etp-local-hc  itp-local  no-endpoints  terminating  terminating-hc
+node-a  node  ok             ok             ok        ok            skip         ok        ok            ok         ok            ok           ok
+node-a  pod   ok             ok             ok        ok            skip         ok        ok            ok         ok            ok           ok
+node-b  node  ok             ok             ok        ok            skip         ok        ok            ok         ok            ok           ok
+node-b  pod   ok             FAIL           ok        ok            skip         ok        ok            ok         ok            ok           ok
 FAIL node-b clusterip-udp from the pod: a timeout, expected an answer
 ";
     assert!(out.starts_with(expected_rows), "{out}\n{err}");
@@ -329,7 +351,7 @@ FAIL node-b clusterip-udp from the pod: a timeout, expected an answer
         .to_string();
     assert!(
         out.ends_with(&format!(
-            "connectivity-test: 2 nodes, 36 checks: 31 ok, 1 failed, 4 skipped; namespace {created} deleted\n"
+            "connectivity-test: 2 nodes, 44 checks: 39 ok, 1 failed, 4 skipped; namespace {created} deleted\n"
         )),
         "{out}"
     );
@@ -345,8 +367,19 @@ FAIL node-b clusterip-udp from the pod: a timeout, expected an answer
             "client-pod-0",
             "client-pod-1",
             "server-0",
-            "server-1"
+            "server-1",
+            "terminating-0"
         ]
+    );
+    assert_eq!(pods["terminating-0"]["spec"]["nodeName"], "node-a");
+    // Deleted gracefully once ready (the checks run while it terminates), then at
+    // once (grace 0) before the namespace.
+    let deletes = c.deletes();
+    let term = format!("/api/v1/namespaces/{created}/pods/terminating-0");
+    assert_eq!(
+        deletes.iter().filter(|d| **d == term).count(),
+        2,
+        "{deletes:?}"
     );
     for (name, node, host) in [
         ("client-node-0", "node-a", true),
@@ -405,7 +438,7 @@ fn without_a_load_balancer_the_check_is_skipped_and_json_says_why() {
     assert_eq!(code, Some(0), "{out}\n{err}");
     let report: Value = serde_json::from_str(&out).unwrap();
     let cells = report["cells"].as_array().unwrap();
-    assert_eq!(cells.len(), 36);
+    assert_eq!(cells.len(), 44);
     for cell in cells {
         let want = if cell["check"] == "loadbalancer" {
             "skipped"
@@ -438,7 +471,9 @@ fn a_run_past_its_timeout_deletes_its_namespace() {
     );
     assert!(err.contains("deleted"), "{err}");
     assert!(c.namespaces().is_empty(), "{:?}", c.deletes());
-    assert_eq!(c.deletes().len(), 1);
+    // The terminating pod's forced deletion (not there: never ready, never
+    // deleted… but created: it goes with grace 0), then the namespace.
+    assert_eq!(c.deletes().len(), 2, "{:?}", c.deletes());
 }
 
 /// SIGTERM and SIGINT mid-run: the namespace is deleted, exit 143 and 130.

@@ -61,10 +61,18 @@ pub enum Check {
     /// A Service without endpoints: the connection is refused (rejected), not dropped.
     #[serde(rename = "no-endpoints")]
     NoEndpoints,
+    /// A Service whose one endpoint is terminating but still serving (a long preStop):
+    /// connections fall back to it.
+    #[serde(rename = "terminating")]
+    Terminating,
+    /// That Service's healthCheckNodePort (externalTrafficPolicy Local) on this node:
+    /// 503, a terminating endpoint does not count, even on its own node.
+    #[serde(rename = "terminating-hc")]
+    TerminatingHealthCheck,
 }
 
 impl Check {
-    pub const ALL: [Check; 9] = [
+    pub const ALL: [Check; 11] = [
         Check::ClusterIpTcp,
         Check::ClusterIpUdp,
         Check::NodePort,
@@ -74,6 +82,8 @@ impl Check {
         Check::HealthCheck,
         Check::InternalLocal,
         Check::NoEndpoints,
+        Check::Terminating,
+        Check::TerminatingHealthCheck,
     ];
 
     /// The column's name.
@@ -88,6 +98,8 @@ impl Check {
             Check::HealthCheck => "etp-local-hc",
             Check::InternalLocal => "itp-local",
             Check::NoEndpoints => "no-endpoints",
+            Check::Terminating => "terminating",
+            Check::TerminatingHealthCheck => "terminating-hc",
         }
     }
 }
@@ -184,19 +196,41 @@ pub struct Setup {
     pub internal_local_ip: IpAddr,
     /// The Service without endpoints (port `tcp_port`).
     pub no_endpoints_ip: IpAddr,
+    /// The Service whose one endpoint is terminating, or why that could not be set up.
+    pub terminating: Result<TerminatingService, String>,
+}
+
+/// The Service (LoadBalancer, externalTrafficPolicy Local) whose one endpoint, on the
+/// first node, was deleted and is terminating while its preStop hook runs, still
+/// serving.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TerminatingService {
+    pub cluster_ip: IpAddr,
+    pub health_check_node_port: u16,
+    /// The terminating pod's name.
+    pub server: String,
 }
 
 /// How many connections the affinity check makes (with two servers, a proxy ignoring
 /// affinity lands them all on one with probability 2^-9).
 pub const AFFINITY_TRIES: u32 = 10;
 
+/// The pods whose names the expectations hold.
+#[derive(Clone, Copy, Debug)]
+pub struct Servers<'a> {
+    /// The Local-policy Services' one endpoint.
+    pub local: &'a str,
+    /// The terminating endpoint.
+    pub terminating: &'a str,
+}
+
 /// What a client on a node sees for `check` in upstream kube-proxy's semantics, for a
 /// target on `target_is_local` (the node with the Local Services' endpoint, for
-/// [`Check::HealthCheck`] the probed node, otherwise the client's own node);
-/// `local_server` is that endpoint's pod. The same from a node and from a pod: both
-/// are "internal" traffic, and traffic from the node or a local pod to a NodePort or
-/// load balancer IP is sent to every endpoint whatever its externalTrafficPolicy.
-pub fn expectation(check: Check, target_is_local: bool, local_server: &str) -> Expect {
+/// [`Check::HealthCheck`] the probed node, otherwise the client's own node). The same
+/// from a node and from a pod: both are "internal" traffic, and traffic from the node
+/// or a local pod to a NodePort or load balancer IP is sent to every endpoint whatever
+/// its externalTrafficPolicy.
+pub fn expectation(check: Check, target_is_local: bool, servers: Servers<'_>) -> Expect {
     match check {
         Check::ClusterIpTcp
         | Check::ClusterIpUdp
@@ -209,10 +243,14 @@ pub fn expectation(check: Check, target_is_local: bool, local_server: &str) -> E
         Check::HealthCheck => Expect::Status(503),
         // upstream-semantics.md: internalTrafficPolicy Local without a local endpoint
         // drops; the endpoint on this node answers.
-        Check::InternalLocal if target_is_local => Expect::AnswerFrom(local_server.to_string()),
+        Check::InternalLocal if target_is_local => Expect::AnswerFrom(servers.local.to_string()),
         Check::InternalLocal => Expect::Timeout,
         // No endpoints at all: rejected (ICMP port unreachable, connection refused).
         Check::NoEndpoints => Expect::Refused,
+        // upstream-semantics.md: no ready endpoint, so the serving terminating ones
+        // are used; the health check counts ready endpoints only.
+        Check::Terminating => Expect::AnswerFrom(servers.terminating.to_string()),
+        Check::TerminatingHealthCheck => Expect::Status(503),
     }
 }
 
@@ -221,6 +259,10 @@ pub fn skips(setup: &Setup) -> Vec<(Check, String)> {
     let mut out = Vec::new();
     if let Err(why) = &setup.load_balancer {
         out.push((Check::LoadBalancer, why.clone()));
+    }
+    if let Err(why) = &setup.terminating {
+        out.push((Check::Terminating, why.clone()));
+        out.push((Check::TerminatingHealthCheck, why.clone()));
     }
     if setup.external_ip.is_none() {
         out.push((
@@ -236,8 +278,11 @@ pub fn skips(setup: &Setup) -> Vec<(Check, String)> {
 /// node's proxy to program the new Services), then those expecting a drop or a reject.
 pub fn probes(setup: &Setup, node: usize, source: Source) -> Vec<Probe> {
     let _ = source; // the same probes from both views (see `expectation`)
-    let local = &setup.nodes[setup.local].server;
-    let expect = |check, is_local| expectation(check, is_local, local);
+    let servers = Servers {
+        local: &setup.nodes[setup.local].server,
+        terminating: setup.terminating.as_ref().map_or("", |t| t.server.as_str()),
+    };
+    let expect = |check, is_local| expectation(check, is_local, servers);
     let on_local = node == setup.local;
     let port = setup.tcp_port;
     let probe = |check, target: Option<&TestNode>, action, expect| Probe {
@@ -313,6 +358,26 @@ pub fn probes(setup: &Setup, node: usize, source: Source) -> Vec<Probe> {
         },
         expect(Check::HealthCheck, on_local),
     ));
+    if let Ok(t) = &setup.terminating {
+        out.push(probe(
+            Check::Terminating,
+            None,
+            Action::Hostname {
+                ip: t.cluster_ip,
+                port,
+            },
+            expect(Check::Terminating, on_local),
+        ));
+        out.push(probe(
+            Check::TerminatingHealthCheck,
+            Some(me),
+            Action::Healthz {
+                ip: me.address,
+                port: t.health_check_node_port,
+            },
+            expect(Check::TerminatingHealthCheck, on_local),
+        ));
+    }
     out.push(probe(
         Check::InternalLocal,
         None,
@@ -361,6 +426,11 @@ pub(crate) mod tests {
             health_check_node_port: 30999,
             internal_local_ip: ip("10.96.0.12"),
             no_endpoints_ip: ip("10.96.0.13"),
+            terminating: Ok(TerminatingService {
+                cluster_ip: ip("10.96.0.14"),
+                health_check_node_port: 30998,
+                server: "terminating-0".into(),
+            }),
         }
     }
 
@@ -369,7 +439,7 @@ pub(crate) mod tests {
     #[test]
     fn expectations_per_check() {
         use Expect::*;
-        let table: [(Check, Expect, Expect); 9] = [
+        let table: [(Check, Expect, Expect); 11] = [
             (Check::ClusterIpTcp, Answer, Answer),
             (Check::ClusterIpUdp, Answer, Answer),
             (Check::NodePort, Answer, Answer),
@@ -379,14 +449,20 @@ pub(crate) mod tests {
             (Check::HealthCheck, Status(200), Status(503)),
             (Check::InternalLocal, AnswerFrom("server-0".into()), Timeout),
             (Check::NoEndpoints, Refused, Refused),
+            (
+                Check::Terminating,
+                AnswerFrom("terminating-0".into()),
+                AnswerFrom("terminating-0".into()),
+            ),
+            (Check::TerminatingHealthCheck, Status(503), Status(503)),
         ];
+        let servers = Servers {
+            local: "server-0",
+            terminating: "terminating-0",
+        };
         for (check, on_local, elsewhere) in table {
-            assert_eq!(expectation(check, true, "server-0"), on_local, "{check:?}");
-            assert_eq!(
-                expectation(check, false, "server-0"),
-                elsewhere,
-                "{check:?}"
-            );
+            assert_eq!(expectation(check, true, servers), on_local, "{check:?}");
+            assert_eq!(expectation(check, false, servers), elsewhere, "{check:?}");
         }
     }
 
@@ -424,6 +500,17 @@ pub(crate) mod tests {
                 };
                 assert_eq!(itp[0].expect, want);
                 assert_eq!(of(Check::LoadBalancer).len(), 1);
+                let term = of(Check::Terminating);
+                assert_eq!(term[0].expect, Expect::AnswerFrom("terminating-0".into()));
+                let term_hc = of(Check::TerminatingHealthCheck);
+                assert_eq!(
+                    term_hc[0].action,
+                    Action::Healthz {
+                        ip: s.nodes[node].address,
+                        port: 30998
+                    }
+                );
+                assert_eq!(term_hc[0].expect, Expect::Status(503));
                 assert!(of(Check::ExternalIp).is_empty());
                 let first_drop = p
                     .iter()
@@ -443,10 +530,21 @@ pub(crate) mod tests {
     fn skipped_checks_say_why() {
         let mut s = setup(2, 0);
         s.load_balancer = Err("no ingress IP within 30s".into());
+        s.terminating = Err("not serving while terminating".into());
         let skipped = skips(&s);
         assert_eq!(
             skipped.iter().map(|(c, _)| *c).collect::<Vec<_>>(),
-            [Check::LoadBalancer, Check::ExternalIp]
+            [
+                Check::LoadBalancer,
+                Check::Terminating,
+                Check::TerminatingHealthCheck,
+                Check::ExternalIp
+            ]
+        );
+        assert!(
+            probes(&s, 0, Source::Pod)
+                .iter()
+                .all(|p| !matches!(p.check, Check::Terminating | Check::TerminatingHealthCheck))
         );
         assert!(
             probes(&s, 0, Source::Pod)
@@ -455,6 +553,7 @@ pub(crate) mod tests {
         );
         s.external_ip = Some("198.51.100.7".parse().unwrap());
         s.load_balancer = Ok("172.31.229.10".parse().unwrap());
+        s.terminating = setup(2, 0).terminating;
         assert!(skips(&s).is_empty());
         assert!(
             probes(&s, 0, Source::Node)

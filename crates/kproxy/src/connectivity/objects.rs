@@ -25,6 +25,9 @@ pub const AFFINITY: &str = "affinity";
 pub const LOCAL: &str = "etp-local";
 pub const INTERNAL_LOCAL: &str = "itp-local";
 pub const NO_ENDPOINTS: &str = "no-endpoints";
+pub const TERMINATING: &str = "terminating";
+/// The pod behind [`TERMINATING`], deleted once ready.
+pub const TERMINATING_POD: &str = "terminating-0";
 
 /// `key=value` for a label selector.
 pub fn selector((key, value): (&str, &str)) -> String {
@@ -67,11 +70,12 @@ fn service(name: &str, selector: Value, spec: Value) -> Value {
     s
 }
 
-/// The five Services: `main` (LoadBalancer, externalTrafficPolicy Cluster, TCP and
+/// The six Services: `main` (LoadBalancer, externalTrafficPolicy Cluster, TCP and
 /// UDP, the external IP if any) over every server; `affinity` (ClientIP) over every
 /// server; `etp-local` (LoadBalancer, externalTrafficPolicy Local: a
 /// healthCheckNodePort) and `itp-local` (internalTrafficPolicy Local) over the one
-/// local server; `no-endpoints` selecting nothing.
+/// local server; `no-endpoints` selecting nothing; `terminating` (LoadBalancer,
+/// externalTrafficPolicy Local) over the pod that will be terminating.
 pub fn services(external_ip: Option<&str>) -> Vec<Value> {
     let all = json!({ROLE: "server"});
     let local = json!({ROLE: "server", LOCAL_ENDPOINT: "true"});
@@ -105,6 +109,11 @@ pub fn services(external_ip: Option<&str>) -> Vec<Value> {
             json!({"internalTrafficPolicy": "Local"}),
         ),
         service(NO_ENDPOINTS, json!({ROLE: "none"}), json!({})),
+        service(
+            TERMINATING,
+            json!({ROLE: TERMINATING}),
+            json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local"}),
+        ),
     ]
 }
 
@@ -138,6 +147,26 @@ pub fn server(name: &str, node: &str, image: &str, local: bool) -> Value {
     if local {
         labels[LOCAL_ENDPOINT] = json!("true");
     }
+    netexec(name, node, image, labels)
+}
+
+/// The server behind the `terminating` Service on `node`: once deleted, its preStop
+/// hook sleeps `seconds` while netexec keeps serving (and passing its readiness
+/// probe): a terminating, serving endpoint for as long as the test runs.
+pub fn terminating_server(node: &str, image: &str, seconds: u64) -> Value {
+    let mut p = netexec(
+        TERMINATING_POD,
+        node,
+        image,
+        json!({MANAGED_BY.0: MANAGED_BY.1, ROLE: TERMINATING}),
+    );
+    p["spec"]["terminationGracePeriodSeconds"] = json!(seconds + 5);
+    p["spec"]["containers"][0]["lifecycle"] =
+        json!({"preStop": {"exec": {"command": ["sleep", seconds.to_string()]}}});
+    p
+}
+
+fn netexec(name: &str, node: &str, image: &str, labels: Value) -> Value {
     pod(
         name,
         node,
@@ -209,6 +238,16 @@ mod tests {
         );
         assert_eq!(by(NO_ENDPOINTS)["spec"]["selector"][ROLE], "none");
         assert_eq!(by(NO_ENDPOINTS)["spec"]["ports"][0]["port"], 80);
+        assert_eq!(by(TERMINATING)["spec"]["externalTrafficPolicy"], "Local");
+        assert_eq!(by(TERMINATING)["spec"]["selector"][ROLE], TERMINATING);
+        let t = terminating_server("n1", "img", 120);
+        assert_eq!(t["metadata"]["name"], TERMINATING_POD);
+        assert_eq!(t["spec"]["terminationGracePeriodSeconds"], 125);
+        assert_eq!(
+            t["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"],
+            json!(["sleep", "120"])
+        );
+        assert!(t["spec"]["containers"][0]["readinessProbe"].is_object());
         assert!(services(None)[0]["spec"].get("externalIPs").is_none());
         let srv = server("server-0", "n1", "img", true);
         assert_eq!(srv["metadata"]["labels"][LOCAL_ENDPOINT], "true");

@@ -345,15 +345,15 @@ mod tests {
         assert_eq!(report.failed(), 1);
         let text = report.text();
         let expected = "\
-NODE    FROM  clusterip-tcp  clusterip-udp  nodeport  loadbalancer  external-ip  affinity  etp-local-hc  itp-local  no-endpoints
-node-0  node  ok             ok             ok        skip          skip         ok        ok            ok         ok
-node-0  pod   ok             ok             ok        skip          skip         ok        ok            ok         ok
-node-1  node  ok             ok             ok        skip          skip         ok        ok            ok         ok
-node-1  pod   ok             FAIL           ok        skip          skip         ok        ok            ok         ok
+NODE    FROM  clusterip-tcp  clusterip-udp  nodeport  loadbalancer  external-ip  affinity  etp-local-hc  itp-local  no-endpoints  terminating  terminating-hc
+node-0  node  ok             ok             ok        skip          skip         ok        ok            ok         ok            ok           ok
+node-0  pod   ok             ok             ok        skip          skip         ok        ok            ok         ok            ok           ok
+node-1  node  ok             ok             ok        skip          skip         ok        ok            ok         ok            ok           ok
+node-1  pod   ok             FAIL           ok        skip          skip         ok        ok            ok         ok            ok           ok
 FAIL node-1 clusterip-udp from the pod: a timeout, expected an answer
 skip loadbalancer: no ingress IP within 30s
 skip external-ip: no --external-ip given (an address routed to the nodes)
-connectivity-test: 2 nodes, 36 checks: 27 ok, 1 failed, 8 skipped; namespace kproxy-connectivity-x deleted
+connectivity-test: 2 nodes, 44 checks: 35 ok, 1 failed, 8 skipped; namespace kproxy-connectivity-x deleted
 ";
         assert_eq!(text, expected);
         let json = serde_json::to_value(&report).unwrap();

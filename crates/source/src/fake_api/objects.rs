@@ -2,7 +2,9 @@
 //! pods, …), for tests of commands that write to the cluster (`kproxy
 //! connectivity-test`): `POST` to a collection (with `generateName`), `GET` of an
 //! object, of a collection (`labelSelector` of `key=value` terms) and of a pod's `log`
-//! (text the test set), `DELETE` of an object (a namespace takes its objects with it).
+//! (text the test set), `DELETE` of an object (a namespace takes its objects with it; a
+//! pod bound to a node, unless `gracePeriodSeconds` is 0, only gets its
+//! `deletionTimestamp`, as the API server leaves it to its kubelet to end).
 //! It runs no controller and no kubelet: a test plays them through [`Objects::update`],
 //! [`Objects::set_log`] and the hook [`Objects::on_create`]. Every call is recorded.
 
@@ -68,6 +70,14 @@ fn selected(object: &Value, selector: Option<&str>) -> bool {
                 None => !labels[term].is_null(),
             })
     })
+}
+
+/// Now, as the API server writes a timestamp.
+fn now() -> String {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    now.round(k8s_openapi::jiff::Unit::Second)
+        .unwrap_or(now)
+        .to_string()
 }
 
 fn error(code: StatusCode, reason: &str) -> Response {
@@ -158,6 +168,18 @@ impl Objects {
                 }
             }
             (&Method::DELETE, Target::Object) => {
+                let options: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+                let graceful = |o: &Value| {
+                    o["kind"] == "Pod"
+                        && o["spec"]["nodeName"].is_string()
+                        && options["gracePeriodSeconds"] != 0
+                };
+                if let Some(o) = lock(&self.objects).get_mut(path).filter(|o| graceful(o)) {
+                    if o["metadata"]["deletionTimestamp"].is_null() {
+                        o["metadata"]["deletionTimestamp"] = json!(now());
+                    }
+                    return Some(axum::Json(o.clone()).into_response());
+                }
                 let removed = {
                     let mut objects = lock(&self.objects);
                     let removed = objects.remove(path);
@@ -200,12 +222,7 @@ impl Objects {
         }
         meta["uid"] = json!(format!("uid-{serial}"));
         meta["resourceVersion"] = json!(serial.to_string());
-        meta["creationTimestamp"] = json!(
-            k8s_openapi::jiff::Timestamp::now()
-                .round(k8s_openapi::jiff::Unit::Second)
-                .unwrap_or_else(|_| k8s_openapi::jiff::Timestamp::now())
-                .to_string()
-        );
+        meta["creationTimestamp"] = json!(now());
         let name = meta["name"].as_str().unwrap_or_default().to_string();
         let path = format!("{collection}/{name}");
         if let Some(hook) = lock(&self.on_create).as_ref() {
