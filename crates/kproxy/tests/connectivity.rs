@@ -422,19 +422,31 @@ FAIL node-b clusterip-udp from the pod: a timeout, expected an answer
     );
 }
 
+/// As `kubectl kproxy` (the binary under the plugin's name, kubectl's $KUBECONFIG),
 /// `-o json`, no load balancer: the loadbalancer check is skipped with why, every
 /// other check passes, exit 0.
 #[test]
 fn without_a_load_balancer_the_check_is_skipped_and_json_says_why() {
     let c = Cluster::new(false, true, None);
-    let (code, out, err) = wait(c.spawn(&[
-        "-o",
-        "json",
-        "--load-balancer-timeout",
-        "1s",
-        "--external-ip",
-        "198.51.100.7",
-    ]));
+    let plugin = c.dir.path().join("kubectl-kproxy");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_kproxy"), &plugin).unwrap();
+    let child = Command::new(&plugin)
+        .arg("connectivity-test")
+        .env("KUBECONFIG", c.kubeconfig())
+        .env("HOME", c.dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .args([
+            "-o",
+            "json",
+            "--load-balancer-timeout",
+            "1s",
+            "--external-ip",
+            "198.51.100.7",
+        ])
+        .spawn()
+        .unwrap();
+    let (code, out, err) = wait(child);
     assert_eq!(code, Some(0), "{out}\n{err}");
     let report: Value = serde_json::from_str(&out).unwrap();
     let cells = report["cells"].as_array().unwrap();
