@@ -53,7 +53,7 @@ pub enum Check {
     /// externalTrafficPolicy Local's healthCheckNodePort on this node: 200 where the
     /// Service has a local ready endpoint, 503 where none.
     #[serde(rename = "etp-local-hc")]
-    HealthCheck,
+    EtpLocalHc,
     /// internalTrafficPolicy Local: the server on this node answers; a node without
     /// one drops the connection (a timeout).
     #[serde(rename = "itp-local")]
@@ -68,7 +68,7 @@ pub enum Check {
     /// That Service's healthCheckNodePort (externalTrafficPolicy Local) on this node:
     /// 503, a terminating endpoint does not count, even on its own node.
     #[serde(rename = "terminating-hc")]
-    TerminatingHealthCheck,
+    TerminatingHc,
 }
 
 impl Check {
@@ -79,11 +79,11 @@ impl Check {
         Check::LoadBalancer,
         Check::ExternalIp,
         Check::Affinity,
-        Check::HealthCheck,
+        Check::EtpLocalHc,
         Check::InternalLocal,
         Check::NoEndpoints,
         Check::Terminating,
-        Check::TerminatingHealthCheck,
+        Check::TerminatingHc,
     ];
 
     /// The column's name.
@@ -95,11 +95,11 @@ impl Check {
             Check::LoadBalancer => "loadbalancer",
             Check::ExternalIp => "external-ip",
             Check::Affinity => "affinity",
-            Check::HealthCheck => "etp-local-hc",
+            Check::EtpLocalHc => "etp-local-hc",
             Check::InternalLocal => "itp-local",
             Check::NoEndpoints => "no-endpoints",
             Check::Terminating => "terminating",
-            Check::TerminatingHealthCheck => "terminating-hc",
+            Check::TerminatingHc => "terminating-hc",
         }
     }
 }
@@ -226,7 +226,7 @@ pub struct Servers<'a> {
 
 /// What a client on a node sees for `check` in upstream kube-proxy's semantics, for a
 /// target on `target_is_local` (the node with the Local Services' endpoint, for
-/// [`Check::HealthCheck`] the probed node, otherwise the client's own node). The same
+/// [`Check::EtpLocalHc`] the probed node, otherwise the client's own node). The same
 /// from a node and from a pod: both are "internal" traffic, and traffic from the node
 /// or a local pod to a NodePort or load balancer IP is sent to every endpoint whatever
 /// its externalTrafficPolicy.
@@ -239,8 +239,8 @@ pub fn expectation(check: Check, target_is_local: bool, servers: Servers<'_>) ->
         | Check::ExternalIp => Expect::Answer,
         Check::Affinity => Expect::OneServer,
         // health.md: 200 with a local ready endpoint, 503 without.
-        Check::HealthCheck if target_is_local => Expect::Status(200),
-        Check::HealthCheck => Expect::Status(503),
+        Check::EtpLocalHc if target_is_local => Expect::Status(200),
+        Check::EtpLocalHc => Expect::Status(503),
         // upstream-semantics.md: internalTrafficPolicy Local without a local endpoint
         // drops; the endpoint on this node answers.
         Check::InternalLocal if target_is_local => Expect::AnswerFrom(servers.local.to_string()),
@@ -250,7 +250,7 @@ pub fn expectation(check: Check, target_is_local: bool, servers: Servers<'_>) ->
         // upstream-semantics.md: no ready endpoint, so the serving terminating ones
         // are used; the health check counts ready endpoints only.
         Check::Terminating => Expect::AnswerFrom(servers.terminating.to_string()),
-        Check::TerminatingHealthCheck => Expect::Status(503),
+        Check::TerminatingHc => Expect::Status(503),
     }
 }
 
@@ -262,7 +262,7 @@ pub fn skips(setup: &Setup) -> Vec<(Check, String)> {
     }
     if let Err(why) = &setup.terminating {
         out.push((Check::Terminating, why.clone()));
-        out.push((Check::TerminatingHealthCheck, why.clone()));
+        out.push((Check::TerminatingHc, why.clone()));
     }
     if setup.external_ip.is_none() {
         out.push((
@@ -350,13 +350,13 @@ pub fn probes(setup: &Setup, node: usize, source: Source) -> Vec<Probe> {
     ));
     let me = &setup.nodes[node];
     out.push(probe(
-        Check::HealthCheck,
+        Check::EtpLocalHc,
         Some(me),
         Action::Healthz {
             ip: me.address,
             port: setup.health_check_node_port,
         },
-        expect(Check::HealthCheck, on_local),
+        expect(Check::EtpLocalHc, on_local),
     ));
     if let Ok(t) = &setup.terminating {
         out.push(probe(
@@ -369,13 +369,13 @@ pub fn probes(setup: &Setup, node: usize, source: Source) -> Vec<Probe> {
             expect(Check::Terminating, on_local),
         ));
         out.push(probe(
-            Check::TerminatingHealthCheck,
+            Check::TerminatingHc,
             Some(me),
             Action::Healthz {
                 ip: me.address,
                 port: t.health_check_node_port,
             },
-            expect(Check::TerminatingHealthCheck, on_local),
+            expect(Check::TerminatingHc, on_local),
         ));
     }
     out.push(probe(
@@ -446,7 +446,7 @@ pub(crate) mod tests {
             (Check::LoadBalancer, Answer, Answer),
             (Check::ExternalIp, Answer, Answer),
             (Check::Affinity, OneServer, OneServer),
-            (Check::HealthCheck, Status(200), Status(503)),
+            (Check::EtpLocalHc, Status(200), Status(503)),
             (Check::InternalLocal, AnswerFrom("server-0".into()), Timeout),
             (Check::NoEndpoints, Refused, Refused),
             (
@@ -454,7 +454,7 @@ pub(crate) mod tests {
                 AnswerFrom("terminating-0".into()),
                 AnswerFrom("terminating-0".into()),
             ),
-            (Check::TerminatingHealthCheck, Status(503), Status(503)),
+            (Check::TerminatingHc, Status(503), Status(503)),
         ];
         let servers = Servers {
             local: "server-0",
@@ -480,7 +480,7 @@ pub(crate) mod tests {
                     .map(|x| x.target.clone().unwrap())
                     .collect();
                 assert_eq!(targets, ["node-0", "node-1", "node-2"]);
-                let hc = of(Check::HealthCheck);
+                let hc = of(Check::EtpLocalHc);
                 assert_eq!(hc.len(), 1);
                 assert_eq!(hc[0].target.as_deref(), Some(s.nodes[node].name.as_str()));
                 assert_eq!(
@@ -502,7 +502,7 @@ pub(crate) mod tests {
                 assert_eq!(of(Check::LoadBalancer).len(), 1);
                 let term = of(Check::Terminating);
                 assert_eq!(term[0].expect, Expect::AnswerFrom("terminating-0".into()));
-                let term_hc = of(Check::TerminatingHealthCheck);
+                let term_hc = of(Check::TerminatingHc);
                 assert_eq!(
                     term_hc[0].action,
                     Action::Healthz {
@@ -537,14 +537,14 @@ pub(crate) mod tests {
             [
                 Check::LoadBalancer,
                 Check::Terminating,
-                Check::TerminatingHealthCheck,
+                Check::TerminatingHc,
                 Check::ExternalIp
             ]
         );
         assert!(
             probes(&s, 0, Source::Pod)
                 .iter()
-                .all(|p| !matches!(p.check, Check::Terminating | Check::TerminatingHealthCheck))
+                .all(|p| !matches!(p.check, Check::Terminating | Check::TerminatingHc))
         );
         assert!(
             probes(&s, 0, Source::Pod)
