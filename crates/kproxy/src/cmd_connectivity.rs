@@ -55,6 +55,11 @@ pub struct Args {
     /// probed from every node (without it the external-ip check is skipped).
     #[arg(long, value_name = "IP")]
     pub external_ip: Option<IpAddr>,
+    /// Label the test's Services `service.kubernetes.io/service-proxy-name=NAME`: for a
+    /// proxy run with `--service-proxy-name NAME` (beside another one); any other
+    /// proxy leaves them alone.
+    #[arg(long, value_name = "NAME")]
+    pub service_proxy_name: Option<String>,
     /// The whole run, from the first call to the last result; the namespace is
     /// deleted after it.
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = kproxy_config::parse_go_duration)]
@@ -354,7 +359,7 @@ async fn test(
     let base = format!("/api/v1/namespaces/{namespace}");
     let external = args.external_ip.map(|ip| ip.to_string());
     let mut services = BTreeMap::new();
-    for s in objects::services(external.as_deref()) {
+    for s in objects::services(external.as_deref(), args.service_proxy_name.as_deref()) {
         let name = s["metadata"]["name"]
             .as_str()
             .unwrap_or_default()

@@ -62,12 +62,15 @@ fn service(name: &str, selector: Value, spec: Value) -> Value {
             "ports": [{"name": "http", "protocol": "TCP", "port": TCP_PORT, "targetPort": HTTP_TARGET}],
         },
     });
-    if let (Some(to), Some(from)) = (s["spec"].as_object_mut(), spec.as_object()) {
-        for (k, v) in from {
-            to.insert(k.clone(), v.clone());
-        }
-    }
+    merge_spec(&mut s, spec);
     s
+}
+
+/// `object`'s spec with `spec`'s fields set over it.
+fn merge_spec(object: &mut Value, spec: Value) {
+    if let (Some(to), Value::Object(from)) = (object["spec"].as_object_mut(), spec) {
+        to.extend(from);
+    }
 }
 
 /// The six Services: `main` (LoadBalancer, externalTrafficPolicy Cluster, TCP and
@@ -76,7 +79,9 @@ fn service(name: &str, selector: Value, spec: Value) -> Value {
 /// healthCheckNodePort) and `itp-local` (internalTrafficPolicy Local) over the one
 /// local server; `no-endpoints` selecting nothing; `terminating` (LoadBalancer,
 /// externalTrafficPolicy Local) over the pod that will be terminating.
-pub fn services(external_ip: Option<&str>) -> Vec<Value> {
+/// With `proxy_name`, each is labelled `service.kubernetes.io/service-proxy-name` with
+/// it: only a proxy run with that `--service-proxy-name` serves them.
+pub fn services(external_ip: Option<&str>, proxy_name: Option<&str>) -> Vec<Value> {
     let all = json!({ROLE: "server"});
     let local = json!({ROLE: "server", LOCAL_ENDPOINT: "true"});
     let mut main = json!({
@@ -90,7 +95,7 @@ pub fn services(external_ip: Option<&str>) -> Vec<Value> {
     if let Some(ip) = external_ip {
         main["externalIPs"] = json!([ip]);
     }
-    vec![
+    let mut out = vec![
         service(MAIN, all.clone(), main),
         service(
             AFFINITY,
@@ -114,7 +119,13 @@ pub fn services(external_ip: Option<&str>) -> Vec<Value> {
             json!({ROLE: TERMINATING}),
             json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local"}),
         ),
-    ]
+    ];
+    if let Some(name) = proxy_name {
+        for s in &mut out {
+            s["metadata"]["labels"]["service.kubernetes.io/service-proxy-name"] = json!(name);
+        }
+    }
+    out
 }
 
 /// What every test pod shares: pinned to `node` by `nodeName` (no scheduler, every
@@ -132,11 +143,7 @@ fn pod(name: &str, node: &str, labels: Value, spec: Value) -> Value {
             "terminationGracePeriodSeconds": 1,
         },
     });
-    if let (Some(to), Some(from)) = (p["spec"].as_object_mut(), spec.as_object()) {
-        for (k, v) in from {
-            to.insert(k.clone(), v.clone());
-        }
-    }
+    merge_spec(&mut p, spec);
     p
 }
 
@@ -220,7 +227,7 @@ mod tests {
     /// Each Service as the checks need it: types, policies, selectors, ports.
     #[test]
     fn the_services_hold_each_policy() {
-        let s = services(Some("198.51.100.7"));
+        let s = services(Some("198.51.100.7"), None);
         let by = |n: &str| s.iter().find(|x| x["metadata"]["name"] == n).unwrap();
         let main = by(MAIN);
         assert_eq!(main["spec"]["type"], "LoadBalancer");
@@ -248,7 +255,17 @@ mod tests {
             json!(["sleep", "120"])
         );
         assert!(t["spec"]["containers"][0]["readinessProbe"].is_object());
-        assert!(services(None)[0]["spec"].get("externalIPs").is_none());
+        assert!(services(None, None)[0]["spec"].get("externalIPs").is_none());
+        assert!(s.iter().all(|x| {
+            x["metadata"]["labels"]
+                .get("service.kubernetes.io/service-proxy-name")
+                .is_none()
+        }));
+        let named = services(None, Some("kproxy"));
+        assert_eq!(named.len(), 6);
+        assert!(named.iter().all(
+            |x| x["metadata"]["labels"]["service.kubernetes.io/service-proxy-name"] == "kproxy"
+        ));
         let srv = server("server-0", "n1", "img", true);
         assert_eq!(srv["metadata"]["labels"][LOCAL_ENDPOINT], "true");
         assert_eq!(srv["spec"]["nodeName"], "n1");
