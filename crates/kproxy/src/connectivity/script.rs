@@ -24,16 +24,22 @@ pub const ATTEMPTS: u32 = 4;
 
 /// The script's functions: each sets `R` to the result of one try.
 const FUNCTIONS: &str = r#"R=
+AG=${AG:-/agnhost}
+failed() {
+  # curl could not connect (exit 7 says "Couldn't connect" for a refusal and for no
+  # route alike): agnhost connect names a refusal or the error.
+  case "$2" in
+    *"exit 7:"*) connect tcp "$1"; [ "$R" = answer ] && R="error $2" ;;
+    *) R="error $2" ;;
+  esac
+}
 hostname() {
   out=$(curl -sS --connect-timeout "$T" -m "$T" -w '\nkproxy-code %{http_code}' "http://$1/hostname" 2>&1); rc=$?
   code=$(printf '%s\n' "$out" | sed -n 's/^kproxy-code //p')
   case $rc in
     0) if [ "$code" = 200 ]; then R="answer $(printf '%s\n' "$out" | head -n 1 | tr -cd 'a-zA-Z0-9.-')"; else R="status $code"; fi ;;
     28) R=timeout ;;
-    *) case "$out" in
-         *refused*) R=refused ;;
-         *) R="error curl exit $rc: $(printf '%s' "$out" | grep -v '^kproxy-code' | tr '\n' ' ' | cut -c1-160)" ;;
-       esac ;;
+    *) failed "$1" "curl exit $rc: $(printf '%s' "$out" | grep -v '^kproxy-code' | tr '\n' ' ' | cut -c1-160)" ;;
   esac
 }
 hostnames() {
@@ -54,14 +60,11 @@ healthz() {
   case $rc in
     0) R="status $(printf '%s\n' "$out" | sed -n 's/.*kproxy-code //p')" ;;
     28) R=timeout ;;
-    *) case "$out" in
-         *refused*) R=refused ;;
-         *) R="error curl exit $rc: $(printf '%s' "$out" | sed 's/kproxy-code.*//' | tr '\n' ' ' | cut -c1-160)" ;;
-       esac ;;
+    *) failed "$1" "curl exit $rc: $(printf '%s' "$out" | sed 's/kproxy-code.*//' | tr '\n' ' ' | cut -c1-160)" ;;
   esac
 }
 connect() {
-  out=$(/agnhost connect --timeout="${T}s" --protocol="$1" "$2" 2>&1); rc=$?
+  out=$("$AG" connect --timeout="${T}s" --protocol="$1" "$2" 2>&1); rc=$?
   if [ "$rc" = 0 ]; then R=answer; return; fi
   case "$out" in
     TIMEOUT*) R=timeout ;;
@@ -253,6 +256,19 @@ case "$url" in
   *10.0.0.2*) echo 'curl: (28) Connection timed out after 2001 milliseconds'; printf 'kproxy-code 000'; exit 28 ;;
   *10.0.0.3*) echo 'curl: (7) Failed to connect to 10.0.0.3 port 80: Connection refused'; printf 'kproxy-code 000'; exit 7 ;;
   *10.0.0.4*) printf 'kproxy-code 503' ;;
+  *10.0.0.5*|*10.0.0.6*) echo "curl: (7) Failed to connect to $url port 80 after 0 ms: Couldn't connect to server"; printf 'kproxy-code 000'; exit 7 ;;
+esac
+"#,
+        )
+        .unwrap();
+        // agnhost connect: a refusal at 10.0.0.3 and .5, no route at 10.0.0.6.
+        std::fs::write(
+            bin.join("agnhost"),
+            r#"#!/bin/sh
+for a; do dest=$a; done
+case "$dest" in
+  10.0.0.3:*|10.0.0.5:*) echo REFUSED >&2; exit 1 ;;
+  *) echo "OTHER: dial tcp $dest: connect: no route to host" >&2; exit 1 ;;
 esac
 "#,
         )
@@ -260,10 +276,13 @@ esac
         let script = format!(
             "T=1\nA=1\n{FUNCTIONS}p 0 'answer*' hostname 10.0.0.1:80\np 1 'answer*' hostname 10.0.0.2:80\n\
              p 2 'x' hostname 10.0.0.3:80\np 3 'status 503' healthz 10.0.0.4:1\np 4 'answer *' hostnames 10.0.0.1:80 3\n\
-             echo {DONE}\n"
+             p 5 'x' healthz 10.0.0.5:1\np 6 'x' hostname 10.0.0.6:80\necho {DONE}\n"
         );
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(bin.join("curl"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        for tool in ["curl", "agnhost"] {
+            std::fs::set_permissions(bin.join(tool), std::fs::Permissions::from_mode(0o755))
+                .unwrap();
+        }
         let out = std::process::Command::new("sh")
             .arg("-c")
             .arg(&script)
@@ -271,10 +290,11 @@ esac
                 "PATH",
                 format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
             )
+            .env("AG", bin.join("agnhost"))
             .output()
             .unwrap();
         let log = String::from_utf8_lossy(&out.stdout);
-        let (got, done) = parse(&log, 5);
+        let (got, done) = parse(&log, 7);
         assert!(done, "{log}");
         assert_eq!(
             got,
@@ -284,6 +304,10 @@ esac
                 Some(Observed::Refused),
                 Some(Observed::Status(503)),
                 Some(Observed::Answer(vec!["server-1".into(); 3])),
+                Some(Observed::Refused),
+                Some(Observed::Error(
+                    "OTHER: dial tcp 10.0.0.6:80: connect: no route to host".into()
+                )),
             ],
             "{log}"
         );
