@@ -357,142 +357,23 @@ async fn test(
         nodes.len()
     );
     let base = format!("/api/v1/namespaces/{namespace}");
-    let external = args.external_ip.map(|ip| ip.to_string());
-    let mut services = BTreeMap::new();
-    for s in objects::services(external.as_deref(), args.service_proxy_name.as_deref()) {
-        let name = s["metadata"]["name"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        let created = api
-            .create(&format!("{base}/services"), &s)
-            .await
-            .with_context(|| format!("creating Service {namespace}/{name}"))?;
-        services.insert(name, created);
-    }
-    let servers: Vec<String> = (0..nodes.len()).map(|i| format!("server-{i}")).collect();
-    for (i, (node, _)) in nodes.iter().enumerate() {
-        let pod = objects::server(&servers[i], node, &args.image, i == 0);
-        api.create(&format!("{base}/pods"), &pod)
-            .await
-            .with_context(|| format!("creating the server pod on {node}"))?;
-    }
-    let grace = deadline.saturating_duration_since(Instant::now()).as_secs();
-    let pod = objects::terminating_server(&nodes[0].0, &args.image, grace);
-    api.create(&format!("{base}/pods"), &pod)
-        .await
-        .with_context(|| format!("creating the terminating server on {}", nodes[0].0))?;
+    let (services, servers) = create_workloads(api, args, &base, nodes, deadline).await?;
     let mut waited: Vec<(String, &str)> = servers
         .iter()
         .zip(nodes)
         .map(|(s, (n, _))| (s.clone(), n.as_str()))
         .collect();
     waited.push((objects::TERMINATING_POD.to_string(), nodes[0].0.as_str()));
-    // The servers ready, and the load balancer's address (or its wait over).
-    let lb_deadline = Instant::now() + args.load_balancer_timeout;
-    let mut load_balancer: Option<Result<IpAddr, String>> = None;
-    loop {
-        if load_balancer.is_none() {
-            let main = api
-                .get(&format!("{base}/services/{}", objects::MAIN))
-                .await?;
-            let ingress = &main["status"]["loadBalancer"]["ingress"][0];
-            if let Some(ip) = ingress["ip"].as_str().and_then(|s| s.parse().ok()) {
-                load_balancer = Some(Ok(ip));
-            } else if let Some(host) = ingress["hostname"].as_str() {
-                load_balancer = Some(Err(format!(
-                    "the load balancer's ingress is a host name ({host}), not probed"
-                )));
-            } else if Instant::now() >= lb_deadline {
-                load_balancer = Some(Err(format!(
-                    "no ingress IP within --load-balancer-timeout {:?} (no load-balancer controller?)",
-                    args.load_balancer_timeout
-                )));
-            }
-        }
-        let pods = api
-            .list(
-                &format!("{base}/pods"),
-                Some(&objects::role_selector("server")),
-            )
-            .await?;
-        let not_ready: Vec<String> = servers
-            .iter()
-            .zip(nodes)
-            .filter_map(|(name, (node, _))| {
-                let pod = pods.iter().find(|p| p["metadata"]["name"] == name.as_str());
-                match pod {
-                    Some(p) if is_ready(p) => None,
-                    Some(p) => Some(format!("{name} on {node}: {}", pod_state(p))),
-                    None => Some(format!("{name} on {node}: not found")),
-                }
-            })
-            .collect();
-        if not_ready.is_empty() && load_balancer.is_some() {
-            break;
-        }
-        if Instant::now() + POLL >= deadline {
-            bail!(
-                "the servers were not ready within --timeout: {}",
-                not_ready.join("; ")
-            );
-        }
-        tokio::time::sleep(POLL).await;
-    }
+    let load_balancer = wait_for_servers(api, args, &base, &waited, deadline).await?;
     let terminating = terminate(api, &base, deadline).await?;
-    let svc = |name: &str| &services[name];
-    let main = svc(objects::MAIN);
-    let setup = Setup {
-        nodes: nodes
-            .iter()
-            .zip(&servers)
-            .map(|((name, address), server)| TestNode {
-                name: name.clone(),
-                address: *address,
-                server: server.clone(),
-            })
-            .collect(),
-        local: 0,
-        cluster_ip: ip_of(&main["spec"]["clusterIP"], "Service main")?,
-        tcp_port: objects::TCP_PORT,
-        udp_port: objects::UDP_PORT,
-        node_port: port_of(
-            &main["spec"]["ports"][0]["nodePort"],
-            "Service main's NodePort",
-        )?,
-        load_balancer: load_balancer.unwrap_or_else(|| Err("not waited for".into())),
-        external_ip: args.external_ip,
-        affinity_ip: ip_of(
-            &svc(objects::AFFINITY)["spec"]["clusterIP"],
-            "Service affinity",
-        )?,
-        health_check_node_port: port_of(
-            &svc(objects::LOCAL)["spec"]["healthCheckNodePort"],
-            "Service etp-local's healthCheckNodePort",
-        )?,
-        internal_local_ip: ip_of(
-            &svc(objects::INTERNAL_LOCAL)["spec"]["clusterIP"],
-            "Service itp-local",
-        )?,
-        no_endpoints_ip: ip_of(
-            &svc(objects::NO_ENDPOINTS)["spec"]["clusterIP"],
-            "Service no-endpoints",
-        )?,
-        terminating: match terminating {
-            Ok(()) => {
-                let t = svc(objects::TERMINATING);
-                Ok(checks::TerminatingService {
-                    cluster_ip: ip_of(&t["spec"]["clusterIP"], "Service terminating")?,
-                    health_check_node_port: port_of(
-                        &t["spec"]["healthCheckNodePort"],
-                        "Service terminating's healthCheckNodePort",
-                    )?,
-                    server: objects::TERMINATING_POD.to_string(),
-                })
-            }
-            Err(why) => Err(why),
-        },
-    };
+    let setup = setup_of(
+        nodes,
+        &servers,
+        &services,
+        load_balancer,
+        terminating,
+        args.external_ip,
+    )?;
     // The clients.
     let left = deadline.saturating_duration_since(Instant::now());
     let mut clients = Vec::new();
@@ -535,36 +416,9 @@ async fn test(
     let skipped = checks::skips(&setup);
     let mut cells = Vec::new();
     for (i, source, name, probes) in &clients {
-        let node = &nodes[*i].0;
         let pod = pods.iter().find(|p| p["metadata"]["name"] == name.as_str());
-        let seen: Vec<Observed> = match pod {
-            Some(p) if is_done(p) => {
-                let state = pod_state(p);
-                match api.log(&namespace, name).await {
-                    Ok(log) => {
-                        let (seen, finished) = script::parse(&log, probes.len());
-                        let why = if finished {
-                            "the client printed no result for it".to_string()
-                        } else {
-                            format!("the client {name} stopped before it ({state})")
-                        };
-                        seen.into_iter()
-                            .map(|o| o.unwrap_or_else(|| Observed::Missing(why.clone())))
-                            .collect()
-                    }
-                    Err(e) => {
-                        let why = format!("the client {name}'s log could not be read: {e:#}");
-                        vec![Observed::Missing(why); probes.len()]
-                    }
-                }
-            }
-            Some(p) => {
-                let why = format!("the client {name} did not finish in time: {}", pod_state(p));
-                vec![Observed::Missing(why); probes.len()]
-            }
-            None => vec![Observed::Missing(format!("the client {name} is gone")); probes.len()],
-        };
-        cells.extend(report::cells(node, *source, probes, seen, &skipped));
+        let seen = observations(api, &namespace, name, pod, probes.len()).await;
+        cells.extend(report::cells(&nodes[*i].0, *source, probes, seen, &skipped));
     }
     Ok(Report {
         namespace,
@@ -572,6 +426,185 @@ async fn test(
         cells,
         cleanup: String::new(),
     })
+}
+
+/// The Services (by name, as created: their allocations), a server pinned to every
+/// node (named in the order of `nodes`) and the terminating server on the first.
+async fn create_workloads(
+    api: &Api,
+    args: &Args,
+    base: &str,
+    nodes: &[(String, IpAddr)],
+    deadline: Instant,
+) -> Result<(BTreeMap<String, Value>, Vec<String>)> {
+    let external = args.external_ip.map(|ip| ip.to_string());
+    let mut services = BTreeMap::new();
+    for s in objects::services(external.as_deref(), args.service_proxy_name.as_deref()) {
+        let name = s["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let created = api
+            .create(&format!("{base}/services"), &s)
+            .await
+            .with_context(|| format!("creating Service {name} in {base}"))?;
+        services.insert(name, created);
+    }
+    let servers: Vec<String> = (0..nodes.len()).map(|i| format!("server-{i}")).collect();
+    for (i, (node, _)) in nodes.iter().enumerate() {
+        let pod = objects::server(&servers[i], node, &args.image, i == 0);
+        api.create(&format!("{base}/pods"), &pod)
+            .await
+            .with_context(|| format!("creating the server pod on {node}"))?;
+    }
+    // Its preStop hook lasts the rest of the run.
+    let grace = deadline.saturating_duration_since(Instant::now()).as_secs();
+    let pod = objects::terminating_server(&nodes[0].0, &args.image, grace);
+    api.create(&format!("{base}/pods"), &pod)
+        .await
+        .with_context(|| format!("creating the terminating server on {}", nodes[0].0))?;
+    Ok((services, servers))
+}
+
+/// Waits until every pod of `waited` (name, node) is ready and the main Service's load
+/// balancer has its address or `--load-balancer-timeout` is over; that address, or why
+/// there is none. `Err`: a pod not ready by the deadline (each named, with why).
+async fn wait_for_servers(
+    api: &Api,
+    args: &Args,
+    base: &str,
+    waited: &[(String, &str)],
+    deadline: Instant,
+) -> Result<Result<IpAddr, String>> {
+    let lb_deadline = Instant::now() + args.load_balancer_timeout;
+    let mut load_balancer: Option<Result<IpAddr, String>> = None;
+    loop {
+        if load_balancer.is_none() {
+            let main = api
+                .get(&format!("{base}/services/{}", objects::MAIN))
+                .await?;
+            let ingress = &main["status"]["loadBalancer"]["ingress"][0];
+            if let Some(ip) = ingress["ip"].as_str().and_then(|s| s.parse().ok()) {
+                load_balancer = Some(Ok(ip));
+            } else if let Some(host) = ingress["hostname"].as_str() {
+                load_balancer = Some(Err(format!(
+                    "the load balancer's ingress is a host name ({host}), not probed"
+                )));
+            } else if Instant::now() >= lb_deadline {
+                load_balancer = Some(Err(format!(
+                    "no ingress IP within --load-balancer-timeout {:?} (no load-balancer controller?)",
+                    args.load_balancer_timeout
+                )));
+            }
+        }
+        let pods = api.list(&format!("{base}/pods"), None).await?;
+        let not_ready: Vec<String> = waited
+            .iter()
+            .filter_map(|(name, node)| {
+                let pod = pods.iter().find(|p| p["metadata"]["name"] == name.as_str());
+                match pod {
+                    Some(p) if is_ready(p) => None,
+                    Some(p) => Some(format!("{name} on {node}: {}", pod_state(p))),
+                    None => Some(format!("{name} on {node}: not found")),
+                }
+            })
+            .collect();
+        if let (true, Some(lb)) = (not_ready.is_empty(), &load_balancer) {
+            return Ok(lb.clone());
+        }
+        if Instant::now() + POLL >= deadline {
+            bail!(
+                "the servers were not ready within --timeout: {}",
+                not_ready.join("; ")
+            );
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// The test's facts from the Services as the API server allocated them.
+fn setup_of(
+    nodes: &[(String, IpAddr)],
+    servers: &[String],
+    services: &BTreeMap<String, Value>,
+    load_balancer: Result<IpAddr, String>,
+    terminating: Result<(), String>,
+    external_ip: Option<IpAddr>,
+) -> Result<Setup> {
+    let spec = |name: &str| &services[name]["spec"];
+    let cluster_ip = |name: &str| ip_of(&spec(name)["clusterIP"], &format!("Service {name}"));
+    let health_port = |name: &str| {
+        port_of(
+            &spec(name)["healthCheckNodePort"],
+            &format!("Service {name}'s healthCheckNodePort"),
+        )
+    };
+    Ok(Setup {
+        nodes: nodes
+            .iter()
+            .zip(servers)
+            .map(|((name, address), server)| TestNode {
+                name: name.clone(),
+                address: *address,
+                server: server.clone(),
+            })
+            .collect(),
+        local: 0,
+        cluster_ip: cluster_ip(objects::MAIN)?,
+        tcp_port: objects::TCP_PORT,
+        udp_port: objects::UDP_PORT,
+        node_port: port_of(
+            &spec(objects::MAIN)["ports"][0]["nodePort"],
+            "Service main's NodePort",
+        )?,
+        load_balancer,
+        external_ip,
+        affinity_ip: cluster_ip(objects::AFFINITY)?,
+        health_check_node_port: health_port(objects::LOCAL)?,
+        internal_local_ip: cluster_ip(objects::INTERNAL_LOCAL)?,
+        no_endpoints_ip: cluster_ip(objects::NO_ENDPOINTS)?,
+        terminating: match terminating {
+            Ok(()) => Ok(checks::TerminatingService {
+                cluster_ip: cluster_ip(objects::TERMINATING)?,
+                health_check_node_port: health_port(objects::TERMINATING)?,
+                server: objects::TERMINATING_POD.to_string(),
+            }),
+            Err(why) => Err(why),
+        },
+    })
+}
+
+/// What the client `name` saw, one per probe: its log read back, or why there is no
+/// result (not finished, log unreadable, gone).
+async fn observations(
+    api: &Api,
+    namespace: &str,
+    name: &str,
+    pod: Option<&Value>,
+    count: usize,
+) -> Vec<Observed> {
+    let missing = |why: String| vec![Observed::Missing(why); count];
+    let Some(pod) = pod else {
+        return missing(format!("the client {name} is gone"));
+    };
+    let state = pod_state(pod);
+    if !is_done(pod) {
+        return missing(format!("the client {name} did not finish in time: {state}"));
+    }
+    match api.log(namespace, name).await {
+        Ok(log) => {
+            let (seen, finished) = script::parse(&log, count);
+            let why = if finished {
+                "the client printed no result for it".to_string()
+            } else {
+                format!("the client {name} stopped before it ({state})")
+            };
+            seen.into_iter()
+                .map(|o| o.unwrap_or_else(|| Observed::Missing(why.clone())))
+                .collect()
+        }
+        Err(e) => missing(format!("the client {name}'s log could not be read: {e:#}")),
+    }
 }
 
 /// How long the terminating pod's endpoint may take to show as terminating and
