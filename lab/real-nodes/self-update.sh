@@ -34,6 +34,8 @@ for ip in $(kubectl get nodes -o jsonpath='{.items[*].status.addresses[?(@.type=
 done
 stop=$STATE/load.stop
 rm -f "$stop"
+# The load ends with this script, also when the rollout fails or times out.
+trap 'touch "$stop"' EXIT
 ip netns exec kpn-n1 python3 "$HERE/load.py" "${targets[@]}" --stop-file "$stop" >"$STATE/load.json" &
 load=$!
 sleep 3

@@ -95,7 +95,7 @@ fn main() {
 
     let api = Arc::new(FakeApi::new());
     api.nodes.set_list("1", (0..nodes).map(node).collect());
-    api.pods.set_list("1", (0..nodes).map(pod).collect());
+    api.set_pods((0..nodes).map(pod).collect());
     let ds: Value = serde_saphyr::from_str(include_str!("../../../deploy/daemonset.yaml"))
         .expect("deploy/daemonset.yaml");
     let mut ds = ds;

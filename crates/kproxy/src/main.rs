@@ -4,6 +4,7 @@
 mod allocator;
 mod cluster;
 mod cmd_cleanup;
+mod cmd_connectivity;
 mod cmd_explain;
 mod cmd_plan;
 mod cmd_preflight;
@@ -14,6 +15,7 @@ mod cmd_sysctl;
 mod cmd_top;
 mod cmd_trace;
 mod common;
+mod connectivity;
 mod daemon;
 mod event_log;
 mod exposition;
@@ -73,6 +75,8 @@ enum Command {
     Cleanup(cmd_cleanup::Args),
     /// The fate of one new connection on this node: DNAT (to which endpoints), DROP, REJECT or NONE.
     Trace(cmd_trace::Args),
+    /// Deploy test workloads in a scratch namespace and check every Service path from every node and a pod on it: a table (node × check), exit 1 on a failure.
+    ConnectivityTest(cmd_connectivity::Args),
     /// Per-Service rates on this node (new connections, rejects, drops, fallback), from the kernel's counters, refreshed like top.
     Top(cmd_top::Args),
     /// The whole cluster from the API server: kproxy's rollout and, per node, its pod's health, last sync and counters (exit 1 unless every node is healthy and the rollout complete).
@@ -99,6 +103,7 @@ fn main() -> ExitCode {
         Command::Trace(a) => cmd_trace::run(a),
         Command::Top(a) => cmd_top::run(a),
         Command::Status(a) => cmd_status::run(*a),
+        Command::ConnectivityTest(a) => cmd_connectivity::run(a),
         Command::Run(a) => cmd_run::run(*a),
         Command::Sync(a) => cmd_sync::run(a),
         Command::Cleanup(a) => cmd_cleanup::run(a),

@@ -134,13 +134,10 @@ fn status_shows_every_node_healthy_unhealthy_unreachable_and_podless() {
             node("node-w", false),
         ],
     );
-    api.pods.set_list(
-        "10",
-        vec![
-            pod("kproxy-a", "node-a", "127.0.0.1"),
-            pod("kproxy-b", "node-b", "127.0.0.2"),
-        ],
-    );
+    api.set_pods(vec![
+        pod("kproxy-a", "node-a", "127.0.0.1"),
+        pod("kproxy-b", "node-b", "127.0.0.2"),
+    ]);
     api.set_daemon_set(daemon_set(3));
     api.services.set_list("10", vec![service()]);
     // The daemon's first sync waits for the Services' list.
@@ -252,8 +249,7 @@ fn status_shows_every_node_healthy_unhealthy_unreachable_and_podless() {
 
     // 3. node-a alone, the rollout complete: exit 0.
     api.nodes.set_list("11", vec![node("node-a", true)]);
-    api.pods
-        .set_list("11", vec![pod("kproxy-a", "node-a", "127.0.0.1")]);
+    api.set_pods(vec![pod("kproxy-a", "node-a", "127.0.0.1")]);
     api.set_daemon_set(daemon_set(1));
     let (code, report) = json_status(&ns, &kubeconfig);
     assert_eq!(code, 0, "{report:#}");

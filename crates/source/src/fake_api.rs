@@ -1,17 +1,23 @@
 //! A fake Kubernetes API server for tests (cargo feature `fake-api`): it speaks the real
 //! list/watch protocol with real API JSON for Services, EndpointSlices and Nodes — lists
 //! with a resourceVersion, chunked watch streams of ADDED/MODIFIED/DELETED/BOOKMARK/ERROR
-//! lines — plus what `kproxy status` reads: a namespace's Pods (by label selector), one
-//! DaemonSet or ConfigMap by name, and the pods' proxy subresource (`pods/NAME:PORT/proxy/PATH`,
-//! forwarded to the pod's IP as the API server does, or answered by a test's hook) — and, for a resource given protobuf, list pages and watch frames captured from
+//! lines — and, for a resource given protobuf, list pages and watch frames captured from
 //! a real API server, served to a client that accepts protobuf (429 with `Retry-After`
 //! too) — and lets a test script each response (slow lists, failing lists or watches, a
 //! clean end of a watch, a dropped connection, a connection that goes silent, watches
 //! that end as they open, garbage lines). It records the decoded
 //! query of every request so a test can check selectors and resourceVersions.
 //!
+//! Other objects (namespaces, Services, pods, DaemonSets a tool creates or reads) are
+//! kept in a generic store ([`objects::Objects`]: create, get, list, delete, pod logs),
+//! and the pods' proxy subresource (`pods/NAME:PORT/proxy/PATH`, what `kproxy status`
+//! reads) is forwarded to the stored pod's IP as the API server does, or answered by a
+//! test's hook.
+//!
 //! It owns no network set-up: the caller binds the listener (so it can bind inside a
 //! network namespace) and hands it to [`spawn`]. Not for production use.
+
+pub mod objects;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
@@ -22,7 +28,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 /// Re-exported so tests need no direct axum dependency.
 pub use axum::http::StatusCode;
-use axum::http::{HeaderMap, Uri};
+use axum::http::{HeaderMap, Method, Uri};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
@@ -291,21 +297,18 @@ impl Resource {
 /// forward the request to the pod's IP as the API server does.
 pub type PodProxy = dyn Fn(&Value, u16, &str) -> Option<(StatusCode, String)> + Send + Sync;
 
-/// The fake API server's state: one [`Resource`] per kind kproxy watches, the Pods
-/// `kproxy status` lists, and the objects a GET by name can read (ConfigMaps: `kproxy
-/// plan` reads the node's configuration from one; DaemonSets: `kproxy status`).
+/// The fake API server's state: one [`Resource`] per kind kproxy watches, the
+/// ConfigMaps a GET can read (`kproxy plan` reads the node's configuration from one),
+/// and the store of every other object.
 pub struct FakeApi {
     pub services: Resource,
     pub slices: Resource,
     pub nodes: Resource,
     pub service_cidrs: Resource,
-    /// Every namespace's Pods; a namespaced list answers that namespace's, filtered by
-    /// the equality terms of its `labelSelector`.
-    pub pods: Resource,
     /// By (namespace, name): each a ConfigMap object as the API serves it.
     pub config_maps: Mutex<BTreeMap<(String, String), Value>>,
-    /// By (namespace, name): each a DaemonSet object as the API serves it.
-    pub daemon_sets: Mutex<BTreeMap<(String, String), Value>>,
+    /// Every other object: what a tool creates, reads and deletes.
+    pub objects: objects::Objects,
     /// Answers GETs through the pods' proxy subresource instead of the pods (see
     /// [`PodProxy`]).
     pub pod_proxy: Mutex<Option<Arc<PodProxy>>>,
@@ -326,27 +329,39 @@ impl FakeApi {
             slices: Resource::new("EndpointSliceList"),
             nodes: Resource::new("NodeList"),
             service_cidrs: Resource::new("ServiceCIDRList"),
-            pods: Resource::new("PodList"),
             config_maps: Mutex::new(BTreeMap::new()),
-            daemon_sets: Mutex::new(BTreeMap::new()),
+            objects: objects::Objects::default(),
             pod_proxy: Mutex::new(None),
             requests_served: AtomicU64::new(0),
         }
     }
 
-    /// Serves `object` (a DaemonSet as the API serves it) by its namespace and name.
-    pub fn set_daemon_set(&self, object: Value) {
-        let key = (
-            object["metadata"]["namespace"]
-                .as_str()
-                .unwrap_or("")
-                .to_string(),
-            object["metadata"]["name"]
-                .as_str()
-                .unwrap_or("")
-                .to_string(),
+    /// Stores `object` as the API serves it, at `{api}/namespaces/NS/{resource}/NAME`.
+    fn store(&self, api: &str, resource: &str, object: Value) {
+        let meta = &object["metadata"];
+        let path = format!(
+            "{api}/namespaces/{}/{resource}/{}",
+            meta["namespace"].as_str().unwrap_or(""),
+            meta["name"].as_str().unwrap_or("")
         );
-        lock(&self.daemon_sets).insert(key, object);
+        self.objects.insert(&path, object);
+    }
+
+    /// Serves `object`, a DaemonSet, by its namespace and name.
+    pub fn set_daemon_set(&self, object: Value) {
+        self.store("/apis/apps/v1", "daemonsets", object);
+    }
+
+    /// Serves `pods` (Pod objects) in place of the pods stored before: a namespace's list
+    /// (by label selector), each by name, and the pods' proxy to each.
+    pub fn set_pods(&self, pods: Vec<Value>) {
+        let stored = self.objects.under("/api/v1/namespaces/");
+        for (path, _) in stored.iter().filter(|(p, _)| p.contains("/pods/")) {
+            self.objects.remove(path);
+        }
+        for pod in pods {
+            self.store("/api/v1", "pods", pod);
+        }
     }
 
     /// Answers proxied pod requests with `hook` (see [`PodProxy`]).
@@ -363,20 +378,11 @@ impl FakeApi {
     }
 }
 
-/// A GET of one object by name: `/api/v1/namespaces/NS/configmaps/NAME` or
-/// `/apis/apps/v1/namespaces/NS/daemonsets/NAME`.
-fn named_object(api: &FakeApi, path: &str) -> Option<Response> {
-    let (store, rest) = if let Some(rest) = path.strip_prefix("/api/v1/namespaces/") {
-        (&api.config_maps, rest.split_once("/configmaps/")?)
-    } else {
-        let rest = path.strip_prefix("/apis/apps/v1/namespaces/")?;
-        (&api.daemon_sets, rest.split_once("/daemonsets/")?)
-    };
-    let (namespace, name) = rest;
-    if name.contains('/') {
-        return None;
-    }
-    let found = lock(store)
+/// A GET of one ConfigMap: `/api/v1/namespaces/NS/configmaps/NAME`.
+fn config_map(api: &FakeApi, path: &str) -> Option<Response> {
+    let rest = path.strip_prefix("/api/v1/namespaces/")?;
+    let (namespace, name) = rest.split_once("/configmaps/")?;
+    let found = lock(&api.config_maps)
         .get(&(namespace.to_string(), name.to_string()))
         .cloned();
     Some(match found {
@@ -403,12 +409,10 @@ async fn pod_proxy(api: &FakeApi, uri: &Uri) -> Option<Response> {
         Some(q) => format!("{path}?{q}"),
         None => path.to_string(),
     };
-    let pod = lock(&api.pods.list)
-        .items
-        .iter()
-        .find(|p| p["metadata"]["namespace"] == namespace && p["metadata"]["name"] == name)
-        .cloned();
-    let Some(pod) = pod else {
+    let Some(pod) = api
+        .objects
+        .get(&format!("/api/v1/namespaces/{namespace}/pods/{name}"))
+    else {
         let code = StatusCode::NOT_FOUND;
         return Some((code, axum::Json(status(code, "NotFound"))).into_response());
     };
@@ -452,21 +456,6 @@ async fn forward(ip: &str, port: u16, path: &str) -> std::io::Result<(StatusCode
         .and_then(|c| StatusCode::from_u16(c).ok())
         .ok_or_else(|| std::io::Error::other("not an HTTP answer"))?;
     Ok((code, body.to_string()))
-}
-
-/// Whether `object`'s labels hold every `key=value` (or `key==value`) term of
-/// `selector`; other terms are not served by this fake and match nothing.
-fn selected(object: &Value, selector: Option<&String>) -> bool {
-    let Some(selector) = selector else {
-        return true;
-    };
-    selector.split(',').filter(|t| !t.is_empty()).all(|term| {
-        let (key, value) = match term.split_once("==").or_else(|| term.split_once('=')) {
-            Some(kv) => kv,
-            None => return false,
-        };
-        object["metadata"]["labels"][key.trim()] == value.trim()
-    })
 }
 
 /// A `Status` object as the API server sends it with an error.
@@ -528,29 +517,35 @@ fn query(uri: &Uri) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The request handler: lists and watches of the four cluster-wide collections, lists
-/// of a namespace's Pods, GETs of ConfigMaps and DaemonSets, the pods' proxy.
-pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap) -> Response {
+/// The request handler: lists and watches of the four cluster-wide collections, GETs
+/// of ConfigMaps, the pods' proxy, and the other objects' store.
+pub async fn serve(
+    State(api): State<Arc<FakeApi>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     api.requests_served.fetch_add(1, Ordering::SeqCst);
-    if let Some(response) = named_object(&api, uri.path()) {
+    if method == Method::GET
+        && let Some(response) = config_map(&api, uri.path())
+    {
         return response;
     }
-    if let Some(response) = pod_proxy(&api, &uri).await {
+    if method == Method::GET
+        && let Some(response) = pod_proxy(&api, &uri).await
+    {
         return response;
     }
-    // A namespaced list of Pods: that namespace's only.
-    let pods_of = uri
-        .path()
-        .strip_prefix("/api/v1/namespaces/")
-        .and_then(|r| r.strip_suffix("/pods"))
-        .filter(|ns| !ns.contains('/'));
     let res = match uri.path() {
-        _ if pods_of.is_some() => &api.pods,
         "/api/v1/services" => &api.services,
         "/apis/discovery.k8s.io/v1/endpointslices" => &api.slices,
         "/api/v1/nodes" => &api.nodes,
         "/apis/networking.k8s.io/v1/servicecidrs" => &api.service_cidrs,
-        _ => {
+        path => {
+            if let Some(response) = api.objects.serve(&method, path, &query(&uri), &body) {
+                return response;
+            }
             return (
                 StatusCode::NOT_FOUND,
                 axum::Json(status(StatusCode::NOT_FOUND, "NotFound")),
@@ -688,34 +683,26 @@ pub async fn serve(State(api): State<Arc<FakeApi>>, uri: Uri, headers: HeaderMap
     } else {
         "v1"
     };
-    let items: Vec<&Value> = match pods_of {
-        Some(ns) => list
-            .items
-            .iter()
-            .filter(|o| o["metadata"]["namespace"] == ns && selected(o, q.get("labelSelector")))
-            .collect(),
-        None => list.items.iter().collect(),
-    };
     // Pages as the API server does: `limit` objects, and a `continue` token (here the
     // offset of the next page) while more remain.
     let offset: usize = q
         .get("continue")
         .and_then(|c| c.parse().ok())
         .unwrap_or(0)
-        .min(items.len());
+        .min(list.items.len());
     let end = q
         .get("limit")
         .and_then(|l| l.parse::<usize>().ok())
         .filter(|l| *l > 0)
-        .map_or(items.len(), |l| (offset + l).min(items.len()));
+        .map_or(list.items.len(), |l| (offset + l).min(list.items.len()));
     let mut metadata = json!({"resourceVersion": list.resource_version});
-    if end < items.len() {
+    if end < list.items.len() {
         metadata["continue"] = json!(end.to_string());
     }
     let body = json!({
         "kind": res.list_kind, "apiVersion": api_version,
         "metadata": metadata,
-        "items": &items[offset..end],
+        "items": &list.items[offset..end],
     });
     axum::Json(body).into_response()
 }
