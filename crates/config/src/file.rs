@@ -187,6 +187,48 @@ fn non_zero_leaves(prefix: &str, v: &Value, out: &mut Vec<String>) {
     }
 }
 
+/// Why the inapplicable field `leaf` has no effect, pointing at the nftables field that
+/// does what an iptables one did.
+fn inapplicable_message(leaf: &str, why: &str) -> String {
+    match leaf.strip_prefix("iptables.") {
+        Some(rest @ ("masqueradeBit" | "masqueradeAll" | "syncPeriod" | "minSyncPeriod")) => {
+            format!("{why}; use nftables.{rest}")
+        }
+        _ => why.to_string(),
+    }
+}
+
+/// How kproxy treats one field of the file, by its dotted path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FieldUse {
+    /// Read and applied.
+    Honoured,
+    /// Read but without effect in kproxy: why.
+    Inapplicable(String),
+    /// Not a KubeProxyConfiguration field kproxy knows.
+    Unknown,
+}
+
+/// How kproxy treats the field at `path` (`conntrack.maxPerCore`, `featureGates.Name`),
+/// from the same table [`parse`] warns from: what `kproxy install` carries over from
+/// kube-proxy's configuration and what it drops.
+pub fn field_use(path: &str) -> FieldUse {
+    let mut table = TOP;
+    let mut parts = path.split('.');
+    while let Some(key) = parts.next() {
+        match table.iter().find(|(k, _)| *k == key).map(|(_, f)| f) {
+            Some(Honoured) => return FieldUse::Honoured,
+            Some(Inapplicable(why)) => {
+                return FieldUse::Inapplicable(inapplicable_message(path, why));
+            }
+            Some(Section(inner)) => table = inner,
+            None => return FieldUse::Unknown,
+        }
+    }
+    // A section itself, not one of its fields.
+    FieldUse::Honoured
+}
+
 fn walk(
     prefix: &str,
     obj: &serde_json::Map<String, Value>,
@@ -210,15 +252,7 @@ fn walk(
                 let mut leaves = Vec::new();
                 non_zero_leaves(&path, value, &mut leaves);
                 for leaf in leaves {
-                    let message = match leaf.strip_prefix("iptables.") {
-                        Some(
-                            rest @ ("masqueradeBit" | "masqueradeAll" | "syncPeriod"
-                            | "minSyncPeriod"),
-                        ) => {
-                            format!("{why}; use nftables.{rest}")
-                        }
-                        _ => why.to_string(),
-                    };
+                    let message = inapplicable_message(&leaf, why);
                     warnings.push(ConfigWarning {
                         path: leaf,
                         message,

@@ -25,8 +25,8 @@ use kproxy_core::PlanConfig;
 use kproxy_core::config::{LocalDetectorConfig, NodePortAddressesConfig};
 
 pub use duration::parse_go_duration;
-pub use file::KubeProxyConfiguration;
 use file::{Conntrack, Nftables};
+pub use file::{FieldUse, KubeProxyConfiguration, field_use};
 pub use names::{parse_nft_table_name, parse_port_range};
 
 /// Upstream's `ports.ProxyHealthzPort`.

@@ -103,7 +103,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 /// `GET path`: the answer's JSON when 200, `None` on 404, else an error naming what
 /// was read.
-async fn get_json(
+pub(crate) async fn get_json(
     client: &kube::Client,
     path: &str,
     max: usize,
@@ -129,7 +129,7 @@ async fn get_json(
 }
 
 /// Every item of a collection, page by page.
-async fn list_all(
+pub(crate) async fn list_all(
     client: &kube::Client,
     collection: &str,
     labels: Option<&str>,

@@ -6,6 +6,7 @@ mod cluster;
 mod cmd_cleanup;
 mod cmd_connectivity;
 mod cmd_explain;
+mod cmd_install;
 mod cmd_plan;
 mod cmd_preflight;
 mod cmd_run;
@@ -81,6 +82,8 @@ enum Command {
     Top(cmd_top::Args),
     /// The whole cluster from the API server: kproxy's rollout and, per node, its pod's health, last sync and counters (exit 1 unless every node is healthy and the rollout complete).
     Status(Box<cmd_status::Args>),
+    /// Print deploy/'s manifests for this cluster (API server address, pod CIDR, kube-proxy's settings inferred, each named in a header) for `kubectl apply -f -`; exit 1 with the reason when a value cannot be inferred.
+    Install(Box<cmd_install::Args>),
     /// Check workloads' rollout settings against the load balancer in front of them.
     #[cfg(feature = "lint")]
     Lint(kproxy_lint::cli::LintArgs),
@@ -103,6 +106,7 @@ fn main() -> ExitCode {
         Command::Trace(a) => cmd_trace::run(a),
         Command::Top(a) => cmd_top::run(a),
         Command::Status(a) => cmd_status::run(*a),
+        Command::Install(a) => cmd_install::run(*a),
         Command::ConnectivityTest(a) => cmd_connectivity::run(a),
         Command::Run(a) => cmd_run::run(*a),
         Command::Sync(a) => cmd_sync::run(a),
