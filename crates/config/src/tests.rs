@@ -750,3 +750,34 @@ fn conntrack_timeouts_the_kernel_cannot_take_as_given_warn() {
     let (_, quiet) = file("conntrack: {udpTimeout: 30s}").unwrap();
     assert!(quiet.is_empty(), "{quiet:?}");
 }
+
+#[test]
+fn field_use_is_the_table_the_parser_warns_from() {
+    for (path, want) in [
+        ("clusterCIDR", FieldUse::Honoured),
+        ("conntrack.maxPerCore", FieldUse::Honoured),
+        ("featureGates.AnyGate", FieldUse::Honoured),
+        ("nftables", FieldUse::Honoured),
+        (
+            "iptables.masqueradeAll",
+            FieldUse::Inapplicable(
+                "does not apply to kproxy (nftables); use nftables.masqueradeAll".into(),
+            ),
+        ),
+        (
+            "ipvs.scheduler",
+            FieldUse::Inapplicable("does not apply to kproxy (nftables)".into()),
+        ),
+        ("conntrack.noSuchField", FieldUse::Unknown),
+        ("noSuchField", FieldUse::Unknown),
+    ] {
+        assert_eq!(field_use(path), want, "{path}");
+    }
+    // The same words as the parser's warning for the same field.
+    let text = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables:\n  masqueradeAll: true\n";
+    let (_, warnings) = load_str("f", text, &ConfigFlags::default()).unwrap();
+    assert_eq!(
+        FieldUse::Inapplicable(warnings[0].message.clone()),
+        field_use(&warnings[0].path)
+    );
+}
