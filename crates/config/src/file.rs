@@ -214,8 +214,7 @@ pub enum FieldUse {
 /// kube-proxy's configuration and what it drops.
 pub fn field_use(path: &str) -> FieldUse {
     let mut table = TOP;
-    let mut parts = path.split('.');
-    while let Some(key) = parts.next() {
+    for key in path.split('.') {
         match table.iter().find(|(k, _)| *k == key).map(|(_, f)| f) {
             Some(Honoured) => return FieldUse::Honoured,
             Some(Inapplicable(why)) => {
