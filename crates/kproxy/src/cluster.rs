@@ -152,6 +152,20 @@ pub async fn connect(
     Ok((client, server, namespace))
 }
 
+/// As [`connect`] for an operator command (no --config), then the API server reached
+/// (`/version`), its error naming the server and how to pick another cluster.
+pub async fn reach(
+    kubeconfig: Option<&Path>,
+    context: Option<&str>,
+    calls: &CallFlags,
+) -> Result<(kube::Client, String)> {
+    let (client, server, _) = connect(kubeconfig, context, None, calls).await?;
+    api::reach(&client).await.with_context(|| {
+        format!("{server}; another cluster: --kubeconfig FILE, $KUBECONFIG or --context NAME")
+    })?;
+    Ok((client, server))
+}
+
 /// What was read: the state, the configuration and the node they are planned for.
 pub struct Cluster {
     pub state: ClusterState,

@@ -11,7 +11,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
-use kproxy_source::kube as api;
 
 use crate::cluster::CallFlags;
 use crate::cmd_status::{get_json, list_all};
@@ -80,16 +79,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 /// What the cluster says, and the words naming the API server read.
 async fn read(args: &Args) -> Result<(Found, String)> {
-    let (client, server, _) = crate::cluster::connect(
+    let (client, server) = crate::cluster::reach(
         args.kubeconfig.as_deref(),
         args.context.as_deref(),
-        None,
         &args.calls,
     )
     .await?;
-    api::reach(&client).await.with_context(|| {
-        format!("{server}; another cluster: --kubeconfig FILE, $KUBECONFIG or --context NAME")
-    })?;
     let (ns, name) = KUBE_PROXY_CONFIG_MAP;
     let kube_proxy = get_json(
         &client,

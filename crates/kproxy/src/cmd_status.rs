@@ -219,16 +219,12 @@ struct PodCalls {
 
 /// Reads the cluster and asks every pod: the report.
 async fn gather(args: &Args) -> Result<Report> {
-    let (client, server, _) = crate::cluster::connect(
+    let (client, _) = crate::cluster::reach(
         args.kubeconfig.as_deref(),
         args.context.as_deref(),
-        None,
         &args.calls,
     )
     .await?;
-    api::reach(&client).await.with_context(|| {
-        format!("{server}; another cluster: --kubeconfig FILE, $KUBECONFIG or --context NAME")
-    })?;
     let (ns, name) = (&args.namespace, &args.daemonset);
     let ds = get_json(
         &client,
