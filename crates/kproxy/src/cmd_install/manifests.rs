@@ -192,6 +192,9 @@ pub fn infer(found: &Found, overrides: &Overrides) -> Result<Inferred, Vec<Strin
         return Err(refusals);
     };
     let origin = format!("{map_name} key {KUBE_PROXY_CONFIG_KEY}");
+    if let Some(note) = config.as_ref().and_then(node_port_change) {
+        notes.push(note);
+    }
     let (carried, dropped) = match &config {
         Some(c) => carry(c, &origin, &cluster_cidr.value)?,
         None => (Vec::new(), Vec::new()),
@@ -203,6 +206,24 @@ pub fn infer(found: &Found, overrides: &Overrides) -> Result<Inferred, Vec<Strin
         carried,
         dropped,
         notes,
+    })
+}
+
+/// kube-proxy in iptables or IPVS mode (the default on Linux) with nodePortAddresses
+/// unset accepted NodePorts on every local address; kproxy, as nftables mode, on the
+/// node's primary addresses: said, with the setting that keeps the old reach.
+fn node_port_change(config: &Value) -> Option<String> {
+    let mode = config["mode"].as_str().unwrap_or("");
+    let unset = match &config["nodePortAddresses"] {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        _ => false,
+    };
+    (mode != "nftables" && unset).then(|| {
+        format!(
+            "kube-proxy ({} mode, nodePortAddresses unset) accepted NodePorts on every local address; kproxy, as nftables mode, accepts them on the node's primary addresses (deploy/'s nodePortAddresses: [primary]); set nodePortAddresses: [0.0.0.0/0, ::/0] to keep every address",
+            if mode.is_empty() { "iptables" } else { mode }
+        )
     })
 }
 

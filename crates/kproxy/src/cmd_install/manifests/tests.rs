@@ -312,6 +312,18 @@ fn inference_by_case() {
                         case.name
                     );
                 }
+                let node_port_note = i
+                    .notes
+                    .iter()
+                    .any(|n| n.contains("accepted NodePorts on every local address"));
+                // kubeadm's mode "" is iptables, with nodePortAddresses null: every address.
+                let kubeadm = case
+                    .found
+                    .kube_proxy
+                    .as_ref()
+                    .and_then(|m| m.get("config.conf"))
+                    .is_some_and(|c| c == KUBEADM_CONFIG);
+                assert_eq!(node_port_note, kubeadm, "{}: {:?}", case.name, i.notes);
                 let text = render(i, "test");
                 // What is carried is what kproxy loads from the config.yaml printed.
                 let (cfg, warnings) = kproxy_config::load_str(
