@@ -152,18 +152,38 @@ pub async fn connect(
     Ok((client, server, namespace))
 }
 
-/// As [`connect`] for an operator command (no --config), then the API server reached
-/// (`/version`), its error naming the server and how to pick another cluster.
-pub async fn reach(
-    kubeconfig: Option<&Path>,
-    context: Option<&str>,
-    calls: &CallFlags,
-) -> Result<(kube::Client, String)> {
-    let (client, server, _) = connect(kubeconfig, context, None, calls).await?;
-    api::reach(&client).await.with_context(|| {
-        format!("{server}; another cluster: --kubeconfig FILE, $KUBECONFIG or --context NAME")
-    })?;
-    Ok((client, server))
+/// Which API server an operator's command (`status`, `install`, `connectivity-test`)
+/// talks to, with the bounds on its calls: kubectl's credentials, no `--config` file.
+#[derive(Args, Clone, Debug)]
+pub struct ApiArgs {
+    /// The kubeconfig to use (default: as kubectl: $KUBECONFIG, ~/.kube/config, else
+    /// the pod's service account).
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The kubeconfig context to use instead of its current context.
+    #[arg(long, value_name = "NAME")]
+    pub context: Option<String>,
+    #[command(flatten)]
+    pub calls: CallFlags,
+}
+
+impl ApiArgs {
+    /// As [`connect`] without --config, then the API server reached (`/version`), its
+    /// error naming the server and how to pick another cluster: the client and the
+    /// server's address.
+    pub async fn reach(&self) -> Result<(kube::Client, String)> {
+        let (client, server, _) = connect(
+            self.kubeconfig.as_deref(),
+            self.context.as_deref(),
+            None,
+            &self.calls,
+        )
+        .await?;
+        api::reach(&client).await.with_context(|| {
+            format!("{server}; another cluster: --kubeconfig FILE, $KUBECONFIG or --context NAME")
+        })?;
+        Ok((client, server))
+    }
 }
 
 /// What was read: the state, the configuration and the node they are planned for.

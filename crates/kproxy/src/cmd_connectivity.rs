@@ -15,7 +15,6 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -24,7 +23,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::cluster::CallFlags;
+use crate::cluster::ApiArgs;
 use crate::connectivity::checks::{self, Setup, Source, TestNode};
 use crate::connectivity::objects::{self, MANAGED_BY};
 use crate::connectivity::report::{self, Observed, Report};
@@ -36,13 +35,8 @@ pub const DEFAULT_IMAGE: &str = "registry.k8s.io/e2e-test-images/agnhost:2.63.0"
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The API server of this kubeconfig (default: as kubectl, $KUBECONFIG, else
-    /// ~/.kube/config, else the pod's service account).
-    #[arg(long, value_name = "FILE")]
-    pub kubeconfig: Option<PathBuf>,
-    /// The kubeconfig context to use instead of its current context.
-    #[arg(long, value_name = "NAME")]
-    pub context: Option<String>,
+    #[command(flatten)]
+    pub api: ApiArgs,
     /// The image of the servers and clients: agnhost (netexec; /bin/sh, curl and
     /// /agnhost for the clients), present on the nodes or pullable there.
     #[arg(long, value_name = "IMAGE", default_value = DEFAULT_IMAGE)]
@@ -82,8 +76,6 @@ pub struct Args {
     /// Output: the table, or the report as JSON.
     #[arg(short = 'o', long, value_name = "FORMAT", default_value = "table", value_parser = ["table", "json"])]
     pub output: String,
-    #[command(flatten)]
-    pub calls: CallFlags,
 }
 
 /// How long the deletion of the namespace may take to be accepted.
@@ -667,16 +659,7 @@ enum Outcome {
 
 async fn run_async(args: Args) -> Result<ExitCode> {
     let start = Instant::now();
-    let (client, server, _) = crate::cluster::connect(
-        args.kubeconfig.as_deref(),
-        args.context.as_deref(),
-        None,
-        &args.calls,
-    )
-    .await?;
-    kproxy_source::kube::reach(&client)
-        .await
-        .with_context(|| server.clone())?;
+    let (client, server) = args.api.reach().await?;
     let api = Api { client };
     let selector = objects::selector(MANAGED_BY);
     let ours = api

@@ -7,12 +7,11 @@
 mod manifests;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 
-use crate::cluster::CallFlags;
+use crate::cluster::ApiArgs;
 use crate::cmd_status::{get_json, list_all};
 use manifests::{Found, KUBE_PROXY_CONFIG_MAP, Overrides};
 
@@ -24,13 +23,8 @@ pub struct Args {
     /// Print deploy/ as it is, without reading the cluster.
     #[arg(long, conflicts_with_all = ["kubeconfig", "context", "api_server", "cluster_cidr", "image"])]
     pub defaults: bool,
-    /// The kubeconfig to read the cluster with (default: as kubectl: $KUBECONFIG,
-    /// ~/.kube/config, else the pod's service account).
-    #[arg(long, value_name = "FILE")]
-    pub kubeconfig: Option<PathBuf>,
-    /// The kubeconfig context to use instead of its current context.
-    #[arg(long, value_name = "NAME")]
-    pub context: Option<String>,
+    #[command(flatten)]
+    pub api: ApiArgs,
     /// The API server address nodes reach without kproxy (the control-plane endpoint
     /// or its load balancer), instead of inferring it.
     #[arg(long, value_name = "URL")]
@@ -42,8 +36,6 @@ pub struct Args {
     /// The image of kproxy's DaemonSet (default: deploy/'s).
     #[arg(long, value_name = "IMAGE")]
     pub image: Option<String>,
-    #[command(flatten)]
-    pub calls: CallFlags,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -79,12 +71,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 /// What the cluster says, and the words naming the API server read.
 async fn read(args: &Args) -> Result<(Found, String)> {
-    let (client, server) = crate::cluster::reach(
-        args.kubeconfig.as_deref(),
-        args.context.as_deref(),
-        &args.calls,
-    )
-    .await?;
+    let (client, server) = args.api.reach().await?;
     let (ns, name) = KUBE_PROXY_CONFIG_MAP;
     let kube_proxy = get_json(
         &client,

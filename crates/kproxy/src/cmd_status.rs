@@ -7,7 +7,6 @@
 //! prints. Why the proxy and not a status object each kproxy writes: docs/status.md.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use kproxy_source::kube as api;
 use serde_json::Value;
 
-use crate::cluster::CallFlags;
+use crate::cluster::ApiArgs;
 use crate::status::{self, DaemonSetState, Fetched, NodeState, PodState, Report};
 
 /// deploy/daemonset.yaml's labels, used to find kproxy's Pods when the DaemonSet
@@ -32,13 +31,8 @@ const MAX_HEALTHZ_BYTES: usize = 64 << 10;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The kubeconfig to use (default: as kubectl: $KUBECONFIG, ~/.kube/config, else
-    /// the pod's service account).
-    #[arg(long, value_name = "FILE")]
-    pub kubeconfig: Option<PathBuf>,
-    /// The kubeconfig context to use instead of its current context.
-    #[arg(long, value_name = "NAME")]
-    pub context: Option<String>,
+    #[command(flatten)]
+    pub api: ApiArgs,
     /// The namespace of kproxy's DaemonSet (deploy/'s).
     #[arg(
         short = 'n',
@@ -72,8 +66,6 @@ pub struct Args {
     /// `table` (human) or `json` (docs/status.md names the fields).
     #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
     pub output: Output,
-    #[command(flatten)]
-    pub calls: CallFlags,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -219,12 +211,7 @@ struct PodCalls {
 
 /// Reads the cluster and asks every pod: the report.
 async fn gather(args: &Args) -> Result<Report> {
-    let (client, _) = crate::cluster::reach(
-        args.kubeconfig.as_deref(),
-        args.context.as_deref(),
-        &args.calls,
-    )
-    .await?;
+    let (client, _) = args.api.reach().await?;
     let (ns, name) = (&args.namespace, &args.daemonset);
     let ds = get_json(
         &client,
