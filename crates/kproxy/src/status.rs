@@ -285,6 +285,20 @@ pub struct HealthzBody {
     pub drain_signals: Option<Vec<String>>,
 }
 
+impl HealthzBody {
+    /// Whether the body carries any field only kproxy's truthful semantics writes.
+    pub fn is_truthful(&self) -> bool {
+        self.synced_once.is_some()
+            || self.oldest_pending_change.is_some()
+            || self.consecutive_sync_failures.is_some()
+            || self.kernel_rules.is_some()
+            || self.conntrack_full.is_some()
+            || self.input_held.is_some()
+            || self.source_stalled_since.is_some()
+            || self.drain_signals.is_some()
+    }
+}
+
 /// Why a `/healthz` answer is what it is, from its body: for a 503 the reasons
 /// kproxy's health rules give (docs/health.md), for a 200 what an operator should
 /// still know (the API source stalled).
@@ -331,6 +345,18 @@ pub fn healthz_reasons(code: u16, body: &HealthzBody) -> Vec<String> {
     }
     if let Some(since) = &body.source_stalled_since {
         out.push(format!("hears nothing from the API server since {since}"));
+    }
+    // kproxy's default (truthful) answer always carries its own fields; upstream's body
+    // has none. Without them the answer is kproxy under `--health-check-semantics
+    // upstream`, or another process on the port: kube-proxy, while it still runs beside
+    // kproxy during a migration, holds 10256 and answers for the node.
+    if !body.is_truthful() {
+        out.push(
+            "an upstream-style /healthz answer (none of kproxy's fields): kproxy with \
+             --health-check-semantics upstream, or another process on the port (kube-proxy \
+             still running?)"
+                .to_string(),
+        );
     }
     out
 }
@@ -1058,11 +1084,19 @@ kproxy_kernel_interference_repairs_total 0\nkproxy_endpoint_warmup_holds_total 0
     fn healthz_reasons_table() {
         let body = |v: Value| serde_json::from_value::<HealthzBody>(v).unwrap();
         for (code, b, want) in [
-            (200, json!({"healthy": true}), vec![]),
+            (200, json!({"healthy": true, "syncedOnce": true}), vec![]),
             (
                 200,
-                json!({"healthy": true, "sourceStalledSince": "T"}),
+                json!({"healthy": true, "syncedOnce": true, "sourceStalledSince": "T"}),
                 vec!["hears nothing from the API server since T"],
+            ),
+            // kube-proxy's (or kproxy's upstream-semantics) body: said, still healthy.
+            (
+                200,
+                json!({"healthy": true, "nodeEligible": true, "status": {}}),
+                vec![
+                    "an upstream-style /healthz answer (none of kproxy's fields): kproxy with --health-check-semantics upstream, or another process on the port (kube-proxy still running?)",
+                ],
             ),
             (
                 503,
@@ -1079,7 +1113,10 @@ kproxy_kernel_interference_repairs_total 0\nkproxy_endpoint_warmup_holds_total 0
             (
                 503,
                 json!({"healthy": true, "nodeEligible": false}),
-                vec!["the node is draining"],
+                vec![
+                    "the node is draining",
+                    "an upstream-style /healthz answer (none of kproxy's fields): kproxy with --health-check-semantics upstream, or another process on the port (kube-proxy still running?)",
+                ],
             ),
             (
                 503,
@@ -1091,7 +1128,14 @@ kproxy_kernel_interference_repairs_total 0\nkproxy_endpoint_warmup_holds_total 0
                 json!({"healthy": true, "conntrackFull": true}),
                 vec!["the conntrack table is full"],
             ),
-            (503, json!({}), vec!["/healthz answered 503"]),
+            (
+                503,
+                json!({}),
+                vec![
+                    "/healthz answered 503",
+                    "an upstream-style /healthz answer (none of kproxy's fields): kproxy with --health-check-semantics upstream, or another process on the port (kube-proxy still running?)",
+                ],
+            ),
         ] {
             assert_eq!(healthz_reasons(code, &body(b.clone())), want, "{b}");
         }
