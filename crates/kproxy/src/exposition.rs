@@ -1,8 +1,8 @@
 //! Reading a daemon's `/metrics` text (the Prometheus / OpenMetrics text format kproxy
 //! serves, `crate::metrics::encode`): the value of one series, the sum of a family's
 //! series, a label of a series. What the one-shot tools need from a daemon they reach
-//! over HTTP (`kproxy explain --server`, `kproxy status`); the traffic counters' own
-//! families are read by `crate::traffic::samples_from_metrics`.
+//! over HTTP (`kproxy explain --server`, `kproxy status`, and the traffic counters'
+//! families in `crate::traffic::samples_from_metrics`).
 
 /// One sample line: its metric name, its labels (between the braces, as written; empty
 /// without), its value. Comments, blank lines and values that are not numbers are

@@ -267,36 +267,30 @@ pub fn samples(counters: &[KernelCounter]) -> Vec<Sample> {
 /// A daemon's `/metrics` text as samples: the `kproxy_service_*_total` series with
 /// their `_created` (what [`render`] writes).
 pub fn samples_from_metrics(text: &str) -> Vec<Sample> {
-    // Each `_created` by the name of its `_total` series.
-    let mut created: BTreeMap<String, u64> = BTreeMap::new();
-    for l in text.lines() {
-        if let Some((series, v)) = l.split_once(' ')
-            && series.starts_with("kproxy_service_")
-            && series.contains("_created{")
-            && let Ok(v) = v.trim().parse::<f64>()
+    use crate::exposition::{label, samples};
+    // Each `_created` by the family and labels of its `_total` series.
+    let mut created: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+    for (name, labels, v) in samples(text) {
+        if let Some(family) = name
+            .strip_prefix("kproxy_service_")
+            .and_then(|f| f.strip_suffix("_created"))
         {
-            created.insert(series.replacen("_created{", "_total{", 1), v as u64);
+            created.insert((family, labels), v as u64);
         }
     }
     let mut out = Vec::new();
-    for l in text.lines() {
-        let Some((series, v)) = l.split_once(' ') else {
+    for (name, labels, v) in samples(text) {
+        let Some(family) = name
+            .strip_prefix("kproxy_service_")
+            .and_then(|f| f.strip_suffix("_total"))
+        else {
             continue;
         };
-        let Some(rest) = series.strip_prefix("kproxy_service_") else {
+        // A packet count: a whole number, never negative.
+        if v < 0.0 || v.fract() != 0.0 {
             continue;
-        };
-        let Some((family, labels)) = rest.split_once("_total{") else {
-            continue;
-        };
-        let Ok(packets) = v.trim().parse::<u64>() else {
-            continue;
-        };
-        let label = |name: &str| {
-            let at = labels.find(&format!("{name}=\""))? + name.len() + 2;
-            let end = labels[at..].find('"')?;
-            Some(labels[at..at + end].to_string())
-        };
+        }
+        let label = |key: &str| label(labels, key).map(str::to_string);
         let kind = match (family, label("endpoint")) {
             ("new_connections", None) => CounterKind::New,
             ("new_connections", Some(ep)) => {
@@ -327,8 +321,8 @@ pub fn samples_from_metrics(text: &str) -> Vec<Sample> {
                 protocol,
             },
             kind,
-            packets,
-            since: created.get(series).copied(),
+            packets: v as u64,
+            since: created.get(&(family, labels)).copied(),
         });
     }
     out
