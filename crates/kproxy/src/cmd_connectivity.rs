@@ -371,7 +371,7 @@ async fn test(
     let mut clients = Vec::new();
     for (i, (node, _)) in nodes.iter().enumerate() {
         for source in Source::ALL {
-            let probes = checks::probes(&setup, i, source);
+            let probes = checks::probes(&setup, i);
             let text = script::render(&probes, args.probe_timeout);
             let name = client_name(source, i);
             let pod = objects::client(

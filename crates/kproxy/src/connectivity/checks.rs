@@ -273,11 +273,11 @@ pub fn skips(setup: &Setup) -> Vec<(Check, String)> {
     out
 }
 
-/// The probes the client of `source` on node `node` (index into `setup.nodes`) runs,
-/// in order: the checks that expect an answer first (their retries also wait for the
-/// node's proxy to program the new Services), then those expecting a drop or a reject.
-pub fn probes(setup: &Setup, node: usize, source: Source) -> Vec<Probe> {
-    let _ = source; // the same probes from both views (see `expectation`)
+/// The probes both clients on node `node` (index into `setup.nodes`) run, the node's
+/// and the pod's (the same from both views, see [`expectation`]), in order: the checks
+/// that expect an answer first (their retries also wait for the node's proxy to program
+/// the new Services), then those expecting a drop or a reject.
+pub fn probes(setup: &Setup, node: usize) -> Vec<Probe> {
     let servers = Servers {
         local: &setup.nodes[setup.local].server,
         terminating: setup.terminating.as_ref().map_or("", |t| t.server.as_str()),
@@ -472,57 +472,55 @@ pub(crate) mod tests {
     fn probes_per_node() {
         let s = setup(3, 1);
         for node in 0..3 {
-            for source in Source::ALL {
-                let p = probes(&s, node, source);
-                let of = |c: Check| p.iter().filter(|x| x.check == c).collect::<Vec<_>>();
-                let targets: Vec<_> = of(Check::NodePort)
+            let p = probes(&s, node);
+            let of = |c: Check| p.iter().filter(|x| x.check == c).collect::<Vec<_>>();
+            let targets: Vec<_> = of(Check::NodePort)
+                .iter()
+                .map(|x| x.target.clone().unwrap())
+                .collect();
+            assert_eq!(targets, ["node-0", "node-1", "node-2"]);
+            let hc = of(Check::EtpLocalHc);
+            assert_eq!(hc.len(), 1);
+            assert_eq!(hc[0].target.as_deref(), Some(s.nodes[node].name.as_str()));
+            assert_eq!(
+                hc[0].action,
+                Action::Healthz {
+                    ip: s.nodes[node].address,
+                    port: 30999
+                }
+            );
+            let want = if node == 1 { 200 } else { 503 };
+            assert_eq!(hc[0].expect, Expect::Status(want));
+            let itp = of(Check::InternalLocal);
+            let want = if node == 1 {
+                Expect::AnswerFrom("server-1".into())
+            } else {
+                Expect::Timeout
+            };
+            assert_eq!(itp[0].expect, want);
+            assert_eq!(of(Check::LoadBalancer).len(), 1);
+            let term = of(Check::Terminating);
+            assert_eq!(term[0].expect, Expect::AnswerFrom("terminating-0".into()));
+            let term_hc = of(Check::TerminatingHc);
+            assert_eq!(
+                term_hc[0].action,
+                Action::Healthz {
+                    ip: s.nodes[node].address,
+                    port: 30998
+                }
+            );
+            assert_eq!(term_hc[0].expect, Expect::Status(503));
+            assert!(of(Check::ExternalIp).is_empty());
+            let first_drop = p
+                .iter()
+                .position(|x| matches!(x.expect, Expect::Timeout | Expect::Refused))
+                .unwrap();
+            assert!(
+                p[first_drop..]
                     .iter()
-                    .map(|x| x.target.clone().unwrap())
-                    .collect();
-                assert_eq!(targets, ["node-0", "node-1", "node-2"]);
-                let hc = of(Check::EtpLocalHc);
-                assert_eq!(hc.len(), 1);
-                assert_eq!(hc[0].target.as_deref(), Some(s.nodes[node].name.as_str()));
-                assert_eq!(
-                    hc[0].action,
-                    Action::Healthz {
-                        ip: s.nodes[node].address,
-                        port: 30999
-                    }
-                );
-                let want = if node == 1 { 200 } else { 503 };
-                assert_eq!(hc[0].expect, Expect::Status(want));
-                let itp = of(Check::InternalLocal);
-                let want = if node == 1 {
-                    Expect::AnswerFrom("server-1".into())
-                } else {
-                    Expect::Timeout
-                };
-                assert_eq!(itp[0].expect, want);
-                assert_eq!(of(Check::LoadBalancer).len(), 1);
-                let term = of(Check::Terminating);
-                assert_eq!(term[0].expect, Expect::AnswerFrom("terminating-0".into()));
-                let term_hc = of(Check::TerminatingHc);
-                assert_eq!(
-                    term_hc[0].action,
-                    Action::Healthz {
-                        ip: s.nodes[node].address,
-                        port: 30998
-                    }
-                );
-                assert_eq!(term_hc[0].expect, Expect::Status(503));
-                assert!(of(Check::ExternalIp).is_empty());
-                let first_drop = p
-                    .iter()
-                    .position(|x| matches!(x.expect, Expect::Timeout | Expect::Refused))
-                    .unwrap();
-                assert!(
-                    p[first_drop..]
-                        .iter()
-                        .all(|x| matches!(x.expect, Expect::Timeout | Expect::Refused)),
-                    "{p:?}"
-                );
-            }
+                    .all(|x| matches!(x.expect, Expect::Timeout | Expect::Refused)),
+                "{p:?}"
+            );
         }
     }
 
@@ -542,23 +540,15 @@ pub(crate) mod tests {
             ]
         );
         assert!(
-            probes(&s, 0, Source::Pod)
+            probes(&s, 0)
                 .iter()
                 .all(|p| !matches!(p.check, Check::Terminating | Check::TerminatingHc))
         );
-        assert!(
-            probes(&s, 0, Source::Pod)
-                .iter()
-                .all(|p| p.check != Check::LoadBalancer)
-        );
+        assert!(probes(&s, 0).iter().all(|p| p.check != Check::LoadBalancer));
         s.external_ip = Some("198.51.100.7".parse().unwrap());
         s.load_balancer = Ok("172.31.229.10".parse().unwrap());
         s.terminating = setup(2, 0).terminating;
         assert!(skips(&s).is_empty());
-        assert!(
-            probes(&s, 0, Source::Node)
-                .iter()
-                .any(|p| p.check == Check::ExternalIp)
-        );
+        assert!(probes(&s, 0).iter().any(|p| p.check == Check::ExternalIp));
     }
 }

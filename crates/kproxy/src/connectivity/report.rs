@@ -318,7 +318,7 @@ mod tests {
         let mut cells_all = Vec::new();
         for (i, node) in s.nodes.iter().enumerate() {
             for source in Source::ALL {
-                let p = probes(&s, i, source);
+                let p = probes(&s, i);
                 let seen = p
                     .iter()
                     .map(|p| match (&p.expect, p.check) {
@@ -375,7 +375,7 @@ connectivity-test: 2 nodes, 44 checks: 35 ok, 1 failed, 8 skipped; namespace kpr
     #[test]
     fn a_failing_probe_names_its_target() {
         let s = setup(2, 0);
-        let p: Vec<Probe> = probes(&s, 0, Source::Node)
+        let p: Vec<Probe> = probes(&s, 0)
             .into_iter()
             .filter(|p| p.check == Check::NodePort)
             .collect();

@@ -175,7 +175,7 @@ pub fn parse(log: &str, count: usize) -> (Vec<Option<Observed>>, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::connectivity::checks::{Source, probes, tests::setup};
+    use crate::connectivity::checks::{probes, tests::setup};
 
     #[test]
     fn results_are_read_back() {
@@ -206,7 +206,7 @@ mod tests {
     #[test]
     fn the_script_runs_every_probe() {
         let s = setup(2, 0);
-        let p = probes(&s, 1, Source::Pod);
+        let p = probes(&s, 1);
         let script = render(&p, Duration::from_millis(2500));
         assert!(script.starts_with("T=2\nA=4\n"), "{script}");
         let lines: Vec<&str> = script.lines().filter(|l| l.starts_with("p ")).collect();
