@@ -655,7 +655,13 @@ pub fn render(inferred: &Inferred, cluster: &str) -> String {
         );
     }
     h.extend(inferred.notes.iter().map(|n| format!("Note: {n}")));
-    let mut out: String = h.iter().map(|l| format!("# {l}\n")).collect();
+    // A header line may carry the ConfigMap's own words (a key, the parser's error
+    // about a value): one comment line each whatever they hold, so nothing they say
+    // becomes YAML.
+    let mut out: String = h
+        .iter()
+        .map(|l| format!("# {}\n", l.replace(|c: char| c.is_control(), " ")))
+        .collect();
     let config_map = replace_values(
         &set_fields(DEPLOY[1].1, &inferred.cluster_cidr.value, &inferred.carried),
         "server",

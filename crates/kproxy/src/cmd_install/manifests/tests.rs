@@ -418,3 +418,35 @@ fn fields_are_set_in_place_in_their_section_or_added() {
     let tail = |t: &str| t[t.find("  kubeconfig.conf: |").unwrap()..].to_string();
     assert_eq!(tail(&text), tail(DEPLOY[1].1));
 }
+
+/// The ConfigMap's own words reach the header (a dropped key, the parser's reason):
+/// however they are written, each stays inside one comment line and adds no YAML.
+#[test]
+fn the_configmaps_words_stay_in_their_comment_lines() {
+    let config = format!("{KUBEADM_CONFIG}\"evil\\nkind: Secret\": 1\n");
+    let found = Found {
+        kube_proxy: Some(kubeadm_map(&config)),
+        ..Found::default()
+    };
+    let inferred = infer(&found, &Overrides::default()).expect("inferred");
+    assert!(
+        inferred.dropped.iter().any(|(p, _)| p.contains('\n')),
+        "the case needs a dropped key with a line break: {:?}",
+        inferred.dropped
+    );
+    let out = render(&inferred, "test");
+    let header: Vec<&str> = out.lines().take_while(|l| l.starts_with('#')).collect();
+    let first_yaml = out.lines().nth(header.len()).unwrap_or("");
+    assert!(
+        first_yaml.starts_with("apiVersion:") || first_yaml.starts_with("# "),
+        "the header ends in YAML of deploy/'s, not the ConfigMap's: {first_yaml:?}"
+    );
+    assert!(
+        !out.lines().any(|l| l.trim_start() == "kind: Secret"),
+        "{out}"
+    );
+    assert!(
+        header.iter().any(|l| l.contains("evil kind: Secret")),
+        "{header:?}"
+    );
+}
