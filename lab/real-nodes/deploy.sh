@@ -21,6 +21,12 @@ check_only=
 : "${K8S_LAB:?set K8S_LAB}" "${API_PORT:?set API_PORT}"
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 STATE=$K8S_LAB/nodes CLUSTER_CIDR=10.226.0.0/16
+# Dual-stack nodes (nodes.sh, FAMILIES=dual|dual-ipv6): the pods' IPv6 range too, in the
+# nodes' order of families, as a user lists both.
+case $(cat "$STATE/families" 2>/dev/null) in
+  dual) CLUSTER_CIDR+=,fd00:10:226::/48 ;;
+  dual-ipv6) CLUSTER_CIDR=fd00:10:226::/48,$CLUSTER_CIDR ;;
+esac
 export KUBECONFIG=$K8S_LAB/kubeconfig
 log() { echo "[deploy $(date -u +%H:%M:%S)] $*" >&2; }
 now() { date +%s.%N; }
@@ -68,6 +74,8 @@ kind: Service
 metadata: {name: kpn-probe, namespace: default}
 spec:
   type: NodePort
+  # Both families on dual-stack nodes (one on single-stack ones): each is checked.
+  ipFamilyPolicy: PreferDualStack
   selector: {app: kpn-probe}
   ports: [{port: 80, targetPort: 8080}]
 YAML
@@ -75,17 +83,25 @@ if ! kubectl get svc kpn-probe >/dev/null 2>&1; then
   kubectl apply -f "$STATE/probe.yaml" >/dev/null
   kubectl rollout status ds/kpn-probe --timeout=180s >/dev/null
 fi
-cip=$(kubectl get svc kpn-probe -o jsonpath='{.spec.clusterIP}')
+family() { if [[ $1 == *:* ]]; then echo 6; else echo 4; fi; }
+cips=$(kubectl get svc kpn-probe -o jsonpath='{.spec.clusterIPs[*]}')
+cip_families=$(for c in $cips; do family "$c"; done | tr '\n' ' ')
 np=$(kubectl get svc kpn-probe -o jsonpath='{.spec.ports[0].nodePort}')
 
 t0=$(now)
 [ -n "$check_only" ] || kubectl apply -f "$STATE/deploy.yaml" >/dev/null
 [ -n "$check_only" ] || log "applied deploy/ (rbac, configmap with server 127.0.0.1:$API_PORT and clusterCIDR $CLUSTER_CIDR, daemonset)"
-works() { # NODE: the probe answers through its cluster IP and through every node's NodePort
+url() { if [[ $1 == *:* ]]; then echo "http://[$1]:$2/hostname"; else echo "http://$1:$2/hostname"; fi; }
+works() { # NODE: the probe answers through its cluster IPs and through every node's NodePort
   local n=$1 ip
-  ip netns exec "kpn-$n" curl -sf --max-time 1 "http://$cip/hostname" >/dev/null || return 1
+  for ip in $cips; do
+    ip netns exec "kpn-$n" curl -sf --max-time 1 "$(url "$ip" 80)" >/dev/null || return 1
+  done
+  # A node address of a family the Service has (a single-stack Service has no NodePort on
+  # the node's other family, with either proxy).
   for ip in $(kubectl get nodes -o jsonpath='{.items[*].status.addresses[?(@.type=="InternalIP")].address}'); do
-    ip netns exec "kpn-$n" curl -sf --max-time 1 "http://$ip:$np/hostname" >/dev/null || return 1
+    [[ " $cip_families " == *" $(family "$ip") "* ]] || continue
+    ip netns exec "kpn-$n" curl -sf --max-time 1 "$(url "$ip" "$np")" >/dev/null || return 1
   done
 }
 declare -A done_at=()

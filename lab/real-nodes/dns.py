@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A stand-in for cluster DNS on the real nodes: answers A queries for
+"""A stand-in for cluster DNS on the real nodes: answers A and AAAA queries for
 <service>.<namespace>.svc.cluster.local (the cluster IP; a headless Service's ready
 endpoint addresses; an ExternalName Service's CNAME, followed when the target is a
 Service) and <a-b-c-d>.<namespace>.pod.cluster.local, from the API server, polled every
@@ -14,7 +14,8 @@ names they resolve do.
   dns.py --listen 192.168.226.1 --kubeconfig $K8S_LAB/kubeconfig
 
 Python's standard library only (the query format is RFC 1035's; the answers need nothing
-more than A records).
+more than A, AAAA and CNAME records). A dual-stack Service has both: A for its IPv4
+cluster IP, AAAA for its IPv6 one (dual-stack nodes, nodes.sh FAMILIES=dual|dual-ipv6).
 """
 
 import argparse
@@ -61,7 +62,7 @@ class Records:
             if spec.get("type") == "ExternalName" and spec.get("externalName"):
                 cnames[name] = spec["externalName"].rstrip(".").lower()
                 continue
-            ips = [ip for ip in spec.get("clusterIPs", []) if ip != "None" and ":" not in ip]
+            ips = [ip for ip in spec.get("clusterIPs", []) if ip != "None"]
             if ips:
                 names[name] = ips
             elif spec.get("clusterIP") == "None":
@@ -70,7 +71,7 @@ class Records:
             m = sl["metadata"]
             svc = m.get("labels", {}).get("kubernetes.io/service-name")
             key = (m["namespace"], svc)
-            if key not in headless or sl.get("addressType") != "IPv4":
+            if key not in headless or sl.get("addressType") not in ("IPv4", "IPv6"):
                 continue
             for ep in sl.get("endpoints") or []:
                 if ep.get("conditions", {}).get("ready", True):
@@ -88,6 +89,19 @@ class Records:
                 target = self.cnames[qname]
                 return ("cname", target, self.names.get(target, []))
             return self.names.get(qname)
+
+
+def address_records(owner, qtype, ips):
+    """The A (qtype 1) or AAAA (28) records of IPS for the question's type (ANY: both)."""
+    out, n = b"", 0
+    for ip in ips:
+        family, rtype = (socket.AF_INET6, 28) if ":" in ip else (socket.AF_INET, 1)
+        if qtype not in (rtype, 255):
+            continue
+        rdata = socket.inet_pton(family, ip)
+        out += owner + struct.pack("!HHLH", rtype, 1, 5, len(rdata)) + rdata
+        n += 1
+    return out, n
 
 
 def answer(query, records):
@@ -114,17 +128,11 @@ def answer(query, records):
         _, target, ips = ips
         rdata = b"".join(bytes([len(x)]) + x.encode() for x in target.split(".")) + b"\0"
         answers += struct.pack("!HHHLH", 0xC00C, 5, 1, 5, len(rdata)) + rdata
-        if qtype in (1, 255):
-            for ip in ips:
-                # Owner name written out (no compression pointer to the CNAME target).
-                answers += rdata + struct.pack("!HHLH", 1, 1, 5, 4) + socket.inet_aton(ip)
-        count = 1 + (len(ips) if qtype in (1, 255) else 0)
-        return struct.pack("!HHHHHH", qid, 0x8180, 1, count, 0, 0) + question + answers
-    if qtype in (1, 255):  # A, ANY
-        for ip in ips:
-            answers += struct.pack("!HHHLH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(ip)
-    count = len(ips) if answers else 0
-    return struct.pack("!HHHHHH", qid, 0x8180, 1, count, 0, 0) + question + answers
+        # Owner name written out (no compression pointer to the CNAME target).
+        records_, n = address_records(rdata, qtype, ips)
+        return struct.pack("!HHHHHH", qid, 0x8180, 1, 1 + n, 0, 0) + question + answers + records_
+    answers, n = address_records(struct.pack("!H", 0xC00C), qtype, ips)
+    return struct.pack("!HHHHHH", qid, 0x8180, 1, n, 0, 0) + question + answers
 
 
 def main():

@@ -11,12 +11,17 @@
 #   nodes.sh node-start I    node I's machine back: port up, containerd, kubelet (and
 #                            kube-proxy in that mode) started again; waits until Ready
 #   nodes.sh down            stop and clean everything `up` started (also after a failed `up`)
+#   FAMILIES=dual nodes.sh up [N]   IPv4 and IPv6 nodes, pods and routes (the API server and
+#                            controller-manager with both service CIDRs first:
+#                            control-plane.sh dual); `up` remembers it for every later command
+#   FAMILIES=dual-ipv6 …     the same with IPv6 first: the nodes' primary address, the pods'
+#                            first IP (control-plane.sh dual-ipv6: the Services' too)
 #
 # Each node is its own network namespace (kpn-nI, and a UTS namespace: hostname kpn-nI) holding a containerd (+ runc through a
 # wrapper, see runc-wrapper) and a kubelet, pods on a CNI bridge (cni0) with the node's pod
-# CIDR 10.226.I.0/24. The nodes hang off a bridge in a switch namespace (kpn-sw) on
+# CIDR 10.226.I.0/24 (dual: and fd00:10:226:I::/64). The nodes hang off a bridge in a switch namespace (kpn-sw) on
 # 192.168.226.0/24 (node I at .1I); a veth from the switch to this machine (kpn-host,
-# 192.168.226.1) lets the API server reach the kubelets (exec, logs) and the e2e runner
+# 192.168.226.1; dual: also fd00:192:168:226::1I and ::1) lets the API server reach the kubelets (exec, logs) and the e2e runner
 # reach node IPs. Every node namespace routes the other nodes' pod CIDRs through their node
 # IPs. The API server listens on this machine's 127.0.0.1 only: a socat bridge forwards
 # each node's 127.0.0.1:$API_PORT to it through a unix socket, so kubelets, kube-proxy and a
@@ -38,6 +43,10 @@ NET=192.168.226 HOST_IP=192.168.226.1 CLUSTER_CIDR=10.226.0.0/16
 # The client side of the cloud is outside the nodes' /16: the ESIPP spec takes a client
 # address inside it for a rewritten one ("Source IP was NOT preserved").
 CLOUD_NET=172.31.228 LB_SW_IP=192.168.226.2 LB_POOL=172.31.229.0/24
+# Dual stack (FAMILIES=dual|dual-ipv6 at `up`, kept in $STATE/families): the same plan in IPv6. The
+# cloud's load balancers stay IPv4 (cloud.py assigns from an IPv4 pool only).
+NET6=fd00:192:168:226 HOST_IP6=fd00:192:168:226::1 CLUSTER_CIDR6=fd00:10:226::/48
+if [ -f "$STATE/families" ]; then FAMILIES=$(cat "$STATE/families"); else FAMILIES=${FAMILIES:-ipv4}; fi
 HOSTS_TAG="# kproxy lab/real-nodes $K8S_LAB"
 export KUBECONFIG=$KUBECONFIG_ADMIN
 
@@ -46,6 +55,21 @@ die() { log "error: $*"; exit 1; }
 k() { kubectl --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 node_ip() { echo "$NET.1$1"; }
 pod_cidr() { echo "10.226.$1.0/24"; }
+dual() { [ "$FAMILIES" = dual ] || [ "$FAMILIES" = dual-ipv6 ]; }
+node_ip6() { echo "$NET6::1$1"; }
+pod_cidr6() { echo "fd00:10:226:$1::/64"; }
+in_order() { # IPV4 IPV6: the node's families in their order, comma-separated
+  case $FAMILIES in dual) echo "$1,$2" ;; dual-ipv6) echo "$2,$1" ;; *) echo "$1" ;; esac
+}
+node_ips() { in_order "$(node_ip "$1")" "$(node_ip6 "$1")"; }
+cluster_cidrs() { in_order "$CLUSTER_CIDR" "$CLUSTER_CIDR6"; }
+# The Node's podCIDRs as kube-controller-manager's node IPAM would set them (it does not
+# run here: the CIDRs are this script's plan). Set once: the API refuses a change.
+patch_pod_cidrs() { # I
+  local cidrs
+  cidrs=$(in_order "\"$(pod_cidr "$1")\"" "\"$(pod_cidr6 "$1")\"")
+  k patch node "kpn-n$1" --type merge -p "{\"spec\":{\"podCIDR\":${cidrs%%,*},\"podCIDRs\":[$cidrs]}}" >/dev/null 2>&1 || true
+}
 nodes_started() { local d; for d in "$STATE"/n[1-9]*/; do [ -d "$d" ] && basename "$d" | tr -d n; done; }
 
 # --- cgroups: one per node for the processes started here, the kubelet's root for pods ---
@@ -131,6 +155,7 @@ net_up() {
   ip link add kpn-host type veth peer name host netns kpn-sw
   ip -n kpn-sw link set host master br0 up
   ip addr add "$HOST_IP/24" dev kpn-host
+  if dual; then ip addr add "$HOST_IP6/64" dev kpn-host nodad; fi
   ip link set kpn-host up
   for i in $(seq 1 "$nodes"); do
     ip netns add "kpn-n$i"
@@ -148,13 +173,22 @@ net_up() {
     ip netns exec "kpn-n$i" sysctl -qw net.ipv4.ip_forward=1 net.bridge.bridge-nf-call-iptables=1 \
       net.bridge.bridge-nf-call-ip6tables=1
     ip route add "$(pod_cidr "$i")" via "$(node_ip "$i")"
+    if dual; then
+      # nodad: an address is usable at once, not after duplicate detection's second.
+      ip -n "kpn-n$i" addr add "$(node_ip6 "$i")/64" dev eth0 nodad
+      ip -n "kpn-n$i" route add default via "$HOST_IP6"
+      ip netns exec "kpn-n$i" sysctl -qw net.ipv6.conf.all.forwarding=1
+      ip route add "$(pod_cidr6 "$i")" via "$(node_ip6 "$i")"
+    fi
     # The API server reaches a kubelet (logs, exec) by the node's Hostname address first
     # (--kubelet-preferred-address-types' default), and k8s-lab's flags are not ours.
     echo "$(node_ip "$i") kpn-n$i $HOSTS_TAG" >>/etc/hosts
   done
   for i in $(seq 1 "$nodes"); do
     for j in $(seq 1 "$nodes"); do
-      [ "$i" = "$j" ] || ip -n "kpn-n$i" route add "$(pod_cidr "$j")" via "$(node_ip "$j")"
+      [ "$i" = "$j" ] && continue
+      ip -n "kpn-n$i" route add "$(pod_cidr "$j")" via "$(node_ip "$j")"
+      if dual; then ip -n "kpn-n$i" route add "$(pod_cidr6 "$j")" via "$(node_ip6 "$j")"; fi
     done
   done
 }
@@ -225,11 +259,14 @@ state = "$d/containerd/state"
     bin_dir = "/usr/lib/cni"
     conf_dir = "$d/cni"
 EOF
+  local ranges routes
+  ranges=$(in_order "[{\"subnet\": \"$(pod_cidr "$i")\"}]" "[{\"subnet\": \"$(pod_cidr6 "$i")\"}]")
+  routes=$(in_order '{"dst": "0.0.0.0/0"}' '{"dst": "::/0"}')
   cat >"$d/cni/10-kpn.conflist" <<EOF
 {"cniVersion": "0.4.0", "name": "kpn", "plugins": [
   {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$(pod_cidr "$i")"}]],
-            "routes": [{"dst": "0.0.0.0/0"}], "dataDir": "$d/cni-ipam"}},
+   "ipam": {"type": "host-local", "ranges": [$ranges],
+            "routes": [$routes], "dataDir": "$d/cni-ipam"}},
   {"type": "portmap", "capabilities": {"portMappings": true}}
 ]}
 EOF
@@ -283,7 +320,7 @@ node_up() { # I
   done
   launch "$i" kubelet "$BIN/kubelet" --config "$d/kubelet.yaml" --kubeconfig "$d/kubeconfig" \
     --root-dir "$d/kubelet" --cert-dir "$d/kubelet/pki" --hostname-override "kpn-n$i" \
-    --node-ip "$(node_ip "$i")" --v=1
+    --node-ip "$(node_ips "$i")" --v=1
 }
 
 # A machine that powers off: nothing of the node runs and nothing answers at its address
@@ -307,7 +344,7 @@ node_start() { # I
   ip -n kpn-sw link set "n$i" up
   node_up "$i"
   wait_for 120 "node kpn-n$i Ready" sh -c "kubectl get node kpn-n$i -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
-  k patch node "kpn-n$i" --type merge -p "{\"spec\":{\"podCIDR\":\"$(pod_cidr "$i")\",\"podCIDRs\":[\"$(pod_cidr "$i")\"]}}" >/dev/null 2>&1 || true
+  patch_pod_cidrs "$i"
   if [ "$(proxy_mode)" = kube-proxy ]; then
     kube_proxy_up "$i"
     wait_for 60 "kube-proxy healthz on n$i" ip netns exec "kpn-n$i" curl -sf "http://$(node_ip "$i"):10256/healthz"
@@ -317,7 +354,7 @@ node_start() { # I
 
 kube_proxy_up() { # I
   launch "$1" kube-proxy "$K8S_LAB/bin/kube-proxy" --kubeconfig "$K8S_LAB/kubeconfig-proxy" \
-    --proxy-mode=nftables --hostname-override="kpn-n$1" --cluster-cidr="$CLUSTER_CIDR" \
+    --proxy-mode=nftables --hostname-override="kpn-n$1" --cluster-cidr="$(cluster_cidrs)" \
     --nodeport-addresses=primary --healthz-bind-address=0.0.0.0:10256 \
     --metrics-bind-address=127.0.0.1:10249 --conntrack-max-per-core=0 --v=1
 }
@@ -361,6 +398,13 @@ up() {
   local nodes=${1:-2} i
   [ -d "$STATE" ] && die "$STATE exists: run '$0 down' first"
   k get --raw /readyz >/dev/null 2>&1 || die "no API server at $KUBECONFIG_ADMIN (start.sh start; start.sh kcm)"
+  case $FAMILIES in ipv4|dual|dual-ipv6) ;; *) die "FAMILIES: ipv4, dual or dual-ipv6, not '$FAMILIES'" ;; esac
+  # The API server must allocate what the nodes carry, in the same order of families.
+  local cidrs want
+  cidrs=$(k get servicecidrs kubernetes -o jsonpath='{.spec.cidrs}' 2>/dev/null || true)
+  want=$(in_order ipv4 ipv6)
+  [ "$(python3 -c 'import json,sys; print(",".join("ipv6" if ":" in c else "ipv4" for c in json.loads(sys.argv[1] or "[]")))' "$cidrs")" = "$want" ] ||
+    die "FAMILIES=$FAMILIES wants service CIDRs of $want, the API server has '$cidrs' (control-plane.sh single, dual or dual-ipv6 to match)"
   local tool
   for tool in containerd ctr runc socat nft curl /usr/lib/cni/bridge /usr/lib/cni/host-local /usr/lib/cni/portmap; do
     command -v "$tool" >/dev/null || die "missing $tool (apt-get install containerd runc containernetworking-plugins socat nftables curl)"
@@ -368,6 +412,7 @@ up() {
   ONLY="kubelet kube-scheduler agnhost pause regression-issue-74839" "$HERE/build.sh"  # e2e.test: e2e.sh builds it
   [ -f "$IMAGES/agnhost.tar" ] && [ -f "$IMAGES/kproxy.tar" ] && [ -z "${REBUILD_IMAGES:-}" ] || "$HERE/images.sh"
   mkdir -p "$STATE/n0" "$LOGS"
+  echo "$FAMILIES" >"$STATE/families"
   # Any failure from here on (die, a failing command) leaves nothing behind.
   trap 'rc=$?; if [ $rc != 0 ]; then log "up failed (exit $rc): cleaning"; down; fi' EXIT
   cg_make kpn-n0-host
@@ -381,7 +426,7 @@ up() {
     --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" --leader-elect=false --v=1
   for i in $(seq 1 "$nodes"); do
     wait_for 120 "node kpn-n$i Ready" sh -c "kubectl get node kpn-n$i -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
-    k patch node "kpn-n$i" --type merge -p "{\"spec\":{\"podCIDR\":\"$(pod_cidr "$i")\",\"podCIDRs\":[\"$(pod_cidr "$i")\"]}}" >/dev/null || true
+    patch_pod_cidrs "$i"
   done
   proxy_up "${PROXY:-none}"
   trap - EXIT
@@ -445,7 +490,7 @@ down() {
 status() {
   k get nodes -o wide || true
   k -n kube-system get pods -o wide || true
-  echo "proxy: $(proxy_mode)"
+  echo "proxy: $(proxy_mode); families: $FAMILIES"
   local f
   for f in "$STATE"/n*/*.pid; do [ -f "$f" ] && printf '%s %s %s\n' "${f#"$STATE"/}" "$(cat "$f")" "$(kill -0 "$(cat "$f")" 2>/dev/null && echo running || echo GONE)"; done
 }
@@ -457,5 +502,5 @@ case ${1:-} in
   status) status ;;
   node-stop) shift; node_stop "${1:?node number}" ;;
   node-start) shift; node_start "${1:?node number}" ;;
-  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,16p' "$0" >&2; exit 2 ;;
 esac
