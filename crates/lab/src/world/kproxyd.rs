@@ -38,12 +38,52 @@ pub const PRE_126_FLAGS: [&str; 8] = [
     "--endpoint-warmup=0s",
 ];
 
+/// How long `kproxy run --help` may take before the lab takes the flag as unknown: a
+/// binary that hangs (another build, a wrapper waiting on something) must not hang the
+/// lab's start with it.
+const HELP_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Whether `kproxy run --help` lists `flag` (a release older than this one may not).
 fn knows_flag(kproxy: &Path, flag: &str) -> bool {
-    Command::new(kproxy)
+    help_lists(kproxy, flag, HELP_TIMEOUT)
+}
+
+/// Whether `BINARY run --help` prints `flag` within `timeout`; a binary that does not
+/// exit by then is killed, and the flag counts as unknown.
+fn help_lists(binary: &Path, flag: &str, timeout: Duration) -> bool {
+    use std::io::Read;
+    let Ok(mut child) = Command::new(binary)
         .args(["run", "--help"])
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(flag))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+    else {
+        return false;
+    };
+    // Read while it runs: a help text larger than the pipe's buffer would block it.
+    let Some(mut stdout) = child.stdout.take() else {
+        return false;
+    };
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    let deadline = Instant::now() + timeout;
+    let exited = loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break true,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            _ => break false,
+        }
+    };
+    if !exited {
+        let _ = child.kill();
+        let _ = child.wait();
+        return false;
+    }
+    reader.join().is_ok_and(|text| text.contains(flag))
 }
 
 pub struct Kproxyd {
@@ -379,4 +419,42 @@ pub fn first_sync_since(event_log: &Path, since_unix_ms: f64) -> Option<f64> {
     sync_times(event_log)
         .into_iter()
         .find(|&t| t >= since_unix_ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// An executable shell script in a directory of its own.
+    fn script(dir: &tempfile::TempDir, body: &str) -> PathBuf {
+        let path = dir.path().join("kproxy");
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_help_that_never_ends_counts_as_not_knowing_the_flag() {
+        let dir = tempfile::tempdir().unwrap();
+        let hangs = script(&dir, "echo --traffic-metrics; exec sleep 600");
+        assert!(!help_lists(
+            &hangs,
+            "--traffic-metrics",
+            Duration::from_millis(300)
+        ));
+    }
+
+    #[test]
+    fn a_help_that_lists_the_flag_knows_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let knows = script(&dir, "echo '      --traffic-metrics <LEVEL>'");
+        assert!(help_lists(&knows, "--traffic-metrics", HELP_TIMEOUT));
+        assert!(!help_lists(&knows, "--endpoint-warmup", HELP_TIMEOUT));
+        assert!(!help_lists(
+            &dir.path().join("absent"),
+            "--traffic-metrics",
+            HELP_TIMEOUT
+        ));
+    }
 }
