@@ -238,9 +238,9 @@ fn send(
 fn receive(sock: &Socket, mut each: impl FnMut(&ConntrackMessage)) -> Result<i32, NftError> {
     let mut buf = vec![0u8; 1 << 16];
     loop {
-        let size = sock
-            .recv(&mut &mut buf[..], 0)
-            .map_err(|e| NftError::Conntrack(format!("receiving: {e}")))?;
+        let size = sock.recv(&mut &mut buf[..], 0).map_err(|e| {
+            NftError::Conntrack(format!("receiving: {}", crate::nfnl::answer_error(e)))
+        })?;
         let mut offset = 0;
         while offset < size {
             let msg = <NetlinkMessage<NetfilterMessage>>::deserialize(&buf[offset..size])

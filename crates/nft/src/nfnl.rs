@@ -18,11 +18,37 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 use crate::error::NftError;
 
 /// A netfilter netlink socket bound in the calling thread's network namespace, talking
-/// to the kernel: the writer's, each reading's, ctnetlink's.
+/// to the kernel: the writer's, each reading's, ctnetlink's. Its reads wait at most
+/// [`ANSWER_TIMEOUT`] for each message (the writer sets its own, shorter bound).
 pub(crate) fn open() -> std::io::Result<Socket> {
     let sock = bound()?;
     sock.connect(&SocketAddr::new(0, 0))?;
+    let secs = ANSWER_TIMEOUT.as_secs() as nix::sys::time::time_t;
+    nix::sys::socket::setsockopt(
+        &sock,
+        nix::sys::socket::sockopt::ReceiveTimeout,
+        &nix::sys::time::TimeVal::new(secs, 0),
+    )?;
     Ok(sock)
+}
+
+/// The longest a request socket waits for the kernel's next message. The kernel writes
+/// each answer, or the next ≈ 32 KiB round of a dump, while the reader waits in `recv`,
+/// so no healthy kernel comes near it; a reading that would otherwise hang a sync (or
+/// `kproxy top`, `explain`) for ever ends with an error that says so.
+pub(crate) const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `recv`'s error on a request socket, with the receive timeout's `EAGAIN` said as what
+/// it is.
+pub(crate) fn answer_error(e: std::io::Error) -> std::io::Error {
+    if e.kind() == std::io::ErrorKind::WouldBlock {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the kernel sent nothing for {} s", ANSWER_TIMEOUT.as_secs()),
+        )
+    } else {
+        e
+    }
 }
 
 /// A netfilter netlink socket bound in the calling thread's network namespace and not
@@ -313,4 +339,26 @@ pub(crate) fn since_comment(since: u64) -> String {
 /// The Unix seconds of a comment [`since_comment`] wrote.
 pub(crate) fn parse_since(comment: &str) -> Option<u64> {
     comment.strip_prefix("kproxy counts since ")?.parse().ok()
+}
+
+#[cfg(test)]
+mod answer_tests {
+    use super::*;
+
+    #[test]
+    fn a_request_socket_waits_for_the_kernel_at_most_the_answer_timeout() {
+        let sock = open().expect("a netfilter netlink socket");
+        let t = nix::sys::socket::getsockopt(&sock, nix::sys::socket::sockopt::ReceiveTimeout)
+            .expect("SO_RCVTIMEO");
+        assert_eq!(t.tv_sec() as u64, ANSWER_TIMEOUT.as_secs());
+    }
+
+    #[test]
+    fn the_receive_timeout_is_said_as_a_timeout_and_other_errors_pass() {
+        let e = answer_error(std::io::Error::from(std::io::ErrorKind::WouldBlock));
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        assert!(e.to_string().contains("30 s"), "{e}");
+        let e = answer_error(std::io::Error::from_raw_os_error(libc::ENOBUFS));
+        assert_eq!(e.raw_os_error(), Some(libc::ENOBUFS));
+    }
 }

@@ -424,7 +424,7 @@ impl Reader {
                 .recv(&mut &mut self.buf[..], 0)
                 .map_err(|e| NftError::Io {
                     context: format!("reading the kernel's answer about {what}"),
-                    source: e,
+                    source: crate::nfnl::answer_error(e),
                 })?;
             for m in messages(&self.buf[..n], what)? {
                 let Message {

@@ -190,7 +190,7 @@ fn by_name(
                 .recv(&mut &mut r.buf[..], 0)
                 .map_err(|e| NftError::Io {
                     context: format!("reading the kernel's answers about {}", what()),
-                    source: e,
+                    source: crate::nfnl::answer_error(e),
                 })?;
             for m in messages(&r.buf[..n], &what())? {
                 if m.seq.wrapping_sub(first) >= batch.len() as u32 {
