@@ -2,8 +2,9 @@
 //! API with N Services × E endpoints, then starts kproxy in a throwaway network
 //! namespace (the API bridged in through a unix socket) and reports the time from
 //! process start to the first sync and to the first connection through a cluster IP,
-//! the RSS after the first sync and settled, the peak RSS (VmHWM), and the CPU seconds
-//! of kproxy and of the API server (its pid file beside the kubeconfig) until that sync.
+//! the RSS after the first sync and settled, the peak RSS (VmHWM), the kernel's slab
+//! growth (`SUnreclaim`, per endpoint) and the CPU seconds of kproxy and of the API
+//! server (its pid file beside the kubeconfig) until that sync.
 //!
 //! Needs a running API server, e.g. a k8s-lab instance (docs/lab.md, "The real control
 //! plane", says how to start one; `start.sh` is its start script):
@@ -79,7 +80,8 @@
 mod support;
 
 use support::{
-    Netns, Proc, cpu_ticks, ip4, kproxy_binary, sh, slice_endpoints, status_kib, unix_us,
+    Netns, Proc, cpu_ticks, ip4, kproxy_binary, proc_kib, sh, slice_endpoints, status_kib,
+    unix_us,
 };
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -338,6 +340,10 @@ struct Run {
     rss_sync: u64,
     rss_settled: u64,
     hwm: u64,
+    /// The kernel's unreclaimable slab (`SUnreclaim`, the whole machine) 5 s after the
+    /// first sync less before the proxy started, in KiB: its tables' memory, give or
+    /// take what else the machine did meanwhile.
+    slab_kib: i64,
     timeline: String,
     /// The first `synced` event's line from the event log.
     sync_event: String,
@@ -398,6 +404,7 @@ fn measure(
             c
         }
     };
+    let slab0 = proc_kib("/proc/meminfo", "SUnreclaim:");
     let program = command.get_program().to_owned();
     let args: Vec<_> = command.get_args().map(|a| a.to_owned()).collect();
     let envs: Vec<_> = command
@@ -479,6 +486,7 @@ fn measure(
     std::thread::sleep(Duration::from_secs(5));
     let rss_settled = status_kib(pid, "VmRSS:");
     let hwm = status_kib(pid, "VmHWM:");
+    let slab_kib = proc_kib("/proc/meminfo", "SUnreclaim:") as i64 - slab0 as i64;
     (
         Run {
             first_sync,
@@ -488,6 +496,7 @@ fn measure(
             rss_sync,
             rss_settled,
             hwm,
+            slab_kib,
             timeline,
             sync_event,
         },
@@ -1327,12 +1336,14 @@ fn main() {
                 "kproxy"
             };
             println!(
-                "{who} {services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB",
+                "{who} {services}x{eps} run {run}: start → first sync {:.2} s, → first connection through a cluster IP {:.2} s | RSS after the first sync {:.1} MiB, settled (5 s) {:.1} MiB, peak (VmHWM) {:.1} MiB | kernel slab +{:.1} MiB ({:.0} bytes per endpoint)",
                 r.first_sync.as_secs_f64(),
                 r.first_connect.as_secs_f64(),
                 mib(r.rss_sync),
                 mib(r.rss_settled),
-                mib(r.hwm)
+                mib(r.hwm),
+                r.slab_kib as f64 / 1024.0,
+                r.slab_kib as f64 * 1024.0 / (services * eps).max(1) as f64
             );
             if upstream.is_none() {
                 println!("    {}", r.timeline);
