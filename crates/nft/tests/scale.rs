@@ -12,6 +12,7 @@
 mod common;
 
 use std::net::IpAddr;
+use std::time::Duration;
 
 use common::fabric::{Fabric, From, Outcome};
 use common::*;
@@ -22,6 +23,7 @@ use kproxy_core::synthetic::{self, Spec};
 use kproxy_nft::internals::Shards;
 use kproxy_nft::internals::dump::{self, RawTable};
 use kproxy_nft::{Dataplane, DataplaneConfig};
+use kproxy_test_support::nft_neighbour::Neighbour;
 
 fn cfg() -> DataplaneConfig {
     no_conntrack_cleanup()
@@ -204,6 +206,89 @@ fn another_programs_objects_are_read_by_the_dump_and_removed() {
     assert!(theirs.counters.contains_key("foreign"));
     assert!(adopted.object_read.by_name, "{:?}", adopted.object_read);
     assert_eq!(adopted.objects, ours.objects);
+}
+
+/// A restart beside another nftables user that commits to a table of its own all the
+/// while (a CNI plugin, a firewall) adopts kproxy's tables and sends nothing. The other
+/// program's transactions move the namespace's ruleset generation during every reading
+/// of kproxy's tables; a reading judged by the generation alone was read three times,
+/// refused, and the tables replaced in one transaction of every element, which holds
+/// the kernel's nftables lock, and every other writer, for its whole commit (9.3 s at
+/// 100k Services × 10 endpoints). The reading is judged by whether a transaction named
+/// kproxy's table (`monitor::ReadWatch`).
+#[test]
+fn a_restart_beside_a_busy_neighbour_adopts_and_sends_nothing() {
+    if !root() {
+        return;
+    }
+    let ns = Netns::new("busy");
+    let plan = kproxy_core::plan(
+        &synthetic::cluster(&plain(2_000, 10)),
+        "node-0",
+        &PlanConfig::default(),
+    );
+    let p = plan.clone();
+    ns.run(move || {
+        let r = Dataplane::new(cfg())
+            .expect("config")
+            .sync(&p, &PlanUpdate::WHOLE)
+            .expect("cold sync");
+        assert!(r.full && !r.adopted, "{r:?}");
+    });
+    let neighbour = Neighbour::start(&ns.name, "neighbour", Duration::ZERO);
+    let r = ns.run(move || {
+        Dataplane::new(cfg())
+            .expect("config")
+            .sync(&plan, &PlanUpdate::WHOLE)
+    });
+    let (_, adds) = neighbour.stop();
+    let r = r.expect("restart");
+    assert!(adds > 10, "the neighbour added {adds} rules");
+    assert!(
+        r.adopted && !r.full && r.netlink_bytes == 0,
+        "a restart beside a busy neighbour must adopt and send nothing: {r:?}"
+    );
+}
+
+/// A reading during which kproxy's own table keeps changing is never taken: another
+/// program adding rules to `ip kproxy` back to back makes every reading of it an
+/// error (after three tries; the caller then replaces the tables), while the `ip6`
+/// table, which nobody touches, reads as before under the same moving generation.
+#[test]
+fn a_reading_while_kproxys_table_changes_is_not_taken() {
+    if !root() {
+        return;
+    }
+    let ns = Netns::new("touched");
+    let plan = kproxy_core::plan(
+        &synthetic::cluster(&plain(2_000, 10)),
+        "node-0",
+        &PlanConfig::default(),
+    );
+    let v6 = ns.run(move || {
+        Dataplane::new(cfg())
+            .expect("config")
+            .sync(&plan, &PlanUpdate::WHOLE)
+            .expect("cold sync");
+        dump::read_table(kproxy_nft::Family::Ip6, "kproxy")
+            .expect("read")
+            .expect("the ip6 table exists")
+    });
+    // The neighbour's rules go to a chain of its own in kproxy's `ip` table.
+    let neighbour = Neighbour::start(&ns.name, "kproxy", Duration::ZERO);
+    let (v4_during, v6_during) = ns.run(|| {
+        (
+            dump::read_table(kproxy_nft::Family::Ip, "kproxy"),
+            dump::read_table(kproxy_nft::Family::Ip6, "kproxy"),
+        )
+    });
+    let (_, adds) = neighbour.stop();
+    assert!(adds > 10, "the neighbour added {adds} rules");
+    let err = v4_during.expect_err("a reading of a table changing under it was taken");
+    assert!(err.to_string().contains("kept changing"), "{err}");
+    let v6_during = v6_during.expect("read").expect("the ip6 table exists");
+    assert_eq!(v6_during.rule_count(), v6.rule_count());
+    assert_eq!(v6_during.element_count(), v6.element_count());
 }
 
 /// Real packets through a dispatch group split into two maps: 9,000 one-endpoint
