@@ -153,7 +153,7 @@ fn burst(n: usize, eps: usize, step: usize) -> String {
 /// Another nftables user: a thread in the namespace adding one rule every 10 ms to its
 /// own table (`ip scale-neighbour`) over nfnetlink, each acknowledged; its `stop` says
 /// the slowest add seen.
-fn neighbour(ns: &str) -> Neighbour {
+fn start_neighbour(ns: &str) -> Neighbour {
     Neighbour::start(ns, "scale-neighbour", Duration::from_millis(10))
 }
 
@@ -313,7 +313,7 @@ fn run(services: usize, eps: usize, o: &Opts) {
     // Cold, with the neighbour adding rules.
     let slab0 = meminfo_kib("SUnreclaim:");
     let load0 = load();
-    let neighbour = neighbour(&name);
+    let neighbour = start_neighbour(&name);
     let (cold, out, cold_rss) = once(&name, &sync_args);
     let (cold_stall, adds) = neighbour.stop();
     let slab1 = meminfo_kib("SUnreclaim:");
@@ -332,7 +332,7 @@ fn run(services: usize, eps: usize, o: &Opts) {
 
     // Adoption: the same again, nothing changed.
     let load1 = load();
-    let neighbour = neighbour(&name);
+    let neighbour = start_neighbour(&name);
     let (adopt, out, adopt_rss) = once(&name, &sync_args);
     let (adopt_stall, _) = neighbour.stop();
     let adopt_ms = synced_ms(&out);
@@ -450,7 +450,7 @@ fn run(services: usize, eps: usize, o: &Opts) {
     // Its tables deleted behind its back, with the neighbour adding rules.
     std::thread::sleep(Duration::from_millis(500));
     let load2 = load();
-    let neighbour = neighbour(&name);
+    let neighbour = start_neighbour(&name);
     std::thread::sleep(Duration::from_millis(100));
     let t0 = unix_us();
     let (_, out, _) = once(&name, &["cleanup"]);
