@@ -13,10 +13,12 @@
 //!   file rewritten: write → the commit that carried the last of them), a new Service,
 //!   its deletion, and its tables deleted behind its back (`kproxy cleanup`: what `nft
 //!   flush ruleset` does to them) → the `kernel_repaired` event; the daemon's peak RSS;
-//! - throughout the cold sync and the repair, another nftables user in the same
-//!   namespace adding one rule every 10 ms to its own table (`ip scale-neighbour`,
-//!   over nfnetlink, each add acknowledged): its slowest add is the stall kproxy's
-//!   transactions imposed on it (the kernel's nftables lock);
+//! - throughout the cold sync, the adoption and the repair, another nftables user in
+//!   the same namespace adding one rule every 10 ms to its own table (`ip
+//!   scale-neighbour`, over nfnetlink, each add acknowledged): its slowest add is the
+//!   stall kproxy's transactions imposed on it (the kernel's nftables lock); for the
+//!   repair, the adds that began while `kproxy cleanup` deleted the tables apart from
+//!   those that began after;
 //! - the kernel log's `rcu` / `soft lockup` / `hung task` lines that appeared.
 //!
 //! ```text
@@ -315,26 +317,28 @@ fn run(services: usize, eps: usize, o: &Opts) {
     let load0 = load();
     let neighbour = start_neighbour(&name);
     let (cold, out, cold_rss) = once(&name, &sync_args);
-    let (cold_stall, adds) = neighbour.stop();
+    let adds = neighbour.stop();
+    let cold_stall = adds.worst();
     let slab1 = meminfo_kib("SUnreclaim:");
     assert!(out.contains("synced"), "cold sync: {out}");
     let cold_ms = synced_ms(&out);
     let endpoints = (services + burst_n + 1) * eps;
     let slab = slab1.saturating_sub(slab0);
     println!(
-        "{services}x{eps}: cold sync --once: wall {:.2} s, synced in {cold_ms:.0} ms, peak RSS {:.0} MiB, slab +{:.0} MiB ({:.0} bytes per endpoint); neighbour's slowest add {:.1} ms of {adds} (load {load0})",
+        "{services}x{eps}: cold sync --once: wall {:.2} s, synced in {cold_ms:.0} ms, peak RSS {:.0} MiB, slab +{:.0} MiB ({:.0} bytes per endpoint); neighbour's slowest add {:.1} ms of {} (load {load0})",
         cold.as_secs_f64(),
         cold_rss as f64 / 1024.0,
         slab as f64 / 1024.0,
         slab as f64 * 1024.0 / endpoints as f64,
         cold_stall.as_secs_f64() * 1e3,
+        adds.len(),
     );
 
     // Adoption: the same again, nothing changed.
     let load1 = load();
     let neighbour = start_neighbour(&name);
     let (adopt, out, adopt_rss) = once(&name, &sync_args);
-    let (adopt_stall, _) = neighbour.stop();
+    let adopt_stall = neighbour.stop().worst();
     let adopt_ms = synced_ms(&out);
     println!(
         "{services}x{eps}: restart (sync --once again, adopting): wall {:.2} s, synced in {adopt_ms:.0} ms ({:.2}× the cold), peak RSS {:.0} MiB; neighbour's slowest add {:.1} ms (load {load1})",
@@ -455,19 +459,25 @@ fn run(services: usize, eps: usize, o: &Opts) {
     let t0 = unix_us();
     let (_, out, _) = once(&name, &["cleanup"]);
     let deleted = unix_us();
+    let deleted_at = Instant::now();
     let (c, _) = wait_event(&ev, at, Duration::from_secs(900), |e| {
         e["event"] == "kernel_repaired"
     });
     std::thread::sleep(Duration::from_millis(100));
-    let (repair_stall, _) = neighbour.stop();
+    let adds = neighbour.stop();
+    // The delete's own transaction (another process's, in production: `nft flush
+    // ruleset`) apart from kproxy's repair after it.
+    let (delete_stall, repair_stall) =
+        (adds.worst_before(deleted_at), adds.worst_since(deleted_at));
     assert!(
         out.is_empty() || !out.contains("error"),
         "kproxy cleanup: {out}"
     );
     println!(
-        "{services}x{eps}: tables deleted behind its back (kproxy cleanup) → repaired: {:.1} ms after the delete returned ({:.1} ms after it started); neighbour's slowest add {:.1} ms (load {load2})",
+        "{services}x{eps}: tables deleted behind its back (kproxy cleanup) → repaired: {:.1} ms after the delete returned ({:.1} ms after it started); neighbour's slowest add during the delete {:.1} ms, after it (the repair) {:.1} ms (load {load2})",
         c.saturating_sub(deleted) as f64 / 1e3,
         c.saturating_sub(t0) as f64 / 1e3,
+        delete_stall.as_secs_f64() * 1e3,
         repair_stall.as_secs_f64() * 1e3,
     );
     println!(

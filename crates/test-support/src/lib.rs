@@ -85,15 +85,50 @@ pub mod netns {
 /// nfnetlink, each add its own acknowledged transaction, timed. Benches measure the
 /// slowest add (the stall kproxy's transactions impose on others); tests use its
 /// transactions to move the ruleset's generation while kproxy reads its tables.
+#[expect(
+    clippy::disallowed_types,
+    reason = "a blocking thread timing the kernel's answers"
+)]
 pub mod nft_neighbour {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     /// The adding thread; [`Neighbour::stop`] ends it and deletes its table.
     pub struct Neighbour {
         stop: Arc<AtomicBool>,
-        thread: std::thread::JoinHandle<(Duration, usize)>,
+        thread: std::thread::JoinHandle<Adds>,
+    }
+
+    /// The adds a [`Neighbour`] made: when each began and how long it took.
+    #[derive(Clone, Debug, Default)]
+    pub struct Adds(pub Vec<(Instant, Duration)>);
+
+    impl Adds {
+        /// The slowest add.
+        pub fn worst(&self) -> Duration {
+            self.0.iter().map(|a| a.1).max().unwrap_or_default()
+        }
+
+        /// The slowest add that began at or after `from` (a phase of a bench).
+        pub fn worst_since(&self, from: Instant) -> Duration {
+            let since = self.0.iter().filter(|a| a.0 >= from);
+            since.map(|a| a.1).max().unwrap_or_default()
+        }
+
+        /// The slowest add that began before `until`.
+        pub fn worst_before(&self, until: Instant) -> Duration {
+            let before = self.0.iter().filter(|a| a.0 < until);
+            before.map(|a| a.1).max().unwrap_or_default()
+        }
+
+        pub fn len(&self) -> usize {
+            self.0.len()
+        }
+
+        pub fn is_empty(&self) -> bool {
+            self.0.is_empty()
+        }
     }
 
     impl Neighbour {
@@ -106,11 +141,11 @@ pub mod nft_neighbour {
                 crate::netns::enter(&ns);
                 let mut nl = Socket::open(&table);
                 nl.setup();
-                let (mut worst, mut adds) = (Duration::ZERO, 0);
+                let mut adds = Adds::default();
                 while !s.load(Ordering::Relaxed) {
-                    worst = worst.max(nl.add_rule());
-                    adds += 1;
-                    if adds % 10_000 == 0 {
+                    let at = Instant::now();
+                    adds.0.push((at, nl.add_rule()));
+                    if adds.len() % 10_000 == 0 {
                         // A chain of ever more rules would make each add dearer.
                         nl.teardown();
                         nl.setup();
@@ -118,13 +153,13 @@ pub mod nft_neighbour {
                     std::thread::sleep(period);
                 }
                 nl.teardown();
-                (worst, adds)
+                adds
             });
             Neighbour { stop, thread }
         }
 
-        /// Stops adding: the slowest add and how many there were.
-        pub fn stop(self) -> (Duration, usize) {
+        /// Stops adding: the adds made.
+        pub fn stop(self) -> Adds {
             self.stop.store(true, Ordering::Relaxed);
             self.thread.join().expect("neighbour thread")
         }
@@ -208,10 +243,6 @@ pub mod nft_neighbour {
 
         /// One transaction of one message, acknowledged: how long the kernel took to
         /// answer.
-        #[expect(
-            clippy::disallowed_types,
-            reason = "a blocking thread timing the kernel's answer"
-        )]
         fn transaction(&mut self, kind: u16, flags: u16, attrs: &[(u16, &str)]) -> Duration {
             use nix::sys::socket::{MsgFlags, recv, send};
             use std::os::fd::AsRawFd;
@@ -226,7 +257,7 @@ pub mod nft_neighbour {
             );
             let seq = self.seq;
             self.msg(&mut b, END, 0, NFNL_SUBSYS_NFTABLES, &[]);
-            let t = std::time::Instant::now();
+            let t = Instant::now();
             send(self.fd.as_raw_fd(), &b, MsgFlags::empty()).expect("send");
             let mut buf = vec![0u8; 8192];
             loop {
