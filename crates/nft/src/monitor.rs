@@ -267,7 +267,7 @@ impl Monitor {
     /// notifications were lost; `Ok(None)` after a second without either.
     pub fn next_event(&mut self) -> Result<Option<Event>, NftError> {
         loop {
-            let n = match recv(&self.sock, &mut self.buf) {
+            let n = match recv(&self.sock, &mut self.buf, 0) {
                 Ok(Some(n)) => n,
                 Ok(None) => return Ok(None),
                 Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
@@ -313,10 +313,11 @@ fn notification_socket(rcvbuf: usize, poll: Duration) -> Result<Socket, NftError
     Ok(sock)
 }
 
-/// One datagram into `buf`: its length, `None` when the socket's receive timeout passed.
-fn recv(sock: &Socket, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
+/// One datagram into `buf`: its length, `None` when the socket's receive timeout passed
+/// (or, with `MSG_DONTWAIT` in `flags`, when none was queued).
+fn recv(sock: &Socket, buf: &mut [u8], flags: libc::c_int) -> std::io::Result<Option<usize>> {
     loop {
-        match sock.recv(&mut &mut buf[..], 0) {
+        match sock.recv(&mut &mut buf[..], flags) {
             Ok(n) => return Ok(Some(n)),
             Err(e)
                 if matches!(
@@ -565,34 +566,22 @@ impl ReadWatch {
     /// One datagram read into `seen`; false when none came (or, with `flags` 0, none
     /// within the receive timeout).
     fn recv(&mut self, flags: libc::c_int) -> Result<bool, NftError> {
-        loop {
-            match self.sock.recv(&mut &mut self.buf[..], flags) {
-                Ok(n) => {
-                    self.seen.read(&self.buf[..n]);
-                    // A datagram that filled the buffer may have been cut short.
-                    self.seen.lost |= n >= self.buf.len();
-                    return Ok(true);
-                }
-                Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
-                    self.seen.lost = true;
-                    return Ok(true);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Ok(false);
-                }
-                Err(source) => {
-                    return Err(NftError::Io {
-                        context: "reading nftables notifications during a reading".into(),
-                        source,
-                    });
-                }
+        match recv(&self.sock, &mut self.buf, flags) {
+            Ok(Some(n)) => {
+                self.seen.read(&self.buf[..n]);
+                // A datagram that filled the buffer may have been cut short.
+                self.seen.lost |= n >= self.buf.len();
+                Ok(true)
             }
+            Ok(None) => Ok(false),
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                self.seen.lost = true;
+                Ok(true)
+            }
+            Err(source) => Err(NftError::Io {
+                context: "reading nftables notifications during a reading".into(),
+                source,
+            }),
         }
     }
 

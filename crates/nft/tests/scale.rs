@@ -16,13 +16,13 @@ use std::time::Duration;
 
 use common::fabric::{Fabric, From, Outcome};
 use common::*;
-use kproxy_core::PlanConfig;
 use kproxy_core::model::Protocol;
 use kproxy_core::planner::PlanUpdate;
 use kproxy_core::synthetic::{self, Spec};
+use kproxy_core::{NodePlan, PlanConfig};
 use kproxy_nft::internals::Shards;
 use kproxy_nft::internals::dump::{self, RawTable};
-use kproxy_nft::{Dataplane, DataplaneConfig};
+use kproxy_nft::{Dataplane, DataplaneConfig, NftError, SyncReport};
 use kproxy_test_support::nft_neighbour::Neighbour;
 
 fn cfg() -> DataplaneConfig {
@@ -48,6 +48,22 @@ fn plain(services: usize, eps: usize) -> Spec {
     }
 }
 
+/// The plan of [`plain`] Services on `node-0`.
+fn plain_plan(services: usize, eps: usize) -> NodePlan {
+    kproxy_core::plan(
+        &synthetic::cluster(&plain(services, eps)),
+        "node-0",
+        &PlanConfig::default(),
+    )
+}
+
+/// A new dataplane's first sync of `plan` with `cfg` (a start, or a restart).
+fn first_sync(cfg: DataplaneConfig, plan: &NodePlan) -> Result<SyncReport, NftError> {
+    Dataplane::new(cfg)
+        .expect("config")
+        .sync(plan, &PlanUpdate::WHOLE)
+}
+
 /// The kernel's element visits per element read, over the table's sets.
 fn visits_per_element(t: &RawTable) -> f64 {
     let (visits, elements) = t.sets.values().fold((0u64, 0usize), |(v, e), s| {
@@ -60,25 +76,15 @@ fn visits_per_element(t: &RawTable) -> f64 {
 /// table back, and adopts it with a new dataplane; the table as read.
 fn cold_then_read(services: usize, cfg: fn() -> DataplaneConfig) -> RawTable {
     let ns = Netns::new("scale");
-    let plan = kproxy_core::plan(
-        &synthetic::cluster(&plain(services, 10)),
-        "node-0",
-        &PlanConfig::default(),
-    );
+    let plan = plain_plan(services, 10);
     ns.run(move || {
-        let r = Dataplane::new(cfg())
-            .expect("config")
-            .sync(&plan, &PlanUpdate::WHOLE)
-            .expect("cold sync");
+        let r = first_sync(cfg(), &plan).expect("cold sync");
         assert!(r.full && !r.adopted, "{r:?}");
         let table = dump::read_table(kproxy_nft::Family::Ip, "kproxy")
             .expect("read")
             .expect("the table exists");
         // A restart with nothing changed adopts the sharded tables: nothing sent.
-        let r = Dataplane::new(cfg())
-            .expect("config")
-            .sync(&plan, &PlanUpdate::WHOLE)
-            .expect("restart");
+        let r = first_sync(cfg(), &plan).expect("restart");
         assert!(r.adopted && r.netlink_bytes == 0, "{r:?}");
         table
     })
@@ -147,11 +153,7 @@ fn another_programs_objects_are_read_by_the_dump_and_removed() {
         return;
     }
     let ns = Netns::new("foreignobj");
-    let plan = kproxy_core::plan(
-        &synthetic::cluster(&plain(20, 2)),
-        "node-0",
-        &PlanConfig::default(),
-    );
+    let plan = plain_plan(20, 2);
     let read = || {
         dump::read_table(kproxy_nft::Family::Ip, "kproxy")
             .expect("read")
@@ -159,10 +161,7 @@ fn another_programs_objects_are_read_by_the_dump_and_removed() {
     };
     let p = plan.clone();
     let ours = ns.run(move || {
-        Dataplane::new(counting())
-            .expect("config")
-            .sync(&p, &PlanUpdate::WHOLE)
-            .expect("cold sync");
+        first_sync(counting(), &p).expect("cold sync");
         read()
     });
     assert!(ours.object_read.by_name, "{:?}", ours.object_read);
@@ -222,25 +221,14 @@ fn a_restart_beside_a_busy_neighbour_adopts_and_sends_nothing() {
         return;
     }
     let ns = Netns::new("busy");
-    let plan = kproxy_core::plan(
-        &synthetic::cluster(&plain(2_000, 10)),
-        "node-0",
-        &PlanConfig::default(),
-    );
+    let plan = plain_plan(2_000, 10);
     let p = plan.clone();
     ns.run(move || {
-        let r = Dataplane::new(cfg())
-            .expect("config")
-            .sync(&p, &PlanUpdate::WHOLE)
-            .expect("cold sync");
+        let r = first_sync(cfg(), &p).expect("cold sync");
         assert!(r.full && !r.adopted, "{r:?}");
     });
     let neighbour = Neighbour::start(&ns.name, "neighbour", Duration::ZERO);
-    let r = ns.run(move || {
-        Dataplane::new(cfg())
-            .expect("config")
-            .sync(&plan, &PlanUpdate::WHOLE)
-    });
+    let r = ns.run(move || first_sync(cfg(), &plan));
     let adds = neighbour.stop().len();
     let r = r.expect("restart");
     assert!(adds > 10, "the neighbour added {adds} rules");
@@ -260,16 +248,9 @@ fn a_reading_while_kproxys_table_changes_is_not_taken() {
         return;
     }
     let ns = Netns::new("touched");
-    let plan = kproxy_core::plan(
-        &synthetic::cluster(&plain(2_000, 10)),
-        "node-0",
-        &PlanConfig::default(),
-    );
+    let plan = plain_plan(2_000, 10);
     let v6 = ns.run(move || {
-        Dataplane::new(cfg())
-            .expect("config")
-            .sync(&plan, &PlanUpdate::WHOLE)
-            .expect("cold sync");
+        first_sync(cfg(), &plan).expect("cold sync");
         dump::read_table(kproxy_nft::Family::Ip6, "kproxy")
             .expect("read")
             .expect("the ip6 table exists")

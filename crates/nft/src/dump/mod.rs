@@ -411,23 +411,6 @@ impl Reader {
         flags: u16,
         family: u8,
         attrs: &[(u16, &str)],
-        each: impl FnMut(&[u8]) -> Result<(), NftError>,
-    ) -> Result<bool, NftError> {
-        let answered = self.answers(what, msg, flags, family, attrs, each);
-        if let Some(w) = &mut self.watch {
-            w.drain()?;
-        }
-        answered
-    }
-
-    /// [`Reader::request`] but the watch's queue.
-    fn answers(
-        &mut self,
-        what: &str,
-        msg: u16,
-        flags: u16,
-        family: u8,
-        attrs: &[(u16, &str)],
         mut each: impl FnMut(&[u8]) -> Result<(), NftError>,
     ) -> Result<bool, NftError> {
         self.seq += 1;
@@ -447,7 +430,7 @@ impl Reader {
             context: format!("asking the kernel for {what}"),
             source: e,
         })?;
-        loop {
+        let answered = 'answer: loop {
             let n = self
                 .sock
                 .recv(&mut &mut self.buf[..], 0)
@@ -471,9 +454,9 @@ impl Reader {
                     )));
                 }
                 match kind {
-                    NLMSG_DONE => return Ok(true),
+                    NLMSG_DONE => break 'answer Ok(true),
                     NLMSG_ERROR => {
-                        return match error_code(payload) {
+                        break 'answer match error_code(payload) {
                             0 => Ok(true),
                             c if c == -libc::ENOENT => Ok(false),
                             c => Err(NftError::Read(format!(
@@ -485,7 +468,11 @@ impl Reader {
                     _ => each(payload.get(4..).unwrap_or_default())?,
                 }
             }
+        };
+        if let Some(w) = &mut self.watch {
+            w.drain()?;
         }
+        answered
     }
 
     /// [`Reader::request`] handing `each` the value of attribute `want` of every answer.
