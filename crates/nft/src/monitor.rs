@@ -250,11 +250,6 @@ impl Monitor {
     /// for kproxy's tables named `table`.
     pub fn open(table: &str) -> Result<Monitor, NftError> {
         let sock = notification_socket(RCVBUF, POLL)?;
-        sock.add_membership(NFNLGRP_NFTABLES)
-            .map_err(|source| NftError::Io {
-                context: "joining the nftables notification group".into(),
-                source,
-            })?;
         Ok(Monitor {
             sock,
             table: table.to_string(),
@@ -295,7 +290,7 @@ impl Monitor {
 
 /// A bound netfilter netlink socket for notifications (the kernel delivers the group to
 /// bound sockets only), with a receive buffer of `rcvbuf` bytes (forced, else as large
-/// as allowed) and a receive timeout of `poll`; not yet in the group.
+/// as allowed) and a receive timeout of `poll`, in the nftables notification group.
 fn notification_socket(rcvbuf: usize, poll: Duration) -> Result<Socket, NftError> {
     let io = |context: &str| {
         let context = context.to_string();
@@ -310,6 +305,8 @@ fn notification_socket(rcvbuf: usize, poll: Duration) -> Result<Socket, NftError
     setsockopt(&sock, sockopt::ReceiveTimeout, &poll)
         .map_err(std::io::Error::from)
         .map_err(io("setting a notification socket's receive timeout"))?;
+    sock.add_membership(NFNLGRP_NFTABLES)
+        .map_err(io("joining the nftables notification group"))?;
     Ok(sock)
 }
 
@@ -529,11 +526,6 @@ impl ReadWatch {
     /// table `family table`.
     pub(crate) fn open(family: Family, table: &str) -> Result<ReadWatch, NftError> {
         let sock = notification_socket(RCVBUF, WATCH_POLL)?;
-        sock.add_membership(NFNLGRP_NFTABLES)
-            .map_err(|source| NftError::Io {
-                context: "joining the nftables notification group for a reading".into(),
-                source,
-            })?;
         Ok(ReadWatch {
             sock,
             buf: vec![0; 1 << 20],
