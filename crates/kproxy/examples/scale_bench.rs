@@ -13,10 +13,12 @@
 //!   file rewritten: write → the commit that carried the last of them), a new Service,
 //!   its deletion, and its tables deleted behind its back (`kproxy cleanup`: what `nft
 //!   flush ruleset` does to them) → the `kernel_repaired` event; the daemon's peak RSS;
-//! - throughout the cold sync and the repair, another nftables user in the same
-//!   namespace adding one rule every 10 ms to its own table (`ip scale-neighbour`,
-//!   over nfnetlink, each add acknowledged): its slowest add is the stall kproxy's
-//!   transactions imposed on it (the kernel's nftables lock);
+//! - throughout the cold sync, the adoption and the repair, another nftables user in
+//!   the same namespace adding one rule every 10 ms to its own table (`ip
+//!   scale-neighbour`, over nfnetlink, each add acknowledged): its slowest add is the
+//!   stall kproxy's transactions imposed on it (the kernel's nftables lock); for the
+//!   repair, the adds that began while `kproxy cleanup` deleted the tables apart from
+//!   those that began after;
 //! - the kernel log's `rcu` / `soft lockup` / `hung task` lines that appeared.
 //!
 //! ```text
@@ -40,13 +42,12 @@
 #[path = "support/mod.rs"]
 mod support;
 
+use kproxy_test_support::nft_neighbour::Neighbour;
 use support::{Netns, Proc, ip4, kproxy_binary, load, status_kib, unix_us};
 
 use std::fmt::Write as _;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const NODE: &str = "node-0";
@@ -152,159 +153,10 @@ fn burst(n: usize, eps: usize, step: usize) -> String {
 }
 
 /// Another nftables user: a thread in the namespace adding one rule every 10 ms to its
-/// own table over nfnetlink, each acknowledged; the slowest add seen.
-struct Neighbour {
-    stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<(Duration, usize)>,
-}
-
-impl Neighbour {
-    fn start(ns: &str) -> Neighbour {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (ns, s) = (ns.to_string(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            Netns::enter(&ns);
-            let mut nl = neighbour::Socket::open();
-            nl.setup();
-            let (mut worst, mut adds) = (Duration::ZERO, 0);
-            while !s.load(Ordering::Relaxed) {
-                let t = Instant::now();
-                nl.add_rule();
-                worst = worst.max(t.elapsed());
-                adds += 1;
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            nl.teardown();
-            (worst, adds)
-        });
-        Neighbour { stop, thread }
-    }
-
-    fn stop(self) -> (Duration, usize) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().expect("neighbour thread")
-    }
-}
-
-/// The neighbour's nfnetlink: batches of one message, framed by hand.
-mod neighbour {
-    use nix::sys::socket::{
-        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, recv, send,
-        socket,
-    };
-    use std::os::fd::{AsRawFd, OwnedFd};
-
-    const TABLE: &str = "scale-neighbour";
-    const CHAIN: &str = "c";
-    const NFNL_SUBSYS_NFTABLES: u16 = 10;
-    const BEGIN: u16 = 0x10;
-    const END: u16 = 0x11;
-    const NEWTABLE: u16 = 0;
-    const NEWCHAIN: u16 = 3;
-    const NEWRULE: u16 = 6;
-    const DELTABLE: u16 = 2;
-    const F_REQUEST: u16 = 1;
-    const F_ACK: u16 = 4;
-    const F_CREATE: u16 = 0x400;
-    const F_APPEND: u16 = 0x800;
-
-    pub struct Socket {
-        fd: OwnedFd,
-        seq: u32,
-    }
-
-    fn attr(out: &mut Vec<u8>, kind: u16, s: &str) {
-        let len = 4 + s.len() + 1;
-        out.extend_from_slice(&(len as u16).to_ne_bytes());
-        out.extend_from_slice(&kind.to_ne_bytes());
-        out.extend_from_slice(s.as_bytes());
-        out.push(0);
-        out.resize(out.len().next_multiple_of(4), 0);
-    }
-
-    impl Socket {
-        pub fn open() -> Socket {
-            let fd = socket(
-                AddressFamily::Netlink,
-                SockType::Raw,
-                SockFlag::empty(),
-                SockProtocol::NetlinkNetFilter,
-            )
-            .expect("netlink socket");
-            bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)).expect("bind");
-            Socket { fd, seq: 1 }
-        }
-
-        fn msg(
-            &mut self,
-            out: &mut Vec<u8>,
-            kind: u16,
-            flags: u16,
-            res: u16,
-            attrs: &[(u16, &str)],
-        ) {
-            let start = out.len();
-            out.extend_from_slice(&[0; 4]);
-            out.extend_from_slice(&kind.to_ne_bytes());
-            out.extend_from_slice(&(F_REQUEST | flags).to_ne_bytes());
-            self.seq += 1;
-            out.extend_from_slice(&self.seq.to_ne_bytes());
-            out.extend_from_slice(&0u32.to_ne_bytes());
-            out.extend_from_slice(&[2, 0]); // NFPROTO_IPV4, version
-            out.extend_from_slice(&res.to_be_bytes());
-            for (k, v) in attrs {
-                attr(out, *k, v);
-            }
-            let len = (out.len() - start) as u32;
-            out[start..start + 4].copy_from_slice(&len.to_ne_bytes());
-        }
-
-        /// One transaction of `body`'s message, acknowledged.
-        fn transaction(&mut self, kind: u16, flags: u16, attrs: &[(u16, &str)]) {
-            let mut b = Vec::new();
-            self.msg(&mut b, BEGIN, 0, NFNL_SUBSYS_NFTABLES, &[]);
-            self.msg(
-                &mut b,
-                (NFNL_SUBSYS_NFTABLES << 8) | kind,
-                flags | F_ACK,
-                0,
-                attrs,
-            );
-            let seq = self.seq;
-            self.msg(&mut b, END, 0, NFNL_SUBSYS_NFTABLES, &[]);
-            send(self.fd.as_raw_fd(), &b, MsgFlags::empty()).expect("send");
-            let mut buf = vec![0u8; 8192];
-            loop {
-                let n = recv(self.fd.as_raw_fd(), &mut buf, MsgFlags::empty()).expect("recv");
-                let mut at = 0;
-                while at + 20 <= n {
-                    let len = u32::from_ne_bytes(buf[at..at + 4].try_into().unwrap()) as usize;
-                    let kind = u16::from_ne_bytes(buf[at + 4..at + 6].try_into().unwrap());
-                    let got = u32::from_ne_bytes(buf[at + 8..at + 12].try_into().unwrap());
-                    if kind == 2 && got == seq {
-                        let err = i32::from_ne_bytes(buf[at + 16..at + 20].try_into().unwrap());
-                        assert!(err == 0, "the neighbour's nftables message failed: {err}");
-                        return;
-                    }
-                    at += len.max(20).next_multiple_of(4);
-                }
-            }
-        }
-
-        pub fn setup(&mut self) {
-            self.transaction(NEWTABLE, F_CREATE, &[(1, TABLE)]);
-            self.transaction(NEWCHAIN, F_CREATE, &[(1, TABLE), (3, CHAIN)]);
-        }
-
-        /// An empty rule (no expressions) appended to the neighbour's chain.
-        pub fn add_rule(&mut self) {
-            self.transaction(NEWRULE, F_CREATE | F_APPEND, &[(1, TABLE), (2, CHAIN)]);
-        }
-
-        pub fn teardown(&mut self) {
-            self.transaction(DELTABLE, 0, &[(1, TABLE)]);
-        }
-    }
+/// own table (`ip scale-neighbour`) over nfnetlink, each acknowledged; its `stop` says
+/// the slowest add seen.
+fn start_neighbour(ns: &str) -> Neighbour {
+    Neighbour::start(ns, "scale-neighbour", Duration::from_millis(10))
 }
 
 /// `kproxy ARGS` in the namespace to its end: wall time, its stdout and stderr, and its
@@ -463,28 +315,30 @@ fn run(services: usize, eps: usize, o: &Opts) {
     // Cold, with the neighbour adding rules.
     let slab0 = meminfo_kib("SUnreclaim:");
     let load0 = load();
-    let neighbour = Neighbour::start(&name);
+    let neighbour = start_neighbour(&name);
     let (cold, out, cold_rss) = once(&name, &sync_args);
-    let (cold_stall, adds) = neighbour.stop();
+    let adds = neighbour.stop();
+    let cold_stall = adds.worst();
     let slab1 = meminfo_kib("SUnreclaim:");
     assert!(out.contains("synced"), "cold sync: {out}");
     let cold_ms = synced_ms(&out);
     let endpoints = (services + burst_n + 1) * eps;
     let slab = slab1.saturating_sub(slab0);
     println!(
-        "{services}x{eps}: cold sync --once: wall {:.2} s, synced in {cold_ms:.0} ms, peak RSS {:.0} MiB, slab +{:.0} MiB ({:.0} bytes per endpoint); neighbour's slowest add {:.1} ms of {adds} (load {load0})",
+        "{services}x{eps}: cold sync --once: wall {:.2} s, synced in {cold_ms:.0} ms, peak RSS {:.0} MiB, slab +{:.0} MiB ({:.0} bytes per endpoint); neighbour's slowest add {:.1} ms of {} (load {load0})",
         cold.as_secs_f64(),
         cold_rss as f64 / 1024.0,
         slab as f64 / 1024.0,
         slab as f64 * 1024.0 / endpoints as f64,
         cold_stall.as_secs_f64() * 1e3,
+        adds.len(),
     );
 
     // Adoption: the same again, nothing changed.
     let load1 = load();
-    let neighbour = Neighbour::start(&name);
+    let neighbour = start_neighbour(&name);
     let (adopt, out, adopt_rss) = once(&name, &sync_args);
-    let (adopt_stall, _) = neighbour.stop();
+    let adopt_stall = neighbour.stop().worst();
     let adopt_ms = synced_ms(&out);
     println!(
         "{services}x{eps}: restart (sync --once again, adopting): wall {:.2} s, synced in {adopt_ms:.0} ms ({:.2}× the cold), peak RSS {:.0} MiB; neighbour's slowest add {:.1} ms (load {load1})",
@@ -600,24 +454,30 @@ fn run(services: usize, eps: usize, o: &Opts) {
     // Its tables deleted behind its back, with the neighbour adding rules.
     std::thread::sleep(Duration::from_millis(500));
     let load2 = load();
-    let neighbour = Neighbour::start(&name);
+    let neighbour = start_neighbour(&name);
     std::thread::sleep(Duration::from_millis(100));
     let t0 = unix_us();
     let (_, out, _) = once(&name, &["cleanup"]);
     let deleted = unix_us();
+    let deleted_at = Instant::now();
     let (c, _) = wait_event(&ev, at, Duration::from_secs(900), |e| {
         e["event"] == "kernel_repaired"
     });
     std::thread::sleep(Duration::from_millis(100));
-    let (repair_stall, _) = neighbour.stop();
+    let adds = neighbour.stop();
+    // The delete's own transaction (another process's, in production: `nft flush
+    // ruleset`) apart from kproxy's repair after it.
+    let (delete_stall, repair_stall) =
+        (adds.worst_before(deleted_at), adds.worst_since(deleted_at));
     assert!(
         out.is_empty() || !out.contains("error"),
         "kproxy cleanup: {out}"
     );
     println!(
-        "{services}x{eps}: tables deleted behind its back (kproxy cleanup) → repaired: {:.1} ms after the delete returned ({:.1} ms after it started); neighbour's slowest add {:.1} ms (load {load2})",
+        "{services}x{eps}: tables deleted behind its back (kproxy cleanup) → repaired: {:.1} ms after the delete returned ({:.1} ms after it started); neighbour's slowest add during the delete {:.1} ms, after it (the repair) {:.1} ms (load {load2})",
         c.saturating_sub(deleted) as f64 / 1e3,
         c.saturating_sub(t0) as f64 / 1e3,
+        delete_stall.as_secs_f64() * 1e3,
         repair_stall.as_secs_f64() * 1e3,
     );
     println!(

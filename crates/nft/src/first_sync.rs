@@ -73,8 +73,10 @@ pub(crate) fn first_sync_into_absent_tables_with(
         bare.extend(Transaction::create(rec.assemble_structure()));
     }
     fill(&mut bare);
-    // The structure's own elements (a NodePort address set's) go with it.
+    // The structure's own elements (a NodePort address set's) go with it; the base
+    // chains' rules go with the wake.
     let (structure, own_elements) = bare.dormant_for_absent_tables();
+    let (structure, base_rules) = base_chain_rules_apart(structure);
     let tables: Vec<(model::Family, &str)> = structure
         .ops
         .iter()
@@ -121,11 +123,52 @@ pub(crate) fn first_sync_into_absent_tables_with(
         Ok::<usize, NftError>(n.unwrap_or_default())
     })?;
     done.counts.elements_added += n;
-    let wake = netlink::Batch::wake_tables(&tables);
+    let wake = netlink::Batch::wake_tables(&tables, &base_rules)?;
     done.netlink_bytes += wake.len();
     done.batches += 1;
     send(wake)?;
     Ok(done)
+}
+
+/// `structure` without the rules of its base chains, and those rules (in their order).
+/// Why they wait for the wake: the kernel validates a table's jumps (loops, depth) at
+/// the commit of every transaction that adds a jump or a verdict-map element to it,
+/// walking from each base chain every chain and verdict map it reaches
+/// (`nft_table_validate`), so with the base chains' rules in place each piece of
+/// elements walked every verdict-map element loaded before it: at 40k Services × 10 a
+/// piece's commit grew from 9 to 35 ms, the kernel's nftables lock (every other
+/// writer of the namespace waits on it) held throughout. With the base chains empty
+/// nothing is reachable and a piece's validation is nothing; the wake, which adds them,
+/// walks the tables once. The tables are dormant until then, so no packet sees them
+/// either way.
+fn base_chain_rules_apart(structure: Transaction) -> (Transaction, Transaction) {
+    let base: std::collections::BTreeSet<(model::Family, String, String)> = structure
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            model::Op::AddChain {
+                family,
+                table,
+                name,
+                hook: Some(_),
+            } => Some((*family, table.clone(), name.clone())),
+            _ => None,
+        })
+        .collect();
+    let (mut rest, mut rules) = (Transaction::default(), Transaction::default());
+    for op in structure.ops {
+        match &op {
+            model::Op::AddRule {
+                family,
+                table,
+                chain,
+                ..
+            } if base.contains(&(*family, table.clone(), chain.clone())) => rules.ops.push(op),
+            _ => rest.ops.push(op),
+        }
+    }
+    rest.counts = structure.counts;
+    (rest, rules)
 }
 
 #[cfg(test)]
@@ -135,6 +178,48 @@ mod tests {
     use crate::model::Table;
     use kproxy_core::model::IpFamily;
     use kproxy_core::synthetic::{self, Spec};
+
+    /// A first sync into absent tables sends the base chains' rules in its last
+    /// transaction, the one that wakes the tables, and in no other: with them in place
+    /// from the first, the kernel's validation of every later piece walked every
+    /// verdict-map element loaded before it, holding the nftables lock ever longer.
+    #[test]
+    fn the_base_chains_rules_come_with_the_wake() {
+        let plan = kproxy_core::plan(
+            &synthetic::cluster(&Spec::new(3000, 4)),
+            "node-0",
+            &Default::default(),
+        );
+        let recs = IpFamily::ALL.map(|f| FamilyRecord::full(&plan, &DataplaneConfig::default(), f));
+        let mut batches = Vec::new();
+        first_sync_into_absent_tables(&recs, &mut |b| {
+            batches.push(b.descriptions());
+            Ok(())
+        })
+        .unwrap();
+        assert!(batches.len() > 3, "{} batches", batches.len());
+        let base_rule = |d: &String| {
+            crate::ruleset::BASE_CHAINS.iter().any(|(chain, ..)| {
+                d.starts_with("add rule") && d.contains(&format!(" kproxy {chain} "))
+            })
+        };
+        let (wake, before) = batches.split_last().unwrap();
+        for (i, b) in before.iter().enumerate() {
+            assert!(!b.iter().any(base_rule), "batch {i}: {b:?}");
+        }
+        // Both families' three base chains have rules, and the tables are woken after
+        // them.
+        let chains: std::collections::BTreeSet<String> = wake
+            .iter()
+            .filter(|d| base_rule(d))
+            .map(|d| d.split(' ').take(5).collect::<Vec<_>>().join(" "))
+            .collect();
+        assert_eq!(chains.len(), 6, "{wake:?}");
+        assert_eq!(
+            wake.iter().rev().take(2).cloned().collect::<Vec<_>>(),
+            ["add table ip6 kproxy", "add table ip kproxy"]
+        );
+    }
 
     /// The elements a first sync sends in pieces, split from the transaction that creates
     /// the tables, all encode as nfnetlink messages: the interval set `local-pods` (whose

@@ -8,7 +8,9 @@
 //! the neighbour contract in crates/nft/README.md), and the loss of notifications (a
 //! receive buffer overrun), when what changed is unknown. It decides nothing about the
 //! repair: the caller repairs from the record ([`crate::dataplane::Dataplane::repair`]), paced by
-//! [`Backoff`] so a process that keeps fighting cannot make kproxy spin.
+//! [`Backoff`] so a process that keeps fighting cannot make kproxy spin. The same
+//! notifications tell a reader of one table whether a transaction touched it while it
+//! was read ([`ReadWatch`], used by `dump`'s readings).
 //!
 //! Which transactions are kproxy's own: the kernel names the committing *thread*
 //! (`task_pid_nr`, in the initial pid namespace) and stamps every notification with the
@@ -248,11 +250,6 @@ impl Monitor {
     /// for kproxy's tables named `table`.
     pub fn open(table: &str) -> Result<Monitor, NftError> {
         let sock = notification_socket(RCVBUF, POLL)?;
-        sock.add_membership(NFNLGRP_NFTABLES)
-            .map_err(|source| NftError::Io {
-                context: "joining the nftables notification group".into(),
-                source,
-            })?;
         Ok(Monitor {
             sock,
             table: table.to_string(),
@@ -265,7 +262,7 @@ impl Monitor {
     /// notifications were lost; `Ok(None)` after a second without either.
     pub fn next_event(&mut self) -> Result<Option<Event>, NftError> {
         loop {
-            let n = match recv(&self.sock, &mut self.buf) {
+            let n = match recv(&self.sock, &mut self.buf, 0) {
                 Ok(Some(n)) => n,
                 Ok(None) => return Ok(None),
                 Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
@@ -293,7 +290,7 @@ impl Monitor {
 
 /// A bound netfilter netlink socket for notifications (the kernel delivers the group to
 /// bound sockets only), with a receive buffer of `rcvbuf` bytes (forced, else as large
-/// as allowed) and a receive timeout of `poll`; not yet in the group.
+/// as allowed) and a receive timeout of `poll`, in the nftables notification group.
 fn notification_socket(rcvbuf: usize, poll: Duration) -> Result<Socket, NftError> {
     let io = |context: &str| {
         let context = context.to_string();
@@ -308,13 +305,16 @@ fn notification_socket(rcvbuf: usize, poll: Duration) -> Result<Socket, NftError
     setsockopt(&sock, sockopt::ReceiveTimeout, &poll)
         .map_err(std::io::Error::from)
         .map_err(io("setting a notification socket's receive timeout"))?;
+    sock.add_membership(NFNLGRP_NFTABLES)
+        .map_err(io("joining the nftables notification group"))?;
     Ok(sock)
 }
 
-/// One datagram into `buf`: its length, `None` when the socket's receive timeout passed.
-fn recv(sock: &Socket, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
+/// One datagram into `buf`: its length, `None` when the socket's receive timeout passed
+/// (or, with `MSG_DONTWAIT` in `flags`, when none was queued).
+fn recv(sock: &Socket, buf: &mut [u8], flags: libc::c_int) -> std::io::Result<Option<usize>> {
     loop {
-        match sock.recv(&mut &mut buf[..], 0) {
+        match sock.recv(&mut &mut buf[..], flags) {
             Ok(n) => return Ok(Some(n)),
             Err(e)
                 if matches!(
@@ -449,6 +449,152 @@ fn gen_info(attrs: &[u8]) -> (u32, Option<u32>, Option<String>) {
         }
     }
     (generation, pid, name)
+}
+
+/// Whether one table stayed as it was while a reader read it (`dump`'s readings): a
+/// subscription to the notifications, opened before the reading asks the kernel for
+/// the ruleset's generation, that says afterwards whether any transaction committed
+/// meanwhile named the table. The generation alone cannot say it: it is the whole
+/// namespace's, so another program adding one rule a second to a table of its own moved
+/// it during every reading of a large table, and each adoption at start ended in a
+/// replacement of every element (one transaction holding the kernel's nftables lock,
+/// and every other writer, for seconds: BENCHMARKS.md, "Another nftables user during
+/// kproxy's adoption").
+///
+/// Why the notifications are the whole truth of what changed: a transaction makes its
+/// objects visible at once (the generation cursor's flip, after the generation is
+/// bumped), then announces every object it touched, each message naming its table, and
+/// ends with `NEWGEN`, all before the next transaction starts; so a transaction that
+/// became visible during the reading announced itself after the subscription, and,
+/// when the reading saw generation `after`, before `NEWGEN(after)`. Nothing is taken on
+/// trust from anyone's writing: any message naming the table (kproxy's own
+/// transactions too), a lost notification (receive buffer overrun), or a `NEWGEN`
+/// that does not come, and the reading is not taken.
+pub(crate) struct ReadWatch {
+    sock: Socket,
+    buf: Vec<u8>,
+    seen: Watched,
+}
+
+/// What a [`ReadWatch`] has read since its last [`ReadWatch::start`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Watched {
+    family: Family,
+    table: String,
+    /// A message named the table.
+    touched: bool,
+    /// Notifications were lost.
+    lost: bool,
+    /// The generation of the last `NEWGEN` read.
+    last: Option<u32>,
+}
+
+impl Watched {
+    /// Whether the `NEWGEN` of generation `generation` was read: the last one read is
+    /// that or a later one (generations count up by one a transaction, wrapping).
+    fn announced(&self, generation: u32) -> bool {
+        self.last
+            .is_some_and(|last| (last.wrapping_sub(generation) as i32) >= 0)
+    }
+
+    /// Reads one datagram of notifications.
+    fn read(&mut self, buf: &[u8]) {
+        for m in messages(buf) {
+            if m.msg_type == NFT_MSG_NEWGEN {
+                self.last = Some(gen_info(m.attrs).0);
+                continue;
+            }
+            // Any other message naming the table, whatever its type: an object's, a
+            // reset's, one of a kernel newer than this code.
+            if Family::of_nfproto(m.family) == Some(self.family)
+                && Attrs(m.attrs).any(|(k, v)| k == NFTA_ANY_TABLE && c_str(v) == Some(&self.table))
+            {
+                self.touched = true;
+            }
+        }
+    }
+}
+
+/// How long [`ReadWatch::settled`] waits for the `NEWGEN` of the generation the reading
+/// ended at: the transaction that made it was announcing itself as the reading ended.
+const NEWGEN_WAIT: Duration = Duration::from_secs(2);
+/// The watch's receive timeout, the step of that wait.
+const WATCH_POLL: Duration = Duration::from_millis(50);
+
+impl ReadWatch {
+    /// Subscribes to the notifications of the calling thread's network namespace, for
+    /// table `family table`.
+    pub(crate) fn open(family: Family, table: &str) -> Result<ReadWatch, NftError> {
+        let sock = notification_socket(RCVBUF, WATCH_POLL)?;
+        Ok(ReadWatch {
+            sock,
+            buf: vec![0; 1 << 20],
+            seen: Watched {
+                family,
+                table: table.to_string(),
+                touched: false,
+                lost: false,
+                last: None,
+            },
+        })
+    }
+
+    /// Forgets what was announced so far: every transaction announced before this call
+    /// was visible before it. Called before a reading asks for its first generation.
+    pub(crate) fn start(&mut self) -> Result<(), NftError> {
+        self.drain()?;
+        self.seen.touched = false;
+        self.seen.lost = false;
+        Ok(())
+    }
+
+    /// Reads what is queued, without waiting (the reader calls it between its requests,
+    /// so a long reading beside a busy neighbour queues little).
+    pub(crate) fn drain(&mut self) -> Result<(), NftError> {
+        while self.recv(libc::MSG_DONTWAIT)? {}
+        Ok(())
+    }
+
+    /// One datagram read into `seen`; false when none came (or, with `flags` 0, none
+    /// within the receive timeout).
+    fn recv(&mut self, flags: libc::c_int) -> Result<bool, NftError> {
+        match recv(&self.sock, &mut self.buf, flags) {
+            Ok(Some(n)) => {
+                self.seen.read(&self.buf[..n]);
+                // A datagram that filled the buffer may have been cut short.
+                self.seen.lost |= n >= self.buf.len();
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                self.seen.lost = true;
+                Ok(true)
+            }
+            Err(source) => Err(NftError::Io {
+                context: "reading nftables notifications during a reading".into(),
+                source,
+            }),
+        }
+    }
+
+    /// Whether a reading that began at generation `before` (asked after
+    /// [`ReadWatch::start`]) and ended at `after` saw the table in one state: no
+    /// transaction announced through `after` named it, and none was lost. When the
+    /// generation moved, the wait for `NEWGEN(after)` is bounded ([`NEWGEN_WAIT`]);
+    /// without it the answer is no.
+    pub(crate) fn settled(&mut self, before: u32, after: u32) -> Result<bool, NftError> {
+        self.drain()?;
+        if before != after {
+            let deadline = Instant::now() + NEWGEN_WAIT;
+            while !self.seen.announced(after) && !self.seen.lost && !self.seen.touched {
+                if Instant::now() >= deadline {
+                    return Ok(false);
+                }
+                self.recv(0)?;
+            }
+        }
+        Ok(!self.seen.touched && !self.seen.lost)
+    }
 }
 
 /// How long to wait before repairing, so a process that keeps changing kproxy's tables
@@ -619,6 +765,50 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].changes.summary(), "added 1 rule");
         assert!(pending.is_empty());
+    }
+
+    /// A reading's watch: only a message naming its own table in its own family
+    /// touches it (an object's, or any other type's), and `NEWGEN`s count up to and
+    /// past the generation the reading ended at, across the wrap.
+    #[test]
+    fn a_reading_is_touched_only_by_its_own_table() {
+        let mut w = Watched {
+            family: Family::Ip,
+            table: "kproxy".into(),
+            touched: false,
+            lost: false,
+            last: None,
+        };
+        let gen_at = |g: u32| {
+            message(
+                NFT_MSG_NEWGEN,
+                0,
+                0,
+                &[(NFTA_GEN_ID, g.to_be_bytes().to_vec())],
+            )
+        };
+        let mut d = message(6, NFPROTO_IPV4, 0, &[(1, s("neighbour")), (2, s("c"))]);
+        d.extend(message(
+            6,
+            NFPROTO_IPV6,
+            0,
+            &[(1, s("kproxy")), (2, s("c"))],
+        ));
+        d.extend(message(
+            12,
+            NFPROTO_IPV4,
+            0,
+            &[(1, s("kproxy2")), (2, s("dnat"))],
+        ));
+        d.extend(gen_at(u32::MAX));
+        w.read(&d);
+        assert!(!w.touched);
+        assert!(w.announced(u32::MAX) && !w.announced(1));
+        w.read(&gen_at(2));
+        assert!(w.announced(1) && w.announced(2) && !w.announced(3));
+        // A reset's notification, or a type this code does not know, counts too.
+        w.read(&message(0x3f, NFPROTO_IPV4, 0, &[(1, s("kproxy"))]));
+        assert!(w.touched);
     }
 
     #[test]

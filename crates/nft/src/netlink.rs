@@ -376,6 +376,15 @@ impl Batch {
             .collect()
     }
 
+    /// What each message of the batch does, in order ([`Batch::describe`]; tests).
+    #[cfg(test)]
+    pub(crate) fn descriptions(&self) -> Vec<String> {
+        self.messages
+            .iter()
+            .map(|&(_, at)| self.describe(at))
+            .collect()
+    }
+
     /// The batch's bytes in one buffer (tests).
     #[cfg(test)]
     fn to_vec(&self) -> Vec<u8> {
@@ -948,16 +957,19 @@ impl Batch {
         })
     }
 
-    /// One transaction that wakes the dormant `tables` (`NEWTABLE` with no flags): each
-    /// table's base chains are hooked as it commits, all tables at once. The last step
-    /// of a first sync into absent tables
+    /// One transaction of `first`'s operations (a first sync's base chains' rules)
+    /// that then wakes the dormant `tables` (`NEWTABLE` with no flags): each table's
+    /// base chains are hooked as it commits, all tables at once. The last step of a
+    /// first sync into absent tables
     /// ([`crate::model::Transaction::dormant_for_absent_tables`]); without `nft`, whose
     /// start and cache dump (every chain of the tables) cost more than the rest of the
     /// step.
-    pub fn wake_tables(tables: &[(Family, &str)]) -> Batch {
-        let mut b = Batch::default();
-        let at = b.begin_message(NFNL_MSG_BATCH_BEGIN, 0, 0, NFNL_SUBSYS_NFTABLES);
-        b.end_message(at);
+    pub fn wake_tables(
+        tables: &[(Family, &str)],
+        first: &Transaction,
+    ) -> Result<Batch, EncodeError> {
+        let mut b = Batch::transaction(first)?;
+        b.batch_begin();
         let kind = (u16::from(NFNL_SUBSYS_NFTABLES as u8) << 8) | NFT_MSG_NEWTABLE;
         for (family, table) in tables {
             let seq = b.count + 1;
@@ -971,7 +983,7 @@ impl Batch {
             b.end_message(msg);
             b.note(seq, msg);
         }
-        b
+        Ok(b)
     }
 
     /// Closes the batch (nothing can be added after). Only its last message asks for

@@ -12,16 +12,18 @@
 mod common;
 
 use std::net::IpAddr;
+use std::time::Duration;
 
 use common::fabric::{Fabric, From, Outcome};
 use common::*;
-use kproxy_core::PlanConfig;
 use kproxy_core::model::Protocol;
 use kproxy_core::planner::PlanUpdate;
 use kproxy_core::synthetic::{self, Spec};
+use kproxy_core::{NodePlan, PlanConfig};
 use kproxy_nft::internals::Shards;
 use kproxy_nft::internals::dump::{self, RawTable};
-use kproxy_nft::{Dataplane, DataplaneConfig};
+use kproxy_nft::{Dataplane, DataplaneConfig, NftError, SyncReport};
+use kproxy_test_support::nft_neighbour::Neighbour;
 
 fn cfg() -> DataplaneConfig {
     no_conntrack_cleanup()
@@ -46,6 +48,22 @@ fn plain(services: usize, eps: usize) -> Spec {
     }
 }
 
+/// The plan of [`plain`] Services on `node-0`.
+fn plain_plan(services: usize, eps: usize) -> NodePlan {
+    kproxy_core::plan(
+        &synthetic::cluster(&plain(services, eps)),
+        "node-0",
+        &PlanConfig::default(),
+    )
+}
+
+/// A new dataplane's first sync of `plan` with `cfg` (a start, or a restart).
+fn first_sync(cfg: DataplaneConfig, plan: &NodePlan) -> Result<SyncReport, NftError> {
+    Dataplane::new(cfg)
+        .expect("config")
+        .sync(plan, &PlanUpdate::WHOLE)
+}
+
 /// The kernel's element visits per element read, over the table's sets.
 fn visits_per_element(t: &RawTable) -> f64 {
     let (visits, elements) = t.sets.values().fold((0u64, 0usize), |(v, e), s| {
@@ -58,25 +76,15 @@ fn visits_per_element(t: &RawTable) -> f64 {
 /// table back, and adopts it with a new dataplane; the table as read.
 fn cold_then_read(services: usize, cfg: fn() -> DataplaneConfig) -> RawTable {
     let ns = Netns::new("scale");
-    let plan = kproxy_core::plan(
-        &synthetic::cluster(&plain(services, 10)),
-        "node-0",
-        &PlanConfig::default(),
-    );
+    let plan = plain_plan(services, 10);
     ns.run(move || {
-        let r = Dataplane::new(cfg())
-            .expect("config")
-            .sync(&plan, &PlanUpdate::WHOLE)
-            .expect("cold sync");
+        let r = first_sync(cfg(), &plan).expect("cold sync");
         assert!(r.full && !r.adopted, "{r:?}");
         let table = dump::read_table(kproxy_nft::Family::Ip, "kproxy")
             .expect("read")
             .expect("the table exists");
         // A restart with nothing changed adopts the sharded tables: nothing sent.
-        let r = Dataplane::new(cfg())
-            .expect("config")
-            .sync(&plan, &PlanUpdate::WHOLE)
-            .expect("restart");
+        let r = first_sync(cfg(), &plan).expect("restart");
         assert!(r.adopted && r.netlink_bytes == 0, "{r:?}");
         table
     })
@@ -145,11 +153,7 @@ fn another_programs_objects_are_read_by_the_dump_and_removed() {
         return;
     }
     let ns = Netns::new("foreignobj");
-    let plan = kproxy_core::plan(
-        &synthetic::cluster(&plain(20, 2)),
-        "node-0",
-        &PlanConfig::default(),
-    );
+    let plan = plain_plan(20, 2);
     let read = || {
         dump::read_table(kproxy_nft::Family::Ip, "kproxy")
             .expect("read")
@@ -157,10 +161,7 @@ fn another_programs_objects_are_read_by_the_dump_and_removed() {
     };
     let p = plan.clone();
     let ours = ns.run(move || {
-        Dataplane::new(counting())
-            .expect("config")
-            .sync(&p, &PlanUpdate::WHOLE)
-            .expect("cold sync");
+        first_sync(counting(), &p).expect("cold sync");
         read()
     });
     assert!(ours.object_read.by_name, "{:?}", ours.object_read);
@@ -204,6 +205,71 @@ fn another_programs_objects_are_read_by_the_dump_and_removed() {
     assert!(theirs.counters.contains_key("foreign"));
     assert!(adopted.object_read.by_name, "{:?}", adopted.object_read);
     assert_eq!(adopted.objects, ours.objects);
+}
+
+/// A restart beside another nftables user that commits to a table of its own all the
+/// while (a CNI plugin, a firewall) adopts kproxy's tables and sends nothing. The other
+/// program's transactions move the namespace's ruleset generation during every reading
+/// of kproxy's tables; a reading judged by the generation alone was read three times,
+/// refused, and the tables replaced in one transaction of every element, which holds
+/// the kernel's nftables lock, and every other writer, for its whole commit (9.3 s at
+/// 100k Services × 10 endpoints). The reading is judged by whether a transaction named
+/// kproxy's table (`monitor::ReadWatch`).
+#[test]
+fn a_restart_beside_a_busy_neighbour_adopts_and_sends_nothing() {
+    if !root() {
+        return;
+    }
+    let ns = Netns::new("busy");
+    let plan = plain_plan(2_000, 10);
+    let p = plan.clone();
+    ns.run(move || {
+        let r = first_sync(cfg(), &p).expect("cold sync");
+        assert!(r.full && !r.adopted, "{r:?}");
+    });
+    let neighbour = Neighbour::start(&ns.name, "neighbour", Duration::ZERO);
+    let r = ns.run(move || first_sync(cfg(), &plan));
+    let adds = neighbour.stop().len();
+    let r = r.expect("restart");
+    assert!(adds > 10, "the neighbour added {adds} rules");
+    assert!(
+        r.adopted && !r.full && r.netlink_bytes == 0,
+        "a restart beside a busy neighbour must adopt and send nothing: {r:?}"
+    );
+}
+
+/// A reading during which kproxy's own table keeps changing is never taken: another
+/// program adding rules to `ip kproxy` back to back makes every reading of it an
+/// error (after three tries; the caller then replaces the tables), while the `ip6`
+/// table, which nobody touches, reads as before under the same moving generation.
+#[test]
+fn a_reading_while_kproxys_table_changes_is_not_taken() {
+    if !root() {
+        return;
+    }
+    let ns = Netns::new("touched");
+    let plan = plain_plan(2_000, 10);
+    let v6 = ns.run(move || {
+        first_sync(cfg(), &plan).expect("cold sync");
+        dump::read_table(kproxy_nft::Family::Ip6, "kproxy")
+            .expect("read")
+            .expect("the ip6 table exists")
+    });
+    // The neighbour's rules go to a chain of its own in kproxy's `ip` table.
+    let neighbour = Neighbour::start(&ns.name, "kproxy", Duration::ZERO);
+    let (v4_during, v6_during) = ns.run(|| {
+        (
+            dump::read_table(kproxy_nft::Family::Ip, "kproxy"),
+            dump::read_table(kproxy_nft::Family::Ip6, "kproxy"),
+        )
+    });
+    let adds = neighbour.stop().len();
+    assert!(adds > 10, "the neighbour added {adds} rules");
+    let err = v4_during.expect_err("a reading of a table changing under it was taken");
+    assert!(err.to_string().contains("kept changing"), "{err}");
+    let v6_during = v6_during.expect("read").expect("the ip6 table exists");
+    assert_eq!(v6_during.rule_count(), v6.rule_count());
+    assert_eq!(v6_during.element_count(), v6.element_count());
 }
 
 /// Real packets through a dispatch group split into two maps: 9,000 one-endpoint

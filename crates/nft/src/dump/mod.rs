@@ -3,10 +3,14 @@
 //! [`read_table`] decodes the dumps by hand into a [`RawTable`] (attribute walking over
 //! the received bytes; netlink-packet-netfilter's types cost microseconds per element,
 //! and a 10k-Service table has ≈ 106k of them), each set's elements packed as the
-//! kernel holds them ([`RawElements`], ≈ 25 bytes each). A dump the kernel marks
-//! interrupted (`NLM_F_DUMP_INTR`) or a ruleset generation that moved while reading is
-//! an error: the caller falls back to a full replacement. Also the names of a family's
-//! tables ([`table_names`]) and the traffic counters alone ([`read_counters`]).
+//! kernel holds them ([`RawElements`], ≈ 25 bytes each). A reading of one table is taken
+//! only when the table stayed as it was while it was read: the ruleset generation did
+//! not move, or every transaction that moved it (announced on a subscription opened
+//! first, `crate::monitor::ReadWatch`) left the table alone; else it is read again, and
+//! after three tries it is an error (the caller falls back to a full replacement).
+//! Another program's writes to its own tables neither fail a reading nor repeat it.
+//! Also the names of a family's tables ([`table_names`]) and the traffic counters alone
+//! ([`read_counters`]).
 //!
 //! The readers' decoding of the kernel's bytes into the typed vocabulary sits here too:
 //! a key or value into a tuple ([`decode_tuple`]), an interval set's elements into
@@ -25,6 +29,7 @@ use crate::counters::RawCounter;
 use crate::counters::{KernelCounter, kernel_counters};
 use crate::error::NftError;
 use crate::model::Tuple;
+use crate::monitor::ReadWatch;
 // The kernel's vocabulary: every constant, and the reading of attributes, is the floor's.
 use crate::nfnl::*;
 
@@ -369,11 +374,14 @@ fn error_code(payload: &[u8]) -> i32 {
         .map_or(0, |c| i32::from_ne_bytes(c.try_into().expect("4 bytes")))
 }
 
-/// A netfilter socket for one reading, with a sequence counter.
+/// A netfilter socket for one reading, with a sequence counter, and, for a reading of
+/// one table ([`read_consistent`]), the watch that says whether the table changed while
+/// it was read.
 struct Reader {
     sock: Socket,
     seq: u32,
     buf: Vec<u8>,
+    watch: Option<ReadWatch>,
 }
 
 impl Reader {
@@ -386,12 +394,16 @@ impl Reader {
             sock,
             seq: 0,
             buf: vec![0; 1 << 20],
+            watch: None,
         })
     }
 
     /// Sends one request and hands every answer's nfgenmsg payload (after the 4-byte
     /// nfgenmsg header) to `each`, until the dump ends or the request is acknowledged.
-    /// `Ok(false)` when the kernel answered ENOENT.
+    /// `Ok(false)` when the kernel answered ENOENT. With a watch, a dump the kernel
+    /// marks interrupted (`NLM_F_DUMP_INTR`: the generation moved, in any table) is
+    /// read to its end, and the watch judges the reading; without one it is an error.
+    /// The watch's queue is read after each request.
     fn request(
         &mut self,
         what: &str,
@@ -418,7 +430,7 @@ impl Reader {
             context: format!("asking the kernel for {what}"),
             source: e,
         })?;
-        loop {
+        let answered = 'answer: loop {
             let n = self
                 .sock
                 .recv(&mut &mut self.buf[..], 0)
@@ -436,15 +448,15 @@ impl Reader {
                 if mseq != seq {
                     continue; // a late answer to an earlier request
                 }
-                if mflags & NLM_F_DUMP_INTR != 0 {
+                if mflags & NLM_F_DUMP_INTR != 0 && self.watch.is_none() {
                     return Err(NftError::Read(format!(
                         "{what}: the ruleset changed during the dump"
                     )));
                 }
                 match kind {
-                    NLMSG_DONE => return Ok(true),
+                    NLMSG_DONE => break 'answer Ok(true),
                     NLMSG_ERROR => {
-                        return match error_code(payload) {
+                        break 'answer match error_code(payload) {
                             0 => Ok(true),
                             c if c == -libc::ENOENT => Ok(false),
                             c => Err(NftError::Read(format!(
@@ -456,7 +468,11 @@ impl Reader {
                     _ => each(payload.get(4..).unwrap_or_default())?,
                 }
             }
+        };
+        if let Some(w) = &mut self.watch {
+            w.drain()?;
         }
+        answered
     }
 
     /// [`Reader::request`] handing `each` the value of attribute `want` of every answer.
@@ -541,7 +557,8 @@ pub fn table_names(family: Family) -> Result<Vec<String>, NftError> {
 /// Reads table `family table` (e.g. `ip kproxy`) with its chains, rules, named sets
 /// and their elements from the calling thread's network namespace; `None` when the
 /// table does not exist. Consistent: the reading is repeated (up to three times) when a
-/// transaction committed meanwhile, then an error.
+/// transaction that named the table committed meanwhile (or the notifications that
+/// would say so were lost), then an error; other tables' transactions do not count.
 pub fn read_table(family: Family, table: &str) -> Result<Option<RawTable>, NftError> {
     read_consistent(family, table, Elements::All, &Default::default())
 }
@@ -574,13 +591,23 @@ fn read_consistent(
     known: &std::collections::BTreeSet<String>,
 ) -> Result<Option<RawTable>, NftError> {
     let mut r = Reader::open()?;
+    r.watch = Some(ReadWatch::open(family, table)?);
     for _ in 0..3 {
+        let watch = r.watch.as_mut().expect("opened above");
+        watch.start()?;
         let before = r.generation()?;
         let got = read_once(&mut r, family, table, which, known);
         let after = r.generation()?;
+        // Transactions in other tables move the generation too (a neighbour adding
+        // rules to its own): what counts is whether one named this table.
+        let settled = r
+            .watch
+            .as_mut()
+            .expect("opened above")
+            .settled(before, after)?;
         match got {
-            Ok(t) if before == after => return Ok(t),
-            Err(e) if before == after => return Err(e),
+            Ok(t) if settled => return Ok(t),
+            Err(e) if settled => return Err(e),
             _ => continue,
         }
     }
