@@ -80,8 +80,7 @@
 mod support;
 
 use support::{
-    Netns, Proc, cpu_ticks, ip4, kproxy_binary, proc_kib, sh, slice_endpoints, status_kib,
-    unix_us,
+    Netns, Proc, cpu_ticks, ip4, kproxy_binary, proc_kib, sh, slice_endpoints, status_kib, unix_us,
 };
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
