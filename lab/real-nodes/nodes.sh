@@ -20,8 +20,9 @@
 # Each node is its own network namespace (kpn-nI, and a UTS namespace: hostname kpn-nI) holding a containerd (+ runc through a
 # wrapper, see runc-wrapper) and a kubelet, pods on a CNI bridge (cni0) with the node's pod
 # CIDR 10.226.I.0/24 (dual: and fd00:10:226:I::/64). The nodes hang off a bridge in a switch namespace (kpn-sw) on
-# 192.168.226.0/24 (node I at .1I); a veth from the switch to this machine (kpn-host,
-# 192.168.226.1; dual: also fd00:192:168:226::1I and ::1) lets the API server reach the kubelets (exec, logs) and the e2e runner
+# 192.168.226.0/24 (node I at .1I; dual: also fd00:192:168:226::1I/64); a veth from the
+# switch to this machine (kpn-host, 192.168.226.1; dual: also fd00:192:168:226::1) lets
+# the API server reach the kubelets (exec, logs) and the e2e runner
 # reach node IPs. Every node namespace routes the other nodes' pod CIDRs through their node
 # IPs. The API server listens on this machine's 127.0.0.1 only: a socat bridge forwards
 # each node's 127.0.0.1:$API_PORT to it through a unix socket, so kubelets, kube-proxy and a
