@@ -129,8 +129,8 @@ def answer(query, records):
         rdata = b"".join(bytes([len(x)]) + x.encode() for x in target.split(".")) + b"\0"
         answers += struct.pack("!HHHLH", 0xC00C, 5, 1, 5, len(rdata)) + rdata
         # Owner name written out (no compression pointer to the CNAME target).
-        records_, n = address_records(rdata, qtype, ips)
-        return struct.pack("!HHHHHH", qid, 0x8180, 1, 1 + n, 0, 0) + question + answers + records_
+        addresses, n = address_records(rdata, qtype, ips)
+        return struct.pack("!HHHHHH", qid, 0x8180, 1, 1 + n, 0, 0) + question + answers + addresses
     answers, n = address_records(struct.pack("!H", 0xC00C), qtype, ips)
     return struct.pack("!HHHHHH", qid, 0x8180, 1, n, 0, 0) + question + answers
 

@@ -61,14 +61,17 @@ fn help_lists(binary: &Path, flag: &str, timeout: Duration) -> bool {
     else {
         return false;
     };
-    // Read while it runs: a help text larger than the pipe's buffer would block it.
+    // Read while it runs: a help text larger than the pipe's buffer would block it. The
+    // text comes over a channel, so that a child of the binary still holding the pipe
+    // open cannot hold this past the deadline either.
     let Some(mut stdout) = child.stdout.take() else {
         return false;
     };
-    let reader = std::thread::spawn(move || {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
         let mut text = String::new();
         let _ = stdout.read_to_string(&mut text);
-        text
+        let _ = tx.send(text);
     });
     let deadline = Instant::now() + timeout;
     let exited = loop {
@@ -83,7 +86,8 @@ fn help_lists(binary: &Path, flag: &str, timeout: Duration) -> bool {
         let _ = child.wait();
         return false;
     }
-    reader.join().is_ok_and(|text| text.contains(flag))
+    rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        .is_ok_and(|text| text.contains(flag))
 }
 
 pub struct Kproxyd {
@@ -440,6 +444,17 @@ mod tests {
         let hangs = script(&dir, "echo --traffic-metrics; exec sleep 600");
         assert!(!help_lists(
             &hangs,
+            "--traffic-metrics",
+            Duration::from_millis(300)
+        ));
+    }
+
+    #[test]
+    fn a_help_whose_child_keeps_the_pipe_open_ends_at_the_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let forks = script(&dir, "echo --traffic-metrics; sleep 5 &");
+        assert!(!help_lists(
+            &forks,
             "--traffic-metrics",
             Duration::from_millis(300)
         ));
